@@ -163,7 +163,9 @@ def build(session: nox.Session) -> None:
         )
         # Run from an empty folder so that the installed wheel, not the source tree, is imported.
         with session.chdir(out):
-            session.run(py, "-c", f"import {module}; print({module}.__name__, {module}.__version__)", external=True)
+            session.run(
+                py, "-c", f"import {module}; print({module}.__name__, {module}.__version__)", external=True
+            )
             session.run(py, "-m", f"{module}.demo", external=True)
 
 
@@ -220,4 +222,6 @@ def multigpu(session: nox.Session) -> None:
 def bench(session: nox.Session, package: str) -> None:
     """A package's benchmark on this machine's GPU: prints a table, writes docs/benchmarks/<package>.json/.md."""
     _current_python_env(session)
-    session.run("python", f"packages/{package}/benchmarks/run.py", "--out-dir", "docs/benchmarks", *session.posargs)
+    session.run(
+        "python", f"packages/{package}/benchmarks/run.py", "--out-dir", "docs/benchmarks", *session.posargs
+    )
