@@ -7,7 +7,9 @@ import sparse_mla_attn
 
 
 def main() -> None:
-    print(f"sparse-mla-attn {sparse_mla_attn.__version__}: the demo of this package is not implemented yet (see its README).")
+    print(
+        f"sparse-mla-attn {sparse_mla_attn.__version__}: the demo of this package is not implemented yet (see its README)."
+    )
 
 
 if __name__ == "__main__":

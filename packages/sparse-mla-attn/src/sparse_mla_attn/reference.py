@@ -1,8 +1,73 @@
-"""Float32 torch references for sparse MLA."""
+"""Float32 torch references for sparse MLA: forward, attention distribution and paged decode.
+
+They compute in float32 on whatever device the inputs live on and walk the queries in chunks, so that
+the gathered KV rows and the score matrix stay bounded (``REF_CHUNK_BYTES``) even at s_q = 4096,
+h_q = 128, topk = 2048.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from sparse_mla_attn._validate import (
+    SparseDims,
+    causal_limit,
+    check_causal_args,
+    check_decode_inputs,
+    check_lse,
+    check_optional_vectors,
+    check_sm_scale,
+    check_sparse_inputs,
+)
+
+#: Rough upper bound on the temporary memory one reference chunk uses (bytes).
+REF_CHUNK_BYTES = 512 * 1024 * 1024
+
+
+def _chunk_len(dims: SparseDims) -> int:
+    per_query = 4 * (dims.topk * dims.d_qk + 3 * dims.h_q * dims.topk + dims.h_q * dims.d_v)
+    return max(1, REF_CHUNK_BYTES // max(per_query, 1))
+
+
+def _valid_mask(
+    idx: torch.Tensor,
+    s_kv: int,
+    q_pos: torch.Tensor,
+    *,
+    topk_length: torch.Tensor | None,
+    causal: bool,
+    k_stride: int,
+) -> torch.Tensor:
+    """``[c, topk]`` bool: index in range, inside ``topk_length`` and (if causal) inside the causal limit."""
+    valid = (idx >= 0) & (idx < s_kv)
+    if topk_length is not None:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        valid &= pos[None, :] < topk_length[:, None].long()
+    if causal:
+        valid &= idx <= causal_limit(q_pos, k_stride)[:, None]
+    return valid
+
+
+def _attend(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    attn_sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q [c, h, d]`` over ``rows [c, t, d]`` (float32) where ``valid [c, t]``."""
+    scores = torch.einsum("chd,ctd->cht", q, rows) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    max_logits = scores.amax(-1)
+    lse = torch.logsumexp(scores, -1)
+    lse_for_out = lse if attn_sink is None else torch.logaddexp(lse, attn_sink.float()[None, :])
+    # A query with no valid index: exp(-inf - -inf) is NaN; those probabilities are 0 by definition.
+    p = torch.nan_to_num(torch.exp(scores - lse_for_out[..., None]), nan=0.0)
+    out = torch.einsum("cht,ctd->chd", p, rows[..., :d_v])
+    return out, max_logits, lse
 
 
 def sparse_mla_fwd_ref(
@@ -11,8 +76,14 @@ def sparse_mla_fwd_ref(
     indices: torch.Tensor,
     sm_scale: float,
     d_v: int = 512,
+    *,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sparse MLA forward in float32.
+    """Sparse MLA forward in float32 (reference for :func:`sparse_mla_attn.sparse_mla_fwd`).
 
     Args:
         q: ``[s_q, h_q, d_qk]``.
@@ -20,19 +91,164 @@ def sparse_mla_fwd_ref(
         indices: ``[s_q, 1, topk]`` int32; an index ``< 0`` or ``>= s_kv`` is invalid and ignored.
         sm_scale: softmax scale applied to ``q · k``.
         d_v: value head dim.
+        attn_sink: optional ``[h_q]`` float32 per-head sink logit, added to the softmax denominator only
+            (``out *= 1 / (1 + exp(attn_sink - lse))``); ``lse`` and ``max_logits`` ignore it.
+        topk_length: optional ``[s_q]`` int32; only the first ``topk_length[i]`` indices of query ``i`` count.
+        q_start_index: position of query 0 (for ``causal``).
+        k_stride: KV entries per query position step (for ``causal``).
+        causal: also drop indices above ``(q_start_index + i + 1 - k_stride) / k_stride`` (C division).
 
     Returns:
-        ``out [s_q, h_q, d_v]`` (q's dtype), ``max_logits [s_q, h_q]`` fp32, ``lse [s_q, h_q]`` fp32
-        in natural log. A query with no valid index gives ``out = 0``, ``lse = -inf``.
+        ``out [s_q, h_q, d_v]`` (q's dtype), ``max_logits [s_q, h_q]`` fp32 (of ``sm_scale * q·k``),
+        ``lse [s_q, h_q]`` fp32 in natural log. A query with no valid index gives ``out = 0``,
+        ``max_logits = lse = -inf``.
     """
-    s_kv = kv.shape[0]
-    idx = indices[:, 0].long()
-    valid = (idx >= 0) & (idx < s_kv)
-    rows = kv[:, 0].float()[idx.clamp(0, s_kv - 1)]  # [s_q, topk, d_qk]
-    scores = torch.einsum("shd,std->sht", q.float(), rows) * sm_scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    max_logits = scores.amax(-1)
-    lse = torch.logsumexp(scores, -1)
-    p = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0)
-    out = torch.einsum("sht,std->shd", p, rows[..., :d_v])
-    return out.to(q.dtype), max_logits, lse
+    dims = check_sparse_inputs(q, kv, indices, d_v)
+    check_optional_vectors(attn_sink, topk_length, dims, q.device)
+    check_causal_args(q_start_index, k_stride)
+    sm_scale = check_sm_scale(sm_scale)
+    out = torch.empty(dims.s_q, dims.h_q, d_v, dtype=q.dtype, device=q.device)
+    max_logits = torch.empty(dims.s_q, dims.h_q, dtype=torch.float32, device=q.device)
+    lse = torch.empty_like(max_logits)
+    kv_rows = kv[:, 0]
+    step = _chunk_len(dims)
+    for s0 in range(0, dims.s_q, step):
+        s1 = min(s0 + step, dims.s_q)
+        idx = indices[s0:s1, 0].long()
+        q_pos = torch.arange(s0, s1, device=q.device) + q_start_index
+        tl = None if topk_length is None else topk_length[s0:s1]
+        valid = _valid_mask(idx, dims.s_kv, q_pos, topk_length=tl, causal=causal, k_stride=k_stride)
+        rows = kv_rows[torch.where(valid, idx, 0)].float() if dims.s_kv > 0 else _zeros_rows(idx, dims, q)
+        o, m, lv = _attend(q[s0:s1].float(), rows, valid, sm_scale, d_v, attn_sink)
+        out[s0:s1], max_logits[s0:s1], lse[s0:s1] = o.to(q.dtype), m, lv
+    return out, max_logits, lse
+
+
+def _zeros_rows(idx: torch.Tensor, dims: SparseDims, q: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(*idx.shape, dims.d_qk, dtype=torch.float32, device=q.device)
+
+
+def attn_dist_ref(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    *,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    lse_base: str = "e",
+    causal: bool = True,
+) -> torch.Tensor:
+    """Head-summed attention probabilities in float32 (reference for :func:`sparse_mla_attn.attn_dist`).
+
+    ``attn_sum[i, j] = sum_h exp(sm_scale * q[i, h] · kv[indices[i, 0, j]] - lse[i, h])`` for a valid
+    index ``j`` (in range and, when ``causal``, not above the causal limit), else 0.
+
+    Args:
+        q: ``[s_q, h_q, d_qk]``.
+        kv: ``[s_kv, 1, d_qk]``.
+        indices: ``[s_q, 1, topk]`` int32.
+        lse: ``[s_q, h_q]`` float32 log-sum-exp from the forward, natural log (``lse_base="e"``) or
+            base 2 (``lse_base="2"``, then it must be ``lse_e * log2(e)``).
+        sm_scale: softmax scale applied to ``q · k``.
+        q_start_index: position of query 0.
+        k_stride: KV entries per query position step.
+        lse_base: ``"e"`` or ``"2"``.
+        causal: apply the limit ``(q_start_index + i + 1 - k_stride) / k_stride`` (C division).
+
+    Returns:
+        ``attn_sum [s_q, topk]`` float32.
+    """
+    dims = check_sparse_inputs(q, kv, indices, 1)
+    check_lse(lse, dims, q.device)
+    check_causal_args(q_start_index, k_stride)
+    sm_scale = check_sm_scale(sm_scale)
+    lse_e = _lse_to_natural(lse, lse_base)
+    attn_sum = torch.empty(dims.s_q, dims.topk, dtype=torch.float32, device=q.device)
+    kv_rows = kv[:, 0]
+    step = _chunk_len(dims)
+    for s0 in range(0, dims.s_q, step):
+        s1 = min(s0 + step, dims.s_q)
+        idx = indices[s0:s1, 0].long()
+        q_pos = torch.arange(s0, s1, device=q.device) + q_start_index
+        valid = _valid_mask(idx, dims.s_kv, q_pos, topk_length=None, causal=causal, k_stride=k_stride)
+        rows = kv_rows[torch.where(valid, idx, 0)].float() if dims.s_kv > 0 else _zeros_rows(idx, dims, q)
+        scores = torch.einsum("chd,ctd->cht", q[s0:s1].float(), rows) * sm_scale
+        p = torch.exp(scores - lse_e[s0:s1, :, None])
+        attn_sum[s0:s1] = torch.where(valid, p.sum(1), 0.0)
+    return attn_sum
+
+
+def _lse_to_natural(lse: torch.Tensor, lse_base: str) -> torch.Tensor:
+    if lse_base == "e":
+        return lse
+    if lse_base == "2":
+        return lse * math.log(2.0)
+    raise ValueError(f'lse_base must be "e" or "2", got {lse_base!r}')
+
+
+def paged_rows(
+    indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map per-sequence positions to rows of the flattened paged cache.
+
+    Args:
+        indices: ``[b, s_q, topk]`` int32 positions in each sequence.
+        block_table: ``[b, max_blocks]`` int32 physical block of each logical block.
+        cache_seqlens: ``[b]`` int32 tokens in each sequence's cache.
+        block_size: tokens per block.
+
+    Returns:
+        ``rows [b, s_q, topk]`` int64 (0 where invalid) and ``valid [b, s_q, topk]`` bool
+        (``0 <= index < min(cache_seqlens[b], max_blocks * block_size)``).
+    """
+    idx = indices.long()
+    limit = torch.clamp(cache_seqlens.long(), max=block_table.shape[1] * block_size)
+    valid = (idx >= 0) & (idx < limit[:, None, None])
+    safe = torch.where(valid, idx, 0)
+    blk = torch.gather(block_table.long(), 1, (safe // block_size).flatten(1)).view_as(safe)
+    rows = torch.where(valid, blk * block_size + safe % block_size, 0)
+    return rows, valid
+
+
+def sparse_mla_decode_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode over a paged cache in float32 (reference for :func:`sparse_mla_attn.sparse_mla_decode`).
+
+    Args:
+        q: ``[b, s_q, h_q, d_qk]``.
+        kv_cache: ``[num_blocks, block_size, 1, d_qk]``.
+        block_table: ``[b, max_blocks]`` int32.
+        cache_seqlens: ``[b]`` int32.
+        indices: ``[b, s_q, topk]`` int32 positions in the sequence (invalid: ``< 0`` or ``>= cache_seqlens[b]``).
+        sm_scale: softmax scale.
+        d_v: value head dim.
+
+    Returns:
+        ``out [b, s_q, h_q, d_v]`` (q's dtype) and ``lse [b, s_q, h_q]`` float32 natural log
+        (``-inf`` and ``out = 0`` for a query with no valid index).
+    """
+    dims = check_decode_inputs(q, kv_cache, block_table, cache_seqlens, indices, d_v)
+    sm_scale = check_sm_scale(sm_scale)
+    b, s_q, h_q, d_qk = q.shape
+    block_size = kv_cache.shape[1]
+    rows, valid = paged_rows(indices, block_table, cache_seqlens, block_size)
+    flat = kv_cache.reshape(-1, d_qk)
+    qf = q.reshape(b * s_q, h_q, d_qk)
+    rows, valid = rows.reshape(b * s_q, -1), valid.reshape(b * s_q, -1)
+    out = torch.empty(b * s_q, h_q, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b * s_q, h_q, dtype=torch.float32, device=q.device)
+    step = _chunk_len(dims)
+    for s0 in range(0, b * s_q, step):
+        s1 = min(s0 + step, b * s_q)
+        o, _, lv = _attend(qf[s0:s1].float(), flat[rows[s0:s1]].float(), valid[s0:s1], sm_scale, d_v, None)
+        out[s0:s1], lse[s0:s1] = o.to(q.dtype), lv
+    return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q)

@@ -1,0 +1,268 @@
+"""Input validation shared by the forward, attn_dist, decode and backward entry points.
+
+Every public function of this package calls these checks before launching anything, so a wrong shape,
+dtype, device or layout fails with a :class:`ValueError` (or :class:`TypeError`) that names the argument
+and says what was expected, instead of a kernel reading the wrong memory.
+
+Helpers:
+
+* :func:`check_sparse_inputs` — ``q [s_q, h_q, d_qk]``, ``kv [s_kv, 1, d_qk]``, ``indices [s_q, 1, topk]``
+  and ``d_v``; returns a :class:`SparseDims`.
+* :func:`check_optional_vectors` — ``attn_sink [h_q]`` fp32 and ``topk_length [s_q]`` int32.
+* :func:`check_causal_args` — ``q_start_index >= 0``, ``k_stride >= 1``.
+* :func:`check_lse` — ``lse [s_q, h_q]`` fp32.
+* :func:`check_kernel_dims` — the head dims the Triton kernels are built for.
+* :func:`causal_limit` — the largest KV index a query position may see (the seed's C integer division).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+#: Activation dtypes the Triton kernels accept for ``q`` and ``kv``.
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+#: Head dims the Triton kernels are built for: 512 latent channels, optionally + 64 rope channels.
+KERNEL_D_QK = (512, 576)
+KERNEL_D_V = 512
+MAX_H_Q = 128
+
+
+@dataclass(frozen=True)
+class SparseDims:
+    """Problem sizes read off validated inputs."""
+
+    s_q: int
+    h_q: int
+    d_qk: int
+    s_kv: int
+    topk: int
+    d_v: int
+
+
+def _need(cond: bool, exc: type[Exception], msg: str) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def check_tensor(t: object, name: str) -> torch.Tensor:
+    """Raise TypeError unless ``t`` is a tensor."""
+    _need(isinstance(t, torch.Tensor), TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    assert isinstance(t, torch.Tensor)
+    return t
+
+
+def check_sparse_inputs(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, *, float_ok: bool = True
+) -> SparseDims:
+    """Validate ``q [s_q, h_q, d_qk]``, ``kv [s_kv, 1, d_qk]``, ``indices [s_q, 1, topk]`` int32.
+
+    Args:
+        q: queries, floating point, last dim contiguous.
+        kv: latent KV rows (``h_kv = 1``), same dtype and device as ``q``, last dim contiguous.
+        indices: int32 top-k KV indices per query, last dim contiguous.
+        d_v: value dim, ``1 <= d_v <= d_qk``.
+        float_ok: accept float32 ``q``/``kv`` (references do; kernels check dtypes separately).
+
+    Returns:
+        The problem sizes.
+    """
+    check_tensor(q, "q")
+    check_tensor(kv, "kv")
+    check_tensor(indices, "indices")
+    _need(q.dim() == 3, ValueError, f"q must be [s_q, h_q, d_qk], got shape {tuple(q.shape)}")
+    s_q, h_q, d_qk = q.shape
+    _need(
+        kv.dim() == 3 and kv.shape[1] == 1 and kv.shape[2] == d_qk,
+        ValueError,
+        f"kv must be [s_kv, 1, d_qk={d_qk}] (one latent KV head), got shape {tuple(kv.shape)}",
+    )
+    _need(
+        indices.dim() == 3 and indices.shape[0] == s_q and indices.shape[1] == 1,
+        ValueError,
+        f"indices must be [s_q={s_q}, 1, topk], got shape {tuple(indices.shape)}",
+    )
+    _need(indices.dtype == torch.int32, TypeError, f"indices must be int32, got {indices.dtype}")
+    allowed = (*KERNEL_DTYPES, torch.float32) if float_ok else KERNEL_DTYPES
+    _need(q.dtype in allowed, TypeError, f"q must have dtype in {allowed}, got {q.dtype}")
+    _need(kv.dtype == q.dtype, TypeError, f"kv must have q's dtype {q.dtype}, got {kv.dtype}")
+    _need(
+        kv.device == q.device and indices.device == q.device,
+        ValueError,
+        f"q, kv and indices must be on one device, got {q.device}, {kv.device}, {indices.device}",
+    )
+    for name, t in (("q", q), ("kv", kv), ("indices", indices)):
+        _need(
+            t.stride(-1) == 1, ValueError, f"{name} must be contiguous in its last dim (stride {t.stride()})"
+        )
+    _need(h_q >= 1 and s_q >= 0, ValueError, f"q must have at least one head, got shape {tuple(q.shape)}")
+    _need(indices.shape[2] >= 1, ValueError, "indices must hold at least one index per query (topk >= 1)")
+    _need(
+        isinstance(d_v, int) and 1 <= d_v <= d_qk,
+        ValueError,
+        f"d_v must be an int in [1, d_qk={d_qk}], got {d_v!r}",
+    )
+    return SparseDims(s_q, h_q, d_qk, kv.shape[0], indices.shape[2], d_v)
+
+
+def check_kernel_dims(dims: SparseDims, dtype: torch.dtype, what: str, *, check_d_v: bool = True) -> None:
+    """Raise ValueError unless the Triton kernels support these sizes and dtype (``d_v`` too if asked)."""
+    _need(dtype in KERNEL_DTYPES, TypeError, f"{what}: q/kv must be bf16 or fp16 for the kernel, got {dtype}")
+    _need(
+        dims.d_qk in KERNEL_D_QK,
+        ValueError,
+        f"{what}: d_qk must be one of {KERNEL_D_QK} (512 latent [+ 64 rope]), got {dims.d_qk}",
+    )
+    _need(
+        not check_d_v or dims.d_v == KERNEL_D_V,
+        ValueError,
+        f"{what}: d_v must be {KERNEL_D_V}, got {dims.d_v}",
+    )
+    _need(1 <= dims.h_q <= MAX_H_Q, ValueError, f"{what}: h_q must be in [1, {MAX_H_Q}], got {dims.h_q}")
+
+
+def check_optional_vectors(
+    attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, dims: SparseDims, device: torch.device
+) -> None:
+    """Validate ``attn_sink [h_q]`` float32 and ``topk_length [s_q]`` int32 when given."""
+    if attn_sink is not None:
+        check_tensor(attn_sink, "attn_sink")
+        _need(
+            attn_sink.shape == (dims.h_q,) and attn_sink.dtype == torch.float32,
+            ValueError,
+            f"attn_sink must be float32 [h_q={dims.h_q}], got {attn_sink.dtype} {tuple(attn_sink.shape)}",
+        )
+        _need(
+            attn_sink.device == device, ValueError, f"attn_sink must be on {device}, got {attn_sink.device}"
+        )
+    if topk_length is not None:
+        check_tensor(topk_length, "topk_length")
+        _need(
+            topk_length.shape == (dims.s_q,) and topk_length.dtype == torch.int32,
+            ValueError,
+            f"topk_length must be int32 [s_q={dims.s_q}], got {topk_length.dtype} {tuple(topk_length.shape)}",
+        )
+        _need(
+            topk_length.device == device,
+            ValueError,
+            f"topk_length must be on {device}, got {topk_length.device}",
+        )
+
+
+def check_causal_args(q_start_index: int, k_stride: int) -> None:
+    """Raise ValueError unless ``q_start_index >= 0`` and ``k_stride >= 1`` (both ints)."""
+    _need(
+        isinstance(q_start_index, int) and q_start_index >= 0,
+        ValueError,
+        f"q_start_index must be an int >= 0, got {q_start_index!r}",
+    )
+    _need(
+        isinstance(k_stride, int) and k_stride >= 1,
+        ValueError,
+        f"k_stride must be an int >= 1, got {k_stride!r}",
+    )
+
+
+def check_sm_scale(sm_scale: float) -> float:
+    """Return ``sm_scale`` as a float; raise ValueError if it is not finite."""
+    _need(
+        isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale),
+        ValueError,
+        f"sm_scale must be a finite float, got {sm_scale!r}",
+    )
+    return float(sm_scale)
+
+
+def check_lse(lse: torch.Tensor, dims: SparseDims, device: torch.device) -> None:
+    """Validate ``lse [s_q, h_q]`` float32 (last dim contiguous)."""
+    check_tensor(lse, "lse")
+    _need(
+        lse.shape == (dims.s_q, dims.h_q) and lse.dtype == torch.float32,
+        ValueError,
+        f"lse must be float32 [s_q={dims.s_q}, h_q={dims.h_q}], got {lse.dtype} {tuple(lse.shape)}",
+    )
+    _need(lse.device == device, ValueError, f"lse must be on {device}, got {lse.device}")
+    _need(lse.stride(-1) == 1, ValueError, f"lse must be contiguous in its last dim (stride {lse.stride()})")
+
+
+def causal_limit(q_pos: torch.Tensor, k_stride: int) -> torch.Tensor:
+    """Largest KV index visible from query position ``q_pos``: ``(q_pos + 1 - k_stride) / k_stride``.
+
+    The division truncates toward zero, as the C integer division of the reference CUDA kernel does, so
+    positions ``q_pos < k_stride - 1`` get limit 0 (KV entry 0 stays visible).
+    """
+    return torch.div(q_pos + 1 - k_stride, k_stride, rounding_mode="trunc")
+
+
+def check_decode_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    indices: torch.Tensor,
+    d_v: int,
+) -> SparseDims:
+    """Validate paged-decode inputs.
+
+    Args:
+        q: ``[b, s_q, h_q, d_qk]``, last dim contiguous.
+        kv_cache: ``[num_blocks, block_size, 1, d_qk]``, contiguous, q's dtype.
+        block_table: ``[b, max_blocks]`` int32, last dim contiguous.
+        cache_seqlens: ``[b]`` int32.
+        indices: ``[b, s_q, topk]`` int32, last dim contiguous.
+        d_v: value dim.
+
+    Returns:
+        Sizes with ``s_q = b * s_q`` (flattened tokens) and ``s_kv = num_blocks * block_size``.
+    """
+    for name, t in (
+        ("q", q),
+        ("kv_cache", kv_cache),
+        ("block_table", block_table),
+        ("cache_seqlens", cache_seqlens),
+        ("indices", indices),
+    ):
+        check_tensor(t, name)
+        _need(t.device == q.device, ValueError, f"{name} must be on q's device {q.device}, got {t.device}")
+    _need(q.dim() == 4, ValueError, f"q must be [b, s_q, h_q, d_qk], got shape {tuple(q.shape)}")
+    b, s_q, h_q, d_qk = q.shape
+    _need(
+        kv_cache.dim() == 4 and kv_cache.shape[2] == 1 and kv_cache.shape[3] == d_qk,
+        ValueError,
+        f"kv_cache must be [num_blocks, block_size, 1, d_qk={d_qk}], got shape {tuple(kv_cache.shape)}",
+    )
+    _need(kv_cache.is_contiguous(), ValueError, "kv_cache must be contiguous")
+    _need(
+        kv_cache.dtype == q.dtype, TypeError, f"kv_cache must have q's dtype {q.dtype}, got {kv_cache.dtype}"
+    )
+    _need(
+        q.dtype in (*KERNEL_DTYPES, torch.float32), TypeError, f"q must be bf16, fp16 or fp32, got {q.dtype}"
+    )
+    _need(
+        block_table.dim() == 2 and block_table.shape[0] == b and block_table.dtype == torch.int32,
+        ValueError,
+        f"block_table must be int32 [b={b}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}",
+    )
+    _need(
+        cache_seqlens.shape == (b,) and cache_seqlens.dtype == torch.int32,
+        ValueError,
+        f"cache_seqlens must be int32 [b={b}], got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}",
+    )
+    _need(
+        indices.dim() == 3 and indices.shape[:2] == (b, s_q) and indices.dtype == torch.int32,
+        ValueError,
+        f"indices must be int32 [b={b}, s_q={s_q}, topk], got {indices.dtype} {tuple(indices.shape)}",
+    )
+    _need(indices.shape[2] >= 1, ValueError, "indices must hold at least one index per query (topk >= 1)")
+    for name, t in (("q", q), ("block_table", block_table), ("indices", indices)):
+        _need(
+            t.stride(-1) == 1, ValueError, f"{name} must be contiguous in its last dim (stride {t.stride()})"
+        )
+    _need(
+        isinstance(d_v, int) and 1 <= d_v <= d_qk,
+        ValueError,
+        f"d_v must be an int in [1, d_qk={d_qk}], got {d_v!r}",
+    )
+    return SparseDims(b * s_q, h_q, d_qk, kv_cache.shape[0] * kv_cache.shape[1], indices.shape[2], d_v)

@@ -1,0 +1,344 @@
+"""Attention distribution over the top-k slots, summed over heads: the lightning indexer's KL target.
+
+Given the forward's log-sum-exp, ``attn_sum[i, j] = sum_h exp(sm_scale * q[i, h]·k[idx[i, j]] - lse[i, h])``
+for every valid slot ``j`` (index in range and not past the causal limit), 0 otherwise. One program owns a
+query token and a tile of heads, keeps the query tile on chip, gathers the token's KV rows ``BLOCK_T`` at
+a time and reduces the probabilities over its heads. When the heads span two tiles the two partial sums
+meet through an fp32 ``atomic_add`` into a zeroed output; with two addends onto 0 the result does not
+depend on their order, so the output stays deterministic.
+"""
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_mla_attn._validate import (
+    check_causal_args,
+    check_kernel_dims,
+    check_lse,
+    check_sm_scale,
+    check_sparse_inputs,
+)
+from sparse_mla_attn.forward import LOG2E, check_device, interpreting
+
+
+@triton.jit
+def _attn_dist_block(
+    t0,
+    topk,
+    hi,
+    idx_row,
+    KV,
+    stride_kv_row,
+    q_nope,
+    q_rope,
+    lse2,
+    sm_scale_log2,
+    OUT_ROW,
+    D_NOPE: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < topk
+    idx = tl.load(idx_row + offs_t, mask=t_mask, other=-1)
+    valid = (idx >= 0) & (idx < hi)
+    k_ptr = KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kv_row
+    k_nope = tl.load(k_ptr + tl.arange(0, D_NOPE)[None, :], mask=valid[:, None], other=0.0)
+    if DOT_F32:
+        k_nope = k_nope.to(tl.float32)
+    s = tl.dot(q_nope, tl.trans(k_nope))
+    if D_ROPE > 0:
+        k_rope = tl.load(k_ptr + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            k_rope = k_rope.to(tl.float32)
+        s = tl.dot(q_rope, tl.trans(k_rope), s)
+    p = tl.exp2(s * sm_scale_log2 - lse2[:, None])
+    col = tl.where(valid, tl.sum(p, 0), 0.0)
+    if ATOMIC:
+        tl.atomic_add(OUT_ROW + offs_t, col, mask=t_mask, sem="relaxed")
+    else:
+        tl.store(OUT_ROW + offs_t, col, mask=t_mask)
+
+
+@triton.jit
+def _attn_dist_kernel(
+    Q,
+    KV,
+    IDX,
+    LSE,
+    OUT,
+    stride_q_s,
+    stride_q_h,
+    stride_kv_row,
+    stride_idx_s,
+    stride_lse_s,
+    h_q,
+    n_head_tiles,
+    topk,
+    s_kv,
+    q_start_index,
+    k_stride,
+    sm_scale_log2,
+    lse_to_log2,
+    D_NOPE: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    STATIC_T: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_h = pid % n_head_tiles
+    pid_s = pid // n_head_tiles
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < h_q
+    q_base = Q + pid_s.to(tl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
+    q_nope = tl.load(q_base + tl.arange(0, D_NOPE)[None, :], mask=h_mask[:, None], other=0.0)
+    if D_ROPE > 0:
+        q_rope = tl.load(q_base + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=h_mask[:, None], other=0.0)
+    else:
+        q_rope = q_nope  # unused
+    if DOT_F32:
+        q_nope = q_nope.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+    # Padding heads get lse = +inf, so their probabilities are exactly 0.
+    lse2 = tl.load(LSE + pid_s.to(tl.int64) * stride_lse_s + offs_h, mask=h_mask, other=float("inf"))
+    lse2 = lse2 * lse_to_log2
+    hi = s_kv
+    if CAUSAL:
+        num = q_start_index + pid_s + 1 - k_stride
+        hi = tl.minimum(hi, tl.maximum(num, 0) // k_stride + 1)
+    idx_row = IDX + pid_s.to(tl.int64) * stride_idx_s
+    out_row = OUT + pid_s.to(tl.int64) * topk
+    if STATIC_T > 0:
+        for t0 in range(0, STATIC_T, BLOCK_T):
+            _attn_dist_block(
+                t0,
+                topk,
+                hi,
+                idx_row,
+                KV,
+                stride_kv_row,
+                q_nope,
+                q_rope,
+                lse2,
+                sm_scale_log2,
+                out_row,
+                D_NOPE,
+                D_ROPE,
+                BLOCK_T,
+                ATOMIC,
+                DOT_F32,
+            )
+    else:
+        for t0 in range(0, topk, BLOCK_T):
+            _attn_dist_block(
+                t0,
+                topk,
+                hi,
+                idx_row,
+                KV,
+                stride_kv_row,
+                q_nope,
+                q_rope,
+                lse2,
+                sm_scale_log2,
+                out_row,
+                D_NOPE,
+                D_ROPE,
+                BLOCK_T,
+                ATOMIC,
+                DOT_F32,
+            )
+
+
+def attn_dist_config(h_q: int) -> dict[str, int]:
+    """Tile shape and launch options for ``attn_dist`` (at most two head tiles for any h_q <= 128)."""
+    if interpreting():
+        return {
+            "BLOCK_H": max(16, triton.next_power_of_2(min(h_q, 64))),
+            "BLOCK_T": 16,
+            "num_warps": 4,
+            "num_stages": 1,
+        }
+    if h_q > 64:
+        return {"BLOCK_H": 128, "BLOCK_T": 32, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_H": max(16, triton.next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
+
+
+def attn_dist_impl(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    *,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    lse_base: str = "e",
+    causal: bool = True,
+    config: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """Validate and launch (the body of the ``sparse_mla_attn::attn_dist`` custom op)."""
+    dims = check_sparse_inputs(q, kv, indices, 1, float_ok=False)
+    check_kernel_dims(dims, q.dtype, "attn_dist", check_d_v=False)
+    check_lse(lse, dims, q.device)
+    check_causal_args(q_start_index, k_stride)
+    sm_scale = check_sm_scale(sm_scale)
+    if lse_base not in ("e", "2"):
+        raise ValueError(f'lse_base must be "e" or "2", got {lse_base!r}')
+    check_device(q, "attn_dist")
+    cfg = dict(attn_dist_config(dims.h_q))
+    if config:
+        cfg.update(config)
+    n_head_tiles = triton.cdiv(dims.h_q, cfg["BLOCK_H"])
+    if n_head_tiles > 2:
+        raise ValueError(
+            f"attn_dist: BLOCK_H={cfg['BLOCK_H']} gives {n_head_tiles} head tiles; at most 2 keep it deterministic"
+        )
+    atomic = n_head_tiles > 1
+    alloc = torch.zeros if atomic else torch.empty
+    out = alloc(dims.s_q, dims.topk, dtype=torch.float32, device=q.device)
+    if dims.s_q == 0:
+        return out
+    kv_rows = kv[:, 0]
+    idx = indices[:, 0]
+    _attn_dist_kernel[(dims.s_q * n_head_tiles,)](
+        q,
+        kv_rows,
+        idx,
+        lse,
+        out,
+        q.stride(0),
+        q.stride(1),
+        kv_rows.stride(0),
+        idx.stride(0),
+        lse.stride(0),
+        dims.h_q,
+        n_head_tiles,
+        dims.topk,
+        dims.s_kv,
+        q_start_index,
+        k_stride,
+        sm_scale * LOG2E,
+        LOG2E if lse_base == "e" else 1.0,
+        D_NOPE=512,
+        D_ROPE=dims.d_qk - 512,
+        BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_T=cfg["BLOCK_T"],
+        CAUSAL=causal,
+        ATOMIC=atomic,
+        STATIC_T=dims.topk if interpreting() else 0,
+        DOT_F32=interpreting(),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def indexer_target(attn_sum: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+    """L1-normalise ``attn_sum`` over the top-k slots and detach it: the lightning indexer's KL target.
+
+    Args:
+        attn_sum: ``[s_q, topk]`` float32 from :func:`attn_dist`.
+        eps: added to each row's sum before dividing (a row of zeros, i.e. no valid slot, stays 0).
+
+    Returns:
+        ``[s_q, topk]`` float32, each row summing to 1 (or all 0), with no autograd history.
+    """
+    if not isinstance(attn_sum, torch.Tensor) or attn_sum.dim() != 2:
+        raise ValueError(
+            f"attn_sum must be a 2-D tensor [s_q, topk], got {getattr(attn_sum, 'shape', attn_sum)}"
+        )
+    a = attn_sum.detach().float()
+    total = a.sum(-1, keepdim=True) + eps
+    return torch.where(total > 0, a / torch.where(total > 0, total, 1.0), 0.0)
+
+
+@torch.library.custom_op("sparse_mla_attn::attn_dist", mutates_args=())
+def _attn_dist_op(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    q_start_index: int,
+    k_stride: int,
+    lse_base: str,
+    causal: bool,
+) -> torch.Tensor:
+    return attn_dist_impl(
+        q,
+        kv,
+        indices,
+        lse,
+        sm_scale,
+        q_start_index=q_start_index,
+        k_stride=k_stride,
+        lse_base=lse_base,
+        causal=causal,
+    )
+
+
+@_attn_dist_op.register_fake
+def _attn_dist_fake(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    q_start_index: int,
+    k_stride: int,
+    lse_base: str,
+    causal: bool,
+) -> torch.Tensor:
+    dims = check_sparse_inputs(q, kv, indices, 1, float_ok=False)
+    return q.new_empty(dims.s_q, dims.topk, dtype=torch.float32)
+
+
+def attn_dist(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    *,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    lse_base: str = "e",
+    causal: bool = True,
+) -> torch.Tensor:
+    """Per-slot attention probability summed over heads, from the forward's log-sum-exp.
+
+    ``attn_sum[i, j] = sum_h exp(sm_scale * q[i, h]·kv[indices[i, 0, j]] - lse[i, h])`` for a valid slot,
+    0 for an invalid one (index ``< 0``, ``>= s_kv``, or past the causal limit
+    ``(q_start_index + i + 1 - k_stride) / k_stride``, C integer division). Feed it to
+    :func:`indexer_target` for the lightning indexer's KL target. Pass ``lse`` from
+    :func:`sparse_mla_fwd` run with the same ``causal``, ``q_start_index`` and ``k_stride``, so each head's
+    probabilities sum to 1 over the slots.
+
+    Args:
+        q: ``[s_q, h_q, d_qk]`` bf16 (or fp16), ``d_qk`` 576 or 512, ``1 <= h_q <= 128``.
+        kv: ``[s_kv, 1, d_qk]`` q's dtype.
+        indices: ``[s_q, 1, topk]`` int32, any ``topk >= 1``.
+        lse: ``[s_q, h_q]`` float32 log-sum-exp per head.
+        sm_scale: softmax scale applied to ``q · k``.
+        q_start_index: position of query 0.
+        k_stride: query positions per KV entry.
+        lse_base: ``"e"`` (natural log, what :func:`sparse_mla_fwd` returns) or ``"2"`` (base-2
+            log-sum-exp, the convention of the CUDA kernel this follows).
+        causal: apply the causal limit (default ``True``, as the CUDA kernel always does).
+
+    Returns:
+        ``attn_sum [s_q, topk]`` float32.
+    """
+    return torch.ops.sparse_mla_attn.attn_dist(
+        q, kv, indices, lse, sm_scale, q_start_index, k_stride, lse_base, causal
+    )

@@ -1,0 +1,105 @@
+"""Sparse MLA decode over a paged KV cache: the forward kernel, with indices mapped through a block table.
+
+``q [b, s_q, h_q, d_qk]`` is flattened to ``b * s_q`` tokens; token ``t`` belongs to sequence
+``t // s_q``. Each of its top-k indices is a position ``p`` in that sequence, valid when
+``0 <= p < cache_seqlens[b]`` (and inside the block table), and lives in cache row
+``block_table[b, p // block_size] * block_size + p % block_size``. The forward kernel does this mapping
+inside its gather (``PAGED``), so no gathered copy of the cache is ever built.
+"""
+
+from typing import Any
+
+import torch
+
+from sparse_mla_attn._validate import check_decode_inputs, check_kernel_dims, check_sm_scale
+from sparse_mla_attn.forward import check_device, launch_fwd
+
+
+def sparse_mla_decode_impl(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    *,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate and launch (the body of the ``sparse_mla_attn::sparse_mla_decode`` custom op)."""
+    dims = check_decode_inputs(q, kv_cache, block_table, cache_seqlens, indices, d_v)
+    check_kernel_dims(dims, q.dtype, "sparse_mla_decode")
+    sm_scale = check_sm_scale(sm_scale)
+    check_device(q, "sparse_mla_decode")
+    b, s_q, h_q, d_qk = q.shape
+    page_size = kv_cache.shape[1]
+    out, _, lse = launch_fwd(
+        q.reshape(b * s_q, h_q, d_qk),
+        kv_cache.view(-1, d_qk),
+        indices.reshape(b * s_q, -1),
+        dims,
+        sm_scale,
+        paged=(block_table, cache_seqlens, s_q, page_size),
+        config=config,
+    )
+    return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q)
+
+
+@torch.library.custom_op("sparse_mla_attn::sparse_mla_decode", mutates_args=())
+def _sparse_mla_decode_op(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return sparse_mla_decode_impl(q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v)
+
+
+@_sparse_mla_decode_op.register_fake
+def _sparse_mla_decode_fake(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_decode_inputs(q, kv_cache, block_table, cache_seqlens, indices, d_v)
+    b, s_q, h_q, _ = q.shape
+    return q.new_empty(b, s_q, h_q, d_v), q.new_empty(b, s_q, h_q, dtype=torch.float32)
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode: each new token attends to its top-k positions of a paged bf16 latent cache.
+
+    Args:
+        q: ``[b, s_q, h_q, d_qk]`` bf16 (or fp16), ``d_qk`` 576 or 512, ``1 <= h_q <= 128``.
+        kv_cache: ``[num_blocks, block_size, 1, d_qk]`` q's dtype, contiguous.
+        block_table: ``[b, max_blocks]`` int32; logical block ``j`` of sequence ``b`` is physical
+            block ``block_table[b, j]``.
+        cache_seqlens: ``[b]`` int32 tokens in each sequence's cache.
+        indices: ``[b, s_q, topk]`` int32 positions in the sequence (not cache rows). A position
+            ``< 0``, ``>= cache_seqlens[b]`` or past the block table is invalid and never read.
+        sm_scale: softmax scale applied to ``q · k``.
+        d_v: value dim; must be 512.
+
+    Returns:
+        ``out [b, s_q, h_q, d_v]`` q's dtype and ``lse [b, s_q, h_q]`` float32, natural log
+        (``out = 0``, ``lse = -inf`` for a token with no valid index). FlashMLA returns its decode
+        ``lse`` as ``[b, h_q, s_q]``: transpose if you need that layout.
+    """
+    return torch.ops.sparse_mla_attn.sparse_mla_decode(
+        q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v
+    )

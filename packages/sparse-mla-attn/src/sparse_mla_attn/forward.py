@@ -1,0 +1,481 @@
+"""Sparse MLA forward: every query attends to its own top-k latent KV rows (Triton).
+
+One program owns one query token and a tile of up to 64 heads. It keeps the query tile on chip, walks the
+token's ``topk`` indices ``BLOCK_T`` at a time, gathers those KV rows (invalid ones are masked, never
+loaded), computes ``S = q_nope·k_nope^T + q_rope·k_rope^T`` as two tensor-core products (512 + 64 channels),
+runs an online softmax in base 2 and accumulates ``O += P·V`` with ``V = k_nope`` (the same 512 latent
+channels, so each gathered row is read once for both products). The same kernel serves paged decode
+(``PAGED``): there an index is a position in the token's sequence, mapped to a cache row through the
+block table.
+"""
+
+import math
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_mla_attn._validate import (
+    SparseDims,
+    check_causal_args,
+    check_kernel_dims,
+    check_optional_vectors,
+    check_sm_scale,
+    check_sparse_inputs,
+)
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def interpreting() -> bool:
+    """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_device(t: torch.Tensor, what: str) -> None:
+    """Kernels need CUDA tensors, or CPU tensors under the Triton interpreter."""
+    if not (t.is_cuda or (interpreting() and t.device.type == "cpu")):
+        raise ValueError(
+            f"{what}: the Triton kernel needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), "
+            f"got device {t.device}; use the *_ref function for a CPU reference"
+        )
+
+
+@triton.jit
+def _fwd_block(
+    t0,
+    n_t,
+    hi,
+    idx_row,
+    KV,
+    bt_row,
+    page_size,
+    stride_kv_row,
+    q_nope,
+    q_rope,
+    m_i,
+    l_i,
+    acc,
+    sm_scale_log2,
+    D_NOPE: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PAGED: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """One BLOCK_T slice of the top-k list: gather, two products, online-softmax update."""
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    idx = tl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
+    valid = (idx >= 0) & (idx < hi)
+    safe = tl.where(valid, idx, 0)
+    if PAGED:
+        blk = tl.load(bt_row + safe // page_size, mask=valid, other=0)
+        row = blk.to(tl.int64) * page_size + safe % page_size
+    else:
+        row = safe.to(tl.int64)
+    k_ptr = KV + row[:, None] * stride_kv_row
+    offs_d = tl.arange(0, D_NOPE)
+    # Masked rows are never dereferenced: invalid indices cost no memory traffic and may point anywhere.
+    k_nope = tl.load(k_ptr + offs_d[None, :], mask=valid[:, None], other=0.0)
+    if DOT_F32:
+        k_nope = k_nope.to(tl.float32)
+    s = tl.dot(q_nope, tl.trans(k_nope))
+    if D_ROPE > 0:
+        offs_r = tl.arange(0, D_ROPE)
+        k_rope = tl.load(k_ptr + D_NOPE + offs_r[None, :], mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            k_rope = k_rope.to(tl.float32)
+        s = tl.dot(q_rope, tl.trans(k_rope), s)
+    s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(k_nope.dtype), k_nope, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    Q,
+    KV,
+    IDX,
+    OUT,
+    MAX_LOGITS,
+    LSE,
+    SINK,
+    TOPK_LEN,
+    BLOCK_TABLE,
+    SEQLENS,
+    stride_q_s,
+    stride_q_h,
+    stride_kv_row,
+    stride_idx_s,
+    stride_o_s,
+    stride_o_h,
+    stride_bt_b,
+    h_q,
+    n_head_tiles,
+    topk,
+    s_kv,
+    q_start_index,
+    k_stride,
+    q_per_batch,
+    page_size,
+    max_blocks,
+    sm_scale_log2,
+    D_NOPE: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    HAS_TOPK_LEN: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PAGED: tl.constexpr,
+    STATIC_T: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # Head tiles of one token are neighbours in launch order, so their identical gathers hit L2.
+    pid_h = pid % n_head_tiles
+    pid_s = pid // n_head_tiles
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < h_q
+    offs_d = tl.arange(0, D_NOPE)
+
+    q_base = Q + pid_s.to(tl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
+    q_nope = tl.load(q_base + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+    if D_ROPE > 0:
+        offs_r = tl.arange(0, D_ROPE)
+        q_rope = tl.load(q_base + D_NOPE + offs_r[None, :], mask=h_mask[:, None], other=0.0)
+    else:
+        q_rope = q_nope  # unused
+    if DOT_F32:
+        q_nope = q_nope.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+
+    n_t = topk
+    if HAS_TOPK_LEN:
+        n_t = tl.minimum(tl.load(TOPK_LEN + pid_s), topk)
+    # Valid indices are [0, hi): the KV length, the sequence length (paged) and the causal limit.
+    hi = s_kv
+    bt_row = BLOCK_TABLE
+    if PAGED:
+        batch = pid_s // q_per_batch
+        hi = tl.minimum(tl.load(SEQLENS + batch), max_blocks * page_size)
+        bt_row = BLOCK_TABLE + batch.to(tl.int64) * stride_bt_b
+    if CAUSAL:
+        # (q_pos + 1 - k_stride) / k_stride with C truncation; the numerator is > -k_stride.
+        num = q_start_index + pid_s + 1 - k_stride
+        hi = tl.minimum(hi, tl.maximum(num, 0) // k_stride + 1)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
+    idx_row = IDX + pid_s.to(tl.int64) * stride_idx_s
+    if STATIC_T > 0:
+        # The CPU interpreter only runs loops with compile-time bounds; blocks past n_t are fully masked.
+        for t0 in range(0, STATIC_T, BLOCK_T):
+            m_i, l_i, acc = _fwd_block(
+                t0,
+                n_t,
+                hi,
+                idx_row,
+                KV,
+                bt_row,
+                page_size,
+                stride_kv_row,
+                q_nope,
+                q_rope,
+                m_i,
+                l_i,
+                acc,
+                sm_scale_log2,
+                D_NOPE,
+                D_ROPE,
+                BLOCK_T,
+                PAGED,
+                DOT_F32,
+            )
+    else:
+        for t0 in range(0, n_t, BLOCK_T):
+            m_i, l_i, acc = _fwd_block(
+                t0,
+                n_t,
+                hi,
+                idx_row,
+                KV,
+                bt_row,
+                page_size,
+                stride_kv_row,
+                q_nope,
+                q_rope,
+                m_i,
+                l_i,
+                acc,
+                sm_scale_log2,
+                D_NOPE,
+                D_ROPE,
+                BLOCK_T,
+                PAGED,
+                DOT_F32,
+            )
+
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    denom = l_i
+    if HAS_SINK:
+        sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
+        denom = denom + tl.exp2(sink * 1.4426950408889634 - m_use)
+    has_any = l_i > 0.0
+    scale = tl.where(has_any, 1.0 / tl.where(has_any, denom, 1.0), 0.0)
+    out = acc * scale[:, None]
+    o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
+    lse = tl.where(
+        has_any, (m_use + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf")
+    )
+    tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse, mask=h_mask)
+    tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_i * 0.6931471805599453, mask=h_mask)
+
+
+def fwd_config(h_q: int, topk: int) -> dict[str, int]:
+    """Tile shape and launch options for a head count (``BLOCK_H``, ``BLOCK_T``, warps, stages)."""
+    if interpreting():
+        return {
+            "BLOCK_H": max(16, triton.next_power_of_2(min(h_q, 64))),
+            "BLOCK_T": 16,
+            "num_warps": 4,
+            "num_stages": 1,
+        }
+    if h_q > 32:
+        return {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_H": max(16, triton.next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
+
+
+def launch_fwd(
+    q: torch.Tensor,
+    kv_rows: torch.Tensor,
+    idx: torch.Tensor,
+    dims: SparseDims,
+    sm_scale: float,
+    *,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    causal: bool = False,
+    paged: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated inputs (shared by forward and decode).
+
+    Args:
+        q: ``[n_tok, h_q, d_qk]`` (last dim contiguous).
+        kv_rows: ``[n_rows, d_qk]`` KV rows (last dim contiguous).
+        idx: ``[n_tok, topk]`` int32 (last dim contiguous).
+        dims: sizes; ``dims.s_kv`` bounds valid indices in the flat case.
+        paged: ``(block_table, cache_seqlens, q_per_batch, page_size)`` for paged decode.
+        config: override of :func:`fwd_config` (benchmarks).
+
+    Returns:
+        ``out [n_tok, h_q, 512]``, ``max_logits [n_tok, h_q]``, ``lse [n_tok, h_q]`` (natural log).
+    """
+    n_tok, h_q = dims.s_q, dims.h_q
+    out = torch.empty(n_tok, h_q, dims.d_v, dtype=q.dtype, device=q.device)
+    max_logits = torch.empty(n_tok, h_q, dtype=torch.float32, device=q.device)
+    lse = torch.empty_like(max_logits)
+    if n_tok == 0:
+        return out, max_logits, lse
+    cfg = dict(fwd_config(h_q, dims.topk))
+    if config:
+        cfg.update(config)
+    n_head_tiles = triton.cdiv(h_q, cfg["BLOCK_H"])
+    if paged is not None:
+        block_table, seqlens, q_per_batch, page_size = paged
+        stride_bt, max_blocks = block_table.stride(0), block_table.shape[1]
+    else:
+        block_table, seqlens, q_per_batch, page_size = idx, idx, 1, 1
+        stride_bt, max_blocks = 0, 0
+    grid = (n_tok * n_head_tiles,)
+    _sparse_mla_fwd_kernel[grid](
+        q,
+        kv_rows,
+        idx,
+        out,
+        max_logits,
+        lse,
+        attn_sink if attn_sink is not None else lse,
+        topk_length if topk_length is not None else idx,
+        block_table,
+        seqlens,
+        q.stride(0),
+        q.stride(1),
+        kv_rows.stride(0),
+        idx.stride(0),
+        out.stride(0),
+        out.stride(1),
+        stride_bt,
+        h_q,
+        n_head_tiles,
+        dims.topk,
+        dims.s_kv,
+        q_start_index,
+        k_stride,
+        q_per_batch,
+        page_size,
+        max_blocks,
+        sm_scale * LOG2E,
+        D_NOPE=512,
+        D_ROPE=dims.d_qk - 512,
+        BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_T=cfg["BLOCK_T"],
+        HAS_SINK=attn_sink is not None,
+        HAS_TOPK_LEN=topk_length is not None,
+        CAUSAL=causal,
+        PAGED=paged is not None,
+        STATIC_T=dims.topk if interpreting() else 0,
+        # The interpreter's bf16 tl.dot is wrong (numpy has no bf16): it multiplies in float32 instead.
+        DOT_F32=interpreting(),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out, max_logits, lse
+
+
+def sparse_mla_fwd_impl(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    *,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    causal: bool = False,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate and launch (the body of the ``sparse_mla_attn::sparse_mla_fwd`` custom op)."""
+    dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
+    check_kernel_dims(dims, q.dtype, "sparse_mla_fwd")
+    check_optional_vectors(attn_sink, topk_length, dims, q.device)
+    check_causal_args(q_start_index, k_stride)
+    sm_scale = check_sm_scale(sm_scale)
+    check_device(q, "sparse_mla_fwd")
+    return launch_fwd(
+        q,
+        kv[:, 0],
+        indices[:, 0],
+        dims,
+        sm_scale,
+        attn_sink=attn_sink,
+        topk_length=topk_length,
+        q_start_index=q_start_index,
+        k_stride=k_stride,
+        causal=causal,
+        config=config,
+    )
+
+
+@torch.library.custom_op("sparse_mla_attn::sparse_mla_fwd", mutates_args=())
+def _sparse_mla_fwd_op(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return sparse_mla_fwd_impl(
+        q,
+        kv,
+        indices,
+        sm_scale,
+        d_v,
+        attn_sink=attn_sink,
+        topk_length=topk_length,
+        q_start_index=q_start_index,
+        k_stride=k_stride,
+        causal=causal,
+    )
+
+
+@_sparse_mla_fwd_op.register_fake
+def _sparse_mla_fwd_fake(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
+    out = q.new_empty(dims.s_q, dims.h_q, d_v)
+    max_logits = q.new_empty(dims.s_q, dims.h_q, dtype=torch.float32)
+    return out, max_logits, torch.empty_like(max_logits)
+
+
+def sparse_mla_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    *,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse MLA forward (DeepSeek sparse attention): each query attends to its own top-k KV rows.
+
+    Arguments and results follow FlashMLA's ``flash_mla_sparse_fwd``, except that ``lse`` and
+    ``max_logits`` are in natural-log units and a query with no valid index reports ``lse = -inf``.
+    Multiply by ``log2(e)`` for base 2. Batches are flattened: concatenate the tokens of all sequences
+    into ``q`` and their KV rows into ``kv``, and give each token global row indices.
+
+    Args:
+        q: ``[s_q, h_q, d_qk]`` bf16 (or fp16), ``d_qk`` 576 (512 latent + 64 rope) or 512,
+            ``1 <= h_q <= 128``; last dim contiguous.
+        kv: ``[s_kv, 1, d_qk]`` q's dtype, the single latent KV head; its first ``d_v`` channels are the
+            values. Last dim contiguous.
+        indices: ``[s_q, 1, topk]`` int32, any ``topk >= 1``. An index ``< 0`` or ``>= s_kv`` is invalid:
+            it is skipped and its row is never read. Duplicates count as many times as they appear.
+        sm_scale: softmax scale applied to ``q · k``.
+        d_v: value dim; must be 512.
+        attn_sink: optional ``[h_q]`` float32 sink logit per head, added to the softmax denominator only:
+            ``out *= 1 / (1 + exp(attn_sink - lse))``; ``lse`` and ``max_logits`` do not include it.
+        topk_length: optional ``[s_q]`` int32; only the first ``topk_length[i]`` indices of query ``i``
+            are used.
+        q_start_index: position of query 0 in its sequence (used when ``causal``).
+        k_stride: query positions per KV entry, e.g. for a compressed KV (used when ``causal``).
+        causal: also skip indices above ``(q_start_index + i + 1 - k_stride) / k_stride`` (C integer
+            division, the same limit as :func:`attn_dist`).
+
+    Returns:
+        ``out [s_q, h_q, d_v]`` q's dtype; ``max_logits [s_q, h_q]`` float32, the largest
+        ``sm_scale * q·k`` over valid indices; ``lse [s_q, h_q]`` float32, natural-log
+        log-sum-exp of the same logits. A query with no valid index gives ``out = 0`` and
+        ``max_logits = lse = -inf``.
+
+    Raises:
+        ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
+    """
+    return torch.ops.sparse_mla_attn.sparse_mla_fwd(
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal
+    )
