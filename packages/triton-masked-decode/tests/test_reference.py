@@ -25,4 +25,6 @@ def test_ref_matches_naive_softmax(group: int) -> None:
             s = (k[bi, kh, vis] @ q[bi, h]) * d**-0.5
             p = torch.softmax(s.double(), 0)
             torch.testing.assert_close(out[bi, h].double(), p @ v[bi, kh, vis].double(), rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(lse[bi, h].double(), torch.logsumexp(s.double(), 0), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                lse[bi, h].double(), torch.logsumexp(s.double(), 0), rtol=1e-5, atol=1e-5
+            )

@@ -7,7 +7,9 @@ import triton_masked_decode
 
 
 def main() -> None:
-    print(f"triton-masked-decode {triton_masked_decode.__version__}: the demo of this package is not implemented yet (see its README).")
+    print(
+        f"triton-masked-decode {triton_masked_decode.__version__}: the demo of this package is not implemented yet (see its README)."
+    )
 
 
 if __name__ == "__main__":

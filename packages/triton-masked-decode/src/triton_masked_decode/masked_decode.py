@@ -1,0 +1,851 @@
+"""Masked split-KV flash decoding: kernels, launcher, torch custom op and the public functions.
+
+One program handles one (split, KV head, sequence): all ``G = Hq / Hkv`` query heads of the KV head sit in
+one ``[BLOCK_G, D]`` tile, so every K/V row read from memory serves the whole group. Each split covers a
+fixed ``chunk`` of positions; the grid depends only on shapes, and the run-time ``seqlens`` only decide
+which programs find work, so a captured CUDA graph replays correctly when lengths change.
+
+Two inner loops share the per-tile attention step:
+
+* dense: walks the chunk ``BLOCK_N`` positions at a time; the K/V loads are predicated on the mask, so
+  excluded rows (and so whole excluded tiles) are never read from memory;
+* sparse: first compacts the indices of visible positions of the chunk into a scratch list, then walks
+  that list, gathering ``BLOCK_N`` visible rows per tile; its work scales with the visible rows.
+
+With ``path="auto"`` each program counts the visible positions of its chunk and takes the sparse loop
+when the fraction is at most ``sparse_threshold``: the choice is made on the device, per split.
+Partial results (one per split) are combined by a second kernel with the log-sum-exp rule.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_masked_decode import _interp_compat
+
+_interp_compat.install()
+
+__all__ = ["SPARSE_THRESHOLD", "masked_decode", "triton_masked_flash_decoding"]
+
+#: Default largest fraction of visible positions in a split for which ``path="auto"`` takes the sparse loop.
+SPARSE_THRESHOLD = 0.35
+
+_LOG2E = 1.4426950408889634
+_PATH_CODES = {"auto": 0, "dense": 1, "sparse": 2}
+_MASK_NONE, _MASK_BOOL, _MASK_PACKED = 0, 1, 2
+_MAX_GROUP = 64
+_MAX_SPLITS = 256
+_MAX_CHUNK = 4096  # bounds per-program work so ragged batches balance across SMs
+
+
+def _interpreting() -> bool:
+    # The interpreter multiplies bfloat16 dot operands as raw uint16 bits; kernels then upcast (UPCAST).
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _excluded(mask_base, pos, inb, stride_ml, MASK_MODE: tl.constexpr):
+    """True where position ``pos`` is excluded (out-of-bounds lanes read as excluded)."""
+    if MASK_MODE == 1:
+        m = tl.load(mask_base + pos * stride_ml, mask=inb, other=1)
+        ex = m != 0
+    else:
+        byte = tl.load(mask_base + (pos >> 3) * stride_ml, mask=inb, other=255)
+        ex = ((byte.to(tl.int32) >> (pos & 7)) & 1) != 0
+    return ex
+
+
+@triton.jit
+def _attend_rows(
+    acc,
+    l_i,
+    m_i,
+    q,
+    pos,
+    vis,
+    k_base,
+    v_base,
+    bt_base,
+    stride_kn,
+    stride_kp,
+    stride_vn,
+    stride_vp,
+    qk_scale,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Online-softmax update with the K/V rows at positions ``pos`` (rows with ``vis`` False unread)."""
+    if PAGED:
+        page = tl.load(bt_base + pos // PAGE_SIZE, mask=vis, other=0).to(tl.int64)
+        row = (pos % PAGE_SIZE).to(tl.int64)
+        k_off = page * stride_kp + row * stride_kn
+        v_off = page * stride_vp + row * stride_vn
+    else:
+        k_off = pos.to(tl.int64) * stride_kn
+        v_off = pos.to(tl.int64) * stride_vn
+    if BLOCK_D == HEAD_DIM:
+        ld_mask = vis[:, None]
+    else:
+        ld_mask = vis[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    qk = tl.where(vis[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # keeps -inf - -inf out of exp2
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(qk - m_use[:, None])
+    v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
+    if UPCAST:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _dense_loop(
+    acc,
+    l_i,
+    m_i,
+    q,
+    lo,
+    hi,
+    k_base,
+    v_base,
+    bt_base,
+    mask_base,
+    stride_kn,
+    stride_kp,
+    stride_vn,
+    stride_vp,
+    stride_ml,
+    qk_scale,
+    offs_d,
+    MASK_MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        vis = pos < hi
+        if MASK_MODE != 0:
+            vis = vis & (_excluded(mask_base, pos, vis, stride_ml, MASK_MODE) == 0)
+        acc, l_i, m_i = _attend_rows(
+            acc, l_i, m_i, q, pos, vis, k_base, v_base, bt_base,
+            stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
+            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST,
+        )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _count_visible(lo, hi, mask_base, stride_ml, MASK_MODE: tl.constexpr, BLOCK_C: tl.constexpr):
+    offs_c = tl.arange(0, BLOCK_C)
+    n = lo * 0
+    for start in range(lo, hi, BLOCK_C):
+        pos = start + offs_c
+        inb = pos < hi
+        vis = inb & (_excluded(mask_base, pos, inb, stride_ml, MASK_MODE) == 0)
+        n += tl.sum(vis.to(tl.int32), 0)
+    return n
+
+
+@triton.jit
+def _sparse_loop(
+    acc,
+    l_i,
+    m_i,
+    q,
+    lo,
+    hi,
+    k_base,
+    v_base,
+    bt_base,
+    mask_base,
+    idx_base,
+    stride_kn,
+    stride_kp,
+    stride_vn,
+    stride_vp,
+    stride_ml,
+    qk_scale,
+    offs_d,
+    MASK_MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # Compaction: write the visible positions of [lo, hi) in order to this program's scratch segment.
+    offs_c = tl.arange(0, BLOCK_C)
+    n = lo * 0
+    for start in range(lo, hi, BLOCK_C):
+        pos = start + offs_c
+        inb = pos < hi
+        vis = (inb & (_excluded(mask_base, pos, inb, stride_ml, MASK_MODE) == 0)).to(tl.int32)
+        dst = n + tl.cumsum(vis, 0) - 1
+        tl.store(idx_base + dst, pos, mask=vis != 0)
+        n += tl.sum(vis, 0)
+    tl.debug_barrier()  # the list is written and read back by different threads of this program
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(0, n, BLOCK_N):
+        j = start + offs_n
+        valid = j < n
+        pos = tl.load(idx_base + j, mask=valid, other=0)
+        acc, l_i, m_i = _attend_rows(
+            acc, l_i, m_i, q, pos, valid, k_base, v_base, bt_base,
+            stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
+            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST,
+        )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _masked_decode_split_kernel(
+    Q,
+    K,
+    V,
+    Mask,
+    Seqlens,
+    BlockTable,
+    Idx,
+    Out,
+    Lse,
+    seqlen_const,
+    max_len,
+    chunk,
+    qk_scale,
+    sparse_threshold,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_mb,
+    stride_mh,
+    stride_ml,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    MASK_MODE: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PATH: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    split = tl.program_id(0)
+    head = tl.program_id(1)
+    bidx = tl.program_id(2)
+    num_heads = tl.num_programs(1)
+    num_splits = tl.num_programs(0)
+    if HAS_SEQLENS:
+        seqlen = tl.minimum(tl.maximum(tl.load(Seqlens + bidx), 0), max_len)
+    else:
+        seqlen = seqlen_const
+    lo = split * chunk
+    # Split 0 always writes (a zero-length row still needs out = 0, lse = -inf); the others only with work.
+    if (lo < seqlen) | (split == 0):
+        hi = tl.minimum(lo + chunk, seqlen)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_mask = offs_g < G
+        d_mask = offs_d < HEAD_DIM
+        qh = head * G + offs_g
+        q = tl.load(
+            Q + bidx.to(tl.int64) * stride_qb + qh[:, None] * stride_qh + offs_d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+        if PAGED:
+            k_base = K + head.to(tl.int64) * stride_kh
+            v_base = V + head.to(tl.int64) * stride_vh
+            bt_base = BlockTable + bidx.to(tl.int64) * stride_btb
+        else:
+            k_base = K + bidx.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
+            v_base = V + bidx.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
+            bt_base = BlockTable
+        mask_base = Mask + bidx.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+        idx_base = Idx + ((bidx.to(tl.int64) * num_heads + head) * num_splits + split) * chunk
+
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        if (MASK_MODE == 0) | (PATH == 1):
+            acc, l_i, m_i = _dense_loop(
+                acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base,
+                stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
+                MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST,
+            )  # fmt: skip
+        elif PATH == 2:
+            acc, l_i, m_i = _sparse_loop(
+                acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base, idx_base,
+                stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
+                MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_C, PAGED, PAGE_SIZE, UPCAST,
+            )  # fmt: skip
+        else:
+            n_vis = _count_visible(lo, hi, mask_base, stride_ml, MASK_MODE, BLOCK_C)
+            if n_vis.to(tl.float32) <= sparse_threshold * (hi - lo).to(tl.float32):
+                acc, l_i, m_i = _sparse_loop(
+                    acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base, idx_base,
+                    stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
+                    MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_C, PAGED, PAGE_SIZE, UPCAST,
+                )  # fmt: skip
+            else:
+                acc, l_i, m_i = _dense_loop(
+                    acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base,
+                    stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
+                    MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST,
+                )  # fmt: skip
+
+        seen = l_i > 0.0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        # m_i is in log2 units (q·k was scaled by sm_scale * log2 e).
+        lse = tl.where(
+            seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf")
+        )
+        o_ptrs = (
+            Out
+            + bidx.to(tl.int64) * stride_ob
+            + qh[:, None] * stride_oh
+            + split * stride_os
+            + offs_d[None, :]
+        )
+        l_ptrs = Lse + bidx.to(tl.int64) * stride_lb + qh * stride_lh + split * stride_ls
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(l_ptrs, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    OutPart,
+    LsePart,
+    Out,
+    Lse,
+    Seqlens,
+    seqlen_const,
+    max_len,
+    chunk,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_sb,
+    stride_sh,
+    stride_ss,
+    stride_ob,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+):
+    head = tl.program_id(0)
+    bidx = tl.program_id(1)
+    if HAS_SEQLENS:
+        seqlen = tl.minimum(tl.maximum(tl.load(Seqlens + bidx), 0), max_len)
+    else:
+        seqlen = seqlen_const
+    # Splits at or past the sequence end wrote nothing; split 0 always wrote.
+    n_active = tl.minimum(tl.maximum((seqlen + chunk - 1) // chunk, 1), num_splits)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    lse_base = LsePart + bidx.to(tl.int64) * stride_sb + head * stride_sh
+    o_base = OutPart + bidx.to(tl.int64) * stride_pb + head * stride_ph
+    m_vec = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, n_active, BLOCK_S):
+        s = s0 + offs_s
+        lse_s = tl.load(lse_base + s * stride_ss, mask=s < n_active, other=float("-inf"))
+        m_vec = tl.maximum(m_vec, lse_s)
+    m = tl.max(m_vec, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_active, BLOCK_S):
+        s = s0 + offs_s
+        s_mask = s < n_active
+        lse_s = tl.load(lse_base + s * stride_ss, mask=s_mask, other=float("-inf"))
+        w = tl.exp(lse_s - m_use)
+        o = tl.load(
+            o_base + s[:, None] * stride_ps + offs_d[None, :],
+            mask=(s_mask & (w > 0.0))[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(o * w[:, None], 0)
+        total += w
+    tot = tl.sum(total, 0)
+    seen = tot > 0.0
+    out = acc / tl.where(seen, tot, 1.0)
+    lse = tl.where(seen, m_use + tl.log(tl.where(seen, tot, 1.0)), float("-inf"))
+    tl.store(
+        Out + bidx.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
+        out.to(Out.dtype.element_ty),
+        mask=d_mask,
+    )
+    tl.store(Lse + bidx.to(tl.int64) * stride_lb + head * stride_lh, lse)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------------
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few splits, so that the merge path is exercised
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _tile_config(block_d: int, block_g: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_C, num_warps, num_stages) for a head-dim tile; tiny tiles under the interpreter."""
+    if _interpreting():
+        return 16, 32, 4, 1
+    block_n = {16: 128, 32: 128, 64: 128, 128: 64, 256: 32}[block_d]
+    num_warps = 8 if block_g * block_d >= 8192 else 4
+    return block_n, 512, num_warps, 3
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_len: int, block_n: int, num_sms: int, num_splits: int | None = None
+) -> tuple[int, int]:
+    """Split count and chunk length (positions per split) for a launch; depends on shapes only.
+
+    Aims at about four programs per SM (two resident waves at two programs per SM) and at most
+    ``_MAX_CHUNK`` positions per program, so batch 1 fills the GPU through splits and a ragged large batch
+    balances through many short programs. Returns ``(num_splits, chunk)``, ``chunk`` a multiple of
+    ``block_n``.
+    """
+    tiles = max(1, triton.cdiv(max_len, block_n))
+    if num_splits is None:
+        want = max(triton.cdiv(4 * num_sms, batch * num_kv_heads), triton.cdiv(max_len, _MAX_CHUNK))
+    else:
+        want = num_splits
+    splits = max(1, min(want, tiles, _MAX_SPLITS))
+    chunk = triton.cdiv(tiles, splits) * block_n
+    return max(1, triton.cdiv(max_len, chunk)), chunk
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seqlens: torch.Tensor | None,
+    seqlen_const: int,
+    block_table: torch.Tensor | None,
+    sm_scale: float,
+    max_len: int,
+    num_splits: int,
+    path: int,
+    sparse_threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the split kernel (and the merge when there is more than one split) on validated inputs."""
+    batch, hq, d = q.shape
+    paged = block_table is not None
+    hkv = k.shape[2] if paged else k.shape[1]
+    group = hq // hkv
+    block_g = max(16, triton.next_power_of_2(group))
+    block_d = max(16, triton.next_power_of_2(d))
+    block_n, block_c, num_warps, num_stages = _tile_config(block_d, block_g)
+    splits, chunk = choose_num_splits(
+        batch, hkv, max_len, block_n, _num_sms(q.device), num_splits if num_splits > 0 else None
+    )
+
+    mask_mode = _MASK_NONE
+    if mask is not None:
+        mask_mode = _MASK_PACKED if mask.dtype == torch.uint8 else _MASK_BOOL
+        mask_t = mask.view(torch.uint8)
+        mstrides = mask_t.stride()
+    else:
+        mask_t = torch.empty(1, dtype=torch.uint8, device=q.device)
+        mstrides = (0, 0, 0)
+    if mask is not None and path != _PATH_CODES["dense"]:
+        idx = torch.empty(batch * hkv * splits * chunk, dtype=torch.int32, device=q.device)
+    else:
+        idx = torch.empty(1, dtype=torch.int32, device=q.device)
+    seq_t = seqlens if seqlens is not None else torch.empty(1, dtype=torch.int32, device=q.device)
+    bt_t = block_table if block_table is not None else torch.empty(1, dtype=torch.int32, device=q.device)
+
+    out = torch.empty(batch, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
+    if splits == 1:
+        o_part, l_part = out, lse
+        po: tuple[int, ...] = (out.stride(0), out.stride(1), 0)
+        pl: tuple[int, ...] = (lse.stride(0), lse.stride(1), 0)
+    else:
+        o_part = torch.empty(batch, hq, splits, d, dtype=torch.float32, device=q.device)
+        l_part = torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device)
+        po, pl = o_part.stride()[:3], l_part.stride()
+    if paged:
+        # Paged [P, page_size, Hkv, D]: "batch" stride slots carry the page stride.
+        ks = (k.stride(0), k.stride(2), k.stride(1))
+        vs = (v.stride(0), v.stride(2), v.stride(1))
+        page_size = k.shape[1]
+    else:
+        ks = (k.stride(0), k.stride(1), k.stride(2))
+        vs = (v.stride(0), v.stride(1), v.stride(2))
+        page_size = 1
+    _masked_decode_split_kernel[(splits, hkv, batch)](
+        q, k, v, mask_t, seq_t, bt_t, idx, o_part, l_part,
+        seqlen_const, max_len, chunk, sm_scale * _LOG2E, sparse_threshold,
+        q.stride(0), q.stride(1),
+        *ks, *vs, *mstrides, bt_t.stride(0),
+        *po, *pl,
+        G=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_C=block_c,
+        MASK_MODE=mask_mode, HAS_SEQLENS=seqlens is not None, PAGED=paged, PAGE_SIZE=page_size,
+        PATH=path, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(hq, batch)](
+            o_part, l_part, out, lse, seq_t, seqlen_const, max_len, chunk, splits,
+            *o_part.stride()[:3], *l_part.stride(), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(16, triton.next_power_of_2(splits)),
+            HAS_SEQLENS=seqlens is not None, num_warps=4 if block_d <= 128 else 8,
+        )  # fmt: skip
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------------------
+# torch custom op (torch.compile / CUDA graphs)
+# --------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("triton_masked_decode::masked_decode", mutates_args=())
+def _masked_decode_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seqlens: torch.Tensor | None,
+    seqlen_const: int,
+    block_table: torch.Tensor | None,
+    sm_scale: float,
+    max_len: int,
+    num_splits: int,
+    path: int,
+    sparse_threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(
+        q,
+        k,
+        v,
+        mask,
+        seqlens,
+        seqlen_const,
+        block_table,
+        sm_scale,
+        max_len,
+        num_splits,
+        path,
+        sparse_threshold,
+    )
+
+
+@_masked_decode_op.register_fake
+def _masked_decode_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seqlens: torch.Tensor | None,
+    seqlen_const: int,
+    block_table: torch.Tensor | None,
+    sm_scale: float,
+    max_len: int,
+    num_splits: int,
+    path: int,
+    sparse_threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, hq, d = q.shape
+    return q.new_empty(batch, hq, d), q.new_empty(batch, hq, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Validation and public functions
+# --------------------------------------------------------------------------------------------------------
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"masked_decode: {msg}")
+
+
+def _value_checks_allowed() -> bool:
+    """Host-syncing value checks are skipped while a CUDA graph is being captured or torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seqlens: torch.Tensor | int | None,
+    block_table: torch.Tensor | None,
+    check_values: bool,
+) -> tuple[torch.Tensor, int, int]:
+    """Check shapes/dtypes/devices/strides; returns (q as [B, Hq, D], max_len, seqlen_const)."""
+    if not isinstance(q, torch.Tensor) or q.dim() not in (3, 4) or (q.dim() == 4 and q.shape[2] != 1):
+        _fail(
+            f"q must be [B, Hq, D] or [B, Hq, 1, D], got {tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}"
+        )
+    q3 = q.squeeze(2) if q.dim() == 4 else q
+    batch, hq, d = q3.shape
+    if q3.dtype not in (torch.float16, torch.bfloat16):
+        _fail(f"q must be float16 or bfloat16, got {q3.dtype}")
+    if d % 8 != 0 or not 16 <= d <= 256:
+        _fail(f"head dim D must be a multiple of 8 in [16, 256], got {d}")
+    if q3.stride(-1) != 1:
+        _fail(f"q's last dim must be contiguous (stride 1), got strides {tuple(q3.stride())}")
+    dev = q3.device
+    if dev.type != "cuda" and not _interpreting():
+        _fail(f"tensors must be on a CUDA device (CPU needs TRITON_INTERPRET=1), got {dev}")
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            _fail(
+                f"{name} must be a 4-d tensor, got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}"
+            )
+        if t.dtype != q3.dtype:
+            _fail(f"{name} dtype {t.dtype} must match q dtype {q3.dtype}")
+        if t.device != dev:
+            _fail(f"{name} is on {t.device}, q on {dev}")
+        if t.shape[-1] != d:
+            _fail(f"{name} head dim {t.shape[-1]} must match q's {d}")
+        if t.stride(-1) != 1:
+            _fail(f"{name}'s last dim must be contiguous (stride 1), got strides {tuple(t.stride())}")
+    if k.shape != v.shape:
+        _fail(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if block_table is None:
+        if k.shape[0] != batch:
+            _fail(f"dense k must be [B, Hkv, L, D] with B={batch}, got {tuple(k.shape)}")
+        hkv, max_len = k.shape[1], k.shape[2]
+    else:
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            _fail(f"block_table must be [B={batch}, max_pages], got {tuple(block_table.shape)}")
+        if block_table.dtype != torch.int32:
+            _fail(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.device != dev:
+            _fail(f"block_table is on {block_table.device}, q on {dev}")
+        if block_table.stride(-1) != 1:
+            _fail("block_table's last dim must be contiguous (stride 1)")
+        page_size = k.shape[1]
+        if page_size & (page_size - 1):
+            _fail(f"page_size (k.shape[1]) must be a power of two, got {page_size}")
+        hkv, max_len = k.shape[2], block_table.shape[1] * page_size
+    if hkv == 0 or hq % hkv != 0:
+        _fail(f"q heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if hq // hkv > _MAX_GROUP:
+        _fail(f"GQA group size Hq/Hkv = {hq // hkv} exceeds {_MAX_GROUP}")
+    if mask is not None:
+        if mask.device != dev:
+            _fail(f"mask is on {mask.device}, q on {dev}")
+        if mask.dtype == torch.bool:
+            want = (batch, hkv, max_len)
+        elif mask.dtype == torch.uint8:
+            want = (batch, hkv, triton.cdiv(max_len, 8))
+        else:
+            _fail(f"mask must be bool [B, Hkv, L] or bit-packed uint8 [B, Hkv, ceil(L/8)], got {mask.dtype}")
+        if tuple(mask.shape) != want:
+            _fail(f"mask ({mask.dtype}) must have shape {want}, got {tuple(mask.shape)}")
+    seqlen_const = max_len
+    if isinstance(seqlens, bool):
+        _fail("seqlens must be an int or an int32 tensor, got bool")
+    if isinstance(seqlens, int):
+        if not 0 <= seqlens <= max_len:
+            _fail(f"seqlens={seqlens} must be in [0, L={max_len}]")
+        seqlen_const = seqlens
+    elif seqlens is not None:
+        if (
+            not isinstance(seqlens, torch.Tensor)
+            or seqlens.dtype != torch.int32
+            or tuple(seqlens.shape) != (batch,)
+        ):
+            _fail(f"seqlens must be an int32 tensor of shape [{batch}] or an int")
+        if seqlens.device != dev:
+            _fail(f"seqlens is on {seqlens.device}, q on {dev}")
+    if check_values and _value_checks_allowed():
+        if isinstance(seqlens, torch.Tensor) and batch > 0:
+            lo, hi = int(seqlens.min()), int(seqlens.max())
+            if lo < 0 or hi > max_len:
+                _fail(f"seqlens values must be in [0, L={max_len}], got min {lo}, max {hi}")
+        if block_table is not None and batch > 0:
+            page_size = k.shape[1]
+            if isinstance(seqlens, torch.Tensor):
+                need = (seqlens.long() + page_size - 1) // page_size
+            else:
+                need = torch.full((batch,), triton.cdiv(seqlen_const, page_size), device=dev)
+            used = torch.arange(block_table.shape[1], device=dev)[None, :] < need[:, None]
+            bad = used & ((block_table < 0) | (block_table >= k.shape[0]))
+            if bool(bad.any()):
+                bi, pi = (int(x) for x in bad.nonzero()[0])
+                _fail(
+                    f"block_table[{bi}, {pi}] = {int(block_table[bi, pi])} is out of range for "
+                    f"{k.shape[0]} pages"
+                )
+    return q3, max_len, seqlen_const
+
+
+def masked_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    seqlens: torch.Tensor | int | None = None,
+    block_table: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    return_lse: bool = True,
+    path: str = "auto",
+    sparse_threshold: float = SPARSE_THRESHOLD,
+    num_splits: int | None = None,
+    check_values: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """Decode attention of one query token per sequence over a KV cache with excluded positions.
+
+    For each sequence ``b`` and query head ``h`` (KV head ``h // G``, ``G = Hq / Hkv``)::
+
+        out[b, h] = softmax(sm_scale * K[b, h//G, vis] @ q[b, h]) @ V[b, h//G, vis]
+
+    over the visible positions ``vis``: those below ``seqlens[b]`` that the mask does not exclude.
+    Excluded K/V rows are never read (they may hold anything, NaN included).
+
+    Args:
+        q: ``[B, Hq, D]`` or ``[B, Hq, 1, D]``, float16 or bfloat16, last dim contiguous.
+        k: dense ``[B, Hkv, L, D]`` with any strides (last dim contiguous), e.g. a ``[B, L, Hkv, D]``
+            buffer transposed; or paged ``[num_pages, page_size, Hkv, D]`` together with ``block_table``.
+            Same dtype as ``q``. ``D`` a multiple of 8 up to 256.
+        v: same layout, shape and dtype as ``k``.
+        mask: optional exclusion mask, ``True``/set bit = position excluded. Either ``[B, Hkv, L]`` bool
+            (any strides) or bit-packed ``[B, Hkv, ceil(L/8)]`` uint8 where bit ``j`` (least significant
+            first) of byte ``i`` is position ``8*i + j`` (see :func:`pack_mask`).
+        seqlens: valid length per sequence, an int32 ``[B]`` tensor on the device (read by the kernel, no
+            host sync) or a Python int; default ``L``. Positions at or past it are ignored.
+        block_table: ``[B, max_pages]`` int32 page ids for a paged cache; ``L = max_pages * page_size``
+            (``page_size`` a power of two).
+        sm_scale: softmax scale, default ``D ** -0.5``.
+        return_lse: return ``(out, lse)`` when True (default), ``out`` alone when False.
+        path: ``"auto"`` (default) picks, per split and on the device, the sparse loop when the visible
+            fraction of the split is at most ``sparse_threshold`` and the dense loop otherwise;
+            ``"dense"`` / ``"sparse"`` force one loop.
+        sparse_threshold: visible fraction at or below which ``path="auto"`` takes the sparse loop.
+        num_splits: override the number of KV splits (default: chosen from shapes and the SM count).
+        check_values: check tensor *values* (``seqlens`` within ``[0, L]``, used ``block_table`` entries
+            within ``[0, num_pages)``). Needs a device-to-host sync, so it is skipped during CUDA-graph
+            capture and torch.compile tracing; pass False in a latency-critical decode loop.
+
+    Returns:
+        ``out [B, Hq, D]`` in ``q.dtype`` and ``lse [B, Hq]`` float32 (natural log). A row with no visible
+        position gets ``out = 0`` and ``lse = -inf``.
+    """
+    if path not in _PATH_CODES:
+        raise ValueError(f"masked_decode: path must be one of {sorted(_PATH_CODES)}, got {path!r}")
+    if not 0.0 <= sparse_threshold <= 1.0:
+        raise ValueError(f"masked_decode: sparse_threshold must be in [0, 1], got {sparse_threshold}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"masked_decode: num_splits must be >= 1, got {num_splits}")
+    q3, max_len, seqlen_const = _validate(q, k, v, mask, seqlens, block_table, check_values)
+    scale = q3.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"masked_decode: sm_scale must be finite, got {sm_scale}")
+    seq_t = seqlens if isinstance(seqlens, torch.Tensor) else None
+    # A host-int length shortens the grid (it is baked into any captured graph anyway).
+    grid_len = max_len if seq_t is not None else seqlen_const
+    out, lse = torch.ops.triton_masked_decode.masked_decode(
+        q3, k, v, mask, seq_t, seqlen_const, block_table, scale, grid_len,
+        num_splits or 0, _PATH_CODES[path], float(sparse_threshold),
+    )  # fmt: skip
+    if q.dim() == 4:
+        out = out.unsqueeze(2)
+    return (out, lse) if return_lse else out
+
+
+def triton_masked_flash_decoding(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    valid_length: int,
+    num_k_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seed-compatible entry point over flat buffers, built on :func:`masked_decode`.
+
+    The first ``B * Hkv * valid_length * D`` elements of ``k``/``v`` are read as a contiguous
+    ``[B, Hkv, valid_length, D]`` cache, and the first ``B * Hkv * valid_length`` of ``mask`` as
+    ``[B, Hkv, valid_length]`` (``True`` = excluded). The scale is ``D ** -0.5``.
+
+    Args:
+        q: ``[B, Hq, 1, D]`` float16/bfloat16.
+        k: flat ``[>= B*Hkv*valid_length*D]`` keys.
+        v: flat values, like ``k``.
+        mask: flat ``[>= B*Hkv*valid_length]`` bool.
+        valid_length: positions per sequence.
+        num_k_heads: ``Hkv``.
+
+    Returns:
+        ``(lse [B, Hq, 1] float32, out [B, Hq, 1, D] q.dtype)`` — the seed's order. Fully excluded rows
+        give ``lse = -inf`` and ``out = 0``.
+    """
+    if q.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"triton_masked_flash_decoding: q must be [B, Hq, 1, D], got {tuple(q.shape)}")
+    bsz, hq, _, dim = q.shape
+    n_kv = bsz * num_k_heads * valid_length
+    for name, t, need in (("k", k, n_kv * dim), ("v", v, n_kv * dim), ("mask", mask, n_kv)):
+        if t.numel() < need:
+            raise ValueError(
+                f"triton_masked_flash_decoding: {name} has {t.numel()} elements, needs >= {need} "
+                f"(B={bsz}, Hkv={num_k_heads}, valid_length={valid_length})"
+            )
+    k4 = k.reshape(-1)[: n_kv * dim].view(bsz, num_k_heads, valid_length, dim)
+    v4 = v.reshape(-1)[: n_kv * dim].view(bsz, num_k_heads, valid_length, dim)
+    m3 = mask.reshape(-1)[:n_kv].view(bsz, num_k_heads, valid_length)
+    out, lse = masked_decode(q.view(bsz, hq, dim), k4, v4, m3, check_values=False)
+    return lse.view(bsz, hq, 1), out.view(bsz, hq, 1, dim)

@@ -1,0 +1,40 @@
+"""Mask layouts: boolean per position, or bit-packed 8 positions per byte (little-endian bit order)."""
+
+from __future__ import annotations
+
+import torch
+
+_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a boolean exclusion mask into bytes, 8 positions per byte.
+
+    Bit ``j`` (least significant first) of byte ``i`` holds position ``8*i + j``; a set bit means the
+    position is excluded, like ``True`` in the boolean layout. This is ``numpy.packbits(...,
+    bitorder="little")``. Trailing bits of the last byte are set (excluded).
+
+    Args:
+        mask: ``[..., L]`` bool.
+
+    Returns:
+        ``[..., ceil(L/8)]`` uint8 on the same device.
+    """
+    if mask.dtype != torch.bool:
+        raise TypeError(f"pack_mask: mask must be bool, got {mask.dtype}")
+    length = mask.shape[-1]
+    pad = (-length) % 8
+    if pad:
+        mask = torch.cat([mask, mask.new_ones((*mask.shape[:-1], pad))], dim=-1)
+    bits = mask.reshape(*mask.shape[:-1], -1, 8).to(torch.uint8)
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask.device)
+    return (bits * weights).sum(-1, dtype=torch.uint8)
+
+
+def unpack_mask(packed: torch.Tensor, length: int) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`: ``[..., ceil(L/8)]`` uint8 -> ``[..., L]`` bool (True = excluded)."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_mask: packed must be uint8, got {packed.dtype}")
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
+    bits = (packed[..., None] & weights) != 0
+    return bits.reshape(*packed.shape[:-1], -1)[..., :length]
