@@ -1,0 +1,1 @@
+"""Fast intra-node path: Triton kernels over a symmetric heap (``backend="triton"``)."""

@@ -1,0 +1,514 @@
+"""Per-rank driver of the Triton kernels: heap layout, epochs, launches, error reporting.
+
+:class:`TritonEPEngine` knows nothing about process groups: it is given a heap (its own base address
+and the table of every rank's base address) and launches the kernels of :mod:`.kernels`. The backend
+(:mod:`ep_a2a.triton_backend.backend`) builds it over a real symmetric heap; the CPU tests build several
+over plain CPU buffers (:mod:`ep_a2a.triton_backend.simulate`).
+
+A dispatch is three launches: ``_layout_kernel`` (per-expert slot positions, counts pushed to the expert
+owners), ``_counts_kernel`` (one program: wait for every source's counts, build the receive layout) and
+``_dispatch_kernel`` (tokens out once per destination rank, expanded to expert rows on the receiver).
+In exact-shape mode one small device-to-host copy after the second launch sizes the output; in static
+mode (CUDA graphs) the output has the worst-case number of rows and the counts stay on the device.
+A combine is one launch of ``_combine_kernel``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ep_a2a.triton_backend import kernels as K
+
+_ALIGN = 256
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class EPTimeoutFromDevice(TimeoutError):
+    """A device-side wait ran out (step and peer decoded from the device error flag)."""
+
+    def __init__(self, message: str, *, step: str, peer: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.peer = peer
+
+
+@dataclass(frozen=True)
+class HeapLayout:
+    """Byte offsets of the regions of one rank's symmetric heap (identical on every rank).
+
+    Regions (``T = max_tokens``, ``W = world_size``, ``L`` experts per rank, ``NC = ceil(T / chunk)``):
+    ``x [W, T, H]`` dispatched token rows by source, ``ids/pos/w [W, T, K]`` their slot metadata,
+    ``cnt [2, W, L + 1]`` int64 packed (epoch, count) per source and parity, ``flag [W, NC]`` dispatch chunk
+    flags, ``back [W, L]`` packed base rows returned by each destination, ``cx [W, T, H]`` (4-byte
+    elements) combine rows by expert rank, ``cflag [W, NC]`` combine chunk flags, ``bar [W]`` barrier.
+    """
+
+    x: int
+    ids: int
+    pos: int
+    w: int
+    cnt: int
+    flag: int
+    back: int
+    cx: int
+    cflag: int
+    bar: int
+    nbytes: int
+    nchunks: int
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        world_size: int,
+        max_tokens: int,
+        hidden: int,
+        topk: int,
+        experts_per_rank: int,
+        token_bytes: int,
+        chunk: int,
+    ) -> HeapLayout:
+        W, T, H, Kk, L = world_size, max_tokens, hidden, topk, experts_per_rank
+        nchunks = triton.cdiv(T, chunk)
+        sizes = {
+            "x": W * T * H * token_bytes,
+            "ids": W * T * Kk * 4,
+            "pos": W * T * Kk * 4,
+            "w": W * T * Kk * 4,
+            "cnt": 2 * W * (L + 1) * 8,
+            "flag": W * nchunks * 8,
+            "back": W * L * 8,
+            "cx": W * T * H * 4,
+            "cflag": W * nchunks * 8,
+            "bar": W * 8,
+        }
+        offs = {}
+        cur = 0
+        for name, size in sizes.items():
+            offs[name] = cur
+            cur += (size + _ALIGN - 1) // _ALIGN * _ALIGN
+        return cls(nbytes=cur, nchunks=nchunks, **offs)
+
+
+def _decode_error(code: int) -> tuple[str, int]:
+    code -= 1
+    return K.STEP_NAMES.get(code // 65536, f"step {code // 65536}"), code % 65536
+
+
+class TritonEPEngine:
+    """One rank's view of the fast path over a symmetric heap.
+
+    Args:
+        rank, world_size, max_tokens, hidden, topk, num_tot_experts: the group's shape.
+        token_dtype: dtype of dispatched rows. weight_dtype: dtype of routing weights (4 bytes at most).
+        heap_local: this rank's heap as a uint8 tensor of ``layout.nbytes`` (zeroed before first use).
+        ptr_table: ``[world_size]`` int64 on the heap's device, every rank's heap base address.
+        num_sm: CTAs of the dispatch and combine kernels (the SMs they occupy).
+        timeout_s: bound of every device-side wait.
+        chunk: tokens per work item (and per ready flag).
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        max_tokens: int,
+        hidden: int,
+        topk: int,
+        num_tot_experts: int,
+        token_dtype: torch.dtype,
+        weight_dtype: torch.dtype,
+        heap_local: torch.Tensor,
+        ptr_table: torch.Tensor,
+        layout: HeapLayout,
+        num_sm: int,
+        timeout_s: float,
+        chunk: int = 8,
+        block_h: int | None = None,
+    ) -> None:
+        if weight_dtype.itemsize > 4:
+            raise ValueError(f"weight_dtype must be at most 4 bytes wide, got {weight_dtype}")
+        self.rank, self.world_size = rank, world_size
+        self.max_tokens, self.hidden, self.topk = max_tokens, hidden, topk
+        self.num_tot_experts = num_tot_experts
+        self.experts_per_rank = num_tot_experts // world_size
+        self.token_dtype, self.weight_dtype = token_dtype, weight_dtype
+        self.heap_local, self.ptr_table, self.layout = heap_local, ptr_table, layout
+        self.device = heap_local.device
+        self.num_sm = max(1, int(num_sm))
+        self.timeout_s = timeout_s
+        self.chunk = chunk
+        self.use_timer = self.device.type == "cuda" and not interpreting()
+        # timeouts: nanoseconds of %globaltimer on the GPU, poll iterations in the interpreter
+        self.timeout_arg = int(timeout_s * 1e9) if self.use_timer else max(1, int(timeout_s * 1000))
+        if block_h is None:
+            block_h = min(_next_pow2(hidden), 64 if interpreting() else 1024)
+        self.block_h = block_h
+        self.kp = _next_pow2(topk)
+        self.wp = _next_pow2(world_size)
+        self.lp = _next_pow2(self.experts_per_rank + 1)
+        dev = self.device
+        self.state = torch.zeros(K.STATE_SIZE, dtype=torch.int64, device=dev)
+        self.info = torch.zeros(2 + 2 * world_size + self.experts_per_rank, dtype=torch.int64, device=dev)
+        self.offsets = torch.zeros(self.experts_per_rank, world_size, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(max_tokens, topk, dtype=torch.int32, device=dev)
+        self._dummy_w = torch.zeros(1, dtype=weight_dtype, device=dev)
+        self.scan_block = min(4096, _next_pow2(max(16, max_tokens * topk)))
+        self._combines_pending = 0
+
+    # ------------------------------------------------------------------ errors
+    def check_error(self, err: int | None = None) -> None:
+        """Raise :class:`EPTimeoutFromDevice` if any device wait of this engine ran out."""
+        if err is None:
+            err = int(self.state[K.STATE_ERR].item())
+        if err:
+            step, peer = _decode_error(err)
+            raise EPTimeoutFromDevice(
+                f"ep_a2a triton backend, rank {self.rank}: timed out after {self.timeout_s:g} s in step "
+                f"'{step}' waiting for rank {peer} (it never signalled; did it crash, stop calling, or call "
+                f"with a different sequence of dispatch/combine?). The backend is unusable from now on.",
+                step=step,
+                peer=peer,
+            )
+
+    # ------------------------------------------------------------------ dispatch steps
+    def launch_layout(self, exp_indices: torch.Tensor, *, caller_scatter: bool) -> None:
+        n = exp_indices.shape[0]
+        grid = (min(self.num_tot_experts, self.num_sm),)
+        K._layout_kernel[grid](
+            exp_indices,
+            self.pos,
+            n,
+            self.ptr_table,
+            self.state,
+            self.layout.cnt,
+            self.rank,
+            E=self.num_tot_experts,
+            L=self.experts_per_rank,
+            W=self.world_size,
+            K=self.topk,
+            BLOCK=self.scan_block,
+            WRITE_POS=not caller_scatter,
+            nprog=grid[0],
+            num_warps=4,
+        )
+
+    def launch_counts(self) -> None:
+        K._counts_kernel[(1,)](
+            self.info,
+            self.offsets,
+            self.ptr_table,
+            self.state,
+            self.layout.cnt,
+            self.layout.back,
+            self.rank,
+            self.timeout_arg,
+            W=self.world_size,
+            L=self.experts_per_rank,
+            WP=self.wp,
+            LP=self.lp,
+            USE_TIMER=self.use_timer,
+            num_warps=4,
+        )
+
+    def launch_dispatch(
+        self,
+        x: torch.Tensor,
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None,
+        scatter_src: torch.Tensor,
+        out: torch.Tensor,
+        out_w: torch.Tensor,
+        out_e: torch.Tensor,
+        tab: torch.Tensor,
+        skip: torch.Tensor,
+        scat: torch.Tensor,
+        *,
+        caller_scatter: bool,
+        send: bool = True,
+        recv: bool = True,
+    ) -> None:
+        n = x.shape[0]
+        lay = self.layout
+        K._dispatch_kernel[(self.num_sm,)](
+            x,
+            exp_indices,
+            weight if weight is not None else self._dummy_w,
+            scatter_src,
+            n,
+            out,
+            out_w,
+            out_e,
+            tab,
+            skip,
+            scat,
+            self.info,
+            self.offsets,
+            self.ptr_table,
+            self.state,
+            self.rank,
+            self.max_tokens,
+            lay.nchunks,
+            out.shape[0],
+            self.timeout_arg,
+            lay.x,
+            lay.ids,
+            lay.pos,
+            lay.w,
+            lay.flag,
+            lay.back,
+            W=self.world_size,
+            L=self.experts_per_rank,
+            K=self.topk,
+            KP=self.kp,
+            WP=self.wp,
+            LP=self.lp,
+            H=self.hidden,
+            BH=self.block_h,
+            CH=self.chunk,
+            HAS_W=weight is not None,
+            CALLER_SCATTER=caller_scatter,
+            SEND=send,
+            RECV=recv,
+            LAG=1 if (send and recv) else 0,
+            USE_TIMER=self.use_timer,
+            G=self.num_sm,
+            num_warps=8 if self.block_h >= 512 else 4,
+        )
+
+    def launch_combine(
+        self,
+        y: torch.Tensor,
+        tab: torch.Tensor,
+        exp_indices: torch.Tensor,
+        n_src: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        send: bool = True,
+        recv: bool = True,
+    ) -> None:
+        lay = self.layout
+        K._combine_kernel[(self.num_sm,)](
+            y,
+            tab,
+            exp_indices,
+            n_src,
+            exp_indices.shape[0],
+            out,
+            self.ptr_table,
+            self.state,
+            self.rank,
+            self.max_tokens,
+            lay.nchunks,
+            self.timeout_arg,
+            lay.cx,
+            lay.cflag,
+            W=self.world_size,
+            L=self.experts_per_rank,
+            K=self.topk,
+            KP=self.kp,
+            WP=self.wp,
+            H=self.hidden,
+            BH=self.block_h,
+            CH=self.chunk,
+            SEND=send,
+            RECV=recv,
+            LAG=1 if (send and recv) else 0,
+            USE_TIMER=self.use_timer,
+            G=self.num_sm,
+            num_warps=8 if self.block_h >= 512 else 4,
+        )
+
+    def launch_barrier(self, *, send: bool = True, recv: bool = True) -> None:
+        K._barrier_kernel[(1,)](
+            self.ptr_table,
+            self.state,
+            self.layout.bar,
+            self.rank,
+            self.timeout_arg,
+            W=self.world_size,
+            SEND=send,
+            RECV=recv,
+            USE_TIMER=self.use_timer,
+        )
+
+    # ------------------------------------------------------------------ buffers
+    def worst_case_rows(self) -> int:
+        """Most rows one rank can receive: every slot of every source on this rank."""
+        return self.world_size * self.max_tokens * self.topk
+
+    def alloc_dispatch_outputs(
+        self, n: int, rows: int, *, with_weights: bool, out: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        dev = self.device
+        return {
+            "out": out
+            if out is not None
+            else torch.empty(rows, self.hidden, dtype=self.token_dtype, device=dev),
+            "out_w": torch.empty(rows if with_weights else 1, dtype=self.weight_dtype, device=dev),
+            "out_e": torch.empty(rows, dtype=torch.int32, device=dev),
+            "tab": torch.empty(self.world_size, self.max_tokens, self.topk, dtype=torch.int32, device=dev),
+            "skip": torch.empty(n, self.topk, dtype=torch.int32, device=dev),
+            "scat": torch.empty(n, self.topk, dtype=torch.int32, device=dev),
+        }
+
+    def info_fields(self, info: torch.Tensor) -> dict[str, torch.Tensor]:
+        W, L = self.world_size, self.experts_per_rank
+        return {
+            "total": info[0],
+            "err": info[1],
+            "n_src": info[2 : 2 + W],
+            "rows_src": info[2 + W : 2 + 2 * W],
+            "rows_exp": info[2 + 2 * W : 2 + 2 * W + L],
+        }
+
+    # ------------------------------------------------------------------ AOT
+    def precompile(self, *, dtypes: tuple[torch.dtype, ...] = ()) -> int:
+        """Compile every kernel variant the layer uses, without launching. Returns the variant count."""
+        lay = self.layout
+        i32, i64 = torch.int32, torch.int64
+        common = dict(W=self.world_size, L=self.experts_per_rank)
+        n = 0
+        for ws in (True, False):
+            K._layout_kernel.warmup(
+                i32,
+                i32,
+                1,
+                i64,
+                i64,
+                lay.cnt,
+                self.rank,
+                grid=(1,),
+                E=self.num_tot_experts,
+                K=self.topk,
+                BLOCK=self.scan_block,
+                WRITE_POS=ws,
+                nprog=1,
+                num_warps=4,
+                **common,
+            )
+            n += 1
+        K._counts_kernel.warmup(
+            i64,
+            i64,
+            i64,
+            i64,
+            lay.cnt,
+            lay.back,
+            self.rank,
+            self.timeout_arg,
+            grid=(1,),
+            WP=self.wp,
+            LP=self.lp,
+            USE_TIMER=self.use_timer,
+            num_warps=4,
+            **common,
+        )
+        n += 1
+        nw = 8 if self.block_h >= 512 else 4
+        for has_w in (True, False):
+            for cs in (False, True):
+                K._dispatch_kernel.warmup(
+                    self.token_dtype,
+                    i32,
+                    self.weight_dtype,
+                    i32,
+                    1,
+                    self.token_dtype,
+                    self.weight_dtype,
+                    i32,
+                    i32,
+                    i32,
+                    i32,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    self.rank,
+                    self.max_tokens,
+                    lay.nchunks,
+                    1,
+                    self.timeout_arg,
+                    lay.x,
+                    lay.ids,
+                    lay.pos,
+                    lay.w,
+                    lay.flag,
+                    lay.back,
+                    grid=(self.num_sm,),
+                    K=self.topk,
+                    KP=self.kp,
+                    WP=self.wp,
+                    LP=self.lp,
+                    H=self.hidden,
+                    BH=self.block_h,
+                    CH=self.chunk,
+                    HAS_W=has_w,
+                    CALLER_SCATTER=cs,
+                    SEND=True,
+                    RECV=True,
+                    LAG=1,
+                    USE_TIMER=self.use_timer,
+                    G=self.num_sm,
+                    num_warps=nw,
+                    **common,
+                )
+                n += 1
+        for dt in (self.token_dtype, *dtypes):
+            K._combine_kernel.warmup(
+                dt,
+                i32,
+                i32,
+                i64,
+                1,
+                dt,
+                i64,
+                i64,
+                self.rank,
+                self.max_tokens,
+                lay.nchunks,
+                self.timeout_arg,
+                lay.cx,
+                lay.cflag,
+                grid=(self.num_sm,),
+                K=self.topk,
+                KP=self.kp,
+                WP=self.wp,
+                H=self.hidden,
+                BH=self.block_h,
+                CH=self.chunk,
+                SEND=True,
+                RECV=True,
+                LAG=1,
+                USE_TIMER=self.use_timer,
+                G=self.num_sm,
+                num_warps=nw,
+                **common,
+            )
+            n += 1
+        K._barrier_kernel.warmup(
+            i64,
+            i64,
+            lay.bar,
+            self.rank,
+            self.timeout_arg,
+            grid=(1,),
+            W=self.world_size,
+            SEND=True,
+            RECV=True,
+            USE_TIMER=self.use_timer,
+        )
+        return n + 1

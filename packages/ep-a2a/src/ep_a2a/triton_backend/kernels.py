@@ -1,0 +1,747 @@
+"""Triton kernels of the intra-node fast path.
+
+Every kernel takes ``table_ptr``: an int64 tensor ``[world_size]`` holding the base address of every
+rank's symmetric heap (as mapped in this process), plus byte offsets of the regions inside a heap (see
+:class:`ep_a2a.triton_backend.engine.HeapLayout`). A peer's region is reached by casting
+``table[r] + offset`` to a typed pointer, so the kernels run over any heap that can hand out peer
+addresses: ``torch.distributed._symmetric_memory``, nvshmem4py, or plain CPU buffers in the
+single-process simulation under ``TRITON_INTERPRET=1``.
+
+Signalling: every flag is monotone. A call number (epoch) lives in the device ``state`` tensor, each
+producer writes its epoch into the consumer's flag with a release atomic at system scope after a CTA
+barrier, and each consumer spins with acquire atomics until the flag reaches its own epoch. Nothing is
+reset between calls. Every spin is bounded (``%globaltimer`` on the GPU, an iteration count in the
+interpreter); a spin that runs out records ``1 + step * 65536 + peer`` in ``state[STATE_ERR]`` and the
+kernel skips the work that depended on it (no garbage row indices are ever used). Every later kernel
+sees the error and does nothing; the host raises a timeout naming the peer and the step.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# device state slots (int64)
+STATE_DISPATCH_EPOCH = 0
+STATE_COMBINE_EPOCH = 1
+STATE_COMBINE_ARRIVE = 2
+STATE_ERR = 3
+STATE_BARRIER_EPOCH = 4
+STATE_SIZE = 8
+
+# error steps encoded in state[STATE_ERR] = 1 + step * 65536 + peer
+STEP_COUNTS = 1
+STEP_DISPATCH = 2
+STEP_OFFSETS = 3
+STEP_COMBINE = 4
+STEP_BARRIER = 5
+STEP_NAMES = {
+    STEP_COUNTS: "dispatch/counts",
+    STEP_DISPATCH: "dispatch/payload",
+    STEP_OFFSETS: "dispatch/offsets",
+    STEP_COMBINE: "combine",
+    STEP_BARRIER: "barrier",
+}
+
+_EPOCH_SHIFT = 32
+_LOW_MASK = 0xFFFFFFFF
+
+
+@triton.jit
+def _now(USE_TIMER: tl.constexpr):
+    if USE_TIMER:
+        t = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+    else:
+        t = tl.full([], 0, tl.int64)
+    return t
+
+
+@triton.jit
+def _peer_ptr(table_ptr, r, byte_offset, ty: tl.constexpr):
+    """Typed pointer to ``byte_offset`` inside rank ``r``'s heap (heaps are 256-byte aligned)."""
+    base = tl.load(table_ptr + r) + byte_offset
+    base = tl.multiple_of(base, 16)
+    return base.to(tl.pointer_type(ty))
+
+
+@triton.jit
+def _wait_flag(flag_ptr, target, state_ptr, step, peer, timeout, USE_TIMER: tl.constexpr):
+    """Spin until ``*flag_ptr >= target`` (acquire, system scope). Returns True on success.
+
+    On timeout records the error in ``state[STATE_ERR]``; returns False immediately when an error is
+    already recorded.
+    """
+    err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
+    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    start = _now(USE_TIMER)
+    elapsed = tl.full([], 0, tl.int64)
+    while (v < target) & (elapsed < timeout) & (err == 0):
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        if USE_TIMER:
+            elapsed = _now(USE_TIMER) - start
+        else:
+            elapsed += 1
+    ok = (v >= target) & (err == 0)
+    if (v < target) & (err == 0):
+        tl.atomic_cas(state_ptr + 3, 0, 1 + step * 65536 + peer, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+    return ok
+
+
+@triton.jit
+def _column(tile, kk, k: tl.constexpr):
+    """Column ``k`` of a ``[rows, KP]`` integer tile as a ``[rows]`` vector."""
+    return tl.sum(tl.where(kk[None, :] == k, tile, 0), axis=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# dispatch step 1: per-expert positions of this rank's slots, counts pushed to the expert owners
+# --------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["n_tokens", "rank", "nprog"])
+def _layout_kernel(
+    ids_ptr,  # [n, K] int32
+    pos_ptr,  # [max_tokens, K] int32 out: rank of slot (t, k) among this rank's slots of its expert
+    n_tokens,
+    table_ptr,
+    state_ptr,
+    off_cnt,
+    rank,
+    E: tl.constexpr,
+    L: tl.constexpr,
+    W: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WRITE_POS: tl.constexpr,
+    nprog,
+):
+    pid = tl.program_id(0)
+    ep = tl.load(state_ptr + 0) + 1
+    parity = ep % 2
+    nk = n_tokens * K
+    # loop bounds must not depend on program_id (a 1-element array in the interpreter)
+    i = tl.full([], 0, tl.int32)
+    while i < tl.cdiv(E, nprog):
+        e = pid + i * nprog
+        running = tl.full([], 0, tl.int32)
+        start = tl.full([], 0, tl.int32)
+        while start < nk:
+            idx = start + tl.arange(0, BLOCK)
+            m = idx < nk
+            v = tl.load(ids_ptr + idx, mask=m, other=-1)
+            hit = (v == e) & m
+            h32 = hit.to(tl.int32)
+            if WRITE_POS:
+                c = tl.cumsum(h32, 0)
+                tl.store(pos_ptr + idx, running + c - 1, mask=hit)
+            running += tl.sum(h32, 0)
+            start += BLOCK
+        if e < E:
+            owner = e // L
+            cnt = _peer_ptr(table_ptr, owner, off_cnt, tl.int64) + parity * (W * (L + 1))
+            dst = cnt + rank * (L + 1) + (e - owner * L)
+            tl.atomic_xchg(dst, (ep << 32) | running.to(tl.int64), sem="release", scope="sys")
+        i += 1
+    if pid == 0:
+        for r in tl.static_range(W):
+            dst = _peer_ptr(table_ptr, r, off_cnt, tl.int64) + parity * (W * (L + 1)) + rank * (L + 1) + L
+            tl.atomic_xchg(dst, (ep << 32) | n_tokens.to(tl.int64), sem="release", scope="sys")
+
+
+# --------------------------------------------------------------------------------------------------
+# dispatch step 2 (one program): wait for every source's counts, build the receive layout
+# --------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["rank", "timeout"])
+def _counts_kernel(
+    info_ptr,  # [2 + 2W + L] int64 out: total rows, error, n per source, rows per source, rows per expert
+    offs_ptr,  # [L, W] int64 out: first output row of (local expert, source)
+    table_ptr,
+    state_ptr,
+    off_cnt,
+    off_back,
+    rank,
+    timeout,
+    W: tl.constexpr,
+    L: tl.constexpr,
+    WP: tl.constexpr,
+    LP: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    ep = tl.load(state_ptr + 0) + 1
+    parity = ep % 2
+    cnt = _peer_ptr(table_ptr, rank, off_cnt, tl.int64) + parity * (W * (L + 1))
+    ss = tl.arange(0, WP)
+    ee = tl.arange(0, LP)
+    # [WP, LP]: entry (s, e) for e <= L (column L carries the source's token count)
+    m2 = (ss[:, None] < W) & (ee[None, :] <= L)
+    ptrs = cnt + ss[:, None] * (L + 1) + ee[None, :]
+    err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
+    v = tl.atomic_add(ptrs, tl.zeros([WP, LP], tl.int64), mask=m2, sem="acquire", scope="sys")
+    stale = ((v >> 32) < ep) & m2
+    n_stale = tl.sum(stale.to(tl.int32))
+    start = _now(USE_TIMER)
+    elapsed = tl.full([], 0, tl.int64)
+    while (n_stale > 0) & (elapsed < timeout) & (err == 0):
+        v = tl.atomic_add(ptrs, tl.zeros([WP, LP], tl.int64), mask=m2, sem="acquire", scope="sys")
+        stale = ((v >> 32) < ep) & m2
+        n_stale = tl.sum(stale.to(tl.int32))
+        if USE_TIMER:
+            elapsed = _now(USE_TIMER) - start
+        else:
+            elapsed += 1
+    if (n_stale > 0) & (err == 0):
+        missing = tl.min(tl.where(tl.max(stale.to(tl.int32), axis=1) > 0, ss, WP))
+        err = 1 + 1 * 65536 + missing.to(tl.int64)
+        tl.atomic_cas(state_ptr + 3, 0, err, sem="relaxed", scope="gpu")
+    tl.store(info_ptr + 1, err)
+    if err == 0:
+        vals = v & 0xFFFFFFFF
+        is_cnt = ee[None, :] < L
+        counts = tl.where(is_cnt & m2, vals, 0)  # [WP, LP]
+        n_src = tl.sum(tl.where((ee[None, :] == L) & m2, vals, 0), axis=1)  # [WP]
+        rows_src = tl.sum(counts, axis=1)  # [WP]
+        rows_exp = tl.sum(counts, axis=0)  # [LP]
+        # expert-major exclusive prefix over (e, s)
+        ct = tl.trans(counts)  # [LP, WP]
+        flat = tl.reshape(ct, [LP * WP])
+        excl = tl.cumsum(flat, 0) - flat
+        excl2 = tl.reshape(excl, [LP, WP])
+        om = (ee[:, None] < L) & (ss[None, :] < W)
+        tl.store(offs_ptr + ee[:, None] * W + ss[None, :], excl2, mask=om)
+        tl.store(info_ptr + 0, tl.sum(rows_src, 0))
+        tl.store(info_ptr + 2 + ss, n_src, mask=ss < W)
+        tl.store(info_ptr + 2 + W + ss, rows_src, mask=ss < W)
+        tl.store(info_ptr + 2 + 2 * W + ee, rows_exp, mask=ee < L)
+        # give every source its slots' base rows here (for its token_dst_scatter_idx)
+        for s in tl.static_range(W):
+            col = tl.sum(tl.where(ss[None, :] == s, excl2, 0), axis=1)  # [LP]
+            dst = _peer_ptr(table_ptr, s, off_back, tl.int64) + rank * L + ee
+            tl.atomic_xchg(dst, (ep << 32) | col, mask=ee < L, sem="relaxed", scope="sys")
+    tl.store(state_ptr + 0, ep)
+
+
+# --------------------------------------------------------------------------------------------------
+# dispatch step 3: tokens out once per destination rank, expanded to expert rows on the receiver
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _dispatch_send_chunk(
+    c,
+    x_ptr,
+    ids_ptr,
+    w_ptr,
+    pos_ptr,
+    n_tokens,
+    out_ptr,
+    out_w_ptr,
+    out_e_ptr,
+    tab_ptr,
+    skip_ptr,
+    offs_ptr,
+    table_ptr,
+    rank,
+    ep,
+    max_tokens,
+    nchunks,
+    cap_rows,
+    off_x,
+    off_ids,
+    off_pos,
+    off_w,
+    off_flag,
+    W: tl.constexpr,
+    L: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    H: tl.constexpr,
+    BH: tl.constexpr,
+    CH: tl.constexpr,
+    HAS_W: tl.constexpr,
+    CALLER_SCATTER: tl.constexpr,
+):
+    toks = c * CH + tl.arange(0, CH)
+    tm = toks < n_tokens
+    kk = tl.arange(0, KP)
+    m2 = tm[:, None] & (kk[None, :] < K)
+    slot = toks[:, None].to(tl.int64) * K + kk[None, :]
+    ids = tl.load(ids_ptr + slot, mask=m2, other=-1)
+    pos = tl.load(pos_ptr + slot, mask=m2 & (ids >= 0), other=0)
+    dest = tl.where(ids >= 0, ids // L, -1)
+    e_loc = ids - dest * L
+    is_self = (dest == rank) & m2
+    if CALLER_SCATTER:
+        row = pos.to(tl.int64)
+    else:
+        row = tl.load(offs_ptr + e_loc * W + rank, mask=is_self, other=0) + pos
+    row = tl.where(is_self & (row >= 0) & (row < cap_rows), row, -1)
+    # first slot k' <= k of the same token bound for the same rank
+    first = tl.full([CH, KP], KP, tl.int32)
+    for k2 in tl.static_range(K):
+        d2 = _column(dest, kk, k2)
+        hitk = (dest == d2[:, None]) & (kk[None, :] >= k2) & (first == KP)
+        first = tl.where(hitk, k2, first)
+    tl.store(skip_ptr + slot, tl.where(ids >= 0, first, -1), mask=m2)
+    tl.store(tab_ptr + rank * max_tokens * K + slot, row.to(tl.int32), mask=m2)
+    kept = row >= 0
+    tl.store(out_e_ptr + row, e_loc.to(tl.int32), mask=kept)
+    if HAS_W:
+        w = tl.load(w_ptr + slot, mask=m2, other=0)
+        tl.store(out_w_ptr + row, w, mask=kept)
+    # metadata of every token goes to every peer (the receiver finds its slots in it)
+    remote_base = rank * max_tokens * K + slot
+    for r in tl.static_range(W):
+        if r != rank:
+            tl.store(_peer_ptr(table_ptr, r, off_ids, tl.int32) + remote_base, ids, mask=m2)
+            tl.store(_peer_ptr(table_ptr, r, off_pos, tl.int32) + remote_base, pos, mask=m2)
+            if HAS_W:
+                tl.store(_peer_ptr(table_ptr, r, off_w, w_ptr.dtype.element_ty) + remote_base, w, mask=m2)
+    hh = tl.arange(0, BH)
+    xrow = toks.to(tl.int64) * H
+    peer_row = (rank * max_tokens + toks).to(tl.int64) * H
+    for h0 in range(0, H, BH):
+        hm = (h0 + hh) < H
+        xm = tm[:, None] & hm[None, :]
+        xt = tl.load(x_ptr + xrow[:, None] + h0 + hh[None, :], mask=xm)
+        for r in tl.static_range(W):
+            if r != rank:
+                need = tl.sum(((dest == r) & m2).to(tl.int32), axis=1) > 0
+                px = _peer_ptr(table_ptr, r, off_x, x_ptr.dtype.element_ty)
+                tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=need[:, None] & hm[None, :])
+        for k in tl.static_range(K):
+            rk = _column(row, kk, k)
+            tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=(rk >= 0)[:, None] & hm[None, :])
+    tl.debug_barrier()
+    for r in tl.static_range(W):
+        if r != rank:
+            f = _peer_ptr(table_ptr, r, off_flag, tl.int64) + rank * nchunks + c
+            tl.atomic_xchg(f, ep, sem="release", scope="sys")
+
+
+@triton.jit
+def _dispatch_recv_chunk(
+    c,
+    s,
+    n_src,
+    out_ptr,
+    out_w_ptr,
+    out_e_ptr,
+    tab_ptr,
+    offs_ptr,
+    table_ptr,
+    state_ptr,
+    rank,
+    ep,
+    max_tokens,
+    nchunks,
+    cap_rows,
+    timeout,
+    off_x,
+    off_ids,
+    off_pos,
+    off_w,
+    off_flag,
+    w_ty: tl.constexpr,
+    W: tl.constexpr,
+    L: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    H: tl.constexpr,
+    BH: tl.constexpr,
+    CH: tl.constexpr,
+    HAS_W: tl.constexpr,
+    CALLER_SCATTER: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    flag = _peer_ptr(table_ptr, rank, off_flag, tl.int64) + s * nchunks + c
+    ok = _wait_flag(flag, ep, state_ptr, 2, s, timeout, USE_TIMER)
+    if ok:
+        toks = c * CH + tl.arange(0, CH)
+        tm = toks < n_src
+        kk = tl.arange(0, KP)
+        m2 = tm[:, None] & (kk[None, :] < K)
+        slot = (s * max_tokens + toks)[:, None].to(tl.int64) * K + kk[None, :]
+        ids = tl.load(
+            _peer_ptr(table_ptr, rank, off_ids, tl.int32) + slot, mask=m2, other=-1, cache_modifier=".cg"
+        )
+        pos = tl.load(
+            _peer_ptr(table_ptr, rank, off_pos, tl.int32) + slot, mask=m2, other=0, cache_modifier=".cg"
+        )
+        dest = tl.where(ids >= 0, ids // L, -1)
+        e_loc = ids - dest * L
+        mine = (dest == rank) & m2
+        if CALLER_SCATTER:
+            row = pos.to(tl.int64)
+        else:
+            row = tl.load(offs_ptr + e_loc * W + s, mask=mine, other=0) + pos
+        row = tl.where(mine & (row >= 0) & (row < cap_rows), row, -1)
+        tl.store(tab_ptr + slot, row.to(tl.int32), mask=m2)
+        kept = row >= 0
+        tl.store(out_e_ptr + row, e_loc.to(tl.int32), mask=kept)
+        if HAS_W:
+            w = tl.load(
+                _peer_ptr(table_ptr, rank, off_w, w_ty) + slot, mask=m2, other=0, cache_modifier=".cg"
+            )
+            tl.store(out_w_ptr + row, w, mask=kept)
+        need = tl.sum(kept.to(tl.int32), axis=1) > 0
+        hh = tl.arange(0, BH)
+        px = _peer_ptr(table_ptr, rank, off_x, out_ptr.dtype.element_ty)
+        src_row = (s * max_tokens + toks).to(tl.int64) * H
+        for h0 in range(0, H, BH):
+            hm = (h0 + hh) < H
+            xt = tl.load(
+                px + src_row[:, None] + h0 + hh[None, :],
+                mask=need[:, None] & hm[None, :],
+                cache_modifier=".cg",
+            )
+            for k in tl.static_range(K):
+                rk = _column(row, kk, k)
+                tl.store(
+                    out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=(rk >= 0)[:, None] & hm[None, :]
+                )
+
+
+@triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "nchunks", "cap_rows", "timeout", "G"])
+def _dispatch_kernel(
+    x_ptr,  # [n, H]
+    ids_ptr,  # [n, K] int32
+    w_ptr,  # [n, K] weight dtype (dummy when not HAS_W)
+    pos_ptr,  # [max_tokens, K] int32 from _layout_kernel, or the caller's scatter indices
+    n_tokens,
+    out_ptr,  # [cap_rows, H]
+    out_w_ptr,  # [cap_rows]
+    out_e_ptr,  # [cap_rows] int32 local expert of each row
+    tab_ptr,  # [W, max_tokens, K] int32 out: output row of slot (s, t, k), -1 if not here
+    skip_ptr,  # [n, K] int32 out
+    scat_ptr,  # [n, K] int32 out: token_dst_scatter_idx
+    info_ptr,
+    offs_ptr,
+    table_ptr,
+    state_ptr,
+    rank,
+    max_tokens,
+    nchunks,
+    cap_rows,
+    timeout,
+    off_x,
+    off_ids,
+    off_pos,
+    off_w,
+    off_flag,
+    off_back,
+    W: tl.constexpr,
+    L: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    WP: tl.constexpr,
+    LP: tl.constexpr,
+    H: tl.constexpr,
+    BH: tl.constexpr,
+    CH: tl.constexpr,
+    HAS_W: tl.constexpr,
+    CALLER_SCATTER: tl.constexpr,
+    SEND: tl.constexpr,
+    RECV: tl.constexpr,
+    LAG: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+    G,
+):
+    pid = tl.program_id(0)
+    ep = tl.load(state_ptr + 0)  # bumped by _counts_kernel
+    err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
+    ss = tl.arange(0, WP)
+    n_src_all = tl.load(info_ptr + 2 + ss, mask=(ss < W) & (ss != rank), other=0)
+    n_recv_max = tl.max(n_src_all, 0)
+    n_chunks_send = tl.cdiv(n_tokens, CH)
+    n_chunks_recv = tl.cdiv(n_recv_max, CH)
+    n_chunks = tl.maximum(n_chunks_send, n_chunks_recv)
+    steps = tl.cdiv(n_chunks, G)
+    if err == 0:
+        j = tl.full([], 0, tl.int32)
+        while j < steps + LAG:
+            if SEND:
+                c = pid + j * G
+                if c < n_chunks_send:
+                    _dispatch_send_chunk(
+                        c,
+                        x_ptr,
+                        ids_ptr,
+                        w_ptr,
+                        pos_ptr,
+                        n_tokens,
+                        out_ptr,
+                        out_w_ptr,
+                        out_e_ptr,
+                        tab_ptr,
+                        skip_ptr,
+                        offs_ptr,
+                        table_ptr,
+                        rank,
+                        ep,
+                        max_tokens,
+                        nchunks,
+                        cap_rows,
+                        off_x,
+                        off_ids,
+                        off_pos,
+                        off_w,
+                        off_flag,
+                        W,
+                        L,
+                        K,
+                        KP,
+                        H,
+                        BH,
+                        CH,
+                        HAS_W,
+                        CALLER_SCATTER,
+                    )
+            if RECV:
+                c = pid + (j - LAG) * G
+                if (c >= 0) & (c < n_chunks_recv):
+                    for s in tl.static_range(W):
+                        n_s = tl.sum(tl.where(ss == s, n_src_all, 0), 0)
+                        if (s != rank) & (c * CH < n_s):
+                            _dispatch_recv_chunk(
+                                c,
+                                s,
+                                n_s,
+                                out_ptr,
+                                out_w_ptr,
+                                out_e_ptr,
+                                tab_ptr,
+                                offs_ptr,
+                                table_ptr,
+                                state_ptr,
+                                rank,
+                                ep,
+                                max_tokens,
+                                nchunks,
+                                cap_rows,
+                                timeout,
+                                off_x,
+                                off_ids,
+                                off_pos,
+                                off_w,
+                                off_flag,
+                                w_ptr.dtype.element_ty,
+                                W,
+                                L,
+                                K,
+                                KP,
+                                H,
+                                BH,
+                                CH,
+                                HAS_W,
+                                CALLER_SCATTER,
+                                USE_TIMER,
+                            )
+            j += 1
+        if SEND:
+            # token_dst_scatter_idx: base rows of every destination, pushed by its _counts_kernel
+            kk = tl.arange(0, KP)
+            j = tl.full([], 0, tl.int32)
+            while j < tl.cdiv(n_chunks_send, G):
+                c = pid + j * G
+                toks = c * CH + tl.arange(0, CH)
+                m2 = (toks < n_tokens)[:, None] & (kk[None, :] < K)
+                slot = toks[:, None].to(tl.int64) * K + kk[None, :]
+                ids = tl.load(ids_ptr + slot, mask=m2, other=-1)
+                pos = tl.load(pos_ptr + slot, mask=m2 & (ids >= 0), other=0)
+                if CALLER_SCATTER:
+                    tl.store(scat_ptr + slot, tl.where(ids >= 0, pos, -1), mask=m2)
+                else:
+                    dest = tl.where(ids >= 0, ids // L, 0)
+                    e_loc = ids - dest * L
+                    back = _peer_ptr(table_ptr, rank, off_back, tl.int64)
+                    v = tl.atomic_add(
+                        back + dest * L + e_loc,
+                        tl.zeros([CH, KP], tl.int64),
+                        mask=m2 & (ids >= 0),
+                        sem="acquire",
+                        scope="sys",
+                    )
+                    stale = ((v >> 32) < ep) & m2 & (ids >= 0)
+                    n_stale = tl.sum(tl.sum(stale.to(tl.int32), axis=1), 0)
+                    start = _now(USE_TIMER)
+                    elapsed = tl.full([], 0, tl.int64)
+                    while (n_stale > 0) & (elapsed < timeout):
+                        v = tl.atomic_add(
+                            back + dest * L + e_loc,
+                            tl.zeros([CH, KP], tl.int64),
+                            mask=m2 & (ids >= 0),
+                            sem="acquire",
+                            scope="sys",
+                        )
+                        stale = ((v >> 32) < ep) & m2 & (ids >= 0)
+                        n_stale = tl.sum(tl.sum(stale.to(tl.int32), axis=1), 0)
+                        if USE_TIMER:
+                            elapsed = _now(USE_TIMER) - start
+                        else:
+                            elapsed += 1
+                    if n_stale > 0:
+                        missing = tl.min(tl.min(tl.where(stale, dest, WP), axis=1), 0)
+                        tl.atomic_cas(
+                            state_ptr + 3, 0, 1 + 3 * 65536 + missing.to(tl.int64), sem="relaxed", scope="gpu"
+                        )
+                    scat = (v & 0xFFFFFFFF) + pos
+                    tl.store(scat_ptr + slot, tl.where((ids >= 0) & ~stale, scat, -1).to(tl.int32), mask=m2)
+                j += 1
+
+
+# --------------------------------------------------------------------------------------------------
+# combine: expert side pre-reduces per (token, source rank) in fp32, one row back per pair
+# --------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "nchunks", "timeout", "G"])
+def _combine_kernel(
+    y_ptr,  # [R, H] expert outputs, dispatch-output order
+    tab_ptr,  # [W, max_tokens, K] int32 from the dispatch
+    ids_ptr,  # [n, K] int32 this rank's expert indices
+    nsrc_ptr,  # [W] int64 tokens of every source in the dispatch
+    n_tokens,
+    out_ptr,  # [n, H]
+    table_ptr,
+    state_ptr,
+    rank,
+    max_tokens,
+    nchunks,
+    timeout,
+    off_cx,
+    off_cflag,
+    W: tl.constexpr,
+    L: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    WP: tl.constexpr,
+    H: tl.constexpr,
+    BH: tl.constexpr,
+    CH: tl.constexpr,
+    SEND: tl.constexpr,
+    RECV: tl.constexpr,
+    LAG: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+    G,
+):
+    pid = tl.program_id(0)
+    ep = tl.load(state_ptr + 1) + 1
+    err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
+    ss = tl.arange(0, WP)
+    n_src_all = tl.load(nsrc_ptr + ss, mask=(ss < W) & (ss != rank), other=0)
+    n_chunks_send = tl.cdiv(tl.max(n_src_all, 0), CH)
+    n_chunks_recv = tl.cdiv(n_tokens, CH)
+    n_chunks = tl.maximum(n_chunks_send, n_chunks_recv)
+    steps = tl.cdiv(n_chunks, G)
+    kk = tl.arange(0, KP)
+    hh = tl.arange(0, BH)
+    ty = y_ptr.dtype.element_ty
+    if err == 0:
+        j = tl.full([], 0, tl.int32)
+        while j < steps + LAG:
+            if SEND:
+                c = pid + j * G
+                for s in tl.static_range(W):
+                    n_s = tl.sum(tl.where(ss == s, n_src_all, 0), 0)
+                    if (s != rank) & (c * CH < n_s):
+                        toks = c * CH + tl.arange(0, CH)
+                        m2 = (toks < n_s)[:, None] & (kk[None, :] < K)
+                        rows = tl.load(
+                            tab_ptr + (s * max_tokens + toks)[:, None].to(tl.int64) * K + kk[None, :],
+                            mask=m2,
+                            other=-1,
+                        )
+                        rows = rows.to(tl.int64)
+                        need = tl.sum((rows >= 0).to(tl.int32), axis=1) > 0
+                        dst = (
+                            _peer_ptr(table_ptr, s, off_cx, ty)
+                            + (rank * max_tokens + toks).to(tl.int64)[:, None] * H
+                        )
+                        for h0 in range(0, H, BH):
+                            hm = (h0 + hh) < H
+                            acc = tl.zeros([CH, BH], tl.float32)
+                            for k in tl.static_range(K):
+                                rk = _column(rows, kk, k)
+                                acc += tl.load(
+                                    y_ptr + rk[:, None] * H + h0 + hh[None, :],
+                                    mask=(rk >= 0)[:, None] & hm[None, :],
+                                    other=0,
+                                ).to(tl.float32)
+                            tl.store(dst + h0 + hh[None, :], acc.to(ty), mask=need[:, None] & hm[None, :])
+                        tl.debug_barrier()
+                        f = _peer_ptr(table_ptr, s, off_cflag, tl.int64) + rank * nchunks + c
+                        tl.atomic_xchg(f, ep, sem="release", scope="sys")
+            if RECV:
+                c = pid + (j - LAG) * G
+                if (c >= 0) & (c < n_chunks_recv):
+                    toks = c * CH + tl.arange(0, CH)
+                    tm = toks < n_tokens
+                    m2 = tm[:, None] & (kk[None, :] < K)
+                    slot = toks[:, None].to(tl.int64) * K + kk[None, :]
+                    ids = tl.load(ids_ptr + slot, mask=m2, other=-1)
+                    dest = tl.where(ids >= 0, ids // L, -1)
+                    ok_all = True
+                    for r in tl.static_range(W):
+                        if r != rank and tl.sum(((dest == r) & m2).to(tl.int32)) > 0:
+                            f = _peer_ptr(table_ptr, rank, off_cflag, tl.int64) + r * nchunks + c
+                            ok_all = ok_all & _wait_flag(f, ep, state_ptr, 4, r, timeout, USE_TIMER)
+                    if ok_all:
+                        rows = tl.load(tab_ptr + rank * max_tokens * K + slot, mask=m2, other=-1).to(tl.int64)
+                        for h0 in range(0, H, BH):
+                            hm = (h0 + hh) < H
+                            acc = tl.zeros([CH, BH], tl.float32)
+                            for k in tl.static_range(K):
+                                rk = _column(rows, kk, k)
+                                acc += tl.load(
+                                    y_ptr + rk[:, None] * H + h0 + hh[None, :],
+                                    mask=(rk >= 0)[:, None] & hm[None, :],
+                                    other=0,
+                                ).to(tl.float32)
+                            for r in tl.static_range(W):
+                                if r != rank:
+                                    need = tl.sum(((dest == r) & m2).to(tl.int32), axis=1) > 0
+                                    src = (
+                                        _peer_ptr(table_ptr, rank, off_cx, ty)
+                                        + (r * max_tokens + toks).to(tl.int64)[:, None] * H
+                                    )
+                                    acc += tl.load(
+                                        src + h0 + hh[None, :],
+                                        mask=need[:, None] & hm[None, :],
+                                        other=0,
+                                        cache_modifier=".cg",
+                                    ).to(tl.float32)
+                            tl.store(
+                                out_ptr + toks.to(tl.int64)[:, None] * H + h0 + hh[None, :],
+                                acc.to(out_ptr.dtype.element_ty),
+                                mask=tm[:, None] & hm[None, :],
+                            )
+            j += 1
+    if RECV:
+        # the last CTA to finish publishes the epoch (every CTA read the old one first)
+        old = tl.atomic_add(state_ptr + 2, 1, sem="acq_rel", scope="gpu")
+        if old == ep * G - 1:
+            tl.store(state_ptr + 1, ep)
+
+
+# --------------------------------------------------------------------------------------------------
+# barrier (one program)
+# --------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["rank", "timeout"])
+def _barrier_kernel(
+    table_ptr,
+    state_ptr,
+    off_bar,
+    rank,
+    timeout,
+    W: tl.constexpr,
+    SEND: tl.constexpr,
+    RECV: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    ep = tl.load(state_ptr + 4) + 1
+    if SEND:
+        for r in tl.static_range(W):
+            tl.atomic_xchg(_peer_ptr(table_ptr, r, off_bar, tl.int64) + rank, ep, sem="release", scope="sys")
+    if RECV:
+        for r in tl.static_range(W):
+            _wait_flag(
+                _peer_ptr(table_ptr, rank, off_bar, tl.int64) + r, ep, state_ptr, 5, r, timeout, USE_TIMER
+            )
+        tl.store(state_ptr + 4, ep)

@@ -1,0 +1,182 @@
+"""Single-process simulation of several ranks over plain buffers (CPU tests under ``TRITON_INTERPRET=1``).
+
+Every simulated rank gets a heap (a uint8 tensor), and all of them share one pointer table, so the
+kernels write into "peer" heaps exactly as they do over NVLink. The interpreter runs one program at a
+time, so a kernel that both sends and waits would wait for a rank that has not run yet: the simulation
+launches the producing half of a step on every rank before the consuming half
+(``send=True, recv=False`` then ``send=False, recv=True``); the GPU runs both halves in one launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ep_a2a.triton_backend.engine import HeapLayout, TritonEPEngine
+
+
+@dataclass
+class SimDispatch:
+    """One simulated rank's dispatch result (exact shapes)."""
+
+    output: torch.Tensor  # [R, hidden]
+    weights: torch.Tensor | None  # [R]
+    local_expert: torch.Tensor  # [R] int32
+    num_recv_tokens_per_expert: torch.Tensor  # [L] int64
+    num_recv_tokens_per_rank: torch.Tensor  # [W] int64
+    num_input_tokens_per_rank: torch.Tensor  # [W] int64
+    token_dst_scatter_idx: torch.Tensor  # [n, K] int32
+    skipped_token_topk_mapping_indices: torch.Tensor  # [n, K] int32
+    tab: torch.Tensor  # [W, T, K] int32
+
+
+class SimWorld:
+    """``world_size`` engines over CPU heaps sharing one pointer table.
+
+    Args mirror :class:`~ep_a2a.triton_backend.engine.TritonEPEngine` (``device`` may be ``"cpu"``).
+    """
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        max_tokens: int,
+        hidden: int,
+        topk: int,
+        num_tot_experts: int,
+        token_dtype: torch.dtype = torch.bfloat16,
+        weight_dtype: torch.dtype = torch.float32,
+        num_sm: int = 2,
+        chunk: int = 4,
+        timeout_s: float = 1.0,
+        device: str = "cpu",
+    ) -> None:
+        self.layout = HeapLayout.build(
+            world_size=world_size,
+            max_tokens=max_tokens,
+            hidden=hidden,
+            topk=topk,
+            experts_per_rank=num_tot_experts // world_size,
+            token_bytes=token_dtype.itemsize,
+            chunk=chunk,
+        )
+        self.heaps = [
+            torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)
+        ]
+        self.table = torch.tensor([h.data_ptr() for h in self.heaps], dtype=torch.int64, device=device)
+        self.engines = [
+            TritonEPEngine(
+                rank=r,
+                world_size=world_size,
+                max_tokens=max_tokens,
+                hidden=hidden,
+                topk=topk,
+                num_tot_experts=num_tot_experts,
+                token_dtype=token_dtype,
+                weight_dtype=weight_dtype,
+                heap_local=self.heaps[r],
+                ptr_table=self.table,
+                layout=self.layout,
+                num_sm=num_sm,
+                timeout_s=timeout_s,
+                chunk=chunk,
+            )
+            for r in range(world_size)
+        ]
+        self.world_size = world_size
+
+    def dispatch(
+        self,
+        inputs: Sequence[torch.Tensor],
+        exp_indices: Sequence[torch.Tensor],
+        weights: Sequence[torch.Tensor] | None = None,
+        full_scatter_indices: Sequence[torch.Tensor] | None = None,
+        *,
+        skip_ranks: Sequence[int] = (),
+    ) -> list[SimDispatch]:
+        """Run one dispatch on every rank (ranks in ``skip_ranks`` never run: their peers time out)."""
+        caller = full_scatter_indices is not None
+        ranks = [r for r in range(self.world_size) if r not in skip_ranks]
+        for r in ranks:
+            self.engines[r].launch_layout(exp_indices[r], caller_scatter=caller)
+        for r in ranks:
+            self.engines[r].launch_counts()
+        bufs: dict[int, dict[str, torch.Tensor]] = {}
+        for r in ranks:
+            eng = self.engines[r]
+            info = eng.info.clone()
+            eng.check_error(int(info[1]))
+            bufs[r] = eng.alloc_dispatch_outputs(
+                inputs[r].shape[0], int(info[0]), with_weights=weights is not None
+            )
+            bufs[r]["info"] = info
+        for send, recv in ((True, False), (False, True)):
+            for r in ranks:
+                b = bufs[r]
+                src = full_scatter_indices[r] if caller else self.engines[r].pos  # type: ignore[index]
+                self.engines[r].launch_dispatch(
+                    inputs[r],
+                    exp_indices[r],
+                    weights[r] if weights is not None else None,
+                    src,
+                    b["out"],
+                    b["out_w"],
+                    b["out_e"],
+                    b["tab"],
+                    b["skip"],
+                    b["scat"],
+                    caller_scatter=caller,
+                    send=send,
+                    recv=recv,
+                )
+        results = []
+        for r in ranks:
+            eng, b = self.engines[r], bufs[r]
+            eng.check_error()
+            f = eng.info_fields(b["info"])
+            results.append(
+                SimDispatch(
+                    output=b["out"],
+                    weights=b["out_w"] if weights is not None else None,
+                    local_expert=b["out_e"],
+                    num_recv_tokens_per_expert=f["rows_exp"].clone(),
+                    num_recv_tokens_per_rank=f["rows_src"].clone(),
+                    num_input_tokens_per_rank=f["n_src"].clone(),
+                    token_dst_scatter_idx=b["scat"],
+                    skipped_token_topk_mapping_indices=b["skip"],
+                    tab=b["tab"],
+                )
+            )
+        return results
+
+    def combine(
+        self,
+        expert_outputs: Sequence[torch.Tensor],
+        dispatched: Sequence[SimDispatch],
+        exp_indices: Sequence[torch.Tensor],
+        *,
+        skip_ranks: Sequence[int] = (),
+    ) -> list[torch.Tensor]:
+        """Run one combine on every rank; returns per rank ``[n, hidden]`` in the rows' dtype."""
+        ranks = [r for r in range(self.world_size) if r not in skip_ranks]
+        outs = {
+            r: torch.empty(exp_indices[r].shape[0], self.engines[r].hidden, dtype=expert_outputs[i].dtype)
+            for i, r in enumerate(ranks)
+        }
+        for send, recv in ((True, False), (False, True)):
+            for i, r in enumerate(ranks):
+                d = dispatched[i]
+                self.engines[r].launch_combine(
+                    expert_outputs[i],
+                    d.tab,
+                    exp_indices[r],
+                    d.num_input_tokens_per_rank,
+                    outs[r],
+                    send=send,
+                    recv=recv,
+                )
+        for r in ranks:
+            self.engines[r].check_error()
+        return [outs[r] for r in ranks]
