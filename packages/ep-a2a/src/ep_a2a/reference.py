@@ -168,15 +168,15 @@ def dispatch_ref(
         out_w = None
         if have_weights:
             assert weights is not None
-            w_dtype = next(w.dtype for w in weights if w is not None)
+            w_dtype = next(wt.dtype for wt in weights if wt is not None)
             out_w = torch.empty(num_rows, dtype=w_dtype)
         for r in range(num_rows):
-            s, t, k = int(src_rank[r]), int(src_token[r]), int(src_slot[r])
-            output[r] = inputs[s][t].cpu()
-            local_expert[r] = int(exp_indices[s][t, k]) % e_local
+            si, ti, ki = int(src_rank[r]), int(src_token[r]), int(src_slot[r])
+            output[r] = inputs[si][ti].cpu()
+            local_expert[r] = int(exp_indices[si][ti, ki]) % e_local
             if out_w is not None:
-                w = weights[s]  # type: ignore[index]
-                out_w[r] = w[t, k].cpu() if w is not None else 0
+                w = weights[si]  # type: ignore[index]
+                out_w[r] = w[ti, ki].cpu() if w is not None else 0
         received.append(
             RefDispatch(
                 output=output,

@@ -1,0 +1,382 @@
+"""``EPAll2AllLayer``: dispatch tokens to the ranks hosting their experts, combine the results back."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ep_a2a._dist import EPConfigMismatchError, EPError, RankMonitor, group_device
+from ep_a2a.autograd import combine_with_grad, dispatch_with_grad
+from ep_a2a.backend import A2ABackend, get_backend_class, probe_backend
+from ep_a2a.config import EPConfig
+from ep_a2a.layout import EPAllToAllLayoutDesc
+
+_INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+@dataclass
+class DispatchCombineContext:
+    """Per-layer state: configuration, the chosen backend (which owns the buffers) and lifecycle.
+
+    Attributes:
+        ep_config: the group's static shape.
+        ep_group: the expert-parallel process group.
+        backend: the backend instance moving the rows.
+        backend_reason: why this backend was chosen (what ``backend="auto"`` found).
+        device: device of every tensor the layer takes and returns.
+        finalized: True once :meth:`finalize` ran.
+    """
+
+    ep_config: EPConfig
+    ep_group: dist.ProcessGroup
+    backend: A2ABackend
+    backend_reason: str
+    device: torch.device
+    monitor: RankMonitor = field(repr=False)
+    finalized: bool = False
+
+    @classmethod
+    def create(
+        cls,
+        ep_config: EPConfig,
+        ep_group: dist.ProcessGroup,
+        *,
+        backend: str = "auto",
+        num_sm: int = 20,
+        enable_local_combine: bool = False,
+        use_aot: bool = False,
+        timeout_s: float = 300.0,
+    ) -> DispatchCombineContext:
+        """Collective: check every rank's arguments agree, pick the backend, build it.
+
+        Raises:
+            EPConfigMismatchError: ranks passed different arguments (names the ranks and values).
+            EPTimeoutError: a rank did not arrive within ``timeout_s``.
+            ValueError: unknown backend, or ``backend="triton"`` not usable here (reason given).
+        """
+        monitor = RankMonitor(ep_group, timeout_s)
+        if backend not in ("auto", "torch", "triton"):
+            get_backend_class(backend)  # raises ValueError naming the choices for an unknown name
+        fast_ok, fast_reason = (False, "not requested")
+        if backend in ("auto", "triton"):
+            fast_ok, fast_reason = probe_backend("triton", ep_config, ep_group)
+        args = (
+            ep_config.fingerprint(),
+            backend,
+            bool(enable_local_combine),
+            bool(use_aot),
+            int(num_sm),
+            float(timeout_s),
+        )
+        values = monitor.checkin("construct", repr(args) + "\x00" + ("1" if fast_ok else "0") + fast_reason)
+        mine = repr(args)
+        theirs = [v.split("\x00", 1)[0] for v in values]
+        bad = [r for r, v in enumerate(theirs) if v != mine]
+        if bad:
+            names = (
+                "(max_tokens, hidden, topk, num_tot_experts, world_size, local_world_size, dtype, weight_dtype, "
+                "offset_dtype)",
+                "backend",
+                "enable_local_combine",
+                "use_aot",
+                "num_sm",
+                "timeout_s",
+            )
+            raise EPConfigMismatchError(
+                f"EPAll2AllLayer arguments differ across ranks: rank {ep_config.rank} has {mine}, "
+                + "; ".join(f"rank {r} has {theirs[r]}" for r in bad)
+                + f" (fields: {', '.join(names)})"
+            )
+        everyone_fast = all(v.split("\x00", 1)[1][:1] == "1" for v in values)
+        if backend == "triton" and not everyone_fast:
+            reasons = {
+                r: v.split("\x00", 1)[1][1:] for r, v in enumerate(values) if v.split("\x00", 1)[1][:1] != "1"
+            }
+            raise ValueError(f"backend='triton' is not usable on every rank: {reasons}")
+        if backend == "auto":
+            chosen = "triton" if everyone_fast else "torch"
+            reason = (
+                f"auto: {fast_reason}"
+                if everyone_fast
+                else f"auto fell back to torch: triton not usable on every rank ({fast_reason} here)"
+            )
+        else:
+            chosen, reason = backend, f"requested: {fast_reason if backend == 'triton' else 'torch'}"
+        backend_cls = get_backend_class(chosen)
+        kwargs: dict[str, Any] = {
+            "num_sm": num_sm,
+            "enable_local_combine": enable_local_combine,
+            "use_aot": use_aot,
+            "timeout_s": timeout_s,
+        }
+        if chosen == "torch":
+            kwargs["monitor"] = monitor
+        instance = backend_cls(ep_config, ep_group, **kwargs)
+        return cls(
+            ep_config=ep_config,
+            ep_group=ep_group,
+            backend=instance,
+            backend_reason=reason,
+            device=group_device(ep_group),
+            monitor=monitor,
+        )
+
+    def finalize(self) -> None:
+        """Release the backend's buffers and side groups (idempotent)."""
+        if not self.finalized:
+            self.finalized = True
+            self.backend.finalize()
+            self.monitor.destroy()
+
+
+class EPAll2AllLayer:
+    """Expert-parallel dispatch and combine over one process group.
+
+    Construction is collective: every rank of ``ep_group`` builds its layer with the same arguments
+    (checked; a mismatch raises :class:`ep_a2a.EPConfigMismatchError` on every rank).
+
+    Args:
+        ep_group: expert-parallel process group (``None`` = the default group). NCCL groups take CUDA
+            tensors, gloo groups CPU tensors.
+        max_tokens: most tokens one rank dispatches per call (buffers are sized from it).
+        hidden: token width.
+        topk: experts per token.
+        rank: this process's rank in ``ep_group`` (checked against the group).
+        num_tot_experts: experts in the group; must be divisible by ``world_size``. Expert ``e`` lives on
+            rank ``e // (num_tot_experts // world_size)``.
+        local_world_size: ranks per node.
+        world_size: ranks in ``ep_group`` (checked).
+        dtype: dtype of the token rows given to ``dispatch``.
+        weight_dtype: dtype of the routing weights.
+        num_sm: most SMs the backend's kernels use. The torch backend has no kernels and ignores it
+            (NCCL picks its own channels).
+        enable_local_combine: pre-reduce on the expert side before sending combine rows back: one row per
+            (token, destination rank) instead of one per (token, expert), summed in float32 and rounded
+            to the row dtype once more before the final float32 sum.
+        use_aot: compile every kernel variant at construction (the Triton backend); the torch backend has
+            nothing to compile and ignores it.
+        backend: ``"torch"``, ``"triton"`` or ``"auto"`` (the Triton backend when it imports and reports
+            itself usable on every rank, else torch; see :attr:`backend_reason`).
+        timeout_s: bound on every wait for another rank; a rank that never arrives makes the others raise
+            :class:`ep_a2a.EPTimeoutError` naming it and the step.
+        validate: check index values (one device sync per call); shapes, dtypes and devices are always
+            checked.
+
+    Example::
+
+        layer = EPAll2AllLayer(group, max_tokens=4096, hidden=7168, topk=8, rank=rank,
+                               num_tot_experts=256, local_world_size=8, world_size=8)
+        rows, w, desc = layer.dispatch(x, topk_ids, topk_weights)
+        y = run_experts(rows * w[:, None].to(rows.dtype), desc.num_recv_tokens_per_expert)
+        out = layer.combine(y, desc)  # [num_tokens, hidden]
+    """
+
+    def __init__(
+        self,
+        ep_group: dist.ProcessGroup | None,
+        max_tokens: int,
+        hidden: int,
+        topk: int,
+        rank: int,
+        num_tot_experts: int,
+        local_world_size: int,
+        world_size: int,
+        dtype: torch.dtype = torch.bfloat16,
+        weight_dtype: torch.dtype = torch.float32,
+        num_sm: int = 20,
+        enable_local_combine: bool = False,
+        use_aot: bool = False,
+        *,
+        backend: str = "auto",
+        timeout_s: float = 300.0,
+        validate: bool = True,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "EPAll2AllLayer needs torch.distributed to be initialized (init_process_group)"
+            )
+        group = ep_group if ep_group is not None else dist.group.WORLD
+        assert group is not None
+        if dist.get_world_size(group) != world_size:
+            raise ValueError(f"world_size={world_size} but ep_group has {dist.get_world_size(group)} ranks")
+        if dist.get_rank(group) != rank:
+            raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)} of ep_group")
+        if not isinstance(num_sm, int) or num_sm <= 0:
+            raise ValueError(f"num_sm must be a positive int, got {num_sm!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        self.config = EPConfig(
+            max_tokens=max_tokens,
+            hidden=hidden,
+            topk=topk,
+            num_tot_experts=num_tot_experts,
+            rank=rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            token_dtype=dtype,
+            weight_dtype=weight_dtype,
+        )
+        self.num_sm = num_sm
+        self.enable_local_combine = enable_local_combine
+        self.use_aot = use_aot
+        self.validate = validate
+        self.ctx = DispatchCombineContext.create(
+            self.config,
+            group,
+            backend=backend,
+            num_sm=num_sm,
+            enable_local_combine=enable_local_combine,
+            use_aot=use_aot,
+            timeout_s=timeout_s,
+        )
+
+    # -- properties ------------------------------------------------------------------------------------
+    @property
+    def backend_name(self) -> str:
+        """Name of the backend in use (``"torch"`` or ``"triton"``)."""
+        return self.ctx.backend.name
+
+    @property
+    def backend_reason(self) -> str:
+        """Why that backend was chosen."""
+        return self.ctx.backend_reason
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the tensors this layer takes and returns."""
+        return self.ctx.device
+
+    # -- checks ----------------------------------------------------------------------------------------
+    def _check_alive(self, what: str) -> None:
+        if self.ctx.finalized:
+            raise RuntimeError(f"EPAll2AllLayer.{what}() called after finalize()")
+
+    def _check_tensor(
+        self, name: str, t: Any, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...] | None
+    ) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+        if dtypes is not None and t.dtype not in dtypes:
+            want = dtypes[0] if len(dtypes) == 1 else "an integer dtype"
+            raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"{name} must be on {self.device} (the ep_group's device), got {t.device}")
+
+    # -- public API ------------------------------------------------------------------------------------
+    def dispatch(
+        self,
+        input: torch.Tensor,
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        full_scatter_indices: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EPAllToAllLayoutDesc]:
+        """Send every kept slot's token row to the rank hosting its expert (collective).
+
+        Args:
+            input: ``[num_tokens, hidden]`` ``dtype``, ``0 <= num_tokens <= max_tokens`` (may differ by rank
+                and by call).
+            exp_indices: ``[num_tokens, topk]`` integer global expert per slot in ``[0, num_tot_experts)``;
+                -1 drops the slot.
+            weight: ``[num_tokens, topk]`` ``weight_dtype`` routing weights, or ``None``.
+            full_scatter_indices: ``[num_tokens, topk]`` integer, the row of slot ``(t, k)`` in the receiving
+                rank's output (ignored where the slot is dropped). Every receiver must get exactly the rows
+                ``0 .. R-1``; a receiver whose rows are not a permutation raises ``ValueError``.
+
+        Returns:
+            ``(output, weights, layout_desc)``: ``output`` ``[R, hidden]`` ``dtype``, one row per received
+            (token, expert) pair, ordered by local expert, source rank, token, slot (unless
+            ``full_scatter_indices`` placed them); ``weights`` ``[R]`` ``weight_dtype`` (``None`` without
+            ``weight``); ``layout_desc`` for :meth:`combine` (per-local-expert counts included).
+            Differentiable in ``input`` and ``weight``.
+        """
+        self._check_alive("dispatch")
+        cfg = self.config
+        if not isinstance(input, torch.Tensor) or input.dim() != 2:
+            raise ValueError(
+                f"input must be a [num_tokens, hidden={cfg.hidden}] tensor, got {getattr(input, 'shape', type(input))}"
+            )
+        n = input.shape[0]
+        if n > cfg.max_tokens:
+            raise ValueError(f"input has {n} tokens, more than max_tokens={cfg.max_tokens}")
+        self._check_tensor("input", input, (n, cfg.hidden), (cfg.token_dtype,))
+        self._check_tensor("exp_indices", exp_indices, (n, cfg.topk), _INT_DTYPES)
+        if weight is not None:
+            self._check_tensor("weight", weight, (n, cfg.topk), (cfg.weight_dtype,))
+        if full_scatter_indices is not None:
+            self._check_tensor("full_scatter_indices", full_scatter_indices, (n, cfg.topk), _INT_DTYPES)
+        idx = exp_indices.to(torch.int32).contiguous()
+        if self.validate and idx.numel():
+            lo, hi = torch.aminmax(idx)
+            if int(lo) < -1 or int(hi) >= cfg.num_tot_experts:
+                raise ValueError(
+                    f"exp_indices must be in [-1, num_tot_experts={cfg.num_tot_experts}) (-1 drops a slot), "
+                    f"got values in [{int(lo)}, {int(hi)}]"
+                )
+        fsi = None
+        if full_scatter_indices is not None:
+            fsi = torch.where(idx >= 0, full_scatter_indices.to(torch.int32), -1).contiguous()
+            if self.validate and fsi.numel() and int(torch.where(idx >= 0, fsi, 0).min()) < 0:
+                raise ValueError("full_scatter_indices must be >= 0 for every kept slot")
+        x = input.contiguous()
+        w = weight.contiguous() if weight is not None else None
+        backend = self.ctx.backend
+        if torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)):
+            return dispatch_with_grad(backend, x, idx, w, fsi)
+        return backend.dispatch(x, idx, w, fsi)
+
+    def combine(self, input: torch.Tensor, ep_a2a_layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
+        """Send expert-output rows back and sum them per original token (collective).
+
+        Args:
+            input: ``[R, hidden]`` floating rows in the order of the dispatch output (``R`` =
+                ``ep_a2a_layout_desc.num_recv_rows``). Routing weights are *not* applied here: scale
+                rows by ``weights`` in the expert computation if the model wants a weighted sum.
+            ep_a2a_layout_desc: the descriptor returned by this layer's :meth:`dispatch`.
+
+        Returns:
+            ``[num_tokens, hidden]`` in ``input.dtype``: per token, the float32 sum of its kept slots' rows;
+            zeros for a token whose slots were all dropped. Differentiable in ``input``.
+        """
+        self._check_alive("combine")
+        desc = ep_a2a_layout_desc
+        if not isinstance(desc, EPAllToAllLayoutDesc):
+            raise TypeError(f"ep_a2a_layout_desc must be an EPAllToAllLayoutDesc, got {type(desc).__name__}")
+        owner = getattr(desc.backend_state, "owner", None)
+        if owner is not None and owner != id(self.ctx.backend):
+            raise ValueError("ep_a2a_layout_desc was produced by a different EPAll2AllLayer")
+        if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
+            raise TypeError(f"input must be a floating tensor, got {getattr(input, 'dtype', type(input))}")
+        self._check_tensor("input", input, (desc.num_recv_rows, self.config.hidden), None)
+        x = input.contiguous()
+        if torch.is_grad_enabled() and x.requires_grad:
+            return combine_with_grad(self.ctx.backend, x, desc)
+        return self.ctx.backend.combine(x, desc)
+
+    def ep_barrier_all(self, stream: torch.cuda.Stream | None = None, intra_node_only: bool = False) -> None:
+        """Wait for every rank (or every rank of this node), after ``stream``'s queued work finished.
+
+        Raises:
+            EPTimeoutError: naming the ranks that did not arrive within ``timeout_s``.
+        """
+        self._check_alive("ep_barrier_all")
+        self.ctx.backend.barrier(intra_node_only=intra_node_only, stream=stream)
+
+    def finalize(self) -> None:
+        """Release buffers and side groups. Idempotent; the layer raises on any later call."""
+        self.ctx.finalize()
+
+    def __enter__(self) -> EPAll2AllLayer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        with contextlib.suppress(EPError) if exc_type is not None else contextlib.nullcontext():
+            self.finalize()
