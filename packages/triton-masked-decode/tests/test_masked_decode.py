@@ -1,0 +1,417 @@
+"""masked_decode against the float32 reference.
+
+CPU tests run the Triton kernels under TRITON_INTERPRET=1 on tiny shapes; the ``gpu`` tests repeat the
+matrix at real sizes and add NaN-poisoned caches and CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from triton_masked_decode import (
+    choose_num_splits,
+    masked_decode,
+    masked_decode_ref,
+    pack_mask,
+    triton_masked_flash_decoding,
+)
+
+# Output tolerance per input dtype (outputs are compared through float32); LSE is accumulated in float32.
+TOL = {
+    torch.float16: {"atol": 3e-3, "rtol": 3e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+LSE_TOL = {"atol": 2e-3, "rtol": 1e-4}
+
+
+@dataclass
+class Case:
+    batch: int = 2
+    hkv: int = 2
+    group: int = 4
+    length: int = 45
+    dim: int = 32
+    dtype: torch.dtype = torch.float16
+    mask: str = "bool"  # none | bool | packed
+    density: float = 0.5  # fraction of visible positions
+    seqlens: str = "none"  # none | int | tensor
+    layout: str = "dense"  # dense | strided | paged
+    page_size: int = 8
+    path: str = "auto"
+    num_splits: int | None = None
+    clustered: bool = False
+
+
+def make_inputs(c: Case, device: torch.device, seed: int = 0, poison: bool = True):
+    """Random inputs for a case; excluded K/V rows and unused pages are NaN when ``poison``."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hq = c.hkv * c.group
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(c.dtype).to(device)
+
+    q = rnd(c.batch, hq, c.dim)
+    if c.clustered:
+        blocks = math.ceil(c.length / 16)
+        vis = torch.rand(c.batch, c.hkv, blocks, generator=g) < c.density
+        excl = ~vis.repeat_interleave(16, dim=-1)[..., : c.length]
+    else:
+        excl = torch.rand(c.batch, c.hkv, c.length, generator=g) >= c.density
+    if c.seqlens == "int":
+        seqlens: torch.Tensor | int | None = max(1, c.length - 3)
+        lens = [seqlens] * c.batch
+    elif c.seqlens == "tensor":
+        lens = [int(x) for x in torch.randint(0, c.length + 1, (c.batch,), generator=g)]
+        lens[0] = c.length
+        if c.batch > 2:
+            lens[1], lens[2] = 0, 1
+        seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+    else:
+        seqlens = None
+        lens = [c.length] * c.batch
+    mask_bool = excl.to(device)
+
+    block_table = None
+    if c.layout == "paged":
+        pages_per_seq = math.ceil(c.length / c.page_size)
+        num_pages = c.batch * pages_per_seq + 3
+        perm = torch.randperm(num_pages, generator=g)[: c.batch * pages_per_seq]
+        block_table = perm.view(c.batch, pages_per_seq).to(torch.int32).to(device)
+        k = rnd(num_pages, c.page_size, c.hkv, c.dim)
+        v = rnd(num_pages, c.page_size, c.hkv, c.dim)
+        length_alloc = pages_per_seq * c.page_size
+        if length_alloc != c.length:  # the logical L is max_pages * page_size: pad the mask with "excluded"
+            pad = torch.ones(c.batch, c.hkv, length_alloc - c.length, dtype=torch.bool, device=device)
+            mask_bool = torch.cat([mask_bool, pad], dim=-1)
+    elif c.layout == "strided":
+        # [B, L, Hkv, D] buffer seen as [B, Hkv, L, D], plus a padded head dim: non-contiguous K/V.
+        kb = rnd(c.batch, c.length, c.hkv, c.dim + 8)
+        vb = rnd(c.batch, c.length, c.hkv, c.dim + 8)
+        k = kb[..., : c.dim].transpose(1, 2)
+        v = vb[..., : c.dim].transpose(1, 2)
+    else:
+        k = rnd(c.batch, c.hkv, c.length, c.dim)
+        v = rnd(c.batch, c.hkv, c.length, c.dim)
+
+    if poison:
+        with torch.no_grad():
+            for b in range(c.batch):
+                for h in range(c.hkv):
+                    bad = mask_bool[b, h].clone() if c.mask != "none" else torch.zeros_like(mask_bool[b, h])
+                    bad[lens[b] :] = True
+                    pos = bad.nonzero().flatten()
+                    if c.layout == "paged":
+                        assert block_table is not None
+                        pages = block_table[b].long()[pos // c.page_size]
+                        k[pages, pos % c.page_size, h] = float("nan")
+                        v[pages, pos % c.page_size, h] = float("nan")
+                    else:
+                        k[b, h, pos] = float("nan")
+                        v[b, h, pos] = float("nan")
+    if c.mask == "none":
+        mask = None
+        ref_mask = None
+    elif c.mask == "packed":
+        mask = pack_mask(mask_bool)
+        ref_mask = mask_bool
+    else:
+        mask = mask_bool
+        ref_mask = mask_bool
+    return q, k, v, mask, ref_mask, seqlens, block_table
+
+
+def check_case(c: Case, device: torch.device, seed: int = 0) -> None:
+    q, k, v, mask, ref_mask, seqlens, block_table = make_inputs(c, device, seed)
+    out, lse = masked_decode(
+        q, k, v, mask, seqlens=seqlens, block_table=block_table, path=c.path, num_splits=c.num_splits
+    )
+    ref_out, ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens, block_table=block_table)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+    assert not torch.isnan(out).any(), "NaN in output"
+    assert not torch.isnan(lse).any(), "NaN in lse"
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[c.dtype])
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty), "rows without visible positions must give lse = -inf"
+    assert torch.all(out[empty] == 0)
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], **LSE_TOL)
+
+
+CPU_CASES = [
+    pytest.param(Case(group=1, mask="none"), id="gqa1-nomask"),
+    pytest.param(Case(group=4), id="gqa4-bool"),
+    pytest.param(Case(group=8, mask="packed"), id="gqa8-packed"),
+    pytest.param(Case(group=16, hkv=1, dim=16, length=20), id="gqa16-d16"),
+    pytest.param(Case(group=4, path="dense"), id="gqa4-dense-path"),
+    pytest.param(Case(group=4, path="sparse"), id="gqa4-sparse-path"),
+    pytest.param(Case(group=4, mask="packed", path="sparse", density=0.2), id="packed-sparse-path"),
+    pytest.param(Case(density=0.15, clustered=True), id="clustered-auto-sparse"),
+    pytest.param(Case(density=0.9, seqlens="tensor", batch=4), id="seqlens-0-1-tensor"),
+    pytest.param(Case(seqlens="int"), id="seqlens-int"),
+    pytest.param(Case(density=0.0), id="fully-masked"),
+    pytest.param(Case(length=37, num_splits=3), id="odd-L-3-splits"),
+    pytest.param(Case(length=33, num_splits=1), id="single-split-direct-write"),
+    pytest.param(Case(layout="strided", group=4), id="noncontig-kv"),
+    pytest.param(Case(layout="paged", page_size=8, seqlens="tensor", batch=3), id="paged-ps8-shuffled"),
+    pytest.param(
+        Case(layout="paged", page_size=32, length=70, mask="packed", path="sparse"), id="paged-ps32-packed"
+    ),
+    pytest.param(Case(dtype=torch.bfloat16, group=8), id="bf16-gqa8"),
+    pytest.param(Case(dtype=torch.bfloat16, layout="paged", path="sparse"), id="bf16-paged-sparse"),
+    pytest.param(Case(dim=40, group=2), id="d40-padded"),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES)
+def test_matches_reference_cpu(case: Case, cpu_device: torch.device) -> None:
+    check_case(case, cpu_device)
+
+
+def test_q4d_return_lse_false_and_scale(cpu_device: torch.device) -> None:
+    c = Case()
+    q, k, v, mask, ref_mask, _, _ = make_inputs(c, cpu_device, seed=3)
+    out = masked_decode(q.unsqueeze(2), k, v, mask, sm_scale=0.3, return_lse=False)
+    assert isinstance(out, torch.Tensor) and out.shape == (c.batch, c.hkv * c.group, 1, c.dim)
+    ref, _ = masked_decode_ref(q, k, v, ref_mask, sm_scale=0.3)
+    torch.testing.assert_close(out.squeeze(2).float(), ref.float(), **TOL[c.dtype])
+
+
+def test_noncontiguous_bool_mask(cpu_device: torch.device) -> None:
+    c = Case(mask="none")
+    q, k, v, _, _, _, _ = make_inputs(c, cpu_device, seed=4, poison=False)
+    excl = (torch.rand(c.batch, c.length, c.hkv) < 0.5).transpose(1, 2)  # strides (L*Hkv, 1, Hkv)
+    out, lse = masked_decode(q, k, v, excl)
+    ref, ref_lse = masked_decode_ref(q, k, v, excl)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[c.dtype])
+    torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+
+
+def test_seed_compatible_entry(cpu_device: torch.device) -> None:
+    bsz, hkv, group, dim, valid, alloc = 2, 2, 4, 32, 37, 64
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(bsz, hkv * group, 1, dim, generator=g).half()
+    kf = torch.randn(bsz * hkv * alloc * dim, generator=g).half()
+    vf = torch.randn(bsz * hkv * alloc * dim, generator=g).half()
+    mf = torch.rand(bsz * hkv * alloc, generator=g) < 0.5
+    lse, out = triton_masked_flash_decoding(q, kf, vf, mf, valid, hkv)
+    assert lse.shape == (bsz, hkv * group, 1) and lse.dtype == torch.float32
+    assert out.shape == (bsz, hkv * group, 1, dim) and out.dtype == torch.float16
+    n = bsz * hkv * valid
+    ref, ref_lse = masked_decode_ref(
+        q.squeeze(2),
+        kf[: n * dim].view(bsz, hkv, valid, dim),
+        vf[: n * dim].view(bsz, hkv, valid, dim),
+        mf[:n].view(bsz, hkv, valid),
+    )
+    torch.testing.assert_close(out.squeeze(2).float(), ref.float(), **TOL[torch.float16])
+    torch.testing.assert_close(lse.squeeze(-1), ref_lse, **LSE_TOL)
+
+
+def test_custom_op_fake_and_schema(cpu_device: torch.device) -> None:
+    c = Case()
+    q, k, v, mask, _, _, _ = make_inputs(c, cpu_device, seed=6, poison=False)
+    args = (q, k, v, mask, None, c.length, None, c.dim**-0.5, c.length, 0, 0, 0.35)
+    torch.library.opcheck(
+        torch.ops.triton_masked_decode.masked_decode.default,
+        args,
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+# ------------------------------------------------------------------ validation (no kernel launch needed)
+
+
+def _valid(device: torch.device):
+    q = torch.randn(2, 8, 32, dtype=torch.float16, device=device)
+    k = torch.randn(2, 2, 40, 32, dtype=torch.float16, device=device)
+    return q, k, k.clone()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        pytest.param(lambda q, k, v: (q.float(), k, v, {}), "float16 or bfloat16", id="q-dtype"),
+        pytest.param(lambda q, k, v: (q, k.bfloat16(), v, {}), "k dtype", id="k-dtype"),
+        pytest.param(lambda q, k, v: (q[:, :7], k, v, {}), "multiple of KV heads", id="gqa-ratio"),
+        pytest.param(lambda q, k, v: (q, k, v[:, :, :20], {}), "same shape", id="kv-shape"),
+        pytest.param(
+            lambda q, k, v: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, {}),
+            "contiguous",
+            id="kv-stride",
+        ),
+        pytest.param(
+            lambda q, k, v: (q, k, v, {"mask": torch.zeros(2, 2, 39, dtype=torch.bool)}),
+            "shape",
+            id="mask-shape",
+        ),
+        pytest.param(
+            lambda q, k, v: (q, k, v, {"mask": torch.zeros(2, 2, 40, dtype=torch.int32)}),
+            "bit-packed",
+            id="mask-dtype",
+        ),
+        pytest.param(
+            lambda q, k, v: (q, k, v, {"mask": torch.zeros(2, 2, 40, dtype=torch.uint8)}),
+            r"ceil\(L/8\)|shape",
+            id="packed-shape",
+        ),
+        pytest.param(lambda q, k, v: (q, k, v, {"seqlens": 41}), "seqlens", id="seqlens-int-gt-L"),
+        pytest.param(
+            lambda q, k, v: (q, k, v, {"seqlens": torch.tensor([3, 41], dtype=torch.int32)}),
+            "seqlens values",
+            id="seqlens-tensor-gt-L",
+        ),
+        pytest.param(
+            lambda q, k, v: (q, k, v, {"seqlens": torch.tensor([3, 4])}), "int32", id="seqlens-dtype"
+        ),
+        pytest.param(lambda q, k, v: (q, k, v, {"path": "fast"}), "path", id="path"),
+    ],
+)
+def test_invalid_inputs(mutate, match, cpu_device: torch.device) -> None:
+    q, k, v = _valid(cpu_device)
+    q2, k2, v2, kw = mutate(q, k, v)
+    mask = kw.pop("mask", None)
+    with pytest.raises(ValueError, match=match):
+        masked_decode(q2, k2, v2, mask, **kw)
+
+
+def test_invalid_block_table(cpu_device: torch.device) -> None:
+    q = torch.randn(2, 8, 32, dtype=torch.float16)
+    k = torch.randn(6, 16, 2, 32, dtype=torch.float16)
+    bt = torch.tensor([[0, 1, 2], [3, 4, 6]], dtype=torch.int32)  # page 6 does not exist
+    with pytest.raises(ValueError, match=r"block_table\[1, 2\] = 6 is out of range"):
+        masked_decode(q, k, k, None, block_table=bt)
+    # Unused entries (past seqlens) may hold anything, e.g. -1 padding.
+    bt_pad = torch.tensor([[0, 1, -1], [3, 4, -1]], dtype=torch.int32)
+    out, _ = masked_decode(
+        q, k, k, None, block_table=bt_pad, seqlens=torch.tensor([30, 32], dtype=torch.int32)
+    )
+    assert not torch.isnan(out).any()
+    with pytest.raises(ValueError, match="int32"):
+        masked_decode(q, k, k, None, block_table=bt.long())
+
+
+@pytest.mark.parametrize(
+    ("batch", "hkv", "length"),
+    [
+        pytest.param(1, 8, 65536, id="B1-Hkv8-L64K"),
+        pytest.param(8, 8, 65536, id="B8-Hkv8-L64K"),
+        pytest.param(64, 8, 32768, id="B64-Hkv8-L32K"),
+        pytest.param(1, 1, 100, id="B1-Hkv1-L100"),
+        pytest.param(3, 2, 0, id="L0"),
+    ],
+)
+def test_split_heuristic(batch: int, hkv: int, length: int) -> None:
+    sms, block_n = 132, 64
+    splits, chunk = choose_num_splits(batch, hkv, length, block_n, sms)
+    assert chunk % block_n == 0 and splits >= 1
+    assert splits * chunk >= length and (splits - 1) * chunk < max(length, 1)
+    assert chunk <= 4096
+    if length >= 4 * sms * block_n // (batch * hkv):
+        assert batch * hkv * splits >= 2 * sms, "long sequences must fill the GPU"
+
+
+# ------------------------------------------------------------------ GPU (real sizes)
+
+GPU_CASES = [
+    pytest.param(Case(batch=1, hkv=8, group=4, length=65536, dim=128), id="B1-Hq32-Hkv8-L64K-d128-bool"),
+    pytest.param(Case(batch=4, hkv=8, group=4, length=8192, dim=128, mask="packed"), id="B4-L8K-packed"),
+    pytest.param(Case(batch=2, hkv=4, group=1, length=4096, dim=64), id="gqa1-d64"),
+    pytest.param(Case(batch=2, hkv=2, group=8, length=5000, dim=256), id="gqa8-d256-oddL"),
+    pytest.param(Case(batch=2, hkv=2, group=16, length=3000, dim=128, mask="none"), id="gqa16-nomask"),
+    pytest.param(Case(batch=2, hkv=4, group=4, length=3000, dim=96), id="d96"),
+    pytest.param(Case(batch=3, hkv=8, group=4, length=16384, dim=128, density=0.1), id="sparse10-auto"),
+    pytest.param(
+        Case(batch=3, hkv=8, group=4, length=16384, density=0.25, clustered=True, dim=128), id="clustered25"
+    ),
+    pytest.param(Case(batch=3, hkv=8, group=4, length=8192, dim=128, path="sparse"), id="forced-sparse"),
+    pytest.param(
+        Case(batch=3, hkv=8, group=4, length=8192, dim=128, path="dense", density=0.1), id="forced-dense"
+    ),
+    pytest.param(Case(batch=6, hkv=8, group=4, length=9000, dim=128, seqlens="tensor"), id="seqlens-tensor"),
+    pytest.param(Case(batch=4, hkv=8, group=4, length=8192, dim=128, layout="strided"), id="noncontig"),
+    pytest.param(
+        Case(batch=4, hkv=8, group=4, length=8000, dim=128, layout="paged", page_size=16, seqlens="tensor"),
+        id="paged16",
+    ),
+    pytest.param(
+        Case(batch=4, hkv=8, group=4, length=8000, dim=128, layout="paged", page_size=128, mask="packed"),
+        id="paged128-packed",
+    ),
+    pytest.param(Case(batch=2, hkv=8, group=4, length=8192, dim=128, dtype=torch.bfloat16), id="bf16"),
+    pytest.param(
+        Case(batch=2, hkv=8, group=4, length=8192, dim=128, dtype=torch.bfloat16, path="sparse", density=0.1),
+        id="bf16-sparse",
+    ),
+    pytest.param(Case(batch=2, hkv=8, group=4, length=4096, dim=128, density=0.0), id="fully-masked"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_matches_reference_gpu(case: Case, cuda_device: torch.device) -> None:
+    """Every excluded K/V row (and every position past seqlens) holds NaN: results must stay exact."""
+    check_case(case, cuda_device, seed=11)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_changing_seqlens(cuda_device: torch.device) -> None:
+    c = Case(batch=4, hkv=8, group=4, length=8192, dim=128, seqlens="tensor")
+    q, k, v, mask, ref_mask, seqlens, _ = make_inputs(c, cuda_device, seed=12, poison=False)
+    assert isinstance(seqlens, torch.Tensor)
+    static_seqlens = seqlens.clone()
+    masked_decode(q, k, v, mask, seqlens=static_seqlens)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = masked_decode(q, k, v, mask, seqlens=static_seqlens)
+    for trial, lens in enumerate(([8192, 0, 1, 5000], [17, 8192, 4096, 3], [100, 200, 8191, 0])):
+        static_seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=static_seqlens)
+        torch.testing.assert_close(
+            out.float(), ref.float(), **TOL[c.dtype], msg=lambda m, t=trial: f"replay {t}: {m}"
+        )
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin)
+        torch.testing.assert_close(lse[fin], ref_lse[fin], **LSE_TOL)
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph(cuda_device: torch.device) -> None:
+    c = Case(batch=2, hkv=8, group=4, length=4096, dim=128, seqlens="tensor")
+    q, k, v, mask, ref_mask, seqlens, _ = make_inputs(c, cuda_device, seed=13, poison=False)
+
+    def step(q, k, v, mask, seqlens):
+        out, lse = masked_decode(q, k, v, mask, seqlens=seqlens, check_values=False)
+        return out * 2, lse
+
+    compiled = torch.compile(step, fullgraph=True)
+    out, lse = compiled(q, k, v, mask, seqlens)
+    ref, ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens)
+    torch.testing.assert_close(out.float(), 2 * ref.float(), **TOL[c.dtype])
+
+
+@pytest.mark.gpu
+def test_seed_entry_at_seed_shapes(cuda_device: torch.device) -> None:
+    bsz, hkv, hq, dim, alloc = 2, 8, 32, 128, 16384
+    valid = alloc // 2
+    q = torch.randn(bsz, hq, 1, dim, dtype=torch.float16, device=cuda_device)
+    kf = torch.randn(bsz * hkv * alloc * dim, dtype=torch.float16, device=cuda_device)
+    vf = torch.randn_like(kf)
+    mf = torch.randint(0, 2, (bsz * hkv * alloc,), dtype=torch.bool, device=cuda_device)
+    lse, out = triton_masked_flash_decoding(q, kf, vf, mf, valid, hkv)
+    n = bsz * hkv * valid
+    ref, ref_lse = masked_decode_ref(
+        q.squeeze(2),
+        kf[: n * dim].view(bsz, hkv, valid, dim),
+        vf[: n * dim].view(bsz, hkv, valid, dim),
+        mf[:n].view(bsz, hkv, valid),
+    )
+    torch.testing.assert_close(out.squeeze(2).float(), ref.float(), **TOL[torch.float16])
+    torch.testing.assert_close(lse.squeeze(-1), ref_lse, **LSE_TOL)
