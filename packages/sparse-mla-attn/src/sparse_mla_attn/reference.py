@@ -59,6 +59,7 @@ def _attend(
     attn_sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q [c, h, d]`` over ``rows [c, t, d]`` (float32) where ``valid [c, t]``."""
+    rows = rows.masked_fill(~valid[..., None], 0.0)  # a stand-in row for an invalid slot may hold NaN
     scores = torch.einsum("chd,ctd->cht", q, rows) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     max_logits = scores.amax(-1)

@@ -1,0 +1,53 @@
+"""Random problem generators shared by the tests, the benchmarks and the demo.
+
+Indices are drawn without repetition per query (like an indexer's top-k), optionally sprinkled with
+invalid entries; KV rows that no valid index selects can be poisoned with NaN so that a kernel that reads
+a row it should skip produces NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def random_indices(
+    s_q: int,
+    s_kv: int,
+    topk: int,
+    *,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+    chunk: int = 256,
+) -> torch.Tensor:
+    """``[s_q, 1, topk]`` int32 indices, distinct within each row when ``topk <= s_kv``.
+
+    Rows are drawn as the top-k of uniform noise, ``chunk`` rows at a time (bounded memory at s_kv 128K).
+    When ``topk > s_kv`` the extra slots are filled with -1.
+    """
+    out = torch.full((s_q, 1, topk), -1, dtype=torch.int32, device=device)
+    k = min(topk, s_kv)
+    for s0 in range(0, s_q, chunk):
+        s1 = min(s0 + chunk, s_q)
+        noise = torch.rand(s1 - s0, s_kv, device=device, generator=generator)
+        out[s0:s1, 0, :k] = noise.topk(k, dim=-1).indices.int()
+    return out
+
+
+def poison_unselected(kv: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Return a copy of ``kv [s_kv, 1, d]`` whose rows that no in-range index selects are NaN."""
+    s_kv = kv.shape[0]
+    idx = indices.flatten().long()
+    idx = idx[(idx >= 0) & (idx < s_kv)]
+    used = torch.zeros(s_kv, dtype=torch.bool, device=kv.device)
+    used[idx] = True
+    return kv.masked_fill(~used[:, None, None], float("nan"))
+
+
+def sprinkle_invalid(
+    indices: torch.Tensor, s_kv: int, frac: float, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Replace a fraction of entries by invalid values (-1, s_kv, s_kv + 7, 2**31 - 1, -2**31)."""
+    zoo = torch.tensor([-1, s_kv, s_kv + 7, 2**31 - 1, -(2**31)], dtype=torch.int64, device=indices.device)
+    pick = torch.rand(indices.shape, device=indices.device, generator=generator) < frac
+    which = torch.randint(0, len(zoo), indices.shape, device=indices.device, generator=generator)
+    return torch.where(pick, zoo[which], indices.long()).to(torch.int32)

@@ -1,0 +1,126 @@
+"""attn_dist and indexer_target against the float32 reference."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from sparse_mla_attn import attn_dist, attn_dist_ref, indexer_target, sparse_mla_fwd
+from sparse_mla_attn._inputs import poison_unselected, random_indices, sprinkle_invalid
+
+TOL = {"cpu": (1e-5, 1e-4), "gpu": (1e-4, 2e-3)}  # (atol, rtol) on attn_sum
+
+
+def cpu_device() -> str:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.fail("the kernel tests need TRITON_INTERPRET=1 on a CPU-only machine (nox -s tests sets it)")
+    raise AssertionError
+
+
+def problem(s_q, h_q, d_qk, s_kv, topk, device, seed, invalid_frac=0.2):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(s_q, h_q, d_qk, device=device, generator=g).bfloat16()
+    kv = torch.randn(s_kv, 1, d_qk, device=device, generator=g).bfloat16()
+    idx = sprinkle_invalid(
+        random_indices(s_q, s_kv, topk, device=device, generator=g), s_kv, invalid_frac, generator=g
+    )
+    return q, poison_unselected(kv, idx), idx
+
+
+@pytest.mark.parametrize(
+    ("s_q", "h_q", "d_qk", "s_kv", "topk", "q_start_index", "k_stride"),
+    [
+        pytest.param(5, 16, 576, 40, 23, 0, 1, id="S5-H16-D576-T23-start0"),
+        pytest.param(4, 3, 512, 30, 17, 6, 1, id="S4-H3-D512-T17-start6"),
+        pytest.param(3, 70, 576, 25, 11, 4, 3, id="S3-H70-D576-T11-stride3"),
+        pytest.param(6, 9, 576, 20, 5, 1, 4, id="S6-H9-D576-T5-stride4"),
+    ],
+)
+def test_attn_dist_matches_reference(s_q, h_q, d_qk, s_kv, topk, q_start_index, k_stride):
+    dev = cpu_device()
+    q, kv, idx = problem(s_q, h_q, d_qk, s_kv, topk, dev, seed=s_q + 10 * h_q)
+    kw = {"causal": True, "q_start_index": q_start_index, "k_stride": k_stride}
+    _, _, lse = sparse_mla_fwd(q, kv, idx, 0.05, **kw)
+    got = attn_dist(q, kv, idx, lse, 0.05, q_start_index=q_start_index, k_stride=k_stride)
+    ref = attn_dist_ref(q, kv, idx, lse, 0.05, q_start_index=q_start_index, k_stride=k_stride)
+    atol, rtol = TOL["cpu"]
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    # With the forward's lse (same causal settings) every head's probabilities sum to 1.
+    has_any = torch.isfinite(lse).all(-1)
+    torch.testing.assert_close(
+        got.sum(-1)[has_any], torch.full_like(got.sum(-1)[has_any], float(h_q)), rtol=1e-4, atol=1e-4
+    )
+    assert torch.all(got.sum(-1)[~has_any] == 0)
+
+
+def test_attn_dist_lse_base2_and_non_causal():
+    dev = cpu_device()
+    q, kv, idx = problem(4, 8, 576, 30, 13, dev, seed=7)
+    _, _, lse = sparse_mla_fwd(q, kv, idx, 0.05)
+    got_e = attn_dist(q, kv, idx, lse, 0.05, causal=False)
+    got_2 = attn_dist(q, kv, idx, lse * math.log2(math.e), 0.05, causal=False, lse_base="2")
+    ref = attn_dist_ref(q, kv, idx, lse, 0.05, causal=False)
+    torch.testing.assert_close(got_e, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got_2, ref, atol=1e-5, rtol=1e-4)
+    # Invalid slots are exactly 0.
+    invalid = (idx[:, 0] < 0) | (idx[:, 0] >= 30)
+    assert torch.all(got_e[invalid] == 0)
+
+
+def test_attn_dist_causal_masks_future_slots():
+    dev = cpu_device()
+    s_q, s_kv = 4, 16
+    q, kv, idx = problem(s_q, 4, 576, s_kv, 16, dev, seed=8, invalid_frac=0.0)
+    lse = torch.zeros(s_q, 4, device=dev)
+    got = attn_dist(q, kv, idx, lse, 0.05, q_start_index=2, k_stride=1)
+    limit = torch.arange(s_q, device=dev) + 2  # (pos + 1 - 1) / 1
+    future = idx[:, 0] > limit[:, None]
+    assert future.any()
+    assert torch.all(got[future] == 0)
+    assert torch.all(got[~future] > 0)
+
+
+def test_indexer_target_normalises_and_detaches():
+    a = torch.tensor([[1.0, 3.0, 0.0], [0.0, 0.0, 0.0]], requires_grad=True)
+    t = indexer_target(a)
+    assert not t.requires_grad
+    torch.testing.assert_close(t, torch.tensor([[0.25, 0.75, 0.0], [0.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="attn_sum"):
+        indexer_target(torch.ones(3))
+
+
+def test_attn_dist_custom_op_fake_and_schema():
+    dev = cpu_device()
+    q, kv, idx = problem(2, 4, 576, 9, 5, dev, seed=9)
+    lse = torch.zeros(2, 4, device=dev)
+    torch.library.opcheck(
+        torch.ops.sparse_mla_attn.attn_dist.default,
+        (q, kv, idx, lse, 0.05, 0, 1, "e", True),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("s_q", "h_q", "s_kv", "topk"),
+    [
+        pytest.param(256, 128, 8192, 2048, id="S256-H128-K8K-T2048"),
+        pytest.param(128, 64, 131072, 2048, id="S128-H64-K128K-T2048"),
+        pytest.param(64, 20, 4096, 300, id="S64-H20-K4K-T300"),
+    ],
+)
+def test_attn_dist_gpu(s_q, h_q, s_kv, topk):
+    q, kv, idx = problem(s_q, h_q, 576, s_kv, topk, "cuda", seed=h_q, invalid_frac=0.05)
+    start = s_kv - s_q  # queries at the end of the sequence: the causal limit bites for some slots
+    _, _, lse = sparse_mla_fwd(q, kv, idx, 0.0416, causal=True, q_start_index=start)
+    got = attn_dist(q, kv, idx, lse, 0.0416, q_start_index=start)
+    ref = attn_dist_ref(q, kv, idx, lse, 0.0416, q_start_index=start)
+    atol, rtol = TOL["gpu"]
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(
+        got.sum(-1), torch.full((s_q,), float(h_q), device="cuda"), rtol=2e-3, atol=2e-3
+    )

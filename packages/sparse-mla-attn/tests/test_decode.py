@@ -1,0 +1,96 @@
+"""sparse_mla_decode (paged cache, indices are sequence positions) against its float32 reference."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from sparse_mla_attn import sparse_mla_decode, sparse_mla_decode_ref
+from sparse_mla_attn.reference import paged_rows
+
+
+def cpu_device() -> str:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.fail("the kernel tests need TRITON_INTERPRET=1 on a CPU-only machine (nox -s tests sets it)")
+    raise AssertionError
+
+
+def paged_problem(b, s_q, h_q, d_qk, block_size, seqlens, topk, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    max_blocks = max(1, max(math.ceil(s / block_size) for s in seqlens))
+    num_blocks = b * max_blocks + 3
+    q = torch.randn(b, s_q, h_q, d_qk, device=device, generator=g).bfloat16()
+    cache = torch.randn(num_blocks, block_size, 1, d_qk, device=device, generator=g).bfloat16()
+    perm = torch.randperm(num_blocks, device=device, generator=g)[: b * max_blocks]
+    block_table = perm.view(b, max_blocks).int()
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    hi = max(max(seqlens), 1)
+    indices = torch.randint(-3, hi + 5, (b, s_q, topk), device=device, generator=g, dtype=torch.int32)
+    indices[..., 0] = 2**31 - 1
+    # Unused table entries point far outside the cache: they must never be followed.
+    for i, s in enumerate(seqlens):
+        block_table[i, math.ceil(s / block_size) :] = 10**8
+    # Poison every cache row that no valid index reaches.
+    rows, valid = paged_rows(indices, block_table, cache_seqlens, block_size)
+    used = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
+    used[rows[valid]] = True
+    cache = cache.view(-1, d_qk).masked_fill(~used[:, None], float("nan")).view_as(cache)
+    return q, cache, block_table, cache_seqlens, indices
+
+
+def check(got, args, sm_scale, atol, rtol):
+    q, cache, bt, sl, idx = args
+    ref_out, ref_lse = sparse_mla_decode_ref(q.float(), cache.float(), bt, sl, idx, sm_scale)
+    assert not torch.isnan(got[0]).any()
+    torch.testing.assert_close(got[0].float(), ref_out, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got[1], ref_lse, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("b", "s_q", "h_q", "d_qk", "block_size", "seqlens", "topk"),
+    [
+        pytest.param(3, 1, 16, 576, 16, (70, 5, 0), 21, id="B3-S1-H16-D576-bs16"),
+        pytest.param(2, 2, 5, 512, 8, (30, 17), 13, id="B2-S2-H5-D512-bs8"),
+        pytest.param(1, 3, 66, 576, 64, (100,), 9, id="B1-S3-H66-D576-bs64"),
+    ],
+)
+def test_decode_matches_reference(b, s_q, h_q, d_qk, block_size, seqlens, topk):
+    dev = cpu_device()
+    args = paged_problem(b, s_q, h_q, d_qk, block_size, seqlens, topk, dev, seed=b + h_q)
+    got = sparse_mla_decode(*args, 1 / math.sqrt(d_qk))
+    check(got, args, 1 / math.sqrt(d_qk), 1e-2, 1e-2)
+    for i, s in enumerate(seqlens):
+        if s == 0:  # an empty sequence: nothing to attend to
+            assert torch.all(got[0][i] == 0)
+            assert torch.all(got[1][i] == float("-inf"))
+
+
+def test_decode_custom_op_fake_and_schema():
+    dev = cpu_device()
+    args = paged_problem(2, 1, 4, 576, 8, (9, 3), 5, dev, seed=1)
+    torch.library.opcheck(
+        torch.ops.sparse_mla_attn.sparse_mla_decode.default,
+        (*args, 0.05, 512),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("b", "h_q", "block_size", "seqlen", "topk"),
+    [
+        pytest.param(64, 128, 64, 8192, 2048, id="B64-H128-bs64-L8K-T2048"),
+        pytest.param(8, 128, 64, 65536, 2048, id="B8-H128-bs64-L64K-T2048"),
+        pytest.param(16, 16, 32, 3000, 500, id="B16-H16-bs32-L3000-T500"),
+    ],
+)
+def test_decode_gpu(b, h_q, block_size, seqlen, topk):
+    g = torch.Generator(device="cuda").manual_seed(b)
+    seqlens = torch.randint(seqlen // 2, seqlen + 1, (b,), generator=g, device="cuda").tolist()
+    args = paged_problem(b, 1, h_q, 576, block_size, seqlens, topk, "cuda", seed=b + h_q)
+    got = sparse_mla_decode(*args, 1 / math.sqrt(576))
+    check(got, args, 1 / math.sqrt(576), 8e-4, 2e-2)

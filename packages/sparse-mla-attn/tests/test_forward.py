@@ -1,0 +1,202 @@
+"""sparse_mla_fwd against its float32 reference (CPU: Triton interpreter, tiny shapes; GPU: real shapes)."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from sparse_mla_attn import sparse_mla_fwd, sparse_mla_fwd_ref
+from sparse_mla_attn._inputs import poison_unselected, random_indices, sprinkle_invalid
+
+# (atol, rtol) per quantity. The interpreter multiplies in float32, so only out's bf16 rounding shows on CPU;
+# on the GPU the probabilities are rounded to bf16 before P·V (FlashMLA does the same).
+TOL = {
+    "cpu": {"out": (1e-2, 1e-2), "lse": (1e-4, 1e-5), "max_logits": (1e-4, 1e-5)},
+    "gpu": {"out": (8e-4, 2e-2), "lse": (2e-4, 1e-5), "max_logits": (2e-4, 1e-5)},
+}
+
+
+def cpu_device() -> str:
+    """Device for the non-GPU tests: CPU tensors under TRITON_INTERPRET=1, else the GPU."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.fail("the kernel tests need TRITON_INTERPRET=1 on a CPU-only machine (nox -s tests sets it)")
+    raise AssertionError
+
+
+def make_problem(s_q, h_q, d_qk, s_kv, topk, device, seed, invalid_frac=0.0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(s_q, h_q, d_qk, device=device, generator=g).bfloat16()
+    kv = torch.randn(s_kv, 1, d_qk, device=device, generator=g).bfloat16()
+    idx = random_indices(s_q, s_kv, topk, device=device, generator=g)
+    if invalid_frac:
+        idx = sprinkle_invalid(idx, s_kv, invalid_frac, generator=g)
+    return q, kv, idx
+
+
+def check_fwd(got, q, kv, idx, sm_scale, where, **kw):
+    # The reference runs on the same bf16 values, upcast: out stays float32 so only the kernel rounds it.
+    ref = sparse_mla_fwd_ref(q.float(), kv.float(), idx, sm_scale, **kw)
+    for name, g, r in zip(("out", "max_logits", "lse"), got, ref, strict=True):
+        atol, rtol = TOL[where][name]
+        assert not torch.isnan(g).any(), f"{name} has NaN"
+        torch.testing.assert_close(
+            g.float(), r.float(), atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+CPU_SHAPES = [
+    pytest.param(3, 16, 576, 50, 21, id="S3-H16-D576-K50-T21"),
+    pytest.param(4, 5, 512, 40, 37, id="S4-H5-D512-K40-T37"),
+    pytest.param(2, 70, 576, 30, 9, id="S2-H70-D576-K30-T9"),
+    pytest.param(3, 2, 576, 7, 1, id="S3-H2-D576-K7-T1"),
+    pytest.param(2, 3, 576, 20, 33, id="S2-H3-D576-K20-T33"),
+]
+
+
+@pytest.mark.parametrize(("s_q", "h_q", "d_qk", "s_kv", "topk"), CPU_SHAPES)
+def test_fwd_matches_reference(s_q, h_q, d_qk, s_kv, topk):
+    dev = cpu_device()
+    q, kv, idx = make_problem(s_q, h_q, d_qk, s_kv, topk, dev, seed=s_q * 1000 + h_q + topk)
+    kv = poison_unselected(kv, idx)
+    scale = 1 / math.sqrt(d_qk)
+    check_fwd(sparse_mla_fwd(q, kv, idx, scale), q, kv, idx, scale, "cpu")
+
+
+def test_fwd_invalid_index_zoo_and_empty_rows():
+    dev = cpu_device()
+    s_kv = 24
+    q, kv, idx = make_problem(5, 8, 576, s_kv, 13, dev, seed=1, invalid_frac=0.4)
+    zoo = torch.tensor([-1, s_kv, s_kv + 1, 2**31 - 1, -(2**31), 10**9], dtype=torch.int32)
+    idx[0, 0, : len(zoo)] = zoo.to(dev)  # every kind of invalid index in one row
+    idx[2, 0, :] = -1  # a query with no valid index
+    idx[3, 0, :] = s_kv  # another, out of range on the other side
+    kv = poison_unselected(kv, idx)
+    out, max_logits, lse = sparse_mla_fwd(q, kv, idx, 0.04)
+    check_fwd((out, max_logits, lse), q, kv, idx, 0.04, "cpu")
+    for s in (2, 3):
+        assert torch.all(out[s] == 0)
+        assert torch.all(lse[s] == float("-inf"))
+        assert torch.all(max_logits[s] == float("-inf"))
+
+
+def test_fwd_duplicates_count_twice():
+    dev = cpu_device()
+    q, kv, idx = make_problem(2, 4, 576, 16, 6, dev, seed=2)
+    idx[:, 0, :] = torch.tensor([3, 3, 3, 5, 5, 9], dtype=torch.int32)
+    out, _, lse = sparse_mla_fwd(q, kv, idx, 0.05)
+    check_fwd((out, _, lse), q, kv, idx, 0.05, "cpu")
+    logits = torch.einsum("shd,td->sht", q.float(), kv[[3, 5, 9], 0].float()) * 0.05
+    weights = torch.tensor([3.0, 2.0, 1.0], device=dev)
+    torch.testing.assert_close(lse, torch.logsumexp(logits + weights.log(), -1), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("q_start_index", "k_stride"),
+    [
+        pytest.param(0, 1, id="start0-stride1"),
+        pytest.param(5, 1, id="start5-stride1"),
+        pytest.param(3, 4, id="start3-stride4"),
+    ],
+)
+def test_fwd_causal_limit(q_start_index, k_stride):
+    dev = cpu_device()
+    s_q, s_kv = 6, 12
+    q, kv, idx = make_problem(s_q, 6, 576, s_kv, 12, dev, seed=3 + k_stride)
+    out, max_logits, lse = sparse_mla_fwd(
+        q, kv, idx, 0.05, causal=True, q_start_index=q_start_index, k_stride=k_stride
+    )
+    check_fwd(
+        (out, max_logits, lse),
+        q,
+        kv,
+        idx,
+        0.05,
+        "cpu",
+        causal=True,
+        q_start_index=q_start_index,
+        k_stride=k_stride,
+    )
+    # Independent check of the limit for one query: entries above (pos + 1 - k_stride) / k_stride (C division) are skipped.
+    s = s_q - 1
+    pos = q_start_index + s
+    limit = int((pos + 1 - k_stride) / k_stride)
+    sel = [int(i) for i in idx[s, 0] if 0 <= int(i) <= limit]
+    logits = q[s].float() @ kv[sel, 0].float().T * 0.05
+    torch.testing.assert_close(lse[s], torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-5)
+
+
+def test_fwd_attn_sink_and_topk_length():
+    dev = cpu_device()
+    s_q, h_q, topk = 4, 6, 19
+    q, kv, idx = make_problem(s_q, h_q, 576, 30, topk, dev, seed=4)
+    sink = torch.randn(h_q, device=dev) * 3
+    topk_length = torch.tensor([19, 7, 0, 30], dtype=torch.int32, device=dev)
+    # Slots past topk_length may hold anything, even rows that must not be read.
+    idx[1, 0, 7:] = 2**31 - 1
+    got = sparse_mla_fwd(q, kv, idx, 0.05, attn_sink=sink, topk_length=topk_length)
+    check_fwd(got, q, kv, idx, 0.05, "cpu", attn_sink=sink, topk_length=topk_length)
+    assert torch.all(got[0][2] == 0)
+    assert torch.all(got[2][2] == float("-inf"))
+    # lse ignores the sink; out is scaled by 1 / (1 + exp(sink - lse)).
+    plain = sparse_mla_fwd(q, kv, idx, 0.05, topk_length=topk_length)
+    torch.testing.assert_close(got[2], plain[2])
+    factor = torch.sigmoid(plain[2] - sink[None, :])[0]
+    torch.testing.assert_close(
+        got[0][0].float(), (plain[0][0].float() * factor[:, None]), atol=1e-2, rtol=1e-2
+    )
+
+
+def test_fwd_custom_op_fake_and_schema():
+    dev = cpu_device()
+    q, kv, idx = make_problem(2, 4, 576, 9, 5, dev, seed=5)
+    sink = torch.zeros(4, device=dev)
+    torch.library.opcheck(
+        torch.ops.sparse_mla_attn.sparse_mla_fwd.default,
+        (q, kv, idx, 0.05, 512, sink, None, 0, 1, False),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+# ---------------------------------------------------------------- GPU, real shapes
+
+GPU_SHAPES = [
+    pytest.param(256, 128, 576, 8192, 2048, id="S256-H128-D576-K8K-T2048"),
+    pytest.param(128, 64, 576, 131072, 2048, id="S128-H64-D576-K128K-T2048"),
+    pytest.param(64, 16, 576, 32768, 1000, id="S64-H16-D576-K32K-T1000"),
+    pytest.param(96, 100, 512, 4096, 777, id="S96-H100-D512-K4K-T777"),
+    pytest.param(33, 1, 576, 2048, 65, id="S33-H1-D576-K2K-T65"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("s_q", "h_q", "d_qk", "s_kv", "topk"), GPU_SHAPES)
+def test_fwd_gpu(s_q, h_q, d_qk, s_kv, topk):
+    q, kv, idx = make_problem(s_q, h_q, d_qk, s_kv, topk, "cuda", seed=topk + h_q, invalid_frac=0.05)
+    idx[0, 0, :] = -1
+    kv = poison_unselected(kv, idx)
+    scale = 1 / math.sqrt(d_qk)
+    got = sparse_mla_fwd(q, kv, idx, scale)
+    check_fwd(got, q, kv, idx, scale, "gpu")
+    assert torch.all(got[0][0] == 0)
+    assert torch.all(got[2][0] == float("-inf"))
+
+
+@pytest.mark.gpu
+def test_fwd_gpu_causal_sink_topk_length():
+    s_q, h_q, s_kv, topk = 200, 128, 4096, 512
+    q, kv, idx = make_problem(s_q, h_q, 576, s_kv, topk, "cuda", seed=11)
+    sink = torch.randn(h_q, device="cuda")
+    topk_length = torch.randint(0, topk + 1, (s_q,), dtype=torch.int32, device="cuda")
+    kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 3000, "k_stride": 2}
+    check_fwd(sparse_mla_fwd(q, kv, idx, 0.04, **kw), q, kv, idx, 0.04, "gpu", **kw)
+
+
+@pytest.mark.gpu
+def test_fwd_gpu_torch_compile():
+    q, kv, idx = make_problem(64, 128, 576, 4096, 256, "cuda", seed=12)
+    compiled = torch.compile(lambda a, b, c: sparse_mla_fwd(a, b, c, 0.05)[0] * 2, fullgraph=True)
+    torch.testing.assert_close(compiled(q, kv, idx), sparse_mla_fwd(q, kv, idx, 0.05)[0] * 2)
