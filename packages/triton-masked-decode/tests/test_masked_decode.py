@@ -130,8 +130,10 @@ def check_case(c: Case, device: torch.device, seed: int = 0) -> None:
         q, k, v, mask, seqlens=seqlens, block_table=block_table, path=c.path, num_splits=c.num_splits
     )
     ref_out, ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens, block_table=block_table)
-    assert out.dtype == q.dtype and out.shape == q.shape
-    assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+    assert out.dtype == q.dtype
+    assert out.shape == q.shape
+    assert lse.dtype == torch.float32
+    assert lse.shape == q.shape[:2]
     assert not torch.isnan(out).any(), "NaN in output"
     assert not torch.isnan(lse).any(), "NaN in lse"
     torch.testing.assert_close(out.float(), ref_out.float(), **TOL[c.dtype])
@@ -175,7 +177,8 @@ def test_q4d_return_lse_false_and_scale(cpu_device: torch.device) -> None:
     c = Case()
     q, k, v, mask, ref_mask, _, _ = make_inputs(c, cpu_device, seed=3)
     out = masked_decode(q.unsqueeze(2), k, v, mask, sm_scale=0.3, return_lse=False)
-    assert isinstance(out, torch.Tensor) and out.shape == (c.batch, c.hkv * c.group, 1, c.dim)
+    assert isinstance(out, torch.Tensor)
+    assert out.shape == (c.batch, c.hkv * c.group, 1, c.dim)
     ref, _ = masked_decode_ref(q, k, v, ref_mask, sm_scale=0.3)
     torch.testing.assert_close(out.squeeze(2).float(), ref.float(), **TOL[c.dtype])
 
@@ -198,8 +201,10 @@ def test_seed_compatible_entry(cpu_device: torch.device) -> None:
     vf = torch.randn(bsz * hkv * alloc * dim, generator=g).half()
     mf = torch.rand(bsz * hkv * alloc, generator=g) < 0.5
     lse, out = triton_masked_flash_decoding(q, kf, vf, mf, valid, hkv)
-    assert lse.shape == (bsz, hkv * group, 1) and lse.dtype == torch.float32
-    assert out.shape == (bsz, hkv * group, 1, dim) and out.dtype == torch.float16
+    assert lse.shape == (bsz, hkv * group, 1)
+    assert lse.dtype == torch.float32
+    assert out.shape == (bsz, hkv * group, 1, dim)
+    assert out.dtype == torch.float16
     n = bsz * hkv * valid
     ref, ref_lse = masked_decode_ref(
         q.squeeze(2),
@@ -307,8 +312,10 @@ def test_invalid_block_table(cpu_device: torch.device) -> None:
 def test_split_heuristic(batch: int, hkv: int, length: int) -> None:
     sms, block_n = 132, 64
     splits, chunk = choose_num_splits(batch, hkv, length, block_n, sms)
-    assert chunk % block_n == 0 and splits >= 1
-    assert splits * chunk >= length and (splits - 1) * chunk < max(length, 1)
+    assert chunk % block_n == 0
+    assert splits >= 1
+    assert splits * chunk >= length
+    assert (splits - 1) * chunk < max(length, 1)
     assert chunk <= 4096
     if length >= 4 * sms * block_n // (batch * hkv):
         assert batch * hkv * splits >= 2 * sms, "long sequences must fill the GPU"
@@ -392,8 +399,8 @@ def test_torch_compile_fullgraph(cuda_device: torch.device) -> None:
         return out * 2, lse
 
     compiled = torch.compile(step, fullgraph=True)
-    out, lse = compiled(q, k, v, mask, seqlens)
-    ref, ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens)
+    out, _lse = compiled(q, k, v, mask, seqlens)
+    ref, _ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens)
     torch.testing.assert_close(out.float(), 2 * ref.float(), **TOL[c.dtype])
 
 

@@ -23,7 +23,8 @@ def test_pack_mask_matches_numpy_little_endian(length: int) -> None:
         axis=-1,
         bitorder="little",
     )
-    assert packed.dtype == torch.uint8 and packed.shape == (3, 2, (length + 7) // 8)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (3, 2, (length + 7) // 8)
     np.testing.assert_array_equal(packed.numpy(), want)
     assert torch.equal(unpack_mask(packed, length), mask)
 
@@ -45,7 +46,8 @@ def test_merge_matches_reference(dtype: torch.dtype, cpu_device: torch.device) -
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(lse, ref_lse)
-    assert lse[1, 1] == float("-inf") and torch.all(out[1, 1] == 0)
+    assert lse[1, 1] == float("-inf")
+    assert torch.all(out[1, 1] == 0)
 
 
 def test_merge_recombines_split_cache(cpu_device: torch.device) -> None:
