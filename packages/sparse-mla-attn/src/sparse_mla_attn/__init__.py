@@ -3,8 +3,17 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from sparse_mla_attn.attn_dist import attn_dist, indexer_target
+from sparse_mla_attn.autograd import SparseMLAAttention, sparse_mla
+from sparse_mla_attn.backward import sparse_mla_bwd, sparse_mla_bwd_ref
 from sparse_mla_attn.decode import sparse_mla_decode
 from sparse_mla_attn.forward import sparse_mla_fwd
+from sparse_mla_attn.indexer import (
+    indexer_kl_loss,
+    indexer_kl_loss_ref,
+    indexer_logits,
+    indexer_logits_ref,
+    indexer_topk,
+)
 from sparse_mla_attn.reference import attn_dist_ref, sparse_mla_decode_ref, sparse_mla_fwd_ref
 
 try:
@@ -13,10 +22,19 @@ except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0+src"
 
 __all__ = [
+    "SparseMLAAttention",
     "__version__",
     "attn_dist",
     "attn_dist_ref",
+    "indexer_kl_loss",
+    "indexer_kl_loss_ref",
+    "indexer_logits",
+    "indexer_logits_ref",
     "indexer_target",
+    "indexer_topk",
+    "sparse_mla",
+    "sparse_mla_bwd",
+    "sparse_mla_bwd_ref",
     "sparse_mla_decode",
     "sparse_mla_decode_ref",
     "sparse_mla_fwd",

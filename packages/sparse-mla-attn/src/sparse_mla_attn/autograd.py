@@ -1,0 +1,110 @@
+"""Autograd for sparse MLA: :class:`SparseMLAAttention` and the functional :func:`sparse_mla`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sparse_mla_attn.backward import sparse_mla_bwd
+
+__all__ = ["SparseMLAAttention", "sparse_mla"]
+
+
+def _bwd_forward_impl() -> Any:
+    """The Triton forward ``sparse_mla_fwd``, imported when first needed."""
+    try:
+        from sparse_mla_attn.forward import sparse_mla_fwd
+    except ImportError as exc:  # the forward module is built separately
+        raise RuntimeError(
+            "sparse_mla needs the Triton forward sparse_mla_attn.forward.sparse_mla_fwd, which this install "
+            "does not have; call sparse_mla_bwd directly with your own forward's out and lse"
+        ) from exc
+    return sparse_mla_fwd
+
+
+class SparseMLAAttention(torch.autograd.Function):
+    """``out, lse = SparseMLAAttention.apply(q, kv, indices, sm_scale, d_v, q_start_index, k_stride, causal,
+    deterministic)``.
+
+    Forward through the Triton ``sparse_mla_fwd``, backward through :func:`sparse_mla_bwd`. Gradients flow
+    to ``q`` and ``kv``; ``lse`` is returned for the indexer target and is not differentiable.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        indices: torch.Tensor,
+        sm_scale: float,
+        d_v: int,
+        q_start_index: int,
+        k_stride: int,
+        causal: bool,
+        deterministic: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        fwd = _bwd_forward_impl()
+        out, _max_logits, lse = fwd(
+            q, kv, indices, sm_scale, d_v, q_start_index=q_start_index, k_stride=k_stride, causal=causal
+        )
+        ctx.save_for_backward(q, kv, indices, out, lse)
+        ctx.args = (sm_scale, d_v, q_start_index, k_stride, causal, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        q, kv, indices, out, lse = ctx.saved_tensors
+        sm_scale, d_v, q_start_index, k_stride, causal, deterministic = ctx.args
+        dq, dkv = sparse_mla_bwd(
+            q,
+            kv,
+            out,
+            dout.contiguous(),
+            indices,
+            lse,
+            sm_scale,
+            d_v,
+            q_start_index=q_start_index,
+            k_stride=k_stride,
+            causal=causal,
+            deterministic=deterministic,
+        )
+        return dq, dkv, None, None, None, None, None, None, None
+
+
+def sparse_mla(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    *,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    causal: bool = False,
+    deterministic: bool = False,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable sparse MLA attention: each query attends to its top-k KV rows.
+
+    Args:
+        q: ``[s_q, h_q, d_qk]`` bf16, ``d_qk`` = 576 or 512.
+        kv: ``[s_kv, 1, d_qk]`` bf16; the first ``d_v`` channels are the values.
+        indices: ``[s_q, 1, topk]`` int32 global row indices; ``< 0`` or ``>= s_kv`` is invalid.
+        sm_scale: softmax scale applied to ``q · k``.
+        d_v: value head dim.
+        q_start_index: position of query 0 (causal limit).
+        k_stride: KV compression stride (causal limit).
+        causal: mask slots above ``(q_pos + 1 - k_stride) / k_stride``.
+        deterministic: use the bit-reproducible ``dkv`` reduction in the backward.
+        return_lse: also return ``lse [s_q, h_q]`` fp32 (natural log, not differentiable).
+
+    Returns:
+        ``out [s_q, h_q, d_v]`` (and ``lse`` if asked). ``out.backward()`` fills ``q.grad`` and ``kv.grad``.
+    """
+    out, lse = SparseMLAAttention.apply(
+        q, kv, indices, sm_scale, d_v, q_start_index, k_stride, causal, deterministic
+    )
+    return (out, lse) if return_lse else out

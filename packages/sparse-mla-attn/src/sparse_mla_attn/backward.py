@@ -1,0 +1,604 @@
+"""Sparse MLA backward: ``dq`` and ``dkv`` for DeepSeek sparse attention, in Triton.
+
+Forward (for one query ``s``, head ``h`` and its top-k slots ``t``; ``K_t = kv[indices[s, 0, t]]``,
+``V_t = K_t[:d_v]``)::
+
+    S[h, t] = sm_scale * q[s, h] · K_t          P = exp(S - lse)          out[s, h] = Σ_t P[h, t] V_t
+
+Backward, with ``D[h] = Σ_d dout[s, h, d] * out[s, h, d]``::
+
+    dP[h, t] = dout[s, h] · V_t                  dS = P * (dP - D)
+    dq[s, h]  = sm_scale * Σ_t dS[h, t] K_t
+    dkv[r]   += Σ_{(s, t): indices[s, 0, t] = r}  sm_scale * Σ_h dS[h, t] q[s, h]   (all d_qk channels)
+              + Σ_h P[h, t] dout[s, h]                                             (first d_v channels)
+
+Invalid slots (index ``< 0`` or ``>= s_kv``, or above the causal limit) carry ``P = 0`` and are never
+dereferenced. Three kernels run per chunk of query tokens: ``D = rowsum(dout * out)``; a main kernel
+(one program per token and head block) that recomputes ``S``/``P``, forms ``dS``, writes it (scaled, in the
+input dtype) to a workspace and reduces ``dS^T q + P^T dout`` into ``dkv`` with fp32 atomics; and a ``dq``
+kernel that multiplies the workspace ``dS`` by the gathered rows. In the deterministic mode the main
+kernel writes its per-(token, slot) ``dkv`` contributions to an fp32 workspace instead, and a reduction
+kernel sums them per KV row in a fixed order (pairs sorted by (row, token, slot)), so the result is
+bit-identical from run to run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["sparse_mla_bwd", "sparse_mla_bwd_ref"]
+
+# Workspace caps (bytes) that set how many query tokens one pass of kernels handles.
+_BWD_DS_WORKSPACE_BYTES = 2 << 30
+_BWD_DET_WORKSPACE_BYTES = 4 << 30
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch reference
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _bwd_valid_slots(
+    indices: torch.Tensor, s_kv: int, q_start_index: int, k_stride: int, causal: bool
+) -> torch.Tensor:
+    """``[s_q, topk]`` bool: which top-k slots are used (in range, and within the causal limit)."""
+    idx = indices[:, 0].long()
+    valid = (idx >= 0) & (idx < s_kv)
+    if causal:
+        q_pos = q_start_index + torch.arange(idx.shape[0], device=idx.device)
+        # (q_pos + 1 - k_stride) / k_stride with C (truncating) division; q_pos >= 0 so clamping at 0 is it.
+        max_k = torch.clamp(q_pos + 1 - k_stride, min=0) // k_stride
+        valid &= idx <= max_k[:, None]
+    return valid
+
+
+def _bwd_chunk_rows(s_q: int, per_token_elems: int, budget_elems: int = 1 << 26) -> int:
+    return max(1, min(s_q, budget_elems // max(per_token_elems, 1)))
+
+
+def _bwd_compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _bwd_fwd_math(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    *,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable forward in float32 (float64 if an input is float64): ``(out, lse)``.
+
+    Unchunked: meant for small shapes (tests, gradcheck). ``out`` is 0 and ``lse`` is -inf on a query with
+    no usable slot.
+    """
+    cdt = _bwd_compute_dtype(q, kv)
+    s_kv = kv.shape[0]
+    valid = _bwd_valid_slots(indices, s_kv, q_start_index, k_stride, causal)
+    rows = kv[:, 0].to(cdt)[indices[:, 0].long().clamp(0, s_kv - 1)]
+    scores = torch.einsum("shd,std->sht", q.to(cdt), rows) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    p = torch.where(valid[:, None, :], torch.exp(scores - lse[..., None]), torch.zeros_like(scores))
+    out = torch.einsum("sht,std->shd", p, rows[..., :d_v])
+    return out, lse
+
+
+def sparse_mla_bwd_ref(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    *,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 torch reference of :func:`sparse_mla_bwd` (float64 when an input is float64).
+
+    Chunked over query tokens so that memory stays bounded (about 256 MiB of temporaries per chunk) at
+    s_q = 4096, topk = 2048. Uses the given ``out`` and ``lse`` exactly as the kernel does.
+
+    Returns:
+        ``dq [s_q, h_q, d_qk]`` and ``dkv [s_kv, 1, d_qk]``, both in the compute dtype (float32/float64).
+    """
+    cdt = _bwd_compute_dtype(q, kv, out, dout, lse)
+    s_q, h_q, d_qk = q.shape
+    s_kv = kv.shape[0]
+    topk = indices.shape[-1]
+    kv_c = kv[:, 0].to(cdt)
+    dq = torch.empty(s_q, h_q, d_qk, dtype=cdt, device=q.device)
+    dkv = torch.zeros(s_kv, d_qk, dtype=cdt, device=q.device)
+    chunk = _bwd_chunk_rows(s_q, topk * max(d_qk, h_q) * 3)
+    for s0 in range(0, s_q, chunk):
+        s1 = min(s_q, s0 + chunk)
+        valid = _bwd_valid_slots(indices[s0:s1], s_kv, q_start_index + s0, k_stride, causal)
+        idx = indices[s0:s1, 0].long().clamp(0, s_kv - 1)
+        rows = kv_c[idx]  # [c, topk, d_qk]
+        qc, doc = q[s0:s1].to(cdt), dout[s0:s1].to(cdt)
+        scores = torch.einsum("shd,std->sht", qc, rows) * sm_scale
+        p = torch.exp(scores - lse[s0:s1, :, None].to(cdt))
+        p = torch.where(valid[:, None, :], p, torch.zeros_like(p))
+        delta = (doc * out[s0:s1].to(cdt)).sum(-1)
+        dp = torch.einsum("shd,std->sht", doc, rows[..., :d_v])
+        ds = p * (dp - delta[..., None]) * sm_scale
+        dq[s0:s1] = torch.einsum("sht,std->shd", ds, rows)
+        drows = torch.einsum("sht,shd->std", ds, qc)
+        drows[..., :d_v] += torch.einsum("sht,shd->std", p, doc)
+        dkv.index_add_(0, idx[valid], drows[valid])
+    return dq, dkv[:, None, :]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_slot_index(idx_row_ptr, offs_t, topk, s_kv, max_k, CAUSAL: tl.constexpr):
+    """Load a block of top-k indices; return (safe int64 row, valid mask). Invalid rows point at row 0."""
+    in_topk = offs_t < topk
+    idx = tl.load(idx_row_ptr + offs_t, mask=in_topk, other=-1)
+    valid = in_topk & (idx >= 0) & (idx < s_kv)
+    if CAUSAL:
+        valid = valid & (idx <= max_k)
+    return tl.where(valid, idx, 0).to(tl.int64), valid
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    out_ptr,
+    dout_ptr,
+    delta_ptr,
+    stride_os,
+    stride_oh,
+    stride_dos,
+    stride_doh,
+    h_q,
+    D_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D_V)
+    hmask = offs_h < h_q
+    o = tl.load(out_ptr + s * stride_os + offs_h[:, None] * stride_oh + offs_d[None, :], mask=hmask[:, None])
+    do = tl.load(
+        dout_ptr + s * stride_dos + offs_h[:, None] * stride_doh + offs_d[None, :], mask=hmask[:, None]
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(delta_ptr + s * h_q + offs_h, delta, mask=hmask)
+
+
+@triton.jit
+def _bwd_main_kernel(
+    q_ptr,
+    kv_ptr,
+    dout_ptr,
+    lse_ptr,
+    delta_ptr,
+    idx_ptr,
+    ds_ptr,
+    dkv_ptr,
+    part_ptr,
+    stride_qs,
+    stride_qh,
+    stride_kvs,
+    stride_dos,
+    stride_doh,
+    stride_lses,
+    stride_is,
+    stride_part_hb,
+    s_kv,
+    h_q,
+    q_start_index,
+    k_stride,
+    sm_scale,
+    topk: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    N_HB: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    hb = pid % N_HB
+    s = (pid // N_HB).to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < h_q
+    # Padded heads get lse = +inf so that their P is exactly 0.
+    lse2 = tl.load(lse_ptr + s * stride_lses + offs_h, mask=hmask, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(delta_ptr + s * h_q + offs_h, mask=hmask, other=0.0)
+    max_k = tl.maximum(q_start_index + s + 1 - k_stride, 0) // k_stride
+    scale_log2 = sm_scale * 1.4426950408889634
+    q_row = q_ptr + s * stride_qs + offs_h[:, None] * stride_qh
+    do_row = dout_ptr + s * stride_dos + offs_h[:, None] * stride_doh
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for t0 in range(0, topk, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        rows, valid = _bwd_slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
+        k_row = kv_ptr + rows[:, None] * stride_kvs
+        scores = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
+        dp = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
+        for c in tl.static_range(D_V // BLOCK_DV):
+            offs_d = c * BLOCK_DV + offs_dv
+            k = tl.load(k_row + offs_d[None, :], mask=valid[:, None], other=0.0)
+            qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
+            doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
+            kt = tl.trans(k)
+            scores = tl.dot(qc, kt, scores)
+            dp = tl.dot(doc, kt, dp)
+        if D_ROPE > 0:
+            offs_r = D_V + tl.arange(0, D_ROPE)
+            kr = tl.load(k_row + offs_r[None, :], mask=valid[:, None], other=0.0)
+            qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
+            scores = tl.dot(qr, tl.trans(kr), scores)
+        keep = hmask[:, None] & valid[None, :]
+        p = tl.where(keep, tl.exp2(scores * scale_log2 - lse2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None]) * sm_scale
+        ds_lp = ds.to(q_ptr.dtype.element_ty)
+        p_lp = p.to(q_ptr.dtype.element_ty)
+        tl.store(
+            ds_ptr + s * h_q * topk + offs_h[:, None] * topk + offs_t[None, :],
+            ds_lp,
+            mask=hmask[:, None] & (offs_t < topk)[None, :],
+        )
+        ds_t = tl.trans(ds_lp)
+        p_t = tl.trans(p_lp)
+        part_row = part_ptr + hb * stride_part_hb + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
+        for c in tl.static_range(D_V // BLOCK_DV):
+            offs_d = c * BLOCK_DV + offs_dv
+            qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
+            doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
+            part = tl.dot(ds_t, qc)
+            part = tl.dot(p_t, doc, part)
+            if DETERMINISTIC:
+                tl.store(part_row + offs_d[None, :], part, mask=(offs_t < topk)[:, None])
+            else:
+                tl.atomic_add(
+                    dkv_ptr + rows[:, None] * D_QK + offs_d[None, :], part, mask=valid[:, None], sem="relaxed"
+                )
+        if D_ROPE > 0:
+            offs_r = D_V + tl.arange(0, D_ROPE)
+            qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
+            part_r = tl.dot(ds_t, qr)
+            if DETERMINISTIC:
+                tl.store(part_row + offs_r[None, :], part_r, mask=(offs_t < topk)[:, None])
+            else:
+                tl.atomic_add(
+                    dkv_ptr + rows[:, None] * D_QK + offs_r[None, :],
+                    part_r,
+                    mask=valid[:, None],
+                    sem="relaxed",
+                )
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    ds_ptr,
+    kv_ptr,
+    idx_ptr,
+    dq_ptr,
+    stride_kvs,
+    stride_is,
+    stride_dqs,
+    stride_dqh,
+    s_kv,
+    h_q,
+    q_start_index,
+    k_stride,
+    topk: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    D_QK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    N_HB: tl.constexpr,
+    N_DB: tl.constexpr,
+):
+    # Programs of one token are adjacent in launch order so that its dS and gathered rows stay in L2.
+    pid = tl.program_id(0)
+    db = pid % N_DB
+    hb = (pid // N_DB) % N_HB
+    s = (pid // (N_DB * N_HB)).to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < h_q
+    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs_d < D_QK
+    max_k = tl.maximum(q_start_index + s + 1 - k_stride, 0) // k_stride
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for t0 in range(0, topk, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        rows, valid = _bwd_slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
+        ds = tl.load(
+            ds_ptr + s * h_q * topk + offs_h[:, None] * topk + offs_t[None, :],
+            mask=hmask[:, None] & valid[None, :],
+            other=0.0,
+        )
+        k = tl.load(
+            kv_ptr + rows[:, None] * stride_kvs + offs_d[None, :],
+            mask=valid[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(ds, k, acc)
+    tl.store(
+        dq_ptr + s * stride_dqs + offs_h[:, None] * stride_dqh + offs_d[None, :],
+        acc.to(dq_ptr.dtype.element_ty),
+        mask=hmask[:, None] & dmask[None, :],
+    )
+
+
+@triton.jit
+def _bwd_det_reduce_kernel(
+    part_ptr,
+    order_ptr,
+    seg_start_ptr,
+    seg_len_ptr,
+    seg_row_ptr,
+    dkv_ptr,
+    stride_part_hb,
+    D_QK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    N_HB: tl.constexpr,
+):
+    """One program per (distinct KV row, channel block): sum its (token, slot) contributions in sorted order."""
+    seg = tl.program_id(0)
+    db = tl.program_id(1)
+    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs_d < D_QK
+    start = tl.load(seg_start_ptr + seg)
+    n = tl.load(seg_len_ptr + seg)
+    row = tl.load(seg_row_ptr + seg).to(tl.int64)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # A while loop: the trip count is data, and the interpreter cannot range() over a loaded value.
+    j = start
+    while j < start + n:
+        pair = tl.load(order_ptr + j).to(tl.int64)
+        for hb in tl.static_range(N_HB):
+            acc += tl.load(part_ptr + hb * stride_part_hb + pair * D_QK + offs_d, mask=dmask, other=0.0)
+        j += 1
+    # Each row appears in one segment per launch, and launches run in order: no race.
+    dst = dkv_ptr + row * D_QK + offs_d
+    tl.store(dst, tl.load(dst, mask=dmask, other=0.0) + acc, mask=dmask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _bwd_check(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    d_v: int,
+    q_start_index: int,
+    k_stride: int,
+) -> None:
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ValueError(msg)
+
+    need(q.dim() == 3, f"q must be [s_q, h_q, d_qk], got shape {tuple(q.shape)}")
+    s_q, h_q, d_qk = q.shape
+    need(
+        q.dtype in (torch.bfloat16, torch.float16, torch.float32),
+        f"q must be bfloat16, float16 or float32, got {q.dtype}",
+    )
+    need(
+        kv.dim() == 3 and kv.shape[1] == 1 and kv.shape[2] == d_qk,
+        f"kv must be [s_kv, 1, {d_qk}], got {tuple(kv.shape)}",
+    )
+    need(kv.shape[0] >= 1, "kv must have at least one row")
+    need(kv.dtype == q.dtype, f"kv dtype {kv.dtype} must match q dtype {q.dtype}")
+    need(out.shape == (s_q, h_q, d_v), f"out must be [{s_q}, {h_q}, {d_v}], got {tuple(out.shape)}")
+    need(dout.shape == (s_q, h_q, d_v), f"dout must be [{s_q}, {h_q}, {d_v}], got {tuple(dout.shape)}")
+    need(
+        out.dtype == q.dtype and dout.dtype == q.dtype,
+        f"out/dout dtype must be {q.dtype}, got {out.dtype}/{dout.dtype}",
+    )
+    need(lse.shape == (s_q, h_q), f"lse must be [{s_q}, {h_q}], got {tuple(lse.shape)}")
+    need(lse.dtype == torch.float32, f"lse must be float32, got {lse.dtype}")
+    need(
+        indices.dim() == 3 and indices.shape[:2] == (s_q, 1),
+        f"indices must be [{s_q}, 1, topk], got {tuple(indices.shape)}",
+    )
+    need(indices.shape[2] >= 1, "indices must have topk >= 1")
+    need(indices.dtype == torch.int32, f"indices must be int32, got {indices.dtype}")
+    need(
+        d_v >= 16 and d_v & (d_v - 1) == 0 and d_v <= d_qk,
+        f"d_v must be a power of two >= 16 and <= d_qk ({d_qk}), got {d_v}",
+    )
+    d_rope = d_qk - d_v
+    need(
+        d_rope == 0 or (d_rope >= 16 and d_rope & (d_rope - 1) == 0),
+        f"d_qk - d_v must be 0 or a power of two >= 16 (e.g. 576 - 512 = 64), got {d_rope}",
+    )
+    need(k_stride >= 1, f"k_stride must be >= 1, got {k_stride}")
+    need(q_start_index >= 0, f"q_start_index must be >= 0, got {q_start_index}")
+    devs = {t.device for t in (q, kv, out, dout, indices, lse)}
+    need(len(devs) == 1, f"all tensors must be on one device, got {sorted(map(str, devs))}")
+    for name, t in (("q", q), ("kv", kv), ("out", out), ("dout", dout), ("indices", indices), ("lse", lse)):
+        need(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension (stride {t.stride()})")
+
+
+def _bwd_config(h_q: int, topk: int, d_v: int) -> dict[str, int]:
+    if _interpreting():
+        block_h = max(16, triton.next_power_of_2(min(h_q, 64)))
+        return {
+            "BLOCK_H": block_h,
+            "BLOCK_T": 16,
+            "BLOCK_DV": min(d_v, 64),
+            "BLOCK_D": 32,
+            "BLOCK_H_DQ": block_h,
+            "BLOCK_T_DQ": 16,
+            "num_warps": 4,
+            "num_warps_dq": 4,
+            "num_stages": 1,
+        }
+    block_h = max(16, triton.next_power_of_2(min(h_q, 64)))
+    return {
+        "BLOCK_H": block_h,
+        "BLOCK_T": 64,
+        "BLOCK_DV": min(d_v, 128),
+        "BLOCK_D": 128,
+        "BLOCK_H_DQ": max(16, triton.next_power_of_2(min(h_q, 128))),
+        "BLOCK_T_DQ": 64,
+        "num_warps": 8,
+        "num_warps_dq": 8,
+        "num_stages": 2,
+    }
+
+
+def sparse_mla_bwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    *,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    causal: bool = False,
+    deterministic: bool = False,
+    _config: dict[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of sparse MLA attention (DeepSeek sparse attention over top-k KV rows).
+
+    Args:
+        q: ``[s_q, h_q, d_qk]`` bf16 (fp16 and fp32 accepted), ``d_qk`` = 576 (512 latent + 64 rope) or 512.
+        kv: ``[s_kv, 1, d_qk]``, same dtype; the first ``d_v`` channels are the values.
+        out: ``[s_q, h_q, d_v]`` forward output.
+        dout: ``[s_q, h_q, d_v]`` gradient of the loss with respect to ``out``.
+        indices: ``[s_q, 1, topk]`` int32, global KV row indices; an index ``< 0`` or ``>= s_kv`` is
+            invalid (contributes nothing and is never read). Batches are flattened into tokens.
+        lse: ``[s_q, h_q]`` fp32 forward log-sum-exp in natural log (-inf for a query with no usable slot).
+        sm_scale: the softmax scale that the forward applied to ``q · k``.
+        d_v: value head dim (a power of two; 512 for DeepSeek-V3.2).
+        q_start_index: position of query 0, for the causal limit.
+        k_stride: KV compression stride, for the causal limit.
+        causal: also treat slot ``t`` as invalid when ``index > (q_pos + 1 - k_stride) / k_stride``
+            (C integer division), ``q_pos = q_start_index + s``, as FlashMLA's attn_dist does.
+        deterministic: sum the ``dkv`` contributions in a fixed order (bit-identical from run to run)
+            instead of with fp32 atomics; needs an fp32 workspace of up to 4 GiB.
+
+    Returns:
+        ``dq [s_q, h_q, d_qk]`` in q's dtype and ``dkv [s_kv, 1, d_qk]`` in kv's dtype. ``dkv`` sums the
+        contributions of every (query, slot) that selected a row, accumulated in fp32; rows nobody selected
+        get 0.
+    """
+    _bwd_check(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
+    s_q, h_q, d_qk = q.shape
+    s_kv = kv.shape[0]
+    topk = indices.shape[2]
+    dev = q.device
+    cfg = dict(_bwd_config(h_q, topk, d_v))
+    if _config:
+        cfg.update(_config)
+    block_h, block_h_dq = cfg["BLOCK_H"], cfg["BLOCK_H_DQ"]
+    n_hb = triton.cdiv(h_q, block_h)
+    n_hb_dq = triton.cdiv(h_q, block_h_dq)
+    n_db = triton.cdiv(d_qk, cfg["BLOCK_D"])
+    delta = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
+    _bwd_preprocess_kernel[(s_q, triton.cdiv(h_q, 16))](
+        out,
+        dout,
+        delta,
+        out.stride(0),
+        out.stride(1),
+        dout.stride(0),
+        dout.stride(1),
+        h_q,
+        D_V=d_v,
+        BLOCK_H=16,
+    )
+    dq = torch.empty_like(q)
+    dkv32 = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=dev)
+    ds_dtype = q.dtype
+    chunk = max(1, min(s_q, _BWD_DS_WORKSPACE_BYTES // (h_q * topk * q.element_size())))
+    if deterministic:
+        chunk = max(1, min(chunk, _BWD_DET_WORKSPACE_BYTES // (n_hb * topk * d_qk * 4)))
+    ds_ws = torch.empty(min(chunk, s_q), h_q, topk, dtype=ds_dtype, device=dev)
+    part = (
+        torch.empty(n_hb, min(chunk, s_q) * topk, d_qk, dtype=torch.float32, device=dev)
+        if deterministic
+        else dkv32  # unused by the atomic path
+    )
+    for s0 in range(0, s_q, chunk):
+        s1 = min(s_q, s0 + chunk)
+        n = s1 - s0
+        q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
+        _bwd_main_kernel[(n * n_hb,)](
+            q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, dkv32, part,
+            q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
+            idx_c.stride(0), part.stride(0) if deterministic else 0,
+            s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale), topk=topk,
+            CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+            BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+        _bwd_dq_kernel[(n * n_hb_dq * n_db,)](
+            ds_ws, kv, idx_c, dq[s0:s1],
+            kv.stride(0), idx_c.stride(0), dq.stride(0), dq.stride(1),
+            s_kv, h_q, q_start_index + s0, k_stride, topk=topk,
+            CAUSAL=causal, D_QK=d_qk, BLOCK_H=block_h_dq, BLOCK_T=cfg["BLOCK_T_DQ"], BLOCK_D=cfg["BLOCK_D"],
+            N_HB=n_hb_dq, N_DB=n_db, num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+        if deterministic:
+            _bwd_det_reduce(part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_hb, d_qk)
+    return dq, dkv32.to(kv.dtype)[:, None, :]
+
+
+def _bwd_det_reduce(
+    part: torch.Tensor,
+    idx_c: torch.Tensor,
+    dkv32: torch.Tensor,
+    s_kv: int,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+    n_hb: int,
+    d_qk: int,
+) -> None:
+    """Add this chunk's per-(token, slot) contributions into ``dkv32``, grouped by row in a fixed order."""
+    valid = _bwd_valid_slots(idx_c, s_kv, q_start_index, k_stride, causal).reshape(-1)
+    rows = idx_c[:, 0].reshape(-1).long()
+    pairs = torch.nonzero(valid).squeeze(1)  # ascending (token, slot) order
+    if pairs.numel() == 0:
+        return
+    # Stable sort by row keeps (token, slot) order inside a row: the reduction order is fixed.
+    keys, perm = torch.sort(rows[pairs], stable=True)
+    order = pairs[perm].contiguous()
+    seg_row, seg_len = torch.unique_consecutive(keys, return_counts=True)
+    seg_start = torch.cumsum(seg_len, 0) - seg_len
+    block_d = 64 if _interpreting() else 128
+    _bwd_det_reduce_kernel[(seg_row.numel(), triton.cdiv(d_qk, block_d))](
+        part, order, seg_start.contiguous(), seg_len.contiguous(), seg_row.contiguous(), dkv32,
+        part.stride(0), D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,413 @@
+"""DeepSeek-V3.2 lightning indexer: logits, top-k selection and the KL loss that trains it.
+
+For query token ``t``, indexer head ``j`` and key token ``n``::
+
+    I[t, n] = Σ_j  w[t, j] * ReLU(q_idx[t, j] · k_idx[n])
+
+``indexer_topk`` picks each query's ``topk`` largest logits (the sparse attention's ``indices``), and
+``indexer_kl_loss`` pulls ``softmax(I[t, selected])`` towards the attention that the main model actually
+paid to those rows (``attn_sum``, summed over heads, L1-normalised and detached).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "indexer_kl_loss",
+    "indexer_kl_loss_ref",
+    "indexer_logits",
+    "indexer_logits_ref",
+    "indexer_topk",
+]
+
+
+def _indexer_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _indexer_max_key(s_q: int, q_start_index: int, k_stride: int, device: torch.device) -> torch.Tensor:
+    """``[s_q]`` int64: the last key index each query may see under the causal rule."""
+    q_pos = q_start_index + torch.arange(s_q, device=device)
+    return torch.clamp(q_pos + 1 - k_stride, min=0) // k_stride
+
+
+def _indexer_check(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, q_start_index: int, k_stride: int
+) -> None:
+    if q_idx.dim() != 3:
+        raise ValueError(f"q_idx must be [s_q, h_idx, d_idx], got shape {tuple(q_idx.shape)}")
+    s_q, h_idx, d_idx = q_idx.shape
+    if k_idx.dim() != 2 or k_idx.shape[1] != d_idx:
+        raise ValueError(f"k_idx must be [s_kv, {d_idx}], got shape {tuple(k_idx.shape)}")
+    if weights.shape != (s_q, h_idx):
+        raise ValueError(f"weights must be [{s_q}, {h_idx}], got shape {tuple(weights.shape)}")
+    if q_idx.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        raise ValueError(f"q_idx must be a floating dtype, got {q_idx.dtype}")
+    if k_idx.dtype != q_idx.dtype:
+        raise ValueError(f"k_idx dtype {k_idx.dtype} must match q_idx dtype {q_idx.dtype}")
+    if not weights.is_floating_point():
+        raise ValueError(f"weights must be floating point, got {weights.dtype}")
+    if d_idx < 16 or d_idx & (d_idx - 1):
+        raise ValueError(f"d_idx must be a power of two >= 16, got {d_idx}")
+    if k_stride < 1 or q_start_index < 0:
+        raise ValueError(f"need k_stride >= 1 and q_start_index >= 0, got {k_stride}, {q_start_index}")
+    if len({q_idx.device, k_idx.device, weights.device}) != 1:
+        raise ValueError("q_idx, k_idx and weights must be on one device")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# references
+# ----------------------------------------------------------------------------------------------------------
+
+
+def indexer_logits_ref(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    causal: bool = False,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+) -> torch.Tensor:
+    """Float32 (float64 for float64 inputs) reference of :func:`indexer_logits`, chunked over queries.
+
+    Differentiable through torch autograd. Returns ``[s_q, s_kv]``; causally masked entries are -inf.
+    """
+    cdt = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
+    s_q, h_idx, _ = q_idx.shape
+    s_kv = k_idx.shape[0]
+    chunk = max(1, (1 << 25) // max(1, h_idx * s_kv))
+    parts = []
+    for s0 in range(0, s_q, chunk):
+        z = torch.einsum("shd,nd->shn", q_idx[s0 : s0 + chunk].to(cdt), k_idx.to(cdt))
+        parts.append(torch.einsum("shn,sh->sn", torch.relu(z), weights[s0 : s0 + chunk].to(cdt)))
+    logits = torch.cat(parts)
+    if causal:
+        max_k = _indexer_max_key(s_q, q_start_index, k_stride, q_idx.device)
+        keep = torch.arange(s_kv, device=q_idx.device)[None, :] <= max_k[:, None]
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return logits
+
+
+def indexer_kl_loss_ref(
+    indexer_logits_at_topk: torch.Tensor, attn_sum: torch.Tensor, *, reduction: str = "mean"
+) -> torch.Tensor:
+    """Row-by-row float64 reference of :func:`indexer_kl_loss` (slow; for tests)."""
+    losses = []
+    for lg, a in zip(indexer_logits_at_topk.double(), attn_sum.double(), strict=False):
+        m = torch.isfinite(lg)
+        total = a[m].sum()
+        if not bool(m.any()) or float(total) <= 0:
+            losses.append(lg.new_zeros(()) + 0.0 * lg[m].sum())
+            continue
+        p = a[m] / total
+        logq = lg[m] - torch.logsumexp(lg[m], 0)
+        nz = p > 0
+        losses.append((p[nz] * (torch.log(p[nz]) - logq[nz])).sum() + 0.0 * logq.sum())
+    out = torch.stack(losses)
+    return _indexer_reduce(out, reduction)
+
+
+def _indexer_reduce(loss_rows: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss_rows
+    if reduction == "sum":
+        return loss_rows.sum()
+    if reduction == "mean":
+        return loss_rows.mean()
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton forward of the logits
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _indexer_logits_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    out_ptr,
+    s_q,
+    s_kv,
+    stride_qs,
+    stride_qh,
+    stride_ks,
+    stride_ws,
+    stride_wh,
+    stride_os,
+    q_start_index,
+    k_stride,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    mmask = offs_m < s_q
+    nmask = offs_n < s_kv
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    max_k = tl.maximum(q_start_index + offs_m + 1 - k_stride, 0) // k_stride
+    # Under the causal rule a tile whose first key is past the last row's limit is all -inf: skip its math.
+    last_row = tl.minimum(pid_m * BLOCK_M + BLOCK_M, s_q) - 1
+    tile_live = (not CAUSAL) or (
+        pid_n * BLOCK_N <= tl.maximum(q_start_index + last_row + 1 - k_stride, 0) // k_stride
+    )
+    if tile_live:
+        k = tl.load(
+            k_ptr + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0
+        )
+        kt = tl.trans(k)
+        q_row = q_ptr + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :]
+        for h in range(H):
+            qh = tl.load(q_row + h * stride_qh, mask=mmask[:, None], other=0.0)
+            wh = tl.load(w_ptr + offs_m * stride_ws + h * stride_wh, mask=mmask, other=0.0).to(tl.float32)
+            acc += tl.maximum(tl.dot(qh, kt), 0.0) * wh[:, None]
+    if CAUSAL:
+        acc = tl.where(offs_n[None, :] <= max_k[:, None], acc, float("-inf"))
+    tl.store(
+        out_ptr + offs_m[:, None].to(tl.int64) * stride_os + offs_n[None, :],
+        acc,
+        mask=mmask[:, None] & nmask[None, :],
+    )
+
+
+def _indexer_logits_fwd(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    causal: bool,
+    q_start_index: int,
+    k_stride: int,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    s_q, h_idx, d_idx = q_idx.shape
+    s_kv = k_idx.shape[0]
+    q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
+    k_idx = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
+    out = torch.empty(s_q, s_kv, dtype=torch.float32, device=q_idx.device)
+    if _indexer_interpreting():
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    else:
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+    if config:
+        cfg.update(config)
+    grid = (triton.cdiv(s_kv, cfg["BLOCK_N"]), triton.cdiv(s_q, cfg["BLOCK_M"]))
+    _indexer_logits_kernel[grid](
+        q_idx, k_idx, weights, out, s_q, s_kv,
+        q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
+        q_start_index, k_stride, H=h_idx, D=d_idx, CAUSAL=causal,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+def _indexer_logits_bwd(
+    grad: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense backward in float32 torch, chunked over queries (``grad`` is 0 at masked entries)."""
+    s_q, h_idx, _ = q_idx.shape
+    s_kv = k_idx.shape[0]
+    k32 = k_idx.float()
+    dq = torch.empty(q_idx.shape, dtype=torch.float32, device=q_idx.device)
+    dw = torch.empty(s_q, h_idx, dtype=torch.float32, device=q_idx.device)
+    dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=q_idx.device)
+    chunk = max(1, (1 << 25) // max(1, h_idx * s_kv))
+    for s0 in range(0, s_q, chunk):
+        s1 = min(s_q, s0 + chunk)
+        qc = q_idx[s0:s1].float()
+        g = grad[s0:s1].float()
+        z = torch.einsum("shd,nd->shn", qc, k32)
+        dw[s0:s1] = torch.einsum("sn,shn->sh", g, torch.relu(z))
+        gz = (g[:, None, :] * weights[s0:s1].float()[:, :, None]) * (z > 0)
+        dq[s0:s1] = torch.einsum("shn,nd->shd", gz, k32)
+        dk += torch.einsum("shn,shd->nd", gz, qc)
+    return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype)
+
+
+class _IndexerLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q_idx: torch.Tensor,
+        k_idx: torch.Tensor,
+        weights: torch.Tensor,
+        causal: bool,
+        q_start_index: int,
+        k_stride: int,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(q_idx, k_idx, weights)
+        return _indexer_logits_fwd(q_idx, k_idx, weights, causal, q_start_index, k_stride)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        q_idx, k_idx, weights = ctx.saved_tensors
+        # Masked entries are constant (-inf); a gradient there is meaningless, so drop it.
+        grad = torch.where(torch.isfinite(grad), grad, torch.zeros_like(grad))
+        dq, dk, dw = _indexer_logits_bwd(grad, q_idx, k_idx, weights)
+        return dq, dk, dw, None, None, None
+
+
+def indexer_logits(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    causal: bool = False,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+) -> torch.Tensor:
+    """Lightning-indexer logits ``I[t, n] = Σ_j w[t, j] · ReLU(q_idx[t, j] · k_idx[n])``.
+
+    The forward is a Triton kernel (bf16 products, fp32 accumulation). The backward (to ``q_idx``,
+    ``k_idx`` and ``weights``) is a chunked float32 torch computation: correct but not a tuned kernel.
+
+    Args:
+        q_idx: ``[s_q, h_idx, d_idx]`` bf16 (DeepSeek-V3.2: h_idx 64, d_idx 128; d_idx a power of two).
+        k_idx: ``[s_kv, d_idx]``, same dtype (one key head shared by all indexer heads).
+        weights: ``[s_q, h_idx]`` per-token head weights (any float dtype; read as fp32).
+        causal: set ``I[t, n] = -inf`` for ``n > (q_pos + 1 - k_stride) / k_stride``,
+            ``q_pos = q_start_index + t`` (C integer division), the same rule as the sparse attention.
+        q_start_index: position of query 0.
+        k_stride: KV compression stride.
+
+    Returns:
+        ``[s_q, s_kv]`` fp32 logits.
+    """
+    _indexer_check(q_idx, k_idx, weights, q_start_index, k_stride)
+    if q_idx.dtype == torch.float64:
+        raise ValueError("indexer_logits runs bf16/fp16/fp32 inputs; use indexer_logits_ref for float64")
+    return _IndexerLogits.apply(q_idx, k_idx, weights, causal, q_start_index, k_stride)
+
+
+def indexer_topk(
+    logits: torch.Tensor,
+    topk: int,
+    *,
+    causal: bool = False,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+) -> torch.Tensor:
+    """Top-k key rows per query, as the sparse attention's ``indices``.
+
+    Uses ``torch.topk`` (not a custom kernel). Entries that are -inf (or causally masked here) are never
+    selected; a query with fewer than ``topk`` selectable keys gets -1 in its remaining slots.
+
+    Args:
+        logits: ``[s_q, s_kv]`` float indexer logits.
+        topk: number of rows per query (>= 1).
+        causal: also mask keys ``n > (q_pos + 1 - k_stride) / k_stride``, ``q_pos = q_start_index + t``.
+        q_start_index: position of query 0.
+        k_stride: KV compression stride.
+
+    Returns:
+        ``indices [s_q, 1, topk]`` int32, in descending logit order.
+    """
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(
+            f"logits must be a float [s_q, s_kv] tensor, got {tuple(logits.shape)} {logits.dtype}"
+        )
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if k_stride < 1 or q_start_index < 0:
+        raise ValueError(f"need k_stride >= 1 and q_start_index >= 0, got {k_stride}, {q_start_index}")
+    s_q, s_kv = logits.shape
+    with torch.no_grad():
+        masked = logits.detach()
+        if causal:
+            max_k = _indexer_max_key(s_q, q_start_index, k_stride, logits.device)
+            keep = torch.arange(s_kv, device=logits.device)[None, :] <= max_k[:, None]
+            masked = masked.masked_fill(~keep, float("-inf"))
+        masked = masked.masked_fill(torch.isnan(masked), float("-inf"))
+        k = min(topk, s_kv)
+        vals, idx = torch.topk(masked, k, dim=-1)
+        idx = idx.to(torch.int32).masked_fill(vals == float("-inf"), -1)
+        if k < topk:
+            idx = torch.cat([idx, idx.new_full((s_q, topk - k), -1)], dim=1)
+    return idx[:, None, :].contiguous()
+
+
+class _IndexerKLLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, attn_sum: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        lg = logits.to(cdt)
+        valid = torch.isfinite(lg)
+        target = torch.where(valid, attn_sum.to(cdt).clamp_min(0), torch.zeros_like(lg))
+        total = target.sum(-1, keepdim=True)
+        has = total > 0
+        p = torch.where(
+            has, target / torch.where(has, total, torch.ones_like(total)), torch.zeros_like(target)
+        )
+        lg_safe = torch.where(valid, lg, torch.full_like(lg, -1e30))
+        logq = lg_safe - torch.logsumexp(lg_safe, -1, keepdim=True)
+        plogp = torch.where(
+            p > 0, p * torch.log(torch.where(p > 0, p, torch.ones_like(p))), torch.zeros_like(p)
+        )
+        loss_rows = (plogp - torch.where(p > 0, p * logq, torch.zeros_like(p))).sum(-1)
+        q_prob = torch.where(valid & has, torch.exp(logq), torch.zeros_like(lg))
+        ctx.save_for_backward(q_prob, p)
+        ctx.in_dtype = logits.dtype
+        return loss_rows
+
+    @staticmethod
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        q_prob, p = ctx.saved_tensors
+        # d/dI Σ_t p_t (log p_t - log softmax(I)_t) = softmax(I) - p   (Σ p = 1; 0 on rows with no target)
+        return ((q_prob - p) * grad_rows[:, None]).to(ctx.in_dtype), None
+
+
+def indexer_kl_loss(
+    indexer_logits_at_topk: torch.Tensor,
+    attn_sum: torch.Tensor,
+    *,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """KL divergence from the attention distribution to the indexer's softmax over the selected rows.
+
+    For each query ``t`` over its valid slots ``V_t`` (slots whose logit is finite)::
+
+        p[t, i] = attn_sum[t, i] / Σ_{j ∈ V_t} attn_sum[t, j]          (detached target, L1-normalised)
+        loss[t] = Σ_{i ∈ V_t, p > 0} p[t, i] * (log p[t, i] - log_softmax_{V_t}(I[t])[i])
+
+    A query with no valid slot or an all-zero target contributes 0. ``reduction="mean"`` divides the
+    sum of ``loss[t]`` by ``s_q`` (all queries), ``"sum"`` sums, ``"none"`` returns ``[s_q]``. The gradient
+    with respect to ``indexer_logits_at_topk`` is ``softmax(I[t]) - p[t]`` (times the reduction's factor);
+    ``attn_sum`` receives none.
+
+    Args:
+        indexer_logits_at_topk: ``[s_q, topk]`` float indexer logits at the selected rows, -inf at
+            invalid slots (e.g. ``logits.gather(1, indices.clamp_min(0))`` masked where ``indices < 0``).
+        attn_sum: ``[s_q, topk]`` attention probability summed over heads at the same slots (``attn_dist``).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+
+    Returns:
+        Scalar fp32 loss (``[s_q]`` for ``"none"``).
+    """
+    if indexer_logits_at_topk.dim() != 2:
+        raise ValueError(
+            f"indexer_logits_at_topk must be [s_q, topk], got {tuple(indexer_logits_at_topk.shape)}"
+        )
+    if attn_sum.shape != indexer_logits_at_topk.shape:
+        raise ValueError(
+            f"attn_sum must have the logits' shape {tuple(indexer_logits_at_topk.shape)}, got {tuple(attn_sum.shape)}"
+        )
+    if not indexer_logits_at_topk.is_floating_point() or not attn_sum.is_floating_point():
+        raise ValueError("indexer_logits_at_topk and attn_sum must be floating point")
+    rows = _IndexerKLLoss.apply(indexer_logits_at_topk, attn_sum.detach())
+    return _indexer_reduce(rows, reduction)

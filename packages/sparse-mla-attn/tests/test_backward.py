@@ -1,0 +1,360 @@
+"""sparse_mla_bwd and the autograd wrapper against float32/float64 torch references.
+
+CPU: Triton interpreter on tiny shapes, float32 and float16 inputs (the interpreter's bf16 dot is not
+reliable). GPU: bf16 at real shapes, plus a small end-to-end training step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sparse_mla_attn import backward as bwd_mod
+from sparse_mla_attn.backward import _bwd_fwd_math, sparse_mla_bwd, sparse_mla_bwd_ref
+
+# Relative Frobenius error bound per input dtype, for dq and dkv against the float32 autograd reference.
+REL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def kernel_device() -> str:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.fail("the kernel tests need TRITON_INTERPRET=1 on a CPU-only machine (nox -s tests sets it)")
+    raise AssertionError
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def make_case(s_q, h_q, d_qk, s_kv, topk, *, device, dtype, seed, zoo=True):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(s_q, h_q, d_qk, generator=g).to(device=device, dtype=dtype)
+    kv = torch.randn(s_kv, 1, d_qk, generator=g).to(device=device, dtype=dtype)
+    idx = torch.randint(0, s_kv, (s_q, 1, topk), generator=g, dtype=torch.int32)
+    if zoo:
+        if topk >= 4:
+            idx[0, 0, 1] = idx[0, 0, 0]  # duplicated row inside one query
+            idx[0, 0, 2] = idx[0, 0, 0]
+            idx[0, 0, 3] = -1
+        if s_q >= 2 and topk >= 3:
+            idx[1, 0, 0] = s_kv  # one past the end
+            idx[1, 0, 2] = 2**31 - 1  # huge
+        if s_q >= 3:
+            idx[-1, 0, :] = -1  # a query with no valid index
+    return q, kv, idx.to(device)
+
+
+def poison_unselected(kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """NaN in every KV row no query selected: the kernel must never read them."""
+    kv = kv.clone()
+    used = torch.zeros(kv.shape[0], dtype=torch.bool, device=kv.device)
+    flat = idx.reshape(-1).long()
+    ok = (flat >= 0) & (flat < kv.shape[0])
+    used[flat[ok]] = True
+    kv[~used] = float("nan")
+    return kv
+
+
+def autograd_grads(q, kv, idx, sm_scale, d_v, dout_seed, **kw):
+    """Float32 forward through the reference math, dout, and torch-autograd dq/dkv."""
+    qf = q.float().detach().requires_grad_()
+    kvf = torch.nan_to_num(kv.float()).detach().requires_grad_()
+    out, lse = _bwd_fwd_math(qf, kvf, idx, sm_scale, d_v, **kw)
+    g = torch.Generator(device="cpu").manual_seed(dout_seed)
+    dout = torch.randn(out.shape, generator=g).to(out.device)
+    out.backward(dout)
+    return out.detach(), lse.detach(), dout, qf.grad, kvf.grad
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+REF_CASES = [
+    pytest.param(3, 2, 24, 16, 10, 5, {}, id="S3-H2-D24-V16-K10-T5"),
+    pytest.param(5, 3, 48, 32, 12, 9, {"causal": True, "q_start_index": 2, "k_stride": 2}, id="causal-st2"),
+    pytest.param(4, 4, 40, 32, 6, 8, {"causal": True, "q_start_index": 0, "k_stride": 3}, id="causal-st3-q0"),
+]
+
+
+@pytest.mark.parametrize(("s_q", "h_q", "d_qk", "d_v", "s_kv", "topk", "kw"), REF_CASES)
+def test_bwd_ref_matches_autograd(s_q, h_q, d_qk, d_v, s_kv, topk, kw):
+    q, kv, idx = make_case(s_q, h_q, d_qk, s_kv, topk, device="cpu", dtype=torch.float64, seed=1)
+    qd, kvd = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out, lse = _bwd_fwd_math(qd, kvd, idx, 0.3, d_v, **kw)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    dq, dkv = sparse_mla_bwd_ref(q, kv, out.detach(), dout, idx, lse.detach(), 0.3, d_v, **kw)
+    assert dq.dtype == torch.float64
+    torch.testing.assert_close(dq, qd.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dkv, kvd.grad, rtol=1e-10, atol=1e-12)
+
+
+class _RefAttention(torch.autograd.Function):
+    """Forward: reference math; backward: sparse_mla_bwd_ref. gradcheck compares it with finite differences."""
+
+    @staticmethod
+    def forward(ctx, q, kv, idx, sm_scale, d_v, causal):
+        with torch.no_grad():
+            out, lse = _bwd_fwd_math(q, kv, idx, sm_scale, d_v, causal=causal, q_start_index=1, k_stride=2)
+        ctx.save_for_backward(q, kv, idx, out, lse)
+        ctx.args = (sm_scale, d_v, causal)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, idx, out, lse = ctx.saved_tensors
+        sm_scale, d_v, causal = ctx.args
+        dq, dkv = sparse_mla_bwd_ref(
+            q, kv, out, dout, idx, lse, sm_scale, d_v, causal=causal, q_start_index=1, k_stride=2
+        )
+        return dq, dkv, None, None, None, None
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_ref_gradcheck_float64(causal):
+    q, kv, idx = make_case(3, 2, 12, 6, 5, device="cpu", dtype=torch.float64, seed=2)
+    q.requires_grad_()
+    kv.requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: _RefAttention.apply(a, b, idx, 0.5, 8, causal), (q, kv))
+
+
+def test_bwd_ref_chunking_is_exact(monkeypatch):
+    q, kv, idx = make_case(9, 2, 24, 10, 6, device="cpu", dtype=torch.float64, seed=3)
+    out, lse = _bwd_fwd_math(q, kv, idx, 0.2, 16)
+    dout = torch.randn_like(out)
+    full = sparse_mla_bwd_ref(q, kv, out, dout, idx, lse, 0.2, 16)
+    monkeypatch.setattr(bwd_mod, "_bwd_chunk_rows", lambda s_q, per, budget=0: 2)
+    chunked = sparse_mla_bwd_ref(q, kv, out, dout, idx, lse, 0.2, 16)
+    for a, b in zip(full, chunked, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- kernels (CPU)
+
+KERNEL_CASES = [
+    pytest.param(4, 3, 96, 64, 30, 17, {}, id="S4-H3-D96-V64-K30-T17"),
+    pytest.param(3, 2, 576, 512, 40, 9, {}, id="S3-H2-D576-V512-K40-T9"),
+    pytest.param(3, 5, 512, 512, 25, 6, {}, id="S3-H5-D512-V512-K25-T6"),
+    pytest.param(5, 18, 96, 64, 50, 20, {"causal": True, "q_start_index": 7, "k_stride": 2}, id="causal-H18"),
+    pytest.param(
+        6, 4, 96, 64, 12, 33, {"causal": True, "q_start_index": 30, "k_stride": 4}, id="causal-q30-st4"
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("s_q", "h_q", "d_qk", "d_v", "s_kv", "topk", "kw"), KERNEL_CASES)
+def test_bwd_kernel_matches_autograd(s_q, h_q, d_qk, d_v, s_kv, topk, kw, dtype):
+    dev = kernel_device()
+    q, kv, idx = make_case(s_q, h_q, d_qk, s_kv, topk, device=dev, dtype=dtype, seed=s_q * 7 + topk)
+    kv = poison_unselected(kv, idx)
+    out, lse, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.125, d_v, dout_seed=5, **kw)
+    for det in (False, True):
+        dq, dkv = sparse_mla_bwd(
+            q, kv, out.to(dtype), dout.to(dtype), idx, lse, 0.125, d_v, deterministic=det, **kw
+        )
+        assert dq.shape == q.shape
+        assert dq.dtype == dtype
+        assert dkv.shape == kv.shape
+        assert dkv.dtype == dtype
+        assert torch.isfinite(dq).all()
+        assert torch.isfinite(dkv).all()
+        assert rel_err(dq, dq_ref) < REL_TOL[dtype], ("dq", det)
+        assert rel_err(dkv, dkv_ref) < REL_TOL[dtype], ("dkv", det)
+        # Rows that nobody selected get exactly 0.
+        sel = torch.zeros(kv.shape[0], dtype=torch.bool, device=dev)
+        flat = idx.reshape(-1).long()
+        sel[flat[(flat >= 0) & (flat < kv.shape[0])]] = True
+        assert torch.all(dkv[~sel] == 0)
+        if s_q >= 3 and not kw:
+            assert torch.all(dq[-1] == 0), "a query with no valid index has dq = 0"
+
+
+def test_bwd_all_duplicates_accumulate():
+    dev = kernel_device()
+    q, kv, idx = make_case(3, 2, 96, 8, 8, device=dev, dtype=torch.float32, seed=11, zoo=False)
+    idx[:, :, :5] = 5  # five slots of every query point at row 5
+    out, lse, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.2, 64, dout_seed=1)
+    for det in (False, True):
+        dq, dkv = sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.2, 64, deterministic=det)
+        assert rel_err(dq, dq_ref) < 1e-5
+        assert rel_err(dkv, dkv_ref) < 1e-5
+
+
+def test_bwd_all_invalid_gives_zero():
+    dev = kernel_device()
+    q, kv, idx = make_case(3, 2, 96, 8, 5, device=dev, dtype=torch.float32, seed=12, zoo=False)
+    idx[:] = -1
+    lse = torch.full((3, 2), float("-inf"), device=dev)
+    out = torch.zeros(3, 2, 64, device=dev)
+    dout = torch.randn(3, 2, 64, device=dev)
+    for det in (False, True):
+        dq, dkv = sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.2, 64, deterministic=det)
+        assert torch.all(dq == 0)
+        assert torch.all(dkv == 0)
+
+
+def test_bwd_deterministic_is_bit_identical_and_chunks(monkeypatch):
+    dev = kernel_device()
+    q, kv, idx = make_case(7, 20, 96, 6, 24, device=dev, dtype=torch.float32, seed=13, zoo=False)
+    out, lse, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.3, 64, dout_seed=2)
+    runs = [sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.3, 64, deterministic=True) for _ in range(2)]
+    # Force several token chunks (workspace cap of ~2 tokens): same math, same order within each row.
+    monkeypatch.setattr(bwd_mod, "_BWD_DET_WORKSPACE_BYTES", 2 * 2 * 24 * 96 * 4)
+    monkeypatch.setattr(bwd_mod, "_BWD_DS_WORKSPACE_BYTES", 3 * 20 * 24 * 4)
+    runs.append(sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.3, 64, deterministic=True))
+    default = sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.3, 64)
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])
+    for dq, dkv in (*runs, default):
+        assert rel_err(dq, dq_ref) < 1e-5
+        assert rel_err(dkv, dkv_ref) < 1e-5
+
+
+BAD_INPUTS = [
+    pytest.param("q", lambda t: t["q"][0], "q must be", id="q-rank"),
+    pytest.param("kv", lambda t: t["kv"][:, :, :64], "kv must be", id="kv-dim"),
+    pytest.param("kv", lambda t: t["kv"].double(), "kv dtype", id="kv-dtype"),
+    pytest.param("indices", lambda t: t["indices"].long(), "indices must be int32", id="idx-dtype"),
+    pytest.param("indices", lambda t: t["indices"][:2], "indices must be", id="idx-shape"),
+    pytest.param("lse", lambda t: t["lse"].double(), "lse must be float32", id="lse-dtype"),
+    pytest.param("dout", lambda t: t["dout"][:, :, :32], "dout must be", id="dout-shape"),
+    pytest.param(
+        "q", lambda t: t["q"].transpose(1, 2).contiguous().transpose(1, 2), "contiguous", id="q-stride"
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "mutate", "msg"), BAD_INPUTS)
+def test_bwd_rejects_bad_inputs(name, mutate, msg):
+    q, kv, idx = make_case(3, 2, 96, 8, 4, device="cpu", dtype=torch.float32, seed=0, zoo=False)
+    t = {
+        "q": q,
+        "kv": kv,
+        "out": torch.randn(3, 2, 64),
+        "dout": torch.randn(3, 2, 64),
+        "indices": idx,
+        "lse": torch.randn(3, 2),
+    }
+    t[name] = mutate(t)
+    with pytest.raises(ValueError, match=msg):
+        sparse_mla_bwd(t["q"], t["kv"], t["out"], t["dout"], t["indices"], t["lse"], 0.1, 64)
+
+
+def test_bwd_rejects_bad_d_v():
+    q, kv, idx = make_case(3, 2, 96, 8, 4, device="cpu", dtype=torch.float32, seed=0, zoo=False)
+    with pytest.raises(ValueError, match="d_v must be"):
+        sparse_mla_bwd(q, kv, torch.randn(3, 2, 48), torch.randn(3, 2, 48), idx, torch.randn(3, 2), 0.1, 48)
+    with pytest.raises(ValueError, match="k_stride"):
+        sparse_mla_bwd(
+            q, kv, torch.randn(3, 2, 64), torch.randn(3, 2, 64), idx, torch.randn(3, 2), 0.1, 64, k_stride=0
+        )
+
+
+def test_sparse_mla_autograd_end_to_end():
+    """Forward through the package's Triton sparse_mla_fwd, backward through ours, against autograd."""
+    from sparse_mla_attn.autograd import sparse_mla
+
+    dev = kernel_device()
+    dtype = torch.float16 if dev == "cpu" else torch.bfloat16
+    q, kv, idx = make_case(3, 4, 576, 30, 11, device=dev, dtype=dtype, seed=21)
+    kw = {"causal": True, "q_start_index": 20, "k_stride": 1}
+    out_ref, _, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.05, 512, dout_seed=3, **kw)
+    qa, kva = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out, lse = sparse_mla(qa, kva, idx, 0.05, 512, return_lse=True, **kw)
+    assert not lse.requires_grad
+    out.backward(dout.to(dtype))
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    assert rel_err(out, out_ref) < tol
+    assert rel_err(qa.grad, dq_ref) < tol
+    assert rel_err(kva.grad, dkv_ref) < tol
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+GPU_CASES = [
+    pytest.param(256, 128, 576, 8192, 2048, {}, id="S256-H128-D576-K8K-T2048"),
+    pytest.param(
+        128,
+        64,
+        576,
+        4096,
+        1000,
+        {"causal": True, "q_start_index": 3000, "k_stride": 1},
+        id="H64-T1000-causal",
+    ),
+    pytest.param(96, 16, 512, 2048, 333, {}, id="H16-D512-T333"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("s_q", "h_q", "d_qk", "s_kv", "topk", "kw"), GPU_CASES)
+def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
+    q, kv, idx = make_case(s_q, h_q, d_qk, s_kv, topk, device="cuda", dtype=torch.bfloat16, seed=s_q + topk)
+    kv = poison_unselected(kv, idx)
+    sm_scale = d_qk**-0.5
+    out, lse = _bwd_fwd_math(q.float(), torch.nan_to_num(kv.float()), idx, sm_scale, 512, **kw)
+    dout = torch.randn(out.shape, device="cuda").bfloat16()
+    out = out.bfloat16()
+    dq_ref, dkv_ref = sparse_mla_bwd_ref(q, torch.nan_to_num(kv), out, dout, idx, lse, sm_scale, 512, **kw)
+    dq, dkv = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, **kw)
+    dq2, dkv2 = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, **kw)
+    dq3, dkv3 = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, **kw)
+    assert torch.equal(dq2, dq3), "deterministic dq changed between runs"
+    assert torch.equal(dkv2, dkv3), "deterministic dkv changed between runs"
+    for a, b in ((dq, dkv), (dq2, dkv2)):
+        assert torch.isfinite(a).all()
+        assert torch.isfinite(b).all()
+        assert rel_err(a, dq_ref) < REL_TOL[torch.bfloat16], rel_err(a, dq_ref)
+        assert rel_err(b, dkv_ref) < REL_TOL[torch.bfloat16], rel_err(b, dkv_ref)
+
+
+@pytest.mark.gpu
+def test_training_step_lowers_loss_gpu():
+    """A small random model (projections into q/kv and the indexer) trained for a few steps: forward,
+    indexer top-k, sparse attention, indexer KL loss, backward. The combined loss must go down."""
+    from sparse_mla_attn.autograd import sparse_mla
+    from sparse_mla_attn.indexer import indexer_kl_loss, indexer_logits, indexer_topk
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    s, d_model, h_q, d_qk, topk, h_idx, d_idx = 512, 256, 16, 576, 64, 4, 64
+    x = torch.randn(s, d_model, device=dev)
+    target = torch.randn(s, h_q, 512, device=dev) * 0.1
+    wq = torch.nn.Linear(d_model, h_q * d_qk, bias=False, device=dev)
+    wkv = torch.nn.Linear(d_model, d_qk, bias=False, device=dev)
+    wqi = torch.nn.Linear(d_model, h_idx * d_idx, bias=False, device=dev)
+    wki = torch.nn.Linear(d_model, d_idx, bias=False, device=dev)
+    ww = torch.nn.Linear(d_model, h_idx, bias=False, device=dev)
+    params = [p for m in (wq, wkv, wqi, wki, ww) for p in m.parameters()]
+    opt = torch.optim.Adam(params, lr=3e-3)
+    losses = []
+    for _ in range(8):
+        q = wq(x).view(s, h_q, d_qk).bfloat16()
+        kv = wkv(x).view(s, 1, d_qk).bfloat16()
+        qi = wqi(x).view(s, h_idx, d_idx).bfloat16()
+        ki = wki(x).bfloat16()
+        w = ww(x)
+        logits = indexer_logits(qi, ki, w, causal=True)
+        idx = indexer_topk(logits, topk, causal=True)
+        out, lse = sparse_mla(q, kv, idx, d_qk**-0.5, 512, causal=True, return_lse=True)
+        attn_loss = (out.float() - target).pow(2).mean()
+        with torch.no_grad():  # the indexer target: attention summed over heads at the selected slots
+            valid = bwd_mod._bwd_valid_slots(idx, s, 0, 1, True)
+            rows = kv[:, 0].float()[idx[:, 0].long().clamp(0, s - 1)]
+            sc = torch.einsum("shd,std->sht", q.float(), rows) * d_qk**-0.5
+            attn_sum = torch.where(valid[:, None], torch.exp(sc - lse[..., None]), 0.0).sum(1)
+        at_topk = logits.gather(1, idx[:, 0].long().clamp_min(0)).masked_fill(idx[:, 0] < 0, float("-inf"))
+        kl = indexer_kl_loss(at_topk, attn_sum)
+        loss = attn_loss + kl
+        opt.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.8 * losses[0], losses
