@@ -33,6 +33,8 @@ __all__ = ["sparse_mla_bwd", "sparse_mla_bwd_ref"]
 # Workspace caps (bytes) that set how many query tokens one pass of kernels handles.
 _BWD_DS_WORKSPACE_BYTES = 2 << 30
 _BWD_DET_WORKSPACE_BYTES = 4 << 30
+# Latest compiled kernels by name (registers, spills, PTX), for the benchmark's report.
+_BWD_LAST_COMPILED: dict[str, object] = {}
 
 
 def _interpreting() -> bool:
@@ -554,7 +556,7 @@ def sparse_mla_bwd(
         s1 = min(s_q, s0 + chunk)
         n = s1 - s0
         q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
-        _bwd_main_kernel[(n * n_hb,)](
+        _BWD_LAST_COMPILED["main"] = _bwd_main_kernel[(n * n_hb,)](
             q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, dkv32, part,
             q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
             idx_c.stride(0), part.stride(0) if deterministic else 0,
@@ -563,7 +565,7 @@ def sparse_mla_bwd(
             BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
-        _bwd_dq_kernel[(n * n_hb_dq * n_db,)](
+        _BWD_LAST_COMPILED["dq"] = _bwd_dq_kernel[(n * n_hb_dq * n_db,)](
             ds_ws, kv, idx_c, dq[s0:s1],
             kv.stride(0), idx_c.stride(0), dq.stride(0), dq.stride(1),
             s_kv, h_q, q_start_index + s0, k_stride, topk=topk,

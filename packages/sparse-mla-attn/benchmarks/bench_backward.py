@@ -1,0 +1,157 @@
+"""Backward benchmark: sparse_mla_bwd (default and deterministic) at FlashMLA's shape.
+
+TFLOPS are counted as 2.5x the forward's FLOPs, ``2.5 * 2 * s_q * h_q * topk * (d_qk + d_v)`` (the
+backward recomputes QK^T and does four more products: 2.53x by exact count at d_qk 576, d_v 512).
+
+    python packages/sparse-mla-attn/benchmarks/bench_backward.py --out-dir docs/benchmarks [--quick] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bwd_bench_common import (
+    dense_matmul_tflops,
+    kernel_resources,
+    metadata,
+    time_ms,
+    update_results,
+)
+
+from sparse_mla_attn import backward as bwd_mod
+from sparse_mla_attn.backward import sparse_mla_bwd, sparse_mla_bwd_ref
+
+D_QK, D_V = 576, 512
+
+
+def bwd_flops(s_q: int, h_q: int, topk: int) -> float:
+    return 2.5 * 2.0 * s_q * h_q * topk * (D_QK + D_V)
+
+
+def make_inputs(s_q: int, h_q: int, s_kv: int, topk: int, seed: int = 0):
+    """Random bf16 q/kv/dout, distinct random indices per query, and out/lse from the package forward."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(s_q, h_q, D_QK, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(s_kv, 1, D_QK, device="cuda", generator=g).bfloat16()
+    idx = torch.empty(s_q, 1, topk, dtype=torch.int32, device="cuda")
+    for s0 in range(0, s_q, 256):  # distinct rows per query, as FlashMLA's benchmark draws them
+        r = torch.rand(min(256, s_q - s0), s_kv, device="cuda", generator=g)
+        idx[s0 : s0 + 256, 0] = r.topk(topk, dim=-1).indices.int()
+    sm_scale = 1 / math.sqrt(D_QK)
+    from sparse_mla_attn.forward import sparse_mla_fwd
+
+    out, _, lse = sparse_mla_fwd(q, kv, idx, sm_scale, D_V)
+    dout = torch.randn(s_q, h_q, D_V, device="cuda", generator=g).bfloat16()
+    return q, kv, idx, out, lse, dout, sm_scale
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def bench_shape(s_q: int, h_q: int, s_kv: int, topk: int, *, check: bool, config=None) -> dict[str, Any]:
+    q, kv, idx, out, lse, dout, sm_scale = make_inputs(s_q, h_q, s_kv, topk)
+    run = lambda det: sparse_mla_bwd(
+        q, kv, out, dout, idx, lse, sm_scale, D_V, deterministic=det, _config=config
+    )
+    row: dict[str, Any] = {"s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": topk}
+    res = {}
+    for det in (False, True):
+        res[det] = run(det)
+        ms = time_ms(lambda d=det: run(d), warmup=10, rep=300)
+        key = "det_" if det else ""
+        row[key + "ms"] = ms
+        row[key + "tflops"] = bwd_flops(s_q, h_q, topk) / ms / 1e9
+    row["resources"] = {k: kernel_resources(v) for k, v in bwd_mod._BWD_LAST_COMPILED.items()}
+    if not check:
+        return row
+    again = run(True)
+    ref_ms = time_ms(lambda: sparse_mla_bwd_ref(q, kv, out, dout, idx, lse, sm_scale, D_V), warmup=1, rep=1)
+    dq_ref, dkv_ref = sparse_mla_bwd_ref(q, kv, out, dout, idx, lse, sm_scale, D_V)
+    row["check"] = {
+        "dq_rel_err": rel_err(res[False][0], dq_ref),
+        "dkv_rel_err": rel_err(res[False][1], dkv_ref),
+        "det_dq_rel_err": rel_err(res[True][0], dq_ref),
+        "det_dkv_rel_err": rel_err(res[True][1], dkv_ref),
+        "det_bit_identical": bool(
+            torch.equal(again[0], res[True][0]) and torch.equal(again[1], res[True][1])
+        ),
+    }
+    row["baseline"] = {
+        "name": "sparse_mla_bwd_ref (float32 torch, chunked)",
+        "s_q": s_q, "h_q": h_q, "topk": topk, "s_kv": s_kv,
+        "ms": ref_ms, "tflops": bwd_flops(s_q, h_q, topk) / ref_ms / 1e9,
+    }  # fmt: skip
+    return row
+
+
+SWEEP = [
+    {},
+    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4},
+    {"BLOCK_H": 128, "BLOCK_T": 64, "num_warps": 8},
+    {"BLOCK_H": 64, "BLOCK_T": 64, "BLOCK_DV": 64, "num_warps": 4},
+    {"BLOCK_H_DQ": 64, "BLOCK_D": 64, "num_warps_dq": 4},
+    {"BLOCK_T_DQ": 128, "BLOCK_D": 64},
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", default=None, help="write sparse-mla-attn-training.json/.md here")
+    ap.add_argument("--quick", action="store_true", help="only the main shape")
+    ap.add_argument("--sweep", action="store_true", help="time kernel configurations at the main shape")
+    a = ap.parse_args()
+    meta = metadata()
+    peak = dense_matmul_tflops()
+    print(f"{meta['device']}: dense bf16 matmul {peak:.0f} TFLOPS")
+    if a.sweep:
+        for cfg in SWEEP:
+            try:
+                r = bench_shape(4096, 128, 32768, 2048, check=False, config=cfg)
+            except Exception as exc:  # a config that does not compile or fit is reported, not fatal
+                print(f"sweep {cfg}: failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            print(
+                f"sweep {cfg}: default {r['ms']:.2f} ms {r['tflops']:.0f} TFLOPS, det {r['det_ms']:.2f} ms; "
+                f"{r['resources']}"
+            )
+        return
+    shapes = [(4096, 128, 32768, 2048)]
+    if not a.quick:
+        shapes += [(4096, 64, 32768, 2048), (4096, 128, 8192, 2048), (4096, 128, 131072, 2048)]
+    rows = []
+    for i, (s_q, h_q, s_kv, topk) in enumerate(shapes):
+        r = bench_shape(s_q, h_q, s_kv, topk, check=(i == 0))
+        rows.append(r)
+        print(
+            f"s_q {s_q} h_q {h_q} s_kv {s_kv} topk {topk}: default {r['ms']:.2f} ms {r['tflops']:.0f} TFLOPS "
+            f"({100 * r['tflops'] / peak:.0f}% of matmul); deterministic {r['det_ms']:.2f} ms "
+            f"{r['det_tflops']:.0f} TFLOPS ({r['det_ms'] / r['ms']:.2f}x)"
+        )
+    first = rows[0]
+    if "check" in first:
+        print(f"check: {first['check']}")
+        print(f"baseline: {first['baseline']['name']} {first['baseline']['ms']:.1f} ms")
+    data = {
+        "meta": meta,
+        "d_qk": D_QK,
+        "d_v": D_V,
+        "flops_formula": "2.5 * 2 * s_q * h_q * topk * (d_qk + d_v)",
+        "dense_matmul_tflops": peak,
+        "rows": rows,
+        "check": first.get("check"),
+        "baseline": first.get("baseline"),
+    }
+    update_results(a.out_dir, "backward", data)
+
+
+if __name__ == "__main__":
+    main()
