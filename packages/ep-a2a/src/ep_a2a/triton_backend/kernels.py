@@ -62,8 +62,14 @@ def _now(USE_TIMER: tl.constexpr):
 def _peer_ptr(table_ptr, r, byte_offset, ty: tl.constexpr):
     """Typed pointer to ``byte_offset`` inside rank ``r``'s heap (heaps are 256-byte aligned)."""
     base = tl.load(table_ptr + r) + byte_offset
-    base = tl.multiple_of(base, 16)
-    return base.to(tl.pointer_type(ty))
+    return tl.multiple_of(base.to(tl.pointer_type(ty)), 16)
+
+
+@triton.jit
+def _set_error(state_ptr, code):
+    """Record the first error only (later ones keep the first culprit)."""
+    zero = tl.full([], 0, tl.int64)
+    tl.atomic_cas(state_ptr + 3, zero, zero + code, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -85,9 +91,20 @@ def _wait_flag(flag_ptr, target, state_ptr, step, peer, timeout, USE_TIMER: tl.c
             elapsed += 1
     ok = (v >= target) & (err == 0)
     if (v < target) & (err == 0):
-        tl.atomic_cas(state_ptr + 3, 0, 1 + step * 65536 + peer, sem="relaxed", scope="gpu")
+        _set_error(state_ptr, 1 + step * 65536 + peer)
     tl.debug_barrier()
     return ok
+
+
+@triton.jit
+def _m(rows_mask, h0, hh, H: tl.constexpr, EVEN_H: tl.constexpr):
+    """2-D mask of a ``[rows, BH]`` tile; with ``EVEN_H`` it is constant along the row, which keeps
+    loads and stores 16-byte vectors."""
+    if EVEN_H:
+        res = rows_mask[:, None]  # broadcast by the load/store: constant along the row
+    else:
+        res = rows_mask[:, None] & ((h0 + hh) < H)[None, :]
+    return res
 
 
 @triton.jit
@@ -193,7 +210,7 @@ def _counts_kernel(
     if (n_stale > 0) & (err == 0):
         missing = tl.min(tl.where(tl.max(stale.to(tl.int32), axis=1) > 0, ss, WP))
         err = 1 + 1 * 65536 + missing.to(tl.int64)
-        tl.atomic_cas(state_ptr + 3, 0, err, sem="relaxed", scope="gpu")
+        _set_error(state_ptr, err)
     tl.store(info_ptr + 1, err)
     if err == 0:
         vals = v & 0xFFFFFFFF
@@ -256,6 +273,7 @@ def _dispatch_send_chunk(
     H: tl.constexpr,
     BH: tl.constexpr,
     CH: tl.constexpr,
+    EVEN_H: tl.constexpr,
     HAS_W: tl.constexpr,
     CALLER_SCATTER: tl.constexpr,
 ):
@@ -299,17 +317,16 @@ def _dispatch_send_chunk(
     xrow = toks.to(tl.int64) * H
     peer_row = (rank * max_tokens + toks).to(tl.int64) * H
     for h0 in range(0, H, BH):
-        hm = (h0 + hh) < H
-        xm = tm[:, None] & hm[None, :]
+        xm = _m(tm, h0, hh, H, EVEN_H)
         xt = tl.load(x_ptr + xrow[:, None] + h0 + hh[None, :], mask=xm)
         for r in tl.static_range(W):
             if r != rank:
                 need = tl.sum(((dest == r) & m2).to(tl.int32), axis=1) > 0
                 px = _peer_ptr(table_ptr, r, off_x, x_ptr.dtype.element_ty)
-                tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=need[:, None] & hm[None, :])
+                tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H))
         for k in tl.static_range(K):
             rk = _column(row, kk, k)
-            tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=(rk >= 0)[:, None] & hm[None, :])
+            tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H))
     tl.debug_barrier()
     for r in tl.static_range(W):
         if r != rank:
@@ -348,6 +365,7 @@ def _dispatch_recv_chunk(
     H: tl.constexpr,
     BH: tl.constexpr,
     CH: tl.constexpr,
+    EVEN_H: tl.constexpr,
     HAS_W: tl.constexpr,
     CALLER_SCATTER: tl.constexpr,
     USE_TIMER: tl.constexpr,
@@ -387,16 +405,15 @@ def _dispatch_recv_chunk(
         px = _peer_ptr(table_ptr, rank, off_x, out_ptr.dtype.element_ty)
         src_row = (s * max_tokens + toks).to(tl.int64) * H
         for h0 in range(0, H, BH):
-            hm = (h0 + hh) < H
             xt = tl.load(
                 px + src_row[:, None] + h0 + hh[None, :],
-                mask=need[:, None] & hm[None, :],
+                mask=_m(need, h0, hh, H, EVEN_H),
                 cache_modifier=".cg",
             )
             for k in tl.static_range(K):
                 rk = _column(row, kk, k)
                 tl.store(
-                    out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=(rk >= 0)[:, None] & hm[None, :]
+                    out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H)
                 )
 
 
@@ -437,6 +454,7 @@ def _dispatch_kernel(
     H: tl.constexpr,
     BH: tl.constexpr,
     CH: tl.constexpr,
+    EVEN_H: tl.constexpr,
     HAS_W: tl.constexpr,
     CALLER_SCATTER: tl.constexpr,
     SEND: tl.constexpr,
@@ -492,6 +510,7 @@ def _dispatch_kernel(
                         H,
                         BH,
                         CH,
+                        EVEN_H,
                         HAS_W,
                         CALLER_SCATTER,
                     )
@@ -531,6 +550,7 @@ def _dispatch_kernel(
                                 H,
                                 BH,
                                 CH,
+                                EVEN_H,
                                 HAS_W,
                                 CALLER_SCATTER,
                                 USE_TIMER,
@@ -580,9 +600,7 @@ def _dispatch_kernel(
                             elapsed += 1
                     if n_stale > 0:
                         missing = tl.min(tl.min(tl.where(stale, dest, WP), axis=1), 0)
-                        tl.atomic_cas(
-                            state_ptr + 3, 0, 1 + 3 * 65536 + missing.to(tl.int64), sem="relaxed", scope="gpu"
-                        )
+                        _set_error(state_ptr, 1 + 3 * 65536 + missing.to(tl.int64))
                     scat = (v & 0xFFFFFFFF) + pos
                     tl.store(scat_ptr + slot, tl.where((ids >= 0) & ~stale, scat, -1).to(tl.int32), mask=m2)
                 j += 1
@@ -615,6 +633,7 @@ def _combine_kernel(
     H: tl.constexpr,
     BH: tl.constexpr,
     CH: tl.constexpr,
+    EVEN_H: tl.constexpr,
     SEND: tl.constexpr,
     RECV: tl.constexpr,
     LAG: tl.constexpr,
@@ -655,16 +674,15 @@ def _combine_kernel(
                             + (rank * max_tokens + toks).to(tl.int64)[:, None] * H
                         )
                         for h0 in range(0, H, BH):
-                            hm = (h0 + hh) < H
                             acc = tl.zeros([CH, BH], tl.float32)
                             for k in tl.static_range(K):
                                 rk = _column(rows, kk, k)
                                 acc += tl.load(
                                     y_ptr + rk[:, None] * H + h0 + hh[None, :],
-                                    mask=(rk >= 0)[:, None] & hm[None, :],
+                                    mask=_m((rk >= 0), h0, hh, H, EVEN_H),
                                     other=0,
                                 ).to(tl.float32)
-                            tl.store(dst + h0 + hh[None, :], acc.to(ty), mask=need[:, None] & hm[None, :])
+                            tl.store(dst + h0 + hh[None, :], acc.to(ty), mask=_m(need, h0, hh, H, EVEN_H))
                         tl.debug_barrier()
                         f = _peer_ptr(table_ptr, s, off_cflag, tl.int64) + rank * nchunks + c
                         tl.atomic_xchg(f, ep, sem="release", scope="sys")
@@ -685,13 +703,12 @@ def _combine_kernel(
                     if ok_all:
                         rows = tl.load(tab_ptr + rank * max_tokens * K + slot, mask=m2, other=-1).to(tl.int64)
                         for h0 in range(0, H, BH):
-                            hm = (h0 + hh) < H
                             acc = tl.zeros([CH, BH], tl.float32)
                             for k in tl.static_range(K):
                                 rk = _column(rows, kk, k)
                                 acc += tl.load(
                                     y_ptr + rk[:, None] * H + h0 + hh[None, :],
-                                    mask=(rk >= 0)[:, None] & hm[None, :],
+                                    mask=_m((rk >= 0), h0, hh, H, EVEN_H),
                                     other=0,
                                 ).to(tl.float32)
                             for r in tl.static_range(W):
@@ -703,14 +720,14 @@ def _combine_kernel(
                                     )
                                     acc += tl.load(
                                         src + h0 + hh[None, :],
-                                        mask=need[:, None] & hm[None, :],
+                                        mask=_m(need, h0, hh, H, EVEN_H),
                                         other=0,
                                         cache_modifier=".cg",
                                     ).to(tl.float32)
                             tl.store(
                                 out_ptr + toks.to(tl.int64)[:, None] * H + h0 + hh[None, :],
                                 acc.to(out_ptr.dtype.element_ty),
-                                mask=tm[:, None] & hm[None, :],
+                                mask=_m(tm, h0, hh, H, EVEN_H),
                             )
             j += 1
     if RECV:

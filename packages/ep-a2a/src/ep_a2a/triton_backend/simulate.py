@@ -65,6 +65,10 @@ class SimWorld:
         self.heaps = [
             torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)
         ]
+        lay = self.layout
+        for h in self.heaps:  # poison the data regions (flags and counts must start at zero)
+            h[lay.x : lay.cnt].fill_(0xFF)
+            h[lay.cx : lay.cflag].fill_(0xFF)
         self.table = torch.tensor([h.data_ptr() for h in self.heaps], dtype=torch.int64, device=device)
         self.engines = [
             TritonEPEngine(
@@ -111,6 +115,8 @@ class SimWorld:
             bufs[r] = eng.alloc_dispatch_outputs(
                 inputs[r].shape[0], int(info[0]), with_weights=weights is not None
             )
+            for buf in bufs[r].values():  # poison: every element read must have been written
+                buf.fill_(float("nan") if buf.is_floating_point() else -7)
             bufs[r]["info"] = info
         for send, recv in ((True, False), (False, True)):
             for r in ranks:
@@ -162,7 +168,9 @@ class SimWorld:
         """Run one combine on every rank; returns per rank ``[n, hidden]`` in the rows' dtype."""
         ranks = [r for r in range(self.world_size) if r not in skip_ranks]
         outs = {
-            r: torch.empty(exp_indices[r].shape[0], self.engines[r].hidden, dtype=expert_outputs[i].dtype)
+            r: torch.full(
+                (exp_indices[r].shape[0], self.engines[r].hidden), float("nan"), dtype=expert_outputs[i].dtype
+            )
             for i, r in enumerate(ranks)
         }
         for send, recv in ((True, False), (False, True)):

@@ -1,0 +1,204 @@
+"""The Triton fast path's kernels in a single-process simulation of 2-4 ranks, against ep_a2a.reference.
+
+Runs under ``TRITON_INTERPRET=1`` (CPU buffers as the symmetric heaps, one shared pointer table;
+producers launched before consumers). Dispatch must be bit-identical to the reference (rows, weights,
+local experts, counts, token_dst_scatter_idx); combine within bf16 rounding of the float32 reference
+(the expert side rounds each per-(token, rank) partial sum to the row dtype once).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    # the simulation shares plain CPU buffers between "ranks": only the interpreter can run it
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from ep_a2a.reference import combine_ref, dispatch_ref
+from ep_a2a.triton_backend.engine import EPTimeoutFromDevice
+from ep_a2a.triton_backend.simulate import SimWorld
+
+# combine tolerance per row dtype, relative to sum_k |row_k| of each token: each partial sum is rounded
+# once and the total once, so two roundings. The interpreter's float32 -> bf16 cast truncates (one ulp,
+# 2**-7, instead of half an ulp), hence 2 * 2**-7 for bf16 here; the GPU tests use 2 * 2**-8.
+COMBINE_RTOL = {torch.bfloat16: 2.0**-6, torch.float16: 2.0**-10, torch.float32: 1e-6}
+
+
+def _routing(
+    n: int, topk: int, num_experts: int, gen: torch.Generator, *, skew: bool, drop: float
+) -> torch.Tensor:
+    if n == 0:
+        return torch.empty(0, topk, dtype=torch.int32)
+    if skew:  # most slots on the first few experts (and so on rank 0)
+        logits = -torch.arange(num_experts, dtype=torch.float32) * 0.7
+        probs = torch.softmax(logits, 0).expand(n, -1)
+        ids = torch.multinomial(probs, topk, replacement=False, generator=gen)
+    else:
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:topk] for _ in range(n)])
+    ids = ids.to(torch.int32)
+    if drop:
+        ids[torch.rand(ids.shape, generator=gen) < drop] = -1
+    return ids
+
+
+def _check_dispatch(res, ref, scat, weights_given: bool) -> None:
+    for r, (got, want) in enumerate(zip(res, ref, strict=True)):
+        assert got.output.shape == want.output.shape, (
+            f"rank {r}: rows {got.output.shape} != {want.output.shape}"
+        )
+        assert torch.equal(
+            got.output.view(torch.uint8 if got.output.dtype.itemsize == 1 else got.output.dtype), want.output
+        ), f"rank {r}: rows differ"
+        assert torch.equal(got.local_expert.long(), want.local_expert), f"rank {r}: local experts differ"
+        assert torch.equal(got.num_recv_tokens_per_expert, want.num_recv_tokens_per_expert)
+        assert torch.equal(got.num_recv_tokens_per_rank, want.num_recv_tokens_per_rank)
+        assert torch.equal(got.token_dst_scatter_idx.long(), scat[r]), (
+            f"rank {r}: token_dst_scatter_idx differs"
+        )
+        if weights_given:
+            assert torch.equal(got.weights, want.weights), f"rank {r}: weights differ"
+
+
+def _check_skip_mapping(res, ids_all, e_local: int) -> None:
+    for r, ids in enumerate(ids_all):
+        got = res[r].skipped_token_topk_mapping_indices
+        dest = torch.where(ids >= 0, ids.long() // e_local, -1)
+        for t in range(ids.shape[0]):
+            for k in range(ids.shape[1]):
+                want = -1 if ids[t, k] < 0 else next(k2 for k2 in range(k + 1) if dest[t, k2] == dest[t, k])
+                assert int(got[t, k]) == want, f"rank {r} slot ({t},{k}): {int(got[t, k])} != {want}"
+
+
+def _check_combine(outs, ys, ids_all, scat, num_experts: int, dtype: torch.dtype) -> None:
+    want = combine_ref([y.float() for y in ys], ids_all, scat, num_tot_experts=num_experts)
+    scale = combine_ref([y.float().abs() for y in ys], ids_all, scat, num_tot_experts=num_experts)
+    for r, (got, ref, mag) in enumerate(zip(outs, want, scale, strict=True)):
+        assert got.dtype == dtype
+        assert not torch.isnan(got).any(), f"rank {r}: unwritten combine output"
+        err = (got.float() - ref).abs()
+        bound = COMBINE_RTOL[dtype] * mag + 1e-30
+        assert bool((err <= bound).all()), (
+            f"rank {r}: combine error {float((err - bound).max())} over the bound"
+        )
+
+
+CASES = [
+    # world, tokens per rank, hidden, topk, experts, dtype, weights, skew, drop
+    pytest.param(2, [6, 5], 32, 4, 8, torch.bfloat16, True, False, 0.0, id="W2-n6,5-H32-k4-E8-bf16"),
+    pytest.param(2, [7, 0], 32, 2, 4, torch.bfloat16, False, False, 0.2, id="W2-n7,0-k2-E4-noW-drop"),
+    pytest.param(3, [4, 6, 1], 16, 3, 6, torch.float32, True, True, 0.1, id="W3-n4,6,1-H16-k3-E6-f32-skew"),
+    pytest.param(4, [5, 3, 6, 2], 32, 1, 8, torch.bfloat16, True, False, 0.0, id="W4-k1-E8"),
+    pytest.param(
+        4, [6, 6, 0, 4], 48, 8, 16, torch.float16, True, True, 0.15, id="W4-H48-k8-E16-f16-skew-drop"
+    ),
+]
+
+
+@pytest.mark.parametrize("world,ns,hidden,topk,experts,dtype,with_w,skew,drop", CASES)
+def test_dispatch_combine_matches_reference(world, ns, hidden, topk, experts, dtype, with_w, skew, drop):
+    gen = torch.Generator().manual_seed(1234 + world * 100 + hidden + topk)
+    max_tokens = max(ns)
+    sim = SimWorld(
+        world_size=world,
+        max_tokens=max_tokens,
+        hidden=hidden,
+        topk=topk,
+        num_tot_experts=experts,
+        token_dtype=dtype,
+        num_sm=2,
+        chunk=4,
+    )
+    # two calls with fresh inputs: monotone epochs, count parity and buffer reuse across calls
+    for call in range(2):
+        ns_call = ns if call == 0 else [max(0, n - call) for n in reversed(ns)]
+        xs = [torch.randn(n, hidden, generator=gen).to(dtype) for n in ns_call]
+        ids = [_routing(n, topk, experts, gen, skew=skew, drop=drop) for n in ns_call]
+        ws = [torch.rand(n, topk, generator=gen) for n in ns_call] if with_w else None
+        res = sim.dispatch(xs, ids, ws)
+        ref, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
+        _check_dispatch(res, ref, scat, with_w)
+        assert all(torch.equal(r.num_input_tokens_per_rank, torch.tensor(ns_call)) for r in res)
+        _check_skip_mapping(res, ids, experts // world)
+        ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(dtype) for r in res]
+        outs = sim.combine(ys, res, ids)
+        _check_combine(outs, ys, ids, scat, experts, dtype)
+
+
+def test_caller_scatter_indices():
+    """``full_scatter_indices``: the caller's rows, taken verbatim on the receiver."""
+    world, hidden, topk, experts = 2, 32, 2, 4
+    gen = torch.Generator().manual_seed(7)
+    ns = [5, 4]
+    sim = SimWorld(
+        world_size=world, max_tokens=5, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=2, chunk=4
+    )
+    xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in ns]
+    ids = [_routing(n, topk, experts, gen, skew=False, drop=0.2) for n in ns]
+    _, default = dispatch_ref(xs, ids, num_tot_experts=experts)
+    # a permutation of each receiver's rows: reverse them
+    totals = [0] * world
+    for s in range(world):
+        for d in range(world):
+            mask = (ids[s] >= 0) & (ids[s].long() // (experts // world) == d)
+            totals[d] += int(mask.sum())
+    fsi = []
+    for s in range(world):
+        f = torch.full_like(ids[s], -1)
+        for d in range(world):
+            mask = (ids[s] >= 0) & (ids[s].long() // (experts // world) == d)
+            f[mask] = (totals[d] - 1 - default[s][mask]).to(torch.int32)
+        fsi.append(f)
+    res = sim.dispatch(xs, ids, None, fsi)
+    ref, scat = dispatch_ref(xs, ids, num_tot_experts=experts, full_scatter_indices=fsi)
+    _check_dispatch(res, ref, scat, False)
+    ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
+    _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)
+
+
+def test_missing_rank_times_out_naming_it():
+    """A rank that never dispatches: the others' count wait runs out and names it; later calls refuse."""
+    world, hidden, topk, experts = 3, 16, 2, 6
+    gen = torch.Generator().manual_seed(3)
+    sim = SimWorld(
+        world_size=world,
+        max_tokens=4,
+        hidden=hidden,
+        topk=topk,
+        num_tot_experts=experts,
+        num_sm=2,
+        chunk=4,
+        timeout_s=0.01,
+    )
+    xs = [torch.randn(4, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
+    ids = [_routing(4, topk, experts, gen, skew=False, drop=0.0) for _ in range(world)]
+    with pytest.raises(EPTimeoutFromDevice, match="waiting for rank 2") as info:
+        sim.dispatch(xs, ids, skip_ranks=[2])
+    assert info.value.peer == 2 and info.value.step == "dispatch/counts"
+    # the error is sticky: the engine refuses to go on (its buffers may hold a half-finished call)
+    with pytest.raises(EPTimeoutFromDevice):
+        sim.engines[0].check_error()
+
+
+def test_missing_combine_peer_times_out():
+    world, hidden, topk, experts = 2, 16, 2, 4
+    gen = torch.Generator().manual_seed(5)
+    sim = SimWorld(
+        world_size=world,
+        max_tokens=4,
+        hidden=hidden,
+        topk=topk,
+        num_tot_experts=experts,
+        num_sm=2,
+        chunk=4,
+        timeout_s=0.01,
+    )
+    xs = [torch.randn(4, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
+    ids = [torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]], dtype=torch.int32) for _ in range(world)]
+    res = sim.dispatch(xs, ids)
+    ys = [r.output.clone() for r in res]
+    with pytest.raises(EPTimeoutFromDevice, match="rank 1") as info:
+        sim.combine(ys[:1], res[:1], ids, skip_ranks=[1])
+    assert info.value.step == "combine"
