@@ -150,6 +150,7 @@ CPU_CASES = [
     pytest.param(Case(group=16, hkv=1, dim=16, length=20), id="gqa16-d16"),
     pytest.param(Case(group=4, path="dense"), id="gqa4-dense-path"),
     pytest.param(Case(group=4, path="sparse"), id="gqa4-sparse-path"),
+    pytest.param(Case(group=4, path="dense_read_all", seqlens="tensor", batch=3), id="dense-read-all-path"),
     pytest.param(Case(group=4, mask="packed", path="sparse", density=0.2), id="packed-sparse-path"),
     pytest.param(Case(density=0.15, clustered=True), id="clustered-auto-sparse"),
     pytest.param(Case(density=0.9, seqlens="tensor", batch=4), id="seqlens-0-1-tensor"),

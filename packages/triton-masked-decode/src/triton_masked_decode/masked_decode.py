@@ -36,7 +36,10 @@ __all__ = ["SPARSE_THRESHOLD", "masked_decode", "triton_masked_flash_decoding"]
 SPARSE_THRESHOLD = 0.35
 
 _LOG2E = 1.4426950408889634
-_PATH_CODES = {"auto": 0, "dense": 1, "sparse": 2}
+# "dense_read_all" reads every in-bounds K/V row and zeroes excluded ones (for comparison in benchmarks).
+_PATH_CODES = {"auto": 0, "dense": 1, "sparse": 2, "dense_read_all": 3}
+# Whether path="auto" uses the read-all variant of the dense loop when a split is dense.
+_AUTO_DENSE_READ_ALL = False
 _MASK_NONE, _MASK_BOOL, _MASK_PACKED = 0, 1, 2
 _MAX_GROUP = 64
 _MAX_SPLITS = 256
@@ -87,10 +90,16 @@ def _attend_rows(
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
+    ld_rows,
+    READ_ALL: tl.constexpr,
 ):
-    """Online-softmax update with the K/V rows at positions ``pos`` (rows with ``vis`` False unread)."""
+    """Online-softmax update with the K/V rows at positions ``pos``.
+
+    Rows are loaded where ``ld_rows``; normally that is ``vis`` so excluded rows are never read. With
+    ``READ_ALL`` every in-bounds row is read (one unpredicated stream) and excluded ones are zeroed.
+    """
     if PAGED:
-        page = tl.load(bt_base + pos // PAGE_SIZE, mask=vis, other=0).to(tl.int64)
+        page = tl.load(bt_base + pos // PAGE_SIZE, mask=ld_rows, other=0).to(tl.int64)
         row = (pos % PAGE_SIZE).to(tl.int64)
         k_off = page * stride_kp + row * stride_kn
         v_off = page * stride_vp + row * stride_vn
@@ -98,9 +107,9 @@ def _attend_rows(
         k_off = pos.to(tl.int64) * stride_kn
         v_off = pos.to(tl.int64) * stride_vn
     if BLOCK_D == HEAD_DIM:
-        ld_mask = vis[:, None]
+        ld_mask = ld_rows[:, None]
     else:
-        ld_mask = vis[:, None] & (offs_d < HEAD_DIM)[None, :]
+        ld_mask = ld_rows[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
@@ -113,6 +122,8 @@ def _attend_rows(
     v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
     if UPCAST:
         v = v.to(tl.float32)
+    if READ_ALL:
+        v = tl.where(vis[:, None], v, 0.0)  # an excluded row may hold NaN: 0 * NaN would leak
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, l_i, m_new
@@ -144,17 +155,23 @@ def _dense_loop(
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
+    READ_ALL: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
-        vis = pos < hi
+        inb = pos < hi
+        vis = inb
         if MASK_MODE != 0:
-            vis = vis & (_excluded(mask_base, pos, vis, stride_ml, MASK_MODE) == 0)
+            vis = inb & (_excluded(mask_base, pos, inb, stride_ml, MASK_MODE) == 0)
+        if READ_ALL:
+            ld_rows = inb
+        else:
+            ld_rows = vis
         acc, l_i, m_i = _attend_rows(
             acc, l_i, m_i, q, pos, vis, k_base, v_base, bt_base,
             stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
-            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST,
+            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST, ld_rows, READ_ALL,
         )  # fmt: skip
     return acc, l_i, m_i
 
@@ -219,7 +236,7 @@ def _sparse_loop(
         acc, l_i, m_i = _attend_rows(
             acc, l_i, m_i, q, pos, valid, k_base, v_base, bt_base,
             stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
-            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST,
+            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST, valid, False,
         )  # fmt: skip
     return acc, l_i, m_i
 
@@ -270,6 +287,7 @@ def _masked_decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     PATH: tl.constexpr,
     UPCAST: tl.constexpr,
+    DENSE_READ_ALL: tl.constexpr,
 ):
     split = tl.program_id(0)
     head = tl.program_id(1)
@@ -310,11 +328,11 @@ def _masked_decode_split_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        if (MASK_MODE == 0) | (PATH == 1):
+        if (MASK_MODE == 0) | (PATH == 1) | (PATH == 3):
             acc, l_i, m_i = _dense_loop(
                 acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base,
                 stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
-                MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST,
+                MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST, DENSE_READ_ALL,
             )  # fmt: skip
         elif PATH == 2:
             acc, l_i, m_i = _sparse_loop(
@@ -334,7 +352,7 @@ def _masked_decode_split_kernel(
                 acc, l_i, m_i = _dense_loop(
                     acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base,
                     stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
-                    MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST,
+                    MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST, DENSE_READ_ALL,
                 )  # fmt: skip
 
         seen = l_i > 0.0
@@ -506,7 +524,7 @@ def _launch(
     else:
         mask_t = torch.empty(1, dtype=torch.uint8, device=q.device)
         mstrides = (0, 0, 0)
-    if mask is not None and path != _PATH_CODES["dense"]:
+    if mask is not None and path in (_PATH_CODES["auto"], _PATH_CODES["sparse"]):
         idx = torch.empty(batch * hkv * splits * chunk, dtype=torch.int32, device=q.device)
     else:
         idx = torch.empty(1, dtype=torch.int32, device=q.device)
@@ -541,6 +559,7 @@ def _launch(
         G=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_C=block_c,
         MASK_MODE=mask_mode, HAS_SEQLENS=seqlens is not None, PAGED=paged, PAGE_SIZE=page_size,
         PATH=path, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        DENSE_READ_ALL=path == _PATH_CODES["dense_read_all"] or (path == 0 and _AUTO_DENSE_READ_ALL),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
@@ -775,7 +794,8 @@ def masked_decode(
         return_lse: return ``(out, lse)`` when True (default), ``out`` alone when False.
         path: ``"auto"`` (default) picks, per split and on the device, the sparse loop when the visible
             fraction of the split is at most ``sparse_threshold`` and the dense loop otherwise;
-            ``"dense"`` / ``"sparse"`` force one loop.
+            ``"dense"`` / ``"sparse"`` force one loop; ``"dense_read_all"`` is the dense loop reading every
+            row (excluded ones zeroed after the load), kept for comparison.
         sparse_threshold: visible fraction at or below which ``path="auto"`` takes the sparse loop.
         num_splits: override the number of KV splits (default: chosen from shapes and the SM count).
         check_values: check tensor *values* (``seqlens`` within ``[0, L]``, used ``block_table`` entries

@@ -1,0 +1,233 @@
+"""Masked decode benchmark: cases, providers and timing (driven by ``run.py``).
+
+Every time is the median of ``triton.testing.do_bench`` (L2 flushed before each call, CUDA events),
+and is compared with the read-once floor: the bytes of K and V over the valid lengths, the mask
+(bool, one byte per position) and q/out, moved once at the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import triton.testing
+
+from triton_masked_decode import masked_decode
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def load_seed(path: str) -> types.ModuleType:
+    """Import the seed script from ``path``; flash-attn is stubbed when absent (only its Triton kernel is used)."""
+    if importlib.util.find_spec("flash_attn") is None and "flash_attn" not in sys.modules:
+        stub = types.ModuleType("flash_attn")
+
+        def _missing(*args, **kwargs):
+            raise RuntimeError("flash-attn is not installed")
+
+        stub.flash_attn_func = _missing  # type: ignore[attr-defined]
+        stub.flash_attn_with_kvcache = _missing  # type: ignore[attr-defined]
+        sys.modules["flash_attn"] = stub
+    spec = importlib.util.spec_from_file_location("tmd_seed_kernel", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@dataclass
+class Case:
+    group: str  # "seed" | "ragged" | "sparse" | "density"
+    batch: int
+    lengths: list[int]  # valid length per sequence
+    alloc: int  # allocated positions per sequence
+    density: float  # visible fraction among valid positions
+    pattern: str = "random"  # random | cluster64 | none
+    hq: int = 32
+    hkv: int = 8
+    dim: int = 128
+    providers: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        lens = f"L{self.lengths[0] // 1024}K" if len(set(self.lengths)) == 1 else "L4K-32K"
+        return f"{self.group}-B{self.batch}-{lens}-{self.pattern}{round(self.density * 100)}"
+
+
+def floor_bytes(c: Case) -> int:
+    """K + V over the valid lengths, the bool mask, q and out: each read or written once."""
+    valid = sum(c.lengths)
+    kv = 2 * c.hkv * valid * c.dim * 2
+    mask = c.hkv * valid if c.pattern != "none" else 0
+    return kv + mask + 2 * c.batch * c.hq * c.dim * 2
+
+
+def visible_bytes(c: Case, mask: torch.Tensor | None) -> int:
+    """Bytes a kernel that reads only visible K/V rows (plus the whole mask) must move."""
+    if mask is None:
+        return floor_bytes(c)
+    lens = torch.tensor(c.lengths, device=mask.device)
+    inside = torch.arange(c.alloc, device=mask.device)[None, :] < lens[:, None]
+    n_vis = int(((~mask) & inside[:, None, :]).sum())
+    return 2 * n_vis * c.dim * 2 + c.hkv * sum(c.lengths) + 2 * c.batch * c.hq * c.dim * 2
+
+
+def make_mask(c: Case, gen: torch.Generator) -> torch.Tensor | None:
+    """[B, Hkv, alloc] bool, True = excluded; positions past each length are excluded."""
+    if c.pattern == "none":
+        return None
+    if c.pattern == "cluster64":
+        blocks = math.ceil(c.alloc / 64)
+        vis = torch.rand(c.batch, c.hkv, blocks, generator=gen, device="cuda") < c.density
+        excl = ~vis.repeat_interleave(64, dim=-1)[..., : c.alloc]
+    else:
+        excl = torch.rand(c.batch, c.hkv, c.alloc, generator=gen, device="cuda") >= c.density
+    lens = torch.tensor(c.lengths, device="cuda")
+    excl |= torch.arange(c.alloc, device="cuda")[None, None, :] >= lens[:, None, None]
+    return excl
+
+
+def _bench(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # microseconds
+
+
+class Runner:
+    def __init__(self, seed_mod: types.ModuleType | None, bw: float, flex_ok: bool = True) -> None:
+        self.seed_mod = seed_mod
+        self.bw = bw
+        self.flex_ok = flex_ok
+        self._flex = None
+        try:
+            from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]
+
+            self.fa_kvcache = flash_attn_with_kvcache
+        except Exception:  # not installed (or the stub above)
+            self.fa_kvcache = None
+
+    def flex(self):
+        if self._flex is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._flex = torch.compile(flex_attention, dynamic=False)
+        return self._flex
+
+    def run_case(self, c: Case, log: Callable[[str], None]) -> dict:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        b, hkv, g, d, alloc = c.batch, c.hkv, c.hq // c.hkv, c.dim, c.alloc
+        uniform = len(set(c.lengths)) == 1
+        # Flat buffers in the seed's layout: [B, Hkv, alloc, D] contiguous (the seed reads the first
+        # B*Hkv*valid*D elements as [B, Hkv, valid, D] when all lengths are equal).
+        q = torch.randn(b, c.hq, 1, d, generator=gen, device="cuda", dtype=torch.float16)
+        kf = torch.randn(b * hkv * alloc * d, generator=gen, device="cuda", dtype=torch.float16)
+        vf = torch.randn_like(kf)
+        mask_full = make_mask(c, gen)
+        if uniform:
+            vl = c.lengths[0]
+            k = kf[: b * hkv * vl * d].view(b, hkv, vl, d)
+            v = vf[: b * hkv * vl * d].view(b, hkv, vl, d)
+            mask = None if mask_full is None else mask_full[..., :vl].contiguous()
+            seqlens: torch.Tensor | None = None
+        else:
+            vl = alloc
+            k = kf.view(b, hkv, alloc, d)
+            v = vf.view(b, hkv, alloc, d)
+            mask = mask_full
+            seqlens = torch.tensor(c.lengths, dtype=torch.int32, device="cuda")
+        q3 = q.view(b, c.hq, d)
+        fb = floor_bytes(c)
+        floor_us = fb / self.bw * 1e6
+        res: dict = {
+            "case": c.name,
+            **{kk: vv for kk, vv in asdict(c).items() if kk not in ("lengths", "providers")},
+            "mean_length": sum(c.lengths) / b,
+            "floor_bytes": fb,
+            "floor_us": floor_us,
+            "visible_bytes": visible_bytes(c, mask_full),
+            "times_us": {},
+            "errors": {},
+        }
+        ref_out = None
+        fns: dict[str, Callable[[], object]] = {}
+        for p in c.providers:
+            if p in ("ours", "ours_dense", "ours_sparse", "ours_readall"):
+                path = {
+                    "ours": "auto",
+                    "ours_dense": "dense",
+                    "ours_sparse": "sparse",
+                    "ours_readall": "dense_read_all",
+                }[p]
+                fns[p] = lambda path=path: masked_decode(
+                    q3, k, v, mask, seqlens=seqlens, path=path, check_values=False
+                )
+            elif p == "seed" and self.seed_mod is not None:
+                seed_mask = (
+                    mask.reshape(-1)
+                    if mask is not None
+                    else torch.zeros(b * hkv * vl, dtype=torch.bool, device="cuda")
+                )
+                kk, vv = k.reshape(-1), v.reshape(-1)
+                fns[p] = lambda kk=kk, vv=vv, sm=seed_mask: self.seed_mod.triton_masked_flash_decoding(
+                    q, kk, vv, sm, vl, hkv
+                )
+            elif p == "sdpa":
+                # SDPA's bool mask is True = attend, per query head: prepared once, outside the timing.
+                if mask is not None:
+                    am = (
+                        (~mask)[:, :, None, None, :]
+                        .expand(b, hkv, g, 1, vl)
+                        .reshape(b, c.hq, 1, vl)
+                        .contiguous()
+                    )
+                else:
+                    am = None
+                fns[p] = lambda am=am: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=am, enable_gqa=True
+                )
+            elif p == "flex" and self.flex_ok:
+                from torch.nn.attention.flex_attention import create_block_mask
+
+                mref = mask if mask is not None else torch.zeros(b, hkv, vl, dtype=torch.bool, device="cuda")
+
+                def mask_mod(bi, hi, qi, ki, mref=mref, g=g):
+                    return ~mref[bi, hi // g, ki]
+
+                bm = create_block_mask(mask_mod, b, c.hq, 1, vl, device="cuda")
+                flex_fn = self.flex()
+                fns[p] = lambda bm=bm, fx=flex_fn: fx(q, k, v, block_mask=bm, enable_gqa=True)
+            elif p == "flash_attn" and self.fa_kvcache is not None and uniform:
+                kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # flash-attn wants [B, L, Hkv, D]; no mask
+                fns[p] = lambda kt=kt, vt=vt: self.fa_kvcache(
+                    q.transpose(1, 2), kt.contiguous(), vt.contiguous()
+                )
+        for p, fn in fns.items():
+            try:
+                out = fn()
+                if p.startswith("ours") or p in ("seed", "sdpa", "flex"):
+                    o = out[1] if p == "seed" else out[0] if p.startswith("ours") else out
+                    o = o.reshape(b, c.hq, d).float()
+                    if ref_out is None and p.startswith("ours"):
+                        ref_out = o
+                    elif ref_out is not None and mask is not None:
+                        res["errors"][p] = float((o - ref_out).abs().max())
+                t = _bench(fn)
+                res["times_us"][p] = t
+                log(f"  {c.name:28s} {p:12s} {t:9.1f} us  {floor_us / t * 100:6.1f}% of floor")
+            except Exception as e:  # a baseline failing must not stop the run
+                res["times_us"][p] = None
+                res["errors"][p] = f"{type(e).__name__}: {str(e)[:200]}"
+                log(f"  {c.name:28s} {p:12s} FAILED {type(e).__name__}: {str(e)[:120]}")
+            torch.cuda.synchronize()
+        fns.clear()
+        return res

@@ -1,0 +1,279 @@
+"""Benchmark driver for triton-masked-decode (``nox -s bench``).
+
+    python packages/triton-masked-decode/benchmarks/run.py --out-dir docs/benchmarks \
+        [--quick] [--seed-path .seed/seed_003.py]
+
+Measures the HBM copy bandwidth first, then every case for this package and the baselines (the seed
+Triton kernel when ``--seed-path`` is given, torch SDPA with a boolean mask, FlexAttention decode,
+flash-attn's ``flash_attn_with_kvcache`` without mask when installed). Writes
+``triton-masked-decode.json`` (raw numbers, device, date, commit, command), ``triton-masked-decode.md``
+(tables) and ``triton-masked-decode.png`` (fraction of floor vs batch and vs density), and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_masked_decode import Case, Runner, copy_bandwidth, load_seed
+
+DIST = "triton-masked-decode"
+SEED_L, SEED_ALLOC = 65536, 131072
+
+
+def build_cases(quick: bool) -> list[Case]:
+    cases: list[Case] = []
+    seed_batches = [1, 8] if quick else [1, 2, 4, 8]
+    for b in seed_batches:
+        provs = ["ours", "ours_dense", "ours_readall", "seed", "sdpa", "flash_attn"]
+        if not quick or b == 1:
+            provs.append("flex")
+        cases.append(Case("seed", b, [SEED_L] * b, SEED_ALLOC, 0.5, "random", providers=provs))
+    rng = random.Random(0)
+    for b in [32] if quick else [32, 64]:
+        lens = [rng.randint(4096, 32768) for _ in range(b)]
+        cases.append(
+            Case(
+                "ragged",
+                b,
+                lens,
+                32768,
+                0.5,
+                "random",
+                providers=["ours", "ours_dense", "ours_readall", "seed", "sdpa"],
+            )
+        )
+    sparse_batches = [1] if quick else [1, 8]
+    for b in sparse_batches:
+        for pattern in ("random", "cluster64"):
+            for dens in (0.1, 0.25):
+                if quick and (pattern, dens) == ("cluster64", 0.1):
+                    continue
+                cases.append(
+                    Case(
+                        "sparse",
+                        b,
+                        [SEED_L] * b,
+                        SEED_L,
+                        dens,
+                        pattern,
+                        providers=["ours", "ours_dense", "ours_sparse", "sdpa"],
+                    )
+                )
+        cases.append(
+            Case("sparse", b, [SEED_L] * b, SEED_L, 1.0, "none", providers=["ours", "sdpa", "flash_attn"])
+        )
+    densities = [0.1, 0.25, 0.5] if quick else [0.05, 0.1, 0.25, 0.375, 0.5, 0.75, 1.0]
+    for dens in densities:
+        cases.append(
+            Case(
+                "density",
+                4,
+                [SEED_L] * 4,
+                SEED_L,
+                dens,
+                "random",
+                providers=["ours", "ours_dense", "ours_readall", "ours_sparse"],
+            )
+        )
+    return cases
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
+    except Exception:
+        return os.environ.get("TMD_COMMIT", "unknown")
+
+
+def _pct(r: dict, p: str) -> str:
+    t = r["times_us"].get(p)
+    return "—" if t is None else f"{r['floor_us'] / t * 100:.0f}% ({t:.0f} µs)"
+
+
+def make_tables(results: list[dict], bw: float) -> str:
+    lines = [
+        f"HBM copy bandwidth (read + write): **{bw / 1e12:.2f} TB/s**. Cells: fraction of the read-once floor (time).",
+        "",
+    ]
+    seed = [r for r in results if r["group"] == "seed"]
+    if seed:
+        lines += [
+            "### Seed shapes: Hq=32, Hkv=8, D=128, fp16, 64K valid of 128K, random 50% mask",
+            "",
+            "| batch | floor | masked_decode (auto) | masked_decode (dense loop) | seed Triton | torch SDPA + bool mask | FlexAttention | flash_attn_with_kvcache (no mask) | speed-up vs SDPA |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in seed:
+            t, s = r["times_us"].get("ours"), r["times_us"].get("sdpa")
+            sp = f"{s / t:.2f}x" if t and s else "—"
+            cells = " | ".join(
+                _pct(r, p) for p in ("ours", "ours_dense", "seed", "sdpa", "flex", "flash_attn")
+            )
+            lines.append(f"| {r['batch']} | {r['floor_us']:.0f} µs | {cells} | {sp} |")
+        lines.append("")
+    rag = [r for r in results if r["group"] == "ragged"]
+    if rag:
+        lines += [
+            "### Ragged batches: lengths uniform in [4K, 32K] (seqlens tensor), 32K allocated, random 50% mask",
+            "",
+            "| batch | mean length | floor | masked_decode (auto) | masked_decode (dense loop) | seed Triton (reads padded 32K) | torch SDPA + bool mask |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rag:
+            cells = " | ".join(_pct(r, p) for p in ("ours", "ours_dense", "seed", "sdpa"))
+            lines.append(f"| {r['batch']} | {r['mean_length']:.0f} | {r['floor_us']:.0f} µs | {cells} |")
+        lines.append("")
+    sp = [r for r in results if r["group"] == "sparse"]
+    if sp:
+        dense_t = {r["batch"]: r["times_us"].get("ours") for r in seed}
+        lines += [
+            "### Sparse masks (seed shapes, L=64K): time relative to the same batch's 50%-random-mask time",
+            "",
+            "| batch | mask | masked_decode (auto) | × 50%-mask time | goal | dense loop | sparse loop | torch SDPA + bool mask |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sp:
+            t = r["times_us"].get("ours")
+            base = dense_t.get(r["batch"])
+            ratio = f"{t / base:.2f}" if t and base else "—"
+            goal = {0.1: "≤ 0.35", 0.25: "≤ 0.55"}.get(r["density"], "")
+            mask_name = "none" if r["pattern"] == "none" else f"{r['pattern']} {r['density'] * 100:.0f}%"
+            cells = " | ".join(
+                "—" if r["times_us"].get(p) is None else f"{r['times_us'][p]:.0f} µs"
+                for p in ("ours_dense", "ours_sparse", "sdpa")
+            )
+            lines.append(f"| {r['batch']} | {mask_name} | {t:.0f} µs | {ratio} | {goal} | {cells} |")
+        lines.append("")
+    dn = [r for r in results if r["group"] == "density"]
+    if dn:
+        lines += [
+            "### Density sweep (batch 4, L=64K, random mask): fraction of the dense read-once floor",
+            "",
+            "| visible | auto | dense loop | sparse loop |",
+            "|---|---|---|---|",
+        ]
+        for r in dn:
+            cells = " | ".join(_pct(r, p) for p in ("ours", "ours_dense", "ours_sparse"))
+            lines.append(f"| {r['density'] * 100:.1f}% | {cells} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def make_plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    seed = [r for r in results if r["group"] == "seed"]
+    labels = {
+        "ours": "masked_decode",
+        "seed": "seed Triton",
+        "sdpa": "SDPA + bool mask",
+        "flex": "FlexAttention",
+        "flash_attn": "flash_attn (no mask)",
+    }
+    for p, lab in labels.items():
+        pts = [(r["batch"], r["floor_us"] / r["times_us"][p]) for r in seed if r["times_us"].get(p)]
+        if pts:
+            ax1.plot(*zip(*pts, strict=True), marker="o", label=lab)
+    ax1.axhline(1.0, color="gray", ls="--", lw=0.8)
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("batch (Hq=32, Hkv=8, D=128, 64K of 128K, 50% mask)")
+    ax1.set_ylabel("fraction of read-once floor")
+    ax1.legend(fontsize=8)
+    dn = sorted((r for r in results if r["group"] == "density"), key=lambda r: r["density"])
+    for p, lab in (("ours", "auto"), ("ours_dense", "dense loop"), ("ours_sparse", "sparse loop")):
+        pts = [(r["density"], r["floor_us"] / r["times_us"][p]) for r in dn if r["times_us"].get(p)]
+        if pts:
+            ax2.plot(*zip(*pts, strict=True), marker="o", label=lab)
+    if dn:
+        ax2.plot(
+            [r["density"] for r in dn],
+            [1 / max(r["density"], 1e-3) for r in dn],
+            color="gray",
+            ls=":",
+            label="visible-rows bound",
+        )
+    ax2.axhline(1.0, color="gray", ls="--", lw=0.8)
+    ax2.set_xlabel("visible fraction (batch 4, L=64K, random mask)")
+    ax2.set_ylabel("fraction of dense read-once floor")
+    ax2.set_yscale("log")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", default="docs/benchmarks")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--seed-path", default=None, help="path of the seed script whose Triton kernel is compared"
+    )
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles per shape)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("run.py needs a CUDA GPU")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    bw = copy_bandwidth()
+    log(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {bw / 1e12:.3f} TB/s")
+    seed_mod = None
+    if args.seed_path:
+        try:
+            seed_mod = load_seed(args.seed_path)
+        except Exception as e:
+            log(f"seed kernel not loaded from {args.seed_path}: {e}")
+    runner = Runner(seed_mod, bw, flex_ok=not args.no_flex)
+    results = []
+    for c in build_cases(args.quick):
+        results.append(runner.run_case(c, log))
+    tables = make_tables(results, bw)
+    meta = {
+        "package": DIST,
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "copy_bandwidth_Bps": bw,
+        "timing": "triton.testing.do_bench median, L2 flushed before each call; microseconds",
+        "floor": "K+V over valid lengths + bool mask (1 B/position) + q + out, at the measured copy bandwidth",
+        "quick": args.quick,
+        "results": results,
+    }
+    (out_dir / f"{DIST}.json").write_text(json.dumps(meta, indent=1))
+    (out_dir / f"{DIST}.md").write_text(
+        f"<!-- generated by packages/{DIST}/benchmarks/run.py -->\n"
+        f"Device: {meta['device']}; date: {meta['date']}; commit: `{meta['commit']}`; torch {meta['torch']}, "
+        f"triton {meta['triton']}.\n\nCommand: `{meta['command']}`\n\n{tables}\n"
+    )
+    try:
+        make_plot(results, out_dir / f"{DIST}.png")
+    except Exception as e:
+        log(f"plot failed: {e}")
+    print(tables)
+
+
+if __name__ == "__main__":
+    main()
