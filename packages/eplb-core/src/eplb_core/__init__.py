@@ -2,11 +2,28 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from eplb_core.bounds import lower_bound
+from eplb_core.history import expected_load, plan_from_history
 from eplb_core.metrics import balancedness
+from eplb_core.placement import Placement, PlacementDiff, gpu_loads_of
+from eplb_core.planner import plan, rebalance_experts
+from eplb_core.synthetic import synthetic_loads
 
 try:
     __version__ = version("eplb-core")
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0+src"
 
-__all__ = ["__version__", "balancedness"]
+__all__ = [
+    "Placement",
+    "PlacementDiff",
+    "__version__",
+    "balancedness",
+    "expected_load",
+    "gpu_loads_of",
+    "lower_bound",
+    "plan",
+    "plan_from_history",
+    "rebalance_experts",
+    "synthetic_loads",
+]

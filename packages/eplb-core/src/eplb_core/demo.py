@@ -7,7 +7,9 @@ import eplb_core
 
 
 def main() -> None:
-    print(f"eplb-core {eplb_core.__version__}: the demo of this package is not implemented yet (see its README).")
+    print(
+        f"eplb-core {eplb_core.__version__}: the demo of this package is not implemented yet (see its README)."
+    )
 
 
 if __name__ == "__main__":

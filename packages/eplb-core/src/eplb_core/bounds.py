@@ -1,0 +1,45 @@
+"""Lower bounds on the best achievable max GPU load of a layer."""
+
+from __future__ import annotations
+
+import torch
+
+from eplb_core import _core
+
+__all__ = ["lower_bound"]
+
+
+def lower_bound(
+    weight: torch.Tensor,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    *,
+    mode: str = "strict",
+) -> torch.Tensor:
+    """Per-layer lower bound ``[L]`` float64 on the max GPU load of any valid plan.
+
+    The largest of:
+
+    * ``total / num_gpus`` (perfect balance);
+    * the heaviest replica under the replica counts that minimise it (any plan has ``num_replicas``
+      replicas, and the greedy split is optimal for the heaviest one);
+    * in strict mode, the heaviest node of the best equal-size group-to-node split divided by the GPUs
+      of a node (exact by enumeration when there are at most 4096 splits, e.g. 105 for DeepSeek-V3's
+      8 groups on 4 nodes; otherwise a weaker valid bound). This is the "strict-hierarchy cap".
+
+    Args:
+        weight: ``[L, N]`` non-negative loads.
+        mode: ``"strict"``, ``"global"`` or ``"soft"`` (only strict adds the node term).
+    """
+    w = weight.to(torch.float64)
+    num_layers, num_experts = w.shape
+    bound = w.sum(1) / num_gpus
+    counts = _core.min_max_counts(w, num_replicas)
+    bound = torch.maximum(bound, (w / counts.to(torch.float64)).amax(1))
+    if mode == "strict" and num_nodes > 1:
+        group_load = w.view(num_layers, num_groups, num_experts // num_groups).sum(-1)
+        cap = _core.node_cap_bound(group_load, num_nodes) / (num_gpus // num_nodes)
+        bound = torch.maximum(bound, cap)
+    return bound

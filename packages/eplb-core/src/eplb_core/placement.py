@@ -1,0 +1,325 @@
+"""The :class:`Placement` result: the three mapping tensors plus the quality figures of a plan."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eplb_core.metrics import balancedness as _balancedness
+
+__all__ = ["Placement", "PlacementDiff", "gpu_loads_of"]
+
+MODES = ("strict", "global", "soft")
+
+
+def gpu_loads_of(
+    weight: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor, num_gpus: int
+) -> torch.Tensor:
+    """Per-GPU load ``[L, num_gpus]`` float64 of a placement under ``weight [L, N]``.
+
+    An expert's load is split evenly over its replicas; physical slots are GPU-major
+    (slot ``p`` lives on GPU ``p // (R / num_gpus)``).
+    """
+    w = weight.to(phy2log.device, torch.float64)
+    per_slot = (w / logcnt.to(torch.float64)).gather(1, phy2log)
+    return per_slot.view(per_slot.shape[0], num_gpus, -1).sum(-1)
+
+
+@dataclass(frozen=True)
+class PlacementDiff:
+    """What changes between two placements of the same shape.
+
+    Attributes:
+        changed: ``[L, R]`` bool, slots whose logical expert differs (those weights must be loaded).
+        num_changed: ``[L]`` int64 changed slots per layer.
+        fraction_changed: changed slots over all slots (a float in ``[0, 1]``).
+        bytes_to_move: total bytes to load if ``bytes_per_expert`` was given, else None.
+    """
+
+    changed: torch.Tensor
+    num_changed: torch.Tensor
+    fraction_changed: float
+    bytes_to_move: int | None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A plan for every MoE layer, with its quality figures.
+
+    Attributes:
+        phy2log: ``[L, R]`` int64, the logical expert held by each physical slot (GPU-major).
+        log2phy: ``[L, N, max_replicas]`` int64, physical slots of each logical expert, ``-1`` padded.
+        logcnt: ``[L, N]`` int64 replica count of each logical expert.
+        weight: ``[L, N]`` float64, the load the plan was made for (all-zero layers replaced by uniform).
+        num_groups, num_nodes, num_gpus: the topology it was planned for.
+        mode: ``"strict"`` (groups pinned to nodes), ``"global"`` or ``"soft"`` (soft locality).
+        gpu_loads: ``[L, num_gpus]`` float64 load per GPU under ``weight``.
+        balancedness: ``[L]`` float64, mean GPU load / max GPU load.
+        lower_bound: ``[L]`` float64, a lower bound on the max GPU load of any valid plan in this mode.
+        gap: ``[L]`` float64, ``max GPU load / lower_bound - 1`` (0 means provably optimal).
+        cross_node_share: ``[L]`` float64, share of the layer's load served by replicas outside their
+            group's home node (0 outside soft mode).
+        changed_slots: ``[L]`` int64 slots changed against the previous plan, or None.
+        zero_layers: ``[L]`` bool, layers whose input load was all zero (planned as uniform).
+        home_node: ``[L, num_groups]`` int64 node of each group (strict/soft), or None.
+    """
+
+    phy2log: torch.Tensor
+    log2phy: torch.Tensor
+    logcnt: torch.Tensor
+    weight: torch.Tensor
+    num_groups: int
+    num_nodes: int
+    num_gpus: int
+    mode: str
+    gpu_loads: torch.Tensor
+    balancedness: torch.Tensor
+    lower_bound: torch.Tensor
+    gap: torch.Tensor
+    cross_node_share: torch.Tensor
+    changed_slots: torch.Tensor | None = None
+    zero_layers: torch.Tensor | None = None
+    home_node: torch.Tensor | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- shape
+    @property
+    def num_layers(self) -> int:
+        return int(self.phy2log.shape[0])
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self.phy2log.shape[1])
+
+    @property
+    def num_logical(self) -> int:
+        return int(self.logcnt.shape[1])
+
+    @property
+    def slots_per_gpu(self) -> int:
+        return self.num_replicas // self.num_gpus
+
+    def as_tuple(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(phy2log, log2phy, logcnt)``, the DeepSeek/vLLM return value."""
+        return self.phy2log, self.log2phy, self.logcnt
+
+    # ---------------------------------------------------------------- scoring
+    def gpu_loads_for(self, weight: torch.Tensor) -> torch.Tensor:
+        """``[L, num_gpus]`` GPU loads of this plan under another load ``weight [L, N]``."""
+        return gpu_loads_of(torch.as_tensor(weight), self.phy2log, self.logcnt, self.num_gpus)
+
+    def balancedness_for(self, weight: torch.Tensor) -> torch.Tensor:
+        """``[L]`` balancedness of this plan under another load (e.g. the next window)."""
+        return _balancedness(self.gpu_loads_for(weight))
+
+    # ---------------------------------------------------------------- checks
+    def validate(self) -> None:
+        """Check every invariant of a placement; raise ``ValueError`` naming the first violation.
+
+        Checked: shapes and dtypes; every logical expert has at least one replica; ``logcnt`` sums to
+        ``num_replicas`` per layer and equals the replica counts in ``phy2log``; ``log2phy`` lists exactly
+        the slots of each expert, ascending, ``-1`` padded; equal slots per GPU; in strict mode every replica
+        of a group sits on the group's node and every node holds ``num_groups / num_nodes`` groups; no GPU
+        holds two replicas of an expert unless the expert has more replicas than GPUs it may use.
+        """
+        p, l2p, cnt = self.phy2log, self.log2phy, self.logcnt
+        num_layers, num_replicas = p.shape
+        num_logical = cnt.shape[1]
+        if p.dtype != torch.int64 or l2p.dtype != torch.int64 or cnt.dtype != torch.int64:
+            raise ValueError("placement tensors must be int64")
+        if num_replicas % self.num_gpus != 0:
+            raise ValueError(f"num_replicas ({num_replicas}) is not a multiple of num_gpus ({self.num_gpus})")
+        if int(p.min()) < 0 or int(p.max()) >= num_logical:
+            raise ValueError("phy2log holds an expert id outside [0, num_logical)")
+        if bool((cnt < 1).any()):
+            raise ValueError("some logical expert has no replica (logcnt < 1)")
+        if not bool((cnt.sum(1) == num_replicas).all()):
+            raise ValueError("logcnt does not sum to num_replicas in every layer")
+        counted = torch.zeros_like(cnt).scatter_add_(1, p, torch.ones_like(p))
+        if not torch.equal(counted, cnt):
+            raise ValueError("logcnt disagrees with the replica counts of phy2log")
+        if l2p.shape != (num_layers, num_logical, int(cnt.max())):
+            raise ValueError(
+                f"log2phy has shape {tuple(l2p.shape)}, expected {(num_layers, num_logical, int(cnt.max()))}"
+            )
+        ranks = torch.arange(l2p.shape[2], device=l2p.device)
+        used = ranks < cnt.unsqueeze(-1)
+        if bool((l2p[~used] != -1).any()):
+            raise ValueError("log2phy is not -1 padded beyond logcnt")
+        slots = l2p.clamp_min(0)
+        owner = p.gather(1, slots.flatten(1)).view_as(slots)
+        expert_ids = torch.arange(num_logical, device=p.device).view(1, -1, 1)
+        if bool((used & (owner != expert_ids)).any()):
+            raise ValueError("log2phy points at a slot that holds another expert")
+        if bool((used[..., 1:] & (l2p[..., 1:] <= l2p[..., :-1])).any()):
+            raise ValueError("log2phy slots are not distinct and ascending")
+        gpu = p.new_tensor(range(num_replicas)) // (num_replicas // self.num_gpus)
+        gpus_per_node = self.num_gpus // self.num_nodes
+        if self.mode == "strict":
+            group_size = num_logical // self.num_groups
+            node = (gpu // gpus_per_node).expand(num_layers, -1)
+            group = p // group_size
+            node_of_group = torch.full((num_layers, self.num_groups), -1, dtype=torch.int64, device=p.device)
+            node_of_group.scatter_(1, group, node)
+            if not torch.equal(node_of_group.gather(1, group), node):
+                raise ValueError("strict mode: replicas of one group sit on different nodes")
+            per_node = torch.zeros(num_layers, self.num_nodes, dtype=torch.int64, device=p.device)
+            per_node.scatter_add_(1, node_of_group, torch.ones_like(node_of_group))
+            if not bool((per_node == self.num_groups // self.num_nodes).all()):
+                raise ValueError("strict mode: nodes do not hold num_groups / num_nodes groups each")
+        # duplicates: an expert may repeat on a GPU only if it has more replicas than GPUs it may use
+        domain = gpus_per_node if self.mode == "strict" else self.num_gpus
+        key = gpu.expand(num_layers, -1) * num_logical + p
+        sorted_key = key.sort(dim=1).values
+        dup = sorted_key[:, 1:] == sorted_key[:, :-1]
+        dup_expert = sorted_key[:, 1:] % num_logical
+        allowed = cnt.gather(1, dup_expert) > domain
+        if self.mode == "soft":
+            # soft mode splits an expert over nodes; a repeat is avoidable iff the count fits the GPUs
+            allowed = cnt.gather(1, dup_expert) > self.num_gpus
+        if bool((dup & ~allowed).any()):
+            raise ValueError("a GPU holds two replicas of an expert although that was avoidable")
+
+    # ---------------------------------------------------------------- comparison
+    def diff(
+        self, previous: Placement | torch.Tensor, *, bytes_per_expert: int | None = None
+    ) -> PlacementDiff:
+        """Slots that change from ``previous`` to this plan.
+
+        Args:
+            previous: a :class:`Placement` or its ``phy2log [L, R]``.
+            bytes_per_expert: size of one expert's weights; gives ``bytes_to_move``.
+
+        Returns:
+            A :class:`PlacementDiff`.
+        """
+        prev = previous.phy2log if isinstance(previous, Placement) else torch.as_tensor(previous)
+        if prev.shape != self.phy2log.shape:
+            raise ValueError(f"previous has shape {tuple(prev.shape)}, expected {tuple(self.phy2log.shape)}")
+        changed = prev.to(self.phy2log.device) != self.phy2log
+        num_changed = changed.sum(1)
+        total = int(num_changed.sum())
+        moved = None if bytes_per_expert is None else total * int(bytes_per_expert)
+        return PlacementDiff(changed, num_changed, total / changed.numel(), moved)
+
+    # ---------------------------------------------------------------- summary
+    def summary(self) -> dict[str, float]:
+        """Layer-averaged figures (floats), as printed by the CLI."""
+        out = {
+            "balancedness": float(self.balancedness.mean()),
+            "min_balancedness": float(self.balancedness.min()),
+            "mean_gap": float(self.gap.mean()),
+            "cross_node_share": float(self.cross_node_share.mean()),
+        }
+        if self.changed_slots is not None:
+            out["changed_fraction"] = float(self.changed_slots.sum()) / self.phy2log.numel()
+        return out
+
+    # ---------------------------------------------------------------- persistence
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (lists of ints/floats)."""
+        return {
+            "format": "eplb-core/placement-v1",
+            "num_groups": self.num_groups,
+            "num_nodes": self.num_nodes,
+            "num_gpus": self.num_gpus,
+            "mode": self.mode,
+            "phy2log": self.phy2log.cpu().tolist(),
+            "logcnt": self.logcnt.cpu().tolist(),
+            "weight": self.weight.cpu().tolist(),
+            "zero_layers": None if self.zero_layers is None else self.zero_layers.cpu().tolist(),
+            "home_node": None if self.home_node is None else self.home_node.cpu().tolist(),
+            "summary": self.summary(),
+            "meta": self.meta,
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON (see :meth:`load`)."""
+        Path(path).write_text(json.dumps(self.to_dict()))
+
+    @classmethod
+    def from_tensors(
+        cls,
+        phy2log: torch.Tensor,
+        weight: torch.Tensor,
+        *,
+        num_groups: int,
+        num_nodes: int,
+        num_gpus: int,
+        mode: str,
+        logcnt: torch.Tensor | None = None,
+        home_node: torch.Tensor | None = None,
+        zero_layers: torch.Tensor | None = None,
+        previous: torch.Tensor | None = None,
+        lower_bound: torch.Tensor | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Placement:
+        """Build a placement (all derived tensors and figures) from ``phy2log`` and the load."""
+        from eplb_core import _core
+        from eplb_core.bounds import lower_bound as _lower_bound
+
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        phy2log = phy2log.to(torch.int64)
+        w = weight.to(phy2log.device, torch.float64)
+        if logcnt is None:
+            logcnt = torch.zeros_like(w, dtype=torch.int64).scatter_add_(1, phy2log, torch.ones_like(phy2log))
+        log2phy = _core.log2phy_from_phy2log(phy2log, logcnt)
+        loads = gpu_loads_of(w, phy2log, logcnt, num_gpus)
+        if lower_bound is None:
+            lower_bound = _lower_bound(w, phy2log.shape[1], num_groups, num_nodes, num_gpus, mode=mode)
+        peak = loads.amax(1)
+        gap = torch.where(lower_bound > 0, peak / lower_bound.clamp_min(1e-300) - 1, torch.zeros_like(peak))
+        cross = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
+        if home_node is not None and mode == "soft":
+            group_size = w.shape[1] // num_groups
+            per_slot = (w / logcnt.to(torch.float64)).gather(1, phy2log)
+            slot_node = torch.arange(phy2log.shape[1], device=w.device) // (phy2log.shape[1] // num_nodes)
+            home = home_node.gather(1, phy2log // group_size)
+            off = per_slot * (home != slot_node).to(torch.float64)
+            cross = off.sum(1) / per_slot.sum(1).clamp_min(1e-300)
+        changed = None if previous is None else (previous.to(phy2log.device) != phy2log).sum(1)
+        return cls(
+            phy2log=phy2log,
+            log2phy=log2phy,
+            logcnt=logcnt,
+            weight=w,
+            num_groups=num_groups,
+            num_nodes=num_nodes,
+            num_gpus=num_gpus,
+            mode=mode,
+            gpu_loads=loads,
+            balancedness=_balancedness(loads),
+            lower_bound=lower_bound,
+            gap=gap,
+            cross_node_share=cross,
+            changed_slots=changed,
+            zero_layers=zero_layers,
+            home_node=home_node,
+            meta=dict(meta or {}),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> Placement:
+        """Read a plan written by :meth:`save`."""
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != "eplb-core/placement-v1":
+            raise ValueError(f"path {str(path)!r} is not an eplb-core placement JSON")
+        home = data.get("home_node")
+        zero = data.get("zero_layers")
+        return cls.from_tensors(
+            torch.tensor(data["phy2log"], dtype=torch.int64),
+            torch.tensor(data["weight"], dtype=torch.float64),
+            num_groups=int(data["num_groups"]),
+            num_nodes=int(data["num_nodes"]),
+            num_gpus=int(data["num_gpus"]),
+            mode=str(data["mode"]),
+            logcnt=torch.tensor(data["logcnt"], dtype=torch.int64),
+            home_node=None if home is None else torch.tensor(home, dtype=torch.int64),
+            zero_layers=None if zero is None else torch.tensor(zero, dtype=torch.bool),
+            meta=data.get("meta") or {},
+        )

@@ -1,0 +1,424 @@
+"""Public planning entry points: :func:`rebalance_experts` (DeepSeek/vLLM/SGLang-compatible) and
+:func:`plan` (the richer API with migration-aware and soft-locality modes)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from eplb_core import _core, _solve
+from eplb_core.placement import Placement
+
+__all__ = ["check_topology", "check_weight", "plan", "rebalance_experts"]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check_topology(
+    num_logical: int, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> None:
+    """Raise ``ValueError`` naming the argument when the topology is inconsistent."""
+    for name, value in (
+        ("num_replicas", num_replicas),
+        ("num_groups", num_groups),
+        ("num_nodes", num_nodes),
+        ("num_gpus", num_gpus),
+    ):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_replicas < num_logical:
+        raise ValueError(
+            f"num_replicas ({num_replicas}) must be >= the number of logical experts ({num_logical}): "
+            "every expert needs at least one replica"
+        )
+    if num_replicas % num_gpus != 0:
+        raise ValueError(f"num_replicas ({num_replicas}) must be a multiple of num_gpus ({num_gpus})")
+    if num_logical % num_groups != 0:
+        raise ValueError(
+            f"num_groups ({num_groups}) must divide the number of logical experts ({num_logical})"
+        )
+    if num_gpus % num_nodes != 0:
+        raise ValueError(f"num_gpus ({num_gpus}) must be a multiple of num_nodes ({num_nodes})")
+
+
+def check_weight(weight: Any, name: str = "weight") -> torch.Tensor:
+    """Validate a load matrix ``[L, N]`` and return it as float64 (on its own device).
+
+    Raises ``ValueError`` naming ``name`` for: non-numeric data, wrong rank, empty input, NaN/inf or
+    negative values.
+    """
+    if isinstance(weight, torch.Tensor):
+        t = weight.detach()
+    else:
+        try:
+            t = torch.as_tensor(np.asarray(weight))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{name} must be a numeric array [num_layers, num_logical_experts]: {exc}"
+            ) from exc
+    if t.dtype == torch.bool or t.is_complex() or not (t.is_floating_point() or t.dtype in _INT_DTYPES):
+        raise ValueError(f"{name} must hold real numbers, got dtype {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [num_layers, num_logical_experts], got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}); need at least one layer and one expert")
+    t = t.to(torch.float64)
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or infinite loads")
+    if bool((t < 0).any()):
+        raise ValueError(f"{name} contains negative loads")
+    return t
+
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _prepare(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-zero layers are planned as uniform loads (nothing to balance; every expert one share)."""
+    zero = weight.sum(1) == 0
+    if bool(zero.any()):
+        weight = torch.where(zero.unsqueeze(1), torch.ones_like(weight), weight)
+    return weight, zero
+
+
+def _mode_of(num_groups: int, num_nodes: int, soft: bool) -> str:
+    if num_groups % num_nodes != 0:
+        return "global"
+    return "soft" if soft and num_nodes > 1 else "strict"
+
+
+def rebalance_experts(
+    weight: Any,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Drop-in replacement of DeepSeek's / vLLM's ``rebalance_experts``.
+
+    Args:
+        weight: ``[L, N]`` load statistics of every logical expert (torch tensor on any device, or an
+            array-like; any real dtype).
+        num_replicas: physical experts ``R`` per layer, a multiple of ``num_gpus`` and ``>= N``.
+        num_groups: expert groups (DeepSeek-V3: 8); must divide ``N``.
+        num_nodes: server nodes; with ``num_groups % num_nodes == 0`` the plan is strictly hierarchical
+            (every replica of a group's experts on the node that hosts the group), otherwise global.
+        num_gpus: GPUs in total, a multiple of ``num_nodes``.
+
+    Returns:
+        ``(phy2log [L, R], log2phy [L, N, max_replicas], logcnt [L, N])``, int64 on ``weight``'s device.
+        Physical slot ``p`` lives on GPU ``p // (R / num_gpus)``; ``log2phy`` is padded with ``-1``.
+        Deterministic; no GPU holds two replicas of an expert when that can be avoided; no layer ends
+        worse than the greedy LPT plan.
+    """
+    return plan(
+        weight, num_replicas=num_replicas, num_groups=num_groups, num_nodes=num_nodes, num_gpus=num_gpus
+    ).as_tuple()
+
+
+def plan(
+    weight: Any,
+    *,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    previous: Placement | torch.Tensor | None = None,
+    max_changed_slots: int | None = None,
+    soft_locality: float | None = None,
+    iters: int | None = None,
+) -> Placement:
+    """Plan replica counts and placement for every layer; return a :class:`Placement`.
+
+    Args:
+        weight: ``[L, N]`` loads (see :func:`rebalance_experts`). All-zero layers are planned as uniform
+            and flagged in ``Placement.zero_layers``.
+        num_replicas, num_groups, num_nodes, num_gpus: topology, as in :func:`rebalance_experts`.
+        previous: the plan in service (a :class:`Placement` or its ``phy2log [L, R]``). Turns on the
+            migration-aware mode: start from it and change at most ``max_changed_slots`` slots per layer.
+        max_changed_slots: cap on changed slots per layer in migration mode (default ``R // 4``).
+        soft_locality: penalty ``W >= 0`` of the soft-locality mode (hierarchical topologies only): each
+            expert keeps one replica on its group's home node, redundant replicas may go to another node
+            when its load times ``1 + W`` is still the lowest. ``None``: strict hierarchy.
+        iters: refinement rounds (default: chosen from the GPU count).
+
+    Returns:
+        A :class:`Placement` on ``weight``'s device.
+    """
+    w = check_weight(weight)
+    num_layers, num_logical = w.shape
+    check_topology(num_logical, num_replicas, num_groups, num_nodes, num_gpus)
+    if soft_locality is not None and (not isinstance(soft_locality, (int, float)) or not soft_locality >= 0):
+        raise ValueError(f"soft_locality must be a float >= 0 or None, got {soft_locality!r}")
+    if iters is not None and (not _is_int(iters) or iters < 0):
+        raise ValueError(f"iters must be an int >= 0, got {iters!r}")
+    w, zero = _prepare(w)
+    mode = _mode_of(num_groups, num_nodes, soft_locality is not None)
+    eff_groups, eff_nodes = (num_groups, num_nodes) if mode != "global" else (1, 1)
+    home = None
+    prev_phy = None
+    if previous is not None:
+        prev_phy = _check_previous(previous, num_layers, num_replicas, num_logical, w.device)
+        if max_changed_slots is None:
+            max_changed_slots = num_replicas // 4
+        if not _is_int(max_changed_slots) or max_changed_slots < 0:
+            raise ValueError(f"max_changed_slots must be an int >= 0, got {max_changed_slots!r}")
+        phy2log, home = _solve_migration(
+            w, prev_phy, num_replicas, num_groups, num_nodes, num_gpus, mode, int(max_changed_slots), iters
+        )
+    elif max_changed_slots is not None:
+        raise ValueError("max_changed_slots needs previous (the plan in service)")
+    elif mode == "soft":
+        assert soft_locality is not None
+        phy2log, home = _solve_soft(
+            w, num_replicas, num_groups, num_nodes, num_gpus, float(soft_locality), iters
+        )
+    else:
+        phy2log, _ = _solve.solve_hierarchical(w, num_replicas, eff_groups, eff_nodes, num_gpus, iters=iters)
+        if mode == "strict" and num_nodes > 1:
+            home = _home_nodes(phy2log, num_groups, num_nodes, num_logical)
+    return Placement.from_tensors(
+        phy2log,
+        w,
+        num_groups=num_groups,
+        num_nodes=num_nodes,
+        num_gpus=num_gpus,
+        mode=mode,
+        home_node=home,
+        zero_layers=zero,
+        previous=prev_phy,
+        meta={"soft_locality": soft_locality, "max_changed_slots": max_changed_slots},
+    )
+
+
+def _home_nodes(phy2log: torch.Tensor, num_groups: int, num_nodes: int, num_logical: int) -> torch.Tensor:
+    """Node of each group in a strict plan: ``[L, num_groups]``."""
+    num_layers, num_replicas = phy2log.shape
+    node = torch.arange(num_replicas, device=phy2log.device) // (num_replicas // num_nodes)
+    home = torch.zeros(num_layers, num_groups, dtype=torch.int64, device=phy2log.device)
+    home.scatter_(1, phy2log // (num_logical // num_groups), node.expand(num_layers, -1).contiguous())
+    return home
+
+
+def _check_previous(
+    previous: Placement | torch.Tensor,
+    num_layers: int,
+    num_replicas: int,
+    num_logical: int,
+    device: torch.device,
+) -> torch.Tensor:
+    prev = previous.phy2log if isinstance(previous, Placement) else torch.as_tensor(previous)
+    if prev.shape != (num_layers, num_replicas):
+        raise ValueError(
+            f"previous must be a plan of shape {(num_layers, num_replicas)}, got {tuple(prev.shape)}"
+        )
+    prev = prev.to(device, torch.int64)
+    if int(prev.min()) < 0 or int(prev.max()) >= num_logical:
+        raise ValueError("previous holds expert ids outside [0, num_logical)")
+    counts = torch.zeros(num_layers, num_logical, dtype=torch.int64, device=device)
+    counts.scatter_add_(1, prev, torch.ones_like(prev))
+    if bool((counts < 1).any()):
+        raise ValueError("previous leaves some logical expert without a replica")
+    return prev
+
+
+# ---------------------------------------------------------------------------- soft locality
+def _solve_soft(
+    w: torch.Tensor,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    penalty: float,
+    iters: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft locality.
+
+    Every expert keeps its first replica on its group's home node (best equal group split, as in the
+    strict mode). The ``R - N`` redundant replicas are handed out one at a time: each step either splits
+    the expert with the heaviest replica (what GPU packing needs) or an expert of the heaviest node
+    (what node balance needs), whichever gives the lower estimate of the final peak
+    ``max(heaviest node / GPUs per node, heaviest replica + the S-1 lightest loads)``; the new replica
+    goes to the node where ``(load + replica) * (1 + W [not home])`` is lowest, among nodes with a free
+    slot. Each node is then packed like a strict node.
+    """
+    num_layers, num_logical = w.shape
+    device = w.device
+    dt = w.dtype
+    group_size = num_logical // num_groups
+    group_load = w.view(num_layers, num_groups, group_size).sum(-1)
+    node_of_group, _ = _core.assign_groups_to_nodes(group_load, num_nodes)
+    home = node_of_group.repeat_interleave(group_size, dim=1)  # [L, N]
+    per_node_cap = num_replicas // num_nodes
+    gpus_per_node = num_gpus // num_nodes
+    slots = num_replicas // num_gpus
+    rows = torch.arange(num_layers, device=device)
+    nodes = torch.arange(num_nodes, device=device)
+    counts = torch.ones(num_layers, num_logical, dtype=torch.int64, device=device)
+    on_node = torch.nn.functional.one_hot(home, num_nodes).to(dt)  # [L, N, nodes] replicas per node
+    free = per_node_cap - on_node.sum(1)
+    filler = torch.sort(w, dim=1).values[:, : slots - 1].sum(1)
+    off_home = 1.0 + penalty * (nodes.view(1, 1, -1) != home.unsqueeze(-1)).to(dt)  # [L, N, nodes]
+    extra = num_replicas - num_logical
+    choices_e, choices_n = [], []
+    inf = torch.tensor(math.inf, dtype=dt, device=device)
+    for _ in range(extra):
+        c = counts.to(dt)
+        per = w / c
+        node_load = torch.einsum("len,le->ln", on_node, per)
+        heavy_node = node_load.argmax(1)
+        e_a = per.argmax(1)
+        in_heavy = on_node[rows, :, heavy_node] > 0  # [L, N]
+        e_b = torch.where(in_heavy, per, torch.full_like(per, -1.0)).argmax(1)
+        best_score, best_e, best_n = None, None, None
+        for e in (e_a, e_b):
+            ce = c.gather(1, e.unsqueeze(1))
+            we = w.gather(1, e.unsqueeze(1))
+            new_per = we / (ce + 1)
+            shrink = on_node[rows, e] * (we / ce - new_per)  # [L, nodes]
+            load_after = node_load - shrink
+            crowded = (on_node[rows, e] >= gpus_per_node) & (ce + 1 <= num_gpus)
+            blocked = (free <= 0) | crowded
+            blocked = torch.where(blocked.all(1, keepdim=True), free <= 0, blocked)
+            cost = torch.where(blocked, inf, (load_after + new_per) * off_home[rows, e])
+            n = cost.argmin(1)
+            load_after = load_after.scatter_add(1, n.unsqueeze(1), new_per)
+            per_after = per.scatter(1, e.unsqueeze(1), new_per)
+            score = torch.maximum(load_after.amax(1) / gpus_per_node, per_after.amax(1) + filler)
+            if best_score is None:
+                best_score, best_e, best_n = score, e, n
+            else:
+                take = score < best_score
+                best_e = torch.where(take, e, best_e)
+                best_n = torch.where(take, n, best_n)
+        assert best_e is not None
+        assert best_n is not None
+        counts[rows, best_e] += 1
+        on_node[rows, best_e, best_n] += 1
+        free[rows, best_n] -= 1
+        choices_e.append(best_e)
+        choices_n.append(best_n)
+    ids = torch.arange(num_logical, device=device).expand(num_layers, -1)
+    all_expert = torch.cat([ids, *(e.unsqueeze(1) for e in choices_e)], 1)  # [L, R]
+    all_node = torch.cat([home, *(n.unsqueeze(1) for n in choices_n)], 1)
+    order = torch.argsort(all_node * num_replicas + torch.arange(num_replicas, device=device), dim=1)
+    item_expert = all_expert.gather(1, order).view(num_layers * num_nodes, per_node_cap)
+    per = w / counts.to(dt)
+    item_load = per.gather(1, item_expert.view(num_layers, -1)).view_as(item_expert)
+    expert = _solve.pack_rows(item_load, item_expert, gpus_per_node, slots, iters)
+    return expert.reshape(num_layers, num_replicas), node_of_group
+
+
+# ---------------------------------------------------------------------------- migration
+def _solve_migration(
+    w: torch.Tensor,
+    prev: torch.Tensor,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    mode: str,
+    budget: int,
+    iters: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Migration-aware: keep ``prev``'s slots, re-split replicas and swap within a change budget.
+
+    Replicas never change node (strict and soft plans keep their locality and cross-node share);
+    inside each node (or the whole layer in global mode): (1) up to half the budget moves single slots
+    from over-replicated experts to the expert whose per-replica load is highest, (2) the swap
+    refinement runs with the rest of the budget. Both only ever lower the peak of a row.
+    """
+    num_layers, num_logical = w.shape
+    device = w.device
+    rows_per_layer = num_nodes if mode in ("strict", "soft") else 1
+    home = None
+    if mode == "strict":
+        from eplb_core.placement import Placement as _P
+
+        try:
+            _P.from_tensors(
+                prev, w, num_groups=num_groups, num_nodes=num_nodes, num_gpus=num_gpus, mode="strict"
+            ).validate()
+        except ValueError as exc:
+            raise ValueError(
+                f"previous is not a valid strict-hierarchy plan for this topology: {exc}"
+            ) from exc
+        home = _home_nodes(prev, num_groups, num_nodes, num_logical)
+    elif mode == "soft":
+        group_load = w.view(num_layers, num_groups, -1).sum(-1)
+        home = _core.assign_groups_to_nodes(group_load, num_nodes)[0]
+    num_bins = num_gpus // rows_per_layer
+    slots = num_replicas // num_gpus
+    per_row = num_replicas // rows_per_layer
+    row_budget = torch.full(
+        (num_layers * rows_per_layer,), budget // rows_per_layer, dtype=torch.int64, device=device
+    )
+    expert = prev.view(num_layers * rows_per_layer, per_row).clone()
+    w_rows = w.repeat_interleave(rows_per_layer, dim=0)  # [B, N] load of every expert, per row
+    counts = torch.zeros_like(w_rows, dtype=torch.int64).scatter_add_(1, expert, torch.ones_like(expert))
+    # global counts (an expert may span rows in soft mode): per-replica load uses the layer's count
+    layer_counts = torch.zeros(num_layers, num_logical, dtype=torch.int64, device=device)
+    layer_counts.scatter_add_(1, prev, torch.ones_like(prev))
+    # (1) re-split replicas within the row, one slot per step
+    transfers = int(budget // rows_per_layer) // 2
+    present = counts > 0
+    if transfers > 0 and mode != "soft":
+        target = _row_targets(w_rows, present, per_row, num_bins)
+        used = torch.zeros_like(row_budget)
+        bin_of_slot = torch.arange(per_row, device=device) // slots
+        r_idx = torch.arange(expert.shape[0], device=device)
+        for _ in range(transfers):
+            c = counts.to(w.dtype)
+            want = present & (counts < target)
+            give = present & (counts > target)
+            recv = torch.where(want, w_rows / c, torch.full_like(c, -1.0)).argmax(1)
+            donor = torch.where(give, w_rows / (c - 1).clamp_min(1), torch.full_like(c, math.inf)).argmin(1)
+            ok = want.any(1) & give.any(1) & (used < row_budget)
+            is_recv = (expert == recv.unsqueeze(1)).view(-1, num_bins, slots).any(-1)  # [B, bins]
+            cand = (expert == donor.unsqueeze(1)) & ~is_recv.gather(1, bin_of_slot.expand_as(expert))
+            ok &= cand.any(1)
+            if not bool(ok.any()):
+                break
+            # take the donor's slot from a GPU where it sits twice first (unavoidable before, not after)
+            is_donor = expert == donor.unsqueeze(1)
+            doubled = is_donor.view(-1, num_bins, slots).sum(-1).gather(1, bin_of_slot.expand_as(expert)) > 1
+            slot = (cand.long() * (1 + doubled.long())).argmax(1)
+            expert[r_idx[ok], slot[ok]] = recv[ok]
+            counts[r_idx[ok], donor[ok]] -= 1
+            counts[r_idx[ok], recv[ok]] += 1
+            used += ok.long()
+        layer_counts = counts.view(num_layers, rows_per_layer, -1).sum(1)
+    # (2) budgeted swaps
+    per_rep = w / layer_counts.to(w.dtype)
+    layer_expert = expert.view(num_layers, -1)
+    load = per_rep.gather(1, layer_expert).view(-1, num_bins, slots)
+    expert3 = expert.view(-1, num_bins, slots)
+    origin = prev.view(-1, num_bins, slots)
+    count_item = layer_counts.gather(1, layer_expert).view_as(expert3)
+    bucket = _core.duplicate_buckets(expert3, count_item)
+    rounds = _solve.default_iters(num_bins, slots) if iters is None else iters
+    # swaps move whole items between GPUs of one row: the (used) budget is recomputed from origin
+    full_budget = torch.full_like(row_budget, budget // rows_per_layer)
+    _, expert3 = _core.refine_swaps(
+        load, expert3, iters=rounds, bucket=bucket, origin=origin, budget=full_budget
+    )
+    return expert3.reshape(num_layers, num_replicas), home
+
+
+def _row_targets(w_rows: torch.Tensor, present: torch.Tensor, per_row: int, num_bins: int) -> torch.Tensor:
+    """Slot-aware counts among the experts present in each row (others get 0)."""
+    _num_rows, num_logical = w_rows.shape
+    order = torch.argsort(
+        (~present).long() * num_logical + torch.arange(num_logical, device=w_rows.device), dim=1
+    )
+    k = int(present.sum(1).max())
+    sub = w_rows.gather(1, order[:, :k])
+    cnt = _core.slot_aware_counts(sub, per_row, num_bins)
+    out = torch.zeros_like(w_rows, dtype=torch.int64)
+    out.scatter_(1, order[:, :k], cnt)
+    return out
