@@ -97,7 +97,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world,ns,hidden,topk,experts,dtype,with_w,skew,drop", CASES)
+@pytest.mark.parametrize(
+    ("world", "ns", "hidden", "topk", "experts", "dtype", "with_w", "skew", "drop"), CASES
+)
 def test_dispatch_combine_matches_reference(world, ns, hidden, topk, experts, dtype, with_w, skew, drop):
     gen = torch.Generator().manual_seed(1234 + world * 100 + hidden + topk)
     max_tokens = max(ns)
@@ -176,7 +178,8 @@ def test_missing_rank_times_out_naming_it():
     ids = [_routing(4, topk, experts, gen, skew=False, drop=0.0) for _ in range(world)]
     with pytest.raises(EPTimeoutFromDevice, match="waiting for rank 2") as info:
         sim.dispatch(xs, ids, skip_ranks=[2])
-    assert info.value.peer == 2 and info.value.step == "dispatch/counts"
+    assert info.value.peer == 2
+    assert info.value.step == "dispatch/counts"
     # the error is sticky: the engine refuses to go on (its buffers may hold a half-finished call)
     with pytest.raises(EPTimeoutFromDevice):
         sim.engines[0].check_error()

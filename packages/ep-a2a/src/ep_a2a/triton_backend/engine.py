@@ -30,6 +30,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _nz(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a one-element stand-in when it is empty (an empty tensor may have no address)."""
+    return t if t.numel() > 0 else torch.zeros(1, dtype=t.dtype, device=t.device)
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -189,7 +194,7 @@ class TritonEPEngine:
         n = exp_indices.shape[0]
         grid = (min(self.num_tot_experts, self.num_sm),)
         K._layout_kernel[grid](
-            exp_indices,
+            _nz(exp_indices),
             self.pos,
             n,
             self.ptr_table,
@@ -244,10 +249,10 @@ class TritonEPEngine:
         n = x.shape[0]
         lay = self.layout
         K._dispatch_kernel[(self.num_sm,)](
-            x,
-            exp_indices,
-            weight if weight is not None else self._dummy_w,
-            scatter_src,
+            _nz(x),
+            _nz(exp_indices),
+            _nz(weight) if weight is not None else self._dummy_w,
+            _nz(scatter_src),
             n,
             out,
             out_w,
@@ -303,9 +308,9 @@ class TritonEPEngine:
     ) -> None:
         lay = self.layout
         K._combine_kernel[(self.num_sm,)](
-            y,
+            _nz(y),
             tab,
-            exp_indices,
+            _nz(exp_indices),
             n_src,
             exp_indices.shape[0],
             out,
@@ -356,15 +361,18 @@ class TritonEPEngine:
         self, n: int, rows: int, *, with_weights: bool, out: torch.Tensor | None = None
     ) -> dict[str, torch.Tensor]:
         dev = self.device
+
+        def buf(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            # at least one element underneath: an empty tensor may have no address to hand a kernel
+            return torch.empty(max(1, shape[0]), *shape[1:], dtype=dtype, device=dev)[: shape[0]]
+
         return {
-            "out": out
-            if out is not None
-            else torch.empty(rows, self.hidden, dtype=self.token_dtype, device=dev),
-            "out_w": torch.empty(rows if with_weights else 1, dtype=self.weight_dtype, device=dev),
-            "out_e": torch.empty(rows, dtype=torch.int32, device=dev),
-            "tab": torch.empty(self.world_size, self.max_tokens, self.topk, dtype=torch.int32, device=dev),
-            "skip": torch.empty(n, self.topk, dtype=torch.int32, device=dev),
-            "scat": torch.empty(n, self.topk, dtype=torch.int32, device=dev),
+            "out": out if out is not None else buf(rows, self.hidden, dtype=self.token_dtype),
+            "out_w": buf(rows if with_weights else 1, dtype=self.weight_dtype),
+            "out_e": buf(rows, dtype=torch.int32),
+            "tab": buf(self.world_size, self.max_tokens, self.topk, dtype=torch.int32),
+            "skip": buf(n, self.topk, dtype=torch.int32),
+            "scat": buf(n, self.topk, dtype=torch.int32),
         }
 
     def info_fields(self, info: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,0 +1,419 @@
+"""Benchmark of the Triton fast path against the copy-engine ceiling and NCCL pipelines (run under torchrun).
+
+    torchrun --standalone --nproc-per-node=2 packages/ep-a2a/benchmarks/bench_triton.py --json out.json
+
+Per shape (DeepSeek-V3: hidden 7168, top-8 of 256; Qwen3-30B-A3B: hidden 2048, top-8 of 128) and
+routing (uniform, skewed), each rank dispatches ``--tokens`` tokens and combines them back. Measured in
+the same run:
+
+* ``ce``: the copy engine copying the same bytes into the peer's symmetric buffer (``copy_`` of a
+  peer-mapped tensor, both ranks at once): the ceiling.
+* ``ours``: the Triton backend (exact-shape mode: includes its one device-to-host copy), ``num_sm`` in
+  ``--num-sm``; ``ours-graph``: the same captured in a CUDA graph (static shapes, no host sync).
+* ``nccl-dest``: ``all_to_all_single`` pipeline with one row per (token, destination rank), the receiver
+  expanding to expert rows; ``nccl-expert``: one row per (token, expert), as users usually write it.
+
+Bytes counted: only those that cross NVLink, i.e. token rows (hidden x dtype) sent to another rank;
+dispatch and combine move the same number. Times: median over ``--iters`` runs, each started right
+after a device-side barrier of both ranks, measured with CUDA events on each rank; the slower rank's
+median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+
+from ep_a2a.config import EPConfig
+
+SHAPES = {
+    "deepseek-v3": {"hidden": 7168, "experts": 256, "topk": 8},
+    "qwen3-30b-a3b": {"hidden": 2048, "experts": 128, "topk": 8},
+}
+
+
+def routing(
+    n: int, experts: int, topk: int, kind: str, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if kind == "uniform":
+        scores = torch.rand(n, experts, generator=gen, device=device)
+    else:  # skewed: expert e's score shrinks with e, so the first rank's experts get most slots
+        bias = -torch.arange(experts, device=device, dtype=torch.float32) * (4.0 / experts)
+        scores = torch.rand(n, experts, generator=gen, device=device).log() + bias * 2
+    ids = scores.topk(topk, dim=1).indices.to(torch.int32)
+    w = torch.softmax(torch.rand(n, topk, generator=gen, device=device), dim=1)
+    return ids, w
+
+
+def crossing_tokens(ids: torch.Tensor, rank: int, e_local: int) -> int:
+    """Tokens of this rank with at least one slot on another rank (each crosses NVLink once per rank)."""
+    dest = torch.where(ids >= 0, ids.long() // e_local, -1)
+    world = int(dest.max()) + 1 if dest.numel() else 1
+    count = 0
+    for r in range(max(world, rank + 1)):
+        if r != rank:
+            count += int((dest == r).any(dim=1).sum())
+    return count
+
+
+class Timer:
+    def __init__(self, barrier):
+        self.barrier = barrier
+
+    def median_ms(self, fn, iters: int, setup=None) -> float:
+        times = []
+        for _ in range(iters):
+            if setup is not None:
+                setup()
+            self.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        t = torch.tensor([statistics.median(times)], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+
+# ---------------------------------------------------------------------------------------- NCCL pipelines
+class NcclPerDest:
+    """One row per (token, destination rank); the receiver expands to expert rows (reference order)."""
+
+    def __init__(self, rank, world, e_local):
+        self.rank, self.world, self.e_local = rank, world, e_local
+
+    def dispatch(self, x, ids, w):
+        dest = torch.where(ids >= 0, ids.long() // self.e_local, -1)
+        mask = torch.stack([(dest == r).any(1) for r in range(self.world)], 1)  # [n, W]
+        send_counts = mask.sum(0)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)
+        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        tok = mask.t().nonzero()[:, 1]
+        meta = torch.cat([ids[tok], w[tok].view(torch.int32)], 1)
+        recv_x = x.new_empty(sum(rc), x.shape[1])
+        recv_meta = meta.new_empty(sum(rc), meta.shape[1])
+        dist.all_to_all_single(recv_x, x[tok], rc, sc)
+        dist.all_to_all_single(recv_meta, meta, rc, sc)
+        k = ids.shape[1]
+        r_ids, r_w = recv_meta[:, :k], recv_meta[:, k:].view(torch.float32)
+        local = (r_ids >= 0) & (r_ids.long() // self.e_local == self.rank)
+        row, slot = local.nonzero(as_tuple=True)
+        order = torch.sort(r_ids[row, slot].long() % self.e_local, stable=True).indices
+        row, slot = row[order], slot[order]
+        out = recv_x[row]
+        state = (tok, sc, rc, row, x.shape[0])
+        return out, r_w[row, slot], state
+
+    def combine(self, y, state):
+        tok, sc, rc, row, n = state
+        acc = torch.zeros(sum(rc), y.shape[1], dtype=torch.float32, device=y.device)
+        acc.index_add_(0, row, y.float())
+        back = torch.empty(sum(sc), y.shape[1], dtype=y.dtype, device=y.device)
+        dist.all_to_all_single(back, acc.to(y.dtype), sc, rc)
+        out = torch.zeros(n, y.shape[1], dtype=torch.float32, device=y.device)
+        out.index_add_(0, tok, back.float())
+        return out.to(y.dtype)
+
+
+class NcclPerExpert:
+    """One row per (token, expert) pair both ways; the source sums in float32."""
+
+    def __init__(self, rank, world, e_local):
+        self.rank, self.world, self.e_local = rank, world, e_local
+
+    def dispatch(self, x, ids, w):
+        n, k = ids.shape
+        flat = ids.reshape(-1).long()
+        keep = (flat >= 0).nonzero().flatten()
+        dest = flat[keep] // self.e_local
+        order = torch.sort(dest, stable=True).indices
+        slots = keep[order]
+        send_counts = torch.bincount(dest, minlength=self.world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)
+        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        recv_x = x.new_empty(sum(rc), x.shape[1])
+        dist.all_to_all_single(recv_x, x[slots // k], rc, sc)
+        meta = torch.stack([flat[slots].to(torch.int32), w.reshape(-1)[slots].view(torch.int32)], 1)
+        recv_meta = meta.new_empty(sum(rc), 2)
+        dist.all_to_all_single(recv_meta, meta, rc, sc)
+        order2 = torch.sort(recv_meta[:, 0].long() % self.e_local, stable=True).indices
+        return recv_x[order2], recv_meta[order2, 1].view(torch.float32), (slots, sc, rc, order2, n, k)
+
+    def combine(self, y, state):
+        slots, sc, rc, order2, n, k = state
+        unsorted = torch.empty_like(y)
+        unsorted[order2] = y
+        back = torch.empty(sum(sc), y.shape[1], dtype=y.dtype, device=y.device)
+        dist.all_to_all_single(back, unsorted, sc, rc)
+        out = torch.zeros(n, y.shape[1], dtype=torch.float32, device=y.device)
+        out.index_add_(0, slots // k, back.float())
+        return out.to(y.dtype)
+
+
+# ---------------------------------------------------------------------------------------- main
+def run_case(
+    args,
+    shape_name,
+    route,
+    num_sm_list,
+    rank,
+    world,
+    group,
+    dev,
+    results,
+    heap="torch",
+    tokens=None,
+    extra=True,
+):
+    from ep_a2a.triton_backend import TritonBackend
+
+    shp = SHAPES[shape_name]
+    hidden, experts, topk = shp["hidden"], shp["experts"], shp["topk"]
+    n = tokens or args.tokens
+    e_local = experts // world
+    cfg = EPConfig(
+        max_tokens=n,
+        hidden=hidden,
+        topk=topk,
+        num_tot_experts=experts,
+        rank=rank,
+        world_size=world,
+        local_world_size=world,
+        token_dtype=torch.bfloat16,
+    )
+    x = torch.randn(n, hidden, device=dev).to(torch.bfloat16)
+    ids, w = routing(n, experts, topk, route, 1000 + rank, dev)
+    cross = crossing_tokens(ids.cpu(), rank, e_local)
+    cross_t = torch.tensor([cross], device=dev)
+    dist.all_reduce(cross_t, op=dist.ReduceOp.MAX)
+    nbytes = int(cross_t) * hidden * 2  # the busier rank's bytes
+    case = {
+        "shape": shape_name,
+        "routing": route,
+        "tokens": n,
+        "hidden": hidden,
+        "experts": experts,
+        "topk": topk,
+        "heap": heap,
+        "nvlink_bytes": nbytes,
+        "results": {},
+    }
+    res = case["results"]
+    for num_sm in num_sm_list:
+        be = TritonBackend(
+            cfg, group, num_sm=num_sm, enable_local_combine=True, use_aot=False, timeout_s=60.0, heap=heap
+        )
+        timer = Timer(lambda be=be: be.engine.launch_barrier())
+        holder = {}
+
+        def disp(be=be, holder=holder):
+            holder["d"] = be.dispatch(x, ids, w, None)
+
+        disp()
+        torch.cuda.synchronize()
+        t_disp = timer.median_ms(disp, args.iters)
+        y = holder["d"][0]
+        t_comb = timer.median_ms(
+            lambda be=be, holder=holder, y=y: be.combine(y, holder["d"][2]), args.iters, setup=disp
+        )
+
+        def rt(be=be):
+            d = be.dispatch(x, ids, w, None)
+            be.combine(d[0], d[2])
+
+        t_rt = timer.median_ms(rt, args.iters)
+        res[f"ours-sm{num_sm}"] = {"dispatch_ms": t_disp, "combine_ms": t_comb, "round_trip_ms": t_rt}
+        if extra and num_sm == num_sm_list[-1]:
+            # CUDA-graph mode (static worst-case shapes, counts on device)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    d = be.dispatch_static(x, ids, w)
+                    be.combine_static(d.output, d)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            g_d, g_c = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g_d):
+                dd = be.dispatch_static(x, ids, w)
+            with torch.cuda.graph(g_c):
+                be.combine_static(dd.output, dd)
+            t_gd = timer.median_ms(g_d.replay, args.iters)
+            t_gc = timer.median_ms(g_c.replay, args.iters, setup=g_d.replay)
+            res[f"ours-graph-sm{num_sm}"] = {"dispatch_ms": t_gd, "combine_ms": t_gc}
+
+            # eager static mode (same kernels, no graph) for the graph-vs-eager comparison
+            def sdisp(be=be, holder=holder):
+                holder["s"] = be.dispatch_static(x, ids, w)
+
+            t_sd = timer.median_ms(sdisp, args.iters)
+            t_sc = timer.median_ms(
+                lambda be=be, holder=holder: be.combine_static(holder["s"].output, holder["s"]),
+                args.iters,
+                setup=sdisp,
+            )
+            res[f"ours-static-eager-sm{num_sm}"] = {"dispatch_ms": t_sd, "combine_ms": t_sc}
+            # copy-engine ceiling into the peer's symmetric heap
+            if heap == "torch":
+                peer = 1 - rank if world == 2 else (rank + 1) % world
+                import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
+
+                hdl = be.heap._handle
+                elems = nbytes // 2
+                dst = hdl.get_buffer(peer, (elems,), torch.bfloat16)
+                src = torch.randn(elems, device=dev).to(torch.bfloat16)
+                t_ce = timer.median_ms(lambda dst=dst, src=src: dst.copy_(src), args.iters)
+                res["ce"] = {"copy_ms": t_ce}
+        torch.cuda.synchronize()
+        be.finalize()
+    if extra:
+        for name, cls in (("nccl-dest", NcclPerDest), ("nccl-expert", NcclPerExpert)):
+            pipe = cls(rank, world, e_local)
+            st = {}
+
+            def nd(pipe=pipe, st=st):
+                st["d"] = pipe.dispatch(x, ids, w)
+
+            nd()
+            t_d = Timer(lambda: None).median_ms(nd, args.iters)
+            t_c = Timer(lambda: None).median_ms(
+                lambda pipe=pipe, st=st: pipe.combine(st["d"][0], st["d"][2]), args.iters
+            )
+            res[name] = {"dispatch_ms": t_d, "combine_ms": t_c}
+    results.append(case)
+    if rank == 0:
+        print(json.dumps(case), flush=True)
+
+
+def first_call(args, rank, world, group, dev) -> dict:
+    """First dispatch+combine latency of a fresh backend, with and without use_aot (fresh Triton cache)."""
+    from ep_a2a.triton_backend import TritonBackend
+
+    shp = SHAPES["deepseek-v3"]
+    cfg = EPConfig(
+        max_tokens=128,
+        hidden=shp["hidden"],
+        topk=shp["topk"],
+        num_tot_experts=shp["experts"],
+        rank=rank,
+        world_size=world,
+        local_world_size=world,
+        token_dtype=torch.bfloat16,
+    )
+    x = torch.randn(128, shp["hidden"], device=dev).to(torch.bfloat16)
+    ids, w = routing(128, shp["experts"], shp["topk"], "uniform", 5 + rank, dev)
+    t0 = time.perf_counter()
+    be = TritonBackend(
+        cfg, group, num_sm=args.num_sm[-1], enable_local_combine=True, use_aot=args.use_aot, timeout_s=120.0
+    )
+    torch.cuda.synchronize()
+    t_construct = time.perf_counter() - t0
+    dist.barrier()
+    t0 = time.perf_counter()
+    d = be.dispatch(x, ids, w, None)
+    be.combine(d[0], d[2])
+    torch.cuda.synchronize()
+    t_first = time.perf_counter() - t0
+    be.finalize()
+    return {"use_aot": args.use_aot, "construct_s": t_construct, "first_dispatch_combine_s": t_first}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", required=True)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--num-sm", type=int, nargs="+", default=[32, 132])
+    p.add_argument("--quick", action="store_true", help="DeepSeek-V3 uniform only")
+    p.add_argument("--first-call", action="store_true", help="only measure first-call latency")
+    p.add_argument("--use-aot", action="store_true")
+    p.add_argument("--heaps", nargs="+", default=["torch", "nvshmem"])
+    p.add_argument("--topo", default=None, help="file holding `nvidia-smi topo -m`")
+    args = p.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    out: dict = {
+        "device": torch.cuda.get_device_name(dev),
+        "world_size": world,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["torchrun --standalone --nproc-per-node", str(world), *sys.argv]),
+        "torch": torch.__version__,
+        "env": {
+            k: os.environ.get(k)
+            for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+        },
+    }
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+        out["commit"] = (
+            subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+            or None
+        )
+    except Exception:
+        pass
+    if args.topo and os.path.exists(args.topo):
+        with open(args.topo) as f:
+            out["topology"] = f.read()
+    if args.first_call:
+        out["first_call"] = first_call(args, rank, world, group, dev)
+    else:
+        results: list = []
+        shapes = ["deepseek-v3"] if args.quick else list(SHAPES)
+        routes = ["uniform"] if args.quick else ["uniform", "skewed"]
+        for shape in shapes:
+            for route in routes:
+                run_case(args, shape, route, args.num_sm, rank, world, group, dev, results)
+        # latency at 128 tokens per rank
+        run_case(
+            args, "deepseek-v3", "uniform", args.num_sm[-1:], rank, world, group, dev, results, tokens=128
+        )
+        if "nvshmem" in args.heaps:
+            try:
+                import nvshmem.core  # noqa: F401
+
+                run_case(
+                    args,
+                    "deepseek-v3",
+                    "uniform",
+                    args.num_sm[-1:],
+                    rank,
+                    world,
+                    group,
+                    dev,
+                    results,
+                    heap="nvshmem",
+                    extra=False,
+                )
+            except ImportError as exc:
+                out["nvshmem_skipped"] = f"nvshmem4py not importable: {exc}"
+        out["cases"] = results
+    if rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""``backend="triton"``: the fast intra-node path behind :class:`ep_a2a.EPAll2AllLayer`."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ep_a2a._dist import EPTimeoutError
+from ep_a2a.backend import A2ABackend, DispatchResult, register_backend
+from ep_a2a.config import EPConfig
+from ep_a2a.layout import EPAllToAllLayoutDesc
+from ep_a2a.triton_backend.engine import EPTimeoutFromDevice, HeapLayout, TritonEPEngine
+from ep_a2a.triton_backend.heaps import HEAP_KINDS, make_heap
+
+#: environment variable choosing the heap when the layer constructs the backend (``torch`` or ``nvshmem``)
+HEAP_ENV = "EP_A2A_TRITON_HEAP"
+
+
+@dataclass
+class _TritonState:
+    owner: int  # id() of the backend that produced the descriptor
+    tab: torch.Tensor  # [W, T, K] int32 output row of every received slot (-1: not here)
+    n_src: torch.Tensor  # [W] int64 on the device: tokens of every source in this dispatch
+
+
+@dataclass
+class StaticDispatch:
+    """Result of :meth:`TritonBackend.dispatch_static` (CUDA-graph mode: fixed shapes, counts on device).
+
+    Attributes:
+        output: ``[W * max_tokens * topk, hidden]`` rows; the first ``num_recv_rows`` are valid.
+        weights: ``[same rows]`` or ``None``.
+        recv_expert_indices: ``[same rows]`` int32 local expert of each valid row.
+        num_recv_tokens_per_expert: ``[E_local]`` int64 on the device.
+        num_recv_rows: ``[]`` int64 on the device.
+        token_dst_scatter_idx: ``[n, topk]`` int32.
+    """
+
+    output: torch.Tensor
+    weights: torch.Tensor | None
+    recv_expert_indices: torch.Tensor
+    num_recv_tokens_per_expert: torch.Tensor
+    num_recv_rows: torch.Tensor
+    token_dst_scatter_idx: torch.Tensor
+    exp_indices: torch.Tensor
+    state: _TritonState
+
+
+def _default_chunk(hidden: int) -> int:
+    # tokens per work item: enough bytes per flag to amortise the signal, enough items to spread
+    return 8 if hidden >= 1024 else 16
+
+
+@register_backend
+class TritonBackend(A2ABackend):
+    """Triton kernels over a symmetric heap (intra-node, NVLink / PCIe peer access).
+
+    Dispatch sends each token once per destination rank (with its top-k ids, positions and weights)
+    into the peer's heap; the receiver expands it into the rows of its local experts in the reference
+    order. Combine sums, in float32 on the expert side, the rows of each (token, source rank) and sends
+    one row back per pair; the source adds the rows of the ranks its token went to.
+
+    Extra keyword options (beyond :class:`~ep_a2a.backend.A2ABackend`'s):
+        heap: ``"torch"`` (``torch.distributed._symmetric_memory``, default) or ``"nvshmem"``
+            (nvshmem4py); default taken from ``$EP_A2A_TRITON_HEAP`` when set.
+        chunk: tokens per work item and ready flag (default 8 for hidden >= 1024, else 16).
+
+    ``enable_local_combine`` is always on here (the expert side always pre-reduces per (token, rank)).
+    Each combine must follow a dispatch (dispatch, combine, dispatch, combine...; several dispatches in a
+    row are fine): a second combine without a dispatch in between raises, since the peers' receive
+    buffers are only known to be free after the next dispatch's count exchange.
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        config: EPConfig,
+        ep_group: dist.ProcessGroup,
+        *,
+        num_sm: int,
+        enable_local_combine: bool,
+        use_aot: bool,
+        timeout_s: float,
+        heap: str | None = None,
+        chunk: int | None = None,
+        **_: object,
+    ) -> None:
+        super().__init__(
+            config,
+            ep_group,
+            num_sm=num_sm,
+            enable_local_combine=enable_local_combine,
+            use_aot=use_aot,
+            timeout_s=timeout_s,
+        )
+        ok, why = self.is_available(config, ep_group)
+        if not ok:
+            raise RuntimeError(f"backend='triton' unavailable: {why}")
+        heap = heap or os.environ.get(HEAP_ENV, "torch")
+        if heap not in HEAP_KINDS:
+            raise ValueError(f"heap must be one of {HEAP_KINDS}, got {heap!r}")
+        if num_sm < 1:
+            raise ValueError(f"num_sm must be >= 1, got {num_sm}")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        chunk = chunk or _default_chunk(config.hidden)
+        self.layout = HeapLayout.build(
+            world_size=config.world_size,
+            max_tokens=config.max_tokens,
+            hidden=config.hidden,
+            topk=config.topk,
+            experts_per_rank=config.num_experts_per_rank,
+            token_bytes=config.token_dtype.itemsize,
+            chunk=chunk,
+        )
+        self.heap = make_heap(heap, self.layout.nbytes, ep_group, self.device)
+        self.engine = TritonEPEngine(
+            rank=config.rank,
+            world_size=config.world_size,
+            max_tokens=config.max_tokens,
+            hidden=config.hidden,
+            topk=config.topk,
+            num_tot_experts=config.num_tot_experts,
+            token_dtype=config.token_dtype,
+            weight_dtype=config.weight_dtype,
+            heap_local=self.heap.local,
+            ptr_table=self.heap.ptr_table,
+            layout=self.layout,
+            num_sm=num_sm,
+            timeout_s=timeout_s,
+            chunk=chunk,
+        )
+        self.heap_kind = heap
+        self._info_host = torch.empty_like(self.engine.info, device="cpu").pin_memory()
+        self._combine_allowed = False
+        self._finalized = False
+        self._static: dict[str, torch.Tensor] | None = None
+        self.aot_seconds = 0.0
+        if use_aot:
+            t0 = time.perf_counter()
+            self.aot_variants = self.engine.precompile(dtypes=(torch.float32,))
+            self.aot_seconds = time.perf_counter() - t0
+
+    @classmethod
+    def is_available(cls, config: EPConfig, ep_group: dist.ProcessGroup) -> tuple[bool, str]:
+        if not torch.cuda.is_available():
+            return False, "no CUDA device"
+        if dist.get_backend(ep_group) != "nccl":
+            return (
+                False,
+                f"ep_group backend is {dist.get_backend(ep_group)!r}, need 'nccl' (one GPU per rank)",
+            )
+        if not config.is_intra_node:
+            return False, "inter-node groups are not built yet (world_size != local_world_size)"
+        if config.weight_dtype.itemsize > 4:
+            return False, f"weight_dtype {config.weight_dtype} wider than 4 bytes"
+        dev = torch.cuda.current_device()
+        if torch.cuda.get_device_capability(dev)[0] < 8:
+            return False, "needs compute capability >= 8.0"
+        return True, f"intra-node, {config.world_size} ranks on {torch.cuda.get_device_name(dev)}"
+
+    # ------------------------------------------------------------------ helpers
+    def _raise_device_error(self, exc: EPTimeoutFromDevice) -> None:
+        raise EPTimeoutError(str(exc), step=exc.step, missing_ranks=[exc.peer]) from None
+
+    def _check_usable(self) -> None:
+        if self._finalized:
+            raise RuntimeError("TritonBackend used after finalize()")
+
+    def check_errors(self) -> None:
+        """Synchronise and raise :class:`ep_a2a.EPTimeoutError` if a device-side wait ran out."""
+        try:
+            self.engine.check_error()
+        except EPTimeoutFromDevice as exc:
+            self._raise_device_error(exc)
+
+    # ------------------------------------------------------------------ exact-shape mode
+    def dispatch(
+        self,
+        input: torch.Tensor,
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None,
+        full_scatter_indices: torch.Tensor | None,
+    ) -> DispatchResult:
+        self._check_usable()
+        eng = self.engine
+        caller = full_scatter_indices is not None
+        n = input.shape[0]
+        eng.launch_layout(exp_indices, caller_scatter=caller)
+        eng.launch_counts()
+        # the one small device-to-host copy: receive counts (and the error flag) size the output
+        self._info_host.copy_(eng.info, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        info = self._info_host.clone()
+        fields = eng.info_fields(info)
+        if int(fields["err"]):
+            try:
+                eng.check_error(int(fields["err"]))
+            except EPTimeoutFromDevice as exc:
+                self._raise_device_error(exc)
+        rows = int(fields["total"])
+        bufs = eng.alloc_dispatch_outputs(n, rows, with_weights=weight is not None)
+        src = full_scatter_indices if caller else eng.pos
+        eng.launch_dispatch(
+            input,
+            exp_indices,
+            weight,
+            src,
+            bufs["out"],
+            bufs["out_w"],
+            bufs["out_e"],
+            bufs["tab"],
+            bufs["skip"],
+            bufs["scat"],
+            caller_scatter=caller,
+        )
+        self._combine_allowed = True
+        n_src_dev = eng.info[2 : 2 + self.config.world_size].clone()
+        scat = (
+            bufs["scat"]
+            if self.config.offset_dtype == torch.int32
+            else bufs["scat"].to(self.config.offset_dtype)
+        )
+        desc = EPAllToAllLayoutDesc(
+            num_dispatch_token_cur_rank=n,
+            num_input_tokens_per_rank=fields["n_src"].clone(),
+            send_reqs_recv_tensor=None,
+            topk_indices_tensor=exp_indices,
+            token_dst_scatter_idx=scat,
+            skipped_token_mapping_indices=None,
+            skipped_token_topk_mapping_indices=bufs["skip"],
+            num_recv_tokens_per_expert=fields["rows_exp"].to(self.device, non_blocking=True),
+            num_recv_tokens_per_rank=fields["rows_src"].clone(),
+            num_recv_rows=rows,
+            recv_expert_indices=bufs["out_e"],
+            caller_scatter=caller,
+            backend_state=_TritonState(owner=id(self), tab=bufs["tab"], n_src=n_src_dev),
+        )
+        return bufs["out"], (bufs["out_w"] if weight is not None else None), desc
+
+    def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
+        self._check_usable()
+        state = layout_desc.backend_state
+        if not isinstance(state, _TritonState) or state.owner != id(self):
+            raise ValueError("layout_desc was not produced by this triton backend's dispatch")
+        return self._combine(
+            input, state, layout_desc.topk_indices_tensor, layout_desc.num_dispatch_token_cur_rank
+        )
+
+    def _combine(
+        self, input: torch.Tensor, state: _TritonState, exp_indices: torch.Tensor, n: int
+    ) -> torch.Tensor:
+        if not self._combine_allowed:
+            raise RuntimeError(
+                "triton backend: combine must follow a dispatch (a second combine without a dispatch in "
+                "between could overwrite rows a peer is still reading)"
+            )
+        if input.dim() != 2 or input.shape[1] != self.config.hidden:
+            raise ValueError(f"input must be [rows, {self.config.hidden}], got {tuple(input.shape)}")
+        if not input.dtype.is_floating_point or input.dtype.itemsize > 4:
+            raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {input.dtype}")
+        input = input.contiguous()
+        out = torch.empty(n, self.config.hidden, dtype=input.dtype, device=self.device)
+        self.engine.launch_combine(input, state.tab, exp_indices, state.n_src, out)
+        self._combine_allowed = False
+        return out
+
+    # ------------------------------------------------------------------ CUDA-graph mode
+    def dispatch_static(
+        self, input: torch.Tensor, exp_indices: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> StaticDispatch:
+        """Dispatch with fixed shapes and no host synchronisation (capturable in a CUDA graph).
+
+        Args:
+            input: ``[n, hidden]`` token dtype (``n`` fixed for the graph, ``<= max_tokens``).
+            exp_indices: ``[n, topk]`` int32 (-1 = dropped).
+            weight: ``[n, topk]`` weight dtype or ``None`` (fixed for the graph).
+
+        Returns:
+            :class:`StaticDispatch`; its buffers are reused by the next static call.
+        """
+        self._check_usable()
+        eng = self.engine
+        n = input.shape[0]
+        if self._static is None or self._static["skip"].shape[0] != n:
+            self._static = eng.alloc_dispatch_outputs(n, eng.worst_case_rows(), with_weights=True)
+            self._static["n_src"] = torch.zeros(self.config.world_size, dtype=torch.int64, device=self.device)
+        b = self._static
+        eng.launch_layout(exp_indices, caller_scatter=False)
+        eng.launch_counts()
+        eng.launch_dispatch(
+            input,
+            exp_indices,
+            weight,
+            eng.pos,
+            b["out"],
+            b["out_w"],
+            b["out_e"],
+            b["tab"],
+            b["skip"],
+            b["scat"],
+            caller_scatter=False,
+        )
+        b["n_src"].copy_(eng.info[2 : 2 + self.config.world_size])
+        self._combine_allowed = True
+        f = eng.info_fields(eng.info)
+        return StaticDispatch(
+            output=b["out"],
+            weights=b["out_w"] if weight is not None else None,
+            recv_expert_indices=b["out_e"],
+            num_recv_tokens_per_expert=f["rows_exp"],
+            num_recv_rows=f["total"],
+            token_dst_scatter_idx=b["scat"],
+            exp_indices=exp_indices,
+            state=_TritonState(owner=id(self), tab=b["tab"], n_src=b["n_src"]),
+        )
+
+    def combine_static(self, input: torch.Tensor, dispatched: StaticDispatch) -> torch.Tensor:
+        """Combine for :meth:`dispatch_static` (``input``: ``[worst-case rows, hidden]``; rows past the
+        valid count are never read). Returns ``[n, hidden]``."""
+        self._check_usable()
+        return self._combine(input, dispatched.state, dispatched.exp_indices, dispatched.exp_indices.shape[0])
+
+    # ------------------------------------------------------------------ the rest
+    def barrier(self, *, intra_node_only: bool = False, stream: torch.cuda.Stream | None = None) -> None:
+        self._check_usable()
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            self.engine.launch_barrier()
+        (stream or torch.cuda.current_stream()).synchronize()
+        self.check_errors()
+
+    def finalize(self) -> None:
+        if self._finalized:
+            return
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.ep_group)
+        self.heap.free()
+        self._finalized = True

@@ -1,0 +1,131 @@
+"""Symmetric heaps the kernels run over: one allocation per rank, every peer's base address in a table.
+
+* :class:`TorchSymmetricHeap` (default): ``torch.distributed._symmetric_memory`` (``empty``,
+  ``rendezvous``, ``get_buffer`` for each peer).
+* :class:`NvshmemHeap`: nvshmem4py (``pip install "ep-a2a[nvshmem]"``), bootstrapped with a unique id
+  broadcast over the process group; ``nvshmem.core.tensor`` and ``get_peer_tensor`` for each peer.
+  Single node defaults (set only when unset): ``NVSHMEM_REMOTE_TRANSPORT=none``,
+  ``NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo``, ``NVSHMEM_DISABLE_NVLS=1``.
+
+Both are zeroed at creation (flags start at epoch 0) and end with a barrier so no peer writes into a
+heap that is not zeroed yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HEAP_KINDS = ("torch", "nvshmem")
+
+
+class SymmetricHeap:
+    """A byte buffer of ``nbytes`` on every rank of ``group`` plus the table of their base addresses.
+
+    Attributes:
+        local: ``[nbytes]`` uint8 tensor, this rank's heap.
+        ptr_table: ``[world_size]`` int64 tensor on the device, base address of every rank's heap as
+            mapped in this process.
+    """
+
+    kind = ""
+    local: torch.Tensor
+    ptr_table: torch.Tensor
+
+    def free(self) -> None:
+        raise NotImplementedError
+
+
+class TorchSymmetricHeap(SymmetricHeap):
+    """Heap from ``torch.distributed._symmetric_memory``."""
+
+    kind = "torch"
+
+    def __init__(self, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            with contextlib.suppress(Exception):  # newer torch enables every group itself
+                enable(group.group_name)
+        self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.local.zero_()
+        self._handle = symm_mem.rendezvous(self.local, group)
+        world = dist.get_world_size(group)
+        ptrs = [self._handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr() for r in range(world)]
+        self.ptr_table = torch.tensor(ptrs, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+
+    def free(self) -> None:
+        self._handle = None
+        del self.local
+
+
+_NVSHMEM_USERS = 0
+
+
+class NvshmemHeap(SymmetricHeap):
+    """Heap from nvshmem4py, initialised once per process with a unique id broadcast over ``group``."""
+
+    kind = "nvshmem"
+
+    def __init__(self, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> None:
+        global _NVSHMEM_USERS
+        for key, value in (
+            ("NVSHMEM_REMOTE_TRANSPORT", "none"),
+            ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
+            ("NVSHMEM_DISABLE_NVLS", "1"),
+        ):
+            os.environ.setdefault(key, value)
+        try:
+            import nvshmem.core as nvshmem
+        except ImportError as exc:
+            raise ImportError(
+                'heap="nvshmem" needs nvshmem4py: pip install "ep-a2a[nvshmem]" (nvshmem4py-cu13)'
+            ) from exc
+        self._nvshmem: Any = nvshmem
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if _NVSHMEM_USERS == 0:
+            try:
+                from cuda.core import Device
+            except ImportError:  # older cuda.core
+                from cuda.core.experimental import Device
+            dev = Device(device.index if device.index is not None else torch.cuda.current_device())
+            dev.set_current()
+            uid = nvshmem.get_unique_id(empty=rank != 0)
+            raw = [bytes(uid._data.view("int8").tobytes()) if rank == 0 else None]
+            dist.broadcast_object_list(raw, src=dist.get_global_rank(group, 0), group=group)
+            if rank != 0:
+                import numpy as np
+
+                uid._data.view("int8")[:] = np.frombuffer(raw[0], dtype="int8")
+            nvshmem.init(device=dev, uid=uid, rank=rank, nranks=world, initializer_method="uid")
+        _NVSHMEM_USERS += 1
+        self.local = nvshmem.tensor((nbytes,), dtype=torch.uint8)
+        self.local.zero_()
+        ptrs = [nvshmem.get_peer_tensor(self.local, r).data_ptr() for r in range(world)]
+        self.ptr_table = torch.tensor(ptrs, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+
+    def free(self) -> None:
+        global _NVSHMEM_USERS
+        self._nvshmem.free_tensor(self.local)
+        del self.local
+        _NVSHMEM_USERS -= 1
+        if _NVSHMEM_USERS == 0:
+            self._nvshmem.finalize()
+
+
+def make_heap(kind: str, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:
+    """Create a heap of ``kind`` (``"torch"`` or ``"nvshmem"``), collectively over ``group``."""
+    if kind == "torch":
+        return TorchSymmetricHeap(nbytes, group, device)
+    if kind == "nvshmem":
+        return NvshmemHeap(nbytes, group, device)
+    raise ValueError(f"heap must be one of {HEAP_KINDS}, got {kind!r}")

@@ -1,0 +1,272 @@
+"""The Triton backend on real GPUs (``nox -s multigpu``: every rank runs pytest under torchrun).
+
+Both heaps (torch symmetric memory, nvshmem4py) against :mod:`ep_a2a.reference`: dispatch bit-identical,
+combine within bf16 rounding of float32; CUDA-graph capture and replay; a missing rank times out with an
+error naming it. Every rank builds every rank's inputs from one seed, so each can compute the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ep_a2a.config import EPConfig
+from ep_a2a.reference import combine_ref, dispatch_ref
+
+pytestmark = pytest.mark.multigpu
+
+# per row dtype, relative to sum_k |row_k|: each partial sum and the total rounded once (half an ulp each)
+COMBINE_RTOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 1e-6}
+
+
+@pytest.fixture(scope="module")
+def group():
+    if "RANK" not in os.environ:
+        pytest.fail(
+            "multigpu tests run under torchrun: torchrun --nproc-per-node=2 -m pytest -m multigpu ..."
+        )
+    local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=torch.device("cuda", local))
+    return dist.group.WORLD
+
+
+def _heaps() -> list:
+    heaps = ["torch"]
+    heaps.append(
+        pytest.param(
+            "nvshmem", marks=pytest.mark.skipif(not _has_nvshmem(), reason="nvshmem4py not installed")
+        )
+    )
+    return heaps
+
+
+def _has_nvshmem() -> bool:
+    try:
+        import nvshmem.core  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _routing(n, topk, experts, gen, *, skew, drop):
+    if n == 0:
+        return torch.empty(0, topk, dtype=torch.int32)
+    if skew:
+        probs = torch.softmax(-torch.arange(experts, dtype=torch.float32) * 0.05, 0).expand(n, -1)
+        ids = torch.multinomial(probs, topk, replacement=False, generator=gen)
+    else:
+        ids = torch.rand(n, experts, generator=gen).argsort(dim=1)[:, :topk]
+    ids = ids.to(torch.int32)
+    if drop:
+        ids[torch.rand(ids.shape, generator=gen) < drop] = -1
+    return ids
+
+
+def _make_backend(
+    group, *, max_tokens, hidden, topk, experts, dtype, heap, num_sm=16, use_aot=False, timeout_s=30.0
+):
+    from ep_a2a.triton_backend import TritonBackend
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cfg = EPConfig(
+        max_tokens=max_tokens,
+        hidden=hidden,
+        topk=topk,
+        num_tot_experts=experts,
+        rank=rank,
+        world_size=world,
+        local_world_size=world,
+        token_dtype=dtype,
+    )
+    return TritonBackend(
+        cfg, group, num_sm=num_sm, enable_local_combine=True, use_aot=use_aot, timeout_s=timeout_s, heap=heap
+    )
+
+
+def _inputs(seed, world, ns, hidden, topk, experts, dtype, *, skew, drop, with_w):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, hidden, generator=gen).to(dtype) for n in ns]
+    ids = [_routing(n, topk, experts, gen, skew=skew, drop=drop) for n in ns]
+    ws = [torch.rand(n, topk, generator=gen) for n in ns] if with_w else None
+    return xs, ids, ws, gen
+
+
+def _check_round_trip(be, group, xs, ids, ws, gen, experts, dtype):
+    rank = dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out, out_w, desc = be.dispatch(
+        xs[rank].to(dev), ids[rank].to(dev), ws[rank].to(dev) if ws else None, None
+    )
+    ref, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
+    mine = ref[rank]
+    assert out.shape == mine.output.shape
+    assert torch.equal(out.cpu(), mine.output), "dispatch rows differ from the reference"
+    if ws:
+        assert torch.equal(out_w.cpu(), mine.weights)
+    assert torch.equal(desc.recv_expert_indices.cpu().long(), mine.local_expert)
+    assert torch.equal(desc.num_recv_tokens_per_expert.cpu(), mine.num_recv_tokens_per_expert)
+    assert torch.equal(desc.num_recv_tokens_per_rank.cpu(), mine.num_recv_tokens_per_rank)
+    assert torch.equal(desc.token_dst_scatter_idx.cpu().long(), scat[rank])
+    # expert outputs: fresh rows per rank, known to every rank (same generator on all ranks)
+    ys = [torch.randn(r.output.shape[0], xs[0].shape[1], generator=gen).to(dtype) for r in ref]
+    got = be.combine(ys[rank].to(dev), desc).cpu()
+    want = combine_ref([y.float() for y in ys], ids, scat, num_tot_experts=experts)[rank]
+    mag = combine_ref([y.float().abs() for y in ys], ids, scat, num_tot_experts=experts)[rank]
+    assert not torch.isnan(got).any()
+    err = (got.float() - want).abs()
+    assert bool((err <= COMBINE_RTOL[dtype] * mag + 1e-30).all()), f"combine error {float(err.max())}"
+
+
+MATRIX = [
+    # hidden, topk, experts, dtype, with weights, skew, drop, tokens per rank (per call, rank-indexed)
+    pytest.param(
+        7168, 8, 256, torch.bfloat16, True, False, 0.0, [[64, 48], [0, 33], [64, 64]], id="H7168-k8-E256-bf16"
+    ),
+    pytest.param(
+        2048, 8, 128, torch.bfloat16, True, True, 0.05, [[40, 64], [64, 1]], id="H2048-k8-E128-skew-drop"
+    ),
+    pytest.param(256, 1, 4, torch.float32, False, False, 0.0, [[17, 9]], id="H256-k1-E4-f32-noW"),
+    pytest.param(128, 16, 32, torch.float16, True, True, 0.2, [[30, 31], [5, 0]], id="H128-k16-E32-f16"),
+]
+
+
+@pytest.mark.parametrize("heap", _heaps())
+@pytest.mark.parametrize(("hidden", "topk", "experts", "dtype", "with_w", "skew", "drop", "calls"), MATRIX)
+def test_against_reference(group, heap, hidden, topk, experts, dtype, with_w, skew, drop, calls):
+    world = dist.get_world_size(group)
+    max_tokens = max(max(c) for c in calls)
+    be = _make_backend(
+        group, max_tokens=max_tokens, hidden=hidden, topk=topk, experts=experts, dtype=dtype, heap=heap
+    )
+    try:
+        for i, ns in enumerate(calls):
+            ns = (ns * world)[:world]
+            xs, ids, ws, gen = _inputs(
+                100 + i, world, ns, hidden, topk, experts, dtype, skew=skew, drop=drop, with_w=with_w
+            )
+            _check_round_trip(be, group, xs, ids, ws, gen, experts, dtype)
+    finally:
+        be.finalize()
+
+
+def test_num_sm_and_aot(group):
+    """Few CTAs and ahead-of-time compiled variants give the same results."""
+    world = dist.get_world_size(group)
+    be = _make_backend(
+        group,
+        max_tokens=96,
+        hidden=1024,
+        topk=4,
+        experts=16,
+        dtype=torch.bfloat16,
+        heap="torch",
+        num_sm=2,
+        use_aot=True,
+    )
+    try:
+        assert be.aot_variants >= 6
+        xs, ids, ws, gen = _inputs(
+            7, world, [96] * world, 1024, 4, 16, torch.bfloat16, skew=False, drop=0.1, with_w=True
+        )
+        _check_round_trip(be, group, xs, ids, ws, gen, 16, torch.bfloat16)
+    finally:
+        be.finalize()
+
+
+def test_cuda_graph_capture_replay(group):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    hidden, topk, experts, n = 512, 4, 16, 48
+    dev = torch.device("cuda", torch.cuda.current_device())
+    be = _make_backend(
+        group, max_tokens=n, hidden=hidden, topk=topk, experts=experts, dtype=torch.bfloat16, heap="torch"
+    )
+    try:
+        x = torch.zeros(n, hidden, dtype=torch.bfloat16, device=dev)
+        ids = torch.zeros(n, topk, dtype=torch.int32, device=dev)
+        w = torch.zeros(n, topk, dtype=torch.float32, device=dev)
+        scale = torch.full((), 0.5, dtype=torch.float32, device=dev)
+        # warm up (compiles) on a side stream, as graph capture requires
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        xs, idl, ws, _gen = _inputs(
+            11, world, [n] * world, hidden, topk, experts, torch.bfloat16, skew=False, drop=0.0, with_w=True
+        )
+        with torch.cuda.stream(s):
+            x.copy_(xs[rank])
+            ids.copy_(idl[rank])
+            w.copy_(ws[rank])  # noqa: E702
+            d = be.dispatch_static(x, ids, w)
+            be.combine_static((d.output.float() * scale).to(torch.bfloat16), d)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            d = be.dispatch_static(x, ids, w)
+            y = (d.output.float() * scale).to(torch.bfloat16)
+            out = be.combine_static(y, d)
+        for call in range(3):
+            xs, idl, ws, _gen = _inputs(
+                20 + call,
+                world,
+                [n] * world,
+                hidden,
+                topk,
+                experts,
+                torch.bfloat16,
+                skew=call == 1,
+                drop=0.1,
+                with_w=True,
+            )
+            x.copy_(xs[rank])
+            ids.copy_(idl[rank])
+            w.copy_(ws[rank])  # noqa: E702
+            graph.replay()
+            torch.cuda.synchronize()
+            ref, scat = dispatch_ref(xs, idl, ws, num_tot_experts=experts)
+            rows = int(d.num_recv_rows)
+            assert rows == ref[rank].output.shape[0]
+            assert torch.equal(d.output[:rows].cpu(), ref[rank].output)
+            assert torch.equal(d.weights[:rows].cpu(), ref[rank].weights)
+            assert torch.equal(d.num_recv_tokens_per_expert.cpu(), ref[rank].num_recv_tokens_per_expert)
+            ys = [(r.output.float() * 0.5).to(torch.bfloat16) for r in ref]
+            want = combine_ref([t.float() for t in ys], idl, scat, num_tot_experts=experts)[rank]
+            mag = combine_ref([t.float().abs() for t in ys], idl, scat, num_tot_experts=experts)[rank]
+            err = (out.cpu().float() - want).abs()
+            assert bool((err <= COMBINE_RTOL[torch.bfloat16] * mag + 1e-30).all())
+        be.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
+
+
+def test_missing_rank_times_out(group):
+    """The last rank skips a dispatch: the others raise EPTimeoutError naming it, within the timeout."""
+    import time
+
+    from ep_a2a._dist import EPTimeoutError
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    be = _make_backend(
+        group, max_tokens=16, hidden=256, topk=2, experts=8, dtype=torch.bfloat16, heap="torch", timeout_s=2.0
+    )
+    try:
+        x = torch.randn(16, 256, device=dev).to(torch.bfloat16)
+        ids = torch.randint(0, 8, (16, 2), dtype=torch.int32, device=dev)
+        if rank != world - 1:
+            t0 = time.perf_counter()
+            with pytest.raises(EPTimeoutError, match=f"rank {world - 1}") as info:
+                be.dispatch(x, ids, None, None)
+            assert info.value.missing_ranks == [world - 1]
+            assert time.perf_counter() - t0 < 30
+            with pytest.raises(EPTimeoutError):  # poisoned from now on
+                be.dispatch(x, ids, None, None)
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
