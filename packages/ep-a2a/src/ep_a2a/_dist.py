@@ -72,18 +72,34 @@ class RankMonitor:
         self.prefix = f"ep_a2a/{'-'.join(map(str, self.global_ranks[:4]))}.{len(self.global_ranks)}/L{seq}"
         self.store = _default_store()
         self._calls: dict[str, int] = {}
-        self.side_group: dist.ProcessGroup | None = None
+        self.side_group: dist.ProcessGroupGloo | None = None
 
-    def create_side_group(self) -> dist.ProcessGroup:
-        """The gloo side group (collective on first call)."""
+    def create_side_group(self) -> dist.ProcessGroupGloo:
+        """The gloo side group over the same ranks (collective on first call).
+
+        Built directly on a store prefix unique to this layer: ``dist.new_group`` would reuse one name for
+        every group over the same ranks and let a new group read a destroyed one's stale addresses.
+        """
         if self.side_group is None:
-            self.side_group = dist.new_group(
-                self.global_ranks,
-                backend="gloo",
-                timeout=timedelta(seconds=self.timeout_s),
-                use_local_synchronization=True,
+            store = dist.PrefixStore(f"{self.prefix}/side", self.store)
+            # connecting gets a generous bound (a loaded host connects slowly); ops then pass timeout_s
+            self.side_group = dist.ProcessGroupGloo(
+                store, self.rank, self.world_size, timedelta(seconds=max(self.timeout_s, 60.0))
             )
         return self.side_group
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+    ) -> None:
+        """``all_to_all_single`` of CPU tensors on the side group, bounded by ``timeout_s``."""
+        group = self.create_side_group()
+        opts = dist.AllToAllOptions()
+        opts.timeout = timedelta(seconds=self.timeout_s)
+        group.alltoall_base(output, input, output_split_sizes or [], input_split_sizes or [], opts).wait()  # type: ignore[attr-defined]
 
     def _next(self, step: str) -> int:
         n = self._calls.get(step, 0)
@@ -159,5 +175,5 @@ class RankMonitor:
     def destroy(self) -> None:
         if self.side_group is not None:
             with contextlib.suppress(Exception):
-                dist.destroy_process_group(self.side_group)
+                self.side_group.shutdown()
             self.side_group = None

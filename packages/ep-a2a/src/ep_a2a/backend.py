@@ -198,4 +198,3 @@ def probe_backend(name: str, config: EPConfig, ep_group: dist.ProcessGroup) -> t
         return cls.is_available(config, ep_group)
     except Exception as exc:
         return False, f"{name}.is_available raised {type(exc).__name__}: {exc}"
-

@@ -7,9 +7,11 @@ localhost, runs ``target(rank, world_size, *args)`` and reports its result or tr
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib
 import importlib.util
 import os
+import pickle
 import socket
 import sys
 import traceback
@@ -35,6 +37,7 @@ def _resolve(target: str) -> Any:
         assert spec is not None
         assert spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
         spec.loader.exec_module(module)
     else:
         module = importlib.import_module(where)
@@ -59,6 +62,8 @@ def _child(
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+    # a rank still running shortly before the deadline prints where it is stuck (stderr), then gets killed
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 3.0), exit=False)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -70,6 +75,7 @@ def _child(
             timeout=timedelta(seconds=timeout_s),
         )
         result = _resolve(target)(rank, world_size, *args)
+        pickle.dumps(result)  # fail here, with a traceback, rather than silently in the queue's thread
         queue.put((rank, "ok", result))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -106,7 +112,7 @@ def run_local(
     # fork when it is safe (CPU-only parent): importing torch in a fresh interpreter costs seconds, and
     # children run with one intra-op thread (as DataLoader workers do) so the inherited OpenMP pool is unused.
     use_fork = backend == "gloo" and sys.platform == "linux" and not torch.cuda.is_initialized()
-    ctx = mp.get_context("fork" if use_fork else "spawn")
+    ctx: Any = mp.get_context("fork" if use_fork else "spawn")
     queue = ctx.Queue()
     port = _free_port()
     procs = [

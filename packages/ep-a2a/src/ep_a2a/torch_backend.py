@@ -75,10 +75,8 @@ class TorchBackend(A2ABackend):
             timeout_s=timeout_s,
         )
         self.monitor = monitor if monitor is not None else RankMonitor(ep_group, timeout_s)
-        self.side_group = self.monitor.create_side_group()
+        self.monitor.create_side_group()
         self.device = group_device(ep_group)
-        # a gloo expert group: move the payload over the side group too (same transport, bounded waits)
-        self.payload_group = self.side_group if self.device.type == "cpu" else ep_group
         self.rank = config.rank
         self.world_size = config.world_size
         self.e_local = config.num_experts_per_rank
@@ -93,7 +91,12 @@ class TorchBackend(A2ABackend):
     ) -> torch.Tensor:
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
         with self.monitor.guard(step):
-            dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.payload_group)
+            if (
+                self.device.type == "cpu"
+            ):  # a gloo expert group: the side group is the same transport, bounded
+                self.monitor.all_to_all(recv, send, recv_counts, send_counts)
+            else:
+                dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.ep_group)
         return recv
 
     @staticmethod
@@ -140,7 +143,7 @@ class TorchBackend(A2ABackend):
         )
         counts_recv = torch.empty_like(counts_send)
         with self.monitor.guard("dispatch/counts"):
-            dist.all_to_all_single(counts_recv, counts_send, group=self.side_group)
+            self.monitor.all_to_all(counts_recv, counts_send)
         send_counts = _split_sizes(counts_send[:, 0])
         recv_counts = _split_sizes(counts_recv[:, 0])
         tokens_per_rank = counts_recv[:, 1].clone()
@@ -234,7 +237,7 @@ class TorchBackend(A2ABackend):
             skipped_token_mapping_indices=None,
             skipped_token_topk_mapping_indices=_first_slot_same_rank(dest, world),
             num_recv_tokens_per_expert=torch.bincount(local_expert, minlength=self.e_local),
-            num_recv_tokens_per_rank=counts_recv[:, 1].clone(),
+            num_recv_tokens_per_rank=torch.tensor(back_counts, dtype=torch.int64),
             num_recv_rows=num_rows,
             recv_expert_indices=recv_expert.to(torch.int32),
             caller_scatter=full_scatter_indices is not None,

@@ -1,0 +1,47 @@
+"""The torch backend against the reference, on gloo (CPU, in CI) and NCCL (multigpu, under torchrun)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ep_a2a.launch import run_local
+
+CASES = str(Path(__file__).with_name("_cases.py"))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [pytest.param(2, id="gloo-2"), pytest.param(4, id="gloo-4")])
+def test_torch_backend_matches_reference(world: int) -> None:
+    checked = run_local(f"{CASES}:run_matrix_and_autograd", world, timeout_s=170)
+    assert checked == [checked[0]] * world
+    assert checked[0] >= 16
+
+
+@pytest.mark.multigpu
+@pytest.mark.timeout(300)
+def test_torch_backend_nccl_matches_reference() -> None:
+    """Under torchrun (`nox -s multigpu`): every rank runs this test on its own GPU."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        pytest.fail("multigpu tests run under torchrun (RANK/WORLD_SIZE/LOCAL_RANK in the environment)")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    spec = importlib.util.spec_from_file_location("_ep_cases", CASES)
+    assert spec is not None
+    assert spec.loader is not None
+    cases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cases)
+    device = torch.device("cuda", local_rank)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert cases.run_matrix(rank, world, device) >= 16
+    cases.run_autograd(rank, world, device)
+    dist.barrier()
