@@ -273,9 +273,14 @@ def refine_swaps(
     if fixed is not None:
         fixed = fixed.clone()
         flat_f = fixed.view(num_rows, -1)
+    flat_o = torch.empty(0)
+    budget_t = torch.empty(0)
+    used = torch.empty(0)
     if origin is not None:
         flat_o = origin.reshape(num_rows, -1)
-        assert budget is not None
+        if budget is None:
+            raise ValueError("refine_swaps: origin needs budget")
+        budget_t = budget
         used = (flat_e != flat_o).sum(1)
     idle = 0
     for it in range(iters):
@@ -314,13 +319,13 @@ def refine_swaps(
             oa_ = flat_o.gather(1, pos_a.flatten(1)).view_as(pos_a)
             ob_ = flat_o.gather(1, pos_b.flatten(1)).view_as(pos_b)
             change = (eb_ != oa_).long() + (ea_ != ob_).long() - (ea_ != oa_).long() - (eb_ != ob_).long()
-            valid &= (used.view(-1, 1, 1) + change) <= budget.view(-1, 1, 1)
+            valid &= (used.view(-1, 1, 1) + change) <= budget_t.view(-1, 1, 1)
         gain = torch.where(valid, gain, torch.zeros((), dtype=gain.dtype, device=device))
         best_gain, best_x = gain.max(-1)  # [B, P]
         do = best_gain > 0
         if origin is not None:
             step = change.gather(-1, best_x.unsqueeze(-1)).squeeze(-1) * do
-            do &= (used.unsqueeze(1) + step.clamp_min(0).cumsum(1)) <= budget.unsqueeze(1)
+            do &= (used.unsqueeze(1) + step.clamp_min(0).cumsum(1)) <= budget_t.unsqueeze(1)
             used = used + (step * do).sum(1)
         if not bool(do.any()):
             idle += 1

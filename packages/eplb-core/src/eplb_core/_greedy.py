@@ -35,6 +35,7 @@ def _lpt_pack(weight: np.ndarray, num_bins: int, expert: np.ndarray | None = Non
         item = order[:, step]
         w = weight[r, item]
         if holds is not None:
+            assert expert is not None
             e = expert[r, item]
             clash = holds[r, :, e]  # [B, num_bins]
             free = key < np.inf

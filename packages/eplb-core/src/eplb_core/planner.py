@@ -272,10 +272,15 @@ def _solve_soft(
         per = w / c
         node_load = torch.einsum("len,le->ln", on_node, per)
         heavy_node = node_load.argmax(1)
-        e_a = per.argmax(1)
-        in_heavy = on_node[rows, :, heavy_node] > 0  # [L, N]
-        e_b = torch.where(in_heavy, per, torch.full_like(per, -1.0)).argmax(1)
-        best_score, best_e, best_n = None, None, None
+        # experts that can still get a replica without a second copy on one GPU of a node
+        feasible = ((free > 0).unsqueeze(1) & (on_node < gpus_per_node)).any(-1)  # [L, N]
+        feasible |= ~feasible.any(1, keepdim=True)  # nothing feasible: duplicates are unavoidable
+        none = torch.full_like(per, -1.0)
+        e_a = torch.where(feasible, per, none).argmax(1)
+        in_heavy = (on_node[rows, :, heavy_node] > 0) & feasible  # [L, N]
+        in_heavy |= ~in_heavy.any(1, keepdim=True) & feasible
+        e_b = torch.where(in_heavy, per, none).argmax(1)
+        options = []
         for e in (e_a, e_b):
             ce = c.gather(1, e.unsqueeze(1))
             we = w.gather(1, e.unsqueeze(1))
@@ -290,14 +295,10 @@ def _solve_soft(
             load_after = load_after.scatter_add(1, n.unsqueeze(1), new_per)
             per_after = per.scatter(1, e.unsqueeze(1), new_per)
             score = torch.maximum(load_after.amax(1) / gpus_per_node, per_after.amax(1) + filler)
-            if best_score is None:
-                best_score, best_e, best_n = score, e, n
-            else:
-                take = score < best_score
-                best_e = torch.where(take, e, best_e)
-                best_n = torch.where(take, n, best_n)
-        assert best_e is not None
-        assert best_n is not None
+            options.append((score, e, n))
+        take_b = options[1][0] < options[0][0]
+        best_e = torch.where(take_b, options[1][1], options[0][1])
+        best_n = torch.where(take_b, options[1][2], options[0][2])
         counts[rows, best_e] += 1
         on_node[rows, best_e, best_n] += 1
         free[rows, best_n] -= 1

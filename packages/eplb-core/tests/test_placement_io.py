@@ -1,0 +1,198 @@
+"""Placement (validate, diff, save/load), loaders/exporters, load history and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import eplb_core as E
+from eplb_core import cli, demo, io
+
+KW = {"num_replicas": 40, "num_groups": 4, "num_nodes": 2, "num_gpus": 8}
+
+
+@pytest.fixture
+def placement() -> E.Placement:
+    return E.plan(E.synthetic_loads(4, 32, num_groups=4, seed=2), **KW)
+
+
+def _clone_with(p: E.Placement, phy2log: torch.Tensor) -> E.Placement:
+    return E.Placement.from_tensors(phy2log, p.weight, num_groups=4, num_nodes=2, num_gpus=8, mode=p.mode)
+
+
+def test_validate_catches_corruption(placement: E.Placement) -> None:
+    placement.validate()
+    broken = placement.phy2log.clone()
+    # drop an expert entirely: give its only replica to another expert
+    single = int(torch.nonzero(placement.logcnt[0] == 1)[0])
+    broken[0][broken[0] == single] = (single + 1) % 32
+    with pytest.raises(ValueError, match="no replica"):
+        _clone_with(placement, broken).validate()
+    # move one group's replica to the other node (breaks the strict hierarchy)
+    swapped = placement.phy2log.clone()
+    a, b = swapped[0, 0].item(), swapped[0, -1].item()
+    swapped[0, 0], swapped[0, -1] = b, a
+    with pytest.raises(ValueError, match="strict mode"):
+        _clone_with(placement, swapped).validate()
+    # a stale logcnt
+    with pytest.raises(ValueError, match="logcnt"):
+        E.Placement.from_tensors(
+            placement.phy2log,
+            placement.weight,
+            num_groups=4,
+            num_nodes=2,
+            num_gpus=8,
+            mode="strict",
+            logcnt=placement.logcnt.roll(1, dims=1),
+        ).validate()
+
+
+def test_diff_and_bytes(placement: E.Placement) -> None:
+    same = placement.diff(placement, bytes_per_expert=1000)
+    assert same.fraction_changed == 0.0
+    assert same.bytes_to_move == 0
+    other = E.plan(E.synthetic_loads(4, 32, num_groups=4, seed=3), **KW)
+    d = other.diff(placement, bytes_per_expert=1000)
+    assert int(d.num_changed.sum()) == int((other.phy2log != placement.phy2log).sum())
+    assert d.bytes_to_move == 1000 * int(d.num_changed.sum())
+    with pytest.raises(ValueError, match="previous"):
+        placement.diff(torch.zeros(1, 3, dtype=torch.int64))
+
+
+def test_save_load_roundtrip(placement: E.Placement, tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    placement.save(path)
+    back = E.Placement.load(path)
+    assert torch.equal(back.phy2log, placement.phy2log)
+    assert torch.equal(back.log2phy, placement.log2phy)
+    assert torch.allclose(back.balancedness, placement.balancedness)
+    back.validate()
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="path"):
+        E.Placement.load(tmp_path / "bad.json")
+
+
+def test_sglang_export(placement: E.Placement, tmp_path: Path) -> None:
+    io.save_sglang(placement, tmp_path / "loc.json")
+    data = json.loads((tmp_path / "loc.json").read_text())
+    assert list(data) == ["physical_to_logical_map"]
+    assert data["physical_to_logical_map"] == placement.phy2log.tolist()
+    io.save_sglang(placement, tmp_path / "loc.pt")
+    assert torch.equal(torch.load(tmp_path / "loc.pt")["physical_to_logical_map"], placement.phy2log)
+
+
+@pytest.mark.parametrize("fmt", ["sglang-json", "sglang-pt", "tensor-pt", "npy", "npz", "csv", "list-json"])
+def test_loaders(fmt: str, tmp_path: Path) -> None:
+    w = E.synthetic_loads(3, 16, num_groups=4, seed=4)
+    w[0] = 0
+    if fmt == "sglang-json":
+        path = tmp_path / "d.json"
+        path.write_text(json.dumps({"logical_count": w.tolist()}))
+    elif fmt == "sglang-pt":
+        path = tmp_path / "d.pt"
+        torch.save({"logical_count": w}, path)
+    elif fmt == "tensor-pt":
+        path = tmp_path / "t.pt"
+        torch.save(w, path)
+    elif fmt == "npy":
+        path = tmp_path / "d.npy"
+        np.save(path, w.numpy())
+    elif fmt == "npz":
+        path = tmp_path / "d.npz"
+        np.savez(path, loads=w.numpy())
+    elif fmt == "csv":
+        path = tmp_path / "d.csv"
+        np.savetxt(path, w.numpy(), delimiter=",")
+    else:
+        path = tmp_path / "l.json"
+        path.write_text(json.dumps(w.tolist()))
+    got = io.load_loads(path)
+    torch.testing.assert_close(got, w)
+    assert io.zero_layers(got) == [0]
+
+
+def test_loader_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        io.load_loads(tmp_path / "missing.json")
+    (tmp_path / "x.json").write_text(json.dumps({"foo": 1}))
+    with pytest.raises(ValueError, match="logical_count"):
+        io.load_loads(tmp_path / "x.json")
+    (tmp_path / "x.txt").write_text("1")
+    with pytest.raises(ValueError, match="extension"):
+        io.load_loads(tmp_path / "x.txt")
+
+
+def test_physical_to_logical_load() -> None:
+    p = E.plan(E.synthetic_loads(2, 16, num_groups=4, seed=1), **{**KW, "num_replicas": 24})
+    phys = torch.rand(2, 24, dtype=torch.float64)
+    logical = io.physical_to_logical_load(phys, p.phy2log)
+    assert logical.shape == (2, 16)
+    torch.testing.assert_close(logical.sum(1), phys.sum(1))
+    hist = io.physical_to_logical_load(phys.expand(3, -1, -1), p.phy2log)
+    assert hist.shape == (3, 2, 16)
+
+
+def test_expected_load() -> None:
+    h = E.synthetic_loads(2, 16, num_groups=4, num_windows=5, seed=1)
+    mean = E.expected_load(h, method="mean")
+    torch.testing.assert_close(mean.sum(1), h.sum(-1).mean(0))
+    ema = E.expected_load(h, halflife=0.01)  # shares of the last window alone, scaled to the mean total
+    torch.testing.assert_close(ema / ema.sum(1, keepdim=True), h[-1] / h[-1].sum(1, keepdim=True))
+    torch.testing.assert_close(ema.sum(1), h.sum(-1).mean(0))
+    one = E.expected_load(h[:1])
+    torch.testing.assert_close(one, h[0])
+    with pytest.raises(ValueError, match="history"):
+        E.expected_load(h[0])
+    with pytest.raises(ValueError, match="method"):
+        E.expected_load(h, method="median")
+    p = E.plan_from_history(h, num_replicas=24, num_groups=4, num_nodes=2, num_gpus=8)
+    p.validate()
+
+
+def test_cli_plan_compare_and_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--demo", "-o", str(out), "--sglang", str(tmp_path / "s.json")]) == 0
+    text = capsys.readouterr().out
+    assert "all layers (mean)" in text
+    assert "zero load" in text
+    prev = E.Placement.load(out)
+    loads = tmp_path / "loads.npy"
+    np.save(loads, cli.demo_history()[-1].numpy())
+    assert (
+        cli.main(
+            [
+                "plan",
+                str(loads),
+                "--replicas",
+                "288",
+                "--groups",
+                "8",
+                "--nodes",
+                "4",
+                "--gpus",
+                "32",
+                "--previous",
+                str(out),
+                "--max-moves",
+                "20",
+            ]
+        )
+        == 0
+    )
+    assert prev.num_layers == 12
+    assert cli.main(["compare", "--demo"]) == 0
+    assert "greedy" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["plan", str(loads), "--replicas", "7", "--gpus", "32"])
+    assert demo.main() == 0
+
+
+def test_cli_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    png = tmp_path / "h.png"
+    assert cli.main(["plan", "--demo", "--plot", str(png)]) == 0
+    assert png.stat().st_size > 1000

@@ -1,0 +1,287 @@
+"""Invariants of rebalance_experts / plan: property-based (hypothesis) and edge cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import eplb_core as E
+from eplb_core._greedy import greedy_rebalance
+
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> dict:
+    """A random topology (strict or global) and a load matrix of a random kind."""
+    num_nodes = draw(st.sampled_from([1, 2, 3, 4]))
+    gpus_per_node = draw(st.sampled_from([1, 2, 4]))
+    num_gpus = num_nodes * gpus_per_node
+    num_groups = draw(st.sampled_from([1, 2, 4, 6]))
+    group_size = draw(st.integers(1, 4))
+    num_logical = num_groups * group_size
+    min_slots = -(-num_logical // num_gpus)
+    slots = draw(st.integers(min_slots, min_slots + 3))
+    num_replicas = slots * num_gpus
+    num_layers = draw(st.integers(1, 4))
+    kind = draw(st.sampled_from(["skewed", "uniform", "equal", "dominant", "sparse", "integer"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_layers, num_logical)
+    if kind == "skewed":
+        w = torch.exp(2.0 * torch.randn(shape, generator=gen, dtype=torch.float64))
+    elif kind == "uniform":
+        w = torch.rand(shape, generator=gen, dtype=torch.float64)
+    elif kind == "equal":
+        w = torch.full(shape, 7.0, dtype=torch.float64)
+    elif kind == "dominant":
+        w = torch.rand(shape, generator=gen, dtype=torch.float64)
+        w[:, 0] = 1000.0
+    elif kind == "sparse":
+        w = torch.randint(0, 3, shape, generator=gen).to(torch.float64)
+    else:
+        w = torch.randint(0, 1000, shape, generator=gen).to(torch.float64)
+    return {
+        "weight": w,
+        "num_replicas": num_replicas,
+        "num_groups": num_groups,
+        "num_nodes": num_nodes,
+        "num_gpus": num_gpus,
+    }
+
+
+def check_invariants(p: dict, phy2log: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor) -> None:
+    """Independent checks (not through Placement.validate)."""
+    w = p["weight"]
+    num_layers, num_logical = w.shape
+    num_replicas, num_gpus, num_nodes, num_groups = (
+        p["num_replicas"],
+        p["num_gpus"],
+        p["num_nodes"],
+        p["num_groups"],
+    )
+    assert phy2log.dtype == log2phy.dtype == logcnt.dtype == torch.int64
+    assert phy2log.shape == (num_layers, num_replicas)
+    assert logcnt.shape == (num_layers, num_logical)
+    assert log2phy.shape == (num_layers, num_logical, int(logcnt.max()))
+    assert bool((logcnt >= 1).all()), "an expert has no replica"
+    assert bool((logcnt.sum(1) == num_replicas).all())
+    slots = num_replicas // num_gpus
+    for layer in range(num_layers):
+        counts = np.bincount(phy2log[layer].numpy(), minlength=num_logical)
+        assert (counts == logcnt[layer].numpy()).all()
+        for e in range(num_logical):
+            c = int(logcnt[layer, e])
+            row = log2phy[layer, e].tolist()
+            assert all(x == -1 for x in row[c:]), "log2phy not -1 padded"
+            assert sorted(row[:c]) == row[:c]
+            assert len(set(row[:c])) == c
+            assert all(int(phy2log[layer, x]) == e for x in row[:c])
+        gpu_of = np.arange(num_replicas) // slots
+        domain = num_gpus
+        if num_groups % num_nodes == 0 and num_nodes > 1:
+            domain = num_gpus // num_nodes
+            group_size = num_logical // num_groups
+            node_of = gpu_of // (num_gpus // num_nodes)
+            nodes_of_group: dict[int, set[int]] = {}
+            for slot, e in enumerate(phy2log[layer].tolist()):
+                nodes_of_group.setdefault(e // group_size, set()).add(int(node_of[slot]))
+            assert all(len(v) == 1 for v in nodes_of_group.values()), "group split across nodes"
+        seen: dict[tuple[int, int], int] = {}
+        for slot, e in enumerate(phy2log[layer].tolist()):
+            key = (int(gpu_of[slot]), e)
+            seen[key] = seen.get(key, 0) + 1
+        for (_, e), n in seen.items():
+            if n > 1:
+                assert int(logcnt[layer, e]) > domain, "avoidable duplicate replica on one GPU"
+
+
+@SETTINGS
+@given(problems())
+def test_rebalance_invariants(p: dict) -> None:
+    phy2log, log2phy, logcnt = E.rebalance_experts(
+        p["weight"], p["num_replicas"], p["num_groups"], p["num_nodes"], p["num_gpus"]
+    )
+    check_invariants(p, phy2log, log2phy, logcnt)
+
+
+@SETTINGS
+@given(problems())
+def test_plan_determinism_bound_and_greedy(p: dict) -> None:
+    kw = {k: p[k] for k in ("num_replicas", "num_groups", "num_nodes", "num_gpus")}
+    a = E.plan(p["weight"], **kw)
+    b = E.plan(p["weight"].clone(), **kw)
+    assert torch.equal(a.phy2log, b.phy2log)
+    assert torch.equal(a.logcnt, b.logcnt)
+    a.validate()
+    peak = a.gpu_loads.amax(1)
+    assert bool((peak >= a.lower_bound * (1 - 1e-9)).all()), "peak below the lower bound"
+    assert bool((a.gap >= -1e-9).all())
+    # never worse than greedy LPT (the duplicate-avoiding variant is a candidate of every call)
+    gp, gc = greedy_rebalance(a.weight, avoid_duplicates=True, **kw)
+    greedy_peak = E.gpu_loads_of(a.weight, gp, gc, p["num_gpus"]).amax(1)
+    assert bool((peak <= greedy_peak * (1 + 1e-12)).all())
+
+
+@SETTINGS
+@given(problems(), st.integers(0, 8), st.integers(0, 2**16))
+def test_migration_respects_cap(p: dict, cap: int, seed: int) -> None:
+    kw = {k: p[k] for k in ("num_replicas", "num_groups", "num_nodes", "num_gpus")}
+    old = E.plan(p["weight"], **kw)
+    gen = torch.Generator().manual_seed(seed)
+    new_w = p["weight"] * torch.exp(0.5 * torch.randn(p["weight"].shape, generator=gen, dtype=torch.float64))
+    m = E.plan(new_w, **kw, previous=old, max_changed_slots=cap)
+    m.validate()
+    assert m.changed_slots is not None
+    assert int(m.changed_slots.max()) <= cap
+    assert torch.equal(m.changed_slots, (m.phy2log != old.phy2log).sum(1))
+    # the plan in service, scored on the new load, is never beaten by more than what was allowed to move
+    stale_peak = old.gpu_loads_for(m.weight).amax(1)
+    assert bool((m.gpu_loads.amax(1) <= stale_peak * (1 + 1e-12)).all()), "migration raised a peak"
+
+
+@SETTINGS
+@given(problems(), st.sampled_from([0.0, 0.1, 1.0]))
+def test_soft_locality_valid(p: dict, penalty: float) -> None:
+    kw = {k: p[k] for k in ("num_replicas", "num_groups", "num_nodes", "num_gpus")}
+    s = E.plan(p["weight"], **kw, soft_locality=penalty)
+    s.validate()
+    assert bool(((s.cross_node_share >= 0) & (s.cross_node_share <= 1)).all())
+    if s.mode == "soft":
+        # every expert keeps a replica on its home node
+        group_size = s.num_logical // s.num_groups
+        node_of_slot = torch.arange(s.num_replicas) // (s.num_replicas // s.num_nodes)
+        assert s.home_node is not None
+        for layer in range(s.num_layers):
+            home = s.home_node[layer][s.phy2log[layer] // group_size]
+            at_home = set(s.phy2log[layer][home == node_of_slot].tolist())
+            assert at_home == set(range(s.num_logical))
+
+
+# ------------------------------------------------------------------ edge cases
+def _kw(r: int, g: int, n: int, gpus: int) -> dict:
+    return {"num_replicas": r, "num_groups": g, "num_nodes": n, "num_gpus": gpus}
+
+
+@pytest.mark.parametrize(
+    ("shape", "kw"),
+    [
+        pytest.param((1, 16), _kw(24, 4, 2, 8), id="one-layer"),
+        pytest.param((3, 16), _kw(20, 4, 1, 1), id="one-gpu"),
+        pytest.param((3, 16), _kw(16, 4, 2, 8), id="no-redundancy"),
+        pytest.param((3, 64), _kw(72, 8, 4, 8), id="strict-2slots"),
+        pytest.param((2, 12), _kw(48, 3, 2, 4), id="global-many-replicas"),
+    ],
+)
+def test_edge_topologies(shape: tuple[int, int], kw: dict) -> None:
+    w = E.synthetic_loads(*shape, num_groups=kw["num_groups"], seed=1)
+    p = E.plan(w, **kw)
+    p.validate()
+    check_invariants({"weight": w, **kw}, *p.as_tuple())
+
+
+def test_all_equal_loads_are_perfect() -> None:
+    w = torch.ones(2, 64)
+    p = E.plan(w, **_kw(64, 8, 4, 32))
+    assert torch.allclose(p.balancedness, torch.ones(2, dtype=torch.float64))
+    assert torch.allclose(p.gap, torch.zeros(2, dtype=torch.float64))
+
+
+def test_dominant_expert_gets_replicas_on_distinct_gpus() -> None:
+    w = torch.ones(1, 32, dtype=torch.float64)
+    w[0, 5] = 1000.0
+    p = E.plan(w, **_kw(40, 1, 1, 8))
+    p.validate()
+    assert int(p.logcnt[0, 5]) == 9  # all 8 extra slots go to the hot expert
+    gpus = (p.log2phy[0, 5][: int(p.logcnt[0, 5])] // 5).tolist()
+    assert len(set(gpus)) == 8  # 9 replicas on 8 GPUs: one GPU twice, unavoidable
+
+
+def test_very_large_counts_and_integer_input() -> None:
+    w = (E.synthetic_loads(3, 32, num_groups=4, seed=5) * 1e9).to(torch.int64)
+    p = E.plan(w, **_kw(40, 4, 2, 8))
+    p.validate()
+    q = E.plan(w.to(torch.float32).numpy(), **_kw(40, 4, 2, 8))
+    assert q.num_layers == 3
+
+
+def test_zero_layer_reported_and_planned() -> None:
+    w = E.synthetic_loads(3, 32, num_groups=4, seed=5)
+    w[1] = 0
+    p = E.plan(w, **_kw(40, 4, 2, 8))
+    p.validate()
+    assert p.zero_layers is not None
+    assert p.zero_layers.tolist() == [False, True, False]
+    assert float(p.balancedness[1]) == pytest.approx(1.0)
+
+
+def test_compat_signature_and_list_input() -> None:
+    w = E.synthetic_loads(2, 16, num_groups=4, seed=0).tolist()
+    phy2log, log2phy, logcnt = E.rebalance_experts(w, 24, 4, 2, 8)
+    assert phy2log.shape == (2, 24)
+    assert logcnt.shape == (2, 16)
+    assert log2phy.shape[:2] == (2, 16)
+
+
+def test_better_than_greedy_on_deepseek_shape() -> None:
+    """Not a speed test: a quality floor on one realistic case (58 x 256, 72 GPUs, global)."""
+    w = E.synthetic_loads(8, 256, seed=11)
+    p = E.plan(w, **_kw(288, 8, 9, 72))
+    gp, gc = greedy_rebalance(w, 288, 8, 9, 72)
+    greedy = E.balancedness(E.gpu_loads_of(w, gp, gc, 72))
+    assert float(p.balancedness.mean()) > float(greedy.mean()) + 0.01
+
+
+# ------------------------------------------------------------------ bad input
+BAD = [
+    pytest.param(torch.ones(4), _kw(8, 1, 1, 2), "weight", id="rank1"),
+    pytest.param(torch.ones(2, 3, 4), _kw(8, 1, 1, 2), "weight", id="rank3"),
+    pytest.param(torch.ones(0, 8), _kw(8, 1, 1, 2), "empty", id="empty"),
+    pytest.param(torch.tensor([[1.0, float("nan")]]), _kw(2, 1, 1, 1), "NaN", id="nan"),
+    pytest.param(torch.tensor([[1.0, -1.0]]), _kw(2, 1, 1, 1), "negative", id="negative"),
+    pytest.param(torch.ones(2, 8), _kw(6, 1, 1, 2), "num_replicas", id="too-few-replicas"),
+    pytest.param(torch.ones(2, 8), _kw(9, 1, 1, 2), "num_replicas", id="replicas-not-multiple"),
+    pytest.param(torch.ones(2, 8), _kw(8, 3, 1, 2), "num_groups", id="groups-not-dividing"),
+    pytest.param(torch.ones(2, 8), _kw(12, 2, 4, 6), "num_gpus", id="gpus-not-multiple-of-nodes"),
+    pytest.param(torch.ones(2, 8), _kw(8, 0, 1, 2), "num_groups", id="zero-groups"),
+    pytest.param([["a", "b"]], _kw(2, 1, 1, 1), "weight", id="strings"),
+]
+
+
+@pytest.mark.parametrize(("weight", "kw", "match"), BAD)
+def test_bad_input_names_argument(weight: object, kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        E.rebalance_experts(weight, kw["num_replicas"], kw["num_groups"], kw["num_nodes"], kw["num_gpus"])
+
+
+def test_bad_mode_arguments() -> None:
+    w = torch.ones(2, 8)
+    with pytest.raises(ValueError, match="soft_locality"):
+        E.plan(w, **_kw(8, 1, 1, 2), soft_locality=-1.0)
+    with pytest.raises(ValueError, match="max_changed_slots"):
+        E.plan(w, **_kw(8, 1, 1, 2), max_changed_slots=3)
+    with pytest.raises(ValueError, match="previous"):
+        E.plan(w, **_kw(8, 1, 1, 2), previous=torch.zeros(2, 4, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+def test_gpu_plan_matches_cpu() -> None:
+    w = E.synthetic_loads(16, 256, seed=3)
+    for kw in (_kw(288, 8, 4, 32), _kw(288, 8, 9, 72)):
+        cpu = E.plan(w, **kw)
+        gpu = E.plan(w.cuda(), **kw)
+        assert gpu.phy2log.is_cuda
+        gpu_cpu = E.Placement.from_tensors(
+            gpu.phy2log.cpu(),
+            w,
+            num_groups=8,
+            num_nodes=kw["num_nodes"],
+            num_gpus=kw["num_gpus"],
+            mode=cpu.mode,
+        )
+        gpu_cpu.validate()
+        # same algorithm; float64 reductions may order differently on the GPU, so ties can break apart
+        assert abs(float(gpu_cpu.balancedness.mean()) - float(cpu.balancedness.mean())) < 2e-3
