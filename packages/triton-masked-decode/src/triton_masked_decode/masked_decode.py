@@ -44,6 +44,9 @@ _MASK_NONE, _MASK_BOOL, _MASK_PACKED = 0, 1, 2
 _MAX_GROUP = 64
 _MAX_SPLITS = 256
 _MAX_CHUNK = 4096  # bounds per-program work so ragged batches balance across SMs
+_PROGRAMS_PER_SM = 4
+# Benchmark-only knobs (tile sizes, pipelining depth, split targets); empty in normal use.
+_TUNE_OVERRIDE: dict[str, int] = {}
 
 
 def _interpreting() -> bool:
@@ -412,31 +415,30 @@ def _merge_splits_kernel(
     d_mask = offs_d < HEAD_DIM
     lse_base = LsePart + bidx.to(tl.int64) * stride_sb + head * stride_sh
     o_base = OutPart + bidx.to(tl.int64) * stride_pb + head * stride_ph
-    m_vec = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, n_active, BLOCK_S):
-        s = s0 + offs_s
-        lse_s = tl.load(lse_base + s * stride_ss, mask=s < n_active, other=float("-inf"))
-        m_vec = tl.maximum(m_vec, lse_s)
-    m = tl.max(m_vec, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    # One pass with online rescaling: each block of splits is read once (all of them when S <= BLOCK_S).
+    m = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0)
+    tot = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, n_active, BLOCK_S):
         s = s0 + offs_s
         s_mask = s < n_active
         lse_s = tl.load(lse_base + s * stride_ss, mask=s_mask, other=float("-inf"))
-        w = tl.exp(lse_s - m_use)
         o = tl.load(
             o_base + s[:, None] * stride_ps + offs_d[None, :],
-            mask=(s_mask & (w > 0.0))[:, None] & d_mask[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        acc += tl.sum(o * w[:, None], 0)
-        total += w
-    tot = tl.sum(total, 0)
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp(lse_s - m_use)  # 0 for empty splits (lse = -inf; their out was written as 0)
+        alpha = tl.exp(m - m_use)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        tot = tot * alpha + tl.sum(w, 0)
+        m = m_new
     seen = tot > 0.0
+    m_fin = tl.where(m == float("-inf"), 0.0, m)
     out = acc / tl.where(seen, tot, 1.0)
-    lse = tl.where(seen, m_use + tl.log(tl.where(seen, tot, 1.0)), float("-inf"))
+    lse = tl.where(seen, m_fin + tl.log(tl.where(seen, tot, 1.0)), float("-inf"))
     tl.store(
         Out + bidx.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
         out.to(Out.dtype.element_ty),
@@ -467,7 +469,14 @@ def _tile_config(block_d: int, block_g: int) -> tuple[int, int, int, int]:
         return 16, 32, 4, 1
     block_n = {16: 128, 32: 128, 64: 128, 128: 64, 256: 32}[block_d]
     num_warps = 8 if block_g * block_d >= 8192 else 4
-    return block_n, 512, num_warps, 3
+    num_stages = 3
+    ov = _TUNE_OVERRIDE
+    return (
+        ov.get("block_n", block_n),
+        ov.get("block_c", 512),
+        ov.get("num_warps", num_warps),
+        ov.get("num_stages", num_stages),
+    )
 
 
 def choose_num_splits(
@@ -482,7 +491,9 @@ def choose_num_splits(
     """
     tiles = max(1, triton.cdiv(max_len, block_n))
     if num_splits is None:
-        want = max(triton.cdiv(4 * num_sms, batch * num_kv_heads), triton.cdiv(max_len, _MAX_CHUNK))
+        per_sm = _TUNE_OVERRIDE.get("programs_per_sm", _PROGRAMS_PER_SM)
+        max_chunk = _TUNE_OVERRIDE.get("max_chunk", _MAX_CHUNK)
+        want = max(triton.cdiv(per_sm * num_sms, batch * num_kv_heads), triton.cdiv(max_len, max_chunk))
     else:
         want = num_splits
     splits = max(1, min(want, tiles, _MAX_SPLITS))
@@ -566,7 +577,7 @@ def _launch(
         _merge_splits_kernel[(hq, batch)](
             o_part, l_part, out, lse, seq_t, seqlen_const, max_len, chunk, splits,
             *o_part.stride()[:3], *l_part.stride(), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(16, triton.next_power_of_2(splits)),
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(max(8192 // block_d, 1), triton.next_power_of_2(splits)),
             HAS_SEQLENS=seqlens is not None, num_warps=4 if block_d <= 128 else 8,
         )  # fmt: skip
     return out, lse
