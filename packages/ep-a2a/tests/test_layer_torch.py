@@ -22,7 +22,6 @@ def test_torch_backend_matches_reference(world: int) -> None:
 
 
 @pytest.mark.multigpu
-@pytest.mark.timeout(300)
 def test_torch_backend_nccl_matches_reference() -> None:
     """Under torchrun (`nox -s multigpu`): every rank runs this test on its own GPU."""
     import importlib.util

@@ -1,0 +1,158 @@
+"""ep-a2a benchmarks (``nox -s bench``): launches torchrun on every visible GPU, writes the results.
+
+    python packages/ep-a2a/benchmarks/run.py --out-dir docs/benchmarks [--quick] [--only torch|triton]
+
+Runs ``bench_torch_backend.py`` (torch backend, NCCL pipelines, copy-engine ceiling) and, when the file
+exists, ``bench_triton.py`` (the Triton backend), each under
+``python -m torch.distributed.run --standalone --nproc-per-node=<GPUs>``. Each writes its raw JSON to
+``<out-dir>/ep-a2a-<bench>.json``; this script then writes ``<out-dir>/ep-a2a.json`` (every bench's raw
+results, including ones from an earlier run of a bench not selected with ``--only``, each with its own
+date, commit and command) and ``<out-dir>/ep-a2a.md`` (the tables), and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BENCHES = {"torch": HERE / "bench_torch_backend.py", "triton": HERE / "bench_triton.py"}
+# NVLink SHARP/multicast stays off on the project's machines (see the docs)
+ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def run_bench(name: str, path: Path, out: Path, ngpu: int, quick: bool) -> bool:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ngpu}",
+        str(path),
+        "--json",
+        str(out),
+    ]
+    if quick:
+        cmd.append("--quick")
+    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in ENV.items()}}
+    src = str(HERE.parent / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
+    print(f"=== {name}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode != 0:
+        print(f"!!! {name} failed with exit code {proc.returncode}", flush=True)
+        return False
+    return True
+
+
+def gbps(nbytes: int, ms: float | None) -> str:
+    return f"{nbytes / (ms * 1e-3) / 1e9:.0f}" if ms else "-"
+
+
+def table(raw: dict) -> list[str]:
+    lines = []
+    for case in raw.get("cases", []):
+        res = case["results"]
+        nbytes = case["nvlink_bytes"]
+        ceiling = res.get("ce", {}).get("copy_ms")
+        head = (
+            f"**{case['shape']}**, {case['routing']} routing, {case['tokens']} tokens/rank "
+            f"(hidden {case['hidden']}, top-{case['topk']} of {case['experts']})"
+        )
+        if "heap" in case:
+            head += f", heap {case['heap']}"
+        head += f": {nbytes / 1e6:.1f} MB cross NVLink per direction per rank"
+        lines += [
+            "",
+            head,
+            "",
+            "| method | dispatch ms | GB/s | % CE | combine ms | GB/s | % CE | round trip ms |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, r in res.items():
+            if "copy_ms" in r:
+                ms = r["copy_ms"]
+                pct = f"{100 * ceiling / ms:.0f}" if ceiling else "-"
+                lines.append(f"| {name} (bytes only) | {ms:.3f} | {gbps(nbytes, ms)} | {pct} | | | | |")
+                continue
+            d, c, rt = r.get("dispatch_ms"), r.get("combine_ms"), r.get("round_trip_ms")
+            pd = f"{100 * ceiling / d:.0f}" if ceiling and d else "-"
+            pc = f"{100 * ceiling / c:.0f}" if ceiling and c else "-"
+            lines.append(
+                f"| {name} | {d:.3f} | {gbps(nbytes, d)} | {pd} | {c:.3f} | {gbps(nbytes, c)} | {pc} | "
+                + (f"{rt:.3f} |" if rt else "- |")
+            )
+    return lines
+
+
+def render(merged: dict) -> str:
+    lines = ["# ep-a2a benchmark results", ""]
+    lines.append(
+        "Times are medians of CUDA-event timings, slower rank; GB/s counts only token rows crossing to the "
+        "other GPU (one per token and destination rank); % CE is relative to the copy-engine copy of the "
+        "same bytes measured in the same run."
+    )
+    for name, raw in merged["benches"].items():
+        lines += [
+            "",
+            f"## {name}",
+            "",
+            f"{raw.get('device')} x{raw.get('world_size')}, torch {raw.get('torch')}, {raw.get('date')}, "
+            f"commit `{raw.get('commit')}`",
+            "",
+            f"Command: `{raw.get('command')}` (env {raw.get('env')})",
+        ]
+        lines += table(raw)
+        if "first_call" in raw:
+            lines += ["", f"First call: {raw['first_call']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="ep-a2a benchmarks")
+    p.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", choices=sorted(BENCHES), nargs="+", default=None)
+    args = p.parse_args()
+    ngpu = gpu_count()
+    if ngpu < 2:
+        print(f"ep-a2a benchmarks need at least 2 CUDA GPUs; this machine has {ngpu}.", file=sys.stderr)
+        return 2
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    ok = True
+    for name in args.only or list(BENCHES):
+        path = BENCHES[name]
+        if not path.exists():
+            print(f"=== {name}: {path.name} not present, skipped")
+            continue
+        ok &= run_bench(name, path, args.out_dir / f"ep-a2a-{name}.json", ngpu, args.quick)
+    merged: dict = {
+        "package": "ep-a2a",
+        "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(sys.argv),
+        "benches": {},
+    }
+    for name in BENCHES:
+        raw_path = args.out_dir / f"ep-a2a-{name}.json"
+        if raw_path.exists():
+            merged["benches"][name] = json.loads(raw_path.read_text())
+    (args.out_dir / "ep-a2a.json").write_text(json.dumps(merged, indent=1) + "\n")
+    md = render(merged)
+    (args.out_dir / "ep-a2a.md").write_text(md)
+    print(md)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
