@@ -278,7 +278,10 @@ def main() -> None:
             cases.append(run_case(shape, route, args.tokens, args, rank, world, dev))
     cases.append(run_case("deepseek-v3", "uniform", 128, args, rank, world, dev))
     if rank == 0:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = (
+            os.environ.get("GIT_COMMIT")
+            or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        )
         out = {
             "bench": "torch_backend",
             "device": torch.cuda.get_device_name(dev),
