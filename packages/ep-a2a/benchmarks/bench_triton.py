@@ -332,6 +332,130 @@ def first_call(args, rank, world, group, dev) -> dict:
     return {"use_aot": args.use_aot, "construct_s": t_construct, "first_dispatch_combine_s": t_first}
 
 
+def breakdown(args, be, x, ids, w) -> dict:
+    """Per-kernel GPU time of one static dispatch + combine (events between the launches), median."""
+    eng = be.engine
+    d = be.dispatch_static(x, ids, w)
+    be.combine_static(d.output, d)
+    torch.cuda.synchronize()
+    b = be._static
+    out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    names = ("layout", "counts", "dispatch", "combine")
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for _ in range(args.iters):
+        eng.launch_barrier()
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+        evs[0].record()
+        eng.launch_layout(ids, caller_scatter=False)
+        evs[1].record()
+        eng.launch_counts()
+        evs[2].record()
+        eng.launch_dispatch(
+            x,
+            ids,
+            w,
+            eng.pos,
+            b["out"],
+            b["out_w"],
+            b["out_e"],
+            b["tab"],
+            b["skip"],
+            b["scat"],
+            caller_scatter=False,
+        )
+        evs[3].record()
+        b["n_src"].copy_(eng.info[2 : 2 + eng.world_size])
+        eng.launch_combine(d.output, b["tab"], ids, b["n_src"], out)
+        evs[4].record()
+        evs[4].synchronize()
+        for i, k in enumerate(names):
+            times[k].append(evs[i].elapsed_time(evs[i + 1]))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def sweep(args, rank, world, group, dev) -> list:
+    """Tile/chunk/warp variants at one shape, graph-mode times plus a per-kernel breakdown."""
+    from ep_a2a.triton_backend import TritonBackend
+
+    rows = []
+    for tokens in (args.tokens, 128):
+        shp = SHAPES["deepseek-v3"]
+        cfg = EPConfig(
+            max_tokens=tokens,
+            hidden=shp["hidden"],
+            topk=shp["topk"],
+            num_tot_experts=shp["experts"],
+            rank=rank,
+            world_size=world,
+            local_world_size=world,
+            token_dtype=torch.bfloat16,
+        )
+        x = torch.randn(tokens, shp["hidden"], device=dev).to(torch.bfloat16)
+        ids, w = routing(tokens, shp["experts"], shp["topk"], "uniform", 77 + rank, dev)
+        variants = [
+            (8, 1024, 8, 132),
+            (16, 1024, 8, 132),
+            (4, 1024, 8, 132),
+            (8, 2048, 8, 132),
+            (8, 1024, 16, 132),
+            (16, 512, 4, 132),
+            (8, 1024, 8, 32),
+            (16, 2048, 16, 32),
+        ]
+        if tokens == 128:
+            variants = [
+                (8, 1024, 8, 132),
+                (2, 1024, 8, 132),
+                (4, 2048, 8, 132),
+                (1, 1024, 4, 132),
+                (2, 512, 4, 132),
+            ]
+        for chunk, bh, nw, nsm in variants:
+            be = TritonBackend(
+                cfg,
+                group,
+                num_sm=nsm,
+                enable_local_combine=True,
+                use_aot=False,
+                timeout_s=60.0,
+                chunk=chunk,
+                block_h=bh,
+                num_warps=nw,
+            )
+            row = {"tokens": tokens, "chunk": chunk, "block_h": bh, "num_warps": nw, "num_sm": nsm}
+            bd = breakdown(args, be, x, ids, w)
+            t = torch.tensor([bd[k] for k in sorted(bd)], device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            row["breakdown_ms"] = dict(zip(sorted(bd), t.tolist(), strict=True))
+            timer = Timer(lambda be=be: be.engine.launch_barrier())
+            g_d, g_c = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g_d):
+                dd = be.dispatch_static(x, ids, w)
+            with torch.cuda.graph(g_c):
+                be.combine_static(dd.output, dd)
+            row["graph_dispatch_ms"] = timer.median_ms(g_d.replay, args.iters)
+            row["graph_combine_ms"] = timer.median_ms(g_c.replay, args.iters, setup=g_d.replay)
+            holder = {}
+
+            def disp(be=be, holder=holder, x=x, ids=ids, w=w):
+                holder["d"] = be.dispatch(x, ids, w, None)
+
+            disp()
+            row["eager_dispatch_ms"] = timer.median_ms(disp, args.iters)
+            row["eager_combine_ms"] = timer.median_ms(
+                lambda be=be, holder=holder: be.combine(holder["d"][0], holder["d"][2]),
+                args.iters,
+                setup=disp,
+            )
+            torch.cuda.synchronize()
+            be.finalize()
+            del g_d, g_c
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", required=True)
@@ -341,6 +465,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="DeepSeek-V3 uniform only")
     p.add_argument("--first-call", action="store_true", help="only measure first-call latency")
     p.add_argument("--use-aot", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="tile/chunk/warp variants and a per-kernel breakdown")
     p.add_argument("--heaps", nargs="+", default=["torch", "nvshmem"])
     p.add_argument("--topo", default=None, help="file holding `nvidia-smi topo -m`")
     args = p.parse_args()
@@ -376,6 +501,8 @@ def main() -> None:
             out["topology"] = f.read()
     if args.first_call:
         out["first_call"] = first_call(args, rank, world, group, dev)
+    elif args.sweep:
+        out["sweep"] = sweep(args, rank, world, group, dev)
     else:
         results: list = []
         shapes = ["deepseek-v3"] if args.quick else list(SHAPES)

@@ -85,7 +85,7 @@ def test_moe_block_with_eplb_placement(group, backend):
     )
     try:
         if backend == "triton":
-            assert type(layer.backend).__name__ == "TritonBackend", layer.backend_reason
+            assert layer.backend_name == "triton", layer.backend_reason
         rows, row_w, desc = layer.dispatch(x, phys_ids, weights.float())
         # expert side: each physical expert runs its logical expert's MLP on its rows
         per_rank = physical // world

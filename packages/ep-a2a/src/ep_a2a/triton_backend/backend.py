@@ -68,6 +68,7 @@ class TritonBackend(A2ABackend):
         heap: ``"torch"`` (``torch.distributed._symmetric_memory``, default) or ``"nvshmem"``
             (nvshmem4py); default taken from ``$EP_A2A_TRITON_HEAP`` when set.
         chunk: tokens per work item and ready flag (default 8 for hidden >= 1024, else 16).
+        block_h, num_warps: tile width along hidden and warps per CTA of the copy kernels (tuning).
 
     ``enable_local_combine`` is always on here (the expert side always pre-reduces per (token, rank)).
     Each combine must follow a dispatch (dispatch, combine, dispatch, combine...; several dispatches in a
@@ -88,6 +89,8 @@ class TritonBackend(A2ABackend):
         timeout_s: float,
         heap: str | None = None,
         chunk: int | None = None,
+        block_h: int | None = None,
+        num_warps: int | None = None,
         **_: object,
     ) -> None:
         super().__init__(
@@ -133,6 +136,8 @@ class TritonBackend(A2ABackend):
             num_sm=num_sm,
             timeout_s=timeout_s,
             chunk=chunk,
+            block_h=block_h,
+            num_warps=num_warps,
         )
         self.heap_kind = heap
         self._info_host = torch.empty_like(self.engine.info, device="cpu").pin_memory()
@@ -233,7 +238,7 @@ class TritonBackend(A2ABackend):
             token_dst_scatter_idx=scat,
             skipped_token_mapping_indices=None,
             skipped_token_topk_mapping_indices=bufs["skip"],
-            num_recv_tokens_per_expert=fields["rows_exp"].to(self.device, non_blocking=True),
+            num_recv_tokens_per_expert=eng.info_fields(eng.info)["rows_exp"].clone(),
             num_recv_tokens_per_rank=fields["rows_src"].clone(),
             num_recv_rows=rows,
             recv_expert_indices=bufs["out_e"],

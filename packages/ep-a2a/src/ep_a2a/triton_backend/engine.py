@@ -143,6 +143,7 @@ class TritonEPEngine:
         timeout_s: float,
         chunk: int = 8,
         block_h: int | None = None,
+        num_warps: int | None = None,
     ) -> None:
         if weight_dtype.itemsize > 4:
             raise ValueError(f"weight_dtype must be at most 4 bytes wide, got {weight_dtype}")
@@ -162,6 +163,8 @@ class TritonEPEngine:
         if block_h is None:
             block_h = min(_next_pow2(hidden), 64 if interpreting() else 1024)
         self.block_h = block_h
+        self.num_warps = num_warps or (8 if block_h >= 512 else 4)
+        self._fast: dict = {}
         self.kp = _next_pow2(topk)
         self.wp = _next_pow2(world_size)
         self.lp = _next_pow2(self.experts_per_rank + 1)
@@ -189,11 +192,45 @@ class TritonEPEngine:
                 peer=peer,
             )
 
+    # ------------------------------------------------------------------ launching
+    def _launch(self, kernel, grid: tuple[int, ...], *args, num_warps: int, **kwargs) -> None:
+        """Launch ``kernel``; after the first launch of a variant, straight through its compiled handle.
+
+        Triton's own launch path binds and re-specialises every argument on every call (tens of
+        microseconds for these kernels); the variant key here holds what that specialisation depends
+        on (constexprs, num_warps, 16-byte alignment of every tensor, the int arguments' == 1 and
+        % 16 classes), so a cached handle is only reused where Triton would pick the same binary.
+        """
+        named = dict(zip(kernel.arg_names, args, strict=False))
+        named.update(kwargs)
+        if interpreting():
+            kernel[grid](**named, num_warps=num_warps)
+            return
+        key_parts: list = [id(kernel), grid, num_warps]
+        for name in kernel.arg_names:
+            v = named[name]
+            if isinstance(v, torch.Tensor):
+                key_parts.append(v.data_ptr() % 16 == 0)
+            elif isinstance(v, bool) or not isinstance(v, int):
+                key_parts.append(v)
+            else:
+                key_parts.append((v == 1, v % 16 == 0))
+        key = tuple(key_parts)
+        compiled = self._fast.get(key)
+        if compiled is None:
+            self._fast[key] = kernel[grid](**named, num_warps=num_warps)
+            return
+        vals = [named[name] for name in kernel.arg_names]
+        grid3 = (*grid, 1, 1)[:3]
+        compiled[grid3](*vals, stream=torch.cuda.current_stream(self.device).cuda_stream)
+
     # ------------------------------------------------------------------ dispatch steps
     def launch_layout(self, exp_indices: torch.Tensor, *, caller_scatter: bool) -> None:
         n = exp_indices.shape[0]
         grid = (min(self.num_tot_experts, self.num_sm),)
-        K._layout_kernel[grid](
+        self._launch(
+            K._layout_kernel,
+            grid,
             _nz(exp_indices),
             self.pos,
             n,
@@ -212,7 +249,9 @@ class TritonEPEngine:
         )
 
     def launch_counts(self) -> None:
-        K._counts_kernel[(1,)](
+        self._launch(
+            K._counts_kernel,
+            (1,),
             self.info,
             self.offsets,
             self.ptr_table,
@@ -248,7 +287,9 @@ class TritonEPEngine:
     ) -> None:
         n = x.shape[0]
         lay = self.layout
-        K._dispatch_kernel[(self.num_sm,)](
+        self._launch(
+            K._dispatch_kernel,
+            (self.num_sm,),
             _nz(x),
             _nz(exp_indices),
             _nz(weight) if weight is not None else self._dummy_w,
@@ -292,7 +333,7 @@ class TritonEPEngine:
             LAG=1 if (send and recv) else 0,
             USE_TIMER=self.use_timer,
             G=self.num_sm,
-            num_warps=8 if self.block_h >= 512 else 4,
+            num_warps=self.num_warps,
         )
 
     def launch_combine(
@@ -307,7 +348,9 @@ class TritonEPEngine:
         recv: bool = True,
     ) -> None:
         lay = self.layout
-        K._combine_kernel[(self.num_sm,)](
+        self._launch(
+            K._combine_kernel,
+            (self.num_sm,),
             _nz(y),
             tab,
             _nz(exp_indices),
@@ -336,11 +379,13 @@ class TritonEPEngine:
             LAG=1 if (send and recv) else 0,
             USE_TIMER=self.use_timer,
             G=self.num_sm,
-            num_warps=8 if self.block_h >= 512 else 4,
+            num_warps=self.num_warps,
         )
 
     def launch_barrier(self, *, send: bool = True, recv: bool = True) -> None:
-        K._barrier_kernel[(1,)](
+        self._launch(
+            K._barrier_kernel,
+            (1,),
             self.ptr_table,
             self.state,
             self.layout.bar,
@@ -350,6 +395,7 @@ class TritonEPEngine:
             SEND=send,
             RECV=recv,
             USE_TIMER=self.use_timer,
+            num_warps=1,
         )
 
     # ------------------------------------------------------------------ buffers
