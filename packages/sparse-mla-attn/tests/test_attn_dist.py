@@ -124,3 +124,19 @@ def test_attn_dist_gpu(s_q, h_q, s_kv, topk):
     torch.testing.assert_close(
         got.sum(-1), torch.full((s_q,), float(h_q), device="cuda"), rtol=2e-3, atol=2e-3
     )
+
+
+@pytest.mark.gpu
+def test_attn_dist_gpu_two_head_tiles():
+    """The 2-tile path (fp32 atomic_add of two partial sums onto 0) is exact and order-independent."""
+    from sparse_mla_attn.attn_dist import attn_dist_impl
+
+    q, kv, idx = problem(128, 128, 576, 8192, 2048, "cuda", seed=3, invalid_frac=0.05)
+    _, _, lse = sparse_mla_fwd(q, kv, idx, 0.0416, causal=True, q_start_index=8000)
+    got = attn_dist_impl(q, kv, idx, lse, 0.0416, q_start_index=8000, config={"BLOCK_H": 64, "num_warps": 4})
+    again = attn_dist_impl(
+        q, kv, idx, lse, 0.0416, q_start_index=8000, config={"BLOCK_H": 64, "num_warps": 4}
+    )
+    ref = attn_dist_ref(q, kv, idx, lse, 0.0416, q_start_index=8000)
+    torch.testing.assert_close(got, ref, atol=TOL["gpu"][0], rtol=TOL["gpu"][1])
+    assert torch.equal(got, again)

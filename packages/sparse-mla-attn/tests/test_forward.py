@@ -14,6 +14,7 @@ from sparse_mla_attn._inputs import poison_unselected, random_indices, sprinkle_
 TOL = {
     "cpu": {"out": (1e-2, 1e-2), "lse": (1e-4, 1e-5), "max_logits": (1e-4, 1e-5)},
     "gpu": {"out": (8e-4, 2e-2), "lse": (2e-4, 1e-5), "max_logits": (2e-4, 1e-5)},
+    "gpu_few": {"out": (6e-3, 2e-2), "lse": (2e-4, 1e-5), "max_logits": (2e-4, 1e-5)},
 }
 
 
@@ -192,7 +193,9 @@ def test_fwd_gpu_causal_sink_topk_length():
     sink = torch.randn(h_q, device="cuda")
     topk_length = torch.randint(0, topk + 1, (s_q,), dtype=torch.int32, device="cuda")
     kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 3000, "k_stride": 2}
-    check_fwd(sparse_mla_fwd(q, kv, idx, 0.04, **kw), q, kv, idx, 0.04, "gpu", **kw)
+    # Rows keeping only a few slots have out ≈ one V row (|v| up to ~4); the bf16 rounding of P
+    # (relative 2**-9) then gives up to ~4e-3 absolute, so this test uses a wider out tolerance.
+    check_fwd(sparse_mla_fwd(q, kv, idx, 0.04, **kw), q, kv, idx, 0.04, "gpu_few", **kw)
 
 
 @pytest.mark.gpu

@@ -28,6 +28,8 @@ from sparse_mla_attn._validate import (
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+#: The compiled kernel of the latest launch per op (benchmarks read its registers, spills and PTX).
+LAST_COMPILED: dict[str, Any] = {}
 
 
 def interpreting() -> bool:
@@ -54,8 +56,11 @@ def _fwd_block(
     bt_row,
     page_size,
     stride_kv_row,
-    q_nope,
+    q_v,
+    q_o,
     q_rope,
+    dv_off,
+    o_off,
     m_i,
     l_i,
     acc,
@@ -65,6 +70,7 @@ def _fwd_block(
     BLOCK_T: tl.constexpr,
     PAGED: tl.constexpr,
     DOT_F32: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
 ):
     """One BLOCK_T slice of the top-k list: gather, two products, online-softmax update."""
     offs_t = t0 + tl.arange(0, BLOCK_T)
@@ -77,12 +83,18 @@ def _fwd_block(
     else:
         row = safe.to(tl.int64)
     k_ptr = KV + row[:, None] * stride_kv_row
-    offs_d = tl.arange(0, D_NOPE)
+    offs_d = tl.arange(0, D_NOPE // DV_SPLIT)
     # Masked rows are never dereferenced: invalid indices cost no memory traffic and may point anywhere.
-    k_nope = tl.load(k_ptr + offs_d[None, :], mask=valid[:, None], other=0.0)
+    # k_v: the latent channels this program accumulates as values (all 512, or one half with DV_SPLIT=2).
+    k_v = tl.load(k_ptr + dv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
     if DOT_F32:
-        k_nope = k_nope.to(tl.float32)
-    s = tl.dot(q_nope, tl.trans(k_nope))
+        k_v = k_v.to(tl.float32)
+    s = tl.dot(q_v, tl.trans(k_v))
+    if DV_SPLIT > 1:
+        k_o = tl.load(k_ptr + o_off + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            k_o = k_o.to(tl.float32)
+        s = tl.dot(q_o, tl.trans(k_o), s)
     if D_ROPE > 0:
         offs_r = tl.arange(0, D_ROPE)
         k_rope = tl.load(k_ptr + D_NOPE + offs_r[None, :], mask=valid[:, None], other=0.0)
@@ -96,7 +108,7 @@ def _fwd_block(
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(k_nope.dtype), k_nope, acc)
+    acc = tl.dot(p.to(k_v.dtype), k_v, acc)
     return m_new, l_i, acc
 
 
@@ -139,24 +151,34 @@ def _sparse_mla_fwd_kernel(
     PAGED: tl.constexpr,
     STATIC_T: tl.constexpr,
     DOT_F32: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    # Head tiles of one token are neighbours in launch order, so their identical gathers hit L2.
-    pid_h = pid % n_head_tiles
-    pid_s = pid // n_head_tiles
+    # Programs of one token (head tiles, value halves) are neighbours in launch order: their gathers hit L2.
+    pid_v = pid % DV_SPLIT
+    pid_h = (pid // DV_SPLIT) % n_head_tiles
+    pid_s = pid // (DV_SPLIT * n_head_tiles)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < h_q
-    offs_d = tl.arange(0, D_NOPE)
+    D_VP: tl.constexpr = D_NOPE // DV_SPLIT
+    offs_d = tl.arange(0, D_VP)
+    dv_off = pid_v * D_VP
+    o_off = (1 - pid_v) * D_VP
 
     q_base = Q + pid_s.to(tl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
-    q_nope = tl.load(q_base + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+    q_v = tl.load(q_base + dv_off + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+    if DV_SPLIT > 1:
+        q_o = tl.load(q_base + o_off + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+    else:
+        q_o = q_v  # unused
     if D_ROPE > 0:
         offs_r = tl.arange(0, D_ROPE)
         q_rope = tl.load(q_base + D_NOPE + offs_r[None, :], mask=h_mask[:, None], other=0.0)
     else:
-        q_rope = q_nope  # unused
+        q_rope = q_v  # unused
     if DOT_F32:
-        q_nope = q_nope.to(tl.float32)
+        q_v = q_v.to(tl.float32)
+        q_o = q_o.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
 
     n_t = topk
@@ -176,7 +198,7 @@ def _sparse_mla_fwd_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_VP], tl.float32)
     idx_row = IDX + pid_s.to(tl.int64) * stride_idx_s
     if STATIC_T > 0:
         # The CPU interpreter only runs loops with compile-time bounds; blocks past n_t are fully masked.
@@ -190,8 +212,11 @@ def _sparse_mla_fwd_kernel(
                 bt_row,
                 page_size,
                 stride_kv_row,
-                q_nope,
+                q_v,
+                q_o,
                 q_rope,
+                dv_off,
+                o_off,
                 m_i,
                 l_i,
                 acc,
@@ -201,6 +226,7 @@ def _sparse_mla_fwd_kernel(
                 BLOCK_T,
                 PAGED,
                 DOT_F32,
+                DV_SPLIT,
             )
     else:
         for t0 in range(0, n_t, BLOCK_T):
@@ -213,8 +239,11 @@ def _sparse_mla_fwd_kernel(
                 bt_row,
                 page_size,
                 stride_kv_row,
-                q_nope,
+                q_v,
+                q_o,
                 q_rope,
+                dv_off,
+                o_off,
                 m_i,
                 l_i,
                 acc,
@@ -224,6 +253,7 @@ def _sparse_mla_fwd_kernel(
                 BLOCK_T,
                 PAGED,
                 DOT_F32,
+                DV_SPLIT,
             )
 
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -234,13 +264,14 @@ def _sparse_mla_fwd_kernel(
     has_any = l_i > 0.0
     scale = tl.where(has_any, 1.0 / tl.where(has_any, denom, 1.0), 0.0)
     out = acc * scale[:, None]
-    o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
+    o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + dv_off + offs_d[None, :]
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
     lse = tl.where(
         has_any, (m_use + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf")
     )
-    tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse, mask=h_mask)
-    tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_i * 0.6931471805599453, mask=h_mask)
+    first = h_mask & (pid_v == 0)  # every value half computes the same statistics; one writes them
+    tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse, mask=first)
+    tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_i * 0.6931471805599453, mask=first)
 
 
 def fwd_config(h_q: int, topk: int) -> dict[str, int]:
@@ -295,14 +326,17 @@ def launch_fwd(
     if config:
         cfg.update(config)
     n_head_tiles = triton.cdiv(h_q, cfg["BLOCK_H"])
+    dv_split = cfg.get("DV_SPLIT", 1)
+    if dv_split not in (1, 2):
+        raise ValueError(f"DV_SPLIT must be 1 or 2, got {dv_split}")
     if paged is not None:
         block_table, seqlens, q_per_batch, page_size = paged
         stride_bt, max_blocks = block_table.stride(0), block_table.shape[1]
     else:
         block_table, seqlens, q_per_batch, page_size = idx, idx, 1, 1
         stride_bt, max_blocks = 0, 0
-    grid = (n_tok * n_head_tiles,)
-    _sparse_mla_fwd_kernel[grid](
+    grid = (n_tok * n_head_tiles * dv_split,)
+    LAST_COMPILED["fwd"] = _sparse_mla_fwd_kernel[grid](
         q,
         kv_rows,
         idx,
@@ -341,6 +375,7 @@ def launch_fwd(
         STATIC_T=dims.topk if interpreting() else 0,
         # The interpreter's bf16 tl.dot is wrong (numpy has no bf16): it multiplies in float32 instead.
         DOT_F32=interpreting(),
+        DV_SPLIT=dv_split,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

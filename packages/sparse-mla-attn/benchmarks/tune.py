@@ -1,0 +1,91 @@
+"""Tile-variant sweep for the forward, attn_dist and decode kernels (correctness + time per variant).
+
+Writes every measurement to ``--out`` (JSON) and prints one line per variant. NOTES.md records what each
+sweep measured and which variant became the default.
+
+    python packages/sparse-mla-attn/benchmarks/tune.py --out /tmp/tune.json [--only fwd,attn_dist,decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import torch
+from bench_attn_dist import bench_attn_dist
+from bench_decode import bench_decode
+from bench_forward import bench_fwd, dense_matmul_tflops
+
+FWD_VARIANTS = [
+    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 1, "DV_SPLIT": 2},
+    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 4, "num_stages": 2, "DV_SPLIT": 2},
+    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2, "DV_SPLIT": 2},
+    {"BLOCK_H": 64, "BLOCK_T": 128, "num_warps": 8, "num_stages": 1},
+    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 2, "DV_SPLIT": 2},
+]
+ATTN_DIST_VARIANTS = [
+    {"BLOCK_H": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 1},
+    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 1},
+    {"BLOCK_H": 128, "BLOCK_T": 32, "num_warps": 8, "num_stages": 1},
+    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 4, "num_stages": 1},
+]
+
+
+def run(label: str, fn, results: list, **kw) -> None:
+    t0 = time.time()
+    try:
+        r = fn(**kw)
+        r["label"] = label
+        r["wall_s"] = round(time.time() - t0, 1)
+        results.append(r)
+        errs = {k: f"{v:.1e}" for k, v in r.items() if "err" in k}
+        print(
+            f"{label:10s} {kw!s:90s} {r['ms']:8.3f} ms {r['tflops']:6.0f} TF regs={r.get('n_regs')} "
+            f"spills={r.get('n_spills')} smem={r.get('shared_bytes')} wgmma={r.get('wgmma')} {errs}",
+            flush=True,
+        )
+    except (
+        Exception
+    ) as e:  # a variant that does not compile (e.g. out of shared memory) is recorded, not fatal
+        results.append({"label": label, "args": repr(kw), "error": repr(e)[:500]})
+        print(f"{label:10s} {kw!s:90s} FAILED {repr(e)[:300]}", flush=True)
+        traceback.print_exc(limit=1)
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="fwd,attn_dist,decode")
+    ap.add_argument("--s-q", type=int, default=4096)
+    a = ap.parse_args()
+    only = set(a.only.split(","))
+    results: list = [{"device": torch.cuda.get_device_name(), "dense_bf16_tflops": dense_matmul_tflops()}]
+    print(results[0], flush=True)
+    if "fwd" in only:
+        for cfg in FWD_VARIANTS:
+            for s_kv in (8192,):
+                run("fwd", bench_fwd, results, s_q=a.s_q, h_q=128, s_kv=s_kv, topk=2048, config=cfg)
+        for cfg in FWD_VARIANTS[:3]:
+            run("fwd", bench_fwd, results, s_q=a.s_q, h_q=128, s_kv=131072, topk=2048, config=cfg)
+            run("fwd", bench_fwd, results, s_q=a.s_q, h_q=64, s_kv=8192, topk=2048, config=cfg)
+    if "attn_dist" in only:
+        for cfg in ATTN_DIST_VARIANTS:
+            run("attn_dist", bench_attn_dist, results, s_q=a.s_q, h_q=128, s_kv=8192, topk=2048, config=cfg)
+    if "decode" in only:
+        for b in (64, 128):
+            for cfg in (
+                None,
+                {"BLOCK_T": 32, "num_warps": 4, "num_stages": 1, "DV_SPLIT": 2},
+                {"BLOCK_T": 64, "num_warps": 4, "num_stages": 2, "DV_SPLIT": 2},
+            ):
+                run("decode", bench_decode, results, b=b, h_q=128, seqlen=32768, topk=2048, config=cfg)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
