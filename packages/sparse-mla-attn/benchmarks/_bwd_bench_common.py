@@ -132,6 +132,15 @@ def render_markdown(results: dict[str, Any]) -> str:
                 f"{c['det_dq_rel_err']:.2e}, dkv {c['det_dkv_rel_err']:.2e}; two deterministic runs bit-identical: "
                 f"{c['det_bit_identical']}.",
             ]
+        if b.get("sweep"):
+            lines += [
+                "",
+                "Other kernel configurations timed in the same run at the first row's shape (default mode):",
+                "",
+                "| config (changes from the default) | ms | TFLOPS |",
+                "|---|---|---|",
+            ]
+            lines += [f"| `{sw['config']}` | {sw['ms']:.2f} | {sw['tflops']:.0f} |" for sw in b["sweep"]]
         lines += ["", f"Context: {TILELANG_NOTE}.", ""]
     ix = results.get("indexer")
     if ix:

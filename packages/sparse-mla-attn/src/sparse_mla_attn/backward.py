@@ -222,7 +222,10 @@ def _bwd_main_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     N_HB: tl.constexpr,
+    CHUNK_STAGES: tl.constexpr,
 ):
+    # The channel-chunk loops are real loops, not unrolled: unrolled, the compiler hoists every chunk's
+    # loads at once and runs out of registers.
     pid = tl.program_id(0)
     hb = pid % N_HB
     s = (pid // N_HB).to(tl.int64)
@@ -242,7 +245,7 @@ def _bwd_main_kernel(
         k_row = kv_ptr + rows[:, None] * stride_kvs
         scores = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
         dp = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
-        for c in tl.static_range(D_V // BLOCK_DV):
+        for c in tl.range(0, D_V // BLOCK_DV, num_stages=CHUNK_STAGES):
             offs_d = c * BLOCK_DV + offs_dv
             k = tl.load(k_row + offs_d[None, :], mask=valid[:, None], other=0.0)
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
@@ -268,7 +271,7 @@ def _bwd_main_kernel(
         ds_t = tl.trans(ds_lp)
         p_t = tl.trans(p_lp)
         part_row = part_ptr + hb * stride_part_hb + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
-        for c in tl.static_range(D_V // BLOCK_DV):
+        for c in tl.range(0, D_V // BLOCK_DV, num_stages=CHUNK_STAGES):
             offs_d = c * BLOCK_DV + offs_dv
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
@@ -362,6 +365,7 @@ def _bwd_det_reduce_kernel(
     D_QK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     N_HB: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """One program per (distinct KV row, channel block): sum its (token, slot) contributions in sorted order."""
     seg = tl.program_id(0)
@@ -373,12 +377,18 @@ def _bwd_det_reduce_kernel(
     row = tl.load(seg_row_ptr + seg).to(tl.int64)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     # A while loop: the trip count is data, and the interpreter cannot range() over a loaded value.
+    # UNROLL independent loads per step keep several rows in flight; the additions stay in pair order.
     j = start
-    while j < start + n:
-        pair = tl.load(order_ptr + j).to(tl.int64)
-        for hb in tl.static_range(N_HB):
-            acc += tl.load(part_ptr + hb * stride_part_hb + pair * D_QK + offs_d, mask=dmask, other=0.0)
-        j += 1
+    end = start + n
+    while j < end:
+        for u in tl.static_range(UNROLL):
+            ok = j + u < end
+            pair = tl.load(order_ptr + j + u, mask=ok, other=0).to(tl.int64)
+            for hb in tl.static_range(N_HB):
+                acc += tl.load(
+                    part_ptr + hb * stride_part_hb + pair * D_QK + offs_d, mask=dmask & ok, other=0.0
+                )
+        j += UNROLL
     # Each row appears in one segment per launch, and launches run in order: no race.
     dst = dkv_ptr + row * D_QK + offs_d
     tl.store(dst, tl.load(dst, mask=dmask, other=0.0) + acc, mask=dmask)
@@ -447,32 +457,22 @@ def _bwd_check(
         need(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension (stride {t.stride()})")
 
 
-def _bwd_config(h_q: int, topk: int, d_v: int) -> dict[str, int]:
-    if _interpreting():
-        block_h = max(16, triton.next_power_of_2(min(h_q, 64)))
-        return {
-            "BLOCK_H": block_h,
-            "BLOCK_T": 16,
-            "BLOCK_DV": min(d_v, 64),
-            "BLOCK_D": 32,
-            "BLOCK_H_DQ": block_h,
-            "BLOCK_T_DQ": 16,
-            "num_warps": 4,
-            "num_warps_dq": 4,
-            "num_stages": 1,
-        }
+def _bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, int]:
     block_h = max(16, triton.next_power_of_2(min(h_q, 64)))
-    return {
-        "BLOCK_H": block_h,
-        "BLOCK_T": 64,
-        "BLOCK_DV": min(d_v, 128),
-        "BLOCK_D": 128,
-        "BLOCK_H_DQ": max(16, triton.next_power_of_2(min(h_q, 128))),
-        "BLOCK_T_DQ": 64,
-        "num_warps": 8,
-        "num_warps_dq": 8,
-        "num_stages": 2,
-    }
+    if _interpreting():
+        return {"BLOCK_H": block_h, "BLOCK_T": 16, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 32,
+                "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
+                "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1}  # fmt: skip
+    # Measured on H100 at s_q 4096, h_q 128, topk 2048, s_kv 32K (docs/sparse-mla-attn/training.md): 64-head
+    # x 128-slot blocks with 64-channel chunks were fastest with atomics. The deterministic mode takes all
+    # 128 heads in one program (64-slot blocks): one head block halves its fp32 workspace traffic.
+    cfg = {"BLOCK_H": block_h, "BLOCK_T": 128, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 128,
+           "BLOCK_H_DQ": max(16, triton.next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
+           "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
+           "chunk_stages": 2}  # fmt: skip
+    if deterministic:
+        cfg.update(BLOCK_H=max(16, triton.next_power_of_2(min(h_q, 128))), BLOCK_T=64, chunk_stages=3)
+    return cfg
 
 
 def sparse_mla_bwd(
@@ -520,7 +520,7 @@ def sparse_mla_bwd(
     s_kv = kv.shape[0]
     topk = indices.shape[2]
     dev = q.device
-    cfg = dict(_bwd_config(h_q, topk, d_v))
+    cfg = dict(_bwd_config(h_q, topk, d_v, deterministic))
     if _config:
         cfg.update(_config)
     block_h, block_h_dq = cfg["BLOCK_H"], cfg["BLOCK_H_DQ"]
@@ -562,7 +562,7 @@ def sparse_mla_bwd(
             idx_c.stride(0), part.stride(0) if deterministic else 0,
             s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale), topk=topk,
             CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
-            BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
+            BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb, CHUNK_STAGES=cfg["chunk_stages"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         _BWD_LAST_COMPILED["dq"] = _bwd_dq_kernel[(n * n_hb_dq * n_db,)](
@@ -570,7 +570,7 @@ def sparse_mla_bwd(
             kv.stride(0), idx_c.stride(0), dq.stride(0), dq.stride(1),
             s_kv, h_q, q_start_index + s0, k_stride, topk=topk,
             CAUSAL=causal, D_QK=d_qk, BLOCK_H=block_h_dq, BLOCK_T=cfg["BLOCK_T_DQ"], BLOCK_D=cfg["BLOCK_D"],
-            N_HB=n_hb_dq, N_DB=n_db, num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages"],
+            N_HB=n_hb_dq, N_DB=n_db, num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
         )  # fmt: skip
         if deterministic:
             _bwd_det_reduce(part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_hb, d_qk)
@@ -602,5 +602,5 @@ def _bwd_det_reduce(
     block_d = 64 if _interpreting() else 128
     _bwd_det_reduce_kernel[(seg_row.numel(), triton.cdiv(d_qk, block_d))](
         part, order, seg_start.contiguous(), seg_len.contiguous(), seg_row.contiguous(), dkv32,
-        part.stride(0), D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, num_warps=4,
+        part.stride(0), D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, UNROLL=2 if _interpreting() else 8, num_warps=4,
     )  # fmt: skip

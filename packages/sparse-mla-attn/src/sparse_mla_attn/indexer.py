@@ -201,7 +201,8 @@ def _indexer_logits_fwd(
     if _indexer_interpreting():
         cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     else:
-        cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+        # Fastest of five tile shapes measured on H100 (docs/sparse-mla-attn/training.md).
+        cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
     if config:
         cfg.update(config)
     grid = (triton.cdiv(s_kv, cfg["BLOCK_N"]), triton.cdiv(s_q, cfg["BLOCK_M"]))
