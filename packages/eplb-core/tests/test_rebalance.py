@@ -285,3 +285,22 @@ def test_gpu_plan_matches_cpu() -> None:
         gpu_cpu.validate()
         # same algorithm; float64 reductions may order differently on the GPU, so ties can break apart
         assert abs(float(gpu_cpu.balancedness.mean()) - float(cpu.balancedness.mean())) < 2e-3
+
+
+@SETTINGS
+@given(st.integers(1, 12), st.integers(0, 20), st.integers(0, 2**31 - 1), st.booleans())
+def test_min_max_counts_matches_sequential_greedy(
+    num_experts: int, extra: int, seed: int, ints: bool
+) -> None:
+    from eplb_core import _core
+
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.exp(2 * torch.randn(3, num_experts, generator=gen, dtype=torch.float64))
+    if ints:
+        w = torch.randint(0, 4, (3, num_experts), generator=gen).to(torch.float64)
+    got = _core.min_max_counts(w, num_experts + extra)
+    ref = torch.ones_like(got)
+    for _ in range(extra):  # split the expert with the heaviest replica, one at a time
+        ref[torch.arange(3), (w / ref).argmax(1)] += 1
+    torch.testing.assert_close((w / got).amax(1), (w / ref).amax(1))
+    assert bool((got.sum(1) == num_experts + extra).all())

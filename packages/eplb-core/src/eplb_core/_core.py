@@ -29,9 +29,10 @@ def min_max_counts(weight: torch.Tensor, num_replicas: int, base: torch.Tensor |
     Returns:
         ``[B, N]`` int64 counts ``>= base`` (or 1), each row summing to ``num_replicas``.
 
-    Greedy marginal allocation is optimal for this objective: the extra replicas are the largest values
-    of ``{w_e / k : k > base_e}``. Only the heaviest experts can receive one (``w/2`` of a lighter expert
-    is smaller), and expert ``e`` gets at most ``(R + N) w_e / total`` replicas, which bounds the table.
+    Greedy allocation (split the expert with the heaviest replica, repeat) is optimal for this objective;
+    it hands out the extra replicas to the largest values of ``{w_e / k : k >= base_e}``, all at once here.
+    Only the experts with the heaviest replicas can receive one, and expert ``e`` ends with at most
+    ``R w_e / total + 1`` replicas, which bounds the candidate table.
     """
     num_rows, num_experts = weight.shape
     device = weight.device
@@ -48,10 +49,12 @@ def min_max_counts(weight: torch.Tensor, num_replicas: int, base: torch.Tensor |
     w_top = weight.gather(1, heavy)
     c_top = counts.gather(1, heavy)
     total = weight.sum(dim=1, keepdim=True)
-    bound = ((num_replicas + num_experts) * w_top / total.clamp_min(1e-300) - c_top).amax()
+    # an expert that ends with c replicas had w / (c - 1) >= every other w_j / c_j, so c <= R w / total + 1
+    bound = (num_replicas * w_top / total.clamp_min(1e-300) + 2 - c_top).amax()
     max_extra = math.ceil(float(bound)) if torch.isfinite(bound) else extra
     max_extra = min(extra, max(max_extra, -(-extra // top), 1))
-    k = torch.arange(1, max_extra + 1, dtype=weight.dtype, device=device)
+    k = torch.arange(0, max_extra, dtype=weight.dtype, device=device)
+    # the k-th extra replica of e is worth its per-replica load *before* the split, w / (c + k)
     cand = (w_top.unsqueeze(-1) / (c_top.to(weight.dtype).unsqueeze(-1) + k)).reshape(num_rows, -1)
     order = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :extra]
     take = (torch.arange(extra, device=device) < extra_rows.unsqueeze(1)).long()

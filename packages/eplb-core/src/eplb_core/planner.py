@@ -373,13 +373,19 @@ def _solve_migration(
         used = torch.zeros_like(row_budget)
         bin_of_slot = torch.arange(per_row, device=device) // slots
         r_idx = torch.arange(expert.shape[0], device=device)
+        active = torch.ones_like(used, dtype=torch.bool)
+
+        def row_peak(e: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            per_slot = (w_rows / c.clamp_min(1).to(w.dtype)).gather(1, e)
+            return per_slot.view(-1, num_bins, slots).sum(-1).amax(1)
+
         for _ in range(transfers):
             c = counts.to(w.dtype)
             want = present & (counts < target)
             give = present & (counts > target)
             recv = torch.where(want, w_rows / c, torch.full_like(c, -1.0)).argmax(1)
             donor = torch.where(give, w_rows / (c - 1).clamp_min(1), torch.full_like(c, math.inf)).argmin(1)
-            ok = want.any(1) & give.any(1) & (used < row_budget)
+            ok = want.any(1) & give.any(1) & (used < row_budget) & active
             is_recv = (expert == recv.unsqueeze(1)).view(-1, num_bins, slots).any(-1)  # [B, bins]
             cand = (expert == donor.unsqueeze(1)) & ~is_recv.gather(1, bin_of_slot.expand_as(expert))
             ok &= cand.any(1)
@@ -388,10 +394,23 @@ def _solve_migration(
             # take the donor's slot from a GPU where it sits twice first (unavoidable before, not after)
             is_donor = expert == donor.unsqueeze(1)
             doubled = is_donor.view(-1, num_bins, slots).sum(-1).gather(1, bin_of_slot.expand_as(expert)) > 1
+            # below num_bins + 1 replicas a repeat becomes avoidable: the slot must come from a doubled GPU
+            must = (counts.gather(1, donor.unsqueeze(1)) - 1 <= num_bins) & doubled.any(1, keepdim=True)
+            cand &= doubled | ~must
+            ok &= cand.any(1)
+            if not bool(ok.any()):
+                break
             slot = (cand.long() * (1 + doubled.long())).argmax(1)
-            expert[r_idx[ok], slot[ok]] = recv[ok]
-            counts[r_idx[ok], donor[ok]] -= 1
-            counts[r_idx[ok], recv[ok]] += 1
+            new_expert, new_counts = expert.clone(), counts.clone()
+            new_expert[r_idx[ok], slot[ok]] = recv[ok]
+            new_counts[r_idx[ok], donor[ok]] -= 1
+            new_counts[r_idx[ok], recv[ok]] += 1
+            # a re-split also loads the donor's other GPUs: keep it only if the row's peak does not rise
+            better = row_peak(new_expert, new_counts) <= row_peak(expert, counts)
+            active &= ~ok | better
+            ok &= better
+            expert = torch.where(ok.unsqueeze(1), new_expert, expert)
+            counts = torch.where(ok.unsqueeze(1), new_counts, counts)
             used += ok.long()
         layer_counts = counts.view(num_layers, rows_per_layer, -1).sum(1)
     # (2) budgeted swaps

@@ -1,0 +1,151 @@
+"""Benchmark pieces for eplb-core: quality and CPU time of one rebalance vs the greedy baseline.
+
+Used by ``run.py``; can also be run alone: ``python bench_rebalance.py`` prints the strict-mode rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import eplb_core as E
+from eplb_core import _core
+from eplb_core._greedy import greedy_rebalance
+
+# (num_replicas, num_nodes, num_gpus) of the DeepSeek-V3 serving configurations in the issue
+CONFIGS = [(288, 4, 32), (320, 8, 64), (264, 1, 8), (288, 9, 72)]
+NUM_LAYERS, NUM_EXPERTS, NUM_GROUPS = 58, 256, 8
+
+
+def median_ms(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> tuple[float, list[float]]:
+    """Median wall time of ``fn`` in ms over ``repeat`` runs after ``warmup`` runs, and all samples."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(samples), samples
+
+
+def cuda_median_ms(fn: Callable[[], Any], *, repeat: int, warmup: int = 2) -> float:
+    """Median time of ``fn`` in ms on the GPU (synchronised before and after every call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(samples)
+
+
+def strict_cap(weight: torch.Tensor, num_nodes: int, num_gpus: int) -> torch.Tensor:
+    """Best balancedness any strict-hierarchy plan can reach, per layer (the strict-hierarchy cap)."""
+    num_layers = weight.shape[0]
+    group_load = weight.view(num_layers, NUM_GROUPS, -1).sum(-1)
+    peak = _core.node_cap_bound(group_load, num_nodes) / (num_gpus // num_nodes)
+    return (weight.sum(1) / num_gpus) / peak
+
+
+def bench_config(
+    weight: torch.Tensor, earlier: torch.Tensor, r: int, nodes: int, gpus: int, *, repeat: int
+) -> dict[str, Any]:
+    """Strict/global plan, greedy baseline and migration for one configuration."""
+    kw = {"num_replicas": r, "num_groups": NUM_GROUPS, "num_nodes": nodes, "num_gpus": gpus}
+    ours = E.plan(weight, **kw)
+    ours.validate()
+    gp, gc = greedy_rebalance(weight, r, NUM_GROUPS, nodes, gpus)
+    greedy_bal = E.balancedness(E.gpu_loads_of(weight, gp, gc, gpus))
+    t_ours, samples = median_ms(
+        lambda: E.rebalance_experts(weight, r, NUM_GROUPS, nodes, gpus), repeat=repeat
+    )
+    t_greedy, _ = median_ms(
+        lambda: greedy_rebalance(weight, r, NUM_GROUPS, nodes, gpus), repeat=max(3, repeat // 3)
+    )
+    row: dict[str, Any] = {
+        "config": f"({r}, {nodes}, {gpus})",
+        "mode": ours.mode,
+        "balancedness": float(ours.balancedness.mean()),
+        "min_layer_balancedness": float(ours.balancedness.min()),
+        "greedy_balancedness": float(greedy_bal.mean()),
+        "layers_below_greedy": int((ours.balancedness < greedy_bal - 1e-12).sum()),
+        "worst_deficit_vs_greedy": float((greedy_bal - ours.balancedness).clamp_min(0).max()),
+        "mean_gap_to_bound": float(ours.gap.mean()),
+        "ms_per_call_median": t_ours,
+        "ms_samples": samples,
+        "greedy_ms_median": t_greedy,
+    }
+    if ours.mode == "strict" and nodes > 1:
+        cap = strict_cap(weight, nodes, gpus)
+        row["strict_cap_balancedness"] = float(cap.mean())
+        row["fraction_of_cap"] = float((ours.balancedness / cap).mean())
+    # migration: the plan in service was made on an earlier window; the new window arrives
+    old = E.plan(earlier, **kw)
+    cap_slots = r // 4
+    mig = E.plan(weight, **kw, previous=old, max_changed_slots=cap_slots)
+    mig.validate()
+    assert mig.changed_slots is not None
+    row["migration"] = {
+        "max_changed_slots_per_layer": cap_slots,
+        "balancedness": float(mig.balancedness.mean()),
+        "changed_fraction": float(mig.changed_slots.sum()) / mig.phy2log.numel(),
+        "stale_plan_balancedness": float(old.balancedness_for(weight).mean()),
+        "replan_changed_fraction_ours": float((ours.phy2log != old.phy2log).float().mean()),
+        "replan_changed_fraction_greedy": float(
+            (gp != greedy_rebalance(earlier, r, NUM_GROUPS, nodes, gpus)[0]).float().mean()
+        ),
+    }
+    return row
+
+
+def bench_soft(weight: torch.Tensor, penalties: list[float]) -> list[dict[str, Any]]:
+    """Soft locality on (288, 4, 32)."""
+    out = []
+    for w_pen in penalties:
+        s = E.plan(weight, num_replicas=288, num_groups=8, num_nodes=4, num_gpus=32, soft_locality=w_pen)
+        s.validate()
+        out.append(
+            {
+                "penalty": w_pen,
+                "balancedness": float(s.balancedness.mean()),
+                "cross_node_share": float(s.cross_node_share.mean()),
+            }
+        )
+    return out
+
+
+def bench_scaling(shapes: list[tuple[int, int]], *, repeat: int) -> list[dict[str, Any]]:
+    """Time of one call as layers x experts grow (R = 9/8 N, 8 groups, 8 nodes, 64 GPUs; and global)."""
+    out = []
+    for num_layers, num_experts in shapes:
+        w = E.synthetic_loads(num_layers, num_experts, seed=7)
+        r = num_experts * 9 // 8
+        for nodes in (8, 9):
+            gpus = 64 if nodes == 8 else 72
+            r_cfg = r if r % gpus == 0 else (r // gpus + 1) * gpus
+            t, _ = median_ms(lambda: E.rebalance_experts(w, r_cfg, 8, nodes, gpus), repeat=repeat)  # noqa: B023
+            out.append(
+                {
+                    "layers": num_layers,
+                    "experts": num_experts,
+                    "config": f"({r_cfg}, {nodes}, {gpus})",
+                    "ms": t,
+                }
+            )
+    return out
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    hist = E.synthetic_loads(NUM_LAYERS, NUM_EXPERTS, num_windows=2, seed=0)
+    for cfg in CONFIGS:
+        print(bench_config(hist[-1], hist[0], *cfg, repeat=5))

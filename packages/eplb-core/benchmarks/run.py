@@ -1,0 +1,191 @@
+"""eplb-core benchmark: ``python packages/eplb-core/benchmarks/run.py --out-dir docs/benchmarks [--quick]``.
+
+Writes ``eplb-core.json`` (raw numbers, CPU model, thread count, date, git commit, exact command) and
+``eplb-core.md`` (the tables) into ``--out-dir`` and prints the tables.
+
+Loads: ``eplb_core.synthetic_loads`` (58 layers x 256 experts, 8 groups; log-normal spread, 2-6 hot
+experts per layer at 5-13x the mean, per-group drift; see its docstring), two successive windows: the
+plan is made on the last window, the migration starts from a plan made on the one before. One CPU
+thread (``torch.set_num_threads(1)``); times are medians of repeated calls, the greedy DeepSeek-style
+baseline (``eplb_core._greedy``, batched NumPy) is timed in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import bench_rebalance as B
+
+import eplb_core as E
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [
+        "# eplb-core benchmark",
+        "",
+        f"CPU: {res['cpu']} ({res['torch_threads']} torch thread; machine load average at start "
+        f"{res['load_average']}), torch {res['torch']}, {res['date']}, commit `{res['commit'][:12]}`.",
+        f"Command: `{res['command']}`. Loads: {res['loads']}.",
+        "",
+        "## Strict / global mode (58 layers x 256 experts, 8 groups)",
+        "",
+        "| (replicas, nodes, GPUs) | mode | balancedness | worst layer | greedy | layers below greedy "
+        "| strict cap | of cap | gap to bound | ms / call (median) | greedy ms | GPU ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["configs"]:
+        cap = f"{r['strict_cap_balancedness']:.4f}" if "strict_cap_balancedness" in r else "-"
+        of_cap = f"{100 * r['fraction_of_cap']:.2f}%" if "fraction_of_cap" in r else "-"
+        gpu = f"{r['gpu_ms_median']:.1f}" if "gpu_ms_median" in r else "not measured"
+        lines.append(
+            f"| {r['config']} | {r['mode']} | {r['balancedness']:.4f} | {r['min_layer_balancedness']:.4f} "
+            f"| {r['greedy_balancedness']:.4f} | {r['layers_below_greedy']} | {cap} | {of_cap} "
+            f"| {100 * r['mean_gap_to_bound']:.2f}% | {r['ms_per_call_median']:.1f} | {r['greedy_ms_median']:.1f} | {gpu} |"
+        )
+    lines += [
+        "",
+        "## Migration-aware mode (plan in service made on the previous window; cap 25% of slots per layer)",
+        "",
+        "| (replicas, nodes, GPUs) | migrated | greedy re-plan | stale plan | slots changed | "
+        "re-plan changes (ours) | re-plan changes (greedy) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in res["configs"]:
+        m = r["migration"]
+        lines.append(
+            f"| {r['config']} | {m['balancedness']:.4f} | {r['greedy_balancedness']:.4f} "
+            f"| {m['stale_plan_balancedness']:.4f} | {100 * m['changed_fraction']:.1f}% "
+            f"| {100 * m['replan_changed_fraction_ours']:.1f}% | {100 * m['replan_changed_fraction_greedy']:.1f}% |"
+        )
+    lines += [
+        "",
+        "## Soft locality on (288, 4, 32)",
+        "",
+        "| penalty W | balancedness | cross-node token share |",
+        "|---|---|---|",
+    ]
+    for s in res["soft_locality"]:
+        lines.append(f"| {s['penalty']:g} | {s['balancedness']:.4f} | {100 * s['cross_node_share']:.1f}% |")
+    lines += [
+        "",
+        "## Time per call as the problem grows (one CPU thread)",
+        "",
+        "| layers | experts | config | ms |",
+        "|---|---|---|---|",
+    ]
+    for s in res["scaling"]:
+        lines.append(f"| {s['layers']} | {s['experts']} | {s['config']} | {s['ms']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out-dir", default="docs/benchmarks")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller scaling sweep")
+    parser.add_argument("--gpu-only", action="store_true", help="only the GPU time column (CUDA machine)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    repeat = 3 if args.quick else 9
+    hist = E.synthetic_loads(B.NUM_LAYERS, B.NUM_EXPERTS, num_groups=B.NUM_GROUPS, num_windows=2, seed=0)
+    weight, earlier = hist[-1], hist[0]
+    res: dict[str, Any] = {
+        "package": "eplb-core",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()),
+        "torch": torch.__version__,
+        "loads": "eplb_core.synthetic_loads(58, 256, num_groups=8, num_windows=2, seed=0)",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu only",
+    }
+    if args.gpu_only:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu-only needs CUDA")
+        gpu = {}
+        wc = weight.cuda()
+        for r, nodes, gpus in B.CONFIGS:
+            gpu[f"({r}, {nodes}, {gpus})"] = B.cuda_median_ms(
+                lambda: E.rebalance_experts(wc, r, 8, nodes, gpus),
+                repeat=repeat,  # noqa: B023
+            )
+        res["gpu_ms_median"] = gpu
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eplb-core-gpu.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(gpu, indent=1))
+        return 0
+    res["configs"] = [B.bench_config(weight, earlier, *cfg, repeat=repeat) for cfg in B.CONFIGS]
+    gpu_file = Path(args.out_dir) / "eplb-core-gpu.json"
+    if torch.cuda.is_available():
+        wc = weight.cuda()
+        for row, (r, nodes, gpus) in zip(res["configs"], B.CONFIGS, strict=True):
+            row["gpu_ms_median"] = B.cuda_median_ms(
+                lambda: E.rebalance_experts(wc, r, 8, nodes, gpus),
+                repeat=repeat,  # noqa: B023
+            )
+    elif gpu_file.exists():
+        # GPU column measured separately on a CUDA machine (same commit's code, --gpu-only)
+        gpu_res = json.loads(gpu_file.read_text())
+        res["gpu_source"] = {k: gpu_res[k] for k in ("device", "date", "commit", "command")}
+        for row in res["configs"]:
+            if row["config"] in gpu_res["gpu_ms_median"]:
+                row["gpu_ms_median"] = gpu_res["gpu_ms_median"][row["config"]]
+    res["soft_locality"] = B.bench_soft(weight, [0.0, 0.05, 0.2])
+    shapes = (
+        [(58, 256), (128, 256), (128, 512)]
+        if args.quick
+        else [(58, 256), (128, 256), (128, 512), (128, 1024)]
+    )
+    res["scaling"] = B.bench_scaling(shapes, repeat=max(1, repeat // 3))
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eplb-core.json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    if "gpu_source" in res:
+        src = res["gpu_source"]
+        md += f"\nGPU column: {src['device']}, {src['date']}, commit `{src['commit'][:12]}`, `{src['command']}`.\n"
+    (out / "eplb-core.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
