@@ -161,12 +161,20 @@ def _dense_loop(
     READ_ALL: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
+    # The K/V loads of a tile are predicated on its mask bits: fetch the bits one tile ahead so that
+    # their latency overlaps the current tile instead of preceding every K/V load.
+    pos0 = lo + offs_n
+    ex_next = pos0 >= hi
+    if MASK_MODE != 0:
+        ex_next = _excluded(mask_base, pos0, pos0 < hi, stride_ml, MASK_MODE)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         inb = pos < hi
         vis = inb
         if MASK_MODE != 0:
-            vis = inb & (_excluded(mask_base, pos, inb, stride_ml, MASK_MODE) == 0)
+            vis = inb & (ex_next == 0)
+            nxt = pos + BLOCK_N
+            ex_next = _excluded(mask_base, nxt, nxt < hi, stride_ml, MASK_MODE)
         if READ_ALL:
             ld_rows = inb
         else:
