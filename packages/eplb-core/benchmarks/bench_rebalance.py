@@ -5,6 +5,7 @@ Used by ``run.py``; can also be run alone: ``python bench_rebalance.py`` prints 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -60,13 +61,13 @@ def bench_config(
     weight: torch.Tensor, earlier: torch.Tensor, r: int, nodes: int, gpus: int, *, repeat: int
 ) -> dict[str, Any]:
     """Strict/global plan, greedy baseline and migration for one configuration."""
-    kw = {"num_replicas": r, "num_groups": NUM_GROUPS, "num_nodes": nodes, "num_gpus": gpus}
+    kw: dict[str, Any] = {"num_replicas": r, "num_groups": NUM_GROUPS, "num_nodes": nodes, "num_gpus": gpus}
     ours = E.plan(weight, **kw)
     ours.validate()
     gp, gc = greedy_rebalance(weight, r, NUM_GROUPS, nodes, gpus)
     greedy_bal = E.balancedness(E.gpu_loads_of(weight, gp, gc, gpus))
     t_ours, samples = median_ms(
-        lambda: E.rebalance_experts(weight, r, NUM_GROUPS, nodes, gpus), repeat=repeat
+        functools.partial(E.rebalance_experts, weight, r, NUM_GROUPS, nodes, gpus), repeat=repeat
     )
     t_greedy, _ = median_ms(
         lambda: greedy_rebalance(weight, r, NUM_GROUPS, nodes, gpus), repeat=max(3, repeat // 3)
@@ -132,7 +133,10 @@ def bench_scaling(shapes: list[tuple[int, int]], *, repeat: int) -> list[dict[st
         for nodes in (8, 9):
             gpus = 64 if nodes == 8 else 72
             r_cfg = r if r % gpus == 0 else (r // gpus + 1) * gpus
-            t, _ = median_ms(lambda: E.rebalance_experts(w, r_cfg, 8, nodes, gpus), repeat=repeat)  # noqa: B023
+            t, _ = median_ms(
+                functools.partial(E.rebalance_experts, w, r_cfg, 8, nodes, gpus),
+                repeat=repeat,
+            )
             out.append(
                 {
                     "layers": num_layers,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import platform
@@ -143,8 +144,8 @@ def main() -> int:
         wc = weight.cuda()
         for r, nodes, gpus in B.CONFIGS:
             gpu[f"({r}, {nodes}, {gpus})"] = B.cuda_median_ms(
-                lambda: E.rebalance_experts(wc, r, 8, nodes, gpus),
-                repeat=repeat,  # noqa: B023
+                functools.partial(E.rebalance_experts, wc, r, 8, nodes, gpus),
+                repeat=repeat,
             )
         res["gpu_ms_median"] = gpu
         out = Path(args.out_dir)
@@ -158,8 +159,8 @@ def main() -> int:
         wc = weight.cuda()
         for row, (r, nodes, gpus) in zip(res["configs"], B.CONFIGS, strict=True):
             row["gpu_ms_median"] = B.cuda_median_ms(
-                lambda: E.rebalance_experts(wc, r, 8, nodes, gpus),
-                repeat=repeat,  # noqa: B023
+                functools.partial(E.rebalance_experts, wc, r, 8, nodes, gpus),
+                repeat=repeat,
             )
     elif gpu_file.exists():
         # GPU column measured separately on a CUDA machine (same commit's code, --gpu-only)
