@@ -28,8 +28,8 @@ from sparse_mla_attn.forward import LAST_COMPILED, LOG2E, check_device, interpre
 def _attn_dist_block(
     t0,
     topk,
+    idx,
     hi,
-    idx_row,
     KV,
     stride_kv_row,
     q_nope,
@@ -45,7 +45,6 @@ def _attn_dist_block(
 ):
     offs_t = t0 + tl.arange(0, BLOCK_T)
     t_mask = offs_t < topk
-    idx = tl.load(idx_row + offs_t, mask=t_mask, other=-1)
     valid = (idx >= 0) & (idx < hi)
     k_ptr = KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kv_row
     k_nope = tl.load(k_ptr + tl.arange(0, D_NOPE)[None, :], mask=valid[:, None], other=0.0)
@@ -117,13 +116,18 @@ def _attn_dist_kernel(
         hi = tl.minimum(hi, tl.maximum(num, 0) // k_stride + 1)
     idx_row = IDX + pid_s.to(tl.int64) * stride_idx_s
     out_row = OUT + pid_s.to(tl.int64) * topk
+    # Indices of block t+1 are loaded one iteration ahead (see forward.py) so the gather can be pipelined.
+    offs_t = tl.arange(0, BLOCK_T)
+    idx_n = tl.load(idx_row + offs_t, mask=offs_t < topk, other=-1)
     if STATIC_T > 0:
         for t0 in range(0, STATIC_T, BLOCK_T):
+            idx = idx_n
+            idx_n = tl.load(idx_row + t0 + BLOCK_T + offs_t, mask=t0 + BLOCK_T + offs_t < topk, other=-1)
             _attn_dist_block(
                 t0,
                 topk,
+                idx,
                 hi,
-                idx_row,
                 KV,
                 stride_kv_row,
                 q_nope,
@@ -139,11 +143,13 @@ def _attn_dist_kernel(
             )
     else:
         for t0 in range(0, topk, BLOCK_T):
+            idx = idx_n
+            idx_n = tl.load(idx_row + t0 + BLOCK_T + offs_t, mask=t0 + BLOCK_T + offs_t < topk, other=-1)
             _attn_dist_block(
                 t0,
                 topk,
+                idx,
                 hi,
-                idx_row,
                 KV,
                 stride_kv_row,
                 q_nope,

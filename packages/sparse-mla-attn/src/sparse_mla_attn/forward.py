@@ -47,14 +47,25 @@ def check_device(t: torch.Tensor, what: str) -> None:
 
 
 @triton.jit
+def _block_rows(t0, n_t, hi, idx_row, bt_row, page_size, BLOCK_T: tl.constexpr, PAGED: tl.constexpr):
+    """KV row numbers (int64, 0 where invalid) and validity of the top-k slots [t0, t0 + BLOCK_T)."""
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    idx = tl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
+    valid = (idx >= 0) & (idx < hi)
+    safe = tl.where(valid, idx, 0)
+    if PAGED:
+        blk = tl.load(bt_row + safe // page_size, mask=valid, other=0)
+        row = blk.to(tl.int64) * page_size + safe % page_size
+    else:
+        row = safe.to(tl.int64)
+    return row, valid
+
+
+@triton.jit
 def _fwd_block(
-    t0,
-    n_t,
-    hi,
-    idx_row,
+    row,
+    valid,
     KV,
-    bt_row,
-    page_size,
     stride_kv_row,
     q_v,
     q_o,
@@ -67,21 +78,10 @@ def _fwd_block(
     sm_scale_log2,
     D_NOPE: tl.constexpr,
     D_ROPE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    PAGED: tl.constexpr,
     DOT_F32: tl.constexpr,
     DV_SPLIT: tl.constexpr,
 ):
     """One BLOCK_T slice of the top-k list: gather, two products, online-softmax update."""
-    offs_t = t0 + tl.arange(0, BLOCK_T)
-    idx = tl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
-    valid = (idx >= 0) & (idx < hi)
-    safe = tl.where(valid, idx, 0)
-    if PAGED:
-        blk = tl.load(bt_row + safe // page_size, mask=valid, other=0)
-        row = blk.to(tl.int64) * page_size + safe % page_size
-    else:
-        row = safe.to(tl.int64)
     k_ptr = KV + row[:, None] * stride_kv_row
     offs_d = tl.arange(0, D_NOPE // DV_SPLIT)
     # Masked rows are never dereferenced: invalid indices cost no memory traffic and may point anywhere.
@@ -200,17 +200,19 @@ def _sparse_mla_fwd_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_VP], tl.float32)
     idx_row = IDX + pid_s.to(tl.int64) * stride_idx_s
+    # The rows of block t+1 are resolved (index load, block-table lookup) one iteration ahead, so the
+    # gather of a block depends only on loop-carried values and the pipeliner can issue it num_stages - 1
+    # iterations early.
+    row_n, valid_n = _block_rows(0, n_t, hi, idx_row, bt_row, page_size, BLOCK_T, PAGED)
     if STATIC_T > 0:
         # The CPU interpreter only runs loops with compile-time bounds; blocks past n_t are fully masked.
         for t0 in range(0, STATIC_T, BLOCK_T):
+            row, valid = row_n, valid_n
+            row_n, valid_n = _block_rows(t0 + BLOCK_T, n_t, hi, idx_row, bt_row, page_size, BLOCK_T, PAGED)
             m_i, l_i, acc = _fwd_block(
-                t0,
-                n_t,
-                hi,
-                idx_row,
+                row,
+                valid,
                 KV,
-                bt_row,
-                page_size,
                 stride_kv_row,
                 q_v,
                 q_o,
@@ -223,21 +225,17 @@ def _sparse_mla_fwd_kernel(
                 sm_scale_log2,
                 D_NOPE,
                 D_ROPE,
-                BLOCK_T,
-                PAGED,
                 DOT_F32,
                 DV_SPLIT,
             )
     else:
         for t0 in range(0, n_t, BLOCK_T):
+            row, valid = row_n, valid_n
+            row_n, valid_n = _block_rows(t0 + BLOCK_T, n_t, hi, idx_row, bt_row, page_size, BLOCK_T, PAGED)
             m_i, l_i, acc = _fwd_block(
-                t0,
-                n_t,
-                hi,
-                idx_row,
+                row,
+                valid,
                 KV,
-                bt_row,
-                page_size,
                 stride_kv_row,
                 q_v,
                 q_o,
@@ -250,8 +248,6 @@ def _sparse_mla_fwd_kernel(
                 sm_scale_log2,
                 D_NOPE,
                 D_ROPE,
-                BLOCK_T,
-                PAGED,
                 DOT_F32,
                 DV_SPLIT,
             )
