@@ -162,7 +162,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['s_q']} | {r['h_idx']} | {r['d_idx']} | {r['s_kv']} | {r['causal']} | {r['ms']:.3f} "
                 f"| {r['tflops']:.0f} | {r['roofline_ms']:.3f} | {100 * r['roofline_ms'] / r['ms']:.0f}% "
-                f"| {r['torch_ms']:.3f} |"
+                f"| {'not run' if r['torch_ms'] != r['torch_ms'] else format(r['torch_ms'], '.3f')} |"
             )
         lines.append("")
     return "\n".join(lines)
