@@ -196,6 +196,8 @@ def round_robin_pack(
 
 
 _NUM_BUCKETS = 63
+# up to this many slots per GPU the swap search is exhaustive (S x S pairs), above it a binary search
+_BRUTE_FORCE_SLOTS = 10
 
 
 def duplicate_buckets(expert: torch.Tensor, counts_of_item: torch.Tensor) -> torch.Tensor:
@@ -231,6 +233,8 @@ def refine_swaps(
     fixed: torch.Tensor | None = None,
     origin: torch.Tensor | None = None,
     budget: torch.Tensor | None = None,
+    rows_per_group: int = 1,
+    block: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pairwise exchange refinement; never raises any row's heaviest bin.
 
@@ -241,25 +245,87 @@ def refine_swaps(
     all rows at once. A swap is taken only when it strictly lowers the pair's larger load, so no row's
     peak ever rises. Cost per round: ``O(B * G * S log S)``.
 
+    Rounds run in blocks of ``block`` on the rows that still matter: a row drops out once its peak is
+    at its own lower bound (``max(total / G, heaviest item)``), once it is no heavier than the best
+    bound of another row of its group (``rows_per_group`` consecutive rows form one layer, e.g. the
+    nodes of a layer: only the layer's heaviest row decides its balance), or after a block without a
+    swap.
+
     Args:
         load: ``[B, G, S]`` float64 per-item loads.
         expert: ``[B, G, S]`` int64 expert ids.
-        iters: number of rounds (stops early when a full rotation finds nothing).
+        iters: number of rounds.
         bucket: optional ``[B, G, S]`` from :func:`duplicate_buckets`; swaps that would put an item next
             to another item of its bucket are refused.
         fixed: optional ``[B, G, S]`` bool, items that must not move.
         origin: optional ``[B, G, S]`` expert ids of a previous plan, slot by slot; with ``budget``
             (``[B]`` int64), a swap is refused when it would leave more than ``budget`` slots holding
             another expert than ``origin`` (migration-aware mode).
+        rows_per_group: rows of one layer (consecutive).
+        block: rounds between two re-selections of the active rows.
 
     Returns:
         ``(load, expert)`` after refinement (new tensors).
     """
-    num_rows, num_bins, slots = load.shape
-    if num_bins < 2:
+    load, expert = load.clone(), expert.clone()
+    bucket = None if bucket is None else bucket.clone()
+    fixed = None if fixed is None else fixed.clone()
+    num_rows, num_bins, _ = load.shape
+    if num_bins < 2 or iters <= 0:
         return load, expert
-    load = load.clone()
-    expert = expert.clone()
+    alive = torch.ones(num_rows, dtype=torch.bool, device=load.device)
+    it = 0
+    while it < iters:
+        bin_load = load.sum(-1)
+        peak = bin_load.amax(1)
+        row_lb = torch.maximum(bin_load.sum(1) / num_bins, load.flatten(1).amax(1))
+        floor = row_lb.view(-1, rows_per_group).amax(1).repeat_interleave(rows_per_group)
+        active = alive & (peak > floor * (1 + 1e-9)) & (peak > row_lb * (1 + 1e-9))
+        idx = torch.nonzero(active).flatten()
+        if idx.numel() == 0:
+            break
+        rounds = min(block, iters - it)
+
+        def sub(t: torch.Tensor | None, idx: torch.Tensor = idx) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, idx)
+
+        l2, e2, b2, f2, moved = _refine_block(
+            load.index_select(0, idx),
+            expert.index_select(0, idx),
+            iters=rounds,
+            bucket=sub(bucket),
+            fixed=sub(fixed),
+            origin=sub(origin),
+            budget=sub(budget),
+            it0=it,
+        )
+        load.index_copy_(0, idx, l2)
+        expert.index_copy_(0, idx, e2)
+        if bucket is not None and b2 is not None:
+            bucket.index_copy_(0, idx, b2)
+        if fixed is not None and f2 is not None:
+            fixed.index_copy_(0, idx, f2)
+        alive.index_copy_(0, idx, moved)
+        it += rounds
+    return load, expert
+
+
+def _refine_block(
+    load: torch.Tensor,
+    expert: torch.Tensor,
+    *,
+    iters: int,
+    bucket: torch.Tensor | None = None,
+    fixed: torch.Tensor | None = None,
+    origin: torch.Tensor | None = None,
+    budget: torch.Tensor | None = None,
+    it0: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """One block of rounds of :func:`refine_swaps` on the given rows (tensors modified in place)."""
+    num_rows, num_bins, slots = load.shape
+    moved = torch.zeros(num_rows, dtype=torch.bool, device=load.device)
+    if num_bins < 2:
+        return load, expert, bucket, fixed, moved
     device = load.device
     num_pairs = num_bins // 2
     tol = _REL_TOL * load.sum(dim=(1, 2)).clamp_min(1e-300).view(-1, 1, 1) / num_bins
@@ -268,13 +334,11 @@ def refine_swaps(
     flat_l, flat_e = load.view(num_rows, -1), expert.view(num_rows, -1)
     width = _NUM_BUCKETS + 1
     if bucket is not None:
-        bucket = bucket.clone()
         flat_b = bucket.view(num_rows, -1)
         held = torch.zeros(num_rows, num_bins * width, dtype=torch.int32, device=device)
         bin_of = torch.arange(num_bins * slots, device=device) // slots
         held.scatter_add_(1, bin_of * width + flat_b, torch.ones_like(flat_b, dtype=torch.int32))
     if fixed is not None:
-        fixed = fixed.clone()
         flat_f = fixed.view(num_rows, -1)
     flat_o = torch.empty(0)
     budget_t = torch.empty(0)
@@ -285,8 +349,7 @@ def refine_swaps(
             raise ValueError("refine_swaps: origin needs budget")
         budget_t = budget
         used = (flat_e != flat_o).sum(1)
-    idle = 0
-    for it in range(iters):
+    for it in range(it0, it0 + iters):
         bin_load = load.sum(-1)
         order = torch.sort(bin_load, dim=1, descending=True, stable=True).indices
         heavy = order[:, :num_pairs]
@@ -294,14 +357,19 @@ def refine_swaps(
         shift = it % num_pairs
         light = light_sorted[:, (pair_idx + shift) % num_pairs] if shift else light_sorted
         la = load[rows, heavy]  # [B, P, S]
-        lb, lb_idx = load[rows, light].sort(dim=-1)
         gap = (bin_load.gather(1, heavy) - bin_load.gather(1, light)).unsqueeze(-1)
-        pos = torch.searchsorted(lb, (la - 0.5 * gap).contiguous())
-        cand = torch.stack([(pos - 1).clamp_min(0), pos.clamp_max(slots - 1)], dim=-1)  # [B, P, S, 2]
-        delta = la.unsqueeze(-1) - lb.unsqueeze(-2).expand(-1, -1, slots, -1).gather(-1, cand)
-        gain2 = torch.minimum(delta, gap.unsqueeze(-1) - delta)
-        gain, which = gain2.max(-1)  # [B, P, S]
-        y = lb_idx.gather(-1, cand.gather(-1, which.unsqueeze(-1)).squeeze(-1))  # slot in light bin
+        if slots <= _BRUTE_FORCE_SLOTS:
+            # few slots: try every (x, y) pair, cheaper than sorting tiny rows
+            delta = la.unsqueeze(-1) - load[rows, light].unsqueeze(-2)  # [B, P, S, S]
+            gain, y = torch.minimum(delta, gap.unsqueeze(-1) - delta).max(-1)  # [B, P, S]
+        else:
+            lb, lb_idx = load[rows, light].sort(dim=-1)
+            pos = torch.searchsorted(lb, (la - 0.5 * gap).contiguous())
+            cand = torch.stack([(pos - 1).clamp_min(0), pos.clamp_max(slots - 1)], dim=-1)  # [B, P, S, 2]
+            delta = la.unsqueeze(-1) - lb.unsqueeze(-2).expand(-1, -1, slots, -1).gather(-1, cand)
+            gain2 = torch.minimum(delta, gap.unsqueeze(-1) - delta)
+            gain, which = gain2.max(-1)  # [B, P, S]
+            y = lb_idx.gather(-1, cand.gather(-1, which.unsqueeze(-1)).squeeze(-1))  # slot in light bin
         pos_a = heavy.unsqueeze(-1) * slots + torch.arange(slots, device=device)  # [B, P, S]
         pos_b = light.unsqueeze(-1) * slots + y
         valid = gain > tol
@@ -331,11 +399,8 @@ def refine_swaps(
             do &= (used.unsqueeze(1) + step.clamp_min(0).cumsum(1)) <= budget_t.unsqueeze(1)
             used = used + (step * do).sum(1)
         if not bool(do.any()):
-            idle += 1
-            if idle >= num_pairs or idle >= 4:
-                break
             continue
-        idle = 0
+        moved |= do.any(1)
         src = pos_b.gather(-1, best_x.unsqueeze(-1)).squeeze(-1)
         dst = torch.where(do, pos_a.gather(-1, best_x.unsqueeze(-1)).squeeze(-1), src)  # no-op: self swap
         for t in (
@@ -355,7 +420,7 @@ def refine_swaps(
             held.scatter_add_(1, lb_bin * width + nb_dst, -one)
             held.scatter_add_(1, hb * width + nb_dst, one)
             held.scatter_add_(1, lb_bin * width + nb_src, one)
-    return load, expert
+    return load, expert, bucket, fixed, moved
 
 
 def expand_replicas(

@@ -23,7 +23,7 @@ def gpu_loads(
 
 def default_iters(num_bins: int, slots: int) -> int:
     """Refinement rounds: enough for every bin to meet several partners, bounded for speed."""
-    return int(min(48, max(12, 2 * num_bins // 2 + 8)))
+    return int(min(64, max(12, num_bins + 8)))
 
 
 def node_order(node_of_expert: torch.Tensor) -> torch.Tensor:
@@ -49,6 +49,7 @@ def pack_rows(
     num_bins: int,
     slots: int,
     iters: int | None,
+    rows_per_group: int = 1,
 ) -> torch.Tensor:
     """Pack each row's items onto ``num_bins`` GPUs of ``slots`` slots.
 
@@ -81,7 +82,12 @@ def pack_rows(
     fixed = cnt > num_bins
     rounds = default_iters(num_bins, slots) if iters is None else iters
     load, expert = _core.refine_swaps(
-        load, expert, iters=rounds, bucket=bucket, fixed=fixed if bool(fixed.any()) else None
+        load,
+        expert,
+        iters=rounds,
+        bucket=bucket,
+        fixed=fixed if bool(fixed.any()) else None,
+        rows_per_group=rows_per_group,
     )
     peak = load.sum(-1).amax(-1).view(2, num_rows)
     pick = (peak[1] < peak[0]).long()
@@ -115,7 +121,12 @@ def refine_candidates(
     fixed = count > num_bins  # more replicas than GPUs: spread evenly once, then left alone
     rounds = default_iters(num_bins, slots) if iters is None else iters
     load, expert = _core.refine_swaps(
-        load, expert, iters=rounds, bucket=bucket, fixed=fixed if bool(fixed.any()) else None
+        load,
+        expert,
+        iters=rounds,
+        bucket=bucket,
+        fixed=fixed if bool(fixed.any()) else None,
+        rows_per_group=num_nodes,
     )
     expert, _order = expert.sort(dim=-1, stable=True)
     num_cand = len(candidates)

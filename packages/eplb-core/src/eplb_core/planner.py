@@ -311,7 +311,7 @@ def _solve_soft(
     item_expert = all_expert.gather(1, order).view(num_layers * num_nodes, per_node_cap)
     per = w / counts.to(dt)
     item_load = per.gather(1, item_expert.view(num_layers, -1)).view_as(item_expert)
-    expert = _solve.pack_rows(item_load, item_expert, gpus_per_node, slots, iters)
+    expert = _solve.pack_rows(item_load, item_expert, gpus_per_node, slots, iters, rows_per_group=num_nodes)
     return expert.reshape(num_layers, num_replicas), node_of_group
 
 
@@ -425,7 +425,13 @@ def _solve_migration(
     # swaps move whole items between GPUs of one row: the (used) budget is recomputed from origin
     full_budget = torch.full_like(row_budget, budget // rows_per_layer)
     _, expert3 = _core.refine_swaps(
-        load, expert3, iters=rounds, bucket=bucket, origin=origin, budget=full_budget
+        load,
+        expert3,
+        iters=rounds,
+        bucket=bucket,
+        origin=origin,
+        budget=full_budget,
+        rows_per_group=rows_per_layer,
     )
     return expert3.reshape(num_layers, num_replicas), home
 
