@@ -44,6 +44,7 @@ class SparseMLAAttention(torch.autograd.Function):
         causal: bool,
         deterministic: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``sparse_mla_fwd`` and save what the backward needs; returns ``(out, lse)``."""
         fwd = _bwd_forward_impl()
         out, _max_logits, lse = fwd(
             q, kv, indices, sm_scale, d_v, q_start_index=q_start_index, k_stride=k_stride, causal=causal
@@ -55,6 +56,7 @@ class SparseMLAAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        """Gradients for ``q`` and ``kv`` through :func:`sparse_mla_bwd`; ``None`` for the other inputs."""
         q, kv, indices, out, lse = ctx.saved_tensors
         sm_scale, d_v, q_start_index, k_stride, causal, deterministic = ctx.args
         dq, dkv = sparse_mla_bwd(
