@@ -199,6 +199,7 @@ def plot(r: dict, out_dir: Path) -> None:
     ax.set_xlabel("s_kv")
     ax.set_ylabel("TFLOPS")
     ax.set_title("vs s_kv (s_q 4096, topk 2048)")
+    ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
     ax = axes[1]
     ax.plot(
@@ -211,6 +212,7 @@ def plot(r: dict, out_dir: Path) -> None:
     ax.set_xlabel("topk")
     ax.set_ylabel("TFLOPS")
     ax.set_title("forward vs topk (h_q 128, s_kv 32K)")
+    ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
     ax = axes[2]
     for b in (64, 128):
@@ -220,6 +222,7 @@ def plot(r: dict, out_dir: Path) -> None:
     ax.set_xlabel("cache seqlen")
     ax.set_ylabel("TFLOPS")
     ax.set_title("decode (h_q 128, topk 2048)")
+    ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
     fig.suptitle(f"sparse-mla-attn on {r['device']} ({r['date'][:10]}, {r['git_commit'][:8]})", fontsize=10)
     fig.tight_layout()
