@@ -8,18 +8,19 @@ local experts, counts, token_dst_scatter_idx); combine within bf16 rounding of t
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    # the simulation shares plain CPU buffers between "ranks": only the interpreter can run it
-    os.environ["TRITON_INTERPRET"] = "1"
-
 from ep_a2a.reference import combine_ref, dispatch_ref
-from ep_a2a.triton_backend.engine import EPTimeoutFromDevice
+from ep_a2a.triton_backend.engine import EPTimeoutFromDevice, interpreting
 from ep_a2a.triton_backend.simulate import SimWorld
+
+# The simulation shares plain CPU buffers between "ranks": only Triton's interpreter can run it, and the
+# variable must be set before Triton compiles anything (so not here: `nox -s tests` sets it).
+pytestmark = pytest.mark.skipif(
+    not interpreting(),
+    reason="needs TRITON_INTERPRET=1 (set by `nox -s tests`; the CPU simulation runs in Triton's interpreter)",
+)
 
 # combine tolerance per row dtype, relative to sum_k |row_k| of each token: each partial sum is rounded
 # once and the total once, so two roundings. The interpreter's float32 -> bf16 cast truncates (one ulp,

@@ -13,6 +13,7 @@ heap that is not zeroed yet.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from typing import Any
@@ -54,7 +55,7 @@ class TorchSymmetricHeap(SymmetricHeap):
                 enable(group.group_name)
         self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         self.local.zero_()
-        self._handle = symm_mem.rendezvous(self.local, group)
+        self._handle: Any = symm_mem.rendezvous(self.local, group)
         world = dist.get_world_size(group)
         ptrs = [self._handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr() for r in range(world)]
         self.ptr_table = torch.tensor(ptrs, dtype=torch.int64, device=device)
@@ -103,8 +104,10 @@ class NvshmemHeap(SymmetricHeap):
             if rank != 0:
                 import numpy as np
 
+                assert raw[0] is not None
                 uid._data.view("int8")[:] = np.frombuffer(raw[0], dtype="int8")
             nvshmem.init(device=dev, uid=uid, rank=rank, nranks=world, initializer_method="uid")
+            atexit.register(nvshmem.finalize)
         _NVSHMEM_USERS += 1
         self.local = nvshmem.tensor((nbytes,), dtype=torch.uint8)
         self.local.zero_()
@@ -114,12 +117,10 @@ class NvshmemHeap(SymmetricHeap):
         dist.barrier(group=group)
 
     def free(self) -> None:
-        global _NVSHMEM_USERS
+        # NVSHMEM stays initialised for the life of the process (it cannot be initialised twice);
+        # nvshmem.core.finalize() runs at exit
         self._nvshmem.free_tensor(self.local)
         del self.local
-        _NVSHMEM_USERS -= 1
-        if _NVSHMEM_USERS == 0:
-            self._nvshmem.finalize()
 
 
 def make_heap(kind: str, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:

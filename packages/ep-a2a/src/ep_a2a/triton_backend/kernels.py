@@ -108,6 +108,18 @@ def _m(rows_mask, h0, hh, H: tl.constexpr, EVEN_H: tl.constexpr):
 
 
 @triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _rank_bits(dest, valid):
+    """Per row, the set of ranks (bit r) its valid slots go to: one reduction, reused across tiles."""
+    one = tl.full(dest.shape, 1, tl.int64)
+    return tl.reduce(tl.where(valid & (dest >= 0), one << dest.to(tl.int64), 0), 1, _or)
+
+
+@triton.jit
 def _column(tile, kk, k: tl.constexpr):
     """Column ``k`` of a ``[rows, KP]`` integer tile as a ``[rows]`` vector."""
     return tl.sum(tl.where(kk[None, :] == k, tile, 0), axis=1)
@@ -300,6 +312,7 @@ def _dispatch_send_chunk(
         first = tl.where(hitk, k2, first)
     tl.store(skip_ptr + slot, tl.where(ids >= 0, first, -1), mask=m2)
     tl.store(tab_ptr + rank * max_tokens * K + slot, row.to(tl.int32), mask=m2)
+    bits = _rank_bits(dest, m2)
     kept = row >= 0
     tl.store(out_e_ptr + row, e_loc.to(tl.int32), mask=kept)
     if HAS_W:
@@ -316,17 +329,22 @@ def _dispatch_send_chunk(
     hh = tl.arange(0, BH)
     xrow = toks.to(tl.int64) * H
     peer_row = (rank * max_tokens + toks).to(tl.int64) * H
+    tab_row = (rank * max_tokens + toks).to(tl.int64) * K
+    tl.debug_barrier()  # the tab rows written above are re-read per tile below (no per-tile reductions)
+    # one tile ahead: the next tile's load is in flight while this one is stored
+    xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(tm, 0, hh, H, EVEN_H))
     for h0 in range(0, H, BH):
-        xm = _m(tm, h0, hh, H, EVEN_H)
-        xt = tl.load(x_ptr + xrow[:, None] + h0 + hh[None, :], mask=xm)
+        hn = h0 + BH
+        nxt = tl.load(x_ptr + xrow[:, None] + hn + hh[None, :], mask=_m(tm & (hn < H), hn, hh, H, EVEN_H))
         for r in tl.static_range(W):
             if r != rank:
-                need = tl.sum(((dest == r) & m2).to(tl.int32), axis=1) > 0
+                need = ((bits >> r) & 1) != 0
                 px = _peer_ptr(table_ptr, r, off_x, x_ptr.dtype.element_ty)
                 tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H))
         for k in tl.static_range(K):
-            rk = _column(row, kk, k)
+            rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
             tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H))
+        xt = nxt
     tl.debug_barrier()
     for r in tl.static_range(W):
         if r != rank:
@@ -404,17 +422,24 @@ def _dispatch_recv_chunk(
         hh = tl.arange(0, BH)
         px = _peer_ptr(table_ptr, rank, off_x, out_ptr.dtype.element_ty)
         src_row = (s * max_tokens + toks).to(tl.int64) * H
+        tab_row = (s * max_tokens + toks).to(tl.int64) * K
+        tl.debug_barrier()  # tab rows re-read per tile below
+        xt = tl.load(
+            px + src_row[:, None] + hh[None, :], mask=_m(need, 0, hh, H, EVEN_H), cache_modifier=".cg"
+        )
         for h0 in range(0, H, BH):
-            xt = tl.load(
-                px + src_row[:, None] + h0 + hh[None, :],
-                mask=_m(need, h0, hh, H, EVEN_H),
+            hn = h0 + BH
+            nxt = tl.load(
+                px + src_row[:, None] + hn + hh[None, :],
+                mask=_m(need & (hn < H), hn, hh, H, EVEN_H),
                 cache_modifier=".cg",
             )
             for k in tl.static_range(K):
-                rk = _column(row, kk, k)
+                rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
                 tl.store(
                     out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H)
                 )
+            xt = nxt
 
 
 @triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "nchunks", "cap_rows", "timeout", "G"])
@@ -673,10 +698,11 @@ def _combine_kernel(
                             _peer_ptr(table_ptr, s, off_cx, ty)
                             + (rank * max_tokens + toks).to(tl.int64)[:, None] * H
                         )
+                        tab_row = (s * max_tokens + toks).to(tl.int64) * K
                         for h0 in range(0, H, BH):
                             acc = tl.zeros([CH, BH], tl.float32)
                             for k in tl.static_range(K):
-                                rk = _column(rows, kk, k)
+                                rk = tl.load(tab_ptr + tab_row + k, mask=toks < n_s, other=-1).to(tl.int64)
                                 acc += tl.load(
                                     y_ptr + rk[:, None] * H + h0 + hh[None, :],
                                     mask=_m((rk >= 0), h0, hh, H, EVEN_H),
@@ -701,11 +727,12 @@ def _combine_kernel(
                             f = _peer_ptr(table_ptr, rank, off_cflag, tl.int64) + r * nchunks + c
                             ok_all = ok_all & _wait_flag(f, ep, state_ptr, 4, r, timeout, USE_TIMER)
                     if ok_all:
-                        rows = tl.load(tab_ptr + rank * max_tokens * K + slot, mask=m2, other=-1).to(tl.int64)
+                        bits = _rank_bits(dest, m2)
+                        tab_row = (rank * max_tokens + toks).to(tl.int64) * K
                         for h0 in range(0, H, BH):
                             acc = tl.zeros([CH, BH], tl.float32)
                             for k in tl.static_range(K):
-                                rk = _column(rows, kk, k)
+                                rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
                                 acc += tl.load(
                                     y_ptr + rk[:, None] * H + h0 + hh[None, :],
                                     mask=_m((rk >= 0), h0, hh, H, EVEN_H),
@@ -713,7 +740,7 @@ def _combine_kernel(
                                 ).to(tl.float32)
                             for r in tl.static_range(W):
                                 if r != rank:
-                                    need = tl.sum(((dest == r) & m2).to(tl.int32), axis=1) > 0
+                                    need = ((bits >> r) & 1) != 0
                                     src = (
                                         _peer_ptr(table_ptr, rank, off_cx, ty)
                                         + (r * max_tokens + toks).to(tl.int64)[:, None] * H
