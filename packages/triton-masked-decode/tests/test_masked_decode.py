@@ -365,6 +365,37 @@ def test_matches_reference_gpu(case: Case, cuda_device: torch.device) -> None:
     check_case(case, cuda_device, seed=11)
 
 
+def _candidate_params():
+    import triton_masked_decode.masked_decode  # noqa: F401
+
+    md = __import__("sys").modules["triton_masked_decode.masked_decode"]
+    return [
+        pytest.param(d, cand, id=f"d{d}-BN{cand[0]}-w{cand[1]}-s{cand[2]}")
+        for d in (64, 128, 256)
+        for cand in md._CANDIDATES[d]
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dim", "cand"), _candidate_params())
+def test_every_autotune_candidate(
+    dim: int, cand: tuple[int, int, int], cuda_device: torch.device, monkeypatch
+) -> None:
+    """Each tile the autotuner may pick computes the same function (dense and sparse splits in one call)."""
+    md = __import__("sys").modules["triton_masked_decode.masked_decode"]
+    bn, nw, ns = cand
+    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"block_n": bn, "num_warps": nw, "num_stages": ns})
+    for dens, seed in ((0.15, 21), (0.7, 22)):
+        case = Case(batch=3, hkv=4, group=4, length=3000, dim=dim, density=dens, seqlens="tensor")
+        check_case(case, cuda_device, seed=seed)
+
+
+@pytest.mark.gpu
+def test_autotuned_launch(cuda_device: torch.device, monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_MASKED_DECODE_AUTOTUNE", "1")
+    check_case(Case(batch=2, hkv=8, group=4, length=8192, dim=128, density=0.3), cuda_device, seed=23)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_replay_with_changing_seqlens(cuda_device: torch.device) -> None:
     c = Case(batch=4, hkv=8, group=4, length=8192, dim=128, seqlens="tensor")

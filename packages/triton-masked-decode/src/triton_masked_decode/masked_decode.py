@@ -268,6 +268,7 @@ def _masked_decode_split_kernel(
     chunk,
     qk_scale,
     sparse_threshold,
+    size_class,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -384,6 +385,56 @@ def _masked_decode_split_kernel(
         tl.store(l_ptrs, lse, mask=g_mask)
 
 
+# Autotuned launch of the split kernel (GPU only): tile length, warps and pipelining depth are timed on the
+# first call of each (group, head dim, mask layout, path, paging, size class) and cached. The chunk length is
+# a multiple of 128 positions, so every BLOCK_N divides it and the grid does not depend on the choice.
+_AUTOTUNE_CONFIGS = [
+    triton.Config({"BLOCK_N": bn}, num_warps=nw, num_stages=ns)
+    for bn, nw, ns in (
+        (128, 4, 3), (128, 4, 2), (128, 8, 3),
+        (64, 4, 3), (64, 4, 2), (64, 8, 3),
+        (32, 4, 3), (32, 4, 2), (32, 8, 3),
+    )
+]  # fmt: skip
+_CANDIDATES = {  # (BLOCK_N, num_warps, num_stages) worth timing per head-dim tile; the first is the default
+    16: [(128, 4, 3), (128, 4, 2), (64, 4, 3)],
+    32: [(128, 4, 3), (128, 4, 2), (64, 4, 3)],
+    64: [(128, 4, 3), (128, 4, 2), (64, 4, 3), (128, 8, 3)],
+    128: [(64, 4, 3), (64, 4, 2), (128, 8, 3), (32, 4, 3)],
+    256: [(32, 4, 3), (32, 4, 2), (64, 8, 3), (32, 8, 3)],
+}
+
+
+def _bench_config(kernel_call, quantiles):
+    import triton.testing
+
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    want = _CANDIDATES[kwargs["BLOCK_D"]]
+    if kwargs["BLOCK_G"] * kwargs["BLOCK_D"] >= 8192:  # large accumulators: 8 warps only
+        want = [(bn, 8, ns) for bn, _, ns in want]
+    keep = [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in want]
+    return keep or [configs[0]]
+
+
+_split_kernel_tuned = triton.autotune(
+    configs=_AUTOTUNE_CONFIGS,
+    key=["G", "HEAD_DIM", "MASK_MODE", "PATH", "PAGED", "PAGE_SIZE", "DENSE_READ_ALL", "size_class"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+    do_bench=lambda kernel_call, quantiles: _bench_config(kernel_call, quantiles),
+)(_masked_decode_split_kernel)
+
+
+def _autotune_enabled() -> bool:
+    return (
+        not _interpreting()
+        and not _TUNE_OVERRIDE
+        and os.environ.get("TRITON_MASKED_DECODE_AUTOTUNE", "1") != "0"
+    )
+
+
 @triton.jit
 def _merge_splits_kernel(
     OutPart,
@@ -472,19 +523,24 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _tile_config(block_d: int, block_g: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_C, num_warps, num_stages) for a head-dim tile; tiny tiles under the interpreter."""
+    """Default (BLOCK_N, BLOCK_C, num_warps, num_stages) for a head-dim tile; tiny tiles under the interpreter."""
     if _interpreting():
         return 16, 32, 4, 1
-    block_n = {16: 128, 32: 128, 64: 128, 128: 64, 256: 32}[block_d]
-    num_warps = 8 if block_g * block_d >= 8192 else 4
-    num_stages = 3
+    block_n, num_warps, num_stages = _CANDIDATES[block_d][0]
+    if block_g * block_d >= 8192:
+        num_warps = 8
     ov = _TUNE_OVERRIDE
     return (
         ov.get("block_n", block_n),
-        ov.get("block_c", 512),
+        ov.get("block_c", 1024),
         ov.get("num_warps", num_warps),
         ov.get("num_stages", num_stages),
     )
+
+
+def _chunk_granularity() -> int:
+    """Chunk lengths are multiples of this, so every candidate BLOCK_N divides them."""
+    return 16 if _interpreting() else max(128, _TUNE_OVERRIDE.get("block_n", 128))
 
 
 def choose_num_splits(
@@ -532,7 +588,7 @@ def _launch(
     block_d = max(16, triton.next_power_of_2(d))
     block_n, block_c, num_warps, num_stages = _tile_config(block_d, block_g)
     splits, chunk = choose_num_splits(
-        batch, hkv, max_len, block_n, _num_sms(q.device), num_splits if num_splits > 0 else None
+        batch, hkv, max_len, _chunk_granularity(), _num_sms(q.device), num_splits if num_splits > 0 else None
     )
 
     mask_mode = _MASK_NONE
@@ -569,18 +625,27 @@ def _launch(
         ks = (k.stride(0), k.stride(1), k.stride(2))
         vs = (v.stride(0), v.stride(1), v.stride(2))
         page_size = 1
-    _masked_decode_split_kernel[(splits, hkv, batch)](
+    size_class = triton.next_power_of_2(batch * hkv * splits) * 1_000_000 + chunk
+    args = (
         q, k, v, mask_t, seq_t, bt_t, idx, o_part, l_part,
-        seqlen_const, max_len, chunk, sm_scale * _LOG2E, sparse_threshold,
+        seqlen_const, max_len, chunk, sm_scale * _LOG2E, sparse_threshold, size_class,
         q.stride(0), q.stride(1),
         *ks, *vs, *mstrides, bt_t.stride(0),
         *po, *pl,
-        G=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_C=block_c,
+    )  # fmt: skip
+    meta = dict(
+        G=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_C=block_c,
         MASK_MODE=mask_mode, HAS_SEQLENS=seqlens is not None, PAGED=paged, PAGE_SIZE=page_size,
         PATH=path, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
         DENSE_READ_ALL=path == _PATH_CODES["dense_read_all"] or (path == 0 and _AUTO_DENSE_READ_ALL),
-        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    grid = (splits, hkv, batch)
+    if _autotune_enabled():
+        _split_kernel_tuned[grid](*args, **meta)
+    else:
+        _masked_decode_split_kernel[grid](
+            *args, **meta, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages
+        )
     if splits > 1:
         _merge_splits_kernel[(hq, batch)](
             o_part, l_part, out, lse, seq_t, seqlen_const, max_len, chunk, splits,
