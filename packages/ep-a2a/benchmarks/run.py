@@ -143,6 +143,9 @@ def main() -> int:
         "command": "python " + " ".join(sys.argv),
         "benches": {},
     }
+    topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True)
+    if topo.returncode == 0:
+        merged["topology"] = topo.stdout
     for name in BENCHES:
         raw_path = args.out_dir / f"ep-a2a-{name}.json"
         if raw_path.exists():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ep_a2a.launch import run_local
+from ep_a2a.launch import load_target, run_local
 
 CASES = str(Path(__file__).with_name("_cases.py"))
 
@@ -24,8 +24,6 @@ def test_torch_backend_matches_reference(world: int) -> None:
 @pytest.mark.multigpu
 def test_torch_backend_nccl_matches_reference() -> None:
     """Under torchrun (`nox -s multigpu`): every rank runs this test on its own GPU."""
-    import importlib.util
-
     import torch.distributed as dist
 
     if "RANK" not in os.environ:
@@ -34,13 +32,10 @@ def test_torch_backend_nccl_matches_reference() -> None:
     torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    spec = importlib.util.spec_from_file_location("_ep_cases", CASES)
-    assert spec is not None
-    assert spec.loader is not None
-    cases = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cases)
+    run_matrix = load_target(f"{CASES}:run_matrix")
+    run_autograd = load_target(f"{CASES}:run_autograd")
     device = torch.device("cuda", local_rank)
     rank, world = dist.get_rank(), dist.get_world_size()
-    assert cases.run_matrix(rank, world, device) >= 16
-    cases.run_autograd(rank, world, device)
+    assert run_matrix(rank, world, device) >= 16
+    run_autograd(rank, world, device)
     dist.barrier()

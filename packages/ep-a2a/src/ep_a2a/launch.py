@@ -30,7 +30,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _resolve(target: str) -> Any:
+def load_target(target: str) -> Any:
+    """The object named by ``"package.module:name"`` or ``"/path/to/file.py:name"``.
+
+    A file is imported as a module registered in ``sys.modules`` (dataclasses and pickling need that).
+    """
     where, _, name = target.rpartition(":")
     if where.endswith(".py"):
         spec = importlib.util.spec_from_file_location(f"_ep_a2a_target_{abs(hash(where))}", where)
@@ -74,7 +78,7 @@ def _child(
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-        result = _resolve(target)(rank, world_size, *args)
+        result = load_target(target)(rank, world_size, *args)
         pickle.dumps(result)  # fail here, with a traceback, rather than silently in the queue's thread
         queue.put((rank, "ok", result))
     except BaseException:
