@@ -11,6 +11,7 @@ from sparse_mla_attn.indexer import (
     indexer_kl_loss,
     indexer_kl_loss_ref,
     indexer_logits,
+    indexer_logits_at,
     indexer_logits_ref,
     indexer_topk,
 )
@@ -178,3 +179,38 @@ def test_indexer_logits_gpu(s_q, h, d, s_kv, kw):
     got = indexer_logits(q, k, w, **kw)
     ref = indexer_logits_ref(q, k, w, **kw)
     assert_logits_close(got, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_indexer_logits_at_matches_dense_gather(dtype):
+    q, k, w = make_inputs(9, 3, 16, 20, device="cpu", dtype=dtype, seed=9)
+    g = torch.Generator().manual_seed(10)
+    idx = torch.randint(0, 20, (9, 1, 7), generator=g, dtype=torch.int32)
+    idx[0, 0, :3] = idx[0, 0, 3]  # duplicates
+    idx[1, 0, 2] = -1
+    idx[2, 0, 4] = 20  # out of range
+    idx[3, 0, :] = -1
+    grad = torch.randn(9, 7, generator=g)
+    qa, ka, wa = (t.clone().requires_grad_() for t in (q, k, w))
+    got = indexer_logits_at(qa, ka, wa, idx)
+    valid = (idx[:, 0] >= 0) & (idx[:, 0] < 20)
+    assert torch.equal(torch.isfinite(got), valid)
+    (torch.where(valid, got, 0.0) * grad).sum().backward()
+    qr, kr, wr = (t.float().clone().requires_grad_() for t in (q, k, w))
+    dense = indexer_logits_ref(qr, kr, wr)
+    ref = dense.gather(1, idx[:, 0].long().clamp(0, 19))
+    (torch.where(valid, ref, 0.0) * grad).sum().backward()
+    torch.testing.assert_close(got[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    for a, b in ((qa, qr), (ka, kr), (wa, wr)):
+        torch.testing.assert_close(a.grad.float(), b.grad.to(a.dtype).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_indexer_logits_at_gradcheck_float64():
+    q, k, w = make_inputs(3, 2, 16, 6, device="cpu", dtype=torch.float64, seed=12)
+    w = w.double()
+    idx = torch.tensor([[[0, 5, 5, -1]], [[2, 3, 6, 1]], [[4, 4, 0, 2]]], dtype=torch.int32)
+    for t in (q, k, w):
+        t.requires_grad_()
+    valid = (idx[:, 0] >= 0) & (idx[:, 0] < 6)
+    f = lambda a, b, c: torch.where(valid, indexer_logits_at(a, b, c, idx), 0.0)
+    assert torch.autograd.gradcheck(f, (q, k, w))

@@ -11,6 +11,7 @@ from sparse_mla_attn.indexer import (
     indexer_kl_loss,
     indexer_kl_loss_ref,
     indexer_logits,
+    indexer_logits_at,
     indexer_logits_ref,
     indexer_topk,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "indexer_kl_loss",
     "indexer_kl_loss_ref",
     "indexer_logits",
+    "indexer_logits_at",
     "indexer_logits_ref",
     "indexer_target",
     "indexer_topk",

@@ -22,6 +22,7 @@ __all__ = [
     "indexer_kl_loss",
     "indexer_kl_loss_ref",
     "indexer_logits",
+    "indexer_logits_at",
     "indexer_logits_ref",
     "indexer_topk",
 ]
@@ -294,6 +295,87 @@ def indexer_logits(
     if q_idx.dtype == torch.float64:
         raise ValueError("indexer_logits runs bf16/fp16/fp32 inputs; use indexer_logits_ref for float64")
     return _IndexerLogits.apply(q_idx, k_idx, weights, causal, q_start_index, k_stride)
+
+
+def _indexer_gather_rows(
+    k_idx: torch.Tensor, idx: torch.Tensor, cdt: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[c, topk]`` indices -> (rows ``[c, topk, d]`` in ``cdt`` with invalid rows zero, valid mask)."""
+    valid = (idx >= 0) & (idx < k_idx.shape[0])
+    rows = k_idx.to(cdt)[idx.clamp(0, k_idx.shape[0] - 1)]
+    return rows * valid[..., None], valid
+
+
+class _IndexerLogitsAt(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
+        s_q, h_idx, _ = q_idx.shape
+        topk = indices.shape[-1]
+        cdt = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
+        out = torch.empty(s_q, topk, dtype=cdt, device=q_idx.device)
+        chunk = max(1, (1 << 24) // max(1, h_idx * topk))
+        for s0 in range(0, s_q, chunk):
+            idx = indices[s0 : s0 + chunk, 0].long()
+            rows, valid = _indexer_gather_rows(k_idx, idx, cdt)
+            z = torch.einsum("shd,std->sht", q_idx[s0 : s0 + chunk].to(cdt), rows)
+            lg = torch.einsum("sht,sh->st", torch.relu(z), weights[s0 : s0 + chunk].to(cdt))
+            out[s0 : s0 + chunk] = lg.masked_fill(~valid, float("-inf"))
+        ctx.save_for_backward(q_idx, k_idx, weights, indices)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        q_idx, k_idx, weights, indices = ctx.saved_tensors
+        s_q, h_idx, _ = q_idx.shape
+        topk = indices.shape[-1]
+        cdt = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
+        dq = torch.empty(q_idx.shape, dtype=cdt, device=q_idx.device)
+        dw = torch.empty(weights.shape, dtype=cdt, device=q_idx.device)
+        dk = torch.zeros(k_idx.shape, dtype=cdt, device=q_idx.device)
+        chunk = max(1, (1 << 24) // max(1, h_idx * topk))
+        for s0 in range(0, s_q, chunk):
+            idx = indices[s0 : s0 + chunk, 0].long()
+            rows, valid = _indexer_gather_rows(k_idx, idx, cdt)
+            qc = q_idx[s0 : s0 + chunk].to(cdt)
+            g = torch.where(valid, grad[s0 : s0 + chunk].to(cdt), 0.0)
+            z = torch.einsum("shd,std->sht", qc, rows)
+            dw[s0 : s0 + chunk] = torch.einsum("st,sht->sh", g, torch.relu(z))
+            gz = g[:, None, :] * weights[s0 : s0 + chunk].to(cdt)[:, :, None] * (z > 0)
+            dq[s0 : s0 + chunk] = torch.einsum("sht,std->shd", gz, rows)
+            drows = torch.einsum("sht,shd->std", gz, qc)
+            dk.index_add_(0, idx[valid], drows[valid])
+        return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype), None
+
+
+def indexer_logits_at(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+) -> torch.Tensor:
+    """Indexer logits at the selected rows only: ``I[t, indices[t, 0, i]]``, with autograd.
+
+    The input of :func:`indexer_kl_loss` without the dense ``[s_q, s_kv]`` logits: forward and backward cost
+    ``topk / s_kv`` of the dense ones. Chunked float32 torch (gather + batched products), not a Triton kernel.
+
+    Args:
+        q_idx: ``[s_q, h_idx, d_idx]``; k_idx: ``[s_kv, d_idx]``; weights: ``[s_q, h_idx]`` (as in
+            :func:`indexer_logits`).
+        indices: ``[s_q, 1, topk]`` int32, e.g. from :func:`indexer_topk`; an index ``< 0`` or ``>= s_kv``
+            is invalid.
+
+    Returns:
+        ``[s_q, topk]`` fp32 logits (fp64 for fp64 inputs), -inf at invalid slots.
+    """
+    _indexer_check(q_idx, k_idx, weights, 0, 1)
+    s_q = q_idx.shape[0]
+    if indices.dim() != 3 or indices.shape[:2] != (s_q, 1) or indices.dtype != torch.int32:
+        raise ValueError(
+            f"indices must be int32 [{s_q}, 1, topk], got {indices.dtype} {tuple(indices.shape)}"
+        )
+    return _IndexerLogitsAt.apply(q_idx, k_idx, weights, indices)
 
 
 def indexer_topk(
