@@ -240,15 +240,20 @@ def run_autograd(rank: int, world: int, device: torch.device, group=None, backen
     """out = combine(expert(dispatch(x)) * w): gradients equal the dense per-rank formula."""
     lc = LayerCase(hidden=64, topk=3, experts_per_rank=2, max_tokens=8, dtype=torch.float32)
     cc = CallCase(tuple(8 - r for r in range(world)), "drop", True)
-    _, xs, idxs, ws = make_inputs(world, lc, cc, seed=77)
-    for local_combine in (False, True):
+    num_experts, xs, idxs, ws = make_inputs(world, lc, cc, seed=77)
+    _, default_scatter = dispatch_ref(xs, idxs, None, num_tot_experts=num_experts)
+    custom = custom_scatter(idxs, default_scatter, world, lc.experts_per_rank, seed=77)
+    # (local combine, caller-given rows): the backward dispatch must reproduce the caller's placement
+    for local_combine, caller_rows in ((False, False), (True, False), (False, True)):
+        fsi = custom[rank].to(device) if caller_rows else None
         with make_layer(lc, rank, world, group, local_combine=local_combine, backend=backend) as layer:
             idx = idxs[rank]
             w_clean = torch.nan_to_num(ws[rank], nan=0.5)
             x = xs[rank].clone().to(device).requires_grad_(True)
             w = w_clean.clone().to(device).requires_grad_(True)
             g = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank)).to(device)
-            rows, rw, desc = layer.dispatch(x, idx.to(device), w)
+            rows, rw, desc = layer.dispatch(x, idx.to(device), w, fsi)
+            assert desc.caller_scatter == caller_rows
             scale = desc.recv_expert_indices.float()[:, None] + 1
             out = layer.combine(rows * scale * rw[:, None], desc)
             (out * g).sum().backward()

@@ -39,7 +39,7 @@ def _expert(rows: torch.Tensor, local_expert: torch.Tensor, weights: torch.Tenso
     return (rows.float() * (1.0 + 0.5 * local_expert.float()[:, None]) * weights[:, None]).to(rows.dtype)
 
 
-def _rank_main(rank: int, world: int, backend: str) -> dict:
+def _rank_main(rank: int, world: int, backend: str, layer_backend: str) -> dict:
     from ep_a2a import EPAll2AllLayer
     from ep_a2a.reference import combine_ref, dispatch_ref
 
@@ -48,9 +48,12 @@ def _rank_main(rank: int, world: int, backend: str) -> dict:
     )
     dtype = torch.bfloat16
     xs, idxs, ws = _inputs(dtype)
-    with EPAll2AllLayer(None, max(TOKENS), HIDDEN, TOPK, rank, EXPERTS, world, world, dtype=dtype) as layer:
+    with EPAll2AllLayer(
+        None, max(TOKENS), HIDDEN, TOPK, rank, EXPERTS, world, world, dtype=dtype, backend=layer_backend
+    ) as layer:
         t0 = time.perf_counter()
         rows, weights, desc = layer.dispatch(xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device))
+        assert weights is not None
         y = _expert(rows, desc.recv_expert_indices, weights)
         out = layer.combine(y, desc)
         if device.type == "cuda":
@@ -58,6 +61,7 @@ def _rank_main(rank: int, world: int, backend: str) -> dict:
         elapsed = time.perf_counter() - t0
         received, scatter = dispatch_ref(xs, idxs, ws, num_tot_experts=EXPERTS)
         ref_rows = received[rank]
+        assert ref_rows.weights is not None
         ref_out = combine_ref(
             [_expert(r.output, r.local_expert, r.weights) for r in received],  # type: ignore[arg-type]
             idxs,
@@ -68,7 +72,8 @@ def _rank_main(rank: int, world: int, backend: str) -> dict:
         err = (out.float().cpu() - ref_out.float()).abs().max().item() if out.numel() else 0.0
         scale = ref_out.float().abs().max().item() if ref_out.numel() else 1.0
         return {
-            "backend": f"{layer.backend_name} ({layer.backend_reason})",
+            "backend": layer.backend_name,
+            "reason": layer.backend_reason,
             "device": str(device),
             "tokens": int(xs[rank].shape[0]),
             "slots_sent": int((idxs[rank] >= 0).sum()),
@@ -82,31 +87,44 @@ def _rank_main(rank: int, world: int, backend: str) -> dict:
         }
 
 
-def main() -> int:
-    from ep_a2a import __version__
-    from ep_a2a.launch import run_local
-
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD else "gloo"
+def _report(results: list[dict]) -> bool:
+    print(f"backend: {results[0]['backend']} ({results[0]['reason']})")
     print(
-        f"ep-a2a {__version__} demo: {WORLD} processes over {backend}, hidden={HIDDEN}, top-{TOPK} of {EXPERTS} experts"
-    )
-    results = run_local("ep_a2a.demo:_rank_main", WORLD, (backend,), backend=backend, timeout_s=300)
-    print(f"backend: {results[0]['backend']}")
-    print(
-        f"{'rank':>4} {'device':>7} {'tokens':>6} {'slots sent':>10} {'rows recv':>9} {'from rank':>10}  rows per local expert"
+        f"{'rank':>4} {'device':>7} {'tokens':>6} {'slots sent':>10} {'rows recv':>9} {'from rank':>10}"
+        "  rows per local expert"
     )
     for rank, r in enumerate(results):
         print(
             f"{rank:>4} {r['device']:>7} {r['tokens']:>6} {r['slots_sent']:>10} {r['rows_received']:>9} "
             f"{r['rows_from_rank']!s:>10}  {r['rows_per_expert']}"
         )
-    ok = all(r["dispatch_exact"] and r["combine_ok"] for r in results)
+    exact = all(r["dispatch_exact"] for r in results)
+    ok = exact and all(r["combine_ok"] for r in results)
     worst = max(r["combine_max_err"] for r in results)
     print(
-        "check vs reference: dispatch rows/weights "
-        + ("bit-identical" if all(r["dispatch_exact"] for r in results) else "DIFFER")
-        + f"; combine max |err| = {worst:.3g} (bf16 output, fp32 accumulation) -> {'OK' if ok else 'FAILED'}"
+        f"check vs reference: dispatch rows/weights {'bit-identical' if exact else 'DIFFER'}; combine max "
+        f"|err| = {worst:.3g} (bf16 output, fp32 accumulation) -> {'OK' if ok else 'FAILED'}"
     )
+    return ok
+
+
+def main() -> int:
+    from ep_a2a import __version__
+    from ep_a2a.launch import run_local
+
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD else "gloo"
+    print(
+        f"ep-a2a {__version__} demo: {WORLD} processes over {backend}, hidden={HIDDEN}, "
+        f"top-{TOPK} of {EXPERTS} experts, tokens per rank {TOKENS}"
+    )
+    # the portable backend always; then whatever backend="auto" picks here, if that is another one
+    results = run_local("ep_a2a.demo:_rank_main", WORLD, (backend, "torch"), backend=backend, timeout_s=300)
+    ok = _report(results)
+    auto = run_local("ep_a2a.demo:_rank_main", WORLD, (backend, "auto"), backend=backend, timeout_s=300)
+    if auto[0]["backend"] != "torch":
+        ok &= _report(auto)
+    else:
+        print(f"backend='auto' picks torch here: {auto[0]['reason']}")
     return 0 if ok else 1
 
 
