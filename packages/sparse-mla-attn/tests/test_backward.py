@@ -256,6 +256,17 @@ def test_bwd_rejects_bad_d_v():
         )
 
 
+def test_bwd_custom_op_fake_and_schema():
+    dev = kernel_device()
+    q, kv, idx = make_case(3, 2, 96, 10, 6, device=dev, dtype=torch.float32, seed=31)
+    out, lse, dout, _, _ = autograd_grads(q, kv, idx, 0.1, 64, dout_seed=4)
+    torch.library.opcheck(
+        torch.ops.sparse_mla_attn.sparse_mla_bwd.default,
+        (q, kv, out, dout, idx, lse, 0.1, 64, 0, 1, False, False),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
 def test_sparse_mla_autograd_end_to_end():
     """Forward through the package's Triton sparse_mla_fwd, backward through ours, against autograd."""
     from sparse_mla_attn.autograd import sparse_mla

@@ -516,6 +516,83 @@ def sparse_mla_bwd(
         contributions of every (query, slot) that selected a row, accumulated in fp32; rows nobody selected
         get 0.
     """
+    if _config is not None:  # tuning hook (benchmarks): eager launch with explicit block sizes
+        return _bwd_impl(
+            q,
+            kv,
+            out,
+            dout,
+            indices,
+            lse,
+            sm_scale,
+            d_v,
+            q_start_index,
+            k_stride,
+            causal,
+            deterministic,
+            _config,
+        )
+    dq, dkv = torch.ops.sparse_mla_attn.sparse_mla_bwd(
+        q, kv, out, dout, indices, lse, float(sm_scale), d_v, q_start_index, k_stride, causal, deterministic
+    )
+    return dq, dkv
+
+
+@torch.library.custom_op("sparse_mla_attn::sparse_mla_bwd", mutates_args=())
+def _bwd_op(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _bwd_impl(
+        q, kv, out, dout, indices, lse, sm_scale, d_v, q_start_index, k_stride, causal, deterministic
+    )
+
+
+@_bwd_op.register_fake
+def _bwd_fake(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _bwd_check(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
+    return torch.empty_like(q), kv.new_empty(kv.shape)
+
+
+def _bwd_impl(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+    deterministic: bool,
+    _config: dict[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate and launch (the body of the ``sparse_mla_attn::sparse_mla_bwd`` custom op)."""
     _bwd_check(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
     s_q, h_q, d_qk = q.shape
     s_kv = kv.shape[0]
