@@ -1,24 +1,19 @@
 """attn_dist and indexer_target against the float32 reference."""
 
 import math
-import os
 
 import pytest
 import torch
 
 from sparse_mla_attn import attn_dist, attn_dist_ref, indexer_target, sparse_mla_fwd
-from sparse_mla_attn._inputs import poison_unselected, random_indices, sprinkle_invalid
+from sparse_mla_attn._inputs import kernel_test_device, poison_unselected, random_indices, sprinkle_invalid
 
 TOL = {"cpu": (1e-5, 1e-4), "gpu": (1e-4, 2e-3)}  # (atol, rtol) on attn_sum
 
 
 def cpu_device() -> str:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    pytest.fail("the kernel tests need TRITON_INTERPRET=1 on a CPU-only machine (nox -s tests sets it)")
-    raise AssertionError
+    """Device for the non-GPU tests: CPU tensors under TRITON_INTERPRET=1, else the GPU."""
+    return kernel_test_device()
 
 
 def problem(s_q, h_q, d_qk, s_kv, topk, device, seed, invalid_frac=0.2):

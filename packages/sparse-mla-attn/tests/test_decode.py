@@ -1,22 +1,18 @@
 """sparse_mla_decode (paged cache, indices are sequence positions) against its float32 reference."""
 
 import math
-import os
 
 import pytest
 import torch
 
 from sparse_mla_attn import sparse_mla_decode, sparse_mla_decode_ref
+from sparse_mla_attn._inputs import kernel_test_device
 from sparse_mla_attn.reference import paged_rows
 
 
 def cpu_device() -> str:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    pytest.fail("the kernel tests need TRITON_INTERPRET=1 on a CPU-only machine (nox -s tests sets it)")
-    raise AssertionError
+    """Device for the non-GPU tests: CPU tensors under TRITON_INTERPRET=1, else the GPU."""
+    return kernel_test_device()
 
 
 def paged_problem(b, s_q, h_q, d_qk, block_size, seqlens, topk, device, seed):

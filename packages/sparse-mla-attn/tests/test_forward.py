@@ -1,13 +1,12 @@
 """sparse_mla_fwd against its float32 reference (CPU: Triton interpreter, tiny shapes; GPU: real shapes)."""
 
 import math
-import os
 
 import pytest
 import torch
 
 from sparse_mla_attn import sparse_mla_fwd, sparse_mla_fwd_ref
-from sparse_mla_attn._inputs import poison_unselected, random_indices, sprinkle_invalid
+from sparse_mla_attn._inputs import kernel_test_device, poison_unselected, random_indices, sprinkle_invalid
 
 # (atol, rtol) per quantity. The interpreter multiplies in float32, so only out's bf16 rounding shows on CPU;
 # on the GPU the probabilities are rounded to bf16 before P·V (FlashMLA does the same).
@@ -20,12 +19,7 @@ TOL = {
 
 def cpu_device() -> str:
     """Device for the non-GPU tests: CPU tensors under TRITON_INTERPRET=1, else the GPU."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    pytest.fail("the kernel tests need TRITON_INTERPRET=1 on a CPU-only machine (nox -s tests sets it)")
-    raise AssertionError
+    return kernel_test_device()
 
 
 def make_problem(s_q, h_q, d_qk, s_kv, topk, device, seed, invalid_frac=0.0):

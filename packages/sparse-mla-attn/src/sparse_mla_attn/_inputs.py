@@ -51,3 +51,20 @@ def sprinkle_invalid(
     pick = torch.rand(indices.shape, device=indices.device, generator=generator) < frac
     which = torch.randint(0, len(zoo), indices.shape, device=indices.device, generator=generator)
     return torch.where(pick, zoo[which], indices.long()).to(torch.int32)
+
+
+def kernel_test_device() -> str:
+    """Device on which the kernels can run here: ``"cpu"`` under ``TRITON_INTERPRET=1``, else ``"cuda"``.
+
+    Raises:
+        RuntimeError: neither the interpreter is on nor a GPU is present.
+    """
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    raise RuntimeError(
+        "the kernels need a GPU, or TRITON_INTERPRET=1 on a CPU-only machine (nox -s tests sets it)"
+    )
