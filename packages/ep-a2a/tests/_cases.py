@@ -278,9 +278,11 @@ def run_errors(rank: int, world: int) -> list[str]:
     """Every bad-input error, then a rank that never arrives, then a rank that exits early."""
     seen = []
     E, H, K = 2 * world, 32, 2
-    mk = lambda **kw: EPAll2AllLayer(
-        None, 4, H, K, rank, E, world, world, dtype=torch.float32, backend="torch", timeout_s=3, **kw
-    )
+
+    def mk(timeout_s: float = 30.0) -> EPAll2AllLayer:
+        return EPAll2AllLayer(
+            None, 4, H, K, rank, E, world, world, dtype=torch.float32, backend="torch", timeout_s=timeout_s
+        )
 
     # arguments checked locally, before any collective
     expect_raises(
@@ -405,7 +407,7 @@ def run_errors(rank: int, world: int) -> list[str]:
     seen.append("finalize")
 
     # a rank that never arrives (alive but late): the others' barrier times out naming it
-    layer = mk()
+    layer = mk(timeout_s=3.0)
     late = world - 1
     if rank == late:
         time.sleep(4.5)
