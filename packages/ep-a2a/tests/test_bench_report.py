@@ -1,0 +1,57 @@
+"""The benchmark driver renders every bench's raw JSON (torch backend's committed run, Triton-style cases)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+
+
+def _run_module():
+    spec = importlib.util.spec_from_file_location("_ep_bench_run", RUN)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_render_committed_and_triton_style_results() -> None:
+    run = _run_module()
+    torch_raw = json.loads((ROOT / "docs" / "benchmarks" / "ep-a2a-torch.json").read_text())
+    triton_raw = {
+        "device": "GPU",
+        "world_size": 2,
+        "cases": [
+            {
+                "shape": "deepseek-v3",
+                "routing": "uniform",
+                "tokens": 128,
+                "hidden": 7168,
+                "experts": 256,
+                "topk": 8,
+                "heap": "torch",
+                "nvlink_bytes": 10**6,
+                "results": {
+                    "ce": {"copy_ms": 0.01},
+                    "ours-sm32": {"dispatch_ms": 0.02, "combine_ms": 0.03, "round_trip_ms": 0.05},
+                    "ours-graph-sm32": {"dispatch_ms": 0.02, "combine_ms": 0.03},
+                },
+            }
+        ],
+        "first_call": {"use_aot": True, "first_dispatch_combine_s": 0.1},
+    }
+    md = run.render({"benches": {"torch": torch_raw, "triton": triton_raw}})
+    assert "## torch" in md
+    assert "## triton" in md
+    assert "| ours-graph-sm32 | 0.020 | 50 | 50 | 0.030 | 33 | 33 | - |" in md
+    # every committed case appears with its baselines
+    for case in torch_raw["cases"]:
+        assert f"{case['tokens']} tokens/rank" in md
+    for name in ("ce (bytes only)", "nccl-a2a (bytes only)", "| torch |", "| nccl-dest |", "| nccl-expert |"):
+        assert name in md
