@@ -209,6 +209,7 @@ def make_layer(
     *,
     local_combine: bool | None = None,
     backend: str = "torch",
+    local_world_size: int | None = None,
 ) -> EPAll2AllLayer:
     return EPAll2AllLayer(
         group,
@@ -217,7 +218,7 @@ def make_layer(
         lc.topk,
         rank,
         world * lc.experts_per_rank,
-        world,
+        local_world_size or world,
         world,
         dtype=lc.dtype,
         enable_local_combine=lc.local_combine if local_combine is None else local_combine,
@@ -233,6 +234,14 @@ def run_matrix(rank: int, world: int, device: torch.device, group=None, backend:
             for j, cc in enumerate(calls):
                 check_call(layer, lc, cc, rank, world, seed=1000 * i + j, device=device)
                 checked += 1
+    if world % 2 == 0 and world > 2:  # the group as two "nodes" of world/2 ranks: same results, node barrier
+        lc, calls = matrix(world)[1]
+        with make_layer(lc, rank, world, group, backend=backend, local_world_size=world // 2) as layer:
+            assert not layer.config.is_intra_node
+            check_call(layer, lc, calls[0], rank, world, seed=7, device=device)
+            layer.ep_barrier_all(intra_node_only=True)
+            layer.ep_barrier_all()
+            checked += 1
     return checked
 
 
