@@ -198,6 +198,8 @@ def round_robin_pack(
 _NUM_BUCKETS = 63
 # up to this many slots per GPU the swap search is exhaustive (S x S pairs), above it a binary search
 _BRUTE_FORCE_SLOTS = 10
+# relative peak gap beyond which a losing candidate plan stops being refined
+_PRUNE_MARGIN = 0.01
 
 
 def duplicate_buckets(expert: torch.Tensor, counts_of_item: torch.Tensor) -> torch.Tensor:
@@ -234,6 +236,7 @@ def refine_swaps(
     origin: torch.Tensor | None = None,
     budget: torch.Tensor | None = None,
     rows_per_group: int = 1,
+    num_candidates: int = 1,
     block: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pairwise exchange refinement; never raises any row's heaviest bin.
@@ -262,6 +265,9 @@ def refine_swaps(
             (``[B]`` int64), a swap is refused when it would leave more than ``budget`` slots holding
             another expert than ``origin`` (migration-aware mode).
         rows_per_group: rows of one layer (consecutive).
+        num_candidates: the rows are ``num_candidates`` stacked plans of the same layers (candidate-major);
+            a candidate whose layer peak is already no better than another's stops refining that layer
+            (only the best candidate of a layer is kept by the caller).
         block: rounds between two re-selections of the active rows.
 
     Returns:
@@ -281,6 +287,11 @@ def refine_swaps(
         row_lb = torch.maximum(bin_load.sum(1) / num_bins, load.flatten(1).amax(1))
         floor = row_lb.view(-1, rows_per_group).amax(1).repeat_interleave(rows_per_group)
         active = alive & (peak > floor * (1 + 1e-9)) & (peak > row_lb * (1 + 1e-9))
+        if num_candidates > 1 and it > 0:
+            layer_peak = peak.view(num_candidates, -1, rows_per_group).amax(-1)  # [C, L]
+            # a candidate stops once it trails the best one of its layer by more than _PRUNE_MARGIN
+            keep = layer_peak <= layer_peak.amin(0, keepdim=True) * (1 + _PRUNE_MARGIN)
+            active &= keep.unsqueeze(-1).expand(-1, -1, rows_per_group).reshape(-1)
         idx = torch.nonzero(active).flatten()
         if idx.numel() == 0:
             break

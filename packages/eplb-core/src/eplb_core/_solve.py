@@ -127,6 +127,7 @@ def refine_candidates(
         bucket=bucket,
         fixed=fixed if bool(fixed.any()) else None,
         rows_per_group=num_nodes,
+        num_candidates=len(candidates),
     )
     expert, _order = expert.sort(dim=-1, stable=True)
     num_cand = len(candidates)

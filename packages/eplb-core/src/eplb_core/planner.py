@@ -116,9 +116,15 @@ def rebalance_experts(
         Deterministic; no GPU holds two replicas of an expert when that can be avoided; no layer ends
         worse than the greedy LPT plan.
     """
-    return plan(
-        weight, num_replicas=num_replicas, num_groups=num_groups, num_nodes=num_nodes, num_gpus=num_gpus
-    ).as_tuple()
+    w = check_weight(weight)
+    num_logical = w.shape[1]
+    check_topology(num_logical, num_replicas, num_groups, num_nodes, num_gpus)
+    w, _ = _prepare(w)
+    mode = _mode_of(num_groups, num_nodes, False)
+    eff_groups, eff_nodes = (num_groups, num_nodes) if mode != "global" else (1, 1)
+    phy2log, logcnt = _solve.solve_hierarchical(w, num_replicas, eff_groups, eff_nodes, num_gpus)
+    # only the three tensors: the quality figures of plan() (bounds, loads) are not computed here
+    return phy2log, _core.log2phy_from_phy2log(phy2log, logcnt), logcnt
 
 
 def plan(
