@@ -100,7 +100,7 @@ def make_mask(c: Case, gen: torch.Generator) -> torch.Tensor | None:
     return excl
 
 
-def time_us(fn: Callable[[], object], warmup: int = 25, rep: int = 200) -> tuple[float, str]:
+def time_us(fn: Callable[[], object], warmup: int = 25, rep: int = 120) -> tuple[float, str]:
     """Median time of ``fn`` in microseconds, L2 flushed before each call.
 
     ``fn`` is captured once in a CUDA graph and the graph is replayed, so host-side launch overhead
