@@ -6,25 +6,15 @@ reliable). GPU: bf16 at real shapes, plus a small end-to-end training step.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from sparse_mla_attn import backward as bwd_mod
+from sparse_mla_attn._inputs import kernel_test_device
 from sparse_mla_attn.backward import _bwd_fwd_math, sparse_mla_bwd, sparse_mla_bwd_ref
 
 # Relative Frobenius error bound per input dtype, for dq and dkv against the float32 autograd reference.
 REL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-
-
-def kernel_device() -> str:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    pytest.fail("the kernel tests need TRITON_INTERPRET=1 on a CPU-only machine (nox -s tests sets it)")
-    raise AssertionError
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -150,7 +140,7 @@ KERNEL_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(("s_q", "h_q", "d_qk", "d_v", "s_kv", "topk", "kw"), KERNEL_CASES)
 def test_bwd_kernel_matches_autograd(s_q, h_q, d_qk, d_v, s_kv, topk, kw, dtype):
-    dev = kernel_device()
+    dev = kernel_test_device()
     q, kv, idx = make_case(s_q, h_q, d_qk, s_kv, topk, device=dev, dtype=dtype, seed=s_q * 7 + topk)
     kv = poison_unselected(kv, idx)
     out, lse, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.125, d_v, dout_seed=5, **kw)
@@ -176,7 +166,7 @@ def test_bwd_kernel_matches_autograd(s_q, h_q, d_qk, d_v, s_kv, topk, kw, dtype)
 
 
 def test_bwd_all_duplicates_accumulate():
-    dev = kernel_device()
+    dev = kernel_test_device()
     q, kv, idx = make_case(3, 2, 96, 8, 8, device=dev, dtype=torch.float32, seed=11, zoo=False)
     idx[:, :, :5] = 5  # five slots of every query point at row 5
     out, lse, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.2, 64, dout_seed=1)
@@ -187,7 +177,7 @@ def test_bwd_all_duplicates_accumulate():
 
 
 def test_bwd_all_invalid_gives_zero():
-    dev = kernel_device()
+    dev = kernel_test_device()
     q, kv, idx = make_case(3, 2, 96, 8, 5, device=dev, dtype=torch.float32, seed=12, zoo=False)
     idx[:] = -1
     lse = torch.full((3, 2), float("-inf"), device=dev)
@@ -200,7 +190,7 @@ def test_bwd_all_invalid_gives_zero():
 
 
 def test_bwd_deterministic_is_bit_identical_and_chunks(monkeypatch):
-    dev = kernel_device()
+    dev = kernel_test_device()
     q, kv, idx = make_case(7, 20, 96, 6, 24, device=dev, dtype=torch.float32, seed=13, zoo=False)
     out, lse, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.3, 64, dout_seed=2)
     runs = [sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.3, 64, deterministic=True) for _ in range(2)]
@@ -257,7 +247,7 @@ def test_bwd_rejects_bad_d_v():
 
 
 def test_bwd_custom_op_fake_and_schema():
-    dev = kernel_device()
+    dev = kernel_test_device()
     q, kv, idx = make_case(3, 2, 96, 10, 6, device=dev, dtype=torch.float32, seed=31)
     out, lse, dout, _, _ = autograd_grads(q, kv, idx, 0.1, 64, dout_seed=4)
     torch.library.opcheck(
@@ -271,7 +261,7 @@ def test_sparse_mla_autograd_end_to_end():
     """Forward through the package's Triton sparse_mla_fwd, backward through ours, against autograd."""
     from sparse_mla_attn.autograd import sparse_mla
 
-    dev = kernel_device()
+    dev = kernel_test_device()
     dtype = torch.float16 if dev == "cpu" else torch.bfloat16
     q, kv, idx = make_case(3, 4, 576, 30, 11, device=dev, dtype=dtype, seed=21)
     kw = {"causal": True, "q_start_index": 20, "k_stride": 1}

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from sparse_mla_attn._inputs import kernel_test_device
 from sparse_mla_attn.indexer import (
     indexer_kl_loss,
     indexer_kl_loss_ref,
@@ -18,15 +17,6 @@ from sparse_mla_attn.indexer import (
 
 # Max abs error of the logits relative to the largest |logit|, per input dtype.
 LOGIT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def kernel_device() -> str:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    pytest.fail("the kernel tests need TRITON_INTERPRET=1 on a CPU-only machine (nox -s tests sets it)")
-    raise AssertionError
 
 
 def make_inputs(s_q, h, d, s_kv, *, device, dtype, seed):
@@ -55,7 +45,7 @@ LOGIT_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(("s_q", "h", "d", "s_kv", "kw"), LOGIT_CASES)
 def test_indexer_logits_forward_and_backward(s_q, h, d, s_kv, kw, dtype):
-    dev = kernel_device()
+    dev = kernel_test_device()
     q, k, w = make_inputs(s_q, h, d, s_kv, device=dev, dtype=dtype, seed=s_q)
     got = indexer_logits(q, k, w, **kw)
     ref = indexer_logits_ref(q, k, w, **kw)
