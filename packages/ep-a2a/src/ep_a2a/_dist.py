@@ -142,7 +142,12 @@ class RankMonitor:
                 step=step,
                 missing_ranks=missing,
             ) from exc
-        return [self.store.get(k).decode() for k in keys]
+        values = [self.store.get(k).decode() for k in keys]
+        if call > 0:
+            # every rank passed the previous call before anyone passed this one: its key is dead weight
+            with contextlib.suppress(Exception):
+                self.store.delete_key(self._key(step, call - 1, self.rank))
+        return values
 
     @contextlib.contextmanager
     def guard(self, step: str) -> Iterator[None]:
