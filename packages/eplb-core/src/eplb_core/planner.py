@@ -270,6 +270,7 @@ def _solve_soft(
     free = per_node_cap - on_node.sum(1)
     filler = torch.sort(w, dim=1).values[:, : slots - 1].sum(1)
     off_home = 1.0 + penalty * (nodes.view(1, 1, -1) != home.unsqueeze(-1)).to(dt)  # [L, N, nodes]
+    off_home_packing = 1.0 + max(penalty, 1.0) * (nodes.view(1, 1, -1) != home.unsqueeze(-1)).to(dt)
     extra = num_replicas - num_logical
     choices_e, choices_n = [], []
     inf = torch.tensor(math.inf, dtype=dt, device=device)
@@ -285,9 +286,11 @@ def _solve_soft(
         e_a = torch.where(feasible, per, none).argmax(1)
         in_heavy = (on_node[rows, :, heavy_node] > 0) & feasible  # [L, N]
         in_heavy |= ~in_heavy.any(1, keepdim=True) & feasible
-        e_b = torch.where(in_heavy, per, none).argmax(1)
+        # option b: the split that takes the most load off the heaviest node (its replicas there shrink)
+        shed = on_node[rows, :, heavy_node] * (per - w / (c + 1))
+        e_b = torch.where(in_heavy, shed, none).argmax(1)
         options = []
-        for e in (e_a, e_b):
+        for which, e in enumerate((e_a, e_b)):
             ce = c.gather(1, e.unsqueeze(1))
             we = w.gather(1, e.unsqueeze(1))
             new_per = we / (ce + 1)
@@ -296,7 +299,10 @@ def _solve_soft(
             crowded = (on_node[rows, e] >= gpus_per_node) & (ce + 1 <= num_gpus)
             blocked = (free <= 0) | crowded
             blocked = torch.where(blocked.all(1, keepdim=True), free <= 0, blocked)
-            cost = torch.where(blocked, inf, (load_after + new_per) * off_home[rows, e])
+            # a split for packing (option a) stays home when it can: slots on other nodes are what the
+            # heaviest node needs to shed load (option b)
+            away = off_home[rows, e] if which == 1 else off_home_packing[rows, e]
+            cost = torch.where(blocked, inf, (load_after + new_per) * away)
             n = cost.argmin(1)
             load_after = load_after.scatter_add(1, n.unsqueeze(1), new_per)
             per_after = per.scatter(1, e.unsqueeze(1), new_per)
