@@ -353,6 +353,18 @@ def run_errors(rank: int, world: int) -> list[str]:
         )
     seen.append("mismatch")
 
+    # the fast path asked for where it cannot run (gloo, CPU): every rank says why, nothing falls back silently
+    with pytest.raises(ValueError, match="backend='triton' is not usable on every rank"):
+        EPAll2AllLayer(
+            None, 4, H, K, rank, E, world, world, dtype=torch.float32, backend="triton", timeout_s=10
+        )
+    auto = EPAll2AllLayer(
+        None, 4, H, K, rank, E, world, world, dtype=torch.float32, backend="auto", timeout_s=10
+    )
+    assert auto.backend_name == "torch"
+    assert "auto fell back to torch" in auto.backend_reason, auto.backend_reason
+    auto.finalize()
+
     layer = mk()
     x = torch.randn(3, H)
     idx = torch.tensor([[0, 1], [E - 1, -1], [1, 1]], dtype=torch.int32)
