@@ -698,11 +698,10 @@ def _combine_kernel(
                             _peer_ptr(table_ptr, s, off_cx, ty)
                             + (rank * max_tokens + toks).to(tl.int64)[:, None] * H
                         )
-                        tab_row = (s * max_tokens + toks).to(tl.int64) * K
                         for h0 in range(0, H, BH):
                             acc = tl.zeros([CH, BH], tl.float32)
                             for k in tl.static_range(K):
-                                rk = tl.load(tab_ptr + tab_row + k, mask=toks < n_s, other=-1).to(tl.int64)
+                                rk = _column(rows, kk, k)
                                 acc += tl.load(
                                     y_ptr + rk[:, None] * H + h0 + hh[None, :],
                                     mask=_m((rk >= 0), h0, hh, H, EVEN_H),
@@ -727,12 +726,11 @@ def _combine_kernel(
                             f = _peer_ptr(table_ptr, rank, off_cflag, tl.int64) + r * nchunks + c
                             ok_all = ok_all & _wait_flag(f, ep, state_ptr, 4, r, timeout, USE_TIMER)
                     if ok_all:
-                        bits = _rank_bits(dest, m2)
-                        tab_row = (rank * max_tokens + toks).to(tl.int64) * K
+                        rows = tl.load(tab_ptr + rank * max_tokens * K + slot, mask=m2, other=-1).to(tl.int64)
                         for h0 in range(0, H, BH):
                             acc = tl.zeros([CH, BH], tl.float32)
                             for k in tl.static_range(K):
-                                rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
+                                rk = _column(rows, kk, k)
                                 acc += tl.load(
                                     y_ptr + rk[:, None] * H + h0 + hh[None, :],
                                     mask=_m((rk >= 0), h0, hh, H, EVEN_H),
@@ -740,7 +738,7 @@ def _combine_kernel(
                                 ).to(tl.float32)
                             for r in tl.static_range(W):
                                 if r != rank:
-                                    need = ((bits >> r) & 1) != 0
+                                    need = tl.sum(((dest == r) & m2).to(tl.int32), axis=1) > 0
                                     src = (
                                         _peer_ptr(table_ptr, rank, off_cx, ty)
                                         + (r * max_tokens + toks).to(tl.int64)[:, None] * H
