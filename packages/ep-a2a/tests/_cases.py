@@ -380,7 +380,7 @@ def run_errors(rank: int, world: int) -> list[str]:
     expect_raises(TypeError, "input must have dtype torch.float32", layer.dispatch, x.bfloat16(), idx)
     expect_raises(ValueError, "input must be on cpu", layer.dispatch, x.to("meta"), idx)
     expect_raises(ValueError, "exp_indices must have shape [3, 2]", layer.dispatch, x, idx[:, :1])
-    expect_raises(TypeError, "exp_indices must have dtype an integer dtype", layer.dispatch, x, idx.float())
+    expect_raises(TypeError, "exp_indices must have an integer dtype", layer.dispatch, x, idx.float())
     expect_raises(ValueError, f"exp_indices must be in [-1, num_tot_experts={E})", layer.dispatch, x, idx + E)
     expect_raises(ValueError, f"got values in [-3, {E - 3}]", layer.dispatch, x, idx - 2)
     expect_raises(ValueError, "weight must have shape [3, 2]", layer.dispatch, x, idx, torch.rand(3, 1))

@@ -264,8 +264,8 @@ class EPAll2AllLayer:
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
         if dtypes is not None and t.dtype not in dtypes:
-            want = dtypes[0] if len(dtypes) == 1 else "an integer dtype"
-            raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+            want = f"dtype {dtypes[0]}" if len(dtypes) == 1 else "an integer dtype"
+            raise TypeError(f"{name} must have {want}, got {t.dtype}")
         if t.device != self.device:
             raise ValueError(f"{name} must be on {self.device} (the ep_group's device), got {t.device}")
 
