@@ -340,7 +340,7 @@ def _refine_block(
     device = load.device
     num_pairs = num_bins // 2
     tol = _REL_TOL * load.sum(dim=(1, 2)).clamp_min(1e-300).view(-1, 1, 1) / num_bins
-    rows = torch.arange(num_rows, device=device).view(-1, 1)
+    torch.arange(num_rows, device=device).view(-1, 1)
     pair_idx = torch.arange(num_pairs, device=device)
     flat_l, flat_e = load.view(num_rows, -1), expert.view(num_rows, -1)
     width = _NUM_BUCKETS + 1
@@ -367,14 +367,16 @@ def _refine_block(
         light_sorted = order[:, num_bins - num_pairs :].flip(1)  # lightest first
         shift = it % num_pairs
         light = light_sorted[:, (pair_idx + shift) % num_pairs] if shift else light_sorted
-        la = load[rows, heavy]  # [B, P, S]
+        # gathers, not advanced indexing: several times cheaper on CPU for these small shapes
+        la = load.gather(1, heavy.unsqueeze(-1).expand(-1, -1, slots))  # [B, P, S]
+        lb_raw = load.gather(1, light.unsqueeze(-1).expand(-1, -1, slots))
         gap = (bin_load.gather(1, heavy) - bin_load.gather(1, light)).unsqueeze(-1)
         if slots <= _BRUTE_FORCE_SLOTS:
             # few slots: try every (x, y) pair, cheaper than sorting tiny rows
-            delta = la.unsqueeze(-1) - load[rows, light].unsqueeze(-2)  # [B, P, S, S]
+            delta = la.unsqueeze(-1) - lb_raw.unsqueeze(-2)  # [B, P, S, S]
             gain, y = torch.minimum(delta, gap.unsqueeze(-1) - delta).max(-1)  # [B, P, S]
         else:
-            lb, lb_idx = load[rows, light].sort(dim=-1)
+            lb, lb_idx = lb_raw.sort(dim=-1)
             pos = torch.searchsorted(lb, (la - 0.5 * gap).contiguous())
             cand = torch.stack([(pos - 1).clamp_min(0), pos.clamp_max(slots - 1)], dim=-1)  # [B, P, S, 2]
             delta = la.unsqueeze(-1) - lb.unsqueeze(-2).expand(-1, -1, slots, -1).gather(-1, cand)
