@@ -490,10 +490,9 @@ def main() -> None:
         import triton
 
         out["triton"] = triton.__version__
-        out["commit"] = (
-            subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-            or None
-        )
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        # a copy of the tree without .git prints "HEAD": record nothing rather than that
+        out["commit"] = os.environ.get("EP_A2A_COMMIT") or (head if len(head) == 40 else None)
     except Exception:
         pass
     if args.topo and os.path.exists(args.topo):
