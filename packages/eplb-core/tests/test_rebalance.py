@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,12 @@ from hypothesis import strategies as st
 import eplb_core as E
 from eplb_core._greedy import greedy_rebalance
 
-SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# CI runs 30 examples per property; EPLB_HYPOTHESIS_EXAMPLES=500 for a longer local search
+SETTINGS = settings(
+    max_examples=int(os.environ.get("EPLB_HYPOTHESIS_EXAMPLES", "30")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @st.composite
