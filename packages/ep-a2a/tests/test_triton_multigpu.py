@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ep_a2a.config import EPConfig
-from ep_a2a.reference import combine_ref, dispatch_ref
+from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
 
 pytestmark = pytest.mark.multigpu
 
@@ -179,6 +179,49 @@ def test_num_sm_and_aot(group):
         _check_round_trip(be, group, xs, ids, ws, gen, 16, torch.bfloat16)
     finally:
         be.finalize()
+
+
+def test_combine_per_slot(group):
+    """Per-slot rows back (routing-weight gradients), float32 width 1, against the reference."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    be = _make_backend(
+        group, max_tokens=40, hidden=512, topk=4, experts=16, dtype=torch.bfloat16, heap="torch"
+    )
+    try:
+        xs, ids, ws, gen = _inputs(
+            31,
+            world,
+            ([40, 23] * world)[:world],
+            512,
+            4,
+            16,
+            torch.bfloat16,
+            skew=False,
+            drop=0.1,
+            with_w=True,
+        )
+        _, _, desc = be.dispatch(xs[rank].to(dev), ids[rank].to(dev), ws[rank].to(dev), None)
+        _, scat = dispatch_ref(xs, ids, ws, num_tot_experts=16)
+        grads = [
+            torch.randn(n_rows, 1, generator=gen)
+            for n_rows in [int(r) for r in _rows_per_rank(ids, world, 16)]
+        ]
+        got = be.combine_per_slot(grads[rank].to(dev), desc).cpu()
+        want = combine_per_slot_ref(grads, ids, scat, num_tot_experts=16)[rank]
+        assert torch.equal(got, want)
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
+
+
+def _rows_per_rank(ids, world, experts):
+    e_local = experts // world
+    counts = [0] * world
+    for idx in ids:
+        for d in range(world):
+            counts[d] += int(((idx >= 0) & (idx.long() // e_local == d)).sum())
+    return counts
 
 
 def test_cuda_graph_capture_replay(group):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_a2a.reference import combine_ref, dispatch_ref
+from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
 from ep_a2a.triton_backend.engine import EPTimeoutFromDevice, interpreting
 from ep_a2a.triton_backend.simulate import SimWorld
 
@@ -206,3 +206,24 @@ def test_missing_combine_peer_times_out():
     with pytest.raises(EPTimeoutFromDevice, match="rank 1") as info:
         sim.combine(ys[:1], res[:1], ids, skip_ranks=[1])
     assert info.value.step == "combine"
+
+
+def test_combine_per_slot_matches_reference():
+    """Per-slot combine (routing-weight gradients): topk combines with a barrier before each."""
+    world, hidden, topk, experts = 3, 16, 3, 6
+    gen = torch.Generator().manual_seed(9)
+    ns = [5, 3, 4]
+    sim = SimWorld(
+        world_size=world, max_tokens=5, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=2, chunk=4
+    )
+    xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in ns]
+    ids = [_routing(n, topk, experts, gen, skew=False, drop=0.2) for n in ns]
+    res = sim.dispatch(xs, ids)
+    _, scat = dispatch_ref(xs, ids, num_tot_experts=experts)
+    # width 1 in float32, as the layer uses it for weight gradients
+    ys = [torch.randn(r.output.shape[0], 1, generator=gen) for r in res]
+    got = sim.combine_per_slot(ys, res, ids)
+    want = combine_per_slot_ref(ys, ids, scat, num_tot_experts=experts)
+    for r in range(world):
+        assert got[r].shape == (ns[r], topk, 1)
+        assert torch.equal(got[r], want[r]), f"rank {r}: per-slot rows differ"

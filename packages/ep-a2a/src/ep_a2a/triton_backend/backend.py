@@ -196,6 +196,12 @@ class TritonBackend(A2ABackend):
         full_scatter_indices: torch.Tensor | None,
     ) -> DispatchResult:
         self._check_usable()
+        if input.dtype.itemsize > self.config.token_dtype.itemsize:
+            raise ValueError(
+                f"input: the triton backend's receive buffers hold {self.config.token_dtype} rows; got "
+                f"{input.dtype} (e.g. the backward of a combine over float32 expert outputs: cast them to "
+                f"{self.config.token_dtype}, or use backend='torch')"
+            )
         eng = self.engine
         caller = full_scatter_indices is not None
         n = input.shape[0]
@@ -212,7 +218,7 @@ class TritonBackend(A2ABackend):
             except EPTimeoutFromDevice as exc:
                 self._raise_device_error(exc)
         rows = int(fields["total"])
-        bufs = eng.alloc_dispatch_outputs(n, rows, with_weights=weight is not None)
+        bufs = eng.alloc_dispatch_outputs(n, rows, with_weights=weight is not None, dtype=input.dtype)
         src = full_scatter_indices if full_scatter_indices is not None else eng.pos
         eng.launch_dispatch(
             input,
@@ -259,6 +265,33 @@ class TritonBackend(A2ABackend):
         return self._combine(
             input, state, layout_desc.topk_indices_tensor, layout_desc.num_dispatch_token_cur_rank
         )
+
+    def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
+        """Rows back without summing: ``[n, topk, C]`` (zeros for dropped slots); ``input``: ``[R, C]``.
+
+        Used by the layer for routing-weight gradients (``C == 1``). Runs ``topk`` combines of the rows
+        of one slot each, with a device-side barrier before each (so back-to-back combines never
+        overwrite rows a peer is still reading): correct, not fast.
+        """
+        self._check_usable()
+        state = layout_desc.backend_state
+        if not isinstance(state, _TritonState) or state.owner != id(self):
+            raise ValueError("layout_desc was not produced by this triton backend's dispatch")
+        if input.dim() != 2 or input.shape[1] > self.config.hidden:
+            raise ValueError(
+                f"input must be [rows, C] with C <= {self.config.hidden}, got {tuple(input.shape)}"
+            )
+        if not input.dtype.is_floating_point or input.dtype.itemsize > 4:
+            raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {input.dtype}")
+        n = layout_desc.num_dispatch_token_cur_rank
+        outs = []
+        for y_k in self.engine.per_slot_rows(input.contiguous(), state.tab, state.n_src):
+            self.engine.launch_barrier()
+            out = torch.empty(n, input.shape[1], dtype=input.dtype, device=self.device)
+            self.engine.launch_combine(y_k, state.tab, layout_desc.topk_indices_tensor, state.n_src, out)
+            outs.append(out)
+        self._combine_allowed = False
+        return torch.stack(outs, dim=1)
 
     def _combine(
         self, input: torch.Tensor, state: _TritonState, exp_indices: torch.Tensor, n: int

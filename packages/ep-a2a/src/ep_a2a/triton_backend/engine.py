@@ -348,6 +348,11 @@ class TritonEPEngine:
         recv: bool = True,
     ) -> None:
         lay = self.layout
+        width = y.shape[1]
+        if width > self.hidden:
+            raise ValueError(f"combine rows are at most hidden={self.hidden} wide, got {width}")
+        # narrower rows (per-slot weight gradients: width 1) get a narrower tile
+        bh = self.block_h if width == self.hidden else max(16, min(_next_pow2(width), self.block_h))
         self._launch(
             K._combine_kernel,
             (self.num_sm,),
@@ -356,7 +361,7 @@ class TritonEPEngine:
             _nz(exp_indices),
             n_src,
             exp_indices.shape[0],
-            out,
+            _nz(out),
             self.ptr_table,
             self.state,
             self.rank,
@@ -370,10 +375,10 @@ class TritonEPEngine:
             K=self.topk,
             KP=self.kp,
             WP=self.wp,
-            H=self.hidden,
-            BH=self.block_h,
+            H=width,
+            BH=bh,
             CH=self.chunk,
-            EVEN_H=self.hidden % self.block_h == 0,
+            EVEN_H=width % bh == 0,
             SEND=send,
             RECV=recv,
             LAG=1 if (send and recv) else 0,
@@ -398,13 +403,37 @@ class TritonEPEngine:
             num_warps=1,
         )
 
+    def per_slot_rows(self, y: torch.Tensor, tab: torch.Tensor, n_src: torch.Tensor) -> list[torch.Tensor]:
+        """``K`` copies of ``y`` [R, C], copy ``k`` keeping only the rows that serve a slot ``k``.
+
+        Combining copy ``k`` returns, for every token, the row of its slot ``k`` (no other slot
+        contributes): the per-slot combine used for routing-weight gradients.
+        """
+        rows = y.shape[0]
+        t = torch.arange(self.max_tokens, device=tab.device)
+        live = (tab >= 0) & (t[None, :, None] < n_src.to(tab.device)[:, None, None])
+        slot_of = torch.full((max(rows, 1),), -1, dtype=torch.int64, device=tab.device)
+        kidx = torch.arange(self.topk, device=tab.device).expand_as(tab)
+        slot_of[tab[live].long()] = kidx[live]
+        slot_of = slot_of[:rows]
+        return [
+            torch.where((slot_of == k)[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+            for k in range(self.topk)
+        ]
+
     # ------------------------------------------------------------------ buffers
     def worst_case_rows(self) -> int:
         """Most rows one rank can receive: every slot of every source on this rank."""
         return self.world_size * self.max_tokens * self.topk
 
     def alloc_dispatch_outputs(
-        self, n: int, rows: int, *, with_weights: bool, out: torch.Tensor | None = None
+        self,
+        n: int,
+        rows: int,
+        *,
+        with_weights: bool,
+        out: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
     ) -> dict[str, torch.Tensor]:
         dev = self.device
 
@@ -413,7 +442,7 @@ class TritonEPEngine:
             return torch.empty(max(1, shape[0]), *shape[1:], dtype=dtype, device=dev)[: shape[0]]
 
         return {
-            "out": out if out is not None else buf(rows, self.hidden, dtype=self.token_dtype),
+            "out": out if out is not None else buf(rows, self.hidden, dtype=dtype or self.token_dtype),
             "out_w": buf(rows if with_weights else 1, dtype=self.weight_dtype),
             "out_e": buf(rows, dtype=torch.int32),
             "tab": buf(self.world_size, self.max_tokens, self.topk, dtype=torch.int32),
@@ -524,7 +553,10 @@ class TritonEPEngine:
                     **common,
                 )
                 n += 1
-        for dt in (self.token_dtype, *dtypes):
+        narrow = max(16, min(_next_pow2(1), self.block_h))
+        combine_variants = [(dt, self.hidden, self.block_h) for dt in (self.token_dtype, *dtypes)]
+        combine_variants.append((torch.float32, 1, narrow))  # per-slot weight gradients
+        for dt, width, bh in combine_variants:
             K._combine_kernel.warmup(
                 dt,
                 i32,
@@ -544,10 +576,10 @@ class TritonEPEngine:
                 K=self.topk,
                 KP=self.kp,
                 WP=self.wp,
-                H=self.hidden,
-                BH=self.block_h,
+                H=width,
+                BH=bh,
                 CH=self.chunk,
-                EVEN_H=self.hidden % self.block_h == 0,
+                EVEN_H=width % bh == 0,
                 SEND=True,
                 RECV=True,
                 LAG=1,

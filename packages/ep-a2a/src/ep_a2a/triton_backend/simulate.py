@@ -169,7 +169,9 @@ class SimWorld:
         ranks = [r for r in range(self.world_size) if r not in skip_ranks]
         outs = {
             r: torch.full(
-                (exp_indices[r].shape[0], self.engines[r].hidden), float("nan"), dtype=expert_outputs[i].dtype
+                (exp_indices[r].shape[0], expert_outputs[i].shape[1]),
+                float("nan"),
+                dtype=expert_outputs[i].dtype,
             )
             for i, r in enumerate(ranks)
         }
@@ -188,3 +190,26 @@ class SimWorld:
         for r in ranks:
             self.engines[r].check_error()
         return [outs[r] for r in ranks]
+
+    def combine_per_slot(
+        self,
+        expert_outputs: Sequence[torch.Tensor],
+        dispatched: Sequence[SimDispatch],
+        exp_indices: Sequence[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Per-slot combine on every rank (``[n, K, C]``): one barrier and one combine per slot."""
+        per_rank = [
+            eng.per_slot_rows(y, d.tab, d.num_input_tokens_per_rank)
+            for eng, y, d in zip(self.engines, expert_outputs, dispatched, strict=True)
+        ]
+        topk = self.engines[0].topk
+        outs: list[list[torch.Tensor]] = [[] for _ in self.engines]
+        for k in range(topk):
+            for send, recv in ((True, False), (False, True)):
+                for eng in self.engines:
+                    eng.launch_barrier(send=send, recv=recv)
+            rows_k = [per_rank[r][k] for r in range(self.world_size)]
+            res = self.combine(rows_k, dispatched, exp_indices)
+            for r in range(self.world_size):
+                outs[r].append(res[r])
+        return [torch.stack(o, dim=1) for o in outs]
