@@ -454,3 +454,11 @@ def test_seed_entry_at_seed_shapes(cuda_device: torch.device) -> None:
     )
     torch.testing.assert_close(out.squeeze(2).float(), ref.float(), **TOL[torch.float16])
     torch.testing.assert_close(lse.squeeze(-1), ref_lse, **LSE_TOL)
+
+
+def test_empty_batch(cpu_device: torch.device) -> None:
+    q = torch.randn(0, 8, 32, dtype=torch.float16)
+    k = torch.randn(0, 2, 40, 32, dtype=torch.float16)
+    out, lse = masked_decode(q, k, k, None)
+    assert out.shape == (0, 8, 32)
+    assert lse.shape == (0, 8)

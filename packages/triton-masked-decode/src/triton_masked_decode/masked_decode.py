@@ -676,7 +676,7 @@ def _masked_decode_op(
     path: int,
     sparse_threshold: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(
+    args = (
         q,
         k,
         v,
@@ -690,6 +690,12 @@ def _masked_decode_op(
         path,
         sparse_threshold,
     )
+    if q.shape[0] == 0:
+        return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+    if q.device.type == "cuda":
+        with torch.cuda.device(q.device):  # Triton launches on the current device
+            return _launch(*args)
+    return _launch(*args)
 
 
 @_masked_decode_op.register_fake
