@@ -14,7 +14,8 @@ Two inner loops share the per-tile attention step:
 
 With ``path="auto"`` each program counts the visible positions of its chunk and takes the sparse loop
 when the fraction is at most ``sparse_threshold``: the choice is made on the device, per split.
-Partial results (one per split) are combined by a second kernel with the log-sum-exp rule.
+Partial results (one per split) are combined by a second kernel with the log-sum-exp rule. On a GPU the
+tile length, warps and pipelining depth are autotuned per shape class on first use.
 """
 
 from __future__ import annotations
@@ -549,9 +550,20 @@ def choose_num_splits(
     """Split count and chunk length (positions per split) for a launch; depends on shapes only.
 
     Aims at about four programs per SM (two resident waves at two programs per SM) and at most
-    ``_MAX_CHUNK`` positions per program, so batch 1 fills the GPU through splits and a ragged large batch
-    balances through many short programs. Returns ``(num_splits, chunk)``, ``chunk`` a multiple of
-    ``block_n``.
+    4096 positions per program, so batch 1 fills the GPU through splits and a ragged large batch
+    balances through many short programs.
+
+    Args:
+        batch: number of sequences ``B``.
+        num_kv_heads: ``Hkv``.
+        max_len: positions to cover (``L``, or the host-int ``seqlens``).
+        block_n: granularity of the chunk length (128 on GPU, so that every autotuned tile divides it).
+        num_sms: streaming multiprocessors of the device (132 on an H100 SXM).
+        num_splits: requested split count instead of the heuristic.
+
+    Returns:
+        ``(num_splits, chunk)`` with ``chunk`` a multiple of ``block_n`` and
+        ``(num_splits - 1) * chunk < max_len <= num_splits * chunk`` (one split when ``max_len`` is 0).
     """
     tiles = max(1, triton.cdiv(max_len, block_n))
     if num_splits is None:
