@@ -22,6 +22,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHES = {"torch": HERE / "bench_torch_backend.py", "triton": HERE / "bench_triton.py"}
+# where each bench's raw output goes (first name), and what else may hold its results (a curated file
+# gathering several runs, kept as is and used when no fresh raw output exists)
+RAW_NAMES = {"torch": ["ep-a2a-torch.json"], "triton": ["ep-a2a-triton-bench.json", "ep-a2a-triton.json"]}
 # NVLink SHARP/multicast stays off on the project's machines (see the docs)
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -104,18 +107,27 @@ def render(merged: dict) -> str:
         "same bytes measured in the same run."
     )
     for name, raw in merged["benches"].items():
-        lines += [
-            "",
-            f"## {name}",
-            "",
-            f"{raw.get('device')} x{raw.get('world_size')}, torch {raw.get('torch')}, {raw.get('date')}, "
-            f"commit `{raw.get('commit')}`",
-            "",
-            f"Command: `{raw.get('command')}` (env {raw.get('env')})",
-        ]
-        lines += table(raw)
-        if "first_call" in raw:
-            lines += ["", f"First call: {raw['first_call']}"]
+        lines += ["", f"## {name}", ""]
+        if raw.get("file"):
+            lines += [f"Raw numbers: `docs/benchmarks/{raw['file']}`.", ""]
+        if raw.get("what"):
+            lines += [str(raw["what"]), ""]
+        runs = raw["runs"] if isinstance(raw.get("runs"), dict) else {"": raw}
+        for run_name, run in runs.items():
+            if run_name:
+                lines += ["", f"### {run_name}", ""]
+            world = run.get("world_size", raw.get("world_size"))
+            lines += [
+                f"{raw.get('device', run.get('device'))}{f' x{world}' if world else ''}, "
+                f"torch {raw.get('torch', run.get('torch'))}, {run.get('date')}, commit `{run.get('commit')}`",
+                "",
+                f"Command: `{run.get('command')}` (env {raw.get('env', run.get('env'))})",
+            ]
+            lines += (
+                table(run) if run.get("cases") else ["", "(no per-case table in this run: see the raw file)"]
+            )
+            if "first_call" in run:
+                lines += ["", f"First call: {run['first_call']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -124,32 +136,38 @@ def main() -> int:
     p.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=sorted(BENCHES), nargs="+", default=None)
+    p.add_argument(
+        "--render-only", action="store_true", help="run nothing: merge and render the raw files present"
+    )
     args = p.parse_args()
-    ngpu = gpu_count()
-    if ngpu < 2:
+    ngpu = 0 if args.render_only else gpu_count()
+    if not args.render_only and ngpu < 2:
         print(f"ep-a2a benchmarks need at least 2 CUDA GPUs; this machine has {ngpu}.", file=sys.stderr)
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
     ok = True
-    for name in args.only or list(BENCHES):
+    for name in [] if args.render_only else args.only or list(BENCHES):
         path = BENCHES[name]
         if not path.exists():
             print(f"=== {name}: {path.name} not present, skipped")
             continue
-        ok &= run_bench(name, path, args.out_dir / f"ep-a2a-{name}.json", ngpu, args.quick)
+        ok &= run_bench(name, path, args.out_dir / RAW_NAMES[name][0], ngpu, args.quick)
     merged: dict = {
         "package": "ep-a2a",
         "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join(sys.argv),
         "benches": {},
     }
-    topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True)
-    if topo.returncode == 0:
-        merged["topology"] = topo.stdout
+    if not args.render_only:
+        topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True)
+        if topo.returncode == 0:
+            merged["topology"] = topo.stdout
     for name in BENCHES:
-        raw_path = args.out_dir / f"ep-a2a-{name}.json"
-        if raw_path.exists():
-            merged["benches"][name] = json.loads(raw_path.read_text())
+        for raw_name in RAW_NAMES[name]:
+            raw_path = args.out_dir / raw_name
+            if raw_path.exists():
+                merged["benches"][name] = {"file": raw_name, **json.loads(raw_path.read_text())}
+                break
     (args.out_dir / "ep-a2a.json").write_text(json.dumps(merged, indent=1) + "\n")
     md = render(merged)
     (args.out_dir / "ep-a2a.md").write_text(md)
