@@ -114,6 +114,9 @@ class TritonBackend(A2ABackend):
         if num_sm < 1:
             raise ValueError(f"num_sm must be >= 1, got {num_sm}")
         self.device = torch.device("cuda", torch.cuda.current_device())
+        # more CTAs than SMs would only queue behind each other
+        num_sm = min(num_sm, torch.cuda.get_device_properties(self.device).multi_processor_count)
+        self.num_sm = num_sm
         chunk = chunk or _default_chunk(config.hidden, config.max_tokens)
         self.layout = HeapLayout.build(
             world_size=config.world_size,
