@@ -200,6 +200,8 @@ _NUM_BUCKETS = 63
 _BRUTE_FORCE_SLOTS = 10
 # relative peak gap beyond which a losing candidate plan stops being refined
 _PRUNE_MARGIN = 0.01
+# a row stops once a block of rounds lowers its peak by less than this fraction
+_MIN_BLOCK_GAIN = 1e-6
 
 
 def duplicate_buckets(expert: torch.Tensor, counts_of_item: torch.Tensor) -> torch.Tensor:
@@ -224,6 +226,11 @@ def duplicate_buckets(expert: torch.Tensor, counts_of_item: torch.Tensor) -> tor
     bucket_sorted = torch.where(sorted_key >= 0, rank % _NUM_BUCKETS, torch.full_like(rank, _NUM_BUCKETS))
     bucket = torch.empty_like(bucket_sorted).scatter_(1, order, bucket_sorted)
     return bucket.view_as(expert)
+
+
+def _excess(bin_load: torch.Tensor) -> torch.Tensor:
+    """``[B]`` total load above the row mean (0 when perfectly balanced)."""
+    return (bin_load - bin_load.mean(1, keepdim=True)).clamp_min(0).sum(1)
 
 
 def refine_swaps(
@@ -284,6 +291,7 @@ def refine_swaps(
     while it < iters:
         bin_load = load.sum(-1)
         peak = bin_load.amax(1)
+        excess = _excess(bin_load)
         row_lb = torch.maximum(bin_load.sum(1) / num_bins, load.flatten(1).amax(1))
         floor = row_lb.view(-1, rows_per_group).amax(1).repeat_interleave(rows_per_group)
         active = alive & (peak > floor * (1 + 1e-9)) & (peak > row_lb * (1 + 1e-9))
@@ -316,7 +324,12 @@ def refine_swaps(
             bucket.index_copy_(0, idx, b2)
         if fixed is not None and f2 is not None:
             fixed.index_copy_(0, idx, f2)
-        alive.index_copy_(0, idx, moved)
+        # a row whose load above the mean hardly shrank in a whole block has converged in practice
+        # (the peak alone can stall while several GPUs tie at the top and are lowered one by one)
+        before = excess.index_select(0, idx)
+        after = _excess(l2.sum(-1))
+        total = bin_load.sum(1).index_select(0, idx)
+        alive.index_copy_(0, idx, moved & (before - after > _MIN_BLOCK_GAIN * total))
         it += rounds
     return load, expert
 
