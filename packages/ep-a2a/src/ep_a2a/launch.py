@@ -96,6 +96,7 @@ def run_local(
     *,
     backend: str = "gloo",
     timeout_s: float = 120.0,
+    error_grace_s: float = 15.0,
 ) -> list[Any]:
     """Run ``target`` on ``world_size`` local processes and return each rank's result.
 
@@ -106,6 +107,7 @@ def run_local(
         args: extra picklable arguments.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank ``r`` on GPU ``r``).
         timeout_s: bound on the whole run; processes still alive after it are killed.
+        error_grace_s: once a rank has raised, how long the others may still run before being killed.
 
     Returns:
         the results, by rank.
@@ -142,6 +144,8 @@ def run_local(
             try:
                 rank, status, value = queue.get(timeout=min(remaining, 1.0))
                 results[rank] = (status, value)
+                if status == "error":  # the others would only wait for it: give them a moment, then stop
+                    deadline = min(deadline, time.monotonic() + error_grace_s)
             except queue_mod.Empty:
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     break
