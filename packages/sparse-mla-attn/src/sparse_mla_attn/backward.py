@@ -464,13 +464,13 @@ def _bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str,
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
                 "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1}  # fmt: skip
     # Measured on H100 at s_q 4096, h_q 128, topk 2048, s_kv 32K (docs/sparse-mla-attn/training.md): 64-head
-    # x 128-slot blocks with 64-channel chunks were fastest with atomics (a later sweep found chunk_stages 3
-    # about 10% faster still; not yet the default, as the committed table was measured with 2). The deterministic mode takes all
-    # 128 heads in one program (64-slot blocks): one head block halves its fp32 workspace traffic.
+    # x 128-slot blocks with 64-channel chunks, three chunks in flight, were fastest with atomics. The
+    # deterministic mode takes all 128 heads in one program (64-slot blocks): one head block halves its fp32
+    # workspace traffic.
     cfg = {"BLOCK_H": block_h, "BLOCK_T": 128, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 128,
            "BLOCK_H_DQ": max(16, triton.next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
-           "chunk_stages": 2}  # fmt: skip
+           "chunk_stages": 3}  # fmt: skip
     if deterministic:
         cfg.update(BLOCK_H=max(16, triton.next_power_of_2(min(h_q, 128))), BLOCK_T=64, chunk_stages=3)
     return cfg

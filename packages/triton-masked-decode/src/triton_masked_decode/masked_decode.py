@@ -34,7 +34,7 @@ _interp_compat.install()
 __all__ = ["SPARSE_THRESHOLD", "masked_decode", "triton_masked_flash_decoding"]
 
 #: Default largest fraction of visible positions in a split for which ``path="auto"`` takes the sparse loop.
-SPARSE_THRESHOLD = 0.35
+SPARSE_THRESHOLD = 0.45
 
 _LOG2E = 1.4426950408889634
 # "dense_read_all" reads every in-bounds K/V row and zeroes excluded ones (for comparison in benchmarks).
