@@ -311,3 +311,46 @@ def test_min_max_counts_matches_sequential_greedy(
         ref[torch.arange(3), (w / ref).argmax(1)] += 1
     torch.testing.assert_close((w / got).amax(1), (w / ref).amax(1))
     assert bool((got.sum(1) == num_experts + extra).all())
+
+
+# ------------------------------------------------------------------ NumPy planner pieces
+@SETTINGS
+@given(st.integers(1, 6), st.integers(1, 5), st.integers(1, 5), st.integers(0, 2**31 - 1), st.booleans())
+def test_lpt_bins_matches_greedy_baseline(
+    rows: int, num_bins: int, slots: int, seed: int, with_experts: bool
+) -> None:
+    """The vectorised LPT of the planner places every item exactly as the baseline's loop does."""
+    from eplb_core import _fast
+    from eplb_core._greedy import _lpt_pack
+
+    rng = np.random.default_rng(seed)
+    num_items = num_bins * slots
+    num_experts = max(1, num_items - rng.integers(0, num_items))
+    counts = np.ones((rows, num_experts), dtype=np.int64)
+    for r in range(rows):
+        np.add.at(counts[r], rng.integers(0, num_experts, num_items - num_experts), 1)
+    w = (
+        rng.integers(0, 4, (rows, num_experts)).astype(np.float64)
+        if seed % 3 == 0
+        else rng.random((rows, num_experts))
+    )
+    load, local = _fast._expand(w, counts, num_items)
+    expert = local if with_experts else None
+    np.testing.assert_array_equal(_fast.lpt_bins(load, num_bins, expert), _lpt_pack(load, num_bins, expert))
+
+
+@SETTINGS
+@given(st.integers(1, 12), st.integers(0, 20), st.integers(0, 2**31 - 1), st.booleans())
+def test_split_counts_equal_sequential_greedy(num_experts: int, extra: int, seed: int, ints: bool) -> None:
+    from eplb_core import _fast
+    from eplb_core._greedy import _replicate
+
+    rng = np.random.default_rng(seed)
+    w = (
+        rng.integers(0, 4, (3, num_experts)).astype(np.float64) + 1
+        if ints
+        else np.exp(2 * rng.standard_normal((3, num_experts)))
+    )
+    np.testing.assert_array_equal(
+        _fast.split_counts(w, num_experts + extra), _replicate(w, num_experts + extra)
+    )

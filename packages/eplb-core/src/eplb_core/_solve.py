@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eplb_core import _core, _greedy
-from eplb_core._greedy import greedy_rebalance
+from eplb_core import _core, _fast, _greedy
 
 
 def replica_loads(weight: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor) -> torch.Tensor:
@@ -24,23 +23,6 @@ def gpu_loads(
 def default_iters(num_bins: int, slots: int) -> int:
     """Refinement rounds: enough for every bin to meet several partners, bounded for speed."""
     return int(min(64, max(12, num_bins + 8)))
-
-
-def node_order(node_of_expert: torch.Tensor) -> torch.Tensor:
-    """Experts sorted node-major (ascending id inside a node): ``[L, N]`` global ids."""
-    num_experts = node_of_expert.shape[1]
-    ids = torch.arange(num_experts, device=node_of_expert.device)
-    return torch.argsort(node_of_expert * num_experts + ids, dim=1)
-
-
-def _layout(
-    weight: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor, num_nodes: int, num_gpus: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A plan as ``[L * nodes, gpus_per_node, slots]`` (load, expert, replica count of the expert)."""
-    num_layers, num_replicas = phy2log.shape
-    shape = (num_layers * num_nodes, num_gpus // num_nodes, num_replicas // num_gpus)
-    load = replica_loads(weight, phy2log, logcnt).view(shape)
-    return load, phy2log.view(shape), logcnt.gather(1, phy2log).view(shape)
 
 
 def pack_rows(
@@ -95,50 +77,6 @@ def pack_rows(
     return expert.sort(dim=-1).values
 
 
-def refine_candidates(
-    weight: torch.Tensor,
-    candidates: list[tuple[torch.Tensor, torch.Tensor]],
-    num_nodes: int,
-    num_gpus: int,
-    iters: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Refine several plans of the same layers in one batch and keep, per layer, the least loaded peak.
-
-    Args:
-        candidates: ``(phy2log [L, R], logcnt [L, N])`` plans (each replica of an expert on its own GPU when
-            possible, slots GPU-major).
-
-    Returns:
-        ``(phy2log, logcnt)`` of the winner of every layer; ties go to the earlier candidate.
-    """
-    num_layers = weight.shape[0]
-    parts = [_layout(weight, p, c, num_nodes, num_gpus) for p, c in candidates]
-    load = torch.cat([q[0] for q in parts])
-    expert = torch.cat([q[1] for q in parts])
-    count = torch.cat([q[2] for q in parts])
-    num_bins, slots = load.shape[1], load.shape[2]
-    bucket = _core.duplicate_buckets(expert, count)
-    fixed = count > num_bins  # more replicas than GPUs: spread evenly once, then left alone
-    rounds = default_iters(num_bins, slots) if iters is None else iters
-    load, expert = _core.refine_swaps(
-        load,
-        expert,
-        iters=rounds,
-        bucket=bucket,
-        fixed=fixed if bool(fixed.any()) else None,
-        rows_per_group=num_nodes,
-        num_candidates=len(candidates),
-    )
-    expert, _order = expert.sort(dim=-1, stable=True)
-    num_cand = len(candidates)
-    peak = load.sum(-1).view(num_cand, num_layers, -1).amax(-1)  # [C, L]
-    best = peak.argmin(0)  # first minimum: earlier candidate on ties
-    phy2log = expert.view(num_cand, num_layers, -1)
-    rows = torch.arange(num_layers, device=weight.device)
-    logcnt = torch.stack([c for _, c in candidates])
-    return phy2log[best, rows], logcnt[best, rows]
-
-
 def solve_hierarchical(
     weight: torch.Tensor,
     num_replicas: int,
@@ -147,41 +85,15 @@ def solve_hierarchical(
     num_gpus: int,
     *,
     iters: int | None = None,
-    with_greedy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan with every replica on its group's node (``num_nodes=1`` and one group: global plan).
 
-    The plan of this package (optimal group-to-node split, slot-aware counts, round-robin start) and,
-    with ``with_greedy``, the greedy DeepSeek-style plan are refined together; each layer keeps the better
-    one, so no layer ends worse than greedy LPT (the refinement never raises a peak).
+    Runs :func:`eplb_core._fast.solve` (NumPy, on the host) and returns the plan on ``weight``'s device.
+    No layer ends worse than the greedy DeepSeek-style plan with duplicate avoidance.
 
     Returns:
         ``(phy2log [L, R], logcnt [L, N])`` int64.
     """
-    num_layers, num_experts = weight.shape
-    group_size = num_experts // num_groups
-    group_load = weight.view(num_layers, num_groups, group_size).sum(-1)
-    node_of_group, _ = _core.assign_groups_to_nodes(group_load, num_nodes)
-    node_of_expert = node_of_group.repeat_interleave(group_size, dim=1)
-    order = node_order(node_of_expert)  # [L, N]
-    rows = num_layers * num_nodes
-    per_node = num_experts // num_nodes
-    w_node = weight.gather(1, order).view(rows, per_node)
-    ids_node = order.view(rows, per_node)
-    reps_node = num_replicas // num_nodes
-    num_bins = num_gpus // num_nodes
-    slots = num_replicas // num_gpus
-    counts = _core.slot_aware_counts(w_node, reps_node, num_bins)
-    item_load, item_local = _core.expand_replicas(w_node, counts, reps_node)
-    item_expert = ids_node.gather(1, item_local)
-    _, expert = _core.round_robin_pack(item_load, item_expert, num_bins, slots)[:2]
-    phy2log = expert.reshape(num_layers, num_replicas)
-    logcnt = torch.empty(num_layers, num_experts, dtype=torch.int64, device=weight.device)
-    logcnt.scatter_(1, order, counts.view(num_layers, num_experts))
-    candidates = [(phy2log, logcnt)]
-    if with_greedy:
-        g_phy2log, g_logcnt = greedy_rebalance(
-            weight, num_replicas, num_groups, num_nodes, num_gpus, avoid_duplicates=True
-        )
-        candidates.append((g_phy2log.to(weight.device), g_logcnt.to(weight.device)))
-    return refine_candidates(weight, candidates, num_nodes, num_gpus, iters)
+    w = weight.detach().to("cpu", torch.float64).numpy()
+    phy2log, logcnt = _fast.solve(w, num_replicas, num_groups, num_nodes, num_gpus, iters=iters)
+    return torch.from_numpy(phy2log).to(weight.device), torch.from_numpy(logcnt).to(weight.device)
