@@ -25,9 +25,9 @@ _MIN_BLOCK_GAIN = 1e-6
 _REL_TOL = 1e-12
 # a row whose peak is within this fraction of its lower bound stops refining (invisible in the
 # reported balancedness, which has 4 decimals)
-_CLOSE_ENOUGH = 1e-5
+_CLOSE_ENOUGH = 2e-5
 # up to this many slots per GPU the swap search tries every (x, y) pair, above it a binary search
-_BRUTE_FORCE_SLOTS = 10
+_BRUTE_FORCE_SLOTS = 16
 
 
 def split_counts(weight: np.ndarray, num_replicas: int, base: np.ndarray | None = None) -> np.ndarray:
@@ -160,6 +160,14 @@ def lpt_bins(item_load: np.ndarray, num_bins: int, item_expert: np.ndarray | Non
     return out
 
 
+def rr_bins(item_load: np.ndarray, num_bins: int) -> np.ndarray:
+    """Round robin: items by decreasing load (stable), position ``p`` onto bin ``p mod num_bins``."""
+    order = np.argsort(-item_load, axis=1, kind="stable")
+    out = np.empty_like(order)
+    np.put_along_axis(out, order, np.broadcast_to(np.arange(order.shape[1]) % num_bins, order.shape), 1)
+    return out
+
+
 def layout(bins: np.ndarray, num_bins: int, *items: np.ndarray) -> tuple[np.ndarray, ...]:
     """Per-item arrays ``[B, M]`` laid out as ``[B, num_bins, M / num_bins]`` by their bin."""
     num_rows = bins.shape[0]
@@ -174,6 +182,7 @@ def refine(
     *,
     iters: int,
     rows_per_group: int = 1,
+    num_candidates: int = 1,
     block: int = 4,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pairwise refinement of packed rows; never raises a row's heaviest bin.
@@ -196,6 +205,8 @@ def refine(
         fixed: optional ``[B, G, S]`` bool, items that never change GPU.
         iters: rounds at most.
         rows_per_group: rows of one layer (consecutive).
+        num_candidates: the rows are that many stacked plans of the same layers (candidate-major); a
+            candidate that trails the best one of its layer by more than 1% stops refining that layer.
 
     Returns:
         ``(load, expert)`` refined copies.
@@ -215,6 +226,10 @@ def refine(
         row_lb = np.maximum(total / num_bins, load.reshape(num_rows, -1).max(1))
         floor = np.repeat(row_lb.reshape(-1, rows_per_group).max(1), rows_per_group)
         active = alive & (peak > floor * (1 + _CLOSE_ENOUGH)) & (peak > row_lb * (1 + _CLOSE_ENOUGH))
+        if num_candidates > 1 and it > 0:
+            layer_peak = peak.reshape(num_candidates, -1, rows_per_group).max(-1)
+            keep = layer_peak <= layer_peak.min(0, keepdims=True) * (1 + _PRUNE_MARGIN)
+            active &= np.repeat(keep.reshape(-1), rows_per_group)
         idx = np.flatnonzero(active)
         if idx.size == 0:
             break
@@ -236,6 +251,10 @@ def refine(
 
 # pairs of bins with at most this many slots are re-split exhaustively (C(2S, S) / 2 splits: 126 at 5)
 _MAX_RESPLIT_SLOTS = 5
+# at most this many pairs of bins per row and round (the heaviest bins)
+_MAX_PAIRS = 36
+# with more slots (up to this many), a round-robin start is refined beside the LPT start
+_RR_MAX_SLOTS = 16
 
 
 @lru_cache(maxsize=8)
@@ -263,15 +282,18 @@ def _split_tables(
 
 
 def _pairs(bin_load: np.ndarray, it: int) -> tuple[np.ndarray, np.ndarray]:
-    """Global bin ids ``(heavy [B * P], light [B * P])`` of this round's pairs."""
+    """Global bin ids ``(heavy [B * K], light [B * K])`` of this round's pairs.
+
+    The ``K = min(G / 2, _MAX_PAIRS)`` heaviest bins are paired with light partners taken from the
+    lighter half, rotating from round to round so that every heavy bin meets every light one.
+    """
     num_rows, num_bins = bin_load.shape
-    num_pairs = num_bins // 2
+    half = num_bins // 2
+    num_pairs = min(half, _MAX_PAIRS)
     order = np.argsort(-bin_load, axis=1, kind="stable")
     heavy = order[:, :num_pairs]
-    light = order[:, num_bins - num_pairs :][:, ::-1]  # lightest first
-    shift = it % num_pairs
-    if shift:
-        light = np.roll(light, -shift, axis=1)
+    light = order[:, num_bins - half :][:, ::-1]  # lightest first
+    light = light[:, (np.arange(num_pairs) + it) % half]
     base = (np.arange(num_rows) * num_bins)[:, None]
     return (base + heavy).reshape(-1), (base + light).reshape(-1)
 
@@ -285,21 +307,22 @@ def _resplit_block(
     # an item leaving its bin: membership differs from the start (heavy items first, on side 1)
     start_side = np.concatenate([np.ones(slots), np.zeros(slots)])
     leaves = (member != start_side[:, None]).astype(np.float64)
+    member_t = torch.from_numpy(member)
     moved = np.zeros(num_rows, dtype=bool)
     flat_l, flat_e = load.reshape(-1), expert.reshape(-1)
     flat_f = None if fixed is None else fixed.reshape(-1)
-    bin_load = load.sum(-1).reshape(-1)
-    num_pairs = num_bins // 2
+    bins = load.reshape(-1, slots)
+    bin_load = bins.sum(1)
     slot = np.arange(slots)
     for it in range(it0, it0 + rounds):
         heavy, light = _pairs(bin_load.reshape(num_rows, num_bins), it)
         pos = np.concatenate([heavy[:, None] * slots + slot, light[:, None] * slots + slot], 1)  # [N, 2S]
         items = flat_l[pos]
-        total = bin_load[heavy] + bin_load[light]
-        # torch matmul: one thread under torch.set_num_threads(1), unlike NumPy's BLAS
-        sums = (torch.from_numpy(items) @ torch.from_numpy(member)).numpy()
-        score = np.abs(2.0 * sums - total[:, None])  # |heavy - light| after each split
         ids = flat_e[pos]
+        total = bin_load[heavy] + bin_load[light]
+        # heavy-bin load of every split (torch: one thread under torch.set_num_threads(1), unlike BLAS)
+        sums = (torch.from_numpy(items) @ member_t).numpy()
+        score = np.abs(2.0 * sums - total[:, None])  # |heavy - light| after each split
         if flat_f is not None:
             fix = flat_f[pos]
             # fixed items may share a GPU with their own replicas already: never count those as clashes
@@ -307,12 +330,11 @@ def _resplit_block(
             _forbid(score, fix, leaves)
         _forbid(score, ids[:, pair_a] == ids[:, pair_b], same_side)
         choice = score.argmin(1)
-        new_heavy = np.take_along_axis(items, idx_heavy[choice], 1).sum(1)
-        new_light = np.take_along_axis(items, idx_light[choice], 1).sum(1)
-        do = np.maximum(new_heavy, new_light) < bin_load[heavy] * (1 - 1e-12)
+        new_heavy = np.take_along_axis(sums, choice[:, None], 1)[:, 0]
+        do = np.maximum(new_heavy, total - new_heavy) < bin_load[heavy] * (1 - 1e-12)
         if not do.any():
             continue
-        moved |= do.reshape(num_rows, num_pairs).any(1)
+        moved |= do.reshape(num_rows, -1).any(1)
         p = pos[do]
         c = choice[do]
         src = np.concatenate(
@@ -322,8 +344,9 @@ def _resplit_block(
         flat_e[p] = flat_e[src]
         if flat_f is not None:
             flat_f[p] = flat_f[src]
-        bin_load[heavy[do]] = new_heavy[do]
-        bin_load[light[do]] = new_light[do]
+        # exact sums of the new bins (the product can round differently in the last bit)
+        changed = np.concatenate([heavy[do], light[do]])
+        bin_load[changed] = bins[changed].sum(1)
     return moved
 
 
@@ -340,57 +363,81 @@ def _forbid(score: np.ndarray, hits: np.ndarray, table: np.ndarray) -> None:
 def _swap_block(
     load: np.ndarray, expert: np.ndarray, fixed: np.ndarray | None, rounds: int, it0: int
 ) -> np.ndarray:
-    """``rounds`` single-exchange rounds in place (many slots per GPU); ``[B]`` rows that moved."""
+    """``rounds`` single-exchange rounds in place (many slots per GPU); ``[B]`` rows that moved.
+
+    Up to ``_BRUTE_FORCE_SLOTS`` slots every ``(x, y)`` exchange of a pair is scored (pairs along the
+    last axis, so every NumPy call runs over long contiguous rows); above, for each ``x`` the ``y``
+    closest to ``x - gap / 2`` is found by binary search.
+    """
     num_rows, num_bins, slots = load.shape
-    num_pairs = num_bins // 2
     moved = np.zeros(num_rows, dtype=bool)
     flat_l, flat_e = load.reshape(-1), expert.reshape(-1)
     flat_f = None if fixed is None else fixed.reshape(-1)
-    bin_load = load.sum(-1).reshape(-1)
-    tol = np.repeat((_REL_TOL / num_bins) * load.sum((1, 2)), num_pairs)
+    bins = load.reshape(-1, slots)
+    bin_load = bins.sum(1)
+    tol = np.repeat((_REL_TOL / num_bins) * load.sum((1, 2)), min(num_bins // 2, _MAX_PAIRS))
     slot = np.arange(slots)
-    num = num_rows * num_pairs
     for it in range(it0, it0 + rounds):
         heavy, light = _pairs(bin_load.reshape(num_rows, num_bins), it)
-        pos_a = heavy[:, None] * slots + slot  # [N, S]
-        pos_b = light[:, None] * slots + slot
-        la, lb = flat_l[pos_a], flat_l[pos_b]
-        bad_x, bad_y = _clashes(flat_e[pos_a], flat_e[pos_b])
-        if flat_f is not None:
-            bad_x |= flat_f[pos_a]
-            bad_y |= flat_f[pos_b]
         gap = bin_load[heavy] - bin_load[light]
-        lb_eff = np.where(bad_y, np.inf, lb)
-        y_sorted = np.argsort(lb_eff, axis=1, kind="stable")
-        lbs = np.take_along_axis(lb_eff, y_sorted, 1)
-        # the y of the light bin whose exchange with x moves closest to half the gap
-        query = la - 0.5 * gap[:, None]
-        at = torch.searchsorted(torch.from_numpy(lbs), torch.from_numpy(query)).numpy()
-        lo, hi = np.maximum(at - 1, 0), np.minimum(at, slots - 1)
-        d_lo = la - np.take_along_axis(lbs, lo, 1)
-        d_hi = la - np.take_along_axis(lbs, hi, 1)
-        g_lo = np.minimum(d_lo, gap[:, None] - d_lo)
-        g_hi = np.minimum(d_hi, gap[:, None] - d_hi)
-        take_hi = g_hi > g_lo
-        gain = np.where(take_hi, g_hi, g_lo)
-        gain[bad_x] = -np.inf
-        y = np.take_along_axis(y_sorted, np.where(take_hi, hi, lo), 1)
-        best_x = gain.argmax(1)
-        rows = np.arange(num)
-        best = gain[rows, best_x]
+        if slots <= _BRUTE_FORCE_SLOTS:
+            pos_a = slot[:, None] + heavy * slots  # [S, N]
+            pos_b = slot[:, None] + light * slots
+            la, lb = flat_l[pos_a], flat_l[pos_b]
+            ea, eb = flat_e[pos_a], flat_e[pos_b]
+            same = ea[:, None, :] == eb[None, :, :]  # [S, S, N]
+            bad_x, bad_y = same.any(1), same.any(0)
+            if flat_f is not None:
+                bad_x |= flat_f[pos_a]
+                bad_y |= flat_f[pos_b]
+            delta = la[:, None, :] - lb[None, :, :]
+            gain = np.minimum(delta, gap - delta)
+            np.putmask(gain, bad_x[:, None, :] | bad_y[None, :, :], -np.inf)
+            gain = gain.reshape(slots * slots, -1)
+            pick = gain.argmax(0)
+            cols = np.arange(gain.shape[1])
+            best = gain[pick, cols]
+            pa_all = pos_a[pick // slots, cols]
+            pb_all = pos_b[pick % slots, cols]
+        else:
+            pos_a = heavy[:, None] * slots + slot  # [N, S]
+            pos_b = light[:, None] * slots + slot
+            la, lb = flat_l[pos_a], flat_l[pos_b]
+            bad_x, bad_y = _clashes(flat_e[pos_a], flat_e[pos_b])
+            if flat_f is not None:
+                bad_x |= flat_f[pos_a]
+                bad_y |= flat_f[pos_b]
+            lb_eff = np.where(bad_y, np.inf, lb)
+            y_sorted = np.argsort(lb_eff, axis=1, kind="stable")
+            lbs = np.take_along_axis(lb_eff, y_sorted, 1)
+            # the y of the light bin whose exchange with x moves closest to half the gap
+            query = la - 0.5 * gap[:, None]
+            at = torch.searchsorted(torch.from_numpy(lbs), torch.from_numpy(query)).numpy()
+            lo, hi = np.maximum(at - 1, 0), np.minimum(at, slots - 1)
+            d_lo = la - np.take_along_axis(lbs, lo, 1)
+            d_hi = la - np.take_along_axis(lbs, hi, 1)
+            g_lo = np.minimum(d_lo, gap[:, None] - d_lo)
+            g_hi = np.minimum(d_hi, gap[:, None] - d_hi)
+            take_hi = g_hi > g_lo
+            gain = np.where(take_hi, g_hi, g_lo)
+            gain[bad_x] = -np.inf
+            y = np.take_along_axis(y_sorted, np.where(take_hi, hi, lo), 1)
+            best_x = gain.argmax(1)
+            rows = np.arange(gain.shape[0])
+            best = gain[rows, best_x]
+            pa_all = pos_a[rows, best_x]
+            pb_all = pos_b[rows, y[rows, best_x]]
         do = best > tol
         if not do.any():
             continue
-        moved |= do.reshape(num_rows, num_pairs).any(1)
-        pa = pos_a[rows, best_x][do]
-        pb = pos_b[rows, y[rows, best_x]][do]
-        d = flat_l[pa] - flat_l[pb]
+        moved |= do.reshape(num_rows, -1).any(1)
+        pa, pb = pa_all[do], pb_all[do]
         for flat in (flat_l, flat_e) + (() if flat_f is None else (flat_f,)):
             tmp = flat[pa]
             flat[pa] = flat[pb]
             flat[pb] = tmp
-        bin_load[heavy[do]] -= d
-        bin_load[light[do]] += d
+        changed = np.concatenate([heavy[do], light[do]])
+        bin_load[changed] = bins[changed].sum(1)
     return moved
 
 
@@ -486,37 +533,62 @@ def solve(
     ids_g, w_g = _node_major(weight, greedy_nodes, num_nodes)
     counts_o = slot_aware_counts(w_o, reps_node, num_bins)
     counts_g = split_counts(w_g, reps_node)
+    # The greedy plan must be packed on the layers where its node split or counts differ from ours
+    # and a lower bound on its peak (its heaviest node over the GPUs of a node, its heaviest replica)
+    # is not already above our lower bound... which it never is once refined; so: on every such layer.
     same = (ours_nodes == greedy_nodes).all(1) & (counts_o == counts_g).reshape(num_layers, -1).all(1)
-    extra = np.flatnonzero(~same)  # layers whose greedy plan must be packed on its own
-    g_rows = (extra[:, None] * num_nodes + np.arange(num_nodes)).reshape(-1)
+    check = np.flatnonzero(~same)
+    g_rows = (check[:, None] * num_nodes + np.arange(num_nodes)).reshape(-1)
     ids = np.concatenate([ids_o, ids_g[g_rows]])
     counts = np.concatenate([counts_o, counts_g[g_rows]])
     item_load, local = _expand(np.concatenate([w_o, w_g[g_rows]]), counts, reps_node)
-    bins = lpt_bins(item_load, num_bins, local)
     item_expert = np.take_along_axis(ids, local, 1)
     item_count = np.take_along_axis(counts, local, 1)
-    load, expert, count = layout(bins, num_bins, item_load, item_expert, item_count)
-    rounds = default_iters(num_bins) if iters is None else iters
+    # one LPT batch: our start (exactly the greedy plan on the layers where nothing differs) and the
+    # greedy plan of the other layers
+    lpt = layout(lpt_bins(item_load, num_bins, local), num_bins, item_load, item_expert, item_count)
     n_ours = num_layers * num_nodes
-
-    def refined(rows: slice | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        fixed = count[rows] > num_bins  # more replicas than GPUs: spread by LPT, then left alone
-        return refine(
-            load[rows], expert[rows], fixed if fixed.any() else None, iters=rounds, rows_per_group=num_nodes
-        )
-
-    load_o, expert_o = refined(slice(0, n_ours))
-    phy2log = np.sort(expert_o, axis=-1).reshape(num_layers, num_replicas)
+    starts = [tuple(t[:n_ours] for t in lpt)]
+    if _MAX_RESPLIT_SLOTS < num_replicas // num_gpus <= _RR_MAX_SLOTS:
+        # many slots per GPU: the round robin start too (its refinement ends lower on some layers)
+        sl = slice(0, n_ours)
+        rr = rr_bins(item_load[sl], num_bins)
+        starts.append(layout(rr, num_bins, item_load[sl], item_expert[sl], item_count[sl]))
+    load = np.concatenate([x[0] for x in starts])
+    expert = np.concatenate([x[1] for x in starts])
+    count = np.concatenate([x[2] for x in starts])
+    rounds = default_iters(num_bins) if iters is None else iters
+    fixed = count > num_bins  # more replicas than GPUs: spread by LPT, then left alone
+    load, expert = refine(
+        load,
+        expert,
+        fixed if fixed.any() else None,
+        iters=rounds,
+        rows_per_group=num_nodes,
+        num_candidates=len(starts),
+    )
+    peak = load.sum(-1).max(-1).reshape(len(starts), num_layers, num_nodes).max(-1)
+    pick = peak.argmin(0)  # first on ties: the LPT start
+    layers = np.arange(num_layers)
+    phy2log = np.sort(expert, axis=-1).reshape(len(starts), num_layers, num_replicas)[pick, layers]
     logcnt = _scatter_counts(ids_o, counts_o, num_experts)
-    if extra.size:
-        peak_o = load_o.sum(-1).max(-1).reshape(num_layers, num_nodes).max(-1)[extra]
-        peak_g = load[n_ours:].sum(-1).max(-1).reshape(-1, num_nodes).max(-1)
-        win = np.flatnonzero(peak_g < peak_o)
-        if win.size:
-            rows = (n_ours + win[:, None] * num_nodes + np.arange(num_nodes)).reshape(-1)
-            _, expert_g = refined(rows)
-            phy2log[extra[win]] = np.sort(expert_g, axis=-1).reshape(-1, num_replicas)
-            logcnt[extra[win]] = _scatter_counts(ids[rows], counts[rows], num_experts)
+    if check.size:
+        load_g, expert_g, count_g = (t[n_ours:] for t in lpt)
+        peak_g = load_g.sum(-1).max(-1).reshape(-1, num_nodes).max(-1)
+        win = np.flatnonzero(peak_g < peak[pick, layers][check])
+        if win.size:  # the greedy plan is better on these layers: refine it and keep it
+            rows_w = (win[:, None] * num_nodes + np.arange(num_nodes)).reshape(-1)
+            fixed_g = count_g[rows_w] > num_bins
+            _, expert_w = refine(
+                load_g[rows_w],
+                expert_g[rows_w],
+                fixed_g if fixed_g.any() else None,
+                iters=rounds,
+                rows_per_group=num_nodes,
+            )
+            phy2log[check[win]] = np.sort(expert_w, axis=-1).reshape(-1, num_replicas)
+            g_ids, g_counts = ids[n_ours:][rows_w], counts[n_ours:][rows_w]
+            logcnt[check[win]] = _scatter_counts(g_ids, g_counts, num_experts)
     return phy2log, logcnt
 
 
