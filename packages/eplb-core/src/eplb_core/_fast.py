@@ -73,26 +73,32 @@ def split_counts(weight: np.ndarray, num_replicas: int, base: np.ndarray | None 
     return counts
 
 
-def slot_aware_counts(weight: np.ndarray, num_replicas: int, num_bins: int) -> np.ndarray:
+def slot_aware_counts(
+    weight: np.ndarray, num_replicas: int, num_bins: int, greedy: np.ndarray | None = None
+) -> np.ndarray:
     """Counts that leave room for the other ``S - 1`` items of a GPU (see ``_core.slot_aware_counts``).
 
     Args:
         weight: ``[B, N]`` float64.
+        greedy: ``split_counts(weight, num_replicas)`` if already known (returned when no expert needs
+            more than one replica to fit).
 
     Returns:
         ``[B, N]`` int64.
     """
     slots = num_replicas // num_bins
     if slots <= 1 or num_replicas == weight.shape[1]:
-        return split_counts(weight, num_replicas)
+        return split_counts(weight, num_replicas) if greedy is None else greedy
     mean_bin = weight.sum(1, keepdims=True) / num_bins
     filler = np.sort(weight, axis=1)[:, : slots - 1].sum(1, keepdims=True)
     room = mean_bin - filler
     with np.errstate(divide="ignore", invalid="ignore"):
         need = np.where(room > 0, np.ceil(weight / np.maximum(room, 1e-300)), 1.0)
     need = np.clip(need, 1, num_replicas).astype(np.int64)
-    affordable = need.sum(1, keepdims=True) <= num_replicas
-    return split_counts(weight, num_replicas, np.where(affordable, need, 1))
+    base = np.where(need.sum(1, keepdims=True) <= num_replicas, need, 1)
+    if greedy is not None and bool((base == 1).all()):
+        return greedy
+    return split_counts(weight, num_replicas, base)
 
 
 def lpt_bins(item_load: np.ndarray, num_bins: int, item_expert: np.ndarray | None = None) -> np.ndarray:
@@ -407,12 +413,12 @@ def _swap_block(
             if flat_f is not None:
                 bad_x |= flat_f[pos_a]
                 bad_y |= flat_f[pos_b]
-            lb_eff = np.where(bad_y, np.inf, lb)
+            # excluded y: far above every load, so that no exchange with them gains
+            lb_eff = np.where(bad_y, 4.0 * max(la.max(), lb.max()) + 1.0, lb)
             y_sorted = np.argsort(lb_eff, axis=1, kind="stable")
             lbs = np.take_along_axis(lb_eff, y_sorted, 1)
             # the y of the light bin whose exchange with x moves closest to half the gap
-            query = la - 0.5 * gap[:, None]
-            at = torch.searchsorted(torch.from_numpy(lbs), torch.from_numpy(query)).numpy()
+            at = _row_searchsorted(lbs, la - 0.5 * gap[:, None])
             lo, hi = np.maximum(at - 1, 0), np.minimum(at, slots - 1)
             d_lo = la - np.take_along_axis(lbs, lo, 1)
             d_hi = la - np.take_along_axis(lbs, hi, 1)
@@ -441,14 +447,27 @@ def _swap_block(
     return moved
 
 
+def _row_searchsorted(sorted_rows: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """Left insertion points ``[N, Q]`` of ``queries`` in each row of ``sorted_rows [N, S]`` (finite).
+
+    One ``np.searchsorted`` over the rows laid end to end, each shifted by its index times the span of
+    all values (NumPy has no batched search; torch's costs more on these small shapes).
+    """
+    num, width = sorted_rows.shape
+    low = min(sorted_rows.min(), queries.min())
+    span = max(sorted_rows.max(), queries.max()) - low + 1
+    shift = np.arange(num)[:, None] * span - low
+    at = np.searchsorted((sorted_rows + shift).reshape(-1), (queries + shift).reshape(-1))
+    return at.reshape(num, -1) - np.arange(num)[:, None] * width
+
+
 def _clashes(ea: np.ndarray, eb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(expert of x is in bin b, expert of y is in bin a)`` for ``ea, eb [N, S]`` (binary search)."""
-    ta, tb = torch.from_numpy(ea), torch.from_numpy(eb)
-    sa, sb = ta.sort(-1).values, tb.sort(-1).values
-    slots = ea.shape[-1]
-    pa = torch.searchsorted(sb, ta).clamp_max(slots - 1)
-    pb = torch.searchsorted(sa, tb).clamp_max(slots - 1)
-    return (sb.gather(-1, pa) == ta).numpy(), (sa.gather(-1, pb) == tb).numpy()
+    slots = ea.shape[1]
+    sa, sb = np.sort(ea, axis=1), np.sort(eb, axis=1)
+    in_b = np.take_along_axis(sb, np.minimum(_row_searchsorted(sb, ea), slots - 1), 1) == ea
+    in_a = np.take_along_axis(sa, np.minimum(_row_searchsorted(sa, eb), slots - 1), 1) == eb
+    return in_b, in_a
 
 
 def assign_groups_to_nodes(group_load: np.ndarray, num_nodes: int) -> np.ndarray:
@@ -530,9 +549,14 @@ def solve(
     ours_nodes = assign_groups_to_nodes(group_load, num_nodes)
     greedy_nodes = lpt_bins(group_load, num_nodes) if num_nodes > 1 else ours_nodes
     ids_o, w_o = _node_major(weight, ours_nodes, num_nodes)
-    ids_g, w_g = _node_major(weight, greedy_nodes, num_nodes)
-    counts_o = slot_aware_counts(w_o, reps_node, num_bins)
-    counts_g = split_counts(w_g, reps_node)
+    if num_nodes == 1:
+        ids_g, w_g = ids_o, w_o
+        counts_g = split_counts(w_g, reps_node)
+        counts_o = slot_aware_counts(w_o, reps_node, num_bins, greedy=counts_g)
+    else:
+        ids_g, w_g = _node_major(weight, greedy_nodes, num_nodes)
+        counts_o = slot_aware_counts(w_o, reps_node, num_bins)
+        counts_g = split_counts(w_g, reps_node)
     # The greedy plan must be packed on the layers where its node split or counts differ from ours
     # and a lower bound on its peak (its heaviest node over the GPUs of a node, its heaviest replica)
     # is not already above our lower bound... which it never is once refined; so: on every such layer.
@@ -594,4 +618,4 @@ def solve(
 
 def default_iters(num_bins: int) -> int:
     """Refinement rounds at most: enough for every bin to meet several partners."""
-    return int(min(64, max(12, num_bins + 8)))
+    return int(min(32, max(12, num_bins + 8)))
