@@ -124,7 +124,11 @@ def lpt_bins(item_load: np.ndarray, num_bins: int, item_expert: np.ndarray | Non
     key2 = key.reshape(num_rows, num_bins)
     row_base = np.arange(num_rows) * num_bins
     bins_sorted = np.empty((num_items, num_rows), dtype=np.int64)
-    run = np.zeros((num_rows, num_bins), dtype=bool)  # bins holding the current run's expert
+    # duplicates: run_start[r] is the step where row r's current run of one expert began, and
+    # tag[r, bin] the run start of the last item put on bin; the bin holds the run's expert iff equal
+    tag = np.full(num_rows * num_bins, -1, dtype=np.int64)
+    tag2 = tag.reshape(num_rows, num_bins)
+    run_start = np.zeros(num_rows, dtype=np.int64)
     first = 0
     if num_bins == 1 or cap == 1 or bool((w_sorted[num_bins - 2] > 0).all()):
         first = num_bins
@@ -134,25 +138,32 @@ def lpt_bins(item_load: np.ndarray, num_bins: int, item_expert: np.ndarray | Non
         if cap == 1:
             key[:] = np.inf
         if e_sorted is not None:
-            run[:] = e_sorted[first - 1][:, None] == e_sorted[:first].T
-    # steps that continue a run of one expert in some row (the only ones where duplicates matter)
-    cont = np.zeros(num_items, dtype=bool)
+            # run start of every item of the first round, then the one of the last item
+            starts = np.zeros((first, num_rows), dtype=np.int64)
+            for step in range(1, first):
+                starts[step] = np.where(e_sorted[step] == e_sorted[step - 1], starts[step - 1], step)
+            tag2[:] = starts.T
+            run_start = starts[first - 1].copy()
+    same_prev = np.zeros((num_items, num_rows), dtype=bool)
     if e_sorted is not None:
-        cont[1:] = (e_sorted[1:] == e_sorted[:-1]).any(1)
-    run_flat = run.reshape(-1)
-    rows = np.arange(num_rows)
+        same_prev[1:] = e_sorted[1:] == e_sorted[:-1]
+    cont: np.ndarray = same_prev.any(1)  # steps continuing a run in some row: the only ones with clashes
     inf = np.inf
     for step in range(first, num_items):
-        if e_sorted is not None and cont[step]:
-            if step - 1 >= first and not cont[step - 1]:  # a run starts at step - 1 in every row
-                run[:] = False
-                run[rows, bins_sorted[step - 1]] = True
-            run &= (e_sorted[step] == e_sorted[step - 1])[:, None]
-            ok = (key2 < inf) & ~run
-            b = np.where(run & ok.any(1, keepdims=True), inf, key2).argmin(1)
-            run_flat[row_base + b] = True
-        else:
-            b = key2.argmin(1)
+        b = key2.argmin(1)
+        if e_sorted is not None:
+            if cont[step]:
+                run_start = np.where(same_prev[step], run_start, step)
+                clash = np.flatnonzero(tag[row_base + b] == run_start)
+                if clash.size:
+                    # avoid the bins holding the run's expert while a free one does not
+                    masked = np.where(tag2[clash] == run_start[clash, None], inf, key2[clash])
+                    alt = masked.argmin(1)
+                    ok = masked[np.arange(clash.size), alt] < inf
+                    b[clash[ok]] = alt[ok]
+            else:
+                run_start[:] = step
+            tag[row_base + b] = run_start
         flat = row_base + b
         bins_sorted[step] = b
         key[flat] += w_sorted[step]
