@@ -147,7 +147,7 @@ def lpt_bins(item_load: np.ndarray, num_bins: int, item_expert: np.ndarray | Non
     same_prev = np.zeros((num_items, num_rows), dtype=bool)
     if e_sorted is not None:
         same_prev[1:] = e_sorted[1:] == e_sorted[:-1]
-    cont: np.ndarray = same_prev.any(1)  # steps continuing a run in some row: the only ones with clashes
+    cont = np.any(same_prev, axis=1).tolist()  # steps continuing a run in some row: only ones with clashes
     inf = np.inf
     for step in range(first, num_items):
         b = key2.argmin(1)
