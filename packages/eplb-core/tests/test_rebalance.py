@@ -181,6 +181,8 @@ def _kw(r: int, g: int, n: int, gpus: int) -> dict:
         pytest.param((3, 16), _kw(16, 4, 2, 8), id="no-redundancy"),
         pytest.param((3, 64), _kw(72, 8, 4, 8), id="strict-2slots"),
         pytest.param((2, 12), _kw(48, 3, 2, 4), id="global-many-replicas"),
+        pytest.param((4, 64), _kw(160, 4, 1, 8), id="20-slots-binary-search-exchanges"),
+        pytest.param((3, 48), _kw(96, 4, 2, 8), id="strict-12-slots-two-starts"),
     ],
 )
 def test_edge_topologies(shape: tuple[int, int], kw: dict) -> None:
@@ -188,6 +190,9 @@ def test_edge_topologies(shape: tuple[int, int], kw: dict) -> None:
     p = E.plan(w, **kw)
     p.validate()
     check_invariants({"weight": w, **kw}, *p.as_tuple())
+    gp, gc = greedy_rebalance(w, avoid_duplicates=True, **kw)
+    greedy_peak = E.gpu_loads_of(w, gp, gc, kw["num_gpus"]).amax(1)
+    assert bool((p.gpu_loads.amax(1) <= greedy_peak * (1 + 1e-12)).all())
 
 
 def test_all_equal_loads_are_perfect() -> None:

@@ -324,7 +324,7 @@ def _resplit_block(
     # an item leaving its bin: membership differs from the start (heavy items first, on side 1)
     start_side = np.concatenate([np.ones(slots), np.zeros(slots)])
     leaves = (member != start_side[:, None]).astype(np.float64)
-    member_t = torch.from_numpy(member)
+    member_t = torch.from_numpy(member.astype(np.float32))
     moved = np.zeros(num_rows, dtype=bool)
     flat_l, flat_e = load.reshape(-1), expert.reshape(-1)
     flat_f = None if fixed is None else fixed.reshape(-1)
@@ -337,9 +337,10 @@ def _resplit_block(
         items = flat_l[pos]
         ids = flat_e[pos]
         total = bin_load[heavy] + bin_load[light]
-        # heavy-bin load of every split (torch: one thread under torch.set_num_threads(1), unlike BLAS)
-        sums = (torch.from_numpy(items) @ member_t).numpy()
-        score = np.abs(2.0 * sums - total[:, None])  # |heavy - light| after each split
+        # heavy-bin load of every split, in float32 (the chosen split is re-summed in float64 below);
+        # torch: one thread under torch.set_num_threads(1), unlike NumPy's BLAS
+        sums = (torch.from_numpy(items.astype(np.float32)) @ member_t).numpy()
+        score = np.abs(2.0 * sums - total.astype(np.float32)[:, None])  # |heavy - light| after each split
         if flat_f is not None:
             fix = flat_f[pos]
             # fixed items may share a GPU with their own replicas already: never count those as clashes
@@ -347,7 +348,7 @@ def _resplit_block(
             _forbid(score, fix, leaves)
         _forbid(score, ids[:, pair_a] == ids[:, pair_b], same_side)
         choice = score.argmin(1)
-        new_heavy = np.take_along_axis(sums, choice[:, None], 1)[:, 0]
+        new_heavy = np.take_along_axis(items, idx_heavy[choice], 1).sum(1)
         do = np.maximum(new_heavy, total - new_heavy) < bin_load[heavy] * (1 - 1e-12)
         if not do.any():
             continue
@@ -361,7 +362,7 @@ def _resplit_block(
         flat_e[p] = flat_e[src]
         if flat_f is not None:
             flat_f[p] = flat_f[src]
-        # exact sums of the new bins (the product can round differently in the last bit)
+        # exact sums of the new bins (summation order differs from new_heavy's)
         changed = np.concatenate([heavy[do], light[do]])
         bin_load[changed] = bins[changed].sum(1)
     return moved
@@ -394,6 +395,12 @@ def _swap_block(
     bin_load = bins.sum(1)
     tol = np.repeat((_REL_TOL / num_bins) * load.sum((1, 2)), min(num_bins // 2, _MAX_PAIRS))
     slot = np.arange(slots)
+    if slots > _BRUTE_FORCE_SLOTS:
+        # items of each expert on each bin, [bins * E] (a swap updates four entries)
+        num_ids = int(flat_e.max()) + 1
+        held = np.bincount(
+            np.arange(flat_e.size) // slots * num_ids + flat_e, minlength=bin_load.size * num_ids
+        )
     for it in range(it0, it0 + rounds):
         heavy, light = _pairs(bin_load.reshape(num_rows, num_bins), it)
         gap = bin_load[heavy] - bin_load[light]
@@ -420,7 +427,9 @@ def _swap_block(
             pos_a = heavy[:, None] * slots + slot  # [N, S]
             pos_b = light[:, None] * slots + slot
             la, lb = flat_l[pos_a], flat_l[pos_b]
-            bad_x, bad_y = _clashes(flat_e[pos_a], flat_e[pos_b])
+            ea, eb = flat_e[pos_a], flat_e[pos_b]
+            bad_x = held[light[:, None] * num_ids + ea] > 0  # x's expert already on the light GPU
+            bad_y = held[heavy[:, None] * num_ids + eb] > 0
             if flat_f is not None:
                 bad_x |= flat_f[pos_a]
                 bad_y |= flat_f[pos_b]
@@ -449,6 +458,13 @@ def _swap_block(
             continue
         moved |= do.reshape(num_rows, -1).any(1)
         pa, pb = pa_all[do], pb_all[do]
+        if slots > _BRUTE_FORCE_SLOTS:
+            e_x, e_y = flat_e[pa], flat_e[pb]
+            h_bin, l_bin = pa // slots * num_ids, pb // slots * num_ids
+            held[h_bin + e_x] -= 1
+            held[l_bin + e_y] -= 1
+            held[l_bin + e_x] += 1
+            held[h_bin + e_y] += 1
         for flat in (flat_l, flat_e) + (() if flat_f is None else (flat_f,)):
             tmp = flat[pa]
             flat[pa] = flat[pb]
@@ -470,15 +486,6 @@ def _row_searchsorted(sorted_rows: np.ndarray, queries: np.ndarray) -> np.ndarra
     shift = np.arange(num)[:, None] * span - low
     at = np.searchsorted((sorted_rows + shift).reshape(-1), (queries + shift).reshape(-1))
     return at.reshape(num, -1) - np.arange(num)[:, None] * width
-
-
-def _clashes(ea: np.ndarray, eb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(expert of x is in bin b, expert of y is in bin a)`` for ``ea, eb [N, S]`` (binary search)."""
-    slots = ea.shape[1]
-    sa, sb = np.sort(ea, axis=1), np.sort(eb, axis=1)
-    in_b = np.take_along_axis(sb, np.minimum(_row_searchsorted(sb, ea), slots - 1), 1) == ea
-    in_a = np.take_along_axis(sa, np.minimum(_row_searchsorted(sa, eb), slots - 1), 1) == eb
-    return in_b, in_a
 
 
 def assign_groups_to_nodes(group_load: np.ndarray, num_nodes: int) -> np.ndarray:
