@@ -566,8 +566,18 @@ def solve(
     group_load = weight.reshape(num_layers, num_groups, group_size).sum(-1)
     ours_nodes = assign_groups_to_nodes(group_load, num_nodes)
     greedy_nodes = lpt_bins(group_load, num_nodes) if num_nodes > 1 else ours_nodes
+    if num_nodes > 1:
+        # where the greedy split is optimal too (ties), take it: the greedy plan is then our start
+        rows = np.arange(num_layers)[:, None]
+        node_max = [
+            np.bincount((rows * num_nodes + n).reshape(-1), group_load.reshape(-1), num_layers * num_nodes)
+            .reshape(num_layers, -1)
+            .max(1)
+            for n in (ours_nodes, greedy_nodes)
+        ]
+        ours_nodes = np.where((node_max[1] <= node_max[0])[:, None], greedy_nodes, ours_nodes)
     ids_o, w_o = _node_major(weight, ours_nodes, num_nodes)
-    if num_nodes == 1:
+    if bool((ours_nodes == greedy_nodes).all()):
         ids_g, w_g = ids_o, w_o
         counts_g = split_counts(w_g, reps_node)
         counts_o = slot_aware_counts(w_o, reps_node, num_bins, greedy=counts_g)
