@@ -34,21 +34,6 @@ def median_ms(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> tuple[f
     return statistics.median(samples), samples
 
 
-def cuda_median_ms(fn: Callable[[], Any], *, repeat: int, warmup: int = 2) -> float:
-    """Median time of ``fn`` in ms on the GPU (synchronised before and after every call)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(samples)
-
-
 def strict_cap(weight: torch.Tensor, num_nodes: int, num_gpus: int) -> torch.Tensor:
     """Best balancedness any strict-hierarchy plan can reach, per layer (the strict-hierarchy cap)."""
     num_layers = weight.shape[0]

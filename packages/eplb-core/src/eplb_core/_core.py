@@ -449,19 +449,6 @@ def _refine_block(
     return load, expert, bucket, fixed, moved
 
 
-def expand_replicas(
-    weight: torch.Tensor, counts: torch.Tensor, num_replicas: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-replica ``(load [B, R] float64, expert [B, R] int64)`` from counts (expert-major order)."""
-    num_rows, _num_experts = weight.shape
-    device = weight.device
-    ends = counts.cumsum(1)
-    pos = torch.arange(num_replicas, device=device).expand(num_rows, -1).contiguous()
-    expert = torch.searchsorted(ends, pos, right=True)
-    per_replica = weight / counts.to(weight.dtype)
-    return per_replica.gather(1, expert), expert
-
-
 def log2phy_from_phy2log(phy2log: torch.Tensor, logcnt: torch.Tensor) -> torch.Tensor:
     """``[L, N, max_count]`` table of the physical slots of each expert, ascending, padded with -1."""
     num_layers, num_replicas = phy2log.shape

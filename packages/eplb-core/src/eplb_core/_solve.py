@@ -1,23 +1,11 @@
-"""Strict/global planner on a float64 weight matrix (private; inputs already validated)."""
+"""Planner entry points on a float64 weight matrix (private; inputs already validated)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from eplb_core import _core, _fast, _greedy
-
-
-def replica_loads(weight: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor) -> torch.Tensor:
-    """``[L, R]`` load of every physical slot, the expert's load split evenly over its replicas."""
-    return (weight / logcnt.to(weight.dtype)).gather(1, phy2log)
-
-
-def gpu_loads(
-    weight: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor, num_gpus: int
-) -> torch.Tensor:
-    """``[L, num_gpus]`` summed replica loads per GPU (GPU-major slots)."""
-    per_slot = replica_loads(weight, phy2log, logcnt)
-    return per_slot.view(per_slot.shape[0], num_gpus, -1).sum(-1)
+from eplb_core import _fast
 
 
 def default_iters(num_bins: int, slots: int) -> int:
@@ -33,48 +21,47 @@ def pack_rows(
     iters: int | None,
     rows_per_group: int = 1,
 ) -> torch.Tensor:
-    """Pack each row's items onto ``num_bins`` GPUs of ``slots`` slots.
+    """Pack each row's items onto ``num_bins`` GPUs of ``slots`` slots (NumPy, on the host).
 
-    Two starts are refined in one batch, the round robin and LPT (each avoiding two replicas of an
-    expert on one GPU), and each row keeps the lower peak.
+    Two starts are refined in one batch (:func:`eplb_core._fast.refine`), LPT and round robin (each
+    keeping the replicas of an expert on distinct GPUs when it can), and each row keeps the lower peak.
 
     Args:
         item_load, item_expert: ``[B, num_bins * slots]``.
 
     Returns:
-        ``[B, num_bins, slots]`` expert ids (sorted inside a GPU).
+        ``[B, num_bins, slots]`` expert ids (sorted inside a GPU), on ``item_load``'s device.
     """
-    num_rows = item_load.shape[0]
-    # replicas of the item's expert in this row
-    per_expert = torch.zeros(num_rows, int(item_expert.max()) + 1, dtype=torch.int64, device=item_load.device)
-    per_expert.scatter_add_(1, item_expert, torch.ones_like(item_expert))
-    count = per_expert.gather(1, item_expert)
-    load_rr, exp_rr, cnt_rr = _core.round_robin_pack(item_load, item_expert, num_bins, slots, count)
-    lpt_bin = torch.from_numpy(
-        _greedy._lpt_pack(item_load.cpu().numpy(), num_bins, item_expert.cpu().numpy())
-    ).to(item_load.device)
-    order = torch.argsort(
-        lpt_bin * item_load.shape[1] + torch.arange(item_load.shape[1], device=item_load.device), dim=1
-    )
-    shape = (num_rows, num_bins, slots)
-    load = torch.cat([load_rr, item_load.gather(1, order).view(shape)])
-    expert = torch.cat([exp_rr, item_expert.gather(1, order).view(shape)])
-    cnt = torch.cat([cnt_rr, count.gather(1, order).view(shape)])
-    bucket = _core.duplicate_buckets(expert, cnt)
-    fixed = cnt > num_bins
-    rounds = default_iters(num_bins, slots) if iters is None else iters
-    load, expert = _core.refine_swaps(
+    device = item_load.device
+    load_np = item_load.detach().to("cpu", torch.float64).numpy()
+    expert_np = item_expert.detach().cpu().numpy()
+    num_rows = load_np.shape[0]
+    # expert-major items (the LPT start needs the replicas of an expert adjacent)
+    by_expert = np.argsort(expert_np, axis=1, kind="stable")
+    load_np = np.take_along_axis(load_np, by_expert, 1)
+    expert_np = np.take_along_axis(expert_np, by_expert, 1)
+    flat = np.arange(num_rows)[:, None] * (int(expert_np.max()) + 1) + expert_np
+    count = np.bincount(flat.reshape(-1))[flat]  # replicas of the item's expert in its row
+    starts = [_fast.lpt_bins(load_np, num_bins, expert_np)]
+    if num_bins > 1:
+        starts.append(_fast.rr_bins(load_np, num_bins))
+    laid = [_fast.layout(b, num_bins, load_np, expert_np, count) for b in starts]
+    load = np.concatenate([x[0] for x in laid])
+    expert = np.concatenate([x[1] for x in laid])
+    fixed = np.concatenate([x[2] for x in laid]) > num_bins
+    rounds = _fast.default_iters(num_bins) if iters is None else iters
+    load, expert = _fast.refine(
         load,
         expert,
+        fixed if fixed.any() else None,
         iters=rounds,
-        bucket=bucket,
-        fixed=fixed if bool(fixed.any()) else None,
         rows_per_group=rows_per_group,
+        num_candidates=len(starts),
     )
-    peak = load.sum(-1).amax(-1).view(2, num_rows)
-    pick = (peak[1] < peak[0]).long()
-    expert = expert.view(2, num_rows, num_bins, slots)[pick, torch.arange(num_rows, device=item_load.device)]
-    return expert.sort(dim=-1).values
+    peak = load.sum(-1).max(-1).reshape(len(starts), num_rows)
+    pick = peak.argmin(0)
+    best = expert.reshape(len(starts), num_rows, num_bins, slots)[pick, np.arange(num_rows)]
+    return torch.from_numpy(np.sort(best, axis=-1)).to(device)
 
 
 def solve_hierarchical(
