@@ -1,9 +1,10 @@
 """NumPy planner of the strict and global modes (private; inputs already validated).
 
 Every step works on all layers at once (layers, or layer x node rows, along axis 0) with float64 /
-int64 NumPy arrays: a NumPy call on these small arrays costs about a microsecond, a tenth of a torch
-call on CPU, and the sequential parts (LPT packing) are loops over the items of one row, never over
-layers. Torch appears only at the API boundary (and for the batched ``searchsorted`` NumPy lacks).
+int64 NumPy arrays: a NumPy call on these small arrays costs a fraction of a torch call on CPU, and the
+sequential part (LPT packing) is a loop over the items of one row, never over layers. Torch appears only
+at the API boundary and for one small matrix product per refinement round (it keeps to
+``torch.get_num_threads()``, where NumPy's BLAS would start its own threads).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ _REL_TOL = 1e-12
 _CLOSE_ENOUGH = 2e-5
 # up to this many slots per GPU the swap search tries every (x, y) pair, above it a binary search
 _BRUTE_FORCE_SLOTS = 16
+# pairs of bins with at most this many slots are re-split exhaustively (C(2S, S) / 2 splits: 126 at 5)
+_MAX_RESPLIT_SLOTS = 5
+# with more slots (up to this many), a round-robin start is refined beside the LPT start
+_RR_MAX_SLOTS = 16
 
 
 def split_counts(weight: np.ndarray, num_replicas: int, base: np.ndarray | None = None) -> np.ndarray:
@@ -266,14 +271,6 @@ def refine(
     return load, expert
 
 
-# pairs of bins with at most this many slots are re-split exhaustively (C(2S, S) / 2 splits: 126 at 5)
-_MAX_RESPLIT_SLOTS = 5
-# at most this many pairs of bins per row and round (the heaviest bins)
-_MAX_PAIRS = 36
-# with more slots (up to this many), a round-robin start is refined beside the LPT start
-_RR_MAX_SLOTS = 16
-
-
 @lru_cache(maxsize=8)
 def _split_tables(
     slots: int,
@@ -299,18 +296,17 @@ def _split_tables(
 
 
 def _pairs(bin_load: np.ndarray, it: int) -> tuple[np.ndarray, np.ndarray]:
-    """Global bin ids ``(heavy [B * K], light [B * K])`` of this round's pairs.
+    """Global bin ids ``(heavy [B * P], light [B * P])`` of this round's ``P = G // 2`` pairs.
 
-    The ``K = min(G / 2, _MAX_PAIRS)`` heaviest bins are paired with light partners taken from the
-    lighter half, rotating from round to round so that every heavy bin meets every light one.
+    The heavier half of the bins is paired with the lighter half, the k-th heaviest with the
+    ``(k + it) mod P``-th lightest, so that every heavy bin meets every light one over ``P`` rounds.
     """
     num_rows, num_bins = bin_load.shape
     half = num_bins // 2
-    num_pairs = min(half, _MAX_PAIRS)
     order = np.argsort(-bin_load, axis=1, kind="stable")
-    heavy = order[:, :num_pairs]
+    heavy = order[:, :half]
     light = order[:, num_bins - half :][:, ::-1]  # lightest first
-    light = light[:, (np.arange(num_pairs) + it) % half]
+    light = light[:, (np.arange(half) + it) % half]
     base = (np.arange(num_rows) * num_bins)[:, None]
     return (base + heavy).reshape(-1), (base + light).reshape(-1)
 
@@ -393,7 +389,7 @@ def _swap_block(
     flat_f = None if fixed is None else fixed.reshape(-1)
     bins = load.reshape(-1, slots)
     bin_load = bins.sum(1)
-    tol = np.repeat((_REL_TOL / num_bins) * load.sum((1, 2)), min(num_bins // 2, _MAX_PAIRS))
+    tol = np.repeat((_REL_TOL / num_bins) * load.sum((1, 2)), num_bins // 2)
     slot = np.arange(slots)
     if slots > _BRUTE_FORCE_SLOTS:
         # items of each expert on each bin, [bins * E] (a swap updates four entries)
