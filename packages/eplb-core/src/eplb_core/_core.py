@@ -2,7 +2,8 @@
 
 Every function works on a batch of independent sub-problems (layers, or layer x node in the strict
 hierarchy) with a fixed number of operations per call, so one call costs a few hundred small tensor ops
-whatever the number of layers, and runs unchanged on a CUDA tensor.
+whatever the number of layers, and runs unchanged on a CUDA tensor. Used by the bounds, the
+migration-aware mode and the soft-locality allocation; the strict/global planner is ``_fast`` (NumPy).
 """
 
 from __future__ import annotations
