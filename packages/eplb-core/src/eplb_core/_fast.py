@@ -1,22 +1,20 @@
-"""NumPy planner of the strict and global modes (private; inputs already validated).
+"""Planner of the strict and global modes (private; inputs already validated).
 
-Every step works on all layers at once (layers, or layer x node rows, along axis 0) with float64 /
-int64 NumPy arrays: a NumPy call on these small arrays costs a fraction of a torch call on CPU, and the
-sequential part (LPT packing) is a loop over the items of one row, never over layers. Torch appears only
-at the API boundary and for one small matrix product per refinement round (it keeps to
-``torch.get_num_threads()``, where NumPy's BLAS would start its own threads).
+The batched steps (node split, node-major layout, sorting, the candidate bookkeeping) work on all
+layers at once with float64 / int64 NumPy arrays (layers, or layer x node rows, along axis 0); the
+sequential loops (replica-count split, LPT packing, the refinement rounds) are compiled with Numba in
+:mod:`eplb_core._kernels`, one row at a time. Torch appears only at the API boundary.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from functools import lru_cache
 
 import numpy as np
 import torch
 
-from eplb_core import _core
+from eplb_core import _core, _kernels
 
 # relative peak gap beyond which a losing candidate plan stops being refined
 _PRUNE_MARGIN = 0.01
@@ -38,11 +36,9 @@ _RR_MAX_SLOTS = 16
 def split_counts(weight: np.ndarray, num_replicas: int, base: np.ndarray | None = None) -> np.ndarray:
     """Replica counts minimising the largest per-replica load, as the sequential greedy split hands them.
 
-    The sequential greedy (give one replica to the expert with the heaviest per-replica load, lowest id
-    on ties, repeat) hands the extra replicas to the largest values of ``{w_e / k : k >= base_e}`` in the
-    order (value desc, expert id asc); all of them are taken at once here. Only experts among the
-    ``extra`` heaviest per-replica loads can receive one, and an expert ends with at most
-    ``R w_e / total + 1`` replicas, which bounds the candidate table.
+    The sequential greedy itself (give one replica to the expert with the heaviest per-replica load,
+    lowest id on ties, repeat), compiled (:func:`eplb_core._kernels.greedy_counts`); a row of zero
+    loads gets its extra replicas one per expert in id order.
 
     Args:
         weight: ``[B, N]`` float64, non-negative.
@@ -52,29 +48,8 @@ def split_counts(weight: np.ndarray, num_replicas: int, base: np.ndarray | None 
     Returns:
         ``[B, N]`` int64 counts, rows summing to ``num_replicas`` (the sequential greedy's counts).
     """
-    num_rows, num_experts = weight.shape
-    counts = np.ones((num_rows, num_experts), dtype=np.int64) if base is None else base.copy()
-    extra_rows = num_replicas - counts.sum(1)
-    extra = int(extra_rows.max())
-    if extra == 0:
-        return counts
-    top = min(extra, num_experts)
-    per = weight / counts
-    heavy = np.sort(np.argsort(-per, axis=1, kind="stable")[:, :top], axis=1)  # by expert id
-    w_top = np.take_along_axis(weight, heavy, 1)
-    c_top = np.take_along_axis(counts, heavy, 1)
-    total = np.maximum(weight.sum(1, keepdims=True), 1e-300)
-    bound = float((num_replicas * w_top / total + 2 - c_top).max())
-    max_extra = math.ceil(bound) if math.isfinite(bound) else extra
-    max_extra = min(extra, max(max_extra, -(-extra // top), 1))
-    k = np.arange(max_extra, dtype=np.float64)
-    # the k-th extra replica of e is worth its per-replica load before the split, w / (c + k)
-    cand = (w_top[:, :, None] / (c_top[:, :, None] + k)).reshape(num_rows, -1)
-    order = np.argsort(-cand, axis=1, kind="stable")[:, :extra]  # ties: lower expert id, then lower k
-    take = np.arange(extra) < extra_rows[:, None]
-    chosen = np.take_along_axis(heavy, order // max_extra, 1)
-    flat = (np.arange(num_rows)[:, None] * num_experts + chosen)[take]
-    counts += np.bincount(flat, minlength=num_rows * num_experts).reshape(num_rows, num_experts)
+    counts = np.ones(weight.shape, dtype=np.int64) if base is None else base.astype(np.int64, copy=True)
+    _kernels.greedy_counts(np.ascontiguousarray(weight, dtype=np.float64), counts, num_replicas)
     return counts
 
 
@@ -119,66 +94,13 @@ def lpt_bins(item_load: np.ndarray, num_bins: int, item_expert: np.ndarray | Non
     order (every bin is empty and the lowest index wins), so the loop starts at item ``G``. The loop
     runs over the items of a row, all rows at once.
     """
-    num_rows, num_items = item_load.shape
-    cap = num_items // num_bins
     order = np.argsort(-item_load, axis=1, kind="stable")
-    w_sorted = np.take_along_axis(item_load, order, 1).T.copy()  # [M, B]: one contiguous row per step
-    e_sorted = None if item_expert is None else np.take_along_axis(item_expert, order, 1).T.copy()
-    key = np.zeros(num_rows * num_bins)
-    fill = np.zeros(num_rows * num_bins, dtype=np.int64)
-    key2 = key.reshape(num_rows, num_bins)
-    row_base = np.arange(num_rows) * num_bins
-    bins_sorted = np.empty((num_items, num_rows), dtype=np.int64)
-    # duplicates: run_start[r] is the step where row r's current run of one expert began, and
-    # tag[r, bin] the run start of the last item put on bin; the bin holds the run's expert iff equal
-    tag = np.full(num_rows * num_bins, -1, dtype=np.int64)
-    tag2 = tag.reshape(num_rows, num_bins)
-    run_start = np.zeros(num_rows, dtype=np.int64)
-    first = 0
-    if num_bins == 1 or cap == 1 or bool((w_sorted[num_bins - 2] > 0).all()):
-        first = num_bins
-        bins_sorted[:first] = np.arange(first)[:, None]
-        key2[:] = w_sorted[:first].T
-        fill[:] = 1
-        if cap == 1:
-            key[:] = np.inf
-        if e_sorted is not None:
-            # run start of every item of the first round, then the one of the last item
-            starts = np.zeros((first, num_rows), dtype=np.int64)
-            for step in range(1, first):
-                starts[step] = np.where(e_sorted[step] == e_sorted[step - 1], starts[step - 1], step)
-            tag2[:] = starts.T
-            run_start = starts[first - 1].copy()
-    same_prev = np.zeros((num_items, num_rows), dtype=bool)
-    if e_sorted is not None:
-        same_prev[1:] = e_sorted[1:] == e_sorted[:-1]
-    cont = np.any(same_prev, axis=1).tolist()  # steps continuing a run in some row: only ones with clashes
-    inf = np.inf
-    for step in range(first, num_items):
-        b = key2.argmin(1)
-        if e_sorted is not None:
-            if cont[step]:
-                run_start = np.where(same_prev[step], run_start, step)
-                clash = np.flatnonzero(tag[row_base + b] == run_start)
-                if clash.size:
-                    # avoid the bins holding the run's expert while a free one does not
-                    masked = np.where(tag2[clash] == run_start[clash, None], inf, key2[clash])
-                    alt = masked.argmin(1)
-                    ok = masked[np.arange(clash.size), alt] < inf
-                    b[clash[ok]] = alt[ok]
-            else:
-                run_start[:] = step
-            tag[row_base + b] = run_start
-        flat = row_base + b
-        bins_sorted[step] = b
-        key[flat] += w_sorted[step]
-        f = fill[flat] + 1
-        fill[flat] = f
-        full = f == cap
-        if full.any():
-            key[flat[full]] = inf
-    out = np.empty((num_rows, num_items), dtype=np.int64)
-    np.put_along_axis(out, order, bins_sorted.T, 1)
+    w_sorted = np.take_along_axis(item_load, order, 1)
+    use_expert = item_expert is not None
+    e_sorted = np.take_along_axis(item_expert, order, 1) if item_expert is not None else order
+    bins_sorted = _kernels.lpt_sorted(w_sorted, e_sorted, use_expert, num_bins)
+    out = np.empty_like(bins_sorted)
+    np.put_along_axis(out, order, bins_sorted, 1)
     return out
 
 
@@ -212,7 +134,7 @@ def refine(
     Each round sorts the bins of every row by load and pairs the k-th heaviest with a light partner
     (the pairing rotates from round to round). With at most ``_MAX_RESPLIT_SLOTS`` slots per GPU, each
     pair's ``2 S`` items are re-split optimally into two bins of ``S`` (every split that keeps the heavy
-    bin's first item, scored with one matrix product); with more slots, the single exchange that best
+    bin's first item, scored in float32); with more slots, the single exchange that best
     evens the pair is made. A move is taken only when it strictly lowers the pair's larger load and
     puts no expert twice on a GPU; fixed items never change GPU.
 
@@ -233,13 +155,15 @@ def refine(
     Returns:
         ``(load, expert)`` refined copies.
     """
-    load, expert = load.copy(), expert.copy()
-    fixed = None if fixed is None else fixed.copy()
+    load, expert = np.ascontiguousarray(load, dtype=np.float64).copy(), expert.astype(np.int64, copy=True)
     num_rows, num_bins, slots = load.shape
     if num_bins < 2 or iters <= 0:
         return load, expert
+    has_fixed = fixed is not None
+    fix = np.zeros(load.shape, dtype=bool) if fixed is None else np.array(fixed, dtype=bool, copy=True)
     alive = np.ones(num_rows, dtype=bool)
     total = load.sum((1, 2))
+    tol = (_REL_TOL / num_bins) * total  # exchanges gaining less than this are ignored
     it = 0
     while it < iters:
         bin_load = load.sum(-1)
@@ -256,232 +180,37 @@ def refine(
         if idx.size == 0:
             break
         rounds = min(block, iters - it)
-        sub_l, sub_e = load[idx], expert[idx]
-        sub_f = None if fixed is None else fixed[idx]
         if slots <= _MAX_RESPLIT_SLOTS:
-            moved = _resplit_block(sub_l, sub_e, sub_f, rounds, it)
+            idx_heavy, idx_light, member = _split_tables(slots)
+            moved = _kernels.resplit_block(
+                load, expert, fix, has_fixed, idx, rounds, it, idx_heavy, idx_light, member
+            )
         else:
-            moved = _swap_block(sub_l, sub_e, sub_f, rounds, it)
-        load[idx], expert[idx] = sub_l, sub_e
-        if fixed is not None and sub_f is not None:
-            fixed[idx] = sub_f
-        after = np.maximum(sub_l.sum(-1) - (total[idx] / num_bins)[:, None], 0).sum(1)
+            moved = _kernels.swap_block(
+                load, expert, fix, has_fixed, idx, tol, rounds, it, _BRUTE_FORCE_SLOTS
+            )
+        after = np.maximum(load[idx].sum(-1) - (total[idx] / num_bins)[:, None], 0).sum(1)
         alive[idx] = moved & (excess[idx] - after > _MIN_BLOCK_GAIN * total[idx])
         it += rounds
     return load, expert
 
 
 @lru_cache(maxsize=8)
-def _split_tables(
-    slots: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _split_tables(slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Tables of the splits of ``2 S`` items (``S`` of the heavy bin, then ``S`` of the light bin).
 
-    Returns ``(member [2S, C], pair_a, pair_b, same_side [P2, C], idx_heavy [C, S], idx_light [C, S])``
-    over the ``C`` splits whose heavy side keeps item 0: ``member`` is 1 for the items going to the
-    heavy bin, ``same_side`` says whether item pair ``(pair_a, pair_b)`` ends on one side.
+    Returns ``(idx_heavy [C, S], idx_light [C, S], member [2S, C] bool)`` over the ``C`` splits whose
+    heavy side keeps item 0 (the first is the identity split): the item positions on each side, and
+    whether an item goes to the heavy bin.
     """
     num = 2 * slots
     splits = [c for c in itertools.combinations(range(num), slots) if c[0] == 0]
-    member = np.zeros((num, len(splits)))
+    member = np.zeros((num, len(splits)), dtype=bool)
     for j, c in enumerate(splits):
-        member[list(c), j] = 1.0
-    pairs = list(itertools.combinations(range(num), 2))
-    pair_a = np.array([a for a, _ in pairs])
-    pair_b = np.array([b for _, b in pairs])
-    same_side = (member[pair_a] == member[pair_b]).astype(np.float64)
+        member[list(c), j] = True
     idx_heavy = np.array(splits, dtype=np.int64)
     idx_light = np.array([[i for i in range(num) if i not in c] for c in splits], dtype=np.int64)
-    return member, pair_a, pair_b, same_side, idx_heavy, idx_light
-
-
-def _pairs(bin_load: np.ndarray, it: int) -> tuple[np.ndarray, np.ndarray]:
-    """Global bin ids ``(heavy [B * P], light [B * P])`` of this round's ``P = G // 2`` pairs.
-
-    The heavier half of the bins is paired with the lighter half, the k-th heaviest with the
-    ``(k + it) mod P``-th lightest, so that every heavy bin meets every light one over ``P`` rounds.
-    """
-    num_rows, num_bins = bin_load.shape
-    half = num_bins // 2
-    order = np.argsort(-bin_load, axis=1, kind="stable")
-    heavy = order[:, :half]
-    light = order[:, num_bins - half :][:, ::-1]  # lightest first
-    light = light[:, (np.arange(half) + it) % half]
-    base = (np.arange(num_rows) * num_bins)[:, None]
-    return (base + heavy).reshape(-1), (base + light).reshape(-1)
-
-
-def _resplit_block(
-    load: np.ndarray, expert: np.ndarray, fixed: np.ndarray | None, rounds: int, it0: int
-) -> np.ndarray:
-    """``rounds`` re-split rounds on ``load``/``expert``/``fixed`` in place; ``[B]`` rows that moved."""
-    num_rows, num_bins, slots = load.shape
-    member, pair_a, pair_b, same_side, idx_heavy, idx_light = _split_tables(slots)
-    # an item leaving its bin: membership differs from the start (heavy items first, on side 1)
-    start_side = np.concatenate([np.ones(slots), np.zeros(slots)])
-    leaves = (member != start_side[:, None]).astype(np.float64)
-    member_t = torch.from_numpy(member.astype(np.float32))
-    moved = np.zeros(num_rows, dtype=bool)
-    flat_l, flat_e = load.reshape(-1), expert.reshape(-1)
-    flat_f = None if fixed is None else fixed.reshape(-1)
-    bins = load.reshape(-1, slots)
-    bin_load = bins.sum(1)
-    slot = np.arange(slots)
-    for it in range(it0, it0 + rounds):
-        heavy, light = _pairs(bin_load.reshape(num_rows, num_bins), it)
-        pos = np.concatenate([heavy[:, None] * slots + slot, light[:, None] * slots + slot], 1)  # [N, 2S]
-        items = flat_l[pos]
-        ids = flat_e[pos]
-        total = bin_load[heavy] + bin_load[light]
-        # heavy-bin load of every split, in float32 (the chosen split is re-summed in float64 below);
-        # torch: one thread under torch.set_num_threads(1), unlike NumPy's BLAS
-        sums = (torch.from_numpy(items.astype(np.float32)) @ member_t).numpy()
-        score = np.abs(2.0 * sums - total.astype(np.float32)[:, None])  # |heavy - light| after each split
-        if flat_f is not None:
-            fix = flat_f[pos]
-            # fixed items may share a GPU with their own replicas already: never count those as clashes
-            ids = np.where(fix, -1 - np.arange(2 * slots), ids)
-            _forbid(score, fix, leaves)
-        _forbid(score, ids[:, pair_a] == ids[:, pair_b], same_side)
-        choice = score.argmin(1)
-        new_heavy = np.take_along_axis(items, idx_heavy[choice], 1).sum(1)
-        do = np.maximum(new_heavy, total - new_heavy) < bin_load[heavy] * (1 - 1e-12)
-        if not do.any():
-            continue
-        moved |= do.reshape(num_rows, -1).any(1)
-        p = pos[do]
-        c = choice[do]
-        src = np.concatenate(
-            [np.take_along_axis(p, idx_heavy[c], 1), np.take_along_axis(p, idx_light[c], 1)], 1
-        )
-        flat_l[p] = flat_l[src]
-        flat_e[p] = flat_e[src]
-        if flat_f is not None:
-            flat_f[p] = flat_f[src]
-        # exact sums of the new bins (summation order differs from new_heavy's)
-        changed = np.concatenate([heavy[do], light[do]])
-        bin_load[changed] = bins[changed].sum(1)
-    return moved
-
-
-def _forbid(score: np.ndarray, hits: np.ndarray, table: np.ndarray) -> None:
-    """Set ``score [N, C]`` to inf where a row's ``hits [N, K]`` meet ``table [K, C]`` (in place)."""
-    rows = np.flatnonzero(hits.any(1))
-    if rows.size:
-        bad = np.einsum("nk,kc->nc", hits[rows].astype(np.float64), table) > 0
-        sub = score[rows]
-        sub[bad] = np.inf
-        score[rows] = sub
-
-
-def _swap_block(
-    load: np.ndarray, expert: np.ndarray, fixed: np.ndarray | None, rounds: int, it0: int
-) -> np.ndarray:
-    """``rounds`` single-exchange rounds in place (many slots per GPU); ``[B]`` rows that moved.
-
-    Up to ``_BRUTE_FORCE_SLOTS`` slots every ``(x, y)`` exchange of a pair is scored (pairs along the
-    last axis, so every NumPy call runs over long contiguous rows); above, for each ``x`` the ``y``
-    closest to ``x - gap / 2`` is found by binary search.
-    """
-    num_rows, num_bins, slots = load.shape
-    moved = np.zeros(num_rows, dtype=bool)
-    flat_l, flat_e = load.reshape(-1), expert.reshape(-1)
-    flat_f = None if fixed is None else fixed.reshape(-1)
-    bins = load.reshape(-1, slots)
-    bin_load = bins.sum(1)
-    tol = np.repeat((_REL_TOL / num_bins) * load.sum((1, 2)), num_bins // 2)
-    slot = np.arange(slots)
-    if slots > _BRUTE_FORCE_SLOTS:
-        # items of each expert on each bin, [bins * E] (a swap updates four entries)
-        num_ids = int(flat_e.max()) + 1
-        held = np.bincount(
-            np.arange(flat_e.size) // slots * num_ids + flat_e, minlength=bin_load.size * num_ids
-        )
-    for it in range(it0, it0 + rounds):
-        heavy, light = _pairs(bin_load.reshape(num_rows, num_bins), it)
-        gap = bin_load[heavy] - bin_load[light]
-        if slots <= _BRUTE_FORCE_SLOTS:
-            pos_a = slot[:, None] + heavy * slots  # [S, N]
-            pos_b = slot[:, None] + light * slots
-            la, lb = flat_l[pos_a], flat_l[pos_b]
-            ea, eb = flat_e[pos_a], flat_e[pos_b]
-            same = ea[:, None, :] == eb[None, :, :]  # [S, S, N]
-            bad_x, bad_y = same.any(1), same.any(0)
-            if flat_f is not None:
-                bad_x |= flat_f[pos_a]
-                bad_y |= flat_f[pos_b]
-            delta = la[:, None, :] - lb[None, :, :]
-            gain = np.minimum(delta, gap - delta)
-            np.putmask(gain, bad_x[:, None, :] | bad_y[None, :, :], -np.inf)
-            gain = gain.reshape(slots * slots, -1)
-            pick = gain.argmax(0)
-            cols = np.arange(gain.shape[1])
-            best = gain[pick, cols]
-            pa_all = pos_a[pick // slots, cols]
-            pb_all = pos_b[pick % slots, cols]
-        else:
-            pos_a = heavy[:, None] * slots + slot  # [N, S]
-            pos_b = light[:, None] * slots + slot
-            la, lb = flat_l[pos_a], flat_l[pos_b]
-            ea, eb = flat_e[pos_a], flat_e[pos_b]
-            bad_x = held[light[:, None] * num_ids + ea] > 0  # x's expert already on the light GPU
-            bad_y = held[heavy[:, None] * num_ids + eb] > 0
-            if flat_f is not None:
-                bad_x |= flat_f[pos_a]
-                bad_y |= flat_f[pos_b]
-            # excluded y: far above every load, so that no exchange with them gains
-            lb_eff = np.where(bad_y, 4.0 * max(la.max(), lb.max()) + 1.0, lb)
-            y_sorted = np.argsort(lb_eff, axis=1, kind="stable")
-            lbs = np.take_along_axis(lb_eff, y_sorted, 1)
-            # the y of the light bin whose exchange with x moves closest to half the gap
-            at = _row_searchsorted(lbs, la - 0.5 * gap[:, None])
-            lo, hi = np.maximum(at - 1, 0), np.minimum(at, slots - 1)
-            d_lo = la - np.take_along_axis(lbs, lo, 1)
-            d_hi = la - np.take_along_axis(lbs, hi, 1)
-            g_lo = np.minimum(d_lo, gap[:, None] - d_lo)
-            g_hi = np.minimum(d_hi, gap[:, None] - d_hi)
-            take_hi = g_hi > g_lo
-            gain = np.where(take_hi, g_hi, g_lo)
-            gain[bad_x] = -np.inf
-            y = np.take_along_axis(y_sorted, np.where(take_hi, hi, lo), 1)
-            best_x = gain.argmax(1)
-            rows = np.arange(gain.shape[0])
-            best = gain[rows, best_x]
-            pa_all = pos_a[rows, best_x]
-            pb_all = pos_b[rows, y[rows, best_x]]
-        do = best > tol
-        if not do.any():
-            continue
-        moved |= do.reshape(num_rows, -1).any(1)
-        pa, pb = pa_all[do], pb_all[do]
-        if slots > _BRUTE_FORCE_SLOTS:
-            e_x, e_y = flat_e[pa], flat_e[pb]
-            h_bin, l_bin = pa // slots * num_ids, pb // slots * num_ids
-            held[h_bin + e_x] -= 1
-            held[l_bin + e_y] -= 1
-            held[l_bin + e_x] += 1
-            held[h_bin + e_y] += 1
-        for flat in (flat_l, flat_e) + (() if flat_f is None else (flat_f,)):
-            tmp = flat[pa]
-            flat[pa] = flat[pb]
-            flat[pb] = tmp
-        changed = np.concatenate([heavy[do], light[do]])
-        bin_load[changed] = bins[changed].sum(1)
-    return moved
-
-
-def _row_searchsorted(sorted_rows: np.ndarray, queries: np.ndarray) -> np.ndarray:
-    """Left insertion points ``[N, Q]`` of ``queries`` in each row of ``sorted_rows [N, S]`` (finite).
-
-    One ``np.searchsorted`` over the rows laid end to end, each shifted by its index times the span of
-    all values (NumPy has no batched search; torch's costs more on these small shapes).
-    """
-    num, width = sorted_rows.shape
-    low = min(sorted_rows.min(), queries.min())
-    span = max(sorted_rows.max(), queries.max()) - low + 1
-    shift = np.arange(num)[:, None] * span - low
-    at = np.searchsorted((sorted_rows + shift).reshape(-1), (queries + shift).reshape(-1))
-    return at.reshape(num, -1) - np.arange(num)[:, None] * width
+    return idx_heavy, idx_light, member
 
 
 def assign_groups_to_nodes(group_load: np.ndarray, num_nodes: int) -> np.ndarray:
