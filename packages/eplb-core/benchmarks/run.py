@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numba
 import numpy as np
 import torch
 
@@ -55,6 +56,37 @@ def git_commit() -> str:
         return "unknown"
 
 
+_FIRST_CALL = """
+import time, torch
+torch.set_num_threads(1)
+t0 = time.perf_counter()
+import eplb_core as E
+w = E.synthetic_loads(58, 256, seed=0)
+t1 = time.perf_counter()
+E.rebalance_experts(w, 288, 8, 4, 32)  # LPT, replica split, exchange refinement
+E.rebalance_experts(w, 320, 8, 8, 64)  # re-split refinement
+print(t1 - t0, time.perf_counter() - t1)
+"""
+
+
+def first_call_seconds() -> dict[str, float]:
+    """Seconds of the first two calls in a fresh process (every compiled kernel used once), with an
+    empty Numba cache (compilation) and again with the cache it left (loading), plus the import."""
+    import tempfile
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
+        for key in ("cold", "cached"):
+            run = subprocess.run(
+                [sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True, check=True
+            )
+            imp, first = (float(x) for x in run.stdout.split())
+            out[f"{key}_first_calls_s"] = first
+            out[f"{key}_import_s"] = imp
+    return out
+
+
 def markdown(res: dict[str, Any]) -> str:
     lines = [
         "# eplb-core benchmark",
@@ -77,6 +109,13 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {r['greedy_balancedness']:.4f} | {r['layers_below_greedy']} | {cap} | {of_cap} "
             f"| {100 * r['mean_gap_to_bound']:.2f}% | {r['ms_per_call_median']:.1f} | {r['greedy_ms_median']:.1f} |"
         )
+    fc = res["first_call"]
+    lines += [
+        "",
+        "First calls in a fresh process ((288, 4, 32) then (320, 8, 64), every compiled kernel once): "
+        f"{fc['cold_first_calls_s']:.1f} s with an empty Numba cache (compilation), "
+        f"{fc['cached_first_calls_s']:.2f} s once the cache exists (import {fc['cached_import_s']:.1f} s).",
+    ]
     lines += [
         "",
         "## Migration-aware mode (plan in service made on the previous window; cap 25% of slots per layer)",
@@ -144,10 +183,12 @@ def main() -> int:
         "load_average": list(os.getloadavg()),
         "torch": torch.__version__,
         "numpy": np.__version__,
-        "planner": "NumPy on the host, one thread (CUDA input is copied to the host and back)",
+        "numba": numba.__version__,
+        "planner": "NumPy + Numba on the host, one thread (CUDA input is copied to the host and back)",
         "loads": "eplb_core.synthetic_loads(58, 256, num_groups=8, num_windows=2, seed=0)",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu only",
     }
+    res["first_call"] = first_call_seconds()
     res["configs"] = [B.bench_config(weight, earlier, *cfg, repeat=repeat) for cfg in B.CONFIGS]
     res["soft_locality"] = B.bench_soft(weight, [0.0, 0.05, 0.2])
     # harder loads: groups differ more (group_sigma 0.6), strict cap near 0.85 as on recorded DeepSeek-V3 loads
