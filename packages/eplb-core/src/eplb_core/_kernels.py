@@ -163,28 +163,23 @@ def _row_buffers(
     bin_load = np.empty(num_bins)
     order = np.empty(num_bins, dtype=np.int64)
     ver = np.zeros(num_bins, dtype=np.int64)
-    seen_h = np.empty((num_bins, num_bins), dtype=np.int64)
-    seen_l = np.empty((num_bins, num_bins), dtype=np.int64)
+    seen_h = np.full((num_bins, num_bins), -1, dtype=np.int64)
+    seen_l = np.full((num_bins, num_bins), -1, dtype=np.int64)
     return heavy, light, bin_load, order, ver, seen_h, seen_l
 
 
 @numba.njit(cache=True, inline="always")
 def _start_row(
-    fl: np.ndarray,
-    slots: int,
-    bin_load: np.ndarray,
-    order: np.ndarray,
-    ver: np.ndarray,
-    seen_h: np.ndarray,
-    seen_l: np.ndarray,
-) -> None:
-    """Bin loads of a row, the identity bin order, and no pair evaluated yet."""
+    fl: np.ndarray, slots: int, bin_load: np.ndarray, order: np.ndarray, ver: np.ndarray, stamp: int
+) -> int:
+    """Bin loads of a row, the identity bin order, and fresh bin versions (none recorded as seen:
+    versions only grow within a call, so no reset of the seen tables is needed); returns the last
+    version used."""
     for g in range(bin_load.size):
         bin_load[g] = _row_sum(fl, g * slots, slots)
         order[g] = g
-    ver[:] = 0
-    seen_h[:] = -1
-    seen_l[:] = -1
+        ver[g] = stamp + 1 + g
+    return stamp + bin_load.size
 
 
 @numba.njit(cache=True, inline="always")
@@ -251,18 +246,18 @@ def swap_block(
     no_x = np.empty(slots, dtype=np.bool_)
     no_y = np.empty(slots, dtype=np.bool_)
     y_sorted = np.empty(slots, dtype=np.int64)
+    stamp = 0
     for ri in range(rows.size):
         r = rows[ri]
         fl = load[r].reshape(-1)
         fe = expert[r].reshape(-1)
         ff = fixed[r].reshape(-1)
-        _start_row(fl, slots, bin_load, order, ver, seen_h, seen_l)
+        stamp = _start_row(fl, slots, bin_load, order, ver, stamp)
         if not brute:
             held[:] = 0
             for g in range(num_bins):
                 for s in range(slots):
                     held[g, fe[g * slots + s]] += 1
-        stamp = 0
         for it in range(it0, it0 + rounds):
             _pair_bins(bin_load, order, it, heavy, light)
             any_move = False
@@ -427,13 +422,13 @@ def resplit_block(
     tmp_f = np.empty(two, dtype=np.bool_)
     clash_a = np.empty(two * two, dtype=np.int64)
     clash_b = np.empty(two * two, dtype=np.int64)
+    stamp = 0
     for ri in range(rows.size):
         r = rows[ri]
         fl = load[r].reshape(-1)
         fe = expert[r].reshape(-1)
         ff = fixed[r].reshape(-1)
-        _start_row(fl, slots, bin_load, order, ver, seen_h, seen_l)
-        stamp = 0
+        stamp = _start_row(fl, slots, bin_load, order, ver, stamp)
         for it in range(it0, it0 + rounds):
             _pair_bins(bin_load, order, it, heavy, light)
             any_move = False
