@@ -510,9 +510,8 @@ def main() -> None:
             for route in routes:
                 run_case(args, shape, route, args.num_sm, rank, world, group, dev, results)
         # latency at 128 tokens per rank
-        run_case(
-            args, "deepseek-v3", "uniform", args.num_sm[-1:], rank, world, group, dev, results, tokens=128
-        )
+        for shape in shapes:
+            run_case(args, shape, "uniform", args.num_sm[-1:], rank, world, group, dev, results, tokens=128)
         if "nvshmem" in args.heaps:
             try:
                 import nvshmem.core  # noqa: F401
