@@ -100,6 +100,22 @@ def make_mask(c: Case, gen: torch.Generator) -> torch.Tensor | None:
     return excl
 
 
+def capture_graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm ``fn`` up (eagerly and on a side stream), capture one call in a CUDA graph; returns (graph, result)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = fn()
+    torch.cuda.synchronize()
+    return graph, res
+
+
 def time_us(fn: Callable[[], object], warmup: int = 25, rep: int = 120) -> tuple[float, str]:
     """Median time of ``fn`` in microseconds, L2 flushed before each call.
 
@@ -108,17 +124,7 @@ def time_us(fn: Callable[[], object], warmup: int = 25, rep: int = 120) -> tuple
     callable that cannot be captured is timed eagerly; the method is returned with the time.
     """
     try:
-        fn()
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
+        graph, _ = capture_graph(fn)
         ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
         return ms * 1e3, "cuda_graph"
     except Exception:

@@ -37,6 +37,7 @@ __all__ = ["SPARSE_THRESHOLD", "masked_decode", "triton_masked_flash_decoding"]
 SPARSE_THRESHOLD = 0.45
 
 _LOG2E = 1.4426950408889634
+_LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 # "dense_read_all" reads every in-bounds K/V row and zeroes excluded ones (for comparison in benchmarks).
 _PATH_CODES = {"auto": 0, "dense": 1, "sparse": 2, "dense_read_all": 3}
 # Whether path="auto" uses the read-all variant of the dense loop when a split is dense.
@@ -189,14 +190,20 @@ def _dense_loop(
 
 
 @triton.jit
-def _count_visible(lo, hi, mask_base, stride_ml, MASK_MODE: tl.constexpr, BLOCK_C: tl.constexpr):
+def _compact_visible(lo, hi, mask_base, idx_base, stride_ml, MASK_MODE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Write the visible positions of ``[lo, hi)`` in order to ``idx_base``; returns how many there are.
+
+    One pass over the mask serves both the density decision of ``path="auto"`` and the sparse loop's list.
+    """
     offs_c = tl.arange(0, BLOCK_C)
     n = lo * 0
     for start in range(lo, hi, BLOCK_C):
         pos = start + offs_c
         inb = pos < hi
-        vis = inb & (_excluded(mask_base, pos, inb, stride_ml, MASK_MODE) == 0)
-        n += tl.sum(vis.to(tl.int32), 0)
+        vis = (inb & (_excluded(mask_base, pos, inb, stride_ml, MASK_MODE) == 0)).to(tl.int32)
+        csum = tl.cumsum(vis, 0)
+        tl.store(idx_base + n + csum - 1, pos, mask=vis != 0)
+        n += tl.sum(vis, 0)
     return n
 
 
@@ -206,44 +213,31 @@ def _sparse_loop(
     l_i,
     m_i,
     q,
-    lo,
-    hi,
+    n_vis,
     k_base,
     v_base,
     bt_base,
-    mask_base,
     idx_base,
     stride_kn,
     stride_kp,
     stride_vn,
     stride_vp,
-    stride_ml,
     qk_scale,
     offs_d,
-    MASK_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_NS: tl.constexpr,
+    SPARSE_STAGES: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # Compaction: write the visible positions of [lo, hi) in order to this program's scratch segment.
-    offs_c = tl.arange(0, BLOCK_C)
-    n = lo * 0
-    for start in range(lo, hi, BLOCK_C):
-        pos = start + offs_c
-        inb = pos < hi
-        vis = (inb & (_excluded(mask_base, pos, inb, stride_ml, MASK_MODE) == 0)).to(tl.int32)
-        dst = n + tl.cumsum(vis, 0) - 1
-        tl.store(idx_base + dst, pos, mask=vis != 0)
-        n += tl.sum(vis, 0)
-    tl.debug_barrier()  # the list is written and read back by different threads of this program
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(0, n, BLOCK_N):
+    """Walk the compacted list of ``n_vis`` visible positions, gathering ``BLOCK_NS`` K/V rows per tile."""
+    tl.debug_barrier()  # the list was written by other threads of this program
+    offs_n = tl.arange(0, BLOCK_NS)
+    for start in tl.range(0, n_vis, BLOCK_NS, num_stages=SPARSE_STAGES):
         j = start + offs_n
-        valid = j < n
+        valid = j < n_vis
         pos = tl.load(idx_base + j, mask=valid, other=0)
         acc, l_i, m_i = _attend_rows(
             acc, l_i, m_i, q, pos, valid, k_base, v_base, bt_base,
@@ -251,6 +245,15 @@ def _sparse_loop(
             HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST, valid, False,
         )  # fmt: skip
     return acc, l_i, m_i
+
+
+@triton.jit
+def _normalize(acc, l_i, m_log2):
+    """(acc / l, natural-log LSE) of an online-softmax state; rows with no weight give (0, -inf)."""
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_log2 + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    return out, lse
 
 
 @triton.jit
@@ -293,15 +296,22 @@ def _masked_decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_NS: tl.constexpr,
+    SPARSE_STAGES: tl.constexpr,
     BLOCK_C: tl.constexpr,
     MASK_MODE: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    PATH: tl.constexpr,
+    COMPACT: tl.constexpr,
     UPCAST: tl.constexpr,
     DENSE_READ_ALL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        # Let the merge kernel's programs be scheduled as soon as every split program has started; they
+        # wait (griddepcontrol.wait) for this grid to finish before reading the partials.
+        tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
     head = tl.program_id(1)
     bidx = tl.program_id(2)
@@ -336,44 +346,34 @@ def _masked_decode_split_kernel(
             v_base = V + bidx.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
             bt_base = BlockTable
         mask_base = Mask + bidx.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
-        idx_base = Idx + ((bidx.to(tl.int64) * num_heads + head) * num_splits + split) * chunk
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        if (MASK_MODE == 0) | (PATH == 1) | (PATH == 3):
+        if COMPACT:
+            # path auto / sparse (the launcher passes a threshold above 1 for "sparse"): compact the
+            # chunk's visible positions, then gather them if they are few enough, else walk the chunk.
+            idx_base = Idx + ((bidx.to(tl.int64) * num_heads + head) * num_splits + split) * chunk
+            n_vis = _compact_visible(lo, hi, mask_base, idx_base, stride_ml, MASK_MODE, BLOCK_C)
+            go_sparse = n_vis.to(tl.float32) <= sparse_threshold * (hi - lo).to(tl.float32)
+        else:
+            idx_base = Idx
+            n_vis = lo * 0
+            go_sparse = False
+        if go_sparse:
+            acc, l_i, m_i = _sparse_loop(
+                acc, l_i, m_i, q, n_vis, k_base, v_base, bt_base, idx_base,
+                stride_kn, stride_kb, stride_vn, stride_vb, qk_scale, offs_d,
+                HEAD_DIM, BLOCK_D, BLOCK_NS, SPARSE_STAGES, PAGED, PAGE_SIZE, UPCAST,
+            )  # fmt: skip
+        else:
             acc, l_i, m_i = _dense_loop(
                 acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base,
                 stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
                 MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST, DENSE_READ_ALL,
             )  # fmt: skip
-        elif PATH == 2:
-            acc, l_i, m_i = _sparse_loop(
-                acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base, idx_base,
-                stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
-                MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_C, PAGED, PAGE_SIZE, UPCAST,
-            )  # fmt: skip
-        else:
-            n_vis = _count_visible(lo, hi, mask_base, stride_ml, MASK_MODE, BLOCK_C)
-            if n_vis.to(tl.float32) <= sparse_threshold * (hi - lo).to(tl.float32):
-                acc, l_i, m_i = _sparse_loop(
-                    acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base, idx_base,
-                    stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
-                    MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_C, PAGED, PAGE_SIZE, UPCAST,
-                )  # fmt: skip
-            else:
-                acc, l_i, m_i = _dense_loop(
-                    acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base,
-                    stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
-                    MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST, DENSE_READ_ALL,
-                )  # fmt: skip
 
-        seen = l_i > 0.0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        # m_i is in log2 units (q·k was scaled by sm_scale * log2 e).
-        lse = tl.where(
-            seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf")
-        )
+        out, lse = _normalize(acc, l_i, m_i)  # m_i is in log2 units (q·k was scaled by log2 e)
         o_ptrs = (
             Out
             + bidx.to(tl.int64) * stride_ob
@@ -422,7 +422,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 _split_kernel_tuned = triton.autotune(
     configs=_AUTOTUNE_CONFIGS,
-    key=["G", "HEAD_DIM", "MASK_MODE", "PATH", "PAGED", "PAGE_SIZE", "DENSE_READ_ALL", "size_class"],
+    key=["G", "HEAD_DIM", "MASK_MODE", "COMPACT", "PAGED", "PAGE_SIZE", "DENSE_READ_ALL", "size_class"],
     prune_configs_by={"early_config_prune": _prune_configs},
     do_bench=lambda kernel_call, quantiles: _bench_config(kernel_call, quantiles),
 )(_masked_decode_split_kernel)
@@ -461,6 +461,7 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     head = tl.program_id(0)
     bidx = tl.program_id(1)
@@ -468,6 +469,8 @@ def _merge_splits_kernel(
         seqlen = tl.minimum(tl.maximum(tl.load(Seqlens + bidx), 0), max_len)
     else:
         seqlen = seqlen_const
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # launched early (programmatic dependent launch): wait for the partials
     # Splits at or past the sequence end wrote nothing; split 0 always wrote.
     n_active = tl.minimum(tl.maximum((seqlen + chunk - 1) // chunk, 1), num_splits)
     offs_s = tl.arange(0, BLOCK_S)
@@ -523,20 +526,40 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _tile_config(block_d: int, block_g: int) -> tuple[int, int, int, int]:
-    """Default (BLOCK_N, BLOCK_C, num_warps, num_stages) for a head-dim tile; tiny tiles under the interpreter."""
+def _tile_config(block_d: int, block_g: int) -> tuple[int, int, int]:
+    """Default dense-loop (BLOCK_N, num_warps, num_stages) for a head-dim tile; tiny tiles under the interpreter."""
     if _interpreting():
-        return 16, 32, 4, 1
+        return 16, 4, 1
     block_n, num_warps, num_stages = _CANDIDATES[block_d][0]
     if block_g * block_d >= 8192:
         num_warps = 8
     ov = _TUNE_OVERRIDE
-    return (
-        ov.get("block_n", block_n),
-        ov.get("block_c", 1024),
-        ov.get("num_warps", num_warps),
-        ov.get("num_stages", num_stages),
-    )
+    return ov.get("block_n", block_n), ov.get("num_warps", num_warps), ov.get("num_stages", num_stages)
+
+
+# Sparse-loop gather tile (rows per tile, pipelining depth) per head-dim tile: K and V tiles of all stages
+# sit in shared memory, so the tile is kept small enough for several programs per SM.
+_SPARSE_TILES = {16: (64, 3), 32: (64, 3), 64: (64, 3), 128: (32, 3), 256: (32, 2)}
+_MAX_BLOCK_C = 2048  # mask positions compacted per step (one step per chunk up to this length)
+
+
+def _sparse_config(block_d: int, chunk: int) -> tuple[int, int, int]:
+    """(BLOCK_NS, SPARSE_STAGES, BLOCK_C) of the sparse loop and the compaction for a launch."""
+    if _interpreting():
+        return 16, 1, 32
+    block_ns, stages = _SPARSE_TILES[block_d]
+    ov = _TUNE_OVERRIDE
+    block_c = min(ov.get("block_c", _MAX_BLOCK_C), triton.next_power_of_2(max(chunk, 128)))
+    return ov.get("block_ns", block_ns), ov.get("sparse_stages", stages), block_c
+
+
+def _use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch of the merge kernel (Hopper and newer): it starts while splits finish."""
+    if device.type != "cuda" or _interpreting():
+        return False
+    if "pdl" in _TUNE_OVERRIDE:
+        return bool(_TUNE_OVERRIDE["pdl"])
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _chunk_granularity() -> int:
@@ -598,10 +621,12 @@ def _launch(
     group = hq // hkv
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(d))
-    block_n, block_c, num_warps, num_stages = _tile_config(block_d, block_g)
+    block_n, num_warps, num_stages = _tile_config(block_d, block_g)
     splits, chunk = choose_num_splits(
         batch, hkv, max_len, _chunk_granularity(), _num_sms(q.device), num_splits if num_splits > 0 else None
     )
+    block_ns, sparse_stages, block_c = _sparse_config(block_d, chunk)
+    pdl = _use_pdl(q.device) and splits > 1
 
     mask_mode = _MASK_NONE
     if mask is not None:
@@ -611,7 +636,10 @@ def _launch(
     else:
         mask_t = torch.empty(1, dtype=torch.uint8, device=q.device)
         mstrides = (0, 0, 0)
-    if mask is not None and path in (_PATH_CODES["auto"], _PATH_CODES["sparse"]):
+    compact = mask is not None and path in (_PATH_CODES["auto"], _PATH_CODES["sparse"])
+    if path == _PATH_CODES["sparse"]:
+        sparse_threshold = 2.0  # every split takes the sparse loop (visible <= 2 * length always holds)
+    if compact:
         idx = torch.empty(batch * hkv * splits * chunk, dtype=torch.int32, device=q.device)
     else:
         idx = torch.empty(1, dtype=torch.int32, device=q.device)
@@ -646,10 +674,11 @@ def _launch(
         *po, *pl,
     )  # fmt: skip
     meta = dict(
-        G=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_C=block_c,
-        MASK_MODE=mask_mode, HAS_SEQLENS=seqlens is not None, PAGED=paged, PAGE_SIZE=page_size,
-        PATH=path, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        G=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_NS=block_ns, SPARSE_STAGES=sparse_stages,
+        BLOCK_C=block_c, MASK_MODE=mask_mode, HAS_SEQLENS=seqlens is not None, PAGED=paged,
+        PAGE_SIZE=page_size, COMPACT=compact, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
         DENSE_READ_ALL=path == _PATH_CODES["dense_read_all"] or (path == 0 and _AUTO_DENSE_READ_ALL),
+        PDL=pdl,
     )  # fmt: skip
     grid = (splits, hkv, batch)
     if _autotune_enabled():
@@ -663,7 +692,7 @@ def _launch(
             o_part, l_part, out, lse, seq_t, seqlen_const, max_len, chunk, splits,
             *o_part.stride()[:3], *l_part.stride(), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(max(8192 // block_d, 1), triton.next_power_of_2(splits)),
-            HAS_SEQLENS=seqlens is not None, num_warps=4 if block_d <= 128 else 8,
+            HAS_SEQLENS=seqlens is not None, PDL=pdl, num_warps=4 if block_d <= 128 else 8, launch_pdl=pdl,
         )  # fmt: skip
     return out, lse
 
