@@ -7,6 +7,7 @@ import torch
 
 from sparse_mla_attn import sparse_mla_decode, sparse_mla_decode_ref
 from sparse_mla_attn._inputs import kernel_test_device
+from sparse_mla_attn.decode import sparse_mla_decode_impl
 from sparse_mla_attn.reference import paged_rows
 
 
@@ -65,6 +66,26 @@ def test_decode_matches_reference(b, s_q, h_q, d_qk, block_size, seqlens, topk):
             assert torch.all(got[1][i] == float("-inf"))
 
 
+def test_decode_split_k_and_table_entries_outside_the_cache():
+    dev = cpu_device()
+    args = paged_problem(2, 2, 5, 576, 8, (30, 17), 23, dev, seed=7)
+    got = sparse_mla_decode_impl(*args, 0.05, config={"NUM_SPLITS": 2})
+    check(got, args, 0.05, 1e-2, 1e-2)
+    # A table entry pointing past the cache is skipped like an invalid position, never followed.
+    q, cache, bt, sl, idx = args
+    bt = bt.clone()
+    bt[0, 0] = 10**8
+    idx = idx.clone()
+    idx[0, :, :4] = torch.arange(4, dtype=torch.int32, device=dev)  # positions in that block
+    out, lse = sparse_mla_decode(q, cache, bt, sl, idx, 0.05)
+    keep = idx.clone()
+    keep[0][(idx[0] >= 0) & (idx[0] < 8)] = -1  # the reference, told those slots are invalid
+    ref_out, ref_lse = sparse_mla_decode_ref(q.float(), cache.float(), bt, sl, keep, 0.05)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), ref_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-4, rtol=1e-5)
+
+
 def test_decode_custom_op_fake_and_schema():
     dev = cpu_device()
     args = paged_problem(2, 1, 4, 576, 8, (9, 3), 5, dev, seed=1)
@@ -82,6 +103,7 @@ def test_decode_custom_op_fake_and_schema():
         pytest.param(64, 128, 64, 8192, 2048, id="B64-H128-bs64-L8K-T2048"),
         pytest.param(8, 128, 64, 65536, 2048, id="B8-H128-bs64-L64K-T2048"),
         pytest.param(16, 16, 32, 3000, 500, id="B16-H16-bs32-L3000-T500"),
+        pytest.param(2, 128, 64, 32768, 2048, id="B2-H128-bs64-L32K-T2048-splitK"),
     ],
 )
 def test_decode_gpu(b, h_q, block_size, seqlen, topk):

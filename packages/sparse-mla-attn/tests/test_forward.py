@@ -7,6 +7,7 @@ import torch
 
 from sparse_mla_attn import sparse_mla_fwd, sparse_mla_fwd_ref
 from sparse_mla_attn._inputs import kernel_test_device, poison_unselected, random_indices, sprinkle_invalid
+from sparse_mla_attn.forward import sparse_mla_fwd_impl
 
 # (atol, rtol) per quantity. The interpreter multiplies in float32, so only out's bf16 rounding shows on CPU;
 # on the GPU the probabilities are rounded to bf16 before P·V (FlashMLA does the same).
@@ -145,6 +146,25 @@ def test_fwd_attn_sink_and_topk_length():
     )
 
 
+@pytest.mark.parametrize("n_splits", [pytest.param(2, id="splits2"), pytest.param(3, id="splits3")])
+def test_fwd_split_k_matches_reference(n_splits):
+    # Split-K (used when the grid is small): partial outputs merged by lse weight, including rows whose
+    # splits are partly or wholly invalid, a sink, topk_length and the causal limit.
+    dev = cpu_device()
+    s_q, h_q, topk, s_kv = 4, 6, 37, 40
+    q, kv, idx = make_problem(s_q, h_q, 576, s_kv, topk, dev, seed=20 + n_splits, invalid_frac=0.3)
+    idx[1, 0, :20] = -1  # first split(s) of this row see nothing
+    idx[2, 0, :] = -1  # no valid index at all
+    kv = poison_unselected(kv, idx)
+    sink = torch.randn(h_q, device=dev)
+    topk_length = torch.tensor([37, 30, 37, 5], dtype=torch.int32, device=dev)
+    kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 30, "k_stride": 1}
+    got = sparse_mla_fwd_impl(q, kv, idx, 0.05, config={"NUM_SPLITS": n_splits}, **kw)
+    check_fwd(got, q, kv, idx, 0.05, "cpu", **kw)
+    assert torch.all(got[0][2] == 0)
+    assert torch.all(got[2][2] == float("-inf"))
+
+
 def test_fwd_custom_op_fake_and_schema():
     dev = cpu_device()
     q, kv, idx = make_problem(2, 4, 576, 9, 5, dev, seed=5)
@@ -164,6 +184,7 @@ GPU_SHAPES = [
     pytest.param(64, 16, 576, 32768, 1000, id="S64-H16-D576-K32K-T1000"),
     pytest.param(96, 100, 512, 4096, 777, id="S96-H100-D512-K4K-T777"),
     pytest.param(33, 1, 576, 2048, 65, id="S33-H1-D576-K2K-T65"),
+    pytest.param(8, 128, 576, 65536, 2048, id="S8-H128-D576-K64K-T2048-splitK"),
 ]
 
 
@@ -190,6 +211,9 @@ def test_fwd_gpu_causal_sink_topk_length():
     # Rows keeping only a few slots have out ≈ one V row (|v| up to ~4); the bf16 rounding of P
     # (relative 2**-9) then gives up to ~4e-3 absolute, so this test uses a wider out tolerance.
     check_fwd(sparse_mla_fwd(q, kv, idx, 0.04, **kw), q, kv, idx, 0.04, "gpu_few", **kw)
+    # The same through split-K (the path small grids take).
+    got = sparse_mla_fwd_impl(q, kv, idx, 0.04, config={"NUM_SPLITS": 3}, **kw)
+    check_fwd(got, q, kv, idx, 0.04, "gpu_few", **kw)
 
 
 @pytest.mark.gpu

@@ -3,8 +3,11 @@
 ``q [b, s_q, h_q, d_qk]`` is flattened to ``b * s_q`` tokens; token ``t`` belongs to sequence
 ``t // s_q``. Each of its top-k indices is a position ``p`` in that sequence, valid when
 ``0 <= p < cache_seqlens[b]`` (and inside the block table), and lives in cache row
-``block_table[b, p // block_size] * block_size + p % block_size``. The forward kernel does this mapping
-inside its gather (``PAGED``), so no gathered copy of the cache is ever built.
+``block_table[b, p // block_size] * block_size + p % block_size``. A small kernel maps the indices to
+cache rows first (``-1`` where invalid, 4 bytes per index); the forward kernel then gathers those rows
+straight from the cache, so no gathered copy of the cache is built, and its loop has no dependent
+block-table load between an index and its gather. Small batches split each token's top-k list over
+several programs (split-K) to fill the GPU.
 """
 
 from typing import Any
@@ -12,7 +15,7 @@ from typing import Any
 import torch
 
 from sparse_mla_attn._validate import check_decode_inputs, check_kernel_dims, check_sm_scale
-from sparse_mla_attn.forward import check_device, launch_fwd
+from sparse_mla_attn.forward import check_device, launch_fwd, paged_to_rows
 
 
 def sparse_mla_decode_impl(
@@ -32,14 +35,17 @@ def sparse_mla_decode_impl(
     sm_scale = check_sm_scale(sm_scale)
     check_device(q, "sparse_mla_decode")
     b, s_q, h_q, d_qk = q.shape
-    page_size = kv_cache.shape[1]
+    num_blocks, page_size = kv_cache.shape[:2]
+    n_rows = num_blocks * page_size
+    if n_rows >= 2**31:
+        raise ValueError(f"sparse_mla_decode: the cache holds {n_rows} rows; at most 2**31 - 1 are supported")
+    rows = paged_to_rows(indices.reshape(b * s_q, -1), block_table, cache_seqlens, s_q, page_size, n_rows)
     out, _, lse = launch_fwd(
         q.reshape(b * s_q, h_q, d_qk),
         kv_cache.view(-1, d_qk),
-        indices.reshape(b * s_q, -1),
-        dims,
+        rows,
+        dims,  # dims.s_kv = n_rows: a row is valid when it lies in the cache
         sm_scale,
-        paged=(block_table, cache_seqlens, s_q, page_size),
         config=config,
     )
     return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q)

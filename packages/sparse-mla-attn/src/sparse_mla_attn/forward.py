@@ -4,11 +4,15 @@ One program owns one query token and a tile of up to 64 heads. It keeps the quer
 token's ``topk`` indices ``BLOCK_T`` at a time, gathers those KV rows (invalid ones are masked, never
 loaded), computes ``S = q_nope·k_nope^T + q_rope·k_rope^T`` as two tensor-core products (512 + 64 channels),
 runs an online softmax in base 2 and accumulates ``O += P·V`` with ``V = k_nope`` (the same 512 latent
-channels, so each gathered row is read once for both products). The same kernel serves paged decode
-(``PAGED``): there an index is a position in the token's sequence, mapped to a cache row through the
-block table.
+channels, so each gathered row is read once for both products). The same kernel serves paged decode,
+whose positions are first mapped to cache rows by a small kernel (:func:`paged_to_rows`).
+
+When the grid would not fill the GPU (small-batch decode), each query's top-k list is split over several
+programs (split-K); they write fp32 partial outputs with their own base-2 log-sum-exp, and a second
+kernel merges them with lse weights.
 """
 
+import functools
 import math
 import os
 from typing import Any
@@ -47,18 +51,23 @@ def check_device(t: torch.Tensor, what: str) -> None:
 
 
 @triton.jit
-def _block_rows(t0, n_t, hi, idx_row, bt_row, page_size, BLOCK_T: tl.constexpr, PAGED: tl.constexpr):
+def _block_rows(t0, n_t, hi, idx_row, BLOCK_T: tl.constexpr):
     """KV row numbers (int64, 0 where invalid) and validity of the top-k slots [t0, t0 + BLOCK_T)."""
     offs_t = t0 + tl.arange(0, BLOCK_T)
     idx = tl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
     valid = (idx >= 0) & (idx < hi)
-    safe = tl.where(valid, idx, 0)
-    if PAGED:
-        blk = tl.load(bt_row + safe // page_size, mask=valid, other=0)
-        row = blk.to(tl.int64) * page_size + safe % page_size
-    else:
-        row = safe.to(tl.int64)
-    return row, valid
+    return tl.where(valid, idx, 0).to(tl.int64), valid
+
+
+@triton.jit
+def _scores(q_v, q_o, q_rope, k_v, k_o, k_rope, D_ROPE: tl.constexpr, DV_SPLIT: tl.constexpr):
+    """S = q·k^T over the 512 latent channels (in one or two halves) plus the 64 rope channels."""
+    s = tl.dot(q_v, tl.trans(k_v))
+    if DV_SPLIT > 1:
+        s = tl.dot(q_o, tl.trans(k_o), s)
+    if D_ROPE > 0:
+        s = tl.dot(q_rope, tl.trans(k_rope), s)
+    return s
 
 
 @triton.jit
@@ -89,18 +98,18 @@ def _fwd_block(
     k_v = tl.load(k_ptr + dv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
     if DOT_F32:
         k_v = k_v.to(tl.float32)
-    s = tl.dot(q_v, tl.trans(k_v))
+    k_o = k_v  # unused unless DV_SPLIT > 1
     if DV_SPLIT > 1:
         k_o = tl.load(k_ptr + o_off + offs_d[None, :], mask=valid[:, None], other=0.0)
         if DOT_F32:
             k_o = k_o.to(tl.float32)
-        s = tl.dot(q_o, tl.trans(k_o), s)
+    k_rope = k_v  # unused unless D_ROPE > 0
     if D_ROPE > 0:
         offs_r = tl.arange(0, D_ROPE)
         k_rope = tl.load(k_ptr + D_NOPE + offs_r[None, :], mask=valid[:, None], other=0.0)
         if DOT_F32:
             k_rope = k_rope.to(tl.float32)
-        s = tl.dot(q_rope, tl.trans(k_rope), s)
+    s = _scores(q_v, q_o, q_rope, k_v, k_o, k_rope, D_ROPE, DV_SPLIT)
     s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -122,24 +131,20 @@ def _sparse_mla_fwd_kernel(
     LSE,
     SINK,
     TOPK_LEN,
-    BLOCK_TABLE,
-    SEQLENS,
     stride_q_s,
     stride_q_h,
     stride_kv_row,
     stride_idx_s,
     stride_o_s,
     stride_o_h,
-    stride_bt_b,
+    n_tok,
     h_q,
     n_head_tiles,
     topk,
+    split_len,
     s_kv,
     q_start_index,
     k_stride,
-    q_per_batch,
-    page_size,
-    max_blocks,
     sm_scale_log2,
     D_NOPE: tl.constexpr,
     D_ROPE: tl.constexpr,
@@ -148,7 +153,7 @@ def _sparse_mla_fwd_kernel(
     HAS_SINK: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr,
     CAUSAL: tl.constexpr,
-    PAGED: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     STATIC_T: tl.constexpr,
     DOT_F32: tl.constexpr,
     DV_SPLIT: tl.constexpr,
@@ -157,7 +162,10 @@ def _sparse_mla_fwd_kernel(
     # Programs of one token (head tiles, value halves) are neighbours in launch order: their gathers hit L2.
     pid_v = pid % DV_SPLIT
     pid_h = (pid // DV_SPLIT) % n_head_tiles
-    pid_s = pid // (DV_SPLIT * n_head_tiles)
+    pid_sk = pid // (DV_SPLIT * n_head_tiles)
+    pid_s = pid_sk % n_tok
+    # Split-K: program pid_k walks the top-k slots [pid_k * split_len, (pid_k + 1) * split_len).
+    pid_k = pid_sk // n_tok
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < h_q
     D_VP: tl.constexpr = D_NOPE // DV_SPLIT
@@ -184,13 +192,10 @@ def _sparse_mla_fwd_kernel(
     n_t = topk
     if HAS_TOPK_LEN:
         n_t = tl.minimum(tl.load(TOPK_LEN + pid_s), topk)
-    # Valid indices are [0, hi): the KV length, the sequence length (paged) and the causal limit.
+    t_start = pid_k * split_len
+    t_end = tl.minimum(n_t, t_start + split_len)
+    # Valid indices are [0, hi): the KV length and the causal limit.
     hi = s_kv
-    bt_row = BLOCK_TABLE
-    if PAGED:
-        batch = pid_s // q_per_batch
-        hi = tl.minimum(tl.load(SEQLENS + batch), max_blocks * page_size)
-        bt_row = BLOCK_TABLE + batch.to(tl.int64) * stride_bt_b
     if CAUSAL:
         # (q_pos + 1 - k_stride) / k_stride with C truncation; the numerator is > -k_stride.
         num = q_start_index + pid_s + 1 - k_stride
@@ -200,15 +205,14 @@ def _sparse_mla_fwd_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_VP], tl.float32)
     idx_row = IDX + pid_s.to(tl.int64) * stride_idx_s
-    # The rows of block t+1 are resolved (index load, block-table lookup) one iteration ahead, so the
-    # gather of a block depends only on loop-carried values and the pipeliner can issue it num_stages - 1
-    # iterations early.
-    row_n, valid_n = _block_rows(0, n_t, hi, idx_row, bt_row, page_size, BLOCK_T, PAGED)
+    # The rows of block t+1 are loaded one iteration ahead, so the gather of a block depends only on
+    # loop-carried values and the pipeliner can issue it num_stages - 1 iterations early.
+    row_n, valid_n = _block_rows(t_start, t_end, hi, idx_row, BLOCK_T)
     if STATIC_T > 0:
-        # The CPU interpreter only runs loops with compile-time bounds; blocks past n_t are fully masked.
-        for t0 in range(0, STATIC_T, BLOCK_T):
+        # The CPU interpreter only runs loops with compile-time bounds; blocks past t_end are fully masked.
+        for i in range(0, STATIC_T, BLOCK_T):
             row, valid = row_n, valid_n
-            row_n, valid_n = _block_rows(t0 + BLOCK_T, n_t, hi, idx_row, bt_row, page_size, BLOCK_T, PAGED)
+            row_n, valid_n = _block_rows(t_start + i + BLOCK_T, t_end, hi, idx_row, BLOCK_T)
             m_i, l_i, acc = _fwd_block(
                 row,
                 valid,
@@ -229,9 +233,9 @@ def _sparse_mla_fwd_kernel(
                 DV_SPLIT,
             )
     else:
-        for t0 in range(0, n_t, BLOCK_T):
+        for t0 in range(t_start, t_end, BLOCK_T):
             row, valid = row_n, valid_n
-            row_n, valid_n = _block_rows(t0 + BLOCK_T, n_t, hi, idx_row, bt_row, page_size, BLOCK_T, PAGED)
+            row_n, valid_n = _block_rows(t0 + BLOCK_T, t_end, hi, idx_row, BLOCK_T)
             m_i, l_i, acc = _fwd_block(
                 row,
                 valid,
@@ -254,20 +258,111 @@ def _sparse_mla_fwd_kernel(
 
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     denom = l_i
-    if HAS_SINK:
+    if HAS_SINK and not SPLIT_K:  # with split-K the combine kernel adds the sink
         sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
         denom = denom + tl.exp2(sink * 1.4426950408889634 - m_use)
     has_any = l_i > 0.0
     scale = tl.where(has_any, 1.0 / tl.where(has_any, denom, 1.0), 0.0)
     out = acc * scale[:, None]
-    o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + dv_off + offs_d[None, :]
-    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
-    lse = tl.where(
-        has_any, (m_use + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf")
-    )
     first = h_mask & (pid_v == 0)  # every value half computes the same statistics; one writes them
-    tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse, mask=first)
-    tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_i * 0.6931471805599453, mask=first)
+    lse2 = tl.where(has_any, m_use + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
+    if SPLIT_K:
+        # Partial results in fp32: out normalised by this split's own sum, base-2 lse and max.
+        part = pid_k.to(tl.int64) * n_tok + pid_s
+        o_ptr = OUT + (part * h_q + offs_h[:, None]) * D_NOPE + dv_off + offs_d[None, :]
+        tl.store(o_ptr, out, mask=h_mask[:, None])
+        tl.store(LSE + part * h_q + offs_h, lse2, mask=first)
+        tl.store(MAX_LOGITS + part * h_q + offs_h, m_i, mask=first)
+    else:
+        o_ptr = (
+            OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + dv_off + offs_d[None, :]
+        )
+        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
+        tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse2 * 0.6931471805599453, mask=first)
+        tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_i * 0.6931471805599453, mask=first)
+
+
+@triton.jit
+def _split_combine_kernel(
+    PART_O,
+    PART_LSE,
+    PART_MAX,
+    SINK,
+    OUT,
+    MAX_LOGITS,
+    LSE,
+    stride_o_s,
+    stride_o_h,
+    n_tok,
+    h_q,
+    N_SPLITS: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+):
+    """Merge the split-K partials of one token and a tile of heads: lse-weighted sum of the outputs."""
+    pid_s = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < h_q
+    offs_k = tl.arange(0, SPLITS_P2)
+    part = (offs_k.to(tl.int64)[:, None] * n_tok + pid_s) * h_q + offs_h[None, :]
+    mask_kh = (offs_k[:, None] < N_SPLITS) & h_mask[None, :]
+    lse_k = tl.load(PART_LSE + part, mask=mask_kh, other=float("-inf"))
+    m_tot = tl.max(tl.load(PART_MAX + part, mask=mask_kh, other=float("-inf")), 0)
+    lse_max = tl.max(lse_k, 0)
+    has_any = lse_max > float("-inf")
+    lse_ref = tl.where(has_any, lse_max, 0.0)
+    total = tl.where(has_any, tl.sum(tl.exp2(lse_k - lse_ref[None, :]), 0), 1.0)
+    lse_tot = tl.where(has_any, lse_ref + tl.log2(total), float("-inf"))
+    offs_d = tl.arange(0, D_V)
+    acc = tl.zeros([BLOCK_H, D_V], tl.float32)
+    for k in range(0, N_SPLITS):
+        row = (k * n_tok + pid_s).to(tl.int64) * h_q + offs_h
+        lse_one = tl.load(PART_LSE + row, mask=h_mask, other=float("-inf"))
+        w = tl.where(has_any, tl.exp2(lse_one - lse_ref), 0.0)  # unnormalised weight of this split
+        o = tl.load(PART_O + row[:, None] * D_V + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+        acc += w[:, None] * o
+    denom = tl.where(has_any, tl.exp2(lse_tot - lse_ref), 1.0)
+    if HAS_SINK:
+        sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
+        denom = denom + tl.exp2(sink * 1.4426950408889634 - lse_ref)
+    out = tl.where(has_any[:, None], acc / denom[:, None], 0.0)
+    o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
+    tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse_tot * 0.6931471805599453, mask=h_mask)
+    tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_tot * 0.6931471805599453, mask=h_mask)
+
+
+@triton.jit
+def _paged_rows_kernel(
+    IDX,
+    BLOCK_TABLE,
+    SEQLENS,
+    ROWS,
+    topk,
+    q_per_batch,
+    stride_idx_s,
+    stride_bt_b,
+    page_size,
+    max_blocks,
+    n_rows,
+    BLOCK: tl.constexpr,
+):
+    """Map the sequence positions of one decode token to rows of the flattened cache (-1 if invalid)."""
+    pid_s = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    t_mask = offs < topk
+    batch = pid_s // q_per_batch
+    hi = tl.minimum(tl.load(SEQLENS + batch), max_blocks * page_size)
+    pos = tl.load(IDX + pid_s.to(tl.int64) * stride_idx_s + offs, mask=t_mask, other=-1)
+    valid = (pos >= 0) & (pos < hi)
+    safe = tl.where(valid, pos, 0)
+    blk = tl.load(BLOCK_TABLE + batch.to(tl.int64) * stride_bt_b + safe // page_size, mask=valid, other=0)
+    row = blk.to(tl.int64) * page_size + safe % page_size
+    # A table entry outside the cache is treated like an invalid position: never read.
+    row = tl.where(valid & (blk >= 0) & (row < n_rows), row, -1)
+    tl.store(ROWS + pid_s.to(tl.int64) * topk + offs, row.to(tl.int32), mask=t_mask)
 
 
 def fwd_config(h_q: int, topk: int) -> dict[str, int]:
@@ -284,6 +379,27 @@ def fwd_config(h_q: int, topk: int) -> dict[str, int]:
     return {"BLOCK_H": max(16, triton.next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device) -> int:
+    """Split-K factor: split each query's top-k list when the grid would leave multiprocessors idle.
+
+    The forward keeps one program per multiprocessor (its tiles fill shared memory), so a grid of
+    ``n_programs < #SMs`` programs (small-batch decode) runs one short wave. Splitting the top-k list
+    ``s`` ways gives ``s * n_programs <= #SMs`` programs of ``topk / s`` slots each, at least 4 blocks
+    of ``block_t`` per split, merged by a small second kernel.
+    """
+    if interpreting() or device.type != "cuda":
+        return 1
+    n_sm = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if n_programs >= n_sm:
+        return 1
+    return max(1, min(n_sm // n_programs, triton.cdiv(topk, 4 * block_t)))
+
+
 def launch_fwd(
     q: torch.Tensor,
     kv_rows: torch.Tensor,
@@ -296,7 +412,6 @@ def launch_fwd(
     q_start_index: int = 0,
     k_stride: int = 1,
     causal: bool = False,
-    paged: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
     config: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs (shared by forward and decode).
@@ -304,10 +419,10 @@ def launch_fwd(
     Args:
         q: ``[n_tok, h_q, d_qk]`` (last dim contiguous).
         kv_rows: ``[n_rows, d_qk]`` KV rows (last dim contiguous).
-        idx: ``[n_tok, topk]`` int32 (last dim contiguous).
-        dims: sizes; ``dims.s_kv`` bounds valid indices in the flat case.
-        paged: ``(block_table, cache_seqlens, q_per_batch, page_size)`` for paged decode.
-        config: override of :func:`fwd_config` (benchmarks).
+        idx: ``[n_tok, topk]`` int32 row numbers (last dim contiguous); ``[0, dims.s_kv)`` is valid.
+        dims: sizes.
+        config: override of :func:`fwd_config` (benchmarks), plus ``NUM_SPLITS`` (split-K factor;
+            default :func:`choose_splits`).
 
     Returns:
         ``out [n_tok, h_q, 512]``, ``max_logits [n_tok, h_q]``, ``lse [n_tok, h_q]`` (natural log).
@@ -325,57 +440,124 @@ def launch_fwd(
     dv_split = cfg.get("DV_SPLIT", 1)
     if dv_split not in (1, 2):
         raise ValueError(f"DV_SPLIT must be 1 or 2, got {dv_split}")
-    if paged is not None:
-        block_table, seqlens, q_per_batch, page_size = paged
-        stride_bt, max_blocks = block_table.stride(0), block_table.shape[1]
+    block_t = cfg["BLOCK_T"]
+    n_splits = cfg.get("NUM_SPLITS") or choose_splits(
+        n_tok * n_head_tiles * dv_split, dims.topk, block_t, q.device
+    )
+    split_len = triton.cdiv(triton.cdiv(dims.topk, n_splits), block_t) * block_t
+    n_splits = triton.cdiv(dims.topk, split_len)  # no empty split
+    if n_splits > 1:
+        part_o = torch.empty(n_splits, n_tok, h_q, dims.d_v, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(n_splits, n_tok, h_q, dtype=torch.float32, device=q.device)
+        part_max = torch.empty_like(part_lse)
+        dst = (part_o, part_max, part_lse)
     else:
-        block_table, seqlens, q_per_batch, page_size = idx, idx, 1, 1
-        stride_bt, max_blocks = 0, 0
-    grid = (n_tok * n_head_tiles * dv_split,)
+        dst = (out, max_logits, lse)
+    grid = (n_splits * n_tok * n_head_tiles * dv_split,)
+    sink = attn_sink if attn_sink is not None else lse
     LAST_COMPILED["fwd"] = _sparse_mla_fwd_kernel[grid](
         q,
         kv_rows,
         idx,
-        out,
-        max_logits,
-        lse,
-        attn_sink if attn_sink is not None else lse,
+        *dst,
+        sink,
         topk_length if topk_length is not None else idx,
-        block_table,
-        seqlens,
         q.stride(0),
         q.stride(1),
         kv_rows.stride(0),
         idx.stride(0),
         out.stride(0),
         out.stride(1),
-        stride_bt,
+        n_tok,
         h_q,
         n_head_tiles,
         dims.topk,
+        split_len,
         dims.s_kv,
         q_start_index,
         k_stride,
-        q_per_batch,
-        page_size,
-        max_blocks,
         sm_scale * LOG2E,
         D_NOPE=512,
         D_ROPE=dims.d_qk - 512,
         BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_T=cfg["BLOCK_T"],
+        BLOCK_T=block_t,
         HAS_SINK=attn_sink is not None,
         HAS_TOPK_LEN=topk_length is not None,
         CAUSAL=causal,
-        PAGED=paged is not None,
-        STATIC_T=dims.topk if interpreting() else 0,
+        SPLIT_K=n_splits > 1,
+        STATIC_T=split_len if interpreting() else 0,
         # The interpreter's bf16 tl.dot is wrong (numpy has no bf16): it multiplies in float32 instead.
         DOT_F32=interpreting(),
         DV_SPLIT=dv_split,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    if n_splits > 1:
+        combine_h = 16
+        _split_combine_kernel[(n_tok, triton.cdiv(h_q, combine_h))](
+            part_o,
+            part_lse,
+            part_max,
+            sink,
+            out,
+            max_logits,
+            lse,
+            out.stride(0),
+            out.stride(1),
+            n_tok,
+            h_q,
+            N_SPLITS=n_splits,
+            D_V=dims.d_v,
+            BLOCK_H=combine_h,
+            SPLITS_P2=triton.next_power_of_2(n_splits),
+            HAS_SINK=attn_sink is not None,
+            num_warps=4,
+        )
     return out, max_logits, lse
+
+
+def paged_to_rows(
+    indices: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    q_per_batch: int,
+    page_size: int,
+    n_rows: int,
+) -> torch.Tensor:
+    """Decode indices (positions in each sequence) to rows of the flattened paged cache, ``-1`` if invalid.
+
+    Args:
+        indices: ``[n_tok, topk]`` int32 positions; token ``t`` belongs to sequence ``t // q_per_batch``.
+            A position ``< 0`` or ``>= min(cache_seqlens[b], max_blocks * page_size)`` is invalid.
+        block_table: ``[b, max_blocks]`` int32 (last dim contiguous).
+        cache_seqlens: ``[b]`` int32.
+        page_size: tokens per cache block.
+        n_rows: rows in the cache (``num_blocks * page_size``); a table entry outside the cache is invalid.
+
+    Returns:
+        ``[n_tok, topk]`` int32 cache rows.
+    """
+    n_tok, topk = indices.shape
+    rows = torch.empty(n_tok, topk, dtype=torch.int32, device=indices.device)
+    if n_tok == 0:
+        return rows
+    block = min(1024, triton.next_power_of_2(topk))
+    _paged_rows_kernel[(n_tok, triton.cdiv(topk, block))](
+        indices,
+        block_table,
+        cache_seqlens,
+        rows,
+        topk,
+        q_per_batch,
+        indices.stride(0),
+        block_table.stride(0),
+        page_size,
+        block_table.shape[1],
+        n_rows,
+        BLOCK=block,
+        num_warps=4,
+    )
+    return rows
 
 
 def sparse_mla_fwd_impl(
