@@ -18,24 +18,25 @@ from bench_attn_dist import bench_attn_dist
 from bench_decode import bench_decode
 from bench_forward import bench_fwd, dense_matmul_tflops
 
-# Sweep 3 (indices resolved one block ahead, so the gathers pipeline num_stages - 1 blocks deep).
+# Sweep 4: S split between the two warpgroups (S_SPLIT), split-K decode, attn_dist tiles at h_q 64.
 FWD_VARIANTS = [
     {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2},
-    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2, "S_SPLIT": True},
+    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 8, "num_stages": 3, "S_SPLIT": True},
 ]
 ATTN_DIST_VARIANTS = [
-    {"BLOCK_H": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 1},
-    {"BLOCK_H": 128, "BLOCK_T": 16, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_H": 128, "BLOCK_T": 16, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2},
     {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 4},
-    {"BLOCK_H": 128, "BLOCK_T": 32, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 4, "num_stages": 1},
+    {"BLOCK_H": 64, "BLOCK_T": 128, "num_warps": 8, "num_stages": 1},
 ]
 DECODE_VARIANTS = [
     None,
-    {"BLOCK_T": 32, "num_stages": 3},
-    {"BLOCK_T": 32, "num_stages": 4},
+    {"NUM_SPLITS": 2},
+    {"S_SPLIT": True},
+    {"S_SPLIT": True, "NUM_SPLITS": 2},
 ]
 
 
@@ -72,18 +73,17 @@ def main() -> None:
     print(results[0], flush=True)
     if "fwd" in only:
         for cfg in FWD_VARIANTS:
-            for s_kv in (8192,):
-                run("fwd", bench_fwd, results, s_q=a.s_q, h_q=128, s_kv=s_kv, topk=2048, config=cfg)
-        for cfg in FWD_VARIANTS:
-            run("fwd", bench_fwd, results, s_q=a.s_q, h_q=128, s_kv=131072, topk=2048, config=cfg)
-            run("fwd", bench_fwd, results, s_q=a.s_q, h_q=64, s_kv=8192, topk=2048, config=cfg)
+            for h_q, s_kv in ((128, 8192), (128, 131072), (64, 32768)):
+                run("fwd", bench_fwd, results, s_q=a.s_q, h_q=h_q, s_kv=s_kv, topk=2048, config=cfg)
     if "attn_dist" in only:
         for cfg in ATTN_DIST_VARIANTS:
-            run("attn_dist", bench_attn_dist, results, s_q=a.s_q, h_q=128, s_kv=8192, topk=2048, config=cfg)
+            run("attn_dist", bench_attn_dist, results, s_q=a.s_q, h_q=64, s_kv=32768, topk=2048, config=cfg)
     if "decode" in only:
         for b in (64, 128):
             for cfg in DECODE_VARIANTS:
                 run("decode", bench_decode, results, b=b, h_q=128, seqlen=32768, topk=2048, config=cfg)
+        for cfg in (None, {"NUM_SPLITS": 1}, {"S_SPLIT": True}):  # small batch: split-K on by default
+            run("decode", bench_decode, results, b=8, h_q=128, seqlen=32768, topk=2048, config=cfg)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1, default=str)
 

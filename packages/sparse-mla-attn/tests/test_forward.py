@@ -146,8 +146,16 @@ def test_fwd_attn_sink_and_topk_length():
     )
 
 
-@pytest.mark.parametrize("n_splits", [pytest.param(2, id="splits2"), pytest.param(3, id="splits3")])
-def test_fwd_split_k_matches_reference(n_splits):
+@pytest.mark.parametrize(
+    ("n_splits", "s_split"),
+    [
+        pytest.param(2, False, id="splits2"),
+        pytest.param(3, False, id="splits3"),
+        pytest.param(1, True, id="splits1-s_split"),
+        pytest.param(2, True, id="splits2-s_split"),
+    ],
+)
+def test_fwd_split_k_matches_reference(n_splits, s_split):
     # Split-K (used when the grid is small): partial outputs merged by lse weight, including rows whose
     # splits are partly or wholly invalid, a sink, topk_length and the causal limit.
     dev = cpu_device()
@@ -159,7 +167,7 @@ def test_fwd_split_k_matches_reference(n_splits):
     sink = torch.randn(h_q, device=dev)
     topk_length = torch.tensor([37, 30, 37, 5], dtype=torch.int32, device=dev)
     kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 30, "k_stride": 1}
-    got = sparse_mla_fwd_impl(q, kv, idx, 0.05, config={"NUM_SPLITS": n_splits}, **kw)
+    got = sparse_mla_fwd_impl(q, kv, idx, 0.05, config={"NUM_SPLITS": n_splits, "S_SPLIT": s_split}, **kw)
     check_fwd(got, q, kv, idx, 0.05, "cpu", **kw)
     assert torch.all(got[0][2] == 0)
     assert torch.all(got[2][2] == float("-inf"))

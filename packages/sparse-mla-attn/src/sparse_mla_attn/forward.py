@@ -71,6 +71,21 @@ def _scores(q_v, q_o, q_rope, k_v, k_o, k_rope, D_ROPE: tl.constexpr, DV_SPLIT: 
 
 
 @triton.jit
+def _softmax_step(q_v, q_rope, k_v, k_rope, valid, m_i, l_i, sm_scale_log2, D_ROPE: tl.constexpr):
+    """Scores of one block (two unchained products) and the online-softmax update: m, alpha, l, P."""
+    s = tl.dot(q_v, tl.trans(k_v)) * sm_scale_log2
+    if D_ROPE > 0:
+        s += tl.dot(q_rope, tl.trans(k_rope)) * sm_scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, alpha, l_i, p.to(k_v.dtype)
+
+
+@triton.jit
 def _fwd_block(
     row,
     valid,
@@ -89,6 +104,7 @@ def _fwd_block(
     D_ROPE: tl.constexpr,
     DOT_F32: tl.constexpr,
     DV_SPLIT: tl.constexpr,
+    S_SPLIT: tl.constexpr,
 ):
     """One BLOCK_T slice of the top-k list: gather, two products, online-softmax update."""
     k_ptr = KV + row[:, None] * stride_kv_row
@@ -109,15 +125,30 @@ def _fwd_block(
         k_rope = tl.load(k_ptr + D_NOPE + offs_r[None, :], mask=valid[:, None], other=0.0)
         if DOT_F32:
             k_rope = k_rope.to(tl.float32)
-    s = _scores(q_v, q_o, q_rope, k_v, k_o, k_rope, D_ROPE, DV_SPLIT)
-    s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if S_SPLIT:
+        # Triton gives every warp of a dot whose result feeds another dot (here P·V) a slice of M; with
+        # 64 head rows both warpgroups would then compute the whole S. Produced inside a run-time branch
+        # (both arms identical; strides are positive), S no longer counts as chained: the warpgroups
+        # split its columns, and P reaches the P·V product through shared memory.
+        if stride_kv_row > 0:
+            m_new, alpha, l_i, p = _softmax_step(
+                q_v, q_rope, k_v, k_rope, valid, m_i, l_i, sm_scale_log2, D_ROPE
+            )
+        else:
+            m_new, alpha, l_i, p = _softmax_step(
+                q_v, q_rope, k_v, k_rope, valid, m_i, l_i, sm_scale_log2, D_ROPE
+            )
+    else:
+        s = _scores(q_v, q_o, q_rope, k_v, k_o, k_rope, D_ROPE, DV_SPLIT)
+        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(k_v.dtype)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(k_v.dtype), k_v, acc)
+    acc = tl.dot(p, k_v, acc)
     return m_new, l_i, acc
 
 
@@ -157,6 +188,7 @@ def _sparse_mla_fwd_kernel(
     STATIC_T: tl.constexpr,
     DOT_F32: tl.constexpr,
     DV_SPLIT: tl.constexpr,
+    S_SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # Programs of one token (head tiles, value halves) are neighbours in launch order: their gathers hit L2.
@@ -231,6 +263,7 @@ def _sparse_mla_fwd_kernel(
                 D_ROPE,
                 DOT_F32,
                 DV_SPLIT,
+                S_SPLIT,
             )
     else:
         for t0 in range(t_start, t_end, BLOCK_T):
@@ -254,6 +287,7 @@ def _sparse_mla_fwd_kernel(
                 D_ROPE,
                 DOT_F32,
                 DV_SPLIT,
+                S_SPLIT,
             )
 
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -440,6 +474,9 @@ def launch_fwd(
     dv_split = cfg.get("DV_SPLIT", 1)
     if dv_split not in (1, 2):
         raise ValueError(f"DV_SPLIT must be 1 or 2, got {dv_split}")
+    s_split = bool(cfg.get("S_SPLIT", False))
+    if s_split and dv_split != 1:
+        raise ValueError("S_SPLIT needs DV_SPLIT=1")
     block_t = cfg["BLOCK_T"]
     n_splits = cfg.get("NUM_SPLITS") or choose_splits(
         n_tok * n_head_tiles * dv_split, dims.topk, block_t, q.device
@@ -489,6 +526,7 @@ def launch_fwd(
         # The interpreter's bf16 tl.dot is wrong (numpy has no bf16): it multiplies in float32 instead.
         DOT_F32=interpreting(),
         DV_SPLIT=dv_split,
+        S_SPLIT=s_split,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
