@@ -44,6 +44,7 @@ class Case:
     path: str = "auto"
     num_splits: int | None = None
     clustered: bool = False
+    threshold: float | None = None  # sparse_threshold for path="auto" (None: the default)
 
 
 def make_inputs(c: Case, device: torch.device, seed: int = 0, poison: bool = True):
@@ -126,8 +127,9 @@ def make_inputs(c: Case, device: torch.device, seed: int = 0, poison: bool = Tru
 
 def check_case(c: Case, device: torch.device, seed: int = 0) -> None:
     q, k, v, mask, ref_mask, seqlens, block_table = make_inputs(c, device, seed)
+    kw = {} if c.threshold is None else {"sparse_threshold": c.threshold}
     out, lse = masked_decode(
-        q, k, v, mask, seqlens=seqlens, block_table=block_table, path=c.path, num_splits=c.num_splits
+        q, k, v, mask, seqlens=seqlens, block_table=block_table, path=c.path, num_splits=c.num_splits, **kw
     )
     ref_out, ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens, block_table=block_table)
     assert out.dtype == q.dtype
@@ -153,6 +155,10 @@ CPU_CASES = [
     pytest.param(Case(group=4, path="dense_read_all", seqlens="tensor", batch=3), id="dense-read-all-path"),
     pytest.param(Case(group=4, mask="packed", path="sparse", density=0.2), id="packed-sparse-path"),
     pytest.param(Case(density=0.15, clustered=True), id="clustered-auto-sparse"),
+    pytest.param(
+        Case(density=0.4, clustered=True, length=96, threshold=0.4, seqlens="tensor", batch=3),
+        id="auto-mixed-dense-and-sparse-splits",
+    ),
     pytest.param(Case(density=0.9, seqlens="tensor", batch=4), id="seqlens-0-1-tensor"),
     pytest.param(Case(seqlens="int"), id="seqlens-int"),
     pytest.param(Case(density=0.0), id="fully-masked"),
@@ -335,6 +341,10 @@ GPU_CASES = [
     pytest.param(
         Case(batch=3, hkv=8, group=4, length=16384, density=0.25, clustered=True, dim=128), id="clustered25"
     ),
+    pytest.param(
+        Case(batch=2, hkv=8, group=4, length=16384, density=0.3, clustered=True, dim=128, threshold=0.3),
+        id="auto-threshold-0.3-mixed",
+    ),
     pytest.param(Case(batch=3, hkv=8, group=4, length=8192, dim=128, path="sparse"), id="forced-sparse"),
     pytest.param(
         Case(batch=3, hkv=8, group=4, length=8192, dim=128, path="dense", density=0.1), id="forced-dense"
@@ -391,13 +401,33 @@ def test_every_autotune_candidate(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("block_ns", "stages"),
+    [pytest.param(bn, ns, id=f"NS{bn}-s{ns}") for bn, ns in ((16, 4), (32, 2), (32, 3), (64, 2), (64, 3))],
+)
+def test_sparse_gather_tiles(block_ns: int, stages: int, cuda_device: torch.device, monkeypatch) -> None:
+    """Each sparse gather tile / pipelining depth (the tuning sweep's candidates) computes the same function."""
+    md = __import__("sys").modules["triton_masked_decode.masked_decode"]
+    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"block_ns": block_ns, "sparse_stages": stages})
+    for dens, clustered, seed in ((0.1, False, 31), (0.25, True, 32)):
+        case = Case(
+            batch=2, hkv=8, group=4, length=6000, dim=128, density=dens, clustered=clustered, seqlens="tensor"
+        )
+        check_case(case, cuda_device, seed=seed)
+
+
+@pytest.mark.gpu
 def test_autotuned_launch(cuda_device: torch.device, monkeypatch) -> None:
     monkeypatch.setenv("TRITON_MASKED_DECODE_AUTOTUNE", "1")
     check_case(Case(batch=2, hkv=8, group=4, length=8192, dim=128, density=0.3), cuda_device, seed=23)
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_with_changing_seqlens(cuda_device: torch.device) -> None:
+@pytest.mark.parametrize("pdl", [pytest.param(1, id="pdl"), pytest.param(0, id="no-pdl")])
+def test_cuda_graph_replay_with_changing_seqlens(pdl: int, cuda_device: torch.device, monkeypatch) -> None:
+    """Replays with new lengths; the merge kernel launched with and without programmatic dependent launch."""
+    md = __import__("sys").modules["triton_masked_decode.masked_decode"]
+    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"pdl": pdl})
     c = Case(batch=4, hkv=8, group=4, length=8192, dim=128, seqlens="tensor")
     q, k, v, mask, ref_mask, seqlens, _ = make_inputs(c, cuda_device, seed=12, poison=False)
     assert isinstance(seqlens, torch.Tensor)
