@@ -18,26 +18,39 @@ from bench_attn_dist import bench_attn_dist
 from bench_decode import bench_decode
 from bench_forward import bench_fwd, dense_matmul_tflops
 
-# Sweep 4: S split between the two warpgroups (S_SPLIT), split-K decode, attn_dist tiles at h_q 64.
-FWD_VARIANTS = [
-    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2},
-    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2, "S_SPLIT": True},
-    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 8, "num_stages": 3, "S_SPLIT": True},
-]
+# Sweep 5: L2 prefetch of the rows two blocks ahead (PREFETCH) on top of S_SPLIT, split-K at small
+# batch, attn_dist tiles at h_q 64 (sweep 4, the S_SPLIT / split-K / attn_dist-tile sweep, is in NOTES.md).
+S2 = {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2, "S_SPLIT": True}
+FWD_VARIANTS = [S2, {**S2, "PREFETCH": True}]
 ATTN_DIST_VARIANTS = [
-    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 4, "num_stages": 2},
-    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2},
     {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 4, "num_stages": 1},
-    {"BLOCK_H": 64, "BLOCK_T": 128, "num_warps": 8, "num_stages": 1},
+    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3, "PREFETCH": True},
+    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 4, "PREFETCH": True},
+    {"BLOCK_H": 64, "BLOCK_T": 16, "num_warps": 4, "num_stages": 4, "PREFETCH": True},
 ]
-DECODE_VARIANTS = [
-    None,
-    {"NUM_SPLITS": 2},
-    {"S_SPLIT": True},
-    {"S_SPLIT": True, "NUM_SPLITS": 2},
+ATTN_DIST_H128_VARIANTS = [
+    {"BLOCK_H": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 1},
+    {"BLOCK_H": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 1, "PREFETCH": True},
 ]
+DECODE_VARIANTS = [{"S_SPLIT": True}, {"S_SPLIT": True, "PREFETCH": True}]
+SMALL_BATCH_SPLITS = [1, 2, 4, 8]
+
+
+def profile_kernels(fn, label: str, iters: int = 20) -> None:
+    """Per-kernel CUDA time of ``fn`` (torch.profiler), to see where a multi-kernel call spends it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            print(
+                f"  profile {label}: {e.key[:60]:60s} {e.device_time_total / iters:9.1f} us/call", flush=True
+            )
 
 
 def run(label: str, fn, results: list, **kw) -> None:
@@ -77,13 +90,38 @@ def main() -> None:
                 run("fwd", bench_fwd, results, s_q=a.s_q, h_q=h_q, s_kv=s_kv, topk=2048, config=cfg)
     if "attn_dist" in only:
         for cfg in ATTN_DIST_VARIANTS:
-            run("attn_dist", bench_attn_dist, results, s_q=a.s_q, h_q=64, s_kv=32768, topk=2048, config=cfg)
+            for s_kv in (8192, 32768, 131072):
+                run(
+                    "attn_dist", bench_attn_dist, results, s_q=a.s_q, h_q=64, s_kv=s_kv, topk=2048, config=cfg
+                )
+        for cfg in ATTN_DIST_H128_VARIANTS:
+            for s_kv in (8192, 131072):
+                run(
+                    "attn_dist",
+                    bench_attn_dist,
+                    results,
+                    s_q=a.s_q,
+                    h_q=128,
+                    s_kv=s_kv,
+                    topk=2048,
+                    config=cfg,
+                )
     if "decode" in only:
-        for b in (64, 128):
+        for b, seqlen in ((64, 8192), (64, 131072), (128, 32768)):
             for cfg in DECODE_VARIANTS:
-                run("decode", bench_decode, results, b=b, h_q=128, seqlen=32768, topk=2048, config=cfg)
-        for cfg in (None, {"NUM_SPLITS": 1}, {"S_SPLIT": True}):  # small batch: split-K on by default
+                run("decode", bench_decode, results, b=b, h_q=128, seqlen=seqlen, topk=2048, config=cfg)
+        best = DECODE_VARIANTS[-1]
+        for n in SMALL_BATCH_SPLITS:
+            cfg = {**best, "NUM_SPLITS": n}
             run("decode", bench_decode, results, b=8, h_q=128, seqlen=32768, topk=2048, config=cfg)
+        from bench_decode import make_decode_inputs
+
+        from sparse_mla_attn.decode import sparse_mla_decode_impl
+
+        args = make_decode_inputs(8, 128, 32768, 2048)
+        for n in (1, 8):
+            cfg = {**best, "NUM_SPLITS": n}
+            profile_kernels(lambda cfg=cfg: sparse_mla_decode_impl(*args, 0.04, config=cfg), f"b8 splits {n}")
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1, default=str)
 

@@ -60,6 +60,27 @@ def _block_rows(t0, n_t, hi, idx_row, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows(row, valid, KV, stride_kv_row, D_QK: tl.constexpr):
+    """Ask L2 for the given KV rows (``prefetch.global.L2``, one per 128-byte line).
+
+    The gathers go through ``cp.async`` one block ahead of their use; for rows that are not in L2 yet
+    (decode, long KV) this starts the DRAM reads one more block ahead. The rows come from indices loaded
+    an iteration earlier, so the prefetch does not wait on an index load.
+    """
+    line = tl.arange(0, 16)  # 128-byte lines: 9 per 576-channel bf16 row, 8 per 512-channel row
+    ptr = KV + row[:, None] * stride_kv_row + line[None, :] * 64
+    on = (valid[:, None] & (line[None, :] * 128 < D_QK * 2)).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptr, on],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def _scores(q_v, q_o, q_rope, k_v, k_o, k_rope, D_ROPE: tl.constexpr, DV_SPLIT: tl.constexpr):
     """S = q·k^T over the 512 latent channels (in one or two halves) plus the 64 rope channels."""
     s = tl.dot(q_v, tl.trans(k_v))
@@ -189,6 +210,7 @@ def _sparse_mla_fwd_kernel(
     DOT_F32: tl.constexpr,
     DV_SPLIT: tl.constexpr,
     S_SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # Programs of one token (head tiles, value halves) are neighbours in launch order: their gathers hit L2.
@@ -240,6 +262,13 @@ def _sparse_mla_fwd_kernel(
     # The rows of block t+1 are loaded one iteration ahead, so the gather of a block depends only on
     # loop-carried values and the pipeliner can issue it num_stages - 1 iterations early.
     row_n, valid_n = _block_rows(t_start, t_end, hi, idx_row, BLOCK_T)
+    # PREFETCH: rows of block t+2 go to L2 during block t (their indices were loaded during block t-1).
+    row_p, valid_p = row_n, valid_n
+    if PREFETCH:
+        _prefetch_rows(row_n, valid_n, KV, stride_kv_row, D_NOPE + D_ROPE)
+        row_p, valid_p = _block_rows(t_start + BLOCK_T, t_end, hi, idx_row, BLOCK_T)
+        _prefetch_rows(row_p, valid_p, KV, stride_kv_row, D_NOPE + D_ROPE)
+        row_p, valid_p = _block_rows(t_start + 2 * BLOCK_T, t_end, hi, idx_row, BLOCK_T)
     if STATIC_T > 0:
         # The CPU interpreter only runs loops with compile-time bounds; blocks past t_end are fully masked.
         for i in range(0, STATIC_T, BLOCK_T):
@@ -269,6 +298,9 @@ def _sparse_mla_fwd_kernel(
         for t0 in range(t_start, t_end, BLOCK_T):
             row, valid = row_n, valid_n
             row_n, valid_n = _block_rows(t0 + BLOCK_T, t_end, hi, idx_row, BLOCK_T)
+            if PREFETCH:
+                _prefetch_rows(row_p, valid_p, KV, stride_kv_row, D_NOPE + D_ROPE)
+                row_p, valid_p = _block_rows(t0 + 3 * BLOCK_T, t_end, hi, idx_row, BLOCK_T)
             m_i, l_i, acc = _fwd_block(
                 row,
                 valid,
@@ -399,7 +431,7 @@ def _paged_rows_kernel(
     tl.store(ROWS + pid_s.to(tl.int64) * topk + offs, row.to(tl.int32), mask=t_mask)
 
 
-def fwd_config(h_q: int, topk: int) -> dict[str, int]:
+def fwd_config(h_q: int, topk: int) -> dict[str, Any]:
     """Tile shape and launch options for a head count (``BLOCK_H``, ``BLOCK_T``, warps, stages)."""
     if interpreting():
         return {
@@ -409,7 +441,15 @@ def fwd_config(h_q: int, topk: int) -> dict[str, int]:
             "num_stages": 1,
         }
     if h_q > 32:
-        return {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2}
+        # S_SPLIT and PREFETCH: NOTES.md, sweeps 4 and 5.
+        return {
+            "BLOCK_H": 64,
+            "BLOCK_T": 64,
+            "num_warps": 8,
+            "num_stages": 2,
+            "S_SPLIT": True,
+            "PREFETCH": True,
+        }
     return {"BLOCK_H": max(16, triton.next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
@@ -527,6 +567,7 @@ def launch_fwd(
         DOT_F32=interpreting(),
         DV_SPLIT=dv_split,
         S_SPLIT=s_split,
+        PREFETCH=bool(cfg.get("PREFETCH", False)) and not interpreting(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
