@@ -180,20 +180,6 @@ def test_matches_reference_cpu(case: Case, cpu_device: torch.device) -> None:
     check_case(case, cpu_device)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(Case(length=37, num_splits=3, seqlens="tensor", batch=3), id="seqlens-3-splits"),
-        pytest.param(Case(group=16, hkv=1, dim=16, length=50, num_splits=4), id="gqa16-4-splits"),
-    ],
-)
-def test_separate_merge_kernel_cpu(case: Case, cpu_device: torch.device, monkeypatch) -> None:
-    """The merge as a second launch (instead of the last program of each KV head) gives the same result."""
-    md = __import__("sys").modules["triton_masked_decode.masked_decode"]
-    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"fused_merge": 0})
-    check_case(case, cpu_device)
-
-
 def test_q4d_return_lse_false_and_scale(cpu_device: torch.device) -> None:
     c = Case()
     q, k, v, mask, ref_mask, _, _ = make_inputs(c, cpu_device, seed=3)
@@ -437,18 +423,11 @@ def test_autotuned_launch(cuda_device: torch.device, monkeypatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "merge",
-    [
-        pytest.param({}, id="fused-merge"),
-        pytest.param({"fused_merge": 0, "pdl": 1}, id="merge-kernel-pdl"),
-        pytest.param({"fused_merge": 0, "pdl": 0}, id="merge-kernel"),
-    ],
-)
-def test_cuda_graph_replay_with_changing_seqlens(merge: dict, cuda_device: torch.device, monkeypatch) -> None:
-    """Replays with new lengths; merge in the split kernel, or a second kernel with and without PDL."""
+@pytest.mark.parametrize("pdl", [pytest.param(1, id="pdl"), pytest.param(0, id="no-pdl")])
+def test_cuda_graph_replay_with_changing_seqlens(pdl: int, cuda_device: torch.device, monkeypatch) -> None:
+    """Replays with new lengths; the merge kernel launched with and without programmatic dependent launch."""
     md = __import__("sys").modules["triton_masked_decode.masked_decode"]
-    monkeypatch.setattr(md, "_TUNE_OVERRIDE", merge)
+    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"pdl": pdl})
     c = Case(batch=4, hkv=8, group=4, length=8192, dim=128, seqlens="tensor")
     q, k, v, mask, ref_mask, seqlens, _ = make_inputs(c, cuda_device, seed=12, poison=False)
     assert isinstance(seqlens, torch.Tensor)

@@ -263,82 +263,6 @@ def _normalize(acc, l_i, m_log2):
 
 
 @triton.jit
-def _merge_group(
-    OutPart,
-    LsePart,
-    Out,
-    Lse,
-    bidx,
-    head0,
-    n_active,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_sb,
-    stride_sh,
-    stride_ss,
-    stride_ob,
-    stride_oh,
-    stride_lb,
-    stride_lh,
-    G: tl.constexpr,
-    G_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Combine the first ``n_active`` split partials of query heads ``head0 .. head0 + G - 1`` of sequence
-    ``bidx`` by their LSE (one pass, online rescaling) and write the final ``out`` and ``lse``.
-
-    Partials are read with ``.cg`` (L2, not this SM's L1): they may have been written by other programs.
-    """
-    offs_g = tl.arange(0, G_P2)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < G
-    d_mask = offs_d < HEAD_DIM
-    rows = head0 + offs_g
-    lse_base = LsePart + bidx.to(tl.int64) * stride_sb + rows * stride_sh
-    o_base = OutPart + bidx.to(tl.int64) * stride_pb + rows * stride_ph
-    m = tl.full([G_P2], float("-inf"), dtype=tl.float32)
-    tot = tl.zeros([G_P2], dtype=tl.float32)
-    acc = tl.zeros([G_P2, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, n_active, BLOCK_S):
-        s = s0 + offs_s
-        gs_mask = g_mask[:, None] & (s < n_active)[None, :]
-        lse_s = tl.load(
-            lse_base[:, None] + s[None, :] * stride_ss,
-            mask=gs_mask,
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        o = tl.load(
-            o_base[:, None, None] + s[None, :, None] * stride_ps + offs_d[None, None, :],
-            mask=gs_mask[:, :, None] & d_mask[None, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m, tl.max(lse_s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp(lse_s - m_use[:, None])  # 0 for empty splits (lse = -inf; their out was written as 0)
-        alpha = tl.exp(m - m_use)
-        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
-        tot = tot * alpha + tl.sum(w, 1)
-        m = m_new
-    seen = tot > 0.0
-    out = acc / tl.where(seen, tot, 1.0)[:, None]
-    lse = tl.where(
-        seen, tl.where(m == float("-inf"), 0.0, m) + tl.log(tl.where(seen, tot, 1.0)), float("-inf")
-    )
-    tl.store(
-        Out + bidx.to(tl.int64) * stride_ob + rows[:, None] * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=g_mask[:, None] & d_mask[None, :],
-    )
-    tl.store(Lse + bidx.to(tl.int64) * stride_lb + rows * stride_lh, lse, mask=g_mask)
-
-
-@triton.jit
 def _masked_decode_split_kernel(
     Q,
     K,
@@ -349,9 +273,6 @@ def _masked_decode_split_kernel(
     Idx,
     Out,
     Lse,
-    FinalOut,
-    FinalLse,
-    Counters,
     seqlen_const,
     max_len,
     chunk,
@@ -376,10 +297,6 @@ def _masked_decode_split_kernel(
     stride_lb,
     stride_lh,
     stride_ls,
-    stride_fob,
-    stride_foh,
-    stride_flb,
-    stride_flh,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -396,9 +313,6 @@ def _masked_decode_split_kernel(
     UPCAST: tl.constexpr,
     DENSE_READ_ALL: tl.constexpr,
     PDL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
-    G_P2: tl.constexpr,
-    BLOCK_SM: tl.constexpr,
 ):
     if PDL:
         # Let the merge kernel's programs be scheduled as soon as every split program has started; they
@@ -476,21 +390,6 @@ def _masked_decode_split_kernel(
         l_ptrs = Lse + bidx.to(tl.int64) * stride_lb + qh * stride_lh + split * stride_ls
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
         tl.store(l_ptrs, lse, mask=g_mask)
-        if FUSED_MERGE:
-            # The last program of this (sequence, KV head) to finish merges all splits: no second launch.
-            # bar.sync orders every thread's partial stores before the gpu-scope release of the counter.
-            tl.debug_barrier()
-            ctr = Counters + bidx * num_heads + head
-            ticket = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
-            n_active = tl.minimum(tl.maximum((seqlen + chunk - 1) // chunk, 1), num_splits)
-            if ticket == n_active - 1:
-                tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")  # ready for the next call
-                _merge_group(
-                    Out, Lse, FinalOut, FinalLse, bidx, head * G, n_active,
-                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
-                    stride_fob, stride_foh, stride_flb, stride_flh,
-                    G, G_P2, HEAD_DIM, BLOCK_D, BLOCK_SM,
-                )  # fmt: skip
 
 
 # Autotuned launch of the split kernel (GPU only): tile length, warps and pipelining depth are timed on the
@@ -564,8 +463,6 @@ def _merge_splits_kernel(
     stride_oh,
     stride_lb,
     stride_lh,
-    G: tl.constexpr,
-    G_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -582,12 +479,41 @@ def _merge_splits_kernel(
         tl.extra.cuda.gdc_wait()  # launched early (programmatic dependent launch): wait for the partials
     # Splits at or past the sequence end wrote nothing; split 0 always wrote.
     n_active = tl.minimum(tl.maximum((seqlen + chunk - 1) // chunk, 1), num_splits)
-    _merge_group(
-        OutPart, LsePart, Out, Lse, bidx, head * G, n_active,
-        stride_pb, stride_ph, stride_ps, stride_sb, stride_sh, stride_ss,
-        stride_ob, stride_oh, stride_lb, stride_lh,
-        G, G_P2, HEAD_DIM, BLOCK_D, BLOCK_S,
-    )  # fmt: skip
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    lse_base = LsePart + bidx.to(tl.int64) * stride_sb + head * stride_sh
+    o_base = OutPart + bidx.to(tl.int64) * stride_pb + head * stride_ph
+    # One pass with online rescaling: each block of splits is read once (all of them when S <= BLOCK_S).
+    m = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0)
+    tot = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_active, BLOCK_S):
+        s = s0 + offs_s
+        s_mask = s < n_active
+        lse_s = tl.load(lse_base + s * stride_ss, mask=s_mask, other=float("-inf"))
+        o = tl.load(
+            o_base + s[:, None] * stride_ps + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp(lse_s - m_use)  # 0 for empty splits (lse = -inf; their out was written as 0)
+        alpha = tl.exp(m - m_use)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        tot = tot * alpha + tl.sum(w, 0)
+        m = m_new
+    seen = tot > 0.0
+    m_fin = tl.where(m == float("-inf"), 0.0, m)
+    out = acc / tl.where(seen, tot, 1.0)
+    lse = tl.where(seen, m_fin + tl.log(tl.where(seen, tot, 1.0)), float("-inf"))
+    tl.store(
+        Out + bidx.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
+        out.to(Out.dtype.element_ty),
+        mask=d_mask,
+    )
+    tl.store(Lse + bidx.to(tl.int64) * stride_lb + head * stride_lh, lse)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -631,31 +557,6 @@ def _sparse_config(block_d: int, chunk: int) -> tuple[int, int, int]:
     ov = _TUNE_OVERRIDE
     block_c = min(ov.get("block_c", _MAX_BLOCK_C), triton.next_power_of_2(max(chunk, 128)))
     return ov.get("block_ns", block_ns), ov.get("sparse_stages", stages), block_c
-
-
-def _fused_merge_enabled() -> bool:
-    """Merge the splits in the split kernel (the last program of each KV head merges) instead of a second launch."""
-    return bool(_TUNE_OVERRIDE.get("fused_merge", 1))
-
-
-_PERSISTENT_COUNTERS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per (sequence, KV head), for the fused merge.
-
-    By default a fresh zeroed buffer per call (one memset). With the benchmark knob ``counters=persistent`` a
-    per-device buffer is reused: the last program of each row resets its counter, so the buffer is zero again
-    after every call (not safe for concurrent calls on several streams; kept for measurement only).
-    """
-    if _TUNE_OVERRIDE.get("counters") == "persistent" and not (
-        device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    ):
-        bufs = _PERSISTENT_COUNTERS.setdefault((device.type, device.index), [])
-        if not bufs or bufs[-1].numel() < n:
-            bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))  # old ones stay alive
-        return bufs[-1]
-    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def _use_pdl(device: torch.device) -> bool:
@@ -731,11 +632,7 @@ def _launch(
         batch, hkv, max_len, _chunk_granularity(), _num_sms(q.device), num_splits if num_splits > 0 else None
     )
     block_ns, sparse_stages, block_c = _sparse_config(block_d, chunk)
-    fused = splits > 1 and _fused_merge_enabled()
-    pdl = _use_pdl(q.device) and splits > 1 and not fused
-    g_p2 = triton.next_power_of_2(group)
-    # Splits merged per step: a [G, BLOCK_S, D] float32 tile of partials (about 64 registers per thread).
-    block_s = max(1, min(triton.next_power_of_2(splits), 8192 // (g_p2 * block_d)))
+    pdl = _use_pdl(q.device) and splits > 1
 
     mask_mode = _MASK_NONE
     if mask is not None:
@@ -765,7 +662,6 @@ def _launch(
         o_part = torch.empty(batch, hq, splits, d, dtype=torch.float32, device=q.device)
         l_part = torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device)
         po, pl = o_part.stride()[:3], l_part.stride()
-    counters = _merge_counters(q.device, batch * hkv) if fused else idx
     if paged:
         # Paged [P, page_size, Hkv, D]: "batch" stride slots carry the page stride.
         ks = (k.stride(0), k.stride(2), k.stride(1))
@@ -777,18 +673,18 @@ def _launch(
         page_size = 1
     size_class = triton.next_power_of_2(batch * hkv * splits) * 1_000_000 + chunk
     args = (
-        q, k, v, mask_t, seq_t, bt_t, idx, o_part, l_part, out, lse, counters,
+        q, k, v, mask_t, seq_t, bt_t, idx, o_part, l_part,
         seqlen_const, max_len, chunk, sm_scale * _LOG2E, sparse_threshold, size_class,
         q.stride(0), q.stride(1),
         *ks, *vs, *mstrides, bt_t.stride(0),
-        *po, *pl, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        *po, *pl,
     )  # fmt: skip
     meta = dict(
         G=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_NS=block_ns, SPARSE_STAGES=sparse_stages,
         BLOCK_C=block_c, MASK_MODE=mask_mode, HAS_SEQLENS=seqlens is not None, PAGED=paged,
         PAGE_SIZE=page_size, COMPACT=compact, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
         DENSE_READ_ALL=path == _PATH_CODES["dense_read_all"] or (path == 0 and _AUTO_DENSE_READ_ALL),
-        PDL=pdl, FUSED_MERGE=fused, G_P2=g_p2, BLOCK_SM=block_s,
+        PDL=pdl,
     )  # fmt: skip
     grid = (splits, hkv, batch)
     if _autotune_enabled():
@@ -797,12 +693,12 @@ def _launch(
         _masked_decode_split_kernel[grid](
             *args, **meta, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages
         )
-    if splits > 1 and not fused:
-        _merge_splits_kernel[(hkv, batch)](
+    if splits > 1:
+        _merge_splits_kernel[(hq, batch)](
             o_part, l_part, out, lse, seq_t, seqlen_const, max_len, chunk, splits,
             *o_part.stride()[:3], *l_part.stride(), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            G=group, G_P2=g_p2, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s,
-            HAS_SEQLENS=seqlens is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(max(8192 // block_d, 1), triton.next_power_of_2(splits)),
+            HAS_SEQLENS=seqlens is not None, PDL=pdl, num_warps=4 if block_d <= 128 else 8, launch_pdl=pdl,
         )  # fmt: skip
     return out, lse
 
