@@ -13,10 +13,13 @@ the same run:
 * ``nccl-dest``: ``all_to_all_single`` pipeline with one row per (token, destination rank), the receiver
   expanding to expert rows; ``nccl-expert``: one row per (token, expert), as users usually write it.
 
-Bytes counted: only those that cross NVLink, i.e. token rows (hidden x dtype) sent to another rank;
-dispatch and combine move the same number. Times: median over ``--iters`` runs, each started right
-after a device-side barrier of both ranks, measured with CUDA events on each rank; the slower rank's
-median is reported.
+Bytes counted: only those that cross NVLink, i.e. token rows (hidden x dtype) sent to another rank, one
+per (token, destination rank); dispatch and combine move the same number. The figure is that of the
+busiest rank: the maximum over ranks of the larger of what it sends and what it receives (on 2 GPUs the
+two are equal; with skewed routing on more GPUs the hot rank receives more than any rank sends). Times:
+median over ``--iters`` runs, each started right after a device-side barrier of all ranks, measured with
+CUDA events on each rank; the slowest rank's median is reported. ``*_host_ms`` is the wall time the
+calling thread spends inside the call (the exact-shape mode waits for its counts), median, slowest rank.
 """
 
 from __future__ import annotations
@@ -66,25 +69,52 @@ def crossing_tokens(ids: torch.Tensor, rank: int, e_local: int) -> int:
     return count
 
 
+def busiest_tokens(matrix: torch.Tensor) -> tuple[int, list[int], list[int]]:
+    """``matrix[s, d]``: tokens of rank ``s`` crossing to rank ``d`` (zero diagonal).
+
+    Returns the busiest rank's count, ``max_r max(sent_r, received_r)``, and the per-rank sent and
+    received counts.
+    """
+    sent = matrix.sum(1).tolist()
+    recv = matrix.sum(0).tolist()
+    return int(max(max(sent), max(recv))), [int(v) for v in sent], [int(v) for v in recv]
+
+
+def crossing_matrix(ids: torch.Tensor, rank: int, world: int, e_local: int, device) -> torch.Tensor:
+    """All ranks' crossing token counts ``[world, world]`` (collective): row ``s`` from rank ``s``."""
+    dest = torch.where(ids >= 0, ids.long() // e_local, -1)
+    m = torch.zeros(world, world, dtype=torch.int64)
+    for d in range(world):
+        if d != rank:
+            m[rank, d] = int((dest == d).any(dim=1).sum())
+    m = m.to(device)
+    dist.all_reduce(m)
+    return m.cpu()
+
+
 class Timer:
     def __init__(self, barrier):
         self.barrier = barrier
+        self.host_ms = 0.0  # median wall time of the calls in the last median_ms (slowest rank)
 
     def median_ms(self, fn, iters: int, setup=None) -> float:
-        times = []
+        times, host = [], []
         for _ in range(iters):
             if setup is not None:
                 setup()
             self.barrier()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        t = torch.tensor([statistics.median(times)], device="cuda")
+        t = torch.tensor([statistics.median(times), statistics.median(host)], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+        self.host_ms = float(t[1])
+        return float(t[0])
 
 
 # ---------------------------------------------------------------------------------------- NCCL pipelines
@@ -197,10 +227,8 @@ def run_case(
     )
     x = torch.randn(n, hidden, device=dev).to(torch.bfloat16)
     ids, w = routing(n, experts, topk, route, 1000 + rank, dev)
-    cross = crossing_tokens(ids.cpu(), rank, e_local)
-    cross_t = torch.tensor([cross], device=dev)
-    dist.all_reduce(cross_t, op=dist.ReduceOp.MAX)
-    nbytes = int(cross_t) * hidden * 2  # the busier rank's bytes
+    busiest, sent, recv = busiest_tokens(crossing_matrix(ids.cpu(), rank, world, e_local, dev))
+    nbytes = busiest * hidden * 2  # the busiest rank's bytes (max of sent and received)
     case = {
         "shape": shape_name,
         "routing": route,
@@ -210,6 +238,9 @@ def run_case(
         "topk": topk,
         "heap": heap,
         "nvlink_bytes": nbytes,
+        "nvlink_bytes_rule": "max over ranks of max(sent, received) crossing token rows",
+        "crossing_tokens_sent": sent,
+        "crossing_tokens_received": recv,
         "results": {},
     }
     res = case["results"]
@@ -226,17 +257,26 @@ def run_case(
         disp()
         torch.cuda.synchronize()
         t_disp = timer.median_ms(disp, args.iters)
+        h_disp = timer.host_ms
         y = holder["d"][0]
         t_comb = timer.median_ms(
             lambda be=be, holder=holder, y=y: be.combine(y, holder["d"][2]), args.iters, setup=disp
         )
+        h_comb = timer.host_ms
 
         def rt(be=be):
             d = be.dispatch(x, ids, w, None)
             be.combine(d[0], d[2])
 
         t_rt = timer.median_ms(rt, args.iters)
-        res[f"ours-sm{num_sm}"] = {"dispatch_ms": t_disp, "combine_ms": t_comb, "round_trip_ms": t_rt}
+        res[f"ours-sm{num_sm}"] = {
+            "dispatch_ms": t_disp,
+            "combine_ms": t_comb,
+            "round_trip_ms": t_rt,
+            "dispatch_host_ms": h_disp,
+            "combine_host_ms": h_comb,
+            "overlap_exact": be.overlap_exact,
+        }
         if extra and num_sm == num_sm_list[-1]:
             # CUDA-graph mode (static worst-case shapes, counts on device)
             s = torch.cuda.Stream()
@@ -261,12 +301,18 @@ def run_case(
                 holder["s"] = be.dispatch_static(x, ids, w)
 
             t_sd = timer.median_ms(sdisp, args.iters)
+            h_sd = timer.host_ms
             t_sc = timer.median_ms(
                 lambda be=be, holder=holder: be.combine_static(holder["s"].output, holder["s"]),
                 args.iters,
                 setup=sdisp,
             )
-            res[f"ours-static-eager-sm{num_sm}"] = {"dispatch_ms": t_sd, "combine_ms": t_sc}
+            res[f"ours-static-eager-sm{num_sm}"] = {
+                "dispatch_ms": t_sd,
+                "combine_ms": t_sc,
+                "dispatch_host_ms": h_sd,
+                "combine_host_ms": timer.host_ms,
+            }
             # copy-engine ceiling into the peer's symmetric heap
             if heap == "torch":
                 peer = 1 - rank if world == 2 else (rank + 1) % world
@@ -280,6 +326,12 @@ def run_case(
                 res["ce"] = {"copy_ms": t_ce}
         torch.cuda.synchronize()
         be.finalize()
+    if extra and n <= 1024:
+        # the user's call: EPAll2AllLayer (argument checks, int64 ids as topk returns them, no host-side
+        # id check: the triton backend counts bad ids on the device), exact-shape mode
+        res[f"ours-layer-sm{num_sm_list[-1]}"] = layer_case(
+            args, cfg, group, x, ids.long(), w, num_sm_list[-1]
+        )
     if extra:
         for name, cls in (("nccl-dest", NcclPerDest), ("nccl-expert", NcclPerExpert)):
             pipe = cls(rank, world, e_local)
@@ -297,6 +349,41 @@ def run_case(
     results.append(case)
     if rank == 0:
         print(json.dumps(case), flush=True)
+
+
+def layer_case(args, cfg, group, x, ids, w, num_sm) -> dict:
+    from ep_a2a import EPAll2AllLayer
+
+    layer = EPAll2AllLayer(
+        group,
+        max_tokens=cfg.max_tokens,
+        hidden=cfg.hidden,
+        topk=cfg.topk,
+        rank=cfg.rank,
+        num_tot_experts=cfg.num_tot_experts,
+        local_world_size=cfg.local_world_size,
+        world_size=cfg.world_size,
+        dtype=cfg.token_dtype,
+        num_sm=num_sm,
+        backend="triton",
+        timeout_s=60.0,
+    )
+    timer = Timer(lambda: layer.ctx.backend.engine.launch_barrier())
+    holder = {}
+
+    def disp():
+        holder["d"] = layer.dispatch(x, ids, w)
+
+    disp()
+    torch.cuda.synchronize()
+    out = {"dispatch_ms": timer.median_ms(disp, args.iters), "dispatch_host_ms": timer.host_ms}
+    out["combine_ms"] = timer.median_ms(
+        lambda: layer.combine(holder["d"][0], holder["d"][2]), args.iters, setup=disp
+    )
+    out["combine_host_ms"] = timer.host_ms
+    torch.cuda.synchronize()
+    layer.finalize()
+    return out
 
 
 def first_call(args, rank, world, group, dev) -> dict:
@@ -340,34 +427,22 @@ def breakdown(args, be, x, ids, w) -> dict:
     torch.cuda.synchronize()
     b = be._static
     out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-    names = ("layout", "counts", "dispatch", "combine")
+    names = ("layout", "dispatch", "combine")
     times: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(args.iters):
         eng.launch_barrier()
-        evs = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         evs[0].record()
-        eng.launch_layout(ids, caller_scatter=False)
+        eng.launch_layout(ids, caller_scatter=False, info=b["info"])
         evs[1].record()
-        eng.launch_counts()
-        evs[2].record()
         eng.launch_dispatch(
-            x,
-            ids,
-            w,
-            eng.pos,
-            b["out"],
-            b["out_w"],
-            b["out_e"],
-            b["tab"],
-            b["skip"],
-            b["scat"],
-            caller_scatter=False,
-        )
+            x, ids, w, eng.pos, b["out"], b["out_w"], b["out_e"], b["tab"], b["skip"], b["scat"],
+            caller_scatter=False, info=b["info"], counts=True,
+        )  # fmt: skip
+        evs[2].record()
+        eng.launch_combine(d.output, b["tab"], ids, b["info"][2 : 2 + eng.world_size], out)
         evs[3].record()
-        b["n_src"].copy_(eng.info[2 : 2 + eng.world_size])
-        eng.launch_combine(d.output, b["tab"], ids, b["n_src"], out)
-        evs[4].record()
-        evs[4].synchronize()
+        evs[3].synchronize()
         for i, k in enumerate(names):
             times[k].append(evs[i].elapsed_time(evs[i + 1]))
     return {k: statistics.median(v) for k, v in times.items()}

@@ -75,26 +75,34 @@ def table(raw: dict) -> list[str]:
         )
         if "heap" in case:
             head += f", heap {case['heap']}"
-        head += f": {nbytes / 1e6:.1f} MB cross NVLink per direction per rank"
+        if case.get("nvlink_bytes_rule"):
+            head += (
+                f": {nbytes / 1e6:.1f} MB cross NVLink at the busiest rank (the larger of sent and received)"
+            )
+        else:
+            head += f": {nbytes / 1e6:.1f} MB cross NVLink per direction per rank"
         lines += [
             "",
             head,
             "",
-            "| method | dispatch ms | GB/s | % CE | combine ms | GB/s | % CE | round trip ms |",
-            "|---|---|---|---|---|---|---|---|",
+            "| method | dispatch ms | GB/s | % CE | combine ms | GB/s | % CE | round trip ms | host ms (d / c) |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in res.items():
             if "copy_ms" in r:
                 ms = r["copy_ms"]
                 pct = f"{100 * ceiling / ms:.0f}" if ceiling else "-"
-                lines.append(f"| {name} (bytes only) | {ms:.3f} | {gbps(nbytes, ms)} | {pct} | | | | |")
+                lines.append(f"| {name} (bytes only) | {ms:.3f} | {gbps(nbytes, ms)} | {pct} | | | | | |")
                 continue
             d, c, rt = r.get("dispatch_ms"), r.get("combine_ms"), r.get("round_trip_ms")
             pd = f"{100 * ceiling / d:.0f}" if ceiling and d else "-"
             pc = f"{100 * ceiling / c:.0f}" if ceiling and c else "-"
+            hd, hc = r.get("dispatch_host_ms"), r.get("combine_host_ms")
+            host = f"{hd:.3f} / {hc:.3f}" if hd is not None and hc is not None else "-"
             lines.append(
                 f"| {name} | {d:.3f} | {gbps(nbytes, d)} | {pd} | {c:.3f} | {gbps(nbytes, c)} | {pc} | "
                 + (f"{rt:.3f} |" if rt else "- |")
+                + f" {host} |"
             )
     return lines
 
@@ -102,9 +110,11 @@ def table(raw: dict) -> list[str]:
 def render(merged: dict) -> str:
     lines = ["# ep-a2a benchmark results", ""]
     lines.append(
-        "Times are medians of CUDA-event timings, slower rank; GB/s counts only token rows crossing to the "
-        "other GPU (one per token and destination rank); % CE is relative to the copy-engine copy of the "
-        "same bytes measured in the same run."
+        "Times are medians of CUDA-event timings, slowest rank; GB/s counts only token rows crossing NVLink "
+        "(one per token and destination rank), for the busiest rank where the run records it (the larger of "
+        "what a rank sends and receives, maximum over ranks; on 2 GPUs both are equal); % CE is relative to "
+        "the copy-engine copy of the same bytes measured in the same run; host ms is the wall time the "
+        "calling thread spends inside the call."
     )
     for name, raw in merged["benches"].items():
         lines += ["", f"## {name}", ""]

@@ -49,9 +49,29 @@ def test_render_committed_and_triton_style_results() -> None:
     md = run.render({"benches": {"torch": torch_raw, "triton": triton_raw}})
     assert "## torch" in md
     assert "## triton" in md
-    assert "| ours-graph-sm32 | 0.020 | 50 | 50 | 0.030 | 33 | 33 | - |" in md
+    assert "| ours-graph-sm32 | 0.020 | 50 | 50 | 0.030 | 33 | 33 | - | - |" in md
     # every committed case appears with its baselines
     for case in torch_raw["cases"]:
         assert f"{case['tokens']} tokens/rank" in md
     for name in ("ce (bytes only)", "nccl-a2a (bytes only)", "| torch |", "| nccl-dest |", "| nccl-expert |"):
         assert name in md
+
+
+def test_busiest_rank_bytes() -> None:
+    """Bytes are those of the busiest rank: max over ranks of max(sent, received)."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location(
+        "_ep_bench_triton", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_triton.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    # 2 ranks: sent by one = received by the other
+    assert bench.busiest_tokens(torch.tensor([[0, 7], [5, 0]])) == (7, [7, 5], [5, 7])
+    # 4 ranks, everyone sends to the hot rank 0: it receives 3 x 4 = 12 while nobody sends more than 6
+    m = torch.tensor([[0, 2, 2, 2], [4, 0, 1, 1], [4, 1, 0, 1], [4, 1, 1, 0]])
+    tokens, sent, recv = bench.busiest_tokens(m)
+    assert (tokens, max(sent), recv[0]) == (12, 6, 12)

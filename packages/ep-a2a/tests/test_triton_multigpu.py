@@ -71,7 +71,18 @@ def _routing(n, topk, experts, gen, *, skew, drop):
 
 
 def _make_backend(
-    group, *, max_tokens, hidden, topk, experts, dtype, heap, num_sm=16, use_aot=False, timeout_s=30.0
+    group,
+    *,
+    max_tokens,
+    hidden,
+    topk,
+    experts,
+    dtype,
+    heap,
+    num_sm=16,
+    use_aot=False,
+    timeout_s=30.0,
+    overlap_bytes=None,
 ):
     from ep_a2a.triton_backend import TritonBackend
 
@@ -86,8 +97,16 @@ def _make_backend(
         local_world_size=world,
         token_dtype=dtype,
     )
+    extra = {} if overlap_bytes is None else {"overlap_bytes": overlap_bytes}
     return TritonBackend(
-        cfg, group, num_sm=num_sm, enable_local_combine=True, use_aot=use_aot, timeout_s=timeout_s, heap=heap
+        cfg,
+        group,
+        num_sm=num_sm,
+        enable_local_combine=True,
+        use_aot=use_aot,
+        timeout_s=timeout_s,
+        heap=heap,
+        **extra,
     )
 
 
@@ -154,6 +173,82 @@ def test_against_reference(group, heap, hidden, topk, experts, dtype, with_w, sk
             )
             _check_round_trip(be, group, xs, ids, ws, gen, experts, dtype)
     finally:
+        be.finalize()
+
+
+def test_exact_flow_with_counts_launch(group):
+    """Large layers' exact-shape flow (counts, host sync, exact buffers, rows; forced by overlap_bytes=0),
+    then the small layers' flow (rows into worst-case buffers) and CUDA-graph-mode calls on one backend."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    hidden, topk, experts = 2048, 8, 32
+    for overlap_bytes in (0, 1 << 40):
+        be = _make_backend(
+            group,
+            max_tokens=64,
+            hidden=hidden,
+            topk=topk,
+            experts=experts,
+            dtype=torch.bfloat16,
+            heap="torch",
+            overlap_bytes=overlap_bytes,
+        )
+        try:
+            assert be.overlap_exact == (overlap_bytes > 0)
+            for i, ns in enumerate(([64, 40], [0, 64], [64, 64])):
+                ns = (ns * world)[:world]
+                xs, ids, ws, gen = _inputs(
+                    300 + i,
+                    world,
+                    ns,
+                    hidden,
+                    topk,
+                    experts,
+                    torch.bfloat16,
+                    skew=i == 1,
+                    drop=0.1,
+                    with_w=True,
+                )
+                _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
+                # a static (merged) call between exact ones: the epochs of both flows stay in step
+                dev = torch.device("cuda", torch.cuda.current_device())
+                d = be.dispatch_static(xs[rank].to(dev), ids[rank].to(dev), ws[rank].to(dev))
+                ref, _ = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
+                rows = int(d.num_recv_rows)
+                assert torch.equal(d.output[:rows].cpu(), ref[rank].output)
+                be.combine_static(d.output, d)
+            torch.cuda.synchronize()
+            be.check_errors()
+        finally:
+            torch.cuda.synchronize()
+            be.finalize()
+
+
+def test_invalid_expert_ids_raise_on_their_rank(group):
+    """Ids outside [-1, E) on one rank: that rank raises ValueError, the others get the dispatch with
+    those slots dropped (no host sync for the check, no out-of-bounds access)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    hidden, topk, experts = 256, 4, 16
+    be = _make_backend(
+        group, max_tokens=24, hidden=hidden, topk=topk, experts=experts, dtype=torch.bfloat16, heap="torch"
+    )
+    try:
+        xs, ids, ws, _gen = _inputs(
+            41, world, [24] * world, hidden, topk, experts, torch.bfloat16, skew=False, drop=0.0, with_w=True
+        )
+        bad = [i.clone() for i in ids]
+        bad[world - 1][3, 1], bad[world - 1][7, 0] = experts + 5, -4
+        dropped = [torch.where((b < -1) | (b >= experts), -1, b) for b in bad]
+        ref, scat = dispatch_ref(xs, dropped, ws, num_tot_experts=experts)
+        if rank == world - 1:
+            with pytest.raises(ValueError, match=f"exp_indices on rank {rank}: 2 slot"):
+                be.dispatch(xs[rank].to(dev), bad[rank].to(dev), ws[rank].to(dev), None)
+        else:
+            out, _w, desc = be.dispatch(xs[rank].to(dev), bad[rank].to(dev), ws[rank].to(dev), None)
+            assert torch.equal(out.cpu(), ref[rank].output)
+            assert torch.equal(desc.token_dst_scatter_idx.cpu().long(), scat[rank])
+    finally:
+        torch.cuda.synchronize()
         be.finalize()
 
 

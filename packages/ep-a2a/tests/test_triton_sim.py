@@ -118,13 +118,14 @@ def test_dispatch_combine_matches_reference(world, ns, hidden, topk, experts, dt
         num_sm=2,
         chunk=4,
     )
-    # two calls with fresh inputs: monotone epochs, count parity and buffer reuse across calls
-    for call in range(2):
+    # three calls with fresh inputs: monotone epochs, count parity and buffer reuse across calls, both
+    # dispatch flows (receive layout in its own launch, or merged into the row kernel) one after another
+    for call, merged in enumerate((False, True, True)):
         ns_call = ns if call == 0 else [max(0, n - call) for n in reversed(ns)]
         xs = [torch.randn(n, hidden, generator=gen).to(dtype) for n in ns_call]
         ids = [_routing(n, topk, experts, gen, skew=skew, drop=drop) for n in ns_call]
         ws = [torch.rand(n, topk, generator=gen) for n in ns_call] if with_w else None
-        res = sim.dispatch(xs, ids, ws)
+        res = sim.dispatch(xs, ids, ws, merged=merged)
         ref, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
         _check_dispatch(res, ref, scat, with_w)
         assert all(torch.equal(r.num_input_tokens_per_rank, torch.tensor(ns_call)) for r in res)
@@ -158,14 +159,16 @@ def test_caller_scatter_indices():
             mask = (ids[s] >= 0) & (ids[s].long() // (experts // world) == d)
             f[mask] = (totals[d] - 1 - default[s][mask]).to(torch.int32)
         fsi.append(f)
-    res = sim.dispatch(xs, ids, None, fsi)
     ref, scat = dispatch_ref(xs, ids, num_tot_experts=experts, full_scatter_indices=fsi)
-    _check_dispatch(res, ref, scat, False)
-    ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
-    _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)
+    for merged in (False, True):
+        res = sim.dispatch(xs, ids, None, fsi, merged=merged)
+        _check_dispatch(res, ref, scat, False)
+        ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
+        _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)
 
 
-def test_missing_rank_times_out_naming_it():
+@pytest.mark.parametrize("merged", [False, True], ids=["counts-launch", "merged"])
+def test_missing_rank_times_out_naming_it(merged):
     """A rank that never dispatches: the others' count wait runs out and names it; later calls refuse."""
     world, hidden, topk, experts = 3, 16, 2, 6
     gen = torch.Generator().manual_seed(3)
@@ -182,7 +185,7 @@ def test_missing_rank_times_out_naming_it():
     xs = [torch.randn(4, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
     ids = [_routing(4, topk, experts, gen, skew=False, drop=0.0) for _ in range(world)]
     with pytest.raises(EPTimeoutFromDevice, match="waiting for rank 2") as info:
-        sim.dispatch(xs, ids, skip_ranks=[2])
+        sim.dispatch(xs, ids, skip_ranks=[2], merged=merged)
     assert info.value.peer == 2
     assert info.value.step == "dispatch/counts"
     # the error is sticky: the engine refuses to go on (its buffers may hold a half-finished call)
@@ -231,3 +234,24 @@ def test_combine_per_slot_matches_reference():
     for r in range(world):
         assert got[r].shape == (ns[r], topk, 1)
         assert torch.equal(got[r], want[r]), f"rank {r}: per-slot rows differ"
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["counts-launch", "merged"])
+def test_invalid_expert_ids_are_counted_and_dropped(merged):
+    """Ids outside [-1, E) never reach an address: counted for the host's error, the slots dropped."""
+    world, hidden, topk, experts = 2, 16, 3, 4
+    gen = torch.Generator().manual_seed(21)
+    sim = SimWorld(
+        world_size=world, max_tokens=5, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=2, chunk=4
+    )
+    xs = [torch.randn(5, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
+    ids = [_routing(5, topk, experts, gen, skew=False, drop=0.0) for _ in range(world)]
+    bad = [i.clone() for i in ids]
+    bad[1][0, 0], bad[1][2, 1], bad[1][4, 2] = experts, -3, 1 << 20
+    res = sim.dispatch(xs, bad, merged=merged)
+    assert [r.num_invalid_ids for r in res] == [0, 3]
+    dropped = [torch.where((b < -1) | (b >= experts), -1, b) for b in bad]
+    ref, scat = dispatch_ref(xs, dropped, num_tot_experts=experts)
+    _check_dispatch(res, ref, scat, False)
+    ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
+    _check_combine(sim.combine(ys, res, dropped), ys, dropped, scat, experts, torch.bfloat16)

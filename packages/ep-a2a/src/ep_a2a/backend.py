@@ -17,7 +17,8 @@ What the layer guarantees before calling a backend (backends need not re-check):
 
 * ``input``: ``[n, hidden]`` contiguous, ``dtype == config.token_dtype`` (for ``dispatch``; ``combine``
   and the autograd pass may hand float32 or other float dtypes), on the group's device, ``0 <= n <= max_tokens``.
-* ``exp_indices``: ``[n, topk]`` contiguous int32, every value in ``[-1, num_tot_experts)``.
+* ``exp_indices``: ``[n, topk]`` contiguous int32, every value in ``[-1, num_tot_experts)`` (unless the
+  backend sets ``checks_expert_ids``: then values may be anything and the backend raises ``ValueError``).
 * ``weight``: ``None`` or ``[n, topk]`` contiguous ``config.weight_dtype``.
 * ``full_scatter_indices``: ``None`` or ``[n, topk]`` contiguous int32 (-1 where the slot is dropped).
 * ``combine`` receives a descriptor produced by this same backend instance and ``input`` of shape
@@ -73,6 +74,9 @@ class A2ABackend(abc.ABC):
 
     #: the name given to ``backend=``.
     name: ClassVar[str] = ""
+    #: True when ``dispatch`` itself rejects expert ids outside ``[-1, num_tot_experts)`` (without a
+    #: device synchronisation of its own): the layer then skips its host-side check.
+    checks_expert_ids: ClassVar[bool] = False
 
     def __init__(
         self,

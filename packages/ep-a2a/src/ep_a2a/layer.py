@@ -164,8 +164,11 @@ class EPAll2AllLayer:
             itself usable on every rank, else torch; see :attr:`backend_reason`).
         timeout_s: bound on every wait for another rank; a rank that never arrives makes the others raise
             :class:`ep_a2a.EPTimeoutError` naming it and the step.
-        validate: check index values (one device sync per call); shapes, dtypes and devices are always
-            checked.
+        validate: check index values; shapes, dtypes and devices are always checked. The torch backend
+            checks expert ids on the host (one device sync); the triton backend counts invalid ids in
+            its first kernel, drops those slots and raises ``ValueError`` at the call's own host sync
+            (exact-shape mode) after the dispatch completed on every rank, so this costs no sync.
+            ``full_scatter_indices`` are checked on the host (one sync) by either.
 
     Example::
 
@@ -312,7 +315,9 @@ class EPAll2AllLayer:
         if full_scatter_indices is not None:
             self._check_tensor("full_scatter_indices", full_scatter_indices, (n, cfg.topk), _INT_DTYPES)
         idx = exp_indices.to(torch.int32).contiguous()
-        if self.validate and idx.numel():
+        backend = self.ctx.backend
+        # a backend that checks the ids on the device (the triton backend) spares the host sync here
+        if self.validate and idx.numel() and not backend.checks_expert_ids:
             lo, hi = torch.aminmax(idx)
             if int(lo) < -1 or int(hi) >= cfg.num_tot_experts:
                 raise ValueError(
@@ -326,7 +331,6 @@ class EPAll2AllLayer:
                 raise ValueError("full_scatter_indices must be >= 0 for every kept slot")
         x = input.contiguous()
         w = weight.contiguous() if weight is not None else None
-        backend = self.ctx.backend
         if torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)):
             return dispatch_with_grad(backend, x, idx, w, fsi)
         return backend.dispatch(x, idx, w, fsi)

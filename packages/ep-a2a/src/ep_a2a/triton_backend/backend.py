@@ -16,6 +16,10 @@ from ep_a2a.layout import EPAllToAllLayoutDesc
 from ep_a2a.triton_backend.engine import EPTimeoutFromDevice, HeapLayout, TritonEPEngine
 from ep_a2a.triton_backend.heaps import HEAP_KINDS, make_heap
 
+#: exact-shape dispatches whose worst case (``world_size x max_tokens x topk`` rows) fits in this many
+#: bytes run without a host wait before the row kernel (see ``TritonBackend``'s ``overlap_bytes``)
+DEFAULT_OVERLAP_BYTES = 256 << 20
+
 #: environment variable choosing the heap when the layer constructs the backend (``torch`` or ``nvshmem``)
 HEAP_ENV = "EP_A2A_TRITON_HEAP"
 
@@ -73,6 +77,12 @@ class TritonBackend(A2ABackend):
         chunk: tokens per work item and ready flag (default: 8 for hidden >= 1024 and max_tokens > 1024,
             2 for hidden >= 1024 and fewer tokens, 16 / 4 for narrower rows).
         block_h, num_warps: tile width along hidden and warps per CTA of the copy kernels (tuning).
+        overlap_bytes: exact-shape dispatch of a layer whose worst-case output (``world_size x
+            max_tokens x topk`` rows) is at most this many bytes (default 256 MiB: decode-sized layers)
+            launches the row kernel before waiting for the counts, into freshly allocated worst-case
+            buffers, and returns views of their first ``R`` rows (so the output's storage is larger
+            than the output while it lives). Larger layers wait for the counts, then allocate exactly
+            ``R`` rows. Both give the same results.
 
     ``enable_local_combine`` is always on here (the expert side always pre-reduces per (token, rank)).
     Each combine must follow a dispatch (dispatch, combine, dispatch, combine...; several dispatches in a
@@ -81,6 +91,7 @@ class TritonBackend(A2ABackend):
     """
 
     name = "triton"
+    checks_expert_ids = True  # counted in the layout kernel, raised at the call's one host sync
 
     def __init__(
         self,
@@ -95,6 +106,7 @@ class TritonBackend(A2ABackend):
         chunk: int | None = None,
         block_h: int | None = None,
         num_warps: int | None = None,
+        overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
         **_: object,
     ) -> None:
         super().__init__(
@@ -148,13 +160,18 @@ class TritonBackend(A2ABackend):
         )
         self.heap_kind = heap
         self._info_host = torch.empty_like(self.engine.info, device="cpu").pin_memory()
+        worst_bytes = self.engine.worst_case_rows() * config.hidden * config.token_dtype.itemsize
+        #: exact-shape dispatch into worst-case buffers, no host wait before the row kernel (small layers)
+        self.overlap_exact = worst_bytes <= overlap_bytes
         self._combine_allowed = False
         self._finalized = False
         self._static: dict[str, torch.Tensor] | None = None
         self.aot_seconds = 0.0
         if use_aot:
             t0 = time.perf_counter()
-            self.aot_variants = self.engine.precompile(dtypes=(torch.float32,))
+            self.aot_variants = self.engine.precompile(
+                dtypes=(torch.float32,), dispatch_counts=(True,) if self.overlap_exact else (True, False)
+            )
             self.aot_seconds = time.perf_counter() - t0
 
     @classmethod
@@ -208,36 +225,35 @@ class TritonBackend(A2ABackend):
         eng = self.engine
         caller = full_scatter_indices is not None
         n = input.shape[0]
-        eng.launch_layout(exp_indices, caller_scatter=caller)
-        eng.launch_counts()
-        # the one small device-to-host copy: receive counts (and the error flag) size the output
-        self._info_host.copy_(eng.info, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        info = self._info_host.clone()
-        fields = eng.info_fields(info)
-        if int(fields["err"]):
-            try:
-                eng.check_error(int(fields["err"]))
-            except EPTimeoutFromDevice as exc:
-                self._raise_device_error(exc)
-        rows = int(fields["total"])
-        bufs = eng.alloc_dispatch_outputs(n, rows, with_weights=weight is not None, dtype=input.dtype)
+        W = self.config.world_size
+        has_w = weight is not None
         src = full_scatter_indices if full_scatter_indices is not None else eng.pos
-        eng.launch_dispatch(
-            input,
-            exp_indices,
-            weight,
-            src,
-            bufs["out"],
-            bufs["out_w"],
-            bufs["out_e"],
-            bufs["tab"],
-            bufs["skip"],
-            bufs["scat"],
-            caller_scatter=caller,
-        )
+        # per call: the combine of this dispatch reads its token counts after later dispatches ran
+        info = torch.empty(eng.info_len, dtype=torch.int64, device=self.device)
+        eng.launch_layout(exp_indices, caller_scatter=caller, info=info)
+        if self.overlap_exact:
+            # one launch more and no host wait in between: the rows land in worst-case buffers while
+            # the host waits for the counts, and the caller gets views of their first R rows
+            bufs = eng.alloc_dispatch_outputs(n, eng.worst_case_rows(), with_weights=has_w, dtype=input.dtype)
+            eng.launch_dispatch(
+                input, exp_indices, weight, src, bufs["out"], bufs["out_w"], bufs["out_e"], bufs["tab"],
+                bufs["skip"], bufs["scat"], caller_scatter=caller, info=info, counts=True,
+            )  # fmt: skip
+            vals = self._read_info(info)
+            rows = vals[0]
+            out, out_w, out_e = bufs["out"][:rows], bufs["out_w"][:rows], bufs["out_e"][:rows]
+        else:
+            eng.launch_counts(info)
+            # the one small device-to-host copy: receive counts (and the error word) size the output
+            vals = self._read_info(info)
+            rows = vals[0]
+            bufs = eng.alloc_dispatch_outputs(n, rows, with_weights=has_w, dtype=input.dtype)
+            out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
+            eng.launch_dispatch(
+                input, exp_indices, weight, src, out, out_w, out_e, bufs["tab"], bufs["skip"], bufs["scat"],
+                caller_scatter=caller, info=info,
+            )  # fmt: skip
         self._combine_allowed = True
-        n_src_dev = eng.info[2 : 2 + self.config.world_size].clone()
         scat = (
             bufs["scat"]
             if self.config.offset_dtype == torch.int32
@@ -245,20 +261,39 @@ class TritonBackend(A2ABackend):
         )
         desc = EPAllToAllLayoutDesc(
             num_dispatch_token_cur_rank=n,
-            num_input_tokens_per_rank=fields["n_src"].clone(),
+            num_input_tokens_per_rank=torch.tensor(vals[2 : 2 + W], dtype=torch.int64),
             send_reqs_recv_tensor=None,
             topk_indices_tensor=exp_indices,
             token_dst_scatter_idx=scat,
             skipped_token_mapping_indices=None,
             skipped_token_topk_mapping_indices=bufs["skip"],
-            num_recv_tokens_per_expert=eng.info_fields(eng.info)["rows_exp"].clone(),
-            num_recv_tokens_per_rank=fields["rows_src"].clone(),
+            num_recv_tokens_per_expert=info[2 + 2 * W : -1],
+            num_recv_tokens_per_rank=torch.tensor(vals[2 + W : 2 + 2 * W], dtype=torch.int64),
             num_recv_rows=rows,
-            recv_expert_indices=bufs["out_e"],
+            recv_expert_indices=out_e,
             caller_scatter=caller,
-            backend_state=_TritonState(owner=id(self), tab=bufs["tab"], n_src=n_src_dev),
+            backend_state=_TritonState(owner=id(self), tab=bufs["tab"], n_src=info[2 : 2 + W]),
         )
-        return bufs["out"], (bufs["out_w"] if weight is not None else None), desc
+        return out, (out_w if has_w else None), desc
+
+    def _read_info(self, info: torch.Tensor) -> list[int]:
+        """Copy a dispatch's ``info`` to the host (waits for it); raise if a device wait ran out."""
+        self._info_host.copy_(info, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        vals = self._info_host.tolist()
+        if vals[1]:
+            try:
+                self.engine.check_error(vals[1])
+            except EPTimeoutFromDevice as exc:
+                self._raise_device_error(exc)
+        if vals[-1]:
+            cfg = self.config
+            raise ValueError(
+                f"exp_indices on rank {cfg.rank}: {vals[-1]} slot(s) outside [-1, num_tot_experts="
+                f"{cfg.num_tot_experts}) (-1 drops a slot). The dispatch completed on every rank with those "
+                "slots dropped; combine it (or rebuild the layer) before dispatching again"
+            )
+        return vals
 
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
         self._check_usable()
@@ -331,37 +366,28 @@ class TritonBackend(A2ABackend):
         self._check_usable()
         eng = self.engine
         n = input.shape[0]
-        if self._static is None or self._static["skip"].shape[0] != n:
-            self._static = eng.alloc_dispatch_outputs(n, eng.worst_case_rows(), with_weights=True)
-            self._static["n_src"] = torch.zeros(self.config.world_size, dtype=torch.int64, device=self.device)
+        W = self.config.world_size
         b = self._static
-        eng.launch_layout(exp_indices, caller_scatter=False)
-        eng.launch_counts()
+        if b is None or b["skip"].shape[0] != n:
+            b = eng.alloc_dispatch_outputs(n, eng.worst_case_rows(), with_weights=True)
+            b["info"] = torch.zeros(eng.info_len, dtype=torch.int64, device=self.device)
+            self._static = b
+        eng.launch_layout(exp_indices, caller_scatter=False, info=b["info"])
         eng.launch_dispatch(
-            input,
-            exp_indices,
-            weight,
-            eng.pos,
-            b["out"],
-            b["out_w"],
-            b["out_e"],
-            b["tab"],
-            b["skip"],
-            b["scat"],
-            caller_scatter=False,
-        )
-        b["n_src"].copy_(eng.info[2 : 2 + self.config.world_size])
+            input, exp_indices, weight, eng.pos, b["out"], b["out_w"], b["out_e"], b["tab"], b["skip"],
+            b["scat"], caller_scatter=False, info=b["info"], counts=True,
+        )  # fmt: skip
         self._combine_allowed = True
-        f = eng.info_fields(eng.info)
+        info = b["info"]
         return StaticDispatch(
             output=b["out"],
             weights=b["out_w"] if weight is not None else None,
             recv_expert_indices=b["out_e"],
-            num_recv_tokens_per_expert=f["rows_exp"],
-            num_recv_rows=f["total"],
+            num_recv_tokens_per_expert=info[2 + 2 * W : -1],
+            num_recv_rows=info[0],
             token_dst_scatter_idx=b["scat"],
             exp_indices=exp_indices,
-            state=_TritonState(owner=id(self), tab=b["tab"], n_src=b["n_src"]),
+            state=_TritonState(owner=id(self), tab=b["tab"], n_src=info[2 : 2 + W]),
         )
 
     def combine_static(self, input: torch.Tensor, dispatched: StaticDispatch) -> torch.Tensor:

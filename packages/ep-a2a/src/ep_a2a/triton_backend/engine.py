@@ -15,7 +15,9 @@ A combine is one launch of ``_combine_kernel``.
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,11 @@ def _next_pow2(n: int) -> int:
 def _nz(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a one-element stand-in when it is empty (an empty tensor may have no address)."""
     return t if t.numel() > 0 else torch.zeros(1, dtype=t.dtype, device=t.device)
+
+
+def _raw_stream(device_index: int) -> int:
+    """Handle of the current CUDA stream of ``device_index`` (what Triton's launcher takes)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 def interpreting() -> bool:
@@ -154,6 +161,7 @@ class TritonEPEngine:
         self.token_dtype, self.weight_dtype = token_dtype, weight_dtype
         self.heap_local, self.ptr_table, self.layout = heap_local, ptr_table, layout
         self.device = heap_local.device
+        self._device_index = self.device.index or 0
         self.num_sm = max(1, int(num_sm))
         self.timeout_s = timeout_s
         self.chunk = chunk
@@ -164,17 +172,21 @@ class TritonEPEngine:
             block_h = min(_next_pow2(hidden), 64 if interpreting() else 1024)
         self.block_h = block_h
         self.num_warps = num_warps or (8 if block_h >= 512 else 4)
-        self._fast: dict = {}
+        self._plans: dict[tuple, tuple] = {}
         self.kp = _next_pow2(topk)
         self.wp = _next_pow2(world_size)
         self.lp = _next_pow2(self.experts_per_rank + 1)
         dev = self.device
         self.state = torch.zeros(K.STATE_SIZE, dtype=torch.int64, device=dev)
-        self.info = torch.zeros(2 + 2 * world_size + self.experts_per_rank, dtype=torch.int64, device=dev)
+        #: length of a dispatch's ``info``: total rows, error word, tokens per source, rows per source,
+        #: rows per local expert, slots with an expert id outside [-1, num_tot_experts)
+        self.info_len = 3 + 2 * world_size + self.experts_per_rank
+        self.info = torch.zeros(self.info_len, dtype=torch.int64, device=dev)
         self.offsets = torch.zeros(self.experts_per_rank, world_size, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(max_tokens, topk, dtype=torch.int32, device=dev)
         self._dummy_w = torch.zeros(1, dtype=weight_dtype, device=dev)
         self.scan_block = min(4096, _next_pow2(max(16, max_tokens * topk)))
+        self._layout_grid = (min(self.num_tot_experts, self.num_sm),)
         self._combines_pending = 0
 
     # ------------------------------------------------------------------ errors
@@ -193,79 +205,106 @@ class TritonEPEngine:
             )
 
     # ------------------------------------------------------------------ launching
-    def _launch(self, kernel, grid: tuple[int, ...], *args, num_warps: int, **kwargs) -> None:
+    def _launch(
+        self,
+        key: tuple,
+        kernel,
+        grid: tuple[int, ...],
+        num_warps: int,
+        var_names: tuple[str, ...],
+        var_vals: tuple,
+        fixed: Callable[[], dict],
+    ) -> None:
         """Launch ``kernel``; after the first launch of a variant, straight through its compiled handle.
 
-        Triton's own launch path binds and re-specialises every argument on every call (tens of
-        microseconds for these kernels); the variant key here holds what that specialisation depends
-        on (constexprs, num_warps, 16-byte alignment of every tensor, the int arguments' == 1 and
-        % 16 classes), so a cached handle is only reused where Triton would pick the same binary.
+        Triton's own launch path binds and re-specialises every argument on every call (about 30 us of
+        Python per launch for these kernels). Here each call site names a variant ``key`` holding what
+        that specialisation depends on (its constexprs, num_warps, the dtypes and 16-byte alignment of
+        the caller's tensors); every other argument is fixed for the engine's life. The first launch of a
+        variant goes through Triton (compiling it) and records the full argument list; later launches
+        only swap in ``var_vals`` and call the compiled kernel. ``var_names`` are the arguments that may
+        change between calls (tensors, and ints Triton does not specialise on).
         """
-        named = dict(zip(kernel.arg_names, args, strict=False))
-        named.update(kwargs)
+        plan = self._plans.get(key)
+        if plan is not None:
+            runner, template, var_idx = plan
+            vals = template.copy()
+            for i, v in zip(var_idx, var_vals, strict=True):
+                vals[i] = v
+            runner(*vals, stream=_raw_stream(self._device_index))
+            return
+        named = fixed()
+        named.update(zip(var_names, var_vals, strict=True))
         if interpreting():
             kernel[grid](**named, num_warps=num_warps)
             return
-        key_parts: list = [id(kernel), grid, num_warps]
-        for name in kernel.arg_names:
-            v = named[name]
-            if isinstance(v, torch.Tensor):
-                key_parts.append(v.data_ptr() % 16 == 0)
-            elif isinstance(v, bool) or not isinstance(v, int):
-                key_parts.append(v)
-            else:
-                key_parts.append((v == 1, v % 16 == 0))
-        key = tuple(key_parts)
-        compiled = self._fast.get(key)
-        if compiled is None:
-            self._fast[key] = kernel[grid](**named, num_warps=num_warps)
-            return
-        vals = [named[name] for name in kernel.arg_names]
-        grid3 = (*grid, 1, 1)[:3]
-        compiled[grid3](*vals, stream=torch.cuda.current_stream(self.device).cuda_stream)
+        compiled = kernel[grid](**named, num_warps=num_warps)
+        names = list(kernel.arg_names)
+        var_idx = [names.index(n) for n in var_names]
+        template = [named[n] for n in names]
+        for i in var_idx:  # hold no reference to this call's tensors
+            template[i] = None
+        self._plans[key] = (compiled[(*grid, 1, 1)[:3]], template, var_idx)
+
+    @staticmethod
+    def _align(*tensors: torch.Tensor) -> tuple:
+        """Specialisation of caller tensors: dtype and 16-byte alignment (buffers of ours are aligned)."""
+        return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
 
     # ------------------------------------------------------------------ dispatch steps
-    def launch_layout(self, exp_indices: torch.Tensor, *, caller_scatter: bool) -> None:
-        n = exp_indices.shape[0]
-        grid = (min(self.num_tot_experts, self.num_sm),)
+    def launch_layout(
+        self, exp_indices: torch.Tensor, *, caller_scatter: bool, info: torch.Tensor | None = None
+    ) -> None:
+        """Step 1; counts the slots with invalid expert ids into ``info`` (default :attr:`info`)."""
+        ids = _nz(exp_indices)
         self._launch(
+            ("layout", caller_scatter, ids.data_ptr() % 16 == 0),
             K._layout_kernel,
-            grid,
-            _nz(exp_indices),
-            self.pos,
-            n,
-            self.ptr_table,
-            self.state,
-            self.layout.cnt,
-            self.rank,
-            E=self.num_tot_experts,
-            L=self.experts_per_rank,
-            W=self.world_size,
-            K=self.topk,
-            BLOCK=self.scan_block,
-            WRITE_POS=not caller_scatter,
-            nprog=grid[0],
-            num_warps=4,
+            self._layout_grid,
+            4,
+            ("ids_ptr", "n_tokens", "info_ptr"),
+            (ids, exp_indices.shape[0], self.info if info is None else info),
+            lambda: dict(
+                pos_ptr=self.pos,
+                table_ptr=self.ptr_table,
+                state_ptr=self.state,
+                off_cnt=self.layout.cnt,
+                rank=self.rank,
+                E=self.num_tot_experts,
+                L=self.experts_per_rank,
+                W=self.world_size,
+                K=self.topk,
+                BLOCK=self.scan_block,
+                WRITE_POS=not caller_scatter,
+                BAD_SLOT=self.info_len - 1,
+                nprog=self._layout_grid[0],
+            ),
         )
 
-    def launch_counts(self) -> None:
+    def launch_counts(self, info: torch.Tensor | None = None) -> None:
+        """Step 2 on its own (exact-shape mode): wait for the counts, write ``info`` (default
+        :attr:`info`) and the receive offsets."""
         self._launch(
+            ("counts",),
             K._counts_kernel,
             (1,),
-            self.info,
-            self.offsets,
-            self.ptr_table,
-            self.state,
-            self.layout.cnt,
-            self.layout.back,
-            self.rank,
-            self.timeout_arg,
-            W=self.world_size,
-            L=self.experts_per_rank,
-            WP=self.wp,
-            LP=self.lp,
-            USE_TIMER=self.use_timer,
-            num_warps=4,
+            4,
+            ("info_ptr",),
+            (self.info if info is None else info,),
+            lambda: dict(
+                offs_ptr=self.offsets,
+                table_ptr=self.ptr_table,
+                state_ptr=self.state,
+                off_cnt=self.layout.cnt,
+                off_back=self.layout.back,
+                rank=self.rank,
+                timeout=self.timeout_arg,
+                W=self.world_size,
+                L=self.experts_per_rank,
+                WP=self.wp,
+                LP=self.lp,
+                USE_TIMER=self.use_timer,
+            ),
         )
 
     def launch_dispatch(
@@ -282,58 +321,85 @@ class TritonEPEngine:
         scat: torch.Tensor,
         *,
         caller_scatter: bool,
+        info: torch.Tensor | None = None,
+        counts: bool = False,
         send: bool = True,
         recv: bool = True,
     ) -> None:
-        n = x.shape[0]
-        lay = self.layout
+        """Step 3. With ``counts=True`` step 2 runs inside this launch (program 0 builds the receive
+        layout, the others wait for it): the launch after :meth:`launch_layout` in static mode."""
+        has_w = weight is not None
+        w = _nz(weight) if weight is not None else self._dummy_w
+        xs, ids, src = _nz(x), _nz(exp_indices), _nz(scatter_src)
         self._launch(
+            ("dispatch", has_w, caller_scatter, send, recv, counts, out.dtype, *self._align(xs, ids, w, src)),
             K._dispatch_kernel,
             (self.num_sm,),
-            _nz(x),
-            _nz(exp_indices),
-            _nz(weight) if weight is not None else self._dummy_w,
-            _nz(scatter_src),
-            n,
-            out,
-            out_w,
-            out_e,
-            tab,
-            skip,
-            scat,
-            self.info,
-            self.offsets,
-            self.ptr_table,
-            self.state,
-            self.rank,
-            self.max_tokens,
-            lay.nchunks,
-            out.shape[0],
-            self.timeout_arg,
-            lay.x,
-            lay.ids,
-            lay.pos,
-            lay.w,
-            lay.flag,
-            lay.back,
-            W=self.world_size,
-            L=self.experts_per_rank,
-            K=self.topk,
-            KP=self.kp,
-            WP=self.wp,
-            LP=self.lp,
-            H=self.hidden,
-            BH=self.block_h,
-            CH=self.chunk,
-            EVEN_H=self.hidden % self.block_h == 0,
-            HAS_W=weight is not None,
-            CALLER_SCATTER=caller_scatter,
-            SEND=send,
-            RECV=recv,
-            LAG=1 if (send and recv) else 0,
-            USE_TIMER=self.use_timer,
-            G=self.num_sm,
-            num_warps=self.num_warps,
+            self.num_warps,
+            (
+                "x_ptr",
+                "ids_ptr",
+                "w_ptr",
+                "pos_ptr",
+                "n_tokens",
+                "out_ptr",
+                "out_w_ptr",
+                "out_e_ptr",
+                "tab_ptr",
+                "skip_ptr",
+                "scat_ptr",
+                "info_ptr",
+                "cap_rows",
+            ),
+            (
+                xs,
+                ids,
+                w,
+                src,
+                x.shape[0],
+                out,
+                out_w,
+                out_e,
+                tab,
+                skip,
+                scat,
+                self.info if info is None else info,
+                out.shape[0],
+            ),
+            lambda: dict(
+                offs_ptr=self.offsets,
+                table_ptr=self.ptr_table,
+                state_ptr=self.state,
+                rank=self.rank,
+                max_tokens=self.max_tokens,
+                nchunks=self.layout.nchunks,
+                timeout=self.timeout_arg,
+                off_x=self.layout.x,
+                off_ids=self.layout.ids,
+                off_pos=self.layout.pos,
+                off_w=self.layout.w,
+                off_flag=self.layout.flag,
+                off_back=self.layout.back,
+                off_cnt=self.layout.cnt,
+                W=self.world_size,
+                L=self.experts_per_rank,
+                K=self.topk,
+                KP=self.kp,
+                WP=self.wp,
+                LP=self.lp,
+                H=self.hidden,
+                BH=self.block_h,
+                CH=self.chunk,
+                EVEN_H=self.hidden % self.block_h == 0,
+                HAS_W=has_w,
+                CALLER_SCATTER=caller_scatter,
+                SEND=send,
+                RECV=recv,
+                LAG=1 if (send and recv) else 0,
+                COUNTS=counts,
+                USE_TIMER=self.use_timer,
+                G=self.num_sm,
+            ),
         )
 
     def launch_combine(
@@ -347,29 +413,32 @@ class TritonEPEngine:
         send: bool = True,
         recv: bool = True,
     ) -> None:
-        lay = self.layout
         width = y.shape[1]
         if width > self.hidden:
             raise ValueError(f"combine rows are at most hidden={self.hidden} wide, got {width}")
-        # narrower rows (per-slot weight gradients: width 1) get a narrower tile
-        bh = self.block_h if width == self.hidden else max(16, min(_next_pow2(width), self.block_h))
+        ys, ids, outs = _nz(y), _nz(exp_indices), _nz(out)
         self._launch(
+            ("combine", width, send, recv, outs.dtype, *self._align(ys, ids, n_src)),
             K._combine_kernel,
             (self.num_sm,),
-            _nz(y),
-            tab,
-            _nz(exp_indices),
-            n_src,
-            exp_indices.shape[0],
-            _nz(out),
-            self.ptr_table,
-            self.state,
-            self.rank,
-            self.max_tokens,
-            lay.nchunks,
-            self.timeout_arg,
-            lay.cx,
-            lay.cflag,
+            self.num_warps,
+            ("y_ptr", "tab_ptr", "ids_ptr", "nsrc_ptr", "n_tokens", "out_ptr"),
+            (ys, tab, ids, n_src, exp_indices.shape[0], outs),
+            lambda: self._combine_fixed(width, send, recv),
+        )
+
+    def _combine_fixed(self, width: int, send: bool, recv: bool) -> dict:
+        # narrower rows (per-slot weight gradients: width 1) get a narrower tile
+        bh = self.block_h if width == self.hidden else max(16, min(_next_pow2(width), self.block_h))
+        return dict(
+            table_ptr=self.ptr_table,
+            state_ptr=self.state,
+            rank=self.rank,
+            max_tokens=self.max_tokens,
+            nchunks=self.layout.nchunks,
+            timeout=self.timeout_arg,
+            off_cx=self.layout.cx,
+            off_cflag=self.layout.cflag,
             W=self.world_size,
             L=self.experts_per_rank,
             K=self.topk,
@@ -384,23 +453,27 @@ class TritonEPEngine:
             LAG=1 if (send and recv) else 0,
             USE_TIMER=self.use_timer,
             G=self.num_sm,
-            num_warps=self.num_warps,
         )
 
     def launch_barrier(self, *, send: bool = True, recv: bool = True) -> None:
         self._launch(
+            ("barrier", send, recv),
             K._barrier_kernel,
             (1,),
-            self.ptr_table,
-            self.state,
-            self.layout.bar,
-            self.rank,
-            self.timeout_arg,
-            W=self.world_size,
-            SEND=send,
-            RECV=recv,
-            USE_TIMER=self.use_timer,
-            num_warps=1,
+            1,
+            (),
+            (),
+            lambda: dict(
+                table_ptr=self.ptr_table,
+                state_ptr=self.state,
+                off_bar=self.layout.bar,
+                rank=self.rank,
+                timeout=self.timeout_arg,
+                W=self.world_size,
+                SEND=send,
+                RECV=recv,
+                USE_TIMER=self.use_timer,
+            ),
         )
 
     def per_slot_rows(self, y: torch.Tensor, tab: torch.Tensor, n_src: torch.Tensor) -> list[torch.Tensor]:
@@ -458,11 +531,18 @@ class TritonEPEngine:
             "n_src": info[2 : 2 + W],
             "rows_src": info[2 + W : 2 + 2 * W],
             "rows_exp": info[2 + 2 * W : 2 + 2 * W + L],
+            "bad_ids": info[2 + 2 * W + L],
         }
 
     # ------------------------------------------------------------------ AOT
-    def precompile(self, *, dtypes: tuple[torch.dtype, ...] = ()) -> int:
-        """Compile every kernel variant the layer uses, without launching. Returns the variant count."""
+    def precompile(
+        self, *, dtypes: tuple[torch.dtype, ...] = (), dispatch_counts: tuple[bool, ...] = (True, False)
+    ) -> int:
+        """Compile every kernel variant the layer uses, without launching. Returns the variant count.
+
+        ``dtypes``: extra row dtypes of combine; ``dispatch_counts``: the dispatch kernel with the
+        receive layout merged in (static mode, small exact calls) and/or without (large exact calls).
+        """
         lay = self.layout
         i32, i64 = torch.int32, torch.int64
         common = dict(W=self.world_size, L=self.experts_per_rank)
@@ -476,11 +556,13 @@ class TritonEPEngine:
                 i64,
                 lay.cnt,
                 self.rank,
+                i64,
                 grid=(1,),
                 E=self.num_tot_experts,
                 K=self.topk,
                 BLOCK=self.scan_block,
                 WRITE_POS=ws,
+                BAD_SLOT=self.info_len - 1,
                 nprog=1,
                 num_warps=4,
                 **common,
@@ -503,56 +585,57 @@ class TritonEPEngine:
             **common,
         )
         n += 1
-        nw = 8 if self.block_h >= 512 else 4
-        for has_w in (True, False):
-            for cs in (False, True):
-                K._dispatch_kernel.warmup(
-                    self.token_dtype,
-                    i32,
-                    self.weight_dtype,
-                    i32,
-                    1,
-                    self.token_dtype,
-                    self.weight_dtype,
-                    i32,
-                    i32,
-                    i32,
-                    i32,
-                    i64,
-                    i64,
-                    i64,
-                    i64,
-                    self.rank,
-                    self.max_tokens,
-                    lay.nchunks,
-                    1,
-                    self.timeout_arg,
-                    lay.x,
-                    lay.ids,
-                    lay.pos,
-                    lay.w,
-                    lay.flag,
-                    lay.back,
-                    grid=(self.num_sm,),
-                    K=self.topk,
-                    KP=self.kp,
-                    WP=self.wp,
-                    LP=self.lp,
-                    H=self.hidden,
-                    BH=self.block_h,
-                    CH=self.chunk,
-                    EVEN_H=self.hidden % self.block_h == 0,
-                    HAS_W=has_w,
-                    CALLER_SCATTER=cs,
-                    SEND=True,
-                    RECV=True,
-                    LAG=1,
-                    USE_TIMER=self.use_timer,
-                    G=self.num_sm,
-                    num_warps=nw,
-                    **common,
-                )
-                n += 1
+        nw = self.num_warps
+        for has_w, cs, counts in itertools.product((True, False), (False, True), dispatch_counts):
+            K._dispatch_kernel.warmup(
+                self.token_dtype,
+                i32,
+                self.weight_dtype,
+                i32,
+                1,
+                self.token_dtype,
+                self.weight_dtype,
+                i32,
+                i32,
+                i32,
+                i32,
+                i64,
+                i64,
+                i64,
+                i64,
+                self.rank,
+                self.max_tokens,
+                lay.nchunks,
+                1,
+                self.timeout_arg,
+                lay.x,
+                lay.ids,
+                lay.pos,
+                lay.w,
+                lay.flag,
+                lay.back,
+                lay.cnt,
+                grid=(self.num_sm,),
+                K=self.topk,
+                KP=self.kp,
+                WP=self.wp,
+                LP=self.lp,
+                H=self.hidden,
+                BH=self.block_h,
+                CH=self.chunk,
+                EVEN_H=self.hidden % self.block_h == 0,
+                HAS_W=has_w,
+                CALLER_SCATTER=cs,
+                SEND=True,
+                RECV=True,
+                LAG=1,
+                COUNTS=counts,
+                USE_TIMER=self.use_timer,
+                G=self.num_sm,
+                num_warps=nw,
+                **common,
+            )
+            n += 1
         narrow = max(16, min(_next_pow2(1), self.block_h))
         combine_variants = [(dt, self.hidden, self.block_h) for dt in (self.token_dtype, *dtypes)]
         combine_variants.append((torch.float32, 1, narrow))  # per-slot weight gradients

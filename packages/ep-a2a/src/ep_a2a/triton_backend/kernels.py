@@ -27,6 +27,8 @@ STATE_COMBINE_EPOCH = 1
 STATE_COMBINE_ARRIVE = 2
 STATE_ERR = 3
 STATE_BARRIER_EPOCH = 4
+STATE_COUNTS_READY = 5  # merged dispatch: epoch whose receive layout program 0 has written
+STATE_DISPATCH_ARRIVE = 6  # merged dispatch: CTAs finished (the last one publishes the epoch)
 STATE_SIZE = 8
 
 # error steps encoded in state[STATE_ERR] = 1 + step * 65536 + peer
@@ -137,18 +139,21 @@ def _layout_kernel(
     state_ptr,
     off_cnt,
     rank,
+    info_ptr,  # [2 + 2W + L + 1] int64: the last entry gets the number of slots with invalid expert ids
     E: tl.constexpr,
     L: tl.constexpr,
     W: tl.constexpr,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     WRITE_POS: tl.constexpr,
+    BAD_SLOT: tl.constexpr,
     nprog,
 ):
     pid = tl.program_id(0)
     ep = tl.load(state_ptr + 0) + 1
     parity = ep % 2
     nk = n_tokens * K
+    bad = tl.full([], 0, tl.int32)
     # loop bounds must not depend on program_id (a 1-element array in the interpreter)
     i = tl.full([], 0, tl.int32)
     while i < tl.cdiv(E, nprog):
@@ -161,6 +166,8 @@ def _layout_kernel(
             v = tl.load(ids_ptr + idx, mask=m, other=-1)
             hit = (v == e) & m
             h32 = hit.to(tl.int32)
+            # ids outside [-1, E): counted here (the host raises), treated as dropped everywhere
+            bad += tl.where(i == 0, tl.sum((((v < -1) | (v >= E)) & m).to(tl.int32), 0), 0)
             if WRITE_POS:
                 c = tl.cumsum(h32, 0)
                 tl.store(pos_ptr + idx, running + c - 1, mask=hit)
@@ -173,6 +180,7 @@ def _layout_kernel(
             tl.atomic_xchg(dst, (ep << 32) | running.to(tl.int64), sem="release", scope="sys")
         i += 1
     if pid == 0:
+        tl.store(info_ptr + BAD_SLOT, bad.to(tl.int64))
         for r in tl.static_range(W):
             dst = _peer_ptr(table_ptr, r, off_cnt, tl.int64) + parity * (W * (L + 1)) + rank * (L + 1) + L
             tl.atomic_xchg(dst, (ep << 32) | n_tokens.to(tl.int64), sem="release", scope="sys")
@@ -181,15 +189,16 @@ def _layout_kernel(
 # --------------------------------------------------------------------------------------------------
 # dispatch step 2 (one program): wait for every source's counts, build the receive layout
 # --------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["rank", "timeout"])
-def _counts_kernel(
-    info_ptr,  # [2 + 2W + L] int64 out: total rows, error, n per source, rows per source, rows per expert
-    offs_ptr,  # [L, W] int64 out: first output row of (local expert, source)
+@triton.jit
+def _counts_body(
+    info_ptr,
+    offs_ptr,
     table_ptr,
     state_ptr,
     off_cnt,
     off_back,
     rank,
+    ep,
     timeout,
     W: tl.constexpr,
     L: tl.constexpr,
@@ -197,7 +206,12 @@ def _counts_kernel(
     LP: tl.constexpr,
     USE_TIMER: tl.constexpr,
 ):
-    ep = tl.load(state_ptr + 0) + 1
+    """Wait for every source's counts of epoch ``ep``, write the receive layout (one program).
+
+    Writes ``info`` (total rows, error, tokens / rows per source, rows per local expert) and
+    ``offs[e, s]`` (first output row of local expert ``e``'s block from source ``s``), and gives every
+    source its blocks' base rows (its ``token_dst_scatter_idx``). On timeout records the error.
+    """
     parity = ep % 2
     cnt = _peer_ptr(table_ptr, rank, off_cnt, tl.int64) + parity * (W * (L + 1))
     ss = tl.arange(0, WP)
@@ -247,6 +261,41 @@ def _counts_kernel(
             col = tl.sum(tl.where(ss[None, :] == s, excl2, 0), axis=1)  # [LP]
             dst = _peer_ptr(table_ptr, s, off_back, tl.int64) + rank * L + ee
             tl.atomic_xchg(dst, (ep << 32) | col, mask=ee < L, sem="relaxed", scope="sys")
+
+
+@triton.jit(do_not_specialize=["rank", "timeout"])
+def _counts_kernel(
+    info_ptr,  # [2 + 2W + L] int64 out: total rows, error, n per source, rows per source, rows per expert
+    offs_ptr,  # [L, W] int64 out: first output row of (local expert, source)
+    table_ptr,
+    state_ptr,
+    off_cnt,
+    off_back,
+    rank,
+    timeout,
+    W: tl.constexpr,
+    L: tl.constexpr,
+    WP: tl.constexpr,
+    LP: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    ep = tl.load(state_ptr + 0) + 1
+    _counts_body(
+        info_ptr,
+        offs_ptr,
+        table_ptr,
+        state_ptr,
+        off_cnt,
+        off_back,
+        rank,
+        ep,
+        timeout,
+        W,
+        L,
+        WP,
+        LP,
+        USE_TIMER,
+    )
     tl.store(state_ptr + 0, ep)
 
 
@@ -295,6 +344,7 @@ def _dispatch_send_chunk(
     m2 = tm[:, None] & (kk[None, :] < K)
     slot = toks[:, None].to(tl.int64) * K + kk[None, :]
     ids = tl.load(ids_ptr + slot, mask=m2, other=-1)
+    ids = tl.where(ids < L * W, ids, -1)  # invalid ids (counted by _layout_kernel) are dropped
     pos = tl.load(pos_ptr + slot, mask=m2 & (ids >= 0), other=0)
     dest = tl.where(ids >= 0, ids // L, -1)
     e_loc = ids - dest * L
@@ -302,7 +352,7 @@ def _dispatch_send_chunk(
     if CALLER_SCATTER:
         row = pos.to(tl.int64)
     else:
-        row = tl.load(offs_ptr + e_loc * W + rank, mask=is_self, other=0) + pos
+        row = tl.load(offs_ptr + e_loc * W + rank, mask=is_self, other=0, cache_modifier=".cg") + pos
     row = tl.where(is_self & (row >= 0) & (row < cap_rows), row, -1)
     # first slot k' <= k of the same token bound for the same rank
     first = tl.full([CH, KP], KP, tl.int32)
@@ -408,7 +458,7 @@ def _dispatch_recv_chunk(
         if CALLER_SCATTER:
             row = pos.to(tl.int64)
         else:
-            row = tl.load(offs_ptr + e_loc * W + s, mask=mine, other=0) + pos
+            row = tl.load(offs_ptr + e_loc * W + s, mask=mine, other=0, cache_modifier=".cg") + pos
         row = tl.where(mine & (row >= 0) & (row < cap_rows), row, -1)
         tl.store(tab_ptr + slot, row.to(tl.int32), mask=m2)
         kept = row >= 0
@@ -470,6 +520,7 @@ def _dispatch_kernel(
     off_w,
     off_flag,
     off_back,
+    off_cnt,
     W: tl.constexpr,
     L: tl.constexpr,
     K: tl.constexpr,
@@ -485,14 +536,43 @@ def _dispatch_kernel(
     SEND: tl.constexpr,
     RECV: tl.constexpr,
     LAG: tl.constexpr,
+    COUNTS: tl.constexpr,
     USE_TIMER: tl.constexpr,
     G,
 ):
     pid = tl.program_id(0)
-    ep = tl.load(state_ptr + 0)  # bumped by _counts_kernel
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
+    if COUNTS:
+        # merged with step 2 (one launch fewer): program 0 builds the receive layout, the others wait
+        ep = tl.load(state_ptr + 0) + 1
+        if pid == 0:
+            # (writes info[1], the error word the host reads, even when an earlier call failed)
+            _counts_body(
+                info_ptr,
+                offs_ptr,
+                table_ptr,
+                state_ptr,
+                off_cnt,
+                off_back,
+                rank,
+                ep,
+                timeout,
+                W,
+                L,
+                WP,
+                LP,
+                USE_TIMER,
+            )
+            tl.debug_barrier()
+            tl.atomic_xchg(state_ptr + 5, ep, sem="release", scope="gpu")
+        if err == 0:
+            # twice the bound: program 0's own wait for a missing peer runs out first and names it
+            _wait_flag(state_ptr + 5, ep, state_ptr, 1, rank, 2 * timeout, USE_TIMER)
+            err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
+    else:
+        ep = tl.load(state_ptr + 0)  # bumped by _counts_kernel
     ss = tl.arange(0, WP)
-    n_src_all = tl.load(info_ptr + 2 + ss, mask=(ss < W) & (ss != rank), other=0)
+    n_src_all = tl.load(info_ptr + 2 + ss, mask=(ss < W) & (ss != rank), other=0, cache_modifier=".cg")
     n_recv_max = tl.max(n_src_all, 0)
     n_chunks_send = tl.cdiv(n_tokens, CH)
     n_chunks_recv = tl.cdiv(n_recv_max, CH)
@@ -581,8 +661,9 @@ def _dispatch_kernel(
                                 USE_TIMER,
                             )
             j += 1
-        if SEND:
-            # token_dst_scatter_idx: base rows of every destination, pushed by its _counts_kernel
+        if RECV:
+            # token_dst_scatter_idx: base rows of every destination, pushed by its receive-layout step
+            # (in the receiving half: in the CPU simulation every rank's sending half has run by then)
             kk = tl.arange(0, KP)
             j = tl.full([], 0, tl.int32)
             while j < tl.cdiv(n_chunks_send, G):
@@ -591,6 +672,7 @@ def _dispatch_kernel(
                 m2 = (toks < n_tokens)[:, None] & (kk[None, :] < K)
                 slot = toks[:, None].to(tl.int64) * K + kk[None, :]
                 ids = tl.load(ids_ptr + slot, mask=m2, other=-1)
+                ids = tl.where(ids < L * W, ids, -1)
                 pos = tl.load(pos_ptr + slot, mask=m2 & (ids >= 0), other=0)
                 if CALLER_SCATTER:
                     tl.store(scat_ptr + slot, tl.where(ids >= 0, pos, -1), mask=m2)
@@ -629,6 +711,12 @@ def _dispatch_kernel(
                     scat = (v & 0xFFFFFFFF) + pos
                     tl.store(scat_ptr + slot, tl.where((ids >= 0) & ~stale, scat, -1).to(tl.int32), mask=m2)
                 j += 1
+    if COUNTS and RECV:
+        # the last CTA to finish publishes the epoch (every CTA read the old one first); launches of
+        # one engine are stream-ordered, so the arrivals come in whole grids of G
+        old = tl.atomic_add(state_ptr + 6, 1, sem="acq_rel", scope="gpu")
+        if (old + 1) % G == 0:
+            tl.store(state_ptr + 0, ep)
 
 
 # --------------------------------------------------------------------------------------------------

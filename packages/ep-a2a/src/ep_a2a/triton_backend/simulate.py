@@ -30,6 +30,7 @@ class SimDispatch:
     token_dst_scatter_idx: torch.Tensor  # [n, K] int32
     skipped_token_topk_mapping_indices: torch.Tensor  # [n, K] int32
     tab: torch.Tensor  # [W, T, K] int32
+    num_invalid_ids: int  # slots of this rank with an expert id outside [-1, E) (dropped)
 
 
 class SimWorld:
@@ -99,25 +100,33 @@ class SimWorld:
         full_scatter_indices: Sequence[torch.Tensor] | None = None,
         *,
         skip_ranks: Sequence[int] = (),
+        merged: bool = False,
     ) -> list[SimDispatch]:
-        """Run one dispatch on every rank (ranks in ``skip_ranks`` never run: their peers time out)."""
+        """Run one dispatch on every rank (ranks in ``skip_ranks`` never run: their peers time out).
+
+        ``merged=False``: the exact-shape flow of large layers (layout, counts, exact buffers, rows);
+        ``merged=True``: the receive layout inside the row kernel (static / CUDA-graph mode and the
+        exact-shape flow of small layers), into worst-case buffers.
+        """
         caller = full_scatter_indices is not None
         ranks = [r for r in range(self.world_size) if r not in skip_ranks]
+        infos = {r: torch.full((self.engines[r].info_len,), -9, dtype=torch.int64) for r in ranks}
         for r in ranks:
-            self.engines[r].launch_layout(exp_indices[r], caller_scatter=caller)
-        for r in ranks:
-            self.engines[r].launch_counts()
+            self.engines[r].launch_layout(exp_indices[r], caller_scatter=caller, info=infos[r])
+        if not merged:
+            for r in ranks:
+                self.engines[r].launch_counts(infos[r])
         bufs: dict[int, dict[str, torch.Tensor]] = {}
         for r in ranks:
             eng = self.engines[r]
-            info = eng.info.clone()
-            eng.check_error(int(info[1]))
-            bufs[r] = eng.alloc_dispatch_outputs(
-                inputs[r].shape[0], int(info[0]), with_weights=weights is not None
-            )
+            if merged:  # worst-case rows: the receive layout is only known inside the launch
+                rows = eng.worst_case_rows()
+            else:
+                eng.check_error(int(infos[r][1]))
+                rows = int(infos[r][0])
+            bufs[r] = eng.alloc_dispatch_outputs(inputs[r].shape[0], rows, with_weights=weights is not None)
             for buf in bufs[r].values():  # poison: every element read must have been written
                 buf.fill_(float("nan") if buf.is_floating_point() else -7)
-            bufs[r]["info"] = info
         for send, recv in ((True, False), (False, True)):
             for r in ranks:
                 b = bufs[r]
@@ -134,25 +143,30 @@ class SimWorld:
                     b["skip"],
                     b["scat"],
                     caller_scatter=caller,
+                    info=infos[r],
+                    counts=merged,
                     send=send,
                     recv=recv,
                 )
         results = []
         for r in ranks:
             eng, b = self.engines[r], bufs[r]
+            eng.check_error(int(infos[r][1]))
             eng.check_error()
-            f = eng.info_fields(b["info"])
+            f = eng.info_fields(infos[r])
+            rows = int(f["total"])
             results.append(
                 SimDispatch(
-                    output=b["out"],
-                    weights=b["out_w"] if weights is not None else None,
-                    local_expert=b["out_e"],
+                    output=b["out"][:rows],
+                    weights=b["out_w"][:rows] if weights is not None else None,
+                    local_expert=b["out_e"][:rows],
                     num_recv_tokens_per_expert=f["rows_exp"].clone(),
                     num_recv_tokens_per_rank=f["rows_src"].clone(),
                     num_input_tokens_per_rank=f["n_src"].clone(),
                     token_dst_scatter_idx=b["scat"],
                     skipped_token_topk_mapping_indices=b["skip"],
                     tab=b["tab"],
+                    num_invalid_ids=int(f["bad_ids"]),
                 )
             )
         return results

@@ -1,0 +1,166 @@
+"""The engine's cached launch path passes exactly the arguments Triton's own launch path would.
+
+After the first launch of a kernel variant the engine calls the compiled kernel directly with a stored
+argument list in which only the per-call arguments are replaced (see ``TritonEPEngine._launch``). The
+GPU runs only that path, the CPU simulation only Triton's; this test runs both on fake kernels (no GPU,
+no interpreter) and compares the arguments, call by call, for every launch the backend makes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ep_a2a.triton_backend.engine as engine_mod
+from ep_a2a.triton_backend import kernels as K
+from ep_a2a.triton_backend.engine import HeapLayout, TritonEPEngine
+
+
+class _FakeCompiled:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.log.append(("fast", grid, list(args)))
+
+        return runner
+
+
+class _FakeKernel:
+    """Records Triton-style launches (keyword arguments) and hands back a fake compiled kernel."""
+
+    def __init__(self, real, log: list) -> None:
+        self.arg_names = real.arg_names
+        self.log = log
+
+    def __getitem__(self, grid):
+        def launch(**named):
+            named.pop("num_warps")
+            self.log.append(("triton", grid, [named[n] for n in self.arg_names]))
+            return _FakeCompiled(self.log)
+
+        return launch
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    log: list = []
+    monkeypatch.setattr(engine_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(engine_mod, "_raw_stream", lambda index: 0)
+    for name in (
+        "_layout_kernel",
+        "_counts_kernel",
+        "_dispatch_kernel",
+        "_combine_kernel",
+        "_barrier_kernel",
+    ):
+        monkeypatch.setattr(K, name, _FakeKernel(getattr(K, name), log))
+    return log
+
+
+def _engine(world=2, max_tokens=8, hidden=64, topk=4, experts=8) -> TritonEPEngine:
+    lay = HeapLayout.build(
+        world_size=world,
+        max_tokens=max_tokens,
+        hidden=hidden,
+        topk=topk,
+        experts_per_rank=experts // world,
+        token_bytes=2,
+        chunk=4,
+    )
+    return TritonEPEngine(
+        rank=1,
+        world_size=world,
+        max_tokens=max_tokens,
+        hidden=hidden,
+        topk=topk,
+        num_tot_experts=experts,
+        token_dtype=torch.bfloat16,
+        weight_dtype=torch.float32,
+        heap_local=torch.zeros(lay.nbytes, dtype=torch.uint8),
+        ptr_table=torch.zeros(world, dtype=torch.int64),
+        layout=lay,
+        num_sm=3,
+        timeout_s=1.0,
+        chunk=4,
+    )
+
+
+def _one_call(eng: TritonEPEngine, n: int, rows: int, *, with_w: bool, counts: bool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, eng.hidden, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, eng.num_tot_experts, (n, eng.topk), generator=gen, dtype=torch.int32)
+    w = torch.rand(n, eng.topk, generator=gen) if with_w else None
+    b = eng.alloc_dispatch_outputs(n, rows, with_weights=with_w)
+    for t in b.values():  # defined contents, so arguments compare by value
+        t.zero_()
+    info = torch.zeros(eng.info_len, dtype=torch.int64)
+    eng.launch_layout(ids, caller_scatter=False)
+    if not counts:
+        eng.launch_counts(info)
+    eng.launch_dispatch(
+        x, ids, w, eng.pos, b["out"], b["out_w"], b["out_e"], b["tab"], b["skip"], b["scat"],
+        caller_scatter=False, info=info, counts=counts,
+    )  # fmt: skip
+    y = torch.randn(rows, eng.hidden, generator=gen)
+    out = torch.zeros(n, eng.hidden)
+    eng.launch_combine(y, b["tab"], ids, info[2 : 2 + eng.world_size], out)
+    eng.launch_barrier()
+
+
+@pytest.mark.parametrize(("with_w", "counts"), [(True, False), (False, True)], ids=["w-counts", "noW-merged"])
+def test_cached_launch_passes_the_same_arguments(fake_gpu, with_w, counts):
+    log = fake_gpu
+    cached = _engine()
+    calls = [(6, 20, 1), (5, 17, 2), (8, 30, 3)]
+    for n, rows, seed in calls:
+        _one_call(cached, n, rows, with_w=with_w, counts=counts, seed=seed)
+    kinds = [k for k, _, _ in log]
+    per_call = len(kinds) // len(calls)
+    assert kinds[:per_call] == ["triton"] * per_call, "the first call of each variant goes through Triton"
+    assert kinds[per_call:] == ["fast"] * (len(kinds) - per_call), "later calls take the cached path"
+    got = log[per_call:]
+    # the reference: a fresh engine (no cached variants) launching the same calls through Triton
+    log.clear()
+    for n, rows, seed in calls[1:]:
+        _one_call(_engine(), n, rows, with_w=with_w, counts=counts, seed=seed)
+    want = log
+    assert len(got) == len(want)
+    for (_, grid_g, args_g), (_, grid_w, args_w) in zip(got, want, strict=True):
+        assert grid_g == (*grid_w, 1, 1)[:3]
+        assert len(args_g) == len(args_w)
+        for a, b in zip(args_g, args_w, strict=True):
+            if isinstance(a, torch.Tensor):
+                # same shapes, dtypes and contents (fresh engines own equal but different buffers)
+                assert isinstance(b, torch.Tensor)
+                assert (a.dtype, a.shape) == (b.dtype, b.shape)
+                assert torch.equal(a, b)
+            else:
+                assert a == b
+
+
+def test_new_variant_goes_through_triton(fake_gpu):
+    """A changed specialisation (caller tensor misaligned, other dtype, weights dropped) is a new variant."""
+    log = fake_gpu
+    eng = _engine()
+    _one_call(eng, 6, 20, with_w=True, counts=False, seed=1)
+    log.clear()
+    _one_call(eng, 6, 20, with_w=False, counts=False, seed=1)
+    kinds = {(k, len(a)) for k, _, a in log}
+    assert ("triton", len(K._dispatch_kernel.arg_names)) in kinds
+    log.clear()
+    ids = torch.zeros(1, eng.topk * 4 + 1, dtype=torch.int32)[:, 1:].reshape(4, eng.topk)  # 4-byte offset
+    eng.launch_layout(ids, caller_scatter=False)
+    assert log[-1][0] == "triton"
+    eng.launch_layout(ids.clone(), caller_scatter=False)
+    assert log[-1][0] == "fast"  # aligned again: cached by the first calls
+    eng.launch_layout(ids, caller_scatter=False)
+    assert log[-1][0] == "fast"  # the misaligned variant is cached now too
+
+
+def test_cached_template_holds_no_call_tensors(fake_gpu):
+    eng = _engine()
+    _one_call(eng, 6, 20, with_w=True, counts=True, seed=1)
+    for _runner, template, var_idx in eng._plans.values():
+        assert all(template[i] is None for i in var_idx)
