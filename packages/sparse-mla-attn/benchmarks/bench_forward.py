@@ -21,8 +21,12 @@ from sparse_mla_attn.forward import LAST_COMPILED, sparse_mla_fwd_impl
 D_QK, D_V = 576, 512
 
 
-def time_ms(fn, *, warmup: int = 25, rep: int = 200) -> float:
-    """Median time of ``fn`` in ms (CUDA events through triton.testing.do_bench)."""
+def time_ms(fn, *, warmup: int = 25, rep: int = 200, graph: bool = False) -> float:
+    """Median time of ``fn`` in ms: CUDA events through triton.testing.do_bench, or with ``graph`` the
+    replay of ``fn`` captured in a CUDA graph (triton.testing.do_bench_cudagraph: no host launch cost,
+    as a serving engine runs decode)."""
+    if graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 

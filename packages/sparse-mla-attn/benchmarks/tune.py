@@ -18,22 +18,18 @@ from bench_attn_dist import bench_attn_dist
 from bench_decode import bench_decode
 from bench_forward import bench_fwd, dense_matmul_tflops
 
-# Sweep 5: L2 prefetch of the rows two blocks ahead (PREFETCH) on top of S_SPLIT, split-K at small
-# batch, attn_dist tiles at h_q 64 (sweep 4, the S_SPLIT / split-K / attn_dist-tile sweep, is in NOTES.md).
+# Sweep 6: PREFETCH on/off, named explicitly (in sweep 5 the defaults' PREFETCH leaked into the variants
+# without the key); decode timed as CUDA-graph replay and eagerly.
 S2 = {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2, "S_SPLIT": True}
-FWD_VARIANTS = [S2, {**S2, "PREFETCH": True}]
+FWD_VARIANTS = [{**S2, "PREFETCH": False}, {**S2, "PREFETCH": True}]
 ATTN_DIST_VARIANTS = [
-    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 4, "num_stages": 2, "PREFETCH": False},
+    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3, "PREFETCH": False},
     {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3, "PREFETCH": True},
-    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 4, "PREFETCH": True},
-    {"BLOCK_H": 64, "BLOCK_T": 16, "num_warps": 4, "num_stages": 4, "PREFETCH": True},
 ]
-ATTN_DIST_H128_VARIANTS = [
-    {"BLOCK_H": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 1},
-    {"BLOCK_H": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 1, "PREFETCH": True},
-]
-DECODE_VARIANTS = [{"S_SPLIT": True}, {"S_SPLIT": True, "PREFETCH": True}]
-SMALL_BATCH_SPLITS = [1, 2, 4, 8]
+ATTN_DIST_H128_VARIANTS: list[dict] = []
+DECODE_VARIANTS = [{**S2, "PREFETCH": False}, {**S2, "PREFETCH": True}]
+SMALL_BATCH_SPLITS = [1, 8]
 
 
 def profile_kernels(fn, label: str, iters: int = 20) -> None:
@@ -62,7 +58,8 @@ def run(label: str, fn, results: list, **kw) -> None:
         results.append(r)
         errs = {k: f"{v:.1e}" for k, v in r.items() if "err" in k}
         print(
-            f"{label:10s} {kw!s:90s} {r['ms']:8.3f} ms {r['tflops']:6.0f} TF regs={r.get('n_regs')} "
+            f"{label:10s} {kw!s:90s} {r['ms']:8.3f} ms (eager {r.get('ms_eager', r['ms']):.3f}) "
+            f"{r['tflops']:6.0f} TF regs={r.get('n_regs')} "
             f"spills={r.get('n_spills')} smem={r.get('shared_bytes')} wgmma={r.get('wgmma')} {errs}",
             flush=True,
         )
@@ -107,10 +104,10 @@ def main() -> None:
                     config=cfg,
                 )
     if "decode" in only:
-        for b, seqlen in ((64, 8192), (64, 131072), (128, 32768)):
+        for b, seqlen in ((64, 32768), (64, 131072), (128, 32768)):
             for cfg in DECODE_VARIANTS:
                 run("decode", bench_decode, results, b=b, h_q=128, seqlen=seqlen, topk=2048, config=cfg)
-        best = DECODE_VARIANTS[-1]
+        best = DECODE_VARIANTS[0]
         for n in SMALL_BATCH_SPLITS:
             cfg = {**best, "NUM_SPLITS": n}
             run("decode", bench_decode, results, b=8, h_q=128, seqlen=32768, topk=2048, config=cfg)
@@ -118,10 +115,9 @@ def main() -> None:
 
         from sparse_mla_attn.decode import sparse_mla_decode_impl
 
-        args = make_decode_inputs(8, 128, 32768, 2048)
-        for n in (1, 8):
-            cfg = {**best, "NUM_SPLITS": n}
-            profile_kernels(lambda cfg=cfg: sparse_mla_decode_impl(*args, 0.04, config=cfg), f"b8 splits {n}")
+        args = make_decode_inputs(64, 128, 32768, 2048)
+        for cfg in DECODE_VARIANTS:
+            profile_kernels(lambda cfg=cfg: sparse_mla_decode_impl(*args, 0.04, config=cfg), f"b64 {cfg}")
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1, default=str)
 
