@@ -16,6 +16,7 @@ from bench_forward import D_QK, fwd_flops, kernel_resources, time_ms
 
 from sparse_mla_attn import sparse_mla_decode_ref
 from sparse_mla_attn.decode import sparse_mla_decode_impl
+from sparse_mla_attn.forward import LAST_SPLITS
 
 
 def make_decode_inputs(b: int, h_q: int, seqlen: int, topk: int, block_size: int = 64, seed: int = 0):
@@ -38,6 +39,7 @@ def bench_decode(
     sm_scale = 1 / math.sqrt(D_QK)
     out, lse = sparse_mla_decode_impl(*args, sm_scale, config=config)
     res: dict[str, Any] = {"batch": b, "h_q": h_q, "seqlen": seqlen, "topk": topk, "config": config}
+    res["n_splits"] = LAST_SPLITS["fwd"]
     if check:
         q, cache, bt, sl, idx = args
         # bf16 in: the reference upcasts only the rows it gathers (a float32 copy of a 128K x 128 cache

@@ -82,6 +82,8 @@ def main() -> None:
     for b in (64, 128):
         for seqlen in [32768] if a.quick else [8192, 32768, 131072]:
             dec.append(bench_decode(b, 128, seqlen, 2048))
+    for b in (1, 8):  # small batches: the grid is split-K (choose_splits)
+        dec.append(bench_decode(b, 128, 32768, 2048))
 
     result = {
         "package": DIST,
@@ -95,9 +97,15 @@ def main() -> None:
             "python": platform.python_version(),
         },
         "flops_convention": "fwd and decode: 2*s_q*h_q*topk*(d_qk+d_v); attn_dist: 2*s_q*h_q*topk*d_qk; d_qk=576, d_v=512",
-        "timing": "median of triton.testing.do_bench (CUDA events, warm-up 25 ms, 200 ms of repeats)",
+        "timing": "median of triton.testing.do_bench (CUDA events, warm-up 25 ms, 200 ms of repeats); decode: "
+        "median of triton.testing.do_bench_cudagraph (CUDA-graph replay, no host launch cost), the event "
+        "timing of eager calls in ms_eager",
         "dense_bf16_matmul_tflops": peak,
-        "default_configs": {"fwd_h128": fwd_config(128, 2048), "attn_dist_h128": attn_dist_config(128)},
+        "default_configs": {
+            "fwd_h128": fwd_config(128, 2048),
+            "attn_dist_h128": attn_dist_config(128),
+            "attn_dist_h64": attn_dist_config(64),
+        },
         "fwd": fwd,
         "attn_dist": dist,
         "torch_baseline": base,
@@ -163,12 +171,16 @@ def render_md(r: dict) -> str:
         "",
         "### Decode (`sparse_mla_decode`), one token, h_q 128, topk 2048, paged bf16 cache (block 64)",
         "",
-        "| batch | seqlen | time (µs) | TFLOPS | % of matmul |",
-        "|---:|---:|---:|---:|---:|",
+        "Timed as a CUDA-graph replay; the eager column times plain calls (host launch cost included).",
+        "",
+        "| batch | seqlen | split-K | time (µs) | TFLOPS | % of matmul | eager time (µs) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for d in r["decode"]:
+        eager = d.get("ms_eager")
         lines.append(
-            f"| {d['batch']} | {d['seqlen']} | {1000 * d['ms']:.1f} | {d['tflops']:.0f} | {100 * d['tflops'] / peak:.0f}% |"
+            f"| {d['batch']} | {d['seqlen']} | {d.get('n_splits', 1)} | {1000 * d['ms']:.1f} | {d['tflops']:.0f} | "
+            f"{100 * d['tflops'] / peak:.0f}% | {'' if eager is None else f'{1000 * eager:.1f}'} |"
         )
     return "\n".join(lines) + "\n"
 

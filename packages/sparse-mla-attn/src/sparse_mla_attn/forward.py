@@ -34,6 +34,8 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 #: The compiled kernel of the latest launch per op (benchmarks read its registers, spills and PTX).
 LAST_COMPILED: dict[str, Any] = {}
+#: The split-K factor of the latest forward/decode launch (benchmarks report it).
+LAST_SPLITS: dict[str, int] = {"fwd": 1}
 
 
 def interpreting() -> bool:
@@ -523,6 +525,7 @@ def launch_fwd(
     )
     split_len = triton.cdiv(triton.cdiv(dims.topk, n_splits), block_t) * block_t
     n_splits = triton.cdiv(dims.topk, split_len)  # no empty split
+    LAST_SPLITS["fwd"] = n_splits
     if n_splits > 1:
         part_o = torch.empty(n_splits, n_tok, h_q, dims.d_v, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(n_splits, n_tok, h_q, dtype=torch.float32, device=q.device)
