@@ -325,7 +325,17 @@ def run_case(
                 t_ce = timer.median_ms(lambda dst=dst, src=src: dst.copy_(src), args.iters)
                 res["ce"] = {"copy_ms": t_ce}
         torch.cuda.synchronize()
+        be.check_errors()  # a device-side wait that ran out makes every time above meaningless
         be.finalize()
+    if extra and n > 1024 and getattr(args, "split", False):
+        # experiment: the dispatch row kernel's CTAs split into senders and writers (send_ctas), graph
+        # mode and eager static mode; the default (send_ctas=0) is measured above
+        variants = [(num_sm_list[-1], num_sm_list[-1] // 3), (num_sm_list[-1], num_sm_list[-1] // 2)]
+        if len(num_sm_list) > 1 and shape_name == "deepseek-v3" and route == "uniform":
+            variants.append((num_sm_list[0], num_sm_list[0] // 2))
+        if route == "uniform":
+            for num_sm, gs in variants:
+                res[f"ours-graph-split{gs}-sm{num_sm}"] = split_case(args, cfg, group, x, ids, w, num_sm, gs)
     if extra and n <= 1024:
         # the user's call: EPAll2AllLayer (argument checks, int64 ids as topk returns them, no host-side
         # id check: the triton backend counts bad ids on the device), exact-shape mode
@@ -349,6 +359,42 @@ def run_case(
     results.append(case)
     if rank == 0:
         print(json.dumps(case), flush=True)
+
+
+def split_case(args, cfg, group, x, ids, w, num_sm, send_ctas) -> dict:
+    from ep_a2a.triton_backend import TritonBackend
+
+    be = TritonBackend(
+        cfg,
+        group,
+        num_sm=num_sm,
+        enable_local_combine=True,
+        use_aot=False,
+        timeout_s=30.0,
+        send_ctas=send_ctas,
+    )
+    timer = Timer(lambda: be.engine.launch_barrier())
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            d = be.dispatch_static(x, ids, w)
+            be.combine_static(d.output, d)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g_d = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_d):
+        be.dispatch_static(x, ids, w)
+    out = {"dispatch_ms": timer.median_ms(g_d.replay, args.iters), "send_ctas": send_ctas}
+    out["static_eager_dispatch_ms"] = timer.median_ms(lambda: be.dispatch_static(x, ids, w), args.iters)
+    torch.cuda.synchronize()
+    try:  # a device-side wait that ran out would make the times above meaningless
+        be.check_errors()
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    del g_d
+    be.finalize()
+    return out
 
 
 def layer_case(args, cfg, group, x, ids, w, num_sm) -> dict:
@@ -542,6 +588,12 @@ def main() -> None:
     p.add_argument("--use-aot", action="store_true")
     p.add_argument("--sweep", action="store_true", help="tile/chunk/warp variants and a per-kernel breakdown")
     p.add_argument("--heaps", nargs="+", default=["torch", "nvshmem"])
+    p.add_argument(
+        "--no-split",
+        dest="split",
+        action="store_false",
+        help="skip the sender/writer CTA split experiment at 4096 tokens",
+    )
     p.add_argument("--topo", default=None, help="file holding `nvidia-smi topo -m`")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -581,12 +633,21 @@ def main() -> None:
         results: list = []
         shapes = ["deepseek-v3"] if args.quick else list(SHAPES)
         routes = ["uniform"] if args.quick else ["uniform", "skewed"]
+        out["cases"] = results
+
+        def save() -> None:  # after every case: a run stopped part-way keeps what it measured
+            if rank == 0:
+                with open(args.json, "w") as f:
+                    json.dump(out, f, indent=1)
+
         for shape in shapes:
             for route in routes:
                 run_case(args, shape, route, args.num_sm, rank, world, group, dev, results)
+                save()
         # latency at 128 tokens per rank
         for shape in shapes:
             run_case(args, shape, "uniform", args.num_sm[-1:], rank, world, group, dev, results, tokens=128)
+            save()
         if "nvshmem" in args.heaps:
             try:
                 import nvshmem.core  # noqa: F401

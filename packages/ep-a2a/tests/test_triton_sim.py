@@ -119,13 +119,14 @@ def test_dispatch_combine_matches_reference(world, ns, hidden, topk, experts, dt
         chunk=4,
     )
     # three calls with fresh inputs: monotone epochs, count parity and buffer reuse across calls, both
-    # dispatch flows (receive layout in its own launch, or merged into the row kernel) one after another
-    for call, merged in enumerate((False, True, True)):
+    # dispatch flows (receive layout in its own launch, or merged into the row kernel) one after another,
+    # the last with the row kernel's CTAs split into senders and writers
+    for call, (merged, send_ctas) in enumerate(((False, 0), (True, 0), (True, 1))):
         ns_call = ns if call == 0 else [max(0, n - call) for n in reversed(ns)]
         xs = [torch.randn(n, hidden, generator=gen).to(dtype) for n in ns_call]
         ids = [_routing(n, topk, experts, gen, skew=skew, drop=drop) for n in ns_call]
         ws = [torch.rand(n, topk, generator=gen) for n in ns_call] if with_w else None
-        res = sim.dispatch(xs, ids, ws, merged=merged)
+        res = sim.dispatch(xs, ids, ws, merged=merged, send_ctas=send_ctas)
         ref, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
         _check_dispatch(res, ref, scat, with_w)
         assert all(torch.equal(r.num_input_tokens_per_rank, torch.tensor(ns_call)) for r in res)

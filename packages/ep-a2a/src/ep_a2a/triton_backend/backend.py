@@ -83,6 +83,10 @@ class TritonBackend(A2ABackend):
             buffers, and returns views of their first ``R`` rows (so the output's storage is larger
             than the output while it lives). Larger layers wait for the counts, then allocate exactly
             ``R`` rows. Both give the same results.
+        send_ctas: 0 (default): every CTA of the dispatch row kernel sends its chunks to the peers,
+            writes its own rows and expands a received chunk, in turn; ``0 < send_ctas < num_sm``: that
+            many CTAs only send and the others only write this rank's output (an experiment measured by
+            the benchmark; ignored when ``num_sm`` is too small to split).
 
     ``enable_local_combine`` is always on here (the expert side always pre-reduces per (token, rank)).
     Each combine must follow a dispatch (dispatch, combine, dispatch, combine...; several dispatches in a
@@ -107,6 +111,7 @@ class TritonBackend(A2ABackend):
         block_h: int | None = None,
         num_warps: int | None = None,
         overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
+        send_ctas: int = 0,
         **_: object,
     ) -> None:
         super().__init__(
@@ -157,6 +162,7 @@ class TritonBackend(A2ABackend):
             chunk=chunk,
             block_h=block_h,
             num_warps=num_warps,
+            send_ctas=send_ctas if 0 < send_ctas < num_sm else 0,
         )
         self.heap_kind = heap
         self._info_host = torch.empty_like(self.engine.info, device="cpu").pin_memory()

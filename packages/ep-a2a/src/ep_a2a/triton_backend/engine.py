@@ -130,6 +130,9 @@ class TritonEPEngine:
         num_sm: CTAs of the dispatch and combine kernels (the SMs they occupy).
         timeout_s: bound of every device-side wait.
         chunk: tokens per work item (and per ready flag).
+        send_ctas: 0 (default): every dispatch CTA sends its chunks to the peers, writes its own rows,
+            then expands a received chunk; ``0 < send_ctas < num_sm``: that many CTAs only send, the
+            others only write this rank's output (its own rows and the received ones).
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class TritonEPEngine:
         chunk: int = 8,
         block_h: int | None = None,
         num_warps: int | None = None,
+        send_ctas: int = 0,
     ) -> None:
         if weight_dtype.itemsize > 4:
             raise ValueError(f"weight_dtype must be at most 4 bytes wide, got {weight_dtype}")
@@ -173,6 +177,7 @@ class TritonEPEngine:
         self.block_h = block_h
         self.num_warps = num_warps or (8 if block_h >= 512 else 4)
         self._plans: dict[tuple, tuple] = {}
+        self.send_ctas = send_ctas
         self.kp = _next_pow2(topk)
         self.wp = _next_pow2(world_size)
         self.lp = _next_pow2(self.experts_per_rank + 1)
@@ -329,10 +334,23 @@ class TritonEPEngine:
         """Step 3. With ``counts=True`` step 2 runs inside this launch (program 0 builds the receive
         layout, the others wait for it): the launch after :meth:`launch_layout` in static mode."""
         has_w = weight is not None
+        split = self.send_ctas
+        if split and not 0 < split < self.num_sm:
+            raise ValueError(f"send_ctas must be in [1, num_sm={self.num_sm}) or 0, got {split}")
         w = _nz(weight) if weight is not None else self._dummy_w
         xs, ids, src = _nz(x), _nz(exp_indices), _nz(scatter_src)
         self._launch(
-            ("dispatch", has_w, caller_scatter, send, recv, counts, out.dtype, *self._align(xs, ids, w, src)),
+            (
+                "dispatch",
+                has_w,
+                caller_scatter,
+                send,
+                recv,
+                counts,
+                split,
+                out.dtype,
+                *self._align(xs, ids, w, src),
+            ),
             K._dispatch_kernel,
             (self.num_sm,),
             self.num_warps,
@@ -395,10 +413,13 @@ class TritonEPEngine:
                 CALLER_SCATTER=caller_scatter,
                 SEND=send,
                 RECV=recv,
-                LAG=1 if (send and recv) else 0,
+                LAG=1 if (send and recv and not split) else 0,
                 COUNTS=counts,
+                SPLIT=bool(split),
+                SEND_LOCAL=not split,
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
+                GS=max(split, 1),
             ),
         )
 
@@ -628,10 +649,13 @@ class TritonEPEngine:
                 CALLER_SCATTER=cs,
                 SEND=True,
                 RECV=True,
-                LAG=1,
+                LAG=0 if self.send_ctas else 1,
                 COUNTS=counts,
+                SPLIT=bool(self.send_ctas),
+                SEND_LOCAL=not self.send_ctas,
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
+                GS=max(self.send_ctas, 1),
                 num_warps=nw,
                 **common,
             )

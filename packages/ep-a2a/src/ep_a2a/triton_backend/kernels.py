@@ -337,7 +337,12 @@ def _dispatch_send_chunk(
     EVEN_H: tl.constexpr,
     HAS_W: tl.constexpr,
     CALLER_SCATTER: tl.constexpr,
+    PEERS: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
+    """Chunk ``c`` of this rank's tokens: with ``PEERS`` each token row (and its slots' metadata) to
+    every peer hosting one of its experts, then the chunk's ready flag; with ``LOCAL`` the slot table,
+    ``skip``, and the rows of this rank's own experts straight into the output."""
     toks = c * CH + tl.arange(0, CH)
     tm = toks < n_tokens
     kk = tl.arange(0, KP)
@@ -349,57 +354,70 @@ def _dispatch_send_chunk(
     dest = tl.where(ids >= 0, ids // L, -1)
     e_loc = ids - dest * L
     is_self = (dest == rank) & m2
-    if CALLER_SCATTER:
-        row = pos.to(tl.int64)
-    else:
-        row = tl.load(offs_ptr + e_loc * W + rank, mask=is_self, other=0, cache_modifier=".cg") + pos
-    row = tl.where(is_self & (row >= 0) & (row < cap_rows), row, -1)
-    # first slot k' <= k of the same token bound for the same rank
-    first = tl.full([CH, KP], KP, tl.int32)
-    for k2 in tl.static_range(K):
-        d2 = _column(dest, kk, k2)
-        hitk = (dest == d2[:, None]) & (kk[None, :] >= k2) & (first == KP)
-        first = tl.where(hitk, k2, first)
-    tl.store(skip_ptr + slot, tl.where(ids >= 0, first, -1), mask=m2)
-    tl.store(tab_ptr + rank * max_tokens * K + slot, row.to(tl.int32), mask=m2)
     bits = _rank_bits(dest, m2)
-    kept = row >= 0
-    tl.store(out_e_ptr + row, e_loc.to(tl.int32), mask=kept)
+    ld = tm  # tokens whose row this call needs
     if HAS_W:
         w = tl.load(w_ptr + slot, mask=m2, other=0)
-        tl.store(out_w_ptr + row, w, mask=kept)
-    # metadata of every token goes to every peer (the receiver finds its slots in it)
-    remote_base = rank * max_tokens * K + slot
-    for r in tl.static_range(W):
-        if r != rank:
-            tl.store(_peer_ptr(table_ptr, r, off_ids, tl.int32) + remote_base, ids, mask=m2)
-            tl.store(_peer_ptr(table_ptr, r, off_pos, tl.int32) + remote_base, pos, mask=m2)
-            if HAS_W:
-                tl.store(_peer_ptr(table_ptr, r, off_w, w_ptr.dtype.element_ty) + remote_base, w, mask=m2)
+    if LOCAL:
+        if CALLER_SCATTER:
+            row = pos.to(tl.int64)
+        else:
+            row = tl.load(offs_ptr + e_loc * W + rank, mask=is_self, other=0, cache_modifier=".cg") + pos
+        row = tl.where(is_self & (row >= 0) & (row < cap_rows), row, -1)
+        # first slot k' <= k of the same token bound for the same rank
+        first = tl.full([CH, KP], KP, tl.int32)
+        for k2 in tl.static_range(K):
+            d2 = _column(dest, kk, k2)
+            hitk = (dest == d2[:, None]) & (kk[None, :] >= k2) & (first == KP)
+            first = tl.where(hitk, k2, first)
+        tl.store(skip_ptr + slot, tl.where(ids >= 0, first, -1), mask=m2)
+        tl.store(tab_ptr + rank * max_tokens * K + slot, row.to(tl.int32), mask=m2)
+        kept = row >= 0
+        tl.store(out_e_ptr + row, e_loc.to(tl.int32), mask=kept)
+        if HAS_W:
+            tl.store(out_w_ptr + row, w, mask=kept)
+        if not PEERS:
+            ld = ld & (((bits >> rank) & 1) != 0)
+    if PEERS:
+        # metadata of every token goes to every peer (the receiver finds its slots in it)
+        remote_base = rank * max_tokens * K + slot
+        for r in tl.static_range(W):
+            if r != rank:
+                tl.store(_peer_ptr(table_ptr, r, off_ids, tl.int32) + remote_base, ids, mask=m2)
+                tl.store(_peer_ptr(table_ptr, r, off_pos, tl.int32) + remote_base, pos, mask=m2)
+                if HAS_W:
+                    tl.store(_peer_ptr(table_ptr, r, off_w, w_ptr.dtype.element_ty) + remote_base, w, mask=m2)
+        if not LOCAL:
+            ld = ld & ((bits & ~(1 << rank)) != 0)
     hh = tl.arange(0, BH)
     xrow = toks.to(tl.int64) * H
     peer_row = (rank * max_tokens + toks).to(tl.int64) * H
     tab_row = (rank * max_tokens + toks).to(tl.int64) * K
     tl.debug_barrier()  # the tab rows written above are re-read per tile below (no per-tile reductions)
     # one tile ahead: the next tile's load is in flight while this one is stored
-    xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(tm, 0, hh, H, EVEN_H))
+    xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(ld, 0, hh, H, EVEN_H))
     for h0 in range(0, H, BH):
         hn = h0 + BH
-        nxt = tl.load(x_ptr + xrow[:, None] + hn + hh[None, :], mask=_m(tm & (hn < H), hn, hh, H, EVEN_H))
+        nxt = tl.load(x_ptr + xrow[:, None] + hn + hh[None, :], mask=_m(ld & (hn < H), hn, hh, H, EVEN_H))
+        if PEERS:
+            for r in tl.static_range(W):
+                if r != rank:
+                    need = ((bits >> r) & 1) != 0
+                    px = _peer_ptr(table_ptr, r, off_x, x_ptr.dtype.element_ty)
+                    tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H))
+        if LOCAL:
+            for k in tl.static_range(K):
+                rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
+                tl.store(
+                    out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H)
+                )
+        xt = nxt
+    if PEERS:
+        tl.debug_barrier()
         for r in tl.static_range(W):
             if r != rank:
-                need = ((bits >> r) & 1) != 0
-                px = _peer_ptr(table_ptr, r, off_x, x_ptr.dtype.element_ty)
-                tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H))
-        for k in tl.static_range(K):
-            rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
-            tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H))
-        xt = nxt
-    tl.debug_barrier()
-    for r in tl.static_range(W):
-        if r != rank:
-            f = _peer_ptr(table_ptr, r, off_flag, tl.int64) + rank * nchunks + c
-            tl.atomic_xchg(f, ep, sem="release", scope="sys")
+                f = _peer_ptr(table_ptr, r, off_flag, tl.int64) + rank * nchunks + c
+                tl.atomic_xchg(f, ep, sem="release", scope="sys")
 
 
 @triton.jit
@@ -492,7 +510,7 @@ def _dispatch_recv_chunk(
             xt = nxt
 
 
-@triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "nchunks", "cap_rows", "timeout", "G"])
+@triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "nchunks", "cap_rows", "timeout", "G", "GS"])
 def _dispatch_kernel(
     x_ptr,  # [n, H]
     ids_ptr,  # [n, K] int32
@@ -537,8 +555,11 @@ def _dispatch_kernel(
     RECV: tl.constexpr,
     LAG: tl.constexpr,
     COUNTS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SEND_LOCAL: tl.constexpr,  # not SPLIT: the senders also write this rank's own rows
     USE_TIMER: tl.constexpr,
     G,
+    GS,
 ):
     pid = tl.program_id(0)
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
@@ -577,13 +598,26 @@ def _dispatch_kernel(
     n_chunks_send = tl.cdiv(n_tokens, CH)
     n_chunks_recv = tl.cdiv(n_recv_max, CH)
     n_chunks = tl.maximum(n_chunks_send, n_chunks_recv)
-    steps = tl.cdiv(n_chunks, G)
+    if SPLIT:
+        # CTAs [0, GS) only feed the peers (their system-scope release waits for NVLink), the others only
+        # write this rank's output (own rows, then received ones): the two overlap instead of alternating
+        do_send = pid < GS
+        do_recv = pid >= GS
+        q = tl.where(do_send, pid, pid - GS)
+        stride = tl.where(do_send, GS, G - GS)
+        n_steps = tl.cdiv(n_chunks, tl.minimum(GS, G - GS))
+    else:
+        do_send = pid >= 0
+        do_recv = pid >= 0
+        q = pid
+        stride = G
+        n_steps = tl.cdiv(n_chunks, G) + LAG
     if err == 0:
         j = tl.full([], 0, tl.int32)
-        while j < steps + LAG:
-            if SEND:
-                c = pid + j * G
-                if c < n_chunks_send:
+        while j < n_steps:
+            c = q + j * stride
+            if SEND:  # noqa: SIM102 (a constexpr test, then a runtime one)
+                if do_send & (c < n_chunks_send):
                     _dispatch_send_chunk(
                         c,
                         x_ptr,
@@ -618,10 +652,52 @@ def _dispatch_kernel(
                         EVEN_H,
                         HAS_W,
                         CALLER_SCATTER,
+                        True,
+                        SEND_LOCAL,
                     )
             if RECV:
-                c = pid + (j - LAG) * G
-                if (c >= 0) & (c < n_chunks_recv):
+                # this rank's own rows into its output (the senders only feed the peers)
+                if SPLIT:  # noqa: SIM102 (a constexpr test, then a runtime one)
+                    if do_recv & (c < n_chunks_send):
+                        _dispatch_send_chunk(
+                            c,
+                            x_ptr,
+                            ids_ptr,
+                            w_ptr,
+                            pos_ptr,
+                            n_tokens,
+                            out_ptr,
+                            out_w_ptr,
+                            out_e_ptr,
+                            tab_ptr,
+                            skip_ptr,
+                            offs_ptr,
+                            table_ptr,
+                            rank,
+                            ep,
+                            max_tokens,
+                            nchunks,
+                            cap_rows,
+                            off_x,
+                            off_ids,
+                            off_pos,
+                            off_w,
+                            off_flag,
+                            W,
+                            L,
+                            K,
+                            KP,
+                            H,
+                            BH,
+                            CH,
+                            EVEN_H,
+                            HAS_W,
+                            CALLER_SCATTER,
+                            False,
+                            True,
+                        )
+                c = c - LAG * stride
+                if do_recv & (c >= 0) & (c < n_chunks_recv):
                     for s in tl.static_range(W):
                         n_s = tl.sum(tl.where(ss == s, n_src_all, 0), 0)
                         if (s != rank) & (c * CH < n_s):

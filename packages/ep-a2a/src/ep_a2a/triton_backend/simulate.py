@@ -101,13 +101,17 @@ class SimWorld:
         *,
         skip_ranks: Sequence[int] = (),
         merged: bool = False,
+        send_ctas: int = 0,
     ) -> list[SimDispatch]:
         """Run one dispatch on every rank (ranks in ``skip_ranks`` never run: their peers time out).
 
         ``merged=False``: the exact-shape flow of large layers (layout, counts, exact buffers, rows);
         ``merged=True``: the receive layout inside the row kernel (static / CUDA-graph mode and the
-        exact-shape flow of small layers), into worst-case buffers.
+        exact-shape flow of small layers), into worst-case buffers. ``send_ctas``: the engines'
+        split of the row kernel's CTAs into senders and writers (0: every CTA does both).
         """
+        for eng in self.engines:
+            eng.send_ctas = send_ctas
         caller = full_scatter_indices is not None
         ranks = [r for r in range(self.world_size) if r not in skip_ranks]
         infos = {r: torch.full((self.engines[r].info_len,), -9, dtype=torch.int64) for r in ranks}
