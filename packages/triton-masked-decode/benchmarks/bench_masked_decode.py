@@ -37,6 +37,7 @@ def load_seed(path: str) -> types.ModuleType:
         def _missing(*args, **kwargs):
             raise RuntimeError("flash-attn is not installed")
 
+        stub._tmd_stub = True  # type: ignore[attr-defined]
         stub.flash_attn_func = _missing  # type: ignore[attr-defined]
         stub.flash_attn_with_kvcache = _missing  # type: ignore[attr-defined]
         sys.modules["flash_attn"] = stub
@@ -139,12 +140,14 @@ class Runner:
         self.bw = bw
         self.flex_ok = flex_ok
         self._flex = None
+        self.fa_kvcache = None
         try:
-            from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]
+            import flash_attn  # type: ignore[import-not-found]
 
-            self.fa_kvcache = flash_attn_with_kvcache
-        except Exception:  # not installed (or the stub above)
-            self.fa_kvcache = None
+            if not getattr(flash_attn, "_tmd_stub", False):  # load_seed's stand-in is not flash-attn
+                self.fa_kvcache = flash_attn.flash_attn_with_kvcache
+        except Exception:  # not installed
+            pass
 
     def flex(self):
         if self._flex is None:
