@@ -104,7 +104,8 @@ def main() -> None:
         "default_configs": {
             "fwd_h128": fwd_config(128, 2048),
             "attn_dist_h128": attn_dist_config(128),
-            "attn_dist_h64": attn_dist_config(64),
+            "attn_dist_h64_s_kv_8K": attn_dist_config(64, 8192),
+            "attn_dist_h64_s_kv_32K_128K": attn_dist_config(64, 32768),
         },
         "fwd": fwd,
         "attn_dist": dist,

@@ -22,10 +22,10 @@ from bench_forward import bench_fwd, dense_matmul_tflops
 # without the key); decode timed as CUDA-graph replay and eagerly.
 S2 = {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2, "S_SPLIT": True}
 FWD_VARIANTS = [{**S2, "PREFETCH": False}, {**S2, "PREFETCH": True}]
+# (attn_dist also had a PREFETCH variant here; it was slower and was removed: NOTES.md, sweep 6.)
 ATTN_DIST_VARIANTS = [
-    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 4, "num_stages": 2, "PREFETCH": False},
-    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3, "PREFETCH": False},
-    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3, "PREFETCH": True},
+    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3},
 ]
 ATTN_DIST_H128_VARIANTS: list[dict] = []
 DECODE_VARIANTS = [{**S2, "PREFETCH": False}, {**S2, "PREFETCH": True}]

@@ -21,7 +21,7 @@ from sparse_mla_attn._validate import (
     check_sm_scale,
     check_sparse_inputs,
 )
-from sparse_mla_attn.forward import LAST_COMPILED, LOG2E, _prefetch_rows, check_device, interpreting
+from sparse_mla_attn.forward import LAST_COMPILED, LOG2E, check_device, interpreting
 
 
 @triton.jit
@@ -92,7 +92,6 @@ def _attn_dist_kernel(
     ATOMIC: tl.constexpr,
     STATIC_T: tl.constexpr,
     DOT_F32: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_h = pid % n_head_tiles
@@ -120,14 +119,6 @@ def _attn_dist_kernel(
     # Indices of block t+1 are loaded one iteration ahead (see forward.py) so the gather can be pipelined.
     offs_t = tl.arange(0, BLOCK_T)
     idx_n = tl.load(idx_row + offs_t, mask=offs_t < topk, other=-1)
-    # PREFETCH: rows of block t+2 go to L2 during block t (indices loaded during block t-1; see forward.py).
-    idx_p = idx_n
-    if PREFETCH:
-        for j in tl.static_range(2):
-            idx_p = tl.load(idx_row + j * BLOCK_T + offs_t, mask=j * BLOCK_T + offs_t < topk, other=-1)
-            ok = (idx_p >= 0) & (idx_p < hi)
-            _prefetch_rows(tl.where(ok, idx_p, 0).to(tl.int64), ok, KV, stride_kv_row, D_NOPE + D_ROPE)
-        idx_p = tl.load(idx_row + 2 * BLOCK_T + offs_t, mask=2 * BLOCK_T + offs_t < topk, other=-1)
     if STATIC_T > 0:
         for t0 in range(0, STATIC_T, BLOCK_T):
             idx = idx_n
@@ -154,12 +145,6 @@ def _attn_dist_kernel(
         for t0 in range(0, topk, BLOCK_T):
             idx = idx_n
             idx_n = tl.load(idx_row + t0 + BLOCK_T + offs_t, mask=t0 + BLOCK_T + offs_t < topk, other=-1)
-            if PREFETCH:
-                ok = (idx_p >= 0) & (idx_p < hi)
-                _prefetch_rows(tl.where(ok, idx_p, 0).to(tl.int64), ok, KV, stride_kv_row, D_NOPE + D_ROPE)
-                idx_p = tl.load(
-                    idx_row + t0 + 3 * BLOCK_T + offs_t, mask=t0 + 3 * BLOCK_T + offs_t < topk, other=-1
-                )
             _attn_dist_block(
                 t0,
                 topk,
@@ -180,7 +165,7 @@ def _attn_dist_kernel(
             )
 
 
-def attn_dist_config(h_q: int) -> dict[str, Any]:
+def attn_dist_config(h_q: int, s_kv: int = 0) -> dict[str, Any]:
     """Tile shape and launch options for ``attn_dist`` (at most two head tiles for any h_q <= 128)."""
     if interpreting():
         return {
@@ -191,14 +176,11 @@ def attn_dist_config(h_q: int) -> dict[str, Any]:
         }
     if h_q > 64:  # one 128-head tile: each gathered KV row serves all heads (NOTES.md, sweep 2)
         return {"BLOCK_H": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 1}
-    # Three 32-row blocks in flight and an L2 prefetch two blocks ahead (NOTES.md, sweeps 4 and 5).
-    return {
-        "BLOCK_H": max(16, triton.next_power_of_2(h_q)),
-        "BLOCK_T": 32,
-        "num_warps": 4,
-        "num_stages": 3,
-        "PREFETCH": True,
-    }
+    block_h = max(16, triton.next_power_of_2(h_q))
+    if s_kv > 16384:
+        # KV past L2: three 32-row blocks in flight beat two of 64 rows (NOTES.md, sweep 6).
+        return {"BLOCK_H": block_h, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_H": block_h, "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
 def attn_dist_impl(
@@ -223,7 +205,7 @@ def attn_dist_impl(
     if lse_base not in ("e", "2"):
         raise ValueError(f'lse_base must be "e" or "2", got {lse_base!r}')
     check_device(q, "attn_dist")
-    cfg = dict(attn_dist_config(dims.h_q))
+    cfg = dict(attn_dist_config(dims.h_q, dims.s_kv))
     if config:
         cfg.update(config)
     n_head_tiles = triton.cdiv(dims.h_q, cfg["BLOCK_H"])
@@ -265,7 +247,6 @@ def attn_dist_impl(
         ATOMIC=atomic,
         STATIC_T=dims.topk if interpreting() else 0,
         DOT_F32=interpreting(),
-        PREFETCH=bool(cfg.get("PREFETCH", False)) and not interpreting(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
