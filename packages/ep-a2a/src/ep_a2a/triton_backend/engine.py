@@ -130,9 +130,10 @@ class TritonEPEngine:
         num_sm: CTAs of the dispatch and combine kernels (the SMs they occupy).
         timeout_s: bound of every device-side wait.
         chunk: tokens per work item (and per ready flag).
-        send_ctas: 0 (default): every dispatch CTA sends its chunks to the peers, writes its own rows,
-            then expands a received chunk; ``0 < send_ctas < num_sm``: that many CTAs only send, the
-            others only write this rank's output (its own rows and the received ones).
+        send_ctas: 0 (default): every dispatch / combine CTA sends its chunks to the peers, then
+            writes this rank's rows of a chunk, in turn; ``0 < send_ctas < num_sm``: that many CTAs
+            only send, the others only write this rank's output (dispatch: its own rows and the
+            received ones; combine: the sums of its tokens).
     """
 
     def __init__(
@@ -439,7 +440,7 @@ class TritonEPEngine:
             raise ValueError(f"combine rows are at most hidden={self.hidden} wide, got {width}")
         ys, ids, outs = _nz(y), _nz(exp_indices), _nz(out)
         self._launch(
-            ("combine", width, send, recv, outs.dtype, *self._align(ys, ids, n_src)),
+            ("combine", width, send, recv, self.send_ctas, outs.dtype, *self._align(ys, ids, n_src)),
             K._combine_kernel,
             (self.num_sm,),
             self.num_warps,
@@ -471,9 +472,11 @@ class TritonEPEngine:
             EVEN_H=width % bh == 0,
             SEND=send,
             RECV=recv,
-            LAG=1 if (send and recv) else 0,
+            LAG=1 if (send and recv and not self.send_ctas) else 0,
+            SPLIT=bool(self.send_ctas),
             USE_TIMER=self.use_timer,
             G=self.num_sm,
+            GS=max(self.send_ctas, 1),
         )
 
     def launch_barrier(self, *, send: bool = True, recv: bool = True) -> None:
@@ -689,9 +692,11 @@ class TritonEPEngine:
                 EVEN_H=width % bh == 0,
                 SEND=True,
                 RECV=True,
-                LAG=1,
+                LAG=0 if self.send_ctas else 1,
+                SPLIT=bool(self.send_ctas),
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
+                GS=max(self.send_ctas, 1),
                 num_warps=nw,
                 **common,
             )

@@ -798,7 +798,7 @@ def _dispatch_kernel(
 # --------------------------------------------------------------------------------------------------
 # combine: expert side pre-reduces per (token, source rank) in fp32, one row back per pair
 # --------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "nchunks", "timeout", "G"])
+@triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "nchunks", "timeout", "G", "GS"])
 def _combine_kernel(
     y_ptr,  # [R, H] expert outputs, dispatch-output order
     tab_ptr,  # [W, max_tokens, K] int32 from the dispatch
@@ -826,8 +826,10 @@ def _combine_kernel(
     SEND: tl.constexpr,
     RECV: tl.constexpr,
     LAG: tl.constexpr,
+    SPLIT: tl.constexpr,
     USE_TIMER: tl.constexpr,
     G,
+    GS,
 ):
     pid = tl.program_id(0)
     ep = tl.load(state_ptr + 1) + 1
@@ -837,18 +839,30 @@ def _combine_kernel(
     n_chunks_send = tl.cdiv(tl.max(n_src_all, 0), CH)
     n_chunks_recv = tl.cdiv(n_tokens, CH)
     n_chunks = tl.maximum(n_chunks_send, n_chunks_recv)
-    steps = tl.cdiv(n_chunks, G)
+    if SPLIT:
+        # CTAs [0, GS) only pre-reduce and send the peers' rows, the others only sum this rank's tokens
+        do_send = pid < GS
+        do_recv = pid >= GS
+        q = tl.where(do_send, pid, pid - GS)
+        stride = tl.where(do_send, GS, G - GS)
+        n_steps = tl.cdiv(n_chunks, tl.minimum(GS, G - GS))
+    else:
+        do_send = pid >= 0
+        do_recv = pid >= 0
+        q = pid
+        stride = G
+        n_steps = tl.cdiv(n_chunks, G) + LAG
     kk = tl.arange(0, KP)
     hh = tl.arange(0, BH)
     ty = y_ptr.dtype.element_ty
     if err == 0:
         j = tl.full([], 0, tl.int32)
-        while j < steps + LAG:
+        while j < n_steps:
             if SEND:
-                c = pid + j * G
+                c = q + j * stride
                 for s in tl.static_range(W):
                     n_s = tl.sum(tl.where(ss == s, n_src_all, 0), 0)
-                    if (s != rank) & (c * CH < n_s):
+                    if (s != rank) & do_send & (c * CH < n_s):
                         toks = c * CH + tl.arange(0, CH)
                         m2 = (toks < n_s)[:, None] & (kk[None, :] < K)
                         rows = tl.load(
@@ -876,8 +890,8 @@ def _combine_kernel(
                         f = _peer_ptr(table_ptr, s, off_cflag, tl.int64) + rank * nchunks + c
                         tl.atomic_xchg(f, ep, sem="release", scope="sys")
             if RECV:
-                c = pid + (j - LAG) * G
-                if (c >= 0) & (c < n_chunks_recv):
+                c = q + (j - LAG) * stride
+                if do_recv & (c >= 0) & (c < n_chunks_recv):
                     toks = c * CH + tl.arange(0, CH)
                     tm = toks < n_tokens
                     m2 = tm[:, None] & (kk[None, :] < K)
