@@ -1,11 +1,13 @@
-"""Compiled inner loops of the planner (private): LPT packing and the refinement rounds.
+"""Compiled planner (private): every loop of a plan, all layers in one call.
 
-Numba ``@njit(cache=True)`` functions over plain loops, one row (a layer, or a layer's node) at a time:
-on these small shapes the cost of the NumPy version was the per-call overhead of ~25 NumPy calls per
-round, not arithmetic. The first call in a fresh environment compiles them (a few seconds, see the
-docs); the machine code is then cached next to the module (``__pycache__``) and later processes load it.
-Bin loads are summed exactly as NumPy sums a contiguous row (:func:`_row_sum`), so that the loop and
-the NumPy bookkeeping around it see the same floats.
+Numba ``@njit(cache=True, nogil=True)`` functions over plain loops. :func:`solve_layers` (strict and
+global plans) and :func:`pack_layers` (soft-locality packing) take the whole ``[L, ...]`` problem and
+loop over the layers inside, so a plan costs one compiled call and no Python work per layer or per
+refinement round. The first call in a fresh environment compiles them (seconds, see the docs); the
+machine code is cached next to the module (``__pycache__``) and later processes load it.
+
+Sums of bins and rows use NumPy's summation order (:func:`_pairwise_sum`), so the figures the Python
+side computes from a plan agree to the last bit with the ones the planner acted on.
 """
 
 from __future__ import annotations
@@ -14,9 +16,35 @@ import numba
 import numpy as np
 
 _INF = np.inf
+# relative peak gap beyond which a losing candidate plan stops being refined
+PRUNE_MARGIN = 0.01
+# a row stops once a block of rounds lowers its load above the mean by less than this fraction
+MIN_BLOCK_GAIN = 1e-6
+# exchanges that improve a pair by less than this fraction of the mean bin load are ignored
+REL_TOL = 1e-12
+# a row whose peak is within this fraction of its lower bound stops refining (invisible in the
+# reported balancedness, which has 4 decimals)
+CLOSE_ENOUGH = 2e-5
+# up to this many slots per GPU the exchange search tries every (x, y) pair, above it a binary search
+BRUTE_FORCE_SLOTS = 16
+# pairs of bins with at most this many slots are re-split exhaustively (C(2S, S) / 2 splits: 126 at 5)
+MAX_RESPLIT_SLOTS = 5
+# with more slots (up to this many), a round-robin start is refined beside the LPT start
+RR_MAX_SLOTS = 16
+# refinement rounds between two re-selections of the rows that still matter
+BLOCK = 4
 
 
-@numba.njit(cache=True, inline="always")
+def default_iters(num_bins: int) -> int:
+    """Refinement rounds at most: enough for every bin to meet several partners."""
+    return int(min(32, max(12, num_bins + 8)))
+
+
+_njit = numba.njit(cache=True, nogil=True)
+_inline = numba.njit(cache=True, nogil=True, inline="always")
+
+
+@_njit
 def _row_sum(a: np.ndarray, start: int, n: int) -> float:
     """``a[start:start + n].sum()`` with NumPy's summation order (pairwise, 8 accumulators; n <= 128)."""
     if n < 8:
@@ -46,83 +74,234 @@ def _row_sum(a: np.ndarray, start: int, n: int) -> float:
     return res
 
 
-@numba.njit(cache=True)
-def greedy_counts(weight: np.ndarray, counts: np.ndarray, num_replicas: int) -> None:
-    """Sequential greedy split, in place: while a row of ``counts [B, N]`` sums to less than
-    ``num_replicas``, one more replica for the expert with the largest ``weight / count`` (lowest id
-    on ties). A row of zero loads gets its extra replicas one per expert in id order instead (every
-    expert ties; this keeps them spread over GPUs)."""
-    num_rows, num_experts = weight.shape
-    per = np.empty(num_experts)
-    for r in range(num_rows):
-        have = 0
-        positive = False
-        for e in range(num_experts):
-            per[e] = weight[r, e] / counts[r, e]
-            have += counts[r, e]
-            positive = positive or per[e] > 0
-        if not positive:
-            for i in range(num_replicas - have):
-                counts[r, i % num_experts] += 1
-            continue
-        for _ in range(num_replicas - have):
-            best = 0
-            for e in range(1, num_experts):
-                if per[e] > per[best]:
-                    best = e
-            counts[r, best] += 1
-            per[best] = weight[r, best] / counts[r, best]
+@_njit
+def _pairwise_sum(a: np.ndarray, start: int, n: int) -> float:
+    """``a[start:start + n].sum()`` in NumPy's pairwise order for any ``n``.
 
-
-@numba.njit(cache=True)
-def lpt_sorted(w_sorted: np.ndarray, e_sorted: np.ndarray, use_expert: bool, num_bins: int) -> np.ndarray:
-    """LPT of items already sorted by decreasing load: bin ``[B, M]`` of every sorted item.
-
-    Each item goes onto the lightest bin with a free slot (lowest index on ties). With ``use_expert``,
-    an item whose lightest bin already holds its expert takes the lightest free bin that does not, if
-    any. Replicas of one expert are adjacent in the sorted order (equal loads, expert-major input), so
-    "holds its expert" is "the last item put there belongs to the current run of equal ids".
+    NumPy sums blocks of up to 128 items with :func:`_row_sum` and splits longer ranges at half
+    (rounded down to a multiple of 8), adding the two halves; the recursion runs on a small stack.
     """
-    num_rows, num_items = w_sorted.shape
+    if n <= 128:
+        return _row_sum(a, start, n)
+    # pending ranges (combine marks: both halves are on the value stack) and computed values
+    at = np.empty(96, dtype=np.int64)
+    size = np.empty(96, dtype=np.int64)
+    combine = np.empty(96, dtype=np.bool_)
+    vals = np.empty(64)
+    at[0], size[0], combine[0] = start, n, False
+    top, nv = 1, 0
+    while top > 0:
+        top -= 1
+        st, m = at[top], size[top]
+        if combine[top]:
+            nv -= 1
+            vals[nv - 1] = vals[nv - 1] + vals[nv]
+        elif m <= 128:
+            vals[nv] = _row_sum(a, st, m)
+            nv += 1
+        else:
+            half = m // 2
+            half -= half % 8
+            at[top], size[top], combine[top] = st, m, True
+            at[top + 1], size[top + 1], combine[top + 1] = st + half, m - half, False
+            at[top + 2], size[top + 2], combine[top + 2] = st, half, False
+            top += 3
+    return vals[0]
+
+
+@_njit
+def log2phy(phy2log: np.ndarray, logcnt: np.ndarray) -> np.ndarray:
+    """``[L, N, max(logcnt)]`` physical slots of each expert, ascending, ``-1`` padded."""
+    num_layers, num_replicas = phy2log.shape
+    num_experts = logcnt.shape[1]
+    out = np.full((num_layers, num_experts, max(1, logcnt.max())), -1, dtype=np.int64)
+    fill = np.zeros(num_experts, dtype=np.int64)
+    for layer in range(num_layers):
+        fill[:] = 0
+        for p in range(num_replicas):
+            e = phy2log[layer, p]
+            out[layer, e, fill[e]] = p
+            fill[e] += 1
+    return out
+
+
+# ---------------------------------------------------------------------------- replica counts
+@_njit
+def _greedy_counts_row(w: np.ndarray, counts: np.ndarray, num_replicas: int, per: np.ndarray) -> None:
+    """Sequential greedy split, in place: while ``counts`` sums to less than ``num_replicas``, one more
+    replica for the expert with the largest ``w / count`` (lowest id on ties). A row of zero loads
+    gets its extra replicas one per expert in id order instead (every expert ties; this keeps them
+    spread over GPUs)."""
+    n = w.size
+    have = 0
+    positive = False
+    for e in range(n):
+        per[e] = w[e] / counts[e]
+        have += counts[e]
+        positive = positive or per[e] > 0
+    if not positive:
+        for i in range(num_replicas - have):
+            counts[i % n] += 1
+        return
+    for _ in range(num_replicas - have):
+        best = 0
+        for e in range(1, n):
+            if per[e] > per[best]:
+                best = e
+        counts[best] += 1
+        per[best] = w[best] / counts[best]
+
+
+@_njit
+def greedy_counts(weight: np.ndarray, counts: np.ndarray, num_replicas: int) -> None:
+    """:func:`_greedy_counts_row` on every row of ``weight [B, N]`` / ``counts [B, N]``, in place."""
+    per = np.empty(weight.shape[1])
+    for r in range(weight.shape[0]):
+        _greedy_counts_row(weight[r], counts[r], num_replicas, per)
+
+
+@_njit
+def _slot_aware_row(
+    w: np.ndarray, num_replicas: int, num_bins: int, counts: np.ndarray, per: np.ndarray, small: np.ndarray
+) -> None:
+    """Replica counts that leave room for the other items of a GPU, in ``counts``.
+
+    With ``S = num_replicas / num_bins`` slots per GPU, a GPU holding a replica of load ``h`` also
+    holds ``S - 1`` other replicas, so its load is at least ``h`` plus the ``S - 1`` lightest loads.
+    Every expert first gets enough replicas that each fits under ``mean - filler`` (``filler``: the
+    ``S - 1`` lightest expert loads) when that is affordable; the rest follow the greedy split.
+    """
+    n = w.size
+    slots = num_replicas // num_bins
+    counts[:] = 1
+    if slots > 1 and num_replicas != n:
+        mean_bin = _pairwise_sum(w, np.int64(0), n) / num_bins
+        m = min(slots - 1, n)
+        have = 0
+        for e in range(n):  # the m smallest loads, ascending
+            v = w[e]
+            if have < m:
+                j = have
+                have += 1
+            elif v < small[m - 1]:
+                j = m - 1
+            else:
+                continue
+            while j > 0 and small[j - 1] > v:
+                small[j] = small[j - 1]
+                j -= 1
+            small[j] = v
+        room = mean_bin - _row_sum(small, np.int64(0), m)
+        total = 0
+        for e in range(n):
+            need = 1.0
+            if room > 0:
+                need = min(max(np.ceil(w[e] / max(room, 1e-300)), 1.0), float(num_replicas))
+            counts[e] = np.int64(need)
+            total += counts[e]
+        if total > num_replicas:
+            counts[:] = 1
+    _greedy_counts_row(w, counts, num_replicas, per)
+
+
+# ---------------------------------------------------------------------------- starts
+@_njit
+def _lpt_row(
+    item_load: np.ndarray,
+    item_key: np.ndarray,
+    use_key: bool | np.bool_,
+    num_bins: int,
+    bins: np.ndarray,
+    key: np.ndarray,
+    fill: np.ndarray,
+    tag: np.ndarray,
+) -> np.ndarray:
+    """LPT with ``M / num_bins`` items per bin: ``bins[i]`` of every item; returns the load order.
+
+    Items by decreasing load (stable), each onto the lightest bin with a free slot (lowest index on
+    ties). With ``use_key``, an item whose lightest bin already holds its key (expert) takes the
+    lightest free bin that does not, if any. Replicas of one expert have equal loads and are adjacent
+    in the input (expert-major), so they stay adjacent in the sorted order: "holds its expert" is
+    "the last item put there belongs to the current run of equal keys".
+    """
+    num_items = item_load.size
     cap = num_items // num_bins
+    order = np.argsort(-item_load, kind="mergesort")
+    key[:] = 0.0
+    fill[:] = 0
+    tag[:] = -1
+    run_start = 0
+    for step in range(num_items):
+        i = order[step]
+        b = 0
+        kb = key[0]
+        for j in range(1, num_bins):
+            if key[j] < kb:
+                kb = key[j]
+                b = j
+        if use_key:
+            if step == 0 or item_key[i] != item_key[order[step - 1]]:
+                run_start = step
+            if tag[b] == run_start:
+                alt = -1
+                ka = _INF
+                for j in range(num_bins):
+                    if tag[j] != run_start and key[j] < ka:
+                        ka = key[j]
+                        alt = j
+                if alt >= 0:
+                    b = alt
+            tag[b] = run_start
+        bins[i] = b
+        key[b] += item_load[i]
+        fill[b] += 1
+        if fill[b] == cap:
+            key[b] = _INF
+    return order
+
+
+@_njit
+def lpt_bins(item_load: np.ndarray, item_key: np.ndarray, use_key: bool, num_bins: int) -> np.ndarray:
+    """:func:`_lpt_row` on every row of ``item_load [B, M]``: bin ``[B, M]`` of every item."""
+    num_rows, num_items = item_load.shape
     out = np.empty((num_rows, num_items), dtype=np.int64)
     key = np.empty(num_bins)
     fill = np.empty(num_bins, dtype=np.int64)
     tag = np.empty(num_bins, dtype=np.int64)
     for r in range(num_rows):
-        key[:] = 0.0
-        fill[:] = 0
-        tag[:] = -1
-        run_start = 0
-        for step in range(num_items):
-            b = 0
-            kb = key[0]
-            for j in range(1, num_bins):
-                if key[j] < kb:
-                    kb = key[j]
-                    b = j
-            if use_expert:
-                if step == 0 or e_sorted[r, step] != e_sorted[r, step - 1]:
-                    run_start = step
-                if tag[b] == run_start:
-                    alt = -1
-                    ka = _INF
-                    for j in range(num_bins):
-                        if tag[j] != run_start and key[j] < ka:
-                            ka = key[j]
-                            alt = j
-                    if alt >= 0:
-                        b = alt
-                tag[b] = run_start
-            out[r, step] = b
-            key[b] += w_sorted[r, step]
-            fill[b] += 1
-            if fill[b] == cap:
-                key[b] = _INF
+        _lpt_row(item_load[r], item_key[r], use_key, num_bins, out[r], key, fill, tag)
     return out
 
 
-@numba.njit(cache=True, inline="always")
+@_njit
+def _layout_row(
+    bins: np.ndarray,
+    item_load: np.ndarray,
+    item_expert: np.ndarray,
+    item_count: np.ndarray,
+    num_bins: int,
+    out_load: np.ndarray,
+    out_expert: np.ndarray,
+    out_fixed: np.ndarray,
+    fill: np.ndarray,
+) -> bool:
+    """Items into ``[G, S]`` by bin (item order inside a bin); an item is fixed when its expert has
+    more replicas than there are bins. Returns whether any item is fixed."""
+    fill[:] = 0
+    any_fixed = False
+    for i in range(bins.size):
+        b = bins[i]
+        s = fill[b]
+        fill[b] += 1
+        out_load[b, s] = item_load[i]
+        out_expert[b, s] = item_expert[i]
+        out_fixed[b, s] = item_count[i] > num_bins
+        any_fixed = any_fixed or out_fixed[b, s]
+    return any_fixed
+
+
+# ---------------------------------------------------------------------------- refinement rounds
+@_njit
 def _pair_bins(
     bin_load: np.ndarray, order: np.ndarray, it: int, heavy: np.ndarray, light: np.ndarray
 ) -> None:
@@ -151,7 +330,7 @@ def _pair_bins(
         light[k] = order[num_bins - 1 - (k + it) % half]
 
 
-@numba.njit(cache=True, inline="always")
+@_njit
 def _row_buffers(
     num_bins: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -168,7 +347,7 @@ def _row_buffers(
     return heavy, light, bin_load, order, ver, seen_h, seen_l
 
 
-@numba.njit(cache=True, inline="always")
+@_njit
 def _start_row(
     fl: np.ndarray, slots: int, bin_load: np.ndarray, order: np.ndarray, ver: np.ndarray, stamp: int
 ) -> int:
@@ -182,7 +361,7 @@ def _start_row(
     return stamp + bin_load.size
 
 
-@numba.njit(cache=True, inline="always")
+@_njit
 def _declined_before(h: int, lt: int, ver: np.ndarray, seen_h: np.ndarray, seen_l: np.ndarray) -> bool:
     """Whether pair ``(h, lt)`` was evaluated without a move and neither bin changed since (then it
     declines again: the outcome depends only on the two bins' contents); records this evaluation."""
@@ -193,7 +372,7 @@ def _declined_before(h: int, lt: int, ver: np.ndarray, seen_h: np.ndarray, seen_
     return False
 
 
-@numba.njit(cache=True, inline="always")
+@_njit
 def _after_move(
     fl: np.ndarray, slots: int, h: int, lt: int, bin_load: np.ndarray, ver: np.ndarray, stamp: int
 ) -> int:
@@ -205,150 +384,131 @@ def _after_move(
     return stamp + 2
 
 
-@numba.njit(cache=True)
-def swap_block(
-    load: np.ndarray,
-    expert: np.ndarray,
-    fixed: np.ndarray,
-    has_fixed: bool,
-    rows: np.ndarray,
-    tol: np.ndarray,
+@_njit
+def _swap_rounds(
+    fl: np.ndarray,
+    fe: np.ndarray,
+    ff: np.ndarray,
+    has_fixed: bool | np.bool_,
+    tol: float,
     rounds: int,
     it0: int,
-    brute_force_slots: int,
-) -> np.ndarray:
-    """``rounds`` single-exchange rounds on ``rows`` of ``load``/``expert``/``fixed`` ``[B, G, S]`` in place.
+    slots: int,
+    rb: tuple,
+    sb: tuple,
+    stamp: int,
+) -> tuple[bool, int]:
+    """``rounds`` single-exchange rounds on one row (``fl``/``fe``/``ff``: ``[G * S]`` loads, expert
+    ids, fixed flags, in place).
 
     Per round, every pair of bins (see :func:`_pair_bins`) makes the one exchange of an item ``x`` of
     the heavy bin with an item ``y`` of the light bin that best evens the pair (gain
-    ``min(x - y, gap - (x - y))``, first best in ``x``-major order), if it gains more than the row's
-    ``tol`` and puts no expert twice on a GPU; fixed items never move. Up to ``brute_force_slots``
-    slots every ``(x, y)`` is scored; above, for each ``x`` the ``y`` nearest ``x - gap / 2`` is found
-    by binary search over the light bin's allowed items sorted by load.
+    ``min(x - y, gap - (x - y))``, first best in ``x``-major order), if it gains more than ``tol``
+    and puts no expert twice on a GPU; fixed items never move. Up to ``BRUTE_FORCE_SLOTS`` slots
+    every ``(x, y)`` is scored; above, for each ``x`` the ``y`` nearest ``x - gap / 2`` is found by
+    binary search over the light bin's allowed items sorted by load.
 
     Returns:
-        ``[len(rows)]`` bool, rows where something moved.
+        ``(moved, stamp)``: whether something moved, and the last bin version used.
     """
-    _, num_bins, slots = load.shape
+    heavy, light, bin_load, order, ver, seen_h, seen_l = rb
+    held, lb_eff, no_x, no_y, y_sorted = sb
+    num_bins = bin_load.size
     half = num_bins // 2
-    moved = np.zeros(rows.size, dtype=np.bool_)
-    heavy, light, bin_load, order, ver, seen_h, seen_l = _row_buffers(num_bins)
-    num_ids = 1
-    brute = slots <= brute_force_slots
+    brute = slots <= BRUTE_FORCE_SLOTS
+    moved = False
+    stamp = _start_row(fl, slots, bin_load, order, ver, stamp)
     if not brute:
-        for ri in range(rows.size):
+        for p in range(num_bins * slots):  # clear what earlier rows left for these experts
             for g in range(num_bins):
-                for s in range(slots):
-                    if expert[rows[ri], g, s] + 1 > num_ids:
-                        num_ids = expert[rows[ri], g, s] + 1
-    held = np.zeros((num_bins, num_ids), dtype=np.int64)
-    lb_eff = np.empty(slots)
-    no_x = np.empty(slots, dtype=np.bool_)
-    no_y = np.empty(slots, dtype=np.bool_)
-    y_sorted = np.empty(slots, dtype=np.int64)
-    stamp = 0
-    for ri in range(rows.size):
-        r = rows[ri]
-        fl = load[r].reshape(-1)
-        fe = expert[r].reshape(-1)
-        ff = fixed[r].reshape(-1)
-        stamp = _start_row(fl, slots, bin_load, order, ver, stamp)
-        if not brute:
-            held[:] = 0
-            for g in range(num_bins):
-                for s in range(slots):
-                    held[g, fe[g * slots + s]] += 1
-        for it in range(it0, it0 + rounds):
-            _pair_bins(bin_load, order, it, heavy, light)
-            any_move = False
-            for k in range(half):
-                h, lt = heavy[k], light[k]
-                if _declined_before(h, lt, ver, seen_h, seen_l):
-                    continue
-                gap = bin_load[h] - bin_load[lt]
-                ha, lb0 = h * slots, lt * slots
-                best = -_INF
-                pa, pb = ha, lb0
-                if brute:
-                    # x (y) may not move when fixed or when its expert is already on the other bin
-                    for x in range(slots):
-                        no_x[x] = has_fixed and ff[ha + x]
-                        no_y[x] = has_fixed and ff[lb0 + x]
-                    for x in range(slots):
-                        ex = fe[ha + x]
-                        for y in range(slots):
-                            if fe[lb0 + y] == ex:
-                                no_x[x] = True
-                                no_y[y] = True
-                    for x in range(slots):
-                        for y in range(slots):
-                            if no_x[x] or no_y[y]:
-                                gain = -_INF
-                            else:
-                                delta = fl[ha + x] - fl[lb0 + y]
-                                gain = min(delta, gap - delta)
-                            if gain > best:
-                                best = gain
-                                pa, pb = ha + x, lb0 + y
-                else:
-                    big = 0.0
-                    for s in range(slots):
-                        big = max(big, fl[ha + s], fl[lb0 + s])
-                    big = 4.0 * big + 1.0
-                    n_ok = 0
+                held[g, fe[p]] = 0
+        for p in range(num_bins * slots):
+            held[p // slots, fe[p]] += 1
+    for it in range(it0, it0 + rounds):
+        _pair_bins(bin_load, order, it, heavy, light)
+        for k in range(half):
+            h, lt = heavy[k], light[k]
+            if _declined_before(h, lt, ver, seen_h, seen_l):
+                continue
+            gap = bin_load[h] - bin_load[lt]
+            ha, lb0 = h * slots, lt * slots
+            best = -_INF
+            pa, pb = ha, lb0
+            if brute:
+                # x (y) may not move when fixed or when its expert is already on the other bin
+                for x in range(slots):
+                    no_x[x] = has_fixed and ff[ha + x]
+                    no_y[x] = has_fixed and ff[lb0 + x]
+                for x in range(slots):
+                    ex = fe[ha + x]
                     for y in range(slots):
-                        bad_y = held[h, fe[lb0 + y]] > 0 or (has_fixed and ff[lb0 + y])
-                        lb_eff[y] = big if bad_y else fl[lb0 + y]
-                        # stable insertion sort of the light items by effective load
-                        j = y
-                        while j > 0 and lb_eff[y_sorted[j - 1]] > lb_eff[y]:
-                            y_sorted[j] = y_sorted[j - 1]
-                            j -= 1
-                        y_sorted[j] = y
-                        if not bad_y:
-                            n_ok += 1
-                    for x in range(slots):
-                        q = fl[ha + x] - 0.5 * gap
-                        lo_i, hi_i = 0, slots  # first position with lb_eff >= q
-                        while lo_i < hi_i:
-                            mid = (lo_i + hi_i) // 2
-                            if lb_eff[y_sorted[mid]] < q:
-                                lo_i = mid + 1
-                            else:
-                                hi_i = mid
-                        lo = max(lo_i - 1, 0)
-                        hi = min(lo_i, slots - 1)
-                        d_lo = fl[ha + x] - lb_eff[y_sorted[lo]]
-                        d_hi = fl[ha + x] - lb_eff[y_sorted[hi]]
-                        g_lo = min(d_lo, gap - d_lo)
-                        g_hi = min(d_hi, gap - d_hi)
-                        if g_hi > g_lo:
-                            gain, y = g_hi, y_sorted[hi]
-                        else:
-                            gain, y = g_lo, y_sorted[lo]
-                        if held[lt, fe[ha + x]] > 0 or (has_fixed and ff[ha + x]):
+                        if fe[lb0 + y] == ex:
+                            no_x[x] = True
+                            no_y[y] = True
+                for x in range(slots):
+                    for y in range(slots):
+                        if no_x[x] or no_y[y]:
                             gain = -_INF
+                        else:
+                            delta = fl[ha + x] - fl[lb0 + y]
+                            gain = min(delta, gap - delta)
                         if gain > best:
                             best = gain
                             pa, pb = ha + x, lb0 + y
-                if best > tol[r]:
-                    any_move = True
-                    if not brute:
-                        e_x, e_y = fe[pa], fe[pb]
-                        held[h, e_x] -= 1
-                        held[lt, e_y] -= 1
-                        held[lt, e_x] += 1
-                        held[h, e_y] += 1
-                    fl[pa], fl[pb] = fl[pb], fl[pa]
-                    fe[pa], fe[pb] = fe[pb], fe[pa]
-                    ff[pa], ff[pb] = ff[pb], ff[pa]
-                    stamp = _after_move(fl, slots, h, lt, bin_load, ver, stamp)
-            if any_move:
-                moved[ri] = True
-    return moved
+            else:
+                big = 0.0
+                for s in range(slots):
+                    big = max(big, fl[ha + s], fl[lb0 + s])
+                big = 4.0 * big + 1.0
+                for y in range(slots):
+                    bad_y = held[h, fe[lb0 + y]] > 0 or (has_fixed and ff[lb0 + y])
+                    lb_eff[y] = big if bad_y else fl[lb0 + y]
+                    # stable insertion sort of the light items by effective load
+                    j = y
+                    while j > 0 and lb_eff[y_sorted[j - 1]] > lb_eff[y]:
+                        y_sorted[j] = y_sorted[j - 1]
+                        j -= 1
+                    y_sorted[j] = y
+                for x in range(slots):
+                    q = fl[ha + x] - 0.5 * gap
+                    lo_i, hi_i = 0, slots  # first position with lb_eff >= q
+                    while lo_i < hi_i:
+                        mid = (lo_i + hi_i) // 2
+                        if lb_eff[y_sorted[mid]] < q:
+                            lo_i = mid + 1
+                        else:
+                            hi_i = mid
+                    lo = max(lo_i - 1, 0)
+                    hi = min(lo_i, slots - 1)
+                    d_lo = fl[ha + x] - lb_eff[y_sorted[lo]]
+                    d_hi = fl[ha + x] - lb_eff[y_sorted[hi]]
+                    g_lo = min(d_lo, gap - d_lo)
+                    g_hi = min(d_hi, gap - d_hi)
+                    if g_hi > g_lo:
+                        gain, y = g_hi, y_sorted[hi]
+                    else:
+                        gain, y = g_lo, y_sorted[lo]
+                    if held[lt, fe[ha + x]] > 0 or (has_fixed and ff[ha + x]):
+                        gain = -_INF
+                    if gain > best:
+                        best = gain
+                        pa, pb = ha + x, lb0 + y
+            if best > tol:
+                moved = True
+                if not brute:
+                    e_x, e_y = fe[pa], fe[pb]
+                    held[h, e_x] -= 1
+                    held[lt, e_y] -= 1
+                    held[lt, e_x] += 1
+                    held[h, e_y] += 1
+                fl[pa], fl[pb] = fl[pb], fl[pa]
+                fe[pa], fe[pb] = fe[pb], fe[pa]
+                ff[pa], ff[pb] = ff[pb], ff[pa]
+                stamp = _after_move(fl, slots, h, lt, bin_load, ver, stamp)
+    return moved, stamp
 
 
-@numba.njit(cache=True, inline="always")
+@_njit
 def _best_free_split(x: np.ndarray, member_f: np.ndarray, sums: np.ndarray, total32: np.float32) -> int:
     """First split minimising ``|2 s - T|`` among all splits (no constraint), ``s`` in float32.
 
@@ -375,20 +535,21 @@ def _best_free_split(x: np.ndarray, member_f: np.ndarray, sums: np.ndarray, tota
     return choice
 
 
-@numba.njit(cache=True)
-def resplit_block(
-    load: np.ndarray,
-    expert: np.ndarray,
-    fixed: np.ndarray,
-    has_fixed: bool,
-    rows: np.ndarray,
+@_njit
+def _resplit_rounds(
+    fl: np.ndarray,
+    fe: np.ndarray,
+    ff: np.ndarray,
+    has_fixed: bool | np.bool_,
     rounds: int,
     it0: int,
-    idx_heavy: np.ndarray,
-    idx_light: np.ndarray,
-    member: np.ndarray,
-) -> np.ndarray:
-    """``rounds`` re-split rounds on ``rows`` of ``load``/``expert``/``fixed`` ``[B, G, S]`` in place.
+    slots: int,
+    tables: tuple,
+    rb: tuple,
+    pb: tuple,
+    stamp: int,
+) -> tuple[bool, int]:
+    """``rounds`` re-split rounds on one row (``fl``/``fe``/``ff``: ``[G * S]``, in place).
 
     Every pair of bins (see :func:`_pair_bins`) pools its ``2 S`` items (heavy bin first) and takes
     the split into two bins of ``S`` that minimises ``|heavy - light|`` (first such split in
@@ -397,82 +558,61 @@ def resplit_block(
     pair's larger load.
 
     Args:
-        idx_heavy, idx_light: ``[C, S]`` item positions on each side of every split.
-        member: ``[2S, C]`` bool, item on the heavy side.
+        tables: ``(idx_heavy [C, S], idx_light [C, S], member [2S, C] bool, member_f float32)``.
 
     Returns:
-        ``[len(rows)]`` bool, rows where something moved.
+        ``(moved, stamp)``.
     """
-    _, num_bins, slots = load.shape
+    idx_heavy, idx_light, member, member_f = tables
+    heavy, light, bin_load, order, ver, seen_h, seen_l = rb
+    items, items32, sums, part, comb, ids, fix, pos, tmp_l, tmp_e, tmp_f, clash_a, clash_b = pb
+    num_bins = bin_load.size
     half = num_bins // 2
     two = 2 * slots
-    moved = np.zeros(rows.size, dtype=np.bool_)
-    heavy, light, bin_load, order, ver, seen_h, seen_l = _row_buffers(num_bins)
-    items = np.empty(two)
-    items32 = np.empty(two, dtype=np.float32)
-    member_f = member.astype(np.float32)
-    sums = np.empty(member.shape[1], dtype=np.float32)
-    part = np.empty(slots, dtype=np.float32)
-    comb = np.empty(slots, dtype=np.int64)
-    ids = np.empty(two, dtype=np.int64)
-    fix = np.empty(two, dtype=np.bool_)
-    pos = np.empty(two, dtype=np.int64)
-    tmp_l = np.empty(two)
-    tmp_e = np.empty(two, dtype=np.int64)
-    tmp_f = np.empty(two, dtype=np.bool_)
-    clash_a = np.empty(two * two, dtype=np.int64)
-    clash_b = np.empty(two * two, dtype=np.int64)
-    stamp = 0
-    for ri in range(rows.size):
-        r = rows[ri]
-        fl = load[r].reshape(-1)
-        fe = expert[r].reshape(-1)
-        ff = fixed[r].reshape(-1)
-        stamp = _start_row(fl, slots, bin_load, order, ver, stamp)
-        for it in range(it0, it0 + rounds):
-            _pair_bins(bin_load, order, it, heavy, light)
-            any_move = False
-            for k in range(half):
-                h, lt = heavy[k], light[k]
-                if _declined_before(h, lt, ver, seen_h, seen_l):
-                    continue
-                any_fixed = False
-                for s in range(slots):
-                    pos[s] = h * slots + s
-                    pos[slots + s] = lt * slots + s
-                for i in range(two):
-                    items[i] = fl[pos[i]]
-                    fix[i] = has_fixed and ff[pos[i]]
-                    # fixed items may share a GPU with their own replicas already: never a clash
-                    ids[i] = -1 - i if fix[i] else fe[pos[i]]
-                    any_fixed = any_fixed or fix[i]
-                n_clash = 0
-                for a in range(two):
-                    for b in range(a + 1, two):
-                        if ids[a] == ids[b]:
-                            clash_a[n_clash] = a
-                            clash_b[n_clash] = b
-                            n_clash += 1
-                total = bin_load[h] + bin_load[lt]
-                # splits are scored in float32 (the float64 sum of the chosen one decides the move)
-                total32 = np.float32(total)
-                for i in range(two):
-                    items32[i] = np.float32(items[i])
-                best = np.float32(_INF)
-                choice = 0
-                found = False
-                if not any_fixed and n_clash == 0:
-                    choice = _best_free_split(items32, member_f, sums, total32)
-                    found = True
-                    c = -1  # skip the general enumeration below
-                else:
-                    c = 0
+    moved = False
+    stamp = _start_row(fl, slots, bin_load, order, ver, stamp)
+    for it in range(it0, it0 + rounds):
+        _pair_bins(bin_load, order, it, heavy, light)
+        for k in range(half):
+            h, lt = heavy[k], light[k]
+            if _declined_before(h, lt, ver, seen_h, seen_l):
+                continue
+            any_fixed = np.bool_(False)
+            for s in range(slots):
+                pos[s] = h * slots + s
+                pos[slots + s] = lt * slots + s
+            for i in range(two):
+                items[i] = fl[pos[i]]
+                fix[i] = has_fixed and ff[pos[i]]
+                # fixed items may share a GPU with their own replicas already: never a clash
+                ids[i] = -1 - i if fix[i] else fe[pos[i]]
+                any_fixed = any_fixed or fix[i]
+            n_clash = 0
+            for a in range(two):
+                for b in range(a + 1, two):
+                    if ids[a] == ids[b]:
+                        clash_a[n_clash] = a
+                        clash_b[n_clash] = b
+                        n_clash += 1
+            total = bin_load[h] + bin_load[lt]
+            # splits are scored in float32 (the float64 sum of the chosen one decides the move)
+            total32 = np.float32(total)
+            for i in range(two):
+                items32[i] = np.float32(items[i])
+            best = np.float32(_INF)
+            choice = 0
+            found = False
+            if not any_fixed and n_clash == 0:
+                choice = _best_free_split(items32, member_f, sums, total32)
+                found = True
+            else:
                 # splits in lexicographic order of their heavy side (comb[0] = 0), the partial
                 # float32 sums of a shared prefix reused
                 for j in range(slots):
                     comb[j] = j
                     part[j] = items32[j] if j == 0 else part[j - 1] + items32[j]
-                while c >= 0:
+                c = 0
+                while True:
                     ok = True
                     if any_fixed:
                         for i in range(two):
@@ -502,27 +642,551 @@ def resplit_block(
                         comb[j] = comb[j - 1] + 1
                         part[j] = part[j - 1] + items32[comb[j]]
                     c += 1
-                if not found:
-                    continue
-                best_sum = 0.0
+            if not found:
+                continue
+            best_sum = 0.0
+            for j in range(slots):
+                best_sum += items[idx_heavy[choice, j]]
+            if max(best_sum, total - best_sum) < bin_load[h] * (1 - 1e-12):
+                moved = True
                 for j in range(slots):
-                    best_sum += items[idx_heavy[choice, j]]
-                if max(best_sum, total - best_sum) < bin_load[h] * (1 - 1e-12):
-                    any_move = True
-                    for j in range(slots):
-                        tmp_l[j] = items[idx_heavy[choice, j]]
-                        tmp_l[slots + j] = items[idx_light[choice, j]]
-                        src_h = pos[idx_heavy[choice, j]]
-                        src_l = pos[idx_light[choice, j]]
-                        tmp_e[j] = fe[src_h]
-                        tmp_e[slots + j] = fe[src_l]
-                        tmp_f[j] = ff[src_h]
-                        tmp_f[slots + j] = ff[src_l]
-                    for i in range(two):
-                        fl[pos[i]] = tmp_l[i]
-                        fe[pos[i]] = tmp_e[i]
-                        ff[pos[i]] = tmp_f[i]
-                    stamp = _after_move(fl, slots, h, lt, bin_load, ver, stamp)
-            if any_move:
-                moved[ri] = True
-    return moved
+                    tmp_l[j] = items[idx_heavy[choice, j]]
+                    tmp_l[slots + j] = items[idx_light[choice, j]]
+                    src_h = pos[idx_heavy[choice, j]]
+                    src_l = pos[idx_light[choice, j]]
+                    tmp_e[j] = fe[src_h]
+                    tmp_e[slots + j] = fe[src_l]
+                    tmp_f[j] = ff[src_h]
+                    tmp_f[slots + j] = ff[src_l]
+                for i in range(two):
+                    fl[pos[i]] = tmp_l[i]
+                    fe[pos[i]] = tmp_e[i]
+                    ff[pos[i]] = tmp_f[i]
+                stamp = _after_move(fl, slots, h, lt, bin_load, ver, stamp)
+    return moved, stamp
+
+
+# ---------------------------------------------------------------------------- refinement driver
+@_njit
+def _workspace(num_bins: int, slots: int, num_ids: int, num_splits: int, num_rows: int) -> tuple:
+    """Work arrays of the refinement, allocated once per plan: ``(rb, sb, pb, state)``."""
+    rb = _row_buffers(num_bins)
+    held = np.zeros((num_bins, num_ids) if slots > BRUTE_FORCE_SLOTS else (1, 1), dtype=np.int64)
+    sb = (
+        held,
+        np.empty(slots),
+        np.empty(slots, dtype=np.bool_),
+        np.empty(slots, dtype=np.bool_),
+        np.empty(slots, dtype=np.int64),
+    )
+    two = 2 * slots
+    pb = (
+        np.empty(two),
+        np.empty(two, dtype=np.float32),
+        np.empty(num_splits, dtype=np.float32),
+        np.empty(slots, dtype=np.float32),
+        np.empty(slots, dtype=np.int64),
+        np.empty(two, dtype=np.int64),
+        np.empty(two, dtype=np.bool_),
+        np.empty(two, dtype=np.int64),
+        np.empty(two),
+        np.empty(two, dtype=np.int64),
+        np.empty(two, dtype=np.bool_),
+        np.empty(two * two, dtype=np.int64),
+        np.empty(two * two, dtype=np.int64),
+    )
+    # per row: alive, active; total, tol, peak, excess, row_lb; per bin: loads; per candidate: peaks
+    flags = np.empty((2, num_rows), dtype=np.bool_)
+    stats = np.empty((5, num_rows))
+    bin_tmp = np.empty(num_bins)
+    cand_peak = np.empty(num_rows)
+    return rb, sb, pb, (flags, stats, bin_tmp, cand_peak)
+
+
+@_njit
+def _row_stats(fl: np.ndarray, num_bins: int, slots: int, mean: float, bin_tmp: np.ndarray) -> tuple:
+    """``(peak, excess, heaviest item)`` of a row: heaviest bin, load above the mean, largest item."""
+    peak = -_INF
+    for g in range(num_bins):
+        bl = _row_sum(fl, g * slots, slots)
+        peak = max(peak, bl)
+        bin_tmp[g] = max(bl - mean, 0.0)
+    top = -_INF
+    for p in range(num_bins * slots):
+        top = max(top, fl[p])
+    return peak, _pairwise_sum(bin_tmp, np.int64(0), num_bins), top
+
+
+@_njit
+def _refine(
+    load: np.ndarray,
+    expert: np.ndarray,
+    fixed: np.ndarray,
+    has_fixed: bool | np.bool_,
+    num_rows: int,
+    rows_per_group: int,
+    num_candidates: int,
+    iters: int,
+    tables: tuple,
+    ws: tuple,
+    stamp: int,
+) -> int:
+    """Pairwise refinement of the first ``num_rows`` rows of ``load``/``expert``/``fixed`` ``[B, G, S]``
+    (one layer: ``num_candidates`` stacked plans of ``rows_per_group`` rows each), in place; never
+    raises a row's heaviest bin.
+
+    Each round sorts the bins of a row by load and pairs the k-th heaviest with a light partner (the
+    pairing rotates from round to round). With at most ``MAX_RESPLIT_SLOTS`` slots per GPU, each
+    pair's ``2 S`` items are re-split optimally into two bins of ``S`` (:func:`_resplit_rounds`); with
+    more slots, the single exchange that best evens the pair is made (:func:`_swap_rounds`).
+
+    Rows leave after a block of ``BLOCK`` rounds once their peak is at their own lower bound
+    (``max(total / G, heaviest item)``) or at the best bound of another row of their plan, or once a
+    block no longer shrinks their load above the mean; a candidate whose peak trails the best
+    candidate by more than ``PRUNE_MARGIN`` stops. Returns the last bin version used.
+    """
+    _, num_bins, slots = load.shape
+    if num_bins < 2 or iters <= 0:
+        return stamp
+    rb, sb, pb, state = ws
+    flags, stats, bin_tmp, cand_peak = state
+    alive, active = flags[0], flags[1]
+    total, tol, peak, excess, row_lb = stats[0], stats[1], stats[2], stats[3], stats[4]
+    resplit = slots <= MAX_RESPLIT_SLOTS
+    width = num_bins * slots
+    for r in range(num_rows):
+        alive[r] = True
+        total[r] = _pairwise_sum(load[r].reshape(-1), np.int64(0), width)
+        tol[r] = (REL_TOL / num_bins) * total[r]
+    it = np.int64(0)
+    while it < iters:
+        for r in range(num_rows):
+            mean = total[r] / num_bins
+            pk, ex, top = _row_stats(load[r].reshape(-1), num_bins, slots, mean, bin_tmp)
+            peak[r] = pk
+            excess[r] = ex
+            row_lb[r] = max(mean, top)
+        any_active = False
+        for c in range(num_candidates):
+            cand_peak[c] = -_INF
+            for q in range(rows_per_group):
+                cand_peak[c] = max(cand_peak[c], peak[c * rows_per_group + q])
+        best_cand = cand_peak[0]
+        for c in range(1, num_candidates):
+            best_cand = min(best_cand, cand_peak[c])
+        for c in range(num_candidates):
+            floor = -_INF
+            for q in range(rows_per_group):
+                floor = max(floor, row_lb[c * rows_per_group + q])
+            keep = num_candidates == 1 or it == 0 or cand_peak[c] <= best_cand * (1 + PRUNE_MARGIN)
+            for q in range(rows_per_group):
+                r = c * rows_per_group + q
+                active[r] = (
+                    keep
+                    and alive[r]
+                    and peak[r] > floor * (1 + CLOSE_ENOUGH)
+                    and peak[r] > row_lb[r] * (1 + CLOSE_ENOUGH)
+                )
+                any_active = any_active or active[r]
+        if not any_active:
+            break
+        rounds = min(BLOCK, iters - it)
+        for r in range(num_rows):
+            if not active[r]:
+                continue
+            fl = load[r].reshape(-1)
+            fe = expert[r].reshape(-1)
+            ff = fixed[r].reshape(-1)
+            if resplit:
+                moved, stamp = _resplit_rounds(
+                    fl, fe, ff, has_fixed, rounds, it, slots, tables, rb, pb, stamp
+                )
+            else:
+                moved, stamp = _swap_rounds(fl, fe, ff, has_fixed, tol[r], rounds, it, slots, rb, sb, stamp)
+            after = _row_stats(fl, num_bins, slots, total[r] / num_bins, bin_tmp)[1]
+            alive[r] = moved and (excess[r] - after > MIN_BLOCK_GAIN * total[r])
+        it += rounds
+    return stamp
+
+
+@_njit
+def _peak(load: np.ndarray, first: int, num_rows: int) -> float:
+    """Heaviest bin of rows ``first .. first + num_rows - 1`` of ``load [B, G, S]``."""
+    _, num_bins, slots = load.shape
+    out = -_INF
+    for r in range(first, first + num_rows):
+        fl = load[r].reshape(-1)
+        for g in range(num_bins):
+            out = max(out, _row_sum(fl, g * slots, slots))
+    return out
+
+
+@_njit
+def _in_bin(fe: np.ndarray, b: int, slots: int, e: int, skip: int) -> bool:
+    """Whether bin ``b`` holds expert ``e`` at a slot other than ``skip``."""
+    for t in range(slots):  # noqa: SIM110 (a generator is not compiled as tightly)
+        if t != skip and fe[b * slots + t] == e:
+            return True
+    return False
+
+
+@_njit
+def _repair_row(fl: np.ndarray, fe: np.ndarray, ff: np.ndarray, num_bins: int, slots: int) -> None:
+    """Undo avoidable repeats of an expert on one GPU (LPT can leave them on ties, e.g. a node whose
+    experts all have zero load): swap the repeated item with an item of a GPU that lacks its expert,
+    the nearest load first, when that puts no other expert twice on a GPU (experts with more replicas
+    than GPUs may repeat) and no bin above the row's peak."""
+    peak = -_INF
+    for g in range(num_bins):
+        peak = max(peak, _row_sum(fl, g * slots, slots))
+    for b in range(num_bins):
+        for s in range(slots):
+            i = b * slots + s
+            if ff[i] or not _in_bin(fe, b, slots, fe[i], s):
+                continue
+            load_b = _row_sum(fl, b * slots, slots)
+            best_j = -1
+            best_d = _INF
+            for b2 in range(num_bins):
+                if b2 == b or _in_bin(fe, b2, slots, fe[i], -1):
+                    continue
+                load_b2 = _row_sum(fl, b2 * slots, slots)
+                for t in range(slots):
+                    j = b2 * slots + t
+                    # an expert with more replicas than GPUs (fixed) may repeat; others may not
+                    if not ff[j] and (_in_bin(fe, b, slots, fe[j], -1) or _in_bin(fe, b2, slots, fe[j], t)):
+                        continue
+                    d = fl[j] - fl[i]
+                    if max(load_b + d, load_b2 - d) <= peak and abs(d) < best_d:
+                        best_d = abs(d)
+                        best_j = j
+            if best_j >= 0:
+                fl[i], fl[best_j] = fl[best_j], fl[i]
+                fe[i], fe[best_j] = fe[best_j], fe[i]
+                ff[i], ff[best_j] = ff[best_j], ff[i]
+
+
+@_njit
+def _write_sorted(expert: np.ndarray, first: int, num_rows: int, out: np.ndarray) -> None:
+    """Rows ``first ..`` of ``expert [B, G, S]`` into ``out [num_rows * G * S]``, ids ascending per bin."""
+    _, num_bins, slots = expert.shape
+    p = 0
+    for r in range(first, first + num_rows):
+        for g in range(num_bins):
+            start = p
+            for s in range(slots):
+                v = expert[r, g, s]
+                j = p
+                while j > start and out[j - 1] > v:
+                    out[j] = out[j - 1]
+                    j -= 1
+                out[j] = v
+                p += 1
+
+
+@_njit
+def _expand_row(
+    w: np.ndarray,
+    counts: np.ndarray,
+    ids: np.ndarray,
+    item_load: np.ndarray,
+    item_local: np.ndarray,
+    item_expert: np.ndarray,
+    item_count: np.ndarray,
+) -> None:
+    """Per-replica ``(load, local index, expert id, count)``, expert-major."""
+    p = 0
+    for j in range(w.size):
+        c = counts[j]
+        share = w[j] / c
+        for _ in range(c):
+            item_load[p] = share
+            item_local[p] = j
+            item_expert[p] = ids[j]
+            item_count[p] = c
+            p += 1
+
+
+@_njit
+def _node_rows(
+    weight: np.ndarray, node: np.ndarray, group_size: int, ids: np.ndarray, w_rows: np.ndarray
+) -> None:
+    """Experts node-major, ascending id inside a node: ``ids``/``w_rows`` ``[nodes, N / nodes]``."""
+    for n in range(ids.shape[0]):
+        j = 0
+        for grp in range(node.size):
+            if node[grp] == n:
+                for k in range(group_size):
+                    e = grp * group_size + k
+                    ids[n, j] = e
+                    w_rows[n, j] = weight[e]
+                    j += 1
+
+
+@_njit
+def _node_max(group_load: np.ndarray, node: np.ndarray, sums: np.ndarray) -> float:
+    """Heaviest node of a group-to-node assignment (groups added in id order)."""
+    sums[:] = 0.0
+    for grp in range(node.size):
+        sums[node[grp]] += group_load[grp]
+    return sums.max()
+
+
+# ---------------------------------------------------------------------------- planners
+@_njit
+def solve_layers(
+    weight: np.ndarray,
+    group_load: np.ndarray,
+    ours_nodes: np.ndarray,
+    num_replicas: int,
+    num_nodes: int,
+    num_gpus: int,
+    iters: int,
+    tables: tuple,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Strict (``num_nodes > 1``) or global (one node, one group) plan of every layer.
+
+    Per layer:
+
+    1. Groups go to nodes by ``ours_nodes`` (the optimal equal split), or by the greedy LPT split when
+       that is optimal too; each node's experts get slot-aware replica counts
+       (:func:`_slot_aware_row`), and the replicas are packed onto the node's GPUs by LPT, replicas of
+       an expert on distinct GPUs (with 6-16 slots per GPU, a round-robin start too).
+    2. :func:`_refine` improves every node row of every start; the start with the lowest peak is kept.
+    3. Where the greedy DeepSeek-style plan (groups by LPT, greedy replica split, LPT onto GPUs,
+       duplicate-avoiding: exactly ``_greedy.greedy_rebalance(..., avoid_duplicates=True)``) differs
+       from the start of step 1, it is packed too; where it beats the refined plan, it is refined and
+       kept. Where it does not differ, it *is* the start. The refinement never raises a row's peak,
+       so no layer ends worse than that greedy plan.
+
+    Args:
+        weight: ``[L, N]`` float64, rows not all zero.
+        group_load: ``[L, g]`` float64 group sums.
+        ours_nodes: ``[L, g]`` int64 node of every group (optimal split).
+        tables: split tables of :func:`_resplit_rounds` for ``S`` slots per GPU.
+
+    Returns:
+        ``(phy2log [L, R], logcnt [L, N])`` int64, GPU-major slots, ascending ids inside a GPU.
+    """
+    num_layers, num_experts = weight.shape
+    num_groups = group_load.shape[1]
+    group_size = num_experts // num_groups
+    per_node = num_experts // num_nodes
+    reps = num_replicas // num_nodes
+    num_bins = num_gpus // num_nodes
+    slots = num_replicas // num_gpus
+    num_cand = 2 if MAX_RESPLIT_SLOTS < slots <= RR_MAX_SLOTS else 1
+    phy2log = np.empty((num_layers, num_replicas), dtype=np.int64)
+    logcnt = np.empty((num_layers, num_experts), dtype=np.int64)
+    # node rows of our split [0] and of the greedy split [1]
+    ids = np.empty((2, num_nodes, per_node), dtype=np.int64)
+    w_rows = np.empty((2, num_nodes, per_node))
+    cnt = np.empty((2, num_nodes, per_node), dtype=np.int64)
+    load = np.empty((num_cand * num_nodes, num_bins, slots))
+    expert = np.empty((num_cand * num_nodes, num_bins, slots), dtype=np.int64)
+    fixed = np.empty((num_cand * num_nodes, num_bins, slots), dtype=np.bool_)
+    load_g = np.empty((num_nodes, num_bins, slots))
+    expert_g = np.empty((num_nodes, num_bins, slots), dtype=np.int64)
+    fixed_g = np.empty((num_nodes, num_bins, slots), dtype=np.bool_)
+    item_load = np.empty(reps)
+    item_local = np.empty(reps, dtype=np.int64)
+    item_expert = np.empty(reps, dtype=np.int64)
+    item_count = np.empty(reps, dtype=np.int64)
+    bins = np.empty(reps, dtype=np.int64)
+    key = np.empty(num_bins)
+    fill = np.empty(num_bins, dtype=np.int64)
+    tag = np.empty(num_bins, dtype=np.int64)
+    per = np.empty(per_node)
+    small = np.empty(max(slots, 1))
+    node_g = np.zeros(num_groups, dtype=np.int64)
+    node_key = np.empty(num_nodes)
+    node_fill = np.empty(num_nodes, dtype=np.int64)
+    node_tag = np.empty(num_nodes, dtype=np.int64)
+    node_sum = np.empty(num_nodes)
+    ws = _workspace(num_bins, slots, num_experts, tables[0].shape[0], num_cand * num_nodes)
+    stamp = np.int64(0)
+    for layer in range(num_layers):
+        gl = group_load[layer]
+        node_use = ours_nodes[layer]
+        if num_nodes > 1:
+            _lpt_row(gl, node_g, np.bool_(False), num_nodes, node_g, node_key, node_fill, node_tag)
+            # where the greedy split is optimal too (ties), take it: the greedy plan is then our start
+            if _node_max(gl, node_g, node_sum) <= _node_max(gl, node_use, node_sum):
+                node_use = node_g
+        same = True
+        for grp in range(num_groups):
+            same = same and node_use[grp] == node_g[grp]
+        _node_rows(weight[layer], node_use, group_size, ids[0], w_rows[0])
+        if same:
+            ids[1] = ids[0]
+            w_rows[1] = w_rows[0]
+        else:
+            _node_rows(weight[layer], node_g, group_size, ids[1], w_rows[1])
+        for n in range(num_nodes):
+            _slot_aware_row(w_rows[0, n], reps, num_bins, cnt[0, n], per, small)
+            cnt[1, n] = 1
+            _greedy_counts_row(w_rows[1, n], cnt[1, n], reps, per)
+            for j in range(per_node):
+                same = same and cnt[0, n, j] == cnt[1, n, j]
+        any_fixed = np.bool_(False)
+        for n in range(num_nodes):
+            _expand_row(w_rows[0, n], cnt[0, n], ids[0, n], item_load, item_local, item_expert, item_count)
+            order = _lpt_row(item_load, item_local, np.bool_(True), num_bins, bins, key, fill, tag)
+            any_fixed |= _layout_row(
+                bins, item_load, item_expert, item_count, num_bins, load[n], expert[n], fixed[n], fill
+            )
+            if num_cand == 2:
+                for p in range(reps):
+                    bins[order[p]] = p % num_bins
+                r = num_nodes + n
+                _layout_row(
+                    bins, item_load, item_expert, item_count, num_bins, load[r], expert[r], fixed[r], fill
+                )
+        stamp = _refine(
+            load,
+            expert,
+            fixed,
+            any_fixed,
+            num_cand * num_nodes,
+            num_nodes,
+            num_cand,
+            iters,
+            tables,
+            ws,
+            stamp,
+        )
+        best = _INF
+        pick = 0
+        for c in range(num_cand):
+            pk = _peak(load, c * num_nodes, num_nodes)
+            if pk < best:
+                best = pk
+                pick = c
+        for r in range(pick * num_nodes, (pick + 1) * num_nodes):
+            _repair_row(load[r].reshape(-1), expert[r].reshape(-1), fixed[r].reshape(-1), num_bins, slots)
+        _write_sorted(expert, pick * num_nodes, num_nodes, phy2log[layer])
+        for n in range(num_nodes):
+            for j in range(per_node):
+                logcnt[layer, ids[0, n, j]] = cnt[0, n, j]
+        if same:
+            continue
+        any_fixed = np.bool_(False)
+        for n in range(num_nodes):
+            _expand_row(w_rows[1, n], cnt[1, n], ids[1, n], item_load, item_local, item_expert, item_count)
+            _lpt_row(item_load, item_local, np.bool_(True), num_bins, bins, key, fill, tag)
+            any_fixed |= _layout_row(
+                bins, item_load, item_expert, item_count, num_bins, load_g[n], expert_g[n], fixed_g[n], fill
+            )
+        if (
+            _peak(load_g, np.int64(0), num_nodes) < best
+        ):  # the greedy plan is better here: refine it and keep it
+            stamp = _refine(
+                load_g,
+                expert_g,
+                fixed_g,
+                any_fixed,
+                num_nodes,
+                num_nodes,
+                np.int64(1),
+                iters,
+                tables,
+                ws,
+                stamp,
+            )
+            for r in range(num_nodes):
+                _repair_row(
+                    load_g[r].reshape(-1), expert_g[r].reshape(-1), fixed_g[r].reshape(-1), num_bins, slots
+                )
+            _write_sorted(expert_g, np.int64(0), num_nodes, phy2log[layer])
+            for n in range(num_nodes):
+                for j in range(per_node):
+                    logcnt[layer, ids[1, n, j]] = cnt[1, n, j]
+    return phy2log, logcnt
+
+
+@_njit
+def pack_layers(
+    item_load: np.ndarray,
+    item_expert: np.ndarray,
+    num_bins: int,
+    iters: int,
+    rows_per_group: int,
+    num_experts: int,
+    tables: tuple,
+) -> np.ndarray:
+    """Pack each row's items onto ``num_bins`` GPUs of ``M / num_bins`` slots.
+
+    Two starts are refined (:func:`_refine`, one layer of ``rows_per_group`` rows at a time), LPT and
+    round robin (LPT keeps the replicas of an expert on distinct GPUs when it can), and each row keeps
+    the one with the lower peak.
+
+    Args:
+        item_load: ``[B, M]`` float64.
+        item_expert: ``[B, M]`` int64 expert ids in ``[0, num_experts)``.
+
+    Returns:
+        ``[B, num_bins, M / num_bins]`` expert ids, ascending inside a GPU.
+    """
+    num_rows, num_items = item_load.shape
+    slots = num_items // num_bins
+    num_cand = 2 if num_bins > 1 else 1
+    out = np.empty((num_rows, num_bins, slots), dtype=np.int64)
+    load = np.empty((num_cand * rows_per_group, num_bins, slots))
+    expert = np.empty((num_cand * rows_per_group, num_bins, slots), dtype=np.int64)
+    fixed = np.empty((num_cand * rows_per_group, num_bins, slots), dtype=np.bool_)
+    rl = np.empty(num_items)
+    re = np.empty(num_items, dtype=np.int64)
+    rc = np.empty(num_items, dtype=np.int64)
+    bins = np.empty(num_items, dtype=np.int64)
+    key = np.empty(num_bins)
+    fill = np.empty(num_bins, dtype=np.int64)
+    tag = np.empty(num_bins, dtype=np.int64)
+    per_expert = np.zeros(num_experts, dtype=np.int64)
+    ws = _workspace(num_bins, slots, num_experts, tables[0].shape[0], num_cand * rows_per_group)
+    stamp = np.int64(0)
+    for first in range(0, num_rows, rows_per_group):
+        any_fixed = np.bool_(False)
+        for q in range(rows_per_group):
+            # expert-major items (the LPT start needs the replicas of an expert adjacent)
+            by_expert = np.argsort(item_expert[first + q], kind="mergesort")
+            for i in range(num_items):
+                rl[i] = item_load[first + q, by_expert[i]]
+                re[i] = item_expert[first + q, by_expert[i]]
+                per_expert[re[i]] = 0
+            for i in range(num_items):
+                per_expert[re[i]] += 1
+            for i in range(num_items):
+                rc[i] = per_expert[re[i]]
+            order = _lpt_row(rl, re, np.bool_(True), num_bins, bins, key, fill, tag)
+            any_fixed |= _layout_row(bins, rl, re, rc, num_bins, load[q], expert[q], fixed[q], fill)
+            if num_cand == 2:
+                for p in range(num_items):
+                    bins[order[p]] = p % num_bins
+                r = rows_per_group + q
+                _layout_row(bins, rl, re, rc, num_bins, load[r], expert[r], fixed[r], fill)
+        stamp = _refine(
+            load,
+            expert,
+            fixed,
+            any_fixed,
+            num_cand * rows_per_group,
+            rows_per_group,
+            num_cand,
+            iters,
+            tables,
+            ws,
+            stamp,
+        )
+        for q in range(rows_per_group):
+            best = _INF
+            pick = q
+            for c in range(num_cand):
+                pk = _peak(load, c * rows_per_group + q, np.int64(1))
+                if pk < best:
+                    best = pk
+                    pick = c * rows_per_group + q
+            _repair_row(
+                load[pick].reshape(-1), expert[pick].reshape(-1), fixed[pick].reshape(-1), num_bins, slots
+            )
+            _write_sorted(expert, pick, np.int64(1), out[first + q].reshape(-1))
+    return out

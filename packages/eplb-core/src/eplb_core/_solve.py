@@ -1,67 +1,131 @@
-"""Planner entry points on a float64 weight matrix (private; inputs already validated)."""
+"""Planner entry points on a float64 weight matrix (private; inputs already validated).
+
+The group-to-node split is chosen here with NumPy (one matrix product over the enumerated splits);
+everything else, for all layers, is one call of a compiled kernel of :mod:`eplb_core._kernels`.
+"""
 
 from __future__ import annotations
+
+import itertools
+from functools import lru_cache
 
 import numpy as np
 import torch
 
-from eplb_core import _fast
+from eplb_core import _core, _kernels
+
+__all__ = ["assign_groups_to_nodes", "pack_rows", "solve", "solve_hierarchical", "split_tables"]
 
 
-def default_iters(num_bins: int, slots: int) -> int:
-    """Refinement rounds: enough for every bin to meet several partners, bounded for speed."""
-    return int(min(64, max(12, num_bins + 8)))
+@lru_cache(maxsize=8)
+def split_tables(slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Tables of the splits of ``2 S`` items (``S`` of the heavy bin, then ``S`` of the light bin).
+
+    Returns ``(idx_heavy [C, S], idx_light [C, S], member [2S, C] bool, member float32)`` over the
+    ``C`` splits whose heavy side keeps item 0 (the first is the identity split): the item positions
+    on each side, and whether an item goes to the heavy bin. Above ``MAX_RESPLIT_SLOTS`` slots (no
+    re-split) the tables of one slot stand in.
+    """
+    if slots > _kernels.MAX_RESPLIT_SLOTS:
+        slots = 1
+    num = 2 * slots
+    splits = [c for c in itertools.combinations(range(num), slots) if c[0] == 0]
+    member = np.zeros((num, len(splits)), dtype=bool)
+    for j, c in enumerate(splits):
+        member[list(c), j] = True
+    idx_heavy = np.array(splits, dtype=np.int64)
+    idx_light = np.array([[i for i in range(num) if i not in c] for c in splits], dtype=np.int64)
+    return idx_heavy, idx_light, member, member.astype(np.float32)
+
+
+def assign_groups_to_nodes(group_load: np.ndarray, num_nodes: int) -> np.ndarray:
+    """Node of every group ``[L, g]`` int64 minimising the heaviest node (equal group counts).
+
+    Exact by enumeration when the partitions can be listed (105 for 8 groups on 4 nodes); otherwise
+    the torch LPT + swap packing of ``_core.assign_groups_to_nodes``.
+    """
+    num_layers, num_groups = group_load.shape
+    if num_nodes == 1:
+        return np.zeros((num_layers, num_groups), dtype=np.int64)
+    parts_t = _core._equal_partitions(num_groups, num_nodes)
+    if parts_t is None:
+        return _core.assign_groups_to_nodes(torch.from_numpy(group_load), num_nodes)[0].numpy()
+    parts, onehot = _partition_tables(num_groups, num_nodes)
+    node_loads = group_load @ onehot
+    best = node_loads.reshape(num_layers, -1, num_nodes).max(2).argmin(1)
+    return parts[best]
+
+
+@lru_cache(maxsize=16)
+def _partition_tables(num_groups: int, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    parts_t = _core._equal_partitions(num_groups, num_nodes)
+    assert parts_t is not None
+    parts = parts_t.numpy()
+    onehot = (parts[:, :, None] == np.arange(num_nodes)).astype(np.float64)  # [C, g, n]
+    return parts, np.ascontiguousarray(onehot.transpose(1, 0, 2).reshape(num_groups, -1))
+
+
+def solve(
+    weight: np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    *,
+    iters: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Strict (``num_nodes > 1``) or global (one node, one group) plan: :func:`_kernels.solve_layers`.
+
+    Args:
+        weight: ``[L, N]`` float64, rows not all zero.
+
+    Returns:
+        ``(phy2log [L, R], logcnt [L, N])`` int64, GPU-major slots, sorted inside a GPU.
+    """
+    weight = np.ascontiguousarray(weight, dtype=np.float64)
+    num_layers, num_experts = weight.shape
+    group_load = weight.reshape(num_layers, num_groups, num_experts // num_groups).sum(-1)
+    ours_nodes = np.ascontiguousarray(assign_groups_to_nodes(group_load, num_nodes), dtype=np.int64)
+    num_bins = num_gpus // num_nodes
+    rounds = _kernels.default_iters(num_bins) if iters is None else iters
+    return _kernels.solve_layers(
+        weight,
+        group_load,
+        ours_nodes,
+        num_replicas,
+        num_nodes,
+        num_gpus,
+        rounds,
+        split_tables(num_replicas // num_gpus),
+    )
 
 
 def pack_rows(
-    item_load: torch.Tensor,
-    item_expert: torch.Tensor,
+    item_load: np.ndarray,
+    item_expert: np.ndarray,
     num_bins: int,
-    slots: int,
     iters: int | None,
+    num_experts: int,
     rows_per_group: int = 1,
-) -> torch.Tensor:
-    """Pack each row's items onto ``num_bins`` GPUs of ``slots`` slots (NumPy, on the host).
-
-    Two starts are refined in one batch (:func:`eplb_core._fast.refine`), LPT and round robin (each
-    keeping the replicas of an expert on distinct GPUs when it can), and each row keeps the lower peak.
+) -> np.ndarray:
+    """Pack each row's items onto ``num_bins`` GPUs (:func:`_kernels.pack_layers`).
 
     Args:
-        item_load, item_expert: ``[B, num_bins * slots]``.
+        item_load, item_expert: ``[B, M]`` float64 / int64.
 
     Returns:
-        ``[B, num_bins, slots]`` expert ids (sorted inside a GPU), on ``item_load``'s device.
+        ``[B, num_bins, M / num_bins]`` expert ids, sorted inside a GPU.
     """
-    device = item_load.device
-    load_np = item_load.detach().to("cpu", torch.float64).numpy()
-    expert_np = item_expert.detach().cpu().numpy()
-    num_rows = load_np.shape[0]
-    # expert-major items (the LPT start needs the replicas of an expert adjacent)
-    by_expert = np.argsort(expert_np, axis=1, kind="stable")
-    load_np = np.take_along_axis(load_np, by_expert, 1)
-    expert_np = np.take_along_axis(expert_np, by_expert, 1)
-    flat = np.arange(num_rows)[:, None] * (int(expert_np.max()) + 1) + expert_np
-    count = np.bincount(flat.reshape(-1))[flat]  # replicas of the item's expert in its row
-    starts = [_fast.lpt_bins(load_np, num_bins, expert_np)]
-    if num_bins > 1:
-        starts.append(_fast.rr_bins(load_np, num_bins))
-    laid = [_fast.layout(b, num_bins, load_np, expert_np, count) for b in starts]
-    load = np.concatenate([x[0] for x in laid])
-    expert = np.concatenate([x[1] for x in laid])
-    fixed = np.concatenate([x[2] for x in laid]) > num_bins
-    rounds = _fast.default_iters(num_bins) if iters is None else iters
-    load, expert = _fast.refine(
-        load,
-        expert,
-        fixed if fixed.any() else None,
-        iters=rounds,
-        rows_per_group=rows_per_group,
-        num_candidates=len(starts),
+    rounds = _kernels.default_iters(num_bins) if iters is None else iters
+    return _kernels.pack_layers(
+        np.ascontiguousarray(item_load, dtype=np.float64),
+        np.ascontiguousarray(item_expert, dtype=np.int64),
+        num_bins,
+        rounds,
+        rows_per_group,
+        num_experts,
+        split_tables(item_load.shape[1] // num_bins),
     )
-    peak = load.sum(-1).max(-1).reshape(len(starts), num_rows)
-    pick = peak.argmin(0)
-    best = expert.reshape(len(starts), num_rows, num_bins, slots)[pick, np.arange(num_rows)]
-    return torch.from_numpy(np.sort(best, axis=-1)).to(device)
 
 
 def solve_hierarchical(
@@ -75,12 +139,12 @@ def solve_hierarchical(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan with every replica on its group's node (``num_nodes=1`` and one group: global plan).
 
-    Runs :func:`eplb_core._fast.solve` (NumPy, on the host) and returns the plan on ``weight``'s device.
-    No layer ends worse than the greedy DeepSeek-style plan with duplicate avoidance.
+    Runs :func:`solve` on the host and returns the plan on ``weight``'s device. No layer ends worse
+    than the greedy DeepSeek-style plan with duplicate avoidance.
 
     Returns:
         ``(phy2log [L, R], logcnt [L, N])`` int64.
     """
     w = weight.detach().to("cpu", torch.float64).numpy()
-    phy2log, logcnt = _fast.solve(w, num_replicas, num_groups, num_nodes, num_gpus, iters=iters)
+    phy2log, logcnt = solve(w, num_replicas, num_groups, num_nodes, num_gpus, iters=iters)
     return torch.from_numpy(phy2log).to(weight.device), torch.from_numpy(logcnt).to(weight.device)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eplb_core import _core, _solve
+from eplb_core import _core, _kernels, _solve
 from eplb_core.placement import Placement
 
 __all__ = ["check_topology", "check_weight", "plan", "rebalance_experts"]
@@ -125,7 +125,8 @@ def rebalance_experts(
     eff_groups, eff_nodes = (num_groups, num_nodes) if mode != "global" else (1, 1)
     phy2log, logcnt = _solve.solve_hierarchical(w, num_replicas, eff_groups, eff_nodes, num_gpus)
     # only the three tensors: the quality figures of plan() (bounds, loads) are not computed here
-    return phy2log, _core.log2phy_from_phy2log(phy2log, logcnt), logcnt
+    log2phy = torch.from_numpy(_kernels.log2phy(phy2log.cpu().numpy(), logcnt.cpu().numpy()))
+    return phy2log, log2phy.to(phy2log.device), logcnt
 
 
 def plan(
@@ -324,8 +325,10 @@ def _solve_soft(
     item_expert = all_expert.gather(1, order).view(num_layers * num_nodes, per_node_cap)
     per = w / counts.to(dt)
     item_load = per.gather(1, item_expert.view(num_layers, -1)).view_as(item_expert)
-    expert = _solve.pack_rows(item_load, item_expert, gpus_per_node, slots, iters, rows_per_group=num_nodes)
-    return expert.reshape(num_layers, num_replicas), node_of_group
+    expert = _solve.pack_rows(
+        item_load.cpu().numpy(), item_expert.cpu().numpy(), gpus_per_node, iters, num_logical, num_nodes
+    )
+    return torch.from_numpy(expert.reshape(num_layers, num_replicas)).to(device), node_of_group
 
 
 # ---------------------------------------------------------------------------- migration
@@ -434,7 +437,7 @@ def _solve_migration(
     origin = prev.view(-1, num_bins, slots)
     count_item = layer_counts.gather(1, layer_expert).view_as(expert3)
     bucket = _core.duplicate_buckets(expert3, count_item)
-    rounds = _solve.default_iters(num_bins, slots) if iters is None else iters
+    rounds = _kernels.default_iters(num_bins) if iters is None else iters
     # swaps move whole items between GPUs of one row: the (used) budget is recomputed from origin
     full_budget = torch.full_like(row_budget, budget // rows_per_layer)
     _, expert3 = _core.refine_swaps(
