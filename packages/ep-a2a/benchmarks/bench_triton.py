@@ -325,18 +325,25 @@ def run_case(
                 src = torch.randn(elems, device=dev).to(torch.bfloat16)
                 t_ce = timer.median_ms(lambda dst=dst, src=src: dst.copy_(src), args.iters)
                 res["ce"] = {"copy_ms": t_ce}
+        if num_sm == num_sm_list[-1]:
+            # the default's exact result, for the experiments' equivalence check below
+            d = be.dispatch(x, ids, w, None)
+            ref = (d[0].clone(), be.combine(d[0], d[2]).clone())
         torch.cuda.synchronize()
         be.check_errors()  # a device-side wait that ran out makes every time above meaningless
+        res[f"ours-sm{num_sm}"]["send_ctas"] = [be.engine.send_ctas, be.engine.combine_send_ctas]
         be.finalize()
     if extra and n > 1024 and getattr(args, "split", False):
-        # experiment: the dispatch row kernel's CTAs split into senders and writers (send_ctas), graph
-        # mode and eager static mode; the default (send_ctas=0) is measured above
-        variants = [(num_sm_list[-1], num_sm_list[-1] // 3), (num_sm_list[-1], num_sm_list[-1] // 2)]
-        if len(num_sm_list) > 1 and shape_name == "deepseek-v3" and route == "uniform":
-            variants.append((num_sm_list[0], num_sm_list[0] // 2))
+        # experiment: the kernels' CTAs split into senders and writers (send_ctas for dispatch,
+        # combine_send_ctas for combine; the default 0 = every CTA both), graph mode and eager static
+        # mode, each checked to give exactly the default's rows and sums
+        nsm = num_sm_list[-1]
+        variants = [(nsm // 3, nsm // 2), (nsm // 2, nsm // 3)]
         if route == "uniform":
-            for num_sm, gs in variants:
-                res[f"ours-graph-split{gs}-sm{num_sm}"] = split_case(args, cfg, group, x, ids, w, num_sm, gs)
+            for gd, gc in variants:
+                res[f"ours-graph-split{gd}-{gc}-sm{nsm}"] = split_case(
+                    args, cfg, group, x, ids, w, nsm, gd, gc, ref
+                )
             # the exact-shape mode without the host wait before the row kernel (worst-case buffers),
             # which the default keeps for layers whose worst case is at most 256 MiB
             if world * n * topk * hidden * 2 > DEFAULT_OVERLAP_BYTES:
@@ -368,7 +375,7 @@ def run_case(
         print(json.dumps(case), flush=True)
 
 
-def split_case(args, cfg, group, x, ids, w, num_sm, send_ctas) -> dict:
+def split_case(args, cfg, group, x, ids, w, num_sm, send_ctas, combine_send_ctas, ref) -> dict:
     from ep_a2a.triton_backend import TritonBackend
 
     be = TritonBackend(
@@ -379,6 +386,7 @@ def split_case(args, cfg, group, x, ids, w, num_sm, send_ctas) -> dict:
         use_aot=False,
         timeout_s=30.0,
         send_ctas=send_ctas,
+        combine_send_ctas=combine_send_ctas,
     )
     timer = Timer(lambda: be.engine.launch_barrier())
     s = torch.cuda.Stream()
@@ -394,9 +402,19 @@ def split_case(args, cfg, group, x, ids, w, num_sm, send_ctas) -> dict:
         dd = be.dispatch_static(x, ids, w)
     with torch.cuda.graph(g_c):
         be.combine_static(dd.output, dd)
-    out = {"dispatch_ms": timer.median_ms(g_d.replay, args.iters), "send_ctas": send_ctas}
+    out = {
+        "dispatch_ms": timer.median_ms(g_d.replay, args.iters),
+        "send_ctas": [send_ctas, combine_send_ctas],
+    }
     out["combine_ms"] = timer.median_ms(g_c.replay, args.iters, setup=g_d.replay)
     out["static_eager_dispatch_ms"] = timer.median_ms(lambda: be.dispatch_static(x, ids, w), args.iters)
+    d = be.dispatch_static(x, ids, w)
+    comb = be.combine_static(d.output, d)
+    rows = int(d.num_recv_rows)
+    same = rows == ref[0].shape[0] and torch.equal(d.output[:rows], ref[0]) and torch.equal(comb, ref[1])
+    flag = torch.tensor([0 if same else 1], device=x.device)
+    dist.all_reduce(flag)
+    out["matches_default"] = int(flag) == 0  # on every rank: rows bit-identical, sums bit-identical
     torch.cuda.synchronize()
     try:  # a device-side wait that ran out would make the times above meaningless
         be.check_errors()

@@ -164,3 +164,36 @@ def test_cached_template_holds_no_call_tensors(fake_gpu):
     _one_call(eng, 6, 20, with_w=True, counts=True, seed=1)
     for _runner, template, var_idx in eng._plans.values():
         assert all(template[i] is None for i in var_idx)
+
+
+def test_cta_split_requests():
+    """No split unless asked; a request must leave both roles at least one CTA."""
+    from ep_a2a.triton_backend.backend import _split
+
+    assert _split(None, 132) == 0
+    assert _split(0, 132) == 0
+    assert _split(44, 132) == 44
+    with pytest.raises(ValueError, match="num_sm=4"):
+        _split(4, 4)
+
+
+def test_engine_rejects_bad_split():
+    with pytest.raises(ValueError, match="combine_send_ctas must be 0 or in"):
+        TritonEPEngine(
+            rank=0,
+            world_size=2,
+            max_tokens=4,
+            hidden=16,
+            topk=2,
+            num_tot_experts=4,
+            token_dtype=torch.bfloat16,
+            weight_dtype=torch.float32,
+            heap_local=torch.zeros(1, dtype=torch.uint8),
+            ptr_table=torch.zeros(2, dtype=torch.int64),
+            layout=HeapLayout.build(
+                world_size=2, max_tokens=4, hidden=16, topk=2, experts_per_rank=2, token_bytes=2, chunk=4
+            ),
+            num_sm=2,
+            timeout_s=1.0,
+            combine_send_ctas=2,
+        )

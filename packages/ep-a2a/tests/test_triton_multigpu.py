@@ -176,6 +176,15 @@ def test_against_reference(group, heap, hidden, topk, experts, dtype, with_w, sk
         be.finalize()
 
 
+def _check_static_call(be, rank, xs, ids, ws, experts):
+    """One CUDA-graph-mode dispatch (run eagerly) against the reference, then its combine."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    d = be.dispatch_static(xs[rank].to(dev), ids[rank].to(dev), ws[rank].to(dev))
+    ref, _ = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
+    assert torch.equal(d.output[: int(d.num_recv_rows)].cpu(), ref[rank].output)
+    be.combine_static(d.output, d)
+
+
 def test_exact_flow_with_counts_launch(group):
     """Large layers' exact-shape flow (counts, host sync, exact buffers, rows; forced by overlap_bytes=0),
     then the small layers' flow (rows into worst-case buffers) and CUDA-graph-mode calls on one backend."""
@@ -210,12 +219,51 @@ def test_exact_flow_with_counts_launch(group):
                 )
                 _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
                 # a static (merged) call between exact ones: the epochs of both flows stay in step
-                dev = torch.device("cuda", torch.cuda.current_device())
-                d = be.dispatch_static(xs[rank].to(dev), ids[rank].to(dev), ws[rank].to(dev))
-                ref, _ = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
-                rows = int(d.num_recv_rows)
-                assert torch.equal(d.output[:rows].cpu(), ref[rank].output)
-                be.combine_static(d.output, d)
+                _check_static_call(be, rank, xs, ids, ws, experts)
+            torch.cuda.synchronize()
+            be.check_errors()
+        finally:
+            torch.cuda.synchronize()
+            be.finalize()
+
+
+def test_cta_split_against_reference(group):
+    """Kernels with their CTAs split into senders and writers (``send_ctas`` / ``combine_send_ctas``),
+    both exact-shape flows and a CUDA-graph-mode call, against the reference."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    from ep_a2a.triton_backend import TritonBackend
+
+    cfg = EPConfig(
+        max_tokens=64,
+        hidden=1024,
+        topk=8,
+        num_tot_experts=32,
+        rank=rank,
+        world_size=world,
+        local_world_size=world,
+        token_dtype=torch.bfloat16,
+    )
+    for overlap_bytes in (0, 1 << 40):
+        be = TritonBackend(
+            cfg,
+            group,
+            num_sm=16,
+            enable_local_combine=True,
+            use_aot=False,
+            timeout_s=30.0,
+            send_ctas=5,
+            combine_send_ctas=8,
+            overlap_bytes=overlap_bytes,
+        )
+        try:
+            assert (be.engine.send_ctas, be.engine.combine_send_ctas) == (5, 8)
+            for i, ns in enumerate(([64, 50], [0, 64])):
+                ns = (ns * world)[:world]
+                xs, ids, ws, gen = _inputs(
+                    500 + i, world, ns, 1024, 8, 32, torch.bfloat16, skew=i == 1, drop=0.1, with_w=True
+                )
+                _check_round_trip(be, group, xs, ids, ws, gen, 32, torch.bfloat16)
+            _check_static_call(be, rank, xs, ids, ws, 32)
             torch.cuda.synchronize()
             be.check_errors()
         finally:

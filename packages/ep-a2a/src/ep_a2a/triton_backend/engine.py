@@ -130,10 +130,10 @@ class TritonEPEngine:
         num_sm: CTAs of the dispatch and combine kernels (the SMs they occupy).
         timeout_s: bound of every device-side wait.
         chunk: tokens per work item (and per ready flag).
-        send_ctas: 0 (default): every dispatch / combine CTA sends its chunks to the peers, then
-            writes this rank's rows of a chunk, in turn; ``0 < send_ctas < num_sm``: that many CTAs
-            only send, the others only write this rank's output (dispatch: its own rows and the
-            received ones; combine: the sums of its tokens).
+        send_ctas, combine_send_ctas: split of the dispatch / combine kernel's CTAs. 0 (default):
+            every CTA sends its chunks to the peers, then writes this rank's rows of a chunk, in turn;
+            ``0 < k < num_sm``: ``k`` CTAs only send, the others only write this rank's output
+            (dispatch: its own rows and the received ones; combine: the sums of its tokens).
     """
 
     def __init__(
@@ -156,6 +156,7 @@ class TritonEPEngine:
         block_h: int | None = None,
         num_warps: int | None = None,
         send_ctas: int = 0,
+        combine_send_ctas: int = 0,
     ) -> None:
         if weight_dtype.itemsize > 4:
             raise ValueError(f"weight_dtype must be at most 4 bytes wide, got {weight_dtype}")
@@ -178,7 +179,11 @@ class TritonEPEngine:
         self.block_h = block_h
         self.num_warps = num_warps or (8 if block_h >= 512 else 4)
         self._plans: dict[tuple, tuple] = {}
+        for name, k in (("send_ctas", send_ctas), ("combine_send_ctas", combine_send_ctas)):
+            if k and not 0 < k < self.num_sm:
+                raise ValueError(f"{name} must be 0 or in [1, num_sm={self.num_sm}), got {k}")
         self.send_ctas = send_ctas
+        self.combine_send_ctas = combine_send_ctas
         self.kp = _next_pow2(topk)
         self.wp = _next_pow2(world_size)
         self.lp = _next_pow2(self.experts_per_rank + 1)
@@ -336,8 +341,6 @@ class TritonEPEngine:
         layout, the others wait for it): the launch after :meth:`launch_layout` in static mode."""
         has_w = weight is not None
         split = self.send_ctas
-        if split and not 0 < split < self.num_sm:
-            raise ValueError(f"send_ctas must be in [1, num_sm={self.num_sm}) or 0, got {split}")
         w = _nz(weight) if weight is not None else self._dummy_w
         xs, ids, src = _nz(x), _nz(exp_indices), _nz(scatter_src)
         self._launch(
@@ -440,7 +443,7 @@ class TritonEPEngine:
             raise ValueError(f"combine rows are at most hidden={self.hidden} wide, got {width}")
         ys, ids, outs = _nz(y), _nz(exp_indices), _nz(out)
         self._launch(
-            ("combine", width, send, recv, self.send_ctas, outs.dtype, *self._align(ys, ids, n_src)),
+            ("combine", width, send, recv, self.combine_send_ctas, outs.dtype, *self._align(ys, ids, n_src)),
             K._combine_kernel,
             (self.num_sm,),
             self.num_warps,
@@ -472,11 +475,11 @@ class TritonEPEngine:
             EVEN_H=width % bh == 0,
             SEND=send,
             RECV=recv,
-            LAG=1 if (send and recv and not self.send_ctas) else 0,
-            SPLIT=bool(self.send_ctas),
+            LAG=1 if (send and recv and not self.combine_send_ctas) else 0,
+            SPLIT=bool(self.combine_send_ctas),
             USE_TIMER=self.use_timer,
             G=self.num_sm,
-            GS=max(self.send_ctas, 1),
+            GS=max(self.combine_send_ctas, 1),
         )
 
     def launch_barrier(self, *, send: bool = True, recv: bool = True) -> None:
@@ -692,11 +695,11 @@ class TritonEPEngine:
                 EVEN_H=width % bh == 0,
                 SEND=True,
                 RECV=True,
-                LAG=0 if self.send_ctas else 1,
-                SPLIT=bool(self.send_ctas),
+                LAG=0 if self.combine_send_ctas else 1,
+                SPLIT=bool(self.combine_send_ctas),
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
-                GS=max(self.send_ctas, 1),
+                GS=max(self.combine_send_ctas, 1),
                 num_warps=nw,
                 **common,
             )

@@ -110,8 +110,8 @@ class SimWorld:
         exact-shape flow of small layers), into worst-case buffers. ``send_ctas``: the engines'
         split of the row kernel's CTAs into senders and writers (0: every CTA does both).
         """
-        for eng in self.engines:
-            eng.send_ctas = send_ctas
+        for eng in self.engines:  # (combine follows the dispatch's split)
+            eng.send_ctas = eng.combine_send_ctas = send_ctas
         caller = full_scatter_indices is not None
         ranks = [r for r in range(self.world_size) if r not in skip_ranks]
         infos = {r: torch.full((self.engines[r].info_len,), -9, dtype=torch.int64) for r in ranks}
