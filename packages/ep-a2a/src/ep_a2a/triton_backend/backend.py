@@ -82,25 +82,29 @@ class TritonBackend(A2ABackend):
     order. Combine sums, in float32 on the expert side, the rows of each (token, source rank) and sends
     one row back per pair; the source adds the rows of the ranks its token went to.
 
-    Extra keyword options (beyond :class:`~ep_a2a.backend.A2ABackend`'s):
+    Keyword Args:
         heap: ``"torch"`` (``torch.distributed._symmetric_memory``, default) or ``"nvshmem"``
             (nvshmem4py); default taken from ``$EP_A2A_TRITON_HEAP`` when set.
         chunk: tokens per work item and ready flag (default: 8 for hidden >= 1024 and max_tokens > 1024,
             2 for hidden >= 1024 and fewer tokens, 16 / 4 for narrower rows).
-        block_h, num_warps: tile width along hidden and warps per CTA of the copy kernels (tuning).
-        overlap_bytes: exact-shape dispatch of a layer whose worst-case output (``world_size x
-            max_tokens x topk`` rows) is at most this many bytes (default 256 MiB: decode-sized layers)
-            launches the row kernel before waiting for the counts, into freshly allocated worst-case
-            buffers, and returns views of their first ``R`` rows (so the output's storage is larger
-            than the output while it lives). Larger layers wait for the counts, then allocate exactly
-            ``R`` rows. Both give the same results.
-        send_ctas, combine_send_ctas: CTAs of the dispatch row kernel / the combine kernel that only
-            send to the peers while the others only write this rank's output (0, the default: every CTA
-            does both, in turn). Measured on 2x H200 at 4096 tokens with 132 SMs (graph mode): dispatch
-            11 % faster with a third of the CTAs sending, combine 7-18 % with half; slower at 32 SMs.
-            Off by default until a GPU correctness run of the split kernels (the CPU simulation and
-            the benchmark's bit-equality check cover them; ``tests/test_triton_multigpu.py`` has the
-            test, not run on a GPU yet).
+        block_h: tile width along hidden of the copy kernels (tuning).
+        num_warps: warps per CTA of the copy kernels (tuning).
+        overlap_bytes: exact-shape dispatch of a layer whose worst-case output
+            (``world_size * max_tokens * topk`` rows) is at most this many bytes (default 256 MiB:
+            decode-sized layers) launches the row kernel before waiting for the counts, into freshly
+            allocated worst-case buffers, and returns views of their first ``R`` rows (so the output's
+            storage is larger than the output while it lives). Larger layers wait for the counts, then
+            allocate exactly ``R`` rows. Both give the same results.
+        send_ctas: CTAs of the dispatch row kernel that only send to the peers while the others only
+            write this rank's output (0, the default: every CTA does both, in turn). Measured on 2x H200
+            at 4096 tokens with 132 SMs (graph mode): 11 % faster with a third of the CTAs sending;
+            slower at 32 SMs. Off by default until a GPU correctness run of the split kernels (the CPU
+            simulation and the benchmark's bit-equality check cover them; the multigpu test exists but
+            has not run on a GPU yet).
+        combine_send_ctas: the same for the combine kernel (measured 7-18 % faster with half of the
+            CTAs sending, same conditions).
+
+    These come on top of :class:`~ep_a2a.backend.A2ABackend`'s arguments.
 
     ``enable_local_combine`` is always on here (the expert side always pre-reduces per (token, rank)).
     Each combine must follow a dispatch (dispatch, combine, dispatch, combine...; several dispatches in a
