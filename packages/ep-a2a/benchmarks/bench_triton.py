@@ -25,6 +25,7 @@ calling thread spends inside the call (the exact-shape mode waits for its counts
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -493,6 +494,60 @@ def layer_case(args, cfg, group, x, ids, w, num_sm) -> dict:
     return out
 
 
+def host_profile(args, rank, world, group, dev) -> list:
+    """Where the host time of an exact-shape dispatch goes: median microseconds between the steps the
+    backend marks (``TritonBackend.trace``), slowest rank, over ``--iters`` calls per case."""
+    from ep_a2a.triton_backend import TritonBackend
+
+    rows = []
+    for shape_name, n in (("deepseek-v3", 128), ("qwen3-30b-a3b", 128), ("deepseek-v3", args.tokens)):
+        shp = SHAPES[shape_name]
+        cfg = EPConfig(
+            max_tokens=n,
+            hidden=shp["hidden"],
+            topk=shp["topk"],
+            num_tot_experts=shp["experts"],
+            rank=rank,
+            world_size=world,
+            local_world_size=world,
+            token_dtype=torch.bfloat16,
+        )
+        x = torch.randn(n, shp["hidden"], device=dev).to(torch.bfloat16)
+        ids, w = routing(n, shp["experts"], shp["topk"], "uniform", 1000 + rank, dev)
+        be = TritonBackend(
+            cfg, group, num_sm=args.num_sm[-1], enable_local_combine=True, use_aot=False, timeout_s=60.0
+        )
+        d = be.dispatch(x, ids, w, None)
+        be.combine(d[0], d[2])
+        deltas: dict[str, list[float]] = {}
+        for _ in range(args.iters):
+            be.engine.launch_barrier()
+            torch.cuda.synchronize()
+            be.trace = []
+            d = be.dispatch(x, ids, w, None)
+            trace, be.trace = be.trace, None
+            for (_, t0), (name, t1) in itertools.pairwise(trace):
+                deltas.setdefault(name, []).append((t1 - t0) * 1e6)
+            deltas.setdefault("total", []).append((trace[-1][1] - trace[0][1]) * 1e6)
+            be.combine(d[0], d[2])
+            torch.cuda.synchronize()
+        names = list(deltas)
+        med = torch.tensor([statistics.median(deltas[k]) for k in names], device=dev)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        row = {
+            "shape": shape_name,
+            "tokens": n,
+            "overlap_exact": be.overlap_exact,
+            "median_us_since_previous_step": dict(zip(names, med.tolist(), strict=True)),
+        }
+        be.check_errors()
+        be.finalize()
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def first_call(args, rank, world, group, dev) -> dict:
     """First dispatch+combine latency of a fresh backend, with and without use_aot (fresh Triton cache)."""
     from ep_a2a.triton_backend import TritonBackend
@@ -648,6 +703,9 @@ def main() -> None:
     p.add_argument("--first-call", action="store_true", help="only measure first-call latency")
     p.add_argument("--use-aot", action="store_true")
     p.add_argument("--sweep", action="store_true", help="tile/chunk/warp variants and a per-kernel breakdown")
+    p.add_argument(
+        "--host-profile", action="store_true", help="host time per step of the exact-shape dispatch"
+    )
     p.add_argument("--heaps", nargs="+", default=["torch", "nvshmem"])
     p.add_argument(
         "--no-split",
@@ -688,6 +746,8 @@ def main() -> None:
             out["topology"] = f.read()
     if args.first_call:
         out["first_call"] = first_call(args, rank, world, group, dev)
+    elif args.host_profile:
+        out["host_profile"] = host_profile(args, rank, world, group, dev)
     elif args.sweep:
         out["sweep"] = sweep(args, rank, world, group, dev)
     else:

@@ -192,6 +192,9 @@ class TritonBackend(A2ABackend):
         self._combine_allowed = False
         self._finalized = False
         self._static: dict[str, torch.Tensor] | None = None
+        #: diagnostics: when a list, the exact-shape dispatch appends ``(phase, time.perf_counter())``
+        #: at each step of its host path (``bench_triton.py --host-profile``)
+        self.trace: list[tuple[str, float]] | None = None
         self.aot_seconds = 0.0
         if use_aot:
             t0 = time.perf_counter()
@@ -254,31 +257,46 @@ class TritonBackend(A2ABackend):
         W = self.config.world_size
         has_w = weight is not None
         src = full_scatter_indices if full_scatter_indices is not None else eng.pos
+        mark = self.trace.append if self.trace is not None else None
+        if mark:
+            mark(("start", time.perf_counter()))
         # per call: the combine of this dispatch reads its token counts after later dispatches ran
         info = torch.empty(eng.info_len, dtype=torch.int64, device=self.device)
         eng.launch_layout(exp_indices, caller_scatter=caller, info=info)
+        if mark:
+            mark(("layout launched", time.perf_counter()))
         if self.overlap_exact:
             # one launch more and no host wait in between: the rows land in worst-case buffers while
             # the host waits for the counts, and the caller gets views of their first R rows
             bufs = eng.alloc_dispatch_outputs(n, eng.worst_case_rows(), with_weights=has_w, dtype=input.dtype)
+            if mark:
+                mark(("buffers allocated", time.perf_counter()))
             eng.launch_dispatch(
                 input, exp_indices, weight, src, bufs["out"], bufs["out_w"], bufs["out_e"], bufs["tab"],
                 bufs["skip"], bufs["scat"], caller_scatter=caller, info=info, counts=True,
             )  # fmt: skip
+            if mark:
+                mark(("rows launched", time.perf_counter()))
             vals = self._read_info(info)
             rows = vals[0]
             out, out_w, out_e = bufs["out"][:rows], bufs["out_w"][:rows], bufs["out_e"][:rows]
         else:
             eng.launch_counts(info)
+            if mark:
+                mark(("counts launched", time.perf_counter()))
             # the one small device-to-host copy: receive counts (and the error word) size the output
             vals = self._read_info(info)
             rows = vals[0]
             bufs = eng.alloc_dispatch_outputs(n, rows, with_weights=has_w, dtype=input.dtype)
+            if mark:
+                mark(("buffers allocated", time.perf_counter()))
             out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
             eng.launch_dispatch(
                 input, exp_indices, weight, src, out, out_w, out_e, bufs["tab"], bufs["skip"], bufs["scat"],
                 caller_scatter=caller, info=info,
             )  # fmt: skip
+            if mark:
+                mark(("rows launched", time.perf_counter()))
         self._combine_allowed = True
         scat = (
             bufs["scat"]
@@ -300,12 +318,18 @@ class TritonBackend(A2ABackend):
             caller_scatter=caller,
             backend_state=_TritonState(owner=id(self), tab=bufs["tab"], n_src=info[2 : 2 + W]),
         )
+        if mark:
+            mark(("descriptor built", time.perf_counter()))
         return out, (out_w if has_w else None), desc
 
     def _read_info(self, info: torch.Tensor) -> list[int]:
         """Copy a dispatch's ``info`` to the host (waits for it); raise if a device wait ran out."""
         self._info_host.copy_(info, non_blocking=True)
+        if self.trace is not None:
+            self.trace.append(("copy issued", time.perf_counter()))
         torch.cuda.current_stream(self.device).synchronize()
+        if self.trace is not None:
+            self.trace.append(("wait returned", time.perf_counter()))
         vals = self._info_host.tolist()
         if vals[1]:
             try:
