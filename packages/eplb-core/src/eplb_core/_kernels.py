@@ -31,12 +31,18 @@ BRUTE_FORCE_SLOTS = 16
 MAX_RESPLIT_SLOTS = 5
 # with more slots (up to this many), a round-robin start is refined beside the LPT start
 RR_MAX_SLOTS = 16
+# re-splits of the heaviest bin with the lightest ones at the end of every re-split round: they
+# lower the peak directly (8 rounds with them end better balanced than 32 without)
+PEAK_TRIES = 16
 # refinement rounds between two re-selections of the rows that still matter
 BLOCK = 4
 
 
-def default_iters(num_bins: int) -> int:
-    """Refinement rounds at most: enough for every bin to meet several partners."""
+def default_iters(num_bins: int, slots: int) -> int:
+    """Refinement rounds at most: enough for every bin to meet several partners; 8 re-split rounds
+    on more than 16 GPUs (each round ends with ``PEAK_TRIES`` re-splits of the heaviest bin)."""
+    if slots <= MAX_RESPLIT_SLOTS and num_bins > 16:
+        return 8
     return int(min(32, max(12, num_bins + 8)))
 
 
@@ -536,6 +542,118 @@ def _best_free_split(x: np.ndarray, member_f: np.ndarray, sums: np.ndarray, tota
 
 
 @_njit
+def _resplit_pair(
+    fl: np.ndarray,
+    fe: np.ndarray,
+    ff: np.ndarray,
+    has_fixed: bool | np.bool_,
+    h: int,
+    lt: int,
+    slots: int,
+    tables: tuple,
+    rb: tuple,
+    pb: tuple,
+    stamp: int,
+) -> tuple[bool, int]:
+    """Re-split bins ``h`` (heavy) and ``lt`` (light) of a row: pool their ``2 S`` items (heavy bin
+    first) and take the split into two bins of ``S`` that minimises ``|heavy - light|`` (first such
+    split in ``idx_heavy`` order; every split keeps item 0 on the heavy side), among the splits that
+    leave fixed items in place and put no expert twice on one side; the split is made only if it
+    lowers the pair's larger load. Returns ``(moved, stamp)``."""
+    idx_heavy, idx_light, member, member_f = tables
+    _, _, bin_load, _, ver, _, _ = rb
+    items, items32, sums, part, comb, ids, fix, pos, tmp_l, tmp_e, tmp_f, clash_a, clash_b = pb
+    two = 2 * slots
+    any_fixed = np.bool_(False)
+    for s in range(slots):
+        pos[s] = h * slots + s
+        pos[slots + s] = lt * slots + s
+    for i in range(two):
+        items[i] = fl[pos[i]]
+        fix[i] = has_fixed and ff[pos[i]]
+        # fixed items may share a GPU with their own replicas already: never a clash
+        ids[i] = -1 - i if fix[i] else fe[pos[i]]
+        any_fixed = any_fixed or fix[i]
+    n_clash = 0
+    for a in range(two):
+        for b in range(a + 1, two):
+            if ids[a] == ids[b]:
+                clash_a[n_clash] = a
+                clash_b[n_clash] = b
+                n_clash += 1
+    total = bin_load[h] + bin_load[lt]
+    # splits are scored in float32 (the float64 sum of the chosen one decides the move)
+    total32 = np.float32(total)
+    for i in range(two):
+        items32[i] = np.float32(items[i])
+    best = np.float32(_INF)
+    choice = 0
+    found = False
+    if not any_fixed and n_clash == 0:
+        choice = _best_free_split(items32, member_f, sums, total32)
+        found = True
+    else:
+        # splits in lexicographic order of their heavy side (comb[0] = 0), the partial
+        # float32 sums of a shared prefix reused
+        for j in range(slots):
+            comb[j] = j
+            part[j] = items32[j] if j == 0 else part[j - 1] + items32[j]
+        c = 0
+        while True:
+            ok = True
+            if any_fixed:
+                for i in range(two):
+                    if fix[i] and member[i, c] != (i < slots):
+                        ok = False
+                        break
+            if ok:
+                for q in range(n_clash):
+                    if member[clash_a[q], c] == member[clash_b[q], c]:
+                        ok = False
+                        break
+            if ok:
+                score = abs(np.float32(2.0) * part[slots - 1] - total32)
+                if not found or score < best:
+                    best = score
+                    choice = c
+                    found = True
+            # next combination: the rightmost position that can still advance
+            i = slots - 1
+            while i >= 1 and comb[i] == slots + i:
+                i -= 1
+            if i < 1:
+                break
+            comb[i] += 1
+            part[i] = part[i - 1] + items32[comb[i]]
+            for j in range(i + 1, slots):
+                comb[j] = comb[j - 1] + 1
+                part[j] = part[j - 1] + items32[comb[j]]
+            c += 1
+    if not found:
+        return False, stamp
+    best_sum = 0.0
+    for j in range(slots):
+        best_sum += items[idx_heavy[choice, j]]
+    if max(best_sum, total - best_sum) < bin_load[h] * (1 - 1e-12):
+        for j in range(slots):
+            tmp_l[j] = items[idx_heavy[choice, j]]
+            tmp_l[slots + j] = items[idx_light[choice, j]]
+            src_h = pos[idx_heavy[choice, j]]
+            src_l = pos[idx_light[choice, j]]
+            tmp_e[j] = fe[src_h]
+            tmp_e[slots + j] = fe[src_l]
+            tmp_f[j] = ff[src_h]
+            tmp_f[slots + j] = ff[src_l]
+        for i in range(two):
+            fl[pos[i]] = tmp_l[i]
+            fe[pos[i]] = tmp_e[i]
+            ff[pos[i]] = tmp_f[i]
+        stamp = _after_move(fl, slots, h, lt, bin_load, ver, stamp)
+        return True, stamp
+    return False, stamp
+
+
+@_njit
 def _resplit_rounds(
     fl: np.ndarray,
     fe: np.ndarray,
@@ -551,11 +669,9 @@ def _resplit_rounds(
 ) -> tuple[bool, int]:
     """``rounds`` re-split rounds on one row (``fl``/``fe``/``ff``: ``[G * S]``, in place).
 
-    Every pair of bins (see :func:`_pair_bins`) pools its ``2 S`` items (heavy bin first) and takes
-    the split into two bins of ``S`` that minimises ``|heavy - light|`` (first such split in
-    ``idx_heavy`` order; every split keeps item 0 on the heavy side), among the splits that leave fixed
-    items in place and put no expert twice on one side; the split is made only if it lowers the
-    pair's larger load.
+    Every pair of bins (see :func:`_pair_bins`) is re-split (:func:`_resplit_pair`); then the
+    heaviest bin is re-split with the lightest bins in turn, up to ``PEAK_TRIES`` evaluations (after
+    each success the new heaviest bin starts again from the lightest).
 
     Args:
         tables: ``(idx_heavy [C, S], idx_light [C, S], member [2S, C] bool, member_f float32)``.
@@ -563,12 +679,9 @@ def _resplit_rounds(
     Returns:
         ``(moved, stamp)``.
     """
-    idx_heavy, idx_light, member, member_f = tables
     heavy, light, bin_load, order, ver, seen_h, seen_l = rb
-    items, items32, sums, part, comb, ids, fix, pos, tmp_l, tmp_e, tmp_f, clash_a, clash_b = pb
     num_bins = bin_load.size
     half = num_bins // 2
-    two = 2 * slots
     moved = False
     stamp = _start_row(fl, slots, bin_load, order, ver, stamp)
     for it in range(it0, it0 + rounds):
@@ -577,92 +690,21 @@ def _resplit_rounds(
             h, lt = heavy[k], light[k]
             if _declined_before(h, lt, ver, seen_h, seen_l):
                 continue
-            any_fixed = np.bool_(False)
-            for s in range(slots):
-                pos[s] = h * slots + s
-                pos[slots + s] = lt * slots + s
-            for i in range(two):
-                items[i] = fl[pos[i]]
-                fix[i] = has_fixed and ff[pos[i]]
-                # fixed items may share a GPU with their own replicas already: never a clash
-                ids[i] = -1 - i if fix[i] else fe[pos[i]]
-                any_fixed = any_fixed or fix[i]
-            n_clash = 0
-            for a in range(two):
-                for b in range(a + 1, two):
-                    if ids[a] == ids[b]:
-                        clash_a[n_clash] = a
-                        clash_b[n_clash] = b
-                        n_clash += 1
-            total = bin_load[h] + bin_load[lt]
-            # splits are scored in float32 (the float64 sum of the chosen one decides the move)
-            total32 = np.float32(total)
-            for i in range(two):
-                items32[i] = np.float32(items[i])
-            best = np.float32(_INF)
-            choice = 0
-            found = False
-            if not any_fixed and n_clash == 0:
-                choice = _best_free_split(items32, member_f, sums, total32)
-                found = True
-            else:
-                # splits in lexicographic order of their heavy side (comb[0] = 0), the partial
-                # float32 sums of a shared prefix reused
-                for j in range(slots):
-                    comb[j] = j
-                    part[j] = items32[j] if j == 0 else part[j - 1] + items32[j]
-                c = 0
-                while True:
-                    ok = True
-                    if any_fixed:
-                        for i in range(two):
-                            if fix[i] and member[i, c] != (i < slots):
-                                ok = False
-                                break
-                    if ok:
-                        for q in range(n_clash):
-                            if member[clash_a[q], c] == member[clash_b[q], c]:
-                                ok = False
-                                break
-                    if ok:
-                        score = abs(np.float32(2.0) * part[slots - 1] - total32)
-                        if not found or score < best:
-                            best = score
-                            choice = c
-                            found = True
-                    # next combination: the rightmost position that can still advance
-                    i = slots - 1
-                    while i >= 1 and comb[i] == slots + i:
-                        i -= 1
-                    if i < 1:
-                        break
-                    comb[i] += 1
-                    part[i] = part[i - 1] + items32[comb[i]]
-                    for j in range(i + 1, slots):
-                        comb[j] = comb[j - 1] + 1
-                        part[j] = part[j - 1] + items32[comb[j]]
-                    c += 1
-            if not found:
+            m, stamp = _resplit_pair(fl, fe, ff, has_fixed, h, lt, slots, tables, rb, pb, stamp)
+            moved = moved or m
+        j = 0
+        tries = 0
+        while j < half and tries < PEAK_TRIES:
+            h = np.int64(np.argmax(bin_load))
+            lt = order[num_bins - 1 - j]
+            j += 1
+            if lt == h or _declined_before(h, lt, ver, seen_h, seen_l):
                 continue
-            best_sum = 0.0
-            for j in range(slots):
-                best_sum += items[idx_heavy[choice, j]]
-            if max(best_sum, total - best_sum) < bin_load[h] * (1 - 1e-12):
+            tries += 1
+            m, stamp = _resplit_pair(fl, fe, ff, has_fixed, h, lt, slots, tables, rb, pb, stamp)
+            if m:
                 moved = True
-                for j in range(slots):
-                    tmp_l[j] = items[idx_heavy[choice, j]]
-                    tmp_l[slots + j] = items[idx_light[choice, j]]
-                    src_h = pos[idx_heavy[choice, j]]
-                    src_l = pos[idx_light[choice, j]]
-                    tmp_e[j] = fe[src_h]
-                    tmp_e[slots + j] = fe[src_l]
-                    tmp_f[j] = ff[src_h]
-                    tmp_f[slots + j] = ff[src_l]
-                for i in range(two):
-                    fl[pos[i]] = tmp_l[i]
-                    fe[pos[i]] = tmp_e[i]
-                    ff[pos[i]] = tmp_f[i]
-                stamp = _after_move(fl, slots, h, lt, bin_load, ver, stamp)
+                j = 0
     return moved, stamp
 
 

@@ -87,7 +87,7 @@ def solve(
     group_load = weight.reshape(num_layers, num_groups, num_experts // num_groups).sum(-1)
     ours_nodes = np.ascontiguousarray(assign_groups_to_nodes(group_load, num_nodes), dtype=np.int64)
     num_bins = num_gpus // num_nodes
-    rounds = _kernels.default_iters(num_bins) if iters is None else iters
+    rounds = _kernels.default_iters(num_bins, num_replicas // num_gpus) if iters is None else iters
     return _kernels.solve_layers(
         weight,
         group_load,
@@ -116,7 +116,7 @@ def pack_rows(
     Returns:
         ``[B, num_bins, M / num_bins]`` expert ids, sorted inside a GPU.
     """
-    rounds = _kernels.default_iters(num_bins) if iters is None else iters
+    rounds = _kernels.default_iters(num_bins, item_load.shape[1] // num_bins) if iters is None else iters
     return _kernels.pack_layers(
         np.ascontiguousarray(item_load, dtype=np.float64),
         np.ascontiguousarray(item_expert, dtype=np.int64),
