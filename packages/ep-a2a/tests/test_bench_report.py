@@ -75,3 +75,37 @@ def test_busiest_rank_bytes() -> None:
     m = torch.tensor([[0, 2, 2, 2], [4, 0, 1, 1], [4, 1, 0, 1], [4, 1, 1, 0]])
     tokens, sent, recv = bench.busiest_tokens(m)
     assert (tokens, max(sent), recv[0]) == (12, 6, 12)
+
+
+def test_busiest_rank_bytes_properties() -> None:
+    """For any crossing matrix: no rank sends or receives more than the figure, and some rank does it."""
+    import torch
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    spec = importlib.util.spec_from_file_location(
+        "_ep_bench_triton_h", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_triton.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        st.integers(2, 8).flatmap(lambda w: st.lists(st.integers(0, 4096), min_size=w * w, max_size=w * w))
+    )
+    def check(flat: list[int]) -> None:
+        w = int(len(flat) ** 0.5)
+        m = torch.tensor(flat, dtype=torch.int64).reshape(w, w)
+        m.fill_diagonal_(0)
+        tokens, sent, recv = bench.busiest_tokens(m)
+        assert sent == m.sum(1).tolist()
+        assert recv == m.sum(0).tolist()
+        assert all(v <= tokens for v in sent + recv)
+        assert tokens in sent + recv
+        if w == 2:  # two ranks: what one sends the other receives
+            assert tokens == max(sent)
+
+    check()
