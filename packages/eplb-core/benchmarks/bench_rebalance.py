@@ -6,6 +6,7 @@ Used by ``run.py``; can also be run alone: ``python bench_rebalance.py`` prints 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -24,14 +25,36 @@ NUM_LAYERS, NUM_EXPERTS, NUM_GROUPS = 58, 256, 8
 
 def median_ms(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> tuple[float, list[float]]:
     """Median wall time of ``fn`` in ms over ``repeat`` runs after ``warmup`` runs, and all samples."""
+    wall, _, samples = timed(fn, repeat=repeat, warmup=warmup)
+    return wall, samples
+
+
+def timed(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> tuple[float, float, list[float]]:
+    """``(median wall ms, median CPU ms of this process, wall samples)`` of ``fn`` over ``repeat`` runs.
+
+    The CPU time (``time.process_time``) is what the call itself used: on a shared machine it moves
+    less than the wall time when other processes compete for the cores.
+    """
     for _ in range(warmup):
         fn()
-    samples = []
+    samples, cpu = [], []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
         samples.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(samples), samples
+        cpu.append(1e3 * (time.process_time() - c0))
+    return statistics.median(samples), statistics.median(cpu), samples
+
+
+def load_deepseek(path: str) -> Callable[..., Any]:
+    """``rebalance_experts`` of DeepSeek's public ``eplb.py``, imported by path at run time (the file
+    is not part of this project: ``git clone https://github.com/deepseek-ai/EPLB``)."""
+    spec = importlib.util.spec_from_file_location("deepseek_eplb_peer", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--deepseek-ref {path!r} is not an importable Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.rebalance_experts
 
 
 def strict_cap(weight: torch.Tensor, num_nodes: int, num_gpus: int) -> torch.Tensor:
@@ -43,15 +66,23 @@ def strict_cap(weight: torch.Tensor, num_nodes: int, num_gpus: int) -> torch.Ten
 
 
 def bench_config(
-    weight: torch.Tensor, earlier: torch.Tensor, r: int, nodes: int, gpus: int, *, repeat: int
+    weight: torch.Tensor,
+    earlier: torch.Tensor,
+    r: int,
+    nodes: int,
+    gpus: int,
+    *,
+    repeat: int,
+    deepseek: Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
-    """Strict/global plan, greedy baseline and migration for one configuration."""
+    """Strict/global plan, greedy baseline, DeepSeek's reference (if given) and migration for one
+    configuration."""
     kw: dict[str, Any] = {"num_replicas": r, "num_groups": NUM_GROUPS, "num_nodes": nodes, "num_gpus": gpus}
     ours = E.plan(weight, **kw)
     ours.validate()
     gp, gc = greedy_rebalance(weight, r, NUM_GROUPS, nodes, gpus)
     greedy_bal = E.balancedness(E.gpu_loads_of(weight, gp, gc, gpus))
-    t_ours, samples = median_ms(
+    t_ours, cpu_ours, samples = timed(
         functools.partial(E.rebalance_experts, weight, r, NUM_GROUPS, nodes, gpus), repeat=repeat
     )
     t_greedy, _ = median_ms(
@@ -67,9 +98,20 @@ def bench_config(
         "worst_deficit_vs_greedy": float((greedy_bal - ours.balancedness).clamp_min(0).max()),
         "mean_gap_to_bound": float(ours.gap.mean()),
         "ms_per_call_median": t_ours,
+        "cpu_ms_per_call_median": cpu_ours,
         "ms_samples": samples,
         "greedy_ms_median": t_greedy,
     }
+    if deepseek is not None:
+        dp, _, dc = deepseek(weight, r, NUM_GROUPS, nodes, gpus)
+        ds_bal = E.balancedness(E.gpu_loads_of(weight, dp, dc, gpus))
+        t_ds, _ = median_ms(lambda: deepseek(weight, r, NUM_GROUPS, nodes, gpus), repeat=max(3, repeat // 3))
+        row["deepseek"] = {
+            "balancedness": float(ds_bal.mean()),
+            "ms_median": t_ds,
+            "speedup": t_ds / t_ours,
+            "layers_below_deepseek": int((ours.balancedness < ds_bal - 1e-12).sum()),
+        }
     if ours.mode == "strict" and nodes > 1:
         cap = strict_cap(weight, nodes, gpus)
         row["strict_cap_balancedness"] = float(cap.mean())
@@ -79,9 +121,15 @@ def bench_config(
     cap_slots = r // 4
     mig = E.plan(weight, **kw, previous=old, max_changed_slots=cap_slots)
     mig.validate()
+    t_mig, _ = median_ms(
+        lambda: E.plan(weight, **kw, previous=old, max_changed_slots=cap_slots), repeat=max(3, repeat // 3)
+    )
+    t_plan, _ = median_ms(lambda: E.plan(weight, **kw), repeat=max(3, repeat // 3))
+    row["plan_ms_median"] = t_plan
     assert mig.changed_slots is not None
     row["migration"] = {
         "max_changed_slots_per_layer": cap_slots,
+        "ms_median": t_mig,
         "balancedness": float(mig.balancedness.mean()),
         "changed_fraction": float(mig.changed_slots.sum()) / mig.phy2log.numel(),
         "stale_plan_balancedness": float(old.balancedness_for(weight).mean()),
@@ -97,13 +145,16 @@ def bench_soft(weight: torch.Tensor, penalties: list[float]) -> list[dict[str, A
     """Soft locality on (288, 4, 32)."""
     out = []
     for w_pen in penalties:
-        s = E.plan(weight, num_replicas=288, num_groups=8, num_nodes=4, num_gpus=32, soft_locality=w_pen)
+        kw: dict[str, Any] = {"num_replicas": 288, "num_groups": 8, "num_nodes": 4, "num_gpus": 32}
+        s = E.plan(weight, **kw, soft_locality=w_pen)
         s.validate()
+        t_soft, _ = median_ms(functools.partial(E.plan, weight, **kw, soft_locality=w_pen), repeat=5)
         out.append(
             {
                 "penalty": w_pen,
                 "balancedness": float(s.balancedness.mean()),
                 "cross_node_share": float(s.cross_node_share.mean()),
+                "ms_median": t_soft,
             }
         )
     return out

@@ -98,8 +98,8 @@ def markdown(res: dict[str, Any]) -> str:
         "## Strict / global mode (58 layers x 256 experts, 8 groups)",
         "",
         "| (replicas, nodes, GPUs) | mode | balancedness | worst layer | greedy | layers below greedy "
-        "| strict cap | of cap | gap to bound | ms / call (median) | greedy ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| strict cap | of cap | gap to bound | ms / call (median) | CPU ms | `plan()` ms | greedy ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["configs"]:
         cap = f"{r['strict_cap_balancedness']:.4f}" if "strict_cap_balancedness" in r else "-"
@@ -107,8 +107,26 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(
             f"| {r['config']} | {r['mode']} | {r['balancedness']:.4f} | {r['min_layer_balancedness']:.4f} "
             f"| {r['greedy_balancedness']:.4f} | {r['layers_below_greedy']} | {cap} | {of_cap} "
-            f"| {100 * r['mean_gap_to_bound']:.2f}% | {r['ms_per_call_median']:.1f} | {r['greedy_ms_median']:.1f} |"
+            f"| {100 * r['mean_gap_to_bound']:.2f}% | {r['ms_per_call_median']:.1f} "
+            f"| {r['cpu_ms_per_call_median']:.1f} | {r['plan_ms_median']:.1f} | {r['greedy_ms_median']:.1f} |"
         )
+    if all("deepseek" in r for r in res["configs"]):
+        lines += [
+            "",
+            f"DeepSeek's public reference (`{res['deepseek_ref']}`, `rebalance_experts`, imported by path, "
+            "same loads, same run, one thread):",
+            "",
+            "| (replicas, nodes, GPUs) | DeepSeek balancedness | ours | layers where ours is lower "
+            "| DeepSeek ms | ours ms | speed-up |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in res["configs"]:
+            d = r["deepseek"]
+            lines.append(
+                f"| {r['config']} | {d['balancedness']:.4f} | {r['balancedness']:.4f} "
+                f"| {d['layers_below_deepseek']} | {d['ms_median']:.1f} | {r['ms_per_call_median']:.1f} "
+                f"| {d['speedup']:.0f}x |"
+            )
     fc = res["first_call"]
     lines += [
         "",
@@ -121,36 +139,43 @@ def markdown(res: dict[str, Any]) -> str:
         "## Migration-aware mode (plan in service made on the previous window; cap 25% of slots per layer)",
         "",
         "| (replicas, nodes, GPUs) | migrated | greedy re-plan | stale plan | slots changed | "
-        "re-plan changes (ours) | re-plan changes (greedy) |",
-        "|---|---|---|---|---|---|---|",
+        "re-plan changes (ours) | re-plan changes (greedy) | ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in res["configs"]:
         m = r["migration"]
         lines.append(
             f"| {r['config']} | {m['balancedness']:.4f} | {r['greedy_balancedness']:.4f} "
             f"| {m['stale_plan_balancedness']:.4f} | {100 * m['changed_fraction']:.1f}% "
-            f"| {100 * m['replan_changed_fraction_ours']:.1f}% | {100 * m['replan_changed_fraction_greedy']:.1f}% |"
+            f"| {100 * m['replan_changed_fraction_ours']:.1f}% | {100 * m['replan_changed_fraction_greedy']:.1f}% "
+            f"| {m['ms_median']:.1f} |"
         )
     lines += [
         "",
         "## Soft locality on (288, 4, 32)",
         "",
-        "| penalty W | balancedness | cross-node token share |",
-        "|---|---|---|",
+        "| penalty W | balancedness | cross-node token share | ms |",
+        "|---|---|---|---|",
     ]
     for s in res["soft_locality"]:
-        lines.append(f"| {s['penalty']:g} | {s['balancedness']:.4f} | {100 * s['cross_node_share']:.1f}% |")
+        lines.append(
+            f"| {s['penalty']:g} | {s['balancedness']:.4f} | {100 * s['cross_node_share']:.1f}% "
+            f"| {s['ms_median']:.1f} |"
+        )
     hg = res["hard_group_loads"]
     lines += [
         "",
         f"Harder loads, `{hg['loads']}` (strict cap {hg['strict_cap_balancedness']:.4f}, "
         f"strict plan {hg['strict_balancedness']:.4f}):",
         "",
-        "| penalty W | balancedness | cross-node token share |",
-        "|---|---|---|",
+        "| penalty W | balancedness | cross-node token share | ms |",
+        "|---|---|---|---|",
     ]
     for s in hg["soft_locality"]:
-        lines.append(f"| {s['penalty']:g} | {s['balancedness']:.4f} | {100 * s['cross_node_share']:.1f}% |")
+        lines.append(
+            f"| {s['penalty']:g} | {s['balancedness']:.4f} | {100 * s['cross_node_share']:.1f}% "
+            f"| {s['ms_median']:.1f} |"
+        )
     lines += [
         "",
         "## Time per call as the problem grows (one CPU thread)",
@@ -167,6 +192,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out-dir", default="docs/benchmarks")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller scaling sweep")
+    parser.add_argument(
+        "--deepseek-ref",
+        metavar="PATH",
+        help="eplb.py of DeepSeek's public EPLB repository (git clone https://github.com/deepseek-ai/EPLB), "
+        "imported by path to time its rebalance_experts on the same loads",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     repeat = 5 if args.quick else 21
@@ -186,10 +217,15 @@ def main() -> int:
         "numba": numba.__version__,
         "planner": "NumPy + Numba on the host, one thread (CUDA input is copied to the host and back)",
         "loads": "eplb_core.synthetic_loads(58, 256, num_groups=8, num_windows=2, seed=0)",
+        "deepseek_ref": args.deepseek_ref,
+        "seed_program": "not timed: 17-200 s per call on these shapes (see the docs)",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu only",
     }
     res["first_call"] = first_call_seconds()
-    res["configs"] = [B.bench_config(weight, earlier, *cfg, repeat=repeat) for cfg in B.CONFIGS]
+    deepseek = B.load_deepseek(args.deepseek_ref) if args.deepseek_ref else None
+    res["configs"] = [
+        B.bench_config(weight, earlier, *cfg, repeat=repeat, deepseek=deepseek) for cfg in B.CONFIGS
+    ]
     res["soft_locality"] = B.bench_soft(weight, [0.0, 0.05, 0.2])
     # harder loads: groups differ more (group_sigma 0.6), strict cap near 0.85 as on recorded DeepSeek-V3 loads
     hard = E.synthetic_loads(B.NUM_LAYERS, B.NUM_EXPERTS, num_groups=B.NUM_GROUPS, group_sigma=0.6, seed=0)

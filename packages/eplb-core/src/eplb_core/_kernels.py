@@ -1232,3 +1232,87 @@ def pack_layers(
             )
             _write_sorted(expert, pick, np.int64(1), out[first + q].reshape(-1))
     return out
+
+
+@_njit
+def soft_node_swaps(
+    weight: np.ndarray,
+    counts: np.ndarray,
+    expert: np.ndarray,
+    node: np.ndarray,
+    home: np.ndarray,
+    num_nodes: int,
+    gpus_per_node: int,
+    penalty: float,
+    max_steps: int,
+) -> None:
+    """Even out the node loads of a soft-locality allocation by exchanging redundant replicas.
+
+    Per layer, up to ``max_steps`` times: the heaviest node ``H`` trades one of its redundant replicas
+    (slot ``>= N``: the first ``N`` slots are every expert's primary replica, which stays home) for a
+    lighter redundant replica of another node ``L``, the exchange that lowers ``max(H, L)`` the most,
+    if the drop exceeds ``penalty`` times the cross-node load it adds and no node then holds more
+    replicas of an expert than it has GPUs.
+
+    Args:
+        weight: ``[L, N]`` float64 loads; counts: ``[L, N]`` int64 replica counts.
+        expert, node: ``[L, R]`` int64 expert and node of every replica (``node`` updated in place).
+        home: ``[L, N]`` int64 home node of every expert.
+    """
+    num_layers, num_replicas = expert.shape
+    num_experts = weight.shape[1]
+    load = np.empty(num_nodes)
+    on_node = np.zeros((num_nodes, num_experts), dtype=np.int64)
+    for layer in range(num_layers):
+        load[:] = 0.0
+        on_node[:] = 0
+        for p in range(num_replicas):
+            e = expert[layer, p]
+            load[node[layer, p]] += weight[layer, e] / counts[layer, e]
+            on_node[node[layer, p], e] += 1
+        for _ in range(max_steps):
+            h = np.argmax(load)
+            best = load[h]
+            bi = -1
+            bj = -1
+            for i in range(num_experts, num_replicas):
+                if node[layer, i] != h:
+                    continue
+                e = expert[layer, i]
+                pe = weight[layer, e] / counts[layer, e]
+                for j in range(num_experts, num_replicas):
+                    lt = node[layer, j]
+                    if lt == h:
+                        continue
+                    f = expert[layer, j]
+                    pf = weight[layer, f] / counts[layer, f]
+                    d = pe - pf
+                    if d <= 0 or e == f:
+                        continue
+                    peak = max(load[h] - d, load[lt] + d)
+                    if peak >= best:
+                        continue
+                    if on_node[lt, e] >= gpus_per_node or on_node[h, f] >= gpus_per_node:
+                        continue
+                    # cross-node load added by the exchange
+                    cross = pe * ((home[layer, e] != lt) - (home[layer, e] != h))
+                    cross += pf * ((home[layer, f] != h) - (home[layer, f] != lt))
+                    if load[h] - peak <= penalty * max(cross, 0.0):
+                        continue
+                    best = peak
+                    bi = i
+                    bj = j
+            if bi < 0:
+                break
+            lt = node[layer, bj]
+            e = expert[layer, bi]
+            f = expert[layer, bj]
+            d = weight[layer, e] / counts[layer, e] - weight[layer, f] / counts[layer, f]
+            load[h] -= d
+            load[lt] += d
+            on_node[h, e] -= 1
+            on_node[lt, e] += 1
+            on_node[lt, f] -= 1
+            on_node[h, f] += 1
+            node[layer, bi] = lt
+            node[layer, bj] = h

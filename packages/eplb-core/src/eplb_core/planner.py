@@ -321,6 +321,20 @@ def _solve_soft(
     ids = torch.arange(num_logical, device=device).expand(num_layers, -1)
     all_expert = torch.cat([ids, *(e.unsqueeze(1) for e in choices_e)], 1)  # [L, R]
     all_node = torch.cat([home, *(n.unsqueeze(1) for n in choices_n)], 1)
+    # the one-at-a-time choices leave node loads uneven: trade redundant replicas between nodes
+    node_np = all_node.cpu().numpy().copy()
+    _kernels.soft_node_swaps(
+        w.cpu().numpy(),
+        counts.cpu().numpy(),
+        all_expert.cpu().numpy(),
+        node_np,
+        home.cpu().numpy(),
+        num_nodes,
+        gpus_per_node,
+        penalty,
+        4 * extra,
+    )
+    all_node = torch.from_numpy(node_np).to(device)
     order = torch.argsort(all_node * num_replicas + torch.arange(num_replicas, device=device), dim=1)
     item_expert = all_expert.gather(1, order).view(num_layers * num_nodes, per_node_cap)
     per = w / counts.to(dt)
