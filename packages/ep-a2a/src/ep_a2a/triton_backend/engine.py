@@ -5,12 +5,13 @@ and the table of every rank's base address) and launches the kernels of :mod:`.k
 (:mod:`ep_a2a.triton_backend.backend`) builds it over a real symmetric heap; the CPU tests build several
 over plain CPU buffers (:mod:`ep_a2a.triton_backend.simulate`).
 
-A dispatch is three launches: ``_layout_kernel`` (per-expert slot positions, counts pushed to the expert
-owners), ``_counts_kernel`` (one program: wait for every source's counts, build the receive layout) and
-``_dispatch_kernel`` (tokens out once per destination rank, expanded to expert rows on the receiver).
-In exact-shape mode one small device-to-host copy after the second launch sizes the output; in static
-mode (CUDA graphs) the output has the worst-case number of rows and the counts stay on the device.
-A combine is one launch of ``_combine_kernel``.
+A dispatch has three steps: ``_layout_kernel`` (per-expert slot positions, counts pushed to the expert
+owners), the receive layout (wait for every source's counts; either ``_counts_kernel`` on its own or
+program 0 of the row kernel, ``counts=True``) and ``_dispatch_kernel`` (tokens out once per destination
+rank, expanded to expert rows on the receiver). Static mode (CUDA graphs) and the exact-shape mode of
+small layers merge the last two into one launch into worst-case buffers; the exact-shape mode of large
+layers launches the counts step alone, copies the counts to the host and allocates exactly ``R`` rows
+before the row kernel. A combine is one launch of ``_combine_kernel``.
 """
 
 from __future__ import annotations
@@ -198,7 +199,6 @@ class TritonEPEngine:
         self._dummy_w = torch.zeros(1, dtype=weight_dtype, device=dev)
         self.scan_block = min(4096, _next_pow2(max(16, max_tokens * topk)))
         self._layout_grid = (min(self.num_tot_experts, self.num_sm),)
-        self._combines_pending = 0
 
     # ------------------------------------------------------------------ errors
     def check_error(self, err: int | None = None) -> None:
