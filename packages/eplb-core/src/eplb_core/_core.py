@@ -2,8 +2,8 @@
 
 Every function works on a batch of independent sub-problems (layers, or layer x node in the strict
 hierarchy) with a fixed number of operations per call, so one call costs a few hundred small tensor ops
-whatever the number of layers, and runs unchanged on a CUDA tensor. Used by the bounds, the
-migration-aware mode and the soft-locality allocation; the strict/global planner is ``_fast`` (NumPy).
+whatever the number of layers, and runs unchanged on a CUDA tensor. Used by the bounds (node cap) and
+the migration-aware mode; the strict/global and soft-locality planners are compiled (``_kernels``).
 """
 
 from __future__ import annotations
@@ -448,20 +448,3 @@ def _refine_block(
             held.scatter_add_(1, hb * width + nb_dst, one)
             held.scatter_add_(1, lb_bin * width + nb_src, one)
     return load, expert, bucket, fixed, moved
-
-
-def log2phy_from_phy2log(phy2log: torch.Tensor, logcnt: torch.Tensor) -> torch.Tensor:
-    """``[L, N, max_count]`` table of the physical slots of each expert, ascending, padded with -1."""
-    num_layers, num_replicas = phy2log.shape
-    num_experts = logcnt.shape[1]
-    device = phy2log.device
-    max_count = int(logcnt.max())
-    slot = torch.arange(num_replicas, device=device).expand(num_layers, -1)
-    order = torch.argsort(phy2log * num_replicas + slot, dim=1)
-    sorted_expert = phy2log.gather(1, order)
-    offsets = logcnt.cumsum(1) - logcnt
-    rank = torch.arange(num_replicas, device=device) - offsets.gather(1, sorted_expert)
-    out = torch.full((num_layers, num_experts, max_count), -1, dtype=torch.int64, device=device)
-    flat = (sorted_expert * max_count + rank).view(num_layers, -1)
-    out.view(num_layers, -1).scatter_(1, flat, order)
-    return out

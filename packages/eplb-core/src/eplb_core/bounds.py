@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from eplb_core import _core
+from eplb_core import _core, _kernels
 
 __all__ = ["lower_bound"]
 
@@ -36,7 +37,11 @@ def lower_bound(
     w = weight.to(torch.float64)
     num_layers, num_experts = w.shape
     bound = w.sum(1) / num_gpus
-    counts = _core.min_max_counts(w, num_replicas)
+    # the sequential greedy split minimises the heaviest replica (compiled, on the host)
+    w_host = w.detach().cpu().numpy()
+    counts_np = np.ones(w_host.shape, dtype=np.int64)
+    _kernels.greedy_counts(np.ascontiguousarray(w_host), counts_np, num_replicas)
+    counts = torch.from_numpy(counts_np).to(w.device)
     bound = torch.maximum(bound, (w / counts.to(torch.float64)).amax(1))
     if mode == "strict" and num_nodes > 1:
         group_load = w.view(num_layers, num_groups, num_experts // num_groups).sum(-1)

@@ -245,104 +245,35 @@ def _solve_soft(
     penalty: float,
     iters: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Soft locality.
+    """Soft locality, on the host.
 
-    Every expert keeps its first replica on its group's home node (best equal group split, as in the
-    strict mode). The ``R - N`` redundant replicas are handed out one at a time: each step either splits
-    the expert with the heaviest replica (what GPU packing needs) or an expert of the heaviest node
-    (what node balance needs), whichever gives the lower estimate of the final peak
-    ``max(heaviest node / GPUs per node, heaviest replica + the S-1 lightest loads)``; the new replica
-    goes to the node where ``(load + replica) * (1 + W [not home])`` is lowest, among nodes with a free
-    slot. Each node is then packed like a strict node.
+    Groups get home nodes by the best equal split (as in the strict mode); every expert keeps its
+    first replica at home and the ``R - N`` redundant replicas are allocated to experts and nodes one
+    at a time (:func:`eplb_core._kernels.soft_allocate`); redundant replicas are then traded between
+    nodes to even the node loads (:func:`eplb_core._kernels.soft_node_swaps`), and each node is packed
+    like a strict node (:func:`eplb_core._kernels.pack_layers`).
     """
     num_layers, num_logical = w.shape
     device = w.device
-    dt = w.dtype
     group_size = num_logical // num_groups
-    group_load = w.view(num_layers, num_groups, group_size).sum(-1)
-    node_of_group, _ = _core.assign_groups_to_nodes(group_load, num_nodes)
-    home = node_of_group.repeat_interleave(group_size, dim=1)  # [L, N]
-    per_node_cap = num_replicas // num_nodes
+    w_np = w.detach().to("cpu", torch.float64).numpy()
+    group_load = w_np.reshape(num_layers, num_groups, group_size).sum(-1)
+    node_of_group = _solve.assign_groups_to_nodes(group_load, num_nodes)
+    home = np.ascontiguousarray(np.repeat(node_of_group, group_size, axis=1))  # [L, N]
     gpus_per_node = num_gpus // num_nodes
-    slots = num_replicas // num_gpus
-    rows = torch.arange(num_layers, device=device)
-    nodes = torch.arange(num_nodes, device=device)
-    counts = torch.ones(num_layers, num_logical, dtype=torch.int64, device=device)
-    on_node = torch.nn.functional.one_hot(home, num_nodes).to(dt)  # [L, N, nodes] replicas per node
-    free = per_node_cap - on_node.sum(1)
-    filler = torch.sort(w, dim=1).values[:, : slots - 1].sum(1)
-    off_home = 1.0 + penalty * (nodes.view(1, 1, -1) != home.unsqueeze(-1)).to(dt)  # [L, N, nodes]
-    off_home_packing = 1.0 + max(penalty, 1.0) * (nodes.view(1, 1, -1) != home.unsqueeze(-1)).to(dt)
-    extra = num_replicas - num_logical
-    choices_e, choices_n = [], []
-    inf = torch.tensor(math.inf, dtype=dt, device=device)
-    for _ in range(extra):
-        c = counts.to(dt)
-        per = w / c
-        node_load = torch.einsum("len,le->ln", on_node, per)
-        heavy_node = node_load.argmax(1)
-        # experts that can still get a replica without a second copy on one GPU of a node
-        feasible = ((free > 0).unsqueeze(1) & (on_node < gpus_per_node)).any(-1)  # [L, N]
-        feasible |= ~feasible.any(1, keepdim=True)  # nothing feasible: duplicates are unavoidable
-        none = torch.full_like(per, -1.0)
-        e_a = torch.where(feasible, per, none).argmax(1)
-        in_heavy = (on_node[rows, :, heavy_node] > 0) & feasible  # [L, N]
-        in_heavy |= ~in_heavy.any(1, keepdim=True) & feasible
-        # option b: the split that takes the most load off the heaviest node (its replicas there shrink)
-        shed = on_node[rows, :, heavy_node] * (per - w / (c + 1))
-        e_b = torch.where(in_heavy, shed, none).argmax(1)
-        options = []
-        for which, e in enumerate((e_a, e_b)):
-            ce = c.gather(1, e.unsqueeze(1))
-            we = w.gather(1, e.unsqueeze(1))
-            new_per = we / (ce + 1)
-            shrink = on_node[rows, e] * (we / ce - new_per)  # [L, nodes]
-            load_after = node_load - shrink
-            crowded = (on_node[rows, e] >= gpus_per_node) & (ce + 1 <= num_gpus)
-            blocked = (free <= 0) | crowded
-            blocked = torch.where(blocked.all(1, keepdim=True), free <= 0, blocked)
-            # a split for packing (option a) stays home when it can: slots on other nodes are what the
-            # heaviest node needs to shed load (option b)
-            away = off_home[rows, e] if which == 1 else off_home_packing[rows, e]
-            cost = torch.where(blocked, inf, (load_after + new_per) * away)
-            n = cost.argmin(1)
-            load_after = load_after.scatter_add(1, n.unsqueeze(1), new_per)
-            per_after = per.scatter(1, e.unsqueeze(1), new_per)
-            score = torch.maximum(load_after.amax(1) / gpus_per_node, per_after.amax(1) + filler)
-            options.append((score, e, n))
-        take_b = options[1][0] < options[0][0]
-        best_e = torch.where(take_b, options[1][1], options[0][1])
-        best_n = torch.where(take_b, options[1][2], options[0][2])
-        counts[rows, best_e] += 1
-        on_node[rows, best_e, best_n] += 1
-        free[rows, best_n] -= 1
-        choices_e.append(best_e)
-        choices_n.append(best_n)
-    ids = torch.arange(num_logical, device=device).expand(num_layers, -1)
-    all_expert = torch.cat([ids, *(e.unsqueeze(1) for e in choices_e)], 1)  # [L, R]
-    all_node = torch.cat([home, *(n.unsqueeze(1) for n in choices_n)], 1)
+    expert, node, counts = _kernels.soft_allocate(w_np, home, num_replicas, num_nodes, num_gpus, penalty)
     # the one-at-a-time choices leave node loads uneven: trade redundant replicas between nodes
-    node_np = all_node.cpu().numpy().copy()
     _kernels.soft_node_swaps(
-        w.cpu().numpy(),
-        counts.cpu().numpy(),
-        all_expert.cpu().numpy(),
-        node_np,
-        home.cpu().numpy(),
-        num_nodes,
-        gpus_per_node,
-        penalty,
-        4 * extra,
+        w_np, counts, expert, node, home, num_nodes, gpus_per_node, penalty, 4 * (num_replicas - num_logical)
     )
-    all_node = torch.from_numpy(node_np).to(device)
-    order = torch.argsort(all_node * num_replicas + torch.arange(num_replicas, device=device), dim=1)
-    item_expert = all_expert.gather(1, order).view(num_layers * num_nodes, per_node_cap)
-    per = w / counts.to(dt)
-    item_load = per.gather(1, item_expert.view(num_layers, -1)).view_as(item_expert)
-    expert = _solve.pack_rows(
-        item_load.cpu().numpy(), item_expert.cpu().numpy(), gpus_per_node, iters, num_logical, num_nodes
+    order = np.argsort(node * num_replicas + np.arange(num_replicas), axis=1)
+    item_expert = np.take_along_axis(expert, order, 1).reshape(num_layers * num_nodes, -1)
+    item_load = np.take_along_axis(w_np / counts, item_expert.reshape(num_layers, -1), 1)
+    packed = _solve.pack_rows(
+        item_load.reshape(item_expert.shape), item_expert, gpus_per_node, iters, num_logical, num_nodes
     )
-    return torch.from_numpy(expert.reshape(num_layers, num_replicas)).to(device), node_of_group
+    phy2log = torch.from_numpy(packed.reshape(num_layers, num_replicas)).to(device)
+    return phy2log, torch.from_numpy(node_of_group).to(device)
 
 
 # ---------------------------------------------------------------------------- migration
