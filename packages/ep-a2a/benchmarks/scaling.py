@@ -7,9 +7,9 @@ Reads ``<dir>/x<N>/ep-a2a-triton-bench.json``, one raw output of ``bench_triton.
 ``<dir>.json`` (the summary rows, each with its source file, date and commit), ``<dir>.md`` (the
 tables) and ``<dir>.png`` (GB/s and 128-token latency against the number of GPUs).
 
-Per-rank GB/s count only token rows that leave the GPU (one per token and destination rank), the
-busier sender's bytes; % CE is against the copy engine copying that many bytes to one peer in the same
-run, all ranks at once.
+Per-rank GB/s count only token rows that cross NVLink (one per token and destination rank), at the
+busiest rank, taking the larger of what it sends and what it receives; % CE is against the copy engine
+copying that many bytes to one peer in the same run, all ranks at once.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def render(rows: list[dict]) -> str:
     lines = [
         "# ep-a2a scaling over GPUs of one host",
         "",
-        "Each cell: time per call / GB/s per rank (% of the copy engine measured in the same run). "
+        "Each cell: time per call / GB/s at the busiest rank (the larger of its sent and received crossing "
+        "bytes) / (% of the copy engine moving those bytes in the same run). "
         "`eager` and `graph`: the Triton backend with 132 SMs, exact-shape mode (one device-to-host copy) and "
         "CUDA-graph replay (static shapes); `sm32`: eager with `num_sm=32`.",
     ]
