@@ -382,7 +382,8 @@ def _solve_migration(
     origin = prev.view(-1, num_bins, slots)
     count_item = layer_counts.gather(1, layer_expert).view_as(expert3)
     bucket = _core.duplicate_buckets(expert3, count_item)
-    rounds = _kernels.default_iters(num_bins, slots) if iters is None else iters
+    # exchange rounds (the budgeted swaps of this mode have no re-split or peak step)
+    rounds = _kernels.default_iters(num_bins, _kernels.MAX_RESPLIT_SLOTS + 1) if iters is None else iters
     # swaps move whole items between GPUs of one row: the (used) budget is recomputed from origin
     full_budget = torch.full_like(row_budget, budget // rows_per_layer)
     _, expert3 = _core.refine_swaps(
