@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 import eplb_core as E
-from eplb_core import _core
 from eplb_core._greedy import greedy_rebalance
+from eplb_core.bounds import node_cap_bound
 
 # (num_replicas, num_nodes, num_gpus) of the DeepSeek-V3 serving configurations in the issue
 CONFIGS = [(288, 4, 32), (320, 8, 64), (264, 1, 8), (288, 9, 72)]
@@ -61,7 +61,7 @@ def strict_cap(weight: torch.Tensor, num_nodes: int, num_gpus: int) -> torch.Ten
     """Best balancedness any strict-hierarchy plan can reach, per layer (the strict-hierarchy cap)."""
     num_layers = weight.shape[0]
     group_load = weight.view(num_layers, NUM_GROUPS, -1).sum(-1)
-    peak = _core.node_cap_bound(group_load, num_nodes) / (num_gpus // num_nodes)
+    peak = node_cap_bound(group_load, num_nodes) / (num_gpus // num_nodes)
     return (weight.sum(1) / num_gpus) / peak
 
 

@@ -495,6 +495,13 @@ def _after_move(
 
 
 @_njit
+def _change(fe: np.ndarray, origin: np.ndarray, a: int, b: int) -> int:
+    """Change in the number of slots that differ from ``origin`` if slots ``a`` and ``b`` swap."""
+    before = (fe[a] != origin[a]) + (fe[b] != origin[b])
+    return (fe[b] != origin[a]) + (fe[a] != origin[b]) - before
+
+
+@_njit
 def _swap_rounds(
     fl: np.ndarray,
     fe: np.ndarray,
@@ -507,9 +514,12 @@ def _swap_rounds(
     rb: tuple,
     sb: tuple,
     stamp: int,
+    origin: np.ndarray,
+    budget: int,
 ) -> tuple[bool, int]:
     """``rounds`` single-exchange rounds on one row (``fl``/``fe``/``ff``: ``[G * S]`` loads, expert
-    ids, fixed flags, in place).
+    ids, fixed flags, in place). With ``budget >= 0`` an exchange is refused when it would leave more
+    than ``budget`` slots holding another expert than ``origin [G * S]`` (migration-aware mode).
 
     Per round, every pair of bins (see :func:`_pair_bins`) makes the one exchange of an item ``x`` of
     the heavy bin with an item ``y`` of the light bin that best evens the pair (gain
@@ -528,6 +538,10 @@ def _swap_rounds(
     brute = slots <= BRUTE_FORCE_SLOTS
     moved = False
     stamp = _start_row(fl, slots, bin_load, order, ver, stamp)
+    used = 0
+    if budget >= 0:
+        for p in range(num_bins * slots):
+            used += fe[p] != origin[p]
     if not brute:
         for p in range(num_bins * slots):  # clear what earlier rows left for these experts
             for g in range(num_bins):
@@ -557,7 +571,11 @@ def _swap_rounds(
                             no_y[y] = True
                 for x in range(slots):
                     for y in range(slots):
-                        if no_x[x] or no_y[y]:
+                        if (
+                            no_x[x]
+                            or no_y[y]
+                            or (budget >= 0 and used + _change(fe, origin, ha + x, lb0 + y) > budget)
+                        ):
                             gain = -_INF
                         else:
                             delta = fl[ha + x] - fl[lb0 + y]
@@ -598,13 +616,19 @@ def _swap_rounds(
                         gain, y = g_hi, y_sorted[hi]
                     else:
                         gain, y = g_lo, y_sorted[lo]
-                    if held[lt, fe[ha + x]] > 0 or (has_fixed and ff[ha + x]):
+                    if (
+                        held[lt, fe[ha + x]] > 0
+                        or (has_fixed and ff[ha + x])
+                        or (budget >= 0 and used + _change(fe, origin, ha + x, lb0 + y) > budget)
+                    ):
                         gain = -_INF
                     if gain > best:
                         best = gain
                         pa, pb = ha + x, lb0 + y
             if best > tol:
                 moved = True
+                if budget >= 0:
+                    used += _change(fe, origin, pa, pb)
                 if not brute:
                     e_x, e_y = fe[pa], fe[pb]
                     held[h, e_x] -= 1
@@ -876,6 +900,8 @@ def _refine(
     tables: tuple,
     ws: tuple,
     stamp: int,
+    origin: np.ndarray,
+    budgets: np.ndarray,
 ) -> int:
     """Pairwise refinement of the first ``num_rows`` rows of ``load``/``expert``/``fixed`` ``[B, G, S]``
     (one layer: ``num_candidates`` stacked plans of ``rows_per_group`` rows each), in place; never
@@ -898,7 +924,10 @@ def _refine(
     flags, stats, bin_tmp, cand_peak = state
     alive, active = flags[0], flags[1]
     total, tol, peak, excess, row_lb = stats[0], stats[1], stats[2], stats[3], stats[4]
-    resplit = slots <= MAX_RESPLIT_SLOTS
+    # a migration budget (``budgets[r] >= 0``, slots that may differ from ``origin [B, G, S]``) is
+    # kept by the exchange rounds only
+    use_budget = budgets.size > 0
+    resplit = slots <= MAX_RESPLIT_SLOTS and not use_budget
     width = num_bins * slots
     for r in range(num_rows):
         alive[r] = True
@@ -948,7 +977,11 @@ def _refine(
                     fl, fe, ff, has_fixed, rounds, it, slots, tables, rb, pb, stamp
                 )
             else:
-                moved, stamp = _swap_rounds(fl, fe, ff, has_fixed, tol[r], rounds, it, slots, rb, sb, stamp)
+                budget = budgets[r] if use_budget else -1
+                fo = origin[r].reshape(-1)
+                moved, stamp = _swap_rounds(
+                    fl, fe, ff, has_fixed, tol[r], rounds, it, slots, rb, sb, stamp, fo, budget
+                )
             after = _row_stats(fl, num_bins, slots, total[r] / num_bins, bin_tmp)[1]
             alive[r] = moved and (excess[r] - after > MIN_BLOCK_GAIN * total[r])
         it += rounds
@@ -1151,6 +1184,7 @@ def solve_layers(
     node_sum = np.empty(num_nodes)
     ws = _workspace(num_bins, slots, num_experts, tables[0].shape[0], num_cand * num_nodes)
     stamp = np.int64(0)
+    no_budget = np.empty(0, dtype=np.int64)
     for layer in range(num_layers):
         gl = group_load[layer]
         node_use = ours_nodes[layer]
@@ -1200,6 +1234,8 @@ def solve_layers(
             tables,
             ws,
             stamp,
+            expert,
+            no_budget,
         )
         best = _INF
         pick = 0
@@ -1238,6 +1274,8 @@ def solve_layers(
                 tables,
                 ws,
                 stamp,
+                expert_g,
+                no_budget,
             )
             for r in range(num_nodes):
                 _repair_row(
@@ -1290,6 +1328,7 @@ def pack_layers(
     per_expert = np.zeros(num_experts, dtype=np.int64)
     ws = _workspace(num_bins, slots, num_experts, tables[0].shape[0], num_cand * rows_per_group)
     stamp = np.int64(0)
+    no_budget = np.empty(0, dtype=np.int64)
     for first in range(0, num_rows, rows_per_group):
         any_fixed = np.bool_(False)
         for q in range(rows_per_group):
@@ -1322,6 +1361,8 @@ def pack_layers(
             tables,
             ws,
             stamp,
+            expert,
+            no_budget,
         )
         for q in range(rows_per_group):
             best = _INF
@@ -1539,3 +1580,185 @@ def soft_allocate(
             expert[layer, step] = e
             node[layer, step] = n
     return expert, node, counts
+
+
+@_njit
+def _row_peak(weight: np.ndarray, row: np.ndarray, counts: np.ndarray, num_bins: int, slots: int) -> float:
+    """Heaviest GPU of a row of expert ids, every replica carrying ``weight / counts`` of its expert."""
+    peak = -_INF
+    for g in range(num_bins):
+        load = 0.0
+        for s in range(slots):
+            e = row[g * slots + s]
+            load += weight[e] / max(counts[e], 1)
+        peak = max(peak, load)
+    return peak
+
+
+@_njit
+def _transfer_row(
+    weight: np.ndarray,
+    row: np.ndarray,
+    counts: np.ndarray,
+    num_bins: int,
+    slots: int,
+    transfers: int,
+    work: tuple,
+) -> None:
+    """Re-split replicas inside one row of a plan in service, one slot at a time, in place.
+
+    Targets are the slot-aware counts of the experts present in the row (:func:`_slot_aware_row`).
+    Each step moves one slot from the over-replicated expert whose replicas would stay lightest to the
+    under-replicated expert with the heaviest replica, on a GPU that does not hold the receiver (a GPU
+    holding the donor twice first; below ``num_bins + 1`` replicas it must be such a GPU), and is kept
+    only if the row's peak does not rise; the first refused step ends the row.
+    """
+    target, sub_w, sub_c, per, small, ids = work
+    n_present = 0
+    for e in range(weight.size):
+        target[e] = 0
+        if counts[e] > 0:
+            ids[n_present] = e
+            sub_w[n_present] = weight[e]
+            n_present += 1
+    if n_present == 0:
+        return
+    _slot_aware_row(sub_w[:n_present], row.size, num_bins, sub_c[:n_present], per[:n_present], small)
+    for j in range(n_present):
+        target[ids[j]] = sub_c[j]
+    for _ in range(transfers):
+        recv, donor = -1, -1
+        best_r, best_d = -_INF, _INF
+        for j in range(n_present):
+            e = ids[j]
+            c = counts[e]
+            if c < target[e] and weight[e] / c > best_r:
+                best_r, recv = weight[e] / c, e
+            if c > target[e] and weight[e] / max(c - 1, 1) < best_d:
+                best_d, donor = weight[e] / max(c - 1, 1), e
+        if recv < 0 or donor < 0:
+            return
+        any_doubled = False
+        for g in range(num_bins):
+            n_donor = 0
+            for s in range(slots):
+                n_donor += row[g * slots + s] == donor
+            any_doubled = any_doubled or n_donor > 1
+        must = counts[donor] - 1 <= num_bins and any_doubled
+        slot, slot_doubled = -1, False
+        for g in range(num_bins):
+            has_recv = False
+            n_donor = 0
+            for s in range(slots):
+                has_recv = has_recv or row[g * slots + s] == recv
+                n_donor += row[g * slots + s] == donor
+            if has_recv or (must and n_donor < 2):
+                continue
+            for s in range(slots):
+                p = g * slots + s
+                if row[p] == donor and (slot < 0 or (n_donor > 1 and not slot_doubled)):
+                    slot, slot_doubled = p, n_donor > 1
+        if slot < 0:
+            return
+        before = _row_peak(weight, row, counts, num_bins, slots)
+        row[slot] = recv
+        counts[donor] -= 1
+        counts[recv] += 1
+        if _row_peak(weight, row, counts, num_bins, slots) > before:
+            row[slot] = donor
+            counts[donor] += 1
+            counts[recv] -= 1
+            return
+
+
+@_njit
+def migrate_layers(
+    weight: np.ndarray,
+    prev: np.ndarray,
+    rows_per_layer: int,
+    num_gpus: int,
+    budget: int,
+    iters: int,
+    transfers_on: bool,
+    tables: tuple,
+) -> np.ndarray:
+    """Migration-aware plan: keep ``prev``'s slots, re-split replicas and exchange within a budget.
+
+    Replicas never leave their row (a node in strict and soft plans, the layer in global ones). In
+    each row (1) up to half the row's budget moves single slots between experts (:func:`_transfer_row`,
+    with ``transfers_on``), (2) exchange rounds (:func:`_refine` with the budget) run with the rest:
+    no row ends with more than ``budget // rows_per_layer`` slots that differ from ``prev``, and no
+    step raises a row's peak.
+
+    Args:
+        weight: ``[L, N]`` float64; prev: ``[L, R]`` int64 plan in service (GPU-major slots).
+
+    Returns:
+        ``[L, R]`` int64, the new ``phy2log`` (slots in place: unchanged slots keep their position).
+    """
+    num_layers, num_replicas = prev.shape
+    num_experts = weight.shape[1]
+    per_row = num_replicas // rows_per_layer
+    num_bins = num_gpus // rows_per_layer
+    slots = num_replicas // num_gpus
+    row_budget = budget // rows_per_layer
+    out = prev.copy()
+    counts = np.zeros((rows_per_layer, num_experts), dtype=np.int64)
+    layer_counts = np.zeros(num_experts, dtype=np.int64)
+    row = np.empty(per_row, dtype=np.int64)
+    work = (
+        np.zeros(num_experts, dtype=np.int64),
+        np.empty(num_experts),
+        np.empty(num_experts, dtype=np.int64),
+        np.empty(num_experts),
+        np.empty(max(slots, 1)),
+        np.empty(num_experts, dtype=np.int64),
+    )
+    load = np.empty((rows_per_layer, num_bins, slots))
+    expert = np.empty((rows_per_layer, num_bins, slots), dtype=np.int64)
+    origin = np.empty((rows_per_layer, num_bins, slots), dtype=np.int64)
+    fixed = np.zeros((rows_per_layer, num_bins, slots), dtype=np.bool_)
+    budgets = np.full(rows_per_layer, row_budget, dtype=np.int64)
+    ws = _workspace(num_bins, slots, num_experts, tables[0].shape[0], rows_per_layer)
+    stamp = np.int64(0)
+    for layer in range(num_layers):
+        layer_counts[:] = 0
+        for q in range(rows_per_layer):
+            counts[q] = 0
+            for p in range(per_row):
+                row[p] = out[layer, q * per_row + p]
+                counts[q, row[p]] += 1
+            if transfers_on and row_budget // 2 > 0:
+                _transfer_row(weight[layer], row, counts[q], num_bins, slots, row_budget // 2, work)
+            fe = expert[q].reshape(-1)
+            fo = origin[q].reshape(-1)
+            for p in range(per_row):
+                fe[p] = row[p]
+                fo[p] = prev[layer, q * per_row + p]
+            for e in range(num_experts):
+                layer_counts[e] += counts[q, e]
+        for q in range(rows_per_layer):
+            fl = load[q].reshape(-1)
+            fe = expert[q].reshape(-1)
+            for p in range(per_row):
+                fl[p] = weight[layer, fe[p]] / layer_counts[fe[p]]
+        stamp = _refine(
+            load,
+            expert,
+            fixed,
+            np.bool_(False),
+            rows_per_layer,
+            rows_per_layer,
+            np.int64(1),
+            iters,
+            tables,
+            ws,
+            stamp,
+            origin,
+            budgets,
+        )
+        for q in range(rows_per_layer):
+            fe = expert[q].reshape(-1)
+            for p in range(per_row):
+                out[layer, q * per_row + p] = fe[p]
+    return out

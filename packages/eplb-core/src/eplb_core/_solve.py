@@ -7,14 +7,23 @@ everything else, for all layers, is one call of a compiled kernel of :mod:`eplb_
 from __future__ import annotations
 
 import itertools
+import math
 from functools import lru_cache
 
 import numpy as np
 import torch
 
-from eplb_core import _core, _kernels
+from eplb_core import _kernels
 
-__all__ = ["assign_groups_to_nodes", "pack_rows", "solve", "solve_hierarchical", "split_tables"]
+__all__ = [
+    "assign_groups_to_nodes",
+    "best_node_peaks",
+    "equal_partitions",
+    "pack_rows",
+    "solve",
+    "solve_hierarchical",
+    "split_tables",
+]
 
 
 @lru_cache(maxsize=8)
@@ -38,31 +47,74 @@ def split_tables(slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
     return idx_heavy, idx_light, member, member.astype(np.float32)
 
 
+@lru_cache(maxsize=32)
+def equal_partitions(num_items: int, num_bins: int) -> np.ndarray | None:
+    """All ways to split ``num_items`` labelled items into ``num_bins`` unlabelled equal blocks.
+
+    Returns ``[C, num_items]`` int64 bin ids (canonical: blocks numbered by their smallest item), or
+    None when there are more than 4096 (105 for DeepSeek-V3's 8 groups on 4 nodes).
+    """
+    per_bin = num_items // num_bins
+    count = math.factorial(num_items) // (math.factorial(per_bin) ** num_bins * math.factorial(num_bins))
+    if count > 4096:
+        return None
+    out: list[list[int]] = []
+
+    def rec(assign: list[int], remaining: list[int], next_bin: int) -> None:
+        if not remaining:
+            out.append(assign.copy())
+            return
+        first, rest = remaining[0], remaining[1:]
+        for others in itertools.combinations(rest, per_bin - 1):
+            for i in (first, *others):
+                assign[i] = next_bin
+            rec(assign, [r for r in rest if r not in others], next_bin + 1)
+
+    rec([0] * num_items, list(range(num_items)), 0)
+    return np.array(out, dtype=np.int64)
+
+
+@lru_cache(maxsize=16)
+def _partition_tables(num_groups: int, num_nodes: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(partitions [C, g], one-hot [g, C * nodes])`` of :func:`equal_partitions`, or None."""
+    parts = equal_partitions(num_groups, num_nodes)
+    if parts is None:
+        return None
+    onehot = (parts[:, :, None] == np.arange(num_nodes)).astype(np.float64)  # [C, g, n]
+    return parts, np.ascontiguousarray(onehot.transpose(1, 0, 2).reshape(num_groups, -1))
+
+
+def best_node_peaks(group_load: np.ndarray, num_nodes: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(partition index [L], heaviest node [L])`` of the best equal split of every layer's groups,
+    by enumeration; None when there are too many splits to list."""
+    tables = _partition_tables(group_load.shape[1], num_nodes)
+    if tables is None:
+        return None
+    peaks = (group_load @ tables[1]).reshape(group_load.shape[0], -1, num_nodes).max(2)
+    best = peaks.argmin(1)
+    return best, peaks[np.arange(len(best)), best]
+
+
 def assign_groups_to_nodes(group_load: np.ndarray, num_nodes: int) -> np.ndarray:
     """Node of every group ``[L, g]`` int64 minimising the heaviest node (equal group counts).
 
-    Exact by enumeration when the partitions can be listed (105 for 8 groups on 4 nodes); otherwise
-    the torch LPT + swap packing of ``_core.assign_groups_to_nodes``.
+    Exact by enumeration when the splits can be listed; otherwise the groups are packed onto the
+    nodes like replicas onto GPUs (:func:`pack_rows`: LPT and round-robin starts, refinement).
     """
     num_layers, num_groups = group_load.shape
     if num_nodes == 1:
         return np.zeros((num_layers, num_groups), dtype=np.int64)
-    parts_t = _core._equal_partitions(num_groups, num_nodes)
-    if parts_t is None:
-        return _core.assign_groups_to_nodes(torch.from_numpy(group_load), num_nodes)[0].numpy()
-    parts, onehot = _partition_tables(num_groups, num_nodes)
-    node_loads = group_load @ onehot
-    best = node_loads.reshape(num_layers, -1, num_nodes).max(2).argmin(1)
-    return parts[best]
-
-
-@lru_cache(maxsize=16)
-def _partition_tables(num_groups: int, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
-    parts_t = _core._equal_partitions(num_groups, num_nodes)
-    assert parts_t is not None
-    parts = parts_t.numpy()
-    onehot = (parts[:, :, None] == np.arange(num_nodes)).astype(np.float64)  # [C, g, n]
-    return parts, np.ascontiguousarray(onehot.transpose(1, 0, 2).reshape(num_groups, -1))
+    found = best_node_peaks(group_load, num_nodes)
+    if found is not None:
+        tables = _partition_tables(num_groups, num_nodes)
+        assert tables is not None
+        return tables[0][found[0]]
+    ids = np.tile(np.arange(num_groups, dtype=np.int64), (num_layers, 1))
+    packed = pack_rows(group_load, ids, num_nodes, None, num_groups)  # [L, nodes, g / nodes]
+    node_of_group = np.empty((num_layers, num_groups), dtype=np.int64)
+    rows = np.arange(num_layers)[:, None, None]
+    node_of_group[rows, packed] = np.arange(num_nodes)[None, :, None]
+    return node_of_group
 
 
 def solve(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from eplb_core import _core, _kernels
+from eplb_core import _kernels, _solve
 
-__all__ = ["lower_bound"]
+__all__ = ["lower_bound", "node_cap_bound"]
 
 
 def lower_bound(
@@ -45,6 +45,23 @@ def lower_bound(
     bound = torch.maximum(bound, (w / counts.to(torch.float64)).amax(1))
     if mode == "strict" and num_nodes > 1:
         group_load = w.view(num_layers, num_groups, num_experts // num_groups).sum(-1)
-        cap = _core.node_cap_bound(group_load, num_nodes) / (num_gpus // num_nodes)
+        cap = node_cap_bound(group_load, num_nodes) / (num_gpus // num_nodes)
         bound = torch.maximum(bound, cap)
     return bound
+
+
+def node_cap_bound(group_load: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """A lower bound ``[L]`` on the heaviest node over every equal-size group-to-node assignment.
+
+    Exact (the best split's heaviest node) when the splits can be enumerated; otherwise the larger of
+    ``total / nodes`` and the heaviest group plus the ``g / nodes - 1`` lightest ones.
+    """
+    if num_nodes == 1:
+        return group_load.sum(1)
+    found = _solve.best_node_peaks(group_load.detach().to("cpu", torch.float64).numpy(), num_nodes)
+    if found is not None:
+        return torch.from_numpy(found[1]).to(group_load.device)
+    per_node = group_load.shape[1] // num_nodes
+    asc = group_load.sort(dim=1).values
+    with_heaviest = asc[:, -1] + asc[:, : per_node - 1].sum(1)
+    return torch.maximum(group_load.sum(1) / num_nodes, with_heaviest)

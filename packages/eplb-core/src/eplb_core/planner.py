@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import torch
 
-from eplb_core import _core, _kernels, _solve
+from eplb_core import _kernels, _solve
 from eplb_core.placement import Placement
 
 __all__ = ["check_topology", "check_weight", "plan", "rebalance_experts"]
@@ -312,101 +311,20 @@ def _solve_migration(
             ) from exc
         home = _home_nodes(prev, num_groups, num_nodes, num_logical)
     elif mode == "soft":
-        group_load = w.view(num_layers, num_groups, -1).sum(-1)
-        home = _core.assign_groups_to_nodes(group_load, num_nodes)[0]
+        group_load = w.detach().to("cpu", torch.float64).view(num_layers, num_groups, -1).sum(-1)
+        home = torch.from_numpy(_solve.assign_groups_to_nodes(group_load.numpy(), num_nodes)).to(device)
     num_bins = num_gpus // rows_per_layer
     slots = num_replicas // num_gpus
-    per_row = num_replicas // rows_per_layer
-    row_budget = torch.full(
-        (num_layers * rows_per_layer,), budget // rows_per_layer, dtype=torch.int64, device=device
-    )
-    expert = prev.view(num_layers * rows_per_layer, per_row).clone()
-    w_rows = w.repeat_interleave(rows_per_layer, dim=0)  # [B, N] load of every expert, per row
-    counts = torch.zeros_like(w_rows, dtype=torch.int64).scatter_add_(1, expert, torch.ones_like(expert))
-    # global counts (an expert may span rows in soft mode): per-replica load uses the layer's count
-    layer_counts = torch.zeros(num_layers, num_logical, dtype=torch.int64, device=device)
-    layer_counts.scatter_add_(1, prev, torch.ones_like(prev))
-    # (1) re-split replicas within the row, one slot per step
-    transfers = int(budget // rows_per_layer) // 2
-    present = counts > 0
-    if transfers > 0 and mode != "soft":
-        target = _row_targets(w_rows, present, per_row, num_bins)
-        used = torch.zeros_like(row_budget)
-        bin_of_slot = torch.arange(per_row, device=device) // slots
-        r_idx = torch.arange(expert.shape[0], device=device)
-        active = torch.ones_like(used, dtype=torch.bool)
-
-        def row_peak(e: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-            per_slot = (w_rows / c.clamp_min(1).to(w.dtype)).gather(1, e)
-            return per_slot.view(-1, num_bins, slots).sum(-1).amax(1)
-
-        for _ in range(transfers):
-            c = counts.to(w.dtype)
-            want = present & (counts < target)
-            give = present & (counts > target)
-            recv = torch.where(want, w_rows / c, torch.full_like(c, -1.0)).argmax(1)
-            donor = torch.where(give, w_rows / (c - 1).clamp_min(1), torch.full_like(c, math.inf)).argmin(1)
-            ok = want.any(1) & give.any(1) & (used < row_budget) & active
-            is_recv = (expert == recv.unsqueeze(1)).view(-1, num_bins, slots).any(-1)  # [B, bins]
-            cand = (expert == donor.unsqueeze(1)) & ~is_recv.gather(1, bin_of_slot.expand_as(expert))
-            ok &= cand.any(1)
-            if not bool(ok.any()):
-                break
-            # take the donor's slot from a GPU where it sits twice first (unavoidable before, not after)
-            is_donor = expert == donor.unsqueeze(1)
-            doubled = is_donor.view(-1, num_bins, slots).sum(-1).gather(1, bin_of_slot.expand_as(expert)) > 1
-            # below num_bins + 1 replicas a repeat becomes avoidable: the slot must come from a doubled GPU
-            must = (counts.gather(1, donor.unsqueeze(1)) - 1 <= num_bins) & doubled.any(1, keepdim=True)
-            cand &= doubled | ~must
-            ok &= cand.any(1)
-            if not bool(ok.any()):
-                break
-            slot = (cand.long() * (1 + doubled.long())).argmax(1)
-            new_expert, new_counts = expert.clone(), counts.clone()
-            new_expert[r_idx[ok], slot[ok]] = recv[ok]
-            new_counts[r_idx[ok], donor[ok]] -= 1
-            new_counts[r_idx[ok], recv[ok]] += 1
-            # a re-split also loads the donor's other GPUs: keep it only if the row's peak does not rise
-            better = row_peak(new_expert, new_counts) <= row_peak(expert, counts)
-            active &= ~ok | better
-            ok &= better
-            expert = torch.where(ok.unsqueeze(1), new_expert, expert)
-            counts = torch.where(ok.unsqueeze(1), new_counts, counts)
-            used += ok.long()
-        layer_counts = counts.view(num_layers, rows_per_layer, -1).sum(1)
-    # (2) budgeted swaps
-    per_rep = w / layer_counts.to(w.dtype)
-    layer_expert = expert.view(num_layers, -1)
-    load = per_rep.gather(1, layer_expert).view(-1, num_bins, slots)
-    expert3 = expert.view(-1, num_bins, slots)
-    origin = prev.view(-1, num_bins, slots)
-    count_item = layer_counts.gather(1, layer_expert).view_as(expert3)
-    bucket = _core.duplicate_buckets(expert3, count_item)
     # exchange rounds (the budgeted swaps of this mode have no re-split or peak step)
     rounds = _kernels.default_iters(num_bins, _kernels.MAX_RESPLIT_SLOTS + 1) if iters is None else iters
-    # swaps move whole items between GPUs of one row: the (used) budget is recomputed from origin
-    full_budget = torch.full_like(row_budget, budget // rows_per_layer)
-    _, expert3 = _core.refine_swaps(
-        load,
-        expert3,
-        iters=rounds,
-        bucket=bucket,
-        origin=origin,
-        budget=full_budget,
-        rows_per_group=rows_per_layer,
+    phy2log = _kernels.migrate_layers(
+        w.detach().to("cpu", torch.float64).numpy(),
+        prev.cpu().numpy(),
+        rows_per_layer,
+        num_gpus,
+        budget,
+        rounds,
+        mode != "soft",
+        _solve.split_tables(slots),
     )
-    return expert3.reshape(num_layers, num_replicas), home
-
-
-def _row_targets(w_rows: torch.Tensor, present: torch.Tensor, per_row: int, num_bins: int) -> torch.Tensor:
-    """Slot-aware counts among the experts present in each row (others get 0)."""
-    _num_rows, num_logical = w_rows.shape
-    order = torch.argsort(
-        (~present).long() * num_logical + torch.arange(num_logical, device=w_rows.device), dim=1
-    )
-    k = int(present.sum(1).max())
-    sub = w_rows.gather(1, order[:, :k])
-    cnt = _core.slot_aware_counts(sub, per_row, num_bins)
-    out = torch.zeros_like(w_rows, dtype=torch.int64)
-    out.scatter_(1, order[:, :k], cnt)
-    return out
+    return torch.from_numpy(phy2log).to(device), home
