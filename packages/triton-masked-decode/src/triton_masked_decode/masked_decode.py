@@ -37,9 +37,10 @@ _interp_compat.install()
 __all__ = ["SPARSE_THRESHOLD", "masked_decode", "triton_masked_flash_decoding"]
 
 #: Default largest fraction of visible positions in a split for which ``path="auto"`` takes the sparse loop.
-#: On an H100 the sparse loop was at least as fast as the dense loop at every density measured (5-100% visible,
-#: random and clustered, batch 1/4/8), so every split with a mask takes it; lower it to keep dense splits on
-#: the dense loop.
+#: 1.0: every split with a mask takes it. On an H100 (benchmarks/bench_threshold.py) the sparse loop wins far
+#: below 50% visible at every batch and up to 80% visible at batch 8, but loses 6-15% to the dense loop from
+#: 50% visible at batch 4 (within 4% at batch 1): pass ``sparse_threshold=0.45`` for mostly-visible masks at
+#: small batch.
 SPARSE_THRESHOLD = 1.0
 
 _LOG2E = 1.4426950408889634
