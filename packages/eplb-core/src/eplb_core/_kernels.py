@@ -34,6 +34,9 @@ RR_MAX_SLOTS = 16
 # re-splits of the heaviest bin with the lightest ones at the end of every re-split round: they
 # lower the peak directly (6 rounds with them end better balanced than 32 without)
 PEAK_TRIES = 16
+# above this many bins per row, each round's bin order is sorted from scratch (merge sort), not by
+# insertion from the previous round's order
+SORT_FROM_SCRATCH_BINS = 32
 # refinement rounds between two re-selections of the rows that still matter
 BLOCK = 4
 
@@ -418,10 +421,14 @@ def _pair_bins(
     """This round's pairs of one row: the k-th heaviest bin with the ``(k + it) mod P``-th lightest.
 
     ``order`` holds the bins by decreasing load, ties by index (what a stable sort gives); it is
-    re-sorted in place by insertion from the previous round's order, which few moves disturb.
+    re-sorted in place by insertion from the previous round's order, which few moves disturb, or
+    from scratch by a merge sort on rows of more than ``SORT_FROM_SCRATCH_BINS`` bins (the same order).
     """
     num_bins = bin_load.size
-    for i in range(1, num_bins):
+    if num_bins > SORT_FROM_SCRATCH_BINS:
+        # many bins change per round here: a merge sort beats the quadratic insertion (same order)
+        order[:] = _argsort_desc(bin_load)
+    for i in range(1, num_bins if num_bins <= SORT_FROM_SCRATCH_BINS else 0):
         b = order[i]
         v = bin_load[b]
         j = i
@@ -471,7 +478,7 @@ def _start_row(
     return stamp + bin_load.size
 
 
-@_njit
+@_inline
 def _declined_before(h: int, lt: int, ver: np.ndarray, seen_h: np.ndarray, seen_l: np.ndarray) -> bool:
     """Whether pair ``(h, lt)`` was evaluated without a move and neither bin changed since (then it
     declines again: the outcome depends only on the two bins' contents); records this evaluation."""
@@ -482,7 +489,7 @@ def _declined_before(h: int, lt: int, ver: np.ndarray, seen_h: np.ndarray, seen_
     return False
 
 
-@_njit
+@_inline
 def _after_move(
     fl: np.ndarray, slots: int, h: int, lt: int, bin_load: np.ndarray, ver: np.ndarray, stamp: int
 ) -> int:
@@ -642,7 +649,7 @@ def _swap_rounds(
     return moved, stamp
 
 
-@_njit
+@_inline
 def _best_free_split(x: np.ndarray, member_f: np.ndarray, sums: np.ndarray, total32: np.float32) -> int:
     """First split minimising ``|2 s - T|`` among all splits (no constraint), ``s`` in float32.
 
@@ -669,7 +676,7 @@ def _best_free_split(x: np.ndarray, member_f: np.ndarray, sums: np.ndarray, tota
     return choice
 
 
-@_njit
+@_inline
 def _resplit_pair(
     fl: np.ndarray,
     fe: np.ndarray,
@@ -678,8 +685,12 @@ def _resplit_pair(
     h: int,
     lt: int,
     slots: int,
-    tables: tuple,
-    rb: tuple,
+    idx_heavy: np.ndarray,
+    idx_light: np.ndarray,
+    member: np.ndarray,
+    member_f: np.ndarray,
+    bin_load: np.ndarray,
+    ver: np.ndarray,
     pb: tuple,
     stamp: int,
 ) -> tuple[bool, int]:
@@ -688,9 +699,7 @@ def _resplit_pair(
     split in ``idx_heavy`` order; every split keeps item 0 on the heavy side), among the splits that
     leave fixed items in place and put no expert twice on one side; the split is made only if it
     lowers the pair's larger load. Returns ``(moved, stamp)``."""
-    idx_heavy, idx_light, member, member_f = tables
-    _, _, bin_load, _, ver, _, _ = rb
-    items, items32, sums, part, comb, ids, fix, pos, tmp_l, tmp_e, tmp_f, clash_a, clash_b = pb
+    items, items32, sums, part_ok, _, ids, fix, pos, tmp_l, tmp_e, tmp_f, clash_a, clash_b = pb
     two = 2 * slots
     any_fixed = np.bool_(False)
     for s in range(slots):
@@ -721,42 +730,35 @@ def _resplit_pair(
         choice = _best_free_split(items32, member_f, sums, total32)
         found = True
     else:
-        # splits in lexicographic order of their heavy side (comb[0] = 0), the partial
-        # float32 sums of a shared prefix reused
-        for j in range(slots):
-            comb[j] = j
-            part[j] = items32[j] if j == 0 else part[j - 1] + items32[j]
-        c = 0
-        while True:
-            ok = True
-            if any_fixed:
-                for i in range(two):
-                    if fix[i] and member[i, c] != (i < slots):
-                        ok = False
-                        break
-            if ok:
-                for q in range(n_clash):
-                    if member[clash_a[q], c] == member[clash_b[q], c]:
-                        ok = False
-                        break
-            if ok:
-                score = abs(np.float32(2.0) * part[slots - 1] - total32)
+        # every split scored at once (as in _best_free_split), then the first best among the
+        # splits that keep fixed items on their side and separate clashing items
+        num_splits = sums.size
+        valid = part_ok[:num_splits]
+        for c in range(num_splits):
+            sums[c] = np.float32(0.0)
+            valid[c] = True
+        for k in range(two):
+            xk = items32[k]
+            for c in range(num_splits):
+                sums[c] += member_f[k, c] * xk
+        if any_fixed:
+            for i in range(two):
+                if fix[i]:
+                    side = i < slots
+                    for c in range(num_splits):
+                        valid[c] = valid[c] and member[i, c] == side
+        for q in range(n_clash):
+            a, b = clash_a[q], clash_b[q]
+            for c in range(num_splits):
+                valid[c] = valid[c] and member[a, c] != member[b, c]
+        two_f = np.float32(2.0)
+        for c in range(num_splits):
+            if valid[c]:
+                score = abs(two_f * sums[c] - total32)
                 if not found or score < best:
                     best = score
                     choice = c
                     found = True
-            # next combination: the rightmost position that can still advance
-            i = slots - 1
-            while i >= 1 and comb[i] == slots + i:
-                i -= 1
-            if i < 1:
-                break
-            comb[i] += 1
-            part[i] = part[i - 1] + items32[comb[i]]
-            for j in range(i + 1, slots):
-                comb[j] = comb[j - 1] + 1
-                part[j] = part[j - 1] + items32[comb[j]]
-            c += 1
     if not found:
         return False, stamp
     best_sum = 0.0
@@ -808,6 +810,7 @@ def _resplit_rounds(
         ``(moved, stamp)``.
     """
     heavy, light, bin_load, order, ver, seen_h, seen_l = rb
+    idx_heavy, idx_light, member, member_f = tables
     num_bins = bin_load.size
     half = num_bins // 2
     moved = False
@@ -818,21 +821,55 @@ def _resplit_rounds(
             h, lt = heavy[k], light[k]
             if _declined_before(h, lt, ver, seen_h, seen_l):
                 continue
-            m, stamp = _resplit_pair(fl, fe, ff, has_fixed, h, lt, slots, tables, rb, pb, stamp)
+            m, stamp = _resplit_pair(
+                fl,
+                fe,
+                ff,
+                has_fixed,
+                h,
+                lt,
+                slots,
+                idx_heavy,
+                idx_light,
+                member,
+                member_f,
+                bin_load,
+                ver,
+                pb,
+                stamp,
+            )
             moved = moved or m
         j = 0
         tries = 0
+        # the heaviest bin changes only when a re-split moves something
+        h = np.int64(np.argmax(bin_load))
         while j < half and tries < PEAK_TRIES:
-            h = np.int64(np.argmax(bin_load))
             lt = order[num_bins - 1 - j]
             j += 1
             if lt == h or _declined_before(h, lt, ver, seen_h, seen_l):
                 continue
             tries += 1
-            m, stamp = _resplit_pair(fl, fe, ff, has_fixed, h, lt, slots, tables, rb, pb, stamp)
+            m, stamp = _resplit_pair(
+                fl,
+                fe,
+                ff,
+                has_fixed,
+                h,
+                lt,
+                slots,
+                idx_heavy,
+                idx_light,
+                member,
+                member_f,
+                bin_load,
+                ver,
+                pb,
+                stamp,
+            )
             if m:
                 moved = True
                 j = 0
+                h = np.int64(np.argmax(bin_load))
     return moved, stamp
 
 
@@ -854,7 +891,7 @@ def _workspace(num_bins: int, slots: int, num_ids: int, num_splits: int, num_row
         np.empty(two),
         np.empty(two, dtype=np.float32),
         np.empty(num_splits, dtype=np.float32),
-        np.empty(slots, dtype=np.float32),
+        np.empty(num_splits, dtype=np.bool_),
         np.empty(slots, dtype=np.int64),
         np.empty(two, dtype=np.int64),
         np.empty(two, dtype=np.bool_),
