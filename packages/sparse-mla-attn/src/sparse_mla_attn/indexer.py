@@ -216,13 +216,16 @@ def _indexer_logits_fwd(
     return out
 
 
-def _indexer_logits_bwd(
+def _indexer_logits_bwd_torch(
     grad: torch.Tensor,
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
     weights: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dense backward in float32 torch, chunked over queries (``grad`` is 0 at masked entries)."""
+    """Dense backward in float32 torch, chunked over queries (``grad`` must be 0 at masked entries).
+
+    The former implementation of the backward, kept as the benchmark's baseline.
+    """
     s_q, h_idx, _ = q_idx.shape
     s_kv = k_idx.shape[0]
     k32 = k_idx.float()
@@ -242,6 +245,268 @@ def _indexer_logits_bwd(
     return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype)
 
 
+@triton.jit
+def _indexer_rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row,
+                       TOK: tl.constexpr, CAUSAL: tl.constexpr):  # fmt: skip
+    """``[rows, N]`` fp32 upstream gradient for the rows (token-major, TOK tokens) of a tile.
+
+    Each token's gradient row is loaded once as a ``[N]`` vector and broadcast over its heads; entries that
+    are masked (past ``s_kv``, outside the causal limit, or of a padded token) are 0 even if the gradient
+    there is NaN or inf.
+    """
+    g = tl.zeros([tok_of_row.shape[0], offs_n.shape[0]], dtype=tl.float32)
+    for i in tl.static_range(TOK):
+        t = t0 + i
+        gi = tl.load(g_ptr + t.to(tl.int64) * stride_gs + offs_n, mask=nmask & (t < s_q), other=0.0)
+        g = tl.where((tok_of_row == i)[:, None], gi[None, :], g)
+    keep = nmask[None, :] & ((t0 + tok_of_row) < s_q)[:, None]
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= max_k_row[:, None])
+    return tl.where(keep, g, 0.0)
+
+
+@triton.jit
+def _indexer_dqw_step(g_ptr, k_ptr, stride_gs, stride_ks, s_q, s_kv, n0, t0, q, w, tok_of_row, max_k_row, dq, dw,
+                      TOK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    """One block of BLOCK_N keys of the dq/dw sweep: returns the updated ``(dq, dw)`` accumulators."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    nmask = offs_n < s_kv
+    k = tl.load(
+        k_ptr + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0
+    )
+    z = tl.dot(q, tl.trans(k))
+    g = _indexer_rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row, TOK, CAUSAL)
+    dw += tl.sum(g * tl.maximum(z, 0.0), axis=1)
+    gz = tl.where(z > 0.0, g * w[:, None], 0.0)
+    return tl.dot(gz.to(k.dtype), k, dq), dw
+
+
+@triton.jit
+def _indexer_dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, stride_wh, s_q, q_start_index,
+                     k_stride, t0, k, offs_n, nmask, tok_of_row, head_in_block, dk,
+                     H: tl.constexpr, D: tl.constexpr, TOK: tl.constexpr, BLOCK_H: tl.constexpr,
+                     CAUSAL: tl.constexpr):  # fmt: skip
+    """TOK tokens (all heads) of the dk sweep: returns the updated ``dk`` accumulator."""
+    offs_d = tl.arange(0, D)
+    t_row = t0 + tok_of_row
+    max_k_row = tl.maximum(q_start_index + t_row + 1 - k_stride, 0) // k_stride
+    g = _indexer_rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row, TOK, CAUSAL)
+    for hb in tl.static_range(0, H, BLOCK_H):
+        head = hb + head_in_block
+        rmask = (t_row < s_q) & (head < H)
+        q = tl.load(
+            q_ptr + t_row[:, None].to(tl.int64) * stride_qs + head[:, None] * stride_qh + offs_d[None, :],
+            mask=rmask[:, None],
+            other=0.0,
+        )
+        w = tl.load(w_ptr + t_row.to(tl.int64) * stride_ws + head * stride_wh, mask=rmask, other=0.0)
+        z = tl.dot(q, tl.trans(k))  # [rows, N], the same orientation as the dq kernel
+        gz = tl.where(z > 0.0, g * w.to(tl.float32)[:, None], 0.0)
+        dk = tl.dot(tl.trans(gz.to(q.dtype)), q, dk)
+    return dk
+
+
+@triton.jit
+def _indexer_bwd_dqw_kernel(
+    g_ptr,
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    dq_ptr,
+    dw_ptr,
+    s_q,
+    s_kv,
+    stride_gs,
+    stride_qs,
+    stride_qh,
+    stride_ks,
+    stride_ws,
+    stride_wh,
+    stride_dqs,
+    stride_dqh,
+    stride_dws,
+    q_start_index,
+    k_stride,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TOK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One program per TOK tokens x BLOCK_H heads (rows); loops over keys: dq = (G w 1[z>0]) k, dw = G relu(z)."""
+    pid_h = tl.program_id(1)
+    t0 = tl.program_id(0) * TOK
+    offs_r = tl.arange(0, TOK * BLOCK_H)
+    tok_of_row = offs_r // BLOCK_H
+    head = pid_h * BLOCK_H + offs_r % BLOCK_H
+    t_row = t0 + tok_of_row
+    rmask = (t_row < s_q) & (head < H)
+    offs_d = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + t_row[:, None].to(tl.int64) * stride_qs + head[:, None] * stride_qh + offs_d[None, :],
+        mask=rmask[:, None],
+        other=0.0,
+    )
+    w = tl.load(w_ptr + t_row.to(tl.int64) * stride_ws + head * stride_wh, mask=rmask, other=0.0).to(
+        tl.float32
+    )
+    max_k_row = tl.maximum(q_start_index + t_row + 1 - k_stride, 0) // k_stride
+    n_end = s_kv
+    if CAUSAL:  # keys past the last token's limit are masked for every row of the tile
+        last = tl.minimum(t0 + TOK, s_q) - 1
+        n_end = tl.minimum(s_kv, tl.maximum(q_start_index + last + 1 - k_stride, 0) // k_stride + 1)
+    dq = tl.zeros([TOK * BLOCK_H, D], dtype=tl.float32)
+    dw = tl.zeros([TOK * BLOCK_H], dtype=tl.float32)
+    # The interpreter cannot range() over a run-time bound; the GPU needs a for loop to pipeline.
+    if INTERPRET:
+        n0 = 0
+        while n0 < n_end:
+            dq, dw = _indexer_dqw_step(g_ptr, k_ptr, stride_gs, stride_ks, s_q, s_kv, n0, t0, q, w,
+                                       tok_of_row, max_k_row, dq, dw, TOK, CAUSAL, BLOCK_N, D)  # fmt: skip
+            n0 += BLOCK_N
+    else:
+        for n0 in range(0, n_end, BLOCK_N):
+            dq, dw = _indexer_dqw_step(g_ptr, k_ptr, stride_gs, stride_ks, s_q, s_kv, n0, t0, q, w,
+                                       tok_of_row, max_k_row, dq, dw, TOK, CAUSAL, BLOCK_N, D)  # fmt: skip
+    tl.store(
+        dq_ptr + t_row[:, None].to(tl.int64) * stride_dqs + head[:, None] * stride_dqh + offs_d[None, :],
+        dq.to(dq_ptr.dtype.element_ty),
+        mask=rmask[:, None],
+    )
+    tl.store(dw_ptr + t_row.to(tl.int64) * stride_dws + head, dw.to(dw_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _indexer_bwd_dk_kernel(
+    g_ptr,
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    dk_ptr,
+    s_q,
+    s_kv,
+    stride_gs,
+    stride_qs,
+    stride_qh,
+    stride_ks,
+    stride_ws,
+    stride_wh,
+    stride_dks,
+    q_start_index,
+    k_stride,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TOK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One program per BLOCK_N keys; loops over (token, head) rows: dk = Σ_rows (G w 1[z>0])^T q. No atomics."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < s_kv
+    offs_d = tl.arange(0, D)
+    k = tl.load(
+        k_ptr + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0
+    )
+    offs_r = tl.arange(0, TOK * BLOCK_H)
+    tok_of_row = offs_r // BLOCK_H
+    head_in_block = offs_r % BLOCK_H
+    t_begin = 0
+    # Causal: start at the first token whose limit reaches this key block (every token sees key 0).
+    if CAUSAL:
+        n0 = tl.program_id(0) * BLOCK_N
+        t_begin = tl.where(n0 > 0, tl.maximum(n0 * k_stride + k_stride - 1 - q_start_index, 0), 0)
+        t_begin = (t_begin // TOK) * TOK
+    dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    if INTERPRET:
+        t0 = t_begin
+        while t0 < s_q:
+            dk = _indexer_dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, stride_wh, s_q,
+                                  q_start_index, k_stride, t0, k, offs_n, nmask, tok_of_row, head_in_block, dk,
+                                  H, D, TOK, BLOCK_H, CAUSAL)  # fmt: skip
+            t0 += TOK
+    else:
+        for t0 in range(t_begin, s_q, TOK):
+            dk = _indexer_dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, stride_wh, s_q,
+                                  q_start_index, k_stride, t0, k, offs_n, nmask, tok_of_row, head_in_block, dk,
+                                  H, D, TOK, BLOCK_H, CAUSAL)  # fmt: skip
+    tl.store(
+        dk_ptr + offs_n[:, None].to(tl.int64) * stride_dks + offs_d[None, :],
+        dk.to(dk_ptr.dtype.element_ty),
+        mask=nmask[:, None],
+    )
+
+
+def _indexer_bwd_config(h_idx: int) -> dict[str, int]:
+    block_h = max(16, triton.next_power_of_2(min(h_idx, 64)))
+    if _indexer_interpreting():
+        return {"BLOCK_H": block_h, "TOK_DQ": 2, "BLOCK_N_DQ": 16, "TOK_DK": 2, "BLOCK_N_DK": 16,
+                "num_warps_dq": 4, "num_stages_dq": 1, "num_warps_dk": 4, "num_stages_dk": 1}  # fmt: skip
+    # 128 (token, head) rows per dq program (two tokens at h_idx 64) so that each K tile serves two
+    # tokens; 128 keys per dk program, one token's 64 heads per step.
+    return {"BLOCK_H": block_h, "TOK_DQ": max(1, 128 // block_h), "BLOCK_N_DQ": 64,
+            "TOK_DK": max(1, 64 // block_h), "BLOCK_N_DK": 128,
+            "num_warps_dq": 8, "num_stages_dq": 3, "num_warps_dk": 8, "num_stages_dk": 3}  # fmt: skip
+
+
+def _indexer_logits_bwd(
+    grad: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    causal: bool = False,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    *,
+    config: dict[str, int] | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton backward of the logits: ``(dq_idx, dk_idx, dweights)`` in the inputs' dtypes.
+
+    Two kernels, neither with atomics (so the result is the same bits from run to run): one program per
+    block of (token, head) rows sweeps the keys for ``dq`` and ``dw``; one program per block of keys sweeps
+    the rows for ``dk``. Both recompute ``z = q·k`` (4 products in all, against 3 for the minimum) and skip
+    key/token ranges that the causal rule masks. ``grad`` entries at masked positions are never used (they
+    may be NaN). ``out`` (tests) gives preallocated outputs.
+    """
+    s_q, h_idx, d_idx = q_idx.shape
+    s_kv = k_idx.shape[0]
+    if grad.shape != (s_q, s_kv):
+        raise ValueError(f"grad must be [{s_q}, {s_kv}], got {tuple(grad.shape)}")
+    grad = grad.float()
+    grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+    q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
+    k_idx = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
+    if out is None:
+        dq = torch.empty(q_idx.shape, dtype=q_idx.dtype, device=q_idx.device)
+        dk = torch.empty(k_idx.shape, dtype=k_idx.dtype, device=k_idx.device)
+        dw = torch.empty(weights.shape, dtype=weights.dtype, device=weights.device)
+    else:
+        dq, dk, dw = out
+    cfg = _indexer_bwd_config(h_idx)
+    if config:
+        cfg.update(config)
+    block_h = cfg["BLOCK_H"]
+    common = dict(H=h_idx, D=d_idx, CAUSAL=causal, BLOCK_H=block_h, INTERPRET=_indexer_interpreting())
+    _indexer_bwd_dqw_kernel[(triton.cdiv(s_q, cfg["TOK_DQ"]), triton.cdiv(h_idx, block_h))](
+        grad, q_idx, k_idx, weights, dq, dw, s_q, s_kv,
+        grad.stride(0), q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1),
+        dq.stride(0), dq.stride(1), dw.stride(0), q_start_index, k_stride, **common,
+        TOK=cfg["TOK_DQ"], BLOCK_N=cfg["BLOCK_N_DQ"], num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
+    )  # fmt: skip
+    _indexer_bwd_dk_kernel[(triton.cdiv(s_kv, cfg["BLOCK_N_DK"]),)](
+        grad, q_idx, k_idx, weights, dk, s_q, s_kv,
+        grad.stride(0), q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1),
+        dk.stride(0), q_start_index, k_stride, **common,
+        TOK=cfg["TOK_DK"], BLOCK_N=cfg["BLOCK_N_DK"], num_warps=cfg["num_warps_dk"], num_stages=cfg["num_stages_dk"],
+    )  # fmt: skip
+    return dq, dk, dw
+
+
 class _IndexerLogits(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -254,14 +519,14 @@ class _IndexerLogits(torch.autograd.Function):
         k_stride: int,
     ) -> torch.Tensor:
         ctx.save_for_backward(q_idx, k_idx, weights)
+        ctx.mask = (causal, q_start_index, k_stride)
         return _indexer_logits_fwd(q_idx, k_idx, weights, causal, q_start_index, k_stride)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         q_idx, k_idx, weights = ctx.saved_tensors
-        # Masked entries are constant (-inf); a gradient there is meaningless, so drop it.
-        grad = torch.where(torch.isfinite(grad), grad, torch.zeros_like(grad))
-        dq, dk, dw = _indexer_logits_bwd(grad, q_idx, k_idx, weights)
+        # Masked entries are constant (-inf): the kernels ignore the gradient there (it may be NaN).
+        dq, dk, dw = _indexer_logits_bwd(grad, q_idx, k_idx, weights, *ctx.mask)
         return dq, dk, dw, None, None, None
 
 
@@ -276,8 +541,9 @@ def indexer_logits(
 ) -> torch.Tensor:
     """Lightning-indexer logits ``I[t, n] = Σ_j w[t, j] · ReLU(q_idx[t, j] · k_idx[n])``.
 
-    The forward is a Triton kernel (bf16 products, fp32 accumulation). The backward (to ``q_idx``,
-    ``k_idx`` and ``weights``) is a chunked float32 torch computation: correct but not a tuned kernel.
+    Forward and backward (to ``q_idx``, ``k_idx`` and ``weights``) are Triton kernels (products in the
+    input dtype, fp32 accumulation). The backward uses no atomics, so its result is the same bits from run
+    to run; the gradient at causally masked entries is ignored.
 
     Args:
         q_idx: ``[s_q, h_idx, d_idx]`` bf16 (DeepSeek-V3.2: h_idx 64, d_idx 128; d_idx a power of two).
