@@ -16,7 +16,7 @@ import triton
 
 from sparse_mla_attn import sparse_mla_fwd_ref
 from sparse_mla_attn._inputs import random_indices
-from sparse_mla_attn.forward import LAST_COMPILED, sparse_mla_fwd_impl
+from sparse_mla_attn.forward import LAST_BACKEND, LAST_COMPILED, sparse_mla_fwd_impl
 
 D_QK, D_V = 576, 512
 
@@ -61,6 +61,7 @@ def kernel_resources(name: str) -> dict[str, Any]:
         "n_spills": getattr(k, "n_spills", None),
         "shared_bytes": getattr(getattr(k, "metadata", None), "shared", None),
         "wgmma": "wgmma" in ptx,
+        "backend": LAST_BACKEND.get(name),
     }
 
 

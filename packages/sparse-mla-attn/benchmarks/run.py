@@ -134,6 +134,13 @@ def render_md(r: dict) -> str:
         "",
         f"Dense bf16 matmul measured in the same run: **{peak:.0f} TFLOPS**.",
         "",
+        "Kernel family that ran (`backend` of the rows): "
+        + ", ".join(
+            f"{k} {'/'.join(sorted({str(x.get('backend')) for x in r[k]}))}"
+            for k in ("fwd", "attn_dist", "decode")
+        )
+        + ".",
+        "",
         "### Forward (`sparse_mla_fwd`), topk 2048, d_qk 576, d_v 512",
         "",
         "| s_q | h_q | s_kv | time (ms) | TFLOPS | % of matmul | torch gather+einsum (TFLOPS) | FlashMLA H100, quoted (TFLOPS) |",

@@ -18,18 +18,17 @@ from bench_attn_dist import bench_attn_dist
 from bench_decode import bench_decode
 from bench_forward import bench_fwd, dense_matmul_tflops
 
-# Sweep 6: PREFETCH on/off, named explicitly (in sweep 5 the defaults' PREFETCH leaked into the variants
-# without the key); decode timed as CUDA-graph replay and eagerly.
-S2 = {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2, "S_SPLIT": True}
-FWD_VARIANTS = [{**S2, "PREFETCH": False}, {**S2, "PREFETCH": True}]
-# (attn_dist also had a PREFETCH variant here; it was slower and was removed: NOTES.md, sweep 6.)
+# Sweep 7: the Gluon kernels (_gluon.py) against the Triton ones, same process; Gluon ring depths.
+S2 = {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2, "S_SPLIT": True, "PREFETCH": True}
+FWD_VARIANTS = [{**S2, "GLUON": False}, {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 2}]
 ATTN_DIST_VARIANTS = [
-    {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 4, "num_stages": 2},
-    {"BLOCK_H": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3},
+    {"GLUON": False},
+    {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 6},
+    {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 4},
+    {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 3},
 ]
-ATTN_DIST_H128_VARIANTS: list[dict] = []
-DECODE_VARIANTS = [{**S2, "PREFETCH": False}, {**S2, "PREFETCH": True}]
-SMALL_BATCH_SPLITS = [1, 8]
+ATTN_DIST_SHAPES = [(128, 8192), (128, 131072), (64, 32768)]
+DECODE_VARIANTS = [{**S2, "GLUON": False}, {"GLUON": True}]
 
 
 def profile_kernels(fn, label: str, iters: int = 20) -> None:
@@ -87,37 +86,21 @@ def main() -> None:
                 run("fwd", bench_fwd, results, s_q=a.s_q, h_q=h_q, s_kv=s_kv, topk=2048, config=cfg)
     if "attn_dist" in only:
         for cfg in ATTN_DIST_VARIANTS:
-            for s_kv in (8192, 32768, 131072):
-                run(
-                    "attn_dist", bench_attn_dist, results, s_q=a.s_q, h_q=64, s_kv=s_kv, topk=2048, config=cfg
-                )
-        for cfg in ATTN_DIST_H128_VARIANTS:
-            for s_kv in (8192, 131072):
+            for h_q, s_kv in ATTN_DIST_SHAPES:
                 run(
                     "attn_dist",
                     bench_attn_dist,
                     results,
                     s_q=a.s_q,
-                    h_q=128,
+                    h_q=h_q,
                     s_kv=s_kv,
                     topk=2048,
                     config=cfg,
                 )
     if "decode" in only:
-        for b, seqlen in ((64, 32768), (64, 131072), (128, 32768)):
+        for b, seqlen in ((64, 32768), (128, 32768)):
             for cfg in DECODE_VARIANTS:
                 run("decode", bench_decode, results, b=b, h_q=128, seqlen=seqlen, topk=2048, config=cfg)
-        best = DECODE_VARIANTS[0]
-        for n in SMALL_BATCH_SPLITS:
-            cfg = {**best, "NUM_SPLITS": n}
-            run("decode", bench_decode, results, b=8, h_q=128, seqlen=32768, topk=2048, config=cfg)
-        from bench_decode import make_decode_inputs
-
-        from sparse_mla_attn.decode import sparse_mla_decode_impl
-
-        args = make_decode_inputs(64, 128, 32768, 2048)
-        for cfg in DECODE_VARIANTS:
-            profile_kernels(lambda cfg=cfg: sparse_mla_decode_impl(*args, 0.04, config=cfg), f"b64 {cfg}")
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1, default=str)
 

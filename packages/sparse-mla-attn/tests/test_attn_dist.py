@@ -121,6 +121,9 @@ def test_attn_dist_gpu(s_q, h_q, s_kv, topk):
     )
 
 
+TWO_TILES = {"GLUON": False, "BLOCK_H": 64, "num_warps": 4}
+
+
 @pytest.mark.gpu
 def test_attn_dist_gpu_two_head_tiles():
     """The 2-tile path (fp32 atomic_add of two partial sums onto 0) is exact and order-independent."""
@@ -128,10 +131,40 @@ def test_attn_dist_gpu_two_head_tiles():
 
     q, kv, idx = problem(128, 128, 576, 8192, 2048, "cuda", seed=3, invalid_frac=0.05)
     _, _, lse = sparse_mla_fwd(q, kv, idx, 0.0416, causal=True, q_start_index=8000)
-    got = attn_dist_impl(q, kv, idx, lse, 0.0416, q_start_index=8000, config={"BLOCK_H": 64, "num_warps": 4})
-    again = attn_dist_impl(
-        q, kv, idx, lse, 0.0416, q_start_index=8000, config={"BLOCK_H": 64, "num_warps": 4}
-    )
+    got = attn_dist_impl(q, kv, idx, lse, 0.0416, q_start_index=8000, config=TWO_TILES)
+    again = attn_dist_impl(q, kv, idx, lse, 0.0416, q_start_index=8000, config=TWO_TILES)
     ref = attn_dist_ref(q, kv, idx, lse, 0.0416, q_start_index=8000)
     torch.testing.assert_close(got, ref, atol=TOL["gpu"][0], rtol=TOL["gpu"][1])
     assert torch.equal(got, again)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("backend", "h_q", "d_qk", "topk"),
+    [
+        pytest.param("triton", 128, 576, 1000, id="triton-H128-D576-T1000"),
+        pytest.param("gluon", 128, 576, 1000, id="gluon-H128-D576-T1000"),
+        pytest.param("gluon", 64, 576, 2048, id="gluon-H64-D576-T2048"),
+        pytest.param("gluon", 37, 512, 333, id="gluon-H37-D512-T333"),
+    ],
+)
+def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk):
+    """Both kernel families against the reference (invalid indices, causal limit with k_stride 2, NaN in
+    every unselected KV row, a query with no valid slot)."""
+    from sparse_mla_attn.attn_dist import attn_dist_impl
+    from sparse_mla_attn.forward import LAST_BACKEND
+
+    if backend == "gluon" and not (
+        torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    ):
+        pytest.skip("the Gluon kernels need an sm_90 GPU (H100/H200)")
+    s_q, s_kv, start = 128, 8192, 16000
+    q, kv, idx = problem(s_q, h_q, d_qk, s_kv, topk, "cuda", seed=h_q + topk, invalid_frac=0.05)
+    idx[3] = -1
+    kw = {"q_start_index": start, "k_stride": 2}
+    _, _, lse = sparse_mla_fwd(q, kv, idx, 0.0416, causal=True, **kw)
+    got = attn_dist_impl(q, kv, idx, lse, 0.0416, config={"GLUON": backend == "gluon"}, **kw)
+    assert LAST_BACKEND["attn_dist"] == backend
+    ref = attn_dist_ref(q, kv, idx, lse, 0.0416, **kw)
+    torch.testing.assert_close(got, ref, atol=TOL["gpu"][0], rtol=TOL["gpu"][1])
+    assert torch.all(got[3] == 0)

@@ -229,3 +229,38 @@ def test_fwd_gpu_torch_compile():
     q, kv, idx = make_problem(64, 128, 576, 4096, 256, "cuda", seed=12)
     compiled = torch.compile(lambda a, b, c: sparse_mla_fwd(a, b, c, 0.05)[0] * 2, fullgraph=True)
     torch.testing.assert_close(compiled(q, kv, idx), sparse_mla_fwd(q, kv, idx, 0.05)[0] * 2)
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("backend", "h_q", "d_qk", "topk"),
+    [
+        pytest.param("triton", 128, 576, 1000, id="triton-H128-D576-T1000"),
+        pytest.param("gluon", 128, 576, 1000, id="gluon-H128-D576-T1000"),
+        pytest.param("gluon", 48, 576, 2048, id="gluon-H48-D576-T2048"),
+        pytest.param("gluon", 100, 512, 333, id="gluon-H100-D512-T333"),
+    ],
+)
+def test_fwd_gpu_backends(backend, h_q, d_qk, topk):
+    """Both kernel families (Gluon on sm_90, Triton everywhere) against the reference, with causal limit,
+    sink, topk_length, invalid indices and NaN in every KV row that no valid index selects."""
+    from sparse_mla_attn.forward import LAST_BACKEND
+
+    if backend == "gluon" and not _sm90():
+        pytest.skip("the Gluon kernels need an sm_90 GPU (H100/H200)")
+    s_q, s_kv = 160, 8192
+    q, kv, idx = make_problem(s_q, h_q, d_qk, s_kv, topk, "cuda", seed=h_q + topk, invalid_frac=0.05)
+    kv = poison_unselected(kv, idx)
+    sink = torch.randn(h_q, device="cuda")
+    topk_length = torch.randint(0, topk + 1, (s_q,), dtype=torch.int32, device="cuda")
+    kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 8000, "k_stride": 1}
+    scale = 1 / math.sqrt(d_qk)
+    got = sparse_mla_fwd_impl(q, kv, idx, scale, config={"GLUON": backend == "gluon"}, **kw)
+    assert LAST_BACKEND["fwd"] == backend
+    check_fwd(got, q, kv, idx, scale, "gpu_few", **kw)
+    plain = sparse_mla_fwd_impl(q, kv, idx, scale, config={"GLUON": backend == "gluon"})
+    check_fwd(plain, q, kv, idx, scale, "gpu")

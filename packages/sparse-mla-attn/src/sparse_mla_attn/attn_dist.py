@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_mla_attn._gluon import gluon_available, gluon_enabled, launch_attn_dist_gluon
 from sparse_mla_attn._validate import (
     check_causal_args,
     check_kernel_dims,
@@ -21,7 +22,7 @@ from sparse_mla_attn._validate import (
     check_sm_scale,
     check_sparse_inputs,
 )
-from sparse_mla_attn.forward import LAST_COMPILED, LOG2E, check_device, interpreting
+from sparse_mla_attn.forward import LAST_BACKEND, LAST_COMPILED, LOG2E, check_device, interpreting
 
 
 @triton.jit
@@ -220,6 +221,25 @@ def attn_dist_impl(
         return out
     kv_rows = kv[:, 0]
     idx = indices[:, 0]
+    use_gluon = cfg.get("GLUON", gluon_enabled()) and gluon_available(q, kv_rows) and dims.h_q > 32
+    LAST_BACKEND["attn_dist"] = "gluon" if use_gluon else "triton"
+    if use_gluon:
+        # Hopper: all heads of a token in one program, query in registers, explicit cp.async ring.
+        LAST_COMPILED["attn_dist"] = launch_attn_dist_gluon(
+            q,
+            kv_rows,
+            idx,
+            lse,
+            out,
+            dims,
+            sm_scale * LOG2E,
+            LOG2E if lse_base == "e" else 1.0,
+            q_start_index=q_start_index,
+            k_stride=k_stride,
+            causal=causal,
+            cfg=cfg,
+        )
+        return out
     LAST_COMPILED["attn_dist"] = _attn_dist_kernel[(dims.s_q * n_head_tiles,)](
         q,
         kv_rows,

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_mla_attn._gluon import gluon_available, gluon_enabled, launch_fwd_gluon
 from sparse_mla_attn._validate import (
     SparseDims,
     check_causal_args,
@@ -36,6 +37,8 @@ LN2 = math.log(2.0)
 LAST_COMPILED: dict[str, Any] = {}
 #: The split-K factor of the latest forward/decode launch (benchmarks report it).
 LAST_SPLITS: dict[str, int] = {"fwd": 1}
+#: Which kernel family ran the latest launch per op: "gluon" or "triton" (benchmarks report it).
+LAST_BACKEND: dict[str, str] = {}
 
 
 def interpreting() -> bool:
@@ -526,6 +529,34 @@ def launch_fwd(
     split_len = triton.cdiv(triton.cdiv(dims.topk, n_splits), block_t) * block_t
     n_splits = triton.cdiv(dims.topk, split_len)  # no empty split
     LAST_SPLITS["fwd"] = n_splits
+    use_gluon = (
+        cfg.get("GLUON", gluon_enabled())
+        and gluon_available(q, kv_rows)
+        and n_splits == 1
+        and dv_split == 1
+        and h_q > 32
+    )
+    LAST_BACKEND["fwd"] = "gluon" if use_gluon else "triton"
+    if use_gluon:
+        # Hopper: explicit cp.async ring (the gather of later blocks overlaps this block's products).
+        LAST_COMPILED["fwd"] = launch_fwd_gluon(
+            q,
+            kv_rows,
+            idx,
+            out,
+            max_logits,
+            lse,
+            attn_sink if attn_sink is not None else lse,
+            topk_length,
+            dims,
+            sm_scale * LOG2E,
+            has_sink=attn_sink is not None,
+            q_start_index=q_start_index,
+            k_stride=k_stride,
+            causal=causal,
+            cfg=cfg,
+        )
+        return out, max_logits, lse
     if n_splits > 1:
         part_o = torch.empty(n_splits, n_tok, h_q, dims.d_v, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(n_splits, n_tok, h_q, dtype=torch.float32, device=q.device)

@@ -1,0 +1,128 @@
+"""Compile a kernel of this package for sm_90 on a machine without a GPU and report its resources.
+
+Used to check registers, spills and shared memory of a tile variant before spending device time on it
+(NOTES.md). Arguments are described the way ``triton.compile`` takes them: a signature of Triton types
+and the constexpr values; every pointer and every ``stride*`` argument is marked divisible by 16, as
+the JIT specialises real launches.
+
+    python packages/sparse-mla-attn/benchmarks/offline_compile.py attn_dist --h-q 128 --block-t 64 \
+        --num-warps 8 --num-stages 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 128)
+
+
+def ptxas_resources(ptx: str) -> dict[str, int]:
+    """Registers and spill bytes that ptxas (bundled with Triton) reports for sm_90a."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run(
+            [ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    return {
+        "n_regs": int(regs.group(1)) if regs else -1,
+        "spill_stores": int(spill.group(1)) if spill else -1,
+    }
+
+
+def compile_sm90(
+    fn: Any,
+    types: dict[str, str],
+    constexprs: dict[str, Any],
+    *,
+    num_warps: int,
+    num_stages: int,
+) -> dict[str, Any]:
+    """Compile ``fn`` (a ``@triton.jit`` function) for sm_90; return registers, spills, smem, asm."""
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {p: ("constexpr" if p in constexprs else types[p]) for p in params}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, p in enumerate(params)
+        if p not in constexprs and (types[p].startswith("*") or p.startswith("stride"))
+    }
+    src = ASTSource(
+        fn, signature, constexprs={(params.index(k),): v for k, v in constexprs.items()}, attrs=attrs
+    )
+    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = k.asm["ptx"]
+    return {
+        "shared_bytes": k.metadata.shared,
+        **ptxas_resources(ptx),
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+        "local_ld_st": ptx.count("ld.local") + ptx.count("st.local"),
+        "asm": k.asm,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernel", choices=["attn_dist"])
+    ap.add_argument("--h-q", type=int, default=128)
+    ap.add_argument("--block-h", type=int, default=0)
+    ap.add_argument("--block-t", type=int, default=64)
+    ap.add_argument("--num-warps", type=int, default=8)
+    ap.add_argument("--num-stages", type=int, default=1)
+    ap.add_argument(
+        "--q-regs", type=int, default=1, help="1: Q in registers, 0: chunked, Q in smem, -1: old kernel"
+    )
+    ap.add_argument("--sass", action="store_true", help="print the ptxas resource line")
+    a = ap.parse_args()
+    import importlib
+
+    mod = importlib.import_module("sparse_mla_attn.attn_dist")
+
+    block_h = a.block_h or min(128, triton.next_power_of_2(a.h_q))
+    types = {
+        "Q": "*bf16",
+        "KV": "*bf16",
+        "IDX": "*i32",
+        "LSE": "*fp32",
+        "OUT": "*fp32",
+        "sm_scale_log2": "fp32",
+        "lse_to_log2": "fp32",
+    }
+    fn = mod._attn_dist_chunked_kernel if a.q_regs >= 0 else mod._attn_dist_kernel
+    for p in inspect.signature(fn.fn).parameters:
+        types.setdefault(p, "i32")
+    const = {
+        "D_NOPE": 512,
+        "D_ROPE": 64,
+        "BLOCK_H": block_h,
+        "BLOCK_T": a.block_t,
+        "CAUSAL": True,
+        "ATOMIC": block_h < a.h_q,
+        "STATIC_T": 0,
+        "DOT_F32": False,
+        "Q_REGS": a.q_regs > 0,
+    }
+    const = {k: v for k, v in const.items() if k in inspect.signature(fn.fn).parameters}
+    r = compile_sm90(fn, types, const, num_warps=a.num_warps, num_stages=a.num_stages)
+    print({k: v for k, v in r.items() if k != "asm"})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,501 @@
+"""Hopper (sm_90) kernels written in Gluon, Triton's explicit-layout dialect (``triton.experimental.gluon``).
+
+Why Gluon: in the Triton kernels of ``forward.py`` / ``attn_dist.py`` the software pipeliner issues the
+``cp.async`` gather of block ``t+1`` only after block ``t``'s products, and with the query tile in shared
+memory there is no room for a deeper ring (NOTES.md). Here the pipeline is written out: a ring of
+``NUM_BUF`` shared-memory buffers of gathered KV rows; at the top of iteration ``t`` one CTA barrier
+certifies that block ``t`` has landed and that every warpgroup is done with block ``t-1``, and the gather
+of block ``t + NUM_BUF - 1`` is issued into the freed buffer *before* block ``t``'s products, so it
+overlaps them. Rows whose index is invalid are copied with a zero source size (``cp.async`` zero fill):
+they are never read.
+
+These kernels only run on a Hopper GPU: the Triton interpreter cannot execute Gluon, so the CPU tests
+exercise the Triton kernels, and the GPU tests (``-m gpu``) compare the Gluon kernels with the float32
+references. :func:`gluon_available` says whether they can be used for a given tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+
+try:  # Gluon ships with Triton >= 3.5; the package works without it (Triton kernels only).
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+
+@functools.lru_cache(maxsize=8)
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def gluon_available(t: torch.Tensor, *rows: torch.Tensor) -> bool:
+    """True when the Gluon kernels can run: Gluon present, ``t`` on a CUDA sm_90 GPU (H100/H200), and
+    every tensor of ``rows`` (gathered with 16-byte ``cp.async``) 16-byte aligned with a row stride of a
+    multiple of 8 elements."""
+    if not (HAVE_GLUON and t.is_cuda):
+        return False
+    if any(r.data_ptr() % 16 or r.stride(0) % 8 for r in rows):
+        return False
+    return _is_sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _issue_gather(
+        kn_buf,
+        kr_buf,
+        KV,
+        stride_kv_row,
+        idx,
+        hi,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        ld_l: gl.constexpr,
+    ):
+        """cp.async the rows ``idx`` ([BLOCK_T] int32, ``SliceLayout(1, ld_l)``) into one ring slot.
+
+        Invalid rows (index < 0 or >= hi) get a zero source size: the slot is zero-filled, the row is
+        not read. ``ld_l`` gives each thread 16-byte vectors and a warp 4 rows x 128 bytes.
+        """
+        valid = (idx >= 0) & (idx < hi)
+        row = gl.where(valid, idx, 0).to(gl.int64) * stride_kv_row
+        cols_n = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
+        cp.async_copy_global_to_shared(
+            kn_buf, KV + row[:, None] + cols_n[None, :], mask=valid[:, None] & (cols_n[None, :] >= 0)
+        )
+        if D_ROPE > 0:
+            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
+            cp.async_copy_global_to_shared(
+                kr_buf, KV + row[:, None] + cols_r[None, :], mask=valid[:, None] & (cols_r[None, :] >= 0)
+            )
+
+    @gluon.jit
+    def _ring_fill(
+        kn_smem,
+        kr_smem,
+        KV,
+        stride_kv_row,
+        idx_row,
+        n_t,
+        hi,
+        blk,
+        idx_cur,
+        offs_t,
+        NUM_BUF: gl.constexpr,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        ld_l: gl.constexpr,
+    ):
+        """Gather block ``blk`` (its indices ``idx_cur`` were loaded one step earlier) into ring slot
+        ``blk % NUM_BUF`` as one cp.async group; return the indices of block ``blk + 1``.
+
+        Blocks past the end have only invalid indices: their copies are zero fills that read nothing.
+        """
+        nxt = (blk + 1) * offs_t.shape[0] + offs_t
+        idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
+        _issue_gather(
+            kn_smem.index(blk % NUM_BUF),
+            kr_smem.index(blk % NUM_BUF),
+            KV,
+            stride_kv_row,
+            idx_cur,
+            hi,
+            D_NOPE,
+            D_ROPE,
+            ld_l,
+        )
+        cp.commit_group()
+        return idx_next
+
+    @gluon.jit
+    def _ring_wait(NUM_BUF: gl.constexpr):
+        """Wait until the oldest ring slot has landed for every thread, and every warpgroup is done with
+        the slot that is refilled next (the products of the previous block waited on their wgmma)."""
+        cp.wait_group(NUM_BUF - 2)
+        fence_async_shared()  # this thread's cp.async writes, before wgmma reads them (async proxy)
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _attn_dist_gluon_kernel(
+        Q,
+        KV,
+        IDX,
+        LSE,
+        OUT,
+        stride_q_s,
+        stride_q_h,
+        stride_kv_row,
+        stride_idx_s,
+        stride_lse_s,
+        h_q,
+        topk,
+        s_kv,
+        q_start_index,
+        k_stride,
+        sm_scale_log2,
+        lse_to_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_H: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """attn_dist for one token and all its heads (BLOCK_H = 16 * num_warps rows, one per warp slice).
+
+        The query tile is held in registers as the wgmma A operand (each warpgroup owns 64 heads), so
+        shared memory holds only the ring of gathered rows.
+        """
+        pid_s = gl.program_id(0)
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_T, 16]
+        )
+        qa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        dtype: gl.constexpr = Q.dtype.element_ty
+
+        # Query tile -> registers (padding heads are 0; their lse is +inf, so their probabilities are 0).
+        offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
+        h_ok = offs_h < h_q
+        q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
+        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
+        q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
+        q_nope = gl.convert_layout(q_nope, qa_l)
+        if D_ROPE > 0:
+            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
+            q_rope = gl.load(q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0)
+            q_rope = gl.convert_layout(q_rope, qa_l)
+        else:
+            q_rope = q_nope  # unused
+        offs_hm = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, mma_l))
+        lse2 = gl.load(
+            LSE + pid_s.to(gl.int64) * stride_lse_s + offs_hm, mask=offs_hm < h_q, other=float("inf")
+        )
+        lse2 = lse2 * lse_to_log2
+
+        hi = s_kv
+        if CAUSAL:
+            num = q_start_index + pid_s + 1 - k_stride
+            hi = gl.minimum(hi, gl.maximum(num, 0) // k_stride + 1)
+
+        # Ring of gathered rows, allocated after the query conversion so that its scratch can be reused.
+        kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
+        kr_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, 64], smem_l)
+
+        idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
+        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
+        # Prologue: blocks 0 .. NUM_BUF-2 in flight (blocks past the end are all-invalid: zero fills only).
+        idx_next = gl.load(idx_row + offs_t, mask=offs_t < topk, other=-1)
+        for j in gl.static_range(NUM_BUF - 1):
+            idx_next = _ring_fill(
+                kn_smem,
+                kr_smem,
+                KV,
+                stride_kv_row,
+                idx_row,
+                topk,
+                hi,
+                j,
+                idx_next,
+                offs_t,
+                NUM_BUF,
+                D_NOPE,
+                D_ROPE,
+                ld_l,
+            )
+
+        out_row = OUT + pid_s.to(gl.int64) * topk
+        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, mma_l))
+        n_blocks = gl.cdiv(topk, BLOCK_T)
+        for i in range(n_blocks):
+            # Block i landed (this thread's copies), then the barrier: everyone's copies are visible and
+            # every warpgroup has finished reading block i-1's buffer, which is refilled next.
+            _ring_wait(NUM_BUF)
+            idx_next = _ring_fill(
+                kn_smem,
+                kr_smem,
+                KV,
+                stride_kv_row,
+                idx_row,
+                topk,
+                hi,
+                i + NUM_BUF - 1,
+                idx_next,
+                offs_t,
+                NUM_BUF,
+                D_NOPE,
+                D_ROPE,
+                ld_l,
+            )
+
+            slot = i % NUM_BUF
+            t_idx = gl.load(idx_row + i * BLOCK_T + offs_c, mask=i * BLOCK_T + offs_c < topk, other=-1)
+            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, mma_l)
+            s = warpgroup_mma(q_nope, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
+            if D_ROPE > 0:
+                s = warpgroup_mma(q_rope, kr_smem.index(slot).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            valid = (t_idx >= 0) & (t_idx < hi)
+            p = gl.exp2(s * sm_scale_log2 - lse2[:, None])
+            col = gl.where(valid, gl.sum(p, axis=0), 0.0)
+            gl.store(out_row + i * BLOCK_T + offs_c, col, mask=i * BLOCK_T + offs_c < topk)
+        cp.wait_group(0)
+
+    @gluon.jit
+    def _sparse_mla_fwd_gluon_kernel(
+        Q,
+        KV,
+        IDX,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        SINK,
+        TOPK_LEN,
+        stride_q_s,
+        stride_q_h,
+        stride_kv_row,
+        stride_idx_s,
+        stride_o_s,
+        stride_o_h,
+        h_q,
+        n_head_tiles,
+        topk,
+        s_kv,
+        q_start_index,
+        k_stride,
+        sm_scale_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+        HAS_TOPK_LEN: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """Forward for one token and 64 heads with 8 warps (two warpgroups).
+
+        S = Q·K^T: each warpgroup computes half of the block's columns (Q from shared memory); the online
+        softmax statistics are reduced across both; P goes through shared memory and each warpgroup
+        accumulates O += P·V for half of the 512 value channels (acc 64 x 256 fp32 per warpgroup).
+        """
+        gl.static_assert(num_warps == 8)
+        BLOCK_H: gl.constexpr = 64
+        pid = gl.program_id(0)
+        pid_h = pid % n_head_tiles
+        pid_s = pid // n_head_tiles
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_T // 2, 16]
+        )
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_NOPE // 2, 16]
+        )
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        dtype: gl.constexpr = Q.dtype.element_ty
+
+        # Query tile -> shared memory (the A operand of both warpgroups' S products).
+        offs_h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
+        h_ok = offs_h < h_q
+        q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
+        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
+        q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
+        qn_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE], smem_l, q_nope)
+        if D_ROPE > 0:
+            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
+            q_rope = gl.load(q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0)
+            qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], smem_l, q_rope)
+        else:
+            qr_smem = qn_smem  # unused
+        kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
+        kr_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, 64], smem_l)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
+
+        n_t = topk
+        if HAS_TOPK_LEN:
+            n_t = gl.minimum(gl.load(TOPK_LEN + pid_s), topk)
+        hi = s_kv
+        if CAUSAL:
+            num = q_start_index + pid_s + 1 - k_stride
+            hi = gl.minimum(hi, gl.maximum(num, 0) // k_stride + 1)
+
+        idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
+        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
+        idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
+        for j in gl.static_range(NUM_BUF - 1):
+            idx_next = _ring_fill(
+                kn_smem,
+                kr_smem,
+                KV,
+                stride_kv_row,
+                idx_row,
+                n_t,
+                hi,
+                j,
+                idx_next,
+                offs_t,
+                NUM_BUF,
+                D_NOPE,
+                D_ROPE,
+                ld_l,
+            )
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+        l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
+        acc = gl.zeros([BLOCK_H, D_NOPE], gl.float32, o_l)
+        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
+        n_blocks = gl.cdiv(n_t, BLOCK_T)
+        for i in range(n_blocks):
+            # Block i landed; the barrier also certifies that both warpgroups finished block i-1 (its
+            # buffer and p_smem are rewritten below).
+            _ring_wait(NUM_BUF)
+            idx_next = _ring_fill(
+                kn_smem,
+                kr_smem,
+                KV,
+                stride_kv_row,
+                idx_row,
+                n_t,
+                hi,
+                i + NUM_BUF - 1,
+                idx_next,
+                offs_t,
+                NUM_BUF,
+                D_NOPE,
+                D_ROPE,
+                ld_l,
+            )
+
+            slot = i % NUM_BUF
+            t_idx = gl.load(idx_row + i * BLOCK_T + offs_c, mask=i * BLOCK_T + offs_c < n_t, other=-1)
+            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
+            s = warpgroup_mma(qn_smem, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
+            if D_ROPE > 0:
+                s = warpgroup_mma(qr_smem, kr_smem.index(slot).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+            valid = (t_idx >= 0) & (t_idx < hi)
+            s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()  # both halves of P written before either warpgroup reads all of it
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            acc = warpgroup_mma(p_smem, kn_smem.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        cp.wait_group(0)
+
+        offs_hs = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
+        hs_ok = offs_hs < h_q
+        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+        denom = l_i
+        if HAS_SINK:
+            sink = gl.load(SINK + offs_hs, mask=hs_ok, other=0.0)
+            denom = denom + gl.exp2(sink * 1.4426950408889634 - m_use)
+        has_any = l_i > 0.0
+        scale = gl.where(has_any, 1.0 / gl.where(has_any, denom, 1.0), 0.0)
+        lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
+        gl.store(LSE + pid_s.to(gl.int64) * h_q + offs_hs, lse2 * 0.6931471805599453, mask=hs_ok)
+        gl.store(MAX_LOGITS + pid_s.to(gl.int64) * h_q + offs_hs, m_i * 0.6931471805599453, mask=hs_ok)
+
+        out = acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]
+        offs_ho = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+        offs_d = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, o_l))
+        o_ptr = OUT + pid_s.to(gl.int64) * stride_o_s + offs_ho[:, None] * stride_o_h + offs_d[None, :]
+        gl.store(o_ptr, out.to(dtype), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
+
+
+def gluon_enabled() -> bool:
+    """Default backend switch: the Gluon kernels are used where available unless the environment sets
+    ``SPARSE_MLA_ATTN_GLUON=0`` (then the Triton kernels run everywhere)."""
+    return os.environ.get("SPARSE_MLA_ATTN_GLUON", "1") != "0"
+
+
+#: Gluon tile options (benchmarks override them through ``config``): rows per block and ring depth.
+GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2}
+GLUON_ATTN_DIST = {"G_BLOCK_T": 32, "G_NUM_BUF": 6}
+
+
+def launch_fwd_gluon(
+    q,
+    kv_rows,
+    idx,
+    out,
+    max_logits,
+    lse,
+    sink,
+    topk_length,
+    dims,
+    sm_scale_log2,
+    *,
+    has_sink: bool,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+    cfg: dict,
+) -> Any:
+    """Forward on sm_90 (64-head tiles, 8 warps); same arguments and outputs as the Triton launch."""
+    n_head_tiles = triton.cdiv(dims.h_q, 64)
+    return _sparse_mla_fwd_gluon_kernel[(dims.s_q * n_head_tiles,)](
+        q, kv_rows, idx, out, max_logits, lse, sink,
+        topk_length if topk_length is not None else idx,
+        q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1),
+        dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
+        D_NOPE=512, D_ROPE=dims.d_qk - 512,
+        BLOCK_T=cfg.get("G_BLOCK_T", GLUON_FWD["G_BLOCK_T"]),
+        NUM_BUF=cfg.get("G_NUM_BUF", GLUON_FWD["G_NUM_BUF"]),
+        HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
+        num_warps=8,
+    )  # fmt: skip
+
+
+def launch_attn_dist_gluon(
+    q,
+    kv_rows,
+    idx,
+    lse,
+    out,
+    dims,
+    sm_scale_log2,
+    lse_to_log2,
+    *,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+    cfg: dict,
+) -> Any:
+    """attn_dist on sm_90: one program per token holding all heads (64 or 128 rows, 4 or 8 warps)."""
+    block_h = 64 if dims.h_q <= 64 else 128
+    return _attn_dist_gluon_kernel[(dims.s_q,)](
+        q, kv_rows, idx, lse, out,
+        q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
+        dims.h_q, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2,
+        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_H=block_h,
+        BLOCK_T=cfg.get("G_BLOCK_T", GLUON_ATTN_DIST["G_BLOCK_T"]),
+        NUM_BUF=cfg.get("G_NUM_BUF", GLUON_ATTN_DIST["G_NUM_BUF"]),
+        CAUSAL=causal,
+        num_warps=block_h // 16,
+    )  # fmt: skip
