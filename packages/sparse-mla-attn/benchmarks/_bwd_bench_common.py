@@ -132,15 +132,32 @@ def render_markdown(results: dict[str, Any]) -> str:
                 f"{c['det_dq_rel_err']:.2e}, dkv {c['det_dkv_rel_err']:.2e}; two deterministic runs bit-identical: "
                 f"{c['det_bit_identical']}.",
             ]
+        for key, mode in (("breakdown", "default"), ("breakdown_det", "deterministic")):
+            if b.get(key):
+                total = sum(b[key].values())
+                lines += [
+                    "",
+                    f"Where the time goes at the first row's shape, {mode} mode (torch profiler, device ms per "
+                    f"call, sum {total:.2f} ms):",
+                    "",
+                    "| kernel | ms | share |",
+                    "|---|---|---|",
+                ]
+                lines += [f"| `{k[:70]}` | {v:.2f} | {100 * v / total:.0f}% |" for k, v in b[key].items()]
         if b.get("sweep"):
             lines += [
                 "",
-                "Other kernel configurations timed in the same run at the first row's shape (default mode):",
+                "Other kernel configurations timed in the same run at the first row's shape (`DKV_WRITE` 1 / 2 are "
+                "diagnostics that compute a wrong dkv: plain stores instead of atomics / no dkv update):",
                 "",
-                "| config (changes from the default) | ms | TFLOPS |",
-                "|---|---|---|",
+                "| config (changes from the default) | mode | ms | TFLOPS |",
+                "|---|---|---|---|",
             ]
-            lines += [f"| `{sw['config']}` | {sw['ms']:.2f} | {sw['tflops']:.0f} |" for sw in b["sweep"]]
+            lines += [
+                f"| `{sw['config']}` | {'deterministic' if sw.get('deterministic') else 'default'} | {sw['ms']:.2f} "
+                f"| {sw['tflops']:.0f} |"
+                for sw in b["sweep"]
+            ]
         lines += ["", f"Context: {TILELANG_NOTE}.", ""]
     ix = results.get("indexer")
     if ix:
@@ -165,4 +182,28 @@ def render_markdown(results: dict[str, Any]) -> str:
                 f"| {'not run' if r['torch_ms'] != r['torch_ms'] else format(r['torch_ms'], '.3f')} |"
             )
         lines.append("")
+        if ix.get("bwd_rows"):
+            lines += [
+                "## Indexer logits backward (`indexer_logits` to `q_idx`, `k_idx`, `weights`)",
+                "",
+                "Same run. Minimum FLOPs = 3 x the forward's (`z = q·k`, `dq`, `dk`; the two kernels execute 4, "
+                "recomputing `z` in each); roofline time = max(minimum FLOPs / matmul rate, bytes / copy rate), "
+                "bytes = the fp32 upstream gradient + q, k, weights read once + their gradients written once. "
+                "Baseline: the former chunked float32 torch backward (`_indexer_logits_bwd_torch`); rel. err. = "
+                "relative Frobenius error against it (dq / dk / dweights).",
+                "",
+                "| s_q | h_idx | d_idx | s_kv | causal | ms | TFLOPS (3 products) | roofline ms | % of roofline "
+                "| torch fp32 ms | rel. err. | same bits on rerun |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in ix["bwd_rows"]:
+                e = r.get("rel_err_vs_torch_fp32", {})
+                torch_ms = "not run" if r["torch_ms"] != r["torch_ms"] else format(r["torch_ms"], ".1f")
+                lines.append(
+                    f"| {r['s_q']} | {r['h_idx']} | {r['d_idx']} | {r['s_kv']} | {r['causal']} | {r['ms']:.3f} "
+                    f"| {r['tflops_min']:.0f} | {r['roofline_ms']:.3f} | {100 * r['roofline_ms'] / r['ms']:.0f}% "
+                    f"| {torch_ms} | {' / '.join(f'{v:.1e}' for v in e.values())} "
+                    f"| {r.get('bit_identical_rerun')} |"
+                )
+            lines.append("")
     return "\n".join(lines)

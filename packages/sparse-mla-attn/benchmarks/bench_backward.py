@@ -58,7 +58,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def bench_shape(
-    s_q: int, h_q: int, s_kv: int, topk: int, *, check: bool, config=None, det: bool = True
+    s_q: int,
+    h_q: int,
+    s_kv: int,
+    topk: int,
+    *,
+    check: bool,
+    config=None,
+    det: bool = True,
+    modes=(False, True),
 ) -> dict[str, Any]:
     q, kv, idx, out, lse, dout, sm_scale = make_inputs(s_q, h_q, s_kv, topk)
     run = lambda det: sparse_mla_bwd(
@@ -67,7 +75,7 @@ def bench_shape(
     row: dict[str, Any] = {"s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": topk}
     res = {}
     row["det_ms"] = row["det_tflops"] = float("nan")
-    for mode in (False, True) if det else (False,):
+    for mode in modes if det else (False,):
         res[mode] = run(mode)
         ms = time_ms(lambda d=mode: run(d), warmup=10, rep=300)
         key = "det_" if mode else ""
@@ -96,12 +104,38 @@ def bench_shape(
     return row
 
 
-# Alternatives timed for the record (default mode only), after the main benchmark.
-SWEEP = [
-    {"BLOCK_T": 64, "chunk_stages": 3},
-    {"BLOCK_H": 128, "BLOCK_T": 64, "chunk_stages": 3},
-    {"BLOCK_T": 128, "chunk_stages": 3},
+# Alternatives timed for the record after the main benchmark, at the first row's shape: (changes from the
+# default configuration, mode). DKV_WRITE 1/2 are diagnostics with a wrong dkv (plain stores instead of
+# atomics / no dkv update): they bound what the dkv accumulation costs.
+SWEEP: list[tuple[dict[str, int], bool]] = [
+    ({"N_SUB": 2}, False),
+    ({"N_SUB": 2, "BLOCK_T": 64, "num_warps": 4}, False),
+    ({"BLOCK_D": 64}, False),
+    ({"DKV_WRITE": 1}, False),
+    ({"DKV_WRITE": 2}, False),
+    ({"BLOCK_H": 64, "BLOCK_T": 128, "N_SUB": 2}, True),
 ]
+
+
+def kernel_breakdown(
+    s_q: int, h_q: int, s_kv: int, topk: int, det: bool, n_calls: int = 5
+) -> dict[str, float]:
+    """Device time per kernel (ms per backward call) from the torch profiler, default configuration."""
+    q, kv, idx, out, lse, dout, sm_scale = make_inputs(s_q, h_q, s_kv, topk)
+    run = lambda: sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, D_V, deterministic=det)
+    run()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(n_calls):
+            run()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if t > 0:
+            times[ev.key] = times.get(ev.key, 0.0) + t / 1e3 / n_calls
+    return dict(sorted(times.items(), key=lambda kv_: -kv_[1]))
 
 
 def main() -> None:
@@ -141,16 +175,29 @@ def main() -> None:
     }
     if a.sweep:
         data["sweep"] = []
-        for cfg in SWEEP:
+        for det in (False, True):
             try:
-                r = bench_shape(4096, 128, 32768, 2048, check=False, config=cfg, det=False)
+                bd = kernel_breakdown(4096, 128, 32768, 2048, det)
+            except Exception as exc:  # the profiler is a diagnostic: report, do not fail the benchmark
+                print(f"breakdown (deterministic={det}) failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            data["breakdown" + ("_det" if det else "")] = bd
+            print(f"breakdown (deterministic={det}), ms per call: {bd}")
+        for cfg, det in SWEEP:
+            try:
+                r = bench_shape(4096, 128, 32768, 2048, check=False, config=cfg, det=det, modes=(det,))
             except Exception as exc:  # a config that does not compile or fit is reported, not fatal
                 print(f"sweep {cfg}: failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
+            key = "det_" if det else ""
             data["sweep"].append(
-                {"config": cfg, "ms": r["ms"], "tflops": r["tflops"], "resources": r["resources"]}
+                {"config": cfg, "deterministic": det, "ms": r[key + "ms"], "tflops": r[key + "tflops"],
+                 "resources": r[key + "resources"]}
+            )  # fmt: skip
+            print(
+                f"sweep {cfg} deterministic={det}: {r[key + 'ms']:.2f} ms {r[key + 'tflops']:.0f} TFLOPS; "
+                f"{r[key + 'resources']}"
             )
-            print(f"sweep {cfg}: default mode {r['ms']:.2f} ms {r['tflops']:.0f} TFLOPS; {r['resources']}")
     update_results(a.out_dir, "backward", data)
 
 

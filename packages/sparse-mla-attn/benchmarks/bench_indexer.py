@@ -1,7 +1,10 @@
-"""Indexer benchmark: the Triton indexer_logits forward against its roofline and a torch bf16 baseline.
+"""Indexer benchmark: the Triton indexer_logits forward and backward against their rooflines and torch.
 
-FLOPs ``2 * s_q * s_kv * h_idx * d_idx``; roofline time = max(FLOPs / measured dense bf16 matmul rate,
-bytes / measured copy rate), bytes = q + k + weights once + fp32 logits once.
+Forward: FLOPs ``2 * pairs * h_idx * d_idx``; roofline time = max(FLOPs / measured dense bf16 matmul rate,
+bytes / measured copy rate), bytes = q + k + weights once + fp32 logits once. Backward: the minimum is three
+such products (z = q·k, dq, dk; the kernels do four, recomputing z in each), bytes = the fp32 upstream
+gradient + q + k + weights read once + dq + dk + dweights written once; baseline the former chunked float32
+torch backward.
 
     python packages/sparse-mla-attn/benchmarks/bench_indexer.py --out-dir docs/benchmarks [--sweep]
 """
@@ -25,7 +28,12 @@ from _bwd_bench_common import (
     update_results,
 )
 
-from sparse_mla_attn.indexer import _indexer_logits_fwd, indexer_logits_ref
+from sparse_mla_attn.indexer import (
+    _indexer_logits_bwd,
+    _indexer_logits_bwd_torch,
+    _indexer_logits_fwd,
+    indexer_logits_ref,
+)
 
 
 def torch_bf16_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, chunk: int = 512) -> torch.Tensor:
@@ -63,6 +71,51 @@ def bench_indexer(s_q, h, d, s_kv, causal, peak, bw, config=None) -> dict[str, A
     }  # fmt: skip
 
 
+def bench_indexer_bwd(s_q, h, d, s_kv, causal, peak, bw, config=None, baseline=True) -> dict[str, Any]:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(s_q, h, d, device="cuda", generator=g).bfloat16()
+    k = torch.randn(s_kv, d, device="cuda", generator=g).bfloat16()
+    w = torch.randn(s_q, h, device="cuda", generator=g)
+    q_start = s_kv - s_q if causal else 0
+    grad = torch.randn(s_q, s_kv, device="cuda", generator=g)
+    if causal:  # the torch baseline needs 0 at masked entries; the kernels ignore them
+        max_k = q_start + torch.arange(s_q, device="cuda")
+        grad = grad.masked_fill(torch.arange(s_kv, device="cuda")[None, :] > max_k[:, None], 0.0)
+    run = lambda: _indexer_logits_bwd(grad, q, k, w, causal, q_start, 1, config=config)
+    got = run()
+    ms = time_ms(run, warmup=5, rep=100)
+    pairs = s_q * s_kv if not causal else sum(min(s_kv, q_start + t + 1) for t in range(s_q))
+    flops_min = 3 * 2.0 * pairs * h * d
+    n_bytes = grad.numel() * 4 + 2 * (q.numel() * 2 + k.numel() * 2 + w.numel() * 4)
+    roof = max(flops_min / peak / 1e9, n_bytes / bw / 1e6)
+    row = {
+        "s_q": s_q, "h_idx": h, "d_idx": d, "s_kv": s_kv, "causal": causal, "config": config,
+        "ms": ms, "tflops_min": flops_min / ms / 1e9, "tflops_executed": 4 / 3 * flops_min / ms / 1e9,
+        "roofline_ms": roof, "bytes": n_bytes, "torch_ms": float("nan"),
+    }  # fmt: skip
+    if baseline:
+        ref = _indexer_logits_bwd_torch(grad, q, k, w)
+        row["rel_err_vs_torch_fp32"] = {
+            n: float((a.double() - b.double()).norm() / b.double().norm())
+            for n, a, b in zip(("dq_idx", "dk_idx", "dweights"), got, ref, strict=True)
+        }
+        again = run()
+        row["bit_identical_rerun"] = all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
+        if not causal:
+            row["torch_ms"] = time_ms(lambda: _indexer_logits_bwd_torch(grad, q, k, w), warmup=1, rep=3)
+    return row
+
+
+BWD_SWEEP = [
+    {"TOK_DQ": 2, "BLOCK_N_DQ": 128, "num_stages_dq": 2},
+    {"TOK_DQ": 1, "BLOCK_N_DQ": 128, "num_warps_dq": 4, "num_stages_dq": 3},
+    {"TOK_DQ": 2, "BLOCK_N_DQ": 64, "num_stages_dq": 4},
+    {"BLOCK_N_DK": 64, "num_warps_dk": 4, "num_stages_dk": 3},
+    {"TOK_DK": 2, "BLOCK_N_DK": 128, "num_stages_dk": 2},
+    {"BLOCK_N_DK": 128, "num_stages_dk": 4},
+]
+
+
 SWEEP = [
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
     {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
@@ -75,7 +128,10 @@ SWEEP = [
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time forward tile configurations, write nothing")
+    ap.add_argument(
+        "--bwd-sweep", action="store_true", help="time backward tile configurations, write nothing"
+    )
     a = ap.parse_args()
     meta = metadata()
     peak, bw = dense_matmul_tflops(), copy_bandwidth_gbs()
@@ -91,6 +147,17 @@ def main() -> None:
                 f"indexer sweep {cfg}: {r['ms']:.3f} ms {r['tflops']:.0f} TFLOPS err {r['max_rel_err_first64']:.1e}"
             )
         return
+    if a.bwd_sweep:
+        base = bench_indexer_bwd(4096, 64, 128, 32768, False, peak, bw, baseline=False)
+        print(f"indexer bwd default: {base['ms']:.3f} ms")
+        for cfg in BWD_SWEEP:
+            try:
+                r = bench_indexer_bwd(4096, 64, 128, 32768, False, peak, bw, cfg, baseline=False)
+            except Exception as exc:
+                print(f"indexer bwd sweep {cfg}: failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            print(f"indexer bwd sweep {cfg}: {r['ms']:.3f} ms ({base['ms'] / r['ms']:.2f}x the default)")
+        return
     rows = []
     for causal in (False, True):
         r = bench_indexer(4096, 64, 128, 32768, causal, peak, bw)
@@ -100,8 +167,19 @@ def main() -> None:
             f"{100 * r['roofline_ms'] / r['ms']:.0f}% of roofline; torch bf16 {r['torch_ms']:.3f} ms; "
             f"err {r['max_rel_err_first64']:.1e}"
         )
+    bwd_rows = []
+    for causal in (False, True):
+        r = bench_indexer_bwd(4096, 64, 128, 32768, causal, peak, bw)
+        bwd_rows.append(r)
+        print(
+            f"indexer bwd causal={causal}: {r['ms']:.3f} ms, {r['tflops_min']:.0f} TFLOPS (3 products), "
+            f"{100 * r['roofline_ms'] / r['ms']:.0f}% of roofline; torch fp32 {r['torch_ms']:.1f} ms; "
+            f"err {r['rel_err_vs_torch_fp32']}; bit-identical rerun {r['bit_identical_rerun']}"
+        )
     update_results(
-        a.out_dir, "indexer", {"meta": meta, "dense_matmul_tflops": peak, "copy_gbs": bw, "rows": rows}
+        a.out_dir,
+        "indexer",
+        {"meta": meta, "dense_matmul_tflops": peak, "copy_gbs": bw, "rows": rows, "bwd_rows": bwd_rows},
     )
 
 

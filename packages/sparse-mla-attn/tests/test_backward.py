@@ -165,6 +165,40 @@ def test_bwd_kernel_matches_autograd(s_q, h_q, d_qk, d_v, s_kv, topk, kw, dtype)
             assert torch.all(dq[-1] == 0), "a query with no valid index has dq = 0"
 
 
+@pytest.mark.parametrize(
+    ("h_q", "kw"),
+    [
+        pytest.param(18, {"causal": True, "q_start_index": 7, "k_stride": 2}, id="H18-causal"),
+        pytest.param(40, {}, id="H40-second-half-partial"),
+        pytest.param(12, {}, id="H12-second-half-empty"),
+    ],
+)
+def test_bwd_two_head_halves_per_program(h_q, kw):
+    """N_SUB = 2: one program sums two head blocks' dkv contributions before its update."""
+    dev = kernel_test_device()
+    q, kv, idx = make_case(4, h_q, 96, 30, 17, device=dev, dtype=torch.float32, seed=h_q)
+    kv = poison_unselected(kv, idx)
+    out, lse, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.125, 64, dout_seed=6, **kw)
+    for det in (False, True):
+        dq, dkv = sparse_mla_bwd(
+            q,
+            kv,
+            out,
+            dout,
+            idx,
+            lse,
+            0.125,
+            64,
+            deterministic=det,
+            _config={"BLOCK_H": 16, "N_SUB": 2},
+            **kw,
+        )
+        assert torch.isfinite(dq).all()
+        assert torch.isfinite(dkv).all()
+        assert rel_err(dq, dq_ref) < REL_TOL[torch.float32], ("dq", det)
+        assert rel_err(dkv, dkv_ref) < REL_TOL[torch.float32], ("dkv", det)
+
+
 def test_bwd_all_duplicates_accumulate():
     dev = kernel_test_device()
     q, kv, idx = make_case(3, 2, 96, 8, 8, device=dev, dtype=torch.float32, seed=11, zoo=False)
@@ -308,7 +342,13 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
     dq3, dkv3 = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, **kw)
     assert torch.equal(dq2, dq3), "deterministic dq changed between runs"
     assert torch.equal(dkv2, dkv3), "deterministic dkv changed between runs"
-    for a, b in ((dq, dkv), (dq2, dkv2)):
+    # Two 64-head halves per program (the N_SUB option the benchmark times), both modes.
+    sub = {"BLOCK_H": 64, "N_SUB": 2}
+    dq4, dkv4 = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, _config=sub, **kw)
+    dq5, dkv5 = sparse_mla_bwd(
+        q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, _config=sub, **kw
+    )
+    for a, b in ((dq, dkv), (dq2, dkv2), (dq4, dkv4), (dq5, dkv5)):
         assert torch.isfinite(a).all()
         assert torch.isfinite(b).all()
         assert rel_err(a, dq_ref) < REL_TOL[torch.bfloat16], rel_err(a, dq_ref)

@@ -189,6 +189,48 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
+def _bwd_p_ds(q_row, do_row, k_row, valid, hmask, lse2, delta, scale_log2, sm_scale,
+              D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+              BLOCK_DV: tl.constexpr, CHUNK_STAGES: tl.constexpr):  # fmt: skip
+    """Recompute ``P`` and ``sm_scale * dS`` (``[BLOCK_H, BLOCK_T]``, input dtype) for one head block."""
+    # The channel-chunk loops are real loops, not unrolled: unrolled, the compiler hoists every chunk's
+    # loads at once and runs out of registers.
+    offs_dv = tl.arange(0, BLOCK_DV)
+    scores = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
+    dp = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
+    for c in tl.range(0, D_V // BLOCK_DV, num_stages=CHUNK_STAGES):
+        offs_d = c * BLOCK_DV + offs_dv
+        k = tl.load(k_row + offs_d[None, :], mask=valid[:, None], other=0.0)
+        qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        kt = tl.trans(k)
+        scores = tl.dot(qc, kt, scores)
+        dp = tl.dot(doc, kt, dp)
+    if D_ROPE > 0:
+        offs_r = D_V + tl.arange(0, D_ROPE)
+        kr = tl.load(k_row + offs_r[None, :], mask=valid[:, None], other=0.0)
+        qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
+        scores = tl.dot(qr, tl.trans(kr), scores)
+    keep = hmask[:, None] & valid[None, :]
+    p = tl.where(keep, tl.exp2(scores * scale_log2 - lse2[:, None]), 0.0)
+    ds = p * (dp - delta[:, None]) * sm_scale
+    return p.to(q_row.dtype.element_ty), ds.to(q_row.dtype.element_ty)
+
+
+@triton.jit
+def _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk,
+                    DETERMINISTIC: tl.constexpr, DKV_WRITE: tl.constexpr):  # fmt: skip
+    """Add a ``[BLOCK_T, channels]`` fp32 tile of dkv contributions (atomics, or the deterministic workspace)."""
+    if DETERMINISTIC:
+        tl.store(part_row + offs_d[None, :], part, mask=(offs_t < topk)[:, None])
+    elif DKV_WRITE == 0:
+        tl.atomic_add(dkv_row + offs_d[None, :], part, mask=valid[:, None], sem="relaxed")
+    elif DKV_WRITE == 1:  # diagnostic only (benchmark): plain stores, a wrong result, no read-modify-write
+        tl.store(dkv_row + offs_d[None, :], part, mask=valid[:, None])
+    # DKV_WRITE == 2: diagnostic only (benchmark), no dkv update at all
+
+
+@triton.jit
 def _bwd_main_kernel(
     q_ptr,
     kv_ptr,
@@ -223,79 +265,70 @@ def _bwd_main_kernel(
     BLOCK_DV: tl.constexpr,
     N_HB: tl.constexpr,
     CHUNK_STAGES: tl.constexpr,
+    N_SUB: tl.constexpr,
+    DKV_WRITE: tl.constexpr,
 ):
-    # The channel-chunk loops are real loops, not unrolled: unrolled, the compiler hoists every chunk's
-    # loads at once and runs out of registers.
+    # A program owns one token and N_SUB * BLOCK_H heads. With N_SUB = 2 the scores of the two head halves
+    # are computed one after the other (registers for one [BLOCK_H, BLOCK_T] pair at a time), and their dkv
+    # contributions are summed before the single atomic update: half the atomics and half the row gathers.
     pid = tl.program_id(0)
     hb = pid % N_HB
     s = (pid // N_HB).to(tl.int64)
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = offs_h < h_q
+    offs_h0 = hb * (N_SUB * BLOCK_H) + tl.arange(0, BLOCK_H)
+    offs_h1 = offs_h0 + BLOCK_H
+    hmask0 = offs_h0 < h_q
+    hmask1 = (offs_h1 < h_q) & (N_SUB > 1)
     # Padded heads get lse = +inf so that their P is exactly 0.
-    lse2 = tl.load(lse_ptr + s * stride_lses + offs_h, mask=hmask, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(delta_ptr + s * h_q + offs_h, mask=hmask, other=0.0)
+    lse0 = tl.load(lse_ptr + s * stride_lses + offs_h0, mask=hmask0, other=float("inf")) * 1.4426950408889634
+    delta0 = tl.load(delta_ptr + s * h_q + offs_h0, mask=hmask0, other=0.0)
+    lse1 = tl.load(lse_ptr + s * stride_lses + offs_h1, mask=hmask1, other=float("inf")) * 1.4426950408889634
+    delta1 = tl.load(delta_ptr + s * h_q + offs_h1, mask=hmask1, other=0.0)
     max_k = tl.maximum(q_start_index + s + 1 - k_stride, 0) // k_stride
     scale_log2 = sm_scale * 1.4426950408889634
-    q_row = q_ptr + s * stride_qs + offs_h[:, None] * stride_qh
-    do_row = dout_ptr + s * stride_dos + offs_h[:, None] * stride_doh
+    q_row0 = q_ptr + s * stride_qs + offs_h0[:, None] * stride_qh
+    do_row0 = dout_ptr + s * stride_dos + offs_h0[:, None] * stride_doh
+    q_row1 = q_ptr + s * stride_qs + offs_h1[:, None] * stride_qh
+    do_row1 = dout_ptr + s * stride_dos + offs_h1[:, None] * stride_doh
     offs_dv = tl.arange(0, BLOCK_DV)
     for t0 in range(0, topk, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         rows, valid = _bwd_slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
         k_row = kv_ptr + rows[:, None] * stride_kvs
-        scores = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
-        dp = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
-        for c in tl.range(0, D_V // BLOCK_DV, num_stages=CHUNK_STAGES):
-            offs_d = c * BLOCK_DV + offs_dv
-            k = tl.load(k_row + offs_d[None, :], mask=valid[:, None], other=0.0)
-            qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
-            doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
-            kt = tl.trans(k)
-            scores = tl.dot(qc, kt, scores)
-            dp = tl.dot(doc, kt, dp)
-        if D_ROPE > 0:
-            offs_r = D_V + tl.arange(0, D_ROPE)
-            kr = tl.load(k_row + offs_r[None, :], mask=valid[:, None], other=0.0)
-            qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
-            scores = tl.dot(qr, tl.trans(kr), scores)
-        keep = hmask[:, None] & valid[None, :]
-        p = tl.where(keep, tl.exp2(scores * scale_log2 - lse2[:, None]), 0.0)
-        ds = p * (dp - delta[:, None]) * sm_scale
-        ds_lp = ds.to(q_ptr.dtype.element_ty)
-        p_lp = p.to(q_ptr.dtype.element_ty)
-        tl.store(
-            ds_ptr + s * h_q * topk + offs_h[:, None] * topk + offs_t[None, :],
-            ds_lp,
-            mask=hmask[:, None] & (offs_t < topk)[None, :],
-        )
-        ds_t = tl.trans(ds_lp)
-        p_t = tl.trans(p_lp)
+        tmask = (offs_t < topk)[None, :]
+        ds_row = ds_ptr + s * h_q * topk + offs_t[None, :]
+        p0, ds0 = _bwd_p_ds(q_row0, do_row0, k_row, valid, hmask0, lse0, delta0, scale_log2, sm_scale,
+                            D_V, D_ROPE, BLOCK_H, BLOCK_T, BLOCK_DV, CHUNK_STAGES)  # fmt: skip
+        tl.store(ds_row + offs_h0[:, None] * topk, ds0, mask=hmask0[:, None] & tmask)
+        ds0_t = tl.trans(ds0)
+        p0_t = tl.trans(p0)
+        if N_SUB > 1:
+            p1, ds1 = _bwd_p_ds(q_row1, do_row1, k_row, valid, hmask1, lse1, delta1, scale_log2, sm_scale,
+                                D_V, D_ROPE, BLOCK_H, BLOCK_T, BLOCK_DV, CHUNK_STAGES)  # fmt: skip
+            tl.store(ds_row + offs_h1[:, None] * topk, ds1, mask=hmask1[:, None] & tmask)
+            ds1_t = tl.trans(ds1)
+            p1_t = tl.trans(p1)
         part_row = part_ptr + hb * stride_part_hb + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
+        dkv_row = dkv_ptr + rows[:, None] * D_QK
         for c in tl.range(0, D_V // BLOCK_DV, num_stages=CHUNK_STAGES):
             offs_d = c * BLOCK_DV + offs_dv
-            qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
-            doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
-            part = tl.dot(ds_t, qc)
-            part = tl.dot(p_t, doc, part)
-            if DETERMINISTIC:
-                tl.store(part_row + offs_d[None, :], part, mask=(offs_t < topk)[:, None])
-            else:
-                tl.atomic_add(
-                    dkv_ptr + rows[:, None] * D_QK + offs_d[None, :], part, mask=valid[:, None], sem="relaxed"
-                )
+            qc = tl.load(q_row0 + offs_d[None, :], mask=hmask0[:, None], other=0.0)
+            doc = tl.load(do_row0 + offs_d[None, :], mask=hmask0[:, None], other=0.0)
+            part = tl.dot(ds0_t, qc)
+            part = tl.dot(p0_t, doc, part)
+            if N_SUB > 1:
+                qc1 = tl.load(q_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
+                doc1 = tl.load(do_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
+                part = tl.dot(ds1_t, qc1, part)
+                part = tl.dot(p1_t, doc1, part)
+            _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC, DKV_WRITE)
         if D_ROPE > 0:
             offs_r = D_V + tl.arange(0, D_ROPE)
-            qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
-            part_r = tl.dot(ds_t, qr)
-            if DETERMINISTIC:
-                tl.store(part_row + offs_r[None, :], part_r, mask=(offs_t < topk)[:, None])
-            else:
-                tl.atomic_add(
-                    dkv_ptr + rows[:, None] * D_QK + offs_r[None, :],
-                    part_r,
-                    mask=valid[:, None],
-                    sem="relaxed",
-                )
+            qr = tl.load(q_row0 + offs_r[None, :], mask=hmask0[:, None], other=0.0)
+            part_r = tl.dot(ds0_t, qr)
+            if N_SUB > 1:
+                qr1 = tl.load(q_row1 + offs_r[None, :], mask=hmask1[:, None], other=0.0)
+                part_r = tl.dot(ds1_t, qr1, part_r)
+            _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC, DKV_WRITE)
 
 
 @triton.jit
@@ -462,7 +495,7 @@ def _bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str,
     if _interpreting():
         return {"BLOCK_H": block_h, "BLOCK_T": 16, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 32,
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
-                "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1}  # fmt: skip
+                "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "DKV_WRITE": 0}  # fmt: skip
     # Measured on H100 at s_q 4096, h_q 128, topk 2048, s_kv 32K (docs/sparse-mla-attn/training.md): 64-head
     # x 128-slot blocks with 64-channel chunks, three chunks in flight, were fastest with atomics. The
     # deterministic mode takes all 128 heads in one program (64-slot blocks): one head block halves its fp32
@@ -470,7 +503,7 @@ def _bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str,
     cfg = {"BLOCK_H": block_h, "BLOCK_T": 128, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 128,
            "BLOCK_H_DQ": max(16, triton.next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
-           "chunk_stages": 3}  # fmt: skip
+           "chunk_stages": 3, "N_SUB": 1, "DKV_WRITE": 0}  # fmt: skip
     if deterministic:
         cfg.update(BLOCK_H=max(16, triton.next_power_of_2(min(h_q, 128))), BLOCK_T=64, chunk_stages=3)
     return cfg
@@ -602,7 +635,9 @@ def _bwd_impl(
     if _config:
         cfg.update(_config)
     block_h, block_h_dq = cfg["BLOCK_H"], cfg["BLOCK_H_DQ"]
-    n_hb = triton.cdiv(h_q, block_h)
+    if cfg["N_SUB"] not in (1, 2):
+        raise ValueError(f"N_SUB must be 1 or 2, got {cfg['N_SUB']}")
+    n_hb = triton.cdiv(h_q, block_h * cfg["N_SUB"])
     n_hb_dq = triton.cdiv(h_q, block_h_dq)
     n_db = triton.cdiv(d_qk, cfg["BLOCK_D"])
     delta = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
@@ -641,7 +676,7 @@ def _bwd_impl(
             s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale), topk=topk,
             CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
             BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb, CHUNK_STAGES=cfg["chunk_stages"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            N_SUB=cfg["N_SUB"], DKV_WRITE=cfg["DKV_WRITE"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         _BWD_LAST_COMPILED["dq"] = _bwd_dq_kernel[(n * n_hb_dq * n_db,)](
             ds_ws, kv, idx_c, dq[s0:s1],
