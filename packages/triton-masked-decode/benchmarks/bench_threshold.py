@@ -1,4 +1,4 @@
-"""Where the sparse loop stops paying: dense vs sparse loop against the visible fraction (sets ``SPARSE_THRESHOLD``).
+"""Where the sparse loop stops paying: dense vs sparse loop against the visible fraction (informs ``SPARSE_THRESHOLDS``).
 
     python packages/triton-masked-decode/benchmarks/bench_threshold.py --out docs/benchmarks/triton-masked-decode-threshold.json
 
@@ -23,7 +23,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_masked_decode import capture_graph
 
-from triton_masked_decode import SPARSE_THRESHOLD, masked_decode, masked_decode_ref
+from triton_masked_decode import SPARSE_THRESHOLDS, masked_decode, masked_decode_ref
 
 HQ, HKV, D, L = 32, 8, 128, 65536
 FRACTIONS = (0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -57,7 +57,7 @@ def main() -> int:
     rows: list[dict] = []
     cases = [(b, f, "random") for b in BATCHES for f in FRACTIONS]
     cases += [(b, f, "cluster64") for b in (1, 8) for f in CLUSTER_FRACTIONS]
-    print(f"{torch.cuda.get_device_name()}; default SPARSE_THRESHOLD = {SPARSE_THRESHOLD}", flush=True)
+    print(f"{torch.cuda.get_device_name()}; default SPARSE_THRESHOLDS = {SPARSE_THRESHOLDS}", flush=True)
     print(
         f"{'batch':>5} {'pattern':>9} {'visible':>7} {'dense us':>9} {'sparse us':>9} {'auto us':>8}",
         flush=True,
@@ -99,7 +99,7 @@ def main() -> int:
                     "torch": torch.__version__,
                     "triton": triton.__version__,
                     "command": "python " + " ".join(sys.argv),
-                    "default_sparse_threshold": SPARSE_THRESHOLD,
+                    "default_sparse_thresholds": SPARSE_THRESHOLDS,
                     "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "L": L, "dtype": "float16"},
                     "rows": rows,
                     "crossover": crossover,

@@ -112,6 +112,12 @@ def _autotune_choices() -> list[dict]:
     return out
 
 
+def _launch_defaults() -> dict:
+    """The tuned launch defaults (``_tuned.py``) this run used."""
+    tuned = sys.modules["triton_masked_decode._tuned"]
+    return {k: getattr(tuned, k) for k in dir(tuned) if k.isupper()}
+
+
 def _pct(r: dict, p: str) -> str:
     t = r["times_us"].get(p)
     return "—" if t is None else f"{r['floor_us'] / t * 100:.0f}% ({t:.0f} µs)"
@@ -313,6 +319,7 @@ def main() -> None:
             "quick": args.quick,
             "flash_attn_installed": runner.fa_kvcache is not None,
             "autotuned_configs": _autotune_choices(),
+            "launch_defaults": _launch_defaults(),
             "results": results,
         }
         (out_dir / f"{DIST}.json").write_text(json.dumps(meta, indent=1))

@@ -1,184 +1,311 @@
-"""Tuning sweep for the masked decode kernel (a tuning aid, not part of ``nox -s bench``).
+"""Tuning sweep that chooses the split kernel's launch defaults (a tuning aid, not part of ``nox -s bench``).
 
-    python packages/triton-masked-decode/benchmarks/tune_masked_decode.py [--out FILE.json] [--quick]
+    python packages/triton-masked-decode/benchmarks/tune_masked_decode.py \
+        --out docs/benchmarks/triton-masked-decode-tune-3.json [--write-defaults] [--rep 50]
 
-At the seed's shapes (Hq=32, Hkv=8, D=128, fp16, L=64K) and batch 1 / 8, for random and clustered (64)
-masks of 10 / 25 / 50% visible and no mask, it times ``path="auto"`` under several variants of the knobs in
-``_TUNE_OVERRIDE`` (split target per SM, sparse gather tile and pipelining depth, dense tile, compaction
-block, programmatic dependent launch of the merge, sparse threshold), then the combination of the best
-knobs found. Every variant's output is checked against the float32 reference, eagerly and after a
-CUDA-graph replay. Last, a per-kernel breakdown (split kernel, merge kernel, launch gaps) of the default
-configuration from the CUDA profiler. Times are medians of CUDA-graph replays with L2 flushed before each.
+At the seed's shapes (Hq=32, Hkv=8, D=128, fp16, L=64K, masks as in ``run.py``) it times
+``masked_decode`` as CUDA-graph replays (``bench_masked_decode.time_us``: median, L2 flushed before each)
+under variants of the launch knobs, checking every variant's output against the float32 reference (eager
+and after a graph replay); a variant with a wrong result is never chosen. Three steps, each choosing by the
+geometric mean of its time over the step's cases relative to the current defaults' variant:
+
+1. one-wave launches (batch 1: 10/25/50% random, 10/25% clusters of 64, no mask): sparse gather tile
+   (rows, pipelining depth) and programs per SM;
+2. multi-wave launches (batch 8, same masks): sparse gather tile and the most positions per split with a
+   mask;
+3. with those, the default ``sparse_threshold`` per launch class (0 = dense loop everywhere, 0.45, 0.6,
+   0.75, 1.0) over 25 to 100% visible random masks and 25% clusters at batch 1, 4 and 8. A threshold is
+   chosen over 1.0 only if it is at least 1% faster and slows no 25%-visible case by more than 3%.
+
+``--write-defaults`` rewrites ``src/triton_masked_decode/_tuned.py`` with the choices.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
-import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_masked_decode import capture_graph, copy_bandwidth
+from bench_masked_decode import Case, capture_graph, copy_bandwidth, make_mask, time_us
 
 from triton_masked_decode import masked_decode, masked_decode_ref
 
 md = sys.modules["triton_masked_decode.masked_decode"]  # the package re-exports a function of that name
+tuned = sys.modules["triton_masked_decode._tuned"]
 
 HQ, HKV, D, L = 32, 8, 128, 65536
-CASES = [  # name, batch, visible fraction, pattern
-    ("B1-rand50", 1, 0.5, "random"),
-    ("B1-rand10", 1, 0.1, "random"),
-    ("B1-rand25", 1, 0.25, "random"),
-    ("B1-clus10", 1, 0.1, "cluster64"),
-    ("B1-clus25", 1, 0.25, "cluster64"),
-    ("B1-nomask", 1, 1.0, "none"),
-    ("B8-rand50", 8, 0.5, "random"),
-    ("B8-rand10", 8, 0.1, "random"),
-    ("B8-rand25", 8, 0.25, "random"),
-    ("B8-clus25", 8, 0.25, "cluster64"),
-]
-# The autotuner's pick for the dense loop at these shapes in the last benchmark (BLOCK_N=32, 4 warps, 3 stages).
+# Dense-loop tile fixed to the autotuner's usual pick for "auto" at these shapes (no autotuning in the sweep).
 BASE = {"block_n": 32, "num_warps": 4, "num_stages": 3}
-VARIANTS = [  # tag, override on top of BASE, sparse threshold (None = default), batches
-    ("base", {}, None, (1, 8)),
-    ("no-pdl", {"pdl": 0}, None, (1, 8)),
-    ("perSM2", {"programs_per_sm": 2}, None, (1,)),
-    ("perSM8", {"programs_per_sm": 8}, None, (1, 8)),
-    ("perSM16", {"programs_per_sm": 16}, None, (1,)),
-    ("NS64-s2", {"block_ns": 64, "sparse_stages": 2}, None, (1, 8)),
-    ("NS64-s3", {"block_ns": 64, "sparse_stages": 3}, None, (1, 8)),
-    ("NS32-s2", {"block_ns": 32, "sparse_stages": 2}, None, (1, 8)),
-    ("NS16-s4", {"block_ns": 16, "sparse_stages": 4}, None, (1,)),
-    ("BC1024", {"block_c": 1024}, None, (8,)),
-    ("BC4096", {"block_c": 4096}, None, (8,)),
-    ("w8", {"num_warps": 8}, None, (1,)),
-    ("dense-BN64-s2", {"block_n": 64, "num_stages": 2}, None, (1,)),
-    ("thr1.0", {}, 1.0, (1, 8)),
-]
+# Masks: name -> (visible fraction, pattern); "rand100" is a mask with every position visible.
+MASKS = {
+    "rand10": (0.1, "random"),
+    "rand25": (0.25, "random"),
+    "rand50": (0.5, "random"),
+    "rand75": (0.75, "random"),
+    "rand100": (1.0, "random"),
+    "clus10": (0.1, "cluster64"),
+    "clus25": (0.25, "cluster64"),
+    "nomask": (1.0, "none"),
+}
+ONE_WAVE_CASES = [(1, m) for m in ("rand10", "rand25", "rand50", "clus10", "clus25", "nomask")]
+MULTI_WAVE_CASES = [(8, m) for m in ("rand10", "rand25", "rand50", "clus10", "clus25")]
+THRESHOLD_CASES = [(b, m) for b in (1, 4, 8) for m in ("rand25", "clus25", "rand50", "rand75", "rand100")]
+THRESHOLDS = (0.0, 0.45, 0.6, 0.75, 1.0)
+# Variants: tag -> knob values. "current" is what _tuned.py held when the sweep started.
+ONE_WAVE_VARIANTS = {
+    "ns64-s2-psm4": {"block_ns": 64, "sparse_stages": 2, "programs_per_sm": 4},
+    "ns64-s3-psm3": {"block_ns": 64, "sparse_stages": 3, "programs_per_sm": 3},
+    "ns32-s3-psm3": {"block_ns": 32, "sparse_stages": 3, "programs_per_sm": 3},
+    "ns32-s4-psm3": {"block_ns": 32, "sparse_stages": 4, "programs_per_sm": 3},
+    "ns32-s4-psm4": {"block_ns": 32, "sparse_stages": 4, "programs_per_sm": 4},
+    "ns16-s4-psm4": {"block_ns": 16, "sparse_stages": 4, "programs_per_sm": 4},
+    "ns16-s4-psm5": {"block_ns": 16, "sparse_stages": 4, "programs_per_sm": 5},
+}
+MULTI_WAVE_VARIANTS = {
+    f"ns{ns}-s{st}-mc{mc}": {"block_ns": ns, "sparse_stages": st, "max_chunk": mc}
+    for ns, st in ((64, 2), (64, 3), (32, 3), (32, 4), (16, 4))
+    for mc in (4096, 2048)
+    if not (mc == 2048 and (ns, st) in ((64, 2), (16, 4)))
+}
 
 
-def make(batch: int, dens: float, pattern: str):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16, generator=g)
-    k = torch.randn(batch, HKV, L, D, device="cuda", dtype=torch.float16, generator=g)
-    v = torch.randn_like(k)
-    if pattern == "none":
-        mask = None
-    elif pattern == "cluster64":
-        vis = torch.rand(batch, HKV, L // 64, device="cuda", generator=g) < dens
-        mask = ~vis.repeat_interleave(64, -1)
-    else:
-        mask = torch.rand(batch, HKV, L, device="cuda", generator=g) >= dens
-    return q, k, v, mask
+class Sweep:
+    def __init__(self, rep: int) -> None:
+        self.rep = rep
+        self.rows: list[dict] = []
+        self.times: dict[tuple[str, int, str], float] = {}
+        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.masks: dict[tuple[int, str], torch.Tensor | None] = {}
+        self.refs: dict[tuple[int, str], torch.Tensor] = {}
 
+    def data(self, batch: int, mask_name: str):
+        if batch not in self.inputs:
+            g = torch.Generator(device="cuda").manual_seed(batch)
+            q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16, generator=g)
+            k = torch.randn(batch, HKV, L, D, device="cuda", dtype=torch.float16, generator=g)
+            v = torch.randn_like(k)
+            self.inputs[batch] = (q, k, v)
+        q, k, v = self.inputs[batch]
+        key = (batch, mask_name)
+        if key not in self.masks:
+            dens, pattern = MASKS[mask_name]
+            case = Case("tune", batch, [L] * batch, L, dens, pattern)
+            self.masks[key] = make_mask(case, torch.Generator(device="cuda").manual_seed(100 + batch))
+            self.refs[key] = masked_decode_ref(q, k, v, self.masks[key])[0].float()
+        return q, k, v, self.masks[key], self.refs[key]
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
-    args = ap.parse_args()
-    rep = 25 if args.quick else 50
-    bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}  copy bw {bw / 1e12:.3f} TB/s", flush=True)
-    data = {name: make(b, d, p) for name, b, d, p in CASES}
-    refs = {}
-    for name, (q, k, v, mask) in data.items():
-        refs[name] = masked_decode_ref(q, k, v, mask)[0].float()
-    rows: list[dict] = []
-    times: dict[tuple[str, str], float] = {}
-
-    def measure(tag: str, override: dict, thr: float | None, name: str) -> None:
-        q, k, v, mask = data[name]
+    def measure(
+        self, tag: str, knobs: dict, batch: int, mask_name: str, threshold: float | None
+    ) -> float | None:
+        q, k, v, mask, ref = self.data(batch, mask_name)
         md._TUNE_OVERRIDE.clear()
-        md._TUNE_OVERRIDE.update({**BASE, **override})
-        kw = {} if thr is None else {"sparse_threshold": thr}
-        fn = lambda: masked_decode(q, k, v, mask, check_values=False, **kw)
+        md._TUNE_OVERRIDE.update({**BASE, **knobs})
+        kw = {} if threshold is None else {"sparse_threshold": threshold}
+
+        def fn():
+            return masked_decode(q, k, v, mask, check_values=False, **kw)
+
+        row: dict = {"variant": tag, "batch": batch, "mask": mask_name, "threshold": threshold, **knobs}
         try:
-            err_eager = float((fn()[0].float() - refs[name]).abs().max())
+            err_eager = float((fn()[0].float() - ref).abs().max())
             graph, res = capture_graph(fn)
             res[0].fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
-            err_graph = float((res[0].float() - refs[name]).abs().max())
-            ms = triton.testing.do_bench(graph.replay, warmup=10, rep=rep, return_mode="median")
-            t = ms * 1e3
+            err_graph = float((res[0].float() - ref).abs().max())
+            t, _method = time_us(fn, warmup=10, rep=self.rep)
         except Exception as e:  # a variant failing must not stop the sweep
-            print(f"{tag:16s} {name:10s} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
-            rows.append({"variant": tag, "case": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            return
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"{tag:18s} B{batch} {mask_name:8s} FAILED {row['error'][:160]}", flush=True)
+            self.rows.append(row)
+            return None
+        finally:
+            md._TUNE_OVERRIDE.clear()
         ok = err_eager < 1e-2 and err_graph < 1e-2
-        times[(tag, name)] = t
-        rows.append(
-            {"variant": tag, "case": name, "us": t, "err_eager": err_eager, "err_graph": err_graph, "ok": ok}
-        )
+        row.update({"us": t, "err_eager": err_eager, "err_graph": err_graph, "ok": ok})
+        self.rows.append(row)
         flag = "" if ok else f"  WRONG (eager {err_eager:.3g}, graph {err_graph:.3g})"
-        print(f"{tag:16s} {name:10s} {t:8.1f} us{flag}", flush=True)
+        print(f"{tag:18s} B{batch} {mask_name:8s} thr={threshold}  {t:8.1f} us{flag}", flush=True)
+        if not ok:
+            return None
+        self.times[(tag, batch, mask_name)] = t
+        return t
 
-    for tag, ov, thr, batches in VARIANTS:
-        for name, b, _, p in CASES:
-            if b in batches and not (p == "none" and (thr is not None or "block_ns" in ov)):
-                measure(tag, ov, thr, name)
+    def choose(
+        self, variants: dict[str, dict], cases, ref_tag: str, threshold: float | None
+    ) -> tuple[str, dict]:
+        """Measure every variant on every case; the lowest geometric mean of time / reference time wins."""
+        for tag, knobs in variants.items():
+            for batch, m in cases:
+                self.measure(tag, knobs, batch, m, threshold)
+        scores = {}
+        for tag in variants:
+            rel = []
+            for batch, m in cases:
+                t, t0 = self.times.get((tag, batch, m)), self.times.get((ref_tag, batch, m))
+                if t is None or t0 is None:
+                    break
+                rel.append(math.log(t / t0))
+            else:
+                scores[tag] = math.exp(sum(rel) / len(rel))
+        for tag, sc in sorted(scores.items(), key=lambda kv: kv[1]):
+            print(f"  score {tag:18s} {sc:.4f}", flush=True)
+        best = min(scores, key=lambda t: scores[t]) if scores else ref_tag
+        return best, scores
 
-    # Combination of the best sparse tile and split target (by the sum of the batch-1 sparse cases).
-    sparse_b1 = ["B1-rand10", "B1-rand25", "B1-clus10", "B1-clus25"]
 
-    def score(tag: str) -> float:
-        return sum(times.get((tag, n), 1e9) for n in sparse_b1)
-
-    tile_tag = min(["base", "NS64-s2", "NS64-s3", "NS32-s2", "NS16-s4"], key=score)
-    split_tag = min(["base", "perSM2", "perSM8", "perSM16"], key=score)
-    combo = {**dict(VARIANTS[[v[0] for v in VARIANTS].index(tile_tag)][1])}
-    combo.update(dict(VARIANTS[[v[0] for v in VARIANTS].index(split_tag)][1]))
-    print(f"best tile {tile_tag}, best split {split_tag}: combo {combo}", flush=True)
-    for name, _b, _, _p in CASES:
-        measure("combo", combo, None, name)
-
-    # Per-kernel breakdown of the default configuration (eager calls, L2 flushed between them).
+def one_wave_class(batch: int, knobs: dict) -> bool:
+    """The launch class masked_decode gives this batch (seed shapes) under the chosen knobs."""
     md._TUNE_OVERRIDE.clear()
-    md._TUNE_OVERRIDE.update(BASE)
-    flush_buf = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    breakdown = {}
-    for name in ("B1-rand50", "B1-rand10", "B1-rand25", "B1-clus25", "B1-nomask", "B8-rand25"):
-        q, k, v, mask = data[name]
-        masked_decode(q, k, v, mask, check_values=False)
-        torch.cuda.synchronize()
-        n_it = 20
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(n_it):
-                flush_buf.zero_()
-                masked_decode(q, k, v, mask, check_values=False)
-            torch.cuda.synchronize()
-        per = {}
-        for evt in prof.key_averages():
-            if "masked_decode" in evt.key or "merge" in evt.key:
-                per[evt.key] = evt.device_time_total / max(evt.count, 1)
-        breakdown[name] = {"kernels_us": per, "graph_us": times.get(("base", name))}
-        print(
-            f"breakdown {name:10s} "
-            + ", ".join(f"{k[:28]} {v:.1f} us" for k, v in per.items())
-            + f"; graph total {times.get(('base', name), float('nan')):.1f} us",
-            flush=True,
+    md._TUNE_OVERRIDE.update({**BASE, **knobs})
+    try:
+        return md._launch_plan(batch, HKV, L, True, md._num_sms(torch.device("cuda")))[2]
+    finally:
+        md._TUNE_OVERRIDE.clear()
+
+
+def write_defaults(path: Path, chosen: dict, note: str) -> None:
+    text = f'''"""Launch defaults of the split kernel, chosen by ``benchmarks/tune_masked_decode.py`` on an H100.
+
+``tune_masked_decode.py --write-defaults`` rewrites this file from its measurements (the sweep, the
+selection rule and the figures are in ``docs/benchmarks/triton-masked-decode-tune-3.json`` and
+``benchmarks/NOTES.md``). "One wave" launches are those whose programs all fit on the GPU at once
+(small batch: the split count is set to fill the GPU); "multi wave" ones have more programs than that.
+{note}
+"""
+
+# Programs per SM the split count aims at when the batch alone does not fill the GPU.
+PROGRAMS_PER_SM = {chosen["programs_per_sm"]}
+# Sparse-loop gather tile (rows per tile at head dim 128, pipelining depth) per launch class.
+SPARSE_TILE_ONE_WAVE = {tuple(chosen["tile_one_wave"])}
+SPARSE_TILE_MULTI_WAVE = {tuple(chosen["tile_multi_wave"])}
+# Most positions per split when a mask is given (without a mask the limit is 4096).
+MAX_CHUNK_MASKED = {chosen["max_chunk_masked"]}
+# Default largest visible fraction of a split that takes the sparse loop (path="auto"), per launch class.
+SPARSE_THRESHOLD_ONE_WAVE = {chosen["threshold_one_wave"]}
+SPARSE_THRESHOLD_MULTI_WAVE = {chosen["threshold_multi_wave"]}
+'''
+    path.write_text(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--rep", type=int, default=40, help="do_bench time budget per measurement, ms")
+    ap.add_argument("--write-defaults", action="store_true", help="rewrite _tuned.py with the choices")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}  copy bw {bw / 1e12:.3f} TB/s", flush=True)
+    start = {
+        "programs_per_sm": tuned.PROGRAMS_PER_SM,
+        "tile_one_wave": list(tuned.SPARSE_TILE_ONE_WAVE),
+        "tile_multi_wave": list(tuned.SPARSE_TILE_MULTI_WAVE),
+        "max_chunk_masked": tuned.MAX_CHUNK_MASKED,
+        "threshold_one_wave": tuned.SPARSE_THRESHOLD_ONE_WAVE,
+        "threshold_multi_wave": tuned.SPARSE_THRESHOLD_MULTI_WAVE,
+    }
+    sw = Sweep(args.rep)
+
+    def with_start(variants: dict[str, dict], cls: str, knob: str, key: str, fmt: str) -> tuple[dict, str]:
+        """The variants plus the starting defaults' own one (the reference of the step)."""
+        ns, st = start[f"tile_{cls}"]
+        ref = fmt.format(ns, st, start[key])
+        return {**variants, ref: {"block_ns": ns, "sparse_stages": st, knob: start[key]}}, ref
+
+    # 1. one-wave launches; 2. multi-wave launches (threshold 1.0: every masked split on the sparse loop).
+    ow, ref1 = with_start(
+        ONE_WAVE_VARIANTS, "one_wave", "programs_per_sm", "programs_per_sm", "ns{}-s{}-psm{}"
+    )
+    best1, scores1 = sw.choose(ow, ONE_WAVE_CASES, ref1, threshold=1.0)
+    print(f"one-wave choice: {best1} {ow[best1]}", flush=True)
+    mw, ref2 = with_start(MULTI_WAVE_VARIANTS, "multi_wave", "max_chunk", "max_chunk_masked", "ns{}-s{}-mc{}")
+    best2, scores2 = sw.choose(mw, MULTI_WAVE_CASES, ref2, threshold=1.0)
+    print(f"multi-wave choice: {best2} {mw[best2]}", flush=True)
+
+    chosen = {
+        "programs_per_sm": ow[best1]["programs_per_sm"],
+        "tile_one_wave": [ow[best1]["block_ns"], ow[best1]["sparse_stages"]],
+        "tile_multi_wave": [mw[best2]["block_ns"], mw[best2]["sparse_stages"]],
+        "max_chunk_masked": mw[best2]["max_chunk"],
+    }
+
+    # 3. thresholds, with each case's launch class under the chosen knobs.
+    def knobs_for(batch: int) -> tuple[str, dict]:
+        base = {"programs_per_sm": chosen["programs_per_sm"], "max_chunk": chosen["max_chunk_masked"]}
+        cls = "one_wave" if one_wave_class(batch, base) else "multi_wave"
+        ns, st = chosen["tile_" + cls]
+        return cls, {**base, "block_ns": ns, "sparse_stages": st}
+
+    thr_rel: dict[str, dict[float, list[float]]] = {"one_wave": {}, "multi_wave": {}}
+    # A threshold that slows a sparse (25% visible) case by more than 3% (beyond noise) is not eligible.
+    slows_sparse: dict[str, set[float]] = {"one_wave": set(), "multi_wave": set()}
+    classes = {}
+    for batch, m in THRESHOLD_CASES:
+        cls, knobs = knobs_for(batch)
+        classes[batch] = cls
+        t_by_thr = {}
+        for thr in THRESHOLDS:
+            t = sw.measure(f"thr{thr}", knobs, batch, m, thr)
+            if t is not None:
+                t_by_thr[thr] = t
+        if 1.0 in t_by_thr:
+            for thr, t in t_by_thr.items():
+                thr_rel[cls].setdefault(thr, []).append(math.log(t / t_by_thr[1.0]))
+                if m in ("rand25", "clus25") and t > 1.03 * t_by_thr[1.0]:
+                    slows_sparse[cls].add(thr)
+    n_cases = {cls: sum(1 for b, _ in THRESHOLD_CASES if classes[b] == cls) for cls in thr_rel}
+    thr_scores = {
+        cls: {thr: math.exp(sum(v) / len(v)) for thr, v in d.items() if len(v) == n_cases[cls]}
+        for cls, d in thr_rel.items()
+    }
+    for cls, sc in thr_scores.items():
+        for thr, s in sorted(sc.items()):
+            note = "  (slows a 25% case: not eligible)" if thr in slows_sparse[cls] else ""
+            print(f"  {cls} threshold {thr}: {s:.4f}{note}", flush=True)
+        eligible = {t: s for t, s in sc.items() if t not in slows_sparse[cls]}
+        best_thr = min(eligible, key=lambda t: eligible[t]) if eligible else 1.0
+        chosen[f"threshold_{cls}"] = best_thr if eligible.get(best_thr, 1.0) < 0.99 else 1.0
+    print(f"chosen defaults: {chosen}  (start: {start}); classes {classes}", flush=True)
+
+    if args.write_defaults:
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        write_defaults(
+            Path(md.__file__).with_name("_tuned.py"),
+            chosen,
+            f"\nWritten {stamp} on {torch.cuda.get_device_name()} (one-wave pick {best1}, multi-wave pick {best2}).",
         )
-    md._TUNE_OVERRIDE.clear()
-
-    # Summary: variants x cases.
-    names = [c[0] for c in CASES]
-    tags = [v[0] for v in VARIANTS] + ["combo"]
-    print("\n| variant | " + " | ".join(names) + " |")
-    print("|---" * (len(names) + 1) + "|")
-    for tag in tags:
-        cells = [f"{times[(tag, n)]:.1f}" if (tag, n) in times else "" for n in names]
-        print(f"| {tag} | " + " | ".join(cells) + " |")
     if args.out:
-        Path(args.out).write_text(
+        args.out.write_text(
             json.dumps(
-                {"bw": bw, "device": torch.cuda.get_device_name(), "rows": rows, "breakdown": breakdown},
+                {
+                    "package": "triton-masked-decode",
+                    "what": "launch-default sweep (CUDA-graph replay, median, L2 flushed); see the module docstring",
+                    "device": torch.cuda.get_device_name(),
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "command": "python " + " ".join(sys.argv),
+                    "torch": torch.__version__,
+                    "triton": __import__("triton").__version__,
+                    "bw": bw,
+                    "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "L": L, "dtype": "float16"},
+                    "base_dense_tile": BASE,
+                    "start_defaults": start,
+                    "one_wave_scores": scores1,
+                    "multi_wave_scores": scores2,
+                    "threshold_scores": {c: {str(t): s for t, s in d.items()} for c, d in thr_scores.items()},
+                    "thresholds_slowing_sparse_cases": {c: sorted(v) for c, v in slows_sparse.items()},
+                    "classes": {str(b): c for b, c in classes.items()},
+                    "chosen": chosen,
+                    "rows": sw.rows,
+                },
                 indent=1,
             )
+            + "\n"
         )
 
 

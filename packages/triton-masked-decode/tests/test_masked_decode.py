@@ -328,6 +328,17 @@ def test_split_heuristic(batch: int, hkv: int, length: int) -> None:
         assert batch * hkv * splits >= 2 * sms, "long sequences must fill the GPU"
 
 
+def test_launch_class() -> None:
+    """Batch 1 at the seed's shapes fills the GPU through splits (one wave); batch 8 needs several waves."""
+    md = __import__("sys").modules["triton_masked_decode.masked_decode"]
+    assert md._launch_plan(1, 8, 65536, True, 132)[2]
+    assert md._launch_plan(2, 8, 65536, True, 132)[2]
+    assert not md._launch_plan(8, 8, 65536, True, 132)[2]
+    assert not md._launch_plan(64, 8, 32768, False, 132)[2]
+    assert set(md.SPARSE_THRESHOLDS) == {"one_wave", "multi_wave"}
+    assert all(0.0 <= t <= 1.0 for t in md.SPARSE_THRESHOLDS.values())
+
+
 # ------------------------------------------------------------------ GPU (real sizes)
 
 GPU_CASES = [
@@ -403,7 +414,10 @@ def test_every_autotune_candidate(
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("block_ns", "stages"),
-    [pytest.param(bn, ns, id=f"NS{bn}-s{ns}") for bn, ns in ((16, 4), (32, 2), (32, 3), (64, 2), (64, 3))],
+    [
+        pytest.param(bn, ns, id=f"NS{bn}-s{ns}")
+        for bn, ns in ((16, 4), (32, 2), (32, 3), (32, 4), (64, 2), (64, 3))
+    ],
 )
 def test_sparse_gather_tiles(block_ns: int, stages: int, cuda_device: torch.device, monkeypatch) -> None:
     """Each sparse gather tile / pipelining depth (the tuning sweep's candidates) computes the same function."""

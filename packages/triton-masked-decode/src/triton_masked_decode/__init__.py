@@ -3,7 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from triton_masked_decode.masked_decode import (
-    SPARSE_THRESHOLD,
+    SPARSE_THRESHOLDS,
     choose_num_splits,
     masked_decode,
     triton_masked_flash_decoding,
@@ -18,7 +18,7 @@ except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0+src"
 
 __all__ = [
-    "SPARSE_THRESHOLD",
+    "SPARSE_THRESHOLDS",
     "__version__",
     "choose_num_splits",
     "masked_decode",

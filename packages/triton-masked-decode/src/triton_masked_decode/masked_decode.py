@@ -10,15 +10,17 @@ Two inner loops share the per-tile attention step:
 * dense: walks the chunk ``BLOCK_N`` positions at a time; the K/V loads are predicated on the mask, so
   excluded rows (and so whole excluded tiles) are never read from memory;
 * sparse: one pass over the chunk's mask writes the indices of its visible positions, in order, to a
-  scratch list; the loop then walks that list, gathering ``BLOCK_NS`` visible rows per tile, so its work
-  scales with the visible rows.
+  scratch list; the loop then walks that list, gathering ``BLOCK_NS`` visible rows per tile (the next
+  tile's indices are fetched one iteration ahead, so its K/V rows stream while the current tile is
+  computed), so its work scales with the visible rows.
 
 With ``path="auto"`` and a mask, the same pass counts the visible positions, and each split takes the
-sparse loop when their fraction is at most ``sparse_threshold`` (default 1.0: always, see
-``SPARSE_THRESHOLD``): the choice is made on the device, per split. Partial results (one per split) are
+sparse loop when their fraction is at most ``sparse_threshold`` (default per launch class, see
+``SPARSE_THRESHOLDS``): the choice is made on the device, per split. Partial results (one per split) are
 combined by a second kernel with the log-sum-exp rule; on Hopper it is launched with programmatic dependent
 launch, so its programs are resident before the splits finish. On a GPU the dense tile length, warps and
-pipelining depth are autotuned per shape class on first use; the sparse tile is fixed per head dim.
+pipelining depth are autotuned per shape class on first use; the sparse tile, split target and
+default threshold per launch class come from ``_tuned.py`` (an H100 sweep).
 """
 
 from __future__ import annotations
@@ -30,18 +32,19 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_masked_decode import _interp_compat
+from triton_masked_decode import _interp_compat, _tuned
 
 _interp_compat.install()
 
-__all__ = ["SPARSE_THRESHOLD", "masked_decode", "triton_masked_flash_decoding"]
+__all__ = ["SPARSE_THRESHOLDS", "masked_decode", "triton_masked_flash_decoding"]
 
-#: Default largest fraction of visible positions in a split for which ``path="auto"`` takes the sparse loop.
-#: 1.0: every split with a mask takes it. On an H100 (benchmarks/bench_threshold.py) the sparse loop wins far
-#: below 50% visible at every batch and up to 80% visible at batch 8, but loses 6-15% to the dense loop from
-#: 50% visible at batch 4 (within 4% at batch 1): pass ``sparse_threshold=0.45`` for mostly-visible masks at
-#: small batch.
-SPARSE_THRESHOLD = 1.0
+#: Default ``sparse_threshold`` (largest visible fraction of a split for which ``path="auto"`` takes the
+#: sparse loop) per launch class: ``"one_wave"`` when every program of the launch fits on the GPU at once
+#: (small batch), ``"multi_wave"`` otherwise. Measured on an H100 (benchmarks/tune_masked_decode.py).
+SPARSE_THRESHOLDS = {
+    "one_wave": _tuned.SPARSE_THRESHOLD_ONE_WAVE,
+    "multi_wave": _tuned.SPARSE_THRESHOLD_MULTI_WAVE,
+}
 
 _LOG2E = 1.4426950408889634
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -53,7 +56,9 @@ _MASK_NONE, _MASK_BOOL, _MASK_PACKED = 0, 1, 2
 _MAX_GROUP = 64
 _MAX_SPLITS = 256
 _MAX_CHUNK = 4096  # bounds per-program work so ragged batches balance across SMs
-_PROGRAMS_PER_SM = 4
+_PROGRAMS_PER_SM = _tuned.PROGRAMS_PER_SM
+# A launch is "one wave" when it has at most this many times PROGRAMS_PER_SM programs per SM.
+_ONE_WAVE_SLACK = 1.25
 # Benchmark-only knobs (tile sizes, pipelining depth, split targets); empty in normal use.
 _TUNE_OVERRIDE: dict[str, int] = {}
 
@@ -242,10 +247,13 @@ def _sparse_loop(
     """Walk the compacted list of ``n_vis`` visible positions, gathering ``BLOCK_NS`` K/V rows per tile."""
     tl.debug_barrier()  # the list was written by other threads of this program
     offs_n = tl.arange(0, BLOCK_NS)
+    pos_next = tl.load(idx_base + offs_n, mask=offs_n < n_vis, other=0)
     for start in tl.range(0, n_vis, BLOCK_NS, num_stages=SPARSE_STAGES):
         j = start + offs_n
         valid = j < n_vis
-        pos = tl.load(idx_base + j, mask=valid, other=0)
+        pos = pos_next
+        j_next = j + BLOCK_NS
+        pos_next = tl.load(idx_base + j_next, mask=j_next < n_vis, other=0)
         acc, l_i, m_i = _attend_rows(
             acc, l_i, m_i, q, pos, valid, k_base, v_base, bt_base,
             stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
@@ -544,17 +552,20 @@ def _tile_config(block_d: int, block_g: int) -> tuple[int, int, int]:
     return ov.get("block_n", block_n), ov.get("num_warps", num_warps), ov.get("num_stages", num_stages)
 
 
-# Sparse-loop gather tile (rows per tile, pipelining depth) per head-dim tile: K and V tiles of all stages
-# sit in shared memory, so the tile is kept small enough for several programs per SM.
-_SPARSE_TILES = {16: (64, 3), 32: (64, 3), 64: (64, 3), 128: (64, 2), 256: (32, 2)}
 _MAX_BLOCK_C = 2048  # mask positions compacted per step (one step per chunk up to this length)
 
 
-def _sparse_config(block_d: int, chunk: int) -> tuple[int, int, int]:
-    """(BLOCK_NS, SPARSE_STAGES, BLOCK_C) of the sparse loop and the compaction for a launch."""
+def _sparse_config(block_d: int, chunk: int, one_wave: bool) -> tuple[int, int, int]:
+    """(BLOCK_NS, SPARSE_STAGES, BLOCK_C) of the sparse loop and the compaction for a launch.
+
+    The gather tile is tuned at head dim 128 per launch class; other head dims keep its bytes per tile
+    (rows scaled by 128 / D, 16 to 64 rows), since K and V tiles of every stage sit in shared memory.
+    With manual prefetch of the index list, ``SPARSE_STAGES`` s holds ``s - 1`` K/V tiles in flight.
+    """
     if _interpreting():
         return 16, 1, 32
-    block_ns, stages = _SPARSE_TILES[block_d]
+    ns_128, stages = _tuned.SPARSE_TILE_ONE_WAVE if one_wave else _tuned.SPARSE_TILE_MULTI_WAVE
+    block_ns = min(64, max(16, ns_128 * 128 // block_d))
     ov = _TUNE_OVERRIDE
     block_c = min(ov.get("block_c", _MAX_BLOCK_C), triton.next_power_of_2(max(chunk, 128)))
     return ov.get("block_ns", block_ns), ov.get("sparse_stages", stages), block_c
@@ -575,13 +586,20 @@ def _chunk_granularity() -> int:
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, max_len: int, block_n: int, num_sms: int, num_splits: int | None = None
+    batch: int,
+    num_kv_heads: int,
+    max_len: int,
+    block_n: int,
+    num_sms: int,
+    num_splits: int | None = None,
+    *,
+    max_chunk: int = _MAX_CHUNK,
 ) -> tuple[int, int]:
     """Split count and chunk length (positions per split) for a launch; depends on shapes only.
 
-    Aims at about four programs per SM (two resident waves at two programs per SM) and at most
-    4096 positions per program, so batch 1 fills the GPU through splits and a ragged large batch
-    balances through many short programs.
+    Aims at ``PROGRAMS_PER_SM`` programs per SM (tuned, see ``_tuned.py``) and at most ``max_chunk``
+    positions per program, so batch 1 fills the GPU through splits and a ragged large batch balances
+    through many short programs.
 
     Args:
         batch: number of sequences ``B``.
@@ -590,6 +608,7 @@ def choose_num_splits(
         block_n: granularity of the chunk length (128 on GPU, so that every autotuned tile divides it).
         num_sms: streaming multiprocessors of the device (132 on an H100 SXM).
         num_splits: requested split count instead of the heuristic.
+        max_chunk: most positions per split (4096; the launcher passes a tuned value when a mask is given).
 
     Returns:
         ``(num_splits, chunk)`` with ``chunk`` a multiple of ``block_n`` and
@@ -598,13 +617,25 @@ def choose_num_splits(
     tiles = max(1, triton.cdiv(max_len, block_n))
     if num_splits is None:
         per_sm = _TUNE_OVERRIDE.get("programs_per_sm", _PROGRAMS_PER_SM)
-        max_chunk = _TUNE_OVERRIDE.get("max_chunk", _MAX_CHUNK)
+        max_chunk = _TUNE_OVERRIDE.get("max_chunk", max_chunk)
         want = max(triton.cdiv(per_sm * num_sms, batch * num_kv_heads), triton.cdiv(max_len, max_chunk))
     else:
         want = num_splits
     splits = max(1, min(want, tiles, _MAX_SPLITS))
     chunk = triton.cdiv(tiles, splits) * block_n
     return max(1, triton.cdiv(max_len, chunk)), chunk
+
+
+def _launch_plan(
+    batch: int, hkv: int, max_len: int, masked: bool, num_sms: int, num_splits: int | None = None
+) -> tuple[int, int, bool]:
+    """(splits, chunk, one_wave) of a launch: the split heuristic and the launch class of the defaults."""
+    splits, chunk = choose_num_splits(
+        batch, hkv, max_len, _chunk_granularity(), num_sms, num_splits,
+        max_chunk=_tuned.MAX_CHUNK_MASKED if masked else _MAX_CHUNK,
+    )  # fmt: skip
+    per_sm = _TUNE_OVERRIDE.get("programs_per_sm", _PROGRAMS_PER_SM)
+    return splits, chunk, batch * hkv * splits <= _ONE_WAVE_SLACK * per_sm * num_sms
 
 
 def _launch(
@@ -629,10 +660,12 @@ def _launch(
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(d))
     block_n, num_warps, num_stages = _tile_config(block_d, block_g)
-    splits, chunk = choose_num_splits(
-        batch, hkv, max_len, _chunk_granularity(), _num_sms(q.device), num_splits if num_splits > 0 else None
+    splits, chunk, one_wave = _launch_plan(
+        batch, hkv, max_len, mask is not None, _num_sms(q.device), num_splits if num_splits > 0 else None
     )
-    block_ns, sparse_stages, block_c = _sparse_config(block_d, chunk)
+    if sparse_threshold < 0.0:  # the default: per launch class
+        sparse_threshold = SPARSE_THRESHOLDS["one_wave" if one_wave else "multi_wave"]
+    block_ns, sparse_stages, block_c = _sparse_config(block_d, chunk, one_wave)
     pdl = _use_pdl(q.device) and splits > 1
 
     mask_mode = _MASK_NONE
@@ -902,7 +935,7 @@ def masked_decode(
     sm_scale: float | None = None,
     return_lse: bool = True,
     path: str = "auto",
-    sparse_threshold: float = SPARSE_THRESHOLD,
+    sparse_threshold: float | None = None,
     num_splits: int | None = None,
     check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
@@ -934,7 +967,9 @@ def masked_decode(
             fraction of the split is at most ``sparse_threshold`` and the dense loop otherwise;
             ``"dense"`` / ``"sparse"`` force one loop; ``"dense_read_all"`` is the dense loop reading every
             row (excluded ones zeroed after the load), kept for comparison.
-        sparse_threshold: visible fraction at or below which ``path="auto"`` takes the sparse loop.
+        sparse_threshold: visible fraction at or below which ``path="auto"`` takes the sparse loop;
+            default (None): :data:`SPARSE_THRESHOLDS` of the launch class ("one_wave" when all programs
+            fit on the GPU at once, e.g. small batches; "multi_wave" otherwise).
         num_splits: override the number of KV splits (default: chosen from shapes and the SM count).
         check_values: check tensor *values* (``seqlens`` within ``[0, L]``, used ``block_table`` entries
             within ``[0, num_pages)``). Needs a device-to-host sync, so it is skipped during CUDA-graph
@@ -946,7 +981,7 @@ def masked_decode(
     """
     if path not in _PATH_CODES:
         raise ValueError(f"masked_decode: path must be one of {sorted(_PATH_CODES)}, got {path!r}")
-    if not 0.0 <= sparse_threshold <= 1.0:
+    if sparse_threshold is not None and not 0.0 <= sparse_threshold <= 1.0:
         raise ValueError(f"masked_decode: sparse_threshold must be in [0, 1], got {sparse_threshold}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"masked_decode: num_splits must be >= 1, got {num_splits}")
@@ -959,7 +994,7 @@ def masked_decode(
     grid_len = max_len if seq_t is not None else seqlen_const
     out, lse = torch.ops.triton_masked_decode.masked_decode(
         q3, k, v, mask, seq_t, seqlen_const, block_table, scale, grid_len,
-        num_splits or 0, _PATH_CODES[path], float(sparse_threshold),
+        num_splits or 0, _PATH_CODES[path], -1.0 if sparse_threshold is None else float(sparse_threshold),
     )  # fmt: skip
     if q.dim() == 4:
         out = out.unsqueeze(2)
