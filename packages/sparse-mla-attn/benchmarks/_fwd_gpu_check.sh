@@ -7,12 +7,12 @@ OUT=${OUT:-/tmp/fwd_out}
 mkdir -p "$OUT"
 B=packages/sparse-mla-attn/benchmarks
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-timeout 170 python3 -m pytest packages/sparse-mla-attn/tests/test_forward.py packages/sparse-mla-attn/tests/test_attn_dist.py \
+timeout 150 python3 -m pytest packages/sparse-mla-attn/tests/test_forward.py packages/sparse-mla-attn/tests/test_attn_dist.py \
   packages/sparse-mla-attn/tests/test_decode.py -m gpu -q -p no:cacheprovider -x 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
-(cd $B && timeout 170 python3 tune.py --out "$OUT/tune7.json" 2>&1 | grep -v "^ *$" | tee "$OUT/tune7.log")
+(cd $B && timeout 130 python3 tune.py --out "$OUT/tune7.json" 2>&1 | grep -v "^ *$" | tee "$OUT/tune7.log")
 if [ "$tests_rc" = 0 ]; then
-  timeout 230 python3 $B/run.py --out-dir "$OUT" 2>&1 | tail -60 > "$OUT/bench.log"
+  timeout 220 python3 $B/run.py --out-dir "$OUT" 2>&1 | tail -60 > "$OUT/bench.log"
 else
   echo "GPU tests failed (rc $tests_rc): benchmark skipped" | tee "$OUT/bench.log"
 fi

@@ -24,7 +24,6 @@ FWD_VARIANTS = [{**S2, "GLUON": False}, {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_
 ATTN_DIST_VARIANTS = [
     {"GLUON": False},
     {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 6},
-    {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 4},
     {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 3},
 ]
 ATTN_DIST_SHAPES = [(128, 8192), (128, 131072), (64, 32768)]
