@@ -9,6 +9,7 @@ backward recomputes QK^T and does four more products: 2.53x by exact count at d_
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -143,6 +144,12 @@ def main() -> None:
     ap.add_argument("--out-dir", default=None, help="write sparse-mla-attn-training.json/.md here")
     ap.add_argument("--quick", action="store_true", help="only the main shape")
     ap.add_argument("--sweep", action="store_true", help="also time alternative kernel configurations")
+    ap.add_argument(
+        "--configs",
+        default=None,
+        help="tuning: JSON list of [config, deterministic] pairs timed after the main rows (with --quick), "
+        "printed only",
+    )
     a = ap.parse_args()
     meta = metadata()
     peak = dense_matmul_tflops()
@@ -159,6 +166,13 @@ def main() -> None:
             f"({100 * r['tflops'] / peak:.0f}% of matmul); deterministic {r['det_ms']:.2f} ms "
             f"{r['det_tflops']:.0f} TFLOPS ({r['det_ms'] / r['ms']:.2f}x)"
         )
+    if a.configs:
+        for cfg, det in json.loads(a.configs):
+            r = bench_shape(4096, 128, 32768, 2048, check=False, config=cfg, det=det, modes=(det,))
+            key = "det_" if det else ""
+            print(f"config {cfg} deterministic={det}: {r[key + 'ms']:.2f} ms {r[key + 'tflops']:.0f} TFLOPS "
+                  f"{r[key + 'resources']}")  # fmt: skip
+        return
     first = rows[0]
     if "check" in first:
         print(f"check: {first['check']}")

@@ -107,12 +107,13 @@ def bench_indexer_bwd(s_q, h, d, s_kv, causal, peak, bw, config=None, baseline=T
 
 
 BWD_SWEEP = [
-    {"TOK_DQ": 2, "BLOCK_N_DQ": 128, "num_stages_dq": 2},
-    {"TOK_DQ": 1, "BLOCK_N_DQ": 128, "num_warps_dq": 4, "num_stages_dq": 3},
-    {"TOK_DQ": 2, "BLOCK_N_DQ": 64, "num_stages_dq": 4},
-    {"BLOCK_N_DK": 64, "num_warps_dk": 4, "num_stages_dk": 3},
-    {"TOK_DK": 2, "BLOCK_N_DK": 128, "num_stages_dk": 2},
-    {"BLOCK_N_DK": 128, "num_stages_dk": 4},
+    {"TOK_DQ": 2, "BLOCK_N_DQ": 64, "num_warps_dq": 8},
+    {"BLOCK_N_DQ": 64, "num_stages_dq": 4},
+    {"BLOCK_N_DQ": 128, "num_stages_dq": 2},
+    {"BLOCK_N_DK": 128, "num_warps_dk": 8},
+    {"BLOCK_N_DK": 64, "num_stages_dk": 4},
+    {"BLOCK_N_DK": 32, "num_stages_dk": 4},
+    {"TOK_DK": 2, "BLOCK_N_DK": 64, "num_warps_dk": 8},
 ]
 
 

@@ -165,34 +165,29 @@ def test_bwd_kernel_matches_autograd(s_q, h_q, d_qk, d_v, s_kv, topk, kw, dtype)
             assert torch.all(dq[-1] == 0), "a query with no valid index has dq = 0"
 
 
-@pytest.mark.parametrize(
-    ("h_q", "kw"),
-    [
-        pytest.param(18, {"causal": True, "q_start_index": 7, "k_stride": 2}, id="H18-causal"),
-        pytest.param(40, {}, id="H40-second-half-partial"),
-        pytest.param(12, {}, id="H12-second-half-empty"),
-    ],
-)
-def test_bwd_two_head_halves_per_program(h_q, kw):
-    """N_SUB = 2: one program sums two head blocks' dkv contributions before its update."""
+SUB = {"BLOCK_H": 16, "N_SUB": 2}
+CONFIG_CASES = [
+    pytest.param(18, 96, 64, {"causal": True, "q_start_index": 7, "k_stride": 2}, SUB, id="nsub2-H18-causal"),
+    pytest.param(40, 96, 64, {}, SUB, id="nsub2-H40-second-half-partial"),
+    pytest.param(12, 96, 64, {}, SUB, id="nsub2-H12-second-half-empty"),
+    pytest.param(40, 96, 64, {}, {**SUB, "DKV_T": 1}, id="nsub2-dkvT-H40"),
+    pytest.param(
+        5, 96, 64, {"causal": True, "q_start_index": 9}, {"DKV_T": 1, "DQ_SPLIT": 1}, id="dkvT-dqsplit"
+    ),
+    pytest.param(3, 64, 64, {}, {"DQ_SPLIT": 1}, id="dqsplit-no-rope"),
+]
+
+
+@pytest.mark.parametrize(("h_q", "d_qk", "d_v", "kw", "cfg"), CONFIG_CASES)
+def test_bwd_kernel_options(h_q, d_qk, d_v, kw, cfg):
+    """Kernel options the benchmark times: N_SUB = 2 (two head blocks summed before one dkv update), DKV_T
+    (dkv products in [channels, slots] orientation), DQ_SPLIT (latent / rope channel blocks for dq)."""
     dev = kernel_test_device()
-    q, kv, idx = make_case(4, h_q, 96, 30, 17, device=dev, dtype=torch.float32, seed=h_q)
+    q, kv, idx = make_case(4, h_q, d_qk, 30, 17, device=dev, dtype=torch.float32, seed=h_q)
     kv = poison_unselected(kv, idx)
-    out, lse, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.125, 64, dout_seed=6, **kw)
+    out, lse, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.125, d_v, dout_seed=6, **kw)
     for det in (False, True):
-        dq, dkv = sparse_mla_bwd(
-            q,
-            kv,
-            out,
-            dout,
-            idx,
-            lse,
-            0.125,
-            64,
-            deterministic=det,
-            _config={"BLOCK_H": 16, "N_SUB": 2},
-            **kw,
-        )
+        dq, dkv = sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.125, d_v, deterministic=det, _config=cfg, **kw)
         assert torch.isfinite(dq).all()
         assert torch.isfinite(dkv).all()
         assert rel_err(dq, dq_ref) < REL_TOL[torch.float32], ("dq", det)

@@ -267,6 +267,8 @@ def _bwd_main_kernel(
     CHUNK_STAGES: tl.constexpr,
     N_SUB: tl.constexpr,
     DKV_WRITE: tl.constexpr,
+    BLOCK_DV2: tl.constexpr,
+    DKV_T: tl.constexpr,
 ):
     # A program owns one token and N_SUB * BLOCK_H heads. With N_SUB = 2 the scores of the two head halves
     # are computed one after the other (registers for one [BLOCK_H, BLOCK_T] pair at a time), and their dkv
@@ -289,7 +291,7 @@ def _bwd_main_kernel(
     do_row0 = dout_ptr + s * stride_dos + offs_h0[:, None] * stride_doh
     q_row1 = q_ptr + s * stride_qs + offs_h1[:, None] * stride_qh
     do_row1 = dout_ptr + s * stride_dos + offs_h1[:, None] * stride_doh
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = tl.arange(0, BLOCK_DV2)  # channel chunk of the dkv products
     for t0 in range(0, topk, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         rows, valid = _bwd_slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
@@ -309,26 +311,67 @@ def _bwd_main_kernel(
             p1_t = tl.trans(p1)
         part_row = part_ptr + hb * stride_part_hb + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
         dkv_row = dkv_ptr + rows[:, None] * D_QK
-        for c in tl.range(0, D_V // BLOCK_DV, num_stages=CHUNK_STAGES):
-            offs_d = c * BLOCK_DV + offs_dv
+        for c in tl.range(0, D_V // BLOCK_DV2, num_stages=CHUNK_STAGES):
+            offs_d = c * BLOCK_DV2 + offs_dv
             qc = tl.load(q_row0 + offs_d[None, :], mask=hmask0[:, None], other=0.0)
             doc = tl.load(do_row0 + offs_d[None, :], mask=hmask0[:, None], other=0.0)
-            part = tl.dot(ds0_t, qc)
-            part = tl.dot(p0_t, doc, part)
+            if DKV_T:
+                # [channels, slots] orientation: dS and P are the B operands (shared memory), not register
+                # A operands held through the loop; transposed to [slots, channels] for the update.
+                part = tl.dot(tl.trans(qc), ds0)
+                part = tl.dot(tl.trans(doc), p0, part)
+            else:
+                part = tl.dot(ds0_t, qc)
+                part = tl.dot(p0_t, doc, part)
             if N_SUB > 1:
                 qc1 = tl.load(q_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
                 doc1 = tl.load(do_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
-                part = tl.dot(ds1_t, qc1, part)
-                part = tl.dot(p1_t, doc1, part)
+                if DKV_T:
+                    part = tl.dot(tl.trans(qc1), ds1, part)
+                    part = tl.dot(tl.trans(doc1), p1, part)
+                else:
+                    part = tl.dot(ds1_t, qc1, part)
+                    part = tl.dot(p1_t, doc1, part)
+            if DKV_T:
+                part = tl.trans(part)
             _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC, DKV_WRITE)
         if D_ROPE > 0:
             offs_r = D_V + tl.arange(0, D_ROPE)
             qr = tl.load(q_row0 + offs_r[None, :], mask=hmask0[:, None], other=0.0)
-            part_r = tl.dot(ds0_t, qr)
+            if DKV_T:
+                part_r = tl.dot(tl.trans(qr), ds0)
+            else:
+                part_r = tl.dot(ds0_t, qr)
             if N_SUB > 1:
                 qr1 = tl.load(q_row1 + offs_r[None, :], mask=hmask1[:, None], other=0.0)
-                part_r = tl.dot(ds1_t, qr1, part_r)
+                if DKV_T:
+                    part_r = tl.dot(tl.trans(qr1), ds1, part_r)
+                else:
+                    part_r = tl.dot(ds1_t, qr1, part_r)
+            if DKV_T:
+                part_r = tl.trans(part_r)
             _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC, DKV_WRITE)
+
+
+@triton.jit
+def _bwd_dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, d0, d_end, s_kv, max_k,
+                  topk: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                  WIDTH: tl.constexpr):  # fmt: skip
+    """``dq[heads, d0:d0 + WIDTH] = dS @ rows[:, d0:d0 + WIDTH]`` for one head block (columns >= d_end masked)."""
+    offs_d = d0 + tl.arange(0, WIDTH)
+    dmask = offs_d < d_end
+    acc = tl.zeros([BLOCK_H, WIDTH], dtype=tl.float32)
+    for t0 in range(0, topk, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        rows, valid = _bwd_slot_index(idx_row, offs_t, topk, s_kv, max_k, CAUSAL)
+        ds = tl.load(ds_row + offs_t[None, :], mask=hmask[:, None] & valid[None, :], other=0.0)
+        k = tl.load(
+            kv_ptr + rows[:, None] * stride_kvs + offs_d[None, :],
+            mask=valid[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(ds, k, acc)
+    tl.store(dq_row + offs_d[None, :], acc.to(dq_row.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -353,37 +396,31 @@ def _bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     N_HB: tl.constexpr,
     N_DB: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
 ):
     # Programs of one token are adjacent in launch order so that its dS and gathered rows stay in L2.
+    # Channel blocks: BLOCK_D wide up to D_MAIN, then (D_TAIL > 0) one D_TAIL-wide block for the rest (e.g.
+    # two 256-wide latent blocks and the 64 rope channels), so no block computes padding columns.
     pid = tl.program_id(0)
     db = pid % N_DB
     hb = (pid // N_DB) % N_HB
     s = (pid // (N_DB * N_HB)).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < h_q
-    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = offs_d < D_QK
     max_k = tl.maximum(q_start_index + s + 1 - k_stride, 0) // k_stride
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for t0 in range(0, topk, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        rows, valid = _bwd_slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
-        ds = tl.load(
-            ds_ptr + s * h_q * topk + offs_h[:, None] * topk + offs_t[None, :],
-            mask=hmask[:, None] & valid[None, :],
-            other=0.0,
-        )
-        k = tl.load(
-            kv_ptr + rows[:, None] * stride_kvs + offs_d[None, :],
-            mask=valid[:, None] & dmask[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(ds, k, acc)
-    tl.store(
-        dq_ptr + s * stride_dqs + offs_h[:, None] * stride_dqh + offs_d[None, :],
-        acc.to(dq_ptr.dtype.element_ty),
-        mask=hmask[:, None] & dmask[None, :],
-    )
+    ds_row = ds_ptr + s * h_q * topk + offs_h[:, None] * topk
+    dq_row = dq_ptr + s * stride_dqs + offs_h[:, None] * stride_dqh
+    idx_row = idx_ptr + s * stride_is
+    if D_TAIL == 0:
+        _bwd_dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, db * BLOCK_D, D_QK, s_kv, max_k,
+                      topk, CAUSAL, BLOCK_H, BLOCK_T, BLOCK_D)  # fmt: skip
+    elif db * BLOCK_D < D_MAIN:
+        _bwd_dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, db * BLOCK_D, D_MAIN, s_kv, max_k,
+                      topk, CAUSAL, BLOCK_H, BLOCK_T, BLOCK_D)  # fmt: skip
+    else:
+        _bwd_dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, D_MAIN, D_QK, s_kv, max_k,
+                      topk, CAUSAL, BLOCK_H, BLOCK_T, D_TAIL)  # fmt: skip
 
 
 @triton.jit
@@ -495,7 +532,7 @@ def _bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str,
     if _interpreting():
         return {"BLOCK_H": block_h, "BLOCK_T": 16, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 32,
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
-                "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "DKV_WRITE": 0}  # fmt: skip
+                "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "DKV_WRITE": 0, "BLOCK_DV2": min(d_v, 64), "DKV_T": 0, "DQ_SPLIT": 0}  # fmt: skip
     # Measured on H100 at s_q 4096, h_q 128, topk 2048, s_kv 32K (docs/sparse-mla-attn/training.md): 64-head
     # x 128-slot blocks with 64-channel chunks, three chunks in flight, were fastest with atomics. The
     # deterministic mode takes all 128 heads in one program (64-slot blocks): one head block halves its fp32
@@ -503,7 +540,7 @@ def _bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str,
     cfg = {"BLOCK_H": block_h, "BLOCK_T": 128, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 128,
            "BLOCK_H_DQ": max(16, triton.next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
-           "chunk_stages": 3, "N_SUB": 1, "DKV_WRITE": 0}  # fmt: skip
+           "chunk_stages": 3, "N_SUB": 1, "DKV_WRITE": 0, "BLOCK_DV2": min(d_v, 64), "DKV_T": 0, "DQ_SPLIT": 0}  # fmt: skip
     if deterministic:
         cfg.update(BLOCK_H=max(16, triton.next_power_of_2(min(h_q, 128))), BLOCK_T=64, chunk_stages=3)
     return cfg
@@ -639,7 +676,12 @@ def _bwd_impl(
         raise ValueError(f"N_SUB must be 1 or 2, got {cfg['N_SUB']}")
     n_hb = triton.cdiv(h_q, block_h * cfg["N_SUB"])
     n_hb_dq = triton.cdiv(h_q, block_h_dq)
-    n_db = triton.cdiv(d_qk, cfg["BLOCK_D"])
+    if cfg["DQ_SPLIT"] and d_v % cfg["BLOCK_D"] == 0:  # latent channels in BLOCK_D blocks, the rope in one
+        d_main, d_tail = d_v, d_qk - d_v
+        n_db = d_v // cfg["BLOCK_D"] + (1 if d_tail else 0)
+    else:
+        d_main, d_tail = d_qk, 0
+        n_db = triton.cdiv(d_qk, cfg["BLOCK_D"])
     delta = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
     _bwd_preprocess_kernel[(s_q, triton.cdiv(h_q, 16))](
         out,
@@ -676,14 +718,15 @@ def _bwd_impl(
             s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale), topk=topk,
             CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
             BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb, CHUNK_STAGES=cfg["chunk_stages"],
-            N_SUB=cfg["N_SUB"], DKV_WRITE=cfg["DKV_WRITE"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            N_SUB=cfg["N_SUB"], DKV_WRITE=cfg["DKV_WRITE"], BLOCK_DV2=cfg["BLOCK_DV2"], DKV_T=cfg["DKV_T"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         _BWD_LAST_COMPILED["dq"] = _bwd_dq_kernel[(n * n_hb_dq * n_db,)](
             ds_ws, kv, idx_c, dq[s0:s1],
             kv.stride(0), idx_c.stride(0), dq.stride(0), dq.stride(1),
             s_kv, h_q, q_start_index + s0, k_stride, topk=topk,
             CAUSAL=causal, D_QK=d_qk, BLOCK_H=block_h_dq, BLOCK_T=cfg["BLOCK_T_DQ"], BLOCK_D=cfg["BLOCK_D"],
-            N_HB=n_hb_dq, N_DB=n_db, num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
+            N_HB=n_hb_dq, N_DB=n_db, D_MAIN=d_main, D_TAIL=d_tail,
+            num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
         )  # fmt: skip
         if deterministic:
             _bwd_det_reduce(part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_hb, d_qk)

@@ -446,11 +446,11 @@ def _indexer_bwd_config(h_idx: int) -> dict[str, int]:
     if _indexer_interpreting():
         return {"BLOCK_H": block_h, "TOK_DQ": 2, "BLOCK_N_DQ": 16, "TOK_DK": 2, "BLOCK_N_DK": 16,
                 "num_warps_dq": 4, "num_stages_dq": 1, "num_warps_dk": 4, "num_stages_dk": 1}  # fmt: skip
-    # 128 (token, head) rows per dq program (two tokens at h_idx 64) so that each K tile serves two
-    # tokens; 128 keys per dk program, one token's 64 heads per step.
-    return {"BLOCK_H": block_h, "TOK_DQ": max(1, 128 // block_h), "BLOCK_N_DQ": 64,
-            "TOK_DK": max(1, 64 // block_h), "BLOCK_N_DK": 128,
-            "num_warps_dq": 8, "num_stages_dq": 3, "num_warps_dk": 8, "num_stages_dk": 3}  # fmt: skip
+    # Measured on H100 at s_q 4096, h_idx 64, d_idx 128, s_kv 32K (docs/sparse-mla-attn/training.md): one
+    # token's 64 heads x 128 keys per dq step, and 64 keys per dk program, each with 4 warps, were the fastest.
+    return {"BLOCK_H": block_h, "TOK_DQ": max(1, 64 // block_h), "BLOCK_N_DQ": 128,
+            "TOK_DK": max(1, 64 // block_h), "BLOCK_N_DK": 64,
+            "num_warps_dq": 4, "num_stages_dq": 3, "num_warps_dk": 4, "num_stages_dk": 3}  # fmt: skip
 
 
 def _indexer_logits_bwd(
