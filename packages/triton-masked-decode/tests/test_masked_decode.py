@@ -386,6 +386,41 @@ def test_matches_reference_gpu(case: Case, cuda_device: torch.device) -> None:
     check_case(case, cuda_device, seed=11)
 
 
+MULTI_WAVE_CASES = [  # 16 sequences x 8 KV heads x 16K: more programs than fit on the GPU at once
+    pytest.param(
+        Case(
+            batch=16,
+            hkv=8,
+            group=4,
+            length=16384,
+            dim=128,
+            density=0.25,
+            clustered=True,
+            seqlens="tensor",
+            layout="paged",
+            page_size=64,
+            mask="packed",
+        ),
+        id="B16-paged64-packed-clustered25-seqlens",
+    ),
+    pytest.param(
+        Case(batch=16, hkv=8, group=4, length=16384, dim=128, density=0.1, dtype=torch.bfloat16),
+        id="B16-bf16-random10",
+    ),
+    pytest.param(Case(batch=16, hkv=8, group=4, length=16384, dim=128, density=0.7), id="B16-random70"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MULTI_WAVE_CASES)
+def test_multi_wave_launches_gpu(case: Case, cuda_device: torch.device) -> None:
+    """The multi-wave defaults (split length with a mask, gather tile) on NaN-poisoned caches."""
+    md = __import__("sys").modules["triton_masked_decode.masked_decode"]
+    sms = torch.cuda.get_device_properties(cuda_device).multi_processor_count
+    assert not md._launch_plan(case.batch, case.hkv, case.length, True, sms)[2]
+    check_case(case, cuda_device, seed=14)
+
+
 def _candidate_params():
     import triton_masked_decode.masked_decode  # noqa: F401
 
