@@ -18,16 +18,18 @@ from bench_attn_dist import bench_attn_dist
 from bench_decode import bench_decode
 from bench_forward import bench_fwd, dense_matmul_tflops
 
-# Sweep 7: the Gluon kernels (_gluon.py) against the Triton ones, same process; Gluon ring depths.
-S2 = {"BLOCK_H": 64, "BLOCK_T": 64, "num_warps": 8, "num_stages": 2, "S_SPLIT": True, "PREFETCH": True}
-FWD_VARIANTS = [{**S2, "GLUON": False}, {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 2}]
+# Sweep 8: Gluon forward with P·V(i) overlapping S(i+1) (G_PV_OVERLAP) and the L2 prefetch of block i+2
+# (G_PREFETCH), each on/off; Gluon attn_dist at h_q 64 with 4 or 8 warps.
+G = {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 2}
+FWD_VARIANTS = [{**G, "G_PV_OVERLAP": o, "G_PREFETCH": p} for o in (False, True) for p in (False, True)]
+FWD_SHAPES = [(128, 8192), (128, 131072)]
 ATTN_DIST_VARIANTS = [
-    {"GLUON": False},
-    {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 6},
-    {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 3},
+    {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 6, "G_H64_WARPS": 4},
+    {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 6, "G_H64_WARPS": 8},
+    {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 3, "G_H64_WARPS": 8},
 ]
-ATTN_DIST_SHAPES = [(128, 8192), (128, 131072), (64, 32768)]
-DECODE_VARIANTS = [{**S2, "GLUON": False}, {"GLUON": True}]
+ATTN_DIST_SHAPES = [(64, 8192), (64, 32768), (64, 131072)]
+DECODE_VARIANTS = [{"GLUON": False}, {"GLUON": True}]
 
 
 def profile_kernels(fn, label: str, iters: int = 20) -> None:
@@ -81,7 +83,7 @@ def main() -> None:
     print(results[0], flush=True)
     if "fwd" in only:
         for cfg in FWD_VARIANTS:
-            for h_q, s_kv in ((128, 8192), (128, 131072), (64, 32768)):
+            for h_q, s_kv in FWD_SHAPES:
                 run("fwd", bench_fwd, results, s_q=a.s_q, h_q=h_q, s_kv=s_kv, topk=2048, config=cfg)
     if "attn_dist" in only:
         for cfg in ATTN_DIST_VARIANTS:

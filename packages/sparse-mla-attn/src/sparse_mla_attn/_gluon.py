@@ -30,6 +30,7 @@ try:  # Gluon ships with Triton >= 3.5; the package works without it (Triton ker
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
+        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
 
@@ -124,6 +125,23 @@ if HAVE_GLUON:
         return idx_next
 
     @gluon.jit
+    def _prefetch_l2(KV, stride_kv_row, idx, hi, D_QK: gl.constexpr, pf_l: gl.constexpr):
+        """``prefetch.global.L2`` every 128-byte line of the rows ``idx`` (``SliceLayout(1, pf_l)``), so
+        that rows still in HBM are on their way to L2 before their cp.async is issued."""
+        valid = (idx >= 0) & (idx < hi)
+        line = gl.arange(0, 16, layout=gl.SliceLayout(0, pf_l))
+        ptr = KV + gl.where(valid, idx, 0).to(gl.int64)[:, None] * stride_kv_row + line[None, :] * 64
+        on = (valid[:, None] & (line[None, :] * 128 < D_QK * 2)).to(gl.int32)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [ptr, on],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @gluon.jit
     def _ring_wait(NUM_BUF: gl.constexpr):
         """Wait until the oldest ring slot has landed for every thread, and every warpgroup is done with
         the slot that is refilled next (the products of the previous block waited on their wgmma)."""
@@ -158,14 +176,18 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        """attn_dist for one token and all its heads (BLOCK_H = 16 * num_warps rows, one per warp slice).
+        """attn_dist for one token and all its heads (BLOCK_H 64 or 128; 4 or 8 warps per 64 heads).
 
         The query tile is held in registers as the wgmma A operand (each warpgroup owns 64 heads), so
         shared memory holds only the ring of gathered rows.
         """
         pid_s = gl.program_id(0)
+        # Warpgroups along the heads first (BLOCK_H // 16 warps); more warps split the block's columns.
+        WM: gl.constexpr = BLOCK_H // 16
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_T, 16]
+            version=[3, 0],
+            warps_per_cta=[WM, num_warps // WM],
+            instr_shape=[16, BLOCK_T // (num_warps // WM), 16],
         )
         qa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
@@ -289,6 +311,8 @@ if HAVE_GLUON:
         HAS_SINK: gl.constexpr,
         HAS_TOPK_LEN: gl.constexpr,
         CAUSAL: gl.constexpr,
+        PV_OVERLAP: gl.constexpr,
+        PREFETCH: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Forward for one token and 64 heads with 8 warps (two warpgroups).
@@ -361,28 +385,39 @@ if HAVE_GLUON:
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
         l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
         acc = gl.zeros([BLOCK_H, D_NOPE], gl.float32, o_l)
+        if PV_OVERLAP:
+            acc = warpgroup_mma_init(acc)  # carried as an in-flight accumulator across iterations
         offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
         n_blocks = gl.cdiv(n_t, BLOCK_T)
+        if PREFETCH:
+            pf_l: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [num_warps, 1], [1, 0])
+            offs_pf = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, pf_l))
+        # wgmma groups that S leaves outstanding (one per product) when waiting for the previous P·V.
+        S_GROUPS: gl.constexpr = 2 if D_ROPE > 0 else 1
         for i in range(n_blocks):
-            # Block i landed; the barrier also certifies that both warpgroups finished block i-1 (its
-            # buffer and p_smem are rewritten below).
+            # Block i landed. Without PV_OVERLAP the barrier also certifies that both warpgroups finished
+            # block i-1 (its buffer and p_smem are rewritten below).
             _ring_wait(NUM_BUF)
-            idx_next = _ring_fill(
-                kn_smem,
-                kr_smem,
-                KV,
-                stride_kv_row,
-                idx_row,
-                n_t,
-                hi,
-                i + NUM_BUF - 1,
-                idx_next,
-                offs_t,
-                NUM_BUF,
-                D_NOPE,
-                D_ROPE,
-                ld_l,
-            )
+            if PREFETCH:  # indices of block i+2, used after this block's products (load latency hidden)
+                pf = (i + 2) * BLOCK_T + offs_pf
+                idx_pf = gl.load(idx_row + pf, mask=pf < n_t, other=-1)
+            if not PV_OVERLAP:
+                idx_next = _ring_fill(
+                    kn_smem,
+                    kr_smem,
+                    KV,
+                    stride_kv_row,
+                    idx_row,
+                    n_t,
+                    hi,
+                    i + NUM_BUF - 1,
+                    idx_next,
+                    offs_t,
+                    NUM_BUF,
+                    D_NOPE,
+                    D_ROPE,
+                    ld_l,
+                )
 
             slot = i % NUM_BUF
             t_idx = gl.load(idx_row + i * BLOCK_T + offs_c, mask=i * BLOCK_T + offs_c < n_t, other=-1)
@@ -390,6 +425,27 @@ if HAVE_GLUON:
             s = warpgroup_mma(qn_smem, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
             if D_ROPE > 0:
                 s = warpgroup_mma(qr_smem, kr_smem.index(slot).permute((1, 0)), s, is_async=True)
+            if PV_OVERLAP:
+                # S(i) queues behind P·V(i-1) on the tensor cores. Once P·V(i-1) is done in both
+                # warpgroups, block i-1's buffer and p_smem are free: refill the ring while S(i) runs.
+                acc = warpgroup_mma_wait(num_outstanding=S_GROUPS, deps=(acc,))
+                gl.thread_barrier()
+                idx_next = _ring_fill(
+                    kn_smem,
+                    kr_smem,
+                    KV,
+                    stride_kv_row,
+                    idx_row,
+                    n_t,
+                    hi,
+                    i + NUM_BUF - 1,
+                    idx_next,
+                    offs_t,
+                    NUM_BUF,
+                    D_NOPE,
+                    D_ROPE,
+                    ld_l,
+                )
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
             valid = (t_idx >= 0) & (t_idx < hi)
@@ -405,7 +461,11 @@ if HAVE_GLUON:
             gl.thread_barrier()  # both halves of P written before either warpgroup reads all of it
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
             acc = warpgroup_mma(p_smem, kn_smem.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if not PV_OVERLAP:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if PREFETCH:
+                _prefetch_l2(KV, stride_kv_row, idx_pf, hi, D_NOPE + D_ROPE, pf_l)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         cp.wait_group(0)
 
         offs_hs = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
@@ -435,8 +495,8 @@ def gluon_enabled() -> bool:
 
 
 #: Gluon tile options (benchmarks override them through ``config``): rows per block and ring depth.
-GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2}
-GLUON_ATTN_DIST = {"G_BLOCK_T": 32, "G_NUM_BUF": 6}
+GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_PV_OVERLAP": True, "G_PREFETCH": True}
+GLUON_ATTN_DIST = {"G_BLOCK_T": 32, "G_NUM_BUF": 6, "G_H64_WARPS": 8}
 
 
 def launch_fwd_gluon(
@@ -468,6 +528,8 @@ def launch_fwd_gluon(
         BLOCK_T=cfg.get("G_BLOCK_T", GLUON_FWD["G_BLOCK_T"]),
         NUM_BUF=cfg.get("G_NUM_BUF", GLUON_FWD["G_NUM_BUF"]),
         HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
+        PV_OVERLAP=cfg.get("G_PV_OVERLAP", GLUON_FWD["G_PV_OVERLAP"]),
+        PREFETCH=cfg.get("G_PREFETCH", GLUON_FWD["G_PREFETCH"]),
         num_warps=8,
     )  # fmt: skip
 
@@ -497,5 +559,6 @@ def launch_attn_dist_gluon(
         BLOCK_T=cfg.get("G_BLOCK_T", GLUON_ATTN_DIST["G_BLOCK_T"]),
         NUM_BUF=cfg.get("G_NUM_BUF", GLUON_ATTN_DIST["G_NUM_BUF"]),
         CAUSAL=causal,
-        num_warps=block_h // 16,
+        # 128 heads: two warpgroups along the heads; 64 heads: 4 warps, or 8 splitting the block's columns.
+        num_warps=8 if block_h == 128 else cfg.get("G_H64_WARPS", GLUON_ATTN_DIST["G_H64_WARPS"]),
     )  # fmt: skip
