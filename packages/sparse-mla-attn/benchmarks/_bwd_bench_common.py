@@ -132,6 +132,15 @@ def render_markdown(results: dict[str, Any]) -> str:
                 f"{c['det_dq_rel_err']:.2e}, dkv {c['det_dkv_rel_err']:.2e}; two deterministic runs bit-identical: "
                 f"{c['det_bit_identical']}.",
             ]
+        r0 = b["rows"][0]
+        if "attn_sum_ms" in r0:
+            lines += [
+                "",
+                f"Indexer target as a by-product (`return_attn_sum=True`) at the first row's shape: backward "
+                f"{r0['attn_sum_ms']:.2f} ms with it vs {r0['ms']:.2f} ms without (+{r0['attn_sum_ms'] - r0['ms']:.2f} "
+                f"ms), against {r0['attn_dist_ms']:.2f} ms for a separate `attn_dist` pass; relative error against "
+                f"`attn_dist`: {r0['attn_sum_rel_err_vs_attn_dist']:.1e}.",
+            ]
         for key, mode in (("breakdown", "default"), ("breakdown_det", "deterministic")):
             if b.get(key):
                 total = sum(b[key].values())

@@ -85,6 +85,25 @@ def bench_shape(
         row[key + "resources"] = {k: kernel_resources(v) for k, v in bwd_mod._BWD_LAST_COMPILED.items()}
     if not check:
         return row
+    # The indexer target as a by-product of the backward, against the separate attn_dist pass.
+    row["attn_sum_ms"] = time_ms(
+        lambda: sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, D_V, return_attn_sum=True),
+        warmup=10,
+        rep=300,
+    )
+    row["attn_dist_ms"] = row["attn_sum_rel_err_vs_attn_dist"] = float("nan")
+    try:  # the forward side's kernel, timed for comparison only
+        from sparse_mla_attn.attn_dist import attn_dist
+
+        a_sum = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, D_V, return_attn_sum=True)[2]
+        row["attn_sum_rel_err_vs_attn_dist"] = rel_err(
+            a_sum, attn_dist(q, kv, idx, lse, sm_scale, causal=False)
+        )
+        row["attn_dist_ms"] = time_ms(
+            lambda: attn_dist(q, kv, idx, lse, sm_scale, causal=False), warmup=10, rep=300
+        )
+    except Exception as exc:  # reported, not fatal
+        print(f"attn_dist comparison failed: {type(exc).__name__}: {str(exc)[:200]}")
     again = run(True)
     ref_ms = time_ms(lambda: sparse_mla_bwd_ref(q, kv, out, dout, idx, lse, sm_scale, D_V), warmup=1, rep=1)
     dq_ref, dkv_ref = sparse_mla_bwd_ref(q, kv, out, dout, idx, lse, sm_scale, D_V)
@@ -109,12 +128,14 @@ def bench_shape(
 # default configuration, mode). DKV_WRITE 1/2 are diagnostics with a wrong dkv (plain stores instead of
 # atomics / no dkv update): they bound what the dkv accumulation costs.
 SWEEP: list[tuple[dict[str, int], bool]] = [
-    ({"N_SUB": 2}, False),
-    ({"N_SUB": 2, "BLOCK_T": 64, "num_warps": 4}, False),
-    ({"BLOCK_D": 64}, False),
     ({"DKV_WRITE": 1}, False),
     ({"DKV_WRITE": 2}, False),
-    ({"BLOCK_H": 64, "BLOCK_T": 128, "N_SUB": 2}, True),
+    ({"N_SUB": 2}, False),
+    ({"DKV_T": 1}, False),
+    ({"DQ_SPLIT": 1, "BLOCK_D": 256}, False),
+    ({"chunk_stages": 4}, False),
+    ({"BLOCK_DV": 128, "chunk_stages": 2}, False),
+    ({"BLOCK_H": 128, "BLOCK_T": 64, "N_SUB": 1}, True),
 ]
 
 
@@ -176,6 +197,10 @@ def main() -> None:
     first = rows[0]
     if "check" in first:
         print(f"check: {first['check']}")
+        print(
+            f"attn_sum by-product: backward {first['attn_sum_ms']:.2f} ms with it vs {first['ms']:.2f} without; "
+            f"separate attn_dist {first['attn_dist_ms']:.2f} ms; rel. err. {first['attn_sum_rel_err_vs_attn_dist']:.1e}"
+        )
         print(f"baseline: {first['baseline']['name']} {first['baseline']['ms']:.1f} ms")
     data = {
         "meta": meta,

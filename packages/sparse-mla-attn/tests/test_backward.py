@@ -194,6 +194,41 @@ def test_bwd_kernel_options(h_q, d_qk, d_v, kw, cfg):
         assert rel_err(dkv, dkv_ref) < REL_TOL[torch.float32], ("dkv", det)
 
 
+def head_summed_attention(q, kv, idx, lse, sm_scale, kw):
+    """Float64 Σ_h P[h, t] (0 at invalid slots): the indexer target."""
+    valid = bwd_mod._bwd_valid_slots(idx, kv.shape[0], kw.get("q_start_index", 0), kw.get("k_stride", 1),
+                                     kw.get("causal", False))  # fmt: skip
+    rows = torch.nan_to_num(kv[:, 0].double())[idx[:, 0].long().clamp(0, kv.shape[0] - 1)]
+    scores = torch.einsum("shd,std->sht", q.double(), rows) * sm_scale
+    p = torch.where(valid[:, None, :], torch.exp(scores - lse.double()[..., None]), 0.0)
+    return p.sum(1)
+
+
+@pytest.mark.parametrize(
+    ("h_q", "kw", "cfg"),
+    [
+        pytest.param(18, {"causal": True, "q_start_index": 7, "k_stride": 2}, None, id="H18-causal"),
+        pytest.param(40, {}, {"BLOCK_H": 16, "N_SUB": 2}, id="H40-nsub2"),
+    ],
+)
+def test_bwd_attn_sum_by_product(h_q, kw, cfg):
+    """return_attn_sum: Σ_h P from the backward equals the float64 head sum, in both modes; NaN rows unused."""
+    dev = kernel_test_device()
+    q, kv, idx = make_case(5, h_q, 96, 30, 17, device=dev, dtype=torch.float32, seed=h_q + 1)
+    kv = poison_unselected(kv, idx)
+    out, lse, dout, dq_ref, _ = autograd_grads(q, kv, idx, 0.125, 64, dout_seed=7, **kw)
+    want = head_summed_attention(q, kv, idx, lse, 0.125, kw)
+    for det in (False, True):
+        dq, _, attn_sum = sparse_mla_bwd(
+            q, kv, out, dout, idx, lse, 0.125, 64, deterministic=det, return_attn_sum=True, _config=cfg, **kw
+        )
+        assert attn_sum.shape == (5, 17)
+        assert attn_sum.dtype == torch.float32
+        torch.testing.assert_close(attn_sum.double(), want, rtol=1e-5, atol=1e-6)
+        assert rel_err(dq, dq_ref) < REL_TOL[torch.float32]
+    assert torch.all(attn_sum[-1] == 0), "a query with no valid index has attn_sum 0"
+
+
 def test_bwd_all_duplicates_accumulate():
     dev = kernel_test_device()
     q, kv, idx = make_case(3, 2, 96, 8, 8, device=dev, dtype=torch.float32, seed=11, zoo=False)
@@ -281,7 +316,7 @@ def test_bwd_custom_op_fake_and_schema():
     out, lse, dout, _, _ = autograd_grads(q, kv, idx, 0.1, 64, dout_seed=4)
     torch.library.opcheck(
         torch.ops.sparse_mla_attn.sparse_mla_bwd.default,
-        (q, kv, out, dout, idx, lse, 0.1, 64, 0, 1, False, False),
+        (q, kv, out, dout, idx, lse, 0.1, 64, 0, 1, False, False, True),
         test_utils=("test_schema", "test_faketensor"),
     )
 
@@ -296,9 +331,12 @@ def test_sparse_mla_autograd_end_to_end():
     kw = {"causal": True, "q_start_index": 20, "k_stride": 1}
     out_ref, _, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.05, 512, dout_seed=3, **kw)
     qa, kva = q.clone().requires_grad_(), kv.clone().requires_grad_()
-    out, lse = sparse_mla(qa, kva, idx, 0.05, 512, return_lse=True, **kw)
+    attn_sum = torch.full((3, 11), float("nan"), device=dev)
+    out, lse = sparse_mla(qa, kva, idx, 0.05, 512, return_lse=True, attn_sum_out=attn_sum, **kw)
     assert not lse.requires_grad
     out.backward(dout.to(dtype))
+    want = head_summed_attention(q, kv, idx, lse, 0.05, kw)
+    torch.testing.assert_close(attn_sum.double(), want, rtol=1e-2, atol=1e-3)
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     assert rel_err(out, out_ref) < tol
     assert rel_err(qa.grad, dq_ref) < tol
@@ -332,7 +370,10 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
     dout = torch.randn(out.shape, device="cuda").bfloat16()
     out = out.bfloat16()
     dq_ref, dkv_ref = sparse_mla_bwd_ref(q, torch.nan_to_num(kv), out, dout, idx, lse, sm_scale, 512, **kw)
-    dq, dkv = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, **kw)
+    dq, dkv, attn_sum = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, return_attn_sum=True, **kw)
+    torch.testing.assert_close(
+        attn_sum.double(), head_summed_attention(q, kv, idx, lse, sm_scale, kw), rtol=1e-3, atol=1e-4
+    )
     dq2, dkv2 = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, **kw)
     dq3, dkv3 = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, **kw)
     assert torch.equal(dq2, dq3), "deterministic dq changed between runs"

@@ -25,7 +25,7 @@ def _bwd_forward_impl() -> Any:
 
 class SparseMLAAttention(torch.autograd.Function):
     """``out, lse = SparseMLAAttention.apply(q, kv, indices, sm_scale, d_v, q_start_index, k_stride, causal,
-    deterministic)``.
+    deterministic, attn_sum_out=None)``.
 
     Forward through the Triton ``sparse_mla_fwd``, backward through :func:`sparse_mla_bwd`. Gradients flow
     to ``q`` and ``kv``; ``lse`` is returned for the indexer target and is not differentiable.
@@ -43,6 +43,7 @@ class SparseMLAAttention(torch.autograd.Function):
         k_stride: int,
         causal: bool,
         deterministic: bool,
+        attn_sum_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``sparse_mla_fwd`` and save what the backward needs; returns ``(out, lse)``."""
         fwd = _bwd_forward_impl()
@@ -51,6 +52,7 @@ class SparseMLAAttention(torch.autograd.Function):
         )
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.args = (sm_scale, d_v, q_start_index, k_stride, causal, deterministic)
+        ctx.attn_sum_out = attn_sum_out
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -59,7 +61,8 @@ class SparseMLAAttention(torch.autograd.Function):
         """Gradients for ``q`` and ``kv`` through :func:`sparse_mla_bwd`; ``None`` for the other inputs."""
         q, kv, indices, out, lse = ctx.saved_tensors
         sm_scale, d_v, q_start_index, k_stride, causal, deterministic = ctx.args
-        dq, dkv = sparse_mla_bwd(
+        attn_sum_out = ctx.attn_sum_out
+        grads = sparse_mla_bwd(
             q,
             kv,
             out,
@@ -72,8 +75,11 @@ class SparseMLAAttention(torch.autograd.Function):
             k_stride=k_stride,
             causal=causal,
             deterministic=deterministic,
+            return_attn_sum=attn_sum_out is not None,
         )
-        return dq, dkv, None, None, None, None, None, None, None
+        if attn_sum_out is not None:  # the indexer target, a by-product of the backward
+            attn_sum_out.copy_(grads[2])
+        return grads[0], grads[1], None, None, None, None, None, None, None, None
 
 
 def sparse_mla(
@@ -88,6 +94,7 @@ def sparse_mla(
     causal: bool = False,
     deterministic: bool = False,
     return_lse: bool = False,
+    attn_sum_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Differentiable sparse MLA attention: each query attends to its top-k KV rows.
 
@@ -102,11 +109,21 @@ def sparse_mla(
         causal: mask slots above ``(q_pos + 1 - k_stride) / k_stride``.
         deterministic: use the bit-reproducible ``dkv`` reduction in the backward.
         return_lse: also return ``lse [s_q, h_q]`` fp32 (natural log, not differentiable).
+        attn_sum_out: optional ``[s_q, topk]`` fp32 tensor that the backward fills with the attention
+            probability summed over heads at each slot (the lightning indexer's KL target, as
+            ``attn_dist(..., causal=causal)``), computed from the ``P`` the backward recomputes anyway. It is
+            written when ``out.backward()`` runs, so the indexer loss that uses it is back-propagated after.
 
     Returns:
         ``out [s_q, h_q, d_v]`` (and ``lse`` if asked). ``out.backward()`` fills ``q.grad`` and ``kv.grad``.
     """
+    if attn_sum_out is not None:
+        want = (q.shape[0], indices.shape[-1])
+        if attn_sum_out.shape != want or attn_sum_out.dtype != torch.float32:
+            raise ValueError(
+                f"attn_sum_out must be float32 {list(want)}, got {attn_sum_out.dtype} {list(attn_sum_out.shape)}"
+            )
     out, lse = SparseMLAAttention.apply(
-        q, kv, indices, sm_scale, d_v, q_start_index, k_stride, causal, deterministic
+        q, kv, indices, sm_scale, d_v, q_start_index, k_stride, causal, deterministic, attn_sum_out
     )
     return (out, lse) if return_lse else out

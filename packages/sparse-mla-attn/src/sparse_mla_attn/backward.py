@@ -214,7 +214,8 @@ def _bwd_p_ds(q_row, do_row, k_row, valid, hmask, lse2, delta, scale_log2, sm_sc
     keep = hmask[:, None] & valid[None, :]
     p = tl.where(keep, tl.exp2(scores * scale_log2 - lse2[:, None]), 0.0)
     ds = p * (dp - delta[:, None]) * sm_scale
-    return p.to(q_row.dtype.element_ty), ds.to(q_row.dtype.element_ty)
+    # The column sums of P are the head-summed attention (the indexer target); unused ones are compiled away.
+    return p.to(q_row.dtype.element_ty), ds.to(q_row.dtype.element_ty), tl.sum(p, axis=0)
 
 
 @triton.jit
@@ -241,6 +242,8 @@ def _bwd_main_kernel(
     ds_ptr,
     dkv_ptr,
     part_ptr,
+    attn_ptr,
+    n_tok,
     stride_qs,
     stride_qh,
     stride_kvs,
@@ -269,6 +272,7 @@ def _bwd_main_kernel(
     DKV_WRITE: tl.constexpr,
     BLOCK_DV2: tl.constexpr,
     DKV_T: tl.constexpr,
+    ATTN_SUM: tl.constexpr,
 ):
     # A program owns one token and N_SUB * BLOCK_H heads. With N_SUB = 2 the scores of the two head halves
     # are computed one after the other (registers for one [BLOCK_H, BLOCK_T] pair at a time), and their dkv
@@ -298,17 +302,20 @@ def _bwd_main_kernel(
         k_row = kv_ptr + rows[:, None] * stride_kvs
         tmask = (offs_t < topk)[None, :]
         ds_row = ds_ptr + s * h_q * topk + offs_t[None, :]
-        p0, ds0 = _bwd_p_ds(q_row0, do_row0, k_row, valid, hmask0, lse0, delta0, scale_log2, sm_scale,
+        p0, ds0, psum = _bwd_p_ds(q_row0, do_row0, k_row, valid, hmask0, lse0, delta0, scale_log2, sm_scale,
                             D_V, D_ROPE, BLOCK_H, BLOCK_T, BLOCK_DV, CHUNK_STAGES)  # fmt: skip
         tl.store(ds_row + offs_h0[:, None] * topk, ds0, mask=hmask0[:, None] & tmask)
         ds0_t = tl.trans(ds0)
         p0_t = tl.trans(p0)
         if N_SUB > 1:
-            p1, ds1 = _bwd_p_ds(q_row1, do_row1, k_row, valid, hmask1, lse1, delta1, scale_log2, sm_scale,
+            p1, ds1, psum1 = _bwd_p_ds(q_row1, do_row1, k_row, valid, hmask1, lse1, delta1, scale_log2, sm_scale,
                                 D_V, D_ROPE, BLOCK_H, BLOCK_T, BLOCK_DV, CHUNK_STAGES)  # fmt: skip
             tl.store(ds_row + offs_h1[:, None] * topk, ds1, mask=hmask1[:, None] & tmask)
             ds1_t = tl.trans(ds1)
             p1_t = tl.trans(p1)
+            psum += psum1
+        if ATTN_SUM:  # this program's heads' share of attn_sum[s, t]; the launcher adds the head blocks
+            tl.store(attn_ptr + (hb * n_tok + s) * topk + offs_t, psum, mask=offs_t < topk)
         part_row = part_ptr + hb * stride_part_hb + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
         dkv_row = dkv_ptr + rows[:, None] * D_QK
         for c in tl.range(0, D_V // BLOCK_DV2, num_stages=CHUNK_STAGES):
@@ -534,15 +541,18 @@ def _bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str,
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
                 "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "DKV_WRITE": 0, "BLOCK_DV2": min(d_v, 64), "DKV_T": 0, "DQ_SPLIT": 0}  # fmt: skip
     # Measured on H100 at s_q 4096, h_q 128, topk 2048, s_kv 32K (docs/sparse-mla-attn/training.md): 64-head
-    # x 128-slot blocks with 64-channel chunks, three chunks in flight, were fastest with atomics. The
-    # deterministic mode takes all 128 heads in one program (64-slot blocks): one head block halves its fp32
-    # workspace traffic.
+    # x 128-slot blocks with 64-channel chunks, three chunks in flight, were fastest with atomics (two head
+    # blocks per program, N_SUB 2, halve the atomics but spill: slower). The deterministic mode sums all heads
+    # in one program, which halves its fp32 workspace traffic: two 64-head halves (N_SUB 2) with 128-slot
+    # blocks measured 6% faster than one 128-head block with 64-slot blocks; up to 64 heads, 64-slot blocks.
     cfg = {"BLOCK_H": block_h, "BLOCK_T": 128, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 128,
            "BLOCK_H_DQ": max(16, triton.next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
            "chunk_stages": 3, "N_SUB": 1, "DKV_WRITE": 0, "BLOCK_DV2": min(d_v, 64), "DKV_T": 0, "DQ_SPLIT": 0}  # fmt: skip
-    if deterministic:
-        cfg.update(BLOCK_H=max(16, triton.next_power_of_2(min(h_q, 128))), BLOCK_T=64, chunk_stages=3)
+    if deterministic and h_q > 64:
+        cfg.update(N_SUB=2)
+    elif deterministic:
+        cfg.update(BLOCK_T=64)
     return cfg
 
 
@@ -560,8 +570,9 @@ def sparse_mla_bwd(
     k_stride: int = 1,
     causal: bool = False,
     deterministic: bool = False,
+    return_attn_sum: bool = False,
     _config: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """Backward of sparse MLA attention (DeepSeek sparse attention over top-k KV rows).
 
     Args:
@@ -580,32 +591,36 @@ def sparse_mla_bwd(
             (C integer division), ``q_pos = q_start_index + s``, as FlashMLA's attn_dist does.
         deterministic: sum the ``dkv`` contributions in a fixed order (bit-identical from run to run)
             instead of with fp32 atomics; needs an fp32 workspace of up to 4 GiB.
+        return_attn_sum: also return ``attn_sum [s_q, topk]`` fp32, the attention probability summed over
+            heads at each slot (``Σ_h P[h, t]``, 0 at invalid slots): the lightning indexer's KL target, the
+            same quantity as ``attn_dist(..., causal=causal)``, taken from the ``P`` the backward recomputes
+            anyway (deterministic; costs one column sum per tile and an ``[s_q, topk]`` fp32 write per head
+            block).
 
     Returns:
-        ``dq [s_q, h_q, d_qk]`` in q's dtype and ``dkv [s_kv, 1, d_qk]`` in kv's dtype. ``dkv`` sums the
-        contributions of every (query, slot) that selected a row, accumulated in fp32; rows nobody selected
-        get 0.
+        ``dq [s_q, h_q, d_qk]`` in q's dtype and ``dkv [s_kv, 1, d_qk]`` in kv's dtype (and ``attn_sum`` if
+        asked). ``dkv`` sums the contributions of every (query, slot) that selected a row, accumulated in
+        fp32; rows nobody selected get 0.
     """
-    if _config is not None:  # tuning hook (benchmarks): eager launch with explicit block sizes
-        return _bwd_impl(
-            q,
-            kv,
-            out,
-            dout,
-            indices,
-            lse,
-            sm_scale,
-            d_v,
-            q_start_index,
-            k_stride,
-            causal,
-            deterministic,
-            _config,
-        )
-    dq, dkv = torch.ops.sparse_mla_attn.sparse_mla_bwd(
-        q, kv, out, dout, indices, lse, float(sm_scale), d_v, q_start_index, k_stride, causal, deterministic
+    args = (
+        q,
+        kv,
+        out,
+        dout,
+        indices,
+        lse,
+        float(sm_scale),
+        d_v,
+        q_start_index,
+        k_stride,
+        causal,
+        deterministic,
     )
-    return dq, dkv
+    if _config is not None:  # tuning hook (benchmarks): eager launch with explicit block sizes
+        dq, dkv, attn_sum = _bwd_impl(*args, return_attn_sum, _config)
+    else:
+        dq, dkv, attn_sum = torch.ops.sparse_mla_attn.sparse_mla_bwd(*args, return_attn_sum)
+    return (dq, dkv, attn_sum) if return_attn_sum else (dq, dkv)
 
 
 @torch.library.custom_op("sparse_mla_attn::sparse_mla_bwd", mutates_args=())
@@ -622,10 +637,12 @@ def _bwd_op(
     k_stride: int,
     causal: bool,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_attn_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _bwd_impl(
-        q, kv, out, dout, indices, lse, sm_scale, d_v, q_start_index, k_stride, causal, deterministic
-    )
+        q, kv, out, dout, indices, lse, sm_scale, d_v, q_start_index, k_stride, causal, deterministic,
+        return_attn_sum,
+    )  # fmt: skip
 
 
 @_bwd_op.register_fake
@@ -642,9 +659,15 @@ def _bwd_fake(
     k_stride: int,
     causal: bool,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_attn_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _bwd_check(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
-    return torch.empty_like(q), kv.new_empty(kv.shape)
+    n_attn = q.shape[0] if return_attn_sum else 0
+    return (
+        torch.empty_like(q),
+        kv.new_empty(kv.shape),
+        q.new_empty((n_attn, indices.shape[2]), dtype=torch.float32),
+    )
 
 
 def _bwd_impl(
@@ -660,9 +683,13 @@ def _bwd_impl(
     k_stride: int,
     causal: bool,
     deterministic: bool,
+    return_attn_sum: bool = False,
     _config: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate and launch (the body of the ``sparse_mla_attn::sparse_mla_bwd`` custom op)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate and launch (the body of the ``sparse_mla_attn::sparse_mla_bwd`` custom op).
+
+    ``attn_sum`` is ``[s_q, topk]`` when asked for, else an empty ``[0, topk]`` tensor.
+    """
     _bwd_check(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
     s_q, h_q, d_qk = q.shape
     s_kv = kv.shape[0]
@@ -707,18 +734,24 @@ def _bwd_impl(
         if deterministic
         else dkv32  # unused by the atomic path
     )
+    attn_sum = torch.empty(s_q if return_attn_sum else 0, topk, dtype=torch.float32, device=dev)
+    attn_part = (
+        torch.empty(n_hb, min(chunk, s_q), topk, dtype=torch.float32, device=dev)
+        if return_attn_sum
+        else attn_sum
+    )
     for s0 in range(0, s_q, chunk):
         s1 = min(s_q, s0 + chunk)
         n = s1 - s0
         q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
         _BWD_LAST_COMPILED["main"] = _bwd_main_kernel[(n * n_hb,)](
-            q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, dkv32, part,
+            q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, dkv32, part, attn_part, n if return_attn_sum else 0,
             q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
             idx_c.stride(0), part.stride(0) if deterministic else 0,
             s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale), topk=topk,
             CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
             BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb, CHUNK_STAGES=cfg["chunk_stages"],
-            N_SUB=cfg["N_SUB"], DKV_WRITE=cfg["DKV_WRITE"], BLOCK_DV2=cfg["BLOCK_DV2"], DKV_T=cfg["DKV_T"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            N_SUB=cfg["N_SUB"], DKV_WRITE=cfg["DKV_WRITE"], BLOCK_DV2=cfg["BLOCK_DV2"], DKV_T=cfg["DKV_T"], ATTN_SUM=return_attn_sum, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         _BWD_LAST_COMPILED["dq"] = _bwd_dq_kernel[(n * n_hb_dq * n_db,)](
             ds_ws, kv, idx_c, dq[s0:s1],
@@ -730,7 +763,9 @@ def _bwd_impl(
         )  # fmt: skip
         if deterministic:
             _bwd_det_reduce(part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_hb, d_qk)
-    return dq, dkv32.to(kv.dtype)[:, None, :]
+        if return_attn_sum:  # head blocks added in a fixed order: deterministic
+            torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
+    return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
 
 
 def _bwd_det_reduce(
