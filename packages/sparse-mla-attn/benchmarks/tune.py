@@ -18,17 +18,18 @@ from bench_attn_dist import bench_attn_dist
 from bench_decode import bench_decode
 from bench_forward import bench_fwd, dense_matmul_tflops
 
-# Sweep 8: Gluon forward with P·V(i) overlapping S(i+1) (G_PV_OVERLAP) and the L2 prefetch of block i+2
-# (G_PREFETCH), each on/off; Gluon attn_dist at h_q 64 with 4 or 8 warps.
+# Sweep 9: Gluon forward with the S product issued before or after the ring refill (G_S_FIRST);
+# Gluon attn_dist at h_q 128 with 32-row blocks in a ring of 6 or 64-row blocks in a ring of 3.
+# (Sweep 8, results/tune8.json: overlapping P·V(i) with S(i+1) and an L2 prefetch of block i+2 were both
+# slower in the Gluon forward; attn_dist at h_q 64 was fastest with 64-row blocks, ring of 3, 8 warps.)
 G = {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 2}
-FWD_VARIANTS = [{**G, "G_PV_OVERLAP": o, "G_PREFETCH": p} for o in (False, True) for p in (False, True)]
-FWD_SHAPES = [(128, 8192), (128, 131072)]
+FWD_VARIANTS = [{**G, "G_S_FIRST": False}, {**G, "G_S_FIRST": True}]
+FWD_SHAPES = [(128, 8192), (128, 131072), (64, 32768)]
 ATTN_DIST_VARIANTS = [
-    {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 6, "G_H64_WARPS": 4},
-    {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 6, "G_H64_WARPS": 8},
-    {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 3, "G_H64_WARPS": 8},
+    {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 6},
+    {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 3},
 ]
-ATTN_DIST_SHAPES = [(64, 8192), (64, 32768), (64, 131072)]
+ATTN_DIST_SHAPES = [(128, 8192), (128, 131072)]
 DECODE_VARIANTS = [{"GLUON": False}, {"GLUON": True}]
 
 

@@ -30,7 +30,6 @@ try:  # Gluon ships with Triton >= 3.5; the package works without it (Triton ker
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
-        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
 
@@ -123,23 +122,6 @@ if HAVE_GLUON:
         )
         cp.commit_group()
         return idx_next
-
-    @gluon.jit
-    def _prefetch_l2(KV, stride_kv_row, idx, hi, D_QK: gl.constexpr, pf_l: gl.constexpr):
-        """``prefetch.global.L2`` every 128-byte line of the rows ``idx`` (``SliceLayout(1, pf_l)``), so
-        that rows still in HBM are on their way to L2 before their cp.async is issued."""
-        valid = (idx >= 0) & (idx < hi)
-        line = gl.arange(0, 16, layout=gl.SliceLayout(0, pf_l))
-        ptr = KV + gl.where(valid, idx, 0).to(gl.int64)[:, None] * stride_kv_row + line[None, :] * 64
-        on = (valid[:, None] & (line[None, :] * 128 < D_QK * 2)).to(gl.int32)
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [ptr, on],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
     @gluon.jit
     def _ring_wait(NUM_BUF: gl.constexpr):
@@ -311,8 +293,7 @@ if HAVE_GLUON:
         HAS_SINK: gl.constexpr,
         HAS_TOPK_LEN: gl.constexpr,
         CAUSAL: gl.constexpr,
-        PV_OVERLAP: gl.constexpr,
-        PREFETCH: gl.constexpr,
+        S_FIRST: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Forward for one token and 64 heads with 8 warps (two warpgroups).
@@ -385,23 +366,14 @@ if HAVE_GLUON:
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
         l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
         acc = gl.zeros([BLOCK_H, D_NOPE], gl.float32, o_l)
-        if PV_OVERLAP:
-            acc = warpgroup_mma_init(acc)  # carried as an in-flight accumulator across iterations
         offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
         n_blocks = gl.cdiv(n_t, BLOCK_T)
-        if PREFETCH:
-            pf_l: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [num_warps, 1], [1, 0])
-            offs_pf = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, pf_l))
-        # wgmma groups that S leaves outstanding (one per product) when waiting for the previous P·V.
-        S_GROUPS: gl.constexpr = 2 if D_ROPE > 0 else 1
         for i in range(n_blocks):
-            # Block i landed. Without PV_OVERLAP the barrier also certifies that both warpgroups finished
-            # block i-1 (its buffer and p_smem are rewritten below).
+            # Block i landed; the barrier also certifies that both warpgroups finished block i-1 (its
+            # buffer and p_smem are rewritten below).
             _ring_wait(NUM_BUF)
-            if PREFETCH:  # indices of block i+2, used after this block's products (load latency hidden)
-                pf = (i + 2) * BLOCK_T + offs_pf
-                idx_pf = gl.load(idx_row + pf, mask=pf < n_t, other=-1)
-            if not PV_OVERLAP:
+            slot = i % NUM_BUF
+            if not S_FIRST:
                 idx_next = _ring_fill(
                     kn_smem,
                     kr_smem,
@@ -418,18 +390,12 @@ if HAVE_GLUON:
                     D_ROPE,
                     ld_l,
                 )
-
-            slot = i % NUM_BUF
             t_idx = gl.load(idx_row + i * BLOCK_T + offs_c, mask=i * BLOCK_T + offs_c < n_t, other=-1)
             s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
             s = warpgroup_mma(qn_smem, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
             if D_ROPE > 0:
                 s = warpgroup_mma(qr_smem, kr_smem.index(slot).permute((1, 0)), s, is_async=True)
-            if PV_OVERLAP:
-                # S(i) queues behind P·V(i-1) on the tensor cores. Once P·V(i-1) is done in both
-                # warpgroups, block i-1's buffer and p_smem are free: refill the ring while S(i) runs.
-                acc = warpgroup_mma_wait(num_outstanding=S_GROUPS, deps=(acc,))
-                gl.thread_barrier()
+            if S_FIRST:  # issue the gather while the tensor cores compute S
                 idx_next = _ring_fill(
                     kn_smem,
                     kr_smem,
@@ -461,11 +427,7 @@ if HAVE_GLUON:
             gl.thread_barrier()  # both halves of P written before either warpgroup reads all of it
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
             acc = warpgroup_mma(p_smem, kn_smem.index(slot), acc, is_async=True)
-            if not PV_OVERLAP:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if PREFETCH:
-                _prefetch_l2(KV, stride_kv_row, idx_pf, hi, D_NOPE + D_ROPE, pf_l)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         cp.wait_group(0)
 
         offs_hs = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
@@ -494,9 +456,17 @@ def gluon_enabled() -> bool:
     return os.environ.get("SPARSE_MLA_ATTN_GLUON", "1") != "0"
 
 
-#: Gluon tile options (benchmarks override them through ``config``): rows per block and ring depth.
-GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_PV_OVERLAP": True, "G_PREFETCH": True}
-GLUON_ATTN_DIST = {"G_BLOCK_T": 32, "G_NUM_BUF": 6, "G_H64_WARPS": 8}
+#: Gluon tile options (benchmarks override them through ``config``): rows per block, ring depth, and for
+#: the forward whether the S product is issued before the ring refill (``G_S_FIRST``). NOTES.md, sweeps 7-9.
+GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_S_FIRST": False}
+
+
+def gluon_attn_dist_config(h_q: int) -> dict[str, int]:
+    """attn_dist tile for a head count: 128 heads (8 warps, two warpgroups along the heads) take 32-row
+    blocks in a ring of 6; 64 heads take 64-row blocks in a ring of 3 with 8 warps splitting the columns."""
+    if h_q > 64:
+        return {"G_BLOCK_T": 32, "G_NUM_BUF": 6, "G_WARPS": 8}
+    return {"G_BLOCK_T": 64, "G_NUM_BUF": 3, "G_WARPS": 8}
 
 
 def launch_fwd_gluon(
@@ -528,8 +498,7 @@ def launch_fwd_gluon(
         BLOCK_T=cfg.get("G_BLOCK_T", GLUON_FWD["G_BLOCK_T"]),
         NUM_BUF=cfg.get("G_NUM_BUF", GLUON_FWD["G_NUM_BUF"]),
         HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
-        PV_OVERLAP=cfg.get("G_PV_OVERLAP", GLUON_FWD["G_PV_OVERLAP"]),
-        PREFETCH=cfg.get("G_PREFETCH", GLUON_FWD["G_PREFETCH"]),
+        S_FIRST=cfg.get("G_S_FIRST", GLUON_FWD["G_S_FIRST"]),
         num_warps=8,
     )  # fmt: skip
 
@@ -551,14 +520,13 @@ def launch_attn_dist_gluon(
 ) -> Any:
     """attn_dist on sm_90: one program per token holding all heads (64 or 128 rows, 4 or 8 warps)."""
     block_h = 64 if dims.h_q <= 64 else 128
+    g = {**gluon_attn_dist_config(dims.h_q), **cfg}
     return _attn_dist_gluon_kernel[(dims.s_q,)](
         q, kv_rows, idx, lse, out,
         q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
         dims.h_q, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2,
         D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_H=block_h,
-        BLOCK_T=cfg.get("G_BLOCK_T", GLUON_ATTN_DIST["G_BLOCK_T"]),
-        NUM_BUF=cfg.get("G_NUM_BUF", GLUON_ATTN_DIST["G_NUM_BUF"]),
-        CAUSAL=causal,
-        # 128 heads: two warpgroups along the heads; 64 heads: 4 warps, or 8 splitting the block's columns.
-        num_warps=8 if block_h == 128 else cfg.get("G_H64_WARPS", GLUON_ATTN_DIST["G_H64_WARPS"]),
+        BLOCK_T=g["G_BLOCK_T"], NUM_BUF=g["G_NUM_BUF"], CAUSAL=causal,
+        # 128 heads need 8 warps (one warpgroup per 64 heads); 64 heads take 4, or 8 splitting the columns.
+        num_warps=8 if block_h == 128 else g["G_WARPS"],
     )  # fmt: skip
