@@ -175,8 +175,10 @@ def greedy_counts(weight: np.ndarray, counts: np.ndarray, num_replicas: int) -> 
 @_njit
 def _slot_aware_row(
     w: np.ndarray, num_replicas: int, num_bins: int, counts: np.ndarray, per: np.ndarray, small: np.ndarray
-) -> None:
-    """Replica counts that leave room for the other items of a GPU, in ``counts``.
+) -> bool:
+    """Replica counts that leave room for the other items of a GPU, in ``counts``; returns whether
+    any expert got more than the greedy split's one replica to start from (otherwise ``counts`` is
+    exactly the greedy split of :func:`_greedy_counts_row`).
 
     With ``S = num_replicas / num_bins`` slots per GPU, a GPU holding a replica of load ``h`` also
     holds ``S - 1`` other replicas, so its load is at least ``h`` plus the ``S - 1`` lightest loads.
@@ -186,6 +188,7 @@ def _slot_aware_row(
     n = w.size
     slots = num_replicas // num_bins
     counts[:] = 1
+    raised = False
     if slots > 1 and num_replicas != n:
         mean_bin = _pairwise_sum(w, np.int64(0), n) / num_bins
         m = min(slots - 1, n)
@@ -211,33 +214,40 @@ def _slot_aware_row(
                 need = min(max(np.ceil(w[e] / max(room, 1e-300)), 1.0), float(num_replicas))
             counts[e] = np.int64(need)
             total += counts[e]
+            raised = raised or counts[e] > 1
         if total > num_replicas:
             counts[:] = 1
+            raised = False
     _greedy_counts_row(w, counts, num_replicas, per)
+    return raised
 
 
 # ---------------------------------------------------------------------------- starts
 @_njit
 def _argsort_desc(x: np.ndarray) -> np.ndarray:
     """Stable argsort of ``x`` by decreasing value (``np.argsort(-x, kind="stable")``): insertion
-    sort of runs of 16, then bottom-up merges; several times faster than Numba's ``np.argsort`` on
-    the few hundred items of a row."""
+    sort of runs of 8, then bottom-up merges of (value, index) pairs without branches on the data
+    (the comparison selects, it does not jump: random loads would mispredict half the jumps);
+    several times faster than Numba's ``np.argsort`` on the few hundred items of a row."""
     n = x.size
-    order = np.arange(n)
-    run = 16
+    order = np.empty(n, dtype=np.int64)
+    val = np.empty(n)
+    run = 8
     for lo in range(0, n, run):
         hi = min(lo + run, n)
-        for i in range(lo + 1, hi):
-            v = order[i]
-            xv = x[v]
+        for i in range(lo, hi):
+            xv = x[i]
             j = i
-            while j > lo and x[order[j - 1]] < xv:
+            while j > lo and val[j - 1] < xv:
+                val[j] = val[j - 1]
                 order[j] = order[j - 1]
                 j -= 1
-            order[j] = v
+            val[j] = xv
+            order[j] = i
     if n <= run:
         return order
     tmp = np.empty(n, dtype=np.int64)
+    tmp_val = np.empty(n)
     width = run
     while width < n:
         for lo in range(0, n, 2 * width):
@@ -245,22 +255,25 @@ def _argsort_desc(x: np.ndarray) -> np.ndarray:
             hi = min(lo + 2 * width, n)
             a, b, k = lo, mid, lo
             while a < mid and b < hi:
-                if x[order[b]] > x[order[a]]:  # strictly larger: ties keep the left (earlier) item
-                    tmp[k] = order[b]
-                    b += 1
-                else:
-                    tmp[k] = order[a]
-                    a += 1
+                va, vb = val[a], val[b]
+                take_b = vb > va  # strictly larger: ties keep the left (earlier) item
+                tmp_val[k] = vb if take_b else va
+                tmp[k] = order[b] if take_b else order[a]
+                b += take_b
+                a += 1 - take_b
                 k += 1
             while a < mid:
+                tmp_val[k] = val[a]
                 tmp[k] = order[a]
                 a += 1
                 k += 1
             while b < hi:
+                tmp_val[k] = val[b]
                 tmp[k] = order[b]
                 b += 1
                 k += 1
         order, tmp = tmp, order
+        val, tmp_val = tmp_val, val
         width *= 2
     return order
 
@@ -649,140 +662,6 @@ def _swap_rounds(
     return moved, stamp
 
 
-@_inline
-def _best_free_split(x: np.ndarray, member_f: np.ndarray, sums: np.ndarray, total32: np.float32) -> int:
-    """First split minimising ``|2 s - T|`` among all splits (no constraint), ``s`` in float32.
-
-    ``s`` of every split is the sequential float32 sum of its heavy items in index order, computed
-    for all splits at once as ``sum_k member[k, c] * x[k]`` (adding ``0 * x`` changes nothing), a
-    loop over the splits that the compiler vectorises.
-    """
-    num_splits = sums.size
-    for c in range(num_splits):
-        sums[c] = np.float32(0.0)
-    for k in range(x.size):
-        xk = x[k]
-        for c in range(num_splits):
-            sums[c] += member_f[k, c] * xk
-    two_f = np.float32(2.0)
-    for c in range(num_splits):
-        sums[c] = abs(two_f * sums[c] - total32)
-    best = sums[0]
-    choice = 0
-    for c in range(1, num_splits):
-        if sums[c] < best:
-            best = sums[c]
-            choice = c
-    return choice
-
-
-@_inline
-def _resplit_pair(
-    fl: np.ndarray,
-    fe: np.ndarray,
-    ff: np.ndarray,
-    has_fixed: bool | np.bool_,
-    h: int,
-    lt: int,
-    slots: int,
-    idx_heavy: np.ndarray,
-    idx_light: np.ndarray,
-    member: np.ndarray,
-    member_f: np.ndarray,
-    bin_load: np.ndarray,
-    ver: np.ndarray,
-    pb: tuple,
-    stamp: int,
-) -> tuple[bool, int]:
-    """Re-split bins ``h`` (heavy) and ``lt`` (light) of a row: pool their ``2 S`` items (heavy bin
-    first) and take the split into two bins of ``S`` that minimises ``|heavy - light|`` (first such
-    split in ``idx_heavy`` order; every split keeps item 0 on the heavy side), among the splits that
-    leave fixed items in place and put no expert twice on one side; the split is made only if it
-    lowers the pair's larger load. Returns ``(moved, stamp)``."""
-    items, items32, sums, part_ok, _, ids, fix, pos, tmp_l, tmp_e, tmp_f, clash_a, clash_b = pb
-    two = 2 * slots
-    any_fixed = np.bool_(False)
-    for s in range(slots):
-        pos[s] = h * slots + s
-        pos[slots + s] = lt * slots + s
-    for i in range(two):
-        items[i] = fl[pos[i]]
-        fix[i] = has_fixed and ff[pos[i]]
-        # fixed items may share a GPU with their own replicas already: never a clash
-        ids[i] = -1 - i if fix[i] else fe[pos[i]]
-        any_fixed = any_fixed or fix[i]
-    n_clash = 0
-    for a in range(two):
-        for b in range(a + 1, two):
-            if ids[a] == ids[b]:
-                clash_a[n_clash] = a
-                clash_b[n_clash] = b
-                n_clash += 1
-    total = bin_load[h] + bin_load[lt]
-    # splits are scored in float32 (the float64 sum of the chosen one decides the move)
-    total32 = np.float32(total)
-    for i in range(two):
-        items32[i] = np.float32(items[i])
-    best = np.float32(_INF)
-    choice = 0
-    found = False
-    if not any_fixed and n_clash == 0:
-        choice = _best_free_split(items32, member_f, sums, total32)
-        found = True
-    else:
-        # every split scored at once (as in _best_free_split), then the first best among the
-        # splits that keep fixed items on their side and separate clashing items
-        num_splits = sums.size
-        valid = part_ok[:num_splits]
-        for c in range(num_splits):
-            sums[c] = np.float32(0.0)
-            valid[c] = True
-        for k in range(two):
-            xk = items32[k]
-            for c in range(num_splits):
-                sums[c] += member_f[k, c] * xk
-        if any_fixed:
-            for i in range(two):
-                if fix[i]:
-                    side = i < slots
-                    for c in range(num_splits):
-                        valid[c] = valid[c] and member[i, c] == side
-        for q in range(n_clash):
-            a, b = clash_a[q], clash_b[q]
-            for c in range(num_splits):
-                valid[c] = valid[c] and member[a, c] != member[b, c]
-        two_f = np.float32(2.0)
-        for c in range(num_splits):
-            if valid[c]:
-                score = abs(two_f * sums[c] - total32)
-                if not found or score < best:
-                    best = score
-                    choice = c
-                    found = True
-    if not found:
-        return False, stamp
-    best_sum = 0.0
-    for j in range(slots):
-        best_sum += items[idx_heavy[choice, j]]
-    if max(best_sum, total - best_sum) < bin_load[h] * (1 - 1e-12):
-        for j in range(slots):
-            tmp_l[j] = items[idx_heavy[choice, j]]
-            tmp_l[slots + j] = items[idx_light[choice, j]]
-            src_h = pos[idx_heavy[choice, j]]
-            src_l = pos[idx_light[choice, j]]
-            tmp_e[j] = fe[src_h]
-            tmp_e[slots + j] = fe[src_l]
-            tmp_f[j] = ff[src_h]
-            tmp_f[slots + j] = ff[src_l]
-        for i in range(two):
-            fl[pos[i]] = tmp_l[i]
-            fe[pos[i]] = tmp_e[i]
-            ff[pos[i]] = tmp_f[i]
-        stamp = _after_move(fl, slots, h, lt, bin_load, ver, stamp)
-        return True, stamp
-    return False, stamp
-
-
 @_njit
 def _resplit_rounds(
     fl: np.ndarray,
@@ -797,79 +676,167 @@ def _resplit_rounds(
     pb: tuple,
     stamp: int,
 ) -> tuple[bool, int]:
-    """``rounds`` re-split rounds on one row (``fl``/``fe``/``ff``: ``[G * S]``, in place).
+    """``rounds`` re-split rounds on one row (``fl``/``fe``/``ff``: ``[G * S]``, ``S <= 5``, in place).
 
-    Every pair of bins (see :func:`_pair_bins`) is re-split (:func:`_resplit_pair`); then the
-    heaviest bin is re-split with the lightest bins in turn, up to ``PEAK_TRIES`` evaluations (after
-    each success the new heaviest bin starts again from the lightest).
+    Every pair of bins (see :func:`_pair_bins`) is re-split; then the heaviest bin is re-split with
+    the lightest bins in turn, up to ``PEAK_TRIES`` evaluations (after each success the new heaviest
+    bin starts again from the lightest).
+
+    A re-split of bins ``h`` (heavy) and ``lt`` (light) pools their ``2 S`` items (heavy bin first)
+    and takes the split into two bins of ``S`` that minimises ``|heavy - light|`` (first such split in
+    ``idx_heavy`` order; every split keeps item 0 on the heavy side), among the splits that leave
+    fixed items in place and put no expert twice on one side; the split is made only if it lowers
+    the pair's larger load. The sums of all splits are scored at once in float32 (``sum_k member[k,
+    c] * x[k]``, sequential in item order, a loop the compiler vectorises; adding ``0 * x`` changes
+    nothing); the float64 sum of the chosen split decides the move. A pair whose two bins did not
+    change since it last declined is skipped (the outcome depends only on their contents).
+
+    The body is written out once inside the loop, with no helper taking arrays: Numba increments and
+    decrements the reference count of every array handed to a helper on each call, which cost more
+    than the re-split itself.
 
     Args:
         tables: ``(idx_heavy [C, S], idx_light [C, S], member [2S, C] bool, member_f float32)``.
 
     Returns:
-        ``(moved, stamp)``.
+        ``(moved, stamp)``: whether something moved, and the last bin version used.
     """
     heavy, light, bin_load, order, ver, seen_h, seen_l = rb
     idx_heavy, idx_light, member, member_f = tables
+    items, items32, sums, valid, _, ids, fix, pos, tmp_l, tmp_e, tmp_f, clash_a, clash_b = pb
     num_bins = bin_load.size
     half = num_bins // 2
+    num_splits = sums.size
+    two = 2 * slots
+    two_f = np.float32(2.0)
     moved = False
     stamp = _start_row(fl, slots, bin_load, order, ver, stamp)
     for it in range(it0, it0 + rounds):
         _pair_bins(bin_load, order, it, heavy, light)
-        for k in range(half):
-            h, lt = heavy[k], light[k]
-            if _declined_before(h, lt, ver, seen_h, seen_l):
-                continue
-            m, stamp = _resplit_pair(
-                fl,
-                fe,
-                ff,
-                has_fixed,
-                h,
-                lt,
-                slots,
-                idx_heavy,
-                idx_light,
-                member,
-                member_f,
-                bin_load,
-                ver,
-                pb,
-                stamp,
-            )
-            moved = moved or m
-        j = 0
+        k = 0  # next pair of the round
+        peak_phase = False
+        j = 0  # next light partner of the heaviest bin
         tries = 0
-        # the heaviest bin changes only when a re-split moves something
-        h = np.int64(np.argmax(bin_load))
-        while j < half and tries < PEAK_TRIES:
-            lt = order[num_bins - 1 - j]
-            j += 1
-            if lt == h or _declined_before(h, lt, ver, seen_h, seen_l):
+        hp = 0  # the heaviest bin (changes only when a re-split moves something)
+        while True:
+            if not peak_phase:
+                if k == half:
+                    peak_phase = True
+                    for g in range(1, num_bins):
+                        if bin_load[g] > bin_load[hp]:
+                            hp = g
+                    continue
+                h, lt = heavy[k], light[k]
+                k += 1
+            else:
+                if j >= half or tries >= PEAK_TRIES:
+                    break
+                h, lt = hp, order[num_bins - 1 - j]
+                j += 1
+                if lt == h:
+                    continue
+            if seen_h[h, lt] == ver[h] and seen_l[h, lt] == ver[lt]:
+                continue  # declined before and neither bin changed since
+            seen_h[h, lt] = ver[h]
+            seen_l[h, lt] = ver[lt]
+            if peak_phase:
+                tries += 1
+            # ---- re-split of (h, lt)
+            any_fixed = False
+            for s in range(slots):
+                pos[s] = h * slots + s
+                pos[slots + s] = lt * slots + s
+            for i in range(two):
+                items[i] = fl[pos[i]]
+                items32[i] = np.float32(items[i])
+                fix[i] = has_fixed and ff[pos[i]]
+                # fixed items may share a GPU with their own replicas already: never a clash
+                ids[i] = -1 - i if fix[i] else fe[pos[i]]
+                any_fixed = any_fixed or fix[i]
+            n_clash = 0
+            for a in range(two):
+                for b in range(a + 1, two):
+                    if ids[a] == ids[b]:
+                        clash_a[n_clash] = a
+                        clash_b[n_clash] = b
+                        n_clash += 1
+            total = bin_load[h] + bin_load[lt]
+            total32 = np.float32(total)
+            for c in range(num_splits):
+                sums[c] = np.float32(0.0)
+            for i in range(two):
+                xi = items32[i]
+                for c in range(num_splits):
+                    sums[c] += member_f[i, c] * xi
+            choice = -1
+            if not any_fixed and n_clash == 0:
+                best = abs(two_f * sums[0] - total32)
+                choice = 0
+                for c in range(1, num_splits):
+                    score = abs(two_f * sums[c] - total32)
+                    if score < best:
+                        best = score
+                        choice = c
+            else:
+                # the first best among the splits that keep fixed items on their side and
+                # separate clashing items
+                for c in range(num_splits):
+                    valid[c] = True
+                if any_fixed:
+                    for i in range(two):
+                        if fix[i]:
+                            side = i < slots
+                            for c in range(num_splits):
+                                valid[c] = valid[c] and member[i, c] == side
+                for q in range(n_clash):
+                    a, b = clash_a[q], clash_b[q]
+                    for c in range(num_splits):
+                        valid[c] = valid[c] and member[a, c] != member[b, c]
+                best = np.float32(_INF)
+                for c in range(num_splits):
+                    if valid[c]:
+                        score = abs(two_f * sums[c] - total32)
+                        if choice < 0 or score < best:
+                            best = score
+                            choice = c
+            if choice < 0:
                 continue
-            tries += 1
-            m, stamp = _resplit_pair(
-                fl,
-                fe,
-                ff,
-                has_fixed,
-                h,
-                lt,
-                slots,
-                idx_heavy,
-                idx_light,
-                member,
-                member_f,
-                bin_load,
-                ver,
-                pb,
-                stamp,
-            )
-            if m:
-                moved = True
+            best_sum = 0.0
+            for s in range(slots):
+                best_sum += items[idx_heavy[choice, s]]
+            if not max(best_sum, total - best_sum) < bin_load[h] * (1 - 1e-12):
+                continue
+            for s in range(slots):
+                tmp_l[s] = items[idx_heavy[choice, s]]
+                tmp_l[slots + s] = items[idx_light[choice, s]]
+                src_h = pos[idx_heavy[choice, s]]
+                src_l = pos[idx_light[choice, s]]
+                tmp_e[s] = fe[src_h]
+                tmp_e[slots + s] = fe[src_l]
+                tmp_f[s] = ff[src_h]
+                tmp_f[slots + s] = ff[src_l]
+            for i in range(two):
+                fl[pos[i]] = tmp_l[i]
+                fe[pos[i]] = tmp_e[i]
+                ff[pos[i]] = tmp_f[i]
+            # new loads (sequential sums: what _row_sum does below 8 items) and versions
+            load_h = 0.0
+            load_l = 0.0
+            for s in range(slots):
+                load_h += fl[h * slots + s]
+                load_l += fl[lt * slots + s]
+            bin_load[h] = load_h
+            bin_load[lt] = load_l
+            ver[h] = stamp + 1
+            ver[lt] = stamp + 2
+            stamp += 2
+            moved = True
+            if peak_phase:
                 j = 0
-                h = np.int64(np.argmax(bin_load))
+                hp = 0
+                for g in range(1, num_bins):
+                    if bin_load[g] > bin_load[hp]:
+                        hp = g
     return moved, stamp
 
 
@@ -1230,17 +1197,21 @@ def solve_layers(
             # where the greedy split is optimal too (ties), take it: the greedy plan is then our start
             if _node_max(gl, node_g, node_sum) <= _node_max(gl, node_use, node_sum):
                 node_use = node_g
-        same = True
+        same_split = True
         for grp in range(num_groups):
-            same = same and node_use[grp] == node_g[grp]
+            same_split = same_split and node_use[grp] == node_g[grp]
         _node_rows(weight[layer], node_use, group_size, ids[0], w_rows[0])
-        if same:
+        if same_split:
             ids[1] = ids[0]
             w_rows[1] = w_rows[0]
         else:
             _node_rows(weight[layer], node_g, group_size, ids[1], w_rows[1])
+        same = same_split
         for n in range(num_nodes):
-            _slot_aware_row(w_rows[0, n], reps, num_bins, cnt[0, n], per, small)
+            raised = _slot_aware_row(w_rows[0, n], reps, num_bins, cnt[0, n], per, small)
+            if same_split and not raised:  # the same greedy split of the same experts
+                cnt[1, n] = cnt[0, n]
+                continue
             cnt[1, n] = 1
             _greedy_counts_row(w_rows[1, n], cnt[1, n], reps, per)
             for j in range(per_node):
