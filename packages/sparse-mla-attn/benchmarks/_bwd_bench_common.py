@@ -152,7 +152,14 @@ def render_markdown(results: dict[str, Any]) -> str:
                     "| kernel | ms | share |",
                     "|---|---|---|",
                 ]
-                lines += [f"| `{k[:70]}` | {v:.2f} | {100 * v / total:.0f}% |" for k, v in b[key].items()]
+                big = {k: v for k, v in b[key].items() if v >= 0.01 * total}
+                lines += [f"| `{k[:70]}` | {v:.2f} | {100 * v / total:.0f}% |" for k, v in big.items()]
+                rest = total - sum(big.values())
+                if rest > 0:
+                    n_rest = len(b[key]) - len(big)
+                    lines.append(
+                        f"| {n_rest} other kernels, each under 1% (preprocess, torch sort, copies, fills) | {rest:.2f} | {100 * rest / total:.0f}% |"
+                    )
         if b.get("sweep"):
             lines += [
                 "",
