@@ -133,7 +133,7 @@ SWEEP: list[tuple[dict[str, int], bool]] = [
     ({"N_SUB": 2}, False),
     ({"DKV_T": 1}, False),
     ({"DQ_SPLIT": 1, "BLOCK_D": 256}, False),
-    ({"chunk_stages": 4}, False),
+    ({"chunk_stages": 3}, False),
     ({"BLOCK_DV": 128, "chunk_stages": 2}, False),
     ({"BLOCK_H": 128, "BLOCK_T": 64, "N_SUB": 1}, True),
 ]
