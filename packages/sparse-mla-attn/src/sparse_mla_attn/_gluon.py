@@ -458,14 +458,12 @@ def gluon_enabled() -> bool:
 
 #: Gluon tile options (benchmarks override them through ``config``): rows per block, ring depth, and for
 #: the forward whether the S product is issued before the ring refill (``G_S_FIRST``). NOTES.md, sweeps 7-9.
-GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_S_FIRST": False}
+GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_S_FIRST": True}
 
 
 def gluon_attn_dist_config(h_q: int) -> dict[str, int]:
-    """attn_dist tile for a head count: 128 heads (8 warps, two warpgroups along the heads) take 32-row
-    blocks in a ring of 6; 64 heads take 64-row blocks in a ring of 3 with 8 warps splitting the columns."""
-    if h_q > 64:
-        return {"G_BLOCK_T": 32, "G_NUM_BUF": 6, "G_WARPS": 8}
+    """attn_dist tile for a head count: 64-row blocks in a ring of 3 and 8 warps (128 heads: two
+    warpgroups along the heads; 64 heads: two warpgroups splitting the block's columns)."""
     return {"G_BLOCK_T": 64, "G_NUM_BUF": 3, "G_WARPS": 8}
 
 
