@@ -27,6 +27,7 @@ from bench_attn_dist import bench_attn_dist
 from bench_decode import bench_decode
 from bench_forward import bench_baseline, bench_fwd, dense_matmul_tflops
 
+from sparse_mla_attn._gluon import GLUON_FWD, gluon_attn_dist_config, gluon_enabled
 from sparse_mla_attn.attn_dist import attn_dist_config
 from sparse_mla_attn.forward import fwd_config
 
@@ -106,6 +107,10 @@ def main() -> None:
             "attn_dist_h128": attn_dist_config(128),
             "attn_dist_h64_s_kv_8K": attn_dist_config(64, 8192),
             "attn_dist_h64_s_kv_32K_128K": attn_dist_config(64, 32768),
+            # On sm_90 the Gluon kernels run instead of the Triton ones above (rows' "backend" field).
+            "gluon_enabled": gluon_enabled(),
+            "gluon_fwd": GLUON_FWD,
+            "gluon_attn_dist": gluon_attn_dist_config(128),
         },
         "fwd": fwd,
         "attn_dist": dist,
