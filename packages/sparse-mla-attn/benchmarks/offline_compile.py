@@ -5,8 +5,9 @@ Used to check registers, spills and shared memory of a tile variant before spend
 and the constexpr values; every pointer and every ``stride*`` argument is marked divisible by 16, as
 the JIT specialises real launches.
 
-    python packages/sparse-mla-attn/benchmarks/offline_compile.py attn_dist --h-q 128 --block-t 64 \
-        --num-warps 8 --num-stages 2
+    python packages/sparse-mla-attn/benchmarks/offline_compile.py gluon_fwd --block-t 64 --num-buf 2
+    python packages/sparse-mla-attn/benchmarks/offline_compile.py gluon_attn_dist --h-q 64 --num-buf 3
+    python packages/sparse-mla-attn/benchmarks/offline_compile.py attn_dist --h-q 128 --num-stages 1
 """
 
 from __future__ import annotations
@@ -54,16 +55,17 @@ def compile_sm90(
     *,
     num_warps: int,
     num_stages: int,
+    source: type = ASTSource,
 ) -> dict[str, Any]:
     """Compile ``fn`` (a ``@triton.jit`` function) for sm_90; return registers, spills, smem, asm."""
     params = list(inspect.signature(fn.fn).parameters)
-    signature = {p: ("constexpr" if p in constexprs else types[p]) for p in params}
+    signature = {p: ("constexpr" if p in constexprs else types.get(p, "i32")) for p in params}
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, p in enumerate(params)
-        if p not in constexprs and (types[p].startswith("*") or p.startswith("stride"))
+        if p not in constexprs and (signature[p].startswith("*") or p.startswith("stride"))
     }
-    src = ASTSource(
+    src = source(
         fn, signature, constexprs={(params.index(k),): v for k, v in constexprs.items()}, attrs=attrs
     )
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
@@ -78,49 +80,64 @@ def compile_sm90(
     }
 
 
+TYPES = {
+    "Q": "*bf16",
+    "KV": "*bf16",
+    "IDX": "*i32",
+    "LSE": "*fp32",
+    "OUT": "*bf16",
+    "MAX_LOGITS": "*fp32",
+    "SINK": "*fp32",
+    "TOPK_LEN": "*i32",
+    "sm_scale_log2": "fp32",
+    "lse_to_log2": "fp32",
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["attn_dist"])
+    ap.add_argument("kernel", choices=["attn_dist", "gluon_attn_dist", "gluon_fwd"])
     ap.add_argument("--h-q", type=int, default=128)
-    ap.add_argument("--block-h", type=int, default=0)
+    ap.add_argument("--d-qk", type=int, default=576)
+    ap.add_argument("--block-h", type=int, default=0, help="Triton attn_dist head tile (default: all heads)")
     ap.add_argument("--block-t", type=int, default=64)
+    ap.add_argument("--num-buf", type=int, default=3, help="Gluon ring depth")
     ap.add_argument("--num-warps", type=int, default=8)
-    ap.add_argument("--num-stages", type=int, default=1)
-    ap.add_argument(
-        "--q-regs", type=int, default=1, help="1: Q in registers, 0: chunked, Q in smem, -1: old kernel"
-    )
-    ap.add_argument("--sass", action="store_true", help="print the ptxas resource line")
+    ap.add_argument("--num-stages", type=int, default=1, help="Triton pipeline stages")
+    ap.add_argument("--s-first", type=int, default=1, help="Gluon forward: S issued before the ring refill")
     a = ap.parse_args()
     import importlib
 
-    mod = importlib.import_module("sparse_mla_attn.attn_dist")
+    d_rope = a.d_qk - 512
+    if a.kernel == "attn_dist":
+        fn = importlib.import_module("sparse_mla_attn.attn_dist")._attn_dist_kernel
+        block_h = a.block_h or min(128, triton.next_power_of_2(a.h_q))
+        const = {
+            "D_NOPE": 512,
+            "D_ROPE": d_rope,
+            "BLOCK_H": block_h,
+            "BLOCK_T": a.block_t,
+            "CAUSAL": True,
+            "ATOMIC": block_h < a.h_q,
+            "STATIC_T": 0,
+            "DOT_F32": False,
+        }
+        types = dict(TYPES, OUT="*fp32")
+        r = compile_sm90(fn, types, const, num_warps=a.num_warps, num_stages=a.num_stages)
+    else:
+        g = importlib.import_module("sparse_mla_attn._gluon")
+        from triton.experimental.gluon._runtime import GluonASTSource
 
-    block_h = a.block_h or min(128, triton.next_power_of_2(a.h_q))
-    types = {
-        "Q": "*bf16",
-        "KV": "*bf16",
-        "IDX": "*i32",
-        "LSE": "*fp32",
-        "OUT": "*fp32",
-        "sm_scale_log2": "fp32",
-        "lse_to_log2": "fp32",
-    }
-    fn = mod._attn_dist_chunked_kernel if a.q_regs >= 0 else mod._attn_dist_kernel
-    for p in inspect.signature(fn.fn).parameters:
-        types.setdefault(p, "i32")
-    const = {
-        "D_NOPE": 512,
-        "D_ROPE": 64,
-        "BLOCK_H": block_h,
-        "BLOCK_T": a.block_t,
-        "CAUSAL": True,
-        "ATOMIC": block_h < a.h_q,
-        "STATIC_T": 0,
-        "DOT_F32": False,
-        "Q_REGS": a.q_regs > 0,
-    }
-    const = {k: v for k, v in const.items() if k in inspect.signature(fn.fn).parameters}
-    r = compile_sm90(fn, types, const, num_warps=a.num_warps, num_stages=a.num_stages)
+        if a.kernel == "gluon_attn_dist":
+            fn = g._attn_dist_gluon_kernel
+            types = dict(TYPES, OUT="*fp32")
+            const = {"BLOCK_H": 64 if a.h_q <= 64 else 128, "CAUSAL": True}
+        else:
+            fn = g._sparse_mla_fwd_gluon_kernel
+            types = dict(TYPES)
+            const = {"HAS_SINK": True, "HAS_TOPK_LEN": False, "CAUSAL": False, "S_FIRST": bool(a.s_first)}
+        const.update(D_NOPE=512, D_ROPE=d_rope, BLOCK_T=a.block_t, NUM_BUF=a.num_buf, num_warps=a.num_warps)
+        r = compile_sm90(fn, types, const, num_warps=a.num_warps, num_stages=1, source=GluonASTSource)
     print({k: v for k, v in r.items() if k != "asm"})
 
 
