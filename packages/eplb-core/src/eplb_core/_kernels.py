@@ -39,6 +39,8 @@ PEAK_TRIES = 16
 SORT_FROM_SCRATCH_BINS = 32
 # refinement rounds between two re-selections of the rows that still matter
 BLOCK = 4
+# from this many replicas to hand out, the greedy replica split keeps the experts in a heap
+GREEDY_HEAP_MIN = 8
 
 
 def default_iters(num_bins: int, slots: int) -> int:
@@ -50,7 +52,6 @@ def default_iters(num_bins: int, slots: int) -> int:
 
 
 _njit = numba.njit(cache=True, nogil=True)
-_inline = numba.njit(cache=True, nogil=True, inline="always")
 
 
 @_njit
@@ -155,13 +156,49 @@ def _greedy_counts_row(w: np.ndarray, counts: np.ndarray, num_replicas: int, per
         for i in range(num_replicas - have):
             counts[i % n] += 1
         return
-    for _ in range(num_replicas - have):
-        best = 0
-        for e in range(1, n):
-            if per[e] > per[best]:
-                best = e
+    extra = num_replicas - have
+    if extra < GREEDY_HEAP_MIN:
+        for _ in range(extra):
+            best = 0
+            for e in range(1, n):
+                if per[e] > per[best]:
+                    best = e
+            counts[best] += 1
+            per[best] = w[best] / counts[best]
+        return
+    # the same choices from a binary heap ordered by (per-replica load desc, id asc): its root is
+    # what the scan above finds, in O(log N) per replica instead of O(N)
+    heap = np.arange(n)
+    for p in range(n // 2 - 1, -1, -1):
+        _sift_down_per(heap, per, n, p)
+    for _ in range(extra):
+        best = heap[0]
         counts[best] += 1
         per[best] = w[best] / counts[best]
+        _sift_down_per(heap, per, n, 0)
+
+
+@_njit
+def _sift_down_per(heap: np.ndarray, per: np.ndarray, size: int, p: int) -> None:
+    """Sift ``heap[p]`` down a heap whose root is the largest ``per`` (lowest id on ties)."""
+    item = heap[p]
+    v = per[item]
+    while True:
+        c = 2 * p + 1
+        if c >= size:
+            break
+        a = heap[c]
+        if c + 1 < size:
+            b = heap[c + 1]
+            if per[b] > per[a] or (per[b] == per[a] and b < a):
+                c += 1
+                a = b
+        if per[a] > v or (per[a] == v and a < item):
+            heap[p] = a
+            p = c
+        else:
+            break
+    heap[p] = item
 
 
 @_njit
@@ -465,7 +502,8 @@ def _row_buffers(
     num_bins: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per-row work arrays of the refinement: pair ids, bin loads, bin order, and the versions that
-    :func:`_declined_before` compares (a bin's version changes whenever its contents do)."""
+    the rounds compare to skip a pair that declined before (a bin's version changes whenever its
+    contents do)."""
     half = num_bins // 2
     heavy = np.empty(half, dtype=np.int64)
     light = np.empty(half, dtype=np.int64)
@@ -489,36 +527,6 @@ def _start_row(
         order[g] = g
         ver[g] = stamp + 1 + g
     return stamp + bin_load.size
-
-
-@_inline
-def _declined_before(h: int, lt: int, ver: np.ndarray, seen_h: np.ndarray, seen_l: np.ndarray) -> bool:
-    """Whether pair ``(h, lt)`` was evaluated without a move and neither bin changed since (then it
-    declines again: the outcome depends only on the two bins' contents); records this evaluation."""
-    if seen_h[h, lt] == ver[h] and seen_l[h, lt] == ver[lt]:
-        return True
-    seen_h[h, lt] = ver[h]
-    seen_l[h, lt] = ver[lt]
-    return False
-
-
-@_inline
-def _after_move(
-    fl: np.ndarray, slots: int, h: int, lt: int, bin_load: np.ndarray, ver: np.ndarray, stamp: int
-) -> int:
-    """New loads and versions of the two bins of a pair that changed; returns the last version used."""
-    bin_load[h] = _row_sum(fl, h * slots, slots)
-    bin_load[lt] = _row_sum(fl, lt * slots, slots)
-    ver[h] = stamp + 1
-    ver[lt] = stamp + 2
-    return stamp + 2
-
-
-@_njit
-def _change(fe: np.ndarray, origin: np.ndarray, a: int, b: int) -> int:
-    """Change in the number of slots that differ from ``origin`` if slots ``a`` and ``b`` swap."""
-    before = (fe[a] != origin[a]) + (fe[b] != origin[b])
-    return (fe[b] != origin[a]) + (fe[a] != origin[b]) - before
 
 
 @_njit
@@ -557,6 +565,12 @@ def _swap_rounds(
     half = num_bins // 2
     brute = slots <= BRUTE_FORCE_SLOTS
     moved = False
+
+    def change(a: int, b: int) -> int:
+        # change in the number of slots that differ from ``origin`` if slots a and b swap
+        before = (fe[a] != origin[a]) + (fe[b] != origin[b])
+        return (fe[b] != origin[a]) + (fe[a] != origin[b]) - before
+
     stamp = _start_row(fl, slots, bin_load, order, ver, stamp)
     used = 0
     if budget >= 0:
@@ -572,8 +586,10 @@ def _swap_rounds(
         _pair_bins(bin_load, order, it, heavy, light)
         for k in range(half):
             h, lt = heavy[k], light[k]
-            if _declined_before(h, lt, ver, seen_h, seen_l):
-                continue
+            if seen_h[h, lt] == ver[h] and seen_l[h, lt] == ver[lt]:
+                continue  # declined before and neither bin changed since
+            seen_h[h, lt] = ver[h]
+            seen_l[h, lt] = ver[lt]
             gap = bin_load[h] - bin_load[lt]
             ha, lb0 = h * slots, lt * slots
             best = -_INF
@@ -591,11 +607,7 @@ def _swap_rounds(
                             no_y[y] = True
                 for x in range(slots):
                     for y in range(slots):
-                        if (
-                            no_x[x]
-                            or no_y[y]
-                            or (budget >= 0 and used + _change(fe, origin, ha + x, lb0 + y) > budget)
-                        ):
+                        if no_x[x] or no_y[y] or (budget >= 0 and used + change(ha + x, lb0 + y) > budget):
                             gain = -_INF
                         else:
                             delta = fl[ha + x] - fl[lb0 + y]
@@ -639,7 +651,7 @@ def _swap_rounds(
                     if (
                         held[lt, fe[ha + x]] > 0
                         or (has_fixed and ff[ha + x])
-                        or (budget >= 0 and used + _change(fe, origin, ha + x, lb0 + y) > budget)
+                        or (budget >= 0 and used + change(ha + x, lb0 + y) > budget)
                     ):
                         gain = -_INF
                     if gain > best:
@@ -648,7 +660,7 @@ def _swap_rounds(
             if best > tol:
                 moved = True
                 if budget >= 0:
-                    used += _change(fe, origin, pa, pb)
+                    used += change(pa, pb)
                 if not brute:
                     e_x, e_y = fe[pa], fe[pb]
                     held[h, e_x] -= 1
@@ -658,7 +670,11 @@ def _swap_rounds(
                 fl[pa], fl[pb] = fl[pb], fl[pa]
                 fe[pa], fe[pb] = fe[pb], fe[pa]
                 ff[pa], ff[pb] = ff[pb], ff[pa]
-                stamp = _after_move(fl, slots, h, lt, bin_load, ver, stamp)
+                bin_load[h] = _row_sum(fl, h * slots, slots)
+                bin_load[lt] = _row_sum(fl, lt * slots, slots)
+                ver[h] = stamp + 1
+                ver[lt] = stamp + 2
+                stamp += 2
     return moved, stamp
 
 
@@ -1019,6 +1035,15 @@ def _repair_row(fl: np.ndarray, fe: np.ndarray, ff: np.ndarray, num_bins: int, s
     experts all have zero load): swap the repeated item with an item of a GPU that lacks its expert,
     the nearest load first, when that puts no other expert twice on a GPU (experts with more replicas
     than GPUs may repeat) and no bin above the row's peak."""
+    repeats = False  # most rows have none: find out without a call per item
+    for b in range(num_bins):
+        for s in range(slots):
+            i = b * slots + s
+            for t in range(s + 1, slots):
+                j = b * slots + t
+                repeats = repeats or (fe[i] == fe[j] and not (ff[i] and ff[j]))
+    if not repeats:
+        return
     peak = -_INF
     for g in range(num_bins):
         peak = max(peak, _row_sum(fl, g * slots, slots))
