@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--num-warps", type=int, default=8)
     ap.add_argument("--num-stages", type=int, default=1, help="Triton pipeline stages")
     ap.add_argument("--s-first", type=int, default=1, help="Gluon forward: S issued before the ring refill")
+    ap.add_argument("--wg-stats", type=int, default=0, help="Gluon forward: per-warpgroup row statistics")
+    ap.add_argument("--qrope-reg", type=int, default=0, help="Gluon forward: rope query part in registers")
     a = ap.parse_args()
     import importlib
 
@@ -136,6 +138,7 @@ def main() -> None:
             fn = g._sparse_mla_fwd_gluon_kernel
             types = dict(TYPES)
             const = {"HAS_SINK": True, "HAS_TOPK_LEN": False, "CAUSAL": False, "S_FIRST": bool(a.s_first)}
+            const.update(WG_STATS=bool(a.wg_stats), QROPE_REG=bool(a.qrope_reg))
         const.update(D_NOPE=512, D_ROPE=d_rope, BLOCK_T=a.block_t, NUM_BUF=a.num_buf, num_warps=a.num_warps)
         r = compile_sm90(fn, types, const, num_warps=a.num_warps, num_stages=1, source=GluonASTSource)
     print({k: v for k, v in r.items() if k != "asm"})

@@ -18,12 +18,16 @@ from bench_attn_dist import bench_attn_dist
 from bench_decode import bench_decode
 from bench_forward import bench_fwd, dense_matmul_tflops
 
-# Sweep 9: Gluon forward with the S product issued before or after the ring refill (G_S_FIRST);
-# Gluon attn_dist at h_q 128 with 32-row blocks in a ring of 6 or 64-row blocks in a ring of 3.
-# (Sweep 8, results/tune8.json: overlapping P·V(i) with S(i+1) and an L2 prefetch of block i+2 were both
-# slower in the Gluon forward; attn_dist at h_q 64 was fastest with 64-row blocks, ring of 3, 8 warps.)
-G = {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 2}
-FWD_VARIANTS = [{**G, "G_S_FIRST": False}, {**G, "G_S_FIRST": True}]
+# Sweep 10: Gluon forward with per-warpgroup row statistics (G_WG_STATS: one 512 B exchange of the row
+# maxima per block instead of the compiler's cross-warp max and sum reductions) and the rope part of the
+# query in registers (G_QROPE_REG). (Sweep 9, results/tune9.json: S issued before the ring refill won;
+# attn_dist at h_q 128 was fastest with 64-row blocks in a ring of 3.)
+G = {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_S_FIRST": True}
+FWD_VARIANTS = [
+    {**G, "G_WG_STATS": False, "G_QROPE_REG": False},
+    {**G, "G_WG_STATS": True, "G_QROPE_REG": False},
+    {**G, "G_WG_STATS": True, "G_QROPE_REG": True},
+]
 FWD_SHAPES = [(128, 8192), (128, 131072), (64, 32768)]
 ATTN_DIST_VARIANTS = [
     {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 6},

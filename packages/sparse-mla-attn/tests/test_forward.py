@@ -264,3 +264,40 @@ def test_fwd_gpu_backends(backend, h_q, d_qk, topk):
     check_fwd(got, q, kv, idx, scale, "gpu_few", **kw)
     plain = sparse_mla_fwd_impl(q, kv, idx, scale, config={"GLUON": backend == "gluon"})
     check_fwd(plain, q, kv, idx, scale, "gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("wg_stats", "qrope_reg", "h_q", "d_qk", "topk"),
+    [
+        pytest.param(False, False, 128, 576, 1000, id="plain-H128-D576-T1000"),
+        pytest.param(True, False, 128, 576, 1000, id="wgstats-H128-D576-T1000"),
+        pytest.param(False, True, 128, 576, 1000, id="qropereg-H128-D576-T1000"),
+        pytest.param(True, True, 128, 576, 1000, id="both-H128-D576-T1000"),
+        pytest.param(True, True, 100, 512, 333, id="both-H100-D512-T333"),
+        pytest.param(True, True, 48, 576, 2048, id="both-H48-D576-T2048"),
+    ],
+)
+def test_fwd_gpu_gluon_variants(wg_stats, qrope_reg, h_q, d_qk, topk):
+    """The Gluon forward's tile options (per-warpgroup row statistics, rope query in registers) against
+    the reference: causal limit, sink, topk_length, invalid indices, an all-invalid row, NaN in every KV
+    row that no valid index selects."""
+    from sparse_mla_attn.forward import LAST_BACKEND
+
+    if not _sm90():
+        pytest.skip("the Gluon kernels need an sm_90 GPU (H100/H200)")
+    s_q, s_kv = 160, 8192
+    q, kv, idx = make_problem(s_q, h_q, d_qk, s_kv, topk, "cuda", seed=7 * h_q + topk, invalid_frac=0.05)
+    idx[0, 0, :] = -1
+    kv = poison_unselected(kv, idx)
+    scale = 1 / math.sqrt(d_qk)
+    cfg = {"GLUON": True, "G_WG_STATS": wg_stats, "G_QROPE_REG": qrope_reg}
+    plain = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg)
+    assert LAST_BACKEND["fwd"] == "gluon"
+    check_fwd(plain, q, kv, idx, scale, "gpu")
+    assert torch.all(plain[0][0] == 0)
+    assert torch.all(plain[2][0] == float("-inf"))
+    sink = torch.randn(h_q, device="cuda")
+    topk_length = torch.randint(0, topk + 1, (s_q,), dtype=torch.int32, device="cuda")
+    kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 8000, "k_stride": 1}
+    check_fwd(sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg, **kw), q, kv, idx, scale, "gpu_few", **kw)

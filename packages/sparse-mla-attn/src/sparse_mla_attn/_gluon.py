@@ -294,6 +294,8 @@ if HAVE_GLUON:
         HAS_TOPK_LEN: gl.constexpr,
         CAUSAL: gl.constexpr,
         S_FIRST: gl.constexpr,
+        WG_STATS: gl.constexpr,
+        QROPE_REG: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Forward for one token and 64 heads with 8 warps (two warpgroups).
@@ -301,6 +303,13 @@ if HAVE_GLUON:
         S = Q·K^T: each warpgroup computes half of the block's columns (Q from shared memory); the online
         softmax statistics are reduced across both; P goes through shared memory and each warpgroup
         accumulates O += P·V for half of the 512 value channels (acc 64 x 256 fp32 per warpgroup).
+
+        ``WG_STATS``: each warpgroup reduces the row maxima of its own columns (S viewed as
+        [64, 2, BLOCK_T // 2], warpgroup = middle axis) and the two are exchanged through 512 B of shared
+        memory behind one barrier; the row sums stay per warpgroup until the epilogue. Without it the
+        compiler's cross-warp reductions of max and sum cost five barriers per block.
+        ``QROPE_REG``: the rope part of the query tile (64 x 64) is the wgmma A operand from registers
+        (16 per thread), so the S product reads 11% less shared memory.
         """
         gl.static_assert(num_warps == 8)
         BLOCK_H: gl.constexpr = 64
@@ -327,12 +336,41 @@ if HAVE_GLUON:
         if D_ROPE > 0:
             cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
             q_rope = gl.load(q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0)
-            qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], smem_l, q_rope)
+            if QROPE_REG:
+                qr_a = gl.convert_layout(q_rope, gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2))
+            else:
+                qr_a = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], smem_l, q_rope)
         else:
-            qr_smem = qn_smem  # unused
+            qr_a = qn_smem  # unused
         kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
         kr_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, 64], smem_l)
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
+        # Per-warpgroup statistics: S viewed as [heads, warpgroup, columns of that warpgroup].
+        # (The layout that reshape infers from s_l at BLOCK_T 64, written out: the last warp bit is the
+        # warpgroup, i.e. the middle axis.)
+        s3_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [8, 0, 0], [0, 0, 8], [0, 0, 16]],
+            lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0], [0, 1, 0]],
+            block_bases=[],
+            shape=[BLOCK_H, 2, 32],
+        )
+        wg_l: gl.constexpr = gl.SliceLayout(2, s3_l)  # [heads, warpgroup]
+        row_l: gl.constexpr = gl.SliceLayout(1, wg_l)  # [heads]
+        # Both warpgroups' maxima [warpgroup, heads] read back with the warpgroup axis in registers and
+        # the heads placed as in row_l.
+        mx_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [0, 8]],
+            lane_bases=[[0, 0], [0, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[[0, 16], [0, 32], [0, 0]],
+            block_bases=[],
+            shape=[2, BLOCK_H],
+        )
+        if WG_STATS:
+            gl.static_assert(BLOCK_T == 64)
+            mx_smem = gl.allocate_shared_memory(
+                gl.float32, [2, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+            )
 
         n_t = topk
         if HAS_TOPK_LEN:
@@ -363,8 +401,12 @@ if HAVE_GLUON:
                 ld_l,
             )
 
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
-        l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
+        if WG_STATS:
+            m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+            l_i = gl.zeros([BLOCK_H, 2], gl.float32, wg_l)  # row sums per warpgroup
+        else:
+            m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+            l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
         acc = gl.zeros([BLOCK_H, D_NOPE], gl.float32, o_l)
         offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
         n_blocks = gl.cdiv(n_t, BLOCK_T)
@@ -394,7 +436,7 @@ if HAVE_GLUON:
             s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
             s = warpgroup_mma(qn_smem, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
             if D_ROPE > 0:
-                s = warpgroup_mma(qr_smem, kr_smem.index(slot).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(qr_a, kr_smem.index(slot).permute((1, 0)), s, is_async=True)
             if S_FIRST:  # issue the gather while the tensor cores compute S
                 idx_next = _ring_fill(
                     kn_smem,
@@ -416,11 +458,24 @@ if HAVE_GLUON:
 
             valid = (t_idx >= 0) & (t_idx < hi)
             s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
+            if WG_STATS:
+                s3 = gl.convert_layout(gl.reshape(s, [BLOCK_H, 2, BLOCK_T // 2]), s3_l, assert_trivial=True)
+                mx_smem.store(gl.permute(gl.max(s3, axis=2), (1, 0)))  # warp shuffles only
+                gl.thread_barrier()
+                m_blk = gl.convert_layout(gl.max(mx_smem.load(mx_l), axis=0), row_l, assert_trivial=True)
+                m_new = gl.maximum(m_i, m_blk)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_use)
+                p3 = gl.exp2(s3 - m_use[:, None, None])
+                l_i = l_i * alpha[:, None] + gl.sum(p3, axis=2)
+                p = gl.convert_layout(gl.reshape(p3, [BLOCK_H, BLOCK_T]), s_l)
+                alpha = gl.convert_layout(alpha, gl.SliceLayout(1, s_l))
+            else:
+                m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_use)
+                p = gl.exp2(s - m_use[:, None])
+                l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
             p_smem.store(p.to(dtype))
             fence_async_shared()
@@ -429,6 +484,9 @@ if HAVE_GLUON:
             acc = warpgroup_mma(p_smem, kn_smem.index(slot), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         cp.wait_group(0)
+        if WG_STATS:
+            l_i = gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, s_l))
+            m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_l))
 
         offs_hs = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
         hs_ok = offs_hs < h_q
@@ -458,7 +516,7 @@ def gluon_enabled() -> bool:
 
 #: Gluon tile options (benchmarks override them through ``config``): rows per block, ring depth, and for
 #: the forward whether the S product is issued before the ring refill (``G_S_FIRST``). NOTES.md, sweeps 7-9.
-GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_S_FIRST": True}
+GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_S_FIRST": True, "G_WG_STATS": False, "G_QROPE_REG": False}
 
 
 def gluon_attn_dist_config(h_q: int) -> dict[str, int]:
@@ -497,6 +555,8 @@ def launch_fwd_gluon(
         NUM_BUF=cfg.get("G_NUM_BUF", GLUON_FWD["G_NUM_BUF"]),
         HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
         S_FIRST=cfg.get("G_S_FIRST", GLUON_FWD["G_S_FIRST"]),
+        WG_STATS=cfg.get("G_WG_STATS", GLUON_FWD["G_WG_STATS"]),
+        QROPE_REG=cfg.get("G_QROPE_REG", GLUON_FWD["G_QROPE_REG"]),
         num_warps=8,
     )  # fmt: skip
 
