@@ -515,8 +515,9 @@ def gluon_enabled() -> bool:
 
 
 #: Gluon tile options (benchmarks override them through ``config``): rows per block, ring depth, and for
-#: the forward whether the S product is issued before the ring refill (``G_S_FIRST``). NOTES.md, sweeps 7-9.
-GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_S_FIRST": True, "G_WG_STATS": False, "G_QROPE_REG": False}
+#: the forward whether the S product is issued before the ring refill (``G_S_FIRST``), per-warpgroup row
+#: statistics (``G_WG_STATS``) and the rope query part in registers (``G_QROPE_REG``). NOTES.md, sweeps 7-10.
+GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_S_FIRST": True, "G_WG_STATS": True, "G_QROPE_REG": False}
 
 
 def gluon_attn_dist_config(h_q: int) -> dict[str, int]:
