@@ -30,10 +30,11 @@ __all__ = [
 def split_tables(slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Tables of the splits of ``2 S`` items (``S`` of the heavy bin, then ``S`` of the light bin).
 
-    Returns ``(idx_heavy [C, S], idx_light [C, S], member [2S, C] bool, member float32)`` over the
-    ``C`` splits whose heavy side keeps item 0 (the first is the identity split): the item positions
-    on each side, and whether an item goes to the heavy bin. Above ``MAX_RESPLIT_SLOTS`` slots (no
-    re-split) the tables of one slot stand in.
+    Returns ``(idx_heavy [C, S], idx_light [C, S], member [2S, C] bool, member [2S, C8] float32)``
+    over the ``C`` splits whose heavy side keeps item 0 (the first is the identity split): the item
+    positions on each side, and whether an item goes to the heavy bin (the float32 copy has zero
+    columns up to a multiple of 8, so the compiled scoring runs in whole vectors). Above
+    ``MAX_RESPLIT_SLOTS`` slots (no re-split) the tables of one slot stand in.
     """
     if slots > _kernels.MAX_RESPLIT_SLOTS:
         slots = 1
@@ -44,7 +45,9 @@ def split_tables(slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
         member[list(c), j] = True
     idx_heavy = np.array(splits, dtype=np.int64)
     idx_light = np.array([[i for i in range(num) if i not in c] for c in splits], dtype=np.int64)
-    return idx_heavy, idx_light, member, member.astype(np.float32)
+    padded = np.zeros((num, -(-len(splits) // 8) * 8), dtype=np.float32)
+    padded[:, : len(splits)] = member
+    return idx_heavy, idx_light, member, padded
 
 
 @lru_cache(maxsize=32)
