@@ -209,6 +209,32 @@ def _sift_down_per(heap: np.ndarray, per: np.ndarray, size: int, p: int) -> None
 
 
 @_njit
+def _is_greedy_split(w: np.ndarray, counts: np.ndarray) -> bool:
+    """Whether ``counts`` is exactly what :func:`_greedy_counts_row` makes from all ones (a row with
+    a positive load).
+
+    The greedy split hands out replica ``c + 1`` of expert ``e`` in the order of ``w[e] / c``
+    (decreasing, lowest ``e`` on ties; for one expert in order of ``c``): it takes the first
+    ``R - N`` of these. ``counts`` took ``w[e] / c`` for ``c < counts[e]``; it is the greedy split
+    exactly when the last of those it took comes before the first it did not take.
+    """
+    last_v, last_e = _INF, np.int64(-1)  # the last taken: smallest value, highest id on ties
+    next_v, next_e = -_INF, np.int64(-1)  # the first not taken: largest value, lowest id on ties
+    for e in range(w.size):
+        c = counts[e]
+        if c > 1:
+            v = w[e] / (c - 1)
+            if v <= last_v:
+                last_v, last_e = v, e
+        v = w[e] / c
+        if v > next_v:
+            next_v, next_e = v, e
+    if last_e < 0:
+        return False
+    return last_v > next_v or (last_v == next_v and last_e <= next_e)
+
+
+@_njit
 def greedy_counts(weight: np.ndarray, counts: np.ndarray, num_replicas: int) -> None:
     """:func:`_greedy_counts_row` on every row of ``weight [B, N]`` / ``counts [B, N]``, in place."""
     per = np.empty(weight.shape[1])
@@ -1248,7 +1274,8 @@ def solve_layers(
         same = same_split
         for n in range(num_nodes):
             raised = _slot_aware_row(w_rows[0, n], reps, num_bins, cnt[0, n], per, small)
-            if same_split and not raised:  # the same greedy split of the same experts
+            if same_split and (not raised or _is_greedy_split(w_rows[0, n], cnt[0, n])):
+                # the greedy split of the same experts
                 cnt[1, n] = cnt[0, n]
                 continue
             cnt[1, n] = 1
