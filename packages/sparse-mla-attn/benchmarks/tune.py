@@ -3,20 +3,30 @@
 Writes every measurement to ``--out`` (JSON) and prints one line per variant. NOTES.md records what each
 sweep measured and which variant became the default.
 
-    python packages/sparse-mla-attn/benchmarks/tune.py --out /tmp/tune.json [--only fwd,attn_dist,decode]
+    python packages/sparse-mla-attn/benchmarks/tune.py --out /tmp/tune.json [--only fwd,attn_dist,decode,fwd_ab]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import time
 import traceback
 
 import torch
 from bench_attn_dist import bench_attn_dist
 from bench_decode import bench_decode
-from bench_forward import bench_fwd, dense_matmul_tflops
+from bench_forward import (
+    bench_fwd,
+    check_rows,
+    dense_matmul_tflops,
+    fwd_flops,
+    kernel_resources,
+    make_inputs,
+    time_ms,
+)
 
 # Sweep 10: Gluon forward with per-warpgroup row statistics (G_WG_STATS: one 512 B exchange of the row
 # maxima per block instead of the compiler's cross-warp max and sum reductions) and the rope part of the
@@ -35,6 +45,55 @@ ATTN_DIST_VARIANTS = [
 ]
 ATTN_DIST_SHAPES = [(128, 8192), (128, 131072)]
 DECODE_VARIANTS = [{"GLUON": False}, {"GLUON": True}]
+
+# Sweep 11: the warp-specialised ping-pong forward (G_PINGPONG) against the default, interleaved A/B on
+# one set of inputs per shape (the same kernel varies 5-15% between timings: sweep 10 follow-up).
+AB_VARIANTS = {"default": {"GLUON": True}, "pingpong": {"GLUON": True, "G_PINGPONG": True}}
+AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072), (64, 32768)]
+
+
+def _ab_shape(row: dict, s_q: int, h_q: int, s_kv: int, reps: int) -> None:
+    from sparse_mla_attn.forward import sparse_mla_fwd_impl
+
+    q, kv, idx = make_inputs(s_q, h_q, s_kv, 2048)
+    sm_scale = 1 / math.sqrt(576)
+    for name, cfg in AB_VARIANTS.items():
+        got = sparse_mla_fwd_impl(q, kv, idx, sm_scale, config=cfg)
+        torch.cuda.synchronize()
+        row["variants"][name] = {"config": cfg, **check_rows(got, q, kv, idx, sm_scale)}
+        row["variants"][name].update(kernel_resources("fwd"))
+        row["variants"][name]["ms_all"] = []
+    for _ in range(reps):
+        for name, cfg in AB_VARIANTS.items():
+            ms = time_ms(lambda cfg=cfg: sparse_mla_fwd_impl(q, kv, idx, sm_scale, config=cfg))
+            row["variants"][name]["ms_all"].append(round(ms, 4))
+    for v in row["variants"].values():
+        v["ms"] = statistics.median(v["ms_all"])
+        v["tflops"] = fwd_flops(s_q, h_q, 2048) / v["ms"] / 1e9
+
+
+def ab_fwd(results: list, s_q: int, reps: int) -> None:
+    """Per shape: check each variant on 32 rows against the reference, then time them alternately
+    ``reps`` times (do_bench median each); record every timing and the median per variant."""
+    for h_q, s_kv in AB_SHAPES:
+        row: dict = {"label": "fwd_ab", "s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": 2048, "variants": {}}
+        try:
+            _ab_shape(row, s_q, h_q, s_kv, reps)
+            print(
+                f"fwd_ab h{h_q} kv{s_kv}: "
+                + "; ".join(
+                    f"{n} {v['ms']:.3f} ms ({v['tflops']:.0f} TF) {v['ms_all']} err {v['out_max_abs_err']:.1e} "
+                    f"regs={v.get('n_regs')} spills={v.get('n_spills')} smem={v.get('shared_bytes')}"
+                    for n, v in row["variants"].items()
+                ),
+                flush=True,
+            )
+        except Exception as e:  # recorded, not fatal (e.g. a variant that fails to compile on the device)
+            row["error"] = repr(e)[:500]
+            print(f"fwd_ab h{h_q} kv{s_kv} FAILED {repr(e)[:300]}", flush=True)
+            traceback.print_exc(limit=2)
+        results.append(row)
+        torch.cuda.empty_cache()
 
 
 def profile_kernels(fn, label: str, iters: int = 20) -> None:
@@ -82,10 +141,13 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="fwd,attn_dist,decode")
     ap.add_argument("--s-q", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=3, help="fwd_ab: alternations per shape")
     a = ap.parse_args()
     only = set(a.only.split(","))
     results: list = [{"device": torch.cuda.get_device_name(), "dense_bf16_tflops": dense_matmul_tflops()}]
     print(results[0], flush=True)
+    if "fwd_ab" in only:
+        ab_fwd(results, a.s_q, a.reps)
     if "fwd" in only:
         for cfg in FWD_VARIANTS:
             for h_q, s_kv in FWD_SHAPES:

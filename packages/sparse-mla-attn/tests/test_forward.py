@@ -268,6 +268,26 @@ def test_fwd_gpu_backends(backend, h_q, d_qk, topk):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
+    ("h_q", "d_qk", "topk", "s_q"),
+    [
+        pytest.param(128, 576, 1000, 160, id="H128-D576-T1000"),
+        pytest.param(64, 576, 2048, 160, id="H64-D576-T2048"),
+        pytest.param(100, 512, 333, 160, id="H100-D512-T333"),
+        pytest.param(48, 576, 129, 97, id="H48-D576-T129"),
+        pytest.param(128, 576, 64, 33, id="H128-D576-T64"),
+    ],
+)
+def test_fwd_gpu_gluon_pingpong(h_q, d_qk, topk, s_q):
+    """The warp-specialised ping-pong forward (G_PINGPONG) against the reference: odd block counts (a
+    padding block), causal limit, sink, topk_length (0 included: no block at all), invalid indices, an
+    all-invalid row, NaN in every KV row that no valid index selects; launched twice, so that a barrier
+    phase left over from an earlier launch would show."""
+    cfg = {"GLUON": True, "G_PINGPONG": True, "NUM_SPLITS": 1}
+    _check_gluon_option(cfg, h_q, d_qk, topk, s_q=s_q, seed=11 * h_q + topk, launches=2, empty_row=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
     ("wg_stats", "qrope_reg", "h_q", "d_qk", "topk"),
     [
         pytest.param(False, False, 128, 576, 1000, id="plain-H128-D576-T1000"),
@@ -282,22 +302,34 @@ def test_fwd_gpu_gluon_variants(wg_stats, qrope_reg, h_q, d_qk, topk):
     """The Gluon forward's tile options (per-warpgroup row statistics, rope query in registers) against
     the reference: causal limit, sink, topk_length, invalid indices, an all-invalid row, NaN in every KV
     row that no valid index selects."""
+    cfg = {"GLUON": True, "G_WG_STATS": wg_stats, "G_QROPE_REG": qrope_reg, "G_PINGPONG": False}
+    _check_gluon_option(cfg, h_q, d_qk, topk, s_q=160, seed=7 * h_q + topk)
+
+
+def _check_gluon_option(cfg, h_q, d_qk, topk, *, s_q, seed, launches=1, empty_row=None):
+    """One Gluon forward configuration against the reference (the two tests above); ``empty_row``: a
+    query whose topk_length is 0 in the call with options (out 0, lse -inf)."""
     from sparse_mla_attn.forward import LAST_BACKEND
 
     if not _sm90():
         pytest.skip("the Gluon kernels need an sm_90 GPU (H100/H200)")
-    s_q, s_kv = 160, 8192
-    q, kv, idx = make_problem(s_q, h_q, d_qk, s_kv, topk, "cuda", seed=7 * h_q + topk, invalid_frac=0.05)
+    q, kv, idx = make_problem(s_q, h_q, d_qk, 8192, topk, "cuda", seed=seed, invalid_frac=0.05)
     idx[0, 0, :] = -1
     kv = poison_unselected(kv, idx)
     scale = 1 / math.sqrt(d_qk)
-    cfg = {"GLUON": True, "G_WG_STATS": wg_stats, "G_QROPE_REG": qrope_reg}
-    plain = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg)
-    assert LAST_BACKEND["fwd"] == "gluon"
-    check_fwd(plain, q, kv, idx, scale, "gpu")
-    assert torch.all(plain[0][0] == 0)
-    assert torch.all(plain[2][0] == float("-inf"))
+    for _ in range(launches):
+        plain = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg)
+        assert LAST_BACKEND["fwd"] == "gluon"
+        check_fwd(plain, q, kv, idx, scale, "gpu")
+        assert torch.all(plain[0][0] == 0)
+        assert torch.all(plain[2][0] == float("-inf"))
     sink = torch.randn(h_q, device="cuda")
     topk_length = torch.randint(0, topk + 1, (s_q,), dtype=torch.int32, device="cuda")
+    if empty_row is not None:
+        topk_length[empty_row] = 0
     kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 8000, "k_stride": 1}
-    check_fwd(sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg, **kw), q, kv, idx, scale, "gpu_few", **kw)
+    got = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg, **kw)
+    check_fwd(got, q, kv, idx, scale, "gpu_few", **kw)
+    if empty_row is not None:
+        assert torch.all(got[0][empty_row] == 0)
+        assert torch.all(got[2][empty_row] == float("-inf"))

@@ -29,6 +29,7 @@ try:  # Gluon ships with Triton >= 3.5; the package works without it (Triton ker
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
+        mbarrier,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -507,6 +508,340 @@ if HAVE_GLUON:
         o_ptr = OUT + pid_s.to(gl.int64) * stride_o_s + offs_ho[:, None] * stride_o_h + offs_d[None, :]
         gl.store(o_ptr, out.to(dtype), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
 
+    @gluon.jit
+    def _pp_producer(
+        kn_smem,
+        kr_smem,
+        full_bars,
+        empty_bars,
+        KV,
+        stride_kv_row,
+        idx_row,
+        n_t,
+        hi,
+        n_blocks,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+    ):
+        """Ping-pong forward, producer warpgroup: gathers block ``b`` into slot ``b % 2`` once both
+        consumers released that slot's previous block, and arms ``full_bars[b % 2]`` with one deferred
+        arrive per thread (``cp.async.mbarrier.arrive.noinc``: it fires when this thread's copies landed)."""
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
+        idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
+        for b in range(n_blocks):
+            slot = b % 2
+            idx_cur = idx_next
+            nxt = (b + 1) * BLOCK_T + offs_t
+            idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
+            # Slot free: both consumers arrived for block b - 2 (a fresh barrier passes parity 1 at once).
+            mbarrier.wait(empty_bars.index(slot), ((b // 2) & 1) ^ 1)
+            _issue_gather(
+                kn_smem.index(slot), kr_smem.index(slot), KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l
+            )
+            cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
+
+    @gluon.jit
+    def _pp_consumer(
+        WG: gl.constexpr,
+        qn_smem,
+        qr_smem,
+        kn_smem,
+        kr_smem,
+        p_smem,
+        m_smem,
+        l_smem,
+        full_bars,
+        empty_bars,
+        p_bars,
+        end_bar,
+        idx_row,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        SINK,
+        out_base,
+        lse_base,
+        stride_o_h,
+        h_q,
+        h0,
+        n_t,
+        hi,
+        n_pairs,
+        sm_scale_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+    ):
+        """Ping-pong forward, consumer warpgroup ``WG`` (0 or 1) of a token's 64 heads.
+
+        Blocks ``2k + WG`` are this warpgroup's own: it computes their whole S (m64n64, Q and K from shared
+        memory), the online softmax with the running row max of the block before (read from the other
+        warpgroup through ``m_smem``), publishes P (bf16, ``p_smem``) and the new max (``p_bars[WG]``),
+        and accumulates its P·V from registers. Blocks of the other warpgroup are consumed from
+        ``p_smem``. Each warpgroup owns 256 of the 512 value channels (acc 64 x 256 fp32). While one
+        warpgroup runs its softmax the other's wgmma occupy the tensor cores.
+
+        Waits are bounded by construction: ``full_bars[s]`` completes once per gather (128 producer
+        arrivals), ``empty_bars[s]`` once per block (one arrive per consumer warpgroup), ``p_bars[w]``
+        once per pair; no barrier can run more than one phase ahead of its waiters (NOTES.md).
+        """
+        BLOCK_H: gl.constexpr = 64
+        D_HALF: gl.constexpr = D_NOPE // 2
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
+        )
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16]
+        )
+        pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+        dtype: gl.constexpr = p_smem.dtype
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
+        acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
+        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
+        for k in range(n_pairs):
+            ph = k & 1
+            if WG == 1:
+                # The other warpgroup's block 2k: P and its row max from shared memory.
+                mbarrier.wait(p_bars.index(0), ph)
+                m_b = m_smem.index(0).load(row_l)
+                alpha = gl.exp2(m_i - gl.where(m_b == float("-inf"), 0.0, m_b))
+                l_i = l_i * alpha
+                m_i = m_b
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+                acc = warpgroup_mma(
+                    p_smem, kn_smem.index(0).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
+                )
+
+            # Own block b = 2k + WG in slot WG.
+            b = 2 * k + WG
+            # An opaque zero that depends on k: with constant shared-memory addresses the compiler hoists
+            # all 2 x 36 wgmma descriptors of S out of the loop (144 registers) and spills.
+            z = gl.inline_asm_elementwise(
+                "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
+            )
+            mbarrier.wait(full_bars.index(WG), ph)
+            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
+            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
+            s = warpgroup_mma(
+                qn_smem.index(z), kn_smem.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
+            )
+            if D_ROPE > 0:
+                s = warpgroup_mma(qr_smem.index(z), kr_smem.index(WG + z).permute((1, 0)), s, is_async=True)
+            if WG == 1:
+                s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+                mbarrier.arrive(empty_bars.index(0))  # done with block 2k (P·V from shared memory)
+            else:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            valid = (t_idx >= 0) & (t_idx < hi)
+            s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            p16 = p.to(dtype)
+            p_smem.store(p16)
+            m_smem.index(WG).store(m_new)
+            fence_async_shared()
+            mbarrier.arrive(p_bars.index(WG))
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            acc = warpgroup_mma(
+                gl.convert_layout(p16, pa_l),
+                kn_smem.index(WG).slice(WG * D_HALF, D_HALF, dim=1),
+                acc,
+                is_async=True,
+            )
+
+            if WG == 0:
+                # The other warpgroup's block 2k+1.
+                mbarrier.wait(p_bars.index(1), ph)
+                m_b = m_smem.index(1).load(row_l)
+                alpha = gl.exp2(m_i - gl.where(m_b == float("-inf"), 0.0, m_b))
+                l_i = l_i * alpha
+                m_i = m_b
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty_bars.index(0))  # done with own block 2k (S and P·V)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+                acc = warpgroup_mma(
+                    p_smem, kn_smem.index(1).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
+                )
+            # (The loop carries acc as a tensor: wait here.) Done with block 2k+1: release slot 1.
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty_bars.index(1))
+        # Row sums: each warpgroup summed its own blocks' P; exchange them once.
+        l_smem.index(WG).store(l_i)
+        mbarrier.arrive(end_bar)
+        mbarrier.wait(end_bar, 0)
+        l_i = l_i + l_smem.index(1 - WG).load(row_l)
+
+        offs_hs = h0 + gl.arange(0, BLOCK_H, layout=row_l)
+        hs_ok = offs_hs < h_q
+        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+        denom = l_i
+        if HAS_SINK:
+            sink = gl.load(SINK + offs_hs, mask=hs_ok, other=0.0)
+            denom = denom + gl.exp2(sink * 1.4426950408889634 - m_use)
+        has_any = l_i > 0.0
+        scale = gl.where(has_any, 1.0 / gl.where(has_any, denom, 1.0), 0.0)
+        if WG == 0:
+            lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
+            gl.store(LSE + lse_base + offs_hs, lse2 * 0.6931471805599453, mask=hs_ok)
+            gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * 0.6931471805599453, mask=hs_ok)
+        out = acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]
+        offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+        offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
+        o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
+        gl.store(o_ptr, out.to(dtype), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
+
+    @gluon.jit
+    def _pp_consumer0(
+        qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars, end_bar,
+        idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t, hi, n_pairs,
+        sm_scale_log2, D_NOPE: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_T: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+    ):  # fmt: skip
+        _pp_consumer(
+            0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+            end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t, hi,
+            n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _pp_consumer1(
+        qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars, end_bar,
+        idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t, hi, n_pairs,
+        sm_scale_log2, D_NOPE: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_T: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+    ):  # fmt: skip
+        _pp_consumer(
+            1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+            end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t, hi,
+            n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _sparse_mla_fwd_pingpong_kernel(
+        Q,
+        KV,
+        IDX,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        SINK,
+        TOPK_LEN,
+        stride_q_s,
+        stride_q_h,
+        stride_kv_row,
+        stride_idx_s,
+        stride_o_s,
+        stride_o_h,
+        h_q,
+        n_head_tiles,
+        topk,
+        s_kv,
+        q_start_index,
+        k_stride,
+        sm_scale_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+        HAS_TOPK_LEN: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """Forward for one token and 64 heads, warp specialised (FlashMLA-style ping-pong, 12 warps).
+
+        Default partition = consumer warpgroup 0, worker 0 = consumer warpgroup 1, worker 1 = a
+        producer warpgroup gathering rows with cp.async into a ring of two 64-row slots. Block ``b``
+        always lands in slot ``b % 2``; the number of blocks is rounded up to even (the padding block
+        has only invalid indices: zero fills, all-masked S). See ``_pp_consumer``.
+        """
+        gl.static_assert(num_warps == 4)
+        gl.static_assert(BLOCK_T == 64)
+        BLOCK_H: gl.constexpr = 64
+        pid = gl.program_id(0)
+        pid_h = pid % n_head_tiles
+        pid_s = pid // n_head_tiles
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        dtype: gl.constexpr = Q.dtype.element_ty
+
+        h0 = pid_h * BLOCK_H
+        offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
+        h_ok = offs_h < h_q
+        q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
+        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
+        q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
+        # Leading axis of 1: consumers index it with an opaque zero (see _pp_consumer).
+        qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
+        qn_smem.index(0).store(q_nope)
+        if D_ROPE > 0:
+            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
+            q_rope = gl.load(q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0)
+            qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
+            qr_smem.index(0).store(q_rope)
+        else:
+            qr_smem = qn_smem  # unused
+        kn_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, D_NOPE], smem_l)
+        kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 64], smem_l)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
+        full_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        for j in gl.static_range(2):
+            mbarrier.init(full_bars.index(j), count=128)  # one deferred arrive per producer thread
+            mbarrier.init(empty_bars.index(j), count=2)  # one arrive per consumer warpgroup
+            mbarrier.init(p_bars.index(j), count=1)
+        mbarrier.init(end_bar, count=2)
+        fence_async_shared()  # the query tile, before wgmma reads it
+
+        n_t = topk
+        if HAS_TOPK_LEN:
+            n_t = gl.minimum(gl.load(TOPK_LEN + pid_s), topk)
+        hi = s_kv
+        if CAUSAL:
+            num = q_start_index + pid_s + 1 - k_stride
+            hi = gl.minimum(hi, gl.maximum(num, 0) // k_stride + 1)
+        n_pairs = gl.cdiv(n_t, 2 * BLOCK_T)
+        idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
+        out_base = pid_s.to(gl.int64) * stride_o_s
+        lse_base = pid_s.to(gl.int64) * h_q
+        # (Argument tuples written inline: a tuple assigned to a variable turns its constexprs into tensors.)
+        gl.warp_specialize(
+            [
+                (_pp_consumer0, (
+                    qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+                    end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t,
+                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
+                )),
+                (_pp_consumer1, (
+                    qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+                    end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t,
+                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
+                )),
+                (_pp_producer, (
+                    kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
+                    D_NOPE, D_ROPE, BLOCK_T,
+                )),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
 
 def gluon_enabled() -> bool:
     """Default backend switch: the Gluon kernels are used where available unless the environment sets
@@ -517,7 +852,20 @@ def gluon_enabled() -> bool:
 #: Gluon tile options (benchmarks override them through ``config``): rows per block, ring depth, and for
 #: the forward whether the S product is issued before the ring refill (``G_S_FIRST``), per-warpgroup row
 #: statistics (``G_WG_STATS``) and the rope query part in registers (``G_QROPE_REG``). NOTES.md, sweeps 7-10.
-GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_S_FIRST": True, "G_WG_STATS": True, "G_QROPE_REG": False}
+#: ``G_PINGPONG``: the warp-specialised ping-pong kernel instead (a cp.async producer warpgroup and two
+#: consumer warpgroups alternating blocks; ``G_BLOCK_T``/``G_NUM_BUF`` fixed at 64/2, sweep 11).
+GLUON_FWD = {
+    "G_BLOCK_T": 64,
+    "G_NUM_BUF": 2,
+    "G_S_FIRST": True,
+    "G_WG_STATS": True,
+    "G_QROPE_REG": False,
+    "G_PINGPONG": False,
+}
+
+#: Register split of the ping-pong kernel (``setmaxnreg``): 4 warps x (232 + 232 + 40) of the 2,048
+#: per-warp register units; offline sm_90 compile: no spills (240/24 spills 8 B in the producer).
+PINGPONG_REGS = {"consumer": 232, "producer": 40}
 
 
 def gluon_attn_dist_config(h_q: int) -> dict[str, int]:
@@ -544,8 +892,20 @@ def launch_fwd_gluon(
     causal: bool,
     cfg: dict,
 ) -> Any:
-    """Forward on sm_90 (64-head tiles, 8 warps); same arguments and outputs as the Triton launch."""
+    """Forward on sm_90 (64-head tiles, 8 warps; or 12 warp-specialised warps with ``G_PINGPONG``); same
+    arguments and outputs as the Triton launch."""
     n_head_tiles = triton.cdiv(dims.h_q, 64)
+    if cfg.get("G_PINGPONG", GLUON_FWD["G_PINGPONG"]):
+        return _sparse_mla_fwd_pingpong_kernel[(dims.s_q * n_head_tiles,)](
+            q, kv_rows, idx, out, max_logits, lse, sink,
+            topk_length if topk_length is not None else idx,
+            q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1),
+            dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
+            D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
+            HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
+            CONSUMER_REGS=PINGPONG_REGS["consumer"], PRODUCER_REGS=PINGPONG_REGS["producer"],
+            num_warps=4,
+        )  # fmt: skip
     return _sparse_mla_fwd_gluon_kernel[(dims.s_q * n_head_tiles,)](
         q, kv_rows, idx, out, max_logits, lse, sink,
         topk_length if topk_length is not None else idx,
