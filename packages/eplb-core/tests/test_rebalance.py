@@ -367,3 +367,29 @@ def test_split_counts_equal_sequential_greedy(num_experts: int, extra: int, seed
     counts = np.ones(w.shape, dtype=np.int64)
     _kernels.greedy_counts(w, counts, num_experts + extra)
     np.testing.assert_array_equal(counts, _replicate(w, num_experts + extra))
+
+
+@SETTINGS
+@given(st.integers(1, 12), st.integers(1, 20), st.integers(0, 2**31 - 1), st.booleans())
+def test_greedy_split_recognised(num_experts: int, extra: int, seed: int, ints: bool) -> None:
+    """The O(N) check that lets the planner skip recomputing the greedy split: true on the greedy
+    split, false on every split that moves one replica elsewhere (ties included)."""
+    from eplb_core import _kernels
+    from eplb_core._greedy import _replicate
+
+    rng = np.random.default_rng(seed)
+    w = (
+        rng.integers(0, 4, num_experts).astype(np.float64) + 1
+        if ints
+        else np.exp(2 * rng.standard_normal(num_experts))
+    )
+    greedy = _replicate(w[None], num_experts + extra)[0]
+    assert _kernels._is_greedy_split(w, greedy)
+    for src in range(num_experts):
+        for dst in range(num_experts):
+            if src == dst or greedy[src] == 1:
+                continue
+            other = greedy.copy()
+            other[src] -= 1
+            other[dst] += 1
+            assert not _kernels._is_greedy_split(w, other), (w, greedy, other)
