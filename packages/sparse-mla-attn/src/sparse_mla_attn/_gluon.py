@@ -606,8 +606,26 @@ if HAVE_GLUON:
         offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
         for k in range(n_pairs):
             ph = k & 1
+            # Own block b = 2k + WG in slot WG: issue its S first (warpgroup 1 thus computes S(2k+1)
+            # while warpgroup 0 runs the softmax of block 2k).
+            b = 2 * k + WG
+            # An opaque zero that depends on k: with constant shared-memory addresses the compiler hoists
+            # all 2 x 36 wgmma descriptors of S out of the loop (144 registers) and spills.
+            z = gl.inline_asm_elementwise(
+                "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
+            )
+            mbarrier.wait(full_bars.index(WG), ph)
+            fence_async_shared()  # the producer's cp.async writes (generic proxy) before wgmma reads them
+            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
+            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
+            s = warpgroup_mma(
+                qn_smem.index(z), kn_smem.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
+            )
+            if D_ROPE > 0:
+                s = warpgroup_mma(qr_smem.index(z), kr_smem.index(WG + z).permute((1, 0)), s, is_async=True)
             if WG == 1:
-                # The other warpgroup's block 2k: P and its row max from shared memory.
+                # The other warpgroup's block 2k (its softmax ran while S(2k+1) was computed): P and its
+                # row max from shared memory; its P·V queues behind S.
                 mbarrier.wait(p_bars.index(0), ph)
                 m_b = m_smem.index(0).load(row_l)
                 alpha = gl.exp2(m_i - gl.where(m_b == float("-inf"), 0.0, m_b))
@@ -617,25 +635,7 @@ if HAVE_GLUON:
                 acc = warpgroup_mma(
                     p_smem, kn_smem.index(0).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
                 )
-
-            # Own block b = 2k + WG in slot WG.
-            b = 2 * k + WG
-            # An opaque zero that depends on k: with constant shared-memory addresses the compiler hoists
-            # all 2 x 36 wgmma descriptors of S out of the loop (144 registers) and spills.
-            z = gl.inline_asm_elementwise(
-                "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
-            )
-            mbarrier.wait(full_bars.index(WG), ph)
-            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
-            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
-            s = warpgroup_mma(
-                qn_smem.index(z), kn_smem.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
-            )
-            if D_ROPE > 0:
-                s = warpgroup_mma(qr_smem.index(z), kr_smem.index(WG + z).permute((1, 0)), s, is_async=True)
-            if WG == 1:
-                s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
-                mbarrier.arrive(empty_bars.index(0))  # done with block 2k (P·V from shared memory)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done, P·V(2k) may still run
             else:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             valid = (t_idx >= 0) & (t_idx < hi)
@@ -647,6 +647,10 @@ if HAVE_GLUON:
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
             p16 = p.to(dtype)
+            if WG == 1:
+                # P(2k) must be read before P(2k+1) overwrites it; then slot 0 is done for this warpgroup.
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty_bars.index(0))
             p_smem.store(p16)
             m_smem.index(WG).store(m_new)
             fence_async_shared()
@@ -660,14 +664,15 @@ if HAVE_GLUON:
             )
 
             if WG == 0:
-                # The other warpgroup's block 2k+1.
+                # Release slot 0 as soon as this warpgroup is done with block 2k (S and P·V), before
+                # waiting for the other's block 2k+1: the gather of block 2k+2 starts earlier.
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty_bars.index(0))
                 mbarrier.wait(p_bars.index(1), ph)
                 m_b = m_smem.index(1).load(row_l)
                 alpha = gl.exp2(m_i - gl.where(m_b == float("-inf"), 0.0, m_b))
                 l_i = l_i * alpha
                 m_i = m_b
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty_bars.index(0))  # done with own block 2k (S and P·V)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
                 acc = warpgroup_mma(
                     p_smem, kn_smem.index(1).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
