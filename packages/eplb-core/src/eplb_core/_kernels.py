@@ -639,12 +639,14 @@ def _swap_rounds(
                             no_x[x] = True
                             no_y[y] = True
                 for x in range(slots):
+                    if no_x[x]:
+                        continue  # every (x, y) blocked: none can beat -inf
+                    fx = fl[ha + x]
                     for y in range(slots):
-                        if no_x[x] or no_y[y] or (budget >= 0 and used + change(ha + x, lb0 + y) > budget):
+                        delta = fx - fl[lb0 + y]
+                        gain = min(delta, gap - delta)
+                        if no_y[y] or (budget >= 0 and used + change(ha + x, lb0 + y) > budget):
                             gain = -_INF
-                        else:
-                            delta = fl[ha + x] - fl[lb0 + y]
-                            gain = min(delta, gap - delta)
                         if gain > best:
                             best = gain
                             pa, pb = ha + x, lb0 + y
