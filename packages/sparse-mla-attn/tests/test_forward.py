@@ -283,7 +283,21 @@ def test_fwd_gpu_gluon_pingpong(h_q, d_qk, topk, s_q):
     all-invalid row, NaN in every KV row that no valid index selects; launched twice, so that a barrier
     phase left over from an earlier launch would show."""
     cfg = {"GLUON": True, "G_PINGPONG": True, "NUM_SPLITS": 1}
-    _check_gluon_option(cfg, h_q, d_qk, topk, s_q=s_q, seed=11 * h_q + topk, launches=2, empty_row=1)
+    # With one or two blocks the softmax is peaked and the bf16 rounding of P alone exceeds abs 8e-4 for
+    # both Gluon kernels (the first device run: up to 1.7e-3 on ~0.005% of the elements): the reference
+    # tolerance is then "gpu_few"; the comparison with the default kernel below stays tight.
+    where = "gpu" if topk >= 256 else "gpu_few"
+    q, kv, idx = _check_gluon_option(
+        cfg, h_q, d_qk, topk, s_q=s_q, seed=11 * h_q + topk, launches=2, empty_row=1, where=where
+    )
+    # Same inputs through the default (not warp-specialised) Gluon kernel: same products, same bf16
+    # rounding of P, so the two agree to about one bf16 ulp of out and to fp32 rounding on lse.
+    scale = 1 / math.sqrt(d_qk)
+    pp = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg)
+    base = sparse_mla_fwd_impl(q, kv, idx, scale, config={**cfg, "G_PINGPONG": False})
+    torch.testing.assert_close(pp[0].float(), base[0].float(), atol=1e-4, rtol=1e-2)
+    torch.testing.assert_close(pp[1], base[1], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(pp[2], base[2], atol=1e-5, rtol=1e-6)
 
 
 @pytest.mark.gpu
@@ -306,9 +320,9 @@ def test_fwd_gpu_gluon_variants(wg_stats, qrope_reg, h_q, d_qk, topk):
     _check_gluon_option(cfg, h_q, d_qk, topk, s_q=160, seed=7 * h_q + topk)
 
 
-def _check_gluon_option(cfg, h_q, d_qk, topk, *, s_q, seed, launches=1, empty_row=None):
+def _check_gluon_option(cfg, h_q, d_qk, topk, *, s_q, seed, launches=1, empty_row=None, where="gpu"):
     """One Gluon forward configuration against the reference (the two tests above); ``empty_row``: a
-    query whose topk_length is 0 in the call with options (out 0, lse -inf)."""
+    query whose topk_length is 0 in the call with options (out 0, lse -inf). Returns the inputs."""
     from sparse_mla_attn.forward import LAST_BACKEND
 
     if not _sm90():
@@ -320,7 +334,7 @@ def _check_gluon_option(cfg, h_q, d_qk, topk, *, s_q, seed, launches=1, empty_ro
     for _ in range(launches):
         plain = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg)
         assert LAST_BACKEND["fwd"] == "gluon"
-        check_fwd(plain, q, kv, idx, scale, "gpu")
+        check_fwd(plain, q, kv, idx, scale, where)
         assert torch.all(plain[0][0] == 0)
         assert torch.all(plain[2][0] == float("-inf"))
     sink = torch.randn(h_q, device="cuda")
@@ -333,3 +347,4 @@ def _check_gluon_option(cfg, h_q, d_qk, topk, *, s_q, seed, launches=1, empty_ro
     if empty_row is not None:
         assert torch.all(got[0][empty_row] == 0)
         assert torch.all(got[2][empty_row] == float("-inf"))
+    return q, kv, idx
