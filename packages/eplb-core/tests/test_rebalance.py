@@ -183,6 +183,9 @@ def _kw(r: int, g: int, n: int, gpus: int) -> dict:
         pytest.param((2, 12), _kw(48, 3, 2, 4), id="global-many-replicas"),
         pytest.param((4, 64), _kw(160, 4, 1, 8), id="20-slots-binary-search-exchanges"),
         pytest.param((3, 48), _kw(96, 4, 2, 8), id="strict-12-slots-two-starts"),
+        # rows of more than 16 GPUs re-split with the MANY_BINS schedule (heavier half of the pairs)
+        pytest.param((3, 64), _kw(96, 4, 3, 24), id="global-24-gpus-4-slots"),
+        pytest.param((2, 40), _kw(60, 4, 3, 30), id="global-30-gpus-2-slots"),
     ],
 )
 def test_edge_topologies(shape: tuple[int, int], kw: dict) -> None:
