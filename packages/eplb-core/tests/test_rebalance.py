@@ -355,6 +355,50 @@ def test_lpt_bins_matches_greedy_baseline(
     np.testing.assert_array_equal(got, _lpt_pack(load, num_bins, local if with_experts else None))
 
 
+@pytest.mark.parametrize("num_bins", [17, 24, 72], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lpt_bins_many_bins_matches_greedy_baseline(num_bins: int, seed: int) -> None:
+    """Rows of more than 16 GPUs (the heap of open bins, the bucket sort of the loads) place every
+    item as the baseline's loop does, with hot experts, repeats and ties."""
+    from eplb_core import _kernels
+    from eplb_core._greedy import _lpt_pack
+
+    rng = np.random.default_rng(seed)
+    slots = 4
+    num_items = num_bins * slots
+    num_experts = num_items - num_bins // 2
+    counts = np.ones((2, num_experts), dtype=np.int64)
+    for r in range(2):
+        np.add.at(counts[r], rng.integers(0, 4, num_items - num_experts), 1)  # a few hot experts
+    w = np.stack([rng.lognormal(0.0, 1.0, num_experts), rng.integers(0, 3, num_experts).astype(np.float64)])
+    local = np.repeat(np.tile(np.arange(num_experts), 2), counts.reshape(-1)).reshape(2, -1)
+    load = np.take_along_axis(w / counts, local, 1)
+    for with_experts in (False, True):
+        got = _kernels.lpt_bins(load, local, with_experts, num_bins)
+        np.testing.assert_array_equal(got, _lpt_pack(load, num_bins, local if with_experts else None))
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "ints", "narrow", "signed_zero", "outlier"])
+def test_argsort_desc_is_stable_descending(kind: str) -> None:
+    """The compiled argsort (bucket sort of the loads' bits, merge sort otherwise) equals NumPy's
+    stable argsort of ``-x`` on every length around the bucket threshold."""
+    from eplb_core import _kernels
+
+    rng = np.random.default_rng(7)
+    for n in [1, 7, 8, 9, 63, 64, 65, 72, 288, 300]:
+        if kind == "lognormal":
+            x = rng.lognormal(0.0, 1.5, n)
+        elif kind == "ints":
+            x = rng.integers(0, 4, n).astype(np.float64)
+        elif kind == "narrow":
+            x = 1.0 + 1e-3 * rng.random(n)
+        elif kind == "signed_zero":
+            x = np.where(rng.random(n) < 0.3, -0.0, rng.random(n))
+        else:  # one outlier: every other load in one bucket, the merge sort takes over
+            x = np.concatenate([[1e300], rng.random(n - 1)])
+        np.testing.assert_array_equal(_kernels._argsort_desc(x), np.argsort(-x, kind="stable"))
+
+
 @SETTINGS
 @given(st.integers(1, 12), st.integers(0, 20), st.integers(0, 2**31 - 1), st.booleans())
 def test_split_counts_equal_sequential_greedy(num_experts: int, extra: int, seed: int, ints: bool) -> None:

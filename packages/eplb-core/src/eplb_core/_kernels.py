@@ -45,6 +45,10 @@ PEAK_TRIES_MANY = 32
 SORT_FROM_SCRATCH_BINS = 32
 # refinement rounds between two re-selections of the rows that still matter
 BLOCK = 4
+# from this many items, a stable argsort tries buckets of the loads' bits first (a counting sort);
+# a bucket of more than BUCKET_MAX items sends it back to the merge sort
+BUCKET_SORT_MIN = 64
+BUCKET_MAX = 16
 # from this many replicas to hand out, the greedy replica split keeps the experts in a heap
 GREEDY_HEAP_MIN = 8
 
@@ -294,6 +298,62 @@ def _slot_aware_row(
 
 # ---------------------------------------------------------------------------- starts
 @_njit
+def _bucket_argsort_desc(x: np.ndarray, order: np.ndarray, val: np.ndarray) -> bool:
+    """The order of :func:`_argsort_desc` by buckets, into ``order``/``val``; False (nothing written
+    that counts) when the loads do not spread over the buckets (then the merge sort runs).
+
+    A finite load >= 0 orders like the integer of its bits, so the items go by counting sort into up
+    to ``2 n`` buckets of equal ranges of those integers (a logarithmic scale: a few hot experts do not
+    crowd the others into one bucket), highest first, in index order; an insertion sort then puts
+    each bucket in order (few items each: at most ``BUCKET_MAX`` or the merge sort runs).
+    """
+    n = x.size
+    bits = x.view(np.int64)
+    lo = np.int64(1) << 62
+    hi = np.int64(0)
+    for i in range(n):
+        v = x[i]
+        if not (v >= 0.0 and v < _INF):
+            return False  # NaN, inf or negative: not for the bit keys
+        k = bits[i] if v != 0.0 else np.int64(0)  # -0.0 ties with 0.0
+        lo = min(lo, k)
+        hi = max(hi, k)
+    num_buckets = 2 * n
+    shift = 0
+    while ((hi - lo) >> shift) >= num_buckets:
+        shift += 1
+    count = np.zeros(num_buckets + 1, dtype=np.int64)
+    for i in range(n):
+        k = bits[i] if x[i] != 0.0 else np.int64(0)
+        count[(k - lo) >> shift] += 1
+    start = 0
+    for b in range(num_buckets - 1, -1, -1):  # heaviest bucket first
+        c = count[b]
+        if c > BUCKET_MAX:
+            return False
+        count[b] = start
+        start += c
+    for i in range(n):
+        k = bits[i] if x[i] != 0.0 else np.int64(0)
+        b = (k - lo) >> shift
+        p = count[b]
+        count[b] = p + 1
+        order[p] = i
+        val[p] = x[i]
+    for i in range(1, n):  # stable: a tie never moves past an earlier index
+        xv = val[i]
+        oi = order[i]
+        j = i
+        while j > 0 and val[j - 1] < xv:
+            val[j] = val[j - 1]
+            order[j] = order[j - 1]
+            j -= 1
+        val[j] = xv
+        order[j] = oi
+    return True
+
+
+@_njit
 def _argsort_desc(x: np.ndarray) -> np.ndarray:
     """Stable argsort of ``x`` by decreasing value (``np.argsort(-x, kind="stable")``): insertion
     sort of runs of 8, then bottom-up merges of (value, index) pairs without branches on the data
@@ -302,6 +362,8 @@ def _argsort_desc(x: np.ndarray) -> np.ndarray:
     n = x.size
     order = np.empty(n, dtype=np.int64)
     val = np.empty(n)
+    if n >= BUCKET_SORT_MIN and _bucket_argsort_desc(x, order, val):
+        return order
     run = 8
     for lo in range(0, n, run):
         hi = min(lo + run, n)
@@ -374,15 +436,16 @@ def _lpt_row(
     fill[:] = 0
     tag[:] = -1
     run_start = 0
-    # many bins: the open bins in a binary heap by (load, index), so the lightest is at its root
+    # many bins: the open bins in a binary heap of (load, index) pairs stored inline (no indirection
+    # through ``key``), so the lightest is at its root; only the bin that took the item is re-placed
     use_heap = num_bins > 16
-    heap = np.arange(num_bins)
-    hpos = np.arange(num_bins)
+    hkey = np.zeros(num_bins if use_heap else 1)
+    hidx = np.arange(num_bins if use_heap else 1)
     size = num_bins
     for step in range(num_items):
         i = order[step]
         if use_heap:
-            b = heap[0]
+            b = hidx[0]
         else:
             b = 0
             kb = key[0]
@@ -409,51 +472,40 @@ def _lpt_row(
         if fill[b] == cap:
             key[b] = _INF
         if use_heap:
-            p = hpos[b]
+            p = 0
+            while hidx[p] != b:  # the root, except when a repeat moved the item to another bin
+                p += 1
             if fill[b] == cap:  # full: out of the heap (the last entry takes its place)
                 size -= 1
-                last = heap[size]
-                if p < size:
-                    heap[p] = last
-                    hpos[last] = p
-                    _sift_up(heap, hpos, key, p)
-                    _sift_down(heap, hpos, key, size, hpos[last])
+                kv, iv = hkey[size], hidx[size]
             else:
-                _sift_down(heap, hpos, key, size, p)
+                kv, iv = key[b], b
+            if p < size:
+                while p > 0:  # sift up (only after a removal away from the root)
+                    q = (p - 1) // 2
+                    kq, iq = hkey[q], hidx[q]
+                    if kv < kq or (kv == kq and iv < iq):
+                        hkey[p], hidx[p] = kq, iq
+                        p = q
+                    else:
+                        break
+                while True:  # sift down
+                    c = 2 * p + 1
+                    if c >= size:
+                        break
+                    kc, ic = hkey[c], hidx[c]
+                    if c + 1 < size:
+                        kd, idd = hkey[c + 1], hidx[c + 1]
+                        if kd < kc or (kd == kc and idd < ic):
+                            c += 1
+                            kc, ic = kd, idd
+                    if kc < kv or (kc == kv and ic < iv):
+                        hkey[p], hidx[p] = kc, ic
+                        p = c
+                    else:
+                        break
+                hkey[p], hidx[p] = kv, iv
     return order
-
-
-@_njit
-def _heap_less(key: np.ndarray, a: int, b: int) -> bool:
-    return key[a] < key[b] or (key[a] == key[b] and a < b)
-
-
-@_njit
-def _sift_up(heap: np.ndarray, hpos: np.ndarray, key: np.ndarray, p: int) -> None:
-    while p > 0:
-        q = (p - 1) // 2
-        if not _heap_less(key, heap[p], heap[q]):
-            break
-        heap[p], heap[q] = heap[q], heap[p]
-        hpos[heap[p]] = p
-        hpos[heap[q]] = q
-        p = q
-
-
-@_njit
-def _sift_down(heap: np.ndarray, hpos: np.ndarray, key: np.ndarray, size: int, p: int) -> None:
-    while True:
-        c = 2 * p + 1
-        if c >= size:
-            break
-        if c + 1 < size and _heap_less(key, heap[c + 1], heap[c]):
-            c += 1
-        if not _heap_less(key, heap[c], heap[p]):
-            break
-        heap[p], heap[c] = heap[c], heap[p]
-        hpos[heap[p]] = p
-        hpos[heap[c]] = c
-        p = c
 
 
 @_njit
