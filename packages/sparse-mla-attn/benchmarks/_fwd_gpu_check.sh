@@ -36,6 +36,10 @@ if [ "${MODE:-}" = pingpong_default ]; then
   else
     echo "benchmark skipped: tests rc $rc, $(left) s left" | tee "$OUT/bench.log"
   fi
+  # the training side (its tests call the forward) with the same default
+  timeout "$(cap 90)" python3 -m pytest $T/test_backward.py $T/test_indexer.py -m gpu -q -p no:cacheprovider 2>&1 \
+    | tail -25 > "$OUT/gpu_tests_training.log"
+  echo "training-side rc ${PIPESTATUS[0]} (t=${SECONDS}s)" | tee -a "$OUT/gpu_tests_training.log"
   exit 0
 fi
 

@@ -865,7 +865,7 @@ GLUON_FWD = {
     "G_S_FIRST": True,
     "G_WG_STATS": True,
     "G_QROPE_REG": False,
-    "G_PINGPONG": False,
+    "G_PINGPONG": True,
 }
 
 #: Register split of the ping-pong kernel (``setmaxnreg``): 4 warps x (232 + 232 + 40) of the 2,048
