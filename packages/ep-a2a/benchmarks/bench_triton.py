@@ -335,15 +335,20 @@ def run_case(
         res[f"ours-sm{num_sm}"]["send_ctas"] = [be.engine.send_ctas, be.engine.combine_send_ctas]
         be.finalize()
     if extra and n > 1024 and getattr(args, "split", False):
-        # experiment: the kernels' CTAs split into senders and writers (send_ctas for dispatch,
-        # combine_send_ctas for combine; the default 0 = every CTA both), graph mode and eager static
-        # mode, each checked to give exactly the default's rows and sums
+        # experiment: other sender / writer splits of the CTAs than the default (large layers on many
+        # SMs: num_sm // 3 dispatch and num_sm // 2 combine CTAs sending; 0 = every CTA both), graph
+        # mode and eager static mode, each checked to give exactly the default's rows and sums; and the
+        # graph mode at the smaller num_sm (its default: no split), for the num_sm=32 goal
         nsm = num_sm_list[-1]
-        variants = [(nsm // 3, nsm // 2), (nsm // 2, nsm // 3)]
         if route == "uniform":
-            for gd, gc in variants:
+            for gd, gc in ((0, 0), (nsm // 4, 2 * nsm // 3)):
                 res[f"ours-graph-split{gd}-{gc}-sm{nsm}"] = split_case(
                     args, cfg, group, x, ids, w, nsm, gd, gc, ref
+                )
+            for small in num_sm_list[:-1]:
+                res[f"ours-graph-sm{small}"] = split_case(args, cfg, group, x, ids, w, small, None, None, ref)
+                res[f"ours-graph-split{small // 4}-{small // 2}-sm{small}"] = split_case(
+                    args, cfg, group, x, ids, w, small, small // 4, small // 2, ref
                 )
             # the exact-shape mode without the host wait before the row kernel (worst-case buffers),
             # which the default keeps for layers whose worst case is at most 256 MiB
@@ -376,7 +381,9 @@ def run_case(
         print(json.dumps(case), flush=True)
 
 
-def split_case(args, cfg, group, x, ids, w, num_sm, send_ctas, combine_send_ctas, ref) -> dict:
+def split_case(
+    args, cfg, group, x, ids, w, num_sm, send_ctas: int | None, combine_send_ctas: int | None, ref
+) -> dict:
     from ep_a2a.triton_backend import TritonBackend
 
     be = TritonBackend(
@@ -405,7 +412,7 @@ def split_case(args, cfg, group, x, ids, w, num_sm, send_ctas, combine_send_ctas
         be.combine_static(dd.output, dd)
     out = {
         "dispatch_ms": timer.median_ms(g_d.replay, args.iters),
-        "send_ctas": [send_ctas, combine_send_ctas],
+        "send_ctas": [be.engine.send_ctas, be.engine.combine_send_ctas],
     }
     out["combine_ms"] = timer.median_ms(g_c.replay, args.iters, setup=g_d.replay)
     out["static_eager_dispatch_ms"] = timer.median_ms(lambda: be.dispatch_static(x, ids, w), args.iters)
@@ -629,25 +636,22 @@ def sweep(args, rank, world, group, dev) -> list:
         )
         x = torch.randn(tokens, shp["hidden"], device=dev).to(torch.bfloat16)
         ids, w = routing(tokens, shp["experts"], shp["topk"], "uniform", 77 + rank, dev)
+        # (chunk, block_h, num_warps, num_sm, send_ctas, combine_send_ctas); None: the backend's default
         variants = [
-            (8, 1024, 8, 132),
-            (16, 1024, 8, 132),
-            (4, 1024, 8, 132),
-            (8, 2048, 8, 132),
-            (8, 1024, 16, 132),
-            (16, 512, 4, 132),
-            (8, 1024, 8, 32),
-            (16, 2048, 16, 32),
+            (8, 1024, 8, 132, None, None),
+            (8, 1024, 16, 132, None, None),
+            (8, 2048, 8, 132, None, None),
+            (16, 1024, 8, 132, None, None),
+            (8, 1024, 16, 32, None, None),
+            (4, 1024, 8, 32, None, None),
         ]
         if tokens == 128:
             variants = [
-                (8, 1024, 8, 132),
-                (2, 1024, 8, 132),
-                (4, 2048, 8, 132),
-                (1, 1024, 4, 132),
-                (2, 512, 4, 132),
+                (2, 1024, 8, 132, None, None),
+                (2, 1024, 8, 132, 132 // 3, 132 // 2),
+                (1, 1024, 4, 132, None, None),
             ]
-        for chunk, bh, nw, nsm in variants:
+        for chunk, bh, nw, nsm, send, comb in variants:
             be = TritonBackend(
                 cfg,
                 group,
@@ -658,8 +662,11 @@ def sweep(args, rank, world, group, dev) -> list:
                 chunk=chunk,
                 block_h=bh,
                 num_warps=nw,
+                send_ctas=send,
+                combine_send_ctas=comb,
             )
             row = {"tokens": tokens, "chunk": chunk, "block_h": bh, "num_warps": nw, "num_sm": nsm}
+            row["send_ctas"] = [be.engine.send_ctas, be.engine.combine_send_ctas]
             bd = breakdown(args, be, x, ids, w)
             t = torch.tensor([bd[k] for k in sorted(bd)], device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -197,3 +197,23 @@ def test_engine_rejects_bad_split():
             timeout_s=1.0,
             combine_send_ctas=2,
         )
+
+
+@pytest.mark.parametrize(
+    ("num_sm", "max_tokens", "want"),
+    [
+        pytest.param(132, 4096, (44, 66), id="sm132-T4096-split"),
+        pytest.param(64, 2048, (21, 32), id="sm64-T2048-split"),
+        pytest.param(32, 4096, (0, 0), id="sm32-T4096-off"),
+        pytest.param(132, 1024, (0, 0), id="sm132-T1024-off"),
+    ],
+)
+def test_default_split(num_sm, max_tokens, want):
+    """The sender / writer split is on by default only for large layers on many SMs."""
+    from ep_a2a.triton_backend.backend import _default_split, _split
+
+    got = tuple(_split(None, num_sm, _default_split(num_sm, max_tokens, f)) for f in (3, 2))
+    assert got == want
+    assert _split(0, num_sm, 44) == 0  # an explicit 0 turns the split off
+    with pytest.raises(ValueError, match="send_ctas"):
+        _split(num_sm, num_sm)

@@ -273,6 +273,42 @@ def test_cta_split_against_reference(group):
             be.finalize()
 
 
+def test_default_split_large_layer(group):
+    """A large layer on all SMs gets the sender / writer split by default (``num_sm // 3`` dispatch,
+    ``num_sm // 2`` combine CTAs sending) and matches the reference, exact-shape and static calls."""
+    from ep_a2a.triton_backend.backend import SPLIT_MIN_TOKENS
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    max_tokens = 2 * SPLIT_MIN_TOKENS
+    be = _make_backend(
+        group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
+        heap="torch", num_sm=n_sm,
+    )  # fmt: skip
+    try:
+        assert (be.engine.send_ctas, be.engine.combine_send_ctas) == (n_sm // 3, n_sm // 2)
+        for i, ns in enumerate(([max_tokens, 1500], [7, max_tokens])):
+            ns = (ns * world)[:world]
+            xs, ids, ws, gen = _inputs(
+                700 + i, world, ns, 512, 8, 8 * world, torch.bfloat16, skew=i == 1, drop=0.05, with_w=True
+            )
+            _check_round_trip(be, group, xs, ids, ws, gen, 8 * world, torch.bfloat16)
+        _check_static_call(be, rank, xs, ids, ws, 8 * world)
+        torch.cuda.synchronize()
+        be.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
+    small = _make_backend(
+        group, max_tokens=SPLIT_MIN_TOKENS, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
+        heap="torch", num_sm=n_sm,
+    )  # fmt: skip
+    try:
+        assert (small.engine.send_ctas, small.engine.combine_send_ctas) == (0, 0)
+    finally:
+        small.finalize()
+
+
 def test_invalid_expert_ids_raise_on_their_rank(group):
     """Ids outside [-1, E) on one rank: that rank raises ValueError, the others get the dispatch with
     those slots dropped (no host sync for the check, no out-of-bounds access)."""
