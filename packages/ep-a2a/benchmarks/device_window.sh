@@ -4,7 +4,7 @@
 # usage (repository root, .whl carried): EP_A2A_COMMIT=<hash> bash packages/ep-a2a/benchmarks/device_window.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-T_TESTS=${T_TESTS:-170} T_BENCH=${T_BENCH:-200} T_SWEEP=${T_SWEEP:-70}
+T_TESTS=${T_TESTS:-150} T_BENCH=${T_BENCH:-170} T_TOTAL=${T_TOTAL:-310}  # sweep: what is left of T_TOTAL
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 start=$(date +%s)
@@ -21,7 +21,8 @@ timeout "$T_BENCH" python3 packages/ep-a2a/benchmarks/run.py --out-dir docs/benc
   >"$OUT/bench.log" 2>&1
 echo "bench rc=$? ($(($(date +%s) - start)) s)"
 cp docs/benchmarks/ep-a2a-triton-bench.json docs/benchmarks/ep-a2a.json docs/benchmarks/ep-a2a.md "$OUT/" 2>/dev/null
-if [ "${T_SWEEP}" -gt 0 ]; then
+T_SWEEP=$((T_TOTAL - $(date +%s) + start))
+if [ "${T_SWEEP}" -gt 20 ]; then
   echo "=== sweep ($(($(date +%s) - start)) s)"
   timeout "$T_SWEEP" python3 -m torch.distributed.run --standalone --nproc-per-node=2 \
     packages/ep-a2a/benchmarks/bench_triton.py --sweep --json "$OUT/ep-a2a-triton-sweep.json" \
