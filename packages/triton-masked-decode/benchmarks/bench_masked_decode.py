@@ -1,9 +1,16 @@
 """Masked decode benchmark: cases, providers and timing (driven by ``run.py``).
 
-Every time is the median of ``triton.testing.do_bench`` over CUDA-graph replays of the call (L2 flushed
-before each replay, CUDA events; see :func:`time_us`),
-and is compared with the read-once floor: the bytes of K and V over the valid lengths, the mask
-(bool, one byte per position) and q/out, moved once at the copy bandwidth measured in the same run.
+Every time is the median over CUDA-graph replays of the call, timed with CUDA events like
+``triton.testing.do_bench``, with the L2 cache flushed before each replay (see :func:`time_us` and
+:func:`flush_l2`), and is compared with the read-once floor: the bytes of K and V over the valid lengths, the
+mask (bool, one byte per position) and q/out, moved once at the copy bandwidth measured in the same run.
+
+The flush reads a 256 MB buffer ("clean", the default), so that the L2 holds no K/V and no dirty lines when
+the timed call starts. ``triton.testing.do_bench`` flushes by *writing* zeros to such a buffer ("zero"),
+which leaves the L2 full of dirty lines: the timed call then pays for writing up to an L2's worth of them
+back to HBM while it reads its own data. A decode step does not follow a 256 MB write, and that
+write-back is a fixed cost that weighs most on the shortest calls (batch 1, sparse masks);
+``bench_flush.py`` measures both methods side by side.
 """
 
 from __future__ import annotations
@@ -16,16 +23,71 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-import triton.testing
 
 from triton_masked_decode import masked_decode
 
+FLUSH_METHODS = ("clean", "zero")
+#: Flush used by :func:`time_us` when none is given (``run.py --flush`` sets it).
+DEFAULT_FLUSH = "clean"
+_FLUSH_BYTES = 256 << 20
+_flush_state: dict[str, torch.Tensor] = {}
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+
+def flush_l2(method: str) -> None:
+    """Evict the L2 cache before a timed call.
+
+    ``"clean"`` reads a 256 MB buffer (the L2 is left holding clean lines of it: nothing to write back);
+    ``"zero"`` writes zeros to it, as ``triton.testing.do_bench`` does (the L2 is left full of dirty lines,
+    written back to HBM during the next call).
+    """
+    if "buf" not in _flush_state:
+        _flush_state["buf"] = torch.zeros(_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+        _flush_state["sum"] = torch.zeros((), dtype=torch.float32, device="cuda")
+    buf = _flush_state["buf"]
+    if method == "clean":
+        torch.sum(buf, dim=0, out=_flush_state["sum"])
+    elif method == "zero":
+        buf.zero_()
+    else:
+        raise ValueError(f"flush method must be one of {FLUSH_METHODS}, got {method!r}")
+
+
+def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, flush: str | None = None) -> float:
+    """Median time of ``fn`` in ms with the L2 flushed before each call: ``triton.testing.do_bench``'s loop
+    (estimate from 5 calls, then ``warmup`` ms of unflushed calls and ``rep`` ms of flushed, event-timed ones)
+    with a choice of flush (:func:`flush_l2`; default :data:`DEFAULT_FLUSH`)."""
+    method = DEFAULT_FLUSH if flush is None else flush
+    fn()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(5):
+        flush_l2(method)
+        fn()
+    t1.record()
+    torch.cuda.synchronize()
+    estimate = max(t0.elapsed_time(t1) / 5, 1e-3)
+    n_warmup, n_repeat = max(1, int(warmup / estimate)), max(1, int(rep / estimate))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    for _ in range(n_warmup):
+        fn()
+    for i in range(n_repeat):
+        flush_l2(method)
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+    mid = len(times) // 2
+    return times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, flush: str | None = None) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    ms = bench_ms(lambda: dst.copy_(src), warmup=50, rep=300, flush=flush)
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -117,8 +179,10 @@ def capture_graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, objec
     return graph, res
 
 
-def time_us(fn: Callable[[], object], warmup: int = 25, rep: int = 120) -> tuple[float, str]:
-    """Median time of ``fn`` in microseconds, L2 flushed before each call.
+def time_us(
+    fn: Callable[[], object], warmup: int = 25, rep: int = 120, flush: str | None = None
+) -> tuple[float, str]:
+    """Median time of ``fn`` in microseconds, L2 flushed before each call (:func:`bench_ms`).
 
     ``fn`` is captured once in a CUDA graph and the graph is replayed, so host-side launch overhead
     (Python, argument binding, allocation) does not count — as in a decode loop served from graphs. A
@@ -126,12 +190,10 @@ def time_us(fn: Callable[[], object], warmup: int = 25, rep: int = 120) -> tuple
     """
     try:
         graph, _ = capture_graph(fn)
-        ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
-        return ms * 1e3, "cuda_graph"
     except Exception:
         torch.cuda.synchronize()
-        ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-        return ms * 1e3, "eager"
+        return bench_ms(fn, warmup=warmup, rep=rep, flush=flush) * 1e3, "eager"
+    return bench_ms(graph.replay, warmup=warmup, rep=rep, flush=flush) * 1e3, "cuda_graph"
 
 
 class Runner:
