@@ -165,14 +165,30 @@ def test_bwd_kernel_matches_autograd(s_q, h_q, d_qk, d_v, s_kv, topk, kw, dtype)
             assert torch.all(dq[-1] == 0), "a query with no valid index has dq = 0"
 
 
-SUB = {"BLOCK_H": 16, "N_SUB": 2}
+SUB = {"BLOCK_H": 16, "N_SUB": 2, "SPLIT_DKV": 0}
 CONFIG_CASES = [
+    pytest.param(
+        18,
+        96,
+        64,
+        {"causal": True, "q_start_index": 7, "k_stride": 2},
+        {"SPLIT_DKV": 0},
+        id="fused-H18-causal",
+    ),
+    pytest.param(40, 96, 64, {}, {"BLOCK_H": 16, "N_SUB": 2}, id="split-nsub2-H40"),
+    pytest.param(130, 96, 64, {}, {}, id="H130-fused-above-128-heads"),
+    pytest.param(5, 96, 64, {}, {"BLOCK_T_DKV": 32, "BLOCK_C_DKV": 64}, id="split-T32-C64-H5"),
     pytest.param(18, 96, 64, {"causal": True, "q_start_index": 7, "k_stride": 2}, SUB, id="nsub2-H18-causal"),
     pytest.param(40, 96, 64, {}, SUB, id="nsub2-H40-second-half-partial"),
     pytest.param(12, 96, 64, {}, SUB, id="nsub2-H12-second-half-empty"),
     pytest.param(40, 96, 64, {}, {**SUB, "DKV_T": 1}, id="nsub2-dkvT-H40"),
     pytest.param(
-        5, 96, 64, {"causal": True, "q_start_index": 9}, {"DKV_T": 1, "DQ_SPLIT": 1}, id="dkvT-dqsplit"
+        5,
+        96,
+        64,
+        {"causal": True, "q_start_index": 9},
+        {"DKV_T": 1, "DQ_SPLIT": 1, "SPLIT_DKV": 0},
+        id="dkvT-dqsplit",
     ),
     pytest.param(3, 64, 64, {}, {"DQ_SPLIT": 1}, id="dqsplit-no-rope"),
 ]
@@ -180,8 +196,9 @@ CONFIG_CASES = [
 
 @pytest.mark.parametrize(("h_q", "d_qk", "d_v", "kw", "cfg"), CONFIG_CASES)
 def test_bwd_kernel_options(h_q, d_qk, d_v, kw, cfg):
-    """Kernel options the benchmark times: N_SUB = 2 (two head blocks summed before one dkv update), DKV_T
-    (dkv products in [channels, slots] orientation), DQ_SPLIT (latent / rope channel blocks for dq)."""
+    """Kernel options the benchmark times: SPLIT_DKV = 0 (dkv products fused into the main kernel, per head
+    block; also what h_q > 128 uses), N_SUB = 2 (two head blocks per main program), DKV_T (fused dkv products
+    in [channels, slots] orientation), DQ_SPLIT (latent / rope channel blocks for dq), the dkv kernel's tiles."""
     dev = kernel_test_device()
     q, kv, idx = make_case(4, h_q, d_qk, 30, 17, device=dev, dtype=torch.float32, seed=h_q)
     kv = poison_unselected(kv, idx)
@@ -378,13 +395,15 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
     dq3, dkv3 = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, **kw)
     assert torch.equal(dq2, dq3), "deterministic dq changed between runs"
     assert torch.equal(dkv2, dkv3), "deterministic dkv changed between runs"
-    # Two 64-head halves per program (the N_SUB option the benchmark times), both modes.
-    sub = {"BLOCK_H": 64, "N_SUB": 2}
+    # The fused kernel (dkv per head block in the main kernel; the path of h_q > 128) with two 64-head
+    # halves per program, both modes; and the fused kernel's own default.
+    sub = {"BLOCK_H": 64, "N_SUB": 2, "SPLIT_DKV": 0}
     dq4, dkv4 = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, _config=sub, **kw)
     dq5, dkv5 = sparse_mla_bwd(
         q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, _config=sub, **kw
     )
-    for a, b in ((dq, dkv), (dq2, dkv2), (dq4, dkv4), (dq5, dkv5)):
+    dq6, dkv6 = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, _config={"SPLIT_DKV": 0}, **kw)
+    for a, b in ((dq, dkv), (dq2, dkv2), (dq4, dkv4), (dq5, dkv5), (dq6, dkv6)):
         assert torch.isfinite(a).all()
         assert torch.isfinite(b).all()
         assert rel_err(a, dq_ref) < REL_TOL[torch.bfloat16], rel_err(a, dq_ref)

@@ -240,6 +240,7 @@ def _bwd_main_kernel(
     delta_ptr,
     idx_ptr,
     ds_ptr,
+    p_ptr,
     dkv_ptr,
     part_ptr,
     attn_ptr,
@@ -273,6 +274,7 @@ def _bwd_main_kernel(
     BLOCK_DV2: tl.constexpr,
     DKV_T: tl.constexpr,
     ATTN_SUM: tl.constexpr,
+    SPLIT_DKV: tl.constexpr,
 ):
     # A program owns one token and N_SUB * BLOCK_H heads. With N_SUB = 2 the scores of the two head halves
     # are computed one after the other (registers for one [BLOCK_H, BLOCK_T] pair at a time), and their dkv
@@ -301,63 +303,140 @@ def _bwd_main_kernel(
         rows, valid = _bwd_slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
         k_row = kv_ptr + rows[:, None] * stride_kvs
         tmask = (offs_t < topk)[None, :]
-        ds_row = ds_ptr + s * h_q * topk + offs_t[None, :]
+        ws_off = s * h_q * topk + offs_t[None, :]  # [s, h, t] offset in the dS (and P) workspace
+        ds_row = ds_ptr + ws_off
         p0, ds0, psum = _bwd_p_ds(q_row0, do_row0, k_row, valid, hmask0, lse0, delta0, scale_log2, sm_scale,
                             D_V, D_ROPE, BLOCK_H, BLOCK_T, BLOCK_DV, CHUNK_STAGES)  # fmt: skip
         tl.store(ds_row + offs_h0[:, None] * topk, ds0, mask=hmask0[:, None] & tmask)
+        if SPLIT_DKV:  # P for the separate dkv kernel, same layout as dS
+            tl.store(p_ptr + ws_off + offs_h0[:, None] * topk, p0, mask=hmask0[:, None] & tmask)
         ds0_t = tl.trans(ds0)
         p0_t = tl.trans(p0)
         if N_SUB > 1:
             p1, ds1, psum1 = _bwd_p_ds(q_row1, do_row1, k_row, valid, hmask1, lse1, delta1, scale_log2, sm_scale,
                                 D_V, D_ROPE, BLOCK_H, BLOCK_T, BLOCK_DV, CHUNK_STAGES)  # fmt: skip
             tl.store(ds_row + offs_h1[:, None] * topk, ds1, mask=hmask1[:, None] & tmask)
+            if SPLIT_DKV:
+                tl.store(p_ptr + ws_off + offs_h1[:, None] * topk, p1, mask=hmask1[:, None] & tmask)
             ds1_t = tl.trans(ds1)
             p1_t = tl.trans(p1)
             psum += psum1
         if ATTN_SUM:  # this program's heads' share of attn_sum[s, t]; the launcher adds the head blocks
             tl.store(attn_ptr + (hb * n_tok + s) * topk + offs_t, psum, mask=offs_t < topk)
-        part_row = part_ptr + hb * stride_part_hb + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
-        dkv_row = dkv_ptr + rows[:, None] * D_QK
-        for c in tl.range(0, D_V // BLOCK_DV2, num_stages=CHUNK_STAGES):
-            offs_d = c * BLOCK_DV2 + offs_dv
-            qc = tl.load(q_row0 + offs_d[None, :], mask=hmask0[:, None], other=0.0)
-            doc = tl.load(do_row0 + offs_d[None, :], mask=hmask0[:, None], other=0.0)
-            if DKV_T:
-                # [channels, slots] orientation: dS and P are the B operands (shared memory), not register
-                # A operands held through the loop; transposed to [slots, channels] for the update.
-                part = tl.dot(tl.trans(qc), ds0)
-                part = tl.dot(tl.trans(doc), p0, part)
-            else:
-                part = tl.dot(ds0_t, qc)
-                part = tl.dot(p0_t, doc, part)
-            if N_SUB > 1:
-                qc1 = tl.load(q_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
-                doc1 = tl.load(do_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
+        if not SPLIT_DKV:  # dkv products and update here (else: _bwd_dkv_kernel, all heads at once)
+            part_row = part_ptr + hb * stride_part_hb + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
+            dkv_row = dkv_ptr + rows[:, None] * D_QK
+            for c in tl.range(0, D_V // BLOCK_DV2, num_stages=CHUNK_STAGES):
+                offs_d = c * BLOCK_DV2 + offs_dv
+                qc = tl.load(q_row0 + offs_d[None, :], mask=hmask0[:, None], other=0.0)
+                doc = tl.load(do_row0 + offs_d[None, :], mask=hmask0[:, None], other=0.0)
                 if DKV_T:
-                    part = tl.dot(tl.trans(qc1), ds1, part)
-                    part = tl.dot(tl.trans(doc1), p1, part)
+                    # [channels, slots] orientation: dS and P are the B operands (shared memory), not register
+                    # A operands held through the loop; transposed to [slots, channels] for the update.
+                    part = tl.dot(tl.trans(qc), ds0)
+                    part = tl.dot(tl.trans(doc), p0, part)
                 else:
-                    part = tl.dot(ds1_t, qc1, part)
-                    part = tl.dot(p1_t, doc1, part)
-            if DKV_T:
-                part = tl.trans(part)
-            _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC, DKV_WRITE)
-        if D_ROPE > 0:
-            offs_r = D_V + tl.arange(0, D_ROPE)
-            qr = tl.load(q_row0 + offs_r[None, :], mask=hmask0[:, None], other=0.0)
-            if DKV_T:
-                part_r = tl.dot(tl.trans(qr), ds0)
-            else:
-                part_r = tl.dot(ds0_t, qr)
-            if N_SUB > 1:
-                qr1 = tl.load(q_row1 + offs_r[None, :], mask=hmask1[:, None], other=0.0)
+                    part = tl.dot(ds0_t, qc)
+                    part = tl.dot(p0_t, doc, part)
+                if N_SUB > 1:
+                    qc1 = tl.load(q_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
+                    doc1 = tl.load(do_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
+                    if DKV_T:
+                        part = tl.dot(tl.trans(qc1), ds1, part)
+                        part = tl.dot(tl.trans(doc1), p1, part)
+                    else:
+                        part = tl.dot(ds1_t, qc1, part)
+                        part = tl.dot(p1_t, doc1, part)
                 if DKV_T:
-                    part_r = tl.dot(tl.trans(qr1), ds1, part_r)
+                    part = tl.trans(part)
+                _bwd_dkv_update(
+                    dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC, DKV_WRITE
+                )
+            if D_ROPE > 0:
+                offs_r = D_V + tl.arange(0, D_ROPE)
+                qr = tl.load(q_row0 + offs_r[None, :], mask=hmask0[:, None], other=0.0)
+                if DKV_T:
+                    part_r = tl.dot(tl.trans(qr), ds0)
                 else:
-                    part_r = tl.dot(ds1_t, qr1, part_r)
-            if DKV_T:
-                part_r = tl.trans(part_r)
-            _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC, DKV_WRITE)
+                    part_r = tl.dot(ds0_t, qr)
+                if N_SUB > 1:
+                    qr1 = tl.load(q_row1 + offs_r[None, :], mask=hmask1[:, None], other=0.0)
+                    if DKV_T:
+                        part_r = tl.dot(tl.trans(qr1), ds1, part_r)
+                    else:
+                        part_r = tl.dot(ds1_t, qr1, part_r)
+                if DKV_T:
+                    part_r = tl.trans(part_r)
+                _bwd_dkv_update(
+                    dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC, DKV_WRITE
+                )
+
+
+@triton.jit
+def _bwd_dkv_kernel(
+    ds_ptr,
+    p_ptr,
+    q_ptr,
+    dout_ptr,
+    idx_ptr,
+    dkv_ptr,
+    part_ptr,
+    stride_qs,
+    stride_qh,
+    stride_dos,
+    stride_doh,
+    stride_is,
+    s_kv,
+    h_q,
+    q_start_index,
+    k_stride,
+    topk: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    N_TB: tl.constexpr,
+    CHUNK_STAGES: tl.constexpr,
+    DKV_WRITE: tl.constexpr,
+):
+    # One program per (token, block of BLOCK_T slots) with ALL heads (BLOCK_H >= h_q): the dkv contribution
+    # of a slot, dS^T q + P^T dout summed over every head, is one [BLOCK_T, channels] product with K = h_q,
+    # so each (token, slot) is added into dkv once instead of once per head block. dS and P come from the
+    # main kernel's workspaces; the token's q / dout channel chunks are shared in L2 by its N_TB programs,
+    # which run next to each other in launch order.
+    pid = tl.program_id(0)
+    tb = pid % N_TB
+    s = (pid // N_TB).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < h_q
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    max_k = tl.maximum(q_start_index + s + 1 - k_stride, 0) // k_stride
+    rows, valid = _bwd_slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
+    ws = s * h_q * topk + offs_h[:, None] * topk + offs_t[None, :]
+    ws_mask = hmask[:, None] & valid[None, :]
+    ds_t = tl.trans(tl.load(ds_ptr + ws, mask=ws_mask, other=0.0))  # [BLOCK_T, BLOCK_H]
+    p_t = tl.trans(tl.load(p_ptr + ws, mask=ws_mask, other=0.0))
+    q_row = q_ptr + s * stride_qs + offs_h[:, None] * stride_qh
+    do_row = dout_ptr + s * stride_dos + offs_h[:, None] * stride_doh
+    dkv_row = dkv_ptr + rows[:, None] * D_QK
+    part_row = part_ptr + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
+    offs_c = tl.arange(0, BLOCK_C)
+    for c in tl.range(0, D_V // BLOCK_C, num_stages=CHUNK_STAGES):
+        offs_d = c * BLOCK_C + offs_c
+        qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        part = tl.dot(ds_t, qc)
+        part = tl.dot(p_t, doc, part)
+        _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC, DKV_WRITE)
+    if D_ROPE > 0:
+        offs_r = D_V + tl.arange(0, D_ROPE)
+        qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
+        part_r = tl.dot(ds_t, qr)
+        _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC, DKV_WRITE)
 
 
 @triton.jit
@@ -539,7 +618,8 @@ def _bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str,
     if _interpreting():
         return {"BLOCK_H": block_h, "BLOCK_T": 16, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 32,
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
-                "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "DKV_WRITE": 0, "BLOCK_DV2": min(d_v, 64), "DKV_T": 0, "DQ_SPLIT": 0}  # fmt: skip
+                "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "DKV_WRITE": 0, "BLOCK_DV2": min(d_v, 64), "DKV_T": 0, "DQ_SPLIT": 0,
+                "SPLIT_DKV": 1, "BLOCK_T_DKV": 16, "BLOCK_C_DKV": min(d_v, 32), "num_warps_dkv": 4, "chunk_stages_dkv": 1}  # fmt: skip
     # Measured on H100 at s_q 4096, h_q 128, topk 2048, s_kv 32K (docs/sparse-mla-attn/training.md): 64-head
     # x 128-slot blocks with 64-channel chunks were fastest with atomics (two head
     # blocks per program, N_SUB 2, halve the atomics but spill: slower). The deterministic mode sums all heads
@@ -548,13 +628,14 @@ def _bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str,
     cfg = {"BLOCK_H": block_h, "BLOCK_T": 128, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 128,
            "BLOCK_H_DQ": max(16, triton.next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
-           "chunk_stages": 3, "N_SUB": 1, "DKV_WRITE": 0, "BLOCK_DV2": min(d_v, 64), "DKV_T": 0, "DQ_SPLIT": 0}  # fmt: skip
-    if deterministic and h_q > 64:
-        cfg.update(N_SUB=2)
-    elif deterministic:
-        cfg.update(BLOCK_T=64)
-    else:  # four channel chunks in flight: 36.7 vs 37.7 ms with three (H100, 8284284)
+           "chunk_stages": 3, "N_SUB": 1, "DKV_WRITE": 0, "BLOCK_DV2": min(d_v, 64), "DKV_T": 0, "DQ_SPLIT": 0,
+           "SPLIT_DKV": 1, "BLOCK_T_DKV": 128, "BLOCK_C_DKV": min(d_v, 64), "num_warps_dkv": 8, "chunk_stages_dkv": 3}  # fmt: skip
+    if h_q <= 128:  # separate all-heads dkv kernel: the main kernel is the same in both modes
         cfg.update(chunk_stages=4)
+    elif deterministic:  # the fused kernel (dkv products in the main kernel), h_q > 128
+        cfg.update(N_SUB=2, SPLIT_DKV=0)
+    else:  # four channel chunks in flight: 36.7 vs 37.7 ms with three (H100, 8284284)
+        cfg.update(chunk_stages=4, SPLIT_DKV=0)
     return cfg
 
 
@@ -705,6 +786,10 @@ def _bwd_impl(
         raise ValueError(f"N_SUB must be 1 or 2, got {cfg['N_SUB']}")
     n_hb = triton.cdiv(h_q, block_h * cfg["N_SUB"])
     n_hb_dq = triton.cdiv(h_q, block_h_dq)
+    # The separate dkv kernel holds every head of a token in one tile: up to 128 heads.
+    split_dkv = bool(cfg["SPLIT_DKV"]) and h_q <= 128
+    block_h_dkv = max(16, triton.next_power_of_2(h_q))
+    n_part_hb = 1 if split_dkv else n_hb  # head blocks whose dkv contributions the deterministic mode stores
     if cfg["DQ_SPLIT"] and d_v % cfg["BLOCK_D"] == 0:  # latent channels in BLOCK_D blocks, the rope in one
         d_main, d_tail = d_v, d_qk - d_v
         n_db = d_v // cfg["BLOCK_D"] + (1 if d_tail else 0)
@@ -727,12 +812,14 @@ def _bwd_impl(
     dq = torch.empty_like(q)
     dkv32 = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=dev)
     ds_dtype = q.dtype
-    chunk = max(1, min(s_q, _BWD_DS_WORKSPACE_BYTES // (h_q * topk * q.element_size())))
+    n_ws = 2 if split_dkv else 1  # dS, and P for the separate dkv kernel
+    chunk = max(1, min(s_q, _BWD_DS_WORKSPACE_BYTES // (n_ws * h_q * topk * q.element_size())))
     if deterministic:
-        chunk = max(1, min(chunk, _BWD_DET_WORKSPACE_BYTES // (n_hb * topk * d_qk * 4)))
+        chunk = max(1, min(chunk, _BWD_DET_WORKSPACE_BYTES // (n_part_hb * topk * d_qk * 4)))
     ds_ws = torch.empty(min(chunk, s_q), h_q, topk, dtype=ds_dtype, device=dev)
+    p_ws = torch.empty_like(ds_ws) if split_dkv else ds_ws  # unused by the fused path
     part = (
-        torch.empty(n_hb, min(chunk, s_q) * topk, d_qk, dtype=torch.float32, device=dev)
+        torch.empty(n_part_hb, min(chunk, s_q) * topk, d_qk, dtype=torch.float32, device=dev)
         if deterministic
         else dkv32  # unused by the atomic path
     )
@@ -747,14 +834,25 @@ def _bwd_impl(
         n = s1 - s0
         q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
         _BWD_LAST_COMPILED["main"] = _bwd_main_kernel[(n * n_hb,)](
-            q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, dkv32, part, attn_part, n if return_attn_sum else 0,
+            q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, part, attn_part, n if return_attn_sum else 0,
             q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
             idx_c.stride(0), part.stride(0) if deterministic else 0,
             s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale), topk=topk,
             CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
             BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb, CHUNK_STAGES=cfg["chunk_stages"],
-            N_SUB=cfg["N_SUB"], DKV_WRITE=cfg["DKV_WRITE"], BLOCK_DV2=cfg["BLOCK_DV2"], DKV_T=cfg["DKV_T"], ATTN_SUM=return_attn_sum, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            N_SUB=cfg["N_SUB"], DKV_WRITE=cfg["DKV_WRITE"], BLOCK_DV2=cfg["BLOCK_DV2"], DKV_T=cfg["DKV_T"], ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
+        if split_dkv:
+            n_tb = triton.cdiv(topk, cfg["BLOCK_T_DKV"])
+            _BWD_LAST_COMPILED["dkv"] = _bwd_dkv_kernel[(n * n_tb,)](
+                ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part,
+                q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1), idx_c.stride(0),
+                s_kv, h_q, q_start_index + s0, k_stride, topk=topk,
+                CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+                BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"], BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
+                CHUNK_STAGES=cfg["chunk_stages_dkv"], DKV_WRITE=cfg["DKV_WRITE"],
+                num_warps=cfg["num_warps_dkv"], num_stages=1,
+            )  # fmt: skip
         _BWD_LAST_COMPILED["dq"] = _bwd_dq_kernel[(n * n_hb_dq * n_db,)](
             ds_ws, kv, idx_c, dq[s0:s1],
             kv.stride(0), idx_c.stride(0), dq.stride(0), dq.stride(1),
@@ -764,7 +862,7 @@ def _bwd_impl(
             num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
         )  # fmt: skip
         if deterministic:
-            _bwd_det_reduce(part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_hb, d_qk)
+            _bwd_det_reduce(part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk)
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
     return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
