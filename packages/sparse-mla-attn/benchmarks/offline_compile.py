@@ -5,7 +5,7 @@ Used to check registers, spills and shared memory of a tile variant before spend
 and the constexpr values; every pointer and every ``stride*`` argument is marked divisible by 16, as
 the JIT specialises real launches.
 
-    python packages/sparse-mla-attn/benchmarks/offline_compile.py gluon_fwd --block-t 64 --num-buf 2
+    python packages/sparse-mla-attn/benchmarks/offline_compile.py gluon_fwd --consumer-regs 232 --producer-regs 40
     python packages/sparse-mla-attn/benchmarks/offline_compile.py gluon_attn_dist --h-q 64 --num-buf 3
     python packages/sparse-mla-attn/benchmarks/offline_compile.py attn_dist --h-q 128 --num-stages 1
 """
@@ -96,7 +96,7 @@ TYPES = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["attn_dist", "gluon_attn_dist", "gluon_fwd", "gluon_fwd_pingpong"])
+    ap.add_argument("kernel", choices=["attn_dist", "gluon_attn_dist", "gluon_fwd"])
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--d-qk", type=int, default=576)
     ap.add_argument("--block-h", type=int, default=0, help="Triton attn_dist head tile (default: all heads)")
@@ -104,13 +104,8 @@ def main() -> None:
     ap.add_argument("--num-buf", type=int, default=3, help="Gluon ring depth")
     ap.add_argument("--num-warps", type=int, default=8)
     ap.add_argument("--num-stages", type=int, default=1, help="Triton pipeline stages")
-    ap.add_argument("--s-first", type=int, default=1, help="Gluon forward: S issued before the ring refill")
-    ap.add_argument("--wg-stats", type=int, default=0, help="Gluon forward: per-warpgroup row statistics")
-    ap.add_argument("--qrope-reg", type=int, default=0, help="Gluon forward: rope query part in registers")
-    ap.add_argument(
-        "--consumer-regs", type=int, default=232, help="ping-pong forward: consumer worker registers"
-    )
-    ap.add_argument("--producer-regs", type=int, default=40, help="ping-pong forward: producer registers")
+    ap.add_argument("--consumer-regs", type=int, default=232, help="Gluon forward: consumer worker registers")
+    ap.add_argument("--producer-regs", type=int, default=40, help="Gluon forward: producer registers")
     ap.add_argument("--dump-ptx", default="", help="write the PTX here")
     a = ap.parse_args()
     import importlib
@@ -139,19 +134,14 @@ def main() -> None:
             fn = g._attn_dist_gluon_kernel
             types = dict(TYPES, OUT="*fp32")
             const = {"BLOCK_H": 64 if a.h_q <= 64 else 128, "CAUSAL": True}
-        elif a.kernel == "gluon_fwd_pingpong":
+        else:  # gluon_fwd: the warp-specialised forward (4 warps per partition)
             fn = g._sparse_mla_fwd_pingpong_kernel
             types = dict(TYPES)
             const = {"HAS_SINK": True, "HAS_TOPK_LEN": False, "CAUSAL": False}
             const.update(CONSUMER_REGS=a.consumer_regs, PRODUCER_REGS=a.producer_regs)
             a.num_warps = 4
-        else:
-            fn = g._sparse_mla_fwd_gluon_kernel
-            types = dict(TYPES)
-            const = {"HAS_SINK": True, "HAS_TOPK_LEN": False, "CAUSAL": False, "S_FIRST": bool(a.s_first)}
-            const.update(WG_STATS=bool(a.wg_stats), QROPE_REG=bool(a.qrope_reg))
         const.update(D_NOPE=512, D_ROPE=d_rope, BLOCK_T=a.block_t, num_warps=a.num_warps)
-        if a.kernel != "gluon_fwd_pingpong":
+        if a.kernel == "gluon_attn_dist":
             const["NUM_BUF"] = a.num_buf
         r = compile_sm90(fn, types, const, num_warps=a.num_warps, num_stages=1, source=GluonASTSource)
     if a.dump_ptx:

@@ -28,16 +28,10 @@ from bench_forward import (
     time_ms,
 )
 
-# Sweep 10: Gluon forward with per-warpgroup row statistics (G_WG_STATS: one 512 B exchange of the row
-# maxima per block instead of the compiler's cross-warp max and sum reductions) and the rope part of the
-# query in registers (G_QROPE_REG). (Sweep 9, results/tune9.json: S issued before the ring refill won;
-# attn_dist at h_q 128 was fastest with 64-row blocks in a ring of 3.)
-G = {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_S_FIRST": True}
-FWD_VARIANTS = [
-    {**G, "G_WG_STATS": False, "G_QROPE_REG": False},
-    {**G, "G_WG_STATS": True, "G_QROPE_REG": False},
-    {**G, "G_WG_STATS": True, "G_QROPE_REG": True},
-]
+# Forward: the Gluon kernel (warp-specialised ping-pong, the default on sm_90 since sweep 12) against the
+# Triton kernel. The variants of sweeps 7-11 (G_S_FIRST, G_WG_STATS, G_QROPE_REG, G_PINGPONG) belonged to
+# the earlier Gluon forward, removed at sweep 12: tune.py up to 202dd67 runs them.
+FWD_VARIANTS = [{"GLUON": True}, {"GLUON": False}]
 FWD_SHAPES = [(128, 8192), (128, 131072), (64, 32768)]
 ATTN_DIST_VARIANTS = [
     {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 6},
@@ -46,9 +40,9 @@ ATTN_DIST_VARIANTS = [
 ATTN_DIST_SHAPES = [(128, 8192), (128, 131072)]
 DECODE_VARIANTS = [{"GLUON": False}, {"GLUON": True}]
 
-# Sweep 11: the warp-specialised ping-pong forward (G_PINGPONG) against the default, interleaved A/B on
-# one set of inputs per shape (the same kernel varies 5-15% between timings: sweep 10 follow-up).
-AB_VARIANTS = {"default": {"GLUON": True}, "pingpong": {"GLUON": True, "G_PINGPONG": True}}
+# Interleaved A/B of two forward configurations on one set of inputs per shape (the same kernel varies
+# 5-15% between timings: sweep 10 follow-up). Sweep 11 compared G_PINGPONG with the earlier Gluon forward.
+AB_VARIANTS = {"gluon": {"GLUON": True}, "triton": {"GLUON": False}}
 AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072), (64, 32768)]
 
 

@@ -277,61 +277,24 @@ def test_fwd_gpu_backends(backend, h_q, d_qk, topk):
         pytest.param(128, 576, 64, 33, id="H128-D576-T64"),
     ],
 )
-def test_fwd_gpu_gluon_pingpong(h_q, d_qk, topk, s_q):
-    """The warp-specialised ping-pong forward (G_PINGPONG) against the reference: odd block counts (a
-    padding block), causal limit, sink, topk_length (0 included: no block at all), invalid indices, an
+def test_fwd_gpu_gluon_edge_cases(h_q, d_qk, topk, s_q):
+    """The warp-specialised Gluon forward against the reference: odd block counts (a padding block, one
+    block only), causal limit, sink, topk_length (0 included: no block at all), invalid indices, an
     all-invalid row, NaN in every KV row that no valid index selects; launched twice, so that a barrier
     phase left over from an earlier launch would show."""
-    cfg = {"GLUON": True, "G_PINGPONG": True, "NUM_SPLITS": 1}
-    # With one or two blocks the softmax is peaked and the bf16 rounding of P alone exceeds abs 8e-4 for
-    # both Gluon kernels (the first device run: up to 1.7e-3 on ~0.005% of the elements): the reference
-    # tolerance is then "gpu_few"; the comparison with the default kernel below stays tight.
-    where = "gpu" if topk >= 256 else "gpu_few"
-    q, kv, idx = _check_gluon_option(
-        cfg, h_q, d_qk, topk, s_q=s_q, seed=11 * h_q + topk, launches=2, empty_row=1, where=where
-    )
-    # Same inputs through the default (not warp-specialised) Gluon kernel: same products, same bf16
-    # rounding of P, so the two agree to about one bf16 ulp of out and to fp32 rounding on lse.
-    scale = 1 / math.sqrt(d_qk)
-    pp = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg)
-    base = sparse_mla_fwd_impl(q, kv, idx, scale, config={**cfg, "G_PINGPONG": False})
-    torch.testing.assert_close(pp[0].float(), base[0].float(), atol=1e-4, rtol=1e-2)
-    torch.testing.assert_close(pp[1], base[1], atol=1e-5, rtol=1e-6)
-    torch.testing.assert_close(pp[2], base[2], atol=1e-5, rtol=1e-6)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("wg_stats", "qrope_reg", "h_q", "d_qk", "topk"),
-    [
-        pytest.param(False, False, 128, 576, 1000, id="plain-H128-D576-T1000"),
-        pytest.param(True, False, 128, 576, 1000, id="wgstats-H128-D576-T1000"),
-        pytest.param(False, True, 128, 576, 1000, id="qropereg-H128-D576-T1000"),
-        pytest.param(True, True, 128, 576, 1000, id="both-H128-D576-T1000"),
-        pytest.param(True, True, 100, 512, 333, id="both-H100-D512-T333"),
-        pytest.param(True, True, 48, 576, 2048, id="both-H48-D576-T2048"),
-    ],
-)
-def test_fwd_gpu_gluon_variants(wg_stats, qrope_reg, h_q, d_qk, topk):
-    """The Gluon forward's tile options (per-warpgroup row statistics, rope query in registers) against
-    the reference: causal limit, sink, topk_length, invalid indices, an all-invalid row, NaN in every KV
-    row that no valid index selects."""
-    cfg = {"GLUON": True, "G_WG_STATS": wg_stats, "G_QROPE_REG": qrope_reg, "G_PINGPONG": False}
-    _check_gluon_option(cfg, h_q, d_qk, topk, s_q=160, seed=7 * h_q + topk)
-
-
-def _check_gluon_option(cfg, h_q, d_qk, topk, *, s_q, seed, launches=1, empty_row=None, where="gpu"):
-    """One Gluon forward configuration against the reference (the two tests above); ``empty_row``: a
-    query whose topk_length is 0 in the call with options (out 0, lse -inf). Returns the inputs."""
     from sparse_mla_attn.forward import LAST_BACKEND
 
     if not _sm90():
         pytest.skip("the Gluon kernels need an sm_90 GPU (H100/H200)")
-    q, kv, idx = make_problem(s_q, h_q, d_qk, 8192, topk, "cuda", seed=seed, invalid_frac=0.05)
+    cfg = {"GLUON": True, "NUM_SPLITS": 1}
+    # With one or two blocks the softmax is peaked and the bf16 rounding of P alone exceeds abs 8e-4 (up
+    # to 1.7e-3 on ~0.005% of the elements; results/bf16_p_rounding.py): the "gpu_few" tolerance there.
+    where = "gpu" if topk >= 256 else "gpu_few"
+    q, kv, idx = make_problem(s_q, h_q, d_qk, 8192, topk, "cuda", seed=11 * h_q + topk, invalid_frac=0.05)
     idx[0, 0, :] = -1
     kv = poison_unselected(kv, idx)
     scale = 1 / math.sqrt(d_qk)
-    for _ in range(launches):
+    for _ in range(2):
         plain = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg)
         assert LAST_BACKEND["fwd"] == "gluon"
         check_fwd(plain, q, kv, idx, scale, where)
@@ -339,12 +302,9 @@ def _check_gluon_option(cfg, h_q, d_qk, topk, *, s_q, seed, launches=1, empty_ro
         assert torch.all(plain[2][0] == float("-inf"))
     sink = torch.randn(h_q, device="cuda")
     topk_length = torch.randint(0, topk + 1, (s_q,), dtype=torch.int32, device="cuda")
-    if empty_row is not None:
-        topk_length[empty_row] = 0
+    topk_length[1] = 0
     kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 8000, "k_stride": 1}
     got = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg, **kw)
     check_fwd(got, q, kv, idx, scale, "gpu_few", **kw)
-    if empty_row is not None:
-        assert torch.all(got[0][empty_row] == 0)
-        assert torch.all(got[2][empty_row] == float("-inf"))
-    return q, kv, idx
+    assert torch.all(got[0][1] == 0)
+    assert torch.all(got[2][1] == float("-inf"))

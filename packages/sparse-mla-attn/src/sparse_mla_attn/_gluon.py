@@ -2,12 +2,18 @@
 
 Why Gluon: in the Triton kernels of ``forward.py`` / ``attn_dist.py`` the software pipeliner issues the
 ``cp.async`` gather of block ``t+1`` only after block ``t``'s products, and with the query tile in shared
-memory there is no room for a deeper ring (NOTES.md). Here the pipeline is written out: a ring of
-``NUM_BUF`` shared-memory buffers of gathered KV rows; at the top of iteration ``t`` one CTA barrier
-certifies that block ``t`` has landed and that every warpgroup is done with block ``t-1``, and the gather
-of block ``t + NUM_BUF - 1`` is issued into the freed buffer *before* block ``t``'s products, so it
-overlaps them. Rows whose index is invalid are copied with a zero source size (``cp.async`` zero fill):
-they are never read.
+memory there is no room for a deeper ring (NOTES.md). Here the pipeline is written out.
+
+* attn_dist: a ring of ``NUM_BUF`` shared-memory buffers of gathered KV rows; at the top of iteration
+  ``t`` one CTA barrier certifies that block ``t`` has landed and that every warpgroup is done with block
+  ``t-1``, and the gather of block ``t + NUM_BUF - 1`` is issued into the freed buffer *before* block
+  ``t``'s products, so it overlaps them.
+* forward: warp specialised (FlashMLA-style ping-pong): a producer warpgroup gathers 64-row blocks into a
+  ring of two slots guarded by mbarriers, and two consumer warpgroups take alternate blocks, so that one
+  warpgroup's softmax runs while the other's products occupy the tensor cores.
+
+Rows whose index is invalid are copied with a zero source size (``cp.async`` zero fill): they are never
+read.
 
 These kernels only run on a Hopper GPU: the Triton interpreter cannot execute Gluon, so the CPU tests
 exercise the Triton kernels, and the GPU tests (``-m gpu``) compare the Gluon kernels with the float32
@@ -263,250 +269,6 @@ if HAVE_GLUON:
             col = gl.where(valid, gl.sum(p, axis=0), 0.0)
             gl.store(out_row + i * BLOCK_T + offs_c, col, mask=i * BLOCK_T + offs_c < topk)
         cp.wait_group(0)
-
-    @gluon.jit
-    def _sparse_mla_fwd_gluon_kernel(
-        Q,
-        KV,
-        IDX,
-        OUT,
-        MAX_LOGITS,
-        LSE,
-        SINK,
-        TOPK_LEN,
-        stride_q_s,
-        stride_q_h,
-        stride_kv_row,
-        stride_idx_s,
-        stride_o_s,
-        stride_o_h,
-        h_q,
-        n_head_tiles,
-        topk,
-        s_kv,
-        q_start_index,
-        k_stride,
-        sm_scale_log2,
-        D_NOPE: gl.constexpr,
-        D_ROPE: gl.constexpr,
-        BLOCK_T: gl.constexpr,
-        NUM_BUF: gl.constexpr,
-        HAS_SINK: gl.constexpr,
-        HAS_TOPK_LEN: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        S_FIRST: gl.constexpr,
-        WG_STATS: gl.constexpr,
-        QROPE_REG: gl.constexpr,
-        num_warps: gl.constexpr,
-    ):
-        """Forward for one token and 64 heads with 8 warps (two warpgroups).
-
-        S = Q·K^T: each warpgroup computes half of the block's columns (Q from shared memory); the online
-        softmax statistics are reduced across both; P goes through shared memory and each warpgroup
-        accumulates O += P·V for half of the 512 value channels (acc 64 x 256 fp32 per warpgroup).
-
-        ``WG_STATS``: each warpgroup reduces the row maxima of its own columns (S viewed as
-        [64, 2, BLOCK_T // 2], warpgroup = middle axis) and the two are exchanged through 512 B of shared
-        memory behind one barrier; the row sums stay per warpgroup until the epilogue. Without it the
-        compiler's cross-warp reductions of max and sum cost five barriers per block.
-        ``QROPE_REG``: the rope part of the query tile (64 x 64) is the wgmma A operand from registers
-        (16 per thread), so the S product reads 11% less shared memory.
-        """
-        gl.static_assert(num_warps == 8)
-        BLOCK_H: gl.constexpr = 64
-        pid = gl.program_id(0)
-        pid_h = pid % n_head_tiles
-        pid_s = pid // n_head_tiles
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_T // 2, 16]
-        )
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_NOPE // 2, 16]
-        )
-        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        dtype: gl.constexpr = Q.dtype.element_ty
-
-        # Query tile -> shared memory (the A operand of both warpgroups' S products).
-        offs_h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
-        h_ok = offs_h < h_q
-        q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
-        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
-        q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
-        qn_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE], smem_l, q_nope)
-        if D_ROPE > 0:
-            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
-            q_rope = gl.load(q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0)
-            if QROPE_REG:
-                qr_a = gl.convert_layout(q_rope, gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2))
-            else:
-                qr_a = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], smem_l, q_rope)
-        else:
-            qr_a = qn_smem  # unused
-        kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
-        kr_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, 64], smem_l)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
-        # Per-warpgroup statistics: S viewed as [heads, warpgroup, columns of that warpgroup].
-        # (The layout that reshape infers from s_l at BLOCK_T 64, written out: the last warp bit is the
-        # warpgroup, i.e. the middle axis.)
-        s3_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [8, 0, 0], [0, 0, 8], [0, 0, 16]],
-            lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[16, 0, 0], [32, 0, 0], [0, 1, 0]],
-            block_bases=[],
-            shape=[BLOCK_H, 2, 32],
-        )
-        wg_l: gl.constexpr = gl.SliceLayout(2, s3_l)  # [heads, warpgroup]
-        row_l: gl.constexpr = gl.SliceLayout(1, wg_l)  # [heads]
-        # Both warpgroups' maxima [warpgroup, heads] read back with the warpgroup axis in registers and
-        # the heads placed as in row_l.
-        mx_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[1, 0], [0, 8]],
-            lane_bases=[[0, 0], [0, 0], [0, 1], [0, 2], [0, 4]],
-            warp_bases=[[0, 16], [0, 32], [0, 0]],
-            block_bases=[],
-            shape=[2, BLOCK_H],
-        )
-        if WG_STATS:
-            gl.static_assert(BLOCK_T == 64)
-            mx_smem = gl.allocate_shared_memory(
-                gl.float32, [2, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-            )
-
-        n_t = topk
-        if HAS_TOPK_LEN:
-            n_t = gl.minimum(gl.load(TOPK_LEN + pid_s), topk)
-        hi = s_kv
-        if CAUSAL:
-            num = q_start_index + pid_s + 1 - k_stride
-            hi = gl.minimum(hi, gl.maximum(num, 0) // k_stride + 1)
-
-        idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
-        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
-        idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
-        for j in gl.static_range(NUM_BUF - 1):
-            idx_next = _ring_fill(
-                kn_smem,
-                kr_smem,
-                KV,
-                stride_kv_row,
-                idx_row,
-                n_t,
-                hi,
-                j,
-                idx_next,
-                offs_t,
-                NUM_BUF,
-                D_NOPE,
-                D_ROPE,
-                ld_l,
-            )
-
-        if WG_STATS:
-            m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
-            l_i = gl.zeros([BLOCK_H, 2], gl.float32, wg_l)  # row sums per warpgroup
-        else:
-            m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
-            l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
-        acc = gl.zeros([BLOCK_H, D_NOPE], gl.float32, o_l)
-        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
-        n_blocks = gl.cdiv(n_t, BLOCK_T)
-        for i in range(n_blocks):
-            # Block i landed; the barrier also certifies that both warpgroups finished block i-1 (its
-            # buffer and p_smem are rewritten below).
-            _ring_wait(NUM_BUF)
-            slot = i % NUM_BUF
-            if not S_FIRST:
-                idx_next = _ring_fill(
-                    kn_smem,
-                    kr_smem,
-                    KV,
-                    stride_kv_row,
-                    idx_row,
-                    n_t,
-                    hi,
-                    i + NUM_BUF - 1,
-                    idx_next,
-                    offs_t,
-                    NUM_BUF,
-                    D_NOPE,
-                    D_ROPE,
-                    ld_l,
-                )
-            t_idx = gl.load(idx_row + i * BLOCK_T + offs_c, mask=i * BLOCK_T + offs_c < n_t, other=-1)
-            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
-            s = warpgroup_mma(qn_smem, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
-            if D_ROPE > 0:
-                s = warpgroup_mma(qr_a, kr_smem.index(slot).permute((1, 0)), s, is_async=True)
-            if S_FIRST:  # issue the gather while the tensor cores compute S
-                idx_next = _ring_fill(
-                    kn_smem,
-                    kr_smem,
-                    KV,
-                    stride_kv_row,
-                    idx_row,
-                    n_t,
-                    hi,
-                    i + NUM_BUF - 1,
-                    idx_next,
-                    offs_t,
-                    NUM_BUF,
-                    D_NOPE,
-                    D_ROPE,
-                    ld_l,
-                )
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-            valid = (t_idx >= 0) & (t_idx < hi)
-            s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-            if WG_STATS:
-                s3 = gl.convert_layout(gl.reshape(s, [BLOCK_H, 2, BLOCK_T // 2]), s3_l, assert_trivial=True)
-                mx_smem.store(gl.permute(gl.max(s3, axis=2), (1, 0)))  # warp shuffles only
-                gl.thread_barrier()
-                m_blk = gl.convert_layout(gl.max(mx_smem.load(mx_l), axis=0), row_l, assert_trivial=True)
-                m_new = gl.maximum(m_i, m_blk)
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_use)
-                p3 = gl.exp2(s3 - m_use[:, None, None])
-                l_i = l_i * alpha[:, None] + gl.sum(p3, axis=2)
-                p = gl.convert_layout(gl.reshape(p3, [BLOCK_H, BLOCK_T]), s_l)
-                alpha = gl.convert_layout(alpha, gl.SliceLayout(1, s_l))
-            else:
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_use)
-                p = gl.exp2(s - m_use[:, None])
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            p_smem.store(p.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()  # both halves of P written before either warpgroup reads all of it
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            acc = warpgroup_mma(p_smem, kn_smem.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        cp.wait_group(0)
-        if WG_STATS:
-            l_i = gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, s_l))
-            m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_l))
-
-        offs_hs = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
-        hs_ok = offs_hs < h_q
-        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-        denom = l_i
-        if HAS_SINK:
-            sink = gl.load(SINK + offs_hs, mask=hs_ok, other=0.0)
-            denom = denom + gl.exp2(sink * 1.4426950408889634 - m_use)
-        has_any = l_i > 0.0
-        scale = gl.where(has_any, 1.0 / gl.where(has_any, denom, 1.0), 0.0)
-        lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
-        gl.store(LSE + pid_s.to(gl.int64) * h_q + offs_hs, lse2 * 0.6931471805599453, mask=hs_ok)
-        gl.store(MAX_LOGITS + pid_s.to(gl.int64) * h_q + offs_hs, m_i * 0.6931471805599453, mask=hs_ok)
-
-        out = acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]
-        offs_ho = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
-        offs_d = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, o_l))
-        o_ptr = OUT + pid_s.to(gl.int64) * stride_o_s + offs_ho[:, None] * stride_o_h + offs_d[None, :]
-        gl.store(o_ptr, out.to(dtype), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
 
     @gluon.jit
     def _pp_producer(
@@ -854,19 +616,12 @@ def gluon_enabled() -> bool:
     return os.environ.get("SPARSE_MLA_ATTN_GLUON", "1") != "0"
 
 
-#: Gluon tile options (benchmarks override them through ``config``): rows per block, ring depth, and for
-#: the forward whether the S product is issued before the ring refill (``G_S_FIRST``), per-warpgroup row
-#: statistics (``G_WG_STATS``) and the rope query part in registers (``G_QROPE_REG``). NOTES.md, sweeps 7-10.
-#: ``G_PINGPONG``: the warp-specialised ping-pong kernel instead (a cp.async producer warpgroup and two
-#: consumer warpgroups alternating blocks; ``G_BLOCK_T``/``G_NUM_BUF`` fixed at 64/2, sweep 11).
-GLUON_FWD = {
-    "G_BLOCK_T": 64,
-    "G_NUM_BUF": 2,
-    "G_S_FIRST": True,
-    "G_WG_STATS": True,
-    "G_QROPE_REG": False,
-    "G_PINGPONG": True,
-}
+#: The Gluon forward's fixed tile (recorded by the benchmark): 64 heads x 64-row blocks, a ring of two
+#: slots, warp specialised (one cp.async producer warpgroup, two consumer warpgroups alternating blocks:
+#: ping-pong, NOTES.md sweep 11). The earlier non-specialised Gluon forward (sweeps 7-10, options
+#: G_S_FIRST / G_WG_STATS / G_QROPE_REG) was removed when this one became the default; it is in the git
+#: history up to 202dd67.
+GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_WARPS": 12}
 
 #: Register split of the ping-pong kernel (``setmaxnreg``): 4 warps x (232 + 232 + 40) of the 2,048
 #: per-warp register units; offline sm_90 compile: no spills (240/24 spills 8 B in the producer).
@@ -895,35 +650,20 @@ def launch_fwd_gluon(
     q_start_index: int,
     k_stride: int,
     causal: bool,
-    cfg: dict,
 ) -> Any:
-    """Forward on sm_90 (64-head tiles, 8 warps; or 12 warp-specialised warps with ``G_PINGPONG``); same
-    arguments and outputs as the Triton launch."""
+    """Forward on sm_90: one program per token and 64-head tile, 12 warp-specialised warps (see
+    ``_sparse_mla_fwd_pingpong_kernel``; the tile is fixed, ``GLUON_FWD``); same arguments and outputs
+    as the Triton launch."""
     n_head_tiles = triton.cdiv(dims.h_q, 64)
-    if cfg.get("G_PINGPONG", GLUON_FWD["G_PINGPONG"]):
-        return _sparse_mla_fwd_pingpong_kernel[(dims.s_q * n_head_tiles,)](
-            q, kv_rows, idx, out, max_logits, lse, sink,
-            topk_length if topk_length is not None else idx,
-            q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1),
-            dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
-            D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
-            HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
-            CONSUMER_REGS=PINGPONG_REGS["consumer"], PRODUCER_REGS=PINGPONG_REGS["producer"],
-            num_warps=4,
-        )  # fmt: skip
-    return _sparse_mla_fwd_gluon_kernel[(dims.s_q * n_head_tiles,)](
+    return _sparse_mla_fwd_pingpong_kernel[(dims.s_q * n_head_tiles,)](
         q, kv_rows, idx, out, max_logits, lse, sink,
         topk_length if topk_length is not None else idx,
         q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1),
         dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
-        D_NOPE=512, D_ROPE=dims.d_qk - 512,
-        BLOCK_T=cfg.get("G_BLOCK_T", GLUON_FWD["G_BLOCK_T"]),
-        NUM_BUF=cfg.get("G_NUM_BUF", GLUON_FWD["G_NUM_BUF"]),
+        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
         HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
-        S_FIRST=cfg.get("G_S_FIRST", GLUON_FWD["G_S_FIRST"]),
-        WG_STATS=cfg.get("G_WG_STATS", GLUON_FWD["G_WG_STATS"]),
-        QROPE_REG=cfg.get("G_QROPE_REG", GLUON_FWD["G_QROPE_REG"]),
-        num_warps=8,
+        CONSUMER_REGS=PINGPONG_REGS["consumer"], PRODUCER_REGS=PINGPONG_REGS["producer"],
+        num_warps=4,
     )  # fmt: skip
 
 

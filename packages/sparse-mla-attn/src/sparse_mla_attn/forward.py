@@ -538,7 +538,7 @@ def launch_fwd(
     )
     LAST_BACKEND["fwd"] = "gluon" if use_gluon else "triton"
     if use_gluon:
-        # Hopper: explicit cp.async ring (the gather of later blocks overlaps this block's products).
+        # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
         LAST_COMPILED["fwd"] = launch_fwd_gluon(
             q,
             kv_rows,
@@ -554,7 +554,6 @@ def launch_fwd(
             q_start_index=q_start_index,
             k_stride=k_stride,
             causal=causal,
-            cfg=cfg,
         )
         return out, max_logits, lse
     if n_splits > 1:
