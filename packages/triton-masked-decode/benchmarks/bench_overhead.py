@@ -4,9 +4,10 @@
 
 At the seed's shapes and batch 1 (Hq=32, Hkv=8, D=128, fp16, L=64K: 64 splits of 1024 positions, 512
 programs), for random masks of 0 (every position excluded), 1, 10, 25 and 50% visible, it times
-``masked_decode`` (default launch) as CUDA-graph replays exactly like ``run.py`` (median, L2 flushed before
-each replay), and reads the split and merge kernels' own durations from the CUDA profiler (eager calls, L2
-flushed, the merge launched without programmatic dependent launch so that its duration is its own work).
+``masked_decode`` (default launch) as CUDA-graph replays exactly like ``run.py`` (median, L2 flushed by a read
+before each replay), and reads the split and merge kernels' own durations from the CUDA profiler (eager
+calls, L2 flushed the same way, the merge launched without programmatic dependent launch so that its
+duration is its own work).
 Two calibration graphs give the measurement's own floor: one and two tiny kernels. The fixed cost of a launch
 is the time with no visible row; the slope of time against visible bytes is the effective bandwidth.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_masked_decode import Case, make_mask, time_us
+from bench_masked_decode import DEFAULT_FLUSH, Case, flush_l2, make_mask, time_us
 
 from triton_masked_decode import masked_decode, masked_decode_ref
 
@@ -33,13 +34,13 @@ FRACTIONS = (0.0, 0.01, 0.1, 0.25, 0.5)
 
 
 def kernel_times(fn, n_iter: int = 20) -> dict[str, float]:
-    """Mean device time per call of each Triton kernel of ``fn`` (eager, L2 flushed between calls), µs."""
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    """Mean device time per call of each Triton kernel of ``fn`` (eager, L2 flushed between calls by
+    :func:`bench_masked_decode.flush_l2`), µs."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(n_iter):
-            flush.zero_()
+            flush_l2(DEFAULT_FLUSH)
             fn()
         torch.cuda.synchronize()
     out = {}
@@ -110,6 +111,7 @@ def main() -> None:
                     "torch": torch.__version__,
                     "triton": __import__("triton").__version__,
                     "shape": {"B": 1, "Hq": HQ, "Hkv": HKV, "D": D, "L": L, "dtype": "float16"},
+                    "flush": DEFAULT_FLUSH,
                     "calibration": calib,
                     "rows": rows,
                 },

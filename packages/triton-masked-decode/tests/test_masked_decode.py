@@ -465,6 +465,24 @@ def test_sparse_gather_tiles(block_ns: int, stages: int, cuda_device: torch.devi
         check_case(case, cuda_device, seed=seed)
 
 
+def test_merge_head_dim_slices_cpu(cpu_device: torch.device, monkeypatch) -> None:
+    """The merge kernel split over head-dim slices (a tuning knob; the last slice partly past D) is exact."""
+    md = __import__("sys").modules["triton_masked_decode.masked_decode"]
+    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"merge_block_d": 16, "merge_warps": 2})
+    check_case(Case(batch=3, length=70, dim=40, seqlens="tensor", num_splits=3), cpu_device, seed=41)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge_block_d", [pytest.param(32, id="MD32"), pytest.param(64, id="MD64")])
+def test_merge_head_dim_slices_gpu(merge_block_d: int, cuda_device: torch.device, monkeypatch) -> None:
+    md = __import__("sys").modules["triton_masked_decode.masked_decode"]
+    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"merge_block_d": merge_block_d})
+    for dim, seed in ((128, 42), (96, 43)):
+        check_case(
+            Case(batch=3, hkv=8, group=4, length=6000, dim=dim, seqlens="tensor"), cuda_device, seed=seed
+        )
+
+
 @pytest.mark.gpu
 def test_autotuned_launch(cuda_device: torch.device, monkeypatch) -> None:
     monkeypatch.setenv("TRITON_MASKED_DECODE_AUTOTUNE", "1")

@@ -480,6 +480,7 @@ def _merge_splits_kernel(
 ):
     head = tl.program_id(0)
     bidx = tl.program_id(1)
+    d_blk = tl.program_id(2)  # head-dim slice: BLOCK_D may cover only part of HEAD_DIM
     if HAS_SEQLENS:
         seqlen = tl.minimum(tl.maximum(tl.load(Seqlens + bidx), 0), max_len)
     else:
@@ -489,7 +490,7 @@ def _merge_splits_kernel(
     # Splits at or past the sequence end wrote nothing; split 0 always wrote.
     n_active = tl.minimum(tl.maximum((seqlen + chunk - 1) // chunk, 1), num_splits)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = d_blk * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     lse_base = LsePart + bidx.to(tl.int64) * stride_sb + head * stride_sh
     o_base = OutPart + bidx.to(tl.int64) * stride_pb + head * stride_ph
@@ -522,7 +523,8 @@ def _merge_splits_kernel(
         out.to(Out.dtype.element_ty),
         mask=d_mask,
     )
-    tl.store(Lse + bidx.to(tl.int64) * stride_lb + head * stride_lh, lse)
+    if d_blk == 0:
+        tl.store(Lse + bidx.to(tl.int64) * stride_lb + head * stride_lh, lse)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -728,11 +730,14 @@ def _launch(
             *args, **meta, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages
         )
     if splits > 1:
-        _merge_splits_kernel[(hq, batch)](
+        # One merge program per (query head, sequence, head-dim slice); by default one slice (the whole D).
+        block_dm = min(block_d, _TUNE_OVERRIDE.get("merge_block_d", block_d))
+        merge_warps = _TUNE_OVERRIDE.get("merge_warps", 4 if block_d <= 128 else 8)
+        _merge_splits_kernel[(hq, batch, triton.cdiv(block_d, block_dm))](
             o_part, l_part, out, lse, seq_t, seqlen_const, max_len, chunk, splits,
             *o_part.stride()[:3], *l_part.stride(), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(max(8192 // block_d, 1), triton.next_power_of_2(splits)),
-            HAS_SEQLENS=seqlens is not None, PDL=pdl, num_warps=4 if block_d <= 128 else 8, launch_pdl=pdl,
+            HEAD_DIM=d, BLOCK_D=block_dm, BLOCK_S=min(max(8192 // block_dm, 1), triton.next_power_of_2(splits)),
+            HAS_SEQLENS=seqlens is not None, PDL=pdl, num_warps=merge_warps, launch_pdl=pdl,
         )  # fmt: skip
     return out, lse
 
