@@ -41,9 +41,10 @@ ATTN_DIST_SHAPES = [(128, 8192), (128, 131072)]
 DECODE_VARIANTS = [{"GLUON": False}, {"GLUON": True}]
 
 # Interleaved A/B of two forward configurations on one set of inputs per shape (the same kernel varies
-# 5-15% between timings: sweep 10 follow-up). Sweep 11 compared G_PINGPONG with the earlier Gluon forward.
-AB_VARIANTS = {"gluon": {"GLUON": True}, "triton": {"GLUON": False}}
-AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072), (64, 32768)]
+# 5-15% between timings: sweep 10 follow-up). Sweep 11 compared G_PINGPONG with the earlier Gluon forward;
+# sweep 12 the producer's L2 prefetch of the next block's rows.
+AB_VARIANTS = {"default": {"GLUON": True}, "prefetch_l2": {"GLUON": True, "G_PREFETCH_L2": True}}
+AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072), (64, 131072)]
 
 
 def _ab_shape(row: dict, s_q: int, h_q: int, s_kv: int, reps: int) -> None:
