@@ -1,16 +1,12 @@
 #!/usr/bin/env bash
 # One device call for the forward side (sweep 12), every step under `timeout` and inside one overall
 # deadline (DEADLINE_S seconds of this script) so that a hang cannot eat the device budget:
-#   0. (AB=1) the interleaved A/B of tune.py (AB_VARIANTS: default vs the producer's L2 prefetch); if the
-#      prefetch wins at h_q 128 / s_kv 128K by >= 2% and is at most 1% slower on the other h_q 128 rows,
-#      G_PREFETCH_L2=True is written into GLUON_FWD (src/sparse_mla_attn/_gluon.py) for steps 1-2 (the
-#      same edit is then committed from the development machine); otherwise the script stops there;
 #   1. the package's GPU suite in three concurrent pytest processes (compilation is CPU-bound; results do
 #      not depend on timing): test_forward.py; test_attn_dist.py + test_decode.py; the training side
 #      (test_backward.py + test_indexer.py, which call the forward). A per-test limit (pytest-timeout,
 #      thread method) names a test that hangs;
 #   2. if the forward side passed, the committed benchmark (run.py) alone on the GPU.
-# Usage (repository root): [AB=1] OUT=... bash packages/sparse-mla-attn/benchmarks/_fwd_gpu_check.sh
+# Usage (repository root): OUT=... bash packages/sparse-mla-attn/benchmarks/_fwd_gpu_check.sh
 # (Sweep 11's A/B and MODE=pingpong_default steps are in this file's history up to f53ca9e.)
 export PYTHONPATH=$PWD/packages/sparse-mla-attn/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fwd_out}
@@ -23,30 +19,6 @@ left() { echo $((DEADLINE_S - SECONDS)); }
 # min(step limit, time left), at least 1 (`timeout 0` would mean no limit)
 cap() { local l; l=$(left); [ "$l" -lt 1 ] && l=1; [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu_tests.log"
-
-if [ "${AB:-0}" = 1 ]; then
-  (cd $B && timeout "$(cap 90)" python3 tune.py --only fwd_ab --reps 4 --out "$OUT/tune12.json" 2>&1 \
-    | grep -v "^ *$" | tee "$OUT/tune12.log")
-  timeout 20 python3 - "$OUT/tune12.json" packages/sparse-mla-attn/src/sparse_mla_attn/_gluon.py <<'PY' 2>&1 | tee -a "$OUT/tune12.log"
-import json, sys
-try:
-    rows = [r for r in json.load(open(sys.argv[1]))[1:] if r.get("label") == "fwd_ab" and "error" not in r]
-except Exception as e:
-    print("PICK none (no sweep:", repr(e)[:100], ")"); sys.exit()
-h128 = {r["s_kv"]: r["variants"]["prefetch_l2"]["ms"] / r["variants"]["default"]["ms"] for r in rows if r["h_q"] == 128}
-ok_err = all(r["variants"]["prefetch_l2"]["out_max_abs_err"] < 2e-3 for r in rows)
-print("h128 prefetch/default time ratio:", h128, "errors ok:", ok_err)
-if len(h128) == 3 and h128[131072] <= 0.98 and max(h128.values()) <= 1.01 and ok_err:
-    src = open(sys.argv[2]).read()
-    new = src.replace('"G_PREFETCH_L2": False}', '"G_PREFETCH_L2": True}', 1)
-    assert new != src
-    open(sys.argv[2], "w").write(new)
-    print("PICK prefetch_l2")
-else:
-    print("PICK none")
-PY
-  grep -q "^PICK prefetch_l2" "$OUT/tune12.log" || { echo "default unchanged: stop (t=${SECONDS}s)"; exit 0; }
-fi
 
 suite() {  # name, test files...
   local name=$1; shift

@@ -106,7 +106,6 @@ def main() -> None:
     ap.add_argument("--num-stages", type=int, default=1, help="Triton pipeline stages")
     ap.add_argument("--consumer-regs", type=int, default=232, help="Gluon forward: consumer worker registers")
     ap.add_argument("--producer-regs", type=int, default=40, help="Gluon forward: producer registers")
-    ap.add_argument("--prefetch-l2", type=int, default=0, help="Gluon forward: L2 prefetch of the next block")
     ap.add_argument("--dump-ptx", default="", help="write the PTX here")
     a = ap.parse_args()
     import importlib
@@ -140,7 +139,6 @@ def main() -> None:
             types = dict(TYPES)
             const = {"HAS_SINK": True, "HAS_TOPK_LEN": False, "CAUSAL": False}
             const.update(CONSUMER_REGS=a.consumer_regs, PRODUCER_REGS=a.producer_regs)
-            const["PREFETCH_L2"] = bool(a.prefetch_l2)
             a.num_warps = 4
         const.update(D_NOPE=512, D_ROPE=d_rope, BLOCK_T=a.block_t, num_warps=a.num_warps)
         if a.kernel == "gluon_attn_dist":

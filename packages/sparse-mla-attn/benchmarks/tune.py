@@ -42,8 +42,9 @@ DECODE_VARIANTS = [{"GLUON": False}, {"GLUON": True}]
 
 # Interleaved A/B of two forward configurations on one set of inputs per shape (the same kernel varies
 # 5-15% between timings: sweep 10 follow-up). Sweep 11 compared G_PINGPONG with the earlier Gluon forward;
-# sweep 12 the producer's L2 prefetch of the next block's rows.
-AB_VARIANTS = {"default": {"GLUON": True}, "prefetch_l2": {"GLUON": True, "G_PREFETCH_L2": True}}
+# sweep 12 the producer's L2 prefetch of the next block's rows (G_PREFETCH_L2 at 80ac143: 11-15% slower,
+# removed).
+AB_VARIANTS = {"gluon": {"GLUON": True}, "triton": {"GLUON": False}}
 AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072), (64, 131072)]
 
 

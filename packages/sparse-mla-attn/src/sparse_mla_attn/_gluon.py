@@ -285,15 +285,10 @@ if HAVE_GLUON:
         D_NOPE: gl.constexpr,
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
-        PREFETCH_L2: gl.constexpr,
     ):
         """Ping-pong forward, producer warpgroup: gathers block ``b`` into slot ``b % 2`` once both
         consumers released that slot's previous block, and arms ``full_bars[b % 2]`` with one deferred
-        arrive per thread (``cp.async.mbarrier.arrive.noinc``: it fires when this thread's copies landed).
-
-        ``PREFETCH_L2``: right after issuing block ``b`` it asks L2 for block ``b + 1``'s rows (one
-        ``cp.async.bulk.prefetch.L2`` of the whole row each, invalid rows skipped), so that the gather of
-        ``b + 1``, issued about one block-time later when its slot frees, reads L2 rather than HBM."""
+        arrive per thread (``cp.async.mbarrier.arrive.noinc``: it fires when this thread's copies landed)."""
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
         idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
@@ -308,25 +303,6 @@ if HAVE_GLUON:
                 kn_smem.index(slot), kr_smem.index(slot), KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l
             )
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
-            if PREFETCH_L2:
-                # One row per thread (the rows are replicated over the 8 threads of a row group in ld_l).
-                pf_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-                idx_pf = gl.convert_layout(idx_next, pf_l)
-                ok = ((idx_pf >= 0) & (idx_pf < hi)).to(gl.int32)
-                row_ptr = KV + gl.where(ok != 0, idx_pf, 0).to(gl.int64) * stride_kv_row
-                gl.inline_asm_elementwise(
-                    # the whole row: 576 or 512 bf16 channels (1152 / 1024 B, multiples of 16 B)
-                    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1152; "
-                    "mov.b32 $0, 0; }"
-                    if D_ROPE > 0
-                    else "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1024; "
-                    "mov.b32 $0, 0; }",
-                    "=r,l,r",
-                    [row_ptr, ok],
-                    dtype=gl.int32,
-                    is_pure=False,
-                    pack=1,
-                )
 
     @gluon.jit
     def _pp_consumer(
@@ -548,7 +524,6 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
-        PREFETCH_L2: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Forward for one token and 64 heads, warp specialised (FlashMLA-style ping-pong, 12 warps).
@@ -627,7 +602,7 @@ if HAVE_GLUON:
                 )),
                 (_pp_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
-                    D_NOPE, D_ROPE, BLOCK_T, PREFETCH_L2,
+                    D_NOPE, D_ROPE, BLOCK_T,
                 )),
             ],
             [4, 4],
@@ -646,8 +621,7 @@ def gluon_enabled() -> bool:
 #: ping-pong, NOTES.md sweep 11). The earlier non-specialised Gluon forward (sweeps 7-10, options
 #: G_S_FIRST / G_WG_STATS / G_QROPE_REG) was removed when this one became the default; it is in the git
 #: history up to 202dd67.
-#: ``G_PREFETCH_L2``: the producer asks L2 for the next block's rows (sweep 12).
-GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_WARPS": 12, "G_PREFETCH_L2": False}
+GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_WARPS": 12}
 
 #: Register split of the ping-pong kernel (``setmaxnreg``): 4 warps x (232 + 232 + 40) of the 2,048
 #: per-warp register units; offline sm_90 compile: no spills (240/24 spills 8 B in the producer).
@@ -676,11 +650,10 @@ def launch_fwd_gluon(
     q_start_index: int,
     k_stride: int,
     causal: bool,
-    cfg: dict,
 ) -> Any:
     """Forward on sm_90: one program per token and 64-head tile, 12 warp-specialised warps (see
-    ``_sparse_mla_fwd_pingpong_kernel``; tile ``GLUON_FWD``, ``cfg`` may set ``G_PREFETCH_L2``); same
-    arguments and outputs as the Triton launch."""
+    ``_sparse_mla_fwd_pingpong_kernel``; the tile is fixed, ``GLUON_FWD``); same arguments and outputs
+    as the Triton launch."""
     n_head_tiles = triton.cdiv(dims.h_q, 64)
     return _sparse_mla_fwd_pingpong_kernel[(dims.s_q * n_head_tiles,)](
         q, kv_rows, idx, out, max_logits, lse, sink,
@@ -690,7 +663,6 @@ def launch_fwd_gluon(
         D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
         HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
         CONSUMER_REGS=PINGPONG_REGS["consumer"], PRODUCER_REGS=PINGPONG_REGS["producer"],
-        PREFETCH_L2=cfg.get("G_PREFETCH_L2", GLUON_FWD["G_PREFETCH_L2"]),
         num_warps=4,
     )  # fmt: skip
 
