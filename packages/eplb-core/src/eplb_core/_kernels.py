@@ -25,7 +25,8 @@ REL_TOL = 1e-12
 # a row whose peak is within this fraction of its lower bound stops refining (invisible in the
 # reported balancedness, which has 4 decimals)
 CLOSE_ENOUGH = 2e-5
-# up to this many slots per GPU the exchange search tries every (x, y) pair, above it a binary search
+# with a migration budget and up to this many slots per GPU the exchange search scores every (x, y)
+# pair; otherwise (and always without a budget) a sweep over the bins' items sorted by load
 BRUTE_FORCE_SLOTS = 16
 # pairs of bins with at most this many slots are re-split exhaustively (C(2S, S) / 2 splits: 126 at 5)
 MAX_RESPLIT_SLOTS = 5
@@ -637,18 +638,22 @@ def _swap_rounds(
     Per round, every pair of bins (see :func:`_pair_bins`) makes the one exchange of an item ``x`` of
     the heavy bin with an item ``y`` of the light bin that best evens the pair (gain
     ``min(x - y, gap - (x - y))``, first best in ``x``-major order), if it gains more than ``tol``
-    and puts no expert twice on a GPU; fixed items never move. Up to ``BRUTE_FORCE_SLOTS`` slots
-    every ``(x, y)`` is scored; above, for each ``x`` the ``y`` nearest ``x - gap / 2`` is found by
-    binary search over the light bin's allowed items sorted by load.
+    and puts no expert twice on a GPU; fixed items never move. The gain of ``x`` peaks at the ``y``
+    nearest ``x - gap / 2``, so the best ``y`` of each ``x`` is one of the two allowed light items
+    around that target: every bin keeps its slots sorted by load (ties by slot; two insertion steps
+    per exchange), and one pointer sweeps the light bin's allowed items while ``x`` goes up the heavy
+    bin's order, ``O(S)`` per pair. With a migration budget and up to ``BRUTE_FORCE_SLOTS`` slots
+    every ``(x, y)`` is scored instead (the budget may refuse the nearest ``y`` and allow another).
 
     Returns:
         ``(moved, stamp)``: whether something moved, and the last bin version used.
     """
     heavy, light, bin_load, order, ver, seen_h, seen_l = rb
-    held, lb_eff, no_x, no_y, y_sorted = sb
+    held, va, no_x, no_y, ya, srt = sb
     num_bins = bin_load.size
     half = num_bins // 2
-    brute = slots <= BRUTE_FORCE_SLOTS
+    # the sweep needs no budget check per (x, y): with a migration budget every pair is scored
+    brute = budget >= 0 and slots <= BRUTE_FORCE_SLOTS
     moved = False
 
     def change(a: int, b: int) -> int:
@@ -667,6 +672,15 @@ def _swap_rounds(
                 held[g, fe[p]] = 0
         for p in range(num_bins * slots):
             held[p // slots, fe[p]] += 1
+        for g in range(num_bins):  # each bin's slots by increasing load, ties by slot
+            base = g * slots
+            for y in range(slots):
+                v = fl[base + y]
+                j = y
+                while j > 0 and fl[base + srt[g, j - 1]] > v:
+                    srt[g, j] = srt[g, j - 1]
+                    j -= 1
+                srt[g, j] = y
     for it in range(it0, it0 + rounds):
         _pair_bins(bin_load, order, it, heavy, light)
         for k in range(half):
@@ -703,45 +717,40 @@ def _swap_rounds(
                             best = gain
                             pa, pb = ha + x, lb0 + y
             else:
-                big = 0.0
-                for s in range(slots):
-                    big = max(big, fl[ha + s], fl[lb0 + s])
-                big = 4.0 * big + 1.0
-                for y in range(slots):
-                    bad_y = held[h, fe[lb0 + y]] > 0 or (has_fixed and ff[lb0 + y])
-                    lb_eff[y] = big if bad_y else fl[lb0 + y]
-                    # stable insertion sort of the light items by effective load
-                    j = y
-                    while j > 0 and lb_eff[y_sorted[j - 1]] > lb_eff[y]:
-                        y_sorted[j] = y_sorted[j - 1]
-                        j -= 1
-                    y_sorted[j] = y
-                for x in range(slots):
-                    q = fl[ha + x] - 0.5 * gap
-                    lo_i, hi_i = 0, slots  # first position with lb_eff >= q
-                    while lo_i < hi_i:
-                        mid = (lo_i + hi_i) // 2
-                        if lb_eff[y_sorted[mid]] < q:
-                            lo_i = mid + 1
-                        else:
-                            hi_i = mid
-                    lo = max(lo_i - 1, 0)
-                    hi = min(lo_i, slots - 1)
-                    d_lo = fl[ha + x] - lb_eff[y_sorted[lo]]
-                    d_hi = fl[ha + x] - lb_eff[y_sorted[hi]]
+                # allowed light items by increasing load (the bin's kept order, minus items whose
+                # expert is on the heavy bin or that are fixed)
+                na = 0
+                for t in range(slots):
+                    y = srt[lt, t]
+                    if not (held[h, fe[lb0 + y]] > 0 or (has_fixed and ff[lb0 + y])):
+                        ya[na] = y
+                        va[na] = fl[lb0 + y]
+                        na += 1
+                # heavy items by increasing load: their targets x - gap / 2 increase, so one pointer
+                # sweeps the light items once (the first allowed item at or above the target)
+                p = 0
+                for t in range(slots if na > 0 else 0):
+                    x = srt[h, t]
+                    fx = fl[ha + x]
+                    if held[lt, fe[ha + x]] > 0 or (has_fixed and ff[ha + x]):
+                        continue
+                    q = fx - 0.5 * gap
+                    while p < na and va[p] < q:
+                        p += 1
+                    lo = max(p - 1, 0)
+                    hi = p if p < na else lo
+                    d_lo = fx - va[lo]
+                    d_hi = fx - va[hi]
                     g_lo = min(d_lo, gap - d_lo)
                     g_hi = min(d_hi, gap - d_hi)
                     if g_hi > g_lo:
-                        gain, y = g_hi, y_sorted[hi]
+                        gain, y = g_hi, ya[hi]
                     else:
-                        gain, y = g_lo, y_sorted[lo]
-                    if (
-                        held[lt, fe[ha + x]] > 0
-                        or (has_fixed and ff[ha + x])
-                        or (budget >= 0 and used + change(ha + x, lb0 + y) > budget)
-                    ):
-                        gain = -_INF
-                    if gain > best:
+                        gain, y = g_lo, ya[lo]
+                    if budget >= 0 and used + change(ha + x, lb0 + y) > budget:
+                        continue
+                    # the first best in slot order of the heavy bin
+                    if gain > best or (gain == best and ha + x < pa):
                         best = gain
                         pa, pb = ha + x, lb0 + y
             if best > tol:
@@ -757,6 +766,31 @@ def _swap_rounds(
                 fl[pa], fl[pb] = fl[pb], fl[pa]
                 fe[pa], fe[pb] = fe[pb], fe[pa]
                 ff[pa], ff[pb] = ff[pb], ff[pa]
+                if not brute:
+                    # the changed slot of each bin moves to its place in the bin's order
+                    for side in range(2):
+                        g = h if side == 0 else lt
+                        sl = pa - ha if side == 0 else pb - lb0
+                        base = g * slots
+                        v = fl[base + sl]
+                        i = 0
+                        while srt[g, i] != sl:
+                            i += 1
+                        while i > 0:
+                            o = srt[g, i - 1]
+                            if fl[base + o] > v or (fl[base + o] == v and o > sl):
+                                srt[g, i] = o
+                                i -= 1
+                            else:
+                                break
+                        while i < slots - 1:
+                            o = srt[g, i + 1]
+                            if fl[base + o] < v or (fl[base + o] == v and o < sl):
+                                srt[g, i] = o
+                                i += 1
+                            else:
+                                break
+                        srt[g, i] = sl
                 bin_load[h] = _row_sum(fl, h * slots, slots)
                 bin_load[lt] = _row_sum(fl, lt * slots, slots)
                 ver[h] = stamp + 1
@@ -955,13 +989,14 @@ def _workspace(num_bins: int, slots: int, num_ids: int, num_splits: int, num_row
     """Work arrays of the refinement, allocated once per plan: ``(rb, sb, pb, state)``
     (``num_splits``: the padded split count of the re-split tables)."""
     rb = _row_buffers(num_bins)
-    held = np.zeros((num_bins, num_ids) if slots > BRUTE_FORCE_SLOTS else (1, 1), dtype=np.int64)
+    held = np.zeros((num_bins, num_ids), dtype=np.int64)
     sb = (
         held,
         np.empty(slots),
         np.empty(slots, dtype=np.bool_),
         np.empty(slots, dtype=np.bool_),
         np.empty(slots, dtype=np.int64),
+        np.empty((num_bins, slots), dtype=np.int64),
     )
     two = 2 * slots
     pb = (
