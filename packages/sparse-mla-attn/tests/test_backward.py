@@ -178,6 +178,8 @@ CONFIG_CASES = [
     pytest.param(40, 96, 64, {}, {"BLOCK_H": 16, "N_SUB": 2}, id="split-nsub2-H40"),
     pytest.param(130, 96, 64, {}, {}, id="H130-fused-above-128-heads"),
     pytest.param(5, 96, 64, {}, {"BLOCK_T_DKV": 32, "BLOCK_C_DKV": 64}, id="split-T32-C64-H5"),
+    pytest.param(7, 96, 64, {"causal": True, "q_start_index": 5}, {"N_CSPLIT": 2}, id="split-csplit2-causal"),
+    pytest.param(7, 96, 64, {}, {"N_CSPLIT": 3, "BLOCK_C_DKV": 16}, id="split-csplit3-uneven"),
     pytest.param(18, 96, 64, {"causal": True, "q_start_index": 7, "k_stride": 2}, SUB, id="nsub2-H18-causal"),
     pytest.param(40, 96, 64, {}, SUB, id="nsub2-H40-second-half-partial"),
     pytest.param(12, 96, 64, {}, SUB, id="nsub2-H12-second-half-empty"),
@@ -411,9 +413,14 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
 
 
 @pytest.mark.gpu
-def test_training_step_lowers_loss_gpu():
+@pytest.mark.parametrize("target_from_bwd", [False, True], ids=["torch-target", "attn_sum_out"])
+def test_training_step_lowers_loss_gpu(target_from_bwd):
     """A small random model (projections into q/kv and the indexer) trained for a few steps: forward,
-    indexer top-k, sparse attention, indexer KL loss, backward. The combined loss must go down."""
+    indexer top-k, sparse attention, indexer KL loss, backward. The combined loss must go down.
+
+    ``attn_sum_out``: the indexer target is the by-product of the attention backward (filled by
+    ``attn_loss.backward()``, then the KL loss is built on it and back-propagated), checked against the
+    torch computation of the same target."""
     from sparse_mla_attn.autograd import sparse_mla
     from sparse_mla_attn.indexer import indexer_kl_loss, indexer_logits, indexer_topk
 
@@ -438,7 +445,10 @@ def test_training_step_lowers_loss_gpu():
         w = ww(x)
         logits = indexer_logits(qi, ki, w, causal=True)
         idx = indexer_topk(logits, topk, causal=True)
-        out, lse = sparse_mla(q, kv, idx, d_qk**-0.5, 512, causal=True, return_lse=True)
+        attn_sum_out = torch.full((s, topk), float("nan"), device=dev) if target_from_bwd else None
+        out, lse = sparse_mla(
+            q, kv, idx, d_qk**-0.5, 512, causal=True, return_lse=True, attn_sum_out=attn_sum_out
+        )
         attn_loss = (out.float() - target).pow(2).mean()
         with torch.no_grad():  # the indexer target: attention summed over heads at the selected slots
             valid = bwd_mod._bwd_valid_slots(idx, s, 0, 1, True)
@@ -446,10 +456,16 @@ def test_training_step_lowers_loss_gpu():
             sc = torch.einsum("shd,std->sht", q.float(), rows) * d_qk**-0.5
             attn_sum = torch.where(valid[:, None], torch.exp(sc - lse[..., None]), 0.0).sum(1)
         at_topk = logits.gather(1, idx[:, 0].long().clamp_min(0)).masked_fill(idx[:, 0] < 0, float("-inf"))
-        kl = indexer_kl_loss(at_topk, attn_sum)
-        loss = attn_loss + kl
         opt.zero_grad()
-        loss.backward()
+        if attn_sum_out is not None:  # two backward passes: attention first (fills the target), then KL
+            attn_loss.backward()
+            torch.testing.assert_close(attn_sum_out, attn_sum, rtol=2e-2, atol=2e-3)
+            kl = indexer_kl_loss(at_topk, attn_sum_out)
+            kl.backward()
+        else:
+            kl = indexer_kl_loss(at_topk, attn_sum)
+            (attn_loss + kl).backward()
+        loss = attn_loss.detach() + kl.detach()
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
         opt.step()
         losses.append(float(loss.detach()))

@@ -381,6 +381,7 @@ def _bwd_dkv_kernel(
     idx_ptr,
     dkv_ptr,
     part_ptr,
+    n_tok,
     stride_qs,
     stride_qh,
     stride_dos,
@@ -402,15 +403,31 @@ def _bwd_dkv_kernel(
     N_TB: tl.constexpr,
     CHUNK_STAGES: tl.constexpr,
     DKV_WRITE: tl.constexpr,
+    N_CSPLIT: tl.constexpr,
 ):
     # One program per (token, block of BLOCK_T slots) with ALL heads (BLOCK_H >= h_q): the dkv contribution
     # of a slot, dS^T q + P^T dout summed over every head, is one [BLOCK_T, channels] product with K = h_q,
     # so each (token, slot) is added into dkv once instead of once per head block. dS and P come from the
     # main kernel's workspaces; the token's q / dout channel chunks are shared in L2 by its N_TB programs,
     # which run next to each other in launch order.
+    # With N_CSPLIT > 1 the channel chunks (latent ones, then the rope as the last) are split into N_CSPLIT
+    # groups, and the launch order is group-major: the programs in flight update only one group's columns
+    # of dkv, a footprint that fits in L2 where the whole fp32 buffer does not (at the price of reading the
+    # dS / P tile once per group).
     pid = tl.program_id(0)
+    n_per_group = n_tok * N_TB
+    cg = pid // n_per_group
+    pid = pid % n_per_group
     tb = pid % N_TB
     s = (pid // N_TB).to(tl.int64)
+    N_LAT: tl.constexpr = D_V // BLOCK_C
+    N_CHUNKS: tl.constexpr = N_LAT + (1 if D_ROPE > 0 else 0)
+    PER_GROUP: tl.constexpr = (N_CHUNKS + N_CSPLIT - 1) // N_CSPLIT
+    # Every group is non-empty (checked by the launcher), so only the last one holds the rope chunk or
+    # ends early; bounds by arithmetic (the interpreter cannot range() over a tl.minimum).
+    is_last = (cg == N_CSPLIT - 1).to(tl.int32)
+    c_lo = cg * PER_GROUP
+    c_hi_lat = c_lo + PER_GROUP + is_last * (N_LAT - c_lo - PER_GROUP)
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < h_q
     offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -425,18 +442,34 @@ def _bwd_dkv_kernel(
     dkv_row = dkv_ptr + rows[:, None] * D_QK
     part_row = part_ptr + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
     offs_c = tl.arange(0, BLOCK_C)
-    for c in tl.range(0, D_V // BLOCK_C, num_stages=CHUNK_STAGES):
-        offs_d = c * BLOCK_C + offs_c
-        qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
-        doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
-        part = tl.dot(ds_t, qc)
-        part = tl.dot(p_t, doc, part)
-        _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC, DKV_WRITE)
-    if D_ROPE > 0:
-        offs_r = D_V + tl.arange(0, D_ROPE)
-        qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
-        part_r = tl.dot(ds_t, qr)
-        _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC, DKV_WRITE)
+    if N_CSPLIT == 1:
+        for c in tl.range(0, N_LAT, num_stages=CHUNK_STAGES):
+            offs_d = c * BLOCK_C + offs_c
+            qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
+            doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
+            part = tl.dot(p_t, doc, tl.dot(ds_t, qc))
+            _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC, DKV_WRITE)
+    else:
+        # A constant trip count with the chunks past the group's end skipped (the last group may be short):
+        # the interpreter cannot range() over bounds derived from program_id.
+        LOOP_N: tl.constexpr = PER_GROUP if PER_GROUP < N_LAT else N_LAT
+        for i in tl.range(0, LOOP_N, num_stages=CHUNK_STAGES):
+            c = c_lo + i
+            c_ok = c < c_hi_lat
+            offs_d = c * BLOCK_C + offs_c
+            qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None] & c_ok, other=0.0)
+            doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None] & c_ok, other=0.0)
+            if c_ok:
+                part = tl.dot(p_t, doc, tl.dot(ds_t, qc))
+                _bwd_dkv_update(
+                    dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC, DKV_WRITE
+                )
+    if D_ROPE > 0:  # noqa: SIM102 (a constexpr test, then a run-time one)
+        if cg == N_CSPLIT - 1:  # the rope chunk belongs to the last group
+            offs_r = D_V + tl.arange(0, D_ROPE)
+            qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
+            part_r = tl.dot(ds_t, qr)
+            _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC, DKV_WRITE)
 
 
 @triton.jit
@@ -447,15 +480,20 @@ def _bwd_dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, d0, d_end,
     offs_d = d0 + tl.arange(0, WIDTH)
     dmask = offs_d < d_end
     acc = tl.zeros([BLOCK_H, WIDTH], dtype=tl.float32)
+    offs_b = tl.arange(0, BLOCK_T)
+    # The rows of block t+1 are resolved during block t, so that the gather depends only on loop-carried
+    # values and the pipeliner can issue it stages ahead. dS is 0 at invalid slots (the main kernel writes
+    # every slot), so its load does not wait for the indices.
+    rows, valid = _bwd_slot_index(idx_row, offs_b, topk, s_kv, max_k, CAUSAL)
     for t0 in range(0, topk, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        rows, valid = _bwd_slot_index(idx_row, offs_t, topk, s_kv, max_k, CAUSAL)
-        ds = tl.load(ds_row + offs_t[None, :], mask=hmask[:, None] & valid[None, :], other=0.0)
+        offs_t = t0 + offs_b
+        ds = tl.load(ds_row + offs_t[None, :], mask=hmask[:, None] & (offs_t < topk)[None, :], other=0.0)
         k = tl.load(
             kv_ptr + rows[:, None] * stride_kvs + offs_d[None, :],
             mask=valid[:, None] & dmask[None, :],
             other=0.0,
         )
+        rows, valid = _bwd_slot_index(idx_row, offs_t + BLOCK_T, topk, s_kv, max_k, CAUSAL)
         acc = tl.dot(ds, k, acc)
     tl.store(dq_row + offs_d[None, :], acc.to(dq_row.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
 
@@ -619,19 +657,23 @@ def _bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str,
         return {"BLOCK_H": block_h, "BLOCK_T": 16, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 32,
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
                 "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "DKV_WRITE": 0, "BLOCK_DV2": min(d_v, 64), "DKV_T": 0, "DQ_SPLIT": 0,
-                "SPLIT_DKV": 1, "BLOCK_T_DKV": 16, "BLOCK_C_DKV": min(d_v, 32), "num_warps_dkv": 4, "chunk_stages_dkv": 1}  # fmt: skip
-    # Measured on H100 at s_q 4096, h_q 128, topk 2048, s_kv 32K (docs/sparse-mla-attn/training.md): 64-head
-    # x 128-slot blocks with 64-channel chunks were fastest with atomics (two head
-    # blocks per program, N_SUB 2, halve the atomics but spill: slower). The deterministic mode sums all heads
-    # in one program, which halves its fp32 workspace traffic: two 64-head halves (N_SUB 2) with 128-slot
-    # blocks measured 6-11% faster than one 128-head block with 64-slot blocks; up to 64 heads, 64-slot blocks.
+                "SPLIT_DKV": 1, "BLOCK_T_DKV": 16, "BLOCK_C_DKV": min(d_v, 32), "num_warps_dkv": 4, "chunk_stages_dkv": 1, "N_CSPLIT": 2}  # fmt: skip
+    # Measured on H100 at s_q 4096, h_q 128, topk 2048, s_kv 32K (docs/sparse-mla-attn/training.md,
+    # benchmarks/results/bwd_ab*.log). Main kernel: 64 heads x 128 slots, 64-channel chunks, four in flight.
+    # dkv kernel (h_q <= 128): all heads x 64 slots, 4 warps, 112 KB of shared memory (two programs per SM),
+    # channels in two groups launched one after the other (each group's half of the fp32 dkv buffer fits in
+    # L2): 29.8 ms against 30.4 with 128 slots / 8 warps / one group, 36.6 for the fused kernel. The
+    # deterministic mode writes a contiguous workspace instead: 128 slots / 8 warps / one group (36.9 vs 38.0 ms).
+    # The fused kernel (h_q > 128): 64-head x 128-slot blocks; deterministic two 64-head halves (N_SUB 2).
     cfg = {"BLOCK_H": block_h, "BLOCK_T": 128, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 128,
            "BLOCK_H_DQ": max(16, triton.next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
            "chunk_stages": 3, "N_SUB": 1, "DKV_WRITE": 0, "BLOCK_DV2": min(d_v, 64), "DKV_T": 0, "DQ_SPLIT": 0,
-           "SPLIT_DKV": 1, "BLOCK_T_DKV": 128, "BLOCK_C_DKV": min(d_v, 64), "num_warps_dkv": 8, "chunk_stages_dkv": 3}  # fmt: skip
+           "SPLIT_DKV": 1, "BLOCK_T_DKV": 64, "BLOCK_C_DKV": min(d_v, 64), "num_warps_dkv": 4, "chunk_stages_dkv": 2, "N_CSPLIT": 2}  # fmt: skip
     if h_q <= 128:  # separate all-heads dkv kernel: the main kernel is the same in both modes
         cfg.update(chunk_stages=4)
+        if deterministic:  # the dkv kernel writes a contiguous workspace: no L2 footprint to shrink
+            cfg.update(BLOCK_T_DKV=128, num_warps_dkv=8, chunk_stages_dkv=3, N_CSPLIT=1)
     elif deterministic:  # the fused kernel (dkv products in the main kernel), h_q > 128
         cfg.update(N_SUB=2, SPLIT_DKV=0)
     else:  # four channel chunks in flight: 36.7 vs 37.7 ms with three (H100, 8284284)
@@ -842,30 +884,58 @@ def _bwd_impl(
             BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb, CHUNK_STAGES=cfg["chunk_stages"],
             N_SUB=cfg["N_SUB"], DKV_WRITE=cfg["DKV_WRITE"], BLOCK_DV2=cfg["BLOCK_DV2"], DKV_T=cfg["DKV_T"], ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
+        _bwd_launch_dq(cfg, ds_ws, kv, idx_c, dq[s0:s1], s_kv, h_q, q_start_index + s0, k_stride, topk, causal,
+                       d_qk, n, n_hb_dq, n_db, d_main, d_tail)  # fmt: skip
         if split_dkv:
             n_tb = triton.cdiv(topk, cfg["BLOCK_T_DKV"])
-            _BWD_LAST_COMPILED["dkv"] = _bwd_dkv_kernel[(n * n_tb,)](
-                ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part,
+            n_chunks = d_v // cfg["BLOCK_C_DKV"] + (1 if d_qk > d_v else 0)
+            n_csplit = min(cfg["N_CSPLIT"], n_chunks)
+            if n_csplit < 1 or (n_csplit - 1) * triton.cdiv(n_chunks, n_csplit) >= n_chunks:
+                raise ValueError(f"N_CSPLIT {n_csplit} leaves a channel group empty ({n_chunks} chunks)")
+            _BWD_LAST_COMPILED["dkv"] = _bwd_dkv_kernel[(n_csplit * n * n_tb,)](
+                ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n,
                 q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1), idx_c.stride(0),
                 s_kv, h_q, q_start_index + s0, k_stride, topk=topk,
                 CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
                 BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"], BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
-                CHUNK_STAGES=cfg["chunk_stages_dkv"], DKV_WRITE=cfg["DKV_WRITE"],
+                CHUNK_STAGES=cfg["chunk_stages_dkv"], DKV_WRITE=cfg["DKV_WRITE"], N_CSPLIT=n_csplit,
                 num_warps=cfg["num_warps_dkv"], num_stages=1,
             )  # fmt: skip
-        _BWD_LAST_COMPILED["dq"] = _bwd_dq_kernel[(n * n_hb_dq * n_db,)](
-            ds_ws, kv, idx_c, dq[s0:s1],
-            kv.stride(0), idx_c.stride(0), dq.stride(0), dq.stride(1),
-            s_kv, h_q, q_start_index + s0, k_stride, topk=topk,
-            CAUSAL=causal, D_QK=d_qk, BLOCK_H=block_h_dq, BLOCK_T=cfg["BLOCK_T_DQ"], BLOCK_D=cfg["BLOCK_D"],
-            N_HB=n_hb_dq, N_DB=n_db, D_MAIN=d_main, D_TAIL=d_tail,
-            num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
-        )  # fmt: skip
         if deterministic:
             _bwd_det_reduce(part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk)
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
     return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
+
+
+def _bwd_launch_dq(
+    cfg: dict[str, int],
+    ds_ws: torch.Tensor,
+    kv: torch.Tensor,
+    idx_c: torch.Tensor,
+    dq_c: torch.Tensor,
+    s_kv: int,
+    h_q: int,
+    q_start_index: int,
+    k_stride: int,
+    topk: int,
+    causal: bool,
+    d_qk: int,
+    n: int,
+    n_hb_dq: int,
+    n_db: int,
+    d_main: int,
+    d_tail: int,
+) -> None:
+    """``dq = dS @ rows`` for one chunk of tokens, on the current stream."""
+    _BWD_LAST_COMPILED["dq"] = _bwd_dq_kernel[(n * n_hb_dq * n_db,)](
+        ds_ws, kv, idx_c, dq_c,
+        kv.stride(0), idx_c.stride(0), dq_c.stride(0), dq_c.stride(1),
+        s_kv, h_q, q_start_index, k_stride, topk=topk,
+        CAUSAL=causal, D_QK=d_qk, BLOCK_H=cfg["BLOCK_H_DQ"], BLOCK_T=cfg["BLOCK_T_DQ"], BLOCK_D=cfg["BLOCK_D"],
+        N_HB=n_hb_dq, N_DB=n_db, D_MAIN=d_main, D_TAIL=d_tail,
+        num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
+    )  # fmt: skip
 
 
 def _bwd_det_reduce(
