@@ -102,10 +102,13 @@ def bench_config(
         "ms_samples": samples,
         "greedy_ms_median": t_greedy,
     }
+    if torch.cuda.is_available():
+        row["cuda_input"] = bench_cuda_input(weight, r, nodes, gpus, repeat=repeat)
     if deepseek is not None:
         dp, _, dc = deepseek(weight, r, NUM_GROUPS, nodes, gpus)
         ds_bal = E.balancedness(E.gpu_loads_of(weight, dp, dc, gpus))
-        t_ds, _ = median_ms(lambda: deepseek(weight, r, NUM_GROUPS, nodes, gpus), repeat=max(3, repeat // 3))
+        # 0.3-3.5 s per call: the median of 3 after the call above
+        t_ds, _ = median_ms(lambda: deepseek(weight, r, NUM_GROUPS, nodes, gpus), repeat=3, warmup=0)
         row["deepseek"] = {
             "balancedness": float(ds_bal.mean()),
             "ms_median": t_ds,
@@ -139,6 +142,44 @@ def bench_config(
         ),
     }
     return row
+
+
+def bench_cuda_input(weight: torch.Tensor, r: int, nodes: int, gpus: int, *, repeat: int) -> dict[str, Any]:
+    """End to end ``rebalance_experts`` on a CUDA ``weight`` (float32, as serving stacks keep their
+    expert-load counters), until the three tensors are usable on the GPU (``torch.cuda.synchronize``),
+    beside the copies alone (the load matrix to the host, three int64 tensors of the plan's sizes
+    back) and the same call on the host copy, all in this run."""
+    w_gpu = weight.to("cuda", torch.float32)
+    w_host = w_gpu.cpu()
+    phy, l2p, cnt = E.rebalance_experts(w_host, r, NUM_GROUPS, nodes, gpus)
+    phy_g, l2p_g, cnt_g = E.rebalance_experts(w_gpu, r, NUM_GROUPS, nodes, gpus)
+    torch.cuda.synchronize()
+    same = bool(
+        torch.equal(phy_g.cpu(), phy) and torch.equal(l2p_g.cpu(), l2p) and torch.equal(cnt_g.cpu(), cnt)
+    )
+
+    def call_gpu() -> None:
+        E.rebalance_experts(w_gpu, r, NUM_GROUPS, nodes, gpus)
+        torch.cuda.synchronize()
+
+    def copies() -> None:
+        w_gpu.cpu()
+        for t in (phy, l2p, cnt):
+            t.to("cuda")
+        torch.cuda.synchronize()
+
+    t_gpu, _, samples = timed(call_gpu, repeat=repeat)
+    t_copy, _, _ = timed(copies, repeat=repeat)
+    t_host, _, _ = timed(
+        functools.partial(E.rebalance_experts, w_host, r, NUM_GROUPS, nodes, gpus), repeat=repeat
+    )
+    return {
+        "ms_median": t_gpu,
+        "ms_samples": samples,
+        "copies_ms_median": t_copy,
+        "host_input_ms_median": t_host,
+        "same_plan_as_host_input": same,
+    }
 
 
 def bench_soft(weight: torch.Tensor, penalties: list[float]) -> list[dict[str, Any]]:

@@ -91,8 +91,10 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [
         "# eplb-core benchmark",
         "",
-        f"CPU: {res['cpu']} ({res['torch_threads']} torch thread; machine load average at start "
-        f"{res['load_average']}), torch {res['torch']}, {res['date']}, commit `{res['commit'][:12]}`.",
+        f"CPU: {res['cpu']} ({res['cpu_count']} cores, {res['torch_threads']} torch thread, one planner "
+        f"thread; load average at start {[round(x, 2) for x in res['load_average']]}); GPU: {res['device']}; "
+        f"Python {res.get('python', '?')}, torch {res['torch']}, NumPy {res['numpy']}, Numba {res['numba']}; "
+        f"{res['date']}, commit `{res['commit'][:12]}`.",
         f"Command: `{res['command']}`. Loads: {res['loads']}.",
         "",
         "## Strict / global mode (58 layers x 256 experts, 8 groups)",
@@ -126,6 +128,22 @@ def markdown(res: dict[str, Any]) -> str:
                 f"| {r['config']} | {d['balancedness']:.4f} | {r['balancedness']:.4f} "
                 f"| {d['layers_below_deepseek']} | {d['ms_median']:.1f} | {r['ms_per_call_median']:.1f} "
                 f"| {d['speedup']:.0f}x |"
+            )
+    if all("cuda_input" in r for r in res["configs"]):
+        lines += [
+            "",
+            f"CUDA input ({res['device']}): `rebalance_experts` on a float32 CUDA `weight`, until the three "
+            "tensors are on the GPU (`torch.cuda.synchronize()`); the plan is made on the host (copies "
+            "included), same run:",
+            "",
+            "| (replicas, nodes, GPUs) | CUDA input ms | host input ms | copies alone ms | same plan |",
+            "|---|---|---|---|---|",
+        ]
+        for r in res["configs"]:
+            c = r["cuda_input"]
+            lines.append(
+                f"| {r['config']} | {c['ms_median']:.2f} | {c['host_input_ms_median']:.2f} "
+                f"| {c['copies_ms_median']:.3f} | {'yes' if c['same_plan_as_host_input'] else 'NO'} |"
             )
     fc = res["first_call"]
     lines += [
@@ -216,10 +234,13 @@ def main() -> int:
         "numpy": np.__version__,
         "numba": numba.__version__,
         "planner": "NumPy + Numba on the host, one thread (CUDA input is copied to the host and back)",
+        "python": platform.python_version(),
+        "host": platform.node(),
         "loads": "eplb_core.synthetic_loads(58, 256, num_groups=8, num_windows=2, seed=0)",
         "deepseek_ref": args.deepseek_ref,
         "seed_program": "not timed: 17-200 s per call on these shapes (see the docs)",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu only",
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
     }
     res["first_call"] = first_call_seconds()
     deepseek = B.load_deepseek(args.deepseek_ref) if args.deepseek_ref else None

@@ -642,7 +642,8 @@ def _swap_rounds(
     nearest ``x - gap / 2``, so the best ``y`` of each ``x`` is one of the two allowed light items
     around that target: every bin keeps its slots sorted by load (ties by slot; two insertion steps
     per exchange), and one pointer sweeps the light bin's allowed items while ``x`` goes up the heavy
-    bin's order, ``O(S)`` per pair. With a migration budget and up to ``BRUTE_FORCE_SLOTS`` slots
+    bin's order, ``O(S)`` per pair; equal gains go to the lowest slots, as when every pair is scored,
+    so both searches make the same exchanges. With a migration budget and up to ``BRUTE_FORCE_SLOTS`` slots
     every ``(x, y)`` is scored instead (the budget may refuse the nearest ``y`` and allow another).
 
     Returns:
@@ -667,9 +668,7 @@ def _swap_rounds(
         for p in range(num_bins * slots):
             used += fe[p] != origin[p]
     if not brute:
-        for p in range(num_bins * slots):  # clear what earlier rows left for these experts
-            for g in range(num_bins):
-                held[g, fe[p]] = 0
+        # ``held`` is all zeros between calls (each call clears the entries it set)
         for p in range(num_bins * slots):
             held[p // slots, fe[p]] += 1
         for g in range(num_bins):  # each bin's slots by increasing load, ties by slot
@@ -739,11 +738,13 @@ def _swap_rounds(
                         p += 1
                     lo = max(p - 1, 0)
                     hi = p if p < na else lo
+                    while lo > 0 and va[lo - 1] == va[lo]:
+                        lo -= 1  # equal loads gain equally: the first slot, as scoring all pairs does
                     d_lo = fx - va[lo]
                     d_hi = fx - va[hi]
                     g_lo = min(d_lo, gap - d_lo)
                     g_hi = min(d_hi, gap - d_hi)
-                    if g_hi > g_lo:
+                    if g_hi > g_lo or (g_hi == g_lo and ya[hi] < ya[lo]):
                         gain, y = g_hi, ya[hi]
                     else:
                         gain, y = g_lo, ya[lo]
@@ -796,6 +797,9 @@ def _swap_rounds(
                 ver[h] = stamp + 1
                 ver[lt] = stamp + 2
                 stamp += 2
+    if not brute:
+        for p in range(num_bins * slots):
+            held[p // slots, fe[p]] = 0
     return moved, stamp
 
 
