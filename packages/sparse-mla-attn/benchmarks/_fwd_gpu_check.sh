@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# One device call for the forward side (sweep 12), every step under `timeout` and inside one overall
+# One device call for the forward side (sweeps 12, 13), every step under `timeout` and inside one overall
 # deadline (DEADLINE_S seconds of this script) so that a hang cannot eat the device budget:
 #   1. the package's GPU suite in three concurrent pytest processes (compilation is CPU-bound; results do
 #      not depend on timing): test_forward.py; test_attn_dist.py + test_decode.py; the training side
 #      (test_backward.py + test_indexer.py, which call the forward). A per-test limit (pytest-timeout,
 #      thread method) names a test that hangs;
-#   2. if the forward side passed, the committed benchmark (run.py) alone on the GPU.
-# Usage (repository root): OUT=... bash packages/sparse-mla-attn/benchmarks/_fwd_gpu_check.sh
+#   2. with AB=ad (sweep 13), if the attn_dist tests passed: tune.py's alternated A/B of the
+#      warp-specialised attn_dist against the earlier Gluon kernel (and the forward), alone on the GPU;
+#      the pre-declared rule (ab_decision.txt): the new kernel wins if its median is lower at every
+#      h_q 128 shape and it is bitwise reproducible;
+#   3. if the forward side passed (and with AB=ad the new kernel won), the committed benchmark (run.py)
+#      alone on the GPU.
+# Usage (repository root): [AB=ad] OUT=... bash packages/sparse-mla-attn/benchmarks/_fwd_gpu_check.sh
 # (Sweep 11's A/B and MODE=pingpong_default steps are in this file's history up to f53ca9e.)
 export PYTHONPATH=$PWD/packages/sparse-mla-attn/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fwd_out}
@@ -35,12 +40,34 @@ for n in forward dist_decode training; do
   tail -30 "$OUT/tests_$n.log" >> "$OUT/gpu_tests.log"
 done
 grep -h " rc " "$OUT"/tests_*.log
+WON=1
+if [ "${AB:-}" = ad ]; then
+  WON=0
+  if grep -q "^dist_decode rc 0" "$OUT/tests_dist_decode.log"; then
+    timeout "$(cap 120)" python3 $B/tune.py --only ad_ab --reps 2 --out "$OUT/tune13.json" > "$OUT/tune13.log" 2>&1
+    echo "tune rc $? (t=${SECONDS}s)" | tee -a "$OUT/tune13.log"
+    tail -8 "$OUT/tune13.log"
+    python3 - "$OUT/tune13.json" > "$OUT/ab_decision.txt" 2>&1 <<'PY'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1])) if r.get("label") == "ad_ab"]
+ok = bool(rows) and all("error" not in r for r in rows)
+for r in rows:
+    v = r.get("variants", {})
+    if r["h_q"] == 128:
+        ok = ok and v["ad_ws"]["ms"] < v["ad_pre_ws"]["ms"] and v["ad_ws"]["deterministic"]
+    print(r["h_q"], r["s_kv"], {n: (x.get("ms"), round(x.get("ratio_to_fwd", 0), 3)) for n, x in v.items()})
+print("WON" if ok else "LOST")
+PY
+    cat "$OUT/ab_decision.txt"
+    grep -q "^WON" "$OUT/ab_decision.txt" && WON=1
+  fi
+fi
 if grep -q "^forward rc 0" "$OUT/tests_forward.log" && grep -q "^dist_decode rc 0" "$OUT/tests_dist_decode.log" \
-  && [ "$(left)" -gt 60 ]; then
+  && [ "$WON" = 1 ] && [ "$(left)" -gt 60 ]; then
   timeout "$(cap 200)" python3 $B/run.py --out-dir "$OUT" > "$OUT/bench.log" 2>&1
   echo "run.py rc $? (t=${SECONDS}s)" | tee -a "$OUT/bench.log"
   tail -45 "$OUT/bench.log"
 else
-  echo "benchmark skipped: forward-side tests failed or $(left) s left" | tee "$OUT/bench.log"
+  echo "benchmark skipped: forward-side tests failed, A/B lost (WON=$WON) or $(left) s left" | tee "$OUT/bench.log"
 fi
 echo "done at t=${SECONDS}s"

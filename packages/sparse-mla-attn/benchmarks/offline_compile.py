@@ -96,7 +96,7 @@ TYPES = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["attn_dist", "gluon_attn_dist", "gluon_fwd"])
+    ap.add_argument("kernel", choices=["attn_dist", "gluon_attn_dist", "gluon_attn_dist_ws", "gluon_fwd"])
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--d-qk", type=int, default=576)
     ap.add_argument("--block-h", type=int, default=0, help="Triton attn_dist head tile (default: all heads)")
@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--num-stages", type=int, default=1, help="Triton pipeline stages")
     ap.add_argument("--consumer-regs", type=int, default=232, help="Gluon forward: consumer worker registers")
     ap.add_argument("--producer-regs", type=int, default=40, help="Gluon forward: producer registers")
+    ap.add_argument(
+        "--split64", type=int, default=1, help="Gluon attn_dist (ws), h_q <= 64: 1 columns, 2 blocks"
+    )
     ap.add_argument("--dump-ptx", default="", help="write the PTX here")
     a = ap.parse_args()
     import importlib
@@ -134,6 +137,12 @@ def main() -> None:
             fn = g._attn_dist_gluon_kernel
             types = dict(TYPES, OUT="*fp32")
             const = {"BLOCK_H": 64 if a.h_q <= 64 else 128, "CAUSAL": True}
+        elif a.kernel == "gluon_attn_dist_ws":  # warp specialised (4 warps per partition)
+            fn = g._attn_dist_ws_kernel
+            types = dict(TYPES, OUT="*fp32")
+            const = {"SPLIT": 0 if a.h_q > 64 else a.split64, "CAUSAL": True, "NUM_BUF": a.num_buf}
+            const.update(CONSUMER_REGS=a.consumer_regs, PRODUCER_REGS=a.producer_regs)
+            a.num_warps = 4
         else:  # gluon_fwd: the warp-specialised forward (4 warps per partition)
             fn = g._sparse_mla_fwd_pingpong_kernel
             types = dict(TYPES)

@@ -3,7 +3,7 @@
 Writes every measurement to ``--out`` (JSON) and prints one line per variant. NOTES.md records what each
 sweep measured and which variant became the default.
 
-    python packages/sparse-mla-attn/benchmarks/tune.py --out /tmp/tune.json [--only fwd,attn_dist,decode,fwd_ab]
+    python packages/sparse-mla-attn/benchmarks/tune.py --out /tmp/tune.json [--only fwd,attn_dist,decode,fwd_ab,ad_ab]
 """
 
 from __future__ import annotations
@@ -48,45 +48,96 @@ AB_VARIANTS = {"gluon": {"GLUON": True}, "triton": {"GLUON": False}}
 AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072), (64, 131072)]
 
 
+# Sweep 13: the warp-specialised attn_dist (G_WS 1) against the earlier Gluon kernel (G_WS 0), timed
+# alternately with the default forward at the same shape (the target is attn_dist <= 0.6x the forward).
+AD_AB_VARIANTS = {
+    "ad_ws": {"GLUON": True, "G_WS": 1},
+    "ad_pre_ws": {"GLUON": True, "G_WS": 0},
+    "ad_ws_blocks": {"GLUON": True, "G_WS": 1, "G_SPLIT64": 2},  # h_q <= 64 only (alternate blocks)
+}
+AD_AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072), (64, 32768)]
+
+
+def _alternate(row: dict, calls: dict, reps: int) -> None:
+    """Time ``calls`` (name -> fn) alternately ``reps`` times (do_bench median each); keep every timing
+    and the median per name in ``row["variants"]``."""
+    for name in calls:
+        row["variants"][name]["ms_all"] = []
+    for _ in range(reps):
+        for name, fn in calls.items():
+            row["variants"][name]["ms_all"].append(round(time_ms(fn), 4))
+    for v in row["variants"].values():
+        v["ms"] = statistics.median(v["ms_all"])
+
+
 def _ab_shape(row: dict, s_q: int, h_q: int, s_kv: int, reps: int) -> None:
     from sparse_mla_attn.forward import sparse_mla_fwd_impl
 
     q, kv, idx = make_inputs(s_q, h_q, s_kv, 2048)
     sm_scale = 1 / math.sqrt(576)
+    calls = {}
     for name, cfg in AB_VARIANTS.items():
         got = sparse_mla_fwd_impl(q, kv, idx, sm_scale, config=cfg)
         torch.cuda.synchronize()
         row["variants"][name] = {"config": cfg, **check_rows(got, q, kv, idx, sm_scale)}
         row["variants"][name].update(kernel_resources("fwd"))
-        row["variants"][name]["ms_all"] = []
-    for _ in range(reps):
-        for name, cfg in AB_VARIANTS.items():
-            ms = time_ms(lambda cfg=cfg: sparse_mla_fwd_impl(q, kv, idx, sm_scale, config=cfg))
-            row["variants"][name]["ms_all"].append(round(ms, 4))
+        calls[name] = lambda cfg=cfg: sparse_mla_fwd_impl(q, kv, idx, sm_scale, config=cfg)
+    _alternate(row, calls, reps)
     for v in row["variants"].values():
-        v["ms"] = statistics.median(v["ms_all"])
         v["tflops"] = fwd_flops(s_q, h_q, 2048) / v["ms"] / 1e9
 
 
-def ab_fwd(results: list, s_q: int, reps: int) -> None:
+def _ad_ab_shape(row: dict, s_q: int, h_q: int, s_kv: int, reps: int) -> None:
+    from sparse_mla_attn import attn_dist_ref
+    from sparse_mla_attn.attn_dist import attn_dist_impl
+    from sparse_mla_attn.forward import sparse_mla_fwd_impl
+
+    q, kv, idx = make_inputs(s_q, h_q, s_kv, 2048)
+    sm_scale = 1 / math.sqrt(576)
+    start = max(0, s_kv - s_q)  # as bench_attn_dist: causal limit in play
+    _, _, lse = sparse_mla_fwd_impl(q, kv, idx, sm_scale, causal=True, q_start_index=start)
+    ref = attn_dist_ref(q[:32], kv, idx[:32], lse[:32], sm_scale, q_start_index=start)
+    calls = {"fwd": lambda: sparse_mla_fwd_impl(q, kv, idx, sm_scale)}  # as bench_fwd (run.py's ratio)
+    row["variants"]["fwd"] = {}
+    variants = {n: c for n, c in AD_AB_VARIANTS.items() if h_q <= 64 or "G_SPLIT64" not in c}
+    for name, cfg in variants.items():
+        calls[name] = lambda cfg=cfg: attn_dist_impl(
+            q, kv, idx, lse, sm_scale, q_start_index=start, config=cfg
+        )
+        got, again = calls[name](), calls[name]()
+        row["variants"][name] = {
+            "config": cfg,
+            "max_abs_err": float((got[:32] - ref).abs().max()),
+            "row_sum_err": float((got.sum(-1) - h_q).abs().max()),
+            "deterministic": bool(torch.equal(got, again)),
+            **kernel_resources("attn_dist"),
+        }
+    _alternate(row, calls, reps)
+    for name in variants:
+        row["variants"][name]["ratio_to_fwd"] = row["variants"][name]["ms"] / row["variants"]["fwd"]["ms"]
+
+
+def ab_fwd(results: list, s_q: int, reps: int, label: str = "fwd_ab") -> None:
     """Per shape: check each variant on 32 rows against the reference, then time them alternately
-    ``reps`` times (do_bench median each); record every timing and the median per variant."""
-    for h_q, s_kv in AB_SHAPES:
-        row: dict = {"label": "fwd_ab", "s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": 2048, "variants": {}}
+    ``reps`` times (do_bench median each); record every timing and the median per variant. ``label``
+    "ad_ab": the attn_dist variants of ``AD_AB_VARIANTS`` with the forward."""
+    shapes, one_shape = (AB_SHAPES, _ab_shape) if label == "fwd_ab" else (AD_AB_SHAPES, _ad_ab_shape)
+    for h_q, s_kv in shapes:
+        row: dict = {"label": label, "s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": 2048, "variants": {}}
         try:
-            _ab_shape(row, s_q, h_q, s_kv, reps)
+            one_shape(row, s_q, h_q, s_kv, reps)
             print(
-                f"fwd_ab h{h_q} kv{s_kv}: "
+                f"{label} h{h_q} kv{s_kv}: "
                 + "; ".join(
-                    f"{n} {v['ms']:.3f} ms ({v['tflops']:.0f} TF) {v['ms_all']} err {v['out_max_abs_err']:.1e} "
-                    f"regs={v.get('n_regs')} spills={v.get('n_spills')} smem={v.get('shared_bytes')}"
+                    f"{n} {v['ms']:.3f} ms {v['ms_all']} "
+                    + " ".join(f"{k}={v[k]}" for k in v if k not in ("ms", "ms_all", "config", "wgmma"))
                     for n, v in row["variants"].items()
                 ),
                 flush=True,
             )
         except Exception as e:  # recorded, not fatal (e.g. a variant that fails to compile on the device)
             row["error"] = repr(e)[:500]
-            print(f"fwd_ab h{h_q} kv{s_kv} FAILED {repr(e)[:300]}", flush=True)
+            print(f"{label} h{h_q} kv{s_kv} FAILED {repr(e)[:300]}", flush=True)
             traceback.print_exc(limit=2)
         results.append(row)
         torch.cuda.empty_cache()
@@ -142,8 +193,9 @@ def main() -> None:
     only = set(a.only.split(","))
     results: list = [{"device": torch.cuda.get_device_name(), "dense_bf16_tflops": dense_matmul_tflops()}]
     print(results[0], flush=True)
-    if "fwd_ab" in only:
-        ab_fwd(results, a.s_q, a.reps)
+    for label in ("fwd_ab", "ad_ab"):
+        if label in only:
+            ab_fwd(results, a.s_q, a.reps, label)
     if "fwd" in only:
         for cfg in FWD_VARIANTS:
             for h_q, s_kv in FWD_SHAPES:

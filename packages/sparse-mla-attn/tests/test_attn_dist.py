@@ -140,17 +140,24 @@ def test_attn_dist_gpu_two_head_tiles():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("backend", "h_q", "d_qk", "topk"),
+    ("backend", "h_q", "d_qk", "topk", "options"),
     [
-        pytest.param("triton", 128, 576, 1000, id="triton-H128-D576-T1000"),
-        pytest.param("gluon", 128, 576, 1000, id="gluon-H128-D576-T1000"),
-        pytest.param("gluon", 64, 576, 2048, id="gluon-H64-D576-T2048"),
-        pytest.param("gluon", 37, 512, 333, id="gluon-H37-D512-T333"),
+        pytest.param("triton", 128, 576, 1000, {}, id="triton-H128-D576-T1000"),
+        pytest.param("gluon", 128, 576, 1000, {}, id="gluon-H128-D576-T1000"),
+        pytest.param("gluon", 64, 576, 2048, {}, id="gluon-H64-D576-T2048"),
+        pytest.param("gluon", 37, 512, 333, {}, id="gluon-H37-D512-T333"),
+        pytest.param("gluon", 96, 512, 130, {}, id="gluon-H96-D512-T130"),
+        # Gluon options: the warp-specialised kernel's alternate-block split, the earlier kernel.
+        pytest.param("gluon", 64, 576, 2048, {"G_SPLIT64": 2}, id="gluon-blocks-H64-D576-T2048"),
+        pytest.param("gluon", 40, 576, 129, {"G_SPLIT64": 2}, id="gluon-blocks-H40-D576-T129"),
+        pytest.param("gluon", 128, 576, 1000, {"G_WS": 0}, id="gluon-prews-H128-D576-T1000"),
+        pytest.param("gluon", 64, 576, 2048, {"G_WS": 0}, id="gluon-prews-H64-D576-T2048"),
     ],
 )
-def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk):
+def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk, options):
     """Both kernel families against the reference (invalid indices, causal limit with k_stride 2, NaN in
-    every unselected KV row, a query with no valid slot)."""
+    every unselected KV row, a query with no valid slot); the result is bitwise reproducible (above 64
+    heads the warp-specialised Gluon kernel adds two partial sums onto a zeroed output)."""
     from sparse_mla_attn.attn_dist import attn_dist_impl
     from sparse_mla_attn.forward import LAST_BACKEND
 
@@ -163,8 +170,10 @@ def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk):
     idx[3] = -1
     kw = {"q_start_index": start, "k_stride": 2}
     _, _, lse = sparse_mla_fwd(q, kv, idx, 0.0416, causal=True, **kw)
-    got = attn_dist_impl(q, kv, idx, lse, 0.0416, config={"GLUON": backend == "gluon"}, **kw)
+    config = {"GLUON": backend == "gluon", **options}
+    got = attn_dist_impl(q, kv, idx, lse, 0.0416, config=config, **kw)
     assert LAST_BACKEND["attn_dist"] == backend
     ref = attn_dist_ref(q, kv, idx, lse, 0.0416, **kw)
     torch.testing.assert_close(got, ref, atol=TOL["gpu"][0], rtol=TOL["gpu"][1])
     assert torch.all(got[3] == 0)
+    assert torch.equal(got, attn_dist_impl(q, kv, idx, lse, 0.0416, config=config, **kw))

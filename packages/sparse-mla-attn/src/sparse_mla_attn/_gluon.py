@@ -62,6 +62,11 @@ def gluon_available(t: torch.Tensor, *rows: torch.Tensor) -> bool:
 
 
 if HAVE_GLUON:
+    # How the warp-specialised attn_dist's two consumer warpgroups share a token (``_ad_consumer``;
+    # ``G_SPLIT64`` of gluon_attn_dist_config names the last two).
+    AD_SPLIT_HEADS = gl.constexpr(0)
+    AD_SPLIT_COLS = gl.constexpr(1)
+    AD_SPLIT_BLOCKS = gl.constexpr(2)
 
     @gluon.jit
     def _issue_gather(
@@ -202,10 +207,7 @@ if HAVE_GLUON:
         )
         lse2 = lse2 * lse_to_log2
 
-        hi = s_kv
-        if CAUSAL:
-            num = q_start_index + pid_s + 1 - k_stride
-            hi = gl.minimum(hi, gl.maximum(num, 0) // k_stride + 1)
+        hi = _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL)
 
         # Ring of gathered rows, allocated after the query conversion so that its scratch can be reused.
         kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
@@ -271,7 +273,40 @@ if HAVE_GLUON:
         cp.wait_group(0)
 
     @gluon.jit
-    def _pp_producer(
+    def _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL: gl.constexpr):
+        """Exclusive upper bound of the valid KV indices of token ``pid_s``: ``s_kv``, or with ``CAUSAL``
+        at most ``(q_start_index + pid_s + 1 - k_stride) // k_stride + 1`` (C division of a non-negative
+        numerator; a negative one allows index 0 only, as the CUDA kernel does)."""
+        hi = s_kv
+        if CAUSAL:
+            num = q_start_index + pid_s + 1 - k_stride
+            hi = gl.minimum(hi, gl.maximum(num, 0) // k_stride + 1)
+        return hi
+
+    @gluon.jit
+    def _ws_ring_barriers(NUM_BUF: gl.constexpr, READERS: gl.constexpr):
+        """mbarriers of a warp-specialised ring: ``full[s]`` completes when the producer's 128 threads'
+        copies into slot ``s`` landed (one deferred arrive each), ``empty[s]`` when the ``READERS``
+        consumer warpgroups that read the slot's block released it (one arrive per warpgroup)."""
+        full_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(NUM_BUF):
+            mbarrier.init(full_bars.index(j), count=128)
+            mbarrier.init(empty_bars.index(j), count=READERS)
+        return full_bars, empty_bars
+
+    @gluon.jit
+    def _ws_wait_full(full_bars, b, NUM_BUF: gl.constexpr):
+        """Consumer side of the ring: wait until block ``b`` landed in slot ``b % NUM_BUF``, then fence the
+        async proxy (the producer's cp.async writes are generic-proxy writes of other threads, read next
+        by wgmma). Returns the slot."""
+        slot = b % NUM_BUF
+        mbarrier.wait(full_bars.index(slot), (b // NUM_BUF) & 1)
+        fence_async_shared()
+        return slot
+
+    @gluon.jit
+    def _ws_producer(
         kn_smem,
         kr_smem,
         full_bars,
@@ -285,20 +320,22 @@ if HAVE_GLUON:
         D_NOPE: gl.constexpr,
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
+        NUM_BUF: gl.constexpr,
     ):
-        """Ping-pong forward, producer warpgroup: gathers block ``b`` into slot ``b % 2`` once both
-        consumers released that slot's previous block, and arms ``full_bars[b % 2]`` with one deferred
-        arrive per thread (``cp.async.mbarrier.arrive.noinc``: it fires when this thread's copies landed)."""
+        """Producer warpgroup of the warp-specialised kernels (forward and attn_dist): gathers block ``b``
+        into slot ``b % NUM_BUF`` once its readers released that slot's previous block, and arms
+        ``full_bars[b % NUM_BUF]`` with one deferred arrive per thread (``cp.async.mbarrier.arrive.noinc``:
+        it fires when this thread's copies landed)."""
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
         idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
         for b in range(n_blocks):
-            slot = b % 2
+            slot = b % NUM_BUF
             idx_cur = idx_next
             nxt = (b + 1) * BLOCK_T + offs_t
             idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
-            # Slot free: both consumers arrived for block b - 2 (a fresh barrier passes parity 1 at once).
-            mbarrier.wait(empty_bars.index(slot), ((b // 2) & 1) ^ 1)
+            # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
+            mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
             _issue_gather(
                 kn_smem.index(slot), kr_smem.index(slot), KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l
             )
@@ -376,8 +413,7 @@ if HAVE_GLUON:
             z = gl.inline_asm_elementwise(
                 "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
             )
-            mbarrier.wait(full_bars.index(WG), ph)
-            fence_async_shared()  # the producer's cp.async writes (generic proxy) before wgmma reads them
+            _ws_wait_full(full_bars, b, 2)  # slot b % 2 == WG
             t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
             s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
             s = warpgroup_mma(
@@ -468,32 +504,6 @@ if HAVE_GLUON:
         gl.store(o_ptr, out.to(dtype), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
 
     @gluon.jit
-    def _pp_consumer0(
-        qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars, end_bar,
-        idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t, hi, n_pairs,
-        sm_scale_log2, D_NOPE: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_T: gl.constexpr,
-        HAS_SINK: gl.constexpr,
-    ):  # fmt: skip
-        _pp_consumer(
-            0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
-            end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t, hi,
-            n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
-        )  # fmt: skip
-
-    @gluon.jit
-    def _pp_consumer1(
-        qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars, end_bar,
-        idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t, hi, n_pairs,
-        sm_scale_log2, D_NOPE: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_T: gl.constexpr,
-        HAS_SINK: gl.constexpr,
-    ):  # fmt: skip
-        _pp_consumer(
-            1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
-            end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t, hi,
-            n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
-        )  # fmt: skip
-
-    @gluon.jit
     def _sparse_mla_fwd_pingpong_kernel(
         Q,
         KV,
@@ -536,6 +546,7 @@ if HAVE_GLUON:
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_T == 64)
         BLOCK_H: gl.constexpr = 64
+        NUM_BUF: gl.constexpr = 2  # the consumers index the two slots by warpgroup (block 2k + WG)
         pid = gl.program_id(0)
         pid_h = pid % n_head_tiles
         pid_s = pid // n_head_tiles
@@ -565,13 +576,10 @@ if HAVE_GLUON:
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
         m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
         l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
-        full_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 2)  # both consumers read every block (S and P·V)
         p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
         for j in gl.static_range(2):
-            mbarrier.init(full_bars.index(j), count=128)  # one deferred arrive per producer thread
-            mbarrier.init(empty_bars.index(j), count=2)  # one arrive per consumer warpgroup
             mbarrier.init(p_bars.index(j), count=1)
         mbarrier.init(end_bar, count=2)
         fence_async_shared()  # the query tile, before wgmma reads it
@@ -579,30 +587,192 @@ if HAVE_GLUON:
         n_t = topk
         if HAS_TOPK_LEN:
             n_t = gl.minimum(gl.load(TOPK_LEN + pid_s), topk)
-        hi = s_kv
-        if CAUSAL:
-            num = q_start_index + pid_s + 1 - k_stride
-            hi = gl.minimum(hi, gl.maximum(num, 0) // k_stride + 1)
+        hi = _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL)
         n_pairs = gl.cdiv(n_t, 2 * BLOCK_T)
         idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
         out_base = pid_s.to(gl.int64) * stride_o_s
         lse_base = pid_s.to(gl.int64) * h_q
-        # (Argument tuples written inline: a tuple assigned to a variable turns its constexprs into tensors.)
+        # (Argument tuples written inline: a tuple assigned to a variable turns its constexprs into tensors;
+        # constexpr variables such as WG0 stay constexprs.)
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
         gl.warp_specialize(
             [
-                (_pp_consumer0, (
-                    qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+                (_pp_consumer, (
+                    WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
                     end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t,
                     hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
                 )),
-                (_pp_consumer1, (
-                    qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+                (_pp_consumer, (
+                    WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
                     end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t,
                     hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
                 )),
-                (_pp_producer, (
+                (_ws_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
-                    D_NOPE, D_ROPE, BLOCK_T,
+                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
+                )),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+    @gluon.jit
+    def _ad_consumer(
+        WG: gl.constexpr,
+        kn_smem,
+        kr_smem,
+        full_bars,
+        empty_bars,
+        Q,
+        LSE,
+        q_base,
+        lse_base,
+        out_row,
+        idx_row,
+        stride_q_h,
+        h_q,
+        n_t,
+        hi,
+        n_blocks,
+        sm_scale_log2,
+        lse_to_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+        SPLIT: gl.constexpr,
+    ):
+        """Warp-specialised attn_dist, consumer warpgroup ``WG`` (0 or 1) of a token.
+
+        64 heads of the query live in its registers (the wgmma A operand). ``SPLIT`` says how the two
+        warpgroups share the work:
+
+        * ``AD_SPLIT_HEADS`` (h_q > 64): warpgroup ``WG`` owns heads ``64 WG ..`` and reads every block; its
+          column sums over those heads are added with an fp32 atomic into the zeroed output (two addends
+          onto 0: the sum does not depend on their order, so it is deterministic);
+        * ``AD_SPLIT_COLS``: both hold the same 64 heads and read every block, warpgroup ``WG`` computing
+          the block's columns ``32 WG ..`` (m64n32);
+        * ``AD_SPLIT_BLOCKS``: both hold the same 64 heads and take alternate blocks (``2k + WG``).
+
+        The warpgroups never wait for each other, so one's exp and column sums run while the other's S
+        occupies the tensor cores.
+        """
+        N: gl.constexpr = BLOCK_T // 2 if SPLIT == AD_SPLIT_COLS else BLOCK_T  # columns per warpgroup
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16]
+        )
+        qa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
+        H0: gl.constexpr = 64 * WG if SPLIT == AD_SPLIT_HEADS else 0
+        C0: gl.constexpr = N * WG if SPLIT == AD_SPLIT_COLS else 0
+        STEP: gl.constexpr = 2 if SPLIT == AD_SPLIT_BLOCKS else 1
+        FIRST: gl.constexpr = WG if SPLIT == AD_SPLIT_BLOCKS else 0
+
+        # Query tile loaded straight into the wgmma A layout (a layout conversion would need shared scratch
+        # next to the ring). Padding heads are 0; their lse is +inf, so their probabilities are 0.
+        offs_h = H0 + gl.arange(0, 64, layout=gl.SliceLayout(1, qa_l))
+        h_ok = offs_h < h_q
+        q_row = Q + q_base + offs_h[:, None] * stride_q_h
+        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, qa_l))
+        q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
+        if D_ROPE > 0:
+            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, qa_l))
+            q_rope = gl.load(q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0)
+        else:
+            q_rope = q_nope  # unused
+        offs_hm = H0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))
+        lse2 = gl.load(LSE + lse_base + offs_hm, mask=offs_hm < h_q, other=float("inf")) * lse_to_log2
+
+        # Column sums, indices and output addresses one column per thread (the S layout would hold 16 per
+        # thread: 64-bit addresses for 16 columns do not fit next to the 144 registers of the query).
+        col_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        offs_c = C0 + gl.arange(0, N, layout=col_l)
+        for b in range(FIRST, n_blocks, STEP):
+            offs_t = b * BLOCK_T + offs_c
+            t_idx = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)  # in flight during the wait and S
+            slot = _ws_wait_full(full_bars, b, NUM_BUF)
+            s = gl.zeros([64, N], gl.float32, s_l)
+            kn = kn_smem.index(slot).slice(C0, N, dim=0).permute((1, 0))
+            s = warpgroup_mma(q_nope, kn, s, use_acc=False, is_async=True)
+            if D_ROPE > 0:
+                kr = kr_smem.index(slot).slice(C0, N, dim=0).permute((1, 0))
+                s = warpgroup_mma(q_rope, kr, s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            mbarrier.arrive(empty_bars.index(slot))  # S is the slot's only reader: refill it now
+            col = gl.convert_layout(gl.sum(gl.exp2(s * sm_scale_log2 - lse2[:, None]), axis=0), col_l)
+            valid = (t_idx >= 0) & (t_idx < hi)
+            if SPLIT == AD_SPLIT_HEADS:
+                gl.atomic_add(out_row + offs_t, col, mask=valid, sem="relaxed")
+            else:
+                gl.store(out_row + offs_t, gl.where(valid, col, 0.0), mask=offs_t < n_t)
+
+    @gluon.jit
+    def _attn_dist_ws_kernel(
+        Q,
+        KV,
+        IDX,
+        LSE,
+        OUT,
+        stride_q_s,
+        stride_q_h,
+        stride_kv_row,
+        stride_idx_s,
+        stride_lse_s,
+        h_q,
+        topk,
+        s_kv,
+        q_start_index,
+        k_stride,
+        sm_scale_log2,
+        lse_to_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+        SPLIT: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """attn_dist for one token and all its heads, warp specialised like the forward (12 warps).
+
+        Default partition = consumer warpgroup 0, worker 0 = consumer warpgroup 1, worker 1 = the
+        producer warpgroup (``_ws_producer``) gathering 64-row blocks into a ring of ``NUM_BUF`` slots.
+        With ``AD_SPLIT_HEADS`` the output must be zeroed (see ``_ad_consumer``).
+        """
+        gl.static_assert(num_warps == 4)
+        pid_s = gl.program_id(0)
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
+        kr_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, 64], smem_l)
+        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 1 if SPLIT == AD_SPLIT_BLOCKS else 2)
+        fence_async_shared()  # barrier initialisation, before any partition uses them
+
+        hi = _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL)
+        n_blocks = gl.cdiv(topk, BLOCK_T)
+        idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
+        out_row = OUT + pid_s.to(gl.int64) * topk
+        q_base = pid_s.to(gl.int64) * stride_q_s
+        lse_base = pid_s.to(gl.int64) * stride_lse_s
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        gl.warp_specialize(
+            [
+                (_ad_consumer, (
+                    WG0, kn_smem, kr_smem, full_bars, empty_bars, Q, LSE, q_base, lse_base, out_row, idx_row,
+                    stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_NOPE, D_ROPE, BLOCK_T,
+                    NUM_BUF, SPLIT,
+                )),
+                (_ad_consumer, (
+                    WG1, kn_smem, kr_smem, full_bars, empty_bars, Q, LSE, q_base, lse_base, out_row, idx_row,
+                    stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_NOPE, D_ROPE, BLOCK_T,
+                    NUM_BUF, SPLIT,
+                )),
+                (_ws_producer, (
+                    kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, topk, hi, n_blocks,
+                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
                 )),
             ],
             [4, 4],
@@ -629,9 +799,18 @@ PINGPONG_REGS = {"consumer": 232, "producer": 40}
 
 
 def gluon_attn_dist_config(h_q: int) -> dict[str, int]:
-    """attn_dist tile for a head count: 64-row blocks in a ring of 3 and 8 warps (128 heads: two
-    warpgroups along the heads; 64 heads: two warpgroups splitting the block's columns)."""
-    return {"G_BLOCK_T": 64, "G_NUM_BUF": 3, "G_WARPS": 8}
+    """attn_dist tile for a head count: 64-row blocks in a ring of 3. ``G_WS`` 1: warp specialised
+    (``_attn_dist_ws_kernel``: a producer warpgroup and two consumer warpgroups, 12 warps; up to 64 heads
+    the warpgroups split each block's columns, ``G_SPLIT64`` 1, or take alternate blocks, 2); 0: the
+    earlier kernel (``_attn_dist_gluon_kernel``, 8 warps: 128 heads, two warpgroups along the heads; 64
+    heads, two warpgroups splitting the block's columns)."""
+    return {"G_BLOCK_T": 64, "G_NUM_BUF": 3, "G_WARPS": 8, "G_WS": 1, "G_SPLIT64": 1}
+
+
+def gluon_attn_dist_zero_init(h_q: int, cfg: dict) -> bool:
+    """Whether the Gluon attn_dist launch adds into its output (which must then be zeroed): the warp-
+    specialised kernel above 64 heads, where each consumer warpgroup adds its 64 heads' column sums."""
+    return bool({**gluon_attn_dist_config(h_q), **cfg}["G_WS"]) and h_q > 64
 
 
 def launch_fwd_gluon(
@@ -682,9 +861,20 @@ def launch_attn_dist_gluon(
     causal: bool,
     cfg: dict,
 ) -> Any:
-    """attn_dist on sm_90: one program per token holding all heads (64 or 128 rows, 4 or 8 warps)."""
+    """attn_dist on sm_90: one program per token holding all heads. ``out`` must be zeroed where
+    :func:`gluon_attn_dist_zero_init` says so."""
     block_h = 64 if dims.h_q <= 64 else 128
     g = {**gluon_attn_dist_config(dims.h_q), **cfg}
+    if g["G_WS"]:
+        return _attn_dist_ws_kernel[(dims.s_q,)](
+            q, kv_rows, idx, lse, out,
+            q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
+            dims.h_q, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2,
+            D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=g["G_NUM_BUF"],
+            SPLIT=AD_SPLIT_HEADS if block_h == 128 else g["G_SPLIT64"], CAUSAL=causal,
+            CONSUMER_REGS=PINGPONG_REGS["consumer"], PRODUCER_REGS=PINGPONG_REGS["producer"],
+            num_warps=4,
+        )  # fmt: skip
     return _attn_dist_gluon_kernel[(dims.s_q,)](
         q, kv_rows, idx, lse, out,
         q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),

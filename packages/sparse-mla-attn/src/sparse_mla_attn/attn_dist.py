@@ -14,7 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_mla_attn._gluon import gluon_available, gluon_enabled, launch_attn_dist_gluon
+from sparse_mla_attn._gluon import (
+    gluon_attn_dist_zero_init,
+    gluon_available,
+    gluon_enabled,
+    launch_attn_dist_gluon,
+)
 from sparse_mla_attn._validate import (
     check_causal_args,
     check_kernel_dims,
@@ -214,14 +219,15 @@ def attn_dist_impl(
         raise ValueError(
             f"attn_dist: BLOCK_H={cfg['BLOCK_H']} gives {n_head_tiles} head tiles; at most 2 keep it deterministic"
         )
-    atomic = n_head_tiles > 1
+    kv_rows = kv[:, 0]
+    idx = indices[:, 0]
+    use_gluon = cfg.get("GLUON", gluon_enabled()) and gluon_available(q, kv_rows) and dims.h_q > 32
+    # Kernels that add partial sums (two head tiles) need a zeroed output.
+    atomic = gluon_attn_dist_zero_init(dims.h_q, cfg) if use_gluon else n_head_tiles > 1
     alloc = torch.zeros if atomic else torch.empty
     out = alloc(dims.s_q, dims.topk, dtype=torch.float32, device=q.device)
     if dims.s_q == 0:
         return out
-    kv_rows = kv[:, 0]
-    idx = indices[:, 0]
-    use_gluon = cfg.get("GLUON", gluon_enabled()) and gluon_available(q, kv_rows) and dims.h_q > 32
     LAST_BACKEND["attn_dist"] = "gluon" if use_gluon else "triton"
     if use_gluon:
         # Hopper: all heads of a token in one program, query in registers, explicit cp.async ring.
