@@ -7,7 +7,8 @@ exists, ``bench_triton.py`` (the Triton backend), each under
 ``python -m torch.distributed.run --standalone --nproc-per-node=<GPUs>``. Each writes its raw JSON to
 ``<out-dir>/ep-a2a-<bench>.json``; this script then writes ``<out-dir>/ep-a2a.json`` (every bench's raw
 results, including ones from an earlier run of a bench not selected with ``--only``, each with its own
-date, commit and command) and ``<out-dir>/ep-a2a.md`` (the tables), and prints the tables.
+date, commit and command) and ``<out-dir>/ep-a2a.md`` (the tables) and ``<out-dir>/ep-a2a.png`` (the Triton bench's 4096-token cases as
+% of the copy engine), and prints the tables.
 """
 
 from __future__ import annotations
@@ -141,6 +142,55 @@ def render(merged: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# bars of the plot: (result key, label); the graph rows at both SM counts and the eager calls
+PLOT_METHODS = [
+    ("ours-sm132", "eager exact, 132 SMs"),
+    ("ours-static-eager-sm132", "eager static, 132 SMs"),
+    ("ours-graph-sm132", "CUDA graph, 132 SMs"),
+    ("ours-graph-sm32", "CUDA graph, 32 SMs"),
+    ("nccl-dest", "NCCL per-destination"),
+]
+
+
+def plot(raw: dict, path: Path) -> bool:
+    """Bar chart of the Triton bench's 4096-token cases: % of the copy engine, dispatch and combine."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cases = [c for c in raw.get("cases", []) if c["tokens"] >= 1024 and c.get("heap", "torch") == "torch"]
+    if not cases:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), sharey=True)
+    width = 0.8 / len(PLOT_METHODS)
+    for ax, op in zip(axes, ("dispatch", "combine"), strict=True):
+        for i, (key, label) in enumerate(PLOT_METHODS):
+            vals = []
+            for c in cases:
+                ce, r = c["results"].get("ce", {}).get("copy_ms"), c["results"].get(key, {})
+                ms = r.get(f"{op}_ms")
+                vals.append(100 * ce / ms if ce and ms else 0.0)
+            ax.bar([j + (i - len(PLOT_METHODS) / 2 + 0.5) * width for j in range(len(cases))], vals, width,
+                   label=label)  # fmt: skip
+        ax.axhline(75, color="k", ls="--", lw=1)
+        ax.axhline(65, color="k", ls=":", lw=1)
+        ax.set_xticks(range(len(cases)), [f"{c['shape']}\n{c['routing']}" for c in cases], fontsize=8)
+        ax.set(title=f"{op}, 4096 tokens/rank", ylabel="% of the copy engine (same bytes, same run)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7, title="goals: 75 % (--), 65 % at 32 SMs (..)", title_fontsize=7)
+    fig.suptitle(
+        f"ep-a2a on {raw.get('device')} x{raw.get('world_size')}, commit {str(raw.get('commit'))[:7]}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description="ep-a2a benchmarks")
     p.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
@@ -179,6 +229,8 @@ def main() -> int:
                 merged["benches"][name] = {"file": raw_name, **json.loads(raw_path.read_text())}
                 break
     (args.out_dir / "ep-a2a.json").write_text(json.dumps(merged, indent=1) + "\n")
+    if "triton" in merged["benches"]:
+        plot(merged["benches"]["triton"], args.out_dir / "ep-a2a.png")
     md = render(merged)
     (args.out_dir / "ep-a2a.md").write_text(md)
     print(md)
