@@ -283,23 +283,35 @@ def test_bad_mode_arguments() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_plan_matches_cpu() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64], ids=["f32", "f64", "i64"])
+def test_gpu_input_same_plan_as_host(dtype: torch.dtype) -> None:
+    """A CUDA weight is planned on the host: exactly the tensors of its host copy, on its device, in
+    every mode (strict, global, soft locality, migration), an all-zero layer included."""
     w = E.synthetic_loads(16, 256, seed=3)
-    for kw in (_kw(288, 8, 4, 32), _kw(288, 8, 9, 72)):
-        cpu = E.plan(w, **kw)
-        gpu = E.plan(w.cuda(), **kw)
-        assert gpu.phy2log.is_cuda
-        gpu_cpu = E.Placement.from_tensors(
-            gpu.phy2log.cpu(),
-            w,
-            num_groups=8,
-            num_nodes=kw["num_nodes"],
-            num_gpus=kw["num_gpus"],
-            mode=cpu.mode,
+    w[5] = 0  # a dense layer: no routed tokens
+    w_gpu = w.to("cuda", dtype)
+    w_host = w_gpu.cpu()
+    for args in ((288, 8, 4, 32), (320, 8, 8, 64), (264, 8, 1, 8), (288, 8, 9, 72)):
+        host = E.rebalance_experts(w_host, *args)
+        dev = E.rebalance_experts(w_gpu, *args)
+        for h, d in zip(host, dev, strict=True):
+            assert d.device == w_gpu.device
+            assert d.dtype == torch.int64
+            assert torch.equal(d.cpu(), h)
+    kw = _kw(288, 8, 4, 32)
+    earlier = E.synthetic_loads(16, 256, seed=4).to("cuda", dtype)
+    for extra in ({}, {"soft_locality": 0.05}, {"previous": E.plan(earlier, **kw), "max_changed_slots": 72}):
+        host_p = E.plan(
+            w_host, **kw, **{k: (v.phy2log.cpu() if k == "previous" else v) for k, v in extra.items()}
         )
-        gpu_cpu.validate()
-        # same algorithm; float64 reductions may order differently on the GPU, so ties can break apart
-        assert abs(float(gpu_cpu.balancedness.mean()) - float(cpu.balancedness.mean())) < 2e-3
+        dev_p = E.plan(w_gpu, **kw, **extra)
+        assert dev_p.phy2log.is_cuda
+        assert dev_p.balancedness.is_cuda
+        assert torch.equal(dev_p.phy2log.cpu(), host_p.phy2log)
+        assert torch.allclose(dev_p.balancedness.cpu(), host_p.balancedness, rtol=1e-12, atol=0)
+        assert bool(dev_p.zero_layers[5])
+        assert int(dev_p.zero_layers.sum()) == 1
+        dev_p.validate()
 
 
 @pytest.mark.parametrize("mode", ["strict", "soft", "migration"])
