@@ -131,7 +131,8 @@ class TritonEPEngine:
         num_sm: CTAs of the dispatch and combine kernels (the SMs they occupy).
         timeout_s: bound of every device-side wait.
         chunk: tokens per work item (and per ready flag).
-        send_ctas, combine_send_ctas: split of the dispatch / combine kernel's CTAs. 0 (default):
+        send_ctas, combine_send_ctas: split of the dispatch / combine kernel's CTAs (``TritonBackend``
+            picks the defaults: on for large layers on many SMs). 0 (the engine's default):
             every CTA sends its chunks to the peers, then writes this rank's rows of a chunk, in turn;
             ``0 < k < num_sm``: ``k`` CTAs only send, the others only write this rank's output
             (dispatch: its own rows and the received ones; combine: the sums of its tokens).
