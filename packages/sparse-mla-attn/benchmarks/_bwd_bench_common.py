@@ -164,7 +164,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         if b.get("sweep"):
             lines += [
                 "",
-                "Other kernel configurations timed in the same run at the first row's shape (`DKV_WRITE` 1 / 2 are "
+                "Other kernel configurations timed in the same run at the first row's shape (`SPLIT_DKV` 0: the "
+                "fused kernel, dkv products per 64-head block inside the main kernel, the default before the "
+                "separate dkv kernel; `N_CSPLIT`: channel groups of the dkv kernel; `DKV_WRITE` 1 / 2 are "
                 "diagnostics that compute a wrong dkv: plain stores instead of atomics / no dkv update):",
                 "",
                 "| config (changes from the default) | mode | ms | TFLOPS |",

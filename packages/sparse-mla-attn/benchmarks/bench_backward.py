@@ -125,17 +125,18 @@ def bench_shape(
 
 
 # Alternatives timed for the record after the main benchmark, at the first row's shape: (changes from the
-# default configuration, mode). DKV_WRITE 1/2 are diagnostics with a wrong dkv (plain stores instead of
-# atomics / no dkv update): they bound what the dkv accumulation costs.
+# default configuration, mode). SPLIT_DKV 0 is the fused kernel (dkv products per 64-head block inside the
+# main kernel; the default before the separate dkv kernel, and still the path of h_q > 128). DKV_WRITE 1/2 are
+# diagnostics with a wrong dkv (plain stores instead of atomics / no dkv update): they bound what the dkv
+# accumulation costs.
 SWEEP: list[tuple[dict[str, int], bool]] = [
+    ({"SPLIT_DKV": 0}, False),
+    ({"SPLIT_DKV": 0, "N_SUB": 2}, True),
+    ({"N_CSPLIT": 1}, False),
+    ({"BLOCK_T_DKV": 128, "num_warps_dkv": 8, "chunk_stages_dkv": 3, "N_CSPLIT": 1}, False),
+    ({"BLOCK_T_DKV": 64, "num_warps_dkv": 4, "chunk_stages_dkv": 2, "N_CSPLIT": 2}, True),
     ({"DKV_WRITE": 1}, False),
     ({"DKV_WRITE": 2}, False),
-    ({"N_SUB": 2}, False),
-    ({"DKV_T": 1}, False),
-    ({"DQ_SPLIT": 1, "BLOCK_D": 256}, False),
-    ({"chunk_stages": 3}, False),
-    ({"BLOCK_DV": 128, "chunk_stages": 2}, False),
-    ({"BLOCK_H": 128, "BLOCK_T": 64, "N_SUB": 1}, True),
 ]
 
 
