@@ -5,10 +5,10 @@
 #      not depend on timing): test_forward.py; test_attn_dist.py + test_decode.py; the training side
 #      (test_backward.py + test_indexer.py, which call the forward). A per-test limit (pytest-timeout,
 #      thread method) names a test that hangs;
-#   2. with AB=ad (sweep 13), if the attn_dist tests passed: tune.py's alternated A/B of the
-#      warp-specialised attn_dist against the earlier Gluon kernel (and the forward), alone on the GPU;
-#      the pre-declared rule (ab_decision.txt): the new kernel wins if its median is lower at every
-#      h_q 128 shape and it is bitwise reproducible;
+#   2. with AB=ad (sweeps 13, 14), if the attn_dist tests passed: tune.py's alternated A/B of the
+#      default attn_dist (ad_ws) against the other variants of AD_AB_VARIANTS (and the forward), alone on
+#      the GPU; the pre-declared rule (ab_decision.txt): the default wins if its median is lower than
+#      every other variant's at every h_q 128 shape and it is bitwise reproducible;
 #   3. if the forward side passed (and with AB=ad the new kernel won), the committed benchmark (run.py)
 #      alone on the GPU.
 # Usage (repository root): [AB=ad] OUT=... bash packages/sparse-mla-attn/benchmarks/_fwd_gpu_check.sh
@@ -54,7 +54,8 @@ ok = bool(rows) and all("error" not in r for r in rows)
 for r in rows:
     v = r.get("variants", {})
     if r["h_q"] == 128:
-        ok = ok and v["ad_ws"]["ms"] < v["ad_pre_ws"]["ms"] and v["ad_ws"]["deterministic"]
+        others = [n for n in v if n.startswith("ad_") and n != "ad_ws"]
+        ok = ok and all(v["ad_ws"]["ms"] < v[n]["ms"] for n in others) and v["ad_ws"]["deterministic"]
     print(r["h_q"], r["s_kv"], {n: (x.get("ms"), round(x.get("ratio_to_fwd", 0), 3)) for n, x in v.items()})
 print("WON" if ok else "LOST")
 PY

@@ -109,6 +109,9 @@ def main() -> None:
     ap.add_argument(
         "--split64", type=int, default=1, help="Gluon attn_dist (ws), h_q <= 64: 1 columns, 2 blocks"
     )
+    ap.add_argument(
+        "--no-turns", action="store_true", help="Gluon attn_dist (ws): no turns between consumers"
+    )
     ap.add_argument("--dump-ptx", default="", help="write the PTX here")
     a = ap.parse_args()
     import importlib
@@ -141,6 +144,7 @@ def main() -> None:
             fn = g._attn_dist_ws_kernel
             types = dict(TYPES, OUT="*fp32")
             const = {"SPLIT": 0 if a.h_q > 64 else a.split64, "CAUSAL": True, "NUM_BUF": a.num_buf}
+            const["TURNS"] = not a.no_turns
             const.update(CONSUMER_REGS=a.consumer_regs, PRODUCER_REGS=a.producer_regs)
             a.num_warps = 4
         else:  # gluon_fwd: the warp-specialised forward (4 warps per partition)

@@ -48,12 +48,13 @@ AB_VARIANTS = {"gluon": {"GLUON": True}, "triton": {"GLUON": False}}
 AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072), (64, 131072)]
 
 
-# Sweep 13: the warp-specialised attn_dist (G_WS 1) against the earlier Gluon kernel (G_WS 0), timed
-# alternately with the default forward at the same shape (the target is attn_dist <= 0.6x the forward).
+# Sweeps 13-14: the warp-specialised attn_dist, timed alternately with the default forward at the same
+# shape (the target is attn_dist <= 0.6x the forward). Sweep 13 (913a686) compared it (without turns, then
+# the default) with the earlier Gluon kernel (G_WS 0) and the alternate-block split at h_q 64
+# (results/tune13.log); sweep 14: consumers issuing S by turns (G_WS 2) against no turns (G_WS 1).
 AD_AB_VARIANTS = {
-    "ad_ws": {"GLUON": True, "G_WS": 1},
-    "ad_pre_ws": {"GLUON": True, "G_WS": 0},
-    "ad_ws_blocks": {"GLUON": True, "G_WS": 1, "G_SPLIT64": 2},  # h_q <= 64 only (alternate blocks)
+    "ad_ws": {"GLUON": True, "G_WS": 2},
+    "ad_ws_noturns": {"GLUON": True, "G_WS": 1},
 }
 AD_AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072), (64, 32768)]
 

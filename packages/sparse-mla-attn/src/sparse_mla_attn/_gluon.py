@@ -624,6 +624,7 @@ if HAVE_GLUON:
         kr_smem,
         full_bars,
         empty_bars,
+        turn_bars,
         Q,
         LSE,
         q_base,
@@ -642,6 +643,7 @@ if HAVE_GLUON:
         BLOCK_T: gl.constexpr,
         NUM_BUF: gl.constexpr,
         SPLIT: gl.constexpr,
+        TURNS: gl.constexpr,
     ):
         """Warp-specialised attn_dist, consumer warpgroup ``WG`` (0 or 1) of a token.
 
@@ -655,8 +657,11 @@ if HAVE_GLUON:
           the block's columns ``32 WG ..`` (m64n32);
         * ``AD_SPLIT_BLOCKS``: both hold the same 64 heads and take alternate blocks (``2k + WG``).
 
-        The warpgroups never wait for each other, so one's exp and column sums run while the other's S
-        occupies the tensor cores.
+        The warpgroups only meet at the ring, so one's exp and column sums can run while the other's S
+        occupies the tensor cores. Left alone, their S may also run side by side (interleaved on the tensor
+        cores, both finishing late, both then in their exp at once); with ``TURNS`` they issue S strictly
+        by turns (``turn_bars[w]``: one arrive per S of the other warpgroup), so each S runs alone and the
+        other's exp overlaps it (the ping-pong of FlashAttention-3 / FlashMLA).
         """
         N: gl.constexpr = BLOCK_T // 2 if SPLIT == AD_SPLIT_COLS else BLOCK_T  # columns per warpgroup
         s_l: gl.constexpr = gl.NVMMADistributedLayout(
@@ -691,12 +696,16 @@ if HAVE_GLUON:
             offs_t = b * BLOCK_T + offs_c
             t_idx = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)  # in flight during the wait and S
             slot = _ws_wait_full(full_bars, b, NUM_BUF)
+            if TURNS:  # iteration i waits for the other's S of its iteration i - 1 + WG (warpgroup 0 first)
+                mbarrier.wait(turn_bars.index(WG), ((b - FIRST) // STEP + 1 - WG) & 1)
             s = gl.zeros([64, N], gl.float32, s_l)
             kn = kn_smem.index(slot).slice(C0, N, dim=0).permute((1, 0))
             s = warpgroup_mma(q_nope, kn, s, use_acc=False, is_async=True)
             if D_ROPE > 0:
                 kr = kr_smem.index(slot).slice(C0, N, dim=0).permute((1, 0))
                 s = warpgroup_mma(q_rope, kr, s, is_async=True)
+            if TURNS:
+                mbarrier.arrive(turn_bars.index(1 - WG))  # this S is issued (all 4 warps): the other's turn
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(empty_bars.index(slot))  # S is the slot's only reader: refill it now
             col = gl.convert_layout(gl.sum(gl.exp2(s * sm_scale_log2 - lse2[:, None]), axis=0), col_l)
@@ -730,6 +739,7 @@ if HAVE_GLUON:
         BLOCK_T: gl.constexpr,
         NUM_BUF: gl.constexpr,
         SPLIT: gl.constexpr,
+        TURNS: gl.constexpr,
         CAUSAL: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
@@ -748,6 +758,9 @@ if HAVE_GLUON:
         kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
         kr_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, 64], smem_l)
         full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 1 if SPLIT == AD_SPLIT_BLOCKS else 2)
+        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(2):
+            mbarrier.init(turn_bars.index(j), count=1)
         fence_async_shared()  # barrier initialisation, before any partition uses them
 
         hi = _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL)
@@ -761,14 +774,14 @@ if HAVE_GLUON:
         gl.warp_specialize(
             [
                 (_ad_consumer, (
-                    WG0, kn_smem, kr_smem, full_bars, empty_bars, Q, LSE, q_base, lse_base, out_row, idx_row,
-                    stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_NOPE, D_ROPE, BLOCK_T,
-                    NUM_BUF, SPLIT,
+                    WG0, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, Q, LSE, q_base, lse_base, out_row,
+                    idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_NOPE, D_ROPE,
+                    BLOCK_T, NUM_BUF, SPLIT, TURNS,
                 )),
                 (_ad_consumer, (
-                    WG1, kn_smem, kr_smem, full_bars, empty_bars, Q, LSE, q_base, lse_base, out_row, idx_row,
-                    stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_NOPE, D_ROPE, BLOCK_T,
-                    NUM_BUF, SPLIT,
+                    WG1, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, Q, LSE, q_base, lse_base, out_row,
+                    idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_NOPE, D_ROPE,
+                    BLOCK_T, NUM_BUF, SPLIT, TURNS,
                 )),
                 (_ws_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, topk, hi, n_blocks,
@@ -799,12 +812,13 @@ PINGPONG_REGS = {"consumer": 232, "producer": 40}
 
 
 def gluon_attn_dist_config(h_q: int) -> dict[str, int]:
-    """attn_dist tile for a head count: 64-row blocks in a ring of 3. ``G_WS`` 1: warp specialised
-    (``_attn_dist_ws_kernel``: a producer warpgroup and two consumer warpgroups, 12 warps; up to 64 heads
-    the warpgroups split each block's columns, ``G_SPLIT64`` 1, or take alternate blocks, 2); 0: the
+    """attn_dist tile for a head count: 64-row blocks in a ring of 3. ``G_WS`` 2: warp specialised
+    (``_attn_dist_ws_kernel``: a producer warpgroup and two consumer warpgroups, 12 warps, issuing their
+    products by turns; up to 64 heads the warpgroups split each block's columns, ``G_SPLIT64`` 1, or take
+    alternate blocks, 2); 1: the same without turns; 0: the
     earlier kernel (``_attn_dist_gluon_kernel``, 8 warps: 128 heads, two warpgroups along the heads; 64
     heads, two warpgroups splitting the block's columns)."""
-    return {"G_BLOCK_T": 64, "G_NUM_BUF": 3, "G_WARPS": 8, "G_WS": 1, "G_SPLIT64": 1}
+    return {"G_BLOCK_T": 64, "G_NUM_BUF": 3, "G_WARPS": 8, "G_WS": 2, "G_SPLIT64": 1}
 
 
 def gluon_attn_dist_zero_init(h_q: int, cfg: dict) -> bool:
@@ -871,7 +885,7 @@ def launch_attn_dist_gluon(
             q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
             dims.h_q, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2,
             D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=g["G_NUM_BUF"],
-            SPLIT=AD_SPLIT_HEADS if block_h == 128 else g["G_SPLIT64"], CAUSAL=causal,
+            SPLIT=AD_SPLIT_HEADS if block_h == 128 else g["G_SPLIT64"], TURNS=g["G_WS"] == 2, CAUSAL=causal,
             CONSUMER_REGS=PINGPONG_REGS["consumer"], PRODUCER_REGS=PINGPONG_REGS["producer"],
             num_warps=4,
         )  # fmt: skip
