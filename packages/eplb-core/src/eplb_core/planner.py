@@ -115,8 +115,9 @@ def rebalance_experts(
         ``(phy2log [L, R], log2phy [L, N, max_replicas], logcnt [L, N])``, int64 on ``weight``'s device.
         Physical slot ``p`` lives on GPU ``p // (R / num_gpus)``; ``log2phy`` is padded with ``-1``.
         Deterministic; no GPU holds two replicas of an expert when that can be avoided; no layer ends
-        worse than the greedy LPT plan. The plan is computed in NumPy on the host (a CUDA ``weight`` is
-        copied there and the result copied back).
+        worse than the greedy LPT plan. The plan is computed on the host by the compiled planner (one
+        thread); a CUDA ``weight`` is checked on its device, copied to the host, and the three tensors
+        are copied back to it.
     """
     w = check_weight(weight)
     num_logical = w.shape[1]
