@@ -6,7 +6,7 @@ and the constexpr values; every pointer and every ``stride*`` argument is marked
 the JIT specialises real launches.
 
     python packages/sparse-mla-attn/benchmarks/offline_compile.py gluon_fwd --consumer-regs 232 --producer-regs 40
-    python packages/sparse-mla-attn/benchmarks/offline_compile.py gluon_attn_dist --h-q 64 --num-buf 3
+    python packages/sparse-mla-attn/benchmarks/offline_compile.py gluon_attn_dist --h-q 64 [--split64 2] [--no-turns]
     python packages/sparse-mla-attn/benchmarks/offline_compile.py attn_dist --h-q 128 --num-stages 1
 """
 
@@ -96,7 +96,7 @@ TYPES = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["attn_dist", "gluon_attn_dist", "gluon_attn_dist_ws", "gluon_fwd"])
+    ap.add_argument("kernel", choices=["attn_dist", "gluon_attn_dist", "gluon_fwd"])
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--d-qk", type=int, default=576)
     ap.add_argument("--block-h", type=int, default=0, help="Triton attn_dist head tile (default: all heads)")
@@ -136,11 +136,7 @@ def main() -> None:
         g = importlib.import_module("sparse_mla_attn._gluon")
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        if a.kernel == "gluon_attn_dist":
-            fn = g._attn_dist_gluon_kernel
-            types = dict(TYPES, OUT="*fp32")
-            const = {"BLOCK_H": 64 if a.h_q <= 64 else 128, "CAUSAL": True}
-        elif a.kernel == "gluon_attn_dist_ws":  # warp specialised (4 warps per partition)
+        if a.kernel == "gluon_attn_dist":  # warp specialised (4 warps per partition)
             fn = g._attn_dist_ws_kernel
             types = dict(TYPES, OUT="*fp32")
             const = {"SPLIT": 0 if a.h_q > 64 else a.split64, "CAUSAL": True, "NUM_BUF": a.num_buf}
@@ -154,8 +150,6 @@ def main() -> None:
             const.update(CONSUMER_REGS=a.consumer_regs, PRODUCER_REGS=a.producer_regs)
             a.num_warps = 4
         const.update(D_NOPE=512, D_ROPE=d_rope, BLOCK_T=a.block_t, num_warps=a.num_warps)
-        if a.kernel == "gluon_attn_dist":
-            const["NUM_BUF"] = a.num_buf
         r = compile_sm90(fn, types, const, num_warps=a.num_warps, num_stages=1, source=GluonASTSource)
     if a.dump_ptx:
         with open(a.dump_ptx, "w") as f:

@@ -33,10 +33,7 @@ from bench_forward import (
 # the earlier Gluon forward, removed at sweep 12: tune.py up to 202dd67 runs them.
 FWD_VARIANTS = [{"GLUON": True}, {"GLUON": False}]
 FWD_SHAPES = [(128, 8192), (128, 131072), (64, 32768)]
-ATTN_DIST_VARIANTS = [
-    {"GLUON": True, "G_BLOCK_T": 32, "G_NUM_BUF": 6},
-    {"GLUON": True, "G_BLOCK_T": 64, "G_NUM_BUF": 3},
-]
+ATTN_DIST_VARIANTS = [{"GLUON": True, "G_WS": 2}, {"GLUON": True, "G_WS": 1}, {"GLUON": False}]
 ATTN_DIST_SHAPES = [(128, 8192), (128, 131072)]
 DECODE_VARIANTS = [{"GLUON": False}, {"GLUON": True}]
 
@@ -55,7 +52,7 @@ AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072), (64, 131072)]
 AD_AB_VARIANTS = {
     "ad_ws": {"GLUON": True, "G_WS": 2},
     "ad_ws_noturns": {"GLUON": True, "G_WS": 1},
-}
+}  # (G_WS 0, the earlier kernel, was removed after sweep 13: tune.py at fefdb20 runs it)
 AD_AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072)]  # sweep 13 also ran (64, 32768)
 
 

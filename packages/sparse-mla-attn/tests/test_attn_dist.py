@@ -147,14 +147,11 @@ def test_attn_dist_gpu_two_head_tiles():
         pytest.param("gluon", 64, 576, 2048, {}, id="gluon-H64-D576-T2048"),
         pytest.param("gluon", 37, 512, 333, {}, id="gluon-H37-D512-T333"),
         pytest.param("gluon", 96, 512, 130, {}, id="gluon-H96-D512-T130"),
-        # Gluon options: the warp-specialised kernel without turns and with its alternate-block split, the
-        # earlier kernel.
+        # Gluon options: without turns, and the alternate-block split up to 64 heads.
         pytest.param("gluon", 128, 576, 1000, {"G_WS": 1}, id="gluon-noturns-H128-D576-T1000"),
         pytest.param("gluon", 40, 576, 129, {"G_WS": 1}, id="gluon-noturns-H40-D576-T129"),
         pytest.param("gluon", 64, 576, 2048, {"G_SPLIT64": 2}, id="gluon-blocks-H64-D576-T2048"),
         pytest.param("gluon", 40, 576, 129, {"G_SPLIT64": 2}, id="gluon-blocks-H40-D576-T129"),
-        pytest.param("gluon", 128, 576, 1000, {"G_WS": 0}, id="gluon-prews-H128-D576-T1000"),
-        pytest.param("gluon", 64, 576, 2048, {"G_WS": 0}, id="gluon-prews-H64-D576-T2048"),
     ],
 )
 def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk, options):

@@ -4,13 +4,14 @@ Why Gluon: in the Triton kernels of ``forward.py`` / ``attn_dist.py`` the softwa
 ``cp.async`` gather of block ``t+1`` only after block ``t``'s products, and with the query tile in shared
 memory there is no room for a deeper ring (NOTES.md). Here the pipeline is written out.
 
-* attn_dist: a ring of ``NUM_BUF`` shared-memory buffers of gathered KV rows; at the top of iteration
-  ``t`` one CTA barrier certifies that block ``t`` has landed and that every warpgroup is done with block
-  ``t-1``, and the gather of block ``t + NUM_BUF - 1`` is issued into the freed buffer *before* block
-  ``t``'s products, so it overlaps them.
-* forward: warp specialised (FlashMLA-style ping-pong): a producer warpgroup gathers 64-row blocks into a
-  ring of two slots guarded by mbarriers, and two consumer warpgroups take alternate blocks, so that one
-  warpgroup's softmax runs while the other's products occupy the tensor cores.
+Both kernels are warp specialised and share their producer (``_ws_producer``): one warpgroup gathers
+64-row blocks with ``cp.async`` into a ring of shared-memory slots guarded by mbarriers, while two
+consumer warpgroups compute, so that one warpgroup's softmax / exp runs while the other's products occupy
+the tensor cores (FlashMLA-style ping-pong).
+
+* forward: a ring of two slots, the consumers take alternate blocks (``_pp_consumer``);
+* attn_dist: a ring of three slots (the query lives in registers), the consumers split the heads (or a
+  block's columns) and issue their products by turns (``_ad_consumer``).
 
 Rows whose index is invalid are copied with a zero source size (``cp.async`` zero fill): they are never
 read.
@@ -96,181 +97,6 @@ if HAVE_GLUON:
             cp.async_copy_global_to_shared(
                 kr_buf, KV + row[:, None] + cols_r[None, :], mask=valid[:, None] & (cols_r[None, :] >= 0)
             )
-
-    @gluon.jit
-    def _ring_fill(
-        kn_smem,
-        kr_smem,
-        KV,
-        stride_kv_row,
-        idx_row,
-        n_t,
-        hi,
-        blk,
-        idx_cur,
-        offs_t,
-        NUM_BUF: gl.constexpr,
-        D_NOPE: gl.constexpr,
-        D_ROPE: gl.constexpr,
-        ld_l: gl.constexpr,
-    ):
-        """Gather block ``blk`` (its indices ``idx_cur`` were loaded one step earlier) into ring slot
-        ``blk % NUM_BUF`` as one cp.async group; return the indices of block ``blk + 1``.
-
-        Blocks past the end have only invalid indices: their copies are zero fills that read nothing.
-        """
-        nxt = (blk + 1) * offs_t.shape[0] + offs_t
-        idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
-        _issue_gather(
-            kn_smem.index(blk % NUM_BUF),
-            kr_smem.index(blk % NUM_BUF),
-            KV,
-            stride_kv_row,
-            idx_cur,
-            hi,
-            D_NOPE,
-            D_ROPE,
-            ld_l,
-        )
-        cp.commit_group()
-        return idx_next
-
-    @gluon.jit
-    def _ring_wait(NUM_BUF: gl.constexpr):
-        """Wait until the oldest ring slot has landed for every thread, and every warpgroup is done with
-        the slot that is refilled next (the products of the previous block waited on their wgmma)."""
-        cp.wait_group(NUM_BUF - 2)
-        fence_async_shared()  # this thread's cp.async writes, before wgmma reads them (async proxy)
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _attn_dist_gluon_kernel(
-        Q,
-        KV,
-        IDX,
-        LSE,
-        OUT,
-        stride_q_s,
-        stride_q_h,
-        stride_kv_row,
-        stride_idx_s,
-        stride_lse_s,
-        h_q,
-        topk,
-        s_kv,
-        q_start_index,
-        k_stride,
-        sm_scale_log2,
-        lse_to_log2,
-        D_NOPE: gl.constexpr,
-        D_ROPE: gl.constexpr,
-        BLOCK_H: gl.constexpr,
-        BLOCK_T: gl.constexpr,
-        NUM_BUF: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        num_warps: gl.constexpr,
-    ):
-        """attn_dist for one token and all its heads (BLOCK_H 64 or 128; 4 or 8 warps per 64 heads).
-
-        The query tile is held in registers as the wgmma A operand (each warpgroup owns 64 heads), so
-        shared memory holds only the ring of gathered rows.
-        """
-        pid_s = gl.program_id(0)
-        # Warpgroups along the heads first (BLOCK_H // 16 warps); more warps split the block's columns.
-        WM: gl.constexpr = BLOCK_H // 16
-        mma_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0],
-            warps_per_cta=[WM, num_warps // WM],
-            instr_shape=[16, BLOCK_T // (num_warps // WM), 16],
-        )
-        qa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
-        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        dtype: gl.constexpr = Q.dtype.element_ty
-
-        # Query tile -> registers (padding heads are 0; their lse is +inf, so their probabilities are 0).
-        offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
-        h_ok = offs_h < h_q
-        q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
-        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
-        q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
-        q_nope = gl.convert_layout(q_nope, qa_l)
-        if D_ROPE > 0:
-            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
-            q_rope = gl.load(q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0)
-            q_rope = gl.convert_layout(q_rope, qa_l)
-        else:
-            q_rope = q_nope  # unused
-        offs_hm = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, mma_l))
-        lse2 = gl.load(
-            LSE + pid_s.to(gl.int64) * stride_lse_s + offs_hm, mask=offs_hm < h_q, other=float("inf")
-        )
-        lse2 = lse2 * lse_to_log2
-
-        hi = _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL)
-
-        # Ring of gathered rows, allocated after the query conversion so that its scratch can be reused.
-        kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
-        kr_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, 64], smem_l)
-
-        idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
-        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
-        # Prologue: blocks 0 .. NUM_BUF-2 in flight (blocks past the end are all-invalid: zero fills only).
-        idx_next = gl.load(idx_row + offs_t, mask=offs_t < topk, other=-1)
-        for j in gl.static_range(NUM_BUF - 1):
-            idx_next = _ring_fill(
-                kn_smem,
-                kr_smem,
-                KV,
-                stride_kv_row,
-                idx_row,
-                topk,
-                hi,
-                j,
-                idx_next,
-                offs_t,
-                NUM_BUF,
-                D_NOPE,
-                D_ROPE,
-                ld_l,
-            )
-
-        out_row = OUT + pid_s.to(gl.int64) * topk
-        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, mma_l))
-        n_blocks = gl.cdiv(topk, BLOCK_T)
-        for i in range(n_blocks):
-            # Block i landed (this thread's copies), then the barrier: everyone's copies are visible and
-            # every warpgroup has finished reading block i-1's buffer, which is refilled next.
-            _ring_wait(NUM_BUF)
-            idx_next = _ring_fill(
-                kn_smem,
-                kr_smem,
-                KV,
-                stride_kv_row,
-                idx_row,
-                topk,
-                hi,
-                i + NUM_BUF - 1,
-                idx_next,
-                offs_t,
-                NUM_BUF,
-                D_NOPE,
-                D_ROPE,
-                ld_l,
-            )
-
-            slot = i % NUM_BUF
-            t_idx = gl.load(idx_row + i * BLOCK_T + offs_c, mask=i * BLOCK_T + offs_c < topk, other=-1)
-            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, mma_l)
-            s = warpgroup_mma(q_nope, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
-            if D_ROPE > 0:
-                s = warpgroup_mma(q_rope, kr_smem.index(slot).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            valid = (t_idx >= 0) & (t_idx < hi)
-            p = gl.exp2(s * sm_scale_log2 - lse2[:, None])
-            col = gl.where(valid, gl.sum(p, axis=0), 0.0)
-            gl.store(out_row + i * BLOCK_T + offs_c, col, mask=i * BLOCK_T + offs_c < topk)
-        cp.wait_group(0)
 
     @gluon.jit
     def _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL: gl.constexpr):
@@ -812,19 +638,18 @@ PINGPONG_REGS = {"consumer": 232, "producer": 40}
 
 
 def gluon_attn_dist_config(h_q: int) -> dict[str, int]:
-    """attn_dist tile for a head count: 64-row blocks in a ring of 3. ``G_WS`` 2: warp specialised
-    (``_attn_dist_ws_kernel``: a producer warpgroup and two consumer warpgroups, 12 warps, issuing their
-    products by turns; up to 64 heads the warpgroups split each block's columns, ``G_SPLIT64`` 1, or take
-    alternate blocks, 2); 1: the same without turns; 0: the
-    earlier kernel (``_attn_dist_gluon_kernel``, 8 warps: 128 heads, two warpgroups along the heads; 64
-    heads, two warpgroups splitting the block's columns)."""
-    return {"G_BLOCK_T": 64, "G_NUM_BUF": 3, "G_WARPS": 8, "G_WS": 2, "G_SPLIT64": 1}
+    """attn_dist on sm_90 (``_attn_dist_ws_kernel``): 64-row blocks in a ring of ``G_NUM_BUF`` 3, a producer
+    warpgroup and two consumer warpgroups (12 warps). ``G_WS`` 2: the consumers issue their products by
+    turns; 1: without turns. Up to 64 heads the consumers split each block's columns (``G_SPLIT64`` 1)
+    or take alternate blocks (2). The earlier non-specialised kernel (``G_WS`` 0) was removed after
+    sweep 13; it is in the git history up to fefdb20."""
+    return {"G_BLOCK_T": 64, "G_NUM_BUF": 3, "G_WS": 2, "G_SPLIT64": 1}
 
 
-def gluon_attn_dist_zero_init(h_q: int, cfg: dict) -> bool:
+def gluon_attn_dist_zero_init(h_q: int) -> bool:
     """Whether the Gluon attn_dist launch adds into its output (which must then be zeroed): the warp-
     specialised kernel above 64 heads, where each consumer warpgroup adds its 64 heads' column sums."""
-    return bool({**gluon_attn_dist_config(h_q), **cfg}["G_WS"]) and h_q > 64
+    return h_q > 64
 
 
 def launch_fwd_gluon(
@@ -877,24 +702,15 @@ def launch_attn_dist_gluon(
 ) -> Any:
     """attn_dist on sm_90: one program per token holding all heads. ``out`` must be zeroed where
     :func:`gluon_attn_dist_zero_init` says so."""
-    block_h = 64 if dims.h_q <= 64 else 128
     g = {**gluon_attn_dist_config(dims.h_q), **cfg}
-    if g["G_WS"]:
-        return _attn_dist_ws_kernel[(dims.s_q,)](
-            q, kv_rows, idx, lse, out,
-            q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
-            dims.h_q, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2,
-            D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=g["G_NUM_BUF"],
-            SPLIT=AD_SPLIT_HEADS if block_h == 128 else g["G_SPLIT64"], TURNS=g["G_WS"] == 2, CAUSAL=causal,
-            CONSUMER_REGS=PINGPONG_REGS["consumer"], PRODUCER_REGS=PINGPONG_REGS["producer"],
-            num_warps=4,
-        )  # fmt: skip
-    return _attn_dist_gluon_kernel[(dims.s_q,)](
+    if g["G_WS"] not in (1, 2):
+        raise ValueError(f"attn_dist: G_WS must be 1 or 2, got {g['G_WS']!r}")
+    return _attn_dist_ws_kernel[(dims.s_q,)](
         q, kv_rows, idx, lse, out,
         q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
         dims.h_q, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2,
-        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_H=block_h,
-        BLOCK_T=g["G_BLOCK_T"], NUM_BUF=g["G_NUM_BUF"], CAUSAL=causal,
-        # 128 heads need 8 warps (one warpgroup per 64 heads); 64 heads take 4, or 8 splitting the columns.
-        num_warps=8 if block_h == 128 else g["G_WARPS"],
+        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=g["G_NUM_BUF"],
+        SPLIT=AD_SPLIT_HEADS if dims.h_q > 64 else g["G_SPLIT64"], TURNS=g["G_WS"] == 2, CAUSAL=causal,
+        CONSUMER_REGS=PINGPONG_REGS["consumer"], PRODUCER_REGS=PINGPONG_REGS["producer"],
+        num_warps=4,
     )  # fmt: skip

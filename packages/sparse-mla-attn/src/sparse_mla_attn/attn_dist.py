@@ -223,7 +223,7 @@ def attn_dist_impl(
     idx = indices[:, 0]
     use_gluon = cfg.get("GLUON", gluon_enabled()) and gluon_available(q, kv_rows) and dims.h_q > 32
     # Kernels that add partial sums (two head tiles) need a zeroed output.
-    atomic = gluon_attn_dist_zero_init(dims.h_q, cfg) if use_gluon else n_head_tiles > 1
+    atomic = gluon_attn_dist_zero_init(dims.h_q) if use_gluon else n_head_tiles > 1
     alloc = torch.zeros if atomic else torch.empty
     out = alloc(dims.s_q, dims.topk, dtype=torch.float32, device=q.device)
     if dims.s_q == 0:
