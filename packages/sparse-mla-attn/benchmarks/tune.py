@@ -52,7 +52,7 @@ AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072), (64, 131072)]
 AD_AB_VARIANTS = {
     "ad_ws": {"GLUON": True, "G_WS": 2},
     "ad_ws_noturns": {"GLUON": True, "G_WS": 1},
-}  # (G_WS 0, the earlier kernel, was removed after sweep 13: tune.py at fefdb20 runs it)
+}  # (G_WS 0, the earlier kernel, was removed after sweep 14: tune.py at 913a686 runs it)
 AD_AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072)]  # sweep 13 also ran (64, 32768)
 
 

@@ -642,7 +642,7 @@ def gluon_attn_dist_config(h_q: int) -> dict[str, int]:
     warpgroup and two consumer warpgroups (12 warps). ``G_WS`` 2: the consumers issue their products by
     turns; 1: without turns. Up to 64 heads the consumers split each block's columns (``G_SPLIT64`` 1)
     or take alternate blocks (2). The earlier non-specialised kernel (``G_WS`` 0) was removed after
-    sweep 13; it is in the git history up to fefdb20."""
+    sweep 14; it is in the git history up to fefdb20."""
     return {"G_BLOCK_T": 64, "G_NUM_BUF": 3, "G_WS": 2, "G_SPLIT64": 1}
 
 
