@@ -40,15 +40,9 @@ DECODE_VARIANTS = [{"GLUON": False}, {"GLUON": True}]
 # Interleaved A/B of two forward configurations on one set of inputs per shape (the same kernel varies
 # 5-15% between timings: sweep 10 follow-up). Sweep 11 compared G_PINGPONG with the earlier Gluon forward;
 # sweep 12 the producer's L2 prefetch of the next block's rows (G_PREFETCH_L2 at 80ac143: 11-15% slower,
-# removed).
-# Sweep 15: the odd head tile of a token reads its top-k blocks in the order b ^ G_BLOCK_XOR (0: the
-# order of its partner tile, the earlier kernel), so that half of each tile's blocks are L2 hits.
-AB_VARIANTS = {
-    "xor0": {"GLUON": True, "G_BLOCK_XOR": 0},
-    "xor2": {"GLUON": True, "G_BLOCK_XOR": 2},
-    "xor4": {"GLUON": True, "G_BLOCK_XOR": 4},
-    "xor8": {"GLUON": True, "G_BLOCK_XOR": 8},
-}  # (sweeps 11-12 compared Gluon variants with the Triton kernel: {"GLUON": False})
+# removed). Sweep 15 (8814d12: G_BLOCK_XOR 0/2/4/8, the odd head tile reading its blocks in the order
+# b ^ xor; no gain, removed) ran the variants of tune.py at that commit.
+AB_VARIANTS = {"gluon": {"GLUON": True}, "triton": {"GLUON": False}}
 AB_SHAPES = [(128, 8192), (128, 32768), (128, 131072), (64, 131072)]
 
 

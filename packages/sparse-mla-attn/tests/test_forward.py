@@ -308,35 +308,3 @@ def test_fwd_gpu_gluon_edge_cases(h_q, d_qk, topk, s_q):
     check_fwd(got, q, kv, idx, scale, "gpu_few", **kw)
     assert torch.all(got[0][1] == 0)
     assert torch.all(got[2][1] == float("-inf"))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("h_q", "d_qk", "topk", "block_xor"),
-    [
-        pytest.param(128, 576, 1000, 2, id="H128-D576-T1000-xor2"),
-        pytest.param(100, 512, 333, 4, id="H100-D512-T333-xor4"),
-        pytest.param(128, 576, 2048, 8, id="H128-D576-T2048-xor8"),
-    ],
-)
-def test_fwd_gpu_gluon_block_order(h_q, d_qk, topk, block_xor):
-    """The Gluon forward with the odd head tile reading its blocks in the order ``b ^ G_BLOCK_XOR``
-    (blocks past the end keep their place: odd pair counts, topk_length cutting a group) against the
-    reference, with causal limit, sink, invalid indices and NaN in every unselected KV row."""
-    from sparse_mla_attn.forward import LAST_BACKEND
-
-    if not _sm90():
-        pytest.skip("the Gluon kernels need an sm_90 GPU (H100/H200)")
-    s_q = 160
-    cfg = {"GLUON": True, "NUM_SPLITS": 1, "G_BLOCK_XOR": block_xor}
-    q, kv, idx = make_problem(s_q, h_q, d_qk, 8192, topk, "cuda", seed=7 * h_q + topk, invalid_frac=0.05)
-    kv = poison_unselected(kv, idx)
-    scale = 1 / math.sqrt(d_qk)
-    plain = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg)
-    assert LAST_BACKEND["fwd"] == "gluon"
-    check_fwd(plain, q, kv, idx, scale, "gpu")
-    sink = torch.randn(h_q, device="cuda")
-    topk_length = torch.randint(0, topk + 1, (s_q,), dtype=torch.int32, device="cuda")
-    kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 8000, "k_stride": 1}
-    got = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg, **kw)
-    check_fwd(got, q, kv, idx, scale, "gpu_few", **kw)

@@ -132,15 +132,6 @@ if HAVE_GLUON:
         return slot
 
     @gluon.jit
-    def _block_order(b, block_xor, n_blocks):
-        """Top-k block read at step ``b``: ``b ^ block_xor`` where that block exists, else ``b``. The
-        forward's odd head tile of a token reads its blocks in this order (``G_BLOCK_XOR``): its partner
-        tile fetches the same rows in the order ``b``, so each tile finds half of its blocks already in
-        L2 instead of both waiting for the same DRAM reads at once (NOTES.md, sweep 15)."""
-        lb = b ^ block_xor
-        return gl.where(lb < n_blocks, lb, b)
-
-    @gluon.jit
     def _ws_producer(
         kn_smem,
         kr_smem,
@@ -152,7 +143,6 @@ if HAVE_GLUON:
         n_t,
         hi,
         n_blocks,
-        block_xor,
         D_NOPE: gl.constexpr,
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
@@ -161,16 +151,14 @@ if HAVE_GLUON:
         """Producer warpgroup of the warp-specialised kernels (forward and attn_dist): gathers block ``b``
         into slot ``b % NUM_BUF`` once its readers released that slot's previous block, and arms
         ``full_bars[b % NUM_BUF]`` with one deferred arrive per thread (``cp.async.mbarrier.arrive.noinc``:
-        it fires when this thread's copies landed). Step ``b`` gathers block ``_block_order(b, block_xor,
-        n_blocks)`` (attn_dist passes 0: the natural order)."""
+        it fires when this thread's copies landed)."""
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
-        first = _block_order(0, block_xor, n_blocks) * BLOCK_T + offs_t
-        idx_next = gl.load(idx_row + first, mask=first < n_t, other=-1)
+        idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
         for b in range(n_blocks):
             slot = b % NUM_BUF
             idx_cur = idx_next
-            nxt = _block_order(b + 1, block_xor, n_blocks) * BLOCK_T + offs_t
+            nxt = (b + 1) * BLOCK_T + offs_t
             idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
             # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
             mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
@@ -206,7 +194,6 @@ if HAVE_GLUON:
         n_t,
         hi,
         n_pairs,
-        block_xor,
         sm_scale_log2,
         D_NOPE: gl.constexpr,
         D_ROPE: gl.constexpr,
@@ -253,8 +240,7 @@ if HAVE_GLUON:
                 "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
             )
             _ws_wait_full(full_bars, b, 2)  # slot b % 2 == WG
-            t_pos = _block_order(b, block_xor, 2 * n_pairs) * BLOCK_T + offs_c  # the producer's order
-            t_idx = gl.load(idx_row + t_pos, mask=t_pos < n_t, other=-1)
+            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
             s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
             s = warpgroup_mma(
                 qn_smem.index(z), kn_smem.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
@@ -366,7 +352,6 @@ if HAVE_GLUON:
         q_start_index,
         k_stride,
         sm_scale_log2,
-        block_xor,
         D_NOPE: gl.constexpr,
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
@@ -391,9 +376,6 @@ if HAVE_GLUON:
         pid = gl.program_id(0)
         pid_h = pid % n_head_tiles
         pid_s = pid // n_head_tiles
-        # The two head tiles of a token are adjacent programs (they run together); the odd one reads the
-        # top-k blocks in the order b ^ block_xor (0: same order as its partner).
-        tile_xor = block_xor * (pid_h % 2)
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -445,16 +427,16 @@ if HAVE_GLUON:
                 (_pp_consumer, (
                     WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
                     end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t,
-                    hi, n_pairs, tile_xor, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
+                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
                 )),
                 (_pp_consumer, (
                     WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
                     end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t,
-                    hi, n_pairs, tile_xor, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
+                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
                 )),
                 (_ws_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
-                    tile_xor, D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
+                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
                 )),
             ],
             [4, 4],
@@ -615,7 +597,6 @@ if HAVE_GLUON:
         lse_base = pid_s.to(gl.int64) * stride_lse_s
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
-        NATURAL_ORDER: gl.constexpr = 0  # block_xor of _ws_producer
         gl.warp_specialize(
             [
                 (_ad_consumer, (
@@ -630,7 +611,7 @@ if HAVE_GLUON:
                 )),
                 (_ws_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, topk, hi, n_blocks,
-                    NATURAL_ORDER, D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
+                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
                 )),
             ],
             [4, 4],
@@ -649,7 +630,7 @@ def gluon_enabled() -> bool:
 #: ping-pong, NOTES.md sweep 11). The earlier non-specialised Gluon forward (sweeps 7-10, options
 #: G_S_FIRST / G_WG_STATS / G_QROPE_REG) was removed when this one became the default; it is in the git
 #: history up to 202dd67.
-GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_WARPS": 12, "G_BLOCK_XOR": 0}
+GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_WARPS": 12}
 
 #: Register split of the ping-pong kernel (``setmaxnreg``): 4 warps x (232 + 232 + 40) of the 2,048
 #: per-warp register units; offline sm_90 compile: no spills (240/24 spills 8 B in the producer).
@@ -687,21 +668,16 @@ def launch_fwd_gluon(
     q_start_index: int,
     k_stride: int,
     causal: bool,
-    block_xor: int | None = None,
 ) -> Any:
     """Forward on sm_90: one program per token and 64-head tile, 12 warp-specialised warps (see
     ``_sparse_mla_fwd_pingpong_kernel``; the tile is fixed, ``GLUON_FWD``); same arguments and outputs
-    as the Triton launch. ``block_xor``: the odd head tile's block order (default ``GLUON_FWD``)."""
-    if block_xor is None:
-        block_xor = GLUON_FWD["G_BLOCK_XOR"]
-    if block_xor < 0 or block_xor & (block_xor - 1):
-        raise ValueError(f"G_BLOCK_XOR must be 0 or a power of two, got {block_xor!r}")
+    as the Triton launch."""
     n_head_tiles = triton.cdiv(dims.h_q, 64)
     return _sparse_mla_fwd_pingpong_kernel[(dims.s_q * n_head_tiles,)](
         q, kv_rows, idx, out, max_logits, lse, sink,
         topk_length if topk_length is not None else idx,
         q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1),
-        dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, block_xor,
+        dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
         D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
         HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
         CONSUMER_REGS=PINGPONG_REGS["consumer"], PRODUCER_REGS=PINGPONG_REGS["producer"],

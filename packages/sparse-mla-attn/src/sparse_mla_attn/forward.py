@@ -554,7 +554,6 @@ def launch_fwd(
             q_start_index=q_start_index,
             k_stride=k_stride,
             causal=causal,
-            block_xor=cfg.get("G_BLOCK_XOR"),
         )
         return out, max_logits, lse
     if n_splits > 1:
