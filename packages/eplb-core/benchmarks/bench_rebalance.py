@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -21,29 +22,58 @@ from eplb_core.bounds import node_cap_bound
 # (num_replicas, num_nodes, num_gpus) of the DeepSeek-V3 serving configurations in the issue
 CONFIGS = [(288, 4, 32), (320, 8, 64), (264, 1, 8), (288, 9, 72)]
 NUM_LAYERS, NUM_EXPERTS, NUM_GROUPS = 58, 256, 8
+# warm-up calls before every timed series (the first calls after a change of shape run slower)
+WARMUP = 3
 
 
-def median_ms(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> tuple[float, list[float]]:
+def median_ms(fn: Callable[[], Any], *, repeat: int, warmup: int = WARMUP) -> tuple[float, list[float]]:
     """Median wall time of ``fn`` in ms over ``repeat`` runs after ``warmup`` runs, and all samples."""
     wall, _, samples = timed(fn, repeat=repeat, warmup=warmup)
     return wall, samples
 
 
-def timed(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> tuple[float, float, list[float]]:
+def timed(fn: Callable[[], Any], *, repeat: int, warmup: int = WARMUP) -> tuple[float, float, list[float]]:
     """``(median wall ms, median CPU ms of this process, wall samples)`` of ``fn`` over ``repeat`` runs.
 
     The CPU time (``time.process_time``) is what the call itself used: on a shared machine it moves
     less than the wall time when other processes compete for the cores.
     """
+    res = timed_interleaved({"fn": fn}, repeat=repeat, warmup=warmup)["fn"]
+    return res["ms_median"], res["cpu_ms_median"], res["ms_samples"]
+
+
+def timed_interleaved(
+    fns: dict[str, Callable[[], Any]], *, repeat: int, warmup: int = WARMUP
+) -> dict[str, dict[str, Any]]:
+    """Time several calls in turns (``A B C A B C ...``): ``warmup`` turns, then ``repeat`` timed turns.
+
+    Every call gets the same warm-up and the same number of samples, and a drift of the machine
+    during the stage hits all of them alike. Per call: median wall ms, median CPU ms of this process,
+    median minor page faults, and the wall samples in order.
+    """
     for _ in range(warmup):
-        fn()
-    samples, cpu = [], []
+        for fn in fns.values():
+            fn()
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    faults: dict[str, list[int]] = {k: [] for k in fns}
     for _ in range(repeat):
-        c0, t0 = time.process_time(), time.perf_counter()
-        fn()
-        samples.append(1e3 * (time.perf_counter() - t0))
-        cpu.append(1e3 * (time.process_time() - c0))
-    return statistics.median(samples), statistics.median(cpu), samples
+        for key, fn in fns.items():
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            wall[key].append(1e3 * (time.perf_counter() - t0))
+            cpu[key].append(1e3 * (time.process_time() - c0))
+            faults[key].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    return {
+        k: {
+            "ms_median": statistics.median(wall[k]),
+            "cpu_ms_median": statistics.median(cpu[k]),
+            "minor_faults_median": statistics.median(faults[k]),
+            "ms_samples": wall[k],
+        }
+        for k in fns
+    }
 
 
 def load_deepseek(path: str) -> Callable[..., Any]:
@@ -82,9 +112,7 @@ def bench_config(
     ours.validate()
     gp, gc = greedy_rebalance(weight, r, NUM_GROUPS, nodes, gpus)
     greedy_bal = E.balancedness(E.gpu_loads_of(weight, gp, gc, gpus))
-    t_ours, cpu_ours, samples = timed(
-        functools.partial(E.rebalance_experts, weight, r, NUM_GROUPS, nodes, gpus), repeat=repeat
-    )
+    # the time of our call is measured by bench_timing, all configurations in turns
     t_greedy, _ = median_ms(
         lambda: greedy_rebalance(weight, r, NUM_GROUPS, nodes, gpus), repeat=max(3, repeat // 3)
     )
@@ -97,9 +125,6 @@ def bench_config(
         "layers_below_greedy": int((ours.balancedness < greedy_bal - 1e-12).sum()),
         "worst_deficit_vs_greedy": float((greedy_bal - ours.balancedness).clamp_min(0).max()),
         "mean_gap_to_bound": float(ours.gap.mean()),
-        "ms_per_call_median": t_ours,
-        "cpu_ms_per_call_median": cpu_ours,
-        "ms_samples": samples,
         "greedy_ms_median": t_greedy,
     }
     if torch.cuda.is_available():
@@ -112,7 +137,6 @@ def bench_config(
         row["deepseek"] = {
             "balancedness": float(ds_bal.mean()),
             "ms_median": t_ds,
-            "speedup": t_ds / t_ours,
             "layers_below_deepseek": int((ours.balancedness < ds_bal - 1e-12).sum()),
         }
     if ours.mode == "strict" and nodes > 1:
@@ -168,11 +192,16 @@ def bench_cuda_input(weight: torch.Tensor, r: int, nodes: int, gpus: int, *, rep
             t.to("cuda")
         torch.cuda.synchronize()
 
-    t_gpu, _, samples = timed(call_gpu, repeat=repeat)
-    t_copy, _, _ = timed(copies, repeat=repeat)
-    t_host, _, _ = timed(
-        functools.partial(E.rebalance_experts, w_host, r, NUM_GROUPS, nodes, gpus), repeat=repeat
+    # the call on the CUDA weight and on its host copy in turns: the same stretch of the machine
+    t = timed_interleaved(
+        {
+            "cuda": call_gpu,
+            "host": functools.partial(E.rebalance_experts, w_host, r, NUM_GROUPS, nodes, gpus),
+        },
+        repeat=repeat,
     )
+    t_gpu, samples, t_host = t["cuda"]["ms_median"], t["cuda"]["ms_samples"], t["host"]["ms_median"]
+    t_copy, _, _ = timed(copies, repeat=repeat)
     return {
         "ms_median": t_gpu,
         "ms_samples": samples,
@@ -201,28 +230,43 @@ def bench_soft(weight: torch.Tensor, penalties: list[float]) -> list[dict[str, A
     return out
 
 
-def bench_scaling(shapes: list[tuple[int, int]], *, repeat: int) -> list[dict[str, Any]]:
-    """Time of one call as layers x experts grow (R = 9/8 N, 8 groups, 8 nodes, 64 GPUs; and global)."""
-    out = []
+def growth_config(num_experts: int, nodes: int) -> tuple[int, int]:
+    """``(replicas, GPUs)`` of a growth row: 9/8 replicas per expert rounded up to whole GPUs, 8 nodes
+    of 8 GPUs (strict) or 9 nodes of 8 GPUs (global, 8 groups)."""
+    gpus = 64 if nodes == 8 else 72
+    r = num_experts * 9 // 8
+    return (r if r % gpus == 0 else (r // gpus + 1) * gpus), gpus
+
+
+def bench_timing(
+    weight: torch.Tensor, shapes: list[tuple[int, int]], *, repeat: int, configs: bool = True
+) -> dict[str, Any]:
+    """Time per ``rebalance_experts`` call of the benchmark configurations on ``weight`` and of the
+    growth rows (``synthetic_loads(layers, experts, seed=7)``, strict 8 nodes / 64 GPUs and global
+    9 nodes / 72 GPUs), all in one interleaved stage: the same warm-up and number of samples for
+    every row, and a drift of the machine hits every row alike."""
+    fns: dict[str, Callable[[], Any]] = {}
+    if configs:
+        for r, nodes, gpus in CONFIGS:
+            fns[f"({r}, {nodes}, {gpus})"] = functools.partial(
+                E.rebalance_experts, weight, r, NUM_GROUPS, nodes, gpus
+            )
+    grow: list[tuple[str, int, int, str]] = []
     for num_layers, num_experts in shapes:
         w = E.synthetic_loads(num_layers, num_experts, seed=7)
-        r = num_experts * 9 // 8
         for nodes in (8, 9):
-            gpus = 64 if nodes == 8 else 72
-            r_cfg = r if r % gpus == 0 else (r // gpus + 1) * gpus
-            t, _ = median_ms(
-                functools.partial(E.rebalance_experts, w, r_cfg, 8, nodes, gpus),
-                repeat=repeat,
-            )
-            out.append(
-                {
-                    "layers": num_layers,
-                    "experts": num_experts,
-                    "config": f"({r_cfg}, {nodes}, {gpus})",
-                    "ms": t,
-                }
-            )
-    return out
+            r, gpus = growth_config(num_experts, nodes)
+            key = f"{num_layers}x{num_experts} ({r}, {nodes}, {gpus})"
+            fns[key] = functools.partial(E.rebalance_experts, w, r, NUM_GROUPS, nodes, gpus)
+            grow.append((key, num_layers, num_experts, f"({r}, {nodes}, {gpus})"))
+    t = timed_interleaved(fns, repeat=repeat)
+    return {
+        "configs": {k: v for k, v in t.items() if k.startswith("(")},
+        "scaling": [
+            {"layers": nl, "experts": ne, "config": cfg, "ms": t[key]["ms_median"], **t[key]}
+            for key, nl, ne, cfg in grow
+        ],
+    }
 
 
 if __name__ == "__main__":
@@ -230,3 +274,4 @@ if __name__ == "__main__":
     hist = E.synthetic_loads(NUM_LAYERS, NUM_EXPERTS, num_windows=2, seed=0)
     for cfg in CONFIGS:
         print(bench_config(hist[-1], hist[0], *cfg, repeat=5))
+    print(bench_timing(hist[-1], [(58, 256)], repeat=5))
