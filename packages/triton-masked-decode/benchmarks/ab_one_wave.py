@@ -13,16 +13,14 @@ case's time over the same variant's 50%-mask time. The defaults are not changed 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_masked_decode import run_header
 from tune_masked_decode import Sweep, tuned
 
 MASKS = ("rand10", "rand25", "rand50", "clus10", "clus25")
@@ -73,13 +71,7 @@ def main() -> None:
         args.out.write_text(
             json.dumps(
                 {
-                    "package": "triton-masked-decode",
-                    "what": "batch-1 launch-knob A/B (defaults unchanged); see the module docstring",
-                    "device": torch.cuda.get_device_name(),
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "command": "python " + " ".join(sys.argv),
-                    "torch": torch.__version__,
-                    "triton": __import__("triton").__version__,
+                    **run_header("batch-1 launch-knob A/B (defaults unchanged); see the module docstring"),
                     "defaults": DEFAULT,
                     "variants": VARIANTS,
                     "summary": summary,

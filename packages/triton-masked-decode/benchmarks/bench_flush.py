@@ -18,7 +18,6 @@ and reports each sparse case's time relative to the same batch's 50%-mask time u
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_masked_decode import FLUSH_METHODS, Case, copy_bandwidth, make_mask, time_us
+from bench_masked_decode import FLUSH_METHODS, Case, copy_bandwidth, make_mask, run_header, time_us
 
 from triton_masked_decode import masked_decode
 
@@ -123,13 +122,9 @@ def main() -> None:
         args.out.write_text(
             json.dumps(
                 {
-                    "package": "triton-masked-decode",
-                    "what": "CUDA-graph replay times under a read (clean) vs a zero-write L2 flush; see the docstring",
-                    "device": torch.cuda.get_device_name(),
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "command": "python " + " ".join(sys.argv),
-                    "torch": torch.__version__,
-                    "triton": __import__("triton").__version__,
+                    **run_header(
+                        "CUDA-graph replay times under a read (clean) vs a zero-write L2 flush; see the docstring"
+                    ),
                     "copy_bandwidth_Bps_clean": bw,
                     "rounds": ROUNDS,
                     "read_probes": probes,

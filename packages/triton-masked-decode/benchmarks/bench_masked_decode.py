@@ -15,6 +15,7 @@ write-back is a fixed cost that weighs most on the shortest calls (batch 1, spar
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import math
 import sys
@@ -31,6 +32,21 @@ FLUSH_METHODS = ("clean", "zero")
 DEFAULT_FLUSH = "clean"
 _FLUSH_BYTES = 256 << 20
 _flush_state: dict[str, torch.Tensor] = {}
+
+
+def run_header(what: str) -> dict[str, str]:
+    """The fields every benchmark JSON of this package starts with: what was run, where, when, how."""
+    import triton
+
+    return {
+        "package": "triton-masked-decode",
+        "what": what,
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(sys.argv),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
 
 
 def flush_l2(method: str) -> None:

@@ -15,7 +15,6 @@ is the time with no visible row; the slope of time against visible bytes is the 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_masked_decode import DEFAULT_FLUSH, Case, flush_l2, make_mask, time_us
+from bench_masked_decode import DEFAULT_FLUSH, Case, flush_l2, make_mask, run_header, time_us
 
 from triton_masked_decode import masked_decode, masked_decode_ref
 
@@ -103,13 +102,9 @@ def main() -> None:
         args.out.write_text(
             json.dumps(
                 {
-                    "package": "triton-masked-decode",
-                    "what": "batch-1 launch cost against the visible fraction; see the module docstring",
-                    "device": torch.cuda.get_device_name(),
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "command": "python " + " ".join(sys.argv),
-                    "torch": torch.__version__,
-                    "triton": __import__("triton").__version__,
+                    **run_header(
+                        "batch-1 launch cost against the visible fraction; see the module docstring"
+                    ),
                     "shape": {"B": 1, "Hq": HQ, "Hkv": HKV, "D": D, "L": L, "dtype": "float16"},
                     "flush": DEFAULT_FLUSH,
                     "calibration": calib,

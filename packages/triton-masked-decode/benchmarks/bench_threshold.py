@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_masked_decode import capture_graph
+from bench_masked_decode import capture_graph, run_header
 
 from triton_masked_decode import SPARSE_THRESHOLDS, masked_decode, masked_decode_ref
 
@@ -92,13 +91,9 @@ def main() -> int:
         args.out.write_text(
             json.dumps(
                 {
-                    "package": "triton-masked-decode",
-                    "what": "dense vs sparse loop against the visible fraction (CUDA-graph replay, median)",
-                    "device": torch.cuda.get_device_name(),
-                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    "torch": torch.__version__,
-                    "triton": triton.__version__,
-                    "command": "python " + " ".join(sys.argv),
+                    **run_header(
+                        "dense vs sparse loop against the visible fraction (CUDA-graph replay, median)"
+                    ),
                     "default_sparse_thresholds": SPARSE_THRESHOLDS,
                     "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "L": L, "dtype": "float16"},
                     "rows": rows,

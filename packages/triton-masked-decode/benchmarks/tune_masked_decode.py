@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_masked_decode import Case, capture_graph, copy_bandwidth, make_mask, time_us
+from bench_masked_decode import Case, capture_graph, copy_bandwidth, make_mask, run_header, time_us
 
 from triton_masked_decode import masked_decode, masked_decode_ref
 
@@ -284,13 +284,9 @@ def main() -> None:
         args.out.write_text(
             json.dumps(
                 {
-                    "package": "triton-masked-decode",
-                    "what": "launch-default sweep (CUDA-graph replay, median, L2 flushed); see the module docstring",
-                    "device": torch.cuda.get_device_name(),
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "command": "python " + " ".join(sys.argv),
-                    "torch": torch.__version__,
-                    "triton": __import__("triton").__version__,
+                    **run_header(
+                        "launch-default sweep (CUDA-graph replay, median, L2 flushed); see the module docstring"
+                    ),
                     "bw": bw,
                     "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "L": L, "dtype": "float16"},
                     "base_dense_tile": BASE,
