@@ -124,6 +124,103 @@ def _pct(r: dict, p: str) -> str:
     return "—" if t is None else f"{r['floor_us'] / t * 100:.0f}% ({t:.0f} µs)"
 
 
+SPARSE_GOALS = {0.1: 0.35, 0.25: 0.55}  # issue 4: time at most this fraction of the dense-mask time
+
+
+def sparse_ratios(r: dict, seed: list[dict]) -> dict[str, float | None]:
+    """A sparse case's time over its denominators: (a) the dense-mask time as a kernel that reads every row
+    is bound by it -- the read-once floor ("floor") and this package's dense loop reading every row with
+    the same batch's 50% mask ("read_all"); (b) this package's own 50%-mask time ("own_50"), stricter."""
+    t = r["times_us"].get("ours")
+    same = [s for s in seed if s["batch"] == r["batch"]]
+    d = same[0]["times_us"] if same else {}
+
+    def over(base: float | None) -> float | None:
+        return t / base if t and base else None
+
+    return {
+        "floor": over(r["floor_us"]),
+        "read_all": over(d.get("ours_readall")),
+        "own_50": over(d.get("ours")),
+    }
+
+
+def sparse_verdicts(sp: list[dict], seed: list[dict]) -> list[dict]:
+    """Per sparse case with a goal: the ratios and whether the goal is met under reading (a) and (b)."""
+    out = []
+    for r in sp:
+        goal = SPARSE_GOALS.get(r["density"]) if r["pattern"] != "none" else None
+        if goal is None:
+            continue
+        rt = sparse_ratios(r, seed)
+        a = [x for x in (rt["floor"], rt["read_all"]) if x is not None]
+        out.append(
+            {
+                "batch": r["batch"],
+                "mask": f"{r['pattern']} {r['density'] * 100:.0f}%",
+                "goal": goal,
+                **rt,
+                "met_a": bool(a) and max(a) <= goal,
+                "met_b": rt["own_50"] is not None and rt["own_50"] <= goal,
+            }
+        )
+    return out
+
+
+def sparse_table(sp: list[dict], seed: list[dict]) -> list[str]:
+    def f2(x: float | None) -> str:
+        return "—" if x is None else f"{x:.2f}"
+
+    lines = [
+        "### Sparse masks (seed shapes, L=64K): time over the same batch's dense-mask time, two readings",
+        "",
+        "Goal (issue 4): 10% visible at most 0.35×, 25% visible at most 0.55× \"the same shape's dense-mask "
+        'time — i.e. faster than the dense floor that every other kernel is bound by". '
+        "**(a)** the dense-mask time as every kernel that reads the cache is bound by it: the read-once "
+        "floor (K, V and the mask once at the copy bandwidth) and this package's dense loop reading every "
+        "row at the same batch (50% mask, column *dense loop, all rows read* above); met when both ratios "
+        "are within the goal. **(b)** this package's own 50%-random-mask time at the same batch "
+        "(`masked_decode` auto, which already skips the excluded half of the rows): stricter.",
+        "",
+        "| batch | mask | masked_decode (auto) | goal | (a) × read-once floor | (a) × all-rows-read 50%-mask time "
+        "| (b) × own 50%-mask time | met (a) | met (b) | dense loop | sparse loop | torch SDPA + bool mask |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    verdict = {(v["batch"], v["mask"]): v for v in sparse_verdicts(sp, seed)}
+    for r in sp:
+        t = r["times_us"].get("ours")
+        rt = sparse_ratios(r, seed)
+        mask_name = "none" if r["pattern"] == "none" else f"{r['pattern']} {r['density'] * 100:.0f}%"
+        v = verdict.get((r["batch"], mask_name))
+        goal = f"≤ {v['goal']:.2f}" if v else ""
+        met_a = ("**yes**" if v["met_a"] else "no") if v else ""
+        met_b = ("**yes**" if v["met_b"] else "no") if v else ""
+        cells = " | ".join(
+            "—" if r["times_us"].get(p) is None else f"{r['times_us'][p]:.0f} µs"
+            for p in ("ours_dense", "ours_sparse", "sdpa")
+        )
+        tt = "—" if t is None else f"{t:.0f} µs"
+        lines.append(
+            f"| {r['batch']} | {mask_name} | {tt} | {goal} | {f2(rt['floor'])} | {f2(rt['read_all'])} "
+            f"| {f2(rt['own_50'])} | {met_a} | {met_b} | {cells} |"
+        )
+    vs = list(verdict.values())
+    if vs:
+
+        def names(ok: list[dict]) -> str:
+            return ", ".join(f"batch {v['batch']} {v['mask']}" for v in ok) or "none"
+
+        lines += [
+            "",
+            f"Met under (a): {sum(v['met_a'] for v in vs)} of {len(vs)} sparse cases"
+            f" (missed: {names([v for v in vs if not v['met_a']])}). "
+            f"Met under (b): {sum(v['met_b'] for v in vs)} of {len(vs)}"
+            f" (missed: {names([v for v in vs if not v['met_b']])}).",
+        ]
+    lines.append("")
+    return lines
+
+
 def make_tables(results: list[dict], bw: float) -> str:
     lines = [
         f"HBM copy bandwidth (read + write): **{bw / 1e12:.2f} TB/s**. Cells: fraction of the read-once floor (time).",
@@ -160,28 +257,7 @@ def make_tables(results: list[dict], bw: float) -> str:
         lines.append("")
     sp = [r for r in results if r["group"] == "sparse"]
     if sp:
-        dense_t = {r["batch"]: r["times_us"].get("ours") for r in seed}
-        lines += [
-            "### Sparse masks (seed shapes, L=64K): time relative to the same batch's 50%-random-mask time",
-            "",
-            "| batch | mask | masked_decode (auto) | × 50%-mask time | goal | × read-once floor time | dense loop | sparse loop | torch SDPA + bool mask |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in sp:
-            t = r["times_us"].get("ours")
-            base = dense_t.get(r["batch"])
-            ratio = f"{t / base:.2f}" if t and base else "—"
-            goal = {0.1: "≤ 0.35", 0.25: "≤ 0.55"}.get(r["density"], "")
-            mask_name = "none" if r["pattern"] == "none" else f"{r['pattern']} {r['density'] * 100:.0f}%"
-            cells = " | ".join(
-                "—" if r["times_us"].get(p) is None else f"{r['times_us'][p]:.0f} µs"
-                for p in ("ours_dense", "ours_sparse", "sdpa")
-            )
-            vs_floor = f"{t / r['floor_us']:.2f}" if t else "—"
-            lines.append(
-                f"| {r['batch']} | {mask_name} | {t:.0f} µs | {ratio} | {goal} | {vs_floor} | {cells} |"
-            )
-        lines.append("")
+        lines += sparse_table(sp, seed)
     dn = [r for r in results if r["group"] == "density"]
     if dn:
         lines += [
@@ -335,6 +411,10 @@ def main() -> None:
             "flash_attn_installed": runner.fa_kvcache is not None,
             "autotuned_configs": _autotune_choices(),
             "launch_defaults": _launch_defaults(),
+            # Issue 4's sparse goals per case under both readings (see sparse_ratios / the .md table).
+            "sparse_goals": sparse_verdicts(
+                [r for r in results if r["group"] == "sparse"], [r for r in results if r["group"] == "seed"]
+            ),
             "results": results,
         }
         (out_dir / f"{DIST}.json").write_text(json.dumps(meta, indent=1))
