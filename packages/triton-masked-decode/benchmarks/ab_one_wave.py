@@ -8,6 +8,10 @@ output checked against the float32 reference eagerly and after a graph replay; C
 flushed by a read before each), in two rounds with the variant order reversed in the second. Reported per
 variant: the median time per case, the geometric mean relative to the package defaults, and each sparse
 case's time over the same variant's 50%-mask time. The defaults are not changed by this script.
+
+``--set merge --batches 1,8 --rounds 3`` (run 10) compares merge-kernel launch shapes against the defaults
+at batch 1 and batch 8 (batch 8 is a multi-wave launch: only the merge knobs are overridden, so each batch
+keeps its own launch class's tile); ``--set run9`` (default) is run 9's batch-1 knob list.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ DEFAULT = {
     "sparse_stages": tuned.SPARSE_TILE_ONE_WAVE[1],
     "programs_per_sm": tuned.PROGRAMS_PER_SM,
 }
-VARIANTS = {
+VARIANTS_RUN9 = {
     "default": {},
     "merge-d32": {"merge_block_d": 32},
     "merge-d32-w2": {"merge_block_d": 32, "merge_warps": 2},
@@ -39,41 +43,67 @@ VARIANTS = {
     "ns32-s3-psm4": {"block_ns": 32, "sparse_stages": 3},
     "psm6": {"programs_per_sm": 6},
 }
+# Run 10: the merge kernel's head-dim slice and warps (default since run 10: 32 wide, 2 warps).
+VARIANTS_MERGE = {
+    "default": {},
+    "merge-whole-w4": {"merge_block_d": 128, "merge_warps": 4},
+    "merge-d32-w1": {"merge_block_d": 32, "merge_warps": 1},
+    "merge-d16-w1": {"merge_block_d": 16, "merge_warps": 1},
+    "merge-d64-w2": {"merge_block_d": 64, "merge_warps": 2},
+}
+SETS = {"run9": (VARIANTS_RUN9, DEFAULT), "merge": (VARIANTS_MERGE, {})}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--rep", type=int, default=40)
+    ap.add_argument("--set", choices=sorted(SETS), default="run9")
+    ap.add_argument("--batches", default="1", help="comma-separated batch sizes (L=64K each)")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="rounds, the variant order reversed every other one"
+    )
     args = ap.parse_args()
+    variants, base = SETS[args.set]
+    batches = [int(x) for x in args.batches.split(",")]
     sw = Sweep(args.rep)
-    order = list(VARIANTS)
-    for rnd in range(2):
-        for tag in order if rnd == 0 else order[::-1]:
+    order = list(variants)
+    for rnd in range(args.rounds):
+        for tag in order if rnd % 2 == 0 else order[::-1]:
+            for b in batches:
+                for m in MASKS:
+                    sw.measure(tag, {**base, **variants[tag]}, b, m, threshold=None)
+    summary: dict[str, dict] = {}
+    for b in batches:
+        med: dict[str, dict[str, float]] = {}
+        for tag in order:
             for m in MASKS:
-                sw.measure(tag, {**DEFAULT, **VARIANTS[tag]}, 1, m, threshold=None)
-    med: dict[str, dict[str, float]] = {}
-    for tag in order:
-        for m in MASKS:
-            ts = [r["us"] for r in sw.rows if r["variant"] == tag and r["mask"] == m and r.get("ok")]
-            if len(ts) == 2:
-                med.setdefault(tag, {})[m] = statistics.median(ts)
-    summary = {}
-    for tag, t in med.items():
-        if len(t) != len(MASKS) or len(med.get("default", {})) != len(MASKS):
-            continue
-        geo = math.exp(sum(math.log(t[m] / med["default"][m]) for m in MASKS) / len(MASKS))
-        ratios = {m: t[m] / t["rand50"] for m in MASKS if m != "rand50"}
-        summary[tag] = {"median_us": t, "geomean_vs_default": geo, "over_rand50": ratios}
-        rs = "  ".join(f"{m} {t[m]:6.1f} ({ratios.get(m, 1.0):.3f})" for m in MASKS)
-        print(f"{tag:14s} geo {geo:.4f}  {rs}", flush=True)
+                ts = [
+                    r["us"]
+                    for r in sw.rows
+                    if r["variant"] == tag and r["batch"] == b and r["mask"] == m and r.get("ok")
+                ]
+                if len(ts) == args.rounds:
+                    med.setdefault(tag, {})[m] = statistics.median(ts)
+        for tag, t in med.items():
+            if len(t) != len(MASKS) or len(med.get("default", {})) != len(MASKS):
+                continue
+            geo = math.exp(sum(math.log(t[m] / med["default"][m]) for m in MASKS) / len(MASKS))
+            ratios = {m: t[m] / t["rand50"] for m in MASKS if m != "rand50"}
+            key = tag if len(batches) == 1 else f"B{b}:{tag}"
+            summary[key] = {"batch": b, "median_us": t, "geomean_vs_default": geo, "over_rand50": ratios}
+            rs = "  ".join(f"{m} {t[m]:6.1f} ({ratios.get(m, 1.0):.3f})" for m in MASKS)
+            print(f"B{b} {tag:14s} geo {geo:.4f}  {rs}", flush=True)
     if args.out:
         args.out.write_text(
             json.dumps(
                 {
-                    **run_header("batch-1 launch-knob A/B (defaults unchanged); see the module docstring"),
-                    "defaults": DEFAULT,
-                    "variants": VARIANTS,
+                    **run_header("launch-knob A/B (defaults unchanged); see the module docstring"),
+                    "set": args.set,
+                    "batches": batches,
+                    "rounds": args.rounds,
+                    "base_knobs": base,
+                    "variants": variants,
                     "summary": summary,
                     "rows": sw.rows,
                 },

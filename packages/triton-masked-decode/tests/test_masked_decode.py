@@ -465,18 +465,41 @@ def test_sparse_gather_tiles(block_ns: int, stages: int, cuda_device: torch.devi
         check_case(case, cuda_device, seed=seed)
 
 
-def test_merge_head_dim_slices_cpu(cpu_device: torch.device, monkeypatch) -> None:
-    """The merge kernel split over head-dim slices (a tuning knob; the last slice partly past D) is exact."""
+@pytest.mark.parametrize(
+    ("merge_block_d", "merge_warps"),
+    [pytest.param(16, 2, id="MD16"), pytest.param(256, 4, id="MD-whole")],
+)
+def test_merge_head_dim_slices_cpu(
+    merge_block_d: int, merge_warps: int, cpu_device: torch.device, monkeypatch
+) -> None:
+    """The merge kernel over head-dim slices (the last slice partly past D) or the whole D is exact."""
     md = __import__("sys").modules["triton_masked_decode.masked_decode"]
-    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"merge_block_d": 16, "merge_warps": 2})
+    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"merge_block_d": merge_block_d, "merge_warps": merge_warps})
     check_case(Case(batch=3, length=70, dim=40, seqlens="tensor", num_splits=3), cpu_device, seed=41)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("merge_block_d", [pytest.param(32, id="MD32"), pytest.param(64, id="MD64")])
-def test_merge_head_dim_slices_gpu(merge_block_d: int, cuda_device: torch.device, monkeypatch) -> None:
+def test_merge_in_several_steps_cpu(cpu_device: torch.device, monkeypatch) -> None:
+    """More splits than one merge step takes (BLOCK_S = 8 here): the online rescaling across steps is exact."""
     md = __import__("sys").modules["triton_masked_decode.masked_decode"]
-    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"merge_block_d": merge_block_d})
+    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"merge_block_d": 256, "merge_warps": 1})
+    check_case(Case(batch=2, hkv=1, group=2, length=300, dim=200, num_splits=19), cpu_device, seed=44)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("merge_block_d", "merge_warps"),
+    [
+        pytest.param(16, 1, id="MD16-w1"),
+        pytest.param(64, 2, id="MD64"),
+        pytest.param(256, 4, id="MD-whole"),
+    ],
+)
+def test_merge_head_dim_slices_gpu(
+    merge_block_d: int, merge_warps: int, cuda_device: torch.device, monkeypatch
+) -> None:
+    """Merge slices other than the default (32 wide, 2 warps), including one program for the whole D."""
+    md = __import__("sys").modules["triton_masked_decode.masked_decode"]
+    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"merge_block_d": merge_block_d, "merge_warps": merge_warps})
     for dim, seed in ((128, 42), (96, 43)):
         check_case(
             Case(batch=3, hkv=8, group=4, length=6000, dim=dim, seqlens="tensor"), cuda_device, seed=seed
