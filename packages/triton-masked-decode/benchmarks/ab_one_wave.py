@@ -49,7 +49,6 @@ VARIANTS_MERGE = {
     "merge-whole-w4": {"merge_block_d": 128, "merge_warps": 4},
     "merge-d32-w1": {"merge_block_d": 32, "merge_warps": 1},
     "merge-d16-w1": {"merge_block_d": 16, "merge_warps": 1},
-    "merge-d64-w2": {"merge_block_d": 64, "merge_warps": 2},
 }
 SETS = {"run9": (VARIANTS_RUN9, DEFAULT), "merge": (VARIANTS_MERGE, {})}
 
