@@ -310,7 +310,7 @@ def _bucket_argsort_desc(x: np.ndarray, order: np.ndarray, val: np.ndarray) -> b
     """
     n = x.size
     bits = x.view(np.int64)
-    lo = np.int64(1) << 62
+    lo = np.int64(0x7FFFFFFFFFFFFFFF)
     hi = np.int64(0)
     for i in range(n):
         v = x[i]
