@@ -11,7 +11,8 @@ case's time over the same variant's 50%-mask time. The defaults are not changed 
 
 ``--set merge --batches 1,8 --rounds 3`` (run 10) compares merge-kernel launch shapes against the defaults
 at batch 1 and batch 8 (batch 8 is a multi-wave launch: only the merge knobs are overridden, so each batch
-keeps its own launch class's tile); ``--set run9`` (default) is run 9's batch-1 knob list.
+keeps its own launch class's tile); ``--set sparse-only`` (run 10) the kernel without the dense loop against
+the one with it; ``--set run9`` (default) is run 9's batch-1 knob list.
 """
 
 from __future__ import annotations
@@ -50,7 +51,23 @@ VARIANTS_MERGE = {
     "merge-d32-w1": {"merge_block_d": 32, "merge_warps": 1},
     "merge-d16-w1": {"merge_block_d": 16, "merge_warps": 1},
 }
-SETS = {"run9": (VARIANTS_RUN9, DEFAULT), "merge": (VARIANTS_MERGE, {})}
+# Run 10, second call: the kernel without the dense loop when every split is sparse (default since run 10)
+# against the kernel with it (the autotuner's 32- and 64-row dense tiles), run 9's whole kernel, the
+# 1-warp merge, and more programs per SM (the dense loop's tile no longer takes shared memory).
+VARIANTS_SPARSE_ONLY = {
+    "default": {},
+    "dense-in-32x3": {"keep_dense_loop": 1},
+    "dense-in-64x3": {"keep_dense_loop": 1, "block_n": 64},
+    "run9-kernel": {"keep_dense_loop": 1, "merge_block_d": 128, "merge_warps": 4},
+    "merge-d32-w1": {"merge_block_d": 32, "merge_warps": 1},
+    "psm5": {"programs_per_sm": 5},
+    "psm6": {"programs_per_sm": 6},
+}
+SETS = {
+    "run9": (VARIANTS_RUN9, DEFAULT),
+    "merge": (VARIANTS_MERGE, {}),
+    "sparse-only": (VARIANTS_SPARSE_ONLY, {}),
+}
 
 
 def main() -> None:

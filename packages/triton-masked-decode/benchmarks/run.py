@@ -89,12 +89,15 @@ def build_cases(quick: bool) -> list[Case]:
 
 
 def _git_commit() -> str:
+    """``TMD_COMMIT`` when set (a copied tree may carry a stale ``.git``), else the checkout's HEAD."""
+    if os.environ.get("TMD_COMMIT"):
+        return os.environ["TMD_COMMIT"]
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL
         ).strip()
     except Exception:
-        return os.environ.get("TMD_COMMIT", "unknown")
+        return "unknown"
 
 
 def _autotune_choices() -> list[dict]:

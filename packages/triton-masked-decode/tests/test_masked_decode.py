@@ -478,6 +478,13 @@ def test_merge_head_dim_slices_cpu(
     check_case(Case(batch=3, length=70, dim=40, seqlens="tensor", num_splits=3), cpu_device, seed=41)
 
 
+def test_threshold_one_with_dense_loop_compiled_cpu(cpu_device: torch.device, monkeypatch) -> None:
+    """The benchmark knob that keeps the dense loop in a threshold-1 kernel (the pre-run-10 kernel) is exact."""
+    md = __import__("sys").modules["triton_masked_decode.masked_decode"]
+    monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"keep_dense_loop": 1})
+    check_case(Case(batch=2, length=90, density=0.3, seqlens="tensor", num_splits=3), cpu_device, seed=45)
+
+
 def test_merge_in_several_steps_cpu(cpu_device: torch.device, monkeypatch) -> None:
     """More splits than one merge step takes (BLOCK_S = 8 here): the online rescaling across steps is exact."""
     md = __import__("sys").modules["triton_masked_decode.masked_decode"]
@@ -509,7 +516,12 @@ def test_merge_head_dim_slices_gpu(
 @pytest.mark.gpu
 def test_autotuned_launch(cuda_device: torch.device, monkeypatch) -> None:
     monkeypatch.setenv("TRITON_MASKED_DECODE_AUTOTUNE", "1")
-    check_case(Case(batch=2, hkv=8, group=4, length=8192, dim=128, density=0.3), cuda_device, seed=23)
+    # A threshold below 1 keeps the dense loop in the kernel, so its tile is autotuned (with the default
+    # threshold 1.0 every split is sparse and the launch is not autotuned; the next call checks that too).
+    check_case(
+        Case(batch=2, hkv=8, group=4, length=8192, dim=128, density=0.3, threshold=0.5), cuda_device, seed=23
+    )
+    check_case(Case(batch=2, hkv=8, group=4, length=8192, dim=128, density=0.3), cuda_device, seed=24)
 
 
 @pytest.mark.gpu

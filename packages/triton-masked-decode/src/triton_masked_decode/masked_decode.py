@@ -323,6 +323,7 @@ def _masked_decode_split_kernel(
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     COMPACT: tl.constexpr,
+    SPARSE_ONLY: tl.constexpr,
     UPCAST: tl.constexpr,
     DENSE_READ_ALL: tl.constexpr,
     PDL: tl.constexpr,
@@ -379,7 +380,15 @@ def _masked_decode_split_kernel(
             idx_base = Idx
             n_vis = lo * 0
             go_sparse = False
-        if go_sparse:
+        if SPARSE_ONLY:
+            # Every split takes the sparse loop (sparse_threshold >= 1): the dense loop is not compiled, so
+            # its tile (shared memory, registers) cannot limit how many programs share an SM.
+            acc, l_i, m_i = _sparse_loop(
+                acc, l_i, m_i, q, n_vis, k_base, v_base, bt_base, idx_base,
+                stride_kn, stride_kb, stride_vn, stride_vb, qk_scale, offs_d,
+                HEAD_DIM, BLOCK_D, BLOCK_NS, SPARSE_STAGES, PAGED, PAGE_SIZE, UPCAST,
+            )  # fmt: skip
+        elif go_sparse:
             acc, l_i, m_i = _sparse_loop(
                 acc, l_i, m_i, q, n_vis, k_base, v_base, bt_base, idx_base,
                 stride_kn, stride_kb, stride_vn, stride_vb, qk_scale, offs_d,
@@ -685,6 +694,9 @@ def _launch(
     compact = mask is not None and path in (_PATH_CODES["auto"], _PATH_CODES["sparse"])
     if path == _PATH_CODES["sparse"]:
         sparse_threshold = 2.0  # every split takes the sparse loop (visible <= 2 * length always holds)
+    # A threshold of 1 or more sends every split to the sparse loop (visible <= length always holds): the
+    # kernel is then compiled without the dense loop and launched without autotuning its (unused) tile.
+    sparse_only = compact and sparse_threshold >= 1.0 and not _TUNE_OVERRIDE.get("keep_dense_loop", 0)
     if compact:
         idx = torch.empty(batch * hkv * splits * chunk, dtype=torch.int32, device=q.device)
     else:
@@ -722,12 +734,13 @@ def _launch(
     meta = dict(
         G=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_NS=block_ns, SPARSE_STAGES=sparse_stages,
         BLOCK_C=block_c, MASK_MODE=mask_mode, HAS_SEQLENS=seqlens is not None, PAGED=paged,
-        PAGE_SIZE=page_size, COMPACT=compact, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        PAGE_SIZE=page_size, COMPACT=compact, SPARSE_ONLY=sparse_only,
+        UPCAST=_interpreting() and q.dtype == torch.bfloat16,
         DENSE_READ_ALL=path == _PATH_CODES["dense_read_all"] or (path == 0 and _AUTO_DENSE_READ_ALL),
         PDL=pdl,
     )  # fmt: skip
     grid = (splits, hkv, batch)
-    if _autotune_enabled():
+    if _autotune_enabled() and not sparse_only:
         _split_kernel_tuned[grid](*args, **meta)
     else:
         _masked_decode_split_kernel[grid](
