@@ -1109,14 +1109,15 @@ def _refine(
         alive[r] = True
         total[r] = _pairwise_sum(load[r].reshape(-1), np.int64(0), width)
         tol[r] = (REL_TOL / num_bins) * total[r]
+        # a row's stats change only when it is refined: they are updated after each of its blocks
+        # (its heaviest item, hence its bound, never changes: items only move between its bins)
+        mean = total[r] / num_bins
+        pk, ex, top = _row_stats(load[r].reshape(-1), num_bins, slots, mean, bin_tmp)
+        peak[r] = pk
+        excess[r] = ex
+        row_lb[r] = max(mean, top)
     it = np.int64(0)
     while it < iters:
-        for r in range(num_rows):
-            mean = total[r] / num_bins
-            pk, ex, top = _row_stats(load[r].reshape(-1), num_bins, slots, mean, bin_tmp)
-            peak[r] = pk
-            excess[r] = ex
-            row_lb[r] = max(mean, top)
         any_active = False
         for c in range(num_candidates):
             cand_peak[c] = -_INF
@@ -1158,8 +1159,10 @@ def _refine(
                 moved, stamp = _swap_rounds(
                     fl, fe, ff, has_fixed, tol[r], rounds, it, slots, rb, sb, stamp, fo, budget
                 )
-            after = _row_stats(fl, num_bins, slots, total[r] / num_bins, bin_tmp)[1]
+            pk, after, _ = _row_stats(fl, num_bins, slots, total[r] / num_bins, bin_tmp)
             alive[r] = moved and (excess[r] - after > MIN_BLOCK_GAIN * total[r])
+            peak[r] = pk
+            excess[r] = after
         it += rounds
     return stamp
 
