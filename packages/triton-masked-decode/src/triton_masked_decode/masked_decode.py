@@ -375,20 +375,18 @@ def _masked_decode_split_kernel(
             # chunk's visible positions, then gather them if they are few enough, else walk the chunk.
             idx_base = Idx + ((bidx.to(tl.int64) * num_heads + head) * num_splits + split) * chunk
             n_vis = _compact_visible(lo, hi, mask_base, idx_base, stride_ml, MASK_MODE, BLOCK_C)
-            go_sparse = n_vis.to(tl.float32) <= sparse_threshold * (hi - lo).to(tl.float32)
+            if SPARSE_ONLY:
+                # Every split takes the sparse loop (sparse_threshold >= 1): a compile-time True, so the
+                # dense loop is not compiled and its tile (shared memory, registers) cannot limit how many
+                # programs share an SM.
+                go_sparse = True
+            else:
+                go_sparse = n_vis.to(tl.float32) <= sparse_threshold * (hi - lo).to(tl.float32)
         else:
             idx_base = Idx
             n_vis = lo * 0
             go_sparse = False
-        if SPARSE_ONLY:
-            # Every split takes the sparse loop (sparse_threshold >= 1): the dense loop is not compiled, so
-            # its tile (shared memory, registers) cannot limit how many programs share an SM.
-            acc, l_i, m_i = _sparse_loop(
-                acc, l_i, m_i, q, n_vis, k_base, v_base, bt_base, idx_base,
-                stride_kn, stride_kb, stride_vn, stride_vb, qk_scale, offs_d,
-                HEAD_DIM, BLOCK_D, BLOCK_NS, SPARSE_STAGES, PAGED, PAGE_SIZE, UPCAST,
-            )  # fmt: skip
-        elif go_sparse:
+        if go_sparse:
             acc, l_i, m_i = _sparse_loop(
                 acc, l_i, m_i, q, n_vis, k_base, v_base, bt_base, idx_base,
                 stride_kn, stride_kb, stride_vn, stride_vb, qk_scale, offs_d,
