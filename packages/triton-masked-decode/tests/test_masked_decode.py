@@ -497,6 +497,7 @@ def test_merge_in_several_steps_cpu(cpu_device: torch.device, monkeypatch) -> No
     ("merge_block_d", "merge_warps"),
     [
         pytest.param(16, 1, id="MD16-w1"),
+        pytest.param(32, 2, id="MD32-w2"),
         pytest.param(64, 2, id="MD64"),
         pytest.param(256, 4, id="MD-whole"),
     ],
@@ -504,7 +505,7 @@ def test_merge_in_several_steps_cpu(cpu_device: torch.device, monkeypatch) -> No
 def test_merge_head_dim_slices_gpu(
     merge_block_d: int, merge_warps: int, cuda_device: torch.device, monkeypatch
 ) -> None:
-    """Merge slices other than the default (32 wide, 2 warps), including one program for the whole D."""
+    """Merge slices other than the default (32 wide, 1 warp), including one program for the whole D."""
     md = __import__("sys").modules["triton_masked_decode.masked_decode"]
     monkeypatch.setattr(md, "_TUNE_OVERRIDE", {"merge_block_d": merge_block_d, "merge_warps": merge_warps})
     for dim, seed in ((128, 42), (96, 43)):

@@ -60,9 +60,11 @@ _PROGRAMS_PER_SM = _tuned.PROGRAMS_PER_SM
 # A launch is "one wave" when it has at most this many times PROGRAMS_PER_SM programs per SM.
 _ONE_WAVE_SLACK = 1.25
 # Merge kernel: one program per (query head, sequence, head-dim slice of _MERGE_BLOCK_D) with
-# _MERGE_WARPS warps (H100 batch-1 A/B, ab_one_wave.py: 1.7% faster than one 4-warp program per head).
+# _MERGE_WARPS warps. H100 A/B (ab_one_wave.py, run 10, geo-mean over five masks): at batch 1, 32-wide
+# slices with 1 warp 0.986 / 0.987 (two calls) of 2 warps, and 2 warps 0.983 of one 4-warp program per
+# head (run 9); at batch 8 all within 1%.
 _MERGE_BLOCK_D = 32
-_MERGE_WARPS = 2
+_MERGE_WARPS = 1
 # Benchmark-only knobs (tile sizes, pipelining depth, split targets); empty in normal use.
 _TUNE_OVERRIDE: dict[str, int] = {}
 
