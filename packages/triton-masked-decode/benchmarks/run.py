@@ -117,9 +117,14 @@ def _autotune_choices() -> list[dict]:
 
 
 def _launch_defaults() -> dict:
-    """The tuned launch defaults (``_tuned.py``) this run used."""
+    """The tuned launch defaults (``_tuned.py``) and the merge kernel's launch shape this run used."""
     tuned = sys.modules["triton_masked_decode._tuned"]
-    return {k: getattr(tuned, k) for k in dir(tuned) if k.isupper()}
+    md = sys.modules["triton_masked_decode.masked_decode"]
+    return {
+        **{k: getattr(tuned, k) for k in dir(tuned) if k.isupper()},
+        "MERGE_BLOCK_D": md._MERGE_BLOCK_D,
+        "MERGE_WARPS": md._MERGE_WARPS,
+    }
 
 
 def _pct(r: dict, p: str) -> str:
