@@ -121,7 +121,15 @@ def test_dispatch_combine_matches_reference(world, ns, hidden, topk, experts, dt
     # three calls with fresh inputs: monotone epochs, count parity and buffer reuse across calls, both
     # dispatch flows (receive layout in its own launch, or merged into the row kernel) one after another,
     # the last with the row kernel's CTAs split into senders and writers
-    for call, (merged, send_ctas) in enumerate(((False, 0), (True, 0), (True, 1))):
+    _round_trips(sim, ns, ((False, 0), (True, 0), (True, 1)), gen, with_w=with_w, skew=skew, drop=drop)
+
+
+def _round_trips(sim, ns, flows, gen, *, with_w, skew, drop, after_dispatch=None) -> None:
+    """One dispatch + combine per ``(merged, send_ctas)`` of ``flows``, each with fresh inputs (the
+    token counts ``ns``, then shifted and reversed), checked against the reference."""
+    eng = sim.engines[0]
+    hidden, topk, experts, dtype = eng.hidden, eng.topk, eng.num_tot_experts, eng.token_dtype
+    for call, (merged, send_ctas) in enumerate(flows):
         ns_call = ns if call == 0 else [max(0, n - call) for n in reversed(ns)]
         xs = [torch.randn(n, hidden, generator=gen).to(dtype) for n in ns_call]
         ids = [_routing(n, topk, experts, gen, skew=skew, drop=drop) for n in ns_call]
@@ -130,7 +138,9 @@ def test_dispatch_combine_matches_reference(world, ns, hidden, topk, experts, dt
         ref, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
         _check_dispatch(res, ref, scat, with_w)
         assert all(torch.equal(r.num_input_tokens_per_rank, torch.tensor(ns_call)) for r in res)
-        _check_skip_mapping(res, ids, experts // world)
+        _check_skip_mapping(res, ids, experts // sim.world_size)
+        if after_dispatch is not None:
+            after_dispatch(res, ids)
         ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(dtype) for r in res]
         outs = sim.combine(ys, res, ids)
         _check_combine(outs, ys, ids, scat, experts, dtype)
@@ -256,3 +266,116 @@ def test_invalid_expert_ids_are_counted_and_dropped(merged):
     _check_dispatch(res, ref, scat, False)
     ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
     _check_combine(sim.combine(ys, res, dropped), ys, dropped, scat, experts, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------------
+# remote peers (the inter-node path, forced on simulated nodes of `node` ranks): every transfer to a rank
+# of another node is staged in the sender's heap and moved by a simulated put-with-signal (a copy into the
+# peer's heap, then its signal word); the table entries of remote ranks point at a decoy heap that must
+# stay untouched (SimWorld.check_decoy, run after every call)
+# ------------------------------------------------------------------------------------------------------
+REMOTE_CASES = [
+    # world, node size, tokens per rank, hidden, topk, experts, dtype, weights, skew, drop
+    pytest.param(2, 1, [6, 5], 32, 4, 8, torch.bfloat16, True, False, 0.0, id="W2-node1-k4-E8-bf16"),
+    pytest.param(3, 1, [4, 6, 1], 16, 3, 6, torch.float32, True, True, 0.1, id="W3-node1-f32-skew-drop"),
+    pytest.param(
+        4, 2, [6, 6, 0, 4], 48, 8, 16, torch.float16, True, True, 0.15, id="W4-node2-H48-k8-f16-skew-drop"
+    ),
+    pytest.param(4, 2, [5, 3, 6, 2], 32, 2, 8, torch.bfloat16, False, False, 0.2, id="W4-node2-k2-noW-drop"),
+]
+
+
+def _remote_world(world, node, max_tokens, hidden, topk, experts, dtype=torch.bfloat16, **kw) -> SimWorld:
+    return SimWorld(
+        world_size=world,
+        max_tokens=max_tokens,
+        hidden=hidden,
+        topk=topk,
+        num_tot_experts=experts,
+        token_dtype=dtype,
+        num_sm=2,
+        chunk=4,
+        node_size=node,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    ("world", "node", "ns", "hidden", "topk", "experts", "dtype", "with_w", "skew", "drop"), REMOTE_CASES
+)
+def test_remote_path_matches_reference(world, node, ns, hidden, topk, experts, dtype, with_w, skew, drop):
+    gen = torch.Generator().manual_seed(4321 + world * 10 + node + hidden)
+    sim = _remote_world(world, node, max(ns), hidden, topk, experts, dtype)
+    assert all(
+        sim.engines[r].remote_ranks == tuple(p for p in range(world) if p // node != r // node)
+        for r in range(world)
+    )
+    L = experts // world
+    calls = [0]
+
+    def packed_and_put(res, ids) -> None:
+        for r in range(world):
+            for p in sim.engines[r].remote_ranks:  # packed: one record per (token, remote rank), no more
+                goes = ((ids[r] >= 0) & (ids[r].long() // L == p)).any(dim=1)
+                assert res[p].npk_recv[r] == int(goes.sum()), f"records {r} -> {p}"
+            # per remote peer and dispatch: counts, base rows and records, one put-with-signal each (and
+            # the previous combine's rows)
+            puts = [e for e in sim.transports[r].log if e[0] == "put"]
+            assert len(puts) == (3 + (calls[0] > 0)) * len(sim.engines[r].remote_ranks)
+            sim.transports[r].log.clear()
+        calls[0] += 1
+
+    # three calls: epochs, count parity, staging and signal reuse; the last with the CTA split
+    flows = ((False, 0), (False, 0), (False, 1))
+    _round_trips(sim, ns, flows, gen, with_w=with_w, skew=skew, drop=drop, after_dispatch=packed_and_put)
+
+
+def test_remote_caller_scatter_and_per_slot_combine():
+    """full_scatter_indices and the per-slot combine (device barriers with host signals) over remote peers."""
+    world, hidden, topk, experts = 3, 16, 3, 6
+    gen = torch.Generator().manual_seed(77)
+    ns = [5, 3, 4]
+    sim = _remote_world(world, 1, 5, hidden, topk, experts)
+    xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in ns]
+    ids = [_routing(n, topk, experts, gen, skew=False, drop=0.2) for n in ns]
+    ref, scat = dispatch_ref(xs, ids, num_tot_experts=experts)
+    fsi = [s.to(torch.int32) for s in scat]  # the default rows, given by the caller
+    res = sim.dispatch(xs, ids, None, fsi)
+    _check_dispatch(res, ref, scat, False)
+    ys = [torch.randn(r.output.shape[0], 1, generator=gen) for r in res]
+    got = sim.combine_per_slot(ys, res, ids)
+    want = combine_per_slot_ref(ys, ids, scat, num_tot_experts=experts)
+    for r in range(world):
+        assert torch.equal(got[r], want[r]), f"rank {r}: per-slot rows differ"
+
+
+def test_remote_rank_missing_times_out_naming_it():
+    """A remote rank that never dispatches: its counts signal never comes, the wait names it."""
+    world, hidden, topk, experts = 4, 16, 2, 8
+    gen = torch.Generator().manual_seed(11)
+    sim = _remote_world(world, 2, 4, hidden, topk, experts, timeout_s=0.01)
+    xs = [torch.randn(4, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
+    ids = [_routing(4, topk, experts, gen, skew=False, drop=0.0) for _ in range(world)]
+    with pytest.raises(EPTimeoutFromDevice, match="waiting for rank 3") as info:
+        sim.dispatch(xs, ids, skip_ranks=[3])
+    assert info.value.step == "dispatch/counts"
+
+
+def test_remote_combine_peer_missing_times_out():
+    world, hidden, topk, experts = 2, 16, 2, 4
+    gen = torch.Generator().manual_seed(13)
+    sim = _remote_world(world, 1, 4, hidden, topk, experts, timeout_s=0.01)
+    xs = [torch.randn(4, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
+    ids = [torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]], dtype=torch.int32) for _ in range(world)]
+    res = sim.dispatch(xs, ids)
+    with pytest.raises(EPTimeoutFromDevice, match="rank 1") as info:
+        sim.combine([r.output.clone() for r in res[:1]], res[:1], ids, skip_ranks=[1])
+    assert info.value.step == "combine"
+
+
+def test_remote_path_refuses_merged_flow():
+    sim = _remote_world(2, 1, 4, 16, 2, 4)
+    x = [torch.zeros(1, 16, dtype=torch.bfloat16)] * 2
+    ids = [torch.zeros(1, 2, dtype=torch.int32)] * 2
+    with pytest.raises(ValueError, match="merged"):
+        sim.dispatch(x, ids, merged=True)

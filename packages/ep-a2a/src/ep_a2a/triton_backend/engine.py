@@ -16,13 +16,16 @@ before the row kernel. A combine is one launch of ``_combine_kernel``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
+import triton.language as tl
 
 from ep_a2a.triton_backend import kernels as K
 
@@ -48,6 +51,24 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+class RemoteTransport(Protocol):
+    """Host-side transfers to the ranks the kernels do not reach by stores (other nodes, or forced).
+
+    Offsets are bytes from the start of a heap (the same on every rank). Both calls are ordered on the
+    current CUDA stream (the simulation's run at once); the signal is an int64 set to ``value`` once the
+    data has arrived.
+    """
+
+    def put_signal(self, pe: int, dst_off: int, src_off: int, nbytes: int, sig_off: int, value: int) -> None:
+        """Copy ``nbytes`` from this rank's heap at ``src_off`` to ``pe``'s at ``dst_off``, then set the
+        signal word at ``sig_off`` in ``pe``'s heap to ``value``."""
+        ...
+
+    def signal(self, pe: int, sig_off: int, value: int) -> None:
+        """Set the signal word at ``sig_off`` in ``pe``'s heap to ``value``."""
+        ...
+
+
 class EPTimeoutFromDevice(TimeoutError):
     """A device-side wait ran out (step and peer decoded from the device error flag)."""
 
@@ -66,6 +87,14 @@ class HeapLayout:
     ``cnt [2, W, L + 1]`` int64 packed (epoch, count) per source and parity, ``flag [W, NC]`` dispatch chunk
     flags, ``back [W, L]`` packed base rows returned by each destination, ``cx [W, T, H]`` (4-byte
     elements) combine rows by expert rank, ``cflag [W, NC]`` combine chunk flags, ``bar [W]`` barrier.
+
+    With ``remote=True`` (some pairs of ranks exchange through host puts; the same on every rank) ``cnt``
+    holds ``CW = L + 2`` words per source (the last: packed token count), and five more regions follow
+    (empty otherwise): ``sig [4, W]`` signals (counts, base rows, records, combine rows) by source,
+    ``scnt [W, CW]`` / ``sback [W, L]`` staged counts and base rows by destination, ``srec`` / ``rrec
+    [W, T, rec]`` packed token records staged by destination / received by source (a record: the row,
+    padded to 16 bytes, then the token index, ``K`` ids, ``K`` positions and ``K`` float32 weights, padded
+    to 16 bytes), ``scx [W, T, H]`` (4-byte elements) combine rows staged by source.
     """
 
     x: int
@@ -80,6 +109,16 @@ class HeapLayout:
     bar: int
     nbytes: int
     nchunks: int
+    sig: int = 0
+    scnt: int = 0
+    sback: int = 0
+    srec: int = 0
+    rrec: int = 0
+    scx: int = 0
+    cw: int = 0  # words per source in cnt
+    rec: int = 0  # bytes of a packed token record (remote)
+    rowb: int = 0  # bytes of a record's row part
+    remote: bool = False
 
     @classmethod
     def build(
@@ -92,27 +131,41 @@ class HeapLayout:
         experts_per_rank: int,
         token_bytes: int,
         chunk: int,
+        remote: bool = False,
     ) -> HeapLayout:
         W, T, H, Kk, L = world_size, max_tokens, hidden, topk, experts_per_rank
         nchunks = triton.cdiv(T, chunk)
+        cw = L + 1 + int(remote)
+        rowb = -(-H * token_bytes // 16) * 16
+        rec = rowb + -(-(1 + 3 * Kk) * 4 // 16) * 16
+        r = int(remote)
         sizes = {
             "x": W * T * H * token_bytes,
             "ids": W * T * Kk * 4,
             "pos": W * T * Kk * 4,
             "w": W * T * Kk * 4,
-            "cnt": 2 * W * (L + 1) * 8,
+            "cnt": 2 * W * cw * 8,
             "flag": W * nchunks * 8,
             "back": W * L * 8,
             "cx": W * T * H * 4,
             "cflag": W * nchunks * 8,
             "bar": W * 8,
+            "sig": r * 4 * W * 8,
+            "scnt": r * W * cw * 8,
+            "sback": r * W * L * 8,
+            "srec": r * W * T * rec,
+            "rrec": r * W * T * rec,
+            "scx": r * W * T * H * 4,
         }
         offs = {}
         cur = 0
         for name, size in sizes.items():
             offs[name] = cur
             cur += (size + _ALIGN - 1) // _ALIGN * _ALIGN
-        return cls(nbytes=cur, nchunks=nchunks, **offs)
+        return cls(
+            nbytes=cur, nchunks=nchunks, cw=cw, rec=rec if remote else 0, rowb=rowb if remote else 0, remote=remote,
+            **offs,
+        )  # fmt: skip
 
 
 def _decode_error(code: int) -> tuple[str, int]:
@@ -159,6 +212,8 @@ class TritonEPEngine:
         num_warps: int | None = None,
         send_ctas: int = 0,
         combine_send_ctas: int = 0,
+        remote_ranks: Sequence[int] = (),
+        transport: RemoteTransport | None = None,
     ) -> None:
         if weight_dtype.itemsize > 4:
             raise ValueError(f"weight_dtype must be at most 4 bytes wide, got {weight_dtype}")
@@ -188,7 +243,7 @@ class TritonEPEngine:
         self.combine_send_ctas = combine_send_ctas
         self.kp = _next_pow2(topk)
         self.wp = _next_pow2(world_size)
-        self.lp = _next_pow2(self.experts_per_rank + 1)
+        self.lp = _next_pow2(layout.cw or self.experts_per_rank + 1)
         dev = self.device
         self.state = torch.zeros(K.STATE_SIZE, dtype=torch.int64, device=dev)
         #: length of a dispatch's ``info``: total rows, error word, tokens per source, rows per source,
@@ -200,6 +255,21 @@ class TritonEPEngine:
         self._dummy_w = torch.zeros(1, dtype=weight_dtype, device=dev)
         self.scan_block = min(4096, _next_pow2(max(16, max_tokens * topk)))
         self._layout_grid = (min(self.num_tot_experts, self.num_sm),)
+        # remote peers: every transfer to them is staged in this rank's heap and put by the host
+        remote = sorted(set(int(r) for r in remote_ranks))
+        if any(not 0 <= r < world_size or r == rank for r in remote):
+            raise ValueError(f"remote_ranks must be other ranks of [0, {world_size}), got {remote}")
+        if remote and not layout.remote:
+            raise ValueError("remote_ranks need a HeapLayout built with remote=True")
+        if remote and transport is None:
+            raise ValueError("remote_ranks need a transport (host-side put-with-signal)")
+        self.remote_ranks = tuple(remote)
+        self.remote_bits = sum(1 << r for r in remote)
+        self.transport = transport
+        #: host mirrors of the device epochs (dispatch, combine, barrier): the values of the host signals
+        self.host_epochs = [0, 0, 0]
+        self._dummy_i32 = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._dummy_i64 = torch.zeros(1, dtype=torch.int64, device=dev)
 
     # ------------------------------------------------------------------ errors
     def check_error(self, err: int | None = None) -> None:
@@ -264,10 +334,54 @@ class TritonEPEngine:
         return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
 
     # ------------------------------------------------------------------ dispatch steps
+    def alloc_remote(self) -> dict[str, torch.Tensor] | None:
+        """Per-dispatch buffers of the remote path (``None`` without remote peers): ``pk`` / ``rtok``
+        ``[W, max_tokens]`` int32 (packed index of each token per remote destination / token of each
+        packed record per remote source) and ``pinfo [2W]`` int64 (records sent to / received from each
+        remote rank)."""
+        if not self.remote_ranks:
+            return None
+        W, T, dev = self.world_size, self.max_tokens, self.device
+        return {
+            "pk": torch.empty(W, T, dtype=torch.int32, device=dev),
+            "rtok": torch.empty(W, T, dtype=torch.int32, device=dev),
+            "pinfo": torch.zeros(2 * W, dtype=torch.int64, device=dev),
+        }
+
+    def _rb(self, remote: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.remote_ranks and remote is None:
+            raise ValueError("this engine has remote peers: pass the dispatch's alloc_remote() buffers")
+        if remote is None:
+            return self._dummy_i32, self._dummy_i32, self._dummy_i64
+        return remote["pk"], remote["rtok"], remote["pinfo"]
+
+    def _tile_kw(self) -> dict:
+        """Constexprs of the row-copying kernels' tiles (dispatch, remote expansion)."""
+        H, BH = self.hidden, self.block_h
+        return dict(K=self.topk, KP=self.kp, H=H, BH=BH, CH=self.chunk, EVEN_H=H % BH == 0)
+
+    def _rec_kw(self, row_dtype: torch.dtype) -> dict:
+        """Strides of a packed token record: in row elements, in 4-byte words; bytes of its row part."""
+        lay = self.layout
+        return dict(RECX=lay.rec // row_dtype.itemsize, RECI=lay.rec // 4, ROWB=lay.rowb)
+
+    def _sig_off(self, kind: tl.constexpr | int, src: int) -> int:
+        """Byte offset of signal ``kind`` (``kernels.SIG_*``) from source ``src`` in a heap."""
+        return self.layout.sig + (int(kind) * self.world_size + src) * 8
+
     def launch_layout(
-        self, exp_indices: torch.Tensor, *, caller_scatter: bool, info: torch.Tensor | None = None
+        self,
+        exp_indices: torch.Tensor,
+        *,
+        caller_scatter: bool,
+        info: torch.Tensor | None = None,
+        remote: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Step 1; counts the slots with invalid expert ids into ``info`` (default :attr:`info`)."""
+        """Step 1; counts the slots with invalid expert ids into ``info`` (default :attr:`info`).
+
+        With remote peers also packs this rank's tokens per remote destination (``remote["pk"]``,
+        ``remote["pinfo"][:W]``) and puts each remote peer its counts (with a signal)."""
+        pk, _, pinfo = self._rb(remote)
         ids = _nz(exp_indices)
         self._launch(
             ("layout", caller_scatter, ids.data_ptr() % 16 == 0),
@@ -290,19 +404,62 @@ class TritonEPEngine:
                 WRITE_POS=not caller_scatter,
                 BAD_SLOT=self.info_len - 1,
                 nprog=self._layout_grid[0],
+                off_scnt=self.layout.scnt,
+                CW=self.layout.cw,
+                REMOTE=self.remote_bits,
             ),
         )
+        if not self.remote_ranks:
+            return
+        self._launch(
+            ("pack", ids.data_ptr() % 16 == 0),
+            K._pack_kernel,
+            (1,),
+            4,
+            ("ids_ptr", "pk_ptr", "pinfo_ptr", "n_tokens"),
+            (ids, pk, pinfo, exp_indices.shape[0]),
+            lambda: dict(
+                table_ptr=self.ptr_table,
+                state_ptr=self.state,
+                off_scnt=self.layout.scnt,
+                rank=self.rank,
+                max_tokens=self.max_tokens,
+                L=self.experts_per_rank,
+                W=self.world_size,
+                K=self.topk,
+                KP=self.kp,
+                BT=min(1024, _next_pow2(max(16, self.max_tokens))),
+                CW=self.layout.cw,
+                REMOTE=self.remote_bits,
+            ),
+        )
+        ep = self.host_epochs[0] + 1
+        lay, cw = self.layout, self.layout.cw
+        assert self.transport is not None
+        for p in self.remote_ranks:
+            self.transport.put_signal(
+                p,
+                lay.cnt + ((ep % 2) * self.world_size * cw + self.rank * cw) * 8,
+                lay.scnt + p * cw * 8,
+                cw * 8,
+                self._sig_off(K.SIG_CNT, self.rank),
+                ep,
+            )
 
-    def launch_counts(self, info: torch.Tensor | None = None) -> None:
+    def launch_counts(
+        self, info: torch.Tensor | None = None, remote: dict[str, torch.Tensor] | None = None
+    ) -> None:
         """Step 2 on its own (exact-shape mode): wait for the counts, write ``info`` (default
-        :attr:`info`) and the receive offsets."""
+        :attr:`info`) and the receive offsets; with remote peers, the records each sends
+        (``remote["pinfo"][W:]``), and each gets its base rows by a put."""
+        _, _, pinfo = self._rb(remote)
         self._launch(
             ("counts",),
             K._counts_kernel,
             (1,),
             4,
-            ("info_ptr",),
-            (self.info if info is None else info,),
+            ("info_ptr", "pinfo_ptr"),
+            (self.info if info is None else info, pinfo),
             lambda: dict(
                 offs_ptr=self.offsets,
                 table_ptr=self.ptr_table,
@@ -316,8 +473,24 @@ class TritonEPEngine:
                 WP=self.wp,
                 LP=self.lp,
                 USE_TIMER=self.use_timer,
+                off_sig=self.layout.sig,
+                off_sback=self.layout.sback,
+                CW=self.layout.cw,
+                REMOTE=self.remote_bits,
             ),
         )
+        self.host_epochs[0] += 1
+        ep, L, lay = self.host_epochs[0], self.experts_per_rank, self.layout
+        assert self.transport is not None or not self.remote_ranks
+        for s in self.remote_ranks:
+            self.transport.put_signal(  # type: ignore[union-attr]
+                s,
+                lay.back + self.rank * L * 8,
+                lay.sback + s * L * 8,
+                L * 8,
+                self._sig_off(K.SIG_BACK, self.rank),
+                ep,
+            )
 
     def launch_dispatch(
         self,
@@ -337,9 +510,21 @@ class TritonEPEngine:
         counts: bool = False,
         send: bool = True,
         recv: bool = True,
+        remote: dict[str, torch.Tensor] | None = None,
+        npk_send: Sequence[int] | None = None,
     ) -> None:
         """Step 3. With ``counts=True`` step 2 runs inside this launch (program 0 builds the receive
-        layout, the others wait for it): the launch after :meth:`launch_layout` in static mode."""
+        layout, the others wait for it): the launch after :meth:`launch_layout` in static mode.
+
+        With remote peers (``counts=False`` only): the row kernel stages the records for remote peers;
+        with ``send`` the host then puts ``npk_send[r]`` records (host copy of ``remote["pinfo"][:W]``) to
+        each remote ``r``; with ``recv`` :func:`~.kernels._remote_expand_kernel` expands the records
+        received (after the row kernel, which marks remote sources' slots as absent)."""
+        if self.remote_ranks and counts:
+            raise ValueError("the receive layout cannot run inside the row kernel with remote peers")
+        if self.remote_ranks and send and npk_send is None:
+            raise ValueError("npk_send (records per remote destination, on the host) is needed to send")
+        pk, rtok, pinfo = self._rb(remote)
         has_w = weight is not None
         split = self.send_ctas
         w = _nz(weight) if weight is not None else self._dummy_w
@@ -373,6 +558,8 @@ class TritonEPEngine:
                 "scat_ptr",
                 "info_ptr",
                 "cap_rows",
+                "pk_ptr",
+                "pinfo_ptr",
             ),
             (
                 xs,
@@ -388,6 +575,8 @@ class TritonEPEngine:
                 scat,
                 self.info if info is None else info,
                 out.shape[0],
+                pk,
+                pinfo,
             ),
             lambda: dict(
                 offs_ptr=self.offsets,
@@ -406,14 +595,8 @@ class TritonEPEngine:
                 off_cnt=self.layout.cnt,
                 W=self.world_size,
                 L=self.experts_per_rank,
-                K=self.topk,
-                KP=self.kp,
                 WP=self.wp,
                 LP=self.lp,
-                H=self.hidden,
-                BH=self.block_h,
-                CH=self.chunk,
-                EVEN_H=self.hidden % self.block_h == 0,
                 HAS_W=has_w,
                 CALLER_SCATTER=caller_scatter,
                 SEND=send,
@@ -425,8 +608,60 @@ class TritonEPEngine:
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(split, 1),
+                off_sig=self.layout.sig,
+                off_sback=self.layout.sback,
+                off_srec=self.layout.srec,
+                CW=self.layout.cw,
+                REMOTE=self.remote_bits,
+                **self._tile_kw(),
+                **self._rec_kw(x.dtype),
             ),
         )
+        if counts and recv:
+            self.host_epochs[0] += 1
+        if not self.remote_ranks:
+            return
+        lay, T, ep = self.layout, self.max_tokens, self.host_epochs[0]
+        if send:
+            assert self.transport is not None
+            assert npk_send is not None
+            for r in self.remote_ranks:
+                self.transport.put_signal(
+                    r,
+                    lay.rrec + self.rank * T * lay.rec,
+                    lay.srec + r * T * lay.rec,
+                    int(npk_send[r]) * lay.rec,
+                    self._sig_off(K.SIG_DATA, self.rank),
+                    ep,
+                )
+        if recv:
+            self._launch(
+                ("expand", has_w, caller_scatter, out.dtype, out_w.dtype),
+                K._remote_expand_kernel,
+                (self.num_sm,),
+                self.num_warps,
+                ("out_ptr", "out_w_ptr", "out_e_ptr", "tab_ptr", "rtok_ptr", "pinfo_ptr", "cap_rows"),
+                (out, out_w, out_e, tab, rtok, pinfo, out.shape[0]),
+                lambda: dict(
+                    offs_ptr=self.offsets,
+                    table_ptr=self.ptr_table,
+                    state_ptr=self.state,
+                    rank=self.rank,
+                    max_tokens=self.max_tokens,
+                    timeout=self.timeout_arg,
+                    off_rrec=lay.rrec,
+                    off_sig=lay.sig,
+                    W=self.world_size,
+                    L=self.experts_per_rank,
+                    HAS_W=has_w,
+                    CALLER_SCATTER=caller_scatter,
+                    USE_TIMER=self.use_timer,
+                    REMOTE=self.remote_bits,
+                    G=self.num_sm,
+                    **self._tile_kw(),
+                    **self._rec_kw(out.dtype),
+                ),
+            )
 
     def launch_combine(
         self,
@@ -438,20 +673,66 @@ class TritonEPEngine:
         *,
         send: bool = True,
         recv: bool = True,
+        remote: dict[str, torch.Tensor] | None = None,
+        npk_recv: Sequence[int] | None = None,
     ) -> None:
+        """One combine. With remote peers the kernel runs as two launches (send, then receive) with the
+        host's puts in between: ``npk_recv[s]`` rows (host copy of the dispatch's ``pinfo[W:]``) back to
+        each remote source ``s``."""
         width = y.shape[1]
         if width > self.hidden:
             raise ValueError(f"combine rows are at most hidden={self.hidden} wide, got {width}")
+        if self.remote_ranks and send and npk_recv is None:
+            raise ValueError("npk_recv (records per remote source, on the host) is needed to send")
         ys, ids, outs = _nz(y), _nz(exp_indices), _nz(out)
-        self._launch(
-            ("combine", width, send, recv, self.combine_send_ctas, outs.dtype, *self._align(ys, ids, n_src)),
-            K._combine_kernel,
-            (self.num_sm,),
-            self.num_warps,
-            ("y_ptr", "tab_ptr", "ids_ptr", "nsrc_ptr", "n_tokens", "out_ptr"),
-            (ys, tab, ids, n_src, exp_indices.shape[0], outs),
-            lambda: self._combine_fixed(width, send, recv),
-        )
+        pk, rtok, pinfo = self._rb(remote)
+        halves = [(send, recv)]
+        if self.remote_ranks and send and recv:
+            halves = [(True, False), (False, True)]  # the puts go between the two launches
+        for snd, rcv in halves:
+            self._launch(
+                (
+                    "combine",
+                    width,
+                    snd,
+                    rcv,
+                    self.combine_send_ctas,
+                    outs.dtype,
+                    *self._align(ys, ids, n_src),
+                ),
+                K._combine_kernel,
+                (self.num_sm,),
+                self.num_warps,
+                (
+                    "y_ptr",
+                    "tab_ptr",
+                    "ids_ptr",
+                    "nsrc_ptr",
+                    "n_tokens",
+                    "out_ptr",
+                    "pk_ptr",
+                    "rtok_ptr",
+                    "pinfo_ptr",
+                ),
+                (ys, tab, ids, n_src, exp_indices.shape[0], outs, pk, rtok, pinfo),
+                functools.partial(self._combine_fixed, width, snd, rcv),
+            )
+            if snd and self.remote_ranks:
+                assert self.transport is not None
+                assert npk_recv is not None
+                lay, T, ep = self.layout, self.max_tokens, self.host_epochs[1] + 1
+                row = width * y.dtype.itemsize
+                for src in self.remote_ranks:
+                    self.transport.put_signal(
+                        src,
+                        lay.cx + self.rank * T * row,
+                        lay.scx + src * T * row,
+                        int(npk_recv[src]) * row,
+                        self._sig_off(K.SIG_COMB, self.rank),
+                        ep,
+                    )
+        if recv:
+            self.host_epochs[1] += 1
 
     def _combine_fixed(self, width: int, send: bool, recv: bool) -> dict:
         # narrower rows (per-slot weight gradients: width 1) get a narrower tile
@@ -481,27 +762,47 @@ class TritonEPEngine:
             USE_TIMER=self.use_timer,
             G=self.num_sm,
             GS=max(self.combine_send_ctas, 1),
+            off_scx=self.layout.scx,
+            off_sig=self.layout.sig,
+            REMOTE=self.remote_bits,
         )
 
     def launch_barrier(self, *, send: bool = True, recv: bool = True) -> None:
-        self._launch(
-            ("barrier", send, recv),
-            K._barrier_kernel,
-            (1,),
-            1,
-            (),
-            (),
-            lambda: dict(
-                table_ptr=self.ptr_table,
-                state_ptr=self.state,
-                off_bar=self.layout.bar,
-                rank=self.rank,
-                timeout=self.timeout_arg,
-                W=self.world_size,
-                SEND=send,
-                RECV=recv,
-                USE_TIMER=self.use_timer,
-            ),
+        """Device-side barrier; remote peers are signalled by the host between a sending and a waiting
+        launch."""
+        halves = [(send, recv)]
+        if self.remote_ranks and send and recv:
+            halves = [(True, False), (False, True)]
+        for snd, rcv in halves:
+            self._launch(
+                ("barrier", snd, rcv),
+                K._barrier_kernel,
+                (1,),
+                1,
+                (),
+                (),
+                functools.partial(self._barrier_fixed, snd, rcv),
+            )
+            if snd and self.remote_ranks:
+                assert self.transport is not None
+                ep = self.host_epochs[2] + 1
+                for r in self.remote_ranks:
+                    self.transport.signal(r, self.layout.bar + self.rank * 8, ep)
+        if recv:
+            self.host_epochs[2] += 1
+
+    def _barrier_fixed(self, send: bool, recv: bool) -> dict:
+        return dict(
+            table_ptr=self.ptr_table,
+            state_ptr=self.state,
+            off_bar=self.layout.bar,
+            rank=self.rank,
+            timeout=self.timeout_arg,
+            W=self.world_size,
+            SEND=send,
+            RECV=recv,
+            USE_TIMER=self.use_timer,
+            REMOTE=self.remote_bits,
         )
 
     def per_slot_rows(self, y: torch.Tensor, tab: torch.Tensor, n_src: torch.Tensor) -> list[torch.Tensor]:
@@ -570,10 +871,14 @@ class TritonEPEngine:
 
         ``dtypes``: extra row dtypes of combine; ``dispatch_counts``: the dispatch kernel with the
         receive layout merged in (static mode, small exact calls) and/or without (large exact calls).
+        With remote peers only the unmerged dispatch exists, combine and barrier run as a sending and a
+        receiving launch, and the pack and expand kernels are compiled too.
         """
         lay = self.layout
         i32, i64 = torch.int32, torch.int64
         common = dict(W=self.world_size, L=self.experts_per_rank)
+        remote = bool(self.remote_ranks)
+        rem = dict(REMOTE=self.remote_bits)
         n = 0
         for ws in (True, False):
             K._layout_kernel.warmup(
@@ -592,7 +897,10 @@ class TritonEPEngine:
                 WRITE_POS=ws,
                 BAD_SLOT=self.info_len - 1,
                 nprog=1,
+                off_scnt=lay.scnt,
+                CW=lay.cw,
                 num_warps=4,
+                **rem,
                 **common,
             )
             n += 1
@@ -609,10 +917,37 @@ class TritonEPEngine:
             WP=self.wp,
             LP=self.lp,
             USE_TIMER=self.use_timer,
+            pinfo_ptr=i64,
+            off_sig=lay.sig,
+            off_sback=lay.sback,
+            CW=lay.cw,
             num_warps=4,
+            **rem,
             **common,
         )
         n += 1
+        if remote:
+            dispatch_counts = (False,)
+            K._pack_kernel.warmup(
+                i32,
+                i32,
+                i64,
+                1,
+                i64,
+                i64,
+                lay.scnt,
+                self.rank,
+                self.max_tokens,
+                grid=(1,),
+                K=self.topk,
+                KP=self.kp,
+                BT=min(1024, _next_pow2(max(16, self.max_tokens))),
+                CW=lay.cw,
+                num_warps=4,
+                **rem,
+                **common,
+            )
+            n += 1
         nw = self.num_warps
         for has_w, cs, counts in itertools.product((True, False), (False, True), dispatch_counts):
             K._dispatch_kernel.warmup(
@@ -644,14 +979,8 @@ class TritonEPEngine:
                 lay.back,
                 lay.cnt,
                 grid=(self.num_sm,),
-                K=self.topk,
-                KP=self.kp,
                 WP=self.wp,
                 LP=self.lp,
-                H=self.hidden,
-                BH=self.block_h,
-                CH=self.chunk,
-                EVEN_H=self.hidden % self.block_h == 0,
                 HAS_W=has_w,
                 CALLER_SCATTER=cs,
                 SEND=True,
@@ -663,14 +992,53 @@ class TritonEPEngine:
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(self.send_ctas, 1),
+                pk_ptr=i32,
+                pinfo_ptr=i64,
+                off_sig=lay.sig,
+                off_sback=lay.sback,
+                off_srec=lay.srec,
+                CW=lay.cw,
                 num_warps=nw,
+                **self._tile_kw(),
+                **self._rec_kw(self.token_dtype),
+                **rem,
                 **common,
             )
             n += 1
+            if remote:
+                K._remote_expand_kernel.warmup(
+                    self.token_dtype,
+                    self.weight_dtype,
+                    i32,
+                    i32,
+                    i32,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    self.rank,
+                    self.max_tokens,
+                    1,
+                    self.timeout_arg,
+                    lay.rrec,
+                    lay.sig,
+                    grid=(self.num_sm,),
+                    HAS_W=has_w,
+                    CALLER_SCATTER=cs,
+                    USE_TIMER=self.use_timer,
+                    G=self.num_sm,
+                    num_warps=nw,
+                    **self._tile_kw(),
+                    **self._rec_kw(self.token_dtype),
+                    **rem,
+                    **common,
+                )
+                n += 1
         narrow = max(16, min(_next_pow2(1), self.block_h))
         combine_variants = [(dt, self.hidden, self.block_h) for dt in (self.token_dtype, *dtypes)]
         combine_variants.append((torch.float32, 1, narrow))  # per-slot weight gradients
-        for dt, width, bh in combine_variants:
+        halves = [(True, False), (False, True)] if remote else [(True, True)]
+        for (dt, width, bh), (snd, rcv) in itertools.product(combine_variants, halves):
             K._combine_kernel.warmup(
                 dt,
                 i32,
@@ -694,27 +1062,36 @@ class TritonEPEngine:
                 BH=bh,
                 CH=self.chunk,
                 EVEN_H=width % bh == 0,
-                SEND=True,
-                RECV=True,
-                LAG=0 if self.combine_send_ctas else 1,
+                SEND=snd,
+                RECV=rcv,
+                LAG=1 if (snd and rcv and not self.combine_send_ctas) else 0,
                 SPLIT=bool(self.combine_send_ctas),
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(self.combine_send_ctas, 1),
+                pk_ptr=i32,
+                rtok_ptr=i32,
+                pinfo_ptr=i64,
+                off_scx=lay.scx,
+                off_sig=lay.sig,
                 num_warps=nw,
+                **rem,
                 **common,
             )
             n += 1
-        K._barrier_kernel.warmup(
-            i64,
-            i64,
-            lay.bar,
-            self.rank,
-            self.timeout_arg,
-            grid=(1,),
-            W=self.world_size,
-            SEND=True,
-            RECV=True,
-            USE_TIMER=self.use_timer,
-        )
-        return n + 1
+        for snd, rcv in halves:
+            K._barrier_kernel.warmup(
+                i64,
+                i64,
+                lay.bar,
+                self.rank,
+                self.timeout_arg,
+                grid=(1,),
+                W=self.world_size,
+                SEND=snd,
+                RECV=rcv,
+                USE_TIMER=self.use_timer,
+                REMOTE=self.remote_bits,
+            )
+            n += 1
+        return n

@@ -45,6 +45,13 @@ STEP_NAMES = {
     STEP_BARRIER: "barrier",
 }
 
+# remote peers (inter-node, or forced): signal words in the heap's ``sig [4, W]`` region, one per source
+# (constexpr globals: the kernels read them)
+SIG_CNT = tl.constexpr(0)  # counts of a dispatch arrived (value: dispatch epoch)
+SIG_BACK = tl.constexpr(1)  # base rows of a dispatch arrived
+SIG_DATA = tl.constexpr(2)  # packed token records of a dispatch arrived
+SIG_COMB = tl.constexpr(3)  # packed combine rows arrived (value: combine epoch)
+
 _EPOCH_SHIFT = 32
 _LOW_MASK = 0xFFFFFFFF
 
@@ -127,6 +134,16 @@ def _column(tile, kk, k: tl.constexpr):
     return tl.sum(tl.where(kk[None, :] == k, tile, 0), axis=1)
 
 
+@triton.jit
+def _is_remote(r, REMOTE: tl.constexpr, W: tl.constexpr):
+    """Whether rank ``r`` (scalar or tensor) is in the bit set ``REMOTE`` (ranks reached by host puts)."""
+    res = r < 0
+    for q in tl.static_range(W):
+        if (REMOTE >> q) & 1:
+            res = res | (r == q)
+    return res
+
+
 # --------------------------------------------------------------------------------------------------
 # dispatch step 1: per-expert positions of this rank's slots, counts pushed to the expert owners
 # --------------------------------------------------------------------------------------------------
@@ -148,6 +165,9 @@ def _layout_kernel(
     WRITE_POS: tl.constexpr,
     BAD_SLOT: tl.constexpr,
     nprog,
+    off_scnt,  # staging of the words bound for remote owners (put by the host after this kernel)
+    CW: tl.constexpr,  # words per source in ``cnt``: L counts, token count (+ packed token count)
+    REMOTE: tl.constexpr,  # bit set of the ranks reached by host puts (0: every peer by stores)
 ):
     pid = tl.program_id(0)
     ep = tl.load(state_ptr + 0) + 1
@@ -175,15 +195,74 @@ def _layout_kernel(
             start += BLOCK
         if e < E:
             owner = e // L
-            cnt = _peer_ptr(table_ptr, owner, off_cnt, tl.int64) + parity * (W * (L + 1))
-            dst = cnt + rank * (L + 1) + (e - owner * L)
+            if REMOTE != 0:
+                # a remote owner's word goes to this rank's staging row for it (as int addresses: the
+                # table holds no usable address for a remote rank)
+                peer = (
+                    tl.load(table_ptr + owner) + off_cnt + (parity * (W * CW) + rank * CW + e - owner * L) * 8
+                )
+                stage = tl.load(table_ptr + rank) + off_scnt + (owner * CW + e - owner * L) * 8
+                addr = tl.where(_is_remote(owner, REMOTE, W), stage, peer)
+                dst = addr.to(tl.pointer_type(tl.int64))
+            else:
+                cnt = _peer_ptr(table_ptr, owner, off_cnt, tl.int64) + parity * (W * CW)
+                dst = cnt + rank * CW + (e - owner * L)
             tl.atomic_xchg(dst, (ep << 32) | running.to(tl.int64), sem="release", scope="sys")
         i += 1
     if pid == 0:
         tl.store(info_ptr + BAD_SLOT, bad.to(tl.int64))
         for r in tl.static_range(W):
-            dst = _peer_ptr(table_ptr, r, off_cnt, tl.int64) + parity * (W * (L + 1)) + rank * (L + 1) + L
+            if (REMOTE >> r) & 1:
+                dst = _peer_ptr(table_ptr, rank, off_scnt, tl.int64) + r * CW + L
+            else:
+                dst = _peer_ptr(table_ptr, r, off_cnt, tl.int64) + parity * (W * CW) + rank * CW + L
             tl.atomic_xchg(dst, (ep << 32) | n_tokens.to(tl.int64), sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens"])
+def _pack_kernel(
+    ids_ptr,  # [n, K] int32
+    pk_ptr,  # [W, max_tokens] int32 out: packed index of token t among this rank's tokens bound for r
+    pinfo_ptr,  # [2W] int64 out: [r] packed tokens bound for remote rank r
+    n_tokens,
+    table_ptr,
+    state_ptr,
+    off_scnt,
+    rank,
+    max_tokens,
+    L: tl.constexpr,
+    W: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BT: tl.constexpr,
+    CW: tl.constexpr,
+    REMOTE: tl.constexpr,
+):
+    """Remote peers only (one program): for every remote rank ``r``, each token's position among this
+    rank's tokens with a slot on ``r`` (in token order; -1: none), and their number, also staged as the
+    last word of ``r``'s counts."""
+    ep = tl.load(state_ptr + 0) + 1
+    kk = tl.arange(0, KP)
+    for r in tl.static_range(W):
+        if (REMOTE >> r) & 1:
+            running = tl.full([], 0, tl.int32)
+            start = tl.full([], 0, tl.int32)
+            while start < n_tokens:
+                toks = start + tl.arange(0, BT)
+                tm = toks < n_tokens
+                m2 = tm[:, None] & (kk[None, :] < K)
+                ids = tl.load(ids_ptr + toks[:, None].to(tl.int64) * K + kk[None, :], mask=m2, other=-1)
+                ids = tl.where(ids < L * W, ids, -1)  # invalid ids are dropped everywhere
+                dest = tl.where(ids >= 0, ids // L, -1)
+                hit = (tl.sum(((dest == r) & m2).to(tl.int32), axis=1) > 0) & tm
+                h32 = hit.to(tl.int32)
+                c = tl.cumsum(h32, 0)
+                tl.store(pk_ptr + r * max_tokens + toks, tl.where(hit, running + c - 1, -1), mask=tm)
+                running += tl.sum(h32, 0)
+                start += BT
+            tl.store(pinfo_ptr + r, running.to(tl.int64))
+            stage = _peer_ptr(table_ptr, rank, off_scnt, tl.int64) + r * CW + L + 1
+            tl.atomic_xchg(stage, (ep << 32) | running.to(tl.int64), sem="relaxed", scope="gpu")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -200,25 +279,42 @@ def _counts_body(
     rank,
     ep,
     timeout,
+    pinfo_ptr,
+    off_sig,
+    off_sback,
     W: tl.constexpr,
     L: tl.constexpr,
     WP: tl.constexpr,
     LP: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    CW: tl.constexpr,
+    REMOTE: tl.constexpr,
 ):
     """Wait for every source's counts of epoch ``ep``, write the receive layout (one program).
 
     Writes ``info`` (total rows, error, tokens / rows per source, rows per local expert) and
     ``offs[e, s]`` (first output row of local expert ``e``'s block from source ``s``), and gives every
     source its blocks' base rows (its ``token_dst_scatter_idx``). On timeout records the error.
+    Remote sources' counts arrive by a host put whose signal is waited for first; their packed token
+    counts go to ``pinfo[W + s]``, and their base rows to this rank's staging (the host puts them).
     """
     parity = ep % 2
-    cnt = _peer_ptr(table_ptr, rank, off_cnt, tl.int64) + parity * (W * (L + 1))
+    if REMOTE != 0:
+        for s in tl.static_range(W):
+            if (REMOTE >> s) & 1:
+                sig = _peer_ptr(table_ptr, rank, off_sig, tl.int64) + SIG_CNT * W + s
+                _wait_flag(sig, ep, state_ptr, 1, s, timeout, USE_TIMER)
+    cnt = _peer_ptr(table_ptr, rank, off_cnt, tl.int64) + parity * (W * CW)
     ss = tl.arange(0, WP)
     ee = tl.arange(0, LP)
-    # [WP, LP]: entry (s, e) for e <= L (column L carries the source's token count)
-    m2 = (ss[:, None] < W) & (ee[None, :] <= L)
-    ptrs = cnt + ss[:, None] * (L + 1) + ee[None, :]
+    # [WP, LP]: entry (s, e) for e <= L (column L carries the source's token count; column L + 1 a
+    # remote source's packed token count)
+    rem_s = _is_remote(ss, REMOTE, W)
+    if REMOTE != 0:
+        m2 = (ss[:, None] < W) & ((ee[None, :] <= L) | ((ee[None, :] == L + 1) & rem_s[:, None]))
+    else:
+        m2 = (ss[:, None] < W) & (ee[None, :] <= L)
+    ptrs = cnt + ss[:, None] * CW + ee[None, :]
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
     v = tl.atomic_add(ptrs, tl.zeros([WP, LP], tl.int64), mask=m2, sem="acquire", scope="sys")
     stale = ((v >> 32) < ep) & m2
@@ -256,10 +352,16 @@ def _counts_body(
         tl.store(info_ptr + 2 + ss, n_src, mask=ss < W)
         tl.store(info_ptr + 2 + W + ss, rows_src, mask=ss < W)
         tl.store(info_ptr + 2 + 2 * W + ee, rows_exp, mask=ee < L)
+        if REMOTE != 0:
+            npk = tl.sum(tl.where((ee[None, :] == L + 1) & m2, vals, 0), axis=1)  # [WP]
+            tl.store(pinfo_ptr + W + ss, npk, mask=(ss < W) & rem_s)
         # give every source its slots' base rows here (for its token_dst_scatter_idx)
         for s in tl.static_range(W):
             col = tl.sum(tl.where(ss[None, :] == s, excl2, 0), axis=1)  # [LP]
-            dst = _peer_ptr(table_ptr, s, off_back, tl.int64) + rank * L + ee
+            if (REMOTE >> s) & 1:
+                dst = _peer_ptr(table_ptr, rank, off_sback, tl.int64) + s * L + ee
+            else:
+                dst = _peer_ptr(table_ptr, s, off_back, tl.int64) + rank * L + ee
             tl.atomic_xchg(dst, (ep << 32) | col, mask=ee < L, sem="relaxed", scope="sys")
 
 
@@ -278,6 +380,11 @@ def _counts_kernel(
     WP: tl.constexpr,
     LP: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    pinfo_ptr,  # [2W] int64 out: [W + s] packed tokens from remote source s
+    off_sig,
+    off_sback,
+    CW: tl.constexpr,
+    REMOTE: tl.constexpr,
 ):
     ep = tl.load(state_ptr + 0) + 1
     _counts_body(
@@ -290,11 +397,16 @@ def _counts_kernel(
         rank,
         ep,
         timeout,
+        pinfo_ptr,
+        off_sig,
+        off_sback,
         W,
         L,
         WP,
         LP,
         USE_TIMER,
+        CW,
+        REMOTE,
     )
     tl.store(state_ptr + 0, ep)
 
@@ -339,10 +451,20 @@ def _dispatch_send_chunk(
     CALLER_SCATTER: tl.constexpr,
     PEERS: tl.constexpr,
     LOCAL: tl.constexpr,
+    pk_ptr,
+    off_srec,
+    REMOTE: tl.constexpr,
+    RECX: tl.constexpr,
+    RECI: tl.constexpr,
+    ROWB: tl.constexpr,
 ):
     """Chunk ``c`` of this rank's tokens: with ``PEERS`` each token row (and its slots' metadata) to
     every peer hosting one of its experts, then the chunk's ready flag; with ``LOCAL`` the slot table,
-    ``skip``, and the rows of this rank's own experts straight into the output."""
+    ``skip``, and the rows of this rank's own experts straight into the output.
+
+    A remote peer ``r`` (bit ``r`` of ``REMOTE``) gets no stores: the token's record (row, then token
+    index, ids, positions, float32 weights) goes to this rank's staging ``srec[r, pk[r, t]]``, packed in
+    token order, and the host puts the first ``pinfo[r]`` records to ``r`` after the kernel."""
     toks = c * CH + tl.arange(0, CH)
     tm = toks < n_tokens
     kk = tl.arange(0, KP)
@@ -382,7 +504,20 @@ def _dispatch_send_chunk(
         # metadata of every token goes to every peer (the receiver finds its slots in it)
         remote_base = rank * max_tokens * K + slot
         for r in tl.static_range(W):
-            if r != rank:
+            if (REMOTE >> r) & 1:
+                # the metadata of the tokens bound for r, in their packed records
+                j = tl.load(pk_ptr + r * max_tokens + toks, mask=tm, other=-1)
+                jm = j >= 0
+                rec = (r * max_tokens + j).to(tl.int64) * RECI
+                meta = _peer_ptr(table_ptr, rank, off_srec + ROWB, tl.int32) + rec
+                jm2 = jm[:, None] & (kk[None, :] < K)
+                tl.store(meta, toks, mask=jm)
+                tl.store(meta[:, None] + 1 + kk[None, :], ids, mask=jm2)
+                tl.store(meta[:, None] + 1 + K + kk[None, :], pos, mask=jm2)
+                if HAS_W:
+                    mw = _peer_ptr(table_ptr, rank, off_srec + ROWB + (1 + 2 * K) * 4, tl.float32) + rec
+                    tl.store(mw[:, None] + kk[None, :], w.to(tl.float32), mask=jm2)
+            elif r != rank:
                 tl.store(_peer_ptr(table_ptr, r, off_ids, tl.int32) + remote_base, ids, mask=m2)
                 tl.store(_peer_ptr(table_ptr, r, off_pos, tl.int32) + remote_base, pos, mask=m2)
                 if HAS_W:
@@ -401,7 +536,12 @@ def _dispatch_send_chunk(
         nxt = tl.load(x_ptr + xrow[:, None] + hn + hh[None, :], mask=_m(ld & (hn < H), hn, hh, H, EVEN_H))
         if PEERS:
             for r in tl.static_range(W):
-                if r != rank:
+                if (REMOTE >> r) & 1:
+                    j = tl.load(pk_ptr + r * max_tokens + toks, mask=tm, other=-1)
+                    prec = _peer_ptr(table_ptr, rank, off_srec, x_ptr.dtype.element_ty)
+                    prow = (r * max_tokens + j).to(tl.int64) * RECX
+                    tl.store(prec + prow[:, None] + h0 + hh[None, :], xt, mask=_m(j >= 0, h0, hh, H, EVEN_H))
+                elif r != rank:
                     need = ((bits >> r) & 1) != 0
                     px = _peer_ptr(table_ptr, r, off_x, x_ptr.dtype.element_ty)
                     tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H))
@@ -415,9 +555,10 @@ def _dispatch_send_chunk(
     if PEERS:
         tl.debug_barrier()
         for r in tl.static_range(W):
-            if r != rank:
-                f = _peer_ptr(table_ptr, r, off_flag, tl.int64) + rank * nchunks + c
-                tl.atomic_xchg(f, ep, sem="release", scope="sys")
+            if ((REMOTE >> r) & 1) == 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
+                if r != rank:
+                    f = _peer_ptr(table_ptr, r, off_flag, tl.int64) + rank * nchunks + c
+                    tl.atomic_xchg(f, ep, sem="release", scope="sys")
 
 
 @triton.jit
@@ -560,6 +701,16 @@ def _dispatch_kernel(
     USE_TIMER: tl.constexpr,
     G,
     GS,
+    pk_ptr,  # [W, max_tokens] int32 from _pack_kernel (remote peers only)
+    pinfo_ptr,  # [2W] int64 (remote peers only)
+    off_sig,
+    off_sback,
+    off_srec,
+    CW: tl.constexpr,
+    REMOTE: tl.constexpr,
+    RECX: tl.constexpr,  # record stride in row elements
+    RECI: tl.constexpr,  # record stride in 4-byte words
+    ROWB: tl.constexpr,  # bytes of a record's row (then its metadata)
 ):
     pid = tl.program_id(0)
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
@@ -578,11 +729,16 @@ def _dispatch_kernel(
                 rank,
                 ep,
                 timeout,
+                pinfo_ptr,
+                off_sig,
+                off_sback,
                 W,
                 L,
                 WP,
                 LP,
                 USE_TIMER,
+                CW,
+                REMOTE,
             )
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + 5, ep, sem="release", scope="gpu")
@@ -654,6 +810,12 @@ def _dispatch_kernel(
                         CALLER_SCATTER,
                         True,
                         SEND_LOCAL,
+                        pk_ptr,
+                        off_srec,
+                        REMOTE,
+                        RECX,
+                        RECI,
+                        ROWB,
                     )
             if RECV:
                 # this rank's own rows into its output (the senders only feed the peers)
@@ -695,12 +857,26 @@ def _dispatch_kernel(
                             CALLER_SCATTER,
                             False,
                             True,
+                            pk_ptr,
+                            off_srec,
+                            REMOTE,
+                            RECX,
+                            RECI,
+                            ROWB,
                         )
                 c = c - LAG * stride
                 if do_recv & (c >= 0) & (c < n_chunks_recv):
                     for s in tl.static_range(W):
                         n_s = tl.sum(tl.where(ss == s, n_src_all, 0), 0)
-                        if (s != rank) & (c * CH < n_s):
+                        if (REMOTE >> s) & 1:
+                            # a remote source's slots: none here until _remote_expand_kernel fills them
+                            if c * CH < n_s:
+                                rt = c * CH + tl.arange(0, CH)
+                                rk2 = tl.arange(0, KP)
+                                rslot = (s * max_tokens + rt)[:, None].to(tl.int64) * K + rk2[None, :]
+                                rm = (rt < n_s)[:, None] & (rk2[None, :] < K)
+                                tl.store(tab_ptr + rslot, tl.full([CH, KP], -1, tl.int32), mask=rm)
+                        elif (s != rank) & (c * CH < n_s):
                             _dispatch_recv_chunk(
                                 c,
                                 s,
@@ -741,6 +917,12 @@ def _dispatch_kernel(
             # token_dst_scatter_idx: base rows of every destination, pushed by its receive-layout step
             # (in the receiving half: in the CPU simulation every rank's sending half has run by then)
             kk = tl.arange(0, KP)
+            if REMOTE != 0:
+                # remote destinations' base rows arrive by a host put: wait for its signal first
+                for d in tl.static_range(W):
+                    if (REMOTE >> d) & 1:
+                        sig = _peer_ptr(table_ptr, rank, off_sig, tl.int64) + SIG_BACK * W + d
+                        _wait_flag(sig, ep, state_ptr, 3, d, timeout, USE_TIMER)
             j = tl.full([], 0, tl.int32)
             while j < tl.cdiv(n_chunks_send, G):
                 c = pid + j * G
@@ -796,6 +978,136 @@ def _dispatch_kernel(
 
 
 # --------------------------------------------------------------------------------------------------
+# dispatch, remote sources: expand the packed records a host put delivered (after the row kernel)
+# --------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["rank", "max_tokens", "cap_rows", "timeout", "G"])
+def _remote_expand_kernel(
+    out_ptr,  # [cap_rows, H]
+    out_w_ptr,  # [cap_rows]
+    out_e_ptr,  # [cap_rows] int32
+    tab_ptr,  # [W, max_tokens, K] int32 (remote sources' rows set to -1 by the row kernel)
+    rtok_ptr,  # [W, max_tokens] int32 out: token index of packed record j from remote source s
+    pinfo_ptr,  # [2W] int64: [W + s] records from remote source s
+    offs_ptr,
+    table_ptr,
+    state_ptr,
+    rank,
+    max_tokens,
+    cap_rows,
+    timeout,
+    off_rrec,
+    off_sig,
+    W: tl.constexpr,
+    L: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    H: tl.constexpr,
+    BH: tl.constexpr,
+    CH: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    HAS_W: tl.constexpr,
+    CALLER_SCATTER: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+    REMOTE: tl.constexpr,
+    RECX: tl.constexpr,
+    RECI: tl.constexpr,
+    ROWB: tl.constexpr,
+    G,
+):
+    """Every remote source's records (``pinfo[W + s]`` of them, in ``rrec[s]``), once its put's signal
+    carries this dispatch's epoch: exactly the intra-node receiver's expansion, one record per token."""
+    pid = tl.program_id(0)
+    err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
+    ep = tl.load(state_ptr + 0)  # bumped by _counts_kernel
+    kk = tl.arange(0, KP)
+    hh = tl.arange(0, BH)
+    ty = out_ptr.dtype.element_ty
+    if err == 0:
+        for s in tl.static_range(W):
+            if (REMOTE >> s) & 1:
+                npk = tl.load(pinfo_ptr + W + s)
+                i = tl.full([], 0, tl.int32)
+                while i < tl.cdiv(tl.cdiv(npk, CH), G):
+                    c = pid + i * G
+                    if c * CH < npk:
+                        sig = _peer_ptr(table_ptr, rank, off_sig, tl.int64) + SIG_DATA * W + s
+                        ok = _wait_flag(sig, ep, state_ptr, 2, s, timeout, USE_TIMER)
+                        if ok:
+                            jj = c * CH + tl.arange(0, CH)
+                            jm = jj < npk
+                            m2 = jm[:, None] & (kk[None, :] < K)
+                            rec = (s * max_tokens + jj).to(tl.int64) * RECI
+                            meta = _peer_ptr(table_ptr, rank, off_rrec + ROWB, tl.int32) + rec
+                            toks = tl.load(meta, mask=jm, other=0, cache_modifier=".cg")
+                            ids = tl.load(
+                                meta[:, None] + 1 + kk[None, :], mask=m2, other=-1, cache_modifier=".cg"
+                            )
+                            pos = tl.load(
+                                meta[:, None] + 1 + K + kk[None, :], mask=m2, other=0, cache_modifier=".cg"
+                            )
+                            dest = tl.where(ids >= 0, ids // L, -1)
+                            e_loc = ids - dest * L
+                            mine = (dest == rank) & m2
+                            if CALLER_SCATTER:
+                                row = pos.to(tl.int64)
+                            else:
+                                row = (
+                                    tl.load(
+                                        offs_ptr + e_loc * W + s, mask=mine, other=0, cache_modifier=".cg"
+                                    )
+                                    + pos
+                                )
+                            row = tl.where(mine & (row >= 0) & (row < cap_rows), row, -1)
+                            tslot = (s * max_tokens + toks)[:, None].to(tl.int64) * K + kk[None, :]
+                            tl.store(tab_ptr + tslot, row.to(tl.int32), mask=m2)
+                            tl.store(rtok_ptr + s * max_tokens + jj, toks, mask=jm)
+                            kept = row >= 0
+                            tl.store(out_e_ptr + row, e_loc.to(tl.int32), mask=kept)
+                            if HAS_W:
+                                mw = (
+                                    _peer_ptr(table_ptr, rank, off_rrec + ROWB + (1 + 2 * K) * 4, tl.float32)
+                                    + rec
+                                )
+                                w = tl.load(mw[:, None] + kk[None, :], mask=m2, other=0, cache_modifier=".cg")
+                                tl.store(out_w_ptr + row, w.to(out_w_ptr.dtype.element_ty), mask=kept)
+                            need = tl.sum(kept.to(tl.int32), axis=1) > 0
+                            px = (
+                                _peer_ptr(table_ptr, rank, off_rrec, ty)
+                                + (s * max_tokens + jj).to(tl.int64) * RECX
+                            )
+                            for h0 in range(0, H, BH):
+                                xt = tl.load(
+                                    px[:, None] + h0 + hh[None, :],
+                                    mask=_m(need, h0, hh, H, EVEN_H),
+                                    cache_modifier=".cg",
+                                )
+                                for k in tl.static_range(K):
+                                    rk = _column(row, kk, k)
+                                    tl.store(
+                                        out_ptr + rk[:, None] * H + h0 + hh[None, :],
+                                        xt,
+                                        mask=_m((rk >= 0), h0, hh, H, EVEN_H),
+                                    )
+                    i += 1
+
+
+@triton.jit
+def _reduce_rows(y_ptr, rows, dst, keep, kk, hh, H: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr,
+                 K: tl.constexpr, EVEN_H: tl.constexpr):  # fmt: skip
+    """``dst[i] = sum_k y[rows[i, k]]`` (float32 sum, rows < 0 skipped) for the rows ``i`` with ``keep``."""
+    for h0 in range(0, H, BH):
+        acc = tl.zeros([CH, BH], tl.float32)
+        for k in tl.static_range(K):
+            rk = _column(rows, kk, k)
+            acc += tl.load(
+                y_ptr + rk[:, None] * H + h0 + hh[None, :],
+                mask=_m((rk >= 0), h0, hh, H, EVEN_H),
+                other=0,
+            ).to(tl.float32)
+        tl.store(dst + h0 + hh[None, :], acc.to(y_ptr.dtype.element_ty), mask=_m(keep, h0, hh, H, EVEN_H))
+
+
+# --------------------------------------------------------------------------------------------------
 # combine: expert side pre-reduces per (token, source rank) in fp32, one row back per pair
 # --------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "nchunks", "timeout", "G", "GS"])
@@ -830,6 +1142,12 @@ def _combine_kernel(
     USE_TIMER: tl.constexpr,
     G,
     GS,
+    pk_ptr,  # [W, max_tokens] int32 from the dispatch (remote peers only)
+    rtok_ptr,  # [W, max_tokens] int32 from the dispatch (remote peers only)
+    pinfo_ptr,  # [2W] int64 from the dispatch (remote peers only)
+    off_scx,
+    off_sig,
+    REMOTE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ep = tl.load(state_ptr + 1) + 1
@@ -862,7 +1180,26 @@ def _combine_kernel(
                 c = q + j * stride
                 for s in tl.static_range(W):
                     n_s = tl.sum(tl.where(ss == s, n_src_all, 0), 0)
-                    if (s != rank) & do_send & (c * CH < n_s):
+                    if (REMOTE >> s) & 1:
+                        # a remote source: its rows in the order of its packed records, staged here (the
+                        # host puts them after the kernel)
+                        npk = tl.load(pinfo_ptr + W + s)
+                        if do_send & (c * CH < npk):
+                            jj = c * CH + tl.arange(0, CH)
+                            jm = jj < npk
+                            toks = tl.load(rtok_ptr + s * max_tokens + jj, mask=jm, other=0)
+                            m2 = jm[:, None] & (kk[None, :] < K)
+                            rows = tl.load(
+                                tab_ptr + (s * max_tokens + toks)[:, None].to(tl.int64) * K + kk[None, :],
+                                mask=m2,
+                                other=-1,
+                            ).to(tl.int64)
+                            dst = (
+                                _peer_ptr(table_ptr, rank, off_scx, ty)
+                                + (s * max_tokens + jj).to(tl.int64)[:, None] * H
+                            )
+                            _reduce_rows(y_ptr, rows, dst, jm, kk, hh, H, BH, CH, K, EVEN_H)
+                    elif (s != rank) & do_send & (c * CH < n_s):
                         toks = c * CH + tl.arange(0, CH)
                         m2 = (toks < n_s)[:, None] & (kk[None, :] < K)
                         rows = tl.load(
@@ -876,16 +1213,7 @@ def _combine_kernel(
                             _peer_ptr(table_ptr, s, off_cx, ty)
                             + (rank * max_tokens + toks).to(tl.int64)[:, None] * H
                         )
-                        for h0 in range(0, H, BH):
-                            acc = tl.zeros([CH, BH], tl.float32)
-                            for k in tl.static_range(K):
-                                rk = _column(rows, kk, k)
-                                acc += tl.load(
-                                    y_ptr + rk[:, None] * H + h0 + hh[None, :],
-                                    mask=_m((rk >= 0), h0, hh, H, EVEN_H),
-                                    other=0,
-                                ).to(tl.float32)
-                            tl.store(dst + h0 + hh[None, :], acc.to(ty), mask=_m(need, h0, hh, H, EVEN_H))
+                        _reduce_rows(y_ptr, rows, dst, need, kk, hh, H, BH, CH, K, EVEN_H)
                         tl.debug_barrier()
                         f = _peer_ptr(table_ptr, s, off_cflag, tl.int64) + rank * nchunks + c
                         tl.atomic_xchg(f, ep, sem="release", scope="sys")
@@ -900,7 +1228,11 @@ def _combine_kernel(
                     dest = tl.where(ids >= 0, ids // L, -1)
                     ok_all = True
                     for r in tl.static_range(W):
-                        if r != rank and tl.sum(((dest == r) & m2).to(tl.int32)) > 0:
+                        if (REMOTE >> r) & 1:
+                            if tl.sum(((dest == r) & m2).to(tl.int32)) > 0:
+                                f = _peer_ptr(table_ptr, rank, off_sig, tl.int64) + SIG_COMB * W + r
+                                ok_all = ok_all & _wait_flag(f, ep, state_ptr, 4, r, timeout, USE_TIMER)
+                        elif r != rank and tl.sum(((dest == r) & m2).to(tl.int32)) > 0:
                             f = _peer_ptr(table_ptr, rank, off_cflag, tl.int64) + r * nchunks + c
                             ok_all = ok_all & _wait_flag(f, ep, state_ptr, 4, r, timeout, USE_TIMER)
                     if ok_all:
@@ -915,7 +1247,21 @@ def _combine_kernel(
                                     other=0,
                                 ).to(tl.float32)
                             for r in tl.static_range(W):
-                                if r != rank:
+                                if (REMOTE >> r) & 1:
+                                    # r's row of token t is its packed record pk[r, t]
+                                    need = tl.sum(((dest == r) & m2).to(tl.int32), axis=1) > 0
+                                    jr = tl.load(pk_ptr + r * max_tokens + toks, mask=need, other=0)
+                                    src = (
+                                        _peer_ptr(table_ptr, rank, off_cx, ty)
+                                        + (r * max_tokens + jr).to(tl.int64)[:, None] * H
+                                    )
+                                    acc += tl.load(
+                                        src + h0 + hh[None, :],
+                                        mask=_m(need, h0, hh, H, EVEN_H),
+                                        other=0,
+                                        cache_modifier=".cg",
+                                    ).to(tl.float32)
+                                elif r != rank:
                                     need = tl.sum(((dest == r) & m2).to(tl.int32), axis=1) > 0
                                     src = (
                                         _peer_ptr(table_ptr, rank, off_cx, ty)
@@ -954,11 +1300,15 @@ def _barrier_kernel(
     SEND: tl.constexpr,
     RECV: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    REMOTE: tl.constexpr,
 ):
     ep = tl.load(state_ptr + 4) + 1
     if SEND:
         for r in tl.static_range(W):
-            tl.atomic_xchg(_peer_ptr(table_ptr, r, off_bar, tl.int64) + rank, ep, sem="release", scope="sys")
+            if ((REMOTE >> r) & 1) == 0:  # remote peers: a host signal after this kernel
+                tl.atomic_xchg(
+                    _peer_ptr(table_ptr, r, off_bar, tl.int64) + rank, ep, sem="release", scope="sys"
+                )
     if RECV:
         for r in tl.static_range(W):
             _wait_flag(

@@ -5,6 +5,11 @@ kernels write into "peer" heaps exactly as they do over NVLink. The interpreter 
 time, so a kernel that both sends and waits would wait for a rank that has not run yet: the simulation
 launches the producing half of a step on every rank before the consuming half
 (``send=True, recv=False`` then ``send=False, recv=True``); the GPU runs both halves in one launch.
+
+``node_size``: ranks ``[k * node_size, (k + 1) * node_size)`` form simulated node ``k``; every other rank
+is remote, reached only through :class:`SimTransport` (a put is a copy into the peer's heap, then the
+signal word is set), exactly where the GPU path uses NVSHMEM put-with-signal. Each engine's pointer table
+then points remote ranks at a decoy heap, which must stay untouched (:meth:`SimWorld.check_decoy`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,26 @@ from dataclasses import dataclass
 import torch
 
 from ep_a2a.triton_backend.engine import HeapLayout, TritonEPEngine
+
+_DECOY = 0x5A
+
+
+class SimTransport:
+    """Host puts between simulated ranks: a byte copy into the peer's heap, then its signal word."""
+
+    def __init__(self, heaps: Sequence[torch.Tensor], src: int) -> None:
+        self.heaps, self.src = heaps, src
+        #: (kind, peer, nbytes) of every transfer, for the tests
+        self.log: list[tuple[str, int, int]] = []
+
+    def put_signal(self, pe: int, dst_off: int, src_off: int, nbytes: int, sig_off: int, value: int) -> None:
+        self.heaps[pe][dst_off : dst_off + nbytes].copy_(self.heaps[self.src][src_off : src_off + nbytes])
+        self.signal(pe, sig_off, value)
+        self.log[-1] = ("put", pe, nbytes)
+
+    def signal(self, pe: int, sig_off: int, value: int) -> None:
+        self.heaps[pe][sig_off : sig_off + 8].view(torch.int64)[0] = value
+        self.log.append(("signal", pe, 0))
 
 
 @dataclass
@@ -31,6 +56,8 @@ class SimDispatch:
     skipped_token_topk_mapping_indices: torch.Tensor  # [n, K] int32
     tab: torch.Tensor  # [W, T, K] int32
     num_invalid_ids: int  # slots of this rank with an expert id outside [-1, E) (dropped)
+    remote: dict[str, torch.Tensor] | None = None  # the remote path's per-dispatch buffers
+    npk_recv: list[int] | None = None  # records received from each remote source
 
 
 class SimWorld:
@@ -53,7 +80,12 @@ class SimWorld:
         chunk: int = 4,
         timeout_s: float = 1.0,
         device: str = "cpu",
+        node_size: int | None = None,
     ) -> None:
+        node_size = node_size or world_size
+        if world_size % node_size:
+            raise ValueError(f"node_size {node_size} must divide world_size {world_size}")
+        remote = node_size < world_size
         self.layout = HeapLayout.build(
             world_size=world_size,
             max_tokens=max_tokens,
@@ -62,15 +94,36 @@ class SimWorld:
             experts_per_rank=num_tot_experts // world_size,
             token_bytes=token_dtype.itemsize,
             chunk=chunk,
+            remote=remote,
         )
         self.heaps = [
             torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)
         ]
         lay = self.layout
-        for h in self.heaps:  # poison the data regions (flags and counts must start at zero)
+        for h in self.heaps:  # poison the data regions (flags, counts and signals must start at zero)
             h[lay.x : lay.cnt].fill_(0xFF)
             h[lay.cx : lay.cflag].fill_(0xFF)
+            if remote:
+                h[lay.scnt :].fill_(0xFF)
         self.table = torch.tensor([h.data_ptr() for h in self.heaps], dtype=torch.int64, device=device)
+        self.remote_ranks = [
+            [p for p in range(world_size) if p // node_size != r // node_size] for r in range(world_size)
+        ]
+        self.decoy = torch.full((self.layout.nbytes,), _DECOY, dtype=torch.uint8, device=device)
+        self.transports = [SimTransport(self.heaps, r) for r in range(world_size)]
+        tables = [self.table] * world_size
+        if remote:  # remote ranks point at the decoy: the kernels must never touch them
+            tables = [
+                torch.tensor(
+                    [
+                        self.decoy.data_ptr() if p in self.remote_ranks[r] else h.data_ptr()
+                        for p, h in enumerate(self.heaps)
+                    ],
+                    dtype=torch.int64,
+                    device=device,
+                )
+                for r in range(world_size)
+            ]
         self.engines = [
             TritonEPEngine(
                 rank=r,
@@ -82,15 +135,24 @@ class SimWorld:
                 token_dtype=token_dtype,
                 weight_dtype=weight_dtype,
                 heap_local=self.heaps[r],
-                ptr_table=self.table,
+                ptr_table=tables[r],
                 layout=self.layout,
                 num_sm=num_sm,
                 timeout_s=timeout_s,
                 chunk=chunk,
+                remote_ranks=self.remote_ranks[r],
+                transport=self.transports[r] if remote else None,
             )
             for r in range(world_size)
         ]
         self.world_size = world_size
+        self.remote = remote
+
+    def check_decoy(self) -> None:
+        """Raise if any kernel wrote through a remote rank's table entry."""
+        bad = int((self.decoy != _DECOY).sum())
+        if bad:
+            raise AssertionError(f"{bad} byte(s) of the decoy heap written: a kernel addressed a remote rank")
 
     def dispatch(
         self,
@@ -112,14 +174,22 @@ class SimWorld:
         """
         for eng in self.engines:  # (combine follows the dispatch's split)
             eng.send_ctas = eng.combine_send_ctas = send_ctas
+        if self.remote and merged:
+            raise ValueError("remote peers: only the unmerged flow (merged=False)")
         caller = full_scatter_indices is not None
         ranks = [r for r in range(self.world_size) if r not in skip_ranks]
         infos = {r: torch.full((self.engines[r].info_len,), -9, dtype=torch.int64) for r in ranks}
+        rbufs = {r: self.engines[r].alloc_remote() for r in ranks}
+        for rb in rbufs.values():  # poison: every entry read must have been written
+            for t in (rb or {}).values():
+                t.fill_(-5)
         for r in ranks:
-            self.engines[r].launch_layout(exp_indices[r], caller_scatter=caller, info=infos[r])
+            self.engines[r].launch_layout(
+                exp_indices[r], caller_scatter=caller, info=infos[r], remote=rbufs[r]
+            )
         if not merged:
             for r in ranks:
-                self.engines[r].launch_counts(infos[r])
+                self.engines[r].launch_counts(infos[r], remote=rbufs[r])
         bufs: dict[int, dict[str, torch.Tensor]] = {}
         for r in ranks:
             eng = self.engines[r]
@@ -151,6 +221,8 @@ class SimWorld:
                     counts=merged,
                     send=send,
                     recv=recv,
+                    remote=rbufs[r],
+                    npk_send=self._npk(rbufs[r], 0),
                 )
         results = []
         for r in ranks:
@@ -171,9 +243,19 @@ class SimWorld:
                     skipped_token_topk_mapping_indices=b["skip"],
                     tab=b["tab"],
                     num_invalid_ids=int(f["bad_ids"]),
+                    remote=rbufs[r],
+                    npk_recv=self._npk(rbufs[r], 1),
                 )
             )
+        self.check_decoy()
         return results
+
+    def _npk(self, rb: dict[str, torch.Tensor] | None, half: int) -> list[int] | None:
+        """Host copy of records sent to (``half=0``) / received from (``1``) each rank."""
+        if rb is None:
+            return None
+        W = self.world_size
+        return [int(v) for v in rb["pinfo"][half * W : (half + 1) * W]]
 
     def combine(
         self,
@@ -204,9 +286,12 @@ class SimWorld:
                     outs[r],
                     send=send,
                     recv=recv,
+                    remote=d.remote,
+                    npk_recv=d.npk_recv,
                 )
         for r in ranks:
             self.engines[r].check_error()
+        self.check_decoy()
         return [outs[r] for r in ranks]
 
     def combine_per_slot(
