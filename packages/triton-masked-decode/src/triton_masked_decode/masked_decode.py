@@ -18,9 +18,11 @@ With ``path="auto"`` and a mask, the same pass counts the visible positions, and
 sparse loop when their fraction is at most ``sparse_threshold`` (default per launch class, see
 ``SPARSE_THRESHOLDS``): the choice is made on the device, per split. Partial results (one per split) are
 combined by a second kernel with the log-sum-exp rule; on Hopper it is launched with programmatic dependent
-launch, so its programs are resident before the splits finish. On a GPU the dense tile length, warps and
-pipelining depth are autotuned per shape class on first use; the sparse tile, split target and
-default threshold per launch class come from ``_tuned.py`` (an H100 sweep).
+launch, so its programs are resident before the splits finish. When every split takes the sparse loop
+(threshold 1 or more, the default, or ``path="sparse"``) the split kernel is compiled without the dense loop;
+otherwise, on a GPU, the dense tile length, warps and pipelining depth are autotuned per shape class on
+first use. The sparse tile, split target and default threshold per launch class come from ``_tuned.py``
+(an H100 sweep).
 """
 
 from __future__ import annotations
