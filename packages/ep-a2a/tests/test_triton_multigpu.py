@@ -83,6 +83,7 @@ def _make_backend(
     use_aot=False,
     timeout_s=30.0,
     overlap_bytes=None,
+    **more,
 ):
     from ep_a2a.triton_backend import TritonBackend
 
@@ -98,6 +99,7 @@ def _make_backend(
         token_dtype=dtype,
     )
     extra = {} if overlap_bytes is None else {"overlap_bytes": overlap_bytes}
+    extra.update(more)
     return TritonBackend(
         cfg,
         group,
@@ -496,3 +498,48 @@ def test_missing_rank_times_out(group):
     finally:
         torch.cuda.synchronize()
         be.finalize()
+
+
+@pytest.mark.skipif(not _has_nvshmem(), reason="nvshmem4py not installed")
+@pytest.mark.parametrize("node", [1, 2], ids=["all-remote", "node2"])
+def test_forced_remote_against_reference(group, node):
+    """The inter-node path on one host: peers outside this rank's block of ``node`` ranks are reached
+    only by NVSHMEM host-side put-with-signal (their table entries are 0, so a stray store would fault),
+    then the per-slot combine (barriers by host signal). Bit-identical dispatch, combine within rounding."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if node >= world:
+        pytest.skip(f"node size {node} leaves no remote peer on {world} ranks")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    experts = -(-64 // world) * world
+    be = _make_backend(
+        group, max_tokens=64, hidden=2048, topk=8, experts=experts, dtype=torch.bfloat16, heap="nvshmem",
+        force_remote=node,
+    )  # fmt: skip
+    try:
+        assert be.remote_ranks == tuple(p for p in range(world) if p // node != rank // node)
+        assert int(be.heap.ptr_table[be.remote_ranks[0]]) == 0
+        for i, ns in enumerate([[64, 48], [0, 33], [64, 64]]):
+            ns = (ns * world)[:world]
+            xs, ids, ws, gen = _inputs(
+                700 + i, world, ns, 2048, 8, experts, torch.bfloat16, skew=i == 1, drop=0.1, with_w=True
+            )
+            _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
+        _, _, desc = be.dispatch(xs[rank].to(dev), ids[rank].to(dev), ws[rank].to(dev), None)
+        _, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
+        grads = [torch.randn(n, 1, generator=gen) for n in _rows_per_rank(ids, world, experts)]
+        got = be.combine_per_slot(grads[rank].to(dev), desc).cpu()
+        assert torch.equal(got, combine_per_slot_ref(grads, ids, scat, num_tot_experts=experts)[rank])
+        with pytest.raises(NotImplementedError, match="remote peers"):
+            be.dispatch_static(xs[rank].to(dev), ids[rank].to(dev), ws[rank].to(dev))
+        be.barrier()
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
+
+
+def test_forced_remote_needs_nvshmem_heap(group):
+    with pytest.raises(ValueError, match="heap='nvshmem'"):
+        _make_backend(
+            group, max_tokens=8, hidden=256, topk=2, experts=8, dtype=torch.bfloat16, heap="torch",
+            force_remote=1,
+        )  # fmt: skip

@@ -1,4 +1,5 @@
-"""``backend="triton"``: the fast intra-node path behind :class:`ep_a2a.EPAll2AllLayer`."""
+"""``backend="triton"``: the fast intra-node path behind :class:`ep_a2a.EPAll2AllLayer`, and its remote
+path for ranks on other nodes (NVSHMEM host-side put-with-signal, nvshmem heap only)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ep_a2a.backend import A2ABackend, DispatchResult, register_backend
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
 from ep_a2a.triton_backend.engine import EPTimeoutFromDevice, HeapLayout, TritonEPEngine
-from ep_a2a.triton_backend.heaps import HEAP_KINDS, make_heap
+from ep_a2a.triton_backend.heaps import HEAP_KINDS, NvshmemHeap, NvshmemTransport, make_heap
 
 #: exact-shape dispatches whose worst case (``world_size x max_tokens x topk`` rows) fits in this many
 #: bytes run without a host wait before the row kernel (see ``TritonBackend``'s ``overlap_bytes``)
@@ -23,12 +24,52 @@ DEFAULT_OVERLAP_BYTES = 256 << 20
 #: environment variable choosing the heap when the layer constructs the backend (``torch`` or ``nvshmem``)
 HEAP_ENV = "EP_A2A_TRITON_HEAP"
 
+#: environment variable forcing the remote path (the ``force_remote`` argument when the layer constructs the
+#: backend): an integer node size
+FORCE_REMOTE_ENV = "EP_A2A_TRITON_FORCE_REMOTE"
+
+
+def remote_plan(config: EPConfig, force_remote: int | None = None) -> tuple[int, list[int]]:
+    """``(node size, ranks this rank reaches by host puts)``.
+
+    Nodes are blocks of ``local_world_size`` consecutive ranks (torchrun's node-major order), or of
+    ``force_remote`` ranks when given: ``force_remote=1`` makes every peer remote, ``2`` on 4 ranks gives
+    each rank one peer by stores and two by puts. It must divide ``world_size`` and be at most
+    ``local_world_size`` (forcing can only split real nodes).
+    """
+    node = config.local_world_size
+    if force_remote is not None:
+        if not 1 <= force_remote <= node or config.world_size % force_remote:
+            raise ValueError(
+                f"force_remote must divide world_size={config.world_size} and be in [1, local_world_size="
+                f"{node}], got {force_remote}"
+            )
+        node = force_remote
+    return node, [r for r in range(config.world_size) if r // node != config.rank // node]
+
+
+def resolve_heap(heap: str | None, config: EPConfig, node: int) -> str:
+    """The heap to use: ``heap``, else ``$EP_A2A_TRITON_HEAP``, else ``"nvshmem"`` when some ranks are
+    remote (``node < world_size``) and ``"torch"`` otherwise. Remote ranks need ``"nvshmem"``."""
+    heap = heap or os.environ.get(HEAP_ENV) or ("nvshmem" if node < config.world_size else "torch")
+    if heap not in HEAP_KINDS:
+        raise ValueError(f"heap must be one of {HEAP_KINDS}, got {heap!r}")
+    if node < config.world_size and heap != "nvshmem":
+        why = "forced remote by force_remote" if node < config.local_world_size else "on other nodes"
+        raise ValueError(
+            f"heap={heap!r}: ranks {why} are reached by NVSHMEM put-with-signal, which needs "
+            f"heap='nvshmem' (argument heap, or ${HEAP_ENV})"
+        )
+    return heap
+
 
 @dataclass
 class _TritonState:
     owner: int  # id() of the backend that produced the descriptor
     tab: torch.Tensor  # [W, T, K] int32 output row of every received slot (-1: not here)
     n_src: torch.Tensor  # [W] int64 on the device: tokens of every source in this dispatch
+    remote: dict[str, torch.Tensor] | None = None  # remote path: the dispatch's pk / rtok / pinfo
+    npk_recv: list[int] | None = None  # remote path: records received from each rank (sizes the puts back)
 
 
 @dataclass
@@ -120,6 +161,17 @@ class TritonBackend(A2ABackend):
             splitting was slower, at 128 tokens it was not measured).
         combine_send_ctas: the same for the combine kernel; default ``num_sm // 2`` under the same
             conditions (measured 7-18 % faster than no split at 132 SMs).
+        force_remote: treat ranks outside this rank's block of ``force_remote`` consecutive ranks as on
+            another node (the remote path on one node, for testing); default from
+            ``$EP_A2A_TRITON_FORCE_REMOTE``, else the real nodes (blocks of ``local_world_size``).
+
+    Ranks on other nodes (``world_size > local_world_size``, or forced): every transfer to them is staged
+    in this rank's heap, one record per (token, destination rank), and moved by an NVSHMEM host-side
+    put-with-signal on the current stream; the receiver waits for the signal (the same epochs and bounded
+    waits) and expands the records as the intra-node receiver does. Needs ``heap="nvshmem"`` (the default
+    then); ``heap="torch"`` raises ``ValueError``. The exact-shape flow always waits for the counts
+    before the row kernel (its sizes size the puts), and the CUDA-graph mode (``dispatch_static``) is not
+    available. Not run on GPUs yet: see the package docs.
 
     These come on top of :class:`~ep_a2a.backend.A2ABackend`'s arguments.
 
@@ -148,6 +200,7 @@ class TritonBackend(A2ABackend):
         overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
         send_ctas: int | None = None,
         combine_send_ctas: int | None = None,
+        force_remote: int | None = None,
         **_: object,
     ) -> None:
         super().__init__(
@@ -161,9 +214,10 @@ class TritonBackend(A2ABackend):
         ok, why = self.is_available(config, ep_group)
         if not ok:
             raise RuntimeError(f"backend='triton' unavailable: {why}")
-        heap = heap or os.environ.get(HEAP_ENV, "torch")
-        if heap not in HEAP_KINDS:
-            raise ValueError(f"heap must be one of {HEAP_KINDS}, got {heap!r}")
+        if force_remote is None and os.environ.get(FORCE_REMOTE_ENV):
+            force_remote = int(os.environ[FORCE_REMOTE_ENV])
+        node, remote = remote_plan(config, force_remote)
+        heap = resolve_heap(heap, config, node)
         if num_sm < 1:
             raise ValueError(f"num_sm must be >= 1, got {num_sm}")
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -179,8 +233,18 @@ class TritonBackend(A2ABackend):
             experts_per_rank=config.num_experts_per_rank,
             token_bytes=config.token_dtype.itemsize,
             chunk=chunk,
+            remote=node < config.world_size,
         )
-        self.heap = make_heap(heap, self.layout.nbytes, ep_group, self.device)
+        local = [r for r in range(config.world_size) if r not in remote]
+        self.heap = make_heap(
+            heap,
+            self.layout.nbytes,
+            ep_group,
+            self.device,
+            peers=local if remote else None,
+            single_node=config.is_intra_node,
+        )
+        transport = NvshmemTransport(self.heap) if isinstance(self.heap, NvshmemHeap) and remote else None
         self.engine = TritonEPEngine(
             rank=config.rank,
             world_size=config.world_size,
@@ -200,12 +264,19 @@ class TritonBackend(A2ABackend):
             num_warps=num_warps,
             send_ctas=_split(send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 3)),
             combine_send_ctas=_split(combine_send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 2)),
+            remote_ranks=remote,
+            transport=transport,
         )
         self.heap_kind = heap
+        #: ranks reached by NVSHMEM puts (other nodes, or forced) and the node size used
+        self.remote_ranks, self.node_size = tuple(remote), node
         self._info_host = torch.empty_like(self.engine.info, device="cpu").pin_memory()
         worst_bytes = self.engine.worst_case_rows() * config.hidden * config.token_dtype.itemsize
-        #: exact-shape dispatch into worst-case buffers, no host wait before the row kernel (small layers)
-        self.overlap_exact = worst_bytes <= overlap_bytes
+        #: exact-shape dispatch into worst-case buffers, no host wait before the row kernel (small layers;
+        #: never with remote peers: the counts size their puts)
+        self.overlap_exact = worst_bytes <= overlap_bytes and not remote
+        W = config.world_size
+        self._pinfo_host = torch.zeros(2 * W, dtype=torch.int64).pin_memory() if remote else None
         self._combine_allowed = False
         self._finalized = False
         self._static: dict[str, torch.Tensor] | None = None
@@ -230,13 +301,26 @@ class TritonBackend(A2ABackend):
                 f"ep_group backend is {dist.get_backend(ep_group)!r}, need 'nccl' (one GPU per rank)",
             )
         if not config.is_intra_node:
-            return False, "inter-node groups are not built yet (world_size != local_world_size)"
+            try:
+                import nvshmem.core  # noqa: F401
+            except Exception:
+                return False, 'inter-node groups need nvshmem4py (pip install "ep-a2a[nvshmem]")'
+            if os.environ.get(HEAP_ENV, "nvshmem") != "nvshmem":
+                return (
+                    False,
+                    f"inter-node groups need the nvshmem heap (${HEAP_ENV} is {os.environ[HEAP_ENV]!r})",
+                )
         if config.weight_dtype.itemsize > 4:
             return False, f"weight_dtype {config.weight_dtype} wider than 4 bytes"
         dev = torch.cuda.current_device()
         if torch.cuda.get_device_capability(dev)[0] < 8:
             return False, "needs compute capability >= 8.0"
-        return True, f"intra-node, {config.world_size} ranks on {torch.cuda.get_device_name(dev)}"
+        where = (
+            "intra-node"
+            if config.is_intra_node
+            else f"{config.nnodes} nodes (remote path over NVSHMEM puts, not run on GPUs yet)"
+        )
+        return True, f"{where}, {config.world_size} ranks on {torch.cuda.get_device_name(dev)}"
 
     # ------------------------------------------------------------------ helpers
     def _raise_device_error(self, exc: EPTimeoutFromDevice) -> None:
@@ -279,7 +363,8 @@ class TritonBackend(A2ABackend):
             mark(("start", time.perf_counter()))
         # per call: the combine of this dispatch reads its token counts after later dispatches ran
         info = torch.empty(eng.info_len, dtype=torch.int64, device=self.device)
-        eng.launch_layout(exp_indices, caller_scatter=caller, info=info)
+        rb = eng.alloc_remote()
+        eng.launch_layout(exp_indices, caller_scatter=caller, info=info, remote=rb)
         if mark:
             mark(("layout launched", time.perf_counter()))
         if self.overlap_exact:
@@ -298,11 +383,12 @@ class TritonBackend(A2ABackend):
             rows = vals[0]
             out, out_w, out_e = bufs["out"][:rows], bufs["out_w"][:rows], bufs["out_e"][:rows]
         else:
-            eng.launch_counts(info)
+            eng.launch_counts(info, remote=rb)
             if mark:
                 mark(("counts launched", time.perf_counter()))
             # the one small device-to-host copy: receive counts (and the error word) size the output
-            vals = self._read_info(info)
+            # (with remote peers also the records to send and receive, which size the puts)
+            vals = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
             rows = vals[0]
             bufs = eng.alloc_dispatch_outputs(n, rows, with_weights=has_w, dtype=input.dtype)
             if mark:
@@ -310,10 +396,12 @@ class TritonBackend(A2ABackend):
             out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
             eng.launch_dispatch(
                 input, exp_indices, weight, src, out, out_w, out_e, bufs["tab"], bufs["skip"], bufs["scat"],
-                caller_scatter=caller, info=info,
+                caller_scatter=caller, info=info, remote=rb, npk_send=self._npk[:W] if rb is not None else None,
             )  # fmt: skip
             if mark:
                 mark(("rows launched", time.perf_counter()))
+            # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)
+            self._raise_bad_ids(vals)
         self._combine_allowed = True
         scat = (
             bufs["scat"]
@@ -333,26 +421,49 @@ class TritonBackend(A2ABackend):
             num_recv_rows=rows,
             recv_expert_indices=out_e,
             caller_scatter=caller,
-            backend_state=_TritonState(owner=id(self), tab=bufs["tab"], n_src=info[2 : 2 + W]),
+            backend_state=_TritonState(
+                owner=id(self),
+                tab=bufs["tab"],
+                n_src=info[2 : 2 + W],
+                remote=rb,
+                npk_recv=self._npk[W:] if rb is not None else None,
+            ),
         )
         if mark:
             mark(("descriptor built", time.perf_counter()))
         return out, (out_w if has_w else None), desc
 
-    def _read_info(self, info: torch.Tensor) -> list[int]:
-        """Copy a dispatch's ``info`` to the host (waits for it); raise if a device wait ran out."""
+    def _read_info(
+        self, info: torch.Tensor, remote: dict[str, torch.Tensor] | None = None, *, bad_ids: bool = True
+    ) -> list[int]:
+        """Copy a dispatch's ``info`` to the host (waits for it); raise if a device wait ran out, and with
+        ``bad_ids`` if expert ids were out of range.
+
+        With ``remote`` also its ``pinfo`` (into :attr:`_npk`: records sent to, then received from, each
+        rank), in the same wait."""
         self._info_host.copy_(info, non_blocking=True)
+        if remote is not None:
+            assert self._pinfo_host is not None
+            self._pinfo_host.copy_(remote["pinfo"], non_blocking=True)
         if self.trace is not None:
             self.trace.append(("copy issued", time.perf_counter()))
         torch.cuda.current_stream(self.device).synchronize()
         if self.trace is not None:
             self.trace.append(("wait returned", time.perf_counter()))
         vals = self._info_host.tolist()
+        if remote is not None:
+            assert self._pinfo_host is not None
+            self._npk: list[int] = self._pinfo_host.tolist()
         if vals[1]:
             try:
                 self.engine.check_error(vals[1])
             except EPTimeoutFromDevice as exc:
                 self._raise_device_error(exc)
+        if bad_ids:
+            self._raise_bad_ids(vals)
+        return vals
+
+    def _raise_bad_ids(self, vals: list[int]) -> None:
         if vals[-1]:
             cfg = self.config
             raise ValueError(
@@ -360,7 +471,6 @@ class TritonBackend(A2ABackend):
                 f"{cfg.num_tot_experts}) (-1 drops a slot). The dispatch completed on every rank with those "
                 "slots dropped; combine it (or rebuild the layer) before dispatching again"
             )
-        return vals
 
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
         self._check_usable()
@@ -393,7 +503,10 @@ class TritonBackend(A2ABackend):
         for y_k in self.engine.per_slot_rows(input.contiguous(), state.tab, state.n_src):
             self.engine.launch_barrier()
             out = torch.empty(n, input.shape[1], dtype=input.dtype, device=self.device)
-            self.engine.launch_combine(y_k, state.tab, layout_desc.topk_indices_tensor, state.n_src, out)
+            self.engine.launch_combine(
+                y_k, state.tab, layout_desc.topk_indices_tensor, state.n_src, out,
+                remote=state.remote, npk_recv=state.npk_recv,
+            )  # fmt: skip
             outs.append(out)
         self._combine_allowed = False
         return torch.stack(outs, dim=1)
@@ -412,7 +525,9 @@ class TritonBackend(A2ABackend):
             raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {input.dtype}")
         input = input.contiguous()
         out = torch.empty(n, self.config.hidden, dtype=input.dtype, device=self.device)
-        self.engine.launch_combine(input, state.tab, exp_indices, state.n_src, out)
+        self.engine.launch_combine(
+            input, state.tab, exp_indices, state.n_src, out, remote=state.remote, npk_recv=state.npk_recv
+        )
         self._combine_allowed = False
         return out
 
@@ -431,6 +546,11 @@ class TritonBackend(A2ABackend):
             :class:`StaticDispatch`; its buffers are reused by the next static call.
         """
         self._check_usable()
+        if self.remote_ranks:
+            raise NotImplementedError(
+                "dispatch_static (CUDA-graph mode) is not built for groups with remote peers (the host sizes "
+                "their puts from the counts); use dispatch / combine"
+            )
         eng = self.engine
         n = input.shape[0]
         W = self.config.world_size

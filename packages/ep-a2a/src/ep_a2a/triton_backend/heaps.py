@@ -5,7 +5,10 @@
 * :class:`NvshmemHeap`: nvshmem4py (``pip install "ep-a2a[nvshmem]"``), bootstrapped with a unique id
   broadcast over the process group; ``nvshmem.core.tensor`` and ``get_peer_tensor`` for each peer.
   Single node defaults (set only when unset): ``NVSHMEM_REMOTE_TRANSPORT=none``,
-  ``NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo``, ``NVSHMEM_DISABLE_NVLS=1``.
+  ``NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo``, ``NVSHMEM_DISABLE_NVLS=1`` (only the last for a group that
+  spans nodes: NVSHMEM then picks its network transport and bootstrap interface itself). Ranks outside
+  ``peers`` (other nodes, or forced remote) get address 0 in the table: the kernels never address them,
+  :class:`NvshmemTransport` reaches them with host-side put-with-signal.
 
 Both are zeroed at creation (flags start at epoch 0) and end with a barrier so no peer writes into a
 heap that is not zeroed yet.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -75,13 +79,20 @@ class NvshmemHeap(SymmetricHeap):
 
     kind = "nvshmem"
 
-    def __init__(self, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        *,
+        peers: Sequence[int] | None = None,
+        single_node: bool = True,
+    ) -> None:
         global _NVSHMEM_USERS
-        for key, value in (
-            ("NVSHMEM_REMOTE_TRANSPORT", "none"),
-            ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
-            ("NVSHMEM_DISABLE_NVLS", "1"),
-        ):
+        defaults = [("NVSHMEM_DISABLE_NVLS", "1")]
+        if single_node:
+            defaults += [("NVSHMEM_REMOTE_TRANSPORT", "none"), ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")]
+        for key, value in defaults:
             os.environ.setdefault(key, value)
         try:
             import nvshmem.core as nvshmem
@@ -111,7 +122,8 @@ class NvshmemHeap(SymmetricHeap):
         _NVSHMEM_USERS += 1
         self.local = nvshmem.tensor((nbytes,), dtype=torch.uint8)
         self.local.zero_()
-        ptrs = [nvshmem.get_peer_tensor(self.local, r).data_ptr() for r in range(world)]
+        mapped = set(range(world) if peers is None else peers) | {rank}
+        ptrs = [nvshmem.get_peer_tensor(self.local, r).data_ptr() if r in mapped else 0 for r in range(world)]
         self.ptr_table = torch.tensor(ptrs, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
@@ -123,10 +135,56 @@ class NvshmemHeap(SymmetricHeap):
         del self.local
 
 
-def make_heap(kind: str, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:
-    """Create a heap of ``kind`` (``"torch"`` or ``"nvshmem"``), collectively over ``group``."""
+class NvshmemTransport:
+    """Host-side put-with-signal over an :class:`NvshmemHeap`, on the current CUDA stream.
+
+    nvshmem4py's ``nvshmem.bindings.putmem_signal_on_stream`` / ``signal_op_on_stream`` (the calls under
+    ``nvshmem.core.put_signal`` / ``signal_op``, which only take whole nvshmem tensors) with symmetric
+    addresses inside this rank's heap; NVSHMEM translates them to the peer's heap. Signal op: set. A put
+    of 0 bytes is a signal alone.
+    """
+
+    def __init__(self, heap: NvshmemHeap) -> None:
+        import nvshmem.bindings as bindings
+
+        self._b: Any = bindings
+        self._base = heap.local.data_ptr()
+        self._set = int(bindings.Signal_op.SIGNAL_SET)
+        self._device = heap.local.device
+
+    def _stream(self) -> int:
+        return int(torch.cuda.current_stream(self._device).cuda_stream)
+
+    def put_signal(self, pe: int, dst_off: int, src_off: int, nbytes: int, sig_off: int, value: int) -> None:
+        if nbytes == 0:
+            self.signal(pe, sig_off, value)
+            return
+        b = self._base
+        self._b.putmem_signal_on_stream(
+            b + dst_off, b + src_off, nbytes, b + sig_off, value, self._set, pe, self._stream()
+        )
+
+    def signal(self, pe: int, sig_off: int, value: int) -> None:
+        self._b.signal_op_on_stream(self._base + sig_off, value, self._set, pe, self._stream())
+
+
+def make_heap(
+    kind: str,
+    nbytes: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    *,
+    peers: Sequence[int] | None = None,
+    single_node: bool = True,
+) -> SymmetricHeap:
+    """Create a heap of ``kind`` (``"torch"`` or ``"nvshmem"``), collectively over ``group``.
+
+    ``peers``: the ranks whose heaps this rank addresses directly (default: all); nvshmem only.
+    """
     if kind == "torch":
+        if peers is not None or not single_node:
+            raise ValueError("heap='torch' maps every peer directly: remote peers need heap='nvshmem'")
         return TorchSymmetricHeap(nbytes, group, device)
     if kind == "nvshmem":
-        return NvshmemHeap(nbytes, group, device)
+        return NvshmemHeap(nbytes, group, device, peers=peers, single_node=single_node)
     raise ValueError(f"heap must be one of {HEAP_KINDS}, got {kind!r}")
