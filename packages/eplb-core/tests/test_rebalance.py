@@ -491,9 +491,24 @@ def test_exchange_sweep_equals_all_pairs_scoring(slots: int, kind: str) -> None:
         results = []
         for budget in (-1, 10 * num_items):  # the sweep; every pair scored
             rb, sb, _, _ = _kernels._workspace(num_bins, slots, next_id, 8, 1)
+            rb, sb = _kernels._row_state(rb, sb, 0)
             fl, fe, ff = load.copy(), expert.copy(), fixed.copy()
+            stamp = _kernels._start_row(fl, slots, rb[2], rb[3], rb[4], 0)
+            _kernels._sort_slots(fl, num_bins, slots, sb[5])
             moved, _ = _kernels._swap_rounds(
-                fl, fe, ff, np.bool_(kind == "fixed"), 1e-12, 12, 0, slots, rb, sb, 0, expert.copy(), budget
+                fl,
+                fe,
+                ff,
+                np.bool_(kind == "fixed"),
+                1e-12,
+                12,
+                0,
+                slots,
+                rb,
+                sb,
+                stamp,
+                expert.copy(),
+                budget,
             )
             results.append((moved, fl, fe, ff))
         (m_sweep, *sweep), (m_all, *all_pairs) = results

@@ -585,19 +585,20 @@ def _pair_bins(
 
 @_njit
 def _row_buffers(
-    num_bins: int,
+    num_bins: int, num_rows: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per-row work arrays of the refinement: pair ids, bin loads, bin order, and the versions that
-    the rounds compare to skip a pair that declined before (a bin's version changes whenever its
-    contents do)."""
+    """Work arrays of the refinement: pair ids, and per row its bin loads, bin order, and the versions
+    that the rounds compare to skip a pair that declined before (a bin's version changes whenever its
+    contents do). The per-row arrays live from block to block of a row: a pair that declined in an
+    earlier block of its row is skipped too while neither bin changed."""
     half = num_bins // 2
     heavy = np.empty(half, dtype=np.int64)
     light = np.empty(half, dtype=np.int64)
-    bin_load = np.empty(num_bins)
-    order = np.empty(num_bins, dtype=np.int64)
-    ver = np.zeros(num_bins, dtype=np.int64)
-    seen_h = np.full((num_bins, num_bins), -1, dtype=np.int64)
-    seen_l = np.full((num_bins, num_bins), -1, dtype=np.int64)
+    bin_load = np.empty((num_rows, num_bins))
+    order = np.empty((num_rows, num_bins), dtype=np.int64)
+    ver = np.zeros((num_rows, num_bins), dtype=np.int64)
+    seen_h = np.full((num_rows, num_bins, num_bins), -1, dtype=np.int64)
+    seen_l = np.full((num_rows, num_bins, num_bins), -1, dtype=np.int64)
     return heavy, light, bin_load, order, ver, seen_h, seen_l
 
 
@@ -606,13 +607,36 @@ def _start_row(
     fl: np.ndarray, slots: int, bin_load: np.ndarray, order: np.ndarray, ver: np.ndarray, stamp: int
 ) -> int:
     """Bin loads of a row, the identity bin order, and fresh bin versions (none recorded as seen:
-    versions only grow within a call, so no reset of the seen tables is needed); returns the last
+    versions only grow within a plan, so no reset of the seen tables is needed); returns the last
     version used."""
     for g in range(bin_load.size):
         bin_load[g] = _row_sum(fl, g * slots, slots)
         order[g] = g
         ver[g] = stamp + 1 + g
     return stamp + bin_load.size
+
+
+@_njit
+def _row_state(rb: tuple, sb: tuple, r: int) -> tuple[tuple, tuple]:
+    """Row ``r``'s views of the work arrays ``rb``/``sb`` of :func:`_workspace`: what
+    :func:`_resplit_rounds` and :func:`_swap_rounds` take."""
+    rb_r = (rb[0], rb[1], rb[2][r], rb[3][r], rb[4][r], rb[5][r], rb[6][r])
+    sb_r = (sb[0], sb[1], sb[2], sb[3], sb[4], sb[5][r])
+    return rb_r, sb_r
+
+
+@_njit
+def _sort_slots(fl: np.ndarray, num_bins: int, slots: int, srt: np.ndarray) -> None:
+    """Each bin's slots by increasing load, ties by slot, into ``srt [G, S]``."""
+    for g in range(num_bins):
+        base = g * slots
+        for y in range(slots):
+            v = fl[base + y]
+            j = y
+            while j > 0 and fl[base + srt[g, j - 1]] > v:
+                srt[g, j] = srt[g, j - 1]
+                j -= 1
+            srt[g, j] = y
 
 
 @_njit
@@ -646,6 +670,9 @@ def _swap_rounds(
     so both searches make the same exchanges. With a migration budget and up to ``BRUTE_FORCE_SLOTS`` slots
     every ``(x, y)`` is scored instead (the budget may refuse the nearest ``y`` and allow another).
 
+    ``rb`` holds this row's bin loads, order and versions (set up by :func:`_start_row`) and ``sb``
+    its slot order ``srt [G, S]`` (:func:`_sort_slots`), kept from block to block.
+
     Returns:
         ``(moved, stamp)``: whether something moved, and the last bin version used.
     """
@@ -662,7 +689,6 @@ def _swap_rounds(
         before = (fe[a] != origin[a]) + (fe[b] != origin[b])
         return (fe[b] != origin[a]) + (fe[a] != origin[b]) - before
 
-    stamp = _start_row(fl, slots, bin_load, order, ver, stamp)
     used = 0
     if budget >= 0:
         for p in range(num_bins * slots):
@@ -671,15 +697,6 @@ def _swap_rounds(
         # ``held`` is all zeros between calls (each call clears the entries it set)
         for p in range(num_bins * slots):
             held[p // slots, fe[p]] += 1
-        for g in range(num_bins):  # each bin's slots by increasing load, ties by slot
-            base = g * slots
-            for y in range(slots):
-                v = fl[base + y]
-                j = y
-                while j > 0 and fl[base + srt[g, j - 1]] > v:
-                    srt[g, j] = srt[g, j - 1]
-                    j -= 1
-                srt[g, j] = y
     for it in range(it0, it0 + rounds):
         _pair_bins(bin_load, order, it, heavy, light)
         for k in range(half):
@@ -857,7 +874,6 @@ def _resplit_rounds(
     two = 2 * slots
     two_f = np.float32(2.0)
     moved = False
-    stamp = _start_row(fl, slots, bin_load, order, ver, stamp)
     for it in range(it0, it0 + rounds):
         _pair_bins(bin_load, order, it, heavy, light)
         k = 0  # next pair of the round
@@ -1015,7 +1031,7 @@ def _resplit_rounds(
 def _workspace(num_bins: int, slots: int, num_ids: int, num_splits: int, num_rows: int) -> tuple:
     """Work arrays of the refinement, allocated once per plan: ``(rb, sb, pb, state)``
     (``num_splits``: the padded split count of the re-split tables)."""
-    rb = _row_buffers(num_bins)
+    rb = _row_buffers(num_bins, num_rows)
     held = np.zeros((num_bins, num_ids), dtype=np.int64)
     sb = (
         held,
@@ -1023,7 +1039,7 @@ def _workspace(num_bins: int, slots: int, num_ids: int, num_splits: int, num_row
         np.empty(slots, dtype=np.bool_),
         np.empty(slots, dtype=np.bool_),
         np.empty(slots, dtype=np.int64),
-        np.empty((num_bins, slots), dtype=np.int64),
+        np.empty((num_rows, num_bins, slots), dtype=np.int64),
     )
     two = 2 * slots
     pb = (
@@ -1041,8 +1057,8 @@ def _workspace(num_bins: int, slots: int, num_ids: int, num_splits: int, num_row
         np.empty(two * two, dtype=np.int64),
         np.empty(two * two, dtype=np.int64),
     )
-    # per row: alive, active; total, tol, peak, excess, row_lb; per bin: loads; per candidate: peaks
-    flags = np.empty((2, num_rows), dtype=np.bool_)
+    # per row: alive, active, ready; total, tol, peak, excess, row_lb; per bin: loads; per candidate: peaks
+    flags = np.empty((3, num_rows), dtype=np.bool_)
     stats = np.empty((5, num_rows))
     bin_tmp = np.empty(num_bins)
     cand_peak = np.empty(num_rows)
@@ -1098,13 +1114,17 @@ def _refine(
         return stamp
     rb, sb, pb, state = ws
     flags, stats, bin_tmp, cand_peak = state
-    alive, active = flags[0], flags[1]
+    alive, active, ready = flags[0], flags[1], flags[2]
     total, tol, peak, excess, row_lb = stats[0], stats[1], stats[2], stats[3], stats[4]
     # a migration budget (``budgets[r] >= 0``, slots that may differ from ``origin [B, G, S]``) is
     # kept by the exchange rounds only
     use_budget = budgets.size > 0
     resplit = slots <= MAX_RESPLIT_SLOTS and not use_budget
     width = num_bins * slots
+    load_flat = load.reshape(-1)
+    expert_flat = expert.reshape(-1)
+    fixed_flat = fixed.reshape(-1)
+    origin_flat = origin.reshape(-1)
     for r in range(num_rows):
         alive[r] = True
         total[r] = _pairwise_sum(load[r].reshape(-1), np.int64(0), width)
@@ -1116,6 +1136,7 @@ def _refine(
         peak[r] = pk
         excess[r] = ex
         row_lb[r] = max(mean, top)
+        ready[r] = False
     it = np.int64(0)
     while it < iters:
         any_active = False
@@ -1146,18 +1167,33 @@ def _refine(
         for r in range(num_rows):
             if not active[r]:
                 continue
-            fl = load[r].reshape(-1)
-            fe = expert[r].reshape(-1)
-            ff = fixed[r].reshape(-1)
+            # rows as slices of the flat arrays (a slice is cheaper than a reshape of each row)
+            fl = load_flat[r * width : (r + 1) * width]
+            fe = expert_flat[r * width : (r + 1) * width]
+            ff = fixed_flat[r * width : (r + 1) * width]
+            rb_r, sb_r = _row_state(rb, sb, r)
+            if not ready[r]:
+                # a row's bin loads, order, versions and slot order, set up at its first block
+                ready[r] = True
+                stamp = _start_row(fl, slots, rb_r[2], rb_r[3], rb_r[4], stamp)
+                if not resplit:
+                    _sort_slots(fl, num_bins, slots, sb_r[5])
+            elif resplit or use_budget:
+                # fresh versions: the re-split's peak step counts the pairs it tries, which a skip
+                # of pairs declined in an earlier block would change; with a budget, the budget left
+                # can let a pair through that declined in an earlier block
+                for g in range(num_bins):
+                    rb[4][r, g] = stamp + 1 + g
+                stamp += num_bins
             if resplit:
                 moved, stamp = _resplit_rounds(
-                    fl, fe, ff, has_fixed, rounds, it, slots, tables, rb, pb, stamp
+                    fl, fe, ff, has_fixed, rounds, it, slots, tables, rb_r, pb, stamp
                 )
             else:
                 budget = budgets[r] if use_budget else -1
-                fo = origin[r].reshape(-1)
+                fo = origin_flat[r * width : (r + 1) * width]
                 moved, stamp = _swap_rounds(
-                    fl, fe, ff, has_fixed, tol[r], rounds, it, slots, rb, sb, stamp, fo, budget
+                    fl, fe, ff, has_fixed, tol[r], rounds, it, slots, rb_r, sb_r, stamp, fo, budget
                 )
             pk, after, _ = _row_stats(fl, num_bins, slots, total[r] / num_bins, bin_tmp)
             alive[r] = moved and (excess[r] - after > MIN_BLOCK_GAIN * total[r])
