@@ -515,7 +515,7 @@ def _dispatch_send_chunk(
                 tl.store(meta[:, None] + 1 + kk[None, :], ids, mask=jm2)
                 tl.store(meta[:, None] + 1 + K + kk[None, :], pos, mask=jm2)
                 if HAS_W:
-                    mw = _peer_ptr(table_ptr, rank, off_srec + ROWB + (1 + 2 * K) * 4, tl.float32) + rec
+                    mw = (meta + 1 + 2 * K).to(tl.pointer_type(tl.float32))  # (4-byte aligned only)
                     tl.store(mw[:, None] + kk[None, :], w.to(tl.float32), mask=jm2)
             elif r != rank:
                 tl.store(_peer_ptr(table_ptr, r, off_ids, tl.int32) + remote_base, ids, mask=m2)
@@ -1064,10 +1064,7 @@ def _remote_expand_kernel(
                             kept = row >= 0
                             tl.store(out_e_ptr + row, e_loc.to(tl.int32), mask=kept)
                             if HAS_W:
-                                mw = (
-                                    _peer_ptr(table_ptr, rank, off_rrec + ROWB + (1 + 2 * K) * 4, tl.float32)
-                                    + rec
-                                )
+                                mw = (meta + 1 + 2 * K).to(tl.pointer_type(tl.float32))  # (4-byte aligned)
                                 w = tl.load(mw[:, None] + kk[None, :], mask=m2, other=0, cache_modifier=".cg")
                                 tl.store(out_w_ptr + row, w.to(out_w_ptr.dtype.element_ty), mask=kept)
                             need = tl.sum(kept.to(tl.int32), axis=1) > 0
