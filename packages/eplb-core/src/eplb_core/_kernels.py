@@ -437,16 +437,27 @@ def _lpt_row(
     fill[:] = 0
     tag[:] = -1
     run_start = 0
-    # many bins: the open bins in a binary heap of (load, index) pairs stored inline (no indirection
-    # through ``key``), so the lightest is at its root; only the bin that took the item is re-placed
-    use_heap = num_bins > 16
-    hkey = np.zeros(num_bins if use_heap else 1)
-    hidx = np.arange(num_bins if use_heap else 1)
-    size = num_bins
+    # many bins: a tournament tree over the bins (leaves ``P + b``, padded to a power of two with
+    # infinite loads) whose every node holds the (load, index) pair that wins its subtree, the
+    # lightest, lowest index on ties; the root is the lightest open bin (a full bin's load is
+    # infinite), and only the path of the bin that took the item is replayed, without branches
+    use_tree = num_bins > 16
+    size = 1
+    while use_tree and size < num_bins:
+        size *= 2
+    tk = np.full(2 * size, _INF)
+    ti = np.empty(2 * size, dtype=np.int64)
+    for b in range(size if use_tree else 0):
+        tk[size + b] = 0.0 if b < num_bins else _INF
+        ti[size + b] = b
+    for p in range(size - 1, 0, -1):
+        right = tk[2 * p + 1] < tk[2 * p]  # ties: the left subtree's lower index
+        tk[p] = tk[2 * p + 1] if right else tk[2 * p]
+        ti[p] = ti[2 * p + 1] if right else ti[2 * p]
     for step in range(num_items):
         i = order[step]
-        if use_heap:
-            b = hidx[0]
+        if use_tree:
+            b = ti[1]
         else:
             b = 0
             kb = key[0]
@@ -472,40 +483,17 @@ def _lpt_row(
         fill[b] += 1
         if fill[b] == cap:
             key[b] = _INF
-        if use_heap:
-            p = 0
-            while hidx[p] != b:  # the root, except when a repeat moved the item to another bin
-                p += 1
-            if fill[b] == cap:  # full: out of the heap (the last entry takes its place)
-                size -= 1
-                kv, iv = hkey[size], hidx[size]
-            else:
-                kv, iv = key[b], b
-            if p < size:
-                while p > 0:  # sift up (only after a removal away from the root)
-                    q = (p - 1) // 2
-                    kq, iq = hkey[q], hidx[q]
-                    if kv < kq or (kv == kq and iv < iq):
-                        hkey[p], hidx[p] = kq, iq
-                        p = q
-                    else:
-                        break
-                while True:  # sift down
-                    c = 2 * p + 1
-                    if c >= size:
-                        break
-                    kc, ic = hkey[c], hidx[c]
-                    if c + 1 < size:
-                        kd, idd = hkey[c + 1], hidx[c + 1]
-                        if kd < kc or (kd == kc and idd < ic):
-                            c += 1
-                            kc, ic = kd, idd
-                    if kc < kv or (kc == kv and ic < iv):
-                        hkey[p], hidx[p] = kc, ic
-                        p = c
-                    else:
-                        break
-                hkey[p], hidx[p] = kv, iv
+        if use_tree:
+            kv, iv = key[b], b  # infinite once full
+            p = size + b
+            tk[p] = kv
+            while p > 1:
+                sk, si = tk[p ^ 1], ti[p ^ 1]
+                sib = sk < kv or (sk == kv and si < iv)
+                kv = sk if sib else kv
+                iv = si if sib else iv
+                p >>= 1
+                tk[p], ti[p] = kv, iv
     return order
 
 
