@@ -8,6 +8,8 @@ no interpreter) and compares the arguments, call by call, for every launch the b
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -43,23 +45,39 @@ class _FakeKernel:
         return launch
 
 
+#: every kernel the engine launches
+KERNELS = (
+    "_layout_kernel",
+    "_counts_kernel",
+    "_dispatch_kernel",
+    "_combine_kernel",
+    "_barrier_kernel",
+    "_pack_kernel",
+    "_remote_expand_kernel",
+)
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     log: list = []
     monkeypatch.setattr(engine_mod, "interpreting", lambda: False)
     monkeypatch.setattr(engine_mod, "_raw_stream", lambda index: 0)
-    for name in (
-        "_layout_kernel",
-        "_counts_kernel",
-        "_dispatch_kernel",
-        "_combine_kernel",
-        "_barrier_kernel",
-    ):
+    for name in KERNELS:
         monkeypatch.setattr(K, name, _FakeKernel(getattr(K, name), log))
     return log
 
 
-def _engine(world=2, max_tokens=8, hidden=64, topk=4, experts=8) -> TritonEPEngine:
+class _NoTransport:
+    """Host puts that do nothing (no kernel runs here)."""
+
+    def put_signal(self, *args: int) -> None:
+        pass
+
+    def signal(self, *args: int) -> None:
+        pass
+
+
+def _engine(world=2, max_tokens=8, hidden=64, topk=4, experts=8, remote=False) -> TritonEPEngine:
     lay = HeapLayout.build(
         world_size=world,
         max_tokens=max_tokens,
@@ -68,6 +86,7 @@ def _engine(world=2, max_tokens=8, hidden=64, topk=4, experts=8) -> TritonEPEngi
         experts_per_rank=experts // world,
         token_bytes=2,
         chunk=4,
+        remote=remote,
     )
     return TritonEPEngine(
         rank=1,
@@ -84,6 +103,8 @@ def _engine(world=2, max_tokens=8, hidden=64, topk=4, experts=8) -> TritonEPEngi
         num_sm=3,
         timeout_s=1.0,
         chunk=4,
+        remote_ranks=[0] if remote else (),  # (rank 1's one peer)
+        transport=_NoTransport() if remote else None,
     )
 
 
@@ -96,23 +117,31 @@ def _one_call(eng: TritonEPEngine, n: int, rows: int, *, with_w: bool, counts: b
     for t in b.values():  # defined contents, so arguments compare by value
         t.zero_()
     info = torch.zeros(eng.info_len, dtype=torch.int64)
-    eng.launch_layout(ids, caller_scatter=False)
+    rb = eng.alloc_remote()
+    for t in (rb or {}).values():
+        t.zero_()
+    npk = [3] * eng.world_size if rb is not None else None
+    eng.launch_layout(ids, caller_scatter=False, remote=rb)
     if not counts:
-        eng.launch_counts(info)
+        eng.launch_counts(info, remote=rb)
     eng.launch_dispatch(
         x, ids, w, eng.pos, b["out"], b["out_w"], b["out_e"], b["tab"], b["skip"], b["scat"],
-        caller_scatter=False, info=info, counts=counts,
+        caller_scatter=False, info=info, counts=counts, remote=rb, npk_send=npk,
     )  # fmt: skip
     y = torch.randn(rows, eng.hidden, generator=gen)
     out = torch.zeros(n, eng.hidden)
-    eng.launch_combine(y, b["tab"], ids, info[2 : 2 + eng.world_size], out)
+    eng.launch_combine(y, b["tab"], ids, info[2 : 2 + eng.world_size], out, remote=rb, npk_recv=npk)
     eng.launch_barrier()
 
 
-@pytest.mark.parametrize(("with_w", "counts"), [(True, False), (False, True)], ids=["w-counts", "noW-merged"])
-def test_cached_launch_passes_the_same_arguments(fake_gpu, with_w, counts):
+@pytest.mark.parametrize(
+    ("with_w", "counts", "remote"),
+    [(True, False, False), (False, True, False), (True, False, True)],
+    ids=["w-counts", "noW-merged", "remote-peer"],
+)
+def test_cached_launch_passes_the_same_arguments(fake_gpu, with_w, counts, remote):
     log = fake_gpu
-    cached = _engine()
+    cached = _engine(remote=remote)
     calls = [(6, 20, 1), (5, 17, 2), (8, 30, 3)]
     for n, rows, seed in calls:
         _one_call(cached, n, rows, with_w=with_w, counts=counts, seed=seed)
@@ -124,7 +153,7 @@ def test_cached_launch_passes_the_same_arguments(fake_gpu, with_w, counts):
     # the reference: a fresh engine (no cached variants) launching the same calls through Triton
     log.clear()
     for n, rows, seed in calls[1:]:
-        _one_call(_engine(), n, rows, with_w=with_w, counts=counts, seed=seed)
+        _one_call(_engine(remote=remote), n, rows, with_w=with_w, counts=counts, seed=seed)
     want = log
     assert len(got) == len(want)
     for (_, grid_g, args_g), (_, grid_w, args_w) in zip(got, want, strict=True):
@@ -217,3 +246,32 @@ def test_default_split(num_sm, max_tokens, want):
     assert _split(0, num_sm, 44) == 0  # an explicit 0 turns the split off
     with pytest.raises(ValueError, match="send_ctas"):
         _split(num_sm, num_sm)
+
+
+class _WarmupRecorder:
+    """Stands in for a kernel's ``warmup``: binds the call to the kernel's signature like Triton does."""
+
+    def __init__(self, real, log: list) -> None:
+        self.real, self.log = real, log
+
+    def warmup(self, *args, grid, num_warps=4, **kwargs):
+        # Triton turns dtypes into mock tensors only when they come positionally; a dtype by keyword
+        # fails on the GPU ("failed to specialize argument of type: torch.dtype")
+        by_kw = [k for k, v in kwargs.items() if isinstance(v, torch.dtype)]
+        assert not by_kw, f"{self.real.fn.__name__}: dtype passed by keyword for {by_kw}"
+        bound = inspect.signature(self.real.fn).bind(*args, **kwargs)  # every parameter, once
+        self.log.append(self.real.fn.__name__)
+        return bound
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["intra-node", "remote-peer"])
+def test_precompile_binds_every_kernel(monkeypatch, remote):
+    """``use_aot``: every warmup call binds to its kernel's parameters, pointers given as Triton wants."""
+    log: list = []
+    for name in KERNELS:
+        monkeypatch.setattr(K, name, _WarmupRecorder(getattr(K, name), log))
+    eng = _engine(remote=remote)
+    n = eng.precompile(dtypes=(torch.float32,))
+    assert n == len(log)
+    assert ("_pack_kernel" in log) == remote
+    assert ("_remote_expand_kernel" in log) == remote

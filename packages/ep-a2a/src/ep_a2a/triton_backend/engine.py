@@ -875,6 +875,8 @@ class TritonEPEngine:
         receiving launch, and the pack and expand kernels are compiled too.
         """
         lay = self.layout
+        # (Triton's warmup takes dtypes for pointers only positionally: pointers passed by keyword are
+        # this engine's dummy tensors, which specialise as the launches' own aligned buffers do)
         i32, i64 = torch.int32, torch.int64
         common = dict(W=self.world_size, L=self.experts_per_rank)
         remote = bool(self.remote_ranks)
@@ -917,7 +919,7 @@ class TritonEPEngine:
             WP=self.wp,
             LP=self.lp,
             USE_TIMER=self.use_timer,
-            pinfo_ptr=i64,
+            pinfo_ptr=self._dummy_i64,
             off_sig=lay.sig,
             off_sback=lay.sback,
             CW=lay.cw,
@@ -992,8 +994,8 @@ class TritonEPEngine:
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(self.send_ctas, 1),
-                pk_ptr=i32,
-                pinfo_ptr=i64,
+                pk_ptr=self._dummy_i32,
+                pinfo_ptr=self._dummy_i64,
                 off_sig=lay.sig,
                 off_sback=lay.sback,
                 off_srec=lay.srec,
@@ -1069,9 +1071,9 @@ class TritonEPEngine:
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(self.combine_send_ctas, 1),
-                pk_ptr=i32,
-                rtok_ptr=i32,
-                pinfo_ptr=i64,
+                pk_ptr=self._dummy_i32,
+                rtok_ptr=self._dummy_i32,
+                pinfo_ptr=self._dummy_i64,
                 off_scx=lay.scx,
                 off_sig=lay.sig,
                 num_warps=nw,
