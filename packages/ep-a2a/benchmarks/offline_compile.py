@@ -1,0 +1,142 @@
+"""Compile every kernel launch of one rank's Triton engine for sm_90, without a GPU.
+
+Each launch the engine makes in one dispatch (counts-first flow, and the merged flow for groups without
+remote peers), one combine and one barrier is captured instead of run, then compiled with
+``triton.compile`` for ``cuda:90``. Printed per launch: shared memory, PTX instructions and a hash of the
+PTX body (kernel parameters, comments, debug information and labels dropped), so two source trees can
+be compared: run once per tree (``PYTHONPATH=<tree>/packages/ep-a2a/src``) and diff the outputs.
+
+Usage (repository root)::
+
+    uv run python packages/ep-a2a/benchmarks/offline_compile.py --world 4 --node 2      # remote peers
+    uv run python packages/ep-a2a/benchmarks/offline_compile.py --world 8 --split 16    # intra-node
+
+``--node`` is the simulated node size (``force_remote``): ranks outside rank 0's block are remote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import re
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ep_a2a.triton_backend import engine as E
+
+TARGET = GPUTarget("cuda", 90, 32)
+TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+}
+
+
+class _NoTransport:
+    def put_signal(self, *args: int) -> None:
+        pass
+
+    def signal(self, *args: int) -> None:
+        pass
+
+
+def _capture(launches: list) -> None:
+    def fake_launch(self, key, kernel, grid, num_warps, var_names, var_vals, fixed) -> None:
+        named = fixed()
+        named.update(zip(var_names, var_vals, strict=True))
+        launches.append((key, kernel, num_warps, named))
+
+    E.TritonEPEngine._launch = fake_launch  # type: ignore[method-assign]
+
+
+def compile_sm90(kernel: Any, num_warps: int, named: dict) -> tuple[int, int, str]:
+    """``(shared bytes, PTX instructions, hash of the PTX body)`` of one launch's variant."""
+    sig, const = {}, {}
+    for i, p in enumerate(inspect.signature(kernel.fn).parameters):
+        v = named[p]
+        if i in kernel.constexprs:
+            sig[p], const[(i,)] = "constexpr", v
+        elif torch.is_tensor(v):
+            sig[p] = "*" + TYPES[v.dtype]
+        else:
+            sig[p] = "i64" if abs(int(v)) > 2**31 - 1 else "i32"
+    k = triton.compile(
+        ASTSource(kernel, sig, constexprs=const), target=TARGET, options={"num_warps": num_warps}
+    )
+    ptx = k.asm["ptx"].split(".section\t.debug")[0]
+    ptx = re.sub(r"\$L__tmp\d+:?", "", re.sub(r"//.*", "", ptx))
+    skip = ("param", ".loc", ".file")
+    body = [ln for ln in ptx.splitlines() if ln.strip() and not any(s in ln for s in skip)]
+    n_ins = sum(1 for ln in body if ln.strip().endswith(";"))
+    return k.metadata.shared, n_ins, hashlib.md5("\n".join(body).encode()).hexdigest()[:12]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--node", type=int, default=0, help="simulated node size (0: one node, no remote peers)")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--split", type=int, default=0, help="send_ctas = combine_send_ctas")
+    ap.add_argument("--num-sm", type=int, default=32)
+    a = ap.parse_args()
+    W, node = a.world, a.node or a.world
+    remote = [p for p in range(W) if p // node != 0]
+    lay_kw = {"remote": True} if remote else {}  # (a tree from before the remote path has no such argument)
+    lay = E.HeapLayout.build(
+        world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts_per_rank=a.experts // W,
+        token_bytes=2, chunk=8, **lay_kw,
+    )  # fmt: skip
+    eng_kw: dict[str, Any] = {"remote_ranks": remote, "transport": _NoTransport()} if remote else {}
+    eng = E.TritonEPEngine(
+        rank=0, world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, num_tot_experts=a.experts,
+        token_dtype=torch.bfloat16, weight_dtype=torch.float32, heap_local=torch.zeros(16, dtype=torch.uint8),
+        ptr_table=torch.zeros(W, dtype=torch.int64), layout=lay, num_sm=a.num_sm, timeout_s=1.0, chunk=8,
+        send_ctas=a.split, combine_send_ctas=a.split, **eng_kw,
+    )  # fmt: skip
+    # the GPU's settings (the engine picks interpreter-sized tiles on a CPU)
+    eng.use_timer = True
+    eng.block_h = min(1024, 1 << (a.hidden - 1).bit_length())
+    eng.num_warps = 8 if eng.block_h >= 512 else 4
+    launches: list = []
+    _capture(launches)
+    n = 16
+    x = torch.zeros(n, a.hidden, dtype=torch.bfloat16)
+    ids = torch.zeros(n, a.topk, dtype=torch.int32)
+    w = torch.zeros(n, a.topk)
+    rb = eng.alloc_remote() if remote else None
+    rkw: dict[str, Any] = {"remote": rb} if remote else {}
+    info = torch.zeros(eng.info_len, dtype=torch.int64)
+    eng.launch_layout(ids, caller_scatter=False, info=info, **rkw)
+    eng.launch_counts(info, **rkw)
+    b = eng.alloc_dispatch_outputs(n, 64, with_weights=True)
+    args = (x, ids, w, eng.pos, b["out"], b["out_w"], b["out_e"], b["tab"], b["skip"], b["scat"])
+    eng.launch_dispatch(
+        *args, caller_scatter=False, info=info, **rkw, **({"npk_send": [0] * W} if remote else {})
+    )
+    if not remote:
+        eng.launch_dispatch(*args, caller_scatter=False, info=info, counts=True)
+    y = torch.zeros(64, a.hidden, dtype=torch.bfloat16)
+    out = torch.zeros(n, a.hidden, dtype=torch.bfloat16)
+    eng.launch_combine(
+        y, b["tab"], ids, info[2 : 2 + W], out, **rkw, **({"npk_recv": [0] * W} if remote else {})
+    )
+    eng.launch_barrier()
+    print(f"world {W}, node {node}, remote peers of rank 0: {remote}; sm_90")
+    for key, kernel, nw, named in launches:
+        shared, n_ins, h = compile_sm90(kernel, nw, named)
+        print(f"{key[0]:8s} {key[1:7]!s:64s} shared={shared:6d} ptx_ins={n_ins:6d} body={h}")
+
+
+if __name__ == "__main__":
+    main()
