@@ -12,6 +12,12 @@ rank, expanded to expert rows on the receiver). Static mode (CUDA graphs) and th
 small layers merge the last two into one launch into worst-case buffers; the exact-shape mode of large
 layers launches the counts step alone, copies the counts to the host and allocates exactly ``R`` rows
 before the row kernel. A combine is one launch of ``_combine_kernel``.
+
+With remote peers (``remote_ranks``, reached through a :class:`RemoteTransport`) each step that feeds
+them is followed by the host's puts: after the layout (and ``_pack_kernel``: packed token indices per
+remote destination) the counts, after the receive layout the base rows, after the row kernel the token
+records (then ``_remote_expand_kernel`` expands the records received); combine and barrier run as a
+sending and a receiving launch with the puts between. Only the counts-first dispatch flow exists then.
 """
 
 from __future__ import annotations

@@ -14,6 +14,12 @@ reset between calls. Every spin is bounded (``%globaltimer`` on the GPU, an iter
 interpreter); a spin that runs out records ``1 + step * 65536 + peer`` in ``state[STATE_ERR]`` and the
 kernel skips the work that depended on it (no garbage row indices are ever used). Every later kernel
 sees the error and does nothing; the host raises a timeout naming the peer and the step.
+
+Remote peers (other nodes, or forced; the compile-time bit set ``REMOTE``, 0 for intra-node groups, which
+then compile exactly as before): the kernels never address them. What would be stored into a remote peer's
+heap is written to this rank's staging regions instead (counts, base rows, one packed record per token
+and destination rank, combine rows), the host puts it with a signal after the kernel, and the consumer
+waits on that signal (same epochs, same bounded waits) before reading what the put delivered.
 """
 
 from __future__ import annotations
@@ -918,7 +924,9 @@ def _dispatch_kernel(
             # (in the receiving half: in the CPU simulation every rank's sending half has run by then)
             kk = tl.arange(0, KP)
             if REMOTE != 0:
-                # remote destinations' base rows arrive by a host put: wait for its signal first
+                # remote destinations' base rows arrive by a host put: wait for its signal first (also the
+                # guard of the records' reuse: a peer puts this call's records only after this wait, and
+                # the receiver signals it only after expanding the previous call's records)
                 for d in tl.static_range(W):
                     if (REMOTE >> d) & 1:
                         sig = _peer_ptr(table_ptr, rank, off_sig, tl.int64) + SIG_BACK * W + d
