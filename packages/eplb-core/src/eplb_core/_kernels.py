@@ -901,12 +901,38 @@ def _resplit_rounds(
             gap = bin_load[h] - bin_load[lt]
             ha, lb0 = h * slots, lt * slots
             hits = 0
-            for a in range(slots):
-                xa = fl[ha + a]
-                for b in range(slots):
-                    d = xa - fl[lb0 + b]
-                    hits += (d > 0.0) & (d < gap)
-            if hits == 0 and slots >= 4:
+            if slots == 4 or slots == 5:
+                # the same counts over tuples of constant length (unrolled by the compiler)
+                x0, x1, x2, x3 = fl[ha], fl[ha + 1], fl[ha + 2], fl[ha + 3]
+                y0, y1, y2, y3 = fl[lb0], fl[lb0 + 1], fl[lb0 + 2], fl[lb0 + 3]
+                x4 = fl[ha + 4] if slots == 5 else x3
+                y4 = fl[lb0 + 4] if slots == 5 else y3
+                for xa in (x0, x1, x2, x3):
+                    for yb in (y0, y1, y2, y3):
+                        d = xa - yb
+                        hits += (d > 0.0) & (d < gap)
+                if slots == 5:
+                    for xa in (x0, x1, x2, x3, x4):
+                        d = xa - y4
+                        hits += (d > 0.0) & (d < gap)
+                    for yb in (y0, y1, y2, y3):
+                        d = x4 - yb
+                        hits += (d > 0.0) & (d < gap)
+                if hits == 0 and slots == 4:
+                    xs = (x0 + x1, x0 + x2, x0 + x3, x1 + x2, x1 + x3, x2 + x3)
+                    for ys in (y0 + y1, y0 + y2, y0 + y3, y1 + y2, y1 + y3, y2 + y3):
+                        for xa in xs:
+                            d = xa - ys
+                            hits += (d > 0.0) & (d < gap)
+                    if hits == 0:
+                        continue
+            else:
+                for a in range(slots):
+                    xa = fl[ha + a]
+                    for b in range(slots):
+                        d = xa - fl[lb0 + b]
+                        hits += (d > 0.0) & (d < gap)
+            if hits == 0 and slots >= 5:
                 for a in range(slots):
                     for a2 in range(a + 1, slots):
                         xa = fl[ha + a] + fl[ha + a2]
