@@ -282,6 +282,10 @@ REMOTE_CASES = [
         4, 2, [6, 6, 0, 4], 48, 8, 16, torch.float16, True, True, 0.15, id="W4-node2-H48-k8-f16-skew-drop"
     ),
     pytest.param(4, 2, [5, 3, 6, 2], 32, 2, 8, torch.bfloat16, False, False, 0.2, id="W4-node2-k2-noW-drop"),
+    # two nodes of 4: three local and four remote peers per rank
+    pytest.param(
+        8, 4, [3, 0, 4, 2, 5, 1, 3, 2], 16, 4, 16, torch.bfloat16, True, True, 0.1, id="W8-node4-k4-E16-skew"
+    ),
 ]
 
 
