@@ -926,13 +926,43 @@ def _resplit_rounds(
                             hits += (d > 0.0) & (d < gap)
                     if hits == 0:
                         continue
+                if hits == 0 and slots == 5:
+                    xs5 = (
+                        x0 + x1,
+                        x0 + x2,
+                        x0 + x3,
+                        x0 + x4,
+                        x1 + x2,
+                        x1 + x3,
+                        x1 + x4,
+                        x2 + x3,
+                        x2 + x4,
+                        x3 + x4,
+                    )
+                    for ys in (
+                        y0 + y1,
+                        y0 + y2,
+                        y0 + y3,
+                        y0 + y4,
+                        y1 + y2,
+                        y1 + y3,
+                        y1 + y4,
+                        y2 + y3,
+                        y2 + y4,
+                        y3 + y4,
+                    ):
+                        for xa in xs5:
+                            d = xa - ys
+                            hits += (d > 0.0) & (d < gap)
+                    if hits == 0:
+                        continue
             else:
                 for a in range(slots):
                     xa = fl[ha + a]
                     for b in range(slots):
                         d = xa - fl[lb0 + b]
                         hits += (d > 0.0) & (d < gap)
-            if hits == 0 and slots >= 5:
+            if hits == 0 and slots >= 6:
                 for a in range(slots):
                     for a2 in range(a + 1, slots):
                         xa = fl[ha + a] + fl[ha + a2]
