@@ -179,20 +179,44 @@ def _greedy_counts_row(w: np.ndarray, counts: np.ndarray, num_replicas: int, per
             per[best] = w[best] / counts[best]
         return
     # the same choices from a binary heap ordered by (per-replica load desc, id asc): its root is
-    # what the scan above finds, in O(log N) per replica instead of O(N)
-    heap = np.arange(n)
-    for p in range(n // 2 - 1, -1, -1):
-        _sift_down_per(heap, per, n, p)
+    # what the scan above finds, in O(log N) per replica instead of O(N). Only the first ``extra``
+    # experts in that order at the start can get a replica (every expert before a chosen one was
+    # chosen before it), so the heap holds just those: picked from a heap whose root is the last
+    # of them so far
+    size = min(extra, n)
+    heap = np.empty(size, dtype=np.int64)
+    for e in range(n):
+        if e < size:
+            heap[e] = e
+            if e == size - 1:
+                for p in range(size // 2 - 1, -1, -1):
+                    _sift_down_per(heap, per, size, p, False)
+        elif per[e] > per[heap[0]]:  # ties: the lower id, already in, stays
+            heap[0] = e
+            _sift_down_per(heap, per, size, 0, False)
+    for p in range(size // 2 - 1, -1, -1):
+        _sift_down_per(heap, per, size, p, True)
+    n = size
     for _ in range(extra):
         best = heap[0]
         counts[best] += 1
         per[best] = w[best] / counts[best]
-        _sift_down_per(heap, per, n, 0)
+        _sift_down_per(heap, per, n, 0, True)
 
 
 @_njit
-def _sift_down_per(heap: np.ndarray, per: np.ndarray, size: int, p: int) -> None:
-    """Sift ``heap[p]`` down a heap whose root is the largest ``per`` (lowest id on ties)."""
+def _ahead(va: float, a: int, vb: float, b: int, first: bool) -> bool:
+    """Whether expert ``a`` (per-replica load ``va``) sits above ``b`` in a heap whose root is the
+    first in the greedy order (largest load, lowest id on ties; ``first``) or the last."""
+    if first:
+        return va > vb or (va == vb and a < b)
+    return va < vb or (va == vb and a > b)
+
+
+@_njit
+def _sift_down_per(heap: np.ndarray, per: np.ndarray, size: int, p: int, first: bool) -> None:
+    """Sift ``heap[p]`` down a heap whose root is the first (``first``) or the last expert in the
+    greedy order (see :func:`_ahead`)."""
     item = heap[p]
     v = per[item]
     while True:
@@ -202,10 +226,10 @@ def _sift_down_per(heap: np.ndarray, per: np.ndarray, size: int, p: int) -> None
         a = heap[c]
         if c + 1 < size:
             b = heap[c + 1]
-            if per[b] > per[a] or (per[b] == per[a] and b < a):
+            if _ahead(per[b], b, per[a], a, first):
                 c += 1
                 a = b
-        if per[a] > v or (per[a] == v and a < item):
+        if _ahead(per[a], a, v, item, first):
             heap[p] = a
             p = c
         else:
