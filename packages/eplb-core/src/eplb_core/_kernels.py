@@ -719,6 +719,17 @@ def _swap_rounds(
             seen_l[h, lt] = ver[lt]
             gap = bin_load[h] - bin_load[lt]
             ha, lb0 = h * slots, lt * slots
+            # an exchange gains only if its loads differ by 0 < d < gap (otherwise min(d, gap - d)
+            # <= 0): most declining pairs have none, and on up to BRUTE_FORCE_SLOTS slots counting
+            # them (branch-free) is cheaper than the search
+            hits = 0 if slots <= BRUTE_FORCE_SLOTS else 1
+            for a in range(slots if hits == 0 else 0):
+                xa = fl[ha + a]
+                for b in range(slots):
+                    d = xa - fl[lb0 + b]
+                    hits += (d > 0.0) & (d < gap)
+            if hits == 0:
+                continue
             best = -_INF
             pa, pb = ha, lb0
             if brute:
