@@ -57,6 +57,9 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str:
+    # A copied tree's .git can lag its files (the device machine's does): EPLB_COMMIT names the commit sent.
+    if os.environ.get("EPLB_COMMIT"):
+        return os.environ["EPLB_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
