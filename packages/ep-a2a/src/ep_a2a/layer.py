@@ -66,12 +66,12 @@ class DispatchCombineContext:
         if backend in ("auto", "triton"):
             fast_ok, fast_reason = probe_backend("triton", ep_config, ep_group)
         if backend == "auto" and fast_ok and not ep_config.is_intra_node:
-            # the Triton backend's remote path (NVSHMEM puts to other nodes) has only run in the CPU
-            # simulation: auto keeps such groups on torch until it has run on GPUs
+            # the Triton backend's remote path (NVSHMEM puts to other nodes) has run in the CPU simulation
+            # and forced on one host, never across nodes: auto keeps such groups on torch until it has
             fast_ok, fast_reason = (
                 False,
-                "inter-node group: auto uses the torch backend (the Triton remote path has not run on GPUs "
-                "yet; backend='triton' selects it)",
+                "inter-node group: auto uses the torch backend (the Triton remote path has not run across "
+                "nodes yet; backend='triton' selects it)",
             )
         args = (
             ep_config.fingerprint(),
