@@ -652,6 +652,19 @@ def _sort_slots(fl: np.ndarray, num_bins: int, slots: int, srt: np.ndarray) -> N
 
 
 @_njit
+def _gaining_exchanges(fl: np.ndarray, ha: int, lb0: int, slots: int, gap: float) -> int:
+    """How many one-for-one exchanges between the bins whose slots start at ``ha`` and ``lb0`` move a
+    load ``0 < d < gap`` (only those can gain: the gain is ``min(d, gap - d)``); counted branch-free."""
+    hits = 0
+    for a in range(slots):
+        xa = fl[ha + a]
+        for b in range(slots):
+            d = xa - fl[lb0 + b]
+            hits += (d > 0.0) & (d < gap)
+    return hits
+
+
+@_njit
 def _swap_rounds(
     fl: np.ndarray,
     fe: np.ndarray,
@@ -722,13 +735,7 @@ def _swap_rounds(
             # an exchange gains only if its loads differ by 0 < d < gap (otherwise min(d, gap - d)
             # <= 0): most declining pairs have none, and on up to BRUTE_FORCE_SLOTS slots counting
             # them (branch-free) is cheaper than the search
-            hits = 0 if slots <= BRUTE_FORCE_SLOTS else 1
-            for a in range(slots if hits == 0 else 0):
-                xa = fl[ha + a]
-                for b in range(slots):
-                    d = xa - fl[lb0 + b]
-                    hits += (d > 0.0) & (d < gap)
-            if hits == 0:
+            if slots <= BRUTE_FORCE_SLOTS and _gaining_exchanges(fl, ha, lb0, slots, gap) == 0:
                 continue
             best = -_INF
             pa, pb = ha, lb0
@@ -992,11 +999,7 @@ def _resplit_rounds(
                     if hits == 0:
                         continue
             else:
-                for a in range(slots):
-                    xa = fl[ha + a]
-                    for b in range(slots):
-                        d = xa - fl[lb0 + b]
-                        hits += (d > 0.0) & (d < gap)
+                hits = _gaining_exchanges(fl, ha, lb0, slots, gap)
             if hits == 0 and slots >= 6:
                 for a in range(slots):
                     for a2 in range(a + 1, slots):
