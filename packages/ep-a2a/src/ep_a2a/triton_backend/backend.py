@@ -171,7 +171,7 @@ class TritonBackend(A2ABackend):
     waits) and expands the records as the intra-node receiver does. Needs ``heap="nvshmem"`` (the default
     then); ``heap="torch"`` raises ``ValueError``. The exact-shape flow always waits for the counts
     before the row kernel (its sizes size the puts), and the CUDA-graph mode (``dispatch_static``) is not
-    available. Not run on GPUs yet: see the package docs.
+    available. Run on GPUs forced on one host (2x H100), never across nodes: see the package docs.
 
     These come on top of :class:`~ep_a2a.backend.A2ABackend`'s arguments.
 
@@ -318,7 +318,7 @@ class TritonBackend(A2ABackend):
         where = (
             "intra-node"
             if config.is_intra_node
-            else f"{config.nnodes} nodes (remote path over NVSHMEM puts, not run on GPUs yet)"
+            else f"{config.nnodes} nodes (remote path over NVSHMEM puts, not run across nodes yet)"
         )
         return True, f"{where}, {config.world_size} ranks on {torch.cuda.get_device_name(dev)}"
 
