@@ -44,7 +44,8 @@ VARIANTS_RUN9 = {
     "ns32-s3-psm4": {"block_ns": 32, "sparse_stages": 3},
     "psm6": {"programs_per_sm": 6},
 }
-# Run 10: the merge kernel's head-dim slice and warps (default since run 10: 32 wide, 2 warps).
+# Run 10: the merge kernel's head-dim slice and warps (32 wide with 2 warps when this set ran at 09886a9; the
+# default since 81f4a00 is 32 wide with 1 warp).
 VARIANTS_MERGE = {
     "default": {},
     "merge-whole-w4": {"merge_block_d": 128, "merge_warps": 4},
