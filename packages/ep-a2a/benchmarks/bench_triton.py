@@ -360,6 +360,7 @@ def run_case(
         torch.cuda.synchronize()
         be.check_errors()  # a device-side wait that ran out makes every time above meaningless
         res[f"ours-sm{num_sm}"]["send_ctas"] = [be.engine.send_ctas, be.engine.combine_send_ctas]
+        res[f"ours-sm{num_sm}"]["copy_engine"] = be.copy_engine
         be.finalize()
     if extra and n > 1024 and getattr(args, "split", False):
         # experiment: other sender / writer splits of the CTAs than the default (large layers on many
@@ -370,13 +371,20 @@ def run_case(
         if route == "uniform":
             for gd, gc in ((0, 0), (nsm // 4, 2 * nsm // 3)):
                 res[f"ours-graph-split{gd}-{gc}-sm{nsm}"] = split_case(
-                    args, cfg, group, x, ids, w, nsm, gd, gc, ref
+                    args, cfg, group, x, ids, w, nsm, gd, gc, ref, copy_engine=False
                 )
             for small in num_sm_list[:-1]:
                 res[f"ours-graph-sm{small}"] = split_case(args, cfg, group, x, ids, w, small, None, None, ref)
                 res[f"ours-graph-split{small // 4}-{small // 2}-sm{small}"] = split_case(
                     args, cfg, group, x, ids, w, small, small // 4, small // 2, ref
                 )
+            if res[f"ours-sm{nsm}"].get("copy_engine"):
+                # A/B in the same run: dispatch by SM stores (the CTA split's defaults), as before
+                # copy-engine dispatch became the default on 2 ranks
+                for nsm_ab in num_sm_list:
+                    res[f"ours-graph-smstores-sm{nsm_ab}"] = split_case(
+                        args, cfg, group, x, ids, w, nsm_ab, None, None, ref, copy_engine=False
+                    )
             # the exact-shape mode without the host wait before the row kernel (worst-case buffers),
             # which the default keeps for layers whose worst case is at most 256 MiB
             if world * n * topk * hidden * 2 > DEFAULT_OVERLAP_BYTES:
@@ -409,8 +417,20 @@ def run_case(
 
 
 def split_case(
-    args, cfg, group, x, ids, w, num_sm, send_ctas: int | None, combine_send_ctas: int | None, ref
+    args,
+    cfg,
+    group,
+    x,
+    ids,
+    w,
+    num_sm,
+    send_ctas: int | None,
+    combine_send_ctas: int | None,
+    ref,
+    copy_engine: bool | None = None,
 ) -> dict:
+    """Graph-mode (and eager) times of one configuration of the CTA split / copy-engine dispatch,
+    checked to give exactly the default configuration's rows and sums (``ref``)."""
     from ep_a2a.triton_backend import TritonBackend
 
     be = TritonBackend(
@@ -422,6 +442,7 @@ def split_case(
         timeout_s=30.0,
         send_ctas=send_ctas,
         combine_send_ctas=combine_send_ctas,
+        copy_engine=copy_engine,
     )
     timer = Timer(lambda: be.engine.launch_barrier())
     s = torch.cuda.Stream()
@@ -440,9 +461,11 @@ def split_case(
     out = {
         "dispatch_ms": timer.median_ms(g_d.replay, args.iters, lead=True),
         "send_ctas": [be.engine.send_ctas, be.engine.combine_send_ctas],
+        "copy_engine": be.copy_engine,
     }
     out["combine_ms"] = timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True)
     out["static_eager_dispatch_ms"] = timer.median_ms(lambda: be.dispatch_static(x, ids, w), args.iters)
+    out["exact_eager_dispatch_ms"] = timer.median_ms(lambda: be.dispatch(x, ids, w, None), args.iters)
     d = be.dispatch_static(x, ids, w)
     comb = be.combine_static(d.output, d)
     rows = int(d.num_recv_rows)

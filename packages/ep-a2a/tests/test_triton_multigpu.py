@@ -285,7 +285,7 @@ def test_default_split_large_layer(group):
     max_tokens = 2 * SPLIT_MIN_TOKENS
     be = _make_backend(
         group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
-        heap="torch", num_sm=n_sm,
+        heap="torch", num_sm=n_sm, copy_engine=False,
     )  # fmt: skip
     try:
         assert (be.engine.send_ctas, be.engine.combine_send_ctas) == (n_sm // 3, n_sm // 2)
@@ -309,6 +309,62 @@ def test_default_split_large_layer(group):
         assert (small.engine.send_ctas, small.engine.combine_send_ctas) == (0, 0)
     finally:
         small.finalize()
+
+
+def test_copy_engine_default_large_layer(group):
+    """2 ranks, a large layer: copy-engine dispatch by default (no sending CTAs); more ranks: off."""
+    from ep_a2a.triton_backend.backend import SPLIT_MIN_TOKENS
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    max_tokens = 2 * SPLIT_MIN_TOKENS
+    be = _make_backend(
+        group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
+        heap="torch", num_sm=n_sm,
+    )  # fmt: skip
+    try:
+        assert be.copy_engine == (world == 2)
+        if be.copy_engine:
+            assert be.engine.send_ctas == 0
+            assert be.engine.ce_pieces > 0
+        ns = ([max_tokens, 1500] * world)[:world]
+        xs, ids, ws, gen = _inputs(
+            710, world, ns, 512, 8, 8 * world, torch.bfloat16, skew=True, drop=0.05, with_w=True
+        )
+        _check_round_trip(be, group, xs, ids, ws, gen, 8 * world, torch.bfloat16)
+        _check_static_call(be, rank, xs, ids, ws, 8 * world)
+        torch.cuda.synchronize()
+        be.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
+
+
+@pytest.mark.parametrize("heap", _heaps())
+@pytest.mark.parametrize("overlap", [None, 0], ids=["worst-case-buffers", "counts-launch"])
+def test_copy_engine_against_reference(group, heap, overlap):
+    """``copy_engine=True`` on any number of ranks: both exact-shape flows, then a static call."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    experts = 16 * world
+    be = _make_backend(
+        group, max_tokens=64, hidden=2048, topk=8, experts=experts, dtype=torch.bfloat16, heap=heap,
+        copy_engine=True, ce_pieces=3, overlap_bytes=overlap,
+    )  # fmt: skip
+    try:
+        assert be.copy_engine
+        assert (be.engine.ce_pieces, be.engine.send_ctas) == (3, 0)
+        for i, ns in enumerate(([64, 40], [0, 33], [64, 64])):
+            ns = (ns * world)[:world]
+            xs, ids, ws, gen = _inputs(
+                900 + i, world, ns, 2048, 8, experts, torch.bfloat16, skew=i == 1, drop=0.05, with_w=True
+            )
+            _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
+        _check_static_call(be, rank, xs, ids, ws, experts)
+        torch.cuda.synchronize()
+        be.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
 
 
 def test_invalid_expert_ids_raise_on_their_rank(group):
@@ -407,13 +463,15 @@ def _rows_per_rank(ids, world, experts):
     return counts
 
 
-def test_cuda_graph_capture_replay(group):
+@pytest.mark.parametrize("copy_engine", [False, True], ids=["sm-stores", "copy-engine"])
+def test_cuda_graph_capture_replay(group, copy_engine):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     hidden, topk, experts, n = 512, 4, 16, 48
     dev = torch.device("cuda", torch.cuda.current_device())
     be = _make_backend(
-        group, max_tokens=n, hidden=hidden, topk=topk, experts=experts, dtype=torch.bfloat16, heap="torch"
-    )
+        group, max_tokens=n, hidden=hidden, topk=topk, experts=experts, dtype=torch.bfloat16, heap="torch",
+        copy_engine=copy_engine,
+    )  # fmt: skip
     try:
         x = torch.zeros(n, hidden, dtype=torch.bfloat16, device=dev)
         ids = torch.zeros(n, topk, dtype=torch.int32, device=dev)

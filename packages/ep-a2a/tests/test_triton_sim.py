@@ -269,6 +269,118 @@ def test_invalid_expert_ids_are_counted_and_dropped(merged):
 
 
 # ------------------------------------------------------------------------------------------------------
+# copy-engine dispatch (ce_pieces): the sender's metadata and token rows reach every peer by copies (here
+# plain CPU copies into the peer's heap), in pieces each followed by the epoch in the peer's piece flag;
+# the row kernel only writes rows, its own and then each piece's once the flag arrived
+# ------------------------------------------------------------------------------------------------------
+CE_CASES = [
+    # world, tokens per rank, hidden, topk, experts, dtype, weights, skew, drop, pieces
+    pytest.param(2, [9, 5], 32, 4, 8, torch.bfloat16, True, False, 0.0, 3, id="W2-n9,5-k4-E8-bf16-p3"),
+    pytest.param(2, [7, 0], 32, 2, 4, torch.bfloat16, False, False, 0.2, 1, id="W2-n7,0-k2-noW-drop-p1"),
+    pytest.param(3, [4, 10, 1], 16, 3, 6, torch.float32, True, True, 0.1, 2, id="W3-f32-skew-drop-p2"),
+    pytest.param(4, [6, 9, 0, 4], 48, 8, 16, torch.float16, True, True, 0.15, 4, id="W4-H48-k8-f16-p4"),
+]
+
+
+@pytest.mark.parametrize(
+    ("world", "ns", "hidden", "topk", "experts", "dtype", "with_w", "skew", "drop", "pieces"), CE_CASES
+)
+def test_copy_engine_dispatch_matches_reference(
+    world, ns, hidden, topk, experts, dtype, with_w, skew, drop, pieces
+):
+    gen = torch.Generator().manual_seed(4321 + world * 10 + pieces)
+    sim = SimWorld(
+        world_size=world,
+        max_tokens=max(ns),
+        hidden=hidden,
+        topk=topk,
+        num_tot_experts=experts,
+        token_dtype=dtype,
+        num_sm=2,
+        chunk=2,
+        ce_pieces=pieces,
+    )
+    assert sim.engines[0].ce_tokens % 2 == 0
+    # three calls: epochs, the flags of every piece, buffer reuse, token counts that shrink and grow
+    _round_trips(sim, ns, ((False, 0),) * 3, gen, with_w=with_w, skew=skew, drop=drop)
+
+
+def test_copy_engine_caller_scatter_and_invalid_ids():
+    """The copies carry the raw ids and the caller's rows: invalid ids are dropped on the receiver too."""
+    world, hidden, topk, experts = 2, 16, 3, 4
+    gen = torch.Generator().manual_seed(22)
+    sim = SimWorld(
+        world_size=world, max_tokens=6, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=2, chunk=2,
+        ce_pieces=2,
+    )  # fmt: skip
+    xs = [torch.randn(6, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
+    ids = [_routing(6, topk, experts, gen, skew=False, drop=0.0) for _ in range(world)]
+    bad = [i.clone() for i in ids]
+    bad[0][1, 0], bad[0][5, 2], bad[1][3, 1] = experts + 1, -2, 1 << 20
+    res = sim.dispatch(xs, bad)
+    assert [r.num_invalid_ids for r in res] == [2, 1]
+    dropped = [torch.where((b < -1) | (b >= experts), -1, b) for b in bad]
+    ref, scat = dispatch_ref(xs, dropped, num_tot_experts=experts)
+    _check_dispatch(res, ref, scat, False)
+    ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
+    _check_combine(sim.combine(ys, res, dropped), ys, dropped, scat, experts, torch.bfloat16)
+    # the caller's scatter indices: reverse every receiver's rows
+    _, default = dispatch_ref(xs, ids, num_tot_experts=experts)
+    e_local = experts // world
+    totals = [sum(int(((i >= 0) & (i.long() // e_local == d)).sum()) for i in ids) for d in range(world)]
+    fsi = []
+    for s in range(world):
+        f = torch.full_like(ids[s], -1)
+        for d in range(world):
+            mask = (ids[s] >= 0) & (ids[s].long() // e_local == d)
+            f[mask] = (totals[d] - 1 - default[s][mask]).to(torch.int32)
+        fsi.append(f)
+    ref, scat = dispatch_ref(xs, ids, num_tot_experts=experts, full_scatter_indices=fsi)
+    res = sim.dispatch(xs, ids, None, fsi)
+    _check_dispatch(res, ref, scat, False)
+
+
+def test_copy_engine_missing_rank_times_out_naming_it():
+    world, hidden, topk, experts = 2, 16, 2, 4
+    gen = torch.Generator().manual_seed(5)
+    sim = SimWorld(
+        world_size=world, max_tokens=4, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=2, chunk=2,
+        timeout_s=0.01, ce_pieces=2,
+    )  # fmt: skip
+    xs = [torch.randn(4, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
+    ids = [_routing(4, topk, experts, gen, skew=False, drop=0.0) for _ in range(world)]
+    with pytest.raises(EPTimeoutFromDevice, match="waiting for rank 1"):
+        sim.dispatch(xs, ids, skip_ranks=[1])
+
+
+def test_copy_engine_refuses_what_it_cannot_run():
+    kw = dict(
+        world_size=2, max_tokens=4, hidden=16, topk=2, num_tot_experts=4, num_sm=2, chunk=2, ce_pieces=2
+    )
+    sim = SimWorld(**kw)
+    xs = [torch.randn(4, 16).to(torch.bfloat16) for _ in range(2)]
+    ids = [torch.zeros(4, 2, dtype=torch.int32) for _ in range(2)]
+    with pytest.raises(ValueError, match="receive layout in its own launch"):
+        sim.dispatch(xs, ids, merged=True)
+    with pytest.raises(ValueError, match="remote peers"):
+        SimWorld(**kw, node_size=1)
+    eng = sim.engines[0]
+    with pytest.raises(ValueError, match="send_ctas=0"):
+        type(eng)(
+            rank=0, world_size=2, max_tokens=4, hidden=16, topk=2, num_tot_experts=4,
+            token_dtype=torch.bfloat16, weight_dtype=torch.float32, heap_local=sim.heaps[0],
+            ptr_table=sim.table, layout=sim.layout, num_sm=2, timeout_s=1.0, chunk=2, send_ctas=1,
+            ce_pieces=2, peer_heaps=sim.heaps,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="needs peer_heaps"):
+        type(eng)(
+            rank=0, world_size=2, max_tokens=4, hidden=16, topk=2, num_tot_experts=4,
+            token_dtype=torch.bfloat16, weight_dtype=torch.float32, heap_local=sim.heaps[0],
+            ptr_table=sim.table, layout=sim.layout, num_sm=2, timeout_s=1.0, chunk=2, ce_pieces=2,
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------
 # remote peers (the inter-node path, forced on simulated nodes of `node` ranks): every transfer to a rank
 # of another node is staged in the sender's heap and moved by a simulated put-with-signal (a copy into the
 # peer's heap, then its signal word); the table entries of remote ranks point at a decoy heap that must

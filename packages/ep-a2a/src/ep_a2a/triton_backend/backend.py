@@ -24,6 +24,13 @@ DEFAULT_OVERLAP_BYTES = 256 << 20
 #: environment variable choosing the heap when the layer constructs the backend (``torch`` or ``nvshmem``)
 HEAP_ENV = "EP_A2A_TRITON_HEAP"
 
+#: environment variable choosing copy-engine dispatch when the layer constructs the backend (``1`` / ``0``:
+#: the ``copy_engine`` argument)
+COPY_ENGINE_ENV = "EP_A2A_TRITON_COPY_ENGINE"
+
+#: pieces of a copy-engine dispatch (each a copy of its token rows and an 8-byte flag copy per peer)
+DEFAULT_CE_PIECES = 4
+
 #: environment variable forcing the remote path (the ``force_remote`` argument when the layer constructs the
 #: backend): an integer node size
 FORCE_REMOTE_ENV = "EP_A2A_TRITON_FORCE_REMOTE"
@@ -161,6 +168,17 @@ class TritonBackend(A2ABackend):
             splitting was slower, at 128 tokens it was not measured).
         combine_send_ctas: the same for the combine kernel; default ``num_sm // 2`` under the same
             conditions (measured 7-18 % faster than no split at 132 SMs).
+        copy_engine: dispatch moves this rank's token rows (and their ids, positions and weights) to
+            the peers with copy-engine copies (``cudaMemcpyAsync`` into the peer's heap) on a side
+            stream, in ``ce_pieces`` pieces each followed by a flag copy, instead of SM stores: the row
+            kernel's CTAs only write rows (their own first, then each piece as its flag arrives), so
+            NVLink costs no SM time and dispatch needs far fewer SMs. Every token row goes to every
+            peer, needed or not, so it pays on 2 ranks (with top-8 routing nearly every token has an
+            expert on the other rank) and wastes NVLink bytes on more. Default (``None``):
+            ``$EP_A2A_TRITON_COPY_ENGINE`` when set (``1`` / ``0``), else on for 2 ranks of one node
+            with ``max_tokens > 1024``. Not with remote peers, not with ``send_ctas`` > 0 (nothing
+            left to send). Combine is unchanged.
+        ce_pieces: pieces of a copy-engine dispatch (default 4).
         force_remote: treat ranks outside this rank's block of ``force_remote`` consecutive ranks as on
             another node (the remote path on one node, for testing); default from
             ``$EP_A2A_TRITON_FORCE_REMOTE``, else the real nodes (blocks of ``local_world_size``).
@@ -201,6 +219,8 @@ class TritonBackend(A2ABackend):
         send_ctas: int | None = None,
         combine_send_ctas: int | None = None,
         force_remote: int | None = None,
+        copy_engine: bool | None = None,
+        ce_pieces: int | None = None,
         **_: object,
     ) -> None:
         super().__init__(
@@ -235,6 +255,27 @@ class TritonBackend(A2ABackend):
             chunk=chunk,
             remote=node < config.world_size,
         )
+        if copy_engine is None and os.environ.get(COPY_ENGINE_ENV):
+            copy_engine = os.environ[COPY_ENGINE_ENV].strip().lower() not in ("0", "false", "off", "")
+        if copy_engine is None:
+            copy_engine = (
+                not remote
+                and not send_ctas
+                and config.world_size == 2
+                and config.max_tokens > SPLIT_MIN_TOKENS
+            )
+        if copy_engine and remote:
+            raise ValueError(
+                "copy_engine=True is for groups without remote peers (other nodes or force_remote)"
+            )
+        if copy_engine and send_ctas:
+            raise ValueError(
+                f"copy_engine=True leaves nothing for sending CTAs: send_ctas must be 0, got {send_ctas}"
+            )
+        if ce_pieces is not None and ce_pieces < 1:
+            raise ValueError(f"ce_pieces must be >= 1, got {ce_pieces}")
+        #: whether dispatch moves the token rows by copy-engine copies (see ``copy_engine``)
+        self.copy_engine = bool(copy_engine)
         local = [r for r in range(config.world_size) if r not in remote]
         self.heap = make_heap(
             heap,
@@ -262,10 +303,14 @@ class TritonBackend(A2ABackend):
             chunk=chunk,
             block_h=block_h,
             num_warps=num_warps,
-            send_ctas=_split(send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 3)),
+            send_ctas=0
+            if copy_engine
+            else _split(send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 3)),
             combine_send_ctas=_split(combine_send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 2)),
             remote_ranks=remote,
             transport=transport,
+            ce_pieces=(ce_pieces or DEFAULT_CE_PIECES) if copy_engine else 0,
+            peer_heaps=self.heap.peers,
         )
         self.heap_kind = heap
         #: ranks reached by NVSHMEM puts (other nodes, or forced) and the node size used
@@ -373,9 +418,11 @@ class TritonBackend(A2ABackend):
             bufs = eng.alloc_dispatch_outputs(n, eng.worst_case_rows(), with_weights=has_w, dtype=input.dtype)
             if mark:
                 mark(("buffers allocated", time.perf_counter()))
+            if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
+                eng.launch_counts(info)
             eng.launch_dispatch(
                 input, exp_indices, weight, src, bufs["out"], bufs["out_w"], bufs["out_e"], bufs["tab"],
-                bufs["skip"], bufs["scat"], caller_scatter=caller, info=info, counts=True,
+                bufs["skip"], bufs["scat"], caller_scatter=caller, info=info, counts=not eng.ce_pieces,
             )  # fmt: skip
             if mark:
                 mark(("rows launched", time.perf_counter()))
@@ -560,9 +607,11 @@ class TritonBackend(A2ABackend):
             b["info"] = torch.zeros(eng.info_len, dtype=torch.int64, device=self.device)
             self._static = b
         eng.launch_layout(exp_indices, caller_scatter=False, info=b["info"])
+        if eng.ce_pieces:
+            eng.launch_counts(b["info"])
         eng.launch_dispatch(
             input, exp_indices, weight, eng.pos, b["out"], b["out_w"], b["out_e"], b["tab"], b["skip"],
-            b["scat"], caller_scatter=False, info=b["info"], counts=True,
+            b["scat"], caller_scatter=False, info=b["info"], counts=not eng.ce_pieces,
         )  # fmt: skip
         self._combine_allowed = True
         info = b["info"]

@@ -22,6 +22,7 @@ sending and a receiving launch with the puts between. Only the counts-first disp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -174,6 +175,11 @@ class HeapLayout:
         )  # fmt: skip
 
 
+def _region(heap: torch.Tensor, byte_offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` elements of ``dtype`` at ``byte_offset`` of a uint8 heap tensor (a view)."""
+    return heap[byte_offset : byte_offset + numel * dtype.itemsize].view(dtype)
+
+
 def _decode_error(code: int) -> tuple[str, int]:
     code -= 1
     return K.STEP_NAMES.get(code // 65536, f"step {code // 65536}"), code % 65536
@@ -195,6 +201,13 @@ class TritonEPEngine:
             every CTA sends its chunks to the peers, then writes this rank's rows of a chunk, in turn;
             ``0 < k < num_sm``: ``k`` CTAs only send, the others only write this rank's output
             (dispatch: its own rows and the received ones; combine: the sums of its tokens).
+        ce_pieces: 0 (default), or dispatch moves this rank's token rows and slot metadata to every
+            peer with copy-engine copies on a side stream, in ``ce_pieces`` pieces of tokens, each
+            followed by an 8-byte copy of the dispatch epoch into the peer's flag of that piece; the
+            row kernel then only writes rows (its own first, then each piece once its flag arrives), so
+            the NVLink transfer takes no SM. Every token row goes to every peer (on 2 ranks nearly
+            every row is needed there). Needs ``peer_heaps``, no remote ranks and no CTA split.
+        peer_heaps: every rank's heap as a uint8 tensor mapped here (the copies' targets).
     """
 
     def __init__(
@@ -220,6 +233,8 @@ class TritonEPEngine:
         combine_send_ctas: int = 0,
         remote_ranks: Sequence[int] = (),
         transport: RemoteTransport | None = None,
+        ce_pieces: int = 0,
+        peer_heaps: Sequence[torch.Tensor | None] | None = None,
     ) -> None:
         if weight_dtype.itemsize > 4:
             raise ValueError(f"weight_dtype must be at most 4 bytes wide, got {weight_dtype}")
@@ -259,8 +274,13 @@ class TritonEPEngine:
         self.offsets = torch.zeros(self.experts_per_rank, world_size, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(max_tokens, topk, dtype=torch.int32, device=dev)
         self._dummy_w = torch.zeros(1, dtype=weight_dtype, device=dev)
-        self.scan_block = min(4096, _next_pow2(max(16, max_tokens * topk)))
-        self._layout_grid = (min(self.num_tot_experts, self.num_sm),)
+        # layout: one program per block of layout_tokens tokens (at most num_sm programs), each waiting
+        # only on lower ones for their histograms
+        self.layout_tokens = max(8, _next_pow2(triton.cdiv(max_tokens, self.num_sm)))
+        self._layout_grid = (triton.cdiv(max_tokens, self.layout_tokens),)
+        self._hist_width = _next_pow2(num_tot_experts + 1)
+        self._layout_hist = torch.zeros(self._layout_grid[0], self._hist_width, dtype=torch.int32, device=dev)
+        self._layout_flags = torch.zeros(self._layout_grid[0], dtype=torch.int64, device=dev)
         # remote peers: every transfer to them is staged in this rank's heap and put by the host
         remote = sorted(set(int(r) for r in remote_ranks))
         if any(not 0 <= r < world_size or r == rank for r in remote):
@@ -276,6 +296,20 @@ class TritonEPEngine:
         self.host_epochs = [0, 0, 0]
         self._dummy_i32 = torch.zeros(1, dtype=torch.int32, device=dev)
         self._dummy_i64 = torch.zeros(1, dtype=torch.int64, device=dev)
+        # copy-engine dispatch: pieces of ce_tokens tokens (a multiple of the chunk), one flag each
+        if ce_pieces < 0:
+            raise ValueError(f"ce_pieces must be >= 0, got {ce_pieces}")
+        if ce_pieces:
+            if remote:
+                raise ValueError("ce_pieces (copy-engine dispatch) is for groups without remote peers")
+            if send_ctas:
+                raise ValueError("ce_pieces (copy-engine dispatch) leaves nothing to send: use send_ctas=0")
+            if peer_heaps is None or any(peer_heaps[r] is None for r in range(world_size)):
+                raise ValueError("ce_pieces (copy-engine dispatch) needs peer_heaps: every rank's heap")
+        self.ce_pieces = ce_pieces
+        self.ce_tokens = -(-triton.cdiv(max_tokens, max(ce_pieces, 1)) // chunk) * chunk
+        self.peer_heaps = list(peer_heaps) if peer_heaps is not None else None
+        self._ce_stream = torch.cuda.Stream(dev) if ce_pieces and dev.type == "cuda" else None
 
     # ------------------------------------------------------------------ errors
     def check_error(self, err: int | None = None) -> None:
@@ -375,6 +409,23 @@ class TritonEPEngine:
         """Byte offset of signal ``kind`` (``kernels.SIG_*``) from source ``src`` in a heap."""
         return self.layout.sig + (int(kind) * self.world_size + src) * 8
 
+    def _layout_kw(self) -> dict:
+        return dict(
+            E=self.num_tot_experts,
+            L=self.experts_per_rank,
+            W=self.world_size,
+            K=self.topk,
+            KP=self.kp,
+            TB=self.layout_tokens,
+            EP=self._hist_width,
+            NP=_next_pow2(self._layout_grid[0]),
+            nprog=self._layout_grid[0],
+            hist_ptr=self._layout_hist,
+            hflag_ptr=self._layout_flags,
+            timeout=self.timeout_arg,
+            USE_TIMER=self.use_timer,
+        )
+
     def launch_layout(
         self,
         exp_indices: torch.Tensor,
@@ -402,14 +453,9 @@ class TritonEPEngine:
                 state_ptr=self.state,
                 off_cnt=self.layout.cnt,
                 rank=self.rank,
-                E=self.num_tot_experts,
-                L=self.experts_per_rank,
-                W=self.world_size,
-                K=self.topk,
-                BLOCK=self.scan_block,
+                **self._layout_kw(),
                 WRITE_POS=not caller_scatter,
                 BAD_SLOT=self.info_len - 1,
-                nprog=self._layout_grid[0],
                 off_scnt=self.layout.scnt,
                 CW=self.layout.cw,
                 REMOTE=self.remote_bits,
@@ -528,6 +574,10 @@ class TritonEPEngine:
         received (after the row kernel, which marks remote sources' slots as absent)."""
         if self.remote_ranks and counts:
             raise ValueError("the receive layout cannot run inside the row kernel with remote peers")
+        if self.ce_pieces and (counts or self.send_ctas):
+            raise ValueError(
+                "copy-engine dispatch (ce_pieces) needs the receive layout in its own launch and no CTA split"
+            )
         if self.remote_ranks and send and npk_send is None:
             raise ValueError("npk_send (records per remote destination, on the host) is needed to send")
         pk, rtok, pinfo = self._rb(remote)
@@ -535,6 +585,8 @@ class TritonEPEngine:
         split = self.send_ctas
         w = _nz(weight) if weight is not None else self._dummy_w
         xs, ids, src = _nz(x), _nz(exp_indices), _nz(scatter_src)
+        # the copies may start once the receive layout ran (not behind the row kernel)
+        fork = self._ce_fork() if self.ce_pieces and send else None
         self._launch(
             (
                 "dispatch",
@@ -619,10 +671,14 @@ class TritonEPEngine:
                 off_srec=self.layout.srec,
                 CW=self.layout.cw,
                 REMOTE=self.remote_bits,
+                CE=bool(self.ce_pieces),
+                ce_tokens=self.ce_tokens,
                 **self._tile_kw(),
                 **self._rec_kw(x.dtype),
             ),
         )
+        if self.ce_pieces and send:
+            self._ce_send(fork, xs, ids, w if has_w else None, src)
         if counts and recv:
             self.host_epochs[0] += 1
         if not self.remote_ranks:
@@ -668,6 +724,55 @@ class TritonEPEngine:
                     **self._rec_kw(out.dtype),
                 ),
             )
+
+    def _ce_fork(self) -> torch.cuda.Event | None:
+        """The point of the current stream after which the copies may run (none on CPU)."""
+        if self._ce_stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def _ce_send(
+        self,
+        fork: torch.cuda.Event | None,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weight: torch.Tensor | None,
+        pos: torch.Tensor,
+    ) -> None:
+        """Copy-engine dispatch: this rank's slot metadata, then its token rows piece by piece, each
+        piece followed by the dispatch epoch (``state[0]``, bumped by the receive layout) into the
+        peer's flag ``[rank, piece]``. Stream order makes everything before a flag visible with it.
+        On a side stream that the current stream joins afterwards (the inputs stay untouched until
+        the copies are done); in the CPU simulation, plain copies."""
+        assert self.peer_heaps is not None
+        n, Kk, H = x.shape[0], self.topk, self.hidden
+        if n == 0:
+            return
+        lay, base, step = self.layout, self.rank * self.max_tokens, self.ce_tokens
+        ids32 = ids if ids.dtype == torch.int32 else ids.to(torch.int32)
+        pos32 = pos[:n] if pos.dtype == torch.int32 else pos[:n].to(torch.int32)
+        meta = [(lay.ids, ids32), (lay.pos, pos32)] + ([(lay.w, weight)] if weight is not None else [])
+        heaps = [h for r, h in enumerate(self.peer_heaps) if r != self.rank and h is not None]
+        side = self._ce_stream
+        if side is not None:
+            assert fork is not None
+            side.wait_event(fork)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for heap in heaps:
+                for off, t in meta:
+                    _region(heap, off + base * Kk * t.itemsize, n * Kk, t.dtype).copy_(t.reshape(-1))
+            for p in range(triton.cdiv(n, step)):
+                a, b = p * step, min(n, (p + 1) * step)
+                for heap in heaps:
+                    _region(heap, lay.x + (base + a) * H * x.itemsize, (b - a) * H, x.dtype).copy_(
+                        x[a:b].reshape(-1)
+                    )
+                    flag = lay.flag + (self.rank * lay.nchunks + p) * 8
+                    _region(heap, flag, 1, torch.int64).copy_(self.state[K.STATE_DISPATCH_EPOCH :][:1])
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
 
     def launch_combine(
         self,
@@ -898,18 +1003,14 @@ class TritonEPEngine:
                 lay.cnt,
                 self.rank,
                 i64,
-                grid=(1,),
-                E=self.num_tot_experts,
-                K=self.topk,
-                BLOCK=self.scan_block,
+                grid=self._layout_grid,
                 WRITE_POS=ws,
                 BAD_SLOT=self.info_len - 1,
-                nprog=1,
                 off_scnt=lay.scnt,
                 CW=lay.cw,
                 num_warps=4,
                 **rem,
-                **common,
+                **self._layout_kw(),
             )
             n += 1
         K._counts_kernel.warmup(
@@ -934,8 +1035,9 @@ class TritonEPEngine:
             **common,
         )
         n += 1
-        if remote:
+        if remote or self.ce_pieces:  # (the receive layout then always runs in its own launch)
             dispatch_counts = (False,)
+        if remote:
             K._pack_kernel.warmup(
                 i32,
                 i32,
@@ -1006,6 +1108,8 @@ class TritonEPEngine:
                 off_sback=lay.sback,
                 off_srec=lay.srec,
                 CW=lay.cw,
+                CE=bool(self.ce_pieces),
+                ce_tokens=self.ce_tokens,
                 num_warps=nw,
                 **self._tile_kw(),
                 **self._rec_kw(self.token_dtype),

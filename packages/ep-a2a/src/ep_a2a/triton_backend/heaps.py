@@ -35,11 +35,14 @@ class SymmetricHeap:
         local: ``[nbytes]`` uint8 tensor, this rank's heap.
         ptr_table: ``[world_size]`` int64 tensor on the device, base address of every rank's heap as
             mapped in this process.
+        peers: every rank's heap as a ``[nbytes]`` uint8 tensor mapped in this process (``None`` for
+            ranks not mapped): the targets of copy-engine copies.
     """
 
     kind = ""
     local: torch.Tensor
     ptr_table: torch.Tensor
+    peers: list[torch.Tensor | None]
 
     def free(self) -> None:
         raise NotImplementedError
@@ -61,13 +64,16 @@ class TorchSymmetricHeap(SymmetricHeap):
         self.local.zero_()
         self._handle: Any = symm_mem.rendezvous(self.local, group)
         world = dist.get_world_size(group)
-        ptrs = [self._handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr() for r in range(world)]
+        mapped = [self._handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(world)]
+        self.peers = list(mapped)
+        ptrs = [t.data_ptr() for t in mapped]
         self.ptr_table = torch.tensor(ptrs, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
 
     def free(self) -> None:
         self._handle = None
+        self.peers = []
         del self.local
 
 
@@ -123,7 +129,8 @@ class NvshmemHeap(SymmetricHeap):
         self.local = nvshmem.tensor((nbytes,), dtype=torch.uint8)
         self.local.zero_()
         mapped = set(range(world) if peers is None else peers) | {rank}
-        ptrs = [nvshmem.get_peer_tensor(self.local, r).data_ptr() if r in mapped else 0 for r in range(world)]
+        self.peers = [nvshmem.get_peer_tensor(self.local, r) if r in mapped else None for r in range(world)]
+        ptrs = [0 if t is None else t.data_ptr() for t in self.peers]
         self.ptr_table = torch.tensor(ptrs, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
@@ -131,6 +138,7 @@ class NvshmemHeap(SymmetricHeap):
     def free(self) -> None:
         # NVSHMEM stays initialised for the life of the process (it cannot be initialised twice);
         # nvshmem.core.finalize() runs at exit
+        self.peers = []
         self._nvshmem.free_tensor(self.local)
         del self.local
 

@@ -43,12 +43,14 @@ STEP_DISPATCH = 2
 STEP_OFFSETS = 3
 STEP_COMBINE = 4
 STEP_BARRIER = 5
+STEP_LAYOUT = 6  # (a program of this rank's own layout kernel: a bug, not a missing peer)
 STEP_NAMES = {
     STEP_COUNTS: "dispatch/counts",
     STEP_DISPATCH: "dispatch/payload",
     STEP_OFFSETS: "dispatch/offsets",
     STEP_COMBINE: "combine",
     STEP_BARRIER: "barrier",
+    STEP_LAYOUT: "dispatch/layout",
 }
 
 # remote peers (inter-node, or forced): signal words in the heap's ``sig [4, W]`` region, one per source
@@ -153,7 +155,7 @@ def _is_remote(r, REMOTE: tl.constexpr, W: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 # dispatch step 1: per-expert positions of this rank's slots, counts pushed to the expert owners
 # --------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["n_tokens", "rank", "nprog"])
+@triton.jit(do_not_specialize=["n_tokens", "rank", "nprog", "timeout"])
 def _layout_kernel(
     ids_ptr,  # [n, K] int32
     pos_ptr,  # [max_tokens, K] int32 out: rank of slot (t, k) among this rank's slots of its expert
@@ -167,56 +169,101 @@ def _layout_kernel(
     L: tl.constexpr,
     W: tl.constexpr,
     K: tl.constexpr,
-    BLOCK: tl.constexpr,
+    KP: tl.constexpr,
+    TB: tl.constexpr,  # tokens per program
+    EP: tl.constexpr,  # next_pow2(E + 1): a histogram row (E counts, then the invalid-id count)
+    NP: tl.constexpr,  # next_pow2(nprog)
     WRITE_POS: tl.constexpr,
     BAD_SLOT: tl.constexpr,
     nprog,
+    hist_ptr,  # [nprog, EP] int32 workspace: each program's histogram
+    hflag_ptr,  # [nprog] int64 workspace: epoch of the histogram a program published
+    timeout,
+    USE_TIMER: tl.constexpr,
     off_scnt,  # staging of the words bound for remote owners (put by the host after this kernel)
     CW: tl.constexpr,  # words per source in ``cnt``: L counts, token count (+ packed token count)
     REMOTE: tl.constexpr,  # bit set of the ranks reached by host puts (0: every peer by stores)
 ):
+    """Program ``p`` owns tokens ``[p * TB, (p + 1) * TB)``: it publishes the histogram of their slots'
+    experts, sums the histograms of programs ``< p`` (the slots of each expert before its block), and
+    sorts its slots by (expert, slot) to give each slot its position among its expert's slots. The
+    last program also has every histogram: it pushes the per-expert counts to their owners. Waits only
+    on lower programs, so it runs in the interpreter's sequential order too."""
     pid = tl.program_id(0)
     ep = tl.load(state_ptr + 0) + 1
     parity = ep % 2
-    nk = n_tokens * K
-    bad = tl.full([], 0, tl.int32)
-    # loop bounds must not depend on program_id (a 1-element array in the interpreter)
-    i = tl.full([], 0, tl.int32)
-    while i < tl.cdiv(E, nprog):
-        e = pid + i * nprog
-        running = tl.full([], 0, tl.int32)
-        start = tl.full([], 0, tl.int32)
-        while start < nk:
-            idx = start + tl.arange(0, BLOCK)
-            m = idx < nk
-            v = tl.load(ids_ptr + idx, mask=m, other=-1)
-            hit = (v == e) & m
-            h32 = hit.to(tl.int32)
-            # ids outside [-1, E): counted here (the host raises), treated as dropped everywhere
-            bad += tl.where(i == 0, tl.sum((((v < -1) | (v >= E)) & m).to(tl.int32), 0), 0)
-            if WRITE_POS:
-                c = tl.cumsum(h32, 0)
-                tl.store(pos_ptr + idx, running + c - 1, mask=hit)
-            running += tl.sum(h32, 0)
-            start += BLOCK
-        if e < E:
+    S: tl.constexpr = TB * KP
+    ss = tl.arange(0, S)
+    tok = pid * TB + ss // KP
+    kk = ss % KP
+    m = (tok < n_tokens) & (kk < K)
+    v = tl.load(ids_ptr + tok * K + kk, mask=m, other=-1)
+    valid = (v >= 0) & (v < E) & m
+    # ids outside [-1, E): counted (the host raises), treated as dropped everywhere
+    n_bad = tl.sum((((v < -1) | (v >= E)) & m).to(tl.int32), 0)
+    ee = tl.arange(0, EP)
+    hist = tl.histogram(tl.where(valid, v, 0), EP, mask=valid)
+    hist = tl.where(ee == E, n_bad, hist)
+    tl.store(hist_ptr + pid * EP + ee, hist)
+    tl.debug_barrier()
+    tl.atomic_xchg(hflag_ptr + pid, ep, sem="release", scope="gpu")
+    # every lower program's histogram (bounded wait: they run beside this one, or ran before it)
+    qq = tl.arange(0, NP)
+    low = qq < pid
+    f = tl.atomic_add(hflag_ptr + qq, 0, mask=low, sem="acquire", scope="gpu")
+    late = tl.sum((low & (f < ep)).to(tl.int32), 0)
+    start = _now(USE_TIMER)
+    elapsed = tl.full([], 0, tl.int64)
+    while (late > 0) & (elapsed < timeout):
+        f = tl.atomic_add(hflag_ptr + qq, 0, mask=low, sem="acquire", scope="gpu")
+        late = tl.sum((low & (f < ep)).to(tl.int32), 0)
+        if USE_TIMER:
+            elapsed = _now(USE_TIMER) - start
+        else:
+            elapsed += 1
+    if late > 0:
+        _set_error(state_ptr, 1 + 6 * 65536 + rank)
+    else:
+        before = tl.zeros([EP], tl.int32)
+        for q0 in tl.static_range(0, NP, 16):  # (unrolled: the loads overlap; bounds free of pid)
+            rows = q0 + tl.arange(0, 16)
+            blk = tl.load(hist_ptr + rows[:, None] * EP + ee[None, :], mask=(rows < pid)[:, None], other=0)
+            before += tl.sum(blk, 0)
+        if WRITE_POS:
+            # sorted by (expert, slot): the i-th key of expert e is that expert's slot number
+            # i - (slots of smaller experts in this block), after the `before[e]` of lower blocks
+            key = tl.where(valid, v * S + ss, E * S + ss)
+            key = tl.sort(key)
+            e_s = key // S
+            s_s = key - e_s * S
+            excl = tl.cumsum(hist, 0) - hist
+            off = before - excl
+            got = tl.gather(off, tl.minimum(e_s, E - 1), 0) + ss
+            slot = (pid * TB + s_s // KP) * K + s_s % KP
+            tl.store(pos_ptr + slot, got, mask=e_s < E)
+        if pid == nprog - 1:
+            total = before + hist
+            tl.store(info_ptr + BAD_SLOT, tl.sum(tl.where(ee == E, total, 0), 0).to(tl.int64))
+            e = ee
             owner = e // L
+            word = (ep << 32) | total.to(tl.int64)
+            me = e < E
             if REMOTE != 0:
                 # a remote owner's word goes to this rank's staging row for it (as int addresses: the
                 # table holds no usable address for a remote rank)
                 peer = (
-                    tl.load(table_ptr + owner) + off_cnt + (parity * (W * CW) + rank * CW + e - owner * L) * 8
+                    tl.load(table_ptr + owner, mask=me, other=0)
+                    + off_cnt
+                    + (parity * (W * CW) + rank * CW + e - owner * L) * 8
                 )
                 stage = tl.load(table_ptr + rank) + off_scnt + (owner * CW + e - owner * L) * 8
                 addr = tl.where(_is_remote(owner, REMOTE, W), stage, peer)
                 dst = addr.to(tl.pointer_type(tl.int64))
             else:
-                cnt = _peer_ptr(table_ptr, owner, off_cnt, tl.int64) + parity * (W * CW)
-                dst = cnt + rank * CW + (e - owner * L)
-            tl.atomic_xchg(dst, (ep << 32) | running.to(tl.int64), sem="release", scope="sys")
-        i += 1
+                base = tl.load(table_ptr + owner, mask=me, other=0) + off_cnt
+                dst = base.to(tl.pointer_type(tl.int64)) + parity * (W * CW) + rank * CW + (e - owner * L)
+            tl.atomic_xchg(dst, word, mask=me, sem="release", scope="sys")
     if pid == 0:
-        tl.store(info_ptr + BAD_SLOT, bad.to(tl.int64))
         for r in tl.static_range(W):
             if (REMOTE >> r) & 1:
                 dst = _peer_ptr(table_ptr, rank, off_scnt, tl.int64) + r * CW + L
@@ -570,6 +617,7 @@ def _dispatch_send_chunk(
 @triton.jit
 def _dispatch_recv_chunk(
     c,
+    fc,
     s,
     n_src,
     out_ptr,
@@ -603,7 +651,8 @@ def _dispatch_recv_chunk(
     CALLER_SCATTER: tl.constexpr,
     USE_TIMER: tl.constexpr,
 ):
-    flag = _peer_ptr(table_ptr, rank, off_flag, tl.int64) + s * nchunks + c
+    # ``fc``: the flag covering chunk ``c`` (the chunk's own, or its copy-engine piece's)
+    flag = _peer_ptr(table_ptr, rank, off_flag, tl.int64) + s * nchunks + fc
     ok = _wait_flag(flag, ep, state_ptr, 2, s, timeout, USE_TIMER)
     if ok:
         toks = c * CH + tl.arange(0, CH)
@@ -657,7 +706,19 @@ def _dispatch_recv_chunk(
             xt = nxt
 
 
-@triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "nchunks", "cap_rows", "timeout", "G", "GS"])
+@triton.jit(
+    do_not_specialize=[
+        "n_tokens",
+        "rank",
+        "max_tokens",
+        "nchunks",
+        "cap_rows",
+        "timeout",
+        "G",
+        "GS",
+        "ce_tokens",
+    ]
+)
 def _dispatch_kernel(
     x_ptr,  # [n, H]
     ids_ptr,  # [n, K] int32
@@ -717,6 +778,8 @@ def _dispatch_kernel(
     RECX: tl.constexpr,  # record stride in row elements
     RECI: tl.constexpr,  # record stride in 4-byte words
     ROWB: tl.constexpr,  # bytes of a record's row (then its metadata)
+    CE: tl.constexpr = False,  # the peers' rows and metadata arrive by copy-engine copies (not SPLIT)
+    ce_tokens=1,  # tokens per copy-engine piece (a multiple of CH): one flag per piece and source
 ):
     pid = tl.program_id(0)
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
@@ -768,12 +831,18 @@ def _dispatch_kernel(
         q = tl.where(do_send, pid, pid - GS)
         stride = tl.where(do_send, GS, G - GS)
         n_steps = tl.cdiv(n_chunks, tl.minimum(GS, G - GS))
+        lag = LAG
     else:
         do_send = pid >= 0
         do_recv = pid >= 0
         q = pid
         stride = G
-        n_steps = tl.cdiv(n_chunks, G) + LAG
+        if CE:
+            # nothing to send: every own chunk first, then the received ones, piece by piece as they land
+            lag = tl.cdiv(n_chunks_send, G)
+        else:
+            lag = LAG
+        n_steps = tl.cdiv(n_chunks, G) + lag
     if err == 0:
         j = tl.full([], 0, tl.int32)
         while j < n_steps:
@@ -814,7 +883,7 @@ def _dispatch_kernel(
                         EVEN_H,
                         HAS_W,
                         CALLER_SCATTER,
-                        True,
+                        not CE,  # (copy engine: the peers get this rank's rows by host-issued copies)
                         SEND_LOCAL,
                         pk_ptr,
                         off_srec,
@@ -870,7 +939,7 @@ def _dispatch_kernel(
                             RECI,
                             ROWB,
                         )
-                c = c - LAG * stride
+                c = c - lag * stride
                 if do_recv & (c >= 0) & (c < n_chunks_recv):
                     for s in tl.static_range(W):
                         n_s = tl.sum(tl.where(ss == s, n_src_all, 0), 0)
@@ -885,6 +954,7 @@ def _dispatch_kernel(
                         elif (s != rank) & (c * CH < n_s):
                             _dispatch_recv_chunk(
                                 c,
+                                (c * CH) // ce_tokens if CE else c,
                                 s,
                                 n_s,
                                 out_ptr,

@@ -81,6 +81,7 @@ class SimWorld:
         timeout_s: float = 1.0,
         device: str = "cpu",
         node_size: int | None = None,
+        ce_pieces: int = 0,
     ) -> None:
         node_size = node_size or world_size
         if world_size % node_size:
@@ -142,6 +143,8 @@ class SimWorld:
                 chunk=chunk,
                 remote_ranks=self.remote_ranks[r],
                 transport=self.transports[r] if remote else None,
+                ce_pieces=ce_pieces,
+                peer_heaps=self.heaps,
             )
             for r in range(world_size)
         ]
