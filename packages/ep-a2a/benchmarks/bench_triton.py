@@ -378,13 +378,11 @@ def run_case(
                 res[f"ours-graph-split{small // 4}-{small // 2}-sm{small}"] = split_case(
                     args, cfg, group, x, ids, w, small, small // 4, small // 2, ref
                 )
-            if res[f"ours-sm{nsm}"].get("copy_engine"):
-                # A/B in the same run: dispatch by SM stores (the CTA split's defaults), as before
-                # copy-engine dispatch became the default on 2 ranks
-                for nsm_ab in num_sm_list:
-                    res[f"ours-graph-smstores-sm{nsm_ab}"] = split_case(
-                        args, cfg, group, x, ids, w, nsm_ab, None, None, ref, copy_engine=False
-                    )
+            # copy-engine dispatch (copy_engine=True, off by default) beside the default, same run
+            for nsm_ab in num_sm_list:
+                res[f"ours-graph-ce-sm{nsm_ab}"] = split_case(
+                    args, cfg, group, x, ids, w, nsm_ab, None, None, ref, copy_engine=True
+                )
             # the exact-shape mode without the host wait before the row kernel (worst-case buffers),
             # which the default keeps for layers whose worst case is at most 256 MiB
             if world * n * topk * hidden * 2 > DEFAULT_OVERLAP_BYTES:

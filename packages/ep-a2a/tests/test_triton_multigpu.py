@@ -285,7 +285,7 @@ def test_default_split_large_layer(group):
     max_tokens = 2 * SPLIT_MIN_TOKENS
     be = _make_backend(
         group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
-        heap="torch", num_sm=n_sm, copy_engine=False,
+        heap="torch", num_sm=n_sm,
     )  # fmt: skip
     try:
         assert (be.engine.send_ctas, be.engine.combine_send_ctas) == (n_sm // 3, n_sm // 2)
@@ -311,22 +311,22 @@ def test_default_split_large_layer(group):
         small.finalize()
 
 
-def test_copy_engine_default_large_layer(group):
-    """2 ranks, a large layer: copy-engine dispatch by default (no sending CTAs); more ranks: off."""
-    from ep_a2a.triton_backend.backend import SPLIT_MIN_TOKENS
+def test_copy_engine_large_layer_from_env(group, monkeypatch):
+    """``EP_A2A_TRITON_COPY_ENGINE=1`` on a large layer: copy-engine dispatch, no sending CTAs (the
+    split that such a layer gets by default), against the reference; off without the variable."""
+    from ep_a2a.triton_backend.backend import COPY_ENGINE_ENV, SPLIT_MIN_TOKENS
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     max_tokens = 2 * SPLIT_MIN_TOKENS
+    monkeypatch.setenv(COPY_ENGINE_ENV, "1")
     be = _make_backend(
         group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
         heap="torch", num_sm=n_sm,
     )  # fmt: skip
     try:
-        assert be.copy_engine == (world == 2)
-        if be.copy_engine:
-            assert be.engine.send_ctas == 0
-            assert be.engine.ce_pieces > 0
+        assert be.copy_engine
+        assert (be.engine.send_ctas, be.engine.ce_pieces) == (0, 4)
         ns = ([max_tokens, 1500] * world)[:world]
         xs, ids, ws, gen = _inputs(
             710, world, ns, 512, 8, 8 * world, torch.bfloat16, skew=True, drop=0.05, with_w=True
@@ -338,6 +338,16 @@ def test_copy_engine_default_large_layer(group):
     finally:
         torch.cuda.synchronize()
         be.finalize()
+    monkeypatch.delenv(COPY_ENGINE_ENV)
+    off = _make_backend(
+        group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
+        heap="torch", num_sm=n_sm,
+    )  # fmt: skip
+    try:
+        assert not off.copy_engine
+        assert off.engine.ce_pieces == 0
+    finally:
+        off.finalize()
 
 
 @pytest.mark.parametrize("heap", _heaps())

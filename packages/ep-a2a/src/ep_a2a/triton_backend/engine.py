@@ -278,8 +278,9 @@ class TritonEPEngine:
         # only on lower ones for their histograms
         self.layout_tokens = max(8, _next_pow2(triton.cdiv(max_tokens, self.num_sm)))
         self._layout_grid = (triton.cdiv(max_tokens, self.layout_tokens),)
-        self._hist_width = _next_pow2(num_tot_experts + 1)
+        self._hist_width = _next_pow2(num_tot_experts)
         self._layout_hist = torch.zeros(self._layout_grid[0], self._hist_width, dtype=torch.int32, device=dev)
+        self._layout_bad = torch.zeros(self._layout_grid[0], dtype=torch.int32, device=dev)
         self._layout_flags = torch.zeros(self._layout_grid[0], dtype=torch.int64, device=dev)
         # remote peers: every transfer to them is staged in this rank's heap and put by the host
         remote = sorted(set(int(r) for r in remote_ranks))
@@ -421,6 +422,7 @@ class TritonEPEngine:
             NP=_next_pow2(self._layout_grid[0]),
             nprog=self._layout_grid[0],
             hist_ptr=self._layout_hist,
+            bad_ptr=self._layout_bad,
             hflag_ptr=self._layout_flags,
             timeout=self.timeout_arg,
             USE_TIMER=self.use_timer,

@@ -171,12 +171,13 @@ def _layout_kernel(
     K: tl.constexpr,
     KP: tl.constexpr,
     TB: tl.constexpr,  # tokens per program
-    EP: tl.constexpr,  # next_pow2(E + 1): a histogram row (E counts, then the invalid-id count)
+    EP: tl.constexpr,  # next_pow2(E): a histogram row
     NP: tl.constexpr,  # next_pow2(nprog)
     WRITE_POS: tl.constexpr,
     BAD_SLOT: tl.constexpr,
     nprog,
     hist_ptr,  # [nprog, EP] int32 workspace: each program's histogram
+    bad_ptr,  # [nprog] int32 workspace: each program's count of invalid ids
     hflag_ptr,  # [nprog] int64 workspace: epoch of the histogram a program published
     timeout,
     USE_TIMER: tl.constexpr,
@@ -203,8 +204,8 @@ def _layout_kernel(
     n_bad = tl.sum((((v < -1) | (v >= E)) & m).to(tl.int32), 0)
     ee = tl.arange(0, EP)
     hist = tl.histogram(tl.where(valid, v, 0), EP, mask=valid)
-    hist = tl.where(ee == E, n_bad, hist)
     tl.store(hist_ptr + pid * EP + ee, hist)
+    tl.store(bad_ptr + pid, n_bad)
     tl.debug_barrier()
     tl.atomic_xchg(hflag_ptr + pid, ep, sem="release", scope="gpu")
     # every lower program's histogram (bounded wait: they run beside this one, or ran before it)
@@ -243,7 +244,8 @@ def _layout_kernel(
             tl.store(pos_ptr + slot, got, mask=e_s < E)
         if pid == nprog - 1:
             total = before + hist
-            tl.store(info_ptr + BAD_SLOT, tl.sum(tl.where(ee == E, total, 0), 0).to(tl.int64))
+            bad = tl.load(bad_ptr + qq, mask=qq < nprog, other=0)
+            tl.store(info_ptr + BAD_SLOT, tl.sum(bad, 0).to(tl.int64))
             e = ee
             owner = e // L
             word = (ep << 32) | total.to(tl.int64)
