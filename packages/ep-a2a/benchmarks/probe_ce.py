@@ -22,6 +22,8 @@ import argparse
 import json
 import os
 import statistics
+import sys
+from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
@@ -284,7 +286,16 @@ def main() -> None:
     expand(nsm, False)
     expand(nsm, True, n)
     torch.cuda.synchronize()
-    res = {"device": torch.cuda.get_device_name(dev), "tokens": n, "hidden": H, "kl": KL, "sms": nsm}
+    res = {
+        "device": torch.cuda.get_device_name(dev),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": os.environ.get("EP_A2A_COMMIT"),
+        "command": "python -m torch.distributed.run --standalone --nproc-per-node=2 " + " ".join(sys.argv),
+        "tokens": n,
+        "hidden": H,
+        "kl": KL,
+        "sms": nsm,
+    }
     bytes_ce = n * H * 2
     bytes_local = 2 * n * H * 2 + 2 * n * KL * H * 2 + n * H * 2  # reads of x and recv, writes, incoming
     res["ce_us"] = med(ce)

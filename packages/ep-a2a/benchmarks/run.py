@@ -108,8 +108,10 @@ def table(raw: dict) -> list[str]:
     return lines
 
 
-def render(merged: dict) -> str:
+def render(merged: dict, out_dir: Path = Path("docs/benchmarks")) -> str:
     lines = ["# ep-a2a benchmark results", ""]
+    if merged.get("command"):
+        lines += [f"Reproduce (repository root): `{merged['command']}`", ""]
     lines.append(
         "Times are medians of CUDA-event timings, slowest rank; GB/s counts only token rows crossing NVLink "
         "(one per token and destination rank), for the busiest rank where the run records it (the larger of "
@@ -120,7 +122,7 @@ def render(merged: dict) -> str:
     for name, raw in merged["benches"].items():
         lines += ["", f"## {name}", ""]
         if raw.get("file"):
-            lines += [f"Raw numbers: `docs/benchmarks/{raw['file']}`.", ""]
+            lines += [f"Raw numbers: `{out_dir.as_posix()}/{raw['file']}`.", ""]
         if raw.get("what"):
             lines += [str(raw["what"]), ""]
         runs = raw["runs"] if isinstance(raw.get("runs"), dict) else {"": raw}
@@ -222,6 +224,12 @@ def main() -> int:
         topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True)
         if topo.returncode == 0:
             merged["topology"] = topo.stdout
+    elif (args.out_dir / "ep-a2a.json").exists():
+        # re-rendering: keep the measuring run's command, time and topology
+        prev = json.loads((args.out_dir / "ep-a2a.json").read_text())
+        for key in ("command", "written", "topology"):
+            if key in prev:
+                merged[key] = prev[key]
     for name in BENCHES:
         for raw_name in RAW_NAMES[name]:
             raw_path = args.out_dir / raw_name
@@ -231,7 +239,7 @@ def main() -> int:
     (args.out_dir / "ep-a2a.json").write_text(json.dumps(merged, indent=1) + "\n")
     if "triton" in merged["benches"]:
         plot(merged["benches"]["triton"], args.out_dir / "ep-a2a.png")
-    md = render(merged)
+    md = render(merged, args.out_dir)
     (args.out_dir / "ep-a2a.md").write_text(md)
     print(md)
     return 0 if ok else 1

@@ -172,14 +172,15 @@ class TritonBackend(A2ABackend):
             the peers with copy-engine copies (``cudaMemcpyAsync`` into the peer's heap) on a side
             stream, in ``ce_pieces`` pieces each followed by a flag copy, instead of SM stores: the row
             kernel's CTAs only write rows (their own first, then each piece as its flag arrives), so
-            NVLink costs no SM time and dispatch needs far fewer SMs. Every token row goes to every
-            peer, needed or not, so it pays on 2 ranks (with top-8 routing nearly every token has an
-            expert on the other rank) and wastes NVLink bytes on more. Default (``None``):
+            the NVLink transfer takes no SM time. Every token row goes to every peer, needed or not:
+            on 2 ranks with top-8 routing nearly every token has an expert on the other rank, on more
+            ranks NVLink bytes are wasted. Default (``None``):
             ``$EP_A2A_TRITON_COPY_ENGINE`` when set (``1`` / ``0``), else off: on 2x H100 at the
-            DeepSeek-V3 shape (4096 tokens, CUDA graph) it was 4 % faster than SM stores at
-            ``num_sm=32`` and 1.5 % slower at 132 SMs, and its eager calls pay about 15 us of host
-            time per copy (see the package docs). Not with remote peers, not with ``send_ctas`` > 0
-            (nothing left to send). Combine is unchanged.
+            DeepSeek-V3 shape (4096 tokens, CUDA graph, commit 197cb5d) it took 537 against 559 us at
+            ``num_sm=32`` and 310 against 319 us (302 without the CTA split) at 132 SMs, where HBM
+            traffic, not NVLink, bounds dispatch; its eager calls pay about 15 us of host time per
+            copy (see the package docs). Not with remote peers, not with ``send_ctas`` > 0 (nothing
+            left to send). Combine is unchanged.
         ce_pieces: pieces of a copy-engine dispatch (default 4).
         force_remote: treat ranks outside this rank's block of ``force_remote`` consecutive ranks as on
             another node (the remote path on one node, for testing); default from
