@@ -317,8 +317,10 @@ def test_copy_engine_caller_scatter_and_invalid_ids():
     ids = [_routing(6, topk, experts, gen, skew=False, drop=0.0) for _ in range(world)]
     bad = [i.clone() for i in ids]
     bad[0][1, 0], bad[0][5, 2], bad[1][3, 1] = experts + 1, -2, 1 << 20
+    bad = [bad[0].long(), bad[1]]  # int64 ids too (as topk returns them), one beyond int32 on rank 0
+    bad[0][2, 1] = (1 << 32) + 1
     res = sim.dispatch(xs, bad)
-    assert [r.num_invalid_ids for r in res] == [2, 1]
+    assert [r.num_invalid_ids for r in res] == [3, 1]
     dropped = [torch.where((b < -1) | (b >= experts), -1, b) for b in bad]
     ref, scat = dispatch_ref(xs, dropped, num_tot_experts=experts)
     _check_dispatch(res, ref, scat, False)

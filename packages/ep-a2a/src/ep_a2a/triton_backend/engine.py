@@ -753,15 +753,16 @@ class TritonEPEngine:
         if n == 0:
             return
         lay, base, step = self.layout, self.rank * self.max_tokens, self.ce_tokens
-        ids32 = ids if ids.dtype == torch.int32 else ids.to(torch.int32)
-        pos32 = pos[:n] if pos.dtype == torch.int32 else pos[:n].to(torch.int32)
-        meta = [(lay.ids, ids32), (lay.pos, pos32)] + ([(lay.w, weight)] if weight is not None else [])
         heaps = [h for r, h in enumerate(self.peer_heaps) if r != self.rank and h is not None]
         side = self._ce_stream
         if side is not None:
             assert fork is not None
             side.wait_event(fork)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            # (int32 as the heap holds them; converted on the side stream, after the fork)
+            ids32 = ids if ids.dtype == torch.int32 else ids.to(torch.int32)
+            pos32 = pos[:n] if pos.dtype == torch.int32 else pos[:n].to(torch.int32)
+            meta = [(lay.ids, ids32), (lay.pos, pos32)] + ([(lay.w, weight)] if weight is not None else [])
             for heap in heaps:
                 for off, t in meta:
                     _region(heap, off + base * Kk * t.itemsize, n * Kk, t.dtype).copy_(t.reshape(-1))

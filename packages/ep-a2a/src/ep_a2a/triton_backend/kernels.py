@@ -203,7 +203,8 @@ def _layout_kernel(
     # ids outside [-1, E): counted (the host raises), treated as dropped everywhere
     n_bad = tl.sum((((v < -1) | (v >= E)) & m).to(tl.int32), 0)
     ee = tl.arange(0, EP)
-    hist = tl.histogram(tl.where(valid, v, 0), EP, mask=valid)
+    e32 = tl.where(valid, v, 0).to(tl.int32)  # (ids may come as int64; the valid ones fit)
+    hist = tl.histogram(e32, EP, mask=valid)
     tl.store(hist_ptr + pid * EP + ee, hist)
     tl.store(bad_ptr + pid, n_bad)
     tl.debug_barrier()
@@ -233,7 +234,7 @@ def _layout_kernel(
         if WRITE_POS:
             # sorted by (expert, slot): the i-th key of expert e is that expert's slot number
             # i - (slots of smaller experts in this block), after the `before[e]` of lower blocks
-            key = tl.where(valid, v * S + ss, E * S + ss)
+            key = tl.where(valid, e32 * S + ss, E * S + ss)
             key = tl.sort(key)
             e_s = key // S
             s_s = key - e_s * S
