@@ -423,7 +423,7 @@ class TritonBackend(A2ABackend):
             )  # fmt: skip
             if mark:
                 mark(("rows launched", time.perf_counter()))
-            vals = self._read_info(info)
+            vals, npk = self._read_info(info)  # (npk: None, no remote peers here)
             rows = vals[0]
             out, out_w, out_e = bufs["out"][:rows], bufs["out_w"][:rows], bufs["out_e"][:rows]
         else:
@@ -432,7 +432,7 @@ class TritonBackend(A2ABackend):
                 mark(("counts launched", time.perf_counter()))
             # the one small device-to-host copy: receive counts (and the error word) size the output
             # (with remote peers also the records to send and receive, which size the puts)
-            vals = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
+            vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
             rows = vals[0]
             bufs = eng.alloc_dispatch_outputs(n, rows, with_weights=has_w, dtype=input.dtype)
             if mark:
@@ -440,7 +440,7 @@ class TritonBackend(A2ABackend):
             out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
             eng.launch_dispatch(
                 input, exp_indices, weight, src, out, out_w, out_e, bufs["tab"], bufs["skip"], bufs["scat"],
-                caller_scatter=caller, info=info, remote=rb, npk_send=self._npk[:W] if rb is not None else None,
+                caller_scatter=caller, info=info, remote=rb, npk_send=npk[:W] if npk is not None else None,
             )  # fmt: skip
             if mark:
                 mark(("rows launched", time.perf_counter()))
@@ -470,7 +470,7 @@ class TritonBackend(A2ABackend):
                 tab=bufs["tab"],
                 n_src=info[2 : 2 + W],
                 remote=rb,
-                npk_recv=self._npk[W:] if rb is not None else None,
+                npk_recv=npk[W:] if npk is not None else None,
             ),
         )
         if mark:
@@ -479,12 +479,11 @@ class TritonBackend(A2ABackend):
 
     def _read_info(
         self, info: torch.Tensor, remote: dict[str, torch.Tensor] | None = None, *, bad_ids: bool = True
-    ) -> list[int]:
+    ) -> tuple[list[int], list[int] | None]:
         """Copy a dispatch's ``info`` to the host (waits for it); raise if a device wait ran out, and with
-        ``bad_ids`` if expert ids were out of range.
-
-        With ``remote`` also its ``pinfo`` (into :attr:`_npk`: records sent to, then received from, each
-        rank), in the same wait."""
+        ``bad_ids`` if expert ids were out of range. Returns ``info``'s values, and with ``remote`` its
+        ``pinfo``'s (records sent to, then received from, each rank; copied in the same wait), else
+        ``None``."""
         self._info_host.copy_(info, non_blocking=True)
         if remote is not None:
             assert self._pinfo_host is not None
@@ -495,9 +494,10 @@ class TritonBackend(A2ABackend):
         if self.trace is not None:
             self.trace.append(("wait returned", time.perf_counter()))
         vals = self._info_host.tolist()
+        npk = None
         if remote is not None:
             assert self._pinfo_host is not None
-            self._npk: list[int] = self._pinfo_host.tolist()
+            npk = self._pinfo_host.tolist()
         if vals[1]:
             try:
                 self.engine.check_error(vals[1])
@@ -505,7 +505,7 @@ class TritonBackend(A2ABackend):
                 self._raise_device_error(exc)
         if bad_ids:
             self._raise_bad_ids(vals)
-        return vals
+        return vals, npk
 
     def _raise_bad_ids(self, vals: list[int]) -> None:
         if vals[-1]:
