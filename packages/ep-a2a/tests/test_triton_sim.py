@@ -268,6 +268,35 @@ def test_invalid_expert_ids_are_counted_and_dropped(merged):
     _check_combine(sim.combine(ys, res, dropped), ys, dropped, scat, experts, torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    ("ns", "num_sm", "experts"),
+    [
+        pytest.param([100, 37], 16, 12, id="n100,37-13progs-E12"),
+        pytest.param([64, 64], 5, 10, id="n64-4progs-E10"),
+    ],
+)
+def test_layout_across_many_programs(ns, num_sm, experts):
+    """The layout kernel's programs each own a block of tokens and add up the histograms of the ones
+    before them: many programs, a last block only partly filled, expert counts that are not powers of 2,
+    invalid ids in several blocks."""
+    world, hidden, topk = 2, 8, 4
+    gen = torch.Generator().manual_seed(99 + num_sm)
+    sim = SimWorld(
+        world_size=world, max_tokens=max(ns), hidden=hidden, topk=topk, num_tot_experts=experts,
+        num_sm=num_sm, chunk=8,
+    )  # fmt: skip
+    eng = sim.engines[0]
+    assert eng._layout_grid[0] > 1
+    xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in ns]
+    ids = [_routing(n, topk, experts, gen, skew=True, drop=0.1) for n in ns]
+    ids[0][3, 0], ids[0][50, 2], ids[1][30, 1] = experts, -4, experts + 7
+    res = sim.dispatch(xs, ids)
+    assert [r.num_invalid_ids for r in res] == [2, 1]
+    dropped = [torch.where((b < -1) | (b >= experts), -1, b) for b in ids]
+    ref, scat = dispatch_ref(xs, dropped, num_tot_experts=experts)
+    _check_dispatch(res, ref, scat, False)
+
+
 # ------------------------------------------------------------------------------------------------------
 # copy-engine dispatch (ce_pieces): the sender's metadata and token rows reach every peer by copies (here
 # plain CPU copies into the peer's heap), in pieces each followed by the epoch in the peer's piece flag;
