@@ -618,6 +618,22 @@ def _dispatch_send_chunk(
 
 
 @triton.jit
+def _slot_rows(ids, pos, m2, s, offs_ptr, rank, cap_rows, L: tl.constexpr, W: tl.constexpr,
+               CALLER_SCATTER: tl.constexpr):  # fmt: skip
+    """Output row of each received slot (``-1``: not for this rank, or outside the output) and its local
+    expert: the caller's row, or the block base of (local expert, source ``s``) plus the position."""
+    dest = tl.where(ids >= 0, ids // L, -1)
+    e_loc = ids - dest * L
+    mine = (dest == rank) & m2
+    if CALLER_SCATTER:
+        row = pos.to(tl.int64)
+    else:
+        row = tl.load(offs_ptr + e_loc * W + s, mask=mine, other=0, cache_modifier=".cg") + pos
+    row = tl.where(mine & (row >= 0) & (row < cap_rows), row, -1)
+    return row, e_loc
+
+
+@triton.jit
 def _dispatch_recv_chunk(
     c,
     fc,
@@ -669,14 +685,7 @@ def _dispatch_recv_chunk(
         pos = tl.load(
             _peer_ptr(table_ptr, rank, off_pos, tl.int32) + slot, mask=m2, other=0, cache_modifier=".cg"
         )
-        dest = tl.where(ids >= 0, ids // L, -1)
-        e_loc = ids - dest * L
-        mine = (dest == rank) & m2
-        if CALLER_SCATTER:
-            row = pos.to(tl.int64)
-        else:
-            row = tl.load(offs_ptr + e_loc * W + s, mask=mine, other=0, cache_modifier=".cg") + pos
-        row = tl.where(mine & (row >= 0) & (row < cap_rows), row, -1)
+        row, e_loc = _slot_rows(ids, pos, m2, s, offs_ptr, rank, cap_rows, L, W, CALLER_SCATTER)
         tl.store(tab_ptr + slot, row.to(tl.int32), mask=m2)
         kept = row >= 0
         tl.store(out_e_ptr + row, e_loc.to(tl.int32), mask=kept)
@@ -1126,19 +1135,9 @@ def _remote_expand_kernel(
                             pos = tl.load(
                                 meta[:, None] + 1 + K + kk[None, :], mask=m2, other=0, cache_modifier=".cg"
                             )
-                            dest = tl.where(ids >= 0, ids // L, -1)
-                            e_loc = ids - dest * L
-                            mine = (dest == rank) & m2
-                            if CALLER_SCATTER:
-                                row = pos.to(tl.int64)
-                            else:
-                                row = (
-                                    tl.load(
-                                        offs_ptr + e_loc * W + s, mask=mine, other=0, cache_modifier=".cg"
-                                    )
-                                    + pos
-                                )
-                            row = tl.where(mine & (row >= 0) & (row < cap_rows), row, -1)
+                            row, e_loc = _slot_rows(
+                                ids, pos, m2, s, offs_ptr, rank, cap_rows, L, W, CALLER_SCATTER
+                            )
                             tslot = (s * max_tokens + toks)[:, None].to(tl.int64) * K + kk[None, :]
                             tl.store(tab_ptr + tslot, row.to(tl.int32), mask=m2)
                             tl.store(rtok_ptr + s * max_tokens + jj, toks, mask=jm)
