@@ -272,7 +272,7 @@ class TritonBackend(A2ABackend):
         if ce_pieces is not None and ce_pieces < 1:
             raise ValueError(f"ce_pieces must be >= 1, got {ce_pieces}")
         #: whether dispatch moves the token rows by copy-engine copies (see ``copy_engine``)
-        self.copy_engine = bool(copy_engine)
+        self.copy_engine = copy_engine
         local = [r for r in range(config.world_size) if r not in remote]
         self.heap = make_heap(
             heap,
