@@ -1,0 +1,204 @@
+"""Where the time of a small graph-mode dispatch/combine goes: per-kernel timeline (run under torchrun).
+
+    torchrun --standalone --nproc-per-node=2 packages/ep-a2a/benchmarks/profile_small.py --json out.json
+
+At decode-sized batches (``--tokens``, default 128 per rank) the graph replays of the static dispatch
+and combine are profiled with ``torch.profiler`` (CUPTI kernel records of the graph's nodes). Each replay
+runs after a device barrier and the device-side delay of ``bench_triton.Timer`` (so the host's launch is
+hidden); for every kernel of the replay the record gives its start relative to the end of that delay
+and its duration, median over ``--iters`` replays, per rank. Each (chunk, num_warps, block_h) variant
+of ``--variants`` is measured in the same run, and also timed with CUDA events as the benchmark does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+from bench_triton import LEAD_CYCLES, SHAPES, Timer, routing
+
+from ep_a2a.config import EPConfig
+
+
+def _kernels(trace_path: str) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every GPU kernel in a Chrome trace, in start order."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    ks = [(e["name"], float(e["ts"]), float(e["dur"])) for e in events if e.get("cat") == "kernel"]
+    return sorted(ks, key=lambda k: k[1])
+
+
+def _short(name: str) -> str:
+    for k in ("_layout_kernel", "_dispatch_kernel", "_combine_kernel", "_barrier_kernel", "_counts_kernel"):
+        if k in name:
+            return k.strip("_").removesuffix("_kernel")
+    return "sleep" if ("spin" in name or "sleep" in name) else name[:40]
+
+
+def timeline(replays: dict, iters: int) -> dict:
+    """Profile ``iters`` rounds of every replay in ``replays`` (name -> (fn, setup)); per replay name the
+    median start (from the end of the lead) and duration of each of its kernels."""
+    eng_barrier = replays.pop("_barrier")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        order = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                for name, (fn, setup) in replays.items():
+                    if setup is not None:
+                        setup()
+                    eng_barrier()
+                    torch.cuda._sleep(LEAD_CYCLES)
+                    fn()
+                    order.append(name)
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(path)
+        ks = _kernels(path)
+    # split at the lead kernels: what follows one is that replay, up to the next round's barrier
+    rounds: list[list[tuple[str, float, float]]] = []
+    for name, ts, dur in ks:
+        s = _short(name)
+        if s == "sleep":
+            if rounds and rounds[-1][-1][0] == "barrier":
+                rounds[-1].pop()
+            rounds.append([("_t0", ts + dur, 0.0)])
+        elif rounds:
+            rounds[-1].append((s, ts, dur))
+    per: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for name, rnd in zip(order, rounds, strict=False):
+        t0 = rnd[0][1]
+        seen: dict[str, int] = {}
+        d = per.setdefault(name, {})
+        last_end = t0
+        for s, ts, dur in rnd[1:]:
+            seen[s] = seen.get(s, 0) + 1
+            key = s if seen[s] == 1 else f"{s}#{seen[s]}"
+            e = d.setdefault(key, {"start_us": [], "dur_us": []})
+            e["start_us"].append(ts - t0)
+            e["dur_us"].append(dur)
+            last_end = max(last_end, ts + dur)
+        d.setdefault("_total", {"start_us": [], "dur_us": []})["dur_us"].append(last_end - t0)
+    return {
+        name: {k: {m: statistics.median(v) for m, v in e.items() if v} for k, e in d.items()}
+        for name, d in per.items()
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", required=True)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--shape", default="deepseek-v3", choices=list(SHAPES))
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--num-sm", type=int, default=132)
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["default"],
+        help="'default' (the backend's choice) or chunk:num_warps:block_h, e.g. 1:4:1024",
+    )
+    args = p.parse_args()
+    from ep_a2a.triton_backend import TritonBackend
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shp = SHAPES[args.shape]
+    n = args.tokens
+    cfg = EPConfig(
+        max_tokens=n,
+        hidden=shp["hidden"],
+        topk=shp["topk"],
+        num_tot_experts=shp["experts"],
+        rank=rank,
+        world_size=world,
+        local_world_size=world,
+        token_dtype=torch.bfloat16,
+    )
+    x = torch.randn(n, shp["hidden"], device=dev).to(torch.bfloat16)
+    ids, w = routing(n, shp["experts"], shp["topk"], "uniform", 1000 + rank, dev)
+    out: dict = {
+        "device": torch.cuda.get_device_name(dev),
+        "world_size": world,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["torchrun --standalone --nproc-per-node", str(world), *sys.argv]),
+        "commit": os.environ.get("EP_A2A_COMMIT"),
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "tokens": n,
+        "num_sm": args.num_sm,
+        "variants": [],
+    }
+    for var in args.variants:
+        kw = {}
+        if var != "default":
+            c, nw, bh = (int(v) for v in var.split(":"))
+            kw = dict(chunk=c, num_warps=nw, block_h=bh)
+        be = TritonBackend(
+            cfg, dist.group.WORLD, num_sm=args.num_sm, enable_local_combine=True, use_aot=False, timeout_s=60.0,
+            **kw,
+        )  # fmt: skip
+        eng = be.engine
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                d = be.dispatch_static(x, ids, w)
+                be.combine_static(d.output, d)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g_d, g_c = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_d):
+            dd = be.dispatch_static(x, ids, w)
+        with torch.cuda.graph(g_c):
+            be.combine_static(dd.output, dd)
+        timer = Timer(eng.launch_barrier)
+        row = {
+            "variant": var,
+            "chunk": eng.chunk,
+            "num_warps": eng.num_warps,
+            "block_h": eng.block_h,
+            "graph_dispatch_us": 1e3 * timer.median_ms(g_d.replay, args.iters, lead=True),
+            "graph_combine_us": 1e3 * timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True),
+        }
+        tl_ = timeline(
+            {"_barrier": eng.launch_barrier, "dispatch": (g_d.replay, None), "combine": (g_c.replay, None)},
+            args.iters,
+        )
+        allr: list = [None] * world
+        dist.all_gather_object(allr, tl_)
+        row["timeline"] = {f"rank{r}": t for r, t in enumerate(allr)}
+        out["variants"].append(row)
+        if rank == 0:
+            print(f"== {var}: chunk {eng.chunk} warps {eng.num_warps} block_h {eng.block_h}: graph dispatch "
+                  f"{row['graph_dispatch_us']:.1f} us, combine {row['graph_combine_us']:.1f} us")  # fmt: skip
+            for r, t in enumerate(allr):
+                for op, ks in t.items():
+                    parts = [
+                        f"{k} +{e.get('start_us', 0):.1f} ({e['dur_us']:.1f})"
+                        for k, e in ks.items()
+                        if k != "_total"
+                    ]
+                    print(f"  rank{r} {op}: total {ks['_total']['dur_us']:.1f} us | " + " | ".join(parts))
+        torch.cuda.synchronize()
+        be.finalize()
+        del g_d, g_c
+    if rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
