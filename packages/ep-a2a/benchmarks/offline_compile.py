@@ -60,10 +60,12 @@ def _capture(launches: list) -> None:
 def compile_sm90(kernel: Any, num_warps: int, named: dict) -> tuple[int, int, str]:
     """``(shared bytes, PTX instructions, hash of the PTX body)`` of one launch's variant."""
     sig, const = {}, {}
-    for i, p in enumerate(inspect.signature(kernel.fn).parameters):
-        v = named[p]
+    for i, (p, param) in enumerate(inspect.signature(kernel.fn).parameters.items()):
+        v = named.get(p, param.default)  # (arguments left at their defaults)
         if i in kernel.constexprs:
             sig[p], const[(i,)] = "constexpr", v
+        elif v is None:
+            sig[p] = "constexpr"
         elif torch.is_tensor(v):
             sig[p] = "*" + TYPES[v.dtype]
         else:
@@ -89,6 +91,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--split", type=int, default=0, help="send_ctas = combine_send_ctas")
     ap.add_argument("--num-sm", type=int, default=32)
+    ap.add_argument("--probe", action="store_true", help="with the profiling stamps (engine.probe)")
     a = ap.parse_args()
     W, node = a.world, a.node or a.world
     remote = [p for p in range(W) if p // node != 0]
@@ -108,6 +111,8 @@ def main() -> None:
     eng.use_timer = True
     eng.block_h = min(1024, 1 << (a.hidden - 1).bit_length())
     eng.num_warps = 8 if eng.block_h >= 512 else 4
+    if a.probe:
+        eng.probe = torch.zeros(2, a.num_sm, 16, dtype=torch.int64)
     launches: list = []
     _capture(launches)
     n = 16

@@ -91,6 +91,50 @@ def timeline(replays: dict, iters: int) -> dict:
     }
 
 
+#: what each ``%globaltimer`` stamp of the row kernel marks (``engine.probe[1][pid, i]``)
+DISPATCH_STAMPS = {
+    0: "start",
+    1: "counts ready",
+    2: "send 0",
+    3: "recv 0",
+    4: "send 1",
+    5: "recv 1",
+    12: "last flag seen",
+    10: "scatter idx",
+    11: "end",
+}
+LAYOUT_STAMPS = {0: "start", 1: "hist out", 2: "lower hists in", 3: "pos written", 4: "end"}
+
+
+def stamps(eng, replay, iters: int) -> dict:
+    """Median over ``iters`` replays of every stamp (us after this rank's first layout start): the
+    earliest, median and latest program of each kernel."""
+    L, D = [], []
+    nl, nd = eng._layout_grid[0], eng.num_sm
+    for _ in range(iters):
+        eng.probe.zero_()
+        eng.launch_barrier()
+        torch.cuda._sleep(LEAD_CYCLES)
+        replay()
+        torch.cuda.synchronize()
+        pr = eng.probe.cpu()
+        t0 = int(pr[0, :nl, 0].min())
+        L.append((pr[0, :nl].double() - t0) / 1e3)
+        D.append((pr[1, :nd].double() - t0) / 1e3)
+    out = {}
+    for name, arr, names in (("layout", L, LAYOUT_STAMPS), ("dispatch", D, DISPATCH_STAMPS)):
+        a = torch.stack(arr)  # [iters, programs, 16]
+        for i, label in names.items():
+            per_iter = []
+            for it in a[:, :, i]:
+                v = it[it > -1e5]  # programs that wrote this stamp (unwritten ones lie far before t0)
+                if len(v):
+                    per_iter.append([float(v.min()), float(v.median()), float(v.max())])
+            if per_iter:
+                out[f"{name}/{label}"] = [statistics.median(c) for c in zip(*per_iter, strict=True)]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", required=True)
@@ -98,6 +142,7 @@ def main() -> None:
     p.add_argument("--shape", default="deepseek-v3", choices=list(SHAPES))
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--num-sm", type=int, default=132)
+    p.add_argument("--probe", action="store_true", help="also %%globaltimer stamps inside the kernels")
     p.add_argument(
         "--variants",
         nargs="+",
@@ -148,6 +193,10 @@ def main() -> None:
             **kw,
         )  # fmt: skip
         eng = be.engine
+        if args.probe:
+            eng.probe = torch.zeros(
+                2, max(eng.num_sm, eng._layout_grid[0]), 16, dtype=torch.int64, device=dev
+            )
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -177,6 +226,16 @@ def main() -> None:
         allr: list = [None] * world
         dist.all_gather_object(allr, tl_)
         row["timeline"] = {f"rank{r}": t for r, t in enumerate(allr)}
+        if args.probe:
+            st = stamps(eng, g_d.replay, args.iters)
+            alls: list = [None] * world
+            dist.all_gather_object(alls, st)
+            row["stamps_us"] = {f"rank{r}": t for r, t in enumerate(alls)}
+            if rank == 0:
+                for r, t in enumerate(alls):
+                    print(f"  rank{r} stamps (first / median / last program, us):")
+                    for k, (lo, me, hi) in t.items():
+                        print(f"    {k:28s} {lo:7.1f} {me:7.1f} {hi:7.1f}")
         out["variants"].append(row)
         if rank == 0:
             print(f"== {var}: chunk {eng.chunk} warps {eng.num_warps} block_h {eng.block_h}: graph dispatch "

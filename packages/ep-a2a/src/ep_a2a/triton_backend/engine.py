@@ -311,6 +311,10 @@ class TritonEPEngine:
         self.ce_tokens = -(-triton.cdiv(max_tokens, max(ce_pieces, 1)) // chunk) * chunk
         self.peer_heaps = list(peer_heaps) if peer_heaps is not None else None
         self._ce_stream = torch.cuda.Stream(dev) if ce_pieces and dev.type == "cuda" else None
+        #: profiling hook (``benchmarks/profile_small.py``), set before the first dispatch: int64
+        #: ``[2, P, 16]`` that the layout (``[0]``) and row (``[1]``) kernels fill with ``%globaltimer``
+        #: stamps per program (``P`` >= both grids); ``None``: the kernels compiled without stamps
+        self.probe: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ errors
     def check_error(self, err: int | None = None) -> None:
@@ -406,6 +410,11 @@ class TritonEPEngine:
         lay = self.layout
         return dict(RECX=lay.rec // row_dtype.itemsize, RECI=lay.rec // 4, ROWB=lay.rowb)
 
+    def _probe_kw(self, which: int) -> dict:
+        if self.probe is None:
+            return {}
+        return dict(PROBE=True, probe_ptr=self.probe[which])
+
     def _sig_off(self, kind: tl.constexpr | int, src: int) -> int:
         """Byte offset of signal ``kind`` (``kernels.SIG_*``) from source ``src`` in a heap."""
         return self.layout.sig + (int(kind) * self.world_size + src) * 8
@@ -443,7 +452,7 @@ class TritonEPEngine:
         pk, _, pinfo = self._rb(remote)
         ids = _nz(exp_indices)
         self._launch(
-            ("layout", caller_scatter, ids.data_ptr() % 16 == 0),
+            ("layout", caller_scatter, ids.data_ptr() % 16 == 0, self.probe is not None),
             K._layout_kernel,
             self._layout_grid,
             4,
@@ -461,6 +470,7 @@ class TritonEPEngine:
                 off_scnt=self.layout.scnt,
                 CW=self.layout.cw,
                 REMOTE=self.remote_bits,
+                **self._probe_kw(0),
             ),
         )
         if not self.remote_ranks:
@@ -600,6 +610,7 @@ class TritonEPEngine:
                 split,
                 out.dtype,
                 *self._align(xs, ids, w, src),
+                self.probe is not None,
             ),
             K._dispatch_kernel,
             (self.num_sm,),
@@ -677,6 +688,7 @@ class TritonEPEngine:
                 ce_tokens=self.ce_tokens,
                 **self._tile_kw(),
                 **self._rec_kw(x.dtype),
+                **self._probe_kw(1),
             ),
         )
         if self.ce_pieces and send:

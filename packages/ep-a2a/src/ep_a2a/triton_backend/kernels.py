@@ -83,6 +83,13 @@ def _peer_ptr(table_ptr, r, byte_offset, ty: tl.constexpr):
 
 
 @triton.jit
+def _stamp(probe_ptr, i, PROBE: tl.constexpr):
+    """Profiling hook (off unless ``PROBE``): ``%globaltimer`` into ``probe_ptr[i]``."""
+    if PROBE:
+        tl.store(probe_ptr + i, _now(True))
+
+
+@triton.jit
 def _set_error(state_ptr, code):
     """Record the first error only (later ones keep the first culprit)."""
     zero = tl.full([], 0, tl.int64)
@@ -184,6 +191,8 @@ def _layout_kernel(
     off_scnt,  # staging of the words bound for remote owners (put by the host after this kernel)
     CW: tl.constexpr,  # words per source in ``cnt``: L counts, token count (+ packed token count)
     REMOTE: tl.constexpr,  # bit set of the ranks reached by host puts (0: every peer by stores)
+    PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:5]
+    probe_ptr=None,
 ):
     """Program ``p`` owns tokens ``[p * TB, (p + 1) * TB)``: it publishes the histogram of their slots'
     experts, sums the histograms of programs ``< p`` (the slots of each expert before its block), and
@@ -191,6 +200,8 @@ def _layout_kernel(
     last program also has every histogram: it pushes the per-expert counts to their owners. Waits only
     on lower programs, so it runs in the interpreter's sequential order too."""
     pid = tl.program_id(0)
+    prb = probe_ptr + pid * 16 if PROBE else probe_ptr
+    _stamp(prb, 0, PROBE)
     ep = tl.load(state_ptr + 0) + 1
     parity = ep % 2
     S: tl.constexpr = TB * KP
@@ -209,6 +220,7 @@ def _layout_kernel(
     tl.store(bad_ptr + pid, n_bad)
     tl.debug_barrier()
     tl.atomic_xchg(hflag_ptr + pid, ep, sem="release", scope="gpu")
+    _stamp(prb, 1, PROBE)
     # every lower program's histogram (bounded wait: they run beside this one, or ran before it)
     qq = tl.arange(0, NP)
     low = qq < pid
@@ -226,6 +238,7 @@ def _layout_kernel(
     if late > 0:
         _set_error(state_ptr, 1 + 6 * 65536 + rank)
     else:
+        _stamp(prb, 2, PROBE)
         before = tl.zeros([EP], tl.int32)
         for q0 in tl.static_range(0, NP, 16):  # (unrolled: the loads overlap; bounds free of pid)
             rows = q0 + tl.arange(0, 16)
@@ -243,6 +256,7 @@ def _layout_kernel(
             got = tl.gather(off, tl.minimum(e_s, E - 1), 0) + ss
             slot = (pid * TB + s_s // KP) * K + s_s % KP
             tl.store(pos_ptr + slot, got, mask=e_s < E)
+        _stamp(prb, 3, PROBE)
         if pid == nprog - 1:
             total = before + hist
             bad = tl.load(bad_ptr + qq, mask=qq < nprog, other=0)
@@ -273,6 +287,7 @@ def _layout_kernel(
             else:
                 dst = _peer_ptr(table_ptr, r, off_cnt, tl.int64) + parity * (W * CW) + rank * CW + L
             tl.atomic_xchg(dst, (ep << 32) | n_tokens.to(tl.int64), sem="release", scope="sys")
+    _stamp(prb, 4, PROBE)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens"])
@@ -669,10 +684,13 @@ def _dispatch_recv_chunk(
     HAS_W: tl.constexpr,
     CALLER_SCATTER: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    PROBE: tl.constexpr,
+    prb,
 ):
     # ``fc``: the flag covering chunk ``c`` (the chunk's own, or its copy-engine piece's)
     flag = _peer_ptr(table_ptr, rank, off_flag, tl.int64) + s * nchunks + fc
     ok = _wait_flag(flag, ep, state_ptr, 2, s, timeout, USE_TIMER)
+    _stamp(prb, 12, PROBE)
     if ok:
         toks = c * CH + tl.arange(0, CH)
         tm = toks < n_src
@@ -792,8 +810,12 @@ def _dispatch_kernel(
     ROWB: tl.constexpr,  # bytes of a record's row (then its metadata)
     CE: tl.constexpr = False,  # the peers' rows and metadata arrive by copy-engine copies (not SPLIT)
     ce_tokens=1,  # tokens per copy-engine piece (a multiple of CH): one flag per piece and source
+    PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
+    probe_ptr=None,
 ):
     pid = tl.program_id(0)
+    prb = probe_ptr + pid * 16 if PROBE else probe_ptr
+    _stamp(prb, 0, PROBE)
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
     if COUNTS:
         # merged with step 2 (one launch fewer): program 0 builds the receive layout, the others wait
@@ -829,6 +851,7 @@ def _dispatch_kernel(
             err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
     else:
         ep = tl.load(state_ptr + 0)  # bumped by _counts_kernel
+    _stamp(prb, 1, PROBE)
     ss = tl.arange(0, WP)
     n_src_all = tl.load(info_ptr + 2 + ss, mask=(ss < W) & (ss != rank), other=0, cache_modifier=".cg")
     n_recv_max = tl.max(n_src_all, 0)
@@ -904,6 +927,8 @@ def _dispatch_kernel(
                         RECI,
                         ROWB,
                     )
+            if j < 4:
+                _stamp(prb, 2 + 2 * j, PROBE)
             if RECV:
                 # this rank's own rows into its output (the senders only feed the peers)
                 if SPLIT:  # noqa: SIM102 (a constexpr test, then a runtime one)
@@ -999,7 +1024,11 @@ def _dispatch_kernel(
                                 HAS_W,
                                 CALLER_SCATTER,
                                 USE_TIMER,
+                                PROBE,
+                                prb,
                             )
+            if j < 4:
+                _stamp(prb, 3 + 2 * j, PROBE)
             j += 1
         if RECV:
             # token_dst_scatter_idx: base rows of every destination, pushed by its receive-layout step
@@ -1059,12 +1088,14 @@ def _dispatch_kernel(
                     scat = (v & 0xFFFFFFFF) + pos
                     tl.store(scat_ptr + slot, tl.where((ids >= 0) & ~stale, scat, -1).to(tl.int32), mask=m2)
                 j += 1
+    _stamp(prb, 10, PROBE)
     if COUNTS and RECV:
         # the last CTA to finish publishes the epoch (every CTA read the old one first); launches of
         # one engine are stream-ordered, so the arrivals come in whole grids of G
         old = tl.atomic_add(state_ptr + 6, 1, sem="acq_rel", scope="gpu")
         if (old + 1) % G == 0:
             tl.store(state_ptr + 0, ep)
+    _stamp(prb, 11, PROBE)
 
 
 # --------------------------------------------------------------------------------------------------
