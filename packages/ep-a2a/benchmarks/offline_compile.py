@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import inspect
+import os
 import re
 from typing import Any
 
@@ -57,8 +58,9 @@ def _capture(launches: list) -> None:
     E.TritonEPEngine._launch = fake_launch  # type: ignore[method-assign]
 
 
-def compile_sm90(kernel: Any, num_warps: int, named: dict) -> tuple[int, int, str]:
-    """``(shared bytes, PTX instructions, hash of the PTX body)`` of one launch's variant."""
+def compile_sm90(kernel: Any, num_warps: int, named: dict, dump: str | None = None) -> tuple[int, int, str]:
+    """``(shared bytes, PTX instructions, hash of the PTX body)`` of one launch's variant (the body also
+    written to the file ``dump``)."""
     sig, const = {}, {}
     for i, (p, param) in enumerate(inspect.signature(kernel.fn).parameters.items()):
         v = named.get(p, param.default)  # (arguments left at their defaults)
@@ -78,6 +80,9 @@ def compile_sm90(kernel: Any, num_warps: int, named: dict) -> tuple[int, int, st
     skip = ("param", ".loc", ".file")
     body = [ln for ln in ptx.splitlines() if ln.strip() and not any(s in ln for s in skip)]
     n_ins = sum(1 for ln in body if ln.strip().endswith(";"))
+    if dump:
+        with open(dump, "w") as f:
+            f.write("\n".join(body))
     return k.metadata.shared, n_ins, hashlib.md5("\n".join(body).encode()).hexdigest()[:12]
 
 
@@ -91,6 +96,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--split", type=int, default=0, help="send_ctas = combine_send_ctas")
     ap.add_argument("--num-sm", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=8)
+    ap.add_argument("--dump", default=None, help="write each launch's PTX body into this folder")
     ap.add_argument("--probe", action="store_true", help="with the profiling stamps (engine.probe)")
     a = ap.parse_args()
     W, node = a.world, a.node or a.world
@@ -98,13 +105,13 @@ def main() -> None:
     lay_kw = {"remote": True} if remote else {}  # (a tree from before the remote path has no such argument)
     lay = E.HeapLayout.build(
         world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts_per_rank=a.experts // W,
-        token_bytes=2, chunk=8, **lay_kw,
+        token_bytes=2, chunk=a.chunk, **lay_kw,
     )  # fmt: skip
     eng_kw: dict[str, Any] = {"remote_ranks": remote, "transport": _NoTransport()} if remote else {}
     eng = E.TritonEPEngine(
         rank=0, world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, num_tot_experts=a.experts,
         token_dtype=torch.bfloat16, weight_dtype=torch.float32, heap_local=torch.zeros(16, dtype=torch.uint8),
-        ptr_table=torch.zeros(W, dtype=torch.int64), layout=lay, num_sm=a.num_sm, timeout_s=1.0, chunk=8,
+        ptr_table=torch.zeros(W, dtype=torch.int64), layout=lay, num_sm=a.num_sm, timeout_s=1.0, chunk=a.chunk,
         send_ctas=a.split, combine_send_ctas=a.split, **eng_kw,
     )  # fmt: skip
     # the GPU's settings (the engine picks interpreter-sized tiles on a CPU)
@@ -138,8 +145,11 @@ def main() -> None:
     )
     eng.launch_barrier()
     print(f"world {W}, node {node}, remote peers of rank 0: {remote}; sm_90")
-    for key, kernel, nw, named in launches:
-        shared, n_ins, h = compile_sm90(kernel, nw, named)
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+    for i, (key, kernel, nw, named) in enumerate(launches):
+        dump = os.path.join(a.dump, f"{i}-{key[0]}.ptx") if a.dump else None
+        shared, n_ins, h = compile_sm90(kernel, nw, named, dump)
         print(f"{key[0]:8s} {key[1:7]!s:64s} shared={shared:6d} ptx_ins={n_ins:6d} body={h}")
 
 

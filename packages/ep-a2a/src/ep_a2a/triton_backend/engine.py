@@ -37,6 +37,8 @@ import triton.language as tl
 from ep_a2a.triton_backend import kernels as K
 
 _ALIGN = 256
+#: largest chunk (tokens per work item) whose row kernels expand slot by slot (``kernels._rows_by_slot``)
+K_OUTER_MAX_CHUNK = 2
 
 
 def _next_pow2(n: int) -> int:
@@ -256,6 +258,9 @@ class TritonEPEngine:
             block_h = min(_next_pow2(hidden), 64 if interpreting() else 1024)
         self.block_h = block_h
         self.num_warps = num_warps or (8 if block_h >= 512 else 4)
+        #: row kernels expand slot by slot (token rows re-read from cache per slot) at chunks of at most
+        #: K_OUTER_MAX_CHUNK tokens, where the per-tile reloads of the slot table dominate
+        self.k_outer = chunk <= K_OUTER_MAX_CHUNK
         self._plans: dict[tuple, tuple] = {}
         for name, k in (("send_ctas", send_ctas), ("combine_send_ctas", combine_send_ctas)):
             if k and not 0 < k < self.num_sm:
@@ -412,7 +417,7 @@ class TritonEPEngine:
 
     def _probe_kw(self, which: int) -> dict:
         if self.probe is None:
-            return {}
+            return dict(PROBE=False, probe_ptr=None)
         return dict(PROBE=True, probe_ptr=self.probe[which])
 
     def _sig_off(self, kind: tl.constexpr | int, src: int) -> int:
@@ -688,6 +693,7 @@ class TritonEPEngine:
                 ce_tokens=self.ce_tokens,
                 **self._tile_kw(),
                 **self._rec_kw(x.dtype),
+                K_OUTER=self.k_outer,
                 **self._probe_kw(1),
             ),
         )
@@ -1024,6 +1030,8 @@ class TritonEPEngine:
                 off_scnt=lay.scnt,
                 CW=lay.cw,
                 num_warps=4,
+                PROBE=False,
+                probe_ptr=None,
                 **rem,
                 **self._layout_kw(),
             )
@@ -1125,6 +1133,9 @@ class TritonEPEngine:
                 CW=lay.cw,
                 CE=bool(self.ce_pieces),
                 ce_tokens=self.ce_tokens,
+                K_OUTER=self.k_outer,
+                PROBE=False,
+                probe_ptr=None,
                 num_warps=nw,
                 **self._tile_kw(),
                 **self._rec_kw(self.token_dtype),

@@ -150,6 +150,25 @@ def _column(tile, kk, k: tl.constexpr):
 
 
 @triton.jit
+def _rows_by_slot(src, rows, kk, out_ptr, H: tl.constexpr, BH: tl.constexpr, K: tl.constexpr,
+                  EVEN_H: tl.constexpr, CG: tl.constexpr):  # fmt: skip
+    """``out[rows[i, k]] = src[i]`` for every slot ``k`` with ``rows[i, k] >= 0`` (``src``: ``[CH]`` row
+    pointers), slot by slot, each slot's tiles unrolled: the token rows are re-read from cache per slot
+    rather than the slot table from memory per tile, whose latency dominates decode-sized chunks."""
+    hh = tl.arange(0, BH)
+    for k in tl.static_range(K):
+        rk = _column(rows, kk, k)
+        if tl.sum((rk >= 0).to(tl.int32), 0) > 0:
+            for h0 in tl.static_range(0, H, BH):
+                m = _m(rk >= 0, h0, hh, H, EVEN_H)
+                if CG:  # (rows another GPU wrote: not from L1)
+                    xt = tl.load(src[:, None] + h0 + hh[None, :], mask=m, cache_modifier=".cg")
+                else:
+                    xt = tl.load(src[:, None] + h0 + hh[None, :], mask=m)
+                tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=m)
+
+
+@triton.jit
 def _is_remote(r, REMOTE: tl.constexpr, W: tl.constexpr):
     """Whether rank ``r`` (scalar or tensor) is in the bit set ``REMOTE`` (ranks reached by host puts)."""
     res = r < 0
@@ -279,14 +298,15 @@ def _layout_kernel(
             else:
                 base = tl.load(table_ptr + owner, mask=me, other=0) + off_cnt
                 dst = base.to(tl.pointer_type(tl.int64)) + parity * (W * CW) + rank * CW + (e - owner * L)
-            tl.atomic_xchg(dst, word, mask=me, sem="release", scope="sys")
+            # (relaxed: each word carries its epoch, and nothing else is read on its arrival)
+            tl.atomic_xchg(dst, word, mask=me, sem="relaxed", scope="sys")
     if pid == 0:
         for r in tl.static_range(W):
             if (REMOTE >> r) & 1:
                 dst = _peer_ptr(table_ptr, rank, off_scnt, tl.int64) + r * CW + L
             else:
                 dst = _peer_ptr(table_ptr, r, off_cnt, tl.int64) + parity * (W * CW) + rank * CW + L
-            tl.atomic_xchg(dst, (ep << 32) | n_tokens.to(tl.int64), sem="release", scope="sys")
+            tl.atomic_xchg(dst, (ep << 32) | n_tokens.to(tl.int64), sem="relaxed", scope="sys")
     _stamp(prb, 4, PROBE)
 
 
@@ -528,6 +548,9 @@ def _dispatch_send_chunk(
     RECX: tl.constexpr,
     RECI: tl.constexpr,
     ROWB: tl.constexpr,
+    K_OUTER: tl.constexpr,
+    PROBE: tl.constexpr,
+    prb,
 ):
     """Chunk ``c`` of this rank's tokens: with ``PEERS`` each token row (and its slots' metadata) to
     every peer hosting one of its experts, then the chunk's ready flag; with ``LOCAL`` the slot table,
@@ -599,30 +622,38 @@ def _dispatch_send_chunk(
     xrow = toks.to(tl.int64) * H
     peer_row = (rank * max_tokens + toks).to(tl.int64) * H
     tab_row = (rank * max_tokens + toks).to(tl.int64) * K
-    tl.debug_barrier()  # the tab rows written above are re-read per tile below (no per-tile reductions)
-    # one tile ahead: the next tile's load is in flight while this one is stored
-    xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(ld, 0, hh, H, EVEN_H))
-    for h0 in range(0, H, BH):
-        hn = h0 + BH
-        nxt = tl.load(x_ptr + xrow[:, None] + hn + hh[None, :], mask=_m(ld & (hn < H), hn, hh, H, EVEN_H))
-        if PEERS:
-            for r in tl.static_range(W):
-                if (REMOTE >> r) & 1:
-                    j = tl.load(pk_ptr + r * max_tokens + toks, mask=tm, other=-1)
-                    prec = _peer_ptr(table_ptr, rank, off_srec, x_ptr.dtype.element_ty)
-                    prow = (r * max_tokens + j).to(tl.int64) * RECX
-                    tl.store(prec + prow[:, None] + h0 + hh[None, :], xt, mask=_m(j >= 0, h0, hh, H, EVEN_H))
-                elif r != rank:
-                    need = ((bits >> r) & 1) != 0
-                    px = _peer_ptr(table_ptr, r, off_x, x_ptr.dtype.element_ty)
-                    tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H))
-        if LOCAL:
-            for k in tl.static_range(K):
-                rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
-                tl.store(
-                    out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H)
-                )
-        xt = nxt
+    _stamp(prb, 13, PROBE)
+    if PEERS or not (LOCAL and K_OUTER):
+        tl.debug_barrier()  # the tab rows written above are re-read per tile below (no per-tile reductions)
+        # one tile ahead: the next tile's load is in flight while this one is stored
+        xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(ld, 0, hh, H, EVEN_H))
+        for h0 in range(0, H, BH):
+            hn = h0 + BH
+            nxt = tl.load(x_ptr + xrow[:, None] + hn + hh[None, :], mask=_m(ld & (hn < H), hn, hh, H, EVEN_H))
+            if PEERS:
+                for r in tl.static_range(W):
+                    if (REMOTE >> r) & 1:
+                        j = tl.load(pk_ptr + r * max_tokens + toks, mask=tm, other=-1)
+                        prec = _peer_ptr(table_ptr, rank, off_srec, x_ptr.dtype.element_ty)
+                        prow = (r * max_tokens + j).to(tl.int64) * RECX
+                        tl.store(
+                            prec + prow[:, None] + h0 + hh[None, :], xt, mask=_m(j >= 0, h0, hh, H, EVEN_H)
+                        )
+                    elif r != rank:
+                        need = ((bits >> r) & 1) != 0
+                        px = _peer_ptr(table_ptr, r, off_x, x_ptr.dtype.element_ty)
+                        tl.store(
+                            px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H)
+                        )
+            if LOCAL and not K_OUTER:
+                for k in tl.static_range(K):
+                    rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
+                    tl.store(
+                        out_ptr + rk[:, None] * H + h0 + hh[None, :],
+                        xt,
+                        mask=_m((rk >= 0), h0, hh, H, EVEN_H),
+                    )
+            xt = nxt
     if PEERS:
         tl.debug_barrier()
         for r in tl.static_range(W):
@@ -630,6 +661,10 @@ def _dispatch_send_chunk(
                 if r != rank:
                     f = _peer_ptr(table_ptr, r, off_flag, tl.int64) + rank * nchunks + c
                     tl.atomic_xchg(f, ep, sem="release", scope="sys")
+    _stamp(prb, 14, PROBE)
+    if LOCAL and K_OUTER:
+        # after the flags: the peers need not wait for this rank's own rows
+        _rows_by_slot(x_ptr + xrow, row, kk, out_ptr, H, BH, K, EVEN_H, False)
 
 
 @triton.jit
@@ -684,6 +719,7 @@ def _dispatch_recv_chunk(
     HAS_W: tl.constexpr,
     CALLER_SCATTER: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    K_OUTER: tl.constexpr,
     PROBE: tl.constexpr,
     prb,
 ):
@@ -712,28 +748,33 @@ def _dispatch_recv_chunk(
                 _peer_ptr(table_ptr, rank, off_w, w_ty) + slot, mask=m2, other=0, cache_modifier=".cg"
             )
             tl.store(out_w_ptr + row, w, mask=kept)
-        need = tl.sum(kept.to(tl.int32), axis=1) > 0
-        hh = tl.arange(0, BH)
         px = _peer_ptr(table_ptr, rank, off_x, out_ptr.dtype.element_ty)
         src_row = (s * max_tokens + toks).to(tl.int64) * H
-        tab_row = (s * max_tokens + toks).to(tl.int64) * K
-        tl.debug_barrier()  # tab rows re-read per tile below
-        xt = tl.load(
-            px + src_row[:, None] + hh[None, :], mask=_m(need, 0, hh, H, EVEN_H), cache_modifier=".cg"
-        )
-        for h0 in range(0, H, BH):
-            hn = h0 + BH
-            nxt = tl.load(
-                px + src_row[:, None] + hn + hh[None, :],
-                mask=_m(need & (hn < H), hn, hh, H, EVEN_H),
-                cache_modifier=".cg",
+        if K_OUTER:
+            _rows_by_slot(px + src_row, row, kk, out_ptr, H, BH, K, EVEN_H, True)
+        else:
+            need = tl.sum(kept.to(tl.int32), axis=1) > 0
+            hh = tl.arange(0, BH)
+            tab_row = (s * max_tokens + toks).to(tl.int64) * K
+            tl.debug_barrier()  # tab rows re-read per tile below
+            xt = tl.load(
+                px + src_row[:, None] + hh[None, :], mask=_m(need, 0, hh, H, EVEN_H), cache_modifier=".cg"
             )
-            for k in tl.static_range(K):
-                rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
-                tl.store(
-                    out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H)
+            for h0 in range(0, H, BH):
+                hn = h0 + BH
+                nxt = tl.load(
+                    px + src_row[:, None] + hn + hh[None, :],
+                    mask=_m(need & (hn < H), hn, hh, H, EVEN_H),
+                    cache_modifier=".cg",
                 )
-            xt = nxt
+                for k in tl.static_range(K):
+                    rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
+                    tl.store(
+                        out_ptr + rk[:, None] * H + h0 + hh[None, :],
+                        xt,
+                        mask=_m((rk >= 0), h0, hh, H, EVEN_H),
+                    )
+                xt = nxt
 
 
 @triton.jit(
@@ -810,6 +851,7 @@ def _dispatch_kernel(
     ROWB: tl.constexpr,  # bytes of a record's row (then its metadata)
     CE: tl.constexpr = False,  # the peers' rows and metadata arrive by copy-engine copies (not SPLIT)
     ce_tokens=1,  # tokens per copy-engine piece (a multiple of CH): one flag per piece and source
+    K_OUTER: tl.constexpr = False,  # decode-sized chunks: expand slot by slot (_rows_by_slot)
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
     probe_ptr=None,
 ):
@@ -926,6 +968,9 @@ def _dispatch_kernel(
                         RECX,
                         RECI,
                         ROWB,
+                        K_OUTER,
+                        PROBE,
+                        prb,
                     )
             if j < 4:
                 _stamp(prb, 2 + 2 * j, PROBE)
@@ -975,6 +1020,9 @@ def _dispatch_kernel(
                             RECX,
                             RECI,
                             ROWB,
+                            K_OUTER,
+                            PROBE,
+                            prb,
                         )
                 c = c - lag * stride
                 if do_recv & (c >= 0) & (c < n_chunks_recv):
@@ -1024,6 +1072,7 @@ def _dispatch_kernel(
                                 HAS_W,
                                 CALLER_SCATTER,
                                 USE_TIMER,
+                                K_OUTER,
                                 PROBE,
                                 prb,
                             )
