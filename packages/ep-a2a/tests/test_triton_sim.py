@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
-from ep_a2a.triton_backend.engine import K_OUTER_MAX_CHUNK, EPTimeoutFromDevice, interpreting
+from ep_a2a.triton_backend.engine import WHOLE_ROW_MAX_CHUNK, EPTimeoutFromDevice, interpreting
 from ep_a2a.triton_backend.simulate import SimWorld
 
 # The simulation shares plain CPU buffers between "ranks": only Triton's interpreter can run it, and the
@@ -130,15 +130,15 @@ def test_dispatch_combine_matches_reference(world, ns, hidden, topk, experts, dt
     [CASES[0], CASES[2], CASES[4]],
 )
 def test_decode_chunks_match_reference(world, ns, hidden, topk, experts, dtype, with_w, skew, drop, chunk):
-    """Chunks of at most ``K_OUTER_MAX_CHUNK`` tokens expand slot by slot (``_rows_by_slot``): the same
-    three flows as above, down to one token per work item."""
-    assert chunk <= K_OUTER_MAX_CHUNK
+    """Chunks of at most ``WHOLE_ROW_MAX_CHUNK`` tokens hold whole rows in registers: the same three
+    flows as above, down to one token per work item."""
+    assert chunk <= WHOLE_ROW_MAX_CHUNK
     gen = torch.Generator().manual_seed(99 + world * 10 + chunk)
     sim = SimWorld(
         world_size=world, max_tokens=max(ns), hidden=hidden, topk=topk, num_tot_experts=experts,
         token_dtype=dtype, num_sm=2, chunk=chunk,
     )  # fmt: skip
-    assert sim.engines[0].k_outer
+    assert sim.engines[0].whole_row
     _round_trips(sim, ns, ((False, 0), (True, 0), (True, 1)), gen, with_w=with_w, skew=skew, drop=drop)
 
 

@@ -37,8 +37,11 @@ import triton.language as tl
 from ep_a2a.triton_backend import kernels as K
 
 _ALIGN = 256
-#: largest chunk (tokens per work item) whose row kernels expand slot by slot (``kernels._rows_by_slot``)
-K_OUTER_MAX_CHUNK = 2
+#: decode-sized chunks (at most this many tokens per work item, and at most WHOLE_ROW_MAX_ELEMS
+#: elements of whole rows) make the row kernel hold whole token rows in registers: one load per row,
+#: no per-tile reloads of the slot table (whose latency dominates there), peers' flags before own rows
+WHOLE_ROW_MAX_CHUNK = 2
+WHOLE_ROW_MAX_ELEMS = 16384
 
 
 def _next_pow2(n: int) -> int:
@@ -258,9 +261,8 @@ class TritonEPEngine:
             block_h = min(_next_pow2(hidden), 64 if interpreting() else 1024)
         self.block_h = block_h
         self.num_warps = num_warps or (8 if block_h >= 512 else 4)
-        #: row kernels expand slot by slot (token rows re-read from cache per slot) at chunks of at most
-        #: K_OUTER_MAX_CHUNK tokens, where the per-tile reloads of the slot table dominate
-        self.k_outer = chunk <= K_OUTER_MAX_CHUNK
+        #: the row kernel's tile is the whole (padded) row: see WHOLE_ROW_MAX_CHUNK
+        self.whole_row = chunk <= WHOLE_ROW_MAX_CHUNK and chunk * _next_pow2(hidden) <= WHOLE_ROW_MAX_ELEMS
         self._plans: dict[tuple, tuple] = {}
         for name, k in (("send_ctas", send_ctas), ("combine_send_ctas", combine_send_ctas)):
             if k and not 0 < k < self.num_sm:
@@ -405,9 +407,10 @@ class TritonEPEngine:
             return self._dummy_i32, self._dummy_i32, self._dummy_i64
         return remote["pk"], remote["rtok"], remote["pinfo"]
 
-    def _tile_kw(self) -> dict:
-        """Constexprs of the row-copying kernels' tiles (dispatch, remote expansion)."""
-        H, BH = self.hidden, self.block_h
+    def _tile_kw(self, whole_row: bool = False) -> dict:
+        """Constexprs of the row-copying kernels' tiles (dispatch, remote expansion); ``whole_row``: one
+        tile spans the row."""
+        H, BH = self.hidden, _next_pow2(self.hidden) if whole_row else self.block_h
         return dict(K=self.topk, KP=self.kp, H=H, BH=BH, CH=self.chunk, EVEN_H=H % BH == 0)
 
     def _rec_kw(self, row_dtype: torch.dtype) -> dict:
@@ -691,9 +694,9 @@ class TritonEPEngine:
                 REMOTE=self.remote_bits,
                 CE=bool(self.ce_pieces),
                 ce_tokens=self.ce_tokens,
-                **self._tile_kw(),
+                **self._tile_kw(self.whole_row),
                 **self._rec_kw(x.dtype),
-                K_OUTER=self.k_outer,
+                WHOLE_ROW=self.whole_row,
                 **self._probe_kw(1),
             ),
         )
@@ -1133,11 +1136,11 @@ class TritonEPEngine:
                 CW=lay.cw,
                 CE=bool(self.ce_pieces),
                 ce_tokens=self.ce_tokens,
-                K_OUTER=self.k_outer,
+                WHOLE_ROW=self.whole_row,
                 PROBE=False,
                 probe_ptr=None,
                 num_warps=nw,
-                **self._tile_kw(),
+                **self._tile_kw(self.whole_row),
                 **self._rec_kw(self.token_dtype),
                 **rem,
                 **common,

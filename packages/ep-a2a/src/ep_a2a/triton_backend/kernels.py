@@ -150,22 +150,12 @@ def _column(tile, kk, k: tl.constexpr):
 
 
 @triton.jit
-def _rows_by_slot(src, rows, kk, out_ptr, H: tl.constexpr, BH: tl.constexpr, K: tl.constexpr,
-                  EVEN_H: tl.constexpr, CG: tl.constexpr):  # fmt: skip
-    """``out[rows[i, k]] = src[i]`` for every slot ``k`` with ``rows[i, k] >= 0`` (``src``: ``[CH]`` row
-    pointers), slot by slot, each slot's tiles unrolled: the token rows are re-read from cache per slot
-    rather than the slot table from memory per tile, whose latency dominates decode-sized chunks."""
-    hh = tl.arange(0, BH)
+def _store_by_slot(xt, rows, kk, out_ptr, hh, H: tl.constexpr, K: tl.constexpr, EVEN_H: tl.constexpr):
+    """``out[rows[i, k]] = xt[i]`` for every slot ``k`` with ``rows[i, k] >= 0``: whole token rows
+    ``xt [CH, BH >= H]`` held in registers, written once per slot (no reload of rows or slot table)."""
     for k in tl.static_range(K):
         rk = _column(rows, kk, k)
-        if tl.sum((rk >= 0).to(tl.int32), 0) > 0:
-            for h0 in tl.static_range(0, H, BH):
-                m = _m(rk >= 0, h0, hh, H, EVEN_H)
-                if CG:  # (rows another GPU wrote: not from L1)
-                    xt = tl.load(src[:, None] + h0 + hh[None, :], mask=m, cache_modifier=".cg")
-                else:
-                    xt = tl.load(src[:, None] + h0 + hh[None, :], mask=m)
-                tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=m)
+        tl.store(out_ptr + rk[:, None] * H + hh[None, :], xt, mask=_m(rk >= 0, 0, hh, H, EVEN_H))
 
 
 @triton.jit
@@ -548,7 +538,7 @@ def _dispatch_send_chunk(
     RECX: tl.constexpr,
     RECI: tl.constexpr,
     ROWB: tl.constexpr,
-    K_OUTER: tl.constexpr,
+    WHOLE_ROW: tl.constexpr,
     PROBE: tl.constexpr,
     prb,
 ):
@@ -623,7 +613,14 @@ def _dispatch_send_chunk(
     peer_row = (rank * max_tokens + toks).to(tl.int64) * H
     tab_row = (rank * max_tokens + toks).to(tl.int64) * K
     _stamp(prb, 13, PROBE)
-    if PEERS or not (LOCAL and K_OUTER):
+    if WHOLE_ROW:
+        # decode-sized chunks (BH >= H): one load of the whole rows, the peers' copies and their flag
+        # first, then this rank's own rows from registers
+        xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(ld, 0, hh, H, EVEN_H))
+        if PEERS:
+            _store_peers(xt, 0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
+                         off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
+    else:
         tl.debug_barrier()  # the tab rows written above are re-read per tile below (no per-tile reductions)
         # one tile ahead: the next tile's load is in flight while this one is stored
         xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(ld, 0, hh, H, EVEN_H))
@@ -631,21 +628,9 @@ def _dispatch_send_chunk(
             hn = h0 + BH
             nxt = tl.load(x_ptr + xrow[:, None] + hn + hh[None, :], mask=_m(ld & (hn < H), hn, hh, H, EVEN_H))
             if PEERS:
-                for r in tl.static_range(W):
-                    if (REMOTE >> r) & 1:
-                        j = tl.load(pk_ptr + r * max_tokens + toks, mask=tm, other=-1)
-                        prec = _peer_ptr(table_ptr, rank, off_srec, x_ptr.dtype.element_ty)
-                        prow = (r * max_tokens + j).to(tl.int64) * RECX
-                        tl.store(
-                            prec + prow[:, None] + h0 + hh[None, :], xt, mask=_m(j >= 0, h0, hh, H, EVEN_H)
-                        )
-                    elif r != rank:
-                        need = ((bits >> r) & 1) != 0
-                        px = _peer_ptr(table_ptr, r, off_x, x_ptr.dtype.element_ty)
-                        tl.store(
-                            px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H)
-                        )
-            if LOCAL and not K_OUTER:
+                _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
+                             off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
+            if LOCAL:
                 for k in tl.static_range(K):
                     rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
                     tl.store(
@@ -662,9 +647,26 @@ def _dispatch_send_chunk(
                     f = _peer_ptr(table_ptr, r, off_flag, tl.int64) + rank * nchunks + c
                     tl.atomic_xchg(f, ep, sem="release", scope="sys")
     _stamp(prb, 14, PROBE)
-    if LOCAL and K_OUTER:
-        # after the flags: the peers need not wait for this rank's own rows
-        _rows_by_slot(x_ptr + xrow, row, kk, out_ptr, H, BH, K, EVEN_H, False)
+    if WHOLE_ROW and LOCAL:
+        _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
+
+
+@triton.jit
+def _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x, off_srec,
+                 W: tl.constexpr, H: tl.constexpr, EVEN_H: tl.constexpr, REMOTE: tl.constexpr,
+                 RECX: tl.constexpr):  # fmt: skip
+    """Tile ``h0`` of the chunk's rows to every peer hosting one of their experts (``bits``): into its
+    heap, or for a remote peer into this rank's staging record of the token."""
+    for r in tl.static_range(W):
+        if (REMOTE >> r) & 1:
+            j = tl.load(pk_ptr + r * max_tokens + toks, mask=tm, other=-1)
+            prec = _peer_ptr(table_ptr, rank, off_srec, xt.dtype)
+            prow = (r * max_tokens + j).to(tl.int64) * RECX
+            tl.store(prec + prow[:, None] + h0 + hh[None, :], xt, mask=_m(j >= 0, h0, hh, H, EVEN_H))
+        elif r != rank:
+            need = ((bits >> r) & 1) != 0
+            px = _peer_ptr(table_ptr, r, off_x, xt.dtype)
+            tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H))
 
 
 @triton.jit
@@ -719,7 +721,7 @@ def _dispatch_recv_chunk(
     HAS_W: tl.constexpr,
     CALLER_SCATTER: tl.constexpr,
     USE_TIMER: tl.constexpr,
-    K_OUTER: tl.constexpr,
+    WHOLE_ROW: tl.constexpr,
     PROBE: tl.constexpr,
     prb,
 ):
@@ -750,16 +752,16 @@ def _dispatch_recv_chunk(
             tl.store(out_w_ptr + row, w, mask=kept)
         px = _peer_ptr(table_ptr, rank, off_x, out_ptr.dtype.element_ty)
         src_row = (s * max_tokens + toks).to(tl.int64) * H
-        if K_OUTER:
-            _rows_by_slot(px + src_row, row, kk, out_ptr, H, BH, K, EVEN_H, True)
+        need = tl.sum(kept.to(tl.int32), axis=1) > 0
+        hh = tl.arange(0, BH)
+        xt = tl.load(
+            px + src_row[:, None] + hh[None, :], mask=_m(need, 0, hh, H, EVEN_H), cache_modifier=".cg"
+        )
+        if WHOLE_ROW:  # (BH >= H: the whole rows)
+            _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
         else:
-            need = tl.sum(kept.to(tl.int32), axis=1) > 0
-            hh = tl.arange(0, BH)
             tab_row = (s * max_tokens + toks).to(tl.int64) * K
             tl.debug_barrier()  # tab rows re-read per tile below
-            xt = tl.load(
-                px + src_row[:, None] + hh[None, :], mask=_m(need, 0, hh, H, EVEN_H), cache_modifier=".cg"
-            )
             for h0 in range(0, H, BH):
                 hn = h0 + BH
                 nxt = tl.load(
@@ -851,7 +853,7 @@ def _dispatch_kernel(
     ROWB: tl.constexpr,  # bytes of a record's row (then its metadata)
     CE: tl.constexpr = False,  # the peers' rows and metadata arrive by copy-engine copies (not SPLIT)
     ce_tokens=1,  # tokens per copy-engine piece (a multiple of CH): one flag per piece and source
-    K_OUTER: tl.constexpr = False,  # decode-sized chunks: expand slot by slot (_rows_by_slot)
+    WHOLE_ROW: tl.constexpr = False,  # decode-sized chunks: BH >= H, whole rows held in registers
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
     probe_ptr=None,
 ):
@@ -968,7 +970,7 @@ def _dispatch_kernel(
                         RECX,
                         RECI,
                         ROWB,
-                        K_OUTER,
+                        WHOLE_ROW,
                         PROBE,
                         prb,
                     )
@@ -1020,7 +1022,7 @@ def _dispatch_kernel(
                             RECX,
                             RECI,
                             ROWB,
-                            K_OUTER,
+                            WHOLE_ROW,
                             PROBE,
                             prb,
                         )
@@ -1072,7 +1074,7 @@ def _dispatch_kernel(
                                 HAS_W,
                                 CALLER_SCATTER,
                                 USE_TIMER,
-                                K_OUTER,
+                                WHOLE_ROW,
                                 PROBE,
                                 prb,
                             )
