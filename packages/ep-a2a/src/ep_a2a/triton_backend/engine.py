@@ -260,9 +260,10 @@ class TritonEPEngine:
         if block_h is None:
             block_h = min(_next_pow2(hidden), 64 if interpreting() else 1024)
         self.block_h = block_h
-        self.num_warps = num_warps or (8 if block_h >= 512 else 4)
         #: the row kernel's tile is the whole (padded) row: see WHOLE_ROW_MAX_CHUNK
         self.whole_row = chunk <= WHOLE_ROW_MAX_CHUNK and chunk * _next_pow2(hidden) <= WHOLE_ROW_MAX_ELEMS
+        # (one-token chunks of whole rows: 4 warps measured faster than 8 on 2x H100)
+        self.num_warps = num_warps or (4 if (self.whole_row and chunk == 1) or block_h < 512 else 8)
         self._plans: dict[tuple, tuple] = {}
         for name, k in (("send_ctas", send_ctas), ("combine_send_ctas", combine_send_ctas)):
             if k and not 0 < k < self.num_sm:

@@ -552,6 +552,10 @@ def _dispatch_send_chunk(
     toks = c * CH + tl.arange(0, CH)
     tm = toks < n_tokens
     kk = tl.arange(0, KP)
+    hh = tl.arange(0, BH)
+    xrow = toks.to(tl.int64) * H
+    if WHOLE_ROW:  # the rows' load first: in flight while the slots' metadata is worked out
+        xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(tm, 0, hh, H, EVEN_H))
     m2 = tm[:, None] & (kk[None, :] < K)
     slot = toks[:, None].to(tl.int64) * K + kk[None, :]
     ids = tl.load(ids_ptr + slot, mask=m2, other=-1)
@@ -608,15 +612,12 @@ def _dispatch_send_chunk(
                     tl.store(_peer_ptr(table_ptr, r, off_w, w_ptr.dtype.element_ty) + remote_base, w, mask=m2)
         if not LOCAL:
             ld = ld & ((bits & ~(1 << rank)) != 0)
-    hh = tl.arange(0, BH)
-    xrow = toks.to(tl.int64) * H
     peer_row = (rank * max_tokens + toks).to(tl.int64) * H
     tab_row = (rank * max_tokens + toks).to(tl.int64) * K
     _stamp(prb, 13, PROBE)
     if WHOLE_ROW:
-        # decode-sized chunks (BH >= H): one load of the whole rows, the peers' copies and their flag
+        # decode-sized chunks (BH >= H): the whole rows (loaded above) to the peers and their flag
         # first, then this rank's own rows from registers
-        xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(ld, 0, hh, H, EVEN_H))
         if PEERS:
             _store_peers(xt, 0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
                          off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
@@ -733,6 +734,13 @@ def _dispatch_recv_chunk(
         toks = c * CH + tl.arange(0, CH)
         tm = toks < n_src
         kk = tl.arange(0, KP)
+        hh = tl.arange(0, BH)
+        px = _peer_ptr(table_ptr, rank, off_x, out_ptr.dtype.element_ty)
+        src_row = (s * max_tokens + toks).to(tl.int64) * H
+        if WHOLE_ROW:  # the rows' load first: in flight while the slots' metadata is read
+            xt = tl.load(
+                px + src_row[:, None] + hh[None, :], mask=_m(tm, 0, hh, H, EVEN_H), cache_modifier=".cg"
+            )
         m2 = tm[:, None] & (kk[None, :] < K)
         slot = (s * max_tokens + toks)[:, None].to(tl.int64) * K + kk[None, :]
         ids = tl.load(
@@ -750,16 +758,13 @@ def _dispatch_recv_chunk(
                 _peer_ptr(table_ptr, rank, off_w, w_ty) + slot, mask=m2, other=0, cache_modifier=".cg"
             )
             tl.store(out_w_ptr + row, w, mask=kept)
-        px = _peer_ptr(table_ptr, rank, off_x, out_ptr.dtype.element_ty)
-        src_row = (s * max_tokens + toks).to(tl.int64) * H
-        need = tl.sum(kept.to(tl.int32), axis=1) > 0
-        hh = tl.arange(0, BH)
-        xt = tl.load(
-            px + src_row[:, None] + hh[None, :], mask=_m(need, 0, hh, H, EVEN_H), cache_modifier=".cg"
-        )
-        if WHOLE_ROW:  # (BH >= H: the whole rows)
+        if WHOLE_ROW:
             _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
         else:
+            need = tl.sum(kept.to(tl.int32), axis=1) > 0
+            xt = tl.load(
+                px + src_row[:, None] + hh[None, :], mask=_m(need, 0, hh, H, EVEN_H), cache_modifier=".cg"
+            )
             tab_row = (s * max_tokens + toks).to(tl.int64) * K
             tl.debug_barrier()  # tab rows re-read per tile below
             for h0 in range(0, H, BH):
