@@ -150,6 +150,16 @@ def _column(tile, kk, k: tl.constexpr):
 
 
 @triton.jit
+def _store_tile_by_slot(xt, tab_rows, tm, out_ptr, h0, hh, H: tl.constexpr, K: tl.constexpr,
+                        EVEN_H: tl.constexpr):  # fmt: skip
+    """Tile ``h0`` of each token row to its output row of every slot, the rows re-read from the slot
+    table (``tab_rows [CH]``: pointers to each token's ``K`` entries; < 0: not here) rather than held."""
+    for k in tl.static_range(K):
+        rk = tl.load(tab_rows + k, mask=tm, other=-1).to(tl.int64)
+        tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H))
+
+
+@triton.jit
 def _store_by_slot(xt, rows, kk, out_ptr, hh, H: tl.constexpr, K: tl.constexpr, EVEN_H: tl.constexpr):
     """``out[rows[i, k]] = xt[i]`` for every slot ``k`` with ``rows[i, k] >= 0``: whole token rows
     ``xt [CH, BH >= H]`` held in registers, written once per slot (no reload of rows or slot table)."""
@@ -632,13 +642,7 @@ def _dispatch_send_chunk(
                 _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
                              off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
             if LOCAL:
-                for k in tl.static_range(K):
-                    rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
-                    tl.store(
-                        out_ptr + rk[:, None] * H + h0 + hh[None, :],
-                        xt,
-                        mask=_m((rk >= 0), h0, hh, H, EVEN_H),
-                    )
+                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H)
             xt = nxt
     if PEERS:
         tl.debug_barrier()
@@ -774,13 +778,7 @@ def _dispatch_recv_chunk(
                     mask=_m(need & (hn < H), hn, hh, H, EVEN_H),
                     cache_modifier=".cg",
                 )
-                for k in tl.static_range(K):
-                    rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
-                    tl.store(
-                        out_ptr + rk[:, None] * H + h0 + hh[None, :],
-                        xt,
-                        mask=_m((rk >= 0), h0, hh, H, EVEN_H),
-                    )
+                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H)
                 xt = nxt
 
 
