@@ -50,7 +50,7 @@ class _NoTransport:
 
 
 def _capture(launches: list) -> None:
-    def fake_launch(self, key, kernel, grid, num_warps, var_names, var_vals, fixed) -> None:
+    def fake_launch(self, key, kernel, grid, num_warps, var_names, var_vals, fixed, launch_pdl=False) -> None:
         named = fixed()
         named.update(zip(var_names, var_vals, strict=True))
         launches.append((key, kernel, num_warps, named))
@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--num-sm", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=8)
     ap.add_argument("--dump", default=None, help="write each launch's PTX body into this folder")
+    ap.add_argument("--pdl", action="store_true", help="the row kernel as launched with PDL on sm_90")
     ap.add_argument("--probe", action="store_true", help="with the profiling stamps (engine.probe)")
     a = ap.parse_args()
     W, node = a.world, a.node or a.world
@@ -118,6 +119,7 @@ def main() -> None:
     eng.use_timer = True
     eng.block_h = min(1024, 1 << (a.hidden - 1).bit_length())
     eng.num_warps = 8 if eng.block_h >= 512 else 4
+    eng.pdl = a.pdl
     if a.probe:
         eng.probe = torch.zeros(2, a.num_sm, 16, dtype=torch.int64)
     launches: list = []

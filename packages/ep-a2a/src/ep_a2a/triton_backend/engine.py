@@ -42,6 +42,8 @@ _ALIGN = 256
 #: no per-tile reloads of the slot table (whose latency dominates there), peers' flags before own rows
 WHOLE_ROW_MAX_CHUNK = 2
 WHOLE_ROW_MAX_ELEMS = 16384
+#: ``0`` turns off programmatic dependent launch of the row kernel (on by default on sm_90 and newer)
+PDL_ENV = "EP_A2A_TRITON_PDL"
 
 
 def _next_pow2(n: int) -> int:
@@ -323,6 +325,15 @@ class TritonEPEngine:
         #: ``[2, P, 16]`` that the layout (``[0]``) and row (``[1]``) kernels fill with ``%globaltimer``
         #: stamps per program (``P`` >= both grids); ``None``: the kernels compiled without stamps
         self.probe: torch.Tensor | None = None
+        #: the row kernel is launched with programmatic dependent launch (sm_90+): its CTAs become resident
+        #: while the layout kernel runs and wait in ``griddepcontrol.wait`` instead of behind a kernel
+        #: boundary
+        self.pdl = (
+            dev.type == "cuda"
+            and not interpreting()
+            and torch.cuda.get_device_capability(dev)[0] >= 9
+            and os.environ.get(PDL_ENV, "1").strip().lower() not in ("0", "false", "off")
+        )
 
     # ------------------------------------------------------------------ errors
     def check_error(self, err: int | None = None) -> None:
@@ -349,8 +360,10 @@ class TritonEPEngine:
         var_names: tuple[str, ...],
         var_vals: tuple,
         fixed: Callable[[], dict],
+        launch_pdl: bool = False,
     ) -> None:
-        """Launch ``kernel``; after the first launch of a variant, straight through its compiled handle.
+        """Launch ``kernel``; after the first launch of a variant, straight through its compiled handle
+        (which keeps the variant's launch options: ``launch_pdl``, programmatic dependent launch).
 
         Triton's own launch path binds and re-specialises every argument on every call (about 30 us of
         Python per launch for these kernels). Here each call site names a variant ``key`` holding what
@@ -373,7 +386,8 @@ class TritonEPEngine:
         if interpreting():
             kernel[grid](**named, num_warps=num_warps)
             return
-        compiled = kernel[grid](**named, num_warps=num_warps)
+        opts = {"launch_pdl": True} if launch_pdl else {}
+        compiled = kernel[grid](**named, num_warps=num_warps, **opts)
         names = list(kernel.arg_names)
         var_idx = [names.index(n) for n in var_names]
         template = [named[n] for n in names]
@@ -480,6 +494,7 @@ class TritonEPEngine:
                 CW=self.layout.cw,
                 REMOTE=self.remote_bits,
                 **self._probe_kw(0),
+                PDL=self.pdl,
             ),
         )
         if not self.remote_ranks:
@@ -699,7 +714,9 @@ class TritonEPEngine:
                 **self._rec_kw(x.dtype),
                 WHOLE_ROW=self.whole_row,
                 **self._probe_kw(1),
+                PDL=self.pdl,
             ),
+            launch_pdl=self.pdl,
         )
         if self.ce_pieces and send:
             self._ce_send(fork, xs, ids, w if has_w else None, src)
@@ -1036,6 +1053,7 @@ class TritonEPEngine:
                 num_warps=4,
                 PROBE=False,
                 probe_ptr=None,
+                PDL=self.pdl,
                 **rem,
                 **self._layout_kw(),
             )
@@ -1140,7 +1158,9 @@ class TritonEPEngine:
                 WHOLE_ROW=self.whole_row,
                 PROBE=False,
                 probe_ptr=None,
+                PDL=self.pdl,
                 num_warps=nw,
+                **({"launch_pdl": True} if self.pdl else {}),
                 **self._tile_kw(self.whole_row),
                 **self._rec_kw(self.token_dtype),
                 **rem,

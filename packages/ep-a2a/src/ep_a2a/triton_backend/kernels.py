@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # device state slots (int64)
 STATE_DISPATCH_EPOCH = 0
@@ -212,6 +213,7 @@ def _layout_kernel(
     REMOTE: tl.constexpr,  # bit set of the ranks reached by host puts (0: every peer by stores)
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:5]
     probe_ptr=None,
+    PDL: tl.constexpr = False,  # let the next launch (the row kernel, launched with PDL) start early
 ):
     """Program ``p`` owns tokens ``[p * TB, (p + 1) * TB)``: it publishes the histogram of their slots'
     experts, sums the histograms of programs ``< p`` (the slots of each expert before its block), and
@@ -219,6 +221,8 @@ def _layout_kernel(
     last program also has every histogram: it pushes the per-expert counts to their owners. Waits only
     on lower programs, so it runs in the interpreter's sequential order too."""
     pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
     prb = probe_ptr + pid * 16 if PROBE else probe_ptr
     _stamp(prb, 0, PROBE)
     ep = tl.load(state_ptr + 0) + 1
@@ -859,8 +863,12 @@ def _dispatch_kernel(
     WHOLE_ROW: tl.constexpr = False,  # decode-sized chunks: BH >= H, whole rows held in registers
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
     probe_ptr=None,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the launch before
 ):
     pid = tl.program_id(0)
+    if PDL:
+        # resident while the previous kernel (the layout) finishes; everything it wrote is visible after
+        gdc_wait()
     prb = probe_ptr + pid * 16 if PROBE else probe_ptr
     _stamp(prb, 0, PROBE)
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
