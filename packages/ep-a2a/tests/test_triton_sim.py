@@ -450,7 +450,9 @@ REMOTE_CASES = [
 ]
 
 
-def _remote_world(world, node, max_tokens, hidden, topk, experts, dtype=torch.bfloat16, **kw) -> SimWorld:
+def _remote_world(
+    world, node, max_tokens, hidden, topk, experts, dtype=torch.bfloat16, chunk=4, **kw
+) -> SimWorld:
     return SimWorld(
         world_size=world,
         max_tokens=max_tokens,
@@ -459,7 +461,7 @@ def _remote_world(world, node, max_tokens, hidden, topk, experts, dtype=torch.bf
         num_tot_experts=experts,
         token_dtype=dtype,
         num_sm=2,
-        chunk=4,
+        chunk=chunk,
         node_size=node,
         **kw,
     )
@@ -469,8 +471,27 @@ def _remote_world(world, node, max_tokens, hidden, topk, experts, dtype=torch.bf
     ("world", "node", "ns", "hidden", "topk", "experts", "dtype", "with_w", "skew", "drop"), REMOTE_CASES
 )
 def test_remote_path_matches_reference(world, node, ns, hidden, topk, experts, dtype, with_w, skew, drop):
+    _check_remote_path(world, node, ns, hidden, topk, experts, dtype, with_w, skew, drop, chunk=4)
+
+
+@pytest.mark.parametrize(
+    ("world", "node", "ns", "hidden", "topk", "experts", "dtype", "with_w", "skew", "drop", "chunk"),
+    [
+        pytest.param(*REMOTE_CASES[0].values, 2, id="W2-node1-c2"),
+        pytest.param(*REMOTE_CASES[2].values, 1, id="W4-node2-H48-c1"),
+    ],
+)
+def test_remote_path_whole_row_chunks(
+    world, node, ns, hidden, topk, experts, dtype, with_w, skew, drop, chunk
+):
+    """Decode-sized chunks (whole rows in registers) staged for remote peers, and mixed with local ones."""
+    _check_remote_path(world, node, ns, hidden, topk, experts, dtype, with_w, skew, drop, chunk=chunk)
+
+
+def _check_remote_path(world, node, ns, hidden, topk, experts, dtype, with_w, skew, drop, *, chunk) -> None:
     gen = torch.Generator().manual_seed(4321 + world * 10 + node + hidden)
-    sim = _remote_world(world, node, max(ns), hidden, topk, experts, dtype)
+    sim = _remote_world(world, node, max(ns), hidden, topk, experts, dtype, chunk=chunk)
+    assert sim.engines[0].whole_row == (chunk <= WHOLE_ROW_MAX_CHUNK)
     assert all(
         sim.engines[r].remote_ranks == tuple(p for p in range(world) if p // node != r // node)
         for r in range(world)
