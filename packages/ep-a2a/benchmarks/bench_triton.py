@@ -137,6 +137,25 @@ class Timer:
         return float(t[0])
 
 
+def capture_graphs(be, x, ids, w):
+    """CUDA graphs of one static dispatch and of the combine of its output, after two eager rounds on a
+    side stream so nothing compiles or allocates inside the capture."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            d = be.dispatch_static(x, ids, w)
+            be.combine_static(d.output, d)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g_d, g_c = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_d):
+        dd = be.dispatch_static(x, ids, w)
+    with torch.cuda.graph(g_c):
+        be.combine_static(dd.output, dd)
+    return g_d, g_c
+
+
 # ---------------------------------------------------------------------------------------- NCCL pipelines
 class NcclPerDest:
     """One row per (token, destination rank); the receiver expands to expert rows (reference order)."""
@@ -299,19 +318,7 @@ def run_case(
         }
         if extra and num_sm == num_sm_list[-1]:
             # CUDA-graph mode (static worst-case shapes, counts on device)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    d = be.dispatch_static(x, ids, w)
-                    be.combine_static(d.output, d)
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            g_d, g_c = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g_d):
-                dd = be.dispatch_static(x, ids, w)
-            with torch.cuda.graph(g_c):
-                be.combine_static(dd.output, dd)
+            g_d, g_c = capture_graphs(be, x, ids, w)
             t_gd = timer.median_ms(g_d.replay, args.iters, lead=True)
             t_gc = timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True)
             res[f"ours-graph-sm{num_sm}"] = {
@@ -443,19 +450,7 @@ def split_case(
         copy_engine=copy_engine,
     )
     timer = Timer(lambda: be.engine.launch_barrier())
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            d = be.dispatch_static(x, ids, w)
-            be.combine_static(d.output, d)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g_d, g_c = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g_d):
-        dd = be.dispatch_static(x, ids, w)
-    with torch.cuda.graph(g_c):
-        be.combine_static(dd.output, dd)
+    g_d, g_c = capture_graphs(be, x, ids, w)
     out = {
         "dispatch_ms": timer.median_ms(g_d.replay, args.iters, lead=True),
         "send_ctas": [be.engine.send_ctas, be.engine.combine_send_ctas],

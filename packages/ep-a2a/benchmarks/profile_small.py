@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
-from bench_triton import LEAD_CYCLES, SHAPES, Timer, routing
+from bench_triton import LEAD_CYCLES, SHAPES, Timer, capture_graphs, routing
 
 from ep_a2a.config import EPConfig
 
@@ -42,19 +42,17 @@ def _short(name: str) -> str:
     return "sleep" if ("spin" in name or "sleep" in name) else name[:40]
 
 
-def timeline(replays: dict, iters: int) -> dict:
-    """Profile ``iters`` rounds of every replay in ``replays`` (name -> (fn, setup)); per replay name the
-    median start (from the end of the lead) and duration of each of its kernels."""
-    eng_barrier = replays.pop("_barrier")
+def timeline(barrier, replays: dict, iters: int) -> dict:
+    """Profile ``iters`` rounds of every replay in ``replays`` (name -> function), each after ``barrier``
+    and the lead; per replay name the median start (from the end of the lead) and duration of each of
+    its kernels."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         order = []
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
-                for name, (fn, setup) in replays.items():
-                    if setup is not None:
-                        setup()
-                    eng_barrier()
+                for name, fn in replays.items():
+                    barrier()
                     torch.cuda._sleep(LEAD_CYCLES)
                     fn()
                     order.append(name)
@@ -197,19 +195,7 @@ def main() -> None:
             eng.probe = torch.zeros(
                 2, max(eng.num_sm, eng._layout_grid[0]), 16, dtype=torch.int64, device=dev
             )
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                d = be.dispatch_static(x, ids, w)
-                be.combine_static(d.output, d)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g_d, g_c = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g_d):
-            dd = be.dispatch_static(x, ids, w)
-        with torch.cuda.graph(g_c):
-            be.combine_static(dd.output, dd)
+        g_d, g_c = capture_graphs(be, x, ids, w)
         timer = Timer(eng.launch_barrier)
         row = {
             "variant": var,
@@ -219,10 +205,7 @@ def main() -> None:
             "graph_dispatch_us": 1e3 * timer.median_ms(g_d.replay, args.iters, lead=True),
             "graph_combine_us": 1e3 * timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True),
         }
-        tl_ = timeline(
-            {"_barrier": eng.launch_barrier, "dispatch": (g_d.replay, None), "combine": (g_c.replay, None)},
-            args.iters,
-        )
+        tl_ = timeline(eng.launch_barrier, {"dispatch": g_d.replay, "combine": g_c.replay}, args.iters)
         allr: list = [None] * world
         dist.all_gather_object(allr, tl_)
         row["timeline"] = {f"rank{r}": t for r, t in enumerate(allr)}
