@@ -145,7 +145,8 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["default"],
-        help="'default' (the backend's choice) or chunk:num_warps:block_h, e.g. 1:4:1024",
+        help="'default' (the backend's choice) or chunk:num_warps:block_h[:combine_chunk:combine_warps], "
+        "e.g. 1:4:1024 or 8:8:1024:16:16",
     )
     args = p.parse_args()
     from ep_a2a.triton_backend import TritonBackend
@@ -184,8 +185,10 @@ def main() -> None:
     for var in args.variants:
         kw = {}
         if var != "default":
-            c, nw, bh = (int(v) for v in var.split(":"))
+            c, nw, bh, *comb = (int(v) for v in var.split(":"))
             kw = dict(chunk=c, num_warps=nw, block_h=bh)
+            if comb:
+                kw.update(combine_chunk=comb[0], combine_warps=comb[1])
         be = TritonBackend(
             cfg, dist.group.WORLD, num_sm=args.num_sm, enable_local_combine=True, use_aot=False, timeout_s=60.0,
             **kw,
@@ -202,6 +205,8 @@ def main() -> None:
             "chunk": eng.chunk,
             "num_warps": eng.num_warps,
             "block_h": eng.block_h,
+            "combine_chunk": eng.combine_chunk,
+            "combine_warps": eng.combine_warps,
             "graph_dispatch_us": 1e3 * timer.median_ms(g_d.replay, args.iters, lead=True),
             "graph_combine_us": 1e3 * timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True),
         }
@@ -221,7 +226,8 @@ def main() -> None:
                         print(f"    {k:28s} {lo:7.1f} {me:7.1f} {hi:7.1f}")
         out["variants"].append(row)
         if rank == 0:
-            print(f"== {var}: chunk {eng.chunk} warps {eng.num_warps} block_h {eng.block_h}: graph dispatch "
+            print(f"== {var}: chunk {eng.chunk} warps {eng.num_warps} block_h {eng.block_h} combine chunk "
+                  f"{eng.combine_chunk} warps {eng.combine_warps}: graph dispatch "
                   f"{row['graph_dispatch_us']:.1f} us, combine {row['graph_combine_us']:.1f} us")  # fmt: skip
             for r, t in enumerate(allr):
                 for op, ks in t.items():

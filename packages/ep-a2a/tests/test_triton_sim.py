@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
-from ep_a2a.triton_backend.engine import WHOLE_ROW_MAX_CHUNK, EPTimeoutFromDevice, interpreting
+from ep_a2a.triton_backend.engine import (
+    WHOLE_ROW_MAX_CHUNK,
+    EPTimeoutFromDevice,
+    TritonEPEngine,
+    interpreting,
+)
 from ep_a2a.triton_backend.simulate import SimWorld
 
 # The simulation shares plain CPU buffers between "ranks": only Triton's interpreter can run it, and the
@@ -140,6 +145,40 @@ def test_decode_chunks_match_reference(world, ns, hidden, topk, experts, dtype, 
     )  # fmt: skip
     assert sim.engines[0].whole_row
     _round_trips(sim, ns, ((False, 0), (True, 0), (True, 1)), gen, with_w=with_w, skew=skew, drop=drop)
+
+
+@pytest.mark.parametrize("node", [None, 2], ids=["intra", "remote"])
+@pytest.mark.parametrize("combine_chunk", [1, 4, 8])
+def test_combine_chunk_differs_from_dispatch_chunk(combine_chunk, node):
+    """The combine kernel's own chunk (its work items and flags) against the reference: smaller than,
+    larger than and equal to the dispatch chunk's token count, on one node and with remote peers."""
+    world, ns, hidden, topk, experts = 4, [6, 6, 0, 4], 48, 4, 16
+    gen = torch.Generator().manual_seed(31 + combine_chunk)
+    sim = SimWorld(
+        world_size=world, max_tokens=max(ns), hidden=hidden, topk=topk, num_tot_experts=experts,
+        token_dtype=torch.bfloat16, num_sm=2, chunk=2, combine_chunk=combine_chunk, node_size=node,
+    )  # fmt: skip
+    assert sim.engines[0].combine_chunk == combine_chunk
+    assert sim.layout.cnchunks == -(-max(ns) // combine_chunk)
+    flows = ((False, 0), (True, 0), (True, 1)) if node is None else ((False, 0), (False, 1))
+    _round_trips(sim, ns, flows, gen, with_w=True, skew=True, drop=0.1)
+    if node is not None:
+        sim.check_decoy()
+
+
+def test_combine_chunk_must_match_layout():
+    sim = SimWorld(world_size=2, max_tokens=8, hidden=16, topk=2, num_tot_experts=4, num_sm=2, chunk=2)
+    e = sim.engines[0]
+    kw = dict(
+        rank=0, world_size=2, max_tokens=8, hidden=16, topk=2, num_tot_experts=4, token_dtype=torch.bfloat16,
+        weight_dtype=torch.float32, heap_local=sim.heaps[0], ptr_table=sim.table, num_sm=2, timeout_s=1.0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="combine_chunk must be a power of 2"):
+        TritonEPEngine(layout=sim.layout, chunk=2, combine_chunk=3, **kw)
+    with pytest.raises(ValueError, match="combine_chunk=1 needs 8"):
+        TritonEPEngine(layout=sim.layout, chunk=2, combine_chunk=1, **kw)
+    assert e.combine_chunk == 2
+    assert e.combine_warps == e.num_warps
 
 
 def _round_trips(sim, ns, flows, gen, *, with_w, skew, drop, after_dispatch=None) -> None:

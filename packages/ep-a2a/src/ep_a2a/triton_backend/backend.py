@@ -156,6 +156,8 @@ class TritonBackend(A2ABackend):
             2 for hidden >= 1024 and fewer tokens, 16 / 4 for narrower rows).
         block_h: tile width along hidden of the copy kernels (tuning).
         num_warps: warps per CTA of the copy kernels (tuning).
+        combine_chunk, combine_warps: ``chunk`` and ``num_warps`` of the combine kernel alone (default: the
+            dispatch kernel's).
         overlap_bytes: exact-shape dispatch of a layer whose worst-case output
             (``world_size * max_tokens * topk`` rows) is at most this many bytes (default 256 MiB:
             decode-sized layers) launches the row kernel before waiting for the counts, into freshly
@@ -219,6 +221,8 @@ class TritonBackend(A2ABackend):
         chunk: int | None = None,
         block_h: int | None = None,
         num_warps: int | None = None,
+        combine_chunk: int | None = None,
+        combine_warps: int | None = None,
         overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
         send_ctas: int | None = None,
         combine_send_ctas: int | None = None,
@@ -257,6 +261,7 @@ class TritonBackend(A2ABackend):
             experts_per_rank=config.num_experts_per_rank,
             token_bytes=config.token_dtype.itemsize,
             chunk=chunk,
+            combine_chunk=combine_chunk,
             remote=node < config.world_size,
         )
         if copy_engine is None and os.environ.get(COPY_ENGINE_ENV):
@@ -301,6 +306,8 @@ class TritonBackend(A2ABackend):
             chunk=chunk,
             block_h=block_h,
             num_warps=num_warps,
+            combine_chunk=combine_chunk,
+            combine_warps=combine_warps,
             send_ctas=0
             if copy_engine
             else _split(send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 3)),

@@ -96,11 +96,12 @@ class EPTimeoutFromDevice(TimeoutError):
 class HeapLayout:
     """Byte offsets of the regions of one rank's symmetric heap (identical on every rank).
 
-    Regions (``T = max_tokens``, ``W = world_size``, ``L`` experts per rank, ``NC = ceil(T / chunk)``):
+    Regions (``T = max_tokens``, ``W = world_size``, ``L`` experts per rank, ``NC = ceil(T / chunk)``,
+    ``NCC = ceil(T / combine_chunk)``):
     ``x [W, T, H]`` dispatched token rows by source, ``ids/pos/w [W, T, K]`` their slot metadata,
     ``cnt [2, W, L + 1]`` int64 packed (epoch, count) per source and parity, ``flag [W, NC]`` dispatch chunk
     flags, ``back [W, L]`` packed base rows returned by each destination, ``cx [W, T, H]`` (4-byte
-    elements) combine rows by expert rank, ``cflag [W, NC]`` combine chunk flags, ``bar [W]`` barrier.
+    elements) combine rows by expert rank, ``cflag [W, NCC]`` combine chunk flags, ``bar [W]`` barrier.
 
     With ``remote=True`` (some pairs of ranks exchange through host puts; the same on every rank) ``cnt``
     holds ``CW = L + 2`` words per source (the last: packed token count), and five more regions follow
@@ -123,6 +124,7 @@ class HeapLayout:
     bar: int
     nbytes: int
     nchunks: int
+    cnchunks: int
     sig: int = 0
     scnt: int = 0
     sback: int = 0
@@ -145,10 +147,12 @@ class HeapLayout:
         experts_per_rank: int,
         token_bytes: int,
         chunk: int,
+        combine_chunk: int | None = None,
         remote: bool = False,
     ) -> HeapLayout:
         W, T, H, Kk, L = world_size, max_tokens, hidden, topk, experts_per_rank
         nchunks = triton.cdiv(T, chunk)
+        cnchunks = triton.cdiv(T, combine_chunk or chunk)
         cw = L + 1 + int(remote)
         rowb = -(-H * token_bytes // 16) * 16
         rec = rowb + -(-(1 + 3 * Kk) * 4 // 16) * 16
@@ -162,7 +166,7 @@ class HeapLayout:
             "flag": W * nchunks * 8,
             "back": W * L * 8,
             "cx": W * T * H * 4,
-            "cflag": W * nchunks * 8,
+            "cflag": W * cnchunks * 8,
             "bar": W * 8,
             "sig": r * 4 * W * 8,
             "scnt": r * W * cw * 8,
@@ -177,7 +181,7 @@ class HeapLayout:
             offs[name] = cur
             cur += (size + _ALIGN - 1) // _ALIGN * _ALIGN
         return cls(
-            nbytes=cur, nchunks=nchunks, cw=cw, rec=rec if remote else 0, rowb=rowb if remote else 0, remote=remote,
+            nbytes=cur, nchunks=nchunks, cnchunks=cnchunks, cw=cw, rec=rec if remote else 0, rowb=rowb if remote else 0, remote=remote,
             **offs,
         )  # fmt: skip
 
@@ -203,6 +207,8 @@ class TritonEPEngine:
         num_sm: CTAs of the dispatch and combine kernels (the SMs they occupy).
         timeout_s: bound of every device-side wait.
         chunk: tokens per work item (and per ready flag).
+        combine_chunk, combine_warps: the same for the combine kernel (default: ``chunk`` and the dispatch
+            kernel's warps); ``layout`` must be built with the same ``combine_chunk``.
         send_ctas, combine_send_ctas: split of the dispatch / combine kernel's CTAs (``TritonBackend``
             picks the defaults: on for large layers on many SMs). 0 (the engine's default):
             every CTA sends its chunks to the peers, then writes this rank's rows of a chunk, in turn;
@@ -236,6 +242,8 @@ class TritonEPEngine:
         chunk: int = 8,
         block_h: int | None = None,
         num_warps: int | None = None,
+        combine_chunk: int | None = None,
+        combine_warps: int | None = None,
         send_ctas: int = 0,
         combine_send_ctas: int = 0,
         remote_ranks: Sequence[int] = (),
@@ -266,6 +274,16 @@ class TritonEPEngine:
         self.whole_row = chunk <= WHOLE_ROW_MAX_CHUNK and chunk * _next_pow2(hidden) <= WHOLE_ROW_MAX_ELEMS
         # (one-token chunks of whole rows: 4 warps measured faster than 8 on 2x H100)
         self.num_warps = num_warps or (4 if (self.whole_row and chunk == 1) or block_h < 512 else 8)
+        self.combine_chunk = combine_chunk or chunk
+        for name, v in (("chunk", chunk), ("combine_chunk", self.combine_chunk)):
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of 2 (a Triton block size), got {v}")
+        if layout.cnchunks != triton.cdiv(max_tokens, self.combine_chunk):
+            raise ValueError(
+                f"layout was built for {layout.cnchunks} combine chunks, combine_chunk={self.combine_chunk} "
+                f"needs {triton.cdiv(max_tokens, self.combine_chunk)}: pass the same combine_chunk to both"
+            )
+        self.combine_warps = combine_warps or self.num_warps
         self._plans: dict[tuple, tuple] = {}
         for name, k in (("send_ctas", send_ctas), ("combine_send_ctas", combine_send_ctas)):
             if k and not 0 < k < self.num_sm:
@@ -855,7 +873,7 @@ class TritonEPEngine:
                 ),
                 K._combine_kernel,
                 (self.num_sm,),
-                self.num_warps,
+                self.combine_warps,
                 (
                     "y_ptr",
                     "tab_ptr",
@@ -895,7 +913,7 @@ class TritonEPEngine:
             state_ptr=self.state,
             rank=self.rank,
             max_tokens=self.max_tokens,
-            nchunks=self.layout.nchunks,
+            nchunks=self.layout.cnchunks,
             timeout=self.timeout_arg,
             off_cx=self.layout.cx,
             off_cflag=self.layout.cflag,
@@ -906,7 +924,7 @@ class TritonEPEngine:
             WP=self.wp,
             H=width,
             BH=bh,
-            CH=self.chunk,
+            CH=self.combine_chunk,
             EVEN_H=width % bh == 0,
             SEND=send,
             RECV=recv,
@@ -1212,7 +1230,7 @@ class TritonEPEngine:
                 i64,
                 self.rank,
                 self.max_tokens,
-                lay.nchunks,
+                lay.cnchunks,
                 self.timeout_arg,
                 lay.cx,
                 lay.cflag,
@@ -1222,7 +1240,7 @@ class TritonEPEngine:
                 WP=self.wp,
                 H=width,
                 BH=bh,
-                CH=self.chunk,
+                CH=self.combine_chunk,
                 EVEN_H=width % bh == 0,
                 SEND=snd,
                 RECV=rcv,
@@ -1236,7 +1254,7 @@ class TritonEPEngine:
                 pinfo_ptr=self._dummy_i64,
                 off_scx=lay.scx,
                 off_sig=lay.sig,
-                num_warps=nw,
+                num_warps=self.combine_warps,
                 **rem,
                 **common,
             )

@@ -78,6 +78,7 @@ class SimWorld:
         weight_dtype: torch.dtype = torch.float32,
         num_sm: int = 2,
         chunk: int = 4,
+        combine_chunk: int | None = None,
         timeout_s: float = 1.0,
         device: str = "cpu",
         node_size: int | None = None,
@@ -95,6 +96,7 @@ class SimWorld:
             experts_per_rank=num_tot_experts // world_size,
             token_bytes=token_dtype.itemsize,
             chunk=chunk,
+            combine_chunk=combine_chunk,
             remote=remote,
         )
         self.heaps = [
@@ -141,6 +143,7 @@ class SimWorld:
                 num_sm=num_sm,
                 timeout_s=timeout_s,
                 chunk=chunk,
+                combine_chunk=combine_chunk,
                 remote_ranks=self.remote_ranks[r],
                 transport=self.transports[r] if remote else None,
                 ce_pieces=ce_pieces,
