@@ -145,8 +145,8 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["default"],
-        help="'default' (the backend's choice) or chunk:num_warps:block_h[:combine_chunk:combine_warps], "
-        "e.g. 1:4:1024 or 8:8:1024:16:16",
+        help="'default' (the backend's choice) or chunk:num_warps:block_h[:combine_chunk:combine_warps"
+        "[:combine_block_h]], e.g. 1:4:1024 or 32:16:512:8:16:1024",
     )
     args = p.parse_args()
     from ep_a2a.triton_backend import TritonBackend
@@ -188,7 +188,7 @@ def main() -> None:
             c, nw, bh, *comb = (int(v) for v in var.split(":"))
             kw = dict(chunk=c, num_warps=nw, block_h=bh)
             if comb:
-                kw.update(combine_chunk=comb[0], combine_warps=comb[1])
+                kw.update(combine_chunk=comb[0], combine_warps=comb[1], combine_block_h=(comb[2:] or [bh])[0])
         be = TritonBackend(
             cfg, dist.group.WORLD, num_sm=args.num_sm, enable_local_combine=True, use_aot=False, timeout_s=60.0,
             **kw,
@@ -207,6 +207,7 @@ def main() -> None:
             "block_h": eng.block_h,
             "combine_chunk": eng.combine_chunk,
             "combine_warps": eng.combine_warps,
+            "combine_block_h": eng.combine_block_h,
             "graph_dispatch_us": 1e3 * timer.median_ms(g_d.replay, args.iters, lead=True),
             "graph_combine_us": 1e3 * timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True),
         }
@@ -227,7 +228,7 @@ def main() -> None:
         out["variants"].append(row)
         if rank == 0:
             print(f"== {var}: chunk {eng.chunk} warps {eng.num_warps} block_h {eng.block_h} combine chunk "
-                  f"{eng.combine_chunk} warps {eng.combine_warps}: graph dispatch "
+                  f"{eng.combine_chunk} warps {eng.combine_warps} block_h {eng.combine_block_h}: graph dispatch "
                   f"{row['graph_dispatch_us']:.1f} us, combine {row['graph_combine_us']:.1f} us")  # fmt: skip
             for r, t in enumerate(allr):
                 for op, ks in t.items():

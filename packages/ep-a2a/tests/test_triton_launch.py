@@ -248,6 +248,25 @@ def test_default_split(num_sm, max_tokens, want):
         _split(num_sm, num_sm)
 
 
+@pytest.mark.parametrize(
+    ("hidden", "max_tokens", "num_sm", "want_dispatch", "want_combine"),
+    [
+        pytest.param(7168, 4096, 32, (32, 16, 512), (8, 16, 1024), id="H7168-T4096-sm32"),
+        pytest.param(7168, 4096, 64, (16, 16, 1024), (8, 8, 1024), id="H7168-T4096-sm64"),
+        pytest.param(7168, 4096, 132, (8, None, None), (None, None, None), id="H7168-T4096-sm132"),
+        pytest.param(7168, 128, 32, (1, None, None), (None, None, None), id="H7168-T128-sm32"),
+        pytest.param(2048, 4096, 32, (8, None, None), (None, None, None), id="H2048-T4096-sm32"),
+    ],
+)
+def test_default_tiles(hidden, max_tokens, num_sm, want_dispatch, want_combine):
+    """Tuned tiles only for large layers of wide rows on part of the GPU; elsewhere the engine's own."""
+    from ep_a2a.triton_backend.backend import _default_tiles
+
+    d, c = _default_tiles(hidden, max_tokens, num_sm)
+    assert (d["chunk"], d["num_warps"], d["block_h"]) == want_dispatch
+    assert (c["chunk"], c["num_warps"], c["block_h"]) == want_combine
+
+
 class _WarmupRecorder:
     """Stands in for a kernel's ``warmup``: binds the call to the kernel's signature like Triton does."""
 

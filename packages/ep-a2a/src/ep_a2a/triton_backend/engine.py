@@ -207,8 +207,8 @@ class TritonEPEngine:
         num_sm: CTAs of the dispatch and combine kernels (the SMs they occupy).
         timeout_s: bound of every device-side wait.
         chunk: tokens per work item (and per ready flag).
-        combine_chunk, combine_warps: the same for the combine kernel (default: ``chunk`` and the dispatch
-            kernel's warps); ``layout`` must be built with the same ``combine_chunk``.
+        combine_chunk, combine_warps, combine_block_h: the same for the combine kernel (default: the
+            dispatch kernel's); ``layout`` must be built with the same ``combine_chunk``.
         send_ctas, combine_send_ctas: split of the dispatch / combine kernel's CTAs (``TritonBackend``
             picks the defaults: on for large layers on many SMs). 0 (the engine's default):
             every CTA sends its chunks to the peers, then writes this rank's rows of a chunk, in turn;
@@ -244,6 +244,7 @@ class TritonEPEngine:
         num_warps: int | None = None,
         combine_chunk: int | None = None,
         combine_warps: int | None = None,
+        combine_block_h: int | None = None,
         send_ctas: int = 0,
         combine_send_ctas: int = 0,
         remote_ranks: Sequence[int] = (),
@@ -270,14 +271,20 @@ class TritonEPEngine:
         if block_h is None:
             block_h = min(_next_pow2(hidden), 64 if interpreting() else 1024)
         self.block_h = block_h
+        self.combine_chunk = combine_chunk or chunk
+        self.combine_block_h = combine_block_h or block_h
+        for name, v in (
+            ("chunk", chunk),
+            ("combine_chunk", self.combine_chunk),
+            ("block_h", block_h),
+            ("combine_block_h", self.combine_block_h),
+        ):
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of 2 (a Triton block size), got {v}")
         #: the row kernel's tile is the whole (padded) row: see WHOLE_ROW_MAX_CHUNK
         self.whole_row = chunk <= WHOLE_ROW_MAX_CHUNK and chunk * _next_pow2(hidden) <= WHOLE_ROW_MAX_ELEMS
         # (one-token chunks of whole rows: 4 warps measured faster than 8 on 2x H100)
         self.num_warps = num_warps or (4 if (self.whole_row and chunk == 1) or block_h < 512 else 8)
-        self.combine_chunk = combine_chunk or chunk
-        for name, v in (("chunk", chunk), ("combine_chunk", self.combine_chunk)):
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of 2 (a Triton block size), got {v}")
         if layout.cnchunks != triton.cdiv(max_tokens, self.combine_chunk):
             raise ValueError(
                 f"layout was built for {layout.cnchunks} combine chunks, combine_chunk={self.combine_chunk} "
@@ -907,7 +914,8 @@ class TritonEPEngine:
 
     def _combine_fixed(self, width: int, send: bool, recv: bool) -> dict:
         # narrower rows (per-slot weight gradients: width 1) get a narrower tile
-        bh = self.block_h if width == self.hidden else max(16, min(_next_pow2(width), self.block_h))
+        cbh = self.combine_block_h
+        bh = cbh if width == self.hidden else max(16, min(_next_pow2(width), cbh))
         return dict(
             table_ptr=self.ptr_table,
             state_ptr=self.state,
@@ -1214,8 +1222,8 @@ class TritonEPEngine:
                     **common,
                 )
                 n += 1
-        narrow = max(16, min(_next_pow2(1), self.block_h))
-        combine_variants = [(dt, self.hidden, self.block_h) for dt in (self.token_dtype, *dtypes)]
+        narrow = max(16, min(_next_pow2(1), self.combine_block_h))
+        combine_variants = [(dt, self.hidden, self.combine_block_h) for dt in (self.token_dtype, *dtypes)]
         combine_variants.append((torch.float32, 1, narrow))  # per-slot weight gradients
         halves = [(True, False), (False, True)] if remote else [(True, True)]
         for (dt, width, bh), (snd, rcv) in itertools.product(combine_variants, halves):
