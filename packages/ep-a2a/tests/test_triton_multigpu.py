@@ -311,6 +311,43 @@ def test_default_split_large_layer(group):
         small.finalize()
 
 
+@pytest.mark.parametrize("num_sm", [32, 64, 0], ids=["sm32", "sm64", "all-sms"])
+def test_default_tiles_large_layer(group, num_sm):
+    """A large layer of wide rows gets the tiles tuned for its SM count (``_default_tiles``: larger chunks
+    and more warps on fewer SMs, a combine chunk of its own) and matches the reference, exact-shape and
+    static calls."""
+    from ep_a2a.triton_backend.backend import SPLIT_MIN_TOKENS, _default_tiles
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    num_sm = num_sm or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    max_tokens, hidden, experts = 2 * SPLIT_MIN_TOKENS, 1024, 8 * world
+    be = _make_backend(
+        group, max_tokens=max_tokens, hidden=hidden, topk=8, experts=experts, dtype=torch.bfloat16,
+        heap="torch", num_sm=num_sm,
+    )  # fmt: skip
+    try:
+        d, c = _default_tiles(hidden, max_tokens, num_sm)
+        e = be.engine
+        assert (e.chunk, e.num_warps, e.block_h) == (d["chunk"], d["num_warps"], d["block_h"])
+        assert (e.combine_chunk, e.combine_warps, e.combine_block_h) == (
+            c["chunk"],
+            c["num_warps"],
+            c["block_h"],
+        )
+        for i, ns in enumerate(([max_tokens, 1500], [7, max_tokens])):
+            ns = (ns * world)[:world]
+            xs, ids, ws, gen = _inputs(
+                720 + i, world, ns, hidden, 8, experts, torch.bfloat16, skew=i == 1, drop=0.05, with_w=True
+            )
+            _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
+        _check_static_call(be, rank, xs, ids, ws, experts)
+        torch.cuda.synchronize()
+        be.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
+
+
 def test_copy_engine_large_layer_from_env(group, monkeypatch):
     """``EP_A2A_TRITON_COPY_ENGINE=1`` on a large layer: copy-engine dispatch, no sending CTAs (the
     split that such a layer gets by default), against the reference; off without the variable."""

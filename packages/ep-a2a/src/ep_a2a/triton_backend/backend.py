@@ -111,31 +111,32 @@ def _default_chunk(hidden: int, max_tokens: int) -> int:
     return 16 if max_tokens > 1024 else 4
 
 
-#: large layers of wide rows (``hidden >= WIDE_HIDDEN``, ``max_tokens > 1024``) on fewer SMs than this
-#: take the few-SM tiles of :func:`_default_tiles`
-FEW_SM = 128
-WIDE_HIDDEN = 4096
+#: from this many SMs the dispatch of large layers keeps 8-token chunks (with 16 warps)
+MANY_SM = 96
 
 
 def _default_tiles(hidden: int, max_tokens: int, num_sm: int) -> tuple[dict, dict]:
     """Default ``(chunk, num_warps, block_h)`` of the dispatch and combine kernels (``None``: the
     engine's own default).
 
-    Large layers of wide rows on part of the GPU move more bytes per CTA with larger chunks and 16 warps:
-    at the DeepSeek-V3 shape (4096 tokens, hidden 7168) on 2x H100, graph mode, dispatch took 377 us with
-    chunks of 32 tokens, 16 warps and 512-wide tiles against 550 us with the large-layer default (8
-    tokens, 8 warps, 1024) at ``num_sm=32``, and 318 against 394 us with chunks of 16 and 16 warps at 64;
-    combine took 660 against 685 us with 16 warps at 32 SMs and was slower with it at 64 and 132 SMs.
-    At 132 SMs the alternatives were within run-to-run noise of the default.
+    For large layers (``hidden >= 1024``, ``max_tokens > 1024``) the fewer the SMs, the more bytes each
+    CTA must keep in flight: larger chunks and 16 warps. Measured on 2x H100 (4096 tokens, graph mode,
+    ``docs/benchmarks/ep-a2a-h100x2/tiles``): at ``num_sm=32`` dispatch 377-379 against 550-557 us at the
+    DeepSeek-V3 shape and 161 against 260 us at the Qwen3 shape with chunks of 32 tokens, 16 warps and
+    512-wide tiles, combine 660-663 against 684-686 us and 219 against 297 us with 16 warps; at 64 SMs
+    dispatch 318 against 394 us and 133 against 168 us with chunks of 16 and 16 warps; at 96 and 132 SMs
+    dispatch 290 against 322 us and 289-301 against 304-308 us with 16 warps (DeepSeek-V3); combine
+    with 16 warps was slower from 64 SMs.
     """
     dispatch: dict = {"chunk": _default_chunk(hidden, max_tokens), "num_warps": None, "block_h": None}
     combine: dict = {"chunk": None, "num_warps": None, "block_h": None}
-    if hidden >= WIDE_HIDDEN and max_tokens > SPLIT_MIN_TOKENS and num_sm < FEW_SM:
+    if hidden >= 1024 and max_tokens > SPLIT_MIN_TOKENS:
         if num_sm < SPLIT_MIN_SM:
             dispatch = {"chunk": 32, "num_warps": 16, "block_h": 512}
             combine = {"chunk": 8, "num_warps": 16, "block_h": 1024}
         else:
-            dispatch = {"chunk": 16, "num_warps": 16, "block_h": 1024}
+            chunk = 16 if num_sm < MANY_SM else 8
+            dispatch = {"chunk": chunk, "num_warps": 16, "block_h": 1024}
             combine = {"chunk": 8, "num_warps": 8, "block_h": 1024}
     return dispatch, combine
 
@@ -183,16 +184,16 @@ class TritonBackend(A2ABackend):
             (nvshmem4py); default taken from ``$EP_A2A_TRITON_HEAP`` when set.
         chunk: tokens per work item and ready flag of the dispatch row kernel (default: 8 for
             hidden >= 1024 and max_tokens > 1024, 1 for hidden >= 1024 and at most 256 tokens, 2 up to
-            1024 tokens, 16 / 4 for narrower rows; for large layers of wide rows on fewer than 128 SMs,
-            see below).
+            1024 tokens, 16 / 4 for narrower rows; for large layers see below).
         block_h: tile width along hidden of the row kernel (default 1024, or the whole row for chunks of
             at most 2 tokens).
         num_warps: warps per CTA of the row kernel (default 8; 4 for one-token chunks).
         combine_chunk, combine_warps, combine_block_h: the same for the combine kernel (default: the
-            dispatch kernel's). When all three dispatch (or combine) arguments are left unset, layers of
-            ``hidden >= 4096`` with ``max_tokens > 1024`` on fewer than 128 SMs take tiles tuned on 2x
-            H100: dispatch chunks of 32 tokens, 16 warps and 512-wide tiles below 64 SMs (16, 16, 1024
-            from 64), combine chunks of 8 with 16 warps below 64 SMs (8 warps from 64).
+            dispatch kernel's). When all three dispatch (or combine) arguments are left unset, large
+            layers (``hidden >= 1024``, ``max_tokens > 1024``) take tiles tuned on 2x H100: dispatch
+            chunks of 32 tokens, 16 warps and 512-wide tiles below 64 SMs, 16 tokens and 16 warps below
+            96, 8 tokens and 16 warps from 96; combine chunks of 8 with 16 warps below 64 SMs, 8 warps
+            from 64 (1024-wide tiles).
         overlap_bytes: exact-shape dispatch of a layer whose worst-case output
             (``world_size * max_tokens * topk`` rows) is at most this many bytes (default 256 MiB:
             decode-sized layers) launches the row kernel before waiting for the counts, into freshly
