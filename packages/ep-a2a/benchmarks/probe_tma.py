@@ -137,6 +137,69 @@ def _reduce_lsu(
 
 
 @triton.jit
+def _reduce_lsu_slots(
+    rows_in_ptr,
+    rows_ptr,
+    y_ptr,
+    n_tok,
+    H: tl.constexpr,
+    BH: tl.constexpr,
+    CH: tl.constexpr,
+    KP: tl.constexpr,
+    WIDE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """The combine kernel's shape of work: ``KP`` slots per token (``-1``: not on this rank), summed per
+    tile. ``WIDE``: all slots of a tile in one ``[CH, KP, BH]`` gather (else one load per slot);
+    ``PREFETCH``: the next tile's gather issued before this tile is summed."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    hh = tl.arange(0, BH)
+    kk = tl.arange(0, KP)
+    for c in range(pid, tl.cdiv(n_tok, CH), G):
+        toks = c * CH + tl.arange(0, CH)
+        tm = toks < n_tok
+        rows = tl.load(rows_ptr + toks[:, None] * KP + kk[None, :], mask=tm[:, None], other=-1).to(tl.int64)
+        if WIDE:
+            base = (rows * H)[:, :, None] + hh[None, None, :]
+            ok = (rows >= 0)[:, :, None] & (hh < H)[None, None, :]
+            if PREFETCH:
+                cur = tl.load(rows_in_ptr + base, mask=ok, other=0.0)
+            for h0 in range(0, H, BH):
+                if PREFETCH:
+                    hn = h0 + BH
+                    nxt = tl.load(
+                        rows_in_ptr + base + hn, mask=ok & ((hn + hh) < H)[None, None, :], other=0.0
+                    )
+                    tile = cur
+                else:
+                    tile = tl.load(
+                        rows_in_ptr + base + h0, mask=ok & ((h0 + hh) < H)[None, None, :], other=0.0
+                    )
+                acc = tl.sum(tile.to(tl.float32), axis=1)
+                m = tm[:, None] & ((h0 + hh) < H)[None, :]
+                tl.store(
+                    y_ptr + toks.to(tl.int64)[:, None] * H + h0 + hh[None, :], acc.to(tl.bfloat16), mask=m
+                )
+                if PREFETCH:
+                    cur = nxt
+        else:
+            for h0 in range(0, H, BH):
+                m = tm[:, None] & ((h0 + hh) < H)[None, :]
+                acc = tl.zeros([CH, BH], dtype=tl.float32)
+                for k in tl.static_range(KP):
+                    rk = tl.sum(tl.where(kk[None, :] == k, rows, 0), axis=1)
+                    acc += tl.load(
+                        rows_in_ptr + rk[:, None] * H + h0 + hh[None, :],
+                        mask=m & (rk >= 0)[:, None],
+                        other=0.0,
+                    ).to(tl.float32)
+                tl.store(
+                    y_ptr + toks.to(tl.int64)[:, None] * H + h0 + hh[None, :], acc.to(tl.bfloat16), mask=m
+                )
+
+
+@triton.jit
 def _reduce_tma(in_desc, y_desc, rows_ptr, n_tok, KL: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -177,6 +240,11 @@ def main() -> None:
     rows = torch.empty(n * KL, dtype=torch.int64)
     rows[slot_order] = torch.arange(n * KL)
     rows = rows.to(torch.int32).to(dev)
+    # the combine kernel's view: 2 * KL slots per token, the KL local ones at random places, the others -1
+    keep = torch.rand(n, 2 * KL, generator=g).argsort(1)[:, :KL]
+    rows8 = torch.full((n, 2 * KL), -1, dtype=torch.int32)
+    rows8.scatter_(1, keep, rows.cpu().view(n, KL))
+    rows8 = rows8.to(dev)
     x = torch.randn(n, H, device=dev).to(torch.bfloat16)
     out = torch.empty(n * KL, H, device=dev, dtype=torch.bfloat16)
     y = torch.empty(n, H, device=dev, dtype=torch.bfloat16)
@@ -272,6 +340,23 @@ def main() -> None:
         "tma-s2-w8": lambda G: _reduce_tma[(G,)](out_desc, y_desc, rows, n, KL=KL, STAGES=2, num_warps=8),
         "tma-s3-w8": lambda G: _reduce_tma[(G,)](out_desc, y_desc, rows, n, KL=KL, STAGES=3, num_warps=8),
     }
+
+    def slots(ch, bh, w, wide, pf):
+        return lambda G: _reduce_lsu_slots[(G,)](
+            out, rows8, y, n, H=H, BH=bh, CH=ch, KP=2 * KL, WIDE=wide, PREFETCH=pf, num_warps=w
+        )
+
+    reduce.update(
+        {
+            "slots-c8b1024w8": slots(8, 1024, 8, False, False),
+            "slots-c8b1024w16": slots(8, 1024, 16, False, False),
+            "wide-c8b512w16": slots(8, 512, 16, True, False),
+            "wide-pf-c8b512w16": slots(8, 512, 16, True, True),
+            "wide-pf-c4b1024w16": slots(4, 1024, 16, True, True),
+            "wide-pf-c8b256w8": slots(8, 256, 8, True, True),
+            "wide-pf-c16b256w16": slots(16, 256, 16, True, True),
+        }
+    )
     for name, fn in list(expand.items()):
         out.fill_(float("nan"))
         try:

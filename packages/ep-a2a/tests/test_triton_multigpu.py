@@ -329,11 +329,8 @@ def test_default_tiles_large_layer(group, num_sm):
         d, c = _default_tiles(hidden, max_tokens, num_sm)
         e = be.engine
         assert (e.chunk, e.num_warps, e.block_h) == (d["chunk"], d["num_warps"], d["block_h"])
-        assert (e.combine_chunk, e.combine_warps, e.combine_block_h) == (
-            c["chunk"],
-            c["num_warps"],
-            c["block_h"],
-        )
+        assert (e.combine_chunk, e.combine_warps) == (c["chunk"], c["num_warps"])
+        assert c["block_h"] in (None, e.combine_block_h)
         for i, ns in enumerate(([max_tokens, 1500], [7, max_tokens])):
             ns = (ns * world)[:world]
             xs, ids, ws, gen = _inputs(

@@ -13,8 +13,10 @@ import torch
 
 from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
 from ep_a2a.triton_backend.engine import (
+    COMBINE_TILE_PER_THREAD,
     WHOLE_ROW_MAX_CHUNK,
     EPTimeoutFromDevice,
+    HeapLayout,
     TritonEPEngine,
     interpreting,
 )
@@ -166,19 +168,58 @@ def test_combine_chunk_differs_from_dispatch_chunk(combine_chunk, node):
         sim.check_decoy()
 
 
-def test_combine_chunk_must_match_layout():
-    sim = SimWorld(world_size=2, max_tokens=8, hidden=16, topk=2, num_tot_experts=4, num_sm=2, chunk=2)
+@pytest.mark.parametrize("node", [None, 2], ids=["intra", "remote"])
+@pytest.mark.parametrize(
+    ("hidden", "block_h", "combine_block_h"),
+    [
+        pytest.param(48, 16, 16, id="H48-three-even-tiles"),
+        pytest.param(40, 16, 32, id="H40-partial-last-tile"),
+    ],
+)
+def test_rows_in_several_tiles(hidden, block_h, combine_block_h, node):
+    """Rows wider than one tile: the dispatch's tile-ahead loads and the combine's next-tile gathers
+    (the other tests fit a row in one tile), on one node and with remote peers."""
+    world, ns, topk, experts = 4, [6, 6, 0, 4], 4, 16
+    gen = torch.Generator().manual_seed(hidden + block_h)
+    sim = SimWorld(
+        world_size=world, max_tokens=max(ns), hidden=hidden, topk=topk, num_tot_experts=experts,
+        token_dtype=torch.bfloat16, num_sm=2, chunk=4, block_h=block_h, combine_block_h=combine_block_h,
+        node_size=node,
+    )  # fmt: skip
+    assert (sim.engines[0].block_h, sim.engines[0].combine_block_h) == (block_h, combine_block_h)
+    flows = ((False, 0), (True, 0), (True, 1)) if node is None else ((False, 0), (False, 1))
+    _round_trips(sim, ns, flows, gen, with_w=True, skew=True, drop=0.1)
+    if node is not None:
+        sim.check_decoy()
+
+
+def test_combine_tile_arguments():
+    """The combine kernel's tile: checked against the layout, defaults from the dispatch kernel's, and a
+    default width that keeps a [chunk, KP, width] gather within COMBINE_TILE_PER_THREAD per thread."""
+    sim = SimWorld(world_size=2, max_tokens=8, hidden=16, topk=8, num_tot_experts=4, num_sm=2, chunk=2)
     e = sim.engines[0]
     kw = dict(
-        rank=0, world_size=2, max_tokens=8, hidden=16, topk=2, num_tot_experts=4, token_dtype=torch.bfloat16,
+        rank=0, world_size=2, max_tokens=8, hidden=16, topk=8, num_tot_experts=4, token_dtype=torch.bfloat16,
         weight_dtype=torch.float32, heap_local=sim.heaps[0], ptr_table=sim.table, num_sm=2, timeout_s=1.0,
     )  # fmt: skip
     with pytest.raises(ValueError, match="combine_chunk must be a power of 2"):
         TritonEPEngine(layout=sim.layout, chunk=2, combine_chunk=3, **kw)
+    with pytest.raises(ValueError, match="combine_block_h must be a power of 2"):
+        TritonEPEngine(layout=sim.layout, chunk=2, combine_block_h=48, **kw)
     with pytest.raises(ValueError, match="combine_chunk=1 needs 8"):
         TritonEPEngine(layout=sim.layout, chunk=2, combine_chunk=1, **kw)
     assert e.combine_chunk == 2
     assert e.combine_warps == e.num_warps
+    for cc, warps, want in ((8, 16, 512), (1, 4, 1024), (16, 8, 128), (2, 8, 1024)):
+        lay = HeapLayout.build(
+            world_size=2, max_tokens=8, hidden=16, topk=8, experts_per_rank=2, token_bytes=2, chunk=2,
+            combine_chunk=cc,
+        )  # fmt: skip
+        eng = TritonEPEngine(
+            layout=lay, chunk=2, block_h=1024, combine_chunk=cc, combine_warps=warps, **kw
+        )  # fmt: skip
+        assert eng.combine_block_h == want, (cc, warps)
+        assert cc * eng.kp * eng.combine_block_h <= COMBINE_TILE_PER_THREAD * 32 * warps
 
 
 def _round_trips(sim, ns, flows, gen, *, with_w, skew, drop, after_dispatch=None) -> None:

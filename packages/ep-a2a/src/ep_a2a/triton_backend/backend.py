@@ -133,11 +133,9 @@ def _default_tiles(hidden: int, max_tokens: int, num_sm: int) -> tuple[dict, dic
     if hidden >= 1024 and max_tokens > SPLIT_MIN_TOKENS:
         if num_sm < SPLIT_MIN_SM:
             dispatch = {"chunk": 32, "num_warps": 16, "block_h": 512}
-            combine = {"chunk": 8, "num_warps": 16, "block_h": 1024}
         else:
-            chunk = 16 if num_sm < MANY_SM else 8
-            dispatch = {"chunk": chunk, "num_warps": 16, "block_h": 1024}
-            combine = {"chunk": 8, "num_warps": 8, "block_h": 1024}
+            dispatch = {"chunk": 16 if num_sm < MANY_SM else 8, "num_warps": 16, "block_h": 1024}
+        combine = {"chunk": 8, "num_warps": 16, "block_h": None}
     return dispatch, combine
 
 

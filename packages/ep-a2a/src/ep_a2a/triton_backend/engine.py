@@ -42,6 +42,9 @@ _ALIGN = 256
 #: no per-tile reloads of the slot table (whose latency dominates there), peers' flags before own rows
 WHOLE_ROW_MAX_CHUNK = 2
 WHOLE_ROW_MAX_ELEMS = 16384
+#: elements per thread of one [combine_chunk, KP, block_h] gather of the combine kernel (two are in
+#: flight): the default combine tile width keeps to it (wider tiles spill registers)
+COMBINE_TILE_PER_THREAD = 64
 #: ``0`` turns off programmatic dependent launch of the row kernel (on by default on sm_90 and newer)
 PDL_ENV = "EP_A2A_TRITON_PDL"
 
@@ -208,7 +211,9 @@ class TritonEPEngine:
         timeout_s: bound of every device-side wait.
         chunk: tokens per work item (and per ready flag).
         combine_chunk, combine_warps, combine_block_h: the same for the combine kernel (default: the
-            dispatch kernel's); ``layout`` must be built with the same ``combine_chunk``.
+            dispatch kernel's chunk and warps, and the widest tile of at most ``COMBINE_TILE_PER_THREAD``
+            elements per thread, up to ``block_h``); ``layout`` must be built with the same
+            ``combine_chunk``.
         send_ctas, combine_send_ctas: split of the dispatch / combine kernel's CTAs (``TritonBackend``
             picks the defaults: on for large layers on many SMs). 0 (the engine's default):
             every CTA sends its chunks to the peers, then writes this rank's rows of a chunk, in turn;
@@ -272,12 +277,11 @@ class TritonEPEngine:
             block_h = min(_next_pow2(hidden), 64 if interpreting() else 1024)
         self.block_h = block_h
         self.combine_chunk = combine_chunk or chunk
-        self.combine_block_h = combine_block_h or block_h
         for name, v in (
             ("chunk", chunk),
             ("combine_chunk", self.combine_chunk),
             ("block_h", block_h),
-            ("combine_block_h", self.combine_block_h),
+            ("combine_block_h", combine_block_h or 1),
         ):
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of 2 (a Triton block size), got {v}")
@@ -291,13 +295,19 @@ class TritonEPEngine:
                 f"needs {triton.cdiv(max_tokens, self.combine_chunk)}: pass the same combine_chunk to both"
             )
         self.combine_warps = combine_warps or self.num_warps
+        self.kp = _next_pow2(topk)
+        # the combine kernel gathers [combine_chunk, KP, block_h] tiles, two at a time: by default no
+        # wider than COMBINE_TILE_PER_THREAD elements per thread each
+        self.combine_block_h = combine_block_h or min(
+            block_h,
+            max(16, COMBINE_TILE_PER_THREAD * 32 * self.combine_warps // (self.combine_chunk * self.kp)),
+        )
         self._plans: dict[tuple, tuple] = {}
         for name, k in (("send_ctas", send_ctas), ("combine_send_ctas", combine_send_ctas)):
             if k and not 0 < k < self.num_sm:
                 raise ValueError(f"{name} must be 0 or in [1, num_sm={self.num_sm}), got {k}")
         self.send_ctas = send_ctas
         self.combine_send_ctas = combine_send_ctas
-        self.kp = _next_pow2(topk)
         self.wp = _next_pow2(world_size)
         self.lp = _next_pow2(layout.cw or self.experts_per_rank + 1)
         dev = self.device

@@ -1262,19 +1262,28 @@ def _remote_expand_kernel(
 
 
 @triton.jit
-def _reduce_rows(y_ptr, rows, dst, keep, kk, hh, H: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr,
-                 K: tl.constexpr, EVEN_H: tl.constexpr):  # fmt: skip
-    """``dst[i] = sum_k y[rows[i, k]]`` (float32 sum, rows < 0 skipped) for the rows ``i`` with ``keep``."""
+def _slots_tile(y_ptr, rows, h0, hh, H: tl.constexpr, EVEN_H: tl.constexpr):
+    """Tile ``h0`` of the rows ``rows [CH, KP]`` (int64, < 0: none) of ``y`` as one ``[CH, KP, BH]``
+    gather, zero where there is no row and past the end of the row (all of it once ``h0 >= H``)."""
+    if EVEN_H:
+        m = (rows >= 0)[:, :, None] & (h0 < H)  # constant along the row: 16-byte vectors
+    else:
+        m = (rows >= 0)[:, :, None] & ((h0 + hh) < H)[None, None, :]
+    return tl.load(y_ptr + (rows * H)[:, :, None] + h0 + hh[None, None, :], mask=m, other=0)
+
+
+@triton.jit
+def _reduce_rows(y_ptr, rows, dst, keep, hh, H: tl.constexpr, BH: tl.constexpr, EVEN_H: tl.constexpr):
+    """``dst[i] = sum_k y[rows[i, k]]`` (float32 sum, rows < 0 skipped) for the rows ``i`` with ``keep``.
+
+    Every slot of a tile is one gather, and the next tile's gather is issued before this one is summed:
+    twice the bytes in flight per CTA of a per-slot loop (measured: ``benchmarks/probe_tma.py``)."""
+    cur = _slots_tile(y_ptr, rows, 0, hh, H, EVEN_H)
     for h0 in range(0, H, BH):
-        acc = tl.zeros([CH, BH], tl.float32)
-        for k in tl.static_range(K):
-            rk = _column(rows, kk, k)
-            acc += tl.load(
-                y_ptr + rk[:, None] * H + h0 + hh[None, :],
-                mask=_m((rk >= 0), h0, hh, H, EVEN_H),
-                other=0,
-            ).to(tl.float32)
+        nxt = _slots_tile(y_ptr, rows, h0 + BH, hh, H, EVEN_H)
+        acc = tl.sum(cur.to(tl.float32), axis=1)
         tl.store(dst + h0 + hh[None, :], acc.to(y_ptr.dtype.element_ty), mask=_m(keep, h0, hh, H, EVEN_H))
+        cur = nxt
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1368,7 +1377,7 @@ def _combine_kernel(
                                 _peer_ptr(table_ptr, rank, off_scx, ty)
                                 + (s * max_tokens + jj).to(tl.int64)[:, None] * H
                             )
-                            _reduce_rows(y_ptr, rows, dst, jm, kk, hh, H, BH, CH, K, EVEN_H)
+                            _reduce_rows(y_ptr, rows, dst, jm, hh, H, BH, EVEN_H)
                     elif (s != rank) & do_send & (c * CH < n_s):
                         toks = c * CH + tl.arange(0, CH)
                         m2 = (toks < n_s)[:, None] & (kk[None, :] < K)
@@ -1383,7 +1392,7 @@ def _combine_kernel(
                             _peer_ptr(table_ptr, s, off_cx, ty)
                             + (rank * max_tokens + toks).to(tl.int64)[:, None] * H
                         )
-                        _reduce_rows(y_ptr, rows, dst, need, kk, hh, H, BH, CH, K, EVEN_H)
+                        _reduce_rows(y_ptr, rows, dst, need, hh, H, BH, EVEN_H)
                         tl.debug_barrier()
                         f = _peer_ptr(table_ptr, s, off_cflag, tl.int64) + rank * nchunks + c
                         tl.atomic_xchg(f, ep, sem="release", scope="sys")
@@ -1407,15 +1416,11 @@ def _combine_kernel(
                             ok_all = ok_all & _wait_flag(f, ep, state_ptr, 4, r, timeout, USE_TIMER)
                     if ok_all:
                         rows = tl.load(tab_ptr + rank * max_tokens * K + slot, mask=m2, other=-1).to(tl.int64)
+                        cur = _slots_tile(y_ptr, rows, 0, hh, H, EVEN_H)
                         for h0 in range(0, H, BH):
-                            acc = tl.zeros([CH, BH], tl.float32)
-                            for k in tl.static_range(K):
-                                rk = _column(rows, kk, k)
-                                acc += tl.load(
-                                    y_ptr + rk[:, None] * H + h0 + hh[None, :],
-                                    mask=_m((rk >= 0), h0, hh, H, EVEN_H),
-                                    other=0,
-                                ).to(tl.float32)
+                            # this rank's slots: one gather per tile, the next one in flight (_reduce_rows)
+                            nxt = _slots_tile(y_ptr, rows, h0 + BH, hh, H, EVEN_H)
+                            acc = tl.sum(cur.to(tl.float32), axis=1)
                             for r in tl.static_range(W):
                                 if (REMOTE >> r) & 1:
                                     # r's row of token t is its packed record pk[r, t]
@@ -1448,6 +1453,7 @@ def _combine_kernel(
                                 acc.to(out_ptr.dtype.element_ty),
                                 mask=_m(tm, h0, hh, H, EVEN_H),
                             )
+                            cur = nxt
             j += 1
     if RECV:
         # the last CTA to finish publishes the epoch (every CTA read the old one first)
