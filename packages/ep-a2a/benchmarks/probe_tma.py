@@ -13,7 +13,12 @@ Variants, each on ``--sms`` persistent CTAs (CUDA events, median of ``--iters`` 
   stores through registers (one tile ahead);
 * ``tma``: one token at a time, the whole row as one ``[1, 32, 256]`` box of the ``[rows, 28, 256]`` view
   (the box is clipped to the row), loaded and stored through tensor descriptors made on the host;
-* ``tma2``: two tokens' loads issued before their stores.
+* ``tma2``: two tokens' loads issued before their stores;
+* ``tma-s*`` / ``tmald-lsust-*``: TMA loads software-pipelined ``s`` deep by ``tl.range(num_stages=s)``,
+  stores by TMA or from registers;
+* reductions shaped as the combine kernel's (``slots-*``, ``wide-*``): ``2 * KL`` slots per token, half
+  of them not on this rank (``-1``), summed one load per slot or as one ``[CH, 2KL, BH]`` gather per
+  tile (``wide``), optionally with the next tile's gather issued first (``pf``).
 
 The roofline is a 470 MB device-to-device copy measured in the same run.
 
