@@ -12,6 +12,9 @@ Usage (repository root)::
     uv run python packages/ep-a2a/benchmarks/offline_compile.py --world 8 --split 16    # intra-node
 
 ``--node`` is the simulated node size (``force_remote``): ranks outside rank 0's block are remote.
+``--backend-tiles`` takes the tiles ``TritonBackend`` picks for the shape and ``--num-sm`` (else chunk
+``--chunk``, 8 warps, 1024 wide); ``--regs`` adds each variant's registers and spill bytes per thread
+from the ptxas bundled with Triton (``ptxas -v``), so tile choices can be checked for spills offline.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import hashlib
 import inspect
 import os
 import re
+import subprocess
+import tempfile
 from typing import Any
 
 import torch
@@ -58,9 +63,31 @@ def _capture(launches: list) -> None:
     E.TritonEPEngine._launch = fake_launch  # type: ignore[method-assign]
 
 
-def compile_sm90(kernel: Any, num_warps: int, named: dict, dump: str | None = None) -> tuple[int, int, str]:
+def ptxas_usage(ptx: str) -> str:
+    """``regs=N spill=S/L`` of a PTX module for sm_90a: registers per thread and spill store / load bytes,
+    from the ptxas bundled with Triton."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    regs = re.findall(r"Used (\d+) registers", log)
+    spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    st, ld = (max(int(x[i]) for x in spill) for i in (0, 1)) if spill else (0, 0)
+    return f"regs={max(int(r) for r in regs) if regs else -1:3d} spill={st}/{ld}"
+
+
+def compile_sm90(
+    kernel: Any, num_warps: int, named: dict, dump: str | None = None, regs: bool = False
+) -> tuple[int, int, str]:
     """``(shared bytes, PTX instructions, hash of the PTX body)`` of one launch's variant (the body also
-    written to the file ``dump``)."""
+    written to the file ``dump``; with ``regs`` the hash is followed by :func:`ptxas_usage`)."""
     sig, const = {}, {}
     for i, (p, param) in enumerate(inspect.signature(kernel.fn).parameters.items()):
         v = named.get(p, param.default)  # (arguments left at their defaults)
@@ -83,7 +110,8 @@ def compile_sm90(kernel: Any, num_warps: int, named: dict, dump: str | None = No
     if dump:
         with open(dump, "w") as f:
             f.write("\n".join(body))
-    return k.metadata.shared, n_ins, hashlib.md5("\n".join(body).encode()).hexdigest()[:12]
+    h = hashlib.md5("\n".join(body).encode()).hexdigest()[:12]
+    return k.metadata.shared, n_ins, h + (" " + ptxas_usage(k.asm["ptx"]) if regs else "")
 
 
 def main() -> None:
@@ -100,10 +128,24 @@ def main() -> None:
     ap.add_argument("--dump", default=None, help="write each launch's PTX body into this folder")
     ap.add_argument("--pdl", action="store_true", help="the row kernel as launched with PDL on sm_90")
     ap.add_argument("--probe", action="store_true", help="with the profiling stamps (engine.probe)")
+    ap.add_argument("--backend-tiles", action="store_true", help="the tiles TritonBackend picks (see above)")
+    ap.add_argument("--regs", action="store_true", help="registers and spill bytes per launch (ptxas -v)")
     a = ap.parse_args()
+    tiles: dict[str, Any] = {}
+    if a.backend_tiles:
+        from ep_a2a.triton_backend.backend import _default_tiles
+
+        d, c = _default_tiles(a.hidden, a.tokens, a.num_sm)
+        a.chunk = d["chunk"]
+        tiles = {"num_warps": d["num_warps"], "block_h": d["block_h"]}
+        tiles.update(combine_chunk=c["chunk"], combine_warps=c["num_warps"], combine_block_h=c["block_h"])
+        lay_kw = {"combine_chunk": c["chunk"]}
     W, node = a.world, a.node or a.world
     remote = [p for p in range(W) if p // node != 0]
-    lay_kw = {"remote": True} if remote else {}  # (a tree from before the remote path has no such argument)
+    if not a.backend_tiles:
+        lay_kw = {}
+    if remote:  # (a tree from before the remote path has no such argument)
+        lay_kw["remote"] = True
     lay = E.HeapLayout.build(
         world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts_per_rank=a.experts // W,
         token_bytes=2, chunk=a.chunk, **lay_kw,
@@ -113,12 +155,12 @@ def main() -> None:
         rank=0, world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, num_tot_experts=a.experts,
         token_dtype=torch.bfloat16, weight_dtype=torch.float32, heap_local=torch.zeros(16, dtype=torch.uint8),
         ptr_table=torch.zeros(W, dtype=torch.int64), layout=lay, num_sm=a.num_sm, timeout_s=1.0, chunk=a.chunk,
-        send_ctas=a.split, combine_send_ctas=a.split, **eng_kw,
+        send_ctas=a.split, combine_send_ctas=a.split, **eng_kw, **tiles,
     )  # fmt: skip
-    # the GPU's settings (the engine picks interpreter-sized tiles on a CPU)
     eng.use_timer = True
-    eng.block_h = min(1024, 1 << (a.hidden - 1).bit_length())
-    eng.num_warps = 8 if eng.block_h >= 512 else 4
+    if not a.backend_tiles:  # the GPU's settings (the engine picks interpreter-sized tiles on a CPU)
+        eng.block_h = min(1024, 1 << (a.hidden - 1).bit_length())
+        eng.num_warps = 8 if eng.block_h >= 512 else 4
     eng.pdl = a.pdl
     if a.probe:
         eng.probe = torch.zeros(2, a.num_sm, 16, dtype=torch.int64)
@@ -151,7 +193,7 @@ def main() -> None:
         os.makedirs(a.dump, exist_ok=True)
     for i, (key, kernel, nw, named) in enumerate(launches):
         dump = os.path.join(a.dump, f"{i}-{key[0]}.ptx") if a.dump else None
-        shared, n_ins, h = compile_sm90(kernel, nw, named, dump)
+        shared, n_ins, h = compile_sm90(kernel, nw, named, dump, a.regs)
         print(f"{key[0]:8s} {key[1:7]!s:64s} shared={shared:6d} ptx_ins={n_ins:6d} body={h}")
 
 
