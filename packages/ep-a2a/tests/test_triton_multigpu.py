@@ -275,32 +275,47 @@ def test_cta_split_against_reference(group):
             be.finalize()
 
 
+def _large_layer_round_trips(be, group, *, hidden, seed, rounds, check=None) -> None:
+    """``check(be)`` first, then one round trip per ``(token counts, skewed)`` of ``rounds`` (the counts
+    repeated over the ranks; top-8 of 8 experts per rank, bf16 with weights, 5 % dropped slots) and a
+    static call, each against the reference. Finalizes ``be``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    experts = 8 * world
+    try:
+        if check is not None:
+            check(be)
+        for i, (ns, skew) in enumerate(rounds):
+            ns = (list(ns) * world)[:world]
+            xs, ids, ws, gen = _inputs(
+                seed + i, world, ns, hidden, 8, experts, torch.bfloat16, skew=skew, drop=0.05, with_w=True
+            )
+            _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
+        _check_static_call(be, rank, xs, ids, ws, experts)
+        torch.cuda.synchronize()
+        be.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
+
+
 def test_default_split_large_layer(group):
     """A large layer on all SMs gets the sender / writer split by default (``num_sm // 3`` dispatch,
     ``num_sm // 2`` combine CTAs sending) and matches the reference, exact-shape and static calls."""
     from ep_a2a.triton_backend.backend import SPLIT_MIN_TOKENS
 
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     max_tokens = 2 * SPLIT_MIN_TOKENS
     be = _make_backend(
         group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
         heap="torch", num_sm=n_sm,
     )  # fmt: skip
-    try:
+
+    def check(be) -> None:
         assert (be.engine.send_ctas, be.engine.combine_send_ctas) == (n_sm // 3, n_sm // 2)
-        for i, ns in enumerate(([max_tokens, 1500], [7, max_tokens])):
-            ns = (ns * world)[:world]
-            xs, ids, ws, gen = _inputs(
-                700 + i, world, ns, 512, 8, 8 * world, torch.bfloat16, skew=i == 1, drop=0.05, with_w=True
-            )
-            _check_round_trip(be, group, xs, ids, ws, gen, 8 * world, torch.bfloat16)
-        _check_static_call(be, rank, xs, ids, ws, 8 * world)
-        torch.cuda.synchronize()
-        be.check_errors()
-    finally:
-        torch.cuda.synchronize()
-        be.finalize()
+
+    rounds = (([max_tokens, 1500], False), ([7, max_tokens], True))
+    _large_layer_round_trips(be, group, hidden=512, seed=700, rounds=rounds, check=check)
     small = _make_backend(
         group, max_tokens=SPLIT_MIN_TOKENS, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
         heap="torch", num_sm=n_sm,
@@ -318,31 +333,23 @@ def test_default_tiles_large_layer(group, num_sm):
     static calls."""
     from ep_a2a.triton_backend.backend import SPLIT_MIN_TOKENS, _default_tiles
 
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     num_sm = num_sm or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    max_tokens, hidden, experts = 2 * SPLIT_MIN_TOKENS, 1024, 8 * world
+    max_tokens, hidden = 2 * SPLIT_MIN_TOKENS, 1024
     be = _make_backend(
-        group, max_tokens=max_tokens, hidden=hidden, topk=8, experts=experts, dtype=torch.bfloat16,
+        group, max_tokens=max_tokens, hidden=hidden, topk=8, experts=8 * world, dtype=torch.bfloat16,
         heap="torch", num_sm=num_sm,
     )  # fmt: skip
-    try:
+
+    def check(be) -> None:
         d, c = _default_tiles(hidden, max_tokens, num_sm)
         e = be.engine
         assert (e.chunk, e.num_warps, e.block_h) == (d["chunk"], d["num_warps"], d["block_h"])
         assert (e.combine_chunk, e.combine_warps) == (c["chunk"], c["num_warps"])
         assert c["block_h"] in (None, e.combine_block_h)
-        for i, ns in enumerate(([max_tokens, 1500], [7, max_tokens])):
-            ns = (ns * world)[:world]
-            xs, ids, ws, gen = _inputs(
-                720 + i, world, ns, hidden, 8, experts, torch.bfloat16, skew=i == 1, drop=0.05, with_w=True
-            )
-            _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
-        _check_static_call(be, rank, xs, ids, ws, experts)
-        torch.cuda.synchronize()
-        be.check_errors()
-    finally:
-        torch.cuda.synchronize()
-        be.finalize()
+
+    rounds = (([max_tokens, 1500], False), ([7, max_tokens], True))
+    _large_layer_round_trips(be, group, hidden=hidden, seed=720, rounds=rounds, check=check)
 
 
 def test_copy_engine_large_layer_from_env(group, monkeypatch):
@@ -350,7 +357,7 @@ def test_copy_engine_large_layer_from_env(group, monkeypatch):
     split that such a layer gets by default), against the reference; off without the variable."""
     from ep_a2a.triton_backend.backend import COPY_ENGINE_ENV, SPLIT_MIN_TOKENS
 
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     max_tokens = 2 * SPLIT_MIN_TOKENS
     monkeypatch.setenv(COPY_ENGINE_ENV, "1")
@@ -358,20 +365,13 @@ def test_copy_engine_large_layer_from_env(group, monkeypatch):
         group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
         heap="torch", num_sm=n_sm,
     )  # fmt: skip
-    try:
+
+    def check(be) -> None:
         assert be.copy_engine
         assert (be.engine.send_ctas, be.engine.ce_pieces) == (0, 4)
-        ns = ([max_tokens, 1500] * world)[:world]
-        xs, ids, ws, gen = _inputs(
-            710, world, ns, 512, 8, 8 * world, torch.bfloat16, skew=True, drop=0.05, with_w=True
-        )
-        _check_round_trip(be, group, xs, ids, ws, gen, 8 * world, torch.bfloat16)
-        _check_static_call(be, rank, xs, ids, ws, 8 * world)
-        torch.cuda.synchronize()
-        be.check_errors()
-    finally:
-        torch.cuda.synchronize()
-        be.finalize()
+
+    rounds = (([max_tokens, 1500], True),)
+    _large_layer_round_trips(be, group, hidden=512, seed=710, rounds=rounds, check=check)
     monkeypatch.delenv(COPY_ENGINE_ENV)
     off = _make_backend(
         group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
