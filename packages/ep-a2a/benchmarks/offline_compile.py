@@ -55,10 +55,12 @@ class _NoTransport:
 
 
 def _capture(launches: list) -> None:
-    def fake_launch(self, key, kernel, grid, num_warps, var_names, var_vals, fixed, launch_pdl=False) -> None:
+    def fake_launch(
+        self, key, kernel, grid, num_warps, var_names, var_vals, fixed, launch_pdl=False, maxnreg=None
+    ) -> None:
         named = fixed()
         named.update(zip(var_names, var_vals, strict=True))
-        launches.append((key, kernel, num_warps, named))
+        launches.append((key, kernel, num_warps, named, maxnreg))
 
     E.TritonEPEngine._launch = fake_launch  # type: ignore[method-assign]
 
@@ -84,7 +86,12 @@ def ptxas_usage(ptx: str) -> str:
 
 
 def compile_sm90(
-    kernel: Any, num_warps: int, named: dict, dump: str | None = None, regs: bool = False
+    kernel: Any,
+    num_warps: int,
+    named: dict,
+    dump: str | None = None,
+    regs: bool = False,
+    maxnreg: int | None = None,
 ) -> tuple[int, int, str]:
     """``(shared bytes, PTX instructions, hash of the PTX body)`` of one launch's variant (the body also
     written to the file ``dump``; with ``regs`` the hash is followed by :func:`ptxas_usage`)."""
@@ -99,9 +106,8 @@ def compile_sm90(
             sig[p] = "*" + TYPES[v.dtype]
         else:
             sig[p] = "i64" if abs(int(v)) > 2**31 - 1 else "i32"
-    k = triton.compile(
-        ASTSource(kernel, sig, constexprs=const), target=TARGET, options={"num_warps": num_warps}
-    )
+    opts: dict[str, Any] = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    k = triton.compile(ASTSource(kernel, sig, constexprs=const), target=TARGET, options=opts)
     ptx = k.asm["ptx"].split(".section\t.debug")[0]
     ptx = re.sub(r"\$L__tmp\d+:?", "", re.sub(r"//.*", "", ptx))
     skip = ("param", ".loc", ".file")
@@ -130,6 +136,7 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="with the profiling stamps (engine.probe)")
     ap.add_argument("--backend-tiles", action="store_true", help="the tiles TritonBackend picks (see above)")
     ap.add_argument("--regs", action="store_true", help="registers and spill bytes per launch (ptxas -v)")
+    ap.add_argument("--combine-maxnreg", type=int, default=None, help="the engine's combine_maxnreg")
     a = ap.parse_args()
     tiles: dict[str, Any] = {}
     if a.backend_tiles:
@@ -155,7 +162,7 @@ def main() -> None:
         rank=0, world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, num_tot_experts=a.experts,
         token_dtype=torch.bfloat16, weight_dtype=torch.float32, heap_local=torch.zeros(16, dtype=torch.uint8),
         ptr_table=torch.zeros(W, dtype=torch.int64), layout=lay, num_sm=a.num_sm, timeout_s=1.0, chunk=a.chunk,
-        send_ctas=a.split, combine_send_ctas=a.split, **eng_kw, **tiles,
+        send_ctas=a.split, combine_send_ctas=a.split, combine_maxnreg=a.combine_maxnreg, **eng_kw, **tiles,
     )  # fmt: skip
     eng.use_timer = True
     if not a.backend_tiles:  # the GPU's settings (the engine picks interpreter-sized tiles on a CPU)
@@ -191,9 +198,9 @@ def main() -> None:
     print(f"world {W}, node {node}, remote peers of rank 0: {remote}; sm_90")
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
-    for i, (key, kernel, nw, named) in enumerate(launches):
+    for i, (key, kernel, nw, named, maxnreg) in enumerate(launches):
         dump = os.path.join(a.dump, f"{i}-{key[0]}.ptx") if a.dump else None
-        shared, n_ins, h = compile_sm90(kernel, nw, named, dump, a.regs)
+        shared, n_ins, h = compile_sm90(kernel, nw, named, dump, a.regs, maxnreg)
         print(f"{key[0]:8s} {key[1:7]!s:64s} shared={shared:6d} ptx_ins={n_ins:6d} body={h}")
 
 

@@ -146,7 +146,7 @@ def main() -> None:
         nargs="+",
         default=["default"],
         help="'default' (the backend's choice) or chunk:num_warps:block_h[:combine_chunk:combine_warps"
-        "[:combine_block_h]], e.g. 1:4:1024 or 32:16:512:8:16:1024",
+        "[:combine_block_h[:combine_maxnreg]]], e.g. 1:4:1024 or 32:16:512:8:16:512:128",
     )
     args = p.parse_args()
     from ep_a2a.triton_backend import TritonBackend
@@ -189,6 +189,8 @@ def main() -> None:
             kw = dict(chunk=c, num_warps=nw, block_h=bh)
             if comb:
                 kw.update(combine_chunk=comb[0], combine_warps=comb[1], combine_block_h=(comb[2:] or [bh])[0])
+                if len(comb) > 3:
+                    kw["combine_maxnreg"] = comb[3]
         be = TritonBackend(
             cfg, dist.group.WORLD, num_sm=args.num_sm, enable_local_combine=True, use_aot=False, timeout_s=60.0,
             **kw,
@@ -208,6 +210,7 @@ def main() -> None:
             "combine_chunk": eng.combine_chunk,
             "combine_warps": eng.combine_warps,
             "combine_block_h": eng.combine_block_h,
+            "combine_maxnreg": eng.combine_maxnreg,
             "graph_dispatch_us": 1e3 * timer.median_ms(g_d.replay, args.iters, lead=True),
             "graph_combine_us": 1e3 * timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True),
         }

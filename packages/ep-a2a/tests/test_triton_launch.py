@@ -77,7 +77,7 @@ class _NoTransport:
         pass
 
 
-def _engine(world=2, max_tokens=8, hidden=64, topk=4, experts=8, remote=False) -> TritonEPEngine:
+def _engine(world=2, max_tokens=8, hidden=64, topk=4, experts=8, remote=False, **kw) -> TritonEPEngine:
     lay = HeapLayout.build(
         world_size=world,
         max_tokens=max_tokens,
@@ -105,6 +105,7 @@ def _engine(world=2, max_tokens=8, hidden=64, topk=4, experts=8, remote=False) -
         chunk=4,
         remote_ranks=[0] if remote else (),  # (rank 1's one peer)
         transport=_NoTransport() if remote else None,
+        **kw,
     )
 
 
@@ -276,7 +277,9 @@ class _WarmupRecorder:
     def __init__(self, real, log: list) -> None:
         self.real, self.log = real, log
 
-    def warmup(self, *args, grid, num_warps=4, **kwargs):
+    def warmup(self, *args, grid, num_warps=4, launch_pdl=False, maxnreg=None, **kwargs):
+        if maxnreg is not None:
+            self.log.append(("maxnreg", self.real.fn.__name__, maxnreg))
         # Triton turns dtypes into mock tensors only when they come positionally; a dtype by keyword
         # fails on the GPU ("failed to specialize argument of type: torch.dtype")
         by_kw = [k for k, v in kwargs.items() if isinstance(v, torch.dtype)]
@@ -284,6 +287,22 @@ class _WarmupRecorder:
         bound = inspect.signature(self.real.fn).bind(*args, **kwargs)  # every parameter, once
         self.log.append(self.real.fn.__name__)
         return bound
+
+
+def test_combine_maxnreg_reaches_the_compiler(monkeypatch):
+    """``combine_maxnreg``: the combine kernel's warmups (and only its) get the register limit, which
+    Triton compiles into ``.maxnreg``; out-of-range values are refused."""
+    log: list = []
+    for name in KERNELS:
+        monkeypatch.setattr(K, name, _WarmupRecorder(getattr(K, name), log))
+    eng = _engine(combine_maxnreg=128)
+    eng.precompile()
+    limits = [e for e in log if isinstance(e, tuple)]
+    assert limits
+    assert set(limits) == {("maxnreg", "_combine_kernel", 128)}
+    assert len(limits) == log.count("_combine_kernel")
+    with pytest.raises(ValueError, match="combine_maxnreg must be in"):
+        _engine(combine_maxnreg=8)
 
 
 @pytest.mark.parametrize("remote", [False, True], ids=["intra-node", "remote-peer"])
@@ -294,6 +313,6 @@ def test_precompile_binds_every_kernel(monkeypatch, remote):
         monkeypatch.setattr(K, name, _WarmupRecorder(getattr(K, name), log))
     eng = _engine(remote=remote)
     n = eng.precompile(dtypes=(torch.float32,))
-    assert n == len(log)
+    assert n == len(log)  # (no register limit by default: no extra entries)
     assert ("_pack_kernel" in log) == remote
     assert ("_remote_expand_kernel" in log) == remote

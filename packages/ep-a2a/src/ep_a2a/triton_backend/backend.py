@@ -190,8 +190,10 @@ class TritonBackend(A2ABackend):
             dispatch kernel's). When all three dispatch (or combine) arguments are left unset, large
             layers (``hidden >= 1024``, ``max_tokens > 1024``) take tiles tuned on 2x H100: dispatch
             chunks of 32 tokens, 16 warps and 512-wide tiles below 64 SMs, 16 tokens and 16 warps below
-            96, 8 tokens and 16 warps from 96; combine chunks of 8 with 16 warps below 64 SMs, 8 warps
-            from 64 (1024-wide tiles).
+            96, 8 tokens and 16 warps from 96; combine chunks of 8 tokens with 16 warps (and the
+            engine's default tile width for them: 512).
+        combine_maxnreg: register limit per thread of the combine kernel (tuning; default: ptxas's
+            choice). Not measured yet: offline, 128 cuts the spills of the 16-warp combine tile by half.
         overlap_bytes: exact-shape dispatch of a layer whose worst-case output
             (``world_size * max_tokens * topk`` rows) is at most this many bytes (default 256 MiB:
             decode-sized layers) launches the row kernel before waiting for the counts, into freshly
@@ -258,6 +260,7 @@ class TritonBackend(A2ABackend):
         combine_chunk: int | None = None,
         combine_warps: int | None = None,
         combine_block_h: int | None = None,
+        combine_maxnreg: int | None = None,
         overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
         send_ctas: int | None = None,
         combine_send_ctas: int | None = None,
@@ -354,6 +357,7 @@ class TritonBackend(A2ABackend):
             combine_chunk=combine_chunk,
             combine_warps=combine_warps,
             combine_block_h=combine_block_h,
+            combine_maxnreg=combine_maxnreg,
             send_ctas=0
             if copy_engine
             else _split(send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 3)),

@@ -213,7 +213,9 @@ class TritonEPEngine:
         combine_chunk, combine_warps, combine_block_h: the same for the combine kernel (default: the
             dispatch kernel's chunk and warps, and the widest tile of at most ``COMBINE_TILE_PER_THREAD``
             elements per thread, up to ``block_h``); ``layout`` must be built with the same
-            ``combine_chunk``.
+            ``combine_chunk``. ``combine_maxnreg``: register limit per thread given to ptxas for the
+            combine kernel (``.maxnreg``; default: ptxas's choice, which for 16-warp combine tiles is 32
+            registers with kilobytes of spills, see ``benchmarks/offline_compile.py --regs``).
         send_ctas, combine_send_ctas: split of the dispatch / combine kernel's CTAs (``TritonBackend``
             picks the defaults: on for large layers on many SMs). 0 (the engine's default):
             every CTA sends its chunks to the peers, then writes this rank's rows of a chunk, in turn;
@@ -250,6 +252,7 @@ class TritonEPEngine:
         combine_chunk: int | None = None,
         combine_warps: int | None = None,
         combine_block_h: int | None = None,
+        combine_maxnreg: int | None = None,
         send_ctas: int = 0,
         combine_send_ctas: int = 0,
         remote_ranks: Sequence[int] = (),
@@ -295,6 +298,9 @@ class TritonEPEngine:
                 f"needs {triton.cdiv(max_tokens, self.combine_chunk)}: pass the same combine_chunk to both"
             )
         self.combine_warps = combine_warps or self.num_warps
+        if combine_maxnreg is not None and not 16 <= combine_maxnreg <= 255:
+            raise ValueError(f"combine_maxnreg must be in [16, 255], got {combine_maxnreg}")
+        self.combine_maxnreg = combine_maxnreg
         self.kp = _next_pow2(topk)
         # the combine kernel gathers [combine_chunk, KP, block_h] tiles, two at a time: by default no
         # wider than COMBINE_TILE_PER_THREAD elements per thread each
@@ -396,9 +402,11 @@ class TritonEPEngine:
         var_vals: tuple,
         fixed: Callable[[], dict],
         launch_pdl: bool = False,
+        maxnreg: int | None = None,
     ) -> None:
         """Launch ``kernel``; after the first launch of a variant, straight through its compiled handle
-        (which keeps the variant's launch options: ``launch_pdl``, programmatic dependent launch).
+        (which keeps the variant's launch and compile options: ``launch_pdl``, programmatic dependent
+        launch; ``maxnreg``, the register limit per thread).
 
         Triton's own launch path binds and re-specialises every argument on every call (about 30 us of
         Python per launch for these kernels). Here each call site names a variant ``key`` holding what
@@ -421,7 +429,9 @@ class TritonEPEngine:
         if interpreting():
             kernel[grid](**named, num_warps=num_warps)
             return
-        opts = {"launch_pdl": True} if launch_pdl else {}
+        opts: dict = {"launch_pdl": True} if launch_pdl else {}
+        if maxnreg:
+            opts["maxnreg"] = maxnreg
         compiled = kernel[grid](**named, num_warps=num_warps, **opts)
         names = list(kernel.arg_names)
         var_idx = [names.index(n) for n in var_names]
@@ -904,6 +914,7 @@ class TritonEPEngine:
                 ),
                 (ys, tab, ids, n_src, exp_indices.shape[0], outs, pk, rtok, pinfo),
                 functools.partial(self._combine_fixed, width, snd, rcv),
+                maxnreg=self.combine_maxnreg,
             )
             if snd and self.remote_ranks:
                 assert self.transport is not None
@@ -1273,6 +1284,7 @@ class TritonEPEngine:
                 off_scx=lay.scx,
                 off_sig=lay.sig,
                 num_warps=self.combine_warps,
+                **({"maxnreg": self.combine_maxnreg} if self.combine_maxnreg else {}),
                 **rem,
                 **common,
             )
