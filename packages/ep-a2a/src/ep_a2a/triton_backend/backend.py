@@ -123,10 +123,12 @@ def _default_tiles(hidden: int, max_tokens: int, num_sm: int) -> tuple[dict, dic
     CTA must keep in flight: larger chunks and 16 warps. Measured on 2x H100 (4096 tokens, graph mode,
     ``docs/benchmarks/ep-a2a-h100x2/tiles``): at ``num_sm=32`` dispatch 377-379 against 550-557 us at the
     DeepSeek-V3 shape and 161 against 260 us at the Qwen3 shape with chunks of 32 tokens, 16 warps and
-    512-wide tiles, combine 660-663 against 684-686 us and 219 against 297 us with 16 warps; at 64 SMs
-    dispatch 318 against 394 us and 133 against 168 us with chunks of 16 and 16 warps; at 96 and 132 SMs
-    dispatch 290 against 322 us and 289-301 against 304-308 us with 16 warps (DeepSeek-V3); combine
-    with 16 warps was slower from 64 SMs.
+    512-wide tiles; at 64 SMs dispatch 318 against 394 us and 133 against 168 us with chunks of 16 and 16
+    warps; at 96 and 132 SMs dispatch 290 against 322 us and 289-301 against 304-308 us with 16 warps
+    (DeepSeek-V3). Combine (which gathers a tile's slots at once, ``docs/benchmarks/ep-a2a-h100x2/
+    combine-gather``): 8 tokens with 16 warps and the engine's 512-wide tiles took 541 us at 32 SMs and
+    269 us at 132 at the DeepSeek-V3 shape, against 546 / 287 us with 16 tokens and 256-wide tiles, 587 /
+    267 with 4 tokens and 1024-wide tiles and 780 / 313 with 8 warps.
     """
     dispatch: dict = {"chunk": _default_chunk(hidden, max_tokens), "num_warps": None, "block_h": None}
     combine: dict = {"chunk": None, "num_warps": None, "block_h": None}
