@@ -6,8 +6,10 @@ At decode-sized batches (``--tokens``, default 128 per rank) the graph replays o
 and combine are profiled with ``torch.profiler`` (CUPTI kernel records of the graph's nodes). Each replay
 runs after a device barrier and the device-side delay of ``bench_triton.Timer`` (so the host's launch is
 hidden); for every kernel of the replay the record gives its start relative to the end of that delay
-and its duration, median over ``--iters`` replays, per rank. Each (chunk, num_warps, block_h) variant
-of ``--variants`` is measured in the same run, and also timed with CUDA events as the benchmark does.
+and its duration, median over ``--iters`` replays, per rank. Each variant of ``--variants`` (the
+dispatch kernel's chunk, num_warps and block_h, optionally the combine kernel's chunk, warps, block_h and
+maxnreg) is measured in the same run, and also timed with CUDA events as the benchmark does; with
+``--tokens 4096`` and ``--num-sm`` it served the tile sweeps of large layers too.
 """
 
 from __future__ import annotations
