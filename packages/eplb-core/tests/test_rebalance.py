@@ -168,6 +168,24 @@ def test_soft_locality_valid(p: dict, penalty: float) -> None:
             assert at_home == set(range(s.num_logical))
 
 
+@pytest.mark.parametrize("penalty", [0.0, 0.1])
+def test_soft_locality_undoes_a_repeat_that_costs_peak(penalty: float) -> None:
+    """Found by the property test above: a node's packing left an expert twice on one of its GPUs
+    because every swap that undoes it raises the node's peak; such a repeat must still be undone."""
+    w = torch.tensor(
+        [[0.9037, 0.9383, 0.7080, 0.1000, 0.8757, 0.0969, 0.5309, 0.7736, 0.3319, 0.0416, 0.0446, 0.1487]],
+        dtype=torch.float64,
+    )
+    s = E.plan(w, num_replicas=30, num_groups=6, num_nodes=3, num_gpus=6, soft_locality=penalty)
+    assert s.mode == "soft"
+    s.validate()
+    per_gpu = s.phy2log.view(6, 5)
+    counts = s.logcnt[0]
+    for g in range(6):
+        ids = per_gpu[g].tolist()
+        assert all(ids.count(e) == 1 or int(counts[e]) > 6 for e in ids), f"GPU {g}: {ids}"
+
+
 # ------------------------------------------------------------------ edge cases
 def _kw(r: int, g: int, n: int, gpus: int) -> dict:
     return {"num_replicas": r, "num_groups": g, "num_nodes": n, "num_gpus": gpus}

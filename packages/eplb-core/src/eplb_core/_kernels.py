@@ -1311,7 +1311,9 @@ def _repair_row(fl: np.ndarray, fe: np.ndarray, ff: np.ndarray, num_bins: int, s
     """Undo avoidable repeats of an expert on one GPU (LPT can leave them on ties, e.g. a node whose
     experts all have zero load): swap the repeated item with an item of a GPU that lacks its expert,
     the nearest load first, when that puts no other expert twice on a GPU (experts with more replicas
-    than GPUs may repeat) and no bin above the row's peak."""
+    than GPUs may repeat) and no bin above the row's peak; when every such swap would raise the peak,
+    the one that raises it least (a repeat that can be undone is never kept: ``Placement.validate``
+    rejects it)."""
     repeats = False  # most rows have none: find out without a call per item
     for b in range(num_bins):
         for s in range(slots):
@@ -1332,6 +1334,8 @@ def _repair_row(fl: np.ndarray, fe: np.ndarray, ff: np.ndarray, num_bins: int, s
             load_b = _row_sum(fl, b * slots, slots)
             best_j = -1
             best_d = _INF
+            over_j = -1  # the legal swap that raises the peak least, if none keeps it
+            over_peak = _INF
             for b2 in range(num_bins):
                 if b2 == b or _in_bin(fe, b2, slots, fe[i], -1):
                     continue
@@ -1342,9 +1346,16 @@ def _repair_row(fl: np.ndarray, fe: np.ndarray, ff: np.ndarray, num_bins: int, s
                     if not ff[j] and (_in_bin(fe, b, slots, fe[j], -1) or _in_bin(fe, b2, slots, fe[j], t)):
                         continue
                     d = fl[j] - fl[i]
-                    if max(load_b + d, load_b2 - d) <= peak and abs(d) < best_d:
+                    new_peak = max(load_b + d, load_b2 - d)
+                    if new_peak <= peak and abs(d) < best_d:
                         best_d = abs(d)
                         best_j = j
+                    elif new_peak < over_peak:
+                        over_peak = new_peak
+                        over_j = j
+            if best_j < 0 and over_j >= 0:
+                best_j = over_j
+                peak = over_peak
             if best_j >= 0:
                 fl[i], fl[best_j] = fl[best_j], fl[i]
                 fe[i], fe[best_j] = fe[best_j], fe[i]
