@@ -186,6 +186,27 @@ def test_soft_locality_undoes_a_repeat_that_costs_peak(penalty: float) -> None:
         assert all(ids.count(e) == 1 or int(counts[e]) > 6 for e in ids), f"GPU {g}: {ids}"
 
 
+def test_migration_undoes_a_repeat_left_by_transfers() -> None:
+    """Found by a random search: slot transfers took an expert's replicas down to as many as its node's
+    GPUs while one GPU still held it twice (that GPU also held the receiving expert); the migration must
+    end without the avoidable repeat, within its slot budget."""
+    prev = torch.tensor(
+        [[7, 7, 7, 10, 7, 7, 7, 8, 7, 7, 7, 9, 6, 7, 7, 11, 1, 2, 2, 17, 1, 2, 15, 16, 0, 1, 2, 15, 2, 2, 2, 15,
+          3, 4, 12, 14, 3, 4, 12, 14, 3, 3, 3, 5, 3, 3, 12, 13]]
+    )  # fmt: skip
+    w = torch.tensor(
+        [[2.3306, 0.3822, 3.4994, 0.1535, 0.0644, 0.7206, 0.0210, 0.0624, 0.5847, 0.4728, 1.9094, 0.8283,
+          0.8288, 0.0635, 0.2004, 0.3936, 0.1446, 1.1033]],
+        dtype=torch.float64,
+    )  # fmt: skip
+    kw = {"num_replicas": 48, "num_groups": 6, "num_nodes": 3, "num_gpus": 12}
+    for cap in (48, 12):
+        m = E.plan(w, **kw, previous=prev, max_changed_slots=cap)
+        m.validate()
+        assert m.changed_slots is not None
+        assert int(m.changed_slots.max()) <= cap
+
+
 # ------------------------------------------------------------------ edge cases
 def _kw(r: int, g: int, n: int, gpus: int) -> dict:
     return {"num_replicas": r, "num_groups": g, "num_nodes": n, "num_gpus": gpus}

@@ -1307,13 +1307,16 @@ def _in_bin(fe: np.ndarray, b: int, slots: int, e: int, skip: int) -> bool:
 
 
 @_njit
-def _repair_row(fl: np.ndarray, fe: np.ndarray, ff: np.ndarray, num_bins: int, slots: int) -> None:
+def _repair_row(
+    fl: np.ndarray, fe: np.ndarray, ff: np.ndarray, num_bins: int, slots: int, fo: np.ndarray, budget: int
+) -> None:
     """Undo avoidable repeats of an expert on one GPU (LPT can leave them on ties, e.g. a node whose
     experts all have zero load): swap the repeated item with an item of a GPU that lacks its expert,
     the nearest load first, when that puts no other expert twice on a GPU (experts with more replicas
     than GPUs may repeat) and no bin above the row's peak; when every such swap would raise the peak,
     the one that raises it least (a repeat that can be undone is never kept: ``Placement.validate``
-    rejects it)."""
+    rejects it). With ``budget >= 0`` (migration) only swaps that leave at most ``budget`` slots
+    different from ``fo`` (the plan in service) are taken."""
     repeats = False  # most rows have none: find out without a call per item
     for b in range(num_bins):
         for s in range(slots):
@@ -1323,6 +1326,10 @@ def _repair_row(fl: np.ndarray, fe: np.ndarray, ff: np.ndarray, num_bins: int, s
                 repeats = repeats or (fe[i] == fe[j] and not (ff[i] and ff[j]))
     if not repeats:
         return
+    changed = 0
+    if budget >= 0:
+        for p in range(fe.size):
+            changed += fe[p] != fo[p]
     peak = -_INF
     for g in range(num_bins):
         peak = max(peak, _row_sum(fl, g * slots, slots))
@@ -1345,6 +1352,10 @@ def _repair_row(fl: np.ndarray, fe: np.ndarray, ff: np.ndarray, num_bins: int, s
                     # an expert with more replicas than GPUs (fixed) may repeat; others may not
                     if not ff[j] and (_in_bin(fe, b, slots, fe[j], -1) or _in_bin(fe, b2, slots, fe[j], t)):
                         continue
+                    if budget >= 0:
+                        after = (fe[j] != fo[i]) + (fe[i] != fo[j]) - (fe[i] != fo[i]) - (fe[j] != fo[j])
+                        if changed + after > budget:
+                            continue
                     d = fl[j] - fl[i]
                     new_peak = max(load_b + d, load_b2 - d)
                     if new_peak <= peak and abs(d) < best_d:
@@ -1357,6 +1368,9 @@ def _repair_row(fl: np.ndarray, fe: np.ndarray, ff: np.ndarray, num_bins: int, s
                 best_j = over_j
                 peak = over_peak
             if best_j >= 0:
+                if budget >= 0:
+                    j = best_j
+                    changed += (fe[j] != fo[i]) + (fe[i] != fo[j]) - (fe[i] != fo[i]) - (fe[j] != fo[j])
                 fl[i], fl[best_j] = fl[best_j], fl[i]
                 fe[i], fe[best_j] = fe[best_j], fe[i]
                 ff[i], ff[best_j] = ff[best_j], ff[i]
@@ -1567,7 +1581,15 @@ def solve_layers(
                 best = pk
                 pick = c
         for r in range(pick * num_nodes, (pick + 1) * num_nodes):
-            _repair_row(load[r].reshape(-1), expert[r].reshape(-1), fixed[r].reshape(-1), num_bins, slots)
+            _repair_row(
+                load[r].reshape(-1),
+                expert[r].reshape(-1),
+                fixed[r].reshape(-1),
+                num_bins,
+                slots,
+                no_budget,
+                -1,
+            )
         _write_sorted(expert, pick * num_nodes, num_nodes, phy2log[layer])
         for n in range(num_nodes):
             for j in range(per_node):
@@ -1601,7 +1623,13 @@ def solve_layers(
             )
             for r in range(num_nodes):
                 _repair_row(
-                    load_g[r].reshape(-1), expert_g[r].reshape(-1), fixed_g[r].reshape(-1), num_bins, slots
+                    load_g[r].reshape(-1),
+                    expert_g[r].reshape(-1),
+                    fixed_g[r].reshape(-1),
+                    num_bins,
+                    slots,
+                    no_budget,
+                    -1,
                 )
             _write_sorted(expert_g, np.int64(0), num_nodes, phy2log[layer])
             for n in range(num_nodes):
@@ -1695,7 +1723,13 @@ def pack_layers(
                     best = pk
                     pick = c * rows_per_group + q
             _repair_row(
-                load[pick].reshape(-1), expert[pick].reshape(-1), fixed[pick].reshape(-1), num_bins, slots
+                load[pick].reshape(-1),
+                expert[pick].reshape(-1),
+                fixed[pick].reshape(-1),
+                num_bins,
+                slots,
+                no_budget,
+                -1,
             )
             _write_sorted(expert, pick, np.int64(1), out[first + q].reshape(-1))
     return out
@@ -2080,7 +2114,13 @@ def migrate_layers(
             budgets,
         )
         for q in range(rows_per_layer):
+            # transfers can leave an expert twice on a GPU after its count fell to the row's GPUs or fewer
             fe = expert[q].reshape(-1)
+            ff = fixed[q].reshape(-1)
             for p in range(per_row):
+                ff[p] = counts[q, fe[p]] > num_bins  # (more replicas here than GPUs: repeats allowed)
+            _repair_row(load[q].reshape(-1), fe, ff, num_bins, slots, origin[q].reshape(-1), row_budget)
+            for p in range(per_row):
+                ff[p] = False
                 out[layer, q * per_row + p] = fe[p]
     return out
