@@ -64,6 +64,35 @@ def routing(
     return ids, w
 
 
+def shape_inputs(
+    shape_name: str,
+    n: int,
+    rank: int,
+    world: int,
+    dev: torch.device,
+    *,
+    route: str = "uniform",
+    seed: int = 1000,
+) -> tuple[EPConfig, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer of ``SHAPES[shape_name]`` with ``n`` tokens per rank, and this rank's inputs:
+    ``(config, x [n, hidden] bf16, expert ids [n, topk] int32, weights [n, topk] float32)``, routed by
+    ``route`` with seed ``seed + rank``."""
+    shp = SHAPES[shape_name]
+    cfg = EPConfig(
+        max_tokens=n,
+        hidden=shp["hidden"],
+        topk=shp["topk"],
+        num_tot_experts=shp["experts"],
+        rank=rank,
+        world_size=world,
+        local_world_size=world,
+        token_dtype=torch.bfloat16,
+    )
+    x = torch.randn(n, shp["hidden"], device=dev).to(torch.bfloat16)
+    ids, w = routing(n, shp["experts"], shp["topk"], route, seed + rank, dev)
+    return cfg, x, ids, w
+
+
 def crossing_tokens(ids: torch.Tensor, rank: int, e_local: int) -> int:
     """Tokens of this rank with at least one slot on another rank (each crosses NVLink once per rank)."""
     dest = torch.where(ids >= 0, ids.long() // e_local, -1)
@@ -254,18 +283,7 @@ def run_case(
     hidden, experts, topk = shp["hidden"], shp["experts"], shp["topk"]
     n = tokens or args.tokens
     e_local = experts // world
-    cfg = EPConfig(
-        max_tokens=n,
-        hidden=hidden,
-        topk=topk,
-        num_tot_experts=experts,
-        rank=rank,
-        world_size=world,
-        local_world_size=world,
-        token_dtype=torch.bfloat16,
-    )
-    x = torch.randn(n, hidden, device=dev).to(torch.bfloat16)
-    ids, w = routing(n, experts, topk, route, 1000 + rank, dev)
+    cfg, x, ids, w = shape_inputs(shape_name, n, rank, world, dev, route=route)
     busiest, sent, recv = busiest_tokens(crossing_matrix(ids.cpu(), rank, world, e_local, dev))
     nbytes = busiest * hidden * 2  # the busiest rank's bytes (max of sent and received)
     case = {
@@ -551,19 +569,7 @@ def host_profile(args, rank, world, group, dev) -> list:
 
     rows = []
     for shape_name, n in (("deepseek-v3", 128), ("qwen3-30b-a3b", 128), ("deepseek-v3", args.tokens)):
-        shp = SHAPES[shape_name]
-        cfg = EPConfig(
-            max_tokens=n,
-            hidden=shp["hidden"],
-            topk=shp["topk"],
-            num_tot_experts=shp["experts"],
-            rank=rank,
-            world_size=world,
-            local_world_size=world,
-            token_dtype=torch.bfloat16,
-        )
-        x = torch.randn(n, shp["hidden"], device=dev).to(torch.bfloat16)
-        ids, w = routing(n, shp["experts"], shp["topk"], "uniform", 1000 + rank, dev)
+        cfg, x, ids, w = shape_inputs(shape_name, n, rank, world, dev)
         be = TritonBackend(
             cfg, group, num_sm=args.num_sm[-1], enable_local_combine=True, use_aot=False, timeout_s=60.0
         )
@@ -602,19 +608,7 @@ def first_call(args, rank, world, group, dev) -> dict:
     """First dispatch+combine latency of a fresh backend, with and without use_aot (fresh Triton cache)."""
     from ep_a2a.triton_backend import TritonBackend
 
-    shp = SHAPES["deepseek-v3"]
-    cfg = EPConfig(
-        max_tokens=128,
-        hidden=shp["hidden"],
-        topk=shp["topk"],
-        num_tot_experts=shp["experts"],
-        rank=rank,
-        world_size=world,
-        local_world_size=world,
-        token_dtype=torch.bfloat16,
-    )
-    x = torch.randn(128, shp["hidden"], device=dev).to(torch.bfloat16)
-    ids, w = routing(128, shp["experts"], shp["topk"], "uniform", 5 + rank, dev)
+    cfg, x, ids, w = shape_inputs("deepseek-v3", 128, rank, world, dev, seed=5)
     t0 = time.perf_counter()
     be = TritonBackend(
         cfg, group, num_sm=args.num_sm[-1], enable_local_combine=True, use_aot=args.use_aot, timeout_s=120.0
@@ -666,19 +660,7 @@ def sweep(args, rank, world, group, dev) -> list:
 
     rows = []
     for tokens in (args.tokens, 128):
-        shp = SHAPES["deepseek-v3"]
-        cfg = EPConfig(
-            max_tokens=tokens,
-            hidden=shp["hidden"],
-            topk=shp["topk"],
-            num_tot_experts=shp["experts"],
-            rank=rank,
-            world_size=world,
-            local_world_size=world,
-            token_dtype=torch.bfloat16,
-        )
-        x = torch.randn(tokens, shp["hidden"], device=dev).to(torch.bfloat16)
-        ids, w = routing(tokens, shp["experts"], shp["topk"], "uniform", 77 + rank, dev)
+        cfg, x, ids, w = shape_inputs("deepseek-v3", tokens, rank, world, dev, seed=77)
         # (chunk, block_h, num_warps, num_sm, send_ctas, combine_send_ctas); None: the backend's default
         variants = [
             (8, 1024, 8, 132, None, None),

@@ -24,9 +24,7 @@ from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
-from bench_triton import LEAD_CYCLES, SHAPES, Timer, capture_graphs, routing
-
-from ep_a2a.config import EPConfig
+from bench_triton import LEAD_CYCLES, SHAPES, Timer, capture_graphs, shape_inputs
 
 
 def _kernels(trace_path: str) -> list[tuple[str, float, float]]:
@@ -158,20 +156,8 @@ def main() -> None:
     dev = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
-    shp = SHAPES[args.shape]
     n = args.tokens
-    cfg = EPConfig(
-        max_tokens=n,
-        hidden=shp["hidden"],
-        topk=shp["topk"],
-        num_tot_experts=shp["experts"],
-        rank=rank,
-        world_size=world,
-        local_world_size=world,
-        token_dtype=torch.bfloat16,
-    )
-    x = torch.randn(n, shp["hidden"], device=dev).to(torch.bfloat16)
-    ids, w = routing(n, shp["experts"], shp["topk"], "uniform", 1000 + rank, dev)
+    cfg, x, ids, w = shape_inputs(args.shape, n, rank, world, dev)
     out: dict = {
         "device": torch.cuda.get_device_name(dev),
         "world_size": world,
