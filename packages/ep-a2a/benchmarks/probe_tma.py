@@ -293,6 +293,13 @@ def main() -> None:
         "us": {},
     }
     res["local_copy_GBps"] = 2 * out.numel() * 2 / res["local_copy_us"] / 1e3
+
+    def pipelined(stages, tma_store, warps):
+        return lambda G: _expand_tma_pipelined[(G,)](
+            x_desc, out, out_desc, rows, n, H=H, KL=KL, STAGES=stages, TMA_STORE=tma_store, NB=NB, BW=BOX_W,
+            num_warps=warps,
+        )  # fmt: skip
+
     expand = {
         "lsu-c8b1024w8": lambda G: _expand_lsu[(G,)](x, rows, out, n, H=H, BH=1024, CH=8, KL=KL, num_warps=8),
         "lsu-c2b4096w8": lambda G: _expand_lsu[(G,)](x, rows, out, n, H=H, BH=4096, CH=2, KL=KL, num_warps=8),
@@ -302,37 +309,9 @@ def main() -> None:
         "lsu-c16b1024w16": lambda G: _expand_lsu[(G,)](
             x, rows, out, n, H=H, BH=1024, CH=16, KL=KL, num_warps=16
         ),
-        "tma-s3-w8": lambda G: _expand_tma_pipelined[(G,)](
-            x_desc, out, out_desc, rows, n, H=H, KL=KL, STAGES=3, TMA_STORE=True, NB=NB, BW=BOX_W, num_warps=8
-        ),
-        "tmald-lsust-s3-w8": lambda G: _expand_tma_pipelined[(G,)](
-            x_desc,
-            out,
-            out_desc,
-            rows,
-            n,
-            H=H,
-            KL=KL,
-            STAGES=3,
-            TMA_STORE=False,
-            NB=NB,
-            BW=BOX_W,
-            num_warps=8,
-        ),
-        "tmald-lsust-s4-w16": lambda G: _expand_tma_pipelined[(G,)](
-            x_desc,
-            out,
-            out_desc,
-            rows,
-            n,
-            H=H,
-            KL=KL,
-            STAGES=4,
-            TMA_STORE=False,
-            NB=NB,
-            BW=BOX_W,
-            num_warps=16,
-        ),
+        "tma-s3-w8": pipelined(3, True, 8),
+        "tmald-lsust-s3-w8": pipelined(3, False, 8),
+        "tmald-lsust-s4-w16": pipelined(4, False, 16),
     }
     reduce = {
         "lsu-c8b1024w8": lambda G: _reduce_lsu[(G,)](out, rows, y, n, H=H, BH=1024, CH=8, KL=KL, num_warps=8),
@@ -362,27 +341,23 @@ def main() -> None:
             "wide-pf-c16b256w16": slots(16, 256, 16, True, True),
         }
     )
-    for name, fn in list(expand.items()):
-        out.fill_(float("nan"))
-        try:
-            fn(nsm)
-            torch.cuda.synchronize()
-        except Exception as e:  # a variant that does not compile (shared memory) is reported and skipped
-            print(f"expand {name}: {type(e).__name__}: {str(e)[:200]}")
-            del expand[name]
-            continue
-        res["check"][f"expand-{name}"] = bool(torch.equal(out, ref_out))
-    out.copy_(ref_out)
-    for name, fn in list(reduce.items()):
-        y.fill_(float("nan"))
-        try:
-            fn(nsm)
-            torch.cuda.synchronize()
-        except Exception as e:
-            print(f"reduce {name}: {type(e).__name__}: {str(e)[:200]}")
-            del reduce[name]
-            continue
-        res["check"][f"reduce-{name}"] = bool(torch.allclose(y.float(), ref_y, atol=0.05, rtol=0.01))
+    checks = (
+        ("expand", expand, out, lambda: torch.equal(out, ref_out)),
+        ("reduce", reduce, y, lambda: torch.allclose(y.float(), ref_y, atol=0.05, rtol=0.01)),
+    )
+    for op, table, dst, correct in checks:
+        if op == "reduce":
+            out.copy_(ref_out)  # the reductions read the expanded rows
+        for name, fn in list(table.items()):
+            dst.fill_(float("nan"))
+            try:
+                fn(nsm)
+                torch.cuda.synchronize()
+            except Exception as e:  # a variant that does not compile (shared memory) is reported and skipped
+                print(f"{op} {name}: {type(e).__name__}: {str(e)[:200]}")
+                del table[name]
+                continue
+            res["check"][f"{op}-{name}"] = bool(correct())
     print("checks:", res["check"], flush=True)
     print(f"local copy {res['local_copy_us']:.1f} us  {res['local_copy_GBps']:.0f} GB/s")
     print(f"{'op':<8}{'variant':<16}" + "".join(f"{s:>14}" for s in args.sms))
