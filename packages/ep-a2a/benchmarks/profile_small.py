@@ -26,6 +26,35 @@ import torch
 import torch.distributed as dist
 from bench_triton import LEAD_CYCLES, SHAPES, Timer, capture_graphs, shape_inputs
 
+#: TritonBackend arguments a variant may set as name=value
+VARIANT_ARGS = (
+    "chunk", "num_warps", "block_h", "combine_chunk", "combine_warps", "combine_block_h", "combine_maxnreg",
+    "send_ctas", "combine_send_ctas",
+)  # fmt: skip
+
+
+def variant_kwargs(var: str) -> dict[str, int]:
+    """TritonBackend arguments of a ``--variants`` entry (see its help)."""
+    if var == "default":
+        return {}
+    if "=" in var:
+        kw = {}
+        for item in var.split(","):
+            name, _, value = item.partition("=")
+            if name not in VARIANT_ARGS:
+                raise SystemExit(
+                    f"--variants: unknown argument {name!r} in {var!r}; expected one of {VARIANT_ARGS}"
+                )
+            kw[name] = int(value)
+        return kw
+    c, nw, bh, *comb = (int(v) for v in var.split(":"))
+    kw = dict(chunk=c, num_warps=nw, block_h=bh)
+    if comb:
+        kw.update(combine_chunk=comb[0], combine_warps=comb[1], combine_block_h=(comb[2:] or [bh])[0])
+        if len(comb) > 3:
+            kw["combine_maxnreg"] = comb[3]
+    return kw
+
 
 def _kernels(trace_path: str) -> list[tuple[str, float, float]]:
     """(name, start us, duration us) of every GPU kernel in a Chrome trace, in start order."""
@@ -145,8 +174,9 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["default"],
-        help="'default' (the backend's choice) or chunk:num_warps:block_h[:combine_chunk:combine_warps"
-        "[:combine_block_h[:combine_maxnreg]]], e.g. 1:4:1024 or 32:16:512:8:16:512:128",
+        help="'default' (the backend's choice), chunk:num_warps:block_h[:combine_chunk:combine_warps"
+        "[:combine_block_h[:combine_maxnreg]]], e.g. 1:4:1024 or 32:16:512:8:16:512:128, or TritonBackend "
+        f"arguments as name=value pairs joined by ',' ({', '.join(VARIANT_ARGS)}), e.g. send_ctas=55",
     )
     args = p.parse_args()
     from ep_a2a.triton_backend import TritonBackend
@@ -171,14 +201,7 @@ def main() -> None:
         "variants": [],
     }
     for var in args.variants:
-        kw = {}
-        if var != "default":
-            c, nw, bh, *comb = (int(v) for v in var.split(":"))
-            kw = dict(chunk=c, num_warps=nw, block_h=bh)
-            if comb:
-                kw.update(combine_chunk=comb[0], combine_warps=comb[1], combine_block_h=(comb[2:] or [bh])[0])
-                if len(comb) > 3:
-                    kw["combine_maxnreg"] = comb[3]
+        kw = variant_kwargs(var)
         be = TritonBackend(
             cfg, dist.group.WORLD, num_sm=args.num_sm, enable_local_combine=True, use_aot=False, timeout_s=60.0,
             **kw,
@@ -199,6 +222,8 @@ def main() -> None:
             "combine_warps": eng.combine_warps,
             "combine_block_h": eng.combine_block_h,
             "combine_maxnreg": eng.combine_maxnreg,
+            "send_ctas": eng.send_ctas,
+            "combine_send_ctas": eng.combine_send_ctas,
             "graph_dispatch_us": 1e3 * timer.median_ms(g_d.replay, args.iters, lead=True),
             "graph_combine_us": 1e3 * timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True),
         }
@@ -219,7 +244,8 @@ def main() -> None:
         out["variants"].append(row)
         if rank == 0:
             print(f"== {var}: chunk {eng.chunk} warps {eng.num_warps} block_h {eng.block_h} combine chunk "
-                  f"{eng.combine_chunk} warps {eng.combine_warps} block_h {eng.combine_block_h}: graph dispatch "
+                  f"{eng.combine_chunk} warps {eng.combine_warps} block_h {eng.combine_block_h} send_ctas "
+                  f"{eng.send_ctas} / {eng.combine_send_ctas}: graph dispatch "
                   f"{row['graph_dispatch_us']:.1f} us, combine {row['graph_combine_us']:.1f} us")  # fmt: skip
             for r, t in enumerate(allr):
                 for op, ks in t.items():
