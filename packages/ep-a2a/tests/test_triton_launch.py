@@ -257,6 +257,8 @@ def test_default_split(num_sm, max_tokens, want):
         pytest.param(7168, 4096, 96, (8, 16, 1024), (8, 16, None), id="H7168-T4096-sm96"),
         pytest.param(7168, 4096, 132, (8, 16, 1024), (8, 16, None), id="H7168-T4096-sm132"),
         pytest.param(2048, 4096, 32, (32, 16, 512), (8, 16, None), id="H2048-T4096-sm32"),
+        pytest.param(2048, 4096, 132, (16, 16, 1024), (8, 16, None), id="H2048-T4096-sm132"),
+        pytest.param(4096, 4096, 132, (8, 16, 1024), (8, 16, None), id="H4096-T4096-sm132"),
         pytest.param(7168, 128, 32, (1, None, None), (None, None, None), id="H7168-T128-sm32"),
         pytest.param(7168, 1024, 132, (2, None, None), (None, None, None), id="H7168-T1024-sm132"),
         pytest.param(512, 4096, 32, (16, None, None), (None, None, None), id="H512-T4096-sm32"),

@@ -111,8 +111,10 @@ def _default_chunk(hidden: int, max_tokens: int) -> int:
     return 16 if max_tokens > 1024 else 4
 
 
-#: from this many SMs the dispatch of large layers keeps 8-token chunks (with 16 warps)
+#: from this many SMs the dispatch of large layers of rows at least ``WIDE_ROW`` wide keeps 8-token
+#: chunks (with 16 warps); narrower rows keep 16
 MANY_SM = 96
+WIDE_ROW = 4096
 
 
 def _default_tiles(hidden: int, max_tokens: int, num_sm: int) -> tuple[dict, dict]:
@@ -125,7 +127,10 @@ def _default_tiles(hidden: int, max_tokens: int, num_sm: int) -> tuple[dict, dic
     DeepSeek-V3 shape and 161 against 260 us at the Qwen3 shape with chunks of 32 tokens, 16 warps and
     512-wide tiles; at 64 SMs dispatch 318 against 394 us and 133 against 168 us with chunks of 16 and 16
     warps; at 96 and 132 SMs dispatch 290 against 322 us and 289-301 against 304-308 us with 16 warps
-    (DeepSeek-V3). Combine (which gathers a tile's slots at once, ``docs/benchmarks/ep-a2a-h100x2/
+    (DeepSeek-V3). On 2x H200 with 132 SMs (``docs/benchmarks/ep-a2a-h200x2/tiles``) 8-token chunks
+    stayed best at DeepSeek-V3 (240 us, against 249-266 us for chunks of 4 and 16, 8 and 32 warps,
+    2048-wide tiles), while rows of 2048 (Qwen3) took 100-102 us with 16-token chunks against 111-112 us
+    with 8. Combine (which gathers a tile's slots at once, ``docs/benchmarks/ep-a2a-h100x2/
     combine-gather``): 8 tokens with 16 warps and the engine's 512-wide tiles took 541 us at 32 SMs and
     269 us at 132 at the DeepSeek-V3 shape, against 546 / 287 us with 16 tokens and 256-wide tiles, 587 /
     267 with 4 tokens and 1024-wide tiles and 780 / 313 with 8 warps.
@@ -136,7 +141,8 @@ def _default_tiles(hidden: int, max_tokens: int, num_sm: int) -> tuple[dict, dic
         if num_sm < SPLIT_MIN_SM:
             dispatch = {"chunk": 32, "num_warps": 16, "block_h": 512}
         else:
-            dispatch = {"chunk": 16 if num_sm < MANY_SM else 8, "num_warps": 16, "block_h": 1024}
+            chunk = 16 if num_sm < MANY_SM or hidden < WIDE_ROW else 8
+            dispatch = {"chunk": chunk, "num_warps": 16, "block_h": 1024}
         combine = {"chunk": 8, "num_warps": 16, "block_h": None}
     return dispatch, combine
 
