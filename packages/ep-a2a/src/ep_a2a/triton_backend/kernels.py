@@ -154,10 +154,14 @@ def _column(tile, kk, k: tl.constexpr):
 def _store_tile_by_slot(xt, tab_rows, tm, out_ptr, h0, hh, H: tl.constexpr, K: tl.constexpr,
                         EVEN_H: tl.constexpr):  # fmt: skip
     """Tile ``h0`` of each token row to its output row of every slot, the rows re-read from the slot
-    table (``tab_rows [CH]``: pointers to each token's ``K`` entries; < 0: not here) rather than held."""
+    table (``tab_rows [CH]``: pointers to each token's ``K`` entries; < 0: not here) rather than held.
+    Streaming stores (``.cs``, evict-first): the rows of large layers outgrow L2, and keeping them out of
+    it leaves the token rows and received rows that are read twice or later in L2 (DeepSeek-V3 graph
+    dispatch on 2x H200: 229-236 against 232-246 us, ``docs/benchmarks/ep-a2a-h200x2/cache-hints``)."""
     for k in tl.static_range(K):
         rk = tl.load(tab_rows + k, mask=tm, other=-1).to(tl.int64)
-        tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H))
+        tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H),
+                 cache_modifier=".cs")  # fmt: skip
 
 
 @triton.jit
@@ -1264,12 +1268,19 @@ def _remote_expand_kernel(
 @triton.jit
 def _slots_tile(y_ptr, rows, h0, hh, H: tl.constexpr, EVEN_H: tl.constexpr):
     """Tile ``h0`` of the rows ``rows [CH, KP]`` (int64, < 0: none) of ``y`` as one ``[CH, KP, BH]``
-    gather, zero where there is no row and past the end of the row (all of it once ``h0 >= H``)."""
+    gather, zero where there is no row and past the end of the row (all of it once ``h0 >= H``). The
+    expert rows are read once: evict-first, so the peers' rows arriving in L2 stay there (DeepSeek-V3
+    graph combine on 2x H200: 210-212 against 221-224 us, ``docs/benchmarks/ep-a2a-h200x2/cache-hints``)."""
     if EVEN_H:
         m = (rows >= 0)[:, :, None] & (h0 < H)  # constant along the row: 16-byte vectors
     else:
         m = (rows >= 0)[:, :, None] & ((h0 + hh) < H)[None, None, :]
-    return tl.load(y_ptr + (rows * H)[:, :, None] + h0 + hh[None, None, :], mask=m, other=0)
+    return tl.load(
+        y_ptr + (rows * H)[:, :, None] + h0 + hh[None, None, :],
+        mask=m,
+        other=0,
+        eviction_policy="evict_first",
+    )
 
 
 @triton.jit
