@@ -14,6 +14,7 @@ date, commit and command) and ``<out-dir>/ep-a2a.md`` (the tables) and ``<out-di
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -89,23 +90,35 @@ def table(raw: dict) -> list[str]:
             "| method | dispatch ms | GB/s | % CE | combine ms | GB/s | % CE | round trip ms | host ms (d / c) |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
+        row = functools.partial(_row, nbytes, ceiling)
         for name, r in res.items():
             if "copy_ms" in r:
                 ms = r["copy_ms"]
                 pct = f"{100 * ceiling / ms:.0f}" if ceiling else "-"
                 lines.append(f"| {name} (bytes only) | {ms:.3f} | {gbps(nbytes, ms)} | {pct} | | | | | |")
                 continue
-            d, c, rt = r.get("dispatch_ms"), r.get("combine_ms"), r.get("round_trip_ms")
-            pd = f"{100 * ceiling / d:.0f}" if ceiling and d else "-"
-            pc = f"{100 * ceiling / c:.0f}" if ceiling and c else "-"
             hd, hc = r.get("dispatch_host_ms"), r.get("combine_host_ms")
             host = f"{hd:.3f} / {hc:.3f}" if hd is not None and hc is not None else "-"
-            lines.append(
-                f"| {name} | {d:.3f} | {gbps(nbytes, d)} | {pd} | {c:.3f} | {gbps(nbytes, c)} | {pc} | "
-                + (f"{rt:.3f} |" if rt else "- |")
-                + f" {host} |"
-            )
+            lines.append(row(name, r.get("dispatch_ms"), r.get("combine_ms"), r.get("round_trip_ms"), host))
+            # the same calls timed the other way around the device-side lead (graph vs eager)
+            for suffix, label in (("_lead", "after the lead"), ("_no_lead", "without the lead")):
+                if f"dispatch_ms{suffix}" in r:
+                    d, c = r[f"dispatch_ms{suffix}"], r.get(f"combine_ms{suffix}")
+                    lines.append(row(f"{name} ({label})", d, c, None, "-"))
     return lines
+
+
+def _row(nbytes: int, ceiling: float | None, name: str, d: float, c: float | None, rt: float | None,
+         host: str) -> str:  # fmt: skip
+    """One table row: times, GB/s and % of the copy engine for dispatch and combine."""
+    pd = f"{100 * ceiling / d:.0f}" if ceiling and d else "-"
+    pc = f"{100 * ceiling / c:.0f}" if ceiling and c else "-"
+    comb = f"{c:.3f} | {gbps(nbytes, c)} | {pc}" if c else "- | - | -"
+    return (
+        f"| {name} | {d:.3f} | {gbps(nbytes, d)} | {pd} | {comb} | "
+        + (f"{rt:.3f} |" if rt else "- |")
+        + f" {host} |"
+    )
 
 
 def render(merged: dict, out_dir: Path = Path("docs/benchmarks")) -> str:

@@ -40,7 +40,17 @@ def test_render_committed_and_triton_style_results() -> None:
                 "results": {
                     "ce": {"copy_ms": 0.01},
                     "ours-sm32": {"dispatch_ms": 0.02, "combine_ms": 0.03, "round_trip_ms": 0.05},
-                    "ours-graph-sm32": {"dispatch_ms": 0.02, "combine_ms": 0.03},
+                    "ours-graph-sm32": {
+                        "dispatch_ms": 0.02,
+                        "combine_ms": 0.03,
+                        "dispatch_ms_no_lead": 0.04,
+                        "combine_ms_no_lead": 0.05,
+                    },
+                    "ours-static-eager-sm32": {
+                        "dispatch_ms": 0.04,
+                        "combine_ms": 0.05,
+                        "dispatch_ms_lead": 0.025,
+                    },
                 },
             }
         ],
@@ -50,6 +60,9 @@ def test_render_committed_and_triton_style_results() -> None:
     assert "## torch" in md
     assert "## triton" in md
     assert "| ours-graph-sm32 | 0.020 | 50 | 50 | 0.030 | 33 | 33 | - | - |" in md
+    # the graph-vs-eager comparison: each timing also shown the other way around the device-side lead
+    assert "| ours-graph-sm32 (without the lead) | 0.040 | 25 | 25 | 0.050 | 20 | 20 | - | - |" in md
+    assert "| ours-static-eager-sm32 (after the lead) | 0.025 | 40 | 40 | - | - | - | - | - |" in md
     # every committed case appears with its baselines
     for case in torch_raw["cases"]:
         assert f"{case['tokens']} tokens/rank" in md
