@@ -22,9 +22,10 @@ CUDA events on each rank; the slowest rank's median is reported. Graph replays a
 of a short device-side delay after the barrier (``Timer.median_ms(lead=True)``), so their time is the
 GPU's and excludes the host's launch of the replay (a model's own graph hides it); ``ours-graph`` rows
 also record the time without that delay (``*_no_lead``), and the eager static calls (timed without it,
-host work included) also record the time with it (``*_lead``), so graph and eager compare both ways. The copy-engine ceiling is timed the same way
-(with the lead; also without). ``*_host_ms`` is the wall time the
-calling thread spends inside the call (the exact-shape mode waits for its counts), median, slowest rank.
+host work included) also record the time with it (``*_lead``), so graph and eager compare both ways.
+The copy-engine ceiling is timed the same way (with the lead; also without). ``*_host_ms`` is the wall
+time the calling thread spends inside the call (the exact-shape mode waits for its counts), median,
+slowest rank.
 """
 
 from __future__ import annotations
