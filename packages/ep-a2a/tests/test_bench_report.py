@@ -123,3 +123,31 @@ def test_busiest_rank_bytes_properties() -> None:
             assert tokens == max(sent)
 
     check()
+
+
+def test_profile_small_variants() -> None:
+    """``profile_small.py --variants``: the colon form and name=value pairs map to TritonBackend
+    arguments; an unknown name is refused with the accepted ones."""
+    import pytest
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))  # profile_small imports bench_triton by name
+    try:
+        spec = importlib.util.spec_from_file_location("_ep_profile_small", bench_dir / "profile_small.py")
+        assert spec is not None
+        assert spec.loader is not None
+        prof = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(prof)
+    finally:
+        sys.path.remove(str(bench_dir))
+    kw = prof.variant_kwargs
+    assert kw("default") == {}
+    assert kw("8:16:1024") == {"chunk": 8, "num_warps": 16, "block_h": 1024}
+    assert kw("32:16:512:8:16") == {
+        "chunk": 32, "num_warps": 16, "block_h": 512, "combine_chunk": 8, "combine_warps": 16,
+        "combine_block_h": 512,
+    }  # fmt: skip
+    assert kw("32:16:512:8:16:256:128")["combine_maxnreg"] == 128
+    assert kw("send_ctas=55,combine_send_ctas=88") == {"send_ctas": 55, "combine_send_ctas": 88}
+    with pytest.raises(SystemExit, match=r"unknown argument 'chunks'.*send_ctas"):
+        kw("chunks=8")
