@@ -413,6 +413,24 @@ def run_errors(rank: int, world: int) -> list[str]:
     layer.combine(out, desc)
     seen.append("combine-args")
 
+    # CUDA-graph mode is the Triton backend's: the torch backend refuses it by name, before any collective
+    expect_raises(
+        NotImplementedError,
+        "dispatch_static() (CUDA-graph mode) needs backend='triton'",
+        layer.dispatch_static,
+        x,
+        idx,
+    )
+    expect_raises(
+        NotImplementedError,
+        "combine_static() (CUDA-graph mode) needs backend='triton'",
+        layer.combine_static,
+        out,
+        None,
+    )
+    layer.check_errors()  # nothing to check on the torch backend
+    seen.append("static-mode")
+
     # caller-given rows that are not a permutation: every receiver raises (after the exchange)
     bad = torch.zeros(3, K, dtype=torch.int32)
     if rank in (0, world - 1):  # receivers of 2+ rows all told to use row 0
@@ -424,6 +442,8 @@ def run_errors(rank: int, world: int) -> list[str]:
     layer.finalize()
     expect_raises(RuntimeError, "after finalize", layer.dispatch, x, idx)
     expect_raises(RuntimeError, "after finalize", layer.combine, out, desc)
+    expect_raises(RuntimeError, "after finalize", layer.dispatch_static, x, idx)
+    expect_raises(RuntimeError, "after finalize", layer.check_errors)
     with mk() as ctx_layer:
         ctx_layer.ep_barrier_all()
     expect_raises(RuntimeError, "after finalize", ctx_layer.ep_barrier_all)

@@ -10,7 +10,15 @@ from ep_a2a.launch import run_local
 
 CASES = str(Path(__file__).with_name("_cases.py"))
 
-EXPECTED = ["construct-local", "mismatch", "dispatch-args", "combine-args", "scatter-perm", "finalize"]
+EXPECTED = [
+    "construct-local",
+    "mismatch",
+    "dispatch-args",
+    "combine-args",
+    "static-mode",
+    "scatter-perm",
+    "finalize",
+]
 
 
 @pytest.mark.timeout(120)

@@ -507,15 +507,30 @@ def _rows_per_rank(ids, world, experts):
     return counts
 
 
-@pytest.mark.parametrize("copy_engine", [False, True], ids=["sm-stores", "copy-engine"])
-def test_cuda_graph_capture_replay(group, copy_engine):
+@pytest.mark.parametrize(
+    ("api", "copy_engine"),
+    [("backend", False), ("backend", True), ("layer", False)],
+    ids=["sm-stores", "copy-engine", "layer"],
+)
+def test_cuda_graph_capture_replay(group, api, copy_engine):
+    """CUDA-graph capture of a static dispatch, an elementwise expert and a static combine, replayed with
+    fresh inputs against the reference: on the backend, and through ``EPAll2AllLayer``'s graph mode
+    (which then also drops and counts an invalid expert id on the device)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     hidden, topk, experts, n = 512, 4, 16, 48
     dev = torch.device("cuda", torch.cuda.current_device())
-    be = _make_backend(
-        group, max_tokens=n, hidden=hidden, topk=topk, experts=experts, dtype=torch.bfloat16, heap="torch",
-        copy_engine=copy_engine,
-    )  # fmt: skip
+    if api == "layer":
+        from ep_a2a import EPAll2AllLayer
+
+        be = EPAll2AllLayer(
+            group, n, hidden, topk, rank, experts, world, world, dtype=torch.bfloat16, backend="triton",
+            timeout_s=30.0,
+        )  # fmt: skip
+    else:
+        be = _make_backend(
+            group, max_tokens=n, hidden=hidden, topk=topk, experts=experts, dtype=torch.bfloat16, heap="torch",
+            copy_engine=copy_engine,
+        )  # fmt: skip
     try:
         x = torch.zeros(n, hidden, dtype=torch.bfloat16, device=dev)
         ids = torch.zeros(n, topk, dtype=torch.int32, device=dev)
@@ -569,7 +584,21 @@ def test_cuda_graph_capture_replay(group, copy_engine):
             mag = combine_ref([t.float().abs() for t in ys], idl, scat, num_tot_experts=experts)[rank]
             err = (out.cpu().float() - want).abs()
             assert bool((err <= COMBINE_RTOL[torch.bfloat16] * mag + 1e-30).all())
+            assert int(d.num_invalid_ids) == 0
         be.check_errors()
+        if api == "layer":
+            # an id past num_tot_experts, eagerly: dropped like -1, counted on the device, no host sync
+            bad = idl[rank].clone()
+            bad[0, 0] = experts
+            d = be.dispatch_static(x, bad.to(dev), w)
+            dropped = [t.clone() for t in idl]
+            for t in dropped:
+                t[0, 0] = -1
+            ref, _ = dispatch_ref(xs, dropped, ws, num_tot_experts=experts)
+            assert int(d.num_invalid_ids) == 1
+            assert torch.equal(d.output[: int(d.num_recv_rows)].cpu(), ref[rank].output)
+            be.combine_static(d.output, d)
+            be.check_errors()
     finally:
         torch.cuda.synchronize()
         be.finalize()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,9 @@ from ep_a2a.autograd import combine_with_grad, dispatch_with_grad
 from ep_a2a.backend import A2ABackend, get_backend_class, probe_backend
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
+
+if TYPE_CHECKING:
+    from ep_a2a.triton_backend import StaticDispatch
 
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
@@ -280,6 +283,22 @@ class EPAll2AllLayer:
         if t.device != self.device:
             raise ValueError(f"{name} must be on {self.device} (the ep_group's device), got {t.device}")
 
+    def _check_dispatch_args(self, input: Any, exp_indices: Any, weight: Any) -> int:
+        """Shapes, dtypes and devices of a dispatch's tensors; returns the number of tokens."""
+        cfg = self.config
+        if not isinstance(input, torch.Tensor) or input.dim() != 2:
+            raise ValueError(
+                f"input must be a [num_tokens, hidden={cfg.hidden}] tensor, got {getattr(input, 'shape', type(input))}"
+            )
+        n = input.shape[0]
+        if n > cfg.max_tokens:
+            raise ValueError(f"input has {n} tokens, more than max_tokens={cfg.max_tokens}")
+        self._check_tensor("input", input, (n, cfg.hidden), (cfg.token_dtype,))
+        self._check_tensor("exp_indices", exp_indices, (n, cfg.topk), _INT_DTYPES)
+        if weight is not None:
+            self._check_tensor("weight", weight, (n, cfg.topk), (cfg.weight_dtype,))
+        return n
+
     # -- public API ------------------------------------------------------------------------------------
     def dispatch(
         self,
@@ -309,17 +328,7 @@ class EPAll2AllLayer:
         """
         self._check_alive("dispatch")
         cfg = self.config
-        if not isinstance(input, torch.Tensor) or input.dim() != 2:
-            raise ValueError(
-                f"input must be a [num_tokens, hidden={cfg.hidden}] tensor, got {getattr(input, 'shape', type(input))}"
-            )
-        n = input.shape[0]
-        if n > cfg.max_tokens:
-            raise ValueError(f"input has {n} tokens, more than max_tokens={cfg.max_tokens}")
-        self._check_tensor("input", input, (n, cfg.hidden), (cfg.token_dtype,))
-        self._check_tensor("exp_indices", exp_indices, (n, cfg.topk), _INT_DTYPES)
-        if weight is not None:
-            self._check_tensor("weight", weight, (n, cfg.topk), (cfg.weight_dtype,))
+        n = self._check_dispatch_args(input, exp_indices, weight)
         if full_scatter_indices is not None:
             self._check_tensor("full_scatter_indices", full_scatter_indices, (n, cfg.topk), _INT_DTYPES)
         idx = exp_indices.to(torch.int32).contiguous()
@@ -370,6 +379,84 @@ class EPAll2AllLayer:
         if torch.is_grad_enabled() and x.requires_grad:
             return combine_with_grad(self.ctx.backend, x, desc)
         return self.ctx.backend.combine(x, desc)
+
+    # -- CUDA-graph mode -------------------------------------------------------------------------------
+    def _static_backend(self, what: str) -> Any:
+        self._check_alive(what)
+        backend = self.ctx.backend
+        if not hasattr(backend, "dispatch_static"):
+            raise NotImplementedError(
+                f"EPAll2AllLayer.{what}() (CUDA-graph mode) needs backend='triton'; this layer runs the "
+                f"{self.backend_name} backend ({self.backend_reason}). Use dispatch / combine"
+            )
+        return backend
+
+    def dispatch_static(
+        self, input: torch.Tensor, exp_indices: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> StaticDispatch:
+        """CUDA-graph mode: dispatch with worst-case shapes and no host synchronisation (collective).
+
+        Capturable in a CUDA graph (every rank captures and replays the same sequence); only the Triton
+        backend has it (``NotImplementedError`` otherwise). Run :meth:`dispatch_static` and
+        :meth:`combine_static` once eagerly (or build the layer with ``use_aot=True``) before capturing,
+        so that nothing compiles inside the capture. No autograd. The result's buffers are reused by the
+        next static call.
+
+        Expert ids outside ``[-1, num_tot_experts)`` are dropped and counted on the device
+        (``num_invalid_ids``): there is no host sync to raise on; check it outside the graph.
+        :meth:`check_errors` raises a device-side wait that ran out (a rank that never arrived).
+
+        Args:
+            input: ``[n, hidden]`` ``dtype``, ``n <= max_tokens`` (fixed for a graph).
+            exp_indices: ``[n, topk]`` integer global expert per slot (int32 avoids a conversion);
+                -1 drops the slot.
+            weight: ``[n, topk]`` ``weight_dtype`` routing weights, or ``None``.
+
+        Returns:
+            :class:`ep_a2a.triton_backend.StaticDispatch`: ``output`` ``[world_size * max_tokens * topk,
+            hidden]`` of which the first ``num_recv_rows`` (a device scalar) are valid, in the order of
+            :meth:`dispatch`; ``weights``, ``recv_expert_indices`` the same rows;
+            ``num_recv_tokens_per_expert`` ``[num_tot_experts // world_size]`` int64 on the device.
+        """
+        backend = self._static_backend("dispatch_static")
+        self._check_dispatch_args(input, exp_indices, weight)
+        if weight is not None:
+            weight = weight.contiguous()
+        idx = exp_indices.to(torch.int32).contiguous()
+        return backend.dispatch_static(input.contiguous(), idx, weight)
+
+    def combine_static(self, input: torch.Tensor, dispatched: StaticDispatch) -> torch.Tensor:
+        """CUDA-graph mode: combine the rows of a :meth:`dispatch_static` (collective).
+
+        Args:
+            input: ``[world_size * max_tokens * topk, hidden]`` floating rows in the order of
+                ``dispatched.output`` (only the first ``num_recv_rows`` are read).
+            dispatched: the result of this layer's latest :meth:`dispatch_static`.
+
+        Returns:
+            ``[n, hidden]`` in ``input.dtype``: per token, the float32 sum of its kept slots' rows.
+        """
+        backend = self._static_backend("combine_static")
+        owner = getattr(getattr(dispatched, "state", None), "owner", None)
+        if owner is None:
+            raise TypeError(
+                f"dispatched must be the result of dispatch_static, got {type(dispatched).__name__}"
+            )
+        if owner != id(backend):
+            raise ValueError("dispatched was produced by a different EPAll2AllLayer")
+        if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
+            raise TypeError(f"input must be a floating tensor, got {getattr(input, 'dtype', type(input))}")
+        self._check_tensor("input", input, tuple(dispatched.output.shape), None)
+        return backend.combine_static(input, dispatched)
+
+    def check_errors(self) -> None:
+        """Synchronise and raise :class:`ep_a2a.EPTimeoutError` if a device-side wait of the Triton
+        backend ran out (graph-mode users call it outside the graph; eager calls check by themselves).
+        Nothing to check on the torch backend."""
+        self._check_alive("check_errors")
+        check = getattr(self.ctx.backend, "check_errors", None)
+        if check is not None:
+            check()
 
     def ep_barrier_all(self, stream: torch.cuda.Stream | None = None, intra_node_only: bool = False) -> None:
         """Wait for every rank (or every rank of this node), after ``stream``'s queued work finished.

@@ -90,6 +90,8 @@ class StaticDispatch:
         num_recv_tokens_per_expert: ``[E_local]`` int64 on the device.
         num_recv_rows: ``[]`` int64 on the device.
         token_dst_scatter_idx: ``[n, topk]`` int32.
+        num_invalid_ids: ``[]`` int64 on the device: slots whose expert id was outside
+            ``[-1, num_tot_experts)`` (dropped).
     """
 
     output: torch.Tensor
@@ -100,6 +102,7 @@ class StaticDispatch:
     token_dst_scatter_idx: torch.Tensor
     exp_indices: torch.Tensor
     state: _TritonState
+    num_invalid_ids: torch.Tensor
 
 
 def _default_chunk(hidden: int, max_tokens: int) -> int:
@@ -687,6 +690,7 @@ class TritonBackend(A2ABackend):
             token_dst_scatter_idx=b["scat"],
             exp_indices=exp_indices,
             state=_TritonState(owner=id(self), tab=b["tab"], n_src=info[2 : 2 + W]),
+            num_invalid_ids=info[-1],
         )
 
     def combine_static(self, input: torch.Tensor, dispatched: StaticDispatch) -> torch.Tensor:
