@@ -131,8 +131,8 @@ def _default_tiles(hidden: int, max_tokens: int, num_sm: int) -> tuple[dict, dic
     512-wide tiles; at 64 SMs dispatch 318 against 394 us and 133 against 168 us with chunks of 16 and 16
     warps; at 96 and 132 SMs dispatch 290 against 322 us and 289-301 against 304-308 us with 16 warps
     (DeepSeek-V3). On 2x H200 with 132 SMs (``docs/benchmarks/ep-a2a-h200x2/tiles``) 8-token chunks
-    stayed best at DeepSeek-V3 (240 us, against 249-266 us for chunks of 4 and 16, 8 and 32 warps,
-    2048-wide tiles), while rows of 2048 (Qwen3) took 100-102 us with 16-token chunks against 111-112 us
+    stayed best at DeepSeek-V3 (240 us, against 245-266 us for chunks of 4 and 16, 8 and 32 warps,
+    2048-wide tiles), while rows of 2048 (Qwen3) took 97-102 us with 16-token chunks against 111-112 us
     with 8. Combine (which gathers a tile's slots at once, ``docs/benchmarks/ep-a2a-h100x2/
     combine-gather``): 8 tokens with 16 warps and the engine's 512-wide tiles took 541 us at 32 SMs and
     269 us at 132 at the DeepSeek-V3 shape, against 546 / 287 us with 16 tokens and 256-wide tiles, 587 /
