@@ -8,7 +8,9 @@
 # usage (repository root, .whl carried): EP_A2A_COMMIT=<hash> bash packages/ep-a2a/benchmarks/device_window.sh
 #   T_TESTS=0 skips the suite; VARIANTS_32 / VARIANTS_132: profile_small --variants at 4096 tokens,
 #   DeepSeek-V3, on 32 / 132 SMs (default: the default tiles, and the same with combine_maxnreg=128;
-#   "" skips them), e.g. on 4 GPUs VARIANTS_132="default combine_send_ctas=88"
+#   "" skips them), e.g. on 4 GPUs VARIANTS_132="default combine_send_ctas=88"; FIRST_CALL=1 adds the
+#   first-call latency with and without use_aot, each in a fresh Triton cache (bench_triton --first-call;
+#   two more files under $OUT: set VARIANTS_32="" to stay within the files the device returns)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 T_TESTS=${T_TESTS:-200} T_BENCH=${T_BENCH:-200} T_VARIANTS=${T_VARIANTS:-150}
@@ -56,5 +58,16 @@ for sm in 32 132; do
   echo "variants sm$sm rc=$? ($(($(date +%s) - start)) s)"
   grep -E "^==" "$OUT/variants-sm$sm-$tag.log"
 done
+if [ "${FIRST_CALL:-0}" = 1 ]; then
+  for mode in jit aot; do
+    flag=$([ "$mode" = aot ] && echo --use-aot)
+    name=first-call-$mode-$tag
+    # shellcheck disable=SC2086
+    TRITON_CACHE_DIR=$(mktemp -d) timeout 300 python3 -m torch.distributed.run --standalone \
+      --nproc-per-node="$ngpu" packages/ep-a2a/benchmarks/bench_triton.py --first-call $flag \
+      --json "$OUT/$name.json" >"/tmp/$name.log" 2>&1
+    echo "first call ($mode) rc=$? ($(($(date +%s) - start)) s)"
+  done
+fi
 grep -E "^\| ours-graph" "$OUT/bench-$commit-$tag.log" | head -20
 echo "done ($(($(date +%s) - start)) s)"
