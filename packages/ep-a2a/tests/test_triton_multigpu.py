@@ -234,60 +234,34 @@ def test_exact_flow_with_counts_launch(group):
 def test_cta_split_against_reference(group):
     """Kernels with their CTAs split into senders and writers (``send_ctas`` / ``combine_send_ctas``),
     both exact-shape flows and a CUDA-graph-mode call, against the reference."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    from ep_a2a.triton_backend import TritonBackend
 
-    cfg = EPConfig(
-        max_tokens=64,
-        hidden=1024,
-        topk=8,
-        num_tot_experts=32,
-        rank=rank,
-        world_size=world,
-        local_world_size=world,
-        token_dtype=torch.bfloat16,
-    )
+    def check(be) -> None:
+        assert (be.engine.send_ctas, be.engine.combine_send_ctas) == (5, 8)
+
     for overlap_bytes in (0, 1 << 40):
-        be = TritonBackend(
-            cfg,
-            group,
-            num_sm=16,
-            enable_local_combine=True,
-            use_aot=False,
-            timeout_s=30.0,
-            send_ctas=5,
-            combine_send_ctas=8,
-            overlap_bytes=overlap_bytes,
+        be = _make_backend(
+            group, max_tokens=64, hidden=1024, topk=8, experts=32, dtype=torch.bfloat16, heap="torch",
+            send_ctas=5, combine_send_ctas=8, overlap_bytes=overlap_bytes,
+        )  # fmt: skip
+        rounds = (([64, 50], False), ([0, 64], True))
+        _large_layer_round_trips(
+            be, group, hidden=1024, seed=500, rounds=rounds, check=check, experts=32, drop=0.1
         )
-        try:
-            assert (be.engine.send_ctas, be.engine.combine_send_ctas) == (5, 8)
-            for i, ns in enumerate(([64, 50], [0, 64])):
-                ns = (ns * world)[:world]
-                xs, ids, ws, gen = _inputs(
-                    500 + i, world, ns, 1024, 8, 32, torch.bfloat16, skew=i == 1, drop=0.1, with_w=True
-                )
-                _check_round_trip(be, group, xs, ids, ws, gen, 32, torch.bfloat16)
-            _check_static_call(be, rank, xs, ids, ws, 32)
-            torch.cuda.synchronize()
-            be.check_errors()
-        finally:
-            torch.cuda.synchronize()
-            be.finalize()
 
 
-def _large_layer_round_trips(be, group, *, hidden, seed, rounds, check=None) -> None:
+def _large_layer_round_trips(be, group, *, hidden, seed, rounds, check=None, experts=None, drop=0.05) -> None:
     """``check(be)`` first, then one round trip per ``(token counts, skewed)`` of ``rounds`` (the counts
-    repeated over the ranks; top-8 of 8 experts per rank, bf16 with weights, 5 % dropped slots) and a
-    static call, each against the reference. Finalizes ``be``."""
+    repeated over the ranks; top-8 of ``experts`` (default 8 per rank), bf16 with weights, ``drop`` of
+    the slots dropped) and a static call, each against the reference. Finalizes ``be``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    experts = 8 * world
+    experts = experts or 8 * world
     try:
         if check is not None:
             check(be)
         for i, (ns, skew) in enumerate(rounds):
             ns = (list(ns) * world)[:world]
             xs, ids, ws, gen = _inputs(
-                seed + i, world, ns, hidden, 8, experts, torch.bfloat16, skew=skew, drop=0.05, with_w=True
+                seed + i, world, ns, hidden, 8, experts, torch.bfloat16, skew=skew, drop=drop, with_w=True
             )
             _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
         _check_static_call(be, rank, xs, ids, ws, experts)
