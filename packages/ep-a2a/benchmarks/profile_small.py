@@ -122,7 +122,6 @@ def timeline(barrier, replays: dict, iters: int) -> dict:
 DISPATCH_STAMPS = {
     0: "start",
     1: "counts ready",
-    15: "base rows in (static_direct senders)",
     2: "send 0",
     3: "recv 0",
     4: "send 1",

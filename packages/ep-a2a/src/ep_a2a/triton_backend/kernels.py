@@ -36,7 +36,6 @@ STATE_ERR = 3
 STATE_BARRIER_EPOCH = 4
 STATE_COUNTS_READY = 5  # merged dispatch: epoch whose receive layout program 0 has written
 STATE_DISPATCH_ARRIVE = 6  # merged dispatch: CTAs finished (the last one publishes the epoch)
-STATE_BACK_READY = 7  # direct dispatch: epoch whose peers' base rows program 0 has seen
 STATE_SIZE = 8
 
 # error steps encoded in state[STATE_ERR] = 1 + step * 65536 + peer
@@ -1012,16 +1011,10 @@ def _dispatch_kernel(
         n_steps = tl.cdiv(n_chunks, G) + lag
     back_ptr = _peer_ptr(table_ptr, rank, off_back, tl.int64)
     if DIRECT and SEND:
-        # a sender needs every peer's base rows for this rank before its first row: program 0 (always a
-        # sender) spins on the words the peers write, the other senders on its local flag (many CTAs
-        # spinning with atomics on the lines the peers' stores land in would hold those stores up)
-        if (pid == 0) & (err == 0):
+        # a sender needs every peer's base rows for this rank before its first row
+        if do_send & (err == 0):
             _wait_back(back_ptr, ep, state_ptr, rank, timeout, W, L, WP, LP, USE_TIMER)
-            tl.atomic_xchg(state_ptr + 7, ep, sem="release", scope="gpu")
-        elif do_send & (err == 0):
-            _wait_flag(state_ptr + 7, ep, state_ptr, 3, rank, 2 * timeout, USE_TIMER)
         err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
-        _stamp(prb, 15, PROBE)
     if err == 0:
         j = tl.full([], 0, tl.int32)
         while j < n_steps:
