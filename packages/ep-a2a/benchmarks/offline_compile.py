@@ -137,9 +137,6 @@ def main() -> None:
     ap.add_argument("--backend-tiles", action="store_true", help="the tiles TritonBackend picks (see above)")
     ap.add_argument("--regs", action="store_true", help="registers and spill bytes per launch (ptxas -v)")
     ap.add_argument("--combine-maxnreg", type=int, default=None, help="the engine's combine_maxnreg")
-    ap.add_argument(
-        "--direct", action="store_true", help="also the static mode's direct dispatch (static_direct)"
-    )
     a = ap.parse_args()
     tiles: dict[str, Any] = {}
     if a.backend_tiles:
@@ -192,11 +189,6 @@ def main() -> None:
     )
     if not remote:
         eng.launch_dispatch(*args, caller_scatter=False, info=info, counts=True)
-    if a.direct:
-        heap = torch.zeros(64 * a.hidden * 2, dtype=torch.uint8)
-        eng.set_direct_output(heap, torch.zeros(W, dtype=torch.int64))
-        dargs = (*args[:4], eng.direct_output(64, torch.bfloat16), *args[5:])
-        eng.launch_dispatch(*dargs, caller_scatter=False, info=info, counts=True, direct=True)
     y = torch.zeros(64, a.hidden, dtype=torch.bfloat16)
     out = torch.zeros(n, a.hidden, dtype=torch.bfloat16)
     eng.launch_combine(

@@ -307,21 +307,14 @@ def test_combine_maxnreg_reaches_the_compiler(monkeypatch):
         _engine(combine_maxnreg=8)
 
 
-@pytest.mark.parametrize(
-    ("remote", "direct"),
-    [(False, False), (True, False), (False, True)],
-    ids=["intra-node", "remote-peer", "direct"],
-)
-def test_precompile_binds_every_kernel(monkeypatch, remote, direct):
-    """``use_aot``: every warmup call binds to its kernel's parameters, pointers given as Triton wants
-    (``direct``: the static mode's direct variants too, two more dispatch kernels)."""
+@pytest.mark.parametrize("remote", [False, True], ids=["intra-node", "remote-peer"])
+def test_precompile_binds_every_kernel(monkeypatch, remote):
+    """``use_aot``: every warmup call binds to its kernel's parameters, pointers given as Triton wants."""
     log: list = []
     for name in KERNELS:
         monkeypatch.setattr(K, name, _WarmupRecorder(getattr(K, name), log))
     eng = _engine(remote=remote)
-    n = eng.precompile(dtypes=(torch.float32,), direct=direct)
+    n = eng.precompile(dtypes=(torch.float32,))
     assert n == len(log)  # (no register limit by default: no extra entries)
-    if not remote:
-        assert log.count("_dispatch_kernel") == 8 + 2 * direct
     assert ("_pack_kernel" in log) == remote
     assert ("_remote_expand_kernel" in log) == remote

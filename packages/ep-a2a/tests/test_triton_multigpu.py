@@ -300,38 +300,6 @@ def test_default_split_large_layer(group):
         small.finalize()
 
 
-@pytest.mark.parametrize("num_sm", [32, 0], ids=["sm32", "all-sms"])
-def test_static_direct_large_layer(group, num_sm):
-    """``static_direct`` on a large layer (default tiles; on all SMs with the sender / writer split):
-    static calls with fresh inputs (uniform, skewed with a rank of 7 tokens, full), an exact-shape round
-    trip between them, each against the reference."""
-    from ep_a2a.triton_backend.backend import SPLIT_MIN_TOKENS
-
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    n_sm = num_sm or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    T, hidden, experts = 2 * SPLIT_MIN_TOKENS, 2048, 8 * world
-    be = _make_backend(
-        group, max_tokens=T, hidden=hidden, topk=8, experts=experts, dtype=torch.bfloat16, heap="torch",
-        num_sm=n_sm, static_direct=True,
-    )  # fmt: skip
-    try:
-        assert be.static_direct
-        assert (be.engine.send_ctas > 0) == (num_sm == 0)
-        for i, (ns, skew) in enumerate((([T, 1500], False), ([7, T], True), ([T, T], False))):
-            ns = (list(ns) * world)[:world]
-            xs, ids, ws, gen = _inputs(
-                900 + i, world, ns, hidden, 8, experts, torch.bfloat16, skew=skew, drop=0.05, with_w=True
-            )
-            _check_static_call(be, rank, xs, ids, ws, experts)
-            if i == 1:
-                _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
-        torch.cuda.synchronize()
-        be.check_errors()
-    finally:
-        torch.cuda.synchronize()
-        be.finalize()
-
-
 @pytest.mark.parametrize("num_sm", [32, 64, 0], ids=["sm32", "sm64", "all-sms"])
 def test_default_tiles_large_layer(group, num_sm):
     """A large layer of wide rows gets the tiles tuned for its SM count (``_default_tiles``: larger chunks
@@ -514,26 +482,14 @@ def _rows_per_rank(ids, world, experts):
 
 
 @pytest.mark.parametrize(
-    ("api", "copy_engine", "heap"),
-    [
-        ("backend", False, "torch"),
-        ("backend", True, "torch"),
-        ("layer", False, "torch"),
-        ("direct", False, "torch"),
-        pytest.param(
-            "direct",
-            False,
-            "nvshmem",
-            marks=pytest.mark.skipif(not _has_nvshmem(), reason="nvshmem4py not installed"),
-        ),
-    ],
-    ids=["sm-stores", "copy-engine", "layer", "direct", "direct-nvshmem"],
+    ("api", "copy_engine"),
+    [("backend", False), ("backend", True), ("layer", False)],
+    ids=["sm-stores", "copy-engine", "layer"],
 )
-def test_cuda_graph_capture_replay(group, api, copy_engine, heap):
+def test_cuda_graph_capture_replay(group, api, copy_engine):
     """CUDA-graph capture of a static dispatch, an elementwise expert and a static combine, replayed with
-    fresh inputs against the reference: on the backend (also with ``static_direct``: rows straight into
-    the peers' outputs, over either heap), and through ``EPAll2AllLayer``'s graph mode (which then also
-    drops and counts an invalid expert id on the device)."""
+    fresh inputs against the reference: on the backend, and through ``EPAll2AllLayer``'s graph mode
+    (which then also drops and counts an invalid expert id on the device)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     hidden, topk, experts, n = 512, 4, 16, 48
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -546,10 +502,9 @@ def test_cuda_graph_capture_replay(group, api, copy_engine, heap):
         )  # fmt: skip
     else:
         be = _make_backend(
-            group, max_tokens=n, hidden=hidden, topk=topk, experts=experts, dtype=torch.bfloat16, heap=heap,
-            copy_engine=copy_engine, static_direct=api == "direct",
+            group, max_tokens=n, hidden=hidden, topk=topk, experts=experts, dtype=torch.bfloat16, heap="torch",
+            copy_engine=copy_engine,
         )  # fmt: skip
-        assert be.static_direct == (api == "direct")
     try:
         x = torch.zeros(n, hidden, dtype=torch.bfloat16, device=dev)
         ids = torch.zeros(n, topk, dtype=torch.int32, device=dev)

@@ -131,60 +131,6 @@ def test_dispatch_combine_matches_reference(world, ns, hidden, topk, experts, dt
     _round_trips(sim, ns, ((False, 0), (True, 0), (True, 1)), gen, with_w=with_w, skew=skew, drop=drop)
 
 
-@pytest.mark.parametrize(
-    ("world", "ns", "hidden", "topk", "experts", "dtype", "with_w", "skew", "drop"),
-    [CASES[0], CASES[2], CASES[4], CASES[5]],
-)
-def test_direct_dispatch_matches_reference(world, ns, hidden, topk, experts, dtype, with_w, skew, drop):
-    """Rows straight into the peers' outputs (the static mode's ``static_direct``): every slot but the
-    token's first on each rank is copied from the row the source wrote there. Direct calls with and
-    without the sender / writer split, then a call through the receive buffers on the same heaps."""
-    gen = torch.Generator().manual_seed(77 + world * 100 + hidden + topk)
-    sim = SimWorld(
-        world_size=world,
-        max_tokens=max(ns),
-        hidden=hidden,
-        topk=topk,
-        num_tot_experts=experts,
-        token_dtype=dtype,
-        num_sm=2,
-        chunk=4,
-        block_h=16,
-        direct=True,
-    )
-    _round_trips(
-        sim,
-        ns,
-        ((False, 0, True), (False, 1, True), (False, 0, False)),
-        gen,
-        with_w=with_w,
-        skew=skew,
-        drop=drop,
-    )
-
-
-def test_direct_dispatch_waits_for_base_rows():
-    """A direct sender waits for the peers' base rows of this call: rank 1's never arrive at rank 0
-    (reset to the previous epoch), so rank 0 times out at ``dispatch/offsets`` naming rank 1."""
-    world, hidden, topk, experts = 2, 16, 2, 4
-    gen = torch.Generator().manual_seed(5)
-    sim = SimWorld(
-        world_size=world, max_tokens=4, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=2,
-        chunk=4, timeout_s=0.01, direct=True,
-    )  # fmt: skip
-    xs = [torch.randn(4, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
-    ids = [torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]], dtype=torch.int32) for _ in range(world)]
-    lay, L = sim.layout, experts // world
-    back0 = sim.heaps[0][lay.back : lay.back + world * L * 8].view(torch.int64)
-
-    def stale_back_from_rank1() -> None:
-        back0[L : 2 * L] -= 1 << 32  # the words rank 1 wrote for this call, one epoch back
-
-    with pytest.raises(EPTimeoutFromDevice, match="waiting for rank 1") as info:
-        sim.dispatch(xs, ids, direct=True, before_rows=stale_back_from_rank1)
-    assert info.value.step == "dispatch/offsets"
-
-
 @pytest.mark.parametrize("chunk", [1, 2])
 @pytest.mark.parametrize(
     ("world", "ns", "hidden", "topk", "experts", "dtype", "with_w", "skew", "drop"),
@@ -277,16 +223,16 @@ def test_combine_tile_arguments():
 
 
 def _round_trips(sim, ns, flows, gen, *, with_w, skew, drop, after_dispatch=None) -> None:
-    """One dispatch + combine per ``(merged, send_ctas[, direct])`` of ``flows``, each with fresh inputs
-    (the token counts ``ns``, then shifted and reversed), checked against the reference."""
+    """One dispatch + combine per ``(merged, send_ctas)`` of ``flows``, each with fresh inputs (the
+    token counts ``ns``, then shifted and reversed), checked against the reference."""
     eng = sim.engines[0]
     hidden, topk, experts, dtype = eng.hidden, eng.topk, eng.num_tot_experts, eng.token_dtype
-    for call, (merged, send_ctas, *direct) in enumerate(flows):
+    for call, (merged, send_ctas) in enumerate(flows):
         ns_call = ns if call == 0 else [max(0, n - call) for n in reversed(ns)]
         xs = [torch.randn(n, hidden, generator=gen).to(dtype) for n in ns_call]
         ids = [_routing(n, topk, experts, gen, skew=skew, drop=drop) for n in ns_call]
         ws = [torch.rand(n, topk, generator=gen) for n in ns_call] if with_w else None
-        res = sim.dispatch(xs, ids, ws, merged=merged, send_ctas=send_ctas, direct=bool(direct and direct[0]))
+        res = sim.dispatch(xs, ids, ws, merged=merged, send_ctas=send_ctas)
         ref, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
         _check_dispatch(res, ref, scat, with_w)
         assert all(torch.equal(r.num_input_tokens_per_rank, torch.tensor(ns_call)) for r in res)

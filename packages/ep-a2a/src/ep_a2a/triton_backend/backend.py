@@ -14,8 +14,8 @@ from ep_a2a._dist import EPTimeoutError
 from ep_a2a.backend import A2ABackend, DispatchResult, register_backend
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
-from ep_a2a.triton_backend.engine import WHOLE_ROW_MAX_CHUNK, EPTimeoutFromDevice, HeapLayout, TritonEPEngine
-from ep_a2a.triton_backend.heaps import HEAP_KINDS, NvshmemHeap, NvshmemTransport, SymmetricHeap, make_heap
+from ep_a2a.triton_backend.engine import EPTimeoutFromDevice, HeapLayout, TritonEPEngine
+from ep_a2a.triton_backend.heaps import HEAP_KINDS, NvshmemHeap, NvshmemTransport, make_heap
 
 #: exact-shape dispatches whose worst case (``world_size x max_tokens x topk`` rows) fits in this many
 #: bytes run without a host wait before the row kernel (see ``TritonBackend``'s ``overlap_bytes``)
@@ -27,10 +27,6 @@ HEAP_ENV = "EP_A2A_TRITON_HEAP"
 #: environment variable choosing copy-engine dispatch when the layer constructs the backend (``1`` / ``0``:
 #: the ``copy_engine`` argument)
 COPY_ENGINE_ENV = "EP_A2A_TRITON_COPY_ENGINE"
-
-#: environment variable choosing direct static dispatch when the layer constructs the backend (``1`` / ``0``:
-#: the ``static_direct`` argument)
-STATIC_DIRECT_ENV = "EP_A2A_TRITON_STATIC_DIRECT"
 
 #: pieces of a copy-engine dispatch (each a copy of its token rows and an 8-byte flag copy per peer)
 DEFAULT_CE_PIECES = 4
@@ -237,14 +233,6 @@ class TritonBackend(A2ABackend):
             copy (see the package docs). Not with remote peers, not with ``send_ctas`` > 0 (nothing
             left to send). Combine is unchanged.
         ce_pieces: pieces of a copy-engine dispatch (default 4).
-        static_direct: CUDA-graph mode (:meth:`dispatch_static`) with the static output in a second
-            symmetric heap (``world_size * max_tokens * topk`` rows, allocated here, collectively):
-            each token row goes straight into the peer's output, at the row of the token's first slot
-            there, and the peer copies it to the token's other slots, instead of landing in the peer's
-            receive buffer and being copied to every slot (one row write and read fewer per received
-            token). Senders first wait for the peers' base rows of the call (one more exchange on the
-            device). Default (``None``): ``$EP_A2A_TRITON_STATIC_DIRECT`` when set, else off. Not with
-            remote peers, copy-engine dispatch or whole-row (decode-sized) chunks.
         force_remote: treat ranks outside this rank's block of ``force_remote`` consecutive ranks as on
             another node (the remote path on one node, for testing); default from
             ``$EP_A2A_TRITON_FORCE_REMOTE``, else the real nodes (blocks of ``local_world_size``).
@@ -291,7 +279,6 @@ class TritonBackend(A2ABackend):
         force_remote: int | None = None,
         copy_engine: bool | None = None,
         ce_pieces: int | None = None,
-        static_direct: bool | None = None,
         **_: object,
     ) -> None:
         super().__init__(
@@ -393,21 +380,6 @@ class TritonBackend(A2ABackend):
             peer_heaps=self.heap.peers,
         )
         self.heap_kind = heap
-        if static_direct is None and os.environ.get(STATIC_DIRECT_ENV):
-            static_direct = os.environ[STATIC_DIRECT_ENV].strip().lower() not in ("0", "false", "off", "")
-        #: whether :meth:`dispatch_static` writes rows straight into the peers' outputs (``static_direct``)
-        self.static_direct = bool(static_direct)
-        self.static_heap: SymmetricHeap | None = None
-        if self.static_direct:
-            if remote or copy_engine or self.engine.whole_row:
-                raise ValueError(
-                    "static_direct=True needs every peer reached by stores, no copy_engine and chunks of more "
-                    f"than {WHOLE_ROW_MAX_CHUNK} tokens (remote peers: {list(remote)}, copy_engine={copy_engine}, "
-                    f"chunk={self.engine.chunk})"
-                )
-            nbytes = self.engine.worst_case_rows() * config.hidden * config.token_dtype.itemsize
-            self.static_heap = make_heap(heap, nbytes, ep_group, self.device)
-            self.engine.set_direct_output(self.static_heap.local, self.static_heap.ptr_table)
         #: ranks reached by NVSHMEM puts (other nodes, or forced) and the node size used
         self.remote_ranks, self.node_size = tuple(remote), node
         self._info_host = torch.empty_like(self.engine.info, device="cpu").pin_memory()
@@ -427,9 +399,7 @@ class TritonBackend(A2ABackend):
         if use_aot:
             t0 = time.perf_counter()
             self.aot_variants = self.engine.precompile(
-                dtypes=(torch.float32,),
-                dispatch_counts=(True,) if self.overlap_exact else (True, False),
-                direct=self.static_direct,
+                dtypes=(torch.float32,), dispatch_counts=(True,) if self.overlap_exact else (True, False)
             )
             self.aot_seconds = time.perf_counter() - t0
 
@@ -700,9 +670,7 @@ class TritonBackend(A2ABackend):
         W = self.config.world_size
         b = self._static
         if b is None or b["skip"].shape[0] != n:
-            rows = eng.worst_case_rows()
-            out = eng.direct_output(rows, eng.token_dtype) if self.static_direct else None
-            b = eng.alloc_dispatch_outputs(n, rows, with_weights=True, out=out)
+            b = eng.alloc_dispatch_outputs(n, eng.worst_case_rows(), with_weights=True)
             b["info"] = torch.zeros(eng.info_len, dtype=torch.int64, device=self.device)
             self._static = b
         eng.launch_layout(exp_indices, caller_scatter=False, info=b["info"])
@@ -710,7 +678,7 @@ class TritonBackend(A2ABackend):
             eng.launch_counts(b["info"])
         eng.launch_dispatch(
             input, exp_indices, weight, eng.pos, b["out"], b["out_w"], b["out_e"], b["tab"], b["skip"],
-            b["scat"], caller_scatter=False, info=b["info"], counts=not eng.ce_pieces, direct=self.static_direct,
+            b["scat"], caller_scatter=False, info=b["info"], counts=not eng.ce_pieces,
         )  # fmt: skip
         self._combine_allowed = True
         info = b["info"]
@@ -746,6 +714,4 @@ class TritonBackend(A2ABackend):
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.ep_group)
         self.heap.free()
-        if self.static_heap is not None:
-            self.static_heap.free()
         self._finalized = True

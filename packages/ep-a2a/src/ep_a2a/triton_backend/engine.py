@@ -359,9 +359,6 @@ class TritonEPEngine:
             if peer_heaps is None or any(peer_heaps[r] is None for r in range(world_size)):
                 raise ValueError("ce_pieces (copy-engine dispatch) needs peer_heaps: every rank's heap")
         self.ce_pieces = ce_pieces
-        #: static-output heap (see :meth:`set_direct_output`): base addresses by rank, and this rank's
-        self.out_table: torch.Tensor | None = None
-        self._out_local: torch.Tensor | None = None
         self.ce_tokens = -(-triton.cdiv(max_tokens, max(ce_pieces, 1)) // chunk) * chunk
         self.peer_heaps = list(peer_heaps) if peer_heaps is not None else None
         self._ce_stream = torch.cuda.Stream(dev) if ce_pieces and dev.type == "cuda" else None
@@ -648,15 +645,9 @@ class TritonEPEngine:
         recv: bool = True,
         remote: dict[str, torch.Tensor] | None = None,
         npk_send: Sequence[int] | None = None,
-        direct: bool = False,
     ) -> None:
         """Step 3. With ``counts=True`` step 2 runs inside this launch (program 0 builds the receive
         layout, the others wait for it): the launch after :meth:`launch_layout` in static mode.
-
-        With ``direct`` (after :meth:`set_direct_output`; ``out`` from :meth:`direct_output` on every
-        rank) each token row goes straight into the peer's output at the row of the token's first slot
-        there, once the peer's base rows for this rank have arrived; the peer copies it to the token's
-        other slots instead of copying every slot from its receive buffer.
 
         With remote peers (``counts=False`` only): the row kernel stages the records for remote peers;
         with ``send`` the host then puts ``npk_send[r]`` records (host copy of ``remote["pinfo"][:W]``) to
@@ -670,15 +661,6 @@ class TritonEPEngine:
             )
         if self.remote_ranks and send and npk_send is None:
             raise ValueError("npk_send (records per remote destination, on the host) is needed to send")
-        if direct:
-            if self.out_table is None or self._out_local is None:
-                raise ValueError("direct=True needs set_direct_output first")
-            if caller_scatter:
-                raise ValueError(
-                    "direct=True places rows by the receive layout: not with caller scatter indices"
-                )
-            if out.numel() and out.data_ptr() != self._out_local.data_ptr():  # (no rows: nothing lands here)
-                raise ValueError("direct=True: out must start at this rank's output heap (direct_output)")
         pk, rtok, pinfo = self._rb(remote)
         has_w = weight is not None
         split = self.send_ctas
@@ -698,7 +680,6 @@ class TritonEPEngine:
                 out.dtype,
                 *self._align(xs, ids, w, src),
                 self.probe is not None,
-                direct,
             ),
             K._dispatch_kernel,
             (self.num_sm,),
@@ -779,8 +760,6 @@ class TritonEPEngine:
                 WHOLE_ROW=self.whole_row,
                 **self._probe_kw(1),
                 PDL=self.pdl,
-                DIRECT=direct,
-                otab_ptr=self.out_table if direct else None,
             ),
             launch_pdl=self.pdl,
         )
@@ -831,31 +810,6 @@ class TritonEPEngine:
                     **self._rec_kw(out.dtype),
                 ),
             )
-
-    def set_direct_output(self, local: torch.Tensor, table: torch.Tensor) -> None:
-        """Let dispatch write token rows straight into the peers' outputs (``direct=True``).
-
-        ``local``: this rank's output heap (``[nbytes]`` uint8, symmetric: the same size on every rank);
-        ``table``: ``[W]`` int64 on the device, every rank's output heap base as mapped here. A direct
-        dispatch's ``out`` must start at ``local``'s base.
-        """
-        if self.remote_ranks or self.ce_pieces or self.whole_row:
-            raise ValueError(
-                "direct dispatch needs every peer reached by stores, no copy-engine dispatch and tiled rows "
-                f"(remote_ranks={list(self.remote_ranks)}, ce_pieces={self.ce_pieces}, whole_row={self.whole_row})"
-            )
-        self._out_local, self.out_table = local, table
-
-    def direct_output(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
-        """``[rows, hidden]`` of ``dtype`` at the base of this rank's output heap."""
-        if self._out_local is None:
-            raise RuntimeError("no output heap: call set_direct_output first")
-        n = rows * self.hidden
-        if n * dtype.itemsize > self._out_local.numel():
-            raise ValueError(
-                f"{rows} rows of {dtype} do not fit the output heap ({self._out_local.numel()} bytes)"
-            )
-        return self._out_local[: n * dtype.itemsize].view(dtype).view(rows, self.hidden)
 
     def _ce_fork(self) -> torch.cuda.Event | None:
         """The point of the current stream after which the copies may run (none on CPU)."""
@@ -1111,17 +1065,12 @@ class TritonEPEngine:
 
     # ------------------------------------------------------------------ AOT
     def precompile(
-        self,
-        *,
-        dtypes: tuple[torch.dtype, ...] = (),
-        dispatch_counts: tuple[bool, ...] = (True, False),
-        direct: bool = False,
+        self, *, dtypes: tuple[torch.dtype, ...] = (), dispatch_counts: tuple[bool, ...] = (True, False)
     ) -> int:
         """Compile every kernel variant the layer uses, without launching. Returns the variant count.
 
         ``dtypes``: extra row dtypes of combine; ``dispatch_counts``: the dispatch kernel with the
-        receive layout merged in (static mode, small exact calls) and/or without (large exact calls);
-        ``direct``: also the static mode's direct variant (rows into the peers' outputs).
+        receive layout merged in (static mode, small exact calls) and/or without (large exact calls).
         With remote peers only the unmerged dispatch exists, combine and barrier run as a sending and a
         receiving launch, and the pack and expand kernels are compiled too.
         """
@@ -1202,10 +1151,7 @@ class TritonEPEngine:
             )
             n += 1
         nw = self.num_warps
-        variants = [(*v, False) for v in itertools.product((True, False), (False, True), dispatch_counts)]
-        if direct and not remote:
-            variants += [(has_w, False, True, True) for has_w in (True, False)]
-        for has_w, cs, counts, drct in variants:
+        for has_w, cs, counts in itertools.product((True, False), (False, True), dispatch_counts):
             K._dispatch_kernel.warmup(
                 self.token_dtype,
                 i32,
@@ -1260,8 +1206,6 @@ class TritonEPEngine:
                 PROBE=False,
                 probe_ptr=None,
                 PDL=self.pdl,
-                DIRECT=drct,
-                otab_ptr=self._dummy_i64 if drct else None,
                 num_warps=nw,
                 **({"launch_pdl": True} if self.pdl else {}),
                 **self._tile_kw(self.whole_row),

@@ -122,34 +122,6 @@ def _wait_flag(flag_ptr, target, state_ptr, step, peer, timeout, USE_TIMER: tl.c
 
 
 @triton.jit
-def _wait_back(back_ptr, ep, state_ptr, rank, timeout, W: tl.constexpr, L: tl.constexpr, WP: tl.constexpr,
-               LP: tl.constexpr, USE_TIMER: tl.constexpr):  # fmt: skip
-    """Spin until every peer's base rows for this rank (``back [W, L]``, packed ``(epoch << 32) | row``)
-    carry epoch ``ep`` (acquire, system scope, bounded; a timeout records the first missing peer)."""
-    ss = tl.arange(0, WP)
-    ee = tl.arange(0, LP)
-    m2 = (ss[:, None] < W) & (ss[:, None] != rank) & (ee[None, :] < L)
-    ptrs = back_ptr + ss[:, None] * L + ee[None, :]
-    err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
-    v = tl.atomic_add(ptrs, tl.zeros([WP, LP], tl.int64), mask=m2, sem="acquire", scope="sys")
-    n_stale = tl.sum(tl.sum((((v >> 32) < ep) & m2).to(tl.int32), axis=1), 0)
-    start = _now(USE_TIMER)
-    elapsed = tl.full([], 0, tl.int64)
-    while (n_stale > 0) & (elapsed < timeout) & (err == 0):
-        v = tl.atomic_add(ptrs, tl.zeros([WP, LP], tl.int64), mask=m2, sem="acquire", scope="sys")
-        n_stale = tl.sum(tl.sum((((v >> 32) < ep) & m2).to(tl.int32), axis=1), 0)
-        if USE_TIMER:
-            elapsed = _now(USE_TIMER) - start
-        else:
-            elapsed += 1
-    if (n_stale > 0) & (err == 0):
-        stale = ((v >> 32) < ep) & m2
-        missing = tl.min(tl.where(tl.max(stale.to(tl.int32), axis=1) > 0, ss, WP))
-        _set_error(state_ptr, 1 + 3 * 65536 + missing.to(tl.int64))
-    tl.debug_barrier()
-
-
-@triton.jit
 def _m(rows_mask, h0, hh, H: tl.constexpr, EVEN_H: tl.constexpr):
     """2-D mask of a ``[rows, BH]`` tile; with ``EVEN_H`` it is constant along the row, which keeps
     loads and stores 16-byte vectors."""
@@ -180,16 +152,14 @@ def _column(tile, kk, k: tl.constexpr):
 
 @triton.jit
 def _store_tile_by_slot(xt, tab_rows, tm, out_ptr, h0, hh, H: tl.constexpr, K: tl.constexpr,
-                        EVEN_H: tl.constexpr, SKIP: tl.constexpr = False, skip_k=None):  # fmt: skip
+                        EVEN_H: tl.constexpr):  # fmt: skip
     """Tile ``h0`` of each token row to its output row of every slot, the rows re-read from the slot
     table (``tab_rows [CH]``: pointers to each token's ``K`` entries; < 0: not here) rather than held.
     Streaming stores (``.cs``, evict-first): the rows of large layers outgrow L2, and keeping them out of
     it leaves the token rows and received rows that are read twice or later in L2 (DeepSeek-V3 graph
-    dispatch on 2x H200: 229-236 against 232-246 us, ``docs/benchmarks/ep-a2a-h200x2/cache-hints``).
-    With ``SKIP`` slot ``skip_k[i]`` of token ``i`` is left out (its row was written by the sender)."""
+    dispatch on 2x H200: 229-236 against 232-246 us, ``docs/benchmarks/ep-a2a-h200x2/cache-hints``)."""
     for k in tl.static_range(K):
-        sm = tm & (skip_k != k) if SKIP else tm
-        rk = tl.load(tab_rows + k, mask=sm, other=-1).to(tl.int64)
+        rk = tl.load(tab_rows + k, mask=tm, other=-1).to(tl.int64)
         tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H),
                  cache_modifier=".cs")  # fmt: skip
 
@@ -589,18 +559,10 @@ def _dispatch_send_chunk(
     WHOLE_ROW: tl.constexpr,
     PROBE: tl.constexpr,
     prb,
-    DIRECT: tl.constexpr = False,
-    otab_ptr=None,
-    back_ptr=None,
-    WP: tl.constexpr = 1,
 ):
     """Chunk ``c`` of this rank's tokens: with ``PEERS`` each token row (and its slots' metadata) to
     every peer hosting one of its experts, then the chunk's ready flag; with ``LOCAL`` the slot table,
     ``skip``, and the rows of this rank's own experts straight into the output.
-
-    With ``DIRECT`` a token's row goes straight into the peer's output (``otab_ptr``: base addresses of
-    the peers' static outputs), at the row of the token's first slot on that peer: the peer's base row
-    of that expert for this rank (``back_ptr [W, L]``, already waited for) plus the slot's position.
 
     A remote peer ``r`` (bit ``r`` of ``REMOTE``) gets no stores: the token's record (row, then token
     index, ids, positions, float32 weights) goes to this rank's staging ``srec[r, pk[r, t]]``, packed in
@@ -670,24 +632,13 @@ def _dispatch_send_chunk(
             ld = ld & ((bits & ~(1 << rank)) != 0)
     peer_row = (rank * max_tokens + toks).to(tl.int64) * H
     tab_row = (rank * max_tokens + toks).to(tl.int64) * K
-    ww = tl.arange(0, WP)
-    drows = tl.full([CH, WP], -1, tl.int64)
-    if DIRECT and PEERS:
-        for r in tl.static_range(W):
-            kf = tl.min(tl.where((dest == r) & m2, kk[None, :], KP), axis=1)  # first slot bound for r
-            hit = kk[None, :] == kf[:, None]
-            ef = tl.sum(tl.where(hit, e_loc, 0), axis=1)
-            has = (kf < KP) & (r != rank)
-            base = tl.load(back_ptr + r * L + ef, mask=has, other=0, cache_modifier=".cg") & 0xFFFFFFFF
-            fr = base + tl.sum(tl.where(hit, pos, 0), axis=1)
-            drows = tl.where(ww[None, :] == r, tl.where(has, fr, -1)[:, None], drows)
     _stamp(prb, 13, PROBE)
     if WHOLE_ROW:
         # decode-sized chunks (BH >= H): the whole rows (loaded above) to the peers and their flag
         # first, then this rank's own rows from registers
         if PEERS:
             _store_peers(xt, 0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
-                         off_srec, W, H, EVEN_H, REMOTE, RECX, DIRECT, otab_ptr, drows, ww)  # fmt: skip
+                         off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
     else:
         tl.debug_barrier()  # the tab rows written above are re-read per tile below (no per-tile reductions)
         # one tile ahead: the next tile's load is in flight while this one is stored
@@ -697,7 +648,7 @@ def _dispatch_send_chunk(
             nxt = tl.load(x_ptr + xrow[:, None] + hn + hh[None, :], mask=_m(ld & (hn < H), hn, hh, H, EVEN_H))
             if PEERS:
                 _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
-                             off_srec, W, H, EVEN_H, REMOTE, RECX, DIRECT, otab_ptr, drows, ww)  # fmt: skip
+                             off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
             if LOCAL:
                 _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H)
             xt = nxt
@@ -716,11 +667,9 @@ def _dispatch_send_chunk(
 @triton.jit
 def _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x, off_srec,
                  W: tl.constexpr, H: tl.constexpr, EVEN_H: tl.constexpr, REMOTE: tl.constexpr,
-                 RECX: tl.constexpr, DIRECT: tl.constexpr = False, otab_ptr=None, drows=None,
-                 ww=None):  # fmt: skip
+                 RECX: tl.constexpr):  # fmt: skip
     """Tile ``h0`` of the chunk's rows to every peer hosting one of their experts (``bits``): into its
-    heap, or for a remote peer into this rank's staging record of the token. With ``DIRECT`` into the
-    peer's output instead, at row ``drows[i, r]`` (``otab_ptr``: the output heaps' base addresses)."""
+    heap, or for a remote peer into this rank's staging record of the token."""
     for r in tl.static_range(W):
         if (REMOTE >> r) & 1:
             j = tl.load(pk_ptr + r * max_tokens + toks, mask=tm, other=-1)
@@ -729,17 +678,8 @@ def _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, 
             tl.store(prec + prow[:, None] + h0 + hh[None, :], xt, mask=_m(j >= 0, h0, hh, H, EVEN_H))
         elif r != rank:
             need = ((bits >> r) & 1) != 0
-            if DIRECT:
-                prow = _column(drows, ww, r)
-                po = _peer_ptr(otab_ptr, r, 0, xt.dtype)
-                tl.store(
-                    po + prow[:, None] * H + h0 + hh[None, :],
-                    xt,
-                    mask=_m(need & (prow >= 0), h0, hh, H, EVEN_H),
-                )
-            else:
-                px = _peer_ptr(table_ptr, r, off_x, xt.dtype)
-                tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H))
+            px = _peer_ptr(table_ptr, r, off_x, xt.dtype)
+            tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H))
 
 
 @triton.jit
@@ -797,12 +737,8 @@ def _dispatch_recv_chunk(
     WHOLE_ROW: tl.constexpr,
     PROBE: tl.constexpr,
     prb,
-    DIRECT: tl.constexpr = False,
 ):
-    # ``fc``: the flag covering chunk ``c`` (the chunk's own, or its copy-engine piece's); with
-    # ``DIRECT`` the source wrote each token's row into the output row of its first slot here, which
-    # the other slots copy
-
+    # ``fc``: the flag covering chunk ``c`` (the chunk's own, or its copy-engine piece's)
     flag = _peer_ptr(table_ptr, rank, off_flag, tl.int64) + s * nchunks + fc
     ok = _wait_flag(flag, ep, state_ptr, 2, s, timeout, USE_TIMER)
     _stamp(prb, 12, PROBE)
@@ -837,26 +773,20 @@ def _dispatch_recv_chunk(
         if WHOLE_ROW:
             _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
         else:
-            if DIRECT:
-                kf = tl.min(tl.where(kept, kk[None, :], KP), axis=1)  # the slot the source wrote
-                first = tl.sum(tl.where(kk[None, :] == kf[:, None], row, 0), axis=1)
-                need = tl.sum(kept.to(tl.int32), axis=1) > 1
-                src = out_ptr + tl.where(need, first, 0) * H
-            else:
-                kf = tl.full([CH], -1, tl.int32)
-                need = tl.sum(kept.to(tl.int32), axis=1) > 0
-                src = px + src_row
-            xt = tl.load(src[:, None] + hh[None, :], mask=_m(need, 0, hh, H, EVEN_H), cache_modifier=".cg")
+            need = tl.sum(kept.to(tl.int32), axis=1) > 0
+            xt = tl.load(
+                px + src_row[:, None] + hh[None, :], mask=_m(need, 0, hh, H, EVEN_H), cache_modifier=".cg"
+            )
             tab_row = (s * max_tokens + toks).to(tl.int64) * K
             tl.debug_barrier()  # tab rows re-read per tile below
             for h0 in range(0, H, BH):
                 hn = h0 + BH
                 nxt = tl.load(
-                    src[:, None] + hn + hh[None, :],
+                    px + src_row[:, None] + hn + hh[None, :],
                     mask=_m(need & (hn < H), hn, hh, H, EVEN_H),
                     cache_modifier=".cg",
                 )
-                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H, DIRECT, kf)
+                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H)
                 xt = nxt
 
 
@@ -938,8 +868,6 @@ def _dispatch_kernel(
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
     probe_ptr=None,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the launch before
-    DIRECT: tl.constexpr = False,  # rows straight into the peers' outputs (static mode, see _dispatch_send_chunk)
-    otab_ptr=None,  # [W] int64 base addresses of the peers' static outputs (DIRECT)
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -1009,12 +937,6 @@ def _dispatch_kernel(
         else:
             lag = LAG
         n_steps = tl.cdiv(n_chunks, G) + lag
-    back_ptr = _peer_ptr(table_ptr, rank, off_back, tl.int64)
-    if DIRECT and SEND:
-        # a sender needs every peer's base rows for this rank before its first row
-        if do_send & (err == 0):
-            _wait_back(back_ptr, ep, state_ptr, rank, timeout, W, L, WP, LP, USE_TIMER)
-        err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
     if err == 0:
         j = tl.full([], 0, tl.int32)
         while j < n_steps:
@@ -1066,10 +988,6 @@ def _dispatch_kernel(
                         WHOLE_ROW,
                         PROBE,
                         prb,
-                        DIRECT,
-                        otab_ptr,
-                        back_ptr,
-                        WP,
                     )
             if j < 4:
                 _stamp(prb, 2 + 2 * j, PROBE)
@@ -1174,7 +1092,6 @@ def _dispatch_kernel(
                                 WHOLE_ROW,
                                 PROBE,
                                 prb,
-                                DIRECT,
                             )
             if j < 4:
                 _stamp(prb, 3 + 2 * j, PROBE)

@@ -14,7 +14,7 @@ then points remote ranks at a decoy heap, which must stay untouched (:meth:`SimW
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +85,6 @@ class SimWorld:
         device: str = "cpu",
         node_size: int | None = None,
         ce_pieces: int = 0,
-        direct: bool = False,
     ) -> None:
         node_size = node_size or world_size
         if world_size % node_size:
@@ -158,16 +157,6 @@ class SimWorld:
         ]
         self.world_size = world_size
         self.remote = remote
-        #: with ``direct``: every rank's output heap (worst-case rows), the targets of direct dispatch
-        self.out_heaps: list[torch.Tensor] = []
-        if direct:
-            nbytes = self.engines[0].worst_case_rows() * hidden * token_dtype.itemsize
-            self.out_heaps = [
-                torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)
-            ]
-            otab = torch.tensor([h.data_ptr() for h in self.out_heaps], dtype=torch.int64, device=device)
-            for eng, h in zip(self.engines, self.out_heaps, strict=True):
-                eng.set_direct_output(h, otab)
 
     def check_decoy(self) -> None:
         """Raise if any kernel wrote through a remote rank's table entry."""
@@ -185,8 +174,6 @@ class SimWorld:
         skip_ranks: Sequence[int] = (),
         merged: bool = False,
         send_ctas: int = 0,
-        direct: bool = False,
-        before_rows: Callable[[], None] | None = None,
     ) -> list[SimDispatch]:
         """Run one dispatch on every rank (ranks in ``skip_ranks`` never run: their peers time out).
 
@@ -194,16 +181,11 @@ class SimWorld:
         ``merged=True``: the receive layout inside the row kernel (static / CUDA-graph mode and the
         exact-shape flow of small layers), into worst-case buffers. ``send_ctas``: the engines'
         split of the row kernel's CTAs into senders and writers (0: every CTA does both).
-        ``direct``: rows straight into the peers' outputs (built with ``direct=True``; the sending half
-        waits for the peers' base rows, which only the unmerged flow has written before it runs here).
-        ``before_rows``: called after the counts and buffers, before the row kernels (tests).
         """
         for eng in self.engines:  # (combine follows the dispatch's split)
             eng.send_ctas = eng.combine_send_ctas = send_ctas
         if self.remote and merged:
             raise ValueError("remote peers: only the unmerged flow (merged=False)")
-        if direct and (merged or not self.out_heaps):
-            raise ValueError("direct: a SimWorld built with direct=True, and merged=False")
         caller = full_scatter_indices is not None
         ranks = [r for r in range(self.world_size) if r not in skip_ranks]
         infos = {r: torch.full((self.engines[r].info_len,), -9, dtype=torch.int64) for r in ranks}
@@ -226,14 +208,9 @@ class SimWorld:
             else:
                 eng.check_error(int(infos[r][1]))
                 rows = int(infos[r][0])
-            out = eng.direct_output(rows, eng.token_dtype) if direct else None
-            bufs[r] = eng.alloc_dispatch_outputs(
-                inputs[r].shape[0], rows, with_weights=weights is not None, out=out
-            )
+            bufs[r] = eng.alloc_dispatch_outputs(inputs[r].shape[0], rows, with_weights=weights is not None)
             for buf in bufs[r].values():  # poison: every element read must have been written
                 buf.fill_(float("nan") if buf.is_floating_point() else -7)
-        if before_rows is not None:
-            before_rows()
         for send, recv in ((True, False), (False, True)):
             for r in ranks:
                 b = bufs[r]
@@ -256,7 +233,6 @@ class SimWorld:
                     recv=recv,
                     remote=rbufs[r],
                     npk_send=self._npk(rbufs[r], 0),
-                    direct=direct,
                 )
         results = []
         for r in ranks:
