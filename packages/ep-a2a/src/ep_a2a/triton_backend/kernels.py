@@ -388,16 +388,12 @@ def _counts_body(
     USE_TIMER: tl.constexpr,
     CW: tl.constexpr,
     REMOTE: tl.constexpr,
-    RELEASE: tl.constexpr = False,
 ):
     """Wait for every source's counts of epoch ``ep``, write the receive layout (one program).
 
     Writes ``info`` (total rows, error, tokens / rows per source, rows per local expert) and
     ``offs[e, s]`` (first output row of local expert ``e``'s block from source ``s``), and gives every
     source its blocks' base rows (its ``token_dst_scatter_idx``). On timeout records the error.
-    With ``RELEASE`` (the row kernel's program 0) ``state[STATE_COUNTS_READY] = ep`` is released once
-    ``info`` and ``offs`` are written (also on error), before the base rows go out: the other programs
-    need only the local layout, and the sources read their base rows at the end of their row kernel.
     Remote sources' counts arrive by a host put whose signal is waited for first; their packed token
     counts go to ``pinfo[W + s]``, and their base rows to this rank's staging (the host puts them).
     """
@@ -437,19 +433,18 @@ def _counts_body(
         err = 1 + 1 * 65536 + missing.to(tl.int64)
         _set_error(state_ptr, err)
     tl.store(info_ptr + 1, err)
-    # (computed on error too, stored only without one)
-    vals = v & 0xFFFFFFFF
-    is_cnt = ee[None, :] < L
-    counts = tl.where(is_cnt & m2, vals, 0)  # [WP, LP]
-    # expert-major exclusive prefix over (e, s)
-    ct = tl.trans(counts)  # [LP, WP]
-    flat = tl.reshape(ct, [LP * WP])
-    excl = tl.cumsum(flat, 0) - flat
-    excl2 = tl.reshape(excl, [LP, WP])
     if err == 0:
+        vals = v & 0xFFFFFFFF
+        is_cnt = ee[None, :] < L
+        counts = tl.where(is_cnt & m2, vals, 0)  # [WP, LP]
         n_src = tl.sum(tl.where((ee[None, :] == L) & m2, vals, 0), axis=1)  # [WP]
         rows_src = tl.sum(counts, axis=1)  # [WP]
         rows_exp = tl.sum(counts, axis=0)  # [LP]
+        # expert-major exclusive prefix over (e, s)
+        ct = tl.trans(counts)  # [LP, WP]
+        flat = tl.reshape(ct, [LP * WP])
+        excl = tl.cumsum(flat, 0) - flat
+        excl2 = tl.reshape(excl, [LP, WP])
         om = (ee[:, None] < L) & (ss[None, :] < W)
         tl.store(offs_ptr + ee[:, None] * W + ss[None, :], excl2, mask=om)
         tl.store(info_ptr + 0, tl.sum(rows_src, 0))
@@ -459,10 +454,6 @@ def _counts_body(
         if REMOTE != 0:
             npk = tl.sum(tl.where((ee[None, :] == L + 1) & m2, vals, 0), axis=1)  # [WP]
             tl.store(pinfo_ptr + W + ss, npk, mask=(ss < W) & rem_s)
-    if RELEASE:
-        tl.debug_barrier()
-        tl.atomic_xchg(state_ptr + 5, ep, sem="release", scope="gpu")
-    if err == 0:
         # give every source its slots' base rows here (for its token_dst_scatter_idx)
         for s in tl.static_range(W):
             col = tl.sum(tl.where(ss[None, :] == s, excl2, 0), axis=1)  # [LP]
@@ -910,8 +901,9 @@ def _dispatch_kernel(
                 USE_TIMER,
                 CW,
                 REMOTE,
-                True,  # (releases state[STATE_COUNTS_READY] before the base rows go out)
             )
+            tl.debug_barrier()
+            tl.atomic_xchg(state_ptr + 5, ep, sem="release", scope="gpu")
         if err == 0:
             # twice the bound: program 0's own wait for a missing peer runs out first and names it
             _wait_flag(state_ptr + 5, ep, state_ptr, 1, rank, 2 * timeout, USE_TIMER)
