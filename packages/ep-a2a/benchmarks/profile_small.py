@@ -29,7 +29,7 @@ from bench_triton import LEAD_CYCLES, SHAPES, Timer, capture_graphs, shape_input
 #: TritonBackend arguments a variant may set as name=value
 VARIANT_ARGS = (
     "chunk", "num_warps", "block_h", "combine_chunk", "combine_warps", "combine_block_h", "combine_maxnreg",
-    "send_ctas", "combine_send_ctas", "recv_parts",
+    "send_ctas", "combine_send_ctas",
 )  # fmt: skip
 
 
@@ -224,7 +224,6 @@ def main() -> None:
             "combine_maxnreg": eng.combine_maxnreg,
             "send_ctas": eng.send_ctas,
             "combine_send_ctas": eng.combine_send_ctas,
-            "recv_parts": eng.dispatch_recv_parts(),
             "graph_dispatch_us": 1e3 * timer.median_ms(g_d.replay, args.iters, lead=True),
             "graph_combine_us": 1e3 * timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True),
         }

@@ -131,30 +131,6 @@ def test_dispatch_combine_matches_reference(world, ns, hidden, topk, experts, dt
     _round_trips(sim, ns, ((False, 0), (True, 0), (True, 1)), gen, with_w=with_w, skew=skew, drop=drop)
 
 
-@pytest.mark.parametrize(
-    ("world", "num_sm", "hidden", "block_h", "parts"),
-    [
-        pytest.param(2, 3, 48, 16, 2, id="W2-sm3-H48-3tiles-2parts"),
-        pytest.param(3, 4, 40, 16, 3, id="W3-sm4-H40-partial-tile-3parts"),
-        pytest.param(2, 4, 32, 16, 3, id="W2-sm4-H32-2tiles-3parts"),
-    ],
-)
-def test_split_recv_parts_match_reference(world, num_sm, hidden, block_h, parts):
-    """With the sender / writer split, each received chunk is written by ``recv_parts`` writers, each
-    every ``recv_parts``-th tile of the rows (a part may get no tile), the chunk's slot table by all of
-    them; own chunks every ``recv_parts``-th step. Both dispatch flows, skew and dropped slots."""
-    gen = torch.Generator().manual_seed(500 + world * 10 + num_sm + hidden)
-    ns = [13, 6, 11][:world]
-    sim = SimWorld(
-        world_size=world, max_tokens=max(ns), hidden=hidden, topk=4, num_tot_experts=4 * world,
-        num_sm=num_sm, chunk=4, block_h=block_h,
-    )  # fmt: skip
-    for eng in sim.engines:
-        eng.send_ctas = 1
-        assert eng.dispatch_recv_parts() == parts
-    _round_trips(sim, ns, ((False, 1), (True, 1)), gen, with_w=True, skew=True, drop=0.1)
-
-
 @pytest.mark.parametrize("chunk", [1, 2])
 @pytest.mark.parametrize(
     ("world", "ns", "hidden", "topk", "experts", "dtype", "with_w", "skew", "drop"),

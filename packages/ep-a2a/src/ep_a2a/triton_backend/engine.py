@@ -221,10 +221,6 @@ class TritonEPEngine:
             every CTA sends its chunks to the peers, then writes this rank's rows of a chunk, in turn;
             ``0 < k < num_sm``: ``k`` CTAs only send, the others only write this rank's output
             (dispatch: its own rows and the received ones; combine: the sums of its tokens).
-        recv_parts: with the dispatch split, how many writing CTAs share each received chunk, each
-            writing every ``recv_parts``-th tile of its rows (``None``, default: ``(num_sm - send_ctas)
-            // send_ctas``, so every chunk a sending CTA of the peer sends is expanded by that many
-            CTAs at once; 1: one writer per chunk). Tiled rows only (whole-row chunks keep 1).
         ce_pieces: 0 (default), or dispatch moves this rank's token rows and slot metadata to every
             peer with copy-engine copies on a side stream, in ``ce_pieces`` pieces of tokens, each
             followed by an 8-byte copy of the dispatch epoch into the peer's flag of that piece; the
@@ -259,7 +255,6 @@ class TritonEPEngine:
         combine_maxnreg: int | None = None,
         send_ctas: int = 0,
         combine_send_ctas: int = 0,
-        recv_parts: int | None = None,
         remote_ranks: Sequence[int] = (),
         transport: RemoteTransport | None = None,
         ce_pieces: int = 0,
@@ -319,9 +314,6 @@ class TritonEPEngine:
                 raise ValueError(f"{name} must be 0 or in [1, num_sm={self.num_sm}), got {k}")
         self.send_ctas = send_ctas
         self.combine_send_ctas = combine_send_ctas
-        if recv_parts is not None and recv_parts < 1:
-            raise ValueError(f"recv_parts must be >= 1, got {recv_parts}")
-        self.recv_parts = recv_parts
         self.wp = _next_pow2(world_size)
         self.lp = _next_pow2(layout.cw or self.experts_per_rank + 1)
         dev = self.device
@@ -633,14 +625,6 @@ class TritonEPEngine:
                 ep,
             )
 
-    def dispatch_recv_parts(self) -> int:
-        """Writers per received chunk of the dispatch row kernel (see ``recv_parts``): 1 without the
-        sender / writer split, with whole-row chunks, or with fewer writers than twice the senders."""
-        if not self.send_ctas or self.whole_row:
-            return 1
-        auto = max(1, (self.num_sm - self.send_ctas) // self.send_ctas)
-        return min(auto, self.recv_parts) if self.recv_parts is not None else auto
-
     def launch_dispatch(
         self,
         x: torch.Tensor,
@@ -680,7 +664,6 @@ class TritonEPEngine:
         pk, rtok, pinfo = self._rb(remote)
         has_w = weight is not None
         split = self.send_ctas
-        rparts = self.dispatch_recv_parts()
         w = _nz(weight) if weight is not None else self._dummy_w
         xs, ids, src = _nz(x), _nz(exp_indices), _nz(scatter_src)
         # the copies may start once the receive layout ran (not behind the row kernel)
@@ -697,7 +680,6 @@ class TritonEPEngine:
                 out.dtype,
                 *self._align(xs, ids, w, src),
                 self.probe is not None,
-                rparts,
             ),
             K._dispatch_kernel,
             (self.num_sm,),
@@ -778,7 +760,6 @@ class TritonEPEngine:
                 WHOLE_ROW=self.whole_row,
                 **self._probe_kw(1),
                 PDL=self.pdl,
-                RPARTS=rparts,
             ),
             launch_pdl=self.pdl,
         )
@@ -1225,7 +1206,6 @@ class TritonEPEngine:
                 PROBE=False,
                 probe_ptr=None,
                 PDL=self.pdl,
-                RPARTS=self.dispatch_recv_parts(),
                 num_warps=nw,
                 **({"launch_pdl": True} if self.pdl else {}),
                 **self._tile_kw(self.whole_row),

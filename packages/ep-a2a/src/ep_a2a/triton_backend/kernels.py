@@ -737,12 +737,8 @@ def _dispatch_recv_chunk(
     WHOLE_ROW: tl.constexpr,
     PROBE: tl.constexpr,
     prb,
-    part=0,
-    PARTS: tl.constexpr = 1,
 ):
-    # ``fc``: the flag covering chunk ``c`` (the chunk's own, or its copy-engine piece's); with
-    # ``PARTS > 1`` (tiled rows) this CTA writes the tiles ``part, part + PARTS, ...`` of the rows, and
-    # the other parts' CTAs the rest (the slot table is written by every part, with the same values)
+    # ``fc``: the flag covering chunk ``c`` (the chunk's own, or its copy-engine piece's)
     flag = _peer_ptr(table_ptr, rank, off_flag, tl.int64) + s * nchunks + fc
     ok = _wait_flag(flag, ep, state_ptr, 2, s, timeout, USE_TIMER)
     _stamp(prb, 12, PROBE)
@@ -768,57 +764,30 @@ def _dispatch_recv_chunk(
         row, e_loc = _slot_rows(ids, pos, m2, s, offs_ptr, rank, cap_rows, L, W, CALLER_SCATTER)
         tl.store(tab_ptr + slot, row.to(tl.int32), mask=m2)
         kept = row >= 0
-        if PARTS > 1:  # (the other parts leave the rows' expert and weight to part 0)
-            kept_meta = kept & (part == 0)
-            m2_meta = m2 & (part == 0)
-        else:
-            kept_meta = kept
-            m2_meta = m2
-        tl.store(out_e_ptr + row, e_loc.to(tl.int32), mask=kept_meta)
+        tl.store(out_e_ptr + row, e_loc.to(tl.int32), mask=kept)
         if HAS_W:
             w = tl.load(
-                _peer_ptr(table_ptr, rank, off_w, w_ty) + slot, mask=m2_meta, other=0, cache_modifier=".cg"
+                _peer_ptr(table_ptr, rank, off_w, w_ty) + slot, mask=m2, other=0, cache_modifier=".cg"
             )
-            tl.store(out_w_ptr + row, w, mask=kept_meta)
+            tl.store(out_w_ptr + row, w, mask=kept)
         if WHOLE_ROW:
             _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
         else:
             need = tl.sum(kept.to(tl.int32), axis=1) > 0
-            if PARTS == 1:
-                xt = tl.load(
-                    px + src_row[:, None] + hh[None, :], mask=_m(need, 0, hh, H, EVEN_H), cache_modifier=".cg"
-                )
-                tab_row = (s * max_tokens + toks).to(tl.int64) * K
-                tl.debug_barrier()  # tab rows re-read per tile below
-                for h0 in range(0, H, BH):
-                    hn = h0 + BH
-                    nxt = tl.load(
-                        px + src_row[:, None] + hn + hh[None, :],
-                        mask=_m(need & (hn < H), hn, hh, H, EVEN_H),
-                        cache_modifier=".cg",
-                    )
-                    _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H)
-                    xt = nxt
-            else:
-                # tiles part, part + PARTS, ... (a static count per part; tiles past the row are masked)
-                tab_row = (s * max_tokens + toks).to(tl.int64) * K
-                h0 = part * BH
-                xt = tl.load(
-                    px + src_row[:, None] + h0 + hh[None, :],
-                    mask=_m(need & (h0 < H), h0, hh, H, EVEN_H),
+            xt = tl.load(
+                px + src_row[:, None] + hh[None, :], mask=_m(need, 0, hh, H, EVEN_H), cache_modifier=".cg"
+            )
+            tab_row = (s * max_tokens + toks).to(tl.int64) * K
+            tl.debug_barrier()  # tab rows re-read per tile below
+            for h0 in range(0, H, BH):
+                hn = h0 + BH
+                nxt = tl.load(
+                    px + src_row[:, None] + hn + hh[None, :],
+                    mask=_m(need & (hn < H), hn, hh, H, EVEN_H),
                     cache_modifier=".cg",
                 )
-                tl.debug_barrier()  # tab rows re-read per tile below
-                for _i in range((H + BH * PARTS - 1) // (BH * PARTS)):
-                    hn = h0 + PARTS * BH
-                    nxt = tl.load(
-                        px + src_row[:, None] + hn + hh[None, :],
-                        mask=_m(need & (hn < H), hn, hh, H, EVEN_H),
-                        cache_modifier=".cg",
-                    )
-                    _store_tile_by_slot(xt, tab_ptr + tab_row, tm & (h0 < H), out_ptr, h0, hh, H, K, EVEN_H)
-                    xt = nxt
-                    h0 = hn
+                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H)
+                xt = nxt
 
 
 @triton.jit(
@@ -899,7 +868,6 @@ def _dispatch_kernel(
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
     probe_ptr=None,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the launch before
-    RPARTS: tl.constexpr = 1,  # SPLIT: writers per received chunk, each writing every RPARTS-th tile
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -958,16 +926,6 @@ def _dispatch_kernel(
         stride = tl.where(do_send, GS, G - GS)
         n_steps = tl.cdiv(n_chunks, tl.minimum(GS, G - GS))
         lag = LAG
-        if RPARTS > 1:
-            # writer w = pid - GS: received chunks c = w % GS + j * GS (the chunks one peer CTA sends)
-            # split by tiles among the RPARTS writers w % GS + p * GS, so each arriving chunk is
-            # expanded by RPARTS CTAs at once (the last one no longer leaves a one-CTA tail); own
-            # chunks w + i * (G - GS) every RPARTS-th step (writers past RPARTS * GS only those)
-            rpart = (pid - GS) // GS
-            n_steps = tl.maximum(
-                tl.maximum(tl.cdiv(n_chunks_send, GS), RPARTS * tl.cdiv(n_chunks_send, G - GS)),
-                tl.cdiv(n_chunks_recv, GS),
-            )
     else:
         do_send = pid >= 0
         do_recv = pid >= 0
@@ -983,11 +941,6 @@ def _dispatch_kernel(
         j = tl.full([], 0, tl.int32)
         while j < n_steps:
             c = q + j * stride
-            if RPARTS > 1:
-                c_own = tl.where(j % RPARTS == 0, q + (j // RPARTS) * stride, n_chunks_send)
-                c_rcv = tl.where(rpart < RPARTS, (pid - GS) % GS + j * GS, n_chunks_recv)
-            else:
-                c_own = c
             if SEND:  # noqa: SIM102 (a constexpr test, then a runtime one)
                 if do_send & (c < n_chunks_send):
                     _dispatch_send_chunk(
@@ -1041,9 +994,9 @@ def _dispatch_kernel(
             if RECV:
                 # this rank's own rows into its output (the senders only feed the peers)
                 if SPLIT:  # noqa: SIM102 (a constexpr test, then a runtime one)
-                    if do_recv & (c_own < n_chunks_send):
+                    if do_recv & (c < n_chunks_send):
                         _dispatch_send_chunk(
-                            c_own,
+                            c,
                             x_ptr,
                             ids_ptr,
                             w_ptr,
@@ -1088,10 +1041,7 @@ def _dispatch_kernel(
                             PROBE,
                             prb,
                         )
-                if RPARTS > 1:
-                    c = c_rcv
-                else:
-                    c = c - lag * stride
+                c = c - lag * stride
                 if do_recv & (c >= 0) & (c < n_chunks_recv):
                     for s in tl.static_range(W):
                         n_s = tl.sum(tl.where(ss == s, n_src_all, 0), 0)
@@ -1142,8 +1092,6 @@ def _dispatch_kernel(
                                 WHOLE_ROW,
                                 PROBE,
                                 prb,
-                                rpart if RPARTS > 1 else 0,
-                                RPARTS,
                             )
             if j < 4:
                 _stamp(prb, 3 + 2 * j, PROBE)
