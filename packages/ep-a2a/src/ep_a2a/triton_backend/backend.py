@@ -500,11 +500,13 @@ class TritonBackend(A2ABackend):
             eng.launch_counts(info, remote=rb)
             if mark:
                 mark(("counts launched", time.perf_counter()))
+            # what does not depend on the counts is allocated while the GPU works them out
+            bufs = eng.alloc_dispatch_fixed(n)
             # the one small device-to-host copy: receive counts (and the error word) size the output
             # (with remote peers also the records to send and receive, which size the puts)
             vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
             rows = vals[0]
-            bufs = eng.alloc_dispatch_outputs(n, rows, with_weights=has_w, dtype=input.dtype)
+            bufs.update(eng.alloc_dispatch_rows(rows, with_weights=has_w, dtype=input.dtype))
             if mark:
                 mark(("buffers allocated", time.perf_counter()))
             out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]

@@ -1028,6 +1028,35 @@ class TritonEPEngine:
         """Most rows one rank can receive: every slot of every source on this rank."""
         return self.world_size * self.max_tokens * self.topk
 
+    def _buf(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        # at least one element underneath: an empty tensor may have no address to hand a kernel
+        return torch.empty(max(1, shape[0]), *shape[1:], dtype=dtype, device=self.device)[: shape[0]]
+
+    def alloc_dispatch_fixed(self, n: int) -> dict[str, torch.Tensor]:
+        """The dispatch outputs whose size does not depend on the received rows (``n`` tokens here):
+        the slot table ``tab``, ``skip`` and ``scat``. The exact-shape flow allocates them before it
+        waits for the counts, so only :meth:`alloc_dispatch_rows` lies between the wait and the launch."""
+        return {
+            "tab": self._buf(self.world_size, self.max_tokens, self.topk, dtype=torch.int32),
+            "skip": self._buf(n, self.topk, dtype=torch.int32),
+            "scat": self._buf(n, self.topk, dtype=torch.int32),
+        }
+
+    def alloc_dispatch_rows(
+        self,
+        rows: int,
+        *,
+        with_weights: bool,
+        out: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The dispatch outputs of ``rows`` received rows: ``out``, ``out_w``, ``out_e``."""
+        return {
+            "out": out if out is not None else self._buf(rows, self.hidden, dtype=dtype or self.token_dtype),
+            "out_w": self._buf(rows if with_weights else 1, dtype=self.weight_dtype),
+            "out_e": self._buf(rows, dtype=torch.int32),
+        }
+
     def alloc_dispatch_outputs(
         self,
         n: int,
@@ -1037,19 +1066,10 @@ class TritonEPEngine:
         out: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
     ) -> dict[str, torch.Tensor]:
-        dev = self.device
-
-        def buf(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            # at least one element underneath: an empty tensor may have no address to hand a kernel
-            return torch.empty(max(1, shape[0]), *shape[1:], dtype=dtype, device=dev)[: shape[0]]
-
+        """:meth:`alloc_dispatch_rows` and :meth:`alloc_dispatch_fixed` in one dict."""
         return {
-            "out": out if out is not None else buf(rows, self.hidden, dtype=dtype or self.token_dtype),
-            "out_w": buf(rows if with_weights else 1, dtype=self.weight_dtype),
-            "out_e": buf(rows, dtype=torch.int32),
-            "tab": buf(self.world_size, self.max_tokens, self.topk, dtype=torch.int32),
-            "skip": buf(n, self.topk, dtype=torch.int32),
-            "scat": buf(n, self.topk, dtype=torch.int32),
+            **self.alloc_dispatch_rows(rows, with_weights=with_weights, out=out, dtype=dtype),
+            **self.alloc_dispatch_fixed(n),
         }
 
     def info_fields(self, info: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -203,12 +203,14 @@ class SimWorld:
         bufs: dict[int, dict[str, torch.Tensor]] = {}
         for r in ranks:
             eng = self.engines[r]
+            # (as the backend's exact-shape flow: the outputs of fixed size first, then those of R rows)
+            bufs[r] = eng.alloc_dispatch_fixed(inputs[r].shape[0])
             if merged:  # worst-case rows: the receive layout is only known inside the launch
                 rows = eng.worst_case_rows()
             else:
                 eng.check_error(int(infos[r][1]))
                 rows = int(infos[r][0])
-            bufs[r] = eng.alloc_dispatch_outputs(inputs[r].shape[0], rows, with_weights=weights is not None)
+            bufs[r].update(eng.alloc_dispatch_rows(rows, with_weights=weights is not None))
             for buf in bufs[r].values():  # poison: every element read must have been written
                 buf.fill_(float("nan") if buf.is_floating_point() else -7)
         for send, recv in ((True, False), (False, True)):
