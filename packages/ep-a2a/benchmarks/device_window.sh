@@ -10,7 +10,9 @@
 #   DeepSeek-V3, on 32 / 132 SMs (default: the default tiles, and the same with combine_maxnreg=128;
 #   "" skips them), e.g. on 4 GPUs VARIANTS_132="default combine_send_ctas=88"; FIRST_CALL=1 adds the
 #   first-call latency with and without use_aot, each in a fresh Triton cache (bench_triton --first-call;
-#   two more files under $OUT: set VARIANTS_32="" to stay within the files the device returns)
+#   two more files under $OUT: set VARIANTS_32="" to stay within the files the device returns);
+#   HOST_PROFILE=1 adds the host time per step of the exact-shape dispatch (bench_triton --host-profile,
+#   one more file)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 T_TESTS=${T_TESTS:-200} T_BENCH=${T_BENCH:-200} T_VARIANTS=${T_VARIANTS:-150}
@@ -68,6 +70,12 @@ if [ "${FIRST_CALL:-0}" = 1 ]; then
       --json "$OUT/$name.json" >"/tmp/$name.log" 2>&1
     echo "first call ($mode) rc=$? ($(($(date +%s) - start)) s)"
   done
+fi
+if [ "${HOST_PROFILE:-0}" = 1 ]; then
+  timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node="$ngpu" \
+    packages/ep-a2a/benchmarks/bench_triton.py --host-profile --iters 50 \
+    --json "$OUT/host-profile-$commit-$tag.json" >/tmp/host-profile.log 2>&1
+  echo "host profile rc=$? ($(($(date +%s) - start)) s)"
 fi
 grep -E "^\| ours-graph" "$OUT/bench-$commit-$tag.log" | head -20
 echo "done ($(($(date +%s) - start)) s)"
