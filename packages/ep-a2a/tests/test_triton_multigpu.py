@@ -192,43 +192,28 @@ def _check_static_call(be, rank, xs, ids, ws, experts):
 def test_exact_flow_with_counts_launch(group):
     """Large layers' exact-shape flow (counts, host sync, exact buffers, rows; forced by overlap_bytes=0),
     then the small layers' flow (rows into worst-case buffers) and CUDA-graph-mode calls on one backend."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    hidden, topk, experts = 2048, 8, 32
     for overlap_bytes in (0, 1 << 40):
         be = _make_backend(
-            group,
-            max_tokens=64,
-            hidden=hidden,
-            topk=topk,
-            experts=experts,
-            dtype=torch.bfloat16,
-            heap="torch",
+            group, max_tokens=64, hidden=2048, topk=8, experts=32, dtype=torch.bfloat16, heap="torch",
             overlap_bytes=overlap_bytes,
-        )
-        try:
+        )  # fmt: skip
+
+        def check(be, overlap_bytes=overlap_bytes) -> None:
             assert be.overlap_exact == (overlap_bytes > 0)
-            for i, ns in enumerate(([64, 40], [0, 64], [64, 64])):
-                ns = (ns * world)[:world]
-                xs, ids, ws, gen = _inputs(
-                    300 + i,
-                    world,
-                    ns,
-                    hidden,
-                    topk,
-                    experts,
-                    torch.bfloat16,
-                    skew=i == 1,
-                    drop=0.1,
-                    with_w=True,
-                )
-                _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
-                # a static (merged) call between exact ones: the epochs of both flows stay in step
-                _check_static_call(be, rank, xs, ids, ws, experts)
-            torch.cuda.synchronize()
-            be.check_errors()
-        finally:
-            torch.cuda.synchronize()
-            be.finalize()
+
+        # a static (merged) call after each exact one: the epochs of both flows stay in step
+        rounds = (([64, 40], False), ([0, 64], True), ([64, 64], False))
+        _check_round_trips(
+            be,
+            group,
+            hidden=2048,
+            seed=300,
+            rounds=rounds,
+            check=check,
+            experts=32,
+            drop=0.1,
+            static_each_round=True,
+        )
 
 
 def test_cta_split_against_reference(group):
@@ -244,15 +229,16 @@ def test_cta_split_against_reference(group):
             send_ctas=5, combine_send_ctas=8, overlap_bytes=overlap_bytes,
         )  # fmt: skip
         rounds = (([64, 50], False), ([0, 64], True))
-        _large_layer_round_trips(
-            be, group, hidden=1024, seed=500, rounds=rounds, check=check, experts=32, drop=0.1
-        )
+        _check_round_trips(be, group, hidden=1024, seed=500, rounds=rounds, check=check, experts=32, drop=0.1)
 
 
-def _large_layer_round_trips(be, group, *, hidden, seed, rounds, check=None, experts=None, drop=0.05) -> None:
+def _check_round_trips(
+    be, group, *, hidden, seed, rounds, check=None, experts=None, drop=0.05, static_each_round=False
+) -> None:
     """``check(be)`` first, then one round trip per ``(token counts, skewed)`` of ``rounds`` (the counts
     repeated over the ranks; top-8 of ``experts`` (default 8 per rank), bf16 with weights, ``drop`` of
-    the slots dropped) and a static call, each against the reference. Finalizes ``be``."""
+    the slots dropped) and a static call (after every round with ``static_each_round``, else after the
+    last), each against the reference. Finalizes ``be``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     experts = experts or 8 * world
     try:
@@ -264,7 +250,10 @@ def _large_layer_round_trips(be, group, *, hidden, seed, rounds, check=None, exp
                 seed + i, world, ns, hidden, 8, experts, torch.bfloat16, skew=skew, drop=drop, with_w=True
             )
             _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
-        _check_static_call(be, rank, xs, ids, ws, experts)
+            if static_each_round:
+                _check_static_call(be, rank, xs, ids, ws, experts)
+        if not static_each_round:
+            _check_static_call(be, rank, xs, ids, ws, experts)
         torch.cuda.synchronize()
         be.check_errors()
     finally:
@@ -289,7 +278,7 @@ def test_default_split_large_layer(group):
         assert (be.engine.send_ctas, be.engine.combine_send_ctas) == (n_sm // 3, n_sm // 2)
 
     rounds = (([max_tokens, 1500], False), ([7, max_tokens], True))
-    _large_layer_round_trips(be, group, hidden=512, seed=700, rounds=rounds, check=check)
+    _check_round_trips(be, group, hidden=512, seed=700, rounds=rounds, check=check)
     small = _make_backend(
         group, max_tokens=SPLIT_MIN_TOKENS, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
         heap="torch", num_sm=n_sm,
@@ -323,7 +312,7 @@ def test_default_tiles_large_layer(group, num_sm):
         assert c["block_h"] in (None, e.combine_block_h)
 
     rounds = (([max_tokens, 1500], False), ([7, max_tokens], True))
-    _large_layer_round_trips(be, group, hidden=hidden, seed=720, rounds=rounds, check=check)
+    _check_round_trips(be, group, hidden=hidden, seed=720, rounds=rounds, check=check)
 
 
 def test_copy_engine_large_layer_from_env(group, monkeypatch):
@@ -345,7 +334,7 @@ def test_copy_engine_large_layer_from_env(group, monkeypatch):
         assert (be.engine.send_ctas, be.engine.ce_pieces) == (0, 4)
 
     rounds = (([max_tokens, 1500], True),)
-    _large_layer_round_trips(be, group, hidden=512, seed=710, rounds=rounds, check=check)
+    _check_round_trips(be, group, hidden=512, seed=710, rounds=rounds, check=check)
     monkeypatch.delenv(COPY_ENGINE_ENV)
     off = _make_backend(
         group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
