@@ -122,6 +122,31 @@ def _wait_flag(flag_ptr, target, state_ptr, step, peer, timeout, USE_TIMER: tl.c
 
 
 @triton.jit
+def _wait_started(state_ptr, table_ptr, off_cnt, rank, ep, timeout, W: tl.constexpr, WP: tl.constexpr,
+                  L: tl.constexpr, CW: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr):  # fmt: skip
+    """Spin until every peer reached by stores has started dispatch ``ep``: its layout kernel's token-count
+    word (program 0's, the first it pushes) carries the epoch. On timeout records ``dispatch/counts``
+    naming the first missing peer, as the receive layout would."""
+    ss = tl.arange(0, WP)
+    m = (ss < W) & (ss != rank) & ~_is_remote(ss, REMOTE, W)
+    ptrs = _peer_ptr(table_ptr, rank, off_cnt, tl.int64) + (ep % 2) * (W * CW) + ss * CW + L
+    v = tl.atomic_add(ptrs, tl.zeros([WP], tl.int64), mask=m, sem="acquire", scope="sys")
+    late = ((v >> 32) < ep) & m
+    start = _now(USE_TIMER)
+    elapsed = tl.full([], 0, tl.int64)
+    while (tl.sum(late.to(tl.int32), 0) > 0) & (elapsed < timeout):
+        v = tl.atomic_add(ptrs, tl.zeros([WP], tl.int64), mask=m, sem="acquire", scope="sys")
+        late = ((v >> 32) < ep) & m
+        if USE_TIMER:
+            elapsed = _now(USE_TIMER) - start
+        else:
+            elapsed += 1
+    if tl.sum(late.to(tl.int32), 0) > 0:
+        _set_error(state_ptr, 1 + 1 * 65536 + tl.min(tl.where(late, ss, WP), 0).to(tl.int64))
+    tl.debug_barrier()
+
+
+@triton.jit
 def _m(rows_mask, h0, hh, H: tl.constexpr, EVEN_H: tl.constexpr):
     """2-D mask of a ``[rows, BH]`` tile; with ``EVEN_H`` it is constant along the row, which keeps
     loads and stores 16-byte vectors."""
@@ -904,15 +929,30 @@ def _dispatch_kernel(
             )
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + 5, ep, sem="release", scope="gpu")
+        if SPLIT:
+            early = (pid > 0) & (pid < GS)
+        else:
+            early = pid < 0
         if err == 0:
-            # twice the bound: program 0's own wait for a missing peer runs out first and names it
-            _wait_flag(state_ptr + 5, ep, state_ptr, 1, rank, 2 * timeout, USE_TIMER)
+            if early:
+                # a sending CTA needs no receive layout, only peers that have started this dispatch
+                # (their layout's token-count word: their previous call is done with what it overwrites)
+                _wait_started(
+                    state_ptr, table_ptr, off_cnt, rank, ep, timeout, W, WP, L, CW, USE_TIMER, REMOTE
+                )
+            else:
+                # twice the bound: program 0's own wait for a missing peer runs out first and names it
+                _wait_flag(state_ptr + 5, ep, state_ptr, 1, rank, 2 * timeout, USE_TIMER)
             err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
     else:
         ep = tl.load(state_ptr + 0)  # bumped by _counts_kernel
+        early = pid < 0
     _stamp(prb, 1, PROBE)
     ss = tl.arange(0, WP)
-    n_src_all = tl.load(info_ptr + 2 + ss, mask=(ss < W) & (ss != rank), other=0, cache_modifier=".cg")
+    # (an early sender must not read info: program 0 may not have written it yet)
+    n_src_all = tl.load(
+        info_ptr + 2 + ss, mask=(ss < W) & (ss != rank) & ~early, other=0, cache_modifier=".cg"
+    )
     n_recv_max = tl.max(n_src_all, 0)
     n_chunks_send = tl.cdiv(n_tokens, CH)
     n_chunks_recv = tl.cdiv(n_recv_max, CH)
