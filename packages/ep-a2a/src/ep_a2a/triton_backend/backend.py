@@ -219,9 +219,6 @@ class TritonBackend(A2ABackend):
             splitting was slower, at 128 tokens it was not measured).
         combine_send_ctas: the same for the combine kernel; default ``num_sm // 2`` under the same
             conditions (measured 7-18 % faster than no split at 132 SMs).
-        send_chunks: with the dispatch split on, chunks each sending CTA sends per step as one tile (a
-            power of 2; default 1). Every chunk keeps its own ready flag, so the writers' work is
-            unchanged; larger sends keep more bytes in flight per sending CTA.
         copy_engine: dispatch moves this rank's token rows (and their ids, positions and weights) to
             the peers with copy-engine copies (``cudaMemcpyAsync`` into the peer's heap) on a side
             stream, in ``ce_pieces`` pieces each followed by a flag copy, instead of SM stores: the row
@@ -279,7 +276,6 @@ class TritonBackend(A2ABackend):
         overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
         send_ctas: int | None = None,
         combine_send_ctas: int | None = None,
-        send_chunks: int | None = None,
         force_remote: int | None = None,
         copy_engine: bool | None = None,
         ce_pieces: int | None = None,
@@ -378,7 +374,6 @@ class TritonBackend(A2ABackend):
             if copy_engine
             else _split(send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 3)),
             combine_send_ctas=_split(combine_send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 2)),
-            send_chunks=1 if send_chunks is None else send_chunks,
             remote_ranks=remote,
             transport=transport,
             ce_pieces=(ce_pieces or DEFAULT_CE_PIECES) if copy_engine else 0,

@@ -221,8 +221,6 @@ class TritonEPEngine:
             every CTA sends its chunks to the peers, then writes this rank's rows of a chunk, in turn;
             ``0 < k < num_sm``: ``k`` CTAs only send, the others only write this rank's output
             (dispatch: its own rows and the received ones; combine: the sums of its tokens).
-        send_chunks: with the dispatch split on, chunks a sending CTA sends per step as one tile (a
-            power of 2; each keeps its own ready flag, so the receivers' work items do not change).
         ce_pieces: 0 (default), or dispatch moves this rank's token rows and slot metadata to every
             peer with copy-engine copies on a side stream, in ``ce_pieces`` pieces of tokens, each
             followed by an 8-byte copy of the dispatch epoch into the peer's flag of that piece; the
@@ -257,7 +255,6 @@ class TritonEPEngine:
         combine_maxnreg: int | None = None,
         send_ctas: int = 0,
         combine_send_ctas: int = 0,
-        send_chunks: int = 1,
         remote_ranks: Sequence[int] = (),
         transport: RemoteTransport | None = None,
         ce_pieces: int = 0,
@@ -288,7 +285,6 @@ class TritonEPEngine:
             ("combine_chunk", self.combine_chunk),
             ("block_h", block_h),
             ("combine_block_h", combine_block_h or 1),
-            ("send_chunks", send_chunks),
         ):
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of 2 (a Triton block size), got {v}")
@@ -318,7 +314,6 @@ class TritonEPEngine:
                 raise ValueError(f"{name} must be 0 or in [1, num_sm={self.num_sm}), got {k}")
         self.send_ctas = send_ctas
         self.combine_send_ctas = combine_send_ctas
-        self.send_chunks = send_chunks
         self.wp = _next_pow2(world_size)
         self.lp = _next_pow2(layout.cw or self.experts_per_rank + 1)
         dev = self.device
@@ -682,7 +677,6 @@ class TritonEPEngine:
                 recv,
                 counts,
                 split,
-                self.send_chunks,
                 out.dtype,
                 *self._align(xs, ids, w, src),
                 self.probe is not None,
@@ -754,7 +748,6 @@ class TritonEPEngine:
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(split, 1),
-                SEND_SUB=self.send_chunks if split else 1,
                 off_sig=self.layout.sig,
                 off_sback=self.layout.sback,
                 off_srec=self.layout.srec,
@@ -1221,7 +1214,6 @@ class TritonEPEngine:
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(self.send_ctas, 1),
-                SEND_SUB=self.send_chunks if self.send_ctas else 1,
                 pk_ptr=self._dummy_i32,
                 pinfo_ptr=self._dummy_i64,
                 off_sig=lay.sig,

@@ -584,14 +584,10 @@ def _dispatch_send_chunk(
     WHOLE_ROW: tl.constexpr,
     PROBE: tl.constexpr,
     prb,
-    SUB: tl.constexpr = 1,
 ):
     """Chunk ``c`` of this rank's tokens: with ``PEERS`` each token row (and its slots' metadata) to
     every peer hosting one of its experts, then the chunk's ready flag; with ``LOCAL`` the slot table,
     ``skip``, and the rows of this rank's own experts straight into the output.
-
-    With ``SUB > 1`` (sending CTAs of the split only) the ``CH`` tokens are ``SUB`` consecutive chunks of
-    the receivers' size, sent as one tile, each with its own flag.
 
     A remote peer ``r`` (bit ``r`` of ``REMOTE``) gets no stores: the token's record (row, then token
     index, ids, positions, float32 weights) goes to this rank's staging ``srec[r, pk[r, t]]``, packed in
@@ -686,13 +682,8 @@ def _dispatch_send_chunk(
         for r in tl.static_range(W):
             if ((REMOTE >> r) & 1) == 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
                 if r != rank:
-                    f = _peer_ptr(table_ptr, r, off_flag, tl.int64) + rank * nchunks + c * SUB
-                    if SUB == 1:
-                        tl.atomic_xchg(f, ep, sem="release", scope="sys")
-                    else:
-                        sub = tl.arange(0, SUB)
-                        tl.atomic_xchg(f + sub, ep, mask=(c * SUB + sub) * (CH // SUB) < n_tokens, sem="release",
-                                       scope="sys")  # fmt: skip
+                    f = _peer_ptr(table_ptr, r, off_flag, tl.int64) + rank * nchunks + c
+                    tl.atomic_xchg(f, ep, sem="release", scope="sys")
     _stamp(prb, 14, PROBE)
     if WHOLE_ROW and LOCAL:
         _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
@@ -902,7 +893,6 @@ def _dispatch_kernel(
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
     probe_ptr=None,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the launch before
-    SEND_SUB: tl.constexpr = 1,  # SPLIT: chunks a sending CTA sends per step, as one tile
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -992,7 +982,7 @@ def _dispatch_kernel(
         while j < n_steps:
             c = q + j * stride
             if SEND:  # noqa: SIM102 (a constexpr test, then a runtime one)
-                if do_send & (c * SEND_SUB < n_chunks_send):
+                if do_send & (c < n_chunks_send):
                     _dispatch_send_chunk(
                         c,
                         x_ptr,
@@ -1023,7 +1013,7 @@ def _dispatch_kernel(
                         KP,
                         H,
                         BH,
-                        CH * SEND_SUB,
+                        CH,
                         EVEN_H,
                         HAS_W,
                         CALLER_SCATTER,
@@ -1038,7 +1028,6 @@ def _dispatch_kernel(
                         WHOLE_ROW,
                         PROBE,
                         prb,
-                        SEND_SUB,
                     )
             if j < 4:
                 _stamp(prb, 2 + 2 * j, PROBE)
