@@ -29,7 +29,7 @@ from bench_triton import LEAD_CYCLES, SHAPES, Timer, capture_graphs, shape_input
 #: TritonBackend arguments a variant may set as name=value
 VARIANT_ARGS = (
     "chunk", "num_warps", "block_h", "combine_chunk", "combine_warps", "combine_block_h", "combine_maxnreg",
-    "send_ctas", "combine_send_ctas", "layout_tokens",
+    "send_ctas", "combine_send_ctas",
 )  # fmt: skip
 
 

@@ -206,9 +206,6 @@ class TritonBackend(A2ABackend):
         combine_maxnreg: register limit per thread of the combine kernel (tuning; default: ptxas's
             choice). Offline, 128 halves the spills of the 16-warp combine tile; on 2x H200 it measured
             the same as the default.
-        layout_tokens: tokens per program of the layout kernel (tuning; a power of 2; default the
-            smallest power of 2 of at least 8 that keeps its programs within ``num_sm``). With the CTA
-            split the sending CTAs start before the layout kernel ends, on the SMs it leaves free.
         overlap_bytes: exact-shape dispatch of a layer whose worst-case output
             (``world_size * max_tokens * topk`` rows) is at most this many bytes (default 256 MiB:
             decode-sized layers) launches the row kernel before waiting for the counts, into freshly
@@ -276,7 +273,6 @@ class TritonBackend(A2ABackend):
         combine_warps: int | None = None,
         combine_block_h: int | None = None,
         combine_maxnreg: int | None = None,
-        layout_tokens: int | None = None,
         overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
         send_ctas: int | None = None,
         combine_send_ctas: int | None = None,
@@ -374,7 +370,6 @@ class TritonBackend(A2ABackend):
             combine_warps=combine_warps,
             combine_block_h=combine_block_h,
             combine_maxnreg=combine_maxnreg,
-            layout_tokens=layout_tokens,
             send_ctas=0
             if copy_engine
             else _split(send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 3)),

@@ -216,8 +216,6 @@ class TritonEPEngine:
             ``combine_chunk``. ``combine_maxnreg``: register limit per thread given to ptxas for the
             combine kernel (``.maxnreg``; default: ptxas's choice, which for 16-warp combine tiles is 32
             registers with kilobytes of spills, see ``benchmarks/offline_compile.py --regs``).
-        layout_tokens: tokens per program of the layout kernel (a power of 2; default the smallest power
-            of 2 of at least 8 that keeps its programs within ``num_sm``).
         send_ctas, combine_send_ctas: split of the dispatch / combine kernel's CTAs (``TritonBackend``
             picks the defaults: on for large layers on many SMs). 0 (the engine's default):
             every CTA sends its chunks to the peers, then writes this rank's rows of a chunk, in turn;
@@ -255,7 +253,6 @@ class TritonEPEngine:
         combine_warps: int | None = None,
         combine_block_h: int | None = None,
         combine_maxnreg: int | None = None,
-        layout_tokens: int | None = None,
         send_ctas: int = 0,
         combine_send_ctas: int = 0,
         remote_ranks: Sequence[int] = (),
@@ -330,15 +327,12 @@ class TritonEPEngine:
         self._dummy_w = torch.zeros(1, dtype=weight_dtype, device=dev)
         # layout: one program per block of layout_tokens tokens (at most num_sm programs), each waiting
         # only on lower ones for their histograms
-        if layout_tokens is not None and (layout_tokens < 1 or layout_tokens & (layout_tokens - 1)):
-            raise ValueError(f"layout_tokens must be a power of 2 (a Triton block size), got {layout_tokens}")
-        self.layout_tokens = layout_tokens or max(8, _next_pow2(triton.cdiv(max_tokens, self.num_sm)))
+        self.layout_tokens = max(8, _next_pow2(triton.cdiv(max_tokens, self.num_sm)))
         self._layout_grid = (triton.cdiv(max_tokens, self.layout_tokens),)
         self._hist_width = _next_pow2(num_tot_experts)
         self._layout_hist = torch.zeros(self._layout_grid[0], self._hist_width, dtype=torch.int32, device=dev)
         self._layout_bad = torch.zeros(self._layout_grid[0], dtype=torch.int32, device=dev)
-        # per layout program: epoch of its published histogram (row 0) and of its written positions (row 1)
-        self._layout_flags = torch.zeros(2, self._layout_grid[0], dtype=torch.int64, device=dev)
+        self._layout_flags = torch.zeros(self._layout_grid[0], dtype=torch.int64, device=dev)
         # remote peers: every transfer to them is staged in this rank's heap and put by the host
         remote = sorted(set(int(r) for r in remote_ranks))
         if any(not 0 <= r < world_size or r == rank for r in remote):
@@ -493,11 +487,6 @@ class TritonEPEngine:
         """Byte offset of signal ``kind`` (``kernels.SIG_*``) from source ``src`` in a heap."""
         return self.layout.sig + (int(kind) * self.world_size + src) * 8
 
-    def _layout_ready_kw(self) -> dict:
-        """The row kernel's view of the layout kernel: its programs' positions-ready flags and geometry."""
-        n = self._layout_grid[0]
-        return dict(pflag_ptr=self._layout_flags[1], nprog_l=n, TBL=self.layout_tokens, NPL=_next_pow2(n))
-
     def _layout_kw(self) -> dict:
         return dict(
             E=self.num_tot_experts,
@@ -511,8 +500,7 @@ class TritonEPEngine:
             nprog=self._layout_grid[0],
             hist_ptr=self._layout_hist,
             bad_ptr=self._layout_bad,
-            hflag_ptr=self._layout_flags[0],
-            pflag_ptr=self._layout_flags[1],
+            hflag_ptr=self._layout_flags,
             timeout=self.timeout_arg,
             USE_TIMER=self.use_timer,
         )
@@ -772,7 +760,6 @@ class TritonEPEngine:
                 WHOLE_ROW=self.whole_row,
                 **self._probe_kw(1),
                 PDL=self.pdl,
-                **self._layout_ready_kw(),
             ),
             launch_pdl=self.pdl,
         )
@@ -1239,7 +1226,6 @@ class TritonEPEngine:
                 PROBE=False,
                 probe_ptr=None,
                 PDL=self.pdl,
-                **self._layout_ready_kw(),
                 num_warps=nw,
                 **({"launch_pdl": True} if self.pdl else {}),
                 **self._tile_kw(self.whole_row),

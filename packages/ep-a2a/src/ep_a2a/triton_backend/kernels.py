@@ -147,36 +147,6 @@ def _wait_started(state_ptr, table_ptr, off_cnt, rank, ep, timeout, W: tl.conste
 
 
 @triton.jit
-def _layout_ready(pflag_ptr, ready, need, ep, nprog, state_ptr, rank, timeout, NPL: tl.constexpr,
-                  USE_TIMER: tl.constexpr):  # fmt: skip
-    """Programs ``[0, ready)`` of this dispatch's layout kernel are known to have written their
-    positions; spin (acquire) until programs ``[0, need]`` have, and return the new ``ready`` (the first
-    program not done yet, or ``nprog``). For CTAs that start before the layout kernel ends (they skip
-    ``griddepcontrol.wait``). A program that never releases is this rank's own bug: ``dispatch/layout``."""
-    if ready <= need:
-        qq = tl.arange(0, NPL)
-        m = qq < nprog
-        f = tl.atomic_add(pflag_ptr + qq, tl.zeros([NPL], tl.int64), mask=m, sem="acquire", scope="gpu")
-        ready = tl.min(tl.where(m & (f < ep), qq, nprog), 0).to(tl.int32)
-        err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
-        start = _now(USE_TIMER)
-        elapsed = tl.full([], 0, tl.int64)
-        while (ready <= need) & (elapsed < timeout) & (err == 0):
-            f = tl.atomic_add(pflag_ptr + qq, tl.zeros([NPL], tl.int64), mask=m, sem="acquire", scope="gpu")
-            ready = tl.min(tl.where(m & (f < ep), qq, nprog), 0).to(tl.int32)
-            err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
-            if USE_TIMER:
-                elapsed = _now(USE_TIMER) - start
-            else:
-                elapsed += 1
-        if (ready <= need) & (err == 0):
-            _set_error(state_ptr, 1 + 6 * 65536 + rank)
-        if ready <= need:
-            ready = -1  # (an error is recorded: the caller skips what needed the positions)
-    return ready
-
-
-@triton.jit
 def _m(rows_mask, h0, hh, H: tl.constexpr, EVEN_H: tl.constexpr):
     """2-D mask of a ``[rows, BH]`` tile; with ``EVEN_H`` it is constant along the row, which keeps
     loads and stores 16-byte vectors."""
@@ -265,7 +235,6 @@ def _layout_kernel(
     hist_ptr,  # [nprog, EP] int32 workspace: each program's histogram
     bad_ptr,  # [nprog] int32 workspace: each program's count of invalid ids
     hflag_ptr,  # [nprog] int64 workspace: epoch of the histogram a program published
-    pflag_ptr,  # [nprog] int64 workspace: epoch whose positions a program has written
     timeout,
     USE_TIMER: tl.constexpr,
     off_scnt,  # staging of the words bound for remote owners (put by the host after this kernel)
@@ -319,7 +288,7 @@ def _layout_kernel(
         else:
             elapsed += 1
     if late > 0:
-        _set_error(state_ptr, 1 + 6 * 65536 + rank)  # (no release of pflag: waiting senders see the error)
+        _set_error(state_ptr, 1 + 6 * 65536 + rank)
     else:
         _stamp(prb, 2, PROBE)
         before = tl.zeros([EP], tl.int32)
@@ -340,10 +309,6 @@ def _layout_kernel(
             slot = (pid * TB + s_s // KP) * K + s_s % KP
             tl.store(pos_ptr + slot, got, mask=e_s < E)
         _stamp(prb, 3, PROBE)
-        # this block's positions are final: sending CTAs of the row kernel that start before this kernel
-        # ends (programmatic dependent launch) wait for this flag instead of the kernel's end
-        tl.debug_barrier()
-        tl.atomic_xchg(pflag_ptr + pid, ep, sem="release", scope="gpu")
         if pid == nprog - 1:
             total = before + hist
             bad = tl.load(bad_ptr + qq, mask=qq < nprog, other=0)
@@ -928,24 +893,11 @@ def _dispatch_kernel(
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
     probe_ptr=None,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the launch before
-    pflag_ptr=None,  # [nprog_l] int64: the layout kernel's per-program positions-ready epochs
-    nprog_l=1,  # programs of the layout kernel, each of TBL tokens
-    TBL: tl.constexpr = 1,
-    NPL: tl.constexpr = 1,  # next_pow2(nprog_l)
 ):
     pid = tl.program_id(0)
-    if COUNTS and SPLIT:
-        # sending CTAs (but program 0, which builds the receive layout) need only the positions of their
-        # own chunks' tokens and peers that have started: they go before the layout kernel ends
-        early = (pid > 0) & (pid < GS)
-        after_layout = (pid == 0) | (pid >= GS)
-    else:
-        early = pid < 0
-        after_layout = pid >= 0
-    if PDL:  # noqa: SIM102 (a constexpr test, then a runtime one)
-        if after_layout:
-            # resident while the previous kernel (the layout) finishes; everything it wrote is visible after
-            gdc_wait()
+    if PDL:
+        # resident while the previous kernel (the layout) finishes; everything it wrote is visible after
+        gdc_wait()
     prb = probe_ptr + pid * 16 if PROBE else probe_ptr
     _stamp(prb, 0, PROBE)
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
@@ -977,6 +929,10 @@ def _dispatch_kernel(
             )
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + 5, ep, sem="release", scope="gpu")
+        if SPLIT:
+            early = (pid > 0) & (pid < GS)
+        else:
+            early = pid < 0
         if err == 0:
             if early:
                 # a sending CTA needs no receive layout, only peers that have started this dispatch
@@ -990,6 +946,7 @@ def _dispatch_kernel(
             err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
     else:
         ep = tl.load(state_ptr + 0)  # bumped by _counts_kernel
+        early = pid < 0
     _stamp(prb, 1, PROBE)
     ss = tl.arange(0, WP)
     # (an early sender must not read info: program 0 may not have written it yet)
@@ -1020,19 +977,12 @@ def _dispatch_kernel(
         else:
             lag = LAG
         n_steps = tl.cdiv(n_chunks, G) + lag
-    # layout programs known to have written their positions (all of them for CTAs behind griddepcontrol)
-    ready = tl.where(early, 0, nprog_l).to(tl.int32)
     if err == 0:
         j = tl.full([], 0, tl.int32)
         while j < n_steps:
             c = q + j * stride
-            if SEND:
-                if COUNTS and SPLIT:  # noqa: SIM102 (a constexpr test, then a runtime one)
-                    if do_send & (c < n_chunks_send):
-                        last = tl.minimum(c * CH + CH, n_tokens) - 1
-                        ready = _layout_ready(pflag_ptr, ready, last // TBL, ep, nprog_l, state_ptr, rank, timeout,
-                                              NPL, USE_TIMER)  # fmt: skip
-                if do_send & (c < n_chunks_send) & (ready >= 0):
+            if SEND:  # noqa: SIM102 (a constexpr test, then a runtime one)
+                if do_send & (c < n_chunks_send):
                     _dispatch_send_chunk(
                         c,
                         x_ptr,
@@ -1186,10 +1136,6 @@ def _dispatch_kernel(
             if j < 4:
                 _stamp(prb, 3 + 2 * j, PROBE)
             j += 1
-        if COUNTS and SPLIT:
-            ready = _layout_ready(
-                pflag_ptr, ready, nprog_l - 1, ep, nprog_l, state_ptr, rank, timeout, NPL, USE_TIMER
-            )
         if RECV:
             # token_dst_scatter_idx: base rows of every destination, pushed by its receive-layout step
             # (in the receiving half: in the CPU simulation every rank's sending half has run by then)
@@ -1203,7 +1149,7 @@ def _dispatch_kernel(
                         sig = _peer_ptr(table_ptr, rank, off_sig, tl.int64) + SIG_BACK * W + d
                         _wait_flag(sig, ep, state_ptr, 3, d, timeout, USE_TIMER)
             j = tl.full([], 0, tl.int32)
-            while (j < tl.cdiv(n_chunks_send, G)) & (ready >= 0):
+            while j < tl.cdiv(n_chunks_send, G):
                 c = pid + j * G
                 toks = c * CH + tl.arange(0, CH)
                 m2 = (toks < n_tokens)[:, None] & (kk[None, :] < K)
