@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--backend-tiles", action="store_true", help="the tiles TritonBackend picks (see above)")
     ap.add_argument("--regs", action="store_true", help="registers and spill bytes per launch (ptxas -v)")
     ap.add_argument("--combine-maxnreg", type=int, default=None, help="the engine's combine_maxnreg")
+    ap.add_argument("--adaptive-split", action="store_true", help="the engine's adaptive_split")
     a = ap.parse_args()
     tiles: dict[str, Any] = {}
     if a.backend_tiles:
@@ -158,6 +159,8 @@ def main() -> None:
         token_bytes=2, chunk=a.chunk, **lay_kw,
     )  # fmt: skip
     eng_kw: dict[str, Any] = {"remote_ranks": remote, "transport": _NoTransport()} if remote else {}
+    if a.adaptive_split:  # (a tree from before adaptive_split has no such argument)
+        eng_kw["adaptive_split"] = True
     eng = E.TritonEPEngine(
         rank=0, world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, num_tot_experts=a.experts,
         token_dtype=torch.bfloat16, weight_dtype=torch.float32, heap_local=torch.zeros(16, dtype=torch.uint8),

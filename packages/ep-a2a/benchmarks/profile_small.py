@@ -29,7 +29,7 @@ from bench_triton import LEAD_CYCLES, SHAPES, Timer, capture_graphs, shape_input
 #: TritonBackend arguments a variant may set as name=value
 VARIANT_ARGS = (
     "chunk", "num_warps", "block_h", "combine_chunk", "combine_warps", "combine_block_h", "combine_maxnreg",
-    "send_ctas", "combine_send_ctas",
+    "send_ctas", "combine_send_ctas", "adaptive_split",
 )  # fmt: skip
 
 
@@ -167,6 +167,7 @@ def main() -> None:
     p.add_argument("--json", required=True)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--shape", default="deepseek-v3", choices=list(SHAPES))
+    p.add_argument("--route", default="uniform", choices=["uniform", "skewed"], help="expert routing")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--num-sm", type=int, default=132)
     p.add_argument("--probe", action="store_true", help="also %%globaltimer stamps inside the kernels")
@@ -187,7 +188,7 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
     n = args.tokens
-    cfg, x, ids, w = shape_inputs(args.shape, n, rank, world, dev)
+    cfg, x, ids, w = shape_inputs(args.shape, n, rank, world, dev, route=args.route)
     out: dict = {
         "device": torch.cuda.get_device_name(dev),
         "world_size": world,
@@ -196,6 +197,7 @@ def main() -> None:
         "commit": os.environ.get("EP_A2A_COMMIT"),
         "torch": torch.__version__,
         "shape": args.shape,
+        "route": args.route,
         "tokens": n,
         "num_sm": args.num_sm,
         "variants": [],
@@ -224,6 +226,7 @@ def main() -> None:
             "combine_maxnreg": eng.combine_maxnreg,
             "send_ctas": eng.send_ctas,
             "combine_send_ctas": eng.combine_send_ctas,
+            "adaptive_split": eng.adaptive_split,
             "graph_dispatch_us": 1e3 * timer.median_ms(g_d.replay, args.iters, lead=True),
             "graph_combine_us": 1e3 * timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True),
         }

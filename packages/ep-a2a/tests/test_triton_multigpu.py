@@ -300,6 +300,26 @@ def test_default_split_large_layer(group):
         small.finalize()
 
 
+def test_adaptive_split_large_layer(group):
+    """``adaptive_split`` on a large layer on all SMs (split on): skewed and uniform routing, exact-shape
+    round trips and a static call, against the reference (the ranks pick different splits when skewed)."""
+    from ep_a2a.triton_backend.backend import SPLIT_MIN_TOKENS
+
+    n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    T = 2 * SPLIT_MIN_TOKENS
+    be = _make_backend(
+        group, max_tokens=T, hidden=2048, topk=8, experts=8 * dist.get_world_size(group), dtype=torch.bfloat16,
+        heap="torch", num_sm=n_sm, adaptive_split=True,
+    )  # fmt: skip
+
+    def check(be) -> None:
+        assert be.engine.adaptive_split
+        assert be.engine.send_ctas > 0
+
+    rounds = (([T, 1500], True), ([7, T], True), ([T, T], False))
+    _large_layer_round_trips(be, group, hidden=2048, seed=1100, rounds=rounds, check=check)
+
+
 @pytest.mark.parametrize("num_sm", [32, 64, 0], ids=["sm32", "sm64", "all-sms"])
 def test_default_tiles_large_layer(group, num_sm):
     """A large layer of wide rows gets the tiles tuned for its SM count (``_default_tiles``: larger chunks

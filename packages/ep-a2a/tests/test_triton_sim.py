@@ -131,6 +131,45 @@ def test_dispatch_combine_matches_reference(world, ns, hidden, topk, experts, dt
     _round_trips(sim, ns, ((False, 0), (True, 0), (True, 1)), gen, with_w=with_w, skew=skew, drop=drop)
 
 
+@pytest.mark.parametrize(
+    ("world", "ns", "num_sm"),
+    [
+        pytest.param(2, [12, 9], 4, id="W2-sm4"),
+        pytest.param(3, [8, 0, 11], 6, id="W3-sm6-a-rank-without-tokens"),
+    ],
+)
+def test_adaptive_split_matches_reference(world, ns, num_sm):
+    """``adaptive_split``: each rank sizes its sending CTAs per call from the layout's estimate of the
+    token rows it sends (``state[STATE_SEND_ROWS]``: per peer, the fewer of its slots and the tokens)
+    and the rows it writes; with skewed routing the ranks pick different splits. Both dispatch flows."""
+    from ep_a2a.triton_backend import kernels as K
+
+    topk, experts, hidden = 4, 4 * world, 32
+    gen = torch.Generator().manual_seed(900 + world)
+    sim = SimWorld(
+        world_size=world, max_tokens=max(ns), hidden=hidden, topk=topk, num_tot_experts=experts,
+        num_sm=num_sm, chunk=4, block_h=16, adaptive_split=True,
+    )  # fmt: skip
+    seen: dict[str, list[int]] = {"gs": []}
+
+    def check_estimate(res, ids) -> None:
+        L = experts // world
+        for r, idr in enumerate(ids):
+            dest = torch.where(idr >= 0, idr.long() // L, -1)
+            want = sum(min(int((dest == p).sum()), idr.shape[0]) for p in range(world) if p != r)
+            got = int(sim.engines[r].state[K.STATE_SEND_ROWS])
+            assert got == want, f"rank {r}: send-row estimate {got} != {want}"
+            den = 4 * got + res[r].output.shape[0]
+            gs = (num_sm * 4 * got + den // 2) // den if den else 1
+            seen["gs"].append(min(max(gs, 1), num_sm // 2))
+
+    _round_trips(
+        sim, ns, ((False, 1), (True, 1), (True, 1)), gen, with_w=True, skew=True, drop=0.1,
+        after_dispatch=check_estimate,
+    )  # fmt: skip
+    assert len(set(seen["gs"])) > 1  # (the ranks picked different splits)
+
+
 @pytest.mark.parametrize("chunk", [1, 2])
 @pytest.mark.parametrize(
     ("world", "ns", "hidden", "topk", "experts", "dtype", "with_w", "skew", "drop"),

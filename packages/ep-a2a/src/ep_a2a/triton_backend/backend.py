@@ -28,6 +28,10 @@ HEAP_ENV = "EP_A2A_TRITON_HEAP"
 #: the ``copy_engine`` argument)
 COPY_ENGINE_ENV = "EP_A2A_TRITON_COPY_ENGINE"
 
+#: environment variable choosing the adaptive dispatch split when the layer constructs the backend
+#: (``1`` / ``0``: the ``adaptive_split`` argument)
+ADAPTIVE_SPLIT_ENV = "EP_A2A_TRITON_ADAPTIVE_SPLIT"
+
 #: pieces of a copy-engine dispatch (each a copy of its token rows and an 8-byte flag copy per peer)
 DEFAULT_CE_PIECES = 4
 
@@ -219,6 +223,12 @@ class TritonBackend(A2ABackend):
             splitting was slower, at 128 tokens it was not measured).
         combine_send_ctas: the same for the combine kernel; default ``num_sm // 2`` under the same
             conditions (measured 7-18 % faster than no split at 132 SMs).
+        adaptive_split: with the dispatch split on, each rank sizes its sending CTAs per call, on the
+            device, from the token rows it sends and the rows it writes (``4 S / (4 S + R)`` of the CTAs,
+            at most half; a third for top-8 routing over 2 ranks, like the default ``send_ctas``): under
+            skewed routing a rank that only receives keeps one sender and a rank that only sends uses
+            half. Default (``None``): ``$EP_A2A_TRITON_ADAPTIVE_SPLIT`` when set, else off
+            (experimental: not measured yet).
         copy_engine: dispatch moves this rank's token rows (and their ids, positions and weights) to
             the peers with copy-engine copies (``cudaMemcpyAsync`` into the peer's heap) on a side
             stream, in ``ce_pieces`` pieces each followed by a flag copy, instead of SM stores: the row
@@ -276,6 +286,7 @@ class TritonBackend(A2ABackend):
         overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
         send_ctas: int | None = None,
         combine_send_ctas: int | None = None,
+        adaptive_split: bool | None = None,
         force_remote: int | None = None,
         copy_engine: bool | None = None,
         ce_pieces: int | None = None,
@@ -327,6 +338,8 @@ class TritonBackend(A2ABackend):
         if copy_engine is None and os.environ.get(COPY_ENGINE_ENV):
             copy_engine = os.environ[COPY_ENGINE_ENV].strip().lower() not in ("0", "false", "off", "")
         copy_engine = bool(copy_engine)  # (off by default: see the argument's note)
+        if adaptive_split is None and os.environ.get(ADAPTIVE_SPLIT_ENV):
+            adaptive_split = os.environ[ADAPTIVE_SPLIT_ENV].strip().lower() not in ("0", "false", "off", "")
         if copy_engine and remote:
             raise ValueError(
                 "copy_engine=True is for groups without remote peers (other nodes or force_remote)"
@@ -374,6 +387,7 @@ class TritonBackend(A2ABackend):
             if copy_engine
             else _split(send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 3)),
             combine_send_ctas=_split(combine_send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 2)),
+            adaptive_split=bool(adaptive_split),
             remote_ranks=remote,
             transport=transport,
             ce_pieces=(ce_pieces or DEFAULT_CE_PIECES) if copy_engine else 0,

@@ -255,6 +255,7 @@ class TritonEPEngine:
         combine_maxnreg: int | None = None,
         send_ctas: int = 0,
         combine_send_ctas: int = 0,
+        adaptive_split: bool = False,
         remote_ranks: Sequence[int] = (),
         transport: RemoteTransport | None = None,
         ce_pieces: int = 0,
@@ -314,6 +315,8 @@ class TritonEPEngine:
                 raise ValueError(f"{name} must be 0 or in [1, num_sm={self.num_sm}), got {k}")
         self.send_ctas = send_ctas
         self.combine_send_ctas = combine_send_ctas
+        #: with the dispatch split, each rank sizes its sending CTAs per call (``send_ctas``: fallback)
+        self.adaptive_split = adaptive_split
         self.wp = _next_pow2(world_size)
         self.lp = _next_pow2(layout.cw or self.experts_per_rank + 1)
         dev = self.device
@@ -503,6 +506,7 @@ class TritonEPEngine:
             hflag_ptr=self._layout_flags,
             timeout=self.timeout_arg,
             USE_TIMER=self.use_timer,
+            SEND_EST=self.adaptive_split,
         )
 
     def launch_layout(
@@ -520,7 +524,7 @@ class TritonEPEngine:
         pk, _, pinfo = self._rb(remote)
         ids = _nz(exp_indices)
         self._launch(
-            ("layout", caller_scatter, ids.data_ptr() % 16 == 0, self.probe is not None),
+            ("layout", caller_scatter, ids.data_ptr() % 16 == 0, self.probe is not None, self.adaptive_split),
             K._layout_kernel,
             self._layout_grid,
             4,
@@ -680,6 +684,7 @@ class TritonEPEngine:
                 out.dtype,
                 *self._align(xs, ids, w, src),
                 self.probe is not None,
+                self.adaptive_split,
             ),
             K._dispatch_kernel,
             (self.num_sm,),
@@ -760,6 +765,7 @@ class TritonEPEngine:
                 WHOLE_ROW=self.whole_row,
                 **self._probe_kw(1),
                 PDL=self.pdl,
+                ADAPT=self.adaptive_split and bool(split),
             ),
             launch_pdl=self.pdl,
         )
@@ -1226,6 +1232,7 @@ class TritonEPEngine:
                 PROBE=False,
                 probe_ptr=None,
                 PDL=self.pdl,
+                ADAPT=self.adaptive_split and bool(self.send_ctas),
                 num_warps=nw,
                 **({"launch_pdl": True} if self.pdl else {}),
                 **self._tile_kw(self.whole_row),

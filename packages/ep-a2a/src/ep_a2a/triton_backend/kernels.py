@@ -36,6 +36,7 @@ STATE_ERR = 3
 STATE_BARRIER_EPOCH = 4
 STATE_COUNTS_READY = 5  # merged dispatch: epoch whose receive layout program 0 has written
 STATE_DISPATCH_ARRIVE = 6  # merged dispatch: CTAs finished (the last one publishes the epoch)
+STATE_SEND_ROWS = 7  # adaptive split: this call's estimate of the token rows this rank sends to peers
 STATE_SIZE = 8
 
 # error steps encoded in state[STATE_ERR] = 1 + step * 65536 + peer
@@ -218,6 +219,7 @@ def _layout_kernel(
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:5]
     probe_ptr=None,
     PDL: tl.constexpr = False,  # let the next launch (the row kernel, launched with PDL) start early
+    SEND_EST: tl.constexpr = False,  # the last program stores state[STATE_SEND_ROWS] (adaptive split)
 ):
     """Program ``p`` owns tokens ``[p * TB, (p + 1) * TB)``: it publishes the histogram of their slots'
     experts, sums the histograms of programs ``< p`` (the slots of each expert before its block), and
@@ -308,6 +310,13 @@ def _layout_kernel(
                 dst = base.to(tl.pointer_type(tl.int64)) + parity * (W * CW) + rank * CW + (e - owner * L)
             # (relaxed: each word carries its epoch, and nothing else is read on its arrival)
             tl.atomic_xchg(dst, word, mask=me, sem="relaxed", scope="sys")
+            if SEND_EST:
+                # token rows sent to the peers, at most: per peer, its slots or the tokens, the fewer
+                est = tl.zeros([], tl.int64)
+                for r in tl.static_range(W):
+                    slots_r = tl.sum(tl.where(me & (owner == r), total, 0), 0).to(tl.int64)
+                    est += tl.where(r != rank, tl.minimum(slots_r, n_tokens.to(tl.int64)), 0)
+                tl.store(state_ptr + 7, est)
     if pid == 0:
         for r in tl.static_range(W):
             if (REMOTE >> r) & 1:
@@ -868,6 +877,7 @@ def _dispatch_kernel(
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
     probe_ptr=None,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the launch before
+    ADAPT: tl.constexpr = False,  # SPLIT: each rank sizes its senders from this call's volumes (GS: fallback)
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -920,11 +930,23 @@ def _dispatch_kernel(
     if SPLIT:
         # CTAs [0, GS) only feed the peers (their system-scope release waits for NVLink), the others only
         # write this rank's output (own rows, then received ones): the two overlap instead of alternating
-        do_send = pid < GS
-        do_recv = pid >= GS
-        q = tl.where(do_send, pid, pid - GS)
-        stride = tl.where(do_send, GS, G - GS)
-        n_steps = tl.cdiv(n_chunks, tl.minimum(GS, G - GS))
+        if ADAPT:
+            # senders in proportion to the work: a sending CTA moves about a quarter of the rows per
+            # second a writing CTA writes (4 S / (4 S + R) of the CTAs, a third with top-8 over 2 ranks),
+            # at most half (NVLink saturates first). Each rank picks its own: receivers wait per chunk
+            # flag, not per peer CTA. S: token rows sent (layout estimate), R: rows written here
+            s_est = tl.load(state_ptr + 7)
+            r_here = tl.load(info_ptr + 0, cache_modifier=".cg")
+            den = 4 * s_est + r_here
+            gs_w = tl.where(den > 0, (G * 4 * s_est + den // 2) // tl.maximum(den, 1), GS)
+            gs = tl.minimum(tl.maximum(gs_w, 1), G // 2).to(tl.int32)
+        else:
+            gs = GS
+        do_send = pid < gs
+        do_recv = pid >= gs
+        q = tl.where(do_send, pid, pid - gs)
+        stride = tl.where(do_send, gs, G - gs)
+        n_steps = tl.cdiv(n_chunks, tl.minimum(gs, G - gs))
         lag = LAG
     else:
         do_send = pid >= 0

@@ -85,6 +85,7 @@ class SimWorld:
         device: str = "cpu",
         node_size: int | None = None,
         ce_pieces: int = 0,
+        adaptive_split: bool = False,
     ) -> None:
         node_size = node_size or world_size
         if world_size % node_size:
@@ -151,6 +152,7 @@ class SimWorld:
                 remote_ranks=self.remote_ranks[r],
                 transport=self.transports[r] if remote else None,
                 ce_pieces=ce_pieces,
+                adaptive_split=adaptive_split,
                 peer_heaps=self.heaps,
             )
             for r in range(world_size)
