@@ -276,8 +276,8 @@ def test_default_tiles(hidden, max_tokens, num_sm, want_dispatch, want_combine):
 class _WarmupRecorder:
     """Stands in for a kernel's ``warmup``: binds the call to the kernel's signature like Triton does."""
 
-    def __init__(self, real, log: list) -> None:
-        self.real, self.log = real, log
+    def __init__(self, real, log: list, bound: list | None = None) -> None:
+        self.real, self.log, self.bound = real, log, bound
 
     def warmup(self, *args, grid, num_warps=4, launch_pdl=False, maxnreg=None, **kwargs):
         if maxnreg is not None:
@@ -288,6 +288,8 @@ class _WarmupRecorder:
         assert not by_kw, f"{self.real.fn.__name__}: dtype passed by keyword for {by_kw}"
         bound = inspect.signature(self.real.fn).bind(*args, **kwargs)  # every parameter, once
         self.log.append(self.real.fn.__name__)
+        if self.bound is not None:
+            self.bound.append(bound.arguments)
         return bound
 
 
@@ -318,3 +320,32 @@ def test_precompile_binds_every_kernel(monkeypatch, remote):
     assert n == len(log)  # (no register limit by default: no extra entries)
     assert ("_pack_kernel" in log) == remote
     assert ("_remote_expand_kernel" in log) == remote
+
+
+def test_precompile_compiles_the_halves_of_a_split_counts_launch(monkeypatch):
+    """With the CTA split the counts-launch flow sends before its outputs exist
+    (``launch_dispatch_sends``) and writes in a second launch: ``use_aot`` compiles those two halves (and
+    the merged flow's single launch of both), each with and without weights and caller scatter."""
+    log: list = []
+    bound: list = []
+    monkeypatch.setattr(K, "_dispatch_kernel", _WarmupRecorder(K._dispatch_kernel, log, bound))
+    eng = _engine(send_ctas=1)
+    eng.precompile()
+    variants = [(a["COUNTS"], a["SEND"], a["RECV"]) for a in bound]
+    assert sorted(set(variants)) == [(False, False, True), (False, True, False), (True, True, True)]
+    assert all(variants.count(v) == 4 for v in set(variants))
+    eng.send_ctas = 0  # without the split the counts-launch flow is one launch of both halves
+    bound.clear()
+    eng.precompile()
+    assert sorted({(a["COUNTS"], a["SEND"], a["RECV"]) for a in bound}) == [
+        (False, True, True),
+        (True, True, True),
+    ]
+
+
+def test_sends_before_outputs_need_the_split():
+    """``launch_dispatch_sends`` is the sending half of a split row kernel: refused without the split."""
+    eng = _engine()
+    x, ids = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs the CTA split"):
+        eng.launch_dispatch_sends(x, ids, None, eng.pos, caller_scatter=False, info=eng.info)

@@ -500,20 +500,32 @@ class TritonBackend(A2ABackend):
             eng.launch_counts(info, remote=rb)
             if mark:
                 mark(("counts launched", time.perf_counter()))
-            # what does not depend on the counts is allocated while the GPU works them out
-            bufs = eng.alloc_dispatch_fixed(n)
-            # the one small device-to-host copy: receive counts (and the error word) size the output
-            # (with remote peers also the records to send and receive, which size the puts)
-            vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
-            rows = vals[0]
-            bufs.update(eng.alloc_dispatch_rows(rows, with_weights=has_w, dtype=input.dtype))
-            if mark:
-                mark(("buffers allocated", time.perf_counter()))
-            out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
-            eng.launch_dispatch(
-                input, exp_indices, weight, src, out, out_w, out_e, bufs["tab"], bufs["skip"], bufs["scat"],
-                caller_scatter=caller, info=info, remote=rb, npk_send=npk[:W] if npk is not None else None,
-            )  # fmt: skip
+            # with the CTA split the senders need no output: the tokens cross NVLink while the host waits
+            early = bool(eng.send_ctas) and not eng.remote_ranks and not eng.ce_pieces
+            try:
+                if early:
+                    eng.launch_dispatch_sends(
+                        input, exp_indices, weight, src, caller_scatter=caller, info=info
+                    )
+                    if mark:
+                        mark(("sends launched", time.perf_counter()))
+                # what does not depend on the counts is allocated while the GPU works them out
+                bufs = eng.alloc_dispatch_fixed(n)
+                # the one small device-to-host copy: receive counts (and the error word) size the output
+                # (with remote peers also the records to send and receive, which size the puts)
+                vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
+                rows = vals[0]
+                bufs.update(eng.alloc_dispatch_rows(rows, with_weights=has_w, dtype=input.dtype))
+                if mark:
+                    mark(("buffers allocated", time.perf_counter()))
+                out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
+                eng.launch_dispatch(
+                    input, exp_indices, weight, src, out, out_w, out_e, bufs["tab"], bufs["skip"], bufs["scat"],
+                    caller_scatter=caller, info=info, send=not early, remote=rb,
+                    npk_send=npk[:W] if npk is not None else None,
+                )  # fmt: skip
+            finally:
+                eng.join_sends()  # (the caller's stream also covers the sends, error or not)
             if mark:
                 mark(("rows launched", time.perf_counter()))
             # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)

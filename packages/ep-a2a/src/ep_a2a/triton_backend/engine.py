@@ -348,6 +348,10 @@ class TritonEPEngine:
         self.host_epochs = [0, 0, 0]
         self._dummy_i32 = torch.zeros(1, dtype=torch.int32, device=dev)
         self._dummy_i64 = torch.zeros(1, dtype=torch.int64, device=dev)
+        # launch_dispatch_sends: row-dtype stand-ins for the outputs it never touches, its side stream
+        self._dummy_rows: dict[torch.dtype, torch.Tensor] = {}
+        self._sends_stream: torch.cuda.Stream | None = None
+        self._sends_pending = False
         # copy-engine dispatch: pieces of ce_tokens tokens (a multiple of the chunk), one flag each
         if ce_pieces < 0:
             raise ValueError(f"ce_pieces must be >= 0, got {ce_pieces}")
@@ -811,6 +815,53 @@ class TritonEPEngine:
                 ),
             )
 
+    def launch_dispatch_sends(
+        self,
+        x: torch.Tensor,
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None,
+        scatter_src: torch.Tensor,
+        *,
+        caller_scatter: bool,
+        info: torch.Tensor,
+    ) -> None:
+        """Counts-launch flow with the CTA split: the sending half of the row kernel, launched right after
+        :meth:`launch_counts`, before the host waits for the counts. It writes only the peers' receive
+        buffers, so it needs none of this rank's outputs, and the tokens cross NVLink while the host
+        waits and allocates. On a GPU it runs on a side stream, so that the writing half
+        (``launch_dispatch(..., send=False)`` into the exact buffers) runs beside it; :meth:`join_sends`
+        then makes the current stream wait for it."""
+        if not self.send_ctas or self.remote_ranks or self.ce_pieces:
+            raise ValueError(
+                "launch_dispatch_sends needs the CTA split (send_ctas > 0), no remote peers and no "
+                "copy-engine dispatch"
+            )
+        out = self._dummy_rows.get(x.dtype)
+        if out is None:
+            out = self._dummy_rows[x.dtype] = torch.zeros(1, dtype=x.dtype, device=self.device)
+        i32 = self._dummy_i32
+        side = None
+        if self.device.type == "cuda":
+            if self._sends_stream is None:
+                self._sends_stream = torch.cuda.Stream(self.device)
+            side = self._sends_stream
+            fork = torch.cuda.Event()
+            fork.record()  # (after the receive layout: the senders read its epoch and token counts)
+            side.wait_event(fork)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            self.launch_dispatch(
+                x, exp_indices, weight, scatter_src, out, self._dummy_w, i32, i32, i32, i32,
+                caller_scatter=caller_scatter, info=info, send=True, recv=False,
+            )  # fmt: skip
+        self._sends_pending = side is not None
+
+    def join_sends(self) -> None:
+        """The current stream waits for the sends of :meth:`launch_dispatch_sends` (no-op on CPU)."""
+        if self._sends_pending:
+            assert self._sends_stream is not None
+            torch.cuda.current_stream().wait_stream(self._sends_stream)
+            self._sends_pending = False
+
     def _ce_fork(self) -> torch.cuda.Event | None:
         """The point of the current stream after which the copies may run (none on CPU)."""
         if self._ce_stream is None:
@@ -1171,7 +1222,12 @@ class TritonEPEngine:
             )
             n += 1
         nw = self.num_warps
-        for has_w, cs, counts in itertools.product((True, False), (False, True), dispatch_counts):
+        # the counts-launch flow with the CTA split runs the sending and the writing half as two launches
+        # (launch_dispatch_sends); every other flow runs both halves in one
+        halves = [(counts, (True, True)) for counts in dispatch_counts]
+        if self.send_ctas and not remote and not self.ce_pieces and False in dispatch_counts:
+            halves = [h for h in halves if h[0]] + [(False, (True, False)), (False, (False, True))]
+        for has_w, cs, (counts, (snd, rcv)) in itertools.product((True, False), (False, True), halves):
             K._dispatch_kernel.warmup(
                 self.token_dtype,
                 i32,
@@ -1205,8 +1261,8 @@ class TritonEPEngine:
                 LP=self.lp,
                 HAS_W=has_w,
                 CALLER_SCATTER=cs,
-                SEND=True,
-                RECV=True,
+                SEND=snd,
+                RECV=rcv,
                 LAG=0 if self.send_ctas else 1,
                 COUNTS=counts,
                 SPLIT=bool(self.send_ctas),

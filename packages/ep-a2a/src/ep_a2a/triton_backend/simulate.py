@@ -197,9 +197,21 @@ class SimWorld:
             self.engines[r].launch_layout(
                 exp_indices[r], caller_scatter=caller, info=infos[r], remote=rbufs[r]
             )
+        # (as the backend: the counts-launch flow with the CTA split sends before the outputs exist)
+        early = not merged and send_ctas > 0 and not any(e.remote_ranks or e.ce_pieces for e in self.engines)
         if not merged:
             for r in ranks:
                 self.engines[r].launch_counts(infos[r], remote=rbufs[r])
+        if early:
+            for r in ranks:
+                self.engines[r].launch_dispatch_sends(
+                    inputs[r],
+                    exp_indices[r],
+                    weights[r] if weights is not None else None,
+                    full_scatter_indices[r] if caller else self.engines[r].pos,  # type: ignore[index]
+                    caller_scatter=caller,
+                    info=infos[r],
+                )
         bufs: dict[int, dict[str, torch.Tensor]] = {}
         for r in ranks:
             eng = self.engines[r]
@@ -214,6 +226,8 @@ class SimWorld:
             for buf in bufs[r].values():  # poison: every element read must have been written
                 buf.fill_(float("nan") if buf.is_floating_point() else -7)
         for send, recv in ((True, False), (False, True)):
+            if send and early:
+                continue
             for r in ranks:
                 b = bufs[r]
                 src = full_scatter_indices[r] if caller else self.engines[r].pos  # type: ignore[index]
