@@ -1226,7 +1226,10 @@ class TritonEPEngine:
         # (launch_dispatch_sends); every other flow runs both halves in one
         row_launches = [(counts, (True, True)) for counts in dispatch_counts]
         if self.send_ctas and not remote and not self.ce_pieces and False in dispatch_counts:
-            row_launches = [h for h in row_launches if h[0]] + [(False, (True, False)), (False, (False, True))]
+            row_launches = [h for h in row_launches if h[0]] + [
+                (False, (True, False)),
+                (False, (False, True)),
+            ]
         for has_w, cs, (counts, (snd, rcv)) in itertools.product((True, False), (False, True), row_launches):
             K._dispatch_kernel.warmup(
                 self.token_dtype,
