@@ -1043,32 +1043,21 @@ class TritonEPEngine:
         }
 
     def alloc_dispatch_rows(
-        self,
-        rows: int,
-        *,
-        with_weights: bool,
-        out: torch.Tensor | None = None,
-        dtype: torch.dtype | None = None,
+        self, rows: int, *, with_weights: bool, dtype: torch.dtype | None = None
     ) -> dict[str, torch.Tensor]:
         """The dispatch outputs of ``rows`` received rows: ``out``, ``out_w``, ``out_e``."""
         return {
-            "out": out if out is not None else self._buf(rows, self.hidden, dtype=dtype or self.token_dtype),
+            "out": self._buf(rows, self.hidden, dtype=dtype or self.token_dtype),
             "out_w": self._buf(rows if with_weights else 1, dtype=self.weight_dtype),
             "out_e": self._buf(rows, dtype=torch.int32),
         }
 
     def alloc_dispatch_outputs(
-        self,
-        n: int,
-        rows: int,
-        *,
-        with_weights: bool,
-        out: torch.Tensor | None = None,
-        dtype: torch.dtype | None = None,
+        self, n: int, rows: int, *, with_weights: bool, dtype: torch.dtype | None = None
     ) -> dict[str, torch.Tensor]:
         """:meth:`alloc_dispatch_rows` and :meth:`alloc_dispatch_fixed` in one dict."""
         return {
-            **self.alloc_dispatch_rows(rows, with_weights=with_weights, out=out, dtype=dtype),
+            **self.alloc_dispatch_rows(rows, with_weights=with_weights, dtype=dtype),
             **self.alloc_dispatch_fixed(n),
         }
 
