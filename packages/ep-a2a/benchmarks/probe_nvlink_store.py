@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from datetime import datetime, timezone
 
@@ -31,10 +30,8 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from bench_triton import Timer
 from triton.tools.tensor_descriptor import TensorDescriptor
-
-LEAD_CYCLES = 200_000
-BOX = 256
 
 
 @triton.jit
@@ -134,20 +131,11 @@ def main() -> None:
     dist.barrier()
     torch.cuda.synchronize()
 
-    def med(fn, iters=args.iters):
-        ts = []
-        for _ in range(iters):
-            dist.barrier()
-            torch.cuda._sleep(LEAD_CYCLES)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e) * 1e3)
-        t = torch.tensor([statistics.median(ts)], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t[0])
+    timer = Timer(dist.barrier)
+
+    def med(fn):
+        """Median us after a barrier and the device-side lead, the slower rank."""
+        return timer.median_ms(fn, args.iters, lead=True) * 1e3
 
     def check(name):
         recv_local.fill_(float("nan"))
