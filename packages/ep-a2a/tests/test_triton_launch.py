@@ -1,8 +1,8 @@
 """The engine's cached launch path passes exactly the arguments Triton's own launch path would.
 
 After the first launch of a kernel variant the engine calls the compiled kernel directly with a stored
-argument list in which only the per-call arguments are replaced (see ``TritonEPEngine._launch``). The
-GPU runs only that path, the CPU simulation only Triton's; this test runs both on fake kernels (no GPU,
+argument list in which only the per-call arguments are replaced, every tensor passed as its address
+(see ``TritonEPEngine._launch``). The GPU runs only that path, the CPU simulation only Triton's; this test runs both on fake kernels (no GPU,
 no interpreter) and compares the arguments, call by call, for every launch the backend makes.
 """
 
@@ -109,30 +109,45 @@ def _engine(world=2, max_tokens=8, hidden=64, topk=4, experts=8, remote=False, *
     )
 
 
-def _one_call(eng: TritonEPEngine, n: int, rows: int, *, with_w: bool, counts: bool, seed: int) -> None:
+def _call_inputs(eng: TritonEPEngine, n: int, rows: int, *, with_w: bool, seed: int) -> dict:
+    """One call's tensors, with defined contents."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, eng.hidden, generator=gen).to(torch.bfloat16)
-    ids = torch.randint(0, eng.num_tot_experts, (n, eng.topk), generator=gen, dtype=torch.int32)
-    w = torch.rand(n, eng.topk, generator=gen) if with_w else None
     b = eng.alloc_dispatch_outputs(n, rows, with_weights=with_w)
-    for t in b.values():  # defined contents, so arguments compare by value
+    for t in b.values():
         t.zero_()
-    info = torch.zeros(eng.info_len, dtype=torch.int64)
     rb = eng.alloc_remote()
     for t in (rb or {}).values():
         t.zero_()
-    npk = [3] * eng.world_size if rb is not None else None
-    eng.launch_layout(ids, caller_scatter=False, remote=rb)
+    return {
+        "x": torch.randn(n, eng.hidden, generator=gen).to(torch.bfloat16),
+        "ids": torch.randint(0, eng.num_tot_experts, (n, eng.topk), generator=gen, dtype=torch.int32),
+        "w": torch.rand(n, eng.topk, generator=gen) if with_w else None,
+        "bufs": b,
+        "info": torch.zeros(eng.info_len, dtype=torch.int64),
+        "remote": rb,
+        "npk": [3] * eng.world_size if rb is not None else None,
+        "y": torch.randn(rows, eng.hidden, generator=gen),
+        "out": torch.zeros(n, eng.hidden),
+    }
+
+
+def _launch_call(eng: TritonEPEngine, c: dict, *, counts: bool) -> None:
+    b, rb, info = c["bufs"], c["remote"], c["info"]
+    eng.launch_layout(c["ids"], caller_scatter=False, remote=rb)
     if not counts:
         eng.launch_counts(info, remote=rb)
     eng.launch_dispatch(
-        x, ids, w, eng.pos, b["out"], b["out_w"], b["out_e"], b["tab"], b["skip"], b["scat"],
-        caller_scatter=False, info=info, counts=counts, remote=rb, npk_send=npk,
+        c["x"], c["ids"], c["w"], eng.pos, b["out"], b["out_w"], b["out_e"], b["tab"], b["skip"], b["scat"],
+        caller_scatter=False, info=info, counts=counts, remote=rb, npk_send=c["npk"],
     )  # fmt: skip
-    y = torch.randn(rows, eng.hidden, generator=gen)
-    out = torch.zeros(n, eng.hidden)
-    eng.launch_combine(y, b["tab"], ids, info[2 : 2 + eng.world_size], out, remote=rb, npk_recv=npk)
+    eng.launch_combine(
+        c["y"], b["tab"], c["ids"], info[2 : 2 + eng.world_size], c["out"], remote=rb, npk_recv=c["npk"]
+    )
     eng.launch_barrier()
+
+
+def _one_call(eng: TritonEPEngine, n: int, rows: int, *, with_w: bool, counts: bool, seed: int) -> None:
+    _launch_call(eng, _call_inputs(eng, n, rows, with_w=with_w, seed=seed), counts=counts)
 
 
 @pytest.mark.parametrize(
@@ -141,33 +156,32 @@ def _one_call(eng: TritonEPEngine, n: int, rows: int, *, with_w: bool, counts: b
     ids=["w-counts", "noW-merged", "remote-peer"],
 )
 def test_cached_launch_passes_the_same_arguments(fake_gpu, with_w, counts, remote):
+    """Every cached launch passes what Triton's launch of the same call would, tensors as addresses."""
     log = fake_gpu
-    cached = _engine(remote=remote)
-    calls = [(6, 20, 1), (5, 17, 2), (8, 30, 3)]
-    for n, rows, seed in calls:
-        _one_call(cached, n, rows, with_w=with_w, counts=counts, seed=seed)
-    kinds = [k for k, _, _ in log]
-    per_call = len(kinds) // len(calls)
-    assert kinds[:per_call] == ["triton"] * per_call, "the first call of each variant goes through Triton"
-    assert kinds[per_call:] == ["fast"] * (len(kinds) - per_call), "later calls take the cached path"
-    got = log[per_call:]
-    # the reference: a fresh engine (no cached variants) launching the same calls through Triton
-    log.clear()
-    for n, rows, seed in calls[1:]:
-        _one_call(_engine(remote=remote), n, rows, with_w=with_w, counts=counts, seed=seed)
-    want = log
-    assert len(got) == len(want)
-    for (_, grid_g, args_g), (_, grid_w, args_w) in zip(got, want, strict=True):
-        assert grid_g == (*grid_w, 1, 1)[:3]
-        assert len(args_g) == len(args_w)
-        for a, b in zip(args_g, args_w, strict=True):
-            if isinstance(a, torch.Tensor):
-                # same shapes, dtypes and contents (fresh engines own equal but different buffers)
-                assert isinstance(b, torch.Tensor)
-                assert (a.dtype, a.shape) == (b.dtype, b.shape)
-                assert torch.equal(a, b)
-            else:
-                assert a == b
+    eng = _engine(remote=remote)
+    _one_call(eng, 6, 20, with_w=with_w, counts=counts, seed=1)
+    per_call = len(log)
+    assert [k for k, _, _ in log] == ["triton"] * per_call, (
+        "the first call of each variant goes through Triton"
+    )
+    for n, rows, seed in [(5, 17, 2), (8, 30, 3)]:
+        c = _call_inputs(eng, n, rows, with_w=with_w, seed=seed)
+        log.clear()
+        _launch_call(eng, c, counts=counts)
+        got = list(log)
+        assert [k for k, _, _ in got] == ["fast"] * per_call, "later calls take the cached path"
+        # the reference: the same call with the same tensors through Triton (the cache dropped)
+        eng._plans.clear()
+        log.clear()
+        _launch_call(eng, c, counts=counts)
+        want = list(log)
+        assert [k for k, _, _ in want] == ["triton"] * per_call
+        for (_, grid_g, args_g), (_, grid_w, args_w) in zip(got, want, strict=True):
+            assert grid_g == (*grid_w, 1, 1)[:3]
+            assert len(args_g) == len(args_w)
+            for i, (a, b) in enumerate(zip(args_g, args_w, strict=True)):
+                assert not isinstance(a, torch.Tensor), f"argument {i}: a tensor, not its address"
+                assert a == (b.data_ptr() if isinstance(b, torch.Tensor) else b), f"argument {i}"
 
 
 def test_new_variant_goes_through_triton(fake_gpu):
@@ -194,6 +208,7 @@ def test_cached_template_holds_no_call_tensors(fake_gpu):
     _one_call(eng, 6, 20, with_w=True, counts=True, seed=1)
     for _runner, template, var_idx in eng._plans.values():
         assert all(template[i] is None for i in var_idx)
+        assert not any(isinstance(v, torch.Tensor) for v in template)
 
 
 def test_cta_split_requests():

@@ -464,6 +464,7 @@ class TritonBackend(A2ABackend):
                 f"{input.dtype} (e.g. the backward of a combine over float32 expert outputs: cast them to "
                 f"{self.config.token_dtype}, or use backend='torch')"
             )
+        self._check_device(input=input, exp_indices=exp_indices, weight=weight, scatter=full_scatter_indices)
         eng = self.engine
         caller = full_scatter_indices is not None
         n = input.shape[0]
@@ -579,6 +580,12 @@ class TritonBackend(A2ABackend):
             self._raise_bad_ids(vals)
         return vals, npk
 
+    def _check_device(self, **tensors: torch.Tensor | None) -> None:
+        # (the kernels get raw addresses: a tensor elsewhere would fault on the GPU, not raise here)
+        for name, t in tensors.items():
+            if t is not None and t.device != self.device:
+                raise ValueError(f"{name} must be on {self.device} (the backend's device), got {t.device}")
+
     def _raise_bad_ids(self, vals: list[int]) -> None:
         if vals[-1]:
             cfg = self.config
@@ -614,6 +621,7 @@ class TritonBackend(A2ABackend):
             )
         if not input.dtype.is_floating_point or input.dtype.itemsize > 4:
             raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {input.dtype}")
+        self._check_device(input=input)
         n = layout_desc.num_dispatch_token_cur_rank
         outs = []
         for y_k in self.engine.per_slot_rows(input.contiguous(), state.tab, state.n_src):
@@ -637,6 +645,7 @@ class TritonBackend(A2ABackend):
             )
         if input.dim() != 2 or input.shape[1] != self.config.hidden:
             raise ValueError(f"input must be [rows, {self.config.hidden}], got {tuple(input.shape)}")
+        self._check_device(input=input)
         if not input.dtype.is_floating_point or input.dtype.itemsize > 4:
             raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {input.dtype}")
         input = input.contiguous()
@@ -662,6 +671,7 @@ class TritonBackend(A2ABackend):
             :class:`StaticDispatch`; its buffers are reused by the next static call.
         """
         self._check_usable()
+        self._check_device(input=input, exp_indices=exp_indices, weight=weight)
         if self.remote_ranks:
             raise NotImplementedError(
                 "dispatch_static (CUDA-graph mode) is not built for groups with remote peers (the host sizes "

@@ -415,13 +415,18 @@ class TritonEPEngine:
         variant goes through Triton (compiling it) and records the full argument list; later launches
         only swap in ``var_vals`` and call the compiled kernel. ``var_names`` are the arguments that may
         change between calls (tensors, and ints Triton does not specialise on).
+
+        Tensors reach the compiled kernel as addresses (``data_ptr()``; the fixed ones taken once): its
+        launcher would otherwise ask the driver about each tensor's pointer on every launch
+        (``cuPointerGetAttribute``, one driver call per tensor argument). The engine owns the fixed
+        tensors for its life, and its callers check that theirs are on the engine's device.
         """
         plan = self._plans.get(key)
         if plan is not None:
             runner, template, var_idx = plan
             vals = template.copy()
             for i, v in zip(var_idx, var_vals, strict=True):
-                vals[i] = v
+                vals[i] = v.data_ptr() if isinstance(v, torch.Tensor) else v
             runner(*vals, stream=_raw_stream(self._device_index))
             return
         named = fixed()
@@ -435,8 +440,8 @@ class TritonEPEngine:
         compiled = kernel[grid](**named, num_warps=num_warps, **opts)
         names = list(kernel.arg_names)
         var_idx = [names.index(n) for n in var_names]
-        template = [named[n] for n in names]
-        for i in var_idx:  # hold no reference to this call's tensors
+        template = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in (named[n] for n in names)]
+        for i in var_idx:  # (swapped in per call)
             template[i] = None
         self._plans[key] = (compiled[(*grid, 1, 1)[:3]], template, var_idx)
 
@@ -1029,8 +1034,9 @@ class TritonEPEngine:
         return self.world_size * self.max_tokens * self.topk
 
     def _buf(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-        # at least one element underneath: an empty tensor may have no address to hand a kernel
-        return torch.empty(max(1, shape[0]), *shape[1:], dtype=dtype, device=self.device)[: shape[0]]
+        if shape[0] == 0:  # at least one element underneath: an empty tensor may have no address
+            return torch.empty(1, *shape[1:], dtype=dtype, device=self.device)[:0]
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def alloc_dispatch_fixed(self, n: int) -> dict[str, torch.Tensor]:
         """The dispatch outputs whose size does not depend on the received rows (``n`` tokens here):
