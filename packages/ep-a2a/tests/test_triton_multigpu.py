@@ -232,6 +232,34 @@ def test_cta_split_against_reference(group):
         _check_round_trips(be, group, hidden=1024, seed=500, rounds=rounds, check=check, experts=32, drop=0.1)
 
 
+@pytest.mark.parametrize("send_ctas", [0, 5], ids=["no-split", "split"])
+def test_speculative_exact_flow(group, send_ctas):
+    """``speculative_headroom``: after a first call (host wait before the row kernel) the rows go into
+    buffers sized from the recent calls before the counts are known; a call that receives more (the
+    third: four times the tokens, skewed) gets exact buffers and a second writing pass. A CUDA-graph-mode
+    call after each round keeps the epochs of the flows in step."""
+    with pytest.raises(ValueError, match="speculative_headroom"):
+        _make_backend(
+            group, max_tokens=8, hidden=256, topk=2, experts=8, dtype=torch.bfloat16, heap="torch",
+            speculative_headroom=-0.5,
+        )  # fmt: skip
+    be = _make_backend(
+        group, max_tokens=64, hidden=2048, topk=8, experts=32, dtype=torch.bfloat16, heap="torch",
+        overlap_bytes=0, speculative_headroom=0.0, send_ctas=send_ctas,
+    )  # fmt: skip
+
+    def check(be) -> None:
+        assert be.speculative_headroom == 0.0
+        assert not be.overlap_exact
+
+    rounds = (([16, 16], False), ([8, 12], False), ([64, 64], True), ([64, 60], True))
+    _check_round_trips(
+        be, group, hidden=2048, seed=700, rounds=rounds, check=check, experts=32, static_each_round=True
+    )
+    assert be.speculative_calls == 3
+    assert be.speculative_overflows >= 1
+
+
 def _check_round_trips(
     be, group, *, hidden, seed, rounds, check=None, experts=None, drop=0.05, static_each_round=False
 ) -> None:

@@ -3,6 +3,8 @@ path for ranks on other nodes (NVSHMEM host-side put-with-signal, nvshmem heap o
 
 from __future__ import annotations
 
+import collections
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -20,6 +22,9 @@ from ep_a2a.triton_backend.heaps import HEAP_KINDS, NvshmemHeap, NvshmemTranspor
 #: exact-shape dispatches whose worst case (``world_size x max_tokens x topk`` rows) fits in this many
 #: bytes run without a host wait before the row kernel (see ``TritonBackend``'s ``overlap_bytes``)
 DEFAULT_OVERLAP_BYTES = 256 << 20
+
+#: calls whose received rows size the speculative exact-shape dispatch (see ``speculative_headroom``)
+SPECULATIVE_WINDOW = 8
 
 #: environment variable choosing the heap when the layer constructs the backend (``torch`` or ``nvshmem``)
 HEAP_ENV = "EP_A2A_TRITON_HEAP"
@@ -212,6 +217,16 @@ class TritonBackend(A2ABackend):
             allocated worst-case buffers, and returns views of their first ``R`` rows (so the output's
             storage is larger than the output while it lives). Larger layers wait for the counts, then
             allocate exactly ``R`` rows. Both give the same results.
+        speculative_headroom: exact-shape dispatch of layers larger than ``overlap_bytes`` without a
+            host wait before the row kernel (default ``None``: off). With ``h >= 0`` every call after the
+            first launches the row kernel right behind the counts, into buffers of ``(1 + h) * M`` rows
+            (rounded up to 64, at most the worst case), ``M`` the most rows this rank received in its
+            last 8 calls; the host then waits only for the counts (copied ahead of the row kernel) and
+            returns views of the first ``R`` rows, so the output's storage is up to ``(1 + h) * M``
+            rows while it lives. A call that receives more rows than that gets exact buffers and a
+            second writing pass (the same results, later; counted in :attr:`speculative_overflows`, out of
+            :attr:`speculative_calls`).
+            Not with remote peers or ``copy_engine``.
         send_ctas: CTAs of the dispatch row kernel that only send to the peers while the others only
             write this rank's output; 0: every CTA does both, in turn. Default (``None``): ``num_sm // 3``
             when ``num_sm >= 64`` and ``max_tokens > 1024``, else 0 (measured on 2x H200 at 4096 tokens
@@ -274,6 +289,7 @@ class TritonBackend(A2ABackend):
         combine_block_h: int | None = None,
         combine_maxnreg: int | None = None,
         overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
+        speculative_headroom: float | None = None,
         send_ctas: int | None = None,
         combine_send_ctas: int | None = None,
         force_remote: int | None = None,
@@ -337,6 +353,13 @@ class TritonBackend(A2ABackend):
             )
         if ce_pieces is not None and ce_pieces < 1:
             raise ValueError(f"ce_pieces must be >= 1, got {ce_pieces}")
+        if speculative_headroom is not None and not speculative_headroom >= 0:
+            raise ValueError(f"speculative_headroom must be None or >= 0, got {speculative_headroom}")
+        if speculative_headroom is not None and (remote or copy_engine):
+            raise ValueError(
+                "speculative_headroom is for groups without remote peers and without copy_engine (their "
+                "counts size the host's puts or copies)"
+            )
         #: whether dispatch moves the token rows by copy-engine copies (see ``copy_engine``)
         self.copy_engine = copy_engine
         local = [r for r in range(config.world_size) if r not in remote]
@@ -387,6 +410,11 @@ class TritonBackend(A2ABackend):
         #: exact-shape dispatch into worst-case buffers, no host wait before the row kernel (small layers;
         #: never with remote peers: the counts size their puts)
         self.overlap_exact = worst_bytes <= overlap_bytes and not remote
+        self.speculative_headroom = None if self.overlap_exact else speculative_headroom
+        #: speculative exact-shape dispatches, and those that received more rows than their buffers held
+        self.speculative_calls = self.speculative_overflows = 0
+        self._recent_rows: collections.deque[int] = collections.deque(maxlen=SPECULATIVE_WINDOW)
+        self._info_copied = torch.cuda.Event()
         W = config.world_size
         self._pinfo_host = torch.zeros(2 * W, dtype=torch.int64).pin_memory() if remote else None
         self._combine_allowed = False
@@ -496,6 +524,44 @@ class TritonBackend(A2ABackend):
             vals, npk = self._read_info(info)  # (npk: None, no remote peers here)
             rows = vals[0]
             out, out_w, out_e = bufs["out"][:rows], bufs["out_w"][:rows], bufs["out_e"][:rows]
+        elif self.speculative_headroom is not None and self._recent_rows:
+            cap = self._speculative_rows()
+            self.speculative_calls += 1
+            eng.launch_counts(info)
+            if mark:
+                mark(("counts launched", time.perf_counter()))
+            bufs = eng.alloc_dispatch_outputs(n, cap, with_weights=has_w, dtype=input.dtype)
+            # the counts go to the host ahead of the row kernel: the wait below ends before the rows do
+            self._info_host.copy_(info, non_blocking=True)
+            self._info_copied.record()
+            if mark:
+                mark(("buffers allocated", time.perf_counter()))
+            eng.launch_dispatch(
+                input, exp_indices, weight, src, bufs["out"], bufs["out_w"], bufs["out_e"], bufs["tab"],
+                bufs["skip"], bufs["scat"], caller_scatter=caller, info=info,
+            )  # fmt: skip
+            if mark:
+                mark(("rows launched", time.perf_counter()))
+            self._info_copied.synchronize()
+            if mark:
+                mark(("wait returned", time.perf_counter()))
+            vals, npk = self._info_host.tolist(), None
+            self._raise_device_error_word(vals[1])
+            rows = vals[0]
+            self._recent_rows.append(rows)
+            if rows > cap:
+                # more rows than the buffers hold (those past the end were dropped): the writing half
+                # again, into exact buffers (it rewrites every row, the slot table and the scatter indices)
+                self.speculative_overflows += 1
+                bufs.update(eng.alloc_dispatch_rows(rows, with_weights=has_w, dtype=input.dtype))
+                eng.launch_dispatch(
+                    input, exp_indices, weight, src, bufs["out"], bufs["out_w"], bufs["out_e"], bufs["tab"],
+                    bufs["skip"], bufs["scat"], caller_scatter=caller, info=info, send=False,
+                )  # fmt: skip
+                if mark:
+                    mark(("rows rewritten", time.perf_counter()))
+            out, out_w, out_e = bufs["out"][:rows], bufs["out_w"][:rows], bufs["out_e"][:rows]
+            self._raise_bad_ids(vals)
         else:
             eng.launch_counts(info, remote=rb)
             if mark:
@@ -506,6 +572,7 @@ class TritonBackend(A2ABackend):
             # (with remote peers also the records to send and receive, which size the puts)
             vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
             rows = vals[0]
+            self._recent_rows.append(rows)
             bufs.update(eng.alloc_dispatch_rows(rows, with_weights=has_w, dtype=input.dtype))
             if mark:
                 mark(("buffers allocated", time.perf_counter()))
@@ -570,14 +637,23 @@ class TritonBackend(A2ABackend):
         if remote is not None:
             assert self._pinfo_host is not None
             npk = self._pinfo_host.tolist()
-        if vals[1]:
-            try:
-                self.engine.check_error(vals[1])
-            except EPTimeoutFromDevice as exc:
-                self._raise_device_error(exc)
+        self._raise_device_error_word(vals[1])
         if bad_ids:
             self._raise_bad_ids(vals)
         return vals, npk
+
+    def _raise_device_error_word(self, err: int) -> None:
+        if err:
+            try:
+                self.engine.check_error(err)
+            except EPTimeoutFromDevice as exc:
+                self._raise_device_error(exc)
+
+    def _speculative_rows(self) -> int:
+        """Rows of the speculative dispatch's buffers (see ``speculative_headroom``)."""
+        assert self.speculative_headroom is not None
+        want = math.ceil(max(self._recent_rows) * (1.0 + self.speculative_headroom))
+        return min(-(-want // 64) * 64, self.engine.worst_case_rows())
 
     def _raise_bad_ids(self, vals: list[int]) -> None:
         if vals[-1]:

@@ -649,6 +649,11 @@ class TritonEPEngine:
         """Step 3. With ``counts=True`` step 2 runs inside this launch (program 0 builds the receive
         layout, the others wait for it): the launch after :meth:`launch_layout` in static mode.
 
+        ``send=False``: only the writing half, this rank's own rows and the received ones (the CPU
+        simulation's second half; and a second pass into larger buffers after the speculative
+        exact-shape flow's first one, which may run again since the received records stay in the heap
+        until this rank's next dispatch starts).
+
         With remote peers (``counts=False`` only): the row kernel stages the records for remote peers;
         with ``send`` the host then puts ``npk_send[r]`` records (host copy of ``remote["pinfo"][:W]``) to
         each remote ``r``; with ``recv`` :func:`~.kernels._remote_expand_kernel` expands the records

@@ -1032,8 +1032,9 @@ def _dispatch_kernel(
             if j < 4:
                 _stamp(prb, 2 + 2 * j, PROBE)
             if RECV:
-                # this rank's own rows into its output (the senders only feed the peers)
-                if SPLIT:  # noqa: SIM102 (a constexpr test, then a runtime one)
+                # this rank's own rows into its output: the senders only feed the peers (split), or
+                # nothing sends (a writing pass of its own, e.g. into buffers re-sized after the counts)
+                if SPLIT or not SEND:  # noqa: SIM102 (a constexpr test, then a runtime one)
                     if do_recv & (c < n_chunks_send):
                         _dispatch_send_chunk(
                             c,

@@ -174,6 +174,7 @@ class SimWorld:
         skip_ranks: Sequence[int] = (),
         merged: bool = False,
         send_ctas: int = 0,
+        speculative_rows: int | None = None,
     ) -> list[SimDispatch]:
         """Run one dispatch on every rank (ranks in ``skip_ranks`` never run: their peers time out).
 
@@ -181,7 +182,12 @@ class SimWorld:
         ``merged=True``: the receive layout inside the row kernel (static / CUDA-graph mode and the
         exact-shape flow of small layers), into worst-case buffers. ``send_ctas``: the engines'
         split of the row kernel's CTAs into senders and writers (0: every CTA does both).
+        ``speculative_rows`` (with ``merged=False``): the speculative exact-shape flow, buffers of that
+        many rows before the counts are known; a rank that receives more gets exact buffers and a
+        second writing pass (``send=False``), as the backend does.
         """
+        if speculative_rows is not None and merged:
+            raise ValueError("speculative_rows is a variant of the unmerged flow (merged=False)")
         for eng in self.engines:  # (combine follows the dispatch's split)
             eng.send_ctas = eng.combine_send_ctas = send_ctas
         if self.remote and merged:
@@ -207,35 +213,52 @@ class SimWorld:
             bufs[r] = eng.alloc_dispatch_fixed(inputs[r].shape[0])
             if merged:  # worst-case rows: the receive layout is only known inside the launch
                 rows = eng.worst_case_rows()
+            elif speculative_rows is not None:  # (the counts are known here, not used to size)
+                rows = speculative_rows
             else:
                 eng.check_error(int(infos[r][1]))
                 rows = int(infos[r][0])
             bufs[r].update(eng.alloc_dispatch_rows(rows, with_weights=weights is not None))
             for buf in bufs[r].values():  # poison: every element read must have been written
                 buf.fill_(float("nan") if buf.is_floating_point() else -7)
+
+        def rows_pass(r: int, send: bool, recv: bool) -> None:
+            b = bufs[r]
+            src = full_scatter_indices[r] if caller else self.engines[r].pos  # type: ignore[index]
+            self.engines[r].launch_dispatch(
+                inputs[r],
+                exp_indices[r],
+                weights[r] if weights is not None else None,
+                src,
+                b["out"],
+                b["out_w"],
+                b["out_e"],
+                b["tab"],
+                b["skip"],
+                b["scat"],
+                caller_scatter=caller,
+                info=infos[r],
+                counts=merged,
+                send=send,
+                recv=recv,
+                remote=rbufs[r],
+                npk_send=self._npk(rbufs[r], 0),
+            )
+
         for send, recv in ((True, False), (False, True)):
             for r in ranks:
-                b = bufs[r]
-                src = full_scatter_indices[r] if caller else self.engines[r].pos  # type: ignore[index]
-                self.engines[r].launch_dispatch(
-                    inputs[r],
-                    exp_indices[r],
-                    weights[r] if weights is not None else None,
-                    src,
-                    b["out"],
-                    b["out_w"],
-                    b["out_e"],
-                    b["tab"],
-                    b["skip"],
-                    b["scat"],
-                    caller_scatter=caller,
-                    info=infos[r],
-                    counts=merged,
-                    send=send,
-                    recv=recv,
-                    remote=rbufs[r],
-                    npk_send=self._npk(rbufs[r], 0),
-                )
+                rows_pass(r, send, recv)
+        if speculative_rows is not None:
+            for r in ranks:
+                rows = int(infos[r][0])
+                if rows > speculative_rows:
+                    eng = self.engines[r]
+                    bufs[r].update(eng.alloc_dispatch_rows(rows, with_weights=weights is not None))
+                    # poison all of it: the second pass must rewrite the slot table and the scatter
+                    # indices too (the first marked the rows past the buffers' end as absent)
+                    for buf in bufs[r].values():
+                        buf.fill_(float("nan") if buf.is_floating_point() else -7)
+                    rows_pass(r, False, True)
         results = []
         for r in ranks:
             eng, b = self.engines[r], bufs[r]
