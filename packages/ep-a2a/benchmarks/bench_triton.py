@@ -385,6 +385,16 @@ def run_case(
                 t_ce = timer.median_ms(lambda dst=dst, src=src: dst.copy_(src), args.iters, lead=True)
                 t_ce_nl = timer.median_ms(lambda dst=dst, src=src: dst.copy_(src), args.iters)
                 res["ce"] = {"copy_ms": t_ce, "copy_ms_no_lead": t_ce_nl}
+                del dst, src
+            # the other floor of dispatch: the busiest rank writes its expert rows to HBM once each
+            # (memset of that many bytes, every rank at once); under skewed routing it binds first
+            rows = torch.tensor([holder["d"][0].shape[0]], device=dev)
+            dist.all_reduce(rows, op=dist.ReduceOp.MAX)
+            wbytes = int(rows) * hidden * 2
+            buf = torch.empty(max(wbytes, 1), dtype=torch.uint8, device=dev)
+            t_w = timer.median_ms(lambda buf=buf: buf.zero_(), args.iters, lead=True)
+            res["hbm-write"] = {"write_ms": t_w, "rows": int(rows), "bytes": wbytes}
+            del buf
         if num_sm == num_sm_list[-1]:
             # the default's exact result, for the experiments' equivalence check below
             d = be.dispatch(x, ids, w, None)

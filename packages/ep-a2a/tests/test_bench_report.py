@@ -39,6 +39,7 @@ def test_render_committed_and_triton_style_results() -> None:
                 "nvlink_bytes": 10**6,
                 "results": {
                     "ce": {"copy_ms": 0.01},
+                    "hbm-write": {"write_ms": 0.004, "rows": 1000, "bytes": 14336000},
                     "ours-sm32": {"dispatch_ms": 0.02, "combine_ms": 0.03, "round_trip_ms": 0.05},
                     "ours-graph-sm32": {
                         "dispatch_ms": 0.02,
@@ -63,6 +64,11 @@ def test_render_committed_and_triton_style_results() -> None:
     # the graph-vs-eager comparison: each timing also shown the other way around the device-side lead
     assert "| ours-graph-sm32 (without the lead) | 0.040 | 25 | 25 | 0.050 | 20 | 20 | - | - |" in md
     assert "| ours-static-eager-sm32 (after the lead) | 0.025 | 40 | 40 | - | - | - | - | - |" in md
+    # the HBM write floor: the busiest rank's expert rows written once (14.336 MB in 4 us)
+    assert (
+        "| hbm-write (the busiest rank's 1000 expert rows, 14 MB, written once) | 0.004 | 3584 (written) |"
+        in md
+    )
     # every committed case appears with its baselines
     for case in torch_raw["cases"]:
         assert f"{case['tokens']} tokens/rank" in md
