@@ -1029,8 +1029,10 @@ class TritonEPEngine:
         return self.world_size * self.max_tokens * self.topk
 
     def _buf(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-        # at least one element underneath: an empty tensor may have no address to hand a kernel
-        return torch.empty(max(1, shape[0]), *shape[1:], dtype=dtype, device=self.device)[: shape[0]]
+        if shape[0] == 0:  # at least one element underneath: an empty tensor may have no address
+            return torch.empty(1, *shape[1:], dtype=dtype, device=self.device)[:0]
+        # (no slice otherwise: one host operation fewer per output, six per exact-shape dispatch)
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def alloc_dispatch_fixed(self, n: int) -> dict[str, torch.Tensor]:
         """The dispatch outputs whose size does not depend on the received rows (``n`` tokens here):
