@@ -390,7 +390,7 @@ def run_case(
             # (memset of that many bytes, every rank at once); under skewed routing it binds first
             rows = torch.tensor([holder["d"][0].shape[0]], device=dev)
             dist.all_reduce(rows, op=dist.ReduceOp.MAX)
-            wbytes = int(rows) * hidden * 2
+            wbytes = int(rows) * hidden * x.element_size()
             buf = torch.empty(max(wbytes, 1), dtype=torch.uint8, device=dev)
             t_w = timer.median_ms(lambda buf=buf: buf.zero_(), args.iters, lead=True)
             res["hbm-write"] = {"write_ms": t_w, "rows": int(rows), "bytes": wbytes}
