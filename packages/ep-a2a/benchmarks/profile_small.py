@@ -29,11 +29,11 @@ from bench_triton import LEAD_CYCLES, SHAPES, Timer, capture_graphs, shape_input
 #: TritonBackend arguments a variant may set as name=value
 VARIANT_ARGS = (
     "chunk", "num_warps", "block_h", "combine_chunk", "combine_warps", "combine_block_h", "combine_maxnreg",
-    "send_ctas", "combine_send_ctas",
+    "send_ctas", "combine_send_ctas", "steal",
 )  # fmt: skip
 
 
-def variant_kwargs(var: str) -> dict[str, int]:
+def variant_kwargs(var: str) -> dict[str, int | bool]:
     """TritonBackend arguments of a ``--variants`` entry (see its help)."""
     if var == "default":
         return {}
@@ -45,7 +45,7 @@ def variant_kwargs(var: str) -> dict[str, int]:
                 raise SystemExit(
                     f"--variants: unknown argument {name!r} in {var!r}; expected one of {VARIANT_ARGS}"
                 )
-            kw[name] = int(value)
+            kw[name] = bool(int(value)) if name == "steal" else int(value)
         return kw
     c, nw, bh, *comb = (int(v) for v in var.split(":"))
     kw = dict(chunk=c, num_warps=nw, block_h=bh)
@@ -167,6 +167,7 @@ def main() -> None:
     p.add_argument("--json", required=True)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--shape", default="deepseek-v3", choices=list(SHAPES))
+    p.add_argument("--route", default="uniform", choices=["uniform", "skewed"], help="routing of the tokens")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--num-sm", type=int, default=132)
     p.add_argument("--probe", action="store_true", help="also %%globaltimer stamps inside the kernels")
@@ -187,7 +188,7 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
     n = args.tokens
-    cfg, x, ids, w = shape_inputs(args.shape, n, rank, world, dev)
+    cfg, x, ids, w = shape_inputs(args.shape, n, rank, world, dev, route=args.route)
     out: dict = {
         "device": torch.cuda.get_device_name(dev),
         "world_size": world,
@@ -196,6 +197,7 @@ def main() -> None:
         "commit": os.environ.get("EP_A2A_COMMIT"),
         "torch": torch.__version__,
         "shape": args.shape,
+        "route": args.route,
         "tokens": n,
         "num_sm": args.num_sm,
         "variants": [],

@@ -216,17 +216,20 @@ def test_exact_flow_with_counts_launch(group):
         )
 
 
-def test_cta_split_against_reference(group):
+@pytest.mark.parametrize("steal", [False, True], ids=["fixed", "steal"])
+def test_cta_split_against_reference(group, steal):
     """Kernels with their CTAs split into senders and writers (``send_ctas`` / ``combine_send_ctas``),
-    both exact-shape flows and a CUDA-graph-mode call, against the reference."""
+    both exact-shape flows and a CUDA-graph-mode call, against the reference; with ``steal`` the
+    dispatch CTAs claim chunks from shared counters and take the other role's once theirs run out."""
 
     def check(be) -> None:
         assert (be.engine.send_ctas, be.engine.combine_send_ctas) == (5, 8)
+        assert be.engine.steal == steal
 
     for overlap_bytes in (0, 1 << 40):
         be = _make_backend(
             group, max_tokens=64, hidden=1024, topk=8, experts=32, dtype=torch.bfloat16, heap="torch",
-            send_ctas=5, combine_send_ctas=8, overlap_bytes=overlap_bytes,
+            send_ctas=5, combine_send_ctas=8, overlap_bytes=overlap_bytes, steal=steal,
         )  # fmt: skip
         rounds = (([64, 50], False), ([0, 64], True))
         _check_round_trips(be, group, hidden=1024, seed=500, rounds=rounds, check=check, experts=32, drop=0.1)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
+from ep_a2a.triton_backend import kernels as K
 from ep_a2a.triton_backend.engine import (
     COMBINE_TILE_PER_THREAD,
     WHOLE_ROW_MAX_CHUNK,
@@ -222,7 +223,7 @@ def test_combine_tile_arguments():
         assert cc * eng.kp * eng.combine_block_h <= COMBINE_TILE_PER_THREAD * 32 * warps
 
 
-def _round_trips(sim, ns, flows, gen, *, with_w, skew, drop, after_dispatch=None) -> None:
+def _round_trips(sim, ns, flows, gen, *, with_w, skew, drop, after_dispatch=None, steal=False) -> None:
     """One dispatch + combine per ``(merged, send_ctas)`` of ``flows``, each with fresh inputs (the
     token counts ``ns``, then shifted and reversed), checked against the reference."""
     eng = sim.engines[0]
@@ -232,7 +233,7 @@ def _round_trips(sim, ns, flows, gen, *, with_w, skew, drop, after_dispatch=None
         xs = [torch.randn(n, hidden, generator=gen).to(dtype) for n in ns_call]
         ids = [_routing(n, topk, experts, gen, skew=skew, drop=drop) for n in ns_call]
         ws = [torch.rand(n, topk, generator=gen) for n in ns_call] if with_w else None
-        res = sim.dispatch(xs, ids, ws, merged=merged, send_ctas=send_ctas)
+        res = sim.dispatch(xs, ids, ws, merged=merged, send_ctas=send_ctas, steal=steal)
         ref, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
         _check_dispatch(res, ref, scat, with_w)
         assert all(torch.equal(r.num_input_tokens_per_rank, torch.tensor(ns_call)) for r in res)
@@ -244,14 +245,16 @@ def _round_trips(sim, ns, flows, gen, *, with_w, skew, drop, after_dispatch=None
         _check_combine(outs, ys, ids, scat, experts, dtype)
 
 
+@pytest.mark.parametrize("steal", [False, True], ids=["fixed", "steal"])
 @pytest.mark.parametrize(
     ("world", "ns", "num_sm", "send_ctas"),
     [pytest.param(2, [9, 7], 4, 2, id="W2-G4-S2"), pytest.param(3, [6, 11, 3], 5, 3, id="W3-G5-S3")],
 )
-def test_split_with_several_senders(world, ns, num_sm, send_ctas):
+def test_split_with_several_senders(world, ns, num_sm, send_ctas, steal):
     """Sending CTAs other than program 0 start once the peers have started the dispatch (their
     token-count words) instead of waiting for the receive layout: the merged flow with several senders,
-    twice in a row (count-word parity), then the counts-launch flow with the same split."""
+    twice in a row (count-word parity), then the counts-launch flow with the same split; with
+    ``steal``, chunks claimed from the shared counters (reset by each launch's last CTA)."""
     gen = torch.Generator().manual_seed(77 + world)
     sim = SimWorld(
         world_size=world,
@@ -263,7 +266,38 @@ def test_split_with_several_senders(world, ns, num_sm, send_ctas):
         chunk=2,
     )
     flows = ((True, send_ctas), (True, send_ctas), (False, send_ctas))
-    _round_trips(sim, ns, flows, gen, with_w=True, skew=False, drop=0.1)
+    _round_trips(sim, ns, flows, gen, with_w=True, skew=False, drop=0.1, steal=steal)
+    if steal:  # every launch's last CTA put the counters back to zero
+        for eng in sim.engines:
+            assert eng.state[K.STATE_STEAL_SEND : K.STATE_STEAL_ARRIVE + 1].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["counts-launch", "merged"])
+def test_steal_switches_roles_in_one_launch(merged):
+    """Work stealing in one launch that sends and writes (one rank: nothing to wait for), so every role
+    switch runs: the first sender takes every send chunk and then every write chunk (the interpreter
+    runs one program at a time), the other senders find the send queue empty and go to the write
+    queue (an early sender waiting for the receive layout first), the writers find theirs empty and
+    go to the send queue. The balance between concurrent CTAs is for the GPU test."""
+    gen = torch.Generator().manual_seed(5)
+    ns, hidden, topk, experts = [13], 24, 3, 4
+    sim = SimWorld(
+        world_size=1, max_tokens=13, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=5, chunk=2
+    )
+    for _ in range(2):
+        xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in ns]
+        ids = [_routing(n, topk, experts, gen, skew=False, drop=0.1) for n in ns]
+        ws = [torch.rand(n, topk, generator=gen) for n in ns]
+        res = sim.dispatch(xs, ids, ws, merged=merged, send_ctas=2, steal=True, whole=True)
+        ref, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
+        _check_dispatch(res, ref, scat, True)
+        assert sim.engines[0].state[K.STATE_STEAL_SEND : K.STATE_STEAL_ARRIVE + 1].tolist() == [0, 0, 0]
+        ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
+        _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)
+    with pytest.raises(ValueError, match="whole=True"):
+        SimWorld(world_size=2, max_tokens=4, hidden=16, topk=2, num_tot_experts=4).dispatch(
+            xs * 2, ids * 2, whole=True
+        )
 
 
 def test_caller_scatter_indices():

@@ -217,6 +217,9 @@ class TritonBackend(A2ABackend):
             when ``num_sm >= 64`` and ``max_tokens > 1024``, else 0 (measured on 2x H200 at 4096 tokens
             with 132 SMs, graph mode: 11 % faster than no split at the DeepSeek-V3 shape; at 32 SMs
             splitting was slower, at 128 tokens it was not measured).
+        steal: with the dispatch split, the CTAs claim chunks from a shared counter per role and take
+            the other role's chunks once their own queue is empty (work stealing), instead of a fixed
+            share each. Experiment, off by default: not measured yet.
         combine_send_ctas: the same for the combine kernel; default ``num_sm // 2`` under the same
             conditions (measured 7-18 % faster than no split at 132 SMs).
         copy_engine: dispatch moves this rank's token rows (and their ids, positions and weights) to
@@ -276,6 +279,7 @@ class TritonBackend(A2ABackend):
         overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
         send_ctas: int | None = None,
         combine_send_ctas: int | None = None,
+        steal: bool = False,
         force_remote: int | None = None,
         copy_engine: bool | None = None,
         ce_pieces: int | None = None,
@@ -374,6 +378,7 @@ class TritonBackend(A2ABackend):
             if copy_engine
             else _split(send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 3)),
             combine_send_ctas=_split(combine_send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 2)),
+            steal=steal,
             remote_ranks=remote,
             transport=transport,
             ce_pieces=(ce_pieces or DEFAULT_CE_PIECES) if copy_engine else 0,

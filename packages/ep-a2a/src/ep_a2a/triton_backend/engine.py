@@ -221,6 +221,9 @@ class TritonEPEngine:
             every CTA sends its chunks to the peers, then writes this rank's rows of a chunk, in turn;
             ``0 < k < num_sm``: ``k`` CTAs only send, the others only write this rank's output
             (dispatch: its own rows and the received ones; combine: the sums of its tokens).
+        steal: with the dispatch split, the CTAs claim chunks from two shared counters (one per role)
+            and take the other role's chunks once their own queue is empty, instead of a fixed share
+            of each (experiment: off by default).
         ce_pieces: 0 (default), or dispatch moves this rank's token rows and slot metadata to every
             peer with copy-engine copies on a side stream, in ``ce_pieces`` pieces of tokens, each
             followed by an 8-byte copy of the dispatch epoch into the peer's flag of that piece; the
@@ -255,6 +258,7 @@ class TritonEPEngine:
         combine_maxnreg: int | None = None,
         send_ctas: int = 0,
         combine_send_ctas: int = 0,
+        steal: bool = False,
         remote_ranks: Sequence[int] = (),
         transport: RemoteTransport | None = None,
         ce_pieces: int = 0,
@@ -314,6 +318,7 @@ class TritonEPEngine:
                 raise ValueError(f"{name} must be 0 or in [1, num_sm={self.num_sm}), got {k}")
         self.send_ctas = send_ctas
         self.combine_send_ctas = combine_send_ctas
+        self.steal = steal
         self.wp = _next_pow2(world_size)
         self.lp = _next_pow2(layout.cw or self.experts_per_rank + 1)
         dev = self.device
@@ -677,6 +682,7 @@ class TritonEPEngine:
                 recv,
                 counts,
                 split,
+                self.steal,
                 out.dtype,
                 *self._align(xs, ids, w, src),
                 self.probe is not None,
@@ -745,6 +751,7 @@ class TritonEPEngine:
                 COUNTS=counts,
                 SPLIT=bool(split),
                 SEND_LOCAL=not split,
+                STEAL=bool(split) and self.steal,
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(split, 1),
@@ -1202,6 +1209,7 @@ class TritonEPEngine:
                 COUNTS=counts,
                 SPLIT=bool(self.send_ctas),
                 SEND_LOCAL=not self.send_ctas,
+                STEAL=bool(self.send_ctas) and self.steal,
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(self.send_ctas, 1),

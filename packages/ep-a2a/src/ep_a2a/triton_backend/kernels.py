@@ -36,7 +36,10 @@ STATE_ERR = 3
 STATE_BARRIER_EPOCH = 4
 STATE_COUNTS_READY = 5  # merged dispatch: epoch whose receive layout program 0 has written
 STATE_DISPATCH_ARRIVE = 6  # merged dispatch: CTAs finished (the last one publishes the epoch)
-STATE_SIZE = 8
+STATE_STEAL_SEND = 8  # work stealing (STEAL): next send chunk to claim
+STATE_STEAL_WRITE = 9  # next write chunk to claim
+STATE_STEAL_ARRIVE = 10  # CTAs finished (the last one resets the three for the next launch)
+STATE_SIZE = 16
 
 # error steps encoded in state[STATE_ERR] = 1 + step * 65536 + peer
 STEP_COUNTS = 1
@@ -888,6 +891,8 @@ def _dispatch_kernel(
     RECI: tl.constexpr,  # record stride in 4-byte words
     ROWB: tl.constexpr,  # bytes of a record's row (then its metadata)
     CE: tl.constexpr = False,  # the peers' rows and metadata arrive by copy-engine copies (not SPLIT)
+    STEAL: tl.constexpr = False,  # SPLIT: chunks claimed from shared counters, each role taking the
+    # other's once its own queue is empty (instead of the fixed chunk c = q + j * stride)
     ce_tokens=1,  # tokens per copy-engine piece (a multiple of CH): one flag per piece and source
     WHOLE_ROW: tl.constexpr = False,  # decode-sized chunks: BH >= H, whole rows held in registers
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
@@ -979,12 +984,60 @@ def _dispatch_kernel(
         n_steps = tl.cdiv(n_chunks, G) + lag
     if err == 0:
         j = tl.full([], 0, tl.int32)
-        while j < n_steps:
-            c = q + j * stride
+        # STEAL: mode 0 sends, 1 writes, 2 is done; the CTAs that start by sending write once the send
+        # queue is empty (after_send), those that start by writing send once the write queue is
+        if RECV:
+            first_send = do_send
+            after_send = tl.where(do_send, 1, 2)
+        else:
+            first_send = pid >= 0
+            after_send = tl.full([], 2, tl.int32)
+        if SEND:
+            mode = tl.where(first_send, 0, 1)
+            after_write = tl.where(first_send, 2, 0)
+        else:
+            mode = tl.full([], 1, tl.int32)
+            after_write = tl.full([], 2, tl.int32)
+        layout_known = tl.where(early, 0, 1)
+        if STEAL:
+            go = mode < 2
+        else:
+            go = j < n_steps
+        while go:
+            if STEAL:
+                cs = tl.full([], -1, tl.int32)
+                cw = tl.full([], -1, tl.int32)
+                if mode == 0:
+                    cl = tl.atomic_add(state_ptr + STATE_STEAL_SEND, 1, sem="relaxed", scope="gpu").to(
+                        tl.int32
+                    )
+                    cs = tl.where(cl < n_chunks_send, cl, -1)
+                    mode = tl.where(cl < n_chunks_send, 0, after_send)
+                else:
+                    if layout_known == 0:
+                        # an early sender about to write: the receive layout (and info) first
+                        _wait_flag(state_ptr + 5, ep, state_ptr, 1, rank, 2 * timeout, USE_TIMER)
+                        n_src_all = tl.load(
+                            info_ptr + 2 + ss, mask=(ss < W) & (ss != rank), other=0, cache_modifier=".cg"
+                        )
+                        n_chunks_recv = tl.cdiv(tl.max(n_src_all, 0), CH)
+                        n_chunks = tl.maximum(n_chunks_send, n_chunks_recv)
+                        layout_known = tl.where(early, 1, 1)
+                    cl = tl.atomic_add(state_ptr + STATE_STEAL_WRITE, 1, sem="relaxed", scope="gpu").to(
+                        tl.int32
+                    )
+                    cw = tl.where(cl < n_chunks, cl, -1)
+                    mode = tl.where(cl < n_chunks, 1, after_write)
+                cr = cw
+            else:
+                c = q + j * stride
+                cs = tl.where(do_send, c, -1)
+                cw = tl.where(do_recv, c, -1)
+                cr = c - lag * stride
             if SEND:  # noqa: SIM102 (a constexpr test, then a runtime one)
-                if do_send & (c < n_chunks_send):
+                if (cs >= 0) & (cs < n_chunks_send):
                     _dispatch_send_chunk(
-                        c,
+                        cs,
                         x_ptr,
                         ids_ptr,
                         w_ptr,
@@ -1034,9 +1087,9 @@ def _dispatch_kernel(
             if RECV:
                 # this rank's own rows into its output (the senders only feed the peers)
                 if SPLIT:  # noqa: SIM102 (a constexpr test, then a runtime one)
-                    if do_recv & (c < n_chunks_send):
+                    if (cw >= 0) & (cw < n_chunks_send):
                         _dispatch_send_chunk(
-                            c,
+                            cw,
                             x_ptr,
                             ids_ptr,
                             w_ptr,
@@ -1081,8 +1134,8 @@ def _dispatch_kernel(
                             PROBE,
                             prb,
                         )
-                c = c - lag * stride
-                if do_recv & (c >= 0) & (c < n_chunks_recv):
+                c = cr
+                if (cw >= 0) & (c >= 0) & (c < n_chunks_recv):
                     for s in tl.static_range(W):
                         n_s = tl.sum(tl.where(ss == s, n_src_all, 0), 0)
                         if (REMOTE >> s) & 1:
@@ -1136,6 +1189,10 @@ def _dispatch_kernel(
             if j < 4:
                 _stamp(prb, 3 + 2 * j, PROBE)
             j += 1
+            if STEAL:
+                go = mode < 2
+            else:
+                go = j < n_steps
         if RECV:
             # token_dst_scatter_idx: base rows of every destination, pushed by its receive-layout step
             # (in the receiving half: in the CPU simulation every rank's sending half has run by then)
@@ -1195,6 +1252,14 @@ def _dispatch_kernel(
                     tl.store(scat_ptr + slot, tl.where((ids >= 0) & ~stale, scat, -1).to(tl.int32), mask=m2)
                 j += 1
     _stamp(prb, 10, PROBE)
+    if STEAL:
+        # the last CTA resets the claim counters for the next launch (an engine's launches are
+        # stream-ordered; every CTA has made its last claim before it arrives here)
+        arrived = tl.atomic_add(state_ptr + STATE_STEAL_ARRIVE, 1, sem="acq_rel", scope="gpu")
+        if arrived == G - 1:
+            tl.atomic_xchg(state_ptr + STATE_STEAL_SEND, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(state_ptr + STATE_STEAL_WRITE, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(state_ptr + STATE_STEAL_ARRIVE, 0, sem="relaxed", scope="gpu")
     if COUNTS and RECV:
         # the last CTA to finish publishes the epoch (every CTA read the old one first); launches of
         # one engine are stream-ordered, so the arrivals come in whole grids of G

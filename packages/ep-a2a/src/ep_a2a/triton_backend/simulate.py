@@ -174,16 +174,27 @@ class SimWorld:
         skip_ranks: Sequence[int] = (),
         merged: bool = False,
         send_ctas: int = 0,
+        steal: bool = False,
+        whole: bool = False,
     ) -> list[SimDispatch]:
         """Run one dispatch on every rank (ranks in ``skip_ranks`` never run: their peers time out).
 
         ``merged=False``: the exact-shape flow of large layers (layout, counts, exact buffers, rows);
         ``merged=True``: the receive layout inside the row kernel (static / CUDA-graph mode and the
         exact-shape flow of small layers), into worst-case buffers. ``send_ctas``: the engines'
-        split of the row kernel's CTAs into senders and writers (0: every CTA does both).
+        split of the row kernel's CTAs into senders and writers (0: every CTA does both); ``steal``:
+        with the split, chunks claimed from shared counters (the interpreter runs one program at a
+        time, so the first program of each half claims every chunk: this checks the claiming, the
+        role switches and the counters' reset, not the balance). ``whole``: one launch that both sends
+        and writes, as on a GPU (only on one rank, where nothing waits for a peer).
         """
+        if whole and self.world_size != 1:
+            raise ValueError(
+                "whole=True (one launch per dispatch) needs world_size 1: peers would be waited for"
+            )
         for eng in self.engines:  # (combine follows the dispatch's split)
             eng.send_ctas = eng.combine_send_ctas = send_ctas
+            eng.steal = steal
         if self.remote and merged:
             raise ValueError("remote peers: only the unmerged flow (merged=False)")
         caller = full_scatter_indices is not None
@@ -213,7 +224,7 @@ class SimWorld:
             bufs[r].update(eng.alloc_dispatch_rows(rows, with_weights=weights is not None))
             for buf in bufs[r].values():  # poison: every element read must have been written
                 buf.fill_(float("nan") if buf.is_floating_point() else -7)
-        for send, recv in ((True, False), (False, True)):
+        for send, recv in ((True, True),) if whole else ((True, False), (False, True)):
             for r in ranks:
                 b = bufs[r]
                 src = full_scatter_indices[r] if caller else self.engines[r].pos  # type: ignore[index]
