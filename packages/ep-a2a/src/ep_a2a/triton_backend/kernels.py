@@ -1008,9 +1008,7 @@ def _dispatch_kernel(
                 cs = tl.full([], -1, tl.int32)
                 cw = tl.full([], -1, tl.int32)
                 if mode == 0:
-                    cl = tl.atomic_add(state_ptr + STATE_STEAL_SEND, 1, sem="relaxed", scope="gpu").to(
-                        tl.int32
-                    )
+                    cl = tl.atomic_add(state_ptr + 8, 1, sem="relaxed", scope="gpu").to(tl.int32)
                     cs = tl.where(cl < n_chunks_send, cl, -1)
                     mode = tl.where(cl < n_chunks_send, 0, after_send)
                 else:
@@ -1023,9 +1021,7 @@ def _dispatch_kernel(
                         n_chunks_recv = tl.cdiv(tl.max(n_src_all, 0), CH)
                         n_chunks = tl.maximum(n_chunks_send, n_chunks_recv)
                         layout_known = tl.where(early, 1, 1)
-                    cl = tl.atomic_add(state_ptr + STATE_STEAL_WRITE, 1, sem="relaxed", scope="gpu").to(
-                        tl.int32
-                    )
+                    cl = tl.atomic_add(state_ptr + 9, 1, sem="relaxed", scope="gpu").to(tl.int32)
                     cw = tl.where(cl < n_chunks, cl, -1)
                     mode = tl.where(cl < n_chunks, 1, after_write)
                 cr = cw
@@ -1255,11 +1251,11 @@ def _dispatch_kernel(
     if STEAL:
         # the last CTA resets the claim counters for the next launch (an engine's launches are
         # stream-ordered; every CTA has made its last claim before it arrives here)
-        arrived = tl.atomic_add(state_ptr + STATE_STEAL_ARRIVE, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(state_ptr + 10, 1, sem="acq_rel", scope="gpu")
         if arrived == G - 1:
-            tl.atomic_xchg(state_ptr + STATE_STEAL_SEND, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(state_ptr + STATE_STEAL_WRITE, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(state_ptr + STATE_STEAL_ARRIVE, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(state_ptr + 8, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(state_ptr + 9, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(state_ptr + 10, 0, sem="relaxed", scope="gpu")
     if COUNTS and RECV:
         # the last CTA to finish publishes the epoch (every CTA read the old one first); launches of
         # one engine are stream-ordered, so the arrivals come in whole grids of G
