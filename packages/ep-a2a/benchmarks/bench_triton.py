@@ -410,6 +410,10 @@ def run_case(
         # mode and eager static mode, each checked to give exactly the default's rows and sums; and the
         # graph mode at the smaller num_sm (its default: no split), for the num_sm=32 goal
         nsm = num_sm_list[-1]
+        # work stealing between the split's roles (steal=True, off by default), under both routings
+        res[f"ours-graph-steal-sm{nsm}"] = split_case(
+            args, cfg, group, x, ids, w, nsm, None, None, ref, steal=True
+        )
         if route == "uniform":
             for gd, gc in ((0, 0), (nsm // 4, 2 * nsm // 3)):
                 res[f"ours-graph-split{gd}-{gc}-sm{nsm}"] = split_case(
@@ -468,9 +472,10 @@ def split_case(
     combine_send_ctas: int | None,
     ref,
     copy_engine: bool | None = None,
+    steal: bool = False,
 ) -> dict:
-    """Graph-mode (and eager) times of one configuration of the CTA split / copy-engine dispatch,
-    checked to give exactly the default configuration's rows and sums (``ref``)."""
+    """Graph-mode (and eager) times of one configuration of the CTA split / copy-engine dispatch /
+    work stealing, checked to give exactly the default configuration's rows and sums (``ref``)."""
     from ep_a2a.triton_backend import TritonBackend
 
     be = TritonBackend(
@@ -483,6 +488,7 @@ def split_case(
         send_ctas=send_ctas,
         combine_send_ctas=combine_send_ctas,
         copy_engine=copy_engine,
+        steal=steal,
     )
     timer = Timer(lambda: be.engine.launch_barrier())
     g_d, g_c = capture_graphs(be, x, ids, w)
@@ -490,6 +496,7 @@ def split_case(
         "dispatch_ms": timer.median_ms(g_d.replay, args.iters, lead=True),
         "send_ctas": [be.engine.send_ctas, be.engine.combine_send_ctas],
         "copy_engine": be.copy_engine,
+        "steal": be.engine.steal,
     }
     out["combine_ms"] = timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True)
     out["static_eager_dispatch_ms"] = timer.median_ms(lambda: be.dispatch_static(x, ids, w), args.iters)

@@ -1007,7 +1007,7 @@ def _dispatch_kernel(
             if STEAL:
                 cs = tl.full([], -1, tl.int32)
                 cw = tl.full([], -1, tl.int32)
-                if mode == 0:
+                if mode == 0:  # (state[8]: STATE_STEAL_SEND, [9]: STATE_STEAL_WRITE)
                     cl = tl.atomic_add(state_ptr + 8, 1, sem="relaxed", scope="gpu").to(tl.int32)
                     cs = tl.where(cl < n_chunks_send, cl, -1)
                     mode = tl.where(cl < n_chunks_send, 0, after_send)
@@ -1251,6 +1251,7 @@ def _dispatch_kernel(
     if STEAL:
         # the last CTA resets the claim counters for the next launch (an engine's launches are
         # stream-ordered; every CTA has made its last claim before it arrives here)
+        # (literal offsets: STATE_STEAL_SEND / _WRITE / _ARRIVE; a compiled kernel cannot read globals)
         arrived = tl.atomic_add(state_ptr + 10, 1, sem="acq_rel", scope="gpu")
         if arrived == G - 1:
             tl.atomic_xchg(state_ptr + 8, 0, sem="relaxed", scope="gpu")
