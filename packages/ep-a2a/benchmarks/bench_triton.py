@@ -410,9 +410,9 @@ def run_case(
         # mode and eager static mode, each checked to give exactly the default's rows and sums; and the
         # graph mode at the smaller num_sm (its default: no split), for the num_sm=32 goal
         nsm = num_sm_list[-1]
-        # work stealing between the split's roles (steal=True, off by default), under both routings
-        res[f"ours-graph-steal-sm{nsm}"] = split_case(
-            args, cfg, group, x, ids, w, nsm, None, None, ref, steal=True
+        # the split's fixed shares without work stealing (steal=False), under both routings
+        res[f"ours-graph-nosteal-sm{nsm}"] = split_case(
+            args, cfg, group, x, ids, w, nsm, None, None, ref, steal=False
         )
         if route == "uniform":
             for gd, gc in ((0, 0), (nsm // 4, 2 * nsm // 3)):
@@ -472,7 +472,7 @@ def split_case(
     combine_send_ctas: int | None,
     ref,
     copy_engine: bool | None = None,
-    steal: bool = False,
+    steal: bool = True,
 ) -> dict:
     """Graph-mode (and eager) times of one configuration of the CTA split / copy-engine dispatch /
     work stealing, checked to give exactly the default configuration's rows and sums (``ref``)."""

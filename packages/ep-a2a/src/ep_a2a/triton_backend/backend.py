@@ -219,7 +219,9 @@ class TritonBackend(A2ABackend):
             splitting was slower, at 128 tokens it was not measured).
         steal: with the dispatch split, the CTAs claim chunks from a shared counter per role and take
             the other role's chunks once their own queue is empty (work stealing), instead of a fixed
-            share each. Experiment, off by default: not measured yet.
+            share each (default; no effect without the split). Measured on 2x H200 in graph mode at
+            4096 tokens, DeepSeek-V3 shape: 8 % faster dispatch under skewed routing, the same under
+            uniform routing.
         combine_send_ctas: the same for the combine kernel; default ``num_sm // 2`` under the same
             conditions (measured 7-18 % faster than no split at 132 SMs).
         copy_engine: dispatch moves this rank's token rows (and their ids, positions and weights) to
@@ -279,7 +281,7 @@ class TritonBackend(A2ABackend):
         overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
         send_ctas: int | None = None,
         combine_send_ctas: int | None = None,
-        steal: bool = False,
+        steal: bool = True,
         force_remote: int | None = None,
         copy_engine: bool | None = None,
         ce_pieces: int | None = None,

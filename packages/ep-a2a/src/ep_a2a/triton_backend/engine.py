@@ -223,7 +223,7 @@ class TritonEPEngine:
             (dispatch: its own rows and the received ones; combine: the sums of its tokens).
         steal: with the dispatch split, the CTAs claim chunks from two shared counters (one per role)
             and take the other role's chunks once their own queue is empty, instead of a fixed share
-            of each (experiment: off by default).
+            of each (``TritonBackend`` turns it on by default).
         ce_pieces: 0 (default), or dispatch moves this rank's token rows and slot metadata to every
             peer with copy-engine copies on a side stream, in ``ce_pieces`` pieces of tokens, each
             followed by an 8-byte copy of the dispatch epoch into the peer's flag of that piece; the

@@ -125,6 +125,25 @@ def _wait_flag(flag_ptr, target, state_ptr, step, peer, timeout, USE_TIMER: tl.c
 
 
 @triton.jit
+def _spin_epoch(ptrs, m, ep, err, timeout, USE_TIMER: tl.constexpr):
+    """Poll the packed words at ``ptrs`` (acquire, system scope) until every one under ``m`` carries
+    epoch ``ep`` or later in its high half, the bound runs out, or ``err`` is nonzero. Returns the words
+    last read and the mask of those still stale (the caller names the missing peer)."""
+    v = tl.atomic_add(ptrs, tl.zeros(ptrs.shape, tl.int64), mask=m, sem="acquire", scope="sys")
+    stale = ((v >> 32) < ep) & m
+    start = _now(USE_TIMER)
+    elapsed = tl.full([], 0, tl.int64)
+    while (tl.sum(stale.to(tl.int32)) > 0) & (elapsed < timeout) & (err == 0):
+        v = tl.atomic_add(ptrs, tl.zeros(ptrs.shape, tl.int64), mask=m, sem="acquire", scope="sys")
+        stale = ((v >> 32) < ep) & m
+        if USE_TIMER:
+            elapsed = _now(USE_TIMER) - start
+        else:
+            elapsed += 1
+    return v, stale
+
+
+@triton.jit
 def _wait_started(state_ptr, table_ptr, off_cnt, rank, ep, timeout, W: tl.constexpr, WP: tl.constexpr,
                   L: tl.constexpr, CW: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr):  # fmt: skip
     """Spin until every peer reached by stores has started dispatch ``ep``: its layout kernel's token-count
@@ -133,17 +152,7 @@ def _wait_started(state_ptr, table_ptr, off_cnt, rank, ep, timeout, W: tl.conste
     ss = tl.arange(0, WP)
     m = (ss < W) & (ss != rank) & ~_is_remote(ss, REMOTE, W)
     ptrs = _peer_ptr(table_ptr, rank, off_cnt, tl.int64) + (ep % 2) * (W * CW) + ss * CW + L
-    v = tl.atomic_add(ptrs, tl.zeros([WP], tl.int64), mask=m, sem="acquire", scope="sys")
-    late = ((v >> 32) < ep) & m
-    start = _now(USE_TIMER)
-    elapsed = tl.full([], 0, tl.int64)
-    while (tl.sum(late.to(tl.int32), 0) > 0) & (elapsed < timeout):
-        v = tl.atomic_add(ptrs, tl.zeros([WP], tl.int64), mask=m, sem="acquire", scope="sys")
-        late = ((v >> 32) < ep) & m
-        if USE_TIMER:
-            elapsed = _now(USE_TIMER) - start
-        else:
-            elapsed += 1
+    _, late = _spin_epoch(ptrs, m, ep, 0, timeout, USE_TIMER)
     if tl.sum(late.to(tl.int32), 0) > 0:
         _set_error(state_ptr, 1 + 1 * 65536 + tl.min(tl.where(late, ss, WP), 0).to(tl.int64))
     tl.debug_barrier()
@@ -443,19 +452,8 @@ def _counts_body(
         m2 = (ss[:, None] < W) & (ee[None, :] <= L)
     ptrs = cnt + ss[:, None] * CW + ee[None, :]
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
-    v = tl.atomic_add(ptrs, tl.zeros([WP, LP], tl.int64), mask=m2, sem="acquire", scope="sys")
-    stale = ((v >> 32) < ep) & m2
+    v, stale = _spin_epoch(ptrs, m2, ep, err, timeout, USE_TIMER)
     n_stale = tl.sum(stale.to(tl.int32))
-    start = _now(USE_TIMER)
-    elapsed = tl.full([], 0, tl.int64)
-    while (n_stale > 0) & (elapsed < timeout) & (err == 0):
-        v = tl.atomic_add(ptrs, tl.zeros([WP, LP], tl.int64), mask=m2, sem="acquire", scope="sys")
-        stale = ((v >> 32) < ep) & m2
-        n_stale = tl.sum(stale.to(tl.int32))
-        if USE_TIMER:
-            elapsed = _now(USE_TIMER) - start
-        else:
-            elapsed += 1
     if (n_stale > 0) & (err == 0):
         missing = tl.min(tl.where(tl.max(stale.to(tl.int32), axis=1) > 0, ss, WP))
         err = 1 + 1 * 65536 + missing.to(tl.int64)
@@ -1216,31 +1214,10 @@ def _dispatch_kernel(
                     dest = tl.where(ids >= 0, ids // L, 0)
                     e_loc = ids - dest * L
                     back = _peer_ptr(table_ptr, rank, off_back, tl.int64)
-                    v = tl.atomic_add(
-                        back + dest * L + e_loc,
-                        tl.zeros([CH, KP], tl.int64),
-                        mask=m2 & (ids >= 0),
-                        sem="acquire",
-                        scope="sys",
+                    v, stale = _spin_epoch(
+                        back + dest * L + e_loc, m2 & (ids >= 0), ep, 0, timeout, USE_TIMER
                     )
-                    stale = ((v >> 32) < ep) & m2 & (ids >= 0)
-                    n_stale = tl.sum(tl.sum(stale.to(tl.int32), axis=1), 0)
-                    start = _now(USE_TIMER)
-                    elapsed = tl.full([], 0, tl.int64)
-                    while (n_stale > 0) & (elapsed < timeout):
-                        v = tl.atomic_add(
-                            back + dest * L + e_loc,
-                            tl.zeros([CH, KP], tl.int64),
-                            mask=m2 & (ids >= 0),
-                            sem="acquire",
-                            scope="sys",
-                        )
-                        stale = ((v >> 32) < ep) & m2 & (ids >= 0)
-                        n_stale = tl.sum(tl.sum(stale.to(tl.int32), axis=1), 0)
-                        if USE_TIMER:
-                            elapsed = _now(USE_TIMER) - start
-                        else:
-                            elapsed += 1
+                    n_stale = tl.sum(stale.to(tl.int32))
                     if n_stale > 0:
                         missing = tl.min(tl.min(tl.where(stale, dest, WP), axis=1), 0)
                         _set_error(state_ptr, 1 + 3 * 65536 + missing.to(tl.int64))
