@@ -159,6 +159,13 @@ def _wait_started(state_ptr, table_ptr, off_cnt, rank, ep, timeout, W: tl.conste
 
 
 @triton.jit
+def _tokens_from_peers(info_ptr, ss, rank, W: tl.constexpr, known):
+    """[WP] tokens each peer sends this rank (``info[2 + s]``, written by the receive layout); 0 for this
+    rank, and where ``known`` is false (the layout may not be written yet)."""
+    return tl.load(info_ptr + 2 + ss, mask=(ss < W) & (ss != rank) & known, other=0, cache_modifier=".cg")
+
+
+@triton.jit
 def _m(rows_mask, h0, hh, H: tl.constexpr, EVEN_H: tl.constexpr):
     """2-D mask of a ``[rows, BH]`` tile; with ``EVEN_H`` it is constant along the row, which keeps
     loads and stores 16-byte vectors."""
@@ -934,6 +941,10 @@ def _dispatch_kernel(
             tl.atomic_xchg(state_ptr + 5, ep, sem="release", scope="gpu")
         if SPLIT:
             early = (pid > 0) & (pid < GS)
+        elif SEND and not CE and REMOTE == 0:
+            # unsplit: every program but 0 sends its first chunk to the peers before the receive layout
+            # is known (its own rows of that chunk, which need the layout, after it)
+            early = pid > 0
         else:
             early = pid < 0
         if err == 0:
@@ -953,9 +964,7 @@ def _dispatch_kernel(
     _stamp(prb, 1, PROBE)
     ss = tl.arange(0, WP)
     # (an early sender must not read info: program 0 may not have written it yet)
-    n_src_all = tl.load(
-        info_ptr + 2 + ss, mask=(ss < W) & (ss != rank) & ~early, other=0, cache_modifier=".cg"
-    )
+    n_src_all = _tokens_from_peers(info_ptr, ss, rank, W, ~early)
     n_recv_max = tl.max(n_src_all, 0)
     n_chunks_send = tl.cdiv(n_tokens, CH)
     n_chunks_recv = tl.cdiv(n_recv_max, CH)
@@ -980,6 +989,110 @@ def _dispatch_kernel(
         else:
             lag = LAG
         n_steps = tl.cdiv(n_chunks, G) + lag
+    sent_first = pid < 0
+    if not SPLIT:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if early & (err == 0):
+            if pid < n_chunks_send:
+                _dispatch_send_chunk(
+                    pid,
+                    x_ptr,
+                    ids_ptr,
+                    w_ptr,
+                    pos_ptr,
+                    n_tokens,
+                    out_ptr,
+                    out_w_ptr,
+                    out_e_ptr,
+                    tab_ptr,
+                    skip_ptr,
+                    offs_ptr,
+                    table_ptr,
+                    rank,
+                    ep,
+                    max_tokens,
+                    nchunks,
+                    cap_rows,
+                    off_x,
+                    off_ids,
+                    off_pos,
+                    off_w,
+                    off_flag,
+                    W,
+                    L,
+                    K,
+                    KP,
+                    H,
+                    BH,
+                    CH,
+                    EVEN_H,
+                    HAS_W,
+                    CALLER_SCATTER,
+                    True,
+                    False,
+                    pk_ptr,
+                    off_srec,
+                    REMOTE,
+                    RECX,
+                    RECI,
+                    ROWB,
+                    WHOLE_ROW,
+                    PROBE,
+                    prb,
+                )
+            _wait_flag(state_ptr + 5, ep, state_ptr, 1, rank, 2 * timeout, USE_TIMER)
+            err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
+            n_src_all = _tokens_from_peers(info_ptr, ss, rank, W, pid >= 0)
+            n_chunks_recv = tl.cdiv(tl.max(n_src_all, 0), CH)
+            n_chunks = tl.maximum(n_chunks_send, n_chunks_recv)
+            n_steps = tl.cdiv(n_chunks, G) + lag
+            if (err == 0) & (pid < n_chunks_send):
+                _dispatch_send_chunk(
+                    pid,
+                    x_ptr,
+                    ids_ptr,
+                    w_ptr,
+                    pos_ptr,
+                    n_tokens,
+                    out_ptr,
+                    out_w_ptr,
+                    out_e_ptr,
+                    tab_ptr,
+                    skip_ptr,
+                    offs_ptr,
+                    table_ptr,
+                    rank,
+                    ep,
+                    max_tokens,
+                    nchunks,
+                    cap_rows,
+                    off_x,
+                    off_ids,
+                    off_pos,
+                    off_w,
+                    off_flag,
+                    W,
+                    L,
+                    K,
+                    KP,
+                    H,
+                    BH,
+                    CH,
+                    EVEN_H,
+                    HAS_W,
+                    CALLER_SCATTER,
+                    False,
+                    True,
+                    pk_ptr,
+                    off_srec,
+                    REMOTE,
+                    RECX,
+                    RECI,
+                    ROWB,
+                    WHOLE_ROW,
+                    PROBE,
+                    prb,
+                )
+            sent_first = pid >= 0
     if err == 0:
         j = tl.full([], 0, tl.int32)
         # STEAL: mode 0 sends, 1 writes, 2 is done; the CTAs that start by sending write once the send
@@ -1013,9 +1126,7 @@ def _dispatch_kernel(
                     if layout_known == 0:
                         # an early sender about to write: the receive layout (and info) first
                         _wait_flag(state_ptr + 5, ep, state_ptr, 1, rank, 2 * timeout, USE_TIMER)
-                        n_src_all = tl.load(
-                            info_ptr + 2 + ss, mask=(ss < W) & (ss != rank), other=0, cache_modifier=".cg"
-                        )
+                        n_src_all = _tokens_from_peers(info_ptr, ss, rank, W, pid >= 0)
                         n_chunks_recv = tl.cdiv(tl.max(n_src_all, 0), CH)
                         n_chunks = tl.maximum(n_chunks_send, n_chunks_recv)
                         layout_known = tl.where(early, 1, 1)
@@ -1025,7 +1136,7 @@ def _dispatch_kernel(
                 cr = cw
             else:
                 c = q + j * stride
-                cs = tl.where(do_send, c, -1)
+                cs = tl.where(do_send & ~(sent_first & (j == 0)), c, -1)
                 cw = tl.where(do_recv, c, -1)
                 cr = c - lag * stride
             if SEND:  # noqa: SIM102 (a constexpr test, then a runtime one)
