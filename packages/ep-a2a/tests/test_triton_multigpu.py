@@ -216,6 +216,32 @@ def test_exact_flow_with_counts_launch(group):
         )
 
 
+def test_exact_calls_on_side_streams(group):
+    """Exact-shape calls on other streams than the default, alternating (both flows): each waits for its
+    counts on the stream it runs on (the backend caches one stream object per stream), so every call's
+    token counts, which change from call to call, must be its own."""
+    world = dist.get_world_size(group)
+    streams = [torch.cuda.Stream(), torch.cuda.current_stream(), torch.cuda.Stream()]
+    for overlap_bytes in (0, 1 << 40):
+        be = _make_backend(
+            group, max_tokens=64, hidden=512, topk=4, experts=16, dtype=torch.bfloat16, heap="torch",
+            overlap_bytes=overlap_bytes,
+        )  # fmt: skip
+        try:
+            for i, stream in enumerate(streams * 2):
+                ns = [(17 * (i + r) + 5) % 65 for r in range(world)]
+                xs, ids, ws, gen = _inputs(
+                    400 + i, world, ns, 512, 4, 16, torch.bfloat16, skew=False, drop=0.1, with_w=True
+                )
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    _check_round_trip(be, group, xs, ids, ws, gen, 16, torch.bfloat16)
+                torch.cuda.current_stream().wait_stream(stream)
+            assert len(be._streams) == 3
+        finally:
+            be.finalize()
+
+
 @pytest.mark.parametrize("steal", [False, True], ids=["fixed", "steal"])
 def test_cta_split_against_reference(group, steal):
     """Kernels with their CTAs split into senders and writers (``send_ctas`` / ``combine_send_ctas``),

@@ -390,6 +390,9 @@ class TritonBackend(A2ABackend):
         #: ranks reached by NVSHMEM puts (other nodes, or forced) and the node size used
         self.remote_ranks, self.node_size = tuple(remote), node
         self._info_host = torch.empty_like(self.engine.info, device="cpu").pin_memory()
+        #: stream objects by (id, device, type) of the current stream: the exact-shape call waits on it
+        #: once per dispatch, and building a ``torch.cuda.Stream`` costs more host time than the lookup
+        self._streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
         worst_bytes = self.engine.worst_case_rows() * config.hidden * config.token_dtype.itemsize
         #: exact-shape dispatch into worst-case buffers, no host wait before the row kernel (small layers;
         #: never with remote peers: the counts size their puts)
@@ -569,7 +572,7 @@ class TritonBackend(A2ABackend):
             self._pinfo_host.copy_(remote["pinfo"], non_blocking=True)
         if self.trace is not None:
             self.trace.append(("copy issued", time.perf_counter()))
-        torch.cuda.current_stream(self.device).synchronize()
+        self._current_stream().synchronize()
         if self.trace is not None:
             self.trace.append(("wait returned", time.perf_counter()))
         vals = self._info_host.tolist()
@@ -585,6 +588,18 @@ class TritonBackend(A2ABackend):
         if bad_ids:
             self._raise_bad_ids(vals)
         return vals, npk
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """This device's current stream (``torch.cuda.current_stream``, without building a new object
+        each call)."""
+        key = torch._C._cuda_getCurrentStream(self.device.index)
+        stream = self._streams.get(key)
+        if stream is None:
+            if len(self._streams) >= 16:  # (streams come and go: keep the table small)
+                self._streams.clear()
+            stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+            self._streams[key] = stream
+        return stream
 
     def _raise_bad_ids(self, vals: list[int]) -> None:
         if vals[-1]:
