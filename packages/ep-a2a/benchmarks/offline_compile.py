@@ -129,6 +129,9 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--split", type=int, default=0, help="send_ctas = combine_send_ctas")
+    ap.add_argument(
+        "--steal", action="store_true", help="work stealing with the split (TritonBackend's default)"
+    )
     ap.add_argument("--num-sm", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=8)
     ap.add_argument("--dump", default=None, help="write each launch's PTX body into this folder")
@@ -165,6 +168,8 @@ def main() -> None:
         send_ctas=a.split, combine_send_ctas=a.split, combine_maxnreg=a.combine_maxnreg, **eng_kw, **tiles,
     )  # fmt: skip
     eng.use_timer = True
+    if a.steal:  # (set after construction: a tree from before work stealing has no such argument)
+        eng.steal = True
     if not a.backend_tiles:  # the GPU's settings (the engine picks interpreter-sized tiles on a CPU)
         eng.block_h = min(1024, 1 << (a.hidden - 1).bit_length())
         eng.num_warps = 8 if eng.block_h >= 512 else 4

@@ -159,6 +159,13 @@ def _wait_started(state_ptr, table_ptr, off_cnt, rank, ep, timeout, W: tl.conste
 
 
 @triton.jit
+def _tokens_from_peers(info_ptr, ss, rank, W: tl.constexpr, known):
+    """[WP] tokens each peer sends this rank (``info[2 + s]``, written by the receive layout); 0 for this
+    rank, and where ``known`` is false (the layout may not be written yet)."""
+    return tl.load(info_ptr + 2 + ss, mask=(ss < W) & (ss != rank) & known, other=0, cache_modifier=".cg")
+
+
+@triton.jit
 def _m(rows_mask, h0, hh, H: tl.constexpr, EVEN_H: tl.constexpr):
     """2-D mask of a ``[rows, BH]`` tile; with ``EVEN_H`` it is constant along the row, which keeps
     loads and stores 16-byte vectors."""
@@ -953,9 +960,7 @@ def _dispatch_kernel(
     _stamp(prb, 1, PROBE)
     ss = tl.arange(0, WP)
     # (an early sender must not read info: program 0 may not have written it yet)
-    n_src_all = tl.load(
-        info_ptr + 2 + ss, mask=(ss < W) & (ss != rank) & ~early, other=0, cache_modifier=".cg"
-    )
+    n_src_all = _tokens_from_peers(info_ptr, ss, rank, W, ~early)
     n_recv_max = tl.max(n_src_all, 0)
     n_chunks_send = tl.cdiv(n_tokens, CH)
     n_chunks_recv = tl.cdiv(n_recv_max, CH)
@@ -1013,12 +1018,10 @@ def _dispatch_kernel(
                     if layout_known == 0:
                         # an early sender about to write: the receive layout (and info) first
                         _wait_flag(state_ptr + 5, ep, state_ptr, 1, rank, 2 * timeout, USE_TIMER)
-                        n_src_all = tl.load(
-                            info_ptr + 2 + ss, mask=(ss < W) & (ss != rank), other=0, cache_modifier=".cg"
-                        )
+                        n_src_all = _tokens_from_peers(info_ptr, ss, rank, W, pid >= 0)
                         n_chunks_recv = tl.cdiv(tl.max(n_src_all, 0), CH)
                         n_chunks = tl.maximum(n_chunks_send, n_chunks_recv)
-                        layout_known = tl.where(early, 1, 1)
+                        layout_known = tl.full([], 1, tl.int32)
                     cl = tl.atomic_add(state_ptr + 9, 1, sem="relaxed", scope="gpu").to(tl.int32)
                     cw = tl.where(cl < n_chunks, cl, -1)
                     mode = tl.where(cl < n_chunks, 1, after_write)
