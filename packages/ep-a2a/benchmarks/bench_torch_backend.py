@@ -24,13 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from collections.abc import Callable
-from datetime import datetime, timezone
 
+import run_record
 import torch
 import torch.distributed as dist
 
@@ -265,11 +262,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="DeepSeek-V3 uniform and the 128-token case only")
     args = p.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, dev = run_record.start_ranks()
+    out = {"bench": "torch_backend", **run_record.header(dev, world_size=world)}
     cases = []
     shapes = ["deepseek-v3"] if args.quick else list(SHAPES)
     routes = ["uniform"] if args.quick else ["uniform", "skewed"]
@@ -277,30 +271,8 @@ def main() -> None:
         for route in routes:
             cases.append(run_case(shape, route, args.tokens, args, rank, world, dev))
     cases.append(run_case("deepseek-v3", "uniform", 128, args, rank, world, dev))
-    if rank == 0:
-        commit = (
-            os.environ.get("GIT_COMMIT")
-            or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        )
-        out = {
-            "bench": "torch_backend",
-            "device": torch.cuda.get_device_name(dev),
-            "world_size": world,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit or None,
-            "command": f"torchrun --standalone --nproc-per-node={world} " + " ".join(sys.argv),
-            "torch": torch.__version__,
-            "env": {
-                k: os.environ.get(k)
-                for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
-            },
-            "cases": cases,
-        }
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    out["cases"] = cases
+    run_record.finish(out, args.json, rank=rank)
 
 
 if __name__ == "__main__":

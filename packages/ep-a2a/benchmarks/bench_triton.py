@@ -35,11 +35,9 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
-from datetime import datetime, timezone
 
+import run_record
 import torch
 import torch.distributed as dist
 
@@ -771,32 +769,9 @@ def main() -> None:
     )
     p.add_argument("--topo", default=None, help="file holding `nvidia-smi topo -m`")
     args = p.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, dev = run_record.start_ranks()
     group = dist.group.WORLD
-    out: dict = {
-        "device": torch.cuda.get_device_name(dev),
-        "world_size": world,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["torchrun --standalone --nproc-per-node", str(world), *sys.argv]),
-        "torch": torch.__version__,
-        "env": {
-            k: os.environ.get(k)
-            for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
-        },
-    }
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        # a copy of the tree without .git prints "HEAD": record nothing rather than that
-        out["commit"] = os.environ.get("EP_A2A_COMMIT") or (head if len(head) == 40 else None)
-    except Exception:
-        pass
+    out = run_record.header(dev, world_size=world)
     if args.topo and os.path.exists(args.topo):
         with open(args.topo) as f:
             out["topology"] = f.read()
@@ -813,9 +788,7 @@ def main() -> None:
         out["cases"] = results
 
         def save() -> None:  # after every case: a run stopped part-way keeps what it measured
-            if rank == 0:
-                with open(args.json, "w") as f:
-                    json.dump(out, f, indent=1)
+            run_record.write(out, args.json, rank=rank)
 
         for shape in shapes:
             for route in routes:
@@ -845,12 +818,7 @@ def main() -> None:
             except ImportError as exc:
                 out["nvshmem_skipped"] = f"nvshmem4py not importable: {exc}"
         out["cases"] = results
-    if rank == 0:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_record.finish(out, args.json, rank=rank)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
-from datetime import datetime, timezone
 
+import run_record
 import torch
 import torch.distributed as dist
 import triton
@@ -176,11 +174,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-backend", action="store_true")
     args = ap.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == 2
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(dev)
+    rank, world, dev = run_record.start_ranks()
+    assert world == 2, "the probe runs on 2 GPUs"
     import torch.distributed._symmetric_memory as symm_mem
 
     n, H, KL = args.tokens, args.hidden, args.kl
@@ -287,10 +282,7 @@ def main() -> None:
     expand(nsm, True, n)
     torch.cuda.synchronize()
     res = {
-        "device": torch.cuda.get_device_name(dev),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("EP_A2A_COMMIT"),
-        "command": "python -m torch.distributed.run --standalone --nproc-per-node=2 " + " ".join(sys.argv),
+        **run_record.header(dev, world_size=world),
         "tokens": n,
         "hidden": H,
         "kl": KL,
@@ -395,11 +387,7 @@ def main() -> None:
     res["local_bytes"] = bytes_local
     if rank == 0:
         print(json.dumps(res, indent=1))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_record.finish(res, args.json, rank=rank)
 
 
 if __name__ == "__main__":

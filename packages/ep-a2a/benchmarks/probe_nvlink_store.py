@@ -21,11 +21,8 @@ Times: median of ``--iters`` after a barrier and a device-side lead, the slower 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-from datetime import datetime, timezone
 
+import run_record
 import torch
 import torch.distributed as dist
 import triton
@@ -102,11 +99,8 @@ def main() -> None:
     p.add_argument("--ctas", type=int, nargs="+", default=[16, 32, 44, 64, 88, 132])
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == 2
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(dev)
+    rank, world, dev = run_record.start_ranks()
+    assert world == 2, "the probe runs on 2 GPUs"
     import torch.distributed._symmetric_memory as symm_mem
 
     n, H = args.tokens, args.hidden
@@ -150,10 +144,7 @@ def main() -> None:
 
     fns = {}
     res = {
-        "device": torch.cuda.get_device_name(dev),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("EP_A2A_COMMIT"),
-        "command": "python -m torch.distributed.run --standalone --nproc-per-node=2 " + " ".join(sys.argv),
+        **run_record.header(dev, world_size=world),
         "tokens": n,
         "hidden": H,
         "bytes_per_rank": n * H * 2,
@@ -207,11 +198,7 @@ def main() -> None:
                     f" correct={ok}",
                     flush=True,
                 )
-    if rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_record.finish(res, args.json, rank=rank)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,9 @@ The roofline is a 470 MB device-to-device copy measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
-from datetime import datetime, timezone
 
+import run_record
 import torch
 import triton
 import triton.language as tl
@@ -277,10 +274,7 @@ def main() -> None:
     ref_out[rows.long()] = x.repeat_interleave(KL, 0)
     ref_y = ref_out[rows.long()].view(n, KL, H).float().sum(1)
     res: dict = {
-        "device": torch.cuda.get_device_name(dev),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("EP_A2A_COMMIT"),
-        "command": "python " + " ".join(sys.argv),
+        **run_record.header(dev),
         "tokens": n,
         "hidden": H,
         "kl": KL,
@@ -369,9 +363,7 @@ def main() -> None:
                 res["us"][f"{op}-{name}-sm{G}"] = us
                 cells.append(f"{us:7.1f} {res[op + '_bytes'] / us / 1e3:5.0f}")
             print(f"{op:<8}{name:<16}" + "".join(f"{c:>14}" for c in cells), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    run_record.write(res, args.json)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
-from datetime import datetime, timezone
 
+import run_record
 import torch
 import torch.distributed as dist
 from bench_triton import LEAD_CYCLES, SHAPES, Timer, capture_graphs, shape_inputs
@@ -182,20 +181,11 @@ def main() -> None:
     args = p.parse_args()
     from ep_a2a.triton_backend import TritonBackend
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, dev = run_record.start_ranks()
     n = args.tokens
     cfg, x, ids, w = shape_inputs(args.shape, n, rank, world, dev, route=args.route)
-    out: dict = {
-        "device": torch.cuda.get_device_name(dev),
-        "world_size": world,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["torchrun --standalone --nproc-per-node", str(world), *sys.argv]),
-        "commit": os.environ.get("EP_A2A_COMMIT"),
-        "torch": torch.__version__,
+    out = {
+        **run_record.header(dev, world_size=world),
         "shape": args.shape,
         "route": args.route,
         "tokens": n,
@@ -260,12 +250,7 @@ def main() -> None:
         torch.cuda.synchronize()
         be.finalize()
         del g_d, g_c
-    if rank == 0:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_record.finish(out, args.json, rank=rank)
 
 
 if __name__ == "__main__":

@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from ep_a2a.launch import run_local
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_torch_backend.py"
-
 
 def check_baselines(rank: int, world: int) -> int:
-    import importlib.util
-    import sys
-
+    import bench_torch_backend as bench
     import torch
 
     from ep_a2a.reference import combine_ref, dispatch_ref
 
-    spec = importlib.util.spec_from_file_location("_ep_bench_torch", BENCH)
-    assert spec is not None
-    assert spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
     E, H, K = 8 * world, 32, 4
     checked = 0
     for route in ("uniform", "skewed"):

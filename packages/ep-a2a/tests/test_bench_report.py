@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
-
-
-def _run_module():
-    spec = importlib.util.spec_from_file_location("_ep_bench_run", RUN)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_render_committed_and_triton_style_results() -> None:
-    run = _run_module()
+    import run  # benchmarks/run.py (conftest puts the folder on sys.path)
+
     torch_raw = json.loads((ROOT / "docs" / "benchmarks" / "ep-a2a-torch.json").read_text())
     triton_raw = {
         "device": "GPU",
@@ -76,26 +64,11 @@ def test_render_committed_and_triton_style_results() -> None:
         assert name in md
 
 
-def _bench_triton():
-    name = "_ep_bench_triton"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        name, Path(__file__).resolve().parents[1] / "benchmarks" / "bench_triton.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[name] = bench
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_busiest_rank_bytes() -> None:
     """Bytes are those of the busiest rank: max over ranks of max(sent, received)."""
+    import bench_triton as bench
     import torch
 
-    bench = _bench_triton()
     # 2 ranks: sent by one = received by the other
     assert bench.busiest_tokens(torch.tensor([[0, 7], [5, 0]])) == (7, [7, 5], [5, 7])
     # 4 ranks, everyone sends to the hot rank 0: it receives 3 x 4 = 12 while nobody sends more than 6
@@ -106,11 +79,10 @@ def test_busiest_rank_bytes() -> None:
 
 def test_busiest_rank_bytes_properties() -> None:
     """For any crossing matrix: no rank sends or receives more than the figure, and some rank does it."""
+    import bench_triton as bench
     import torch
     from hypothesis import given, settings
     from hypothesis import strategies as st
-
-    bench = _bench_triton()
 
     @settings(max_examples=60, deadline=None)
     @given(
@@ -134,19 +106,10 @@ def test_busiest_rank_bytes_properties() -> None:
 def test_profile_small_variants() -> None:
     """``profile_small.py --variants``: the colon form and name=value pairs map to TritonBackend
     arguments; an unknown name is refused with the accepted ones."""
+    import profile_small
     import pytest
 
-    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench_dir))  # profile_small imports bench_triton by name
-    try:
-        spec = importlib.util.spec_from_file_location("_ep_profile_small", bench_dir / "profile_small.py")
-        assert spec is not None
-        assert spec.loader is not None
-        prof = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(prof)
-    finally:
-        sys.path.remove(str(bench_dir))
-    kw = prof.variant_kwargs
+    kw = profile_small.variant_kwargs
     assert kw("default") == {}
     assert kw("8:16:1024") == {"chunk": 8, "num_warps": 16, "block_h": 1024}
     assert kw("32:16:512:8:16") == {
@@ -157,3 +120,19 @@ def test_profile_small_variants() -> None:
     assert kw("send_ctas=55,combine_send_ctas=88") == {"send_ctas": 55, "combine_send_ctas": 88}
     with pytest.raises(SystemExit, match=r"unknown argument 'chunks'.*send_ctas"):
         kw("chunks=8")
+
+
+def test_run_record_commit(tmp_path, monkeypatch) -> None:
+    """The record's commit: ``EP_A2A_COMMIT`` when set, else git's HEAD, and None outside a checkout
+    (the device machines' copy of the tree has no .git) rather than git's "HEAD" or an error."""
+    import run_record
+
+    monkeypatch.setenv("EP_A2A_COMMIT", "c7ea301")
+    assert run_record.commit() == "c7ea301"
+    monkeypatch.delenv("EP_A2A_COMMIT")
+    monkeypatch.chdir(ROOT)
+    head = run_record.commit()
+    assert head is None or (len(head) == 40 and int(head, 16) >= 0)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert run_record.commit() is None
