@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from ep_a2a.config import EPConfig
+from ep_a2a.launch import load_target
 from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
+
+CASES = str(Path(__file__).with_name("_cases.py"))
 
 pytestmark = pytest.mark.multigpu
 
@@ -488,6 +492,17 @@ def test_combine_per_slot(group):
     finally:
         torch.cuda.synchronize()
         be.finalize()
+
+
+def test_layer_autograd(group):
+    """Gradients through ``EPAll2AllLayer(backend="triton")`` (dispatch backward = combine, combine
+    backward = dispatch, routing-weight gradients by ``combine_per_slot``) equal the dense per-rank
+    formula: float32 rows, with and without caller-given rows (the torch backend's autograd case)."""
+    run_autograd = load_target(f"{CASES}:run_autograd")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    run_autograd(dist.get_rank(group), dist.get_world_size(group), dev, group, backend="triton")
+    torch.cuda.synchronize()
+    dist.barrier(group)
 
 
 def _rows_per_rank(ids, world, experts):
