@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,7 +59,10 @@ class TorchSymmetricHeap(SymmetricHeap):
 
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:
-            with contextlib.suppress(Exception):  # newer torch enables every group itself
+            # older torch needs the group enabled; newer torch enables every group itself and only warns
+            # that the call is deprecated (a FutureWarning on every backend users build)
+            with contextlib.suppress(Exception), warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
                 enable(group.group_name)
         self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         self.local.zero_()
