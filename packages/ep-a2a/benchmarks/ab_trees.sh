@@ -20,7 +20,7 @@ ab_env() {
 case "${1:-}" in
 export)
   rm -rf .ab-old && mkdir -p .ab-old
-  git archive "$2" packages/ep-a2a/src packages/ep-a2a/benchmarks/bench_triton.py | tar -x -C .ab-old
+  git archive "$2" packages/ep-a2a/src packages/ep-a2a/benchmarks | tar -x -C .ab-old
   echo "$2" >.ab-old/COMMIT
   ;;
 run)

@@ -192,7 +192,7 @@ def test_new_variant_goes_through_triton(fake_gpu):
 def test_cached_template_holds_no_call_tensors(fake_gpu):
     eng = _engine()
     _one_call(eng, 6, 20, with_w=True, counts=True, seed=1)
-    for _runner, template, var_idx in eng._plans.values():
+    for _launch, template, var_idx, _as_addresses, _keep in eng._plans.values():
         assert all(template[i] is None for i in var_idx)
 
 
@@ -318,3 +318,116 @@ def test_precompile_binds_every_kernel(monkeypatch, remote):
     assert n == len(log)  # (no register limit by default: no extra entries)
     assert ("_pack_kernel" in log) == remote
     assert ("_remote_expand_kernel" in log) == remote
+
+
+# ------------------------------------------------------------------ direct launches through Triton's C launcher
+def _compiled_like_triton(log: list, launcher_cls=None):
+    """A compiled kernel made of Triton's own Python layers (``CompiledKernel``'s handle and the CUDA
+    launcher object's call), whose C ``launch`` only records its arguments: what the GPU path runs, minus
+    the driver."""
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.compiler.compiler import CompiledKernel
+
+    launcher = object.__new__(launcher_cls or CudaLauncher)
+    launcher.launch = lambda *a: log.append(a)
+    launcher.num_ctas = 1
+    launcher.launch_cooperative_grid = False
+    launcher.launch_pdl = True
+    launcher.global_scratch_size = launcher.profile_scratch_size = 0
+    launcher.global_scratch_align = launcher.profile_scratch_align = 1
+    ck = object.__new__(CompiledKernel)
+    ck.module, ck.function, ck.packed_metadata, ck.src, ck._run = object(), 4242, (16, 1, 0), None, launcher
+    ck.name = "probe"
+    return ck
+
+
+def _as_addresses(args) -> tuple:
+    return tuple(engine_mod._address(a) for a in args)
+
+
+def test_direct_launch_passes_what_the_handle_passes():
+    """The direct launch gives Triton's C launcher the same arguments as the compiled kernel's handle
+    (tensors as addresses; no launch metadata and no hooks, which are empty)."""
+    log: list = []
+    ck = _compiled_like_triton(log)
+    args = [torch.zeros(4), 7, torch.zeros(3, dtype=torch.int32), None, True]
+    launch = engine_mod._direct_launch(ck, (132, 1, 1), args, 5)
+    assert launch is not None
+    log.clear()
+    fresh = [torch.ones(4), 9, torch.ones(3, dtype=torch.int32), None, True]
+    ck[(132, 1, 1)](*fresh, stream=5)
+    via_handle = log.pop()
+    launch(list(_as_addresses(fresh)), 5)
+    via_direct = log.pop()
+    assert len(via_direct) == len(via_handle)
+    assert via_direct[:10] == _as_addresses(via_handle[:10])
+    assert via_direct[10:13] == (None, None, None)  # launch metadata and the (empty) hooks
+    assert via_direct[13:] == _as_addresses(via_handle[13:])
+
+
+def test_direct_launch_refused_where_unverified():
+    """A launcher whose call passes anything else, or a registered launch hook, keeps the handle."""
+    from triton import knobs
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    class _Reordered(CudaLauncher):
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            self.launch(gridX, gridY, gridZ, stream, function, 0, 0, None, None, *args)  # pdl dropped
+
+    args = [torch.zeros(2), 3]
+    assert engine_mod._direct_launch(_compiled_like_triton([], _Reordered), (4, 1, 1), args, 0) is None
+    assert engine_mod._direct_launch(object(), (4, 1, 1), args, 0) is None  # no launcher to call
+
+    def hook(*a):
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert engine_mod._direct_launch(_compiled_like_triton([]), (4, 1, 1), args, 0) is None
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    log: list = []
+    launch = engine_mod._direct_launch(_compiled_like_triton(log), (4, 1, 1), args, 0)
+    assert launch is not None
+    knobs.runtime.launch_exit_hook.add(hook)
+    try:  # a hook registered later: that launch goes through the handle (it passes the hooks)
+        log.clear()
+        launch(list(_as_addresses(args)), 0)
+        assert log[-1][12] is knobs.runtime.launch_exit_hook
+    finally:
+        knobs.runtime.launch_exit_hook.remove(hook)
+
+
+def test_cached_launch_goes_direct(monkeypatch):
+    """The engine's cached launches take the direct path once verified: a later call hands the C
+    launcher its fixed arguments and this call's tensors as addresses, exactly what the handle would."""
+    log: list = []
+    ck = _compiled_like_triton(log)
+
+    class _Kernel:
+        arg_names = ("a_ptr", "n", "b_ptr", "C")
+
+        def __getitem__(self, grid):
+            def launch(**named):
+                return ck
+
+            return launch
+
+    monkeypatch.setattr(engine_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(engine_mod, "_raw_stream", lambda index: 3)
+    eng = _engine()
+    fixed_b = torch.zeros(8)
+    call = lambda a, n: eng._launch(
+        ("probe",), _Kernel(), (6,), 4, ("a_ptr", "n"), (a, n), lambda: dict(b_ptr=fixed_b, C=2)
+    )
+    call(torch.zeros(4), 1)
+    assert eng.direct_launches == 1
+    log.clear()
+    a2 = torch.ones(5)
+    call(a2, 9)
+    (got,) = log
+    log.clear()
+    ck[(6, 1, 1)](a2, 9, fixed_b, 2, stream=3)
+    want = log.pop()
+    assert got[:10] == _as_addresses(want[:10])
+    assert got[13:] == (a2.data_ptr(), 9, fixed_b.data_ptr(), 2)
