@@ -18,6 +18,8 @@ from ep_a2a.triton_backend.engine import EPTimeoutFromDevice, HeapLayout, Triton
 from ep_a2a.triton_backend.heaps import HEAP_KINDS, NvshmemHeap, NvshmemTransport, make_heap
 
 #: exact-shape dispatches whose worst case (``world_size x max_tokens x topk`` rows) fits in this many
+#: token rows at least this wide get work stealing with the dispatch split by default (``steal``)
+STEAL_MIN_ROW_BYTES = 8192
 #: bytes run without a host wait before the row kernel (see ``TritonBackend``'s ``overlap_bytes``)
 DEFAULT_OVERLAP_BYTES = 256 << 20
 
@@ -219,9 +221,11 @@ class TritonBackend(A2ABackend):
             splitting was slower, at 128 tokens it was not measured).
         steal: with the dispatch split, the CTAs claim chunks from a shared counter per role and take
             the other role's chunks once their own queue is empty (work stealing), instead of a fixed
-            share each (default; no effect without the split). Measured on 2x H200 in graph mode at
-            4096 tokens, DeepSeek-V3 shape: 8 % faster dispatch under skewed routing, the same under
-            uniform routing; on 2x H100 5 % faster under both.
+            share each (no effect without the split). Default: on for token rows of at least
+            ``STEAL_MIN_ROW_BYTES`` (8 KB). Measured on 2x H200 in graph mode at 4096 tokens
+            (interleaved): DeepSeek-V3 shape (14 KB rows) 8 % faster dispatch under skewed routing,
+            the same under uniform routing (on 2x H100 5 % faster under both); Qwen3-30B-A3B shape
+            (4 KB rows) 7 % slower under uniform routing, the same under skew.
         combine_send_ctas: the same for the combine kernel; default ``num_sm // 2`` under the same
             conditions (measured 7-18 % faster than no split at 132 SMs).
         copy_engine: dispatch moves this rank's token rows (and their ids, positions and weights) to
@@ -281,7 +285,7 @@ class TritonBackend(A2ABackend):
         overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
         send_ctas: int | None = None,
         combine_send_ctas: int | None = None,
-        steal: bool = True,
+        steal: bool | None = None,
         force_remote: int | None = None,
         copy_engine: bool | None = None,
         ce_pieces: int | None = None,
@@ -380,7 +384,9 @@ class TritonBackend(A2ABackend):
             if copy_engine
             else _split(send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 3)),
             combine_send_ctas=_split(combine_send_ctas, num_sm, _default_split(num_sm, config.max_tokens, 2)),
-            steal=steal,
+            steal=(config.hidden * config.token_dtype.itemsize >= STEAL_MIN_ROW_BYTES)
+            if steal is None
+            else steal,
             remote_ranks=remote,
             transport=transport,
             ce_pieces=(ce_pieces or DEFAULT_CE_PIECES) if copy_engine else 0,
