@@ -353,7 +353,7 @@ def test_direct_launch_passes_what_the_handle_passes():
     args = [torch.zeros(4), 7, torch.zeros(3, dtype=torch.int32), None, True]
     launch = engine_mod._direct_launch(ck, (132, 1, 1), args, 5)
     assert launch is not None
-    log.clear()
+    assert log == [], "the verification records through copies: the shared launcher launched nothing"
     fresh = [torch.ones(4), 9, torch.ones(3, dtype=torch.int32), None, True]
     ck[(132, 1, 1)](*fresh, stream=5)
     via_handle = log.pop()

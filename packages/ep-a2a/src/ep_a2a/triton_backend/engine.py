@@ -23,6 +23,7 @@ sending and a receiving launch with the puts between. Only the counts-first disp
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import itertools
 import os
@@ -87,10 +88,10 @@ def _direct_launch(compiled, grid: tuple[int, ...], args: list, stream: int) -> 
     itself, with tensors as their addresses: it skips the handle's Python layers (launch metadata, the
     launcher object's call, the per-tensor ``data_ptr`` and ``cuPointerGetAttribute``), about 9 us of the
     row kernel's 12 us of host time on an H100 host. ``None`` where that launcher's arguments cannot be
-    verified: the handle is called once with the launcher swapped for a recorder, and the direct
-    arguments must equal the recorded ones (launch metadata and the empty hooks aside, passed as None);
-    a Triton whose layers differ, a kernel with scratch buffers or a registered launch hook keeps the
-    handle. Launches made while a hook is registered go through the handle too."""
+    verified: the handle of a copy of the kernel is called once with a recording copy of the launcher,
+    and the direct arguments must equal the recorded ones (launch metadata and the empty hooks aside,
+    passed as None); a Triton whose layers differ, a kernel with scratch buffers or a registered launch
+    hook keeps the handle. Launches made while a hook is registered go through the handle too."""
     if _triton_knobs is None:
         return None
     launcher: Any = getattr(compiled, "_run", None)
@@ -102,13 +103,16 @@ def _direct_launch(compiled, grid: tuple[int, ...], args: list, stream: int) -> 
     coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
     head = (*grid, stream, function, coop, pdl, None, None, meta)
     recorded: list[tuple] = []
-    launcher.launch = lambda *a: recorded.append(a)
+    # the handle of a copy whose launcher is a copy that records: the compiled kernel itself is shared
+    # (Triton's cache), so another thread may launch it meanwhile
+    recorder = copy.copy(launcher)
+    recorder.launch = lambda *a: recorded.append(a)
+    probe = copy.copy(compiled)
+    probe._run = recorder
     try:
-        compiled[grid](*args, stream=stream)
+        probe[grid](*args, stream=stream)
     except Exception:
         return None
-    finally:
-        launcher.launch = c_launch
     if len(recorded) != 1:
         return None
     got = tuple(_address(a) for a in recorded[0])
