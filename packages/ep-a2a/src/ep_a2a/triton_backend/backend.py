@@ -18,10 +18,10 @@ from ep_a2a.triton_backend.engine import EPTimeoutFromDevice, HeapLayout, Triton
 from ep_a2a.triton_backend.heaps import HEAP_KINDS, NvshmemHeap, NvshmemTransport, make_heap
 
 #: exact-shape dispatches whose worst case (``world_size x max_tokens x topk`` rows) fits in this many
-#: token rows at least this wide get work stealing with the dispatch split by default (``steal``)
-STEAL_MIN_ROW_BYTES = 8192
 #: bytes run without a host wait before the row kernel (see ``TritonBackend``'s ``overlap_bytes``)
 DEFAULT_OVERLAP_BYTES = 256 << 20
+#: token rows at least this wide get work stealing with the dispatch split by default (``steal``)
+STEAL_MIN_ROW_BYTES = 8192
 
 #: environment variable choosing the heap when the layer constructs the backend (``torch`` or ``nvshmem``)
 HEAP_ENV = "EP_A2A_TRITON_HEAP"

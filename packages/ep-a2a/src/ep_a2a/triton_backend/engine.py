@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ep_a2a.triton_backend import kernels as K
 
-try:  # (Triton >= 3.4: where the launch hooks live; without it every launch goes through the handle)
+try:  # (where recent Triton keeps its launch hooks; without it every launch goes through the handle)
     from triton import knobs as _triton_knobs
 except ImportError:  # pragma: no cover
     _triton_knobs = None
