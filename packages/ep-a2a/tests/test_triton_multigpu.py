@@ -684,3 +684,40 @@ def test_forced_remote_needs_nvshmem_heap(group):
             group, max_tokens=8, hidden=256, topk=2, experts=8, dtype=torch.bfloat16, heap="torch",
             force_remote=1,
         )  # fmt: skip
+
+
+def test_exact_rows_allocated_ahead(group):
+    """Large layers' exact-shape flow allocates the row-sized outputs before the host waits for the
+    counts, sized from the last calls (an eighth of headroom), and returns views of their first rows
+    when the counts fit (at least three quarters of them); otherwise it allocates exactly after the wait.
+    Every call against the reference: a first call, the same inputs again (fits), a quarter of the
+    tokens (too few rows: exact), then the full size (too many: exact)."""
+    world = dist.get_world_size(group)
+    experts = 8 * world
+    be = _make_backend(
+        group, max_tokens=64, hidden=512, topk=8, experts=experts, dtype=torch.bfloat16, heap="torch",
+        overlap_bytes=0,
+    )  # fmt: skip
+    sizes: list[int] = []
+    alloc = be.engine.alloc_dispatch_rows
+
+    def recording(rows, **kw):
+        sizes.append(rows)
+        return alloc(rows, **kw)
+
+    be.engine.alloc_dispatch_rows = recording
+    try:
+        assert not be.overlap_exact
+        for tokens, seed in ((64, 900), (64, 900), (16, 901), (64, 902)):
+            xs, ids, ws, gen = _inputs(
+                seed, world, [tokens] * world, 512, 8, experts, torch.bfloat16, skew=False, drop=0.05,
+                with_w=True,
+            )  # fmt: skip
+            _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
+        first = sizes[0]
+        assert sizes[1] == first + first // 8, "the repeat is allocated ahead, and fits"
+        assert len(sizes) == 6, f"the quarter-size and full calls allocate ahead, then exactly: {sizes}"
+        be.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()

@@ -10,8 +10,8 @@ owners), the receive layout (wait for every source's counts; either ``_counts_ke
 program 0 of the row kernel, ``counts=True``) and ``_dispatch_kernel`` (tokens out once per destination
 rank, expanded to expert rows on the receiver). Static mode (CUDA graphs) and the exact-shape mode of
 small layers merge the last two into one launch into worst-case buffers; the exact-shape mode of large
-layers launches the counts step alone, copies the counts to the host and allocates exactly ``R`` rows
-before the row kernel. A combine is one launch of ``_combine_kernel``.
+layers launches the counts step alone and copies the counts to the host before the row kernel, into
+outputs of ``R`` rows (views of outputs allocated ahead from the last calls' counts when they fit). A combine is one launch of ``_combine_kernel``.
 
 With remote peers (``remote_ranks``, reached through a :class:`RemoteTransport`) each step that feeds
 them is followed by the host's puts: after the layout (and ``_pack_kernel``: packed token indices per
@@ -1135,7 +1135,7 @@ class TritonEPEngine:
     def alloc_dispatch_fixed(self, n: int) -> dict[str, torch.Tensor]:
         """The dispatch outputs whose size does not depend on the received rows (``n`` tokens here):
         the slot table ``tab``, ``skip`` and ``scat``. The exact-shape flow allocates them before it
-        waits for the counts, so only :meth:`alloc_dispatch_rows` lies between the wait and the launch."""
+        waits for the counts (so does :meth:`alloc_dispatch_rows` when the backend predicts the rows)."""
         return {
             "tab": self._buf(self.world_size, self.max_tokens, self.topk, dtype=torch.int32),
             "skip": self._buf(n, self.topk, dtype=torch.int32),
