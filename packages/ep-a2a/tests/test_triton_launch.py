@@ -431,3 +431,29 @@ def test_cached_launch_goes_direct(monkeypatch):
     want = log.pop()
     assert got[:10] == _as_addresses(want[:10])
     assert got[13:] == (a2.data_ptr(), 9, fixed_b.data_ptr(), 2)
+
+
+def test_rows_allocated_ahead():
+    """The large layers' exact-shape dispatch allocates row outputs ahead from the last calls' counts:
+    a call repeating the count that set the guess fits, a fitting call leaves at most a third of its
+    rows' size unused, and the guess never exceeds the worst case."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ep_a2a.triton_backend.backend import rows_fit_ahead, rows_to_allocate_ahead
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.integers(0, 1 << 22), st.integers(0, 1 << 22), st.integers(0, 1 << 22))
+    def check(rows: int, extra: int, other: int) -> None:
+        worst = rows + extra
+        ahead = rows_to_allocate_ahead(rows, worst)
+        assert rows <= ahead <= worst
+        assert rows_fit_ahead(rows, ahead)
+        if rows_fit_ahead(other, ahead):
+            assert other <= ahead
+            assert 3 * (ahead - other) <= other
+
+    check()
+    assert rows_fit_ahead(7, 9)  # 9 - 9 // 4 = 7
+    assert not rows_fit_ahead(6, 9)
+    assert not rows_fit_ahead(10, 9)
