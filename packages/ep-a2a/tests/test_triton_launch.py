@@ -440,20 +440,20 @@ def test_rows_allocated_ahead():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from ep_a2a.triton_backend.backend import rows_fit_ahead, rows_to_allocate_ahead
+    from ep_a2a.triton_backend.backend import _rows_fit_ahead, _rows_to_allocate_ahead
 
     @settings(max_examples=300, deadline=None)
     @given(st.integers(0, 1 << 22), st.integers(0, 1 << 22), st.integers(0, 1 << 22))
     def check(rows: int, extra: int, other: int) -> None:
         worst = rows + extra
-        ahead = rows_to_allocate_ahead(rows, worst)
+        ahead = _rows_to_allocate_ahead(rows, worst)
         assert rows <= ahead <= worst
-        assert rows_fit_ahead(rows, ahead)
-        if rows_fit_ahead(other, ahead):
+        assert _rows_fit_ahead(rows, ahead)
+        if _rows_fit_ahead(other, ahead):
             assert other <= ahead
             assert 3 * (ahead - other) <= other
 
     check()
-    assert rows_fit_ahead(7, 9)  # 9 - 9 // 4 = 7
-    assert not rows_fit_ahead(6, 9)
-    assert not rows_fit_ahead(10, 9)
+    assert _rows_fit_ahead(7, 9)  # 9 - 9 // 4 = 7
+    assert not _rows_fit_ahead(6, 9)
+    assert not _rows_fit_ahead(10, 9)

@@ -181,13 +181,13 @@ def _split(requested: int | None, num_sm: int, default: int = 0) -> int:
     return requested
 
 
-def rows_to_allocate_ahead(rows: int, worst_case: int) -> int:
+def _rows_to_allocate_ahead(rows: int, worst_case: int) -> int:
     """Rows of the outputs the next exact-shape dispatch of a large layer allocates before its counts
     arrive, after a call of ``rows`` that did not fit: an eighth of headroom, at most the worst case."""
     return min(rows + rows // 8, worst_case)
 
 
-def rows_fit_ahead(rows: int, ahead: int) -> bool:
+def _rows_fit_ahead(rows: int, ahead: int) -> bool:
     """Whether outputs allocated ahead for ``ahead`` rows serve a call of ``rows``: they hold them, and
     at most a quarter of them (a third of ``rows``) goes unused while the views live."""
     return ahead - ahead // 4 <= rows <= ahead
@@ -544,14 +544,14 @@ class TritonBackend(A2ABackend):
             # (with remote peers also the records to send and receive, which size the puts)
             vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
             rows = vals[0]
-            if spec is not None and rows_fit_ahead(rows, ahead):
+            if spec is not None and _rows_fit_ahead(rows, ahead):
                 bufs.update(
                     out=spec["out"][:rows], out_w=spec["out_w"][:rows] if has_w else spec["out_w"],
                     out_e=spec["out_e"][:rows],
                 )  # fmt: skip
             else:
                 bufs.update(eng.alloc_dispatch_rows(rows, with_weights=has_w, dtype=input.dtype))
-                self._rows_ahead = rows_to_allocate_ahead(rows, eng.worst_case_rows())
+                self._rows_ahead = _rows_to_allocate_ahead(rows, eng.worst_case_rows())
             if mark:
                 mark(("buffers allocated", time.perf_counter()))
             out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
