@@ -11,7 +11,8 @@ program 0 of the row kernel, ``counts=True``) and ``_dispatch_kernel`` (tokens o
 rank, expanded to expert rows on the receiver). Static mode (CUDA graphs) and the exact-shape mode of
 small layers merge the last two into one launch into worst-case buffers; the exact-shape mode of large
 layers launches the counts step alone and copies the counts to the host before the row kernel, into
-outputs of ``R`` rows (views of outputs allocated ahead from the last calls' counts when they fit). A combine is one launch of ``_combine_kernel``.
+outputs of ``R`` rows (views of outputs allocated ahead from the last calls' counts when they fit). A
+combine is one launch of ``_combine_kernel``.
 
 With remote peers (``remote_ranks``, reached through a :class:`RemoteTransport`) each step that feeds
 them is followed by the host's puts: after the layout (and ``_pack_kernel``: packed token indices per
