@@ -315,6 +315,8 @@ def run_case(
         torch.cuda.synchronize()
         t_disp = timer.median_ms(disp, args.iters)
         h_disp = timer.host_ms
+        # the same calls with the host ahead of the GPU (device-side lead), as in a pipeline
+        t_disp_lead = timer.median_ms(disp, args.iters, lead=True)
         y = holder["d"][0]
         t_comb = timer.median_ms(
             lambda be=be, holder=holder, y=y: be.combine(y, holder["d"][2]), args.iters, setup=disp
@@ -332,7 +334,9 @@ def run_case(
             "round_trip_ms": t_rt,
             "dispatch_host_ms": h_disp,
             "combine_host_ms": h_comb,
+            "dispatch_ms_lead": t_disp_lead,
             "overlap_exact": be.overlap_exact,
+            "speculative_rows": be.speculative_rows,
         }
         if extra and num_sm == num_sm_list[-1]:
             # CUDA-graph mode (static worst-case shapes, counts on device)
@@ -401,7 +405,13 @@ def run_case(
         be.check_errors()  # a device-side wait that ran out makes every time above meaningless
         res[f"ours-sm{num_sm}"]["send_ctas"] = [be.engine.send_ctas, be.engine.combine_send_ctas]
         res[f"ours-sm{num_sm}"]["copy_engine"] = be.copy_engine
+        res[f"ours-sm{num_sm}"]["speculative_overflows"] = be.speculative_overflows
         be.finalize()
+        if extra and be.speculative_rows and num_sm == num_sm_list[-1]:
+            # the exact-shape flow that waits for the counts before the row kernel, beside the default
+            res[f"ours-nospec-sm{num_sm}"] = exact_variant_case(
+                args, cfg, group, x, ids, w, num_sm, speculative_rows=False
+            )
     if extra and n > 1024 and getattr(args, "split", False):
         # experiment: other sender / writer splits of the CTAs than the default (large layers on many
         # SMs: num_sm // 3 dispatch and num_sm // 2 combine CTAs sending; 0 = every CTA both), graph
@@ -430,8 +440,8 @@ def run_case(
             # the exact-shape mode without the host wait before the row kernel (worst-case buffers),
             # which the default keeps for layers whose worst case is at most 256 MiB
             if world * n * topk * hidden * 2 > DEFAULT_OVERLAP_BYTES:
-                res[f"ours-overlap-sm{num_sm_list[-1]}"] = overlap_case(
-                    args, cfg, group, x, ids, w, num_sm_list[-1]
+                res[f"ours-overlap-sm{num_sm_list[-1]}"] = exact_variant_case(
+                    args, cfg, group, x, ids, w, num_sm_list[-1], overlap_bytes=1 << 62
                 )
     if extra and n <= 1024:
         # the user's call: EPAll2AllLayer (argument checks, int64 ids as topk returns them, no host-side
@@ -516,17 +526,14 @@ def split_case(
     return out
 
 
-def overlap_case(args, cfg, group, x, ids, w, num_sm) -> dict:
+def exact_variant_case(args, cfg, group, x, ids, w, num_sm, **backend_kw) -> dict:
+    """The exact-shape calls of a backend built with ``backend_kw`` (an experiment beside the default):
+    dispatch timed as the default's row is, and also after the device-side lead (the host ahead of the
+    GPU, as in a pipeline), then combine."""
     from ep_a2a.triton_backend import TritonBackend
 
     be = TritonBackend(
-        cfg,
-        group,
-        num_sm=num_sm,
-        enable_local_combine=True,
-        use_aot=False,
-        timeout_s=30.0,
-        overlap_bytes=1 << 62,
+        cfg, group, num_sm=num_sm, enable_local_combine=True, use_aot=False, timeout_s=30.0, **backend_kw
     )
     timer = Timer(lambda: be.engine.launch_barrier())
     holder = {}
@@ -537,11 +544,14 @@ def overlap_case(args, cfg, group, x, ids, w, num_sm) -> dict:
     disp()
     torch.cuda.synchronize()
     out = {"dispatch_ms": timer.median_ms(disp, args.iters), "dispatch_host_ms": timer.host_ms}
+    out["dispatch_ms_lead"] = timer.median_ms(disp, args.iters, lead=True)
     out["combine_ms"] = timer.median_ms(
         lambda: be.combine(holder["d"][0], holder["d"][2]), args.iters, setup=disp
     )
     out["combine_host_ms"] = timer.host_ms
     out["overlap_exact"] = be.overlap_exact
+    out["speculative_rows"] = be.speculative_rows
+    out["speculative_overflows"] = be.speculative_overflows
     holder.clear()
     torch.cuda.synchronize()
     be.check_errors()
@@ -590,11 +600,14 @@ def host_profile(args, rank, world, group, dev) -> list:
     from ep_a2a.triton_backend import TritonBackend
 
     rows = []
-    for shape_name, n in (("deepseek-v3", 128), ("qwen3-30b-a3b", 128), ("deepseek-v3", args.tokens)):
+    cases = [("deepseek-v3", 128, True), ("qwen3-30b-a3b", 128, True), ("deepseek-v3", args.tokens, True)]
+    cases.append(("deepseek-v3", args.tokens, False))  # (the flow that waits before the row kernel)
+    for shape_name, n, spec in cases:
         cfg, x, ids, w = shape_inputs(shape_name, n, rank, world, dev)
         be = TritonBackend(
-            cfg, group, num_sm=args.num_sm[-1], enable_local_combine=True, use_aot=False, timeout_s=60.0
-        )
+            cfg, group, num_sm=args.num_sm[-1], enable_local_combine=True, use_aot=False, timeout_s=60.0,
+            speculative_rows=spec,
+        )  # fmt: skip
         d = be.dispatch(x, ids, w, None)
         be.combine(d[0], d[2])
         deltas: dict[str, list[float]] = {}
@@ -616,6 +629,7 @@ def host_profile(args, rank, world, group, dev) -> list:
             "shape": shape_name,
             "tokens": n,
             "overlap_exact": be.overlap_exact,
+            "speculative_rows": be.speculative_rows,
             "median_us_since_previous_step": dict(zip(names, med.tolist(), strict=True)),
         }
         be.check_errors()

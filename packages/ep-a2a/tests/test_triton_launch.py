@@ -318,6 +318,12 @@ def test_precompile_binds_every_kernel(monkeypatch, remote):
     assert n == len(log)  # (no register limit by default: no extra entries)
     assert ("_pack_kernel" in log) == remote
     assert ("_remote_expand_kernel" in log) == remote
+    # the speculative flow's rewriting pass: one more row-kernel variant per (weights, caller scatter)
+    rows_before = log.count("_dispatch_kernel")
+    log.clear()
+    n = eng.precompile(dtypes=(torch.float32,), rewrite=True)
+    assert n == len(log)
+    assert log.count("_dispatch_kernel") == rows_before + (0 if remote else 4)
 
 
 # ------------------------------------------------------------------ direct launches through Triton's C launcher

@@ -686,17 +686,53 @@ def test_forced_remote_needs_nvshmem_heap(group):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("send_ctas", "steal"), [(0, False), (5, False), (5, True)], ids=["no-split", "split", "split-steal"]
+)
+def test_speculative_rows(group, send_ctas, steal):
+    """Large layers' exact-shape flow with ``speculative_rows`` (the default): after a first call (host
+    wait before the row kernel) the row kernel goes before the counts, into outputs allocated from the
+    last calls' counts. Every call against the reference: a first call, the same size again (fits), a
+    quarter of the tokens (fits, fills less than three quarters: the next outputs shrink), the full size
+    (more rows than they hold: exact outputs and a second writing pass), the full size again (fits). A
+    CUDA-graph-mode dispatch between rounds keeps the flows' epochs in step."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    experts = 8 * world
+    be = _make_backend(
+        group, max_tokens=64, hidden=512, topk=8, experts=experts, dtype=torch.bfloat16, heap="torch",
+        overlap_bytes=0, send_ctas=send_ctas, steal=steal,
+    )  # fmt: skip
+    try:
+        assert be.speculative_rows
+        assert not be.overlap_exact
+        for i, tokens in enumerate((64, 64, 16, 64, 64)):
+            xs, ids, ws, gen = _inputs(
+                910 + i, world, [tokens] * world, 512, 8, experts, torch.bfloat16, skew=False, drop=0.05,
+                with_w=True,
+            )  # fmt: skip
+            _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
+            _check_static_call(be, rank, xs, ids, ws, experts)
+        assert be.speculative_calls == 4, be.speculative_calls
+        assert be.speculative_overflows == 1, "the full size after the quarter outgrows its outputs"
+        torch.cuda.synchronize()
+        be.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
+
+
 def test_exact_rows_allocated_ahead(group):
     """Large layers' exact-shape flow allocates the row-sized outputs before the host waits for the
     counts, sized from the last calls (an eighth of headroom), and returns views of their first rows
     when the counts fit (at least three quarters of them); otherwise it allocates exactly after the wait.
     Every call against the reference: a first call, the same inputs again (fits), a quarter of the
-    tokens (too few rows: exact), then the full size (too many: exact)."""
+    tokens (too few rows: exact), then the full size (too many: exact). (Without ``speculative_rows``,
+    whose flow is ``test_speculative_rows``.)"""
     world = dist.get_world_size(group)
     experts = 8 * world
     be = _make_backend(
         group, max_tokens=64, hidden=512, topk=8, experts=experts, dtype=torch.bfloat16, heap="torch",
-        overlap_bytes=0,
+        overlap_bytes=0, speculative_rows=False,
     )  # fmt: skip
     sizes: list[int] = []
     alloc = be.engine.alloc_dispatch_rows

@@ -272,6 +272,56 @@ def test_split_with_several_senders(world, ns, num_sm, send_ctas, steal):
             assert eng.state[K.STATE_STEAL_SEND : K.STATE_STEAL_ARRIVE + 1].tolist() == [0, 0, 0]
 
 
+@pytest.mark.parametrize(
+    ("send_ctas", "steal"), [(0, False), (1, False), (1, True)], ids=["no-split", "split", "split-steal"]
+)
+def test_speculative_rows_match_reference(send_ctas, steal):
+    """The speculative exact-shape flow: the row kernel writes into outputs sized before the counts are
+    known (dropping rows past their end); a rank that receives more rows gets exact outputs and a second
+    writing pass (``rewrite=True``), which must rewrite every row, this rank's own included, the slot
+    table and the scatter indices (the simulation poisons them first). Capacities: 0 rows (every rank
+    overflows), between the ranks' row counts (some do), the worst case (none does)."""
+    world, ns, hidden, topk, experts = 3, [6, 5, 7], 24, 3, 6
+    gen = torch.Generator().manual_seed(31 + send_ctas + steal)
+    sim = SimWorld(
+        world_size=world, max_tokens=max(ns), hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=3,
+        chunk=2,
+    )  # fmt: skip
+    for call, which in enumerate(("none", "middle", "worst")):
+        ns_call = ns if call == 0 else [n - call for n in reversed(ns)]
+        xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in ns_call]
+        ids = [_routing(n, topk, experts, gen, skew=True, drop=0.1) for n in ns_call]
+        ws = [torch.rand(n, topk, generator=gen) for n in ns_call]
+        ref, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
+        rows = sorted(r.output.shape[0] for r in ref)
+        cap = {"none": 0, "middle": rows[1], "worst": sim.engines[0].worst_case_rows()}[which]
+        if which == "middle":
+            assert rows[0] <= cap < rows[-1], rows  # (the routing is skewed: some rank overflows)
+        res = sim.dispatch(xs, ids, ws, send_ctas=send_ctas, steal=steal, speculative_rows=cap)
+        _check_dispatch(res, ref, scat, True)
+        _check_skip_mapping(res, ids, experts // world)
+        ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
+        _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)
+    with pytest.raises(ValueError, match="speculative_rows"):
+        sim.dispatch(xs, ids, ws, merged=True, speculative_rows=0)
+
+
+def test_rewrite_pass_needs_a_writing_pass():
+    """``launch_dispatch(rewrite=True)`` is only a writing pass of its own."""
+    sim = SimWorld(world_size=1, max_tokens=4, hidden=16, topk=2, num_tot_experts=2, num_sm=2, chunk=2)
+    eng = sim.engines[0]
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    b = eng.alloc_dispatch_fixed(4)
+    b.update(eng.alloc_dispatch_rows(8, with_weights=False))
+    for kw in ({"send": True}, {"send": False, "counts": True}, {"send": False, "recv": False}):
+        with pytest.raises(ValueError, match="rewrite=True"):
+            eng.launch_dispatch(
+                x, ids, None, eng.pos, b["out"], b["out_w"], b["out_e"], b["tab"], b["skip"], b["scat"],
+                caller_scatter=False, rewrite=True, **kw,
+            )  # fmt: skip
+
+
 @pytest.mark.parametrize("merged", [False, True], ids=["counts-launch", "merged"])
 def test_steal_switches_roles_in_one_launch(merged):
     """Work stealing in one launch that sends and writes (one rank: nothing to wait for), so every role

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -228,6 +229,15 @@ class TritonBackend(A2ABackend):
             the row kernel, into outputs of ``R`` rows: views of outputs allocated before the wait,
             sized from the last calls' counts plus an eighth, when ``R`` fills at least three quarters
             of them; else allocated after the wait. All give the same results.
+        speculative_rows: the large layers' exact-shape dispatch launches the row kernel before the
+            host has the counts, into the outputs allocated ahead (see ``overlap_bytes``; every call
+            after the first), and the host waits only for the counts, copied on a side stream: the GPU
+            no longer idles while the host waits, allocates and launches. A call whose ``R`` rows fit
+            returns views of the first ``R`` (also when they fill less than three quarters: the next
+            call's guess shrinks); one that receives more gets exact outputs and a second writing pass
+            (the same results, later; counted in :attr:`speculative_overflows` out of
+            :attr:`speculative_calls`). Default on; not with remote peers or ``copy_engine`` (their
+            counts size the host's puts and copies).
         send_ctas: CTAs of the dispatch row kernel that only send to the peers while the others only
             write this rank's output; 0: every CTA does both, in turn. Default (``None``): ``num_sm // 3``
             when ``num_sm >= 64`` and ``max_tokens > 1024``, else 0 (measured on 2x H200 at 4096 tokens
@@ -297,6 +307,7 @@ class TritonBackend(A2ABackend):
         combine_block_h: int | None = None,
         combine_maxnreg: int | None = None,
         overlap_bytes: int = DEFAULT_OVERLAP_BYTES,
+        speculative_rows: bool = True,
         send_ctas: int | None = None,
         combine_send_ctas: int | None = None,
         steal: bool | None = None,
@@ -423,6 +434,18 @@ class TritonBackend(A2ABackend):
         #: rows of the exact-shape flow's row-sized outputs allocated before the host waits for the
         #: counts (0: none yet), from the last calls' counts with headroom (see :meth:`dispatch`)
         self._rows_ahead = 0
+        #: whether the large layers' exact-shape dispatch launches its row kernel before the counts
+        #: arrive (see ``speculative_rows``)
+        self.speculative_rows = bool(speculative_rows) and not self.overlap_exact and not remote
+        self.speculative_rows = self.speculative_rows and not copy_engine
+        #: speculative exact-shape dispatches, and those whose rows outgrew the outputs allocated ahead
+        self.speculative_calls = self.speculative_overflows = 0
+        if self.speculative_rows:
+            # the counts' copy to the host goes on a side stream, so that the row kernel follows the
+            # counts kernel directly (programmatic dependent launch) while the host waits for the copy
+            self._info_stream = torch.cuda.Stream(self.device)
+            self._counts_done = torch.cuda.Event()
+            self._info_copied = torch.cuda.Event()
         self._finalized = False
         self._static: dict[str, torch.Tensor] | None = None
         #: diagnostics: when a list, the exact-shape dispatch appends ``(phase, time.perf_counter())``
@@ -432,7 +455,9 @@ class TritonBackend(A2ABackend):
         if use_aot:
             t0 = time.perf_counter()
             self.aot_variants = self.engine.precompile(
-                dtypes=(torch.float32,), dispatch_counts=(True,) if self.overlap_exact else (True, False)
+                dtypes=(torch.float32,),
+                dispatch_counts=(True,) if self.overlap_exact else (True, False),
+                rewrite=self.speculative_rows,
             )
             self.aot_seconds = time.perf_counter() - t0
 
@@ -540,29 +565,36 @@ class TritonBackend(A2ABackend):
             bufs = eng.alloc_dispatch_fixed(n)
             ahead = self._rows_ahead
             spec = eng.alloc_dispatch_rows(ahead, with_weights=has_w, dtype=input.dtype) if ahead else None
-            # the one small device-to-host copy: receive counts (and the error word) size the output
-            # (with remote peers also the records to send and receive, which size the puts)
-            vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
-            rows = vals[0]
-            if spec is not None and _rows_fit_ahead(rows, ahead):
-                bufs.update(
-                    out=spec["out"][:rows], out_w=spec["out_w"][:rows] if has_w else spec["out_w"],
-                    out_e=spec["out_e"][:rows],
-                )  # fmt: skip
+            if spec is not None and self.speculative_rows:
+                vals = self._rows_speculatively(
+                    input, exp_indices, weight, src, info, bufs, spec, caller=caller, mark=mark
+                )
+                rows, npk = vals[0], None
+                out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
             else:
-                bufs.update(eng.alloc_dispatch_rows(rows, with_weights=has_w, dtype=input.dtype))
-                self._rows_ahead = _rows_to_allocate_ahead(rows, eng.worst_case_rows())
-            if mark:
-                mark(("buffers allocated", time.perf_counter()))
-            out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
-            eng.launch_dispatch(
-                input, exp_indices, weight, src, out, out_w, out_e, bufs["tab"], bufs["skip"], bufs["scat"],
-                caller_scatter=caller, info=info, remote=rb, npk_send=npk[:W] if npk is not None else None,
-            )  # fmt: skip
-            if mark:
-                mark(("rows launched", time.perf_counter()))
-            # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)
-            self._raise_bad_ids(vals)
+                # the one small device-to-host copy: receive counts (and the error word) size the output
+                # (with remote peers also the records to send and receive, which size the puts)
+                vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
+                rows = vals[0]
+                if spec is not None and _rows_fit_ahead(rows, ahead):
+                    bufs.update(
+                        out=spec["out"][:rows], out_w=spec["out_w"][:rows] if has_w else spec["out_w"],
+                        out_e=spec["out_e"][:rows],
+                    )  # fmt: skip
+                else:
+                    bufs.update(eng.alloc_dispatch_rows(rows, with_weights=has_w, dtype=input.dtype))
+                    self._rows_ahead = _rows_to_allocate_ahead(rows, eng.worst_case_rows())
+                if mark:
+                    mark(("buffers allocated", time.perf_counter()))
+                out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
+                eng.launch_dispatch(
+                    input, exp_indices, weight, src, out, out_w, out_e, bufs["tab"], bufs["skip"], bufs["scat"],
+                    caller_scatter=caller, info=info, remote=rb, npk_send=npk[:W] if npk is not None else None,
+                )  # fmt: skip
+                if mark:
+                    mark(("rows launched", time.perf_counter()))
+                # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)
+                self._raise_bad_ids(vals)
         self._combine_allowed = True
         scat = (
             bufs["scat"]
@@ -615,14 +647,80 @@ class TritonBackend(A2ABackend):
         if remote is not None:
             assert self._pinfo_host is not None
             npk = self._pinfo_host.tolist()
-        if vals[1]:
-            try:
-                self.engine.check_error(vals[1])
-            except EPTimeoutFromDevice as exc:
-                self._raise_device_error(exc)
+        self._raise_device_error_word(vals[1])
         if bad_ids:
             self._raise_bad_ids(vals)
         return vals, npk
+
+    def _raise_device_error_word(self, err: int) -> None:
+        """Raise :class:`EPTimeoutError` for a nonzero device error word (from a dispatch's ``info``)."""
+        if err:
+            try:
+                self.engine.check_error(err)
+            except EPTimeoutFromDevice as exc:
+                self._raise_device_error(exc)
+
+    def _rows_speculatively(
+        self,
+        input: torch.Tensor,
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None,
+        src: torch.Tensor,
+        info: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        ahead_bufs: dict[str, torch.Tensor],
+        *,
+        caller: bool,
+        mark: Callable[[tuple[str, float]], None] | None,
+    ) -> list[int]:
+        """The row kernel of a large layer's exact-shape dispatch launched before the host has the
+        counts, into ``ahead_bufs`` (row-sized outputs allocated from the last calls' counts; the
+        kernel drops rows past their end). The host waits only for the counts' copy on the side stream.
+        Puts the row-sized outputs of exactly ``R`` rows into ``bufs`` (views of ``ahead_bufs`` when the
+        rows fit, else new outputs that a second writing pass fills) and returns ``info``'s values."""
+        eng = self.engine
+        has_w = weight is not None
+        ahead = ahead_bufs["out"].shape[0]
+        self.speculative_calls += 1
+        self._counts_done.record(self._current_stream())
+        self._info_stream.wait_event(self._counts_done)
+        with torch.cuda.stream(self._info_stream):
+            self._info_host.copy_(info, non_blocking=True)
+            self._info_copied.record(self._info_stream)
+        eng.launch_dispatch(
+            input, exp_indices, weight, src, ahead_bufs["out"], ahead_bufs["out_w"], ahead_bufs["out_e"],
+            bufs["tab"], bufs["skip"], bufs["scat"], caller_scatter=caller, info=info,
+        )  # fmt: skip
+        if mark:
+            mark(("rows launched", time.perf_counter()))
+        self._info_copied.synchronize()
+        if mark:
+            mark(("wait returned", time.perf_counter()))
+        vals = self._info_host.tolist()
+        self._raise_device_error_word(vals[1])
+        rows = vals[0]
+        if rows <= ahead:
+            bufs.update(
+                out=ahead_bufs["out"][:rows],
+                out_w=ahead_bufs["out_w"][:rows] if has_w else ahead_bufs["out_w"],
+                out_e=ahead_bufs["out_e"][:rows],
+            )
+            if not _rows_fit_ahead(rows, ahead):  # (too few: the next call's outputs shrink)
+                self._rows_ahead = _rows_to_allocate_ahead(rows, eng.worst_case_rows())
+        else:
+            # the writing half again, into exact outputs: it rewrites every row, the slot table and the
+            # scatter indices (the received rows stay in the heap until this rank's next dispatch)
+            self.speculative_overflows += 1
+            bufs.update(eng.alloc_dispatch_rows(rows, with_weights=has_w, dtype=input.dtype))
+            eng.launch_dispatch(
+                input, exp_indices, weight, src, bufs["out"], bufs["out_w"], bufs["out_e"], bufs["tab"],
+                bufs["skip"], bufs["scat"], caller_scatter=caller, info=info, send=False, rewrite=True,
+            )  # fmt: skip
+            self._rows_ahead = _rows_to_allocate_ahead(rows, eng.worst_case_rows())
+            if mark:
+                mark(("rows rewritten", time.perf_counter()))
+        self._raise_bad_ids(vals)
+        return vals
 
     def _current_stream(self) -> torch.cuda.Stream:
         """This device's current stream (``torch.cuda.current_stream``, without building a new object

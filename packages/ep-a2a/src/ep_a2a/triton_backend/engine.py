@@ -740,11 +740,17 @@ class TritonEPEngine:
         counts: bool = False,
         send: bool = True,
         recv: bool = True,
+        rewrite: bool = False,
         remote: dict[str, torch.Tensor] | None = None,
         npk_send: Sequence[int] | None = None,
     ) -> None:
         """Step 3. With ``counts=True`` step 2 runs inside this launch (program 0 builds the receive
         layout, the others wait for it): the launch after :meth:`launch_layout` in static mode.
+
+        ``rewrite=True`` (with ``send=False``, ``counts=False``): the writing half again, this rank's own
+        rows included, after a pass into outputs too small for the rows (which dropped the rows past
+        their end): the speculative exact-shape flow's overflow. The received rows stay in the heap
+        until this rank's next dispatch starts, so they can be expanded again.
 
         With remote peers (``counts=False`` only): the row kernel stages the records for remote peers;
         with ``send`` the host then puts ``npk_send[r]`` records (host copy of ``remote["pinfo"][:W]``) to
@@ -758,6 +764,11 @@ class TritonEPEngine:
             )
         if self.remote_ranks and send and npk_send is None:
             raise ValueError("npk_send (records per remote destination, on the host) is needed to send")
+        if rewrite and (send or counts or not recv or self.remote_ranks or self.ce_pieces):
+            raise ValueError(
+                "rewrite=True is a writing pass of its own: send=False, recv=True, counts=False, and no "
+                "remote peers or copy-engine pieces"
+            )
         pk, rtok, pinfo = self._rb(remote)
         has_w = weight is not None
         split = self.send_ctas
@@ -773,6 +784,7 @@ class TritonEPEngine:
                 send,
                 recv,
                 counts,
+                rewrite,
                 split,
                 self.steal,
                 out.dtype,
@@ -844,6 +856,7 @@ class TritonEPEngine:
                 SPLIT=bool(split),
                 SEND_LOCAL=not split,
                 STEAL=bool(split) and self.steal,
+                REWRITE=rewrite,
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(split, 1),
@@ -1175,12 +1188,18 @@ class TritonEPEngine:
 
     # ------------------------------------------------------------------ AOT
     def precompile(
-        self, *, dtypes: tuple[torch.dtype, ...] = (), dispatch_counts: tuple[bool, ...] = (True, False)
+        self,
+        *,
+        dtypes: tuple[torch.dtype, ...] = (),
+        dispatch_counts: tuple[bool, ...] = (True, False),
+        rewrite: bool = False,
     ) -> int:
         """Compile every kernel variant the layer uses, without launching. Returns the variant count.
 
         ``dtypes``: extra row dtypes of combine; ``dispatch_counts``: the dispatch kernel with the
-        receive layout merged in (static mode, small exact calls) and/or without (large exact calls).
+        receive layout merged in (static mode, small exact calls) and/or without (large exact calls);
+        ``rewrite``: also the writing pass of :meth:`launch_dispatch`'s ``rewrite=True`` (the speculative
+        exact-shape flow's overflow; local peers only).
         With remote peers only the unmerged dispatch exists, combine and barrier run as a sending and a
         receiving launch, and the pack and expand kernels are compiled too.
         """
@@ -1261,7 +1280,11 @@ class TritonEPEngine:
             )
             n += 1
         nw = self.num_warps
-        for has_w, cs, counts in itertools.product((True, False), (False, True), dispatch_counts):
+        # (counts, send, rewrite) of each row-kernel variant
+        row_variants = [(counts, True, False) for counts in dispatch_counts]
+        if rewrite and not remote and not self.ce_pieces:
+            row_variants.append((False, False, True))
+        for has_w, cs, (counts, send, rw) in itertools.product((True, False), (False, True), row_variants):
             K._dispatch_kernel.warmup(
                 self.token_dtype,
                 i32,
@@ -1295,13 +1318,14 @@ class TritonEPEngine:
                 LP=self.lp,
                 HAS_W=has_w,
                 CALLER_SCATTER=cs,
-                SEND=True,
+                SEND=send,
                 RECV=True,
-                LAG=0 if self.send_ctas else 1,
+                LAG=0 if (self.send_ctas or not send) else 1,
                 COUNTS=counts,
                 SPLIT=bool(self.send_ctas),
                 SEND_LOCAL=not self.send_ctas,
                 STEAL=bool(self.send_ctas) and self.steal,
+                REWRITE=rw,
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(self.send_ctas, 1),

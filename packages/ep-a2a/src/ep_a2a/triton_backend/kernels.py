@@ -898,6 +898,8 @@ def _dispatch_kernel(
     CE: tl.constexpr = False,  # the peers' rows and metadata arrive by copy-engine copies (not SPLIT)
     STEAL: tl.constexpr = False,  # SPLIT: chunks claimed from shared counters, each role taking the
     # other's once its own queue is empty (instead of the fixed chunk c = q + j * stride)
+    REWRITE: tl.constexpr = False,  # a writing pass of its own (not SEND) that also writes this rank's
+    # own rows: the second pass of a speculative exact-shape dispatch, into outputs re-sized after it
     ce_tokens=1,  # tokens per copy-engine piece (a multiple of CH): one flag per piece and source
     WHOLE_ROW: tl.constexpr = False,  # decode-sized chunks: BH >= H, whole rows held in registers
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
@@ -1082,8 +1084,8 @@ def _dispatch_kernel(
             if j < 4:
                 _stamp(prb, 2 + 2 * j, PROBE)
             if RECV:
-                # this rank's own rows into its output (the senders only feed the peers)
-                if SPLIT:  # noqa: SIM102 (a constexpr test, then a runtime one)
+                # this rank's own rows into its output (the senders only feed the peers, or nothing sends)
+                if SPLIT or REWRITE:  # noqa: SIM102 (a constexpr test, then a runtime one)
                     if (cw >= 0) & (cw < n_chunks_send):
                         _dispatch_send_chunk(
                             cw,

@@ -176,6 +176,7 @@ class SimWorld:
         send_ctas: int = 0,
         steal: bool = False,
         whole: bool = False,
+        speculative_rows: int | None = None,
     ) -> list[SimDispatch]:
         """Run one dispatch on every rank (ranks in ``skip_ranks`` never run: their peers time out).
 
@@ -187,6 +188,9 @@ class SimWorld:
         time, so the first program of each half claims every chunk: this checks the claiming, the
         role switches and the counters' reset, not the balance). ``whole``: one launch that both sends
         and writes, as on a GPU (only on one rank, where nothing waits for a peer).
+        ``speculative_rows`` (with ``merged=False``): the speculative exact-shape flow, outputs of that
+        many rows chosen before the counts are known; a rank that receives more gets exact outputs and
+        a second writing pass (``rewrite=True``), as the backend does.
         """
         if whole and self.world_size != 1:
             raise ValueError(
@@ -197,6 +201,8 @@ class SimWorld:
             eng.steal = steal
         if self.remote and merged:
             raise ValueError("remote peers: only the unmerged flow (merged=False)")
+        if speculative_rows is not None and (merged or whole or self.remote):
+            raise ValueError("speculative_rows: a variant of the unmerged flow (merged=False), local peers")
         caller = full_scatter_indices is not None
         ranks = [r for r in range(self.world_size) if r not in skip_ranks]
         infos = {r: torch.full((self.engines[r].info_len,), -9, dtype=torch.int64) for r in ranks}
@@ -218,35 +224,53 @@ class SimWorld:
             bufs[r] = eng.alloc_dispatch_fixed(inputs[r].shape[0])
             if merged:  # worst-case rows: the receive layout is only known inside the launch
                 rows = eng.worst_case_rows()
+            elif speculative_rows is not None:  # (chosen before the counts, which are not read here)
+                rows = speculative_rows
             else:
                 eng.check_error(int(infos[r][1]))
                 rows = int(infos[r][0])
             bufs[r].update(eng.alloc_dispatch_rows(rows, with_weights=weights is not None))
             for buf in bufs[r].values():  # poison: every element read must have been written
                 buf.fill_(float("nan") if buf.is_floating_point() else -7)
+
+        def rows_pass(r: int, send: bool, recv: bool, rewrite: bool = False) -> None:
+            b = bufs[r]
+            src = full_scatter_indices[r] if caller else self.engines[r].pos  # type: ignore[index]
+            self.engines[r].launch_dispatch(
+                inputs[r],
+                exp_indices[r],
+                weights[r] if weights is not None else None,
+                src,
+                b["out"],
+                b["out_w"],
+                b["out_e"],
+                b["tab"],
+                b["skip"],
+                b["scat"],
+                caller_scatter=caller,
+                info=infos[r],
+                counts=merged,
+                send=send,
+                recv=recv,
+                rewrite=rewrite,
+                remote=rbufs[r],
+                npk_send=self._npk(rbufs[r], 0),
+            )
+
         for send, recv in ((True, True),) if whole else ((True, False), (False, True)):
             for r in ranks:
-                b = bufs[r]
-                src = full_scatter_indices[r] if caller else self.engines[r].pos  # type: ignore[index]
-                self.engines[r].launch_dispatch(
-                    inputs[r],
-                    exp_indices[r],
-                    weights[r] if weights is not None else None,
-                    src,
-                    b["out"],
-                    b["out_w"],
-                    b["out_e"],
-                    b["tab"],
-                    b["skip"],
-                    b["scat"],
-                    caller_scatter=caller,
-                    info=infos[r],
-                    counts=merged,
-                    send=send,
-                    recv=recv,
-                    remote=rbufs[r],
-                    npk_send=self._npk(rbufs[r], 0),
-                )
+                rows_pass(r, send, recv)
+        if speculative_rows is not None:
+            for r in ranks:
+                rows = int(infos[r][0])
+                if rows > speculative_rows:
+                    eng = self.engines[r]
+                    bufs[r].update(eng.alloc_dispatch_rows(rows, with_weights=weights is not None))
+                    # poison all of it: the second pass must rewrite the slot table and the scatter
+                    # indices too (the first marked the rows past the outputs' end as absent)
+                    for buf in bufs[r].values():
+                        buf.fill_(float("nan") if buf.is_floating_point() else -7)
+                    rows_pass(r, False, True, rewrite=True)
         results = []
         for r in ranks:
             eng, b = self.engines[r], bufs[r]
