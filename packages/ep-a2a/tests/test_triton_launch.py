@@ -9,6 +9,7 @@ no interpreter) and compares the arguments, call by call, for every launch the b
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,10 +36,14 @@ class _FakeKernel:
     def __init__(self, real, log: list) -> None:
         self.arg_names = real.arg_names
         self.log = log
+        # (arguments left out take their defaults, as Triton's binder does)
+        params = inspect.signature(real.fn).parameters.values()
+        self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
     def __getitem__(self, grid):
         def launch(**named):
             named.pop("num_warps")
+            named = {**self.defaults, **named}
             self.log.append(("triton", grid, [named[n] for n in self.arg_names]))
             return _FakeCompiled(self.log)
 
@@ -321,9 +326,32 @@ def test_precompile_binds_every_kernel(monkeypatch, remote):
     # the speculative flow's rewriting pass: one more row-kernel variant per (weights, caller scatter)
     rows_before = log.count("_dispatch_kernel")
     log.clear()
-    n = eng.precompile(dtypes=(torch.float32,), rewrite=True)
+    n = eng.precompile(dtypes=(torch.float32,), rewrite=True, mirror=True)
     assert n == len(log)
-    assert log.count("_dispatch_kernel") == rows_before + (0 if remote else 4)
+    # ... and the merged variant that copies info to the host mirror: one more again
+    assert log.count("_dispatch_kernel") == rows_before + (0 if remote else 8)
+
+
+def test_mirror_poll_is_bounded():
+    """The exact-shape flows without a host wait poll the host mirror of ``info``: a row kernel that
+    never writes it raises ``EPTimeoutError`` after the bound, and the backend refuses later calls (a late
+    write could land in a later call's poll)."""
+    import numpy as np
+
+    from ep_a2a import EPTimeoutError
+    from ep_a2a.triton_backend import TritonBackend
+
+    be = object.__new__(TritonBackend)
+    be.config = SimpleNamespace(rank=3)
+    be._mirror_np = np.zeros(6, dtype=np.int64)
+    be._mirror_wait_s = 0.01
+    be._mirror_lost = None
+    be._finalized = False
+    with pytest.raises(EPTimeoutError, match="rank 3's row kernel") as exc:
+        be._read_mirror()
+    assert exc.value.missing_ranks == [3]
+    with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
+        be._check_usable()
 
 
 # ------------------------------------------------------------------ direct launches through Triton's C launcher

@@ -276,11 +276,12 @@ def test_split_with_several_senders(world, ns, num_sm, send_ctas, steal):
     ("send_ctas", "steal"), [(0, False), (1, False), (1, True)], ids=["no-split", "split", "split-steal"]
 )
 def test_speculative_rows_match_reference(send_ctas, steal):
-    """The speculative exact-shape flow: the row kernel writes into outputs sized before the counts are
-    known (dropping rows past their end); a rank that receives more rows gets exact outputs and a second
-    writing pass (``rewrite=True``), which must rewrite every row, this rank's own included, the slot
-    table and the scatter indices (the simulation poisons them first). Capacities: 0 rows (every rank
-    overflows), between the ranks' row counts (some do), the worst case (none does)."""
+    """The speculative exact-shape flow: the merged row kernel writes into outputs sized before the
+    counts are known (dropping rows past their end) and copies ``info`` to the host mirror; a rank that
+    receives more rows gets exact outputs and a second writing pass (``rewrite=True``), which must
+    rewrite every row, this rank's own included, the slot table and the scatter indices (the simulation
+    poisons them first). Capacities: 0 rows (every rank overflows), between the ranks' row counts (some
+    do), the worst case (none does: the small layers' flow)."""
     world, ns, hidden, topk, experts = 3, [6, 5, 7], 24, 3, 6
     gen = torch.Generator().manual_seed(31 + send_ctas + steal)
     sim = SimWorld(
@@ -297,13 +298,19 @@ def test_speculative_rows_match_reference(send_ctas, steal):
         cap = {"none": 0, "middle": rows[1], "worst": sim.engines[0].worst_case_rows()}[which]
         if which == "middle":
             assert rows[0] <= cap < rows[-1], rows  # (the routing is skewed: some rank overflows)
-        res = sim.dispatch(xs, ids, ws, send_ctas=send_ctas, steal=steal, speculative_rows=cap)
+        res = sim.dispatch(
+            xs, ids, ws, merged=True, send_ctas=send_ctas, steal=steal, speculative_rows=cap, mirror=True
+        )
         _check_dispatch(res, ref, scat, True)
+        for r in res:  # the host copy: info, then the epoch
+            assert r.mirror is not None
+            assert r.mirror[-1] > 0
+            assert torch.equal(r.mirror[:-1], r.info)
         _check_skip_mapping(res, ids, experts // world)
         ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
         _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)
     with pytest.raises(ValueError, match="speculative_rows"):
-        sim.dispatch(xs, ids, ws, merged=True, speculative_rows=0)
+        sim.dispatch(xs, ids, ws, merged=False, speculative_rows=0)
 
 
 def test_rewrite_pass_needs_a_writing_pass():

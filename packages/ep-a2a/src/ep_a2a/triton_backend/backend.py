@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -229,15 +228,16 @@ class TritonBackend(A2ABackend):
             the row kernel, into outputs of ``R`` rows: views of outputs allocated before the wait,
             sized from the last calls' counts plus an eighth, when ``R`` fills at least three quarters
             of them; else allocated after the wait. All give the same results.
-        speculative_rows: the large layers' exact-shape dispatch launches the row kernel before the
-            host has the counts, into the outputs allocated ahead (see ``overlap_bytes``; every call
-            after the first), and the host waits only for the counts, copied on a side stream: the GPU
-            no longer idles while the host waits, allocates and launches. A call whose ``R`` rows fit
-            returns views of the first ``R`` (also when they fill less than three quarters: the next
-            call's guess shrinks); one that receives more gets exact outputs and a second writing pass
-            (the same results, later; counted in :attr:`speculative_overflows` out of
+        speculative_rows: the large layers' exact-shape dispatch runs as the small layers' does after
+            the first call: the receive layout inside the row kernel, launched before the host has the
+            counts, into outputs allocated from the last calls' counts plus an eighth (not the worst
+            case), so the GPU no longer idles while the host waits, allocates and launches. A call whose
+            ``R`` rows fit gets views of the first ``R`` (also when they fill less than three quarters:
+            the next call's outputs shrink); one that receives more gets exact outputs and a second
+            writing pass (the same results, later; counted in :attr:`speculative_overflows` out of
             :attr:`speculative_calls`). Default on; not with remote peers or ``copy_engine`` (their
             counts size the host's puts and copies).
+
         send_ctas: CTAs of the dispatch row kernel that only send to the peers while the others only
             write this rank's output; 0: every CTA does both, in turn. Default (``None``): ``num_sm // 3``
             when ``num_sm >= 64`` and ``max_tokens > 1024``, else 0 (measured on 2x H200 at 4096 tokens
@@ -269,6 +269,12 @@ class TritonBackend(A2ABackend):
         force_remote: treat ranks outside this rank's block of ``force_remote`` consecutive ranks as on
             another node (the remote path on one node, for testing); default from
             ``$EP_A2A_TRITON_FORCE_REMOTE``, else the real nodes (blocks of ``local_world_size``).
+
+    The exact-shape flows that launch the row kernel before the counts are known read them from a
+    pinned host copy of the call's ``info`` that the row kernel's program 0 writes once the receive
+    layout is built (the host polls it, bounded by ``2 * timeout_s + 10`` s), not by synchronizing the
+    stream: the call returns while the rows still move, and a device-side timeout inside that row
+    kernel is raised by the next call (or :meth:`check_errors`), as the other flows' are.
 
     Ranks on other nodes (``world_size > local_world_size``, or forced): every transfer to them is staged
     in this rank's heap, one record per (token, destination rank), and moved by an NVSHMEM host-side
@@ -440,13 +446,15 @@ class TritonBackend(A2ABackend):
         self.speculative_rows = self.speculative_rows and not copy_engine
         #: speculative exact-shape dispatches, and those whose rows outgrew the outputs allocated ahead
         self.speculative_calls = self.speculative_overflows = 0
-        if self.speculative_rows:
-            # the counts' copy to the host goes on a side stream, so that the row kernel follows the
-            # counts kernel directly (programmatic dependent launch) while the host waits for the copy
-            self._info_stream = torch.cuda.Stream(self.device)
-            self._counts_done = torch.cuda.Event()
-            self._info_copied = torch.cuda.Event()
+        # the flows without a host wait before the row kernel read its counts from this pinned host
+        # copy of info (program 0 writes it, then the epoch in the last element), not by a stream sync
+        self._mirror = torch.zeros(self.engine.info_len + 1, dtype=torch.int64).pin_memory()
+        self._mirror_np = self._mirror.numpy()
+        self._mirror_wait_s = 2.0 * timeout_s + 10.0
         self._finalized = False
+        #: set when the host gave up polling the mirror: a late write could then land in a later call's
+        #: poll, so the backend refuses further calls
+        self._mirror_lost: str | None = None
         self._static: dict[str, torch.Tensor] | None = None
         #: diagnostics: when a list, the exact-shape dispatch appends ``(phase, time.perf_counter())``
         #: at each step of its host path (``bench_triton.py --host-profile``)
@@ -458,6 +466,7 @@ class TritonBackend(A2ABackend):
                 dtypes=(torch.float32,),
                 dispatch_counts=(True,) if self.overlap_exact else (True, False),
                 rewrite=self.speculative_rows,
+                mirror=self.overlap_exact or self.speculative_rows,
             )
             self.aot_seconds = time.perf_counter() - t0
 
@@ -499,6 +508,8 @@ class TritonBackend(A2ABackend):
     def _check_usable(self) -> None:
         if self._finalized:
             raise RuntimeError("TritonBackend used after finalize()")
+        if self._mirror_lost is not None:
+            raise RuntimeError(f"TritonBackend unusable after an earlier failure: {self._mirror_lost}")
 
     def check_errors(self) -> None:
         """Synchronise and raise :class:`ep_a2a.EPTimeoutError` if a device-side wait ran out."""
@@ -537,23 +548,43 @@ class TritonBackend(A2ABackend):
         eng.launch_layout(exp_indices, caller_scatter=caller, info=info, remote=rb)
         if mark:
             mark(("layout launched", time.perf_counter()))
-        if self.overlap_exact:
-            # one launch more and no host wait in between: the rows land in worst-case buffers while
-            # the host waits for the counts, and the caller gets views of their first R rows
-            bufs = eng.alloc_dispatch_outputs(n, eng.worst_case_rows(), with_weights=has_w, dtype=input.dtype)
+        speculate = self.speculative_rows and self._rows_ahead > 0
+        if self.overlap_exact or speculate:
+            # the receive layout inside the row kernel and no host wait before it: the rows land in
+            # buffers allocated before the counts are known (worst-case ones for small layers; for large
+            # ones sized from the last calls' counts), and the caller gets views of their first R rows
+            if self.overlap_exact:
+                bufs = eng.alloc_dispatch_outputs(
+                    n, eng.worst_case_rows(), with_weights=has_w, dtype=input.dtype
+                )
+            else:
+                self.speculative_calls += 1
+                bufs = eng.alloc_dispatch_outputs(n, self._rows_ahead, with_weights=has_w, dtype=input.dtype)
             if mark:
                 mark(("buffers allocated", time.perf_counter()))
             if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
                 eng.launch_counts(info)
+            mirror = self._mirror if not eng.ce_pieces else None
+            if mirror is not None:
+                self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
             eng.launch_dispatch(
                 input, exp_indices, weight, src, bufs["out"], bufs["out_w"], bufs["out_e"], bufs["tab"],
                 bufs["skip"], bufs["scat"], caller_scatter=caller, info=info, counts=not eng.ce_pieces,
+                mirror=mirror,
             )  # fmt: skip
             if mark:
                 mark(("rows launched", time.perf_counter()))
-            vals, npk = self._read_info(info)  # (npk: None, no remote peers here)
+            vals, npk = (self._read_mirror(), None) if mirror is not None else self._read_info(info)
+            if mark:
+                mark(("counts read", time.perf_counter()))
             rows = vals[0]
+            if speculate:
+                self._fit_speculative_rows(rows, input, exp_indices, weight, src, info, bufs, caller=caller)
+                if mark:
+                    mark(("rows fitted", time.perf_counter()))
             out, out_w, out_e = bufs["out"][:rows], bufs["out_w"][:rows], bufs["out_e"][:rows]
+            if not has_w:
+                out_w = bufs["out_w"]
         else:
             eng.launch_counts(info, remote=rb)
             if mark:
@@ -565,36 +596,29 @@ class TritonBackend(A2ABackend):
             bufs = eng.alloc_dispatch_fixed(n)
             ahead = self._rows_ahead
             spec = eng.alloc_dispatch_rows(ahead, with_weights=has_w, dtype=input.dtype) if ahead else None
-            if spec is not None and self.speculative_rows:
-                vals = self._rows_speculatively(
-                    input, exp_indices, weight, src, info, bufs, spec, caller=caller, mark=mark
-                )
-                rows, npk = vals[0], None
-                out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
-            else:
-                # the one small device-to-host copy: receive counts (and the error word) size the output
-                # (with remote peers also the records to send and receive, which size the puts)
-                vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
-                rows = vals[0]
-                if spec is not None and _rows_fit_ahead(rows, ahead):
-                    bufs.update(
-                        out=spec["out"][:rows], out_w=spec["out_w"][:rows] if has_w else spec["out_w"],
-                        out_e=spec["out_e"][:rows],
-                    )  # fmt: skip
-                else:
-                    bufs.update(eng.alloc_dispatch_rows(rows, with_weights=has_w, dtype=input.dtype))
-                    self._rows_ahead = _rows_to_allocate_ahead(rows, eng.worst_case_rows())
-                if mark:
-                    mark(("buffers allocated", time.perf_counter()))
-                out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
-                eng.launch_dispatch(
-                    input, exp_indices, weight, src, out, out_w, out_e, bufs["tab"], bufs["skip"], bufs["scat"],
-                    caller_scatter=caller, info=info, remote=rb, npk_send=npk[:W] if npk is not None else None,
+            # the one small device-to-host copy: receive counts (and the error word) size the output
+            # (with remote peers also the records to send and receive, which size the puts)
+            vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
+            rows = vals[0]
+            if spec is not None and _rows_fit_ahead(rows, ahead):
+                bufs.update(
+                    out=spec["out"][:rows], out_w=spec["out_w"][:rows] if has_w else spec["out_w"],
+                    out_e=spec["out_e"][:rows],
                 )  # fmt: skip
-                if mark:
-                    mark(("rows launched", time.perf_counter()))
-                # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)
-                self._raise_bad_ids(vals)
+            else:
+                bufs.update(eng.alloc_dispatch_rows(rows, with_weights=has_w, dtype=input.dtype))
+                self._rows_ahead = _rows_to_allocate_ahead(rows, eng.worst_case_rows())
+            if mark:
+                mark(("buffers allocated", time.perf_counter()))
+            out, out_w, out_e = bufs["out"], bufs["out_w"], bufs["out_e"]
+            eng.launch_dispatch(
+                input, exp_indices, weight, src, out, out_w, out_e, bufs["tab"], bufs["skip"], bufs["scat"],
+                caller_scatter=caller, info=info, remote=rb, npk_send=npk[:W] if npk is not None else None,
+            )  # fmt: skip
+            if mark:
+                mark(("rows launched", time.perf_counter()))
+            # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)
+            self._raise_bad_ids(vals)
         self._combine_allowed = True
         scat = (
             bufs["scat"]
@@ -660,67 +684,56 @@ class TritonBackend(A2ABackend):
             except EPTimeoutFromDevice as exc:
                 self._raise_device_error(exc)
 
-    def _rows_speculatively(
+    def _read_mirror(self) -> list[int]:
+        """``info``'s values from the host mirror the row kernel's program 0 writes (polled, bounded: a
+        device-side wait runs out first and is reported through the error word). Raises as
+        :meth:`_read_info` does."""
+        m = self._mirror_np
+        if m[-1] == 0:
+            deadline = time.monotonic() + self._mirror_wait_s
+            while m[-1] == 0:
+                if time.monotonic() > deadline:
+                    self._mirror_lost = (
+                        f"dispatch: rank {self.config.rank}'s row kernel did not publish its receive "
+                        f"counts within {self._mirror_wait_s:.0f} s (the GPU is stuck or far behind the host)"
+                    )
+                    raise EPTimeoutError(
+                        self._mirror_lost, step="dispatch/counts", missing_ranks=[self.config.rank]
+                    )
+        vals = m[:-1].tolist()
+        self._raise_device_error_word(vals[1])
+        self._raise_bad_ids(vals)
+        return vals
+
+    def _fit_speculative_rows(
         self,
+        rows: int,
         input: torch.Tensor,
         exp_indices: torch.Tensor,
         weight: torch.Tensor | None,
         src: torch.Tensor,
         info: torch.Tensor,
         bufs: dict[str, torch.Tensor],
-        ahead_bufs: dict[str, torch.Tensor],
         *,
         caller: bool,
-        mark: Callable[[tuple[str, float]], None] | None,
-    ) -> list[int]:
-        """The row kernel of a large layer's exact-shape dispatch launched before the host has the
-        counts, into ``ahead_bufs`` (row-sized outputs allocated from the last calls' counts; the
-        kernel drops rows past their end). The host waits only for the counts' copy on the side stream.
-        Puts the row-sized outputs of exactly ``R`` rows into ``bufs`` (views of ``ahead_bufs`` when the
-        rows fit, else new outputs that a second writing pass fills) and returns ``info``'s values."""
+    ) -> None:
+        """After a speculative dispatch of ``rows`` rows into ``bufs``: when they outgrew the outputs
+        (the kernel dropped the rows past their end), new outputs of exactly ``rows`` rows replace them in
+        ``bufs`` and a second writing pass fills them; the next call's guess follows ``rows`` when they
+        did not fit or filled less than three quarters."""
         eng = self.engine
-        has_w = weight is not None
-        ahead = ahead_bufs["out"].shape[0]
-        self.speculative_calls += 1
-        self._counts_done.record(self._current_stream())
-        self._info_stream.wait_event(self._counts_done)
-        with torch.cuda.stream(self._info_stream):
-            self._info_host.copy_(info, non_blocking=True)
-            self._info_copied.record(self._info_stream)
-        eng.launch_dispatch(
-            input, exp_indices, weight, src, ahead_bufs["out"], ahead_bufs["out_w"], ahead_bufs["out_e"],
-            bufs["tab"], bufs["skip"], bufs["scat"], caller_scatter=caller, info=info,
-        )  # fmt: skip
-        if mark:
-            mark(("rows launched", time.perf_counter()))
-        self._info_copied.synchronize()
-        if mark:
-            mark(("wait returned", time.perf_counter()))
-        vals = self._info_host.tolist()
-        self._raise_device_error_word(vals[1])
-        rows = vals[0]
-        if rows <= ahead:
-            bufs.update(
-                out=ahead_bufs["out"][:rows],
-                out_w=ahead_bufs["out_w"][:rows] if has_w else ahead_bufs["out_w"],
-                out_e=ahead_bufs["out_e"][:rows],
-            )
-            if not _rows_fit_ahead(rows, ahead):  # (too few: the next call's outputs shrink)
-                self._rows_ahead = _rows_to_allocate_ahead(rows, eng.worst_case_rows())
-        else:
-            # the writing half again, into exact outputs: it rewrites every row, the slot table and the
-            # scatter indices (the received rows stay in the heap until this rank's next dispatch)
+        ahead = bufs["out"].shape[0]
+        if rows > ahead:
+            # it rewrites every row, the slot table and the scatter indices (the received rows stay in
+            # the heap until this rank's next dispatch starts)
             self.speculative_overflows += 1
-            bufs.update(eng.alloc_dispatch_rows(rows, with_weights=has_w, dtype=input.dtype))
+            bufs.update(eng.alloc_dispatch_rows(rows, with_weights=weight is not None, dtype=input.dtype))
             eng.launch_dispatch(
                 input, exp_indices, weight, src, bufs["out"], bufs["out_w"], bufs["out_e"], bufs["tab"],
                 bufs["skip"], bufs["scat"], caller_scatter=caller, info=info, send=False, rewrite=True,
             )  # fmt: skip
+        if not _rows_fit_ahead(rows, ahead):
             self._rows_ahead = _rows_to_allocate_ahead(rows, eng.worst_case_rows())
-            if mark:
-                mark(("rows rewritten", time.perf_counter()))
-        self._raise_bad_ids(vals)
-        return vals
 
     def _current_stream(self) -> torch.cuda.Stream:
         """This device's current stream (``torch.cuda.current_stream``, without building a new object

@@ -537,6 +537,13 @@ class TritonEPEngine:
         keep = [a for i, a in enumerate(full) if i not in var_idx and isinstance(a, torch.Tensor)]
         self._plans[key] = (launch, template, var_idx, as_addresses, keep)
 
+    def _mirror_kw(self, on: bool) -> dict:
+        """Constexprs of the row kernel about copying ``info`` to the host (``mirror``); every launch
+        passes them (the cached launch path lists every argument by name)."""
+        if not on:
+            return dict(MIRROR=False, INFO_LEN=1, INFO_P2=1)
+        return dict(MIRROR=True, INFO_LEN=self.info_len, INFO_P2=_next_pow2(self.info_len))
+
     @staticmethod
     def _align(*tensors: torch.Tensor) -> tuple:
         """Specialisation of caller tensors: dtype and 16-byte alignment (buffers of ours are aligned)."""
@@ -741,6 +748,7 @@ class TritonEPEngine:
         send: bool = True,
         recv: bool = True,
         rewrite: bool = False,
+        mirror: torch.Tensor | None = None,
         remote: dict[str, torch.Tensor] | None = None,
         npk_send: Sequence[int] | None = None,
     ) -> None:
@@ -751,6 +759,10 @@ class TritonEPEngine:
         rows included, after a pass into outputs too small for the rows (which dropped the rows past
         their end): the speculative exact-shape flow's overflow. The received rows stay in the heap
         until this rank's next dispatch starts, so they can be expanded again.
+
+        ``mirror`` (with ``counts=True``): pinned host int64 ``[info_len + 1]``; program 0 copies ``info``
+        into it once the receive layout is known, then writes the dispatch's epoch (nonzero) into its
+        last element: the host polls that element (zeroed before the launch) instead of synchronizing.
 
         With remote peers (``counts=False`` only): the row kernel stages the records for remote peers;
         with ``send`` the host then puts ``npk_send[r]`` records (host copy of ``remote["pinfo"][:W]``) to
@@ -769,6 +781,12 @@ class TritonEPEngine:
                 "rewrite=True is a writing pass of its own: send=False, recv=True, counts=False, and no "
                 "remote peers or copy-engine pieces"
             )
+        if mirror is not None and not (counts and recv):
+            raise ValueError("mirror: program 0's receive layout writes it (counts=True, recv=True)")
+        if mirror is not None and (mirror.dtype != torch.int64 or mirror.numel() != self.info_len + 1):
+            raise ValueError(
+                f"mirror: want int64 [{self.info_len + 1}], got {mirror.dtype} {list(mirror.shape)}"
+            )
         pk, rtok, pinfo = self._rb(remote)
         has_w = weight is not None
         split = self.send_ctas
@@ -785,6 +803,7 @@ class TritonEPEngine:
                 recv,
                 counts,
                 rewrite,
+                mirror is not None,
                 split,
                 self.steal,
                 out.dtype,
@@ -810,6 +829,7 @@ class TritonEPEngine:
                 "cap_rows",
                 "pk_ptr",
                 "pinfo_ptr",
+                "mirror_addr",
             ),
             (
                 xs,
@@ -827,6 +847,7 @@ class TritonEPEngine:
                 out.shape[0],
                 pk,
                 pinfo,
+                mirror.data_ptr() if mirror is not None else 0,
             ),
             lambda: dict(
                 offs_ptr=self.offsets,
@@ -857,6 +878,7 @@ class TritonEPEngine:
                 SEND_LOCAL=not split,
                 STEAL=bool(split) and self.steal,
                 REWRITE=rewrite,
+                **self._mirror_kw(mirror is not None),
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(split, 1),
@@ -1193,13 +1215,15 @@ class TritonEPEngine:
         dtypes: tuple[torch.dtype, ...] = (),
         dispatch_counts: tuple[bool, ...] = (True, False),
         rewrite: bool = False,
+        mirror: bool = False,
     ) -> int:
         """Compile every kernel variant the layer uses, without launching. Returns the variant count.
 
         ``dtypes``: extra row dtypes of combine; ``dispatch_counts``: the dispatch kernel with the
         receive layout merged in (static mode, small exact calls) and/or without (large exact calls);
         ``rewrite``: also the writing pass of :meth:`launch_dispatch`'s ``rewrite=True`` (the speculative
-        exact-shape flow's overflow; local peers only).
+        exact-shape flow's overflow; local peers only); ``mirror``: also the merged variant that copies
+        ``info`` to the host (:meth:`launch_dispatch`'s ``mirror``; local peers only).
         With remote peers only the unmerged dispatch exists, combine and barrier run as a sending and a
         receiving launch, and the pack and expand kernels are compiled too.
         """
@@ -1280,11 +1304,16 @@ class TritonEPEngine:
             )
             n += 1
         nw = self.num_warps
-        # (counts, send, rewrite) of each row-kernel variant
-        row_variants = [(counts, True, False) for counts in dispatch_counts]
-        if rewrite and not remote and not self.ce_pieces:
-            row_variants.append((False, False, True))
-        for has_w, cs, (counts, send, rw) in itertools.product((True, False), (False, True), row_variants):
+        # (counts, send, rewrite, mirror) of each row-kernel variant
+        row_variants = [(counts, True, False, False) for counts in dispatch_counts]
+        if not remote and not self.ce_pieces:
+            if rewrite:
+                row_variants.append((False, False, True, False))
+            if mirror:
+                row_variants.append((True, True, False, True))
+        for has_w, cs, (counts, send, rw, mi) in itertools.product(
+            (True, False), (False, True), row_variants
+        ):
             K._dispatch_kernel.warmup(
                 self.token_dtype,
                 i32,
@@ -1326,6 +1355,9 @@ class TritonEPEngine:
                 SEND_LOCAL=not self.send_ctas,
                 STEAL=bool(self.send_ctas) and self.steal,
                 REWRITE=rw,
+                # (an address typed as the launches' is: 64-bit)
+                **self._mirror_kw(mi),
+                mirror_addr=1 << 40 if mi else 0,
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
                 GS=max(self.send_ctas, 1),

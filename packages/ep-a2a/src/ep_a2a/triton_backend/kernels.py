@@ -834,6 +834,7 @@ def _dispatch_recv_chunk(
         "G",
         "GS",
         "ce_tokens",
+        "mirror_addr",
     ]
 )
 def _dispatch_kernel(
@@ -905,6 +906,10 @@ def _dispatch_kernel(
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
     probe_ptr=None,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the launch before
+    MIRROR: tl.constexpr = False,  # COUNTS: program 0 also copies info to the host (mirror_addr)
+    INFO_LEN: tl.constexpr = 1,  # MIRROR: info's length
+    INFO_P2: tl.constexpr = 1,  # MIRROR: the next power of 2
+    mirror_addr=0,  # MIRROR: address of pinned host int64 [INFO_LEN + 1] (info, then the epoch)
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -941,6 +946,16 @@ def _dispatch_kernel(
             )
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + 5, ep, sem="release", scope="gpu")
+            if MIRROR:
+                # info (with the layout kernel's invalid-id count) into pinned host memory, then this
+                # dispatch's epoch after it: the host polls that word instead of synchronizing the stream,
+                # so it has the counts while the rows still move
+                mirror = mirror_addr.to(tl.pointer_type(tl.int64))
+                ii = tl.arange(0, INFO_P2)
+                iv = tl.load(info_ptr + ii, mask=ii < INFO_LEN, other=0, cache_modifier=".cg")
+                tl.store(mirror + ii, iv, mask=ii < INFO_LEN)
+                tl.debug_barrier()
+                tl.atomic_xchg(mirror + INFO_LEN, ep, sem="release", scope="sys")
         if SPLIT:
             early = (pid > 0) & (pid < GS)
         else:

@@ -58,6 +58,8 @@ class SimDispatch:
     num_invalid_ids: int  # slots of this rank with an expert id outside [-1, E) (dropped)
     remote: dict[str, torch.Tensor] | None = None  # the remote path's per-dispatch buffers
     npk_recv: list[int] | None = None  # records received from each remote source
+    info: torch.Tensor | None = None  # [info_len] int64: the call's info (counts, error word, ...)
+    mirror: torch.Tensor | None = None  # [info_len + 1] int64: the host copy program 0 wrote, if asked
 
 
 class SimWorld:
@@ -177,6 +179,7 @@ class SimWorld:
         steal: bool = False,
         whole: bool = False,
         speculative_rows: int | None = None,
+        mirror: bool = False,
     ) -> list[SimDispatch]:
         """Run one dispatch on every rank (ranks in ``skip_ranks`` never run: their peers time out).
 
@@ -188,9 +191,11 @@ class SimWorld:
         time, so the first program of each half claims every chunk: this checks the claiming, the
         role switches and the counters' reset, not the balance). ``whole``: one launch that both sends
         and writes, as on a GPU (only on one rank, where nothing waits for a peer).
-        ``speculative_rows`` (with ``merged=False``): the speculative exact-shape flow, outputs of that
-        many rows chosen before the counts are known; a rank that receives more gets exact outputs and
-        a second writing pass (``rewrite=True``), as the backend does.
+        ``speculative_rows`` (with ``merged=True``): the speculative exact-shape flow, outputs of that
+        many rows instead of the worst case; a rank that receives more gets exact outputs and a second
+        writing pass (``rewrite=True``), as the backend does. ``mirror`` (with ``merged=True``): the row
+        kernel's program 0 also copies ``info`` into a host buffer (``SimDispatch.mirror``), as the
+        backend's exact-shape flows without a host wait ask.
         """
         if whole and self.world_size != 1:
             raise ValueError(
@@ -201,8 +206,10 @@ class SimWorld:
             eng.steal = steal
         if self.remote and merged:
             raise ValueError("remote peers: only the unmerged flow (merged=False)")
-        if speculative_rows is not None and (merged or whole or self.remote):
-            raise ValueError("speculative_rows: a variant of the unmerged flow (merged=False), local peers")
+        if (speculative_rows is not None or mirror) and not (merged and not whole and not self.remote):
+            raise ValueError(
+                "speculative_rows / mirror: variants of the merged flow (merged=True), local peers"
+            )
         caller = full_scatter_indices is not None
         ranks = [r for r in range(self.world_size) if r not in skip_ranks]
         infos = {r: torch.full((self.engines[r].info_len,), -9, dtype=torch.int64) for r in ranks}
@@ -222,16 +229,18 @@ class SimWorld:
             eng = self.engines[r]
             # (as the backend's exact-shape flow: the outputs of fixed size first, then those of R rows)
             bufs[r] = eng.alloc_dispatch_fixed(inputs[r].shape[0])
-            if merged:  # worst-case rows: the receive layout is only known inside the launch
-                rows = eng.worst_case_rows()
-            elif speculative_rows is not None:  # (chosen before the counts, which are not read here)
+            if speculative_rows is not None:  # (chosen before the counts are known)
                 rows = speculative_rows
+            elif merged:  # worst-case rows: the receive layout is only known inside the launch
+                rows = eng.worst_case_rows()
             else:
                 eng.check_error(int(infos[r][1]))
                 rows = int(infos[r][0])
             bufs[r].update(eng.alloc_dispatch_rows(rows, with_weights=weights is not None))
             for buf in bufs[r].values():  # poison: every element read must have been written
                 buf.fill_(float("nan") if buf.is_floating_point() else -7)
+
+        mirrors = {r: torch.zeros(self.engines[r].info_len + 1, dtype=torch.int64) for r in ranks}
 
         def rows_pass(r: int, send: bool, recv: bool, rewrite: bool = False) -> None:
             b = bufs[r]
@@ -249,10 +258,11 @@ class SimWorld:
                 b["scat"],
                 caller_scatter=caller,
                 info=infos[r],
-                counts=merged,
+                counts=merged and not rewrite,
                 send=send,
                 recv=recv,
                 rewrite=rewrite,
+                mirror=mirrors[r] if (mirror and recv and not rewrite) else None,
                 remote=rbufs[r],
                 npk_send=self._npk(rbufs[r], 0),
             )
@@ -292,6 +302,8 @@ class SimWorld:
                     num_invalid_ids=int(f["bad_ids"]),
                     remote=rbufs[r],
                     npk_recv=self._npk(rbufs[r], 1),
+                    info=infos[r],
+                    mirror=mirrors[r] if mirror else None,
                 )
             )
         self.check_decoy()
