@@ -224,15 +224,16 @@ def test_exact_flow_with_counts_launch(group):
 
 
 def test_exact_calls_on_side_streams(group):
-    """Exact-shape calls on other streams than the default, alternating (both flows): each waits for its
-    counts on the stream it runs on (the backend caches one stream object per stream), so every call's
-    token counts, which change from call to call, must be its own."""
+    """Exact-shape calls on other streams than the default, alternating (every flow): the large
+    layers' flow without speculation waits for its counts on the stream it runs on (the backend caches
+    one stream object per stream), the others poll the host mirror their row kernel writes on that
+    stream; either way every call's token counts, which change from call to call, must be its own."""
     world = dist.get_world_size(group)
     streams = [torch.cuda.Stream(), torch.cuda.current_stream(), torch.cuda.Stream()]
-    for overlap_bytes in (0, 1 << 40):
+    for overlap_bytes, speculative in ((0, False), (0, True), (1 << 40, True)):
         be = _make_backend(
             group, max_tokens=64, hidden=512, topk=4, experts=16, dtype=torch.bfloat16, heap="torch",
-            overlap_bytes=overlap_bytes,
+            overlap_bytes=overlap_bytes, speculative_rows=speculative,
         )  # fmt: skip
         try:
             for i, stream in enumerate(streams * 2):
@@ -244,7 +245,9 @@ def test_exact_calls_on_side_streams(group):
                 with torch.cuda.stream(stream):
                     _check_round_trip(be, group, xs, ids, ws, gen, 16, torch.bfloat16)
                 torch.cuda.current_stream().wait_stream(stream)
-            assert len(be._streams) == 3
+            # (the speculative flow's first call waits on its stream; the small layers' never do)
+            want = 0 if be.overlap_exact else (1 if be.speculative_rows else 3)
+            assert len(be._streams) == want
         finally:
             be.finalize()
 
