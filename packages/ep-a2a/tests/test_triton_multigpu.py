@@ -717,6 +717,18 @@ def test_speculative_rows(group, send_ctas, steal):
             _check_static_call(be, rank, xs, ids, ws, experts)
         assert be.speculative_calls == 4, be.speculative_calls
         assert be.speculative_overflows == 1, "the full size after the quarter outgrows its outputs"
+        # every slot to rank 0's experts: rank 0 outgrows its outputs, the others receive no rows and
+        # speculate with none on the next call (uniform again), which they outgrow
+        for i, to_rank0 in enumerate((True, False)):
+            xs, ids, ws, gen = _inputs(
+                920 + i, world, [64] * world, 512, 8, experts, torch.bfloat16, skew=False, drop=0.05,
+                with_w=True,
+            )  # fmt: skip
+            if to_rank0:
+                ids = [torch.where(t >= 0, t % (experts // world), t) for t in ids]
+            _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
+        assert be.speculative_calls == 6, be.speculative_calls
+        assert be.speculative_overflows == 2, be.speculative_overflows
         torch.cuda.synchronize()
         be.check_errors()
     finally:

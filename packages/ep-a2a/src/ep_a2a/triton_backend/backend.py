@@ -438,8 +438,8 @@ class TritonBackend(A2ABackend):
         self._pinfo_host = torch.zeros(2 * W, dtype=torch.int64).pin_memory() if remote else None
         self._combine_allowed = False
         #: rows of the exact-shape flow's row-sized outputs allocated before the host waits for the
-        #: counts (0: none yet), from the last calls' counts with headroom (see :meth:`dispatch`)
-        self._rows_ahead = 0
+        #: counts (None: no call yet), from the last calls' counts with headroom (see :meth:`dispatch`)
+        self._rows_ahead: int | None = None
         #: whether the large layers' exact-shape dispatch launches its row kernel before the counts
         #: arrive (see ``speculative_rows``)
         self.speculative_rows = bool(speculative_rows) and not self.overlap_exact and not remote
@@ -548,7 +548,10 @@ class TritonBackend(A2ABackend):
         eng.launch_layout(exp_indices, caller_scatter=caller, info=info, remote=rb)
         if mark:
             mark(("layout launched", time.perf_counter()))
-        speculate = self.speculative_rows and self._rows_ahead > 0
+        # (from the second call on, on every rank alike: a guess of 0 rows speculates too, so a rank
+        # that receives nothing does not fall back to the flow with a host wait)
+        ahead_rows = self._rows_ahead
+        speculate = self.speculative_rows and ahead_rows is not None
         if self.overlap_exact or speculate:
             # the receive layout inside the row kernel and no host wait before it: the rows land in
             # buffers allocated before the counts are known (worst-case ones for small layers; for large
@@ -559,7 +562,8 @@ class TritonBackend(A2ABackend):
                 )
             else:
                 self.speculative_calls += 1
-                bufs = eng.alloc_dispatch_outputs(n, self._rows_ahead, with_weights=has_w, dtype=input.dtype)
+                assert ahead_rows is not None
+                bufs = eng.alloc_dispatch_outputs(n, ahead_rows, with_weights=has_w, dtype=input.dtype)
             if mark:
                 mark(("buffers allocated", time.perf_counter()))
             if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
@@ -594,7 +598,7 @@ class TritonBackend(A2ABackend):
             # rows are returned, as the worst-case flow does): then nothing is allocated between the
             # host's wait and the row kernel's launch
             bufs = eng.alloc_dispatch_fixed(n)
-            ahead = self._rows_ahead
+            ahead = ahead_rows or 0
             spec = eng.alloc_dispatch_rows(ahead, with_weights=has_w, dtype=input.dtype) if ahead else None
             # the one small device-to-host copy: receive counts (and the error word) size the output
             # (with remote peers also the records to send and receive, which size the puts)
