@@ -237,7 +237,6 @@ class TritonBackend(A2ABackend):
             writing pass (the same results, later; counted in :attr:`speculative_overflows` out of
             :attr:`speculative_calls`). Default on; not with remote peers or ``copy_engine`` (their
             counts size the host's puts and copies).
-
         send_ctas: CTAs of the dispatch row kernel that only send to the peers while the others only
             write this rank's output; 0: every CTA does both, in turn. Default (``None``): ``num_sm // 3``
             when ``num_sm >= 64`` and ``max_tokens > 1024``, else 0 (measured on 2x H200 at 4096 tokens
@@ -442,8 +441,7 @@ class TritonBackend(A2ABackend):
         self._rows_ahead: int | None = None
         #: whether the large layers' exact-shape dispatch launches its row kernel before the counts
         #: arrive (see ``speculative_rows``)
-        self.speculative_rows = bool(speculative_rows) and not self.overlap_exact and not remote
-        self.speculative_rows = self.speculative_rows and not copy_engine
+        self.speculative_rows = bool(speculative_rows) and not (self.overlap_exact or remote or copy_engine)
         #: speculative exact-shape dispatches, and those whose rows outgrew the outputs allocated ahead
         self.speculative_calls = self.speculative_overflows = 0
         # the flows without a host wait before the row kernel read its counts from this pinned host
