@@ -6,8 +6,11 @@
 #   OUT=/tmp/ab ROUNDS=2 NEW_COMMIT=$(git rev-parse --short HEAD) \
 #     bash packages/ep-a2a/benchmarks/ab_trees.sh run            # on the 2-GPU machine (carry .ab-old)
 #   OUT=/tmp/ab bash packages/ep-a2a/benchmarks/ab_trees.sh profile
+#   OUT=/tmp/ab ROUNDS=2 bash packages/ep-a2a/benchmarks/ab_trees.sh host
 #
 # run: each tree's own `bench_triton.py --quick --heaps torch --no-split`.
+# host: each tree's own `bench_triton.py --host-profile --iters 60` (host time per step of the
+#   exact-shape dispatch), ROUNDS rounds of old, new.
 # profile: the working tree's `profile_small.py` over each tree's package, default tiles, 4096 tokens,
 #   132 SMs, two measurements per process: DeepSeek-V3 in two rounds, Qwen3-30B-A3B in the first
 #   (old, new per round); the rows record the tree in `commit` (old / new).
@@ -23,15 +26,16 @@ export)
   git archive "$2" packages/ep-a2a/src packages/ep-a2a/benchmarks | tar -x -C .ab-old
   echo "$2" >.ab-old/COMMIT
   ;;
-run)
+run | host)
   ab_env
+  if [ "$1" = run ]; then args=(--quick --heaps torch --no-split) name=ab; else args=(--host-profile --iters 60) name=host; fi
   for round in $(seq 1 "${ROUNDS:-2}"); do
     for tree in old new; do
       if [ "$tree" = old ]; then root=$PWD/.ab-old commit=$(cat .ab-old/COMMIT); else root=$PWD commit=${NEW_COMMIT:-}; fi
       EP_A2A_COMMIT=$commit PYTHONPATH=$root/packages/ep-a2a/src timeout 90 python3 -m torch.distributed.run \
-        --standalone --nproc-per-node=2 "$root/packages/ep-a2a/benchmarks/bench_triton.py" --quick --heaps torch \
-        --no-split --json "$OUT/ab-$tree-$round.json" >"$OUT/ab-$tree-$round.log" 2>&1
-      echo "$tree round $round rc=$? ($(($(date +%s) - start)) s)"
+        --standalone --nproc-per-node=2 "$root/packages/ep-a2a/benchmarks/bench_triton.py" "${args[@]}" \
+        --json "$OUT/$name-$tree-$round.json" >"$OUT/$name-$tree-$round.log" 2>&1
+      echo "$name $tree round $round rc=$? ($(($(date +%s) - start)) s)"
     done
   done
   ;;
@@ -55,7 +59,7 @@ profile)
   done
   ;;
 *)
-  echo "usage: $0 export <commit> | run | profile" >&2
+  echo "usage: $0 export <commit> | run | profile | host" >&2
   exit 2
   ;;
 esac
