@@ -332,6 +332,51 @@ def test_precompile_binds_every_kernel(monkeypatch, remote):
     assert log.count("_dispatch_kernel") == rows_before + (0 if remote else 8)
 
 
+def test_speculative_rows_fit_overflow_and_shrink():
+    """The speculative flow's host step after the counts (no GPU: a recording engine): rows that fit
+    keep the outputs and the guess; fewer than three quarters shrink the next guess; more rows get exact
+    outputs, a rewriting pass (``send=False``, ``rewrite=True``) into them, and a larger guess."""
+    from ep_a2a.triton_backend import TritonBackend
+    from ep_a2a.triton_backend.backend import _rows_to_allocate_ahead
+
+    launches: list[dict] = []
+
+    class Engine:
+        def worst_case_rows(self) -> int:
+            return 10_000
+
+        def alloc_dispatch_rows(self, rows, *, with_weights, dtype=None):
+            return {"out": torch.empty(rows, 4), "out_w": torch.empty(rows), "out_e": torch.empty(rows)}
+
+        def launch_dispatch(self, *args, **kw):
+            launches.append({"rows": args[4].shape[0], **kw})
+
+    be = object.__new__(TritonBackend)
+    be.engine = Engine()
+    be.speculative_overflows = 0
+    x, ids, src, info = torch.zeros(2, 4), torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(8)
+
+    def fit(rows: int, ahead: int) -> dict:
+        be._rows_ahead = ahead
+        bufs = {"out": torch.empty(ahead, 4), "out_w": torch.empty(ahead), "out_e": torch.empty(ahead)}
+        bufs.update(tab=torch.empty(2, 2, 8), skip=torch.empty(2, 8), scat=torch.empty(2, 8))
+        be._fit_speculative_rows(rows, x, ids, None, src, info, bufs, caller=False)
+        return bufs
+
+    bufs = fit(90, 100)  # fits, fills 90 %: nothing changes
+    assert bufs["out"].shape[0] == 100
+    assert be._rows_ahead == 100
+    assert not launches
+    fit(40, 100)  # fits, fills 40 %: the next guess shrinks
+    assert be._rows_ahead == _rows_to_allocate_ahead(40, 10_000)
+    assert not launches
+    bufs = fit(130, 100)  # outgrows them: exact outputs and a rewriting pass into them
+    assert bufs["out"].shape[0] == 130
+    assert be.speculative_overflows == 1
+    assert launches == [{"rows": 130, "caller_scatter": False, "info": info, "send": False, "rewrite": True}]
+    assert be._rows_ahead == _rows_to_allocate_ahead(130, 10_000)
+
+
 def test_mirror_poll_is_bounded():
     """The exact-shape flows without a host wait poll the host mirror of ``info``: a row kernel that
     never writes it raises ``EPTimeoutError`` after the bound, and the backend refuses later calls (a late
