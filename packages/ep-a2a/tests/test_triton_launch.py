@@ -332,19 +332,18 @@ def test_precompile_binds_every_kernel(monkeypatch, remote):
     assert log.count("_dispatch_kernel") == rows_before + (0 if remote else 8)
 
 
-def test_speculative_rows_fit_overflow_and_shrink():
+def test_speculative_rows_fit_and_overflow():
     """The speculative flow's host step after the counts (no GPU: a recording engine): rows that fit
-    keep the outputs and the guess; fewer than three quarters shrink the next guess; more rows get exact
-    outputs, a rewriting pass (``send=False``, ``rewrite=True``) into them, and a larger guess."""
+    keep the outputs; more rows get exact outputs and a rewriting pass (``send=False``,
+    ``rewrite=True``) into them. The outputs' size: the most rows of the last calls plus an eighth."""
+    import collections
+
     from ep_a2a.triton_backend import TritonBackend
-    from ep_a2a.triton_backend.backend import _rows_to_allocate_ahead
+    from ep_a2a.triton_backend.backend import SPECULATIVE_WINDOW, _speculative_rows_guess
 
     launches: list[dict] = []
 
     class Engine:
-        def worst_case_rows(self) -> int:
-            return 10_000
-
         def alloc_dispatch_rows(self, rows, *, with_weights, dtype=None):
             return {"out": torch.empty(rows, 4), "out_w": torch.empty(rows), "out_e": torch.empty(rows)}
 
@@ -357,24 +356,29 @@ def test_speculative_rows_fit_overflow_and_shrink():
     x, ids, src, info = torch.zeros(2, 4), torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(8)
 
     def fit(rows: int, ahead: int) -> dict:
-        be._rows_ahead = ahead
         bufs = {"out": torch.empty(ahead, 4), "out_w": torch.empty(ahead), "out_e": torch.empty(ahead)}
         bufs.update(tab=torch.empty(2, 2, 8), skip=torch.empty(2, 8), scat=torch.empty(2, 8))
         be._fit_speculative_rows(rows, x, ids, None, src, info, bufs, caller=False)
         return bufs
 
-    bufs = fit(90, 100)  # fits, fills 90 %: nothing changes
-    assert bufs["out"].shape[0] == 100
-    assert be._rows_ahead == 100
+    for rows in (100, 40, 0):  # fit: the outputs stay, nothing more runs
+        assert fit(rows, 100)["out"].shape[0] == 100
     assert not launches
-    fit(40, 100)  # fits, fills 40 %: the next guess shrinks
-    assert be._rows_ahead == _rows_to_allocate_ahead(40, 10_000)
-    assert not launches
+    assert be.speculative_overflows == 0
     bufs = fit(130, 100)  # outgrows them: exact outputs and a rewriting pass into them
     assert bufs["out"].shape[0] == 130
     assert be.speculative_overflows == 1
     assert launches == [{"rows": 130, "caller_scatter": False, "info": info, "send": False, "rewrite": True}]
-    assert be._rows_ahead == _rows_to_allocate_ahead(130, 10_000)
+    # sizes: the window's maximum (a small call does not shrink them), an eighth above, at most the
+    # worst case; a call older than the window no longer counts
+    recent: collections.deque[int] = collections.deque(maxlen=SPECULATIVE_WINDOW)
+    for rows in (800, 40, 0, 120):
+        recent.append(rows)
+    assert _speculative_rows_guess(recent, 10_000) == 900
+    assert _speculative_rows_guess(recent, 850) == 850
+    for _ in range(SPECULATIVE_WINDOW - 3):
+        recent.append(64)
+    assert _speculative_rows_guess(recent, 10_000) == 120 + 120 // 8
 
 
 def test_mirror_poll_is_bounded():

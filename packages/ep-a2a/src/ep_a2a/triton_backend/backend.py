@@ -3,6 +3,7 @@ path for ranks on other nodes (NVSHMEM host-side put-with-signal, nvshmem heap o
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from ep_a2a.triton_backend.heaps import HEAP_KINDS, NvshmemHeap, NvshmemTranspor
 DEFAULT_OVERLAP_BYTES = 256 << 20
 #: token rows at least this wide get work stealing with the dispatch split by default (``steal``)
 STEAL_MIN_ROW_BYTES = 8192
+#: exact-shape calls whose received rows size the speculative flow's outputs (``speculative_rows``)
+SPECULATIVE_WINDOW = 8
 
 #: environment variable choosing the heap when the layer constructs the backend (``torch`` or ``nvshmem``)
 HEAP_ENV = "EP_A2A_TRITON_HEAP"
@@ -187,6 +190,13 @@ def _rows_to_allocate_ahead(rows: int, worst_case: int) -> int:
     return min(rows + rows // 8, worst_case)
 
 
+def _speculative_rows_guess(recent_rows: collections.deque[int], worst_case: int) -> int:
+    """Rows of the outputs a speculative exact-shape dispatch writes into: the most rows of the last
+    ``SPECULATIVE_WINDOW`` calls plus an eighth, at most the worst case. The maximum, not the last call,
+    so batch sizes that vary from call to call (a serving engine's) rarely outgrow them."""
+    return _rows_to_allocate_ahead(max(recent_rows), worst_case)
+
+
 def _rows_fit_ahead(rows: int, ahead: int) -> bool:
     """Whether outputs allocated ahead for ``ahead`` rows serve a call of ``rows``: they hold them, and
     at most a quarter of them (a third of ``rows``) goes unused while the views live."""
@@ -230,11 +240,11 @@ class TritonBackend(A2ABackend):
             of them; else allocated after the wait. All give the same results.
         speculative_rows: the large layers' exact-shape dispatch runs as the small layers' does after
             the first call: the receive layout inside the row kernel, launched before the host has the
-            counts, into outputs allocated from the last calls' counts plus an eighth (not the worst
+            counts, into outputs of the most rows of the last 8 calls plus an eighth (not the worst
             case), so the GPU no longer idles while the host waits, allocates and launches. A call whose
-            ``R`` rows fit gets views of the first ``R`` (also when they fill less than three quarters:
-            the next call's outputs shrink); one that receives more gets exact outputs and a second
-            writing pass (the same results, later; counted in :attr:`speculative_overflows` out of
+            ``R`` rows fit gets views of the first ``R`` (the output's storage is larger than the output
+            while it lives); one that receives more gets exact outputs and a second writing pass (the
+            same results, later; counted in :attr:`speculative_overflows` out of
             :attr:`speculative_calls`). Default on; not with remote peers or ``copy_engine`` (their
             counts size the host's puts and copies).
         send_ctas: CTAs of the dispatch row kernel that only send to the peers while the others only
@@ -437,13 +447,15 @@ class TritonBackend(A2ABackend):
         self._pinfo_host = torch.zeros(2 * W, dtype=torch.int64).pin_memory() if remote else None
         self._combine_allowed = False
         #: rows of the exact-shape flow's row-sized outputs allocated before the host waits for the
-        #: counts (None: no call yet), from the last calls' counts with headroom (see :meth:`dispatch`)
-        self._rows_ahead: int | None = None
+        #: counts (0: none yet), from the last calls' counts with headroom (see :meth:`dispatch`)
+        self._rows_ahead = 0
         #: whether the large layers' exact-shape dispatch launches its row kernel before the counts
         #: arrive (see ``speculative_rows``)
         self.speculative_rows = bool(speculative_rows) and not (self.overlap_exact or remote or copy_engine)
         #: speculative exact-shape dispatches, and those whose rows outgrew the outputs allocated ahead
         self.speculative_calls = self.speculative_overflows = 0
+        #: rows received by the last exact-shape calls of a large layer (they size the speculative flow)
+        self._recent_rows: collections.deque[int] = collections.deque(maxlen=SPECULATIVE_WINDOW)
         # the flows without a host wait before the row kernel read its counts from this pinned host
         # copy of info (program 0 writes it, then the epoch in the last element), not by a stream sync
         self._mirror = torch.zeros(self.engine.info_len + 1, dtype=torch.int64).pin_memory()
@@ -548,8 +560,7 @@ class TritonBackend(A2ABackend):
             mark(("layout launched", time.perf_counter()))
         # (from the second call on, on every rank alike: a guess of 0 rows speculates too, so a rank
         # that receives nothing does not fall back to the flow with a host wait)
-        ahead_rows = self._rows_ahead
-        speculate = self.speculative_rows and ahead_rows is not None
+        speculate = self.speculative_rows and len(self._recent_rows) > 0
         if self.overlap_exact or speculate:
             # the receive layout inside the row kernel and no host wait before it: the rows land in
             # buffers allocated before the counts are known (worst-case ones for small layers; for large
@@ -560,8 +571,8 @@ class TritonBackend(A2ABackend):
                 )
             else:
                 self.speculative_calls += 1
-                assert ahead_rows is not None
-                bufs = eng.alloc_dispatch_outputs(n, ahead_rows, with_weights=has_w, dtype=input.dtype)
+                guess = _speculative_rows_guess(self._recent_rows, eng.worst_case_rows())
+                bufs = eng.alloc_dispatch_outputs(n, guess, with_weights=has_w, dtype=input.dtype)
             if mark:
                 mark(("buffers allocated", time.perf_counter()))
             if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
@@ -581,6 +592,7 @@ class TritonBackend(A2ABackend):
                 mark(("counts read", time.perf_counter()))
             rows = vals[0]
             if speculate:
+                self._recent_rows.append(rows)
                 self._fit_speculative_rows(rows, input, exp_indices, weight, src, info, bufs, caller=caller)
                 if mark:
                     mark(("rows fitted", time.perf_counter()))
@@ -596,12 +608,13 @@ class TritonBackend(A2ABackend):
             # rows are returned, as the worst-case flow does): then nothing is allocated between the
             # host's wait and the row kernel's launch
             bufs = eng.alloc_dispatch_fixed(n)
-            ahead = ahead_rows or 0
+            ahead = self._rows_ahead
             spec = eng.alloc_dispatch_rows(ahead, with_weights=has_w, dtype=input.dtype) if ahead else None
             # the one small device-to-host copy: receive counts (and the error word) size the output
             # (with remote peers also the records to send and receive, which size the puts)
             vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
             rows = vals[0]
+            self._recent_rows.append(rows)
             if spec is not None and _rows_fit_ahead(rows, ahead):
                 bufs.update(
                     out=spec["out"][:rows], out_w=spec["out_w"][:rows] if has_w else spec["out_w"],
@@ -721,8 +734,7 @@ class TritonBackend(A2ABackend):
     ) -> None:
         """After a speculative dispatch of ``rows`` rows into ``bufs``: when they outgrew the outputs
         (the kernel dropped the rows past their end), new outputs of exactly ``rows`` rows replace them in
-        ``bufs`` and a second writing pass fills them; the next call's guess follows ``rows`` when they
-        did not fit or filled less than three quarters."""
+        ``bufs`` and a second writing pass fills them."""
         eng = self.engine
         ahead = bufs["out"].shape[0]
         if rows > ahead:
@@ -734,8 +746,6 @@ class TritonBackend(A2ABackend):
                 input, exp_indices, weight, src, bufs["out"], bufs["out_w"], bufs["out_e"], bufs["tab"],
                 bufs["skip"], bufs["scat"], caller_scatter=caller, info=info, send=False, rewrite=True,
             )  # fmt: skip
-        if not _rows_fit_ahead(rows, ahead):
-            self._rows_ahead = _rows_to_allocate_ahead(rows, eng.worst_case_rows())
 
     def _current_stream(self) -> torch.cuda.Stream:
         """This device's current stream (``torch.cuda.current_stream``, without building a new object
