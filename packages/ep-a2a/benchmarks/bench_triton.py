@@ -412,6 +412,8 @@ def run_case(
             res[f"ours-nospec-sm{num_sm}"] = exact_variant_case(
                 args, cfg, group, x, ids, w, num_sm, speculative_rows=False
             )
+            # both over batch sizes that vary from call to call (kept apart: other bytes per call)
+            case["varying"] = varying_case(args, shape_name, route, n, rank, world, group, dev, num_sm)
     if extra and n > 1024 and getattr(args, "split", False):
         # experiment: other sender / writer splits of the CTAs than the default (large layers on many
         # SMs: num_sm // 3 dispatch and num_sm // 2 combine CTAs sending; 0 = every CTA both), graph
@@ -523,6 +525,51 @@ def split_case(
         out["error"] = f"{type(exc).__name__}: {exc}"
     del g_d, g_c
     be.finalize()
+    return out
+
+
+#: inputs of the varying-batch case (token counts drawn per rank in [n / 4, n]), cycled call by call
+VARYING_INPUTS = 8
+
+
+def varying_case(args, shape_name, route, n, rank, world, group, dev, num_sm) -> dict:
+    """The exact-shape dispatch over batch sizes that change from call to call, as a serving engine's
+    do: ``VARYING_INPUTS`` inputs of ``n / 4`` to ``n`` tokens (drawn per rank, seeded), cycled in lockstep
+    on every rank; with and without ``speculative_rows``. Median per call (slowest rank), also after the
+    device-side lead; the speculative flow's overflows (second writing passes) summed over ranks."""
+    from ep_a2a.triton_backend import TritonBackend
+
+    cfg, x, ids, w = shape_inputs(shape_name, n, rank, world, dev, route=route)
+    gen = torch.Generator().manual_seed(4321 + rank)
+    sizes = torch.randint(n // 4, n + 1, (VARYING_INPUTS,), generator=gen).tolist()
+    out: dict = {"token_counts_this_rank": sizes, "low": n // 4, "high": n}
+    for spec in (True, False):
+        be = TritonBackend(
+            cfg, group, num_sm=num_sm, enable_local_combine=True, use_aot=False, timeout_s=60.0,
+            speculative_rows=spec,
+        )  # fmt: skip
+        timer = Timer(lambda be=be: be.engine.launch_barrier())
+        state: dict = {"i": 0}
+
+        def disp(be=be, state=state):
+            m = sizes[state["i"] % len(sizes)]
+            state["i"] += 1
+            state["d"] = be.dispatch(x[:m], ids[:m], w[:m], None)
+
+        for _ in range(2 * len(sizes)):  # every size compiled and seen (the speculative window filled)
+            disp()
+        torch.cuda.synchronize()
+        calls0, over0 = be.speculative_calls, be.speculative_overflows
+        row = {"dispatch_ms": timer.median_ms(disp, args.iters), "dispatch_host_ms": timer.host_ms}
+        row["dispatch_ms_lead"] = timer.median_ms(disp, args.iters, lead=True)
+        counts = torch.tensor([be.speculative_overflows - over0, be.speculative_calls - calls0], device=dev)
+        dist.all_reduce(counts)
+        row["overflows"], row["speculative_calls"] = int(counts[0]), int(counts[1])
+        out["speculative" if spec else "no_speculation"] = row
+        state.clear()
+        torch.cuda.synchronize()
+        be.check_errors()
+        be.finalize()
     return out
 
 

@@ -112,7 +112,29 @@ def table(raw: dict) -> list[str]:
                 if f"dispatch_ms{suffix}" in r:
                     d, c = r[f"dispatch_ms{suffix}"], r.get(f"combine_ms{suffix}")
                     lines.append(row(f"{name} ({label})", d, c, None, "-"))
+        if "varying" in case:
+            lines += ["", _varying_line(case["varying"])]
     return lines
+
+
+def _varying_line(v: dict) -> str:
+    """The varying-batch case (``bench_triton.varying_case``) as one sentence."""
+    parts = []
+    for key, label in (("speculative", "with speculative rows"), ("no_speculation", "without")):
+        r = v.get(key)
+        if r:
+            over = (
+                f", {r['overflows']} of {r['speculative_calls']} calls outgrew their outputs"
+                if r.get("speculative_calls")
+                else ""
+            )
+            parts.append(
+                f"{label} {r['dispatch_ms']:.3f} ms ({r['dispatch_ms_lead']:.3f} after the lead{over})"
+            )
+    return (
+        f"Exact-shape dispatch over batch sizes that change every call ({v['low']} to {v['high']} "
+        f"tokens per rank, drawn per rank, median per call): " + "; ".join(parts) + "."
+    )
 
 
 def _row(nbytes: int, ceiling: float | None, name: str, d: float, c: float | None, rt: float | None,

@@ -41,6 +41,17 @@ def test_render_committed_and_triton_style_results() -> None:
                         "dispatch_ms_lead": 0.025,
                     },
                 },
+                "varying": {
+                    "low": 32,
+                    "high": 128,
+                    "speculative": {
+                        "dispatch_ms": 0.3,
+                        "dispatch_ms_lead": 0.2,
+                        "overflows": 1,
+                        "speculative_calls": 40,
+                    },
+                    "no_speculation": {"dispatch_ms": 0.4, "dispatch_ms_lead": 0.35},
+                },
             }
         ],
         "first_call": {"use_aot": True, "first_dispatch_combine_s": 0.1},
@@ -52,6 +63,12 @@ def test_render_committed_and_triton_style_results() -> None:
     # the graph-vs-eager comparison: each timing also shown the other way around the device-side lead
     assert "| ours-graph-sm32 (without the lead) | 0.040 | 25 | 25 | 0.050 | 20 | 20 | - | - |" in md
     assert "| ours-static-eager-sm32 (after the lead) | 0.025 | 40 | 40 | - | - | - | - | - |" in md
+    # batch sizes that change every call: one sentence under the table
+    assert (
+        "over batch sizes that change every call (32 to 128 tokens per rank, drawn per rank, median per "
+        "call): with speculative rows 0.300 ms (0.200 after the lead, 1 of 40 calls outgrew their "
+        "outputs); without 0.400 ms (0.350 after the lead)." in md
+    )
     # the HBM write floor: the busiest rank's expert rows written once (14.336 MB in 4 us)
     assert (
         "| hbm-write (the busiest rank's 1000 expert rows, 14 MB, written once) | 0.004 | 3584 (written) |"
