@@ -689,6 +689,22 @@ def test_forced_remote_needs_nvshmem_heap(group):
         )  # fmt: skip
 
 
+def test_exact_dispatch_refused_while_capturing(group):
+    """The exact-shape dispatch reads its counts on the host, so capturing it in a CUDA graph raises at
+    once (no kernel runs under capture: a poll for the counts could only time out)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    be = _make_backend(group, max_tokens=8, hidden=256, topk=2, experts=8, dtype=torch.bfloat16, heap="torch")
+    try:
+        x = torch.zeros(8, 256, dtype=torch.bfloat16, device=dev)
+        ids = torch.zeros(8, 2, dtype=torch.int32, device=dev)
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="cannot be captured"), torch.cuda.graph(graph):
+            be.dispatch(x, ids, None, None)
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
+
+
 @pytest.mark.parametrize(
     ("send_ctas", "steal"), [(0, False), (5, False), (5, True)], ids=["no-split", "split", "split-steal"]
 )

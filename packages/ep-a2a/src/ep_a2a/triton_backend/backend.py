@@ -537,6 +537,12 @@ class TritonBackend(A2ABackend):
         full_scatter_indices: torch.Tensor | None,
     ) -> DispatchResult:
         self._check_usable()
+        if torch.cuda.is_current_stream_capturing():
+            # (its host reads the counts: under capture no kernel runs, so the poll could only time out)
+            raise RuntimeError(
+                "dispatch: the exact-shape call reads its counts on the host and cannot be captured in a "
+                "CUDA graph; capture dispatch_static / combine_static instead"
+            )
         if input.dtype.itemsize > self.config.token_dtype.itemsize:
             raise ValueError(
                 f"input: the triton backend's receive buffers hold {self.config.token_dtype} rows; got "
