@@ -6,7 +6,7 @@
 # docs/benchmarks/ep-a2a-scaling/x<N>-<commit> (with --quick unless BENCH_FULL=1); $OUT gets a copy
 # of its raw file.
 # usage (repository root, .whl carried): EP_A2A_COMMIT=<hash> bash packages/ep-a2a/benchmarks/device_window.sh
-#   T_TESTS=0 skips the suite; VARIANTS_32 / VARIANTS_132: profile_small --variants at 4096 tokens,
+#   T_TESTS=0 skips the suite, T_BENCH=0 the benchmark; VARIANTS_32 / VARIANTS_132: profile_small --variants at 4096 tokens,
 #   DeepSeek-V3, on 32 / 132 SMs (default: the default tiles, and the same with combine_maxnreg=128;
 #   "" skips them), e.g. on 4 GPUs VARIANTS_132="default combine_send_ctas=88"; FIRST_CALL=1 adds the
 #   first-call latency with and without use_aot, each in a fresh Triton cache (bench_triton --first-call;
@@ -43,11 +43,13 @@ if [ "$T_TESTS" -gt 0 ]; then
   echo "multigpu rc=$? ($(($(date +%s) - start)) s)"
   grep -E "passed|failed|error" "$OUT/multigpu-tests-$commit-$tag.log" | tail -4
 fi
-mkdir -p "$BENCH_DIR"
-timeout "$T_BENCH" python3 packages/ep-a2a/benchmarks/run.py --out-dir "$BENCH_DIR" "${bench_args[@]}" \
-  >"$OUT/bench-$commit-$tag.log" 2>&1
-echo "bench rc=$? ($(($(date +%s) - start)) s)"
-cp "$BENCH_DIR"/ep-a2a-triton-bench.json "$OUT/" 2>/dev/null  # (the device returns few files)
+if [ "$T_BENCH" -gt 0 ]; then
+  mkdir -p "$BENCH_DIR"
+  timeout "$T_BENCH" python3 packages/ep-a2a/benchmarks/run.py --out-dir "$BENCH_DIR" "${bench_args[@]}" \
+    >"$OUT/bench-$commit-$tag.log" 2>&1
+  echo "bench rc=$? ($(($(date +%s) - start)) s)"
+  cp "$BENCH_DIR"/ep-a2a-triton-bench.json "$OUT/" 2>/dev/null  # (the device returns few files)
+fi
 VARIANTS_32=${VARIANTS_32-"default 32:16:512:8:16:512:128"}
 VARIANTS_132=${VARIANTS_132-"default 8:16:1024:8:16:512:128"}
 for sm in 32 132; do
