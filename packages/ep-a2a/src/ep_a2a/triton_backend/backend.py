@@ -185,8 +185,8 @@ def _split(requested: int | None, num_sm: int, default: int = 0) -> int:
 
 
 def _rows_to_allocate_ahead(rows: int, worst_case: int) -> int:
-    """Rows of the outputs the next exact-shape dispatch of a large layer allocates before its counts
-    arrive, after a call of ``rows`` that did not fit: an eighth of headroom, at most the worst case."""
+    """Rows of the outputs an exact-shape dispatch of a large layer allocates before its counts arrive,
+    guessed from a call of ``rows``: an eighth of headroom, at most the worst case."""
     return min(rows + rows // 8, worst_case)
 
 
@@ -234,10 +234,12 @@ class TritonBackend(A2ABackend):
             (``world_size * max_tokens * topk`` rows) is at most this many bytes (default 256 MiB:
             decode-sized layers) launches the row kernel before waiting for the counts, into freshly
             allocated worst-case buffers, and returns views of their first ``R`` rows (so the output's
-            storage is larger than the output while it lives). Larger layers wait for the counts before
-            the row kernel, into outputs of ``R`` rows: views of outputs allocated before the wait,
-            sized from the last calls' counts plus an eighth, when ``R`` fills at least three quarters
-            of them; else allocated after the wait. All give the same results.
+            storage is larger than the output while it lives). Larger layers do the same from their
+            second call on (``speculative_rows``); their first call, and every call with
+            ``speculative_rows=False``, waits for the counts before the row kernel, into outputs of ``R``
+            rows: views of outputs allocated before the wait, sized from the last calls' counts plus an
+            eighth, when ``R`` fills at least three quarters of them; else allocated after the wait. All
+            give the same results.
         speculative_rows: the large layers' exact-shape dispatch runs as the small layers' does after
             the first call: the receive layout inside the row kernel, launched before the host has the
             counts, into outputs of the most rows of the last 8 calls plus an eighth (not the worst

@@ -8,11 +8,12 @@ over plain CPU buffers (:mod:`ep_a2a.triton_backend.simulate`).
 A dispatch has three steps: ``_layout_kernel`` (per-expert slot positions, counts pushed to the expert
 owners), the receive layout (wait for every source's counts; either ``_counts_kernel`` on its own or
 program 0 of the row kernel, ``counts=True``) and ``_dispatch_kernel`` (tokens out once per destination
-rank, expanded to expert rows on the receiver). Static mode (CUDA graphs) and the exact-shape mode of
-small layers merge the last two into one launch into worst-case buffers; the exact-shape mode of large
-layers launches the counts step alone and copies the counts to the host before the row kernel, into
-outputs of ``R`` rows (views of outputs allocated ahead from the last calls' counts when they fit). A
-combine is one launch of ``_combine_kernel``.
+rank, expanded to expert rows on the receiver). Static mode (CUDA graphs) and the exact-shape mode
+merge the last two into one launch, into worst-case buffers (static mode, small layers) or into outputs
+sized from the last calls' counts (large layers' speculative calls; a second writing pass, ``rewrite``,
+when the rows outgrow them), and the exact-shape mode's program 0 copies the counts to the host
+(``mirror``). A large layer's first exact-shape call launches the counts step alone and copies the
+counts to the host before the row kernel. A combine is one launch of ``_combine_kernel``.
 
 With remote peers (``remote_ranks``, reached through a :class:`RemoteTransport`) each step that feeds
 them is followed by the host's puts: after the layout (and ``_pack_kernel``: packed token indices per
@@ -534,8 +535,9 @@ class TritonEPEngine:
 
         for i in var_idx:  # hold no reference to this call's tensors
             template[i] = None
+        # (the direct path's template holds addresses: keep their fixed tensors alive with the plan)
         keep = [a for i, a in enumerate(full) if i not in var_idx and isinstance(a, torch.Tensor)]
-        self._plans[key] = (launch, template, var_idx, as_addresses, keep)
+        self._plans[key] = (launch, template, var_idx, as_addresses, keep if as_addresses else [])
 
     def _mirror_kw(self, on: bool) -> dict:
         """Constexprs of the row kernel about copying ``info`` to the host (``mirror``); every launch
