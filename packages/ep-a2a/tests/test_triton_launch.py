@@ -8,6 +8,7 @@ no interpreter) and compares the arguments, call by call, for every launch the b
 
 from __future__ import annotations
 
+import collections
 import inspect
 from types import SimpleNamespace
 
@@ -379,6 +380,60 @@ def test_speculative_rows_fit_and_overflow():
     for _ in range(SPECULATIVE_WINDOW - 3):
         recent.append(64)
     assert _speculative_rows_guess(recent, 10_000) == 120 + 120 // 8
+
+
+def test_small_outputs_allocated_ahead(monkeypatch):
+    """The exact-shape flows without a host wait take the small outputs (all but the rows) that the
+    last call allocated after its row kernel: the same tensors when rows, weights and stream match (new
+    per-token ones for another token count), new ones otherwise; each set is used once."""
+    from ep_a2a.triton_backend import TritonBackend
+    from ep_a2a.triton_backend import backend as B
+    from ep_a2a.triton_backend.backend import _speculative_rows_guess
+
+    allocs: list[tuple] = []
+
+    class Engine:
+        def worst_case_rows(self):
+            return 1000
+
+        def alloc_token_slots(self, n):
+            allocs.append(("slots", n))
+            return {"skip": torch.empty(n, 8), "scat": torch.empty(n, 8)}
+
+        def alloc_dispatch_small(self, n, rows, *, with_weights):
+            allocs.append(("small", n, rows, with_weights))
+            return {"info": torch.empty(9), "tab": torch.empty(2, 4, 8), **self.alloc_token_slots(n),
+                    "out_w": torch.empty(rows), "out_e": torch.empty(rows)}  # fmt: skip
+
+    stream = [7]
+    monkeypatch.setattr(B, "_raw_stream", lambda index: stream[0])
+    be = object.__new__(TritonBackend)
+    be.engine, be.device, be.overlap_exact = Engine(), torch.device("cpu"), False
+    be._next_small = None
+    be._recent_rows = collections.deque([80], maxlen=8)
+    rows = _speculative_rows_guess(be._recent_rows, 1000)
+    be._prepare_small_outputs(4, True)
+    ahead = be._next_small[1]
+    allocs.clear()
+    assert be._take_small_outputs(4, rows, True) is ahead
+    assert not allocs
+    assert be._take_small_outputs(4, rows, True) is not ahead  # used once
+    be._prepare_small_outputs(4, True)
+    ahead = dict(be._next_small[1])
+    allocs.clear()
+    got = be._take_small_outputs(3, rows, True)  # another token count: new skip / scat only
+    assert allocs == [("slots", 3)]
+    assert got["skip"].shape[0] == 3
+    assert all(got[k] is ahead[k] for k in ("info", "tab", "out_w", "out_e"))
+    for change in ("rows", "weights", "stream"):
+        be._prepare_small_outputs(4, True)
+        allocs.clear()
+        stream[0] = 8 if change == "stream" else 7
+        be._take_small_outputs(4, rows + (change == "rows"), change != "weights")
+        assert allocs[0][0] == "small", change
+    be.overlap_exact = True  # small layers: worst-case rows
+    be._prepare_small_outputs(2, False)
+    assert be._next_small[0] == (stream[0], 1000, False)
 
 
 def test_mirror_poll_is_bounded():

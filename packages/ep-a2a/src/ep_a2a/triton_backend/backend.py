@@ -15,7 +15,7 @@ from ep_a2a._dist import EPTimeoutError
 from ep_a2a.backend import A2ABackend, DispatchResult, register_backend
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
-from ep_a2a.triton_backend.engine import EPTimeoutFromDevice, HeapLayout, TritonEPEngine
+from ep_a2a.triton_backend.engine import EPTimeoutFromDevice, HeapLayout, TritonEPEngine, _raw_stream
 from ep_a2a.triton_backend.heaps import HEAP_KINDS, NvshmemHeap, NvshmemTransport, make_heap
 
 #: exact-shape dispatches whose worst case (``world_size x max_tokens x topk`` rows) fits in this many
@@ -467,6 +467,9 @@ class TritonBackend(A2ABackend):
         #: set when the host gave up polling the mirror: a late write could then land in a later call's
         #: poll, so the backend refuses further calls
         self._mirror_lost: str | None = None
+        #: the next exact-shape call's small outputs (all but the rows), allocated ahead by the call
+        #: before it, keyed by (stream, tokens, rows, weights): see :meth:`_prepare_small_outputs`
+        self._next_small: tuple[tuple, dict[str, torch.Tensor]] | None = None
         self._static: dict[str, torch.Tensor] | None = None
         #: diagnostics: when a list, the exact-shape dispatch appends ``(phase, time.perf_counter())``
         #: at each step of its host path (``bench_triton.py --host-profile``)
@@ -560,27 +563,27 @@ class TritonBackend(A2ABackend):
         mark = self.trace.append if self.trace is not None else None
         if mark:
             mark(("start", time.perf_counter()))
-        # per call: the combine of this dispatch reads its token counts after later dispatches ran
-        info = torch.empty(eng.info_len, dtype=torch.int64, device=self.device)
-        rb = eng.alloc_remote()
-        eng.launch_layout(exp_indices, caller_scatter=caller, info=info, remote=rb)
-        if mark:
-            mark(("layout launched", time.perf_counter()))
         # (from the second call on, on every rank alike: a guess of 0 rows speculates too, so a rank
         # that receives nothing does not fall back to the flow with a host wait)
         speculate = self.speculative_rows and len(self._recent_rows) > 0
         if self.overlap_exact or speculate:
+            # rows the outputs hold: worst-case for small layers; for large ones sized from the last
+            # calls' counts. Everything but the rows comes from the last call when it matches.
+            cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
+            bufs = self._take_small_outputs(n, cap, has_w)
+            info = bufs["info"]
+        else:
+            info = torch.empty(eng.info_len, dtype=torch.int64, device=self.device)
+        # (info is per call: the combine of this dispatch reads its token counts after later dispatches)
+        rb = eng.alloc_remote()
+        eng.launch_layout(exp_indices, caller_scatter=caller, info=info, remote=rb)
+        if mark:
+            mark(("layout launched", time.perf_counter()))
+        if self.overlap_exact or speculate:
             # the receive layout inside the row kernel and no host wait before it: the rows land in
-            # buffers allocated before the counts are known (worst-case ones for small layers; for large
-            # ones sized from the last calls' counts), and the caller gets views of their first R rows
-            if self.overlap_exact:
-                bufs = eng.alloc_dispatch_outputs(
-                    n, eng.worst_case_rows(), with_weights=has_w, dtype=input.dtype
-                )
-            else:
-                self.speculative_calls += 1
-                guess = _speculative_rows_guess(self._recent_rows, eng.worst_case_rows())
-                bufs = eng.alloc_dispatch_outputs(n, guess, with_weights=has_w, dtype=input.dtype)
+            # buffers allocated before the counts are known, and the caller gets views of their first R
+            self.speculative_calls += speculate
+            bufs["out"] = eng.alloc_rows(cap, dtype=input.dtype)
             if mark:
                 mark(("buffers allocated", time.perf_counter()))
             if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
@@ -604,6 +607,7 @@ class TritonBackend(A2ABackend):
                 self._fit_speculative_rows(rows, input, exp_indices, weight, src, info, bufs, caller=caller)
                 if mark:
                     mark(("rows fitted", time.perf_counter()))
+            self._prepare_small_outputs(n, has_w)
             out, out_w, out_e = bufs["out"][:rows], bufs["out_w"][:rows], bufs["out_e"][:rows]
             if not has_w:
                 out_w = bufs["out_w"]
@@ -640,6 +644,8 @@ class TritonBackend(A2ABackend):
             )  # fmt: skip
             if mark:
                 mark(("rows launched", time.perf_counter()))
+            if self.speculative_rows:  # (the next call speculates)
+                self._prepare_small_outputs(n, has_w)
             # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)
             self._raise_bad_ids(vals)
         self._combine_allowed = True
@@ -672,6 +678,31 @@ class TritonBackend(A2ABackend):
         if mark:
             mark(("descriptor built", time.perf_counter()))
         return out, (out_w if has_w else None), desc
+
+    def _rows_guess(self) -> int:
+        """Rows of the outputs of this call's speculative flow (see ``speculative_rows``)."""
+        return _speculative_rows_guess(self._recent_rows, self.engine.worst_case_rows())
+
+    def _take_small_outputs(self, n: int, rows: int, has_w: bool) -> dict[str, torch.Tensor]:
+        """:meth:`~.engine.TritonEPEngine.alloc_dispatch_small` of this call: the ones the last call
+        allocated ahead when they match (rows, weights, and the current stream, on which they were
+        allocated and are not yet used; the per-token ones are allocated anew for another token count),
+        else new ones."""
+        ahead, self._next_small = self._next_small, None
+        if ahead is None or ahead[0] != (_raw_stream(self.device.index), rows, has_w):
+            return self.engine.alloc_dispatch_small(n, rows, with_weights=has_w)
+        bufs = ahead[1]
+        if bufs["skip"].shape[0] != n:
+            bufs.update(self.engine.alloc_token_slots(n))
+        return bufs
+
+    def _prepare_small_outputs(self, n: int, has_w: bool) -> None:
+        """After this call's row kernel is launched (the GPU busy with it): allocate the next call's
+        small outputs, guessing it has as many tokens, so that only the rows are allocated before the next
+        call's row kernel (six allocations fewer there)."""
+        rows = self.engine.worst_case_rows() if self.overlap_exact else self._rows_guess()
+        key = (_raw_stream(self.device.index), rows, has_w)
+        self._next_small = (key, self.engine.alloc_dispatch_small(n, rows, with_weights=has_w))
 
     def _read_info(
         self, info: torch.Tensor, remote: dict[str, torch.Tensor] | None = None, *, bad_ids: bool = True
@@ -903,5 +934,6 @@ class TritonBackend(A2ABackend):
             return
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.ep_group)
+        self._next_small = None
         self.heap.free()
         self._finalized = True

@@ -1176,6 +1176,12 @@ class TritonEPEngine:
         waits for the counts (so does :meth:`alloc_dispatch_rows` when the backend predicts the rows)."""
         return {
             "tab": self._buf(self.world_size, self.max_tokens, self.topk, dtype=torch.int32),
+            **self.alloc_token_slots(n),
+        }
+
+    def alloc_token_slots(self, n: int) -> dict[str, torch.Tensor]:
+        """``skip`` and ``scat``: ``[n, topk]`` int32, per slot of this rank's ``n`` tokens."""
+        return {
             "skip": self._buf(n, self.topk, dtype=torch.int32),
             "scat": self._buf(n, self.topk, dtype=torch.int32),
         }
@@ -1184,10 +1190,26 @@ class TritonEPEngine:
         self, rows: int, *, with_weights: bool, dtype: torch.dtype | None = None
     ) -> dict[str, torch.Tensor]:
         """The dispatch outputs of ``rows`` received rows: ``out``, ``out_w``, ``out_e``."""
+        return {"out": self.alloc_rows(rows, dtype=dtype), **self._alloc_row_tags(rows, with_weights)}
+
+    def alloc_rows(self, rows: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``out``: ``[rows, hidden]`` received rows (default ``token_dtype``)."""
+        return self._buf(rows, self.hidden, dtype=dtype or self.token_dtype)
+
+    def _alloc_row_tags(self, rows: int, with_weights: bool) -> dict[str, torch.Tensor]:
         return {
-            "out": self._buf(rows, self.hidden, dtype=dtype or self.token_dtype),
             "out_w": self._buf(rows if with_weights else 1, dtype=self.weight_dtype),
             "out_e": self._buf(rows, dtype=torch.int32),
+        }
+
+    def alloc_dispatch_small(self, n: int, rows: int, *, with_weights: bool) -> dict[str, torch.Tensor]:
+        """Every output of a dispatch of ``n`` tokens into ``rows`` rows but the rows themselves: ``info``
+        (int64 ``[info_len]``), :meth:`alloc_dispatch_fixed`'s and ``out_w`` / ``out_e``. A few hundred KB
+        at most: the exact-shape flows allocate the next call's ahead (see the backend's ``dispatch``)."""
+        return {
+            "info": torch.empty(self.info_len, dtype=torch.int64, device=self.device),
+            **self.alloc_dispatch_fixed(n),
+            **self._alloc_row_tags(rows, with_weights),
         }
 
     def alloc_dispatch_outputs(
