@@ -139,7 +139,8 @@ def test_dispatch_combine_matches_reference(world, ns, hidden, topk, experts, dt
 )
 def test_decode_chunks_match_reference(world, ns, hidden, topk, experts, dtype, with_w, skew, drop, chunk):
     """Chunks of at most ``WHOLE_ROW_MAX_CHUNK`` tokens hold whole rows in registers: the same three
-    flows as above, down to one token per work item."""
+    flows as above, down to one token per work item. The merged flow sends each program's first chunk
+    before the receive layout (``early_send``), and writes its own rows after."""
     assert chunk <= WHOLE_ROW_MAX_CHUNK
     gen = torch.Generator().manual_seed(99 + world * 10 + chunk)
     sim = SimWorld(
@@ -147,7 +148,22 @@ def test_decode_chunks_match_reference(world, ns, hidden, topk, experts, dtype, 
         token_dtype=dtype, num_sm=2, chunk=chunk,
     )  # fmt: skip
     assert sim.engines[0].whole_row
+    assert sim.engines[0].early_send
     _round_trips(sim, ns, ((False, 0), (True, 0), (True, 1)), gen, with_w=with_w, skew=skew, drop=drop)
+
+
+def test_decode_chunks_without_early_send(monkeypatch):
+    """``EP_A2A_TRITON_EARLY_SEND=0``: the merged flow's programs wait for the receive layout before
+    they send (the flow before ``early_send``), with the same results."""
+    monkeypatch.setenv("EP_A2A_TRITON_EARLY_SEND", "0")
+    world, ns, hidden, topk, experts, dtype, with_w, skew, drop = CASES[2].values
+    gen = torch.Generator().manual_seed(4242)
+    sim = SimWorld(
+        world_size=world, max_tokens=max(ns), hidden=hidden, topk=topk, num_tot_experts=experts,
+        token_dtype=dtype, num_sm=2, chunk=1,
+    )  # fmt: skip
+    assert not sim.engines[0].early_send
+    _round_trips(sim, ns, ((True, 0),), gen, with_w=with_w, skew=skew, drop=drop)
 
 
 @pytest.mark.parametrize("node", [None, 2], ids=["intra", "remote"])

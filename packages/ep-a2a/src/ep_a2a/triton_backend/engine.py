@@ -55,6 +55,8 @@ WHOLE_ROW_MAX_ELEMS = 16384
 COMBINE_TILE_PER_THREAD = 64
 #: ``0`` turns off programmatic dependent launch of the row kernel (on by default on sm_90 and newer)
 PDL_ENV = "EP_A2A_TRITON_PDL"
+#: ``0`` turns off the early sends of decode-sized row kernels (see ``TritonEPEngine.early_send``)
+EARLY_SEND_ENV = "EP_A2A_TRITON_EARLY_SEND"
 
 
 def _next_pow2(n: int) -> int:
@@ -452,6 +454,21 @@ class TritonEPEngine:
             and torch.cuda.get_device_capability(dev)[0] >= 9
             and os.environ.get(PDL_ENV, "1").strip().lower() not in ("0", "false", "off")
         )
+
+        #: decode-sized row kernels that build the receive layout (program 0) send their first chunk to
+        #: the peers while program 0 builds it, instead of after (then write its own rows): the NVLink
+        #: transfer starts a few microseconds earlier. Only without the CTA split (whose senders start
+        #: early anyway) and with whole rows per chunk; ``EP_A2A_TRITON_EARLY_SEND=0`` turns it off
+        self.early_send = self.whole_row and os.environ.get(EARLY_SEND_ENV, "1").strip().lower() not in (
+            "0",
+            "false",
+            "off",
+        )
+
+    def _early_send_kw(self, counts: bool, send: bool, rewrite: bool) -> dict:
+        """The row kernel's ``EARLY_SEND`` constexpr for one variant."""
+        on = self.early_send and counts and send and not rewrite and not self.send_ctas and not self.ce_pieces
+        return dict(EARLY_SEND=on)
 
     # ------------------------------------------------------------------ errors
     def check_error(self, err: int | None = None) -> None:
@@ -880,6 +897,7 @@ class TritonEPEngine:
                 SEND_LOCAL=not split,
                 STEAL=bool(split) and self.steal,
                 REWRITE=rewrite,
+                **self._early_send_kw(counts, send, rewrite),
                 **self._mirror_kw(mirror is not None),
                 USE_TIMER=self.use_timer,
                 G=self.num_sm,
@@ -1379,6 +1397,7 @@ class TritonEPEngine:
                 SEND_LOCAL=not self.send_ctas,
                 STEAL=bool(self.send_ctas) and self.steal,
                 REWRITE=rw,
+                **self._early_send_kw(counts, send, rw),
                 # (an address typed as the launches' is: 64-bit)
                 **self._mirror_kw(mi),
                 mirror_addr=1 << 40 if mi else 0,

@@ -906,6 +906,8 @@ def _dispatch_kernel(
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
     probe_ptr=None,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the launch before
+    EARLY_SEND: tl.constexpr = False,  # COUNTS, not SPLIT: programs other than 0 send their first chunk
+    # to the peers before the receive layout is known, then write its own rows once it is
     MIRROR: tl.constexpr = False,  # COUNTS: program 0 also copies info to the host (mirror_addr)
     INFO_LEN: tl.constexpr = 1,  # MIRROR: info's length
     INFO_P2: tl.constexpr = 1,  # MIRROR: the next power of 2
@@ -958,6 +960,8 @@ def _dispatch_kernel(
                 tl.atomic_xchg(mirror + INFO_LEN, ep, sem="release", scope="sys")
         if SPLIT:
             early = (pid > 0) & (pid < GS)
+        elif EARLY_SEND:
+            early = pid > 0
         else:
             early = pid < 0
         if err == 0:
@@ -1048,8 +1052,36 @@ def _dispatch_kernel(
                 cs = tl.where(do_send, c, -1)
                 cw = tl.where(do_recv, c, -1)
                 cr = c - lag * stride
-            if SEND:  # noqa: SIM102 (a constexpr test, then a runtime one)
-                if (cs >= 0) & (cs < n_chunks_send):
+            if SEND:
+                send_now = (cs >= 0) & (cs < n_chunks_send)
+                if EARLY_SEND:  # noqa: SIM102 (a constexpr test, then a runtime one)
+                    # the first chunk goes to the peers before the receive layout is known (it needs
+                    # only peers that have started this dispatch), and into this rank's output after it
+                    if layout_known == 0:
+                        if send_now:
+                            _dispatch_send_chunk(
+                                cs, x_ptr, ids_ptr, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr, out_e_ptr,
+                                tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
+                                cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
+                                EVEN_H, HAS_W, CALLER_SCATTER, True, False, pk_ptr, off_srec, REMOTE, RECX,
+                                RECI, ROWB, WHOLE_ROW, PROBE, prb,
+                            )  # fmt: skip
+                        _wait_flag(state_ptr + 5, ep, state_ptr, 1, rank, 2 * timeout, USE_TIMER)
+                        n_src_all = _tokens_from_peers(info_ptr, ss, rank, W, pid >= 0)
+                        n_chunks_recv = tl.cdiv(tl.max(n_src_all, 0), CH)
+                        n_chunks = tl.maximum(n_chunks_send, n_chunks_recv)
+                        n_steps = tl.cdiv(n_chunks, G) + lag
+                        layout_known = tl.full([], 1, tl.int32)
+                        if send_now:
+                            _dispatch_send_chunk(
+                                cs, x_ptr, ids_ptr, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr, out_e_ptr,
+                                tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
+                                cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
+                                EVEN_H, HAS_W, CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX,
+                                RECI, ROWB, WHOLE_ROW, PROBE, prb,
+                            )  # fmt: skip
+                        send_now = send_now & (cs < 0)  # (sent)
+                if send_now:
                     _dispatch_send_chunk(
                         cs,
                         x_ptr,
