@@ -432,16 +432,14 @@ def _counts_body(
     USE_TIMER: tl.constexpr,
     CW: tl.constexpr,
     REMOTE: tl.constexpr,
-    PUSH_BACK: tl.constexpr = True,
 ):
     """Wait for every source's counts of epoch ``ep``, write the receive layout (one program).
 
     Writes ``info`` (total rows, error, tokens / rows per source, rows per local expert) and
-    ``offs[e, s]`` (first output row of local expert ``e``'s block from source ``s``), and with
-    ``PUSH_BACK`` gives every source its blocks' base rows (:func:`_push_base_rows`; else the caller
-    does, after publishing the layout to its other programs). On timeout records the error; returns the
-    error word. Remote sources' counts arrive by a host put whose signal is waited for first; their
-    packed token counts go to ``pinfo[W + s]``.
+    ``offs[e, s]`` (first output row of local expert ``e``'s block from source ``s``), and gives every
+    source its blocks' base rows (its ``token_dst_scatter_idx``). On timeout records the error.
+    Remote sources' counts arrive by a host put whose signal is waited for first; their packed token
+    counts go to ``pinfo[W + s]``, and their base rows to this rank's staging (the host puts them).
     """
     parity = ep % 2
     if REMOTE != 0:
@@ -489,26 +487,14 @@ def _counts_body(
         if REMOTE != 0:
             npk = tl.sum(tl.where((ee[None, :] == L + 1) & m2, vals, 0), axis=1)  # [WP]
             tl.store(pinfo_ptr + W + ss, npk, mask=(ss < W) & rem_s)
-        if PUSH_BACK:
-            tl.debug_barrier()  # (offs, written above by other threads, is read back)
-            _push_base_rows(offs_ptr, table_ptr, rank, ep, off_back, off_sback, W, L, LP, REMOTE)
-    return err
-
-
-@triton.jit
-def _push_base_rows(offs_ptr, table_ptr, rank, ep, off_back, off_sback, W: tl.constexpr, L: tl.constexpr,
-                    LP: tl.constexpr, REMOTE: tl.constexpr):  # fmt: skip
-    """Give every source its slots' base rows here (``offs[:, s]``, for its ``token_dst_scatter_idx``),
-    each word tagged with epoch ``ep``; a remote source's go to this rank's staging (the host puts them).
-    Nothing here waits on them: their readers spin on the epoch, at the end of their row kernel."""
-    ee = tl.arange(0, LP)
-    for s in tl.static_range(W):
-        col = tl.load(offs_ptr + ee * W + s, mask=ee < L, other=0, cache_modifier=".cg")
-        if (REMOTE >> s) & 1:
-            dst = _peer_ptr(table_ptr, rank, off_sback, tl.int64) + s * L + ee
-        else:
-            dst = _peer_ptr(table_ptr, s, off_back, tl.int64) + rank * L + ee
-        tl.atomic_xchg(dst, (ep << 32) | col, mask=ee < L, sem="relaxed", scope="sys")
+        # give every source its slots' base rows here (for its token_dst_scatter_idx)
+        for s in tl.static_range(W):
+            col = tl.sum(tl.where(ss[None, :] == s, excl2, 0), axis=1)  # [LP]
+            if (REMOTE >> s) & 1:
+                dst = _peer_ptr(table_ptr, rank, off_sback, tl.int64) + s * L + ee
+            else:
+                dst = _peer_ptr(table_ptr, s, off_back, tl.int64) + rank * L + ee
+            tl.atomic_xchg(dst, (ep << 32) | col, mask=ee < L, sem="relaxed", scope="sys")
 
 
 @triton.jit(do_not_specialize=["rank", "timeout"])
@@ -939,7 +925,7 @@ def _dispatch_kernel(
         ep = tl.load(state_ptr + 0) + 1
         if pid == 0:
             # (writes info[1], the error word the host reads, even when an earlier call failed)
-            cerr = _counts_body(
+            _counts_body(
                 info_ptr,
                 offs_ptr,
                 table_ptr,
@@ -959,11 +945,8 @@ def _dispatch_kernel(
                 USE_TIMER,
                 CW,
                 REMOTE,
-                PUSH_BACK=False,
             )
             tl.debug_barrier()
-            # the other programs need only this rank's layout: released before the base rows go to the
-            # sources (their release would wait for the stores to the peers)
             tl.atomic_xchg(state_ptr + 5, ep, sem="release", scope="gpu")
             if MIRROR:
                 # info (with the layout kernel's invalid-id count) into pinned host memory, then this
@@ -975,8 +958,6 @@ def _dispatch_kernel(
                 tl.store(mirror + ii, iv, mask=ii < INFO_LEN)
                 tl.debug_barrier()
                 tl.atomic_xchg(mirror + INFO_LEN, ep, sem="release", scope="sys")
-            if cerr == 0:
-                _push_base_rows(offs_ptr, table_ptr, rank, ep, off_back, off_sback, W, L, LP, REMOTE)
         if SPLIT:
             early = (pid > 0) & (pid < GS)
         elif EARLY_SEND:
