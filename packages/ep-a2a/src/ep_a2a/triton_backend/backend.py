@@ -468,7 +468,7 @@ class TritonBackend(A2ABackend):
         #: poll, so the backend refuses further calls
         self._mirror_lost: str | None = None
         #: the next exact-shape call's small outputs (all but the rows), allocated ahead by the call
-        #: before it, keyed by (stream, tokens, rows, weights): see :meth:`_prepare_small_outputs`
+        #: before it, keyed by (stream, rows, weights): see :meth:`_prepare_small_outputs`
         self._next_small: tuple[tuple, dict[str, torch.Tensor]] | None = None
         self._static: dict[str, torch.Tensor] | None = None
         #: diagnostics: when a list, the exact-shape dispatch appends ``(phase, time.perf_counter())``

@@ -459,11 +459,8 @@ class TritonEPEngine:
         #: the peers while program 0 builds it, instead of after (then write its own rows): the NVLink
         #: transfer starts a few microseconds earlier. Only without the CTA split (whose senders start
         #: early anyway) and with whole rows per chunk; ``EP_A2A_TRITON_EARLY_SEND=0`` turns it off
-        self.early_send = self.whole_row and os.environ.get(EARLY_SEND_ENV, "1").strip().lower() not in (
-            "0",
-            "false",
-            "off",
-        )
+        early_off = os.environ.get(EARLY_SEND_ENV, "1").strip().lower() in ("0", "false", "off")
+        self.early_send = self.whole_row and not early_off
 
     def _early_send_kw(self, counts: bool, send: bool, rewrite: bool) -> dict:
         """The row kernel's ``EARLY_SEND`` constexpr for one variant."""
