@@ -166,6 +166,18 @@ def _tokens_from_peers(info_ptr, ss, rank, W: tl.constexpr, known):
 
 
 @triton.jit
+def _await_receive_layout(state_ptr, info_ptr, ss, rank, ep, timeout, n_chunks_send, W: tl.constexpr,
+                          CH: tl.constexpr, USE_TIMER: tl.constexpr):  # fmt: skip
+    """A row-kernel program that started before the receive layout: wait for program 0 to publish it,
+    then the tokens each peer sends ([WP]), the received chunks and all chunks of this dispatch."""
+    # twice the bound: program 0's own wait for a missing peer runs out first and names it
+    _wait_flag(state_ptr + 5, ep, state_ptr, 1, rank, 2 * timeout, USE_TIMER)
+    n_src_all = _tokens_from_peers(info_ptr, ss, rank, W, tl.program_id(0) >= 0)
+    n_chunks_recv = tl.cdiv(tl.max(n_src_all, 0), CH)
+    return n_src_all, n_chunks_recv, tl.maximum(n_chunks_send, n_chunks_recv)
+
+
+@triton.jit
 def _m(rows_mask, h0, hh, H: tl.constexpr, EVEN_H: tl.constexpr):
     """2-D mask of a ``[rows, BH]`` tile; with ``EVEN_H`` it is constant along the row, which keeps
     loads and stores 16-byte vectors."""
@@ -1038,10 +1050,9 @@ def _dispatch_kernel(
                 else:
                     if layout_known == 0:
                         # an early sender about to write: the receive layout (and info) first
-                        _wait_flag(state_ptr + 5, ep, state_ptr, 1, rank, 2 * timeout, USE_TIMER)
-                        n_src_all = _tokens_from_peers(info_ptr, ss, rank, W, pid >= 0)
-                        n_chunks_recv = tl.cdiv(tl.max(n_src_all, 0), CH)
-                        n_chunks = tl.maximum(n_chunks_send, n_chunks_recv)
+                        n_src_all, n_chunks_recv, n_chunks = _await_receive_layout(
+                            state_ptr, info_ptr, ss, rank, ep, timeout, n_chunks_send, W, CH, USE_TIMER
+                        )
                         layout_known = tl.full([], 1, tl.int32)
                     cl = tl.atomic_add(state_ptr + 9, 1, sem="relaxed", scope="gpu").to(tl.int32)
                     cw = tl.where(cl < n_chunks, cl, -1)
@@ -1066,10 +1077,9 @@ def _dispatch_kernel(
                                 EVEN_H, HAS_W, CALLER_SCATTER, True, False, pk_ptr, off_srec, REMOTE, RECX,
                                 RECI, ROWB, WHOLE_ROW, PROBE, prb,
                             )  # fmt: skip
-                        _wait_flag(state_ptr + 5, ep, state_ptr, 1, rank, 2 * timeout, USE_TIMER)
-                        n_src_all = _tokens_from_peers(info_ptr, ss, rank, W, pid >= 0)
-                        n_chunks_recv = tl.cdiv(tl.max(n_src_all, 0), CH)
-                        n_chunks = tl.maximum(n_chunks_send, n_chunks_recv)
+                        n_src_all, n_chunks_recv, n_chunks = _await_receive_layout(
+                            state_ptr, info_ptr, ss, rank, ep, timeout, n_chunks_send, W, CH, USE_TIMER
+                        )
                         n_steps = tl.cdiv(n_chunks, G) + lag
                         layout_known = tl.full([], 1, tl.int32)
                         if send_now:
