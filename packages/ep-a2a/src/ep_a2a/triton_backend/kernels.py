@@ -9,8 +9,8 @@ single-process simulation under ``TRITON_INTERPRET=1``.
 
 Signalling: every flag is monotone. A call number (epoch) lives in the device ``state`` tensor, each
 producer writes its epoch into the consumer's flag with a release atomic at system scope after a CTA
-barrier, and each consumer spins until the flag reaches its own epoch: with acquire atomics on a single
-flag, with relaxed loads and one acquire fence after on a table of packed words. Nothing is reset between calls. Every spin is bounded (``%globaltimer`` on the GPU, an iteration count in the
+barrier, and each consumer spins with acquire atomics until the flag reaches its own epoch. Nothing is
+reset between calls. Every spin is bounded (``%globaltimer`` on the GPU, an iteration count in the
 interpreter); a spin that runs out records ``1 + step * 65536 + peer`` in ``state[STATE_ERR]`` and the
 kernel skips the work that depended on it (no garbage row indices are ever used). Every later kernel
 sees the error and does nothing; the host raises a timeout naming the peer and the step.
@@ -125,36 +125,21 @@ def _wait_flag(flag_ptr, target, state_ptr, step, peer, timeout, USE_TIMER: tl.c
 
 
 @triton.jit
-def _fence_acquire(USE_TIMER: tl.constexpr):
-    """``fence.acq_rel.sys`` on the GPU: after relaxed polls it orders every later access after them (the
-    acquire of the words they read). The interpreter runs one thread at a time and needs none."""
-    if USE_TIMER:
-        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
 def _spin_epoch(ptrs, m, ep, err, timeout, USE_TIMER: tl.constexpr):
-    """Poll the packed words at ``ptrs`` until every one under ``m`` carries epoch ``ep`` or later in its
-    high half, the bound runs out, or ``err`` is nonzero. Returns the words last read and the mask of those
-    still stale (the caller names the missing peer).
-
-    Each word holds its own payload (one 64-bit store by the producer), so the polls are relaxed
-    system-scope loads (``ld.volatile``: no atomic round trip per word, where a counts table has hundreds)
-    and one acquire fence follows the last.
-    """
-    v = tl.load(ptrs, mask=m, other=0, volatile=True)
+    """Poll the packed words at ``ptrs`` (acquire, system scope) until every one under ``m`` carries
+    epoch ``ep`` or later in its high half, the bound runs out, or ``err`` is nonzero. Returns the words
+    last read and the mask of those still stale (the caller names the missing peer)."""
+    v = tl.atomic_add(ptrs, tl.zeros(ptrs.shape, tl.int64), mask=m, sem="acquire", scope="sys")
     stale = ((v >> 32) < ep) & m
     start = _now(USE_TIMER)
     elapsed = tl.full([], 0, tl.int64)
     while (tl.sum(stale.to(tl.int32)) > 0) & (elapsed < timeout) & (err == 0):
-        v = tl.load(ptrs, mask=m, other=0, volatile=True)
+        v = tl.atomic_add(ptrs, tl.zeros(ptrs.shape, tl.int64), mask=m, sem="acquire", scope="sys")
         stale = ((v >> 32) < ep) & m
         if USE_TIMER:
             elapsed = _now(USE_TIMER) - start
         else:
             elapsed += 1
-    _fence_acquire(USE_TIMER)
     return v, stale
 
 
