@@ -9,7 +9,9 @@ hidden); for every kernel of the replay the record gives its start relative to t
 and its duration, median over ``--iters`` replays, per rank. Each variant of ``--variants`` (the
 dispatch kernel's chunk, num_warps and block_h, optionally the combine kernel's chunk, warps, block_h and
 maxnreg) is measured in the same run, and also timed with CUDA events as the benchmark does; with
-``--tokens 4096`` and ``--num-sm`` it served the tile sweeps of large layers too.
+``--tokens 4096`` and ``--num-sm`` it served the tile sweeps of large layers too. ``--layer`` captures
+the user's call instead (``EPAll2AllLayer.dispatch_static`` / ``combine_static``, default tiles, whatever
+the layer adds to the graph), with the expert ids in ``--id-dtype`` (``torch.topk`` gives int64).
 """
 
 from __future__ import annotations
@@ -170,6 +172,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--num-sm", type=int, default=132)
     p.add_argument("--probe", action="store_true", help="also %%globaltimer stamps inside the kernels")
+    p.add_argument("--layer", action="store_true", help="through EPAll2AllLayer (variant 'default' only)")
+    p.add_argument("--id-dtype", default="int32", choices=["int32", "int64"], help="dtype of the expert ids")
     p.add_argument(
         "--variants",
         nargs="+",
@@ -179,26 +183,41 @@ def main() -> None:
         f"arguments as name=value pairs joined by ',' ({', '.join(VARIANT_ARGS)}), e.g. send_ctas=55",
     )
     args = p.parse_args()
+    if args.layer and args.variants != ["default"]:
+        p.error("--layer takes the layer's default tiles: --variants default only")
+    from ep_a2a import EPAll2AllLayer
     from ep_a2a.triton_backend import TritonBackend
 
     rank, world, dev = run_record.start_ranks()
     n = args.tokens
     cfg, x, ids, w = shape_inputs(args.shape, n, rank, world, dev, route=args.route)
+    ids = ids.to(getattr(torch, args.id_dtype))
     out = {
         **run_record.header(dev, world_size=world),
         "shape": args.shape,
         "route": args.route,
         "tokens": n,
         "num_sm": args.num_sm,
+        "through_layer": args.layer,
+        "id_dtype": args.id_dtype,
         "variants": [],
     }
     for var in args.variants:
         kw = variant_kwargs(var)
-        be = TritonBackend(
-            cfg, dist.group.WORLD, num_sm=args.num_sm, enable_local_combine=True, use_aot=False, timeout_s=60.0,
-            **kw,
-        )  # fmt: skip
-        eng = be.engine
+        if args.layer:
+            be = EPAll2AllLayer(
+                dist.group.WORLD, max_tokens=cfg.max_tokens, hidden=cfg.hidden, topk=cfg.topk, rank=rank,
+                num_tot_experts=cfg.num_tot_experts, local_world_size=world, world_size=world,
+                dtype=cfg.token_dtype, weight_dtype=cfg.weight_dtype, num_sm=args.num_sm,
+                enable_local_combine=True, backend="triton", timeout_s=60.0,
+            )  # fmt: skip
+            eng = be.ctx.backend.engine
+        else:
+            be = TritonBackend(
+                cfg, dist.group.WORLD, num_sm=args.num_sm, enable_local_combine=True, use_aot=False,
+                timeout_s=60.0, **kw,
+            )  # fmt: skip
+            eng = be.engine
         if args.probe:
             eng.probe = torch.zeros(
                 2, max(eng.num_sm, eng._layout_grid[0]), 16, dtype=torch.int64, device=dev

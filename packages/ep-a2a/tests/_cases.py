@@ -385,6 +385,10 @@ def run_errors(rank: int, world: int) -> list[str]:
     expect_raises(TypeError, "exp_indices must have an integer dtype", layer.dispatch, x, idx.float())
     expect_raises(ValueError, f"exp_indices must be in [-1, num_tot_experts={E})", layer.dispatch, x, idx + E)
     expect_raises(ValueError, f"got values in [-3, {E - 3}]", layer.dispatch, x, idx - 2)
+    # checked in the caller's dtype: 2**32 + 1 would be expert 1 as int32
+    wraps = idx.long()
+    wraps[0, 0] = (1 << 32) + 1
+    expect_raises(ValueError, f"got values in [-1, {(1 << 32) + 1}]", layer.dispatch, x, wraps)
     expect_raises(ValueError, "weight must have shape [3, 2]", layer.dispatch, x, idx, torch.rand(3, 1))
     expect_raises(
         TypeError, "weight must have dtype torch.float32", layer.dispatch, x, idx, torch.rand(3, K).double()

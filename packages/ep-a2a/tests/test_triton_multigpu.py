@@ -179,6 +179,8 @@ def test_against_reference(group, heap, hidden, topk, experts, dtype, with_w, sk
             xs, ids, ws, gen = _inputs(
                 100 + i, world, ns, hidden, topk, experts, dtype, skew=skew, drop=drop, with_w=with_w
             )
+            if i % 2:  # int64 ids (as torch.topk gives them), read in place by the same kernels
+                ids = [t.long() for t in ids]
             _check_round_trip(be, group, xs, ids, ws, gen, experts, dtype)
     finally:
         be.finalize()
@@ -528,7 +530,8 @@ def _rows_per_rank(ids, world, experts):
 def test_cuda_graph_capture_replay(group, api, copy_engine):
     """CUDA-graph capture of a static dispatch, an elementwise expert and a static combine, replayed with
     fresh inputs against the reference: on the backend, and through ``EPAll2AllLayer``'s graph mode
-    (which then also drops and counts an invalid expert id on the device)."""
+    (which then also drops and counts an invalid expert id on the device), there with int64 ids as
+    ``torch.topk`` gives them."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     hidden, topk, experts, n = 512, 4, 16, 48
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -546,7 +549,7 @@ def test_cuda_graph_capture_replay(group, api, copy_engine):
         )  # fmt: skip
     try:
         x = torch.zeros(n, hidden, dtype=torch.bfloat16, device=dev)
-        ids = torch.zeros(n, topk, dtype=torch.int32, device=dev)
+        ids = torch.zeros(n, topk, dtype=torch.int64 if api == "layer" else torch.int32, device=dev)
         w = torch.zeros(n, topk, dtype=torch.float32, device=dev)
         scale = torch.full((), 0.5, dtype=torch.float32, device=dev)
         # warm up (compiles) on a side stream, as graph capture requires
@@ -600,15 +603,16 @@ def test_cuda_graph_capture_replay(group, api, copy_engine):
             assert int(d.num_invalid_ids) == 0
         be.check_errors()
         if api == "layer":
-            # an id past num_tot_experts, eagerly: dropped like -1, counted on the device, no host sync
-            bad = idl[rank].clone()
-            bad[0, 0] = experts
+            # ids past num_tot_experts, eagerly: dropped like -1, counted on the device, no host sync
+            # (2**32 + 1 would be expert 1 as int32)
+            bad = idl[rank].clone().long()
+            bad[0, 0], bad[1, 1] = experts, (1 << 32) + 1
             d = be.dispatch_static(x, bad.to(dev), w)
             dropped = [t.clone() for t in idl]
             for t in dropped:
-                t[0, 0] = -1
+                t[0, 0], t[1, 1] = -1, -1
             ref, _ = dispatch_ref(xs, dropped, ws, num_tot_experts=experts)
-            assert int(d.num_invalid_ids) == 1
+            assert int(d.num_invalid_ids) == 2
             assert torch.equal(d.output[: int(d.num_recv_rows)].cpu(), ref[rank].output)
             be.combine_static(d.output, d)
             be.check_errors()

@@ -239,15 +239,18 @@ def test_combine_tile_arguments():
         assert cc * eng.kp * eng.combine_block_h <= COMBINE_TILE_PER_THREAD * 32 * warps
 
 
-def _round_trips(sim, ns, flows, gen, *, with_w, skew, drop, after_dispatch=None, steal=False) -> None:
+def _round_trips(
+    sim, ns, flows, gen, *, with_w, skew, drop, after_dispatch=None, steal=False, id_dtype=torch.int32
+) -> None:
     """One dispatch + combine per ``(merged, send_ctas)`` of ``flows``, each with fresh inputs (the
-    token counts ``ns``, then shifted and reversed), checked against the reference."""
+    token counts ``ns``, then shifted and reversed, expert ids in ``id_dtype``), checked against the
+    reference."""
     eng = sim.engines[0]
     hidden, topk, experts, dtype = eng.hidden, eng.topk, eng.num_tot_experts, eng.token_dtype
     for call, (merged, send_ctas) in enumerate(flows):
         ns_call = ns if call == 0 else [max(0, n - call) for n in reversed(ns)]
         xs = [torch.randn(n, hidden, generator=gen).to(dtype) for n in ns_call]
-        ids = [_routing(n, topk, experts, gen, skew=skew, drop=drop) for n in ns_call]
+        ids = [_routing(n, topk, experts, gen, skew=skew, drop=drop).to(id_dtype) for n in ns_call]
         ws = [torch.rand(n, topk, generator=gen) for n in ns_call] if with_w else None
         res = sim.dispatch(xs, ids, ws, merged=merged, send_ctas=send_ctas, steal=steal)
         ref, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
@@ -474,9 +477,25 @@ def test_combine_per_slot_matches_reference():
         assert torch.equal(got[r], want[r]), f"rank {r}: per-slot rows differ"
 
 
+@pytest.mark.parametrize("chunk", [1, 4], ids=["whole-row", "tiles"])
+def test_int64_expert_ids(chunk):
+    """int64 ids (as ``torch.topk`` returns them) are read in place as int32 pairs: the same results
+    as int32 ids in every flow, decode-sized (early sends) and tiled."""
+    world, ns, hidden, topk, experts, dtype, with_w, skew, drop = CASES[2].values
+    gen = torch.Generator().manual_seed(640 + chunk)
+    sim = SimWorld(
+        world_size=world, max_tokens=max(ns), hidden=hidden, topk=topk, num_tot_experts=experts,
+        token_dtype=dtype, num_sm=2, chunk=chunk,
+    )  # fmt: skip
+    flows = ((False, 0), (True, 0), (True, 1))
+    _round_trips(sim, ns, flows, gen, with_w=with_w, skew=skew, drop=drop, id_dtype=torch.int64)
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 @pytest.mark.parametrize("merged", [False, True], ids=["counts-launch", "merged"])
-def test_invalid_expert_ids_are_counted_and_dropped(merged):
-    """Ids outside [-1, E) never reach an address: counted for the host's error, the slots dropped."""
+def test_invalid_expert_ids_are_counted_and_dropped(merged, id_dtype):
+    """Ids outside [-1, E) never reach an address: counted for the host's error, the slots dropped.
+    int64 ids beyond the int32 range among them, which would wrap onto valid experts as int32."""
     world, hidden, topk, experts = 2, 16, 3, 4
     gen = torch.Generator().manual_seed(21)
     sim = SimWorld(
@@ -484,10 +503,12 @@ def test_invalid_expert_ids_are_counted_and_dropped(merged):
     )
     xs = [torch.randn(5, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
     ids = [_routing(5, topk, experts, gen, skew=False, drop=0.0) for _ in range(world)]
-    bad = [i.clone() for i in ids]
+    bad = [i.clone().to(id_dtype) for i in ids]
     bad[1][0, 0], bad[1][2, 1], bad[1][4, 2] = experts, -3, 1 << 20
+    if id_dtype == torch.int64:  # as int32: experts 1 and 0, and -2**31
+        bad[0][1, 1], bad[0][3, 0], bad[1][1, 2] = (1 << 32) + 1, -(1 << 33), 1 << 31
     res = sim.dispatch(xs, bad, merged=merged)
-    assert [r.num_invalid_ids for r in res] == [0, 3]
+    assert [r.num_invalid_ids for r in res] == ([0, 3] if id_dtype == torch.int32 else [2, 4])
     dropped = [torch.where((b < -1) | (b >= experts), -1, b) for b in bad]
     ref, scat = dispatch_ref(xs, dropped, num_tot_experts=experts)
     _check_dispatch(res, ref, scat, False)
@@ -693,11 +714,16 @@ def test_remote_path_matches_reference(world, node, ns, hidden, topk, experts, d
 def test_remote_path_whole_row_chunks(
     world, node, ns, hidden, topk, experts, dtype, with_w, skew, drop, chunk
 ):
-    """Decode-sized chunks (whole rows in registers) staged for remote peers, and mixed with local ones."""
-    _check_remote_path(world, node, ns, hidden, topk, experts, dtype, with_w, skew, drop, chunk=chunk)
+    """Decode-sized chunks (whole rows in registers) staged for remote peers, and mixed with local ones;
+    int64 expert ids (the pack kernel reads them too)."""
+    _check_remote_path(
+        world, node, ns, hidden, topk, experts, dtype, with_w, skew, drop, chunk=chunk, id_dtype=torch.int64
+    )
 
 
-def _check_remote_path(world, node, ns, hidden, topk, experts, dtype, with_w, skew, drop, *, chunk) -> None:
+def _check_remote_path(
+    world, node, ns, hidden, topk, experts, dtype, with_w, skew, drop, *, chunk, id_dtype=torch.int32
+) -> None:
     gen = torch.Generator().manual_seed(4321 + world * 10 + node + hidden)
     sim = _remote_world(world, node, max(ns), hidden, topk, experts, dtype, chunk=chunk)
     assert sim.engines[0].whole_row == (chunk <= WHOLE_ROW_MAX_CHUNK)
@@ -722,7 +748,17 @@ def _check_remote_path(world, node, ns, hidden, topk, experts, dtype, with_w, sk
 
     # three calls: epochs, count parity, staging and signal reuse; the last with the CTA split
     flows = ((False, 0), (False, 0), (False, 1))
-    _round_trips(sim, ns, flows, gen, with_w=with_w, skew=skew, drop=drop, after_dispatch=packed_and_put)
+    _round_trips(
+        sim,
+        ns,
+        flows,
+        gen,
+        with_w=with_w,
+        skew=skew,
+        drop=drop,
+        after_dispatch=packed_and_put,
+        id_dtype=id_dtype,
+    )
 
 
 def test_remote_caller_scatter_and_per_slot_combine():

@@ -17,7 +17,8 @@ What the layer guarantees before calling a backend (backends need not re-check):
 
 * ``input``: ``[n, hidden]`` contiguous, ``dtype == config.token_dtype`` (for ``dispatch``; ``combine``
   and the autograd pass may hand float32 or other float dtypes), on the group's device, ``0 <= n <= max_tokens``.
-* ``exp_indices``: ``[n, topk]`` contiguous int32, every value in ``[-1, num_tot_experts)`` (unless the
+* ``exp_indices``: ``[n, topk]`` contiguous, with a dtype in the backend's ``expert_id_dtypes`` (int32,
+  unless it lists more: then as the caller gave them), every value in ``[-1, num_tot_experts)`` (unless the
   backend sets ``checks_expert_ids``: then values may be anything and the backend raises ``ValueError``).
 * ``weight``: ``None`` or ``[n, topk]`` contiguous ``config.weight_dtype``.
 * ``full_scatter_indices``: ``None`` or ``[n, topk]`` contiguous int32 (-1 where the slot is dropped).
@@ -77,6 +78,8 @@ class A2ABackend(abc.ABC):
     #: True when ``dispatch`` itself rejects expert ids outside ``[-1, num_tot_experts)`` (without a
     #: device synchronisation of its own): the layer then skips its host-side check.
     checks_expert_ids: ClassVar[bool] = False
+    #: dtypes of ``exp_indices`` the backend takes as they are (the layer converts any other to int32)
+    expert_id_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.int32,)
 
     def __init__(
         self,

@@ -331,16 +331,17 @@ class EPAll2AllLayer:
         n = self._check_dispatch_args(input, exp_indices, weight)
         if full_scatter_indices is not None:
             self._check_tensor("full_scatter_indices", full_scatter_indices, (n, cfg.topk), _INT_DTYPES)
-        idx = exp_indices.to(torch.int32).contiguous()
         backend = self.ctx.backend
         # a backend that checks the ids on the device (the triton backend) spares the host sync here
-        if self.validate and idx.numel() and not backend.checks_expert_ids:
-            lo, hi = torch.aminmax(idx)
+        # (checked in the caller's dtype: an int64 id would wrap into range as int32)
+        if self.validate and exp_indices.numel() and not backend.checks_expert_ids:
+            lo, hi = torch.aminmax(exp_indices)
             if int(lo) < -1 or int(hi) >= cfg.num_tot_experts:
                 raise ValueError(
                     f"exp_indices must be in [-1, num_tot_experts={cfg.num_tot_experts}) (-1 drops a slot), "
                     f"got values in [{int(lo)}, {int(hi)}]"
                 )
+        idx = self._expert_ids(exp_indices)
         fsi = None
         if full_scatter_indices is not None:
             fsi = torch.where(idx >= 0, full_scatter_indices.to(torch.int32), -1).contiguous()
@@ -380,6 +381,13 @@ class EPAll2AllLayer:
             return combine_with_grad(self.ctx.backend, x, desc)
         return self.ctx.backend.combine(x, desc)
 
+    def _expert_ids(self, exp_indices: torch.Tensor) -> torch.Tensor:
+        """``exp_indices`` contiguous, in a dtype the backend takes as is (the triton backend: int32 and
+        int64, so ``torch.topk``'s ids need no conversion kernel), else converted to int32."""
+        if exp_indices.dtype not in self.ctx.backend.expert_id_dtypes:
+            exp_indices = exp_indices.to(torch.int32)
+        return exp_indices.contiguous()
+
     # -- CUDA-graph mode -------------------------------------------------------------------------------
     def _static_backend(self, what: str) -> Any:
         self._check_alive(what)
@@ -408,7 +416,7 @@ class EPAll2AllLayer:
 
         Args:
             input: ``[n, hidden]`` ``dtype``, ``n <= max_tokens`` (fixed for a graph).
-            exp_indices: ``[n, topk]`` integer global expert per slot (int32 avoids a conversion);
+            exp_indices: ``[n, topk]`` integer global expert per slot (int32 or int64 need no conversion);
                 -1 drops the slot.
             weight: ``[n, topk]`` ``weight_dtype`` routing weights, or ``None``.
 
@@ -422,8 +430,7 @@ class EPAll2AllLayer:
         self._check_dispatch_args(input, exp_indices, weight)
         if weight is not None:
             weight = weight.contiguous()
-        idx = exp_indices.to(torch.int32).contiguous()
-        return backend.dispatch_static(input.contiguous(), idx, weight)
+        return backend.dispatch_static(input.contiguous(), self._expert_ids(exp_indices), weight)
 
     def combine_static(self, input: torch.Tensor, dispatched: StaticDispatch) -> torch.Tensor:
         """CUDA-graph mode: combine the rows of a :meth:`dispatch_static` (collective).

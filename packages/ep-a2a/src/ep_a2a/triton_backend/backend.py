@@ -305,6 +305,7 @@ class TritonBackend(A2ABackend):
 
     name = "triton"
     checks_expert_ids = True  # counted in the layout kernel, raised at the call's one host sync
+    expert_id_dtypes = (torch.int32, torch.int64)  # int64 read as int32 pairs: no conversion kernel
 
     def __init__(
         self,
@@ -874,7 +875,7 @@ class TritonBackend(A2ABackend):
 
         Args:
             input: ``[n, hidden]`` token dtype (``n`` fixed for the graph, ``<= max_tokens``).
-            exp_indices: ``[n, topk]`` int32 (-1 = dropped).
+            exp_indices: ``[n, topk]`` int32 or int64 (-1 = dropped).
             weight: ``[n, topk]`` weight dtype or ``None`` (fixed for the graph).
 
         Returns:

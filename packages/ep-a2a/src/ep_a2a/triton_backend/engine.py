@@ -68,6 +68,17 @@ def _nz(t: torch.Tensor) -> torch.Tensor:
     return t if t.numel() > 0 else torch.zeros(1, dtype=t.dtype, device=t.device)
 
 
+def _ids_arg(exp_indices: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Expert ids as the kernels take them (``ids_ptr``, ``id64``): int32 as they are, int64 viewed as
+    int32 pairs (no conversion kernel; see ``kernels._load_ids``)."""
+    ids = _nz(exp_indices)
+    if ids.dtype == torch.int64:
+        return ids.view(torch.int32), 1
+    if ids.dtype != torch.int32:
+        raise TypeError(f"exp_indices must be int32 or int64, got {ids.dtype}")
+    return ids, 0
+
+
 def _raw_stream(device_index: int) -> int:
     """Handle of the current CUDA stream of ``device_index`` (what Triton's launcher takes)."""
     return torch._C._cuda_getCurrentRawStream(device_index)
@@ -638,14 +649,14 @@ class TritonEPEngine:
         With remote peers also packs this rank's tokens per remote destination (``remote["pk"]``,
         ``remote["pinfo"][:W]``) and puts each remote peer its counts (with a signal)."""
         pk, _, pinfo = self._rb(remote)
-        ids = _nz(exp_indices)
+        ids, id64 = _ids_arg(exp_indices)
         self._launch(
             ("layout", caller_scatter, ids.data_ptr() % 16 == 0, self.probe is not None),
             K._layout_kernel,
             self._layout_grid,
             4,
-            ("ids_ptr", "n_tokens", "info_ptr"),
-            (ids, exp_indices.shape[0], self.info if info is None else info),
+            ("ids_ptr", "n_tokens", "info_ptr", "id64"),
+            (ids, exp_indices.shape[0], self.info if info is None else info, id64),
             lambda: dict(
                 pos_ptr=self.pos,
                 table_ptr=self.ptr_table,
@@ -669,8 +680,8 @@ class TritonEPEngine:
             K._pack_kernel,
             (1,),
             4,
-            ("ids_ptr", "pk_ptr", "pinfo_ptr", "n_tokens"),
-            (ids, pk, pinfo, exp_indices.shape[0]),
+            ("ids_ptr", "pk_ptr", "pinfo_ptr", "n_tokens", "id64"),
+            (ids, pk, pinfo, exp_indices.shape[0], id64),
             lambda: dict(
                 table_ptr=self.ptr_table,
                 state_ptr=self.state,
@@ -807,7 +818,8 @@ class TritonEPEngine:
         has_w = weight is not None
         split = self.send_ctas
         w = _nz(weight) if weight is not None else self._dummy_w
-        xs, ids, src = _nz(x), _nz(exp_indices), _nz(scatter_src)
+        xs, src = _nz(x), _nz(scatter_src)
+        ids, id64 = _ids_arg(exp_indices)
         # the copies may start once the receive layout ran (not behind the row kernel)
         fork = self._ce_fork() if self.ce_pieces and send else None
         self._launch(
@@ -846,6 +858,7 @@ class TritonEPEngine:
                 "pk_ptr",
                 "pinfo_ptr",
                 "mirror_addr",
+                "id64",
             ),
             (
                 xs,
@@ -864,6 +877,7 @@ class TritonEPEngine:
                 pk,
                 pinfo,
                 mirror.data_ptr() if mirror is not None else 0,
+                id64,
             ),
             lambda: dict(
                 offs_ptr=self.offsets,
@@ -915,7 +929,7 @@ class TritonEPEngine:
             launch_pdl=self.pdl,
         )
         if self.ce_pieces and send:
-            self._ce_send(fork, xs, ids, w if has_w else None, src)
+            self._ce_send(fork, xs, _nz(exp_indices), w if has_w else None, src)
         if counts and recv:
             self.host_epochs[0] += 1
         if not self.remote_ranks:
@@ -994,8 +1008,14 @@ class TritonEPEngine:
             assert fork is not None
             side.wait_event(fork)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            # (int32 as the heap holds them; converted on the side stream, after the fork)
-            ids32 = ids if ids.dtype == torch.int32 else ids.to(torch.int32)
+            # (int32 as the heap holds them; converted on the side stream, after the fork; an int64 id
+            # outside the experts, which the layout kernel counted as invalid, must not wrap into them)
+            E = self.num_tot_experts
+            ids32 = (
+                ids
+                if ids.dtype == torch.int32
+                else torch.where((ids >= 0) & (ids < E), ids, -1).to(torch.int32)
+            )
             pos32 = pos[:n] if pos.dtype == torch.int32 else pos[:n].to(torch.int32)
             meta = [(lay.ids, ids32), (lay.pos, pos32)] + ([(lay.w, weight)] if weight is not None else [])
             for heap in heaps:
@@ -1033,7 +1053,8 @@ class TritonEPEngine:
             raise ValueError(f"combine rows are at most hidden={self.hidden} wide, got {width}")
         if self.remote_ranks and send and npk_recv is None:
             raise ValueError("npk_recv (records per remote source, on the host) is needed to send")
-        ys, ids, outs = _nz(y), _nz(exp_indices), _nz(out)
+        ys, outs = _nz(y), _nz(out)
+        ids, id64 = _ids_arg(exp_indices)
         pk, rtok, pinfo = self._rb(remote)
         halves = [(send, recv)]
         if self.remote_ranks and send and recv:
@@ -1062,8 +1083,9 @@ class TritonEPEngine:
                     "pk_ptr",
                     "rtok_ptr",
                     "pinfo_ptr",
+                    "id64",
                 ),
-                (ys, tab, ids, n_src, exp_indices.shape[0], outs, pk, rtok, pinfo),
+                (ys, tab, ids, n_src, exp_indices.shape[0], outs, pk, rtok, pinfo, id64),
                 functools.partial(self._combine_fixed, width, snd, rcv),
                 maxnreg=self.combine_maxnreg,
             )

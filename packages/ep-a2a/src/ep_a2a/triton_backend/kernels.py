@@ -87,6 +87,19 @@ def _peer_ptr(table_ptr, r, byte_offset, ty: tl.constexpr):
 
 
 @triton.jit
+def _load_ids(ids_ptr, slot, m, id64, E: tl.constexpr):
+    """Expert ids of ``slot`` ([...] int32; -1 where ``m`` is false). ``ids_ptr`` is int32: the caller's
+    int32 ids (``id64`` 0), or its int64 ids viewed as int32 pairs (``id64`` 1: low word, then high word),
+    so one compiled variant reads both. An int64 id outside the int32 range comes back as ``E``: out of
+    range, so counted as invalid by the layout kernel and dropped everywhere, as any other."""
+    off = slot * (1 + id64)
+    lo = tl.load(ids_ptr + off, mask=m, other=-1)
+    hi = tl.load(ids_ptr + off + 1, mask=m & (id64 != 0), other=0)
+    fits = (id64 == 0) | (hi == (lo >> 31))
+    return tl.where(fits, lo, E)
+
+
+@triton.jit
 def _stamp(probe_ptr, i, PROBE: tl.constexpr):
     """Profiling hook (off unless ``PROBE``): ``%globaltimer`` into ``probe_ptr[i]``."""
     if PROBE:
@@ -242,9 +255,9 @@ def _is_remote(r, REMOTE: tl.constexpr, W: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 # dispatch step 1: per-expert positions of this rank's slots, counts pushed to the expert owners
 # --------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["n_tokens", "rank", "nprog", "timeout"])
+@triton.jit(do_not_specialize=["n_tokens", "rank", "nprog", "timeout", "id64"])
 def _layout_kernel(
-    ids_ptr,  # [n, K] int32
+    ids_ptr,  # [n, K] int32, or [n, 2K] int32 pairs: int64 ids (id64)
     pos_ptr,  # [max_tokens, K] int32 out: rank of slot (t, k) among this rank's slots of its expert
     n_tokens,
     table_ptr,
@@ -274,6 +287,7 @@ def _layout_kernel(
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:5]
     probe_ptr=None,
     PDL: tl.constexpr = False,  # let the next launch (the row kernel, launched with PDL) start early
+    id64=0,  # 1: ids_ptr holds int64 ids as int32 pairs (see _load_ids)
 ):
     """Program ``p`` owns tokens ``[p * TB, (p + 1) * TB)``: it publishes the histogram of their slots'
     experts, sums the histograms of programs ``< p`` (the slots of each expert before its block), and
@@ -292,12 +306,12 @@ def _layout_kernel(
     tok = pid * TB + ss // KP
     kk = ss % KP
     m = (tok < n_tokens) & (kk < K)
-    v = tl.load(ids_ptr + tok * K + kk, mask=m, other=-1)
+    v = _load_ids(ids_ptr, tok * K + kk, m, id64, E)
     valid = (v >= 0) & (v < E) & m
     # ids outside [-1, E): counted (the host raises), treated as dropped everywhere
     n_bad = tl.sum((((v < -1) | (v >= E)) & m).to(tl.int32), 0)
     ee = tl.arange(0, EP)
-    e32 = tl.where(valid, v, 0).to(tl.int32)  # (ids may come as int64; the valid ones fit)
+    e32 = tl.where(valid, v, 0)
     hist = tl.histogram(e32, EP, mask=valid)
     tl.store(hist_ptr + pid * EP + ee, hist)
     tl.store(bad_ptr + pid, n_bad)
@@ -374,9 +388,9 @@ def _layout_kernel(
     _stamp(prb, 4, PROBE)
 
 
-@triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens"])
+@triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "id64"])
 def _pack_kernel(
-    ids_ptr,  # [n, K] int32
+    ids_ptr,  # [n, K] int32, or [n, 2K] int32 pairs: int64 ids (id64)
     pk_ptr,  # [W, max_tokens] int32 out: packed index of token t among this rank's tokens bound for r
     pinfo_ptr,  # [2W] int64 out: [r] packed tokens bound for remote rank r
     n_tokens,
@@ -392,6 +406,7 @@ def _pack_kernel(
     BT: tl.constexpr,
     CW: tl.constexpr,
     REMOTE: tl.constexpr,
+    id64=0,  # 1: ids_ptr holds int64 ids as int32 pairs (see _load_ids)
 ):
     """Remote peers only (one program): for every remote rank ``r``, each token's position among this
     rank's tokens with a slot on ``r`` (in token order; -1: none), and their number, also staged as the
@@ -406,7 +421,7 @@ def _pack_kernel(
                 toks = start + tl.arange(0, BT)
                 tm = toks < n_tokens
                 m2 = tm[:, None] & (kk[None, :] < K)
-                ids = tl.load(ids_ptr + toks[:, None].to(tl.int64) * K + kk[None, :], mask=m2, other=-1)
+                ids = _load_ids(ids_ptr, toks[:, None].to(tl.int64) * K + kk[None, :], m2, id64, L * W)
                 ids = tl.where(ids < L * W, ids, -1)  # invalid ids are dropped everywhere
                 dest = tl.where(ids >= 0, ids // L, -1)
                 hit = (tl.sum(((dest == r) & m2).to(tl.int32), axis=1) > 0) & tm
@@ -563,6 +578,7 @@ def _dispatch_send_chunk(
     c,
     x_ptr,
     ids_ptr,
+    id64,
     w_ptr,
     pos_ptr,
     n_tokens,
@@ -621,7 +637,7 @@ def _dispatch_send_chunk(
         xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(tm, 0, hh, H, EVEN_H))
     m2 = tm[:, None] & (kk[None, :] < K)
     slot = toks[:, None].to(tl.int64) * K + kk[None, :]
-    ids = tl.load(ids_ptr + slot, mask=m2, other=-1)
+    ids = _load_ids(ids_ptr, slot, m2, id64, L * W)
     ids = tl.where(ids < L * W, ids, -1)  # invalid ids (counted by _layout_kernel) are dropped
     pos = tl.load(pos_ptr + slot, mask=m2 & (ids >= 0), other=0)
     dest = tl.where(ids >= 0, ids // L, -1)
@@ -847,11 +863,12 @@ def _dispatch_recv_chunk(
         "GS",
         "ce_tokens",
         "mirror_addr",
+        "id64",
     ]
 )
 def _dispatch_kernel(
     x_ptr,  # [n, H]
-    ids_ptr,  # [n, K] int32
+    ids_ptr,  # [n, K] int32, or [n, 2K] int32 pairs: int64 ids (id64)
     w_ptr,  # [n, K] weight dtype (dummy when not HAS_W)
     pos_ptr,  # [max_tokens, K] int32 from _layout_kernel, or the caller's scatter indices
     n_tokens,
@@ -924,6 +941,7 @@ def _dispatch_kernel(
     INFO_LEN: tl.constexpr = 1,  # MIRROR: info's length
     INFO_P2: tl.constexpr = 1,  # MIRROR: the next power of 2
     mirror_addr=0,  # MIRROR: address of pinned host int64 [INFO_LEN + 1] (info, then the epoch)
+    id64=0,  # 1: ids_ptr holds int64 ids as int32 pairs (see _load_ids)
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -1071,7 +1089,7 @@ def _dispatch_kernel(
                     if layout_known == 0:
                         if send_now:
                             _dispatch_send_chunk(
-                                cs, x_ptr, ids_ptr, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr, out_e_ptr,
+                                cs, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr, out_e_ptr,
                                 tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
                                 cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
                                 EVEN_H, HAS_W, CALLER_SCATTER, True, False, pk_ptr, off_srec, REMOTE, RECX,
@@ -1084,7 +1102,7 @@ def _dispatch_kernel(
                         layout_known = tl.full([], 1, tl.int32)
                         if send_now:
                             _dispatch_send_chunk(
-                                cs, x_ptr, ids_ptr, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr, out_e_ptr,
+                                cs, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr, out_e_ptr,
                                 tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
                                 cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
                                 EVEN_H, HAS_W, CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX,
@@ -1096,6 +1114,7 @@ def _dispatch_kernel(
                         cs,
                         x_ptr,
                         ids_ptr,
+                        id64,
                         w_ptr,
                         pos_ptr,
                         n_tokens,
@@ -1148,6 +1167,7 @@ def _dispatch_kernel(
                             cw,
                             x_ptr,
                             ids_ptr,
+                            id64,
                             w_ptr,
                             pos_ptr,
                             n_tokens,
@@ -1267,7 +1287,7 @@ def _dispatch_kernel(
                 toks = c * CH + tl.arange(0, CH)
                 m2 = (toks < n_tokens)[:, None] & (kk[None, :] < K)
                 slot = toks[:, None].to(tl.int64) * K + kk[None, :]
-                ids = tl.load(ids_ptr + slot, mask=m2, other=-1)
+                ids = _load_ids(ids_ptr, slot, m2, id64, L * W)
                 ids = tl.where(ids < L * W, ids, -1)
                 pos = tl.load(pos_ptr + slot, mask=m2 & (ids >= 0), other=0)
                 if CALLER_SCATTER:
@@ -1442,11 +1462,11 @@ def _reduce_rows(y_ptr, rows, dst, keep, hh, H: tl.constexpr, BH: tl.constexpr, 
 # --------------------------------------------------------------------------------------------------
 # combine: expert side pre-reduces per (token, source rank) in fp32, one row back per pair
 # --------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "nchunks", "timeout", "G", "GS"])
+@triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "nchunks", "timeout", "G", "GS", "id64"])
 def _combine_kernel(
     y_ptr,  # [R, H] expert outputs, dispatch-output order
     tab_ptr,  # [W, max_tokens, K] int32 from the dispatch
-    ids_ptr,  # [n, K] int32 this rank's expert indices
+    ids_ptr,  # [n, K] int32 this rank's expert indices, or [n, 2K] int32 pairs: int64 ids (id64)
     nsrc_ptr,  # [W] int64 tokens of every source in the dispatch
     n_tokens,
     out_ptr,  # [n, H]
@@ -1480,6 +1500,7 @@ def _combine_kernel(
     off_scx,
     off_sig,
     REMOTE: tl.constexpr,
+    id64=0,  # 1: ids_ptr holds int64 ids as int32 pairs (see _load_ids)
 ):
     pid = tl.program_id(0)
     ep = tl.load(state_ptr + 1) + 1
@@ -1556,7 +1577,7 @@ def _combine_kernel(
                     tm = toks < n_tokens
                     m2 = tm[:, None] & (kk[None, :] < K)
                     slot = toks[:, None].to(tl.int64) * K + kk[None, :]
-                    ids = tl.load(ids_ptr + slot, mask=m2, other=-1)
+                    ids = _load_ids(ids_ptr, slot, m2, id64, L * W)
                     dest = tl.where(ids >= 0, ids // L, -1)
                     ok_all = True
                     for r in tl.static_range(W):
