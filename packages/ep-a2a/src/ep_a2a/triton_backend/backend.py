@@ -305,7 +305,7 @@ class TritonBackend(A2ABackend):
 
     name = "triton"
     checks_expert_ids = True  # counted in the layout kernel, raised at the call's one host sync
-    expert_id_dtypes = (torch.int32, torch.int64)  # int64 read as int32 pairs: no conversion kernel
+    expert_id_dtypes = (torch.int32, torch.int64)  # int64 read in place: no conversion kernel
 
     def __init__(
         self,

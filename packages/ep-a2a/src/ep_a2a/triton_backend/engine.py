@@ -69,8 +69,9 @@ def _nz(t: torch.Tensor) -> torch.Tensor:
 
 
 def _ids_arg(exp_indices: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Expert ids as the kernels take them (``ids_ptr``, ``id64``): int32 as they are, int64 viewed as
-    int32 pairs (no conversion kernel; see ``kernels._load_ids``)."""
+    """Expert ids as the kernels take them (``ids_ptr``, ``id64``): int32 as they are; int64 viewed as
+    int32, so the kernels' int32 variants take them, and read as int64 (``kernels._load_ids``): no
+    conversion kernel and no variants of their own."""
     ids = _nz(exp_indices)
     if ids.dtype == torch.int64:
         return ids.view(torch.int32), 1

@@ -88,15 +88,16 @@ def _peer_ptr(table_ptr, r, byte_offset, ty: tl.constexpr):
 
 @triton.jit
 def _load_ids(ids_ptr, slot, m, id64, E: tl.constexpr):
-    """Expert ids of ``slot`` ([...] int32; -1 where ``m`` is false). ``ids_ptr`` is int32: the caller's
-    int32 ids (``id64`` 0), or its int64 ids viewed as int32 pairs (``id64`` 1: low word, then high word),
-    so one compiled variant reads both. An int64 id outside the int32 range comes back as ``E``: out of
-    range, so counted as invalid by the layout kernel and dropped everywhere, as any other."""
-    off = slot * (1 + id64)
-    lo = tl.load(ids_ptr + off, mask=m, other=-1)
-    hi = tl.load(ids_ptr + off + 1, mask=m & (id64 != 0), other=0)
-    fits = (id64 == 0) | (hi == (lo >> 31))
-    return tl.where(fits, lo, E)
+    """Expert ids of ``slot`` ([...] int32; -1 where ``m`` is false). ``ids_ptr`` is the caller's int32
+    ids (``id64`` 0), or its int64 ids' address (``id64`` 1), so one compiled variant reads both (a
+    runtime branch: the int32 path keeps its vector loads). An int64 id outside ``[-1, E)`` comes back as
+    ``E``: counted as invalid by the layout kernel and dropped everywhere, and never wrapped into range."""
+    if id64 != 0:
+        v = tl.load(ids_ptr.to(tl.pointer_type(tl.int64)) + slot, mask=m, other=-1)
+        ids = tl.where((v >= -1) & (v < E), v, E).to(tl.int32)
+    else:
+        ids = tl.load(ids_ptr + slot, mask=m, other=-1)
+    return ids
 
 
 @triton.jit
@@ -257,7 +258,7 @@ def _is_remote(r, REMOTE: tl.constexpr, W: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["n_tokens", "rank", "nprog", "timeout", "id64"])
 def _layout_kernel(
-    ids_ptr,  # [n, K] int32, or [n, 2K] int32 pairs: int64 ids (id64)
+    ids_ptr,  # [n, K] int32, or int64 ids seen as int32 (id64)
     pos_ptr,  # [max_tokens, K] int32 out: rank of slot (t, k) among this rank's slots of its expert
     n_tokens,
     table_ptr,
@@ -287,7 +288,7 @@ def _layout_kernel(
     PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:5]
     probe_ptr=None,
     PDL: tl.constexpr = False,  # let the next launch (the row kernel, launched with PDL) start early
-    id64=0,  # 1: ids_ptr holds int64 ids as int32 pairs (see _load_ids)
+    id64=0,  # 1: ids_ptr points at int64 ids (see _load_ids)
 ):
     """Program ``p`` owns tokens ``[p * TB, (p + 1) * TB)``: it publishes the histogram of their slots'
     experts, sums the histograms of programs ``< p`` (the slots of each expert before its block), and
@@ -390,7 +391,7 @@ def _layout_kernel(
 
 @triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "id64"])
 def _pack_kernel(
-    ids_ptr,  # [n, K] int32, or [n, 2K] int32 pairs: int64 ids (id64)
+    ids_ptr,  # [n, K] int32, or int64 ids seen as int32 (id64)
     pk_ptr,  # [W, max_tokens] int32 out: packed index of token t among this rank's tokens bound for r
     pinfo_ptr,  # [2W] int64 out: [r] packed tokens bound for remote rank r
     n_tokens,
@@ -406,7 +407,7 @@ def _pack_kernel(
     BT: tl.constexpr,
     CW: tl.constexpr,
     REMOTE: tl.constexpr,
-    id64=0,  # 1: ids_ptr holds int64 ids as int32 pairs (see _load_ids)
+    id64=0,  # 1: ids_ptr points at int64 ids (see _load_ids)
 ):
     """Remote peers only (one program): for every remote rank ``r``, each token's position among this
     rank's tokens with a slot on ``r`` (in token order; -1: none), and their number, also staged as the
@@ -868,7 +869,7 @@ def _dispatch_recv_chunk(
 )
 def _dispatch_kernel(
     x_ptr,  # [n, H]
-    ids_ptr,  # [n, K] int32, or [n, 2K] int32 pairs: int64 ids (id64)
+    ids_ptr,  # [n, K] int32, or int64 ids seen as int32 (id64)
     w_ptr,  # [n, K] weight dtype (dummy when not HAS_W)
     pos_ptr,  # [max_tokens, K] int32 from _layout_kernel, or the caller's scatter indices
     n_tokens,
@@ -941,7 +942,7 @@ def _dispatch_kernel(
     INFO_LEN: tl.constexpr = 1,  # MIRROR: info's length
     INFO_P2: tl.constexpr = 1,  # MIRROR: the next power of 2
     mirror_addr=0,  # MIRROR: address of pinned host int64 [INFO_LEN + 1] (info, then the epoch)
-    id64=0,  # 1: ids_ptr holds int64 ids as int32 pairs (see _load_ids)
+    id64=0,  # 1: ids_ptr points at int64 ids (see _load_ids)
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -1466,7 +1467,7 @@ def _reduce_rows(y_ptr, rows, dst, keep, hh, H: tl.constexpr, BH: tl.constexpr, 
 def _combine_kernel(
     y_ptr,  # [R, H] expert outputs, dispatch-output order
     tab_ptr,  # [W, max_tokens, K] int32 from the dispatch
-    ids_ptr,  # [n, K] int32 this rank's expert indices, or [n, 2K] int32 pairs: int64 ids (id64)
+    ids_ptr,  # [n, K] int32 this rank's expert indices (or int64: id64)
     nsrc_ptr,  # [W] int64 tokens of every source in the dispatch
     n_tokens,
     out_ptr,  # [n, H]
@@ -1500,7 +1501,7 @@ def _combine_kernel(
     off_scx,
     off_sig,
     REMOTE: tl.constexpr,
-    id64=0,  # 1: ids_ptr holds int64 ids as int32 pairs (see _load_ids)
+    id64=0,  # 1: ids_ptr points at int64 ids (see _load_ids)
 ):
     pid = tl.program_id(0)
     ep = tl.load(state_ptr + 1) + 1
