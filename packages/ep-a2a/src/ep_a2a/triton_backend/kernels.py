@@ -90,8 +90,8 @@ def _peer_ptr(table_ptr, r, byte_offset, ty: tl.constexpr):
 def _load_ids(ids_ptr, slot, m, id64, E: tl.constexpr):
     """Expert ids of ``slot`` ([...] int32; -1 where ``m`` is false). ``ids_ptr`` is the caller's int32
     ids (``id64`` 0), or its int64 ids' address (``id64`` 1), so one compiled variant reads both (a
-    runtime branch: the int32 path keeps its vector loads). An int64 id outside ``[-1, E)`` comes back as
-    ``E``: counted as invalid by the layout kernel and dropped everywhere, and never wrapped into range."""
+    runtime branch; the int32 path loads as before). An int64 id outside ``[-1, E)`` comes back as ``E``:
+    counted as invalid by the layout kernel and dropped everywhere, never wrapped into range."""
     if id64 != 0:
         v = tl.load(ids_ptr.to(tl.pointer_type(tl.int64)) + slot, mask=m, other=-1)
         ids = tl.where((v >= -1) & (v < E), v, E).to(tl.int32)
