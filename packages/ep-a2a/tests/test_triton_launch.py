@@ -337,8 +337,6 @@ def test_speculative_rows_fit_and_overflow():
     """The speculative flow's host step after the counts (no GPU: a recording engine): rows that fit
     keep the outputs; more rows get exact outputs and a rewriting pass (``send=False``,
     ``rewrite=True``) into them. The outputs' size: the most rows of the last calls plus an eighth."""
-    import collections
-
     from ep_a2a.triton_backend import TritonBackend
     from ep_a2a.triton_backend.backend import SPECULATIVE_WINDOW, _speculative_rows_guess
 

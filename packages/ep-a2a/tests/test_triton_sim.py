@@ -479,8 +479,8 @@ def test_combine_per_slot_matches_reference():
 
 @pytest.mark.parametrize("chunk", [1, 4], ids=["whole-row", "tiles"])
 def test_int64_expert_ids(chunk):
-    """int64 ids (as ``torch.topk`` returns them) are read in place as int32 pairs: the same results
-    as int32 ids in every flow, decode-sized (early sends) and tiled."""
+    """int64 ids (as ``torch.topk`` returns them) are read in place, with no conversion: the same
+    results as int32 ids in every flow, decode-sized (early sends) and tiled."""
     world, ns, hidden, topk, experts, dtype, with_w, skew, drop = CASES[2].values
     gen = torch.Generator().manual_seed(640 + chunk)
     sim = SimWorld(

@@ -610,8 +610,6 @@ class TritonBackend(A2ABackend):
                     mark(("rows fitted", time.perf_counter()))
             self._prepare_small_outputs(n, has_w)
             out, out_w, out_e = bufs["out"][:rows], bufs["out_w"][:rows], bufs["out_e"][:rows]
-            if not has_w:
-                out_w = bufs["out_w"]
         else:
             eng.launch_counts(info, remote=rb)
             if mark:
