@@ -14,7 +14,11 @@ Usage (repository root)::
 ``--node`` is the simulated node size (``force_remote``): ranks outside rank 0's block are remote.
 ``--backend-tiles`` takes the tiles ``TritonBackend`` picks for the shape and ``--num-sm`` (else chunk
 ``--chunk``, 8 warps, 1024 wide); ``--regs`` adds each variant's registers and spill bytes per thread
-from the ptxas bundled with Triton (``ptxas -v``), so tile choices can be checked for spills offline.
+from the ptxas bundled with Triton (``ptxas -v``), so tile choices can be checked for spills offline;
+``--id-dtype int64`` gives the kernels int64 expert ids. The arguments are specialised as Triton's
+launcher specialises them (pointers and ints divisible by 16, ints equal to 1), so the loads and stores
+get the vector widths they get on the GPU. (The first versions of this tool did not: their register and
+spill figures were those of scalar loads.)
 """
 
 from __future__ import annotations
@@ -30,20 +34,13 @@ from typing import Any
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import native_specialize_impl
 
 from ep_a2a.triton_backend import engine as E
 
 TARGET = GPUTarget("cuda", 90, 32)
-TYPES = {
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float32: "fp32",
-    torch.int32: "i32",
-    torch.int64: "i64",
-    torch.uint8: "u8",
-}
 
 
 class _NoTransport:
@@ -95,19 +92,25 @@ def compile_sm90(
 ) -> tuple[int, int, str]:
     """``(shared bytes, PTX instructions, hash of the PTX body)`` of one launch's variant (the body also
     written to the file ``dump``; with ``regs`` the hash is followed by :func:`ptxas_usage`)."""
-    sig, const = {}, {}
+    sig, const, attrs = {}, {}, {}
     for i, (p, param) in enumerate(inspect.signature(kernel.fn).parameters.items()):
         v = named.get(p, param.default)  # (arguments left at their defaults)
-        if i in kernel.constexprs:
+        if i in kernel.constexprs or v is None:
             sig[p], const[(i,)] = "constexpr", v
-        elif v is None:
-            sig[p] = "constexpr"
-        elif torch.is_tensor(v):
-            sig[p] = "*" + TYPES[v.dtype]
-        else:
-            sig[p] = "i64" if abs(int(v)) > 2**31 - 1 else "i32"
+            continue
+        # as Triton's launcher specialises them: pointers and ints divisible by 16 marked so (16-byte
+        # vectors), ints equal to 1 as constants, except the kernel's do_not_specialize arguments
+        kp = kernel.params[i]
+        ty, spec = native_specialize_impl(
+            BaseBackend, v, False, not kp.do_not_specialize, not kp.do_not_specialize_on_alignment
+        )
+        sig[p] = ty
+        if ty == "constexpr":
+            const[(i,)] = spec
+        elif spec:
+            attrs[(i,)] = BaseBackend.parse_attr(spec)
     opts: dict[str, Any] = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
-    k = triton.compile(ASTSource(kernel, sig, constexprs=const), target=TARGET, options=opts)
+    k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=TARGET, options=opts)
     ptx = k.asm["ptx"].split(".section\t.debug")[0]
     ptx = re.sub(r"\$L__tmp\d+:?", "", re.sub(r"//.*", "", ptx))
     skip = ("param", ".loc", ".file")
@@ -140,6 +143,7 @@ def main() -> None:
     ap.add_argument("--backend-tiles", action="store_true", help="the tiles TritonBackend picks (see above)")
     ap.add_argument("--regs", action="store_true", help="registers and spill bytes per launch (ptxas -v)")
     ap.add_argument("--combine-maxnreg", type=int, default=None, help="the engine's combine_maxnreg")
+    ap.add_argument("--id-dtype", default="int32", choices=["int32", "int64"], help="dtype of the expert ids")
     a = ap.parse_args()
     tiles: dict[str, Any] = {}
     if a.backend_tiles:
@@ -180,7 +184,7 @@ def main() -> None:
     _capture(launches)
     n = 16
     x = torch.zeros(n, a.hidden, dtype=torch.bfloat16)
-    ids = torch.zeros(n, a.topk, dtype=torch.int32)
+    ids = torch.zeros(n, a.topk, dtype=getattr(torch, a.id_dtype))
     w = torch.zeros(n, a.topk)
     rb = eng.alloc_remote() if remote else None
     rkw: dict[str, Any] = {"remote": rb} if remote else {}

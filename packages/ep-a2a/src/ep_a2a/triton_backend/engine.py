@@ -298,8 +298,9 @@ class TritonEPEngine:
             dispatch kernel's chunk and warps, and the widest tile of at most ``COMBINE_TILE_PER_THREAD``
             elements per thread, up to ``block_h``); ``layout`` must be built with the same
             ``combine_chunk``. ``combine_maxnreg``: register limit per thread given to ptxas for the
-            combine kernel (``.maxnreg``; default: ptxas's choice, which for 16-warp combine tiles is 32
-            registers with kilobytes of spills, see ``benchmarks/offline_compile.py --regs``).
+            combine kernel (``.maxnreg``; default: ptxas's choice, which for the default 16-warp combine
+            tiles is 128 registers with under 100 bytes of spills, see
+            ``benchmarks/offline_compile.py --regs``).
         send_ctas, combine_send_ctas: split of the dispatch / combine kernel's CTAs (``TritonBackend``
             picks the defaults: on for large layers on many SMs). 0 (the engine's default):
             every CTA sends its chunks to the peers, then writes this rank's rows of a chunk, in turn;
