@@ -1579,14 +1579,18 @@ def _combine_kernel(
                     m2 = tm[:, None] & (kk[None, :] < K)
                     slot = toks[:, None].to(tl.int64) * K + kk[None, :]
                     ids = _load_ids(ids_ptr, slot, m2, id64, L * W)
-                    dest = tl.where(ids >= 0, ids // L, -1)
+                    ok = m2 & (ids >= 0) & (ids < L * W)  # (invalid ids are dropped)
+                    # per token the ranks its slots went to, and over the chunk: two reductions, so the
+                    # tiles' masks below are elementwise (a reduction per tile synchronises the CTA)
+                    bits = _rank_bits(tl.where(ok, ids // L, -1), ok)
+                    bits_all = tl.reduce(bits, 0, _or)
                     ok_all = True
                     for r in tl.static_range(W):
                         if (REMOTE >> r) & 1:
-                            if tl.sum(((dest == r) & m2).to(tl.int32)) > 0:
+                            if ((bits_all >> r) & 1) != 0:
                                 f = _peer_ptr(table_ptr, rank, off_sig, tl.int64) + SIG_COMB * W + r
                                 ok_all = ok_all & _wait_flag(f, ep, state_ptr, 4, r, timeout, USE_TIMER)
-                        elif r != rank and tl.sum(((dest == r) & m2).to(tl.int32)) > 0:
+                        elif r != rank and ((bits_all >> r) & 1) != 0:
                             f = _peer_ptr(table_ptr, rank, off_cflag, tl.int64) + r * nchunks + c
                             ok_all = ok_all & _wait_flag(f, ep, state_ptr, 4, r, timeout, USE_TIMER)
                     if ok_all:
@@ -1597,9 +1601,9 @@ def _combine_kernel(
                             nxt = _slots_tile(y_ptr, rows, h0 + BH, hh, H, EVEN_H)
                             acc = tl.sum(cur.to(tl.float32), axis=1)
                             for r in tl.static_range(W):
+                                need = ((bits >> r) & 1) != 0
                                 if (REMOTE >> r) & 1:
                                     # r's row of token t is its packed record pk[r, t]
-                                    need = tl.sum(((dest == r) & m2).to(tl.int32), axis=1) > 0
                                     jr = tl.load(pk_ptr + r * max_tokens + toks, mask=need, other=0)
                                     src = (
                                         _peer_ptr(table_ptr, rank, off_cx, ty)
@@ -1612,7 +1616,6 @@ def _combine_kernel(
                                         cache_modifier=".cg",
                                     ).to(tl.float32)
                                 elif r != rank:
-                                    need = tl.sum(((dest == r) & m2).to(tl.int32), axis=1) > 0
                                     src = (
                                         _peer_ptr(table_ptr, rank, off_cx, ty)
                                         + (r * max_tokens + toks).to(tl.int64)[:, None] * H
