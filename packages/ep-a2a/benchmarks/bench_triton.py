@@ -424,6 +424,10 @@ def run_case(
         res[f"ours-graph-nosteal-sm{nsm}"] = split_case(
             args, cfg, group, x, ids, w, nsm, None, None, ref, steal=False
         )
+        # the default with the ids as torch.topk gives them (int64, read in place by the kernels)
+        res[f"ours-graph-int64-sm{nsm}"] = split_case(
+            args, cfg, group, x, ids.long(), w, nsm, None, None, ref
+        )
         if route == "uniform":
             for gd, gc in ((0, 0), (nsm // 4, 2 * nsm // 3)):
                 res[f"ours-graph-split{gd}-{gc}-sm{nsm}"] = split_case(
