@@ -18,7 +18,9 @@ from the ptxas bundled with Triton (``ptxas -v``), so tile choices can be checke
 ``--id-dtype int64`` gives the kernels int64 expert ids. The arguments are specialised as Triton's
 launcher specialises them (pointers and ints divisible by 16, ints equal to 1), so the loads and stores
 get the vector widths they get on the GPU. (The first versions of this tool did not: their register and
-spill figures were those of scalar loads.)
+spill figures were those of scalar loads.) Each launch line ends with the ``bar.sync`` count of each
+tile loop (:func:`tile_loop_barriers`); ``--check-tile-loops`` fails on a CTA barrier in a tile loop of
+the dispatch or combine kernel (``tests/test_offline_compile.py`` runs it on large layers' tiles).
 """
 
 from __future__ import annotations
@@ -82,6 +84,31 @@ def ptxas_usage(ptx: str) -> str:
     return f"regs={max(int(r) for r in regs) if regs else -1:3d} spill={st}/{ld}"
 
 
+def tile_loop_barriers(body: list[str]) -> list[tuple[int, int, int]]:
+    """``(first line, last line, bar.sync count)`` of every innermost loop of a PTX body that moves
+    16-byte vectors to or from global memory: the kernels' tile loops. A loop is a backward branch to a
+    label; innermost: it holds no other loop. A CTA barrier in a tile loop is paid per tile (as the
+    combine's per-tile reduction over the ids was, between ``cd8c480`` and ``056468a``)."""
+    labels = {}
+    for i, ln in enumerate(body):
+        m = re.match(r"\s*(\$L__BB\d+_\d+):", ln)
+        if m:
+            labels[m.group(1)] = i
+    loops = []
+    for i, ln in enumerate(body):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", ln)
+        if m and labels.get(m.group(1), i) < i:
+            loops.append((labels[m.group(1)], i))
+    out = []
+    for a, b in loops:
+        if any(a <= a2 and b2 <= b and (a2, b2) != (a, b) for a2, b2 in loops):
+            continue  # not innermost
+        lines = body[a : b + 1]
+        if any((".global" in ln and ".v4." in ln) for ln in lines):
+            out.append((a, b, sum("bar.sync" in ln for ln in lines)))
+    return out
+
+
 def compile_sm90(
     kernel: Any,
     num_warps: int,
@@ -89,9 +116,10 @@ def compile_sm90(
     dump: str | None = None,
     regs: bool = False,
     maxnreg: int | None = None,
-) -> tuple[int, int, str]:
-    """``(shared bytes, PTX instructions, hash of the PTX body)`` of one launch's variant (the body also
-    written to the file ``dump``; with ``regs`` the hash is followed by :func:`ptxas_usage`)."""
+) -> tuple[int, int, str, list[tuple[int, int, int]]]:
+    """``(shared bytes, PTX instructions, hash of the PTX body, tile loops)`` of one launch's variant
+    (the body also written to the file ``dump``; with ``regs`` the hash is followed by
+    :func:`ptxas_usage`; tile loops: :func:`tile_loop_barriers`)."""
     sig, const, attrs = {}, {}, {}
     for i, (p, param) in enumerate(inspect.signature(kernel.fn).parameters.items()):
         v = named.get(p, param.default)  # (arguments left at their defaults)
@@ -120,7 +148,8 @@ def compile_sm90(
         with open(dump, "w") as f:
             f.write("\n".join(body))
     h = hashlib.md5("\n".join(body).encode()).hexdigest()[:12]
-    return k.metadata.shared, n_ins, h + (" " + ptxas_usage(k.asm["ptx"]) if regs else "")
+    usage = " " + ptxas_usage(k.asm["ptx"]) if regs else ""
+    return k.metadata.shared, n_ins, h + usage, tile_loop_barriers(body)
 
 
 def main() -> None:
@@ -144,6 +173,13 @@ def main() -> None:
     ap.add_argument("--regs", action="store_true", help="registers and spill bytes per launch (ptxas -v)")
     ap.add_argument("--combine-maxnreg", type=int, default=None, help="the engine's combine_maxnreg")
     ap.add_argument("--id-dtype", default="int32", choices=["int32", "int64"], help="dtype of the expert ids")
+    ap.add_argument(
+        "--check-tile-loops",
+        action="store_true",
+        help="exit 1 if a tile loop of the dispatch or combine kernel (an innermost loop with 16-byte global"
+        " loads or stores) has a CTA barrier; for tiled layers (with --backend-tiles at 4096 tokens):"
+        " in decode-sized ones the innermost loop is the per-chunk loop, whose barriers are by design",
+    )
     a = ap.parse_args()
     tiles: dict[str, Any] = {}
     if a.backend_tiles:
@@ -207,10 +243,17 @@ def main() -> None:
     print(f"world {W}, node {node}, remote peers of rank 0: {remote}; sm_90")
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
+    bad = []
     for i, (key, kernel, nw, named, maxnreg) in enumerate(launches):
         dump = os.path.join(a.dump, f"{i}-{key[0]}.ptx") if a.dump else None
-        shared, n_ins, h = compile_sm90(kernel, nw, named, dump, a.regs, maxnreg)
-        print(f"{key[0]:8s} {key[1:7]!s:64s} shared={shared:6d} ptx_ins={n_ins:6d} body={h}")
+        shared, n_ins, h, loops = compile_sm90(kernel, nw, named, dump, a.regs, maxnreg)
+        barriers = [n for _, _, n in loops]
+        print(f"{key[0]:8s} {key[1:7]!s:64s} shared={shared:6d} ptx_ins={n_ins:6d} body={h} "
+              f"tile-loop-barriers={barriers}")  # fmt: skip
+        if key[0] in ("dispatch", "combine"):
+            bad += [f"{i}-{key[0]}: lines {lo}-{hi}, {n} bar.sync" for lo, hi, n in loops if n]
+    if a.check_tile_loops and bad:
+        raise SystemExit("CTA barriers inside tile loops: " + "; ".join(bad))
 
 
 if __name__ == "__main__":
