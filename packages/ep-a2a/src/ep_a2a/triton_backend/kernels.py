@@ -90,8 +90,11 @@ def _peer_ptr(table_ptr, r, byte_offset, ty: tl.constexpr):
 def _load_ids(ids_ptr, slot, m, id64, E: tl.constexpr):
     """Expert ids of ``slot`` ([...] int32; -1 where ``m`` is false). ``ids_ptr`` is the caller's int32
     ids (``id64`` 0), or its int64 ids' address (``id64`` 1), so one compiled variant reads both (a
-    runtime branch; the int32 path loads as before). An int64 id outside ``[-1, E)`` comes back as ``E``:
-    counted as invalid by the layout kernel and dropped everywhere, never wrapped into range."""
+    runtime branch). The int32 loads are as before, but the result takes the int64 load's register
+    layout, in which a reduction over it may synchronise the CTA: reduce it once per chunk, never per
+    tile (``tests/test_offline_compile.py`` checks the tile loops). An int64 id outside ``[-1, E)`` comes
+    back as ``E``: counted as invalid by the layout kernel and dropped everywhere, never wrapped into
+    range."""
     if id64 != 0:
         v = tl.load(ids_ptr.to(tl.pointer_type(tl.int64)) + slot, mask=m, other=-1)
         ids = tl.where((v >= -1) & (v < E), v, E).to(tl.int32)
