@@ -215,7 +215,7 @@ def main() -> None:
         eng.num_warps = 8 if eng.block_h >= 512 else 4
     eng.pdl = a.pdl
     if a.probe:
-        eng.probe = torch.zeros(2, a.num_sm, 16, dtype=torch.int64)
+        eng.probe = torch.zeros(2, a.num_sm, int(E.K.PROBE_SLOTS.value), dtype=torch.int64)
     launches: list = []
     _capture(launches)
     n = 16

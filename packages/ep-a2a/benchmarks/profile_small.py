@@ -130,8 +130,19 @@ DISPATCH_STAMPS = {
     12: "last flag seen",
     10: "scatter idx",
     11: "end",
+    16: "p0 counts poll starts",
+    17: "p0 counts seen",
+    18: "p0 layout written",
+    19: "p0 base rows sent",
 }
 LAYOUT_STAMPS = {0: "start", 1: "hist out", 2: "lower hists in", 3: "pos written", 4: "end"}
+
+
+def probe_slots() -> int:
+    """Stamps per program of the package on the path (16 before ``PROBE_SLOTS``: an older tree's)."""
+    from ep_a2a.triton_backend import kernels
+
+    return int(getattr(getattr(kernels, "PROBE_SLOTS", 16), "value", 16))
 
 
 def stamps(eng, replay, iters: int) -> dict:
@@ -151,8 +162,10 @@ def stamps(eng, replay, iters: int) -> dict:
         D.append((pr[1, :nd].double() - t0) / 1e3)
     out = {}
     for name, arr, names in (("layout", L, LAYOUT_STAMPS), ("dispatch", D, DISPATCH_STAMPS)):
-        a = torch.stack(arr)  # [iters, programs, 16]
+        a = torch.stack(arr)  # [iters, programs, slots]
         for i, label in names.items():
+            if i >= a.shape[2]:
+                continue
             per_iter = []
             for it in a[:, :, i]:
                 v = it[it > -1e5]  # programs that wrote this stamp (unwritten ones lie far before t0)
@@ -220,7 +233,7 @@ def main() -> None:
             eng = be.engine
         if args.probe:
             eng.probe = torch.zeros(
-                2, max(eng.num_sm, eng._layout_grid[0]), 16, dtype=torch.int64, device=dev
+                2, max(eng.num_sm, eng._layout_grid[0]), probe_slots(), dtype=torch.int64, device=dev
             )
         g_d, g_c = capture_graphs(be, x, ids, w)
         timer = Timer(eng.launch_barrier)

@@ -64,6 +64,9 @@ SIG_BACK = tl.constexpr(1)  # base rows of a dispatch arrived
 SIG_DATA = tl.constexpr(2)  # packed token records of a dispatch arrived
 SIG_COMB = tl.constexpr(3)  # packed combine rows arrived (value: combine epoch)
 
+#: profiling stamps per program in ``engine.probe`` (``PROBE`` variants only)
+PROBE_SLOTS = tl.constexpr(24)
+
 _EPOCH_SHIFT = 32
 _LOW_MASK = 0xFFFFFFFF
 
@@ -142,16 +145,53 @@ def _wait_flag(flag_ptr, target, state_ptr, step, peer, timeout, USE_TIMER: tl.c
 
 
 @triton.jit
+def _load_acquire_sys(ptrs, m, GPU: tl.constexpr):
+    """``*ptrs`` (int64 words) with acquire semantics at system scope, 0 where ``m`` is false. On a
+    GPU a plain ``ld.acquire.sys`` (a load, not a read-modify-write: nothing waits for an atomic unit);
+    in the interpreter an atomic add of 0."""
+    if GPU:
+        v = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b64 $0, 0; @p ld.acquire.sys.global.b64 $0, [$1]; }",
+            "=l,l,r",
+            [ptrs, m.to(tl.int32)],
+            dtype=tl.int64,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        v = tl.atomic_add(ptrs, tl.zeros(ptrs.shape, tl.int64), mask=m, sem="acquire", scope="sys")
+    return v
+
+
+@triton.jit
+def _store_relaxed_sys(ptrs, vals, m, GPU: tl.constexpr):
+    """``*ptrs = vals`` (int64) where ``m``: a strong relaxed store at system scope. On a GPU a plain
+    ``st.relaxed.sys`` that nothing waits for (an exchange waits for the old value to come back over
+    NVLink); in the interpreter an exchange."""
+    if GPU:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.relaxed.sys.global.b64 [$1], $3; mov.b32 $0, 0; }",
+            "=r,l,r,l",
+            [ptrs, m.to(tl.int32), vals],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        tl.atomic_xchg(ptrs, vals, mask=m, sem="relaxed", scope="sys")
+
+
+@triton.jit
 def _spin_epoch(ptrs, m, ep, err, timeout, USE_TIMER: tl.constexpr):
     """Poll the packed words at ``ptrs`` (acquire, system scope) until every one under ``m`` carries
     epoch ``ep`` or later in its high half, the bound runs out, or ``err`` is nonzero. Returns the words
     last read and the mask of those still stale (the caller names the missing peer)."""
-    v = tl.atomic_add(ptrs, tl.zeros(ptrs.shape, tl.int64), mask=m, sem="acquire", scope="sys")
+    v = _load_acquire_sys(ptrs, m, USE_TIMER)
     stale = ((v >> 32) < ep) & m
     start = _now(USE_TIMER)
     elapsed = tl.full([], 0, tl.int64)
     while (tl.sum(stale.to(tl.int32)) > 0) & (elapsed < timeout) & (err == 0):
-        v = tl.atomic_add(ptrs, tl.zeros(ptrs.shape, tl.int64), mask=m, sem="acquire", scope="sys")
+        v = _load_acquire_sys(ptrs, m, USE_TIMER)
         stale = ((v >> 32) < ep) & m
         if USE_TIMER:
             elapsed = _now(USE_TIMER) - start
@@ -301,7 +341,7 @@ def _layout_kernel(
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
-    prb = probe_ptr + pid * 16 if PROBE else probe_ptr
+    prb = probe_ptr + pid * PROBE_SLOTS if PROBE else probe_ptr
     _stamp(prb, 0, PROBE)
     ep = tl.load(state_ptr + 0) + 1
     parity = ep % 2
@@ -381,7 +421,7 @@ def _layout_kernel(
                 base = tl.load(table_ptr + owner, mask=me, other=0) + off_cnt
                 dst = base.to(tl.pointer_type(tl.int64)) + parity * (W * CW) + rank * CW + (e - owner * L)
             # (relaxed: each word carries its epoch, and nothing else is read on its arrival)
-            tl.atomic_xchg(dst, word, mask=me, sem="relaxed", scope="sys")
+            _store_relaxed_sys(dst, word, me, USE_TIMER)
     if pid == 0:
         for r in tl.static_range(W):
             if (REMOTE >> r) & 1:
@@ -463,6 +503,8 @@ def _counts_body(
     USE_TIMER: tl.constexpr,
     CW: tl.constexpr,
     REMOTE: tl.constexpr,
+    PROBE: tl.constexpr = False,  # profiling: stamps 16-19 into prb (the row kernel's program 0)
+    prb=None,
 ):
     """Wait for every source's counts of epoch ``ep``, write the receive layout (one program).
 
@@ -490,7 +532,9 @@ def _counts_body(
         m2 = (ss[:, None] < W) & (ee[None, :] <= L)
     ptrs = cnt + ss[:, None] * CW + ee[None, :]
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
+    _stamp(prb, 16, PROBE)
     v, stale = _spin_epoch(ptrs, m2, ep, err, timeout, USE_TIMER)
+    _stamp(prb, 17, PROBE)
     n_stale = tl.sum(stale.to(tl.int32))
     if (n_stale > 0) & (err == 0):
         missing = tl.min(tl.where(tl.max(stale.to(tl.int32), axis=1) > 0, ss, WP))
@@ -504,13 +548,11 @@ def _counts_body(
         n_src = tl.sum(tl.where((ee[None, :] == L) & m2, vals, 0), axis=1)  # [WP]
         rows_src = tl.sum(counts, axis=1)  # [WP]
         rows_exp = tl.sum(counts, axis=0)  # [LP]
-        # expert-major exclusive prefix over (e, s)
-        ct = tl.trans(counts)  # [LP, WP]
-        flat = tl.reshape(ct, [LP * WP])
-        excl = tl.cumsum(flat, 0) - flat
-        excl2 = tl.reshape(excl, [LP, WP])
-        om = (ee[:, None] < L) & (ss[None, :] < W)
-        tl.store(offs_ptr + ee[:, None] * W + ss[None, :], excl2, mask=om)
+        # expert-major exclusive prefix over (e, s): the rows of the experts before e, then those of
+        # expert e from the sources before s (two scans in the words' own layout, no transpose)
+        excl = (tl.cumsum(rows_exp, 0) - rows_exp)[None, :] + (tl.cumsum(counts, axis=0) - counts)  # [WP, LP]
+        om = (ss[:, None] < W) & (ee[None, :] < L)
+        tl.store(offs_ptr + ee[None, :] * W + ss[:, None], excl, mask=om)
         tl.store(info_ptr + 0, tl.sum(rows_src, 0))
         tl.store(info_ptr + 2 + ss, n_src, mask=ss < W)
         tl.store(info_ptr + 2 + W + ss, rows_src, mask=ss < W)
@@ -518,14 +560,16 @@ def _counts_body(
         if REMOTE != 0:
             npk = tl.sum(tl.where((ee[None, :] == L + 1) & m2, vals, 0), axis=1)  # [WP]
             tl.store(pinfo_ptr + W + ss, npk, mask=(ss < W) & rem_s)
+        _stamp(prb, 18, PROBE)
         # give every source its slots' base rows here (for its token_dst_scatter_idx)
         for s in tl.static_range(W):
-            col = tl.sum(tl.where(ss[None, :] == s, excl2, 0), axis=1)  # [LP]
+            col = tl.sum(tl.where(ss[:, None] == s, excl, 0), axis=0)  # [LP]
             if (REMOTE >> s) & 1:
                 dst = _peer_ptr(table_ptr, rank, off_sback, tl.int64) + s * L + ee
             else:
                 dst = _peer_ptr(table_ptr, s, off_back, tl.int64) + rank * L + ee
-            tl.atomic_xchg(dst, (ep << 32) | col, mask=ee < L, sem="relaxed", scope="sys")
+            _store_relaxed_sys(dst, (ep << 32) | col, ee < L, USE_TIMER)
+        _stamp(prb, 19, PROBE)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout"])
@@ -936,7 +980,7 @@ def _dispatch_kernel(
     # own rows: the second pass of a speculative exact-shape dispatch, into outputs re-sized after it
     ce_tokens=1,  # tokens per copy-engine piece (a multiple of CH): one flag per piece and source
     WHOLE_ROW: tl.constexpr = False,  # decode-sized chunks: BH >= H, whole rows held in registers
-    PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:14]
+    PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:20]
     probe_ptr=None,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the launch before
     EARLY_SEND: tl.constexpr = False,  # COUNTS, not SPLIT: programs other than 0 send their first chunk
@@ -951,7 +995,7 @@ def _dispatch_kernel(
     if PDL:
         # resident while the previous kernel (the layout) finishes; everything it wrote is visible after
         gdc_wait()
-    prb = probe_ptr + pid * 16 if PROBE else probe_ptr
+    prb = probe_ptr + pid * PROBE_SLOTS if PROBE else probe_ptr
     _stamp(prb, 0, PROBE)
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
     if COUNTS:
@@ -979,6 +1023,8 @@ def _dispatch_kernel(
                 USE_TIMER,
                 CW,
                 REMOTE,
+                PROBE,
+                prb,
             )
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + 5, ep, sem="release", scope="gpu")
