@@ -1,5 +1,6 @@
 """The Triton kernels compiled for sm_90 without a GPU (``benchmarks/offline_compile.py``): no CTA
-barrier inside the tile loops of a large layer's dispatch and combine kernels.
+barrier inside the tile loops of a large layer's dispatch and combine kernels, and the epoch words
+polled with acquire loads and pushed with relaxed stores (the GPU path, which the interpreter skips).
 
 A barrier there is paid once per tile of every chunk. Between ``cd8c480`` and ``056468a`` the
 combine's per-tile test of which tokens have a slot on each peer was such a barrier (a reduction in the
@@ -51,3 +52,25 @@ def test_no_cta_barrier_in_tile_loops(args: list[str]) -> None:
     for kernel, counts in found:
         assert counts, f"{kernel}: no tile loop found"
         assert set(counts.split(", ")) == {"0"}, f"{kernel}: {counts}"
+
+
+@pytest.mark.slow
+def test_epoch_words_use_acquire_loads_and_relaxed_stores(tmp_path: Path) -> None:
+    # on a GPU the epoch-tagged words are polled with loads and pushed with stores (inline PTX): the
+    # interpreter only ever runs the atomic fallbacks, so only the compiled code shows which path is taken
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = ["--world", "2", "--tokens", "128", "--backend-tiles", "--num-sm", "132", "--pdl"]
+    run = subprocess.run(
+        [sys.executable, str(TOOL), *args, "--dump", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    ptx = {p.name.split("-", 1)[1][:-4]: p.read_text() for p in tmp_path.glob("*.ptx")}
+    assert "st.relaxed.sys.global.b64" in ptx["layout"], "layout: counts not pushed with relaxed stores"
+    counts = ptx["counts"]
+    assert "ld.acquire.sys.global.b64" in counts, "counts: no acquire-load poll"
+    assert "st.relaxed.sys.global.b64" in counts, "counts: base rows not pushed with relaxed stores"
+    assert not re.search(r"atom\.global\.sys\.acquire", counts), "counts: still polls with atomics"

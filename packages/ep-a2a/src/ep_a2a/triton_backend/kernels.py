@@ -9,8 +9,11 @@ single-process simulation under ``TRITON_INTERPRET=1``.
 
 Signalling: every flag is monotone. A call number (epoch) lives in the device ``state`` tensor, each
 producer writes its epoch into the consumer's flag with a release atomic at system scope after a CTA
-barrier, and each consumer spins with acquire atomics until the flag reaches its own epoch. Nothing is
-reset between calls. Every spin is bounded (``%globaltimer`` on the GPU, an iteration count in the
+barrier, and each consumer spins with acquire atomics until the flag reaches its own epoch. Words that
+carry their own epoch (``(epoch << 32) | value``: counts, base rows) are pushed with relaxed stores and
+polled with acquire loads at system scope (inline PTX, ``_store_relaxed_sys`` / ``_load_acquire_sys``,
+selected by ``USE_TIMER``, which is true on a GPU; the interpreter runs the atomics they stand for).
+Nothing is reset between calls. Every spin is bounded (``%globaltimer`` on the GPU, an iteration count in the
 interpreter); a spin that runs out records ``1 + step * 65536 + peer`` in ``state[STATE_ERR]`` and the
 kernel skips the work that depended on it (no garbage row indices are ever used). Every later kernel
 sees the error and does nothing; the host raises a timeout naming the peer and the step.
