@@ -188,7 +188,13 @@ def _store_relaxed_sys(ptrs, vals, m, GPU: tl.constexpr):
 def _spin_epoch(ptrs, m, ep, err, timeout, USE_TIMER: tl.constexpr):
     """Poll the packed words at ``ptrs`` (acquire, system scope) until every one under ``m`` carries
     epoch ``ep`` or later in its high half, the bound runs out, or ``err`` is nonzero. Returns the words
-    last read and the mask of those still stale (the caller names the missing peer)."""
+    last read and the mask of those still stale (the caller names the missing peer).
+
+    The loads run in every thread that holds an element, replicas included: where the words are
+    replicated across warps (fewer words than threads), each warp leaves the loop on its own reads.
+    Those agree: a word that carries epoch ``ep`` keeps its value until the rank has finished this call
+    (the next call writes the other parity), so every warp that saw all words fresh read the same
+    values. Only a warp whose bound ran out sees otherwise, and it records the timeout."""
     v = _load_acquire_sys(ptrs, m, USE_TIMER)
     stale = ((v >> 32) < ep) & m
     start = _now(USE_TIMER)
