@@ -455,8 +455,9 @@ class TritonEPEngine:
         self.peer_heaps = list(peer_heaps) if peer_heaps is not None else None
         self._ce_stream = torch.cuda.Stream(dev) if ce_pieces and dev.type == "cuda" else None
         #: profiling hook (``benchmarks/profile_small.py``), set before the first dispatch: int64
-        #: ``[2, P, kernels.PROBE_SLOTS]`` that the layout (``[0]``) and row (``[1]``) kernels fill with ``%globaltimer``
-        #: stamps per program (``P`` >= both grids); ``None``: the kernels compiled without stamps
+        #: ``[2, P, kernels.PROBE_SLOTS]`` that the layout (``[0]``) and row (``[1]``) kernels fill
+        #: with ``%globaltimer`` stamps per program (``P`` >= both grids); ``None``: the kernels
+        #: compiled without stamps
         self.probe: torch.Tensor | None = None
         #: the row kernel is launched with programmatic dependent launch (sm_90+): its CTAs become resident
         #: while the layout kernel runs and wait in ``griddepcontrol.wait`` instead of behind a kernel
