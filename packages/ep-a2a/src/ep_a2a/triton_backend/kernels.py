@@ -1640,7 +1640,7 @@ def _combine_kernel(
                     ok = m2 & (ids >= 0) & (ids < L * W)  # (invalid ids are dropped)
                     # per token the ranks its slots went to, and over the chunk: two reductions, so the
                     # tiles' masks below are elementwise (a reduction per tile synchronises the CTA)
-                    bits = _rank_bits(tl.where(ok, ids // L, -1), ok)
+                    bits = _rank_bits(ids // L, ok)
                     bits_all = tl.reduce(bits, 0, _or)
                     ok_all = True
                     for r in tl.static_range(W):
