@@ -2,7 +2,8 @@
 
 ``header()`` is the first part of each JSON file: the device, the world size, the UTC date, the command
 as it was launched, the commit, the torch and Triton versions and the NVLink-multicast switches.
-``start_ranks()`` binds this process to its local GPU and joins the NCCL group; ``finish()`` writes the
+``start_ranks()`` binds this process to its local GPU, joins the NCCL group and brings the GPU out of its
+idle clocks (``warm_up_clocks``); ``finish()`` writes the
 record from rank 0 and leaves the group once every rank is done.
 """
 
@@ -12,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 
 import torch
@@ -62,12 +64,29 @@ def header(device: torch.device, *, world_size: int | None = None) -> dict:
     return record
 
 
+def warm_up_clocks(device: torch.device, *, seconds: float = 0.5) -> None:
+    """Keep ``device`` busy with bf16 matmuls for ``seconds`` of wall time.
+
+    A GPU left idle for a few seconds drops to its idle SM clock (345 MHz on the H100s here) and takes
+    a fraction of a second of work to come back: the first process after such a pause timed a 128-token
+    graph dispatch at 39.7 us, the next ones at 28.0-28.2 (``docs/benchmarks/ep-a2a-h100x2/latency-spread``).
+    """
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            a = (a @ a).clamp_(-1.0, 1.0)
+        torch.cuda.synchronize(device)
+
+
 def start_ranks() -> tuple[int, int, torch.device]:
-    """Bind to ``LOCAL_RANK``'s GPU and join the NCCL process group; returns (rank, world size, device)."""
+    """Bind to ``LOCAL_RANK``'s GPU, join the NCCL process group and warm the GPU's clocks up
+    (``warm_up_clocks``); returns (rank, world size, device)."""
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=device)
+    warm_up_clocks(device)
     return dist.get_rank(), dist.get_world_size(), device
 
 
