@@ -437,7 +437,8 @@ def _layout_kernel(
                 dst = _peer_ptr(table_ptr, rank, off_scnt, tl.int64) + r * CW + L
             else:
                 dst = _peer_ptr(table_ptr, r, off_cnt, tl.int64) + parity * (W * CW) + rank * CW + L
-            tl.atomic_xchg(dst, (ep << 32) | n_tokens.to(tl.int64), sem="relaxed", scope="sys")
+            # a store, not an exchange: the kernel's end would wait for the old value over NVLink
+            _store_relaxed_sys(dst, (ep << 32) | n_tokens.to(tl.int64), tl.full([], 1, tl.int1), USE_TIMER)
     _stamp(prb, 4, PROBE)
 
 
