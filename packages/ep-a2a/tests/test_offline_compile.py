@@ -70,7 +70,9 @@ def test_epoch_words_use_acquire_loads_and_relaxed_stores(tmp_path: Path) -> Non
     assert run.returncode == 0, run.stdout + run.stderr
     ptx = {p.name.split("-", 1)[1][:-4]: p.read_text() for p in tmp_path.glob("*.ptx")}
     assert "st.relaxed.sys.global.b64" in ptx["layout"], "layout: counts not pushed with relaxed stores"
-    assert not re.search(r"atom\.global\.sys\.[a-z.]*exch", ptx["layout"]), "layout: a push is still an exchange"
+    assert not re.search(r"atom\.global\.sys\.[a-z.]*exch", ptx["layout"]), (
+        "layout: a push is still an exchange"
+    )
     counts = ptx["counts"]
     assert "ld.acquire.sys.global.b64" in counts, "counts: no acquire-load poll"
     assert "st.relaxed.sys.global.b64" in counts, "counts: base rows not pushed with relaxed stores"
