@@ -17,25 +17,19 @@ import run_record
 import torch
 import torch.distributed as dist
 import triton
-import triton.language as tl
 from bench_triton import LEAD_CYCLES, Timer, capture_graphs, shape_inputs
+
+from ep_a2a.triton_backend.kernels import _now  # %globaltimer on the GPU
 
 LEAD_GHZ = 1.98  # the H100 / H200 boost clock: the globaltimer lead lasts LEAD_CYCLES at this clock
 
 
 @triton.jit
-def _globaltimer():
-    return tl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-    )
-
-
-@triton.jit
 def _spin_ns_kernel(ns):
-    t0 = _globaltimer()
+    t0 = _now(True)
     t = t0
     while t - t0 < ns:
-        t = _globaltimer()
+        t = _now(True)
 
 
 def _globaltimer_lead(cycles: int) -> None:

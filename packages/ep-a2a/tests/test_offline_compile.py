@@ -21,6 +21,17 @@ TOOL = Path(__file__).resolve().parents[1] / "benchmarks" / "offline_compile.py"
 LARGE = ["--world", "2", "--tokens", "4096", "--backend-tiles"]
 
 
+def _run_tool(args: list[str]) -> str:
+    """stdout of ``offline_compile.py args``, which must succeed; it compiles the real kernels, so not
+    under the interpreter this session runs the other tests with."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, str(TOOL), *args], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
@@ -36,19 +47,10 @@ LARGE = ["--world", "2", "--tokens", "4096", "--backend-tiles"]
     ],
 )
 def test_no_cta_barrier_in_tile_loops(args: list[str]) -> None:
-    # the tool compiles the real kernels: not under the interpreter this session runs the others with
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, str(TOOL), *args, "--check-tile-loops"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    out = _run_tool([*args, "--check-tile-loops"])
     # the check saw the tile loops: every dispatch and combine variant has some, all without a barrier
-    found = re.findall(r"^(dispatch|combine) .* tile-loop-barriers=\[([0-9, ]*)\]$", run.stdout, re.M)
-    assert {k for k, _ in found} == {"dispatch", "combine"}, run.stdout
+    found = re.findall(r"^(dispatch|combine) .* tile-loop-barriers=\[([0-9, ]*)\]$", out, re.M)
+    assert {k for k, _ in found} == {"dispatch", "combine"}, out
     for kernel, counts in found:
         assert counts, f"{kernel}: no tile loop found"
         assert set(counts.split(", ")) == {"0"}, f"{kernel}: {counts}"
@@ -58,16 +60,8 @@ def test_no_cta_barrier_in_tile_loops(args: list[str]) -> None:
 def test_epoch_words_use_acquire_loads_and_relaxed_stores(tmp_path: Path) -> None:
     # on a GPU the epoch-tagged words are polled with loads and pushed with stores (inline PTX): the
     # interpreter only ever runs the atomic fallbacks, so only the compiled code shows which path is taken
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = ["--world", "2", "--tokens", "128", "--backend-tiles", "--num-sm", "132", "--pdl"]
-    run = subprocess.run(
-        [sys.executable, str(TOOL), *args, "--dump", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    _run_tool([*args, "--dump", str(tmp_path)])
     ptx = {p.name.split("-", 1)[1][:-4]: p.read_text() for p in tmp_path.glob("*.ptx")}
     assert "st.relaxed.sys.global.b64" in ptx["layout"], "layout: counts not pushed with relaxed stores"
     assert not re.search(r"atom\.global\.sys\.[a-z.]*exch", ptx["layout"]), (
