@@ -120,25 +120,6 @@ def test_busiest_rank_bytes_properties() -> None:
     check()
 
 
-def test_profile_small_variants() -> None:
-    """``profile_small.py --variants``: the colon form and name=value pairs map to TritonBackend
-    arguments; an unknown name is refused with the accepted ones."""
-    import profile_small
-    import pytest
-
-    kw = profile_small.variant_kwargs
-    assert kw("default") == {}
-    assert kw("8:16:1024") == {"chunk": 8, "num_warps": 16, "block_h": 1024}
-    assert kw("32:16:512:8:16") == {
-        "chunk": 32, "num_warps": 16, "block_h": 512, "combine_chunk": 8, "combine_warps": 16,
-        "combine_block_h": 512,
-    }  # fmt: skip
-    assert kw("32:16:512:8:16:256:128")["combine_maxnreg"] == 128
-    assert kw("send_ctas=55,combine_send_ctas=88") == {"send_ctas": 55, "combine_send_ctas": 88}
-    with pytest.raises(SystemExit, match=r"unknown argument 'chunks'.*send_ctas"):
-        kw("chunks=8")
-
-
 def test_run_record_commit(tmp_path, monkeypatch) -> None:
     """The record's commit: ``EP_A2A_COMMIT`` when set, else git's HEAD, and None outside a checkout
     (the device machines' copy of the tree has no .git) rather than git's "HEAD" or an error."""

@@ -19,9 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ep_a2a.triton_backend.engine import HeapLayout, TritonEPEngine
+from ep_a2a.backends.triton.engine import DispatchBuffers, HeapLayout, TritonEPEngine
 
 _DECOY = 0x5A
+
+
+def _poison(bufs: DispatchBuffers) -> None:
+    for buf in (bufs.tab, bufs.skip, bufs.scat, bufs.out, bufs.out_w, bufs.out_e):
+        if buf is not None:
+            buf.fill_(float("nan") if buf.is_floating_point() else -7)
 
 
 class SimTransport:
@@ -65,7 +71,7 @@ class SimDispatch:
 class SimWorld:
     """``world_size`` engines over CPU heaps sharing one pointer table.
 
-    Args mirror :class:`~ep_a2a.triton_backend.engine.TritonEPEngine` (``device`` may be ``"cpu"``).
+    Args mirror :class:`~ep_a2a.backends.triton.engine.TritonEPEngine` (``device`` may be ``"cpu"``).
     """
 
     def __init__(
@@ -87,6 +93,7 @@ class SimWorld:
         device: str = "cpu",
         node_size: int | None = None,
         ce_pieces: int = 0,
+        early_send: bool = True,
     ) -> None:
         node_size = node_size or world_size
         if world_size % node_size:
@@ -154,6 +161,7 @@ class SimWorld:
                 transport=self.transports[r] if remote else None,
                 ce_pieces=ce_pieces,
                 peer_heaps=self.heaps,
+                early_send=early_send,
             )
             for r in range(world_size)
         ]
@@ -224,7 +232,7 @@ class SimWorld:
         if not merged:
             for r in ranks:
                 self.engines[r].launch_counts(infos[r], remote=rbufs[r])
-        bufs: dict[int, dict[str, torch.Tensor]] = {}
+        bufs: dict[int, DispatchBuffers] = {}
         for r in ranks:
             eng = self.engines[r]
             # (as the backend's exact-shape flow: the outputs of fixed size first, then those of R rows)
@@ -236,9 +244,10 @@ class SimWorld:
             else:
                 eng.check_error(int(infos[r][1]))
                 rows = int(infos[r][0])
-            bufs[r].update(eng.alloc_dispatch_rows(rows, with_weights=weights is not None))
-            for buf in bufs[r].values():  # poison: every element read must have been written
-                buf.fill_(float("nan") if buf.is_floating_point() else -7)
+            bufs[r].out, bufs[r].out_w, bufs[r].out_e = eng.alloc_dispatch_rows(
+                rows, with_weights=weights is not None
+            )
+            _poison(bufs[r])  # every element read must have been written
 
         mirrors = {r: torch.zeros(self.engines[r].info_len + 1, dtype=torch.int64) for r in ranks}
 
@@ -250,12 +259,7 @@ class SimWorld:
                 exp_indices[r],
                 weights[r] if weights is not None else None,
                 src,
-                b["out"],
-                b["out_w"],
-                b["out_e"],
-                b["tab"],
-                b["skip"],
-                b["scat"],
+                b,
                 caller_scatter=caller,
                 info=infos[r],
                 counts=merged and not rewrite,
@@ -275,30 +279,33 @@ class SimWorld:
                 rows = int(infos[r][0])
                 if rows > speculative_rows:
                     eng = self.engines[r]
-                    bufs[r].update(eng.alloc_dispatch_rows(rows, with_weights=weights is not None))
+                    b = bufs[r]
+                    b.out, b.out_w, b.out_e = eng.alloc_dispatch_rows(rows, with_weights=weights is not None)
                     # poison all of it: the second pass must rewrite the slot table and the scatter
                     # indices too (the first marked the rows past the outputs' end as absent)
-                    for buf in bufs[r].values():
-                        buf.fill_(float("nan") if buf.is_floating_point() else -7)
+                    _poison(b)
                     rows_pass(r, False, True, rewrite=True)
         results = []
         for r in ranks:
             eng, b = self.engines[r], bufs[r]
+            assert b.out is not None
+            assert b.out_w is not None
+            assert b.out_e is not None
             eng.check_error(int(infos[r][1]))
             eng.check_error()
             f = eng.info_fields(infos[r])
             rows = int(f["total"])
             results.append(
                 SimDispatch(
-                    output=b["out"][:rows],
-                    weights=b["out_w"][:rows] if weights is not None else None,
-                    local_expert=b["out_e"][:rows],
+                    output=b.out[:rows],
+                    weights=b.out_w[:rows] if weights is not None else None,
+                    local_expert=b.out_e[:rows],
                     num_recv_tokens_per_expert=f["rows_exp"].clone(),
                     num_recv_tokens_per_rank=f["rows_src"].clone(),
                     num_input_tokens_per_rank=f["n_src"].clone(),
-                    token_dst_scatter_idx=b["scat"],
-                    skipped_token_topk_mapping_indices=b["skip"],
-                    tab=b["tab"],
+                    token_dst_scatter_idx=b.scat,
+                    skipped_token_topk_mapping_indices=b.skip,
+                    tab=b.tab,
                     num_invalid_ids=int(f["bad_ids"]),
                     remote=rbufs[r],
                     npk_recv=self._npk(rbufs[r], 1),

@@ -2,7 +2,7 @@
 
 Every kernel takes ``table_ptr``: an int64 tensor ``[world_size]`` holding the base address of every
 rank's symmetric heap (as mapped in this process), plus byte offsets of the regions inside a heap (see
-:class:`ep_a2a.triton_backend.engine.HeapLayout`). A peer's region is reached by casting
+:class:`ep_a2a.backends.triton.engine.HeapLayout`). A peer's region is reached by casting
 ``table[r] + offset`` to a typed pointer, so the kernels run over any heap that can hand out peer
 addresses: ``torch.distributed._symmetric_memory``, nvshmem4py, or plain CPU buffers in the
 single-process simulation under ``TRITON_INTERPRET=1``.
@@ -67,8 +67,6 @@ SIG_BACK = tl.constexpr(1)  # base rows of a dispatch arrived
 SIG_DATA = tl.constexpr(2)  # packed token records of a dispatch arrived
 SIG_COMB = tl.constexpr(3)  # packed combine rows arrived (value: combine epoch)
 
-#: profiling stamps per program in ``engine.probe`` (``PROBE`` variants only)
-PROBE_SLOTS = tl.constexpr(24)
 
 _EPOCH_SHIFT = 32
 _LOW_MASK = 0xFFFFFFFF
@@ -107,13 +105,6 @@ def _load_ids(ids_ptr, slot, m, id64, E: tl.constexpr):
     else:
         ids = tl.load(ids_ptr + slot, mask=m, other=-1)
     return ids
-
-
-@triton.jit
-def _stamp(probe_ptr, i, PROBE: tl.constexpr):
-    """Profiling hook (off unless ``PROBE``): ``%globaltimer`` into ``probe_ptr[i]``."""
-    if PROBE:
-        tl.store(probe_ptr + i, _now(True))
 
 
 @triton.jit
@@ -337,8 +328,6 @@ def _layout_kernel(
     off_scnt,  # staging of the words bound for remote owners (put by the host after this kernel)
     CW: tl.constexpr,  # words per source in ``cnt``: L counts, token count (+ packed token count)
     REMOTE: tl.constexpr,  # bit set of the ranks reached by host puts (0: every peer by stores)
-    PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:5]
-    probe_ptr=None,
     PDL: tl.constexpr = False,  # let the next launch (the row kernel, launched with PDL) start early
     id64=0,  # 1: ids_ptr points at int64 ids (see _load_ids)
 ):
@@ -350,8 +339,6 @@ def _layout_kernel(
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
-    prb = probe_ptr + pid * PROBE_SLOTS if PROBE else probe_ptr
-    _stamp(prb, 0, PROBE)
     ep = tl.load(state_ptr + 0) + 1
     parity = ep % 2
     S: tl.constexpr = TB * KP
@@ -370,7 +357,6 @@ def _layout_kernel(
     tl.store(bad_ptr + pid, n_bad)
     tl.debug_barrier()
     tl.atomic_xchg(hflag_ptr + pid, ep, sem="release", scope="gpu")
-    _stamp(prb, 1, PROBE)
     # every lower program's histogram (bounded wait: they run beside this one, or ran before it)
     qq = tl.arange(0, NP)
     low = qq < pid
@@ -388,7 +374,6 @@ def _layout_kernel(
     if late > 0:
         _set_error(state_ptr, 1 + 6 * 65536 + rank)
     else:
-        _stamp(prb, 2, PROBE)
         before = tl.zeros([EP], tl.int32)
         for q0 in tl.static_range(0, NP, 16):  # (unrolled: the loads overlap; bounds free of pid)
             rows = q0 + tl.arange(0, 16)
@@ -406,7 +391,6 @@ def _layout_kernel(
             got = tl.gather(off, tl.minimum(e_s, E - 1), 0) + ss
             slot = (pid * TB + s_s // KP) * K + s_s % KP
             tl.store(pos_ptr + slot, got, mask=e_s < E)
-        _stamp(prb, 3, PROBE)
         if pid == nprog - 1:
             total = before + hist
             bad = tl.load(bad_ptr + qq, mask=qq < nprog, other=0)
@@ -439,7 +423,6 @@ def _layout_kernel(
                 dst = _peer_ptr(table_ptr, r, off_cnt, tl.int64) + parity * (W * CW) + rank * CW + L
             # a store, not an exchange: the kernel's end would wait for the old value over NVLink
             _store_relaxed_sys(dst, (ep << 32) | n_tokens.to(tl.int64), tl.full([], 1, tl.int1), USE_TIMER)
-    _stamp(prb, 4, PROBE)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "rank", "max_tokens", "id64"])
@@ -513,8 +496,6 @@ def _counts_body(
     USE_TIMER: tl.constexpr,
     CW: tl.constexpr,
     REMOTE: tl.constexpr,
-    PROBE: tl.constexpr = False,  # profiling: stamps 16-19 into prb (the row kernel's program 0)
-    prb=None,
 ):
     """Wait for every source's counts of epoch ``ep``, write the receive layout (one program).
 
@@ -542,9 +523,7 @@ def _counts_body(
         m2 = (ss[:, None] < W) & (ee[None, :] <= L)
     ptrs = cnt + ss[:, None] * CW + ee[None, :]
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
-    _stamp(prb, 16, PROBE)
     v, stale = _spin_epoch(ptrs, m2, ep, err, timeout, USE_TIMER)
-    _stamp(prb, 17, PROBE)
     n_stale = tl.sum(stale.to(tl.int32))
     if (n_stale > 0) & (err == 0):
         missing = tl.min(tl.where(tl.max(stale.to(tl.int32), axis=1) > 0, ss, WP))
@@ -570,7 +549,6 @@ def _counts_body(
         if REMOTE != 0:
             npk = tl.sum(tl.where((ee[None, :] == L + 1) & m2, vals, 0), axis=1)  # [WP]
             tl.store(pinfo_ptr + W + ss, npk, mask=(ss < W) & rem_s)
-        _stamp(prb, 18, PROBE)
         # give every source its slots' base rows here (for its token_dst_scatter_idx)
         for s in tl.static_range(W):
             col = tl.sum(tl.where(ss[:, None] == s, excl, 0), axis=0)  # [LP]
@@ -579,7 +557,6 @@ def _counts_body(
             else:
                 dst = _peer_ptr(table_ptr, s, off_back, tl.int64) + rank * L + ee
             _store_relaxed_sys(dst, (ep << 32) | col, ee < L, USE_TIMER)
-        _stamp(prb, 19, PROBE)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout"])
@@ -676,8 +653,6 @@ def _dispatch_send_chunk(
     RECI: tl.constexpr,
     ROWB: tl.constexpr,
     WHOLE_ROW: tl.constexpr,
-    PROBE: tl.constexpr,
-    prb,
 ):
     """Chunk ``c`` of this rank's tokens: with ``PEERS`` each token row (and its slots' metadata) to
     every peer hosting one of its experts, then the chunk's ready flag; with ``LOCAL`` the slot table,
@@ -751,7 +726,6 @@ def _dispatch_send_chunk(
             ld = ld & ((bits & ~(1 << rank)) != 0)
     peer_row = (rank * max_tokens + toks).to(tl.int64) * H
     tab_row = (rank * max_tokens + toks).to(tl.int64) * K
-    _stamp(prb, 13, PROBE)
     if WHOLE_ROW:
         # decode-sized chunks (BH >= H): the whole rows (loaded above) to the peers and their flag
         # first, then this rank's own rows from registers
@@ -778,7 +752,6 @@ def _dispatch_send_chunk(
                 if r != rank:
                     f = _peer_ptr(table_ptr, r, off_flag, tl.int64) + rank * nchunks + c
                     tl.atomic_xchg(f, ep, sem="release", scope="sys")
-    _stamp(prb, 14, PROBE)
     if WHOLE_ROW and LOCAL:
         _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
 
@@ -854,13 +827,10 @@ def _dispatch_recv_chunk(
     CALLER_SCATTER: tl.constexpr,
     USE_TIMER: tl.constexpr,
     WHOLE_ROW: tl.constexpr,
-    PROBE: tl.constexpr,
-    prb,
 ):
     # ``fc``: the flag covering chunk ``c`` (the chunk's own, or its copy-engine piece's)
     flag = _peer_ptr(table_ptr, rank, off_flag, tl.int64) + s * nchunks + fc
     ok = _wait_flag(flag, ep, state_ptr, 2, s, timeout, USE_TIMER)
-    _stamp(prb, 12, PROBE)
     if ok:
         toks = c * CH + tl.arange(0, CH)
         tm = toks < n_src
@@ -990,8 +960,6 @@ def _dispatch_kernel(
     # own rows: the second pass of a speculative exact-shape dispatch, into outputs re-sized after it
     ce_tokens=1,  # tokens per copy-engine piece (a multiple of CH): one flag per piece and source
     WHOLE_ROW: tl.constexpr = False,  # decode-sized chunks: BH >= H, whole rows held in registers
-    PROBE: tl.constexpr = False,  # profiling: %globaltimer stamps into probe_ptr[pid, 0:20]
-    probe_ptr=None,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the launch before
     EARLY_SEND: tl.constexpr = False,  # COUNTS, not SPLIT: programs other than 0 send their first chunk
     # to the peers before the receive layout is known, then write its own rows once it is
@@ -1005,8 +973,6 @@ def _dispatch_kernel(
     if PDL:
         # resident while the previous kernel (the layout) finishes; everything it wrote is visible after
         gdc_wait()
-    prb = probe_ptr + pid * PROBE_SLOTS if PROBE else probe_ptr
-    _stamp(prb, 0, PROBE)
     err = tl.atomic_add(state_ptr + 3, 0, sem="relaxed", scope="gpu")
     if COUNTS:
         # merged with step 2 (one launch fewer): program 0 builds the receive layout, the others wait
@@ -1033,8 +999,6 @@ def _dispatch_kernel(
                 USE_TIMER,
                 CW,
                 REMOTE,
-                PROBE,
-                prb,
             )
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + 5, ep, sem="release", scope="gpu")
@@ -1068,7 +1032,6 @@ def _dispatch_kernel(
     else:
         ep = tl.load(state_ptr + 0)  # bumped by _counts_kernel
         early = pid < 0
-    _stamp(prb, 1, PROBE)
     ss = tl.arange(0, WP)
     # (an early sender must not read info: program 0 may not have written it yet)
     n_src_all = _tokens_from_peers(info_ptr, ss, rank, W, ~early)
@@ -1153,7 +1116,7 @@ def _dispatch_kernel(
                                 tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
                                 cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
                                 EVEN_H, HAS_W, CALLER_SCATTER, True, False, pk_ptr, off_srec, REMOTE, RECX,
-                                RECI, ROWB, WHOLE_ROW, PROBE, prb,
+                                RECI, ROWB, WHOLE_ROW,
                             )  # fmt: skip
                         n_src_all, n_chunks_recv, n_chunks = _await_receive_layout(
                             state_ptr, info_ptr, ss, rank, ep, timeout, n_chunks_send, W, CH, USE_TIMER
@@ -1166,7 +1129,7 @@ def _dispatch_kernel(
                                 tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
                                 cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
                                 EVEN_H, HAS_W, CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX,
-                                RECI, ROWB, WHOLE_ROW, PROBE, prb,
+                                RECI, ROWB, WHOLE_ROW,
                             )  # fmt: skip
                         send_now = send_now & (cs < 0)  # (sent)
                 if send_now:
@@ -1214,11 +1177,7 @@ def _dispatch_kernel(
                         RECI,
                         ROWB,
                         WHOLE_ROW,
-                        PROBE,
-                        prb,
                     )
-            if j < 4:
-                _stamp(prb, 2 + 2 * j, PROBE)
             if RECV:
                 # this rank's own rows into its output (the senders only feed the peers, or nothing sends)
                 if SPLIT or REWRITE:  # noqa: SIM102 (a constexpr test, then a runtime one)
@@ -1267,8 +1226,6 @@ def _dispatch_kernel(
                             RECI,
                             ROWB,
                             WHOLE_ROW,
-                            PROBE,
-                            prb,
                         )
                 c = cr
                 if (cw >= 0) & (c >= 0) & (c < n_chunks_recv):
@@ -1319,11 +1276,7 @@ def _dispatch_kernel(
                                 CALLER_SCATTER,
                                 USE_TIMER,
                                 WHOLE_ROW,
-                                PROBE,
-                                prb,
                             )
-            if j < 4:
-                _stamp(prb, 3 + 2 * j, PROBE)
             j += 1
             if STEAL:
                 go = mode < 2
@@ -1366,7 +1319,6 @@ def _dispatch_kernel(
                     scat = (v & 0xFFFFFFFF) + pos
                     tl.store(scat_ptr + slot, tl.where((ids >= 0) & ~stale, scat, -1).to(tl.int32), mask=m2)
                 j += 1
-    _stamp(prb, 10, PROBE)
     if STEAL:
         # the last CTA resets the claim counters for the next launch (an engine's launches are
         # stream-ordered; every CTA has made its last claim before it arrives here)
@@ -1382,7 +1334,6 @@ def _dispatch_kernel(
         old = tl.atomic_add(state_ptr + 6, 1, sem="acq_rel", scope="gpu")
         if (old + 1) % G == 0:
             tl.store(state_ptr + 0, ep)
-    _stamp(prb, 11, PROBE)
 
 
 # --------------------------------------------------------------------------------------------------

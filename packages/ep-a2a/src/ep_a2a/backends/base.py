@@ -1,7 +1,7 @@
-"""The interface every ep-a2a backend implements, and the registry ``EPAll2AllLayer`` consults.
+"""The interface every ep-a2a backend implements, and the registry the layer consults.
 
 A backend moves rows between the ranks of one expert-parallel group. The layer
-(:class:`ep_a2a.EPAll2AllLayer`) owns argument checking, autograd and the ``backend=`` choice; a
+(:class:`ep_a2a.EPLayer`) owns argument checking, autograd and the ``backend=`` choice; a
 backend only implements the data movement, with exactly the semantics of :mod:`ep_a2a.reference`:
 
 * ``dispatch``: rank ``d`` receives one row per kept slot ``(t, k)`` of every source rank ``s`` whose
@@ -27,7 +27,7 @@ What the layer guarantees before calling a backend (backends need not re-check):
 
 Registering a backend::
 
-    from ep_a2a.backend import A2ABackend, register_backend
+    from ep_a2a.backends import A2ABackend, register_backend
 
     class MyBackend(A2ABackend):
         name = "mine"
@@ -35,29 +35,53 @@ Registering a backend::
 
     register_backend(MyBackend)
 
-``backend="triton"`` imports :mod:`ep_a2a.triton_backend`, which must call
+``backend="triton"`` imports :mod:`ep_a2a.backends.triton`, which must call
 ``register_backend(<its class>)`` at import time. ``backend="auto"`` tries that import; if it succeeds
 and ``<class>.is_available(config, group)`` returns ``(True, ...)`` on every rank, the layer uses it,
-otherwise the torch backend; the layer records the reason in ``EPAll2AllLayer.backend_reason``.
+otherwise the torch backend; the layer records the reason in ``EPLayer.backend_reason``.
 """
 
 from __future__ import annotations
 
 import abc
 import importlib
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
+from ep_a2a._dist import RankMonitor
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
+from ep_a2a.tuning import TritonTuning
 
 DispatchResult = tuple[torch.Tensor, "torch.Tensor | None", EPAllToAllLayoutDesc]
 
 
+@dataclass(frozen=True)
+class BackendOptions:
+    """What the layer hands every backend besides the group's shape.
+
+    Attributes:
+        tuning: the Triton backend's knobs (other backends ignore them).
+        enable_local_combine: pre-reduce on the expert side, per (token, source rank), before sending
+            the combine rows back.
+        use_aot: compile every kernel variant at construction so the first call has no compile stall.
+        timeout_s: bound on every wait; a wait that runs out raises :class:`ep_a2a.EPTimeoutError`
+            naming the step and, where it can be found, the missing rank.
+        monitor: the layer's check-in channel (store keys and a gloo side group over the same ranks).
+    """
+
+    tuning: TritonTuning = field(default_factory=TritonTuning)
+    enable_local_combine: bool = False
+    use_aot: bool = False
+    timeout_s: float = 300.0
+    monitor: RankMonitor | None = None
+
+
 class A2ABackend(abc.ABC):
-    """Data movement of one ``EPAll2AllLayer``.
+    """Data movement of one layer.
 
     Construction is collective (every rank of ``ep_group`` constructs its backend in the same order).
     Buffers sized from ``config.max_tokens`` are allocated once, in ``__init__``, and reused.
@@ -65,12 +89,7 @@ class A2ABackend(abc.ABC):
     Args:
         config: the group's static shape (identical on every rank except ``rank``; the layer checks).
         ep_group: the expert-parallel process group.
-        num_sm: most SMs a kernel may use (backends without kernels document that they ignore it).
-        enable_local_combine: pre-reduce on the expert side, per (token, source rank), before sending
-            the combine rows back.
-        use_aot: compile every kernel variant at construction so the first call has no compile stall.
-        timeout_s: bound on every wait; a wait that runs out raises :class:`ep_a2a.EPTimeoutError`
-            naming the step and, where it can be found, the missing rank.
+        options: see :class:`BackendOptions`.
     """
 
     #: the name given to ``backend=``.
@@ -81,22 +100,12 @@ class A2ABackend(abc.ABC):
     #: dtypes of ``exp_indices`` the backend takes as they are (the layer converts any other to int32)
     expert_id_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.int32,)
 
-    def __init__(
-        self,
-        config: EPConfig,
-        ep_group: dist.ProcessGroup,
-        *,
-        num_sm: int,
-        enable_local_combine: bool,
-        use_aot: bool,
-        timeout_s: float,
-    ) -> None:
+    def __init__(self, config: EPConfig, ep_group: dist.ProcessGroup, options: BackendOptions) -> None:
         self.config = config
         self.ep_group = ep_group
-        self.num_sm = num_sm
-        self.enable_local_combine = enable_local_combine
-        self.use_aot = use_aot
-        self.timeout_s = timeout_s
+        self.options = options
+        self.enable_local_combine = options.enable_local_combine
+        self.timeout_s = options.timeout_s
 
     @classmethod
     def is_available(cls, config: EPConfig, ep_group: dist.ProcessGroup) -> tuple[bool, str]:
@@ -160,7 +169,7 @@ class A2ABackend(abc.ABC):
 _REGISTRY: dict[str, type[A2ABackend]] = {}
 
 #: module imported on demand for a backend name that is not registered yet.
-_LAZY_MODULES: dict[str, str] = {"triton": "ep_a2a.triton_backend", "torch": "ep_a2a.torch_backend"}
+_LAZY_MODULES: dict[str, str] = {"triton": "ep_a2a.backends.triton", "torch": "ep_a2a.backends.torch"}
 
 
 def register_backend(cls: type[A2ABackend]) -> type[A2ABackend]:

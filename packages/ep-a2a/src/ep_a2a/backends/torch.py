@@ -12,7 +12,7 @@ extra rounding of each partial sum).
 
 Counts travel on a gloo side group with the layer's timeout (host values are needed anyway to size the
 payload exchange); when the expert-parallel group itself is gloo, the payload uses the side group too,
-so every wait is bounded. ``num_sm`` and ``use_aot`` are ignored here: there are no kernels to compile,
+so every wait is bounded. ``tuning`` and ``use_aot`` are ignored here: there are no kernels to compile,
 and NCCL picks its own channels.
 """
 
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ep_a2a._dist import RankMonitor, group_device
-from ep_a2a.backend import A2ABackend, DispatchResult, register_backend
+from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
 
@@ -55,26 +55,11 @@ class TorchBackend(A2ABackend):
 
     name = "torch"
 
-    def __init__(
-        self,
-        config: EPConfig,
-        ep_group: dist.ProcessGroup,
-        *,
-        num_sm: int,
-        enable_local_combine: bool,
-        use_aot: bool,
-        timeout_s: float,
-        monitor: RankMonitor | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            ep_group,
-            num_sm=num_sm,
-            enable_local_combine=enable_local_combine,
-            use_aot=use_aot,
-            timeout_s=timeout_s,
+    def __init__(self, config: EPConfig, ep_group: dist.ProcessGroup, options: BackendOptions) -> None:
+        super().__init__(config, ep_group, options)
+        self.monitor = (
+            options.monitor if options.monitor is not None else RankMonitor(ep_group, self.timeout_s)
         )
-        self.monitor = monitor if monitor is not None else RankMonitor(ep_group, timeout_s)
         self.monitor.create_side_group()
         self.device = group_device(ep_group)
         self.rank = config.rank

@@ -2,8 +2,8 @@
 
 :class:`TritonEPEngine` knows nothing about process groups: it is given a heap (its own base address
 and the table of every rank's base address) and launches the kernels of :mod:`.kernels`. The backend
-(:mod:`ep_a2a.triton_backend.backend`) builds it over a real symmetric heap; the CPU tests build several
-over plain CPU buffers (:mod:`ep_a2a.triton_backend.simulate`).
+(:mod:`ep_a2a.backends.triton.backend`) builds it over a real symmetric heap; the CPU tests build several
+over plain CPU buffers (:mod:`ep_a2a.backends.triton.simulate`).
 
 A dispatch has three steps: ``_layout_kernel`` (per-expert slot positions, counts pushed to the expert
 owners), the receive layout (wait for every source's counts; either ``_counts_kernel`` on its own or
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_a2a.triton_backend import kernels as K
+from ep_a2a.backends.triton import kernels as K
 
 try:  # (where recent Triton keeps its launch hooks; without it every launch goes through the handle)
     from triton import knobs as _triton_knobs
@@ -53,10 +52,6 @@ WHOLE_ROW_MAX_ELEMS = 16384
 #: elements per thread of one [combine_chunk, KP, block_h] gather of the combine kernel (two are in
 #: flight): the default combine tile width keeps to it (wider tiles spill registers)
 COMBINE_TILE_PER_THREAD = 64
-#: ``0`` turns off programmatic dependent launch of the row kernel (on by default on sm_90 and newer)
-PDL_ENV = "EP_A2A_TRITON_PDL"
-#: ``0`` turns off the early sends of decode-sized row kernels (see ``TritonEPEngine.early_send``)
-EARLY_SEND_ENV = "EP_A2A_TRITON_EARLY_SEND"
 
 
 def _next_pow2(n: int) -> int:
@@ -177,6 +172,70 @@ class EPTimeoutFromDevice(TimeoutError):
         super().__init__(message)
         self.step = step
         self.peer = peer
+
+
+@dataclass
+class KernelLaunch:
+    """One launch of one kernel variant: what :meth:`TritonEPEngine._launch` runs and what the
+    ahead-of-time compiles (:meth:`TritonEPEngine.precompile`, the sm_90 compile test) compile.
+
+    Attributes:
+        key: the variant (everything its compiled code depends on besides the engine's fixed values).
+        kernel: the ``@triton.jit`` function.
+        grid: programs.
+        num_warps: warps per program.
+        var_names, var_vals: the arguments that change from call to call (tensors, runtime ints).
+        fixed: the other arguments by name (built only on a variant's first launch).
+        launch_pdl: launched with programmatic dependent launch.
+        maxnreg: register limit per thread given to ptxas (``None``: its own choice).
+    """
+
+    key: tuple
+    kernel: Any
+    grid: tuple[int, ...]
+    num_warps: int
+    var_names: tuple[str, ...]
+    var_vals: tuple
+    fixed: Callable[[], dict]
+    launch_pdl: bool = False
+    maxnreg: int | None = None
+
+    def arguments(self) -> dict:
+        """Every argument of the kernel call, by name."""
+        named = self.fixed()
+        named.update(zip(self.var_names, self.var_vals, strict=True))
+        return named
+
+    def options(self) -> dict:
+        """Launch and compile options besides ``num_warps``."""
+        opts: dict = {"launch_pdl": True} if self.launch_pdl else {}
+        if self.maxnreg:
+            opts["maxnreg"] = self.maxnreg
+        return opts
+
+
+@dataclass
+class DispatchBuffers:
+    """The outputs of one dispatch on one rank (on the engine's device; ``n`` tokens dispatched here,
+    ``rows`` received).
+
+    Attributes:
+        tab: ``[W, max_tokens, topk]`` int32, output row of every received slot (-1: not here).
+        skip: ``[n, topk]`` int32, ``skipped_token_topk_mapping_indices``.
+        scat: ``[n, topk]`` int32, ``token_dst_scatter_idx``.
+        out: ``[rows, hidden]`` received rows (``None`` until allocated).
+        out_w: ``[rows]`` weights of the received rows (one element when the call has none).
+        out_e: ``[rows]`` int32 local expert of each received row.
+        info: ``[info_len]`` int64 counts of the call, when the flow allocates it with the outputs.
+    """
+
+    tab: torch.Tensor
+    skip: torch.Tensor
+    scat: torch.Tensor
+    out: torch.Tensor | None = None
+    out_w: torch.Tensor | None = None
+    out_e: torch.Tensor | None = None
+    info: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -316,6 +375,9 @@ class TritonEPEngine:
             the NVLink transfer takes no SM. Every token row goes to every peer (on 2 ranks nearly
             every row is needed there). Needs ``peer_heaps``, no remote ranks and no CTA split.
         peer_heaps: every rank's heap as a uint8 tensor mapped here (the copies' targets).
+        pdl: launch the row kernel with programmatic dependent launch (only on sm_90 and newer GPUs).
+        early_send: decode-sized row kernels send their first chunk while program 0 builds the receive
+            layout.
     """
 
     def __init__(
@@ -348,6 +410,8 @@ class TritonEPEngine:
         transport: RemoteTransport | None = None,
         ce_pieces: int = 0,
         peer_heaps: Sequence[torch.Tensor | None] | None = None,
+        pdl: bool = True,
+        early_send: bool = True,
     ) -> None:
         if weight_dtype.itemsize > 4:
             raise ValueError(f"weight_dtype must be at most 4 bytes wide, got {weight_dtype}")
@@ -454,27 +518,19 @@ class TritonEPEngine:
         self.ce_tokens = -(-triton.cdiv(max_tokens, max(ce_pieces, 1)) // chunk) * chunk
         self.peer_heaps = list(peer_heaps) if peer_heaps is not None else None
         self._ce_stream = torch.cuda.Stream(dev) if ce_pieces and dev.type == "cuda" else None
-        #: profiling hook (``benchmarks/profile_small.py``), set before the first dispatch: int64
-        #: ``[2, P, kernels.PROBE_SLOTS]`` that the layout (``[0]``) and row (``[1]``) kernels fill
-        #: with ``%globaltimer`` stamps per program (``P`` >= both grids); ``None``: the kernels
-        #: compiled without stamps
-        self.probe: torch.Tensor | None = None
         #: the row kernel is launched with programmatic dependent launch (sm_90+): its CTAs become resident
         #: while the layout kernel runs and wait in ``griddepcontrol.wait`` instead of behind a kernel
         #: boundary
         self.pdl = (
-            dev.type == "cuda"
+            pdl
+            and dev.type == "cuda"
             and not interpreting()
             and torch.cuda.get_device_capability(dev)[0] >= 9
-            and os.environ.get(PDL_ENV, "1").strip().lower() not in ("0", "false", "off")
         )
-
         #: decode-sized row kernels that build the receive layout (program 0) send their first chunk to
-        #: the peers while program 0 builds it, instead of after (then write its own rows): the NVLink
-        #: transfer starts a few microseconds earlier. Only without the CTA split (whose senders start
-        #: early anyway) and with whole rows per chunk; ``EP_A2A_TRITON_EARLY_SEND=0`` turns it off
-        early_off = os.environ.get(EARLY_SEND_ENV, "1").strip().lower() in ("0", "false", "off")
-        self.early_send = self.whole_row and not early_off
+        #: the peers while program 0 builds it, instead of after: the NVLink transfer starts earlier.
+        #: Only without the CTA split (whose senders start early anyway) and with whole rows per chunk
+        self.early_send = self.whole_row and early_send
 
     def _early_send_kw(self, counts: bool, send: bool, rewrite: bool) -> dict:
         """The row kernel's ``EARLY_SEND`` constexpr for one variant."""
@@ -497,55 +553,39 @@ class TritonEPEngine:
             )
 
     # ------------------------------------------------------------------ launching
-    def _launch(
-        self,
-        key: tuple,
-        kernel,
-        grid: tuple[int, ...],
-        num_warps: int,
-        var_names: tuple[str, ...],
-        var_vals: tuple,
-        fixed: Callable[[], dict],
-        launch_pdl: bool = False,
-        maxnreg: int | None = None,
-    ) -> None:
-        """Launch ``kernel``; after the first launch of a variant, straight through its compiled kernel
-        (which keeps the variant's launch and compile options: ``launch_pdl``, programmatic dependent
-        launch; ``maxnreg``, the register limit per thread).
+    def _launch(self, spec: KernelLaunch) -> None:
+        """Launch ``spec``; after the first launch of a variant, straight through its compiled kernel
+        (which keeps the variant's launch and compile options).
 
-        Triton's own launch path binds and re-specialises every argument on every call (about 30 us of
-        Python per launch for these kernels). Here each call site names a variant ``key`` holding what
-        that specialisation depends on (its constexprs, num_warps, the dtypes and 16-byte alignment of
-        the caller's tensors); every other argument is fixed for the engine's life. The first launch of a
-        variant goes through Triton (compiling it) and records the full argument list; later launches
-        only swap in ``var_vals`` and call the compiled kernel: through Triton's C launcher directly with
-        tensors as addresses where :func:`_direct_launch` verified that this gives that launcher the
-        same arguments as the compiled kernel's own handle, else through the handle. ``var_names`` are
-        the arguments that may change between calls (tensors, and ints Triton does not specialise on).
+        Triton's own launch path binds and re-specialises every argument on every call. Here each
+        specification names a variant ``key`` holding what that specialisation depends on (its
+        constexprs, num_warps, the dtypes and 16-byte alignment of the caller's tensors); every other
+        argument is fixed for the engine's life. The first launch of a variant goes through Triton
+        (compiling it) and records the full argument list; later launches only swap in the per-call
+        values and call the compiled kernel: through Triton's C launcher directly with tensors as
+        addresses where :func:`_direct_launch` verified that this gives that launcher the same
+        arguments as the compiled kernel's own handle, else through the handle.
         """
-        plan = self._plans.get(key)
+        plan = self._plans.get(spec.key)
         if plan is not None:
             launch, template, var_idx, as_addresses, _ = plan
             vals = template.copy()
             if as_addresses:
-                for i, v in zip(var_idx, var_vals, strict=True):
+                for i, v in zip(var_idx, spec.var_vals, strict=True):
                     vals[i] = v.data_ptr() if isinstance(v, torch.Tensor) else v
             else:
-                for i, v in zip(var_idx, var_vals, strict=True):
+                for i, v in zip(var_idx, spec.var_vals, strict=True):
                     vals[i] = v
             launch(vals, _raw_stream(self._device_index))
             return
-        named = fixed()
-        named.update(zip(var_names, var_vals, strict=True))
+        named = spec.arguments()
+        kernel, grid = spec.kernel, spec.grid
         if interpreting():
-            kernel[grid](**named, num_warps=num_warps)
+            kernel[grid](**named, num_warps=spec.num_warps)
             return
-        opts: dict = {"launch_pdl": True} if launch_pdl else {}
-        if maxnreg:
-            opts["maxnreg"] = maxnreg
-        compiled = kernel[grid](**named, num_warps=num_warps, **opts)
+        compiled = kernel[grid](**named, num_warps=spec.num_warps, **spec.options())
         names = list(kernel.arg_names)
-        var_idx = [names.index(n) for n in var_names]
+        var_idx = [names.index(n) for n in spec.var_names]
         full = [named[n] for n in names]
         grid3 = (*grid, 1, 1)[:3]
         launch = _direct_launch(compiled, grid3, full, _raw_stream(self._device_index))
@@ -565,7 +605,7 @@ class TritonEPEngine:
             template[i] = None
         # (the direct path's template holds addresses: keep their fixed tensors alive with the plan)
         keep = [a for i, a in enumerate(full) if i not in var_idx and isinstance(a, torch.Tensor)]
-        self._plans[key] = (launch, template, var_idx, as_addresses, keep if as_addresses else [])
+        self._plans[spec.key] = (launch, template, var_idx, as_addresses, keep if as_addresses else [])
 
     def _mirror_kw(self, on: bool) -> dict:
         """Constexprs of the row kernel about copying ``info`` to the host (``mirror``); every launch
@@ -579,7 +619,6 @@ class TritonEPEngine:
         """Specialisation of caller tensors: dtype and 16-byte alignment (buffers of ours are aligned)."""
         return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
 
-    # ------------------------------------------------------------------ dispatch steps
     def alloc_remote(self) -> dict[str, torch.Tensor] | None:
         """Per-dispatch buffers of the remote path (``None`` without remote peers): ``pk`` / ``rtok``
         ``[W, max_tokens]`` int32 (packed index of each token per remote destination / token of each
@@ -612,33 +651,216 @@ class TritonEPEngine:
         lay = self.layout
         return dict(RECX=lay.rec // row_dtype.itemsize, RECI=lay.rec // 4, ROWB=lay.rowb)
 
-    def _probe_kw(self, which: int) -> dict:
-        if self.probe is None:
-            return dict(PROBE=False, probe_ptr=None)
-        return dict(PROBE=True, probe_ptr=self.probe[which])
-
     def _sig_off(self, kind: tl.constexpr | int, src: int) -> int:
         """Byte offset of signal ``kind`` (``kernels.SIG_*``) from source ``src`` in a heap."""
         return self.layout.sig + (int(kind) * self.world_size + src) * 8
 
-    def _layout_kw(self) -> dict:
-        return dict(
-            E=self.num_tot_experts,
-            L=self.experts_per_rank,
-            W=self.world_size,
-            K=self.topk,
-            KP=self.kp,
-            TB=self.layout_tokens,
-            EP=self._hist_width,
-            NP=_next_pow2(self._layout_grid[0]),
-            nprog=self._layout_grid[0],
-            hist_ptr=self._layout_hist,
-            bad_ptr=self._layout_bad,
-            hflag_ptr=self._layout_flags,
-            timeout=self.timeout_arg,
-            USE_TIMER=self.use_timer,
+    def _put_all(
+        self,
+        kind: tl.constexpr,
+        epoch: int,
+        dst_off: int,
+        src_off: int,
+        stride: int,
+        unit: int,
+        counts: Sequence[int] | None = None,
+    ) -> None:
+        """One host put-with-signal to each remote peer ``p``: ``unit * counts[p]`` bytes (``unit``
+        without ``counts``) from ``src_off + p * stride`` of this rank's heap to ``dst_off`` of ``p``'s,
+        then signal ``kind`` (from this rank) set to ``epoch``."""
+        assert self.transport is not None or not self.remote_ranks
+        for p in self.remote_ranks:
+            nbytes = unit * (int(counts[p]) if counts is not None else 1)
+            self.transport.put_signal(  # type: ignore[union-attr]
+                p, dst_off, src_off + p * stride, nbytes, self._sig_off(kind, self.rank), epoch
+            )
+
+    # ------------------------------------------------------------------ kernel specifications
+    # One method per kernel builds the launch of one variant; :meth:`_launch` runs it and
+    # :meth:`variants` builds every variant the backend may launch from the same methods (for
+    # ahead-of-time compiles: :meth:`precompile`, and the sm_90 compile test).
+    def _layout_spec(
+        self, ids: torch.Tensor, n_tokens: int, info: torch.Tensor, id64: int, *, caller_scatter: bool
+    ) -> KernelLaunch:
+        lay = self.layout
+
+        def fixed() -> dict:
+            return dict(
+                pos_ptr=self.pos, table_ptr=self.ptr_table, state_ptr=self.state, off_cnt=lay.cnt,
+                rank=self.rank, E=self.num_tot_experts, L=self.experts_per_rank, W=self.world_size,
+                K=self.topk, KP=self.kp, TB=self.layout_tokens, EP=self._hist_width,
+                NP=_next_pow2(self._layout_grid[0]), nprog=self._layout_grid[0], hist_ptr=self._layout_hist,
+                bad_ptr=self._layout_bad, hflag_ptr=self._layout_flags, timeout=self.timeout_arg,
+                USE_TIMER=self.use_timer, WRITE_POS=not caller_scatter, BAD_SLOT=self.info_len - 1,
+                off_scnt=lay.scnt, CW=lay.cw, REMOTE=self.remote_bits, PDL=self.pdl,
+            )  # fmt: skip
+
+        return KernelLaunch(
+            ("layout", caller_scatter, ids.data_ptr() % 16 == 0), K._layout_kernel, self._layout_grid, 4,
+            ("ids_ptr", "n_tokens", "info_ptr", "id64"), (ids, n_tokens, info, id64), fixed,
+        )  # fmt: skip
+
+    def _pack_spec(
+        self, ids: torch.Tensor, pk: torch.Tensor, pinfo: torch.Tensor, n_tokens: int, id64: int
+    ) -> KernelLaunch:
+        def fixed() -> dict:
+            return dict(
+                table_ptr=self.ptr_table, state_ptr=self.state, off_scnt=self.layout.scnt, rank=self.rank,
+                max_tokens=self.max_tokens, L=self.experts_per_rank, W=self.world_size, K=self.topk,
+                KP=self.kp, BT=min(1024, _next_pow2(max(16, self.max_tokens))), CW=self.layout.cw,
+                REMOTE=self.remote_bits,
+            )  # fmt: skip
+
+        return KernelLaunch(
+            ("pack", ids.data_ptr() % 16 == 0), K._pack_kernel, (1,), 4,
+            ("ids_ptr", "pk_ptr", "pinfo_ptr", "n_tokens", "id64"), (ids, pk, pinfo, n_tokens, id64), fixed,
+        )  # fmt: skip
+
+    def _counts_spec(self, info: torch.Tensor, pinfo: torch.Tensor) -> KernelLaunch:
+        lay = self.layout
+
+        def fixed() -> dict:
+            return dict(
+                offs_ptr=self.offsets, table_ptr=self.ptr_table, state_ptr=self.state, off_cnt=lay.cnt,
+                off_back=lay.back, rank=self.rank, timeout=self.timeout_arg, W=self.world_size,
+                L=self.experts_per_rank, WP=self.wp, LP=self.lp, USE_TIMER=self.use_timer, off_sig=lay.sig,
+                off_sback=lay.sback, CW=lay.cw, REMOTE=self.remote_bits,
+            )  # fmt: skip
+
+        return KernelLaunch(
+            ("counts",), K._counts_kernel, (1,), 4, ("info_ptr", "pinfo_ptr"), (info, pinfo), fixed
         )
 
+    def _dispatch_spec(
+        self,
+        xs: torch.Tensor,
+        ids: torch.Tensor,
+        id64: int,
+        w: torch.Tensor,
+        src: torch.Tensor,
+        n_tokens: int,
+        bufs: DispatchBuffers,
+        info: torch.Tensor,
+        pk: torch.Tensor,
+        pinfo: torch.Tensor,
+        mirror_addr: int,
+        *,
+        has_w: bool,
+        caller_scatter: bool,
+        counts: bool,
+        send: bool,
+        recv: bool,
+        rewrite: bool,
+        mirror: bool,
+    ) -> KernelLaunch:
+        out, split, lay = bufs.out, self.send_ctas, self.layout
+        assert out is not None
+
+        def fixed() -> dict:
+            return dict(
+                offs_ptr=self.offsets, table_ptr=self.ptr_table, state_ptr=self.state, rank=self.rank,
+                max_tokens=self.max_tokens, nchunks=lay.nchunks, timeout=self.timeout_arg, off_x=lay.x,
+                off_ids=lay.ids, off_pos=lay.pos, off_w=lay.w, off_flag=lay.flag, off_back=lay.back,
+                off_cnt=lay.cnt, W=self.world_size, L=self.experts_per_rank, WP=self.wp, LP=self.lp,
+                HAS_W=has_w, CALLER_SCATTER=caller_scatter, SEND=send, RECV=recv,
+                LAG=1 if (send and recv and not split) else 0, COUNTS=counts, SPLIT=bool(split),
+                SEND_LOCAL=not split, STEAL=bool(split) and self.steal, REWRITE=rewrite,
+                **self._early_send_kw(counts, send, rewrite), **self._mirror_kw(mirror),
+                USE_TIMER=self.use_timer, G=self.num_sm, GS=max(split, 1), off_sig=lay.sig, off_sback=lay.sback,
+                off_srec=lay.srec, CW=lay.cw, REMOTE=self.remote_bits, CE=bool(self.ce_pieces),
+                ce_tokens=self.ce_tokens, **self._tile_kw(self.whole_row), **self._rec_kw(xs.dtype),
+                WHOLE_ROW=self.whole_row, PDL=self.pdl,
+            )  # fmt: skip
+
+        key = ("dispatch", has_w, caller_scatter, send, recv, counts, rewrite, mirror, split, self.steal, out.dtype,
+               *self._align(xs, ids, w, src))  # fmt: skip
+        names = ("x_ptr", "ids_ptr", "w_ptr", "pos_ptr", "n_tokens", "out_ptr", "out_w_ptr", "out_e_ptr", "tab_ptr",
+                 "skip_ptr", "scat_ptr", "info_ptr", "cap_rows", "pk_ptr", "pinfo_ptr", "mirror_addr", "id64")  # fmt: skip
+        vals = (xs, ids, w, src, n_tokens, out, bufs.out_w, bufs.out_e, bufs.tab, bufs.skip, bufs.scat, info,
+                out.shape[0], pk, pinfo, mirror_addr, id64)  # fmt: skip
+        return KernelLaunch(key, K._dispatch_kernel, (self.num_sm,), self.num_warps, names, vals, fixed,
+                            launch_pdl=self.pdl)  # fmt: skip
+
+    def _expand_spec(
+        self,
+        bufs: DispatchBuffers,
+        rtok: torch.Tensor,
+        pinfo: torch.Tensor,
+        *,
+        has_w: bool,
+        caller_scatter: bool,
+    ) -> KernelLaunch:
+        out, lay = bufs.out, self.layout
+        assert out is not None
+        assert bufs.out_w is not None
+
+        def fixed() -> dict:
+            return dict(
+                offs_ptr=self.offsets, table_ptr=self.ptr_table, state_ptr=self.state, rank=self.rank,
+                max_tokens=self.max_tokens, timeout=self.timeout_arg, off_rrec=lay.rrec, off_sig=lay.sig,
+                W=self.world_size, L=self.experts_per_rank, HAS_W=has_w, CALLER_SCATTER=caller_scatter,
+                USE_TIMER=self.use_timer, REMOTE=self.remote_bits, G=self.num_sm, **self._tile_kw(),
+                **self._rec_kw(out.dtype),
+            )  # fmt: skip
+
+        return KernelLaunch(
+            ("expand", has_w, caller_scatter, out.dtype, bufs.out_w.dtype), K._remote_expand_kernel,
+            (self.num_sm,), self.num_warps,
+            ("out_ptr", "out_w_ptr", "out_e_ptr", "tab_ptr", "rtok_ptr", "pinfo_ptr", "cap_rows"),
+            (out, bufs.out_w, bufs.out_e, bufs.tab, rtok, pinfo, out.shape[0]), fixed,
+        )  # fmt: skip
+
+    def _combine_spec(
+        self,
+        ys: torch.Tensor,
+        tab: torch.Tensor,
+        ids: torch.Tensor,
+        id64: int,
+        n_src: torch.Tensor,
+        n_tokens: int,
+        outs: torch.Tensor,
+        pk: torch.Tensor,
+        rtok: torch.Tensor,
+        pinfo: torch.Tensor,
+        *,
+        width: int,
+        send: bool,
+        recv: bool,
+    ) -> KernelLaunch:
+        split, lay = self.combine_send_ctas, self.layout
+        # narrower rows (per-slot weight gradients: width 1) get a narrower tile
+        cbh = self.combine_block_h
+        bh = cbh if width == self.hidden else max(16, min(_next_pow2(width), cbh))
+
+        def fixed() -> dict:
+            return dict(
+                table_ptr=self.ptr_table, state_ptr=self.state, rank=self.rank, max_tokens=self.max_tokens,
+                nchunks=lay.cnchunks, timeout=self.timeout_arg, off_cx=lay.cx, off_cflag=lay.cflag,
+                W=self.world_size, L=self.experts_per_rank, K=self.topk, KP=self.kp, WP=self.wp, H=width, BH=bh,
+                CH=self.combine_chunk, EVEN_H=width % bh == 0, SEND=send, RECV=recv,
+                LAG=1 if (send and recv and not split) else 0, SPLIT=bool(split), USE_TIMER=self.use_timer,
+                G=self.num_sm, GS=max(split, 1), off_scx=lay.scx, off_sig=lay.sig, REMOTE=self.remote_bits,
+            )  # fmt: skip
+
+        return KernelLaunch(
+            ("combine", width, send, recv, split, outs.dtype, *self._align(ys, ids, n_src)), K._combine_kernel,
+            (self.num_sm,), self.combine_warps,
+            ("y_ptr", "tab_ptr", "ids_ptr", "nsrc_ptr", "n_tokens", "out_ptr", "pk_ptr", "rtok_ptr", "pinfo_ptr",
+             "id64"),
+            (ys, tab, ids, n_src, n_tokens, outs, pk, rtok, pinfo, id64), fixed, maxnreg=self.combine_maxnreg,
+        )  # fmt: skip
+
+    def _barrier_spec(self, send: bool, recv: bool) -> KernelLaunch:
+        def fixed() -> dict:
+            return dict(
+                table_ptr=self.ptr_table, state_ptr=self.state, off_bar=self.layout.bar, rank=self.rank,
+                timeout=self.timeout_arg, W=self.world_size, SEND=send, RECV=recv, USE_TIMER=self.use_timer,
+                REMOTE=self.remote_bits,
+            )  # fmt: skip
+
+        return KernelLaunch(("barrier", send, recv), K._barrier_kernel, (1,), 1, (), (), fixed)
+
+    # ------------------------------------------------------------------ dispatch steps
     def launch_layout(
         self,
         exp_indices: torch.Tensor,
@@ -653,65 +875,20 @@ class TritonEPEngine:
         ``remote["pinfo"][:W]``) and puts each remote peer its counts (with a signal)."""
         pk, _, pinfo = self._rb(remote)
         ids, id64 = _ids_arg(exp_indices)
+        n = exp_indices.shape[0]
         self._launch(
-            ("layout", caller_scatter, ids.data_ptr() % 16 == 0, self.probe is not None),
-            K._layout_kernel,
-            self._layout_grid,
-            4,
-            ("ids_ptr", "n_tokens", "info_ptr", "id64"),
-            (ids, exp_indices.shape[0], self.info if info is None else info, id64),
-            lambda: dict(
-                pos_ptr=self.pos,
-                table_ptr=self.ptr_table,
-                state_ptr=self.state,
-                off_cnt=self.layout.cnt,
-                rank=self.rank,
-                **self._layout_kw(),
-                WRITE_POS=not caller_scatter,
-                BAD_SLOT=self.info_len - 1,
-                off_scnt=self.layout.scnt,
-                CW=self.layout.cw,
-                REMOTE=self.remote_bits,
-                **self._probe_kw(0),
-                PDL=self.pdl,
-            ),
+            self._layout_spec(
+                ids, n, self.info if info is None else info, id64, caller_scatter=caller_scatter
+            )
         )
         if not self.remote_ranks:
             return
-        self._launch(
-            ("pack", ids.data_ptr() % 16 == 0),
-            K._pack_kernel,
-            (1,),
-            4,
-            ("ids_ptr", "pk_ptr", "pinfo_ptr", "n_tokens", "id64"),
-            (ids, pk, pinfo, exp_indices.shape[0], id64),
-            lambda: dict(
-                table_ptr=self.ptr_table,
-                state_ptr=self.state,
-                off_scnt=self.layout.scnt,
-                rank=self.rank,
-                max_tokens=self.max_tokens,
-                L=self.experts_per_rank,
-                W=self.world_size,
-                K=self.topk,
-                KP=self.kp,
-                BT=min(1024, _next_pow2(max(16, self.max_tokens))),
-                CW=self.layout.cw,
-                REMOTE=self.remote_bits,
-            ),
-        )
+        self._launch(self._pack_spec(ids, pk, pinfo, n, id64))
         ep = self.host_epochs[0] + 1
-        lay, cw = self.layout, self.layout.cw
-        assert self.transport is not None
-        for p in self.remote_ranks:
-            self.transport.put_signal(
-                p,
-                lay.cnt + ((ep % 2) * self.world_size * cw + self.rank * cw) * 8,
-                lay.scnt + p * cw * 8,
-                cw * 8,
-                self._sig_off(K.SIG_CNT, self.rank),
-                ep,
-            )
+        lay, cw, W = self.layout, self.layout.cw, self.world_size
+        self._put_all(
+            K.SIG_CNT, ep, lay.cnt + ((ep % 2) * W * cw + self.rank * cw) * 8, lay.scnt, cw * 8, cw * 8
+        )
 
     def launch_counts(
         self, info: torch.Tensor | None = None, remote: dict[str, torch.Tensor] | None = None
@@ -720,84 +897,21 @@ class TritonEPEngine:
         :attr:`info`) and the receive offsets; with remote peers, the records each sends
         (``remote["pinfo"][W:]``), and each gets its base rows by a put."""
         _, _, pinfo = self._rb(remote)
-        self._launch(
-            ("counts",),
-            K._counts_kernel,
-            (1,),
-            4,
-            ("info_ptr", "pinfo_ptr"),
-            (self.info if info is None else info, pinfo),
-            lambda: dict(
-                offs_ptr=self.offsets,
-                table_ptr=self.ptr_table,
-                state_ptr=self.state,
-                off_cnt=self.layout.cnt,
-                off_back=self.layout.back,
-                rank=self.rank,
-                timeout=self.timeout_arg,
-                W=self.world_size,
-                L=self.experts_per_rank,
-                WP=self.wp,
-                LP=self.lp,
-                USE_TIMER=self.use_timer,
-                off_sig=self.layout.sig,
-                off_sback=self.layout.sback,
-                CW=self.layout.cw,
-                REMOTE=self.remote_bits,
-            ),
-        )
+        self._launch(self._counts_spec(self.info if info is None else info, pinfo))
         self.host_epochs[0] += 1
         ep, L, lay = self.host_epochs[0], self.experts_per_rank, self.layout
-        assert self.transport is not None or not self.remote_ranks
-        for s in self.remote_ranks:
-            self.transport.put_signal(  # type: ignore[union-attr]
-                s,
-                lay.back + self.rank * L * 8,
-                lay.sback + s * L * 8,
-                L * 8,
-                self._sig_off(K.SIG_BACK, self.rank),
-                ep,
-            )
+        self._put_all(K.SIG_BACK, ep, lay.back + self.rank * L * 8, lay.sback, L * 8, L * 8)
 
-    def launch_dispatch(
+    def _check_dispatch_flags(
         self,
-        x: torch.Tensor,
-        exp_indices: torch.Tensor,
-        weight: torch.Tensor | None,
-        scatter_src: torch.Tensor,
-        out: torch.Tensor,
-        out_w: torch.Tensor,
-        out_e: torch.Tensor,
-        tab: torch.Tensor,
-        skip: torch.Tensor,
-        scat: torch.Tensor,
         *,
-        caller_scatter: bool,
-        info: torch.Tensor | None = None,
-        counts: bool = False,
-        send: bool = True,
-        recv: bool = True,
-        rewrite: bool = False,
-        mirror: torch.Tensor | None = None,
-        remote: dict[str, torch.Tensor] | None = None,
-        npk_send: Sequence[int] | None = None,
+        counts: bool,
+        send: bool,
+        recv: bool,
+        rewrite: bool,
+        mirror: torch.Tensor | None,
+        npk_send: Sequence[int] | None,
     ) -> None:
-        """Step 3. With ``counts=True`` step 2 runs inside this launch (program 0 builds the receive
-        layout, the others wait for it): the launch after :meth:`launch_layout` in static mode.
-
-        ``rewrite=True`` (with ``send=False``, ``counts=False``): the writing half again, this rank's own
-        rows included, after a pass into outputs too small for the rows (which dropped the rows past
-        their end): the speculative exact-shape flow's overflow. The received rows stay in the heap
-        until this rank's next dispatch starts, so they can be expanded again.
-
-        ``mirror`` (with ``counts=True``): pinned host int64 ``[info_len + 1]``; program 0 copies ``info``
-        into it once the receive layout is known, then writes the dispatch's epoch (nonzero) into its
-        last element: the host polls that element (zeroed before the launch) instead of synchronizing.
-
-        With remote peers (``counts=False`` only): the row kernel stages the records for remote peers;
-        with ``send`` the host then puts ``npk_send[r]`` records (host copy of ``remote["pinfo"][:W]``) to
-        each remote ``r``; with ``recv`` :func:`~.kernels._remote_expand_kernel` expands the records
-        received (after the row kernel, which marks remote sources' slots as absent)."""
         if self.remote_ranks and counts:
             raise ValueError("the receive layout cannot run inside the row kernel with remote peers")
         if self.ce_pieces and (counts or self.send_ctas):
@@ -817,120 +931,59 @@ class TritonEPEngine:
             raise ValueError(
                 f"mirror: want int64 [{self.info_len + 1}], got {mirror.dtype} {list(mirror.shape)}"
             )
+
+    def launch_dispatch(
+        self,
+        x: torch.Tensor,
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None,
+        scatter_src: torch.Tensor,
+        bufs: DispatchBuffers,
+        *,
+        caller_scatter: bool,
+        info: torch.Tensor | None = None,
+        counts: bool = False,
+        send: bool = True,
+        recv: bool = True,
+        rewrite: bool = False,
+        mirror: torch.Tensor | None = None,
+        remote: dict[str, torch.Tensor] | None = None,
+        npk_send: Sequence[int] | None = None,
+    ) -> None:
+        """Step 3: the row kernel, writing ``bufs`` (its ``out``, ``out_w``, ``out_e`` allocated). With
+        ``counts=True`` step 2 runs inside this launch (program 0 builds the receive layout, the others
+        wait for it): the launch after :meth:`launch_layout` in static mode.
+
+        ``rewrite=True`` (with ``send=False``, ``counts=False``): the writing half again, this rank's own
+        rows included, after a pass into outputs too small for the rows (which dropped the rows past
+        their end): the speculative exact-shape flow's overflow. The received rows stay in the heap
+        until this rank's next dispatch starts, so they can be expanded again.
+
+        ``mirror`` (with ``counts=True``): pinned host int64 ``[info_len + 1]``; program 0 copies ``info``
+        into it once the receive layout is known, then writes the dispatch's epoch (nonzero) into its
+        last element: the host polls that element (zeroed before the launch) instead of synchronizing.
+
+        With remote peers (``counts=False`` only): the row kernel stages the records for remote peers;
+        with ``send`` the host then puts ``npk_send[r]`` records (host copy of ``remote["pinfo"][:W]``) to
+        each remote ``r``; with ``recv`` :func:`~.kernels._remote_expand_kernel` expands the records
+        received (after the row kernel, which marks remote sources' slots as absent)."""
+        self._check_dispatch_flags(
+            counts=counts, send=send, recv=recv, rewrite=rewrite, mirror=mirror, npk_send=npk_send
+        )
         pk, rtok, pinfo = self._rb(remote)
         has_w = weight is not None
-        split = self.send_ctas
         w = _nz(weight) if weight is not None else self._dummy_w
         xs, src = _nz(x), _nz(scatter_src)
         ids, id64 = _ids_arg(exp_indices)
         # the copies may start once the receive layout ran (not behind the row kernel)
         fork = self._ce_fork() if self.ce_pieces and send else None
         self._launch(
-            (
-                "dispatch",
-                has_w,
-                caller_scatter,
-                send,
-                recv,
-                counts,
-                rewrite,
-                mirror is not None,
-                split,
-                self.steal,
-                out.dtype,
-                *self._align(xs, ids, w, src),
-                self.probe is not None,
-            ),
-            K._dispatch_kernel,
-            (self.num_sm,),
-            self.num_warps,
-            (
-                "x_ptr",
-                "ids_ptr",
-                "w_ptr",
-                "pos_ptr",
-                "n_tokens",
-                "out_ptr",
-                "out_w_ptr",
-                "out_e_ptr",
-                "tab_ptr",
-                "skip_ptr",
-                "scat_ptr",
-                "info_ptr",
-                "cap_rows",
-                "pk_ptr",
-                "pinfo_ptr",
-                "mirror_addr",
-                "id64",
-            ),
-            (
-                xs,
-                ids,
-                w,
-                src,
-                x.shape[0],
-                out,
-                out_w,
-                out_e,
-                tab,
-                skip,
-                scat,
-                self.info if info is None else info,
-                out.shape[0],
-                pk,
-                pinfo,
-                mirror.data_ptr() if mirror is not None else 0,
-                id64,
-            ),
-            lambda: dict(
-                offs_ptr=self.offsets,
-                table_ptr=self.ptr_table,
-                state_ptr=self.state,
-                rank=self.rank,
-                max_tokens=self.max_tokens,
-                nchunks=self.layout.nchunks,
-                timeout=self.timeout_arg,
-                off_x=self.layout.x,
-                off_ids=self.layout.ids,
-                off_pos=self.layout.pos,
-                off_w=self.layout.w,
-                off_flag=self.layout.flag,
-                off_back=self.layout.back,
-                off_cnt=self.layout.cnt,
-                W=self.world_size,
-                L=self.experts_per_rank,
-                WP=self.wp,
-                LP=self.lp,
-                HAS_W=has_w,
-                CALLER_SCATTER=caller_scatter,
-                SEND=send,
-                RECV=recv,
-                LAG=1 if (send and recv and not split) else 0,
-                COUNTS=counts,
-                SPLIT=bool(split),
-                SEND_LOCAL=not split,
-                STEAL=bool(split) and self.steal,
-                REWRITE=rewrite,
-                **self._early_send_kw(counts, send, rewrite),
-                **self._mirror_kw(mirror is not None),
-                USE_TIMER=self.use_timer,
-                G=self.num_sm,
-                GS=max(split, 1),
-                off_sig=self.layout.sig,
-                off_sback=self.layout.sback,
-                off_srec=self.layout.srec,
-                CW=self.layout.cw,
-                REMOTE=self.remote_bits,
-                CE=bool(self.ce_pieces),
-                ce_tokens=self.ce_tokens,
-                **self._tile_kw(self.whole_row),
-                **self._rec_kw(x.dtype),
-                WHOLE_ROW=self.whole_row,
-                **self._probe_kw(1),
-                PDL=self.pdl,
-            ),
-            launch_pdl=self.pdl,
-        )
+            self._dispatch_spec(
+                xs, ids, id64, w, src, x.shape[0], bufs, self.info if info is None else info, pk, pinfo,
+                mirror.data_ptr() if mirror is not None else 0, has_w=has_w, caller_scatter=caller_scatter,
+                counts=counts, send=send, recv=recv, rewrite=rewrite, mirror=mirror is not None,
+            )
+        )  # fmt: skip
         if self.ce_pieces and send:
             self._ce_send(fork, xs, _nz(exp_indices), w if has_w else None, src)
         if counts and recv:
@@ -939,45 +992,12 @@ class TritonEPEngine:
             return
         lay, T, ep = self.layout, self.max_tokens, self.host_epochs[0]
         if send:
-            assert self.transport is not None
             assert npk_send is not None
-            for r in self.remote_ranks:
-                self.transport.put_signal(
-                    r,
-                    lay.rrec + self.rank * T * lay.rec,
-                    lay.srec + r * T * lay.rec,
-                    int(npk_send[r]) * lay.rec,
-                    self._sig_off(K.SIG_DATA, self.rank),
-                    ep,
-                )
-        if recv:
-            self._launch(
-                ("expand", has_w, caller_scatter, out.dtype, out_w.dtype),
-                K._remote_expand_kernel,
-                (self.num_sm,),
-                self.num_warps,
-                ("out_ptr", "out_w_ptr", "out_e_ptr", "tab_ptr", "rtok_ptr", "pinfo_ptr", "cap_rows"),
-                (out, out_w, out_e, tab, rtok, pinfo, out.shape[0]),
-                lambda: dict(
-                    offs_ptr=self.offsets,
-                    table_ptr=self.ptr_table,
-                    state_ptr=self.state,
-                    rank=self.rank,
-                    max_tokens=self.max_tokens,
-                    timeout=self.timeout_arg,
-                    off_rrec=lay.rrec,
-                    off_sig=lay.sig,
-                    W=self.world_size,
-                    L=self.experts_per_rank,
-                    HAS_W=has_w,
-                    CALLER_SCATTER=caller_scatter,
-                    USE_TIMER=self.use_timer,
-                    REMOTE=self.remote_bits,
-                    G=self.num_sm,
-                    **self._tile_kw(),
-                    **self._rec_kw(out.dtype),
-                ),
+            self._put_all(
+                K.SIG_DATA, ep, lay.rrec + self.rank * T * lay.rec, lay.srec, T * lay.rec, lay.rec, npk_send
             )
+        if recv:
+            self._launch(self._expand_spec(bufs, rtok, pinfo, has_w=has_w, caller_scatter=caller_scatter))
 
     def _ce_fork(self) -> torch.cuda.Event | None:
         """The point of the current stream after which the copies may run (none on CPU)."""
@@ -1059,106 +1079,33 @@ class TritonEPEngine:
         ys, outs = _nz(y), _nz(out)
         ids, id64 = _ids_arg(exp_indices)
         pk, rtok, pinfo = self._rb(remote)
-        halves = [(send, recv)]
-        if self.remote_ranks and send and recv:
-            halves = [(True, False), (False, True)]  # the puts go between the two launches
-        for snd, rcv in halves:
+        for snd, rcv in self._halves(send, recv):
             self._launch(
-                (
-                    "combine",
-                    width,
-                    snd,
-                    rcv,
-                    self.combine_send_ctas,
-                    outs.dtype,
-                    *self._align(ys, ids, n_src),
-                ),
-                K._combine_kernel,
-                (self.num_sm,),
-                self.combine_warps,
-                (
-                    "y_ptr",
-                    "tab_ptr",
-                    "ids_ptr",
-                    "nsrc_ptr",
-                    "n_tokens",
-                    "out_ptr",
-                    "pk_ptr",
-                    "rtok_ptr",
-                    "pinfo_ptr",
-                    "id64",
-                ),
-                (ys, tab, ids, n_src, exp_indices.shape[0], outs, pk, rtok, pinfo, id64),
-                functools.partial(self._combine_fixed, width, snd, rcv),
-                maxnreg=self.combine_maxnreg,
-            )
+                self._combine_spec(
+                    ys, tab, ids, id64, n_src, exp_indices.shape[0], outs, pk, rtok, pinfo, width=width,
+                    send=snd, recv=rcv,
+                )
+            )  # fmt: skip
             if snd and self.remote_ranks:
-                assert self.transport is not None
                 assert npk_recv is not None
-                lay, T, ep = self.layout, self.max_tokens, self.host_epochs[1] + 1
-                row = width * y.dtype.itemsize
-                for src in self.remote_ranks:
-                    self.transport.put_signal(
-                        src,
-                        lay.cx + self.rank * T * row,
-                        lay.scx + src * T * row,
-                        int(npk_recv[src]) * row,
-                        self._sig_off(K.SIG_COMB, self.rank),
-                        ep,
-                    )
+                lay, T, row = self.layout, self.max_tokens, width * y.dtype.itemsize
+                ep = self.host_epochs[1] + 1
+                self._put_all(K.SIG_COMB, ep, lay.cx + self.rank * T * row, lay.scx, T * row, row, npk_recv)
         if recv:
             self.host_epochs[1] += 1
 
-    def _combine_fixed(self, width: int, send: bool, recv: bool) -> dict:
-        # narrower rows (per-slot weight gradients: width 1) get a narrower tile
-        cbh = self.combine_block_h
-        bh = cbh if width == self.hidden else max(16, min(_next_pow2(width), cbh))
-        return dict(
-            table_ptr=self.ptr_table,
-            state_ptr=self.state,
-            rank=self.rank,
-            max_tokens=self.max_tokens,
-            nchunks=self.layout.cnchunks,
-            timeout=self.timeout_arg,
-            off_cx=self.layout.cx,
-            off_cflag=self.layout.cflag,
-            W=self.world_size,
-            L=self.experts_per_rank,
-            K=self.topk,
-            KP=self.kp,
-            WP=self.wp,
-            H=width,
-            BH=bh,
-            CH=self.combine_chunk,
-            EVEN_H=width % bh == 0,
-            SEND=send,
-            RECV=recv,
-            LAG=1 if (send and recv and not self.combine_send_ctas) else 0,
-            SPLIT=bool(self.combine_send_ctas),
-            USE_TIMER=self.use_timer,
-            G=self.num_sm,
-            GS=max(self.combine_send_ctas, 1),
-            off_scx=self.layout.scx,
-            off_sig=self.layout.sig,
-            REMOTE=self.remote_bits,
-        )
+    def _halves(self, send: bool, recv: bool) -> list[tuple[bool, bool]]:
+        """A step's launches: one that sends and receives, or with remote peers (whose host signals go
+        between) a sending launch and then a receiving one."""
+        if self.remote_ranks and send and recv:
+            return [(True, False), (False, True)]
+        return [(send, recv)]
 
     def launch_barrier(self, *, send: bool = True, recv: bool = True) -> None:
         """Device-side barrier; remote peers are signalled by the host between a sending and a waiting
         launch."""
-        halves = [(send, recv)]
-        if self.remote_ranks and send and recv:
-            halves = [(True, False), (False, True)]
-        for snd, rcv in halves:
-            self._launch(
-                ("barrier", snd, rcv),
-                K._barrier_kernel,
-                (1,),
-                1,
-                (),
-                (),
-                functools.partial(self._barrier_fixed, snd, rcv),
-            )
+        for snd, rcv in self._halves(send, recv):
+            self._launch(self._barrier_spec(snd, rcv))
             if snd and self.remote_ranks:
                 assert self.transport is not None
                 ep = self.host_epochs[2] + 1
@@ -1166,20 +1113,6 @@ class TritonEPEngine:
                     self.transport.signal(r, self.layout.bar + self.rank * 8, ep)
         if recv:
             self.host_epochs[2] += 1
-
-    def _barrier_fixed(self, send: bool, recv: bool) -> dict:
-        return dict(
-            table_ptr=self.ptr_table,
-            state_ptr=self.state,
-            off_bar=self.layout.bar,
-            rank=self.rank,
-            timeout=self.timeout_arg,
-            W=self.world_size,
-            SEND=send,
-            RECV=recv,
-            USE_TIMER=self.use_timer,
-            REMOTE=self.remote_bits,
-        )
 
     def per_slot_rows(self, y: torch.Tensor, tab: torch.Tensor, n_src: torch.Tensor) -> list[torch.Tensor]:
         """``K`` copies of ``y`` [R, C], copy ``k`` keeping only the rows that serve a slot ``k``.
@@ -1210,58 +1143,58 @@ class TritonEPEngine:
         # (no slice otherwise: one host operation fewer per output, six per exact-shape dispatch)
         return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def alloc_dispatch_fixed(self, n: int) -> dict[str, torch.Tensor]:
-        """The dispatch outputs whose size does not depend on the received rows (``n`` tokens here):
-        the slot table ``tab``, ``skip`` and ``scat``. The exact-shape flow allocates them before it
-        waits for the counts (so does :meth:`alloc_dispatch_rows` when the backend predicts the rows)."""
-        return {
-            "tab": self._buf(self.world_size, self.max_tokens, self.topk, dtype=torch.int32),
-            **self.alloc_token_slots(n),
-        }
-
-    def alloc_token_slots(self, n: int) -> dict[str, torch.Tensor]:
+    def alloc_token_slots(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``skip`` and ``scat``: ``[n, topk]`` int32, per slot of this rank's ``n`` tokens."""
-        return {
-            "skip": self._buf(n, self.topk, dtype=torch.int32),
-            "scat": self._buf(n, self.topk, dtype=torch.int32),
-        }
+        return self._buf(n, self.topk, dtype=torch.int32), self._buf(n, self.topk, dtype=torch.int32)
+
+    def alloc_dispatch_fixed(self, n: int) -> DispatchBuffers:
+        """The dispatch outputs whose size does not depend on the received rows (``n`` tokens here):
+        the slot table ``tab``, ``skip`` and ``scat``; the rows come later (:meth:`alloc_rows_into`)."""
+        skip, scat = self.alloc_token_slots(n)
+        return DispatchBuffers(
+            tab=self._buf(self.world_size, self.max_tokens, self.topk, dtype=torch.int32),
+            skip=skip,
+            scat=scat,
+        )
 
     def alloc_dispatch_rows(
         self, rows: int, *, with_weights: bool, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The dispatch outputs of ``rows`` received rows: ``out``, ``out_w``, ``out_e``."""
-        return {"out": self.alloc_rows(rows, dtype=dtype), **self._alloc_row_tags(rows, with_weights)}
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(out, out_w, out_e)`` of ``rows`` received rows (``out_w`` one element without weights)."""
+        return (self.alloc_rows(rows, dtype=dtype), *self._alloc_row_tags(rows, with_weights))
 
     def alloc_rows(self, rows: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``out``: ``[rows, hidden]`` received rows (default ``token_dtype``)."""
         return self._buf(rows, self.hidden, dtype=dtype or self.token_dtype)
 
-    def _alloc_row_tags(self, rows: int, with_weights: bool) -> dict[str, torch.Tensor]:
-        return {
-            "out_w": self._buf(rows if with_weights else 1, dtype=self.weight_dtype),
-            "out_e": self._buf(rows, dtype=torch.int32),
-        }
+    def _alloc_row_tags(self, rows: int, with_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            self._buf(rows if with_weights else 1, dtype=self.weight_dtype),
+            self._buf(rows, dtype=torch.int32),
+        )
 
-    def alloc_dispatch_small(self, n: int, rows: int, *, with_weights: bool) -> dict[str, torch.Tensor]:
-        """Every output of a dispatch of ``n`` tokens into ``rows`` rows but the rows themselves: ``info``
-        (int64 ``[info_len]``), :meth:`alloc_dispatch_fixed`'s and ``out_w`` / ``out_e``. A few hundred KB
-        at most: the exact-shape flows allocate the next call's ahead (see the backend's ``dispatch``)."""
-        return {
-            "info": torch.empty(self.info_len, dtype=torch.int64, device=self.device),
-            **self.alloc_dispatch_fixed(n),
-            **self._alloc_row_tags(rows, with_weights),
-        }
+    def alloc_dispatch_small(self, n: int, rows: int, *, with_weights: bool) -> DispatchBuffers:
+        """Every output of a dispatch of ``n`` tokens into ``rows`` rows but the rows themselves (``out``
+        stays ``None``), with the call's ``info`` (int64 ``[info_len]``). A few hundred KB at most: the
+        exact-shape flows allocate the next call's ahead (see the backend's ``dispatch``)."""
+        bufs = self.alloc_dispatch_fixed(n)
+        bufs.out_w, bufs.out_e = self._alloc_row_tags(rows, with_weights)
+        bufs.info = torch.empty(self.info_len, dtype=torch.int64, device=self.device)
+        return bufs
 
     def alloc_dispatch_outputs(
         self, n: int, rows: int, *, with_weights: bool, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        """:meth:`alloc_dispatch_rows` and :meth:`alloc_dispatch_fixed` in one dict."""
-        return {
-            **self.alloc_dispatch_rows(rows, with_weights=with_weights, dtype=dtype),
-            **self.alloc_dispatch_fixed(n),
-        }
+    ) -> DispatchBuffers:
+        """Every output of a dispatch of ``n`` tokens into ``rows`` rows (``info`` left ``None``)."""
+        bufs = self.alloc_dispatch_fixed(n)
+        bufs.out, bufs.out_w, bufs.out_e = self.alloc_dispatch_rows(
+            rows, with_weights=with_weights, dtype=dtype
+        )
+        return bufs
 
     def info_fields(self, info: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A dispatch's ``info`` by field: total rows, error word, tokens per source, rows per source,
+        rows per local expert, slots with an expert id outside ``[-1, num_tot_experts)``."""
         W, L = self.world_size, self.experts_per_rank
         return {
             "total": info[0],
@@ -1272,268 +1205,75 @@ class TritonEPEngine:
             "bad_ids": info[2 + 2 * W + L],
         }
 
-    # ------------------------------------------------------------------ AOT
-    def precompile(
+    # ------------------------------------------------------------------ ahead-of-time compiles
+    def variants(
         self,
         *,
         dtypes: tuple[torch.dtype, ...] = (),
         dispatch_counts: tuple[bool, ...] = (True, False),
         rewrite: bool = False,
         mirror: bool = False,
-    ) -> int:
-        """Compile every kernel variant the layer uses, without launching. Returns the variant count.
+    ) -> list[KernelLaunch]:
+        """Every kernel variant the backend may launch, as the launches specify them (per-call tensors
+        replaced by small aligned stand-ins of the same dtypes).
 
         ``dtypes``: extra row dtypes of combine; ``dispatch_counts``: the dispatch kernel with the
         receive layout merged in (static mode, small exact calls) and/or without (large exact calls);
-        ``rewrite``: also the writing pass of :meth:`launch_dispatch`'s ``rewrite=True`` (the speculative
-        exact-shape flow's overflow; local peers only); ``mirror``: also the merged variant that copies
-        ``info`` to the host (:meth:`launch_dispatch`'s ``mirror``; local peers only).
+        ``rewrite``: also the writing pass of :meth:`launch_dispatch`'s ``rewrite=True`` (local peers
+        only); ``mirror``: also the merged variant that copies ``info`` to the host (local peers only).
         With remote peers only the unmerged dispatch exists, combine and barrier run as a sending and a
-        receiving launch, and the pack and expand kernels are compiled too.
+        receiving launch, and the pack and expand kernels are included.
         """
-        lay = self.layout
-        # (Triton's warmup takes dtypes for pointers only positionally: pointers passed by keyword are
-        # this engine's dummy tensors, which specialise as the launches' own aligned buffers do)
-        i32, i64 = torch.int32, torch.int64
-        common = dict(W=self.world_size, L=self.experts_per_rank)
         remote = bool(self.remote_ranks)
-        rem = dict(REMOTE=self.remote_bits)
-        n = 0
-        for ws in (True, False):
-            K._layout_kernel.warmup(
-                i32,
-                i32,
-                1,
-                i64,
-                i64,
-                lay.cnt,
-                self.rank,
-                i64,
-                grid=self._layout_grid,
-                WRITE_POS=ws,
-                BAD_SLOT=self.info_len - 1,
-                off_scnt=lay.scnt,
-                CW=lay.cw,
-                num_warps=4,
-                PROBE=False,
-                probe_ptr=None,
-                PDL=self.pdl,
-                **rem,
-                **self._layout_kw(),
-            )
-            n += 1
-        K._counts_kernel.warmup(
-            i64,
-            i64,
-            i64,
-            i64,
-            lay.cnt,
-            lay.back,
-            self.rank,
-            self.timeout_arg,
-            grid=(1,),
-            WP=self.wp,
-            LP=self.lp,
-            USE_TIMER=self.use_timer,
-            pinfo_ptr=self._dummy_i64,
-            off_sig=lay.sig,
-            off_sback=lay.sback,
-            CW=lay.cw,
-            num_warps=4,
-            **rem,
-            **common,
-        )
-        n += 1
+        dev, i32, i64 = self.device, torch.int32, torch.int64
+
+        def t(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(16, dtype=dtype, device=dev)
+
+        ids, info, pk, pinfo = t(i32), t(i64), t(i32), t(i64)
+        out: list[KernelLaunch] = [
+            self._layout_spec(ids, 1, info, 0, caller_scatter=cs) for cs in (False, True)
+        ]
+        out.append(self._counts_spec(info, pinfo))
         if remote or self.ce_pieces:  # (the receive layout then always runs in its own launch)
             dispatch_counts = (False,)
         if remote:
-            K._pack_kernel.warmup(
-                i32,
-                i32,
-                i64,
-                1,
-                i64,
-                i64,
-                lay.scnt,
-                self.rank,
-                self.max_tokens,
-                grid=(1,),
-                K=self.topk,
-                KP=self.kp,
-                BT=min(1024, _next_pow2(max(16, self.max_tokens))),
-                CW=lay.cw,
-                num_warps=4,
-                **rem,
-                **common,
-            )
-            n += 1
-        nw = self.num_warps
+            out.append(self._pack_spec(ids, pk, pinfo, 1, 0))
         # (counts, send, rewrite, mirror) of each row-kernel variant
-        row_variants = [(counts, True, False, False) for counts in dispatch_counts]
+        rows = [(counts, True, False, False) for counts in dispatch_counts]
         if not remote and not self.ce_pieces:
-            if rewrite:
-                row_variants.append((False, False, True, False))
-            if mirror:
-                row_variants.append((True, True, False, True))
-        for has_w, cs, (counts, send, rw, mi) in itertools.product(
-            (True, False), (False, True), row_variants
-        ):
-            K._dispatch_kernel.warmup(
-                self.token_dtype,
-                i32,
-                self.weight_dtype,
-                i32,
-                1,
-                self.token_dtype,
-                self.weight_dtype,
-                i32,
-                i32,
-                i32,
-                i32,
-                i64,
-                i64,
-                i64,
-                i64,
-                self.rank,
-                self.max_tokens,
-                lay.nchunks,
-                1,
-                self.timeout_arg,
-                lay.x,
-                lay.ids,
-                lay.pos,
-                lay.w,
-                lay.flag,
-                lay.back,
-                lay.cnt,
-                grid=(self.num_sm,),
-                WP=self.wp,
-                LP=self.lp,
-                HAS_W=has_w,
-                CALLER_SCATTER=cs,
-                SEND=send,
-                RECV=True,
-                LAG=0 if (self.send_ctas or not send) else 1,
-                COUNTS=counts,
-                SPLIT=bool(self.send_ctas),
-                SEND_LOCAL=not self.send_ctas,
-                STEAL=bool(self.send_ctas) and self.steal,
-                REWRITE=rw,
-                **self._early_send_kw(counts, send, rw),
-                # (an address typed as the launches' is: 64-bit)
-                **self._mirror_kw(mi),
-                mirror_addr=1 << 40 if mi else 0,
-                USE_TIMER=self.use_timer,
-                G=self.num_sm,
-                GS=max(self.send_ctas, 1),
-                pk_ptr=self._dummy_i32,
-                pinfo_ptr=self._dummy_i64,
-                off_sig=lay.sig,
-                off_sback=lay.sback,
-                off_srec=lay.srec,
-                CW=lay.cw,
-                CE=bool(self.ce_pieces),
-                ce_tokens=self.ce_tokens,
-                WHOLE_ROW=self.whole_row,
-                PROBE=False,
-                probe_ptr=None,
-                PDL=self.pdl,
-                num_warps=nw,
-                **({"launch_pdl": True} if self.pdl else {}),
-                **self._tile_kw(self.whole_row),
-                **self._rec_kw(self.token_dtype),
-                **rem,
-                **common,
-            )
-            n += 1
-            if remote:
-                K._remote_expand_kernel.warmup(
-                    self.token_dtype,
-                    self.weight_dtype,
-                    i32,
-                    i32,
-                    i32,
-                    i64,
-                    i64,
-                    i64,
-                    i64,
-                    self.rank,
-                    self.max_tokens,
-                    1,
-                    self.timeout_arg,
-                    lay.rrec,
-                    lay.sig,
-                    grid=(self.num_sm,),
-                    HAS_W=has_w,
-                    CALLER_SCATTER=cs,
-                    USE_TIMER=self.use_timer,
-                    G=self.num_sm,
-                    num_warps=nw,
-                    **self._tile_kw(),
-                    **self._rec_kw(self.token_dtype),
-                    **rem,
-                    **common,
+            rows += [(False, False, True, False)] if rewrite else []
+            rows += [(True, True, False, True)] if mirror else []
+        bufs = DispatchBuffers(tab=t(i32), skip=t(i32), scat=t(i32), out=t(self.token_dtype),
+                               out_w=t(self.weight_dtype), out_e=t(i32))  # fmt: skip
+        x = t(self.token_dtype)
+        for has_w, cs, (counts, send, rw, mi) in itertools.product((True, False), (False, True), rows):
+            out.append(
+                self._dispatch_spec(
+                    x, ids, 0, t(self.weight_dtype), t(i32), 1, bufs, info, pk, pinfo, 1 << 40 if mi else 0,
+                    has_w=has_w, caller_scatter=cs, counts=counts, send=send, recv=True, rewrite=rw, mirror=mi,
                 )
-                n += 1
-        narrow = max(16, min(_next_pow2(1), self.combine_block_h))
-        combine_variants = [(dt, self.hidden, self.combine_block_h) for dt in (self.token_dtype, *dtypes)]
-        combine_variants.append((torch.float32, 1, narrow))  # per-slot weight gradients
-        halves = [(True, False), (False, True)] if remote else [(True, True)]
-        for (dt, width, bh), (snd, rcv) in itertools.product(combine_variants, halves):
-            K._combine_kernel.warmup(
-                dt,
-                i32,
-                i32,
-                i64,
-                1,
-                dt,
-                i64,
-                i64,
-                self.rank,
-                self.max_tokens,
-                lay.cnchunks,
-                self.timeout_arg,
-                lay.cx,
-                lay.cflag,
-                grid=(self.num_sm,),
-                K=self.topk,
-                KP=self.kp,
-                WP=self.wp,
-                H=width,
-                BH=bh,
-                CH=self.combine_chunk,
-                EVEN_H=width % bh == 0,
-                SEND=snd,
-                RECV=rcv,
-                LAG=1 if (snd and rcv and not self.combine_send_ctas) else 0,
-                SPLIT=bool(self.combine_send_ctas),
-                USE_TIMER=self.use_timer,
-                G=self.num_sm,
-                GS=max(self.combine_send_ctas, 1),
-                pk_ptr=self._dummy_i32,
-                rtok_ptr=self._dummy_i32,
-                pinfo_ptr=self._dummy_i64,
-                off_scx=lay.scx,
-                off_sig=lay.sig,
-                num_warps=self.combine_warps,
-                **({"maxnreg": self.combine_maxnreg} if self.combine_maxnreg else {}),
-                **rem,
-                **common,
-            )
-            n += 1
-        for snd, rcv in halves:
-            K._barrier_kernel.warmup(
-                i64,
-                i64,
-                lay.bar,
-                self.rank,
-                self.timeout_arg,
-                grid=(1,),
-                W=self.world_size,
-                SEND=snd,
-                RECV=rcv,
-                USE_TIMER=self.use_timer,
-                REMOTE=self.remote_bits,
-            )
-            n += 1
-        return n
+            )  # fmt: skip
+            if remote:
+                out.append(self._expand_spec(bufs, pk, pinfo, has_w=has_w, caller_scatter=cs))
+        combine_rows = [(dt, self.hidden) for dt in (self.token_dtype, *dtypes)]
+        combine_rows.append((torch.float32, 1))  # per-slot weight gradients
+        for (dt, width), (snd, rcv) in itertools.product(combine_rows, self._halves(True, True)):
+            out.append(
+                self._combine_spec(
+                    t(dt), t(i32), ids, 0, t(i64), 1, t(dt), pk, pk, pinfo, width=width, send=snd, recv=rcv
+                )
+            )  # fmt: skip
+        out += [self._barrier_spec(snd, rcv) for snd, rcv in self._halves(True, True)]
+        return out
+
+    def precompile(self, **variants: Any) -> int:
+        """Compile every kernel variant of :meth:`variants` (same arguments) without launching one.
+
+        Returns:
+            the number of variants compiled.
+        """
+        specs = self.variants(**variants)
+        for spec in specs:
+            spec.kernel.warmup(**spec.arguments(), grid=spec.grid, num_warps=spec.num_warps, **spec.options())
+        return len(specs)
