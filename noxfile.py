@@ -30,6 +30,8 @@ PACKAGES = {
     "ep-a2a": "ep_a2a",
 }
 CPU_MARKERS = "not gpu and not multigpu"
+# Extras a package's own tests exercise (eplb-core's CLI tests need its `cli` extra).
+TEST_EXTRAS = {"eplb-core": ["cli"]}
 # Multi-GPU machines of this project must keep NVLink multicast off (see CONTRIBUTING in docs/).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -77,7 +79,8 @@ def _pytest_selected(session: nox.Session, dist: str, marker: str, *extra: str) 
 @nox.parametrize("package", list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
     """CPU tests of one package: Triton kernels under TRITON_INTERPRET=1, distributed code on gloo."""
-    _sync(session, "--package", package, "--group", "test")
+    extras = [arg for extra in TEST_EXTRAS.get(package, []) for arg in ("--extra", extra)]
+    _sync(session, "--package", package, "--group", "test", *extras)
     session.env["TRITON_INTERPRET"] = "1"
     # Property tests draw the same examples on every run of this session (a landing must not hinge on a
     # lucky draw); HYPOTHESIS_SEED picks another set, and plain pytest runs draw fresh ones.
