@@ -12,16 +12,22 @@ programs (split-K); they write fp32 partial outputs with their own base-2 log-su
 kernel merges them with lse weights.
 """
 
-import functools
+from __future__ import annotations
+
 import math
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from sparse_mla_attn._gluon import gluon_available, gluon_enabled, launch_fwd_gluon
+from sparse_mla_attn._runtime import (
+    check_kernel_device,
+    define_op,
+    interpreting,
+    num_sms,
+    record_launch,
+)
 from sparse_mla_attn._validate import (
     SparseDims,
     check_causal_args,
@@ -30,29 +36,10 @@ from sparse_mla_attn._validate import (
     check_sm_scale,
     check_sparse_inputs,
 )
+from sparse_mla_attn.backends.gluon_sm90 import launch_fwd_gluon, use_gluon
+from sparse_mla_attn.config import DEFAULT, Config
 
 LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-#: The compiled kernel of the latest launch per op (benchmarks read its registers, spills and PTX).
-LAST_COMPILED: dict[str, Any] = {}
-#: The split-K factor of the latest forward/decode launch (benchmarks report it).
-LAST_SPLITS: dict[str, int] = {"fwd": 1}
-#: Which kernel family ran the latest launch per op: "gluon" or "triton" (benchmarks report it).
-LAST_BACKEND: dict[str, str] = {}
-
-
-def interpreting() -> bool:
-    """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def check_device(t: torch.Tensor, what: str) -> None:
-    """Kernels need CUDA tensors, or CPU tensors under the Triton interpreter."""
-    if not (t.is_cuda or (interpreting() and t.device.type == "cpu")):
-        raise ValueError(
-            f"{what}: the Triton kernel needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), "
-            f"got device {t.device}; use the *_ref function for a CPU reference"
-        )
 
 
 @triton.jit
@@ -446,7 +433,7 @@ def fwd_config(h_q: int, topk: int) -> dict[str, Any]:
             "num_stages": 1,
         }
     if h_q > 32:
-        # S_SPLIT and PREFETCH: NOTES.md, sweeps 4 and 5.
+        # S_SPLIT: the two warpgroups split S's columns; PREFETCH: KV rows two blocks ahead go to L2.
         return {
             "BLOCK_H": 64,
             "BLOCK_T": 64,
@@ -458,11 +445,6 @@ def fwd_config(h_q: int, topk: int) -> dict[str, Any]:
     return {"BLOCK_H": max(16, triton.next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device) -> int:
     """Split-K factor: split each query's top-k list when the grid would leave multiprocessors idle.
 
@@ -471,10 +453,8 @@ def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device
     ``s`` ways gives ``s * n_programs <= #SMs`` programs of ``topk / s`` slots each, at least 4 blocks
     of ``block_t`` per split, merged by a small second kernel.
     """
-    if interpreting() or device.type != "cuda":
-        return 1
-    n_sm = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if n_programs >= n_sm:
+    n_sm = num_sms(device)
+    if interpreting() or n_sm == 0 or n_programs >= n_sm:
         return 1
     return max(1, min(n_sm // n_programs, triton.cdiv(topk, 4 * block_t)))
 
@@ -491,7 +471,8 @@ def launch_fwd(
     q_start_index: int = 0,
     k_stride: int = 1,
     causal: bool = False,
-    config: dict[str, Any] | None = None,
+    config: Config = DEFAULT,
+    tiles: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs (shared by forward and decode).
 
@@ -500,8 +481,8 @@ def launch_fwd(
         kv_rows: ``[n_rows, d_qk]`` KV rows (last dim contiguous).
         idx: ``[n_tok, topk]`` int32 row numbers (last dim contiguous); ``[0, dims.s_kv)`` is valid.
         dims: sizes.
-        config: override of :func:`fwd_config` (benchmarks), plus ``NUM_SPLITS`` (split-K factor;
-            default :func:`choose_splits`).
+        config: backend and split-K factor (``num_splits`` 0: :func:`choose_splits`).
+        tiles: overrides of :func:`fwd_config`'s Triton tile (tests).
 
     Returns:
         ``out [n_tok, h_q, 512]``, ``max_logits [n_tok, h_q]``, ``lse [n_tok, h_q]`` (natural log).
@@ -512,9 +493,7 @@ def launch_fwd(
     lse = torch.empty_like(max_logits)
     if n_tok == 0:
         return out, max_logits, lse
-    cfg = dict(fwd_config(h_q, dims.topk))
-    if config:
-        cfg.update(config)
+    cfg = {**fwd_config(h_q, dims.topk), **(tiles or {})}
     n_head_tiles = triton.cdiv(h_q, cfg["BLOCK_H"])
     dv_split = cfg.get("DV_SPLIT", 1)
     if dv_split not in (1, 2):
@@ -523,23 +502,15 @@ def launch_fwd(
     if s_split and dv_split != 1:
         raise ValueError("S_SPLIT needs DV_SPLIT=1")
     block_t = cfg["BLOCK_T"]
-    n_splits = cfg.get("NUM_SPLITS") or choose_splits(
+    n_splits = config.num_splits or choose_splits(
         n_tok * n_head_tiles * dv_split, dims.topk, block_t, q.device
     )
     split_len = triton.cdiv(triton.cdiv(dims.topk, n_splits), block_t) * block_t
     n_splits = triton.cdiv(dims.topk, split_len)  # no empty split
-    LAST_SPLITS["fwd"] = n_splits
-    use_gluon = (
-        cfg.get("GLUON", gluon_enabled())
-        and gluon_available(q, kv_rows)
-        and n_splits == 1
-        and dv_split == 1
-        and h_q > 32
-    )
-    LAST_BACKEND["fwd"] = "gluon" if use_gluon else "triton"
-    if use_gluon:
+    eligible = n_splits == 1 and dv_split == 1 and h_q > 32
+    if use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows):
         # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
-        LAST_COMPILED["fwd"] = launch_fwd_gluon(
+        kernel = launch_fwd_gluon(
             q,
             kv_rows,
             idx,
@@ -555,6 +526,7 @@ def launch_fwd(
             k_stride=k_stride,
             causal=causal,
         )
+        record_launch("fwd", kernel, backend="gluon")
         return out, max_logits, lse
     if n_splits > 1:
         part_o = torch.empty(n_splits, n_tok, h_q, dims.d_v, dtype=torch.float32, device=q.device)
@@ -565,7 +537,7 @@ def launch_fwd(
         dst = (out, max_logits, lse)
     grid = (n_splits * n_tok * n_head_tiles * dv_split,)
     sink = attn_sink if attn_sink is not None else lse
-    LAST_COMPILED["fwd"] = _sparse_mla_fwd_kernel[grid](
+    kernel = _sparse_mla_fwd_kernel[grid](
         q,
         kv_rows,
         idx,
@@ -604,6 +576,7 @@ def launch_fwd(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    record_launch("fwd", kernel, splits=n_splits)
     if n_splits > 1:
         combine_h = 16
         _split_combine_kernel[(n_tok, triton.cdiv(h_q, combine_h))](
@@ -672,27 +645,35 @@ def paged_to_rows(
     return rows
 
 
-def sparse_mla_fwd_impl(
+def _fwd_fake(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, *_: Any
+) -> tuple[torch.Tensor, ...]:
+    dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
+    max_logits = q.new_empty(dims.s_q, dims.h_q, dtype=torch.float32)
+    return q.new_empty(dims.s_q, dims.h_q, d_v), max_logits, torch.empty_like(max_logits)
+
+
+@define_op("sparse_mla_fwd", _fwd_fake)
+def _fwd_op(
     q: torch.Tensor,
     kv: torch.Tensor,
     indices: torch.Tensor,
     sm_scale: float,
-    d_v: int = 512,
-    *,
-    attn_sink: torch.Tensor | None = None,
-    topk_length: torch.Tensor | None = None,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    causal: bool = False,
-    config: dict[str, Any] | None = None,
+    d_v: int,
+    attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+    backend: str,
+    num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate and launch (the body of the ``sparse_mla_attn::sparse_mla_fwd`` custom op)."""
     dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
     check_kernel_dims(dims, q.dtype, "sparse_mla_fwd")
     check_optional_vectors(attn_sink, topk_length, dims, q.device)
     check_causal_args(q_start_index, k_stride)
     sm_scale = check_sm_scale(sm_scale)
-    check_device(q, "sparse_mla_fwd")
+    check_kernel_device(q, "sparse_mla_fwd")
     return launch_fwd(
         q,
         kv[:, 0],
@@ -704,54 +685,8 @@ def sparse_mla_fwd_impl(
         q_start_index=q_start_index,
         k_stride=k_stride,
         causal=causal,
-        config=config,
+        config=Config(backend=backend, num_splits=num_splits),
     )
-
-
-@torch.library.custom_op("sparse_mla_attn::sparse_mla_fwd", mutates_args=())
-def _sparse_mla_fwd_op(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    attn_sink: torch.Tensor | None,
-    topk_length: torch.Tensor | None,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return sparse_mla_fwd_impl(
-        q,
-        kv,
-        indices,
-        sm_scale,
-        d_v,
-        attn_sink=attn_sink,
-        topk_length=topk_length,
-        q_start_index=q_start_index,
-        k_stride=k_stride,
-        causal=causal,
-    )
-
-
-@_sparse_mla_fwd_op.register_fake
-def _sparse_mla_fwd_fake(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    attn_sink: torch.Tensor | None,
-    topk_length: torch.Tensor | None,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
-    out = q.new_empty(dims.s_q, dims.h_q, d_v)
-    max_logits = q.new_empty(dims.s_q, dims.h_q, dtype=torch.float32)
-    return out, max_logits, torch.empty_like(max_logits)
 
 
 def sparse_mla_fwd(
@@ -766,6 +701,7 @@ def sparse_mla_fwd(
     q_start_index: int = 0,
     k_stride: int = 1,
     causal: bool = False,
+    config: Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse MLA forward (DeepSeek sparse attention): each query attends to its own top-k KV rows.
 
@@ -791,6 +727,7 @@ def sparse_mla_fwd(
         k_stride: query positions per KV entry, e.g. for a compressed KV (used when ``causal``).
         causal: also skip indices above ``(q_start_index + i + 1 - k_stride) / k_stride`` (C integer
             division, the same limit as :func:`attn_dist`).
+        config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor).
 
     Returns:
         ``out [s_q, h_q, d_v]`` q's dtype; ``max_logits [s_q, h_q]`` float32, the largest
@@ -801,6 +738,8 @@ def sparse_mla_fwd(
     Raises:
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
+    cfg = config or DEFAULT
     return torch.ops.sparse_mla_attn.sparse_mla_fwd(
-        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal
-    )
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal,
+        cfg.backend, cfg.num_splits,
+    )  # fmt: skip

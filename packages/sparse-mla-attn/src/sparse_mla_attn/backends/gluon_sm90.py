@@ -2,7 +2,7 @@
 
 Why Gluon: in the Triton kernels of ``forward.py`` / ``attn_dist.py`` the software pipeliner issues the
 ``cp.async`` gather of block ``t+1`` only after block ``t``'s products, and with the query tile in shared
-memory there is no room for a deeper ring (NOTES.md). Here the pipeline is written out.
+memory there is no room for a deeper ring. Here the pipeline is written out.
 
 Both kernels are warp specialised and share their producer (``_ws_producer``): one warpgroup gathers
 64-row blocks with ``cp.async`` into a ring of shared-memory slots guarded by mbarriers, while two
@@ -16,21 +16,33 @@ the tensor cores (FlashMLA-style ping-pong).
 Rows whose index is invalid are copied with a zero source size (``cp.async`` zero fill): they are never
 read.
 
-These kernels only run on a Hopper GPU: the Triton interpreter cannot execute Gluon, so the CPU tests
-exercise the Triton kernels, and the GPU tests (``-m gpu``) compare the Gluon kernels with the float32
-references. :func:`gluon_available` says whether they can be used for a given tensor.
+Gluon's API changes between Triton releases: these kernels are written for the releases in
+``GLUON_TRITON_VERSIONS``; with any other Triton (or none with Gluon) :func:`gluon_supported` is false and
+the ops run their Triton kernels. The Triton interpreter cannot execute Gluon, so the CPU tests exercise
+the Triton kernels (and compile these ahead of time for sm_90), and the GPU tests (``-m gpu``) compare
+them with the float32 references.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Any
 
 import torch
 import triton
 
-try:  # Gluon ships with Triton >= 3.5; the package works without it (Triton kernels only).
+from sparse_mla_attn._runtime import is_sm90
+from sparse_mla_attn._validate import SparseDims
+
+#: Triton releases (major, minor) whose Gluon API these kernels are written for and compiled against.
+GLUON_TRITON_VERSIONS = ((3, 6),)
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -41,33 +53,50 @@ try:  # Gluon ships with Triton >= 3.5; the package works without it (Triton ker
         warpgroup_mma_wait,
     )
 
-    HAVE_GLUON = True
+    HAVE_GLUON = _triton_version() in GLUON_TRITON_VERSIONS
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 
-@functools.lru_cache(maxsize=8)
-def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
+def gluon_supported() -> bool:
+    """True when the installed Triton has the Gluon API these kernels are written for
+    (``GLUON_TRITON_VERSIONS``); where it is false every op runs its Triton kernels."""
+    return HAVE_GLUON
 
 
-def gluon_available(t: torch.Tensor, *rows: torch.Tensor) -> bool:
-    """True when the Gluon kernels can run: Gluon present, ``t`` on a CUDA sm_90 GPU (H100/H200), and
-    every tensor of ``rows`` (gathered with 16-byte ``cp.async``) 16-byte aligned with a row stride of a
-    multiple of 8 elements."""
+def gluon_usable(t: torch.Tensor, *rows: torch.Tensor) -> bool:
+    """True when the Gluon kernels can run here: :func:`gluon_supported`, ``t`` on a CUDA sm_90 GPU
+    (H100/H200), and every tensor of ``rows`` (gathered with 16-byte ``cp.async``) 16-byte aligned with a
+    row stride of a multiple of 8 elements."""
     if not (HAVE_GLUON and t.is_cuda):
         return False
     if any(r.data_ptr() % 16 or r.stride(0) % 8 for r in rows):
         return False
-    return _is_sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return is_sm90(t.device)
+
+
+def use_gluon(backend: str, eligible: bool, what: str, t: torch.Tensor, *rows: torch.Tensor) -> bool:
+    """Whether an op runs its Gluon kernel, for ``Config.backend`` (``"auto"``, ``"gluon"``, ``"triton"``)
+    and whether the op's problem suits the Gluon kernel (``eligible``).
+
+    Raises:
+        ValueError: ``backend == "gluon"`` where the Gluon kernel cannot run.
+    """
+    if backend == "triton":
+        return False
+    usable = eligible and gluon_usable(t, *rows)
+    if backend == "gluon" and not usable:
+        raise ValueError(
+            f"{what}: Config(backend='gluon') needs an sm_90 GPU, a Triton release in {GLUON_TRITON_VERSIONS} "
+            f"(installed: {triton.__version__}), aligned rows and a problem the Gluon kernel covers"
+        )
+    return usable
 
 
 if HAVE_GLUON:
-    # How the warp-specialised attn_dist's two consumer warpgroups share a token (``_ad_consumer``;
-    # ``G_SPLIT64`` of gluon_attn_dist_config names the last two).
+    # How the warp-specialised attn_dist's two consumer warpgroups share a token (``_ad_consumer``).
     AD_SPLIT_HEADS = gl.constexpr(0)
     AD_SPLIT_COLS = gl.constexpr(1)
-    AD_SPLIT_BLOCKS = gl.constexpr(2)
 
     @gluon.jit
     def _issue_gather(
@@ -211,7 +240,7 @@ if HAVE_GLUON:
 
         Waits are bounded by construction: ``full_bars[s]`` completes once per gather (128 producer
         arrivals), ``empty_bars[s]`` once per block (one arrive per consumer warpgroup), ``p_bars[w]``
-        once per pair; no barrier can run more than one phase ahead of its waiters (NOTES.md).
+        once per pair; no barrier can run more than one phase ahead of its waiters.
         """
         BLOCK_H: gl.constexpr = 64
         D_HALF: gl.constexpr = D_NOPE // 2
@@ -469,7 +498,6 @@ if HAVE_GLUON:
         BLOCK_T: gl.constexpr,
         NUM_BUF: gl.constexpr,
         SPLIT: gl.constexpr,
-        TURNS: gl.constexpr,
     ):
         """Warp-specialised attn_dist, consumer warpgroup ``WG`` (0 or 1) of a token.
 
@@ -480,14 +508,13 @@ if HAVE_GLUON:
           column sums over those heads are added with an fp32 atomic into the zeroed output (two addends
           onto 0: the sum does not depend on their order, so it is deterministic);
         * ``AD_SPLIT_COLS``: both hold the same 64 heads and read every block, warpgroup ``WG`` computing
-          the block's columns ``32 WG ..`` (m64n32);
-        * ``AD_SPLIT_BLOCKS``: both hold the same 64 heads and take alternate blocks (``2k + WG``).
+          the block's columns ``32 WG ..`` (m64n32).
 
         The warpgroups only meet at the ring, so one's exp and column sums can run while the other's S
-        occupies the tensor cores. Left alone, their S may also run side by side (interleaved on the tensor
-        cores, both finishing late, both then in their exp at once); with ``TURNS`` they issue S strictly
-        by turns (``turn_bars[w]``: one arrive per S of the other warpgroup), so each S runs alone and the
-        other's exp overlaps it (the ping-pong of FlashAttention-3 / FlashMLA).
+        occupies the tensor cores. They issue S strictly by turns (``turn_bars[w]``: one arrive per S of
+        the other warpgroup), so each S runs alone and the other's exp overlaps it (the ping-pong of
+        FlashAttention-3 / FlashMLA); left alone, both S would interleave on the tensor cores and both
+        warpgroups would then run their exp at once.
         """
         N: gl.constexpr = BLOCK_T // 2 if SPLIT == AD_SPLIT_COLS else BLOCK_T  # columns per warpgroup
         s_l: gl.constexpr = gl.NVMMADistributedLayout(
@@ -496,8 +523,6 @@ if HAVE_GLUON:
         qa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
         H0: gl.constexpr = 64 * WG if SPLIT == AD_SPLIT_HEADS else 0
         C0: gl.constexpr = N * WG if SPLIT == AD_SPLIT_COLS else 0
-        STEP: gl.constexpr = 2 if SPLIT == AD_SPLIT_BLOCKS else 1
-        FIRST: gl.constexpr = WG if SPLIT == AD_SPLIT_BLOCKS else 0
 
         # Query tile loaded straight into the wgmma A layout (a layout conversion would need shared scratch
         # next to the ring). Padding heads are 0; their lse is +inf, so their probabilities are 0.
@@ -518,20 +543,19 @@ if HAVE_GLUON:
         # thread: 64-bit addresses for 16 columns do not fit next to the 144 registers of the query).
         col_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         offs_c = C0 + gl.arange(0, N, layout=col_l)
-        for b in range(FIRST, n_blocks, STEP):
+        for b in range(0, n_blocks, 1):
             offs_t = b * BLOCK_T + offs_c
             t_idx = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)  # in flight during the wait and S
             slot = _ws_wait_full(full_bars, b, NUM_BUF)
-            if TURNS:  # iteration i waits for the other's S of its iteration i - 1 + WG (warpgroup 0 first)
-                mbarrier.wait(turn_bars.index(WG), ((b - FIRST) // STEP + 1 - WG) & 1)
+            # Iteration b waits for the other's S of its iteration b - 1 + WG (warpgroup 0 goes first).
+            mbarrier.wait(turn_bars.index(WG), (b + 1 - WG) & 1)
             s = gl.zeros([64, N], gl.float32, s_l)
             kn = kn_smem.index(slot).slice(C0, N, dim=0).permute((1, 0))
             s = warpgroup_mma(q_nope, kn, s, use_acc=False, is_async=True)
             if D_ROPE > 0:
                 kr = kr_smem.index(slot).slice(C0, N, dim=0).permute((1, 0))
                 s = warpgroup_mma(q_rope, kr, s, is_async=True)
-            if TURNS:
-                mbarrier.arrive(turn_bars.index(1 - WG))  # this S is issued (all 4 warps): the other's turn
+            mbarrier.arrive(turn_bars.index(1 - WG))  # this S is issued (all 4 warps): the other's turn
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(empty_bars.index(slot))  # S is the slot's only reader: refill it now
             col = gl.convert_layout(gl.sum(gl.exp2(s * sm_scale_log2 - lse2[:, None]), axis=0), col_l)
@@ -565,7 +589,6 @@ if HAVE_GLUON:
         BLOCK_T: gl.constexpr,
         NUM_BUF: gl.constexpr,
         SPLIT: gl.constexpr,
-        TURNS: gl.constexpr,
         CAUSAL: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
@@ -583,7 +606,7 @@ if HAVE_GLUON:
         dtype: gl.constexpr = Q.dtype.element_ty
         kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
         kr_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, 64], smem_l)
-        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 1 if SPLIT == AD_SPLIT_BLOCKS else 2)
+        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 2)
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(2):
             mbarrier.init(turn_bars.index(j), count=1)
@@ -602,12 +625,12 @@ if HAVE_GLUON:
                 (_ad_consumer, (
                     WG0, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, Q, LSE, q_base, lse_base, out_row,
                     idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_NOPE, D_ROPE,
-                    BLOCK_T, NUM_BUF, SPLIT, TURNS,
+                    BLOCK_T, NUM_BUF, SPLIT,
                 )),
                 (_ad_consumer, (
                     WG1, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, Q, LSE, q_base, lse_base, out_row,
                     idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_NOPE, D_ROPE,
-                    BLOCK_T, NUM_BUF, SPLIT, TURNS,
+                    BLOCK_T, NUM_BUF, SPLIT,
                 )),
                 (_ws_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, topk, hi, n_blocks,
@@ -619,50 +642,31 @@ if HAVE_GLUON:
         )  # fmt: skip
 
 
-def gluon_enabled() -> bool:
-    """Default backend switch: the Gluon kernels are used where available unless the environment sets
-    ``SPARSE_MLA_ATTN_GLUON=0`` (then the Triton kernels run everywhere)."""
-    return os.environ.get("SPARSE_MLA_ATTN_GLUON", "1") != "0"
+#: Register split of the warp-specialised kernels (``setmaxnreg``): 4 warps x (232 + 232 + 40) of the
+#: 2,048 per-warp register units.
+CONSUMER_REGS = 232
+PRODUCER_REGS = 40
+#: Ring depth of the attn_dist kernel (64-row blocks); the forward's ring has two slots.
+ATTN_DIST_NUM_BUF = 3
 
 
-#: The Gluon forward's fixed tile (recorded by the benchmark): 64 heads x 64-row blocks, a ring of two
-#: slots, warp specialised (one cp.async producer warpgroup, two consumer warpgroups alternating blocks:
-#: ping-pong, NOTES.md sweep 11). The earlier non-specialised Gluon forward (sweeps 7-10, options
-#: G_S_FIRST / G_WG_STATS / G_QROPE_REG) was removed when this one became the default; it is in the git
-#: history up to 202dd67.
-GLUON_FWD = {"G_BLOCK_T": 64, "G_NUM_BUF": 2, "G_WARPS": 12}
-
-#: Register split of the ping-pong kernel (``setmaxnreg``): 4 warps x (232 + 232 + 40) of the 2,048
-#: per-warp register units; offline sm_90 compile: no spills (240/24 spills 8 B in the producer).
-PINGPONG_REGS = {"consumer": 232, "producer": 40}
-
-
-def gluon_attn_dist_config(h_q: int) -> dict[str, int]:
-    """attn_dist on sm_90 (``_attn_dist_ws_kernel``): 64-row blocks in a ring of ``G_NUM_BUF`` 3, a producer
-    warpgroup and two consumer warpgroups (12 warps). ``G_WS`` 2: the consumers issue their products by
-    turns; 1: without turns. Up to 64 heads the consumers split each block's columns (``G_SPLIT64`` 1)
-    or take alternate blocks (2). The earlier non-specialised kernel (``G_WS`` 0) was removed after
-    sweep 14; it is in the git history up to fefdb20."""
-    return {"G_BLOCK_T": 64, "G_NUM_BUF": 3, "G_WS": 2, "G_SPLIT64": 1}
-
-
-def gluon_attn_dist_zero_init(h_q: int) -> bool:
-    """Whether the Gluon attn_dist launch adds into its output (which must then be zeroed): the warp-
-    specialised kernel above 64 heads, where each consumer warpgroup adds its 64 heads' column sums."""
+def attn_dist_adds_partials(h_q: int) -> bool:
+    """Whether the Gluon attn_dist adds into its output (which must then be zeroed): above 64 heads each
+    consumer warpgroup adds its 64 heads' column sums."""
     return h_q > 64
 
 
 def launch_fwd_gluon(
-    q,
-    kv_rows,
-    idx,
-    out,
-    max_logits,
-    lse,
-    sink,
-    topk_length,
-    dims,
-    sm_scale_log2,
+    q: torch.Tensor,
+    kv_rows: torch.Tensor,
+    idx: torch.Tensor,
+    out: torch.Tensor,
+    max_logits: torch.Tensor,
+    lse: torch.Tensor,
+    sink: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    dims: SparseDims,
+    sm_scale_log2: float,
     *,
     has_sink: bool,
     q_start_index: int,
@@ -670,8 +674,7 @@ def launch_fwd_gluon(
     causal: bool,
 ) -> Any:
     """Forward on sm_90: one program per token and 64-head tile, 12 warp-specialised warps (see
-    ``_sparse_mla_fwd_pingpong_kernel``; the tile is fixed, ``GLUON_FWD``); same arguments and outputs
-    as the Triton launch."""
+    ``_sparse_mla_fwd_pingpong_kernel``); same arguments and outputs as the Triton launch."""
     n_head_tiles = triton.cdiv(dims.h_q, 64)
     return _sparse_mla_fwd_pingpong_kernel[(dims.s_q * n_head_tiles,)](
         q, kv_rows, idx, out, max_logits, lse, sink,
@@ -680,37 +683,33 @@ def launch_fwd_gluon(
         dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
         D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
         HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
-        CONSUMER_REGS=PINGPONG_REGS["consumer"], PRODUCER_REGS=PINGPONG_REGS["producer"],
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4,
     )  # fmt: skip
 
 
 def launch_attn_dist_gluon(
-    q,
-    kv_rows,
-    idx,
-    lse,
-    out,
-    dims,
-    sm_scale_log2,
-    lse_to_log2,
+    q: torch.Tensor,
+    kv_rows: torch.Tensor,
+    idx: torch.Tensor,
+    lse: torch.Tensor,
+    out: torch.Tensor,
+    dims: SparseDims,
+    sm_scale_log2: float,
+    lse_to_log2: float,
     *,
     q_start_index: int,
     k_stride: int,
     causal: bool,
-    cfg: dict,
 ) -> Any:
     """attn_dist on sm_90: one program per token holding all heads. ``out`` must be zeroed where
-    :func:`gluon_attn_dist_zero_init` says so."""
-    g = {**gluon_attn_dist_config(dims.h_q), **cfg}
-    if g["G_WS"] not in (1, 2):
-        raise ValueError(f"attn_dist: G_WS must be 1 or 2, got {g['G_WS']!r}")
+    :func:`attn_dist_adds_partials` says so."""
     return _attn_dist_ws_kernel[(dims.s_q,)](
         q, kv_rows, idx, lse, out,
         q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
         dims.h_q, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2,
-        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=g["G_NUM_BUF"],
-        SPLIT=AD_SPLIT_HEADS if dims.h_q > 64 else g["G_SPLIT64"], TURNS=g["G_WS"] == 2, CAUSAL=causal,
-        CONSUMER_REGS=PINGPONG_REGS["consumer"], PRODUCER_REGS=PINGPONG_REGS["producer"],
+        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=ATTN_DIST_NUM_BUF,
+        SPLIT=AD_SPLIT_HEADS if attn_dist_adds_partials(dims.h_q) else AD_SPLIT_COLS, CAUSAL=causal,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4,
     )  # fmt: skip
