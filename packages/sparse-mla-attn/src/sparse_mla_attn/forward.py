@@ -73,11 +73,9 @@ def _prefetch_rows(row, valid, KV, stride_kv_row, D_QK: tl.constexpr):
 
 
 @triton.jit
-def _scores(q_v, q_o, q_rope, k_v, k_o, k_rope, D_ROPE: tl.constexpr, DV_SPLIT: tl.constexpr):
-    """S = q·k^T over the 512 latent channels (in one or two halves) plus the 64 rope channels."""
+def _scores(q_v, q_rope, k_v, k_rope, D_ROPE: tl.constexpr):
+    """S = q·k^T over the 512 latent channels plus the 64 rope channels."""
     s = tl.dot(q_v, tl.trans(k_v))
-    if DV_SPLIT > 1:
-        s = tl.dot(q_o, tl.trans(k_o), s)
     if D_ROPE > 0:
         s = tl.dot(q_rope, tl.trans(k_rope), s)
     return s
@@ -105,10 +103,7 @@ def _fwd_block(
     KV,
     stride_kv_row,
     q_v,
-    q_o,
     q_rope,
-    dv_off,
-    o_off,
     m_i,
     l_i,
     acc,
@@ -116,22 +111,16 @@ def _fwd_block(
     D_NOPE: tl.constexpr,
     D_ROPE: tl.constexpr,
     DOT_F32: tl.constexpr,
-    DV_SPLIT: tl.constexpr,
     S_SPLIT: tl.constexpr,
 ):
     """One BLOCK_T slice of the top-k list: gather, two products, online-softmax update."""
     k_ptr = KV + row[:, None] * stride_kv_row
-    offs_d = tl.arange(0, D_NOPE // DV_SPLIT)
+    offs_d = tl.arange(0, D_NOPE)
     # Masked rows are never dereferenced: invalid indices cost no memory traffic and may point anywhere.
-    # k_v: the latent channels this program accumulates as values (all 512, or one half with DV_SPLIT=2).
-    k_v = tl.load(k_ptr + dv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
+    # k_v: the 512 latent channels, keys of the first product and values of P·V.
+    k_v = tl.load(k_ptr + offs_d[None, :], mask=valid[:, None], other=0.0)
     if DOT_F32:
         k_v = k_v.to(tl.float32)
-    k_o = k_v  # unused unless DV_SPLIT > 1
-    if DV_SPLIT > 1:
-        k_o = tl.load(k_ptr + o_off + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if DOT_F32:
-            k_o = k_o.to(tl.float32)
     k_rope = k_v  # unused unless D_ROPE > 0
     if D_ROPE > 0:
         offs_r = tl.arange(0, D_ROPE)
@@ -152,7 +141,7 @@ def _fwd_block(
                 q_v, q_rope, k_v, k_rope, valid, m_i, l_i, sm_scale_log2, D_ROPE
             )
     else:
-        s = _scores(q_v, q_o, q_rope, k_v, k_o, k_rope, D_ROPE, DV_SPLIT)
+        s = _scores(q_v, q_rope, k_v, k_rope, D_ROPE)
         s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -200,31 +189,22 @@ def _sparse_mla_fwd_kernel(
     SPLIT_K: tl.constexpr,
     STATIC_T: tl.constexpr,
     DOT_F32: tl.constexpr,
-    DV_SPLIT: tl.constexpr,
     S_SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    # Programs of one token (head tiles, value halves) are neighbours in launch order: their gathers hit L2.
-    pid_v = pid % DV_SPLIT
-    pid_h = (pid // DV_SPLIT) % n_head_tiles
-    pid_sk = pid // (DV_SPLIT * n_head_tiles)
+    # Programs of one token (head tiles) are neighbours in launch order: their gathers hit L2.
+    pid_h = pid % n_head_tiles
+    pid_sk = pid // n_head_tiles
     pid_s = pid_sk % n_tok
     # Split-K: program pid_k walks the top-k slots [pid_k * split_len, (pid_k + 1) * split_len).
     pid_k = pid_sk // n_tok
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < h_q
-    D_VP: tl.constexpr = D_NOPE // DV_SPLIT
-    offs_d = tl.arange(0, D_VP)
-    dv_off = pid_v * D_VP
-    o_off = (1 - pid_v) * D_VP
+    offs_d = tl.arange(0, D_NOPE)
 
     q_base = Q + pid_s.to(tl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
-    q_v = tl.load(q_base + dv_off + offs_d[None, :], mask=h_mask[:, None], other=0.0)
-    if DV_SPLIT > 1:
-        q_o = tl.load(q_base + o_off + offs_d[None, :], mask=h_mask[:, None], other=0.0)
-    else:
-        q_o = q_v  # unused
+    q_v = tl.load(q_base + offs_d[None, :], mask=h_mask[:, None], other=0.0)
     if D_ROPE > 0:
         offs_r = tl.arange(0, D_ROPE)
         q_rope = tl.load(q_base + D_NOPE + offs_r[None, :], mask=h_mask[:, None], other=0.0)
@@ -232,7 +212,6 @@ def _sparse_mla_fwd_kernel(
         q_rope = q_v  # unused
     if DOT_F32:
         q_v = q_v.to(tl.float32)
-        q_o = q_o.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
 
     n_t = topk
@@ -249,7 +228,7 @@ def _sparse_mla_fwd_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_VP], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
     idx_row = IDX + pid_s.to(tl.int64) * stride_idx_s
     # The rows of block t+1 are loaded one iteration ahead, so the gather of a block depends only on
     # loop-carried values and the pipeliner can issue it num_stages - 1 iterations early.
@@ -272,10 +251,7 @@ def _sparse_mla_fwd_kernel(
                 KV,
                 stride_kv_row,
                 q_v,
-                q_o,
                 q_rope,
-                dv_off,
-                o_off,
                 m_i,
                 l_i,
                 acc,
@@ -283,7 +259,6 @@ def _sparse_mla_fwd_kernel(
                 D_NOPE,
                 D_ROPE,
                 DOT_F32,
-                DV_SPLIT,
                 S_SPLIT,
             )
     else:
@@ -299,10 +274,7 @@ def _sparse_mla_fwd_kernel(
                 KV,
                 stride_kv_row,
                 q_v,
-                q_o,
                 q_rope,
-                dv_off,
-                o_off,
                 m_i,
                 l_i,
                 acc,
@@ -310,7 +282,6 @@ def _sparse_mla_fwd_kernel(
                 D_NOPE,
                 D_ROPE,
                 DOT_F32,
-                DV_SPLIT,
                 S_SPLIT,
             )
 
@@ -322,22 +293,19 @@ def _sparse_mla_fwd_kernel(
     has_any = l_i > 0.0
     scale = tl.where(has_any, 1.0 / tl.where(has_any, denom, 1.0), 0.0)
     out = acc * scale[:, None]
-    first = h_mask & (pid_v == 0)  # every value half computes the same statistics; one writes them
     lse2 = tl.where(has_any, m_use + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
     if SPLIT_K:
         # Partial results in fp32: out normalised by this split's own sum, base-2 lse and max.
         part = pid_k.to(tl.int64) * n_tok + pid_s
-        o_ptr = OUT + (part * h_q + offs_h[:, None]) * D_NOPE + dv_off + offs_d[None, :]
+        o_ptr = OUT + (part * h_q + offs_h[:, None]) * D_NOPE + offs_d[None, :]
         tl.store(o_ptr, out, mask=h_mask[:, None])
-        tl.store(LSE + part * h_q + offs_h, lse2, mask=first)
-        tl.store(MAX_LOGITS + part * h_q + offs_h, m_i, mask=first)
+        tl.store(LSE + part * h_q + offs_h, lse2, mask=h_mask)
+        tl.store(MAX_LOGITS + part * h_q + offs_h, m_i, mask=h_mask)
     else:
-        o_ptr = (
-            OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + dv_off + offs_d[None, :]
-        )
+        o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
-        tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse2 * 0.6931471805599453, mask=first)
-        tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_i * 0.6931471805599453, mask=first)
+        tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse2 * 0.6931471805599453, mask=h_mask)
+        tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_i * 0.6931471805599453, mask=h_mask)
 
 
 @triton.jit
@@ -495,19 +463,12 @@ def launch_fwd(
         return out, max_logits, lse
     cfg = {**fwd_config(h_q, dims.topk), **(tiles or {})}
     n_head_tiles = triton.cdiv(h_q, cfg["BLOCK_H"])
-    dv_split = cfg.get("DV_SPLIT", 1)
-    if dv_split not in (1, 2):
-        raise ValueError(f"DV_SPLIT must be 1 or 2, got {dv_split}")
     s_split = bool(cfg.get("S_SPLIT", False))
-    if s_split and dv_split != 1:
-        raise ValueError("S_SPLIT needs DV_SPLIT=1")
     block_t = cfg["BLOCK_T"]
-    n_splits = config.num_splits or choose_splits(
-        n_tok * n_head_tiles * dv_split, dims.topk, block_t, q.device
-    )
+    n_splits = config.num_splits or choose_splits(n_tok * n_head_tiles, dims.topk, block_t, q.device)
     split_len = triton.cdiv(triton.cdiv(dims.topk, n_splits), block_t) * block_t
     n_splits = triton.cdiv(dims.topk, split_len)  # no empty split
-    eligible = n_splits == 1 and dv_split == 1 and h_q > 32
+    eligible = n_splits == 1 and h_q > 32
     if use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows):
         # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
         kernel = launch_fwd_gluon(
@@ -535,7 +496,7 @@ def launch_fwd(
         dst = (part_o, part_max, part_lse)
     else:
         dst = (out, max_logits, lse)
-    grid = (n_splits * n_tok * n_head_tiles * dv_split,)
+    grid = (n_splits * n_tok * n_head_tiles,)
     sink = attn_sink if attn_sink is not None else lse
     kernel = _sparse_mla_fwd_kernel[grid](
         q,
@@ -570,7 +531,6 @@ def launch_fwd(
         STATIC_T=split_len if interpreting() else 0,
         # The interpreter's bf16 tl.dot is wrong (numpy has no bf16): it multiplies in float32 instead.
         DOT_F32=interpreting(),
-        DV_SPLIT=dv_split,
         S_SPLIT=s_split,
         PREFETCH=bool(cfg.get("PREFETCH", False)) and not interpreting(),
         num_warps=cfg["num_warps"],
