@@ -197,8 +197,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from eplb_core._greedy import greedy_rebalance
     from eplb_core.placement import gpu_loads_of
+    from eplb_core.reference import greedy_rebalance
 
     weight, hist, source = _load_input(args)
     topo = _topology(args, weight.shape[1])

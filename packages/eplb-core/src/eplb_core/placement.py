@@ -259,7 +259,7 @@ class Placement:
         meta: dict[str, Any] | None = None,
     ) -> Placement:
         """Build a placement (all derived tensors and figures) from ``phy2log`` and the load."""
-        from eplb_core import _kernels
+        from eplb_core._numba.utils import log2phy as _log2phy
         from eplb_core.bounds import lower_bound as _lower_bound
 
         if mode not in MODES:
@@ -268,9 +268,9 @@ class Placement:
         w = weight.to(phy2log.device, torch.float64)
         if logcnt is None:
             logcnt = torch.zeros_like(w, dtype=torch.int64).scatter_add_(1, phy2log, torch.ones_like(phy2log))
-        log2phy = torch.from_numpy(
-            _kernels.log2phy(phy2log.cpu().numpy(), logcnt.to(torch.int64).cpu().numpy())
-        ).to(phy2log.device)
+        log2phy = torch.from_numpy(_log2phy(phy2log.cpu().numpy(), logcnt.to(torch.int64).cpu().numpy())).to(
+            phy2log.device
+        )
         loads = gpu_loads_of(w, phy2log, logcnt, num_gpus)
         if lower_bound is None:
             lower_bound = _lower_bound(w, phy2log.shape[1], num_groups, num_nodes, num_gpus, mode=mode)
