@@ -269,10 +269,7 @@ def bench_timing(
     t = timed_interleaved(fns, repeat=repeat)
     return {
         "configs": {k: v for k, v in t.items() if k.startswith("(")},
-        "scaling": [
-            {"layers": nl, "experts": ne, "config": cfg, **t[key]}
-            for key, nl, ne, cfg in grow
-        ],
+        "scaling": [{"layers": nl, "experts": ne, "config": cfg, **t[key]} for key, nl, ne, cfg in grow],
     }
 
 

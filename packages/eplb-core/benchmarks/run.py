@@ -112,7 +112,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
         ax.set_xticks(x, labels)
         ax.set_xlabel("(replicas, nodes, GPUs)")
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, fontsize=8, frameon=False)
-    fig.suptitle(f"eplb-core: 58 layers x 256 experts, host CPU of the {res['gpu_kind']} machine", fontsize=10)
+    fig.suptitle(
+        f"eplb-core: 58 layers x 256 experts, host CPU of the {res['gpu_kind']} machine", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

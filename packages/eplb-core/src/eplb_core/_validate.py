@@ -21,7 +21,12 @@ def is_int(x: object) -> bool:
 def check_topology(
     num_logical: int, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> None:
-    """Raise ``ValueError`` naming the argument when the topology is inconsistent."""
+    """Raise ``ValueError`` naming the argument when the topology is inconsistent.
+
+    Like DeepSeek's and vLLM's ``rebalance_experts``, a topology with ``num_groups % num_nodes != 0``
+    is planned globally (groups are ignored), so only hierarchical ones need ``num_groups`` to divide
+    the experts.
+    """
     for name, value in (
         ("num_replicas", num_replicas),
         ("num_groups", num_groups),
@@ -37,9 +42,10 @@ def check_topology(
         )
     if num_replicas % num_gpus != 0:
         raise ValueError(f"num_replicas ({num_replicas}) must be a multiple of num_gpus ({num_gpus})")
-    if num_logical % num_groups != 0:
+    if num_groups % num_nodes == 0 and num_logical % num_groups != 0:
         raise ValueError(
-            f"num_groups ({num_groups}) must divide the number of logical experts ({num_logical})"
+            f"num_groups ({num_groups}) must divide the number of logical experts ({num_logical}) "
+            f"for a hierarchical plan (num_groups % num_nodes == 0; otherwise the plan is global)"
         )
     if num_gpus % num_nodes != 0:
         raise ValueError(f"num_gpus ({num_gpus}) must be a multiple of num_nodes ({num_nodes})")

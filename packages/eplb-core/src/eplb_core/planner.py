@@ -118,8 +118,13 @@ def plan(
             max_changed_slots = num_replicas // 4
         if not is_int(max_changed_slots) or max_changed_slots < 0:
             raise ValueError(f"max_changed_slots must be an int >= 0, got {max_changed_slots!r}")
+        if mode == "soft" and _plan_error(prev_np, w_np, num_groups, num_nodes, num_gpus, "strict") is None:
+            # replicas keep their node in a migration: from a strict plan in service the result is strict
+            mode = "strict"
         if mode == "strict":
-            _check_strict_previous(prev_np, w_np, num_groups, num_nodes, num_gpus)
+            error = _plan_error(prev_np, w_np, num_groups, num_nodes, num_gpus, "strict")
+            if error is not None:
+                raise ValueError(f"previous is not a valid strict-hierarchy plan for this topology: {error}")
             home = _solve.home_nodes(prev_np, num_groups, num_nodes, num_logical)
         elif mode == "soft":
             group_load = w_np.reshape(num_layers, num_groups, -1).sum(-1)
@@ -143,32 +148,41 @@ def plan(
     def to_device(a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else torch.from_numpy(a).to(w.device)
 
-    return Placement.from_tensors(
-        torch.from_numpy(phy2log).to(w.device),
-        torch.from_numpy(w_np).to(w.device),
-        num_groups=num_groups,
-        num_nodes=num_nodes,
-        num_gpus=num_gpus,
-        mode=mode,
-        home_node=to_device(home),
-        zero_layers=to_device(zero),
-        previous=to_device(prev_np),
-        meta={"soft_locality": soft_locality, "max_changed_slots": max_changed_slots},
-    )
+    try:
+        placement = Placement.from_tensors(
+            torch.from_numpy(phy2log).to(w.device),
+            torch.from_numpy(w_np).to(w.device),
+            num_groups=num_groups,
+            num_nodes=num_nodes,
+            num_gpus=num_gpus,
+            mode=mode,
+            home_node=to_device(home),
+            zero_layers=to_device(zero),
+            previous=to_device(prev_np),
+            meta={"soft_locality": soft_locality, "max_changed_slots": max_changed_slots},
+        )
+    except ValueError as exc:
+        if prev_np is None:
+            raise  # not reached: every fresh plan is valid by construction
+        raise ValueError(
+            f"no valid {mode} plan within max_changed_slots={max_changed_slots} of previous: {exc}"
+        ) from exc
+    return placement
 
 
-def _check_strict_previous(
-    previous: np.ndarray, weight: np.ndarray, num_groups: int, num_nodes: int, num_gpus: int
-) -> None:
-    """``previous`` must itself be a valid strict plan: migration keeps every replica on its node."""
+def _plan_error(
+    phy2log: np.ndarray, weight: np.ndarray, num_groups: int, num_nodes: int, num_gpus: int, mode: str
+) -> str | None:
+    """Why ``phy2log`` is not a valid plan of ``mode`` for this topology, or None when it is."""
     try:
         Placement.from_tensors(
-            torch.from_numpy(previous),
+            torch.from_numpy(phy2log),
             torch.from_numpy(weight),
             num_groups=num_groups,
             num_nodes=num_nodes,
             num_gpus=num_gpus,
-            mode="strict",
-        ).validate()
+            mode=mode,
+        )
     except ValueError as exc:
-        raise ValueError(f"previous is not a valid strict-hierarchy plan for this topology: {exc}") from exc
+        return str(exc)
+    return None

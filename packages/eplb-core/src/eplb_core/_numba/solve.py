@@ -21,6 +21,34 @@ from eplb_core._numba.utils import _INF, MAX_RESPLIT_SLOTS, RR_MAX_SLOTS, njit
 
 
 @njit
+def _write_layer(
+    load: np.ndarray,
+    expert: np.ndarray,
+    fixed: np.ndarray,
+    first: int,
+    num_rows: int,
+    slots: int,
+    no_budget: np.ndarray,
+    ids: np.ndarray,
+    cnt: np.ndarray,
+    phy_row: np.ndarray,
+    cnt_row: np.ndarray,
+) -> None:
+    """Write the chosen start of a layer: repair rows ``first .. first + num_rows`` (no avoidable
+    repeat of an expert on a GPU), write them sorted into ``phy_row``, and the replica counts
+    ``cnt [nodes, per_node]`` of the experts ``ids`` into ``cnt_row``."""
+    num_bins = load.shape[1]
+    for r in range(first, first + num_rows):
+        _repair_row(
+            load[r].reshape(-1), expert[r].reshape(-1), fixed[r].reshape(-1), num_bins, slots, no_budget, -1
+        )
+    _write_sorted(expert, first, num_rows, phy_row)
+    for n in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            cnt_row[ids[n, j]] = cnt[n, j]
+
+
+@njit
 def solve_layers(
     weight: np.ndarray,
     group_load: np.ndarray,
@@ -157,20 +185,19 @@ def solve_layers(
             if pk < best:
                 best = pk
                 pick = c
-        for r in range(pick * num_nodes, (pick + 1) * num_nodes):
-            _repair_row(
-                load[r].reshape(-1),
-                expert[r].reshape(-1),
-                fixed[r].reshape(-1),
-                num_bins,
-                slots,
-                no_budget,
-                -1,
-            )
-        _write_sorted(expert, pick * num_nodes, num_nodes, phy2log[layer])
-        for n in range(num_nodes):
-            for j in range(per_node):
-                logcnt[layer, ids[0, n, j]] = cnt[0, n, j]
+        _write_layer(
+            load,
+            expert,
+            fixed,
+            pick * num_nodes,
+            num_nodes,
+            slots,
+            no_budget,
+            ids[0],
+            cnt[0],
+            phy2log[layer],
+            logcnt[layer],
+        )
         if same:
             continue
         any_fixed = np.bool_(False)
@@ -198,20 +225,19 @@ def solve_layers(
                 expert_g,
                 no_budget,
             )
-            for r in range(num_nodes):
-                _repair_row(
-                    load_g[r].reshape(-1),
-                    expert_g[r].reshape(-1),
-                    fixed_g[r].reshape(-1),
-                    num_bins,
-                    slots,
-                    no_budget,
-                    -1,
-                )
-            _write_sorted(expert_g, np.int64(0), num_nodes, phy2log[layer])
-            for n in range(num_nodes):
-                for j in range(per_node):
-                    logcnt[layer, ids[1, n, j]] = cnt[1, n, j]
+            _write_layer(
+                load_g,
+                expert_g,
+                fixed_g,
+                np.int64(0),
+                num_nodes,
+                slots,
+                no_budget,
+                ids[1],
+                cnt[1],
+                phy2log[layer],
+                logcnt[layer],
+            )
     return phy2log, logcnt
 
 

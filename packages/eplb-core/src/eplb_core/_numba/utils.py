@@ -8,6 +8,7 @@ plans.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,7 @@ def _package_cache_class() -> Any:
         return None
     digest = _sources_digest()
 
-    def stamped(locator: type) -> type:
+    def stamped(locator: Any) -> type:
         def get_source_stamp(self: Any) -> Any:
             return (locator.get_source_stamp(self), digest)
 
@@ -106,9 +107,36 @@ def _package_cache_class() -> Any:
 _PACKAGE_CACHE = _package_cache_class()
 
 
+class _CompileNotice(numba.core.event.Listener):  # type: ignore[misc]
+    """Says once per process, on standard error, that the planner is being compiled: only the first
+    use in a fresh environment compiles (tens of seconds), later processes load the disk cache."""
+
+    announced = False
+
+    def on_start(self, event: Any) -> None:
+        if self.announced:
+            return
+        dispatcher = event.data.get("dispatcher")
+        module = getattr(getattr(dispatcher, "py_func", None), "__module__", "")
+        if module.startswith(__name__.rsplit(".", 1)[0]):
+            type(self).announced = True
+            print(
+                "eplb-core: compiling the planner for this environment (once; about a minute on 2 cores, "
+                "then cached on disk; `python -m eplb_core.warmup` does it ahead of time)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def on_end(self, event: Any) -> None:
+        pass
+
+
+numba.core.event.register("numba:compile", _CompileNotice())
+
+
 def njit(fn: Callable[..., Any]) -> Any:
     """``numba.njit(cache=True, nogil=True)`` with the cache stamped by every module of the planner."""
-    dispatcher = numba.njit(cache=True, nogil=True)(fn)
+    dispatcher: Any = numba.njit(cache=True, nogil=True)(fn)
     if _PACKAGE_CACHE is not None:
         dispatcher._cache = _PACKAGE_CACHE(dispatcher.py_func)
     return dispatcher
