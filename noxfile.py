@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import nox
@@ -30,6 +32,10 @@ PACKAGES = {
     "ep-a2a": "ep_a2a",
 }
 CPU_MARKERS = "not gpu and not multigpu"
+# Extras a package's own tests exercise (eplb-core's CLI tests need its `cli` extra).
+TEST_EXTRAS = {"eplb-core": ["cli"]}
+# What an unlocked session prints as the versions it resolved.
+UNLOCKED_REPORT = ("torch", "triton", "numpy")
 # Multi-GPU machines of this project must keep NVLink multicast off (see CONTRIBUTING in docs/).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -73,11 +79,8 @@ def _pytest_selected(session: nox.Session, dist: str, marker: str, *extra: str) 
         session.log(f"{dist}: no test is marked for this session ({marker!r})")
 
 
-@nox.session
-@nox.parametrize("package", list(PACKAGES))
-def tests(session: nox.Session, package: str) -> None:
-    """CPU tests of one package: Triton kernels under TRITON_INTERPRET=1, distributed code on gloo."""
-    _sync(session, "--package", package, "--group", "test")
+def _cpu_tests(session: nox.Session, package: str) -> None:
+    """A package's CPU tests, then its documentation examples, in the session's environment."""
     session.env["TRITON_INTERPRET"] = "1"
     # Property tests draw the same examples on every run of this session (a landing must not hinge on a
     # lucky draw); HYPOTHESIS_SEED picks another set, and plain pytest runs draw fresh ones.
@@ -95,6 +98,79 @@ def tests(session: nox.Session, package: str) -> None:
         f"--hypothesis-seed={seed}",
         *session.posargs,
     )
+    _examples(session, package, CPU_MARKERS)
+
+
+def _examples(session: nox.Session, package: str, marker: str, *, allow_none: bool = False) -> None:
+    """Execute every ```python block of the package's README and docs pages (tests/test_examples.py)."""
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/test_examples.py",
+        "-m",
+        marker,
+        "-p",
+        "no:cacheprovider",
+        env={"EXAMPLES_PACKAGE": package},
+        # Every package has CPU examples (its quick start); GPU-only blocks are optional.
+        success_codes=[0, 5] if allow_none else [0],
+    )
+
+
+@nox.session
+@nox.parametrize("package", list(PACKAGES))
+def tests(session: nox.Session, package: str) -> None:
+    """CPU tests of one package: Triton kernels under TRITON_INTERPRET=1, distributed code on gloo."""
+    extras = [arg for extra in TEST_EXTRAS.get(package, []) for arg in ("--extra", extra)]
+    _sync(session, "--package", package, "--group", "test", *extras)
+    _cpu_tests(session, package)
+
+
+def _install_unlocked(session: nox.Session, package: str, resolution: str) -> None:
+    """Install one package and the test group without the lockfile, resolved as a user's installer would."""
+    pyproject = nox.project.load_toml("pyproject.toml")
+    extras = ",".join(TEST_EXTRAS.get(package, []))
+    target = f"./packages/{package}" + (f"[{extras}]" if extras else "")
+    # --no-config: the workspace's pins for the lockfile ([tool.uv] constraint-dependencies) must not apply.
+    session.install(
+        "--no-config", f"--resolution={resolution}", target, *nox.project.dependency_groups(pyproject, "test")
+    )
+    report = "import importlib.metadata as m, sys; print(sys.version.split()[0], *(f'{d} {m.version(d)}' for d in DISTS))"
+    session.run("python", "-c", f"DISTS = {UNLOCKED_REPORT!r}; {report}")
+
+
+@nox.session
+@nox.parametrize("package", list(PACKAGES))
+def tests_newest(session: nox.Session, package: str) -> None:
+    """The `tests` session without the lockfile, at the newest versions the registry serves."""
+    _install_unlocked(session, package, "highest")
+    _cpu_tests(session, package)
+
+
+@nox.session
+@nox.parametrize("package", list(PACKAGES))
+def tests_lowest(session: nox.Session, package: str) -> None:
+    """The `tests` session at the lowest versions each package declares (`--resolution lowest-direct`)."""
+    _install_unlocked(session, package, "lowest-direct")
+    _cpu_tests(session, package)
+
+
+def _check_package_metadata(session: nox.Session) -> None:
+    """Every package ships the root LICENSE unchanged and points its URLs at the one repository and site."""
+    urls = nox.project.load_toml("pyproject.toml")["tool"]["moe-kernels"]
+    license_text = (ROOT / "LICENSE").read_text()
+    for dist in PACKAGES:
+        folder = ROOT / "packages" / dist
+        if (folder / "LICENSE").read_text() != license_text:
+            session.error(f"packages/{dist}/LICENSE differs from the root LICENSE")
+        project = nox.project.load_toml(folder / "pyproject.toml")["project"]
+        for name, url in project["urls"].items():
+            base = urls["documentation"] if name == "Documentation" else urls["repository"]
+            if not url.startswith(base):
+                session.error(
+                    f"packages/{dist}/pyproject.toml: [project.urls] {name} = {url!r} is not under {base}"
+                )
 
 
 @nox.session
@@ -105,6 +181,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
     for dist in PACKAGES:
         session.run("mypy", f"packages/{dist}/src")
+    _check_package_metadata(session)
     workflows = sorted(str(p) for p in (ROOT / ".github" / "workflows").glob("*.yml"))
     session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
 
@@ -118,31 +195,38 @@ def docs(session: nox.Session) -> None:
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", str(out))
 
 
+def _check_artifacts(session: nox.Session, dist: str, wheel: Path, sdist: Path) -> None:
+    """The LICENSE file ships in the wheel and the sdist, and the wheel's metadata names the project URLs."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    if not any(n.endswith(".dist-info/licenses/LICENSE") for n in names):
+        session.error(f"{wheel.name}: no LICENSE file in the wheel")
+    urls = {
+        ln.split(":", 1)[1].split(",")[0].strip()
+        for ln in metadata.splitlines()
+        if ln.startswith("Project-URL:")
+    }
+    missing = {"Homepage", "Documentation", "Source", "Issues", "Changelog"} - urls
+    if missing:
+        session.error(f"{wheel.name}: no Project-URL for {sorted(missing)}")
+    with tarfile.open(sdist) as tf:
+        if not any(
+            n.endswith(f"{dist.replace('-', '_')}-{wheel.name.split('-')[1]}/LICENSE") for n in tf.getnames()
+        ):
+            session.error(f"{sdist.name}: no LICENSE file in the sdist")
+
+
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build each package's wheel and sdist, install the wheel alone in a fresh venv and run its demo."""
+    """Build each package's wheel and sdist, check them, and run each wheel's demo installed alone.
+
+    Each wheel goes into a fresh venv with nothing else, resolved without the lockfile (the newest
+    dependencies, as a user's `pip install` gets them), and its demo runs on the CPU from an empty folder.
+    """
+    session.install("twine>=6.1")
     dist_dir = ROOT / ".nox" / "_dist"
     shutil.rmtree(dist_dir, ignore_errors=True)
-    # Pin third-party versions to the lockfile's so the fresh venvs reuse uv's cache.
-    constraints = dist_dir / "constraints.txt"
-    dist_dir.mkdir(parents=True)
-    session.run(
-        "uv",
-        "export",
-        "--all-packages",
-        "--no-hashes",
-        "--no-emit-workspace",
-        "--no-default-groups",
-        "--all-extras",
-        "--frozen",
-        "-o",
-        str(constraints),
-        "--quiet",
-        external=True,
-    )
-    # flash-attn is an optional benchmark extra that is never built here.
-    lines = [ln for ln in constraints.read_text().splitlines() if not ln.startswith("flash-attn")]
-    constraints.write_text("\n".join(lines) + "\n")
     for dist, module in PACKAGES.items():
         out = dist_dir / dist
         session.run("uv", "build", "--package", dist, "--out-dir", str(out), external=True)
@@ -150,27 +234,21 @@ def build(session: nox.Session) -> None:
         sdists = sorted(out.glob("*.tar.gz"))
         if len(wheels) != 1 or len(sdists) != 1:
             session.error(f"{dist}: expected one wheel and one sdist in {out}, found {wheels + sdists}")
+        session.run("twine", "check", "--strict", str(wheels[0]), str(sdists[0]))
+        _check_artifacts(session, dist, wheels[0], sdists[0])
         venv = out / "venv"
         session.run("uv", "venv", "--quiet", "--python", sys.executable, str(venv), external=True)
         py = str(venv / "bin" / "python")
+        # --no-config: resolved as a user's installer would, without the workspace's pins for the lockfile.
         session.run(
-            "uv",
-            "pip",
-            "install",
-            "--quiet",
-            "--python",
-            py,
-            "--constraint",
-            str(constraints),
-            str(wheels[0]),
-            external=True,
+            "uv", "pip", "install", "--no-config", "--quiet", "--python", py, str(wheels[0]), external=True
         )
         # Run from an empty folder so that the installed wheel, not the source tree, is imported.
         with session.chdir(out):
             session.run(
                 py, "-c", f"import {module}; print({module}.__name__, {module}.__version__)", external=True
             )
-            session.run(py, "-m", f"{module}.demo", external=True)
+            session.run(py, "-m", f"{module}.demo", external=True, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session
@@ -188,6 +266,7 @@ def gpu(session: nox.Session, package: str) -> None:
     """`gpu`-marked tests on this machine's own (CUDA) torch/triton; installs nothing."""
     _current_python_env(session)
     _pytest_selected(session, package, "gpu")
+    _examples(session, package, "gpu", allow_none=True)
 
 
 @nox.session(venv_backend="none")
@@ -224,8 +303,6 @@ def multigpu(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 @nox.parametrize("package", list(PACKAGES))
 def bench(session: nox.Session, package: str) -> None:
-    """A package's benchmark on this machine's GPU: prints a table, writes docs/benchmarks/<package>.json/.md."""
+    """A package's published benchmark on this machine's GPU: writes docs/benchmarks/<package>/<gpu>.json."""
     _current_python_env(session)
-    session.run(
-        "python", f"packages/{package}/benchmarks/run.py", "--out-dir", "docs/benchmarks", *session.posargs
-    )
+    session.run("python", f"packages/{package}/benchmarks/run.py", *session.posargs)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import tomllib
 
 project = "MoE kernels"
 author = "moe-kernels contributors"
@@ -15,7 +18,9 @@ extensions = [
     "sphinx.ext.viewcode",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
-exclude_patterns = ["_build", "benchmarks/*.md"]
+# The site is exactly the pages in the navigation: results files and their figures under benchmarks/
+# are data, never pages.
+exclude_patterns = ["_build", "benchmarks/**"]
 myst_enable_extensions = ["colon_fence", "deflist", "dollarmath", "tasklist"]
 myst_heading_anchors = 3
 
@@ -29,6 +34,18 @@ napoleon_numpy_docstring = False
 # Importing the packages must not need a GPU, and Triton must not try to compile anything.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The repository's and this site's addresses, kept once in the workspace's pyproject.toml.
+with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+    _urls = tomllib.load(f)["tool"]["moe-kernels"]
+REPO_URL = _urls["repository"]
+DOCS_URL = _urls["documentation"]
+
 html_theme = "furo"
+html_baseurl = DOCS_URL + "/"
+html_theme_options = {
+    "source_repository": REPO_URL,
+    "source_branch": "main",
+    "source_directory": "docs/",
+}
 html_title = "MoE kernels"
 html_static_path: list[str] = []
