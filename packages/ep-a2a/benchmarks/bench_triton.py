@@ -31,7 +31,6 @@ slowest rank.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -41,8 +40,8 @@ import run_record
 import torch
 import torch.distributed as dist
 
+from ep_a2a import BackendOptions, TritonTuning
 from ep_a2a.config import EPConfig
-from ep_a2a.triton_backend.backend import DEFAULT_OVERLAP_BYTES
 
 SHAPES = {
     "deepseek-v3": {"hidden": 7168, "experts": 256, "topk": 8},
@@ -62,6 +61,17 @@ def routing(
     ids = scores.topk(topk, dim=1).indices.to(torch.int32)
     w = torch.softmax(torch.rand(n, topk, generator=gen, device=device), dim=1)
     return ids, w
+
+
+def triton_backend(cfg: EPConfig, group, *, use_aot: bool = False, timeout_s: float = 60.0, **tuning):
+    """The Triton backend of ``cfg`` with ``TritonTuning(**tuning)`` (``None`` fields left at defaults)."""
+    from ep_a2a.backends.triton import TritonBackend
+
+    tuning = {k: v for k, v in tuning.items() if v is not None}
+    options = BackendOptions(
+        tuning=TritonTuning(**tuning), enable_local_combine=True, use_aot=use_aot, timeout_s=timeout_s
+    )
+    return TritonBackend(cfg, group, options)
 
 
 def shape_inputs(
@@ -277,8 +287,6 @@ def run_case(
     tokens=None,
     extra=True,
 ):
-    from ep_a2a.triton_backend import TritonBackend
-
     shp = SHAPES[shape_name]
     hidden, experts, topk = shp["hidden"], shp["experts"], shp["topk"]
     n = tokens or args.tokens
@@ -302,9 +310,7 @@ def run_case(
     }
     res = case["results"]
     for num_sm in num_sm_list:
-        be = TritonBackend(
-            cfg, group, num_sm=num_sm, enable_local_combine=True, use_aot=False, timeout_s=60.0, heap=heap
-        )
+        be = triton_backend(cfg, group, num_sm=num_sm, use_aot=False, timeout_s=60.0, heap=heap)
         timer = Timer(lambda be=be: be.engine.launch_barrier())
         holder = {}
 
@@ -445,7 +451,7 @@ def run_case(
                 )
             # the exact-shape mode without the host wait before the row kernel (worst-case buffers),
             # which the default keeps for layers whose worst case is at most 256 MiB
-            if world * n * topk * hidden * 2 > DEFAULT_OVERLAP_BYTES:
+            if world * n * topk * hidden * 2 > TritonTuning().overlap_bytes:
                 res[f"ours-overlap-sm{num_sm_list[-1]}"] = exact_variant_case(
                     args, cfg, group, x, ids, w, num_sm_list[-1], overlap_bytes=1 << 62
                 )
@@ -490,13 +496,10 @@ def split_case(
 ) -> dict:
     """Graph-mode (and eager) times of one configuration of the CTA split / copy-engine dispatch /
     work stealing, checked to give exactly the default configuration's rows and sums (``ref``)."""
-    from ep_a2a.triton_backend import TritonBackend
-
-    be = TritonBackend(
+    be = triton_backend(
         cfg,
         group,
         num_sm=num_sm,
-        enable_local_combine=True,
         use_aot=False,
         timeout_s=30.0,
         send_ctas=send_ctas,
@@ -541,15 +544,13 @@ def varying_case(args, shape_name, route, n, rank, world, group, dev, num_sm) ->
     do: ``VARYING_INPUTS`` inputs of ``n / 4`` to ``n`` tokens (drawn per rank, seeded), cycled in lockstep
     on every rank; with and without ``speculative_rows``. Median per call (slowest rank), also after the
     device-side lead; the speculative flow's overflows (second writing passes) summed over ranks."""
-    from ep_a2a.triton_backend import TritonBackend
-
     cfg, x, ids, w = shape_inputs(shape_name, n, rank, world, dev, route=route)
     gen = torch.Generator().manual_seed(4321 + rank)
     sizes = torch.randint(n // 4, n + 1, (VARYING_INPUTS,), generator=gen).tolist()
     out: dict = {"token_counts_this_rank": sizes, "low": n // 4, "high": n}
     for spec in (True, False):
-        be = TritonBackend(
-            cfg, group, num_sm=num_sm, enable_local_combine=True, use_aot=False, timeout_s=60.0,
+        be = triton_backend(
+            cfg, group, num_sm=num_sm, use_aot=False, timeout_s=60.0,
             speculative_rows=spec,
         )  # fmt: skip
         timer = Timer(lambda be=be: be.engine.launch_barrier())
@@ -581,11 +582,7 @@ def exact_variant_case(args, cfg, group, x, ids, w, num_sm, **backend_kw) -> dic
     """The exact-shape calls of a backend built with ``backend_kw`` (an experiment beside the default):
     dispatch timed as the default's row is, and also after the device-side lead (the host ahead of the
     GPU, as in a pipeline), then combine."""
-    from ep_a2a.triton_backend import TritonBackend
-
-    be = TritonBackend(
-        cfg, group, num_sm=num_sm, enable_local_combine=True, use_aot=False, timeout_s=30.0, **backend_kw
-    )
+    be = triton_backend(cfg, group, num_sm=num_sm, use_aot=False, timeout_s=30.0, **backend_kw)
     timer = Timer(lambda: be.engine.launch_barrier())
     holder = {}
 
@@ -645,61 +642,11 @@ def layer_case(args, cfg, group, x, ids, w, num_sm) -> dict:
     return out
 
 
-def host_profile(args, rank, world, group, dev) -> list:
-    """Where the host time of an exact-shape dispatch goes: median microseconds between the steps the
-    backend marks (``TritonBackend.trace``), slowest rank, over ``--iters`` calls per case."""
-    from ep_a2a.triton_backend import TritonBackend
-
-    rows = []
-    cases = [("deepseek-v3", 128, True), ("qwen3-30b-a3b", 128, True), ("deepseek-v3", args.tokens, True)]
-    cases.append(("deepseek-v3", args.tokens, False))  # (the flow that waits before the row kernel)
-    for shape_name, n, spec in cases:
-        cfg, x, ids, w = shape_inputs(shape_name, n, rank, world, dev)
-        be = TritonBackend(
-            cfg, group, num_sm=args.num_sm[-1], enable_local_combine=True, use_aot=False, timeout_s=60.0,
-            speculative_rows=spec,
-        )  # fmt: skip
-        d = be.dispatch(x, ids, w, None)
-        be.combine(d[0], d[2])
-        deltas: dict[str, list[float]] = {}
-        for _ in range(args.iters):
-            be.engine.launch_barrier()
-            torch.cuda.synchronize()
-            be.trace = []
-            d = be.dispatch(x, ids, w, None)
-            trace, be.trace = be.trace, None
-            for (_, t0), (name, t1) in itertools.pairwise(trace):
-                deltas.setdefault(name, []).append((t1 - t0) * 1e6)
-            deltas.setdefault("total", []).append((trace[-1][1] - trace[0][1]) * 1e6)
-            be.combine(d[0], d[2])
-            torch.cuda.synchronize()
-        names = list(deltas)
-        med = torch.tensor([statistics.median(deltas[k]) for k in names], device=dev)
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        row = {
-            "shape": shape_name,
-            "tokens": n,
-            "overlap_exact": be.overlap_exact,
-            "speculative_rows": be.speculative_rows,
-            "median_us_since_previous_step": dict(zip(names, med.tolist(), strict=True)),
-        }
-        be.check_errors()
-        be.finalize()
-        rows.append(row)
-        if rank == 0:
-            print(json.dumps(row), flush=True)
-    return rows
-
-
 def first_call(args, rank, world, group, dev) -> dict:
     """First dispatch+combine latency of a fresh backend, with and without use_aot (fresh Triton cache)."""
-    from ep_a2a.triton_backend import TritonBackend
-
     cfg, x, ids, w = shape_inputs("deepseek-v3", 128, rank, world, dev, seed=5)
     t0 = time.perf_counter()
-    be = TritonBackend(
-        cfg, group, num_sm=args.num_sm[-1], enable_local_combine=True, use_aot=args.use_aot, timeout_s=120.0
-    )
+    be = triton_backend(cfg, group, num_sm=args.num_sm[-1], use_aot=args.use_aot, timeout_s=120.0)
     torch.cuda.synchronize()
     t_construct = time.perf_counter() - t0
     dist.barrier()
@@ -743,8 +690,6 @@ def breakdown(args, be, x, ids, w) -> dict:
 
 def sweep(args, rank, world, group, dev) -> list:
     """Tile/chunk/warp variants at one shape, graph-mode times plus a per-kernel breakdown."""
-    from ep_a2a.triton_backend import TritonBackend
-
     rows = []
     for tokens in (args.tokens, 128):
         cfg, x, ids, w = shape_inputs("deepseek-v3", tokens, rank, world, dev, seed=77)
@@ -764,11 +709,10 @@ def sweep(args, rank, world, group, dev) -> list:
                 (1, 1024, 4, 132, None, None),
             ]
         for chunk, bh, nw, nsm, send, comb in variants:
-            be = TritonBackend(
+            be = triton_backend(
                 cfg,
                 group,
                 num_sm=nsm,
-                enable_local_combine=True,
                 use_aot=False,
                 timeout_s=60.0,
                 chunk=chunk,
@@ -822,9 +766,6 @@ def main() -> None:
     p.add_argument("--first-call", action="store_true", help="only measure first-call latency")
     p.add_argument("--use-aot", action="store_true")
     p.add_argument("--sweep", action="store_true", help="tile/chunk/warp variants and a per-kernel breakdown")
-    p.add_argument(
-        "--host-profile", action="store_true", help="host time per step of the exact-shape dispatch"
-    )
     p.add_argument("--heaps", nargs="+", default=["torch", "nvshmem"])
     p.add_argument(
         "--no-split",
@@ -842,8 +783,6 @@ def main() -> None:
             out["topology"] = f.read()
     if args.first_call:
         out["first_call"] = first_call(args, rank, world, group, dev)
-    elif args.host_profile:
-        out["host_profile"] = host_profile(args, rank, world, group, dev)
     elif args.sweep:
         out["sweep"] = sweep(args, rank, world, group, dev)
     else:

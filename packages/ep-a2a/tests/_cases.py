@@ -1,4 +1,4 @@
-"""Per-rank bodies of the distributed tests (run inside processes started by ``ep_a2a.launch``).
+"""Per-rank bodies of the distributed tests (run inside processes started by ``ep_a2a.testing``).
 
 Every rank draws *all* ranks' inputs from the same seed, so each rank can compute the single-process
 reference for the whole group and check its own share of the results.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 # The benchmark scripts import one another by name (run as scripts, their folder is on sys.path); the
-# tests of their helpers import them the same way. Processes started by ep_a2a.launch inherit the path.
+# tests of their helpers import them the same way. Processes started by ep_a2a.testing inherit the path.
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 if BENCHMARKS not in sys.path:
     sys.path.insert(0, BENCHMARKS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ep_a2a.launch import run_local
+from ep_a2a.testing import run_local
 
 
 def check_baselines(rank: int, world: int) -> int:

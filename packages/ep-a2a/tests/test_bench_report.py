@@ -1,4 +1,4 @@
-"""The benchmark driver renders every bench's raw JSON (torch backend's committed run, Triton-style cases)."""
+"""The benchmark driver's results rows and the committed results files; the benches' byte counts."""
 
 from __future__ import annotations
 
@@ -8,77 +8,46 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_render_committed_and_triton_style_results() -> None:
+def test_results_rows_and_committed_file() -> None:
+    """``run.rows_of`` turns a bench's raw cases into one row per (case, method) with % of the copy
+    engine; the committed results files follow the shared schema and hold the figure's case."""
     import run  # benchmarks/run.py (conftest puts the folder on sys.path)
 
-    torch_raw = json.loads((ROOT / "docs" / "benchmarks" / "ep-a2a-torch.json").read_text())
-    triton_raw = {
-        "device": "GPU",
+    raw = {
         "world_size": 2,
+        "date": "2026-11-26T07:07:28+00:00",
+        "commit": "0" * 40,
         "cases": [
             {
-                "shape": "deepseek-v3",
-                "routing": "uniform",
-                "tokens": 128,
-                "hidden": 7168,
-                "experts": 256,
-                "topk": 8,
-                "heap": "torch",
-                "nvlink_bytes": 10**6,
+                "shape": "deepseek-v3", "routing": "uniform", "tokens": 4096, "hidden": 7168, "experts": 256,
+                "topk": 8, "nvlink_bytes": 10**6,
                 "results": {
                     "ce": {"copy_ms": 0.01},
+                    "ours-graph-sm32": {"dispatch_ms": 0.02, "combine_ms": 0.04, "dispatch_ms_no_lead": 0.05},
                     "hbm-write": {"write_ms": 0.004, "rows": 1000, "bytes": 14336000},
-                    "ours-sm32": {"dispatch_ms": 0.02, "combine_ms": 0.03, "round_trip_ms": 0.05},
-                    "ours-graph-sm32": {
-                        "dispatch_ms": 0.02,
-                        "combine_ms": 0.03,
-                        "dispatch_ms_no_lead": 0.04,
-                        "combine_ms_no_lead": 0.05,
-                    },
-                    "ours-static-eager-sm32": {
-                        "dispatch_ms": 0.04,
-                        "combine_ms": 0.05,
-                        "dispatch_ms_lead": 0.025,
-                    },
-                },
-                "varying": {
-                    "low": 32,
-                    "high": 128,
-                    "speculative": {
-                        "dispatch_ms": 0.3,
-                        "dispatch_ms_lead": 0.2,
-                        "overflows": 1,
-                        "speculative_calls": 40,
-                    },
-                    "no_speculation": {"dispatch_ms": 0.4, "dispatch_ms_lead": 0.35},
                 },
             }
         ],
-        "first_call": {"use_aot": True, "first_dispatch_combine_s": 0.1},
-    }
-    md = run.render({"benches": {"torch": torch_raw, "triton": triton_raw}})
-    assert "## torch" in md
-    assert "## triton" in md
-    assert "| ours-graph-sm32 | 0.020 | 50 | 50 | 0.030 | 33 | 33 | - | - |" in md
-    # the graph-vs-eager comparison: each timing also shown the other way around the device-side lead
-    assert "| ours-graph-sm32 (without the lead) | 0.040 | 25 | 25 | 0.050 | 20 | 20 | - | - |" in md
-    assert "| ours-static-eager-sm32 (after the lead) | 0.025 | 40 | 40 | - | - | - | - | - |" in md
-    # batch sizes that change every call: one sentence under the table
-    assert (
-        "over batch sizes that change every call (32 to 128 tokens per rank, drawn per rank, median per "
-        "call): with speculative rows 0.300 ms (0.200 after the lead, 1 of 40 calls outgrew their "
-        "outputs); without 0.400 ms (0.350 after the lead)." in md
+    }  # fmt: skip
+    rows = run.rows_of(raw, "triton")
+    assert [r["method"] for r in rows] == ["ce", "ours-graph-sm32"]
+    graph = rows[1]
+    assert (graph["gpus"], graph["heap"], graph["dispatch_pct_ce"], graph["combine_pct_ce"]) == (
+        2,
+        "torch",
+        50,
+        25,
     )
-    # the HBM write floor: the busiest rank's expert rows written once (14.336 MB in 4 us)
-    assert (
-        "| hbm-write (the busiest rank's 1000 expert rows, 14 MB, written once) | 0.004 | 3584 (written) |"
-        in md
-    )
-    # every committed case appears with its baselines
-    for case in torch_raw["cases"]:
-        assert f"{case['tokens']} tokens/rank" in md
-    for name in ("ce (bytes only)", "nccl-a2a (bytes only)", "| torch |", "| nccl-dest |", "| nccl-expert |"):
-        assert name in md
+    assert run.gpu_kind("NVIDIA H200") == "h200"
+    assert run.gpu_kind("NVIDIA H100 80GB HBM3") == "h100"
+    for kind in ("h200", "h100"):
+        record = json.loads((ROOT / "docs" / "benchmarks" / "ep-a2a" / f"{kind}.json").read_text())
+        assert {"package", "device", "gpu_kind", "date", "commit", "command", "torch", "triton"} <= set(
+            record
+        )
+        assert record["gpu_kind"] == kind
+        figure = [r for r in record["results"] if all(r[k] == v for k, v in run.FIGURE_CASE.items())]
+        assert {"ours-graph-sm132", "ce"} <= {r["method"] for r in figure}
 
 
 def test_busiest_rank_bytes() -> None:
@@ -118,25 +87,6 @@ def test_busiest_rank_bytes_properties() -> None:
             assert tokens == max(sent)
 
     check()
-
-
-def test_profile_small_variants() -> None:
-    """``profile_small.py --variants``: the colon form and name=value pairs map to TritonBackend
-    arguments; an unknown name is refused with the accepted ones."""
-    import profile_small
-    import pytest
-
-    kw = profile_small.variant_kwargs
-    assert kw("default") == {}
-    assert kw("8:16:1024") == {"chunk": 8, "num_warps": 16, "block_h": 1024}
-    assert kw("32:16:512:8:16") == {
-        "chunk": 32, "num_warps": 16, "block_h": 512, "combine_chunk": 8, "combine_warps": 16,
-        "combine_block_h": 512,
-    }  # fmt: skip
-    assert kw("32:16:512:8:16:256:128")["combine_maxnreg"] == 128
-    assert kw("send_ctas=55,combine_send_ctas=88") == {"send_ctas": 55, "combine_send_ctas": 88}
-    with pytest.raises(SystemExit, match=r"unknown argument 'chunks'.*send_ctas"):
-        kw("chunks=8")
 
 
 def test_run_record_commit(tmp_path, monkeypatch) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_a2a.launch import run_local
+from ep_a2a.testing import run_local
 
 CASES = str(Path(__file__).with_name("_cases.py"))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ep_a2a.launch import load_target, run_local
+from ep_a2a.testing import load_target, run_local
 
 CASES = str(Path(__file__).with_name("_cases.py"))
 

@@ -9,15 +9,16 @@ no interpreter) and compares the arguments, call by call, for every launch the b
 from __future__ import annotations
 
 import collections
+import dataclasses
 import inspect
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-import ep_a2a.triton_backend.engine as engine_mod
-from ep_a2a.triton_backend import kernels as K
-from ep_a2a.triton_backend.engine import HeapLayout, TritonEPEngine
+import ep_a2a.backends.triton.engine as engine_mod
+from ep_a2a.backends.triton import kernels as K
+from ep_a2a.backends.triton.engine import DispatchBuffers, HeapLayout, KernelLaunch, TritonEPEngine
 
 
 class _FakeCompiled:
@@ -121,7 +122,7 @@ def _one_call(eng: TritonEPEngine, n: int, rows: int, *, with_w: bool, counts: b
     ids = torch.randint(0, eng.num_tot_experts, (n, eng.topk), generator=gen, dtype=torch.int32)
     w = torch.rand(n, eng.topk, generator=gen) if with_w else None
     b = eng.alloc_dispatch_outputs(n, rows, with_weights=with_w)
-    for t in b.values():  # defined contents, so arguments compare by value
+    for t in (b.tab, b.skip, b.scat, b.out, b.out_w, b.out_e):  # defined contents: compared by value
         t.zero_()
     info = torch.zeros(eng.info_len, dtype=torch.int64)
     rb = eng.alloc_remote()
@@ -132,12 +133,11 @@ def _one_call(eng: TritonEPEngine, n: int, rows: int, *, with_w: bool, counts: b
     if not counts:
         eng.launch_counts(info, remote=rb)
     eng.launch_dispatch(
-        x, ids, w, eng.pos, b["out"], b["out_w"], b["out_e"], b["tab"], b["skip"], b["scat"],
-        caller_scatter=False, info=info, counts=counts, remote=rb, npk_send=npk,
-    )  # fmt: skip
+        x, ids, w, eng.pos, b, caller_scatter=False, info=info, counts=counts, remote=rb, npk_send=npk
+    )
     y = torch.randn(rows, eng.hidden, generator=gen)
     out = torch.zeros(n, eng.hidden)
-    eng.launch_combine(y, b["tab"], ids, info[2 : 2 + eng.world_size], out, remote=rb, npk_recv=npk)
+    eng.launch_combine(y, b.tab, ids, info[2 : 2 + eng.world_size], out, remote=rb, npk_recv=npk)
     eng.launch_barrier()
 
 
@@ -204,7 +204,7 @@ def test_cached_template_holds_no_call_tensors(fake_gpu):
 
 def test_cta_split_requests():
     """No split unless asked; a request must leave both roles at least one CTA."""
-    from ep_a2a.triton_backend.backend import _split
+    from ep_a2a.backends.triton.resolve import _split
 
     assert _split(None, 132) == 0
     assert _split(0, 132) == 0
@@ -246,7 +246,7 @@ def test_engine_rejects_bad_split():
 )
 def test_default_split(num_sm, max_tokens, want):
     """The sender / writer split is on by default only for large layers on many SMs."""
-    from ep_a2a.triton_backend.backend import _default_split, _split
+    from ep_a2a.backends.triton.resolve import _default_split, _split
 
     got = tuple(_split(None, num_sm, _default_split(num_sm, max_tokens, f)) for f in (3, 2))
     assert got == want
@@ -272,7 +272,7 @@ def test_default_split(num_sm, max_tokens, want):
 )
 def test_default_tiles(hidden, max_tokens, num_sm, want_dispatch, want_combine):
     """Tuned tiles for large layers, by SM count; elsewhere the engine's own."""
-    from ep_a2a.triton_backend.backend import _default_tiles
+    from ep_a2a.backends.triton.resolve import _default_tiles
 
     d, c = _default_tiles(hidden, max_tokens, num_sm)
     assert (d["chunk"], d["num_warps"], d["block_h"]) == want_dispatch
@@ -337,35 +337,37 @@ def test_speculative_rows_fit_and_overflow():
     """The speculative flow's host step after the counts (no GPU: a recording engine): rows that fit
     keep the outputs; more rows get exact outputs and a rewriting pass (``send=False``,
     ``rewrite=True``) into them. The outputs' size: the most rows of the last calls plus an eighth."""
-    from ep_a2a.triton_backend import TritonBackend
-    from ep_a2a.triton_backend.backend import SPECULATIVE_WINDOW, _speculative_rows_guess
+    from ep_a2a.backends.triton import TritonBackend
+    from ep_a2a.backends.triton.backend import SPECULATIVE_WINDOW, _speculative_rows_guess
 
     launches: list[dict] = []
 
     class Engine:
         def alloc_dispatch_rows(self, rows, *, with_weights, dtype=None):
-            return {"out": torch.empty(rows, 4), "out_w": torch.empty(rows), "out_e": torch.empty(rows)}
+            return torch.empty(rows, 4), torch.empty(rows), torch.empty(rows)
 
         def launch_dispatch(self, *args, **kw):
-            launches.append({"rows": args[4].shape[0], **kw})
+            launches.append({"rows": args[4].out.shape[0], **kw})
 
     be = object.__new__(TritonBackend)
     be.engine = Engine()
     be.speculative_overflows = 0
     x, ids, src, info = torch.zeros(2, 4), torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(8)
 
-    def fit(rows: int, ahead: int) -> dict:
-        bufs = {"out": torch.empty(ahead, 4), "out_w": torch.empty(ahead), "out_e": torch.empty(ahead)}
-        bufs.update(tab=torch.empty(2, 2, 8), skip=torch.empty(2, 8), scat=torch.empty(2, 8))
+    def fit(rows: int, ahead: int) -> DispatchBuffers:
+        bufs = DispatchBuffers(
+            tab=torch.empty(2, 2, 8), skip=torch.empty(2, 8), scat=torch.empty(2, 8),
+            out=torch.empty(ahead, 4), out_w=torch.empty(ahead), out_e=torch.empty(ahead),
+        )  # fmt: skip
         be._fit_speculative_rows(rows, x, ids, None, src, info, bufs, caller=False)
         return bufs
 
     for rows in (100, 40, 0):  # fit: the outputs stay, nothing more runs
-        assert fit(rows, 100)["out"].shape[0] == 100
+        assert fit(rows, 100).out.shape[0] == 100
     assert not launches
     assert be.speculative_overflows == 0
     bufs = fit(130, 100)  # outgrows them: exact outputs and a rewriting pass into them
-    assert bufs["out"].shape[0] == 130
+    assert bufs.out.shape[0] == 130
     assert be.speculative_overflows == 1
     assert launches == [{"rows": 130, "caller_scatter": False, "info": info, "send": False, "rewrite": True}]
     # sizes: the window's maximum (a small call does not shrink them), an eighth above, at most the
@@ -384,9 +386,9 @@ def test_small_outputs_allocated_ahead(monkeypatch):
     """The exact-shape flows without a host wait take the small outputs (all but the rows) that the
     last call allocated after its row kernel: the same tensors when rows, weights and stream match (new
     per-token ones for another token count), new ones otherwise; each set is used once."""
-    from ep_a2a.triton_backend import TritonBackend
-    from ep_a2a.triton_backend import backend as B
-    from ep_a2a.triton_backend.backend import _speculative_rows_guess
+    from ep_a2a.backends.triton import TritonBackend
+    from ep_a2a.backends.triton import backend as B
+    from ep_a2a.backends.triton.backend import _speculative_rows_guess
 
     allocs: list[tuple] = []
 
@@ -396,12 +398,13 @@ def test_small_outputs_allocated_ahead(monkeypatch):
 
         def alloc_token_slots(self, n):
             allocs.append(("slots", n))
-            return {"skip": torch.empty(n, 8), "scat": torch.empty(n, 8)}
+            return torch.empty(n, 8), torch.empty(n, 8)
 
         def alloc_dispatch_small(self, n, rows, *, with_weights):
             allocs.append(("small", n, rows, with_weights))
-            return {"info": torch.empty(9), "tab": torch.empty(2, 4, 8), **self.alloc_token_slots(n),
-                    "out_w": torch.empty(rows), "out_e": torch.empty(rows)}  # fmt: skip
+            skip, scat = self.alloc_token_slots(n)
+            return DispatchBuffers(tab=torch.empty(2, 4, 8), skip=skip, scat=scat, out_w=torch.empty(rows),
+                                   out_e=torch.empty(rows), info=torch.empty(9))  # fmt: skip
 
     stream = [7]
     monkeypatch.setattr(B, "_raw_stream", lambda index: stream[0])
@@ -417,12 +420,12 @@ def test_small_outputs_allocated_ahead(monkeypatch):
     assert not allocs
     assert be._take_small_outputs(4, rows, True) is not ahead  # used once
     be._prepare_small_outputs(4, True)
-    ahead = dict(be._next_small[1])
+    ahead = dataclasses.replace(be._next_small[1])
     allocs.clear()
     got = be._take_small_outputs(3, rows, True)  # another token count: new skip / scat only
     assert allocs == [("slots", 3)]
-    assert got["skip"].shape[0] == 3
-    assert all(got[k] is ahead[k] for k in ("info", "tab", "out_w", "out_e"))
+    assert got.skip.shape[0] == 3
+    assert all(getattr(got, k) is getattr(ahead, k) for k in ("info", "tab", "out_w", "out_e"))
     for change in ("rows", "weights", "stream"):
         be._prepare_small_outputs(4, True)
         allocs.clear()
@@ -441,7 +444,7 @@ def test_mirror_poll_is_bounded():
     import numpy as np
 
     from ep_a2a import EPTimeoutError
-    from ep_a2a.triton_backend import TritonBackend
+    from ep_a2a.backends.triton import TritonBackend
 
     be = object.__new__(TritonBackend)
     be.config = SimpleNamespace(rank=3)
@@ -554,7 +557,7 @@ def test_cached_launch_goes_direct(monkeypatch):
     eng = _engine()
     fixed_b = torch.zeros(8)
     call = lambda a, n: eng._launch(
-        ("probe",), _Kernel(), (6,), 4, ("a_ptr", "n"), (a, n), lambda: dict(b_ptr=fixed_b, C=2)
+        KernelLaunch(("probe",), _Kernel(), (6,), 4, ("a_ptr", "n"), (a, n), lambda: dict(b_ptr=fixed_b, C=2))
     )
     call(torch.zeros(4), 1)
     assert eng.direct_launches == 1
@@ -576,7 +579,7 @@ def test_rows_allocated_ahead():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from ep_a2a.triton_backend.backend import _rows_fit_ahead, _rows_to_allocate_ahead
+    from ep_a2a.backends.triton.backend import _rows_fit_ahead, _rows_to_allocate_ahead
 
     @settings(max_examples=300, deadline=None)
     @given(st.integers(0, 1 << 22), st.integers(0, 1 << 22), st.integers(0, 1 << 22))

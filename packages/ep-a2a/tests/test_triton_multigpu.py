@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ep_a2a import BackendOptions, TritonTuning
 from ep_a2a.config import EPConfig
-from ep_a2a.launch import load_target
 from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
+from ep_a2a.testing import load_target
 
 CASES = str(Path(__file__).with_name("_cases.py"))
 
@@ -89,7 +90,7 @@ def _make_backend(
     overlap_bytes=None,
     **more,
 ):
-    from ep_a2a.triton_backend import TritonBackend
+    from ep_a2a.backends.triton import TritonBackend
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     cfg = EPConfig(
@@ -104,16 +105,9 @@ def _make_backend(
     )
     extra = {} if overlap_bytes is None else {"overlap_bytes": overlap_bytes}
     extra.update(more)
-    return TritonBackend(
-        cfg,
-        group,
-        num_sm=num_sm,
-        enable_local_combine=True,
-        use_aot=use_aot,
-        timeout_s=timeout_s,
-        heap=heap,
-        **extra,
-    )
+    tuning = TritonTuning(num_sm=num_sm, heap=heap, **extra)
+    options = BackendOptions(tuning=tuning, enable_local_combine=True, use_aot=use_aot, timeout_s=timeout_s)
+    return TritonBackend(cfg, group, options)
 
 
 def _inputs(seed, world, ns, hidden, topk, experts, dtype, *, skew, drop, with_w):
@@ -305,7 +299,7 @@ def _check_round_trips(
 def test_default_split_large_layer(group):
     """A large layer on all SMs gets the sender / writer split by default (``num_sm // 3`` dispatch,
     ``num_sm // 2`` combine CTAs sending) and matches the reference, exact-shape and static calls."""
-    from ep_a2a.triton_backend.backend import SPLIT_MIN_TOKENS
+    from ep_a2a.backends.triton.resolve import SPLIT_MIN_TOKENS
 
     world = dist.get_world_size(group)
     n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -335,7 +329,7 @@ def test_default_tiles_large_layer(group, num_sm):
     """A large layer of wide rows gets the tiles tuned for its SM count (``_default_tiles``: larger chunks
     and more warps on fewer SMs, a combine chunk of its own) and matches the reference, exact-shape and
     static calls."""
-    from ep_a2a.triton_backend.backend import SPLIT_MIN_TOKENS, _default_tiles
+    from ep_a2a.backends.triton.resolve import SPLIT_MIN_TOKENS, _default_tiles
 
     world = dist.get_world_size(group)
     num_sm = num_sm or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -356,18 +350,17 @@ def test_default_tiles_large_layer(group, num_sm):
     _check_round_trips(be, group, hidden=hidden, seed=720, rounds=rounds, check=check)
 
 
-def test_copy_engine_large_layer_from_env(group, monkeypatch):
-    """``EP_A2A_TRITON_COPY_ENGINE=1`` on a large layer: copy-engine dispatch, no sending CTAs (the
-    split that such a layer gets by default), against the reference; off without the variable."""
-    from ep_a2a.triton_backend.backend import COPY_ENGINE_ENV, SPLIT_MIN_TOKENS
+def test_copy_engine_large_layer(group):
+    """``TritonTuning(copy_engine=True)`` on a large layer: copy-engine dispatch, no sending CTAs (the
+    split that such a layer gets by default), against the reference; off by default."""
+    from ep_a2a.backends.triton.resolve import SPLIT_MIN_TOKENS
 
     world = dist.get_world_size(group)
     n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     max_tokens = 2 * SPLIT_MIN_TOKENS
-    monkeypatch.setenv(COPY_ENGINE_ENV, "1")
     be = _make_backend(
         group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
-        heap="torch", num_sm=n_sm,
+        heap="torch", num_sm=n_sm, copy_engine=True,
     )  # fmt: skip
 
     def check(be) -> None:
@@ -376,7 +369,6 @@ def test_copy_engine_large_layer_from_env(group, monkeypatch):
 
     rounds = (([max_tokens, 1500], True),)
     _check_round_trips(be, group, hidden=512, seed=710, rounds=rounds, check=check)
-    monkeypatch.delenv(COPY_ENGINE_ENV)
     off = _make_backend(
         group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
         heap="torch", num_sm=n_sm,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from ep_a2a.backends.triton.resolve import remote_plan, resolve_heap
 from ep_a2a.config import EPConfig
-from ep_a2a.triton_backend import HEAP_ENV, remote_plan, resolve_heap
 
 
 def _cfg(rank: int, world: int, local: int) -> EPConfig:
@@ -37,8 +37,7 @@ def test_force_remote_splits_a_node():
         remote_plan(_cfg(0, 4, 2), force_remote=4)
 
 
-def test_remote_peers_need_the_nvshmem_heap(monkeypatch):
-    monkeypatch.delenv(HEAP_ENV, raising=False)
+def test_remote_peers_need_the_nvshmem_heap():
     inter = _cfg(0, 4, 2)
     assert resolve_heap(None, inter, 2) == "nvshmem"  # the default once some peers are remote
     assert resolve_heap(None, _cfg(0, 4, 4), 4) == "torch"
@@ -46,6 +45,5 @@ def test_remote_peers_need_the_nvshmem_heap(monkeypatch):
         resolve_heap("torch", inter, 2)
     with pytest.raises(ValueError, match=r"forced remote.*heap='nvshmem'"):
         resolve_heap("torch", _cfg(0, 2, 2), 1)
-    monkeypatch.setenv(HEAP_ENV, "torch")
-    with pytest.raises(ValueError, match="EP_A2A_TRITON_HEAP"):
-        resolve_heap(None, inter, 2)
+    with pytest.raises(ValueError, match="heap must be one of"):
+        resolve_heap("shmem", inter, 2)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
-from ep_a2a.triton_backend import kernels as K
-from ep_a2a.triton_backend.engine import (
+from ep_a2a.backends.triton import kernels as K
+from ep_a2a.backends.triton.engine import (
     COMBINE_TILE_PER_THREAD,
     WHOLE_ROW_MAX_CHUNK,
     EPTimeoutFromDevice,
@@ -21,7 +20,8 @@ from ep_a2a.triton_backend.engine import (
     TritonEPEngine,
     interpreting,
 )
-from ep_a2a.triton_backend.simulate import SimWorld
+from ep_a2a.backends.triton.simulate import SimWorld
+from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
 
 # The simulation shares plain CPU buffers between "ranks": only Triton's interpreter can run it, and the
 # variable must be set before Triton compiles anything (so not here: `nox -s tests` sets it).
@@ -152,15 +152,14 @@ def test_decode_chunks_match_reference(world, ns, hidden, topk, experts, dtype, 
     _round_trips(sim, ns, ((False, 0), (True, 0), (True, 1)), gen, with_w=with_w, skew=skew, drop=drop)
 
 
-def test_decode_chunks_without_early_send(monkeypatch):
-    """``EP_A2A_TRITON_EARLY_SEND=0``: the merged flow's programs wait for the receive layout before
-    they send (the flow before ``early_send``), with the same results."""
-    monkeypatch.setenv("EP_A2A_TRITON_EARLY_SEND", "0")
+def test_decode_chunks_without_early_send():
+    """``TritonTuning(early_send=False)``: the merged flow's programs wait for the receive layout before
+    they send, with the same results."""
     world, ns, hidden, topk, experts, dtype, with_w, skew, drop = CASES[2].values
     gen = torch.Generator().manual_seed(4242)
     sim = SimWorld(
         world_size=world, max_tokens=max(ns), hidden=hidden, topk=topk, num_tot_experts=experts,
-        token_dtype=dtype, num_sm=2, chunk=1,
+        token_dtype=dtype, num_sm=2, chunk=1, early_send=False,
     )  # fmt: skip
     assert not sim.engines[0].early_send
     _round_trips(sim, ns, ((True, 0),), gen, with_w=with_w, skew=skew, drop=drop)
@@ -338,14 +337,10 @@ def test_rewrite_pass_needs_a_writing_pass():
     eng = sim.engines[0]
     x = torch.zeros(4, 16, dtype=torch.bfloat16)
     ids = torch.zeros(4, 2, dtype=torch.int32)
-    b = eng.alloc_dispatch_fixed(4)
-    b.update(eng.alloc_dispatch_rows(8, with_weights=False))
+    b = eng.alloc_dispatch_outputs(4, 8, with_weights=False)
     for kw in ({"send": True}, {"send": False, "counts": True}, {"send": False, "recv": False}):
         with pytest.raises(ValueError, match="rewrite=True"):
-            eng.launch_dispatch(
-                x, ids, None, eng.pos, b["out"], b["out_w"], b["out_e"], b["tab"], b["skip"], b["scat"],
-                caller_scatter=False, rewrite=True, **kw,
-            )  # fmt: skip
+            eng.launch_dispatch(x, ids, None, eng.pos, b, caller_scatter=False, rewrite=True, **kw)
 
 
 @pytest.mark.parametrize("merged", [False, True], ids=["counts-launch", "merged"])

@@ -1,16 +1,11 @@
 """Masked decode benchmark: cases, providers and timing (driven by ``run.py``).
 
-Every time is the median over CUDA-graph replays of the call, timed with CUDA events like
-``triton.testing.do_bench``, with the L2 cache flushed before each replay (see :func:`time_us` and
-:func:`flush_l2`), and is compared with the read-once floor: the bytes of K and V over the valid lengths, the
-mask (bool, one byte per position) and q/out, moved once at the copy bandwidth measured in the same run.
-
-The flush reads a 256 MB buffer ("clean", the default), so that the L2 holds no K/V and no dirty lines when
-the timed call starts. ``triton.testing.do_bench`` flushes by *writing* zeros to such a buffer ("zero"),
-which leaves the L2 full of dirty lines: the timed call then pays for writing up to an L2's worth of them
-back to HBM while it reads its own data. A decode step does not follow a 256 MB write, and that
-write-back is a fixed cost that weighs most on the shortest calls (batch 1, sparse masks);
-``bench_flush.py`` measures both methods side by side.
+Every time is the median over CUDA-graph replays of the call (or over eager calls, for the ``*_eager``
+providers), timed with CUDA events like ``triton.testing.do_bench``, with the L2 cache flushed before each
+call by reading a 256 MB buffer (:func:`flush_l2`: the L2 then holds no K/V and no dirty lines, as after
+the rest of a decode step), and is compared with the read-once floor: the bytes of K and V over the valid
+lengths, the mask (bool, one byte per position) and q/out, moved once at the copy bandwidth measured in the
+same run.
 """
 
 from __future__ import annotations
@@ -25,11 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from triton_masked_decode import masked_decode
+from triton_masked_decode import MaskedDecodeConfig, masked_decode
 
-FLUSH_METHODS = ("clean", "zero")
-#: Flush used by :func:`time_us` when none is given (``run.py --flush`` sets it).
-DEFAULT_FLUSH = "clean"
 _FLUSH_BYTES = 256 << 20
 _flush_state: dict[str, torch.Tensor] = {}
 
@@ -49,36 +41,25 @@ def run_header(what: str) -> dict[str, str]:
     }
 
 
-def flush_l2(method: str) -> None:
-    """Evict the L2 cache before a timed call.
-
-    ``"clean"`` reads a 256 MB buffer (the L2 is left holding clean lines of it: nothing to write back);
-    ``"zero"`` writes zeros to it, as ``triton.testing.do_bench`` does (the L2 is left full of dirty lines,
-    written back to HBM during the next call).
-    """
+def flush_l2() -> None:
+    """Evict the L2 cache before a timed call by reading a 256 MB buffer (clean lines: nothing to write
+    back; ``triton.testing.do_bench`` writes zeros instead, whose dirty lines the timed call would pay for)."""
     if "buf" not in _flush_state:
         _flush_state["buf"] = torch.zeros(_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
         _flush_state["sum"] = torch.zeros((), dtype=torch.float32, device="cuda")
-    buf = _flush_state["buf"]
-    if method == "clean":
-        torch.sum(buf, dim=0, out=_flush_state["sum"])
-    elif method == "zero":
-        buf.zero_()
-    else:
-        raise ValueError(f"flush method must be one of {FLUSH_METHODS}, got {method!r}")
+    torch.sum(_flush_state["buf"], dim=0, out=_flush_state["sum"])
 
 
-def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, flush: str | None = None) -> float:
+def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
     """Median time of ``fn`` in ms with the L2 flushed before each call: ``triton.testing.do_bench``'s loop
-    (estimate from 5 calls, then ``warmup`` ms of unflushed calls and ``rep`` ms of flushed, event-timed ones)
-    with a choice of flush (:func:`flush_l2`; default :data:`DEFAULT_FLUSH`)."""
-    method = DEFAULT_FLUSH if flush is None else flush
+    (estimate from 5 calls, then ``warmup`` ms of unflushed calls and ``rep`` ms of flushed, event-timed
+    ones)."""
     fn()
     torch.cuda.synchronize()
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0.record()
     for _ in range(5):
-        flush_l2(method)
+        flush_l2()
         fn()
     t1.record()
     torch.cuda.synchronize()
@@ -89,7 +70,7 @@ def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, flush: 
     for _ in range(n_warmup):
         fn()
     for i in range(n_repeat):
-        flush_l2(method)
+        flush_l2()
         starts[i].record()
         fn()
         ends[i].record()
@@ -99,16 +80,18 @@ def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, flush: 
     return times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
 
 
-def copy_bandwidth(nbytes: int = 2 << 30, flush: str | None = None) -> float:
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), warmup=50, rep=300, flush=flush)
+    ms = bench_ms(lambda: dst.copy_(src), warmup=50, rep=300)
     return 2 * nbytes / (ms * 1e-3)
 
 
-def load_seed(path: str) -> types.ModuleType:
-    """Import the seed script from ``path``; flash-attn is stubbed when absent (only its Triton kernel is used)."""
+def load_baseline(path: str) -> types.ModuleType:
+    """Import a script defining the Triton function ``triton_masked_flash_decoding(q, k, v, mask,
+    valid_length, num_k_heads)`` from ``path``; flash-attn is stubbed when absent (only the Triton kernel is
+    used)."""
     if importlib.util.find_spec("flash_attn") is None and "flash_attn" not in sys.modules:
         stub = types.ModuleType("flash_attn")
 
@@ -119,7 +102,7 @@ def load_seed(path: str) -> types.ModuleType:
         stub.flash_attn_func = _missing  # type: ignore[attr-defined]
         stub.flash_attn_with_kvcache = _missing  # type: ignore[attr-defined]
         sys.modules["flash_attn"] = stub
-    spec = importlib.util.spec_from_file_location("tmd_seed_kernel", path)
+    spec = importlib.util.spec_from_file_location("tmd_baseline_kernel", path)
     if spec is None or spec.loader is None:
         raise FileNotFoundError(path)
     mod = importlib.util.module_from_spec(spec)
@@ -129,7 +112,7 @@ def load_seed(path: str) -> types.ModuleType:
 
 @dataclass
 class Case:
-    group: str  # "seed" | "ragged" | "sparse" | "density"
+    group: str  # "batch" | "short" | "ragged" | "sparse" | "density"
     batch: int
     lengths: list[int]  # valid length per sequence
     alloc: int  # allocated positions per sequence
@@ -196,25 +179,27 @@ def capture_graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, objec
 
 
 def time_us(
-    fn: Callable[[], object], warmup: int = 25, rep: int = 120, flush: str | None = None
+    fn: Callable[[], object], warmup: int = 25, rep: int = 120, eager: bool = False
 ) -> tuple[float, str]:
     """Median time of ``fn`` in microseconds, L2 flushed before each call (:func:`bench_ms`).
 
     ``fn`` is captured once in a CUDA graph and the graph is replayed, so host-side launch overhead
-    (Python, argument binding, allocation) does not count — as in a decode loop served from graphs. A
-    callable that cannot be captured is timed eagerly; the method is returned with the time.
+    (Python, argument binding, allocation) does not count, as in a decode loop served from graphs; with
+    ``eager`` (or when ``fn`` cannot be captured) it is called directly. The method is returned too.
     """
-    try:
-        graph, _ = capture_graph(fn)
-    except Exception:
-        torch.cuda.synchronize()
-        return bench_ms(fn, warmup=warmup, rep=rep, flush=flush) * 1e3, "eager"
-    return bench_ms(graph.replay, warmup=warmup, rep=rep, flush=flush) * 1e3, "cuda_graph"
+    if not eager:
+        try:
+            graph, _ = capture_graph(fn)
+        except Exception:
+            torch.cuda.synchronize()
+        else:
+            return bench_ms(graph.replay, warmup=warmup, rep=rep) * 1e3, "cuda_graph"
+    return bench_ms(fn, warmup=warmup, rep=rep) * 1e3, "eager"
 
 
 class Runner:
-    def __init__(self, seed_mod: types.ModuleType | None, bw: float, flex_ok: bool = True) -> None:
-        self.seed_mod = seed_mod
+    def __init__(self, baseline: types.ModuleType | None, bw: float, flex_ok: bool = True) -> None:
+        self.baseline = baseline
         self.bw = bw
         self.flex_ok = flex_ok
         self._flex = None
@@ -222,7 +207,7 @@ class Runner:
         try:
             import flash_attn  # type: ignore[import-not-found]
 
-            if not getattr(flash_attn, "_tmd_stub", False):  # load_seed's stand-in is not flash-attn
+            if not getattr(flash_attn, "_tmd_stub", False):  # load_baseline's stand-in is not flash-attn
                 self.fa_kvcache = flash_attn.flash_attn_with_kvcache
         except Exception:  # not installed
             pass
@@ -238,7 +223,7 @@ class Runner:
         gen = torch.Generator(device="cuda").manual_seed(0)
         b, hkv, g, d, alloc = c.batch, c.hkv, c.hq // c.hkv, c.dim, c.alloc
         uniform = len(set(c.lengths)) == 1
-        # Flat buffers in the seed's layout: [B, Hkv, alloc, D] contiguous (the seed reads the first
+        # Flat buffers: [B, Hkv, alloc, D] contiguous (triton_masked_flash_decoding reads the first
         # B*Hkv*valid*D elements as [B, Hkv, valid, D] when all lengths are equal).
         q = torch.randn(b, c.hq, 1, d, generator=gen, device="cuda", dtype=torch.float16)
         kf = torch.randn(b * hkv * alloc * d, generator=gen, device="cuda", dtype=torch.float16)
@@ -272,27 +257,26 @@ class Runner:
         ref_out = None
         fns: dict[str, Callable[[], object]] = {}
         for p in c.providers:
-            if p in ("ours", "ours_dense", "ours_sparse", "ours_readall"):
-                path = {
-                    "ours": "auto",
-                    "ours_dense": "dense",
-                    "ours_sparse": "sparse",
-                    "ours_readall": "dense_read_all",
-                }[p]
-                fns[p] = lambda path=path: masked_decode(
-                    q3, k, v, mask, seqlens=seqlens, path=path, check_values=False
+            if p in ("ours", "ours_dense", "ours_sparse"):
+                cfg = MaskedDecodeConfig(
+                    path={"ours": "auto", "ours_dense": "dense", "ours_sparse": "sparse"}[p]
                 )
-            elif p == "seed" and self.seed_mod is not None:
-                seed_mask = (
+                fns[p] = lambda cfg=cfg: masked_decode(
+                    q3, k, v, mask, seqlens=seqlens, check_values=False, config=cfg
+                )
+            elif p == "ours_eager":  # as a user calls it: default arguments, timed eagerly
+                fns[p] = lambda: masked_decode(q3, k, v, mask, seqlens=seqlens)
+            elif p == "baseline_triton" and self.baseline is not None:
+                flat_mask = (
                     mask.reshape(-1)
                     if mask is not None
                     else torch.zeros(b * hkv * vl, dtype=torch.bool, device="cuda")
                 )
                 kk, vv = k.reshape(-1), v.reshape(-1)
-                fns[p] = lambda kk=kk, vv=vv, sm=seed_mask: self.seed_mod.triton_masked_flash_decoding(
-                    q, kk, vv, sm, vl, hkv
+                fns[p] = lambda kk=kk, vv=vv, fm=flat_mask: self.baseline.triton_masked_flash_decoding(
+                    q, kk, vv, fm, vl, hkv
                 )
-            elif p == "sdpa":
+            elif p in ("sdpa", "sdpa_eager"):
                 # SDPA's bool mask is True = attend, per query head: prepared once, outside the timing.
                 if mask is not None:
                     am = (
@@ -325,14 +309,14 @@ class Runner:
         for p, fn in fns.items():
             try:
                 out = fn()
-                if p.startswith("ours") or p in ("seed", "sdpa", "flex"):
-                    o = out[1] if p == "seed" else out[0] if p.startswith("ours") else out
+                if p.startswith("ours") or p in ("baseline_triton", "sdpa", "sdpa_eager", "flex"):
+                    o = out[1] if p == "baseline_triton" else out[0] if p.startswith("ours") else out
                     o = o.reshape(b, c.hq, d).float()
                     if ref_out is None and p.startswith("ours"):
                         ref_out = o
                     elif ref_out is not None and mask is not None:
                         res["errors"][p] = float((o - ref_out).abs().max())
-                t, method = time_us(fn)
+                t, method = time_us(fn, eager=p.endswith("_eager"))
                 res["times_us"][p] = t
                 res.setdefault("method", {})[p] = method
                 log(f"  {c.name:28s} {p:12s} {t:9.1f} us  {floor_us / t * 100:6.1f}% of floor  ({method})")

@@ -1,11 +1,11 @@
-"""Tuning sweep that chooses the split kernel's launch defaults (a tuning aid, not part of ``nox -s bench``).
+"""Tuning sweep that chooses the launch defaults of ``masked_decode`` for the GPU it runs on.
 
-    python packages/triton-masked-decode/benchmarks/tune_masked_decode.py \
-        --out docs/benchmarks/triton-masked-decode-tune-3.json [--write-defaults] [--rep 50]
+    python packages/triton-masked-decode/benchmarks/tune_masked_decode.py [--out sweep.json] \
+        [--write-defaults] [--rep 50]
 
-At the seed's shapes (Hq=32, Hkv=8, D=128, fp16, L=64K, masks as in ``run.py``) it times
-``masked_decode`` as CUDA-graph replays (``bench_masked_decode.time_us``: median, L2 flushed before each)
-under variants of the launch knobs, checking every variant's output against the float32 reference (eager
+At Hq=32, Hkv=8, D=128, fp16, L=64K (masks as in ``run.py``) it times ``masked_decode`` as CUDA-graph
+replays (``bench_masked_decode.time_us``: median, L2 flushed before each)
+under variants of the launch knobs (fields of ``MaskedDecodeConfig``), checking every variant's output against the float32 reference (eager
 and after a graph replay); a variant with a wrong result is never chosen. Three steps, each choosing by the
 geometric mean of its time over the step's cases relative to the current defaults' variant:
 
@@ -17,13 +17,13 @@ geometric mean of its time over the step's cases relative to the current default
    0.75, 1.0) over 25 to 100% visible random masks and 25% clusters at batch 1, 4 and 8. A threshold is
    chosen over 1.0 only if it is at least 1% faster and slows no 25%-visible case by more than 3%.
 
-``--write-defaults`` rewrites ``src/triton_masked_decode/_tuned.py`` with the choices.
+``--write-defaults`` stores the choices in ``src/triton_masked_decode/_tuned.py`` under this device's name
+(``torch.cuda.get_device_name()``), beside the entries of other devices.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
@@ -34,10 +34,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_masked_decode import Case, capture_graph, copy_bandwidth, make_mask, run_header, time_us
 
-from triton_masked_decode import masked_decode, masked_decode_ref
+from triton_masked_decode import MaskedDecodeConfig, masked_decode, masked_decode_ref, tuned_defaults
 
 md = sys.modules["triton_masked_decode.masked_decode"]  # the package re-exports a function of that name
-tuned = sys.modules["triton_masked_decode._tuned"]
+tuned_table = sys.modules["triton_masked_decode._tuned"]
 
 HQ, HKV, D, L = 32, 8, 128, 65536
 # Dense-loop tile fixed to the autotuner's usual pick for "auto" at these shapes (no autotuning in the sweep).
@@ -57,7 +57,7 @@ ONE_WAVE_CASES = [(1, m) for m in ("rand10", "rand25", "rand50", "clus10", "clus
 MULTI_WAVE_CASES = [(8, m) for m in ("rand10", "rand25", "rand50", "clus10", "clus25")]
 THRESHOLD_CASES = [(b, m) for b in (1, 4, 8) for m in ("rand25", "clus25", "rand50", "rand75", "rand100")]
 THRESHOLDS = (0.0, 0.45, 0.6, 0.75, 1.0)
-# Variants: tag -> knob values. "current" is what _tuned.py held when the sweep started.
+# Variants: tag -> MaskedDecodeConfig fields; each step also measures the starting defaults' own variant.
 ONE_WAVE_VARIANTS = {
     "ns64-s2-psm4": {"block_ns": 64, "sparse_stages": 2, "programs_per_sm": 4},
     "ns64-s3-psm3": {"block_ns": 64, "sparse_stages": 3, "programs_per_sm": 3},
@@ -104,12 +104,10 @@ class Sweep:
         self, tag: str, knobs: dict, batch: int, mask_name: str, threshold: float | None
     ) -> float | None:
         q, k, v, mask, ref = self.data(batch, mask_name)
-        md._TUNE_OVERRIDE.clear()
-        md._TUNE_OVERRIDE.update({**BASE, **knobs})
-        kw = {} if threshold is None else {"sparse_threshold": threshold}
+        config = MaskedDecodeConfig(**{**BASE, **knobs}, sparse_threshold=threshold)
 
         def fn():
-            return masked_decode(q, k, v, mask, check_values=False, **kw)
+            return masked_decode(q, k, v, mask, check_values=False, config=config)
 
         row: dict = {"variant": tag, "batch": batch, "mask": mask_name, "threshold": threshold, **knobs}
         try:
@@ -125,8 +123,6 @@ class Sweep:
             print(f"{tag:18s} B{batch} {mask_name:8s} FAILED {row['error'][:160]}", flush=True)
             self.rows.append(row)
             return None
-        finally:
-            md._TUNE_OVERRIDE.clear()
         ok = err_eager < 1e-2 and err_graph < 1e-2
         row.update({"us": t, "err_eager": err_eager, "err_graph": err_graph, "ok": ok})
         self.rows.append(row)
@@ -161,37 +157,31 @@ class Sweep:
 
 
 def one_wave_class(batch: int, knobs: dict) -> bool:
-    """The launch class masked_decode gives this batch (seed shapes) under the chosen knobs."""
-    md._TUNE_OVERRIDE.clear()
-    md._TUNE_OVERRIDE.update({**BASE, **knobs})
-    try:
-        return md._launch_plan(batch, HKV, L, True, md._num_sms(torch.device("cuda")))[2]
-    finally:
-        md._TUNE_OVERRIDE.clear()
+    """The launch class masked_decode gives this batch under the chosen knobs."""
+    config = MaskedDecodeConfig(**{**BASE, **knobs})
+    dev = md._device_facts(torch.device("cuda"))
+    return bool(md._plan_launch(batch, HQ, HKV, D, L, True, config, dev)[0].one_wave)
 
 
-def write_defaults(path: Path, chosen: dict, note: str) -> None:
-    text = f'''"""Launch defaults of the split kernel, chosen by ``benchmarks/tune_masked_decode.py`` on an H100.
-
-``tune_masked_decode.py --write-defaults`` rewrites this file from its measurements (the sweep, the
-selection rule and the figures are in ``docs/benchmarks/triton-masked-decode-tune-3.json`` and
-``benchmarks/NOTES.md``). "One wave" launches are those whose programs all fit on the GPU at once
-(small batch: the split count is set to fill the GPU); "multi wave" ones have more programs than that.
-{note}
-"""
-
-# Programs per SM the split count aims at when the batch alone does not fill the GPU.
-PROGRAMS_PER_SM = {chosen["programs_per_sm"]}
-# Sparse-loop gather tile (rows per tile at head dim 128, pipelining depth) per launch class.
-SPARSE_TILE_ONE_WAVE = {tuple(chosen["tile_one_wave"])}
-SPARSE_TILE_MULTI_WAVE = {tuple(chosen["tile_multi_wave"])}
-# Most positions per split when a mask is given (without a mask the limit is 4096).
-MAX_CHUNK_MASKED = {chosen["max_chunk_masked"]}
-# Default largest visible fraction of a split that takes the sparse loop (path="auto"), per launch class.
-SPARSE_THRESHOLD_ONE_WAVE = {chosen["threshold_one_wave"]}
-SPARSE_THRESHOLD_MULTI_WAVE = {chosen["threshold_multi_wave"]}
-'''
-    path.write_text(text)
+def write_defaults(path: Path, device: str, chosen: dict) -> None:
+    """Store ``chosen`` as ``device``'s entry of the ``TUNED`` table in ``_tuned.py`` (others kept)."""
+    table = dict(tuned_table.TUNED)
+    table[device] = {
+        "measured_on": device,
+        "programs_per_sm": chosen["programs_per_sm"],
+        "max_chunk_masked": chosen["max_chunk_masked"],
+        **{
+            cls: {
+                "block_ns": chosen[f"tile_{cls}"][0],
+                "sparse_stages": chosen[f"tile_{cls}"][1],
+                "sparse_threshold": chosen[f"threshold_{cls}"],
+            }
+            for cls in ("one_wave", "multi_wave")
+        },
+    }
+    text = path.read_text()
+    head = text[: text.index("TUNED = ")]
+    path.write_text(head + "TUNED = " + json.dumps(table, indent=4) + "\n")
 
 
 def main() -> None:
@@ -201,14 +191,16 @@ def main() -> None:
     ap.add_argument("--write-defaults", action="store_true", help="rewrite _tuned.py with the choices")
     args = ap.parse_args()
     bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}  copy bw {bw / 1e12:.3f} TB/s", flush=True)
+    device = torch.cuda.get_device_name()
+    print(f"{device}  copy bw {bw / 1e12:.3f} TB/s", flush=True)
+    tuned = tuned_defaults(device)
     start = {
-        "programs_per_sm": tuned.PROGRAMS_PER_SM,
-        "tile_one_wave": list(tuned.SPARSE_TILE_ONE_WAVE),
-        "tile_multi_wave": list(tuned.SPARSE_TILE_MULTI_WAVE),
-        "max_chunk_masked": tuned.MAX_CHUNK_MASKED,
-        "threshold_one_wave": tuned.SPARSE_THRESHOLD_ONE_WAVE,
-        "threshold_multi_wave": tuned.SPARSE_THRESHOLD_MULTI_WAVE,
+        "programs_per_sm": tuned.programs_per_sm,
+        "tile_one_wave": [tuned.one_wave.block_ns, tuned.one_wave.sparse_stages],
+        "tile_multi_wave": [tuned.multi_wave.block_ns, tuned.multi_wave.sparse_stages],
+        "max_chunk_masked": tuned.max_chunk_masked,
+        "threshold_one_wave": tuned.one_wave.sparse_threshold,
+        "threshold_multi_wave": tuned.multi_wave.sparse_threshold,
     }
     sw = Sweep(args.rep)
 
@@ -274,12 +266,7 @@ def main() -> None:
     print(f"chosen defaults: {chosen}  (start: {start}); classes {classes}", flush=True)
 
     if args.write_defaults:
-        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        write_defaults(
-            Path(md.__file__).with_name("_tuned.py"),
-            chosen,
-            f"\nWritten {stamp} on {torch.cuda.get_device_name()} (one-wave pick {best1}, multi-wave pick {best2}).",
-        )
+        write_defaults(Path(tuned_table.__file__), device, chosen)
     if args.out:
         args.out.write_text(
             json.dumps(

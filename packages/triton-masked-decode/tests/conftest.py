@@ -23,10 +23,3 @@ def cuda_device() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     return torch.device("cuda")
-
-
-@pytest.fixture(autouse=True)
-def _fixed_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GPU tests use the default tile (autotuning every variant would multiply compile time); the
-    candidates the autotuner may pick are tested one by one, and one test runs the autotuned launch."""
-    monkeypatch.setenv("TRITON_MASKED_DECODE_AUTOTUNE", "0")

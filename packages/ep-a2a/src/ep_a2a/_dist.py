@@ -35,6 +35,19 @@ class EPConfigMismatchError(EPError, ValueError):
     """Ranks constructed the layer with different arguments."""
 
 
+class EPProtocolError(EPError):
+    """Ranks called the layer's collective operations in different orders (for example one rank
+    dispatches while another combines). Raised on every rank that took part; no rank returns data.
+
+    Attributes:
+        operations: ``{rank: "<operation> #<call>"}`` of every rank that arrived.
+    """
+
+    def __init__(self, message: str, *, operations: dict[int, str]) -> None:
+        super().__init__(message)
+        self.operations = dict(operations)
+
+
 _LAYER_SEQ: dict[tuple[int, ...], itertools.count] = {}
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ep_a2a.backend import A2ABackend
+from ep_a2a.backends.base import A2ABackend
 from ep_a2a.layout import EPAllToAllLayoutDesc
 
 

@@ -110,7 +110,7 @@ def _report(results: list[dict]) -> bool:
 
 def main() -> int:
     from ep_a2a import __version__
-    from ep_a2a.launch import run_local
+    from ep_a2a.testing import run_local
 
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD else "gloo"
     print(

@@ -1,8 +1,9 @@
-"""``EPAll2AllLayer``: dispatch tokens to the ranks hosting their experts, combine the results back."""
+"""``EPLayer``: dispatch tokens to the ranks hosting their experts, combine the results back."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -12,14 +13,51 @@ import torch.distributed as dist
 
 from ep_a2a._dist import EPConfigMismatchError, EPError, RankMonitor, group_device
 from ep_a2a.autograd import combine_with_grad, dispatch_with_grad
-from ep_a2a.backend import A2ABackend, get_backend_class, probe_backend
+from ep_a2a.backends.base import A2ABackend, BackendOptions, get_backend_class, probe_backend
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
+from ep_a2a.tuning import TritonTuning
 
 if TYPE_CHECKING:
-    from ep_a2a.triton_backend import StaticDispatch
+    from ep_a2a.backends.triton import StaticDispatch
 
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+_ARGUMENT_FIELDS = (
+    "(max_tokens, hidden, topk, num_tot_experts, world_size, local_world_size, dtype, weight_dtype, "
+    "offset_dtype)",
+    "backend",
+    "enable_local_combine",
+    "use_aot",
+    "tuning",
+    "timeout_s",
+)
+
+
+def _probe_fast_path(backend: str, config: EPConfig, group: dist.ProcessGroup) -> tuple[bool, str]:
+    """Whether the Triton backend is usable here, for ``backend`` ``"auto"`` or ``"triton"``."""
+    if backend not in ("auto", "triton"):
+        return False, "not requested"
+    ok, reason = probe_backend("triton", config, group)
+    if backend == "auto" and ok and not config.is_intra_node:
+        # the Triton backend's remote path (NVSHMEM puts to other nodes) has run in the CPU simulation
+        # and forced on one host, never across nodes: auto keeps such groups on torch until it has
+        return False, (
+            "inter-node group: auto uses the torch backend (the Triton remote path has not run across "
+            "nodes yet; backend='triton' selects it)"
+        )
+    return ok, reason
+
+
+def _check_same_arguments(rank: int, mine: str, theirs: list[str]) -> None:
+    bad = [r for r, v in enumerate(theirs) if v != mine]
+    if bad:
+        raise EPConfigMismatchError(
+            f"layer arguments differ across ranks: rank {rank} has {mine}, "
+            + "; ".join(f"rank {r} has {theirs[r]}" for r in bad)
+            + f" (fields: {', '.join(_ARGUMENT_FIELDS)})"
+        )
 
 
 @dataclass
@@ -50,64 +88,35 @@ class DispatchCombineContext:
         ep_group: dist.ProcessGroup,
         *,
         backend: str = "auto",
-        num_sm: int = 20,
-        enable_local_combine: bool = False,
-        use_aot: bool = False,
-        timeout_s: float = 300.0,
+        options: BackendOptions | None = None,
     ) -> DispatchCombineContext:
         """Collective: check every rank's arguments agree, pick the backend, build it.
 
         Raises:
             EPConfigMismatchError: ranks passed different arguments (names the ranks and values).
-            EPTimeoutError: a rank did not arrive within ``timeout_s``.
+            EPTimeoutError: a rank did not arrive within ``options.timeout_s``.
             ValueError: unknown backend, or ``backend="triton"`` not usable here (reason given).
         """
-        monitor = RankMonitor(ep_group, timeout_s)
+        options = options if options is not None else BackendOptions()
+        monitor = RankMonitor(ep_group, options.timeout_s)
+        options = dataclasses.replace(options, monitor=monitor)
         if backend not in ("auto", "torch", "triton"):
             get_backend_class(backend)  # raises ValueError naming the choices for an unknown name
-        fast_ok, fast_reason = (False, "not requested")
-        if backend in ("auto", "triton"):
-            fast_ok, fast_reason = probe_backend("triton", ep_config, ep_group)
-        if backend == "auto" and fast_ok and not ep_config.is_intra_node:
-            # the Triton backend's remote path (NVSHMEM puts to other nodes) has run in the CPU simulation
-            # and forced on one host, never across nodes: auto keeps such groups on torch until it has
-            fast_ok, fast_reason = (
-                False,
-                "inter-node group: auto uses the torch backend (the Triton remote path has not run across "
-                "nodes yet; backend='triton' selects it)",
-            )
+        fast_ok, fast_reason = _probe_fast_path(backend, ep_config, ep_group)
         args = (
             ep_config.fingerprint(),
             backend,
-            bool(enable_local_combine),
-            bool(use_aot),
-            int(num_sm),
-            float(timeout_s),
+            bool(options.enable_local_combine),
+            bool(options.use_aot),
+            options.tuning.fingerprint(),
+            float(options.timeout_s),
         )
         values = monitor.checkin("construct", repr(args) + "\x00" + ("1" if fast_ok else "0") + fast_reason)
-        mine = repr(args)
-        theirs = [v.split("\x00", 1)[0] for v in values]
-        bad = [r for r, v in enumerate(theirs) if v != mine]
-        if bad:
-            names = (
-                "(max_tokens, hidden, topk, num_tot_experts, world_size, local_world_size, dtype, weight_dtype, "
-                "offset_dtype)",
-                "backend",
-                "enable_local_combine",
-                "use_aot",
-                "num_sm",
-                "timeout_s",
-            )
-            raise EPConfigMismatchError(
-                f"EPAll2AllLayer arguments differ across ranks: rank {ep_config.rank} has {mine}, "
-                + "; ".join(f"rank {r} has {theirs[r]}" for r in bad)
-                + f" (fields: {', '.join(names)})"
-            )
-        everyone_fast = all(v.split("\x00", 1)[1][:1] == "1" for v in values)
+        _check_same_arguments(ep_config.rank, repr(args), [v.split("\x00", 1)[0] for v in values])
+        fast = {r: v.split("\x00", 1)[1] for r, v in enumerate(values)}
+        everyone_fast = all(v[:1] == "1" for v in fast.values())
         if backend == "triton" and not everyone_fast:
-            reasons = {
-                r: v.split("\x00", 1)[1][1:] for r, v in enumerate(values) if v.split("\x00", 1)[1][:1] != "1"
-            }
+            reasons = {r: v[1:] for r, v in fast.items() if v[:1] != "1"}
             raise ValueError(f"backend='triton' is not usable on every rank: {reasons}")
         if backend == "auto":
             chosen = "triton" if everyone_fast else "torch"
@@ -118,16 +127,7 @@ class DispatchCombineContext:
             )
         else:
             chosen, reason = backend, f"requested: {fast_reason if backend == 'triton' else 'torch'}"
-        backend_cls = get_backend_class(chosen)
-        kwargs: dict[str, Any] = {
-            "num_sm": num_sm,
-            "enable_local_combine": enable_local_combine,
-            "use_aot": use_aot,
-            "timeout_s": timeout_s,
-        }
-        if chosen == "torch":
-            kwargs["monitor"] = monitor
-        instance = backend_cls(ep_config, ep_group, **kwargs)
+        instance = get_backend_class(chosen)(ep_config, ep_group, options)
         return cls(
             ep_config=ep_config,
             ep_group=ep_group,
@@ -145,109 +145,97 @@ class DispatchCombineContext:
             self.monitor.destroy()
 
 
-class EPAll2AllLayer:
+class EPLayer:
     """Expert-parallel dispatch and combine over one process group.
 
     Construction is collective: every rank of ``ep_group`` builds its layer with the same arguments
-    (checked; a mismatch raises :class:`ep_a2a.EPConfigMismatchError` on every rank).
+    (checked; a mismatch raises :class:`ep_a2a.EPConfigMismatchError` on every rank). Buffers are sized
+    from ``max_tokens`` once, here.
 
     Args:
         ep_group: expert-parallel process group (``None`` = the default group). NCCL groups take CUDA
             tensors, gloo groups CPU tensors.
-        max_tokens: most tokens one rank dispatches per call (buffers are sized from it).
+        max_tokens: most tokens one rank dispatches per call.
         hidden: token width.
-        topk: experts per token.
-        rank: this process's rank in ``ep_group`` (checked against the group).
-        num_tot_experts: experts in the group; must be divisible by ``world_size``. Expert ``e`` lives on
-            rank ``e // (num_tot_experts // world_size)``.
-        local_world_size: ranks per node.
-        world_size: ranks in ``ep_group`` (checked).
-        dtype: dtype of the token rows given to ``dispatch``.
+        topk: experts per token (slots per token).
+        num_experts: experts in the group; must be divisible by the group's size. Expert ``e`` lives on
+            rank ``e // (num_experts // world_size)``.
+        dtype: dtype of the token rows given to :meth:`dispatch`.
         weight_dtype: dtype of the routing weights.
-        num_sm: most SMs the backend's kernels use. The torch backend has no kernels and ignores it
-            (NCCL picks its own channels).
-        enable_local_combine: pre-reduce on the expert side before sending combine rows back: one row per
-            (token, destination rank) instead of one per (token, expert), summed in float32 and rounded
-            to the row dtype once more before the final float32 sum.
-        use_aot: compile every kernel variant at construction (the Triton backend); the torch backend has
-            nothing to compile and ignores it.
+        local_world_size: ranks per node (default: every rank of the group on one node).
         backend: ``"torch"``, ``"triton"`` or ``"auto"`` (the Triton backend when it imports and reports
             itself usable on every rank, else torch; see :attr:`backend_reason`).
+        tuning: the Triton backend's knobs (:class:`ep_a2a.TritonTuning`; default ``TritonTuning()``).
+            The torch backend ignores them.
+        enable_local_combine: pre-reduce on the expert side before sending combine rows back: one row per
+            (token, destination rank) instead of one per (token, expert), summed in float32 and rounded
+            to the row dtype once more before the final float32 sum. Always on with the Triton backend.
+        use_aot: compile every kernel variant at construction (Triton backend), so that the first call
+            does not compile.
         timeout_s: bound on every wait for another rank; a rank that never arrives makes the others raise
             :class:`ep_a2a.EPTimeoutError` naming it and the step.
-        validate: check index values; shapes, dtypes and devices are always checked. The torch backend
-            checks expert ids on the host (one device sync); the triton backend counts invalid ids in
-            its first kernel, drops those slots and raises ``ValueError`` at the call's own host sync
-            (exact-shape mode) after the dispatch completed on every rank, so this costs no sync.
-            ``full_scatter_indices`` are checked on the host (one sync) by either.
+        validate: check index values; shapes, dtypes and devices are always checked. See "Errors and
+            guarantees" in the package docs for what ``validate=False`` skips.
 
-    Example::
-
-        layer = EPAll2AllLayer(group, max_tokens=4096, hidden=7168, topk=8, rank=rank,
-                               num_tot_experts=256, local_world_size=8, world_size=8)
-        rows, w, desc = layer.dispatch(x, topk_ids, topk_weights)
-        y = run_experts(rows * w[:, None].to(rows.dtype), desc.num_recv_tokens_per_expert)
-        out = layer.combine(y, desc)  # [num_tokens, hidden]
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized.
+        ValueError: an argument out of range (named in the message).
+        EPConfigMismatchError: ranks passed different arguments.
     """
 
     def __init__(
         self,
-        ep_group: dist.ProcessGroup | None,
+        ep_group: dist.ProcessGroup | None = None,
+        *,
         max_tokens: int,
         hidden: int,
         topk: int,
-        rank: int,
-        num_tot_experts: int,
-        local_world_size: int,
-        world_size: int,
+        num_experts: int,
         dtype: torch.dtype = torch.bfloat16,
         weight_dtype: torch.dtype = torch.float32,
-        num_sm: int = 20,
+        local_world_size: int | None = None,
+        backend: str = "auto",
+        tuning: TritonTuning | None = None,
         enable_local_combine: bool = False,
         use_aot: bool = False,
-        *,
-        backend: str = "auto",
         timeout_s: float = 300.0,
         validate: bool = True,
     ) -> None:
         if not dist.is_initialized():
-            raise RuntimeError(
-                "EPAll2AllLayer needs torch.distributed to be initialized (init_process_group)"
-            )
+            raise RuntimeError("the layer needs torch.distributed to be initialized (init_process_group)")
         group = ep_group if ep_group is not None else dist.group.WORLD
         assert group is not None
-        if dist.get_world_size(group) != world_size:
-            raise ValueError(f"world_size={world_size} but ep_group has {dist.get_world_size(group)} ranks")
-        if dist.get_rank(group) != rank:
-            raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)} of ep_group")
-        if not isinstance(num_sm, int) or num_sm <= 0:
-            raise ValueError(f"num_sm must be a positive int, got {num_sm!r}")
+        if tuning is None:
+            tuning = TritonTuning()
+        if not isinstance(tuning, TritonTuning):
+            raise TypeError(f"tuning must be an ep_a2a.TritonTuning, got {type(tuning).__name__}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        world_size = dist.get_world_size(group)
         self.config = EPConfig(
             max_tokens=max_tokens,
             hidden=hidden,
             topk=topk,
-            num_tot_experts=num_tot_experts,
-            rank=rank,
+            num_tot_experts=num_experts,
+            rank=dist.get_rank(group),
             world_size=world_size,
-            local_world_size=local_world_size,
+            local_world_size=world_size if local_world_size is None else local_world_size,
             token_dtype=dtype,
             weight_dtype=weight_dtype,
         )
-        self.num_sm = num_sm
+        self.tuning = tuning
         self.enable_local_combine = enable_local_combine
         self.use_aot = use_aot
         self.validate = validate
-        self.ctx = DispatchCombineContext.create(
-            self.config,
-            group,
-            backend=backend,
-            num_sm=num_sm,
-            enable_local_combine=enable_local_combine,
-            use_aot=use_aot,
-            timeout_s=timeout_s,
+        options = BackendOptions(
+            tuning=tuning, enable_local_combine=enable_local_combine, use_aot=use_aot, timeout_s=timeout_s
         )
+        self.ctx = DispatchCombineContext.create(self.config, group, backend=backend, options=options)
+
+    @property
+    def num_sm(self) -> int:
+        """``tuning.num_sm``: most SMs the Triton backend's kernels use."""
+        return self.tuning.num_sm
 
     # -- properties ------------------------------------------------------------------------------------
     @property
@@ -268,7 +256,7 @@ class EPAll2AllLayer:
     # -- checks ----------------------------------------------------------------------------------------
     def _check_alive(self, what: str) -> None:
         if self.ctx.finalized:
-            raise RuntimeError(f"EPAll2AllLayer.{what}() called after finalize()")
+            raise RuntimeError(f"{type(self).__name__}.{what}() called after finalize()")
 
     def _check_tensor(
         self, name: str, t: Any, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...] | None
@@ -372,7 +360,7 @@ class EPAll2AllLayer:
             raise TypeError(f"ep_a2a_layout_desc must be an EPAllToAllLayoutDesc, got {type(desc).__name__}")
         owner = getattr(desc.backend_state, "owner", None)
         if owner is not None and owner != id(self.ctx.backend):
-            raise ValueError("ep_a2a_layout_desc was produced by a different EPAll2AllLayer")
+            raise ValueError(f"ep_a2a_layout_desc was produced by a different {type(self).__name__}")
         if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
             raise TypeError(f"input must be a floating tensor, got {getattr(input, 'dtype', type(input))}")
         self._check_tensor("input", input, (desc.num_recv_rows, self.config.hidden), None)
@@ -394,7 +382,7 @@ class EPAll2AllLayer:
         backend = self.ctx.backend
         if not hasattr(backend, "dispatch_static"):
             raise NotImplementedError(
-                f"EPAll2AllLayer.{what}() (CUDA-graph mode) needs backend='triton'; this layer runs the "
+                f"{type(self).__name__}.{what}() (CUDA-graph mode) needs backend='triton'; this layer runs the "
                 f"{self.backend_name} backend ({self.backend_reason}). Use dispatch / combine"
             )
         return backend
@@ -421,7 +409,7 @@ class EPAll2AllLayer:
             weight: ``[n, topk]`` ``weight_dtype`` routing weights, or ``None``.
 
         Returns:
-            :class:`ep_a2a.triton_backend.StaticDispatch`: ``output`` ``[world_size * max_tokens * topk,
+            :class:`ep_a2a.backends.triton.StaticDispatch`: ``output`` ``[world_size * max_tokens * topk,
             hidden]`` of which the first ``num_recv_rows`` (a device scalar) are valid, in the order of
             :meth:`dispatch`; ``weights``, ``recv_expert_indices`` the same rows;
             ``num_recv_tokens_per_expert`` ``[num_tot_experts // world_size]`` int64 on the device.
@@ -450,7 +438,7 @@ class EPAll2AllLayer:
                 f"dispatched must be the result of dispatch_static, got {type(dispatched).__name__}"
             )
         if owner != id(backend):
-            raise ValueError("dispatched was produced by a different EPAll2AllLayer")
+            raise ValueError(f"dispatched was produced by a different {type(self).__name__}")
         if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
             raise TypeError(f"input must be a floating tensor, got {getattr(input, 'dtype', type(input))}")
         self._check_tensor("input", input, tuple(dispatched.output.shape), None)
@@ -478,7 +466,7 @@ class EPAll2AllLayer:
         """Release buffers and side groups. Idempotent; the layer raises on any later call."""
         self.ctx.finalize()
 
-    def __enter__(self) -> EPAll2AllLayer:
+    def __enter__(self) -> EPLayer:
         return self
 
     def __exit__(

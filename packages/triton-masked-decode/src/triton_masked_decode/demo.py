@@ -28,7 +28,7 @@ def main() -> int:
         # package (and its kernels) is imported, hence a fresh process.
         env = dict(os.environ, TRITON_INTERPRET="1")
         return subprocess.call([sys.executable, "-m", "triton_masked_decode.demo"], env=env)
-    from triton_masked_decode import masked_decode, masked_decode_ref, pack_mask
+    from triton_masked_decode import MaskedDecodeConfig, masked_decode, masked_decode_ref, pack_mask
 
     torch.manual_seed(0)
     gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -48,7 +48,7 @@ def main() -> int:
         where = "GPU" if gpu else "CPU, Triton interpreter"
         print(f"masked_decode on {where}: B={b} Hq={hkv * group} Hkv={hkv} D={d} L={length}, 30% visible")
         for path in ("auto", "dense", "sparse"):
-            out, _ = masked_decode(q, k, v, mask, seqlens=seqlens, path=path)
+            out, _ = masked_decode(q, k, v, mask, seqlens=seqlens, config=MaskedDecodeConfig(path=path))
             ok &= _report(f"bool mask, path={path}", out, ref, 5e-3)
         out, _ = masked_decode(q, k, v, pack_mask(mask), seqlens=seqlens)
         ok &= _report("bit-packed mask", out, ref, 5e-3)

@@ -1,4 +1,4 @@
-"""Masked split-KV flash decoding: kernels, launcher, torch custom op and the public functions.
+"""Masked split-KV flash decoding: Triton kernels, launcher, torch custom op and the public function.
 
 One program handles one (split, KV head, sequence): all ``G = Hq / Hkv`` query heads of the KV head sit in
 one ``[BLOCK_G, D]`` tile, so every K/V row read from memory serves the whole group. Each split covers a
@@ -15,65 +15,49 @@ Two inner loops share the per-tile attention step:
   computed), so its work scales with the visible rows.
 
 With ``path="auto"`` and a mask, the same pass counts the visible positions, and each split takes the
-sparse loop when their fraction is at most ``sparse_threshold`` (default per launch class, see
-``SPARSE_THRESHOLDS``): the choice is made on the device, per split. Partial results (one per split) are
-combined by a second kernel with the log-sum-exp rule; on Hopper it is launched with programmatic dependent
-launch, so its programs are resident before the splits finish. When every split takes the sparse loop
-(threshold 1 or more, the default, or ``path="sparse"``) the split kernel is compiled without the dense loop;
-otherwise, on a GPU, the dense tile length, warps and pipelining depth are autotuned per shape class on
-first use. The sparse tile, split target and default threshold per launch class come from ``_tuned.py``
-(an H100 sweep).
+sparse loop when their fraction is at most ``sparse_threshold``: the choice is made on the device, per
+split. Partial results (one per split) are combined by a second kernel with the log-sum-exp rule; on Hopper
+it is launched with programmatic dependent launch, so its programs are resident before the splits finish.
+When every split takes the sparse loop (threshold 1, the default, or ``path="sparse"``) the split kernel
+is compiled without the dense loop; otherwise, on a GPU, the dense tile is autotuned per shape class on
+first use. The launch knobs and their tuned defaults are in :mod:`triton_masked_decode.config`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from triton_masked_decode import _interp_compat, _tuned
+from triton_masked_decode._utils import (
+    capability,
+    device_name,
+    install_interpreter_fix,
+    interpreting,
+    num_sms,
+)
+from triton_masked_decode.config import MaskedDecodeConfig, tuned_defaults
 
-_interp_compat.install()
+install_interpreter_fix()
 
-__all__ = ["SPARSE_THRESHOLDS", "masked_decode", "triton_masked_flash_decoding"]
-
-#: Default ``sparse_threshold`` (largest visible fraction of a split for which ``path="auto"`` takes the
-#: sparse loop) per launch class: ``"one_wave"`` when every program of the launch fits on the GPU at once
-#: (small batch), ``"multi_wave"`` otherwise. Measured on an H100 (benchmarks/tune_masked_decode.py).
-SPARSE_THRESHOLDS = {
-    "one_wave": _tuned.SPARSE_THRESHOLD_ONE_WAVE,
-    "multi_wave": _tuned.SPARSE_THRESHOLD_MULTI_WAVE,
-}
+__all__ = ["choose_num_splits", "masked_decode"]
 
 _LOG2E = 1.4426950408889634
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-# "dense_read_all" reads every in-bounds K/V row and zeroes excluded ones (for comparison in benchmarks).
-_PATH_CODES = {"auto": 0, "dense": 1, "sparse": 2, "dense_read_all": 3}
-# Whether path="auto" uses the read-all variant of the dense loop when a split is dense.
-_AUTO_DENSE_READ_ALL = False
+_PATH_CODES = {"auto": 0, "dense": 1, "sparse": 2}
 _MASK_NONE, _MASK_BOOL, _MASK_PACKED = 0, 1, 2
 _MAX_GROUP = 64
 _MAX_SPLITS = 256
 _MAX_CHUNK = 4096  # bounds per-program work so ragged batches balance across SMs
-_PROGRAMS_PER_SM = _tuned.PROGRAMS_PER_SM
-# A launch is "one wave" when it has at most this many times PROGRAMS_PER_SM programs per SM.
+_MAX_BLOCK_C = 2048  # mask positions compacted per step (one step per chunk up to this length)
+# A launch is "one wave" when it has at most this many times programs_per_sm programs per SM.
 _ONE_WAVE_SLACK = 1.25
-# Merge kernel: one program per (query head, sequence, head-dim slice of _MERGE_BLOCK_D) with
-# _MERGE_WARPS warps. H100 A/B (ab_one_wave.py, run 10, geo-mean over five masks): at batch 1, 32-wide
-# slices with 1 warp 0.986 / 0.987 (two calls) of 2 warps, and 2 warps 0.983 of one 4-warp program per
-# head (run 9); at batch 8 all within 1%.
-_MERGE_BLOCK_D = 32
-_MERGE_WARPS = 1
-# Benchmark-only knobs (tile sizes, pipelining depth, split targets); empty in normal use.
-_TUNE_OVERRIDE: dict[str, int] = {}
-
-
-def _interpreting() -> bool:
-    # The interpreter multiplies bfloat16 dot operands as raw uint16 bits; kernels then upcast (UPCAST).
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+_DEFAULT_CONFIG = MaskedDecodeConfig()
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -115,16 +99,10 @@ def _attend_rows(
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
-    ld_rows,
-    READ_ALL: tl.constexpr,
 ):
-    """Online-softmax update with the K/V rows at positions ``pos``.
-
-    Rows are loaded where ``ld_rows``; normally that is ``vis`` so excluded rows are never read. With
-    ``READ_ALL`` every in-bounds row is read (one unpredicated stream) and excluded ones are zeroed.
-    """
+    """Online-softmax update with the K/V rows at positions ``pos``; rows are loaded only where ``vis``."""
     if PAGED:
-        page = tl.load(bt_base + pos // PAGE_SIZE, mask=ld_rows, other=0).to(tl.int64)
+        page = tl.load(bt_base + pos // PAGE_SIZE, mask=vis, other=0).to(tl.int64)
         row = (pos % PAGE_SIZE).to(tl.int64)
         k_off = page * stride_kp + row * stride_kn
         v_off = page * stride_vp + row * stride_vn
@@ -132,9 +110,9 @@ def _attend_rows(
         k_off = pos.to(tl.int64) * stride_kn
         v_off = pos.to(tl.int64) * stride_vn
     if BLOCK_D == HEAD_DIM:
-        ld_mask = ld_rows[:, None]
+        ld_mask = vis[:, None]
     else:
-        ld_mask = ld_rows[:, None] & (offs_d < HEAD_DIM)[None, :]
+        ld_mask = vis[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
@@ -147,8 +125,6 @@ def _attend_rows(
     v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
     if UPCAST:
         v = v.to(tl.float32)
-    if READ_ALL:
-        v = tl.where(vis[:, None], v, 0.0)  # an excluded row may hold NaN: 0 * NaN would leak
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, l_i, m_new
@@ -180,7 +156,6 @@ def _dense_loop(
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
-    READ_ALL: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     # The K/V loads of a tile are predicated on its mask bits: fetch the bits one tile ahead so that
@@ -197,14 +172,10 @@ def _dense_loop(
             vis = inb & (ex_next == 0)
             nxt = pos + BLOCK_N
             ex_next = _excluded(mask_base, nxt, nxt < hi, stride_ml, MASK_MODE)
-        if READ_ALL:
-            ld_rows = inb
-        else:
-            ld_rows = vis
         acc, l_i, m_i = _attend_rows(
             acc, l_i, m_i, q, pos, vis, k_base, v_base, bt_base,
             stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
-            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST, ld_rows, READ_ALL,
+            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST,
         )  # fmt: skip
     return acc, l_i, m_i
 
@@ -265,7 +236,7 @@ def _sparse_loop(
         acc, l_i, m_i = _attend_rows(
             acc, l_i, m_i, q, pos, valid, k_base, v_base, bt_base,
             stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
-            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST, valid, False,
+            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST,
         )  # fmt: skip
     return acc, l_i, m_i
 
@@ -329,7 +300,6 @@ def _masked_decode_split_kernel(
     COMPACT: tl.constexpr,
     SPARSE_ONLY: tl.constexpr,
     UPCAST: tl.constexpr,
-    DENSE_READ_ALL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -400,7 +370,7 @@ def _masked_decode_split_kernel(
             acc, l_i, m_i = _dense_loop(
                 acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base,
                 stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
-                MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST, DENSE_READ_ALL,
+                MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST,
             )  # fmt: skip
 
         out, lse = _normalize(acc, l_i, m_i)  # m_i is in log2 units (q·k was scaled by log2 e)
@@ -452,18 +422,10 @@ def _prune_configs(configs, named_args, **kwargs):
 
 _split_kernel_tuned = triton.autotune(
     configs=_AUTOTUNE_CONFIGS,
-    key=["G", "HEAD_DIM", "MASK_MODE", "COMPACT", "PAGED", "PAGE_SIZE", "DENSE_READ_ALL", "size_class"],
+    key=["G", "HEAD_DIM", "MASK_MODE", "COMPACT", "PAGED", "PAGE_SIZE", "size_class"],
     prune_configs_by={"early_config_prune": _prune_configs},
     do_bench=lambda kernel_call, quantiles: _bench_config(kernel_call, quantiles),
 )(_masked_decode_split_kernel)
-
-
-def _autotune_enabled() -> bool:
-    return (
-        not _interpreting()
-        and not _TUNE_OVERRIDE
-        and os.environ.get("TRITON_MASKED_DECODE_AUTOTUNE", "1") != "0"
-    )
 
 
 @triton.jit
@@ -546,61 +508,6 @@ def _merge_splits_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------------------
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: a few splits, so that the merge path is exercised
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def _tile_config(block_d: int, block_g: int) -> tuple[int, int, int]:
-    """Default dense-loop (BLOCK_N, num_warps, num_stages) for a head-dim tile; tiny tiles under the interpreter."""
-    if _interpreting():
-        return 16, 4, 1
-    block_n, num_warps, num_stages = _CANDIDATES[block_d][0]
-    if block_g * block_d >= 8192:
-        num_warps = 8
-    ov = _TUNE_OVERRIDE
-    return ov.get("block_n", block_n), ov.get("num_warps", num_warps), ov.get("num_stages", num_stages)
-
-
-_MAX_BLOCK_C = 2048  # mask positions compacted per step (one step per chunk up to this length)
-
-
-def _sparse_config(block_d: int, chunk: int, one_wave: bool) -> tuple[int, int, int]:
-    """(BLOCK_NS, SPARSE_STAGES, BLOCK_C) of the sparse loop and the compaction for a launch.
-
-    The gather tile is tuned at head dim 128 per launch class; other head dims keep its bytes per tile
-    (rows scaled by 128 / D, 16 to 64 rows), since K and V tiles of every stage sit in shared memory.
-    With manual prefetch of the index list, ``SPARSE_STAGES`` s holds ``s - 1`` K/V tiles in flight.
-    """
-    if _interpreting():
-        return 16, 1, 32
-    ns_128, stages = _tuned.SPARSE_TILE_ONE_WAVE if one_wave else _tuned.SPARSE_TILE_MULTI_WAVE
-    block_ns = min(64, max(16, ns_128 * 128 // block_d))
-    ov = _TUNE_OVERRIDE
-    block_c = min(ov.get("block_c", _MAX_BLOCK_C), triton.next_power_of_2(max(chunk, 128)))
-    return ov.get("block_ns", block_ns), ov.get("sparse_stages", stages), block_c
-
-
-def _use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch of the merge kernel (Hopper and newer): it starts while splits finish."""
-    if device.type != "cuda" or _interpreting():
-        return False
-    if "pdl" in _TUNE_OVERRIDE:
-        return bool(_TUNE_OVERRIDE["pdl"])
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _chunk_granularity() -> int:
-    """Chunk lengths are multiples of this, so every candidate BLOCK_N divides them."""
-    return 16 if _interpreting() else max(128, _TUNE_OVERRIDE.get("block_n", 128))
-
 
 def choose_num_splits(
     batch: int,
@@ -611,31 +518,42 @@ def choose_num_splits(
     num_splits: int | None = None,
     *,
     max_chunk: int = _MAX_CHUNK,
+    programs_per_sm: int = 4,
 ) -> tuple[int, int]:
     """Split count and chunk length (positions per split) for a launch; depends on shapes only.
 
-    Aims at ``PROGRAMS_PER_SM`` programs per SM (tuned, see ``_tuned.py``) and at most ``max_chunk``
-    positions per program, so batch 1 fills the GPU through splits and a ragged large batch balances
-    through many short programs.
+    Aims at ``programs_per_sm`` programs per SM and at most ``max_chunk`` positions per program, so batch
+    1 fills the GPU through splits and a ragged large batch balances through many short programs.
 
     Args:
-        batch: number of sequences ``B``.
-        num_kv_heads: ``Hkv``.
-        max_len: positions to cover (``L``, or the host-int ``seqlens``).
+        batch: number of sequences ``B`` (>= 1).
+        num_kv_heads: ``Hkv`` (>= 1).
+        max_len: positions to cover (``L``, or the host-int ``seqlens``), >= 0.
         block_n: granularity of the chunk length (128 on GPU, so that every autotuned tile divides it).
         num_sms: streaming multiprocessors of the device (132 on an H100 SXM).
         num_splits: requested split count instead of the heuristic.
-        max_chunk: most positions per split (4096; the launcher passes a tuned value when a mask is given).
+        max_chunk: most positions per split (4096; :func:`masked_decode` passes 2048 when a mask is given).
+        programs_per_sm: programs per SM the split count aims at.
 
     Returns:
         ``(num_splits, chunk)`` with ``chunk`` a multiple of ``block_n`` and
         ``(num_splits - 1) * chunk < max_len <= num_splits * chunk`` (one split when ``max_len`` is 0).
+
+    Raises:
+        ValueError: an argument out of its range (the message names it).
     """
+    for name, val, lo in (
+        ("batch", batch, 1), ("num_kv_heads", num_kv_heads, 1), ("max_len", max_len, 0),
+        ("block_n", block_n, 1), ("num_sms", num_sms, 1), ("max_chunk", max_chunk, 1),
+        ("programs_per_sm", programs_per_sm, 1), ("num_splits", 1 if num_splits is None else num_splits, 1),
+    ):  # fmt: skip
+        if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+            raise ValueError(f"choose_num_splits: {name} must be an int >= {lo}, got {val!r}")
     tiles = max(1, triton.cdiv(max_len, block_n))
     if num_splits is None:
-        per_sm = _TUNE_OVERRIDE.get("programs_per_sm", _PROGRAMS_PER_SM)
-        max_chunk = _TUNE_OVERRIDE.get("max_chunk", max_chunk)
-        want = max(triton.cdiv(per_sm * num_sms, batch * num_kv_heads), triton.cdiv(max_len, max_chunk))
+        want = max(
+            triton.cdiv(programs_per_sm * num_sms, batch * num_kv_heads), triton.cdiv(max_len, max_chunk)
+        )
     else:
         want = num_splits
     splits = max(1, min(want, tiles, _MAX_SPLITS))
@@ -643,16 +561,107 @@ def choose_num_splits(
     return max(1, triton.cdiv(max_len, chunk)), chunk
 
 
-def _launch_plan(
-    batch: int, hkv: int, max_len: int, masked: bool, num_sms: int, num_splits: int | None = None
-) -> tuple[int, int, bool]:
-    """(splits, chunk, one_wave) of a launch: the split heuristic and the launch class of the defaults."""
+class _Launch(NamedTuple):
+    """A launch resolved from shapes, the device and a config; passed to the custom op as ints."""
+
+    splits: int
+    chunk: int
+    one_wave: int
+    path: int
+    compact: int
+    sparse_only: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    autotune: int
+    block_ns: int
+    sparse_stages: int
+    block_c: int
+    merge_block_d: int
+    merge_warps: int
+    pdl: int
+
+
+class _Device(NamedTuple):
+    """What a launch needs to know of its device."""
+
+    sms: int
+    pdl: bool  # programmatic dependent launch available (Hopper and newer, compiled kernels)
+    name: str
+
+
+def _device_facts(device: torch.device) -> _Device:
+    compiled = device.type == "cuda" and not interpreting()
+    return _Device(num_sms(device), compiled and capability(device)[0] >= 9, device_name(device))
+
+
+@functools.lru_cache(maxsize=512)
+def _plan_launch(
+    batch: int,
+    hq: int,
+    hkv: int,
+    head_dim: int,
+    max_len: int,
+    masked: bool,
+    config: MaskedDecodeConfig,
+    dev: _Device,
+) -> tuple[_Launch, float]:
+    """(launch, sparse threshold) of a call: the config's fields, or the tuned defaults of the device."""
+    interp = interpreting()
+    tuned = tuned_defaults(dev.name)
+    block_g = max(16, triton.next_power_of_2(hq // hkv))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # Dense-loop tile: the first autotuning candidate (8 warps for large accumulators); tiny when interpreting.
+    block_n, num_warps, num_stages = (16, 4, 1) if interp else _CANDIDATES[block_d][0]
+    if not interp and block_g * block_d >= 8192:
+        num_warps = 8
+    block_n = config.block_n or block_n
+    num_warps = config.num_warps or num_warps
+    num_stages = config.num_stages or num_stages
+    # Chunk lengths are multiples of the granularity, so every candidate BLOCK_N divides them.
+    granularity = 16 if interp else max(128, config.block_n or 128)
+    per_sm = config.programs_per_sm or tuned.programs_per_sm
     splits, chunk = choose_num_splits(
-        batch, hkv, max_len, _chunk_granularity(), num_sms, num_splits,
-        max_chunk=_tuned.MAX_CHUNK_MASKED if masked else _MAX_CHUNK,
+        batch, hkv, max_len, granularity, dev.sms, config.num_splits,
+        max_chunk=config.max_chunk or (tuned.max_chunk_masked if masked else _MAX_CHUNK),
+        programs_per_sm=per_sm,
     )  # fmt: skip
-    per_sm = _TUNE_OVERRIDE.get("programs_per_sm", _PROGRAMS_PER_SM)
-    return splits, chunk, batch * hkv * splits <= _ONE_WAVE_SLACK * per_sm * num_sms
+    one_wave = batch * hkv * splits <= _ONE_WAVE_SLACK * per_sm * dev.sms
+    cls = tuned.one_wave if one_wave else tuned.multi_wave
+    threshold = cls.sparse_threshold if config.sparse_threshold is None else config.sparse_threshold
+    # Sparse gather tile: tuned at head dim 128; other head dims keep its bytes per tile (16 to 64 rows).
+    if interp:
+        block_ns, sparse_stages, block_c = 16, 1, config.block_c or 32
+    else:
+        block_ns = min(64, max(16, cls.block_ns * 128 // block_d))
+        sparse_stages = cls.sparse_stages
+        block_c = min(config.block_c or _MAX_BLOCK_C, triton.next_power_of_2(max(chunk, 128)))
+    path = _PATH_CODES[config.path]
+    compact = masked and config.path in ("auto", "sparse")
+    if config.path == "sparse":
+        threshold = 2.0  # every split takes the sparse loop (visible <= 2 * length always holds)
+    # A threshold of 1 or more sends every split to the sparse loop (visible <= length always holds): the
+    # kernel is then compiled without the dense loop and launched without autotuning its (unused) tile.
+    sparse_only = compact and threshold >= 1.0
+    launch = _Launch(
+        splits=splits,
+        chunk=chunk,
+        one_wave=int(one_wave),
+        path=path,
+        compact=int(compact),
+        sparse_only=int(sparse_only),
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        autotune=int(config.autotune and not interp and not config.fixed_dense_tile and not sparse_only),
+        block_ns=config.block_ns or block_ns,
+        sparse_stages=config.sparse_stages or sparse_stages,
+        block_c=block_c,
+        merge_block_d=min(block_d, config.merge_block_d),
+        merge_warps=config.merge_warps,
+        pdl=int((dev.pdl if config.pdl is None else config.pdl and dev.pdl) and splits > 1),
+    )
+    return launch, threshold
 
 
 def _launch(
@@ -661,30 +670,24 @@ def _launch(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     seqlens: torch.Tensor | None,
-    seqlen_const: int,
     block_table: torch.Tensor | None,
+    seqlen_const: int,
     sm_scale: float,
     max_len: int,
-    num_splits: int,
-    path: int,
     sparse_threshold: float,
+    launch: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the split kernel (and the merge when there is more than one split) on validated inputs."""
+    """Run the split kernel (and the merge when there is more than one split) on validated inputs.
+
+    ``launch`` is a :class:`_Launch` as a list (the custom op's schema has no named tuples).
+    """
     batch, hq, d = q.shape
+    if batch == 0:
+        return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+    plan = _Launch(*launch)
     paged = block_table is not None
     hkv = k.shape[2] if paged else k.shape[1]
-    group = hq // hkv
-    block_g = max(16, triton.next_power_of_2(group))
-    block_d = max(16, triton.next_power_of_2(d))
-    block_n, num_warps, num_stages = _tile_config(block_d, block_g)
-    splits, chunk, one_wave = _launch_plan(
-        batch, hkv, max_len, mask is not None, _num_sms(q.device), num_splits if num_splits > 0 else None
-    )
-    if sparse_threshold < 0.0:  # the default: per launch class
-        sparse_threshold = SPARSE_THRESHOLDS["one_wave" if one_wave else "multi_wave"]
-    block_ns, sparse_stages, block_c = _sparse_config(block_d, chunk, one_wave)
-    pdl = _use_pdl(q.device) and splits > 1
-
+    splits, chunk = plan.splits, plan.chunk
     mask_mode = _MASK_NONE
     if mask is not None:
         mask_mode = _MASK_PACKED if mask.dtype == torch.uint8 else _MASK_BOOL
@@ -693,13 +696,7 @@ def _launch(
     else:
         mask_t = torch.empty(1, dtype=torch.uint8, device=q.device)
         mstrides = (0, 0, 0)
-    compact = mask is not None and path in (_PATH_CODES["auto"], _PATH_CODES["sparse"])
-    if path == _PATH_CODES["sparse"]:
-        sparse_threshold = 2.0  # every split takes the sparse loop (visible <= 2 * length always holds)
-    # A threshold of 1 or more sends every split to the sparse loop (visible <= length always holds): the
-    # kernel is then compiled without the dense loop and launched without autotuning its (unused) tile.
-    sparse_only = compact and sparse_threshold >= 1.0 and not _TUNE_OVERRIDE.get("keep_dense_loop", 0)
-    if compact:
+    if plan.compact:
         idx = torch.empty(batch * hkv * splits * chunk, dtype=torch.int32, device=q.device)
     else:
         idx = torch.empty(1, dtype=torch.int32, device=q.device)
@@ -733,32 +730,33 @@ def _launch(
         *ks, *vs, *mstrides, bt_t.stride(0),
         *po, *pl,
     )  # fmt: skip
+    block_d = max(16, triton.next_power_of_2(d))
     meta = dict(
-        G=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_NS=block_ns, SPARSE_STAGES=sparse_stages,
-        BLOCK_C=block_c, MASK_MODE=mask_mode, HAS_SEQLENS=seqlens is not None, PAGED=paged,
-        PAGE_SIZE=page_size, COMPACT=compact, SPARSE_ONLY=sparse_only,
-        UPCAST=_interpreting() and q.dtype == torch.bfloat16,
-        DENSE_READ_ALL=path == _PATH_CODES["dense_read_all"] or (path == 0 and _AUTO_DENSE_READ_ALL),
-        PDL=pdl,
+        G=hq // hkv, BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), HEAD_DIM=d, BLOCK_D=block_d,
+        BLOCK_NS=plan.block_ns, SPARSE_STAGES=plan.sparse_stages, BLOCK_C=plan.block_c, MASK_MODE=mask_mode,
+        HAS_SEQLENS=seqlens is not None, PAGED=paged, PAGE_SIZE=page_size, COMPACT=bool(plan.compact),
+        SPARSE_ONLY=bool(plan.sparse_only), UPCAST=interpreting() and q.dtype == torch.bfloat16,
+        PDL=bool(plan.pdl),
     )  # fmt: skip
     grid = (splits, hkv, batch)
-    if _autotune_enabled() and not sparse_only:
-        _split_kernel_tuned[grid](*args, **meta)
-    else:
-        _masked_decode_split_kernel[grid](
-            *args, **meta, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages
-        )
-    if splits > 1:
-        # One merge program per (query head, sequence, head-dim slice of _MERGE_BLOCK_D positions); each
-        # reads at most 64 partial values per thread per step (BLOCK_S splits at a time).
-        block_dm = min(block_d, _TUNE_OVERRIDE.get("merge_block_d", _MERGE_BLOCK_D))
-        merge_warps = _TUNE_OVERRIDE.get("merge_warps", _MERGE_WARPS)
-        block_s = min(max(merge_warps * 32 * 64 // block_dm, 1), triton.next_power_of_2(splits))
+    # One merge program per (query head, sequence, head-dim slice); each reads at most 64 partial values per
+    # thread per step (BLOCK_S splits at a time).
+    block_dm, merge_warps = plan.merge_block_d, plan.merge_warps
+    block_s = min(max(merge_warps * 32 * 64 // block_dm, 1), triton.next_power_of_2(splits))
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        if plan.autotune:  # Triton launches on the current device
+            _split_kernel_tuned[grid](*args, **meta)
+        else:
+            _masked_decode_split_kernel[grid](
+                *args, **meta, BLOCK_N=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages
+            )
+        if splits == 1:
+            return out, lse
         _merge_splits_kernel[(hq, batch, triton.cdiv(block_d, block_dm))](
             o_part, l_part, out, lse, seq_t, seqlen_const, max_len, chunk, splits,
             *o_part.stride()[:3], *l_part.stride(), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             HEAD_DIM=d, BLOCK_D=block_dm, BLOCK_S=block_s,
-            HAS_SEQLENS=seqlens is not None, PDL=pdl, num_warps=merge_warps, launch_pdl=pdl,
+            HAS_SEQLENS=seqlens is not None, PDL=bool(plan.pdl), num_warps=merge_warps, launch_pdl=bool(plan.pdl),
         )  # fmt: skip
     return out, lse
 
@@ -768,64 +766,17 @@ def _launch(
 # --------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("triton_masked_decode::masked_decode", mutates_args=())
-def _masked_decode_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    seqlens: torch.Tensor | None,
-    seqlen_const: int,
-    block_table: torch.Tensor | None,
-    sm_scale: float,
-    max_len: int,
-    num_splits: int,
-    path: int,
-    sparse_threshold: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (
-        q,
-        k,
-        v,
-        mask,
-        seqlens,
-        seqlen_const,
-        block_table,
-        sm_scale,
-        max_len,
-        num_splits,
-        path,
-        sparse_threshold,
-    )
-    if q.shape[0] == 0:
-        return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
-    if q.device.type == "cuda":
-        with torch.cuda.device(q.device):  # Triton launches on the current device
-            return _launch(*args)
-    return _launch(*args)
+_masked_decode_op = torch.library.custom_op("triton_masked_decode::masked_decode", _launch, mutates_args=())
 
 
 @_masked_decode_op.register_fake
-def _masked_decode_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    seqlens: torch.Tensor | None,
-    seqlen_const: int,
-    block_table: torch.Tensor | None,
-    sm_scale: float,
-    max_len: int,
-    num_splits: int,
-    path: int,
-    sparse_threshold: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked_decode_fake(q: torch.Tensor, *_: object) -> tuple[torch.Tensor, torch.Tensor]:
     batch, hq, d = q.shape
     return q.new_empty(batch, hq, d), q.new_empty(batch, hq, dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------------
-# Validation and public functions
+# Validation and the public function
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -833,47 +784,39 @@ def _fail(msg: str) -> None:
     raise ValueError(f"masked_decode: {msg}")
 
 
-def _value_checks_allowed() -> bool:
-    """Host-syncing value checks are skipped while a CUDA graph is being captured or torch.compile traces."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+def _shape(t: object) -> object:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)
 
 
-def _validate(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    seqlens: torch.Tensor | int | None,
-    block_table: torch.Tensor | None,
-    check_values: bool,
-) -> tuple[torch.Tensor, int, int]:
-    """Check shapes/dtypes/devices/strides; returns (q as [B, Hq, D], max_len, seqlen_const)."""
+def _check_q(q: torch.Tensor) -> torch.Tensor:
+    """q as ``[B, Hq, D]``."""
     if not isinstance(q, torch.Tensor) or q.dim() not in (3, 4) or (q.dim() == 4 and q.shape[2] != 1):
-        _fail(
-            f"q must be [B, Hq, D] or [B, Hq, 1, D], got {tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}"
-        )
+        _fail(f"q must be [B, Hq, D] or [B, Hq, 1, D], got {_shape(q)}")
     q3 = q.squeeze(2) if q.dim() == 4 else q
-    batch, hq, d = q3.shape
+    d = q3.shape[-1]
     if q3.dtype not in (torch.float16, torch.bfloat16):
         _fail(f"q must be float16 or bfloat16, got {q3.dtype}")
     if d % 8 != 0 or not 16 <= d <= 256:
         _fail(f"head dim D must be a multiple of 8 in [16, 256], got {d}")
     if q3.stride(-1) != 1:
         _fail(f"q's last dim must be contiguous (stride 1), got strides {tuple(q3.stride())}")
-    dev = q3.device
-    if dev.type != "cuda" and not _interpreting():
-        _fail(f"tensors must be on a CUDA device (CPU needs TRITON_INTERPRET=1), got {dev}")
+    if q3.device.type != "cuda" and not interpreting():
+        _fail(f"tensors must be on a CUDA device (CPU needs TRITON_INTERPRET=1), got {q3.device}")
+    return q3
+
+
+def _check_cache(
+    q3: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None
+) -> tuple[int, int]:
+    """(Hkv, L) of a dense or paged cache."""
+    batch, hq, d = q3.shape
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            _fail(
-                f"{name} must be a 4-d tensor, got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}"
-            )
+            _fail(f"{name} must be a 4-d tensor, got {_shape(t)}")
         if t.dtype != q3.dtype:
             _fail(f"{name} dtype {t.dtype} must match q dtype {q3.dtype}")
-        if t.device != dev:
-            _fail(f"{name} is on {t.device}, q on {dev}")
+        if t.device != q3.device:
+            _fail(f"{name} is on {t.device}, q on {q3.device}")
         if t.shape[-1] != d:
             _fail(f"{name} head dim {t.shape[-1]} must match q's {d}")
         if t.stride(-1) != 1:
@@ -885,12 +828,16 @@ def _validate(
             _fail(f"dense k must be [B, Hkv, L, D] with B={batch}, got {tuple(k.shape)}")
         hkv, max_len = k.shape[1], k.shape[2]
     else:
-        if block_table.dim() != 2 or block_table.shape[0] != batch:
-            _fail(f"block_table must be [B={batch}, max_pages], got {tuple(block_table.shape)}")
+        if (
+            not isinstance(block_table, torch.Tensor)
+            or block_table.dim() != 2
+            or block_table.shape[0] != batch
+        ):
+            _fail(f"block_table must be [B={batch}, max_pages], got {_shape(block_table)}")
         if block_table.dtype != torch.int32:
             _fail(f"block_table must be int32, got {block_table.dtype}")
-        if block_table.device != dev:
-            _fail(f"block_table is on {block_table.device}, q on {dev}")
+        if block_table.device != q3.device:
+            _fail(f"block_table is on {block_table.device}, q on {q3.device}")
         if block_table.stride(-1) != 1:
             _fail("block_table's last dim must be contiguous (stride 1)")
         page_size = k.shape[1]
@@ -901,53 +848,82 @@ def _validate(
         _fail(f"q heads ({hq}) must be a multiple of KV heads ({hkv})")
     if hq // hkv > _MAX_GROUP:
         _fail(f"GQA group size Hq/Hkv = {hq // hkv} exceeds {_MAX_GROUP}")
-    if mask is not None:
-        if mask.device != dev:
-            _fail(f"mask is on {mask.device}, q on {dev}")
-        if mask.dtype == torch.bool:
-            want = (batch, hkv, max_len)
-        elif mask.dtype == torch.uint8:
-            want = (batch, hkv, triton.cdiv(max_len, 8))
-        else:
-            _fail(f"mask must be bool [B, Hkv, L] or bit-packed uint8 [B, Hkv, ceil(L/8)], got {mask.dtype}")
-        if tuple(mask.shape) != want:
-            _fail(f"mask ({mask.dtype}) must have shape {want}, got {tuple(mask.shape)}")
-    seqlen_const = max_len
+    return hkv, max_len
+
+
+def _check_mask(mask: torch.Tensor | None, q3: torch.Tensor, hkv: int, max_len: int) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        _fail(f"mask must be a tensor or None, got {type(mask)}")
+    if mask.device != q3.device:
+        _fail(f"mask is on {mask.device}, q on {q3.device}")
+    if mask.dtype == torch.bool:
+        want = (q3.shape[0], hkv, max_len)
+    elif mask.dtype == torch.uint8:
+        want = (q3.shape[0], hkv, triton.cdiv(max_len, 8))
+    else:
+        _fail(f"mask must be bool [B, Hkv, L] or bit-packed uint8 [B, Hkv, ceil(L/8)], got {mask.dtype}")
+    if tuple(mask.shape) != want:
+        _fail(f"mask ({mask.dtype}) must have shape {want}, got {tuple(mask.shape)}")
+
+
+def _check_seqlens(seqlens: torch.Tensor | int | None, q3: torch.Tensor, max_len: int) -> int:
+    """The host-int length (``L`` unless ``seqlens`` is an int)."""
+    if seqlens is None:
+        return max_len
     if isinstance(seqlens, bool):
         _fail("seqlens must be an int or an int32 tensor, got bool")
     if isinstance(seqlens, int):
         if not 0 <= seqlens <= max_len:
             _fail(f"seqlens={seqlens} must be in [0, L={max_len}]")
-        seqlen_const = seqlens
-    elif seqlens is not None:
-        if (
-            not isinstance(seqlens, torch.Tensor)
-            or seqlens.dtype != torch.int32
-            or tuple(seqlens.shape) != (batch,)
-        ):
-            _fail(f"seqlens must be an int32 tensor of shape [{batch}] or an int")
-        if seqlens.device != dev:
-            _fail(f"seqlens is on {seqlens.device}, q on {dev}")
-    if check_values and _value_checks_allowed():
-        if isinstance(seqlens, torch.Tensor) and batch > 0:
-            lo, hi = int(seqlens.min()), int(seqlens.max())
-            if lo < 0 or hi > max_len:
-                _fail(f"seqlens values must be in [0, L={max_len}], got min {lo}, max {hi}")
-        if block_table is not None and batch > 0:
-            page_size = k.shape[1]
-            if isinstance(seqlens, torch.Tensor):
-                need = (seqlens.long() + page_size - 1) // page_size
-            else:
-                need = torch.full((batch,), triton.cdiv(seqlen_const, page_size), device=dev)
-            used = torch.arange(block_table.shape[1], device=dev)[None, :] < need[:, None]
-            bad = used & ((block_table < 0) | (block_table >= k.shape[0]))
-            if bool(bad.any()):
-                bi, pi = (int(x) for x in bad.nonzero()[0])
-                _fail(
-                    f"block_table[{bi}, {pi}] = {int(block_table[bi, pi])} is out of range for "
-                    f"{k.shape[0]} pages"
-                )
-    return q3, max_len, seqlen_const
+        return seqlens
+    batch = q3.shape[0]
+    if (
+        not isinstance(seqlens, torch.Tensor)
+        or seqlens.dtype != torch.int32
+        or tuple(seqlens.shape) != (batch,)
+    ):
+        _fail(f"seqlens must be an int32 tensor of shape [{batch}] or an int")
+    if seqlens.device != q3.device:
+        _fail(f"seqlens is on {seqlens.device}, q on {q3.device}")
+    return max_len
+
+
+def _value_checks_allowed() -> bool:
+    """Host-syncing value checks are skipped while a CUDA graph is being captured or torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _check_values(
+    k: torch.Tensor,
+    seqlens: torch.Tensor | int | None,
+    seqlen_const: int,
+    block_table: torch.Tensor | None,
+    max_len: int,
+) -> None:
+    """``seqlens`` within ``[0, L]`` and the used ``block_table`` entries within ``[0, num_pages)``."""
+    batch = block_table.shape[0] if block_table is not None else k.shape[0]
+    if isinstance(seqlens, torch.Tensor) and batch > 0:
+        lo, hi = int(seqlens.min()), int(seqlens.max())
+        if lo < 0 or hi > max_len:
+            _fail(f"seqlens values must be in [0, L={max_len}], got min {lo}, max {hi}")
+    if block_table is not None and batch > 0:
+        dev = block_table.device
+        page_size = k.shape[1]
+        if isinstance(seqlens, torch.Tensor):
+            need = (seqlens.long() + page_size - 1) // page_size
+        else:
+            need = torch.full((batch,), triton.cdiv(seqlen_const, page_size), device=dev)
+        used = torch.arange(block_table.shape[1], device=dev)[None, :] < need[:, None]
+        bad = used & ((block_table < 0) | (block_table >= k.shape[0]))
+        if bool(bad.any()):
+            bi, pi = (int(x) for x in bad.nonzero()[0])
+            _fail(
+                f"block_table[{bi}, {pi}] = {int(block_table[bi, pi])} is out of range for {k.shape[0]} pages"
+            )
 
 
 def masked_decode(
@@ -960,10 +936,8 @@ def masked_decode(
     block_table: torch.Tensor | None = None,
     sm_scale: float | None = None,
     return_lse: bool = True,
-    path: str = "auto",
-    sparse_threshold: float | None = None,
-    num_splits: int | None = None,
     check_values: bool = True,
+    config: MaskedDecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """Decode attention of one query token per sequence over a KV cache with excluded positions.
 
@@ -978,7 +952,7 @@ def masked_decode(
         q: ``[B, Hq, D]`` or ``[B, Hq, 1, D]``, float16 or bfloat16, last dim contiguous.
         k: dense ``[B, Hkv, L, D]`` with any strides (last dim contiguous), e.g. a ``[B, L, Hkv, D]``
             buffer transposed; or paged ``[num_pages, page_size, Hkv, D]`` together with ``block_table``.
-            Same dtype as ``q``. ``D`` a multiple of 8 up to 256.
+            Same dtype as ``q``. ``D`` a multiple of 8 in ``[16, 256]``.
         v: same layout, shape and dtype as ``k``.
         mask: optional exclusion mask, ``True``/set bit = position excluded. Either ``[B, Hkv, L]`` bool
             (any strides) or bit-packed ``[B, Hkv, ceil(L/8)]`` uint8 where bit ``j`` (least significant
@@ -989,82 +963,47 @@ def masked_decode(
             (``page_size`` a power of two).
         sm_scale: softmax scale, default ``D ** -0.5``.
         return_lse: return ``(out, lse)`` when True (default), ``out`` alone when False.
-        path: ``"auto"`` (default) picks, per split and on the device, the sparse loop when the visible
-            fraction of the split is at most ``sparse_threshold`` and the dense loop otherwise;
-            ``"dense"`` / ``"sparse"`` force one loop; ``"dense_read_all"`` is the dense loop reading every
-            row (excluded ones zeroed after the load), kept for comparison.
-        sparse_threshold: visible fraction at or below which ``path="auto"`` takes the sparse loop;
-            default (None): :data:`SPARSE_THRESHOLDS` of the launch class ("one_wave" when all programs
-            fit on the GPU at once, e.g. small batches; "multi_wave" otherwise).
-        num_splits: override the number of KV splits (default: chosen from shapes and the SM count).
         check_values: check tensor *values* (``seqlens`` within ``[0, L]``, used ``block_table`` entries
             within ``[0, num_pages)``). Needs a device-to-host sync, so it is skipped during CUDA-graph
             capture and torch.compile tracing; pass False in a latency-critical decode loop.
+        config: launch knobs (:class:`MaskedDecodeConfig`: loop choice, split count, tiles); default:
+            the tuned defaults of the device.
 
     Returns:
-        ``out [B, Hq, D]`` in ``q.dtype`` and ``lse [B, Hq]`` float32 (natural log). A row with no visible
-        position gets ``out = 0`` and ``lse = -inf``.
+        ``out [B, Hq, D]`` (``[B, Hq, 1, D]`` for a 4-d ``q``) in ``q.dtype`` and ``lse [B, Hq]`` float32
+        (natural log). A row with no visible position gets ``out = 0`` and ``lse = -inf``.
+
+    Raises:
+        ValueError: a shape, dtype, device or stride that does not fit, or (with ``check_values``) a
+            ``seqlens`` or used ``block_table`` value out of range; the message names the argument.
+        TypeError: ``config`` is not a :class:`MaskedDecodeConfig`.
     """
-    if path not in _PATH_CODES:
-        raise ValueError(f"masked_decode: path must be one of {sorted(_PATH_CODES)}, got {path!r}")
-    if sparse_threshold is not None and not 0.0 <= sparse_threshold <= 1.0:
-        raise ValueError(f"masked_decode: sparse_threshold must be in [0, 1], got {sparse_threshold}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"masked_decode: num_splits must be >= 1, got {num_splits}")
-    q3, max_len, seqlen_const = _validate(q, k, v, mask, seqlens, block_table, check_values)
+    cfg = _DEFAULT_CONFIG if config is None else config
+    if not isinstance(cfg, MaskedDecodeConfig):
+        raise TypeError(f"masked_decode: config must be a MaskedDecodeConfig or None, got {type(config)}")
+    q3 = _check_q(q)
+    hkv, max_len = _check_cache(q3, k, v, block_table)
+    _check_mask(mask, q3, hkv, max_len)
+    seqlen_const = _check_seqlens(seqlens, q3, max_len)
+    if check_values and _value_checks_allowed():
+        _check_values(k, seqlens, seqlen_const, block_table, max_len)
     scale = q3.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     if not math.isfinite(scale):
         raise ValueError(f"masked_decode: sm_scale must be finite, got {sm_scale}")
     seq_t = seqlens if isinstance(seqlens, torch.Tensor) else None
     # A host-int length shortens the grid (it is baked into any captured graph anyway).
     grid_len = max_len if seq_t is not None else seqlen_const
+    batch, hq, d = q3.shape
+    if batch == 0:
+        launch, threshold = [0] * len(_Launch._fields), 0.0
+    else:
+        plan, threshold = _plan_launch(
+            batch, hq, hkv, d, grid_len, mask is not None, cfg, _device_facts(q3.device)
+        )
+        launch = list(plan)
     out, lse = torch.ops.triton_masked_decode.masked_decode(
-        q3, k, v, mask, seq_t, seqlen_const, block_table, scale, grid_len,
-        num_splits or 0, _PATH_CODES[path], -1.0 if sparse_threshold is None else float(sparse_threshold),
-    )  # fmt: skip
+        q3, k, v, mask, seq_t, block_table, seqlen_const, scale, grid_len, threshold, launch
+    )
     if q.dim() == 4:
         out = out.unsqueeze(2)
     return (out, lse) if return_lse else out
-
-
-def triton_masked_flash_decoding(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    valid_length: int,
-    num_k_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seed-compatible entry point over flat buffers, built on :func:`masked_decode`.
-
-    The first ``B * Hkv * valid_length * D`` elements of ``k``/``v`` are read as a contiguous
-    ``[B, Hkv, valid_length, D]`` cache, and the first ``B * Hkv * valid_length`` of ``mask`` as
-    ``[B, Hkv, valid_length]`` (``True`` = excluded). The scale is ``D ** -0.5``.
-
-    Args:
-        q: ``[B, Hq, 1, D]`` float16/bfloat16.
-        k: flat ``[>= B*Hkv*valid_length*D]`` keys.
-        v: flat values, like ``k``.
-        mask: flat ``[>= B*Hkv*valid_length]`` bool.
-        valid_length: positions per sequence.
-        num_k_heads: ``Hkv``.
-
-    Returns:
-        ``(lse [B, Hq, 1] float32, out [B, Hq, 1, D] q.dtype)`` — the seed's order. Fully excluded rows
-        give ``lse = -inf`` and ``out = 0``.
-    """
-    if q.dim() != 4 or q.shape[2] != 1:
-        raise ValueError(f"triton_masked_flash_decoding: q must be [B, Hq, 1, D], got {tuple(q.shape)}")
-    bsz, hq, _, dim = q.shape
-    n_kv = bsz * num_k_heads * valid_length
-    for name, t, need in (("k", k, n_kv * dim), ("v", v, n_kv * dim), ("mask", mask, n_kv)):
-        if t.numel() < need:
-            raise ValueError(
-                f"triton_masked_flash_decoding: {name} has {t.numel()} elements, needs >= {need} "
-                f"(B={bsz}, Hkv={num_k_heads}, valid_length={valid_length})"
-            )
-    k4 = k.reshape(-1)[: n_kv * dim].view(bsz, num_k_heads, valid_length, dim)
-    v4 = v.reshape(-1)[: n_kv * dim].view(bsz, num_k_heads, valid_length, dim)
-    m3 = mask.reshape(-1)[:n_kv].view(bsz, num_k_heads, valid_length)
-    out, lse = masked_decode(q.view(bsz, hq, dim), k4, v4, m3, check_values=False)
-    return lse.view(bsz, hq, 1), out.view(bsz, hq, 1, dim)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_masked_decode.masked_decode import _interpreting
+from triton_masked_decode._utils import interpreting
 
 __all__ = ["merge_attention_states"]
 
@@ -85,10 +85,17 @@ def merge_attention_states(
     if len(devs) != 1:
         raise ValueError(f"merge_attention_states: all tensors must be on one device, got {devs}")
     dev = out_a.device
-    if dev.type != "cuda" and not _interpreting():
+    if dev.type != "cuda" and not interpreting():
         raise ValueError(
             f"merge_attention_states: tensors must be on CUDA (CPU needs TRITON_INTERPRET=1), got {dev}"
         )
+    return _launch_merge(out_a, lse_a, out_b, lse_b)
+
+
+def _launch_merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the merge kernel on validated inputs."""
     d = out_a.shape[-1]
     oa, ob = out_a.contiguous(), out_b.contiguous()
     la, lb = lse_a.contiguous(), lse_b.contiguous()

@@ -1,0 +1,667 @@
+"""``backend="triton"``: the fast intra-node path, and its remote path for ranks on other nodes (NVSHMEM
+host-side put-with-signal, nvshmem heap only).
+
+Dispatch sends each token once per destination rank (with its top-k ids, positions and weights) into
+the peer's heap; the receiver expands it into the rows of its local experts in the reference order.
+Combine sums, in float32 on the expert side, the rows of each (token, source rank) and sends one row
+back per pair; the source adds the rows of the ranks its token went to.
+
+A dispatch runs one of three flows:
+
+* counts-first (:meth:`TritonBackend._dispatch_counts_first`): the layout kernel, the receive layout in
+  a kernel of its own, one device-to-host copy of the counts, outputs of exactly the received rows,
+  then the row kernel. Large layers' first call, groups with remote peers and copy-engine dispatch.
+* speculative (:meth:`TritonBackend._dispatch_speculative`): the row kernel is launched before the
+  host knows the counts (its program 0 builds the receive layout and copies the counts to pinned host
+  memory, which the host polls), into outputs allocated ahead: worst-case ones for layers whose worst
+  case fits in ``TritonTuning.overlap_bytes``, else sized from the last calls' counts (a call that
+  receives more gets exact outputs and a second writing pass).
+* static (:meth:`TritonBackend.dispatch_static`): CUDA-graph mode, worst-case outputs, no host wait.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ep_a2a._dist import EPTimeoutError
+from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
+from ep_a2a.backends.triton.engine import (
+    DispatchBuffers,
+    EPTimeoutFromDevice,
+    HeapLayout,
+    TritonEPEngine,
+    _raw_stream,
+)
+from ep_a2a.backends.triton.heaps import NvshmemHeap, NvshmemTransport, make_heap
+from ep_a2a.backends.triton.resolve import engine_options, remote_plan, resolve_heap
+from ep_a2a.config import EPConfig
+from ep_a2a.layout import EPAllToAllLayoutDesc
+
+#: exact-shape calls whose received rows size the speculative flow's outputs
+SPECULATIVE_WINDOW = 8
+
+
+@dataclass
+class _TritonState:
+    owner: int  # id() of the backend that produced the descriptor
+    tab: torch.Tensor  # [W, T, K] int32 output row of every received slot (-1: not here)
+    n_src: torch.Tensor  # [W] int64 on the device: tokens of every source in this dispatch
+    remote: dict[str, torch.Tensor] | None = None  # remote path: the dispatch's pk / rtok / pinfo
+    npk_recv: list[int] | None = None  # remote path: records received from each rank (sizes the puts back)
+
+
+@dataclass
+class StaticDispatch:
+    """Result of :meth:`TritonBackend.dispatch_static` (CUDA-graph mode: fixed shapes, counts on device).
+
+    Attributes:
+        output: ``[W * max_tokens * topk, hidden]`` rows; the first ``num_recv_rows`` are valid.
+        weights: ``[same rows]`` or ``None``.
+        recv_expert_indices: ``[same rows]`` int32 local expert of each valid row.
+        num_recv_tokens_per_expert: ``[E_local]`` int64 on the device.
+        num_recv_rows: ``[]`` int64 on the device.
+        token_dst_scatter_idx: ``[n, topk]`` int32.
+        num_invalid_ids: ``[]`` int64 on the device: slots whose expert id was outside
+            ``[-1, num_tot_experts)`` (dropped).
+    """
+
+    output: torch.Tensor
+    weights: torch.Tensor | None
+    recv_expert_indices: torch.Tensor
+    num_recv_tokens_per_expert: torch.Tensor
+    num_recv_rows: torch.Tensor
+    token_dst_scatter_idx: torch.Tensor
+    exp_indices: torch.Tensor
+    state: _TritonState
+    num_invalid_ids: torch.Tensor
+
+
+def _rows_to_allocate_ahead(rows: int, worst_case: int) -> int:
+    """Rows of the outputs an exact-shape dispatch of a large layer allocates before its counts arrive,
+    guessed from a call of ``rows``: an eighth of headroom, at most the worst case."""
+    return min(rows + rows // 8, worst_case)
+
+
+def _speculative_rows_guess(recent_rows: collections.deque[int], worst_case: int) -> int:
+    """Rows of the outputs a speculative exact-shape dispatch writes into: the most rows of the last
+    ``SPECULATIVE_WINDOW`` calls plus an eighth, at most the worst case. The maximum, not the last call,
+    so batch sizes that vary from call to call (a serving engine's) rarely outgrow them."""
+    return _rows_to_allocate_ahead(max(recent_rows), worst_case)
+
+
+def _rows_fit_ahead(rows: int, ahead: int) -> bool:
+    """Whether outputs allocated ahead for ``ahead`` rows serve a call of ``rows``: they hold them, and
+    at most a quarter of them (a third of ``rows``) goes unused while the views live."""
+    return ahead - ahead // 4 <= rows <= ahead
+
+
+@register_backend
+class TritonBackend(A2ABackend):
+    """Triton kernels over a symmetric heap (intra-node, NVLink / PCIe peer access; remote peers by
+    NVSHMEM host-side puts). Its knobs are the fields of :class:`ep_a2a.TritonTuning`.
+
+    ``enable_local_combine`` is always on here (the expert side always pre-reduces per (token, rank)).
+    Ranks on other nodes (``world_size > local_world_size``, or ``TritonTuning.force_remote``) need the
+    nvshmem heap; with them only the counts-first flow exists and ``dispatch_static`` raises.
+    """
+
+    name = "triton"
+    checks_expert_ids = True  # counted in the layout kernel, raised at the call's one host sync
+    expert_id_dtypes = (torch.int32, torch.int64)  # int64 read in place: no conversion kernel
+
+    def __init__(self, config: EPConfig, ep_group: dist.ProcessGroup, options: BackendOptions) -> None:
+        super().__init__(config, ep_group, options)
+        ok, why = self.is_available(config, ep_group)
+        if not ok:
+            raise RuntimeError(f"backend='triton' unavailable: {why}")
+        tuning = options.tuning
+        node, remote = remote_plan(config, tuning.force_remote)
+        heap = resolve_heap(tuning.heap, config, node)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        # more CTAs than SMs would only queue behind each other
+        self.num_sm = min(tuning.num_sm, torch.cuda.get_device_properties(self.device).multi_processor_count)
+        opts = engine_options(tuning, config, self.num_sm, remote=bool(remote))
+        self.layout = HeapLayout.build(
+            world_size=config.world_size, max_tokens=config.max_tokens, hidden=config.hidden, topk=config.topk,
+            experts_per_rank=config.num_experts_per_rank, token_bytes=config.token_dtype.itemsize,
+            chunk=opts["chunk"], combine_chunk=opts["combine_chunk"], remote=node < config.world_size,
+        )  # fmt: skip
+        local = [r for r in range(config.world_size) if r not in remote]
+        self.heap = make_heap(
+            heap, self.layout.nbytes, ep_group, self.device, peers=local if remote else None,
+            single_node=config.is_intra_node,
+        )  # fmt: skip
+        transport = NvshmemTransport(self.heap) if isinstance(self.heap, NvshmemHeap) and remote else None
+        self.engine = TritonEPEngine(
+            rank=config.rank, world_size=config.world_size, max_tokens=config.max_tokens, hidden=config.hidden,
+            topk=config.topk, num_tot_experts=config.num_tot_experts, token_dtype=config.token_dtype,
+            weight_dtype=config.weight_dtype, heap_local=self.heap.local, ptr_table=self.heap.ptr_table,
+            layout=self.layout, num_sm=self.num_sm, timeout_s=self.timeout_s, remote_ranks=remote,
+            transport=transport, peer_heaps=self.heap.peers, **opts,
+        )  # fmt: skip
+        self.heap_kind = heap
+        #: whether dispatch moves the token rows by copy-engine copies
+        self.copy_engine = tuning.copy_engine
+        #: ranks reached by NVSHMEM puts (other nodes, or forced) and the node size used
+        self.remote_ranks, self.node_size = tuple(remote), node
+        worst_bytes = self.engine.worst_case_rows() * config.hidden * config.token_dtype.itemsize
+        #: speculative flow into worst-case outputs from the first call (never with remote peers: the
+        #: counts size their puts)
+        self.overlap_exact = worst_bytes <= tuning.overlap_bytes and not remote
+        #: speculative flow into outputs sized from the last calls, from the second call on
+        self.speculative_rows = tuning.speculative_rows and not (
+            self.overlap_exact or remote or self.copy_engine
+        )
+        self._init_host_state()
+        self.aot_variants, self.aot_seconds = 0, 0.0
+        if options.use_aot:
+            t0 = time.perf_counter()
+            self.aot_variants = self.engine.precompile(
+                dtypes=(torch.float32,),
+                dispatch_counts=(True,) if self.overlap_exact else (True, False),
+                rewrite=self.speculative_rows,
+                mirror=self.overlap_exact or self.speculative_rows,
+            )
+            self.aot_seconds = time.perf_counter() - t0
+
+    def _init_host_state(self) -> None:
+        """Host buffers and counters of the dispatch flows."""
+        W = self.config.world_size
+        self._info_host = torch.empty_like(self.engine.info, device="cpu").pin_memory()
+        self._pinfo_host = torch.zeros(2 * W, dtype=torch.int64).pin_memory() if self.remote_ranks else None
+        #: stream objects by (id, device, type) of the current stream: building a ``torch.cuda.Stream``
+        #: costs more host time than the lookup
+        self._streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+        self._combine_allowed = False
+        #: rows of the counts-first flow's outputs allocated before the host waits for the counts (0: none)
+        self._rows_ahead = 0
+        #: speculative dispatches, and those whose rows outgrew the outputs allocated ahead
+        self.speculative_calls = self.speculative_overflows = 0
+        #: rows received by the last exact-shape calls (they size the speculative flow's outputs)
+        self._recent_rows: collections.deque[int] = collections.deque(maxlen=SPECULATIVE_WINDOW)
+        # the speculative flow reads its counts from this pinned host copy of info (program 0 writes it,
+        # then the epoch in the last element), not by a stream sync
+        self._mirror = torch.zeros(self.engine.info_len + 1, dtype=torch.int64).pin_memory()
+        self._mirror_np = self._mirror.numpy()
+        self._mirror_wait_s = 2.0 * self.timeout_s + 10.0
+        self._finalized = False
+        #: set when the host gave up polling the mirror: a late write could then land in a later call's
+        #: poll, so the backend refuses further calls
+        self._mirror_lost: str | None = None
+        #: the next speculative call's small outputs (all but the rows), allocated ahead by the call
+        #: before it, keyed by (stream, rows, weights): see :meth:`_prepare_small_outputs`
+        self._next_small: tuple[tuple, DispatchBuffers] | None = None
+        self._static: DispatchBuffers | None = None
+
+    @classmethod
+    def is_available(cls, config: EPConfig, ep_group: dist.ProcessGroup) -> tuple[bool, str]:
+        if not torch.cuda.is_available():
+            return False, "no CUDA device"
+        if dist.get_backend(ep_group) != "nccl":
+            return (
+                False,
+                f"ep_group backend is {dist.get_backend(ep_group)!r}, need 'nccl' (one GPU per rank)",
+            )
+        if not config.is_intra_node:
+            try:
+                import nvshmem.core  # noqa: F401
+            except Exception:
+                return False, 'inter-node groups need nvshmem4py (pip install "ep-a2a[nvshmem]")'
+        if config.weight_dtype.itemsize > 4:
+            return False, f"weight_dtype {config.weight_dtype} wider than 4 bytes"
+        dev = torch.cuda.current_device()
+        if torch.cuda.get_device_capability(dev)[0] < 8:
+            return False, "needs compute capability >= 8.0"
+        where = (
+            "intra-node"
+            if config.is_intra_node
+            else f"{config.nnodes} nodes (remote path over NVSHMEM puts, not run across nodes yet)"
+        )
+        return True, f"{where}, {config.world_size} ranks on {torch.cuda.get_device_name(dev)}"
+
+    # ------------------------------------------------------------------ errors
+    def _raise_device_error(self, exc: EPTimeoutFromDevice) -> None:
+        raise EPTimeoutError(str(exc), step=exc.step, missing_ranks=[exc.peer]) from None
+
+    def _check_usable(self) -> None:
+        if self._finalized:
+            raise RuntimeError("TritonBackend used after finalize()")
+        if self._mirror_lost is not None:
+            raise RuntimeError(f"TritonBackend unusable after an earlier failure: {self._mirror_lost}")
+
+    def check_errors(self) -> None:
+        """Synchronise and raise :class:`ep_a2a.EPTimeoutError` if a device-side wait ran out."""
+        try:
+            self.engine.check_error()
+        except EPTimeoutFromDevice as exc:
+            self._raise_device_error(exc)
+
+    def _raise_device_error_word(self, err: int) -> None:
+        """Raise :class:`EPTimeoutError` for a nonzero device error word (from a dispatch's ``info``)."""
+        if err:
+            try:
+                self.engine.check_error(err)
+            except EPTimeoutFromDevice as exc:
+                self._raise_device_error(exc)
+
+    def _raise_bad_ids(self, vals: list[int]) -> None:
+        if vals[-1]:
+            cfg = self.config
+            raise ValueError(
+                f"exp_indices on rank {cfg.rank}: {vals[-1]} slot(s) outside [-1, num_tot_experts="
+                f"{cfg.num_tot_experts}) (-1 drops a slot). The dispatch completed on every rank with those "
+                "slots dropped; combine it (or rebuild the layer) before dispatching again"
+            )
+
+    # ------------------------------------------------------------------ exact-shape mode
+    def dispatch(
+        self,
+        input: torch.Tensor,
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None,
+        full_scatter_indices: torch.Tensor | None,
+    ) -> DispatchResult:
+        self._check_usable()
+        if torch.cuda.is_current_stream_capturing():
+            # (its host reads the counts: under capture no kernel runs, so the poll could only time out)
+            raise RuntimeError(
+                "dispatch: the exact-shape call reads its counts on the host and cannot be captured in a "
+                "CUDA graph; capture dispatch_static / combine_static instead"
+            )
+        if input.dtype.itemsize > self.config.token_dtype.itemsize:
+            raise ValueError(
+                f"input: the triton backend's receive buffers hold {self.config.token_dtype} rows; got "
+                f"{input.dtype} (e.g. the backward of a combine over float32 expert outputs: cast them to "
+                f"{self.config.token_dtype}, or use backend='torch')"
+            )
+        # (from the second call on, on every rank alike: a guess of 0 rows speculates too, so a rank
+        # that receives nothing does not fall back to the flow with a host wait)
+        if self.overlap_exact or (self.speculative_rows and len(self._recent_rows) > 0):
+            return self._dispatch_speculative(input, exp_indices, weight, full_scatter_indices)
+        return self._dispatch_counts_first(input, exp_indices, weight, full_scatter_indices)
+
+    def _dispatch_counts_first(
+        self,
+        input: torch.Tensor,
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None,
+        full_scatter_indices: torch.Tensor | None,
+    ) -> DispatchResult:
+        """Layout, receive layout, one host wait for the counts, outputs of the exact rows, row kernel."""
+        eng, W, has_w = self.engine, self.config.world_size, weight is not None
+        caller = full_scatter_indices is not None
+        src = full_scatter_indices if full_scatter_indices is not None else eng.pos
+        n = input.shape[0]
+        # (info is per call: the combine of this dispatch reads its token counts after later dispatches)
+        info = torch.empty(eng.info_len, dtype=torch.int64, device=self.device)
+        rb = eng.alloc_remote()
+        eng.launch_layout(exp_indices, caller_scatter=caller, info=info, remote=rb)
+        eng.launch_counts(info, remote=rb)
+        # what does not depend on the counts is allocated while the GPU works them out, and the row-sized
+        # outputs too when the last calls' counts predict them: then nothing is allocated between the
+        # host's wait and the row kernel's launch
+        bufs = eng.alloc_dispatch_fixed(n)
+        bufs.info = info
+        ahead = self._rows_ahead
+        spec = eng.alloc_dispatch_rows(ahead, with_weights=has_w, dtype=input.dtype) if ahead else None
+        # the one small device-to-host copy: receive counts (and the error word) size the output (with
+        # remote peers also the records to send and receive, which size the puts)
+        vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
+        rows = vals[0]
+        self._recent_rows.append(rows)
+        if spec is not None and _rows_fit_ahead(rows, ahead):
+            bufs.out, bufs.out_w, bufs.out_e = (
+                spec[0][:rows],
+                spec[1][:rows] if has_w else spec[1],
+                spec[2][:rows],
+            )
+        else:
+            bufs.out, bufs.out_w, bufs.out_e = eng.alloc_dispatch_rows(
+                rows, with_weights=has_w, dtype=input.dtype
+            )
+            self._rows_ahead = _rows_to_allocate_ahead(rows, eng.worst_case_rows())
+        eng.launch_dispatch(
+            input, exp_indices, weight, src, bufs, caller_scatter=caller, info=info, remote=rb,
+            npk_send=npk[:W] if npk is not None else None,
+        )  # fmt: skip
+        if self.speculative_rows:  # (the next call speculates)
+            self._prepare_small_outputs(n, has_w)
+        # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)
+        self._raise_bad_ids(vals)
+        return self._result(exp_indices, bufs, vals, rows, caller, rb, npk, has_w=has_w)
+
+    def _dispatch_speculative(
+        self,
+        input: torch.Tensor,
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None,
+        full_scatter_indices: torch.Tensor | None,
+    ) -> DispatchResult:
+        """The receive layout inside the row kernel and no host wait before it: the rows land in outputs
+        allocated before the counts are known (worst-case ones for small layers, sized from the last
+        calls for large ones), and the caller gets views of their first ``R`` rows."""
+        eng, has_w = self.engine, weight is not None
+        caller = full_scatter_indices is not None
+        src = full_scatter_indices if full_scatter_indices is not None else eng.pos
+        n = input.shape[0]
+        speculate = not self.overlap_exact
+        cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
+        bufs = self._take_small_outputs(n, cap, has_w)  # (everything but the rows, from the last call)
+        info = bufs.info
+        assert info is not None
+        eng.launch_layout(exp_indices, caller_scatter=caller, info=info, remote=None)
+        self.speculative_calls += speculate
+        bufs.out = eng.alloc_rows(cap, dtype=input.dtype)
+        if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
+            eng.launch_counts(info)
+        mirror = self._mirror if not eng.ce_pieces else None
+        if mirror is not None:
+            self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
+        eng.launch_dispatch(
+            input, exp_indices, weight, src, bufs, caller_scatter=caller, info=info, counts=not eng.ce_pieces,
+            mirror=mirror,
+        )  # fmt: skip
+        vals = self._read_mirror() if mirror is not None else self._read_info(info)[0]
+        rows = vals[0]
+        if speculate:
+            self._recent_rows.append(rows)
+            self._fit_speculative_rows(rows, input, exp_indices, weight, src, info, bufs, caller=caller)
+        self._prepare_small_outputs(n, has_w)
+        assert bufs.out is not None
+        assert bufs.out_w is not None
+        assert bufs.out_e is not None
+        bufs.out, bufs.out_w, bufs.out_e = bufs.out[:rows], bufs.out_w[:rows], bufs.out_e[:rows]
+        return self._result(exp_indices, bufs, vals, rows, caller, None, None, has_w=has_w)
+
+    def _result(
+        self,
+        exp_indices: torch.Tensor,
+        bufs: DispatchBuffers,
+        vals: list[int],
+        rows: int,
+        caller: bool,
+        rb: dict[str, torch.Tensor] | None,
+        npk: list[int] | None,
+        *,
+        has_w: bool,
+    ) -> DispatchResult:
+        """``(output, weights, descriptor)`` of an exact-shape dispatch whose counts (``vals``) are in."""
+        W, info = self.config.world_size, bufs.info
+        assert info is not None
+        assert bufs.out is not None
+        assert bufs.out_e is not None
+        self._combine_allowed = True
+        scat = (
+            bufs.scat if self.config.offset_dtype == torch.int32 else bufs.scat.to(self.config.offset_dtype)
+        )
+        desc = EPAllToAllLayoutDesc(
+            num_dispatch_token_cur_rank=exp_indices.shape[0],
+            num_input_tokens_per_rank=torch.tensor(vals[2 : 2 + W], dtype=torch.int64),
+            send_reqs_recv_tensor=None,
+            topk_indices_tensor=exp_indices,
+            token_dst_scatter_idx=scat,
+            skipped_token_mapping_indices=None,
+            skipped_token_topk_mapping_indices=bufs.skip,
+            num_recv_tokens_per_expert=info[2 + 2 * W : -1],
+            num_recv_tokens_per_rank=torch.tensor(vals[2 + W : 2 + 2 * W], dtype=torch.int64),
+            num_recv_rows=rows,
+            recv_expert_indices=bufs.out_e,
+            caller_scatter=caller,
+            backend_state=_TritonState(
+                owner=id(self),
+                tab=bufs.tab,
+                n_src=info[2 : 2 + W],
+                remote=rb,
+                npk_recv=npk[W:] if npk is not None else None,
+            ),
+        )
+        return bufs.out, (bufs.out_w if has_w else None), desc
+
+    def _rows_guess(self) -> int:
+        """Rows of the outputs of this call's speculative flow."""
+        return _speculative_rows_guess(self._recent_rows, self.engine.worst_case_rows())
+
+    def _take_small_outputs(self, n: int, rows: int, has_w: bool) -> DispatchBuffers:
+        """:meth:`~.engine.TritonEPEngine.alloc_dispatch_small` of this call: the ones the last call
+        allocated ahead when they match (rows, weights, and the current stream, on which they were
+        allocated and are not yet used; the per-token ones are allocated anew for another token count),
+        else new ones."""
+        ahead, self._next_small = self._next_small, None
+        if ahead is None or ahead[0] != (_raw_stream(self.device.index), rows, has_w):
+            return self.engine.alloc_dispatch_small(n, rows, with_weights=has_w)
+        bufs = ahead[1]
+        if bufs.skip.shape[0] != n:
+            bufs.skip, bufs.scat = self.engine.alloc_token_slots(n)
+        return bufs
+
+    def _prepare_small_outputs(self, n: int, has_w: bool) -> None:
+        """After this call's row kernel is launched (the GPU busy with it): allocate the next call's
+        small outputs, guessing it has as many tokens, so that only the rows are allocated before the next
+        call's row kernel."""
+        rows = self.engine.worst_case_rows() if self.overlap_exact else self._rows_guess()
+        key = (_raw_stream(self.device.index), rows, has_w)
+        self._next_small = (key, self.engine.alloc_dispatch_small(n, rows, with_weights=has_w))
+
+    def _read_info(
+        self, info: torch.Tensor, remote: dict[str, torch.Tensor] | None = None, *, bad_ids: bool = True
+    ) -> tuple[list[int], list[int] | None]:
+        """Copy a dispatch's ``info`` to the host (waits for it); raise if a device wait ran out, and with
+        ``bad_ids`` if expert ids were out of range. Returns ``info``'s values, and with ``remote`` its
+        ``pinfo``'s (records sent to, then received from, each rank; copied in the same wait), else
+        ``None``."""
+        self._info_host.copy_(info, non_blocking=True)
+        if remote is not None:
+            assert self._pinfo_host is not None
+            self._pinfo_host.copy_(remote["pinfo"], non_blocking=True)
+        self._current_stream().synchronize()
+        vals = self._info_host.tolist()
+        npk = self._pinfo_host.tolist() if remote is not None and self._pinfo_host is not None else None
+        self._raise_device_error_word(vals[1])
+        if bad_ids:
+            self._raise_bad_ids(vals)
+        return vals, npk
+
+    def _read_mirror(self) -> list[int]:
+        """``info``'s values from the host mirror the row kernel's program 0 writes (polled, bounded: a
+        device-side wait runs out first and is reported through the error word). Raises as
+        :meth:`_read_info` does."""
+        m = self._mirror_np
+        if m[-1] == 0:
+            deadline = time.monotonic() + self._mirror_wait_s
+            while m[-1] == 0:
+                if time.monotonic() > deadline:
+                    self._mirror_lost = (
+                        f"dispatch: rank {self.config.rank}'s row kernel did not publish its receive "
+                        f"counts within {self._mirror_wait_s:.0f} s (the GPU is stuck or far behind the host)"
+                    )
+                    raise EPTimeoutError(
+                        self._mirror_lost, step="dispatch/counts", missing_ranks=[self.config.rank]
+                    )
+        vals = m[:-1].tolist()
+        self._raise_device_error_word(vals[1])
+        self._raise_bad_ids(vals)
+        return vals
+
+    def _fit_speculative_rows(
+        self,
+        rows: int,
+        input: torch.Tensor,
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None,
+        src: torch.Tensor,
+        info: torch.Tensor,
+        bufs: DispatchBuffers,
+        *,
+        caller: bool,
+    ) -> None:
+        """After a speculative dispatch of ``rows`` rows into ``bufs``: when they outgrew the outputs
+        (the kernel dropped the rows past their end), new outputs of exactly ``rows`` rows replace them in
+        ``bufs`` and a second writing pass fills them."""
+        eng = self.engine
+        assert bufs.out is not None
+        if rows > bufs.out.shape[0]:
+            # it rewrites every row, the slot table and the scatter indices (the received rows stay in
+            # the heap until this rank's next dispatch starts)
+            self.speculative_overflows += 1
+            bufs.out, bufs.out_w, bufs.out_e = eng.alloc_dispatch_rows(
+                rows, with_weights=weight is not None, dtype=input.dtype
+            )
+            eng.launch_dispatch(
+                input,
+                exp_indices,
+                weight,
+                src,
+                bufs,
+                caller_scatter=caller,
+                info=info,
+                send=False,
+                rewrite=True,
+            )
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """This device's current stream (``torch.cuda.current_stream``, without building a new object
+        each call)."""
+        key = torch._C._cuda_getCurrentStream(self.device.index)
+        stream = self._streams.get(key)
+        if stream is None:
+            if len(self._streams) >= 16:  # (streams come and go: keep the table small)
+                self._streams.clear()
+            stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+            self._streams[key] = stream
+        return stream
+
+    def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
+        self._check_usable()
+        state = layout_desc.backend_state
+        if not isinstance(state, _TritonState) or state.owner != id(self):
+            raise ValueError("layout_desc was not produced by this triton backend's dispatch")
+        return self._combine(
+            input, state, layout_desc.topk_indices_tensor, layout_desc.num_dispatch_token_cur_rank
+        )
+
+    def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
+        """Rows back without summing: ``[n, topk, C]`` (zeros for dropped slots); ``input``: ``[R, C]``.
+
+        Used by the layer for routing-weight gradients (``C == 1``). Runs ``topk`` combines of the rows
+        of one slot each, with a device-side barrier before each (so back-to-back combines never
+        overwrite rows a peer is still reading): correct, not fast.
+        """
+        self._check_usable()
+        state = layout_desc.backend_state
+        if not isinstance(state, _TritonState) or state.owner != id(self):
+            raise ValueError("layout_desc was not produced by this triton backend's dispatch")
+        if input.dim() != 2 or input.shape[1] > self.config.hidden:
+            raise ValueError(
+                f"input must be [rows, C] with C <= {self.config.hidden}, got {tuple(input.shape)}"
+            )
+        if not input.dtype.is_floating_point or input.dtype.itemsize > 4:
+            raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {input.dtype}")
+        n = layout_desc.num_dispatch_token_cur_rank
+        outs = []
+        for y_k in self.engine.per_slot_rows(input.contiguous(), state.tab, state.n_src):
+            self.engine.launch_barrier()
+            out = torch.empty(n, input.shape[1], dtype=input.dtype, device=self.device)
+            self.engine.launch_combine(
+                y_k, state.tab, layout_desc.topk_indices_tensor, state.n_src, out,
+                remote=state.remote, npk_recv=state.npk_recv,
+            )  # fmt: skip
+            outs.append(out)
+        self._combine_allowed = False
+        return torch.stack(outs, dim=1)
+
+    def _combine(
+        self, input: torch.Tensor, state: _TritonState, exp_indices: torch.Tensor, n: int
+    ) -> torch.Tensor:
+        if not self._combine_allowed:
+            raise RuntimeError(
+                "triton backend: combine must follow a dispatch (a second combine without a dispatch in "
+                "between could overwrite rows a peer is still reading)"
+            )
+        if input.dim() != 2 or input.shape[1] != self.config.hidden:
+            raise ValueError(f"input must be [rows, {self.config.hidden}], got {tuple(input.shape)}")
+        if not input.dtype.is_floating_point or input.dtype.itemsize > 4:
+            raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {input.dtype}")
+        input = input.contiguous()
+        out = torch.empty(n, self.config.hidden, dtype=input.dtype, device=self.device)
+        self.engine.launch_combine(
+            input, state.tab, exp_indices, state.n_src, out, remote=state.remote, npk_recv=state.npk_recv
+        )
+        self._combine_allowed = False
+        return out
+
+    # ------------------------------------------------------------------ CUDA-graph mode
+    def dispatch_static(
+        self, input: torch.Tensor, exp_indices: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> StaticDispatch:
+        """Dispatch with fixed shapes and no host synchronisation (capturable in a CUDA graph).
+
+        Args:
+            input: ``[n, hidden]`` token dtype (``n`` fixed for the graph, ``<= max_tokens``).
+            exp_indices: ``[n, topk]`` int32 or int64 (-1 = dropped).
+            weight: ``[n, topk]`` weight dtype or ``None`` (fixed for the graph).
+
+        Returns:
+            :class:`StaticDispatch`; its buffers are reused by the next static call.
+        """
+        self._check_usable()
+        if self.remote_ranks:
+            raise NotImplementedError(
+                "dispatch_static (CUDA-graph mode) is not built for groups with remote peers (the host sizes "
+                "their puts from the counts); use dispatch / combine"
+            )
+        eng, W = self.engine, self.config.world_size
+        b = self._static
+        if b is None or b.skip.shape[0] != input.shape[0]:
+            b = eng.alloc_dispatch_outputs(input.shape[0], eng.worst_case_rows(), with_weights=True)
+            b.info = torch.zeros(eng.info_len, dtype=torch.int64, device=self.device)
+            self._static = b
+        info = b.info
+        assert info is not None
+        assert b.out is not None
+        assert b.out_e is not None
+        eng.launch_layout(exp_indices, caller_scatter=False, info=info)
+        if eng.ce_pieces:
+            eng.launch_counts(info)
+        eng.launch_dispatch(
+            input, exp_indices, weight, eng.pos, b, caller_scatter=False, info=info, counts=not eng.ce_pieces
+        )
+        self._combine_allowed = True
+        return StaticDispatch(
+            output=b.out,
+            weights=b.out_w if weight is not None else None,
+            recv_expert_indices=b.out_e,
+            num_recv_tokens_per_expert=info[2 + 2 * W : -1],
+            num_recv_rows=info[0],
+            token_dst_scatter_idx=b.scat,
+            exp_indices=exp_indices,
+            state=_TritonState(owner=id(self), tab=b.tab, n_src=info[2 : 2 + W]),
+            num_invalid_ids=info[-1],
+        )
+
+    def combine_static(self, input: torch.Tensor, dispatched: StaticDispatch) -> torch.Tensor:
+        """Combine for :meth:`dispatch_static` (``input``: ``[worst-case rows, hidden]``; rows past the
+        valid count are never read). Returns ``[n, hidden]``."""
+        self._check_usable()
+        return self._combine(input, dispatched.state, dispatched.exp_indices, dispatched.exp_indices.shape[0])
+
+    # ------------------------------------------------------------------ the rest
+    def barrier(self, *, intra_node_only: bool = False, stream: torch.cuda.Stream | None = None) -> None:
+        self._check_usable()
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            self.engine.launch_barrier()
+        (stream or torch.cuda.current_stream()).synchronize()
+        self.check_errors()
+
+    def finalize(self) -> None:
+        if self._finalized:
+            return
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.ep_group)
+        self._next_small = None
+        self.heap.free()
+        self._finalized = True

@@ -1,0 +1,384 @@
+"""Single-process simulation of several ranks over plain buffers (CPU tests under ``TRITON_INTERPRET=1``).
+
+Every simulated rank gets a heap (a uint8 tensor), and all of them share one pointer table, so the
+kernels write into "peer" heaps exactly as they do over NVLink. The interpreter runs one program at a
+time, so a kernel that both sends and waits would wait for a rank that has not run yet: the simulation
+launches the producing half of a step on every rank before the consuming half
+(``send=True, recv=False`` then ``send=False, recv=True``); the GPU runs both halves in one launch.
+
+``node_size``: ranks ``[k * node_size, (k + 1) * node_size)`` form simulated node ``k``; every other rank
+is remote, reached only through :class:`SimTransport` (a put is a copy into the peer's heap, then the
+signal word is set), exactly where the GPU path uses NVSHMEM put-with-signal. Each engine's pointer table
+then points remote ranks at a decoy heap, which must stay untouched (:meth:`SimWorld.check_decoy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ep_a2a.backends.triton.engine import DispatchBuffers, HeapLayout, TritonEPEngine
+
+_DECOY = 0x5A
+
+
+def _poison(bufs: DispatchBuffers) -> None:
+    for buf in (bufs.tab, bufs.skip, bufs.scat, bufs.out, bufs.out_w, bufs.out_e):
+        if buf is not None:
+            buf.fill_(float("nan") if buf.is_floating_point() else -7)
+
+
+class SimTransport:
+    """Host puts between simulated ranks: a byte copy into the peer's heap, then its signal word."""
+
+    def __init__(self, heaps: Sequence[torch.Tensor], src: int) -> None:
+        self.heaps, self.src = heaps, src
+        #: (kind, peer, nbytes) of every transfer, for the tests
+        self.log: list[tuple[str, int, int]] = []
+
+    def put_signal(self, pe: int, dst_off: int, src_off: int, nbytes: int, sig_off: int, value: int) -> None:
+        self.heaps[pe][dst_off : dst_off + nbytes].copy_(self.heaps[self.src][src_off : src_off + nbytes])
+        self.signal(pe, sig_off, value)
+        self.log[-1] = ("put", pe, nbytes)
+
+    def signal(self, pe: int, sig_off: int, value: int) -> None:
+        self.heaps[pe][sig_off : sig_off + 8].view(torch.int64)[0] = value
+        self.log.append(("signal", pe, 0))
+
+
+@dataclass
+class SimDispatch:
+    """One simulated rank's dispatch result (exact shapes)."""
+
+    output: torch.Tensor  # [R, hidden]
+    weights: torch.Tensor | None  # [R]
+    local_expert: torch.Tensor  # [R] int32
+    num_recv_tokens_per_expert: torch.Tensor  # [L] int64
+    num_recv_tokens_per_rank: torch.Tensor  # [W] int64
+    num_input_tokens_per_rank: torch.Tensor  # [W] int64
+    token_dst_scatter_idx: torch.Tensor  # [n, K] int32
+    skipped_token_topk_mapping_indices: torch.Tensor  # [n, K] int32
+    tab: torch.Tensor  # [W, T, K] int32
+    num_invalid_ids: int  # slots of this rank with an expert id outside [-1, E) (dropped)
+    remote: dict[str, torch.Tensor] | None = None  # the remote path's per-dispatch buffers
+    npk_recv: list[int] | None = None  # records received from each remote source
+    info: torch.Tensor | None = None  # [info_len] int64: the call's info (counts, error word, ...)
+    mirror: torch.Tensor | None = None  # [info_len + 1] int64: the host copy program 0 wrote, if asked
+
+
+class SimWorld:
+    """``world_size`` engines over CPU heaps sharing one pointer table.
+
+    Args mirror :class:`~ep_a2a.backends.triton.engine.TritonEPEngine` (``device`` may be ``"cpu"``).
+    """
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        max_tokens: int,
+        hidden: int,
+        topk: int,
+        num_tot_experts: int,
+        token_dtype: torch.dtype = torch.bfloat16,
+        weight_dtype: torch.dtype = torch.float32,
+        num_sm: int = 2,
+        chunk: int = 4,
+        combine_chunk: int | None = None,
+        block_h: int | None = None,
+        combine_block_h: int | None = None,
+        timeout_s: float = 1.0,
+        device: str = "cpu",
+        node_size: int | None = None,
+        ce_pieces: int = 0,
+        early_send: bool = True,
+    ) -> None:
+        node_size = node_size or world_size
+        if world_size % node_size:
+            raise ValueError(f"node_size {node_size} must divide world_size {world_size}")
+        remote = node_size < world_size
+        self.layout = HeapLayout.build(
+            world_size=world_size,
+            max_tokens=max_tokens,
+            hidden=hidden,
+            topk=topk,
+            experts_per_rank=num_tot_experts // world_size,
+            token_bytes=token_dtype.itemsize,
+            chunk=chunk,
+            combine_chunk=combine_chunk,
+            remote=remote,
+        )
+        self.heaps = [
+            torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)
+        ]
+        lay = self.layout
+        for h in self.heaps:  # poison the data regions (flags, counts and signals must start at zero)
+            h[lay.x : lay.cnt].fill_(0xFF)
+            h[lay.cx : lay.cflag].fill_(0xFF)
+            if remote:
+                h[lay.scnt :].fill_(0xFF)
+        self.table = torch.tensor([h.data_ptr() for h in self.heaps], dtype=torch.int64, device=device)
+        self.remote_ranks = [
+            [p for p in range(world_size) if p // node_size != r // node_size] for r in range(world_size)
+        ]
+        self.decoy = torch.full((self.layout.nbytes,), _DECOY, dtype=torch.uint8, device=device)
+        self.transports = [SimTransport(self.heaps, r) for r in range(world_size)]
+        tables = [self.table] * world_size
+        if remote:  # remote ranks point at the decoy: the kernels must never touch them
+            tables = [
+                torch.tensor(
+                    [
+                        self.decoy.data_ptr() if p in self.remote_ranks[r] else h.data_ptr()
+                        for p, h in enumerate(self.heaps)
+                    ],
+                    dtype=torch.int64,
+                    device=device,
+                )
+                for r in range(world_size)
+            ]
+        self.engines = [
+            TritonEPEngine(
+                rank=r,
+                world_size=world_size,
+                max_tokens=max_tokens,
+                hidden=hidden,
+                topk=topk,
+                num_tot_experts=num_tot_experts,
+                token_dtype=token_dtype,
+                weight_dtype=weight_dtype,
+                heap_local=self.heaps[r],
+                ptr_table=tables[r],
+                layout=self.layout,
+                num_sm=num_sm,
+                timeout_s=timeout_s,
+                chunk=chunk,
+                combine_chunk=combine_chunk,
+                block_h=block_h,
+                combine_block_h=combine_block_h,
+                remote_ranks=self.remote_ranks[r],
+                transport=self.transports[r] if remote else None,
+                ce_pieces=ce_pieces,
+                peer_heaps=self.heaps,
+                early_send=early_send,
+            )
+            for r in range(world_size)
+        ]
+        self.world_size = world_size
+        self.remote = remote
+
+    def check_decoy(self) -> None:
+        """Raise if any kernel wrote through a remote rank's table entry."""
+        bad = int((self.decoy != _DECOY).sum())
+        if bad:
+            raise AssertionError(f"{bad} byte(s) of the decoy heap written: a kernel addressed a remote rank")
+
+    def dispatch(
+        self,
+        inputs: Sequence[torch.Tensor],
+        exp_indices: Sequence[torch.Tensor],
+        weights: Sequence[torch.Tensor] | None = None,
+        full_scatter_indices: Sequence[torch.Tensor] | None = None,
+        *,
+        skip_ranks: Sequence[int] = (),
+        merged: bool = False,
+        send_ctas: int = 0,
+        steal: bool = False,
+        whole: bool = False,
+        speculative_rows: int | None = None,
+        mirror: bool = False,
+    ) -> list[SimDispatch]:
+        """Run one dispatch on every rank (ranks in ``skip_ranks`` never run: their peers time out).
+
+        ``merged=False``: the exact-shape flow of large layers (layout, counts, exact buffers, rows);
+        ``merged=True``: the receive layout inside the row kernel (static / CUDA-graph mode and the
+        exact-shape flow of small layers), into worst-case buffers. ``send_ctas``: the engines'
+        split of the row kernel's CTAs into senders and writers (0: every CTA does both); ``steal``:
+        with the split, chunks claimed from shared counters (the interpreter runs one program at a
+        time, so the first program of each half claims every chunk: this checks the claiming, the
+        role switches and the counters' reset, not the balance). ``whole``: one launch that both sends
+        and writes, as on a GPU (only on one rank, where nothing waits for a peer).
+        ``speculative_rows`` (with ``merged=True``): the speculative exact-shape flow, outputs of that
+        many rows instead of the worst case; a rank that receives more gets exact outputs and a second
+        writing pass (``rewrite=True``), as the backend does. ``mirror`` (with ``merged=True``): the row
+        kernel's program 0 also copies ``info`` into a host buffer (``SimDispatch.mirror``), as the
+        backend's exact-shape flows without a host wait ask.
+        """
+        if whole and self.world_size != 1:
+            raise ValueError(
+                "whole=True (one launch per dispatch) needs world_size 1: peers would be waited for"
+            )
+        for eng in self.engines:  # (combine follows the dispatch's split)
+            eng.send_ctas = eng.combine_send_ctas = send_ctas
+            eng.steal = steal
+        if self.remote and merged:
+            raise ValueError("remote peers: only the unmerged flow (merged=False)")
+        if (speculative_rows is not None or mirror) and not (merged and not whole and not self.remote):
+            raise ValueError(
+                "speculative_rows / mirror: variants of the merged flow (merged=True), local peers"
+            )
+        caller = full_scatter_indices is not None
+        ranks = [r for r in range(self.world_size) if r not in skip_ranks]
+        infos = {r: torch.full((self.engines[r].info_len,), -9, dtype=torch.int64) for r in ranks}
+        rbufs = {r: self.engines[r].alloc_remote() for r in ranks}
+        for rb in rbufs.values():  # poison: every entry read must have been written
+            for t in (rb or {}).values():
+                t.fill_(-5)
+        for r in ranks:
+            self.engines[r].launch_layout(
+                exp_indices[r], caller_scatter=caller, info=infos[r], remote=rbufs[r]
+            )
+        if not merged:
+            for r in ranks:
+                self.engines[r].launch_counts(infos[r], remote=rbufs[r])
+        bufs: dict[int, DispatchBuffers] = {}
+        for r in ranks:
+            eng = self.engines[r]
+            # (as the backend's exact-shape flow: the outputs of fixed size first, then those of R rows)
+            bufs[r] = eng.alloc_dispatch_fixed(inputs[r].shape[0])
+            if speculative_rows is not None:  # (chosen before the counts are known)
+                rows = speculative_rows
+            elif merged:  # worst-case rows: the receive layout is only known inside the launch
+                rows = eng.worst_case_rows()
+            else:
+                eng.check_error(int(infos[r][1]))
+                rows = int(infos[r][0])
+            bufs[r].out, bufs[r].out_w, bufs[r].out_e = eng.alloc_dispatch_rows(
+                rows, with_weights=weights is not None
+            )
+            _poison(bufs[r])  # every element read must have been written
+
+        mirrors = {r: torch.zeros(self.engines[r].info_len + 1, dtype=torch.int64) for r in ranks}
+
+        def rows_pass(r: int, send: bool, recv: bool, rewrite: bool = False) -> None:
+            b = bufs[r]
+            src = full_scatter_indices[r] if caller else self.engines[r].pos  # type: ignore[index]
+            self.engines[r].launch_dispatch(
+                inputs[r],
+                exp_indices[r],
+                weights[r] if weights is not None else None,
+                src,
+                b,
+                caller_scatter=caller,
+                info=infos[r],
+                counts=merged and not rewrite,
+                send=send,
+                recv=recv,
+                rewrite=rewrite,
+                mirror=mirrors[r] if (mirror and recv and not rewrite) else None,
+                remote=rbufs[r],
+                npk_send=self._npk(rbufs[r], 0),
+            )
+
+        for send, recv in ((True, True),) if whole else ((True, False), (False, True)):
+            for r in ranks:
+                rows_pass(r, send, recv)
+        if speculative_rows is not None:
+            for r in ranks:
+                rows = int(infos[r][0])
+                if rows > speculative_rows:
+                    eng = self.engines[r]
+                    b = bufs[r]
+                    b.out, b.out_w, b.out_e = eng.alloc_dispatch_rows(rows, with_weights=weights is not None)
+                    # poison all of it: the second pass must rewrite the slot table and the scatter
+                    # indices too (the first marked the rows past the outputs' end as absent)
+                    _poison(b)
+                    rows_pass(r, False, True, rewrite=True)
+        results = []
+        for r in ranks:
+            eng, b = self.engines[r], bufs[r]
+            assert b.out is not None
+            assert b.out_w is not None
+            assert b.out_e is not None
+            eng.check_error(int(infos[r][1]))
+            eng.check_error()
+            f = eng.info_fields(infos[r])
+            rows = int(f["total"])
+            results.append(
+                SimDispatch(
+                    output=b.out[:rows],
+                    weights=b.out_w[:rows] if weights is not None else None,
+                    local_expert=b.out_e[:rows],
+                    num_recv_tokens_per_expert=f["rows_exp"].clone(),
+                    num_recv_tokens_per_rank=f["rows_src"].clone(),
+                    num_input_tokens_per_rank=f["n_src"].clone(),
+                    token_dst_scatter_idx=b.scat,
+                    skipped_token_topk_mapping_indices=b.skip,
+                    tab=b.tab,
+                    num_invalid_ids=int(f["bad_ids"]),
+                    remote=rbufs[r],
+                    npk_recv=self._npk(rbufs[r], 1),
+                    info=infos[r],
+                    mirror=mirrors[r] if mirror else None,
+                )
+            )
+        self.check_decoy()
+        return results
+
+    def _npk(self, rb: dict[str, torch.Tensor] | None, half: int) -> list[int] | None:
+        """Host copy of records sent to (``half=0``) / received from (``1``) each rank."""
+        if rb is None:
+            return None
+        W = self.world_size
+        return [int(v) for v in rb["pinfo"][half * W : (half + 1) * W]]
+
+    def combine(
+        self,
+        expert_outputs: Sequence[torch.Tensor],
+        dispatched: Sequence[SimDispatch],
+        exp_indices: Sequence[torch.Tensor],
+        *,
+        skip_ranks: Sequence[int] = (),
+    ) -> list[torch.Tensor]:
+        """Run one combine on every rank; returns per rank ``[n, hidden]`` in the rows' dtype."""
+        ranks = [r for r in range(self.world_size) if r not in skip_ranks]
+        outs = {
+            r: torch.full(
+                (exp_indices[r].shape[0], expert_outputs[i].shape[1]),
+                float("nan"),
+                dtype=expert_outputs[i].dtype,
+            )
+            for i, r in enumerate(ranks)
+        }
+        for send, recv in ((True, False), (False, True)):
+            for i, r in enumerate(ranks):
+                d = dispatched[i]
+                self.engines[r].launch_combine(
+                    expert_outputs[i],
+                    d.tab,
+                    exp_indices[r],
+                    d.num_input_tokens_per_rank,
+                    outs[r],
+                    send=send,
+                    recv=recv,
+                    remote=d.remote,
+                    npk_recv=d.npk_recv,
+                )
+        for r in ranks:
+            self.engines[r].check_error()
+        self.check_decoy()
+        return [outs[r] for r in ranks]
+
+    def combine_per_slot(
+        self,
+        expert_outputs: Sequence[torch.Tensor],
+        dispatched: Sequence[SimDispatch],
+        exp_indices: Sequence[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Per-slot combine on every rank (``[n, K, C]``): one barrier and one combine per slot."""
+        per_rank = [
+            eng.per_slot_rows(y, d.tab, d.num_input_tokens_per_rank)
+            for eng, y, d in zip(self.engines, expert_outputs, dispatched, strict=True)
+        ]
+        topk = self.engines[0].topk
+        outs: list[list[torch.Tensor]] = [[] for _ in self.engines]
+        for k in range(topk):
+            for send, recv in ((True, False), (False, True)):
+                for eng in self.engines:
+                    eng.launch_barrier(send=send, recv=recv)
+            rows_k = [per_rank[r][k] for r in range(self.world_size)]
+            res = self.combine(rows_k, dispatched, exp_indices)
+            for r in range(self.world_size):
+                outs[r].append(res[r])
+        return [torch.stack(o, dim=1) for o in outs]

@@ -1,0 +1,225 @@
+"""Compile every kernel variant of one rank's Triton engine for sm_90, without a GPU.
+
+The engine is built with the options the Triton backend picks for ``TritonTuning(num_sm=...)`` and the
+layer's shape (``resolve.engine_options``); every variant it may launch (``TritonEPEngine.variants``,
+the specifications its launches and its ahead-of-time compiles share) is compiled with
+``triton.compile`` for ``cuda:90``. Printed per variant: shared memory, PTX instructions and a hash of
+the PTX body (kernel parameters, comments, debug information and labels dropped), so two source trees
+can be compared; with ``--check-tile-loops`` the run fails on a CTA barrier inside a tile loop of the
+dispatch or combine kernel. ``tests/test_compile_sm90.py`` runs it.
+
+Usage (repository root)::
+
+    uv run python packages/ep-a2a/tests/sm90_compile.py --world 4 --node 2      # remote peers
+    uv run python packages/ep-a2a/tests/sm90_compile.py --world 8 --num-sm 132  # intra-node
+
+The arguments are specialised as Triton's launcher specialises them (pointers and ints divisible by
+16, ints equal to 1), so the loads and stores get the vector widths they get on the GPU; ``--regs``
+adds each variant's registers and spill bytes per thread from the ptxas bundled with Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import native_specialize_impl
+
+from ep_a2a.backends.triton import engine as E
+from ep_a2a.backends.triton.resolve import engine_options
+from ep_a2a.config import EPConfig
+from ep_a2a.tuning import TritonTuning
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+class _NoTransport:
+    def put_signal(self, *args: int) -> None:
+        pass
+
+    def signal(self, *args: int) -> None:
+        pass
+
+
+def ptxas_usage(ptx: str) -> str:
+    """``regs=N spill=S/L`` of a PTX module for sm_90a: registers per thread and spill store / load bytes,
+    from the ptxas bundled with Triton."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    regs = re.findall(r"Used (\d+) registers", log)
+    spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    st, ld = (max(int(x[i]) for x in spill) for i in (0, 1)) if spill else (0, 0)
+    return f"regs={max(int(r) for r in regs) if regs else -1:3d} spill={st}/{ld}"
+
+
+def tile_loop_barriers(body: list[str]) -> list[tuple[int, int, int]]:
+    """``(first line, last line, bar.sync count)`` of every innermost loop of a PTX body that moves
+    16-byte vectors to or from global memory: the kernels' tile loops. A loop is a backward branch to a
+    label; innermost: it holds no other loop. A CTA barrier in a tile loop is paid per tile (as the
+    combine's per-tile reduction over the ids was, between ``cd8c480`` and ``056468a``)."""
+    labels = {}
+    for i, ln in enumerate(body):
+        m = re.match(r"\s*(\$L__BB\d+_\d+):", ln)
+        if m:
+            labels[m.group(1)] = i
+    loops = []
+    for i, ln in enumerate(body):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", ln)
+        if m and labels.get(m.group(1), i) < i:
+            loops.append((labels[m.group(1)], i))
+    out = []
+    for a, b in loops:
+        if any(a <= a2 and b2 <= b and (a2, b2) != (a, b) for a2, b2 in loops):
+            continue  # not innermost
+        lines = body[a : b + 1]
+        if any((".global" in ln and ".v4." in ln) for ln in lines):
+            out.append((a, b, sum("bar.sync" in ln for ln in lines)))
+    return out
+
+
+def compile_sm90(
+    kernel: Any,
+    num_warps: int,
+    named: dict,
+    dump: str | None = None,
+    regs: bool = False,
+    maxnreg: int | None = None,
+) -> tuple[int, int, str, list[tuple[int, int, int]]]:
+    """``(shared bytes, PTX instructions, hash of the PTX body, tile loops)`` of one launch's variant
+    (the body also written to the file ``dump``; with ``regs`` the hash is followed by
+    :func:`ptxas_usage`; tile loops: :func:`tile_loop_barriers`)."""
+    sig, const, attrs = {}, {}, {}
+    for i, (p, param) in enumerate(inspect.signature(kernel.fn).parameters.items()):
+        v = named.get(p, param.default)  # (arguments left at their defaults)
+        if i in kernel.constexprs or v is None:
+            sig[p], const[(i,)] = "constexpr", v
+            continue
+        # as Triton's launcher specialises them: pointers and ints divisible by 16 marked so (16-byte
+        # vectors), ints equal to 1 as constants, except the kernel's do_not_specialize arguments
+        kp = kernel.params[i]
+        ty, spec = native_specialize_impl(
+            BaseBackend, v, False, not kp.do_not_specialize, not kp.do_not_specialize_on_alignment
+        )
+        sig[p] = ty
+        if ty == "constexpr":
+            const[(i,)] = spec
+        elif spec:
+            attrs[(i,)] = BaseBackend.parse_attr(spec)
+    opts: dict[str, Any] = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=TARGET, options=opts)
+    ptx = k.asm["ptx"].split(".section\t.debug")[0]
+    ptx = re.sub(r"\$L__tmp\d+:?", "", re.sub(r"//.*", "", ptx))
+    skip = ("param", ".loc", ".file")
+    body = [ln for ln in ptx.splitlines() if ln.strip() and not any(s in ln for s in skip)]
+    n_ins = sum(1 for ln in body if ln.strip().endswith(";"))
+    if dump:
+        with open(dump, "w") as f:
+            f.write("\n".join(body))
+    h = hashlib.md5("\n".join(body).encode()).hexdigest()[:12]
+    usage = " " + ptxas_usage(k.asm["ptx"]) if regs else ""
+    return k.metadata.shared, n_ins, h + usage, tile_loop_barriers(body)
+
+
+def build_engine(a: argparse.Namespace) -> E.TritonEPEngine:
+    """Rank 0's engine for the layer of ``a`` on a CPU heap, with the options the Triton backend picks
+    for ``TritonTuning(num_sm=a.num_sm, ...)`` (``resolve.engine_options``) as on an sm_90 GPU."""
+    W, node = a.world, a.node or a.world
+    cfg = EPConfig(
+        max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, num_tot_experts=a.experts, rank=0, world_size=W,
+        local_world_size=W, token_dtype=torch.bfloat16,
+    )  # fmt: skip
+    remote = [p for p in range(W) if p // node != 0]
+    tuning = TritonTuning(
+        num_sm=a.num_sm, send_ctas=a.split, combine_send_ctas=a.split, combine_maxnreg=a.combine_maxnreg
+    )
+    opts = engine_options(tuning, cfg, a.num_sm, remote=bool(remote))
+    if not opts["block_h"]:  # the GPU's settings (the engine picks interpreter-sized tiles on a CPU)
+        opts["block_h"] = min(1024, 1 << (a.hidden - 1).bit_length())
+    lay = E.HeapLayout.build(
+        world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts_per_rank=a.experts // W,
+        token_bytes=2, chunk=opts["chunk"], combine_chunk=opts["combine_chunk"], remote=bool(remote),
+    )  # fmt: skip
+    eng = E.TritonEPEngine(
+        rank=0, world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, num_tot_experts=a.experts,
+        token_dtype=torch.bfloat16, weight_dtype=torch.float32, heap_local=torch.zeros(16, dtype=torch.uint8),
+        ptr_table=torch.zeros(W, dtype=torch.int64), layout=lay, num_sm=a.num_sm, timeout_s=1.0,
+        remote_ranks=remote, transport=_NoTransport() if remote else None, **opts,
+    )  # fmt: skip
+    eng.use_timer = True  # (the engine sees a CPU: the GPU's timer, PDL and early sends as on sm_90)
+    eng.timeout_arg = int(a.timeout_s * 1e9)
+    eng.pdl = True
+    return eng
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--node", type=int, default=0, help="simulated node size (0: one node, no remote peers)")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--num-sm", type=int, default=20, help="TritonTuning.num_sm")
+    ap.add_argument("--split", type=int, default=None, help="send_ctas = combine_send_ctas (default: picked)")
+    ap.add_argument("--combine-maxnreg", type=int, default=None)
+    ap.add_argument(
+        "--timeout-s", type=float, default=300.0, help="the layer's timeout_s (the kernels' bound)"
+    )
+    ap.add_argument("--dump", default=None, help="write each variant's PTX body into this folder")
+    ap.add_argument("--regs", action="store_true", help="registers and spill bytes per variant (ptxas -v)")
+    ap.add_argument(
+        "--check-tile-loops",
+        action="store_true",
+        help="exit 1 if a tile loop of the dispatch or combine kernel (an innermost loop with 16-byte global"
+        " loads or stores) has a CTA barrier; for tiled layers (4096 tokens): in decode-sized ones the"
+        " innermost loop is the per-chunk loop, whose barriers are by design",
+    )
+    a = ap.parse_args()
+    eng = build_engine(a)
+    W = a.world
+    remote = list(eng.remote_ranks)
+    print(f"world {W}, node {a.node or W}, remote peers of rank 0: {remote}; sm_90")
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+    bad = []
+    variants = eng.variants(dtypes=(torch.float32,), rewrite=not remote, mirror=not remote)
+    for i, spec in enumerate(variants):
+        name = spec.key[0]
+        dump = os.path.join(a.dump, f"{i}-{name}.ptx") if a.dump else None
+        shared, n_ins, h, loops = compile_sm90(
+            spec.kernel, spec.num_warps, spec.arguments(), dump, a.regs, spec.maxnreg
+        )
+        barriers = [n for _, _, n in loops]
+        print(f"{name:8s} {spec.key[1:]!s:100s} shared={shared:6d} ptx_ins={n_ins:6d} body={h} "
+              f"tile-loop-barriers={barriers}", flush=True)  # fmt: skip
+        if (
+            name in ("dispatch", "combine")
+            and spec.key[1:]
+            and (name != "combine" or spec.key[1] == a.hidden)
+        ):
+            bad += [f"{i}-{name}: lines {lo}-{hi}, {n} bar.sync" for lo, hi, n in loops if n]
+    if a.check_tile_loops and bad:
+        raise SystemExit("CTA barriers inside tile loops: " + "; ".join(bad))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Helpers shared by the package's modules: the interpreter switch and device queries."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def install_interpreter_fix() -> None:
+    """Triton interpreter fix-up for NumPy >= 2.3 (only active under ``TRITON_INTERPRET=1``).
+
+    The interpreter holds scalars as 1-element arrays and converts them with ``int(array)``, which NumPy
+    2.3 turned into an error; loop bounds read at run time (``range(lo, hi)``) then fail. This wraps the
+    interpreter's tensor patching so that ``__index__`` reads the element. Compiled kernels are untouched.
+    """
+    if not interpreting():
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_tmd_wrapped", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._tmd_wrapped = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _cuda_properties(index: int) -> tuple[int, tuple[int, int], str]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, (props.major, props.minor), props.name
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 4 for CPU tensors (the interpreter), so splits still occur."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_properties(_cuda_index(device))[0]
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """CUDA compute capability of ``device``; ``(0, 0)`` for CPU tensors."""
+    if device.type != "cuda":
+        return (0, 0)
+    return _cuda_properties(_cuda_index(device))[1]
+
+
+def device_name(device: torch.device) -> str:
+    """``torch.cuda.get_device_name`` of ``device``; ``"cpu"`` for CPU tensors."""
+    if device.type != "cuda":
+        return "cpu"
+    return _cuda_properties(_cuda_index(device))[2]

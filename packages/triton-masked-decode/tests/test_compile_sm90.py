@@ -1,0 +1,143 @@
+"""Every Triton kernel of the package compiles for sm_90 (H100/H200), without a GPU.
+
+The launcher runs on CPU tensors with the launch plan it picks for a 132-SM Hopper GPU, and every kernel
+launch is compiled for ``GPUTarget("cuda", 90, 32)`` instead of being run (Triton's active driver is
+replaced by a stand-in that only names the target). The argument specialisation is Triton's own, so the
+compiled variants are those a GPU would get. Where the launcher autotunes the dense tile, every candidate
+the autotuner may pick is compiled. This runs in a subprocess: compiled kernels need a Python process
+without ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Shared memory per block on sm_90 (227 KB): a variant above it could not launch.
+MAX_SHARED = 227 * 1024
+
+# (name, batch, Hq, Hkv, D, L, mask, dtype, layout, seqlens, config fields)
+CASES = [
+    ("B1-L64K-bool", 1, 32, 8, 128, 65536, "bool", "fp16", "dense", False, {}),
+    ("B8-L64K-bool", 8, 32, 8, 128, 65536, "bool", "fp16", "dense", False, {}),
+    ("B1-L1K-bool", 1, 32, 8, 128, 1024, "bool", "fp16", "dense", False, {}),
+    ("B8-L64K-nomask", 8, 32, 8, 128, 65536, None, "fp16", "dense", False, {}),
+    ("B4-L64K-packed", 4, 32, 8, 128, 65536, "packed", "fp16", "dense", False, {}),
+    ("B64-L32K-seqlens", 64, 32, 8, 128, 32768, "bool", "fp16", "dense", True, {}),
+    ("B4-paged16-seqlens", 4, 32, 8, 128, 8192, "bool", "fp16", "paged16", True, {}),
+    ("B16-paged64-packed", 16, 32, 8, 128, 16384, "packed", "bf16", "paged64", True, {}),
+    ("B2-bf16", 2, 32, 8, 128, 8192, "bool", "bf16", "dense", False, {}),
+    ("B2-d64-gqa1", 2, 4, 4, 64, 4096, "bool", "fp16", "dense", False, {}),
+    ("B2-d256-gqa8", 2, 16, 2, 256, 5000, "bool", "fp16", "dense", False, {}),
+    ("B2-d96", 2, 16, 4, 96, 3000, "bool", "fp16", "dense", False, {}),
+    ("B2-d16-gqa64", 2, 64, 1, 16, 3000, "bool", "fp16", "dense", False, {}),
+    ("B3-path-dense", 3, 32, 8, 128, 8192, "bool", "fp16", "dense", True, {"path": "dense"}),
+    ("B3-path-sparse", 3, 32, 8, 128, 8192, "bool", "fp16", "dense", False, {"path": "sparse"}),
+    ("B2-threshold-0.5", 2, 32, 8, 128, 8192, "bool", "fp16", "dense", False, {"sparse_threshold": 0.5}),
+]
+
+
+def _compile_all() -> None:
+    """Compile every launch of every case; print one line per compiled kernel variant."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    import triton_masked_decode  # noqa: F401
+    from triton_masked_decode import MaskedDecodeConfig
+
+    md = sys.modules["triton_masked_decode.masked_decode"]
+    merge = sys.modules["triton_masked_decode.merge"]
+
+    class _Sm90Driver:
+        """Stands in for the CUDA driver: names the target, never touches a device."""
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+    seen: set[tuple] = set()
+    jit_run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = jit_run(self, *args, grid=grid, warmup=True, **kwargs)
+        meta = kernel.metadata
+        key = (self.fn.__name__, meta.num_warps, meta.num_stages, meta.shared, kernel.hash)
+        if key not in seen:
+            seen.add(key)
+            print(
+                f"compiled {self.fn.__name__} warps={meta.num_warps} stages={meta.num_stages} shared={meta.shared}"
+            )
+        return kernel
+
+    driver.set_active(_Sm90Driver())
+    JITFunction.run = compile_only  # type: ignore[method-assign]
+    dev = md._Device(132, True, "NVIDIA H200")
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    for name, b, hq, hkv, d, length, mask_kind, dt, layout, with_seqlens, fields in CASES:
+        dtype = dtypes[dt]
+        q = torch.empty(b, hq, d, dtype=dtype)
+        if layout.startswith("paged"):
+            page = int(layout[5:])
+            k = torch.empty(b * length // page + 3, page, hkv, d, dtype=dtype)
+            block_table = torch.zeros(b, length // page, dtype=torch.int32)
+        else:
+            k = torch.empty(b, hkv, length, d, dtype=dtype)
+            block_table = None
+        mask = {
+            None: None,
+            "bool": torch.zeros(b, hkv, length, dtype=torch.bool),
+            "packed": torch.zeros(b, hkv, (length + 7) // 8, dtype=torch.uint8),
+        }[mask_kind]
+        seqlens = torch.full((b,), length, dtype=torch.int32) if with_seqlens else None
+        config = MaskedDecodeConfig(**fields)
+        plan, threshold = md._plan_launch(b, hq, hkv, d, length, mask is not None, config, dev)
+        plans = [plan]
+        if plan.autotune:  # every tile the autotuner may pick
+            block_g = max(16, 1 << (hq // hkv - 1).bit_length())
+            block_d = max(16, 1 << (d - 1).bit_length())
+            candidates = md._prune_configs(md._AUTOTUNE_CONFIGS, None, BLOCK_D=block_d, BLOCK_G=block_g)
+            plans = [
+                plan._replace(
+                    autotune=0, block_n=c.kwargs["BLOCK_N"], num_warps=c.num_warps, num_stages=c.num_stages
+                )
+                for c in candidates
+            ]
+        print(f"case {name}: {plan}")
+        for p in plans:
+            md._launch(q, k, k, mask, seqlens, block_table, length, d**-0.5, length, threshold, list(p))
+    for d in (32, 128, 256):
+        o, lse = torch.empty(4, 8, d, dtype=torch.float16), torch.empty(4, 8)
+        merge._launch_merge(o, lse, o, lse)
+    print(f"variants {len(seen)}")
+    for name, _warps, _stages, shared, _hash in seen:
+        if shared > MAX_SHARED:
+            print(f"TOO MUCH SHARED MEMORY {name} {shared}")
+
+
+@pytest.mark.timeout(1200)
+def test_every_kernel_compiles_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1200)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert "TOO MUCH SHARED MEMORY" not in out, out
+    compiled = [ln.split()[1] for ln in run.stdout.splitlines() if ln.startswith("compiled ")]
+    assert {"_masked_decode_split_kernel", "_merge_splits_kernel", "_merge_two_kernel"} <= set(compiled), out
+    assert sum(1 for ln in run.stdout.splitlines() if ln.startswith("case ")) == len(CASES), out
+
+
+if __name__ == "__main__":
+    _compile_all()
