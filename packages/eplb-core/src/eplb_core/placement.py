@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from eplb_core._validate import check_placement_tensors, check_weight
 from eplb_core.metrics import balancedness as _balancedness
 
 __all__ = ["Placement", "PlacementDiff", "gpu_loads_of"]
@@ -16,16 +17,21 @@ __all__ = ["Placement", "PlacementDiff", "gpu_loads_of"]
 MODES = ("strict", "global", "soft")
 
 
-def gpu_loads_of(
-    weight: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor, num_gpus: int
-) -> torch.Tensor:
-    """Per-GPU load ``[L, num_gpus]`` float64 of a placement under ``weight [L, N]``.
+def gpu_loads_of(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> torch.Tensor:
+    """Per-GPU load ``[L, num_gpus]`` float64 of a placement under ``weight [L, N]``, on ``weight``'s
+    device.
 
-    An expert's load is split evenly over its replicas; physical slots are GPU-major
-    (slot ``p`` lives on GPU ``p // (R / num_gpus)``).
+    An expert's load is split evenly over its ``logcnt [L, N]`` replicas; ``phy2log [L, R]`` (integer)
+    holds the expert of every physical slot, GPU-major (slot ``p`` lives on GPU ``p // (R / num_gpus)``).
+
+    Raises:
+        ValueError: naming the argument, for loads :func:`eplb_core.rebalance_experts` rejects, shapes
+            that do not match, non-integer ``phy2log`` / ``logcnt``, ids outside ``[0, N)``, an expert
+            without a replica, or ``num_gpus`` not dividing ``R``.
     """
-    w = weight.to(phy2log.device, torch.float64)
-    per_slot = (w / logcnt.to(torch.float64)).gather(1, phy2log)
+    w = check_weight(weight)
+    phy, cnt = check_placement_tensors(w, phy2log, logcnt, num_gpus)
+    per_slot = (w / cnt.to(torch.float64)).gather(1, phy)
     return per_slot.view(per_slot.shape[0], num_gpus, -1).sum(-1)
 
 
@@ -281,7 +287,7 @@ class Placement:
                 a replica, a group split over nodes in strict mode, an avoidable repeat, ...).
         """
         from eplb_core._numba.utils import log2phy as _log2phy
-        from eplb_core._validate import check_topology, check_weight
+        from eplb_core._validate import check_topology
         from eplb_core.bounds import lower_bound as _lower_bound
 
         if mode not in MODES:

@@ -104,8 +104,10 @@ def plan(
     w = check_weight(weight)
     num_layers, num_logical = w.shape
     check_topology(num_logical, num_replicas, num_groups, num_nodes, num_gpus)
-    if soft_locality is not None and (not isinstance(soft_locality, (int, float)) or not soft_locality >= 0):
-        raise ValueError(f"soft_locality must be a float >= 0 or None, got {soft_locality!r}")
+    if soft_locality is not None and (
+        not isinstance(soft_locality, (int, float)) or not 0 <= soft_locality < float("inf")
+    ):
+        raise ValueError(f"soft_locality must be a finite float >= 0 or None, got {soft_locality!r}")
     if iters is not None and (not is_int(iters) or iters < 0):
         raise ValueError(f"iters must be an int >= 0, got {iters!r}")
     w_np, zero = _host_weight(w)
