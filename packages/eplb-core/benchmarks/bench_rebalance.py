@@ -1,25 +1,31 @@
-"""Benchmark pieces for eplb-core: quality and CPU time of one rebalance vs the greedy baseline.
+"""Benchmark pieces of ``run.py``: quality and host time of one rebalance against the greedy reference
+(:func:`eplb_core.reference.greedy_rebalance`), migration, soft locality, growth, first calls.
 
-Used by ``run.py``; can also be run alone: ``python bench_rebalance.py`` prints the strict-mode rows.
+Loads: ``eplb_core.synthetic_loads`` (58 layers x 256 experts, 8 groups), two successive windows: the
+plan is made on the last window, the migration starts from a plan made on the one before.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import resource
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import eplb_core as E
-from eplb_core._greedy import greedy_rebalance
 from eplb_core.bounds import node_cap_bound
+from eplb_core.reference import greedy_rebalance
 
-# (num_replicas, num_nodes, num_gpus) of the DeepSeek-V3 serving configurations in the issue
+# (num_replicas, num_nodes, num_gpus) of DeepSeek-V3 serving configurations
 CONFIGS = [(288, 4, 32), (320, 8, 64), (264, 1, 8), (288, 9, 72)]
 NUM_LAYERS, NUM_EXPERTS, NUM_GROUPS = 58, 256, 8
 # warm-up calls before every timed series (the first calls after a change of shape run slower)
@@ -117,6 +123,7 @@ def bench_config(
         lambda: greedy_rebalance(weight, r, NUM_GROUPS, nodes, gpus), repeat=max(3, repeat // 3)
     )
     row: dict[str, Any] = {
+        "kind": "rebalance",
         "config": f"({r}, {nodes}, {gpus})",
         "mode": ours.mode,
         "balancedness": float(ours.balancedness.mean()),
@@ -262,16 +269,40 @@ def bench_timing(
     t = timed_interleaved(fns, repeat=repeat)
     return {
         "configs": {k: v for k, v in t.items() if k.startswith("(")},
-        "scaling": [
-            {"layers": nl, "experts": ne, "config": cfg, "ms": t[key]["ms_median"], **t[key]}
-            for key, nl, ne, cfg in grow
-        ],
+        "scaling": [{"layers": nl, "experts": ne, "config": cfg, **t[key]} for key, nl, ne, cfg in grow],
     }
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    hist = E.synthetic_loads(NUM_LAYERS, NUM_EXPERTS, num_windows=2, seed=0)
-    for cfg in CONFIGS:
-        print(bench_config(hist[-1], hist[0], *cfg, repeat=5))
-    print(bench_timing(hist[-1], [(58, 256)], repeat=5))
+_FIRST_CALL = """
+import time, torch
+torch.set_num_threads(1)
+t0 = time.perf_counter()
+import eplb_core as E
+w = E.synthetic_loads(58, 256, seed=0)
+t1 = time.perf_counter()
+E.rebalance_experts(w, 288, 8, 4, 32)
+t2 = time.perf_counter()
+E.plan(w, num_replicas=288, num_groups=8, num_nodes=4, num_gpus=32)
+E.plan(w, num_replicas=288, num_groups=8, num_nodes=4, num_gpus=32, soft_locality=0.0)
+E.plan(w, num_replicas=288, num_groups=8, num_nodes=4, num_gpus=32, previous=E.plan(w * 1.1, num_replicas=288, num_groups=8, num_nodes=4, num_gpus=32))
+print(t1 - t0, t2 - t1, time.perf_counter() - t2)
+"""
+
+
+def first_call_seconds(cache_dir: str) -> dict[str, float]:
+    """Seconds in a fresh process, with an empty Numba cache (compilation) and again with the cache
+    that run left (loading): the import, the first ``rebalance_experts`` call, then the first calls of
+    every other mode. The cache is left in ``cache_dir`` for the calling process."""
+    out: dict[str, float] = {}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "NUMBA_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    for key in ("empty_cache", "cached"):
+        run = subprocess.run(
+            [sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True, check=True
+        )
+        imp, first, modes = (float(x) for x in run.stdout.split())
+        out[f"{key}_import_s"] = imp
+        out[f"{key}_first_rebalance_s"] = first
+        out[f"{key}_first_other_modes_s"] = modes
+    return out

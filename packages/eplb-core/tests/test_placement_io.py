@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,10 @@ def placement() -> E.Placement:
     return E.plan(E.synthetic_loads(4, 32, num_groups=4, seed=2), **KW)
 
 
-def _clone_with(p: E.Placement, phy2log: torch.Tensor) -> E.Placement:
-    return E.Placement.from_tensors(phy2log, p.weight, num_groups=4, num_nodes=2, num_gpus=8, mode=p.mode)
+def _clone_with(p: E.Placement, phy2log: torch.Tensor, logcnt: torch.Tensor | None = None) -> E.Placement:
+    return E.Placement.from_tensors(
+        phy2log, p.weight, num_groups=4, num_nodes=2, num_gpus=8, mode=p.mode, logcnt=logcnt
+    )
 
 
 def test_validate_catches_corruption(placement: E.Placement) -> None:
@@ -40,15 +43,39 @@ def test_validate_catches_corruption(placement: E.Placement) -> None:
         _clone_with(placement, swapped).validate()
     # a stale logcnt
     with pytest.raises(ValueError, match="logcnt"):
-        E.Placement.from_tensors(
-            placement.phy2log,
-            placement.weight,
-            num_groups=4,
-            num_nodes=2,
-            num_gpus=8,
-            mode="strict",
-            logcnt=placement.logcnt.roll(1, dims=1),
-        ).validate()
+        _clone_with(placement, placement.phy2log, placement.logcnt.roll(1, dims=1)).validate()
+
+
+def test_from_tensors_rejects_an_expert_without_replica(placement: E.Placement) -> None:
+    broken = placement.phy2log.clone()
+    broken[broken == 0] = 1  # expert 0 loses every replica
+    with pytest.raises(ValueError, match="no replica"):
+        _clone_with(placement, broken)
+    with pytest.raises(ValueError, match="no replica"):
+        _clone_with(placement, placement.phy2log, torch.zeros_like(placement.logcnt))
+    with pytest.raises(ValueError, match="phy2log must hold integer"):
+        _clone_with(placement, placement.phy2log.to(torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        pytest.param({"phy2log": torch.zeros(4, 40, dtype=torch.int64) + 99}, "expert id", id="ids"),
+        pytest.param({"logcnt": torch.ones(4, 31, dtype=torch.int64)}, "logcnt", id="logcnt-shape"),
+        pytest.param({"logcnt": torch.ones(4, 32)}, "logcnt must hold integers", id="logcnt-float"),
+        pytest.param({"num_gpus": 7}, "num_gpus", id="gpus"),
+        pytest.param({"weight": torch.full((4, 32), float("nan"))}, "NaN", id="nan-weight"),
+    ],
+)
+def test_gpu_loads_of_names_the_bad_argument(placement: E.Placement, change: dict, match: str) -> None:
+    args = {
+        "weight": placement.weight,
+        "phy2log": placement.phy2log,
+        "logcnt": placement.logcnt,
+        "num_gpus": 8,
+    }
+    with pytest.raises(ValueError, match=match):
+        E.gpu_loads_of(**{**args, **change})
 
 
 def test_diff_and_bytes(placement: E.Placement) -> None:
@@ -186,8 +213,8 @@ def test_cli_plan_compare_and_demo(tmp_path: Path, capsys: pytest.CaptureFixture
     assert prev.num_layers == 12
     assert cli.main(["compare", "--demo"]) == 0
     assert "greedy" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        cli.main(["plan", str(loads), "--replicas", "7", "--gpus", "32"])
+    assert cli.main(["plan", str(loads), "--replicas", "7", "--gpus", "32"]) == 2
+    assert "num_replicas" in capsys.readouterr().err
     assert demo.main() == 0
 
 
@@ -197,8 +224,62 @@ def test_cli_plot(tmp_path: Path) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        with pytest.raises(SystemExit, match="matplotlib"):
-            cli.main(["plan", "--demo", "--plot", str(png)])
+        assert cli.main(["plan", "--demo", "--plot", str(png)]) == 2
         return
     assert cli.main(["plan", "--demo", "--plot", str(png)]) == 0
     assert png.stat().st_size > 1000
+
+
+def test_cli_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"eplb-core {E.__version__}"
+
+
+def test_cli_without_rich_prints_install_hint(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "rich", None)  # import rich raises ImportError
+    assert cli.main(["plan", "--demo"]) == 1
+    err = capsys.readouterr().err
+    assert "pip install 'eplb-core[cli]'" in err
+    assert "Traceback" not in err
+
+
+def _bad_cli_inputs(tmp: Path) -> list[tuple[list[str], str]]:
+    """(arguments, a word the one-line error must contain)."""
+    topo = ["--replicas", "288", "--groups", "8", "--nodes", "4", "--gpus", "32"]
+    (tmp / "truncated.npy").write_bytes(b"\x93NUMPY\x01\x00v\x00{'descr'")
+    (tmp / "empty.json").write_text("")
+    (tmp / "bad.json").write_text("{not json")
+    (tmp / "keys.json").write_text('{"other": [[1, 2]]}')
+    (tmp / "loads.txt").write_text("1,2,3")
+    (tmp / "garbage.pt").write_bytes(b"not a torch file")
+    (tmp / "prev.json").write_text('{"format": "eplb-core/placement-v1", "phy2log": [[0]]}')
+    np.save(tmp / "loads.npy", cli.demo_history()[-1].numpy())
+    return [
+        (["plan", str(tmp / "missing.json"), *topo], "missing.json"),
+        (["plan", str(tmp / "truncated.npy"), *topo], "truncated.npy"),
+        (["plan", str(tmp / "empty.json"), *topo], "empty.json"),
+        (["plan", str(tmp / "bad.json"), *topo], "bad.json"),
+        (["plan", str(tmp / "keys.json"), *topo], "keys.json"),
+        (["plan", str(tmp / "loads.txt"), *topo], "extension"),
+        (["plan", str(tmp / "garbage.pt"), *topo], "garbage.pt"),
+        (["plan", str(tmp / "loads.npy"), *topo, "--previous", str(tmp / "prev.json")], "prev.json"),
+        (["plan", str(tmp / "loads.npy"), *topo, "--previous", str(tmp / "missing.json")], "missing.json"),
+        (["plan", "--demo", "-o", str(tmp / "no" / "such" / "plan.json")], "folder"),
+        (["compare", "--demo", "--replicas", "288", "--groups", "3", "--gpus", "32"], "num_groups"),
+        (["plan", str(tmp / "loads.npy"), "--replicas", "288", "--gpus", "7"], "num_gpus"),
+        (["plan"], "LOADS"),
+    ]
+
+
+def test_cli_bad_input_is_one_line_and_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, word in _bad_cli_inputs(tmp_path):
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert "Traceback" not in err
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith("eplb: error:"), err
+        assert word in err, (argv, err)

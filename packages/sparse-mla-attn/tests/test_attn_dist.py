@@ -5,10 +5,21 @@ import math
 import pytest
 import torch
 
-from sparse_mla_attn import attn_dist, attn_dist_ref, indexer_target, sparse_mla_fwd
+from sparse_mla_attn import Config, attn_dist, attn_dist_ref, indexer_target, sparse_mla_fwd
 from sparse_mla_attn._inputs import kernel_test_device, poison_unselected, random_indices, sprinkle_invalid
+from sparse_mla_attn._runtime import last_launch
+from sparse_mla_attn._validate import check_sparse_inputs
 
 TOL = {"cpu": (1e-5, 1e-4), "gpu": (1e-4, 2e-3)}  # (atol, rtol) on attn_sum
+
+
+def attn_dist_with_tiles(q, kv, idx, lse, sm_scale, tiles, **kw):
+    """attn_dist's Triton kernel launched with an explicit tile (e.g. two head tiles)."""
+    from sparse_mla_attn.attn_dist import launch_attn_dist
+
+    dims = check_sparse_inputs(q, kv, idx, 1)
+    return launch_attn_dist(q, kv[:, 0], idx[:, 0], lse, dims, sm_scale, 1.4426950408889634,
+                            config=Config(backend="triton"), tiles=tiles, **kw)  # fmt: skip
 
 
 def cpu_device() -> str:
@@ -94,7 +105,7 @@ def test_attn_dist_custom_op_fake_and_schema():
     lse = torch.zeros(2, 4, device=dev)
     torch.library.opcheck(
         torch.ops.sparse_mla_attn.attn_dist.default,
-        (q, kv, idx, lse, 0.05, 0, 1, "e", True),
+        (q, kv, idx, lse, 0.05, 0, 1, "e", True, "auto"),
         test_utils=("test_schema", "test_faketensor"),
     )
 
@@ -121,18 +132,16 @@ def test_attn_dist_gpu(s_q, h_q, s_kv, topk):
     )
 
 
-TWO_TILES = {"GLUON": False, "BLOCK_H": 64, "num_warps": 4}
+TWO_TILES = {"BLOCK_H": 64, "num_warps": 4}
 
 
 @pytest.mark.gpu
 def test_attn_dist_gpu_two_head_tiles():
     """The 2-tile path (fp32 atomic_add of two partial sums onto 0) is exact and order-independent."""
-    from sparse_mla_attn.attn_dist import attn_dist_impl
-
     q, kv, idx = problem(128, 128, 576, 8192, 2048, "cuda", seed=3, invalid_frac=0.05)
     _, _, lse = sparse_mla_fwd(q, kv, idx, 0.0416, causal=True, q_start_index=8000)
-    got = attn_dist_impl(q, kv, idx, lse, 0.0416, q_start_index=8000, config=TWO_TILES)
-    again = attn_dist_impl(q, kv, idx, lse, 0.0416, q_start_index=8000, config=TWO_TILES)
+    got = attn_dist_with_tiles(q, kv, idx, lse, 0.0416, TWO_TILES, q_start_index=8000)
+    again = attn_dist_with_tiles(q, kv, idx, lse, 0.0416, TWO_TILES, q_start_index=8000)
     ref = attn_dist_ref(q, kv, idx, lse, 0.0416, q_start_index=8000)
     torch.testing.assert_close(got, ref, atol=TOL["gpu"][0], rtol=TOL["gpu"][1])
     assert torch.equal(got, again)
@@ -140,27 +149,20 @@ def test_attn_dist_gpu_two_head_tiles():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("backend", "h_q", "d_qk", "topk", "options"),
+    ("backend", "h_q", "d_qk", "topk"),
     [
-        pytest.param("triton", 128, 576, 1000, {}, id="triton-H128-D576-T1000"),
-        pytest.param("gluon", 128, 576, 1000, {}, id="gluon-H128-D576-T1000"),
-        pytest.param("gluon", 64, 576, 2048, {}, id="gluon-H64-D576-T2048"),
-        pytest.param("gluon", 37, 512, 333, {}, id="gluon-H37-D512-T333"),
-        pytest.param("gluon", 96, 512, 130, {}, id="gluon-H96-D512-T130"),
-        # Gluon options: without turns, and the alternate-block split up to 64 heads.
-        pytest.param("gluon", 128, 576, 1000, {"G_WS": 1}, id="gluon-noturns-H128-D576-T1000"),
-        pytest.param("gluon", 40, 576, 129, {"G_WS": 1}, id="gluon-noturns-H40-D576-T129"),
-        pytest.param("gluon", 64, 576, 2048, {"G_SPLIT64": 2}, id="gluon-blocks-H64-D576-T2048"),
-        pytest.param("gluon", 40, 576, 129, {"G_SPLIT64": 2}, id="gluon-blocks-H40-D576-T129"),
+        pytest.param("triton", 128, 576, 1000, id="triton-H128-D576-T1000"),
+        pytest.param("gluon", 128, 576, 1000, id="gluon-H128-D576-T1000"),
+        pytest.param("gluon", 64, 576, 2048, id="gluon-H64-D576-T2048"),
+        pytest.param("gluon", 37, 512, 333, id="gluon-H37-D512-T333"),
+        pytest.param("gluon", 96, 512, 130, id="gluon-H96-D512-T130"),
+        pytest.param("gluon", 40, 576, 129, id="gluon-H40-D576-T129"),
     ],
 )
-def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk, options):
+def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk):
     """Both kernel families against the reference (invalid indices, causal limit with k_stride 2, NaN in
     every unselected KV row, a query with no valid slot); the result is bitwise reproducible (above 64
     heads the warp-specialised Gluon kernel adds two partial sums onto a zeroed output)."""
-    from sparse_mla_attn.attn_dist import attn_dist_impl
-    from sparse_mla_attn.forward import LAST_BACKEND
-
     if backend == "gluon" and not (
         torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     ):
@@ -170,10 +172,10 @@ def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk, options):
     idx[3] = -1
     kw = {"q_start_index": start, "k_stride": 2}
     _, _, lse = sparse_mla_fwd(q, kv, idx, 0.0416, causal=True, **kw)
-    config = {"GLUON": backend == "gluon", **options}
-    got = attn_dist_impl(q, kv, idx, lse, 0.0416, config=config, **kw)
-    assert LAST_BACKEND["attn_dist"] == backend
+    config = Config(backend=backend)
+    got = attn_dist(q, kv, idx, lse, 0.0416, config=config, **kw)
+    assert last_launch("attn_dist").backend == backend
     ref = attn_dist_ref(q, kv, idx, lse, 0.0416, **kw)
     torch.testing.assert_close(got, ref, atol=TOL["gpu"][0], rtol=TOL["gpu"][1])
     assert torch.all(got[3] == 0)
-    assert torch.equal(got, attn_dist_impl(q, kv, idx, lse, 0.0416, config=config, **kw))
+    assert torch.equal(got, attn_dist(q, kv, idx, lse, 0.0416, config=config, **kw))

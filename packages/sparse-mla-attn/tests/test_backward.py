@@ -9,12 +9,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_mla_attn import backward as bwd_mod
+from sparse_mla_attn import Config, reference, sparse_mla_bwd, sparse_mla_bwd_ref
 from sparse_mla_attn._inputs import kernel_test_device
-from sparse_mla_attn.backward import _bwd_fwd_math, sparse_mla_bwd, sparse_mla_bwd_ref
+from sparse_mla_attn._validate import check_bwd_inputs
+from sparse_mla_attn.backward import launch_bwd
+from sparse_mla_attn.reference import sparse_mla_ref
 
 # Relative Frobenius error bound per input dtype, for dq and dkv against the float32 autograd reference.
 REL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, d_v, tiles, *, return_attn_sum=False, **kw):
+    """The backward launched with explicit kernel tiles (kernel options the defaults pick on other shapes)."""
+    check_bwd_inputs(q, kv, out, dout, idx, lse, d_v, kw.get("q_start_index", 0), kw.get("k_stride", 1))
+    dq, dkv, attn_sum = launch_bwd(q, kv, out, dout, idx, lse, sm_scale, d_v, return_attn_sum=return_attn_sum,
+                                   tiles=tiles, **kw)  # fmt: skip
+    return (dq, dkv, attn_sum) if return_attn_sum else (dq, dkv)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -55,7 +65,7 @@ def autograd_grads(q, kv, idx, sm_scale, d_v, dout_seed, **kw):
     """Float32 forward through the reference math, dout, and torch-autograd dq/dkv."""
     qf = q.float().detach().requires_grad_()
     kvf = torch.nan_to_num(kv.float()).detach().requires_grad_()
-    out, lse = _bwd_fwd_math(qf, kvf, idx, sm_scale, d_v, **kw)
+    out, lse = sparse_mla_ref(qf, kvf, idx, sm_scale, d_v, **kw)
     g = torch.Generator(device="cpu").manual_seed(dout_seed)
     dout = torch.randn(out.shape, generator=g).to(out.device)
     out.backward(dout)
@@ -75,7 +85,7 @@ REF_CASES = [
 def test_bwd_ref_matches_autograd(s_q, h_q, d_qk, d_v, s_kv, topk, kw):
     q, kv, idx = make_case(s_q, h_q, d_qk, s_kv, topk, device="cpu", dtype=torch.float64, seed=1)
     qd, kvd = q.clone().requires_grad_(), kv.clone().requires_grad_()
-    out, lse = _bwd_fwd_math(qd, kvd, idx, 0.3, d_v, **kw)
+    out, lse = sparse_mla_ref(qd, kvd, idx, 0.3, d_v, **kw)
     dout = torch.randn_like(out)
     out.backward(dout)
     dq, dkv = sparse_mla_bwd_ref(q, kv, out.detach(), dout, idx, lse.detach(), 0.3, d_v, **kw)
@@ -90,7 +100,7 @@ class _RefAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, idx, sm_scale, d_v, causal):
         with torch.no_grad():
-            out, lse = _bwd_fwd_math(q, kv, idx, sm_scale, d_v, causal=causal, q_start_index=1, k_stride=2)
+            out, lse = sparse_mla_ref(q, kv, idx, sm_scale, d_v, causal=causal, q_start_index=1, k_stride=2)
         ctx.save_for_backward(q, kv, idx, out, lse)
         ctx.args = (sm_scale, d_v, causal)
         return out
@@ -115,10 +125,10 @@ def test_bwd_ref_gradcheck_float64(causal):
 
 def test_bwd_ref_chunking_is_exact(monkeypatch):
     q, kv, idx = make_case(9, 2, 24, 10, 6, device="cpu", dtype=torch.float64, seed=3)
-    out, lse = _bwd_fwd_math(q, kv, idx, 0.2, 16)
+    out, lse = sparse_mla_ref(q, kv, idx, 0.2, 16)
     dout = torch.randn_like(out)
     full = sparse_mla_bwd_ref(q, kv, out, dout, idx, lse, 0.2, 16)
-    monkeypatch.setattr(bwd_mod, "_bwd_chunk_rows", lambda s_q, per, budget=0: 2)
+    monkeypatch.setattr(reference, "_chunk_rows", lambda s_q, per, budget=0: 2)
     chunked = sparse_mla_bwd_ref(q, kv, out, dout, idx, lse, 0.2, 16)
     for a, b in zip(full, chunked, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -183,30 +193,19 @@ CONFIG_CASES = [
     pytest.param(18, 96, 64, {"causal": True, "q_start_index": 7, "k_stride": 2}, SUB, id="nsub2-H18-causal"),
     pytest.param(40, 96, 64, {}, SUB, id="nsub2-H40-second-half-partial"),
     pytest.param(12, 96, 64, {}, SUB, id="nsub2-H12-second-half-empty"),
-    pytest.param(40, 96, 64, {}, {**SUB, "DKV_T": 1}, id="nsub2-dkvT-H40"),
-    pytest.param(
-        5,
-        96,
-        64,
-        {"causal": True, "q_start_index": 9},
-        {"DKV_T": 1, "DQ_SPLIT": 1, "SPLIT_DKV": 0},
-        id="dkvT-dqsplit",
-    ),
-    pytest.param(3, 64, 64, {}, {"DQ_SPLIT": 1}, id="dqsplit-no-rope"),
 ]
 
 
 @pytest.mark.parametrize(("h_q", "d_qk", "d_v", "kw", "cfg"), CONFIG_CASES)
 def test_bwd_kernel_options(h_q, d_qk, d_v, kw, cfg):
     """Kernel options the benchmark times: SPLIT_DKV = 0 (dkv products fused into the main kernel, per head
-    block; also what h_q > 128 uses), N_SUB = 2 (two head blocks per main program), DKV_T (fused dkv products
-    in [channels, slots] orientation), DQ_SPLIT (latent / rope channel blocks for dq), the dkv kernel's tiles."""
+    block; also what h_q > 128 uses), N_SUB = 2 (two head blocks per main program), the dkv kernel's tiles."""
     dev = kernel_test_device()
     q, kv, idx = make_case(4, h_q, d_qk, 30, 17, device=dev, dtype=torch.float32, seed=h_q)
     kv = poison_unselected(kv, idx)
     out, lse, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.125, d_v, dout_seed=6, **kw)
     for det in (False, True):
-        dq, dkv = sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.125, d_v, deterministic=det, _config=cfg, **kw)
+        dq, dkv = bwd_with_tiles(q, kv, out, dout, idx, lse, 0.125, d_v, cfg, deterministic=det, **kw)
         assert torch.isfinite(dq).all()
         assert torch.isfinite(dkv).all()
         assert rel_err(dq, dq_ref) < REL_TOL[torch.float32], ("dq", det)
@@ -215,8 +214,8 @@ def test_bwd_kernel_options(h_q, d_qk, d_v, kw, cfg):
 
 def head_summed_attention(q, kv, idx, lse, sm_scale, kw):
     """Float64 Σ_h P[h, t] (0 at invalid slots): the indexer target."""
-    valid = bwd_mod._bwd_valid_slots(idx, kv.shape[0], kw.get("q_start_index", 0), kw.get("k_stride", 1),
-                                     kw.get("causal", False))  # fmt: skip
+    valid = reference.valid_slots(idx[:, 0], kv.shape[0], kw.get("q_start_index", 0), kw.get("k_stride", 1),
+                                  kw.get("causal", False))  # fmt: skip
     rows = torch.nan_to_num(kv[:, 0].double())[idx[:, 0].long().clamp(0, kv.shape[0] - 1)]
     scores = torch.einsum("shd,std->sht", q.double(), rows) * sm_scale
     p = torch.where(valid[:, None, :], torch.exp(scores - lse.double()[..., None]), 0.0)
@@ -238,8 +237,8 @@ def test_bwd_attn_sum_by_product(h_q, kw, cfg):
     out, lse, dout, dq_ref, _ = autograd_grads(q, kv, idx, 0.125, 64, dout_seed=7, **kw)
     want = head_summed_attention(q, kv, idx, lse, 0.125, kw)
     for det in (False, True):
-        dq, _, attn_sum = sparse_mla_bwd(
-            q, kv, out, dout, idx, lse, 0.125, 64, deterministic=det, return_attn_sum=True, _config=cfg, **kw
+        dq, _, attn_sum = bwd_with_tiles(
+            q, kv, out, dout, idx, lse, 0.125, 64, cfg, deterministic=det, return_attn_sum=True, **kw
         )
         assert attn_sum.shape == (5, 17)
         assert attn_sum.dtype == torch.float32
@@ -278,9 +277,8 @@ def test_bwd_deterministic_is_bit_identical_and_chunks(monkeypatch):
     out, lse, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.3, 64, dout_seed=2)
     runs = [sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.3, 64, deterministic=True) for _ in range(2)]
     # Force several token chunks (workspace cap of ~2 tokens): same math, same order within each row.
-    monkeypatch.setattr(bwd_mod, "_BWD_DET_WORKSPACE_BYTES", 2 * 2 * 24 * 96 * 4)
-    monkeypatch.setattr(bwd_mod, "_BWD_DS_WORKSPACE_BYTES", 3 * 20 * 24 * 4)
-    runs.append(sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.3, 64, deterministic=True))
+    small = Config(bwd_workspace_bytes=3 * 20 * 24 * 4, bwd_deterministic_workspace_bytes=2 * 2 * 24 * 96 * 4)
+    runs.append(sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.3, 64, deterministic=True, config=small))
     default = sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.3, 64)
     assert torch.equal(runs[0][0], runs[1][0])
     assert torch.equal(runs[0][1], runs[1][1])
@@ -292,7 +290,7 @@ def test_bwd_deterministic_is_bit_identical_and_chunks(monkeypatch):
 BAD_INPUTS = [
     pytest.param("q", lambda t: t["q"][0], "q must be", id="q-rank"),
     pytest.param("kv", lambda t: t["kv"][:, :, :64], "kv must be", id="kv-dim"),
-    pytest.param("kv", lambda t: t["kv"].double(), "kv dtype", id="kv-dtype"),
+    pytest.param("kv", lambda t: t["kv"].double(), "kv must have q's dtype", id="kv-dtype"),
     pytest.param("indices", lambda t: t["indices"].long(), "indices must be int32", id="idx-dtype"),
     pytest.param("indices", lambda t: t["indices"][:2], "indices must be", id="idx-shape"),
     pytest.param("lse", lambda t: t["lse"].double(), "lse must be float32", id="lse-dtype"),
@@ -315,7 +313,7 @@ def test_bwd_rejects_bad_inputs(name, mutate, msg):
         "lse": torch.randn(3, 2),
     }
     t[name] = mutate(t)
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises((ValueError, TypeError), match=msg):
         sparse_mla_bwd(t["q"], t["kv"], t["out"], t["dout"], t["indices"], t["lse"], 0.1, 64)
 
 
@@ -335,7 +333,7 @@ def test_bwd_custom_op_fake_and_schema():
     out, lse, dout, _, _ = autograd_grads(q, kv, idx, 0.1, 64, dout_seed=4)
     torch.library.opcheck(
         torch.ops.sparse_mla_attn.sparse_mla_bwd.default,
-        (q, kv, out, dout, idx, lse, 0.1, 64, 0, 1, False, False, True),
+        (q, kv, out, dout, idx, lse, 0.1, 64, 0, 1, False, False, True, 2 << 30, 4 << 30),
         test_utils=("test_schema", "test_faketensor"),
     )
 
@@ -385,7 +383,7 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
     q, kv, idx = make_case(s_q, h_q, d_qk, s_kv, topk, device="cuda", dtype=torch.bfloat16, seed=s_q + topk)
     kv = poison_unselected(kv, idx)
     sm_scale = d_qk**-0.5
-    out, lse = _bwd_fwd_math(q.float(), torch.nan_to_num(kv.float()), idx, sm_scale, 512, **kw)
+    out, lse = sparse_mla_ref(q.float(), torch.nan_to_num(kv.float()), idx, sm_scale, 512, **kw)
     dout = torch.randn(out.shape, device="cuda").bfloat16()
     out = out.bfloat16()
     dq_ref, dkv_ref = sparse_mla_bwd_ref(q, torch.nan_to_num(kv), out, dout, idx, lse, sm_scale, 512, **kw)
@@ -400,11 +398,9 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
     # The fused kernel (dkv per head block in the main kernel; the path of h_q > 128) with two 64-head
     # halves per program, both modes; and the fused kernel's own default.
     sub = {"BLOCK_H": 64, "N_SUB": 2, "SPLIT_DKV": 0}
-    dq4, dkv4 = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, _config=sub, **kw)
-    dq5, dkv5 = sparse_mla_bwd(
-        q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, _config=sub, **kw
-    )
-    dq6, dkv6 = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, _config={"SPLIT_DKV": 0}, **kw)
+    dq4, dkv4 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, sub, **kw)
+    dq5, dkv5 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, sub, deterministic=True, **kw)
+    dq6, dkv6 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, {"SPLIT_DKV": 0}, **kw)
     for a, b in ((dq, dkv), (dq2, dkv2), (dq4, dkv4), (dq5, dkv5), (dq6, dkv6)):
         assert torch.isfinite(a).all()
         assert torch.isfinite(b).all()
@@ -451,7 +447,7 @@ def test_training_step_lowers_loss_gpu(target_from_bwd):
         )
         attn_loss = (out.float() - target).pow(2).mean()
         with torch.no_grad():  # the indexer target: attention summed over heads at the selected slots
-            valid = bwd_mod._bwd_valid_slots(idx, s, 0, 1, True)
+            valid = reference.valid_slots(idx[:, 0], s, 0, 1, True)
             rows = kv[:, 0].float()[idx[:, 0].long().clamp(0, s - 1)]
             sc = torch.einsum("shd,std->sht", q.float(), rows) * d_qk**-0.5
             attn_sum = torch.where(valid[:, None], torch.exp(sc - lse[..., None]), 0.0).sum(1)

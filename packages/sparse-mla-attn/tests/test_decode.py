@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-from sparse_mla_attn import sparse_mla_decode, sparse_mla_decode_ref
+from sparse_mla_attn import Config, sparse_mla_decode, sparse_mla_decode_ref
 from sparse_mla_attn._inputs import kernel_test_device
-from sparse_mla_attn.decode import sparse_mla_decode_impl
 from sparse_mla_attn.reference import paged_rows
 
 
@@ -69,7 +68,7 @@ def test_decode_matches_reference(b, s_q, h_q, d_qk, block_size, seqlens, topk):
 def test_decode_split_k_and_table_entries_outside_the_cache():
     dev = cpu_device()
     args = paged_problem(2, 2, 5, 576, 8, (30, 17), 23, dev, seed=7)
-    got = sparse_mla_decode_impl(*args, 0.05, config={"NUM_SPLITS": 2})
+    got = sparse_mla_decode(*args, 0.05, config=Config(num_splits=2))
     check(got, args, 0.05, 1e-2, 1e-2)
     # A table entry pointing past the cache is skipped like an invalid position, never followed.
     q, cache, bt, sl, idx = args
@@ -91,7 +90,7 @@ def test_decode_custom_op_fake_and_schema():
     args = paged_problem(2, 1, 4, 576, 8, (9, 3), 5, dev, seed=1)
     torch.library.opcheck(
         torch.ops.sparse_mla_attn.sparse_mla_decode.default,
-        (*args, 0.05, 512),
+        (*args, 0.05, 512, "auto", 0),
         test_utils=("test_schema", "test_faketensor"),
     )
 

@@ -5,9 +5,19 @@ import math
 import pytest
 import torch
 
-from sparse_mla_attn import sparse_mla_fwd, sparse_mla_fwd_ref
+from sparse_mla_attn import Config, sparse_mla_fwd, sparse_mla_fwd_ref
 from sparse_mla_attn._inputs import kernel_test_device, poison_unselected, random_indices, sprinkle_invalid
-from sparse_mla_attn.forward import sparse_mla_fwd_impl
+from sparse_mla_attn._runtime import last_launch
+from sparse_mla_attn._validate import check_sparse_inputs
+from sparse_mla_attn.forward import launch_fwd
+
+
+def fwd_with_tiles(q, kv, idx, sm_scale, tiles, **kw):
+    """The forward launched with an explicit Triton tile (kernel options the defaults pick on other shapes)."""
+    return launch_fwd(
+        q, kv[:, 0], idx[:, 0], check_sparse_inputs(q, kv, idx, 512), sm_scale, tiles=tiles, **kw
+    )
+
 
 # (atol, rtol) per quantity. The interpreter multiplies in float32, so only out's bf16 rounding shows on CPU;
 # on the GPU the probabilities are rounded to bf16 before P·V (FlashMLA does the same).
@@ -167,7 +177,7 @@ def test_fwd_split_k_matches_reference(n_splits, s_split):
     sink = torch.randn(h_q, device=dev)
     topk_length = torch.tensor([37, 30, 37, 5], dtype=torch.int32, device=dev)
     kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 30, "k_stride": 1}
-    got = sparse_mla_fwd_impl(q, kv, idx, 0.05, config={"NUM_SPLITS": n_splits, "S_SPLIT": s_split}, **kw)
+    got = fwd_with_tiles(q, kv, idx, 0.05, {"S_SPLIT": s_split}, config=Config(num_splits=n_splits), **kw)
     check_fwd(got, q, kv, idx, 0.05, "cpu", **kw)
     assert torch.all(got[0][2] == 0)
     assert torch.all(got[2][2] == float("-inf"))
@@ -179,7 +189,7 @@ def test_fwd_custom_op_fake_and_schema():
     sink = torch.zeros(4, device=dev)
     torch.library.opcheck(
         torch.ops.sparse_mla_attn.sparse_mla_fwd.default,
-        (q, kv, idx, 0.05, 512, sink, None, 0, 1, False),
+        (q, kv, idx, 0.05, 512, sink, None, 0, 1, False, "auto", 0),
         test_utils=("test_schema", "test_faketensor"),
     )
 
@@ -220,7 +230,7 @@ def test_fwd_gpu_causal_sink_topk_length():
     # (relative 2**-9) then gives up to ~4e-3 absolute, so this test uses a wider out tolerance.
     check_fwd(sparse_mla_fwd(q, kv, idx, 0.04, **kw), q, kv, idx, 0.04, "gpu_few", **kw)
     # The same through split-K (the path small grids take).
-    got = sparse_mla_fwd_impl(q, kv, idx, 0.04, config={"NUM_SPLITS": 3}, **kw)
+    got = sparse_mla_fwd(q, kv, idx, 0.04, config=Config(num_splits=3), **kw)
     check_fwd(got, q, kv, idx, 0.04, "gpu_few", **kw)
 
 
@@ -248,8 +258,6 @@ def _sm90() -> bool:
 def test_fwd_gpu_backends(backend, h_q, d_qk, topk):
     """Both kernel families (Gluon on sm_90, Triton everywhere) against the reference, with causal limit,
     sink, topk_length, invalid indices and NaN in every KV row that no valid index selects."""
-    from sparse_mla_attn.forward import LAST_BACKEND
-
     if backend == "gluon" and not _sm90():
         pytest.skip("the Gluon kernels need an sm_90 GPU (H100/H200)")
     s_q, s_kv = 160, 8192
@@ -259,10 +267,10 @@ def test_fwd_gpu_backends(backend, h_q, d_qk, topk):
     topk_length = torch.randint(0, topk + 1, (s_q,), dtype=torch.int32, device="cuda")
     kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 8000, "k_stride": 1}
     scale = 1 / math.sqrt(d_qk)
-    got = sparse_mla_fwd_impl(q, kv, idx, scale, config={"GLUON": backend == "gluon"}, **kw)
-    assert LAST_BACKEND["fwd"] == backend
+    got = sparse_mla_fwd(q, kv, idx, scale, config=Config(backend=backend), **kw)
+    assert last_launch("fwd").backend == backend
     check_fwd(got, q, kv, idx, scale, "gpu_few", **kw)
-    plain = sparse_mla_fwd_impl(q, kv, idx, scale, config={"GLUON": backend == "gluon"})
+    plain = sparse_mla_fwd(q, kv, idx, scale, config=Config(backend=backend))
     check_fwd(plain, q, kv, idx, scale, "gpu")
 
 
@@ -282,21 +290,19 @@ def test_fwd_gpu_gluon_edge_cases(h_q, d_qk, topk, s_q):
     block only), causal limit, sink, topk_length (0 included: no block at all), invalid indices, an
     all-invalid row, NaN in every KV row that no valid index selects; launched twice, so that a barrier
     phase left over from an earlier launch would show."""
-    from sparse_mla_attn.forward import LAST_BACKEND
-
     if not _sm90():
         pytest.skip("the Gluon kernels need an sm_90 GPU (H100/H200)")
-    cfg = {"GLUON": True, "NUM_SPLITS": 1}
+    cfg = Config(backend="gluon", num_splits=1)
     # With one or two blocks the softmax is peaked and the bf16 rounding of P alone exceeds abs 8e-4 (up
-    # to 1.7e-3 on ~0.005% of the elements; results/bf16_p_rounding.py): the "gpu_few" tolerance there.
+    # to 1.7e-3 on ~0.005% of the elements; measured): the "gpu_few" tolerance there.
     where = "gpu" if topk >= 256 else "gpu_few"
     q, kv, idx = make_problem(s_q, h_q, d_qk, 8192, topk, "cuda", seed=11 * h_q + topk, invalid_frac=0.05)
     idx[0, 0, :] = -1
     kv = poison_unselected(kv, idx)
     scale = 1 / math.sqrt(d_qk)
     for _ in range(2):
-        plain = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg)
-        assert LAST_BACKEND["fwd"] == "gluon"
+        plain = sparse_mla_fwd(q, kv, idx, scale, config=cfg)
+        assert last_launch("fwd").backend == "gluon"
         check_fwd(plain, q, kv, idx, scale, where)
         assert torch.all(plain[0][0] == 0)
         assert torch.all(plain[2][0] == float("-inf"))
@@ -304,7 +310,7 @@ def test_fwd_gpu_gluon_edge_cases(h_q, d_qk, topk, s_q):
     topk_length = torch.randint(0, topk + 1, (s_q,), dtype=torch.int32, device="cuda")
     topk_length[1] = 0
     kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 8000, "k_stride": 1}
-    got = sparse_mla_fwd_impl(q, kv, idx, scale, config=cfg, **kw)
+    got = sparse_mla_fwd(q, kv, idx, scale, config=cfg, **kw)
     check_fwd(got, q, kv, idx, scale, "gpu_few", **kw)
     assert torch.all(got[0][1] == 0)
     assert torch.all(got[2][1] == float("-inf"))

@@ -7,14 +7,13 @@ import torch
 
 from sparse_mla_attn._inputs import kernel_test_device
 from sparse_mla_attn.indexer import (
-    _indexer_logits_bwd,
     indexer_kl_loss,
-    indexer_kl_loss_ref,
     indexer_logits,
     indexer_logits_at,
-    indexer_logits_ref,
     indexer_topk,
+    launch_logits_bwd,
 )
+from sparse_mla_attn.reference import indexer_kl_loss_ref, indexer_logits_ref
 
 # Max abs error of the logits relative to the largest |logit|, per input dtype.
 LOGIT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -101,7 +100,7 @@ def test_indexer_logits_bwd_kernel(s_q, h, d, s_kv, kw, dtype):
     finite, ref = float64_grads(q, k, w, grad, kw)
     grad = torch.where(finite, grad, float("nan"))
     outs = tuple(torch.full_like(t, float("nan")) for t in (q, k, w))
-    got = _indexer_logits_bwd(
+    got = launch_logits_bwd(
         grad, q, k, w, kw.get("causal", False), kw.get("q_start_index", 0), kw.get("k_stride", 1), out=outs
     )
     for name, a, b, x in zip(("dq_idx", "dk_idx", "dweights"), got, ref, (q, k, w), strict=True):
@@ -270,8 +269,8 @@ def test_indexer_logits_bwd_gpu(s_q, h, d, s_kv, kw):
     finite, ref = float64_grads(q, k, w, grad, kw)
     grad = torch.where(finite, grad, float("nan"))
     args = (grad, q, k, w, kw.get("causal", False), kw.get("q_start_index", 0), kw.get("k_stride", 1))
-    got = _indexer_logits_bwd(*args)
-    again = _indexer_logits_bwd(*args)
+    got = launch_logits_bwd(*args)
+    again = launch_logits_bwd(*args)
     for name, a, b, c in zip(("dq_idx", "dk_idx", "dweights"), got, ref, again, strict=True):
         assert torch.isfinite(a).all(), name
         assert rel_err(a, b) < BWD_TOL[torch.bfloat16], (name, rel_err(a, b))

@@ -1,7 +1,8 @@
-"""Planner entry points on a float64 weight matrix (private; inputs already validated).
+"""The planner on NumPy arrays (private; inputs already validated by :mod:`eplb_core.planner`).
 
-The group-to-node split is chosen here with NumPy (one matrix product over the enumerated splits);
-everything else, for all layers, is one call of a compiled kernel of :mod:`eplb_core._kernels`.
+Every function here takes and returns NumPy arrays: the group-to-node split is chosen with NumPy (one
+matrix product over the enumerated splits), everything else, for all layers, is one call of a compiled
+entry point of :mod:`eplb_core._numba`. Torch appears only in the public modules.
 """
 
 from __future__ import annotations
@@ -11,17 +12,21 @@ import math
 from functools import lru_cache
 
 import numpy as np
-import torch
 
-from eplb_core import _kernels
+from eplb_core._numba.migrate import migrate_layers
+from eplb_core._numba.soft import soft_allocate, soft_node_swaps
+from eplb_core._numba.solve import pack_layers, solve_layers
+from eplb_core._numba.utils import MAX_RESPLIT_SLOTS, default_iters
 
 __all__ = [
     "assign_groups_to_nodes",
     "best_node_peaks",
     "equal_partitions",
+    "home_nodes",
     "pack_rows",
     "solve",
-    "solve_hierarchical",
+    "solve_migration",
+    "solve_soft",
     "split_tables",
 ]
 
@@ -36,7 +41,7 @@ def split_tables(slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
     columns up to a multiple of 8, so the compiled scoring runs in whole vectors). Above
     ``MAX_RESPLIT_SLOTS`` slots (no re-split) the tables of one slot stand in.
     """
-    if slots > _kernels.MAX_RESPLIT_SLOTS:
+    if slots > MAX_RESPLIT_SLOTS:
         slots = 1
     num = 2 * slots
     splits = [c for c in itertools.combinations(range(num), slots) if c[0] == 0]
@@ -133,7 +138,7 @@ def solve(
     *,
     iters: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Strict (``num_nodes > 1``) or global (one node, one group) plan: :func:`_kernels.solve_layers`.
+    """Strict (``num_nodes > 1``) or global (one node, one group) plan: :func:`solve_layers`.
 
     Args:
         weight: ``[L, N]`` float64, rows not all zero.
@@ -146,8 +151,8 @@ def solve(
     group_load = weight.reshape(num_layers, num_groups, num_experts // num_groups).sum(-1)
     ours_nodes = np.ascontiguousarray(assign_groups_to_nodes(group_load, num_nodes), dtype=np.int64)
     num_bins = num_gpus // num_nodes
-    rounds = _kernels.default_iters(num_bins, num_replicas // num_gpus) if iters is None else iters
-    return _kernels.solve_layers(
+    rounds = default_iters(num_bins, num_replicas // num_gpus) if iters is None else iters
+    return solve_layers(
         weight,
         group_load,
         ours_nodes,
@@ -167,7 +172,7 @@ def pack_rows(
     num_experts: int,
     rows_per_group: int = 1,
 ) -> np.ndarray:
-    """Pack each row's items onto ``num_bins`` GPUs (:func:`_kernels.pack_layers`).
+    """Pack each row's items onto ``num_bins`` GPUs (:func:`pack_layers`).
 
     Args:
         item_load, item_expert: ``[B, M]`` float64 / int64.
@@ -175,8 +180,8 @@ def pack_rows(
     Returns:
         ``[B, num_bins, M / num_bins]`` expert ids, sorted inside a GPU.
     """
-    rounds = _kernels.default_iters(num_bins, item_load.shape[1] // num_bins) if iters is None else iters
-    return _kernels.pack_layers(
+    rounds = default_iters(num_bins, item_load.shape[1] // num_bins) if iters is None else iters
+    return pack_layers(
         np.ascontiguousarray(item_load, dtype=np.float64),
         np.ascontiguousarray(item_expert, dtype=np.int64),
         num_bins,
@@ -187,23 +192,90 @@ def pack_rows(
     )
 
 
-def solve_hierarchical(
-    weight: torch.Tensor,
+def home_nodes(phy2log: np.ndarray, num_groups: int, num_nodes: int, num_logical: int) -> np.ndarray:
+    """Node of each group ``[L, num_groups]`` int64 in a strict plan ``phy2log [L, R]``."""
+    num_layers, num_replicas = phy2log.shape
+    node = np.arange(num_replicas) // (num_replicas // num_nodes)
+    home = np.zeros((num_layers, num_groups), dtype=np.int64)
+    np.put_along_axis(home, phy2log // (num_logical // num_groups), np.broadcast_to(node, phy2log.shape), 1)
+    return home
+
+
+def solve_soft(
+    weight: np.ndarray,
     num_replicas: int,
     num_groups: int,
     num_nodes: int,
     num_gpus: int,
-    *,
-    iters: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plan with every replica on its group's node (``num_nodes=1`` and one group: global plan).
+    penalty: float,
+    iters: int | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Soft-locality plan: ``(phy2log [L, R], node of each group [L, num_groups])`` int64.
 
-    Runs :func:`solve` on the host and returns the plan on ``weight``'s device. No layer ends worse
-    than the greedy DeepSeek-style plan with duplicate avoidance.
-
-    Returns:
-        ``(phy2log [L, R], logcnt [L, N])`` int64.
+    Groups get home nodes by the best equal split (as in the strict mode); every expert keeps its
+    first replica at home and the ``R - N`` redundant replicas are allocated to experts and nodes one
+    at a time (:func:`~eplb_core._numba.soft.soft_allocate`); redundant replicas are then traded
+    between nodes to even the node loads (:func:`~eplb_core._numba.soft.soft_node_swaps`), and each
+    node is packed like a strict node (:func:`pack_rows`).
     """
-    w = weight.detach().to("cpu", torch.float64).numpy()
-    phy2log, logcnt = solve(w, num_replicas, num_groups, num_nodes, num_gpus, iters=iters)
-    return torch.from_numpy(phy2log).to(weight.device), torch.from_numpy(logcnt).to(weight.device)
+    num_layers, num_logical = weight.shape
+    group_size = num_logical // num_groups
+    group_load = weight.reshape(num_layers, num_groups, group_size).sum(-1)
+    node_of_group = assign_groups_to_nodes(group_load, num_nodes)
+    home = np.ascontiguousarray(np.repeat(node_of_group, group_size, axis=1))  # [L, N]
+    gpus_per_node = num_gpus // num_nodes
+    expert, node, counts = soft_allocate(weight, home, num_replicas, num_nodes, num_gpus, penalty)
+    # the one-at-a-time choices leave node loads uneven: trade redundant replicas between nodes
+    soft_node_swaps(
+        weight,
+        counts,
+        expert,
+        node,
+        home,
+        num_nodes,
+        gpus_per_node,
+        penalty,
+        4 * (num_replicas - num_logical),
+    )
+    order = np.argsort(node * num_replicas + np.arange(num_replicas), axis=1)
+    item_expert = np.take_along_axis(expert, order, 1).reshape(num_layers * num_nodes, -1)
+    item_load = np.take_along_axis(weight / counts, item_expert.reshape(num_layers, -1), 1)
+    packed = pack_rows(
+        item_load.reshape(item_expert.shape), item_expert, gpus_per_node, iters, num_logical, num_nodes
+    )
+    return packed.reshape(num_layers, num_replicas), node_of_group
+
+
+def solve_migration(
+    weight: np.ndarray,
+    previous: np.ndarray,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    mode: str,
+    budget: int,
+    iters: int | None,
+) -> np.ndarray:
+    """Migration-aware plan ``phy2log [L, R]`` int64: keep ``previous``'s slots, re-split replicas and
+    swap within a budget of ``budget`` changed slots per layer.
+
+    Replicas never change node (strict and soft plans keep their locality and cross-node share);
+    inside each node (or the whole layer in global mode): (1) up to half the budget moves single slots
+    from over-replicated experts to the expert whose per-replica load is highest, (2) the swap
+    refinement runs with the rest of the budget. Both only ever lower the peak of a row.
+    """
+    num_replicas = previous.shape[1]
+    rows_per_layer = num_nodes if mode in ("strict", "soft") else 1
+    num_bins = num_gpus // rows_per_layer
+    # exchange rounds (the budgeted swaps of this mode have no re-split or peak step)
+    rounds = default_iters(num_bins, MAX_RESPLIT_SLOTS + 1) if iters is None else iters
+    return migrate_layers(
+        weight,
+        previous,
+        rows_per_layer,
+        num_gpus,
+        budget,
+        rounds,
+        mode != "soft",
+        split_tables(num_replicas // num_gpus),
+    )

@@ -1,10 +1,15 @@
-"""``eplb`` command line: ``eplb plan`` and ``eplb compare``."""
+"""``eplb`` command line: ``eplb plan`` and ``eplb compare`` (needs the ``cli`` extra for ``rich``).
+
+Bad input (files, topology, options) ends with a one-line message on standard error and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -12,13 +17,21 @@ from typing import Any
 import numpy as np
 import torch
 
+import eplb_core
 from eplb_core import io
 from eplb_core.history import expected_load
 from eplb_core.metrics import balancedness
-from eplb_core.placement import Placement
+from eplb_core.placement import Placement, gpu_loads_of
 from eplb_core.planner import plan
+from eplb_core.reference import greedy_rebalance
 
-__all__ = ["demo_history", "main", "plot_heatmap", "static_gpu_loads"]
+__all__ = ["CliError", "demo_history", "main", "plot_heatmap", "static_gpu_loads"]
+
+INSTALL_HINT = "the eplb command needs rich: pip install 'eplb-core[cli]'"
+
+
+class CliError(ValueError):
+    """Bad command-line input: printed as one line, exit status 2."""
 
 
 def demo_history() -> torch.Tensor:
@@ -51,7 +64,7 @@ def plot_heatmap(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - depends on the extra
-        raise SystemExit("--plot needs matplotlib: pip install 'eplb-core[plot]'") from exc
+        raise CliError("--plot needs matplotlib: pip install 'eplb-core[plot]'") from exc
     rel_b = (before / before.mean(1, keepdim=True).clamp_min(1e-300)).numpy()
     rel_a = (after / after.mean(1, keepdim=True).clamp_min(1e-300)).numpy()
     vmax = max(float(rel_b.max()), float(rel_a.max()), 1.05)
@@ -72,12 +85,9 @@ def _load_input(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor | 
         hist = demo_history()
         source = "bundled demo loads (4 windows x 12 layers x 256 experts)"
     elif args.loads is None:
-        raise SystemExit("eplb: give a LOADS file or --demo")
+        raise CliError("give a LOADS file or --demo")
     else:
-        try:
-            hist = io.load_loads(args.loads)
-        except ValueError as exc:
-            raise SystemExit(f"eplb: {exc}") from exc
+        hist = io.load_loads(args.loads)
         source = str(args.loads)
     if hist.dim() == 3:
         weight = hist[-1] if args.history == "last" else expected_load(hist, method=args.history)
@@ -89,7 +99,7 @@ def _topology(args: argparse.Namespace, num_logical: int) -> dict[str, Any]:
     if args.demo and args.replicas is None:
         args.replicas, args.groups, args.nodes, args.gpus = 288, 8, 4, 32
     if args.replicas is None or args.gpus is None:
-        raise SystemExit("eplb: --replicas and --gpus are required (or use --demo)")
+        raise CliError("--replicas and --gpus are required (or use --demo)")
     return {
         "num_replicas": args.replicas,
         "num_groups": args.groups,
@@ -118,17 +128,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     weight, _hist, source = _load_input(args)
     topo = _topology(args, weight.shape[1])
     previous = Placement.load(args.previous) if args.previous else None
+    for path in (args.output, args.sglang, args.plot):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise CliError(f"cannot write {path!r}: its folder does not exist")
     t0 = time.perf_counter()
-    try:
-        result = plan(
-            weight,
-            **topo,
-            previous=previous,
-            max_changed_slots=args.max_moves,
-            soft_locality=args.soft_locality,
-        )
-    except ValueError as exc:
-        raise SystemExit(f"eplb: {exc}") from exc
+    result = plan(
+        weight,
+        **topo,
+        previous=previous,
+        max_changed_slots=args.max_moves,
+        soft_locality=args.soft_locality,
+    )
     elapsed = time.perf_counter() - t0
     if previous is not None:
         before = previous.gpu_loads_for(weight)
@@ -163,7 +173,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     _table(
         f"eplb plan: {source}; R={topo['num_replicas']} groups={topo['num_groups']} nodes={topo['num_nodes']} "
-        f"gpus={topo['num_gpus']}, mode={result.mode}, {1e3 * elapsed:.1f} ms",
+        f"gpus={topo['num_gpus']}, mode={result.mode}, {1e3 * elapsed:.1f} ms (first call of this process)",
         [
             "layer",
             f"balancedness ({before_name})",
@@ -196,70 +206,73 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    from eplb_core._greedy import greedy_rebalance
-    from eplb_core.placement import gpu_loads_of
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """``(result, first call s, median of 3 warm calls s)``: the first call of a mode may compile or
+    load the planner; the warm calls are the planning time."""
+    t0 = time.perf_counter()
+    out = fn()
+    first = time.perf_counter() - t0
+    warm = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        warm.append(time.perf_counter() - t0)
+    return out, first, statistics.median(warm)
 
+
+def cmd_compare(args: argparse.Namespace) -> int:
     weight, hist, source = _load_input(args)
     topo = _topology(args, weight.shape[1])
-    results: list[tuple[str, torch.Tensor, float, str, str]] = []
+    # (name, balancedness [L], first call s, warm call s, changed slots, cross-node share)
+    results: list[tuple[str, torch.Tensor, float | None, float | None, str, str]] = []
     w = weight.to(torch.float64)
     w_plan = torch.where((w.sum(1) == 0).unsqueeze(1), torch.ones_like(w), w)
-    results.append(("no EPLB", balancedness(static_gpu_loads(w_plan, topo["num_gpus"])), 0.0, "-", "-"))
-    t0 = time.perf_counter()
-    gp, gc = greedy_rebalance(
-        w_plan, topo["num_replicas"], topo["num_groups"], topo["num_nodes"], topo["num_gpus"]
-    )
-    tg = time.perf_counter() - t0
     results.append(
-        (
-            "greedy (DeepSeek-style)",
-            balancedness(gpu_loads_of(w_plan, gp, gc, topo["num_gpus"])),
-            tg,
-            "-",
-            "0.0%",
-        )
+        ("no EPLB", balancedness(static_gpu_loads(w_plan, topo["num_gpus"])), None, None, "-", "-")
     )
-    t0 = time.perf_counter()
-    base = plan(weight, **topo)
-    results.append((f"eplb-core {base.mode}", base.balancedness, time.perf_counter() - t0, "-", "0.0%"))
-    hierarchical = topo["num_groups"] % topo["num_nodes"] == 0 and topo["num_nodes"] > 1
-    if hierarchical:
+    args_greedy = (topo["num_replicas"], topo["num_groups"], topo["num_nodes"], topo["num_gpus"])
+    (gp, gc), tg1, tg = _timed(lambda: greedy_rebalance(w_plan, *args_greedy))
+    greedy_bal = balancedness(gpu_loads_of(w_plan, gp, gc, topo["num_gpus"]))
+    results.append(("greedy reference", greedy_bal, tg1, tg, "-", "0.0%"))
+    base, t1, t = _timed(lambda: plan(weight, **topo))
+    results.append((f"eplb-core {base.mode}", base.balancedness, t1, t, "-", "0.0%"))
+    if topo["num_groups"] % topo["num_nodes"] == 0 and topo["num_nodes"] > 1:
         w_soft = 0.0 if args.soft_locality is None else args.soft_locality
-        t0 = time.perf_counter()
-        soft = plan(weight, **topo, soft_locality=w_soft)
-        results.append(
-            (
-                f"eplb-core soft (W={w_soft:g})",
-                soft.balancedness,
-                time.perf_counter() - t0,
-                "-",
-                f"{100 * float(soft.cross_node_share.mean()):.1f}%",
-            )
-        )
+        soft, t1, t = _timed(lambda: plan(weight, **topo, soft_locality=w_soft))
+        share = f"{100 * float(soft.cross_node_share.mean()):.1f}%"
+        results.append((f"eplb-core soft (W={w_soft:g})", soft.balancedness, t1, t, "-", share))
     if hist is not None and hist.shape[0] >= 2:
         # plan on the older windows, then the last window arrives: re-plan vs migrate
         older = expected_load(hist[:-1], method=args.history if args.history != "last" else "ema")
         old_plan = plan(older, **topo)
-        t0 = time.perf_counter()
-        mig = plan(weight, **topo, previous=old_plan, max_changed_slots=args.max_moves)
-        tm = time.perf_counter() - t0
-        results.append(("stale plan (older windows)", old_plan.balancedness_for(w_plan), 0.0, "0.0%", "-"))
-        frac = (
-            100 * float(mig.changed_slots.sum()) / mig.phy2log.numel()
-            if mig.changed_slots is not None
-            else 0.0
+        mig, t1, t = _timed(lambda: plan(weight, **topo, previous=old_plan, max_changed_slots=args.max_moves))
+        assert mig.changed_slots is not None
+        frac = 100 * float(mig.changed_slots.sum()) / mig.phy2log.numel()
+        results.append(
+            ("stale plan (older windows)", old_plan.balancedness_for(w_plan), None, None, "0.0%", "-")
         )
-        results.append(("eplb-core migration", mig.balancedness, tm, f"{frac:.1f}%", "-"))
-        fresh_changed = 100 * float((base.phy2log != old_plan.phy2log).float().mean())
-        results[2] = (results[2][0], results[2][1], results[2][2], f"{fresh_changed:.1f}%", results[2][4])
+        results.append(("eplb-core migration", mig.balancedness, t1, t, f"{frac:.1f}%", "-"))
+        fresh = f"{100 * float((base.phy2log != old_plan.phy2log).float().mean()):.1f}%"
+        results[2] = (*results[2][:4], fresh, results[2][5])
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1e3 * x:.1f}"
+
     rows = [
-        [name, _fmt(float(b.mean())), _fmt(float(b.min())), f"{1e3 * t:.1f}" if t else "-", ch, cross]
-        for name, b, t, ch, cross in results
+        [name, _fmt(float(b.mean())), _fmt(float(b.min())), ms(t), ms(t1), ch, cross]
+        for name, b, t1, t, ch, cross in results
     ]
     _table(
         f"eplb compare: {source}; R={topo['num_replicas']} groups={topo['num_groups']} nodes={topo['num_nodes']} gpus={topo['num_gpus']}",
-        ["method", "mean balancedness", "worst layer", "ms", "changed slots", "cross-node"],
+        [
+            "method",
+            "mean balancedness",
+            "worst layer",
+            "ms (warm call)",
+            "ms (first call, may compile)",
+            "changed slots",
+            "cross-node",
+        ],
         rows,
     )
     return 0
@@ -269,6 +282,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="eplb", description="Expert-parallel load balancing for MoE serving."
     )
+    parser.add_argument("--version", action="version", version=f"eplb-core {eplb_core.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -306,10 +320,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``eplb`` console script."""
-    args = _parser().parse_args(argv)
-    result: Any = args.func(args)
-    return int(result)
+    """Entry point of the ``eplb`` console script: 0 on success, 2 on bad input (one line on
+    standard error), 1 when the ``cli`` extra is missing."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        print(f"eplb: {INSTALL_HINT}", file=sys.stderr)
+        return 1
+    try:
+        return int(args.func(args))
+    except (ValueError, OSError) as exc:
+        print("eplb: error: " + " ".join(str(exc).split()), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

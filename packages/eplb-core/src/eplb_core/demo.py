@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from eplb_core._greedy import greedy_rebalance
 from eplb_core.cli import demo_history, static_gpu_loads
 from eplb_core.history import expected_load
 from eplb_core.metrics import balancedness
 from eplb_core.placement import gpu_loads_of
 from eplb_core.planner import plan
+from eplb_core.reference import greedy_rebalance
 
 
 def _check(ok: bool, message: str) -> None:

@@ -30,6 +30,13 @@ def _from_obj(obj: Any, source: str) -> torch.Tensor:
         raise ValueError(f"path {source!r}: cannot read a numeric load matrix ({exc})") from exc
 
 
+def _first_array(path: Path) -> torch.Tensor:
+    with np.load(path) as z:
+        if not z.files:
+            raise ValueError("the archive holds no array")
+        return torch.as_tensor(z[z.files[0]].astype(np.float64))
+
+
 def load_loads(path: str | Path) -> torch.Tensor:
     """Read expert loads from a file.
 
@@ -43,26 +50,49 @@ def load_loads(path: str | Path) -> torch.Tensor:
     Returns:
         float64 CPU tensor, ``[L, N]`` or a history ``[T, L, N]`` (e.g. SGLang per-step or vLLM windowed
         statistics); ``[N]`` is read as one layer.
+
+    Raises:
+        ValueError: naming the file, when it is missing, has another extension, cannot be read in its
+            format (truncated, empty, foreign), or holds no ``[L, N]`` / ``[T, L, N]`` numbers.
     """
     p = Path(path)
-    if not p.exists():
-        raise ValueError(f"path {str(p)!r} does not exist")
+    if not p.is_file():
+        raise ValueError(f"path {str(p)!r} does not exist or is not a file")
     suffix = p.suffix.lower()
-    if suffix == ".json":
-        t = _from_obj(json.loads(p.read_text()), str(p))
-    elif suffix in (".pt", ".pth"):
-        t = _from_obj(torch.load(p, map_location="cpu", weights_only=True), str(p))
-    elif suffix == ".npy":
-        t = torch.as_tensor(np.load(p).astype(np.float64))
-    elif suffix == ".npz":
-        with np.load(p) as z:
-            t = torch.as_tensor(z[z.files[0]].astype(np.float64))
-    elif suffix == ".csv":
-        t = torch.as_tensor(np.loadtxt(p, delimiter=",", comments="#", ndmin=2, dtype=np.float64))
-    else:
+    readers = {
+        ".json": lambda: _from_obj(json.loads(p.read_text()), str(p)),
+        ".pt": lambda: _from_obj(torch.load(p, map_location="cpu", weights_only=True), str(p)),
+        ".npy": lambda: torch.as_tensor(np.load(p).astype(np.float64)),
+        ".npz": lambda: _first_array(p),
+        ".csv": lambda: torch.as_tensor(
+            np.loadtxt(p, delimiter=",", comments="#", ndmin=2, dtype=np.float64)
+        ),
+    }
+    readers[".pth"] = readers[".pt"]
+    if suffix not in readers:
         raise ValueError(
             f"path {str(p)!r}: unknown extension {suffix!r} (use .json, .pt, .npy, .npz or .csv)"
         )
+    try:
+        t = readers[suffix]()
+    except ValueError as exc:
+        if str(p) in str(exc):
+            raise
+        raise ValueError(f"path {str(p)!r}: cannot read a {suffix} load file ({exc})") from exc
+    except Exception as exc:  # a truncated or foreign file fails in many ways inside the readers
+        first_line = next(iter(str(exc).strip().splitlines()), "")
+        raise ValueError(
+            f"path {str(p)!r}: cannot read a {suffix} load file ({type(exc).__name__}: {first_line})"
+        ) from exc
+    if not t.is_floating_point() and t.dtype not in (
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+    ):
+        raise ValueError(f"path {str(p)!r}: loads must be real numbers, got dtype {t.dtype}")
+    t = t.to(torch.float64)
     if t.dim() == 1:
         t = t.unsqueeze(0)
     if t.dim() not in (2, 3):

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from eplb_core._validate import check_placement_tensors, check_weight
 from eplb_core.metrics import balancedness as _balancedness
 
 __all__ = ["Placement", "PlacementDiff", "gpu_loads_of"]
@@ -16,16 +17,21 @@ __all__ = ["Placement", "PlacementDiff", "gpu_loads_of"]
 MODES = ("strict", "global", "soft")
 
 
-def gpu_loads_of(
-    weight: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor, num_gpus: int
-) -> torch.Tensor:
-    """Per-GPU load ``[L, num_gpus]`` float64 of a placement under ``weight [L, N]``.
+def gpu_loads_of(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> torch.Tensor:
+    """Per-GPU load ``[L, num_gpus]`` float64 of a placement under ``weight [L, N]``, on ``weight``'s
+    device.
 
-    An expert's load is split evenly over its replicas; physical slots are GPU-major
-    (slot ``p`` lives on GPU ``p // (R / num_gpus)``).
+    An expert's load is split evenly over its ``logcnt [L, N]`` replicas; ``phy2log [L, R]`` (integer)
+    holds the expert of every physical slot, GPU-major (slot ``p`` lives on GPU ``p // (R / num_gpus)``).
+
+    Raises:
+        ValueError: naming the argument, for loads :func:`eplb_core.rebalance_experts` rejects, shapes
+            that do not match, non-integer ``phy2log`` / ``logcnt``, ids outside ``[0, N)``, an expert
+            without a replica, or ``num_gpus`` not dividing ``R``.
     """
-    w = weight.to(phy2log.device, torch.float64)
-    per_slot = (w / logcnt.to(torch.float64)).gather(1, phy2log)
+    w = check_weight(weight)
+    phy, cnt = check_placement_tensors(w, phy2log, logcnt, num_gpus)
+    per_slot = (w / cnt.to(torch.float64)).gather(1, phy)
     return per_slot.view(per_slot.shape[0], num_gpus, -1).sum(-1)
 
 
@@ -258,19 +264,58 @@ class Placement:
         lower_bound: torch.Tensor | None = None,
         meta: dict[str, Any] | None = None,
     ) -> Placement:
-        """Build a placement (all derived tensors and figures) from ``phy2log`` and the load."""
-        from eplb_core import _kernels
+        """Build a placement (all derived tensors and figures) from ``phy2log`` and the load.
+
+        Args:
+            phy2log: ``[L, R]`` integer expert id of every physical slot (GPU-major).
+            weight: ``[L, N]`` non-negative finite loads the figures are computed for.
+            num_groups, num_nodes, num_gpus: the topology (as in :func:`eplb_core.plan`).
+            mode: ``"strict"``, ``"global"`` or ``"soft"``.
+            logcnt: ``[L, N]`` replica counts (default: counted from ``phy2log``).
+            home_node: ``[L, num_groups]`` node of each group (strict/soft), for ``cross_node_share``.
+            zero_layers: ``[L]`` bool, layers planned as uniform because their load was zero.
+            previous: ``[L, R]`` the plan this one replaces (gives ``changed_slots``).
+            lower_bound: ``[L]`` precomputed bound (default: :func:`eplb_core.lower_bound`).
+            meta: free-form JSON-ready options, kept with the plan.
+
+        Returns:
+            A :class:`Placement` that passes :meth:`validate`.
+
+        Raises:
+            ValueError: naming the argument for wrong shapes, dtypes, topology or loads, and with
+                :meth:`validate`'s message for a placement that breaks an invariant (an expert without
+                a replica, a group split over nodes in strict mode, an avoidable repeat, ...).
+        """
+        from eplb_core._numba.utils import log2phy as _log2phy
+        from eplb_core._validate import check_topology
         from eplb_core.bounds import lower_bound as _lower_bound
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        phy2log = torch.as_tensor(phy2log)
+        if phy2log.dtype == torch.bool or phy2log.is_floating_point() or phy2log.is_complex():
+            raise ValueError(f"phy2log must hold integer expert ids, got dtype {phy2log.dtype}")
+        w = check_weight(weight).to(phy2log.device)
+        if phy2log.dim() != 2 or phy2log.shape[0] != w.shape[0]:
+            raise ValueError(
+                f"phy2log must be [num_layers, num_replicas] with the {w.shape[0]} layers of weight, "
+                f"got shape {tuple(phy2log.shape)}"
+            )
+        num_logical = w.shape[1]
+        check_topology(num_logical, phy2log.shape[1], num_groups, num_nodes, num_gpus)
         phy2log = phy2log.to(torch.int64)
-        w = weight.to(phy2log.device, torch.float64)
+        if int(phy2log.min()) < 0 or int(phy2log.max()) >= num_logical:
+            raise ValueError(f"phy2log holds an expert id outside [0, {num_logical})")
         if logcnt is None:
             logcnt = torch.zeros_like(w, dtype=torch.int64).scatter_add_(1, phy2log, torch.ones_like(phy2log))
-        log2phy = torch.from_numpy(
-            _kernels.log2phy(phy2log.cpu().numpy(), logcnt.to(torch.int64).cpu().numpy())
-        ).to(phy2log.device)
+        logcnt = torch.as_tensor(logcnt).to(phy2log.device, torch.int64)
+        if logcnt.shape != w.shape:
+            raise ValueError(f"logcnt must have weight's shape {tuple(w.shape)}, got {tuple(logcnt.shape)}")
+        if bool((logcnt < 1).any()):
+            raise ValueError("some logical expert has no replica (logcnt < 1)")
+        log2phy = torch.from_numpy(_log2phy(phy2log.cpu().numpy(), logcnt.to(torch.int64).cpu().numpy())).to(
+            phy2log.device
+        )
         loads = gpu_loads_of(w, phy2log, logcnt, num_gpus)
         if lower_bound is None:
             lower_bound = _lower_bound(w, phy2log.shape[1], num_groups, num_nodes, num_gpus, mode=mode)
@@ -285,7 +330,7 @@ class Placement:
             off = per_slot * (home != slot_node).to(torch.float64)
             cross = off.sum(1) / per_slot.sum(1).clamp_min(1e-300)
         changed = None if previous is None else (previous.to(phy2log.device) != phy2log).sum(1)
-        return cls(
+        placement = cls(
             phy2log=phy2log,
             log2phy=log2phy,
             logcnt=logcnt,
@@ -304,24 +349,43 @@ class Placement:
             home_node=home_node,
             meta=dict(meta or {}),
         )
+        placement.validate()
+        return placement
 
     @classmethod
     def load(cls, path: str | Path) -> Placement:
-        """Read a plan written by :meth:`save`."""
-        data = json.loads(Path(path).read_text())
-        if data.get("format") != "eplb-core/placement-v1":
+        """Read a plan written by :meth:`save`.
+
+        Raises:
+            ValueError: naming the file, when it is missing, is not an eplb-core placement JSON, or
+                holds a placement that is not valid for its own topology.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"path {str(path)!r}: cannot read a placement JSON ({exc})") from exc
+        if not isinstance(data, dict) or data.get("format") != "eplb-core/placement-v1":
             raise ValueError(f"path {str(path)!r} is not an eplb-core placement JSON")
-        home = data.get("home_node")
-        zero = data.get("zero_layers")
-        return cls.from_tensors(
-            torch.tensor(data["phy2log"], dtype=torch.int64),
-            torch.tensor(data["weight"], dtype=torch.float64),
-            num_groups=int(data["num_groups"]),
-            num_nodes=int(data["num_nodes"]),
-            num_gpus=int(data["num_gpus"]),
-            mode=str(data["mode"]),
-            logcnt=torch.tensor(data["logcnt"], dtype=torch.int64),
-            home_node=None if home is None else torch.tensor(home, dtype=torch.int64),
-            zero_layers=None if zero is None else torch.tensor(zero, dtype=torch.bool),
-            meta=data.get("meta") or {},
-        )
+
+        def tensor(key: str, dtype: torch.dtype) -> torch.Tensor | None:
+            return None if data.get(key) is None else torch.tensor(data[key], dtype=dtype)
+
+        try:
+            phy2log, weight = tensor("phy2log", torch.int64), tensor("weight", torch.float64)
+            if phy2log is None or weight is None:
+                raise KeyError("phy2log and weight are required")
+            placement = cls.from_tensors(
+                phy2log,
+                weight,
+                num_groups=int(data["num_groups"]),
+                num_nodes=int(data["num_nodes"]),
+                num_gpus=int(data["num_gpus"]),
+                mode=str(data["mode"]),
+                logcnt=tensor("logcnt", torch.int64),
+                home_node=tensor("home_node", torch.int64),
+                zero_layers=tensor("zero_layers", torch.bool),
+                meta=data.get("meta") or {},
+            )
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
+            raise ValueError(f"path {str(path)!r}: not a valid eplb-core placement ({exc})") from exc
+        return placement

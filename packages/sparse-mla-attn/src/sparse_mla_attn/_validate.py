@@ -1,10 +1,8 @@
-"""Input validation shared by the forward, attn_dist, decode and backward entry points.
+"""Input validation of every op, and the causal limit they all share.
 
 Every public function of this package calls these checks before launching anything, so a wrong shape,
 dtype, device or layout fails with a :class:`ValueError` (or :class:`TypeError`) that names the argument
 and says what was expected, instead of a kernel reading the wrong memory.
-
-Helpers:
 
 * :func:`check_sparse_inputs` — ``q [s_q, h_q, d_qk]``, ``kv [s_kv, 1, d_qk]``, ``indices [s_q, 1, topk]``
   and ``d_v``; returns a :class:`SparseDims`.
@@ -12,7 +10,8 @@ Helpers:
 * :func:`check_causal_args` — ``q_start_index >= 0``, ``k_stride >= 1``.
 * :func:`check_lse` — ``lse [s_q, h_q]`` fp32.
 * :func:`check_kernel_dims` — the head dims the Triton kernels are built for.
-* :func:`causal_limit` — the largest KV index a query position may see (the seed's C integer division).
+* :func:`check_decode_inputs`, :func:`check_bwd_inputs`, :func:`check_indexer_inputs` — the other ops.
+* :func:`causal_limit` — the largest KV index a query position may see (C integer division).
 """
 
 from __future__ import annotations
@@ -45,6 +44,11 @@ class SparseDims:
 def _need(cond: bool, exc: type[Exception], msg: str) -> None:
     if not cond:
         raise exc(msg)
+
+
+def need(cond: bool, msg: str) -> None:
+    """Raise ValueError(msg) unless ``cond``."""
+    _need(cond, ValueError, msg)
 
 
 def check_tensor(t: object, name: str) -> torch.Tensor:
@@ -188,12 +192,19 @@ def check_lse(lse: torch.Tensor, dims: SparseDims, device: torch.device) -> None
 
 
 def causal_limit(q_pos: torch.Tensor, k_stride: int) -> torch.Tensor:
-    """Largest KV index visible from query position ``q_pos``: ``(q_pos + 1 - k_stride) / k_stride``.
+    """Largest KV index visible from query position ``q_pos >= 0``: ``(q_pos + 1 - k_stride) / k_stride``.
 
-    The division truncates toward zero, as the C integer division of the reference CUDA kernel does, so
-    positions ``q_pos < k_stride - 1`` get limit 0 (KV entry 0 stays visible).
+    The division truncates toward zero, as the C integer division of DeepSeek's CUDA kernels does, so
+    positions ``q_pos < k_stride - 1`` get limit 0 (KV entry 0 stays visible). The kernels compute the
+    same value as ``max(q_pos + 1 - k_stride, 0) // k_stride``.
     """
     return torch.div(q_pos + 1 - k_stride, k_stride, rounding_mode="trunc")
+
+
+def causal_keep(n_q: int, n_k: int, q_start_index: int, k_stride: int, device: torch.device) -> torch.Tensor:
+    """``[n_q, n_k]`` bool: key ``n`` is visible from query ``t`` (position ``q_start_index + t``)."""
+    q_pos = q_start_index + torch.arange(n_q, device=device)
+    return torch.arange(n_k, device=device)[None, :] <= causal_limit(q_pos, k_stride)[:, None]
 
 
 def check_decode_inputs(
@@ -266,3 +277,65 @@ def check_decode_inputs(
         f"d_v must be an int in [1, d_qk={d_qk}], got {d_v!r}",
     )
     return SparseDims(b * s_q, h_q, d_qk, kv_cache.shape[0] * kv_cache.shape[1], indices.shape[2], d_v)
+
+
+def check_bwd_inputs(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    d_v: int,
+    q_start_index: int,
+    k_stride: int,
+) -> SparseDims:
+    """Validate the backward's inputs: those of the forward (any ``d_v`` that is a power of two >= 16 with
+    ``d_qk - d_v`` 0 or a power of two >= 16; fp32 accepted), ``out`` / ``dout [s_q, h_q, d_v]`` in q's
+    dtype and ``lse [s_q, h_q]`` fp32."""
+    dims = check_sparse_inputs(q, kv, indices, d_v)
+    check_causal_args(q_start_index, k_stride)
+    s_q, h_q, d_qk = dims.s_q, dims.h_q, dims.d_qk
+    need(dims.s_kv >= 1, "kv must have at least one row")
+    for name, t in (("out", out), ("dout", dout)):
+        check_tensor(t, name)
+        need(t.shape == (s_q, h_q, d_v), f"{name} must be [{s_q}, {h_q}, {d_v}], got {tuple(t.shape)}")
+        _need(t.dtype == q.dtype, TypeError, f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        need(t.device == q.device, f"{name} must be on q's device {q.device}, got {t.device}")
+        need(t.stride(-1) == 1, f"{name} must be contiguous in its last dim (stride {t.stride()})")
+    check_lse(lse, dims, q.device)
+    need(
+        d_v >= 16 and d_v & (d_v - 1) == 0,
+        f"d_v must be a power of two >= 16 and <= d_qk ({d_qk}), got {d_v}",
+    )
+    d_rope = d_qk - d_v
+    need(
+        d_rope == 0 or (d_rope >= 16 and d_rope & (d_rope - 1) == 0),
+        f"d_qk - d_v must be 0 or a power of two >= 16 (e.g. 576 - 512 = 64), got {d_rope}",
+    )
+    return dims
+
+
+def check_indexer_inputs(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, q_start_index: int, k_stride: int
+) -> None:
+    """Validate ``q_idx [s_q, h_idx, d_idx]``, ``k_idx [s_kv, d_idx]`` (same dtype, ``d_idx`` a power of two
+    >= 16) and ``weights [s_q, h_idx]`` floating point, all on one device."""
+    for name, t in (("q_idx", q_idx), ("k_idx", k_idx), ("weights", weights)):
+        check_tensor(t, name)
+    need(q_idx.dim() == 3, f"q_idx must be [s_q, h_idx, d_idx], got shape {tuple(q_idx.shape)}")
+    s_q, h_idx, d_idx = q_idx.shape
+    need(
+        k_idx.dim() == 2 and k_idx.shape[1] == d_idx,
+        f"k_idx must be [s_kv, {d_idx}], got shape {tuple(k_idx.shape)}",
+    )
+    need(weights.shape == (s_q, h_idx), f"weights must be [{s_q}, {h_idx}], got shape {tuple(weights.shape)}")
+    need(q_idx.is_floating_point(), f"q_idx must be a floating dtype, got {q_idx.dtype}")
+    need(k_idx.dtype == q_idx.dtype, f"k_idx dtype {k_idx.dtype} must match q_idx dtype {q_idx.dtype}")
+    need(weights.is_floating_point(), f"weights must be floating point, got {weights.dtype}")
+    need(d_idx >= 16 and d_idx & (d_idx - 1) == 0, f"d_idx must be a power of two >= 16, got {d_idx}")
+    check_causal_args(q_start_index, k_stride)
+    need(
+        q_idx.device == k_idx.device == weights.device,
+        f"q_idx, k_idx and weights must be on one device, got {q_idx.device}, {k_idx.device}, {weights.device}",
+    )

@@ -8,26 +8,26 @@ meet through an fp32 ``atomic_add`` into a zeroed output; with two addends onto 
 depend on their order, so the output stays deterministic.
 """
 
+from __future__ import annotations
+
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from sparse_mla_attn._gluon import (
-    gluon_attn_dist_zero_init,
-    gluon_available,
-    gluon_enabled,
-    launch_attn_dist_gluon,
-)
+from sparse_mla_attn._runtime import check_kernel_device, define_op, interpreting, record_launch
 from sparse_mla_attn._validate import (
+    SparseDims,
     check_causal_args,
     check_kernel_dims,
     check_lse,
     check_sm_scale,
     check_sparse_inputs,
 )
-from sparse_mla_attn.forward import LAST_BACKEND, LAST_COMPILED, LOG2E, check_device, interpreting
+from sparse_mla_attn.backends.gluon_sm90 import attn_dist_adds_partials, launch_attn_dist_gluon, use_gluon
+from sparse_mla_attn.config import DEFAULT, Config
+from sparse_mla_attn.forward import LOG2E
 
 
 @triton.jit
@@ -180,58 +180,48 @@ def attn_dist_config(h_q: int, s_kv: int = 0) -> dict[str, Any]:
             "num_warps": 4,
             "num_stages": 1,
         }
-    if h_q > 64:  # one 128-head tile: each gathered KV row serves all heads (NOTES.md, sweep 2)
+    if h_q > 64:  # one 128-head tile: each gathered KV row serves all heads
         return {"BLOCK_H": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 1}
     block_h = max(16, triton.next_power_of_2(h_q))
     if s_kv > 16384:
-        # KV past L2: three 32-row blocks in flight beat two of 64 rows (NOTES.md, sweep 6).
+        # KV past L2: three 32-row blocks in flight beat two of 64 rows.
         return {"BLOCK_H": block_h, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_H": block_h, "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
-def attn_dist_impl(
+def launch_attn_dist(
     q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
+    kv_rows: torch.Tensor,
+    idx: torch.Tensor,
     lse: torch.Tensor,
+    dims: SparseDims,
     sm_scale: float,
+    lse_to_log2: float,
     *,
     q_start_index: int = 0,
     k_stride: int = 1,
-    lse_base: str = "e",
     causal: bool = True,
-    config: dict[str, Any] | None = None,
+    config: Config = DEFAULT,
+    tiles: dict[str, Any] | None = None,
 ) -> torch.Tensor:
-    """Validate and launch (the body of the ``sparse_mla_attn::attn_dist`` custom op)."""
-    dims = check_sparse_inputs(q, kv, indices, 1, float_ok=False)
-    check_kernel_dims(dims, q.dtype, "attn_dist", check_d_v=False)
-    check_lse(lse, dims, q.device)
-    check_causal_args(q_start_index, k_stride)
-    sm_scale = check_sm_scale(sm_scale)
-    if lse_base not in ("e", "2"):
-        raise ValueError(f'lse_base must be "e" or "2", got {lse_base!r}')
-    check_device(q, "attn_dist")
-    cfg = dict(attn_dist_config(dims.h_q, dims.s_kv))
-    if config:
-        cfg.update(config)
+    """Launch attn_dist on validated inputs (``kv_rows [s_kv, d_qk]``, ``idx [s_q, topk]``); ``tiles``
+    overrides :func:`attn_dist_config`'s Triton tile (tests)."""
+    cfg = {**attn_dist_config(dims.h_q, dims.s_kv), **(tiles or {})}
     n_head_tiles = triton.cdiv(dims.h_q, cfg["BLOCK_H"])
     if n_head_tiles > 2:
         raise ValueError(
             f"attn_dist: BLOCK_H={cfg['BLOCK_H']} gives {n_head_tiles} head tiles; at most 2 keep it deterministic"
         )
-    kv_rows = kv[:, 0]
-    idx = indices[:, 0]
-    use_gluon = cfg.get("GLUON", gluon_enabled()) and gluon_available(q, kv_rows) and dims.h_q > 32
+    gluon = use_gluon(config.backend, dims.h_q > 32, "attn_dist", q, kv_rows)
     # Kernels that add partial sums (two head tiles) need a zeroed output.
-    atomic = gluon_attn_dist_zero_init(dims.h_q) if use_gluon else n_head_tiles > 1
+    atomic = attn_dist_adds_partials(dims.h_q) if gluon else n_head_tiles > 1
     alloc = torch.zeros if atomic else torch.empty
     out = alloc(dims.s_q, dims.topk, dtype=torch.float32, device=q.device)
     if dims.s_q == 0:
         return out
-    LAST_BACKEND["attn_dist"] = "gluon" if use_gluon else "triton"
-    if use_gluon:
+    if gluon:
         # Hopper: all heads of a token in one program, query in registers, explicit cp.async ring.
-        LAST_COMPILED["attn_dist"] = launch_attn_dist_gluon(
+        kernel = launch_attn_dist_gluon(
             q,
             kv_rows,
             idx,
@@ -239,14 +229,14 @@ def attn_dist_impl(
             out,
             dims,
             sm_scale * LOG2E,
-            LOG2E if lse_base == "e" else 1.0,
+            lse_to_log2,
             q_start_index=q_start_index,
             k_stride=k_stride,
             causal=causal,
-            cfg=cfg,
         )
+        record_launch("attn_dist", kernel, backend="gluon")
         return out
-    LAST_COMPILED["attn_dist"] = _attn_dist_kernel[(dims.s_q * n_head_tiles,)](
+    kernel = _attn_dist_kernel[(dims.s_q * n_head_tiles,)](
         q,
         kv_rows,
         idx,
@@ -264,7 +254,7 @@ def attn_dist_impl(
         q_start_index,
         k_stride,
         sm_scale * LOG2E,
-        LOG2E if lse_base == "e" else 1.0,
+        lse_to_log2,
         D_NOPE=512,
         D_ROPE=dims.d_qk - 512,
         BLOCK_H=cfg["BLOCK_H"],
@@ -276,6 +266,7 @@ def attn_dist_impl(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    record_launch("attn_dist", kernel)
     return out
 
 
@@ -298,7 +289,12 @@ def indexer_target(attn_sum: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
     return torch.where(total > 0, a / torch.where(total > 0, total, 1.0), 0.0)
 
 
-@torch.library.custom_op("sparse_mla_attn::attn_dist", mutates_args=())
+def _attn_dist_fake(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *_: Any) -> torch.Tensor:
+    dims = check_sparse_inputs(q, kv, indices, 1, float_ok=False)
+    return q.new_empty(dims.s_q, dims.topk, dtype=torch.float32)
+
+
+@define_op("attn_dist", _attn_dist_fake)
 def _attn_dist_op(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -309,34 +305,29 @@ def _attn_dist_op(
     k_stride: int,
     lse_base: str,
     causal: bool,
-) -> torch.Tensor:
-    return attn_dist_impl(
-        q,
-        kv,
-        indices,
-        lse,
-        sm_scale,
-        q_start_index=q_start_index,
-        k_stride=k_stride,
-        lse_base=lse_base,
-        causal=causal,
-    )
-
-
-@_attn_dist_op.register_fake
-def _attn_dist_fake(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    q_start_index: int,
-    k_stride: int,
-    lse_base: str,
-    causal: bool,
+    backend: str,
 ) -> torch.Tensor:
     dims = check_sparse_inputs(q, kv, indices, 1, float_ok=False)
-    return q.new_empty(dims.s_q, dims.topk, dtype=torch.float32)
+    check_kernel_dims(dims, q.dtype, "attn_dist", check_d_v=False)
+    check_lse(lse, dims, q.device)
+    check_causal_args(q_start_index, k_stride)
+    sm_scale = check_sm_scale(sm_scale)
+    if lse_base not in ("e", "2"):
+        raise ValueError(f'lse_base must be "e" or "2", got {lse_base!r}')
+    check_kernel_device(q, "attn_dist")
+    return launch_attn_dist(
+        q,
+        kv[:, 0],
+        indices[:, 0],
+        lse,
+        dims,
+        sm_scale,
+        LOG2E if lse_base == "e" else 1.0,
+        q_start_index=q_start_index,
+        k_stride=k_stride,
+        causal=causal,
+        config=Config(backend=backend),
+    )
 
 
 def attn_dist(
@@ -350,6 +341,7 @@ def attn_dist(
     k_stride: int = 1,
     lse_base: str = "e",
     causal: bool = True,
+    config: Config | None = None,
 ) -> torch.Tensor:
     """Per-slot attention probability summed over heads, from the forward's log-sum-exp.
 
@@ -371,10 +363,14 @@ def attn_dist(
         lse_base: ``"e"`` (natural log, what :func:`sparse_mla_fwd` returns) or ``"2"`` (base-2
             log-sum-exp, the convention of the CUDA kernel this follows).
         causal: apply the causal limit (default ``True``, as the CUDA kernel always does).
+        config: tuning options (:class:`~sparse_mla_attn.Config`; only ``backend`` applies).
 
     Returns:
         ``attn_sum [s_q, topk]`` float32.
+
+    Raises:
+        ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
     return torch.ops.sparse_mla_attn.attn_dist(
-        q, kv, indices, lse, sm_scale, q_start_index, k_stride, lse_base, causal
+        q, kv, indices, lse, sm_scale, q_start_index, k_stride, lse_base, causal, (config or DEFAULT).backend
     )

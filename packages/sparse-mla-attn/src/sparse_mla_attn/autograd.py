@@ -7,25 +7,15 @@ from typing import Any
 import torch
 
 from sparse_mla_attn.backward import sparse_mla_bwd
+from sparse_mla_attn.config import Config
+from sparse_mla_attn.forward import sparse_mla_fwd
 
 __all__ = ["SparseMLAAttention", "sparse_mla"]
 
 
-def _bwd_forward_impl() -> Any:
-    """The Triton forward ``sparse_mla_fwd``, imported when first needed."""
-    try:
-        from sparse_mla_attn.forward import sparse_mla_fwd
-    except ImportError as exc:  # the forward module is built separately
-        raise RuntimeError(
-            "sparse_mla needs the Triton forward sparse_mla_attn.forward.sparse_mla_fwd, which this install "
-            "does not have; call sparse_mla_bwd directly with your own forward's out and lse"
-        ) from exc
-    return sparse_mla_fwd
-
-
 class SparseMLAAttention(torch.autograd.Function):
     """``out, lse = SparseMLAAttention.apply(q, kv, indices, sm_scale, d_v, q_start_index, k_stride, causal,
-    deterministic, attn_sum_out=None)``.
+    deterministic, attn_sum_out=None, config=None)``.
 
     Forward through the Triton ``sparse_mla_fwd``, backward through :func:`sparse_mla_bwd`. Gradients flow
     to ``q`` and ``kv``; ``lse`` is returned for the indexer target and is not differentiable.
@@ -44,15 +34,17 @@ class SparseMLAAttention(torch.autograd.Function):
         causal: bool,
         deterministic: bool,
         attn_sum_out: torch.Tensor | None = None,
+        config: Config | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``sparse_mla_fwd`` and save what the backward needs; returns ``(out, lse)``."""
-        fwd = _bwd_forward_impl()
-        out, _max_logits, lse = fwd(
-            q, kv, indices, sm_scale, d_v, q_start_index=q_start_index, k_stride=k_stride, causal=causal
-        )
+        out, _max_logits, lse = sparse_mla_fwd(
+            q, kv, indices, sm_scale, d_v, q_start_index=q_start_index, k_stride=k_stride, causal=causal,
+            config=config,
+        )  # fmt: skip
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.args = (sm_scale, d_v, q_start_index, k_stride, causal, deterministic)
         ctx.attn_sum_out = attn_sum_out
+        ctx.config = config
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -76,10 +68,11 @@ class SparseMLAAttention(torch.autograd.Function):
             causal=causal,
             deterministic=deterministic,
             return_attn_sum=attn_sum_out is not None,
+            config=ctx.config,
         )
         if attn_sum_out is not None:  # the indexer target, a by-product of the backward
             attn_sum_out.copy_(grads[2])
-        return grads[0], grads[1], None, None, None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None, None, None
 
 
 def sparse_mla(
@@ -95,6 +88,7 @@ def sparse_mla(
     deterministic: bool = False,
     return_lse: bool = False,
     attn_sum_out: torch.Tensor | None = None,
+    config: Config | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Differentiable sparse MLA attention: each query attends to its top-k KV rows.
 
@@ -113,6 +107,7 @@ def sparse_mla(
             probability summed over heads at each slot (the lightning indexer's KL target, as
             ``attn_dist(..., causal=causal)``), computed from the ``P`` the backward recomputes anyway. It is
             written when ``out.backward()`` runs, so the indexer loss that uses it is back-propagated after.
+        config: tuning options (:class:`~sparse_mla_attn.Config`) for the forward and the backward.
 
     Returns:
         ``out [s_q, h_q, d_v]`` (and ``lse`` if asked). ``out.backward()`` fills ``q.grad`` and ``kv.grad``.
@@ -124,6 +119,6 @@ def sparse_mla(
                 f"attn_sum_out must be float32 {list(want)}, got {attn_sum_out.dtype} {list(attn_sum_out.shape)}"
             )
     out, lse = SparseMLAAttention.apply(
-        q, kv, indices, sm_scale, d_v, q_start_index, k_stride, causal, deterministic, attn_sum_out
+        q, kv, indices, sm_scale, d_v, q_start_index, k_stride, causal, deterministic, attn_sum_out, config
     )
     return (out, lse) if return_lse else out

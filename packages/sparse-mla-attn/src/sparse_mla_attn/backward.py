@@ -24,128 +24,16 @@ bit-identical from run to run.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["sparse_mla_bwd", "sparse_mla_bwd_ref"]
-
-# Workspace caps (bytes) that set how many query tokens one pass of kernels handles.
-_BWD_DS_WORKSPACE_BYTES = 2 << 30
-_BWD_DET_WORKSPACE_BYTES = 4 << 30
-# Latest compiled kernels by name (registers, spills, PTX), for the benchmark's report.
-_BWD_LAST_COMPILED: dict[str, object] = {}
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# torch reference
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _bwd_valid_slots(
-    indices: torch.Tensor, s_kv: int, q_start_index: int, k_stride: int, causal: bool
-) -> torch.Tensor:
-    """``[s_q, topk]`` bool: which top-k slots are used (in range, and within the causal limit)."""
-    idx = indices[:, 0].long()
-    valid = (idx >= 0) & (idx < s_kv)
-    if causal:
-        q_pos = q_start_index + torch.arange(idx.shape[0], device=idx.device)
-        # (q_pos + 1 - k_stride) / k_stride with C (truncating) division; q_pos >= 0 so clamping at 0 is it.
-        max_k = torch.clamp(q_pos + 1 - k_stride, min=0) // k_stride
-        valid &= idx <= max_k[:, None]
-    return valid
-
-
-def _bwd_chunk_rows(s_q: int, per_token_elems: int, budget_elems: int = 1 << 26) -> int:
-    return max(1, min(s_q, budget_elems // max(per_token_elems, 1)))
-
-
-def _bwd_compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def _bwd_fwd_math(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    *,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    causal: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable forward in float32 (float64 if an input is float64): ``(out, lse)``.
-
-    Unchunked: meant for small shapes (tests, gradcheck). ``out`` is 0 and ``lse`` is -inf on a query with
-    no usable slot.
-    """
-    cdt = _bwd_compute_dtype(q, kv)
-    s_kv = kv.shape[0]
-    valid = _bwd_valid_slots(indices, s_kv, q_start_index, k_stride, causal)
-    rows = kv[:, 0].to(cdt)[indices[:, 0].long().clamp(0, s_kv - 1)]
-    scores = torch.einsum("shd,std->sht", q.to(cdt), rows) * sm_scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, -1)
-    p = torch.where(valid[:, None, :], torch.exp(scores - lse[..., None]), torch.zeros_like(scores))
-    out = torch.einsum("sht,std->shd", p, rows[..., :d_v])
-    return out, lse
-
-
-def sparse_mla_bwd_ref(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    d_v: int = 512,
-    *,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    causal: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 torch reference of :func:`sparse_mla_bwd` (float64 when an input is float64).
-
-    Chunked over query tokens so that memory stays bounded (about 256 MiB of temporaries per chunk) at
-    s_q = 4096, topk = 2048. Uses the given ``out`` and ``lse`` exactly as the kernel does.
-
-    Returns:
-        ``dq [s_q, h_q, d_qk]`` and ``dkv [s_kv, 1, d_qk]``, both in the compute dtype (float32/float64).
-    """
-    cdt = _bwd_compute_dtype(q, kv, out, dout, lse)
-    s_q, h_q, d_qk = q.shape
-    s_kv = kv.shape[0]
-    topk = indices.shape[-1]
-    kv_c = kv[:, 0].to(cdt)
-    dq = torch.empty(s_q, h_q, d_qk, dtype=cdt, device=q.device)
-    dkv = torch.zeros(s_kv, d_qk, dtype=cdt, device=q.device)
-    chunk = _bwd_chunk_rows(s_q, topk * max(d_qk, h_q) * 3)
-    for s0 in range(0, s_q, chunk):
-        s1 = min(s_q, s0 + chunk)
-        valid = _bwd_valid_slots(indices[s0:s1], s_kv, q_start_index + s0, k_stride, causal)
-        idx = indices[s0:s1, 0].long().clamp(0, s_kv - 1)
-        rows = kv_c[idx]  # [c, topk, d_qk]
-        qc, doc = q[s0:s1].to(cdt), dout[s0:s1].to(cdt)
-        scores = torch.einsum("shd,std->sht", qc, rows) * sm_scale
-        p = torch.exp(scores - lse[s0:s1, :, None].to(cdt))
-        p = torch.where(valid[:, None, :], p, torch.zeros_like(p))
-        delta = (doc * out[s0:s1].to(cdt)).sum(-1)
-        dp = torch.einsum("shd,std->sht", doc, rows[..., :d_v])
-        ds = p * (dp - delta[..., None]) * sm_scale
-        dq[s0:s1] = torch.einsum("sht,std->shd", ds, rows)
-        drows = torch.einsum("sht,shd->std", ds, qc)
-        drows[..., :d_v] += torch.einsum("sht,shd->std", p, doc)
-        dkv.index_add_(0, idx[valid], drows[valid])
-    return dq, dkv[:, None, :]
-
+from sparse_mla_attn._runtime import check_kernel_device, define_op, interpreting, record_launch
+from sparse_mla_attn._validate import check_bwd_inputs, check_sm_scale
+from sparse_mla_attn.config import DEFAULT, Config
+from sparse_mla_attn.reference import valid_slots
 
 # ----------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -153,7 +41,7 @@ def sparse_mla_bwd_ref(
 
 
 @triton.jit
-def _bwd_slot_index(idx_row_ptr, offs_t, topk, s_kv, max_k, CAUSAL: tl.constexpr):
+def _slot_index(idx_row_ptr, offs_t, topk, s_kv, max_k, CAUSAL: tl.constexpr):
     """Load a block of top-k indices; return (safe int64 row, valid mask). Invalid rows point at row 0."""
     in_topk = offs_t < topk
     idx = tl.load(idx_row_ptr + offs_t, mask=in_topk, other=-1)
@@ -164,7 +52,7 @@ def _bwd_slot_index(idx_row_ptr, offs_t, topk, s_kv, max_k, CAUSAL: tl.constexpr
 
 
 @triton.jit
-def _bwd_preprocess_kernel(
+def _delta_kernel(
     out_ptr,
     dout_ptr,
     delta_ptr,
@@ -189,7 +77,7 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
-def _bwd_p_ds(q_row, do_row, k_row, valid, hmask, lse2, delta, scale_log2, sm_scale,
+def _p_ds(q_row, do_row, k_row, valid, hmask, lse2, delta, scale_log2, sm_scale,
               D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
               BLOCK_DV: tl.constexpr, CHUNK_STAGES: tl.constexpr):  # fmt: skip
     """Recompute ``P`` and ``sm_scale * dS`` (``[BLOCK_H, BLOCK_T]``, input dtype) for one head block."""
@@ -219,20 +107,16 @@ def _bwd_p_ds(q_row, do_row, k_row, valid, hmask, lse2, delta, scale_log2, sm_sc
 
 
 @triton.jit
-def _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk,
-                    DETERMINISTIC: tl.constexpr, DKV_WRITE: tl.constexpr):  # fmt: skip
+def _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC: tl.constexpr):
     """Add a ``[BLOCK_T, channels]`` fp32 tile of dkv contributions (atomics, or the deterministic workspace)."""
     if DETERMINISTIC:
         tl.store(part_row + offs_d[None, :], part, mask=(offs_t < topk)[:, None])
-    elif DKV_WRITE == 0:
+    else:
         tl.atomic_add(dkv_row + offs_d[None, :], part, mask=valid[:, None], sem="relaxed")
-    elif DKV_WRITE == 1:  # diagnostic only (benchmark): plain stores, a wrong result, no read-modify-write
-        tl.store(dkv_row + offs_d[None, :], part, mask=valid[:, None])
-    # DKV_WRITE == 2: diagnostic only (benchmark), no dkv update at all
 
 
 @triton.jit
-def _bwd_main_kernel(
+def _main_kernel(
     q_ptr,
     kv_ptr,
     dout_ptr,
@@ -270,9 +154,7 @@ def _bwd_main_kernel(
     N_HB: tl.constexpr,
     CHUNK_STAGES: tl.constexpr,
     N_SUB: tl.constexpr,
-    DKV_WRITE: tl.constexpr,
     BLOCK_DV2: tl.constexpr,
-    DKV_T: tl.constexpr,
     ATTN_SUM: tl.constexpr,
     SPLIT_DKV: tl.constexpr,
 ):
@@ -300,12 +182,12 @@ def _bwd_main_kernel(
     offs_dv = tl.arange(0, BLOCK_DV2)  # channel chunk of the dkv products
     for t0 in range(0, topk, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
-        rows, valid = _bwd_slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
+        rows, valid = _slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
         k_row = kv_ptr + rows[:, None] * stride_kvs
         tmask = (offs_t < topk)[None, :]
         ws_off = s * h_q * topk + offs_t[None, :]  # [s, h, t] offset in the dS (and P) workspace
         ds_row = ds_ptr + ws_off
-        p0, ds0, psum = _bwd_p_ds(q_row0, do_row0, k_row, valid, hmask0, lse0, delta0, scale_log2, sm_scale,
+        p0, ds0, psum = _p_ds(q_row0, do_row0, k_row, valid, hmask0, lse0, delta0, scale_log2, sm_scale,
                             D_V, D_ROPE, BLOCK_H, BLOCK_T, BLOCK_DV, CHUNK_STAGES)  # fmt: skip
         tl.store(ds_row + offs_h0[:, None] * topk, ds0, mask=hmask0[:, None] & tmask)
         if SPLIT_DKV:  # P for the separate dkv kernel, same layout as dS
@@ -313,7 +195,7 @@ def _bwd_main_kernel(
         ds0_t = tl.trans(ds0)
         p0_t = tl.trans(p0)
         if N_SUB > 1:
-            p1, ds1, psum1 = _bwd_p_ds(q_row1, do_row1, k_row, valid, hmask1, lse1, delta1, scale_log2, sm_scale,
+            p1, ds1, psum1 = _p_ds(q_row1, do_row1, k_row, valid, hmask1, lse1, delta1, scale_log2, sm_scale,
                                 D_V, D_ROPE, BLOCK_H, BLOCK_T, BLOCK_DV, CHUNK_STAGES)  # fmt: skip
             tl.store(ds_row + offs_h1[:, None] * topk, ds1, mask=hmask1[:, None] & tmask)
             if SPLIT_DKV:
@@ -323,57 +205,33 @@ def _bwd_main_kernel(
             psum += psum1
         if ATTN_SUM:  # this program's heads' share of attn_sum[s, t]; the launcher adds the head blocks
             tl.store(attn_ptr + (hb * n_tok + s) * topk + offs_t, psum, mask=offs_t < topk)
-        if not SPLIT_DKV:  # dkv products and update here (else: _bwd_dkv_kernel, all heads at once)
+        if not SPLIT_DKV:  # dkv products and update here (else: _dkv_kernel, all heads at once)
             part_row = part_ptr + hb * stride_part_hb + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
             dkv_row = dkv_ptr + rows[:, None] * D_QK
             for c in tl.range(0, D_V // BLOCK_DV2, num_stages=CHUNK_STAGES):
                 offs_d = c * BLOCK_DV2 + offs_dv
                 qc = tl.load(q_row0 + offs_d[None, :], mask=hmask0[:, None], other=0.0)
                 doc = tl.load(do_row0 + offs_d[None, :], mask=hmask0[:, None], other=0.0)
-                if DKV_T:
-                    # [channels, slots] orientation: dS and P are the B operands (shared memory), not register
-                    # A operands held through the loop; transposed to [slots, channels] for the update.
-                    part = tl.dot(tl.trans(qc), ds0)
-                    part = tl.dot(tl.trans(doc), p0, part)
-                else:
-                    part = tl.dot(ds0_t, qc)
-                    part = tl.dot(p0_t, doc, part)
+                part = tl.dot(ds0_t, qc)
+                part = tl.dot(p0_t, doc, part)
                 if N_SUB > 1:
                     qc1 = tl.load(q_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
                     doc1 = tl.load(do_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
-                    if DKV_T:
-                        part = tl.dot(tl.trans(qc1), ds1, part)
-                        part = tl.dot(tl.trans(doc1), p1, part)
-                    else:
-                        part = tl.dot(ds1_t, qc1, part)
-                        part = tl.dot(p1_t, doc1, part)
-                if DKV_T:
-                    part = tl.trans(part)
-                _bwd_dkv_update(
-                    dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC, DKV_WRITE
-                )
+                    part = tl.dot(ds1_t, qc1, part)
+                    part = tl.dot(p1_t, doc1, part)
+                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
             if D_ROPE > 0:
                 offs_r = D_V + tl.arange(0, D_ROPE)
                 qr = tl.load(q_row0 + offs_r[None, :], mask=hmask0[:, None], other=0.0)
-                if DKV_T:
-                    part_r = tl.dot(tl.trans(qr), ds0)
-                else:
-                    part_r = tl.dot(ds0_t, qr)
+                part_r = tl.dot(ds0_t, qr)
                 if N_SUB > 1:
                     qr1 = tl.load(q_row1 + offs_r[None, :], mask=hmask1[:, None], other=0.0)
-                    if DKV_T:
-                        part_r = tl.dot(tl.trans(qr1), ds1, part_r)
-                    else:
-                        part_r = tl.dot(ds1_t, qr1, part_r)
-                if DKV_T:
-                    part_r = tl.trans(part_r)
-                _bwd_dkv_update(
-                    dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC, DKV_WRITE
-                )
+                    part_r = tl.dot(ds1_t, qr1, part_r)
+                _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC)
 
 
 @triton.jit
-def _bwd_dkv_kernel(
+def _dkv_kernel(
     ds_ptr,
     p_ptr,
     q_ptr,
@@ -402,7 +260,6 @@ def _bwd_dkv_kernel(
     BLOCK_C: tl.constexpr,
     N_TB: tl.constexpr,
     CHUNK_STAGES: tl.constexpr,
-    DKV_WRITE: tl.constexpr,
     N_CSPLIT: tl.constexpr,
 ):
     # One program per (token, block of BLOCK_T slots) with ALL heads (BLOCK_H >= h_q): the dkv contribution
@@ -432,7 +289,7 @@ def _bwd_dkv_kernel(
     hmask = offs_h < h_q
     offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     max_k = tl.maximum(q_start_index + s + 1 - k_stride, 0) // k_stride
-    rows, valid = _bwd_slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
+    rows, valid = _slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
     ws = s * h_q * topk + offs_h[:, None] * topk + offs_t[None, :]
     ws_mask = hmask[:, None] & valid[None, :]
     ds_t = tl.trans(tl.load(ds_ptr + ws, mask=ws_mask, other=0.0))  # [BLOCK_T, BLOCK_H]
@@ -448,7 +305,7 @@ def _bwd_dkv_kernel(
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             part = tl.dot(p_t, doc, tl.dot(ds_t, qc))
-            _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC, DKV_WRITE)
+            _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
     else:
         # A constant trip count with the chunks past the group's end skipped (the last group may be short):
         # the interpreter cannot range() over bounds derived from program_id.
@@ -461,19 +318,17 @@ def _bwd_dkv_kernel(
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None] & c_ok, other=0.0)
             if c_ok:
                 part = tl.dot(p_t, doc, tl.dot(ds_t, qc))
-                _bwd_dkv_update(
-                    dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC, DKV_WRITE
-                )
+                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
     if D_ROPE > 0:  # noqa: SIM102 (a constexpr test, then a run-time one)
         if cg == N_CSPLIT - 1:  # the rope chunk belongs to the last group
             offs_r = D_V + tl.arange(0, D_ROPE)
             qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
             part_r = tl.dot(ds_t, qr)
-            _bwd_dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC, DKV_WRITE)
+            _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC)
 
 
 @triton.jit
-def _bwd_dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, d0, d_end, s_kv, max_k,
+def _dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, d0, d_end, s_kv, max_k,
                   topk: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
                   WIDTH: tl.constexpr):  # fmt: skip
     """``dq[heads, d0:d0 + WIDTH] = dS @ rows[:, d0:d0 + WIDTH]`` for one head block (columns >= d_end masked)."""
@@ -484,7 +339,7 @@ def _bwd_dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, d0, d_end,
     # The rows of block t+1 are resolved during block t, so that the gather depends only on loop-carried
     # values and the pipeliner can issue it stages ahead. dS is 0 at invalid slots (the main kernel writes
     # every slot), so its load does not wait for the indices.
-    rows, valid = _bwd_slot_index(idx_row, offs_b, topk, s_kv, max_k, CAUSAL)
+    rows, valid = _slot_index(idx_row, offs_b, topk, s_kv, max_k, CAUSAL)
     for t0 in range(0, topk, BLOCK_T):
         offs_t = t0 + offs_b
         ds = tl.load(ds_row + offs_t[None, :], mask=hmask[:, None] & (offs_t < topk)[None, :], other=0.0)
@@ -493,13 +348,13 @@ def _bwd_dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, d0, d_end,
             mask=valid[:, None] & dmask[None, :],
             other=0.0,
         )
-        rows, valid = _bwd_slot_index(idx_row, offs_t + BLOCK_T, topk, s_kv, max_k, CAUSAL)
+        rows, valid = _slot_index(idx_row, offs_t + BLOCK_T, topk, s_kv, max_k, CAUSAL)
         acc = tl.dot(ds, k, acc)
     tl.store(dq_row + offs_d[None, :], acc.to(dq_row.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
 
 
 @triton.jit
-def _bwd_dq_kernel(
+def _dq_kernel(
     ds_ptr,
     kv_ptr,
     idx_ptr,
@@ -520,12 +375,8 @@ def _bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     N_HB: tl.constexpr,
     N_DB: tl.constexpr,
-    D_MAIN: tl.constexpr,
-    D_TAIL: tl.constexpr,
 ):
     # Programs of one token are adjacent in launch order so that its dS and gathered rows stay in L2.
-    # Channel blocks: BLOCK_D wide up to D_MAIN, then (D_TAIL > 0) one D_TAIL-wide block for the rest (e.g.
-    # two 256-wide latent blocks and the 64 rope channels), so no block computes padding columns.
     pid = tl.program_id(0)
     db = pid % N_DB
     hb = (pid // N_DB) % N_HB
@@ -536,19 +387,12 @@ def _bwd_dq_kernel(
     ds_row = ds_ptr + s * h_q * topk + offs_h[:, None] * topk
     dq_row = dq_ptr + s * stride_dqs + offs_h[:, None] * stride_dqh
     idx_row = idx_ptr + s * stride_is
-    if D_TAIL == 0:
-        _bwd_dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, db * BLOCK_D, D_QK, s_kv, max_k,
-                      topk, CAUSAL, BLOCK_H, BLOCK_T, BLOCK_D)  # fmt: skip
-    elif db * BLOCK_D < D_MAIN:
-        _bwd_dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, db * BLOCK_D, D_MAIN, s_kv, max_k,
-                      topk, CAUSAL, BLOCK_H, BLOCK_T, BLOCK_D)  # fmt: skip
-    else:
-        _bwd_dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, D_MAIN, D_QK, s_kv, max_k,
-                      topk, CAUSAL, BLOCK_H, BLOCK_T, D_TAIL)  # fmt: skip
+    _dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, db * BLOCK_D, D_QK, s_kv, max_k,
+              topk, CAUSAL, BLOCK_H, BLOCK_T, BLOCK_D)  # fmt: skip
 
 
 @triton.jit
-def _bwd_det_reduce_kernel(
+def _det_reduce_kernel(
     part_ptr,
     order_ptr,
     seg_start_ptr,
@@ -593,82 +437,24 @@ def _bwd_det_reduce_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _bwd_check(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    d_v: int,
-    q_start_index: int,
-    k_stride: int,
-) -> None:
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ValueError(msg)
-
-    need(q.dim() == 3, f"q must be [s_q, h_q, d_qk], got shape {tuple(q.shape)}")
-    s_q, h_q, d_qk = q.shape
-    need(
-        q.dtype in (torch.bfloat16, torch.float16, torch.float32),
-        f"q must be bfloat16, float16 or float32, got {q.dtype}",
-    )
-    need(
-        kv.dim() == 3 and kv.shape[1] == 1 and kv.shape[2] == d_qk,
-        f"kv must be [s_kv, 1, {d_qk}], got {tuple(kv.shape)}",
-    )
-    need(kv.shape[0] >= 1, "kv must have at least one row")
-    need(kv.dtype == q.dtype, f"kv dtype {kv.dtype} must match q dtype {q.dtype}")
-    need(out.shape == (s_q, h_q, d_v), f"out must be [{s_q}, {h_q}, {d_v}], got {tuple(out.shape)}")
-    need(dout.shape == (s_q, h_q, d_v), f"dout must be [{s_q}, {h_q}, {d_v}], got {tuple(dout.shape)}")
-    need(
-        out.dtype == q.dtype and dout.dtype == q.dtype,
-        f"out/dout dtype must be {q.dtype}, got {out.dtype}/{dout.dtype}",
-    )
-    need(lse.shape == (s_q, h_q), f"lse must be [{s_q}, {h_q}], got {tuple(lse.shape)}")
-    need(lse.dtype == torch.float32, f"lse must be float32, got {lse.dtype}")
-    need(
-        indices.dim() == 3 and indices.shape[:2] == (s_q, 1),
-        f"indices must be [{s_q}, 1, topk], got {tuple(indices.shape)}",
-    )
-    need(indices.shape[2] >= 1, "indices must have topk >= 1")
-    need(indices.dtype == torch.int32, f"indices must be int32, got {indices.dtype}")
-    need(
-        d_v >= 16 and d_v & (d_v - 1) == 0 and d_v <= d_qk,
-        f"d_v must be a power of two >= 16 and <= d_qk ({d_qk}), got {d_v}",
-    )
-    d_rope = d_qk - d_v
-    need(
-        d_rope == 0 or (d_rope >= 16 and d_rope & (d_rope - 1) == 0),
-        f"d_qk - d_v must be 0 or a power of two >= 16 (e.g. 576 - 512 = 64), got {d_rope}",
-    )
-    need(k_stride >= 1, f"k_stride must be >= 1, got {k_stride}")
-    need(q_start_index >= 0, f"q_start_index must be >= 0, got {q_start_index}")
-    devs = {t.device for t in (q, kv, out, dout, indices, lse)}
-    need(len(devs) == 1, f"all tensors must be on one device, got {sorted(map(str, devs))}")
-    for name, t in (("q", q), ("kv", kv), ("out", out), ("dout", dout), ("indices", indices), ("lse", lse)):
-        need(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension (stride {t.stride()})")
-
-
-def _bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, int]:
+def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, int]:
+    """Tiles of the backward's kernels for a head count and mode (tests override them through
+    :func:`launch_bwd`'s ``tiles``)."""
     block_h = max(16, triton.next_power_of_2(min(h_q, 64)))
-    if _interpreting():
+    if interpreting():
         return {"BLOCK_H": block_h, "BLOCK_T": 16, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 32,
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
-                "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "DKV_WRITE": 0, "BLOCK_DV2": min(d_v, 64), "DKV_T": 0, "DQ_SPLIT": 0,
+                "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
                 "SPLIT_DKV": 1, "BLOCK_T_DKV": 16, "BLOCK_C_DKV": min(d_v, 32), "num_warps_dkv": 4, "chunk_stages_dkv": 1, "N_CSPLIT": 2}  # fmt: skip
-    # Measured on H100 at s_q 4096, h_q 128, topk 2048, s_kv 32K (docs/sparse-mla-attn/training.md,
-    # benchmarks/results/bwd_ab*.log). Main kernel: 64 heads x 128 slots, 64-channel chunks, four in flight.
-    # dkv kernel (h_q <= 128): all heads x 64 slots, 4 warps, 112 KB of shared memory (two programs per SM),
-    # channels in two groups launched one after the other (each group's half of the fp32 dkv buffer fits in
-    # L2): 29.8 ms against 30.4 with 128 slots / 8 warps / one group, 36.6 for the fused kernel. The
-    # deterministic mode writes a contiguous workspace instead: 128 slots / 8 warps / one group (36.9 vs 38.0 ms).
-    # The fused kernel (h_q > 128): 64-head x 128-slot blocks; deterministic two 64-head halves (N_SUB 2).
+    # Main kernel: 64 heads x 128 slots, 64-channel chunks, four in flight. dkv kernel (h_q <= 128): all heads
+    # x 64 slots, 4 warps, 112 KB of shared memory (two programs per SM), channels in two groups launched one
+    # after the other (each group's half of the fp32 dkv buffer fits in L2). The deterministic mode writes a
+    # contiguous workspace instead: 128 slots / 8 warps / one group. The fused kernel (h_q > 128):
+    # 64-head x 128-slot blocks; deterministic two 64-head halves (N_SUB 2).
     cfg = {"BLOCK_H": block_h, "BLOCK_T": 128, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 128,
            "BLOCK_H_DQ": max(16, triton.next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
-           "chunk_stages": 3, "N_SUB": 1, "DKV_WRITE": 0, "BLOCK_DV2": min(d_v, 64), "DKV_T": 0, "DQ_SPLIT": 0,
+           "chunk_stages": 3, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
            "SPLIT_DKV": 1, "BLOCK_T_DKV": 64, "BLOCK_C_DKV": min(d_v, 64), "num_warps_dkv": 4, "chunk_stages_dkv": 2, "N_CSPLIT": 2}  # fmt: skip
     if h_q <= 128:  # separate all-heads dkv kernel: the main kernel is the same in both modes
         cfg.update(chunk_stages=4)
@@ -676,9 +462,222 @@ def _bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str,
             cfg.update(BLOCK_T_DKV=128, num_warps_dkv=8, chunk_stages_dkv=3, N_CSPLIT=1)
     elif deterministic:  # the fused kernel (dkv products in the main kernel), h_q > 128
         cfg.update(N_SUB=2, SPLIT_DKV=0)
-    else:  # four channel chunks in flight: 36.7 vs 37.7 ms with three (H100, 8284284)
+    else:  # four channel chunks in flight
         cfg.update(chunk_stages=4, SPLIT_DKV=0)
     return cfg
+
+
+def launch_bwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    *,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    causal: bool = False,
+    deterministic: bool = False,
+    return_attn_sum: bool = False,
+    config: Config = DEFAULT,
+    tiles: dict[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward on validated inputs; ``tiles`` overrides :func:`bwd_config` (tests).
+
+    ``attn_sum`` is ``[s_q, topk]`` when asked for, else an empty ``[0, topk]`` tensor.
+    """
+    s_q, h_q, d_qk = q.shape
+    s_kv = kv.shape[0]
+    topk = indices.shape[2]
+    dev = q.device
+    cfg = {**bwd_config(h_q, topk, d_v, deterministic), **(tiles or {})}
+    block_h, block_h_dq = cfg["BLOCK_H"], cfg["BLOCK_H_DQ"]
+    if cfg["N_SUB"] not in (1, 2):
+        raise ValueError(f"N_SUB must be 1 or 2, got {cfg['N_SUB']}")
+    n_hb = triton.cdiv(h_q, block_h * cfg["N_SUB"])
+    n_hb_dq = triton.cdiv(h_q, block_h_dq)
+    # The separate dkv kernel holds every head of a token in one tile: up to 128 heads.
+    split_dkv = bool(cfg["SPLIT_DKV"]) and h_q <= 128
+    block_h_dkv = max(16, triton.next_power_of_2(h_q))
+    n_part_hb = 1 if split_dkv else n_hb  # head blocks whose dkv contributions the deterministic mode stores
+    n_db = triton.cdiv(d_qk, cfg["BLOCK_D"])
+    delta = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
+    kernel = _delta_kernel[(s_q, triton.cdiv(h_q, 16))](
+        out,
+        dout,
+        delta,
+        out.stride(0),
+        out.stride(1),
+        dout.stride(0),
+        dout.stride(1),
+        h_q,
+        D_V=d_v,
+        BLOCK_H=16,
+    )
+    record_launch("bwd.delta", kernel)
+    dq = torch.empty_like(q)
+    dkv32 = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=dev)
+    ds_dtype = q.dtype
+    n_ws = 2 if split_dkv else 1  # dS, and P for the separate dkv kernel
+    chunk = max(1, min(s_q, config.bwd_workspace_bytes // (n_ws * h_q * topk * q.element_size())))
+    if deterministic:
+        chunk = max(1, min(chunk, config.bwd_deterministic_workspace_bytes // (n_part_hb * topk * d_qk * 4)))
+    ds_ws = torch.empty(min(chunk, s_q), h_q, topk, dtype=ds_dtype, device=dev)
+    p_ws = torch.empty_like(ds_ws) if split_dkv else ds_ws  # unused by the fused path
+    part = (
+        torch.empty(n_part_hb, min(chunk, s_q) * topk, d_qk, dtype=torch.float32, device=dev)
+        if deterministic
+        else dkv32  # unused by the atomic path
+    )
+    attn_sum = torch.empty(s_q if return_attn_sum else 0, topk, dtype=torch.float32, device=dev)
+    attn_part = (
+        torch.empty(n_hb, min(chunk, s_q), topk, dtype=torch.float32, device=dev)
+        if return_attn_sum
+        else attn_sum
+    )
+    for s0 in range(0, s_q, chunk):
+        s1 = min(s_q, s0 + chunk)
+        n = s1 - s0
+        q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
+        kernel = _main_kernel[(n * n_hb,)](
+            q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, part, attn_part, n if return_attn_sum else 0,
+            q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
+            idx_c.stride(0), part.stride(0) if deterministic else 0,
+            s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale), topk=topk,
+            CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+            BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb, CHUNK_STAGES=cfg["chunk_stages"],
+            N_SUB=cfg["N_SUB"], BLOCK_DV2=cfg["BLOCK_DV2"], ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+        record_launch("bwd.main", kernel)
+        _launch_dq(cfg, ds_ws, kv, idx_c, dq[s0:s1], s_kv, h_q, q_start_index + s0, k_stride, topk, causal,
+                   d_qk, n, n_hb_dq, n_db)  # fmt: skip
+        if split_dkv:
+            n_tb = triton.cdiv(topk, cfg["BLOCK_T_DKV"])
+            n_chunks = d_v // cfg["BLOCK_C_DKV"] + (1 if d_qk > d_v else 0)
+            n_csplit = min(cfg["N_CSPLIT"], n_chunks)
+            if n_csplit < 1 or (n_csplit - 1) * triton.cdiv(n_chunks, n_csplit) >= n_chunks:
+                raise ValueError(f"N_CSPLIT {n_csplit} leaves a channel group empty ({n_chunks} chunks)")
+            kernel = _dkv_kernel[(n_csplit * n * n_tb,)](
+                ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n,
+                q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1), idx_c.stride(0),
+                s_kv, h_q, q_start_index + s0, k_stride, topk=topk,
+                CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+                BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"], BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
+                CHUNK_STAGES=cfg["chunk_stages_dkv"], N_CSPLIT=n_csplit,
+                num_warps=cfg["num_warps_dkv"], num_stages=1,
+            )  # fmt: skip
+            record_launch("bwd.dkv", kernel)
+        if deterministic:
+            _det_reduce(part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk)
+        if return_attn_sum:  # head blocks added in a fixed order: deterministic
+            torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
+    return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
+
+
+def _launch_dq(
+    cfg: dict[str, int],
+    ds_ws: torch.Tensor,
+    kv: torch.Tensor,
+    idx_c: torch.Tensor,
+    dq_c: torch.Tensor,
+    s_kv: int,
+    h_q: int,
+    q_start_index: int,
+    k_stride: int,
+    topk: int,
+    causal: bool,
+    d_qk: int,
+    n: int,
+    n_hb_dq: int,
+    n_db: int,
+) -> None:
+    """``dq = dS @ rows`` for one chunk of tokens, on the current stream."""
+    kernel = _dq_kernel[(n * n_hb_dq * n_db,)](
+        ds_ws, kv, idx_c, dq_c,
+        kv.stride(0), idx_c.stride(0), dq_c.stride(0), dq_c.stride(1),
+        s_kv, h_q, q_start_index, k_stride, topk=topk,
+        CAUSAL=causal, D_QK=d_qk, BLOCK_H=cfg["BLOCK_H_DQ"], BLOCK_T=cfg["BLOCK_T_DQ"], BLOCK_D=cfg["BLOCK_D"],
+        N_HB=n_hb_dq, N_DB=n_db,
+        num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
+    )  # fmt: skip
+    record_launch("bwd.dq", kernel)
+
+
+def _det_reduce(
+    part: torch.Tensor,
+    idx_c: torch.Tensor,
+    dkv32: torch.Tensor,
+    s_kv: int,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+    n_hb: int,
+    d_qk: int,
+) -> None:
+    """Add this chunk's per-(token, slot) contributions into ``dkv32``, grouped by row in a fixed order."""
+    valid = valid_slots(idx_c[:, 0], s_kv, q_start_index, k_stride, causal).reshape(-1)
+    rows = idx_c[:, 0].reshape(-1).long()
+    pairs = torch.nonzero(valid).squeeze(1)  # ascending (token, slot) order
+    if pairs.numel() == 0:
+        return
+    # Stable sort by row keeps (token, slot) order inside a row: the reduction order is fixed.
+    keys, perm = torch.sort(rows[pairs], stable=True)
+    order = pairs[perm].contiguous()
+    seg_row, seg_len = torch.unique_consecutive(keys, return_counts=True)
+    seg_start = torch.cumsum(seg_len, 0) - seg_len
+    block_d = 64 if interpreting() else 128
+    kernel = _det_reduce_kernel[(seg_row.numel(), triton.cdiv(d_qk, block_d))](
+        part, order, seg_start.contiguous(), seg_len.contiguous(), seg_row.contiguous(), dkv32,
+        part.stride(0), D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, UNROLL=2 if interpreting() else 8, num_warps=4,
+    )  # fmt: skip
+    record_launch("bwd.det_reduce", kernel)
+
+
+def _bwd_fake(
+    q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, indices: torch.Tensor,
+    lse: torch.Tensor, sm_scale: float, d_v: int, q_start_index: int, k_stride: int, causal: bool,
+    deterministic: bool, return_attn_sum: bool, *_: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    check_bwd_inputs(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
+    n_attn = q.shape[0] if return_attn_sum else 0
+    return (
+        torch.empty_like(q),
+        kv.new_empty(kv.shape),
+        q.new_empty((n_attn, indices.shape[2]), dtype=torch.float32),
+    )
+
+
+@define_op("sparse_mla_bwd", _bwd_fake)
+def _bwd_op(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+    deterministic: bool,
+    return_attn_sum: bool,
+    workspace_bytes: int,
+    deterministic_workspace_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_bwd_inputs(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
+    sm_scale = check_sm_scale(sm_scale)
+    check_kernel_device(q, "sparse_mla_bwd")
+    config = Config(
+        bwd_workspace_bytes=workspace_bytes, bwd_deterministic_workspace_bytes=deterministic_workspace_bytes
+    )
+    return launch_bwd(
+        q, kv, out, dout, indices, lse, sm_scale, d_v, q_start_index=q_start_index, k_stride=k_stride,
+        causal=causal, deterministic=deterministic, return_attn_sum=return_attn_sum, config=config,
+    )  # fmt: skip
 
 
 def sparse_mla_bwd(
@@ -696,7 +695,7 @@ def sparse_mla_bwd(
     causal: bool = False,
     deterministic: bool = False,
     return_attn_sum: bool = False,
-    _config: dict[str, int] | None = None,
+    config: Config | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Backward of sparse MLA attention (DeepSeek sparse attention over top-k KV rows).
 
@@ -715,253 +714,24 @@ def sparse_mla_bwd(
         causal: also treat slot ``t`` as invalid when ``index > (q_pos + 1 - k_stride) / k_stride``
             (C integer division), ``q_pos = q_start_index + s``, as FlashMLA's attn_dist does.
         deterministic: sum the ``dkv`` contributions in a fixed order (bit-identical from run to run)
-            instead of with fp32 atomics; needs an fp32 workspace of up to 4 GiB.
+            instead of with fp32 atomics; needs an fp32 workspace (``Config.bwd_deterministic_workspace_bytes``).
         return_attn_sum: also return ``attn_sum [s_q, topk]`` fp32, the attention probability summed over
             heads at each slot (``Σ_h P[h, t]``, 0 at invalid slots): the lightning indexer's KL target, the
             same quantity as ``attn_dist(..., causal=causal)``, taken from the ``P`` the backward recomputes
-            anyway (deterministic; costs one column sum per tile and an ``[s_q, topk]`` fp32 write per head
-            block).
+            anyway (deterministic).
+        config: tuning options (:class:`~sparse_mla_attn.Config`; the ``bwd_*`` workspace caps apply).
 
     Returns:
         ``dq [s_q, h_q, d_qk]`` in q's dtype and ``dkv [s_kv, 1, d_qk]`` in kv's dtype (and ``attn_sum`` if
         asked). ``dkv`` sums the contributions of every (query, slot) that selected a row, accumulated in
         fp32; rows nobody selected get 0.
+
+    Raises:
+        ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
-    args = (
-        q,
-        kv,
-        out,
-        dout,
-        indices,
-        lse,
-        float(sm_scale),
-        d_v,
-        q_start_index,
-        k_stride,
-        causal,
-        deterministic,
-    )
-    if _config is not None:  # tuning hook (benchmarks): eager launch with explicit block sizes
-        dq, dkv, attn_sum = _bwd_impl(*args, return_attn_sum, _config)
-    else:
-        dq, dkv, attn_sum = torch.ops.sparse_mla_attn.sparse_mla_bwd(*args, return_attn_sum)
-    return (dq, dkv, attn_sum) if return_attn_sum else (dq, dkv)
-
-
-@torch.library.custom_op("sparse_mla_attn::sparse_mla_bwd", mutates_args=())
-def _bwd_op(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-    deterministic: bool,
-    return_attn_sum: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd_impl(
+    cfg = config or DEFAULT
+    dq, dkv, attn_sum = torch.ops.sparse_mla_attn.sparse_mla_bwd(
         q, kv, out, dout, indices, lse, sm_scale, d_v, q_start_index, k_stride, causal, deterministic,
-        return_attn_sum,
+        return_attn_sum, cfg.bwd_workspace_bytes, cfg.bwd_deterministic_workspace_bytes,
     )  # fmt: skip
-
-
-@_bwd_op.register_fake
-def _bwd_fake(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-    deterministic: bool,
-    return_attn_sum: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _bwd_check(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
-    n_attn = q.shape[0] if return_attn_sum else 0
-    return (
-        torch.empty_like(q),
-        kv.new_empty(kv.shape),
-        q.new_empty((n_attn, indices.shape[2]), dtype=torch.float32),
-    )
-
-
-def _bwd_impl(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-    deterministic: bool,
-    return_attn_sum: bool = False,
-    _config: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate and launch (the body of the ``sparse_mla_attn::sparse_mla_bwd`` custom op).
-
-    ``attn_sum`` is ``[s_q, topk]`` when asked for, else an empty ``[0, topk]`` tensor.
-    """
-    _bwd_check(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
-    s_q, h_q, d_qk = q.shape
-    s_kv = kv.shape[0]
-    topk = indices.shape[2]
-    dev = q.device
-    cfg = dict(_bwd_config(h_q, topk, d_v, deterministic))
-    if _config:
-        cfg.update(_config)
-    block_h, block_h_dq = cfg["BLOCK_H"], cfg["BLOCK_H_DQ"]
-    if cfg["N_SUB"] not in (1, 2):
-        raise ValueError(f"N_SUB must be 1 or 2, got {cfg['N_SUB']}")
-    n_hb = triton.cdiv(h_q, block_h * cfg["N_SUB"])
-    n_hb_dq = triton.cdiv(h_q, block_h_dq)
-    # The separate dkv kernel holds every head of a token in one tile: up to 128 heads.
-    split_dkv = bool(cfg["SPLIT_DKV"]) and h_q <= 128
-    block_h_dkv = max(16, triton.next_power_of_2(h_q))
-    n_part_hb = 1 if split_dkv else n_hb  # head blocks whose dkv contributions the deterministic mode stores
-    if cfg["DQ_SPLIT"] and d_v % cfg["BLOCK_D"] == 0:  # latent channels in BLOCK_D blocks, the rope in one
-        d_main, d_tail = d_v, d_qk - d_v
-        n_db = d_v // cfg["BLOCK_D"] + (1 if d_tail else 0)
-    else:
-        d_main, d_tail = d_qk, 0
-        n_db = triton.cdiv(d_qk, cfg["BLOCK_D"])
-    delta = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
-    _bwd_preprocess_kernel[(s_q, triton.cdiv(h_q, 16))](
-        out,
-        dout,
-        delta,
-        out.stride(0),
-        out.stride(1),
-        dout.stride(0),
-        dout.stride(1),
-        h_q,
-        D_V=d_v,
-        BLOCK_H=16,
-    )
-    dq = torch.empty_like(q)
-    dkv32 = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=dev)
-    ds_dtype = q.dtype
-    n_ws = 2 if split_dkv else 1  # dS, and P for the separate dkv kernel
-    chunk = max(1, min(s_q, _BWD_DS_WORKSPACE_BYTES // (n_ws * h_q * topk * q.element_size())))
-    if deterministic:
-        chunk = max(1, min(chunk, _BWD_DET_WORKSPACE_BYTES // (n_part_hb * topk * d_qk * 4)))
-    ds_ws = torch.empty(min(chunk, s_q), h_q, topk, dtype=ds_dtype, device=dev)
-    p_ws = torch.empty_like(ds_ws) if split_dkv else ds_ws  # unused by the fused path
-    part = (
-        torch.empty(n_part_hb, min(chunk, s_q) * topk, d_qk, dtype=torch.float32, device=dev)
-        if deterministic
-        else dkv32  # unused by the atomic path
-    )
-    attn_sum = torch.empty(s_q if return_attn_sum else 0, topk, dtype=torch.float32, device=dev)
-    attn_part = (
-        torch.empty(n_hb, min(chunk, s_q), topk, dtype=torch.float32, device=dev)
-        if return_attn_sum
-        else attn_sum
-    )
-    for s0 in range(0, s_q, chunk):
-        s1 = min(s_q, s0 + chunk)
-        n = s1 - s0
-        q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
-        _BWD_LAST_COMPILED["main"] = _bwd_main_kernel[(n * n_hb,)](
-            q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, part, attn_part, n if return_attn_sum else 0,
-            q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
-            idx_c.stride(0), part.stride(0) if deterministic else 0,
-            s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale), topk=topk,
-            CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
-            BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb, CHUNK_STAGES=cfg["chunk_stages"],
-            N_SUB=cfg["N_SUB"], DKV_WRITE=cfg["DKV_WRITE"], BLOCK_DV2=cfg["BLOCK_DV2"], DKV_T=cfg["DKV_T"], ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
-        _bwd_launch_dq(cfg, ds_ws, kv, idx_c, dq[s0:s1], s_kv, h_q, q_start_index + s0, k_stride, topk, causal,
-                       d_qk, n, n_hb_dq, n_db, d_main, d_tail)  # fmt: skip
-        if split_dkv:
-            n_tb = triton.cdiv(topk, cfg["BLOCK_T_DKV"])
-            n_chunks = d_v // cfg["BLOCK_C_DKV"] + (1 if d_qk > d_v else 0)
-            n_csplit = min(cfg["N_CSPLIT"], n_chunks)
-            if n_csplit < 1 or (n_csplit - 1) * triton.cdiv(n_chunks, n_csplit) >= n_chunks:
-                raise ValueError(f"N_CSPLIT {n_csplit} leaves a channel group empty ({n_chunks} chunks)")
-            _BWD_LAST_COMPILED["dkv"] = _bwd_dkv_kernel[(n_csplit * n * n_tb,)](
-                ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n,
-                q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1), idx_c.stride(0),
-                s_kv, h_q, q_start_index + s0, k_stride, topk=topk,
-                CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
-                BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"], BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
-                CHUNK_STAGES=cfg["chunk_stages_dkv"], DKV_WRITE=cfg["DKV_WRITE"], N_CSPLIT=n_csplit,
-                num_warps=cfg["num_warps_dkv"], num_stages=1,
-            )  # fmt: skip
-        if deterministic:
-            _bwd_det_reduce(part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk)
-        if return_attn_sum:  # head blocks added in a fixed order: deterministic
-            torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
-    return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
-
-
-def _bwd_launch_dq(
-    cfg: dict[str, int],
-    ds_ws: torch.Tensor,
-    kv: torch.Tensor,
-    idx_c: torch.Tensor,
-    dq_c: torch.Tensor,
-    s_kv: int,
-    h_q: int,
-    q_start_index: int,
-    k_stride: int,
-    topk: int,
-    causal: bool,
-    d_qk: int,
-    n: int,
-    n_hb_dq: int,
-    n_db: int,
-    d_main: int,
-    d_tail: int,
-) -> None:
-    """``dq = dS @ rows`` for one chunk of tokens, on the current stream."""
-    _BWD_LAST_COMPILED["dq"] = _bwd_dq_kernel[(n * n_hb_dq * n_db,)](
-        ds_ws, kv, idx_c, dq_c,
-        kv.stride(0), idx_c.stride(0), dq_c.stride(0), dq_c.stride(1),
-        s_kv, h_q, q_start_index, k_stride, topk=topk,
-        CAUSAL=causal, D_QK=d_qk, BLOCK_H=cfg["BLOCK_H_DQ"], BLOCK_T=cfg["BLOCK_T_DQ"], BLOCK_D=cfg["BLOCK_D"],
-        N_HB=n_hb_dq, N_DB=n_db, D_MAIN=d_main, D_TAIL=d_tail,
-        num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
-    )  # fmt: skip
-
-
-def _bwd_det_reduce(
-    part: torch.Tensor,
-    idx_c: torch.Tensor,
-    dkv32: torch.Tensor,
-    s_kv: int,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-    n_hb: int,
-    d_qk: int,
-) -> None:
-    """Add this chunk's per-(token, slot) contributions into ``dkv32``, grouped by row in a fixed order."""
-    valid = _bwd_valid_slots(idx_c, s_kv, q_start_index, k_stride, causal).reshape(-1)
-    rows = idx_c[:, 0].reshape(-1).long()
-    pairs = torch.nonzero(valid).squeeze(1)  # ascending (token, slot) order
-    if pairs.numel() == 0:
-        return
-    # Stable sort by row keeps (token, slot) order inside a row: the reduction order is fixed.
-    keys, perm = torch.sort(rows[pairs], stable=True)
-    order = pairs[perm].contiguous()
-    seg_row, seg_len = torch.unique_consecutive(keys, return_counts=True)
-    seg_start = torch.cumsum(seg_len, 0) - seg_len
-    block_d = 64 if _interpreting() else 128
-    _bwd_det_reduce_kernel[(seg_row.numel(), triton.cdiv(d_qk, block_d))](
-        part, order, seg_start.contiguous(), seg_len.contiguous(), seg_row.contiguous(), dkv32,
-        part.stride(0), D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, UNROLL=2 if _interpreting() else 8, num_warps=4,
-    )  # fmt: skip
+    return (dq, dkv, attn_sum) if return_attn_sum else (dq, dkv)

@@ -10,30 +10,43 @@ block-table load between an index and its gather. Small batches split each token
 several programs (split-K) to fill the GPU.
 """
 
+from __future__ import annotations
+
 from typing import Any
 
 import torch
 
+from sparse_mla_attn._runtime import check_kernel_device, define_op
 from sparse_mla_attn._validate import check_decode_inputs, check_kernel_dims, check_sm_scale
-from sparse_mla_attn.forward import check_device, launch_fwd, paged_to_rows
+from sparse_mla_attn.config import DEFAULT, Config
+from sparse_mla_attn.forward import launch_fwd, paged_to_rows
 
 
-def sparse_mla_decode_impl(
+def _decode_fake(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    indices: torch.Tensor, sm_scale: float, d_v: int, *rest: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    check_decode_inputs(q, kv_cache, block_table, cache_seqlens, indices, d_v)
+    b, s_q, h_q, _ = q.shape
+    return q.new_empty(b, s_q, h_q, d_v), q.new_empty(b, s_q, h_q, dtype=torch.float32)
+
+
+@define_op("sparse_mla_decode", _decode_fake)
+def _decode_op(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
     indices: torch.Tensor,
     sm_scale: float,
-    d_v: int = 512,
-    *,
-    config: dict[str, Any] | None = None,
+    d_v: int,
+    backend: str,
+    num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate and launch (the body of the ``sparse_mla_attn::sparse_mla_decode`` custom op)."""
     dims = check_decode_inputs(q, kv_cache, block_table, cache_seqlens, indices, d_v)
     check_kernel_dims(dims, q.dtype, "sparse_mla_decode")
     sm_scale = check_sm_scale(sm_scale)
-    check_device(q, "sparse_mla_decode")
+    check_kernel_device(q, "sparse_mla_decode")
     b, s_q, h_q, d_qk = q.shape
     num_blocks, page_size = kv_cache.shape[:2]
     n_rows = num_blocks * page_size
@@ -46,37 +59,9 @@ def sparse_mla_decode_impl(
         rows,
         dims,  # dims.s_kv = n_rows: a row is valid when it lies in the cache
         sm_scale,
-        config=config,
+        config=Config(backend=backend, num_splits=num_splits),
     )
     return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q)
-
-
-@torch.library.custom_op("sparse_mla_attn::sparse_mla_decode", mutates_args=())
-def _sparse_mla_decode_op(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return sparse_mla_decode_impl(q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v)
-
-
-@_sparse_mla_decode_op.register_fake
-def _sparse_mla_decode_fake(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    check_decode_inputs(q, kv_cache, block_table, cache_seqlens, indices, d_v)
-    b, s_q, h_q, _ = q.shape
-    return q.new_empty(b, s_q, h_q, d_v), q.new_empty(b, s_q, h_q, dtype=torch.float32)
 
 
 def sparse_mla_decode(
@@ -87,6 +72,8 @@ def sparse_mla_decode(
     indices: torch.Tensor,
     sm_scale: float,
     d_v: int = 512,
+    *,
+    config: Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode: each new token attends to its top-k positions of a paged bf16 latent cache.
 
@@ -97,15 +84,21 @@ def sparse_mla_decode(
             block ``block_table[b, j]``.
         cache_seqlens: ``[b]`` int32 tokens in each sequence's cache.
         indices: ``[b, s_q, topk]`` int32 positions in the sequence (not cache rows). A position
-            ``< 0``, ``>= cache_seqlens[b]`` or past the block table is invalid and never read.
+            ``< 0``, ``>= cache_seqlens[b]`` or past the block table is invalid and never read, as is a
+            block-table entry outside the cache.
         sm_scale: softmax scale applied to ``q · k``.
         d_v: value dim; must be 512.
+        config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor).
 
     Returns:
         ``out [b, s_q, h_q, d_v]`` q's dtype and ``lse [b, s_q, h_q]`` float32, natural log
         (``out = 0``, ``lse = -inf`` for a token with no valid index). FlashMLA returns its decode
         ``lse`` as ``[b, h_q, s_q]``: transpose if you need that layout.
+
+    Raises:
+        ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
+    cfg = config or DEFAULT
     return torch.ops.sparse_mla_attn.sparse_mla_decode(
-        q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v
+        q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v, cfg.backend, cfg.num_splits
     )

@@ -12,16 +12,22 @@ programs (split-K); they write fp32 partial outputs with their own base-2 log-su
 kernel merges them with lse weights.
 """
 
-import functools
+from __future__ import annotations
+
 import math
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from sparse_mla_attn._gluon import gluon_available, gluon_enabled, launch_fwd_gluon
+from sparse_mla_attn._runtime import (
+    check_kernel_device,
+    define_op,
+    interpreting,
+    num_sms,
+    record_launch,
+)
 from sparse_mla_attn._validate import (
     SparseDims,
     check_causal_args,
@@ -30,29 +36,10 @@ from sparse_mla_attn._validate import (
     check_sm_scale,
     check_sparse_inputs,
 )
+from sparse_mla_attn.backends.gluon_sm90 import launch_fwd_gluon, use_gluon
+from sparse_mla_attn.config import DEFAULT, Config
 
 LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-#: The compiled kernel of the latest launch per op (benchmarks read its registers, spills and PTX).
-LAST_COMPILED: dict[str, Any] = {}
-#: The split-K factor of the latest forward/decode launch (benchmarks report it).
-LAST_SPLITS: dict[str, int] = {"fwd": 1}
-#: Which kernel family ran the latest launch per op: "gluon" or "triton" (benchmarks report it).
-LAST_BACKEND: dict[str, str] = {}
-
-
-def interpreting() -> bool:
-    """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def check_device(t: torch.Tensor, what: str) -> None:
-    """Kernels need CUDA tensors, or CPU tensors under the Triton interpreter."""
-    if not (t.is_cuda or (interpreting() and t.device.type == "cpu")):
-        raise ValueError(
-            f"{what}: the Triton kernel needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), "
-            f"got device {t.device}; use the *_ref function for a CPU reference"
-        )
 
 
 @triton.jit
@@ -86,11 +73,9 @@ def _prefetch_rows(row, valid, KV, stride_kv_row, D_QK: tl.constexpr):
 
 
 @triton.jit
-def _scores(q_v, q_o, q_rope, k_v, k_o, k_rope, D_ROPE: tl.constexpr, DV_SPLIT: tl.constexpr):
-    """S = q·k^T over the 512 latent channels (in one or two halves) plus the 64 rope channels."""
+def _scores(q_v, q_rope, k_v, k_rope, D_ROPE: tl.constexpr):
+    """S = q·k^T over the 512 latent channels plus the 64 rope channels."""
     s = tl.dot(q_v, tl.trans(k_v))
-    if DV_SPLIT > 1:
-        s = tl.dot(q_o, tl.trans(k_o), s)
     if D_ROPE > 0:
         s = tl.dot(q_rope, tl.trans(k_rope), s)
     return s
@@ -118,10 +103,7 @@ def _fwd_block(
     KV,
     stride_kv_row,
     q_v,
-    q_o,
     q_rope,
-    dv_off,
-    o_off,
     m_i,
     l_i,
     acc,
@@ -129,22 +111,16 @@ def _fwd_block(
     D_NOPE: tl.constexpr,
     D_ROPE: tl.constexpr,
     DOT_F32: tl.constexpr,
-    DV_SPLIT: tl.constexpr,
     S_SPLIT: tl.constexpr,
 ):
     """One BLOCK_T slice of the top-k list: gather, two products, online-softmax update."""
     k_ptr = KV + row[:, None] * stride_kv_row
-    offs_d = tl.arange(0, D_NOPE // DV_SPLIT)
+    offs_d = tl.arange(0, D_NOPE)
     # Masked rows are never dereferenced: invalid indices cost no memory traffic and may point anywhere.
-    # k_v: the latent channels this program accumulates as values (all 512, or one half with DV_SPLIT=2).
-    k_v = tl.load(k_ptr + dv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
+    # k_v: the 512 latent channels, keys of the first product and values of P·V.
+    k_v = tl.load(k_ptr + offs_d[None, :], mask=valid[:, None], other=0.0)
     if DOT_F32:
         k_v = k_v.to(tl.float32)
-    k_o = k_v  # unused unless DV_SPLIT > 1
-    if DV_SPLIT > 1:
-        k_o = tl.load(k_ptr + o_off + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if DOT_F32:
-            k_o = k_o.to(tl.float32)
     k_rope = k_v  # unused unless D_ROPE > 0
     if D_ROPE > 0:
         offs_r = tl.arange(0, D_ROPE)
@@ -165,7 +141,7 @@ def _fwd_block(
                 q_v, q_rope, k_v, k_rope, valid, m_i, l_i, sm_scale_log2, D_ROPE
             )
     else:
-        s = _scores(q_v, q_o, q_rope, k_v, k_o, k_rope, D_ROPE, DV_SPLIT)
+        s = _scores(q_v, q_rope, k_v, k_rope, D_ROPE)
         s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -213,31 +189,22 @@ def _sparse_mla_fwd_kernel(
     SPLIT_K: tl.constexpr,
     STATIC_T: tl.constexpr,
     DOT_F32: tl.constexpr,
-    DV_SPLIT: tl.constexpr,
     S_SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    # Programs of one token (head tiles, value halves) are neighbours in launch order: their gathers hit L2.
-    pid_v = pid % DV_SPLIT
-    pid_h = (pid // DV_SPLIT) % n_head_tiles
-    pid_sk = pid // (DV_SPLIT * n_head_tiles)
+    # Programs of one token (head tiles) are neighbours in launch order: their gathers hit L2.
+    pid_h = pid % n_head_tiles
+    pid_sk = pid // n_head_tiles
     pid_s = pid_sk % n_tok
     # Split-K: program pid_k walks the top-k slots [pid_k * split_len, (pid_k + 1) * split_len).
     pid_k = pid_sk // n_tok
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < h_q
-    D_VP: tl.constexpr = D_NOPE // DV_SPLIT
-    offs_d = tl.arange(0, D_VP)
-    dv_off = pid_v * D_VP
-    o_off = (1 - pid_v) * D_VP
+    offs_d = tl.arange(0, D_NOPE)
 
     q_base = Q + pid_s.to(tl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
-    q_v = tl.load(q_base + dv_off + offs_d[None, :], mask=h_mask[:, None], other=0.0)
-    if DV_SPLIT > 1:
-        q_o = tl.load(q_base + o_off + offs_d[None, :], mask=h_mask[:, None], other=0.0)
-    else:
-        q_o = q_v  # unused
+    q_v = tl.load(q_base + offs_d[None, :], mask=h_mask[:, None], other=0.0)
     if D_ROPE > 0:
         offs_r = tl.arange(0, D_ROPE)
         q_rope = tl.load(q_base + D_NOPE + offs_r[None, :], mask=h_mask[:, None], other=0.0)
@@ -245,7 +212,6 @@ def _sparse_mla_fwd_kernel(
         q_rope = q_v  # unused
     if DOT_F32:
         q_v = q_v.to(tl.float32)
-        q_o = q_o.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
 
     n_t = topk
@@ -262,7 +228,7 @@ def _sparse_mla_fwd_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_VP], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
     idx_row = IDX + pid_s.to(tl.int64) * stride_idx_s
     # The rows of block t+1 are loaded one iteration ahead, so the gather of a block depends only on
     # loop-carried values and the pipeliner can issue it num_stages - 1 iterations early.
@@ -285,10 +251,7 @@ def _sparse_mla_fwd_kernel(
                 KV,
                 stride_kv_row,
                 q_v,
-                q_o,
                 q_rope,
-                dv_off,
-                o_off,
                 m_i,
                 l_i,
                 acc,
@@ -296,7 +259,6 @@ def _sparse_mla_fwd_kernel(
                 D_NOPE,
                 D_ROPE,
                 DOT_F32,
-                DV_SPLIT,
                 S_SPLIT,
             )
     else:
@@ -312,10 +274,7 @@ def _sparse_mla_fwd_kernel(
                 KV,
                 stride_kv_row,
                 q_v,
-                q_o,
                 q_rope,
-                dv_off,
-                o_off,
                 m_i,
                 l_i,
                 acc,
@@ -323,7 +282,6 @@ def _sparse_mla_fwd_kernel(
                 D_NOPE,
                 D_ROPE,
                 DOT_F32,
-                DV_SPLIT,
                 S_SPLIT,
             )
 
@@ -335,22 +293,19 @@ def _sparse_mla_fwd_kernel(
     has_any = l_i > 0.0
     scale = tl.where(has_any, 1.0 / tl.where(has_any, denom, 1.0), 0.0)
     out = acc * scale[:, None]
-    first = h_mask & (pid_v == 0)  # every value half computes the same statistics; one writes them
     lse2 = tl.where(has_any, m_use + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
     if SPLIT_K:
         # Partial results in fp32: out normalised by this split's own sum, base-2 lse and max.
         part = pid_k.to(tl.int64) * n_tok + pid_s
-        o_ptr = OUT + (part * h_q + offs_h[:, None]) * D_NOPE + dv_off + offs_d[None, :]
+        o_ptr = OUT + (part * h_q + offs_h[:, None]) * D_NOPE + offs_d[None, :]
         tl.store(o_ptr, out, mask=h_mask[:, None])
-        tl.store(LSE + part * h_q + offs_h, lse2, mask=first)
-        tl.store(MAX_LOGITS + part * h_q + offs_h, m_i, mask=first)
+        tl.store(LSE + part * h_q + offs_h, lse2, mask=h_mask)
+        tl.store(MAX_LOGITS + part * h_q + offs_h, m_i, mask=h_mask)
     else:
-        o_ptr = (
-            OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + dv_off + offs_d[None, :]
-        )
+        o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
-        tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse2 * 0.6931471805599453, mask=first)
-        tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_i * 0.6931471805599453, mask=first)
+        tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse2 * 0.6931471805599453, mask=h_mask)
+        tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_i * 0.6931471805599453, mask=h_mask)
 
 
 @triton.jit
@@ -446,7 +401,7 @@ def fwd_config(h_q: int, topk: int) -> dict[str, Any]:
             "num_stages": 1,
         }
     if h_q > 32:
-        # S_SPLIT and PREFETCH: NOTES.md, sweeps 4 and 5.
+        # S_SPLIT: the two warpgroups split S's columns; PREFETCH: KV rows two blocks ahead go to L2.
         return {
             "BLOCK_H": 64,
             "BLOCK_T": 64,
@@ -458,11 +413,6 @@ def fwd_config(h_q: int, topk: int) -> dict[str, Any]:
     return {"BLOCK_H": max(16, triton.next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device) -> int:
     """Split-K factor: split each query's top-k list when the grid would leave multiprocessors idle.
 
@@ -471,10 +421,8 @@ def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device
     ``s`` ways gives ``s * n_programs <= #SMs`` programs of ``topk / s`` slots each, at least 4 blocks
     of ``block_t`` per split, merged by a small second kernel.
     """
-    if interpreting() or device.type != "cuda":
-        return 1
-    n_sm = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if n_programs >= n_sm:
+    n_sm = num_sms(device)
+    if interpreting() or n_sm == 0 or n_programs >= n_sm:
         return 1
     return max(1, min(n_sm // n_programs, triton.cdiv(topk, 4 * block_t)))
 
@@ -491,7 +439,8 @@ def launch_fwd(
     q_start_index: int = 0,
     k_stride: int = 1,
     causal: bool = False,
-    config: dict[str, Any] | None = None,
+    config: Config = DEFAULT,
+    tiles: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs (shared by forward and decode).
 
@@ -500,8 +449,8 @@ def launch_fwd(
         kv_rows: ``[n_rows, d_qk]`` KV rows (last dim contiguous).
         idx: ``[n_tok, topk]`` int32 row numbers (last dim contiguous); ``[0, dims.s_kv)`` is valid.
         dims: sizes.
-        config: override of :func:`fwd_config` (benchmarks), plus ``NUM_SPLITS`` (split-K factor;
-            default :func:`choose_splits`).
+        config: backend and split-K factor (``num_splits`` 0: :func:`choose_splits`).
+        tiles: overrides of :func:`fwd_config`'s Triton tile (tests).
 
     Returns:
         ``out [n_tok, h_q, 512]``, ``max_logits [n_tok, h_q]``, ``lse [n_tok, h_q]`` (natural log).
@@ -512,34 +461,17 @@ def launch_fwd(
     lse = torch.empty_like(max_logits)
     if n_tok == 0:
         return out, max_logits, lse
-    cfg = dict(fwd_config(h_q, dims.topk))
-    if config:
-        cfg.update(config)
+    cfg = {**fwd_config(h_q, dims.topk), **(tiles or {})}
     n_head_tiles = triton.cdiv(h_q, cfg["BLOCK_H"])
-    dv_split = cfg.get("DV_SPLIT", 1)
-    if dv_split not in (1, 2):
-        raise ValueError(f"DV_SPLIT must be 1 or 2, got {dv_split}")
     s_split = bool(cfg.get("S_SPLIT", False))
-    if s_split and dv_split != 1:
-        raise ValueError("S_SPLIT needs DV_SPLIT=1")
     block_t = cfg["BLOCK_T"]
-    n_splits = cfg.get("NUM_SPLITS") or choose_splits(
-        n_tok * n_head_tiles * dv_split, dims.topk, block_t, q.device
-    )
+    n_splits = config.num_splits or choose_splits(n_tok * n_head_tiles, dims.topk, block_t, q.device)
     split_len = triton.cdiv(triton.cdiv(dims.topk, n_splits), block_t) * block_t
     n_splits = triton.cdiv(dims.topk, split_len)  # no empty split
-    LAST_SPLITS["fwd"] = n_splits
-    use_gluon = (
-        cfg.get("GLUON", gluon_enabled())
-        and gluon_available(q, kv_rows)
-        and n_splits == 1
-        and dv_split == 1
-        and h_q > 32
-    )
-    LAST_BACKEND["fwd"] = "gluon" if use_gluon else "triton"
-    if use_gluon:
+    eligible = n_splits == 1 and h_q > 32
+    if use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows):
         # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
-        LAST_COMPILED["fwd"] = launch_fwd_gluon(
+        kernel = launch_fwd_gluon(
             q,
             kv_rows,
             idx,
@@ -555,6 +487,7 @@ def launch_fwd(
             k_stride=k_stride,
             causal=causal,
         )
+        record_launch("fwd", kernel, backend="gluon")
         return out, max_logits, lse
     if n_splits > 1:
         part_o = torch.empty(n_splits, n_tok, h_q, dims.d_v, dtype=torch.float32, device=q.device)
@@ -563,9 +496,9 @@ def launch_fwd(
         dst = (part_o, part_max, part_lse)
     else:
         dst = (out, max_logits, lse)
-    grid = (n_splits * n_tok * n_head_tiles * dv_split,)
+    grid = (n_splits * n_tok * n_head_tiles,)
     sink = attn_sink if attn_sink is not None else lse
-    LAST_COMPILED["fwd"] = _sparse_mla_fwd_kernel[grid](
+    kernel = _sparse_mla_fwd_kernel[grid](
         q,
         kv_rows,
         idx,
@@ -598,12 +531,12 @@ def launch_fwd(
         STATIC_T=split_len if interpreting() else 0,
         # The interpreter's bf16 tl.dot is wrong (numpy has no bf16): it multiplies in float32 instead.
         DOT_F32=interpreting(),
-        DV_SPLIT=dv_split,
         S_SPLIT=s_split,
         PREFETCH=bool(cfg.get("PREFETCH", False)) and not interpreting(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    record_launch("fwd", kernel, splits=n_splits)
     if n_splits > 1:
         combine_h = 16
         _split_combine_kernel[(n_tok, triton.cdiv(h_q, combine_h))](
@@ -672,27 +605,35 @@ def paged_to_rows(
     return rows
 
 
-def sparse_mla_fwd_impl(
+def _fwd_fake(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, *_: Any
+) -> tuple[torch.Tensor, ...]:
+    dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
+    max_logits = q.new_empty(dims.s_q, dims.h_q, dtype=torch.float32)
+    return q.new_empty(dims.s_q, dims.h_q, d_v), max_logits, torch.empty_like(max_logits)
+
+
+@define_op("sparse_mla_fwd", _fwd_fake)
+def _fwd_op(
     q: torch.Tensor,
     kv: torch.Tensor,
     indices: torch.Tensor,
     sm_scale: float,
-    d_v: int = 512,
-    *,
-    attn_sink: torch.Tensor | None = None,
-    topk_length: torch.Tensor | None = None,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    causal: bool = False,
-    config: dict[str, Any] | None = None,
+    d_v: int,
+    attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+    backend: str,
+    num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate and launch (the body of the ``sparse_mla_attn::sparse_mla_fwd`` custom op)."""
     dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
     check_kernel_dims(dims, q.dtype, "sparse_mla_fwd")
     check_optional_vectors(attn_sink, topk_length, dims, q.device)
     check_causal_args(q_start_index, k_stride)
     sm_scale = check_sm_scale(sm_scale)
-    check_device(q, "sparse_mla_fwd")
+    check_kernel_device(q, "sparse_mla_fwd")
     return launch_fwd(
         q,
         kv[:, 0],
@@ -704,54 +645,8 @@ def sparse_mla_fwd_impl(
         q_start_index=q_start_index,
         k_stride=k_stride,
         causal=causal,
-        config=config,
+        config=Config(backend=backend, num_splits=num_splits),
     )
-
-
-@torch.library.custom_op("sparse_mla_attn::sparse_mla_fwd", mutates_args=())
-def _sparse_mla_fwd_op(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    attn_sink: torch.Tensor | None,
-    topk_length: torch.Tensor | None,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return sparse_mla_fwd_impl(
-        q,
-        kv,
-        indices,
-        sm_scale,
-        d_v,
-        attn_sink=attn_sink,
-        topk_length=topk_length,
-        q_start_index=q_start_index,
-        k_stride=k_stride,
-        causal=causal,
-    )
-
-
-@_sparse_mla_fwd_op.register_fake
-def _sparse_mla_fwd_fake(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    attn_sink: torch.Tensor | None,
-    topk_length: torch.Tensor | None,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
-    out = q.new_empty(dims.s_q, dims.h_q, d_v)
-    max_logits = q.new_empty(dims.s_q, dims.h_q, dtype=torch.float32)
-    return out, max_logits, torch.empty_like(max_logits)
 
 
 def sparse_mla_fwd(
@@ -766,6 +661,7 @@ def sparse_mla_fwd(
     q_start_index: int = 0,
     k_stride: int = 1,
     causal: bool = False,
+    config: Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse MLA forward (DeepSeek sparse attention): each query attends to its own top-k KV rows.
 
@@ -791,6 +687,7 @@ def sparse_mla_fwd(
         k_stride: query positions per KV entry, e.g. for a compressed KV (used when ``causal``).
         causal: also skip indices above ``(q_start_index + i + 1 - k_stride) / k_stride`` (C integer
             division, the same limit as :func:`attn_dist`).
+        config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor).
 
     Returns:
         ``out [s_q, h_q, d_v]`` q's dtype; ``max_logits [s_q, h_q]`` float32, the largest
@@ -801,6 +698,8 @@ def sparse_mla_fwd(
     Raises:
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
+    cfg = config or DEFAULT
     return torch.ops.sparse_mla_attn.sparse_mla_fwd(
-        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal
-    )
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal,
+        cfg.backend, cfg.num_splits,
+    )  # fmt: skip

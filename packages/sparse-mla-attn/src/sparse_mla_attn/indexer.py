@@ -11,119 +11,15 @@ paid to those rows (``attn_sum``, summed over heads, L1-normalised and detached)
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = [
-    "indexer_kl_loss",
-    "indexer_kl_loss_ref",
-    "indexer_logits",
-    "indexer_logits_at",
-    "indexer_logits_ref",
-    "indexer_topk",
-]
-
-
-def _indexer_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _indexer_max_key(s_q: int, q_start_index: int, k_stride: int, device: torch.device) -> torch.Tensor:
-    """``[s_q]`` int64: the last key index each query may see under the causal rule."""
-    q_pos = q_start_index + torch.arange(s_q, device=device)
-    return torch.clamp(q_pos + 1 - k_stride, min=0) // k_stride
-
-
-def _indexer_check(
-    q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, q_start_index: int, k_stride: int
-) -> None:
-    if q_idx.dim() != 3:
-        raise ValueError(f"q_idx must be [s_q, h_idx, d_idx], got shape {tuple(q_idx.shape)}")
-    s_q, h_idx, d_idx = q_idx.shape
-    if k_idx.dim() != 2 or k_idx.shape[1] != d_idx:
-        raise ValueError(f"k_idx must be [s_kv, {d_idx}], got shape {tuple(k_idx.shape)}")
-    if weights.shape != (s_q, h_idx):
-        raise ValueError(f"weights must be [{s_q}, {h_idx}], got shape {tuple(weights.shape)}")
-    if q_idx.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        raise ValueError(f"q_idx must be a floating dtype, got {q_idx.dtype}")
-    if k_idx.dtype != q_idx.dtype:
-        raise ValueError(f"k_idx dtype {k_idx.dtype} must match q_idx dtype {q_idx.dtype}")
-    if not weights.is_floating_point():
-        raise ValueError(f"weights must be floating point, got {weights.dtype}")
-    if d_idx < 16 or d_idx & (d_idx - 1):
-        raise ValueError(f"d_idx must be a power of two >= 16, got {d_idx}")
-    if k_stride < 1 or q_start_index < 0:
-        raise ValueError(f"need k_stride >= 1 and q_start_index >= 0, got {k_stride}, {q_start_index}")
-    if len({q_idx.device, k_idx.device, weights.device}) != 1:
-        raise ValueError("q_idx, k_idx and weights must be on one device")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# references
-# ----------------------------------------------------------------------------------------------------------
-
-
-def indexer_logits_ref(
-    q_idx: torch.Tensor,
-    k_idx: torch.Tensor,
-    weights: torch.Tensor,
-    *,
-    causal: bool = False,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-) -> torch.Tensor:
-    """Float32 (float64 for float64 inputs) reference of :func:`indexer_logits`, chunked over queries.
-
-    Differentiable through torch autograd. Returns ``[s_q, s_kv]``; causally masked entries are -inf.
-    """
-    cdt = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
-    s_q, h_idx, _ = q_idx.shape
-    s_kv = k_idx.shape[0]
-    chunk = max(1, (1 << 25) // max(1, h_idx * s_kv))
-    parts = []
-    for s0 in range(0, s_q, chunk):
-        z = torch.einsum("shd,nd->shn", q_idx[s0 : s0 + chunk].to(cdt), k_idx.to(cdt))
-        parts.append(torch.einsum("shn,sh->sn", torch.relu(z), weights[s0 : s0 + chunk].to(cdt)))
-    logits = torch.cat(parts)
-    if causal:
-        max_k = _indexer_max_key(s_q, q_start_index, k_stride, q_idx.device)
-        keep = torch.arange(s_kv, device=q_idx.device)[None, :] <= max_k[:, None]
-        logits = logits.masked_fill(~keep, float("-inf"))
-    return logits
-
-
-def indexer_kl_loss_ref(
-    indexer_logits_at_topk: torch.Tensor, attn_sum: torch.Tensor, *, reduction: str = "mean"
-) -> torch.Tensor:
-    """Row-by-row float64 reference of :func:`indexer_kl_loss` (slow; for tests)."""
-    losses = []
-    for lg, a in zip(indexer_logits_at_topk.double(), attn_sum.double(), strict=False):
-        m = torch.isfinite(lg)
-        total = a[m].sum()
-        if not bool(m.any()) or float(total) <= 0:
-            losses.append(lg.new_zeros(()) + 0.0 * lg[m].sum())
-            continue
-        p = a[m] / total
-        logq = lg[m] - torch.logsumexp(lg[m], 0)
-        nz = p > 0
-        losses.append((p[nz] * (torch.log(p[nz]) - logq[nz])).sum() + 0.0 * logq.sum())
-    out = torch.stack(losses)
-    return _indexer_reduce(out, reduction)
-
-
-def _indexer_reduce(loss_rows: torch.Tensor, reduction: str) -> torch.Tensor:
-    if reduction == "none":
-        return loss_rows
-    if reduction == "sum":
-        return loss_rows.sum()
-    if reduction == "mean":
-        return loss_rows.mean()
-    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-
+from sparse_mla_attn._runtime import interpreting, record_launch
+from sparse_mla_attn._validate import causal_keep, check_causal_args, check_indexer_inputs
+from sparse_mla_attn.reference import reduce_loss
 
 # ----------------------------------------------------------------------------------------------------------
 # Triton forward of the logits
@@ -131,7 +27,7 @@ def _indexer_reduce(loss_rows: torch.Tensor, reduction: str) -> torch.Tensor:
 
 
 @triton.jit
-def _indexer_logits_kernel(
+def _logits_kernel(
     q_ptr,
     k_ptr,
     w_ptr,
@@ -185,7 +81,7 @@ def _indexer_logits_kernel(
     )
 
 
-def _indexer_logits_fwd(
+def launch_logits(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
     weights: torch.Tensor,
@@ -199,54 +95,25 @@ def _indexer_logits_fwd(
     q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
     k_idx = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
     out = torch.empty(s_q, s_kv, dtype=torch.float32, device=q_idx.device)
-    if _indexer_interpreting():
+    if interpreting():
         cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     else:
-        # Fastest of five tile shapes measured on H100 (docs/sparse-mla-attn/training.md).
         cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
     if config:
         cfg.update(config)
     grid = (triton.cdiv(s_kv, cfg["BLOCK_N"]), triton.cdiv(s_q, cfg["BLOCK_M"]))
-    _indexer_logits_kernel[grid](
+    kernel = _logits_kernel[grid](
         q_idx, k_idx, weights, out, s_q, s_kv,
         q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
         q_start_index, k_stride, H=h_idx, D=d_idx, CAUSAL=causal,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
+    record_launch("indexer.logits", kernel)
     return out
 
 
-def _indexer_logits_bwd_torch(
-    grad: torch.Tensor,
-    q_idx: torch.Tensor,
-    k_idx: torch.Tensor,
-    weights: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dense backward in float32 torch, chunked over queries (``grad`` must be 0 at masked entries).
-
-    The former implementation of the backward, kept as the benchmark's baseline.
-    """
-    s_q, h_idx, _ = q_idx.shape
-    s_kv = k_idx.shape[0]
-    k32 = k_idx.float()
-    dq = torch.empty(q_idx.shape, dtype=torch.float32, device=q_idx.device)
-    dw = torch.empty(s_q, h_idx, dtype=torch.float32, device=q_idx.device)
-    dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=q_idx.device)
-    chunk = max(1, (1 << 25) // max(1, h_idx * s_kv))
-    for s0 in range(0, s_q, chunk):
-        s1 = min(s_q, s0 + chunk)
-        qc = q_idx[s0:s1].float()
-        g = grad[s0:s1].float()
-        z = torch.einsum("shd,nd->shn", qc, k32)
-        dw[s0:s1] = torch.einsum("sn,shn->sh", g, torch.relu(z))
-        gz = (g[:, None, :] * weights[s0:s1].float()[:, :, None]) * (z > 0)
-        dq[s0:s1] = torch.einsum("shn,nd->shd", gz, k32)
-        dk += torch.einsum("shn,shd->nd", gz, qc)
-    return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype)
-
-
 @triton.jit
-def _indexer_rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row,
+def _rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row,
                        TOK: tl.constexpr, CAUSAL: tl.constexpr):  # fmt: skip
     """``[rows, N]`` fp32 upstream gradient for the rows (token-major, TOK tokens) of a tile.
 
@@ -266,7 +133,7 @@ def _indexer_rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max
 
 
 @triton.jit
-def _indexer_dqw_step(g_ptr, k_ptr, stride_gs, stride_ks, s_q, s_kv, n0, t0, q, w, tok_of_row, max_k_row, dq, dw,
+def _dqw_step(g_ptr, k_ptr, stride_gs, stride_ks, s_q, s_kv, n0, t0, q, w, tok_of_row, max_k_row, dq, dw,
                       TOK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):  # fmt: skip
     """One block of BLOCK_N keys of the dq/dw sweep: returns the updated ``(dq, dw)`` accumulators."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -276,14 +143,14 @@ def _indexer_dqw_step(g_ptr, k_ptr, stride_gs, stride_ks, s_q, s_kv, n0, t0, q, 
         k_ptr + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0
     )
     z = tl.dot(q, tl.trans(k))
-    g = _indexer_rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row, TOK, CAUSAL)
+    g = _rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row, TOK, CAUSAL)
     dw += tl.sum(g * tl.maximum(z, 0.0), axis=1)
     gz = tl.where(z > 0.0, g * w[:, None], 0.0)
     return tl.dot(gz.to(k.dtype), k, dq), dw
 
 
 @triton.jit
-def _indexer_dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, stride_wh, s_q, q_start_index,
+def _dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, stride_wh, s_q, q_start_index,
                      k_stride, t0, k, offs_n, nmask, tok_of_row, head_in_block, dk,
                      H: tl.constexpr, D: tl.constexpr, TOK: tl.constexpr, BLOCK_H: tl.constexpr,
                      CAUSAL: tl.constexpr):  # fmt: skip
@@ -291,7 +158,7 @@ def _indexer_dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, strid
     offs_d = tl.arange(0, D)
     t_row = t0 + tok_of_row
     max_k_row = tl.maximum(q_start_index + t_row + 1 - k_stride, 0) // k_stride
-    g = _indexer_rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row, TOK, CAUSAL)
+    g = _rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row, TOK, CAUSAL)
     for hb in tl.static_range(0, H, BLOCK_H):
         head = hb + head_in_block
         rmask = (t_row < s_q) & (head < H)
@@ -308,7 +175,7 @@ def _indexer_dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, strid
 
 
 @triton.jit
-def _indexer_bwd_dqw_kernel(
+def _dqw_kernel(
     g_ptr,
     q_ptr,
     k_ptr,
@@ -364,12 +231,12 @@ def _indexer_bwd_dqw_kernel(
     if INTERPRET:
         n0 = 0
         while n0 < n_end:
-            dq, dw = _indexer_dqw_step(g_ptr, k_ptr, stride_gs, stride_ks, s_q, s_kv, n0, t0, q, w,
+            dq, dw = _dqw_step(g_ptr, k_ptr, stride_gs, stride_ks, s_q, s_kv, n0, t0, q, w,
                                        tok_of_row, max_k_row, dq, dw, TOK, CAUSAL, BLOCK_N, D)  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(0, n_end, BLOCK_N):
-            dq, dw = _indexer_dqw_step(g_ptr, k_ptr, stride_gs, stride_ks, s_q, s_kv, n0, t0, q, w,
+            dq, dw = _dqw_step(g_ptr, k_ptr, stride_gs, stride_ks, s_q, s_kv, n0, t0, q, w,
                                        tok_of_row, max_k_row, dq, dw, TOK, CAUSAL, BLOCK_N, D)  # fmt: skip
     tl.store(
         dq_ptr + t_row[:, None].to(tl.int64) * stride_dqs + head[:, None] * stride_dqh + offs_d[None, :],
@@ -380,7 +247,7 @@ def _indexer_bwd_dqw_kernel(
 
 
 @triton.jit
-def _indexer_bwd_dk_kernel(
+def _dk_kernel(
     g_ptr,
     q_ptr,
     k_ptr,
@@ -425,13 +292,13 @@ def _indexer_bwd_dk_kernel(
     if INTERPRET:
         t0 = t_begin
         while t0 < s_q:
-            dk = _indexer_dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, stride_wh, s_q,
+            dk = _dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, stride_wh, s_q,
                                   q_start_index, k_stride, t0, k, offs_n, nmask, tok_of_row, head_in_block, dk,
                                   H, D, TOK, BLOCK_H, CAUSAL)  # fmt: skip
             t0 += TOK
     else:
         for t0 in range(t_begin, s_q, TOK):
-            dk = _indexer_dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, stride_wh, s_q,
+            dk = _dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, stride_wh, s_q,
                                   q_start_index, k_stride, t0, k, offs_n, nmask, tok_of_row, head_in_block, dk,
                                   H, D, TOK, BLOCK_H, CAUSAL)  # fmt: skip
     tl.store(
@@ -441,19 +308,18 @@ def _indexer_bwd_dk_kernel(
     )
 
 
-def _indexer_bwd_config(h_idx: int) -> dict[str, int]:
+def logits_bwd_config(h_idx: int) -> dict[str, int]:
     block_h = max(16, triton.next_power_of_2(min(h_idx, 64)))
-    if _indexer_interpreting():
+    if interpreting():
         return {"BLOCK_H": block_h, "TOK_DQ": 2, "BLOCK_N_DQ": 16, "TOK_DK": 2, "BLOCK_N_DK": 16,
                 "num_warps_dq": 4, "num_stages_dq": 1, "num_warps_dk": 4, "num_stages_dk": 1}  # fmt: skip
-    # Measured on H100 at s_q 4096, h_idx 64, d_idx 128, s_kv 32K (docs/sparse-mla-attn/training.md): one
-    # token's 64 heads x 128 keys per dq step, and 64 keys per dk program, each with 4 warps, were the fastest.
+    # One token's 64 heads x 128 keys per dq step, and 64 keys per dk program, each with 4 warps.
     return {"BLOCK_H": block_h, "TOK_DQ": max(1, 64 // block_h), "BLOCK_N_DQ": 128,
             "TOK_DK": max(1, 64 // block_h), "BLOCK_N_DK": 64,
             "num_warps_dq": 4, "num_stages_dq": 3, "num_warps_dk": 4, "num_stages_dk": 3}  # fmt: skip
 
 
-def _indexer_logits_bwd(
+def launch_logits_bwd(
     grad: torch.Tensor,
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
@@ -465,13 +331,14 @@ def _indexer_logits_bwd(
     config: dict[str, int] | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton backward of the logits: ``(dq_idx, dk_idx, dweights)`` in the inputs' dtypes.
+    """Triton backward of the logits: ``(dq_idx, dk_idx, dweights)`` in the inputs' dtypes (``config``
+    overrides :func:`logits_bwd_config`, for tests).
 
     Two kernels, neither with atomics (so the result is the same bits from run to run): one program per
     block of (token, head) rows sweeps the keys for ``dq`` and ``dw``; one program per block of keys sweeps
     the rows for ``dk``. Both recompute ``z = q·k`` (4 products in all, against 3 for the minimum) and skip
     key/token ranges that the causal rule masks. ``grad`` entries at masked positions are never used (they
-    may be NaN). ``out`` (tests) gives preallocated outputs.
+    may be NaN). ``out`` gives preallocated outputs.
     """
     s_q, h_idx, d_idx = q_idx.shape
     s_kv = k_idx.shape[0]
@@ -487,23 +354,25 @@ def _indexer_logits_bwd(
         dw = torch.empty(weights.shape, dtype=weights.dtype, device=weights.device)
     else:
         dq, dk, dw = out
-    cfg = _indexer_bwd_config(h_idx)
+    cfg = logits_bwd_config(h_idx)
     if config:
         cfg.update(config)
     block_h = cfg["BLOCK_H"]
-    common = dict(H=h_idx, D=d_idx, CAUSAL=causal, BLOCK_H=block_h, INTERPRET=_indexer_interpreting())
-    _indexer_bwd_dqw_kernel[(triton.cdiv(s_q, cfg["TOK_DQ"]), triton.cdiv(h_idx, block_h))](
+    common = dict(H=h_idx, D=d_idx, CAUSAL=causal, BLOCK_H=block_h, INTERPRET=interpreting())
+    kernel = _dqw_kernel[(triton.cdiv(s_q, cfg["TOK_DQ"]), triton.cdiv(h_idx, block_h))](
         grad, q_idx, k_idx, weights, dq, dw, s_q, s_kv,
         grad.stride(0), q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1),
         dq.stride(0), dq.stride(1), dw.stride(0), q_start_index, k_stride, **common,
         TOK=cfg["TOK_DQ"], BLOCK_N=cfg["BLOCK_N_DQ"], num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
     )  # fmt: skip
-    _indexer_bwd_dk_kernel[(triton.cdiv(s_kv, cfg["BLOCK_N_DK"]),)](
+    record_launch("indexer.dqw", kernel)
+    kernel = _dk_kernel[(triton.cdiv(s_kv, cfg["BLOCK_N_DK"]),)](
         grad, q_idx, k_idx, weights, dk, s_q, s_kv,
         grad.stride(0), q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1),
         dk.stride(0), q_start_index, k_stride, **common,
         TOK=cfg["TOK_DK"], BLOCK_N=cfg["BLOCK_N_DK"], num_warps=cfg["num_warps_dk"], num_stages=cfg["num_stages_dk"],
     )  # fmt: skip
+    record_launch("indexer.dk", kernel)
     return dq, dk, dw
 
 
@@ -520,13 +389,13 @@ class _IndexerLogits(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(q_idx, k_idx, weights)
         ctx.mask = (causal, q_start_index, k_stride)
-        return _indexer_logits_fwd(q_idx, k_idx, weights, causal, q_start_index, k_stride)
+        return launch_logits(q_idx, k_idx, weights, causal, q_start_index, k_stride)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         q_idx, k_idx, weights = ctx.saved_tensors
         # Masked entries are constant (-inf): the kernels ignore the gradient there (it may be NaN).
-        dq, dk, dw = _indexer_logits_bwd(grad, q_idx, k_idx, weights, *ctx.mask)
+        dq, dk, dw = launch_logits_bwd(grad, q_idx, k_idx, weights, *ctx.mask)
         return dq, dk, dw, None, None, None
 
 
@@ -557,13 +426,13 @@ def indexer_logits(
     Returns:
         ``[s_q, s_kv]`` fp32 logits.
     """
-    _indexer_check(q_idx, k_idx, weights, q_start_index, k_stride)
+    check_indexer_inputs(q_idx, k_idx, weights, q_start_index, k_stride)
     if q_idx.dtype == torch.float64:
         raise ValueError("indexer_logits runs bf16/fp16/fp32 inputs; use indexer_logits_ref for float64")
     return _IndexerLogits.apply(q_idx, k_idx, weights, causal, q_start_index, k_stride)
 
 
-def _indexer_gather_rows(
+def _gather_rows(
     k_idx: torch.Tensor, idx: torch.Tensor, cdt: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[c, topk]`` indices -> (rows ``[c, topk, d]`` in ``cdt`` with invalid rows zero, valid mask)."""
@@ -584,7 +453,7 @@ class _IndexerLogitsAt(torch.autograd.Function):
         chunk = max(1, (1 << 24) // max(1, h_idx * topk))
         for s0 in range(0, s_q, chunk):
             idx = indices[s0 : s0 + chunk, 0].long()
-            rows, valid = _indexer_gather_rows(k_idx, idx, cdt)
+            rows, valid = _gather_rows(k_idx, idx, cdt)
             z = torch.einsum("shd,std->sht", q_idx[s0 : s0 + chunk].to(cdt), rows)
             lg = torch.einsum("sht,sh->st", torch.relu(z), weights[s0 : s0 + chunk].to(cdt))
             out[s0 : s0 + chunk] = lg.masked_fill(~valid, float("-inf"))
@@ -603,7 +472,7 @@ class _IndexerLogitsAt(torch.autograd.Function):
         chunk = max(1, (1 << 24) // max(1, h_idx * topk))
         for s0 in range(0, s_q, chunk):
             idx = indices[s0 : s0 + chunk, 0].long()
-            rows, valid = _indexer_gather_rows(k_idx, idx, cdt)
+            rows, valid = _gather_rows(k_idx, idx, cdt)
             qc = q_idx[s0 : s0 + chunk].to(cdt)
             g = torch.where(valid, grad[s0 : s0 + chunk].to(cdt), 0.0)
             z = torch.einsum("shd,std->sht", qc, rows)
@@ -635,7 +504,7 @@ def indexer_logits_at(
     Returns:
         ``[s_q, topk]`` fp32 logits (fp64 for fp64 inputs), -inf at invalid slots.
     """
-    _indexer_check(q_idx, k_idx, weights, 0, 1)
+    check_indexer_inputs(q_idx, k_idx, weights, 0, 1)
     s_q = q_idx.shape[0]
     if indices.dim() != 3 or indices.shape[:2] != (s_q, 1) or indices.dtype != torch.int32:
         raise ValueError(
@@ -673,15 +542,14 @@ def indexer_topk(
         )
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
-    if k_stride < 1 or q_start_index < 0:
-        raise ValueError(f"need k_stride >= 1 and q_start_index >= 0, got {k_stride}, {q_start_index}")
+    check_causal_args(q_start_index, k_stride)
     s_q, s_kv = logits.shape
     with torch.no_grad():
         masked = logits.detach()
         if causal:
-            max_k = _indexer_max_key(s_q, q_start_index, k_stride, logits.device)
-            keep = torch.arange(s_kv, device=logits.device)[None, :] <= max_k[:, None]
-            masked = masked.masked_fill(~keep, float("-inf"))
+            masked = masked.masked_fill(
+                ~causal_keep(s_q, s_kv, q_start_index, k_stride, logits.device), float("-inf")
+            )
         masked = masked.masked_fill(torch.isnan(masked), float("-inf"))
         k = min(topk, s_kv)
         vals, idx = torch.topk(masked, k, dim=-1)
@@ -759,4 +627,4 @@ def indexer_kl_loss(
     if not indexer_logits_at_topk.is_floating_point() or not attn_sum.is_floating_point():
         raise ValueError("indexer_logits_at_topk and attn_sum must be floating point")
     rows = _IndexerKLLoss.apply(indexer_logits_at_topk, attn_sum.detach())
-    return _indexer_reduce(rows, reduction)
+    return reduce_loss(rows, reduction)

@@ -1,8 +1,8 @@
-"""Float32 torch references for sparse MLA: forward, attention distribution and paged decode.
+"""Torch references of every op: forward, attention distribution, paged decode, backward and indexer.
 
-They compute in float32 on whatever device the inputs live on and walk the queries in chunks, so that
-the gathered KV rows and the score matrix stay bounded (``REF_CHUNK_BYTES``) even at s_q = 4096,
-h_q = 128, topk = 2048.
+They compute in float32 (float64 where an input is float64) on whatever device the inputs live on and
+walk the queries in chunks, so that the gathered KV rows and the score matrix stay bounded
+(``REF_CHUNK_BYTES``) even at s_q = 4096, h_q = 128, topk = 2048.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from sparse_mla_attn._validate import (
     SparseDims,
+    causal_keep,
     causal_limit,
     check_causal_args,
     check_decode_inputs,
@@ -31,21 +32,23 @@ def _chunk_len(dims: SparseDims) -> int:
     return max(1, REF_CHUNK_BYTES // max(per_query, 1))
 
 
-def _valid_mask(
+def valid_slots(
     idx: torch.Tensor,
     s_kv: int,
-    q_pos: torch.Tensor,
-    *,
-    topk_length: torch.Tensor | None,
-    causal: bool,
+    q_start_index: int,
     k_stride: int,
+    causal: bool,
+    topk_length: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[c, topk]`` bool: index in range, inside ``topk_length`` and (if causal) inside the causal limit."""
+    """``[c, topk]`` bool for ``idx [c, topk]`` (queries at positions ``q_start_index + i``): index in
+    ``[0, s_kv)``, inside ``topk_length`` and (if ``causal``) not above the causal limit."""
+    idx = idx.long()
     valid = (idx >= 0) & (idx < s_kv)
     if topk_length is not None:
         pos = torch.arange(idx.shape[1], device=idx.device)
         valid &= pos[None, :] < topk_length[:, None].long()
     if causal:
+        q_pos = q_start_index + torch.arange(idx.shape[0], device=idx.device)
         valid &= idx <= causal_limit(q_pos, k_stride)[:, None]
     return valid
 
@@ -116,9 +119,8 @@ def sparse_mla_fwd_ref(
     for s0 in range(0, dims.s_q, step):
         s1 = min(s0 + step, dims.s_q)
         idx = indices[s0:s1, 0].long()
-        q_pos = torch.arange(s0, s1, device=q.device) + q_start_index
         tl = None if topk_length is None else topk_length[s0:s1]
-        valid = _valid_mask(idx, dims.s_kv, q_pos, topk_length=tl, causal=causal, k_stride=k_stride)
+        valid = valid_slots(idx, dims.s_kv, q_start_index + s0, k_stride, causal, tl)
         rows = kv_rows[torch.where(valid, idx, 0)].float() if dims.s_kv > 0 else _zeros_rows(idx, dims, q)
         o, m, lv = _attend(q[s0:s1].float(), rows, valid, sm_scale, d_v, attn_sink)
         out[s0:s1], max_logits[s0:s1], lse[s0:s1] = o.to(q.dtype), m, lv
@@ -172,8 +174,7 @@ def attn_dist_ref(
     for s0 in range(0, dims.s_q, step):
         s1 = min(s0 + step, dims.s_q)
         idx = indices[s0:s1, 0].long()
-        q_pos = torch.arange(s0, s1, device=q.device) + q_start_index
-        valid = _valid_mask(idx, dims.s_kv, q_pos, topk_length=None, causal=causal, k_stride=k_stride)
+        valid = valid_slots(idx, dims.s_kv, q_start_index + s0, k_stride, causal)
         rows = kv_rows[torch.where(valid, idx, 0)].float() if dims.s_kv > 0 else _zeros_rows(idx, dims, q)
         scores = torch.einsum("chd,ctd->cht", q[s0:s1].float(), rows) * sm_scale
         p = torch.exp(scores - lse_e[s0:s1, :, None])
@@ -253,3 +254,169 @@ def sparse_mla_decode_ref(
         o, _, lv = _attend(qf[s0:s1].float(), flat[rows[s0:s1]].float(), valid[s0:s1], sm_scale, d_v, None)
         out[s0:s1], lse[s0:s1] = o.to(q.dtype), lv
     return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q)
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _chunk_rows(s_q: int, per_token_elems: int, budget_elems: int = 1 << 26) -> int:
+    return max(1, min(s_q, budget_elems // max(per_token_elems, 1)))
+
+
+def sparse_mla_ref(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    *,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable sparse MLA forward in float32 (float64 if an input is float64): ``(out, lse)``.
+
+    Unchunked, for small shapes (tests, gradcheck); torch autograd gives the reference gradients of
+    :func:`sparse_mla_attn.sparse_mla`. ``out`` is 0 and ``lse`` is -inf on a query with no usable slot.
+    """
+    cdt = _compute_dtype(q, kv)
+    s_kv = kv.shape[0]
+    valid = valid_slots(indices[:, 0], s_kv, q_start_index, k_stride, causal)
+    rows = kv[:, 0].to(cdt)[indices[:, 0].long().clamp(0, s_kv - 1)]
+    scores = torch.einsum("shd,std->sht", q.to(cdt), rows) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    p = torch.where(valid[:, None, :], torch.exp(scores - lse[..., None]), torch.zeros_like(scores))
+    out = torch.einsum("sht,std->shd", p, rows[..., :d_v])
+    return out, lse
+
+
+def sparse_mla_bwd_ref(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    *,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 torch reference of :func:`sparse_mla_attn.sparse_mla_bwd` (float64 when an input is float64).
+
+    Chunked over query tokens so that memory stays bounded (about 256 MiB of temporaries per chunk) at
+    s_q = 4096, topk = 2048. Uses the given ``out`` and ``lse`` exactly as the kernel does.
+
+    Returns:
+        ``dq [s_q, h_q, d_qk]`` and ``dkv [s_kv, 1, d_qk]``, both in the compute dtype (float32/float64).
+    """
+    cdt = _compute_dtype(q, kv, out, dout, lse)
+    s_q, h_q, d_qk = q.shape
+    s_kv = kv.shape[0]
+    topk = indices.shape[-1]
+    kv_c = kv[:, 0].to(cdt)
+    dq = torch.empty(s_q, h_q, d_qk, dtype=cdt, device=q.device)
+    dkv = torch.zeros(s_kv, d_qk, dtype=cdt, device=q.device)
+    chunk = _chunk_rows(s_q, topk * max(d_qk, h_q) * 3)
+    for s0 in range(0, s_q, chunk):
+        s1 = min(s_q, s0 + chunk)
+        valid = valid_slots(indices[s0:s1, 0], s_kv, q_start_index + s0, k_stride, causal)
+        idx = indices[s0:s1, 0].long().clamp(0, s_kv - 1)
+        rows = kv_c[idx]  # [c, topk, d_qk]
+        qc, doc = q[s0:s1].to(cdt), dout[s0:s1].to(cdt)
+        scores = torch.einsum("shd,std->sht", qc, rows) * sm_scale
+        p = torch.exp(scores - lse[s0:s1, :, None].to(cdt))
+        p = torch.where(valid[:, None, :], p, torch.zeros_like(p))
+        delta = (doc * out[s0:s1].to(cdt)).sum(-1)
+        dp = torch.einsum("shd,std->sht", doc, rows[..., :d_v])
+        ds = p * (dp - delta[..., None]) * sm_scale
+        dq[s0:s1] = torch.einsum("sht,std->shd", ds, rows)
+        drows = torch.einsum("sht,shd->std", ds, qc)
+        drows[..., :d_v] += torch.einsum("sht,shd->std", p, doc)
+        dkv.index_add_(0, idx[valid], drows[valid])
+    return dq, dkv[:, None, :]
+
+
+def indexer_logits_ref(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    causal: bool = False,
+    q_start_index: int = 0,
+    k_stride: int = 1,
+) -> torch.Tensor:
+    """Float32 (float64 for float64 inputs) reference of :func:`sparse_mla_attn.indexer_logits`, chunked
+    over queries and differentiable through torch autograd. Returns ``[s_q, s_kv]``; causally masked
+    entries are -inf."""
+    cdt = _compute_dtype(q_idx)
+    s_q, h_idx, _ = q_idx.shape
+    s_kv = k_idx.shape[0]
+    chunk = max(1, (1 << 25) // max(1, h_idx * s_kv))
+    parts = []
+    for s0 in range(0, s_q, chunk):
+        z = torch.einsum("shd,nd->shn", q_idx[s0 : s0 + chunk].to(cdt), k_idx.to(cdt))
+        parts.append(torch.einsum("shn,sh->sn", torch.relu(z), weights[s0 : s0 + chunk].to(cdt)))
+    logits = torch.cat(parts)
+    if causal:
+        keep = causal_keep(s_q, s_kv, q_start_index, k_stride, q_idx.device)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return logits
+
+
+def indexer_logits_bwd_ref(
+    grad: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense backward of the indexer logits in float32 torch, chunked over queries: ``(dq_idx, dk_idx,
+    dweights)`` in the inputs' dtypes. ``grad [s_q, s_kv]`` must be 0 at causally masked entries."""
+    s_q, h_idx, _ = q_idx.shape
+    s_kv = k_idx.shape[0]
+    k32 = k_idx.float()
+    dq = torch.empty(q_idx.shape, dtype=torch.float32, device=q_idx.device)
+    dw = torch.empty(s_q, h_idx, dtype=torch.float32, device=q_idx.device)
+    dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=q_idx.device)
+    chunk = max(1, (1 << 25) // max(1, h_idx * s_kv))
+    for s0 in range(0, s_q, chunk):
+        s1 = min(s_q, s0 + chunk)
+        qc = q_idx[s0:s1].float()
+        g = grad[s0:s1].float()
+        z = torch.einsum("shd,nd->shn", qc, k32)
+        dw[s0:s1] = torch.einsum("sn,shn->sh", g, torch.relu(z))
+        gz = (g[:, None, :] * weights[s0:s1].float()[:, :, None]) * (z > 0)
+        dq[s0:s1] = torch.einsum("shn,nd->shd", gz, k32)
+        dk += torch.einsum("shn,shd->nd", gz, qc)
+    return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype)
+
+
+def reduce_loss(loss_rows: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Apply ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``) to per-query losses ``[s_q]``."""
+    if reduction == "none":
+        return loss_rows
+    if reduction == "sum":
+        return loss_rows.sum()
+    if reduction == "mean":
+        return loss_rows.mean()
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def indexer_kl_loss_ref(
+    indexer_logits_at_topk: torch.Tensor, attn_sum: torch.Tensor, *, reduction: str = "mean"
+) -> torch.Tensor:
+    """Row-by-row float64 reference of :func:`sparse_mla_attn.indexer_kl_loss` (slow; for tests)."""
+    losses = []
+    for lg, a in zip(indexer_logits_at_topk.double(), attn_sum.double(), strict=False):
+        m = torch.isfinite(lg)
+        total = a[m].sum()
+        if not bool(m.any()) or float(total) <= 0:
+            losses.append(lg.new_zeros(()) + 0.0 * lg[m].sum())
+            continue
+        p = a[m] / total
+        logq = lg[m] - torch.logsumexp(lg[m], 0)
+        nz = p > 0
+        losses.append((p[nz] * (torch.log(p[nz]) - logq[nz])).sum() + 0.0 * logq.sum())
+    out = torch.stack(losses) if losses else indexer_logits_at_topk.new_zeros(0, dtype=torch.float64)
+    return reduce_loss(out, reduction)

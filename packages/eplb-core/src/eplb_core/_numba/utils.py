@@ -1,0 +1,226 @@
+"""Shared pieces of the compiled planner: tuning constants, the ``njit`` decorator, NumPy-order sums
+and the ``log2phy`` table.
+
+The constants are compile-time parameters of the algorithms (not user options): changing one changes
+plans.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numba
+import numpy as np
+
+_INF = np.inf
+# relative peak gap beyond which a losing candidate plan stops being refined
+PRUNE_MARGIN = 0.01
+# a row stops once a block of rounds lowers its load above the mean by less than this fraction
+MIN_BLOCK_GAIN = 1e-6
+# exchanges that improve a pair by less than this fraction of the mean bin load are ignored
+REL_TOL = 1e-12
+# a row whose peak is within this fraction of its lower bound stops refining (invisible in the
+# reported balancedness, which has 4 decimals)
+CLOSE_ENOUGH = 2e-5
+# with a migration budget and up to this many slots per GPU the exchange search scores every (x, y)
+# pair; otherwise (and always without a budget) a sweep over the bins' items sorted by load
+BRUTE_FORCE_SLOTS = 16
+# pairs of bins with at most this many slots are re-split exhaustively (C(2S, S) / 2 splits: 126 at 5)
+MAX_RESPLIT_SLOTS = 5
+# with more slots (up to this many), a round-robin start is refined beside the LPT start
+RR_MAX_SLOTS = 16
+# re-splits of the heaviest bin with the lightest ones at the end of every re-split round: they
+# lower the peak directly (6 rounds with them end better balanced than 32 without)
+PEAK_TRIES = 16
+# rows of more than this many bins (one node of 72 GPUs): per round only the heavier half of the
+# pairs is re-split and the heaviest bin gets PEAK_TRIES_MANY tries, over 5 rounds; better balanced
+# and ~10% faster than every pair with 16 tries over 6 rounds (the peak step lowers the peak, the
+# pairs of middle bins mostly do not)
+MANY_BINS = 16
+PEAK_TRIES_MANY = 32
+# above this many bins per row, each round's bin order is sorted from scratch (merge sort), not by
+# insertion from the previous round's order
+SORT_FROM_SCRATCH_BINS = 32
+# refinement rounds between two re-selections of the rows that still matter
+BLOCK = 4
+# from this many items, a stable argsort tries buckets of the loads' bits first (a counting sort);
+# a bucket of more than BUCKET_MAX items sends it back to the merge sort
+BUCKET_SORT_MIN = 64
+BUCKET_MAX = 16
+# from this many replicas to hand out, the greedy replica split keeps the experts in a heap
+GREEDY_HEAP_MIN = 8
+
+
+def default_iters(num_bins: int, slots: int) -> int:
+    """Refinement rounds at most: enough for every bin to meet several partners; 5 re-split rounds
+    on more than ``MANY_BINS`` GPUs (each round ends with up to ``PEAK_TRIES_MANY`` re-splits of the
+    heaviest bin)."""
+    if slots <= MAX_RESPLIT_SLOTS and num_bins > MANY_BINS:
+        return 5
+    return int(min(32, max(12, num_bins + 8)))
+
+
+def _sources_digest() -> str:
+    """SHA-256 of every module of this subpackage."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _package_cache_class() -> Any:
+    """Numba's on-disk function cache, stamped with :func:`_sources_digest` instead of the one file
+    that holds the function.
+
+    Numba checks a cached function against its own source file only, but a compiled function holds
+    the machine code of everything it calls, here spread over several modules: a change to a callee
+    (an upgrade that keeps the caller's file) must not load stale machine code. None when Numba's
+    cache classes are not where this expects them (then Numba's own cache is used).
+    """
+    try:
+        from numba.core.caching import CompileResultCacheImpl, FunctionCache
+
+        base_locators = list(CompileResultCacheImpl._locator_classes)
+    except (ImportError, AttributeError):
+        return None
+    digest = _sources_digest()
+
+    def stamped(locator: Any) -> type:
+        def get_source_stamp(self: Any) -> Any:
+            return (locator.get_source_stamp(self), digest)
+
+        return type(locator.__name__, (locator,), {"get_source_stamp": get_source_stamp})
+
+    impl = type(
+        "PackageCacheImpl",
+        (CompileResultCacheImpl,),
+        {"_locator_classes": [stamped(c) for c in base_locators]},
+    )
+    return type("PackageFunctionCache", (FunctionCache,), {"_impl_class": impl})
+
+
+_PACKAGE_CACHE = _package_cache_class()
+
+
+class _CompileNotice(numba.core.event.Listener):  # type: ignore[misc]
+    """Says once per process, on standard error, that the planner is being compiled: only the first
+    use in a fresh environment compiles (tens of seconds), later processes load the disk cache."""
+
+    announced = False
+
+    def on_start(self, event: Any) -> None:
+        if self.announced:
+            return
+        dispatcher = event.data.get("dispatcher")
+        module = getattr(getattr(dispatcher, "py_func", None), "__module__", "")
+        if module.startswith(__name__.rsplit(".", 1)[0]):
+            type(self).announced = True
+            print(
+                "eplb-core: compiling the planner for this environment (once; about a minute on 2 cores, "
+                "then cached on disk; `python -m eplb_core.warmup` does it ahead of time)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def on_end(self, event: Any) -> None:
+        pass
+
+
+numba.core.event.register("numba:compile", _CompileNotice())
+
+
+def njit(fn: Callable[..., Any]) -> Any:
+    """``numba.njit(cache=True, nogil=True)`` with the cache stamped by every module of the planner."""
+    dispatcher: Any = numba.njit(cache=True, nogil=True)(fn)
+    if _PACKAGE_CACHE is not None:
+        dispatcher._cache = _PACKAGE_CACHE(dispatcher.py_func)
+    return dispatcher
+
+
+@njit
+def _row_sum(a: np.ndarray, start: int, n: int) -> float:
+    """``a[start:start + n].sum()`` with NumPy's summation order (pairwise, 8 accumulators; n <= 128)."""
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[start + i]
+        return res
+    r0, r1, r2, r3 = a[start], a[start + 1], a[start + 2], a[start + 3]
+    r4, r5, r6, r7 = a[start + 4], a[start + 5], a[start + 6], a[start + 7]
+    i = 8
+    stop = n - n % 8
+    while i < stop:
+        p = start + i
+        r0 += a[p]
+        r1 += a[p + 1]
+        r2 += a[p + 2]
+        r3 += a[p + 3]
+        r4 += a[p + 4]
+        r5 += a[p + 5]
+        r6 += a[p + 6]
+        r7 += a[p + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[start + i]
+        i += 1
+    return res
+
+
+@njit
+def _pairwise_sum(a: np.ndarray, start: int, n: int) -> float:
+    """``a[start:start + n].sum()`` in NumPy's pairwise order for any ``n``.
+
+    NumPy sums blocks of up to 128 items with :func:`_row_sum` and splits longer ranges at half
+    (rounded down to a multiple of 8), adding the two halves; the recursion runs on a small stack.
+    """
+    if n <= 128:
+        return _row_sum(a, start, n)
+    # pending ranges (combine marks: both halves are on the value stack) and computed values
+    at = np.empty(96, dtype=np.int64)
+    size = np.empty(96, dtype=np.int64)
+    combine = np.empty(96, dtype=np.bool_)
+    vals = np.empty(64)
+    at[0], size[0], combine[0] = start, n, False
+    top, nv = 1, 0
+    while top > 0:
+        top -= 1
+        st, m = at[top], size[top]
+        if combine[top]:
+            nv -= 1
+            vals[nv - 1] = vals[nv - 1] + vals[nv]
+        elif m <= 128:
+            vals[nv] = _row_sum(a, st, m)
+            nv += 1
+        else:
+            half = m // 2
+            half -= half % 8
+            at[top], size[top], combine[top] = st, m, True
+            at[top + 1], size[top + 1], combine[top + 1] = st + half, m - half, False
+            at[top + 2], size[top + 2], combine[top + 2] = st, half, False
+            top += 3
+    return vals[0]
+
+
+@njit
+def log2phy(phy2log: np.ndarray, logcnt: np.ndarray) -> np.ndarray:
+    """``[L, N, max(logcnt)]`` physical slots of each expert, ascending, ``-1`` padded (``ValueError``
+    when ``phy2log`` does not fit ``logcnt``)."""
+    num_layers, num_replicas = phy2log.shape
+    num_experts = logcnt.shape[1]
+    out = np.full((num_layers, num_experts, max(1, logcnt.max())), -1, dtype=np.int64)
+    fill = np.zeros(num_experts, dtype=np.int64)
+    for layer in range(num_layers):
+        fill[:] = 0
+        for p in range(num_replicas):
+            e = phy2log[layer, p]
+            if e < 0 or e >= num_experts or fill[e] >= out.shape[2]:
+                raise ValueError("phy2log holds an expert id outside [0, N) or more replicas than logcnt")
+            out[layer, e, fill[e]] = p
+            fill[e] += 1
+    return out

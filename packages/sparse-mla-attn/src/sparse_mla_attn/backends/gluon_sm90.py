@@ -1,0 +1,715 @@
+"""Hopper (sm_90) kernels written in Gluon, Triton's explicit-layout dialect (``triton.experimental.gluon``).
+
+Why Gluon: in the Triton kernels of ``forward.py`` / ``attn_dist.py`` the software pipeliner issues the
+``cp.async`` gather of block ``t+1`` only after block ``t``'s products, and with the query tile in shared
+memory there is no room for a deeper ring. Here the pipeline is written out.
+
+Both kernels are warp specialised and share their producer (``_ws_producer``): one warpgroup gathers
+64-row blocks with ``cp.async`` into a ring of shared-memory slots guarded by mbarriers, while two
+consumer warpgroups compute, so that one warpgroup's softmax / exp runs while the other's products occupy
+the tensor cores (FlashMLA-style ping-pong).
+
+* forward: a ring of two slots, the consumers take alternate blocks (``_pp_consumer``);
+* attn_dist: a ring of three slots (the query lives in registers), the consumers split the heads (or a
+  block's columns) and issue their products by turns (``_ad_consumer``).
+
+Rows whose index is invalid are copied with a zero source size (``cp.async`` zero fill): they are never
+read.
+
+Gluon's API changes between Triton releases: these kernels are written for the releases in
+``GLUON_TRITON_VERSIONS``; with any other Triton (or none with Gluon) :func:`gluon_supported` is false and
+the ops run their Triton kernels. The Triton interpreter cannot execute Gluon, so the CPU tests exercise
+the Triton kernels (and compile these ahead of time for sm_90), and the GPU tests (``-m gpu``) compare
+them with the float32 references.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+
+from sparse_mla_attn._runtime import is_sm90
+from sparse_mla_attn._validate import SparseDims
+
+#: Triton releases (major, minor) whose Gluon API these kernels are written for and compiled against.
+GLUON_TRITON_VERSIONS = ((3, 6),)
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    HAVE_GLUON = _triton_version() in GLUON_TRITON_VERSIONS
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+
+def gluon_supported() -> bool:
+    """True when the installed Triton has the Gluon API these kernels are written for
+    (``GLUON_TRITON_VERSIONS``); where it is false every op runs its Triton kernels."""
+    return HAVE_GLUON
+
+
+def gluon_usable(t: torch.Tensor, *rows: torch.Tensor) -> bool:
+    """True when the Gluon kernels can run here: :func:`gluon_supported`, ``t`` on a CUDA sm_90 GPU
+    (H100/H200), and every tensor of ``rows`` (gathered with 16-byte ``cp.async``) 16-byte aligned with a
+    row stride of a multiple of 8 elements."""
+    if not (HAVE_GLUON and t.is_cuda):
+        return False
+    if any(r.data_ptr() % 16 or r.stride(0) % 8 for r in rows):
+        return False
+    return is_sm90(t.device)
+
+
+def use_gluon(backend: str, eligible: bool, what: str, t: torch.Tensor, *rows: torch.Tensor) -> bool:
+    """Whether an op runs its Gluon kernel, for ``Config.backend`` (``"auto"``, ``"gluon"``, ``"triton"``)
+    and whether the op's problem suits the Gluon kernel (``eligible``).
+
+    Raises:
+        ValueError: ``backend == "gluon"`` where the Gluon kernel cannot run.
+    """
+    if backend == "triton":
+        return False
+    usable = eligible and gluon_usable(t, *rows)
+    if backend == "gluon" and not usable:
+        raise ValueError(
+            f"{what}: Config(backend='gluon') needs an sm_90 GPU, a Triton release in {GLUON_TRITON_VERSIONS} "
+            f"(installed: {triton.__version__}), aligned rows and a problem the Gluon kernel covers"
+        )
+    return usable
+
+
+if HAVE_GLUON:
+    # How the warp-specialised attn_dist's two consumer warpgroups share a token (``_ad_consumer``).
+    AD_SPLIT_HEADS = gl.constexpr(0)
+    AD_SPLIT_COLS = gl.constexpr(1)
+
+    @gluon.jit
+    def _issue_gather(
+        kn_buf,
+        kr_buf,
+        KV,
+        stride_kv_row,
+        idx,
+        hi,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        ld_l: gl.constexpr,
+    ):
+        """cp.async the rows ``idx`` ([BLOCK_T] int32, ``SliceLayout(1, ld_l)``) into one ring slot.
+
+        Invalid rows (index < 0 or >= hi) get a zero source size: the slot is zero-filled, the row is
+        not read. ``ld_l`` gives each thread 16-byte vectors and a warp 4 rows x 128 bytes.
+        """
+        valid = (idx >= 0) & (idx < hi)
+        row = gl.where(valid, idx, 0).to(gl.int64) * stride_kv_row
+        cols_n = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
+        cp.async_copy_global_to_shared(
+            kn_buf, KV + row[:, None] + cols_n[None, :], mask=valid[:, None] & (cols_n[None, :] >= 0)
+        )
+        if D_ROPE > 0:
+            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
+            cp.async_copy_global_to_shared(
+                kr_buf, KV + row[:, None] + cols_r[None, :], mask=valid[:, None] & (cols_r[None, :] >= 0)
+            )
+
+    @gluon.jit
+    def _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL: gl.constexpr):
+        """Exclusive upper bound of the valid KV indices of token ``pid_s``: ``s_kv``, or with ``CAUSAL``
+        at most ``(q_start_index + pid_s + 1 - k_stride) // k_stride + 1`` (C division of a non-negative
+        numerator; a negative one allows index 0 only, as the CUDA kernel does)."""
+        hi = s_kv
+        if CAUSAL:
+            num = q_start_index + pid_s + 1 - k_stride
+            hi = gl.minimum(hi, gl.maximum(num, 0) // k_stride + 1)
+        return hi
+
+    @gluon.jit
+    def _ws_ring_barriers(NUM_BUF: gl.constexpr, READERS: gl.constexpr):
+        """mbarriers of a warp-specialised ring: ``full[s]`` completes when the producer's 128 threads'
+        copies into slot ``s`` landed (one deferred arrive each), ``empty[s]`` when the ``READERS``
+        consumer warpgroups that read the slot's block released it (one arrive per warpgroup)."""
+        full_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(NUM_BUF):
+            mbarrier.init(full_bars.index(j), count=128)
+            mbarrier.init(empty_bars.index(j), count=READERS)
+        return full_bars, empty_bars
+
+    @gluon.jit
+    def _ws_wait_full(full_bars, b, NUM_BUF: gl.constexpr):
+        """Consumer side of the ring: wait until block ``b`` landed in slot ``b % NUM_BUF``, then fence the
+        async proxy (the producer's cp.async writes are generic-proxy writes of other threads, read next
+        by wgmma). Returns the slot."""
+        slot = b % NUM_BUF
+        mbarrier.wait(full_bars.index(slot), (b // NUM_BUF) & 1)
+        fence_async_shared()
+        return slot
+
+    @gluon.jit
+    def _ws_producer(
+        kn_smem,
+        kr_smem,
+        full_bars,
+        empty_bars,
+        KV,
+        stride_kv_row,
+        idx_row,
+        n_t,
+        hi,
+        n_blocks,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+    ):
+        """Producer warpgroup of the warp-specialised kernels (forward and attn_dist): gathers block ``b``
+        into slot ``b % NUM_BUF`` once its readers released that slot's previous block, and arms
+        ``full_bars[b % NUM_BUF]`` with one deferred arrive per thread (``cp.async.mbarrier.arrive.noinc``:
+        it fires when this thread's copies landed)."""
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
+        idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
+        for b in range(n_blocks):
+            slot = b % NUM_BUF
+            idx_cur = idx_next
+            nxt = (b + 1) * BLOCK_T + offs_t
+            idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
+            # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
+            mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
+            _issue_gather(
+                kn_smem.index(slot), kr_smem.index(slot), KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l
+            )
+            cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
+
+    @gluon.jit
+    def _pp_consumer(
+        WG: gl.constexpr,
+        qn_smem,
+        qr_smem,
+        kn_smem,
+        kr_smem,
+        p_smem,
+        m_smem,
+        l_smem,
+        full_bars,
+        empty_bars,
+        p_bars,
+        end_bar,
+        idx_row,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        SINK,
+        out_base,
+        lse_base,
+        stride_o_h,
+        h_q,
+        h0,
+        n_t,
+        hi,
+        n_pairs,
+        sm_scale_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+    ):
+        """Ping-pong forward, consumer warpgroup ``WG`` (0 or 1) of a token's 64 heads.
+
+        Blocks ``2k + WG`` are this warpgroup's own: it computes their whole S (m64n64, Q and K from shared
+        memory), the online softmax with the running row max of the block before (read from the other
+        warpgroup through ``m_smem``), publishes P (bf16, ``p_smem``) and the new max (``p_bars[WG]``),
+        and accumulates its P·V from registers. Blocks of the other warpgroup are consumed from
+        ``p_smem``. Each warpgroup owns 256 of the 512 value channels (acc 64 x 256 fp32). While one
+        warpgroup runs its softmax the other's wgmma occupy the tensor cores.
+
+        Waits are bounded by construction: ``full_bars[s]`` completes once per gather (128 producer
+        arrivals), ``empty_bars[s]`` once per block (one arrive per consumer warpgroup), ``p_bars[w]``
+        once per pair; no barrier can run more than one phase ahead of its waiters.
+        """
+        BLOCK_H: gl.constexpr = 64
+        D_HALF: gl.constexpr = D_NOPE // 2
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
+        )
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16]
+        )
+        pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+        dtype: gl.constexpr = p_smem.dtype
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
+        acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
+        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
+        for k in range(n_pairs):
+            ph = k & 1
+            # Own block b = 2k + WG in slot WG: issue its S first (warpgroup 1 thus computes S(2k+1)
+            # while warpgroup 0 runs the softmax of block 2k).
+            b = 2 * k + WG
+            # An opaque zero that depends on k: with constant shared-memory addresses the compiler hoists
+            # all 2 x 36 wgmma descriptors of S out of the loop (144 registers) and spills.
+            z = gl.inline_asm_elementwise(
+                "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
+            )
+            _ws_wait_full(full_bars, b, 2)  # slot b % 2 == WG
+            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
+            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
+            s = warpgroup_mma(
+                qn_smem.index(z), kn_smem.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
+            )
+            if D_ROPE > 0:
+                s = warpgroup_mma(qr_smem.index(z), kr_smem.index(WG + z).permute((1, 0)), s, is_async=True)
+            if WG == 1:
+                # The other warpgroup's block 2k (its softmax ran while S(2k+1) was computed): P and its
+                # row max from shared memory; its P·V queues behind S.
+                mbarrier.wait(p_bars.index(0), ph)
+                m_b = m_smem.index(0).load(row_l)
+                alpha = gl.exp2(m_i - gl.where(m_b == float("-inf"), 0.0, m_b))
+                l_i = l_i * alpha
+                m_i = m_b
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+                acc = warpgroup_mma(
+                    p_smem, kn_smem.index(0).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
+                )
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done, P·V(2k) may still run
+            else:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            valid = (t_idx >= 0) & (t_idx < hi)
+            s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            p16 = p.to(dtype)
+            if WG == 1:
+                # P(2k) must be read before P(2k+1) overwrites it; then slot 0 is done for this warpgroup.
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty_bars.index(0))
+            p_smem.store(p16)
+            m_smem.index(WG).store(m_new)
+            fence_async_shared()
+            mbarrier.arrive(p_bars.index(WG))
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            acc = warpgroup_mma(
+                gl.convert_layout(p16, pa_l),
+                kn_smem.index(WG).slice(WG * D_HALF, D_HALF, dim=1),
+                acc,
+                is_async=True,
+            )
+
+            if WG == 0:
+                # Release slot 0 as soon as this warpgroup is done with block 2k (S and P·V), before
+                # waiting for the other's block 2k+1: the gather of block 2k+2 starts earlier.
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty_bars.index(0))
+                mbarrier.wait(p_bars.index(1), ph)
+                m_b = m_smem.index(1).load(row_l)
+                alpha = gl.exp2(m_i - gl.where(m_b == float("-inf"), 0.0, m_b))
+                l_i = l_i * alpha
+                m_i = m_b
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+                acc = warpgroup_mma(
+                    p_smem, kn_smem.index(1).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
+                )
+            # (The loop carries acc as a tensor: wait here.) Done with block 2k+1: release slot 1.
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty_bars.index(1))
+        # Row sums: each warpgroup summed its own blocks' P; exchange them once.
+        l_smem.index(WG).store(l_i)
+        mbarrier.arrive(end_bar)
+        mbarrier.wait(end_bar, 0)
+        l_i = l_i + l_smem.index(1 - WG).load(row_l)
+
+        offs_hs = h0 + gl.arange(0, BLOCK_H, layout=row_l)
+        hs_ok = offs_hs < h_q
+        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+        denom = l_i
+        if HAS_SINK:
+            sink = gl.load(SINK + offs_hs, mask=hs_ok, other=0.0)
+            denom = denom + gl.exp2(sink * 1.4426950408889634 - m_use)
+        has_any = l_i > 0.0
+        scale = gl.where(has_any, 1.0 / gl.where(has_any, denom, 1.0), 0.0)
+        if WG == 0:
+            lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
+            gl.store(LSE + lse_base + offs_hs, lse2 * 0.6931471805599453, mask=hs_ok)
+            gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * 0.6931471805599453, mask=hs_ok)
+        out = acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]
+        offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+        offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
+        o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
+        gl.store(o_ptr, out.to(dtype), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
+
+    @gluon.jit
+    def _sparse_mla_fwd_pingpong_kernel(
+        Q,
+        KV,
+        IDX,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        SINK,
+        TOPK_LEN,
+        stride_q_s,
+        stride_q_h,
+        stride_kv_row,
+        stride_idx_s,
+        stride_o_s,
+        stride_o_h,
+        h_q,
+        n_head_tiles,
+        topk,
+        s_kv,
+        q_start_index,
+        k_stride,
+        sm_scale_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+        HAS_TOPK_LEN: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """Forward for one token and 64 heads, warp specialised (FlashMLA-style ping-pong, 12 warps).
+
+        Default partition = consumer warpgroup 0, worker 0 = consumer warpgroup 1, worker 1 = a
+        producer warpgroup gathering rows with cp.async into a ring of two 64-row slots. Block ``b``
+        always lands in slot ``b % 2``; the number of blocks is rounded up to even (the padding block
+        has only invalid indices: zero fills, all-masked S). See ``_pp_consumer``.
+        """
+        gl.static_assert(num_warps == 4)
+        gl.static_assert(BLOCK_T == 64)
+        BLOCK_H: gl.constexpr = 64
+        NUM_BUF: gl.constexpr = 2  # the consumers index the two slots by warpgroup (block 2k + WG)
+        pid = gl.program_id(0)
+        pid_h = pid % n_head_tiles
+        pid_s = pid // n_head_tiles
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        dtype: gl.constexpr = Q.dtype.element_ty
+
+        h0 = pid_h * BLOCK_H
+        offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
+        h_ok = offs_h < h_q
+        q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
+        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
+        q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
+        # Leading axis of 1: consumers index it with an opaque zero (see _pp_consumer).
+        qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
+        qn_smem.index(0).store(q_nope)
+        if D_ROPE > 0:
+            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
+            q_rope = gl.load(q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0)
+            qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
+            qr_smem.index(0).store(q_rope)
+        else:
+            qr_smem = qn_smem  # unused
+        kn_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, D_NOPE], smem_l)
+        kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 64], smem_l)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
+        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 2)  # both consumers read every block (S and P·V)
+        p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        for j in gl.static_range(2):
+            mbarrier.init(p_bars.index(j), count=1)
+        mbarrier.init(end_bar, count=2)
+        fence_async_shared()  # the query tile, before wgmma reads it
+
+        n_t = topk
+        if HAS_TOPK_LEN:
+            n_t = gl.minimum(gl.load(TOPK_LEN + pid_s), topk)
+        hi = _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL)
+        n_pairs = gl.cdiv(n_t, 2 * BLOCK_T)
+        idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
+        out_base = pid_s.to(gl.int64) * stride_o_s
+        lse_base = pid_s.to(gl.int64) * h_q
+        # (Argument tuples written inline: a tuple assigned to a variable turns its constexprs into tensors;
+        # constexpr variables such as WG0 stay constexprs.)
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        gl.warp_specialize(
+            [
+                (_pp_consumer, (
+                    WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+                    end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t,
+                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
+                )),
+                (_pp_consumer, (
+                    WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+                    end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t,
+                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK,
+                )),
+                (_ws_producer, (
+                    kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
+                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
+                )),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+    @gluon.jit
+    def _ad_consumer(
+        WG: gl.constexpr,
+        kn_smem,
+        kr_smem,
+        full_bars,
+        empty_bars,
+        turn_bars,
+        Q,
+        LSE,
+        q_base,
+        lse_base,
+        out_row,
+        idx_row,
+        stride_q_h,
+        h_q,
+        n_t,
+        hi,
+        n_blocks,
+        sm_scale_log2,
+        lse_to_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+        SPLIT: gl.constexpr,
+    ):
+        """Warp-specialised attn_dist, consumer warpgroup ``WG`` (0 or 1) of a token.
+
+        64 heads of the query live in its registers (the wgmma A operand). ``SPLIT`` says how the two
+        warpgroups share the work:
+
+        * ``AD_SPLIT_HEADS`` (h_q > 64): warpgroup ``WG`` owns heads ``64 WG ..`` and reads every block; its
+          column sums over those heads are added with an fp32 atomic into the zeroed output (two addends
+          onto 0: the sum does not depend on their order, so it is deterministic);
+        * ``AD_SPLIT_COLS``: both hold the same 64 heads and read every block, warpgroup ``WG`` computing
+          the block's columns ``32 WG ..`` (m64n32).
+
+        The warpgroups only meet at the ring, so one's exp and column sums can run while the other's S
+        occupies the tensor cores. They issue S strictly by turns (``turn_bars[w]``: one arrive per S of
+        the other warpgroup), so each S runs alone and the other's exp overlaps it (the ping-pong of
+        FlashAttention-3 / FlashMLA); left alone, both S would interleave on the tensor cores and both
+        warpgroups would then run their exp at once.
+        """
+        N: gl.constexpr = BLOCK_T // 2 if SPLIT == AD_SPLIT_COLS else BLOCK_T  # columns per warpgroup
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16]
+        )
+        qa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
+        H0: gl.constexpr = 64 * WG if SPLIT == AD_SPLIT_HEADS else 0
+        C0: gl.constexpr = N * WG if SPLIT == AD_SPLIT_COLS else 0
+
+        # Query tile loaded straight into the wgmma A layout (a layout conversion would need shared scratch
+        # next to the ring). Padding heads are 0; their lse is +inf, so their probabilities are 0.
+        offs_h = H0 + gl.arange(0, 64, layout=gl.SliceLayout(1, qa_l))
+        h_ok = offs_h < h_q
+        q_row = Q + q_base + offs_h[:, None] * stride_q_h
+        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, qa_l))
+        q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
+        if D_ROPE > 0:
+            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, qa_l))
+            q_rope = gl.load(q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0)
+        else:
+            q_rope = q_nope  # unused
+        offs_hm = H0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))
+        lse2 = gl.load(LSE + lse_base + offs_hm, mask=offs_hm < h_q, other=float("inf")) * lse_to_log2
+
+        # Column sums, indices and output addresses one column per thread (the S layout would hold 16 per
+        # thread: 64-bit addresses for 16 columns do not fit next to the 144 registers of the query).
+        col_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        offs_c = C0 + gl.arange(0, N, layout=col_l)
+        for b in range(0, n_blocks, 1):
+            offs_t = b * BLOCK_T + offs_c
+            t_idx = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)  # in flight during the wait and S
+            slot = _ws_wait_full(full_bars, b, NUM_BUF)
+            # Iteration b waits for the other's S of its iteration b - 1 + WG (warpgroup 0 goes first).
+            mbarrier.wait(turn_bars.index(WG), (b + 1 - WG) & 1)
+            s = gl.zeros([64, N], gl.float32, s_l)
+            kn = kn_smem.index(slot).slice(C0, N, dim=0).permute((1, 0))
+            s = warpgroup_mma(q_nope, kn, s, use_acc=False, is_async=True)
+            if D_ROPE > 0:
+                kr = kr_smem.index(slot).slice(C0, N, dim=0).permute((1, 0))
+                s = warpgroup_mma(q_rope, kr, s, is_async=True)
+            mbarrier.arrive(turn_bars.index(1 - WG))  # this S is issued (all 4 warps): the other's turn
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            mbarrier.arrive(empty_bars.index(slot))  # S is the slot's only reader: refill it now
+            col = gl.convert_layout(gl.sum(gl.exp2(s * sm_scale_log2 - lse2[:, None]), axis=0), col_l)
+            valid = (t_idx >= 0) & (t_idx < hi)
+            if SPLIT == AD_SPLIT_HEADS:
+                gl.atomic_add(out_row + offs_t, col, mask=valid, sem="relaxed")
+            else:
+                gl.store(out_row + offs_t, gl.where(valid, col, 0.0), mask=offs_t < n_t)
+
+    @gluon.jit
+    def _attn_dist_ws_kernel(
+        Q,
+        KV,
+        IDX,
+        LSE,
+        OUT,
+        stride_q_s,
+        stride_q_h,
+        stride_kv_row,
+        stride_idx_s,
+        stride_lse_s,
+        h_q,
+        topk,
+        s_kv,
+        q_start_index,
+        k_stride,
+        sm_scale_log2,
+        lse_to_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+        SPLIT: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """attn_dist for one token and all its heads, warp specialised like the forward (12 warps).
+
+        Default partition = consumer warpgroup 0, worker 0 = consumer warpgroup 1, worker 1 = the
+        producer warpgroup (``_ws_producer``) gathering 64-row blocks into a ring of ``NUM_BUF`` slots.
+        With ``AD_SPLIT_HEADS`` the output must be zeroed (see ``_ad_consumer``).
+        """
+        gl.static_assert(num_warps == 4)
+        pid_s = gl.program_id(0)
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
+        kr_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, 64], smem_l)
+        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 2)
+        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(2):
+            mbarrier.init(turn_bars.index(j), count=1)
+        fence_async_shared()  # barrier initialisation, before any partition uses them
+
+        hi = _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL)
+        n_blocks = gl.cdiv(topk, BLOCK_T)
+        idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
+        out_row = OUT + pid_s.to(gl.int64) * topk
+        q_base = pid_s.to(gl.int64) * stride_q_s
+        lse_base = pid_s.to(gl.int64) * stride_lse_s
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        gl.warp_specialize(
+            [
+                (_ad_consumer, (
+                    WG0, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, Q, LSE, q_base, lse_base, out_row,
+                    idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_NOPE, D_ROPE,
+                    BLOCK_T, NUM_BUF, SPLIT,
+                )),
+                (_ad_consumer, (
+                    WG1, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, Q, LSE, q_base, lse_base, out_row,
+                    idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_NOPE, D_ROPE,
+                    BLOCK_T, NUM_BUF, SPLIT,
+                )),
+                (_ws_producer, (
+                    kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, topk, hi, n_blocks,
+                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
+                )),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+
+#: Register split of the warp-specialised kernels (``setmaxnreg``): 4 warps x (232 + 232 + 40) of the
+#: 2,048 per-warp register units.
+CONSUMER_REGS = 232
+PRODUCER_REGS = 40
+#: Ring depth of the attn_dist kernel (64-row blocks); the forward's ring has two slots.
+ATTN_DIST_NUM_BUF = 3
+
+
+def attn_dist_adds_partials(h_q: int) -> bool:
+    """Whether the Gluon attn_dist adds into its output (which must then be zeroed): above 64 heads each
+    consumer warpgroup adds its 64 heads' column sums."""
+    return h_q > 64
+
+
+def launch_fwd_gluon(
+    q: torch.Tensor,
+    kv_rows: torch.Tensor,
+    idx: torch.Tensor,
+    out: torch.Tensor,
+    max_logits: torch.Tensor,
+    lse: torch.Tensor,
+    sink: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    dims: SparseDims,
+    sm_scale_log2: float,
+    *,
+    has_sink: bool,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+) -> Any:
+    """Forward on sm_90: one program per token and 64-head tile, 12 warp-specialised warps (see
+    ``_sparse_mla_fwd_pingpong_kernel``); same arguments and outputs as the Triton launch."""
+    n_head_tiles = triton.cdiv(dims.h_q, 64)
+    return _sparse_mla_fwd_pingpong_kernel[(dims.s_q * n_head_tiles,)](
+        q, kv_rows, idx, out, max_logits, lse, sink,
+        topk_length if topk_length is not None else idx,
+        q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1),
+        dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
+        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
+        HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def launch_attn_dist_gluon(
+    q: torch.Tensor,
+    kv_rows: torch.Tensor,
+    idx: torch.Tensor,
+    lse: torch.Tensor,
+    out: torch.Tensor,
+    dims: SparseDims,
+    sm_scale_log2: float,
+    lse_to_log2: float,
+    *,
+    q_start_index: int,
+    k_stride: int,
+    causal: bool,
+) -> Any:
+    """attn_dist on sm_90: one program per token holding all heads. ``out`` must be zeroed where
+    :func:`attn_dist_adds_partials` says so."""
+    return _attn_dist_ws_kernel[(dims.s_q,)](
+        q, kv_rows, idx, lse, out,
+        q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
+        dims.h_q, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2,
+        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=ATTN_DIST_NUM_BUF,
+        SPLIT=AD_SPLIT_HEADS if attn_dist_adds_partials(dims.h_q) else AD_SPLIT_COLS, CAUSAL=causal,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4,
+    )  # fmt: skip

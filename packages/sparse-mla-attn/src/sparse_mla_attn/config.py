@@ -1,0 +1,51 @@
+"""Tuning options of the kernels: one typed object, passed as ``config=`` to the ops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "gluon", "triton")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tuning options shared by :func:`~sparse_mla_attn.sparse_mla_fwd`, :func:`~sparse_mla_attn.attn_dist`,
+    :func:`~sparse_mla_attn.sparse_mla_decode`, :func:`~sparse_mla_attn.sparse_mla_bwd` and
+    :func:`~sparse_mla_attn.sparse_mla`. The defaults are what every op uses without ``config``; the
+    results do not depend on them beyond floating-point rounding (and for ``bwd_*`` not at all).
+
+    Attributes:
+        backend: kernel family of the forward, decode and ``attn_dist``. ``"auto"`` (default) runs the
+            warp-specialised Gluon kernels on an sm_90 GPU (H100, H200) where :func:`gluon_supported`
+            holds, the forward only for ``h_q > 32`` and without split-K, and the Triton kernels
+            everywhere else. ``"triton"`` always runs the Triton kernels. ``"gluon"`` is ``"auto"`` that
+            raises :class:`ValueError` where the Gluon kernels cannot run (for tests and benchmarks).
+        num_splits: split-K factor of the forward and decode: each query's top-k list is split over this
+            many programs whose partial results are merged. ``0`` (default) picks it from the number of
+            multiprocessors: splits only when one program per (token, head tile) leaves some idle.
+        bwd_workspace_bytes: cap on the backward's ``dS`` (and ``P``) workspace; the backward processes
+            query tokens in chunks that fit (default 2 GiB).
+        bwd_deterministic_workspace_bytes: cap on the deterministic backward's fp32 per-slot ``dkv``
+            workspace, which also bounds its chunk of tokens (default 4 GiB).
+
+    Raises:
+        ValueError: an unknown ``backend``, ``num_splits < 0`` or a workspace cap below 1 byte.
+    """
+
+    backend: str = "auto"
+    num_splits: int = 0
+    bwd_workspace_bytes: int = 2 << 30
+    bwd_deterministic_workspace_bytes: int = 4 << 30
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Config.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.num_splits, int) or self.num_splits < 0:
+            raise ValueError(f"Config.num_splits must be an int >= 0 (0: automatic), got {self.num_splits!r}")
+        for name in ("bwd_workspace_bytes", "bwd_deterministic_workspace_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Config.{name} must be an int >= 1, got {value!r}")
+
+
+DEFAULT = Config()

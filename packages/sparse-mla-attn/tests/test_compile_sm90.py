@@ -1,0 +1,199 @@
+"""Every kernel launch of the package compiled ahead of time for sm_90 (H100/H200), without a GPU.
+
+The public ops run on small CPU tensors with the device checks and device queries answering as an H200
+would (132 multiprocessors, compute capability 9.0); each kernel launch they make is captured instead of
+run and compiled with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, its arguments specialised as
+Triton's launcher specialises them. So every configuration the launchers pick is compiled under the
+installed Triton: the Triton kernels always, the Gluon kernels where :func:`gluon_supported` holds (where it
+does not, the ops select the Triton kernels, which is also checked). The compile runs in a subprocess
+without ``TRITON_INTERPRET`` (under the interpreter Triton builds no compilable kernels).
+
+``python tests/test_compile_sm90.py [SCENARIO ...]`` prints one line per launch: kernel, a hash of its PTX
+body (debug information and names dropped) and its shared memory, to compare two source trees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+HERE = os.path.abspath(__file__)
+
+
+def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int]]:
+    """Run the scenarios ``names`` with launches captured; compile each launch for sm_90."""
+    import torch
+    import triton
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction, native_specialize_impl
+
+    import sparse_mla_attn as sm
+    from sparse_mla_attn import _runtime
+    from sparse_mla_attn.backends import gluon_sm90
+
+    captured: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def capture(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        captured.append((self, args, dict(kwargs)))
+
+    JITFunction.run = capture  # type: ignore[method-assign]
+    # The host side as on an H200: CPU tensors pass the device checks, 132 SMs, sm_90.
+    for mod in ("forward", "attn_dist", "decode", "backward"):
+        m = sys.modules[f"sparse_mla_attn.{mod}"]
+        if hasattr(m, "check_kernel_device"):
+            m.check_kernel_device = lambda *a: None  # type: ignore[attr-defined]
+    sys.modules["sparse_mla_attn.forward"].num_sms = lambda device: 132  # type: ignore[attr-defined]
+    gluon_sm90.gluon_usable = lambda t, *rows: gluon_sm90.HAVE_GLUON  # type: ignore[assignment]
+    assert _runtime.interpreting() is False
+
+    def problem(s_q: int, h_q: int, d_qk: int, s_kv: int, topk: int) -> tuple[torch.Tensor, ...]:
+        q = torch.randn(s_q, h_q, d_qk).bfloat16()
+        kv = torch.randn(s_kv, 1, d_qk).bfloat16()
+        return q, kv, torch.randint(0, s_kv, (s_q, 1, topk), dtype=torch.int32)
+
+    def fwd(h_q: int, d_qk: int, backend: str, extras: bool = False) -> None:
+        q, kv, idx = problem(2, h_q, d_qk, 256, 128)
+        kw: dict[str, Any] = {}
+        if extras:
+            kw = dict(causal=True, q_start_index=3, k_stride=2, attn_sink=torch.randn(h_q),
+                      topk_length=torch.full((2,), 5, dtype=torch.int32))  # fmt: skip
+        sm.sparse_mla_fwd(q, kv, idx, 0.1, 512, config=sm.Config(backend=backend), **kw)
+
+    def decode(b: int, h_q: int, topk: int, backend: str) -> None:
+        q = torch.randn(b, 1, h_q, 576).bfloat16()
+        cache = torch.randn(8, 64, 1, 576).bfloat16()
+        table = torch.zeros(b, 4, dtype=torch.int32)
+        seqlens = torch.full((b,), 200, dtype=torch.int32)
+        idx = torch.randint(0, 200, (b, 1, topk), dtype=torch.int32)
+        sm.sparse_mla_decode(q, cache, table, seqlens, idx, 0.1, config=sm.Config(backend=backend))
+
+    def attn_dist(h_q: int, s_kv: int, backend: str, d_qk: int = 576) -> None:
+        q, kv, idx = problem(2, h_q, d_qk, s_kv, 128)
+        sm.attn_dist(q, kv, idx, torch.randn(2, h_q), 0.1, q_start_index=5, config=sm.Config(backend=backend))
+
+    def bwd(h_q: int, d_qk: int, det: bool, attn_sum: bool = False, causal: bool = False) -> None:
+        q, kv, idx = problem(2, h_q, d_qk, 64, 128)
+        out, dout = torch.randn(2, h_q, 512).bfloat16(), torch.randn(2, h_q, 512).bfloat16()
+        sm.sparse_mla_bwd(q, kv, out, dout, idx, torch.randn(2, h_q), 0.1, 512, causal=causal,
+                          deterministic=det, return_attn_sum=attn_sum)  # fmt: skip
+
+    def indexer(causal: bool) -> None:
+        q_idx = torch.randn(4, 64, 128).bfloat16().requires_grad_()
+        k_idx, w = torch.randn(32, 128).bfloat16(), torch.randn(4, 64)
+        logits = sm.indexer_logits(q_idx, k_idx, w, causal=causal)
+        sys.modules["sparse_mla_attn.indexer"].launch_logits_bwd(
+            torch.randn(4, 32), q_idx, k_idx, w, causal, 0, 1
+        )
+        assert logits.shape == (4, 32)
+
+    scenarios: dict[str, Callable[[], None]] = {
+        "fwd_h128_gluon": lambda: fwd(128, 576, "auto"),
+        "fwd_h128_triton": lambda: fwd(128, 576, "triton"),
+        "fwd_h64_extras_gluon": lambda: fwd(64, 576, "auto", True),
+        "fwd_h64_extras_triton": lambda: fwd(64, 576, "triton", True),
+        "fwd_h16_d512": lambda: fwd(16, 512, "auto", True),
+        "fwd_h32_d576": lambda: fwd(32, 576, "auto"),
+        "fwd_h128_d512_gluon": lambda: fwd(128, 512, "auto"),
+        "dec_b2_splitk": lambda: decode(2, 128, 2048, "auto"),
+        "dec_b64_gluon": lambda: decode(64, 128, 2048, "auto"),
+        "dec_b64_h64_triton": lambda: decode(64, 64, 2048, "triton"),
+        "ad_h128_gluon": lambda: attn_dist(128, 256, "auto"),
+        "ad_h128_triton": lambda: attn_dist(128, 256, "triton"),
+        "ad_h64_gluon": lambda: attn_dist(64, 256, "auto"),
+        "ad_h64_triton": lambda: attn_dist(64, 256, "triton"),
+        "ad_h64_long_triton": lambda: attn_dist(64, 32768, "triton"),
+        "ad_h16_d512": lambda: attn_dist(16, 256, "auto", 512),
+        "bwd_h128": lambda: bwd(128, 576, False, True, True),
+        "bwd_h128_det": lambda: bwd(128, 576, True),
+        "bwd_h64_d512": lambda: bwd(64, 512, False),
+        "bwd_h256": lambda: bwd(256, 576, False),
+        "bwd_h256_det": lambda: bwd(256, 576, True, True),
+        "indexer": lambda: indexer(False),
+        "indexer_causal": lambda: indexer(True),
+    }
+    target = GPUTarget("cuda", 90, 32)
+    results = []
+    for name in names or list(scenarios):
+        captured.clear()
+        scenarios[name]()
+        assert captured, f"{name}: no kernel launch"
+        for i, (fn, args, kwargs) in enumerate(captured):
+            params = list(inspect.signature(fn.fn).parameters)
+            # Launch options; a Gluon kernel also takes num_warps as a constexpr argument.
+            opts = {
+                k: (kwargs[k] if k in params else kwargs.pop(k))
+                for k in list(kwargs)
+                if k in ("num_warps", "num_stages")
+            }
+            named = {**dict(zip(params, args, strict=False)), **kwargs}
+            sig: dict[str, str] = {}
+            const: dict[tuple[int, ...], Any] = {}
+            attrs: dict[tuple[int, ...], Any] = {}
+            for j, p in enumerate(params):
+                v = named.get(p)
+                if j in fn.constexprs or v is None:
+                    sig[p], const[(j,)] = "constexpr", v
+                    continue
+                kp = fn.params[j]
+                ty, spec = native_specialize_impl(
+                    BaseBackend, v, False, not kp.do_not_specialize, not kp.do_not_specialize_on_alignment
+                )
+                sig[p] = ty
+                if ty == "constexpr":
+                    const[(j,)] = spec
+                elif spec:
+                    attrs[(j,)] = BaseBackend.parse_attr(spec)
+            gluon = type(fn).__name__ == "GluonJITFunction"
+            if gluon:
+                from triton.experimental.gluon._runtime import GluonASTSource as source
+            else:
+                source = ASTSource
+            k = triton.compile(source(fn, sig, constexprs=const, attrs=attrs), target=target, options=opts)
+            ptx = k.asm["ptx"].split(".section\t.debug")[0]
+            ptx = re.sub(r"\$L__tmp\d+:?", "", re.sub(r"//.*", "", ptx)).replace(fn.fn.__name__, "KERNEL")
+            body = [ln for ln in ptx.splitlines() if ln.strip() and ".loc" not in ln and ".file" not in ln]
+            digest = hashlib.md5("\n".join(body).encode()).hexdigest()[:12]
+            results.append((name, i, fn.fn.__name__, digest, k.metadata.shared))
+    return results
+
+
+def _run(names: list[str]) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, HERE, *names], env=env, capture_output=True, text=True, timeout=1500
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(1800)
+def test_every_kernel_launch_compiles_for_sm90() -> None:
+    out = _run([])
+    lines = [ln.split() for ln in out.splitlines() if ln.strip()]
+    kernels = {ln[2] for ln in lines}
+    triton_kernels = {
+        "_sparse_mla_fwd_kernel", "_split_combine_kernel", "_paged_rows_kernel", "_attn_dist_kernel",
+        "_delta_kernel", "_main_kernel", "_dkv_kernel", "_dq_kernel", "_det_reduce_kernel",
+        "_logits_kernel", "_dqw_kernel", "_dk_kernel",
+    }  # fmt: skip
+    assert triton_kernels <= kernels, triton_kernels - kernels
+    from sparse_mla_attn import gluon_supported
+
+    gluon_kernels = {"_sparse_mla_fwd_pingpong_kernel", "_attn_dist_ws_kernel"}
+    # Where the installed Triton's Gluon API is not the one the kernels are written for, the ops
+    # select the Triton kernels (no Gluon launch at all).
+    assert (gluon_kernels <= kernels) if gluon_supported() else not (gluon_kernels & kernels)
+
+
+if __name__ == "__main__":
+    for row in _capture_and_compile(sys.argv[1:]):
+        print(*row, flush=True)
