@@ -95,25 +95,13 @@ def _engine(world=2, max_tokens=8, hidden=64, topk=4, experts=8, remote=False, *
         chunk=4,
         remote=remote,
     )
+    # (with remote=True rank 1's one peer is remote)
     return TritonEPEngine(
-        rank=1,
-        world_size=world,
-        max_tokens=max_tokens,
-        hidden=hidden,
-        topk=topk,
-        num_tot_experts=experts,
-        token_dtype=torch.bfloat16,
-        weight_dtype=torch.float32,
-        heap_local=torch.zeros(lay.nbytes, dtype=torch.uint8),
-        ptr_table=torch.zeros(world, dtype=torch.int64),
-        layout=lay,
-        num_sm=3,
-        timeout_s=1.0,
-        chunk=4,
-        remote_ranks=[0] if remote else (),  # (rank 1's one peer)
-        transport=_NoTransport() if remote else None,
-        **kw,
-    )
+        rank=1, world_size=world, max_tokens=max_tokens, hidden=hidden, topk=topk, num_tot_experts=experts,
+        token_dtype=torch.bfloat16, weight_dtype=torch.float32, heap_local=torch.zeros(lay.nbytes, dtype=torch.uint8),
+        ptr_table=torch.zeros(world, dtype=torch.int64), layout=lay, num_sm=3, timeout_s=1.0, chunk=4,
+        remote_ranks=[0] if remote else (), transport=_NoTransport() if remote else None, **kw,
+    )  # fmt: skip
 
 
 def _one_call(eng: TritonEPEngine, n: int, rows: int, *, with_w: bool, counts: bool, seed: int) -> None:
@@ -338,7 +326,7 @@ def test_speculative_rows_fit_and_overflow():
     keep the outputs; more rows get exact outputs and a rewriting pass (``send=False``,
     ``rewrite=True``) into them. The outputs' size: the most rows of the last calls plus an eighth."""
     from ep_a2a.backends.triton import TritonBackend
-    from ep_a2a.backends.triton.backend import SPECULATIVE_WINDOW, _speculative_rows_guess
+    from ep_a2a.backends.triton.backend import SPECULATIVE_WINDOW, _Call, _speculative_rows_guess
 
     launches: list[dict] = []
 
@@ -359,7 +347,7 @@ def test_speculative_rows_fit_and_overflow():
             tab=torch.empty(2, 2, 8), skip=torch.empty(2, 8), scat=torch.empty(2, 8),
             out=torch.empty(ahead, 4), out_w=torch.empty(ahead), out_e=torch.empty(ahead),
         )  # fmt: skip
-        be._fit_speculative_rows(rows, x, ids, None, src, info, bufs, caller=False)
+        be._fit_speculative_rows(rows, _Call(x, ids, None, None, src), info, bufs)
         return bufs
 
     for rows in (100, 40, 0):  # fit: the outputs stay, nothing more runs
