@@ -584,3 +584,27 @@ def test_rows_allocated_ahead():
     assert _rows_fit_ahead(7, 9)  # 9 - 9 // 4 = 7
     assert not _rows_fit_ahead(6, 9)
     assert not _rows_fit_ahead(10, 9)
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["intra-node", "remote-peer"])
+def test_every_launch_is_a_precompiled_variant(monkeypatch, remote):
+    """One specification per kernel: every variant the launches of both dispatch flows, combine and the
+    barrier use is among :meth:`TritonEPEngine.variants` (what ``use_aot`` and the sm_90 compile test
+    compile), with the same kernel, grid and warps."""
+    launched: dict = {}
+    monkeypatch.setattr(TritonEPEngine, "_launch", lambda self, spec: launched.setdefault(spec.key, spec))
+    eng = _engine(remote=remote)
+    for with_w, counts in ((True, False), (False, False), (True, True), (False, True)):
+        if not (remote and counts):
+            _one_call(eng, 6, 20, with_w=with_w, counts=counts, seed=1)
+    variants = {v.key: v for v in eng.variants(dtypes=(torch.float32,), rewrite=True, mirror=True)}
+    assert launched
+    for key, spec in launched.items():
+        assert key in variants, key
+        v = variants[key]
+        assert (v.kernel, v.grid, v.num_warps, v.options()) == (
+            spec.kernel,
+            spec.grid,
+            spec.num_warps,
+            spec.options(),
+        )
