@@ -40,7 +40,8 @@ import run_record
 import torch
 import torch.distributed as dist
 
-from ep_a2a import BackendOptions, TritonTuning
+from ep_a2a import TritonTuning
+from ep_a2a.backends import BackendOptions
 from ep_a2a.config import EPConfig
 
 SHAPES = {

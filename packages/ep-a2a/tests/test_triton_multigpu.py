@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ep_a2a import BackendOptions, TritonTuning
+from ep_a2a import TritonTuning
+from ep_a2a.backends import BackendOptions
 from ep_a2a.config import EPConfig
 from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
 from ep_a2a.testing import load_target
