@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--num-sm", type=int, default=20, help="TritonTuning.num_sm")
+    ap.add_argument("--num-sm", type=int, default=132, help="TritonTuning.num_sm (an H100 / H200: 132)")
     ap.add_argument("--split", type=int, default=None, help="send_ctas = combine_send_ctas (default: picked)")
     ap.add_argument("--combine-maxnreg", type=int, default=None)
     ap.add_argument(

@@ -28,7 +28,9 @@ def test_import_prints_nothing() -> None:
 
 def test_tuning_defaults_and_errors() -> None:
     t = TritonTuning()
-    assert (t.num_sm, t.send_ctas, t.heap, t.copy_engine, t.pdl) == (20, None, None, False, True)
+    assert (t.num_sm, t.send_ctas, t.heap, t.copy_engine, t.pdl) == (None, None, None, False, True)
+    assert t.for_device(132).num_sm == 132
+    assert TritonTuning(num_sm=20).for_device(132).num_sm == 20
     assert TritonTuning(num_sm=132) == TritonTuning(num_sm=132)
     assert TritonTuning(num_sm=132).fingerprint() != t.fingerprint()
     with pytest.raises(TypeError):
@@ -47,7 +49,7 @@ def test_tuning_defaults_and_errors() -> None:
     }
     for field, value in bad.items():
         with pytest.raises(ValueError, match=f"TritonTuning.{field}"):
-            TritonTuning(**{field: value})
+            TritonTuning(num_sm=20, **{field: value}) if field != "num_sm" else TritonTuning(num_sm=value)
     with pytest.raises(ValueError, match="copy_engine=True leaves nothing"):
         TritonTuning(copy_engine=True, send_ctas=4)
 

@@ -74,11 +74,11 @@ def test_every_variant_compiles(args: list[str], tiled: bool) -> None:
 
 
 def test_decode_layer_every_variant_and_epoch_words(tmp_path: Path) -> None:
-    """The default layer at decode size (``TritonTuning()``, 128 tokens): every variant, and the epoch
-    words' loads and stores."""
+    """The default layer at decode size (``TritonTuning()`` on an H200: 132 SMs, 128 tokens): every
+    variant, and the epoch words' loads and stores."""
     # on a GPU the epoch-tagged words are polled with loads and pushed with stores (inline PTX): the
     # interpreter only ever runs the atomic fallbacks, so only the compiled code shows which path is taken
-    out = _run_tool(["--world", "2", "--tokens", "128", "--num-sm", "20", "--dump", str(tmp_path)])
+    out = _run_tool(["--world", "2", "--tokens", "128", "--num-sm", "132", "--dump", str(tmp_path)])
     kinds = _compiled(out)
     assert set(kinds) == {"layout", "counts", "dispatch", "combine", "barrier"}
     assert kinds["dispatch"] == 16  # weights or not, caller scatter or not, x 4 row-kernel variants

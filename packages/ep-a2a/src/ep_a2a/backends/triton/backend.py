@@ -138,7 +138,8 @@ class TritonBackend(A2ABackend):
         heap = resolve_heap(tuning.heap, config, node)
         self.device = torch.device("cuda", torch.cuda.current_device())
         # more CTAs than SMs would only queue behind each other
-        self.num_sm = min(tuning.num_sm, torch.cuda.get_device_properties(self.device).multi_processor_count)
+        device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.num_sm = min(tuning.num_sm or device_sms, device_sms)
         opts = engine_options(tuning, config, self.num_sm, remote=bool(remote))
         self.layout = HeapLayout.build(
             world_size=config.world_size, max_tokens=config.max_tokens, hidden=config.hidden, topk=config.topk,
