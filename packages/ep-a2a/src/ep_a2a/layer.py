@@ -371,9 +371,11 @@ class EPLayer:
 
     def _expert_ids(self, exp_indices: torch.Tensor) -> torch.Tensor:
         """``exp_indices`` contiguous, in a dtype the backend takes as is (the triton backend: int32 and
-        int64, so ``torch.topk``'s ids need no conversion kernel), else converted to int32."""
+        int64, so ``torch.topk``'s ids need no conversion kernel), else converted to int32 with every id
+        outside ``[-1, num_tot_experts)`` made -1 first (so none wraps onto an expert)."""
         if exp_indices.dtype not in self.ctx.backend.expert_id_dtypes:
-            exp_indices = exp_indices.to(torch.int32)
+            valid = (exp_indices >= 0) & (exp_indices < self.config.num_tot_experts)
+            exp_indices = torch.where(valid, exp_indices, -1).to(torch.int32)
         return exp_indices.contiguous()
 
     # -- CUDA-graph mode -------------------------------------------------------------------------------
