@@ -28,9 +28,15 @@ def install_interpreter_fix() -> None:
     if getattr(original, "_tmd_wrapped", False):
         return
 
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patched(tensor, *scope):  # Triton < 3.4 passes no scope and patches the class itself
+        original(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     patched._tmd_wrapped = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patched

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import NamedTuple
+from typing import List, NamedTuple  # noqa: UP035 (the custom op schema of _launch, torch < 2.7)
 
 import torch
 import triton
@@ -45,12 +45,15 @@ from triton_masked_decode.config import MaskedDecodeConfig, tuned_defaults
 
 install_interpreter_fix()
 
-__all__ = ["choose_num_splits", "masked_decode"]
+__all__ = ["check_errors", "choose_num_splits", "masked_decode"]
 
 _LOG2E = 1.4426950408889634
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 _PATH_CODES = {"auto": 0, "dense": 1, "sparse": 2}
 _MASK_NONE, _MASK_BOOL, _MASK_PACKED = 0, 1, 2
+# Bits of the error word the split kernel sets (see check_errors).
+_ERR_PAGE: tl.constexpr = tl.constexpr(1)  # a used block-table entry outside [0, num_pages)
+_ERR_SEQLEN: tl.constexpr = tl.constexpr(2)  # a seqlens value outside [0, L]
 _MAX_GROUP = 64
 _MAX_SPLITS = 256
 _MAX_CHUNK = 4096  # bounds per-program work so ragged batches balance across SMs
@@ -88,6 +91,7 @@ def _attend_rows(
     k_base,
     v_base,
     bt_base,
+    num_pages,
     stride_kn,
     stride_kp,
     stride_vn,
@@ -100,9 +104,15 @@ def _attend_rows(
     PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Online-softmax update with the K/V rows at positions ``pos``; rows are loaded only where ``vis``."""
+    """Online-softmax update with the K/V rows at positions ``pos``; rows are loaded only where ``vis``.
+
+    Paged: a row whose block-table entry is outside ``[0, num_pages)`` is treated as excluded, so an
+    out-of-range page id is never dereferenced (:func:`_flag_bad_pages` reports it).
+    """
     if PAGED:
-        page = tl.load(bt_base + pos // PAGE_SIZE, mask=vis, other=0).to(tl.int64)
+        page = tl.load(bt_base + pos // PAGE_SIZE, mask=vis, other=0)
+        vis = vis & (page >= 0) & (page < num_pages)
+        page = page.to(tl.int64)
         row = (pos % PAGE_SIZE).to(tl.int64)
         k_off = page * stride_kp + row * stride_kn
         v_off = page * stride_vp + row * stride_vn
@@ -141,6 +151,7 @@ def _dense_loop(
     k_base,
     v_base,
     bt_base,
+    num_pages,
     mask_base,
     stride_kn,
     stride_kp,
@@ -173,7 +184,7 @@ def _dense_loop(
             nxt = pos + BLOCK_N
             ex_next = _excluded(mask_base, nxt, nxt < hi, stride_ml, MASK_MODE)
         acc, l_i, m_i = _attend_rows(
-            acc, l_i, m_i, q, pos, vis, k_base, v_base, bt_base,
+            acc, l_i, m_i, q, pos, vis, k_base, v_base, bt_base, num_pages,
             stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
             HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST,
         )  # fmt: skip
@@ -208,6 +219,7 @@ def _sparse_loop(
     k_base,
     v_base,
     bt_base,
+    num_pages,
     idx_base,
     stride_kn,
     stride_kp,
@@ -234,7 +246,7 @@ def _sparse_loop(
         j_next = j + BLOCK_NS
         pos_next = tl.load(idx_base + j_next, mask=j_next < n_vis, other=0)
         acc, l_i, m_i = _attend_rows(
-            acc, l_i, m_i, q, pos, valid, k_base, v_base, bt_base,
+            acc, l_i, m_i, q, pos, valid, k_base, v_base, bt_base, num_pages,
             stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
             HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST,
         )  # fmt: skip
@@ -242,11 +254,35 @@ def _sparse_loop(
 
 
 @triton.jit
+def _flag_bad_pages(bt_base, lo, hi, num_pages, err_ptr, PAGE_SIZE: tl.constexpr):
+    """Set bit 1 of the error word when a block-table entry used by positions ``[lo, hi)`` is outside
+    ``[0, num_pages)`` (the rows behind it are treated as excluded)."""
+    offs = tl.arange(0, 128)
+    first, end = lo // PAGE_SIZE, (hi + PAGE_SIZE - 1) // PAGE_SIZE
+    n_bad = lo * 0
+    for p0 in range(first, end, 128):
+        slot = p0 + offs
+        used = slot < end
+        page = tl.load(bt_base + slot, mask=used, other=0)
+        n_bad += tl.sum((used & ((page < 0) | (page >= num_pages))).to(tl.int32), 0)
+    if n_bad > 0:
+        tl.atomic_or(err_ptr, _ERR_PAGE)
+
+
+@triton.jit
+def _empty_or_nan(total):
+    """The LSE of a row whose softmax weight ``total`` is not positive: -inf when 0 (no visible key), NaN
+    when NaN (a NaN or +inf score or LSE), so that a poisoned row never reads as empty."""
+    return tl.where(total == 0.0, float("-inf"), float("nan"))
+
+
+@triton.jit
 def _normalize(acc, l_i, m_log2):
-    """(acc / l, natural-log LSE) of an online-softmax state; rows with no weight give (0, -inf)."""
+    """(acc / l, natural-log LSE) of an online-softmax state; rows with no weight give (0, -inf), rows
+    whose weight is NaN (a NaN or +inf score) give (NaN, NaN)."""
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_log2 + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    lse = tl.where(seen, (m_log2 + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, _empty_or_nan(l_i))
     return out, lse
 
 
@@ -261,8 +297,10 @@ def _masked_decode_split_kernel(
     Idx,
     Out,
     Lse,
+    Err,
     seqlen_const,
     max_len,
+    num_pages,
     chunk,
     qk_scale,
     sparse_threshold,
@@ -312,7 +350,11 @@ def _masked_decode_split_kernel(
     num_heads = tl.num_programs(1)
     num_splits = tl.num_programs(0)
     if HAS_SEQLENS:
-        seqlen = tl.minimum(tl.maximum(tl.load(Seqlens + bidx), 0), max_len)
+        # Out-of-range lengths are clamped to [0, L] and reported in bit 2 of the error word.
+        seqlen_raw = tl.load(Seqlens + bidx)
+        if ((seqlen_raw < 0) | (seqlen_raw > max_len)) & (split == 0) & (head == 0):
+            tl.atomic_or(Err, _ERR_SEQLEN)
+        seqlen = tl.minimum(tl.maximum(seqlen_raw, 0), max_len)
     else:
         seqlen = seqlen_const
     lo = split * chunk
@@ -340,6 +382,8 @@ def _masked_decode_split_kernel(
             v_base = V + bidx.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
             bt_base = BlockTable
         mask_base = Mask + bidx.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+        if PAGED:
+            _flag_bad_pages(bt_base, lo, hi, num_pages, Err, PAGE_SIZE)
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -362,13 +406,13 @@ def _masked_decode_split_kernel(
             go_sparse = False
         if go_sparse:
             acc, l_i, m_i = _sparse_loop(
-                acc, l_i, m_i, q, n_vis, k_base, v_base, bt_base, idx_base,
+                acc, l_i, m_i, q, n_vis, k_base, v_base, bt_base, num_pages, idx_base,
                 stride_kn, stride_kb, stride_vn, stride_vb, qk_scale, offs_d,
                 HEAD_DIM, BLOCK_D, BLOCK_NS, SPARSE_STAGES, PAGED, PAGE_SIZE, UPCAST,
             )  # fmt: skip
         else:
             acc, l_i, m_i = _dense_loop(
-                acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base,
+                acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, num_pages, mask_base,
                 stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
                 MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST,
             )  # fmt: skip
@@ -420,12 +464,15 @@ def _prune_configs(configs, named_args, **kwargs):
     return keep or [configs[0]]
 
 
-_split_kernel_tuned = triton.autotune(
-    configs=_AUTOTUNE_CONFIGS,
-    key=["G", "HEAD_DIM", "MASK_MODE", "COMPACT", "PAGED", "PAGE_SIZE", "size_class"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-    do_bench=lambda kernel_call, quantiles: _bench_config(kernel_call, quantiles),
-)(_masked_decode_split_kernel)
+@functools.cache
+def _split_kernel_tuned() -> triton.runtime.Autotuner:
+    """The autotuned split kernel, built on first use (an autotuner queries the GPU driver when built)."""
+    return triton.autotune(
+        configs=_AUTOTUNE_CONFIGS,
+        key=["G", "HEAD_DIM", "MASK_MODE", "COMPACT", "PAGED", "PAGE_SIZE", "size_class"],
+        prune_configs_by={"early_config_prune": _prune_configs},
+        do_bench=lambda kernel_call, quantiles: _bench_config(kernel_call, quantiles),
+    )(_masked_decode_split_kernel)
 
 
 @triton.jit
@@ -494,7 +541,7 @@ def _merge_splits_kernel(
     seen = tot > 0.0
     m_fin = tl.where(m == float("-inf"), 0.0, m)
     out = acc / tl.where(seen, tot, 1.0)
-    lse = tl.where(seen, m_fin + tl.log(tl.where(seen, tot, 1.0)), float("-inf"))
+    lse = tl.where(seen, m_fin + tl.log(tl.where(seen, tot, 1.0)), _empty_or_nan(tot))
     tl.store(
         Out + bidx.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
         out.to(Out.dtype.element_ty),
@@ -671,14 +718,16 @@ def _launch(
     mask: torch.Tensor | None,
     seqlens: torch.Tensor | None,
     block_table: torch.Tensor | None,
+    error_flag: torch.Tensor,
     seqlen_const: int,
     sm_scale: float,
     max_len: int,
     sparse_threshold: float,
-    launch: list[int],
+    launch: List[int],  # noqa: UP006 (torch < 2.7 infers a custom op's schema from typing.List only)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the split kernel (and the merge when there is more than one split) on validated inputs.
 
+    ``error_flag`` (int32 ``[1]``) gets the ``_ERR_*`` bits of out-of-range values the kernel met;
     ``launch`` is a :class:`_Launch` as a list (the custom op's schema has no named tuples).
     """
     batch, hq, d = q.shape
@@ -724,8 +773,8 @@ def _launch(
         page_size = 1
     size_class = triton.next_power_of_2(batch * hkv * splits) * 1_000_000 + chunk
     args = (
-        q, k, v, mask_t, seq_t, bt_t, idx, o_part, l_part,
-        seqlen_const, max_len, chunk, sm_scale * _LOG2E, sparse_threshold, size_class,
+        q, k, v, mask_t, seq_t, bt_t, idx, o_part, l_part, error_flag,
+        seqlen_const, max_len, k.shape[0] if paged else 0, chunk, sm_scale * _LOG2E, sparse_threshold, size_class,
         q.stride(0), q.stride(1),
         *ks, *vs, *mstrides, bt_t.stride(0),
         *po, *pl,
@@ -745,7 +794,7 @@ def _launch(
     block_s = min(max(merge_warps * 32 * 64 // block_dm, 1), triton.next_power_of_2(splits))
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         if plan.autotune:  # Triton launches on the current device
-            _split_kernel_tuned[grid](*args, **meta)
+            _split_kernel_tuned()[grid](*args, **meta)
         else:
             _masked_decode_split_kernel[grid](
                 *args, **meta, BLOCK_N=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages
@@ -766,7 +815,9 @@ def _launch(
 # --------------------------------------------------------------------------------------------------------
 
 
-_masked_decode_op = torch.library.custom_op("triton_masked_decode::masked_decode", _launch, mutates_args=())
+_masked_decode_op = torch.library.custom_op(
+    "triton_masked_decode::masked_decode", _launch, mutates_args=("error_flag",)
+)
 
 
 @_masked_decode_op.register_fake
@@ -926,6 +977,58 @@ def _check_values(
             )
 
 
+_ERROR_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+@torch.compiler.assume_constant_result  # torch.compile: the same tensor, taken at trace time
+def _error_flag(device: torch.device) -> torch.Tensor:
+    """The device's error word (int32 ``[1]``), allocated once so that CUDA graphs capture its address."""
+    flag = _ERROR_FLAGS.get(device)
+    if flag is None:
+        flag = _ERROR_FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag
+
+
+def check_errors(device: torch.device | str | None = None) -> None:
+    """Raise if a :func:`masked_decode` call on ``device`` since the last check met out-of-range values.
+
+    The kernel never reads memory through an out-of-range value: a ``seqlens`` entry outside ``[0, L]`` is
+    clamped into it, and a used ``block_table`` entry outside ``[0, num_pages)`` makes its rows count as
+    excluded. It records either case in a per-device error word, which this function reads (a host
+    sync) and clears. Use it after calls made with ``check_values=False``, in a CUDA graph or under
+    ``torch.compile``.
+
+    Args:
+        device: the device of the calls; default the current CUDA device, or the CPU without CUDA.
+
+    Raises:
+        ValueError: naming what was out of range (the calls' outputs treated those values as described).
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    flag = _ERROR_FLAGS.get(dev)
+    if flag is None:
+        return
+    bits = int(flag.item())
+    if bits:
+        flag.zero_()
+        _raise_flagged(bits)
+
+
+def _raise_flagged(bits: int) -> None:
+    what = []
+    if bits & 1:
+        what.append(
+            "block_table held page ids outside [0, num_pages) in used slots (their rows were excluded)"
+        )
+    if bits & 2:
+        what.append("seqlens held values outside [0, L] (they were clamped into it)")
+    _fail("a call since the last check met out-of-range values: " + "; ".join(what))
+
+
 def masked_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -964,14 +1067,19 @@ def masked_decode(
         sm_scale: softmax scale, default ``D ** -0.5``.
         return_lse: return ``(out, lse)`` when True (default), ``out`` alone when False.
         check_values: check tensor *values* (``seqlens`` within ``[0, L]``, used ``block_table`` entries
-            within ``[0, num_pages)``). Needs a device-to-host sync, so it is skipped during CUDA-graph
-            capture and torch.compile tracing; pass False in a latency-critical decode loop.
+            within ``[0, num_pages)``) before the launch. Needs a device-to-host sync, so it is skipped
+            during CUDA-graph capture and torch.compile tracing; pass False in a latency-critical decode
+            loop. Skipping it never makes an out-of-bounds access possible: the kernel clamps ``seqlens``
+            into ``[0, L]``, treats the rows behind an out-of-range page id as excluded, and records
+            either case for :func:`check_errors`.
         config: launch knobs (:class:`MaskedDecodeConfig`: loop choice, split count, tiles); default:
             the tuned defaults of the device.
 
     Returns:
         ``out [B, Hq, D]`` (``[B, Hq, 1, D]`` for a 4-d ``q``) in ``q.dtype`` and ``lse [B, Hq]`` float32
-        (natural log). A row with no visible position gets ``out = 0`` and ``lse = -inf``.
+        (natural log). A row with no visible position gets ``out = 0`` and ``lse = -inf``; a row with a
+        NaN or ``+inf`` score (non-finite values in ``q`` or in a visible K row) gets ``out = NaN`` and
+        ``lse = NaN``, as :func:`masked_decode_ref` does.
 
     Raises:
         ValueError: a shape, dtype, device or stride that does not fit, or (with ``check_values``) a
@@ -997,12 +1105,25 @@ def masked_decode(
     if batch == 0:
         launch, threshold = [0] * len(_Launch._fields), 0.0
     else:
-        plan, threshold = _plan_launch(
+        # (torch.compile traces the planner itself: its cache is a host-side shortcut of eager calls)
+        plan_launch = _plan_launch.__wrapped__ if torch.compiler.is_compiling() else _plan_launch
+        plan, threshold = plan_launch(
             batch, hq, hkv, d, grid_len, mask is not None, cfg, _device_facts(q3.device)
         )
         launch = list(plan)
     out, lse = torch.ops.triton_masked_decode.masked_decode(
-        q3, k, v, mask, seq_t, block_table, seqlen_const, scale, grid_len, threshold, launch
+        q3,
+        k,
+        v,
+        mask,
+        seq_t,
+        block_table,
+        _error_flag(q3.device),
+        seqlen_const,
+        scale,
+        grid_len,
+        threshold,
+        launch,
     )
     if q.dim() == 4:
         out = out.unsqueeze(2)
