@@ -209,6 +209,9 @@ class EPLayer:
             tuning = TritonTuning()
         if not isinstance(tuning, TritonTuning):
             raise TypeError(f"tuning must be an ep_a2a.TritonTuning, got {type(tuning).__name__}")
+        if torch.cuda.is_available():  # (resolved here, so that ranks on different GPUs are told apart)
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            tuning = tuning.for_device(sms)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         world_size = dist.get_world_size(group)
@@ -233,8 +236,8 @@ class EPLayer:
         self.ctx = DispatchCombineContext.create(self.config, group, backend=backend, options=options)
 
     @property
-    def num_sm(self) -> int:
-        """``tuning.num_sm``: most SMs the Triton backend's kernels use."""
+    def num_sm(self) -> int | None:
+        """``tuning.num_sm``: most SMs the Triton backend's kernels use (``None`` without a GPU)."""
         return self.tuning.num_sm
 
     # -- properties ------------------------------------------------------------------------------------
