@@ -11,14 +11,23 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from triton_masked_decode import check_errors, masked_decode, masked_decode_ref, pack_mask, unpack_mask
+from triton_masked_decode import (
+    MaskedDecodeConfig,
+    check_errors,
+    masked_decode,
+    masked_decode_ref,
+    pack_mask,
+    unpack_mask,
+)
 
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 OUT_TOL = {"atol": 3e-3, "rtol": 3e-3}
 LSE_TOL = {"atol": 2e-3, "rtol": 1e-4}
 
@@ -53,31 +62,75 @@ def assert_matches(out, lse, ref, ref_lse):
 
 
 @pytest.fixture(autouse=True)
-def _clear_error_word(cpu_device: torch.device) -> None:
+def _clear_error_word() -> None:
     """Each test starts with a clear error word (a failing earlier test may have left bits set)."""
-    with contextlib.suppress(ValueError):
-        check_errors(cpu_device)
+    devices = ["cpu"] if INTERPRET else (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        with contextlib.suppress(ValueError):
+            check_errors(device)
 
 
-@pytest.mark.parametrize("bad_id", [pytest.param(10**6, id="id-1e6"), pytest.param(-7, id="id-minus-7")])
-@pytest.mark.parametrize("config_path", ["sparse", "dense"])
-def test_out_of_range_page_id_is_never_read(bad_id: int, config_path: str, cpu_device: torch.device) -> None:
-    from triton_masked_decode import MaskedDecodeConfig
-
+def check_page_id_never_read(device: torch.device, bad_id: int, path: str) -> None:
     gen = torch.Generator().manual_seed(1)
     q, k, v, block_table = paged_inputs(gen, batch=2, hkv=2, group=4, pages_per_seq=4, page=8, dim=32)
     block_table[0, 1] = bad_id  # a used slot: sequence 0 is 30 long
     seqlens = torch.tensor([30, 32], dtype=torch.int32)
     mask = torch.rand(2, 2, 32, generator=gen) < 0.3
+    ref, ref_lse = reference_on_sanitized(q, k, v, mask, seqlens, block_table)
+    q, k, v, mask, seqlens, block_table = (t.to(device) for t in (q, k, v, mask, seqlens, block_table))
     out, lse = masked_decode(
         q, k, v, mask, seqlens=seqlens, block_table=block_table, check_values=False,
-        config=MaskedDecodeConfig(path=config_path),  # type: ignore[arg-type]
+        config=MaskedDecodeConfig(path=path),  # type: ignore[arg-type]
     )  # fmt: skip
-    assert_matches(out, lse, *reference_on_sanitized(q, k, v, mask, seqlens, block_table))
+    assert_matches(out.cpu(), lse.cpu(), ref, ref_lse)
     assert torch.isfinite(out).all()
     with pytest.raises(ValueError, match=r"block_table held page ids outside \[0, num_pages\)"):
-        check_errors(cpu_device)
-    check_errors(cpu_device)  # cleared
+        check_errors(device)
+    check_errors(device)  # cleared
+
+
+@pytest.mark.parametrize("bad_id", [pytest.param(10**6, id="id-1e6"), pytest.param(-7, id="id-minus-7")])
+@pytest.mark.parametrize("path", ["sparse", "dense"])
+def test_out_of_range_page_id_is_never_read(bad_id: int, path: str, cpu_device: torch.device) -> None:
+    check_page_id_never_read(cpu_device, bad_id, path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad_id", [pytest.param(10**6, id="id-1e6"), pytest.param(-7, id="id-minus-7")])
+@pytest.mark.parametrize("path", ["sparse", "dense"])
+def test_out_of_range_page_id_is_never_read_gpu(bad_id: int, path: str, cuda_device: torch.device) -> None:
+    check_page_id_never_read(cuda_device, bad_id, path)
+
+
+@pytest.mark.gpu
+def test_checked_calls_report_without_a_sync_gpu(cuda_device: torch.device) -> None:
+    """With check_values (the default) a GPU call does not wait for its own record: a later call raises
+    once the record has reached the host, then calls go on."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, block_table = (
+        t.to(cuda_device) for t in paged_inputs(gen, 2, 2, 4, pages_per_seq=4, page=8, dim=32)
+    )
+    bad = block_table.clone()
+    bad[1, 0] = 10**6
+    masked_decode(q, k, v, block_table=block_table)  # a clean call first
+    torch.cuda.synchronize()
+    out, _ = masked_decode(q, k, v, block_table=bad)  # records the bad id; returns before it is read back
+    assert torch.isfinite(out).all()
+    torch.cuda.synchronize()
+    reported = []
+    for _ in range(3):  # the record has landed by the next call (at the latest the one after)
+        try:
+            masked_decode(q, k, v, block_table=block_table)
+        except ValueError as err:
+            reported.append(str(err))
+            break
+        torch.cuda.synchronize()
+    assert reported, "a later checked call must report the out-of-range page id"
+    assert "block_table held page ids outside [0, num_pages)" in reported[0]
+    for _ in range(3):  # reported once: clean calls go on
+        masked_decode(q, k, v, block_table=block_table)
+        torch.cuda.synchronize()
+    check_errors(cuda_device)  # cleared by the report
 
 
 def test_out_of_range_seqlens_are_clamped(cpu_device: torch.device) -> None:
@@ -93,24 +146,17 @@ def test_out_of_range_seqlens_are_clamped(cpu_device: torch.device) -> None:
         check_errors(cpu_device)
 
 
-def test_checked_call_still_names_the_entry(cpu_device: torch.device) -> None:
+def test_checked_call_names_the_entry_cpu(cpu_device: torch.device) -> None:
+    """On the CPU the record is final when the call returns: the call itself raises, naming the entry."""
     gen = torch.Generator().manual_seed(3)
     q, k, v, block_table = paged_inputs(gen, batch=2, hkv=2, group=4, pages_per_seq=4, page=8, dim=32)
     block_table[1, 2] = -7
     with pytest.raises(ValueError, match=r"block_table\[1, 2\] = -7 is out of range"):
         masked_decode(q, k, v, None, block_table=block_table)
+    check_errors(cpu_device)  # reported once
 
 
-@pytest.mark.parametrize(
-    "poison",
-    [
-        pytest.param("k+inf", id="plus-inf-in-visible-k-row"),
-        pytest.param("k-inf", id="minus-inf-in-visible-k-row"),
-        pytest.param("q-nan", id="nan-in-q"),
-        pytest.param("k-nan", id="nan-in-visible-k-row"),
-    ],
-)
-def test_non_finite_inputs_match_the_reference(poison: str, cpu_device: torch.device) -> None:
+def check_non_finite(device: torch.device, poison: str) -> None:
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(2, 8, 32, generator=gen).half()
     k = torch.randn(2, 2, 48, 32, generator=gen).half()
@@ -125,14 +171,34 @@ def test_non_finite_inputs_match_the_reference(poison: str, cpu_device: torch.de
         k[0, 1, 5, 3] = float("nan")
     else:
         q[1, 2, 0] = float("nan")
-    out, lse = masked_decode(q, k, v, mask)
     ref, ref_lse = masked_decode_ref(q, k, v, mask)
+    out, lse = masked_decode(*(t.to(device) for t in (q, k, v, mask)))
+    out, lse = out.cpu(), lse.cpu()
     assert_matches(out, lse, ref, ref_lse)
     poisoned = torch.isnan(ref_lse)
     if poison in ("k+inf", "k-nan", "q-nan"):
         assert poisoned.any(), "a NaN or +inf score must poison its rows"
     assert not (torch.isneginf(lse) & torch.isnan(out).any(-1)).any(), "a poisoned row must not read as empty"
     assert torch.isfinite(lse[~poisoned & ~torch.isneginf(ref_lse)]).all()
+
+
+POISONS = [
+    pytest.param("k+inf", id="plus-inf-in-visible-k-row"),
+    pytest.param("k-inf", id="minus-inf-in-visible-k-row"),
+    pytest.param("q-nan", id="nan-in-q"),
+    pytest.param("k-nan", id="nan-in-visible-k-row"),
+]
+
+
+@pytest.mark.parametrize("poison", POISONS)
+def test_non_finite_inputs_match_the_reference(poison: str, cpu_device: torch.device) -> None:
+    check_non_finite(cpu_device, poison)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poison", POISONS)
+def test_non_finite_inputs_match_the_reference_gpu(poison: str, cuda_device: torch.device) -> None:
+    check_non_finite(cuda_device, poison)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

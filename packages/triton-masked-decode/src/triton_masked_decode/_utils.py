@@ -8,8 +8,10 @@ import os
 import torch
 
 
+@functools.cache
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``; Triton reads it when
+    the kernels are defined, so it is read once)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -711,6 +711,218 @@ def _plan_launch(
     return launch, threshold
 
 
+def _pow2(x: int) -> int:
+    """Smallest power of two >= x (``triton.next_power_of_2`` without its JIT-function call cost)."""
+    return 1 << (x - 1).bit_length() if x > 1 else 1
+
+
+class _Static(NamedTuple):
+    """What a launch derives from shapes, strides and its plan: the same for every call of a signature."""
+
+    batch: int
+    hq: int
+    hkv: int
+    head_dim: int
+    num_pages: int
+    mask_strides: tuple[int, ...]
+    strides: tuple[int, ...]  # q, k, v, mask, block table, partial out, partial lse (the kernel's order)
+    merge_strides: tuple[int, ...]
+    size_class: int
+    idx_numel: int
+    meta: dict
+    merge_grid: tuple[int, int, int]
+    merge_meta: dict
+
+
+def _static(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seqlens: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    plan: _Launch,
+) -> _Static:
+    batch, hq, d = q.shape
+    paged = block_table is not None
+    hkv = k.shape[2] if paged else k.shape[1]
+    splits, chunk = plan.splits, plan.chunk
+    mask_mode = _MASK_NONE if mask is None else _MASK_PACKED if mask.dtype == torch.uint8 else _MASK_BOOL
+    mstrides = (0, 0, 0) if mask is None else tuple(mask.stride())
+    # Outputs and partials are fresh contiguous tensors: [B, Hq, D] / [B, Hq] or [B, Hq, S, D] / [B, Hq, S].
+    if splits == 1:
+        po, pl = (hq * d, d, 0), (hq, 1, 0)
+    else:
+        po, pl = (hq * splits * d, splits * d, d), (hq * splits, splits, 1)
+    if paged:
+        # Paged [P, page_size, Hkv, D]: "batch" stride slots carry the page stride.
+        ks = (k.stride(0), k.stride(2), k.stride(1))
+        vs = (v.stride(0), v.stride(2), v.stride(1))
+        page_size = k.shape[1]
+    else:
+        ks = (k.stride(0), k.stride(1), k.stride(2))
+        vs = (v.stride(0), v.stride(1), v.stride(2))
+        page_size = 1
+    strides = (
+        q.stride(0), q.stride(1), *ks, *vs, *mstrides,
+        block_table.stride(0) if block_table is not None else 1,
+        *po, *pl,
+    )  # fmt: skip
+    block_d = max(16, _pow2(d))
+    meta = dict(
+        G=hq // hkv, BLOCK_G=max(16, _pow2(hq // hkv)), HEAD_DIM=d, BLOCK_D=block_d,
+        BLOCK_NS=plan.block_ns, SPARSE_STAGES=plan.sparse_stages, BLOCK_C=plan.block_c, MASK_MODE=mask_mode,
+        HAS_SEQLENS=seqlens is not None, PAGED=paged, PAGE_SIZE=page_size, COMPACT=bool(plan.compact),
+        SPARSE_ONLY=bool(plan.sparse_only), UPCAST=interpreting() and q.dtype == torch.bfloat16,
+        PDL=bool(plan.pdl),
+    )  # fmt: skip
+    if not plan.autotune:
+        meta.update(BLOCK_N=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    # One merge program per (query head, sequence, head-dim slice); each reads at most 64 partial values per
+    # thread per step (BLOCK_S splits at a time).
+    block_dm, merge_warps = plan.merge_block_d, plan.merge_warps
+    merge_meta = dict(
+        HEAD_DIM=d, BLOCK_D=block_dm, BLOCK_S=min(max(merge_warps * 32 * 64 // block_dm, 1), _pow2(splits)),
+        HAS_SEQLENS=seqlens is not None, PDL=bool(plan.pdl), num_warps=merge_warps, launch_pdl=bool(plan.pdl),
+    )  # fmt: skip
+    return _Static(
+        batch=batch,
+        hq=hq,
+        hkv=hkv,
+        head_dim=d,
+        num_pages=k.shape[0] if paged else 0,
+        mask_strides=mstrides,
+        strides=strides,
+        merge_strides=(*po, *pl, hq * d, d, hq, 1),
+        size_class=_pow2(batch * hkv * splits) * 1_000_000 + chunk,
+        idx_numel=batch * hkv * splits * chunk if plan.compact else 0,
+        meta=meta,
+        merge_grid=(hq, batch, -(-block_d // block_dm)),
+        merge_meta=merge_meta,
+    )
+
+
+_DUMMIES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_ALIGN = 256  # workspace pieces start on 256-byte boundaries, like fresh allocations
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _dummies(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8, int32) one-element tensors standing in for absent optional inputs (never read)."""
+    pair = _DUMMIES.get(device)
+    if pair is None:
+        pair = (
+            torch.zeros(1, dtype=torch.uint8, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+        )
+        if not _capturing(device):
+            _DUMMIES[device] = pair
+    return pair
+
+
+class _Workspace:
+    """A byte buffer for the split kernel's scratch and its views per layout, reused by the calls made on
+    one stream (stream order keeps them apart)."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.views: dict[tuple[int, int, int], tuple[torch.Tensor | None, ...]] = {}
+
+    def carve(self, idx_bytes: int, part_bytes: int, lse_bytes: int) -> tuple[torch.Tensor | None, ...]:
+        """(index lists int32, partial outputs float32, partial LSEs float32), each None when empty."""
+        layout = (idx_bytes, part_bytes, lse_bytes)
+        views = self.views.get(layout)
+        if views is None:
+            o_at = -(-idx_bytes // _ALIGN) * _ALIGN
+            l_at = o_at + -(-part_bytes // _ALIGN) * _ALIGN
+            views = self.views[layout] = tuple(
+                self.buf[at : at + n].view(dtype) if n else None
+                for at, n, dtype in (
+                    (0, idx_bytes, torch.int32), (o_at, part_bytes, torch.float32), (l_at, lse_bytes, torch.float32)
+                )
+            )  # fmt: skip
+        return views
+
+
+_WORKSPACES: dict[tuple[torch.device, int], _Workspace] = {}
+
+
+def _scratch(
+    device: torch.device, idx_bytes: int, part_bytes: int, lse_bytes: int
+) -> tuple[torch.Tensor | None, ...]:
+    """Scratch views for a launch: from the stream's cached workspace, or fresh while a CUDA graph is being
+    captured (the graph keeps its own)."""
+    nbytes = -(-idx_bytes // _ALIGN) * _ALIGN + -(-part_bytes // _ALIGN) * _ALIGN + lse_bytes
+    if _capturing(device):
+        return _Workspace(nbytes, device).carve(idx_bytes, part_bytes, lse_bytes)
+    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.buf.numel() < nbytes:
+        ws = _WORKSPACES[key] = _Workspace(nbytes, device)
+    return ws.carve(idx_bytes, part_bytes, lse_bytes)
+
+
+def _run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seqlens: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    error_flag: torch.Tensor,
+    seqlen_const: int,
+    sm_scale: float,
+    max_len: int,
+    sparse_threshold: float,
+    plan: _Launch,
+    st: _Static,
+    readback: _FlagReadback | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the split kernel (and the merge when there is more than one split) on validated inputs; with
+    ``readback``, start the asynchronous copy of the error word to the host after the launches."""
+    dev = q.device
+    batch, hq, d, splits = st.batch, st.hq, st.head_dim, plan.splits
+    dummy_u8, dummy_i32 = _dummies(dev)
+    out = torch.empty(batch, hq, d, dtype=q.dtype, device=dev)
+    lse = torch.empty(batch, hq, dtype=torch.float32, device=dev)
+    # Scratch: the sparse loop's index lists, then (with several splits) the partial outputs and LSEs.
+    multi = splits > 1
+    idx, o_part, l_part = _scratch(
+        dev,
+        4 * st.idx_numel,
+        4 * batch * hq * splits * d if multi else 0,
+        4 * batch * hq * splits if multi else 0,
+    )
+    if idx is None:
+        idx = dummy_i32
+    if o_part is None or l_part is None:
+        o_part, l_part = out, lse
+    seq_t = seqlens if seqlens is not None else dummy_i32
+    args = (
+        q, k, v, dummy_u8 if mask is None else mask.view(torch.uint8), seq_t,
+        dummy_i32 if block_table is None else block_table, idx, o_part, l_part, error_flag,
+        seqlen_const, max_len, st.num_pages, plan.chunk, sm_scale * _LOG2E, sparse_threshold, st.size_class,
+        *st.strides,
+    )  # fmt: skip
+    grid = (splits, st.hkv, batch)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        if plan.autotune:  # Triton launches on the current device
+            _split_kernel_tuned()[grid](*args, **st.meta)
+        else:
+            _masked_decode_split_kernel[grid](*args, **st.meta)
+        if splits > 1:
+            _merge_splits_kernel[st.merge_grid](
+                o_part, l_part, out, lse, seq_t, seqlen_const, max_len, plan.chunk, splits, *st.merge_strides,
+                **st.merge_meta,
+            )  # fmt: skip
+        if readback is not None:
+            readback.start()
+    return out, lse
+
+
 def _launch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -725,89 +937,29 @@ def _launch(
     sparse_threshold: float,
     launch: List[int],  # noqa: UP006 (torch < 2.7 infers a custom op's schema from typing.List only)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the split kernel (and the merge when there is more than one split) on validated inputs.
+    """The custom op: :func:`_run` on validated inputs, with the plan as a list of ints.
 
     ``error_flag`` (int32 ``[1]``) gets the ``_ERR_*`` bits of out-of-range values the kernel met;
     ``launch`` is a :class:`_Launch` as a list (the custom op's schema has no named tuples).
     """
-    batch, hq, d = q.shape
-    if batch == 0:
+    if q.shape[0] == 0:
         return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
     plan = _Launch(*launch)
-    paged = block_table is not None
-    hkv = k.shape[2] if paged else k.shape[1]
-    splits, chunk = plan.splits, plan.chunk
-    mask_mode = _MASK_NONE
-    if mask is not None:
-        mask_mode = _MASK_PACKED if mask.dtype == torch.uint8 else _MASK_BOOL
-        mask_t = mask.view(torch.uint8)
-        mstrides = mask_t.stride()
-    else:
-        mask_t = torch.empty(1, dtype=torch.uint8, device=q.device)
-        mstrides = (0, 0, 0)
-    if plan.compact:
-        idx = torch.empty(batch * hkv * splits * chunk, dtype=torch.int32, device=q.device)
-    else:
-        idx = torch.empty(1, dtype=torch.int32, device=q.device)
-    seq_t = seqlens if seqlens is not None else torch.empty(1, dtype=torch.int32, device=q.device)
-    bt_t = block_table if block_table is not None else torch.empty(1, dtype=torch.int32, device=q.device)
-
-    out = torch.empty(batch, hq, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
-    if splits == 1:
-        o_part, l_part = out, lse
-        po: tuple[int, ...] = (out.stride(0), out.stride(1), 0)
-        pl: tuple[int, ...] = (lse.stride(0), lse.stride(1), 0)
-    else:
-        o_part = torch.empty(batch, hq, splits, d, dtype=torch.float32, device=q.device)
-        l_part = torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device)
-        po, pl = o_part.stride()[:3], l_part.stride()
-    if paged:
-        # Paged [P, page_size, Hkv, D]: "batch" stride slots carry the page stride.
-        ks = (k.stride(0), k.stride(2), k.stride(1))
-        vs = (v.stride(0), v.stride(2), v.stride(1))
-        page_size = k.shape[1]
-    else:
-        ks = (k.stride(0), k.stride(1), k.stride(2))
-        vs = (v.stride(0), v.stride(1), v.stride(2))
-        page_size = 1
-    size_class = triton.next_power_of_2(batch * hkv * splits) * 1_000_000 + chunk
+    st = _static(q, k, v, mask, seqlens, block_table, plan)
     args = (
-        q, k, v, mask_t, seq_t, bt_t, idx, o_part, l_part, error_flag,
-        seqlen_const, max_len, k.shape[0] if paged else 0, chunk, sm_scale * _LOG2E, sparse_threshold, size_class,
-        q.stride(0), q.stride(1),
-        *ks, *vs, *mstrides, bt_t.stride(0),
-        *po, *pl,
-    )  # fmt: skip
-    block_d = max(16, triton.next_power_of_2(d))
-    meta = dict(
-        G=hq // hkv, BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), HEAD_DIM=d, BLOCK_D=block_d,
-        BLOCK_NS=plan.block_ns, SPARSE_STAGES=plan.sparse_stages, BLOCK_C=plan.block_c, MASK_MODE=mask_mode,
-        HAS_SEQLENS=seqlens is not None, PAGED=paged, PAGE_SIZE=page_size, COMPACT=bool(plan.compact),
-        SPARSE_ONLY=bool(plan.sparse_only), UPCAST=interpreting() and q.dtype == torch.bfloat16,
-        PDL=bool(plan.pdl),
-    )  # fmt: skip
-    grid = (splits, hkv, batch)
-    # One merge program per (query head, sequence, head-dim slice); each reads at most 64 partial values per
-    # thread per step (BLOCK_S splits at a time).
-    block_dm, merge_warps = plan.merge_block_d, plan.merge_warps
-    block_s = min(max(merge_warps * 32 * 64 // block_dm, 1), triton.next_power_of_2(splits))
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        if plan.autotune:  # Triton launches on the current device
-            _split_kernel_tuned()[grid](*args, **meta)
-        else:
-            _masked_decode_split_kernel[grid](
-                *args, **meta, BLOCK_N=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages
-            )
-        if splits == 1:
-            return out, lse
-        _merge_splits_kernel[(hq, batch, triton.cdiv(block_d, block_dm))](
-            o_part, l_part, out, lse, seq_t, seqlen_const, max_len, chunk, splits,
-            *o_part.stride()[:3], *l_part.stride(), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_dm, BLOCK_S=block_s,
-            HAS_SEQLENS=seqlens is not None, PDL=bool(plan.pdl), num_warps=merge_warps, launch_pdl=bool(plan.pdl),
-        )  # fmt: skip
-    return out, lse
+        q,
+        k,
+        v,
+        mask,
+        seqlens,
+        block_table,
+        error_flag,
+        seqlen_const,
+        sm_scale,
+        max_len,
+        sparse_threshold,
+    )
+    return _run(*args, plan, st)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -941,13 +1093,6 @@ def _check_seqlens(seqlens: torch.Tensor | int | None, q3: torch.Tensor, max_len
     return max_len
 
 
-def _value_checks_allowed() -> bool:
-    """Host-syncing value checks are skipped while a CUDA graph is being captured or torch.compile traces."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def _check_values(
     k: torch.Tensor,
     seqlens: torch.Tensor | int | None,
@@ -989,14 +1134,44 @@ def _error_flag(device: torch.device) -> torch.Tensor:
     return flag
 
 
+class _FlagReadback:
+    """Reads a CUDA device's error word without stopping the host: after a call, an asynchronous copy into
+    pinned memory; a later call looks at it once the copy has landed (an event query, no sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.flag = _error_flag(device)
+        self.host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.event = torch.cuda.Event()
+        self.pending = False
+
+    def start(self) -> None:
+        """After the launches (on the current stream of the device): copy the word unless one is in flight."""
+        if not self.pending:
+            self.host.copy_(self.flag, non_blocking=True)
+            self.event.record()
+            self.pending = True
+
+    def landed_bits(self) -> int:
+        """The bits of the last copy if it has landed, else 0 (and nothing waits)."""
+        if not self.pending or not self.event.query():
+            return 0
+        self.pending = False
+        return int(self.host[0])
+
+
+_READBACKS: dict[torch.device, _FlagReadback] = {}
+
+
 def check_errors(device: torch.device | str | None = None) -> None:
-    """Raise if a :func:`masked_decode` call on ``device`` since the last check met out-of-range values.
+    """Raise if a :func:`masked_decode` call on ``device`` since the last report met out-of-range values.
 
     The kernel never reads memory through an out-of-range value: a ``seqlens`` entry outside ``[0, L]`` is
     clamped into it, and a used ``block_table`` entry outside ``[0, num_pages)`` makes its rows count as
-    excluded. It records either case in a per-device error word, which this function reads (a host
-    sync) and clears. Use it after calls made with ``check_values=False``, in a CUDA graph or under
-    ``torch.compile``.
+    excluded. It records either case in a per-device error word. Calls with ``check_values=True`` report
+    it without a host sync, at a later call (on a GPU, once the word's copy to the host has landed); this
+    function reads it now (a host sync) and clears it. Use it after calls made with
+    ``check_values=False``, in a CUDA graph or under ``torch.compile``, or to get the report at once.
 
     Args:
         device: the device of the calls; default the current CUDA device, or the CPU without CUDA.
@@ -1012,6 +1187,9 @@ def check_errors(device: torch.device | str | None = None) -> None:
     flag = _ERROR_FLAGS.get(dev)
     if flag is None:
         return
+    readback = _READBACKS.get(dev)
+    if readback is not None:
+        readback.pending = False  # the word is read here; an in-flight copy is stale
     bits = int(flag.item())
     if bits:
         flag.zero_()
@@ -1027,6 +1205,81 @@ def _raise_flagged(bits: int) -> None:
     if bits & 2:
         what.append("seqlens held values outside [0, L] (they were clamped into it)")
     _fail("a call since the last check met out-of-range values: " + "; ".join(what))
+
+
+class _Signature(NamedTuple):
+    """A validated call signature and what it determines (cached; see :func:`_signature_key`)."""
+
+    q_is_4d: bool
+    hkv: int
+    max_len: int
+    seqlen_const: int
+    grid_len: int
+    scale: float
+    plan: _Launch
+    threshold: float
+    static: _Static | None  # None for an empty batch
+
+
+_SIGNATURES: dict[tuple, _Signature] = {}
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _signature_key(q, k, v, mask, seqlens, block_table, sm_scale, config) -> tuple | None:
+    """Everything validation and planning depend on (shapes, strides, dtypes, devices, the host-int length,
+    the scale, the config); None when an argument is not even a tensor (validation reports it)."""
+    try:
+        seq = (type(seqlens), seqlens) if not isinstance(seqlens, torch.Tensor) else _tensor_key(seqlens)
+        return (
+            _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(mask), seq, _tensor_key(block_table),
+            type(sm_scale), sm_scale, config, interpreting(),
+        )  # fmt: skip
+    except (AttributeError, TypeError):
+        return None
+
+
+def _validate_and_plan(q, k, v, mask, seqlens, block_table, sm_scale, config, cached: bool) -> _Signature:
+    q3 = _check_q(q)
+    hkv, max_len = _check_cache(q3, k, v, block_table)
+    _check_mask(mask, q3, hkv, max_len)
+    seqlen_const = _check_seqlens(seqlens, q3, max_len)
+    scale = q3.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"masked_decode: sm_scale must be finite, got {sm_scale}")
+    seq_t = seqlens if isinstance(seqlens, torch.Tensor) else None
+    # A host-int length shortens the grid (it is baked into any captured graph anyway).
+    grid_len = max_len if seq_t is not None else seqlen_const
+    batch, hq, d = q3.shape
+    if batch == 0:
+        plan, threshold, static = _Launch(*[0] * len(_Launch._fields)), 0.0, None
+    else:
+        # (torch.compile traces the planner itself: its cache is a host-side shortcut of eager calls)
+        plan_launch = _plan_launch if cached else _plan_launch.__wrapped__
+        plan, threshold = plan_launch(
+            batch, hq, hkv, d, grid_len, mask is not None, config, _device_facts(q3.device)
+        )
+        static = _static(q3, k, v, mask, seq_t, block_table, plan) if cached else None
+    return _Signature(q.dim() == 4, hkv, max_len, seqlen_const, grid_len, scale, plan, threshold, static)
+
+
+def _report_flagged_values(
+    device: torch.device,
+    k: torch.Tensor,
+    seqlens: torch.Tensor | int | None,
+    sig: _Signature,
+    block_table: torch.Tensor | None,
+) -> None:
+    """``check_values`` after a launch on the CPU: the error word is already final, so a flagged call is
+    reported at once, naming the entry (the full check runs only then)."""
+    flag = _ERROR_FLAGS[device]
+    bits = int(flag[0])
+    if bits:
+        flag.zero_()
+        _check_values(k, seqlens, sig.seqlen_const, block_table, sig.max_len)
+        _raise_flagged(bits)
 
 
 def masked_decode(
@@ -1066,12 +1319,13 @@ def masked_decode(
             (``page_size`` a power of two).
         sm_scale: softmax scale, default ``D ** -0.5``.
         return_lse: return ``(out, lse)`` when True (default), ``out`` alone when False.
-        check_values: check tensor *values* (``seqlens`` within ``[0, L]``, used ``block_table`` entries
-            within ``[0, num_pages)``) before the launch. Needs a device-to-host sync, so it is skipped
-            during CUDA-graph capture and torch.compile tracing; pass False in a latency-critical decode
-            loop. Skipping it never makes an out-of-bounds access possible: the kernel clamps ``seqlens``
-            into ``[0, L]``, treats the rows behind an out-of-range page id as excluded, and records
-            either case for :func:`check_errors`.
+        check_values: report tensor *values* out of range (``seqlens`` outside ``[0, L]``, used
+            ``block_table`` entries outside ``[0, num_pages)``) without a host sync: the kernel records
+            them, and a ``ValueError`` is raised by a later call once the record has reached the host
+            (on the CPU, by this call, naming the entry); :func:`check_errors` reports at once. With False
+            nothing is reported unless :func:`check_errors` is called. Either way the kernel never reads
+            through such a value: it clamps ``seqlens`` into ``[0, L]`` and treats the rows behind an
+            out-of-range page id as excluded.
         config: launch knobs (:class:`MaskedDecodeConfig`: loop choice, split count, tiles); default:
             the tuned defaults of the device.
 
@@ -1082,49 +1336,53 @@ def masked_decode(
         ``lse = NaN``, as :func:`masked_decode_ref` does.
 
     Raises:
-        ValueError: a shape, dtype, device or stride that does not fit, or (with ``check_values``) a
-            ``seqlens`` or used ``block_table`` value out of range; the message names the argument.
+        ValueError: a shape, dtype, device or stride that does not fit (the message names the argument),
+            or, with ``check_values``, out-of-range values met by this or an earlier call.
         TypeError: ``config`` is not a :class:`MaskedDecodeConfig`.
     """
     cfg = _DEFAULT_CONFIG if config is None else config
     if not isinstance(cfg, MaskedDecodeConfig):
         raise TypeError(f"masked_decode: config must be a MaskedDecodeConfig or None, got {type(config)}")
-    q3 = _check_q(q)
-    hkv, max_len = _check_cache(q3, k, v, block_table)
-    _check_mask(mask, q3, hkv, max_len)
-    seqlen_const = _check_seqlens(seqlens, q3, max_len)
-    if check_values and _value_checks_allowed():
-        _check_values(k, seqlens, seqlen_const, block_table, max_len)
-    scale = q3.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"masked_decode: sm_scale must be finite, got {sm_scale}")
-    seq_t = seqlens if isinstance(seqlens, torch.Tensor) else None
-    # A host-int length shortens the grid (it is baked into any captured graph anyway).
-    grid_len = max_len if seq_t is not None else seqlen_const
-    batch, hq, d = q3.shape
-    if batch == 0:
-        launch, threshold = [0] * len(_Launch._fields), 0.0
+    if torch.compiler.is_compiling():  # traced: the custom op, no host-side caches or checks
+        sig = _validate_and_plan(q, k, v, mask, seqlens, block_table, sm_scale, cfg, cached=False)
+        q3 = q.squeeze(2) if sig.q_is_4d else q
+        out, lse = torch.ops.triton_masked_decode.masked_decode(
+            q3, k, v, mask, seqlens if isinstance(seqlens, torch.Tensor) else None, block_table,
+            _error_flag(q3.device), sig.seqlen_const, sig.scale, sig.grid_len, sig.threshold, list(sig.plan),
+        )  # fmt: skip
     else:
-        # (torch.compile traces the planner itself: its cache is a host-side shortcut of eager calls)
-        plan_launch = _plan_launch.__wrapped__ if torch.compiler.is_compiling() else _plan_launch
-        plan, threshold = plan_launch(
-            batch, hq, hkv, d, grid_len, mask is not None, cfg, _device_facts(q3.device)
-        )
-        launch = list(plan)
-    out, lse = torch.ops.triton_masked_decode.masked_decode(
-        q3,
-        k,
-        v,
-        mask,
-        seq_t,
-        block_table,
-        _error_flag(q3.device),
-        seqlen_const,
-        scale,
-        grid_len,
-        threshold,
-        launch,
-    )
-    if q.dim() == 4:
+        key = _signature_key(q, k, v, mask, seqlens, block_table, sm_scale, cfg)
+        known = _SIGNATURES.get(key) if key is not None else None
+        if known is None:
+            sig = _validate_and_plan(q, k, v, mask, seqlens, block_table, sm_scale, cfg, cached=True)
+            if key is not None:
+                if len(_SIGNATURES) > 4096:
+                    _SIGNATURES.clear()
+                _SIGNATURES[key] = sig
+        else:
+            sig = known
+        q3 = q.squeeze(2) if sig.q_is_4d else q
+        dev = q3.device
+        if sig.static is None:  # empty batch
+            out, lse = q3.new_empty(q3.shape), q3.new_empty(q3.shape[:2], dtype=torch.float32)
+        else:
+            flag = _error_flag(dev)
+            readback = None
+            if check_values and dev.type == "cuda" and not _capturing(dev):
+                readback = _READBACKS.get(dev)
+                if readback is None:
+                    readback = _READBACKS[dev] = _FlagReadback(dev)
+                bits = readback.landed_bits()
+                if bits:
+                    flag.zero_()
+                    _raise_flagged(bits)
+            seq_t = seqlens if isinstance(seqlens, torch.Tensor) else None
+            out, lse = _run(
+                q3, k, v, mask, seq_t, block_table, flag, sig.seqlen_const, sig.scale, sig.grid_len,
+                sig.threshold, sig.plan, sig.static, readback,
+            )  # fmt: skip
+            if check_values and dev.type != "cuda":
+                _report_flagged_values(dev, k, seqlens, sig, block_table)
+    if sig.q_is_4d:
         out = out.unsqueeze(2)
     return (out, lse) if return_lse else out
