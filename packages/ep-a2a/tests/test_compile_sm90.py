@@ -71,7 +71,9 @@ def test_every_variant_compiles(args: list[str], tiled: bool) -> None:
     # the row dtype, float32 and 1-wide rows
     assert kinds["dispatch"] >= (1 if remote else 4)
     assert kinds["combine"] == 3 * (2 if remote else 1)
-    if tiled and GPU_IMAGE_TRITON:  # the check saw the tile loops: every dispatch and combine variant has some, none a barrier
+    if (
+        tiled and GPU_IMAGE_TRITON
+    ):  # the check saw the tile loops: every dispatch and combine variant has some, none a barrier
         found = re.findall(r"^(dispatch|combine) .* tile-loop-barriers=\[([0-9, ]*)\]$", out, re.M)
         assert {k for k, _ in found} == {"dispatch", "combine"}, out
         assert any(counts for _, counts in found), "no tile loop found"

@@ -754,7 +754,9 @@ def _dispatch_send_chunk(
         xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(ld, 0, hh, H, EVEN_H))
         for h0 in range(0, H, BH):
             hn = h0 + BH
-            nxt = tl.load(x_ptr + xrow[:, None] + hn + hh[None, :], mask=_m(_and(ld, hn < H), hn, hh, H, EVEN_H))
+            nxt = tl.load(
+                x_ptr + xrow[:, None] + hn + hh[None, :], mask=_m(_and(ld, hn < H), hn, hh, H, EVEN_H)
+            )
             if PEERS:
                 _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
                              off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
