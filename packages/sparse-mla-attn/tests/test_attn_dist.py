@@ -179,3 +179,11 @@ def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk):
     torch.testing.assert_close(got, ref, atol=TOL["gpu"][0], rtol=TOL["gpu"][1])
     assert torch.all(got[3] == 0)
     assert torch.equal(got, attn_dist(q, kv, idx, lse, 0.0416, config=config, **kw))
+
+
+def test_indexer_target_rejects_negative_and_nan():
+    with pytest.raises(ValueError, match="attn_sum must hold probabilities"):
+        indexer_target(torch.tensor([[0.5, -0.1]]))
+    with pytest.raises(ValueError, match="attn_sum must hold probabilities"):
+        indexer_target(torch.tensor([[0.5, float("nan")]]))
+    assert indexer_target(torch.zeros(0, 4)).shape == (0, 4)

@@ -275,3 +275,15 @@ def test_indexer_logits_bwd_gpu(s_q, h, d, s_kv, kw):
         assert torch.isfinite(a).all(), name
         assert rel_err(a, b) < BWD_TOL[torch.bfloat16], (name, rel_err(a, b))
         assert torch.equal(a, c), f"{name} changed between runs"
+
+
+def test_kl_loss_of_no_query_is_zero():
+    lg = torch.zeros(0, 8, requires_grad=True)
+    for reduction in ("mean", "sum"):
+        loss = indexer_kl_loss(lg, torch.zeros(0, 8), reduction=reduction)
+        assert loss.item() == 0.0
+        ref = indexer_kl_loss_ref(lg, torch.zeros(0, 8), reduction=reduction)
+        assert ref.item() == 0.0
+    loss.backward()
+    assert lg.grad is not None
+    assert lg.grad.shape == (0, 8)

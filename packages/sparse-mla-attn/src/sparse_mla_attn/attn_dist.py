@@ -279,12 +279,17 @@ def indexer_target(attn_sum: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
 
     Returns:
         ``[s_q, topk]`` float32, each row summing to 1 (or all 0), with no autograd history.
+
+    Raises:
+        ValueError: ``attn_sum`` is not 2-D, or holds a negative or NaN entry.
     """
     if not isinstance(attn_sum, torch.Tensor) or attn_sum.dim() != 2:
         raise ValueError(
             f"attn_sum must be a 2-D tensor [s_q, topk], got {getattr(attn_sum, 'shape', attn_sum)}"
         )
     a = attn_sum.detach().float()
+    if a.numel() and bool((a < 0).any() | a.isnan().any()):
+        raise ValueError("attn_sum must hold probabilities (>= 0, not NaN), e.g. from attn_dist")
     total = a.sum(-1, keepdim=True) + eps
     return torch.where(total > 0, a / torch.where(total > 0, total, 1.0), 0.0)
 
@@ -356,7 +361,11 @@ def attn_dist(
         q: ``[s_q, h_q, d_qk]`` bf16 (or fp16), ``d_qk`` 576 or 512, ``1 <= h_q <= 128``.
         kv: ``[s_kv, 1, d_qk]`` q's dtype.
         indices: ``[s_q, 1, topk]`` int32, any ``topk >= 1``.
-        lse: ``[s_q, h_q]`` float32 log-sum-exp per head.
+        lse: ``[s_q, h_q]`` float32 log-sum-exp per head, the forward's for the same causal settings.
+            Where the forward found no valid index (``lse = -inf``) every slot is invalid and ``attn_sum``
+            is 0; an ``lse`` that is -inf or NaN where valid slots exist gives inf / NaN, as
+            :func:`~sparse_mla_attn.reference.attn_dist_ref` does (not checked: that would synchronise
+            with the device).
         sm_scale: softmax scale applied to ``q · k``.
         q_start_index: position of query 0.
         k_stride: query positions per KV entry.

@@ -603,7 +603,7 @@ def indexer_kl_loss(
         loss[t] = Σ_{i ∈ V_t, p > 0} p[t, i] * (log p[t, i] - log_softmax_{V_t}(I[t])[i])
 
     A query with no valid slot or an all-zero target contributes 0. ``reduction="mean"`` divides the
-    sum of ``loss[t]`` by ``s_q`` (all queries), ``"sum"`` sums, ``"none"`` returns ``[s_q]``. The gradient
+    sum of ``loss[t]`` by ``s_q`` (all queries; 0 when ``s_q = 0``), ``"sum"`` sums, ``"none"`` returns ``[s_q]``. The gradient
     with respect to ``indexer_logits_at_topk`` is ``softmax(I[t]) - p[t]`` (times the reduction's factor);
     ``attn_sum`` receives none.
 

@@ -393,13 +393,14 @@ def indexer_logits_bwd_ref(
 
 
 def reduce_loss(loss_rows: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Apply ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``) to per-query losses ``[s_q]``."""
+    """Apply ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``) to per-query losses ``[s_q]``; the mean of
+    no query (``s_q = 0``) is 0."""
     if reduction == "none":
         return loss_rows
     if reduction == "sum":
         return loss_rows.sum()
-    if reduction == "mean":
-        return loss_rows.mean()
+    if reduction == "mean":  # over no query at all: 0 (not NaN), still differentiable
+        return loss_rows.mean() if loss_rows.numel() else loss_rows.sum()
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
