@@ -42,7 +42,9 @@ LOGIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 @pytest.mark.parametrize(("s_q", "h", "d", "s_kv", "kw"), LOGIT_CASES)
 def test_indexer_logits_forward_and_backward(s_q, h, d, s_kv, kw, dtype):
     dev = kernel_test_device()
@@ -89,7 +91,9 @@ def rel_err(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 @pytest.mark.parametrize(("s_q", "h", "d", "s_kv", "kw"), BWD_CASES)
 def test_indexer_logits_bwd_kernel(s_q, h, d, s_kv, kw, dtype):
     """Triton backward against float64 autograd; the gradient at masked entries and the outputs are NaN

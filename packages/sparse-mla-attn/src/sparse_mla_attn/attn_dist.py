@@ -19,6 +19,7 @@ import triton.language as tl
 from sparse_mla_attn._runtime import check_kernel_device, define_op, interpreting, record_launch
 from sparse_mla_attn._validate import (
     SparseDims,
+    check_arg_types,
     check_causal_args,
     check_kernel_dims,
     check_lse,
@@ -129,46 +130,14 @@ def _attn_dist_kernel(
         for t0 in range(0, STATIC_T, BLOCK_T):
             idx = idx_n
             idx_n = tl.load(idx_row + t0 + BLOCK_T + offs_t, mask=t0 + BLOCK_T + offs_t < topk, other=-1)
-            _attn_dist_block(
-                t0,
-                topk,
-                idx,
-                hi,
-                KV,
-                stride_kv_row,
-                q_nope,
-                q_rope,
-                lse2,
-                sm_scale_log2,
-                out_row,
-                D_NOPE,
-                D_ROPE,
-                BLOCK_T,
-                ATOMIC,
-                DOT_F32,
-            )
+            _attn_dist_block(t0, topk, idx, hi, KV, stride_kv_row, q_nope, q_rope, lse2, sm_scale_log2, out_row,
+                             D_NOPE, D_ROPE, BLOCK_T, ATOMIC, DOT_F32)  # fmt: skip
     else:
         for t0 in range(0, topk, BLOCK_T):
             idx = idx_n
             idx_n = tl.load(idx_row + t0 + BLOCK_T + offs_t, mask=t0 + BLOCK_T + offs_t < topk, other=-1)
-            _attn_dist_block(
-                t0,
-                topk,
-                idx,
-                hi,
-                KV,
-                stride_kv_row,
-                q_nope,
-                q_rope,
-                lse2,
-                sm_scale_log2,
-                out_row,
-                D_NOPE,
-                D_ROPE,
-                BLOCK_T,
-                ATOMIC,
-                DOT_F32,
-            )
+            _attn_dist_block(t0, topk, idx, hi, KV, stride_kv_row, q_nope, q_rope, lse2, sm_scale_log2, out_row,
+                             D_NOPE, D_ROPE, BLOCK_T, ATOMIC, DOT_F32)  # fmt: skip
 
 
 def attn_dist_config(h_q: int, s_kv: int = 0) -> dict[str, Any]:
@@ -380,6 +349,11 @@ def attn_dist(
     Raises:
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
+    check_arg_types(
+        {"q": q, "kv": kv, "indices": indices, "lse": lse},
+        {"q_start_index": q_start_index, "k_stride": k_stride},
+    )
+    check_sm_scale(sm_scale)
     return torch.ops.sparse_mla_attn.attn_dist(
         q, kv, indices, lse, sm_scale, q_start_index, k_stride, lse_base, causal, (config or DEFAULT).backend
     )
