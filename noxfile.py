@@ -292,6 +292,7 @@ def multigpu(session: nox.Session) -> None:
         "-m",
         "pytest",
         "packages/ep-a2a/tests",
+        "tests/integration",
         "-m",
         "multigpu",
         "-p",

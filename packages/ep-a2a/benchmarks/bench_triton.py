@@ -40,7 +40,8 @@ import run_record
 import torch
 import torch.distributed as dist
 
-from ep_a2a import BackendOptions, TritonTuning
+from ep_a2a import TritonTuning
+from ep_a2a.backends import BackendOptions
 from ep_a2a.config import EPConfig
 
 SHAPES = {
@@ -273,6 +274,96 @@ class NcclPerExpert:
 
 
 # ---------------------------------------------------------------------------------------- main
+def eager_case(args, be, x, ids, w, timer, holder: dict) -> dict:
+    """The exact-shape calls of ``be``: dispatch (also after the device-side lead), combine, round trip;
+    leaves the last dispatch in ``holder["d"]``."""
+
+    def disp(be=be, holder=holder):
+        holder["d"] = be.dispatch(x, ids, w, None)
+
+    disp()
+    torch.cuda.synchronize()
+    t_disp = timer.median_ms(disp, args.iters)
+    h_disp = timer.host_ms
+    # the same calls with the host ahead of the GPU (device-side lead), as in a pipeline
+    t_disp_lead = timer.median_ms(disp, args.iters, lead=True)
+    y = holder["d"][0]
+    t_comb = timer.median_ms(lambda: be.combine(y, holder["d"][2]), args.iters, setup=disp)
+    h_comb = timer.host_ms
+
+    def rt():
+        d = be.dispatch(x, ids, w, None)
+        be.combine(d[0], d[2])
+
+    return {
+        "dispatch_ms": t_disp,
+        "combine_ms": t_comb,
+        "round_trip_ms": timer.median_ms(rt, args.iters),
+        "dispatch_host_ms": h_disp,
+        "combine_host_ms": h_comb,
+        "dispatch_ms_lead": t_disp_lead,
+        "overlap_exact": be.overlap_exact,
+        "speculative_rows": be.speculative_rows,
+    }
+
+
+def split_experiments(args, cfg, group, x, ids, w, num_sm_list, ref, route, res) -> None:
+    """Other sender / writer splits, steal off, int64 ids, the smaller SM counts, copy-engine dispatch
+    and worst-case buffers beside the default, each checked to give exactly its rows and sums (``ref``)."""
+    n, topk, hidden, world = x.shape[0], cfg.topk, cfg.hidden, cfg.world_size
+    # experiment: other sender / writer splits of the CTAs than the default (large layers on many
+    # SMs: num_sm // 3 dispatch and num_sm // 2 combine CTAs sending; 0 = every CTA both), graph
+    # mode and eager static mode, each checked to give exactly the default's rows and sums; and the
+    # graph mode at the smaller num_sm (its default: no split), for the num_sm=32 goal
+    nsm = num_sm_list[-1]
+    # the split's fixed shares without work stealing (steal=False), under both routings
+    res[f"ours-graph-nosteal-sm{nsm}"] = split_case(
+        args, cfg, group, x, ids, w, nsm, None, None, ref, steal=False
+    )
+    # the default with the ids as torch.topk gives them (int64, read in place by the kernels)
+    res[f"ours-graph-int64-sm{nsm}"] = split_case(args, cfg, group, x, ids.long(), w, nsm, None, None, ref)
+    if route == "uniform":
+        for gd, gc in ((0, 0), (nsm // 4, 2 * nsm // 3)):
+            res[f"ours-graph-split{gd}-{gc}-sm{nsm}"] = split_case(
+                args, cfg, group, x, ids, w, nsm, gd, gc, ref, copy_engine=False
+            )
+        for small in num_sm_list[:-1]:
+            res[f"ours-graph-sm{small}"] = split_case(args, cfg, group, x, ids, w, small, None, None, ref)
+            res[f"ours-graph-split{small // 4}-{small // 2}-sm{small}"] = split_case(
+                args, cfg, group, x, ids, w, small, small // 4, small // 2, ref
+            )
+        # copy-engine dispatch (copy_engine=True, off by default) beside the default, same run
+        for nsm_ab in num_sm_list:
+            res[f"ours-graph-ce-sm{nsm_ab}"] = split_case(
+                args, cfg, group, x, ids, w, nsm_ab, None, None, ref, copy_engine=True
+            )
+        # the exact-shape mode without the host wait before the row kernel (worst-case buffers),
+        # which the default keeps for layers whose worst case is at most 256 MiB
+        if world * n * topk * hidden * 2 > TritonTuning().overlap_bytes:
+            res[f"ours-overlap-sm{num_sm_list[-1]}"] = exact_variant_case(
+                args, cfg, group, x, ids, w, num_sm_list[-1], overlap_bytes=1 << 62
+            )
+
+
+def nccl_cases(args, rank, world, e_local, x, ids, w) -> dict:
+    """The NCCL ``all_to_all_single`` pipelines: one row per (token, destination rank) and per expert."""
+    res = {}
+    for name, cls in (("nccl-dest", NcclPerDest), ("nccl-expert", NcclPerExpert)):
+        pipe = cls(rank, world, e_local)
+        st = {}
+
+        def nd(pipe=pipe, st=st):
+            st["d"] = pipe.dispatch(x, ids, w)
+
+        nd()
+        t_d = Timer(lambda: None).median_ms(nd, args.iters)
+        t_c = Timer(lambda: None).median_ms(
+            lambda pipe=pipe, st=st: pipe.combine(st["d"][0], st["d"][2]), args.iters
+        )
+        res[name] = {"dispatch_ms": t_d, "combine_ms": t_c}
+    return res
+
+
 def run_case(
     args,
     shape_name,
@@ -312,38 +403,8 @@ def run_case(
     for num_sm in num_sm_list:
         be = triton_backend(cfg, group, num_sm=num_sm, use_aot=False, timeout_s=60.0, heap=heap)
         timer = Timer(lambda be=be: be.engine.launch_barrier())
-        holder = {}
-
-        def disp(be=be, holder=holder):
-            holder["d"] = be.dispatch(x, ids, w, None)
-
-        disp()
-        torch.cuda.synchronize()
-        t_disp = timer.median_ms(disp, args.iters)
-        h_disp = timer.host_ms
-        # the same calls with the host ahead of the GPU (device-side lead), as in a pipeline
-        t_disp_lead = timer.median_ms(disp, args.iters, lead=True)
-        y = holder["d"][0]
-        t_comb = timer.median_ms(
-            lambda be=be, holder=holder, y=y: be.combine(y, holder["d"][2]), args.iters, setup=disp
-        )
-        h_comb = timer.host_ms
-
-        def rt(be=be):
-            d = be.dispatch(x, ids, w, None)
-            be.combine(d[0], d[2])
-
-        t_rt = timer.median_ms(rt, args.iters)
-        res[f"ours-sm{num_sm}"] = {
-            "dispatch_ms": t_disp,
-            "combine_ms": t_comb,
-            "round_trip_ms": t_rt,
-            "dispatch_host_ms": h_disp,
-            "combine_host_ms": h_comb,
-            "dispatch_ms_lead": t_disp_lead,
-            "overlap_exact": be.overlap_exact,
-            "speculative_rows": be.speculative_rows,
-        }
+        holder: dict = {}
+        res[f"ours-sm{num_sm}"] = eager_case(args, be, x, ids, w, timer, holder)
         if extra and num_sm == num_sm_list[-1]:
             # CUDA-graph mode (static worst-case shapes, counts on device)
             g_d, g_c = capture_graphs(be, x, ids, w)
@@ -421,40 +482,7 @@ def run_case(
             # both over batch sizes that vary from call to call (kept apart: other bytes per call)
             case["varying"] = varying_case(args, shape_name, route, n, rank, world, group, dev, num_sm)
     if extra and n > 1024 and getattr(args, "split", False):
-        # experiment: other sender / writer splits of the CTAs than the default (large layers on many
-        # SMs: num_sm // 3 dispatch and num_sm // 2 combine CTAs sending; 0 = every CTA both), graph
-        # mode and eager static mode, each checked to give exactly the default's rows and sums; and the
-        # graph mode at the smaller num_sm (its default: no split), for the num_sm=32 goal
-        nsm = num_sm_list[-1]
-        # the split's fixed shares without work stealing (steal=False), under both routings
-        res[f"ours-graph-nosteal-sm{nsm}"] = split_case(
-            args, cfg, group, x, ids, w, nsm, None, None, ref, steal=False
-        )
-        # the default with the ids as torch.topk gives them (int64, read in place by the kernels)
-        res[f"ours-graph-int64-sm{nsm}"] = split_case(
-            args, cfg, group, x, ids.long(), w, nsm, None, None, ref
-        )
-        if route == "uniform":
-            for gd, gc in ((0, 0), (nsm // 4, 2 * nsm // 3)):
-                res[f"ours-graph-split{gd}-{gc}-sm{nsm}"] = split_case(
-                    args, cfg, group, x, ids, w, nsm, gd, gc, ref, copy_engine=False
-                )
-            for small in num_sm_list[:-1]:
-                res[f"ours-graph-sm{small}"] = split_case(args, cfg, group, x, ids, w, small, None, None, ref)
-                res[f"ours-graph-split{small // 4}-{small // 2}-sm{small}"] = split_case(
-                    args, cfg, group, x, ids, w, small, small // 4, small // 2, ref
-                )
-            # copy-engine dispatch (copy_engine=True, off by default) beside the default, same run
-            for nsm_ab in num_sm_list:
-                res[f"ours-graph-ce-sm{nsm_ab}"] = split_case(
-                    args, cfg, group, x, ids, w, nsm_ab, None, None, ref, copy_engine=True
-                )
-            # the exact-shape mode without the host wait before the row kernel (worst-case buffers),
-            # which the default keeps for layers whose worst case is at most 256 MiB
-            if world * n * topk * hidden * 2 > TritonTuning().overlap_bytes:
-                res[f"ours-overlap-sm{num_sm_list[-1]}"] = exact_variant_case(
-                    args, cfg, group, x, ids, w, num_sm_list[-1], overlap_bytes=1 << 62
-                )
+        split_experiments(args, cfg, group, x, ids, w, num_sm_list, ref, route, res)
     if extra and n <= 1024:
         # the user's call: EPAll2AllLayer (argument checks, int64 ids as topk returns them, no host-side
         # id check: the triton backend counts bad ids on the device), exact-shape mode
@@ -462,19 +490,7 @@ def run_case(
             args, cfg, group, x, ids.long(), w, num_sm_list[-1]
         )
     if extra:
-        for name, cls in (("nccl-dest", NcclPerDest), ("nccl-expert", NcclPerExpert)):
-            pipe = cls(rank, world, e_local)
-            st = {}
-
-            def nd(pipe=pipe, st=st):
-                st["d"] = pipe.dispatch(x, ids, w)
-
-            nd()
-            t_d = Timer(lambda: None).median_ms(nd, args.iters)
-            t_c = Timer(lambda: None).median_ms(
-                lambda pipe=pipe, st=st: pipe.combine(st["d"][0], st["d"][2]), args.iters
-            )
-            res[name] = {"dispatch_ms": t_d, "combine_ms": t_c}
+        res.update(nccl_cases(args, rank, world, e_local, x, ids, w))
     results.append(case)
     if rank == 0:
         print(json.dumps(case), flush=True)
@@ -497,16 +513,9 @@ def split_case(
     """Graph-mode (and eager) times of one configuration of the CTA split / copy-engine dispatch /
     work stealing, checked to give exactly the default configuration's rows and sums (``ref``)."""
     be = triton_backend(
-        cfg,
-        group,
-        num_sm=num_sm,
-        use_aot=False,
-        timeout_s=30.0,
-        send_ctas=send_ctas,
-        combine_send_ctas=combine_send_ctas,
-        copy_engine=copy_engine,
-        steal=steal,
-    )
+        cfg, group, num_sm=num_sm, timeout_s=30.0, send_ctas=send_ctas, combine_send_ctas=combine_send_ctas,
+        copy_engine=copy_engine, steal=steal,
+    )  # fmt: skip
     timer = Timer(lambda: be.engine.launch_barrier())
     g_d, g_c = capture_graphs(be, x, ids, w)
     out = {
@@ -710,17 +719,8 @@ def sweep(args, rank, world, group, dev) -> list:
             ]
         for chunk, bh, nw, nsm, send, comb in variants:
             be = triton_backend(
-                cfg,
-                group,
-                num_sm=nsm,
-                use_aot=False,
-                timeout_s=60.0,
-                chunk=chunk,
-                block_h=bh,
-                num_warps=nw,
-                send_ctas=send,
-                combine_send_ctas=comb,
-            )
+                cfg, group, num_sm=nsm, chunk=chunk, block_h=bh, num_warps=nw, send_ctas=send, combine_send_ctas=comb
+            )  # fmt: skip
             row = {"tokens": tokens, "chunk": chunk, "block_h": bh, "num_warps": nw, "num_sm": nsm}
             row["send_ctas"] = [be.engine.send_ctas, be.engine.combine_send_ctas]
             bd = breakdown(args, be, x, ids, w)

@@ -285,6 +285,70 @@ def expect_raises(exc_type, match: str, fn, *args, **kwargs) -> None:
         fn(*args, **kwargs)
 
 
+def _check_dispatch_arg_errors(
+    layer: EPAll2AllLayer, x: torch.Tensor, idx: torch.Tensor, E: int, H: int, K: int
+) -> None:
+    """Every bad argument of ``dispatch`` raises locally, naming it (``x``, ``idx``: a valid call)."""
+    expect_raises(
+        ValueError,
+        "more than max_tokens=4",
+        layer.dispatch,
+        torch.randn(5, H),
+        torch.zeros(5, K, dtype=torch.int32),
+    )
+    expect_raises(ValueError, "input must have shape [3, 32]", layer.dispatch, torch.randn(3, H + 1), idx)
+    expect_raises(ValueError, "input must be a [num_tokens, hidden=32]", layer.dispatch, torch.randn(H), idx)
+    expect_raises(TypeError, "input must have dtype torch.float32", layer.dispatch, x.bfloat16(), idx)
+    expect_raises(ValueError, "input must be on cpu", layer.dispatch, x.to("meta"), idx)
+    expect_raises(ValueError, "exp_indices must have shape [3, 2]", layer.dispatch, x, idx[:, :1])
+    expect_raises(TypeError, "exp_indices must have an integer dtype", layer.dispatch, x, idx.float())
+    expect_raises(ValueError, f"exp_indices must be in [-1, num_tot_experts={E})", layer.dispatch, x, idx + E)
+    expect_raises(ValueError, f"got values in [-3, {E - 3}]", layer.dispatch, x, idx - 2)
+    # checked in the caller's dtype: 2**32 + 1 would be expert 1 as int32
+    wraps = idx.long()
+    wraps[0, 0] = (1 << 32) + 1
+    expect_raises(ValueError, f"got values in [-1, {(1 << 32) + 1}]", layer.dispatch, x, wraps)
+    expect_raises(ValueError, "weight must have shape [3, 2]", layer.dispatch, x, idx, torch.rand(3, 1))
+    expect_raises(
+        TypeError, "weight must have dtype torch.float32", layer.dispatch, x, idx, torch.rand(3, K).double()
+    )
+    expect_raises(
+        ValueError, "full_scatter_indices must be >= 0", layer.dispatch, x, idx, None, torch.full((3, K), -3)
+    )
+
+
+def _check_faults(
+    rank: int, world: int, mk, x: torch.Tensor, idx: torch.Tensor, seen: list[str]
+) -> list[str]:
+    """A rank that arrives late, then one that exits: the others raise naming it and the step."""
+    # a rank that never arrives (alive but late): the others' barrier times out naming it
+    layer = mk(timeout_s=3.0)
+    late = world - 1
+    if rank == late:
+        time.sleep(4.5)
+    else:
+        t0 = time.monotonic()
+        with pytest.raises(EPTimeoutError, match="barrier") as info:
+            layer.ep_barrier_all()
+        assert info.value.missing_ranks == [late], info.value.missing_ranks
+        assert time.monotonic() - t0 < 10
+        seen.append("late-rank")
+    dist.barrier()
+
+    # a rank that exits early: the others' next dispatch raises naming it and the step
+    gone = world - 1
+    if rank == gone:
+        seen.append("exited")
+        return seen
+    t0 = time.monotonic()
+    with pytest.raises(EPTimeoutError, match=re.escape(f"rank(s) [{gone}]")) as info:
+        layer.dispatch(x, idx)
+    assert info.value.step.startswith("dispatch"), info.value.step
+    assert time.monotonic() - t0 < 15
+    seen.append("early-exit")
+    return seen
+
+
 def run_errors(rank: int, world: int) -> list[str]:
     """Every bad-input error, then a rank that never arrives, then a rank that exits early."""
     seen = []
@@ -370,32 +434,7 @@ def run_errors(rank: int, world: int) -> list[str]:
     layer = mk()
     x = torch.randn(3, H)
     idx = torch.tensor([[0, 1], [E - 1, -1], [1, 1]], dtype=torch.int32)
-    expect_raises(
-        ValueError,
-        "more than max_tokens=4",
-        layer.dispatch,
-        torch.randn(5, H),
-        torch.zeros(5, K, dtype=torch.int32),
-    )
-    expect_raises(ValueError, "input must have shape [3, 32]", layer.dispatch, torch.randn(3, H + 1), idx)
-    expect_raises(ValueError, "input must be a [num_tokens, hidden=32]", layer.dispatch, torch.randn(H), idx)
-    expect_raises(TypeError, "input must have dtype torch.float32", layer.dispatch, x.bfloat16(), idx)
-    expect_raises(ValueError, "input must be on cpu", layer.dispatch, x.to("meta"), idx)
-    expect_raises(ValueError, "exp_indices must have shape [3, 2]", layer.dispatch, x, idx[:, :1])
-    expect_raises(TypeError, "exp_indices must have an integer dtype", layer.dispatch, x, idx.float())
-    expect_raises(ValueError, f"exp_indices must be in [-1, num_tot_experts={E})", layer.dispatch, x, idx + E)
-    expect_raises(ValueError, f"got values in [-3, {E - 3}]", layer.dispatch, x, idx - 2)
-    # checked in the caller's dtype: 2**32 + 1 would be expert 1 as int32
-    wraps = idx.long()
-    wraps[0, 0] = (1 << 32) + 1
-    expect_raises(ValueError, f"got values in [-1, {(1 << 32) + 1}]", layer.dispatch, x, wraps)
-    expect_raises(ValueError, "weight must have shape [3, 2]", layer.dispatch, x, idx, torch.rand(3, 1))
-    expect_raises(
-        TypeError, "weight must have dtype torch.float32", layer.dispatch, x, idx, torch.rand(3, K).double()
-    )
-    expect_raises(
-        ValueError, "full_scatter_indices must be >= 0", layer.dispatch, x, idx, None, torch.full((3, K), -3)
-    )
+    _check_dispatch_arg_errors(layer, x, idx, E, H, K)
     seen.append("dispatch-args")
 
     # a valid call, then combine misuse
@@ -453,32 +492,7 @@ def run_errors(rank: int, world: int) -> list[str]:
     expect_raises(RuntimeError, "after finalize", ctx_layer.ep_barrier_all)
     seen.append("finalize")
 
-    # a rank that never arrives (alive but late): the others' barrier times out naming it
-    layer = mk(timeout_s=3.0)
-    late = world - 1
-    if rank == late:
-        time.sleep(4.5)
-    else:
-        t0 = time.monotonic()
-        with pytest.raises(EPTimeoutError, match="barrier") as info:
-            layer.ep_barrier_all()
-        assert info.value.missing_ranks == [late], info.value.missing_ranks
-        assert time.monotonic() - t0 < 10
-        seen.append("late-rank")
-    dist.barrier()
-
-    # a rank that exits early: the others' next dispatch raises naming it and the step
-    gone = world - 1
-    if rank == gone:
-        seen.append("exited")
-        return seen
-    t0 = time.monotonic()
-    with pytest.raises(EPTimeoutError, match=re.escape(f"rank(s) [{gone}]")) as info:
-        layer.dispatch(x, idx)
-    assert info.value.step.startswith("dispatch"), info.value.step
-    assert time.monotonic() - t0 < 15
-    seen.append("early-exit")
-    return seen
+    return _check_faults(rank, world, mk, x, idx, seen)
 
 
 def run_matrix_and_autograd(rank: int, world: int) -> int:

@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--num-sm", type=int, default=20, help="TritonTuning.num_sm")
+    ap.add_argument("--num-sm", type=int, default=132, help="TritonTuning.num_sm (an H100 / H200: 132)")
     ap.add_argument("--split", type=int, default=None, help="send_ctas = combine_send_ctas (default: picked)")
     ap.add_argument("--combine-maxnreg", type=int, default=None)
     ap.add_argument(
@@ -186,6 +186,11 @@ def main() -> None:
     )
     ap.add_argument("--dump", default=None, help="write each variant's PTX body into this folder")
     ap.add_argument("--regs", action="store_true", help="registers and spill bytes per variant (ptxas -v)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="of the dispatch variants only those with weights and no caller scatter",
+    )
     ap.add_argument(
         "--check-tile-loops",
         action="store_true",
@@ -202,6 +207,10 @@ def main() -> None:
         os.makedirs(a.dump, exist_ok=True)
     bad = []
     variants = eng.variants(dtypes=(torch.float32,), rewrite=not remote, mirror=not remote)
+    if a.quick:  # (dispatch and expand keys start with has_w, caller_scatter)
+        variants = [
+            v for v in variants if v.key[0] not in ("dispatch", "expand") or v.key[1:3] == (True, False)
+        ]
     for i, spec in enumerate(variants):
         name = spec.key[0]
         dump = os.path.join(a.dump, f"{i}-{name}.ptx") if a.dump else None

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 
 import ep_a2a.backends.triton.engine as engine_mod
 from ep_a2a.backends.triton import kernels as K
@@ -95,25 +96,13 @@ def _engine(world=2, max_tokens=8, hidden=64, topk=4, experts=8, remote=False, *
         chunk=4,
         remote=remote,
     )
+    # (with remote=True rank 1's one peer is remote)
     return TritonEPEngine(
-        rank=1,
-        world_size=world,
-        max_tokens=max_tokens,
-        hidden=hidden,
-        topk=topk,
-        num_tot_experts=experts,
-        token_dtype=torch.bfloat16,
-        weight_dtype=torch.float32,
-        heap_local=torch.zeros(lay.nbytes, dtype=torch.uint8),
-        ptr_table=torch.zeros(world, dtype=torch.int64),
-        layout=lay,
-        num_sm=3,
-        timeout_s=1.0,
-        chunk=4,
-        remote_ranks=[0] if remote else (),  # (rank 1's one peer)
-        transport=_NoTransport() if remote else None,
-        **kw,
-    )
+        rank=1, world_size=world, max_tokens=max_tokens, hidden=hidden, topk=topk, num_tot_experts=experts,
+        token_dtype=torch.bfloat16, weight_dtype=torch.float32, heap_local=torch.zeros(lay.nbytes, dtype=torch.uint8),
+        ptr_table=torch.zeros(world, dtype=torch.int64), layout=lay, num_sm=3, timeout_s=1.0, chunk=4,
+        remote_ranks=[0] if remote else (), transport=_NoTransport() if remote else None, **kw,
+    )  # fmt: skip
 
 
 def _one_call(eng: TritonEPEngine, n: int, rows: int, *, with_w: bool, counts: bool, seed: int) -> None:
@@ -338,7 +327,7 @@ def test_speculative_rows_fit_and_overflow():
     keep the outputs; more rows get exact outputs and a rewriting pass (``send=False``,
     ``rewrite=True``) into them. The outputs' size: the most rows of the last calls plus an eighth."""
     from ep_a2a.backends.triton import TritonBackend
-    from ep_a2a.backends.triton.backend import SPECULATIVE_WINDOW, _speculative_rows_guess
+    from ep_a2a.backends.triton.backend import SPECULATIVE_WINDOW, _Call, _speculative_rows_guess
 
     launches: list[dict] = []
 
@@ -359,7 +348,7 @@ def test_speculative_rows_fit_and_overflow():
             tab=torch.empty(2, 2, 8), skip=torch.empty(2, 8), scat=torch.empty(2, 8),
             out=torch.empty(ahead, 4), out_w=torch.empty(ahead), out_e=torch.empty(ahead),
         )  # fmt: skip
-        be._fit_speculative_rows(rows, x, ids, None, src, info, bufs, caller=False)
+        be._fit_speculative_rows(rows, _Call(x, ids, None, None, src), info, bufs)
         return bufs
 
     for rows in (100, 40, 0):  # fit: the outputs stay, nothing more runs
@@ -477,6 +466,14 @@ def _compiled_like_triton(log: list, launcher_cls=None):
     ck = object.__new__(CompiledKernel)
     ck.module, ck.function, ck.packed_metadata, ck.src, ck._run = object(), 4242, (16, 1, 0), None, launcher
     ck.name = "probe"
+    ck._module_pid = None  # (newer Triton: no module of this process to unload when it is collected)
+    try:  # (a Triton whose launcher object asks the GPU driver for state when called cannot be mimicked)
+        ck[(1, 1, 1)](stream=0)
+    except RuntimeError as exc:
+        if "active drivers" not in str(exc):
+            raise
+        pytest.skip(f"Triton {triton.__version__}'s launcher needs a GPU driver to be called: {exc}")
+    log.clear()
     return ck
 
 
@@ -596,3 +593,27 @@ def test_rows_allocated_ahead():
     assert _rows_fit_ahead(7, 9)  # 9 - 9 // 4 = 7
     assert not _rows_fit_ahead(6, 9)
     assert not _rows_fit_ahead(10, 9)
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["intra-node", "remote-peer"])
+def test_every_launch_is_a_precompiled_variant(monkeypatch, remote):
+    """One specification per kernel: every variant the launches of both dispatch flows, combine and the
+    barrier use is among :meth:`TritonEPEngine.variants` (what ``use_aot`` and the sm_90 compile test
+    compile), with the same kernel, grid and warps."""
+    launched: dict = {}
+    monkeypatch.setattr(TritonEPEngine, "_launch", lambda self, spec: launched.setdefault(spec.key, spec))
+    eng = _engine(remote=remote)
+    for with_w, counts in ((True, False), (False, False), (True, True), (False, True)):
+        if not (remote and counts):
+            _one_call(eng, 6, 20, with_w=with_w, counts=counts, seed=1)
+    variants = {v.key: v for v in eng.variants(dtypes=(torch.float32,), rewrite=True, mirror=True)}
+    assert launched
+    for key, spec in launched.items():
+        assert key in variants, key
+        v = variants[key]
+        assert (v.kernel, v.grid, v.num_warps, v.options()) == (
+            spec.kernel,
+            spec.grid,
+            spec.num_warps,
+            spec.options(),
+        )

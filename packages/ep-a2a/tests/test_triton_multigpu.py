@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ep_a2a import BackendOptions, TritonTuning
+from ep_a2a import TritonTuning
+from ep_a2a.backends import BackendOptions
 from ep_a2a.config import EPConfig
 from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
 from ep_a2a.testing import load_target
@@ -94,15 +95,9 @@ def _make_backend(
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     cfg = EPConfig(
-        max_tokens=max_tokens,
-        hidden=hidden,
-        topk=topk,
-        num_tot_experts=experts,
-        rank=rank,
-        world_size=world,
-        local_world_size=world,
-        token_dtype=dtype,
-    )
+        max_tokens=max_tokens, hidden=hidden, topk=topk, num_tot_experts=experts, rank=rank, world_size=world,
+        local_world_size=world, token_dtype=dtype,
+    )  # fmt: skip
     extra = {} if overlap_bytes is None else {"overlap_bytes": overlap_bytes}
     extra.update(more)
     tuning = TritonTuning(num_sm=num_sm, heap=heap, **extra)
@@ -296,6 +291,15 @@ def _check_round_trips(
         be.finalize()
 
 
+def _default_backend(group, max_tokens: int, num_sm: int):
+    """A backend of 512-wide bf16 rows, top-8 of 8 experts per rank, default tuning but ``num_sm``."""
+    experts = 8 * dist.get_world_size(group)
+    return _make_backend(
+        group, max_tokens=max_tokens, hidden=512, topk=8, experts=experts, dtype=torch.bfloat16, heap="torch",
+        num_sm=num_sm,
+    )  # fmt: skip
+
+
 def test_default_split_large_layer(group):
     """A large layer on all SMs gets the sender / writer split by default (``num_sm // 3`` dispatch,
     ``num_sm // 2`` combine CTAs sending) and matches the reference, exact-shape and static calls."""
@@ -314,10 +318,7 @@ def test_default_split_large_layer(group):
 
     rounds = (([max_tokens, 1500], False), ([7, max_tokens], True))
     _check_round_trips(be, group, hidden=512, seed=700, rounds=rounds, check=check)
-    small = _make_backend(
-        group, max_tokens=SPLIT_MIN_TOKENS, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
-        heap="torch", num_sm=n_sm,
-    )  # fmt: skip
+    small = _default_backend(group, SPLIT_MIN_TOKENS, n_sm)
     try:
         assert (small.engine.send_ctas, small.engine.combine_send_ctas) == (0, 0)
     finally:
@@ -369,10 +370,7 @@ def test_copy_engine_large_layer(group):
 
     rounds = (([max_tokens, 1500], True),)
     _check_round_trips(be, group, hidden=512, seed=710, rounds=rounds, check=check)
-    off = _make_backend(
-        group, max_tokens=max_tokens, hidden=512, topk=8, experts=8 * world, dtype=torch.bfloat16,
-        heap="torch", num_sm=n_sm,
-    )  # fmt: skip
+    off = _default_backend(group, max_tokens, n_sm)
     try:
         assert not off.copy_engine
         assert off.engine.ce_pieces == 0
@@ -384,27 +382,19 @@ def test_copy_engine_large_layer(group):
 @pytest.mark.parametrize("overlap", [None, 0], ids=["worst-case-buffers", "counts-launch"])
 def test_copy_engine_against_reference(group, heap, overlap):
     """``copy_engine=True`` on any number of ranks: both exact-shape flows, then a static call."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     experts = 16 * world
     be = _make_backend(
         group, max_tokens=64, hidden=2048, topk=8, experts=experts, dtype=torch.bfloat16, heap=heap,
         copy_engine=True, ce_pieces=3, overlap_bytes=overlap,
     )  # fmt: skip
-    try:
+
+    def check(be) -> None:
         assert be.copy_engine
         assert (be.engine.ce_pieces, be.engine.send_ctas) == (3, 0)
-        for i, ns in enumerate(([64, 40], [0, 33], [64, 64])):
-            ns = (ns * world)[:world]
-            xs, ids, ws, gen = _inputs(
-                900 + i, world, ns, 2048, 8, experts, torch.bfloat16, skew=i == 1, drop=0.05, with_w=True
-            )
-            _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
-        _check_static_call(be, rank, xs, ids, ws, experts)
-        torch.cuda.synchronize()
-        be.check_errors()
-    finally:
-        torch.cuda.synchronize()
-        be.finalize()
+
+    rounds = (([64, 40], False), ([0, 33], True), ([64, 64], False))
+    _check_round_trips(be, group, hidden=2048, seed=900, rounds=rounds, check=check, experts=experts)
 
 
 def test_invalid_expert_ids_raise_on_their_rank(group):

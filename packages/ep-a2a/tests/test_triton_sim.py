@@ -117,15 +117,9 @@ def test_dispatch_combine_matches_reference(world, ns, hidden, topk, experts, dt
     gen = torch.Generator().manual_seed(1234 + world * 100 + hidden + topk)
     max_tokens = max(ns)
     sim = SimWorld(
-        world_size=world,
-        max_tokens=max_tokens,
-        hidden=hidden,
-        topk=topk,
-        num_tot_experts=experts,
-        token_dtype=dtype,
-        num_sm=2,
-        chunk=4,
-    )
+        world_size=world, max_tokens=max_tokens, hidden=hidden, topk=topk, num_tot_experts=experts,
+        token_dtype=dtype, num_sm=2, chunk=4,
+    )  # fmt: skip
     # three calls with fresh inputs: monotone epochs, count parity and buffer reuse across calls, both
     # dispatch flows (receive layout in its own launch, or merged into the row kernel) one after another,
     # the last with the row kernel's CTAs split into senders and writers
@@ -275,14 +269,9 @@ def test_split_with_several_senders(world, ns, num_sm, send_ctas, steal):
     ``steal``, chunks claimed from the shared counters (reset by each launch's last CTA)."""
     gen = torch.Generator().manual_seed(77 + world)
     sim = SimWorld(
-        world_size=world,
-        max_tokens=max(ns),
-        hidden=24,
-        topk=4,
-        num_tot_experts=4 * world,
-        num_sm=num_sm,
+        world_size=world, max_tokens=max(ns), hidden=24, topk=4, num_tot_experts=4 * world, num_sm=num_sm,
         chunk=2,
-    )
+    )  # fmt: skip
     flows = ((True, send_ctas), (True, send_ctas), (False, send_ctas))
     _round_trips(sim, ns, flows, gen, with_w=True, skew=False, drop=0.1, steal=steal)
     if steal:  # every launch's last CTA put the counters back to zero
@@ -353,8 +342,8 @@ def test_steal_switches_roles_in_one_launch(merged):
     gen = torch.Generator().manual_seed(5)
     ns, hidden, topk, experts = [13], 24, 3, 4
     sim = SimWorld(
-        world_size=1, max_tokens=13, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=5, chunk=2
-    )
+        world_size=1, max_tokens=13, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=5, chunk=2,
+    )  # fmt: skip
     for _ in range(2):
         xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in ns]
         ids = [_routing(n, topk, experts, gen, skew=False, drop=0.1) for n in ns]
@@ -377,8 +366,8 @@ def test_caller_scatter_indices():
     gen = torch.Generator().manual_seed(7)
     ns = [5, 4]
     sim = SimWorld(
-        world_size=world, max_tokens=5, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=2, chunk=4
-    )
+        world_size=world, max_tokens=5, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=2, chunk=4,
+    )  # fmt: skip
     xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in ns]
     ids = [_routing(n, topk, experts, gen, skew=False, drop=0.2) for n in ns]
     _, default = dispatch_ref(xs, ids, num_tot_experts=experts)
@@ -403,21 +392,19 @@ def test_caller_scatter_indices():
         _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)
 
 
+def _short_timeout_sim(world: int, hidden: int, topk: int, experts: int) -> SimWorld:
+    """Four tokens per rank, device waits bounded at 10 ms."""
+    return SimWorld(
+        world_size=world, max_tokens=4, hidden=hidden, topk=topk, num_tot_experts=experts, timeout_s=0.01
+    )
+
+
 @pytest.mark.parametrize("merged", [False, True], ids=["counts-launch", "merged"])
 def test_missing_rank_times_out_naming_it(merged):
     """A rank that never dispatches: the others' count wait runs out and names it; later calls refuse."""
     world, hidden, topk, experts = 3, 16, 2, 6
     gen = torch.Generator().manual_seed(3)
-    sim = SimWorld(
-        world_size=world,
-        max_tokens=4,
-        hidden=hidden,
-        topk=topk,
-        num_tot_experts=experts,
-        num_sm=2,
-        chunk=4,
-        timeout_s=0.01,
-    )
+    sim = _short_timeout_sim(world, hidden, topk, experts)
     xs = [torch.randn(4, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
     ids = [_routing(4, topk, experts, gen, skew=False, drop=0.0) for _ in range(world)]
     with pytest.raises(EPTimeoutFromDevice, match="waiting for rank 2") as info:
@@ -432,16 +419,7 @@ def test_missing_rank_times_out_naming_it(merged):
 def test_missing_combine_peer_times_out():
     world, hidden, topk, experts = 2, 16, 2, 4
     gen = torch.Generator().manual_seed(5)
-    sim = SimWorld(
-        world_size=world,
-        max_tokens=4,
-        hidden=hidden,
-        topk=topk,
-        num_tot_experts=experts,
-        num_sm=2,
-        chunk=4,
-        timeout_s=0.01,
-    )
+    sim = _short_timeout_sim(world, hidden, topk, experts)
     xs = [torch.randn(4, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
     ids = [torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]], dtype=torch.int32) for _ in range(world)]
     res = sim.dispatch(xs, ids)
@@ -457,8 +435,8 @@ def test_combine_per_slot_matches_reference():
     gen = torch.Generator().manual_seed(9)
     ns = [5, 3, 4]
     sim = SimWorld(
-        world_size=world, max_tokens=5, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=2, chunk=4
-    )
+        world_size=world, max_tokens=5, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=2, chunk=4,
+    )  # fmt: skip
     xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in ns]
     ids = [_routing(n, topk, experts, gen, skew=False, drop=0.2) for n in ns]
     res = sim.dispatch(xs, ids)
@@ -494,8 +472,8 @@ def test_invalid_expert_ids_are_counted_and_dropped(merged, id_dtype):
     world, hidden, topk, experts = 2, 16, 3, 4
     gen = torch.Generator().manual_seed(21)
     sim = SimWorld(
-        world_size=world, max_tokens=5, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=2, chunk=4
-    )
+        world_size=world, max_tokens=5, hidden=hidden, topk=topk, num_tot_experts=experts, num_sm=2, chunk=4,
+    )  # fmt: skip
     xs = [torch.randn(5, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
     ids = [_routing(5, topk, experts, gen, skew=False, drop=0.0) for _ in range(world)]
     bad = [i.clone().to(id_dtype) for i in ids]
@@ -562,16 +540,9 @@ def test_copy_engine_dispatch_matches_reference(
 ):
     gen = torch.Generator().manual_seed(4321 + world * 10 + pieces)
     sim = SimWorld(
-        world_size=world,
-        max_tokens=max(ns),
-        hidden=hidden,
-        topk=topk,
-        num_tot_experts=experts,
-        token_dtype=dtype,
-        num_sm=2,
-        chunk=2,
-        ce_pieces=pieces,
-    )
+        world_size=world, max_tokens=max(ns), hidden=hidden, topk=topk, num_tot_experts=experts,
+        token_dtype=dtype, num_sm=2, chunk=2, ce_pieces=pieces,
+    )  # fmt: skip
     assert sim.engines[0].ce_tokens % 2 == 0
     # three calls: epochs, the flags of every piece, buffer reuse, token counts that shrink and grow
     _round_trips(sim, ns, ((False, 0),) * 3, gen, with_w=with_w, skew=skew, drop=drop)

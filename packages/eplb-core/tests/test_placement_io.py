@@ -21,8 +21,10 @@ def placement() -> E.Placement:
     return E.plan(E.synthetic_loads(4, 32, num_groups=4, seed=2), **KW)
 
 
-def _clone_with(p: E.Placement, phy2log: torch.Tensor) -> E.Placement:
-    return E.Placement.from_tensors(phy2log, p.weight, num_groups=4, num_nodes=2, num_gpus=8, mode=p.mode)
+def _clone_with(p: E.Placement, phy2log: torch.Tensor, logcnt: torch.Tensor | None = None) -> E.Placement:
+    return E.Placement.from_tensors(
+        phy2log, p.weight, num_groups=4, num_nodes=2, num_gpus=8, mode=p.mode, logcnt=logcnt
+    )
 
 
 def test_validate_catches_corruption(placement: E.Placement) -> None:
@@ -41,15 +43,39 @@ def test_validate_catches_corruption(placement: E.Placement) -> None:
         _clone_with(placement, swapped).validate()
     # a stale logcnt
     with pytest.raises(ValueError, match="logcnt"):
-        E.Placement.from_tensors(
-            placement.phy2log,
-            placement.weight,
-            num_groups=4,
-            num_nodes=2,
-            num_gpus=8,
-            mode="strict",
-            logcnt=placement.logcnt.roll(1, dims=1),
-        ).validate()
+        _clone_with(placement, placement.phy2log, placement.logcnt.roll(1, dims=1)).validate()
+
+
+def test_from_tensors_rejects_an_expert_without_replica(placement: E.Placement) -> None:
+    broken = placement.phy2log.clone()
+    broken[broken == 0] = 1  # expert 0 loses every replica
+    with pytest.raises(ValueError, match="no replica"):
+        _clone_with(placement, broken)
+    with pytest.raises(ValueError, match="no replica"):
+        _clone_with(placement, placement.phy2log, torch.zeros_like(placement.logcnt))
+    with pytest.raises(ValueError, match="phy2log must hold integer"):
+        _clone_with(placement, placement.phy2log.to(torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        pytest.param({"phy2log": torch.zeros(4, 40, dtype=torch.int64) + 99}, "expert id", id="ids"),
+        pytest.param({"logcnt": torch.ones(4, 31, dtype=torch.int64)}, "logcnt", id="logcnt-shape"),
+        pytest.param({"logcnt": torch.ones(4, 32)}, "logcnt must hold integers", id="logcnt-float"),
+        pytest.param({"num_gpus": 7}, "num_gpus", id="gpus"),
+        pytest.param({"weight": torch.full((4, 32), float("nan"))}, "NaN", id="nan-weight"),
+    ],
+)
+def test_gpu_loads_of_names_the_bad_argument(placement: E.Placement, change: dict, match: str) -> None:
+    args = {
+        "weight": placement.weight,
+        "phy2log": placement.phy2log,
+        "logcnt": placement.logcnt,
+        "num_gpus": 8,
+    }
+    with pytest.raises(ValueError, match=match):
+        E.gpu_loads_of(**{**args, **change})
 
 
 def test_diff_and_bytes(placement: E.Placement) -> None:

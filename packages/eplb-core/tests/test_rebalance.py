@@ -207,6 +207,26 @@ def test_migration_undoes_a_repeat_left_by_transfers() -> None:
         assert int(m.changed_slots.max()) <= cap
 
 
+@SETTINGS
+@given(problems(), st.integers(0, 8), st.sampled_from([0.0, 0.1, 1.0]))
+def test_migration_with_soft_locality_is_valid(p: dict, cap: int, penalty: float) -> None:
+    """A migration from a strict plan with soft locality keeps every replica on its node: the result
+    is a valid plan (strict when the plan in service is), within the cap."""
+    kw = {k: p[k] for k in ("num_replicas", "num_groups", "num_nodes", "num_gpus")}
+    old = E.plan(p["weight"], **kw)
+    for weight in (p["weight"], p["weight"].flip(1)):
+        m = E.plan(weight, **kw, previous=old, soft_locality=penalty, max_changed_slots=cap)
+        m.validate()
+        assert m.mode == old.mode
+        assert m.changed_slots is not None
+        assert int(m.changed_slots.max()) <= cap
+    soft = E.plan(p["weight"], **kw, soft_locality=penalty)
+    m = E.plan(p["weight"].flip(1), **kw, previous=soft, soft_locality=penalty, max_changed_slots=cap)
+    m.validate()
+    assert m.changed_slots is not None
+    assert int(m.changed_slots.max()) <= cap
+
+
 # ------------------------------------------------------------------ edge cases
 def _kw(r: int, g: int, n: int, gpus: int) -> dict:
     return {"num_replicas": r, "num_groups": g, "num_nodes": n, "num_gpus": gpus}
@@ -319,6 +339,50 @@ def test_bad_mode_arguments() -> None:
         E.plan(w, **_kw(8, 1, 1, 2), max_changed_slots=3)
     with pytest.raises(ValueError, match="previous"):
         E.plan(w, **_kw(8, 1, 1, 2), previous=torch.zeros(2, 4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("value", [1e308, 5e307], ids=["1e308", "5e307"])
+def test_loads_whose_sums_overflow_raise(value: float) -> None:
+    """Group and layer sums beyond float64: a clear error, never a crash or an invalid plan."""
+    w = torch.full((2, 16), value, dtype=torch.float64)
+    with pytest.raises(ValueError, match="overflow"):
+        E.rebalance_experts(w, 24, 4, 2, 8)
+    with pytest.raises(ValueError, match="overflow"):
+        E.plan(w, **_kw(24, 4, 2, 8), soft_locality=0.1)
+    with pytest.raises(ValueError, match="overflow"):
+        E.lower_bound(w, 24, 4, 2, 8)
+
+
+def test_largest_accepted_loads_plan_validly() -> None:
+    from eplb_core._validate import MAX_LAYER_SUM
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.rand(3, 16, generator=gen, dtype=torch.float64)
+    w = w / w.sum(1, keepdim=True) * MAX_LAYER_SUM
+    kw = _kw(24, 4, 2, 8)
+    old = E.plan(w, **kw)
+    for extra in ({}, {"soft_locality": 0.1}, {"soft_locality": 1e6}, {"previous": old}):
+        p = E.plan(w, **kw, **extra)
+        p.validate()
+        assert bool(torch.isfinite(p.balancedness).all())
+
+
+def test_previous_must_hold_integers() -> None:
+    w = E.synthetic_loads(2, 16, num_groups=4, seed=0)
+    old = E.plan(w, **_kw(24, 4, 2, 8))
+    with pytest.raises(ValueError, match="previous must hold integers"):
+        E.plan(w, **_kw(24, 4, 2, 8), previous=old.phy2log.to(torch.float64) + 0.5)
+
+
+def test_global_fallback_when_groups_do_not_divide() -> None:
+    """Like DeepSeek's and vLLM's function: num_groups % num_nodes != 0 plans globally, also when the
+    groups do not divide the experts."""
+    phy2log, _, logcnt = E.rebalance_experts(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), 8, 3, 2, 4)
+    assert phy2log.shape == (1, 8)
+    assert int(logcnt.sum()) == 8
+    p = E.plan(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), **_kw(8, 3, 2, 4))
+    assert p.mode == "global"
+    p.validate()
 
 
 @pytest.mark.gpu

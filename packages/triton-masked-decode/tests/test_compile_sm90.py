@@ -84,6 +84,7 @@ def _compile_all() -> None:
     JITFunction.run = compile_only  # type: ignore[method-assign]
     dev = md._Device(132, True, "NVIDIA H200")
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    err = torch.zeros(1, dtype=torch.int32)
     for name, b, hq, hkv, d, length, mask_kind, dt, layout, with_seqlens, fields in CASES:
         dtype = dtypes[dt]
         q = torch.empty(b, hq, d, dtype=dtype)
@@ -115,7 +116,7 @@ def _compile_all() -> None:
             ]
         print(f"case {name}: {plan}")
         for p in plans:
-            md._launch(q, k, k, mask, seqlens, block_table, length, d**-0.5, length, threshold, list(p))
+            md._launch(q, k, k, mask, seqlens, block_table, err, length, d**-0.5, length, threshold, list(p))
     for d in (32, 128, 256):
         o, lse = torch.empty(4, 8, d, dtype=torch.float16), torch.empty(4, 8)
         merge._launch_merge(o, lse, o, lse)

@@ -252,7 +252,20 @@ def test_custom_op_fake_and_schema(cpu_device: torch.device) -> None:
         MaskedDecodeConfig(),
         md._device_facts(q.device),
     )
-    args = (q, k, v, mask, None, None, c.length, c.dim**-0.5, c.length, threshold, list(plan))
+    args = (
+        q,
+        k,
+        v,
+        mask,
+        None,
+        None,
+        torch.zeros(1, dtype=torch.int32),
+        c.length,
+        c.dim**-0.5,
+        c.length,
+        threshold,
+        list(plan),
+    )
     torch.library.opcheck(
         torch.ops.triton_masked_decode.masked_decode.default,
         args,
@@ -612,6 +625,23 @@ def test_cuda_graph_replay_with_changing_seqlens(pdl: int, cuda_device: torch.de
         fin = torch.isfinite(ref_lse)
         assert torch.equal(torch.isfinite(lse), fin)
         torch.testing.assert_close(lse[fin], ref_lse[fin], **LSE_TOL)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_fullgraph_traces_cpu(backend: str, cpu_device: torch.device) -> None:
+    """torch.compile(fullgraph=True) traces the public function without a graph break (the custom op and
+    its fake implementation; the compiled kernels themselves are the GPU test's)."""
+    c = Case(seqlens="tensor", batch=3)
+    q, k, v, mask, ref_mask, seqlens, _ = make_inputs(c, cpu_device, seed=15, poison=False)
+
+    def step(q, k, v, mask, seqlens):
+        out, lse = masked_decode(q, k, v, mask, seqlens=seqlens, check_values=False)
+        return out * 2, lse
+
+    torch._dynamo.reset()
+    out, _lse = torch.compile(step, fullgraph=True, backend=backend)(q, k, v, mask, seqlens)
+    ref, _ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens)
+    torch.testing.assert_close(out.float(), 2 * ref.float(), **TOL[c.dtype])
 
 
 @pytest.mark.gpu

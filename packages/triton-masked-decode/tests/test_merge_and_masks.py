@@ -74,3 +74,38 @@ def test_merge_validation() -> None:
         merge_attention_states(o, lse.half(), o, lse)
     with pytest.raises(ValueError, match="without the last dim"):
         merge_attention_states(o, lse[:, :2], o, lse)
+
+
+@pytest.mark.parametrize(
+    "value", [pytest.param(float("inf"), id="plus-inf"), pytest.param(float("nan"), id="nan")]
+)
+def test_merge_with_non_finite_lse_matches_the_reference(value: float, cpu_device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(5)
+    oa, ob = torch.randn(2, 4, 16, generator=gen), torch.randn(2, 4, 16, generator=gen)
+    la, lb = torch.randn(2, 4, generator=gen), torch.randn(2, 4, generator=gen)
+    la[0, 1] = value
+    lb[1, 2] = value
+    la[1, 3] = lb[1, 3] = value
+    out, lse = merge_attention_states(oa, la, ob, lb)
+    ref, ref_lse = merge_attention_states_ref(oa, la, ob, lb)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse, equal_nan=True)
+    for row in ((0, 1), (1, 2), (1, 3)):
+        assert torch.isnan(lse[row])
+        assert torch.isnan(out[row]).all()
+    assert torch.isfinite(lse[0, 0])
+    assert torch.isfinite(out[0, 0]).all()
+
+
+@pytest.mark.parametrize("length", [-3, 17, 2.5, True])
+def test_unpack_mask_rejects_bad_length(length) -> None:
+    packed = pack_mask(torch.zeros(2, 13, dtype=torch.bool))  # 2 bytes: lengths 0..16
+    with pytest.raises(ValueError, match="length"):
+        unpack_mask(packed, length)
+
+
+def test_unpack_mask_prefix_lengths() -> None:
+    mask = torch.rand(3, 13) < 0.5
+    packed = pack_mask(mask)
+    for length in (0, 5, 13):
+        assert torch.equal(unpack_mask(packed, length), mask[:, :length])

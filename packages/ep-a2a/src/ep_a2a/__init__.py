@@ -7,7 +7,7 @@ reference of both operations.
 """
 
 from ep_a2a._dist import EPConfigMismatchError, EPError, EPProtocolError, EPTimeoutError
-from ep_a2a.backends.base import A2ABackend, BackendOptions, register_backend
+from ep_a2a.backends.base import A2ABackend, register_backend
 from ep_a2a.compat import EPAll2AllLayer
 from ep_a2a.config import EPConfig
 from ep_a2a.layer import DispatchCombineContext, EPLayer
@@ -29,7 +29,6 @@ del _version
 
 __all__ = [
     "A2ABackend",
-    "BackendOptions",
     "DispatchCombineContext",
     "EPAll2AllLayer",
     "EPAllToAllLayoutDesc",

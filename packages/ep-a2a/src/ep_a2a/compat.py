@@ -25,7 +25,7 @@ class EPAll2AllLayer(EPLayer):
         local_world_size: ranks per node.
         world_size: ranks in ``ep_group`` (checked).
         dtype, weight_dtype: as :class:`~ep_a2a.EPLayer`.
-        num_sm: ``TritonTuning.num_sm`` (``None``: the tuning object's, 20 by default).
+        num_sm: ``TritonTuning.num_sm`` (``None``: the tuning object's; by default every SM).
         enable_local_combine, use_aot: as :class:`~ep_a2a.EPLayer`.
         backend, tuning, timeout_s, validate: keyword-only, as :class:`~ep_a2a.EPLayer`.
 

@@ -209,6 +209,9 @@ class EPLayer:
             tuning = TritonTuning()
         if not isinstance(tuning, TritonTuning):
             raise TypeError(f"tuning must be an ep_a2a.TritonTuning, got {type(tuning).__name__}")
+        if torch.cuda.is_available():  # (resolved here, so that ranks on different GPUs are told apart)
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            tuning = tuning.for_device(sms)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         world_size = dist.get_world_size(group)
@@ -233,8 +236,8 @@ class EPLayer:
         self.ctx = DispatchCombineContext.create(self.config, group, backend=backend, options=options)
 
     @property
-    def num_sm(self) -> int:
-        """``tuning.num_sm``: most SMs the Triton backend's kernels use."""
+    def num_sm(self) -> int | None:
+        """``tuning.num_sm``: most SMs the Triton backend's kernels use (``None`` without a GPU)."""
         return self.tuning.num_sm
 
     # -- properties ------------------------------------------------------------------------------------
@@ -371,9 +374,11 @@ class EPLayer:
 
     def _expert_ids(self, exp_indices: torch.Tensor) -> torch.Tensor:
         """``exp_indices`` contiguous, in a dtype the backend takes as is (the triton backend: int32 and
-        int64, so ``torch.topk``'s ids need no conversion kernel), else converted to int32."""
+        int64, so ``torch.topk``'s ids need no conversion kernel), else converted to int32 with every id
+        outside ``[-1, num_tot_experts)`` made -1 first (so none wraps onto an expert)."""
         if exp_indices.dtype not in self.ctx.backend.expert_id_dtypes:
-            exp_indices = exp_indices.to(torch.int32)
+            valid = (exp_indices >= 0) & (exp_indices < self.config.num_tot_experts)
+            exp_indices = torch.where(valid, exp_indices, -1).to(torch.int32)
         return exp_indices.contiguous()
 
     # -- CUDA-graph mode -------------------------------------------------------------------------------

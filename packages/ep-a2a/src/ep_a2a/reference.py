@@ -211,20 +211,13 @@ def combine_ref(
         per rank ``[n_s, C]`` in ``expert_outputs``' dtype: the float32 sum, in slot order, of the rows of
         the kept slots; zeros for a token without kept slots.
     """
-    world_size = len(expert_outputs)
-    e_local = num_tot_experts // world_size
+    per_slot = combine_per_slot_ref(expert_outputs, exp_indices, scatter, num_tot_experts=num_tot_experts)
     results = []
-    for s, idx in enumerate(exp_indices):
-        idx_cpu = idx.long().cpu()
-        n, topk = idx_cpu.shape
-        width = expert_outputs[0].shape[1]
-        acc = torch.zeros(n, width, dtype=torch.float32)
-        for k in range(topk):  # slot order fixes the float32 summation order
-            for t in range(n):
-                e = int(idx_cpu[t, k])
-                if e >= 0:
-                    acc[t] += expert_outputs[e // e_local][int(scatter[s][t, k])].cpu().float()
-        results.append(acc.to(expert_outputs[0].dtype))
+    for rows in per_slot:
+        acc = torch.zeros(rows.shape[0], rows.shape[2], dtype=torch.float32)
+        for k in range(rows.shape[1]):  # slot order fixes the float32 summation order (dropped: zeros)
+            acc += rows[:, k].float()
+        results.append(acc.to(rows.dtype))
     return results
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 #: heaps the Triton backend can run over
 HEAP_KINDS = ("torch", "nvshmem")
@@ -29,7 +29,9 @@ class TritonTuning:
 
     Attributes:
         num_sm: CTAs of the dispatch and combine kernels, i.e. the SMs they occupy while they run
-            (capped at the device's SM count). Default 20.
+            (capped at the device's SM count). Default (``None``): every SM of the device, the fastest
+            all-to-all at every layer size measured; pass fewer (e.g. 20) to leave SMs to computation
+            that runs at the same time.
         chunk: tokens per work item (and per ready flag) of the dispatch kernel, a power of 2.
             Default: 8 for ``hidden >= 1024`` and ``max_tokens > 1024``, 1 for ``hidden >= 1024`` and at
             most 256 tokens, 2 up to 1024 tokens; 16 / 4 for narrower rows. Large layers
@@ -77,7 +79,7 @@ class TritonTuning:
         ValueError: a field out of its range (named in the message).
     """
 
-    num_sm: int = 20
+    num_sm: int | None = None
     chunk: int | None = None
     block_h: int | None = None
     num_warps: int | None = None
@@ -99,6 +101,7 @@ class TritonTuning:
 
     def __post_init__(self) -> None:
         _check_positive("num_sm", self.num_sm)
+        num_sm = self.num_sm if self.num_sm is not None else 1 << 30
         for name in ("chunk", "block_h", "combine_chunk", "combine_block_h"):
             _check_pow2(name, getattr(self, name))
         for name in ("num_warps", "combine_warps", "ce_pieces", "force_remote"):
@@ -107,7 +110,7 @@ class TritonTuning:
             _check_positive(name, getattr(self, name), allow_zero=True)
         for name in ("send_ctas", "combine_send_ctas"):
             value = getattr(self, name)
-            if value and value >= self.num_sm:
+            if value and value >= num_sm:
                 raise ValueError(
                     f"TritonTuning.{name} must be 0 or in [1, num_sm={self.num_sm}), got {value}"
                 )
@@ -120,6 +123,10 @@ class TritonTuning:
                 f"TritonTuning: copy_engine=True leaves nothing for sending CTAs: send_ctas must be 0, got "
                 f"{self.send_ctas}"
             )
+
+    def for_device(self, device_sms: int) -> TritonTuning:
+        """This tuning with ``num_sm`` resolved on a device of ``device_sms`` SMs (``None``: all of them)."""
+        return self if self.num_sm is not None else replace(self, num_sm=device_sms)
 
     def fingerprint(self) -> tuple[object, ...]:
         """The fields, in order (compared across ranks at construction)."""

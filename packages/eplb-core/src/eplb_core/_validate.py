@@ -8,9 +8,19 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["check_previous", "check_topology", "check_weight", "is_int"]
+__all__ = [
+    "MAX_LAYER_SUM",
+    "check_int_tensor",
+    "check_placement_tensors",
+    "check_previous",
+    "check_topology",
+    "check_weight",
+    "is_int",
+]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+# the largest load sum of a layer: the planner adds and compares sums of loads, with headroom
+MAX_LAYER_SUM = float(np.finfo(np.float64).max) / 2**10
 
 
 def is_int(x: object) -> bool:
@@ -79,18 +89,63 @@ def check_weight(weight: Any, name: str = "weight") -> torch.Tensor:
         raise ValueError(f"{name} contains NaN or infinite loads")
     if bool((a < 0).any()) if a is not None else bool((t < 0).any()):
         raise ValueError(f"{name} contains negative loads")
+    with np.errstate(over="ignore"):
+        peak = float(a.sum(1).max()) if a is not None else float(t.sum(1).max())
+    if not peak <= MAX_LAYER_SUM:
+        raise ValueError(
+            f"{name}: a layer's loads sum to {peak:.3g}, which overflows float64 arithmetic (at most "
+            f"{MAX_LAYER_SUM:.3g}); scale the loads down"
+        )
     return t
+
+
+def check_int_tensor(x: Any, name: str, shape: str) -> torch.Tensor:
+    """``x`` as an int64 tensor of rank ``len(shape)`` (``ValueError`` naming ``name`` otherwise; a
+    float tensor is rejected, never truncated)."""
+    t = x.detach() if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise ValueError(f"{name} must hold integers, got dtype {t.dtype}")
+    if t.dim() != shape.count(",") + 1 or t.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty {shape} tensor, got shape {tuple(t.shape)}")
+    return t.to(torch.int64)
+
+
+def check_placement_tensors(
+    weight: torch.Tensor, phy2log: Any, logcnt: Any, num_gpus: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(phy2log, logcnt)`` as int64 on ``weight``'s device, checked against the load ``weight
+    [L, N]``: shapes, expert ids in ``[0, N)``, counts >= 1, slots a multiple of ``num_gpus``."""
+    phy = check_int_tensor(phy2log, "phy2log", "[L, R]").to(weight.device)
+    cnt = check_int_tensor(logcnt, "logcnt", "[L, N]").to(weight.device)
+    if phy.shape[0] != weight.shape[0] or cnt.shape != weight.shape:
+        raise ValueError(
+            f"phy2log [L, R] and logcnt [L, N] must match weight {tuple(weight.shape)}, got "
+            f"{tuple(phy.shape)} and {tuple(cnt.shape)}"
+        )
+    if not is_int(num_gpus) or num_gpus < 1 or phy.shape[1] % num_gpus != 0:
+        raise ValueError(
+            f"num_gpus must be a positive divisor of num_replicas ({phy.shape[1]}), got {num_gpus!r}"
+        )
+    if int(phy.min()) < 0 or int(phy.max()) >= weight.shape[1]:
+        raise ValueError(f"phy2log holds an expert id outside [0, {weight.shape[1]})")
+    if bool((cnt < 1).any()):
+        raise ValueError("logcnt: some logical expert has no replica (logcnt < 1)")
+    return phy, cnt
 
 
 def check_previous(previous: Any, num_layers: int, num_replicas: int, num_logical: int) -> np.ndarray:
     """``previous`` (a :class:`~eplb_core.Placement` or its ``phy2log [L, R]``) as a host int64 array.
 
-    Raises ``ValueError`` for a wrong shape, expert ids outside ``[0, num_logical)``, or an expert
-    without a replica.
+    Raises ``ValueError`` for a float or bool dtype (never truncated), a wrong shape, expert ids outside
+    ``[0, num_logical)``, or an expert without a replica.
     """
     from eplb_core.placement import Placement
 
-    prev = previous.phy2log if isinstance(previous, Placement) else torch.as_tensor(previous)
+    prev = (
+        previous.phy2log
+        if isinstance(previous, Placement)
+        else check_int_tensor(previous, "previous", "[L, R]")
+    )
     if prev.shape != (num_layers, num_replicas):
         raise ValueError(
             f"previous must be a plan of shape {(num_layers, num_replicas)}, got {tuple(prev.shape)}"

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
 from eplb_core import _solve
 from eplb_core._numba.counts import greedy_counts
+from eplb_core._validate import check_topology, check_weight
 
 __all__ = ["lower_bound", "node_cap_bound"]
 
 
 def lower_bound(
-    weight: torch.Tensor,
+    weight: Any,
     num_replicas: int,
     num_groups: int,
     num_nodes: int,
@@ -32,11 +35,27 @@ def lower_bound(
       8 groups on 4 nodes; otherwise a weaker valid bound). This is the "strict-hierarchy cap".
 
     Args:
-        weight: ``[L, N]`` non-negative loads.
-        mode: ``"strict"``, ``"global"`` or ``"soft"`` (only strict adds the node term).
+        weight: ``[L, N]`` non-negative finite loads (tensor on any device, or array-like).
+        num_replicas, num_groups, num_nodes, num_gpus: the topology, as in
+            :func:`eplb_core.rebalance_experts`.
+        mode: ``"strict"``, ``"global"`` or ``"soft"`` (only strict adds the node term; a topology with
+            ``num_groups % num_nodes != 0`` is global).
+
+    Returns:
+        ``[L]`` float64 on ``weight``'s device.
+
+    Raises:
+        ValueError: naming the argument, for the loads and topologies :func:`eplb_core.plan` rejects
+            (NaN, negative or overflowing loads, ``num_replicas < N``, counts below 1, ...) and an
+            unknown ``mode``.
     """
-    w = weight.to(torch.float64)
+    if mode not in ("strict", "global", "soft"):
+        raise ValueError(f"mode must be 'strict', 'global' or 'soft', got {mode!r}")
+    w = check_weight(weight)
     num_layers, num_experts = w.shape
+    check_topology(num_experts, num_replicas, num_groups, num_nodes, num_gpus)
+    if num_groups % num_nodes != 0:
+        mode = "global"
     bound = w.sum(1) / num_gpus
     # the sequential greedy split minimises the heaviest replica (compiled, on the host)
     w_host = w.detach().cpu().numpy()

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from eplb_core._validate import check_placement_tensors, check_weight
 from eplb_core.metrics import balancedness as _balancedness
 
 __all__ = ["Placement", "PlacementDiff", "gpu_loads_of"]
@@ -16,16 +18,21 @@ __all__ = ["Placement", "PlacementDiff", "gpu_loads_of"]
 MODES = ("strict", "global", "soft")
 
 
-def gpu_loads_of(
-    weight: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor, num_gpus: int
-) -> torch.Tensor:
-    """Per-GPU load ``[L, num_gpus]`` float64 of a placement under ``weight [L, N]``.
+def gpu_loads_of(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> torch.Tensor:
+    """Per-GPU load ``[L, num_gpus]`` float64 of a placement under ``weight [L, N]``, on ``weight``'s
+    device.
 
-    An expert's load is split evenly over its replicas; physical slots are GPU-major
-    (slot ``p`` lives on GPU ``p // (R / num_gpus)``).
+    An expert's load is split evenly over its ``logcnt [L, N]`` replicas; ``phy2log [L, R]`` (integer)
+    holds the expert of every physical slot, GPU-major (slot ``p`` lives on GPU ``p // (R / num_gpus)``).
+
+    Raises:
+        ValueError: naming the argument, for loads :func:`eplb_core.rebalance_experts` rejects, shapes
+            that do not match, non-integer ``phy2log`` / ``logcnt``, ids outside ``[0, N)``, an expert
+            without a replica, or ``num_gpus`` not dividing ``R``.
     """
-    w = weight.to(phy2log.device, torch.float64)
-    per_slot = (w / logcnt.to(torch.float64)).gather(1, phy2log)
+    w = check_weight(weight)
+    phy, cnt = check_placement_tensors(w, phy2log, logcnt, num_gpus)
+    per_slot = (w / cnt.to(torch.float64)).gather(1, phy)
     return per_slot.view(per_slot.shape[0], num_gpus, -1).sum(-1)
 
 
@@ -126,11 +133,12 @@ class Placement:
         of a group sits on the group's node and every node holds ``num_groups / num_nodes`` groups; no GPU
         holds two replicas of an expert unless the expert has more replicas than GPUs it may use.
         """
-        p, l2p, cnt = self.phy2log, self.log2phy, self.logcnt
+        if any(x.dtype != torch.int64 for x in (self.phy2log, self.log2phy, self.logcnt)):
+            raise ValueError("placement tensors must be int64")
+        # NumPy on the host: a few dozen small array operations, each far cheaper than a torch call
+        p, l2p, cnt = (x.detach().cpu().numpy() for x in (self.phy2log, self.log2phy, self.logcnt))
         num_layers, num_replicas = p.shape
         num_logical = cnt.shape[1]
-        if p.dtype != torch.int64 or l2p.dtype != torch.int64 or cnt.dtype != torch.int64:
-            raise ValueError("placement tensors must be int64")
         if num_replicas % self.num_gpus != 0:
             raise ValueError(f"num_replicas ({num_replicas}) is not a multiple of num_gpus ({self.num_gpus})")
         if int(p.min()) < 0 or int(p.max()) >= num_logical:
@@ -139,48 +147,43 @@ class Placement:
             raise ValueError("some logical expert has no replica (logcnt < 1)")
         if not bool((cnt.sum(1) == num_replicas).all()):
             raise ValueError("logcnt does not sum to num_replicas in every layer")
-        counted = torch.zeros_like(cnt).scatter_add_(1, p, torch.ones_like(p))
-        if not torch.equal(counted, cnt):
+        layer_offset = np.arange(num_layers)[:, None] * num_logical
+        counted = np.bincount((p + layer_offset).ravel(), minlength=num_layers * num_logical)
+        if not np.array_equal(counted.reshape(num_layers, num_logical), cnt):
             raise ValueError("logcnt disagrees with the replica counts of phy2log")
         if l2p.shape != (num_layers, num_logical, int(cnt.max())):
             raise ValueError(
                 f"log2phy has shape {tuple(l2p.shape)}, expected {(num_layers, num_logical, int(cnt.max()))}"
             )
-        ranks = torch.arange(l2p.shape[2], device=l2p.device)
-        used = ranks < cnt.unsqueeze(-1)
+        used = np.arange(l2p.shape[2]) < cnt[:, :, None]
         if bool((l2p[~used] != -1).any()):
             raise ValueError("log2phy is not -1 padded beyond logcnt")
-        slots = l2p.clamp_min(0)
-        owner = p.gather(1, slots.flatten(1)).view_as(slots)
-        expert_ids = torch.arange(num_logical, device=p.device).view(1, -1, 1)
-        if bool((used & (owner != expert_ids)).any()):
+        if int(l2p.max()) >= num_replicas:
+            raise ValueError("log2phy points beyond the physical slots")
+        owner = np.take_along_axis(p, np.maximum(l2p, 0).reshape(num_layers, -1), 1).reshape(l2p.shape)
+        if bool((used & (owner != np.arange(num_logical)[None, :, None])).any()):
             raise ValueError("log2phy points at a slot that holds another expert")
         if bool((used[..., 1:] & (l2p[..., 1:] <= l2p[..., :-1])).any()):
             raise ValueError("log2phy slots are not distinct and ascending")
-        gpu = p.new_tensor(range(num_replicas)) // (num_replicas // self.num_gpus)
+        gpu = np.arange(num_replicas) // (num_replicas // self.num_gpus)
         gpus_per_node = self.num_gpus // self.num_nodes
         if self.mode == "strict":
-            group_size = num_logical // self.num_groups
-            node = (gpu // gpus_per_node).expand(num_layers, -1)
-            group = p // group_size
-            node_of_group = torch.full((num_layers, self.num_groups), -1, dtype=torch.int64, device=p.device)
-            node_of_group.scatter_(1, group, node)
-            if not torch.equal(node_of_group.gather(1, group), node):
+            group = p // (num_logical // self.num_groups)
+            node = np.broadcast_to(gpu // gpus_per_node, p.shape)
+            node_of_group = np.full((num_layers, self.num_groups), -1, dtype=np.int64)
+            np.put_along_axis(node_of_group, group, node, 1)
+            if not np.array_equal(np.take_along_axis(node_of_group, group, 1), node):
                 raise ValueError("strict mode: replicas of one group sit on different nodes")
-            per_node = torch.zeros(num_layers, self.num_nodes, dtype=torch.int64, device=p.device)
-            per_node.scatter_add_(1, node_of_group, torch.ones_like(node_of_group))
+            per_node = np.zeros((num_layers, self.num_nodes), dtype=np.int64)
+            np.add.at(per_node, (np.arange(num_layers)[:, None], node_of_group), 1)
             if not bool((per_node == self.num_groups // self.num_nodes).all()):
                 raise ValueError("strict mode: nodes do not hold num_groups / num_nodes groups each")
         # duplicates: an expert may repeat on a GPU only if it has more replicas than GPUs it may use
+        # (soft mode splits an expert over nodes: a repeat is avoidable iff the count fits all GPUs)
         domain = gpus_per_node if self.mode == "strict" else self.num_gpus
-        key = gpu.expand(num_layers, -1) * num_logical + p
-        sorted_key = key.sort(dim=1).values
+        sorted_key = np.sort(gpu * num_logical + p, axis=1)
         dup = sorted_key[:, 1:] == sorted_key[:, :-1]
-        dup_expert = sorted_key[:, 1:] % num_logical
-        allowed = cnt.gather(1, dup_expert) > domain
-        if self.mode == "soft":
-            # soft mode splits an expert over nodes; a repeat is avoidable iff the count fits the GPUs
-            allowed = cnt.gather(1, dup_expert) > self.num_gpus
+        allowed = np.take_along_axis(cnt, sorted_key[:, 1:] % num_logical, 1) > domain
         if bool((dup & ~allowed).any()):
             raise ValueError("a GPU holds two replicas of an expert although that was avoidable")
 
@@ -281,7 +284,7 @@ class Placement:
                 a replica, a group split over nodes in strict mode, an avoidable repeat, ...).
         """
         from eplb_core._numba.utils import log2phy as _log2phy
-        from eplb_core._validate import check_topology, check_weight
+        from eplb_core._validate import check_topology
         from eplb_core.bounds import lower_bound as _lower_bound
 
         if mode not in MODES:

@@ -48,9 +48,10 @@ def rebalance_experts(
         weight: ``[L, N]`` load statistics of every logical expert (torch tensor on any device, or an
             array-like; any real dtype).
         num_replicas: physical experts ``R`` per layer, a multiple of ``num_gpus`` and ``>= N``.
-        num_groups: expert groups (DeepSeek-V3: 8); must divide ``N``.
+        num_groups: expert groups (DeepSeek-V3: 8); must divide ``N`` for a hierarchical plan.
         num_nodes: server nodes; with ``num_groups % num_nodes == 0`` the plan is strictly hierarchical
-            (every replica of a group's experts on the node that hosts the group), otherwise global.
+            (every replica of a group's experts on the node that hosts the group), otherwise global
+            (groups ignored), as in DeepSeek's function.
         num_gpus: GPUs in total, a multiple of ``num_nodes``.
 
     Returns:
@@ -59,7 +60,13 @@ def rebalance_experts(
         Deterministic; no GPU holds two replicas of an expert when that can be avoided; no layer ends
         worse than the greedy LPT plan. The plan is computed on the host by the compiled planner (one
         thread); a CUDA ``weight`` is checked on its device, copied to the host, and the three tensors
-        are copied back to it.
+        are copied back to it. The first call in a fresh environment compiles the planner.
+
+    Raises:
+        ValueError: naming the argument: ``weight`` not a non-empty 2-D matrix of real numbers, with
+            NaN, infinite or negative loads, or layer sums that overflow float64; counts below 1,
+            ``num_replicas < N``, ``num_replicas % num_gpus != 0``, ``num_gpus % num_nodes != 0``, or
+            ``num_groups`` not dividing ``N`` in a hierarchical topology.
     """
     w = check_weight(weight)
     num_logical = w.shape[1]
@@ -90,8 +97,10 @@ def plan(
         weight: ``[L, N]`` loads (see :func:`rebalance_experts`). All-zero layers are planned as uniform
             and flagged in ``Placement.zero_layers``.
         num_replicas, num_groups, num_nodes, num_gpus: topology, as in :func:`rebalance_experts`.
-        previous: the plan in service (a :class:`Placement` or its ``phy2log [L, R]``). Turns on the
-            migration-aware mode: start from it and change at most ``max_changed_slots`` slots per layer.
+        previous: the plan in service (a :class:`Placement` or its integer ``phy2log [L, R]``). Turns
+            on the migration-aware mode: start from it and change at most ``max_changed_slots`` slots per
+            layer; replicas keep their node, so from a strict plan the result is strict (``mode``
+            ``"strict"``) even with ``soft_locality``.
         max_changed_slots: cap on changed slots per layer in migration mode (default ``R // 4``).
         soft_locality: penalty ``W >= 0`` of the soft-locality mode (hierarchical topologies only): each
             expert keeps one replica on its group's home node, redundant replicas may go to another node
@@ -99,13 +108,23 @@ def plan(
         iters: refinement rounds (default: chosen from the GPU count).
 
     Returns:
-        A :class:`Placement` on ``weight``'s device.
+        A :class:`Placement` on ``weight``'s device that passes :meth:`Placement.validate`;
+        ``mode`` is ``"strict"``, ``"global"`` (when ``num_groups % num_nodes != 0``) or ``"soft"``.
+
+    Raises:
+        ValueError: naming the argument, for the inputs :func:`rebalance_experts` rejects, and for
+            ``soft_locality`` negative or not finite, ``max_changed_slots`` negative or given without
+            ``previous``, a ``previous`` of another shape or a float dtype, with ids outside ``[0, N)``
+            or an expert without a replica, a strict ``previous`` that is not a valid strict plan, or
+            when no valid plan lies within ``max_changed_slots`` of ``previous``.
     """
     w = check_weight(weight)
     num_layers, num_logical = w.shape
     check_topology(num_logical, num_replicas, num_groups, num_nodes, num_gpus)
-    if soft_locality is not None and (not isinstance(soft_locality, (int, float)) or not soft_locality >= 0):
-        raise ValueError(f"soft_locality must be a float >= 0 or None, got {soft_locality!r}")
+    if soft_locality is not None and (
+        not isinstance(soft_locality, (int, float)) or not 0 <= soft_locality < float("inf")
+    ):
+        raise ValueError(f"soft_locality must be a finite float >= 0 or None, got {soft_locality!r}")
     if iters is not None and (not is_int(iters) or iters < 0):
         raise ValueError(f"iters must be an int >= 0, got {iters!r}")
     w_np, zero = _host_weight(w)

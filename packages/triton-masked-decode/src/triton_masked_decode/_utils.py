@@ -8,8 +8,10 @@ import os
 import torch
 
 
+@functools.cache
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``; Triton reads it when
+    the kernels are defined, so it is read once)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -28,9 +30,15 @@ def install_interpreter_fix() -> None:
     if getattr(original, "_tmd_wrapped", False):
         return
 
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patched(tensor, *scope):  # Triton < 3.4 passes no scope and patches the class itself
+        original(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     patched._tmd_wrapped = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patched

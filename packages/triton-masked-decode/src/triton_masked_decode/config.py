@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -120,7 +119,6 @@ class TunedDefaults:
     multi_wave: LaunchClassDefaults
 
 
-@functools.cache
 def tuned_defaults(device_name: str = "default") -> TunedDefaults:
     """The tuned defaults for a device name (``torch.cuda.get_device_name()``), or the ``"default"``
     entry (measured on an H100) for a device without its own.

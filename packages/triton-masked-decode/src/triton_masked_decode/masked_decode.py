@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import NamedTuple
+from typing import List, NamedTuple  # noqa: UP035 (the custom op schema of _launch, torch < 2.7)
 
 import torch
 import triton
@@ -45,12 +45,15 @@ from triton_masked_decode.config import MaskedDecodeConfig, tuned_defaults
 
 install_interpreter_fix()
 
-__all__ = ["choose_num_splits", "masked_decode"]
+__all__ = ["check_errors", "choose_num_splits", "masked_decode"]
 
 _LOG2E = 1.4426950408889634
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 _PATH_CODES = {"auto": 0, "dense": 1, "sparse": 2}
 _MASK_NONE, _MASK_BOOL, _MASK_PACKED = 0, 1, 2
+# Bits of the error word the split kernel sets (see check_errors).
+_ERR_PAGE: tl.constexpr = tl.constexpr(1)  # a used block-table entry outside [0, num_pages)
+_ERR_SEQLEN: tl.constexpr = tl.constexpr(2)  # a seqlens value outside [0, L]
 _MAX_GROUP = 64
 _MAX_SPLITS = 256
 _MAX_CHUNK = 4096  # bounds per-program work so ragged batches balance across SMs
@@ -88,6 +91,7 @@ def _attend_rows(
     k_base,
     v_base,
     bt_base,
+    num_pages,
     stride_kn,
     stride_kp,
     stride_vn,
@@ -100,9 +104,15 @@ def _attend_rows(
     PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Online-softmax update with the K/V rows at positions ``pos``; rows are loaded only where ``vis``."""
+    """Online-softmax update with the K/V rows at positions ``pos``; rows are loaded only where ``vis``.
+
+    Paged: a row whose block-table entry is outside ``[0, num_pages)`` is treated as excluded, so an
+    out-of-range page id is never dereferenced (:func:`_flag_bad_pages` reports it).
+    """
     if PAGED:
-        page = tl.load(bt_base + pos // PAGE_SIZE, mask=vis, other=0).to(tl.int64)
+        page = tl.load(bt_base + pos // PAGE_SIZE, mask=vis, other=0)
+        vis = vis & (page >= 0) & (page < num_pages)
+        page = page.to(tl.int64)
         row = (pos % PAGE_SIZE).to(tl.int64)
         k_off = page * stride_kp + row * stride_kn
         v_off = page * stride_vp + row * stride_vn
@@ -141,6 +151,7 @@ def _dense_loop(
     k_base,
     v_base,
     bt_base,
+    num_pages,
     mask_base,
     stride_kn,
     stride_kp,
@@ -173,7 +184,7 @@ def _dense_loop(
             nxt = pos + BLOCK_N
             ex_next = _excluded(mask_base, nxt, nxt < hi, stride_ml, MASK_MODE)
         acc, l_i, m_i = _attend_rows(
-            acc, l_i, m_i, q, pos, vis, k_base, v_base, bt_base,
+            acc, l_i, m_i, q, pos, vis, k_base, v_base, bt_base, num_pages,
             stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
             HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST,
         )  # fmt: skip
@@ -208,6 +219,7 @@ def _sparse_loop(
     k_base,
     v_base,
     bt_base,
+    num_pages,
     idx_base,
     stride_kn,
     stride_kp,
@@ -234,7 +246,7 @@ def _sparse_loop(
         j_next = j + BLOCK_NS
         pos_next = tl.load(idx_base + j_next, mask=j_next < n_vis, other=0)
         acc, l_i, m_i = _attend_rows(
-            acc, l_i, m_i, q, pos, valid, k_base, v_base, bt_base,
+            acc, l_i, m_i, q, pos, valid, k_base, v_base, bt_base, num_pages,
             stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
             HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST,
         )  # fmt: skip
@@ -242,11 +254,35 @@ def _sparse_loop(
 
 
 @triton.jit
+def _flag_bad_pages(bt_base, lo, hi, num_pages, err_ptr, PAGE_SIZE: tl.constexpr):
+    """Set bit 1 of the error word when a block-table entry used by positions ``[lo, hi)`` is outside
+    ``[0, num_pages)`` (the rows behind it are treated as excluded)."""
+    offs = tl.arange(0, 128)
+    first, end = lo // PAGE_SIZE, (hi + PAGE_SIZE - 1) // PAGE_SIZE
+    n_bad = lo * 0
+    for p0 in range(first, end, 128):
+        slot = p0 + offs
+        used = slot < end
+        page = tl.load(bt_base + slot, mask=used, other=0)
+        n_bad += tl.sum((used & ((page < 0) | (page >= num_pages))).to(tl.int32), 0)
+    if n_bad > 0:
+        tl.atomic_or(err_ptr, _ERR_PAGE)
+
+
+@triton.jit
+def _empty_or_nan(total):
+    """The LSE of a row whose softmax weight ``total`` is not positive: -inf when 0 (no visible key), NaN
+    when NaN (a NaN or +inf score or LSE), so that a poisoned row never reads as empty."""
+    return tl.where(total == 0.0, float("-inf"), float("nan"))
+
+
+@triton.jit
 def _normalize(acc, l_i, m_log2):
-    """(acc / l, natural-log LSE) of an online-softmax state; rows with no weight give (0, -inf)."""
+    """(acc / l, natural-log LSE) of an online-softmax state; rows with no weight give (0, -inf), rows
+    whose weight is NaN (a NaN or +inf score) give (NaN, NaN)."""
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_log2 + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    lse = tl.where(seen, (m_log2 + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, _empty_or_nan(l_i))
     return out, lse
 
 
@@ -261,8 +297,10 @@ def _masked_decode_split_kernel(
     Idx,
     Out,
     Lse,
+    Err,
     seqlen_const,
     max_len,
+    num_pages,
     chunk,
     qk_scale,
     sparse_threshold,
@@ -312,7 +350,11 @@ def _masked_decode_split_kernel(
     num_heads = tl.num_programs(1)
     num_splits = tl.num_programs(0)
     if HAS_SEQLENS:
-        seqlen = tl.minimum(tl.maximum(tl.load(Seqlens + bidx), 0), max_len)
+        # Out-of-range lengths are clamped to [0, L] and reported in bit 2 of the error word.
+        seqlen_raw = tl.load(Seqlens + bidx)
+        if ((seqlen_raw < 0) | (seqlen_raw > max_len)) & (split == 0) & (head == 0):
+            tl.atomic_or(Err, _ERR_SEQLEN)
+        seqlen = tl.minimum(tl.maximum(seqlen_raw, 0), max_len)
     else:
         seqlen = seqlen_const
     lo = split * chunk
@@ -340,6 +382,8 @@ def _masked_decode_split_kernel(
             v_base = V + bidx.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
             bt_base = BlockTable
         mask_base = Mask + bidx.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+        if PAGED:
+            _flag_bad_pages(bt_base, lo, hi, num_pages, Err, PAGE_SIZE)
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -362,13 +406,13 @@ def _masked_decode_split_kernel(
             go_sparse = False
         if go_sparse:
             acc, l_i, m_i = _sparse_loop(
-                acc, l_i, m_i, q, n_vis, k_base, v_base, bt_base, idx_base,
+                acc, l_i, m_i, q, n_vis, k_base, v_base, bt_base, num_pages, idx_base,
                 stride_kn, stride_kb, stride_vn, stride_vb, qk_scale, offs_d,
                 HEAD_DIM, BLOCK_D, BLOCK_NS, SPARSE_STAGES, PAGED, PAGE_SIZE, UPCAST,
             )  # fmt: skip
         else:
             acc, l_i, m_i = _dense_loop(
-                acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, mask_base,
+                acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, num_pages, mask_base,
                 stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
                 MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST,
             )  # fmt: skip
@@ -420,12 +464,15 @@ def _prune_configs(configs, named_args, **kwargs):
     return keep or [configs[0]]
 
 
-_split_kernel_tuned = triton.autotune(
-    configs=_AUTOTUNE_CONFIGS,
-    key=["G", "HEAD_DIM", "MASK_MODE", "COMPACT", "PAGED", "PAGE_SIZE", "size_class"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-    do_bench=lambda kernel_call, quantiles: _bench_config(kernel_call, quantiles),
-)(_masked_decode_split_kernel)
+@functools.cache
+def _split_kernel_tuned() -> triton.runtime.Autotuner:
+    """The autotuned split kernel, built on first use (an autotuner queries the GPU driver when built)."""
+    return triton.autotune(
+        configs=_AUTOTUNE_CONFIGS,
+        key=["G", "HEAD_DIM", "MASK_MODE", "COMPACT", "PAGED", "PAGE_SIZE", "size_class"],
+        prune_configs_by={"early_config_prune": _prune_configs},
+        do_bench=lambda kernel_call, quantiles: _bench_config(kernel_call, quantiles),
+    )(_masked_decode_split_kernel)
 
 
 @triton.jit
@@ -494,7 +541,7 @@ def _merge_splits_kernel(
     seen = tot > 0.0
     m_fin = tl.where(m == float("-inf"), 0.0, m)
     out = acc / tl.where(seen, tot, 1.0)
-    lse = tl.where(seen, m_fin + tl.log(tl.where(seen, tot, 1.0)), float("-inf"))
+    lse = tl.where(seen, m_fin + tl.log(tl.where(seen, tot, 1.0)), _empty_or_nan(tot))
     tl.store(
         Out + bidx.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
         out.to(Out.dtype.element_ty),
@@ -664,55 +711,49 @@ def _plan_launch(
     return launch, threshold
 
 
-def _launch(
+def _pow2(x: int) -> int:
+    """Smallest power of two >= x (``triton.next_power_of_2`` without its JIT-function call cost)."""
+    return 1 << (x - 1).bit_length() if x > 1 else 1
+
+
+class _Static(NamedTuple):
+    """What a launch derives from shapes, strides and its plan: the same for every call of a signature."""
+
+    batch: int
+    hq: int
+    hkv: int
+    head_dim: int
+    num_pages: int
+    mask_strides: tuple[int, ...]
+    strides: tuple[int, ...]  # q, k, v, mask, block table, partial out, partial lse (the kernel's order)
+    merge_strides: tuple[int, ...]
+    size_class: int
+    idx_numel: int
+    meta: dict
+    merge_grid: tuple[int, int, int]
+    merge_meta: dict
+
+
+def _static(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
     seqlens: torch.Tensor | None,
     block_table: torch.Tensor | None,
-    seqlen_const: int,
-    sm_scale: float,
-    max_len: int,
-    sparse_threshold: float,
-    launch: list[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the split kernel (and the merge when there is more than one split) on validated inputs.
-
-    ``launch`` is a :class:`_Launch` as a list (the custom op's schema has no named tuples).
-    """
+    plan: _Launch,
+) -> _Static:
     batch, hq, d = q.shape
-    if batch == 0:
-        return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
-    plan = _Launch(*launch)
     paged = block_table is not None
     hkv = k.shape[2] if paged else k.shape[1]
     splits, chunk = plan.splits, plan.chunk
-    mask_mode = _MASK_NONE
-    if mask is not None:
-        mask_mode = _MASK_PACKED if mask.dtype == torch.uint8 else _MASK_BOOL
-        mask_t = mask.view(torch.uint8)
-        mstrides = mask_t.stride()
-    else:
-        mask_t = torch.empty(1, dtype=torch.uint8, device=q.device)
-        mstrides = (0, 0, 0)
-    if plan.compact:
-        idx = torch.empty(batch * hkv * splits * chunk, dtype=torch.int32, device=q.device)
-    else:
-        idx = torch.empty(1, dtype=torch.int32, device=q.device)
-    seq_t = seqlens if seqlens is not None else torch.empty(1, dtype=torch.int32, device=q.device)
-    bt_t = block_table if block_table is not None else torch.empty(1, dtype=torch.int32, device=q.device)
-
-    out = torch.empty(batch, hq, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
+    mask_mode = _MASK_NONE if mask is None else _MASK_PACKED if mask.dtype == torch.uint8 else _MASK_BOOL
+    mstrides = (0, 0, 0) if mask is None else tuple(mask.stride())
+    # Outputs and partials are fresh contiguous tensors: [B, Hq, D] / [B, Hq] or [B, Hq, S, D] / [B, Hq, S].
     if splits == 1:
-        o_part, l_part = out, lse
-        po: tuple[int, ...] = (out.stride(0), out.stride(1), 0)
-        pl: tuple[int, ...] = (lse.stride(0), lse.stride(1), 0)
+        po, pl = (hq * d, d, 0), (hq, 1, 0)
     else:
-        o_part = torch.empty(batch, hq, splits, d, dtype=torch.float32, device=q.device)
-        l_part = torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device)
-        po, pl = o_part.stride()[:3], l_part.stride()
+        po, pl = (hq * splits * d, splits * d, d), (hq * splits, splits, 1)
     if paged:
         # Paged [P, page_size, Hkv, D]: "batch" stride slots carry the page stride.
         ks = (k.stride(0), k.stride(2), k.stride(1))
@@ -722,43 +763,203 @@ def _launch(
         ks = (k.stride(0), k.stride(1), k.stride(2))
         vs = (v.stride(0), v.stride(1), v.stride(2))
         page_size = 1
-    size_class = triton.next_power_of_2(batch * hkv * splits) * 1_000_000 + chunk
-    args = (
-        q, k, v, mask_t, seq_t, bt_t, idx, o_part, l_part,
-        seqlen_const, max_len, chunk, sm_scale * _LOG2E, sparse_threshold, size_class,
-        q.stride(0), q.stride(1),
-        *ks, *vs, *mstrides, bt_t.stride(0),
+    strides = (
+        q.stride(0), q.stride(1), *ks, *vs, *mstrides,
+        block_table.stride(0) if block_table is not None else 1,
         *po, *pl,
     )  # fmt: skip
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, _pow2(d))
     meta = dict(
-        G=hq // hkv, BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), HEAD_DIM=d, BLOCK_D=block_d,
+        G=hq // hkv, BLOCK_G=max(16, _pow2(hq // hkv)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_NS=plan.block_ns, SPARSE_STAGES=plan.sparse_stages, BLOCK_C=plan.block_c, MASK_MODE=mask_mode,
         HAS_SEQLENS=seqlens is not None, PAGED=paged, PAGE_SIZE=page_size, COMPACT=bool(plan.compact),
         SPARSE_ONLY=bool(plan.sparse_only), UPCAST=interpreting() and q.dtype == torch.bfloat16,
         PDL=bool(plan.pdl),
     )  # fmt: skip
-    grid = (splits, hkv, batch)
+    if not plan.autotune:
+        meta.update(BLOCK_N=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages)
     # One merge program per (query head, sequence, head-dim slice); each reads at most 64 partial values per
     # thread per step (BLOCK_S splits at a time).
     block_dm, merge_warps = plan.merge_block_d, plan.merge_warps
-    block_s = min(max(merge_warps * 32 * 64 // block_dm, 1), triton.next_power_of_2(splits))
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+    merge_meta = dict(
+        HEAD_DIM=d, BLOCK_D=block_dm, BLOCK_S=min(max(merge_warps * 32 * 64 // block_dm, 1), _pow2(splits)),
+        HAS_SEQLENS=seqlens is not None, PDL=bool(plan.pdl), num_warps=merge_warps, launch_pdl=bool(plan.pdl),
+    )  # fmt: skip
+    return _Static(
+        batch=batch,
+        hq=hq,
+        hkv=hkv,
+        head_dim=d,
+        num_pages=k.shape[0] if paged else 0,
+        mask_strides=mstrides,
+        strides=strides,
+        merge_strides=(*po, *pl, hq * d, d, hq, 1),
+        size_class=_pow2(batch * hkv * splits) * 1_000_000 + chunk,
+        idx_numel=batch * hkv * splits * chunk if plan.compact else 0,
+        meta=meta,
+        merge_grid=(hq, batch, -(-block_d // block_dm)),
+        merge_meta=merge_meta,
+    )
+
+
+_DUMMIES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_ALIGN = 256  # workspace pieces start on 256-byte boundaries, like fresh allocations
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _dummies(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8, int32) one-element tensors standing in for absent optional inputs (never read)."""
+    pair = _DUMMIES.get(device)
+    if pair is None:
+        pair = (
+            torch.zeros(1, dtype=torch.uint8, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+        )
+        if not _capturing(device):
+            _DUMMIES[device] = pair
+    return pair
+
+
+class _Workspace:
+    """A byte buffer for the split kernel's scratch and its views per layout, reused by the calls made on
+    one stream (stream order keeps them apart)."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.views: dict[tuple[int, int, int], tuple[torch.Tensor | None, ...]] = {}
+
+    def carve(self, idx_bytes: int, part_bytes: int, lse_bytes: int) -> tuple[torch.Tensor | None, ...]:
+        """(index lists int32, partial outputs float32, partial LSEs float32), each None when empty."""
+        layout = (idx_bytes, part_bytes, lse_bytes)
+        views = self.views.get(layout)
+        if views is None:
+            o_at = -(-idx_bytes // _ALIGN) * _ALIGN
+            l_at = o_at + -(-part_bytes // _ALIGN) * _ALIGN
+            views = self.views[layout] = tuple(
+                self.buf[at : at + n].view(dtype) if n else None
+                for at, n, dtype in (
+                    (0, idx_bytes, torch.int32), (o_at, part_bytes, torch.float32), (l_at, lse_bytes, torch.float32)
+                )
+            )  # fmt: skip
+        return views
+
+
+_WORKSPACES: dict[tuple[torch.device, int], _Workspace] = {}
+
+
+def _scratch(
+    device: torch.device, idx_bytes: int, part_bytes: int, lse_bytes: int
+) -> tuple[torch.Tensor | None, ...]:
+    """Scratch views for a launch: from the stream's cached workspace, or fresh while a CUDA graph is being
+    captured (the graph keeps its own)."""
+    nbytes = -(-idx_bytes // _ALIGN) * _ALIGN + -(-part_bytes // _ALIGN) * _ALIGN + lse_bytes
+    if _capturing(device):
+        return _Workspace(nbytes, device).carve(idx_bytes, part_bytes, lse_bytes)
+    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.buf.numel() < nbytes:
+        ws = _WORKSPACES[key] = _Workspace(nbytes, device)
+    return ws.carve(idx_bytes, part_bytes, lse_bytes)
+
+
+def _run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seqlens: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    error_flag: torch.Tensor,
+    seqlen_const: int,
+    sm_scale: float,
+    max_len: int,
+    sparse_threshold: float,
+    plan: _Launch,
+    st: _Static,
+    readback: _FlagReadback | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the split kernel (and the merge when there is more than one split) on validated inputs; with
+    ``readback``, start the asynchronous copy of the error word to the host after the launches."""
+    dev = q.device
+    batch, hq, d, splits = st.batch, st.hq, st.head_dim, plan.splits
+    dummy_u8, dummy_i32 = _dummies(dev)
+    out = torch.empty(batch, hq, d, dtype=q.dtype, device=dev)
+    lse = torch.empty(batch, hq, dtype=torch.float32, device=dev)
+    # Scratch: the sparse loop's index lists, then (with several splits) the partial outputs and LSEs.
+    multi = splits > 1
+    idx, o_part, l_part = _scratch(
+        dev,
+        4 * st.idx_numel,
+        4 * batch * hq * splits * d if multi else 0,
+        4 * batch * hq * splits if multi else 0,
+    )
+    if idx is None:
+        idx = dummy_i32
+    if o_part is None or l_part is None:
+        o_part, l_part = out, lse
+    seq_t = seqlens if seqlens is not None else dummy_i32
+    args = (
+        q, k, v, dummy_u8 if mask is None else mask.view(torch.uint8), seq_t,
+        dummy_i32 if block_table is None else block_table, idx, o_part, l_part, error_flag,
+        seqlen_const, max_len, st.num_pages, plan.chunk, sm_scale * _LOG2E, sparse_threshold, st.size_class,
+        *st.strides,
+    )  # fmt: skip
+    grid = (splits, st.hkv, batch)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         if plan.autotune:  # Triton launches on the current device
-            _split_kernel_tuned[grid](*args, **meta)
+            _split_kernel_tuned()[grid](*args, **st.meta)
         else:
-            _masked_decode_split_kernel[grid](
-                *args, **meta, BLOCK_N=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages
-            )
-        if splits == 1:
-            return out, lse
-        _merge_splits_kernel[(hq, batch, triton.cdiv(block_d, block_dm))](
-            o_part, l_part, out, lse, seq_t, seqlen_const, max_len, chunk, splits,
-            *o_part.stride()[:3], *l_part.stride(), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_dm, BLOCK_S=block_s,
-            HAS_SEQLENS=seqlens is not None, PDL=bool(plan.pdl), num_warps=merge_warps, launch_pdl=bool(plan.pdl),
-        )  # fmt: skip
+            _masked_decode_split_kernel[grid](*args, **st.meta)
+        if splits > 1:
+            _merge_splits_kernel[st.merge_grid](
+                o_part, l_part, out, lse, seq_t, seqlen_const, max_len, plan.chunk, splits, *st.merge_strides,
+                **st.merge_meta,
+            )  # fmt: skip
+        if readback is not None:
+            readback.start()
     return out, lse
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seqlens: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    error_flag: torch.Tensor,
+    seqlen_const: int,
+    sm_scale: float,
+    max_len: int,
+    sparse_threshold: float,
+    launch: List[int],  # noqa: UP006 (torch < 2.7 infers a custom op's schema from typing.List only)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The custom op: :func:`_run` on validated inputs, with the plan as a list of ints.
+
+    ``error_flag`` (int32 ``[1]``) gets the ``_ERR_*`` bits of out-of-range values the kernel met;
+    ``launch`` is a :class:`_Launch` as a list (the custom op's schema has no named tuples).
+    """
+    if q.shape[0] == 0:
+        return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+    plan = _Launch(*launch)
+    st = _static(q, k, v, mask, seqlens, block_table, plan)
+    args = (
+        q,
+        k,
+        v,
+        mask,
+        seqlens,
+        block_table,
+        error_flag,
+        seqlen_const,
+        sm_scale,
+        max_len,
+        sparse_threshold,
+    )
+    return _run(*args, plan, st)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -766,7 +967,9 @@ def _launch(
 # --------------------------------------------------------------------------------------------------------
 
 
-_masked_decode_op = torch.library.custom_op("triton_masked_decode::masked_decode", _launch, mutates_args=())
+_masked_decode_op = torch.library.custom_op(
+    "triton_masked_decode::masked_decode", _launch, mutates_args=("error_flag",)
+)
 
 
 @_masked_decode_op.register_fake
@@ -890,13 +1093,6 @@ def _check_seqlens(seqlens: torch.Tensor | int | None, q3: torch.Tensor, max_len
     return max_len
 
 
-def _value_checks_allowed() -> bool:
-    """Host-syncing value checks are skipped while a CUDA graph is being captured or torch.compile traces."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def _check_values(
     k: torch.Tensor,
     seqlens: torch.Tensor | int | None,
@@ -924,6 +1120,166 @@ def _check_values(
             _fail(
                 f"block_table[{bi}, {pi}] = {int(block_table[bi, pi])} is out of range for {k.shape[0]} pages"
             )
+
+
+_ERROR_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+@torch.compiler.assume_constant_result  # torch.compile: the same tensor, taken at trace time
+def _error_flag(device: torch.device) -> torch.Tensor:
+    """The device's error word (int32 ``[1]``), allocated once so that CUDA graphs capture its address."""
+    flag = _ERROR_FLAGS.get(device)
+    if flag is None:
+        flag = _ERROR_FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag
+
+
+class _FlagReadback:
+    """Reads a CUDA device's error word without stopping the host: after a call, an asynchronous copy into
+    pinned memory; a later call looks at it once the copy has landed (an event query, no sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.flag = _error_flag(device)
+        self.host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.event = torch.cuda.Event()
+        self.pending = False
+
+    def start(self) -> None:
+        """After the launches (on the current stream of the device): copy the word unless one is in flight."""
+        if not self.pending:
+            self.host.copy_(self.flag, non_blocking=True)
+            self.event.record()
+            self.pending = True
+
+    def landed_bits(self) -> int:
+        """The bits of the last copy if it has landed, else 0 (and nothing waits)."""
+        if not self.pending or not self.event.query():
+            return 0
+        self.pending = False
+        return int(self.host[0])
+
+
+_READBACKS: dict[torch.device, _FlagReadback] = {}
+
+
+def check_errors(device: torch.device | str | None = None) -> None:
+    """Raise if a :func:`masked_decode` call on ``device`` since the last report met out-of-range values.
+
+    The kernel never reads memory through an out-of-range value: a ``seqlens`` entry outside ``[0, L]`` is
+    clamped into it, and a used ``block_table`` entry outside ``[0, num_pages)`` makes its rows count as
+    excluded. It records either case in a per-device error word. Calls with ``check_values=True`` report
+    it without a host sync, at a later call (on a GPU, once the word's copy to the host has landed); this
+    function reads it now (a host sync) and clears it. Use it after calls made with
+    ``check_values=False``, in a CUDA graph or under ``torch.compile``, or to get the report at once.
+
+    Args:
+        device: the device of the calls; default the current CUDA device, or the CPU without CUDA.
+
+    Raises:
+        ValueError: naming what was out of range (the calls' outputs treated those values as described).
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    flag = _ERROR_FLAGS.get(dev)
+    if flag is None:
+        return
+    readback = _READBACKS.get(dev)
+    if readback is not None:
+        readback.pending = False  # the word is read here; an in-flight copy is stale
+    bits = int(flag.item())
+    if bits:
+        flag.zero_()
+        _raise_flagged(bits)
+
+
+def _raise_flagged(bits: int) -> None:
+    what = []
+    if bits & 1:
+        what.append(
+            "block_table held page ids outside [0, num_pages) in used slots (their rows were excluded)"
+        )
+    if bits & 2:
+        what.append("seqlens held values outside [0, L] (they were clamped into it)")
+    _fail("a call since the last check met out-of-range values: " + "; ".join(what))
+
+
+class _Signature(NamedTuple):
+    """A validated call signature and what it determines (cached; see :func:`_signature_key`)."""
+
+    q_is_4d: bool
+    hkv: int
+    max_len: int
+    seqlen_const: int
+    grid_len: int
+    scale: float
+    plan: _Launch
+    threshold: float
+    static: _Static | None  # None for an empty batch
+
+
+_SIGNATURES: dict[tuple, _Signature] = {}
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _signature_key(q, k, v, mask, seqlens, block_table, sm_scale, config) -> tuple | None:
+    """Everything validation and planning depend on (shapes, strides, dtypes, devices, the host-int length,
+    the scale, the config); None when an argument is not even a tensor (validation reports it)."""
+    try:
+        seq = (type(seqlens), seqlens) if not isinstance(seqlens, torch.Tensor) else _tensor_key(seqlens)
+        return (
+            _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(mask), seq, _tensor_key(block_table),
+            type(sm_scale), sm_scale, config, interpreting(),
+        )  # fmt: skip
+    except (AttributeError, TypeError):
+        return None
+
+
+def _validate_and_plan(q, k, v, mask, seqlens, block_table, sm_scale, config, cached: bool) -> _Signature:
+    q3 = _check_q(q)
+    hkv, max_len = _check_cache(q3, k, v, block_table)
+    _check_mask(mask, q3, hkv, max_len)
+    seqlen_const = _check_seqlens(seqlens, q3, max_len)
+    scale = q3.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"masked_decode: sm_scale must be finite, got {sm_scale}")
+    seq_t = seqlens if isinstance(seqlens, torch.Tensor) else None
+    # A host-int length shortens the grid (it is baked into any captured graph anyway).
+    grid_len = max_len if seq_t is not None else seqlen_const
+    batch, hq, d = q3.shape
+    if batch == 0:
+        plan, threshold, static = _Launch(*[0] * len(_Launch._fields)), 0.0, None
+    else:
+        # (torch.compile traces the planner itself: its cache is a host-side shortcut of eager calls)
+        plan_launch = _plan_launch if cached else _plan_launch.__wrapped__
+        plan, threshold = plan_launch(
+            batch, hq, hkv, d, grid_len, mask is not None, config, _device_facts(q3.device)
+        )
+        static = _static(q3, k, v, mask, seq_t, block_table, plan) if cached else None
+    return _Signature(q.dim() == 4, hkv, max_len, seqlen_const, grid_len, scale, plan, threshold, static)
+
+
+def _report_flagged_values(
+    device: torch.device,
+    k: torch.Tensor,
+    seqlens: torch.Tensor | int | None,
+    sig: _Signature,
+    block_table: torch.Tensor | None,
+) -> None:
+    """``check_values`` after a launch on the CPU: the error word is already final, so a flagged call is
+    reported at once, naming the entry (the full check runs only then)."""
+    flag = _ERROR_FLAGS[device]
+    bits = int(flag[0])
+    if bits:
+        flag.zero_()
+        _check_values(k, seqlens, sig.seqlen_const, block_table, sig.max_len)
+        _raise_flagged(bits)
 
 
 def masked_decode(
@@ -963,47 +1319,70 @@ def masked_decode(
             (``page_size`` a power of two).
         sm_scale: softmax scale, default ``D ** -0.5``.
         return_lse: return ``(out, lse)`` when True (default), ``out`` alone when False.
-        check_values: check tensor *values* (``seqlens`` within ``[0, L]``, used ``block_table`` entries
-            within ``[0, num_pages)``). Needs a device-to-host sync, so it is skipped during CUDA-graph
-            capture and torch.compile tracing; pass False in a latency-critical decode loop.
+        check_values: report tensor *values* out of range (``seqlens`` outside ``[0, L]``, used
+            ``block_table`` entries outside ``[0, num_pages)``) without a host sync: the kernel records
+            them, and a ``ValueError`` is raised by a later call once the record has reached the host
+            (on the CPU, by this call, naming the entry); :func:`check_errors` reports at once. With False
+            nothing is reported unless :func:`check_errors` is called. Either way the kernel never reads
+            through such a value: it clamps ``seqlens`` into ``[0, L]`` and treats the rows behind an
+            out-of-range page id as excluded.
         config: launch knobs (:class:`MaskedDecodeConfig`: loop choice, split count, tiles); default:
             the tuned defaults of the device.
 
     Returns:
         ``out [B, Hq, D]`` (``[B, Hq, 1, D]`` for a 4-d ``q``) in ``q.dtype`` and ``lse [B, Hq]`` float32
-        (natural log). A row with no visible position gets ``out = 0`` and ``lse = -inf``.
+        (natural log). A row with no visible position gets ``out = 0`` and ``lse = -inf``; a row with a
+        NaN or ``+inf`` score (non-finite values in ``q`` or in a visible K row) gets ``out = NaN`` and
+        ``lse = NaN``, as :func:`masked_decode_ref` does.
 
     Raises:
-        ValueError: a shape, dtype, device or stride that does not fit, or (with ``check_values``) a
-            ``seqlens`` or used ``block_table`` value out of range; the message names the argument.
+        ValueError: a shape, dtype, device or stride that does not fit (the message names the argument),
+            or, with ``check_values``, out-of-range values met by this or an earlier call.
         TypeError: ``config`` is not a :class:`MaskedDecodeConfig`.
     """
     cfg = _DEFAULT_CONFIG if config is None else config
     if not isinstance(cfg, MaskedDecodeConfig):
         raise TypeError(f"masked_decode: config must be a MaskedDecodeConfig or None, got {type(config)}")
-    q3 = _check_q(q)
-    hkv, max_len = _check_cache(q3, k, v, block_table)
-    _check_mask(mask, q3, hkv, max_len)
-    seqlen_const = _check_seqlens(seqlens, q3, max_len)
-    if check_values and _value_checks_allowed():
-        _check_values(k, seqlens, seqlen_const, block_table, max_len)
-    scale = q3.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"masked_decode: sm_scale must be finite, got {sm_scale}")
-    seq_t = seqlens if isinstance(seqlens, torch.Tensor) else None
-    # A host-int length shortens the grid (it is baked into any captured graph anyway).
-    grid_len = max_len if seq_t is not None else seqlen_const
-    batch, hq, d = q3.shape
-    if batch == 0:
-        launch, threshold = [0] * len(_Launch._fields), 0.0
+    if torch.compiler.is_compiling():  # traced: the custom op, no host-side caches or checks
+        sig = _validate_and_plan(q, k, v, mask, seqlens, block_table, sm_scale, cfg, cached=False)
+        q3 = q.squeeze(2) if sig.q_is_4d else q
+        out, lse = torch.ops.triton_masked_decode.masked_decode(
+            q3, k, v, mask, seqlens if isinstance(seqlens, torch.Tensor) else None, block_table,
+            _error_flag(q3.device), sig.seqlen_const, sig.scale, sig.grid_len, sig.threshold, list(sig.plan),
+        )  # fmt: skip
     else:
-        plan, threshold = _plan_launch(
-            batch, hq, hkv, d, grid_len, mask is not None, cfg, _device_facts(q3.device)
-        )
-        launch = list(plan)
-    out, lse = torch.ops.triton_masked_decode.masked_decode(
-        q3, k, v, mask, seq_t, block_table, seqlen_const, scale, grid_len, threshold, launch
-    )
-    if q.dim() == 4:
+        key = _signature_key(q, k, v, mask, seqlens, block_table, sm_scale, cfg)
+        known = _SIGNATURES.get(key) if key is not None else None
+        if known is None:
+            sig = _validate_and_plan(q, k, v, mask, seqlens, block_table, sm_scale, cfg, cached=True)
+            if key is not None:
+                if len(_SIGNATURES) > 4096:
+                    _SIGNATURES.clear()
+                _SIGNATURES[key] = sig
+        else:
+            sig = known
+        q3 = q.squeeze(2) if sig.q_is_4d else q
+        dev = q3.device
+        if sig.static is None:  # empty batch
+            out, lse = q3.new_empty(q3.shape), q3.new_empty(q3.shape[:2], dtype=torch.float32)
+        else:
+            flag = _error_flag(dev)
+            readback = None
+            if check_values and dev.type == "cuda" and not _capturing(dev):
+                readback = _READBACKS.get(dev)
+                if readback is None:
+                    readback = _READBACKS[dev] = _FlagReadback(dev)
+                bits = readback.landed_bits()
+                if bits:
+                    flag.zero_()
+                    _raise_flagged(bits)
+            seq_t = seqlens if isinstance(seqlens, torch.Tensor) else None
+            out, lse = _run(
+                q3, k, v, mask, seq_t, block_table, flag, sig.seqlen_const, sig.scale, sig.grid_len,
+                sig.threshold, sig.plan, sig.static, readback,
+            )  # fmt: skip
+            if check_values and dev.type != "cuda":
+                _report_flagged_values(dev, k, seqlens, sig, block_table)
+    if sig.q_is_4d:
         out = out.unsqueeze(2)
     return (out, lse) if return_lse else out

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from triton_masked_decode._utils import interpreting
+from triton_masked_decode.masked_decode import _empty_or_nan
 
 __all__ = ["merge_attention_states"]
 
@@ -43,7 +44,7 @@ def _merge_two_kernel(
     ob = tl.load(OutB + off, mask=io_mask & (wb > 0.0)[:, None], other=0.0).to(tl.float32)
     out = (oa * wa[:, None] + ob * wb[:, None]) / safe[:, None]
     tl.store(Out + off, out.to(Out.dtype.element_ty), mask=io_mask)
-    tl.store(Lse + rows, tl.where(seen, m_use + tl.log(safe), float("-inf")), mask=r_mask)
+    tl.store(Lse + rows, tl.where(seen, m_use + tl.log(safe), _empty_or_nan(tot)), mask=r_mask)
 
 
 def merge_attention_states(
@@ -54,7 +55,8 @@ def merge_attention_states(
     ``out = (exp(lse_a) * out_a + exp(lse_b) * out_b) / (exp(lse_a) + exp(lse_b))`` and
     ``lse = log(exp(lse_a) + exp(lse_b))``, computed stably in float32. A side with ``lse = -inf`` (no
     visible key) contributes nothing and its output is not read; if both are ``-inf`` the result is
-    ``out = 0``, ``lse = -inf``.
+    ``out = 0``, ``lse = -inf``. A NaN or ``+inf`` LSE on either side is not an attention result: the row
+    gives ``out = NaN`` and ``lse = NaN`` (never a finite or empty-looking value).
 
     Args:
         out_a: ``[..., H, D]`` float16/bfloat16/float32 partial output.

@@ -55,7 +55,8 @@ def masked_decode_ref(
 
     Returns:
         ``out [B, Hq, D]`` in ``q.dtype`` and ``lse [B, Hq]`` float32 (natural log). A row with no visible
-        position gives ``out = 0`` and ``lse = -inf``.
+        position gives ``out = 0`` and ``lse = -inf``; a row with a NaN or ``+inf`` score (from non-finite
+        values in ``q`` or a visible K row) gives ``out = NaN`` and ``lse = NaN``.
     """
     if q.dim() == 4:
         q = q.squeeze(2)
@@ -84,6 +85,7 @@ def masked_decode_ref(
         m = torch.full((hkv, g), float("-inf"), device=q.device)
         s = torch.zeros(hkv, g, device=q.device)
         acc = torch.zeros(hkv, g, d, device=q.device)
+        poisoned = torch.zeros(hkv, g, dtype=torch.bool, device=q.device)
         for start in range(0, lens[bi], chunk):
             stop = min(start + chunk, lens[bi])
             kc = _gather_rows(k, bi, start, stop, block_table)
@@ -95,6 +97,7 @@ def masked_decode_ref(
             scores = torch.einsum("hgd,hnd->hgn", qb, kc) * scale
             if mask is not None:
                 scores = scores.masked_fill(excl[:, None, :], float("-inf"))
+            poisoned |= (torch.isnan(scores) | torch.isposinf(scores)).any(-1)
             m_new = torch.maximum(m, scores.amax(-1))
             m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             alpha = torch.exp(m - m_use)
@@ -105,13 +108,16 @@ def masked_decode_ref(
         seen = s > 0
         out[bi] = torch.where(seen[..., None], acc / torch.where(seen, s, 1.0)[..., None], 0.0)
         lse[bi] = torch.where(seen, m + torch.log(torch.where(seen, s, 1.0)), float("-inf"))
+        out[bi][poisoned] = float("nan")
+        lse[bi][poisoned] = float("nan")
     return out.reshape(b, hq, d).to(q.dtype), lse.reshape(b, hq)
 
 
 def merge_attention_states_ref(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 reference for :func:`triton_masked_decode.merge_attention_states`."""
+    """Float32 reference for :func:`triton_masked_decode.merge_attention_states` (same contract: a NaN or
+    ``+inf`` LSE on either side gives ``out = NaN``, ``lse = NaN``)."""
     m = torch.maximum(lse_a, lse_b)
     m_use = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     wa = torch.exp(lse_a.float() - m_use)
@@ -123,4 +129,7 @@ def merge_attention_states_ref(
     ob = torch.where((wb > 0)[..., None], out_b.float(), 0.0)
     out = (oa * wa[..., None] + ob * wb[..., None]) / safe[..., None]
     lse = torch.where(seen, m_use + torch.log(safe), float("-inf"))
+    poisoned = torch.isnan(lse_a) | torch.isnan(lse_b) | torch.isposinf(lse_a) | torch.isposinf(lse_b)
+    out = torch.where(poisoned[..., None], float("nan"), out)
+    lse = torch.where(poisoned, float("nan"), lse)
     return out.to(out_a.dtype), lse

@@ -23,12 +23,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ep_a2a._dist import RankMonitor, group_device
+from ep_a2a._dist import EPProtocolError, RankMonitor, group_device
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
 
 _ALIGN = 16
+#: operation codes in the header of every operation's first message
+_OPS = {"dispatch": 1, "combine": 2, "combine_per_slot": 3, "barrier": 4}
+_OP_NAMES = {code: name for name, code in _OPS.items()}
 
 
 @dataclass
@@ -65,12 +68,45 @@ class TorchBackend(A2ABackend):
         self.rank = config.rank
         self.world_size = config.world_size
         self.e_local = config.num_experts_per_rank
+        #: operations this backend has run (every rank's count agrees while they call in the same order)
+        self._calls = 0
 
     @classmethod
     def is_available(cls, config: EPConfig, ep_group: dist.ProcessGroup) -> tuple[bool, str]:
         return True, f"torch.distributed all_to_all_single over {dist.get_backend(ep_group)}"
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _message(self, op: str, step: str, body: torch.Tensor | None = None) -> torch.Tensor:
+        """The first exchange of every operation: an all-to-all, on the CPU side group, of each rank's
+        ``[world, 2 + 2 + num_experts]`` int64 rows headed by (operation, call number) and followed by
+        ``body`` (zeros where ``None``). Returns the received bodies ``[world, 2 + num_experts]``.
+
+        Raises:
+            EPProtocolError: some rank is in another operation or call (every rank raises: each sees
+                every header).
+        """
+        world, width = self.world_size, 2 + self.config.num_tot_experts
+        op_code, call = _OPS[op], self._calls
+        self._calls += 1
+        send = torch.zeros(world, 2 + width, dtype=torch.int64)
+        send[:, 0], send[:, 1] = op_code, call
+        if body is not None:
+            send[:, 2:] = body
+        recv = torch.empty_like(send)
+        with self.monitor.guard(step):
+            self.monitor.all_to_all(recv, send)
+        heads = recv[:, :2].tolist()
+        if any(h != [op_code, call] for h in heads):
+            ops = {r: f"{_OP_NAMES.get(o, f'operation {o}')} (call #{c})" for r, (o, c) in enumerate(heads)}
+            raise EPProtocolError(
+                "ep_a2a: ranks called the layer's collectives in different orders: "
+                + ", ".join(f"rank {r} is in {what}" for r, what in ops.items())
+                + f" (this is rank {self.rank}). Every rank must call dispatch, combine and barrier in the "
+                "same order; nothing was exchanged and no rank returns data",
+                operations=ops,
+            )
+        return recv[:, 2:]
+
     def _exchange(
         self, step: str, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     ) -> torch.Tensor:
@@ -103,32 +139,30 @@ class TorchBackend(A2ABackend):
         cfg = self.config
         n, hidden, topk, world = input.shape[0], cfg.hidden, cfg.topk, self.world_size
         dev = input.device
+        num_experts = cfg.num_tot_experts
+        # an id outside [-1, num_experts) (possible with validate=False) drops its slot, as -1 does
+        exp_indices = exp_indices.masked_fill((exp_indices < 0) | (exp_indices >= num_experts), -1)
         idx = exp_indices.long()
         dest = torch.where(idx >= 0, idx // self.e_local, world)  # world = "dropped"
         present = torch.zeros(n, world + 1, dtype=torch.bool, device=dev)
         present.scatter_(1, dest, True)
         present = present[:, :world]
         _, send_token = torch.nonzero(present.t(), as_tuple=True)  # rows ordered by (dest, token)
-        num_experts = cfg.num_tot_experts
         expert_counts = torch.bincount(idx.flatten() + 1, minlength=num_experts + 1)[1:]
 
-        # counts first, on the CPU side group: to every rank (rows for it, my token count, my count per
-        # expert); the per-expert matrix lets each source compute where its slots land without a round trip
-        counts_send = (
-            torch.cat(
-                [
-                    present.sum(0)[:, None],
-                    torch.full((world, 1), n, device=dev, dtype=torch.int64),
-                    expert_counts[None, :].expand(world, -1),
-                ],
-                1,
-            )
-            .cpu()
-            .contiguous()
+        # counts first, on the CPU side group, under the call's header: to every rank (rows for it, my
+        # token count, my count per expert); the per-expert matrix lets each source compute where its
+        # slots land without a round trip
+        body = torch.cat(
+            [
+                present.sum(0)[:, None],
+                torch.full((world, 1), n, device=dev, dtype=torch.int64),
+                expert_counts[None, :].expand(world, -1),
+            ],
+            1,
         )
-        counts_recv = torch.empty_like(counts_send)
-        with self.monitor.guard("dispatch/counts"):
-            self.monitor.all_to_all(counts_recv, counts_send)
+        counts_send = body.cpu()
+        counts_recv = self._message("dispatch", "dispatch/counts", counts_send)
         send_counts = _split_sizes(counts_send[:, 0])
         recv_counts = _split_sizes(counts_recv[:, 0])
         tokens_per_rank = counts_recv[:, 1].clone()
@@ -263,6 +297,7 @@ class TorchBackend(A2ABackend):
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
+        self._message("combine", "combine")
         state: _TorchState = layout_desc.backend_state
         n = layout_desc.num_dispatch_token_cur_rank
         width = input.shape[1]
@@ -281,6 +316,7 @@ class TorchBackend(A2ABackend):
         return acc.to(input.dtype)
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
+        self._message("combine_per_slot", "combine")
         state: _TorchState = layout_desc.backend_state
         n, topk, width = layout_desc.num_dispatch_token_cur_rank, self.config.topk, input.shape[1]
         rows = self._reverse(input[state.back_row], state)
@@ -292,12 +328,11 @@ class TorchBackend(A2ABackend):
     def barrier(self, *, intra_node_only: bool = False, stream: torch.cuda.Stream | None = None) -> None:
         if self.device.type == "cuda":
             (stream or torch.cuda.current_stream()).synchronize()
-        ranks = None
-        if intra_node_only:
-            node = self.rank // self.config.local_world_size
-            lws = self.config.local_world_size
-            ranks = range(node * lws, (node + 1) * lws)
-        self.monitor.checkin("barrier" + ("/node" if intra_node_only else ""), "1", ranks=ranks)
+        if not intra_node_only:
+            self._message("barrier", "barrier")
+            return
+        node, lws = self.rank // self.config.local_world_size, self.config.local_world_size
+        self.monitor.checkin("barrier/node", "1", ranks=range(node * lws, (node + 1) * lws))
 
     def finalize(self) -> None:
         self.monitor.destroy()

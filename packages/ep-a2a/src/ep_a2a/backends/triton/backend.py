@@ -81,6 +81,20 @@ class StaticDispatch:
     num_invalid_ids: torch.Tensor
 
 
+class _Call:
+    """The arguments of one exact-shape dispatch (``src``: the caller's scatter indices, or the
+    engine's slot positions)."""
+
+    def __init__(
+        self, input: torch.Tensor, exp_indices: torch.Tensor, weight: torch.Tensor | None,
+        full_scatter_indices: torch.Tensor | None, pos: torch.Tensor,
+    ) -> None:  # fmt: skip
+        self.input, self.exp_indices, self.weight = input, exp_indices, weight
+        self.caller = full_scatter_indices is not None
+        self.src = full_scatter_indices if full_scatter_indices is not None else pos
+        self.has_w, self.n = weight is not None, input.shape[0]
+
+
 def _rows_to_allocate_ahead(rows: int, worst_case: int) -> int:
     """Rows of the outputs an exact-shape dispatch of a large layer allocates before its counts arrive,
     guessed from a call of ``rows``: an eighth of headroom, at most the worst case."""
@@ -124,7 +138,8 @@ class TritonBackend(A2ABackend):
         heap = resolve_heap(tuning.heap, config, node)
         self.device = torch.device("cuda", torch.cuda.current_device())
         # more CTAs than SMs would only queue behind each other
-        self.num_sm = min(tuning.num_sm, torch.cuda.get_device_properties(self.device).multi_processor_count)
+        device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.num_sm = min(tuning.num_sm or device_sms, device_sms)
         opts = engine_options(tuning, config, self.num_sm, remote=bool(remote))
         self.layout = HeapLayout.build(
             world_size=config.world_size, max_tokens=config.max_tokens, hidden=config.hidden, topk=config.topk,
@@ -279,28 +294,21 @@ class TritonBackend(A2ABackend):
                 f"{input.dtype} (e.g. the backward of a combine over float32 expert outputs: cast them to "
                 f"{self.config.token_dtype}, or use backend='torch')"
             )
+        call = _Call(input, exp_indices, weight, full_scatter_indices, self.engine.pos)
         # (from the second call on, on every rank alike: a guess of 0 rows speculates too, so a rank
         # that receives nothing does not fall back to the flow with a host wait)
         if self.overlap_exact or (self.speculative_rows and len(self._recent_rows) > 0):
-            return self._dispatch_speculative(input, exp_indices, weight, full_scatter_indices)
-        return self._dispatch_counts_first(input, exp_indices, weight, full_scatter_indices)
+            return self._dispatch_speculative(call)
+        return self._dispatch_counts_first(call)
 
-    def _dispatch_counts_first(
-        self,
-        input: torch.Tensor,
-        exp_indices: torch.Tensor,
-        weight: torch.Tensor | None,
-        full_scatter_indices: torch.Tensor | None,
-    ) -> DispatchResult:
+    def _dispatch_counts_first(self, call: _Call) -> DispatchResult:
         """Layout, receive layout, one host wait for the counts, outputs of the exact rows, row kernel."""
-        eng, W, has_w = self.engine, self.config.world_size, weight is not None
-        caller = full_scatter_indices is not None
-        src = full_scatter_indices if full_scatter_indices is not None else eng.pos
-        n = input.shape[0]
+        eng, W, has_w, n = self.engine, self.config.world_size, call.has_w, call.n
+        input, exp_indices = call.input, call.exp_indices
         # (info is per call: the combine of this dispatch reads its token counts after later dispatches)
         info = torch.empty(eng.info_len, dtype=torch.int64, device=self.device)
         rb = eng.alloc_remote()
-        eng.launch_layout(exp_indices, caller_scatter=caller, info=info, remote=rb)
+        eng.launch_layout(exp_indices, caller_scatter=call.caller, info=info, remote=rb)
         eng.launch_counts(info, remote=rb)
         # what does not depend on the counts is allocated while the GPU works them out, and the row-sized
         # outputs too when the last calls' counts predict them: then nothing is allocated between the
@@ -326,69 +334,57 @@ class TritonBackend(A2ABackend):
             )
             self._rows_ahead = _rows_to_allocate_ahead(rows, eng.worst_case_rows())
         eng.launch_dispatch(
-            input, exp_indices, weight, src, bufs, caller_scatter=caller, info=info, remote=rb,
+            input, exp_indices, call.weight, call.src, bufs, caller_scatter=call.caller, info=info, remote=rb,
             npk_send=npk[:W] if npk is not None else None,
         )  # fmt: skip
         if self.speculative_rows:  # (the next call speculates)
             self._prepare_small_outputs(n, has_w)
         # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)
         self._raise_bad_ids(vals)
-        return self._result(exp_indices, bufs, vals, rows, caller, rb, npk, has_w=has_w)
+        return self._result(call, bufs, vals, rows, rb, npk)
 
-    def _dispatch_speculative(
-        self,
-        input: torch.Tensor,
-        exp_indices: torch.Tensor,
-        weight: torch.Tensor | None,
-        full_scatter_indices: torch.Tensor | None,
-    ) -> DispatchResult:
+    def _dispatch_speculative(self, call: _Call) -> DispatchResult:
         """The receive layout inside the row kernel and no host wait before it: the rows land in outputs
         allocated before the counts are known (worst-case ones for small layers, sized from the last
         calls for large ones), and the caller gets views of their first ``R`` rows."""
-        eng, has_w = self.engine, weight is not None
-        caller = full_scatter_indices is not None
-        src = full_scatter_indices if full_scatter_indices is not None else eng.pos
-        n = input.shape[0]
+        eng, has_w, n = self.engine, call.has_w, call.n
         speculate = not self.overlap_exact
         cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
         bufs = self._take_small_outputs(n, cap, has_w)  # (everything but the rows, from the last call)
         info = bufs.info
         assert info is not None
-        eng.launch_layout(exp_indices, caller_scatter=caller, info=info, remote=None)
+        eng.launch_layout(call.exp_indices, caller_scatter=call.caller, info=info, remote=None)
         self.speculative_calls += speculate
-        bufs.out = eng.alloc_rows(cap, dtype=input.dtype)
+        bufs.out = eng.alloc_rows(cap, dtype=call.input.dtype)
         if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
             eng.launch_counts(info)
         mirror = self._mirror if not eng.ce_pieces else None
         if mirror is not None:
             self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
         eng.launch_dispatch(
-            input, exp_indices, weight, src, bufs, caller_scatter=caller, info=info, counts=not eng.ce_pieces,
-            mirror=mirror,
+            call.input, call.exp_indices, call.weight, call.src, bufs, caller_scatter=call.caller, info=info,
+            counts=not eng.ce_pieces, mirror=mirror,
         )  # fmt: skip
         vals = self._read_mirror() if mirror is not None else self._read_info(info)[0]
         rows = vals[0]
         if speculate:
             self._recent_rows.append(rows)
-            self._fit_speculative_rows(rows, input, exp_indices, weight, src, info, bufs, caller=caller)
+            self._fit_speculative_rows(rows, call, info, bufs)
         self._prepare_small_outputs(n, has_w)
         assert bufs.out is not None
         assert bufs.out_w is not None
         assert bufs.out_e is not None
         bufs.out, bufs.out_w, bufs.out_e = bufs.out[:rows], bufs.out_w[:rows], bufs.out_e[:rows]
-        return self._result(exp_indices, bufs, vals, rows, caller, None, None, has_w=has_w)
+        return self._result(call, bufs, vals, rows, None, None)
 
     def _result(
         self,
-        exp_indices: torch.Tensor,
+        call: _Call,
         bufs: DispatchBuffers,
         vals: list[int],
         rows: int,
-        caller: bool,
         rb: dict[str, torch.Tensor] | None,
         npk: list[int] | None,
-        *,
-        has_w: bool,
     ) -> DispatchResult:
         """``(output, weights, descriptor)`` of an exact-shape dispatch whose counts (``vals``) are in."""
         W, info = self.config.world_size, bufs.info
@@ -400,10 +396,10 @@ class TritonBackend(A2ABackend):
             bufs.scat if self.config.offset_dtype == torch.int32 else bufs.scat.to(self.config.offset_dtype)
         )
         desc = EPAllToAllLayoutDesc(
-            num_dispatch_token_cur_rank=exp_indices.shape[0],
+            num_dispatch_token_cur_rank=call.n,
             num_input_tokens_per_rank=torch.tensor(vals[2 : 2 + W], dtype=torch.int64),
             send_reqs_recv_tensor=None,
-            topk_indices_tensor=exp_indices,
+            topk_indices_tensor=call.exp_indices,
             token_dst_scatter_idx=scat,
             skipped_token_mapping_indices=None,
             skipped_token_topk_mapping_indices=bufs.skip,
@@ -411,7 +407,7 @@ class TritonBackend(A2ABackend):
             num_recv_tokens_per_rank=torch.tensor(vals[2 + W : 2 + 2 * W], dtype=torch.int64),
             num_recv_rows=rows,
             recv_expert_indices=bufs.out_e,
-            caller_scatter=caller,
+            caller_scatter=call.caller,
             backend_state=_TritonState(
                 owner=id(self),
                 tab=bufs.tab,
@@ -420,7 +416,7 @@ class TritonBackend(A2ABackend):
                 npk_recv=npk[W:] if npk is not None else None,
             ),
         )
-        return bufs.out, (bufs.out_w if has_w else None), desc
+        return bufs.out, (bufs.out_w if call.has_w else None), desc
 
     def _rows_guess(self) -> int:
         """Rows of the outputs of this call's speculative flow."""
@@ -488,16 +484,7 @@ class TritonBackend(A2ABackend):
         return vals
 
     def _fit_speculative_rows(
-        self,
-        rows: int,
-        input: torch.Tensor,
-        exp_indices: torch.Tensor,
-        weight: torch.Tensor | None,
-        src: torch.Tensor,
-        info: torch.Tensor,
-        bufs: DispatchBuffers,
-        *,
-        caller: bool,
+        self, rows: int, call: _Call, info: torch.Tensor, bufs: DispatchBuffers
     ) -> None:
         """After a speculative dispatch of ``rows`` rows into ``bufs``: when they outgrew the outputs
         (the kernel dropped the rows past their end), new outputs of exactly ``rows`` rows replace them in
@@ -509,19 +496,12 @@ class TritonBackend(A2ABackend):
             # the heap until this rank's next dispatch starts)
             self.speculative_overflows += 1
             bufs.out, bufs.out_w, bufs.out_e = eng.alloc_dispatch_rows(
-                rows, with_weights=weight is not None, dtype=input.dtype
+                rows, with_weights=call.has_w, dtype=call.input.dtype
             )
             eng.launch_dispatch(
-                input,
-                exp_indices,
-                weight,
-                src,
-                bufs,
-                caller_scatter=caller,
-                info=info,
-                send=False,
-                rewrite=True,
-            )
+                call.input, call.exp_indices, call.weight, call.src, bufs, caller_scatter=call.caller,
+                info=info, send=False, rewrite=True,
+            )  # fmt: skip
 
     def _current_stream(self) -> torch.cuda.Stream:
         """This device's current stream (``torch.cuda.current_stream``, without building a new object

@@ -481,14 +481,7 @@ class TritonEPEngine:
         self.offsets = torch.zeros(self.experts_per_rank, world_size, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(max_tokens, topk, dtype=torch.int32, device=dev)
         self._dummy_w = torch.zeros(1, dtype=weight_dtype, device=dev)
-        # layout: one program per block of layout_tokens tokens (at most num_sm programs), each waiting
-        # only on lower ones for their histograms
-        self.layout_tokens = max(8, _next_pow2(triton.cdiv(max_tokens, self.num_sm)))
-        self._layout_grid = (triton.cdiv(max_tokens, self.layout_tokens),)
-        self._hist_width = _next_pow2(num_tot_experts)
-        self._layout_hist = torch.zeros(self._layout_grid[0], self._hist_width, dtype=torch.int32, device=dev)
-        self._layout_bad = torch.zeros(self._layout_grid[0], dtype=torch.int32, device=dev)
-        self._layout_flags = torch.zeros(self._layout_grid[0], dtype=torch.int64, device=dev)
+        self._init_layout_workspace()
         # remote peers: every transfer to them is staged in this rank's heap and put by the host
         remote = sorted(set(int(r) for r in remote_ranks))
         if any(not 0 <= r < world_size or r == rank for r in remote):
@@ -531,6 +524,17 @@ class TritonEPEngine:
         #: the peers while program 0 builds it, instead of after: the NVLink transfer starts earlier.
         #: Only without the CTA split (whose senders start early anyway) and with whole rows per chunk
         self.early_send = self.whole_row and early_send
+
+    def _init_layout_workspace(self) -> None:
+        """The layout kernel's grid and workspace: one program per block of ``layout_tokens`` tokens (at
+        most ``num_sm`` programs), each waiting only on lower ones for their histograms."""
+        dev = self.device
+        self.layout_tokens = max(8, _next_pow2(triton.cdiv(self.max_tokens, self.num_sm)))
+        self._layout_grid = (triton.cdiv(self.max_tokens, self.layout_tokens),)
+        self._hist_width = _next_pow2(self.num_tot_experts)
+        self._layout_hist = torch.zeros(self._layout_grid[0], self._hist_width, dtype=torch.int32, device=dev)
+        self._layout_bad = torch.zeros(self._layout_grid[0], dtype=torch.int32, device=dev)
+        self._layout_flags = torch.zeros(self._layout_grid[0], dtype=torch.int64, device=dev)
 
     def _early_send_kw(self, counts: bool, send: bool, rewrite: bool) -> dict:
         """The row kernel's ``EARLY_SEND`` constexpr for one variant."""

@@ -16,12 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ep_a2a.backends.triton.engine import DispatchBuffers, HeapLayout, TritonEPEngine
 
 _DECOY = 0x5A
+_ENGINE_DEFAULTS: dict[str, Any] = {
+    "token_dtype": torch.bfloat16,
+    "weight_dtype": torch.float32,
+    "num_sm": 2,
+    "chunk": 4,
+    "timeout_s": 1.0,
+}
 
 
 def _poison(bufs: DispatchBuffers) -> None:
@@ -71,43 +79,32 @@ class SimDispatch:
 class SimWorld:
     """``world_size`` engines over CPU heaps sharing one pointer table.
 
-    Args mirror :class:`~ep_a2a.backends.triton.engine.TritonEPEngine` (``device`` may be ``"cpu"``).
+    Args:
+        world_size: simulated ranks.
+        device: where the heaps live (``"cpu"`` under the interpreter).
+        node_size: ranks per simulated node (default: one node).
+        engine: :class:`~ep_a2a.backends.triton.engine.TritonEPEngine`'s keyword arguments of the
+            group's shape and tiles (``max_tokens``, ``hidden``, ``topk``, ``num_tot_experts`` needed;
+            defaults: bfloat16 rows, float32 weights, 2 SMs, chunks of 4 tokens, 1 s timeouts).
     """
 
     def __init__(
-        self,
-        *,
-        world_size: int,
-        max_tokens: int,
-        hidden: int,
-        topk: int,
-        num_tot_experts: int,
-        token_dtype: torch.dtype = torch.bfloat16,
-        weight_dtype: torch.dtype = torch.float32,
-        num_sm: int = 2,
-        chunk: int = 4,
-        combine_chunk: int | None = None,
-        block_h: int | None = None,
-        combine_block_h: int | None = None,
-        timeout_s: float = 1.0,
-        device: str = "cpu",
-        node_size: int | None = None,
-        ce_pieces: int = 0,
-        early_send: bool = True,
+        self, *, world_size: int, device: str = "cpu", node_size: int | None = None, **engine: Any
     ) -> None:
         node_size = node_size or world_size
         if world_size % node_size:
             raise ValueError(f"node_size {node_size} must divide world_size {world_size}")
         remote = node_size < world_size
+        engine = {**_ENGINE_DEFAULTS, **engine}
         self.layout = HeapLayout.build(
             world_size=world_size,
-            max_tokens=max_tokens,
-            hidden=hidden,
-            topk=topk,
-            experts_per_rank=num_tot_experts // world_size,
-            token_bytes=token_dtype.itemsize,
-            chunk=chunk,
-            combine_chunk=combine_chunk,
+            max_tokens=engine["max_tokens"],
+            hidden=engine["hidden"],
+            topk=engine["topk"],
+            experts_per_rank=engine["num_tot_experts"] // world_size,
+            token_bytes=engine["token_dtype"].itemsize,
+            chunk=engine["chunk"],
+            combine_chunk=engine.get("combine_chunk"),
             remote=remote,
         )
         self.heaps = [
@@ -142,26 +139,13 @@ class SimWorld:
             TritonEPEngine(
                 rank=r,
                 world_size=world_size,
-                max_tokens=max_tokens,
-                hidden=hidden,
-                topk=topk,
-                num_tot_experts=num_tot_experts,
-                token_dtype=token_dtype,
-                weight_dtype=weight_dtype,
                 heap_local=self.heaps[r],
                 ptr_table=tables[r],
                 layout=self.layout,
-                num_sm=num_sm,
-                timeout_s=timeout_s,
-                chunk=chunk,
-                combine_chunk=combine_chunk,
-                block_h=block_h,
-                combine_block_h=combine_block_h,
                 remote_ranks=self.remote_ranks[r],
                 transport=self.transports[r] if remote else None,
-                ce_pieces=ce_pieces,
                 peer_heaps=self.heaps,
-                early_send=early_send,
+                **engine,
             )
             for r in range(world_size)
         ]

@@ -1,0 +1,98 @@
+"""Skipped checks stay memory-safe, and ranks that call the layer out of order all get the same clear
+error instead of each other's data (gloo, 2 processes spawned by the test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ep_a2a.testing import run_local
+
+H, K, E_PER_RANK, T = 16, 2, 2, 6
+
+
+def _layer(rank: int, world: int, *, validate: bool = True):
+    from ep_a2a import EPAll2AllLayer
+
+    return EPAll2AllLayer(
+        None, T, H, K, rank, E_PER_RANK * world, world, world, dtype=torch.float32, backend="torch",
+        timeout_s=30, validate=validate,
+    )  # fmt: skip
+
+
+def _inputs(world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(T, H, generator=gen) for _ in range(world)]
+    ids = [
+        torch.randint(0, E_PER_RANK * world, (T, K), generator=gen, dtype=torch.int32) for _ in range(world)
+    ]
+    return xs, ids
+
+
+def run_unchecked_ids(rank: int, world: int) -> list[str]:
+    """``validate=False`` and an id of ``num_tot_experts`` (and a very negative one) on rank 1: every rank
+    completes the call, the slot is dropped as -1 would be (the reference of the dropped slot)."""
+    from ep_a2a.reference import combine_ref, dispatch_ref
+
+    xs, ids = _inputs(world)
+    bad = [t.clone() for t in ids]
+    bad[1][0, 0] = E_PER_RANK * world
+    bad[1][2, 1] = -(2**30)
+    dropped = [torch.where((t >= 0) & (t < E_PER_RANK * world), t, -1) for t in bad]
+    with _layer(rank, world, validate=False) as layer:
+        rows, _, desc = layer.dispatch(xs[rank], bad[rank])
+        received, scatter = dispatch_ref(xs, dropped, None, num_tot_experts=E_PER_RANK * world)
+        assert torch.equal(rows, received[rank].output)
+        out = layer.combine(rows, desc)
+        want = combine_ref([r.output for r in received], dropped, scatter, num_tot_experts=E_PER_RANK * world)
+        torch.testing.assert_close(out, want[rank])
+        # int64 ids beyond int32 do not wrap onto an expert when the layer converts them
+        wide = bad[rank].long()
+        wide[1, 0] = 2**32 + 1
+        drop64 = torch.where((wide >= 0) & (wide < E_PER_RANK * world), wide, -1).int()
+        rows, _, _ = layer.dispatch(xs[rank], wide)
+        rows_ref, _, _ = layer.dispatch(xs[rank], drop64)
+        assert torch.equal(rows, rows_ref)
+    return ["ok"]
+
+
+def run_out_of_order(rank: int, world: int, first: str, second: str) -> str:
+    """After one dispatch on every rank, rank 0 calls ``first`` and the others ``second``: every rank
+    must raise ``EPProtocolError`` naming both operations, none returns data."""
+    from ep_a2a import EPProtocolError
+
+    xs, ids = _inputs(world)
+    layer = _layer(rank, world)
+    rows, _, desc = layer.dispatch(xs[rank], ids[rank])
+    op = first if rank == 0 else second
+    calls = {
+        "dispatch": lambda: layer.dispatch(xs[rank], ids[rank]),
+        "combine": lambda: layer.combine(rows, desc),
+        "barrier": lambda: layer.ep_barrier_all(),
+    }
+    try:
+        with pytest.raises(EPProtocolError) as exc:
+            calls[op]()
+    finally:
+        layer.finalize()
+    msg = str(exc.value)
+    assert f"rank 0 is in {first}" in msg, msg
+    assert f"rank 1 is in {second}" in msg, msg
+    assert set(exc.value.operations) == set(range(world))
+    return "raised"
+
+
+@pytest.mark.timeout(120)
+def test_unchecked_out_of_range_ids_are_dropped() -> None:
+    assert run_local(f"{__file__}:run_unchecked_ids", 2, timeout_s=110) == [["ok"], ["ok"]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("dispatch", "combine"), ("combine", "dispatch"), ("combine", "barrier"), ("barrier", "dispatch")],
+    ids=["dispatch-vs-combine", "combine-vs-dispatch", "combine-vs-barrier", "barrier-vs-dispatch"],
+)
+def test_out_of_order_calls_raise_on_every_rank(first: str, second: str) -> None:
+    got = run_local(f"{__file__}:run_out_of_order", 2, (first, second), timeout_s=110)
+    assert got == ["raised", "raised"]
