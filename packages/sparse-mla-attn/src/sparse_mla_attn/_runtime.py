@@ -16,8 +16,7 @@ import triton.language as tl
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), as Triton decides it."""
+def _triton_interprets() -> bool:
     try:
         from triton import knobs
 
@@ -26,8 +25,17 @@ def interpreting() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+# Triton decides when a kernel is defined (at import) whether it is interpreted, so that decision is the one
+# that counts for this package's kernels; a later change of TRITON_INTERPRET does not affect them.
+_INTERPRETING = _triton_interprets()
 #: Whether the kernels run under the interpreter, as a constant the kernels can read.
-INTERPRETER = tl.constexpr(interpreting())
+INTERPRETER = tl.constexpr(_INTERPRETING)
+
+
+def interpreting() -> bool:
+    """True when this package's kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` set when
+    the package was imported, as Triton reads it)."""
+    return _INTERPRETING
 
 
 @triton.jit
