@@ -11,7 +11,7 @@ with the default kernels and with ``Config(backend="triton")``; attn_dist at the
 logits; a torch gather + einsum forward baseline. Times are medians of CUDA-event timed runs after
 warm-up (decode: CUDA-graph replays); each row is also checked against the float32 reference on a slice.
 ``--flashmla PATH`` imports FlashMLA's Python package from PATH (a build of deepseek-ai/FlashMLA) and times
-its ``flash_mla_sparse_fwd`` on the forward rows' inputs. ``--plot FILE`` redraws the figure of a results file.
+its ``flash_mla_sparse_fwd`` on the forward rows' inputs; ``--flashmla-commit`` records which commit. ``--plot FILE`` redraws the figure of a results file.
 """
 
 from __future__ import annotations
@@ -147,6 +147,11 @@ def main() -> None:
     ap.add_argument("--out-dir", default="docs/benchmarks/sparse-mla-attn")
     ap.add_argument("--quick", action="store_true", help="fewer shapes, s_q 1024 (a smoke run)")
     ap.add_argument("--flashmla", default=None, help="folder holding FlashMLA's built flash_mla package")
+    ap.add_argument(
+        "--flashmla-commit",
+        default=os.environ.get("FLASHMLA_COMMIT", "unknown"),
+        help="FlashMLA commit the build came from (recorded in the results file)",
+    )
     ap.add_argument("--plot", default=None, help="only redraw the figure of this results file")
     a = ap.parse_args()
     if a.plot:
@@ -175,7 +180,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "dense_bf16_matmul_tflops": dense_matmul_tflops(),
-        "flashmla": None if flashmla is None else {"path": a.flashmla, "commit": _folder_commit(a.flashmla)},
+        "flashmla": None if flashmla is None else {"path": a.flashmla, "commit": a.flashmla_commit},
         "flops": "fwd/decode 2*s_q*h_q*topk*(d_qk+d_v); attn_dist 2*s_q*h_q*topk*d_qk; bwd 2.5x fwd; "
         "indexer 2*pairs*h_idx*d_idx (bwd 3x)",
         "results": [],
@@ -187,15 +192,6 @@ def main() -> None:
     path.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
-
-
-def _folder_commit(path: str) -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "-C", path, "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FLASHMLA_COMMIT", "unknown")
 
 
 if __name__ == "__main__":
