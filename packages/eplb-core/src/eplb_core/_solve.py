@@ -99,7 +99,7 @@ def best_node_peaks(group_load: np.ndarray, num_nodes: int) -> tuple[np.ndarray,
     if tables is None:
         return None
     node_sums = (group_load @ tables[1]).reshape(group_load.shape[0], -1, num_nodes)
-    # the heaviest node, one node at a time: NumPy's max over a short last axis is ~20x slower
+    # the heaviest node, one node at a time: NumPy's max over a short last axis is much slower
     peaks = node_sums[:, :, 0].copy()
     for node in range(1, num_nodes):
         np.maximum(peaks, node_sums[:, :, node], out=peaks)

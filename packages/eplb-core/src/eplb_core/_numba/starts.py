@@ -68,8 +68,7 @@ def _bucket_argsort_desc(x: np.ndarray, order: np.ndarray, val: np.ndarray) -> b
 def _argsort_desc(x: np.ndarray) -> np.ndarray:
     """Stable argsort of ``x`` by decreasing value (``np.argsort(-x, kind="stable")``): insertion
     sort of runs of 8, then bottom-up merges of (value, index) pairs without branches on the data
-    (the comparison selects, it does not jump: random loads would mispredict half the jumps);
-    several times faster than Numba's ``np.argsort`` on the few hundred items of a row."""
+    (the comparison selects, it does not jump: random loads would mispredict half the jumps)."""
     n = x.size
     order = np.empty(n, dtype=np.int64)
     val = np.empty(n)
