@@ -62,7 +62,8 @@ def test_indexer_logits_forward_and_backward(s_q, h, d, s_kv, kw, dtype):
     qr, kr, wr = (t.float().clone().requires_grad_() for t in (q, k, w))
     lr = indexer_logits_ref(qr, kr, wr, **kw)
     (torch.where(torch.isfinite(lr), lr, 0.0) * grad).sum().backward()
-    tol = 1e-4 if dtype == torch.float32 else 5e-3
+    # bf16 rounds the gradient products' inputs to 8 bits of mantissa (fp16: 11).
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}[dtype]
     for a, b in ((qa, qr), (ka, kr), (wa, wr)):
         torch.testing.assert_close(a.grad.float(), b.grad, rtol=tol, atol=tol * float(b.grad.abs().max()))
 
