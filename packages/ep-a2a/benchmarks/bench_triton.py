@@ -314,7 +314,7 @@ def split_experiments(args, cfg, group, x, ids, w, num_sm_list, ref, route, res)
     # experiment: other sender / writer splits of the CTAs than the default (large layers on many
     # SMs: num_sm // 3 dispatch and num_sm // 2 combine CTAs sending; 0 = every CTA both), graph
     # mode and eager static mode, each checked to give exactly the default's rows and sums; and the
-    # graph mode at the smaller num_sm (its default: no split), for the num_sm=32 goal
+    # graph mode at the smaller num_sm (its default: no split)
     nsm = num_sm_list[-1]
     # the split's fixed shares without work stealing (steal=False), under both routings
     res[f"ours-graph-nosteal-sm{nsm}"] = split_case(

@@ -67,9 +67,8 @@ def header(device: torch.device, *, world_size: int | None = None) -> dict:
 def warm_up_clocks(device: torch.device, *, seconds: float = 0.5) -> None:
     """Keep ``device`` busy with bf16 matmuls for ``seconds`` of wall time.
 
-    A GPU left idle for a few seconds drops to its idle SM clock (345 MHz on the H100s here) and takes
-    a fraction of a second of work to come back: the first process after such a pause timed a 128-token
-    graph dispatch at 39.7 us, the next ones at 28.0-28.2 (``docs/benchmarks/ep-a2a-h100x2/latency-spread``).
+    A GPU left idle for a few seconds drops to its idle SM clock and takes a fraction of a second of
+    work to come back: without this the first timings of a process would be slower than the rest.
     """
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     end = time.perf_counter() + seconds

@@ -74,8 +74,8 @@ def ptxas_usage(ptx: str) -> str:
 def tile_loop_barriers(body: list[str]) -> list[tuple[int, int, int]]:
     """``(first line, last line, bar.sync count)`` of every innermost loop of a PTX body that moves
     16-byte vectors to or from global memory: the kernels' tile loops. A loop is a backward branch to a
-    label; innermost: it holds no other loop. A CTA barrier in a tile loop is paid per tile (as the
-    combine's per-tile reduction over the ids was, between ``cd8c480`` and ``056468a``)."""
+    label; innermost: it holds no other loop. A CTA barrier in a tile loop is paid per tile (a
+    reduction over the ids once per tile of the combine was such a barrier)."""
     labels = {}
     for i, ln in enumerate(body):
         m = re.match(r"\s*(\$L__BB\d+_\d+):", ln)

@@ -56,6 +56,39 @@ def run_unchecked_ids(rank: int, world: int) -> list[str]:
     return ["ok"]
 
 
+def run_combine_twice(rank: int, world: int) -> list[str]:
+    """A dispatch combined twice (as DeepEP reuses a handle) gives the same sums both times."""
+    xs, ids = _inputs(world)
+    with _layer(rank, world) as layer:
+        rows, _, desc = layer.dispatch(xs[rank], ids[rank])
+        first = layer.combine(rows * 2, desc)
+        assert torch.equal(layer.combine(rows * 2, desc), first)
+    return ["ok"]
+
+
+def run_compiled(rank: int, world: int) -> list[str]:
+    """Under ``torch.compile`` dispatch and combine run eagerly (a graph break, same result); a
+    ``fullgraph=True`` region containing them raises at compile time, naming the reason."""
+    xs, ids = _inputs(world)
+    with _layer(rank, world) as layer:
+
+        def round_trip(x, idx):
+            rows, _, desc = layer.dispatch(x, idx)
+            return layer.combine(rows * 2, desc)
+
+        want = round_trip(xs[rank], ids[rank])
+        got = torch.compile(round_trip, backend="eager")(xs[rank], ids[rank])
+        assert torch.equal(got, want)
+
+        def strict(x, idx):
+            rows, _, desc = layer.dispatch(x, idx)
+            return layer.combine(rows, desc)
+
+        with pytest.raises(Exception, match="disable"):
+            torch.compile(strict, backend="eager", fullgraph=True)(xs[rank], ids[rank])
+    return ["ok"]
+
+
 def run_out_of_order(rank: int, world: int, first: str, second: str) -> str:
     """After one dispatch on every rank, rank 0 calls ``first`` and the others ``second``: every rank
     must raise ``EPProtocolError`` naming both operations, none returns data."""
@@ -85,6 +118,16 @@ def run_out_of_order(rank: int, world: int, first: str, second: str) -> str:
 @pytest.mark.timeout(120)
 def test_unchecked_out_of_range_ids_are_dropped() -> None:
     assert run_local(f"{__file__}:run_unchecked_ids", 2, timeout_s=110) == [["ok"], ["ok"]]
+
+
+@pytest.mark.timeout(180)
+def test_torch_compile_breaks_the_graph_or_raises() -> None:
+    assert run_local(f"{__file__}:run_compiled", 2, timeout_s=170) == [["ok"], ["ok"]]
+
+
+@pytest.mark.timeout(120)
+def test_a_dispatch_may_be_combined_twice() -> None:
+    assert run_local(f"{__file__}:run_combine_twice", 2, timeout_s=110) == [["ok"], ["ok"]]
 
 
 @pytest.mark.timeout(120)

@@ -132,6 +132,8 @@ def _check_round_trip(be, group, xs, ids, ws, gen, experts, dtype):
     # expert outputs: fresh rows per rank, known to every rank (same generator on all ranks)
     ys = [torch.randn(r.output.shape[0], xs[0].shape[1], generator=gen).to(dtype) for r in ref]
     got = be.combine(ys[rank].to(dev), desc).cpu()
+    # a dispatch may be combined again (as DeepEP reuses a handle): the same sums
+    assert torch.equal(be.combine(ys[rank].to(dev), desc).cpu(), got), "a second combine differs"
     want = combine_ref([y.float() for y in ys], ids, scat, num_tot_experts=experts)[rank]
     mag = combine_ref([y.float().abs() for y in ys], ids, scat, num_tot_experts=experts)[rank]
     assert not torch.isnan(got).any()

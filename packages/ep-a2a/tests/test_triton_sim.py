@@ -103,7 +103,7 @@ CASES = [
     pytest.param(
         4, [6, 6, 0, 4], 48, 8, 16, torch.float16, True, True, 0.15, id="W4-H48-k8-E16-f16-skew-drop"
     ),
-    # 8 ranks, the size of one HGX node (issue: scaling to 4 and 8 GPUs)
+    # 8 ranks, the size of one HGX node
     pytest.param(
         8, [3, 0, 4, 2, 5, 1, 3, 2], 16, 4, 16, torch.bfloat16, True, True, 0.1, id="W8-H16-k4-E16-skew-drop"
     ),

@@ -101,31 +101,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
     for h_q, color in ((128, "C0"), (64, "C1")):
-        fwd = [r for r in rows if r["op"] == "fwd" and r["h_q"] == h_q and r.get("backend") != "triton"]
-        ad = [r for r in rows if r["op"] == "attn_dist" and r["h_q"] == h_q and r.get("backend") != "triton"]
-        ax.plot(
-            [r["s_kv"] for r in fwd],
-            [r["tflops"] for r in fwd],
-            "o-",
-            color=color,
-            label=f"sparse_mla_fwd h_q={h_q}",
-        )
-        ax.plot(
-            [r["s_kv"] for r in ad],
-            [r["tflops"] for r in ad],
-            "s--",
-            color=color,
-            label=f"attn_dist h_q={h_q}",
-        )
-        fm = [r for r in fwd if "flashmla_tflops" in r]
-        if fm:
-            ax.plot(
-                [r["s_kv"] for r in fm],
-                [r["flashmla_tflops"] for r in fm],
-                "x:",
-                color=color,
-                label=f"FlashMLA h_q={h_q}",
-            )
+        for op, key, style, label in (
+            ("fwd", "tflops", "o-", "sparse_mla_fwd"),
+            ("attn_dist", "tflops", "s--", "attn_dist"),
+            ("fwd", "flashmla_tflops", "x:", "FlashMLA"),
+        ):
+            pts = [r for r in rows if r["op"] == op and r["h_q"] == h_q and key in r and not r.get("config")]
+            if pts:
+                ax.plot(
+                    [r["s_kv"] for r in pts],
+                    [r[key] for r in pts],
+                    style,
+                    color=color,
+                    label=f"{label} h_q={h_q}",
+                )
     ax.axhline(result["dense_bf16_matmul_tflops"], color="gray", lw=0.8, ls="--", label="dense bf16 matmul")
     ax.set(
         xscale="log", xlabel="s_kv", ylabel="TFLOPS", title="prefill (s_q 4096, topk 2048)", ylim=(0, None)

@@ -42,7 +42,9 @@ LOGIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 @pytest.mark.parametrize(("s_q", "h", "d", "s_kv", "kw"), LOGIT_CASES)
 def test_indexer_logits_forward_and_backward(s_q, h, d, s_kv, kw, dtype):
     dev = kernel_test_device()
@@ -89,7 +91,9 @@ def rel_err(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 @pytest.mark.parametrize(("s_q", "h", "d", "s_kv", "kw"), BWD_CASES)
 def test_indexer_logits_bwd_kernel(s_q, h, d, s_kv, kw, dtype):
     """Triton backward against float64 autograd; the gradient at masked entries and the outputs are NaN
@@ -275,3 +279,15 @@ def test_indexer_logits_bwd_gpu(s_q, h, d, s_kv, kw):
         assert torch.isfinite(a).all(), name
         assert rel_err(a, b) < BWD_TOL[torch.bfloat16], (name, rel_err(a, b))
         assert torch.equal(a, c), f"{name} changed between runs"
+
+
+def test_kl_loss_of_no_query_is_zero():
+    lg = torch.zeros(0, 8, requires_grad=True)
+    for reduction in ("mean", "sum"):
+        loss = indexer_kl_loss(lg, torch.zeros(0, 8), reduction=reduction)
+        assert loss.item() == 0.0
+        ref = indexer_kl_loss_ref(lg, torch.zeros(0, 8), reduction=reduction)
+        assert ref.item() == 0.0
+    loss.backward()
+    assert lg.grad is not None
+    assert lg.grad.shape == (0, 8)

@@ -50,10 +50,11 @@ def flush_l2() -> None:
     torch.sum(_flush_state["buf"], dim=0, out=_flush_state["sum"])
 
 
-def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, idle_start: bool = False) -> float:
     """Median time of ``fn`` in ms with the L2 flushed before each call: ``triton.testing.do_bench``'s loop
     (estimate from 5 calls, then ``warmup`` ms of unflushed calls and ``rep`` ms of flushed, event-timed
-    ones)."""
+    ones). With ``idle_start`` the host waits for the flush before each timed call, so the GPU is idle when
+    the call starts and the call's host-side cost counts (an eager call's latency)."""
     fn()
     torch.cuda.synchronize()
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -71,6 +72,8 @@ def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> floa
         fn()
     for i in range(n_repeat):
         flush_l2()
+        if idle_start:
+            torch.cuda.synchronize()
         starts[i].record()
         fn()
         ends[i].record()
@@ -185,7 +188,8 @@ def time_us(
 
     ``fn`` is captured once in a CUDA graph and the graph is replayed, so host-side launch overhead
     (Python, argument binding, allocation) does not count, as in a decode loop served from graphs; with
-    ``eager`` (or when ``fn`` cannot be captured) it is called directly. The method is returned too.
+    ``eager`` it is called directly from an idle GPU, so its host-side cost counts (a callable that cannot
+    be captured is called directly too). The method is returned with the time.
     """
     if not eager:
         try:
@@ -194,7 +198,7 @@ def time_us(
             torch.cuda.synchronize()
         else:
             return bench_ms(graph.replay, warmup=warmup, rep=rep) * 1e3, "cuda_graph"
-    return bench_ms(fn, warmup=warmup, rep=rep) * 1e3, "eager"
+    return bench_ms(fn, warmup=warmup, rep=rep, idle_start=eager) * 1e3, "eager"
 
 
 class Runner:

@@ -217,8 +217,8 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "copy_bandwidth_Bps": bw,
-        "timing": "median microseconds, L2 flushed before each call by reading 256 MB; CUDA-graph replay "
-        "unless the provider ends in _eager",
+        "timing": "median microseconds, L2 flushed before each call by reading 256 MB; CUDA-graph replay, "
+        "or for providers ending in _eager a direct call started from an idle GPU (host cost included)",
         "floor": "K+V over valid lengths + bool mask (1 B/position) + q + out, at the measured copy bandwidth",
         "flash_attn_installed": runner.fa_kvcache is not None,
         "results": [],

@@ -273,6 +273,28 @@ def test_custom_op_fake_and_schema(cpu_device: torch.device) -> None:
     )
 
 
+def test_signature_cache_keeps_validation(cpu_device: torch.device) -> None:
+    """Validation and the plan are cached per signature; a call that differs in anything validation looks
+    at (dtype, strides, the host-int length's type) is validated again."""
+    md = sys.modules["triton_masked_decode.masked_decode"]
+    c = Case()
+    q, k, v, mask, ref_mask, _, _ = make_inputs(c, cpu_device, seed=7, poison=False)
+    md._SIGNATURES.clear()
+    for _ in range(3):
+        out, _lse = masked_decode(q, k, v, mask, seqlens=17)
+    assert len(md._SIGNATURES) == 1
+    torch.testing.assert_close(
+        out.float(), masked_decode_ref(q, k, v, ref_mask, seqlens=17)[0].float(), **TOL[c.dtype]
+    )
+    with pytest.raises(ValueError, match="k dtype"):
+        masked_decode(q, k.bfloat16(), v, mask, seqlens=17)
+    with pytest.raises(ValueError, match="bool"):
+        masked_decode(q, k, v, mask, seqlens=True)  # type: ignore[arg-type]
+    k_strided = k.transpose(2, 3).contiguous().transpose(2, 3)  # same shape, head dim not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        masked_decode(q, k_strided, v, mask, seqlens=17)
+
+
 # ------------------------------------------------------------------ validation (no kernel launch needed)
 
 

@@ -62,7 +62,7 @@ class EPConfig:
 
     @property
     def num_experts(self) -> int:
-        """Alias of ``num_tot_experts`` (the seed's name)."""
+        """Alias of ``num_tot_experts``."""
         return self.num_tot_experts
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,20 @@ if TYPE_CHECKING:
     from ep_a2a.backends.triton import StaticDispatch
 
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+_COMPILE_REASON = (
+    "ep_a2a: dispatch and combine are collectives whose sizes the host reads; under torch.compile they "
+    "run eagerly (a graph break), and a fullgraph=True region cannot contain them"
+)
+
+
+def _eager_only(fn: Callable) -> Callable:
+    """``fn`` run eagerly under ``torch.compile``: a graph break, or a clear error with ``fullgraph=True``."""
+    try:
+        return torch.compiler.disable(fn, reason=_COMPILE_REASON)  # type: ignore[call-arg]
+    except TypeError:  # (torch before the ``reason`` argument)
+        return torch.compiler.disable(fn)
 
 
 _ARGUMENT_FIELDS = (
@@ -291,6 +306,7 @@ class EPLayer:
         return n
 
     # -- public API ------------------------------------------------------------------------------------
+    @_eager_only
     def dispatch(
         self,
         input: torch.Tensor,
@@ -344,6 +360,7 @@ class EPLayer:
             return dispatch_with_grad(backend, x, idx, w, fsi)
         return backend.dispatch(x, idx, w, fsi)
 
+    @_eager_only
     def combine(self, input: torch.Tensor, ep_a2a_layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
         """Send expert-output rows back and sum them per original token (collective).
 
@@ -392,6 +409,7 @@ class EPLayer:
             )
         return backend
 
+    @_eager_only
     def dispatch_static(
         self, input: torch.Tensor, exp_indices: torch.Tensor, weight: torch.Tensor | None = None
     ) -> StaticDispatch:
@@ -425,6 +443,7 @@ class EPLayer:
             weight = weight.contiguous()
         return backend.dispatch_static(input.contiguous(), self._expert_ids(exp_indices), weight)
 
+    @_eager_only
     def combine_static(self, input: torch.Tensor, dispatched: StaticDispatch) -> torch.Tensor:
         """CUDA-graph mode: combine the rows of a :meth:`dispatch_static` (collective).
 

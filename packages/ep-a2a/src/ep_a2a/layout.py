@@ -18,13 +18,13 @@ class EPAllToAllLayoutDesc:
     Attributes:
         num_dispatch_token_cur_rank: ``n``, tokens dispatched by this rank.
         num_input_tokens_per_rank: ``[world_size]`` int64 on CPU, tokens dispatched by every rank.
-        send_reqs_recv_tensor: inter-node send requests of the seed's NVSHMEM design; ``None`` for the
+        send_reqs_recv_tensor: inter-node send requests of Triton-distributed's NVSHMEM design; ``None`` for the
             intra-node and torch backends (nothing in this package reads it).
         topk_indices_tensor: ``[n, topk]`` int32, the expert indices given to ``dispatch`` (-1 = dropped).
         token_dst_scatter_idx: ``[n, topk]`` int32 (the layer's ``offset_dtype``), row of slot
             ``(t, k)`` in the dispatch output of the rank hosting expert ``topk_indices_tensor[t, k]``;
             -1 for a dropped slot. Equal to ``full_scatter_indices`` when the caller gave them.
-        skipped_token_mapping_indices: ``None`` (the seed's per-token intra-node shortcut; the
+        skipped_token_mapping_indices: ``None`` (Triton-distributed's per-token intra-node shortcut; the
             per-slot mapping below carries the same information).
         skipped_token_topk_mapping_indices: ``[n, topk]`` int32; for slot ``k`` of token ``t``, the first
             slot ``k' <= k`` of the same token whose expert lives on the same rank (``k`` itself when it is

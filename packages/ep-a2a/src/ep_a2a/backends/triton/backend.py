@@ -557,17 +557,16 @@ class TritonBackend(A2ABackend):
     def _combine(
         self, input: torch.Tensor, state: _TritonState, exp_indices: torch.Tensor, n: int
     ) -> torch.Tensor:
-        if not self._combine_allowed:
-            raise RuntimeError(
-                "triton backend: combine must follow a dispatch (a second combine without a dispatch in "
-                "between could overwrite rows a peer is still reading)"
-            )
         if input.dim() != 2 or input.shape[1] != self.config.hidden:
             raise ValueError(f"input must be [rows, {self.config.hidden}], got {tuple(input.shape)}")
         if not input.dtype.is_floating_point or input.dtype.itemsize > 4:
             raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {input.dtype}")
         input = input.contiguous()
         out = torch.empty(n, self.config.hidden, dtype=input.dtype, device=self.device)
+        if not self._combine_allowed:
+            # another combine of a dispatch already combined (as DeepEP reuses a handle): a device-side
+            # barrier first, so that no peer is still reading the rows the last combine sent it
+            self.engine.launch_barrier()
         self.engine.launch_combine(
             input, state.tab, exp_indices, state.n_src, out, remote=state.remote, npk_recv=state.npk_recv
         )

@@ -97,8 +97,8 @@ def _launch_hooks_set() -> bool:
 def _direct_launch(compiled, grid: tuple[int, ...], args: list, stream: int) -> Callable | None:
     """A launch function ``f(vals, stream)`` for a compiled kernel that calls Triton's C launcher
     itself, with tensors as their addresses: it skips the handle's Python layers (launch metadata, the
-    launcher object's call, the per-tensor ``data_ptr`` and ``cuPointerGetAttribute``), about 9 us of the
-    row kernel's 12 us of host time on an H100 host. ``None`` where that launcher's arguments cannot be
+    launcher object's call, the per-tensor ``data_ptr`` and ``cuPointerGetAttribute``), most of a
+    launch's host time. ``None`` where that launcher's arguments cannot be
     verified: the handle of a copy of the kernel is called once with a recording copy of the launcher,
     and the direct arguments must equal the recorded ones (launch metadata and the empty hooks aside,
     passed as None); a Triton whose layers differ, a kernel with scratch buffers or a registered launch
@@ -443,7 +443,7 @@ class TritonEPEngine:
                 raise ValueError(f"{name} must be a power of 2 (a Triton block size), got {v}")
         #: the row kernel's tile is the whole (padded) row: see WHOLE_ROW_MAX_CHUNK
         self.whole_row = chunk <= WHOLE_ROW_MAX_CHUNK and chunk * _next_pow2(hidden) <= WHOLE_ROW_MAX_ELEMS
-        # (one-token chunks of whole rows: 4 warps measured faster than 8 on 2x H100)
+        # (one-token chunks of whole rows: 4 warps, the faster choice there)
         self.num_warps = num_warps or (4 if (self.whole_row and chunk == 1) or block_h < 512 else 8)
         if layout.cnchunks != triton.cdiv(max_tokens, self.combine_chunk):
             raise ValueError(

@@ -269,8 +269,7 @@ def _store_tile_by_slot(xt, tab_rows, tm, out_ptr, h0, hh, H: tl.constexpr, K: t
     """Tile ``h0`` of each token row to its output row of every slot, the rows re-read from the slot
     table (``tab_rows [CH]``: pointers to each token's ``K`` entries; < 0: not here) rather than held.
     Streaming stores (``.cs``, evict-first): the rows of large layers outgrow L2, and keeping them out of
-    it leaves the token rows and received rows that are read twice or later in L2 (DeepSeek-V3 graph
-    dispatch on 2x H200: 229-236 against 232-246 us, ``docs/benchmarks/ep-a2a-h200x2/cache-hints``)."""
+    it leaves the token rows and received rows that are read twice or later in L2."""
     for k in tl.static_range(K):
         rk = tl.load(tab_rows + k, mask=tm, other=-1).to(tl.int64)
         tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H),
@@ -1441,8 +1440,7 @@ def _remote_expand_kernel(
 def _slots_tile(y_ptr, rows, h0, hh, H: tl.constexpr, EVEN_H: tl.constexpr):
     """Tile ``h0`` of the rows ``rows [CH, KP]`` (int64, < 0: none) of ``y`` as one ``[CH, KP, BH]``
     gather, zero where there is no row and past the end of the row (all of it once ``h0 >= H``). The
-    expert rows are read once: evict-first, so the peers' rows arriving in L2 stay there (DeepSeek-V3
-    graph combine on 2x H200: 210-212 against 221-224 us, ``docs/benchmarks/ep-a2a-h200x2/cache-hints``)."""
+    expert rows are read once: evict-first, so the peers' rows arriving in L2 stay there."""
     if EVEN_H:
         m = (rows >= 0)[:, :, None] & (h0 < H)  # constant along the row: 16-byte vectors
     else:
@@ -1460,8 +1458,7 @@ def _reduce_rows(y_ptr, rows, dst, keep, hh, H: tl.constexpr, BH: tl.constexpr, 
     """``dst[i] = sum_k y[rows[i, k]]`` (float32 sum, rows < 0 skipped) for the rows ``i`` with ``keep``.
 
     Every slot of a tile is one gather, and the next tile's gather is issued before this one is summed,
-    so a CTA keeps two tiles of loads in flight (on 32 SMs of an H100 1.4x the rate of a loop of one load
-    per slot: ``benchmarks/probe_tma.py``)."""
+    so a CTA keeps two tiles of loads in flight."""
     cur = _slots_tile(y_ptr, rows, 0, hh, H, EVEN_H)
     for h0 in range(0, H, BH):
         nxt = _slots_tile(y_ptr, rows, h0 + BH, hh, H, EVEN_H)
