@@ -55,7 +55,7 @@ def test_indexer_logits_forward_and_backward(s_q, h, d, s_kv, kw, dtype):
     assert got.shape == (s_q, s_kv)
     assert_logits_close(got, ref, dtype)
     # Backward: a loss on the finite logits, compared with autograd through the float32 reference.
-    grad = torch.randn(s_q, s_kv, device=dev)
+    grad = torch.randn(s_q, s_kv, generator=torch.Generator().manual_seed(s_q + s_kv)).to(dev)
     qa, ka, wa = (t.clone().requires_grad_() for t in (q, k, w))
     lg = indexer_logits(qa, ka, wa, **kw)
     (torch.where(torch.isfinite(lg), lg, 0.0) * grad).sum().backward()
