@@ -9,7 +9,8 @@ FlashMLA's benchmark shape (s_q 4096, topk 2048, d_qk 576, d_v 512, h_q 128 and 
 with the default kernels and with ``Config(backend="triton")``; attn_dist at the same shapes; paged decode
 (h_q 128, topk 2048, batch 1 / 8 / 64 / 128); the backward (default and deterministic) and the indexer
 logits; a torch gather + einsum forward baseline. Times are medians of CUDA-event timed runs after
-warm-up (decode: CUDA-graph replays); each row is also checked against the float32 reference on a slice.
+warm-up (decode: CUDA-graph replays and eager calls); each row is also checked against the float32 reference
+on a slice. ``host_cost`` rows give each public op's host time per call (a tiny problem called back to back).
 ``--flashmla PATH`` imports FlashMLA's Python package from PATH (a build of deepseek-ai/FlashMLA) and times
 its ``flash_mla_sparse_fwd`` on the forward rows' inputs; ``--flashmla-commit`` records which commit. ``--plot FILE`` redraws the figure of a results file.
 """
@@ -83,6 +84,11 @@ def measure(quick: bool, flashmla: Any) -> list[dict[str, Any]]:
         add(bench_decode(b, 128, 32768, 2048))
     for h_q, s_kv in ((128, 32768),) if quick else ((128, 32768), (64, 32768), (128, 131072)):
         add(bench_bwd(s_q, h_q, s_kv, 2048))
+    from bench_decode import bench_host_cost
+
+    for row in bench_host_cost():
+        rows.append(row)
+        print(f"host cost {row['function']:18s} {row['us_per_call']:.1f} us per call", flush=True)
     if not quick:
         from bench_indexer import bench_indexer
 
