@@ -109,7 +109,9 @@ def test_sglang_export(placement: E.Placement, tmp_path: Path) -> None:
     assert list(data) == ["physical_to_logical_map"]
     assert data["physical_to_logical_map"] == placement.phy2log.tolist()
     io.save_sglang(placement, tmp_path / "loc.pt")
-    assert torch.equal(torch.load(tmp_path / "loc.pt")["physical_to_logical_map"], placement.phy2log)
+    assert torch.equal(
+        torch.load(tmp_path / "loc.pt", weights_only=True)["physical_to_logical_map"], placement.phy2log
+    )
 
 
 @pytest.mark.parametrize("fmt", ["sglang-json", "sglang-pt", "tensor-pt", "npy", "npz", "csv", "list-json"])
