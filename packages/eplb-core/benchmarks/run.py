@@ -181,7 +181,10 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"{kind}.json"
     path.write_text(json.dumps(res, indent=1) + "\n")
-    plot(res, path.with_suffix(".png"))
+    try:
+        plot(res, path.with_suffix(".png"))
+    except ImportError:
+        print(f"no matplotlib here: draw the figure elsewhere with `run.py --replot {path}`")
     for row in rows:
         print(
             f"{row['config']:>14s} {row['mode']:6s} balancedness {row['balancedness']:.4f} "

@@ -109,7 +109,9 @@ def test_sglang_export(placement: E.Placement, tmp_path: Path) -> None:
     assert list(data) == ["physical_to_logical_map"]
     assert data["physical_to_logical_map"] == placement.phy2log.tolist()
     io.save_sglang(placement, tmp_path / "loc.pt")
-    assert torch.equal(torch.load(tmp_path / "loc.pt")["physical_to_logical_map"], placement.phy2log)
+    assert torch.equal(
+        torch.load(tmp_path / "loc.pt", weights_only=True)["physical_to_logical_map"], placement.phy2log
+    )
 
 
 @pytest.mark.parametrize("fmt", ["sglang-json", "sglang-pt", "tensor-pt", "npy", "npz", "csv", "list-json"])
@@ -283,3 +285,41 @@ def test_cli_bad_input_is_one_line_and_status_2(tmp_path: Path, capsys: pytest.C
         assert len(err.splitlines()) == 1, err
         assert err.startswith("eplb: error:"), err
         assert word in err, (argv, err)
+
+
+def test_public_namespace_is_the_api() -> None:
+    assert sorted(dir(E)) == sorted(E.__all__)
+    for name in ("version", "PackageNotFoundError"):
+        assert name not in E.__all__
+        assert not hasattr(E, name)
+    for name in E.__all__:
+        assert getattr(E, name) is not None
+
+
+def test_compile_notice_once_per_process(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first compile of a planner function says so on standard error, once; other Numba code
+    compiles silently."""
+    from types import SimpleNamespace
+
+    from eplb_core._numba import utils
+    from eplb_core._numba.solve import solve_layers
+
+    monkeypatch.setattr(utils._CompileNotice, "announced", False)
+    notice = utils._CompileNotice()
+    other = SimpleNamespace(py_func=lambda: None)
+    notice.on_start(SimpleNamespace(data={"dispatcher": other}))
+    assert capsys.readouterr().err == ""
+    for _ in range(2):
+        notice.on_start(SimpleNamespace(data={"dispatcher": solve_layers}))
+    err = capsys.readouterr().err
+    assert err.count("eplb-core: compiling the planner") == 1
+    assert "python -m eplb_core.warmup" in err
+
+
+def test_warmup_plans_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    from eplb_core import warmup
+
+    assert warmup.main() == 0
+    assert "planner ready" in capsys.readouterr().out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench_forward import D_QK, make_inputs, time_ms
+from bench_forward import D_QK, _config_label, make_inputs, time_ms
 
 from sparse_mla_attn import Config, attn_dist, attn_dist_ref, sparse_mla_fwd
 from sparse_mla_attn._runtime import last_launch
@@ -25,7 +25,7 @@ def bench_attn_dist(
     ref = attn_dist_ref(q[:32], kv, idx[:32], lse[:32], sm_scale, q_start_index=start)
     ms = time_ms(run)
     row: dict[str, Any] = {
-        "op": "attn_dist", "s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": topk,
+        "op": "attn_dist", "s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": topk, "config": _config_label(config),
         "backend": launch.backend if launch else None, "ms": ms,
         "tflops": 2.0 * s_q * h_q * topk * D_QK / ms / 1e9, "time_vs_fwd": ms / fwd_ms,
         "max_abs_err": float((got[:32] - ref).abs().max()),

@@ -45,3 +45,37 @@ def bench_decode(b: int, h_q: int, seqlen: int, topk: int, *, config: Config | N
         "lse_max_abs_err": float((lse[:4] - r_lse).abs().max()),
     }  # fmt: skip
     return row
+
+
+def bench_host_cost(n_calls: int = 300) -> list[dict]:
+    """Host cost per call of each public op: a tiny problem (one token, 64 slots) whose GPU time is a few
+    microseconds, called back to back; wall time per call with one synchronisation at the end."""
+    import time
+
+    from bench_forward import make_inputs
+
+    from sparse_mla_attn import attn_dist, sparse_mla_bwd, sparse_mla_fwd
+
+    q, kv, idx = make_inputs(1, 128, 4096, 64)
+    out, _, lse = sparse_mla_fwd(q, kv, idx, 0.04)
+    dec = make_decode_inputs(1, 128, 4096, 64)
+    calls = {
+        "sparse_mla_fwd": lambda: sparse_mla_fwd(q, kv, idx, 0.04),
+        "attn_dist": lambda: attn_dist(q, kv, idx, lse, 0.04),
+        "sparse_mla_decode": lambda: sparse_mla_decode(*dec, 0.04),
+        "sparse_mla_bwd": lambda: sparse_mla_bwd(q, kv, out, out, idx, lse, 0.04),
+    }
+    rows = []
+    for name, call in calls.items():
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n_calls):
+            call()
+        torch.cuda.synchronize()
+        us = (time.perf_counter() - t0) / n_calls * 1e6
+        rows.append(
+            {"op": "host_cost", "function": name, "us_per_call": us, "shape": "s_q 1, h_q 128, topk 64"}
+        )
+    return rows

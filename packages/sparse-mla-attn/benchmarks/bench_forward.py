@@ -46,6 +46,13 @@ def make_inputs(s_q: int, h_q: int, s_kv: int, topk: int, *, seed: int = 0) -> t
     return q, kv, random_indices(s_q, s_kv, topk, device="cuda", generator=g)
 
 
+def _config_label(config: Config | None) -> str | None:
+    """``None`` for the defaults, else the options that differ from them (e.g. ``"backend=triton"``)."""
+    if config is None or config == Config():
+        return None
+    return ", ".join(f"{k}={v}" for k, v in vars(config).items() if getattr(Config(), k) != v)
+
+
 def bench_fwd(
     s_q: int, h_q: int, s_kv: int, topk: int, *, config: Config | None = None, flashmla: Any = None
 ) -> dict:
@@ -59,14 +66,19 @@ def bench_fwd(
     r_out, _, r_lse = sparse_mla_fwd_ref(q[:32].float(), kv.float(), idx[:32], sm_scale)
     ms = time_ms(run)
     row: dict[str, Any] = {
-        "op": "fwd", "s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": topk,
+        "op": "fwd", "s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": topk, "config": _config_label(config),
         "backend": launch.backend if launch else None, "ms": ms, "tflops": fwd_flops(s_q, h_q, topk) / ms / 1e9,
         "out_max_abs_err": float((out[:32].float() - r_out).abs().max()),
         "lse_max_abs_err": float((lse[:32] - r_lse).abs().max()),
     }  # fmt: skip
     if flashmla is not None:
         fm = lambda: flashmla.flash_mla_sparse_fwd(q, kv, idx, sm_scale, D_V)
-        fm()
+        try:
+            fm_out = fm()[0]
+        except Exception as exc:  # a shape FlashMLA does not support: recorded, not fatal
+            row["flashmla_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            return row
+        row["flashmla_out_max_abs_err"] = float((fm_out[:32].float() - r_out).abs().max())
         row["flashmla_ms"] = time_ms(fm)
         row["flashmla_tflops"] = fwd_flops(s_q, h_q, topk) / row["flashmla_ms"] / 1e9
     return row

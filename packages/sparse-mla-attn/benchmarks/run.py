@@ -9,9 +9,10 @@ FlashMLA's benchmark shape (s_q 4096, topk 2048, d_qk 576, d_v 512, h_q 128 and 
 with the default kernels and with ``Config(backend="triton")``; attn_dist at the same shapes; paged decode
 (h_q 128, topk 2048, batch 1 / 8 / 64 / 128); the backward (default and deterministic) and the indexer
 logits; a torch gather + einsum forward baseline. Times are medians of CUDA-event timed runs after
-warm-up (decode: CUDA-graph replays); each row is also checked against the float32 reference on a slice.
+warm-up (decode: CUDA-graph replays and eager calls); each row is also checked against the float32 reference
+on a slice. ``host_cost`` rows give each public op's host time per call (a tiny problem called back to back).
 ``--flashmla PATH`` imports FlashMLA's Python package from PATH (a build of deepseek-ai/FlashMLA) and times
-its ``flash_mla_sparse_fwd`` on the forward rows' inputs. ``--plot FILE`` redraws the figure of a results file.
+its ``flash_mla_sparse_fwd`` on the forward rows' inputs; ``--flashmla-commit`` records which commit. ``--plot FILE`` redraws the figure of a results file.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ def measure(quick: bool, flashmla: Any) -> list[dict[str, Any]]:
         add(bench_decode(b, 128, 32768, 2048))
     for h_q, s_kv in ((128, 32768),) if quick else ((128, 32768), (64, 32768), (128, 131072)):
         add(bench_bwd(s_q, h_q, s_kv, 2048))
+    from bench_decode import bench_host_cost
+
+    for row in bench_host_cost():
+        rows.append(row)
+        print(f"host cost {row['function']:18s} {row['us_per_call']:.1f} us per call", flush=True)
     if not quick:
         from bench_indexer import bench_indexer
 
@@ -101,31 +107,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
     for h_q, color in ((128, "C0"), (64, "C1")):
-        fwd = [r for r in rows if r["op"] == "fwd" and r["h_q"] == h_q and r.get("backend") != "triton"]
-        ad = [r for r in rows if r["op"] == "attn_dist" and r["h_q"] == h_q and r.get("backend") != "triton"]
-        ax.plot(
-            [r["s_kv"] for r in fwd],
-            [r["tflops"] for r in fwd],
-            "o-",
-            color=color,
-            label=f"sparse_mla_fwd h_q={h_q}",
-        )
-        ax.plot(
-            [r["s_kv"] for r in ad],
-            [r["tflops"] for r in ad],
-            "s--",
-            color=color,
-            label=f"attn_dist h_q={h_q}",
-        )
-        fm = [r for r in fwd if "flashmla_tflops" in r]
-        if fm:
-            ax.plot(
-                [r["s_kv"] for r in fm],
-                [r["flashmla_tflops"] for r in fm],
-                "x:",
-                color=color,
-                label=f"FlashMLA h_q={h_q}",
-            )
+        for op, key, style, label in (
+            ("fwd", "tflops", "o-", "sparse_mla_fwd"),
+            ("attn_dist", "tflops", "s--", "attn_dist"),
+            ("fwd", "flashmla_tflops", "x:", "FlashMLA"),
+        ):
+            pts = [r for r in rows if r["op"] == op and r["h_q"] == h_q and key in r and not r.get("config")]
+            if pts:
+                ax.plot(
+                    [r["s_kv"] for r in pts],
+                    [r[key] for r in pts],
+                    style,
+                    color=color,
+                    label=f"{label} h_q={h_q}",
+                )
     ax.axhline(result["dense_bf16_matmul_tflops"], color="gray", lw=0.8, ls="--", label="dense bf16 matmul")
     ax.set(
         xscale="log", xlabel="s_kv", ylabel="TFLOPS", title="prefill (s_q 4096, topk 2048)", ylim=(0, None)
@@ -158,6 +153,11 @@ def main() -> None:
     ap.add_argument("--out-dir", default="docs/benchmarks/sparse-mla-attn")
     ap.add_argument("--quick", action="store_true", help="fewer shapes, s_q 1024 (a smoke run)")
     ap.add_argument("--flashmla", default=None, help="folder holding FlashMLA's built flash_mla package")
+    ap.add_argument(
+        "--flashmla-commit",
+        default=os.environ.get("FLASHMLA_COMMIT", "unknown"),
+        help="FlashMLA commit the build came from (recorded in the results file)",
+    )
     ap.add_argument("--plot", default=None, help="only redraw the figure of this results file")
     a = ap.parse_args()
     if a.plot:
@@ -186,7 +186,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "dense_bf16_matmul_tflops": dense_matmul_tflops(),
-        "flashmla": None if flashmla is None else {"path": a.flashmla, "commit": _folder_commit(a.flashmla)},
+        "flashmla": None if flashmla is None else {"path": a.flashmla, "commit": a.flashmla_commit},
         "flops": "fwd/decode 2*s_q*h_q*topk*(d_qk+d_v); attn_dist 2*s_q*h_q*topk*d_qk; bwd 2.5x fwd; "
         "indexer 2*pairs*h_idx*d_idx (bwd 3x)",
         "results": [],
@@ -198,15 +198,6 @@ def main() -> None:
     path.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
-
-
-def _folder_commit(path: str) -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "-C", path, "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FLASHMLA_COMMIT", "unknown")
 
 
 if __name__ == "__main__":

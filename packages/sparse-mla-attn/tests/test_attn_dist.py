@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from sparse_mla_attn import Config, attn_dist, attn_dist_ref, indexer_target, sparse_mla_fwd
-from sparse_mla_attn._inputs import kernel_test_device, poison_unselected, random_indices, sprinkle_invalid
+from sparse_mla_attn._inputs import (
+    kernel_test_device,
+    poison_unselected,
+    random_problem,
+)
 from sparse_mla_attn._runtime import last_launch
 from sparse_mla_attn._validate import check_sparse_inputs
 
@@ -22,17 +26,12 @@ def attn_dist_with_tiles(q, kv, idx, lse, sm_scale, tiles, **kw):
                             config=Config(backend="triton"), tiles=tiles, **kw)  # fmt: skip
 
 
-def cpu_device() -> str:
-    """Device for the non-GPU tests: CPU tensors under TRITON_INTERPRET=1, else the GPU."""
-    return kernel_test_device()
+cpu_device = kernel_test_device  # CPU tensors under TRITON_INTERPRET=1, else the GPU
 
 
 def problem(s_q, h_q, d_qk, s_kv, topk, device, seed, invalid_frac=0.2):
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(s_q, h_q, d_qk, device=device, generator=g).bfloat16()
-    kv = torch.randn(s_kv, 1, d_qk, device=device, generator=g).bfloat16()
-    idx = sprinkle_invalid(
-        random_indices(s_q, s_kv, topk, device=device, generator=g), s_kv, invalid_frac, generator=g
+    q, kv, idx = random_problem(
+        s_q, h_q, d_qk, s_kv, topk, device=device, seed=seed, invalid_frac=invalid_frac
     )
     return q, poison_unselected(kv, idx), idx
 
@@ -179,3 +178,11 @@ def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk):
     torch.testing.assert_close(got, ref, atol=TOL["gpu"][0], rtol=TOL["gpu"][1])
     assert torch.all(got[3] == 0)
     assert torch.equal(got, attn_dist(q, kv, idx, lse, 0.0416, config=config, **kw))
+
+
+def test_indexer_target_rejects_negative_and_nan():
+    with pytest.raises(ValueError, match="attn_sum must hold probabilities"):
+        indexer_target(torch.tensor([[0.5, -0.1]]))
+    with pytest.raises(ValueError, match="attn_sum must hold probabilities"):
+        indexer_target(torch.tensor([[0.5, float("nan")]]))
+    assert indexer_target(torch.zeros(0, 4)).shape == (0, 4)

@@ -1,7 +1,8 @@
 """sparse_mla_bwd and the autograd wrapper against float32/float64 torch references.
 
-CPU: Triton interpreter on tiny shapes, float32 and float16 inputs (the interpreter's bf16 dot is not
-reliable). GPU: bf16 at real shapes, plus a small end-to-end training step.
+CPU: Triton interpreter on tiny shapes, float32, float16 and bfloat16 inputs (under the interpreter the
+kernels multiply in float32, its bf16 arithmetic being unreliable). GPU: bf16 at real shapes, plus a small
+end-to-end training step.
 """
 
 from __future__ import annotations
@@ -147,7 +148,9 @@ KERNEL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 @pytest.mark.parametrize(("s_q", "h_q", "d_qk", "d_v", "s_kv", "topk", "kw"), KERNEL_CASES)
 def test_bwd_kernel_matches_autograd(s_q, h_q, d_qk, d_v, s_kv, topk, kw, dtype):
     dev = kernel_test_device()

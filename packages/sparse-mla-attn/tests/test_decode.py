@@ -111,3 +111,18 @@ def test_decode_gpu(b, h_q, block_size, seqlen, topk):
     args = paged_problem(b, 1, h_q, 576, block_size, seqlens, topk, "cuda", seed=b + h_q)
     got = sparse_mla_decode(*args, 1 / math.sqrt(576))
     check(got, args, 1 / math.sqrt(576), 8e-4, 2e-2)
+
+
+def test_decode_batch_zero_returns_empty():
+    dev = cpu_device()
+    q = torch.randn(0, 1, 4, 576, device=dev).bfloat16()
+    cache = torch.randn(2, 8, 1, 576, device=dev).bfloat16()
+    table = torch.zeros(0, 2, dtype=torch.int32, device=dev)
+    seqlens = torch.zeros(0, dtype=torch.int32, device=dev)
+    idx = torch.zeros(0, 1, 5, dtype=torch.int32, device=dev)
+    out, lse = sparse_mla_decode(q, cache, table, seqlens, idx, 0.05)
+    assert out.shape == (0, 1, 4, 512)
+    assert lse.shape == (0, 1, 4)
+    ref_out, ref_lse = sparse_mla_decode_ref(q, cache, table, seqlens, idx, 0.05)
+    assert ref_out.shape == out.shape
+    assert ref_lse.shape == lse.shape

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from sparse_mla_attn import Config, sparse_mla_fwd, sparse_mla_fwd_ref
-from sparse_mla_attn._inputs import kernel_test_device, poison_unselected, random_indices, sprinkle_invalid
+from sparse_mla_attn._inputs import (
+    kernel_test_device,
+    poison_unselected,
+    random_problem,
+)
 from sparse_mla_attn._runtime import last_launch
 from sparse_mla_attn._validate import check_sparse_inputs
 from sparse_mla_attn.forward import launch_fwd
@@ -28,19 +32,11 @@ TOL = {
 }
 
 
-def cpu_device() -> str:
-    """Device for the non-GPU tests: CPU tensors under TRITON_INTERPRET=1, else the GPU."""
-    return kernel_test_device()
+cpu_device = kernel_test_device  # CPU tensors under TRITON_INTERPRET=1, else the GPU
 
 
 def make_problem(s_q, h_q, d_qk, s_kv, topk, device, seed, invalid_frac=0.0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(s_q, h_q, d_qk, device=device, generator=g).bfloat16()
-    kv = torch.randn(s_kv, 1, d_qk, device=device, generator=g).bfloat16()
-    idx = random_indices(s_q, s_kv, topk, device=device, generator=g)
-    if invalid_frac:
-        idx = sprinkle_invalid(idx, s_kv, invalid_frac, generator=g)
-    return q, kv, idx
+    return random_problem(s_q, h_q, d_qk, s_kv, topk, device=device, seed=seed, invalid_frac=invalid_frac)
 
 
 def check_fwd(got, q, kv, idx, sm_scale, where, **kw):

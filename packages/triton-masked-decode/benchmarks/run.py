@@ -6,8 +6,9 @@ Measures the HBM copy bandwidth first, then every case with this package and the
 with a boolean mask, FlexAttention, flash-attn's ``flash_attn_with_kvcache`` without a mask when installed,
 and with ``--baseline-kernel`` the Triton ``triton_masked_flash_decoding`` of the given script). Writes
 ``<out-dir>/triton-masked-decode/<gpu>.json`` (raw numbers, device, date, commit, command) and
-``<gpu>.png`` (``<gpu>`` e.g. ``h200``), and prints the docs page's table. ``--render-from JSON`` redraws
-the figure and the table from a results file without measuring.
+``<gpu>.png`` (``<gpu>`` e.g. ``h200``), and prints the docs page's table; ``--update-page`` also puts the
+figure and the table into ``docs/triton-masked-decode/benchmarks.md``. ``--render-from JSON`` redraws the
+figure and the table from a results file without measuring.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -145,6 +147,51 @@ def make_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PAGE = Path(__file__).resolve().parents[3] / "docs" / DIST / "benchmarks.md"
+PAGE_START, PAGE_END = "<!-- results: start (run.py --update-page) -->", "<!-- results: end -->"
+
+
+CASE_TEXT = {
+    "batch": "`batch-B<b>`: Hq 32, Hkv 8, D 128, fp16, 64K valid positions of 128K, random 50% mask",
+    "short": "`short`: the same at batch 1 and L 1K",
+    "ragged": "`ragged`: lengths uniform in [4K, 32K] given as a `seqlens` tensor",
+    "sparse": "`sparse`: L 64K with 10% or 25% visible, random or in clusters of 64 positions, or no mask",
+    "density": "`density`: batch 4, L 64K, random masks",
+}
+
+
+def page_block(meta: dict) -> str:
+    """The results part of the docs page: the figure, what was measured where, and the table."""
+    kind, date = meta["gpu_kind"], meta["date"][:10]
+    groups = dict.fromkeys(r["group"] for r in meta["results"])
+    cases = "; ".join(CASE_TEXT[g] for g in groups if g in CASE_TEXT)
+    text = (
+        f"One {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {date}. Microseconds per call "
+        f"(lower is faster); *floor* is the read-once floor of the case. Cases: {cases}. Raw numbers, device, "
+        f"date, commit and command: `docs/benchmarks/{DIST}/{kind}.json`."
+    )
+    figure = "Fraction of the read-once floor against batch and against the visible fraction"
+    return "\n".join(
+        [
+            PAGE_START,
+            f"![{figure}](../benchmarks/{DIST}/{kind}.png)",
+            "",
+            textwrap.fill(text, width=110, break_on_hyphens=False),
+            "",
+            make_table(meta["results"]),
+            PAGE_END,
+        ]
+    )
+
+
+def update_page(meta: dict) -> None:
+    text = PAGE.read_text()
+    head, rest = text.split(PAGE_START, 1)
+    tail = rest.split(PAGE_END, 1)[1]
+    PAGE.write_text(head + page_block(meta) + tail)
+    print(f"updated {PAGE}")
+
+
 def make_plot(results: list[dict], path: Path, device: str) -> None:
     import matplotlib
 
@@ -191,11 +238,14 @@ def main() -> None:
     ap.add_argument("--baseline-kernel", default=None, help="script defining triton_masked_flash_decoding")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles per shape)")
     ap.add_argument("--render-from", default=None, help="redraw the figure and table from a results JSON")
+    ap.add_argument("--update-page", action="store_true", help="put figure and table into the docs page")
     args = ap.parse_args()
     if args.render_from:
         meta = json.loads(Path(args.render_from).read_text())
         make_plot(meta["results"], Path(args.render_from).with_suffix(".png"), meta["device"])
         print(make_table(meta["results"]))
+        if args.update_page:
+            update_page(meta)
         return
     if not torch.cuda.is_available():
         sys.exit("run.py needs a CUDA GPU (or --render-from JSON)")
@@ -232,6 +282,8 @@ def main() -> None:
         print(f"matplotlib is missing: draw the figure with `run.py --render-from {json_path}` elsewhere")
     print(f"wrote {json_path}\n")
     print(make_table(meta["results"]))
+    if args.update_page:
+        update_page(meta)
 
 
 if __name__ == "__main__":

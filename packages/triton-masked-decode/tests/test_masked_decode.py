@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from triton_masked_decode import (
     MaskedDecodeConfig,
@@ -271,6 +273,28 @@ def test_custom_op_fake_and_schema(cpu_device: torch.device) -> None:
         args,
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+def test_signature_cache_keeps_validation(cpu_device: torch.device) -> None:
+    """Validation and the plan are cached per signature; a call that differs in anything validation looks
+    at (dtype, strides, the host-int length's type) is validated again."""
+    md = sys.modules["triton_masked_decode.masked_decode"]
+    c = Case()
+    q, k, v, mask, ref_mask, _, _ = make_inputs(c, cpu_device, seed=7, poison=False)
+    md._SIGNATURES.clear()
+    for _ in range(3):
+        out, _lse = masked_decode(q, k, v, mask, seqlens=17)
+    assert len(md._SIGNATURES) == 1
+    torch.testing.assert_close(
+        out.float(), masked_decode_ref(q, k, v, ref_mask, seqlens=17)[0].float(), **TOL[c.dtype]
+    )
+    with pytest.raises(ValueError, match="k dtype"):
+        masked_decode(q, k.bfloat16(), v, mask, seqlens=17)
+    with pytest.raises(ValueError, match="bool"):
+        masked_decode(q, k, v, mask, seqlens=True)  # type: ignore[arg-type]
+    k_strided = k.transpose(2, 3).contiguous().transpose(2, 3)  # same shape, head dim not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        masked_decode(q, k_strided, v, mask, seqlens=17)
 
 
 # ------------------------------------------------------------------ validation (no kernel launch needed)
@@ -677,3 +701,49 @@ def test_empty_batch(cpu_device: torch.device) -> None:
     out, lse = masked_decode(q, k, k, None)
     assert out.shape == (0, 8, 32)
     assert lse.shape == (0, 8)
+
+
+# ------------------------------------------------------------------ property test over the public API
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    data=st.data(),
+    batch=st.integers(0, 3),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 3, 8]),
+    dim=st.sampled_from([16, 24, 40]),
+    length=st.integers(1, 40),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    mask_kind=st.sampled_from(["none", "bool", "packed"]),
+    layout=st.sampled_from(["dense", "strided", "paged"]),
+    seqlens_kind=st.sampled_from(["none", "int", "tensor"]),
+    path=st.sampled_from(["auto", "dense", "sparse"]),
+)
+def test_fuzz_matches_reference(
+    data, batch, hkv, group, dim, length, dtype, mask_kind, layout, seqlens_kind, path, cpu_device
+) -> None:
+    """Random shapes, layouts, masks, lengths and loop choices, with NaN in every excluded row and huge or
+    non-finite values in some visible ones: the result is the reference's (NaN where it has NaN), and
+    rows the reference finds finite are finite."""
+    c = Case(
+        batch=batch, hkv=hkv, group=group, dim=dim, length=length, dtype=dtype, mask=mask_kind,
+        density=data.draw(st.sampled_from([0.0, 0.3, 1.0])), layout=layout, page_size=8,
+        seqlens=seqlens_kind if batch else "none", path=path,
+    )  # fmt: skip
+    q, k, v, mask, ref_mask, seqlens, block_table = make_inputs(
+        c, cpu_device, seed=data.draw(st.integers(0, 999))
+    )
+    scale = data.draw(st.sampled_from([1.0, 100.0]))
+    q = q * scale  # large logits: the online softmax must stay finite
+    if batch and data.draw(st.booleans()):
+        q[0, 0, 0] = data.draw(st.sampled_from([float("nan"), float("inf")]))
+    out, lse = masked_decode(
+        q, k, v, mask, seqlens=seqlens, block_table=block_table, config=MaskedDecodeConfig(path=path)
+    )
+    ref, ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens, block_table=block_table)
+    assert out.shape == q.shape
+    assert lse.shape == q.shape[:2]
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype], equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, equal_nan=True)
+    assert torch.isfinite(out[torch.isfinite(ref_lse) | torch.isneginf(ref_lse)]).all()

@@ -33,6 +33,28 @@ def random_indices(
     return out
 
 
+def random_problem(
+    s_q: int,
+    h_q: int,
+    d_qk: int,
+    s_kv: int,
+    topk: int,
+    *,
+    device: torch.device | str,
+    seed: int,
+    invalid_frac: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 ``q [s_q, h_q, d_qk]``, ``kv [s_kv, 1, d_qk]`` and :func:`random_indices`, with a fraction of the
+    indices replaced by invalid ones (:func:`sprinkle_invalid`)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(s_q, h_q, d_qk, device=device, generator=g).bfloat16()
+    kv = torch.randn(s_kv, 1, d_qk, device=device, generator=g).bfloat16()
+    idx = random_indices(s_q, s_kv, topk, device=device, generator=g)
+    if invalid_frac:
+        idx = sprinkle_invalid(idx, s_kv, invalid_frac, generator=g)
+    return q, kv, idx
+
+
 def poison_unselected(kv: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Return a copy of ``kv [s_kv, 1, d]`` whose rows that no in-range index selects are NaN."""
     s_kv = kv.shape[0]
@@ -59,9 +81,9 @@ def kernel_test_device() -> str:
     Raises:
         RuntimeError: neither the interpreter is on nor a GPU is present.
     """
-    import os
+    from sparse_mla_attn._runtime import interpreting
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreting():
         return "cpu"
     if torch.cuda.is_available():
         return "cuda"

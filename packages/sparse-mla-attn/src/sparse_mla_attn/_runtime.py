@@ -10,18 +10,53 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+import triton
+import triton.language as tl
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), as Triton decides it."""
+def _triton_interprets() -> bool:
     try:
         from triton import knobs
 
         return bool(knobs.runtime.interpret)
     except (ImportError, AttributeError):  # Triton without knobs: the variable as Triton reads it
         return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# Triton decides when a kernel is defined (at import) whether it is interpreted, so that decision is the one
+# that counts for this package's kernels; a later change of TRITON_INTERPRET does not affect them.
+_INTERPRETING = _triton_interprets()
+#: Whether the kernels run under the interpreter, as a constant the kernels can read.
+INTERPRETER = tl.constexpr(_INTERPRETING)
+
+
+def interpreting() -> bool:
+    """True when this package's kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` set when
+    the package was imported, as Triton reads it)."""
+    return _INTERPRETING
+
+
+@triton.jit
+def mask_and(block_mask, scalar):
+    """``block_mask & scalar`` for a block mask and a scalar condition. The interpreter of Triton 3.9
+    rejects that ``&`` as a load / store mask ("mask has unsupported dtype"), so it gets the same mask
+    through ``tl.where``; compiled kernels keep the ``&``."""
+    if INTERPRETER:
+        return tl.where(scalar, block_mask, False)
+    else:
+        return block_mask & scalar
+
+
+@triton.jit
+def dot(a, b, acc=None):
+    """``tl.dot(a, b, acc)``; under the interpreter, whose bf16 products are wrong (numpy has no bf16), the
+    operands are multiplied in float32."""
+    if INTERPRETER:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
 
 
 def check_kernel_device(t: torch.Tensor, what: str) -> None:

@@ -58,6 +58,20 @@ def check_tensor(t: object, name: str) -> torch.Tensor:
     return t
 
 
+def check_arg_types(
+    tensors: dict[str, object], ints: dict[str, object], *, optional: dict[str, object] | None = None
+) -> None:
+    """Raise TypeError unless each of ``tensors`` is a tensor, each of ``optional`` a tensor or ``None`` and
+    each of ``ints`` an int (not a bool): the types an op's schema needs, checked before dispatch."""
+    for name, t in tensors.items():
+        check_tensor(t, name)
+    for name, t in (optional or {}).items():
+        if t is not None:
+            check_tensor(t, name)
+    for name, v in ints.items():
+        _need(isinstance(v, int) and not isinstance(v, bool), TypeError, f"{name} must be an int, got {v!r}")
+
+
 def check_sparse_inputs(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, *, float_ok: bool = True
 ) -> SparseDims:
@@ -131,28 +145,19 @@ def check_optional_vectors(
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, dims: SparseDims, device: torch.device
 ) -> None:
     """Validate ``attn_sink [h_q]`` float32 and ``topk_length [s_q]`` int32 when given."""
-    if attn_sink is not None:
-        check_tensor(attn_sink, "attn_sink")
-        _need(
-            attn_sink.shape == (dims.h_q,) and attn_sink.dtype == torch.float32,
-            ValueError,
-            f"attn_sink must be float32 [h_q={dims.h_q}], got {attn_sink.dtype} {tuple(attn_sink.shape)}",
+    for name, t, size, dtype in (
+        ("attn_sink", attn_sink, ("h_q", dims.h_q), torch.float32),
+        ("topk_length", topk_length, ("s_q", dims.s_q), torch.int32),
+    ):
+        if t is None:
+            continue
+        check_tensor(t, name)
+        want = f"{str(dtype).removeprefix('torch.')} [{size[0]}={size[1]}]"
+        need(
+            t.shape == (size[1],) and t.dtype == dtype,
+            f"{name} must be {want}, got {t.dtype} {tuple(t.shape)}",
         )
-        _need(
-            attn_sink.device == device, ValueError, f"attn_sink must be on {device}, got {attn_sink.device}"
-        )
-    if topk_length is not None:
-        check_tensor(topk_length, "topk_length")
-        _need(
-            topk_length.shape == (dims.s_q,) and topk_length.dtype == torch.int32,
-            ValueError,
-            f"topk_length must be int32 [s_q={dims.s_q}], got {topk_length.dtype} {tuple(topk_length.shape)}",
-        )
-        _need(
-            topk_length.device == device,
-            ValueError,
-            f"topk_length must be on {device}, got {topk_length.device}",
-        )
+        need(t.device == device, f"{name} must be on {device}, got {t.device}")
 
 
 def check_causal_args(q_start_index: int, k_stride: int) -> None:

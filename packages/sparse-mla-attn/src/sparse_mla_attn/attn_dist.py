@@ -19,6 +19,7 @@ import triton.language as tl
 from sparse_mla_attn._runtime import check_kernel_device, define_op, interpreting, record_launch
 from sparse_mla_attn._validate import (
     SparseDims,
+    check_arg_types,
     check_causal_args,
     check_kernel_dims,
     check_lse,
@@ -129,46 +130,14 @@ def _attn_dist_kernel(
         for t0 in range(0, STATIC_T, BLOCK_T):
             idx = idx_n
             idx_n = tl.load(idx_row + t0 + BLOCK_T + offs_t, mask=t0 + BLOCK_T + offs_t < topk, other=-1)
-            _attn_dist_block(
-                t0,
-                topk,
-                idx,
-                hi,
-                KV,
-                stride_kv_row,
-                q_nope,
-                q_rope,
-                lse2,
-                sm_scale_log2,
-                out_row,
-                D_NOPE,
-                D_ROPE,
-                BLOCK_T,
-                ATOMIC,
-                DOT_F32,
-            )
+            _attn_dist_block(t0, topk, idx, hi, KV, stride_kv_row, q_nope, q_rope, lse2, sm_scale_log2, out_row,
+                             D_NOPE, D_ROPE, BLOCK_T, ATOMIC, DOT_F32)  # fmt: skip
     else:
         for t0 in range(0, topk, BLOCK_T):
             idx = idx_n
             idx_n = tl.load(idx_row + t0 + BLOCK_T + offs_t, mask=t0 + BLOCK_T + offs_t < topk, other=-1)
-            _attn_dist_block(
-                t0,
-                topk,
-                idx,
-                hi,
-                KV,
-                stride_kv_row,
-                q_nope,
-                q_rope,
-                lse2,
-                sm_scale_log2,
-                out_row,
-                D_NOPE,
-                D_ROPE,
-                BLOCK_T,
-                ATOMIC,
-                DOT_F32,
-            )
+            _attn_dist_block(t0, topk, idx, hi, KV, stride_kv_row, q_nope, q_rope, lse2, sm_scale_log2, out_row,
+                             D_NOPE, D_ROPE, BLOCK_T, ATOMIC, DOT_F32)  # fmt: skip
 
 
 def attn_dist_config(h_q: int, s_kv: int = 0) -> dict[str, Any]:
@@ -279,12 +248,17 @@ def indexer_target(attn_sum: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
 
     Returns:
         ``[s_q, topk]`` float32, each row summing to 1 (or all 0), with no autograd history.
+
+    Raises:
+        ValueError: ``attn_sum`` is not 2-D, or holds a negative or NaN entry.
     """
     if not isinstance(attn_sum, torch.Tensor) or attn_sum.dim() != 2:
         raise ValueError(
             f"attn_sum must be a 2-D tensor [s_q, topk], got {getattr(attn_sum, 'shape', attn_sum)}"
         )
     a = attn_sum.detach().float()
+    if a.numel() and bool((a < 0).any() | a.isnan().any()):
+        raise ValueError("attn_sum must hold probabilities (>= 0, not NaN), e.g. from attn_dist")
     total = a.sum(-1, keepdim=True) + eps
     return torch.where(total > 0, a / torch.where(total > 0, total, 1.0), 0.0)
 
@@ -356,7 +330,11 @@ def attn_dist(
         q: ``[s_q, h_q, d_qk]`` bf16 (or fp16), ``d_qk`` 576 or 512, ``1 <= h_q <= 128``.
         kv: ``[s_kv, 1, d_qk]`` q's dtype.
         indices: ``[s_q, 1, topk]`` int32, any ``topk >= 1``.
-        lse: ``[s_q, h_q]`` float32 log-sum-exp per head.
+        lse: ``[s_q, h_q]`` float32 log-sum-exp per head, the forward's for the same causal settings.
+            Where the forward found no valid index (``lse = -inf``) every slot is invalid and ``attn_sum``
+            is 0; an ``lse`` that is -inf or NaN where valid slots exist gives inf / NaN, as
+            :func:`~sparse_mla_attn.reference.attn_dist_ref` does (not checked: that would synchronise
+            with the device).
         sm_scale: softmax scale applied to ``q · k``.
         q_start_index: position of query 0.
         k_stride: query positions per KV entry.
@@ -371,6 +349,11 @@ def attn_dist(
     Raises:
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
+    check_arg_types(
+        {"q": q, "kv": kv, "indices": indices, "lse": lse},
+        {"q_start_index": q_start_index, "k_stride": k_stride},
+    )
+    check_sm_scale(sm_scale)
     return torch.ops.sparse_mla_attn.attn_dist(
         q, kv, indices, lse, sm_scale, q_start_index, k_stride, lse_base, causal, (config or DEFAULT).backend
     )

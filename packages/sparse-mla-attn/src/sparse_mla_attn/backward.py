@@ -30,8 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_mla_attn._runtime import check_kernel_device, define_op, interpreting, record_launch
-from sparse_mla_attn._validate import check_bwd_inputs, check_sm_scale
+from sparse_mla_attn._runtime import (
+    check_kernel_device,
+    define_op,
+    dot,
+    interpreting,
+    mask_and,
+    record_launch,
+)
+from sparse_mla_attn._validate import check_arg_types, check_bwd_inputs, check_sm_scale
 from sparse_mla_attn.config import DEFAULT, Config
 from sparse_mla_attn.reference import valid_slots
 
@@ -92,13 +99,13 @@ def _p_ds(q_row, do_row, k_row, valid, hmask, lse2, delta, scale_log2, sm_scale,
         qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
         doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
         kt = tl.trans(k)
-        scores = tl.dot(qc, kt, scores)
-        dp = tl.dot(doc, kt, dp)
+        scores = dot(qc, kt, scores)
+        dp = dot(doc, kt, dp)
     if D_ROPE > 0:
         offs_r = D_V + tl.arange(0, D_ROPE)
         kr = tl.load(k_row + offs_r[None, :], mask=valid[:, None], other=0.0)
         qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
-        scores = tl.dot(qr, tl.trans(kr), scores)
+        scores = dot(qr, tl.trans(kr), scores)
     keep = hmask[:, None] & valid[None, :]
     p = tl.where(keep, tl.exp2(scores * scale_log2 - lse2[:, None]), 0.0)
     ds = p * (dp - delta[:, None]) * sm_scale
@@ -212,21 +219,21 @@ def _main_kernel(
                 offs_d = c * BLOCK_DV2 + offs_dv
                 qc = tl.load(q_row0 + offs_d[None, :], mask=hmask0[:, None], other=0.0)
                 doc = tl.load(do_row0 + offs_d[None, :], mask=hmask0[:, None], other=0.0)
-                part = tl.dot(ds0_t, qc)
-                part = tl.dot(p0_t, doc, part)
+                part = dot(ds0_t, qc)
+                part = dot(p0_t, doc, part)
                 if N_SUB > 1:
                     qc1 = tl.load(q_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
                     doc1 = tl.load(do_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
-                    part = tl.dot(ds1_t, qc1, part)
-                    part = tl.dot(p1_t, doc1, part)
+                    part = dot(ds1_t, qc1, part)
+                    part = dot(p1_t, doc1, part)
                 _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
             if D_ROPE > 0:
                 offs_r = D_V + tl.arange(0, D_ROPE)
                 qr = tl.load(q_row0 + offs_r[None, :], mask=hmask0[:, None], other=0.0)
-                part_r = tl.dot(ds0_t, qr)
+                part_r = dot(ds0_t, qr)
                 if N_SUB > 1:
                     qr1 = tl.load(q_row1 + offs_r[None, :], mask=hmask1[:, None], other=0.0)
-                    part_r = tl.dot(ds1_t, qr1, part_r)
+                    part_r = dot(ds1_t, qr1, part_r)
                 _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC)
 
 
@@ -304,7 +311,7 @@ def _dkv_kernel(
             offs_d = c * BLOCK_C + offs_c
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
-            part = tl.dot(p_t, doc, tl.dot(ds_t, qc))
+            part = dot(p_t, doc, dot(ds_t, qc))
             _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
     else:
         # A constant trip count with the chunks past the group's end skipped (the last group may be short):
@@ -314,16 +321,17 @@ def _dkv_kernel(
             c = c_lo + i
             c_ok = c < c_hi_lat
             offs_d = c * BLOCK_C + offs_c
-            qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None] & c_ok, other=0.0)
-            doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None] & c_ok, other=0.0)
+            c_mask = mask_and(hmask[:, None], c_ok)
+            qc = tl.load(q_row + offs_d[None, :], mask=c_mask, other=0.0)
+            doc = tl.load(do_row + offs_d[None, :], mask=c_mask, other=0.0)
             if c_ok:
-                part = tl.dot(p_t, doc, tl.dot(ds_t, qc))
+                part = dot(p_t, doc, dot(ds_t, qc))
                 _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
     if D_ROPE > 0:  # noqa: SIM102 (a constexpr test, then a run-time one)
         if cg == N_CSPLIT - 1:  # the rope chunk belongs to the last group
             offs_r = D_V + tl.arange(0, D_ROPE)
             qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
-            part_r = tl.dot(ds_t, qr)
+            part_r = dot(ds_t, qr)
             _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC)
 
 
@@ -349,7 +357,7 @@ def _dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, d0, d_end, s_k
             other=0.0,
         )
         rows, valid = _slot_index(idx_row, offs_t + BLOCK_T, topk, s_kv, max_k, CAUSAL)
-        acc = tl.dot(ds, k, acc)
+        acc = dot(ds, k, acc)
     tl.store(dq_row + offs_d[None, :], acc.to(dq_row.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
 
 
@@ -424,7 +432,9 @@ def _det_reduce_kernel(
             pair = tl.load(order_ptr + j + u, mask=ok, other=0).to(tl.int64)
             for hb in tl.static_range(N_HB):
                 acc += tl.load(
-                    part_ptr + hb * stride_part_hb + pair * D_QK + offs_d, mask=dmask & ok, other=0.0
+                    part_ptr + hb * stride_part_hb + pair * D_QK + offs_d,
+                    mask=mask_and(dmask, ok),
+                    other=0.0,
                 )
         j += UNROLL
     # Each row appears in one segment per launch, and launches run in order: no race.
@@ -729,6 +739,9 @@ def sparse_mla_bwd(
     Raises:
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
+    check_arg_types({"q": q, "kv": kv, "out": out, "dout": dout, "indices": indices, "lse": lse},
+                    {"d_v": d_v, "q_start_index": q_start_index, "k_stride": k_stride})  # fmt: skip
+    check_sm_scale(sm_scale)
     cfg = config or DEFAULT
     dq, dkv, attn_sum = torch.ops.sparse_mla_attn.sparse_mla_bwd(
         q, kv, out, dout, indices, lse, sm_scale, d_v, q_start_index, k_stride, causal, deterministic,

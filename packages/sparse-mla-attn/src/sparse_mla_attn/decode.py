@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from sparse_mla_attn._runtime import check_kernel_device, define_op
-from sparse_mla_attn._validate import check_decode_inputs, check_kernel_dims, check_sm_scale
+from sparse_mla_attn._validate import check_arg_types, check_decode_inputs, check_kernel_dims, check_sm_scale
 from sparse_mla_attn.config import DEFAULT, Config
 from sparse_mla_attn.forward import launch_fwd, paged_to_rows
 
@@ -52,7 +52,9 @@ def _decode_op(
     n_rows = num_blocks * page_size
     if n_rows >= 2**31:
         raise ValueError(f"sparse_mla_decode: the cache holds {n_rows} rows; at most 2**31 - 1 are supported")
-    rows = paged_to_rows(indices.reshape(b * s_q, -1), block_table, cache_seqlens, s_q, page_size, n_rows)
+    rows = paged_to_rows(
+        indices.reshape(b * s_q, indices.shape[2]), block_table, cache_seqlens, s_q, page_size, n_rows
+    )
     out, _, lse = launch_fwd(
         q.reshape(b * s_q, h_q, d_qk),
         kv_cache.view(-1, d_qk),
@@ -98,6 +100,9 @@ def sparse_mla_decode(
     Raises:
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
+    check_arg_types({"q": q, "kv_cache": kv_cache, "block_table": block_table, "cache_seqlens": cache_seqlens,
+                     "indices": indices}, {"d_v": d_v})  # fmt: skip
+    check_sm_scale(sm_scale)
     cfg = config or DEFAULT
     return torch.ops.sparse_mla_attn.sparse_mla_decode(
         q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v, cfg.backend, cfg.num_splits

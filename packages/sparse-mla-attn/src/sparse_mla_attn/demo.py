@@ -13,14 +13,12 @@ import sys
 import time
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def main() -> int:
     import torch
 
-    if not torch.cuda.is_available() and not _interpreting():
+    from sparse_mla_attn._runtime import interpreting
+
+    if not torch.cuda.is_available() and not interpreting():
         # Triton reads TRITON_INTERPRET when the kernels are defined, so start a fresh interpreter.
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         return subprocess.call([sys.executable, "-m", "sparse_mla_attn.demo"], env=env)
@@ -28,7 +26,7 @@ def main() -> int:
     import sparse_mla_attn as sm
     from sparse_mla_attn._inputs import random_indices, sprinkle_invalid
 
-    dev = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
+    dev = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
     g = torch.Generator(device=dev).manual_seed(0)
     s_q, h_q, d_qk, s_kv, topk = (256, 128, 576, 8192, 512) if dev == "cuda" else (4, 16, 576, 64, 40)
     scale = 1 / math.sqrt(d_qk)

@@ -30,6 +30,7 @@ from sparse_mla_attn._runtime import (
 )
 from sparse_mla_attn._validate import (
     SparseDims,
+    check_arg_types,
     check_causal_args,
     check_kernel_dims,
     check_optional_vectors,
@@ -245,22 +246,8 @@ def _sparse_mla_fwd_kernel(
         for i in range(0, STATIC_T, BLOCK_T):
             row, valid = row_n, valid_n
             row_n, valid_n = _block_rows(t_start + i + BLOCK_T, t_end, hi, idx_row, BLOCK_T)
-            m_i, l_i, acc = _fwd_block(
-                row,
-                valid,
-                KV,
-                stride_kv_row,
-                q_v,
-                q_rope,
-                m_i,
-                l_i,
-                acc,
-                sm_scale_log2,
-                D_NOPE,
-                D_ROPE,
-                DOT_F32,
-                S_SPLIT,
-            )
+            m_i, l_i, acc = _fwd_block(row, valid, KV, stride_kv_row, q_v, q_rope, m_i, l_i, acc, sm_scale_log2,
+                                       D_NOPE, D_ROPE, DOT_F32, S_SPLIT)  # fmt: skip
     else:
         for t0 in range(t_start, t_end, BLOCK_T):
             row, valid = row_n, valid_n
@@ -268,22 +255,8 @@ def _sparse_mla_fwd_kernel(
             if PREFETCH:
                 _prefetch_rows(row_p, valid_p, KV, stride_kv_row, D_NOPE + D_ROPE)
                 row_p, valid_p = _block_rows(t0 + 3 * BLOCK_T, t_end, hi, idx_row, BLOCK_T)
-            m_i, l_i, acc = _fwd_block(
-                row,
-                valid,
-                KV,
-                stride_kv_row,
-                q_v,
-                q_rope,
-                m_i,
-                l_i,
-                acc,
-                sm_scale_log2,
-                D_NOPE,
-                D_ROPE,
-                DOT_F32,
-                S_SPLIT,
-            )
+            m_i, l_i, acc = _fwd_block(row, valid, KV, stride_kv_row, q_v, q_rope, m_i, l_i, acc, sm_scale_log2,
+                                       D_NOPE, D_ROPE, DOT_F32, S_SPLIT)  # fmt: skip
 
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     denom = l_i
@@ -698,6 +671,9 @@ def sparse_mla_fwd(
     Raises:
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
+    check_arg_types({"q": q, "kv": kv, "indices": indices}, {"d_v": d_v, "q_start_index": q_start_index,
+                    "k_stride": k_stride}, optional={"attn_sink": attn_sink, "topk_length": topk_length})  # fmt: skip
+    check_sm_scale(sm_scale)
     cfg = config or DEFAULT
     return torch.ops.sparse_mla_attn.sparse_mla_fwd(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal,

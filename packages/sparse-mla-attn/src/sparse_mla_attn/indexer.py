@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_mla_attn._runtime import interpreting, record_launch
+from sparse_mla_attn._runtime import dot, interpreting, mask_and, record_launch
 from sparse_mla_attn._validate import causal_keep, check_causal_args, check_indexer_inputs
 from sparse_mla_attn.reference import reduce_loss
 
@@ -71,7 +71,7 @@ def _logits_kernel(
         for h in range(H):
             qh = tl.load(q_row + h * stride_qh, mask=mmask[:, None], other=0.0)
             wh = tl.load(w_ptr + offs_m * stride_ws + h * stride_wh, mask=mmask, other=0.0).to(tl.float32)
-            acc += tl.maximum(tl.dot(qh, kt), 0.0) * wh[:, None]
+            acc += tl.maximum(dot(qh, kt), 0.0) * wh[:, None]
     if CAUSAL:
         acc = tl.where(offs_n[None, :] <= max_k[:, None], acc, float("-inf"))
     tl.store(
@@ -124,7 +124,7 @@ def _rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row,
     g = tl.zeros([tok_of_row.shape[0], offs_n.shape[0]], dtype=tl.float32)
     for i in tl.static_range(TOK):
         t = t0 + i
-        gi = tl.load(g_ptr + t.to(tl.int64) * stride_gs + offs_n, mask=nmask & (t < s_q), other=0.0)
+        gi = tl.load(g_ptr + t.to(tl.int64) * stride_gs + offs_n, mask=mask_and(nmask, t < s_q), other=0.0)
         g = tl.where((tok_of_row == i)[:, None], gi[None, :], g)
     keep = nmask[None, :] & ((t0 + tok_of_row) < s_q)[:, None]
     if CAUSAL:
@@ -142,11 +142,11 @@ def _dqw_step(g_ptr, k_ptr, stride_gs, stride_ks, s_q, s_kv, n0, t0, q, w, tok_o
     k = tl.load(
         k_ptr + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0
     )
-    z = tl.dot(q, tl.trans(k))
+    z = dot(q, tl.trans(k))
     g = _rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row, TOK, CAUSAL)
     dw += tl.sum(g * tl.maximum(z, 0.0), axis=1)
     gz = tl.where(z > 0.0, g * w[:, None], 0.0)
-    return tl.dot(gz.to(k.dtype), k, dq), dw
+    return dot(gz.to(k.dtype), k, dq), dw
 
 
 @triton.jit
@@ -168,9 +168,9 @@ def _dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, st
             other=0.0,
         )
         w = tl.load(w_ptr + t_row.to(tl.int64) * stride_ws + head * stride_wh, mask=rmask, other=0.0)
-        z = tl.dot(q, tl.trans(k))  # [rows, N], the same orientation as the dq kernel
+        z = dot(q, tl.trans(k))  # [rows, N], the same orientation as the dq kernel
         gz = tl.where(z > 0.0, g * w.to(tl.float32)[:, None], 0.0)
-        dk = tl.dot(tl.trans(gz.to(q.dtype)), q, dk)
+        dk = dot(tl.trans(gz.to(q.dtype)), q, dk)
     return dk
 
 
@@ -603,7 +603,7 @@ def indexer_kl_loss(
         loss[t] = Σ_{i ∈ V_t, p > 0} p[t, i] * (log p[t, i] - log_softmax_{V_t}(I[t])[i])
 
     A query with no valid slot or an all-zero target contributes 0. ``reduction="mean"`` divides the
-    sum of ``loss[t]`` by ``s_q`` (all queries), ``"sum"`` sums, ``"none"`` returns ``[s_q]``. The gradient
+    sum of ``loss[t]`` by ``s_q`` (all queries; 0 when ``s_q = 0``), ``"sum"`` sums, ``"none"`` returns ``[s_q]``. The gradient
     with respect to ``indexer_logits_at_topk`` is ``softmax(I[t]) - p[t]`` (times the reduction's factor);
     ``attn_sum`` receives none.
 

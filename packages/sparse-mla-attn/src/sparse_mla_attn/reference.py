@@ -65,11 +65,13 @@ def _attend(
     rows = rows.masked_fill(~valid[..., None], 0.0)  # a stand-in row for an invalid slot may hold NaN
     scores = torch.einsum("chd,ctd->cht", q, rows) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    max_logits = scores.amax(-1)
+    max_logits = scores.masked_fill(scores.isnan(), float("-inf")).amax(-1)  # as the kernels: NaN ignored
     lse = torch.logsumexp(scores, -1)
     lse_for_out = lse if attn_sink is None else torch.logaddexp(lse, attn_sink.float()[None, :])
-    # A query with no valid index: exp(-inf - -inf) is NaN; those probabilities are 0 by definition.
-    p = torch.nan_to_num(torch.exp(scores - lse_for_out[..., None]), nan=0.0)
+    # A query with no valid index (lse -inf): exp(-inf - -inf) is NaN; those probabilities are 0 by
+    # definition. NaN from the data (NaN in q or a selected row) propagates.
+    p = torch.exp(scores - lse_for_out[..., None])
+    p = torch.where(torch.isneginf(lse_for_out)[..., None] | ~valid[:, None, :], 0.0, p)
     out = torch.einsum("cht,ctd->chd", p, rows[..., :d_v])
     return out, max_logits, lse
 
@@ -191,7 +193,11 @@ def _lse_to_natural(lse: torch.Tensor, lse_base: str) -> torch.Tensor:
 
 
 def paged_rows(
-    indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int
+    indices: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_size: int,
+    n_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Map per-sequence positions to rows of the flattened paged cache.
 
@@ -200,18 +206,21 @@ def paged_rows(
         block_table: ``[b, max_blocks]`` int32 physical block of each logical block.
         cache_seqlens: ``[b]`` int32 tokens in each sequence's cache.
         block_size: tokens per block.
+        n_rows: rows in the cache; a table entry that leads outside ``[0, n_rows)`` makes the slot invalid.
 
     Returns:
         ``rows [b, s_q, topk]`` int64 (0 where invalid) and ``valid [b, s_q, topk]`` bool
-        (``0 <= index < min(cache_seqlens[b], max_blocks * block_size)``).
+        (``0 <= index < min(cache_seqlens[b], max_blocks * block_size)``, and the row inside the cache).
     """
     idx = indices.long()
     limit = torch.clamp(cache_seqlens.long(), max=block_table.shape[1] * block_size)
     valid = (idx >= 0) & (idx < limit[:, None, None])
     safe = torch.where(valid, idx, 0)
     blk = torch.gather(block_table.long(), 1, (safe // block_size).flatten(1)).view_as(safe)
-    rows = torch.where(valid, blk * block_size + safe % block_size, 0)
-    return rows, valid
+    rows = blk * block_size + safe % block_size
+    if n_rows is not None:
+        valid &= (blk >= 0) & (rows < n_rows)
+    return torch.where(valid, rows, 0), valid
 
 
 def sparse_mla_decode_ref(
@@ -230,7 +239,8 @@ def sparse_mla_decode_ref(
         kv_cache: ``[num_blocks, block_size, 1, d_qk]``.
         block_table: ``[b, max_blocks]`` int32.
         cache_seqlens: ``[b]`` int32.
-        indices: ``[b, s_q, topk]`` int32 positions in the sequence (invalid: ``< 0`` or ``>= cache_seqlens[b]``).
+        indices: ``[b, s_q, topk]`` int32 positions in the sequence (invalid: ``< 0``, ``>= cache_seqlens[b]``,
+            past the block table, or in a block whose table entry lies outside the cache).
         sm_scale: softmax scale.
         d_v: value head dim.
 
@@ -242,10 +252,11 @@ def sparse_mla_decode_ref(
     sm_scale = check_sm_scale(sm_scale)
     b, s_q, h_q, d_qk = q.shape
     block_size = kv_cache.shape[1]
-    rows, valid = paged_rows(indices, block_table, cache_seqlens, block_size)
+    rows, valid = paged_rows(indices, block_table, cache_seqlens, block_size, kv_cache.shape[0] * block_size)
     flat = kv_cache.reshape(-1, d_qk)
     qf = q.reshape(b * s_q, h_q, d_qk)
-    rows, valid = rows.reshape(b * s_q, -1), valid.reshape(b * s_q, -1)
+    topk = indices.shape[2]
+    rows, valid = rows.reshape(b * s_q, topk), valid.reshape(b * s_q, topk)
     out = torch.empty(b * s_q, h_q, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(b * s_q, h_q, dtype=torch.float32, device=q.device)
     step = _chunk_len(dims)
@@ -393,13 +404,14 @@ def indexer_logits_bwd_ref(
 
 
 def reduce_loss(loss_rows: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Apply ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``) to per-query losses ``[s_q]``."""
+    """Apply ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``) to per-query losses ``[s_q]``; the mean of
+    no query (``s_q = 0``) is 0."""
     if reduction == "none":
         return loss_rows
     if reduction == "sum":
         return loss_rows.sum()
-    if reduction == "mean":
-        return loss_rows.mean()
+    if reduction == "mean":  # over no query at all: 0 (not NaN), still differentiable
+        return loss_rows.mean() if loss_rows.numel() else loss_rows.sum()
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
+# Triton reads TRITON_INTERPRET when the kernels are defined, at import: so is it read here.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-@functools.cache
+
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``; Triton reads it when
-    the kernels are defined, so it is read once)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return _INTERPRET
 
 
 def install_interpreter_fix() -> None:
@@ -48,10 +48,16 @@ def _cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-@functools.cache
+_CUDA_PROPERTIES: dict[int, tuple[int, tuple[int, int], str]] = {}
+
+
 def _cuda_properties(index: int) -> tuple[int, tuple[int, int], str]:
-    props = torch.cuda.get_device_properties(index)
-    return props.multi_processor_count, (props.major, props.minor), props.name
+    """(SM count, capability, name) of a CUDA device, queried once."""
+    props = _CUDA_PROPERTIES.get(index)
+    if props is None:
+        p = torch.cuda.get_device_properties(index)
+        props = _CUDA_PROPERTIES[index] = (p.multi_processor_count, (p.major, p.minor), p.name)
+    return props
 
 
 def num_sms(device: torch.device) -> int:

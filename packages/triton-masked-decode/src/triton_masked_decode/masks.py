@@ -32,7 +32,7 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     pad = (-length) % 8
     if pad:
         mask = torch.cat([mask, mask.new_ones((*mask.shape[:-1], pad))], dim=-1)
-    bits = mask.reshape(*mask.shape[:-1], -1, 8).to(torch.uint8)
+    bits = mask.reshape(*mask.shape[:-1], mask.shape[-1] // 8, 8).to(torch.uint8)
     weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask.device)
     return (bits * weights).sum(-1, dtype=torch.uint8)
 
@@ -57,4 +57,4 @@ def unpack_mask(packed: torch.Tensor, length: int) -> torch.Tensor:
         )
     weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
     bits = (packed[..., None] & weights) != 0
-    return bits.reshape(*packed.shape[:-1], -1)[..., :length]
+    return bits.reshape(*packed.shape[:-1], 8 * n_bytes)[..., :length]

@@ -121,8 +121,8 @@ class _CompileNotice(numba.core.event.Listener):  # type: ignore[misc]
         if module.startswith(__name__.rsplit(".", 1)[0]):
             type(self).announced = True
             print(
-                "eplb-core: compiling the planner for this environment (once; about a minute on 2 cores, "
-                "then cached on disk; `python -m eplb_core.warmup` does it ahead of time)",
+                "eplb-core: compiling the planner for this environment (once, 30-60 s; later processes "
+                "load it from the disk cache; `python -m eplb_core.warmup` does it ahead of time)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -1,0 +1,158 @@
+"""Property-based fuzzing of the public ops on CPU (Triton interpreter), bounded in examples.
+
+Random shapes, index values (any int32, including far out of range), causal settings, optional
+arguments, NaN in unselected and selected KV rows and large values. Asserted: the ops raise nothing, their
+outputs match the float32 references (the same non-finite entries, the finite ones within tolerance), and
+malformed arguments raise only the documented ``ValueError`` / ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparse_mla_attn import (
+    attn_dist,
+    attn_dist_ref,
+    sparse_mla_decode,
+    sparse_mla_decode_ref,
+    sparse_mla_fwd,
+    sparse_mla_fwd_ref,
+)
+from sparse_mla_attn._inputs import kernel_test_device
+
+FUZZ = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+INDEX_ZOO = [-(2**31), -7, -1, 2**31 - 1, 10**9]
+
+
+def assert_like_reference(got: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> None:
+    """Same non-finite entries as the reference, finite ones close."""
+    got, ref = got.float().cpu(), ref.float().cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(got[fin], ref[fin], atol=atol, rtol=rtol)
+    assert torch.equal(got[torch.isinf(ref)], ref[torch.isinf(ref)])
+
+
+@st.composite
+def sparse_problems(draw: st.DrawFn) -> dict:
+    s_q = draw(st.integers(0, 3))
+    h_q = draw(st.integers(1, 20))
+    d_qk = draw(st.sampled_from([512, 576]))
+    s_kv = draw(st.integers(1, 40))
+    topk = draw(st.integers(1, 40))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(-3, s_kv + 3, (s_q, 1, topk), generator=g, dtype=torch.int32)
+    zoo = torch.tensor(INDEX_ZOO, dtype=torch.int32)[torch.randint(0, len(INDEX_ZOO), idx.shape, generator=g)]
+    idx = torch.where(torch.rand(idx.shape, generator=g) < 0.15, zoo, idx)
+    kv = torch.randn(s_kv, 1, d_qk, generator=g)
+    used = torch.zeros(s_kv, dtype=torch.bool)
+    flat = idx.flatten().long()
+    used[flat[(flat >= 0) & (flat < s_kv)]] = True
+    kv[~used] = float("nan")  # never read
+    if draw(st.booleans()) and s_kv > 1:
+        kv[draw(st.integers(0, s_kv - 1)), 0, 0] = draw(st.sampled_from([float("nan"), 1e4, -1e4]))
+    kw: dict = {}
+    if draw(st.booleans()):
+        kw.update(causal=True, q_start_index=draw(st.integers(0, 50)), k_stride=draw(st.integers(1, 4)))
+    if draw(st.booleans()):
+        kw["attn_sink"] = torch.randn(h_q, generator=g)
+    if draw(st.booleans()):
+        kw["topk_length"] = torch.randint(-2, topk + 3, (s_q,), generator=g, dtype=torch.int32)
+    q = torch.randn(s_q, h_q, d_qk, generator=g)
+    return {"q": q.bfloat16(), "kv": kv.bfloat16(), "idx": idx, "kw": kw, "scale": 1 / math.sqrt(d_qk)}
+
+
+@FUZZ
+@given(p=sparse_problems())
+def test_fuzz_forward_and_attn_dist(p):
+    dev = kernel_test_device()
+    q, kv, idx, kw = (
+        p["q"].to(dev),
+        p["kv"].to(dev),
+        p["idx"].to(dev),
+        {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in p["kw"].items()},
+    )
+    out, max_logits, lse = sparse_mla_fwd(q, kv, idx, p["scale"], **kw)
+    r_out, r_max, r_lse = sparse_mla_fwd_ref(q.float(), kv.float(), idx, p["scale"], **kw)
+    assert_like_reference(out, r_out, 2e-2, 2e-2)
+    # Where NaN reached a query's output its lse and max_logits are unspecified (documented).
+    ok = torch.isfinite(r_out).all(-1).cpu()
+    assert_like_reference(max_logits.cpu()[ok], r_max.cpu()[ok], 1e-3, 1e-4)
+    assert_like_reference(lse.cpu()[ok], r_lse.cpu()[ok], 1e-3, 1e-4)
+    if not ok.all():
+        return
+    causal = {k: kw[k] for k in ("causal", "q_start_index", "k_stride") if k in kw}
+    if "topk_length" in kw or "attn_sink" in kw:
+        return  # attn_dist has neither; its lse must be the forward's without them
+    got = attn_dist(
+        q, kv, idx, lse, p["scale"], causal=bool(causal), **{k: v for k, v in causal.items() if k != "causal"}
+    )
+    ref = attn_dist_ref(
+        q, kv, idx, lse, p["scale"], causal=bool(causal), **{k: v for k, v in causal.items() if k != "causal"}
+    )
+    assert_like_reference(got, ref, 1e-3, 1e-3)
+
+
+@FUZZ
+@given(
+    b=st.integers(0, 3),
+    s_q=st.integers(1, 2),
+    h_q=st.integers(1, 20),
+    block=st.sampled_from([4, 16]),
+    topk=st.integers(1, 24),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_decode(b, s_q, h_q, block, topk, seed):
+    dev = kernel_test_device()
+    g = torch.Generator().manual_seed(seed)
+    num_blocks, max_blocks = 6, 4
+    cache = torch.randn(num_blocks, block, 1, 576, generator=g).bfloat16()
+    # Table entries may point outside the cache and sequence lengths past the table: never followed.
+    table = torch.randint(-2, num_blocks + 2, (b, max_blocks), generator=g, dtype=torch.int32)
+    seqlens = torch.randint(-1, max_blocks * block + 5, (b,), generator=g, dtype=torch.int32)
+    idx = torch.randint(-3, max_blocks * block + 3, (b, s_q, topk), generator=g, dtype=torch.int32)
+    q = torch.randn(b, s_q, h_q, 576, generator=g).bfloat16()
+    args = [t.to(dev) for t in (q, cache, table, seqlens, idx)]
+    out, lse = sparse_mla_decode(*args, 0.05)
+    assert out.shape == (b, s_q, h_q, 512)
+    r_out, r_lse = sparse_mla_decode_ref(q.float(), cache.float(), table, seqlens, idx, 0.05)
+    assert_like_reference(out, r_out, 2e-2, 2e-2)
+    assert_like_reference(lse, r_lse, 1e-3, 1e-4)
+
+
+MUTATIONS = {
+    "q-float64": lambda a: {**a, "q": a["q"].double()},
+    "kv-rank": lambda a: {**a, "kv": a["kv"][:, 0]},
+    "kv-dtype": lambda a: {**a, "kv": a["kv"].half()},
+    "idx-int64": lambda a: {**a, "idx": a["idx"].long()},
+    "idx-rows": lambda a: {**a, "idx": a["idx"][:1]},
+    "q-strided": lambda a: {**a, "q": a["q"].transpose(0, 2).contiguous().transpose(0, 2)},
+    "d_qk": lambda a: {**a, "q": a["q"][..., :320], "kv": a["kv"][..., :320]},
+    "sm_scale-nan": lambda a: {**a, "scale": float("nan")},
+    "k_stride-0": lambda a: {**a, "kw": {"causal": True, "k_stride": 0}},
+    "q_start-neg": lambda a: {**a, "kw": {"causal": True, "q_start_index": -1}},
+    "sink-shape": lambda a: {**a, "kw": {"attn_sink": torch.zeros(3)}},
+    "not-a-tensor": lambda a: {**a, "idx": [[0]]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_bad_arguments_raise_documented_errors(name):
+    dev = kernel_test_device()
+    base = {
+        "q": torch.randn(2, 4, 576, device=dev).bfloat16(),
+        "kv": torch.randn(8, 1, 576, device=dev).bfloat16(),
+        "idx": torch.zeros(2, 1, 3, dtype=torch.int32, device=dev),
+        "scale": 0.1,
+        "kw": {},
+    }
+    a = MUTATIONS[name](base)
+    with pytest.raises((ValueError, TypeError)):
+        sparse_mla_fwd(a["q"], a["kv"], a["idx"], a["scale"], **a["kw"])
