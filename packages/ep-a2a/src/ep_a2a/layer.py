@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -25,18 +26,23 @@ if TYPE_CHECKING:
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
-_COMPILE_REASON = (
-    "ep_a2a: dispatch and combine are collectives whose sizes the host reads; under torch.compile they "
-    "run eagerly (a graph break), and a fullgraph=True region cannot contain them"
+_COMPILE_ERROR = (
+    "ep_a2a: {what}() is a collective whose sizes the host reads: it cannot be traced by torch.compile. "
+    "Call it outside the compiled region (e.g. from a function wrapped in torch.compiler.disable)"
 )
 
 
 def _eager_only(fn: Callable) -> Callable:
-    """``fn`` run eagerly under ``torch.compile``: a graph break, or a clear error with ``fullgraph=True``."""
-    try:
-        return torch.compiler.disable(fn, reason=_COMPILE_REASON)  # type: ignore[call-arg]
-    except TypeError:  # (torch before the ``reason`` argument)
-        return torch.compiler.disable(fn)
+    """``fn`` refusing to be traced by ``torch.compile`` with an error that says why (checked by
+    ``torch.compiler.is_compiling``, so importing the package does not import the compiler)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_ERROR.format(what=fn.__name__))
+        return fn(*args, **kwargs)
+
+    return call
 
 
 _ARGUMENT_FIELDS = (
