@@ -96,9 +96,13 @@ class RankMonitor:
         if self.side_group is None:
             store = dist.PrefixStore(f"{self.prefix}/side", self.store)
             # connecting gets a generous bound (a loaded host connects slowly); ops then pass timeout_s
-            self.side_group = dist.ProcessGroupGloo(
+            group = dist.ProcessGroupGloo(
                 store, self.rank, self.world_size, timedelta(seconds=max(self.timeout_s, 60.0))
             )
+            # every rank's connections are up before any rank goes on (a rank that destroyed the group
+            # at once would close a connection a peer is still opening)
+            group.allreduce([torch.zeros(1)]).wait()  # type: ignore[attr-defined]
+            self.side_group = group
         return self.side_group
 
     def all_to_all(

@@ -27,9 +27,14 @@ waits on that signal (same epochs, same bounded waits) before reading what the p
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+#: kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` when this module is imported)
+INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 # device state slots (int64)
 STATE_DISPATCH_EPOCH = 0
@@ -219,7 +224,8 @@ def _wait_started(state_ptr, table_ptr, off_cnt, rank, ep, timeout, W: tl.conste
 def _tokens_from_peers(info_ptr, ss, rank, W: tl.constexpr, known):
     """[WP] tokens each peer sends this rank (``info[2 + s]``, written by the receive layout); 0 for this
     rank, and where ``known`` is false (the layout may not be written yet)."""
-    return tl.load(info_ptr + 2 + ss, mask=(ss < W) & (ss != rank) & known, other=0, cache_modifier=".cg")
+    mask = _and(((ss < W) & (ss != rank)), known)
+    return tl.load(info_ptr + 2 + ss, mask=mask, other=0, cache_modifier=".cg")
 
 
 @triton.jit
@@ -232,6 +238,17 @@ def _await_receive_layout(state_ptr, info_ptr, ss, rank, ep, timeout, n_chunks_s
     n_src_all = _tokens_from_peers(info_ptr, ss, rank, W, tl.program_id(0) >= 0)
     n_chunks_recv = tl.cdiv(tl.max(n_src_all, 0), CH)
     return n_src_all, n_chunks_recv, tl.maximum(n_chunks_send, n_chunks_recv)
+
+
+@triton.jit
+def _and(mask, cond):
+    """``mask & cond`` for a boolean tensor and a scalar condition: the interpreter of newer Triton types
+    that as int32 (not a mask), so there it is a ``where``; compiled, the same ``&`` as ever."""
+    if INTERPRETING:
+        res = tl.where(cond, mask, False)
+    else:
+        res = mask & cond
+    return res
 
 
 @triton.jit
@@ -737,7 +754,9 @@ def _dispatch_send_chunk(
         xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(ld, 0, hh, H, EVEN_H))
         for h0 in range(0, H, BH):
             hn = h0 + BH
-            nxt = tl.load(x_ptr + xrow[:, None] + hn + hh[None, :], mask=_m(ld & (hn < H), hn, hh, H, EVEN_H))
+            nxt = tl.load(
+                x_ptr + xrow[:, None] + hn + hh[None, :], mask=_m(_and(ld, hn < H), hn, hh, H, EVEN_H)
+            )
             if PEERS:
                 _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
                              off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
@@ -871,7 +890,7 @@ def _dispatch_recv_chunk(
                 hn = h0 + BH
                 nxt = tl.load(
                     px + src_row[:, None] + hn + hh[None, :],
-                    mask=_m(need & (hn < H), hn, hh, H, EVEN_H),
+                    mask=_m(_and(need, hn < H), hn, hh, H, EVEN_H),
                     cache_modifier=".cg",
                 )
                 _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H)
@@ -1442,7 +1461,7 @@ def _slots_tile(y_ptr, rows, h0, hh, H: tl.constexpr, EVEN_H: tl.constexpr):
     gather, zero where there is no row and past the end of the row (all of it once ``h0 >= H``). The
     expert rows are read once: evict-first, so the peers' rows arriving in L2 stay there."""
     if EVEN_H:
-        m = (rows >= 0)[:, :, None] & (h0 < H)  # constant along the row: 16-byte vectors
+        m = _and((rows >= 0)[:, :, None], h0 < H)  # constant along the row: 16-byte vectors
     else:
         m = (rows >= 0)[:, :, None] & ((h0 + hh) < H)[None, None, :]
     return tl.load(
