@@ -13,17 +13,22 @@ from functools import lru_cache
 
 import numpy as np
 
+from eplb_core._numba.counts import greedy_counts
 from eplb_core._numba.migrate import migrate_layers
 from eplb_core._numba.soft import soft_allocate, soft_node_swaps
 from eplb_core._numba.solve import pack_layers, solve_layers
+from eplb_core._numba.starts import lpt_bins
 from eplb_core._numba.utils import MAX_RESPLIT_SLOTS, default_iters
+from eplb_core.reference import greedy_bins, greedy_layout
 
 __all__ = [
     "assign_groups_to_nodes",
     "best_node_peaks",
     "equal_partitions",
+    "greedy_fallback",
     "home_nodes",
     "pack_rows",
+    "peaks",
     "solve",
     "solve_migration",
     "solve_soft",
@@ -279,3 +284,62 @@ def solve_migration(
         mode != "soft",
         split_tables(num_replicas // num_gpus),
     )
+
+
+def peaks(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
+    """``[L]`` heaviest GPU load of ``phy2log [L, R]`` (replicas of an expert share its load)."""
+    num_layers, num_logical = weight.shape
+    flat = phy2log + np.arange(num_layers)[:, None] * num_logical
+    counts = np.bincount(flat.ravel(), minlength=weight.size).reshape(weight.shape)
+    per_slot = np.take_along_axis(weight / np.maximum(counts, 1), phy2log, 1)
+    return per_slot.reshape(num_layers, num_gpus, -1).sum(-1).max(1)
+
+
+def _compiled_pack(load: np.ndarray, num_bins: int, expert: np.ndarray | None) -> np.ndarray:
+    """:func:`eplb_core.reference.lpt_pack`, compiled (item by item the same bins)."""
+    load = np.ascontiguousarray(load, dtype=np.float64)
+    key = np.zeros(load.shape, dtype=np.int64) if expert is None else np.ascontiguousarray(expert)
+    return lpt_bins(load, key, expert is not None, num_bins)
+
+
+def _compiled_split(weight: np.ndarray, num_replicas: int) -> np.ndarray:
+    """:func:`eplb_core.reference.greedy_replica_counts`, compiled (the same counts)."""
+    counts = np.ones(weight.shape, dtype=np.int64)
+    greedy_counts(np.ascontiguousarray(weight), counts, num_replicas)
+    return counts
+
+
+def greedy_fallback(
+    weight: np.ndarray, phy2log: np.ndarray, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(phy2log [L, R], taken [L] bool)``: every layer of ``phy2log`` whose heaviest GPU is
+    heavier than that of the greedy reference plan (DeepSeek's packing, which may put two replicas of
+    an expert on one GPU: :func:`eplb_core.reference.greedy_rebalance`) is replaced by that greedy
+    plan and flagged in ``taken``."""
+    num_layers, num_replicas = phy2log.shape
+
+    def bins(w: np.ndarray) -> tuple[np.ndarray, ...]:
+        return greedy_bins(
+            w,
+            num_replicas,
+            num_groups,
+            num_nodes,
+            num_gpus,
+            avoid_duplicates=False,
+            pack=_compiled_pack,
+            split=_compiled_split,
+        )
+
+    _, _, _, rep_load, gpu = bins(weight)
+    gpus_per_row = num_gpus // (gpu.shape[0] // num_layers)
+    flat = gpu + np.arange(gpu.shape[0])[:, None] * gpus_per_row
+    gpu_loads = np.bincount(flat.ravel(), weights=rep_load.ravel(), minlength=num_layers * num_gpus)
+    # strictly better only: a margin far below any real gain absorbs the order of the float sums
+    taken = gpu_loads.reshape(num_layers, -1).max(1) < peaks(weight, phy2log, num_gpus) * (1 - 1e-13)
+    if not taken.any():
+        return phy2log, taken
+    layers = np.flatnonzero(taken)
+    greedy, _ = greedy_layout(bins(weight[layers]), num_replicas)
+    out = phy2log.copy()
+    out[layers] = greedy
+    return out, taken

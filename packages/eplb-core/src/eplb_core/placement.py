@@ -13,7 +13,7 @@ import torch
 from eplb_core._validate import check_placement_tensors, check_weight
 from eplb_core.metrics import balancedness as _balancedness
 
-__all__ = ["Placement", "PlacementDiff", "gpu_loads_of"]
+__all__ = ["Placement", "PlacementDiff", "avoidable_repeats", "gpu_loads_of"]
 
 MODES = ("strict", "global", "soft")
 
@@ -34,6 +34,22 @@ def gpu_loads_of(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> torch
     phy, cnt = check_placement_tensors(w, phy2log, logcnt, num_gpus)
     per_slot = (w / cnt.to(torch.float64)).gather(1, phy)
     return per_slot.view(per_slot.shape[0], num_gpus, -1).sum(-1)
+
+
+def avoidable_repeats(
+    phy2log: np.ndarray, logcnt: np.ndarray, num_gpus: int, num_nodes: int, mode: str
+) -> np.ndarray:
+    """``[L]`` bool: layers in which a GPU holds two replicas of an expert that has no more replicas
+    than the GPUs it may use (its node's in strict mode, all in global and soft mode), so that the
+    repeat was avoidable."""
+    num_replicas = phy2log.shape[1]
+    num_logical = logcnt.shape[1]
+    gpu = np.arange(num_replicas) // (num_replicas // num_gpus)
+    domain = num_gpus // num_nodes if mode == "strict" else num_gpus
+    sorted_key = np.sort(gpu * num_logical + phy2log, axis=1)
+    dup = sorted_key[:, 1:] == sorted_key[:, :-1]
+    allowed = np.take_along_axis(logcnt, sorted_key[:, 1:] % num_logical, 1) > domain
+    return (dup & ~allowed).any(1)
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,12 @@ class Placement:
         changed_slots: ``[L]`` int64 slots changed against the previous plan, or None.
         zero_layers: ``[L]`` bool, layers whose input load was all zero (planned as uniform).
         home_node: ``[L, num_groups]`` int64 node of each group (strict/soft), or None.
+        colocated_layers: ``[L]`` bool, layers that may hold two replicas of an expert on one GPU
+            although a placement without that exists: a fresh plan flags a layer only where the
+            greedy reference plan (:func:`eplb_core.reference.greedy_rebalance`, DeepSeek's packing)
+            is more balanced than the planner's plan without such repeats, and takes the greedy plan
+            there; a migration keeps a repeat only in a layer whose plan in service had one. None:
+            no layer.
     """
 
     phy2log: torch.Tensor
@@ -91,6 +113,7 @@ class Placement:
     changed_slots: torch.Tensor | None = None
     zero_layers: torch.Tensor | None = None
     home_node: torch.Tensor | None = None
+    colocated_layers: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- shape
@@ -131,7 +154,8 @@ class Placement:
         ``num_replicas`` per layer and equals the replica counts in ``phy2log``; ``log2phy`` lists exactly
         the slots of each expert, ascending, ``-1`` padded; equal slots per GPU; in strict mode every replica
         of a group sits on the group's node and every node holds ``num_groups / num_nodes`` groups; no GPU
-        holds two replicas of an expert unless the expert has more replicas than GPUs it may use.
+        holds two replicas of an expert unless the expert has more replicas than GPUs it may use or the
+        layer is flagged in ``colocated_layers`` (two replicas on one GPU carry the load of one).
         """
         if any(x.dtype != torch.int64 for x in (self.phy2log, self.log2phy, self.logcnt)):
             raise ValueError("placement tensors must be int64")
@@ -178,14 +202,17 @@ class Placement:
             np.add.at(per_node, (np.arange(num_layers)[:, None], node_of_group), 1)
             if not bool((per_node == self.num_groups // self.num_nodes).all()):
                 raise ValueError("strict mode: nodes do not hold num_groups / num_nodes groups each")
-        # duplicates: an expert may repeat on a GPU only if it has more replicas than GPUs it may use
-        # (soft mode splits an expert over nodes: a repeat is avoidable iff the count fits all GPUs)
-        domain = gpus_per_node if self.mode == "strict" else self.num_gpus
-        sorted_key = np.sort(gpu * num_logical + p, axis=1)
-        dup = sorted_key[:, 1:] == sorted_key[:, :-1]
-        allowed = np.take_along_axis(cnt, sorted_key[:, 1:] % num_logical, 1) > domain
-        if bool((dup & ~allowed).any()):
-            raise ValueError("a GPU holds two replicas of an expert although that was avoidable")
+        repeats = avoidable_repeats(p, cnt, self.num_gpus, self.num_nodes, self.mode)
+        if self.colocated_layers is not None:
+            flagged = self.colocated_layers.detach().cpu().numpy()
+            if flagged.shape != (num_layers,) or flagged.dtype != np.bool_:
+                raise ValueError(f"colocated_layers must be a [{num_layers}] bool tensor")
+            repeats &= ~flagged
+        if bool(repeats.any()):
+            raise ValueError(
+                "a GPU holds two replicas of an expert although that was avoidable (layer "
+                f"{int(np.flatnonzero(repeats)[0])}, not in colocated_layers)"
+            )
 
     # ---------------------------------------------------------------- comparison
     def diff(
@@ -236,6 +263,9 @@ class Placement:
             "weight": self.weight.cpu().tolist(),
             "zero_layers": None if self.zero_layers is None else self.zero_layers.cpu().tolist(),
             "home_node": None if self.home_node is None else self.home_node.cpu().tolist(),
+            "colocated_layers": (
+                None if self.colocated_layers is None else self.colocated_layers.cpu().tolist()
+            ),
             "summary": self.summary(),
             "meta": self.meta,
         }
@@ -259,6 +289,7 @@ class Placement:
         zero_layers: torch.Tensor | None = None,
         previous: torch.Tensor | None = None,
         lower_bound: torch.Tensor | None = None,
+        colocated_layers: torch.Tensor | None = None,
         meta: dict[str, Any] | None = None,
     ) -> Placement:
         """Build a placement (all derived tensors and figures) from ``phy2log`` and the load.
@@ -273,6 +304,8 @@ class Placement:
             zero_layers: ``[L]`` bool, layers planned as uniform because their load was zero.
             previous: ``[L, R]`` the plan this one replaces (gives ``changed_slots``).
             lower_bound: ``[L]`` precomputed bound (default: :func:`eplb_core.lower_bound`).
+            colocated_layers: ``[L]`` bool, layers allowed to repeat an expert on a GPU although that
+                is avoidable (see the attribute); None: no layer.
             meta: free-form JSON-ready options, kept with the plan.
 
         Returns:
@@ -344,6 +377,9 @@ class Placement:
             changed_slots=changed,
             zero_layers=zero_layers,
             home_node=home_node,
+            colocated_layers=(
+                None if colocated_layers is None else torch.as_tensor(colocated_layers).to(phy2log.device)
+            ),
             meta=dict(meta or {}),
         )
         placement.validate()
@@ -381,6 +417,7 @@ class Placement:
                 logcnt=tensor("logcnt", torch.int64),
                 home_node=tensor("home_node", torch.int64),
                 zero_layers=tensor("zero_layers", torch.bool),
+                colocated_layers=tensor("colocated_layers", torch.bool),
                 meta=data.get("meta") or {},
             )
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:

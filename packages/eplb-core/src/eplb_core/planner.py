@@ -15,7 +15,7 @@ import torch
 from eplb_core import _solve
 from eplb_core._numba.utils import log2phy
 from eplb_core._validate import check_previous, check_topology, check_weight, is_int
-from eplb_core.placement import Placement
+from eplb_core.placement import Placement, avoidable_repeats
 
 __all__ = ["plan", "rebalance_experts"]
 
@@ -57,8 +57,10 @@ def rebalance_experts(
     Returns:
         ``(phy2log [L, R], log2phy [L, N, max_replicas], logcnt [L, N])``, int64 on ``weight``'s device.
         Physical slot ``p`` lives on GPU ``p // (R / num_gpus)``; ``log2phy`` is padded with ``-1``.
-        Deterministic; no GPU holds two replicas of an expert when that can be avoided; no layer ends
-        worse than the greedy LPT plan. The plan is computed on the host by the compiled planner (one
+        Deterministic; no layer is less balanced than DeepSeek's greedy plan
+        (:func:`eplb_core.reference.greedy_rebalance`); no GPU holds two replicas of an expert when that
+        can be avoided, except in a layer where the greedy plan, which allows it, is more balanced
+        than the planner's plan without it: there the greedy plan is returned. The plan is computed on the host by the compiled planner (one
         thread); a CUDA ``weight`` is checked on its device, copied to the host, and the three tensors
         are copied back to it. The first call in a fresh environment compiles the planner.
 
@@ -74,7 +76,9 @@ def rebalance_experts(
     w_np, _ = _host_weight(w)
     if _mode_of(num_groups, num_nodes, False) == "global":
         num_groups, num_nodes = 1, 1
-    phy2log, logcnt = _solve.solve(w_np, num_replicas, num_groups, num_nodes, num_gpus)
+    phy2log, _ = _solve.solve(w_np, num_replicas, num_groups, num_nodes, num_gpus)
+    phy2log, _ = _solve.greedy_fallback(w_np, phy2log, num_groups, num_nodes, num_gpus)
+    logcnt = _counts(phy2log, num_logical)
     # only the three tensors: the quality figures of plan() (bounds, loads) are not computed here
     return tuple(torch.from_numpy(a).to(w.device) for a in (phy2log, log2phy(phy2log, logcnt), logcnt))  # type: ignore[return-value]
 
@@ -110,6 +114,11 @@ def plan(
     Returns:
         A :class:`Placement` on ``weight``'s device that passes :meth:`Placement.validate`;
         ``mode`` is ``"strict"``, ``"global"`` (when ``num_groups % num_nodes != 0``) or ``"soft"``.
+        Without ``previous`` no layer is less balanced than DeepSeek's greedy plan
+        (:func:`eplb_core.reference.greedy_rebalance`): where that plan, which may put two replicas
+        of an expert on one GPU, is more balanced than the planner's, it is taken for the layer and
+        the layer is flagged in ``Placement.colocated_layers``. With ``previous``, a layer keeps
+        such a repeat only if the plan in service had one there (and is flagged).
 
     Raises:
         ValueError: naming the argument, for the inputs :func:`rebalance_experts` rejects, and for
@@ -131,6 +140,7 @@ def plan(
     mode = _mode_of(num_groups, num_nodes, soft_locality is not None)
     home = None
     prev_np = None
+    colocated = None
     if previous is not None:
         prev_np = check_previous(previous, num_layers, num_replicas, num_logical)
         if max_changed_slots is None:
@@ -151,6 +161,15 @@ def plan(
         phy2log = _solve.solve_migration(
             w_np, prev_np, num_groups, num_nodes, num_gpus, mode, int(max_changed_slots), iters
         )
+        # a repeat of an expert on a GPU stays allowed where the plan in service had one (a greedy
+        # layer); a layer whose migration would raise its peak to undo such a repeat, or would leave
+        # an avoidable repeat the plan in service did not have, keeps the plan in service
+        had = avoidable_repeats(prev_np, _counts(prev_np, num_logical), num_gpus, num_nodes, mode)
+        has = avoidable_repeats(phy2log, _counts(phy2log, num_logical), num_gpus, num_nodes, mode)
+        raised = _solve.peaks(w_np, phy2log, num_gpus) > _solve.peaks(w_np, prev_np, num_gpus)
+        keep = (had & raised) | (has & ~had)
+        phy2log[keep] = prev_np[keep]
+        colocated = had & (has | keep)
     elif max_changed_slots is not None:
         raise ValueError("max_changed_slots needs previous (the plan in service)")
     elif mode == "soft":
@@ -161,8 +180,16 @@ def plan(
     else:
         eff_groups, eff_nodes = (num_groups, num_nodes) if mode != "global" else (1, 1)
         phy2log, _ = _solve.solve(w_np, num_replicas, eff_groups, eff_nodes, num_gpus, iters=iters)
+    if prev_np is None:
+        # never below DeepSeek's greedy plan: where it is more balanced (it may repeat an expert on a
+        # GPU, which the planner avoids), it is the plan of the layer
+        phy2log, colocated = _solve.greedy_fallback(w_np, phy2log, num_groups, num_nodes, num_gpus)
         if mode == "strict" and num_nodes > 1:
             home = _solve.home_nodes(phy2log, num_groups, num_nodes, num_logical)
+        elif mode == "soft" and colocated.any():
+            assert home is not None
+            home = home.copy()
+            home[colocated] = _solve.home_nodes(phy2log[colocated], num_groups, num_nodes, num_logical)
 
     def to_device(a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else torch.from_numpy(a).to(w.device)
@@ -178,6 +205,7 @@ def plan(
             home_node=to_device(home),
             zero_layers=to_device(zero),
             previous=to_device(prev_np),
+            colocated_layers=to_device(colocated),
             meta={"soft_locality": soft_locality, "max_changed_slots": max_changed_slots},
         )
     except ValueError as exc:
@@ -187,6 +215,13 @@ def plan(
             f"no valid {mode} plan within max_changed_slots={max_changed_slots} of previous: {exc}"
         ) from exc
     return placement
+
+
+def _counts(phy2log: np.ndarray, num_logical: int) -> np.ndarray:
+    """``[L, N]`` int64 replica count of every expert in ``phy2log [L, R]``."""
+    num_layers = phy2log.shape[0]
+    flat = phy2log + np.arange(num_layers)[:, None] * num_logical
+    return np.bincount(flat.ravel(), minlength=num_layers * num_logical).reshape(num_layers, num_logical)
 
 
 def _plan_error(
@@ -201,6 +236,8 @@ def _plan_error(
             num_nodes=num_nodes,
             num_gpus=num_gpus,
             mode=mode,
+            # the hierarchy is checked here; repeats of an expert on a GPU are the migration's concern
+            colocated_layers=torch.ones(phy2log.shape[0], dtype=torch.bool),
         )
     except ValueError as exc:
         return str(exc)
