@@ -68,16 +68,22 @@ def check_fwd(got, q, kv, idx, sm_scale, where, **kw):
 
 
 SHAPE_ARGS = ("s_q", "h_q", "d_qk", "s_kv", "topk")
-CPU_SHAPES = [
-    (3, 16, 576, 50, 21),
-    (4, 5, 512, 40, 37),
-    (2, 70, 576, 30, 9),
-    (3, 2, 576, 7, 1),
-    (2, 3, 576, 20, 33),
-]
 
 
-@pytest.mark.parametrize(SHAPE_ARGS, CPU_SHAPES, ids=case_ids(SHAPE_ARGS, CPU_SHAPES))
+def shape_params(*shapes):
+    """``pytest.param`` per ``(s_q, h_q, d_qk, s_kv, topk)`` shape, with an id like ``S3-H16-D576-K50-T21``."""
+    return [
+        pytest.param(*shape, id=case_id)
+        for shape, case_id in zip(shapes, case_ids(SHAPE_ARGS, shapes), strict=True)
+    ]
+
+
+CPU_SHAPES = shape_params(
+    (3, 16, 576, 50, 21), (4, 5, 512, 40, 37), (2, 70, 576, 30, 9), (3, 2, 576, 7, 1), (2, 3, 576, 20, 33)
+)
+
+
+@pytest.mark.parametrize(SHAPE_ARGS, CPU_SHAPES)
 def test_fwd_matches_reference(s_q, h_q, d_qk, s_kv, topk):
     dev = cpu_device()
     q, kv, idx = make_problem(s_q, h_q, d_qk, s_kv, topk, dev, seed=s_q * 1000 + h_q + topk)
@@ -211,18 +217,18 @@ def test_fwd_custom_op_fake_and_schema():
 # ---------------------------------------------------------------- GPU, real shapes
 
 # The last shape's grid is small enough for the launcher to pick split-K.
-GPU_SHAPES = [
+GPU_SHAPES = shape_params(
     (256, 128, 576, 8192, 2048),
     (128, 64, 576, 131072, 2048),
     (64, 16, 576, 32768, 1000),
     (96, 100, 512, 4096, 777),
     (33, 1, 576, 2048, 65),
     (8, 128, 576, 65536, 2048),
-]
+)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(SHAPE_ARGS, GPU_SHAPES, ids=case_ids(SHAPE_ARGS, GPU_SHAPES))
+@pytest.mark.parametrize(SHAPE_ARGS, GPU_SHAPES)
 def test_fwd_gpu(s_q, h_q, d_qk, s_kv, topk):
     q, kv, idx = make_problem(s_q, h_q, d_qk, s_kv, topk, "cuda", seed=topk + h_q, invalid_frac=0.05)
     idx[0, 0, :] = -1
