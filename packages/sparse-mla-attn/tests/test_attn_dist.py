@@ -7,6 +7,7 @@ import torch
 
 from sparse_mla_attn import Config, attn_dist, attn_dist_ref, indexer_target, sparse_mla_fwd
 from sparse_mla_attn._inputs import (
+    case_ids,
     kernel_test_device,
     poison_unselected,
     random_problem,
@@ -15,6 +16,17 @@ from sparse_mla_attn._runtime import last_launch
 from sparse_mla_attn._validate import check_sparse_inputs
 
 TOL = {"cpu": (1e-5, 1e-4), "gpu": (1e-4, 2e-3)}  # (atol, rtol) on attn_sum
+# (s_q, h_q, s_kv, topk) of the d_qk 576 GPU test.
+GPU_SHAPES = [(256, 128, 8192, 2048), (128, 64, 131072, 2048), (64, 20, 4096, 300)]
+# Kernel-family cases of the GPU backend tests (parametrized by conftest.py).
+GPU_BACKEND_CASES = [
+    ("triton", 128, 576, 1000),
+    ("gluon", 128, 576, 1000),
+    ("gluon", 64, 576, 2048),
+    ("gluon", 37, 512, 333),
+    ("gluon", 96, 512, 130),
+    ("gluon", 40, 576, 129),
+]
 
 
 def attn_dist_with_tiles(q, kv, idx, lse, sm_scale, tiles, **kw):
@@ -111,12 +123,7 @@ def test_attn_dist_custom_op_fake_and_schema():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("s_q", "h_q", "s_kv", "topk"),
-    [
-        pytest.param(256, 128, 8192, 2048, id="S256-H128-K8K-T2048"),
-        pytest.param(128, 64, 131072, 2048, id="S128-H64-K128K-T2048"),
-        pytest.param(64, 20, 4096, 300, id="S64-H20-K4K-T300"),
-    ],
+    ("s_q", "h_q", "s_kv", "topk"), GPU_SHAPES, ids=case_ids(("s_q", "h_q", "s_kv", "topk"), GPU_SHAPES)
 )
 def test_attn_dist_gpu(s_q, h_q, s_kv, topk):
     q, kv, idx = problem(s_q, h_q, 576, s_kv, topk, "cuda", seed=h_q, invalid_frac=0.05)
@@ -147,25 +154,10 @@ def test_attn_dist_gpu_two_head_tiles():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("backend", "h_q", "d_qk", "topk"),
-    [
-        pytest.param("triton", 128, 576, 1000, id="triton-H128-D576-T1000"),
-        pytest.param("gluon", 128, 576, 1000, id="gluon-H128-D576-T1000"),
-        pytest.param("gluon", 64, 576, 2048, id="gluon-H64-D576-T2048"),
-        pytest.param("gluon", 37, 512, 333, id="gluon-H37-D512-T333"),
-        pytest.param("gluon", 96, 512, 130, id="gluon-H96-D512-T130"),
-        pytest.param("gluon", 40, 576, 129, id="gluon-H40-D576-T129"),
-    ],
-)
 def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk):
     """Both kernel families against the reference (invalid indices, causal limit with k_stride 2, NaN in
     every unselected KV row, a query with no valid slot); the result is bitwise reproducible (above 64
     heads the warp-specialised Gluon kernel adds two partial sums onto a zeroed output)."""
-    if backend == "gluon" and not (
-        torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-    ):
-        pytest.skip("the Gluon kernels need an sm_90 GPU (H100/H200)")
     s_q, s_kv, start = 128, 8192, 16000
     q, kv, idx = problem(s_q, h_q, d_qk, s_kv, topk, "cuda", seed=h_q + topk, invalid_frac=0.05)
     idx[3] = -1

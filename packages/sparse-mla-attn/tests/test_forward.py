@@ -7,6 +7,8 @@ import torch
 
 from sparse_mla_attn import Config, sparse_mla_fwd, sparse_mla_fwd_ref
 from sparse_mla_attn._inputs import (
+    case_ids,
+    gluon_skip_reason,
     kernel_test_device,
     poison_unselected,
     random_problem,
@@ -30,6 +32,21 @@ TOL = {
     "gpu": {"out": (8e-4, 2e-2), "lse": (2e-4, 1e-5), "max_logits": (2e-4, 1e-5)},
     "gpu_few": {"out": (6e-3, 2e-2), "lse": (2e-4, 1e-5), "max_logits": (2e-4, 1e-5)},
 }
+# (h_q, d_qk, topk, s_q) of the Gluon edge-case test: odd block counts, one block, few tokens.
+GLUON_EDGE_CASES = [
+    (128, 576, 1000, 160),
+    (64, 576, 2048, 160),
+    (100, 512, 333, 160),
+    (48, 576, 129, 97),
+    (128, 576, 64, 33),
+]
+# Kernel-family cases of the GPU backend tests (parametrized by conftest.py).
+GPU_BACKEND_CASES = [
+    ("triton", 128, 576, 1000),
+    ("gluon", 128, 576, 1000),
+    ("gluon", 48, 576, 2048),
+    ("gluon", 100, 512, 333),
+]
 
 
 cpu_device = kernel_test_device  # CPU tensors under TRITON_INTERPRET=1, else the GPU
@@ -50,16 +67,23 @@ def check_fwd(got, q, kv, idx, sm_scale, where, **kw):
         )
 
 
-CPU_SHAPES = [
-    pytest.param(3, 16, 576, 50, 21, id="S3-H16-D576-K50-T21"),
-    pytest.param(4, 5, 512, 40, 37, id="S4-H5-D512-K40-T37"),
-    pytest.param(2, 70, 576, 30, 9, id="S2-H70-D576-K30-T9"),
-    pytest.param(3, 2, 576, 7, 1, id="S3-H2-D576-K7-T1"),
-    pytest.param(2, 3, 576, 20, 33, id="S2-H3-D576-K20-T33"),
-]
+SHAPE_ARGS = ("s_q", "h_q", "d_qk", "s_kv", "topk")
 
 
-@pytest.mark.parametrize(("s_q", "h_q", "d_qk", "s_kv", "topk"), CPU_SHAPES)
+def shape_params(*shapes):
+    """``pytest.param`` per ``(s_q, h_q, d_qk, s_kv, topk)`` shape, with an id like ``S3-H16-D576-K50-T21``."""
+    return [
+        pytest.param(*shape, id=case_id)
+        for shape, case_id in zip(shapes, case_ids(SHAPE_ARGS, shapes), strict=True)
+    ]
+
+
+CPU_SHAPES = shape_params(
+    (3, 16, 576, 50, 21), (4, 5, 512, 40, 37), (2, 70, 576, 30, 9), (3, 2, 576, 7, 1), (2, 3, 576, 20, 33)
+)
+
+
+@pytest.mark.parametrize(SHAPE_ARGS, CPU_SHAPES)
 def test_fwd_matches_reference(s_q, h_q, d_qk, s_kv, topk):
     dev = cpu_device()
     q, kv, idx = make_problem(s_q, h_q, d_qk, s_kv, topk, dev, seed=s_q * 1000 + h_q + topk)
@@ -192,18 +216,19 @@ def test_fwd_custom_op_fake_and_schema():
 
 # ---------------------------------------------------------------- GPU, real shapes
 
-GPU_SHAPES = [
-    pytest.param(256, 128, 576, 8192, 2048, id="S256-H128-D576-K8K-T2048"),
-    pytest.param(128, 64, 576, 131072, 2048, id="S128-H64-D576-K128K-T2048"),
-    pytest.param(64, 16, 576, 32768, 1000, id="S64-H16-D576-K32K-T1000"),
-    pytest.param(96, 100, 512, 4096, 777, id="S96-H100-D512-K4K-T777"),
-    pytest.param(33, 1, 576, 2048, 65, id="S33-H1-D576-K2K-T65"),
-    pytest.param(8, 128, 576, 65536, 2048, id="S8-H128-D576-K64K-T2048-splitK"),
-]
+# The last shape's grid is small enough for the launcher to pick split-K.
+GPU_SHAPES = shape_params(
+    (256, 128, 576, 8192, 2048),
+    (128, 64, 576, 131072, 2048),
+    (64, 16, 576, 32768, 1000),
+    (96, 100, 512, 4096, 777),
+    (33, 1, 576, 2048, 65),
+    (8, 128, 576, 65536, 2048),
+)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("s_q", "h_q", "d_qk", "s_kv", "topk"), GPU_SHAPES)
+@pytest.mark.parametrize(SHAPE_ARGS, GPU_SHAPES)
 def test_fwd_gpu(s_q, h_q, d_qk, s_kv, topk):
     q, kv, idx = make_problem(s_q, h_q, d_qk, s_kv, topk, "cuda", seed=topk + h_q, invalid_frac=0.05)
     idx[0, 0, :] = -1
@@ -237,25 +262,10 @@ def test_fwd_gpu_torch_compile():
     torch.testing.assert_close(compiled(q, kv, idx), sparse_mla_fwd(q, kv, idx, 0.05)[0] * 2)
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("backend", "h_q", "d_qk", "topk"),
-    [
-        pytest.param("triton", 128, 576, 1000, id="triton-H128-D576-T1000"),
-        pytest.param("gluon", 128, 576, 1000, id="gluon-H128-D576-T1000"),
-        pytest.param("gluon", 48, 576, 2048, id="gluon-H48-D576-T2048"),
-        pytest.param("gluon", 100, 512, 333, id="gluon-H100-D512-T333"),
-    ],
-)
 def test_fwd_gpu_backends(backend, h_q, d_qk, topk):
     """Both kernel families (Gluon on sm_90, Triton everywhere) against the reference, with causal limit,
     sink, topk_length, invalid indices and NaN in every KV row that no valid index selects."""
-    if backend == "gluon" and not _sm90():
-        pytest.skip("the Gluon kernels need an sm_90 GPU (H100/H200)")
     s_q, s_kv = 160, 8192
     q, kv, idx = make_problem(s_q, h_q, d_qk, s_kv, topk, "cuda", seed=h_q + topk, invalid_frac=0.05)
     kv = poison_unselected(kv, idx)
@@ -272,22 +282,15 @@ def test_fwd_gpu_backends(backend, h_q, d_qk, topk):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("h_q", "d_qk", "topk", "s_q"),
-    [
-        pytest.param(128, 576, 1000, 160, id="H128-D576-T1000"),
-        pytest.param(64, 576, 2048, 160, id="H64-D576-T2048"),
-        pytest.param(100, 512, 333, 160, id="H100-D512-T333"),
-        pytest.param(48, 576, 129, 97, id="H48-D576-T129"),
-        pytest.param(128, 576, 64, 33, id="H128-D576-T64"),
-    ],
+    ("h_q", "d_qk", "topk", "s_q"), GLUON_EDGE_CASES, ids=case_ids(("h_q", "d_qk", "topk"), GLUON_EDGE_CASES)
 )
 def test_fwd_gpu_gluon_edge_cases(h_q, d_qk, topk, s_q):
     """The warp-specialised Gluon forward against the reference: odd block counts (a padding block, one
     block only), causal limit, sink, topk_length (0 included: no block at all), invalid indices, an
     all-invalid row, NaN in every KV row that no valid index selects; launched twice, so that a barrier
     phase left over from an earlier launch would show."""
-    if not _sm90():
-        pytest.skip("the Gluon kernels need an sm_90 GPU (H100/H200)")
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
     cfg = Config(backend="gluon", num_splits=1)
     # With one or two blocks the softmax is peaked and the bf16 rounding of P alone exceeds abs 8e-4 (up
     # to 1.7e-3 on ~0.005% of the elements; measured): the "gpu_few" tolerance there.

@@ -7,6 +7,8 @@ a row it should skip produces NaN.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 
 
@@ -90,3 +92,35 @@ def kernel_test_device() -> str:
     raise RuntimeError(
         "the kernels need a GPU, or TRITON_INTERPRET=1 on a CPU-only machine (nox -s tests sets it)"
     )
+
+
+_ID_LETTERS = {"s_q": "S", "h_q": "H", "d_qk": "D", "s_kv": "K", "topk": "T"}
+
+
+def case_ids(names: Sequence[str], cases: Iterable[Sequence[object]]) -> list[str]:
+    """Test ids of the parameter tuples ``cases`` whose leading fields are named ``names``.
+
+    A string field stands as it is, a shape field as its letter and value (``s_kv`` in units of 1024 when a
+    whole multiple): ``("backend", "h_q", "d_qk", "topk")`` gives ``"gluon-H128-D576-T1000"``, ``("s_q",
+    "h_q", "s_kv", "topk")`` gives ``"S256-H128-K8K-T2048"``. Fields past ``names`` are left out of the id.
+    """
+    return [
+        "-".join(_id_part(name, value) for name, value in zip(names, case, strict=False)) for case in cases
+    ]
+
+
+def _id_part(name: str, value: object) -> str:
+    if isinstance(value, str):
+        return value
+    if name == "s_kv" and isinstance(value, int) and value >= 1024 and value % 1024 == 0:
+        return f"K{value // 1024}K"
+    return f"{_ID_LETTERS[name]}{value}"
+
+
+def gluon_skip_reason(backend: str) -> str | None:
+    """Why a test of ``backend`` cannot run here (the Gluon kernels need an sm_90 GPU), else None."""
+    from sparse_mla_attn._runtime import is_sm90
+
+    if backend == "gluon" and not (torch.cuda.is_available() and is_sm90(torch.device("cuda"))):
+        return "the Gluon kernels need an sm_90 GPU (H100/H200)"
+    return None
