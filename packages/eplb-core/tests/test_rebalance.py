@@ -161,7 +161,7 @@ def test_never_below_deepseek_greedy(p: dict, soft_locality: float | None) -> No
     if soft_locality is None and bool(flagged.any()):
         # flagged only where the planner's plan without the fallback is less balanced
         groups, nodes = (p["num_groups"], p["num_nodes"]) if a.mode == "strict" else (1, 1)
-        own, _ = _solve.solve(a.weight.numpy(), p["num_replicas"], groups, nodes, p["num_gpus"])
+        own, _, _ = _solve.solve(a.weight.numpy(), p["num_replicas"], groups, nodes, p["num_gpus"])
         own_t = torch.from_numpy(own)
         own_cnt = torch.zeros_like(a.logcnt).scatter_add_(1, own_t, torch.ones_like(own_t))
         own_bal = E.balancedness(E.gpu_loads_of(a.weight, own_t, own_cnt, p["num_gpus"]))

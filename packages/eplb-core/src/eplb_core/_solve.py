@@ -142,14 +142,16 @@ def solve(
     num_gpus: int,
     *,
     iters: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Strict (``num_nodes > 1``) or global (one node, one group) plan: :func:`solve_layers`.
 
     Args:
         weight: ``[L, N]`` float64, rows not all zero.
 
     Returns:
-        ``(phy2log [L, R], logcnt [L, N])`` int64, GPU-major slots, sorted inside a GPU.
+        ``(phy2log [L, R], logcnt [L, N])`` int64, GPU-major slots, sorted inside a GPU, and
+        ``greedy_peak [L]`` float64, the heaviest GPU of DeepSeek's greedy plan on the layers where
+        it can be better balanced than the plan, infinite elsewhere (see :func:`greedy_fallback`).
     """
     weight = np.ascontiguousarray(weight, dtype=np.float64)
     num_layers, num_experts = weight.shape
@@ -310,17 +312,26 @@ def _compiled_split(weight: np.ndarray, num_replicas: int) -> np.ndarray:
 
 
 def greedy_fallback(
-    weight: np.ndarray, phy2log: np.ndarray, num_groups: int, num_nodes: int, num_gpus: int
+    weight: np.ndarray,
+    phy2log: np.ndarray,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    greedy_peak: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(phy2log [L, R], taken [L] bool)``: every layer of ``phy2log`` whose heaviest GPU is
     heavier than that of the greedy reference plan (DeepSeek's packing, which may put two replicas of
     an expert on one GPU: :func:`eplb_core.reference.greedy_rebalance`) is replaced by that greedy
-    plan and flagged in ``taken``."""
-    num_layers, num_replicas = phy2log.shape
+    plan and flagged in ``taken``.
 
-    def bins(w: np.ndarray) -> tuple[np.ndarray, ...]:
-        return greedy_bins(
-            w,
+    ``greedy_peak [L]``: the heaviest GPU of that greedy plan where it may be better (from
+    :func:`solve`), infinite elsewhere; None computes it (with the compiled LPT and replica split).
+    The layers within a margin of it are then compared exactly with the reference's own plan.
+    """
+    num_layers, num_replicas = phy2log.shape
+    if greedy_peak is None:
+        _, _, _, rep_load, gpu = greedy_bins(
+            weight,
             num_replicas,
             num_groups,
             num_nodes,
@@ -329,17 +340,22 @@ def greedy_fallback(
             pack=_compiled_pack,
             split=_compiled_split,
         )
-
-    _, _, _, rep_load, gpu = bins(weight)
-    gpus_per_row = num_gpus // (gpu.shape[0] // num_layers)
-    flat = gpu + np.arange(gpu.shape[0])[:, None] * gpus_per_row
-    gpu_loads = np.bincount(flat.ravel(), weights=rep_load.ravel(), minlength=num_layers * num_gpus)
-    # strictly better only: a margin far below any real gain absorbs the order of the float sums
-    taken = gpu_loads.reshape(num_layers, -1).max(1) < peaks(weight, phy2log, num_gpus) * (1 - 1e-13)
-    if not taken.any():
+        gpus_per_row = num_gpus // (gpu.shape[0] // num_layers)
+        flat = gpu + np.arange(gpu.shape[0])[:, None] * gpus_per_row
+        gpu_loads = np.bincount(flat.ravel(), weights=rep_load.ravel(), minlength=num_layers * num_gpus)
+        greedy_peak = gpu_loads.reshape(num_layers, -1).max(1)
+    plan_peak = peaks(weight, phy2log, num_gpus)
+    taken = np.zeros(num_layers, dtype=np.bool_)
+    rows = np.flatnonzero(greedy_peak < plan_peak * (1 + 1e-9))
+    if rows.size == 0:
         return phy2log, taken
-    layers = np.flatnonzero(taken)
-    greedy, _ = greedy_layout(bins(weight[layers]), num_replicas)
+    bins = greedy_bins(weight[rows], num_replicas, num_groups, num_nodes, num_gpus, avoid_duplicates=False)
+    greedy, _ = greedy_layout(bins, num_replicas)
+    # strictly better only: a margin far below any real gain absorbs the order of the float sums
+    better = peaks(weight[rows], greedy, num_gpus) < plan_peak[rows] * (1 - 1e-13)
+    if not better.any():
+        return phy2log, taken
+    taken[rows[better]] = True
     out = phy2log.copy()
-    out[layers] = greedy
+    out[rows[better]] = greedy[better]
     return out, taken

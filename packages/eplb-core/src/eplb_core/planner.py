@@ -76,8 +76,8 @@ def rebalance_experts(
     w_np, _ = _host_weight(w)
     if _mode_of(num_groups, num_nodes, False) == "global":
         num_groups, num_nodes = 1, 1
-    phy2log, _ = _solve.solve(w_np, num_replicas, num_groups, num_nodes, num_gpus)
-    phy2log, _ = _solve.greedy_fallback(w_np, phy2log, num_groups, num_nodes, num_gpus)
+    phy2log, _, greedy_peak = _solve.solve(w_np, num_replicas, num_groups, num_nodes, num_gpus)
+    phy2log, _ = _solve.greedy_fallback(w_np, phy2log, num_groups, num_nodes, num_gpus, greedy_peak)
     logcnt = _counts(phy2log, num_logical)
     # only the three tensors: the quality figures of plan() (bounds, loads) are not computed here
     return tuple(torch.from_numpy(a).to(w.device) for a in (phy2log, log2phy(phy2log, logcnt), logcnt))  # type: ignore[return-value]
@@ -141,6 +141,7 @@ def plan(
     home = None
     prev_np = None
     colocated = None
+    greedy_peak = None  # the peak of DeepSeek's greedy plan where it may win (None: not known)
     if previous is not None:
         prev_np = check_previous(previous, num_layers, num_replicas, num_logical)
         if max_changed_slots is None:
@@ -179,11 +180,15 @@ def plan(
         )
     else:
         eff_groups, eff_nodes = (num_groups, num_nodes) if mode != "global" else (1, 1)
-        phy2log, _ = _solve.solve(w_np, num_replicas, eff_groups, eff_nodes, num_gpus, iters=iters)
+        phy2log, _, greedy_peak = _solve.solve(
+            w_np, num_replicas, eff_groups, eff_nodes, num_gpus, iters=iters
+        )
     if prev_np is None:
         # never below DeepSeek's greedy plan: where it is more balanced (it may repeat an expert on a
         # GPU, which the planner avoids), it is the plan of the layer
-        phy2log, colocated = _solve.greedy_fallback(w_np, phy2log, num_groups, num_nodes, num_gpus)
+        phy2log, colocated = _solve.greedy_fallback(
+            w_np, phy2log, num_groups, num_nodes, num_gpus, greedy_peak
+        )
         if mode == "strict" and num_nodes > 1:
             home = _solve.home_nodes(phy2log, num_groups, num_nodes, num_logical)
         elif mode == "soft" and colocated.any():

@@ -16,7 +16,7 @@ from eplb_core._numba.refine import (
     _workspace,
     _write_sorted,
 )
-from eplb_core._numba.starts import _layout_row, _lpt_row
+from eplb_core._numba.starts import _layout_row, _lpt_row, _plain_lpt_peak
 from eplb_core._numba.utils import _INF, MAX_RESPLIT_SLOTS, RR_MAX_SLOTS, njit
 
 
@@ -58,7 +58,7 @@ def solve_layers(
     num_gpus: int,
     iters: int,
     tables: tuple,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Strict (``num_nodes > 1``) or global (one node, one group) plan of every layer.
 
     Per layer:
@@ -81,7 +81,10 @@ def solve_layers(
         tables: split tables of :func:`_resplit_rounds` for ``S`` slots per GPU.
 
     Returns:
-        ``(phy2log [L, R], logcnt [L, N])`` int64, GPU-major slots, ascending ids inside a GPU.
+        ``(phy2log [L, R], logcnt [L, N])`` int64, GPU-major slots, ascending ids inside a GPU, and
+        ``greedy_peak [L]`` float64: the heaviest GPU of DeepSeek's greedy plan (plain LPT, repeats
+        allowed) where the duplicate-avoiding packing moved a replica off its lightest GPU, else
+        infinite (the two packings are the same there, and the plan is at least as balanced).
     """
     num_layers, num_experts = weight.shape
     num_groups = group_load.shape[1]
@@ -93,6 +96,8 @@ def solve_layers(
     num_cand = 2 if MAX_RESPLIT_SLOTS < slots <= RR_MAX_SLOTS else 1
     phy2log = np.empty((num_layers, num_replicas), dtype=np.int64)
     logcnt = np.empty((num_layers, num_experts), dtype=np.int64)
+    greedy_moved = np.zeros(num_layers, dtype=np.bool_)
+    greedy_peak = np.zeros(num_layers)
     # node rows of our split [0] and of the greedy split [1]
     ids = np.empty((2, num_nodes, per_node), dtype=np.int64)
     w_rows = np.empty((2, num_nodes, per_node))
@@ -108,6 +113,7 @@ def solve_layers(
     item_expert = np.empty(reps, dtype=np.int64)
     item_count = np.empty(reps, dtype=np.int64)
     bins = np.empty(reps, dtype=np.int64)
+    bins_plain = np.empty(reps, dtype=np.int64)
     key = np.empty(num_bins)
     fill = np.empty(num_bins, dtype=np.int64)
     tag = np.empty(num_bins, dtype=np.int64)
@@ -152,10 +158,14 @@ def solve_layers(
         any_fixed = np.bool_(False)
         for n in range(num_nodes):
             _expand_row(w_rows[0, n], cnt[0, n], ids[0, n], item_load, item_local, item_expert, item_count)
-            order = _lpt_row(item_load, item_local, np.bool_(True), num_bins, bins, key, fill, tag)
+            order, moved = _lpt_row(item_load, item_local, np.bool_(True), num_bins, bins, key, fill, tag)
             any_fixed |= _layout_row(
                 bins, item_load, item_expert, item_count, num_bins, load[n], expert[n], fixed[n], fill
             )
+            if same:  # this start is the greedy plan
+                greedy_moved[layer] |= moved
+                pk = _plain_lpt_peak(item_load, item_local, moved, num_bins, bins, bins_plain, key, fill, tag)
+                greedy_peak[layer] = max(greedy_peak[layer], pk)
             if num_cand == 2:
                 for p in range(reps):
                     bins[order[p]] = p % num_bins
@@ -203,10 +213,13 @@ def solve_layers(
         any_fixed = np.bool_(False)
         for n in range(num_nodes):
             _expand_row(w_rows[1, n], cnt[1, n], ids[1, n], item_load, item_local, item_expert, item_count)
-            _lpt_row(item_load, item_local, np.bool_(True), num_bins, bins, key, fill, tag)
+            _, moved = _lpt_row(item_load, item_local, np.bool_(True), num_bins, bins, key, fill, tag)
             any_fixed |= _layout_row(
                 bins, item_load, item_expert, item_count, num_bins, load_g[n], expert_g[n], fixed_g[n], fill
             )
+            greedy_moved[layer] |= moved
+            pk = _plain_lpt_peak(item_load, item_local, moved, num_bins, bins, bins_plain, key, fill, tag)
+            greedy_peak[layer] = max(greedy_peak[layer], pk)
         if (
             _peak(load_g, np.int64(0), num_nodes) < best
         ):  # the greedy plan is better here: refine it and keep it
@@ -238,7 +251,8 @@ def solve_layers(
                 phy2log[layer],
                 logcnt[layer],
             )
-    return phy2log, logcnt
+    # DeepSeek's packing (no repeat avoidance) is the duplicate-avoiding one where that moved nothing
+    return phy2log, logcnt, np.where(greedy_moved, greedy_peak, _INF)
 
 
 @njit
@@ -295,7 +309,7 @@ def pack_layers(
                 per_expert[re[i]] += 1
             for i in range(num_items):
                 rc[i] = per_expert[re[i]]
-            order = _lpt_row(rl, re, np.bool_(True), num_bins, bins, key, fill, tag)
+            order, _ = _lpt_row(rl, re, np.bool_(True), num_bins, bins, key, fill, tag)
             any_fixed |= _layout_row(bins, rl, re, rc, num_bins, load[q], expert[q], fixed[q], fill)
             if num_cand == 2:
                 for p in range(num_items):

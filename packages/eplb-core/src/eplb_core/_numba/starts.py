@@ -130,8 +130,9 @@ def _lpt_row(
     key: np.ndarray,
     fill: np.ndarray,
     tag: np.ndarray,
-) -> np.ndarray:
-    """LPT with ``M / num_bins`` items per bin: ``bins[i]`` of every item; returns the load order.
+) -> tuple[np.ndarray, bool]:
+    """LPT with ``M / num_bins`` items per bin: ``bins[i]`` of every item; returns the load order and
+    whether ``use_key`` moved an item off its lightest bin (without it, the bins are plain LPT's).
 
     Items by decreasing load (stable), each onto the lightest bin with a free slot (lowest index on
     ties). With ``use_key``, an item whose lightest bin already holds its key (expert) takes the
@@ -146,6 +147,7 @@ def _lpt_row(
     fill[:] = 0
     tag[:] = -1
     run_start = 0
+    diverted = False
     # many bins: a tournament tree over the bins (leaves ``P + b``, padded to a power of two with
     # infinite loads) whose every node holds the (load, index) pair that wins its subtree, the
     # lightest, lowest index on ties; the root is the lightest open bin (a full bin's load is
@@ -186,6 +188,7 @@ def _lpt_row(
                         alt = j
                 if alt >= 0:
                     b = alt
+                    diverted = True
             tag[b] = run_start
         bins[i] = b
         key[b] += item_load[i]
@@ -203,7 +206,7 @@ def _lpt_row(
                 iv = si if sib else iv
                 p >>= 1
                 tk[p], ti[p] = kv, iv
-    return order
+    return order, diverted
 
 
 @njit
@@ -217,6 +220,30 @@ def lpt_bins(item_load: np.ndarray, item_key: np.ndarray, use_key: bool, num_bin
     for r in range(num_rows):
         _lpt_row(item_load[r], item_key[r], use_key, num_bins, out[r], key, fill, tag)
     return out
+
+
+@njit
+def _plain_lpt_peak(
+    item_load: np.ndarray,
+    item_key: np.ndarray,
+    moved: bool,
+    num_bins: int,
+    bins: np.ndarray,
+    bins_plain: np.ndarray,
+    key: np.ndarray,
+    fill: np.ndarray,
+    tag: np.ndarray,
+) -> float:
+    """Heaviest bin of plain LPT (no ``item_key``), given ``bins`` of the keyed LPT of the same items
+    and whether it ``moved`` an item (if not, the bins are the same and are not recomputed)."""
+    src = bins
+    if moved:
+        _lpt_row(item_load, item_key, False, num_bins, bins_plain, key, fill, tag)
+        src = bins_plain
+    key[:] = 0.0
+    for i in range(item_load.size):
+        key[src[i]] += item_load[i]
+    return key.max()
 
 
 @njit
