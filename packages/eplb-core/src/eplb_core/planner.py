@@ -76,9 +76,10 @@ def rebalance_experts(
     w_np, _ = _host_weight(w)
     if _mode_of(num_groups, num_nodes, False) == "global":
         num_groups, num_nodes = 1, 1
-    phy2log, _, greedy_peak = _solve.solve(w_np, num_replicas, num_groups, num_nodes, num_gpus)
-    phy2log, _ = _solve.greedy_fallback(w_np, phy2log, num_groups, num_nodes, num_gpus, greedy_peak)
-    logcnt = _counts(phy2log, num_logical)
+    phy2log, logcnt, greedy_peak = _solve.solve(w_np, num_replicas, num_groups, num_nodes, num_gpus)
+    phy2log, taken = _solve.greedy_fallback(w_np, phy2log, num_groups, num_nodes, num_gpus, greedy_peak)
+    if taken.any():
+        logcnt = _counts(phy2log, num_logical)
     # only the three tensors: the quality figures of plan() (bounds, loads) are not computed here
     return tuple(torch.from_numpy(a).to(w.device) for a in (phy2log, log2phy(phy2log, logcnt), logcnt))  # type: ignore[return-value]
 
