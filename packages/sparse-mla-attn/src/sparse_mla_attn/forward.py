@@ -14,7 +14,9 @@ kernel merges them with lse weights.
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,10 +24,15 @@ import triton
 import triton.language as tl
 
 from sparse_mla_attn._runtime import (
+    cached,
+    call_signature,
     causal_hi,
+    cdiv,
     check_kernel_device,
     define_op,
     interpreting,
+    launch,
+    next_power_of_2,
     num_sms,
     record_launch,
 )
@@ -39,7 +46,7 @@ from sparse_mla_attn._validate import (
     check_sparse_inputs,
 )
 from sparse_mla_attn.backends.gluon_sm90 import launch_fwd_gluon, use_gluon
-from sparse_mla_attn.config import DEFAULT, Config
+from sparse_mla_attn.config import DEFAULT, Config, config_of
 
 LOG2E = math.log2(math.e)
 
@@ -329,11 +336,12 @@ def _paged_rows_kernel(
     tl.store(ROWS + pid_s.to(tl.int64) * topk + offs, row.to(tl.int32), mask=t_mask)
 
 
+@functools.lru_cache(maxsize=64)
 def fwd_config(h_q: int, topk: int) -> dict[str, Any]:
     """Tile shape and launch options for a head count (``BLOCK_H``, ``BLOCK_T``, warps, stages)."""
     if interpreting():
         return {
-            "BLOCK_H": max(16, triton.next_power_of_2(min(h_q, 64))),
+            "BLOCK_H": max(16, next_power_of_2(min(h_q, 64))),
             "BLOCK_T": 16,
             "num_warps": 4,
             "num_stages": 1,
@@ -348,7 +356,7 @@ def fwd_config(h_q: int, topk: int) -> dict[str, Any]:
             "S_SPLIT": True,
             "PREFETCH": True,
         }
-    return {"BLOCK_H": max(16, triton.next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_H": max(16, next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
 def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device) -> int:
@@ -362,13 +370,43 @@ def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device
     n_sm = num_sms(device)
     if interpreting() or n_sm == 0 or n_programs >= n_sm:
         return 1
-    return max(1, min(n_sm // n_programs, triton.cdiv(topk, 4 * block_t)))
+    return max(1, min(n_sm // n_programs, cdiv(topk, 4 * block_t)))
+
+
+@dataclass(frozen=True)
+class FwdPlan:
+    """How the forward runs a problem: Triton tile (``cfg``), head tiles, split-K and kernel family."""
+
+    cfg: dict[str, Any]
+    n_head_tiles: int
+    n_splits: int
+    split_len: int
+    gluon: bool
+
+
+def plan_fwd(
+    q: torch.Tensor, kv_rows: torch.Tensor, dims: SparseDims, config: Config, tiles: dict[str, Any] | None
+) -> FwdPlan:
+    """The :class:`FwdPlan` of a validated problem (``tiles`` overrides :func:`fwd_config`, for tests)."""
+    cfg = {**fwd_config(dims.h_q, dims.topk), **(tiles or {})}
+    n_head_tiles = cdiv(dims.h_q, cfg["BLOCK_H"])
+    block_t = cfg["BLOCK_T"]
+    n_splits = config.num_splits or choose_splits(dims.s_q * n_head_tiles, dims.topk, block_t, q.device)
+    split_len = cdiv(cdiv(dims.topk, n_splits), block_t) * block_t
+    n_splits = cdiv(dims.topk, split_len)  # no empty split
+    eligible = n_splits == 1 and dims.h_q > 32
+    gluon = use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows)
+    return FwdPlan(cfg, n_head_tiles, n_splits, split_len, gluon)
+
+
+_PLANS: dict[Any, FwdPlan] = {}
 
 
 def launch_fwd(
     q: torch.Tensor, kv_rows: torch.Tensor, idx: torch.Tensor, dims: SparseDims, sm_scale: float, *,
     attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None, q_start_index: int = 0,
     k_stride: int = 1, causal: bool = False, config: Config = DEFAULT, tiles: dict[str, Any] | None = None,
+    key: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Launch the forward kernel on validated inputs (shared by forward and decode).
 
@@ -379,6 +417,8 @@ def launch_fwd(
         dims: sizes.
         config: backend and split-K factor (``num_splits`` 0: :func:`choose_splits`).
         tiles: overrides of :func:`fwd_config`'s Triton tile (tests).
+        key: the caller's call signature, which determines the plan and every launch's specialisation
+            (plan and compiled kernels are cached under it); ``None``: nothing is cached.
 
     Returns:
         ``out [n_tok, h_q, 512]``, ``max_logits [n_tok, h_q]``, ``lse [n_tok, h_q]`` (natural log).
@@ -389,34 +429,20 @@ def launch_fwd(
     lse = torch.empty_like(max_logits)
     if n_tok == 0:
         return out, max_logits, lse
-    cfg = {**fwd_config(h_q, dims.topk), **(tiles or {})}
-    n_head_tiles = triton.cdiv(h_q, cfg["BLOCK_H"])
-    s_split = bool(cfg.get("S_SPLIT", False))
-    block_t = cfg["BLOCK_T"]
-    n_splits = config.num_splits or choose_splits(n_tok * n_head_tiles, dims.topk, block_t, q.device)
-    split_len = triton.cdiv(triton.cdiv(dims.topk, n_splits), block_t) * block_t
-    n_splits = triton.cdiv(dims.topk, split_len)  # no empty split
-    eligible = n_splits == 1 and h_q > 32
-    if use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows):
+    if tiles is not None:
+        key = None
+    compute = lambda: plan_fwd(q, kv_rows, dims, config, tiles)
+    plan = compute() if key is None else cached(_PLANS, key, compute)
+    sink = attn_sink if attn_sink is not None else lse
+    if plan.gluon:
         # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
         kernel = launch_fwd_gluon(
-            q,
-            kv_rows,
-            idx,
-            out,
-            max_logits,
-            lse,
-            attn_sink if attn_sink is not None else lse,
-            topk_length,
-            dims,
-            sm_scale * LOG2E,
-            has_sink=attn_sink is not None,
-            q_start_index=q_start_index,
-            k_stride=k_stride,
-            causal=causal,
-        )
+            q, kv_rows, idx, out, max_logits, lse, sink, topk_length, dims, sm_scale * LOG2E,
+            has_sink=attn_sink is not None, q_start_index=q_start_index, k_stride=k_stride, causal=causal, key=key,
+        )  # fmt: skip
         record_launch("fwd", kernel, backend="gluon")
         return out, max_logits, lse
+    cfg, n_splits = plan.cfg, plan.n_splits
     if n_splits > 1:
         part_o = torch.empty(n_splits, n_tok, h_q, dims.d_v, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(n_splits, n_tok, h_q, dtype=torch.float32, device=q.device)
@@ -424,74 +450,35 @@ def launch_fwd(
         dst = (part_o, part_max, part_lse)
     else:
         dst = (out, max_logits, lse)
-    grid = (n_splits * n_tok * n_head_tiles,)
-    sink = attn_sink if attn_sink is not None else lse
-    kernel = _sparse_mla_fwd_kernel[grid](
-        q,
-        kv_rows,
-        idx,
-        *dst,
-        sink,
-        topk_length if topk_length is not None else idx,
-        q.stride(0),
-        q.stride(1),
-        kv_rows.stride(0),
-        idx.stride(0),
-        out.stride(0),
-        out.stride(1),
-        n_tok,
-        h_q,
-        n_head_tiles,
-        dims.topk,
-        split_len,
-        dims.s_kv,
-        q_start_index,
-        k_stride,
+    kernel = launch(
+        _sparse_mla_fwd_kernel, (n_splits * n_tok * plan.n_head_tiles,), key,
+        q, kv_rows, idx, *dst, sink, topk_length if topk_length is not None else idx,
+        q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1),
+        n_tok, h_q, plan.n_head_tiles, dims.topk, plan.split_len, dims.s_kv, q_start_index, k_stride,
         sm_scale * LOG2E,
-        D_NOPE=512,
-        D_ROPE=dims.d_qk - 512,
-        BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_T=block_t,
-        HAS_SINK=attn_sink is not None,
-        HAS_TOPK_LEN=topk_length is not None,
-        CAUSAL=causal,
-        SPLIT_K=n_splits > 1,
-        STATIC_T=split_len if interpreting() else 0,
+        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_H=cfg["BLOCK_H"], BLOCK_T=cfg["BLOCK_T"],
+        HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
+        SPLIT_K=n_splits > 1, STATIC_T=plan.split_len if interpreting() else 0,
         # The interpreter's bf16 tl.dot is wrong (numpy has no bf16): it multiplies in float32 instead.
-        DOT_F32=interpreting(),
-        S_SPLIT=s_split,
+        DOT_F32=interpreting(), S_SPLIT=bool(cfg.get("S_SPLIT", False)),
         PREFETCH=bool(cfg.get("PREFETCH", False)) and not interpreting(),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
     record_launch("fwd", kernel, splits=n_splits)
     if n_splits > 1:
         combine_h = 16
-        _split_combine_kernel[(n_tok, triton.cdiv(h_q, combine_h))](
-            part_o,
-            part_lse,
-            part_max,
-            sink,
-            out,
-            max_logits,
-            lse,
-            out.stride(0),
-            out.stride(1),
-            n_tok,
-            h_q,
-            N_SPLITS=n_splits,
-            D_V=dims.d_v,
-            BLOCK_H=combine_h,
-            SPLITS_P2=triton.next_power_of_2(n_splits),
-            HAS_SINK=attn_sink is not None,
-            num_warps=4,
-        )
+        launch(
+            _split_combine_kernel, (n_tok, cdiv(h_q, combine_h)), key,
+            part_o, part_lse, part_max, sink, out, max_logits, lse, out.stride(0), out.stride(1), n_tok, h_q,
+            N_SPLITS=n_splits, D_V=dims.d_v, BLOCK_H=combine_h, SPLITS_P2=next_power_of_2(n_splits),
+            HAS_SINK=attn_sink is not None, num_warps=4,
+        )  # fmt: skip
     return out, max_logits, lse
 
 
 def paged_to_rows(
     indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, q_per_batch: int,
-    page_size: int, n_rows: int,
+    page_size: int, n_rows: int, *, key: Any = None,
 ) -> torch.Tensor:  # fmt: skip
     """Decode indices (positions in each sequence) to rows of the flattened paged cache, ``-1`` if invalid.
 
@@ -502,6 +489,7 @@ def paged_to_rows(
         cache_seqlens: ``[b]`` int32.
         page_size: tokens per cache block.
         n_rows: rows in the cache (``num_blocks * page_size``); a table entry outside the cache is invalid.
+        key: the caller's call signature (see :func:`launch_fwd`).
 
     Returns:
         ``[n_tok, topk]`` int32 cache rows.
@@ -510,22 +498,12 @@ def paged_to_rows(
     rows = torch.empty(n_tok, topk, dtype=torch.int32, device=indices.device)
     if n_tok == 0:
         return rows
-    block = min(1024, triton.next_power_of_2(topk))
-    _paged_rows_kernel[(n_tok, triton.cdiv(topk, block))](
-        indices,
-        block_table,
-        cache_seqlens,
-        rows,
-        topk,
-        q_per_batch,
-        indices.stride(0),
-        block_table.stride(0),
-        page_size,
-        block_table.shape[1],
-        n_rows,
-        BLOCK=block,
-        num_warps=4,
-    )
+    block = min(1024, next_power_of_2(topk))
+    launch(
+        _paged_rows_kernel, (n_tok, cdiv(topk, block)), key,
+        indices, block_table, cache_seqlens, rows, topk, q_per_batch, indices.stride(0), block_table.stride(0),
+        page_size, block_table.shape[1], n_rows, BLOCK=block, num_warps=4,
+    )  # fmt: skip
     return rows
 
 
@@ -537,31 +515,40 @@ def _fwd_fake(
     return q.new_empty(dims.s_q, dims.h_q, d_v), max_logits, torch.empty_like(max_logits)
 
 
+def _check_fwd(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
+) -> SparseDims:  # fmt: skip
+    dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
+    check_kernel_dims(dims, q.dtype, "sparse_mla_fwd")
+    check_optional_vectors(attn_sink, topk_length, dims, q.device)
+    check_causal_args(q_start_index, k_stride)
+    check_kernel_device(q, "sparse_mla_fwd")
+    return dims
+
+
+_CHECKED: dict[Any, SparseDims] = {}
+
+
 @define_op("sparse_mla_fwd", _fwd_fake)
 def _fwd_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
     causal: bool, backend: str, num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
-    check_kernel_dims(dims, q.dtype, "sparse_mla_fwd")
-    check_optional_vectors(attn_sink, topk_length, dims, q.device)
-    check_causal_args(q_start_index, k_stride)
-    sm_scale = check_sm_scale(sm_scale)
-    check_kernel_device(q, "sparse_mla_fwd")
-    return launch_fwd(
-        q,
-        kv[:, 0],
-        indices[:, 0],
-        dims,
-        sm_scale,
-        attn_sink=attn_sink,
-        topk_length=topk_length,
-        q_start_index=q_start_index,
-        k_stride=k_stride,
-        causal=causal,
-        config=Config(backend=backend, num_splits=num_splits),
+    # Validation and launch plan depend only on the call signature: checked once per signature.
+    key = (*call_signature(q, kv, indices, attn_sink, topk_length), d_v, q_start_index, k_stride, causal,
+           backend, num_splits)  # fmt: skip
+    dims = cached(
+        _CHECKED,
+        key,
+        lambda: _check_fwd(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride),
     )
+    return launch_fwd(
+        q, kv[:, 0], indices[:, 0], dims, check_sm_scale(sm_scale), attn_sink=attn_sink, topk_length=topk_length,
+        q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config_of(backend, num_splits),
+        key=key,
+    )  # fmt: skip
 
 
 def sparse_mla_fwd(
@@ -617,7 +604,7 @@ def sparse_mla_fwd(
                     "k_stride": k_stride}, optional={"attn_sink": attn_sink, "topk_length": topk_length})  # fmt: skip
     check_sm_scale(sm_scale)
     cfg = config or DEFAULT
-    return torch.ops.sparse_mla_attn.sparse_mla_fwd(
+    return _fwd_op(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal,
         cfg.backend, cfg.num_splits,
     )  # fmt: skip
