@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -117,9 +118,6 @@ def cached(cache: dict[Any, Any], key: Any, compute: Callable[[], Any]) -> Any:
     return value
 
 
-_COMPILED: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
-
-
 @functools.lru_cache(maxsize=1)
 def _driver() -> Any:
     from triton.runtime.driver import driver
@@ -127,33 +125,29 @@ def _driver() -> Any:
     return driver.active
 
 
-def launch(fn: Any, grid: tuple[int, ...], key: Any, *args: Any, **consts: Any) -> Any:
-    """``fn[grid](*args, **consts)``, through the compiled kernel cached under ``key`` after the first launch.
+def launch(
+    fn: Any, grid: tuple[int, ...], slots: dict[Any, Any] | None, name: Any, args: tuple[Any, ...],
+    consts: dict[str, Any],
+) -> Any:  # fmt: skip
+    """``fn[grid](*args, **consts)``, after its first launch through the compiled kernel kept in ``slots``.
 
-    ``key`` must determine everything Triton specialises the launch on (the dtype and 16-byte alignment of
-    every tensor argument, the value class of every integer, the constexprs and launch options) on the
-    current device: callers pass their :func:`call_signature` plus what their launch derives from it.
-    ``key=None`` (or the interpreter) always takes Triton's own launch path. Returns the compiled kernel
-    (``None`` under the interpreter).
+    ``slots`` belongs to a launch plan made for one call signature, and ``name`` names the launch within
+    it: together they must determine everything Triton specialises the launch on (the dtype and 16-byte
+    alignment of each tensor argument, the value class of each integer, the constexprs ``consts``), so the
+    kernel compiled at the first launch serves every later one. The handle is kept per current device,
+    as Triton keeps its kernels. ``slots=None`` (or the interpreter) always takes Triton's launch path.
+    Returns the compiled kernel (``None`` under the interpreter).
     """
-    if key is None or _INTERPRETING:
+    if slots is None or _INTERPRETING:
         return fn[grid](*args, **consts)
-    key = (id(fn), key, *consts.values())  # the constexprs and launch options as well, by value
-    # Triton compiles and launches for the current device (the driver exists once a kernel was compiled).
-    hit = _COMPILED.get((_driver().get_current_device(), key)) if _COMPILED else None
+    # (No device query before the first compile: a CPU-only process may trace launches without a driver.)
+    hit = slots.get((name, _driver().get_current_device())) if slots else None
     if hit is None:
         kernel = fn[grid](*args, **consts)
         if kernel is not None and hasattr(kernel, "packed_metadata"):
             # The launcher takes every parameter in order: the positional ones, then the constexprs.
-            params = [p.name for p in fn.params]
-            tail = tuple(
-                consts[n] if n in consts else fn.params[i].default
-                for i, n in enumerate(params)
-                if i >= len(args)
-            )
-            if len(_COMPILED) >= CACHE_LIMIT:
-                _COMPILED.clear()
-            _COMPILED[(_driver().get_current_device(), key)] = (kernel, tail)
+            tail = tuple(consts.get(p.name, p.default) for p in fn.params[len(args) :])
+            slots[(name, _driver().get_current_device())] = (kernel, tail)
         return kernel
     kernel, tail = hit
     driver = _driver()
@@ -163,6 +157,32 @@ def launch(fn: Any, grid: tuple[int, ...], key: Any, *args: Any, **consts: Any) 
     meta = kernel.launch_metadata(grid3, stream, *args, *tail) if enter is not None else None
     kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *args, *tail)
     return kernel
+
+
+#: Scratch buffer sets kept for reuse (one per launch plan, stream and thread), the most recent ones.
+SCRATCH_LIMIT = 32
+_SCRATCH: dict[Any, tuple[Any, tuple[torch.Tensor, ...]]] = {}
+
+
+def scratch(
+    owner: object, device: torch.device, make: Callable[[], tuple[torch.Tensor, ...]]
+) -> tuple[torch.Tensor, ...]:
+    """Scratch buffers of the launch plan ``owner`` on a CUDA ``device``, reused by its calls on one stream
+    and thread (work queued on one stream runs in order, so a call's kernels are done with the buffers
+    before the next call's start); up to ``SCRATCH_LIMIT`` sets are kept. Fresh ones (``make()``) on other
+    devices and while a CUDA graph is captured, whose memory belongs to the graph."""
+    if device.type != "cuda" or _INTERPRETING or torch.cuda.is_current_stream_capturing():
+        return make()
+    driver = _driver()
+    key = (id(owner), driver.get_current_stream(driver.get_current_device()), threading.get_ident())
+    hit = _SCRATCH.get(key)
+    if hit is not None and hit[0] is owner:
+        return hit[1]
+    if len(_SCRATCH) >= SCRATCH_LIMIT:
+        del _SCRATCH[next(iter(_SCRATCH))]  # the oldest set
+    buffers = make()
+    _SCRATCH[key] = (owner, buffers)  # the owner stays alive with its entry, so its id is not reused
+    return buffers
 
 
 def check_kernel_device(t: torch.Tensor, what: str) -> None:

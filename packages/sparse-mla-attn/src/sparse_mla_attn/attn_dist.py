@@ -133,8 +133,9 @@ def attn_dist_config(h_q: int, s_kv: int = 0) -> dict[str, Any]:
 
 def plan_attn_dist(
     q: torch.Tensor, kv_rows: torch.Tensor, dims: SparseDims, config: Config, tiles: dict[str, Any] | None
-) -> tuple[dict[str, Any], int, bool, bool]:
-    """Triton tile, head tiles, whether the Gluon kernel runs and whether the kernel adds partial sums."""
+) -> tuple[dict[str, Any], int, bool, bool, dict[Any, Any]]:
+    """Triton tile, head tiles, whether the Gluon kernel runs, whether the kernel adds partial sums, and the
+    slots of its compiled kernels (see :func:`sparse_mla_attn._runtime.launch`)."""
     cfg = {**attn_dist_config(dims.h_q, dims.s_kv), **(tiles or {})}
     n_head_tiles = cdiv(dims.h_q, cfg["BLOCK_H"])
     if n_head_tiles > 2:
@@ -144,10 +145,10 @@ def plan_attn_dist(
     gluon = use_gluon(config.backend, dims.h_q > 32, "attn_dist", q, kv_rows)
     # Kernels that add partial sums (two head tiles) need a zeroed output.
     atomic = attn_dist_adds_partials(dims.h_q) if gluon else n_head_tiles > 1
-    return cfg, n_head_tiles, gluon, atomic
+    return cfg, n_head_tiles, gluon, atomic, {}
 
 
-_PLANS: dict[Any, tuple[dict[str, Any], int, bool, bool]] = {}
+_PLANS: dict[Any, tuple[dict[str, Any], int, bool, bool, dict[Any, Any]]] = {}
 
 
 def launch_attn_dist(
@@ -157,11 +158,13 @@ def launch_attn_dist(
 ) -> torch.Tensor:  # fmt: skip
     """Launch attn_dist on validated inputs (``kv_rows [s_kv, d_qk]``, ``idx [s_q, topk]``); ``tiles``
     overrides :func:`attn_dist_config`'s Triton tile (tests); ``key``: the caller's call signature, under
-    which the plan and the compiled kernels are cached (see :func:`sparse_mla_attn.forward.launch_fwd`)."""
+    which the plan and its compiled kernels are cached (see :func:`sparse_mla_attn._runtime.launch`)."""
     if tiles is not None:
         key = None
     compute = lambda: plan_attn_dist(q, kv_rows, dims, config, tiles)
-    cfg, n_head_tiles, gluon, atomic = compute() if key is None else cached(_PLANS, key, compute)
+    cfg, n_head_tiles, gluon, atomic, slots = compute() if key is None else cached(_PLANS, key, compute)
+    if key is None:
+        slots = None  # a plan made for this call only
     alloc = torch.zeros if atomic else torch.empty
     out = alloc(dims.s_q, dims.topk, dtype=torch.float32, device=q.device)
     if dims.s_q == 0:
@@ -170,17 +173,17 @@ def launch_attn_dist(
         # Hopper: all heads of a token in one program, query in registers, explicit cp.async ring.
         kernel = launch_attn_dist_gluon(
             q, kv_rows, idx, lse, out, dims, sm_scale * LOG2E, lse_to_log2, q_start_index=q_start_index,
-            k_stride=k_stride, causal=causal, key=key,
+            k_stride=k_stride, causal=causal, slots=slots,
         )  # fmt: skip
         record_launch("attn_dist", kernel, backend="gluon")
         return out
     kernel = launch(
-        _attn_dist_kernel, (dims.s_q * n_head_tiles,), key,
-        q, kv_rows, idx, lse, out, q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
-        dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale * LOG2E, lse_to_log2,
-        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_H=cfg["BLOCK_H"], BLOCK_T=cfg["BLOCK_T"], CAUSAL=causal,
-        ATOMIC=atomic, STATIC_T=dims.topk if interpreting() else 0, DOT_F32=interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        _attn_dist_kernel, (dims.s_q * n_head_tiles,), slots, "attn_dist",
+        (q, kv_rows, idx, lse, out, q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
+         dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale * LOG2E, lse_to_log2),
+        dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_H=cfg["BLOCK_H"], BLOCK_T=cfg["BLOCK_T"], CAUSAL=causal,
+             ATOMIC=atomic, STATIC_T=dims.topk if interpreting() else 0, DOT_F32=interpreting(),
+             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
     )  # fmt: skip
     record_launch("attn_dist", kernel)
     return out

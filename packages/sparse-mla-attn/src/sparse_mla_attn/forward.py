@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -368,47 +368,133 @@ def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device
     of ``block_t`` per split, merged by a small second kernel.
     """
     n_sm = num_sms(device)
-    if interpreting() or n_sm == 0 or n_programs >= n_sm:
+    if interpreting() or n_sm == 0 or n_programs == 0 or n_programs >= n_sm:
         return 1
     return max(1, min(n_sm // n_programs, cdiv(topk, 4 * block_t)))
 
 
-@dataclass(frozen=True)
+@dataclass
 class FwdPlan:
-    """How the forward runs a problem: Triton tile (``cfg``), head tiles, split-K and kernel family."""
+    """How the forward runs a validated problem: its sizes, the kernel family, split-K, and every launch's
+    grid, integer arguments and constexprs (all fixed by the call signature), plus the compiled-kernel
+    handles (``slots``, see :func:`sparse_mla_attn._runtime.launch`)."""
 
-    cfg: dict[str, Any]
-    n_head_tiles: int
-    n_splits: int
-    split_len: int
+    dims: SparseDims
     gluon: bool
+    n_splits: int
+    grid: tuple[int, ...]
+    ints: tuple[int, ...]
+    consts: dict[str, Any]
+    combine_grid: tuple[int, ...]
+    combine_consts: dict[str, Any]
+    slots: dict[Any, Any] = field(default_factory=dict)
 
 
 def plan_fwd(
-    q: torch.Tensor, kv_rows: torch.Tensor, dims: SparseDims, config: Config, tiles: dict[str, Any] | None
-) -> FwdPlan:
+    q: torch.Tensor, kv_rows: torch.Tensor, idx_stride: int, dims: SparseDims, *, has_sink: bool,
+    has_topk_length: bool, q_start_index: int, k_stride: int, causal: bool, config: Config,
+    tiles: dict[str, Any] | None = None,
+) -> FwdPlan:  # fmt: skip
     """The :class:`FwdPlan` of a validated problem (``tiles`` overrides :func:`fwd_config`, for tests)."""
-    cfg = {**fwd_config(dims.h_q, dims.topk), **(tiles or {})}
-    n_head_tiles = cdiv(dims.h_q, cfg["BLOCK_H"])
+    n_tok, h_q = dims.s_q, dims.h_q
+    cfg = {**fwd_config(h_q, dims.topk), **(tiles or {})}
+    n_head_tiles = cdiv(h_q, cfg["BLOCK_H"])
     block_t = cfg["BLOCK_T"]
-    n_splits = config.num_splits or choose_splits(dims.s_q * n_head_tiles, dims.topk, block_t, q.device)
+    n_splits = config.num_splits or choose_splits(n_tok * n_head_tiles, dims.topk, block_t, q.device)
     split_len = cdiv(cdiv(dims.topk, n_splits), block_t) * block_t
     n_splits = cdiv(dims.topk, split_len)  # no empty split
-    eligible = n_splits == 1 and dims.h_q > 32
+    eligible = n_splits == 1 and h_q > 32
     gluon = use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows)
-    return FwdPlan(cfg, n_head_tiles, n_splits, split_len, gluon)
+    # out [n_tok, h_q, d_v] is allocated contiguous: strides h_q * d_v and d_v.
+    ints = (q.stride(0), q.stride(1), kv_rows.stride(0), idx_stride, h_q * dims.d_v, dims.d_v, n_tok, h_q,
+            n_head_tiles, dims.topk, split_len, dims.s_kv, q_start_index, k_stride)  # fmt: skip
+    consts = dict(
+        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_H=cfg["BLOCK_H"], BLOCK_T=block_t, HAS_SINK=has_sink,
+        HAS_TOPK_LEN=has_topk_length, CAUSAL=causal, SPLIT_K=n_splits > 1,
+        STATIC_T=split_len if interpreting() else 0,
+        # The interpreter's bf16 tl.dot is wrong (numpy has no bf16): it multiplies in float32 instead.
+        DOT_F32=interpreting(), S_SPLIT=bool(cfg.get("S_SPLIT", False)),
+        PREFETCH=bool(cfg.get("PREFETCH", False)) and not interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    combine_h = 16
+    combine_consts = dict(
+        N_SPLITS=n_splits, D_V=dims.d_v, BLOCK_H=combine_h, SPLITS_P2=next_power_of_2(n_splits),
+        HAS_SINK=has_sink, num_warps=4,
+    )  # fmt: skip
+    return FwdPlan(
+        dims, gluon, n_splits, (n_splits * n_tok * n_head_tiles,), ints, consts,
+        (n_tok, cdiv(h_q, combine_h)), combine_consts,
+    )  # fmt: skip
 
 
-_PLANS: dict[Any, FwdPlan] = {}
+def run_fwd(
+    plan: FwdPlan, q: torch.Tensor, kv_rows: torch.Tensor, idx: torch.Tensor, sm_scale: float,
+    attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, *, cache_slots: bool = True,
+    scratch: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Run a :class:`FwdPlan` on the tensors it was made for: ``out``, ``max_logits``, ``lse``.
+
+    ``cache_slots``: launch through the plan's cached compiled kernels (the plan was made for this call
+    signature). ``scratch``: ``(max_logits, part_o, part_lse, part_max)`` to reuse (decode), else allocated.
+    """
+    dims = plan.dims
+    n_tok, h_q = dims.s_q, dims.h_q
+    dev = q.device
+    out = torch.empty(n_tok, h_q, dims.d_v, dtype=q.dtype, device=dev)
+    lse = torch.empty(n_tok, h_q, dtype=torch.float32, device=dev)
+    if scratch is None:
+        scratch = fwd_scratch(plan, dev)
+    max_logits = scratch[0]
+    if n_tok == 0:
+        return out, max_logits, lse
+    slots = plan.slots if cache_slots else None
+    sink = attn_sink if attn_sink is not None else lse
+    if plan.gluon:
+        # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
+        kernel = launch_fwd_gluon(
+            q, kv_rows, idx, out, max_logits, lse, sink, topk_length, dims, sm_scale * LOG2E,
+            has_sink=plan.consts["HAS_SINK"], q_start_index=plan.ints[-2], k_stride=plan.ints[-1],
+            causal=plan.consts["CAUSAL"], slots=slots,
+        )  # fmt: skip
+        record_launch("fwd", kernel, backend="gluon")
+        return out, max_logits, lse
+    split = plan.n_splits > 1
+    dst = scratch[1:] if split else (out, max_logits, lse)  # partial out, max, lse of each split
+    kernel = launch(
+        _sparse_mla_fwd_kernel, plan.grid, slots, "fwd",
+        (q, kv_rows, idx, *dst, sink, topk_length if topk_length is not None else idx, *plan.ints,
+         sm_scale * LOG2E),
+        plan.consts,
+    )  # fmt: skip
+    record_launch("fwd", kernel, splits=plan.n_splits)
+    if split:
+        part_o, part_max, part_lse = dst
+        launch(
+            _split_combine_kernel, plan.combine_grid, slots, "combine",
+            (part_o, part_lse, part_max, sink, out, max_logits, lse, h_q * dims.d_v, dims.d_v, n_tok, h_q),
+            plan.combine_consts,
+        )  # fmt: skip
+    return out, max_logits, lse
+
+
+def fwd_scratch(plan: FwdPlan, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``max_logits [n_tok, h_q]`` and, with split-K, the partial ``out`` / ``max`` / ``lse`` of each split."""
+    n_tok, h_q, s = plan.dims.s_q, plan.dims.h_q, plan.n_splits
+    max_logits = torch.empty(n_tok, h_q, dtype=torch.float32, device=device)
+    if s == 1:
+        return (max_logits,)
+    part_o = torch.empty(s, n_tok, h_q, plan.dims.d_v, dtype=torch.float32, device=device)
+    part_lse = torch.empty(s, n_tok, h_q, dtype=torch.float32, device=device)
+    return max_logits, part_o, torch.empty_like(part_lse), part_lse
 
 
 def launch_fwd(
     q: torch.Tensor, kv_rows: torch.Tensor, idx: torch.Tensor, dims: SparseDims, sm_scale: float, *,
     attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None, q_start_index: int = 0,
     k_stride: int = 1, causal: bool = False, config: Config = DEFAULT, tiles: dict[str, Any] | None = None,
-    key: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Launch the forward kernel on validated inputs (shared by forward and decode).
+    """Plan and launch the forward on validated inputs, nothing cached (tests and tools).
 
     Args:
         q: ``[n_tok, h_q, d_qk]`` (last dim contiguous).
@@ -417,68 +503,48 @@ def launch_fwd(
         dims: sizes.
         config: backend and split-K factor (``num_splits`` 0: :func:`choose_splits`).
         tiles: overrides of :func:`fwd_config`'s Triton tile (tests).
-        key: the caller's call signature, which determines the plan and every launch's specialisation
-            (plan and compiled kernels are cached under it); ``None``: nothing is cached.
 
     Returns:
         ``out [n_tok, h_q, 512]``, ``max_logits [n_tok, h_q]``, ``lse [n_tok, h_q]`` (natural log).
     """
-    n_tok, h_q = dims.s_q, dims.h_q
-    out = torch.empty(n_tok, h_q, dims.d_v, dtype=q.dtype, device=q.device)
-    max_logits = torch.empty(n_tok, h_q, dtype=torch.float32, device=q.device)
-    lse = torch.empty_like(max_logits)
-    if n_tok == 0:
-        return out, max_logits, lse
-    if tiles is not None:
-        key = None
-    compute = lambda: plan_fwd(q, kv_rows, dims, config, tiles)
-    plan = compute() if key is None else cached(_PLANS, key, compute)
-    sink = attn_sink if attn_sink is not None else lse
-    if plan.gluon:
-        # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
-        kernel = launch_fwd_gluon(
-            q, kv_rows, idx, out, max_logits, lse, sink, topk_length, dims, sm_scale * LOG2E,
-            has_sink=attn_sink is not None, q_start_index=q_start_index, k_stride=k_stride, causal=causal, key=key,
-        )  # fmt: skip
-        record_launch("fwd", kernel, backend="gluon")
-        return out, max_logits, lse
-    cfg, n_splits = plan.cfg, plan.n_splits
-    if n_splits > 1:
-        part_o = torch.empty(n_splits, n_tok, h_q, dims.d_v, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(n_splits, n_tok, h_q, dtype=torch.float32, device=q.device)
-        part_max = torch.empty_like(part_lse)
-        dst = (part_o, part_max, part_lse)
-    else:
-        dst = (out, max_logits, lse)
-    kernel = launch(
-        _sparse_mla_fwd_kernel, (n_splits * n_tok * plan.n_head_tiles,), key,
-        q, kv_rows, idx, *dst, sink, topk_length if topk_length is not None else idx,
-        q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1),
-        n_tok, h_q, plan.n_head_tiles, dims.topk, plan.split_len, dims.s_kv, q_start_index, k_stride,
-        sm_scale * LOG2E,
-        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_H=cfg["BLOCK_H"], BLOCK_T=cfg["BLOCK_T"],
-        HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
-        SPLIT_K=n_splits > 1, STATIC_T=plan.split_len if interpreting() else 0,
-        # The interpreter's bf16 tl.dot is wrong (numpy has no bf16): it multiplies in float32 instead.
-        DOT_F32=interpreting(), S_SPLIT=bool(cfg.get("S_SPLIT", False)),
-        PREFETCH=bool(cfg.get("PREFETCH", False)) and not interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    plan = plan_fwd(
+        q, kv_rows, idx.stride(0), dims, has_sink=attn_sink is not None, has_topk_length=topk_length is not None,
+        q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config, tiles=tiles,
     )  # fmt: skip
-    record_launch("fwd", kernel, splits=n_splits)
-    if n_splits > 1:
-        combine_h = 16
-        launch(
-            _split_combine_kernel, (n_tok, cdiv(h_q, combine_h)), key,
-            part_o, part_lse, part_max, sink, out, max_logits, lse, out.stride(0), out.stride(1), n_tok, h_q,
-            N_SPLITS=n_splits, D_V=dims.d_v, BLOCK_H=combine_h, SPLITS_P2=next_power_of_2(n_splits),
-            HAS_SINK=attn_sink is not None, num_warps=4,
-        )  # fmt: skip
-    return out, max_logits, lse
+    return run_fwd(plan, q, kv_rows, idx, sm_scale, attn_sink, topk_length, cache_slots=False)
+
+
+@dataclass
+class RowsPlan:
+    """The launch of :func:`paged_to_rows` for a call signature (grid, integer arguments, constexprs)."""
+
+    grid: tuple[int, ...]
+    ints: tuple[int, ...]
+    consts: dict[str, Any]
+    slots: dict[Any, Any] = field(default_factory=dict)
+
+
+def plan_rows(
+    indices: torch.Tensor, block_table: torch.Tensor, q_per_batch: int, page_size: int, n_rows: int
+) -> RowsPlan:
+    """The :class:`RowsPlan` of ``paged_to_rows`` with these arguments."""
+    n_tok, topk = indices.shape
+    block = min(1024, next_power_of_2(topk))
+    ints = (
+        topk,
+        q_per_batch,
+        indices.stride(0),
+        block_table.stride(0),
+        page_size,
+        block_table.shape[1],
+        n_rows,
+    )
+    return RowsPlan((n_tok, cdiv(topk, block)), ints, {"BLOCK": block, "num_warps": 4})
 
 
 def paged_to_rows(
     indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, q_per_batch: int,
-    page_size: int, n_rows: int, *, key: Any = None,
+    page_size: int, n_rows: int, *, plan: RowsPlan | None = None, rows: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Decode indices (positions in each sequence) to rows of the flattened paged cache, ``-1`` if invalid.
 
@@ -489,20 +555,23 @@ def paged_to_rows(
         cache_seqlens: ``[b]`` int32.
         page_size: tokens per cache block.
         n_rows: rows in the cache (``num_blocks * page_size``); a table entry outside the cache is invalid.
-        key: the caller's call signature (see :func:`launch_fwd`).
+        plan: the :class:`RowsPlan` of this call signature (its compiled kernel is cached); ``None``: made
+            here, nothing cached.
+        rows: ``[n_tok, topk]`` int32 output to fill (else allocated).
 
     Returns:
         ``[n_tok, topk]`` int32 cache rows.
     """
     n_tok, topk = indices.shape
-    rows = torch.empty(n_tok, topk, dtype=torch.int32, device=indices.device)
+    if rows is None:
+        rows = torch.empty(n_tok, topk, dtype=torch.int32, device=indices.device)
     if n_tok == 0:
         return rows
-    block = min(1024, next_power_of_2(topk))
+    slots = None if plan is None else plan.slots
+    plan = plan or plan_rows(indices, block_table, q_per_batch, page_size, n_rows)
     launch(
-        _paged_rows_kernel, (n_tok, cdiv(topk, block)), key,
-        indices, block_table, cache_seqlens, rows, topk, q_per_batch, indices.stride(0), block_table.stride(0),
-        page_size, block_table.shape[1], n_rows, BLOCK=block, num_warps=4,
+        _paged_rows_kernel, plan.grid, slots, "rows", (indices, block_table, cache_seqlens, rows, *plan.ints),
+        plan.consts,
     )  # fmt: skip
     return rows
 
@@ -515,19 +584,23 @@ def _fwd_fake(
     return q.new_empty(dims.s_q, dims.h_q, d_v), max_logits, torch.empty_like(max_logits)
 
 
-def _check_fwd(
+def _plan_fwd_call(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, attn_sink: torch.Tensor | None,
-    topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
-) -> SparseDims:  # fmt: skip
+    topk_length: torch.Tensor | None, q_start_index: int, k_stride: int, causal: bool, config: Config,
+) -> FwdPlan:  # fmt: skip
     dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
     check_kernel_dims(dims, q.dtype, "sparse_mla_fwd")
     check_optional_vectors(attn_sink, topk_length, dims, q.device)
     check_causal_args(q_start_index, k_stride)
     check_kernel_device(q, "sparse_mla_fwd")
-    return dims
+    return plan_fwd(
+        q, kv[:, 0], indices.stride(0), dims, has_sink=attn_sink is not None,
+        has_topk_length=topk_length is not None,
+        q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config,
+    )  # fmt: skip
 
 
-_CHECKED: dict[Any, SparseDims] = {}
+_PLANS: dict[Any, FwdPlan] = {}
 
 
 @define_op("sparse_mla_fwd", _fwd_fake)
@@ -536,19 +609,14 @@ def _fwd_op(
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
     causal: bool, backend: str, num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    # Validation and launch plan depend only on the call signature: checked once per signature.
+    # Validation and launch plan depend only on the call signature: made once per signature.
     key = (*call_signature(q, kv, indices, attn_sink, topk_length), d_v, q_start_index, k_stride, causal,
            backend, num_splits)  # fmt: skip
-    dims = cached(
-        _CHECKED,
-        key,
-        lambda: _check_fwd(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride),
-    )
-    return launch_fwd(
-        q, kv[:, 0], indices[:, 0], dims, check_sm_scale(sm_scale), attn_sink=attn_sink, topk_length=topk_length,
-        q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config_of(backend, num_splits),
-        key=key,
+    plan = cached(
+        _PLANS, key, lambda: _plan_fwd_call(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride,
+                                            causal, config_of(backend, num_splits)),
     )  # fmt: skip
+    return run_fwd(plan, q, kv[:, 0], indices[:, 0], check_sm_scale(sm_scale), attn_sink, topk_length)
 
 
 def sparse_mla_fwd(
