@@ -230,3 +230,55 @@ def test_random_interleavings_end_correct_or_in_one_error_everywhere() -> None:
             assert outcome.startswith("raised") == differs, (outcome, per_rank)
 
     check()
+
+
+def run_board(rank: int, world: int) -> str:
+    """The Triton backend's operation board over 2-3 local processes: calls in one order pass; rank 0
+    dispatching while the others combine raises ``EPProtocolError`` on every rank naming both; a rank
+    that never starts an operation is named by the others' ``EPTimeoutError``; the files go at close."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from ep_a2a import EPProtocolError, EPTimeoutError
+    from ep_a2a._dist import OpBoard, RankMonitor
+
+    monitor = RankMonitor(dist.group.WORLD, 5.0)
+    board = OpBoard(monitor)
+    assert set(board.peers) == set(range(world)) - {rank}
+    for op in ("dispatch", "combine", "barrier"):
+        call = board.publish(op)
+        board.wait(call, op, op)
+    op = "dispatch" if rank == 0 else "combine"
+    call = board.publish(op)
+    with pytest.raises(EPProtocolError) as exc:
+        board.wait(call, op, op)
+    msg = str(exc.value)
+    assert "rank 0 is in dispatch (call #3)" in msg, msg
+    assert "is in combine (call #3)" in msg, msg
+    assert exc.value.operations[rank] == f"{op} (call #3)"
+
+    ring = OpBoard(monitor)  # more calls than the ring has slots
+    for _ in range(20):
+        call = ring.publish("dispatch")
+        ring.wait(call, "dispatch", "dispatch")
+    if rank != world - 1:
+        call = ring.publish("combine")
+        t0 = time.monotonic()
+        with pytest.raises(EPTimeoutError) as late:
+            ring.wait(call, "combine", "combine", deadline=time.monotonic() + 1.0)
+        assert late.value.missing_ranks == [world - 1]
+        assert time.monotonic() - t0 < 5
+    dist.barrier()
+    for b in (board, ring):
+        b.close()
+        assert not os.path.exists(b.path)
+    monitor.destroy()
+    return "ok"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3], ids=["gloo-2", "gloo-3"])
+def test_operation_board_names_misordered_ranks(world: int) -> None:
+    assert run_local(f"{__file__}:run_board", world, timeout_s=100) == ["ok"] * world

@@ -441,9 +441,42 @@ def test_mirror_poll_is_bounded():
     be._mirror_wait_s = 0.01
     be._mirror_lost = None
     be._finalized = False
+    be._op = (0, "dispatch")
+    be.board = SimpleNamespace(check=lambda call, op: False)  # the peers not there yet, nothing wrong
     with pytest.raises(EPTimeoutError, match="rank 3's row kernel") as exc:
         be._read_mirror()
     assert exc.value.missing_ranks == [3]
+    with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
+        be._check_usable()
+
+
+def test_poll_stops_at_a_peer_in_another_operation():
+    """While the host polls for its counts, a peer found in another operation at the same call ends the
+    wait at once with that ``EPProtocolError`` (not the timeout), and the backend refuses later calls."""
+    import numpy as np
+
+    from ep_a2a import EPProtocolError
+    from ep_a2a.backends.triton import TritonBackend
+
+    seen = []
+
+    def check(call, op):
+        seen.append((call, op))
+        if len(seen) > 3:
+            raise EPProtocolError("rank 1 is in combine (call #5)", operations={0: "dispatch", 1: "combine"})
+        return False
+
+    be = object.__new__(TritonBackend)
+    be.config = SimpleNamespace(rank=0)
+    be._mirror_np = np.zeros(6, dtype=np.int64)
+    be._mirror_wait_s = 60.0
+    be._mirror_lost = None
+    be._finalized = False
+    be._op = (5, "dispatch")
+    be.board = SimpleNamespace(check=check)
+    with pytest.raises(EPProtocolError, match="rank 1 is in combine"):
+        be._read_mirror()
+    assert seen[0] == (5, "dispatch")
     with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
         be._check_usable()
 

@@ -632,6 +632,43 @@ def test_missing_rank_times_out(group):
         be.finalize()
 
 
+@pytest.mark.parametrize("second", ["combine", "barrier"])
+def test_misordered_calls_raise_protocol_error(group, second):
+    """After one dispatch, rank 0 dispatches again while the others call ``second``: every rank raises
+    EPProtocolError naming both operations (no rank returns data, nobody waits for the timeout), and the
+    backend refuses further calls."""
+    import time
+
+    from ep_a2a import EPProtocolError
+
+    rank = dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    be = _make_backend(
+        group, max_tokens=16, hidden=256, topk=2, experts=8, dtype=torch.bfloat16, heap="torch", timeout_s=5.0
+    )
+    try:
+        x = torch.randn(16, 256, device=dev).to(torch.bfloat16)
+        ids = torch.randint(0, 8, (16, 2), dtype=torch.int32, device=dev)
+        out, _, desc = be.dispatch(x, ids, None, None)
+        calls = {
+            "dispatch": lambda: be.dispatch(x, ids, None, None),
+            "combine": lambda: be.combine(out, desc),
+            "barrier": lambda: be.barrier(),
+        }
+        t0 = time.perf_counter()
+        with pytest.raises(EPProtocolError) as info:
+            calls["dispatch" if rank == 0 else second]()
+        assert time.perf_counter() - t0 < 4.0  # detected on the host, before the device wait runs out
+        msg = str(info.value)
+        assert "rank 0 is in dispatch (call #1)" in msg, msg
+        assert f"is in {second} (call #1)" in msg, msg
+        with pytest.raises(RuntimeError, match="unusable"):
+            be.dispatch(x, ids, None, None)
+    finally:
+        torch.cuda.synchronize()  # (kernels already launched stop at their own timeout)
+        be.finalize()
+
+
 @pytest.mark.skipif(not _has_nvshmem(), reason="nvshmem4py not installed")
 @pytest.mark.parametrize("node", [1, 2], ids=["all-remote", "node2"])
 def test_forced_remote_against_reference(group, node):
