@@ -59,6 +59,24 @@ def dot(a, b, acc=None):
         return tl.dot(a, b, acc)
 
 
+@triton.jit
+def causal_max_k(q_pos, k_stride):
+    """Largest KV index visible from query position ``q_pos >= 0`` under the causal rule:
+    ``(q_pos + 1 - k_stride) / k_stride`` with C truncation, i.e. 0 while the numerator is negative
+    (:func:`sparse_mla_attn._validate.causal_limit` on the host)."""
+    return tl.maximum(q_pos + 1 - k_stride, 0) // k_stride
+
+
+@triton.jit
+def causal_hi(s_kv, q_pos, k_stride, CAUSAL: tl.constexpr):
+    """Exclusive upper bound of the valid KV indices of the query at ``q_pos``: ``s_kv``, and with
+    ``CAUSAL`` at most :func:`causal_max_k` ``+ 1``."""
+    hi = s_kv
+    if CAUSAL:
+        hi = tl.minimum(hi, causal_max_k(q_pos, k_stride) + 1)
+    return hi
+
+
 def check_kernel_device(t: torch.Tensor, what: str) -> None:
     """Raise ValueError unless ``t`` can feed a kernel: a CUDA tensor, or a CPU tensor under the interpreter."""
     if not (t.is_cuda or (interpreting() and t.device.type == "cpu")):

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_mla_attn._runtime import check_kernel_device, define_op, interpreting, record_launch
+from sparse_mla_attn._runtime import causal_hi, check_kernel_device, define_op, interpreting, record_launch
 from sparse_mla_attn._validate import (
     SparseDims,
     check_arg_types,
@@ -28,28 +28,19 @@ from sparse_mla_attn._validate import (
 )
 from sparse_mla_attn.backends.gluon_sm90 import attn_dist_adds_partials, launch_attn_dist_gluon, use_gluon
 from sparse_mla_attn.config import DEFAULT, Config
-from sparse_mla_attn.forward import LOG2E
+from sparse_mla_attn.forward import LOG2E, _load_q_tile
 
 
 @triton.jit
 def _attn_dist_block(
-    t0,
-    topk,
-    idx,
-    hi,
+    t0, topk, idx, hi,
     KV,
     stride_kv_row,
-    q_nope,
-    q_rope,
-    lse2,
-    sm_scale_log2,
+    q_nope, q_rope, lse2, sm_scale_log2,
     OUT_ROW,
-    D_NOPE: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_T: tl.constexpr, ATOMIC: tl.constexpr,
     DOT_F32: tl.constexpr,
-):
+):  # fmt: skip
     offs_t = t0 + tl.arange(0, BLOCK_T)
     t_mask = offs_t < topk
     valid = (idx >= 0) & (idx < hi)
@@ -59,6 +50,7 @@ def _attn_dist_block(
         k_nope = k_nope.to(tl.float32)
     s = tl.dot(q_nope, tl.trans(k_nope))
     if D_ROPE > 0:
+        # Loaded after the first product is issued (the order the compiled pipeline is tuned for).
         k_rope = tl.load(k_ptr + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=valid[:, None], other=0.0)
         if DOT_F32:
             k_rope = k_rope.to(tl.float32)
@@ -73,54 +65,22 @@ def _attn_dist_block(
 
 @triton.jit
 def _attn_dist_kernel(
-    Q,
-    KV,
-    IDX,
-    LSE,
-    OUT,
-    stride_q_s,
-    stride_q_h,
-    stride_kv_row,
-    stride_idx_s,
-    stride_lse_s,
-    h_q,
-    n_head_tiles,
-    topk,
-    s_kv,
-    q_start_index,
-    k_stride,
-    sm_scale_log2,
-    lse_to_log2,
-    D_NOPE: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    ATOMIC: tl.constexpr,
-    STATIC_T: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
+    Q, KV, IDX, LSE, OUT,
+    stride_q_s, stride_q_h, stride_kv_row, stride_idx_s, stride_lse_s,
+    h_q, n_head_tiles, topk, s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2,
+    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    CAUSAL: tl.constexpr, ATOMIC: tl.constexpr, STATIC_T: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     pid_h = pid % n_head_tiles
     pid_s = pid // n_head_tiles
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < h_q
-    q_base = Q + pid_s.to(tl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
-    q_nope = tl.load(q_base + tl.arange(0, D_NOPE)[None, :], mask=h_mask[:, None], other=0.0)
-    if D_ROPE > 0:
-        q_rope = tl.load(q_base + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=h_mask[:, None], other=0.0)
-    else:
-        q_rope = q_nope  # unused
-    if DOT_F32:
-        q_nope = q_nope.to(tl.float32)
-        q_rope = q_rope.to(tl.float32)
+    q_nope, q_rope = _load_q_tile(Q, pid_s, stride_q_s, stride_q_h, offs_h, h_mask, D_NOPE, D_ROPE, DOT_F32)
     # Padding heads get lse = +inf, so their probabilities are exactly 0.
     lse2 = tl.load(LSE + pid_s.to(tl.int64) * stride_lse_s + offs_h, mask=h_mask, other=float("inf"))
     lse2 = lse2 * lse_to_log2
-    hi = s_kv
-    if CAUSAL:
-        num = q_start_index + pid_s + 1 - k_stride
-        hi = tl.minimum(hi, tl.maximum(num, 0) // k_stride + 1)
+    hi = causal_hi(s_kv, q_start_index + pid_s, k_stride, CAUSAL)
     idx_row = IDX + pid_s.to(tl.int64) * stride_idx_s
     out_row = OUT + pid_s.to(tl.int64) * topk
     # Indices of block t+1 are loaded one iteration ahead (see forward.py) so the gather can be pipelined.
@@ -159,20 +119,10 @@ def attn_dist_config(h_q: int, s_kv: int = 0) -> dict[str, Any]:
 
 
 def launch_attn_dist(
-    q: torch.Tensor,
-    kv_rows: torch.Tensor,
-    idx: torch.Tensor,
-    lse: torch.Tensor,
-    dims: SparseDims,
-    sm_scale: float,
-    lse_to_log2: float,
-    *,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    causal: bool = True,
-    config: Config = DEFAULT,
-    tiles: dict[str, Any] | None = None,
-) -> torch.Tensor:
+    q: torch.Tensor, kv_rows: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor, dims: SparseDims,
+    sm_scale: float, lse_to_log2: float, *, q_start_index: int = 0, k_stride: int = 1, causal: bool = True,
+    config: Config = DEFAULT, tiles: dict[str, Any] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Launch attn_dist on validated inputs (``kv_rows [s_kv, d_qk]``, ``idx [s_q, topk]``); ``tiles``
     overrides :func:`attn_dist_config`'s Triton tile (tests)."""
     cfg = {**attn_dist_config(dims.h_q, dims.s_kv), **(tiles or {})}
@@ -270,17 +220,9 @@ def _attn_dist_fake(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *_
 
 @define_op("attn_dist", _attn_dist_fake)
 def _attn_dist_op(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    q_start_index: int,
-    k_stride: int,
-    lse_base: str,
-    causal: bool,
-    backend: str,
-) -> torch.Tensor:
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float,
+    q_start_index: int, k_stride: int, lse_base: str, causal: bool, backend: str,
+) -> torch.Tensor:  # fmt: skip
     dims = check_sparse_inputs(q, kv, indices, 1, float_ok=False)
     check_kernel_dims(dims, q.dtype, "attn_dist", check_d_v=False)
     check_lse(lse, dims, q.device)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from sparse_mla_attn._runtime import (
+    causal_max_k,
     check_kernel_device,
     define_op,
     dot,
@@ -60,17 +61,11 @@ def _slot_index(idx_row_ptr, offs_t, topk, s_kv, max_k, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _delta_kernel(
-    out_ptr,
-    dout_ptr,
-    delta_ptr,
-    stride_os,
-    stride_oh,
-    stride_dos,
-    stride_doh,
+    out_ptr, dout_ptr, delta_ptr,
+    stride_os, stride_oh, stride_dos, stride_doh,
     h_q,
-    D_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
+    D_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
     s = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D_V)
@@ -124,47 +119,15 @@ def _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINIS
 
 @triton.jit
 def _main_kernel(
-    q_ptr,
-    kv_ptr,
-    dout_ptr,
-    lse_ptr,
-    delta_ptr,
-    idx_ptr,
-    ds_ptr,
-    p_ptr,
-    dkv_ptr,
-    part_ptr,
-    attn_ptr,
+    q_ptr, kv_ptr, dout_ptr, lse_ptr, delta_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, part_ptr, attn_ptr,
     n_tok,
-    stride_qs,
-    stride_qh,
-    stride_kvs,
-    stride_dos,
-    stride_doh,
-    stride_lses,
-    stride_is,
-    stride_part_hb,
-    s_kv,
-    h_q,
-    q_start_index,
-    k_stride,
-    sm_scale,
-    topk: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DETERMINISTIC: tl.constexpr,
-    D_QK: tl.constexpr,
-    D_V: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    N_HB: tl.constexpr,
-    CHUNK_STAGES: tl.constexpr,
-    N_SUB: tl.constexpr,
-    BLOCK_DV2: tl.constexpr,
-    ATTN_SUM: tl.constexpr,
-    SPLIT_DKV: tl.constexpr,
-):
+    stride_qs, stride_qh, stride_kvs, stride_dos, stride_doh, stride_lses, stride_is, stride_part_hb,
+    s_kv, h_q, q_start_index, k_stride, sm_scale,
+    topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_DV: tl.constexpr, N_HB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_SUB: tl.constexpr,
+    BLOCK_DV2: tl.constexpr, ATTN_SUM: tl.constexpr, SPLIT_DKV: tl.constexpr,
+):  # fmt: skip
     # A program owns one token and N_SUB * BLOCK_H heads. With N_SUB = 2 the scores of the two head halves
     # are computed one after the other (registers for one [BLOCK_H, BLOCK_T] pair at a time), and their dkv
     # contributions are summed before the single atomic update: half the atomics and half the row gathers.
@@ -180,7 +143,7 @@ def _main_kernel(
     delta0 = tl.load(delta_ptr + s * h_q + offs_h0, mask=hmask0, other=0.0)
     lse1 = tl.load(lse_ptr + s * stride_lses + offs_h1, mask=hmask1, other=float("inf")) * 1.4426950408889634
     delta1 = tl.load(delta_ptr + s * h_q + offs_h1, mask=hmask1, other=0.0)
-    max_k = tl.maximum(q_start_index + s + 1 - k_stride, 0) // k_stride
+    max_k = causal_max_k(q_start_index + s, k_stride)
     scale_log2 = sm_scale * 1.4426950408889634
     q_row0 = q_ptr + s * stride_qs + offs_h0[:, None] * stride_qh
     do_row0 = dout_ptr + s * stride_dos + offs_h0[:, None] * stride_doh
@@ -239,36 +202,14 @@ def _main_kernel(
 
 @triton.jit
 def _dkv_kernel(
-    ds_ptr,
-    p_ptr,
-    q_ptr,
-    dout_ptr,
-    idx_ptr,
-    dkv_ptr,
-    part_ptr,
+    ds_ptr, p_ptr, q_ptr, dout_ptr, idx_ptr, dkv_ptr, part_ptr,
     n_tok,
-    stride_qs,
-    stride_qh,
-    stride_dos,
-    stride_doh,
-    stride_is,
-    s_kv,
-    h_q,
-    q_start_index,
-    k_stride,
-    topk: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DETERMINISTIC: tl.constexpr,
-    D_QK: tl.constexpr,
-    D_V: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    N_TB: tl.constexpr,
-    CHUNK_STAGES: tl.constexpr,
-    N_CSPLIT: tl.constexpr,
-):
+    stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
+    s_kv, h_q, q_start_index, k_stride,
+    topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr, N_TB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_CSPLIT: tl.constexpr,
+):  # fmt: skip
     # One program per (token, block of BLOCK_T slots) with ALL heads (BLOCK_H >= h_q): the dkv contribution
     # of a slot, dS^T q + P^T dout summed over every head, is one [BLOCK_T, channels] product with K = h_q,
     # so each (token, slot) is added into dkv once instead of once per head block. dS and P come from the
@@ -295,7 +236,7 @@ def _dkv_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < h_q
     offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    max_k = tl.maximum(q_start_index + s + 1 - k_stride, 0) // k_stride
+    max_k = causal_max_k(q_start_index + s, k_stride)
     rows, valid = _slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
     ws = s * h_q * topk + offs_h[:, None] * topk + offs_t[None, :]
     ws_mask = hmask[:, None] & valid[None, :]
@@ -363,27 +304,12 @@ def _dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, d0, d_end, s_k
 
 @triton.jit
 def _dq_kernel(
-    ds_ptr,
-    kv_ptr,
-    idx_ptr,
-    dq_ptr,
-    stride_kvs,
-    stride_is,
-    stride_dqs,
-    stride_dqh,
-    s_kv,
-    h_q,
-    q_start_index,
-    k_stride,
-    topk: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    D_QK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    N_HB: tl.constexpr,
-    N_DB: tl.constexpr,
-):
+    ds_ptr, kv_ptr, idx_ptr, dq_ptr,
+    stride_kvs, stride_is, stride_dqs, stride_dqh,
+    s_kv, h_q, q_start_index, k_stride,
+    topk: tl.constexpr, CAUSAL: tl.constexpr, D_QK: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, N_DB: tl.constexpr,
+):  # fmt: skip
     # Programs of one token are adjacent in launch order so that its dS and gathered rows stay in L2.
     pid = tl.program_id(0)
     db = pid % N_DB
@@ -391,7 +317,7 @@ def _dq_kernel(
     s = (pid // (N_DB * N_HB)).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < h_q
-    max_k = tl.maximum(q_start_index + s + 1 - k_stride, 0) // k_stride
+    max_k = causal_max_k(q_start_index + s, k_stride)
     ds_row = ds_ptr + s * h_q * topk + offs_h[:, None] * topk
     dq_row = dq_ptr + s * stride_dqs + offs_h[:, None] * stride_dqh
     idx_row = idx_ptr + s * stride_is
@@ -401,18 +327,10 @@ def _dq_kernel(
 
 @triton.jit
 def _det_reduce_kernel(
-    part_ptr,
-    order_ptr,
-    seg_start_ptr,
-    seg_len_ptr,
-    seg_row_ptr,
-    dkv_ptr,
+    part_ptr, order_ptr, seg_start_ptr, seg_len_ptr, seg_row_ptr, dkv_ptr,
     stride_part_hb,
-    D_QK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    N_HB: tl.constexpr,
-    UNROLL: tl.constexpr,
-):
+    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, UNROLL: tl.constexpr,
+):  # fmt: skip
     """One program per (distinct KV row, channel block): sum its (token, slot) contributions in sorted order."""
     seg = tl.program_id(0)
     db = tl.program_id(1)
@@ -478,23 +396,11 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
 
 
 def launch_bwd(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    *,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    causal: bool = False,
-    deterministic: bool = False,
-    return_attn_sum: bool = False,
-    config: Config = DEFAULT,
-    tiles: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, indices: torch.Tensor,
+    lse: torch.Tensor, sm_scale: float, d_v: int, *, q_start_index: int = 0, k_stride: int = 1,
+    causal: bool = False, deterministic: bool = False, return_attn_sum: bool = False,
+    config: Config = DEFAULT, tiles: dict[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Launch the backward on validated inputs; ``tiles`` overrides :func:`bwd_config` (tests).
 
     ``attn_sum`` is ``[s_q, topk]`` when asked for, else an empty ``[0, topk]`` tensor.
@@ -588,22 +494,10 @@ def launch_bwd(
 
 
 def _launch_dq(
-    cfg: dict[str, int],
-    ds_ws: torch.Tensor,
-    kv: torch.Tensor,
-    idx_c: torch.Tensor,
-    dq_c: torch.Tensor,
-    s_kv: int,
-    h_q: int,
-    q_start_index: int,
-    k_stride: int,
-    topk: int,
-    causal: bool,
-    d_qk: int,
-    n: int,
-    n_hb_dq: int,
-    n_db: int,
-) -> None:
+    cfg: dict[str, int], ds_ws: torch.Tensor, kv: torch.Tensor, idx_c: torch.Tensor, dq_c: torch.Tensor,
+    s_kv: int, h_q: int, q_start_index: int, k_stride: int, topk: int, causal: bool, d_qk: int, n: int,
+    n_hb_dq: int, n_db: int,
+) -> None:  # fmt: skip
     """``dq = dS @ rows`` for one chunk of tokens, on the current stream."""
     kernel = _dq_kernel[(n * n_hb_dq * n_db,)](
         ds_ws, kv, idx_c, dq_c,
@@ -617,16 +511,9 @@ def _launch_dq(
 
 
 def _det_reduce(
-    part: torch.Tensor,
-    idx_c: torch.Tensor,
-    dkv32: torch.Tensor,
-    s_kv: int,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-    n_hb: int,
-    d_qk: int,
-) -> None:
+    part: torch.Tensor, idx_c: torch.Tensor, dkv32: torch.Tensor, s_kv: int, q_start_index: int,
+    k_stride: int, causal: bool, n_hb: int, d_qk: int,
+) -> None:  # fmt: skip
     """Add this chunk's per-(token, slot) contributions into ``dkv32``, grouped by row in a fixed order."""
     valid = valid_slots(idx_c[:, 0], s_kv, q_start_index, k_stride, causal).reshape(-1)
     rows = idx_c[:, 0].reshape(-1).long()
@@ -662,22 +549,10 @@ def _bwd_fake(
 
 @define_op("sparse_mla_bwd", _bwd_fake)
 def _bwd_op(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-    deterministic: bool,
-    return_attn_sum: bool,
-    workspace_bytes: int,
-    deterministic_workspace_bytes: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, indices: torch.Tensor,
+    lse: torch.Tensor, sm_scale: float, d_v: int, q_start_index: int, k_stride: int, causal: bool,
+    deterministic: bool, return_attn_sum: bool, workspace_bytes: int, deterministic_workspace_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     check_bwd_inputs(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
     sm_scale = check_sm_scale(sm_scale)
     check_kernel_device(q, "sparse_mla_bwd")

@@ -33,16 +33,9 @@ def _decode_fake(
 
 @define_op("sparse_mla_decode", _decode_fake)
 def _decode_op(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    backend: str,
-    num_splits: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    indices: torch.Tensor, sm_scale: float, d_v: int, backend: str, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     dims = check_decode_inputs(q, kv_cache, block_table, cache_seqlens, indices, d_v)
     check_kernel_dims(dims, q.dtype, "sparse_mla_decode")
     sm_scale = check_sm_scale(sm_scale)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from sparse_mla_attn._runtime import (
+    causal_hi,
     check_kernel_device,
     define_op,
     interpreting,
@@ -98,36 +99,63 @@ def _softmax_step(q_v, q_rope, k_v, k_rope, valid, m_i, l_i, sm_scale_log2, D_RO
 
 
 @triton.jit
-def _fwd_block(
-    row,
-    valid,
-    KV,
-    stride_kv_row,
-    q_v,
-    q_rope,
-    m_i,
-    l_i,
-    acc,
-    sm_scale_log2,
-    D_NOPE: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    S_SPLIT: tl.constexpr,
+def _load_q_tile(Q, pid_s, stride_q_s, stride_q_h, offs_h, h_mask,
+                 D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+    """Query tile of token ``pid_s``, heads ``offs_h`` (padding heads 0): latent and rope channels."""
+    q_base = Q + pid_s.to(tl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
+    q_v = tl.load(q_base + tl.arange(0, D_NOPE)[None, :], mask=h_mask[:, None], other=0.0)
+    if D_ROPE > 0:
+        q_rope = tl.load(q_base + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=h_mask[:, None], other=0.0)
+    else:
+        q_rope = q_v  # unused
+    if DOT_F32:
+        q_v = q_v.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+    return q_v, q_rope
+
+
+@triton.jit
+def _gather_rows(
+    row, valid, KV, stride_kv_row, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DOT_F32: tl.constexpr
 ):
-    """One BLOCK_T slice of the top-k list: gather, two products, online-softmax update."""
+    """Gather the KV rows ``row`` where ``valid``: latent channels ``k_v`` and rope channels ``k_rope``.
+
+    Masked rows are never dereferenced: invalid indices cost no memory traffic and may point anywhere.
+    """
     k_ptr = KV + row[:, None] * stride_kv_row
-    offs_d = tl.arange(0, D_NOPE)
-    # Masked rows are never dereferenced: invalid indices cost no memory traffic and may point anywhere.
     # k_v: the 512 latent channels, keys of the first product and values of P·V.
-    k_v = tl.load(k_ptr + offs_d[None, :], mask=valid[:, None], other=0.0)
+    k_v = tl.load(k_ptr + tl.arange(0, D_NOPE)[None, :], mask=valid[:, None], other=0.0)
     if DOT_F32:
         k_v = k_v.to(tl.float32)
     k_rope = k_v  # unused unless D_ROPE > 0
     if D_ROPE > 0:
-        offs_r = tl.arange(0, D_ROPE)
-        k_rope = tl.load(k_ptr + D_NOPE + offs_r[None, :], mask=valid[:, None], other=0.0)
+        k_rope = tl.load(k_ptr + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=valid[:, None], other=0.0)
         if DOT_F32:
             k_rope = k_rope.to(tl.float32)
+    return k_v, k_rope
+
+
+@triton.jit
+def _store_result(
+    OUT, LSE, MAX_LOGITS, pid_s, stride_o_s, stride_o_h, h_q, offs_h, h_mask, offs_d, out, lse2, m2
+):
+    """Store a token's final ``out`` (in OUT's dtype), ``lse`` and ``max_logits`` (base 2 -> natural log)."""
+    o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
+    tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse2 * 0.6931471805599453, mask=h_mask)
+    tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m2 * 0.6931471805599453, mask=h_mask)
+
+
+@triton.jit
+def _fwd_block(
+    row, valid,
+    KV,
+    stride_kv_row,
+    q_v, q_rope, m_i, l_i, acc, sm_scale_log2,
+    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DOT_F32: tl.constexpr, S_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_T slice of the top-k list: gather, two products, online-softmax update."""
+    k_v, k_rope = _gather_rows(row, valid, KV, stride_kv_row, D_NOPE, D_ROPE, DOT_F32)
     if S_SPLIT:
         # Triton gives every warp of a dot whose result feeds another dot (here P·V) a slice of M; with
         # 64 head rows both warpgroups would then compute the whole S. Produced inside a run-time branch
@@ -157,42 +185,13 @@ def _fwd_block(
 
 @triton.jit
 def _sparse_mla_fwd_kernel(
-    Q,
-    KV,
-    IDX,
-    OUT,
-    MAX_LOGITS,
-    LSE,
-    SINK,
-    TOPK_LEN,
-    stride_q_s,
-    stride_q_h,
-    stride_kv_row,
-    stride_idx_s,
-    stride_o_s,
-    stride_o_h,
-    n_tok,
-    h_q,
-    n_head_tiles,
-    topk,
-    split_len,
-    s_kv,
-    q_start_index,
-    k_stride,
-    sm_scale_log2,
-    D_NOPE: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    HAS_SINK: tl.constexpr,
-    HAS_TOPK_LEN: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    STATIC_T: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    S_SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
+    Q, KV, IDX, OUT, MAX_LOGITS, LSE, SINK, TOPK_LEN,
+    stride_q_s, stride_q_h, stride_kv_row, stride_idx_s, stride_o_s, stride_o_h,
+    n_tok, h_q, n_head_tiles, topk, split_len, s_kv, q_start_index, k_stride, sm_scale_log2,
+    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_K: tl.constexpr,
+    STATIC_T: tl.constexpr, DOT_F32: tl.constexpr, S_SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     # Programs of one token (head tiles) are neighbours in launch order: their gathers hit L2.
     pid_h = pid % n_head_tiles
@@ -203,17 +202,7 @@ def _sparse_mla_fwd_kernel(
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < h_q
     offs_d = tl.arange(0, D_NOPE)
-
-    q_base = Q + pid_s.to(tl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
-    q_v = tl.load(q_base + offs_d[None, :], mask=h_mask[:, None], other=0.0)
-    if D_ROPE > 0:
-        offs_r = tl.arange(0, D_ROPE)
-        q_rope = tl.load(q_base + D_NOPE + offs_r[None, :], mask=h_mask[:, None], other=0.0)
-    else:
-        q_rope = q_v  # unused
-    if DOT_F32:
-        q_v = q_v.to(tl.float32)
-        q_rope = q_rope.to(tl.float32)
+    q_v, q_rope = _load_q_tile(Q, pid_s, stride_q_s, stride_q_h, offs_h, h_mask, D_NOPE, D_ROPE, DOT_F32)
 
     n_t = topk
     if HAS_TOPK_LEN:
@@ -221,11 +210,7 @@ def _sparse_mla_fwd_kernel(
     t_start = pid_k * split_len
     t_end = tl.minimum(n_t, t_start + split_len)
     # Valid indices are [0, hi): the KV length and the causal limit.
-    hi = s_kv
-    if CAUSAL:
-        # (q_pos + 1 - k_stride) / k_stride with C truncation; the numerator is > -k_stride.
-        num = q_start_index + pid_s + 1 - k_stride
-        hi = tl.minimum(hi, tl.maximum(num, 0) // k_stride + 1)
+    hi = causal_hi(s_kv, q_start_index + pid_s, k_stride, CAUSAL)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -275,31 +260,19 @@ def _sparse_mla_fwd_kernel(
         tl.store(LSE + part * h_q + offs_h, lse2, mask=h_mask)
         tl.store(MAX_LOGITS + part * h_q + offs_h, m_i, mask=h_mask)
     else:
-        o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
-        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
-        tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse2 * 0.6931471805599453, mask=h_mask)
-        tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_i * 0.6931471805599453, mask=h_mask)
+        _store_result(
+            OUT, LSE, MAX_LOGITS, pid_s, stride_o_s, stride_o_h, h_q, offs_h, h_mask, offs_d, out, lse2, m_i
+        )
 
 
 @triton.jit
 def _split_combine_kernel(
-    PART_O,
-    PART_LSE,
-    PART_MAX,
-    SINK,
-    OUT,
-    MAX_LOGITS,
-    LSE,
-    stride_o_s,
-    stride_o_h,
-    n_tok,
-    h_q,
-    N_SPLITS: tl.constexpr,
-    D_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
+    PART_O, PART_LSE, PART_MAX, SINK, OUT, MAX_LOGITS, LSE,
+    stride_o_s, stride_o_h,
+    n_tok, h_q,
+    N_SPLITS: tl.constexpr, D_V: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS_P2: tl.constexpr,
     HAS_SINK: tl.constexpr,
-):
+):  # fmt: skip
     """Merge the split-K partials of one token and a tile of heads: lse-weighted sum of the outputs."""
     pid_s = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -327,27 +300,19 @@ def _split_combine_kernel(
         sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
         denom = denom + tl.exp2(sink * 1.4426950408889634 - lse_ref)
     out = tl.where(has_any[:, None], acc / denom[:, None], 0.0)
-    o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
-    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
-    tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse_tot * 0.6931471805599453, mask=h_mask)
-    tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_tot * 0.6931471805599453, mask=h_mask)
+    _store_result(
+        OUT, LSE, MAX_LOGITS, pid_s, stride_o_s, stride_o_h, h_q, offs_h, h_mask, offs_d, out, lse_tot, m_tot
+    )
 
 
 @triton.jit
 def _paged_rows_kernel(
-    IDX,
-    BLOCK_TABLE,
-    SEQLENS,
-    ROWS,
-    topk,
-    q_per_batch,
-    stride_idx_s,
-    stride_bt_b,
-    page_size,
-    max_blocks,
-    n_rows,
+    IDX, BLOCK_TABLE, SEQLENS, ROWS,
+    topk, q_per_batch,
+    stride_idx_s, stride_bt_b,
+    page_size, max_blocks, n_rows,
     BLOCK: tl.constexpr,
-):
+):  # fmt: skip
     """Map the sequence positions of one decode token to rows of the flattened cache (-1 if invalid)."""
     pid_s = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -401,20 +366,10 @@ def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device
 
 
 def launch_fwd(
-    q: torch.Tensor,
-    kv_rows: torch.Tensor,
-    idx: torch.Tensor,
-    dims: SparseDims,
-    sm_scale: float,
-    *,
-    attn_sink: torch.Tensor | None = None,
-    topk_length: torch.Tensor | None = None,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    causal: bool = False,
-    config: Config = DEFAULT,
-    tiles: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, kv_rows: torch.Tensor, idx: torch.Tensor, dims: SparseDims, sm_scale: float, *,
+    attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None, q_start_index: int = 0,
+    k_stride: int = 1, causal: bool = False, config: Config = DEFAULT, tiles: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Launch the forward kernel on validated inputs (shared by forward and decode).
 
     Args:
@@ -535,13 +490,9 @@ def launch_fwd(
 
 
 def paged_to_rows(
-    indices: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    q_per_batch: int,
-    page_size: int,
-    n_rows: int,
-) -> torch.Tensor:
+    indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, q_per_batch: int,
+    page_size: int, n_rows: int,
+) -> torch.Tensor:  # fmt: skip
     """Decode indices (positions in each sequence) to rows of the flattened paged cache, ``-1`` if invalid.
 
     Args:
@@ -588,19 +539,10 @@ def _fwd_fake(
 
 @define_op("sparse_mla_fwd", _fwd_fake)
 def _fwd_op(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    attn_sink: torch.Tensor | None,
-    topk_length: torch.Tensor | None,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-    backend: str,
-    num_splits: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+    attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
+    causal: bool, backend: str, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
     check_kernel_dims(dims, q.dtype, "sparse_mla_fwd")
     check_optional_vectors(attn_sink, topk_length, dims, q.device)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_mla_attn._runtime import dot, interpreting, mask_and, record_launch
+from sparse_mla_attn._runtime import causal_hi, causal_max_k, dot, interpreting, mask_and, record_launch
 from sparse_mla_attn._validate import causal_keep, check_causal_args, check_indexer_inputs
 from sparse_mla_attn.reference import reduce_loss
 
@@ -28,26 +28,12 @@ from sparse_mla_attn.reference import reduce_loss
 
 @triton.jit
 def _logits_kernel(
-    q_ptr,
-    k_ptr,
-    w_ptr,
-    out_ptr,
-    s_q,
-    s_kv,
-    stride_qs,
-    stride_qh,
-    stride_ks,
-    stride_ws,
-    stride_wh,
-    stride_os,
-    q_start_index,
-    k_stride,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    q_ptr, k_ptr, w_ptr, out_ptr,
+    s_q, s_kv,
+    stride_qs, stride_qh, stride_ks, stride_ws, stride_wh, stride_os,
+    q_start_index, k_stride,
+    H: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -56,12 +42,10 @@ def _logits_kernel(
     mmask = offs_m < s_q
     nmask = offs_n < s_kv
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    max_k = tl.maximum(q_start_index + offs_m + 1 - k_stride, 0) // k_stride
+    max_k = causal_max_k(q_start_index + offs_m, k_stride)
     # Under the causal rule a tile whose first key is past the last row's limit is all -inf: skip its math.
     last_row = tl.minimum(pid_m * BLOCK_M + BLOCK_M, s_q) - 1
-    tile_live = (not CAUSAL) or (
-        pid_n * BLOCK_N <= tl.maximum(q_start_index + last_row + 1 - k_stride, 0) // k_stride
-    )
+    tile_live = (not CAUSAL) or (pid_n * BLOCK_N <= causal_max_k(q_start_index + last_row, k_stride))
     if tile_live:
         k = tl.load(
             k_ptr + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0
@@ -157,7 +141,7 @@ def _dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, st
     """TOK tokens (all heads) of the dk sweep: returns the updated ``dk`` accumulator."""
     offs_d = tl.arange(0, D)
     t_row = t0 + tok_of_row
-    max_k_row = tl.maximum(q_start_index + t_row + 1 - k_stride, 0) // k_stride
+    max_k_row = causal_max_k(q_start_index + t_row, k_stride)
     g = _rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row, TOK, CAUSAL)
     for hb in tl.static_range(0, H, BLOCK_H):
         head = hb + head_in_block
@@ -176,33 +160,13 @@ def _dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, st
 
 @triton.jit
 def _dqw_kernel(
-    g_ptr,
-    q_ptr,
-    k_ptr,
-    w_ptr,
-    dq_ptr,
-    dw_ptr,
-    s_q,
-    s_kv,
-    stride_gs,
-    stride_qs,
-    stride_qh,
-    stride_ks,
-    stride_ws,
-    stride_wh,
-    stride_dqs,
-    stride_dqh,
-    stride_dws,
-    q_start_index,
-    k_stride,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TOK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
+    g_ptr, q_ptr, k_ptr, w_ptr, dq_ptr, dw_ptr,
+    s_q, s_kv,
+    stride_gs, stride_qs, stride_qh, stride_ks, stride_ws, stride_wh, stride_dqs, stride_dqh, stride_dws,
+    q_start_index, k_stride,
+    H: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, TOK: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
     """One program per TOK tokens x BLOCK_H heads (rows); loops over keys: dq = (G w 1[z>0]) k, dw = G relu(z)."""
     pid_h = tl.program_id(1)
     t0 = tl.program_id(0) * TOK
@@ -220,11 +184,10 @@ def _dqw_kernel(
     w = tl.load(w_ptr + t_row.to(tl.int64) * stride_ws + head * stride_wh, mask=rmask, other=0.0).to(
         tl.float32
     )
-    max_k_row = tl.maximum(q_start_index + t_row + 1 - k_stride, 0) // k_stride
-    n_end = s_kv
-    if CAUSAL:  # keys past the last token's limit are masked for every row of the tile
-        last = tl.minimum(t0 + TOK, s_q) - 1
-        n_end = tl.minimum(s_kv, tl.maximum(q_start_index + last + 1 - k_stride, 0) // k_stride + 1)
+    max_k_row = causal_max_k(q_start_index + t_row, k_stride)
+    # Causal: keys past the last token's limit are masked for every row of the tile.
+    last = tl.minimum(t0 + TOK, s_q) - 1
+    n_end = causal_hi(s_kv, q_start_index + last, k_stride, CAUSAL)
     dq = tl.zeros([TOK * BLOCK_H, D], dtype=tl.float32)
     dw = tl.zeros([TOK * BLOCK_H], dtype=tl.float32)
     # The interpreter cannot range() over a run-time bound; the GPU needs a for loop to pipeline.
@@ -248,30 +211,13 @@ def _dqw_kernel(
 
 @triton.jit
 def _dk_kernel(
-    g_ptr,
-    q_ptr,
-    k_ptr,
-    w_ptr,
-    dk_ptr,
-    s_q,
-    s_kv,
-    stride_gs,
-    stride_qs,
-    stride_qh,
-    stride_ks,
-    stride_ws,
-    stride_wh,
-    stride_dks,
-    q_start_index,
-    k_stride,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TOK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
+    g_ptr, q_ptr, k_ptr, w_ptr, dk_ptr,
+    s_q, s_kv,
+    stride_gs, stride_qs, stride_qh, stride_ks, stride_ws, stride_wh, stride_dks,
+    q_start_index, k_stride,
+    H: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, TOK: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
     """One program per BLOCK_N keys; loops over (token, head) rows: dk = Σ_rows (G w 1[z>0])^T q. No atomics."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < s_kv
