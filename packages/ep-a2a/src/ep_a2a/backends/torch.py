@@ -202,7 +202,7 @@ class TorchBackend(A2ABackend):
         full_scatter_indices: torch.Tensor | None,
     ) -> DispatchResult:
         cfg = self.config
-        n, hidden, topk, world = input.shape[0], cfg.hidden, cfg.topk, self.world_size
+        n, topk, world = input.shape[0], cfg.topk, self.world_size
         dev = input.device
         num_experts = cfg.num_tot_experts
         # an id outside [-1, num_experts) (possible with validate=False) drops its slot, as -1 does
@@ -235,7 +235,7 @@ class TorchBackend(A2ABackend):
         send_token, send_dest = flat % max(n, 1), flat // max(n, 1)
 
         # one packed payload: token row | expert indices | weights | caller scatter indices
-        x_bytes = hidden * input.element_size()
+        x_bytes = input.shape[1] * input.element_size()  # (FP8 dispatch: the row and its scales, as bytes)
         parts = [x_bytes, topk * 4]
         if weight is not None:
             parts.append(topk * weight.element_size())
