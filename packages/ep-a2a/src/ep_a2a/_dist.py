@@ -229,10 +229,17 @@ class OpBoard:
     def __init__(self, monitor: RankMonitor) -> None:
         self.rank = monitor.rank
         self.timeout_s = monitor.timeout_s
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         tag = monitor.prefix.replace("/", "_")
-        self.path = os.path.join(folder, f"ep_a2a{tag}-r{self.rank}-p{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        self.mine = np.memmap(self.path, dtype=np.int64, mode="w+", shape=(_BOARD_SLOTS,))
+        name = f"ep_a2a{tag}-r{self.rank}-p{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        folders = [f for f in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(f)]
+        for i, folder in enumerate(folders):  # (shared memory where there is any, else the temp folder)
+            self.path = os.path.join(folder, name)
+            try:
+                self.mine = np.memmap(self.path, dtype=np.int64, mode="w+", shape=(_BOARD_SLOTS,))
+                break
+            except OSError:
+                if i == len(folders) - 1:
+                    raise
         self.mine[:] = -1
         self.mine.flush()
         host = socket.gethostname()
