@@ -487,7 +487,7 @@ def run_case(
             # both over batch sizes that vary from call to call (kept apart: other bytes per call)
             case["varying"] = varying_case(args, shape_name, route, n, rank, world, group, dev, num_sm)
     if extra and n > 1024 and getattr(args, "split", False) and not args.quick:
-        split_experiments(args, cfg, group, x, ids, w, num_sm_list, ref, route, res)
+        split_experiments(args, cfg, group, x, ids, w, args.num_sm, ref, route, res)
     if extra and (n <= 1024 or len(num_sm_list) > 2):
         # the user's call: the layer built as the README shows (default tuning, int64 ids as topk returns
         # them, no host-side id check: the triton backend counts bad ids on the device), exact-shape mode
