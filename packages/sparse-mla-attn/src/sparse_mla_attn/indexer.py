@@ -17,7 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_mla_attn._runtime import causal_hi, causal_max_k, dot, interpreting, mask_and, record_launch
+from sparse_mla_attn._runtime import (
+    causal_hi,
+    causal_max_k,
+    cdiv,
+    define_op,
+    dot,
+    interpreting,
+    mask_and,
+    next_power_of_2,
+    record_launch,
+)
 from sparse_mla_attn._validate import causal_keep, check_causal_args, check_indexer_inputs
 from sparse_mla_attn.reference import reduce_loss
 
@@ -85,7 +95,7 @@ def launch_logits(
         cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
     if config:
         cfg.update(config)
-    grid = (triton.cdiv(s_kv, cfg["BLOCK_N"]), triton.cdiv(s_q, cfg["BLOCK_M"]))
+    grid = (cdiv(s_kv, cfg["BLOCK_N"]), cdiv(s_q, cfg["BLOCK_M"]))
     kernel = _logits_kernel[grid](
         q_idx, k_idx, weights, out, s_q, s_kv,
         q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
@@ -255,7 +265,7 @@ def _dk_kernel(
 
 
 def logits_bwd_config(h_idx: int) -> dict[str, int]:
-    block_h = max(16, triton.next_power_of_2(min(h_idx, 64)))
+    block_h = max(16, next_power_of_2(min(h_idx, 64)))
     if interpreting():
         return {"BLOCK_H": block_h, "TOK_DQ": 2, "BLOCK_N_DQ": 16, "TOK_DK": 2, "BLOCK_N_DK": 16,
                 "num_warps_dq": 4, "num_stages_dq": 1, "num_warps_dk": 4, "num_stages_dk": 1}  # fmt: skip
@@ -305,14 +315,14 @@ def launch_logits_bwd(
         cfg.update(config)
     block_h = cfg["BLOCK_H"]
     common = dict(H=h_idx, D=d_idx, CAUSAL=causal, BLOCK_H=block_h, INTERPRET=interpreting())
-    kernel = _dqw_kernel[(triton.cdiv(s_q, cfg["TOK_DQ"]), triton.cdiv(h_idx, block_h))](
+    kernel = _dqw_kernel[(cdiv(s_q, cfg["TOK_DQ"]), cdiv(h_idx, block_h))](
         grad, q_idx, k_idx, weights, dq, dw, s_q, s_kv,
         grad.stride(0), q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1),
         dq.stride(0), dq.stride(1), dw.stride(0), q_start_index, k_stride, **common,
         TOK=cfg["TOK_DQ"], BLOCK_N=cfg["BLOCK_N_DQ"], num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
     )  # fmt: skip
     record_launch("indexer.dqw", kernel)
-    kernel = _dk_kernel[(triton.cdiv(s_kv, cfg["BLOCK_N_DK"]),)](
+    kernel = _dk_kernel[(cdiv(s_kv, cfg["BLOCK_N_DK"]),)](
         grad, q_idx, k_idx, weights, dk, s_q, s_kv,
         grad.stride(0), q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1),
         dk.stride(0), q_start_index, k_stride, **common,
@@ -322,27 +332,42 @@ def launch_logits_bwd(
     return dq, dk, dw
 
 
-class _IndexerLogits(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        q_idx: torch.Tensor,
-        k_idx: torch.Tensor,
-        weights: torch.Tensor,
-        causal: bool,
-        q_start_index: int,
-        k_stride: int,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(q_idx, k_idx, weights)
-        ctx.mask = (causal, q_start_index, k_stride)
-        return launch_logits(q_idx, k_idx, weights, causal, q_start_index, k_stride)
+def _logits_fake(q_idx: torch.Tensor, k_idx: torch.Tensor, *_: Any) -> torch.Tensor:
+    return q_idx.new_empty(q_idx.shape[0], k_idx.shape[0], dtype=torch.float32)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        q_idx, k_idx, weights = ctx.saved_tensors
-        # Masked entries are constant (-inf): the kernels ignore the gradient there (it may be NaN).
-        dq, dk, dw = launch_logits_bwd(grad, q_idx, k_idx, weights, *ctx.mask)
-        return dq, dk, dw, None, None, None
+
+def _logits_bwd_fake(
+    grad: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, *_: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q_idx.new_empty(q_idx.shape), k_idx.new_empty(k_idx.shape), weights.new_empty(weights.shape)
+
+
+@define_op("indexer_logits_bwd", _logits_bwd_fake)
+def _logits_bwd_op(
+    grad: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, causal: bool,
+    q_start_index: int, k_stride: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    # Masked entries are constant (-inf): the kernels ignore the gradient there (it may be NaN).
+    return launch_logits_bwd(grad, q_idx, k_idx, weights, causal, q_start_index, k_stride)
+
+
+def _logits_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    q_idx, k_idx, weights, causal, q_start_index, k_stride = inputs
+    ctx.save_for_backward(q_idx, k_idx, weights)
+    ctx.mask = (causal, q_start_index, k_stride)
+
+
+def _logits_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    q_idx, k_idx, weights = ctx.saved_tensors
+    return (*_logits_bwd_op(grad, q_idx, k_idx, weights, *ctx.mask), None, None, None)
+
+
+@define_op("indexer_logits", _logits_fake, backward=_logits_backward, setup_context=_logits_setup)
+def _logits_op(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, causal: bool, q_start_index: int,
+    k_stride: int,
+) -> torch.Tensor:  # fmt: skip
+    return launch_logits(q_idx, k_idx, weights, causal, q_start_index, k_stride)
 
 
 def indexer_logits(
@@ -375,7 +400,7 @@ def indexer_logits(
     check_indexer_inputs(q_idx, k_idx, weights, q_start_index, k_stride)
     if q_idx.dtype == torch.float64:
         raise ValueError("indexer_logits runs bf16/fp16/fp32 inputs; use indexer_logits_ref for float64")
-    return _IndexerLogits.apply(q_idx, k_idx, weights, causal, q_start_index, k_stride)
+    return _logits_op(q_idx, k_idx, weights, causal, q_start_index, k_stride)
 
 
 def _gather_rows(
