@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from eplb_core import _solve
+from eplb_core._numba import runner
 from eplb_core._numba.utils import log2phy
 from eplb_core._validate import check_previous, check_topology, check_weight, is_int
 from eplb_core.placement import Placement, avoidable_repeats
@@ -81,7 +82,9 @@ def rebalance_experts(
     if taken.any():
         logcnt = _counts(phy2log, num_logical)
     # only the three tensors: the quality figures of plan() (bounds, loads) are not computed here
-    return tuple(torch.from_numpy(a).to(w.device) for a in (phy2log, log2phy(phy2log, logcnt), logcnt))  # type: ignore[return-value]
+    return tuple(
+        torch.from_numpy(a).to(w.device) for a in (phy2log, runner.call(log2phy, phy2log, logcnt), logcnt)
+    )  # type: ignore[return-value]
 
 
 def plan(
