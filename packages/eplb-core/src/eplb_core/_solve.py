@@ -28,6 +28,7 @@ __all__ = [
     "equal_partitions",
     "greedy_fallback",
     "home_nodes",
+    "order_slots",
     "pack_rows",
     "peaks",
     "solve",
@@ -293,6 +294,19 @@ def solve_migration(
         mode != "soft",
         split_tables(num_replicas // num_gpus),
     )
+
+
+def order_slots(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
+    """``phy2log [L, R]`` with the slots of every GPU in the order DeepSeek's packing fills a GPU:
+    decreasing replica load (an expert's load shared by its replicas), ties by expert id. The GPUs'
+    contents do not change."""
+    num_layers, num_logical = weight.shape
+    flat = phy2log + np.arange(num_layers)[:, None] * num_logical
+    counts = np.bincount(flat.ravel(), minlength=weight.size).reshape(weight.shape)
+    load = np.take_along_axis(weight / np.maximum(counts, 1), phy2log, 1)
+    shape = (num_layers, num_gpus, -1)
+    order = np.lexsort((phy2log.reshape(shape), -load.reshape(shape)), axis=-1)
+    return np.take_along_axis(phy2log.reshape(shape), order, -1).reshape(phy2log.shape)
 
 
 def peaks(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:

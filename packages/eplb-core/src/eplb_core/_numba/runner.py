@@ -126,8 +126,8 @@ def _announce() -> None:
 
 def call(dispatcher: Any, *args: Any) -> Any:
     """Run ``dispatcher(*args)`` compiled when ready, interpreted otherwise (see the module)."""
+    global interpreted_calls
     if _mode == "interpreted":
-        global interpreted_calls
         interpreted_calls += 1
         return interpreted(dispatcher)(*args)
     if _mode == "compiled":
@@ -141,7 +141,6 @@ def call(dispatcher: Any, *args: Any) -> Any:
     if load:
         return dispatcher(*args)  # loads the machine code from the disk cache
     _announce()
-    global interpreted_calls
     interpreted_calls += 1
     try:
         return interpreted(dispatcher)(*args)
