@@ -143,7 +143,7 @@ def make_table(results: list[dict]) -> str:
     ]
     cols = [p for p in cols if any(r["times_us"].get(p) for r in results)]
     lines = [
-        "| case | dense floor | " + " | ".join(LABELS[p] for p in cols) + " |",
+        "| case | read-once floor | " + " | ".join(LABELS[p] for p in cols) + " |",
         "|---|---|" + "---|" * len(cols),
     ]
     for r in results:
@@ -173,7 +173,7 @@ def page_block(meta: dict) -> str:
     cases = "; ".join(CASE_TEXT[g] for g in groups if g in CASE_TEXT)
     text = (
         f"One {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {date}. Microseconds per call "
-        f"(lower is faster); *dense floor* is the time to read K and V over the valid lengths once (with the "
+        f"(lower is faster); *read-once floor* is the time to read K and V over the valid lengths once (with the "
         f"mask, q and out) at the copy bandwidth measured in the same run: a masked call reads only the visible "
         f"rows, so it can beat it. Cases: {cases}. Raw numbers, device, "
         f"date, commit and command: `docs/benchmarks/{DIST}/{kind}.json`."

@@ -985,10 +985,12 @@ def _run(
     plan: _Launch,
     st: _Static,
     entry: _Entry | None = None,
+    readback: _FlagReadback | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of the split kernel on validated inputs (with several splits, the last split of each
     sequence and KV head merges them). With ``entry`` (eager calls on a GPU), the compiled kernel of its
-    first launch is kept and later calls launch it directly."""
+    first launch is kept and later calls launch it directly; with ``readback``, the error word's copy to
+    the host starts after the launch."""
     dev = q.device
     batch, hq, d = st.batch, st.hq, st.head_dim
     cuda = dev.type == "cuda"
@@ -1030,6 +1032,8 @@ def _run(
             compiled = _masked_decode_split_kernel[st.grid](*args, **st.meta)
             if entry is not None and cuda:
                 entry.launcher = _direct_launcher(compiled, _constexprs(st.meta, {}))
+        if readback is not None:
+            readback.start()
     return out, lse
 
 
@@ -1591,11 +1595,9 @@ def masked_decode(
                 scales = _scales(k_scale, v_scale, k_token_scale, v_token_scale)
             out, lse = _run(
                 q3, k, v, mask, seqlens if isinstance(seqlens, torch.Tensor) else None, block_table, flag, scales,
-                sig.seqlen_const, sig.scale, sig.grid_len, sig.threshold, sig.plan, sig.static, entry,
+                sig.seqlen_const, sig.scale, sig.grid_len, sig.threshold, sig.plan, sig.static, entry, readback,
             )  # fmt: skip
-            if readback is not None:
-                readback.start()
-            elif check_values and dev.type != "cuda":
+            if check_values and dev.type != "cuda":
                 _report_flagged_values(dev, k, seqlens, sig, block_table)
     if sig.q_is_4d:
         out = out.unsqueeze(2)
