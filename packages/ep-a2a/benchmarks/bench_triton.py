@@ -400,13 +400,17 @@ def run_case(
         "results": {},
     }
     res = case["results"]
+    device_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    #: the layer's default (TritonTuning().num_sm None: every SM); the rows at it are the default's
+    case["default_num_sm"] = TritonTuning().for_device(device_sms).num_sm
     for num_sm in num_sm_list:
         be = triton_backend(cfg, group, num_sm=num_sm, use_aot=False, timeout_s=60.0, heap=heap)
         timer = Timer(lambda be=be: be.engine.launch_barrier())
         holder: dict = {}
         res[f"ours-sm{num_sm}"] = eager_case(args, be, x, ids, w, timer, holder)
-        if extra and num_sm == num_sm_list[-1]:
-            # CUDA-graph mode (static worst-case shapes, counts on device)
+        res[f"ours-sm{num_sm}"]["default_num_sm"] = num_sm == device_sms
+        if extra:
+            # CUDA-graph mode (static worst-case shapes, counts on device), at every num_sm
             g_d, g_c = capture_graphs(be, x, ids, w)
             t_gd = timer.median_ms(g_d.replay, args.iters, lead=True)
             t_gc = timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True)
@@ -417,7 +421,8 @@ def run_case(
                 "dispatch_ms_no_lead": timer.median_ms(g_d.replay, args.iters),
                 "combine_ms_no_lead": timer.median_ms(g_c.replay, args.iters, setup=g_d.replay),
             }
-
+            del g_d, g_c
+        if extra and num_sm == num_sm_list[-1]:
             # eager static mode (same kernels, no graph) for the graph-vs-eager comparison
             def sdisp(be=be, holder=holder):
                 holder["s"] = be.dispatch_static(x, ids, w)
@@ -474,21 +479,19 @@ def run_case(
         res[f"ours-sm{num_sm}"]["copy_engine"] = be.copy_engine
         res[f"ours-sm{num_sm}"]["speculative_overflows"] = be.speculative_overflows
         be.finalize()
-        if extra and be.speculative_rows and num_sm == num_sm_list[-1]:
+        if extra and not args.quick and be.speculative_rows and num_sm == num_sm_list[-1]:
             # the exact-shape flow that waits for the counts before the row kernel, beside the default
             res[f"ours-nospec-sm{num_sm}"] = exact_variant_case(
                 args, cfg, group, x, ids, w, num_sm, speculative_rows=False
             )
             # both over batch sizes that vary from call to call (kept apart: other bytes per call)
             case["varying"] = varying_case(args, shape_name, route, n, rank, world, group, dev, num_sm)
-    if extra and n > 1024 and getattr(args, "split", False):
-        split_experiments(args, cfg, group, x, ids, w, num_sm_list, ref, route, res)
-    if extra and n <= 1024:
-        # the user's call: EPAll2AllLayer (argument checks, int64 ids as topk returns them, no host-side
-        # id check: the triton backend counts bad ids on the device), exact-shape mode
-        res[f"ours-layer-sm{num_sm_list[-1]}"] = layer_case(
-            args, cfg, group, x, ids.long(), w, num_sm_list[-1]
-        )
+    if extra and n > 1024 and getattr(args, "split", False) and not args.quick:
+        split_experiments(args, cfg, group, x, ids, w, args.num_sm, ref, route, res)
+    if extra and (n <= 1024 or len(num_sm_list) > 2):
+        # the user's call: the layer built as the README shows (default tuning, int64 ids as topk returns
+        # them, no host-side id check: the triton backend counts bad ids on the device), exact-shape mode
+        res["ours-layer-default"] = layer_case(args, cfg, group, x, ids.long(), w, None)
     if extra:
         res.update(nccl_cases(args, rank, world, e_local, x, ids, w))
     results.append(case)
@@ -761,8 +764,25 @@ def main() -> None:
     p.add_argument("--json", required=True)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--num-sm", type=int, nargs="+", default=[32, 132])
-    p.add_argument("--quick", action="store_true", help="DeepSeek-V3 uniform only")
+    p.add_argument(
+        "--num-sm",
+        type=int,
+        nargs="+",
+        default=None,
+        help="SM counts of the Triton rows (default: 32 and every SM; the last one gets the extra rows)",
+    )
+    p.add_argument(
+        "--num-sm-sweep",
+        type=int,
+        nargs="+",
+        default=[20, 32, 66, 0],
+        help="SM counts of the DeepSeek-V3 uniform cases at --tokens and 128 tokens, eager and graph (0: every SM)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="DeepSeek-V3 uniform only (the num_sm sweep, the layer's default, NCCL), no other experiments",
+    )
     p.add_argument("--first-call", action="store_true", help="only measure first-call latency")
     p.add_argument("--use-aot", action="store_true")
     p.add_argument("--sweep", action="store_true", help="tile/chunk/warp variants and a per-kernel breakdown")
@@ -777,6 +797,9 @@ def main() -> None:
     args = p.parse_args()
     rank, world, dev = run_record.start_ranks()
     group = dist.group.WORLD
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    args.num_sm = args.num_sm or [32, sms]
+    sweep_sms = sorted({min(k, sms) if k > 0 else sms for k in args.num_sm_sweep})
     out = run_record.header(dev, world_size=world)
     if args.topo and os.path.exists(args.topo):
         with open(args.topo) as f:
@@ -796,13 +819,16 @@ def main() -> None:
 
         for shape in shapes:
             for route in routes:
-                run_case(args, shape, route, args.num_sm, rank, world, group, dev, results)
+                # the DeepSeek-V3 uniform case sweeps num_sm (the default, every SM, last)
+                sms_list = sweep_sms if (shape, route) == ("deepseek-v3", "uniform") else args.num_sm
+                run_case(args, shape, route, sms_list, rank, world, group, dev, results)
                 save()
         # latency at 128 tokens per rank
         for shape in shapes:
-            run_case(args, shape, "uniform", args.num_sm[-1:], rank, world, group, dev, results, tokens=128)
+            sms_list = sweep_sms if shape == "deepseek-v3" else args.num_sm[-1:]
+            run_case(args, shape, "uniform", sms_list, rank, world, group, dev, results, tokens=128)
             save()
-        if "nvshmem" in args.heaps:
+        if "nvshmem" in args.heaps and not args.quick:
             try:
                 import nvshmem.core  # noqa: F401
 

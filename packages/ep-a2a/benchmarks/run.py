@@ -53,7 +53,8 @@ def rows_of(raw: dict, bench: str) -> list[dict]:
     rows = []
     meta = {"gpus": raw["world_size"], "bench": bench, "date": raw.get("date"), "commit": raw.get("commit")}
     for case in raw.get("cases", []):
-        base = {k: case[k] for k in ("shape", "routing", "tokens", "hidden", "topk", "experts") if k in case}
+        keys = ("shape", "routing", "tokens", "hidden", "topk", "experts", "default_num_sm")
+        base = {k: case[k] for k in keys if k in case}
         base.update(heap=case.get("heap", "torch"), nvlink_bytes=case["nvlink_bytes"])
         ce = case["results"].get("ce", {}).get("copy_ms")
         for method, r in case["results"].items():
@@ -64,6 +65,52 @@ def rows_of(raw: dict, bench: str) -> list[dict]:
             if len(row) > len(meta) + len(base) + 1:
                 rows.append(row)
     return rows
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """What to read off a run: per case, the layer's default ``num_sm`` against the best one of the sweep
+    (eager and graph), eager against graph at the default, and the torch backend against the NCCL
+    per-rank pipeline measured beside it."""
+    lines = []
+    cases = sorted({(r["gpus"], r["shape"], r["routing"], r["tokens"]) for r in rows})
+    for gpus, shape, routing, tokens in cases:
+        mine = [
+            r
+            for r in rows
+            if (r["gpus"], r["shape"], r["routing"], r["tokens"]) == (gpus, shape, routing, tokens)
+        ]
+        name = f"{gpus} GPUs, {shape} {routing}, {tokens} tok"
+        default = next((r["default_num_sm"] for r in mine if r.get("default_num_sm")), None)
+        by = {(r["bench"], r["method"]): r for r in mine}
+        for mode, prefix in (("eager", "ours-sm"), ("graph", "ours-graph-sm")):
+            cand = {int(m[len(prefix):]): r for (b, m), r in by.items() if b == "triton" and m.startswith(prefix)
+                    and m[len(prefix):].isdigit()}  # fmt: skip
+            if default not in cand or len(cand) < 2:
+                continue
+            for op in ("dispatch", "combine"):
+                times = {k: r[f"{op}_ms"] for k, r in cand.items() if r.get(f"{op}_ms")}
+                best = min(times, key=times.__getitem__)
+                lines.append(
+                    f"{name}: {mode} {op}: default num_sm={default} {1e3 * times[default]:.0f} us, best "
+                    f"num_sm={best} {1e3 * times[best]:.0f} us: default at {100 * times[best] / times[default]:.0f}% "
+                    "of the best's speed (goal >= 95%)"
+                )
+        eager, graph = by.get(("triton", f"ours-sm{default}")), by.get(("triton", f"ours-graph-sm{default}"))
+        if eager and graph and tokens <= 1024:
+            for op in ("dispatch", "combine"):
+                lines.append(
+                    f"{name}: eager {op} {1e3 * eager[f'{op}_ms']:.0f} us = "
+                    f"{eager[f'{op}_ms'] / graph[f'{op}_ms']:.1f}x its graph replay (goal <= 2x)"
+                )
+        torch_row, nccl = by.get(("torch", "torch")), by.get(("torch", "nccl-dest"))
+        if torch_row and nccl:
+            for op in ("dispatch", "combine"):
+                lines.append(
+                    f"{name}: torch backend {op} {1e3 * torch_row[f'{op}_ms']:.0f} us vs NCCL per-rank "
+                    f"pipeline {1e3 * nccl[f'{op}_ms']:.0f} us: {torch_row[f'{op}_ms'] / nccl[f'{op}_ms']:.2f}x "
+                    "(goal <= 1x)"
+                )
+    return lines
 
 
 def run_bench(bench: str, out: Path, ngpu: int, quick: bool) -> dict:
@@ -125,7 +172,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description="ep-a2a benchmark")
     p.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks/ep-a2a"))
     p.add_argument("--gpus", type=int, nargs="+", default=None, help="GPU counts to run (default: 2, and 4)")
-    p.add_argument("--quick", action="store_true", help="the DeepSeek-V3 uniform case only")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the DeepSeek-V3 uniform cases only (4096 and 128 tokens: num_sm sweep, layer default, torch "
+        "backend, NCCL), without the other experiments",
+    )
     p.add_argument("--render-only", action="store_true", help="redraw the figure of --kind's results file")
     p.add_argument("--kind", default=None, help="GPU kind of the results file (default: this machine's)")
     args = p.parse_args()
@@ -165,6 +217,7 @@ def main() -> int:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {path}")
+        print("\n".join(summary([r for r in record["results"] if r["gpus"] in counts])))
     if plot(record, args.out_dir / f"{kind}.png"):
         print(f"wrote {args.out_dir / f'{kind}.png'}")
     return 0

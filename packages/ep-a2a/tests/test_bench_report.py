@@ -103,3 +103,25 @@ def test_run_record_commit(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert run_record.commit() is None
+
+
+def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl() -> None:
+    """``run.summary`` reads the default ``num_sm`` against the sweep's best, eager against graph and the
+    torch backend against the NCCL per-rank pipeline off the rows of one run."""
+    import run
+
+    case = {"gpus": 2, "shape": "deepseek-v3", "routing": "uniform", "tokens": 128}
+    rows = [
+        {**case, "bench": "triton", "method": "ours-sm20", "dispatch_ms": 0.1, "combine_ms": 0.05},
+        {**case, "bench": "triton", "method": "ours-sm132", "dispatch_ms": 0.2, "combine_ms": 0.05,
+         "default_num_sm": 132},
+        {**case, "bench": "triton", "method": "ours-graph-sm20", "dispatch_ms": 0.04, "combine_ms": 0.02},
+        {**case, "bench": "triton", "method": "ours-graph-sm132", "dispatch_ms": 0.04, "combine_ms": 0.02},
+        {**case, "bench": "torch", "method": "torch", "dispatch_ms": 0.5, "combine_ms": 0.3},
+        {**case, "bench": "torch", "method": "nccl-dest", "dispatch_ms": 1.0, "combine_ms": 0.3},
+    ]  # fmt: skip
+    text = "\n".join(run.summary(rows))
+    assert "eager dispatch: default num_sm=132 200 us, best num_sm=20 100 us: default at 50%" in text
+    assert "graph combine: default num_sm=132 20 us, best num_sm=20 20 us: default at 100%" in text
+    assert "eager dispatch 200 us = 5.0x its graph replay" in text
+    assert "torch backend dispatch 500 us vs NCCL per-rank pipeline 1000 us: 0.50x" in text

@@ -426,24 +426,56 @@ def test_small_outputs_allocated_ahead(monkeypatch):
     assert be._next_small[0] == (stream[0], 1000, False)
 
 
+def _polling_backend(*, rank: int, wait_s: float, call: int, check):
+    """A Triton backend reduced to its host poll of the counts mirror (never written here) during a
+    dispatch at ``call``, with ``check`` standing in for the operation board's."""
+    import numpy as np
+
+    from ep_a2a.backends.triton import TritonBackend
+
+    be = object.__new__(TritonBackend)
+    be.config = SimpleNamespace(rank=rank)
+    be._mirror_np = np.zeros(6, dtype=np.int64)
+    be._mirror_wait_s = wait_s
+    be._mirror_lost = None
+    be._finalized = False
+    be._op = (call, "dispatch")
+    be.board = SimpleNamespace(check=check)
+    return be
+
+
 def test_mirror_poll_is_bounded():
     """The exact-shape flows without a host wait poll the host mirror of ``info``: a row kernel that
     never writes it raises ``EPTimeoutError`` after the bound, and the backend refuses later calls (a late
     write could land in a later call's poll)."""
-    import numpy as np
-
     from ep_a2a import EPTimeoutError
-    from ep_a2a.backends.triton import TritonBackend
 
-    be = object.__new__(TritonBackend)
-    be.config = SimpleNamespace(rank=3)
-    be._mirror_np = np.zeros(6, dtype=np.int64)
-    be._mirror_wait_s = 0.01
-    be._mirror_lost = None
-    be._finalized = False
+    # (the peers not there yet, nothing wrong)
+    be = _polling_backend(rank=3, wait_s=0.01, call=0, check=lambda call, op: False)
     with pytest.raises(EPTimeoutError, match="rank 3's row kernel") as exc:
         be._read_mirror()
     assert exc.value.missing_ranks == [3]
+    with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
+        be._check_usable()
+
+
+def test_poll_stops_at_a_peer_in_another_operation():
+    """While the host polls for its counts, a peer found in another operation at the same call ends the
+    wait at once with that ``EPProtocolError`` (not the timeout), and the backend refuses later calls."""
+    from ep_a2a import EPProtocolError
+
+    seen = []
+
+    def check(call, op):
+        seen.append((call, op))
+        if len(seen) > 3:
+            raise EPProtocolError("rank 1 is in combine (call #5)", operations={0: "dispatch", 1: "combine"})
+        return False
+
+    be = _polling_backend(rank=0, wait_s=60.0, call=5, check=check)
+    with pytest.raises(EPProtocolError, match="rank 1 is in combine"):
+        be._read_mirror()
+    assert seen[0] == (5, "dispatch")
     with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
         be._check_usable()
 

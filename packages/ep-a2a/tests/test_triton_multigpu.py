@@ -605,6 +605,18 @@ def test_cuda_graph_capture_replay(group, api, copy_engine):
         be.finalize()
 
 
+def _small_backend(group, *, timeout_s: float):
+    """A small layer's backend with a short timeout, and this rank's 16 tokens and expert ids."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    be = _make_backend(
+        group, max_tokens=16, hidden=256, topk=2, experts=8, dtype=torch.bfloat16, heap="torch",
+        timeout_s=timeout_s,
+    )  # fmt: skip
+    x = torch.randn(16, 256, device=dev).to(torch.bfloat16)
+    ids = torch.randint(0, 8, (16, 2), dtype=torch.int32, device=dev)
+    return be, x, ids
+
+
 def test_missing_rank_times_out(group):
     """The last rank skips a dispatch: the others raise EPTimeoutError naming it, within the timeout."""
     import time
@@ -612,13 +624,8 @@ def test_missing_rank_times_out(group):
     from ep_a2a._dist import EPTimeoutError
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    be = _make_backend(
-        group, max_tokens=16, hidden=256, topk=2, experts=8, dtype=torch.bfloat16, heap="torch", timeout_s=2.0
-    )
+    be, x, ids = _small_backend(group, timeout_s=2.0)
     try:
-        x = torch.randn(16, 256, device=dev).to(torch.bfloat16)
-        ids = torch.randint(0, 8, (16, 2), dtype=torch.int32, device=dev)
         if rank != world - 1:
             t0 = time.perf_counter()
             with pytest.raises(EPTimeoutError, match=f"rank {world - 1}") as info:
@@ -629,6 +636,38 @@ def test_missing_rank_times_out(group):
                 be.dispatch(x, ids, None, None)
     finally:
         torch.cuda.synchronize()
+        be.finalize()
+
+
+@pytest.mark.parametrize("second", ["combine", "barrier"])
+def test_misordered_calls_raise_protocol_error(group, second):
+    """After one dispatch, rank 0 dispatches again while the others call ``second``: every rank raises
+    EPProtocolError naming both operations (no rank returns data, nobody waits for the timeout), and the
+    backend refuses further calls."""
+    import time
+
+    from ep_a2a import EPProtocolError
+
+    rank = dist.get_rank(group)
+    be, x, ids = _small_backend(group, timeout_s=5.0)
+    try:
+        out, _, desc = be.dispatch(x, ids, None, None)
+        calls = {
+            "dispatch": lambda: be.dispatch(x, ids, None, None),
+            "combine": lambda: be.combine(out, desc),
+            "barrier": lambda: be.barrier(),
+        }
+        t0 = time.perf_counter()
+        with pytest.raises(EPProtocolError) as info:
+            calls["dispatch" if rank == 0 else second]()
+        assert time.perf_counter() - t0 < 4.0  # detected on the host, before the device wait runs out
+        msg = str(info.value)
+        assert "rank 0 is in dispatch (call #1)" in msg, msg
+        assert f"is in {second} (call #1)" in msg, msg
+        with pytest.raises(RuntimeError, match="unusable"):
+            be.dispatch(x, ids, None, None)
+    finally:
+        torch.cuda.synchronize()  # (kernels already launched stop at their own timeout)
         be.finalize()
 
 

@@ -40,7 +40,8 @@ def bench_decode(b: int, h_q: int, seqlen: int, topk: int, *, config: Config | N
     row: dict[str, Any] = {
         "op": "decode", "batch": b, "h_q": h_q, "seqlen": seqlen, "topk": topk,
         "backend": launch.backend if launch else None, "splits": launch.splits if launch else None,
-        "ms": ms, "ms_eager": time_ms(call), "tflops": fwd_flops(b, h_q, topk) / ms / 1e9,
+        "ms": ms, "ms_eager": (eager := time_ms(call)), "eager_over_graph": eager / ms,
+        "tflops": fwd_flops(b, h_q, topk) / ms / 1e9,
         "out_max_abs_err": float((out[:4].float() - r_out.float()).abs().max()),
         "lse_max_abs_err": float((lse[:4] - r_lse).abs().max()),
     }  # fmt: skip
@@ -49,21 +50,40 @@ def bench_decode(b: int, h_q: int, seqlen: int, topk: int, *, config: Config | N
 
 def bench_host_cost(n_calls: int = 300) -> list[dict]:
     """Host cost per call of each public op: a tiny problem (one token, 64 slots) whose GPU time is a few
-    microseconds, called back to back; wall time per call with one synchronisation at the end."""
+    microseconds, called back to back with default arguments; wall time per call with one synchronisation
+    at the end. ``sparse_mla`` is one forward and backward through autograd."""
     import time
 
     from bench_forward import make_inputs
 
-    from sparse_mla_attn import attn_dist, sparse_mla_bwd, sparse_mla_fwd
+    import sparse_mla_attn as sm
 
     q, kv, idx = make_inputs(1, 128, 4096, 64)
-    out, _, lse = sparse_mla_fwd(q, kv, idx, 0.04)
+    out, _, lse = sm.sparse_mla_fwd(q, kv, idx, 0.04)
     dec = make_decode_inputs(1, 128, 4096, 64)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q_idx = torch.randn(1, 64, 128, device="cuda", generator=g).bfloat16()
+    k_idx = torch.randn(4096, 128, device="cuda", generator=g).bfloat16()
+    w = torch.randn(1, 64, device="cuda", generator=g)
+    logits = sm.indexer_logits(q_idx, k_idx, w)
+    attn = sm.attn_dist(q, kv, idx, lse, 0.04)
+    at = sm.indexer_logits_at(q_idx, k_idx, w, idx)
+    q_g, kv_g = q.clone().requires_grad_(), kv.clone().requires_grad_()
+
+    def train_step() -> None:
+        sm.sparse_mla(q_g, kv_g, idx, 0.04).sum().backward()
+
     calls = {
-        "sparse_mla_fwd": lambda: sparse_mla_fwd(q, kv, idx, 0.04),
-        "attn_dist": lambda: attn_dist(q, kv, idx, lse, 0.04),
-        "sparse_mla_decode": lambda: sparse_mla_decode(*dec, 0.04),
-        "sparse_mla_bwd": lambda: sparse_mla_bwd(q, kv, out, out, idx, lse, 0.04),
+        "sparse_mla_fwd": lambda: sm.sparse_mla_fwd(q, kv, idx, 0.04),
+        "attn_dist": lambda: sm.attn_dist(q, kv, idx, lse, 0.04),
+        "sparse_mla_decode": lambda: sm.sparse_mla_decode(*dec, 0.04),
+        "sparse_mla_bwd": lambda: sm.sparse_mla_bwd(q, kv, out, out, idx, lse, 0.04),
+        "sparse_mla": train_step,
+        "indexer_logits": lambda: sm.indexer_logits(q_idx, k_idx, w),
+        "indexer_topk": lambda: sm.indexer_topk(logits, 64),
+        "indexer_logits_at": lambda: sm.indexer_logits_at(q_idx, k_idx, w, idx),
+        "indexer_target": lambda: sm.indexer_target(attn),
+        "indexer_kl_loss": lambda: sm.indexer_kl_loss(at, attn),
     }
     rows = []
     for name, call in calls.items():

@@ -9,8 +9,8 @@ FlashMLA's benchmark shape (s_q 4096, topk 2048, d_qk 576, d_v 512, h_q 128 and 
 with the default kernels and with ``Config(backend="triton")``; attn_dist at the same shapes; paged decode
 (h_q 128, topk 2048, batch 1 / 8 / 64 / 128); the backward (default and deterministic) and the indexer
 logits; a torch gather + einsum forward baseline. Times are medians of CUDA-event timed runs after
-warm-up (decode: CUDA-graph replays and eager calls); each row is also checked against the float32 reference
-on a slice. ``host_cost`` rows give each public op's host time per call (a tiny problem called back to back).
+warm-up (decode: CUDA-graph replays, ``ms``, and eager calls with default arguments, ``ms_eager``); each row is also checked against the float32 reference
+on a slice. ``host_cost`` rows give every public op's host time per call (a tiny problem called back to back).
 ``--flashmla PATH`` imports FlashMLA's Python package from PATH (a build of deepseek-ai/FlashMLA) and times
 its ``flash_mla_sparse_fwd`` on the forward rows' inputs; ``--flashmla-commit`` records which commit. ``--plot FILE`` redraws the figure of a results file.
 """
@@ -66,8 +66,9 @@ def measure(quick: bool, flashmla: Any) -> list[dict[str, Any]]:
         shape = {
             k: v for k, v in row.items() if k in ("s_q", "h_q", "s_kv", "batch", "seqlen", "topk", "causal")
         }
+        eager = f" (eager {row['ms_eager']:.3f} ms)" if "ms_eager" in row else ""
         print(
-            f"{row['op']:18s} {row.get('backend')!s:7s} {shape} {row['ms']:.3f} ms {row['tflops']:.0f} TFLOPS",
+            f"{row['op']:18s} {row.get('backend')!s:7s} {shape} {row['ms']:.3f} ms{eager} {row['tflops']:.0f} TFLOPS",
             flush=True,
         )
         return row

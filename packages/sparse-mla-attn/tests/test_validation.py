@@ -88,3 +88,28 @@ def test_decode_rejects():
         sparse_mla_decode(q, cache[:, :, 0], bt, sl, idx, 0.1)
     with pytest.raises(ValueError, match="indices must be int32"):
         sparse_mla_decode(q, cache, bt, sl, idx[:1], 0.1)
+
+
+def test_checks_are_cached_per_call_signature_only():
+    """A call signature that passed once is not checked again, but any change of shape, stride, dtype or
+    argument is a new signature: the same mistakes still raise after a good call."""
+    from sparse_mla_attn._inputs import kernel_test_device
+
+    dev = kernel_test_device()
+    q, kv, idx = (t.to(dev) for t in good())
+    for _ in range(2):  # the second call takes the cached signature
+        *_, lse = sparse_mla_fwd(q, kv, idx, 0.1)
+    q_strided = q.transpose(0, 2).contiguous().transpose(0, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        sparse_mla_fwd(q_strided, kv, idx, 0.1)
+    with pytest.raises(TypeError, match="kv must have q's dtype"):
+        sparse_mla_fwd(q, kv.half(), idx, 0.1)
+    with pytest.raises(ValueError, match="k_stride"):
+        sparse_mla_fwd(q, kv, idx, 0.1, k_stride=0)
+    with pytest.raises(ValueError, match="sm_scale"):
+        sparse_mla_fwd(q, kv, idx, float("nan"))
+    attn_dist(q, kv, idx, lse, 0.1)
+    with pytest.raises(ValueError, match="lse must be"):
+        attn_dist(q, kv, idx, lse[:, :2].contiguous(), 0.1)
+    with pytest.raises(ValueError, match="lse_base"):
+        attn_dist(q, kv, idx, lse, 0.1, lse_base="10")

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import socket
+import tempfile
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -199,3 +204,115 @@ class RankMonitor:
             with contextlib.suppress(Exception):
                 self.side_group.shutdown()
             self.side_group = None
+
+
+#: operation codes of :class:`OpBoard` words
+BOARD_OPS = {
+    "dispatch": 1, "combine": 2, "combine_per_slot": 3, "barrier": 4, "dispatch_static": 5, "combine_static": 6,
+}  # fmt: skip
+_BOARD_NAMES = {code: name for name, code in BOARD_OPS.items()}
+#: words per rank: a peer is never more than a call or two ahead, so a ring of 8 keeps every word read
+_BOARD_SLOTS = 8
+
+
+class OpBoard:
+    """Every rank's latest operations, in host shared memory, for the ranks of one host.
+
+    Each rank writes ``(call << 8) | operation`` into slot ``call % 8`` of its own small file in
+    ``/dev/shm`` (a plain store, no collective) when it starts an operation, and reads the peers' files:
+    two ranks whose words for one call name different operations called the layer in different orders.
+    Peers on other hosts (whose files are not visible here) are not checked.
+
+    Construction is collective (the files' paths travel through the monitor's store check-in).
+    """
+
+    def __init__(self, monitor: RankMonitor) -> None:
+        self.rank = monitor.rank
+        self.timeout_s = monitor.timeout_s
+        tag = monitor.prefix.replace("/", "_")
+        name = f"ep_a2a{tag}-r{self.rank}-p{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        folders = [f for f in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(f)]
+        for i, folder in enumerate(folders):  # (shared memory where there is any, else the temp folder)
+            self.path = os.path.join(folder, name)
+            try:
+                self.mine = np.memmap(self.path, dtype=np.int64, mode="w+", shape=(_BOARD_SLOTS,))
+                break
+            except OSError:
+                if i == len(folders) - 1:
+                    raise
+        self.mine[:] = -1
+        self.mine.flush()
+        host = socket.gethostname()
+        entries = monitor.checkin("board", f"{host}\x00{self.path}")
+        #: peer rank -> its words (ranks of this host only)
+        self.peers: dict[int, np.memmap] = {}
+        for r, entry in enumerate(entries):
+            their_host, _, path = entry.partition("\x00")
+            if r == self.rank or their_host != host:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                self.peers[r] = np.memmap(path, dtype=np.int64, mode="r", shape=(_BOARD_SLOTS,))
+        self.calls = 0
+
+    def publish(self, op: str) -> int:
+        """Record that this rank starts ``op``; returns its call number."""
+        call = self.calls
+        self.calls += 1
+        self.mine[call % _BOARD_SLOTS] = (call << 8) | BOARD_OPS[op]
+        return call
+
+    def _word(self, r: int, call: int) -> tuple[int, int] | None:
+        """(call, operation code) of peer ``r`` in the slot of ``call``, or ``None`` before it got there."""
+        w = int(self.peers[r][call % _BOARD_SLOTS])
+        return None if w < 0 or (w >> 8) != call else (call, w & 0xFF)
+
+    def check(self, call: int, op: str) -> bool:
+        """Raise :class:`EPProtocolError` if a peer is in another operation at ``call``. Returns whether
+        every peer has reached ``call``."""
+        mine = BOARD_OPS[op]
+        words = {r: self._word(r, call) for r in self.peers}
+        if any(w is not None and w[1] != mine for w in words.values()):
+            ops = {self.rank: f"{op} (call #{call})"}
+            for r, w in words.items():
+                if w is not None:
+                    ops[r] = f"{_BOARD_NAMES.get(w[1], f'operation {w[1]}')} (call #{call})"
+            raise EPProtocolError(
+                "ep_a2a: ranks called the layer's collectives in different orders: "
+                + ", ".join(f"rank {r} is in {what}" for r, what in sorted(ops.items()))
+                + f" (this is rank {self.rank}). Every rank must call dispatch, combine and barrier in the "
+                "same order; no rank returns data, and the layer is unusable from here: finalize it",
+                operations=ops,
+            )
+        return all(w is not None for w in words.values())
+
+    def wait(self, call: int, op: str, step: str, deadline: float | None = None) -> None:
+        """Wait until every peer reached ``call`` (checking, as :meth:`check` does, that it is in ``op``).
+
+        Raises:
+            EPProtocolError: a peer is in another operation.
+            EPTimeoutError: a peer did not reach ``call`` within ``timeout_s`` (named).
+        """
+        if self.check(call, op):
+            return
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
+        spins = 0
+        while not self.check(call, op):
+            if time.monotonic() > deadline:
+                missing = [r for r in self.peers if self._word(r, call) is None]
+                raise EPTimeoutError(
+                    f"ep_a2a: rank {self.rank} waited {self.timeout_s:g}s at step {step!r} (call #{call}) but "
+                    f"rank(s) {missing} never started it",
+                    step=step,
+                    missing_ranks=missing,
+                )
+            spins += 1
+            if spins > 1000:
+                time.sleep(5e-5)
+
+    def close(self) -> None:
+        """Unmap the files and remove this rank's."""
+        self.peers.clear()
+        with contextlib.suppress(Exception):
+            del self.mine
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)

@@ -295,8 +295,11 @@ class EPLayer:
         if t.device != self.device:
             raise ValueError(f"{name} must be on {self.device} (the ep_group's device), got {t.device}")
 
-    def _check_dispatch_args(self, input: Any, exp_indices: Any, weight: Any) -> int:
-        """Shapes, dtypes and devices of a dispatch's tensors; returns the number of tokens."""
+    def _check_dispatch_args(
+        self, input: Any, exp_indices: Any, weight: Any, *, dtype: torch.dtype | None = None
+    ) -> int:
+        """Shapes, dtypes and devices of a dispatch's tensors (``input`` of ``dtype``, default the
+        layer's); returns the number of tokens."""
         cfg = self.config
         if not isinstance(input, torch.Tensor) or input.dim() != 2:
             raise ValueError(
@@ -305,26 +308,55 @@ class EPLayer:
         n = input.shape[0]
         if n > cfg.max_tokens:
             raise ValueError(f"input has {n} tokens, more than max_tokens={cfg.max_tokens}")
-        self._check_tensor("input", input, (n, cfg.hidden), (cfg.token_dtype,))
+        self._check_tensor("input", input, (n, cfg.hidden), (dtype or cfg.token_dtype,))
         self._check_tensor("exp_indices", exp_indices, (n, cfg.topk), _INT_DTYPES)
         if weight is not None:
             self._check_tensor("weight", weight, (n, cfg.topk), (cfg.weight_dtype,))
         return n
 
     # -- public API ------------------------------------------------------------------------------------
+    def _fp8_rows(
+        self, input: Any, exp_indices: Any, weight: Any, quantize: bool
+    ) -> tuple[torch.Tensor, int]:
+        """An FP8 dispatch's token rows as bytes ``[n, hidden + 4 * hidden / 128]`` (the FP8 row, then its
+        float32 scales), after checking the tuple (or quantizing ``input``); returns them and ``n``."""
+        from ep_a2a.reference import FP8_BLOCK, quantize_fp8
+
+        cfg = self.config
+        if self.backend_name != "torch":
+            raise NotImplementedError(
+                f"FP8 dispatch runs on the torch backend so far; this layer runs the {self.backend_name} backend"
+            )
+        if cfg.hidden % FP8_BLOCK:
+            raise ValueError(f"FP8 dispatch needs hidden to be a multiple of {FP8_BLOCK}, got {cfg.hidden}")
+        if quantize:
+            n = self._check_dispatch_args(input, exp_indices, weight)
+            x_fp8, scales = quantize_fp8(input)
+        else:
+            if len(input) != 2:
+                raise ValueError(f"input as a tuple must be (x_fp8, scales), got {len(input)} items")
+            x_fp8, scales = input
+            n = self._check_dispatch_args(x_fp8, exp_indices, weight, dtype=torch.float8_e4m3fn)
+            self._check_tensor("scales", scales, (n, cfg.hidden // FP8_BLOCK), (torch.float32,))
+        return torch.cat([x_fp8.view(torch.uint8), scales.contiguous().view(torch.uint8)], 1), n
+
     @_eager_only
     def dispatch(
         self,
-        input: torch.Tensor,
+        input: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         exp_indices: torch.Tensor,
         weight: torch.Tensor | None = None,
         full_scatter_indices: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, EPAllToAllLayoutDesc]:
+        *,
+        fp8: bool = False,
+    ) -> tuple[Any, torch.Tensor | None, EPAllToAllLayoutDesc]:
         """Send every kept slot's token row to the rank hosting its expert (collective).
 
         Args:
             input: ``[num_tokens, hidden]`` ``dtype``, ``0 <= num_tokens <= max_tokens`` (may differ by rank
-                and by call).
+                and by call); or FP8 rows in DeepEP's format, a tuple ``(x_fp8 [num_tokens, hidden]
+                float8_e4m3fn, scales [num_tokens, hidden / 128] float32)`` (one scale per 128 channels;
+                ``hidden`` a multiple of 128; torch backend), moved bit for bit.
             exp_indices: ``[num_tokens, topk]`` integer global expert per slot in ``[0, num_tot_experts)``;
                 -1 drops the slot.
             weight: ``[num_tokens, topk]`` ``weight_dtype`` routing weights, or ``None``.
@@ -335,13 +367,19 @@ class EPLayer:
         Returns:
             ``(output, weights, layout_desc)``: ``output`` ``[R, hidden]`` ``dtype``, one row per received
             (token, expert) pair, ordered by local expert, source rank, token, slot (unless
-            ``full_scatter_indices`` placed them); ``weights`` ``[R]`` ``weight_dtype`` (``None`` without
-            ``weight``); ``layout_desc`` for :meth:`combine` (per-local-expert counts included).
-            Differentiable in ``input`` and ``weight``.
+            ``full_scatter_indices`` placed them) -- for FP8 input (or ``fp8=True``) the tuple
+            ``(rows [R, hidden] float8_e4m3fn, scales [R, hidden / 128] float32)`` in that order;
+            ``weights`` ``[R]`` ``weight_dtype`` (``None`` without ``weight``); ``layout_desc`` for
+            :meth:`combine` (per-local-expert counts included), which takes rows of the layer's dtype
+            whatever the dispatch carried. Differentiable in ``input`` and ``weight`` (not in FP8 rows).
         """
         self._check_alive("dispatch")
         cfg = self.config
-        n = self._check_dispatch_args(input, exp_indices, weight)
+        packed = None
+        if isinstance(input, tuple) or fp8:
+            packed, n = self._fp8_rows(input, exp_indices, weight, quantize=not isinstance(input, tuple))
+        else:
+            n = self._check_dispatch_args(input, exp_indices, weight)
         if full_scatter_indices is not None:
             self._check_tensor("full_scatter_indices", full_scatter_indices, (n, cfg.topk), _INT_DTYPES)
         backend = self.ctx.backend
@@ -360,11 +398,23 @@ class EPLayer:
             fsi = torch.where(idx >= 0, full_scatter_indices.to(torch.int32), -1).contiguous()
             if self.validate and fsi.numel() and int(torch.where(idx >= 0, fsi, 0).min()) < 0:
                 raise ValueError("full_scatter_indices must be >= 0 for every kept slot")
-        x = input.contiguous()
+        x = packed if packed is not None else input.contiguous()  # type: ignore[union-attr]
         w = weight.contiguous() if weight is not None else None
         if torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)):
-            return dispatch_with_grad(backend, x, idx, w, fsi)
-        return backend.dispatch(x, idx, w, fsi)
+            rows, out_w, desc = dispatch_with_grad(backend, x, idx, w, fsi)
+        else:
+            rows, out_w, desc = backend.dispatch(x, idx, w, fsi)
+        if packed is None:
+            return rows, out_w, desc
+        h = cfg.hidden
+        return (
+            (
+                rows[:, :h].contiguous().view(torch.float8_e4m3fn),
+                rows[:, h:].contiguous().view(torch.float32),
+            ),
+            out_w,
+            desc,
+        )
 
     @_eager_only
     def combine(self, input: torch.Tensor, ep_a2a_layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:

@@ -243,3 +243,44 @@ def combine_per_slot_ref(
                     out[t, k] = expert_outputs[e // e_local][int(scatter[s][t, k])].cpu()
         results.append(out)
     return results
+
+
+#: channels that share one FP8 scale (DeepEP's format)
+FP8_BLOCK = 128
+#: largest finite value of ``torch.float8_e4m3fn``
+FP8_MAX = 448.0
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-128-channel FP8 quantization in DeepEP's format.
+
+    Every block of 128 channels of a row gets the scale ``amax / 448`` (``amax`` = the block's largest
+    absolute value in float32, at least ``1e-4``); the block is divided by it and cast to
+    ``float8_e4m3fn``. ``x_fp8.float() * scale`` (per block) gives the row back within FP8's rounding.
+
+    Args:
+        x: ``[T, H]`` floating, ``H`` a multiple of 128.
+
+    Returns:
+        ``(x_fp8 [T, H] float8_e4m3fn, scales [T, H / 128] float32)``.
+
+    Raises:
+        ValueError: ``x`` not 2-D floating, or ``H`` not a multiple of 128.
+    """
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"x must be a [T, H] floating tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    t, h = x.shape
+    if h % FP8_BLOCK:
+        raise ValueError(
+            f"x's width H={h} must be a multiple of {FP8_BLOCK} (one scale per {FP8_BLOCK} channels)"
+        )
+    blocks = x.float().view(t, h // FP8_BLOCK, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
+    x_fp8 = (blocks * (FP8_MAX / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(t, h)
+    return x_fp8, amax / FP8_MAX
+
+
+def dequantize_fp8(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``[T, H]`` float32 rows of :func:`quantize_fp8`'s output: each 128-channel block times its scale."""
+    t, h = x_fp8.shape
+    return (x_fp8.float().view(t, h // FP8_BLOCK, FP8_BLOCK) * scales.unsqueeze(2)).view(t, h)

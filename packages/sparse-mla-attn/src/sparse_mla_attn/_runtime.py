@@ -1,10 +1,17 @@
-"""Runtime helpers shared by every op: interpreter check, device queries, custom-op registration and the
-registry of the latest kernel launch per op (read by the benchmarks and the GPU tests)."""
+"""Runtime helpers shared by every op: interpreter check, device queries, host-side integer helpers,
+custom-op registration, the launch of compiled kernels through cached handles, and the registry of the
+latest kernel launch per op (read by the benchmarks and the GPU tests).
+
+Host cost: an op validates its inputs once per call signature (:func:`call_signature`: shapes, strides,
+dtypes, devices and 16-byte alignment of its tensors, plus its non-float arguments) and launches each
+kernel through the compiled handle cached under that signature (:func:`launch`), so a repeated call does
+no validation, no Triton argument binding and no device-to-host synchronisation."""
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -12,8 +19,12 @@ from typing import Any, TypeVar
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: Entries kept per signature cache (validation results, compiled-kernel handles) before it is cleared.
+CACHE_LIMIT = 4096
 
 
 def _triton_interprets() -> bool:
@@ -57,6 +68,121 @@ def dot(a, b, acc=None):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def causal_max_k(q_pos, k_stride):
+    """Largest KV index visible from query position ``q_pos >= 0`` under the causal rule:
+    ``(q_pos + 1 - k_stride) / k_stride`` with C truncation, i.e. 0 while the numerator is negative
+    (:func:`sparse_mla_attn._validate.causal_limit` on the host)."""
+    return tl.maximum(q_pos + 1 - k_stride, 0) // k_stride
+
+
+@triton.jit
+def causal_hi(s_kv, q_pos, k_stride, CAUSAL: tl.constexpr):
+    """Exclusive upper bound of the valid KV indices of the query at ``q_pos``: ``s_kv``, and with
+    ``CAUSAL`` at most :func:`causal_max_k` ``+ 1``."""
+    hi = s_kv
+    if CAUSAL:
+        hi = tl.minimum(hi, causal_max_k(q_pos, k_stride) + 1)
+    return hi
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host integers (``triton.cdiv`` costs a microsecond per call on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two ``>= n`` (1 for ``n <= 1``), for host integers."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def call_signature(*tensors: torch.Tensor | None) -> tuple[Any, ...]:
+    """What validation and kernel specialisation depend on for these tensors: shape, strides, dtype,
+    device and whether the data pointer is 16-byte aligned (``None`` stays ``None``)."""
+    return tuple(
+        None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+        for t in tensors
+    )
+
+
+def cached(cache: dict[Any, Any], key: Any, compute: Callable[[], Any]) -> Any:
+    """``cache[key]``, computed by ``compute()`` on a miss (an exception is raised and not cached)."""
+    value = cache.get(key)
+    if value is None:
+        value = compute()
+        if len(cache) >= CACHE_LIMIT:
+            cache.clear()
+        cache[key] = value
+    return value
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> Any:
+    from triton.runtime.driver import driver
+
+    return driver.active
+
+
+def launch(
+    fn: Any, grid: tuple[int, ...], slots: dict[Any, Any] | None, name: Any, args: tuple[Any, ...],
+    consts: dict[str, Any],
+) -> Any:  # fmt: skip
+    """``fn[grid](*args, **consts)``, after its first launch through the compiled kernel kept in ``slots``.
+
+    ``slots`` belongs to a launch plan made for one call signature, and ``name`` names the launch within
+    it: together they must determine everything Triton specialises the launch on (the dtype and 16-byte
+    alignment of each tensor argument, the value class of each integer, the constexprs ``consts``), so the
+    kernel compiled at the first launch serves every later one. The handle is kept per current device,
+    as Triton keeps its kernels. ``slots=None`` (or the interpreter) always takes Triton's launch path.
+    Returns the compiled kernel (``None`` under the interpreter).
+    """
+    if slots is None or _INTERPRETING:
+        return fn[grid](*args, **consts)
+    # (No device query before the first compile: a CPU-only process may trace launches without a driver.)
+    hit = slots.get((name, _driver().get_current_device())) if slots else None
+    if hit is None:
+        kernel = fn[grid](*args, **consts)
+        if kernel is not None and hasattr(kernel, "packed_metadata"):
+            # The launcher takes every parameter in order: the positional ones, then the constexprs.
+            tail = tuple(consts.get(p.name, p.default) for p in fn.params[len(args) :])
+            slots[(name, _driver().get_current_device())] = (kernel, tail)
+        return kernel
+    kernel, tail = hit
+    driver = _driver()
+    stream = driver.get_current_stream(driver.get_current_device())
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    meta = kernel.launch_metadata(grid3, stream, *args, *tail) if enter is not None else None
+    kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *args, *tail)
+    return kernel
+
+
+#: Scratch buffer sets kept for reuse (one per launch plan, stream and thread), the most recent ones.
+SCRATCH_LIMIT = 32
+_SCRATCH: dict[Any, tuple[Any, tuple[torch.Tensor, ...]]] = {}
+
+
+def scratch(
+    owner: object, device: torch.device, make: Callable[[], tuple[torch.Tensor, ...]]
+) -> tuple[torch.Tensor, ...]:
+    """Scratch buffers of the launch plan ``owner`` on a CUDA ``device``, reused by its calls on one stream
+    and thread (work queued on one stream runs in order, so a call's kernels are done with the buffers
+    before the next call's start); up to ``SCRATCH_LIMIT`` sets are kept. Fresh ones (``make()``) on other
+    devices and while a CUDA graph is captured, whose memory belongs to the graph."""
+    if device.type != "cuda" or _INTERPRETING or torch.cuda.is_current_stream_capturing():
+        return make()
+    driver = _driver()
+    key = (id(owner), driver.get_current_stream(driver.get_current_device()), threading.get_ident())
+    hit = _SCRATCH.get(key)
+    if hit is not None and hit[0] is owner:
+        return hit[1]
+    if len(_SCRATCH) >= SCRATCH_LIMIT:
+        del _SCRATCH[next(iter(_SCRATCH))]  # the oldest set
+    buffers = make()
+    _SCRATCH[key] = (owner, buffers)  # the owner stays alive with its entry, so its id is not reused
+    return buffers
 
 
 def check_kernel_device(t: torch.Tensor, what: str) -> None:
@@ -120,13 +246,47 @@ def launches() -> dict[str, Launch]:
     return dict(_LAUNCHES)
 
 
-def define_op(name: str, fake: Callable[..., Any]) -> Callable[[F], F]:
+def _runs_directly(args: tuple[Any, ...]) -> bool:
+    """Whether an op call may skip the dispatcher: plain eager tensors, not traced, not recorded by
+    autograd (the custom op has no autograd formula), no dispatch mode active."""
+    if torch.compiler.is_compiling() or _current_dispatch_mode() is not None:
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor) and (
+            type(a) is not torch.Tensor or a.is_meta or (grad and a.requires_grad)
+        ):
+            return False
+    return True
+
+
+def define_op(
+    name: str,
+    fake: Callable[..., Any],
+    *,
+    backward: Callable[..., Any] | None = None,
+    setup_context: Callable[..., Any] | None = None,
+) -> Callable[[F], F]:
     """Register the decorated function as the custom op ``sparse_mla_attn::<name>`` with its fake (meta)
-    implementation ``fake`` (which receives the op's arguments and returns empty outputs)."""
+    implementation ``fake`` (which receives the op's arguments and returns empty outputs) and, if given,
+    its autograd formula (``backward`` and ``setup_context``, as ``torch.library.register_autograd``).
+
+    Returns a function with the op's arguments that runs the implementation directly on plain eager
+    tensors (the dispatcher would only forward the call to it) and goes through
+    ``torch.ops.sparse_mla_attn.<name>`` everywhere else: under ``torch.compile``, fake or meta tensors,
+    dispatch modes, and inputs that require grad."""
 
     def register(fn: F) -> F:
         op = torch.library.custom_op(f"sparse_mla_attn::{name}", mutates_args=())(fn)
         op.register_fake(fake)
-        return fn
+        if backward is not None:
+            op.register_autograd(backward, setup_context=setup_context)
+        dispatched = getattr(torch.ops.sparse_mla_attn, name).default
+
+        @functools.wraps(fn)
+        def call(*args: Any) -> Any:
+            return fn(*args) if _runs_directly(args) else dispatched(*args)
+
+        return call  # type: ignore[return-value]
 
     return register

@@ -213,13 +213,9 @@ def causal_keep(n_q: int, n_k: int, q_start_index: int, k_stride: int, device: t
 
 
 def check_decode_inputs(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    indices: torch.Tensor,
-    d_v: int,
-) -> SparseDims:
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    indices: torch.Tensor, d_v: int,
+) -> SparseDims:  # fmt: skip
     """Validate paged-decode inputs.
 
     Args:
@@ -285,16 +281,9 @@ def check_decode_inputs(
 
 
 def check_bwd_inputs(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    d_v: int,
-    q_start_index: int,
-    k_stride: int,
-) -> SparseDims:
+    q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, indices: torch.Tensor,
+    lse: torch.Tensor, d_v: int, q_start_index: int, k_stride: int,
+) -> SparseDims:  # fmt: skip
     """Validate the backward's inputs: those of the forward (any ``d_v`` that is a power of two >= 16 with
     ``d_qk - d_v`` 0 or a power of two >= 16; fp32 accepted), ``out`` / ``dout [s_q, h_q, d_v]`` in q's
     dtype and ``lse [s_q, h_q]`` fp32."""

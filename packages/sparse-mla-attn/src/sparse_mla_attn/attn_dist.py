@@ -10,13 +10,25 @@ depend on their order, so the output stays deterministic.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from sparse_mla_attn._runtime import check_kernel_device, define_op, interpreting, record_launch
+from sparse_mla_attn._runtime import (
+    cached,
+    call_signature,
+    causal_hi,
+    cdiv,
+    check_kernel_device,
+    define_op,
+    interpreting,
+    launch,
+    next_power_of_2,
+    record_launch,
+)
 from sparse_mla_attn._validate import (
     SparseDims,
     check_arg_types,
@@ -27,29 +39,20 @@ from sparse_mla_attn._validate import (
     check_sparse_inputs,
 )
 from sparse_mla_attn.backends.gluon_sm90 import attn_dist_adds_partials, launch_attn_dist_gluon, use_gluon
-from sparse_mla_attn.config import DEFAULT, Config
-from sparse_mla_attn.forward import LOG2E
+from sparse_mla_attn.config import DEFAULT, Config, config_of
+from sparse_mla_attn.forward import LOG2E, _load_q_tile
 
 
 @triton.jit
 def _attn_dist_block(
-    t0,
-    topk,
-    idx,
-    hi,
+    t0, topk, idx, hi,
     KV,
     stride_kv_row,
-    q_nope,
-    q_rope,
-    lse2,
-    sm_scale_log2,
+    q_nope, q_rope, lse2, sm_scale_log2,
     OUT_ROW,
-    D_NOPE: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_T: tl.constexpr, ATOMIC: tl.constexpr,
     DOT_F32: tl.constexpr,
-):
+):  # fmt: skip
     offs_t = t0 + tl.arange(0, BLOCK_T)
     t_mask = offs_t < topk
     valid = (idx >= 0) & (idx < hi)
@@ -59,6 +62,7 @@ def _attn_dist_block(
         k_nope = k_nope.to(tl.float32)
     s = tl.dot(q_nope, tl.trans(k_nope))
     if D_ROPE > 0:
+        # Loaded after the first product is issued (the order the compiled pipeline is tuned for).
         k_rope = tl.load(k_ptr + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=valid[:, None], other=0.0)
         if DOT_F32:
             k_rope = k_rope.to(tl.float32)
@@ -73,54 +77,22 @@ def _attn_dist_block(
 
 @triton.jit
 def _attn_dist_kernel(
-    Q,
-    KV,
-    IDX,
-    LSE,
-    OUT,
-    stride_q_s,
-    stride_q_h,
-    stride_kv_row,
-    stride_idx_s,
-    stride_lse_s,
-    h_q,
-    n_head_tiles,
-    topk,
-    s_kv,
-    q_start_index,
-    k_stride,
-    sm_scale_log2,
-    lse_to_log2,
-    D_NOPE: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    ATOMIC: tl.constexpr,
-    STATIC_T: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
+    Q, KV, IDX, LSE, OUT,
+    stride_q_s, stride_q_h, stride_kv_row, stride_idx_s, stride_lse_s,
+    h_q, n_head_tiles, topk, s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2,
+    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    CAUSAL: tl.constexpr, ATOMIC: tl.constexpr, STATIC_T: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     pid_h = pid % n_head_tiles
     pid_s = pid // n_head_tiles
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < h_q
-    q_base = Q + pid_s.to(tl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
-    q_nope = tl.load(q_base + tl.arange(0, D_NOPE)[None, :], mask=h_mask[:, None], other=0.0)
-    if D_ROPE > 0:
-        q_rope = tl.load(q_base + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=h_mask[:, None], other=0.0)
-    else:
-        q_rope = q_nope  # unused
-    if DOT_F32:
-        q_nope = q_nope.to(tl.float32)
-        q_rope = q_rope.to(tl.float32)
+    q_nope, q_rope = _load_q_tile(Q, pid_s, stride_q_s, stride_q_h, offs_h, h_mask, D_NOPE, D_ROPE, DOT_F32)
     # Padding heads get lse = +inf, so their probabilities are exactly 0.
     lse2 = tl.load(LSE + pid_s.to(tl.int64) * stride_lse_s + offs_h, mask=h_mask, other=float("inf"))
     lse2 = lse2 * lse_to_log2
-    hi = s_kv
-    if CAUSAL:
-        num = q_start_index + pid_s + 1 - k_stride
-        hi = tl.minimum(hi, tl.maximum(num, 0) // k_stride + 1)
+    hi = causal_hi(s_kv, q_start_index + pid_s, k_stride, CAUSAL)
     idx_row = IDX + pid_s.to(tl.int64) * stride_idx_s
     out_row = OUT + pid_s.to(tl.int64) * topk
     # Indices of block t+1 are loaded one iteration ahead (see forward.py) so the gather can be pipelined.
@@ -140,43 +112,32 @@ def _attn_dist_kernel(
                              D_NOPE, D_ROPE, BLOCK_T, ATOMIC, DOT_F32)  # fmt: skip
 
 
+@functools.lru_cache(maxsize=64)
 def attn_dist_config(h_q: int, s_kv: int = 0) -> dict[str, Any]:
     """Tile shape and launch options for ``attn_dist`` (at most two head tiles for any h_q <= 128)."""
     if interpreting():
         return {
-            "BLOCK_H": max(16, triton.next_power_of_2(min(h_q, 64))),
+            "BLOCK_H": max(16, next_power_of_2(min(h_q, 64))),
             "BLOCK_T": 16,
             "num_warps": 4,
             "num_stages": 1,
         }
     if h_q > 64:  # one 128-head tile: each gathered KV row serves all heads
         return {"BLOCK_H": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 1}
-    block_h = max(16, triton.next_power_of_2(h_q))
+    block_h = max(16, next_power_of_2(h_q))
     if s_kv > 16384:
         # KV past L2: three 32-row blocks in flight beat two of 64 rows.
         return {"BLOCK_H": block_h, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_H": block_h, "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
-def launch_attn_dist(
-    q: torch.Tensor,
-    kv_rows: torch.Tensor,
-    idx: torch.Tensor,
-    lse: torch.Tensor,
-    dims: SparseDims,
-    sm_scale: float,
-    lse_to_log2: float,
-    *,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    causal: bool = True,
-    config: Config = DEFAULT,
-    tiles: dict[str, Any] | None = None,
-) -> torch.Tensor:
-    """Launch attn_dist on validated inputs (``kv_rows [s_kv, d_qk]``, ``idx [s_q, topk]``); ``tiles``
-    overrides :func:`attn_dist_config`'s Triton tile (tests)."""
+def plan_attn_dist(
+    q: torch.Tensor, kv_rows: torch.Tensor, dims: SparseDims, config: Config, tiles: dict[str, Any] | None
+) -> tuple[dict[str, Any], int, bool, bool, dict[Any, Any]]:
+    """Triton tile, head tiles, whether the Gluon kernel runs, whether the kernel adds partial sums, and the
+    slots of its compiled kernels (see :func:`sparse_mla_attn._runtime.launch`)."""
     cfg = {**attn_dist_config(dims.h_q, dims.s_kv), **(tiles or {})}
-    n_head_tiles = triton.cdiv(dims.h_q, cfg["BLOCK_H"])
+    n_head_tiles = cdiv(dims.h_q, cfg["BLOCK_H"])
     if n_head_tiles > 2:
         raise ValueError(
             f"attn_dist: BLOCK_H={cfg['BLOCK_H']} gives {n_head_tiles} head tiles; at most 2 keep it deterministic"
@@ -184,6 +145,26 @@ def launch_attn_dist(
     gluon = use_gluon(config.backend, dims.h_q > 32, "attn_dist", q, kv_rows)
     # Kernels that add partial sums (two head tiles) need a zeroed output.
     atomic = attn_dist_adds_partials(dims.h_q) if gluon else n_head_tiles > 1
+    return cfg, n_head_tiles, gluon, atomic, {}
+
+
+_PLANS: dict[Any, tuple[dict[str, Any], int, bool, bool, dict[Any, Any]]] = {}
+
+
+def launch_attn_dist(
+    q: torch.Tensor, kv_rows: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor, dims: SparseDims,
+    sm_scale: float, lse_to_log2: float, *, q_start_index: int = 0, k_stride: int = 1, causal: bool = True,
+    config: Config = DEFAULT, tiles: dict[str, Any] | None = None, key: Any = None,
+) -> torch.Tensor:  # fmt: skip
+    """Launch attn_dist on validated inputs (``kv_rows [s_kv, d_qk]``, ``idx [s_q, topk]``); ``tiles``
+    overrides :func:`attn_dist_config`'s Triton tile (tests); ``key``: the caller's call signature, under
+    which the plan and its compiled kernels are cached (see :func:`sparse_mla_attn._runtime.launch`)."""
+    if tiles is not None:
+        key = None
+    compute = lambda: plan_attn_dist(q, kv_rows, dims, config, tiles)
+    cfg, n_head_tiles, gluon, atomic, slots = compute() if key is None else cached(_PLANS, key, compute)
+    if key is None:
+        slots = None  # a plan made for this call only
     alloc = torch.zeros if atomic else torch.empty
     out = alloc(dims.s_q, dims.topk, dtype=torch.float32, device=q.device)
     if dims.s_q == 0:
@@ -191,50 +172,19 @@ def launch_attn_dist(
     if gluon:
         # Hopper: all heads of a token in one program, query in registers, explicit cp.async ring.
         kernel = launch_attn_dist_gluon(
-            q,
-            kv_rows,
-            idx,
-            lse,
-            out,
-            dims,
-            sm_scale * LOG2E,
-            lse_to_log2,
-            q_start_index=q_start_index,
-            k_stride=k_stride,
-            causal=causal,
-        )
+            q, kv_rows, idx, lse, out, dims, sm_scale * LOG2E, lse_to_log2, q_start_index=q_start_index,
+            k_stride=k_stride, causal=causal, slots=slots,
+        )  # fmt: skip
         record_launch("attn_dist", kernel, backend="gluon")
         return out
-    kernel = _attn_dist_kernel[(dims.s_q * n_head_tiles,)](
-        q,
-        kv_rows,
-        idx,
-        lse,
-        out,
-        q.stride(0),
-        q.stride(1),
-        kv_rows.stride(0),
-        idx.stride(0),
-        lse.stride(0),
-        dims.h_q,
-        n_head_tiles,
-        dims.topk,
-        dims.s_kv,
-        q_start_index,
-        k_stride,
-        sm_scale * LOG2E,
-        lse_to_log2,
-        D_NOPE=512,
-        D_ROPE=dims.d_qk - 512,
-        BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_T=cfg["BLOCK_T"],
-        CAUSAL=causal,
-        ATOMIC=atomic,
-        STATIC_T=dims.topk if interpreting() else 0,
-        DOT_F32=interpreting(),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    kernel = launch(
+        _attn_dist_kernel, (dims.s_q * n_head_tiles,), slots, "attn_dist",
+        (q, kv_rows, idx, lse, out, q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
+         dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale * LOG2E, lse_to_log2),
+        dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_H=cfg["BLOCK_H"], BLOCK_T=cfg["BLOCK_T"], CAUSAL=causal,
+             ATOMIC=atomic, STATIC_T=dims.topk if interpreting() else 0, DOT_F32=interpreting(),
+             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+    )  # fmt: skip
     record_launch("attn_dist", kernel)
     return out
 
@@ -256,7 +206,17 @@ def indexer_target(attn_sum: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
         raise ValueError(
             f"attn_sum must be a 2-D tensor [s_q, topk], got {getattr(attn_sum, 'shape', attn_sum)}"
         )
-    a = attn_sum.detach().float()
+    return _target_op(attn_sum.detach(), float(eps))
+
+
+def _target_fake(attn_sum: torch.Tensor, eps: float) -> torch.Tensor:
+    return attn_sum.new_empty(attn_sum.shape, dtype=torch.float32)
+
+
+@define_op("indexer_target", _target_fake)
+def _target_op(attn_sum: torch.Tensor, eps: float) -> torch.Tensor:
+    # An op of its own so that its value check (a synchronising read) stays out of compiled graphs.
+    a = attn_sum.float()
     if a.numel() and bool((a < 0).any() | a.isnan().any()):
         raise ValueError("attn_sum must hold probabilities (>= 0, not NaN), e.g. from attn_dist")
     total = a.sum(-1, keepdim=True) + eps
@@ -268,40 +228,37 @@ def _attn_dist_fake(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *_
     return q.new_empty(dims.s_q, dims.topk, dtype=torch.float32)
 
 
-@define_op("attn_dist", _attn_dist_fake)
-def _attn_dist_op(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    q_start_index: int,
-    k_stride: int,
-    lse_base: str,
-    causal: bool,
-    backend: str,
-) -> torch.Tensor:
+def _check_attn_dist(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, q_start_index: int,
+    k_stride: int, lse_base: str,
+) -> SparseDims:  # fmt: skip
     dims = check_sparse_inputs(q, kv, indices, 1, float_ok=False)
     check_kernel_dims(dims, q.dtype, "attn_dist", check_d_v=False)
     check_lse(lse, dims, q.device)
     check_causal_args(q_start_index, k_stride)
-    sm_scale = check_sm_scale(sm_scale)
     if lse_base not in ("e", "2"):
         raise ValueError(f'lse_base must be "e" or "2", got {lse_base!r}')
     check_kernel_device(q, "attn_dist")
-    return launch_attn_dist(
-        q,
-        kv[:, 0],
-        indices[:, 0],
-        lse,
-        dims,
-        sm_scale,
-        LOG2E if lse_base == "e" else 1.0,
-        q_start_index=q_start_index,
-        k_stride=k_stride,
-        causal=causal,
-        config=Config(backend=backend),
+    return dims
+
+
+_CHECKED: dict[Any, SparseDims] = {}
+
+
+@define_op("attn_dist", _attn_dist_fake)
+def _attn_dist_op(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float,
+    q_start_index: int, k_stride: int, lse_base: str, causal: bool, backend: str,
+) -> torch.Tensor:  # fmt: skip
+    # Validation and launch plan depend only on the call signature: checked once per signature.
+    key = (*call_signature(q, kv, indices, lse), q_start_index, k_stride, lse_base, causal, backend)
+    dims = cached(
+        _CHECKED, key, lambda: _check_attn_dist(q, kv, indices, lse, q_start_index, k_stride, lse_base)
     )
+    return launch_attn_dist(
+        q, kv[:, 0], indices[:, 0], lse, dims, check_sm_scale(sm_scale), LOG2E if lse_base == "e" else 1.0,
+        q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config_of(backend), key=key,
+    )  # fmt: skip
 
 
 def attn_dist(
@@ -354,6 +311,6 @@ def attn_dist(
         {"q_start_index": q_start_index, "k_stride": k_stride},
     )
     check_sm_scale(sm_scale)
-    return torch.ops.sparse_mla_attn.attn_dist(
+    return _attn_dist_op(
         q, kv, indices, lse, sm_scale, q_start_index, k_stride, lse_base, causal, (config or DEFAULT).backend
     )

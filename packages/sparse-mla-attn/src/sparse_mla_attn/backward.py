@@ -24,6 +24,7 @@ bit-identical from run to run.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -31,15 +32,21 @@ import triton
 import triton.language as tl
 
 from sparse_mla_attn._runtime import (
+    cached,
+    call_signature,
+    causal_max_k,
+    cdiv,
     check_kernel_device,
     define_op,
     dot,
     interpreting,
+    launch,
     mask_and,
+    next_power_of_2,
     record_launch,
 )
 from sparse_mla_attn._validate import check_arg_types, check_bwd_inputs, check_sm_scale
-from sparse_mla_attn.config import DEFAULT, Config
+from sparse_mla_attn.config import DEFAULT, Config, config_of
 from sparse_mla_attn.reference import valid_slots
 
 # ----------------------------------------------------------------------------------------------------------
@@ -60,17 +67,11 @@ def _slot_index(idx_row_ptr, offs_t, topk, s_kv, max_k, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _delta_kernel(
-    out_ptr,
-    dout_ptr,
-    delta_ptr,
-    stride_os,
-    stride_oh,
-    stride_dos,
-    stride_doh,
+    out_ptr, dout_ptr, delta_ptr,
+    stride_os, stride_oh, stride_dos, stride_doh,
     h_q,
-    D_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
+    D_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
     s = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D_V)
@@ -124,47 +125,15 @@ def _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINIS
 
 @triton.jit
 def _main_kernel(
-    q_ptr,
-    kv_ptr,
-    dout_ptr,
-    lse_ptr,
-    delta_ptr,
-    idx_ptr,
-    ds_ptr,
-    p_ptr,
-    dkv_ptr,
-    part_ptr,
-    attn_ptr,
+    q_ptr, kv_ptr, dout_ptr, lse_ptr, delta_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, part_ptr, attn_ptr,
     n_tok,
-    stride_qs,
-    stride_qh,
-    stride_kvs,
-    stride_dos,
-    stride_doh,
-    stride_lses,
-    stride_is,
-    stride_part_hb,
-    s_kv,
-    h_q,
-    q_start_index,
-    k_stride,
-    sm_scale,
-    topk: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DETERMINISTIC: tl.constexpr,
-    D_QK: tl.constexpr,
-    D_V: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    N_HB: tl.constexpr,
-    CHUNK_STAGES: tl.constexpr,
-    N_SUB: tl.constexpr,
-    BLOCK_DV2: tl.constexpr,
-    ATTN_SUM: tl.constexpr,
-    SPLIT_DKV: tl.constexpr,
-):
+    stride_qs, stride_qh, stride_kvs, stride_dos, stride_doh, stride_lses, stride_is, stride_part_hb,
+    s_kv, h_q, q_start_index, k_stride, sm_scale,
+    topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_DV: tl.constexpr, N_HB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_SUB: tl.constexpr,
+    BLOCK_DV2: tl.constexpr, ATTN_SUM: tl.constexpr, SPLIT_DKV: tl.constexpr,
+):  # fmt: skip
     # A program owns one token and N_SUB * BLOCK_H heads. With N_SUB = 2 the scores of the two head halves
     # are computed one after the other (registers for one [BLOCK_H, BLOCK_T] pair at a time), and their dkv
     # contributions are summed before the single atomic update: half the atomics and half the row gathers.
@@ -180,7 +149,7 @@ def _main_kernel(
     delta0 = tl.load(delta_ptr + s * h_q + offs_h0, mask=hmask0, other=0.0)
     lse1 = tl.load(lse_ptr + s * stride_lses + offs_h1, mask=hmask1, other=float("inf")) * 1.4426950408889634
     delta1 = tl.load(delta_ptr + s * h_q + offs_h1, mask=hmask1, other=0.0)
-    max_k = tl.maximum(q_start_index + s + 1 - k_stride, 0) // k_stride
+    max_k = causal_max_k(q_start_index + s, k_stride)
     scale_log2 = sm_scale * 1.4426950408889634
     q_row0 = q_ptr + s * stride_qs + offs_h0[:, None] * stride_qh
     do_row0 = dout_ptr + s * stride_dos + offs_h0[:, None] * stride_doh
@@ -239,36 +208,14 @@ def _main_kernel(
 
 @triton.jit
 def _dkv_kernel(
-    ds_ptr,
-    p_ptr,
-    q_ptr,
-    dout_ptr,
-    idx_ptr,
-    dkv_ptr,
-    part_ptr,
+    ds_ptr, p_ptr, q_ptr, dout_ptr, idx_ptr, dkv_ptr, part_ptr,
     n_tok,
-    stride_qs,
-    stride_qh,
-    stride_dos,
-    stride_doh,
-    stride_is,
-    s_kv,
-    h_q,
-    q_start_index,
-    k_stride,
-    topk: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DETERMINISTIC: tl.constexpr,
-    D_QK: tl.constexpr,
-    D_V: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    N_TB: tl.constexpr,
-    CHUNK_STAGES: tl.constexpr,
-    N_CSPLIT: tl.constexpr,
-):
+    stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
+    s_kv, h_q, q_start_index, k_stride,
+    topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr, N_TB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_CSPLIT: tl.constexpr,
+):  # fmt: skip
     # One program per (token, block of BLOCK_T slots) with ALL heads (BLOCK_H >= h_q): the dkv contribution
     # of a slot, dS^T q + P^T dout summed over every head, is one [BLOCK_T, channels] product with K = h_q,
     # so each (token, slot) is added into dkv once instead of once per head block. dS and P come from the
@@ -295,7 +242,7 @@ def _dkv_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < h_q
     offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    max_k = tl.maximum(q_start_index + s + 1 - k_stride, 0) // k_stride
+    max_k = causal_max_k(q_start_index + s, k_stride)
     rows, valid = _slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
     ws = s * h_q * topk + offs_h[:, None] * topk + offs_t[None, :]
     ws_mask = hmask[:, None] & valid[None, :]
@@ -363,27 +310,12 @@ def _dq_block(ds_row, kv_ptr, stride_kvs, idx_row, dq_row, hmask, d0, d_end, s_k
 
 @triton.jit
 def _dq_kernel(
-    ds_ptr,
-    kv_ptr,
-    idx_ptr,
-    dq_ptr,
-    stride_kvs,
-    stride_is,
-    stride_dqs,
-    stride_dqh,
-    s_kv,
-    h_q,
-    q_start_index,
-    k_stride,
-    topk: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    D_QK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    N_HB: tl.constexpr,
-    N_DB: tl.constexpr,
-):
+    ds_ptr, kv_ptr, idx_ptr, dq_ptr,
+    stride_kvs, stride_is, stride_dqs, stride_dqh,
+    s_kv, h_q, q_start_index, k_stride,
+    topk: tl.constexpr, CAUSAL: tl.constexpr, D_QK: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, N_DB: tl.constexpr,
+):  # fmt: skip
     # Programs of one token are adjacent in launch order so that its dS and gathered rows stay in L2.
     pid = tl.program_id(0)
     db = pid % N_DB
@@ -391,7 +323,7 @@ def _dq_kernel(
     s = (pid // (N_DB * N_HB)).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < h_q
-    max_k = tl.maximum(q_start_index + s + 1 - k_stride, 0) // k_stride
+    max_k = causal_max_k(q_start_index + s, k_stride)
     ds_row = ds_ptr + s * h_q * topk + offs_h[:, None] * topk
     dq_row = dq_ptr + s * stride_dqs + offs_h[:, None] * stride_dqh
     idx_row = idx_ptr + s * stride_is
@@ -401,18 +333,10 @@ def _dq_kernel(
 
 @triton.jit
 def _det_reduce_kernel(
-    part_ptr,
-    order_ptr,
-    seg_start_ptr,
-    seg_len_ptr,
-    seg_row_ptr,
-    dkv_ptr,
+    part_ptr, order_ptr, seg_start_ptr, seg_len_ptr, seg_row_ptr, dkv_ptr,
     stride_part_hb,
-    D_QK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    N_HB: tl.constexpr,
-    UNROLL: tl.constexpr,
-):
+    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, UNROLL: tl.constexpr,
+):  # fmt: skip
     """One program per (distinct KV row, channel block): sum its (token, slot) contributions in sorted order."""
     seg = tl.program_id(0)
     db = tl.program_id(1)
@@ -447,10 +371,11 @@ def _det_reduce_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
 def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, int]:
     """Tiles of the backward's kernels for a head count and mode (tests override them through
     :func:`launch_bwd`'s ``tiles``)."""
-    block_h = max(16, triton.next_power_of_2(min(h_q, 64)))
+    block_h = max(16, next_power_of_2(min(h_q, 64)))
     if interpreting():
         return {"BLOCK_H": block_h, "BLOCK_T": 16, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 32,
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
@@ -462,7 +387,7 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
     # contiguous workspace instead: 128 slots / 8 warps / one group. The fused kernel (h_q > 128):
     # 64-head x 128-slot blocks; deterministic two 64-head halves (N_SUB 2).
     cfg = {"BLOCK_H": block_h, "BLOCK_T": 128, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 128,
-           "BLOCK_H_DQ": max(16, triton.next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
+           "BLOCK_H_DQ": max(16, next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
            "chunk_stages": 3, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
            "SPLIT_DKV": 1, "BLOCK_T_DKV": 64, "BLOCK_C_DKV": min(d_v, 64), "num_warps_dkv": 4, "chunk_stages_dkv": 2, "N_CSPLIT": 2}  # fmt: skip
@@ -478,24 +403,14 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
 
 
 def launch_bwd(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    *,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    causal: bool = False,
-    deterministic: bool = False,
-    return_attn_sum: bool = False,
-    config: Config = DEFAULT,
-    tiles: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward on validated inputs; ``tiles`` overrides :func:`bwd_config` (tests).
+    q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, indices: torch.Tensor,
+    lse: torch.Tensor, sm_scale: float, d_v: int, *, q_start_index: int = 0, k_stride: int = 1,
+    causal: bool = False, deterministic: bool = False, return_attn_sum: bool = False,
+    config: Config = DEFAULT, tiles: dict[str, int] | None = None, slots: dict[Any, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Launch the backward on validated inputs; ``tiles`` overrides :func:`bwd_config` (tests); ``slots``: the
+    compiled-kernel slots of the caller's call signature (see :func:`sparse_mla_attn._runtime.launch`);
+    ``None``: nothing is cached.
 
     ``attn_sum`` is ``[s_q, topk]`` when asked for, else an empty ``[0, topk]`` tensor.
     """
@@ -503,30 +418,25 @@ def launch_bwd(
     s_kv = kv.shape[0]
     topk = indices.shape[2]
     dev = q.device
+    if tiles is not None:
+        slots = None
     cfg = {**bwd_config(h_q, topk, d_v, deterministic), **(tiles or {})}
     block_h, block_h_dq = cfg["BLOCK_H"], cfg["BLOCK_H_DQ"]
     if cfg["N_SUB"] not in (1, 2):
         raise ValueError(f"N_SUB must be 1 or 2, got {cfg['N_SUB']}")
-    n_hb = triton.cdiv(h_q, block_h * cfg["N_SUB"])
-    n_hb_dq = triton.cdiv(h_q, block_h_dq)
+    n_hb = cdiv(h_q, block_h * cfg["N_SUB"])
+    n_hb_dq = cdiv(h_q, block_h_dq)
     # The separate dkv kernel holds every head of a token in one tile: up to 128 heads.
     split_dkv = bool(cfg["SPLIT_DKV"]) and h_q <= 128
-    block_h_dkv = max(16, triton.next_power_of_2(h_q))
+    block_h_dkv = max(16, next_power_of_2(h_q))
     n_part_hb = 1 if split_dkv else n_hb  # head blocks whose dkv contributions the deterministic mode stores
-    n_db = triton.cdiv(d_qk, cfg["BLOCK_D"])
+    n_db = cdiv(d_qk, cfg["BLOCK_D"])
     delta = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
-    kernel = _delta_kernel[(s_q, triton.cdiv(h_q, 16))](
-        out,
-        dout,
-        delta,
-        out.stride(0),
-        out.stride(1),
-        dout.stride(0),
-        dout.stride(1),
-        h_q,
-        D_V=d_v,
-        BLOCK_H=16,
-    )
+    kernel = launch(
+        _delta_kernel, (s_q, cdiv(h_q, 16)), slots, "delta",
+        (out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), h_q),
+        {"D_V": d_v, "BLOCK_H": 16},
+    )  # fmt: skip
     record_launch("bwd.delta", kernel)
     dq = torch.empty_like(q)
     dkv32 = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=dev)
@@ -552,81 +462,68 @@ def launch_bwd(
         s1 = min(s_q, s0 + chunk)
         n = s1 - s0
         q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
-        kernel = _main_kernel[(n * n_hb,)](
-            q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, part, attn_part, n if return_attn_sum else 0,
-            q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
-            idx_c.stride(0), part.stride(0) if deterministic else 0,
-            s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale), topk=topk,
-            CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
-            BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb, CHUNK_STAGES=cfg["chunk_stages"],
-            N_SUB=cfg["N_SUB"], BLOCK_DV2=cfg["BLOCK_DV2"], ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        kernel = launch(
+            _main_kernel, (n * n_hb,), slots, ("main", s0),  # a chunk's views and positions depend on s0
+            (q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, part, attn_part, n if return_attn_sum else 0,
+             q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
+             idx_c.stride(0), part.stride(0) if deterministic else 0,
+             s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale)),
+            dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+                 BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
+                 CHUNK_STAGES=cfg["chunk_stages"], N_SUB=cfg["N_SUB"], BLOCK_DV2=cfg["BLOCK_DV2"],
+                 ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"],
+                 num_stages=cfg["num_stages"]),
         )  # fmt: skip
         record_launch("bwd.main", kernel)
         _launch_dq(cfg, ds_ws, kv, idx_c, dq[s0:s1], s_kv, h_q, q_start_index + s0, k_stride, topk, causal,
-                   d_qk, n, n_hb_dq, n_db)  # fmt: skip
+                   d_qk, n, n_hb_dq, n_db, slots, s0)  # fmt: skip
         if split_dkv:
-            n_tb = triton.cdiv(topk, cfg["BLOCK_T_DKV"])
+            n_tb = cdiv(topk, cfg["BLOCK_T_DKV"])
             n_chunks = d_v // cfg["BLOCK_C_DKV"] + (1 if d_qk > d_v else 0)
             n_csplit = min(cfg["N_CSPLIT"], n_chunks)
-            if n_csplit < 1 or (n_csplit - 1) * triton.cdiv(n_chunks, n_csplit) >= n_chunks:
+            if n_csplit < 1 or (n_csplit - 1) * cdiv(n_chunks, n_csplit) >= n_chunks:
                 raise ValueError(f"N_CSPLIT {n_csplit} leaves a channel group empty ({n_chunks} chunks)")
-            kernel = _dkv_kernel[(n_csplit * n * n_tb,)](
-                ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n,
-                q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1), idx_c.stride(0),
-                s_kv, h_q, q_start_index + s0, k_stride, topk=topk,
-                CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
-                BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"], BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
-                CHUNK_STAGES=cfg["chunk_stages_dkv"], N_CSPLIT=n_csplit,
-                num_warps=cfg["num_warps_dkv"], num_stages=1,
+            kernel = launch(
+                _dkv_kernel, (n_csplit * n * n_tb,), slots, ("dkv", s0),
+                (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n,
+                 q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1), idx_c.stride(0),
+                 s_kv, h_q, q_start_index + s0, k_stride),
+                dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+                     BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"], BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
+                     CHUNK_STAGES=cfg["chunk_stages_dkv"], N_CSPLIT=n_csplit,
+                     num_warps=cfg["num_warps_dkv"], num_stages=1),
             )  # fmt: skip
             record_launch("bwd.dkv", kernel)
         if deterministic:
-            _det_reduce(part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk)
+            _det_reduce(
+                part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk, slots, s0
+            )
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
     return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
 
 
 def _launch_dq(
-    cfg: dict[str, int],
-    ds_ws: torch.Tensor,
-    kv: torch.Tensor,
-    idx_c: torch.Tensor,
-    dq_c: torch.Tensor,
-    s_kv: int,
-    h_q: int,
-    q_start_index: int,
-    k_stride: int,
-    topk: int,
-    causal: bool,
-    d_qk: int,
-    n: int,
-    n_hb_dq: int,
-    n_db: int,
-) -> None:
-    """``dq = dS @ rows`` for one chunk of tokens, on the current stream."""
-    kernel = _dq_kernel[(n * n_hb_dq * n_db,)](
-        ds_ws, kv, idx_c, dq_c,
-        kv.stride(0), idx_c.stride(0), dq_c.stride(0), dq_c.stride(1),
-        s_kv, h_q, q_start_index, k_stride, topk=topk,
-        CAUSAL=causal, D_QK=d_qk, BLOCK_H=cfg["BLOCK_H_DQ"], BLOCK_T=cfg["BLOCK_T_DQ"], BLOCK_D=cfg["BLOCK_D"],
-        N_HB=n_hb_dq, N_DB=n_db,
-        num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
+    cfg: dict[str, int], ds_ws: torch.Tensor, kv: torch.Tensor, idx_c: torch.Tensor, dq_c: torch.Tensor,
+    s_kv: int, h_q: int, q_start_index: int, k_stride: int, topk: int, causal: bool, d_qk: int, n: int,
+    n_hb_dq: int, n_db: int, slots: dict[Any, Any] | None, s0: int,
+) -> None:  # fmt: skip
+    """``dq = dS @ rows`` for the chunk of tokens starting at ``s0``, on the current stream."""
+    kernel = launch(
+        _dq_kernel, (n * n_hb_dq * n_db,), slots, ("dq", s0),
+        (ds_ws, kv, idx_c, dq_c, kv.stride(0), idx_c.stride(0), dq_c.stride(0), dq_c.stride(1),
+         s_kv, h_q, q_start_index, k_stride),
+        dict(topk=topk, CAUSAL=causal, D_QK=d_qk, BLOCK_H=cfg["BLOCK_H_DQ"], BLOCK_T=cfg["BLOCK_T_DQ"],
+             BLOCK_D=cfg["BLOCK_D"], N_HB=n_hb_dq, N_DB=n_db,
+             num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"]),
     )  # fmt: skip
     record_launch("bwd.dq", kernel)
 
 
 def _det_reduce(
-    part: torch.Tensor,
-    idx_c: torch.Tensor,
-    dkv32: torch.Tensor,
-    s_kv: int,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-    n_hb: int,
-    d_qk: int,
-) -> None:
+    part: torch.Tensor, idx_c: torch.Tensor, dkv32: torch.Tensor, s_kv: int, q_start_index: int,
+    k_stride: int, causal: bool, n_hb: int, d_qk: int, slots: dict[Any, Any] | None, s0: int,
+) -> None:  # fmt: skip
     """Add this chunk's per-(token, slot) contributions into ``dkv32``, grouped by row in a fixed order."""
     valid = valid_slots(idx_c[:, 0], s_kv, q_start_index, k_stride, causal).reshape(-1)
     rows = idx_c[:, 0].reshape(-1).long()
@@ -639,9 +536,10 @@ def _det_reduce(
     seg_row, seg_len = torch.unique_consecutive(keys, return_counts=True)
     seg_start = torch.cumsum(seg_len, 0) - seg_len
     block_d = 64 if interpreting() else 128
-    kernel = _det_reduce_kernel[(seg_row.numel(), triton.cdiv(d_qk, block_d))](
-        part, order, seg_start.contiguous(), seg_len.contiguous(), seg_row.contiguous(), dkv32,
-        part.stride(0), D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, UNROLL=2 if interpreting() else 8, num_warps=4,
+    kernel = launch(
+        _det_reduce_kernel, (seg_row.numel(), cdiv(d_qk, block_d)), slots, ("det_reduce", s0),
+        (part, order, seg_start.contiguous(), seg_len.contiguous(), seg_row.contiguous(), dkv32, part.stride(0)),
+        dict(D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, UNROLL=2 if interpreting() else 8, num_warps=4),
     )  # fmt: skip
     record_launch("bwd.det_reduce", kernel)
 
@@ -660,33 +558,38 @@ def _bwd_fake(
     )
 
 
+def _check_bwd(
+    q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, indices: torch.Tensor,
+    lse: torch.Tensor, d_v: int, q_start_index: int, k_stride: int,
+) -> dict[Any, Any]:  # fmt: skip
+    """Validate; return the (empty) compiled-kernel slots of this call signature."""
+    check_bwd_inputs(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
+    check_kernel_device(q, "sparse_mla_bwd")
+    return {}
+
+
+_SLOTS: dict[Any, dict[Any, Any]] = {}
+
+
 @define_op("sparse_mla_bwd", _bwd_fake)
 def _bwd_op(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-    deterministic: bool,
-    return_attn_sum: bool,
-    workspace_bytes: int,
-    deterministic_workspace_bytes: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    check_bwd_inputs(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
-    sm_scale = check_sm_scale(sm_scale)
-    check_kernel_device(q, "sparse_mla_bwd")
-    config = Config(
+    q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, indices: torch.Tensor,
+    lse: torch.Tensor, sm_scale: float, d_v: int, q_start_index: int, k_stride: int, causal: bool,
+    deterministic: bool, return_attn_sum: bool, workspace_bytes: int, deterministic_workspace_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    # Validation and every launch's specialisation depend only on the call signature: checked once per signature.
+    key = (*call_signature(q, kv, out, dout, indices, lse), d_v, q_start_index, k_stride, causal, deterministic,
+           return_attn_sum, workspace_bytes, deterministic_workspace_bytes)  # fmt: skip
+    slots = cached(
+        _SLOTS, key, lambda: _check_bwd(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
+    )
+    config = config_of(
         bwd_workspace_bytes=workspace_bytes, bwd_deterministic_workspace_bytes=deterministic_workspace_bytes
     )
     return launch_bwd(
-        q, kv, out, dout, indices, lse, sm_scale, d_v, q_start_index=q_start_index, k_stride=k_stride,
-        causal=causal, deterministic=deterministic, return_attn_sum=return_attn_sum, config=config,
+        q, kv, out, dout, indices, lse, check_sm_scale(sm_scale), d_v, q_start_index=q_start_index,
+        k_stride=k_stride, causal=causal, deterministic=deterministic, return_attn_sum=return_attn_sum,
+        config=config, slots=slots,
     )  # fmt: skip
 
 
@@ -743,7 +646,7 @@ def sparse_mla_bwd(
                     {"d_v": d_v, "q_start_index": q_start_index, "k_stride": k_stride})  # fmt: skip
     check_sm_scale(sm_scale)
     cfg = config or DEFAULT
-    dq, dkv, attn_sum = torch.ops.sparse_mla_attn.sparse_mla_bwd(
+    dq, dkv, attn_sum = _bwd_op(
         q, kv, out, dout, indices, lse, sm_scale, d_v, q_start_index, k_stride, causal, deterministic,
         return_attn_sum, cfg.bwd_workspace_bytes, cfg.bwd_deterministic_workspace_bytes,
     )  # fmt: skip

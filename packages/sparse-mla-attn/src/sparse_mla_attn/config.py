@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "gluon", "triton")
@@ -49,3 +50,14 @@ class Config:
 
 
 DEFAULT = Config()
+
+
+@functools.lru_cache(maxsize=256)
+def config_of(
+    backend: str = "auto",
+    num_splits: int = 0,
+    bwd_workspace_bytes: int = DEFAULT.bwd_workspace_bytes,
+    bwd_deterministic_workspace_bytes: int = DEFAULT.bwd_deterministic_workspace_bytes,
+) -> Config:
+    """The :class:`Config` of these fields, built (and checked) once: the custom ops receive the fields."""
+    return Config(backend, num_splits, bwd_workspace_bytes, bwd_deterministic_workspace_bytes)

@@ -12,14 +12,28 @@ several programs (split-K) to fill the GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sparse_mla_attn._runtime import check_kernel_device, define_op
-from sparse_mla_attn._validate import check_arg_types, check_decode_inputs, check_kernel_dims, check_sm_scale
-from sparse_mla_attn.config import DEFAULT, Config
-from sparse_mla_attn.forward import launch_fwd, paged_to_rows
+from sparse_mla_attn._runtime import cached, call_signature, check_kernel_device, define_op, scratch
+from sparse_mla_attn._validate import (
+    check_arg_types,
+    check_decode_inputs,
+    check_kernel_dims,
+    check_sm_scale,
+)
+from sparse_mla_attn.config import DEFAULT, Config, config_of
+from sparse_mla_attn.forward import (
+    FwdPlan,
+    RowsPlan,
+    fwd_scratch,
+    paged_to_rows,
+    plan_fwd,
+    plan_rows,
+    run_fwd,
+)
 
 
 def _decode_fake(
@@ -31,38 +45,75 @@ def _decode_fake(
     return q.new_empty(b, s_q, h_q, d_v), q.new_empty(b, s_q, h_q, dtype=torch.float32)
 
 
-@define_op("sparse_mla_decode", _decode_fake)
-def _decode_op(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    backend: str,
-    num_splits: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class DecodePlan:
+    """Validated sizes and the launches of one decode call signature (its calls reuse their scratch buffers:
+    :func:`sparse_mla_attn._runtime.scratch`)."""
+
+    rows: RowsPlan
+    fwd: FwdPlan
+
+
+def _plan_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    indices: torch.Tensor, d_v: int, config: Config,
+) -> DecodePlan:  # fmt: skip
     dims = check_decode_inputs(q, kv_cache, block_table, cache_seqlens, indices, d_v)
     check_kernel_dims(dims, q.dtype, "sparse_mla_decode")
-    sm_scale = check_sm_scale(sm_scale)
     check_kernel_device(q, "sparse_mla_decode")
+    if dims.s_kv >= 2**31:
+        raise ValueError(
+            f"sparse_mla_decode: the cache holds {dims.s_kv} rows; at most 2**31 - 1 are supported"
+        )
     b, s_q, h_q, d_qk = q.shape
-    num_blocks, page_size = kv_cache.shape[:2]
-    n_rows = num_blocks * page_size
-    if n_rows >= 2**31:
-        raise ValueError(f"sparse_mla_decode: the cache holds {n_rows} rows; at most 2**31 - 1 are supported")
+    idx = indices.reshape(b * s_q, dims.topk)
+    rows_plan = plan_rows(idx, block_table, s_q, kv_cache.shape[1], dims.s_kv)
+    # The forward reads the rows just computed: [b * s_q, topk], contiguous (row stride topk).
+    fwd_plan = plan_fwd(
+        q.reshape(b * s_q, h_q, d_qk), kv_cache.view(-1, d_qk), dims.topk, dims, has_sink=False,
+        has_topk_length=False, q_start_index=0, k_stride=1, causal=False, config=config,
+    )  # fmt: skip
+    return DecodePlan(rows_plan, fwd_plan)
+
+
+_PLANS: dict[Any, DecodePlan] = {}
+
+
+@define_op("sparse_mla_decode", _decode_fake)
+def _decode_op(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    indices: torch.Tensor, sm_scale: float, d_v: int, backend: str, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    # Validation and launch plan depend only on the call signature: made once per signature.
+    key = (*call_signature(q, kv_cache, block_table, cache_seqlens, indices), d_v, backend, num_splits)
+    plan = cached(
+        _PLANS,
+        key,
+        lambda: _plan_decode(
+            q, kv_cache, block_table, cache_seqlens, indices, d_v, config_of(backend, num_splits)
+        ),
+    )
+    sm_scale = check_sm_scale(sm_scale)
+    b, s_q, h_q, d_qk = q.shape
+    dims = plan.fwd.dims
+    dev = q.device
+    rows, *fwd_buffers = scratch(
+        plan,
+        dev,
+        lambda: (
+            torch.empty(dims.s_q, dims.topk, dtype=torch.int32, device=dev),
+            *fwd_scratch(plan.fwd, dev),
+        ),
+    )
     rows = paged_to_rows(
-        indices.reshape(b * s_q, indices.shape[2]), block_table, cache_seqlens, s_q, page_size, n_rows
-    )
-    out, _, lse = launch_fwd(
-        q.reshape(b * s_q, h_q, d_qk),
-        kv_cache.view(-1, d_qk),
-        rows,
-        dims,  # dims.s_kv = n_rows: a row is valid when it lies in the cache
-        sm_scale,
-        config=Config(backend=backend, num_splits=num_splits),
-    )
+        indices.reshape(b * s_q, dims.topk), block_table, cache_seqlens, s_q, kv_cache.shape[1], dims.s_kv,
+        plan=plan.rows, rows=rows,
+    )  # fmt: skip
+    # dims.s_kv = the cache's rows: a row is valid when it lies in the cache.
+    out, _, lse = run_fwd(
+        plan.fwd, q.reshape(b * s_q, h_q, d_qk), kv_cache.view(-1, d_qk), rows, sm_scale, None, None,
+        scratch=tuple(fwd_buffers),
+    )  # fmt: skip
     return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q)
 
 
@@ -104,6 +155,6 @@ def sparse_mla_decode(
                      "indices": indices}, {"d_v": d_v})  # fmt: skip
     check_sm_scale(sm_scale)
     cfg = config or DEFAULT
-    return torch.ops.sparse_mla_attn.sparse_mla_decode(
+    return _decode_op(
         q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v, cfg.backend, cfg.num_splits
     )

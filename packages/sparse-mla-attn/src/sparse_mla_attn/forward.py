@@ -14,7 +14,9 @@ kernel merges them with lse weights.
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,9 +24,15 @@ import triton
 import triton.language as tl
 
 from sparse_mla_attn._runtime import (
+    cached,
+    call_signature,
+    causal_hi,
+    cdiv,
     check_kernel_device,
     define_op,
     interpreting,
+    launch,
+    next_power_of_2,
     num_sms,
     record_launch,
 )
@@ -38,7 +46,7 @@ from sparse_mla_attn._validate import (
     check_sparse_inputs,
 )
 from sparse_mla_attn.backends.gluon_sm90 import launch_fwd_gluon, use_gluon
-from sparse_mla_attn.config import DEFAULT, Config
+from sparse_mla_attn.config import DEFAULT, Config, config_of
 
 LOG2E = math.log2(math.e)
 
@@ -98,36 +106,63 @@ def _softmax_step(q_v, q_rope, k_v, k_rope, valid, m_i, l_i, sm_scale_log2, D_RO
 
 
 @triton.jit
-def _fwd_block(
-    row,
-    valid,
-    KV,
-    stride_kv_row,
-    q_v,
-    q_rope,
-    m_i,
-    l_i,
-    acc,
-    sm_scale_log2,
-    D_NOPE: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    S_SPLIT: tl.constexpr,
+def _load_q_tile(Q, pid_s, stride_q_s, stride_q_h, offs_h, h_mask,
+                 D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+    """Query tile of token ``pid_s``, heads ``offs_h`` (padding heads 0): latent and rope channels."""
+    q_base = Q + pid_s.to(tl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
+    q_v = tl.load(q_base + tl.arange(0, D_NOPE)[None, :], mask=h_mask[:, None], other=0.0)
+    if D_ROPE > 0:
+        q_rope = tl.load(q_base + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=h_mask[:, None], other=0.0)
+    else:
+        q_rope = q_v  # unused
+    if DOT_F32:
+        q_v = q_v.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+    return q_v, q_rope
+
+
+@triton.jit
+def _gather_rows(
+    row, valid, KV, stride_kv_row, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DOT_F32: tl.constexpr
 ):
-    """One BLOCK_T slice of the top-k list: gather, two products, online-softmax update."""
+    """Gather the KV rows ``row`` where ``valid``: latent channels ``k_v`` and rope channels ``k_rope``.
+
+    Masked rows are never dereferenced: invalid indices cost no memory traffic and may point anywhere.
+    """
     k_ptr = KV + row[:, None] * stride_kv_row
-    offs_d = tl.arange(0, D_NOPE)
-    # Masked rows are never dereferenced: invalid indices cost no memory traffic and may point anywhere.
     # k_v: the 512 latent channels, keys of the first product and values of P·V.
-    k_v = tl.load(k_ptr + offs_d[None, :], mask=valid[:, None], other=0.0)
+    k_v = tl.load(k_ptr + tl.arange(0, D_NOPE)[None, :], mask=valid[:, None], other=0.0)
     if DOT_F32:
         k_v = k_v.to(tl.float32)
     k_rope = k_v  # unused unless D_ROPE > 0
     if D_ROPE > 0:
-        offs_r = tl.arange(0, D_ROPE)
-        k_rope = tl.load(k_ptr + D_NOPE + offs_r[None, :], mask=valid[:, None], other=0.0)
+        k_rope = tl.load(k_ptr + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=valid[:, None], other=0.0)
         if DOT_F32:
             k_rope = k_rope.to(tl.float32)
+    return k_v, k_rope
+
+
+@triton.jit
+def _store_result(
+    OUT, LSE, MAX_LOGITS, pid_s, stride_o_s, stride_o_h, h_q, offs_h, h_mask, offs_d, out, lse2, m2
+):
+    """Store a token's final ``out`` (in OUT's dtype), ``lse`` and ``max_logits`` (base 2 -> natural log)."""
+    o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
+    tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse2 * 0.6931471805599453, mask=h_mask)
+    tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m2 * 0.6931471805599453, mask=h_mask)
+
+
+@triton.jit
+def _fwd_block(
+    row, valid,
+    KV,
+    stride_kv_row,
+    q_v, q_rope, m_i, l_i, acc, sm_scale_log2,
+    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DOT_F32: tl.constexpr, S_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_T slice of the top-k list: gather, two products, online-softmax update."""
+    k_v, k_rope = _gather_rows(row, valid, KV, stride_kv_row, D_NOPE, D_ROPE, DOT_F32)
     if S_SPLIT:
         # Triton gives every warp of a dot whose result feeds another dot (here P·V) a slice of M; with
         # 64 head rows both warpgroups would then compute the whole S. Produced inside a run-time branch
@@ -157,42 +192,13 @@ def _fwd_block(
 
 @triton.jit
 def _sparse_mla_fwd_kernel(
-    Q,
-    KV,
-    IDX,
-    OUT,
-    MAX_LOGITS,
-    LSE,
-    SINK,
-    TOPK_LEN,
-    stride_q_s,
-    stride_q_h,
-    stride_kv_row,
-    stride_idx_s,
-    stride_o_s,
-    stride_o_h,
-    n_tok,
-    h_q,
-    n_head_tiles,
-    topk,
-    split_len,
-    s_kv,
-    q_start_index,
-    k_stride,
-    sm_scale_log2,
-    D_NOPE: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    HAS_SINK: tl.constexpr,
-    HAS_TOPK_LEN: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    STATIC_T: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    S_SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
+    Q, KV, IDX, OUT, MAX_LOGITS, LSE, SINK, TOPK_LEN,
+    stride_q_s, stride_q_h, stride_kv_row, stride_idx_s, stride_o_s, stride_o_h,
+    n_tok, h_q, n_head_tiles, topk, split_len, s_kv, q_start_index, k_stride, sm_scale_log2,
+    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_K: tl.constexpr,
+    STATIC_T: tl.constexpr, DOT_F32: tl.constexpr, S_SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     # Programs of one token (head tiles) are neighbours in launch order: their gathers hit L2.
     pid_h = pid % n_head_tiles
@@ -203,17 +209,7 @@ def _sparse_mla_fwd_kernel(
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < h_q
     offs_d = tl.arange(0, D_NOPE)
-
-    q_base = Q + pid_s.to(tl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
-    q_v = tl.load(q_base + offs_d[None, :], mask=h_mask[:, None], other=0.0)
-    if D_ROPE > 0:
-        offs_r = tl.arange(0, D_ROPE)
-        q_rope = tl.load(q_base + D_NOPE + offs_r[None, :], mask=h_mask[:, None], other=0.0)
-    else:
-        q_rope = q_v  # unused
-    if DOT_F32:
-        q_v = q_v.to(tl.float32)
-        q_rope = q_rope.to(tl.float32)
+    q_v, q_rope = _load_q_tile(Q, pid_s, stride_q_s, stride_q_h, offs_h, h_mask, D_NOPE, D_ROPE, DOT_F32)
 
     n_t = topk
     if HAS_TOPK_LEN:
@@ -221,11 +217,7 @@ def _sparse_mla_fwd_kernel(
     t_start = pid_k * split_len
     t_end = tl.minimum(n_t, t_start + split_len)
     # Valid indices are [0, hi): the KV length and the causal limit.
-    hi = s_kv
-    if CAUSAL:
-        # (q_pos + 1 - k_stride) / k_stride with C truncation; the numerator is > -k_stride.
-        num = q_start_index + pid_s + 1 - k_stride
-        hi = tl.minimum(hi, tl.maximum(num, 0) // k_stride + 1)
+    hi = causal_hi(s_kv, q_start_index + pid_s, k_stride, CAUSAL)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -275,31 +267,19 @@ def _sparse_mla_fwd_kernel(
         tl.store(LSE + part * h_q + offs_h, lse2, mask=h_mask)
         tl.store(MAX_LOGITS + part * h_q + offs_h, m_i, mask=h_mask)
     else:
-        o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
-        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
-        tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse2 * 0.6931471805599453, mask=h_mask)
-        tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_i * 0.6931471805599453, mask=h_mask)
+        _store_result(
+            OUT, LSE, MAX_LOGITS, pid_s, stride_o_s, stride_o_h, h_q, offs_h, h_mask, offs_d, out, lse2, m_i
+        )
 
 
 @triton.jit
 def _split_combine_kernel(
-    PART_O,
-    PART_LSE,
-    PART_MAX,
-    SINK,
-    OUT,
-    MAX_LOGITS,
-    LSE,
-    stride_o_s,
-    stride_o_h,
-    n_tok,
-    h_q,
-    N_SPLITS: tl.constexpr,
-    D_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
+    PART_O, PART_LSE, PART_MAX, SINK, OUT, MAX_LOGITS, LSE,
+    stride_o_s, stride_o_h,
+    n_tok, h_q,
+    N_SPLITS: tl.constexpr, D_V: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS_P2: tl.constexpr,
     HAS_SINK: tl.constexpr,
-):
+):  # fmt: skip
     """Merge the split-K partials of one token and a tile of heads: lse-weighted sum of the outputs."""
     pid_s = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -327,27 +307,19 @@ def _split_combine_kernel(
         sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
         denom = denom + tl.exp2(sink * 1.4426950408889634 - lse_ref)
     out = tl.where(has_any[:, None], acc / denom[:, None], 0.0)
-    o_ptr = OUT + pid_s.to(tl.int64) * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
-    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=h_mask[:, None])
-    tl.store(LSE + pid_s.to(tl.int64) * h_q + offs_h, lse_tot * 0.6931471805599453, mask=h_mask)
-    tl.store(MAX_LOGITS + pid_s.to(tl.int64) * h_q + offs_h, m_tot * 0.6931471805599453, mask=h_mask)
+    _store_result(
+        OUT, LSE, MAX_LOGITS, pid_s, stride_o_s, stride_o_h, h_q, offs_h, h_mask, offs_d, out, lse_tot, m_tot
+    )
 
 
 @triton.jit
 def _paged_rows_kernel(
-    IDX,
-    BLOCK_TABLE,
-    SEQLENS,
-    ROWS,
-    topk,
-    q_per_batch,
-    stride_idx_s,
-    stride_bt_b,
-    page_size,
-    max_blocks,
-    n_rows,
+    IDX, BLOCK_TABLE, SEQLENS, ROWS,
+    topk, q_per_batch,
+    stride_idx_s, stride_bt_b,
+    page_size, max_blocks, n_rows,
     BLOCK: tl.constexpr,
-):
+):  # fmt: skip
     """Map the sequence positions of one decode token to rows of the flattened cache (-1 if invalid)."""
     pid_s = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -364,11 +336,12 @@ def _paged_rows_kernel(
     tl.store(ROWS + pid_s.to(tl.int64) * topk + offs, row.to(tl.int32), mask=t_mask)
 
 
+@functools.lru_cache(maxsize=64)
 def fwd_config(h_q: int, topk: int) -> dict[str, Any]:
     """Tile shape and launch options for a head count (``BLOCK_H``, ``BLOCK_T``, warps, stages)."""
     if interpreting():
         return {
-            "BLOCK_H": max(16, triton.next_power_of_2(min(h_q, 64))),
+            "BLOCK_H": max(16, next_power_of_2(min(h_q, 64))),
             "BLOCK_T": 16,
             "num_warps": 4,
             "num_stages": 1,
@@ -383,7 +356,7 @@ def fwd_config(h_q: int, topk: int) -> dict[str, Any]:
             "S_SPLIT": True,
             "PREFETCH": True,
         }
-    return {"BLOCK_H": max(16, triton.next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_H": max(16, next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
 def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device) -> int:
@@ -395,27 +368,133 @@ def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device
     of ``block_t`` per split, merged by a small second kernel.
     """
     n_sm = num_sms(device)
-    if interpreting() or n_sm == 0 or n_programs >= n_sm:
+    if interpreting() or n_sm == 0 or n_programs == 0 or n_programs >= n_sm:
         return 1
-    return max(1, min(n_sm // n_programs, triton.cdiv(topk, 4 * block_t)))
+    return max(1, min(n_sm // n_programs, cdiv(topk, 4 * block_t)))
+
+
+@dataclass
+class FwdPlan:
+    """How the forward runs a validated problem: its sizes, the kernel family, split-K, and every launch's
+    grid, integer arguments and constexprs (all fixed by the call signature), plus the compiled-kernel
+    handles (``slots``, see :func:`sparse_mla_attn._runtime.launch`)."""
+
+    dims: SparseDims
+    gluon: bool
+    n_splits: int
+    grid: tuple[int, ...]
+    ints: tuple[int, ...]
+    consts: dict[str, Any]
+    combine_grid: tuple[int, ...]
+    combine_consts: dict[str, Any]
+    slots: dict[Any, Any] = field(default_factory=dict)
+
+
+def plan_fwd(
+    q: torch.Tensor, kv_rows: torch.Tensor, idx_stride: int, dims: SparseDims, *, has_sink: bool,
+    has_topk_length: bool, q_start_index: int, k_stride: int, causal: bool, config: Config,
+    tiles: dict[str, Any] | None = None,
+) -> FwdPlan:  # fmt: skip
+    """The :class:`FwdPlan` of a validated problem (``tiles`` overrides :func:`fwd_config`, for tests)."""
+    n_tok, h_q = dims.s_q, dims.h_q
+    cfg = {**fwd_config(h_q, dims.topk), **(tiles or {})}
+    n_head_tiles = cdiv(h_q, cfg["BLOCK_H"])
+    block_t = cfg["BLOCK_T"]
+    n_splits = config.num_splits or choose_splits(n_tok * n_head_tiles, dims.topk, block_t, q.device)
+    split_len = cdiv(cdiv(dims.topk, n_splits), block_t) * block_t
+    n_splits = cdiv(dims.topk, split_len)  # no empty split
+    eligible = n_splits == 1 and h_q > 32
+    gluon = use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows)
+    # out [n_tok, h_q, d_v] is allocated contiguous: strides h_q * d_v and d_v.
+    ints = (q.stride(0), q.stride(1), kv_rows.stride(0), idx_stride, h_q * dims.d_v, dims.d_v, n_tok, h_q,
+            n_head_tiles, dims.topk, split_len, dims.s_kv, q_start_index, k_stride)  # fmt: skip
+    consts = dict(
+        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_H=cfg["BLOCK_H"], BLOCK_T=block_t, HAS_SINK=has_sink,
+        HAS_TOPK_LEN=has_topk_length, CAUSAL=causal, SPLIT_K=n_splits > 1,
+        STATIC_T=split_len if interpreting() else 0,
+        # The interpreter's bf16 tl.dot is wrong (numpy has no bf16): it multiplies in float32 instead.
+        DOT_F32=interpreting(), S_SPLIT=bool(cfg.get("S_SPLIT", False)),
+        PREFETCH=bool(cfg.get("PREFETCH", False)) and not interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    combine_h = 16
+    combine_consts = dict(
+        N_SPLITS=n_splits, D_V=dims.d_v, BLOCK_H=combine_h, SPLITS_P2=next_power_of_2(n_splits),
+        HAS_SINK=has_sink, num_warps=4,
+    )  # fmt: skip
+    return FwdPlan(
+        dims, gluon, n_splits, (n_splits * n_tok * n_head_tiles,), ints, consts,
+        (n_tok, cdiv(h_q, combine_h)), combine_consts,
+    )  # fmt: skip
+
+
+def run_fwd(
+    plan: FwdPlan, q: torch.Tensor, kv_rows: torch.Tensor, idx: torch.Tensor, sm_scale: float,
+    attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, *, cache_slots: bool = True,
+    scratch: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Run a :class:`FwdPlan` on the tensors it was made for: ``out``, ``max_logits``, ``lse``.
+
+    ``cache_slots``: launch through the plan's cached compiled kernels (the plan was made for this call
+    signature). ``scratch``: ``(max_logits, part_o, part_lse, part_max)`` to reuse (decode), else allocated.
+    """
+    dims = plan.dims
+    n_tok, h_q = dims.s_q, dims.h_q
+    dev = q.device
+    out = torch.empty(n_tok, h_q, dims.d_v, dtype=q.dtype, device=dev)
+    lse = torch.empty(n_tok, h_q, dtype=torch.float32, device=dev)
+    if scratch is None:
+        scratch = fwd_scratch(plan, dev)
+    max_logits = scratch[0]
+    if n_tok == 0:
+        return out, max_logits, lse
+    slots = plan.slots if cache_slots else None
+    sink = attn_sink if attn_sink is not None else lse
+    if plan.gluon:
+        # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
+        kernel = launch_fwd_gluon(
+            q, kv_rows, idx, out, max_logits, lse, sink, topk_length, dims, sm_scale * LOG2E,
+            has_sink=plan.consts["HAS_SINK"], q_start_index=plan.ints[-2], k_stride=plan.ints[-1],
+            causal=plan.consts["CAUSAL"], slots=slots,
+        )  # fmt: skip
+        record_launch("fwd", kernel, backend="gluon")
+        return out, max_logits, lse
+    split = plan.n_splits > 1
+    dst = scratch[1:] if split else (out, max_logits, lse)  # partial out, max, lse of each split
+    kernel = launch(
+        _sparse_mla_fwd_kernel, plan.grid, slots, "fwd",
+        (q, kv_rows, idx, *dst, sink, topk_length if topk_length is not None else idx, *plan.ints,
+         sm_scale * LOG2E),
+        plan.consts,
+    )  # fmt: skip
+    record_launch("fwd", kernel, splits=plan.n_splits)
+    if split:
+        part_o, part_max, part_lse = dst
+        launch(
+            _split_combine_kernel, plan.combine_grid, slots, "combine",
+            (part_o, part_lse, part_max, sink, out, max_logits, lse, h_q * dims.d_v, dims.d_v, n_tok, h_q),
+            plan.combine_consts,
+        )  # fmt: skip
+    return out, max_logits, lse
+
+
+def fwd_scratch(plan: FwdPlan, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``max_logits [n_tok, h_q]`` and, with split-K, the partial ``out`` / ``max`` / ``lse`` of each split."""
+    n_tok, h_q, s = plan.dims.s_q, plan.dims.h_q, plan.n_splits
+    max_logits = torch.empty(n_tok, h_q, dtype=torch.float32, device=device)
+    if s == 1:
+        return (max_logits,)
+    part_o = torch.empty(s, n_tok, h_q, plan.dims.d_v, dtype=torch.float32, device=device)
+    part_lse = torch.empty(s, n_tok, h_q, dtype=torch.float32, device=device)
+    return max_logits, part_o, torch.empty_like(part_lse), part_lse
 
 
 def launch_fwd(
-    q: torch.Tensor,
-    kv_rows: torch.Tensor,
-    idx: torch.Tensor,
-    dims: SparseDims,
-    sm_scale: float,
-    *,
-    attn_sink: torch.Tensor | None = None,
-    topk_length: torch.Tensor | None = None,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    causal: bool = False,
-    config: Config = DEFAULT,
-    tiles: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel on validated inputs (shared by forward and decode).
+    q: torch.Tensor, kv_rows: torch.Tensor, idx: torch.Tensor, dims: SparseDims, sm_scale: float, *,
+    attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None, q_start_index: int = 0,
+    k_stride: int = 1, causal: bool = False, config: Config = DEFAULT, tiles: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Plan and launch the forward on validated inputs, nothing cached (tests and tools).
 
     Args:
         q: ``[n_tok, h_q, d_qk]`` (last dim contiguous).
@@ -428,120 +507,45 @@ def launch_fwd(
     Returns:
         ``out [n_tok, h_q, 512]``, ``max_logits [n_tok, h_q]``, ``lse [n_tok, h_q]`` (natural log).
     """
-    n_tok, h_q = dims.s_q, dims.h_q
-    out = torch.empty(n_tok, h_q, dims.d_v, dtype=q.dtype, device=q.device)
-    max_logits = torch.empty(n_tok, h_q, dtype=torch.float32, device=q.device)
-    lse = torch.empty_like(max_logits)
-    if n_tok == 0:
-        return out, max_logits, lse
-    cfg = {**fwd_config(h_q, dims.topk), **(tiles or {})}
-    n_head_tiles = triton.cdiv(h_q, cfg["BLOCK_H"])
-    s_split = bool(cfg.get("S_SPLIT", False))
-    block_t = cfg["BLOCK_T"]
-    n_splits = config.num_splits or choose_splits(n_tok * n_head_tiles, dims.topk, block_t, q.device)
-    split_len = triton.cdiv(triton.cdiv(dims.topk, n_splits), block_t) * block_t
-    n_splits = triton.cdiv(dims.topk, split_len)  # no empty split
-    eligible = n_splits == 1 and h_q > 32
-    if use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows):
-        # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
-        kernel = launch_fwd_gluon(
-            q,
-            kv_rows,
-            idx,
-            out,
-            max_logits,
-            lse,
-            attn_sink if attn_sink is not None else lse,
-            topk_length,
-            dims,
-            sm_scale * LOG2E,
-            has_sink=attn_sink is not None,
-            q_start_index=q_start_index,
-            k_stride=k_stride,
-            causal=causal,
-        )
-        record_launch("fwd", kernel, backend="gluon")
-        return out, max_logits, lse
-    if n_splits > 1:
-        part_o = torch.empty(n_splits, n_tok, h_q, dims.d_v, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(n_splits, n_tok, h_q, dtype=torch.float32, device=q.device)
-        part_max = torch.empty_like(part_lse)
-        dst = (part_o, part_max, part_lse)
-    else:
-        dst = (out, max_logits, lse)
-    grid = (n_splits * n_tok * n_head_tiles,)
-    sink = attn_sink if attn_sink is not None else lse
-    kernel = _sparse_mla_fwd_kernel[grid](
-        q,
-        kv_rows,
-        idx,
-        *dst,
-        sink,
-        topk_length if topk_length is not None else idx,
-        q.stride(0),
-        q.stride(1),
-        kv_rows.stride(0),
-        idx.stride(0),
-        out.stride(0),
-        out.stride(1),
-        n_tok,
-        h_q,
-        n_head_tiles,
-        dims.topk,
-        split_len,
-        dims.s_kv,
-        q_start_index,
-        k_stride,
-        sm_scale * LOG2E,
-        D_NOPE=512,
-        D_ROPE=dims.d_qk - 512,
-        BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_T=block_t,
-        HAS_SINK=attn_sink is not None,
-        HAS_TOPK_LEN=topk_length is not None,
-        CAUSAL=causal,
-        SPLIT_K=n_splits > 1,
-        STATIC_T=split_len if interpreting() else 0,
-        # The interpreter's bf16 tl.dot is wrong (numpy has no bf16): it multiplies in float32 instead.
-        DOT_F32=interpreting(),
-        S_SPLIT=s_split,
-        PREFETCH=bool(cfg.get("PREFETCH", False)) and not interpreting(),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+    plan = plan_fwd(
+        q, kv_rows, idx.stride(0), dims, has_sink=attn_sink is not None, has_topk_length=topk_length is not None,
+        q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config, tiles=tiles,
+    )  # fmt: skip
+    return run_fwd(plan, q, kv_rows, idx, sm_scale, attn_sink, topk_length, cache_slots=False)
+
+
+@dataclass
+class RowsPlan:
+    """The launch of :func:`paged_to_rows` for a call signature (grid, integer arguments, constexprs)."""
+
+    grid: tuple[int, ...]
+    ints: tuple[int, ...]
+    consts: dict[str, Any]
+    slots: dict[Any, Any] = field(default_factory=dict)
+
+
+def plan_rows(
+    indices: torch.Tensor, block_table: torch.Tensor, q_per_batch: int, page_size: int, n_rows: int
+) -> RowsPlan:
+    """The :class:`RowsPlan` of ``paged_to_rows`` with these arguments."""
+    n_tok, topk = indices.shape
+    block = min(1024, next_power_of_2(topk))
+    ints = (
+        topk,
+        q_per_batch,
+        indices.stride(0),
+        block_table.stride(0),
+        page_size,
+        block_table.shape[1],
+        n_rows,
     )
-    record_launch("fwd", kernel, splits=n_splits)
-    if n_splits > 1:
-        combine_h = 16
-        _split_combine_kernel[(n_tok, triton.cdiv(h_q, combine_h))](
-            part_o,
-            part_lse,
-            part_max,
-            sink,
-            out,
-            max_logits,
-            lse,
-            out.stride(0),
-            out.stride(1),
-            n_tok,
-            h_q,
-            N_SPLITS=n_splits,
-            D_V=dims.d_v,
-            BLOCK_H=combine_h,
-            SPLITS_P2=triton.next_power_of_2(n_splits),
-            HAS_SINK=attn_sink is not None,
-            num_warps=4,
-        )
-    return out, max_logits, lse
+    return RowsPlan((n_tok, cdiv(topk, block)), ints, {"BLOCK": block, "num_warps": 4})
 
 
 def paged_to_rows(
-    indices: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    q_per_batch: int,
-    page_size: int,
-    n_rows: int,
-) -> torch.Tensor:
+    indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, q_per_batch: int,
+    page_size: int, n_rows: int, *, plan: RowsPlan | None = None, rows: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Decode indices (positions in each sequence) to rows of the flattened paged cache, ``-1`` if invalid.
 
     Args:
@@ -551,30 +555,24 @@ def paged_to_rows(
         cache_seqlens: ``[b]`` int32.
         page_size: tokens per cache block.
         n_rows: rows in the cache (``num_blocks * page_size``); a table entry outside the cache is invalid.
+        plan: the :class:`RowsPlan` of this call signature (its compiled kernel is cached); ``None``: made
+            here, nothing cached.
+        rows: ``[n_tok, topk]`` int32 output to fill (else allocated).
 
     Returns:
         ``[n_tok, topk]`` int32 cache rows.
     """
     n_tok, topk = indices.shape
-    rows = torch.empty(n_tok, topk, dtype=torch.int32, device=indices.device)
+    if rows is None:
+        rows = torch.empty(n_tok, topk, dtype=torch.int32, device=indices.device)
     if n_tok == 0:
         return rows
-    block = min(1024, triton.next_power_of_2(topk))
-    _paged_rows_kernel[(n_tok, triton.cdiv(topk, block))](
-        indices,
-        block_table,
-        cache_seqlens,
-        rows,
-        topk,
-        q_per_batch,
-        indices.stride(0),
-        block_table.stride(0),
-        page_size,
-        block_table.shape[1],
-        n_rows,
-        BLOCK=block,
-        num_warps=4,
-    )
+    slots = None if plan is None else plan.slots
+    plan = plan or plan_rows(indices, block_table, q_per_batch, page_size, n_rows)
+    launch(
+        _paged_rows_kernel, plan.grid, slots, "rows", (indices, block_table, cache_seqlens, rows, *plan.ints),
+        plan.consts,
+    )  # fmt: skip
     return rows
 
 
@@ -586,40 +584,39 @@ def _fwd_fake(
     return q.new_empty(dims.s_q, dims.h_q, d_v), max_logits, torch.empty_like(max_logits)
 
 
-@define_op("sparse_mla_fwd", _fwd_fake)
-def _fwd_op(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    attn_sink: torch.Tensor | None,
-    topk_length: torch.Tensor | None,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
-    backend: str,
-    num_splits: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _plan_fwd_call(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None, q_start_index: int, k_stride: int, causal: bool, config: Config,
+) -> FwdPlan:  # fmt: skip
     dims = check_sparse_inputs(q, kv, indices, d_v, float_ok=False)
     check_kernel_dims(dims, q.dtype, "sparse_mla_fwd")
     check_optional_vectors(attn_sink, topk_length, dims, q.device)
     check_causal_args(q_start_index, k_stride)
-    sm_scale = check_sm_scale(sm_scale)
     check_kernel_device(q, "sparse_mla_fwd")
-    return launch_fwd(
-        q,
-        kv[:, 0],
-        indices[:, 0],
-        dims,
-        sm_scale,
-        attn_sink=attn_sink,
-        topk_length=topk_length,
-        q_start_index=q_start_index,
-        k_stride=k_stride,
-        causal=causal,
-        config=Config(backend=backend, num_splits=num_splits),
-    )
+    return plan_fwd(
+        q, kv[:, 0], indices.stride(0), dims, has_sink=attn_sink is not None,
+        has_topk_length=topk_length is not None,
+        q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config,
+    )  # fmt: skip
+
+
+_PLANS: dict[Any, FwdPlan] = {}
+
+
+@define_op("sparse_mla_fwd", _fwd_fake)
+def _fwd_op(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+    attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
+    causal: bool, backend: str, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    # Validation and launch plan depend only on the call signature: made once per signature.
+    key = (*call_signature(q, kv, indices, attn_sink, topk_length), d_v, q_start_index, k_stride, causal,
+           backend, num_splits)  # fmt: skip
+    plan = cached(
+        _PLANS, key, lambda: _plan_fwd_call(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride,
+                                            causal, config_of(backend, num_splits)),
+    )  # fmt: skip
+    return run_fwd(plan, q, kv[:, 0], indices[:, 0], check_sm_scale(sm_scale), attn_sink, topk_length)
 
 
 def sparse_mla_fwd(
@@ -675,7 +672,7 @@ def sparse_mla_fwd(
                     "k_stride": k_stride}, optional={"attn_sink": attn_sink, "topk_length": topk_length})  # fmt: skip
     check_sm_scale(sm_scale)
     cfg = config or DEFAULT
-    return torch.ops.sparse_mla_attn.sparse_mla_fwd(
+    return _fwd_op(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal,
         cfg.backend, cfg.num_splits,
     )  # fmt: skip

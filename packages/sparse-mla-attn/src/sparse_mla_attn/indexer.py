@@ -17,7 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_mla_attn._runtime import dot, interpreting, mask_and, record_launch
+from sparse_mla_attn._runtime import (
+    causal_hi,
+    causal_max_k,
+    cdiv,
+    define_op,
+    dot,
+    interpreting,
+    mask_and,
+    next_power_of_2,
+    record_launch,
+)
 from sparse_mla_attn._validate import causal_keep, check_causal_args, check_indexer_inputs
 from sparse_mla_attn.reference import reduce_loss
 
@@ -28,26 +38,12 @@ from sparse_mla_attn.reference import reduce_loss
 
 @triton.jit
 def _logits_kernel(
-    q_ptr,
-    k_ptr,
-    w_ptr,
-    out_ptr,
-    s_q,
-    s_kv,
-    stride_qs,
-    stride_qh,
-    stride_ks,
-    stride_ws,
-    stride_wh,
-    stride_os,
-    q_start_index,
-    k_stride,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    q_ptr, k_ptr, w_ptr, out_ptr,
+    s_q, s_kv,
+    stride_qs, stride_qh, stride_ks, stride_ws, stride_wh, stride_os,
+    q_start_index, k_stride,
+    H: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -56,12 +52,10 @@ def _logits_kernel(
     mmask = offs_m < s_q
     nmask = offs_n < s_kv
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    max_k = tl.maximum(q_start_index + offs_m + 1 - k_stride, 0) // k_stride
+    max_k = causal_max_k(q_start_index + offs_m, k_stride)
     # Under the causal rule a tile whose first key is past the last row's limit is all -inf: skip its math.
     last_row = tl.minimum(pid_m * BLOCK_M + BLOCK_M, s_q) - 1
-    tile_live = (not CAUSAL) or (
-        pid_n * BLOCK_N <= tl.maximum(q_start_index + last_row + 1 - k_stride, 0) // k_stride
-    )
+    tile_live = (not CAUSAL) or (pid_n * BLOCK_N <= causal_max_k(q_start_index + last_row, k_stride))
     if tile_live:
         k = tl.load(
             k_ptr + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0
@@ -101,7 +95,7 @@ def launch_logits(
         cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
     if config:
         cfg.update(config)
-    grid = (triton.cdiv(s_kv, cfg["BLOCK_N"]), triton.cdiv(s_q, cfg["BLOCK_M"]))
+    grid = (cdiv(s_kv, cfg["BLOCK_N"]), cdiv(s_q, cfg["BLOCK_M"]))
     kernel = _logits_kernel[grid](
         q_idx, k_idx, weights, out, s_q, s_kv,
         q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
@@ -157,7 +151,7 @@ def _dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, st
     """TOK tokens (all heads) of the dk sweep: returns the updated ``dk`` accumulator."""
     offs_d = tl.arange(0, D)
     t_row = t0 + tok_of_row
-    max_k_row = tl.maximum(q_start_index + t_row + 1 - k_stride, 0) // k_stride
+    max_k_row = causal_max_k(q_start_index + t_row, k_stride)
     g = _rows_grad(g_ptr, stride_gs, t0, s_q, offs_n, nmask, tok_of_row, max_k_row, TOK, CAUSAL)
     for hb in tl.static_range(0, H, BLOCK_H):
         head = hb + head_in_block
@@ -176,33 +170,13 @@ def _dk_step(g_ptr, q_ptr, w_ptr, stride_gs, stride_qs, stride_qh, stride_ws, st
 
 @triton.jit
 def _dqw_kernel(
-    g_ptr,
-    q_ptr,
-    k_ptr,
-    w_ptr,
-    dq_ptr,
-    dw_ptr,
-    s_q,
-    s_kv,
-    stride_gs,
-    stride_qs,
-    stride_qh,
-    stride_ks,
-    stride_ws,
-    stride_wh,
-    stride_dqs,
-    stride_dqh,
-    stride_dws,
-    q_start_index,
-    k_stride,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TOK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
+    g_ptr, q_ptr, k_ptr, w_ptr, dq_ptr, dw_ptr,
+    s_q, s_kv,
+    stride_gs, stride_qs, stride_qh, stride_ks, stride_ws, stride_wh, stride_dqs, stride_dqh, stride_dws,
+    q_start_index, k_stride,
+    H: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, TOK: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
     """One program per TOK tokens x BLOCK_H heads (rows); loops over keys: dq = (G w 1[z>0]) k, dw = G relu(z)."""
     pid_h = tl.program_id(1)
     t0 = tl.program_id(0) * TOK
@@ -220,11 +194,10 @@ def _dqw_kernel(
     w = tl.load(w_ptr + t_row.to(tl.int64) * stride_ws + head * stride_wh, mask=rmask, other=0.0).to(
         tl.float32
     )
-    max_k_row = tl.maximum(q_start_index + t_row + 1 - k_stride, 0) // k_stride
-    n_end = s_kv
-    if CAUSAL:  # keys past the last token's limit are masked for every row of the tile
-        last = tl.minimum(t0 + TOK, s_q) - 1
-        n_end = tl.minimum(s_kv, tl.maximum(q_start_index + last + 1 - k_stride, 0) // k_stride + 1)
+    max_k_row = causal_max_k(q_start_index + t_row, k_stride)
+    # Causal: keys past the last token's limit are masked for every row of the tile.
+    last = tl.minimum(t0 + TOK, s_q) - 1
+    n_end = causal_hi(s_kv, q_start_index + last, k_stride, CAUSAL)
     dq = tl.zeros([TOK * BLOCK_H, D], dtype=tl.float32)
     dw = tl.zeros([TOK * BLOCK_H], dtype=tl.float32)
     # The interpreter cannot range() over a run-time bound; the GPU needs a for loop to pipeline.
@@ -248,30 +221,13 @@ def _dqw_kernel(
 
 @triton.jit
 def _dk_kernel(
-    g_ptr,
-    q_ptr,
-    k_ptr,
-    w_ptr,
-    dk_ptr,
-    s_q,
-    s_kv,
-    stride_gs,
-    stride_qs,
-    stride_qh,
-    stride_ks,
-    stride_ws,
-    stride_wh,
-    stride_dks,
-    q_start_index,
-    k_stride,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TOK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
+    g_ptr, q_ptr, k_ptr, w_ptr, dk_ptr,
+    s_q, s_kv,
+    stride_gs, stride_qs, stride_qh, stride_ks, stride_ws, stride_wh, stride_dks,
+    q_start_index, k_stride,
+    H: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, TOK: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
     """One program per BLOCK_N keys; loops over (token, head) rows: dk = Σ_rows (G w 1[z>0])^T q. No atomics."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < s_kv
@@ -309,7 +265,7 @@ def _dk_kernel(
 
 
 def logits_bwd_config(h_idx: int) -> dict[str, int]:
-    block_h = max(16, triton.next_power_of_2(min(h_idx, 64)))
+    block_h = max(16, next_power_of_2(min(h_idx, 64)))
     if interpreting():
         return {"BLOCK_H": block_h, "TOK_DQ": 2, "BLOCK_N_DQ": 16, "TOK_DK": 2, "BLOCK_N_DK": 16,
                 "num_warps_dq": 4, "num_stages_dq": 1, "num_warps_dk": 4, "num_stages_dk": 1}  # fmt: skip
@@ -359,14 +315,14 @@ def launch_logits_bwd(
         cfg.update(config)
     block_h = cfg["BLOCK_H"]
     common = dict(H=h_idx, D=d_idx, CAUSAL=causal, BLOCK_H=block_h, INTERPRET=interpreting())
-    kernel = _dqw_kernel[(triton.cdiv(s_q, cfg["TOK_DQ"]), triton.cdiv(h_idx, block_h))](
+    kernel = _dqw_kernel[(cdiv(s_q, cfg["TOK_DQ"]), cdiv(h_idx, block_h))](
         grad, q_idx, k_idx, weights, dq, dw, s_q, s_kv,
         grad.stride(0), q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1),
         dq.stride(0), dq.stride(1), dw.stride(0), q_start_index, k_stride, **common,
         TOK=cfg["TOK_DQ"], BLOCK_N=cfg["BLOCK_N_DQ"], num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
     )  # fmt: skip
     record_launch("indexer.dqw", kernel)
-    kernel = _dk_kernel[(triton.cdiv(s_kv, cfg["BLOCK_N_DK"]),)](
+    kernel = _dk_kernel[(cdiv(s_kv, cfg["BLOCK_N_DK"]),)](
         grad, q_idx, k_idx, weights, dk, s_q, s_kv,
         grad.stride(0), q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1),
         dk.stride(0), q_start_index, k_stride, **common,
@@ -376,27 +332,42 @@ def launch_logits_bwd(
     return dq, dk, dw
 
 
-class _IndexerLogits(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        q_idx: torch.Tensor,
-        k_idx: torch.Tensor,
-        weights: torch.Tensor,
-        causal: bool,
-        q_start_index: int,
-        k_stride: int,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(q_idx, k_idx, weights)
-        ctx.mask = (causal, q_start_index, k_stride)
-        return launch_logits(q_idx, k_idx, weights, causal, q_start_index, k_stride)
+def _logits_fake(q_idx: torch.Tensor, k_idx: torch.Tensor, *_: Any) -> torch.Tensor:
+    return q_idx.new_empty(q_idx.shape[0], k_idx.shape[0], dtype=torch.float32)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        q_idx, k_idx, weights = ctx.saved_tensors
-        # Masked entries are constant (-inf): the kernels ignore the gradient there (it may be NaN).
-        dq, dk, dw = launch_logits_bwd(grad, q_idx, k_idx, weights, *ctx.mask)
-        return dq, dk, dw, None, None, None
+
+def _logits_bwd_fake(
+    grad: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, *_: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q_idx.new_empty(q_idx.shape), k_idx.new_empty(k_idx.shape), weights.new_empty(weights.shape)
+
+
+@define_op("indexer_logits_bwd", _logits_bwd_fake)
+def _logits_bwd_op(
+    grad: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, causal: bool,
+    q_start_index: int, k_stride: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    # Masked entries are constant (-inf): the kernels ignore the gradient there (it may be NaN).
+    return launch_logits_bwd(grad, q_idx, k_idx, weights, causal, q_start_index, k_stride)
+
+
+def _logits_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    q_idx, k_idx, weights, causal, q_start_index, k_stride = inputs
+    ctx.save_for_backward(q_idx, k_idx, weights)
+    ctx.mask = (causal, q_start_index, k_stride)
+
+
+def _logits_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    q_idx, k_idx, weights = ctx.saved_tensors
+    return (*_logits_bwd_op(grad, q_idx, k_idx, weights, *ctx.mask), None, None, None)
+
+
+@define_op("indexer_logits", _logits_fake, backward=_logits_backward, setup_context=_logits_setup)
+def _logits_op(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, causal: bool, q_start_index: int,
+    k_stride: int,
+) -> torch.Tensor:  # fmt: skip
+    return launch_logits(q_idx, k_idx, weights, causal, q_start_index, k_stride)
 
 
 def indexer_logits(
@@ -429,7 +400,7 @@ def indexer_logits(
     check_indexer_inputs(q_idx, k_idx, weights, q_start_index, k_stride)
     if q_idx.dtype == torch.float64:
         raise ValueError("indexer_logits runs bf16/fp16/fp32 inputs; use indexer_logits_ref for float64")
-    return _IndexerLogits.apply(q_idx, k_idx, weights, causal, q_start_index, k_stride)
+    return _logits_op(q_idx, k_idx, weights, causal, q_start_index, k_stride)
 
 
 def _gather_rows(

@@ -33,13 +33,9 @@ def _chunk_len(dims: SparseDims) -> int:
 
 
 def valid_slots(
-    idx: torch.Tensor,
-    s_kv: int,
-    q_start_index: int,
-    k_stride: int,
-    causal: bool,
+    idx: torch.Tensor, s_kv: int, q_start_index: int, k_stride: int, causal: bool,
     topk_length: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """``[c, topk]`` bool for ``idx [c, topk]`` (queries at positions ``q_start_index + i``): index in
     ``[0, s_kv)``, inside ``topk_length`` and (if ``causal``) not above the causal limit."""
     idx = idx.long()
@@ -54,13 +50,9 @@ def valid_slots(
 
 
 def _attend(
-    q: torch.Tensor,
-    rows: torch.Tensor,
-    valid: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
+    q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, sm_scale: float, d_v: int,
     attn_sink: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Softmax attention of ``q [c, h, d]`` over ``rows [c, t, d]`` (float32) where ``valid [c, t]``."""
     rows = rows.masked_fill(~valid[..., None], 0.0)  # a stand-in row for an invalid slot may hold NaN
     scores = torch.einsum("chd,ctd->cht", q, rows) * sm_scale
@@ -77,18 +69,10 @@ def _attend(
 
 
 def sparse_mla_fwd_ref(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int = 512,
-    *,
-    attn_sink: torch.Tensor | None = None,
-    topk_length: torch.Tensor | None = None,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    causal: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512, *,
+    attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None, q_start_index: int = 0,
+    k_stride: int = 1, causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Sparse MLA forward in float32 (reference for :func:`sparse_mla_attn.sparse_mla_fwd`).
 
     Args:
@@ -134,17 +118,9 @@ def _zeros_rows(idx: torch.Tensor, dims: SparseDims, q: torch.Tensor) -> torch.T
 
 
 def attn_dist_ref(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    *,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    lse_base: str = "e",
-    causal: bool = True,
-) -> torch.Tensor:
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float, *,
+    q_start_index: int = 0, k_stride: int = 1, lse_base: str = "e", causal: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """Head-summed attention probabilities in float32 (reference for :func:`sparse_mla_attn.attn_dist`).
 
     ``attn_sum[i, j] = sum_h exp(sm_scale * q[i, h] · kv[indices[i, 0, j]] - lse[i, h])`` for a valid
@@ -193,12 +169,9 @@ def _lse_to_natural(lse: torch.Tensor, lse_base: str) -> torch.Tensor:
 
 
 def paged_rows(
-    indices: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    block_size: int,
+    indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int,
     n_rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Map per-sequence positions to rows of the flattened paged cache.
 
     Args:
@@ -224,14 +197,9 @@ def paged_rows(
 
 
 def sparse_mla_decode_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int = 512,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    indices: torch.Tensor, sm_scale: float, d_v: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Sparse MLA decode over a paged cache in float32 (reference for :func:`sparse_mla_attn.sparse_mla_decode`).
 
     Args:
@@ -276,16 +244,9 @@ def _chunk_rows(s_q: int, per_token_elems: int, budget_elems: int = 1 << 26) -> 
 
 
 def sparse_mla_ref(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    *,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    causal: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, *,
+    q_start_index: int = 0, k_stride: int = 1, causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Differentiable sparse MLA forward in float32 (float64 if an input is float64): ``(out, lse)``.
 
     Unchunked, for small shapes (tests, gradcheck); torch autograd gives the reference gradients of
@@ -304,19 +265,10 @@ def sparse_mla_ref(
 
 
 def sparse_mla_bwd_ref(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    d_v: int = 512,
-    *,
-    q_start_index: int = 0,
-    k_stride: int = 1,
+    q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, indices: torch.Tensor,
+    lse: torch.Tensor, sm_scale: float, d_v: int = 512, *, q_start_index: int = 0, k_stride: int = 1,
     causal: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Float32 torch reference of :func:`sparse_mla_attn.sparse_mla_bwd` (float64 when an input is float64).
 
     Chunked over query tokens so that memory stays bounded (about 256 MiB of temporaries per chunk) at
@@ -353,14 +305,9 @@ def sparse_mla_bwd_ref(
 
 
 def indexer_logits_ref(
-    q_idx: torch.Tensor,
-    k_idx: torch.Tensor,
-    weights: torch.Tensor,
-    *,
-    causal: bool = False,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-) -> torch.Tensor:
+    q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, *, causal: bool = False,
+    q_start_index: int = 0, k_stride: int = 1,
+) -> torch.Tensor:  # fmt: skip
     """Float32 (float64 for float64 inputs) reference of :func:`sparse_mla_attn.indexer_logits`, chunked
     over queries and differentiable through torch autograd. Returns ``[s_q, s_kv]``; causally masked
     entries are -inf."""
@@ -369,7 +316,7 @@ def indexer_logits_ref(
     s_kv = k_idx.shape[0]
     chunk = max(1, (1 << 25) // max(1, h_idx * s_kv))
     parts = []
-    for s0 in range(0, s_q, chunk):
+    for s0 in range(0, max(s_q, 1), chunk):  # one (empty) chunk at s_q = 0, still differentiable
         z = torch.einsum("shd,nd->shn", q_idx[s0 : s0 + chunk].to(cdt), k_idx.to(cdt))
         parts.append(torch.einsum("shn,sh->sn", torch.relu(z), weights[s0 : s0 + chunk].to(cdt)))
     logits = torch.cat(parts)
@@ -430,5 +377,6 @@ def indexer_kl_loss_ref(
         logq = lg[m] - torch.logsumexp(lg[m], 0)
         nz = p > 0
         losses.append((p[nz] * (torch.log(p[nz]) - logq[nz])).sum() + 0.0 * logq.sum())
-    out = torch.stack(losses) if losses else indexer_logits_at_topk.new_zeros(0, dtype=torch.float64)
+    # No query: an empty [0] loss that is still connected to the logits (its gradient is empty).
+    out = torch.stack(losses) if losses else 0.0 * indexer_logits_at_topk.double().sum(-1)
     return reduce_loss(out, reduction)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import triton
 
-from sparse_mla_attn._runtime import is_sm90
+from sparse_mla_attn._runtime import cdiv, is_sm90, launch
 from sparse_mla_attn._validate import SparseDims
 
 #: Triton releases (major, minor) whose Gluon API these kernels are written for and compiled against.
@@ -672,19 +672,20 @@ def launch_fwd_gluon(
     q_start_index: int,
     k_stride: int,
     causal: bool,
+    slots: dict[Any, Any] | None = None,
 ) -> Any:
     """Forward on sm_90: one program per token and 64-head tile, 12 warp-specialised warps (see
-    ``_sparse_mla_fwd_pingpong_kernel``); same arguments and outputs as the Triton launch."""
-    n_head_tiles = triton.cdiv(dims.h_q, 64)
-    return _sparse_mla_fwd_pingpong_kernel[(dims.s_q * n_head_tiles,)](
-        q, kv_rows, idx, out, max_logits, lse, sink,
-        topk_length if topk_length is not None else idx,
-        q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1),
-        dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
-        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
-        HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4,
+    ``_sparse_mla_fwd_pingpong_kernel``); same arguments and outputs as the Triton launch (``slots``: see
+    :func:`sparse_mla_attn._runtime.launch`)."""
+    n_head_tiles = cdiv(dims.h_q, 64)
+    return launch(
+        _sparse_mla_fwd_pingpong_kernel, (dims.s_q * n_head_tiles,), slots, "gluon_fwd",
+        (q, kv_rows, idx, out, max_logits, lse, sink, topk_length if topk_length is not None else idx,
+         q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1),
+         dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2),
+        dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
+             HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
+             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4),
     )  # fmt: skip
 
 
@@ -701,15 +702,16 @@ def launch_attn_dist_gluon(
     q_start_index: int,
     k_stride: int,
     causal: bool,
+    slots: dict[Any, Any] | None = None,
 ) -> Any:
     """attn_dist on sm_90: one program per token holding all heads. ``out`` must be zeroed where
     :func:`attn_dist_adds_partials` says so."""
-    return _attn_dist_ws_kernel[(dims.s_q,)](
-        q, kv_rows, idx, lse, out,
-        q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
-        dims.h_q, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2,
-        D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=ATTN_DIST_NUM_BUF,
-        SPLIT=AD_SPLIT_HEADS if attn_dist_adds_partials(dims.h_q) else AD_SPLIT_COLS, CAUSAL=causal,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4,
+    return launch(
+        _attn_dist_ws_kernel, (dims.s_q,), slots, "gluon_attn_dist",
+        (q, kv_rows, idx, lse, out,
+         q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
+         dims.h_q, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2),
+        dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=ATTN_DIST_NUM_BUF,
+             SPLIT=AD_SPLIT_HEADS if attn_dist_adds_partials(dims.h_q) else AD_SPLIT_COLS, CAUSAL=causal,
+             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4),
     )  # fmt: skip

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ep_a2a._dist import EPTimeoutError
+from ep_a2a._dist import EPProtocolError, EPTimeoutError, OpBoard, RankMonitor
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
 from ep_a2a.backends.triton.engine import (
     DispatchBuffers,
@@ -173,6 +174,11 @@ class TritonBackend(A2ABackend):
             self.overlap_exact or remote or self.copy_engine
         )
         self._init_host_state()
+        self._own_monitor = options.monitor is None
+        monitor = options.monitor if options.monitor is not None else RankMonitor(ep_group, self.timeout_s)
+        #: every rank's operations (host shared memory): misordered calls raise EPProtocolError
+        self.board = OpBoard(monitor)
+        self._monitor = monitor
         self.aot_variants, self.aot_seconds = 0, 0.0
         if options.use_aot:
             t0 = time.perf_counter()
@@ -204,6 +210,9 @@ class TritonBackend(A2ABackend):
         self._mirror = torch.zeros(self.engine.info_len + 1, dtype=torch.int64).pin_memory()
         self._mirror_np = self._mirror.numpy()
         self._mirror_wait_s = 2.0 * self.timeout_s + 10.0
+        self._info_event = torch.cuda.Event()
+        #: (call number, operation) this rank is in (see :class:`ep_a2a._dist.OpBoard`)
+        self._op: tuple[int, str] = (-1, "")
         self._finalized = False
         #: set when the host gave up polling the mirror: a late write could then land in a later call's
         #: poll, so the backend refuses further calls
@@ -248,6 +257,33 @@ class TritonBackend(A2ABackend):
             raise RuntimeError("TritonBackend used after finalize()")
         if self._mirror_lost is not None:
             raise RuntimeError(f"TritonBackend unusable after an earlier failure: {self._mirror_lost}")
+
+    def _start(self, op: str, *, check: bool = True) -> int:
+        """Publish that this rank starts ``op`` (its call number on the board) and, with ``check``, raise
+        :class:`EPProtocolError` if a peer is already in another operation at that call."""
+        call = self.board.publish(op)
+        self._op = (call, op)
+        if check:
+            self._guard_protocol(lambda: self.board.check(call, op))
+        return call
+
+    def _guard_protocol(self, fn: Callable[[], object]) -> None:
+        """Run a board check; a protocol error (or a peer that never came) leaves the backend unusable:
+        kernels already launched keep waiting for signals that never come, until their own timeout."""
+        try:
+            fn()
+        except (EPProtocolError, EPTimeoutError) as exc:
+            self._mirror_lost = str(exc)
+            raise
+
+    def _wait_event(self, event: torch.cuda.Event) -> None:
+        """Wait on the host for ``event``, checking the board for a peer in another operation meanwhile."""
+        call, op = self._op
+        spins = 0
+        while not event.query():
+            spins += 1
+            if spins % 64 == 0:
+                self._guard_protocol(lambda: self.board.check(call, op))
 
     def check_errors(self) -> None:
         """Synchronise and raise :class:`ep_a2a.EPTimeoutError` if a device-side wait ran out."""
@@ -294,6 +330,7 @@ class TritonBackend(A2ABackend):
                 f"{input.dtype} (e.g. the backward of a combine over float32 expert outputs: cast them to "
                 f"{self.config.token_dtype}, or use backend='torch')"
             )
+        self._start("dispatch")
         call = _Call(input, exp_indices, weight, full_scatter_indices, self.engine.pos)
         # (from the second call on, on every rank alike: a guess of 0 rows speculates too, so a rank
         # that receives nothing does not fall back to the flow with a host wait)
@@ -454,7 +491,8 @@ class TritonBackend(A2ABackend):
         if remote is not None:
             assert self._pinfo_host is not None
             self._pinfo_host.copy_(remote["pinfo"], non_blocking=True)
-        self._current_stream().synchronize()
+        self._info_event.record(self._current_stream())
+        self._wait_event(self._info_event)
         vals = self._info_host.tolist()
         npk = self._pinfo_host.tolist() if remote is not None and self._pinfo_host is not None else None
         self._raise_device_error_word(vals[1])
@@ -469,7 +507,12 @@ class TritonBackend(A2ABackend):
         m = self._mirror_np
         if m[-1] == 0:
             deadline = time.monotonic() + self._mirror_wait_s
+            call, op = self._op
+            spins = 0
             while m[-1] == 0:
+                spins += 1
+                if spins % 64 == 0:
+                    self._guard_protocol(lambda: self.board.check(call, op))
                 if time.monotonic() > deadline:
                     self._mirror_lost = (
                         f"dispatch: rank {self.config.rank}'s row kernel did not publish its receive "
@@ -520,9 +563,13 @@ class TritonBackend(A2ABackend):
         state = layout_desc.backend_state
         if not isinstance(state, _TritonState) or state.owner != id(self):
             raise ValueError("layout_desc was not produced by this triton backend's dispatch")
-        return self._combine(
+        call = self._start("combine")
+        out = self._combine(
             input, state, layout_desc.topk_indices_tensor, layout_desc.num_dispatch_token_cur_rank
         )
+        # (launched first: the GPU is busy while the host checks that every peer combines too)
+        self._guard_protocol(lambda: self.board.wait(call, "combine", "combine"))
+        return out
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
         """Rows back without summing: ``[n, topk, C]`` (zeros for dropped slots); ``input``: ``[R, C]``.
@@ -542,6 +589,7 @@ class TritonBackend(A2ABackend):
         if not input.dtype.is_floating_point or input.dtype.itemsize > 4:
             raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {input.dtype}")
         n = layout_desc.num_dispatch_token_cur_rank
+        call = self._start("combine_per_slot")
         outs = []
         for y_k in self.engine.per_slot_rows(input.contiguous(), state.tab, state.n_src):
             self.engine.launch_barrier()
@@ -552,6 +600,7 @@ class TritonBackend(A2ABackend):
             )  # fmt: skip
             outs.append(out)
         self._combine_allowed = False
+        self._guard_protocol(lambda: self.board.wait(call, "combine_per_slot", "combine"))
         return torch.stack(outs, dim=1)
 
     def _combine(
@@ -593,6 +642,8 @@ class TritonBackend(A2ABackend):
                 "dispatch_static (CUDA-graph mode) is not built for groups with remote peers (the host sizes "
                 "their puts from the counts); use dispatch / combine"
             )
+        if not torch.cuda.is_current_stream_capturing():  # (graph replays do not pass the host)
+            self._start("dispatch_static")
         eng, W = self.engine, self.config.world_size
         b = self._static
         if b is None or b.skip.shape[0] != input.shape[0]:
@@ -626,14 +677,20 @@ class TritonBackend(A2ABackend):
         """Combine for :meth:`dispatch_static` (``input``: ``[worst-case rows, hidden]``; rows past the
         valid count are never read). Returns ``[n, hidden]``."""
         self._check_usable()
+        if not torch.cuda.is_current_stream_capturing():
+            self._start("combine_static")
         return self._combine(input, dispatched.state, dispatched.exp_indices, dispatched.exp_indices.shape[0])
 
     # ------------------------------------------------------------------ the rest
     def barrier(self, *, intra_node_only: bool = False, stream: torch.cuda.Stream | None = None) -> None:
         self._check_usable()
-        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+        self._start("barrier")
+        stream = stream or torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
             self.engine.launch_barrier()
-        (stream or torch.cuda.current_stream()).synchronize()
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._wait_event(done)
         self.check_errors()
 
     def finalize(self) -> None:
@@ -643,4 +700,7 @@ class TritonBackend(A2ABackend):
         dist.barrier(group=self.ep_group)
         self._next_small = None
         self.heap.free()
+        self.board.close()
+        if self._own_monitor:
+            self._monitor.destroy()
         self._finalized = True

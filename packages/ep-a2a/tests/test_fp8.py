@@ -1,0 +1,106 @@
+"""FP8 dispatch in DeepEP's format (per-128-channel float32 scales) on the torch backend, over gloo, and the
+reference quantizer."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from ep_a2a.reference import FP8_BLOCK, dequantize_fp8, quantize_fp8
+from ep_a2a.testing import run_local
+
+H, K, E_PER_RANK, T = 256, 3, 2, 6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_quantizer_matches_deepep_scaling(dtype: torch.dtype) -> None:
+    """Each 128-channel block: scale = max(amax, 1e-4) / 448, its largest element becomes +-448, and the
+    dequantized rows are within FP8 e4m3's rounding (3 mantissa bits) of the input."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 3 * FP8_BLOCK, generator=gen) * torch.logspace(-3, 3, 5)[:, None]).to(dtype)
+    x[1, FP8_BLOCK : 2 * FP8_BLOCK] = 0  # an all-zero block: the 1e-4 floor keeps the scale finite
+    q, s = quantize_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn
+    assert q.shape == x.shape
+    assert s.dtype == torch.float32
+    assert s.shape == (5, 3)
+    amax = x.float().view(5, 3, FP8_BLOCK).abs().amax(2).clamp(min=1e-4)
+    torch.testing.assert_close(s, amax / 448.0, rtol=0, atol=0)
+    peak = q.float().view(5, 3, FP8_BLOCK).abs().amax(2)
+    assert torch.equal(peak[amax > 1e-4], torch.full_like(peak[amax > 1e-4], 448.0))
+    err = (dequantize_fp8(q, s) - x.float()).abs()
+    bound = x.float().abs() * 2.0**-4 + s.repeat_interleave(FP8_BLOCK, 1) * 2.0**-9
+    assert bool((err <= bound).all()), float((err - bound).max())
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_fp8(torch.zeros(2, 100))
+
+
+def _bytes(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return torch.cat([q.view(torch.uint8), s.view(torch.uint8)], 1)
+
+
+def run_fp8(rank: int, world: int) -> list[str]:
+    """FP8 rows and scales arrive bit for bit in the layer's row order; quantize-on-send equals the
+    reference quantizer; combine takes the layer's bf16 rows; bad FP8 arguments name themselves."""
+    from ep_a2a import EPLayer
+    from ep_a2a.reference import combine_ref, dispatch_ref
+
+    gen = torch.Generator().manual_seed(11)
+    experts = E_PER_RANK * world
+    xs = [(torch.randn(T - r, H, generator=gen) * 10).to(torch.bfloat16) for r in range(world)]
+    ids = [torch.randint(-1, experts, (T - r, K), generator=gen, dtype=torch.int32) for r in range(world)]
+    ws = [torch.rand(T - r, K, generator=gen) for r in range(world)]
+    qs = [quantize_fp8(x) for x in xs]
+    received, scatter = dispatch_ref([_bytes(q, s) for q, s in qs], ids, ws, num_tot_experts=experts)
+    mine = received[rank]
+    seen = []
+    with EPLayer(
+        None, max_tokens=T, hidden=H, topk=K, num_experts=experts, backend="torch", timeout_s=30
+    ) as layer:
+        (rows, scales), w, desc = layer.dispatch(qs[rank], ids[rank], ws[rank])
+        assert rows.dtype == torch.float8_e4m3fn
+        assert scales.dtype == torch.float32
+        assert torch.equal(_bytes(rows, scales), mine.output)
+        assert torch.equal(w, mine.weights)
+        assert torch.equal(desc.recv_expert_indices.long(), mine.local_expert)
+        seen.append("fp8")
+        (rows2, scales2), _, desc2 = layer.dispatch(xs[rank], ids[rank], ws[rank], fp8=True)
+        assert torch.equal(_bytes(rows2, scales2), mine.output)
+        seen.append("quantize-on-send")
+        # combine: the expert's bf16 outputs, summed as for a bf16 dispatch
+        ys = [
+            (dequantize_fp8(r.output[:, :H].view(torch.float8_e4m3fn), r.output[:, H:].contiguous().view(torch.float32))
+             * (r.local_expert[:, None] + 1)).to(torch.bfloat16)
+            for r in received
+        ]  # fmt: skip
+        out = layer.combine(ys[rank], desc2)
+        want = combine_ref(ys, ids, scatter, num_tot_experts=experts)[rank]
+        assert torch.equal(out, want)
+        seen.append("combine")
+        q, s = qs[rank]
+        for args, exc, match in (
+            ((q, s, s), ValueError, "must be (x_fp8, scales)"),
+            ((q.view(torch.uint8), s), TypeError, "input must have dtype torch.float8_e4m3fn"),
+            ((q, s[:, :1]), ValueError, "scales must have shape"),
+            ((q, s.double()), TypeError, "scales must have dtype torch.float32"),
+        ):
+            with pytest.raises(exc, match=re.escape(match)):
+                layer.dispatch(args, ids[rank])
+        seen.append("errors")
+    with (
+        EPLayer(
+            None, max_tokens=T, hidden=64, topk=K, num_experts=experts, backend="torch", timeout_s=30
+        ) as narrow,
+        pytest.raises(ValueError, match="multiple of 128"),
+    ):
+        narrow.dispatch(torch.zeros(2, 64, dtype=torch.bfloat16), ids[rank][:2], fp8=True)
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3], ids=["gloo-2", "gloo-3"])
+def test_fp8_dispatch_moves_rows_and_scales_bit_for_bit(world: int) -> None:
+    got = run_local(f"{__file__}:run_fp8", world, timeout_s=110)
+    assert got == [["fp8", "quantize-on-send", "combine", "errors"]] * world
