@@ -125,17 +125,24 @@ class Case:
     hkv: int = 8
     dim: int = 128
     providers: list[str] = field(default_factory=list)
+    kv_dtype: str = "fp16"  # fp16 | fp8 (float8_e4m3fn K/V with per-tensor scales given as tensors)
 
     @property
     def name(self) -> str:
         lens = f"L{self.lengths[0] // 1024}K" if len(set(self.lengths)) == 1 else "L4K-32K"
         return f"{self.group}-B{self.batch}-{lens}-{self.pattern}{round(self.density * 100)}"
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes per K or V value in the cache."""
+        return 1 if self.kv_dtype == "fp8" else 2
+
 
 def floor_bytes(c: Case) -> int:
-    """K + V over the valid lengths, the bool mask, q and out: each read or written once."""
+    """K + V over the valid lengths (1 byte per value for FP8, with its two per-tensor scales), the bool
+    mask, q and out: each read or written once."""
     valid = sum(c.lengths)
-    kv = 2 * c.hkv * valid * c.dim * 2
+    kv = 2 * c.hkv * valid * c.dim * c.kv_bytes + (8 if c.kv_dtype == "fp8" else 0)
     mask = c.hkv * valid if c.pattern != "none" else 0
     return kv + mask + 2 * c.batch * c.hq * c.dim * 2
 
@@ -147,7 +154,7 @@ def visible_bytes(c: Case, mask: torch.Tensor | None) -> int:
     lens = torch.tensor(c.lengths, device=mask.device)
     inside = torch.arange(c.alloc, device=mask.device)[None, :] < lens[:, None]
     n_vis = int(((~mask) & inside[:, None, :]).sum())
-    return 2 * n_vis * c.dim * 2 + c.hkv * sum(c.lengths) + 2 * c.batch * c.hq * c.dim * 2
+    return 2 * n_vis * c.dim * c.kv_bytes + c.hkv * sum(c.lengths) + 2 * c.batch * c.hq * c.dim * 2
 
 
 def make_mask(c: Case, gen: torch.Generator) -> torch.Tensor | None:
@@ -246,6 +253,13 @@ class Runner:
             mask = mask_full
             seqlens = torch.tensor(c.lengths, dtype=torch.int32, device="cuda")
         q3 = q.view(b, c.hq, d)
+        scales: dict = {}
+        if c.kv_dtype == "fp8":  # quantized as vLLM stores it: K / k_scale, scales as 0-d device tensors
+            k = (k / 0.05).to(torch.float8_e4m3fn)
+            v = (v / 0.05).to(torch.float8_e4m3fn)
+            del kf, vf
+            scale = torch.tensor(0.05, device="cuda")
+            scales = {"k_scale": scale, "v_scale": scale}
         fb = floor_bytes(c)
         floor_us = fb / self.bw * 1e6
         res: dict = {
@@ -266,10 +280,10 @@ class Runner:
                     path={"ours": "auto", "ours_dense": "dense", "ours_sparse": "sparse"}[p]
                 )
                 fns[p] = lambda cfg=cfg: masked_decode(
-                    q3, k, v, mask, seqlens=seqlens, check_values=False, config=cfg
+                    q3, k, v, mask, seqlens=seqlens, check_values=False, config=cfg, **scales
                 )
             elif p == "ours_eager":  # as a user calls it: default arguments, timed eagerly
-                fns[p] = lambda: masked_decode(q3, k, v, mask, seqlens=seqlens)
+                fns[p] = lambda: masked_decode(q3, k, v, mask, seqlens=seqlens, **scales)
             elif p == "baseline_triton" and self.baseline is not None:
                 flat_mask = (
                     mask.reshape(-1)

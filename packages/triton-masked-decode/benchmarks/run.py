@@ -57,7 +57,7 @@ LABELS = {
 
 def build_cases(quick: bool) -> list[Case]:
     """Batch sweep at Hq 32, Hkv 8, D 128, fp16 (64K valid of 128K, random 50% mask); a short cache; ragged
-    batches; sparse masks at batch 1 and 8; a density sweep at batch 4."""
+    batches; sparse masks at batch 1 and 8; FP8 caches at batch 8; a density sweep at batch 4."""
     cases = [
         Case("batch", b, [L64K] * b, ALLOC, 0.5, "random", providers=BATCH_PROVIDERS)
         for b in ([1, 8] if quick else [1, 2, 4, 8])
@@ -86,6 +86,10 @@ def build_cases(quick: bool) -> list[Case]:
                 cases.append(Case("sparse", b, [L64K] * b, L64K, dens, pattern, providers=sparse))
         cases.append(
             Case("sparse", b, [L64K] * b, L64K, 1.0, "none", providers=["ours", "sdpa", "flash_attn"])
+        )
+    for dens in (0.5, 0.1):  # FP8 K/V (per-tensor scales as device tensors), CUDA graph and eager
+        cases.append(
+            Case("fp8", 8, [L64K] * 8, L64K, dens, "random", providers=["ours", "ours_eager"], kv_dtype="fp8")
         )
     for dens in [0.1, 0.25, 0.5] if quick else [0.05, 0.1, 0.25, 0.5, 1.0]:
         cases.append(
@@ -139,7 +143,7 @@ def make_table(results: list[dict]) -> str:
     ]
     cols = [p for p in cols if any(r["times_us"].get(p) for r in results)]
     lines = [
-        "| case | dense floor | " + " | ".join(LABELS[p] for p in cols) + " |",
+        "| case | read-once floor | " + " | ".join(LABELS[p] for p in cols) + " |",
         "|---|---|" + "---|" * len(cols),
     ]
     for r in results:
@@ -157,6 +161,8 @@ CASE_TEXT = {
     "ragged": "`ragged`: lengths uniform in [4K, 32K] given as a `seqlens` tensor",
     "sparse": "`sparse`: L 64K with 10% or 25% visible, random or in clusters of 64 positions, or no mask",
     "density": "`density`: batch 4, L 64K, random masks",
+    "fp8": "`fp8`: batch 8, L 64K, FP8 (e4m3) K/V with per-tensor scales as device tensors, random masks; its "
+    "floor counts K and V at one byte per value",
 }
 
 
@@ -167,7 +173,7 @@ def page_block(meta: dict) -> str:
     cases = "; ".join(CASE_TEXT[g] for g in groups if g in CASE_TEXT)
     text = (
         f"One {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {date}. Microseconds per call "
-        f"(lower is faster); *dense floor* is the time to read K and V over the valid lengths once (with the "
+        f"(lower is faster); *read-once floor* is the time to read K and V over the valid lengths once (with the "
         f"mask, q and out) at the copy bandwidth measured in the same run: a masked call reads only the visible "
         f"rows, so it can beat it. Cases: {cases}. Raw numbers, device, "
         f"date, commit and command: `docs/benchmarks/{DIST}/{kind}.json`."
@@ -271,7 +277,8 @@ def main() -> None:
         "copy_bandwidth_Bps": bw,
         "timing": "median microseconds, L2 flushed before each call by reading 256 MB; CUDA-graph replay, "
         "or for providers ending in _eager a direct call started from an idle GPU (host cost included)",
-        "floor": "K+V over valid lengths + bool mask (1 B/position) + q + out, at the measured copy bandwidth",
+        "floor": "K+V over valid lengths (2 B/value fp16, 1 B/value FP8 + its scales) + bool mask (1 B/position) "
+        "+ q + out, at the measured copy bandwidth",
         "flash_attn_installed": runner.fa_kvcache is not None,
         "results": [],
     }

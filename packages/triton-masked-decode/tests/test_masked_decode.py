@@ -262,6 +262,12 @@ def test_custom_op_fake_and_schema(cpu_device: torch.device) -> None:
         None,
         None,
         torch.zeros(1, dtype=torch.int32),
+        None,
+        None,
+        None,
+        None,
+        1.0,
+        1.0,
         c.length,
         c.dim**-0.5,
         c.length,
@@ -359,7 +365,7 @@ def test_invalid_inputs(mutate, match, cpu_device: torch.device) -> None:
         pytest.param({"sparse_threshold": 1.5}, "sparse_threshold", id="threshold"),
         pytest.param({"num_splits": 0}, "num_splits", id="num-splits"),
         pytest.param({"block_n": 48}, "block_n", id="block-n-not-pow2"),
-        pytest.param({"merge_block_d": 8}, "merge_block_d", id="merge-block-d"),
+        pytest.param({"merge_splits": 3}, "merge_splits", id="merge-splits-not-pow2"),
     ],
 )
 def test_invalid_config(fields: dict, match: str) -> None:
@@ -414,7 +420,7 @@ def test_split_heuristic(batch: int, hkv: int, length: int) -> None:
 def one_wave(batch: int, hkv: int, length: int, masked: bool, sms: int) -> bool:
     """The launch class masked_decode gives a shape (Hq = 4 Hkv, D = 128) on a device with ``sms`` SMs."""
     md = sys.modules["triton_masked_decode.masked_decode"]
-    dev = md._Device(sms, True, "default")
+    dev = md._Device(sms, "default")
     plan, _ = md._plan_launch(batch, 4 * hkv, hkv, 128, length, masked, MaskedDecodeConfig(), dev)
     return bool(plan.one_wave)
 
@@ -561,50 +567,38 @@ def test_sparse_gather_tiles(block_ns: int, stages: int, cuda_device: torch.devi
 
 
 @pytest.mark.parametrize(
-    ("merge_block_d", "merge_warps"),
-    [pytest.param(16, 2, id="MD16"), pytest.param(256, 4, id="MD-whole")],
+    ("case", "merge_splits"),
+    [
+        pytest.param(Case(batch=3, length=70, dim=40, seqlens="tensor", num_splits=3), 1, id="S3-step1"),
+        pytest.param(Case(batch=2, hkv=1, group=3, length=300, dim=24, num_splits=19), 4, id="G3-S19-step4"),
+        pytest.param(Case(batch=2, hkv=2, group=2, length=300, dim=16, num_splits=19), 32, id="S19-one-step"),
+    ],
 )
-def test_merge_head_dim_slices_cpu(merge_block_d: int, merge_warps: int, cpu_device: torch.device) -> None:
-    """The merge kernel over head-dim slices (the last slice partly past D) or the whole D is exact."""
-    check_case(
-        Case(batch=3, length=70, dim=40, seqlens="tensor", num_splits=3),
-        cpu_device,
-        seed=41,
-        merge_block_d=merge_block_d,
-        merge_warps=merge_warps,
-    )
+def test_in_kernel_merge_cpu(case: Case, merge_splits: int, cpu_device: torch.device) -> None:
+    """The last split of each (sequence, KV head) merges the partials: in one step or several (online
+    rescaling across steps), for a group that is not a power of two, with lengths that leave splits idle."""
+    check_case(case, cpu_device, seed=41, merge_splits=merge_splits)
 
 
-def test_merge_in_several_steps_cpu(cpu_device: torch.device) -> None:
-    """More splits than one merge step takes (BLOCK_S = 8 here): the online rescaling across steps is exact."""
-    check_case(
-        Case(batch=2, hkv=1, group=2, length=300, dim=200, num_splits=19),
-        cpu_device,
-        seed=44,
-        merge_block_d=256,
-        merge_warps=1,
-    )
+def test_merge_counters_reset_cpu(cpu_device: torch.device) -> None:
+    """The merge's arrival counters are back at zero after a launch, so the next call merges again."""
+    md = sys.modules["triton_masked_decode.masked_decode"]
+    c = Case(batch=3, length=70, dim=32, seqlens="tensor", num_splits=4)
+    for seed in (45, 46):
+        check_case(c, cpu_device, seed=seed)
+    assert all(int(ws.counters.abs().sum()) == 0 for ws in md._WORKSPACES.values())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("merge_block_d", "merge_warps"),
-    [
-        pytest.param(16, 1, id="MD16-w1"),
-        pytest.param(32, 2, id="MD32-w2"),
-        pytest.param(64, 2, id="MD64"),
-        pytest.param(256, 4, id="MD-whole"),
-    ],
-)
-def test_merge_head_dim_slices_gpu(merge_block_d: int, merge_warps: int, cuda_device: torch.device) -> None:
-    """Merge slices other than the default (32 wide, 1 warp), including one program for the whole D."""
-    for dim, seed in ((128, 42), (96, 43)):
+@pytest.mark.parametrize("merge_splits", [pytest.param(1, id="step1"), pytest.param(64, id="step64")])
+def test_in_kernel_merge_gpu(merge_splits: int, cuda_device: torch.device) -> None:
+    """Merge steps other than the default, on NaN-poisoned caches with idle splits (short seqlens)."""
+    for dim, group, seed in ((128, 4, 42), (96, 3, 43)):
         check_case(
-            Case(batch=3, hkv=8, group=4, length=6000, dim=dim, seqlens="tensor"),
+            Case(batch=3, hkv=8, group=group, length=6000, dim=dim, seqlens="tensor"),
             cuda_device,
             seed=seed,
-            merge_block_d=merge_block_d,
-            merge_warps=merge_warps,
+            merge_splits=merge_splits,
         )
 
 
@@ -624,10 +618,12 @@ def test_autotuned_launch(cuda_device: torch.device) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [pytest.param(1, id="pdl"), pytest.param(0, id="no-pdl")])
-def test_cuda_graph_replay_with_changing_seqlens(pdl: int, cuda_device: torch.device) -> None:
-    """Replays with new lengths; the merge kernel launched with and without programmatic dependent launch."""
-    config = MaskedDecodeConfig(pdl=bool(pdl), autotune=False)
+@pytest.mark.parametrize(
+    "num_splits", [pytest.param(None, id="default-splits"), pytest.param(64, id="64-splits")]
+)
+def test_cuda_graph_replay_with_changing_seqlens(num_splits: int | None, cuda_device: torch.device) -> None:
+    """Replays with new lengths: the in-kernel merge's counters reset themselves between replays."""
+    config = MaskedDecodeConfig(num_splits=num_splits, autotune=False)
     c = Case(batch=4, hkv=8, group=4, length=8192, dim=128, seqlens="tensor")
     q, k, v, mask, ref_mask, seqlens, _ = make_inputs(c, cuda_device, seed=12, poison=False)
     assert isinstance(seqlens, torch.Tensor)
@@ -649,38 +645,6 @@ def test_cuda_graph_replay_with_changing_seqlens(pdl: int, cuda_device: torch.de
         fin = torch.isfinite(ref_lse)
         assert torch.equal(torch.isfinite(lse), fin)
         torch.testing.assert_close(lse[fin], ref_lse[fin], **LSE_TOL)
-
-
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_torch_compile_fullgraph_traces_cpu(backend: str, cpu_device: torch.device) -> None:
-    """torch.compile(fullgraph=True) traces the public function without a graph break (the custom op and
-    its fake implementation; the compiled kernels themselves are the GPU test's)."""
-    c = Case(seqlens="tensor", batch=3)
-    q, k, v, mask, ref_mask, seqlens, _ = make_inputs(c, cpu_device, seed=15, poison=False)
-
-    def step(q, k, v, mask, seqlens):
-        out, lse = masked_decode(q, k, v, mask, seqlens=seqlens, check_values=False)
-        return out * 2, lse
-
-    torch._dynamo.reset()
-    out, _lse = torch.compile(step, fullgraph=True, backend=backend)(q, k, v, mask, seqlens)
-    ref, _ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens)
-    torch.testing.assert_close(out.float(), 2 * ref.float(), **TOL[c.dtype])
-
-
-@pytest.mark.gpu
-def test_torch_compile_fullgraph(cuda_device: torch.device) -> None:
-    c = Case(batch=2, hkv=8, group=4, length=4096, dim=128, seqlens="tensor")
-    q, k, v, mask, ref_mask, seqlens, _ = make_inputs(c, cuda_device, seed=13, poison=False)
-
-    def step(q, k, v, mask, seqlens):
-        out, lse = masked_decode(q, k, v, mask, seqlens=seqlens, check_values=False)
-        return out * 2, lse
-
-    compiled = torch.compile(step, fullgraph=True)
-    out, _lse = compiled(q, k, v, mask, seqlens)
-    ref, _ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens)
-    torch.testing.assert_close(out.float(), 2 * ref.float(), **TOL[c.dtype])
 
 
 @pytest.mark.gpu

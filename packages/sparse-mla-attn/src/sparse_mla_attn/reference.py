@@ -316,7 +316,7 @@ def indexer_logits_ref(
     s_kv = k_idx.shape[0]
     chunk = max(1, (1 << 25) // max(1, h_idx * s_kv))
     parts = []
-    for s0 in range(0, s_q, chunk):
+    for s0 in range(0, max(s_q, 1), chunk):  # one (empty) chunk at s_q = 0, still differentiable
         z = torch.einsum("shd,nd->shn", q_idx[s0 : s0 + chunk].to(cdt), k_idx.to(cdt))
         parts.append(torch.einsum("shn,sh->sn", torch.relu(z), weights[s0 : s0 + chunk].to(cdt)))
     logits = torch.cat(parts)
@@ -377,5 +377,6 @@ def indexer_kl_loss_ref(
         logq = lg[m] - torch.logsumexp(lg[m], 0)
         nz = p > 0
         losses.append((p[nz] * (torch.log(p[nz]) - logq[nz])).sum() + 0.0 * logq.sum())
-    out = torch.stack(losses) if losses else indexer_logits_at_topk.new_zeros(0, dtype=torch.float64)
+    # No query: an empty [0] loss that is still connected to the logits (its gradient is empty).
+    out = torch.stack(losses) if losses else 0.0 * indexer_logits_at_topk.double().sum(-1)
     return reduce_loss(out, reduction)

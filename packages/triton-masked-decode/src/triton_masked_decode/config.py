@@ -45,9 +45,8 @@ class MaskedDecodeConfig:
             for multi-wave launches.
         block_c: mask positions compacted per step of the sparse loop's index pass (power of two; default
             the split length, at most 2048).
-        merge_block_d, merge_warps: the merge kernel's head-dim slice per program and its warps (default
-            32-wide slices, one warp).
-        pdl: launch the merge kernel with programmatic dependent launch (default: on Hopper and newer).
+        merge_splits: partial results per query head that the last split of a (sequence, KV head) merges
+            per step (power of two; default: about 4096 values per step over the group's query heads).
         autotune: allow autotuning of the dense-loop tile on GPU (default True).
 
     Raises:
@@ -65,9 +64,7 @@ class MaskedDecodeConfig:
     block_ns: int | None = None
     sparse_stages: int | None = None
     block_c: int | None = None
-    merge_block_d: int = 32
-    merge_warps: int = 1
-    pdl: bool | None = None
+    merge_splits: int | None = None
     autotune: bool = True
 
     def __post_init__(self) -> None:
@@ -82,13 +79,13 @@ class MaskedDecodeConfig:
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
                 bad(name, "an int >= 1 or None")
-        for name in ("block_n", "block_ns", "block_c", "num_warps", "merge_block_d", "merge_warps"):
+        for name in ("block_n", "block_ns", "block_c", "num_warps", "merge_splits"):
             val = getattr(self, name)
             if val is not None and (
                 isinstance(val, bool) or not isinstance(val, int) or not _power_of_two(val)
             ):
                 bad(name, "a power of two")
-        for name, lo in (("block_n", 16), ("block_ns", 16), ("block_c", 16), ("merge_block_d", 16)):
+        for name, lo in (("block_n", 16), ("block_ns", 16), ("block_c", 16)):
             val = getattr(self, name)
             if val is not None and val < lo:
                 bad(name, f">= {lo}")

@@ -16,11 +16,20 @@ Two inner loops share the per-tile attention step:
 
 With ``path="auto"`` and a mask, the same pass counts the visible positions, and each split takes the
 sparse loop when their fraction is at most ``sparse_threshold``: the choice is made on the device, per
-split. Partial results (one per split) are combined by a second kernel with the log-sum-exp rule; on Hopper
-it is launched with programmatic dependent launch, so its programs are resident before the splits finish.
-When every split takes the sparse loop (threshold 1, the default, or ``path="sparse"``) the split kernel
-is compiled without the dense loop; otherwise, on a GPU, the dense tile is autotuned per shape class on
-first use. The launch knobs and their tuned defaults are in :mod:`triton_masked_decode.config`.
+split. With several splits, each program writes its partial result to a workspace and takes a ticket from
+a per-(sequence, KV head) counter; the last one to finish merges the partials with the log-sum-exp rule
+and resets the counter, so one launch does the whole call. When every split takes the sparse loop
+(threshold 1, the default, or ``path="sparse"``) the split kernel is compiled without the dense loop;
+otherwise, on a GPU, the dense tile is autotuned per shape class on first use. The launch knobs and their
+tuned defaults are in :mod:`triton_masked_decode.config`.
+
+FP8 caches (``float8_e4m3fn`` K/V) are read at one byte per value and converted exactly to q's dtype in
+registers; the per-tensor K scale multiplies the scores, the V scale the output, and optional
+per-(position, KV head) scales each row's score or probability.
+
+Eager calls cache, per signature of shapes, strides, dtypes, alignments and devices, the validation, the
+launch plan and the compiled kernel's launcher: after the first call a call allocates its outputs and
+launches the compiled kernel directly, without Triton's argument binding.
 """
 
 from __future__ import annotations
@@ -28,14 +37,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import List, NamedTuple  # noqa: UP035 (the custom op schema of _launch, torch < 2.7)
+import time
+from typing import List, NamedTuple, NoReturn  # noqa: UP035 (the custom op schema of _launch, torch < 2.7)
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs as _triton_knobs
 
 from triton_masked_decode._utils import (
-    capability,
     device_name,
     install_interpreter_fix,
     interpreting,
@@ -96,18 +106,26 @@ def _attend_rows(
     stride_kp,
     stride_vn,
     stride_vp,
+    ks_base,
+    vs_base,
+    stride_ksn,
+    stride_ksp,
+    stride_vsn,
+    stride_vsp,
     qk_scale,
     offs_d,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    TOK_SCALE: tl.constexpr,
 ):
     """Online-softmax update with the K/V rows at positions ``pos``; rows are loaded only where ``vis``.
 
     Paged: a row whose block-table entry is outside ``[0, num_pages)`` is treated as excluded, so an
-    out-of-range page id is never dereferenced (:func:`_flag_bad_pages` reports it).
+    out-of-range page id is never dereferenced (:func:`_flag_bad_pages` reports it). K/V rows of another
+    dtype than ``q`` (FP8) are converted exactly to it; with ``TOK_SCALE`` each row's dequantization scale
+    multiplies its score (K) or its probability (V).
     """
     if PAGED:
         page = tl.load(bt_base + pos // PAGE_SIZE, mask=vis, other=0)
@@ -116,26 +134,32 @@ def _attend_rows(
         row = (pos % PAGE_SIZE).to(tl.int64)
         k_off = page * stride_kp + row * stride_kn
         v_off = page * stride_vp + row * stride_vn
+        ks_off = page * stride_ksp + row * stride_ksn
+        vs_off = page * stride_vsp + row * stride_vsn
     else:
         k_off = pos.to(tl.int64) * stride_kn
         v_off = pos.to(tl.int64) * stride_vn
+        ks_off = pos.to(tl.int64) * stride_ksn
+        vs_off = pos.to(tl.int64) * stride_vsn
     if BLOCK_D == HEAD_DIM:
         ld_mask = vis[:, None]
     else:
         ld_mask = vis[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
+    k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=ld_mask, other=0.0).to(q.dtype)
     qk = tl.dot(q, tl.trans(k)) * qk_scale
+    if TOK_SCALE:
+        qk = qk * tl.load(ks_base + ks_off, mask=vis, other=0.0)[None, :]
     qk = tl.where(vis[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # keeps -inf - -inf out of exp2
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(qk - m_use[:, None])
-    v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
-    if UPCAST:
-        v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=ld_mask, other=0.0).to(q.dtype)
+    if TOK_SCALE:
+        pv = p * tl.load(vs_base + vs_off, mask=vis, other=0.0)[None, :]
+    else:
+        pv = p
+    acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v)
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, l_i, m_new
 
@@ -158,6 +182,12 @@ def _dense_loop(
     stride_vn,
     stride_vp,
     stride_ml,
+    ks_base,
+    vs_base,
+    stride_ksn,
+    stride_ksp,
+    stride_vsn,
+    stride_vsp,
     qk_scale,
     offs_d,
     MASK_MODE: tl.constexpr,
@@ -166,7 +196,7 @@ def _dense_loop(
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    TOK_SCALE: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     # The K/V loads of a tile are predicated on its mask bits: fetch the bits one tile ahead so that
@@ -185,8 +215,9 @@ def _dense_loop(
             ex_next = _excluded(mask_base, nxt, nxt < hi, stride_ml, MASK_MODE)
         acc, l_i, m_i = _attend_rows(
             acc, l_i, m_i, q, pos, vis, k_base, v_base, bt_base, num_pages,
-            stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
-            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST,
+            stride_kn, stride_kp, stride_vn, stride_vp,
+            ks_base, vs_base, stride_ksn, stride_ksp, stride_vsn, stride_vsp, qk_scale, offs_d,
+            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, TOK_SCALE,
         )  # fmt: skip
     return acc, l_i, m_i
 
@@ -225,6 +256,12 @@ def _sparse_loop(
     stride_kp,
     stride_vn,
     stride_vp,
+    ks_base,
+    vs_base,
+    stride_ksn,
+    stride_ksp,
+    stride_vsn,
+    stride_vsp,
     qk_scale,
     offs_d,
     HEAD_DIM: tl.constexpr,
@@ -233,7 +270,7 @@ def _sparse_loop(
     SPARSE_STAGES: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    TOK_SCALE: tl.constexpr,
 ):
     """Walk the compacted list of ``n_vis`` visible positions, gathering ``BLOCK_NS`` K/V rows per tile."""
     tl.debug_barrier()  # the list was written by other threads of this program
@@ -247,8 +284,9 @@ def _sparse_loop(
         pos_next = tl.load(idx_base + j_next, mask=j_next < n_vis, other=0)
         acc, l_i, m_i = _attend_rows(
             acc, l_i, m_i, q, pos, valid, k_base, v_base, bt_base, num_pages,
-            stride_kn, stride_kp, stride_vn, stride_vp, qk_scale, offs_d,
-            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, UPCAST,
+            stride_kn, stride_kp, stride_vn, stride_vp,
+            ks_base, vs_base, stride_ksn, stride_ksp, stride_vsn, stride_vsp, qk_scale, offs_d,
+            HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE, TOK_SCALE,
         )  # fmt: skip
     return acc, l_i, m_i
 
@@ -297,12 +335,21 @@ def _masked_decode_split_kernel(
     Idx,
     Out,
     Lse,
+    OutPart,
+    LsePart,
+    Counter,
     Err,
+    KScale,
+    VScale,
+    KTokScale,
+    VTokScale,
     seqlen_const,
     max_len,
     num_pages,
     chunk,
     qk_scale,
+    k_scale,
+    v_scale,
     sparse_threshold,
     size_class,
     stride_qb,
@@ -317,12 +364,12 @@ def _masked_decode_split_kernel(
     stride_mh,
     stride_ml,
     stride_btb,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_lb,
-    stride_lh,
-    stride_ls,
+    stride_ksb,
+    stride_ksh,
+    stride_ksn,
+    stride_vsb,
+    stride_vsh,
+    stride_vsn,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -338,12 +385,12 @@ def _masked_decode_split_kernel(
     COMPACT: tl.constexpr,
     SPARSE_ONLY: tl.constexpr,
     UPCAST: tl.constexpr,
-    PDL: tl.constexpr,
+    SCALE_T: tl.constexpr,
+    TOK_SCALE: tl.constexpr,
+    MERGE: tl.constexpr,
+    G_P2: tl.constexpr,
+    MERGE_S: tl.constexpr,
 ):
-    if PDL:
-        # Let the merge kernel's programs be scheduled as soon as every split program has started; they
-        # wait (griddepcontrol.wait) for this grid to finish before reading the partials.
-        tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
     head = tl.program_id(1)
     bidx = tl.program_id(2)
@@ -373,13 +420,23 @@ def _masked_decode_split_kernel(
         )
         if UPCAST:
             q = q.to(tl.float32)
+        # Per-tensor dequantization scales (1 for fp16/bf16 caches): K's scales the scores, V's the output.
+        k_mul = k_scale
+        v_mul = v_scale
+        if SCALE_T:
+            k_mul = k_mul * tl.load(KScale).to(tl.float32)
+            v_mul = v_mul * tl.load(VScale).to(tl.float32)
         if PAGED:
             k_base = K + head.to(tl.int64) * stride_kh
             v_base = V + head.to(tl.int64) * stride_vh
+            ks_base = KTokScale + head.to(tl.int64) * stride_ksh
+            vs_base = VTokScale + head.to(tl.int64) * stride_vsh
             bt_base = BlockTable + bidx.to(tl.int64) * stride_btb
         else:
             k_base = K + bidx.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
             v_base = V + bidx.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
+            ks_base = KTokScale + bidx.to(tl.int64) * stride_ksb + head.to(tl.int64) * stride_ksh
+            vs_base = VTokScale + bidx.to(tl.int64) * stride_vsb + head.to(tl.int64) * stride_vsh
             bt_base = BlockTable
         mask_base = Mask + bidx.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
         if PAGED:
@@ -407,27 +464,102 @@ def _masked_decode_split_kernel(
         if go_sparse:
             acc, l_i, m_i = _sparse_loop(
                 acc, l_i, m_i, q, n_vis, k_base, v_base, bt_base, num_pages, idx_base,
-                stride_kn, stride_kb, stride_vn, stride_vb, qk_scale, offs_d,
-                HEAD_DIM, BLOCK_D, BLOCK_NS, SPARSE_STAGES, PAGED, PAGE_SIZE, UPCAST,
+                stride_kn, stride_kb, stride_vn, stride_vb,
+                ks_base, vs_base, stride_ksn, stride_ksb, stride_vsn, stride_vsb, qk_scale * k_mul, offs_d,
+                HEAD_DIM, BLOCK_D, BLOCK_NS, SPARSE_STAGES, PAGED, PAGE_SIZE, TOK_SCALE,
             )  # fmt: skip
         else:
             acc, l_i, m_i = _dense_loop(
                 acc, l_i, m_i, q, lo, hi, k_base, v_base, bt_base, num_pages, mask_base,
-                stride_kn, stride_kb, stride_vn, stride_vb, stride_ml, qk_scale, offs_d,
-                MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, UPCAST,
+                stride_kn, stride_kb, stride_vn, stride_vb, stride_ml,
+                ks_base, vs_base, stride_ksn, stride_ksb, stride_vsn, stride_vsb, qk_scale * k_mul, offs_d,
+                MASK_MODE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, TOK_SCALE,
             )  # fmt: skip
 
         out, lse = _normalize(acc, l_i, m_i)  # m_i is in log2 units (q·k was scaled by log2 e)
-        o_ptrs = (
-            Out
-            + bidx.to(tl.int64) * stride_ob
-            + qh[:, None] * stride_oh
-            + split * stride_os
-            + offs_d[None, :]
+        out = out * v_mul
+        # Rows of contiguous [B, Hq, D] outputs, or of [B, Hq, S, D] partials with several splits.
+        row = bidx.to(tl.int64) * (num_heads * G) + qh
+        gd_mask = g_mask[:, None] & d_mask[None, :]
+        if MERGE:
+            prow = row * num_splits + split
+            tl.store(OutPart + prow[:, None] * HEAD_DIM + offs_d[None, :], out, mask=gd_mask)
+            tl.store(LsePart + prow, lse, mask=g_mask)
+            # The last split of this (sequence, KV head) to finish merges the partials: every thread's
+            # stores precede the counter's release, and the acquire by the last one orders its reads.
+            tl.debug_barrier()
+            slot = Counter + bidx * num_heads + head
+            ticket = tl.atomic_add(slot, 1, sem="acq_rel")
+            # Splits at or past the sequence end wrote nothing; split 0 always wrote.
+            n_active = tl.minimum(tl.maximum((seqlen + chunk - 1) // chunk, 1), num_splits)
+            if ticket == n_active - 1:
+                tl.atomic_xchg(slot, 0)  # ready for the next launch (and the next graph replay)
+                _merge_partials(
+                    OutPart, LsePart, Out, Lse, bidx.to(tl.int64) * (num_heads * G) + head * G, n_active,
+                    num_splits, G, G_P2, MERGE_S, HEAD_DIM, BLOCK_D,
+                )  # fmt: skip
+        else:
+            tl.store(
+                Out + row[:, None] * HEAD_DIM + offs_d[None, :], out.to(Out.dtype.element_ty), mask=gd_mask
+            )
+            tl.store(Lse + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_partials(
+    OutPart,
+    LsePart,
+    Out,
+    Lse,
+    row0,
+    n_active,
+    num_splits,
+    G: tl.constexpr,
+    G_P2: tl.constexpr,
+    MERGE_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Log-sum-exp merge of the ``n_active`` partial results of query-head rows ``row0 .. row0 + G - 1``,
+    ``MERGE_S`` splits of every head per step, with online rescaling (each partial is read once)."""
+    offs_g = tl.arange(0, G_P2)
+    offs_s = tl.arange(0, MERGE_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < G
+    d_mask = offs_d < HEAD_DIM
+    rows = row0 + offs_g
+    m = tl.full([G_P2], float("-inf"), dtype=tl.float32)
+    tot = tl.zeros([G_P2], dtype=tl.float32)
+    acc = tl.zeros([G_P2, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_active, MERGE_S):
+        s = s0 + offs_s
+        gs_mask = g_mask[:, None] & (s < n_active)[None, :]
+        prow = rows[:, None] * num_splits + s[None, :]
+        # .cg: read from L2, where the other programs' partials are (never a stale L1 line)
+        lse_s = tl.load(LsePart + prow, mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(
+            OutPart + prow[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+            mask=gs_mask[:, :, None] & d_mask[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
         )
-        l_ptrs = Lse + bidx.to(tl.int64) * stride_lb + qh * stride_lh + split * stride_ls
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(l_ptrs, lse, mask=g_mask)
+        m_new = tl.maximum(m, tl.max(lse_s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp(lse_s - m_use[:, None])  # 0 for empty splits (lse = -inf; their out was written as 0)
+        alpha = tl.exp(m - m_use)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
+        tot = tot * alpha + tl.sum(w, 1)
+        m = m_new
+    seen = tot > 0.0
+    m_fin = tl.where(m == float("-inf"), 0.0, m)
+    out = acc / tl.where(seen, tot, 1.0)[:, None]
+    lse = tl.where(seen, m_fin + tl.log(tl.where(seen, tot, 1.0)), _empty_or_nan(tot))
+    tl.store(
+        Out + rows[:, None] * HEAD_DIM + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
+    tl.store(Lse + rows, lse, mask=g_mask)
 
 
 # Autotuned launch of the split kernel (GPU only): tile length, warps and pipelining depth are timed on the
@@ -473,82 +605,6 @@ def _split_kernel_tuned() -> triton.runtime.Autotuner:
         prune_configs_by={"early_config_prune": _prune_configs},
         do_bench=lambda kernel_call, quantiles: _bench_config(kernel_call, quantiles),
     )(_masked_decode_split_kernel)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    OutPart,
-    LsePart,
-    Out,
-    Lse,
-    Seqlens,
-    seqlen_const,
-    max_len,
-    chunk,
-    num_splits,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_sb,
-    stride_sh,
-    stride_ss,
-    stride_ob,
-    stride_oh,
-    stride_lb,
-    stride_lh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    head = tl.program_id(0)
-    bidx = tl.program_id(1)
-    d_blk = tl.program_id(2)  # head-dim slice: BLOCK_D may cover only part of HEAD_DIM
-    if HAS_SEQLENS:
-        seqlen = tl.minimum(tl.maximum(tl.load(Seqlens + bidx), 0), max_len)
-    else:
-        seqlen = seqlen_const
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # launched early (programmatic dependent launch): wait for the partials
-    # Splits at or past the sequence end wrote nothing; split 0 always wrote.
-    n_active = tl.minimum(tl.maximum((seqlen + chunk - 1) // chunk, 1), num_splits)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = d_blk * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    lse_base = LsePart + bidx.to(tl.int64) * stride_sb + head * stride_sh
-    o_base = OutPart + bidx.to(tl.int64) * stride_pb + head * stride_ph
-    # One pass with online rescaling: each block of splits is read once (all of them when S <= BLOCK_S).
-    m = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0)
-    tot = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, n_active, BLOCK_S):
-        s = s0 + offs_s
-        s_mask = s < n_active
-        lse_s = tl.load(lse_base + s * stride_ss, mask=s_mask, other=float("-inf"))
-        o = tl.load(
-            o_base + s[:, None] * stride_ps + offs_d[None, :],
-            mask=s_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-        m_new = tl.maximum(m, tl.max(lse_s, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp(lse_s - m_use)  # 0 for empty splits (lse = -inf; their out was written as 0)
-        alpha = tl.exp(m - m_use)
-        acc = acc * alpha + tl.sum(o * w[:, None], 0)
-        tot = tot * alpha + tl.sum(w, 0)
-        m = m_new
-    seen = tot > 0.0
-    m_fin = tl.where(m == float("-inf"), 0.0, m)
-    out = acc / tl.where(seen, tot, 1.0)
-    lse = tl.where(seen, m_fin + tl.log(tl.where(seen, tot, 1.0)), _empty_or_nan(tot))
-    tl.store(
-        Out + bidx.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
-        out.to(Out.dtype.element_ty),
-        mask=d_mask,
-    )
-    if d_blk == 0:
-        tl.store(Lse + bidx.to(tl.int64) * stride_lb + head * stride_lh, lse)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -624,22 +680,18 @@ class _Launch(NamedTuple):
     block_ns: int
     sparse_stages: int
     block_c: int
-    merge_block_d: int
-    merge_warps: int
-    pdl: int
+    merge_s: int
 
 
 class _Device(NamedTuple):
     """What a launch needs to know of its device."""
 
     sms: int
-    pdl: bool  # programmatic dependent launch available (Hopper and newer, compiled kernels)
     name: str
 
 
 def _device_facts(device: torch.device) -> _Device:
-    compiled = device.type == "cuda" and not interpreting()
-    return _Device(num_sms(device), compiled and capability(device)[0] >= 9, device_name(device))
+    return _Device(num_sms(device), device_name(device))
 
 
 @functools.lru_cache(maxsize=512)
@@ -704,9 +756,8 @@ def _plan_launch(
         block_ns=config.block_ns or block_ns,
         sparse_stages=config.sparse_stages or sparse_stages,
         block_c=block_c,
-        merge_block_d=min(block_d, config.merge_block_d),
-        merge_warps=config.merge_warps,
-        pdl=int((dev.pdl if config.pdl is None else config.pdl and dev.pdl) and splits > 1),
+        # The last split's merge step: about 4096 partial values (all query heads of the KV head at once).
+        merge_s=config.merge_splits or max(1, min(64, 4096 // (triton.next_power_of_2(hq // hkv) * block_d))),
     )
     return launch, threshold
 
@@ -714,6 +765,21 @@ def _plan_launch(
 def _pow2(x: int) -> int:
     """Smallest power of two >= x (``triton.next_power_of_2`` without its JIT-function call cost)."""
     return 1 << (x - 1).bit_length() if x > 1 else 1
+
+
+class _Scales(NamedTuple):
+    """Dequantization scales of an FP8 cache (1.0 and None for fp16/bf16): per-tensor factors as Python
+    floats and/or one-element float32 tensors, and optional per-(token, KV head) float32 tensors."""
+
+    k_mul: float
+    v_mul: float
+    k_tensor: torch.Tensor | None
+    v_tensor: torch.Tensor | None
+    k_token: torch.Tensor | None
+    v_token: torch.Tensor | None
+
+
+_NO_SCALES = _Scales(1.0, 1.0, None, None, None, None)
 
 
 class _Static(NamedTuple):
@@ -724,14 +790,12 @@ class _Static(NamedTuple):
     hkv: int
     head_dim: int
     num_pages: int
-    mask_strides: tuple[int, ...]
-    strides: tuple[int, ...]  # q, k, v, mask, block table, partial out, partial lse (the kernel's order)
-    merge_strides: tuple[int, ...]
+    strides: tuple[int, ...]  # q, k, v, mask, block table, token scales of K and V (the kernel's order)
     size_class: int
     idx_numel: int
+    part_numel: int
+    grid: tuple[int, int, int]
     meta: dict
-    merge_grid: tuple[int, int, int]
-    merge_meta: dict
 
 
 def _static(
@@ -741,6 +805,7 @@ def _static(
     mask: torch.Tensor | None,
     seqlens: torch.Tensor | None,
     block_table: torch.Tensor | None,
+    scales: _Scales,
     plan: _Launch,
 ) -> _Static:
     batch, hq, d = q.shape
@@ -749,60 +814,52 @@ def _static(
     splits, chunk = plan.splits, plan.chunk
     mask_mode = _MASK_NONE if mask is None else _MASK_PACKED if mask.dtype == torch.uint8 else _MASK_BOOL
     mstrides = (0, 0, 0) if mask is None else tuple(mask.stride())
-    # Outputs and partials are fresh contiguous tensors: [B, Hq, D] / [B, Hq] or [B, Hq, S, D] / [B, Hq, S].
-    if splits == 1:
-        po, pl = (hq * d, d, 0), (hq, 1, 0)
-    else:
-        po, pl = (hq * splits * d, splits * d, d), (hq * splits, splits, 1)
     if paged:
-        # Paged [P, page_size, Hkv, D]: "batch" stride slots carry the page stride.
-        ks = (k.stride(0), k.stride(2), k.stride(1))
-        vs = (v.stride(0), v.stride(2), v.stride(1))
+        # Paged [P, page_size, Hkv, D] (scales [P, page_size, Hkv]): "batch" slots carry the page stride.
+        def bhn(t: torch.Tensor) -> tuple[int, int, int]:
+            return (t.stride(0), t.stride(2), t.stride(1))
+
         page_size = k.shape[1]
     else:
-        ks = (k.stride(0), k.stride(1), k.stride(2))
-        vs = (v.stride(0), v.stride(1), v.stride(2))
+
+        def bhn(t: torch.Tensor) -> tuple[int, int, int]:
+            return (t.stride(0), t.stride(1), t.stride(2))
+
         page_size = 1
+    kts, vts = scales.k_token, scales.v_token
     strides = (
-        q.stride(0), q.stride(1), *ks, *vs, *mstrides,
+        q.stride(0), q.stride(1), *bhn(k), *bhn(v), *mstrides,
         block_table.stride(0) if block_table is not None else 1,
-        *po, *pl,
+        *(bhn(kts) if kts is not None else (0, 0, 0)), *(bhn(vts) if vts is not None else (0, 0, 0)),
     )  # fmt: skip
-    block_d = max(16, _pow2(d))
+    g = hq // hkv
     meta = dict(
-        G=hq // hkv, BLOCK_G=max(16, _pow2(hq // hkv)), HEAD_DIM=d, BLOCK_D=block_d,
+        G=g, BLOCK_G=max(16, _pow2(g)), HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)),
         BLOCK_NS=plan.block_ns, SPARSE_STAGES=plan.sparse_stages, BLOCK_C=plan.block_c, MASK_MODE=mask_mode,
         HAS_SEQLENS=seqlens is not None, PAGED=paged, PAGE_SIZE=page_size, COMPACT=bool(plan.compact),
         SPARSE_ONLY=bool(plan.sparse_only), UPCAST=interpreting() and q.dtype == torch.bfloat16,
-        PDL=bool(plan.pdl),
+        SCALE_T=scales.k_tensor is not None or scales.v_tensor is not None,
+        TOK_SCALE=kts is not None or vts is not None,
+        MERGE=splits > 1, G_P2=_pow2(g), MERGE_S=plan.merge_s,
     )  # fmt: skip
     if not plan.autotune:
         meta.update(BLOCK_N=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages)
-    # One merge program per (query head, sequence, head-dim slice); each reads at most 64 partial values per
-    # thread per step (BLOCK_S splits at a time).
-    block_dm, merge_warps = plan.merge_block_d, plan.merge_warps
-    merge_meta = dict(
-        HEAD_DIM=d, BLOCK_D=block_dm, BLOCK_S=min(max(merge_warps * 32 * 64 // block_dm, 1), _pow2(splits)),
-        HAS_SEQLENS=seqlens is not None, PDL=bool(plan.pdl), num_warps=merge_warps, launch_pdl=bool(plan.pdl),
-    )  # fmt: skip
     return _Static(
         batch=batch,
         hq=hq,
         hkv=hkv,
         head_dim=d,
         num_pages=k.shape[0] if paged else 0,
-        mask_strides=mstrides,
         strides=strides,
-        merge_strides=(*po, *pl, hq * d, d, hq, 1),
         size_class=_pow2(batch * hkv * splits) * 1_000_000 + chunk,
         idx_numel=batch * hkv * splits * chunk if plan.compact else 0,
+        part_numel=batch * hq * splits if splits > 1 else 0,
+        grid=(splits, hkv, batch),
         meta=meta,
-        merge_grid=(hq, batch, -(-block_d // block_dm)),
-        merge_meta=merge_meta,
     )
 
 
-_DUMMIES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_DUMMIES: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _ALIGN = 256  # workspace pieces start on 256-byte boundaries, like fresh allocations
 
 
@@ -810,25 +867,29 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _dummies(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8, int32) one-element tensors standing in for absent optional inputs (never read)."""
-    pair = _DUMMIES.get(device)
-    if pair is None:
-        pair = (
+def _dummies(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(uint8, int32, float32) one-element tensors standing in for absent optional inputs (never read)."""
+    dummies = _DUMMIES.get(device)
+    if dummies is None:
+        dummies = (
             torch.zeros(1, dtype=torch.uint8, device=device),
             torch.zeros(1, dtype=torch.int32, device=device),
+            torch.ones(1, dtype=torch.float32, device=device),
         )
         if not _capturing(device):
-            _DUMMIES[device] = pair
-    return pair
+            _DUMMIES[device] = dummies
+    return dummies
 
 
 class _Workspace:
-    """A byte buffer for the split kernel's scratch and its views per layout, reused by the calls made on
-    one stream (stream order keeps them apart)."""
+    """The split kernel's scratch, reused by the calls made on one stream (stream order keeps them apart):
+    a byte buffer carved per layout into the sparse loop's index lists and the partial results, and the
+    per-(sequence, KV head) arrival counters of the in-kernel merge, zero between launches (the merging
+    program resets its counter)."""
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
+    def __init__(self, nbytes: int, ncounters: int, device: torch.device) -> None:
         self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.counters = torch.zeros(max(ncounters, 1), dtype=torch.int32, device=device)
         self.views: dict[tuple[int, int, int], tuple[torch.Tensor | None, ...]] = {}
 
     def carve(self, idx_bytes: int, part_bytes: int, lse_bytes: int) -> tuple[torch.Tensor | None, ...]:
@@ -851,18 +912,61 @@ _WORKSPACES: dict[tuple[torch.device, int], _Workspace] = {}
 
 
 def _scratch(
-    device: torch.device, idx_bytes: int, part_bytes: int, lse_bytes: int
-) -> tuple[torch.Tensor | None, ...]:
-    """Scratch views for a launch: from the stream's cached workspace, or fresh while a CUDA graph is being
-    captured (the graph keeps its own)."""
+    device: torch.device, stream: int, st: _Static
+) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor]:
+    """Scratch views and counters for a launch: from the stream's cached workspace, or fresh while a CUDA
+    graph is being captured (the graph keeps its own)."""
+    idx_bytes, part_bytes, lse_bytes = 4 * st.idx_numel, 4 * st.part_numel * st.head_dim, 4 * st.part_numel
+    ncounters = st.batch * st.hkv
     nbytes = -(-idx_bytes // _ALIGN) * _ALIGN + -(-part_bytes // _ALIGN) * _ALIGN + lse_bytes
     if _capturing(device):
-        return _Workspace(nbytes, device).carve(idx_bytes, part_bytes, lse_bytes)
-    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
-    ws = _WORKSPACES.get(key)
-    if ws is None or ws.buf.numel() < nbytes:
-        ws = _WORKSPACES[key] = _Workspace(nbytes, device)
-    return ws.carve(idx_bytes, part_bytes, lse_bytes)
+        ws = _Workspace(nbytes, ncounters, device)
+    else:
+        key = (device, stream)
+        cached = _WORKSPACES.get(key)
+        if cached is None or cached.buf.numel() < nbytes or cached.counters.numel() < ncounters:
+            cached = _WORKSPACES[key] = _Workspace(nbytes, ncounters, device)
+        ws = cached
+    return ws.carve(idx_bytes, part_bytes, lse_bytes), ws.counters
+
+
+def _raw_stream(index: int) -> int:
+    """The current CUDA stream of device ``index`` as the driver handle Triton launches on."""
+    return triton.runtime.driver.active.get_current_stream(index)
+
+
+class _Entry:
+    """A cached signature: its validation result and, once its first launch has compiled the split kernel,
+    a launcher of that compiled kernel with the grid bound (no argument binding or cache lookup per call)."""
+
+    __slots__ = ("launcher", "sig")
+
+    def __init__(self, sig: _Signature) -> None:
+        self.sig = sig
+        self.launcher: tuple | None = None  # see _direct_launcher
+
+
+def _no_launch_hooks() -> bool:
+    """True when no launch hook is registered with Triton (profilers such as Proton register some)."""
+    rt = _triton_knobs.runtime
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return (enter is None or getattr(enter, "calls", True) == []) and (
+        leave is None or getattr(leave, "calls", True) == []
+    )
+
+
+def _direct_launcher(compiled, consts: tuple) -> tuple:
+    """(launch function, CUDA function, packed metadata, constexpr values, the compiled kernel): what
+    Triton's JIT passes to the compiled kernel's launcher, taken once."""
+    run = compiled.run  # loads the module on first access
+    return (run, compiled.function, compiled.packed_metadata, consts, compiled)
+
+
+def _constexprs(meta: dict, extra: dict) -> tuple:
+    """The split kernel's constexpr arguments in signature order (Triton's launcher takes every argument)."""
+    names = _masked_decode_split_kernel.arg_names
+    full = {**meta, **extra}
+    return tuple(full[n] for n in names if n in full)
 
 
 def _run(
@@ -873,51 +977,61 @@ def _run(
     seqlens: torch.Tensor | None,
     block_table: torch.Tensor | None,
     error_flag: torch.Tensor,
+    scales: _Scales,
     seqlen_const: int,
     sm_scale: float,
     max_len: int,
     sparse_threshold: float,
     plan: _Launch,
     st: _Static,
+    entry: _Entry | None = None,
     readback: _FlagReadback | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the split kernel (and the merge when there is more than one split) on validated inputs; with
-    ``readback``, start the asynchronous copy of the error word to the host after the launches."""
+    """One launch of the split kernel on validated inputs (with several splits, the last split of each
+    sequence and KV head merges them). With ``entry`` (eager calls on a GPU), the compiled kernel of its
+    first launch is kept and later calls launch it directly; with ``readback``, the error word's copy to
+    the host starts after the launch."""
     dev = q.device
-    batch, hq, d, splits = st.batch, st.hq, st.head_dim, plan.splits
-    dummy_u8, dummy_i32 = _dummies(dev)
+    batch, hq, d = st.batch, st.hq, st.head_dim
+    cuda = dev.type == "cuda"
+    index = (dev.index if dev.index is not None else torch.cuda.current_device()) if cuda else -1
+    stream = _raw_stream(index) if cuda else 0
+    dummy_u8, dummy_i32, dummy_f32 = _dummies(dev)
     out = torch.empty(batch, hq, d, dtype=q.dtype, device=dev)
     lse = torch.empty(batch, hq, dtype=torch.float32, device=dev)
-    # Scratch: the sparse loop's index lists, then (with several splits) the partial outputs and LSEs.
-    multi = splits > 1
-    idx, o_part, l_part = _scratch(
-        dev,
-        4 * st.idx_numel,
-        4 * batch * hq * splits * d if multi else 0,
-        4 * batch * hq * splits if multi else 0,
-    )
-    if idx is None:
-        idx = dummy_i32
-    if o_part is None or l_part is None:
-        o_part, l_part = out, lse
-    seq_t = seqlens if seqlens is not None else dummy_i32
+    (idx, o_part, l_part), counters = _scratch(dev, stream, st)
     args = (
-        q, k, v, dummy_u8 if mask is None else mask.view(torch.uint8), seq_t,
-        dummy_i32 if block_table is None else block_table, idx, o_part, l_part, error_flag,
-        seqlen_const, max_len, st.num_pages, plan.chunk, sm_scale * _LOG2E, sparse_threshold, st.size_class,
-        *st.strides,
+        q, k, v, dummy_u8 if mask is None else mask if mask.dtype == torch.uint8 else mask.view(torch.uint8), dummy_i32 if seqlens is None else seqlens,
+        dummy_i32 if block_table is None else block_table, dummy_i32 if idx is None else idx, out, lse,
+        out if o_part is None else o_part, lse if l_part is None else l_part, counters, error_flag,
+        dummy_f32 if scales.k_tensor is None else scales.k_tensor,
+        dummy_f32 if scales.v_tensor is None else scales.v_tensor,
+        dummy_f32 if scales.k_token is None else scales.k_token,
+        dummy_f32 if scales.v_token is None else scales.v_token,
+        seqlen_const, max_len, st.num_pages, plan.chunk, sm_scale * _LOG2E, scales.k_mul, scales.v_mul,
+        sparse_threshold, st.size_class, *st.strides,
     )  # fmt: skip
-    grid = (splits, st.hkv, batch)
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        if plan.autotune:  # Triton launches on the current device
-            _split_kernel_tuned()[grid](*args, **st.meta)
+    switch = cuda and torch.cuda.current_device() != index  # Triton launches on the current device
+    with torch.cuda.device(index) if switch else contextlib.nullcontext():
+        launcher = entry.launcher if entry is not None else None
+        if launcher is not None and _no_launch_hooks():
+            run, function, packed_metadata, consts, _ = launcher
+            g0, g1, g2 = st.grid
+            run(g0, g1, g2, stream, function, packed_metadata, None, None, None, *args, *consts)
+        elif launcher is not None:  # a profiler's launch hooks: Triton's own launch path calls them
+            compiled, consts = launcher[4], launcher[3]
+            compiled[st.grid](*args, *consts, stream=stream)
+        elif plan.autotune:
+            tuned = _split_kernel_tuned()
+            compiled = tuned[st.grid](*args, **st.meta)
+            if entry is not None and cuda:
+                entry.launcher = _direct_launcher(
+                    compiled, _constexprs(st.meta, tuned.best_config.all_kwargs())
+                )
         else:
-            _masked_decode_split_kernel[grid](*args, **st.meta)
-        if splits > 1:
-            _merge_splits_kernel[st.merge_grid](
-                o_part, l_part, out, lse, seq_t, seqlen_const, max_len, plan.chunk, splits, *st.merge_strides,
-                **st.merge_meta,
-            )  # fmt: skip
+            compiled = _masked_decode_split_kernel[st.grid](*args, **st.meta)
+            if entry is not None and cuda:
+                entry.launcher = _direct_launcher(compiled, _constexprs(st.meta, {}))
         if readback is not None:
             readback.start()
     return out, lse
@@ -931,6 +1045,12 @@ def _launch(
     seqlens: torch.Tensor | None,
     block_table: torch.Tensor | None,
     error_flag: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_token_scale: torch.Tensor | None,
+    v_token_scale: torch.Tensor | None,
+    k_mul: float,
+    v_mul: float,
     seqlen_const: int,
     sm_scale: float,
     max_len: int,
@@ -945,21 +1065,12 @@ def _launch(
     if q.shape[0] == 0:
         return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
     plan = _Launch(*launch)
-    st = _static(q, k, v, mask, seqlens, block_table, plan)
-    args = (
-        q,
-        k,
-        v,
-        mask,
-        seqlens,
-        block_table,
-        error_flag,
-        seqlen_const,
-        sm_scale,
-        max_len,
-        sparse_threshold,
-    )
-    return _run(*args, plan, st)
+    scales = _Scales(k_mul, v_mul, k_scale, v_scale, k_token_scale, v_token_scale)
+    st = _static(q, k, v, mask, seqlens, block_table, scales, plan)
+    return _run(
+        q, k, v, mask, seqlens, block_table, error_flag, scales, seqlen_const, sm_scale, max_len,
+        sparse_threshold, plan, st,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -983,7 +1094,7 @@ def _masked_decode_fake(q: torch.Tensor, *_: object) -> tuple[torch.Tensor, torc
 # --------------------------------------------------------------------------------------------------------
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise ValueError(f"masked_decode: {msg}")
 
 
@@ -1016,8 +1127,8 @@ def _check_cache(
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             _fail(f"{name} must be a 4-d tensor, got {_shape(t)}")
-        if t.dtype != q3.dtype:
-            _fail(f"{name} dtype {t.dtype} must match q dtype {q3.dtype}")
+        if t.dtype not in (q3.dtype, torch.float8_e4m3fn):
+            _fail(f"{name} dtype {t.dtype} must be q's dtype {q3.dtype} or torch.float8_e4m3fn")
         if t.device != q3.device:
             _fail(f"{name} is on {t.device}, q on {q3.device}")
         if t.shape[-1] != d:
@@ -1026,6 +1137,8 @@ def _check_cache(
             _fail(f"{name}'s last dim must be contiguous (stride 1), got strides {tuple(t.stride())}")
     if k.shape != v.shape:
         _fail(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.dtype != v.dtype:
+        _fail(f"k ({k.dtype}) and v ({v.dtype}) must have the same dtype")
     if block_table is None:
         if k.shape[0] != batch:
             _fail(f"dense k must be [B, Hkv, L, D] with B={batch}, got {tuple(k.shape)}")
@@ -1093,6 +1206,54 @@ def _check_seqlens(seqlens: torch.Tensor | int | None, q3: torch.Tensor, max_len
     return max_len
 
 
+_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_scales(
+    k_scale: object,
+    v_scale: object,
+    k_token_scale: object,
+    v_token_scale: object,
+    q3: torch.Tensor,
+    k: torch.Tensor,
+    block_table: torch.Tensor | None,
+) -> None:
+    """Per-tensor scales: finite Python numbers or one-element float tensors on q's device; per-token
+    scales: float32 ``[num_pages, page_size, Hkv]`` (paged) or ``[B, Hkv, L]`` (dense)."""
+    for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if val is None:
+            continue
+        if isinstance(val, torch.Tensor):
+            if val.numel() != 1 or val.dim() > 1 or val.dtype not in _SCALE_DTYPES:
+                _fail(
+                    f"{name} must be a float, or a 0-d or [1] float32 tensor, got {val.dtype} {tuple(val.shape)}"
+                )
+            if val.device != q3.device:
+                _fail(f"{name} is on {val.device}, q on {q3.device}")
+        elif isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val):
+            _fail(f"{name} must be a finite float or a one-element tensor, got {val!r}")
+    want = tuple(k.shape[:3]) if block_table is not None else (q3.shape[0], k.shape[1], k.shape[2])
+    layout = "[num_pages, page_size, Hkv]" if block_table is not None else "[B, Hkv, L]"
+    for name, val in (("k_token_scale", k_token_scale), ("v_token_scale", v_token_scale)):
+        if val is None:
+            continue
+        if not isinstance(val, torch.Tensor) or val.dtype != torch.float32 or tuple(val.shape) != want:
+            _fail(
+                f"{name} must be a float32 tensor {layout} = {want}, got {_shape(val)} {getattr(val, 'dtype', '')}"
+            )
+        if val.device != q3.device:
+            _fail(f"{name} is on {val.device}, q on {q3.device}")
+
+
+def _scales(k_scale: object, v_scale: object, k_token_scale: object, v_token_scale: object) -> _Scales:
+    """The kernel's view of validated scales: tensors by pointer (graph-safe), numbers as factors."""
+    k_t = k_scale if isinstance(k_scale, torch.Tensor) else None
+    v_t = v_scale if isinstance(v_scale, torch.Tensor) else None
+    k_mul = 1.0 if k_t is not None or k_scale is None else float(k_scale)  # type: ignore[arg-type]
+    v_mul = 1.0 if v_t is not None or v_scale is None else float(v_scale)  # type: ignore[arg-type]
+    return _Scales(k_mul, v_mul, k_t, v_t, k_token_scale, v_token_scale)  # type: ignore[arg-type]
+
+
 def _check_values(
     k: torch.Tensor,
     seqlens: torch.Tensor | int | None,
@@ -1136,28 +1297,40 @@ def _error_flag(device: torch.device) -> torch.Tensor:
 
 class _FlagReadback:
     """Reads a CUDA device's error word without stopping the host: after a call, an asynchronous copy into
-    pinned memory; a later call looks at it once the copy has landed (an event query, no sync)."""
+    pinned memory, at most one in flight and one per ``_READBACK_PERIOD_NS``; a later call looks at it once
+    the copy has landed (an event query, no sync)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.flag = _error_flag(device)
         self.host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.host_view = self.host.numpy()
         self.event = torch.cuda.Event()
         self.pending = False
+        self.last_ns = 0
 
     def start(self) -> None:
-        """After the launches (on the current stream of the device): copy the word unless one is in flight."""
+        """After the launch (on the current stream of the device): copy the word unless one is in flight
+        or the last one started less than a period ago."""
         if not self.pending:
-            self.host.copy_(self.flag, non_blocking=True)
-            self.event.record()
-            self.pending = True
+            now = time.monotonic_ns()
+            if now - self.last_ns >= _READBACK_PERIOD_NS:
+                self.host.copy_(self.flag, non_blocking=True)
+                self.event.record()
+                self.pending = True
+                self.last_ns = now
 
     def landed_bits(self) -> int:
         """The bits of the last copy if it has landed, else 0 (and nothing waits)."""
         if not self.pending or not self.event.query():
             return 0
         self.pending = False
-        return int(self.host[0])
+        return int(self.host_view[0])
+
+
+# The error word's copy to the host costs a stream operation: eager calls in a tight loop start one per
+# millisecond, so a flagged value is reported within about a millisecond of calls.
+_READBACK_PERIOD_NS = 1_000_000
 
 
 _READBACKS: dict[torch.device, _FlagReadback] = {}
@@ -1221,31 +1394,47 @@ class _Signature(NamedTuple):
     static: _Static | None  # None for an empty batch
 
 
-_SIGNATURES: dict[tuple, _Signature] = {}
+_SIGNATURES: dict[tuple, _Entry] = {}
 
 
 def _tensor_key(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+    # The pointer's 16-byte alignment is part of the compiled kernel's specialisation.
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
 
 
-def _signature_key(q, k, v, mask, seqlens, block_table, sm_scale, config) -> tuple | None:
-    """Everything validation and planning depend on (shapes, strides, dtypes, devices, the host-int length,
-    the scale, the config); None when an argument is not even a tensor (validation reports it)."""
+def _value_key(x: object) -> tuple | None:
+    return _tensor_key(x) if isinstance(x, torch.Tensor) else (type(x), x)  # type: ignore[arg-type]
+
+
+def _signature_key(
+    q, k, v, mask, seqlens, block_table, sm_scale, k_scale, v_scale, k_token_scale, v_token_scale, config
+) -> tuple | None:
+    """Everything validation and planning depend on (shapes, strides, dtypes, devices, alignments, the
+    host-int length, the scales' kinds and numbers, the config); None when an argument is not even a
+    tensor (validation reports it)."""
     try:
-        seq = (type(seqlens), seqlens) if not isinstance(seqlens, torch.Tensor) else _tensor_key(seqlens)
+        key = (
+            _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(mask), _value_key(seqlens),
+            _tensor_key(block_table), type(sm_scale), sm_scale, config,
+        )  # fmt: skip
+        if k_scale is None and v_scale is None and k_token_scale is None and v_token_scale is None:
+            return key
         return (
-            _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(mask), seq, _tensor_key(block_table),
-            type(sm_scale), sm_scale, config, interpreting(),
+            *key, _value_key(k_scale), _value_key(v_scale), _tensor_key(k_token_scale), _tensor_key(v_token_scale),
         )  # fmt: skip
     except (AttributeError, TypeError):
         return None
 
 
-def _validate_and_plan(q, k, v, mask, seqlens, block_table, sm_scale, config, cached: bool) -> _Signature:
+def _validate_and_plan(
+    q, k, v, mask, seqlens, block_table, sm_scale, k_scale, v_scale, k_token_scale, v_token_scale, config,
+    cached: bool,
+) -> _Signature:  # fmt: skip
     q3 = _check_q(q)
     hkv, max_len = _check_cache(q3, k, v, block_table)
     _check_mask(mask, q3, hkv, max_len)
     seqlen_const = _check_seqlens(seqlens, q3, max_len)
+    _check_scales(k_scale, v_scale, k_token_scale, v_token_scale, q3, k, block_table)
     scale = q3.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     if not math.isfinite(scale):
         raise ValueError(f"masked_decode: sm_scale must be finite, got {sm_scale}")
@@ -1261,7 +1450,8 @@ def _validate_and_plan(q, k, v, mask, seqlens, block_table, sm_scale, config, ca
         plan, threshold = plan_launch(
             batch, hq, hkv, d, grid_len, mask is not None, config, _device_facts(q3.device)
         )
-        static = _static(q3, k, v, mask, seq_t, block_table, plan) if cached else None
+        scales = _scales(k_scale, v_scale, k_token_scale, v_token_scale)
+        static = _static(q3, k, v, mask, seq_t, block_table, scales, plan) if cached else None
     return _Signature(q.dim() == 4, hkv, max_len, seqlen_const, grid_len, scale, plan, threshold, static)
 
 
@@ -1293,6 +1483,10 @@ def masked_decode(
     sm_scale: float | None = None,
     return_lse: bool = True,
     check_values: bool = True,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    k_token_scale: torch.Tensor | None = None,
+    v_token_scale: torch.Tensor | None = None,
     config: MaskedDecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """Decode attention of one query token per sequence over a KV cache with excluded positions.
@@ -1308,7 +1502,8 @@ def masked_decode(
         q: ``[B, Hq, D]`` or ``[B, Hq, 1, D]``, float16 or bfloat16, last dim contiguous.
         k: dense ``[B, Hkv, L, D]`` with any strides (last dim contiguous), e.g. a ``[B, L, Hkv, D]``
             buffer transposed; or paged ``[num_pages, page_size, Hkv, D]`` together with ``block_table``.
-            Same dtype as ``q``. ``D`` a multiple of 8 in ``[16, 256]``.
+            Same dtype as ``q``, or ``torch.float8_e4m3fn`` (an FP8 cache, dequantized with the scales
+            below). ``D`` a multiple of 8 in ``[16, 256]``.
         v: same layout, shape and dtype as ``k``.
         mask: optional exclusion mask, ``True``/set bit = position excluded. Either ``[B, Hkv, L]`` bool
             (any strides) or bit-packed ``[B, Hkv, ceil(L/8)]`` uint8 where bit ``j`` (least significant
@@ -1326,6 +1521,13 @@ def masked_decode(
             nothing is reported unless :func:`check_errors` is called. Either way the kernel never reads
             through such a value: it clamps ``seqlens`` into ``[0, L]`` and treats the rows behind an
             out-of-range page id as excluded.
+        k_scale, v_scale: per-tensor dequantization scales of K and V (the cache holds ``K / k_scale``), as
+            vLLM and FlashInfer pass them: a finite Python float, or a 0-d or ``[1]`` float tensor on the
+            device (read by the kernel: no host sync, and a CUDA graph replays the tensor's current value).
+            Default 1. They apply to any cache dtype.
+        k_token_scale, v_token_scale: optional per-(position, KV head) float32 dequantization scales,
+            ``[num_pages, page_size, Hkv]`` for a paged cache or ``[B, Hkv, L]`` for a dense one (any
+            strides), multiplying the per-tensor ones. The scales of excluded positions are never read.
         config: launch knobs (:class:`MaskedDecodeConfig`: loop choice, split count, tiles); default:
             the tuned defaults of the device.
 
@@ -1344,23 +1546,34 @@ def masked_decode(
     if not isinstance(cfg, MaskedDecodeConfig):
         raise TypeError(f"masked_decode: config must be a MaskedDecodeConfig or None, got {type(config)}")
     if torch.compiler.is_compiling():  # traced: the custom op, no host-side caches or checks
-        sig = _validate_and_plan(q, k, v, mask, seqlens, block_table, sm_scale, cfg, cached=False)
+        sig = _validate_and_plan(
+            q, k, v, mask, seqlens, block_table, sm_scale, k_scale, v_scale, k_token_scale, v_token_scale, cfg,
+            cached=False,
+        )  # fmt: skip
         q3 = q.squeeze(2) if sig.q_is_4d else q
+        sc = _scales(k_scale, v_scale, k_token_scale, v_token_scale)
         out, lse = torch.ops.triton_masked_decode.masked_decode(
             q3, k, v, mask, seqlens if isinstance(seqlens, torch.Tensor) else None, block_table,
-            _error_flag(q3.device), sig.seqlen_const, sig.scale, sig.grid_len, sig.threshold, list(sig.plan),
+            _error_flag(q3.device), sc.k_tensor, sc.v_tensor, sc.k_token, sc.v_token, sc.k_mul, sc.v_mul,
+            sig.seqlen_const, sig.scale, sig.grid_len, sig.threshold, list(sig.plan),
         )  # fmt: skip
     else:
-        key = _signature_key(q, k, v, mask, seqlens, block_table, sm_scale, cfg)
-        known = _SIGNATURES.get(key) if key is not None else None
-        if known is None:
-            sig = _validate_and_plan(q, k, v, mask, seqlens, block_table, sm_scale, cfg, cached=True)
+        key = _signature_key(
+            q, k, v, mask, seqlens, block_table, sm_scale, k_scale, v_scale, k_token_scale, v_token_scale, cfg
+        )
+        entry = _SIGNATURES.get(key) if key is not None else None
+        if entry is None:
+            entry = _Entry(
+                _validate_and_plan(
+                    q, k, v, mask, seqlens, block_table, sm_scale, k_scale, v_scale, k_token_scale,
+                    v_token_scale, cfg, cached=True,
+                )
+            )  # fmt: skip
             if key is not None:
                 if len(_SIGNATURES) > 4096:
                     _SIGNATURES.clear()
-                _SIGNATURES[key] = sig
-        else:
-            sig = known
+                _SIGNATURES[key] = entry
+        sig = entry.sig
         q3 = q.squeeze(2) if sig.q_is_4d else q
         dev = q3.device
         if sig.static is None:  # empty batch
@@ -1376,10 +1589,13 @@ def masked_decode(
                 if bits:
                     flag.zero_()
                     _raise_flagged(bits)
-            seq_t = seqlens if isinstance(seqlens, torch.Tensor) else None
+            if k_scale is None and v_scale is None and k_token_scale is None and v_token_scale is None:
+                scales = _NO_SCALES
+            else:
+                scales = _scales(k_scale, v_scale, k_token_scale, v_token_scale)
             out, lse = _run(
-                q3, k, v, mask, seq_t, block_table, flag, sig.seqlen_const, sig.scale, sig.grid_len,
-                sig.threshold, sig.plan, sig.static, readback,
+                q3, k, v, mask, seqlens if isinstance(seqlens, torch.Tensor) else None, block_table, flag, scales,
+                sig.seqlen_const, sig.scale, sig.grid_len, sig.threshold, sig.plan, sig.static, entry, readback,
             )  # fmt: skip
             if check_values and dev.type != "cuda":
                 _report_flagged_values(dev, k, seqlens, sig, block_table)

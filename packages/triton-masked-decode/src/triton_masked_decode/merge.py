@@ -91,6 +91,8 @@ def merge_attention_states(
         raise ValueError(
             f"merge_attention_states: tensors must be on CUDA (CPU needs TRITON_INTERPRET=1), got {dev}"
         )
+    if torch.compiler.is_compiling():  # traced: the custom op (its fake gives shapes and dtypes)
+        return torch.ops.triton_masked_decode.merge_attention_states(out_a, lse_a, out_b, lse_b)
     return _launch_merge(out_a, lse_a, out_b, lse_b)
 
 
@@ -112,3 +114,17 @@ def _launch_merge(
         oa, la, ob, lb, out, lse, n_rows, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4
     )
     return out, lse
+
+
+_merge_op = torch.library.custom_op(
+    "triton_masked_decode::merge_attention_states", _launch_merge, mutates_args=()
+)
+
+
+@_merge_op.register_fake
+def _merge_fake(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(out_a, memory_format=torch.contiguous_format), torch.empty_like(
+        lse_a, memory_format=torch.contiguous_format
+    )

@@ -26,6 +26,31 @@ def _gather_rows(
     return rows.permute(1, 0, 2).float()
 
 
+def _dequantized_rows(
+    cache: torch.Tensor,
+    scale: float | torch.Tensor | None,
+    token_scale: torch.Tensor | None,
+    b: int,
+    start: int,
+    stop: int,
+    block_table: torch.Tensor | None,
+) -> torch.Tensor:
+    """Rows ``start:stop`` of sequence ``b`` as ``[Hkv, n, D]`` float32, times the per-tensor scale and the
+    per-(position, KV head) scales (``[B, Hkv, L]`` dense, ``[num_pages, page_size, Hkv]`` paged)."""
+    rows = _gather_rows(cache, b, start, stop, block_table)
+    if scale is not None:
+        rows = rows * (scale.float().reshape(()) if isinstance(scale, torch.Tensor) else float(scale))
+    if token_scale is not None:
+        if block_table is None:
+            ts = token_scale[b, :, start:stop].float()
+        else:
+            page_size = token_scale.shape[1]
+            pos = torch.arange(start, stop, device=token_scale.device)
+            ts = token_scale[block_table[b].long()[pos // page_size], pos % page_size].float().T
+        rows = rows * ts[..., None]
+    return rows
+
+
 def masked_decode_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -35,6 +60,10 @@ def masked_decode_ref(
     seqlens: torch.Tensor | int | None = None,
     block_table: torch.Tensor | None = None,
     sm_scale: float | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    k_token_scale: torch.Tensor | None = None,
+    v_token_scale: torch.Tensor | None = None,
     chunk: int = _REF_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference masked decode attention, accumulated in float32.
@@ -51,6 +80,10 @@ def masked_decode_ref(
         seqlens: valid length per sequence, ``[B]`` integer tensor or an int; default ``L``.
         block_table: ``[B, max_pages]`` integer page ids for a paged cache (``L = max_pages*page_size``).
         sm_scale: softmax scale, default ``D ** -0.5``.
+        k_scale, v_scale: per-tensor dequantization scales (floats or one-element tensors), default 1; the
+            rows used are ``K.float() * k_scale`` (an FP8 cache dequantized in float32).
+        k_token_scale, v_token_scale: optional per-(position, KV head) scales, ``[B, Hkv, L]`` dense or
+            ``[num_pages, page_size, Hkv]`` paged, multiplying the rows as well.
         chunk: positions processed at a time (bounds the memory used).
 
     Returns:
@@ -88,8 +121,8 @@ def masked_decode_ref(
         poisoned = torch.zeros(hkv, g, dtype=torch.bool, device=q.device)
         for start in range(0, lens[bi], chunk):
             stop = min(start + chunk, lens[bi])
-            kc = _gather_rows(k, bi, start, stop, block_table)
-            vc = _gather_rows(v, bi, start, stop, block_table)
+            kc = _dequantized_rows(k, k_scale, k_token_scale, bi, start, stop, block_table)
+            vc = _dequantized_rows(v, v_scale, v_token_scale, bi, start, stop, block_table)
             if mask is not None:
                 excl = mask[bi, :, start:stop]  # [Hkv, n]
                 kc = kc.masked_fill(excl[..., None], 0.0)  # excluded rows may hold NaN
