@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import resource
 import statistics
@@ -274,35 +275,42 @@ def bench_timing(
 
 
 _FIRST_CALL = """
-import time, torch
+import json, sys, time, torch
 torch.set_num_threads(1)
 t0 = time.perf_counter()
 import eplb_core as E
-w = E.synthetic_loads(58, 256, seed=0)
-t1 = time.perf_counter()
-E.rebalance_experts(w, 288, 8, 4, 32)
-t2 = time.perf_counter()
-E.plan(w, num_replicas=288, num_groups=8, num_nodes=4, num_gpus=32)
-E.plan(w, num_replicas=288, num_groups=8, num_nodes=4, num_gpus=32, soft_locality=0.0)
-E.plan(w, num_replicas=288, num_groups=8, num_nodes=4, num_gpus=32, previous=E.plan(w * 1.1, num_replicas=288, num_groups=8, num_nodes=4, num_gpus=32))
-print(t1 - t0, t2 - t1, time.perf_counter() - t2)
+r, nodes, gpus = (int(x) for x in sys.argv[1:4])
+w = E.synthetic_loads(58, 256, num_groups=8, num_windows=2, seed=0)
+kw = dict(num_replicas=r, num_groups=8, num_nodes=nodes, num_gpus=gpus)
+out = {"import_s": time.perf_counter() - t0}
+def first(key, fn):
+    t = time.perf_counter()
+    res = fn()
+    out[key] = time.perf_counter() - t
+    return res
+first("first_rebalance_s", lambda: E.rebalance_experts(w[-1], r, 8, nodes, gpus))
+old = first("first_plan_s", lambda: E.plan(w[0], **kw))
+first("first_migration_s", lambda: E.plan(w[-1], **kw, previous=old))
+if nodes > 1 and 8 % nodes == 0:
+    first("first_soft_s", lambda: E.plan(w[-1], **kw, soft_locality=0.05))
+print(json.dumps(out))
 """
 
 
-def first_call_seconds(cache_dir: str) -> dict[str, float]:
-    """Seconds in a fresh process, with an empty Numba cache (compilation) and again with the cache
-    that run left (loading): the import, the first ``rebalance_experts`` call, then the first calls of
-    every other mode. The cache is left in ``cache_dir`` for the calling process."""
-    out: dict[str, float] = {}
+def first_call_seconds(config: tuple[int, int, int], cache_dir: str) -> dict[str, float]:
+    """Seconds of the first calls of a fresh process for one configuration, with the Numba cache in
+    ``cache_dir`` (empty: the calls run interpreted while the planner compiles in the background;
+    filled: they load the compiled planner): the import, the first ``rebalance_experts``, then the
+    first ``plan`` of every mode (strict or global, migration, soft locality on hierarchical
+    topologies), on the benchmark's loads."""
     src = str(Path(__file__).resolve().parents[1] / "src")
     path = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "NUMBA_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    for key in ("empty_cache", "cached"):
-        run = subprocess.run(
-            [sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True, check=True
-        )
-        imp, first, modes = (float(x) for x in run.stdout.split())
-        out[f"{key}_import_s"] = imp
-        out[f"{key}_first_rebalance_s"] = first
-        out[f"{key}_first_other_modes_s"] = modes
-    return out
+    run = subprocess.run(
+        [sys.executable, "-c", _FIRST_CALL, *map(str, config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return {k: float(v) for k, v in json.loads(run.stdout.splitlines()[-1]).items()}

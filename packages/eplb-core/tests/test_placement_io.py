@@ -296,28 +296,6 @@ def test_public_namespace_is_the_api() -> None:
         assert getattr(E, name) is not None
 
 
-def test_compile_notice_once_per_process(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first compile of a planner function says so on standard error, once; other Numba code
-    compiles silently."""
-    from types import SimpleNamespace
-
-    from eplb_core._numba import utils
-    from eplb_core._numba.solve import solve_layers
-
-    monkeypatch.setattr(utils._CompileNotice, "announced", False)
-    notice = utils._CompileNotice()
-    other = SimpleNamespace(py_func=lambda: None)
-    notice.on_start(SimpleNamespace(data={"dispatcher": other}))
-    assert capsys.readouterr().err == ""
-    for _ in range(2):
-        notice.on_start(SimpleNamespace(data={"dispatcher": solve_layers}))
-    err = capsys.readouterr().err
-    assert err.count("eplb-core: compiling the planner") == 1
-    assert "python -m eplb_core.warmup" in err
-
-
 def test_warmup_plans_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
     from eplb_core import warmup
 

@@ -13,6 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from eplb_core._numba import runner
 from eplb_core._numba.counts import greedy_counts
 from eplb_core._numba.migrate import migrate_layers
 from eplb_core._numba.soft import soft_allocate, soft_node_swaps
@@ -27,6 +28,7 @@ __all__ = [
     "equal_partitions",
     "greedy_fallback",
     "home_nodes",
+    "order_slots",
     "pack_rows",
     "peaks",
     "solve",
@@ -159,7 +161,8 @@ def solve(
     ours_nodes = np.ascontiguousarray(assign_groups_to_nodes(group_load, num_nodes), dtype=np.int64)
     num_bins = num_gpus // num_nodes
     rounds = default_iters(num_bins, num_replicas // num_gpus) if iters is None else iters
-    return solve_layers(
+    return runner.call(
+        solve_layers,
         weight,
         group_load,
         ours_nodes,
@@ -188,7 +191,8 @@ def pack_rows(
         ``[B, num_bins, M / num_bins]`` expert ids, sorted inside a GPU.
     """
     rounds = default_iters(num_bins, item_load.shape[1] // num_bins) if iters is None else iters
-    return pack_layers(
+    return runner.call(
+        pack_layers,
         np.ascontiguousarray(item_load, dtype=np.float64),
         np.ascontiguousarray(item_expert, dtype=np.int64),
         num_bins,
@@ -231,9 +235,12 @@ def solve_soft(
     node_of_group = assign_groups_to_nodes(group_load, num_nodes)
     home = np.ascontiguousarray(np.repeat(node_of_group, group_size, axis=1))  # [L, N]
     gpus_per_node = num_gpus // num_nodes
-    expert, node, counts = soft_allocate(weight, home, num_replicas, num_nodes, num_gpus, penalty)
+    expert, node, counts = runner.call(
+        soft_allocate, weight, home, num_replicas, num_nodes, num_gpus, penalty
+    )
     # the one-at-a-time choices leave node loads uneven: trade redundant replicas between nodes
-    soft_node_swaps(
+    runner.call(
+        soft_node_swaps,
         weight,
         counts,
         expert,
@@ -276,7 +283,8 @@ def solve_migration(
     num_bins = num_gpus // rows_per_layer
     # exchange rounds (the budgeted swaps of this mode have no re-split or peak step)
     rounds = default_iters(num_bins, MAX_RESPLIT_SLOTS + 1) if iters is None else iters
-    return migrate_layers(
+    return runner.call(
+        migrate_layers,
         weight,
         previous,
         rows_per_layer,
@@ -286,6 +294,19 @@ def solve_migration(
         mode != "soft",
         split_tables(num_replicas // num_gpus),
     )
+
+
+def order_slots(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
+    """``phy2log [L, R]`` with the slots of every GPU in the order DeepSeek's packing fills a GPU:
+    decreasing replica load (an expert's load shared by its replicas), ties by expert id. The GPUs'
+    contents do not change."""
+    num_layers, num_logical = weight.shape
+    flat = phy2log + np.arange(num_layers)[:, None] * num_logical
+    counts = np.bincount(flat.ravel(), minlength=weight.size).reshape(weight.shape)
+    load = np.take_along_axis(weight / np.maximum(counts, 1), phy2log, 1)
+    shape = (num_layers, num_gpus, -1)
+    order = np.lexsort((phy2log.reshape(shape), -load.reshape(shape)), axis=-1)
+    return np.take_along_axis(phy2log.reshape(shape), order, -1).reshape(phy2log.shape)
 
 
 def peaks(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -301,13 +322,13 @@ def _compiled_pack(load: np.ndarray, num_bins: int, expert: np.ndarray | None) -
     """:func:`eplb_core.reference.lpt_pack`, compiled (item by item the same bins)."""
     load = np.ascontiguousarray(load, dtype=np.float64)
     key = np.zeros(load.shape, dtype=np.int64) if expert is None else np.ascontiguousarray(expert)
-    return lpt_bins(load, key, expert is not None, num_bins)
+    return runner.call(lpt_bins, load, key, expert is not None, num_bins)
 
 
 def _compiled_split(weight: np.ndarray, num_replicas: int) -> np.ndarray:
     """:func:`eplb_core.reference.greedy_replica_counts`, compiled (the same counts)."""
     counts = np.ones(weight.shape, dtype=np.int64)
-    greedy_counts(np.ascontiguousarray(weight), counts, num_replicas)
+    runner.call(greedy_counts, np.ascontiguousarray(weight), counts, num_replicas)
     return counts
 
 

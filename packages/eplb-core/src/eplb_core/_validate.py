@@ -10,6 +10,7 @@ import torch
 
 __all__ = [
     "MAX_LAYER_SUM",
+    "TopologyError",
     "check_int_tensor",
     "check_placement_tensors",
     "check_previous",
@@ -23,6 +24,12 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 MAX_LAYER_SUM = float(np.finfo(np.float64).max) / 2**10
 
 
+class TopologyError(ValueError, AssertionError):
+    """An inconsistent topology: a ``ValueError`` that is also an ``AssertionError``, which is what
+    DeepSeek's and vLLM's ``rebalance_experts`` raise for these conditions (they assert them), so
+    code written against either catches it unchanged."""
+
+
 def is_int(x: object) -> bool:
     """A Python or NumPy integer, not a bool."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
@@ -31,7 +38,8 @@ def is_int(x: object) -> bool:
 def check_topology(
     num_logical: int, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> None:
-    """Raise ``ValueError`` naming the argument when the topology is inconsistent.
+    """Raise :class:`TopologyError` (a ``ValueError``) naming the argument when the topology is
+    inconsistent.
 
     Like DeepSeek's and vLLM's ``rebalance_experts``, a topology with ``num_groups % num_nodes != 0``
     is planned globally (groups are ignored), so only hierarchical ones need ``num_groups`` to divide
@@ -44,21 +52,21 @@ def check_topology(
         ("num_gpus", num_gpus),
     ):
         if not is_int(value) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+            raise TopologyError(f"{name} must be a positive int, got {value!r}")
     if num_replicas < num_logical:
-        raise ValueError(
+        raise TopologyError(
             f"num_replicas ({num_replicas}) must be >= the number of logical experts ({num_logical}): "
             "every expert needs at least one replica"
         )
     if num_replicas % num_gpus != 0:
-        raise ValueError(f"num_replicas ({num_replicas}) must be a multiple of num_gpus ({num_gpus})")
+        raise TopologyError(f"num_replicas ({num_replicas}) must be a multiple of num_gpus ({num_gpus})")
     if num_groups % num_nodes == 0 and num_logical % num_groups != 0:
-        raise ValueError(
+        raise TopologyError(
             f"num_groups ({num_groups}) must divide the number of logical experts ({num_logical}) "
             f"for a hierarchical plan (num_groups % num_nodes == 0; otherwise the plan is global)"
         )
     if num_gpus % num_nodes != 0:
-        raise ValueError(f"num_gpus ({num_gpus}) must be a multiple of num_nodes ({num_nodes})")
+        raise TopologyError(f"num_gpus ({num_gpus}) must be a multiple of num_nodes ({num_nodes})")
 
 
 def check_weight(weight: Any, name: str = "weight") -> torch.Tensor:

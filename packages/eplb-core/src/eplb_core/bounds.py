@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from eplb_core import _solve
+from eplb_core._numba import runner
 from eplb_core._numba.counts import greedy_counts
 from eplb_core._validate import check_topology, check_weight
 
@@ -60,7 +61,7 @@ def lower_bound(
     # the sequential greedy split minimises the heaviest replica (compiled, on the host)
     w_host = w.detach().cpu().numpy()
     counts_np = np.ones(w_host.shape, dtype=np.int64)
-    greedy_counts(np.ascontiguousarray(w_host), counts_np, num_replicas)
+    runner.call(greedy_counts, np.ascontiguousarray(w_host), counts_np, num_replicas)
     counts = torch.from_numpy(counts_np).to(w.device)
     bound = torch.maximum(bound, (w / counts.to(torch.float64)).amax(1))
     if mode == "strict" and num_nodes > 1:

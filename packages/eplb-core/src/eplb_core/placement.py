@@ -316,6 +316,7 @@ class Placement:
                 :meth:`validate`'s message for a placement that breaks an invariant (an expert without
                 a replica, a group split over nodes in strict mode, an avoidable repeat, ...).
         """
+        from eplb_core._numba import runner
         from eplb_core._numba.utils import log2phy as _log2phy
         from eplb_core._validate import check_topology
         from eplb_core.bounds import lower_bound as _lower_bound
@@ -343,9 +344,9 @@ class Placement:
             raise ValueError(f"logcnt must have weight's shape {tuple(w.shape)}, got {tuple(logcnt.shape)}")
         if bool((logcnt < 1).any()):
             raise ValueError("some logical expert has no replica (logcnt < 1)")
-        log2phy = torch.from_numpy(_log2phy(phy2log.cpu().numpy(), logcnt.to(torch.int64).cpu().numpy())).to(
-            phy2log.device
-        )
+        log2phy = torch.from_numpy(
+            runner.call(_log2phy, phy2log.cpu().numpy(), logcnt.to(torch.int64).cpu().numpy())
+        ).to(phy2log.device)
         loads = gpu_loads_of(w, phy2log, logcnt, num_gpus)
         if lower_bound is None:
             lower_bound = _lower_bound(w, phy2log.shape[1], num_groups, num_nodes, num_gpus, mode=mode)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from eplb_core import _solve
+from eplb_core._numba import runner
 from eplb_core._numba.utils import log2phy
 from eplb_core._validate import check_previous, check_topology, check_weight, is_int
 from eplb_core.placement import Placement, avoidable_repeats
@@ -56,7 +57,9 @@ def rebalance_experts(
 
     Returns:
         ``(phy2log [L, R], log2phy [L, N, max_replicas], logcnt [L, N])``, int64 on ``weight``'s device.
-        Physical slot ``p`` lives on GPU ``p // (R / num_gpus)``; ``log2phy`` is padded with ``-1``.
+        Physical slot ``p`` lives on GPU ``p // (R / num_gpus)``; the slots of a GPU hold its
+        replicas by decreasing load (an expert's load shared by its replicas), ties by expert id, the
+        order in which DeepSeek's packing fills a GPU; ``log2phy`` is padded with ``-1``.
         Deterministic; no layer is less balanced than DeepSeek's greedy plan
         (:func:`eplb_core.reference.greedy_rebalance`); no GPU holds two replicas of an expert when that
         can be avoided, except in a layer where the greedy plan, which allows it, is more balanced
@@ -68,7 +71,8 @@ def rebalance_experts(
         ValueError: naming the argument: ``weight`` not a non-empty 2-D matrix of real numbers, with
             NaN, infinite or negative loads, or layer sums that overflow float64; counts below 1,
             ``num_replicas < N``, ``num_replicas % num_gpus != 0``, ``num_gpus % num_nodes != 0``, or
-            ``num_groups`` not dividing ``N`` in a hierarchical topology.
+            ``num_groups`` not dividing ``N`` in a hierarchical topology. The topology errors are
+            also ``AssertionError`` s, as DeepSeek's and vLLM's function raise for them.
     """
     w = check_weight(weight)
     num_logical = w.shape[1]
@@ -80,8 +84,11 @@ def rebalance_experts(
     phy2log, taken = _solve.greedy_fallback(w_np, phy2log, num_groups, num_nodes, num_gpus, greedy_peak)
     if taken.any():
         logcnt = _counts(phy2log, num_logical)
+    phy2log = _solve.order_slots(w_np, phy2log, num_gpus)
     # only the three tensors: the quality figures of plan() (bounds, loads) are not computed here
-    return tuple(torch.from_numpy(a).to(w.device) for a in (phy2log, log2phy(phy2log, logcnt), logcnt))  # type: ignore[return-value]
+    return tuple(
+        torch.from_numpy(a).to(w.device) for a in (phy2log, runner.call(log2phy, phy2log, logcnt), logcnt)
+    )  # type: ignore[return-value]
 
 
 def plan(
@@ -190,6 +197,7 @@ def plan(
         phy2log, colocated = _solve.greedy_fallback(
             w_np, phy2log, num_groups, num_nodes, num_gpus, greedy_peak
         )
+        phy2log = _solve.order_slots(w_np, phy2log, num_gpus)
         if mode == "strict" and num_nodes > 1:
             home = _solve.home_nodes(phy2log, num_groups, num_nodes, num_logical)
         elif mode == "soft" and colocated.any():

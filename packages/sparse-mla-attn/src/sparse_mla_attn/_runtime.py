@@ -153,9 +153,11 @@ def launch(
     driver = _driver()
     stream = driver.get_current_stream(driver.get_current_device())
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
-    meta = kernel.launch_metadata(grid3, stream, *args, *tail) if enter is not None else None
-    kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *args, *tail)
+    # As Triton's own launch does: the launch hooks (profilers) see these launches too.
+    meta = kernel.launch_metadata(grid3, stream, *args, *tail)
+    hooks = triton.knobs.runtime
+    kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, meta, hooks.launch_enter_hook,
+               hooks.launch_exit_hook, *args, *tail)  # fmt: skip
     return kernel
 
 

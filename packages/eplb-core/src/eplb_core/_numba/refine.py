@@ -271,7 +271,12 @@ def _repair_row(
                     if not ff[j] and (_in_bin(fe, b, slots, fe[j], -1) or _in_bin(fe, b2, slots, fe[j], t)):
                         continue
                     if budget >= 0:
-                        after = (fe[j] != fo[i]) + (fe[i] != fo[j]) - (fe[i] != fo[i]) - (fe[j] != fo[j])
+                        after = (
+                            int(fe[j] != fo[i])
+                            + int(fe[i] != fo[j])
+                            - int(fe[i] != fo[i])
+                            - int(fe[j] != fo[j])
+                        )
                         if changed + after > budget:
                             continue
                     d = fl[j] - fl[i]
@@ -288,7 +293,9 @@ def _repair_row(
             if best_j >= 0:
                 if budget >= 0:
                     j = best_j
-                    changed += (fe[j] != fo[i]) + (fe[i] != fo[j]) - (fe[i] != fo[i]) - (fe[j] != fo[j])
+                    changed += (
+                        int(fe[j] != fo[i]) + int(fe[i] != fo[j]) - int(fe[i] != fo[i]) - int(fe[j] != fo[j])
+                    )
                 fl[i], fl[best_j] = fl[best_j], fl[i]
                 fe[i], fe[best_j] = fe[best_j], fe[i]
                 ff[i], ff[best_j] = ff[best_j], ff[i]

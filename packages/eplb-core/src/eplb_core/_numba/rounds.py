@@ -9,6 +9,7 @@ from eplb_core._numba.starts import _argsort_desc
 from eplb_core._numba.utils import (
     _INF,
     BRUTE_FORCE_SLOTS,
+    INTERPRETED,
     MANY_BINS,
     PEAK_TRIES,
     PEAK_TRIES_MANY,
@@ -111,6 +112,8 @@ def _sort_slots(fl: np.ndarray, num_bins: int, slots: int, srt: np.ndarray) -> N
 def _gaining_exchanges(fl: np.ndarray, ha: int, lb0: int, slots: int, gap: float) -> int:
     """How many one-for-one exchanges between the bins whose slots start at ``ha`` and ``lb0`` move a
     load ``0 < d < gap`` (only those can gain: the gain is ``min(d, gap - d)``); counted branch-free."""
+    if INTERPRETED:
+        return _gaining_exchanges_np(fl, ha, lb0, slots, gap)
     hits = 0
     for a in range(slots):
         xa = fl[ha + a]
@@ -118,6 +121,103 @@ def _gaining_exchanges(fl: np.ndarray, ha: int, lb0: int, slots: int, gap: float
             d = xa - fl[lb0 + b]
             hits += (d > 0.0) & (d < gap)
     return hits
+
+
+def _gaining_exchanges_np(fl: np.ndarray, ha: int, lb0: int, slots: int, gap: float) -> int:
+    """:func:`_gaining_exchanges` in array operations (the same differences, the same count)."""
+    d = fl[ha : ha + slots, None] - fl[lb0 : lb0 + slots]
+    return int(np.count_nonzero((d > 0.0) & (d < gap)))
+
+
+# the pairs (a, b), a < b, of the slots of a GPU (up to 32 slots), for the interpreted forms
+_PAIRS = {n: np.triu_indices(n, 1) for n in range(33)}
+
+
+def _resplit_hits_np(fl: np.ndarray, ha: int, lb0: int, slots: int, gap: float) -> int:
+    """The exchanges :func:`_resplit_rounds` counts before re-splitting a pair, in array operations:
+    single items whose loads differ by ``0 < d < gap``, and when there is none (with 4 or more
+    slots) pairs of items (each pair's load summed as there)."""
+    hits = _gaining_exchanges_np(fl, ha, lb0, slots, gap)
+    if hits > 0 or slots < 4:
+        return hits
+    first, second = _PAIRS[slots]
+    x = fl[ha : ha + slots]
+    y = fl[lb0 : lb0 + slots]
+    d = (x[first] + x[second])[:, None] - (y[first] + y[second])
+    return int(np.count_nonzero((d > 0.0) & (d < gap)))
+
+
+def _split_choice_np(
+    items32: np.ndarray,
+    fix: np.ndarray,
+    any_fixed: bool,
+    clash_a: np.ndarray,
+    clash_b: np.ndarray,
+    tables: tuple,
+    total32: np.float32,
+    slots: int,
+) -> int:
+    """The split :func:`_resplit_rounds` chooses, in array operations: the same float32 sums (each
+    split's items added in item order: a running sum down the item axis) and the first best among
+    the allowed splits (-1 when none is)."""
+    _, _, member, member_f = tables
+    num_splits = member.shape[1]
+    two = 2 * slots
+    sums = np.add.accumulate(member_f[:two] * items32[:two, None], axis=0)[-1, :num_splits]
+    score = np.abs(np.float32(2.0) * sums - total32)
+    if not any_fixed and clash_a.size == 0:
+        return int(np.argmin(score))
+    valid = np.ones(num_splits, dtype=np.bool_)
+    if any_fixed:
+        for i in np.flatnonzero(fix[:two]):
+            valid &= member[i] == (i < slots)
+    for a, b in zip(clash_a, clash_b, strict=True):
+        valid &= member[a] != member[b]
+    if not valid.any():
+        return -1
+    return int(np.argmin(np.where(valid, score, np.float32(np.inf))))
+
+
+def _brute_exchange_np(
+    fl: np.ndarray,
+    fe: np.ndarray,
+    ff: np.ndarray,
+    has_fixed: bool | np.bool_,
+    ha: int,
+    lb0: int,
+    slots: int,
+    gap: float,
+    origin: np.ndarray,
+    used: int,
+    budget: int,
+) -> tuple[float, int, int]:
+    """``(gain, x slot, y slot)`` of the exchange :func:`_swap_rounds` scores every pair for (with a
+    migration budget), in array operations: the same gains, the first best in ``x``-major order
+    (``-inf`` and the first slots when every pair is blocked)."""
+    xs, ys = slice(ha, ha + slots), slice(lb0, lb0 + slots)
+    same = fe[xs, None] == fe[ys]
+    no_x = same.any(1)
+    no_y = same.any(0)
+    if has_fixed:
+        no_x |= ff[xs]
+        no_y |= ff[ys]
+    delta = fl[xs, None] - fl[ys]
+    gain = np.minimum(delta, gap - delta)
+    blocked = no_x[:, None] | no_y[None, :]
+    if budget >= 0:
+        ox, oy = origin[xs], origin[ys]
+        ex, ey = fe[xs], fe[ys]
+        change = (
+            (ey[None, :] != ox[:, None]).astype(np.int64)
+            + (ex[:, None] != oy[None, :])
+            - ((ex != ox).astype(np.int64)[:, None] + (ey != oy)[None, :])
+        )
+        blocked |= used + change > budget
+    gain = np.where(blocked, -_INF, gain)
+    k = int(np.argmax(gain))
+    if gain.flat[k] == -_INF:
+        return -_INF, ha, lb0
+    return float(gain.flat[k]), ha + k // slots, lb0 + k % slots
 
 
 @njit
@@ -167,8 +267,8 @@ def _swap_rounds(
 
     def change(a: int, b: int) -> int:
         # change in the number of slots that differ from ``origin`` if slots a and b swap
-        before = (fe[a] != origin[a]) + (fe[b] != origin[b])
-        return (fe[b] != origin[a]) + (fe[a] != origin[b]) - before
+        before = int(fe[a] != origin[a]) + int(fe[b] != origin[b])
+        return int(fe[b] != origin[a]) + int(fe[a] != origin[b]) - before
 
     used = 0
     if budget >= 0:
@@ -195,7 +295,11 @@ def _swap_rounds(
                 continue
             best = -_INF
             pa, pb = ha, lb0
-            if brute:
+            if brute and INTERPRETED:
+                best, pa, pb = _brute_exchange_np(
+                    fl, fe, ff, has_fixed, ha, lb0, slots, gap, origin, used, budget
+                )
+            elif brute:
                 # x (y) may not move when fixed or when its expert is already on the other bin
                 for x in range(slots):
                     no_x[x] = has_fixed and ff[ha + x]
@@ -213,9 +317,12 @@ def _swap_rounds(
                     for y in range(slots):
                         delta = fx - fl[lb0 + y]
                         gain = min(delta, gap - delta)
-                        if no_y[y] or (budget >= 0 and used + change(ha + x, lb0 + y) > budget):
-                            gain = -_INF
-                        if gain > best:
+                        # blocked pairs count as -inf: they never win (checked only for a winner)
+                        if (
+                            gain > best
+                            and not no_y[y]
+                            and (budget < 0 or used + change(ha + x, lb0 + y) <= budget)
+                        ):
                             best = gain
                             pa, pb = ha + x, lb0 + y
             else:
@@ -399,7 +506,9 @@ def _resplit_rounds(
             gap = bin_load[h] - bin_load[lt]
             ha, lb0 = h * slots, lt * slots
             hits = 0
-            if slots == 4 or slots == 5:
+            if INTERPRETED:
+                hits = _resplit_hits_np(fl, ha, lb0, slots, gap)
+            elif slots == 4 or slots == 5:
                 # the same counts over tuples of constant length (unrolled by the compiler)
                 x0, x1, x2, x3 = fl[ha], fl[ha + 1], fl[ha + 2], fl[ha + 3]
                 y0, y1, y2, y3 = fl[lb0], fl[lb0 + 1], fl[lb0 + 2], fl[lb0 + 3]
@@ -456,7 +565,7 @@ def _resplit_rounds(
                         continue
             else:
                 hits = _gaining_exchanges(fl, ha, lb0, slots, gap)
-            if hits == 0 and slots >= 6:
+            if hits == 0 and slots >= 6 and not INTERPRETED:
                 for a in range(slots):
                     for a2 in range(a + 1, slots):
                         xa = fl[ha + a] + fl[ha + a2]
@@ -486,43 +595,48 @@ def _resplit_rounds(
                         n_clash += 1
             total = bin_load[h] + bin_load[lt]
             total32 = np.float32(total)
-            for c in range(num_padded):
-                sums[c] = np.float32(0.0)
-            for i in range(two):
-                xi = items32[i]
-                for c in range(num_padded):
-                    sums[c] += member_f[i, c] * xi
-            choice = -1
-            if not any_fixed and n_clash == 0:
-                best = abs(two_f * sums[0] - total32)
-                choice = 0
-                for c in range(1, num_splits):
-                    score = abs(two_f * sums[c] - total32)
-                    if score < best:
-                        best = score
-                        choice = c
+            if INTERPRETED:
+                choice = _split_choice_np(
+                    items32, fix, any_fixed, clash_a[:n_clash], clash_b[:n_clash], tables, total32, slots
+                )
             else:
-                # the first best among the splits that keep fixed items on their side and
-                # separate clashing items
-                for c in range(num_splits):
-                    valid[c] = True
-                if any_fixed:
-                    for i in range(two):
-                        if fix[i]:
-                            side = i < slots
-                            for c in range(num_splits):
-                                valid[c] = valid[c] and member[i, c] == side
-                for q in range(n_clash):
-                    a, b = clash_a[q], clash_b[q]
-                    for c in range(num_splits):
-                        valid[c] = valid[c] and member[a, c] != member[b, c]
-                best = np.float32(_INF)
-                for c in range(num_splits):
-                    if valid[c]:
+                for c in range(num_padded):
+                    sums[c] = np.float32(0.0)
+                for i in range(two):
+                    xi = items32[i]
+                    for c in range(num_padded):
+                        sums[c] += member_f[i, c] * xi
+                choice = -1
+                if not any_fixed and n_clash == 0:
+                    best = abs(two_f * sums[0] - total32)
+                    choice = 0
+                    for c in range(1, num_splits):
                         score = abs(two_f * sums[c] - total32)
-                        if choice < 0 or score < best:
+                        if score < best:
                             best = score
                             choice = c
+                else:
+                    # the first best among the splits that keep fixed items on their side and
+                    # separate clashing items
+                    for c in range(num_splits):
+                        valid[c] = True
+                    if any_fixed:
+                        for i in range(two):
+                            if fix[i]:
+                                side = i < slots
+                                for c in range(num_splits):
+                                    valid[c] = valid[c] and member[i, c] == side
+                    for q in range(n_clash):
+                        a, b = clash_a[q], clash_b[q]
+                        for c in range(num_splits):
+                            valid[c] = valid[c] and member[a, c] != member[b, c]
+                    best = np.float32(_INF)
+                    for c in range(num_splits):
+                        if valid[c]:
+                            score = abs(two_f * sums[c] - total32)
+                            if choice < 0 or score < best:
+                                best = score
+                                choice = c
             if choice < 0:
                 continue
             best_sum = 0.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb_core._numba.utils import _INF, BUCKET_MAX, BUCKET_SORT_MIN, njit
+from eplb_core._numba.utils import _INF, BUCKET_MAX, BUCKET_SORT_MIN, INTERPRETED, njit
 
 
 @njit
@@ -69,6 +69,8 @@ def _argsort_desc(x: np.ndarray) -> np.ndarray:
     """Stable argsort of ``x`` by decreasing value (``np.argsort(-x, kind="stable")``): insertion
     sort of runs of 8, then bottom-up merges of (value, index) pairs without branches on the data
     (the comparison selects, it does not jump: random loads would mispredict half the jumps)."""
+    if INTERPRETED:
+        return np.argsort(-x, kind="stable")  # the one stable order
     n = x.size
     order = np.empty(n, dtype=np.int64)
     val = np.empty(n)

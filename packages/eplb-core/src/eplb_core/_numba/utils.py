@@ -8,7 +8,6 @@ plans.
 from __future__ import annotations
 
 import hashlib
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,6 +67,8 @@ def _sources_digest() -> str:
     """SHA-256 of every module of this subpackage."""
     digest = hashlib.sha256()
     for path in sorted(Path(__file__).parent.glob("*.py")):
+        if path.name == "runner.py":
+            continue  # it compiles nothing (it picks the compiled or the interpreted form)
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -107,31 +108,12 @@ def _package_cache_class() -> Any:
 _PACKAGE_CACHE = _package_cache_class()
 
 
-class _CompileNotice(numba.core.event.Listener):  # type: ignore[misc]
-    """Says once per process, on standard error, that the planner is being compiled: only the first
-    use in a fresh environment compiles (tens of seconds), later processes load the disk cache."""
-
-    announced = False
-
-    def on_start(self, event: Any) -> None:
-        if self.announced:
-            return
-        dispatcher = event.data.get("dispatcher")
-        module = getattr(getattr(dispatcher, "py_func", None), "__module__", "")
-        if module.startswith(__name__.rsplit(".", 1)[0]):
-            type(self).announced = True
-            print(
-                "eplb-core: compiling the planner for this environment (once, 30-60 s; later processes "
-                "load it from the disk cache; `python -m eplb_core.warmup` does it ahead of time)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def on_end(self, event: Any) -> None:
-        pass
-
-
-numba.core.event.register("numba:compile", _CompileNotice())
+# every compiled function of the planner, in definition order (the runner builds their interpreted forms)
+REGISTRY: list[Any] = []
+# False in compiled code, True in the interpreted forms (:mod:`eplb_core._numba.runner`): a few steps
+# that are slow in the interpreter have an array-operation form, taken under ``if INTERPRETED:`` with
+# the same result bit for bit (Numba drops the branch before compiling: the constant is False there)
+INTERPRETED = False
 
 
 def njit(fn: Callable[..., Any]) -> Any:
@@ -139,6 +121,7 @@ def njit(fn: Callable[..., Any]) -> Any:
     dispatcher: Any = numba.njit(cache=True, nogil=True)(fn)
     if _PACKAGE_CACHE is not None:
         dispatcher._cache = _PACKAGE_CACHE(dispatcher.py_func)
+    REGISTRY.append(dispatcher)
     return dispatcher
 
 
