@@ -704,6 +704,7 @@ def _plan_launch(
     masked: bool,
     config: MaskedDecodeConfig,
     dev: _Device,
+    fp8: bool = False,
 ) -> tuple[_Launch, float]:
     """(launch, sparse threshold) of a call: the config's fields, or the tuned defaults of the device."""
     interp = interpreting()
@@ -733,6 +734,8 @@ def _plan_launch(
         block_ns, sparse_stages, block_c = 16, 1, config.block_c or 32
     else:
         block_ns = min(64, max(16, cls.block_ns * 128 // block_d))
+        if fp8:  # half the rows: converting FP8 tiles takes registers (at 64 rows, 3 programs per SM fit)
+            block_ns = max(16, block_ns // 2)
         sparse_stages = cls.sparse_stages
         block_c = min(config.block_c or _MAX_BLOCK_C, triton.next_power_of_2(max(chunk, 128)))
     path = _PATH_CODES[config.path]
@@ -1448,8 +1451,9 @@ def _validate_and_plan(
         # (torch.compile traces the planner itself: its cache is a host-side shortcut of eager calls)
         plan_launch = _plan_launch if cached else _plan_launch.__wrapped__
         plan, threshold = plan_launch(
-            batch, hq, hkv, d, grid_len, mask is not None, config, _device_facts(q3.device)
-        )
+            batch, hq, hkv, d, grid_len, mask is not None, config, _device_facts(q3.device),
+            fp8=k.dtype == torch.float8_e4m3fn,
+        )  # fmt: skip
         scales = _scales(k_scale, v_scale, k_token_scale, v_token_scale)
         static = _static(q3, k, v, mask, seq_t, block_table, scales, plan) if cached else None
     return _Signature(q.dim() == 4, hkv, max_len, seqlen_const, grid_len, scale, plan, threshold, static)
