@@ -113,6 +113,55 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def table(record: dict) -> str:
+    """The benchmarks page's table (markdown) from a results file: per GPU count and case, the copy engine
+    and dispatch / combine of the Triton backend at the default ``num_sm`` (graph, eager, the layer as
+    the README builds it), the torch backend and the NCCL per-rank pipeline, in µs; in brackets the
+    share of the copy engine's speed at 4096 tokens."""
+    rows = record["results"]
+    head = ("| GPUs | shape, routing | tokens/rank | copy engine | graph dispatch | graph combine | eager dispatch | "
+            "eager combine | layer defaults | torch backend | NCCL per-rank |")  # fmt: skip
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    cases = sorted(
+        {(r["gpus"], r["shape"], r["routing"], r["tokens"]) for r in rows},
+        key=lambda c: (c[0], -c[3], c[1], c[2]),
+    )
+    for gpus, shape, routing, tokens in cases:
+        mine = [
+            r
+            for r in rows
+            if (r["gpus"], r["shape"], r["routing"], r["tokens"]) == (gpus, shape, routing, tokens)
+        ]
+        by = {(r["bench"], r["method"]): r for r in mine if r.get("heap", "torch") == "torch"}
+        default = next((r["default_num_sm"] for r in mine if r.get("default_num_sm")), 132)
+        ce = by.get(("triton", "ce"), {}).get("copy_ms")
+
+        def cell(
+            key: tuple[str, str], op: str, ce: float | None = ce, by: dict = by, tokens: int = tokens
+        ) -> str:
+            t = by.get(key, {}).get(f"{op}_ms")
+            if t is None:
+                return "-"
+            pct = f" ({100 * ce / t:.0f} %)" if ce and tokens >= 1024 else ""
+            return f"{1e3 * t:.0f}{pct}"
+
+        def pair(key: tuple[str, str]) -> str:
+            return f"{cell(key, 'dispatch')} / {cell(key, 'combine')}"
+
+        layer = (
+            ("triton", "ours-layer-default")
+            if ("triton", "ours-layer-default") in by
+            else ("triton", f"ours-layer-sm{default}")
+        )
+        lines.append(
+            f"| {gpus} | {shape}, {routing} | {tokens} | {f'{1e3 * ce:.0f}' if ce else '-'} | "
+            f"{cell(('triton', f'ours-graph-sm{default}'), 'dispatch')} | {cell(('triton', f'ours-graph-sm{default}'), 'combine')} | "
+            f"{cell(('triton', f'ours-sm{default}'), 'dispatch')} | {cell(('triton', f'ours-sm{default}'), 'combine')} | "
+            f"{pair(layer)} | {pair(('torch', 'torch'))} | {pair(('torch', 'nccl-dest'))} |"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
 def run_bench(bench: str, out: Path, ngpu: int, quick: bool) -> dict:
     """Run one bench script on ``ngpu`` processes; its raw JSON."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ngpu}"]
@@ -180,6 +229,7 @@ def main() -> int:
     )
     p.add_argument("--render-only", action="store_true", help="redraw the figure of --kind's results file")
     p.add_argument("--kind", default=None, help="GPU kind of the results file (default: this machine's)")
+    p.add_argument("--table", action="store_true", help="print the benchmarks page's table (markdown)")
     args = p.parse_args()
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     kind = args.kind or (gpu_kind(torch.cuda.get_device_name(0)) if ngpu else None)
@@ -218,6 +268,8 @@ def main() -> int:
         path.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {path}")
         print("\n".join(summary([r for r in record["results"] if r["gpus"] in counts])))
+    if args.table:
+        print(table(record))
     if plot(record, args.out_dir / f"{kind}.png"):
         print(f"wrote {args.out_dir / f'{kind}.png'}")
     return 0

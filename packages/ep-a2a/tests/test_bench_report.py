@@ -125,3 +125,27 @@ def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl
     assert "graph combine: default num_sm=132 20 us, best num_sm=20 20 us: default at 100%" in text
     assert "eager dispatch 200 us = 5.0x its graph replay" in text
     assert "torch backend dispatch 500 us vs NCCL per-rank pipeline 1000 us: 0.50x" in text
+
+
+def test_table_renders_the_page_rows() -> None:
+    """``run.table`` gives the benchmarks page's markdown table: one row per case, the default
+    ``num_sm``'s graph and eager times, the layer's defaults, the torch backend and NCCL, % of the copy
+    engine at 4096 tokens."""
+    import run
+
+    case = {"gpus": 2, "shape": "deepseek-v3", "routing": "uniform", "tokens": 4096}
+    rows = [
+        {**case, "bench": "triton", "method": "ce", "copy_ms": 0.1},
+        {**case, "bench": "triton", "method": "ours-graph-sm132", "dispatch_ms": 0.2, "combine_ms": 0.25,
+         "default_num_sm": 132},
+        {**case, "bench": "triton", "method": "ours-sm132", "dispatch_ms": 0.4, "combine_ms": 0.5},
+        {**case, "bench": "triton", "method": "ours-layer-default", "dispatch_ms": 0.5, "combine_ms": 0.5},
+        {**case, "bench": "torch", "method": "torch", "dispatch_ms": 1.0, "combine_ms": 2.0},
+        {**case, "bench": "torch", "method": "nccl-dest", "dispatch_ms": 2.0, "combine_ms": 4.0},
+    ]  # fmt: skip
+    lines = run.table({"results": rows}).splitlines()
+    assert len(lines) == 3
+    assert lines[2] == (
+        "| 2 | deepseek-v3, uniform | 4096 | 100 | 200 (50 %) | 250 (40 %) | 400 (25 %) | 500 (20 %) | "
+        "500 (20 %) / 500 (20 %) | 1000 (10 %) / 2000 (5 %) | 2000 (5 %) / 4000 (2 %) |"
+    )

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 import torch
-from bench_forward import D_QK, fwd_flops, time_ms
+from bench_forward import D_QK, _config_label, fwd_flops, time_ms
 
 from sparse_mla_attn import Config, sparse_mla_decode, sparse_mla_decode_ref
 from sparse_mla_attn._runtime import last_launch
@@ -38,7 +38,7 @@ def bench_decode(b: int, h_q: int, seqlen: int, topk: int, *, config: Config | N
     r_out, r_lse = sparse_mla_decode_ref(q[:4], cache, table[:4], seqlens[:4], idx[:4], sm_scale)
     ms = time_ms(call, graph=True)
     row: dict[str, Any] = {
-        "op": "decode", "batch": b, "h_q": h_q, "seqlen": seqlen, "topk": topk,
+        "op": "decode", "batch": b, "h_q": h_q, "seqlen": seqlen, "topk": topk, "config": _config_label(config),
         "backend": launch.backend if launch else None, "splits": launch.splits if launch else None,
         "ms": ms, "ms_eager": (eager := time_ms(call)), "eager_over_graph": eager / ms,
         "tflops": fwd_flops(b, h_q, topk) / ms / 1e9,

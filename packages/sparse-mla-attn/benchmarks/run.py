@@ -7,12 +7,15 @@ versions) and the figure ``<out-dir>/<gpu>.png``.
 Measured in one process on one GPU: the dense bf16 matmul rate (this run's roofline); the forward at
 FlashMLA's benchmark shape (s_q 4096, topk 2048, d_qk 576, d_v 512, h_q 128 and 64, s_kv 8K / 32K / 128K)
 with the default kernels and with ``Config(backend="triton")``; attn_dist at the same shapes; paged decode
-(h_q 128, topk 2048, batch 1 / 8 / 64 / 128); the backward (default and deterministic) and the indexer
-logits; a torch gather + einsum forward baseline. Times are medians of CUDA-event timed runs after
-warm-up (decode: CUDA-graph replays, ``ms``, and eager calls with default arguments, ``ms_eager``); each row is also checked against the float32 reference
-on a slice. ``host_cost`` rows give every public op's host time per call (a tiny problem called back to back).
+(topk 2048, 32K-token caches, h_q 128 at batch 1 / 8 / 64 / 128, h_q 64 at batch 64 / 128, and split-K
+2 / 4 through ``Config(num_splits=...)`` where the default does not split); the backward
+(default and deterministic) and the indexer logits; a torch gather + einsum forward baseline. Times are
+medians of CUDA-event timed runs after warm-up (decode: CUDA-graph replays, ``ms``, and eager calls with
+default arguments, ``ms_eager``); each row is also checked against the float32 reference on a slice.
+``host_cost`` rows give every public op's host time per call (a tiny problem called back to back).
 ``--flashmla PATH`` imports FlashMLA's Python package from PATH (a build of deepseek-ai/FlashMLA) and times
-its ``flash_mla_sparse_fwd`` on the forward rows' inputs; ``--flashmla-commit`` records which commit. ``--plot FILE`` redraws the figure of a results file.
+its ``flash_mla_sparse_fwd`` on the forward rows' inputs; ``--flashmla-commit`` records which commit.
+``--plot FILE`` redraws the figure of a results file.
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ def measure(quick: bool, flashmla: Any) -> list[dict[str, Any]]:
     def add(row: dict[str, Any]) -> dict[str, Any]:
         rows.append(row)
         shape = {
-            k: v for k, v in row.items() if k in ("s_q", "h_q", "s_kv", "batch", "seqlen", "topk", "causal")
+            k: v
+            for k, v in row.items()
+            if k in ("s_q", "h_q", "s_kv", "batch", "seqlen", "topk", "causal", "config") and v is not None
         }
         eager = f" (eager {row['ms_eager']:.3f} ms)" if "ms_eager" in row else ""
         print(
@@ -83,6 +88,12 @@ def measure(quick: bool, flashmla: Any) -> list[dict[str, Any]]:
     add(bench_torch_baseline(s_q, 128, 32768, 2048))
     for b in (1, 8, 64, 128):
         add(bench_decode(b, 128, 32768, 2048))
+    for b in (64, 128):  # a tensor-parallel shard of DeepSeek's 128 heads
+        add(bench_decode(b, 64, 32768, 2048))
+    # Split-K where the default does not split (the grid about fills the GPU), through Config.
+    for b, h_q in ((64, 128), (128, 64)):
+        for splits in (2, 4):
+            add(bench_decode(b, h_q, 32768, 2048, config=Config(num_splits=splits)))
     for h_q, s_kv in ((128, 32768),) if quick else ((128, 32768), (64, 32768), (128, 131072)):
         add(bench_bwd(s_q, h_q, s_kv, 2048))
     from bench_decode import bench_host_cost
@@ -129,7 +140,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=7)
     ax = axes[1]
-    dec = sorted((r for r in rows if r["op"] == "decode" and r["seqlen"] == 32768), key=lambda r: r["batch"])
+    dec = sorted(
+        (r for r in rows if r["op"] == "decode" and r["h_q"] == 128 and not r.get("config")),
+        key=lambda r: r["batch"],
+    )
     ax.bar([str(r["batch"]) for r in dec], [r["ms"] * 1e3 for r in dec], color="C2")
     ax.set(xlabel="batch (one token each)", ylabel="µs", title="decode (h_q 128, topk 2048, 32K cache)")
     ax = axes[2]

@@ -28,6 +28,20 @@ import pytest
 HERE = os.path.abspath(__file__)
 
 
+def pretend_h200_host() -> None:
+    """The package's host side as on an H200, without a GPU: CPU tensors pass the device checks, 132
+    multiprocessors, sm_90 (the Gluon kernels where the installed Triton supports them)."""
+    import sparse_mla_attn  # noqa: F401 (loads the modules patched below)
+    from sparse_mla_attn.backends import gluon_sm90
+
+    for mod in ("forward", "attn_dist", "decode", "backward"):
+        m = sys.modules[f"sparse_mla_attn.{mod}"]
+        if hasattr(m, "check_kernel_device"):
+            m.check_kernel_device = lambda *a: None  # type: ignore[attr-defined]
+    sys.modules["sparse_mla_attn.forward"].num_sms = lambda device: 132  # type: ignore[attr-defined]
+    gluon_sm90.gluon_usable = lambda t, *rows: gluon_sm90.HAVE_GLUON  # type: ignore[assignment]
+
+
 def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int]]:
     """Run the scenarios ``names`` with launches captured; compile each launch for sm_90."""
     import torch
@@ -38,7 +52,6 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
 
     import sparse_mla_attn as sm
     from sparse_mla_attn import _runtime
-    from sparse_mla_attn.backends import gluon_sm90
 
     captured: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
 
@@ -46,13 +59,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         captured.append((self, args, dict(kwargs)))
 
     JITFunction.run = capture  # type: ignore[method-assign]
-    # The host side as on an H200: CPU tensors pass the device checks, 132 SMs, sm_90.
-    for mod in ("forward", "attn_dist", "decode", "backward"):
-        m = sys.modules[f"sparse_mla_attn.{mod}"]
-        if hasattr(m, "check_kernel_device"):
-            m.check_kernel_device = lambda *a: None  # type: ignore[attr-defined]
-    sys.modules["sparse_mla_attn.forward"].num_sms = lambda device: 132  # type: ignore[attr-defined]
-    gluon_sm90.gluon_usable = lambda t, *rows: gluon_sm90.HAVE_GLUON  # type: ignore[assignment]
+    pretend_h200_host()
     assert _runtime.interpreting() is False
 
     def problem(s_q: int, h_q: int, d_qk: int, s_kv: int, topk: int) -> tuple[torch.Tensor, ...]:

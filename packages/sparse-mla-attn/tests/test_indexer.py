@@ -292,3 +292,18 @@ def test_kl_loss_of_no_query_is_zero():
     loss.backward()
     assert lg.grad is not None
     assert lg.grad.shape == (0, 8)
+
+
+def test_indexer_custom_ops_opcheck():
+    """indexer_logits (with its registered backward), its backward op and indexer_target pass
+    torch.library.opcheck: schema, fake implementation, autograd registration."""
+    dev = kernel_test_device()
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 16, 16, generator=g).to(dev)
+    k = torch.randn(8, 16, generator=g).to(dev)
+    w = torch.randn(4, 16, generator=g).to(dev)
+    ops = torch.ops.sparse_mla_attn
+    torch.library.opcheck(ops.indexer_logits.default, (q.requires_grad_(), k, w, True, 2, 1))
+    grad = torch.randn(4, 8, generator=g).to(dev)
+    torch.library.opcheck(ops.indexer_logits_bwd.default, (grad, q.detach(), k, w, True, 2, 1))
+    torch.library.opcheck(ops.indexer_target.default, (torch.rand(4, 3, generator=g).to(dev), 0.0))

@@ -113,7 +113,9 @@ def _compile_all() -> None:
         }[mask_kind]
         seqlens = torch.full((b,), length, dtype=torch.int32) if with_seqlens else None
         config = MaskedDecodeConfig(**fields)
-        plan, threshold = md._plan_launch(b, hq, hkv, d, length, mask is not None, config, dev)
+        plan, threshold = md._plan_launch(
+            b, hq, hkv, d, length, mask is not None, config, dev, fp8=kv_dtype == torch.float8_e4m3fn
+        )
         plans = [plan]
         if plan.autotune:  # every tile the autotuner may pick
             block_g = max(16, 1 << (hq // hkv - 1).bit_length())

@@ -303,6 +303,41 @@ def test_signature_cache_keeps_validation(cpu_device: torch.device) -> None:
         masked_decode(q, k_strided, v, mask, seqlens=17)
 
 
+def test_direct_launch_passes_every_kernel_argument(cpu_device: torch.device) -> None:
+    """After a signature's first launch on a GPU, eager calls launch its compiled kernel directly: the
+    launcher gets the grid, the stream, the kernel handle and its metadata, no hooks, then every kernel
+    argument in signature order (constexprs included), as Triton's JIT passes them."""
+    md = sys.modules["triton_masked_decode.masked_decode"]
+    c = Case(num_splits=2)
+    q, k, v, mask, _, _, _ = make_inputs(c, cpu_device, seed=8, poison=False)
+    md._SIGNATURES.clear()
+    masked_decode(q, k, v, mask)  # first call: Triton's JIT (a CPU entry keeps no launcher)
+    (entry,) = md._SIGNATURES.values()
+    assert entry.launcher is None
+    calls: list[tuple] = []
+
+    class Compiled:  # stands in for triton.compiler.CompiledKernel
+        function, packed_metadata = "function", "packed_metadata"
+
+        @property
+        def run(self):
+            return lambda *args: calls.append(args)
+
+    st = entry.sig.static
+    entry.launcher = md._direct_launcher(Compiled(), md._constexprs(st.meta, {}))
+    masked_decode(q, k, v, mask)
+    (args,) = calls
+    assert args[:3] == st.grid
+    assert args[4:9] == ("function", "packed_metadata", None, None, None)
+    names = md._masked_decode_split_kernel.arg_names
+    kernel_args = dict(zip(names, args[9:], strict=True))
+    assert kernel_args["Q"] is q
+    assert kernel_args["K"] is k
+    assert kernel_args["Mask"].data_ptr() == mask.data_ptr()
+    assert all(kernel_args[n] == val for n, val in st.meta.items() if n in kernel_args)
+    md._SIGNATURES.clear()
+
+
 # ------------------------------------------------------------------ validation (no kernel launch needed)
 
 

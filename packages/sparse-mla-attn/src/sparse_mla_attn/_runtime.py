@@ -2,10 +2,11 @@
 custom-op registration, the launch of compiled kernels through cached handles, and the registry of the
 latest kernel launch per op (read by the benchmarks and the GPU tests).
 
-Host cost: an op validates its inputs once per call signature (:func:`call_signature`: shapes, strides,
-dtypes, devices and 16-byte alignment of its tensors, plus its non-float arguments) and launches each
-kernel through the compiled handle cached under that signature (:func:`launch`), so a repeated call does
-no validation, no Triton argument binding and no device-to-host synchronisation."""
+Host cost: an op validates its inputs and makes its launch plan once per call signature
+(:func:`call_signature`: shapes, strides, dtypes, devices and 16-byte alignment of its tensors, plus its
+non-float arguments); later calls launch each kernel through the compiled handle kept in that plan
+(:func:`launch`) and the decode reuses its scratch buffers (:func:`scratch`), so a repeated call does no
+validation, no Triton argument binding and no device-to-host synchronisation."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Entries kept per signature cache (validation results, compiled-kernel handles) before it is cleared.
+#: Entries kept per signature cache (validated launch plans) before it is cleared.
 CACHE_LIMIT = 4096
 
 
@@ -153,9 +154,11 @@ def launch(
     driver = _driver()
     stream = driver.get_current_stream(driver.get_current_device())
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
-    meta = kernel.launch_metadata(grid3, stream, *args, *tail) if enter is not None else None
-    kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *args, *tail)
+    # As Triton's own launch does: the launch hooks (profilers) see these launches too.
+    meta = kernel.launch_metadata(grid3, stream, *args, *tail)
+    hooks = triton.knobs.runtime
+    kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, meta, hooks.launch_enter_hook,
+               hooks.launch_exit_hook, *args, *tail)  # fmt: skip
     return kernel
 
 

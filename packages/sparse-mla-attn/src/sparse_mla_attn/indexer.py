@@ -276,17 +276,10 @@ def logits_bwd_config(h_idx: int) -> dict[str, int]:
 
 
 def launch_logits_bwd(
-    grad: torch.Tensor,
-    q_idx: torch.Tensor,
-    k_idx: torch.Tensor,
-    weights: torch.Tensor,
-    causal: bool = False,
-    q_start_index: int = 0,
-    k_stride: int = 1,
-    *,
-    config: dict[str, int] | None = None,
+    grad: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, causal: bool = False,
+    q_start_index: int = 0, k_stride: int = 1, *, config: dict[str, int] | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Triton backward of the logits: ``(dq_idx, dk_idx, dweights)`` in the inputs' dtypes (``config``
     overrides :func:`logits_bwd_config`, for tests).
 

@@ -41,12 +41,12 @@ class MaskedDecodeConfig:
             Default: autotuned per shape class on the first call when the dense loop can run (GPU), else
             64 x 4 warps x 3 stages at head dim 128. Setting any of them fixes the tile (no autotuning).
         block_ns, sparse_stages: sparse-loop gather tile (visible rows per step, pipelining depth); default
-            64 rows (scaled to keep the bytes of a tile at other head dims) with 2 stages for one-wave and 3
-            for multi-wave launches.
+            64 rows (scaled to keep the bytes of a tile at other head dims; half as many rows for an FP8
+            cache) with 2 stages for one-wave and 3 for multi-wave launches.
         block_c: mask positions compacted per step of the sparse loop's index pass (power of two; default
             the split length, at most 2048).
         merge_splits: partial results per query head that the last split of a (sequence, KV head) merges
-            per step (power of two; default: about 4096 values per step over the group's query heads).
+            per step (power of two; default: 4096 to 8192 values per step over the group's query heads).
         autotune: allow autotuning of the dense-loop tile on GPU (default True).
 
     Raises:

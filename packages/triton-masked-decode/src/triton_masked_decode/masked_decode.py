@@ -704,6 +704,7 @@ def _plan_launch(
     masked: bool,
     config: MaskedDecodeConfig,
     dev: _Device,
+    fp8: bool = False,
 ) -> tuple[_Launch, float]:
     """(launch, sparse threshold) of a call: the config's fields, or the tuned defaults of the device."""
     interp = interpreting()
@@ -733,6 +734,8 @@ def _plan_launch(
         block_ns, sparse_stages, block_c = 16, 1, config.block_c or 32
     else:
         block_ns = min(64, max(16, cls.block_ns * 128 // block_d))
+        if fp8:  # half the rows: converting FP8 tiles takes registers (at 64 rows, 3 programs per SM fit)
+            block_ns = max(16, block_ns // 2)
         sparse_stages = cls.sparse_stages
         block_c = min(config.block_c or _MAX_BLOCK_C, triton.next_power_of_2(max(chunk, 128)))
     path = _PATH_CODES[config.path]
@@ -756,10 +759,17 @@ def _plan_launch(
         block_ns=config.block_ns or block_ns,
         sparse_stages=config.sparse_stages or sparse_stages,
         block_c=block_c,
-        # The last split's merge step: about 4096 partial values (all query heads of the KV head at once).
-        merge_s=config.merge_splits or max(1, min(64, 4096 // (triton.next_power_of_2(hq // hkv) * block_d))),
+        merge_s=config.merge_splits or _merge_splits(triton.next_power_of_2(hq // hkv), block_g, block_d),
     )
     return launch, threshold
+
+
+def _merge_splits(g_p2: int, block_g: int, block_d: int) -> int:
+    """Splits per step of the last program's merge: a step of ``g_p2 x splits x block_d`` partial values
+    sized so that it adds few registers to the kernel (offline sm_90 compiles: 8192 values at D 128 add
+    none, 16384 take 96 -> 166 registers; at D 256 and at small tiles 4096 values keep it within 10)."""
+    budget = min(8192, 4 * block_g * block_d) if block_d <= 128 else 4096
+    return max(1, min(64, budget // (g_p2 * block_d)))
 
 
 def _pow2(x: int) -> int:
@@ -1448,8 +1458,9 @@ def _validate_and_plan(
         # (torch.compile traces the planner itself: its cache is a host-side shortcut of eager calls)
         plan_launch = _plan_launch if cached else _plan_launch.__wrapped__
         plan, threshold = plan_launch(
-            batch, hq, hkv, d, grid_len, mask is not None, config, _device_facts(q3.device)
-        )
+            batch, hq, hkv, d, grid_len, mask is not None, config, _device_facts(q3.device),
+            fp8=k.dtype == torch.float8_e4m3fn,
+        )  # fmt: skip
         scales = _scales(k_scale, v_scale, k_token_scale, v_token_scale)
         static = _static(q3, k, v, mask, seq_t, block_table, scales, plan) if cached else None
     return _Signature(q.dim() == 4, hkv, max_len, seqlen_const, grid_len, scale, plan, threshold, static)
