@@ -102,6 +102,13 @@ def summary(rows: list[dict]) -> list[str]:
                     f"{name}: eager {op} {1e3 * eager[f'{op}_ms']:.0f} us = "
                     f"{eager[f'{op}_ms'] / graph[f'{op}_ms']:.1f}x its graph replay (goal <= 2x)"
                 )
+        fp8 = by.get(("torch", "torch-fp8"))
+        if fp8 and by.get(("torch", "torch")):
+            bf16 = by[("torch", "torch")]["dispatch_ms"]
+            lines.append(
+                f"{name}: torch backend FP8 dispatch {1e3 * fp8['dispatch_ms']:.0f} us vs bf16 {1e3 * bf16:.0f} us: "
+                f"{fp8['dispatch_ms'] / bf16:.2f}x"
+            )
         torch_row, nccl = by.get(("torch", "torch")), by.get(("torch", "nccl-dest"))
         if torch_row and nccl:
             for op in ("dispatch", "combine"):

@@ -2,10 +2,11 @@
 custom-op registration, the launch of compiled kernels through cached handles, and the registry of the
 latest kernel launch per op (read by the benchmarks and the GPU tests).
 
-Host cost: an op validates its inputs once per call signature (:func:`call_signature`: shapes, strides,
-dtypes, devices and 16-byte alignment of its tensors, plus its non-float arguments) and launches each
-kernel through the compiled handle cached under that signature (:func:`launch`), so a repeated call does
-no validation, no Triton argument binding and no device-to-host synchronisation."""
+Host cost: an op validates its inputs and makes its launch plan once per call signature
+(:func:`call_signature`: shapes, strides, dtypes, devices and 16-byte alignment of its tensors, plus its
+non-float arguments); later calls launch each kernel through the compiled handle kept in that plan
+(:func:`launch`) and the decode reuses its scratch buffers (:func:`scratch`), so a repeated call does no
+validation, no Triton argument binding and no device-to-host synchronisation."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Entries kept per signature cache (validation results, compiled-kernel handles) before it is cleared.
+#: Entries kept per signature cache (validated launch plans) before it is cleared.
 CACHE_LIMIT = 4096
 
 
