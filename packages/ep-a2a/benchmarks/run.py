@@ -93,14 +93,14 @@ def summary(rows: list[dict]) -> list[str]:
                 lines.append(
                     f"{name}: {mode} {op}: default num_sm={default} {1e3 * times[default]:.0f} us, best "
                     f"num_sm={best} {1e3 * times[best]:.0f} us: default at {100 * times[best] / times[default]:.0f}% "
-                    "of the best's speed (goal >= 95%)"
+                    "of the best's speed (target >= 95%)"
                 )
         eager, graph = by.get(("triton", f"ours-sm{default}")), by.get(("triton", f"ours-graph-sm{default}"))
         if eager and graph and tokens <= 1024:
             for op in ("dispatch", "combine"):
                 lines.append(
                     f"{name}: eager {op} {1e3 * eager[f'{op}_ms']:.0f} us = "
-                    f"{eager[f'{op}_ms'] / graph[f'{op}_ms']:.1f}x its graph replay (goal <= 2x)"
+                    f"{eager[f'{op}_ms'] / graph[f'{op}_ms']:.1f}x its graph replay (target <= 2x)"
                 )
         fp8 = by.get(("torch", "torch-fp8"))
         if fp8 and by.get(("torch", "torch")):
@@ -115,7 +115,7 @@ def summary(rows: list[dict]) -> list[str]:
                 lines.append(
                     f"{name}: torch backend {op} {1e3 * torch_row[f'{op}_ms']:.0f} us vs NCCL per-rank "
                     f"pipeline {1e3 * nccl[f'{op}_ms']:.0f} us: {torch_row[f'{op}_ms'] / nccl[f'{op}_ms']:.2f}x "
-                    "(goal <= 1x)"
+                    "(target <= 1x)"
                 )
     return lines
 
