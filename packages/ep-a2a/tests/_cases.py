@@ -215,7 +215,7 @@ def make_layer(
     backend: str = "torch",
     local_world_size: int | None = None,
 ) -> EPAll2AllLayer:
-    return EPAll2AllLayer(
+    layer = EPAll2AllLayer(
         group,
         lc.max_tokens,
         lc.hidden,
@@ -229,6 +229,15 @@ def make_layer(
         backend=backend,
         timeout_s=60,
     )
+    if EXCHANGE_ON_DEVICE and layer.backend_name == "torch":
+        # the torch backend's NCCL flow (exchanges on the group itself, the header checked after the
+        # data is queued) over the gloo group: its logic runs on CPUs too
+        layer.ctx.backend._on_device = True
+    return layer
+
+
+#: run the torch backend's NCCL flow over gloo (see make_layer; set by run_matrix_and_autograd)
+EXCHANGE_ON_DEVICE = False
 
 
 def run_matrix(rank: int, world: int, device: torch.device, group=None, backend: str = "torch") -> int:
@@ -498,7 +507,9 @@ def run_errors(rank: int, world: int) -> list[str]:
     return _check_faults(rank, world, mk, x, idx, seen)
 
 
-def run_matrix_and_autograd(rank: int, world: int) -> int:
+def run_matrix_and_autograd(rank: int, world: int, exchange_on_device: bool = False) -> int:
+    global EXCHANGE_ON_DEVICE
+    EXCHANGE_ON_DEVICE = exchange_on_device
     n = run_matrix(rank, world, torch.device("cpu"))
     run_autograd(rank, world, torch.device("cpu"))
     return n

@@ -14,9 +14,16 @@ CASES = str(Path(__file__).with_name("_cases.py"))
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [pytest.param(2, id="gloo-2"), pytest.param(4, id="gloo-4")])
-def test_torch_backend_matches_reference(world: int) -> None:
-    checked = run_local(f"{CASES}:run_matrix_and_autograd", world, timeout_s=170)
+@pytest.mark.parametrize(
+    ("world", "on_device"),
+    [
+        pytest.param(2, False, id="gloo-2"),
+        pytest.param(4, False, id="gloo-4"),
+        pytest.param(3, True, id="gloo-3-nccl-flow"),  # the NCCL flow's logic over the gloo group
+    ],
+)
+def test_torch_backend_matches_reference(world: int, on_device: bool) -> None:
+    checked = run_local(f"{CASES}:run_matrix_and_autograd", world, (on_device,), timeout_s=170)
     assert checked == [checked[0]] * world
     assert checked[0] >= 16
 

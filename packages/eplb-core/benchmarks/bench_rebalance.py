@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -279,38 +280,52 @@ import json, sys, time, torch
 torch.set_num_threads(1)
 t0 = time.perf_counter()
 import eplb_core as E
-r, nodes, gpus = (int(x) for x in sys.argv[1:4])
+entry = sys.argv[1]
+r, nodes, gpus = (int(x) for x in sys.argv[2:5])
 w = E.synthetic_loads(58, 256, num_groups=8, num_windows=2, seed=0)
 kw = dict(num_replicas=r, num_groups=8, num_nodes=nodes, num_gpus=gpus)
 out = {"import_s": time.perf_counter() - t0}
-def first(key, fn):
+def timed(key, fn):
     t = time.perf_counter()
     res = fn()
     out[key] = time.perf_counter() - t
     return res
-first("first_rebalance_s", lambda: E.rebalance_experts(w[-1], r, 8, nodes, gpus))
-old = first("first_plan_s", lambda: E.plan(w[0], **kw))
-first("first_migration_s", lambda: E.plan(w[-1], **kw, previous=old))
-if nodes > 1 and 8 % nodes == 0:
-    first("first_soft_s", lambda: E.plan(w[-1], **kw, soft_locality=0.05))
+if entry == "rebalance":
+    timed("first_rebalance_s", lambda: E.rebalance_experts(w[-1], r, 8, nodes, gpus))
+else:
+    old = timed("first_plan_s", lambda: E.plan(w[0], **kw))
+    # the other modes' first calls, in the same process (beside a background compile, if any)
+    timed("then_migration_s", lambda: E.plan(w[-1], **kw, previous=old))
+    if nodes > 1 and 8 % nodes == 0:
+        timed("then_soft_s", lambda: E.plan(w[-1], **kw, soft_locality=0.05))
 print(json.dumps(out))
 """
 
 
 def first_call_seconds(config: tuple[int, int, int], cache_dir: str) -> dict[str, float]:
-    """Seconds of the first calls of a fresh process for one configuration, with the Numba cache in
-    ``cache_dir`` (empty: the calls run interpreted while the planner compiles in the background;
-    filled: they load the compiled planner): the import, the first ``rebalance_experts``, then the
-    first ``plan`` of every mode (strict or global, migration, soft locality on hierarchical
-    topologies), on the benchmark's loads."""
+    """Seconds of first calls for one configuration on the benchmark's loads, each in a fresh process
+    with the Numba cache in ``cache_dir`` (empty: the calls run interpreted while the planner compiles
+    in the background; filled: they load the compiled planner): the first ``rebalance_experts`` of one
+    process, the first ``plan`` of another, and then in that process the first migration and soft
+    locality (hierarchical topologies) calls. An empty ``cache_dir`` is emptied again between the two
+    processes."""
     src = str(Path(__file__).resolve().parents[1] / "src")
     path = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "NUMBA_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    run = subprocess.run(
-        [sys.executable, "-c", _FIRST_CALL, *map(str, config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return {k: float(v) for k, v in json.loads(run.stdout.splitlines()[-1]).items()}
+    out: dict[str, float] = {}
+    empty = not any(Path(cache_dir).iterdir())
+    for entry in ("rebalance", "plan"):
+        if empty:
+            shutil.rmtree(cache_dir)
+            Path(cache_dir).mkdir()
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+        run = subprocess.run(
+            [sys.executable, "-c", _FIRST_CALL, entry, *map(str, config)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        times = json.loads(run.stdout.splitlines()[-1])
+        out[f"{entry}_import_s"] = times.pop("import_s")
+        out.update(times)
+    return out

@@ -372,6 +372,15 @@ class EPLayer:
             ``weights`` ``[R]`` ``weight_dtype`` (``None`` without ``weight``); ``layout_desc`` for
             :meth:`combine` (per-local-expert counts included), which takes rows of the layer's dtype
             whatever the dispatch carried. Differentiable in ``input`` and ``weight`` (not in FP8 rows).
+
+        Raises:
+            ValueError, TypeError: a bad argument (named), before any communication; an expert id out of
+                range (``validate=True``; the Triton backend raises it after the call completed on every
+                rank, with the slot dropped).
+            EPProtocolError: the ranks called the layer's collectives in different orders.
+            EPTimeoutError: a rank did not arrive within ``timeout_s`` (named).
+            NotImplementedError: FP8 rows on the Triton backend.
+            RuntimeError: called after :meth:`finalize`.
         """
         self._check_alive("dispatch")
         cfg = self.config
@@ -429,6 +438,12 @@ class EPLayer:
         Returns:
             ``[num_tokens, hidden]`` in ``input.dtype``: per token, the float32 sum of its kept slots' rows;
             zeros for a token whose slots were all dropped. Differentiable in ``input``.
+
+        Raises:
+            ValueError, TypeError: a bad argument (named), before any communication.
+            EPProtocolError: the ranks called the layer's collectives in different orders.
+            EPTimeoutError: a rank did not arrive within ``timeout_s`` (named).
+            RuntimeError: called after :meth:`finalize`.
         """
         self._check_alive("combine")
         desc = ep_a2a_layout_desc

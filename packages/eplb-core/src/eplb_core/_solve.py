@@ -28,7 +28,6 @@ __all__ = [
     "equal_partitions",
     "greedy_fallback",
     "home_nodes",
-    "order_slots",
     "pack_rows",
     "peaks",
     "solve",
@@ -151,7 +150,7 @@ def solve(
         weight: ``[L, N]`` float64, rows not all zero.
 
     Returns:
-        ``(phy2log [L, R], logcnt [L, N])`` int64, GPU-major slots, sorted inside a GPU, and
+        ``(phy2log [L, R], logcnt [L, N])`` int64, GPU-major slots (a GPU's by decreasing load, ties by id), and
         ``greedy_peak [L]`` float64, the heaviest GPU of DeepSeek's greedy plan on the layers where
         it can be better balanced than the plan, infinite elsewhere (see :func:`greedy_fallback`).
     """
@@ -188,7 +187,7 @@ def pack_rows(
         item_load, item_expert: ``[B, M]`` float64 / int64.
 
     Returns:
-        ``[B, num_bins, M / num_bins]`` expert ids, sorted inside a GPU.
+        ``[B, num_bins, M / num_bins]`` expert ids, a GPU's by decreasing load (ties by id).
     """
     rounds = default_iters(num_bins, item_load.shape[1] // num_bins) if iters is None else iters
     return runner.call(
@@ -294,19 +293,6 @@ def solve_migration(
         mode != "soft",
         split_tables(num_replicas // num_gpus),
     )
-
-
-def order_slots(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
-    """``phy2log [L, R]`` with the slots of every GPU in the order DeepSeek's packing fills a GPU:
-    decreasing replica load (an expert's load shared by its replicas), ties by expert id. The GPUs'
-    contents do not change."""
-    num_layers, num_logical = weight.shape
-    flat = phy2log + np.arange(num_layers)[:, None] * num_logical
-    counts = np.bincount(flat.ravel(), minlength=weight.size).reshape(weight.shape)
-    load = np.take_along_axis(weight / np.maximum(counts, 1), phy2log, 1)
-    shape = (num_layers, num_gpus, -1)
-    order = np.lexsort((phy2log.reshape(shape), -load.reshape(shape)), axis=-1)
-    return np.take_along_axis(phy2log.reshape(shape), order, -1).reshape(phy2log.shape)
 
 
 def peaks(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:

@@ -84,7 +84,6 @@ def rebalance_experts(
     phy2log, taken = _solve.greedy_fallback(w_np, phy2log, num_groups, num_nodes, num_gpus, greedy_peak)
     if taken.any():
         logcnt = _counts(phy2log, num_logical)
-    phy2log = _solve.order_slots(w_np, phy2log, num_gpus)
     # only the three tensors: the quality figures of plan() (bounds, loads) are not computed here
     return tuple(
         torch.from_numpy(a).to(w.device) for a in (phy2log, runner.call(log2phy, phy2log, logcnt), logcnt)
@@ -197,7 +196,6 @@ def plan(
         phy2log, colocated = _solve.greedy_fallback(
             w_np, phy2log, num_groups, num_nodes, num_gpus, greedy_peak
         )
-        phy2log = _solve.order_slots(w_np, phy2log, num_gpus)
         if mode == "strict" and num_nodes > 1:
             home = _solve.home_nodes(phy2log, num_groups, num_nodes, num_logical)
         elif mode == "soft" and colocated.any():

@@ -99,7 +99,10 @@ class TorchBackend(A2ABackend):
             options.monitor if options.monitor is not None else RankMonitor(ep_group, self.timeout_s)
         )
         self.device = group_device(ep_group)
-        if self.device.type == "cpu":  # every exchange goes over the bounded side group
+        #: exchanges on the expert-parallel group itself, the header awaited after the data is queued
+        #: (NCCL); else every exchange on the bounded gloo side group, each awaited in turn
+        self._on_device = self.device.type != "cpu"
+        if not self._on_device:
             self.monitor.create_side_group()
         self.rank = config.rank
         self.world_size = config.world_size
@@ -123,7 +126,7 @@ class TorchBackend(A2ABackend):
         call = self._calls
         self._calls += 1
         head = torch.tensor([_OPS[op], call], dtype=torch.int64)
-        if self.device.type == "cpu":
+        if not self._on_device:
             send = torch.zeros(world, 2 + self._width, dtype=torch.int64)
             send[:, :2] = head
             if body is not None:
@@ -134,18 +137,21 @@ class TorchBackend(A2ABackend):
             header = _Header(op, step, call, recv, None)
             self._check(header)  # before any variable-sized message: gloo matches messages in order
             return header
+        cuda = self.device.type == "cuda"
         if body is None:  # only the header: built on the host, one copy, no kernel
-            rows = torch.zeros(world, 2 + self._width, dtype=torch.int64, pin_memory=True)
+            rows = torch.zeros(world, 2 + self._width, dtype=torch.int64, pin_memory=cuda)
             rows[:, :2] = head
             send = rows.to(self.device, non_blocking=True)
         else:
             send = torch.cat([head.to(self.device, non_blocking=True).expand(world, 2), body], 1)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.ep_group)
-        host = torch.empty(recv.shape, dtype=torch.int64, pin_memory=True)
+        host = torch.empty(recv.shape, dtype=torch.int64, pin_memory=cuda)
         host.copy_(recv, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
         return _Header(op, step, call, host, done)
 
     def _check(self, header: _Header) -> torch.Tensor:
@@ -178,7 +184,7 @@ class TorchBackend(A2ABackend):
         self, step: str, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     ) -> torch.Tensor:
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
-        if self.device.type == "cpu":  # a gloo expert group: the side group is the same transport, bounded
+        if not self._on_device:  # a gloo expert group: the side group is the same transport, bounded
             with self.monitor.guard(step):
                 self.monitor.all_to_all(recv, send, recv_counts, send_counts)
         else:  # queued on the device; the operation's header wait bounds it

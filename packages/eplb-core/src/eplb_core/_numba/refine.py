@@ -302,21 +302,24 @@ def _repair_row(
 
 
 @njit
-def _write_sorted(expert: np.ndarray, first: int, num_rows: int, out: np.ndarray) -> None:
-    """Rows ``first ..`` of ``expert [B, G, S]`` into ``out [num_rows * G * S]``, ids ascending per bin."""
+def _write_sorted(expert: np.ndarray, load: np.ndarray, first: int, num_rows: int, out: np.ndarray) -> None:
+    """Rows ``first ..`` of ``expert [B, G, S]`` into ``out [num_rows * G * S]``, each bin's slots by
+    decreasing ``load``, ties by expert id (the order in which DeepSeek's packing fills a GPU)."""
     _, num_bins, slots = expert.shape
-    p = 0
+    key = np.empty(slots)
     for r in range(first, first + num_rows):
         for g in range(num_bins):
-            start = p
+            start = (r - first) * num_bins * slots + g * slots
             for s in range(slots):
                 v = expert[r, g, s]
-                j = p
-                while j > start and out[j - 1] > v:
-                    out[j] = out[j - 1]
+                x = load[r, g, s]
+                j = s
+                while j > 0 and (key[j - 1] < x or (key[j - 1] == x and out[start + j - 1] > v)):
+                    out[start + j] = out[start + j - 1]
+                    key[j] = key[j - 1]
                     j -= 1
-                out[j] = v
-                p += 1
+                out[start + j] = v
+                key[j] = x
 
 
 @njit

@@ -5,8 +5,8 @@ machine code compiled by Numba (cached on disk), and as the same functions run b
 interpreter over the same NumPy arrays. Both give the same plans, bit for bit (the tests compare them).
 
 A call of an entry point (:func:`call`) runs the compiled form when it is in this process or in the
-disk cache. When it is not (the first use in a fresh environment: compiling takes tens of seconds of
-one core), the call runs the interpreted form (about a second for DeepSeek-V3's 58 x 256 loads) and a
+disk cache. When it is not (the first use in a fresh environment, where compiling would keep the call
+waiting far longer than the interpreted form takes), the call runs the interpreted form, and then a
 background thread compiles the entry point into the disk cache; calls switch to the compiled form when
 it is ready. ``python -m eplb_core.warmup`` compiles every entry point ahead of time.
 """

@@ -35,14 +35,15 @@ def _write_layer(
     cnt_row: np.ndarray,
 ) -> None:
     """Write the chosen start of a layer: repair rows ``first .. first + num_rows`` (no avoidable
-    repeat of an expert on a GPU), write them sorted into ``phy_row``, and the replica counts
+    repeat of an expert on a GPU), write them into ``phy_row`` (a GPU's slots by decreasing load, ties
+    by expert id), and the replica counts
     ``cnt [nodes, per_node]`` of the experts ``ids`` into ``cnt_row``."""
     num_bins = load.shape[1]
     for r in range(first, first + num_rows):
         _repair_row(
             load[r].reshape(-1), expert[r].reshape(-1), fixed[r].reshape(-1), num_bins, slots, no_budget, -1
         )
-    _write_sorted(expert, first, num_rows, phy_row)
+    _write_sorted(expert, load, first, num_rows, phy_row)
     for n in range(ids.shape[0]):
         for j in range(ids.shape[1]):
             cnt_row[ids[n, j]] = cnt[n, j]
@@ -81,7 +82,7 @@ def solve_layers(
         tables: split tables of :func:`_resplit_rounds` for ``S`` slots per GPU.
 
     Returns:
-        ``(phy2log [L, R], logcnt [L, N])`` int64, GPU-major slots, ascending ids inside a GPU, and
+        ``(phy2log [L, R], logcnt [L, N])`` int64, GPU-major slots (a GPU's by decreasing load, ties by id), and
         ``greedy_peak [L]`` float64: the heaviest GPU of DeepSeek's greedy plan (plain LPT, repeats
         allowed) where the duplicate-avoiding packing moved a replica off its lightest GPU, else
         infinite (the two packings are the same there, and the plan is at least as balanced).
@@ -276,7 +277,7 @@ def pack_layers(
         item_expert: ``[B, M]`` int64 expert ids in ``[0, num_experts)``.
 
     Returns:
-        ``[B, num_bins, M / num_bins]`` expert ids, ascending inside a GPU.
+        ``[B, num_bins, M / num_bins]`` expert ids, a GPU's by decreasing load (ties by id).
     """
     num_rows, num_items = item_load.shape
     slots = num_items // num_bins
@@ -348,5 +349,5 @@ def pack_layers(
                 no_budget,
                 -1,
             )
-            _write_sorted(expert, pick, np.int64(1), out[first + q].reshape(-1))
+            _write_sorted(expert, load, pick, np.int64(1), out[first + q].reshape(-1))
     return out
