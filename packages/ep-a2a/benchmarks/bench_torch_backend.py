@@ -11,7 +11,8 @@ tokens per rank for latency. Measured in the same run, same inputs:
 * ``nccl-a2a``: one ``all_to_all_single`` of exactly the per-destination rows, nothing else (what NCCL
   itself reaches on these bytes);
 * ``torch``: ``EPAll2AllLayer(backend="torch")`` (input checks, counts exchange, packed payload, expansion;
-  combine in float32), ``torch-lc``: the same with ``enable_local_combine=True``;
+  combine in float32), ``torch-lc``: the same with ``enable_local_combine=True``; ``torch-fp8``: FP8
+  dispatch of the same rows in DeepEP's format (quantized before the timing), combine of bf16 rows;
 * ``nccl-dest``: user-style pipeline, one row per (token, destination rank), receiver expands;
 * ``nccl-expert``: user-style pipeline, one row per (token, expert).
 
@@ -193,7 +194,10 @@ def run_case(shape: str, route: str, tokens: int, args, rank: int, world: int, d
     recv = x.new_empty(sum(rc), hidden)
     res["nccl-a2a"] = {"copy_ms": median_ms(lambda: dist.all_to_all_single(recv, rows, rc, sc), args.iters)}
 
-    for name, local_combine in (("torch", False), ("torch-lc", True)):
+    from ep_a2a.reference import quantize_fp8
+
+    x_fp8 = quantize_fp8(x)  # DeepEP's format: FP8 rows and per-128-channel scales
+    for name, local_combine in (("torch", False), ("torch-lc", True), ("torch-fp8", False)):
         layer = EPAll2AllLayer(
             None,
             tokens,
@@ -208,19 +212,24 @@ def run_case(shape: str, route: str, tokens: int, args, rank: int, world: int, d
         )
         holder: dict = {}
 
-        def disp(layer=layer, holder=holder):
-            holder["d"] = layer.dispatch(x, ids, w)
+        def disp(layer=layer, holder=holder, rows=x_fp8 if name == "torch-fp8" else x):
+            holder["d"] = layer.dispatch(rows, ids, w)
 
         t_d = median_ms(disp, args.iters)
-        t_c = median_ms(
-            lambda layer=layer, holder=holder: layer.combine(holder["d"][0], holder["d"][2]),
-            args.iters,
-            setup=disp,
-        )
 
-        def rt(layer=layer):
-            out, _, desc = layer.dispatch(x, ids, w)
-            layer.combine(out, desc)
+        def comb(layer=layer, holder=holder):
+            rows, desc = holder["d"][0], holder["d"][2]
+            if not isinstance(rows, torch.Tensor):  # FP8 dispatch: the experts' bf16 rows (allocated once)
+                if holder.get("y") is None or holder["y"].shape[0] != desc.num_recv_rows:
+                    holder["y"] = torch.zeros(desc.num_recv_rows, hidden, dtype=x.dtype, device=dev)
+                rows = holder["y"]
+            layer.combine(rows, desc)
+
+        t_c = median_ms(comb, args.iters, setup=disp)
+
+        def rt(disp=disp, comb=comb):
+            disp()
+            comb()
 
         res[name] = {"dispatch_ms": t_d, "combine_ms": t_c, "round_trip_ms": median_ms(rt, args.iters)}
         layer.finalize()

@@ -93,22 +93,29 @@ def summary(rows: list[dict]) -> list[str]:
                 lines.append(
                     f"{name}: {mode} {op}: default num_sm={default} {1e3 * times[default]:.0f} us, best "
                     f"num_sm={best} {1e3 * times[best]:.0f} us: default at {100 * times[best] / times[default]:.0f}% "
-                    "of the best's speed (goal >= 95%)"
+                    "of the best's speed (target >= 95%)"
                 )
         eager, graph = by.get(("triton", f"ours-sm{default}")), by.get(("triton", f"ours-graph-sm{default}"))
         if eager and graph and tokens <= 1024:
             for op in ("dispatch", "combine"):
                 lines.append(
                     f"{name}: eager {op} {1e3 * eager[f'{op}_ms']:.0f} us = "
-                    f"{eager[f'{op}_ms'] / graph[f'{op}_ms']:.1f}x its graph replay (goal <= 2x)"
+                    f"{eager[f'{op}_ms'] / graph[f'{op}_ms']:.1f}x its graph replay (target <= 2x)"
                 )
+        fp8 = by.get(("torch", "torch-fp8"))
+        if fp8 and by.get(("torch", "torch")):
+            bf16 = by[("torch", "torch")]["dispatch_ms"]
+            lines.append(
+                f"{name}: torch backend FP8 dispatch {1e3 * fp8['dispatch_ms']:.0f} us vs bf16 {1e3 * bf16:.0f} us: "
+                f"{fp8['dispatch_ms'] / bf16:.2f}x"
+            )
         torch_row, nccl = by.get(("torch", "torch")), by.get(("torch", "nccl-dest"))
         if torch_row and nccl:
             for op in ("dispatch", "combine"):
                 lines.append(
                     f"{name}: torch backend {op} {1e3 * torch_row[f'{op}_ms']:.0f} us vs NCCL per-rank "
                     f"pipeline {1e3 * nccl[f'{op}_ms']:.0f} us: {torch_row[f'{op}_ms'] / nccl[f'{op}_ms']:.2f}x "
-                    "(goal <= 1x)"
+                    "(target <= 1x)"
                 )
     return lines
 

@@ -119,8 +119,10 @@ def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl
         {**case, "bench": "triton", "method": "ours-graph-sm132", "dispatch_ms": 0.04, "combine_ms": 0.02},
         {**case, "bench": "torch", "method": "torch", "dispatch_ms": 0.5, "combine_ms": 0.3},
         {**case, "bench": "torch", "method": "nccl-dest", "dispatch_ms": 1.0, "combine_ms": 0.3},
+        {**case, "bench": "torch", "method": "torch-fp8", "dispatch_ms": 0.3, "combine_ms": 0.3},
     ]  # fmt: skip
     text = "\n".join(run.summary(rows))
+    assert "torch backend FP8 dispatch 300 us vs bf16 500 us: 0.60x" in text
     assert "eager dispatch: default num_sm=132 200 us, best num_sm=20 100 us: default at 50%" in text
     assert "graph combine: default num_sm=132 20 us, best num_sm=20 20 us: default at 100%" in text
     assert "eager dispatch 200 us = 5.0x its graph replay" in text

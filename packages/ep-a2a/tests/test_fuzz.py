@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from ep_a2a.reference import dequantize_fp8, quantize_fp8
 from ep_a2a.testing import run_local
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,7 +33,12 @@ FAULTS = {
     "combine-rows": "ValueError",
     "combine-int": "TypeError",
     "combine-desc": "TypeError",
+    # FP8 rows in DeepEP's format (ValueError where hidden is not a multiple of 128)
+    "fp8": None,
+    "fp8-on-the-fly": None,
+    "fp8-scales": "ValueError",
 }
+FP8_FAULTS = ("fp8", "fp8-on-the-fly", "fp8-scales")
 VALUES = ("normal", "nan", "inf", "huge", "zeros")
 
 
@@ -118,6 +124,26 @@ def _same(got: torch.Tensor, want: torch.Tensor, exact: bool) -> bool:
     return bool(torch.allclose(g, w, rtol=3e-2, atol=3e-2))
 
 
+def _fp8(x: torch.Tensor, *, wrong_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as FP8 rows and scales (quantized where its width allows, else cast with zero scales)."""
+    n, h = x.shape
+    if h % 128 == 0 and not wrong_scales:
+        return quantize_fp8(x)
+    return x.to(torch.float8_e4m3fn), torch.zeros(n, h // 128 + 1)
+
+
+def _bytes(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return torch.cat([q.view(torch.uint8), s.contiguous().view(torch.uint8)], 1)
+
+
+def _rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes of FP8 rows and their scales back to rows of ``dtype``."""
+    h = packed.shape[1] * 128 // 132
+    return dequantize_fp8(
+        packed[:, :h].view(torch.float8_e4m3fn), packed[:, h:].contiguous().view(torch.float32)
+    ).to(dtype)
+
+
 def run_calls(rank: int, world: int, layers: list[tuple[LayerSpec, list[CallSpec]]]) -> list[str]:
     """Each layer spec on a fresh layer, then its calls. Returns one outcome word per construction and
     per call: ``ok`` (the reference's result) or the exception's class name."""
@@ -161,8 +187,10 @@ def run_calls(rank: int, world: int, layers: list[tuple[LayerSpec, list[CallSpec
                 elif fault == "scatter-negative":
                     fsi = torch.full_like(idx, -4)
                     idx = torch.zeros_like(idx)  # every slot kept: its negative row is checked
+                elif fault in FP8_FAULTS:
+                    x = _fp8(x, wrong_scales=fault == "fp8-scales") if fault != "fp8-on-the-fly" else x
                 try:
-                    rows, rw, desc = layer.dispatch(x, idx, w, fsi)
+                    rows, rw, desc = layer.dispatch(x, idx, w, fsi, fp8=fault == "fp8-on-the-fly")
                 except (ValueError, TypeError) as exc:
                     outcomes.append(type(exc).__name__)
                     continue
@@ -171,16 +199,22 @@ def run_calls(rank: int, world: int, layers: list[tuple[LayerSpec, list[CallSpec
                     for r in range(world):
                         valid[r] = valid[r].clone()
                         valid[r][0, 0] = -1
+                sent = xs if fault not in FP8_FAULTS else [_bytes(*quantize_fp8(x)) for x in xs]
                 received, scatter = dispatch_ref(
-                    xs, valid, ws if call.weights else None, num_tot_experts=experts
+                    sent, valid, ws if call.weights else None, num_tot_experts=experts
                 )
                 mine = received[rank]
-                assert _same(rows, mine.output, exact=True), "dispatch rows differ from the reference"
+                got = rows if fault not in FP8_FAULTS else _bytes(*rows)
+                assert _same(got, mine.output, exact=True), "dispatch rows differ from the reference"
                 if call.weights:
                     assert rw is not None
                     assert _same(rw, mine.weights, exact=True)
-                y = rows * 2
-                want = combine_ref([r.output * 2 for r in received], valid, scatter, num_tot_experts=experts)
+                ys = [
+                    r.output * 2 if fault not in FP8_FAULTS else _rows(r.output, DTYPES[spec.dtype]) * 2
+                    for r in received
+                ]
+                y = rows * 2 if fault not in FP8_FAULTS else _rows(got, DTYPES[spec.dtype]) * 2
+                want = combine_ref(ys, valid, scatter, num_tot_experts=experts)
                 try:
                     if fault == "combine-rows":
                         layer.combine(torch.zeros(rows.shape[0] + 1, spec.hidden, dtype=y.dtype), desc)
@@ -209,6 +243,8 @@ def _expected(layers: list[tuple[LayerSpec, list[CallSpec]]]) -> list[str]:
         out.append("ok")
         for call in calls:
             fault = "none" if call.fault == "ids-out-of-range" and not spec.validate else call.fault
+            if fault in FP8_FAULTS and spec.hidden % 128:
+                fault = "fp8-scales"  # (every FP8 call needs hidden to be a multiple of 128)
             out.append(FAULTS[fault] or "ok")
     return out
 
@@ -223,7 +259,7 @@ def test_public_api_returns_the_reference_or_a_documented_error() -> None:
     @st.composite
     def layer_and_calls(draw):
         spec = LayerSpec(
-            hidden=draw(st.sampled_from([1, 8, 24])),
+            hidden=draw(st.sampled_from([1, 8, 24, 128])),
             topk=draw(st.integers(1, 3)),
             experts_per_rank=draw(st.integers(1, 2)),
             max_tokens=draw(st.integers(1, 5)),

@@ -14,6 +14,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from triton_masked_decode import MaskedDecodeConfig, masked_decode, masked_decode_ref, pack_mask
 
@@ -187,6 +189,35 @@ def test_fp8_cache_dtype_rules(cpu_device: torch.device) -> None:
         masked_decode(q, k, k.half(), None)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         masked_decode(q, k.to(torch.float8_e5m2), k.to(torch.float8_e5m2), None)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    batch=st.integers(1, 3),
+    group=st.sampled_from([1, 3, 4]),
+    dim=st.sampled_from([16, 24]),
+    length=st.integers(1, 40),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    paged=st.sampled_from([0, 8]),
+    density=st.sampled_from([0.0, 0.3, 1.0]),
+    seqlens=st.booleans(),
+    packed=st.booleans(),
+    scale_kind=st.sampled_from(["float", "tensor0d", "tensor1", "none"]),
+    token_scales=st.booleans(),
+    path=st.sampled_from(["auto", "dense", "sparse"]),
+    seed=st.integers(0, 999),
+)
+def test_fp8_fuzz_matches_reference(
+    batch, group, dim, length, dtype, paged, density, seqlens, packed, scale_kind, token_scales, path, seed,
+    cpu_device,
+) -> None:  # fmt: skip
+    """Random FP8 shapes, layouts, masks, lengths, scale kinds and loops, NaN in every excluded row and its
+    scales: the reference's result, never a NaN."""
+    check_fp8(
+        cpu_device, batch=batch, hkv=2, group=group, length=length, dim=dim, dtype=dtype, paged=paged,
+        density=density, seqlens=seqlens, packed=packed, scale_kind=scale_kind, token_scales=token_scales,
+        seed=seed, config=MaskedDecodeConfig(path=path),
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------ GPU (real sizes)

@@ -34,7 +34,6 @@ launches the compiled kernel directly, without Triton's argument binding.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
@@ -918,11 +917,11 @@ class _Workspace:
         return views
 
 
-_WORKSPACES: dict[tuple[torch.device, int], _Workspace] = {}
+_WORKSPACES: dict[tuple[int, int], _Workspace] = {}  # (CUDA device index or -1, stream)
 
 
 def _scratch(
-    device: torch.device, stream: int, st: _Static
+    device: torch.device, index: int, stream: int, st: _Static
 ) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor]:
     """Scratch views and counters for a launch: from the stream's cached workspace, or fresh while a CUDA
     graph is being captured (the graph keeps its own)."""
@@ -932,7 +931,7 @@ def _scratch(
     if _capturing(device):
         ws = _Workspace(nbytes, ncounters, device)
     else:
-        key = (device, stream)
+        key = (index, stream)
         cached = _WORKSPACES.get(key)
         if cached is None or cached.buf.numel() < nbytes or cached.counters.numel() < ncounters:
             cached = _WORKSPACES[key] = _Workspace(nbytes, ncounters, device)
@@ -1009,7 +1008,7 @@ def _run(
     dummy_u8, dummy_i32, dummy_f32 = _dummies(dev)
     out = torch.empty(batch, hq, d, dtype=q.dtype, device=dev)
     lse = torch.empty(batch, hq, dtype=torch.float32, device=dev)
-    (idx, o_part, l_part), counters = _scratch(dev, stream, st)
+    (idx, o_part, l_part), counters = _scratch(dev, index, stream, st)
     args = (
         q, k, v, dummy_u8 if mask is None else mask if mask.dtype == torch.uint8 else mask.view(torch.uint8), dummy_i32 if seqlens is None else seqlens,
         dummy_i32 if block_table is None else block_table, dummy_i32 if idx is None else idx, out, lse,
@@ -1021,30 +1020,44 @@ def _run(
         seqlen_const, max_len, st.num_pages, plan.chunk, sm_scale * _LOG2E, scales.k_mul, scales.v_mul,
         sparse_threshold, st.size_class, *st.strides,
     )  # fmt: skip
-    switch = cuda and torch.cuda.current_device() != index  # Triton launches on the current device
-    with torch.cuda.device(index) if switch else contextlib.nullcontext():
-        launcher = entry.launcher if entry is not None else None
-        if launcher is not None and _no_launch_hooks():
-            run, function, packed_metadata, consts, _ = launcher
-            g0, g1, g2 = st.grid
-            run(g0, g1, g2, stream, function, packed_metadata, None, None, None, *args, *consts)
-        elif launcher is not None:  # a profiler's launch hooks: Triton's own launch path calls them
-            compiled, consts = launcher[4], launcher[3]
-            compiled[st.grid](*args, *consts, stream=stream)
-        elif plan.autotune:
-            tuned = _split_kernel_tuned()
-            compiled = tuned[st.grid](*args, **st.meta)
-            if entry is not None and cuda:
-                entry.launcher = _direct_launcher(
-                    compiled, _constexprs(st.meta, tuned.best_config.all_kwargs())
-                )
-        else:
-            compiled = _masked_decode_split_kernel[st.grid](*args, **st.meta)
-            if entry is not None and cuda:
-                entry.launcher = _direct_launcher(compiled, _constexprs(st.meta, {}))
-        if readback is not None:
-            readback.start()
+    if cuda and torch.cuda.current_device() != index:  # Triton launches on the current device
+        with torch.cuda.device(index):
+            _launch_split(args, plan, st, stream, cuda, entry, readback)
+    else:
+        _launch_split(args, plan, st, stream, cuda, entry, readback)
     return out, lse
+
+
+def _launch_split(
+    args: tuple,
+    plan: _Launch,
+    st: _Static,
+    stream: int,
+    cuda: bool,
+    entry: _Entry | None,
+    readback: _FlagReadback | None,
+) -> None:
+    """Launch the split kernel on the current device: directly when ``entry`` holds its compiled kernel,
+    else through Triton's JIT (keeping the compiled kernel in ``entry`` on a GPU)."""
+    launcher = entry.launcher if entry is not None else None
+    if launcher is not None and _no_launch_hooks():
+        run, function, packed_metadata, consts, _ = launcher
+        g0, g1, g2 = st.grid
+        run(g0, g1, g2, stream, function, packed_metadata, None, None, None, *args, *consts)
+    elif launcher is not None:  # a profiler's launch hooks: Triton's own launch path calls them
+        compiled, consts = launcher[4], launcher[3]
+        compiled[st.grid](*args, *consts, stream=stream)
+    elif plan.autotune:
+        tuned = _split_kernel_tuned()
+        compiled = tuned[st.grid](*args, **st.meta)
+        if entry is not None and cuda:
+            entry.launcher = _direct_launcher(compiled, _constexprs(st.meta, tuned.best_config.all_kwargs()))
+    else:
+        compiled = _masked_decode_split_kernel[st.grid](*args, **st.meta)
+        if entry is not None and cuda:
+            entry.launcher = _direct_launcher(compiled, _constexprs(st.meta, {}))
+    if readback is not None:
+        readback.start()
 
 
 def _launch(
