@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb_core._numba.utils import _INF, GREEDY_HEAP_MIN, _pairwise_sum, _row_sum, njit
+from eplb_core._numba.utils import _INF, GREEDY_HEAP_MIN, _pairwise_sum, _row_sum, njit, njit_inline
 
 
 @njit
@@ -60,7 +60,7 @@ def _greedy_counts_row(w: np.ndarray, counts: np.ndarray, num_replicas: int, per
         _sift_down_per(heap, per, n, 0, True)
 
 
-@njit
+@njit_inline
 def _ahead(va: float, a: int, vb: float, b: int, first: bool) -> bool:
     """Whether expert ``a`` (per-replica load ``va``) sits above ``b`` in a heap whose root is the
     first in the greedy order (largest load, lowest id on ties; ``first``) or the last."""
@@ -69,7 +69,7 @@ def _ahead(va: float, a: int, vb: float, b: int, first: bool) -> bool:
     return va < vb or (va == vb and a > b)
 
 
-@njit
+@njit_inline
 def _sift_down_per(heap: np.ndarray, per: np.ndarray, size: int, p: int, first: bool) -> None:
     """Sift ``heap[p]`` down a heap whose root is the first (``first``) or the last expert in the
     greedy order (see :func:`_ahead`)."""

@@ -16,10 +16,11 @@ from eplb_core._numba.utils import (
     SORT_FROM_SCRATCH_BINS,
     _row_sum,
     njit,
+    njit_inline,
 )
 
 
-@njit
+@njit_inline
 def _pair_bins(
     bin_load: np.ndarray, order: np.ndarray, it: int, heavy: np.ndarray, light: np.ndarray
 ) -> None:
@@ -85,7 +86,7 @@ def _start_row(
     return stamp + bin_load.size
 
 
-@njit
+@njit_inline
 def _row_state(rb: tuple, sb: tuple, r: int) -> tuple[tuple, tuple]:
     """Row ``r``'s views of the work arrays ``rb``/``sb`` of :func:`_workspace`: what
     :func:`_resplit_rounds` and :func:`_swap_rounds` take."""
@@ -108,7 +109,7 @@ def _sort_slots(fl: np.ndarray, num_bins: int, slots: int, srt: np.ndarray) -> N
             srt[g, j] = y
 
 
-@njit
+@njit_inline
 def _gaining_exchanges(fl: np.ndarray, ha: int, lb0: int, slots: int, gap: float) -> int:
     """How many one-for-one exchanges between the bins whose slots start at ``ha`` and ``lb0`` move a
     load ``0 < d < gap`` (only those can gain: the gain is ``min(d, gap - d)``); counted branch-free."""

@@ -118,14 +118,25 @@ INTERPRETED = False
 
 def njit(fn: Callable[..., Any]) -> Any:
     """``numba.njit(cache=True, nogil=True)`` with the cache stamped by every module of the planner."""
-    dispatcher: Any = numba.njit(cache=True, nogil=True)(fn)
+    return _register(numba.njit(cache=True, nogil=True)(fn))
+
+
+def njit_inline(fn: Callable[..., Any]) -> Any:
+    """:func:`njit` for small helpers of hot loops, inlined by Numba into every compiled caller: a
+    call of a compiled function costs a reference count update of each array it takes, often more
+    than the helper's body."""
+    return _register(numba.njit(cache=True, nogil=True, inline="always")(fn))
+
+
+def _register(dispatcher: Any) -> Any:
+    """Stamp the disk cache of ``dispatcher`` (see :func:`_package_cache_class`) and register it."""
     if _PACKAGE_CACHE is not None:
         dispatcher._cache = _PACKAGE_CACHE(dispatcher.py_func)
     REGISTRY.append(dispatcher)
     return dispatcher
 
 
-@njit
+@njit_inline
 def _row_sum(a: np.ndarray, start: int, n: int) -> float:
     """``a[start:start + n].sum()`` with NumPy's summation order (pairwise, 8 accumulators; n <= 128)."""
     if n < 8:
