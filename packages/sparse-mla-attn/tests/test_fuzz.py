@@ -10,6 +10,7 @@ the target distribution keep their invariants, and malformed arguments raise onl
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -318,3 +319,75 @@ def test_fuzz_target_and_kl_loss(s_q, topk, special, seed, reduction):
     torch.testing.assert_close(lg.grad.double(), lr.grad, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="attn_sum"):
         indexer_target(attn - 2.0 if attn.numel() else torch.full((1, 1), -1.0))
+
+
+# ------------------------------------------------------------------ any argument of any op, corrupted
+
+
+def _valid_calls(dev: str) -> dict:
+    """Small valid positional arguments and options of every public op."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 576, generator=g).bfloat16().to(dev)
+    kv = torch.randn(8, 1, 576, generator=g).bfloat16().to(dev)
+    idx = torch.randint(0, 8, (2, 1, 3), generator=g, dtype=torch.int32).to(dev)
+    lse = torch.randn(2, 4, generator=g).to(dev)
+    out = torch.randn(2, 4, 512, generator=g).bfloat16().to(dev)
+    cache = torch.randn(2, 8, 1, 576, generator=g).bfloat16().to(dev)
+    table = torch.tensor([[1, 0]], dtype=torch.int32, device=dev)
+    seqlens = torch.tensor([12], dtype=torch.int32, device=dev)
+    q_idx = torch.randn(2, 4, 16, generator=g).to(dev)
+    k_idx = torch.randn(8, 16, generator=g).to(dev)
+    w = torch.randn(2, 4, generator=g).to(dev)
+    logits = torch.randn(2, 3, generator=g).to(dev)
+    attn = torch.rand(2, 3, generator=g).to(dev)
+    return {
+        "sparse_mla_fwd": (sparse_mla_fwd, [q, kv, idx, 0.1], {"causal": True, "q_start_index": 1}),
+        "attn_dist": (attn_dist, [q, kv, idx, lse, 0.1], {"k_stride": 1}),
+        "sparse_mla_decode": (
+            sparse_mla_decode,
+            [q[None, :1], cache, table, seqlens, idx[:1, :, :3], 0.1],
+            {},
+        ),
+        "sparse_mla_bwd": (sparse_mla_bwd, [q, kv, out, out, idx, lse, 0.1], {"deterministic": True}),
+        "indexer_logits": (indexer_logits, [q_idx, k_idx, w], {"causal": True}),
+        "indexer_topk": (indexer_topk, [logits, 2], {"causal": True}),
+        "indexer_target": (indexer_target, [attn], {}),
+        "indexer_kl_loss": (indexer_kl_loss, [logits, attn], {"reduction": "sum"}),
+    }
+
+
+JUNK = [
+    None, [[0]], "x", 1.5, -1, 0, 2**40, float("nan"), float("inf"), True,
+    "dtype-int64", "dtype-float64", "dtype-bool", "rank-down", "rank-up", "empty", "strided",
+]  # fmt: skip
+
+
+def _corrupt(value: object, junk: object) -> object:
+    if not isinstance(junk, str) or junk == "x" or not isinstance(value, torch.Tensor):
+        return junk
+    if junk.startswith("dtype-"):
+        return value.to(getattr(torch, junk.removeprefix("dtype-")))
+    if junk == "rank-down":
+        return value[0]
+    if junk == "rank-up":
+        return value[None]
+    if junk == "empty":
+        return value[:0]
+    return value.transpose(0, -1) if value.dim() > 1 else value[::2]  # strided
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op=st.sampled_from(sorted(_valid_calls("cpu"))), data=st.data())
+def test_fuzz_any_argument_raises_only_documented_errors(op, data):
+    """Any one argument (or option) of any public op replaced by junk: the op either runs or raises
+    ``ValueError`` / ``TypeError``; never an error from deep inside (IndexError, RuntimeError, a crash)."""
+    fn, args, kw = _valid_calls(kernel_test_device())[op]
+    names = [*range(len(args)), *kw]
+    where = data.draw(st.sampled_from(names))
+    junk = data.draw(st.sampled_from(JUNK))
+    if isinstance(where, int):
+        args[where] = _corrupt(args[where], junk)
+    else:
+        kw[where] = _corrupt(kw[where], junk)
+    with contextlib.suppress(ValueError, TypeError):
+        fn(*args, **kw)

@@ -351,15 +351,20 @@ def greedy_fallback(
         flat = gpu + np.arange(gpu.shape[0])[:, None] * gpus_per_row
         gpu_loads = np.bincount(flat.ravel(), weights=rep_load.ravel(), minlength=num_layers * num_gpus)
         greedy_peak = gpu_loads.reshape(num_layers, -1).max(1)
-    plan_peak = peaks(weight, phy2log, num_gpus)
     taken = np.zeros(num_layers, dtype=np.bool_)
-    rows = np.flatnonzero(greedy_peak < plan_peak * (1 + 1e-9))
+    # only layers where the greedy plan's peak is known finite can be candidates (most have none)
+    finite = np.flatnonzero(np.isfinite(greedy_peak))
+    if finite.size == 0:
+        return phy2log, taken
+    plan_peak = peaks(weight[finite], phy2log[finite], num_gpus)
+    close = greedy_peak[finite] < plan_peak * (1 + 1e-9)
+    rows, plan_peak = finite[close], plan_peak[close]
     if rows.size == 0:
         return phy2log, taken
     bins = greedy_bins(weight[rows], num_replicas, num_groups, num_nodes, num_gpus, avoid_duplicates=False)
     greedy, _ = greedy_layout(bins, num_replicas)
     # strictly better only: a margin far below any real gain absorbs the order of the float sums
-    better = peaks(weight[rows], greedy, num_gpus) < plan_peak[rows] * (1 - 1e-13)
+    better = peaks(weight[rows], greedy, num_gpus) < plan_peak * (1 - 1e-13)
     if not better.any():
         return phy2log, taken
     taken[rows[better]] = True

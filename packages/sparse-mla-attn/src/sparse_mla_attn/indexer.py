@@ -28,7 +28,7 @@ from sparse_mla_attn._runtime import (
     next_power_of_2,
     record_launch,
 )
-from sparse_mla_attn._validate import causal_keep, check_causal_args, check_indexer_inputs
+from sparse_mla_attn._validate import causal_keep, check_causal_args, check_indexer_inputs, check_tensor
 from sparse_mla_attn.reference import reduce_loss
 
 # ----------------------------------------------------------------------------------------------------------
@@ -500,12 +500,13 @@ def indexer_topk(
     Returns:
         ``indices [s_q, 1, topk]`` int32, in descending logit order.
     """
+    check_tensor(logits, "logits")
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(
             f"logits must be a float [s_q, s_kv] tensor, got {tuple(logits.shape)} {logits.dtype}"
         )
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk < 2**31:
+        raise ValueError(f"topk must be an int in [1, 2**31), got {topk!r}")
     check_causal_args(q_start_index, k_stride)
     s_q, s_kv = logits.shape
     with torch.no_grad():
@@ -580,6 +581,8 @@ def indexer_kl_loss(
     Returns:
         Scalar fp32 loss (``[s_q]`` for ``"none"``).
     """
+    check_tensor(indexer_logits_at_topk, "indexer_logits_at_topk")
+    check_tensor(attn_sum, "attn_sum")
     if indexer_logits_at_topk.dim() != 2:
         raise ValueError(
             f"indexer_logits_at_topk must be [s_q, topk], got {tuple(indexer_logits_at_topk.shape)}"

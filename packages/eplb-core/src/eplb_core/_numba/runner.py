@@ -22,6 +22,8 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 from eplb_core._numba import utils
 
 __all__ = ["call", "forced", "interpreted", "wait_compiled"]
@@ -34,6 +36,8 @@ _twins: dict[int, Callable[..., Any]] = {}
 _jobs: queue.Queue[tuple[Any, tuple[Any, ...]]] = queue.Queue()
 _pending: set[tuple[int, tuple[Any, ...]]] = set()
 _failed: set[tuple[int, tuple[Any, ...]]] = set()
+# (entry point, quick key of the arguments) whose compiled form is in this process
+_ready: set[tuple[int, Any]] = set()
 _worker: threading.Thread | None = None
 _announced = False
 # calls of an entry point that ran interpreted in this process (the CLI labels its timings with it)
@@ -68,6 +72,17 @@ def interpreted(dispatcher: Any) -> Callable[..., Any]:
 
 def _signature(dispatcher: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(dispatcher.typeof_pyval(a) for a in args)
+
+
+def _quick_key(a: Any) -> Any:
+    """What Numba's type of an argument depends on, cheap to compute (typing an array costs tens of
+    microseconds): dtype, dimensions, layout and flags of an array, the type of anything else."""
+    if isinstance(a, np.ndarray):
+        f = a.flags
+        return (a.dtype.str, a.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned)
+    if isinstance(a, tuple):
+        return tuple(_quick_key(x) for x in a)
+    return type(a)
 
 
 def _in_disk_cache(dispatcher: Any, sig: tuple[Any, ...]) -> bool:
@@ -132,8 +147,12 @@ def call(dispatcher: Any, *args: Any) -> Any:
         return interpreted(dispatcher)(*args)
     if _mode == "compiled":
         return dispatcher(*args)
+    quick = (id(dispatcher), _quick_key(args))
+    if quick in _ready:
+        return dispatcher(*args)
     sig = _signature(dispatcher, args)
     if sig in dispatcher.overloads:
+        _ready.add(quick)
         return dispatcher(*args)
     key = (id(dispatcher), sig)
     with _lock:
