@@ -22,7 +22,10 @@ def _gather_rows(
     page_size = cache.shape[1]
     pos = torch.arange(start, stop, device=cache.device)
     pages = block_table[b].long()[pos // page_size]
-    rows = cache[pages, pos % page_size]  # [n, Hkv, D]
+    if cache.dtype == torch.float8_e4m3fn:  # gathered as bytes: older torch has no FP8 indexing on the CPU
+        rows = cache.view(torch.uint8)[pages, pos % page_size].view(cache.dtype)  # [n, Hkv, D]
+    else:
+        rows = cache[pages, pos % page_size]
     return rows.permute(1, 0, 2).float()
 
 
