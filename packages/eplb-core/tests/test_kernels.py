@@ -74,7 +74,7 @@ def test_argsort_desc_is_stable_descending(kind: str) -> None:
     stable argsort of ``-x`` on every length around the bucket threshold."""
 
     rng = np.random.default_rng(7)
-    for n in [1, 7, 8, 9, 63, 64, 65, 72, 288, 300]:
+    for n in [1, 7, 8, 9, 15, 16, 17, 40, 63, 64, 65, 72, 288, 300]:
         if kind == "lognormal":
             x = rng.lognormal(0.0, 1.5, n)
         elif kind == "ints":

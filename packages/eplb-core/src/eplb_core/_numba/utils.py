@@ -48,7 +48,7 @@ SORT_FROM_SCRATCH_BINS = 32
 BLOCK = 4
 # from this many items, a stable argsort tries buckets of the loads' bits first (a counting sort);
 # a bucket of more than BUCKET_MAX items sends it back to the merge sort
-BUCKET_SORT_MIN = 64
+BUCKET_SORT_MIN = 16
 BUCKET_MAX = 16
 # from this many replicas to hand out, the greedy replica split keeps the experts in a heap
 GREEDY_HEAP_MIN = 8
