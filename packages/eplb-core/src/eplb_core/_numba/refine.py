@@ -21,6 +21,7 @@ from eplb_core._numba.utils import (
     MIN_BLOCK_GAIN,
     PRUNE_MARGIN,
     REL_TOL,
+    REPAIR_SCAN_SLOTS,
     _pairwise_sum,
     _row_sum,
     njit,
@@ -236,12 +237,30 @@ def _repair_row(
     rejects it). With ``budget >= 0`` (migration) only swaps that leave at most ``budget`` slots
     different from ``fo`` (the plan in service) are taken."""
     repeats = False  # most rows have none: find out without a call per item
-    for b in range(num_bins):
-        for s in range(slots):
-            i = b * slots + s
-            for t in range(s + 1, slots):
-                j = b * slots + t
-                repeats = repeats or (fe[i] == fe[j] and not (ff[i] and ff[j]))
+    if slots <= REPAIR_SCAN_SLOTS:
+        for b in range(num_bins):
+            for s in range(slots):
+                i = b * slots + s
+                for t in range(s + 1, slots):
+                    j = b * slots + t
+                    repeats = repeats or (fe[i] == fe[j] and not (ff[i] and ff[j]))
+    else:
+        # many slots: one pass, remembering per expert the last bin it was met in and whether a
+        # replica there was not fixed (two replicas on a bin repeat unless both are fixed)
+        top = 0
+        for p in range(fe.size):
+            top = max(top, fe[p])
+        last_bin = np.full(top + 1, -1, dtype=np.int64)
+        loose = np.zeros(top + 1, dtype=np.bool_)
+        for p in range(fe.size):
+            e = fe[p]
+            b = p // slots
+            if last_bin[e] == b:
+                repeats = repeats or loose[e] or not ff[p]
+                loose[e] = loose[e] or not ff[p]
+            else:
+                last_bin[e] = b
+                loose[e] = not ff[p]
     if not repeats:
         return
     changed = 0

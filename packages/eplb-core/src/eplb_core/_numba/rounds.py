@@ -100,6 +100,23 @@ def _sort_slots(fl: np.ndarray, num_bins: int, slots: int, srt: np.ndarray) -> N
     """Each bin's slots by increasing load, ties by slot, into ``srt [G, S]``."""
     for g in range(num_bins):
         base = g * slots
+        descending = True
+        for y in range(1, slots):
+            descending = descending and fl[base + y] <= fl[base + y - 1]
+        if descending:
+            # a packing's start fills each bin by decreasing load (the worst case of an insertion
+            # sort): the order is the reverse, each run of equal loads kept in slot order
+            t = 0
+            end = slots
+            while end > 0:
+                start = end - 1
+                while start > 0 and fl[base + start - 1] == fl[base + end - 1]:
+                    start -= 1
+                for y in range(start, end):
+                    srt[g, t] = y
+                    t += 1
+                end = start
+            continue
         for y in range(slots):
             v = fl[base + y]
             j = y

@@ -46,6 +46,9 @@ PEAK_TRIES_MANY = 32
 SORT_FROM_SCRATCH_BINS = 32
 # refinement rounds between two re-selections of the rows that still matter
 BLOCK = 4
+# with up to this many slots per GPU a row's repeats of an expert on a GPU are found by comparing
+# every two slots of a GPU; with more, in one pass over the row
+REPAIR_SCAN_SLOTS = 8
 # from this many items, a stable argsort tries buckets of the loads' bits first (a counting sort);
 # a bucket of more than BUCKET_MAX items sends it back to the merge sort
 BUCKET_SORT_MIN = 16
