@@ -19,7 +19,7 @@ from eplb_core._numba.migrate import migrate_layers
 from eplb_core._numba.soft import soft_allocate, soft_node_swaps
 from eplb_core._numba.solve import pack_layers, solve_layers
 from eplb_core._numba.starts import lpt_bins
-from eplb_core._numba.utils import MAX_RESPLIT_SLOTS, default_iters
+from eplb_core._numba.utils import GREEDY_MARGIN, MAX_RESPLIT_SLOTS, default_iters
 from eplb_core.reference import greedy_bins, greedy_layout
 
 __all__ = [
@@ -357,7 +357,7 @@ def greedy_fallback(
     if finite.size == 0:
         return phy2log, taken
     plan_peak = peaks(weight[finite], phy2log[finite], num_gpus)
-    close = greedy_peak[finite] < plan_peak * (1 + 1e-9)
+    close = greedy_peak[finite] < plan_peak * (1 + GREEDY_MARGIN)
     rows, plan_peak = finite[close], plan_peak[close]
     if rows.size == 0:
         return phy2log, taken

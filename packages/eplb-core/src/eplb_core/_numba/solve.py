@@ -17,7 +17,7 @@ from eplb_core._numba.refine import (
     _write_sorted,
 )
 from eplb_core._numba.starts import _layout_row, _lpt_row, _plain_lpt_peak
-from eplb_core._numba.utils import _INF, MAX_RESPLIT_SLOTS, RR_MAX_SLOTS, njit
+from eplb_core._numba.utils import _INF, GREEDY_MARGIN, MAX_RESPLIT_SLOTS, RR_MAX_SLOTS, njit
 
 
 @njit
@@ -84,8 +84,9 @@ def solve_layers(
     Returns:
         ``(phy2log [L, R], logcnt [L, N])`` int64, GPU-major slots (a GPU's by decreasing load, ties by id), and
         ``greedy_peak [L]`` float64: the heaviest GPU of DeepSeek's greedy plan (plain LPT, repeats
-        allowed) where the duplicate-avoiding packing moved a replica off its lightest GPU, else
-        infinite (the two packings are the same there, and the plan is at least as balanced).
+        allowed) where the duplicate-avoiding packing moved a replica off its lightest GPU and that
+        GPU is not heavier than the plan's (up to ``GREEDY_MARGIN``), else infinite (the plan is at
+        least as balanced there).
     """
     num_layers, num_experts = weight.shape
     num_groups = group_load.shape[1]
@@ -252,8 +253,23 @@ def solve_layers(
                 phy2log[layer],
                 logcnt[layer],
             )
-    # DeepSeek's packing (no repeat avoidance) is the duplicate-avoiding one where that moved nothing
-    return phy2log, logcnt, np.where(greedy_moved, greedy_peak, _INF)
+    # DeepSeek's packing (no repeat avoidance) is the duplicate-avoiding one where that moved nothing;
+    # where it moved something, it can beat the plan only if its heaviest GPU is below the plan's
+    # (within the margin of the exact comparison that follows; sums in another order differ far less)
+    out_peak = np.full(num_layers, _INF)
+    for layer in range(num_layers):
+        if not greedy_moved[layer]:
+            continue
+        plan_peak = -_INF
+        for gpu in range(num_gpus):
+            gpu_load = 0.0
+            for p in range(gpu * slots, (gpu + 1) * slots):
+                e = phy2log[layer, p]
+                gpu_load += weight[layer, e] / logcnt[layer, e]
+            plan_peak = max(plan_peak, gpu_load)
+        if greedy_peak[layer] < plan_peak * (1 + GREEDY_MARGIN) * (1 + 1e-12):
+            out_peak[layer] = greedy_peak[layer]
+    return phy2log, logcnt, out_peak
 
 
 @njit

@@ -44,6 +44,9 @@ PEAK_TRIES_MANY = 32
 # above this many bins per row, each round's bin order is sorted from scratch (merge sort), not by
 # insertion from the previous round's order
 SORT_FROM_SCRATCH_BINS = 32
+# a layer whose heaviest GPU is within this fraction of the greedy plan's is compared with the
+# greedy plan exactly (:func:`eplb_core._solve.greedy_fallback`)
+GREEDY_MARGIN = 1e-9
 # refinement rounds between two re-selections of the rows that still matter
 BLOCK = 4
 # with up to this many slots per GPU a row's repeats of an expert on a GPU are found by comparing
