@@ -86,6 +86,7 @@ def _compile_all() -> None:
         return kernel
 
     driver.set_active(_Sm90Driver())
+    md._pdl_available = lambda device: True  # as on an H200: the two-launch path's PDL variants
     JITFunction.run = compile_only  # type: ignore[method-assign]
     dev = md._Device(132, "NVIDIA H200")
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -133,6 +134,13 @@ def _compile_all() -> None:
                 q, k, k, mask, seqlens, block_table, err, scale_t, scale_t, tok, tok, 0.5, 0.5,
                 length, d**-0.5, length, threshold, list(p),
             )  # fmt: skip
+            if p.splits > 1:  # the two-launch path of CUDA graph capture: split kernel + merge kernel
+                scales = md._Scales(0.5, 0.5, scale_t, scale_t, tok, tok)
+                st = md._static(q, k, k, mask, seqlens, block_table, scales, p)
+                md._run(
+                    q, k, k, mask, seqlens, block_table, err, scales, length, d**-0.5, length, threshold, p, st,
+                    two_launch=True,
+                )  # fmt: skip
     for d in (32, 128, 256):
         o, lse = torch.empty(4, 8, d, dtype=torch.float16), torch.empty(4, 8)
         merge._launch_merge(o, lse, o, lse)
@@ -152,7 +160,7 @@ def test_every_kernel_compiles_for_sm90() -> None:
     assert run.returncode == 0, out
     assert "TOO MUCH SHARED MEMORY" not in out, out
     compiled = [ln.split()[1] for ln in run.stdout.splitlines() if ln.startswith("compiled ")]
-    assert {"_masked_decode_split_kernel", "_merge_two_kernel"} <= set(compiled), out
+    assert {"_masked_decode_split_kernel", "_merge_splits_kernel", "_merge_two_kernel"} <= set(compiled), out
     assert sum(1 for ln in run.stdout.splitlines() if ln.startswith("case ")) == len(CASES), out
 
 

@@ -130,10 +130,27 @@ def make_inputs(c: Case, device: torch.device, seed: int = 0, poison: bool = Tru
     return q, k, v, mask, ref_mask, seqlens, block_table
 
 
-def check_case(c: Case, device: torch.device, seed: int = 0, **knobs) -> None:
+def run_launcher(q, k, v, mask, seqlens, block_table, config: MaskedDecodeConfig, two_launch: bool):
+    """The launcher on one merge path: ``two_launch`` (split kernel + merge kernel, the path of CUDA graph
+    capture) or the one-launch path (the last split of each sequence and KV head merges)."""
+    md = sys.modules["triton_masked_decode.masked_decode"]
+    sig = md._validate_and_plan(
+        q, k, v, mask, seqlens, block_table, None, None, None, None, None, config, cached=True
+    )
+    assert sig.plan.splits > 1, "both merge paths need several splits"
+    seq_t = seqlens if isinstance(seqlens, torch.Tensor) else None
+    flag = torch.zeros(1, dtype=torch.int32, device=q.device)
+    return md._run(
+        q, k, v, mask, seq_t, block_table, flag, md._NO_SCALES, sig.seqlen_const, sig.scale, sig.grid_len,
+        sig.threshold, sig.plan, sig.static, two_launch=two_launch,
+    )  # fmt: skip
+
+
+def check_case(c: Case, device: torch.device, seed: int = 0, two_launch: bool | None = None, **knobs) -> None:
     """``knobs``: further :class:`MaskedDecodeConfig` fields. The dense tile is not autotuned unless
     ``autotune=True`` is passed (autotuning every variant would multiply the GPU tests' compile time; the
-    candidates the autotuner may pick are tested one by one, and one test runs the autotuned launch)."""
+    candidates the autotuner may pick are tested one by one, and one test runs the autotuned launch).
+    ``two_launch``: run the launcher on that merge path instead of calling :func:`masked_decode`."""
     q, k, v, mask, ref_mask, seqlens, block_table = make_inputs(c, device, seed)
     config = MaskedDecodeConfig(
         path=c.path,  # type: ignore[arg-type]
@@ -141,8 +158,20 @@ def check_case(c: Case, device: torch.device, seed: int = 0, **knobs) -> None:
         sparse_threshold=c.threshold,
         **{"autotune": False, **knobs},
     )
-    out, lse = masked_decode(q, k, v, mask, seqlens=seqlens, block_table=block_table, config=config)
+    if two_launch is None:
+        out, lse = masked_decode(q, k, v, mask, seqlens=seqlens, block_table=block_table, config=config)
+    else:
+        out, lse = run_launcher(q, k, v, mask, seqlens, block_table, config, two_launch)
     ref_out, ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens, block_table=block_table)
+    if two_launch is None and device.type == "cuda":
+        # A signature's first eager call on a GPU takes the two-launch path (compiling it for graph
+        # capture), later calls the one-launch path: check the first, then test the second below.
+        _check_result(c, q, out, lse, ref_out, ref_lse)
+        out, lse = masked_decode(q, k, v, mask, seqlens=seqlens, block_table=block_table, config=config)
+    _check_result(c, q, out, lse, ref_out, ref_lse)
+
+
+def _check_result(c: Case, q, out, lse, ref_out, ref_lse) -> None:
     assert out.dtype == q.dtype
     assert out.shape == q.shape
     assert lse.dtype == torch.float32
@@ -189,6 +218,39 @@ CPU_CASES = [
 @pytest.mark.parametrize("case", CPU_CASES)
 def test_matches_reference_cpu(case: Case, cpu_device: torch.device) -> None:
     check_case(case, cpu_device)
+
+
+TWO_LAUNCH_CASES = [
+    pytest.param(Case(density=0.9, seqlens="tensor", batch=4), id="seqlens-0-1-tensor"),
+    pytest.param(Case(length=37, num_splits=3, mask="packed"), id="odd-L-3-splits-packed"),
+    pytest.param(Case(density=0.0), id="fully-masked"),
+    pytest.param(Case(layout="paged", page_size=8, seqlens="tensor", batch=3), id="paged-ps8-shuffled"),
+    pytest.param(Case(group=4, path="dense", seqlens="int"), id="dense-path-seqlens-int"),
+    pytest.param(Case(dtype=torch.bfloat16, group=8, num_splits=4), id="bf16-gqa8"),
+    pytest.param(Case(dim=40, group=2, num_splits=3), id="d40-padded"),
+]
+
+
+@pytest.mark.parametrize("two_launch", [True, False], ids=["two-launch", "one-launch"])
+@pytest.mark.parametrize("case", TWO_LAUNCH_CASES)
+def test_merge_paths_match_reference_cpu(case: Case, two_launch: bool, cpu_device: torch.device) -> None:
+    """Both merge paths of several splits: the merge kernel (graph capture) and the in-kernel merge."""
+    check_case(case, cpu_device, two_launch=two_launch)
+
+
+def test_merge_paths_give_equal_results_cpu(cpu_device: torch.device) -> None:
+    """The two merge paths read the same partials and apply the same rule: results agree to rounding,
+    including rows with no visible position (out = 0, lse = -inf) and a NaN row (out = lse = NaN)."""
+    c = Case(density=0.6, seqlens="tensor", batch=4, num_splits=4)
+    q, k, v, mask, _, seqlens, _ = make_inputs(c, cpu_device, seed=11)
+    q[3, 1] = float("nan")
+    config = MaskedDecodeConfig(num_splits=4, autotune=False)
+    one = run_launcher(q, k, v, mask, seqlens, None, config, two_launch=False)
+    two = run_launcher(q, k, v, mask, seqlens, None, config, two_launch=True)
+    for a, b in zip(one, two, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-6, rtol=1e-5, equal_nan=True)
+    assert torch.isnan(two[1][3, 1])
+    assert torch.isinf(two[1][1]).all()
 
 
 def test_q4d_return_lse_false_and_scale(cpu_device: torch.device) -> None:
@@ -657,7 +719,7 @@ def test_autotuned_launch(cuda_device: torch.device) -> None:
     "num_splits", [pytest.param(None, id="default-splits"), pytest.param(64, id="64-splits")]
 )
 def test_cuda_graph_replay_with_changing_seqlens(num_splits: int | None, cuda_device: torch.device) -> None:
-    """Replays with new lengths: the in-kernel merge's counters reset themselves between replays."""
+    """Replays with new lengths (a captured call takes the split kernel + merge kernel path)."""
     config = MaskedDecodeConfig(num_splits=num_splits, autotune=False)
     c = Case(batch=4, hkv=8, group=4, length=8192, dim=128, seqlens="tensor")
     q, k, v, mask, ref_mask, seqlens, _ = make_inputs(c, cuda_device, seed=12, poison=False)

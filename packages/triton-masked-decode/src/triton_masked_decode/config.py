@@ -46,7 +46,8 @@ class MaskedDecodeConfig:
         block_c: mask positions compacted per step of the sparse loop's index pass (power of two; default
             the split length, at most 2048).
         merge_splits: partial results per query head that the last split of a (sequence, KV head) merges
-            per step (power of two; default: 4096 to 8192 values per step over the group's query heads).
+            per step in one-launch (eager) calls (power of two; default: 4096 to 8192 values per step over
+            the group's query heads). Calls captured into a CUDA graph merge in a separate kernel.
         autotune: allow autotuning of the dense-loop tile on GPU (default True).
 
     Raises:

@@ -18,7 +18,11 @@ With ``path="auto"`` and a mask, the same pass counts the visible positions, and
 sparse loop when their fraction is at most ``sparse_threshold``: the choice is made on the device, per
 split. With several splits, each program writes its partial result to a workspace and takes a ticket from
 a per-(sequence, KV head) counter; the last one to finish merges the partials with the log-sum-exp rule
-and resets the counter, so one launch does the whole call. When every split takes the sparse loop
+and resets the counter, so one launch does the whole call. While a CUDA graph is being captured (and on
+a signature's first eager call on a GPU, which compiles that path before any capture) the split kernel
+only writes the partials and a merge kernel, one program per query head and head-dim slice, launched
+with programmatic dependent launch on Hopper, merges them: a replay pays no launch cost, and the merge is
+spread over many SMs instead of running serially in the last split. When every split takes the sparse loop
 (threshold 1, the default, or ``path="sparse"``) the split kernel is compiled without the dense loop;
 otherwise, on a GPU, the dense tile is autotuned per shape class on first use. The launch knobs and their
 tuned defaults are in :mod:`triton_masked_decode.config`.
@@ -45,6 +49,7 @@ import triton.language as tl
 from triton import knobs as _triton_knobs
 
 from triton_masked_decode._utils import (
+    capability,
     device_name,
     install_interpreter_fix,
     interpreting,
@@ -389,7 +394,13 @@ def _masked_decode_split_kernel(
     MERGE: tl.constexpr,
     G_P2: tl.constexpr,
     MERGE_S: tl.constexpr,
+    SEPARATE_MERGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        # Let the merge kernel's programs be scheduled as soon as every split program has started; they
+        # wait (griddepcontrol.wait) for this grid to finish before reading the partials.
+        tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
     head = tl.program_id(1)
     bidx = tl.program_id(2)
@@ -484,19 +495,20 @@ def _masked_decode_split_kernel(
             prow = row * num_splits + split
             tl.store(OutPart + prow[:, None] * HEAD_DIM + offs_d[None, :], out, mask=gd_mask)
             tl.store(LsePart + prow, lse, mask=g_mask)
-            # The last split of this (sequence, KV head) to finish merges the partials: every thread's
-            # stores precede the counter's release, and the acquire by the last one orders its reads.
-            tl.debug_barrier()
-            slot = Counter + bidx * num_heads + head
-            ticket = tl.atomic_add(slot, 1, sem="acq_rel")
-            # Splits at or past the sequence end wrote nothing; split 0 always wrote.
-            n_active = tl.minimum(tl.maximum((seqlen + chunk - 1) // chunk, 1), num_splits)
-            if ticket == n_active - 1:
-                tl.atomic_xchg(slot, 0)  # ready for the next launch (and the next graph replay)
-                _merge_partials(
-                    OutPart, LsePart, Out, Lse, bidx.to(tl.int64) * (num_heads * G) + head * G, n_active,
-                    num_splits, G, G_P2, MERGE_S, HEAD_DIM, BLOCK_D,
-                )  # fmt: skip
+            if not SEPARATE_MERGE:  # else the merge kernel, launched after this grid, merges them
+                # The last split of this (sequence, KV head) to finish merges the partials: every thread's
+                # stores precede the counter's release, and the acquire by the last one orders its reads.
+                tl.debug_barrier()
+                slot = Counter + bidx * num_heads + head
+                ticket = tl.atomic_add(slot, 1, sem="acq_rel")
+                # Splits at or past the sequence end wrote nothing; split 0 always wrote.
+                n_active = tl.minimum(tl.maximum((seqlen + chunk - 1) // chunk, 1), num_splits)
+                if ticket == n_active - 1:
+                    tl.atomic_xchg(slot, 0)  # ready for the next launch (and the next graph replay)
+                    _merge_partials(
+                        OutPart, LsePart, Out, Lse, bidx.to(tl.int64) * (num_heads * G) + head * G, n_active,
+                        num_splits, G, G_P2, MERGE_S, HEAD_DIM, BLOCK_D,
+                    )  # fmt: skip
         else:
             tl.store(
                 Out + row[:, None] * HEAD_DIM + offs_d[None, :], out.to(Out.dtype.element_ty), mask=gd_mask
@@ -604,6 +616,84 @@ def _split_kernel_tuned() -> triton.runtime.Autotuner:
         prune_configs_by={"early_config_prune": _prune_configs},
         do_bench=lambda kernel_call, quantiles: _bench_config(kernel_call, quantiles),
     )(_masked_decode_split_kernel)
+
+
+# Merge kernel of the two-launch path (CUDA graph capture): one program per (query head, sequence,
+# head-dim slice) merges that head's partial results, so the merge runs on many SMs at once.
+@triton.jit
+def _merge_splits_kernel(
+    OutPart,
+    LsePart,
+    Out,
+    Lse,
+    Seqlens,
+    seqlen_const,
+    max_len,
+    chunk,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_sb,
+    stride_sh,
+    stride_ss,
+    stride_ob,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    head = tl.program_id(0)
+    bidx = tl.program_id(1)
+    d_blk = tl.program_id(2)  # head-dim slice: BLOCK_D may cover only part of HEAD_DIM
+    if HAS_SEQLENS:
+        seqlen = tl.minimum(tl.maximum(tl.load(Seqlens + bidx), 0), max_len)
+    else:
+        seqlen = seqlen_const
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # launched early (programmatic dependent launch): wait for the partials
+    # Splits at or past the sequence end wrote nothing; split 0 always wrote.
+    n_active = tl.minimum(tl.maximum((seqlen + chunk - 1) // chunk, 1), num_splits)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = d_blk * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    lse_base = LsePart + bidx.to(tl.int64) * stride_sb + head * stride_sh
+    o_base = OutPart + bidx.to(tl.int64) * stride_pb + head * stride_ph
+    # One pass with online rescaling: each block of splits is read once (all of them when S <= BLOCK_S).
+    m = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0)
+    tot = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_active, BLOCK_S):
+        s = s0 + offs_s
+        s_mask = s < n_active
+        lse_s = tl.load(lse_base + s * stride_ss, mask=s_mask, other=float("-inf"))
+        o = tl.load(
+            o_base + s[:, None] * stride_ps + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp(lse_s - m_use)  # 0 for empty splits (lse = -inf; their out was written as 0)
+        alpha = tl.exp(m - m_use)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        tot = tot * alpha + tl.sum(w, 0)
+        m = m_new
+    seen = tot > 0.0
+    m_fin = tl.where(m == float("-inf"), 0.0, m)
+    out = acc / tl.where(seen, tot, 1.0)
+    lse = tl.where(seen, m_fin + tl.log(tl.where(seen, tot, 1.0)), _empty_or_nan(tot))
+    tl.store(
+        Out + bidx.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
+        out.to(Out.dtype.element_ty),
+        mask=d_mask,
+    )
+    if d_blk == 0:
+        tl.store(Lse + bidx.to(tl.int64) * stride_lb + head * stride_lh, lse)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -849,7 +939,7 @@ def _static(
         SPARSE_ONLY=bool(plan.sparse_only), UPCAST=interpreting() and q.dtype == torch.bfloat16,
         SCALE_T=scales.k_tensor is not None or scales.v_tensor is not None,
         TOK_SCALE=kts is not None or vts is not None,
-        MERGE=splits > 1, G_P2=_pow2(g), MERGE_S=plan.merge_s,
+        MERGE=splits > 1, G_P2=_pow2(g), MERGE_S=plan.merge_s, SEPARATE_MERGE=False, PDL=False,
     )  # fmt: skip
     if not plan.autotune:
         meta.update(BLOCK_N=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages)
@@ -946,13 +1036,24 @@ def _raw_stream(index: int) -> int:
 
 class _Entry:
     """A cached signature: its validation result and, once its first launch has compiled the split kernel,
-    a launcher of that compiled kernel with the grid bound (no argument binding or cache lookup per call)."""
+    a launcher of that compiled kernel with the grid bound (no argument binding or cache lookup per call);
+    ``two_launch_ready`` once an eager call has compiled the two-launch path that graph capture takes."""
 
-    __slots__ = ("launcher", "sig")
+    __slots__ = ("launcher", "sig", "two_launch_ready")
 
     def __init__(self, sig: _Signature) -> None:
         self.sig = sig
         self.launcher: tuple | None = None  # see _direct_launcher
+        self.two_launch_ready = False
+
+
+_MERGE_BLOCK_D = 32  # the merge kernel's head-dim slice per program (one warp: 64 partial values a thread)
+_MERGE_WARPS = 1
+
+
+def _pdl_available(device: torch.device) -> bool:
+    """Programmatic dependent launch: compiled kernels on Hopper and newer."""
+    return device.type == "cuda" and not interpreting() and capability(device)[0] >= 9
 
 
 def _no_launch_hooks() -> bool:
@@ -995,16 +1096,25 @@ def _run(
     st: _Static,
     entry: _Entry | None = None,
     readback: _FlagReadback | None = None,
+    two_launch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of the split kernel on validated inputs (with several splits, the last split of each
-    sequence and KV head merges them). With ``entry`` (eager calls on a GPU), the compiled kernel of its
-    first launch is kept and later calls launch it directly; with ``readback``, the error word's copy to
-    the host starts after the launch."""
+    """The split kernel on validated inputs. With one split it writes the result; with several, either
+    the last split of each sequence and KV head merges them in the same launch, or (``two_launch``) a
+    separate merge kernel does, launched with programmatic dependent launch where the GPU has it.
+    ``two_launch`` defaults to True while a CUDA graph is being captured and for the first eager call of
+    an ``entry`` on a GPU (which compiles that path before any capture), else False. With ``entry`` (eager
+    calls on a GPU), the compiled kernel of its first one-launch call is kept and later calls launch it
+    directly; with ``readback``, the error word's copy to the host starts after the launches."""
     dev = q.device
     batch, hq, d = st.batch, st.hq, st.head_dim
     cuda = dev.type == "cuda"
     index = (dev.index if dev.index is not None else torch.cuda.current_device()) if cuda else -1
     stream = _raw_stream(index) if cuda else 0
+    if two_launch is None:
+        # In a graph the launch count costs nothing at replay, but the one-launch path's serial merge by
+        # the last split does: captures take the split kernel + a merge kernel spread over every query head.
+        two_launch = cuda and (_capturing(dev) or (entry is not None and not entry.two_launch_ready))
+    two_launch = two_launch and plan.splits > 1
     dummy_u8, dummy_i32, dummy_f32 = _dummies(dev)
     out = torch.empty(batch, hq, d, dtype=q.dtype, device=dev)
     lse = torch.empty(batch, hq, dtype=torch.float32, device=dev)
@@ -1020,12 +1130,48 @@ def _run(
         seqlen_const, max_len, st.num_pages, plan.chunk, sm_scale * _LOG2E, scales.k_mul, scales.v_mul,
         sparse_threshold, st.size_class, *st.strides,
     )  # fmt: skip
-    if cuda and torch.cuda.current_device() != index:  # Triton launches on the current device
+    if two_launch:
+        if entry is not None:
+            entry.two_launch_ready = True
+        merge_args = (
+            o_part, l_part, out, lse, dummy_i32 if seqlens is None else seqlens, seqlen_const, max_len,
+            plan.chunk, plan.splits,
+        )  # fmt: skip
+        pdl = _pdl_available(dev)
+        if cuda and torch.cuda.current_device() != index:
+            with torch.cuda.device(index):
+                _launch_two(args, merge_args, plan, st, pdl, readback)
+        else:
+            _launch_two(args, merge_args, plan, st, pdl, readback)
+    elif cuda and torch.cuda.current_device() != index:  # Triton launches on the current device
         with torch.cuda.device(index):
             _launch_split(args, plan, st, stream, cuda, entry, readback)
     else:
         _launch_split(args, plan, st, stream, cuda, entry, readback)
     return out, lse
+
+
+def _launch_two(
+    args: tuple, merge_args: tuple, plan: _Launch, st: _Static, pdl: bool, readback: _FlagReadback | None
+) -> None:
+    """The split kernel writing every partial result, then the merge kernel (through Triton's JIT: this
+    path is taken at graph capture, where host time does not recur)."""
+    meta = {**st.meta, "SEPARATE_MERGE": True, "PDL": pdl}
+    if plan.autotune:
+        _split_kernel_tuned()[st.grid](*args, **meta)
+    else:
+        _masked_decode_split_kernel[st.grid](*args, **meta)
+    d, hq, splits = st.head_dim, st.hq, plan.splits
+    block_dm = min(max(16, _pow2(d)), _MERGE_BLOCK_D)
+    # Partials [B, Hq, S, D] / [B, Hq, S] and outputs [B, Hq, D] / [B, Hq], all contiguous.
+    strides = (hq * splits * d, splits * d, d, hq * splits, splits, 1, hq * d, d, hq, 1)
+    _merge_splits_kernel[(hq, st.batch, -(-max(16, _pow2(d)) // block_dm))](
+        *merge_args, *strides, HEAD_DIM=d, BLOCK_D=block_dm,
+        BLOCK_S=min(max(_MERGE_WARPS * 32 * 64 // block_dm, 1), _pow2(splits)),
+        HAS_SEQLENS=st.meta["HAS_SEQLENS"], PDL=pdl, num_warps=_MERGE_WARPS, launch_pdl=pdl,
+    )  # fmt: skip
+    if readback is not None:
+        readback.start()
 
 
 def _launch_split(
