@@ -1051,6 +1051,17 @@ _MERGE_BLOCK_D = 32  # the merge kernel's head-dim slice per program (one warp: 
 _MERGE_WARPS = 1
 
 
+# Launches without a cached signature (the custom op under torch.compile) that took the two-launch path.
+_TWO_LAUNCH_COMPILED: set[tuple] = set()
+
+
+def _two_launch_compiled(entry: _Entry | None, index: int, st: _Static) -> bool:
+    """Whether the two-launch path of this launch has run (so graph capture will not compile it)."""
+    if entry is not None:
+        return entry.two_launch_ready
+    return (index, st.grid, tuple(st.meta.items())) in _TWO_LAUNCH_COMPILED
+
+
 def _pdl_available(device: torch.device) -> bool:
     """Programmatic dependent launch: compiled kernels on Hopper and newer."""
     return device.type == "cuda" and not interpreting() and capability(device)[0] >= 9
@@ -1101,8 +1112,8 @@ def _run(
     """The split kernel on validated inputs. With one split it writes the result; with several, either
     the last split of each sequence and KV head merges them in the same launch, or (``two_launch``) a
     separate merge kernel does, launched with programmatic dependent launch where the GPU has it.
-    ``two_launch`` defaults to True while a CUDA graph is being captured and for the first eager call of
-    an ``entry`` on a GPU (which compiles that path before any capture), else False. With ``entry`` (eager
+    ``two_launch`` defaults to True while a CUDA graph is being captured and for the first call of a
+    signature on a GPU outside capture (which compiles that path before any capture), else False. With ``entry`` (eager
     calls on a GPU), the compiled kernel of its first one-launch call is kept and later calls launch it
     directly; with ``readback``, the error word's copy to the host starts after the launches."""
     dev = q.device
@@ -1113,7 +1124,9 @@ def _run(
     if two_launch is None:
         # In a graph the launch count costs nothing at replay, but the one-launch path's serial merge by
         # the last split does: captures take the split kernel + a merge kernel spread over every query head.
-        two_launch = cuda and (_capturing(dev) or (entry is not None and not entry.two_launch_ready))
+        two_launch = (
+            cuda and plan.splits > 1 and (_capturing(dev) or not _two_launch_compiled(entry, index, st))
+        )
     two_launch = two_launch and plan.splits > 1
     dummy_u8, dummy_i32, dummy_f32 = _dummies(dev)
     out = torch.empty(batch, hq, d, dtype=q.dtype, device=dev)
@@ -1133,6 +1146,10 @@ def _run(
     if two_launch:
         if entry is not None:
             entry.two_launch_ready = True
+        elif cuda:
+            if len(_TWO_LAUNCH_COMPILED) > 4096:
+                _TWO_LAUNCH_COMPILED.clear()
+            _TWO_LAUNCH_COMPILED.add((index, st.grid, tuple(st.meta.items())))
         merge_args = (
             o_part, l_part, out, lse, dummy_i32 if seqlens is None else seqlens, seqlen_const, max_len,
             plan.chunk, plan.splits,
