@@ -11,6 +11,7 @@ their per-position scales, hold NaN: they must never be read. CPU tests run unde
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -150,6 +151,35 @@ CPU_CASES = [
 def test_fp8_matches_reference_cpu(case: dict, cpu_device: torch.device) -> None:
     kw = {"batch": 2, "hkv": 2, "group": 4, "length": 45, "dim": 32, **case}
     check_fp8(cpu_device, **kw)
+
+
+@pytest.mark.parametrize("two_launch", [True, False], ids=["two-launch", "one-launch"])
+def test_fp8_merge_paths_cpu(two_launch: bool, cpu_device: torch.device) -> None:
+    """Both merge paths of several splits over a paged FP8 cache with every kind of scale: the merge
+    kernel (graph capture) and the in-kernel merge."""
+    md = sys.modules["triton_masked_decode.masked_decode"]
+    q, k8, v8, mask, ref_mask, seq, bt, scales = fp8_inputs(
+        cpu_device, batch=3, hkv=2, group=4, length=45, dim=32, paged=8, seqlens=True,
+        scale_kind="tensor0d", token_scales=True, seed=5,
+    )  # fmt: skip
+    config = MaskedDecodeConfig(num_splits=3, autotune=False)
+    sig = md._validate_and_plan(
+        q, k8, v8, mask, seq, bt, None, scales["k_scale"], scales["v_scale"], scales["k_token_scale"],
+        scales["v_token_scale"], config, cached=True,
+    )  # fmt: skip
+    assert sig.plan.splits == 3
+    sc = md._scales(scales["k_scale"], scales["v_scale"], scales["k_token_scale"], scales["v_token_scale"])
+    flag = torch.zeros(1, dtype=torch.int32)
+    out, lse = md._run(
+        q, k8, v8, mask, seq, bt, flag, sc, sig.seqlen_const, sig.scale, sig.grid_len, sig.threshold,
+        sig.plan, sig.static, two_launch=two_launch,
+    )  # fmt: skip
+    ref, ref_lse = masked_decode_ref(q, k8, v8, ref_mask, seqlens=seq, block_table=bt, **scales)
+    assert not torch.isnan(out).any(), "NaN in output: an excluded FP8 row or scale was read"
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[q.dtype])
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty)
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], **LSE_TOL)
 
 
 @pytest.mark.parametrize("path", ["dense", "sparse"])
