@@ -277,7 +277,8 @@ def launches() -> dict[str, Launch]:
 def _runs_directly(args: tuple[Any, ...]) -> bool:
     """Whether an op call may skip the dispatcher: plain eager tensors, not traced, not recorded by
     autograd (the custom op has no autograd formula), no dispatch mode active."""
-    if _current_dispatch_mode() is not None or torch.compiler.is_compiling():
+    # (is_compiling first: Dynamo cannot trace the dispatch-mode query.)
+    if torch.compiler.is_compiling() or _current_dispatch_mode() is not None:
         return False
     grad = torch.is_grad_enabled()
     for a in args:
