@@ -126,6 +126,11 @@ def _driver() -> Any:
     return driver.active
 
 
+def current_cuda_device() -> int:
+    """Index of the current CUDA device, as Triton's launches read it."""
+    return int(_driver().get_current_device())
+
+
 def launch(
     fn: Any, grid: tuple[int, ...], slots: dict[Any, Any] | None, name: Any, args: tuple[Any, ...],
     consts: dict[str, Any],
@@ -224,19 +229,23 @@ def is_sm90(device: torch.device) -> bool:
 @dataclass(frozen=True)
 class Launch:
     """What the latest launch of an op ran: its compiled kernel (``None`` under the interpreter), the kernel
-    family (``"gluon"`` or ``"triton"``) and the split-K factor (forward and decode)."""
+    family (``"gluon"`` or ``"triton"``), the split-K factor (forward and decode) and, with split-K, who
+    merged the partials (``"last_program"`` or ``"kernel"``, as ``Config.split_merge``)."""
 
     kernel: Any
     backend: str = "triton"
     splits: int = 1
+    merge: str | None = None
 
 
 _LAUNCHES: dict[str, Launch] = {}
 
 
-def record_launch(name: str, kernel: Any, *, backend: str = "triton", splits: int = 1) -> None:
+def record_launch(
+    name: str, kernel: Any, *, backend: str = "triton", splits: int = 1, merge: str | None = None
+) -> None:
     """Remember the latest launch of kernel ``name`` (e.g. ``"fwd"``, ``"attn_dist"``, ``"bwd.main"``)."""
-    _LAUNCHES[name] = Launch(kernel, backend, splits)
+    _LAUNCHES[name] = Launch(kernel, backend, splits, merge)
 
 
 def last_launch(name: str) -> Launch | None:
