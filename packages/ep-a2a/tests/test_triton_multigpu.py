@@ -841,12 +841,14 @@ def _fp8_inputs(seed, ns, hidden, topk, experts, *, skew=False, drop=0.05):
     return xs, ids, ws, gen
 
 
-def _fp8_layer(group, *, max_tokens, hidden, topk, experts, dtype=torch.float8_e4m3fn, tuning=None):
+def _fp8_layer(
+    group, *, max_tokens, hidden, topk, experts, dtype=torch.float8_e4m3fn, tuning=None, use_aot=False
+):
     from ep_a2a import EPLayer
 
     layer = EPLayer(
         group, max_tokens=max_tokens, hidden=hidden, topk=topk, num_experts=experts, dtype=dtype,
-        backend="triton", tuning=tuning, timeout_s=60.0,
+        backend="triton", tuning=tuning, timeout_s=60.0, use_aot=use_aot,
     )  # fmt: skip
     assert layer.backend_name == "triton"
     return layer
@@ -964,14 +966,20 @@ def test_fp8_cuda_graph_capture_replay(group, layer_dtype, quantize):
     """``dispatch_static`` of FP8 rows (the tuple, or bf16 rows quantized inside the graph), an expert that
     dequantizes them to bf16, and ``combine_static``, captured once and replayed with fresh inputs: the
     valid rows are the sender's bytes, the rows past them keep the poison written before the replay
-    (nothing is written past the received rows), the combine matches the reference."""
+    (nothing is written past the received rows), the combine matches the reference. The layer of FP8 rows
+    is built with ``use_aot=True`` (its packed-row variants compiled at construction, on the GPU)."""
     from ep_a2a.reference import dequantize_fp8, quantize_fp8
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     hidden, topk, experts, n = 1024, 4, 16, 48
     dev = torch.device("cuda", torch.cuda.current_device())
-    layer = _fp8_layer(group, max_tokens=n, hidden=hidden, topk=topk, experts=experts, dtype=layer_dtype)
+    aot = layer_dtype == torch.float8_e4m3fn
+    layer = _fp8_layer(
+        group, max_tokens=n, hidden=hidden, topk=topk, experts=experts, dtype=layer_dtype, use_aot=aot
+    )
     try:
+        if aot:
+            assert layer.ctx.backend.aot_variants > 0
         xb = torch.zeros(n, hidden, dtype=torch.bfloat16, device=dev)
         xq = torch.zeros(n, hidden, dtype=torch.float8_e4m3fn, device=dev)
         xsc = torch.ones(n, hidden // 128, dtype=torch.float32, device=dev)
