@@ -252,7 +252,11 @@ class EPLayer:
         self.use_aot = use_aot
         self.validate = validate
         options = BackendOptions(
-            tuning=tuning, enable_local_combine=enable_local_combine, use_aot=use_aot, timeout_s=timeout_s
+            tuning=tuning,
+            enable_local_combine=enable_local_combine,
+            use_aot=use_aot,
+            timeout_s=timeout_s,
+            validate=validate,
         )
         self.ctx = DispatchCombineContext.create(self.config, group, backend=backend, options=options)
 
@@ -375,8 +379,9 @@ class EPLayer:
 
         Raises:
             ValueError, TypeError: a bad argument (named), before any communication; an expert id out of
-                range (``validate=True``; the Triton backend raises it after the call completed on every
-                rank, with the slot dropped).
+                range (``validate=True``; the torch backend raises it on every rank after its counts
+                exchange, before any row moves; the Triton backend on the offending rank after the call
+                completed on every rank, with the slot dropped).
             EPProtocolError: the ranks called the layer's collectives in different orders.
             EPTimeoutError: a rank did not arrive within ``timeout_s`` (named).
             NotImplementedError: FP8 rows on the Triton backend.
@@ -392,7 +397,8 @@ class EPLayer:
         if full_scatter_indices is not None:
             self._check_tensor("full_scatter_indices", full_scatter_indices, (n, cfg.topk), _INT_DTYPES)
         backend = self.ctx.backend
-        # a backend that checks the ids on the device (the triton backend) spares the host sync here
+        # a backend that checks the ids itself (both built-in ones, without a sync of their own) spares
+        # the host sync here
         # (checked in the caller's dtype: an int64 id would wrap into range as int32)
         if self.validate and exp_indices.numel() and not backend.checks_expert_ids:
             lo, hi = torch.aminmax(exp_indices)
@@ -461,10 +467,14 @@ class EPLayer:
         return self.ctx.backend.combine(x, desc)
 
     def _expert_ids(self, exp_indices: torch.Tensor) -> torch.Tensor:
-        """``exp_indices`` contiguous, in a dtype the backend takes as is (the triton backend: int32 and
-        int64, so ``torch.topk``'s ids need no conversion kernel), else converted to int32 with every id
-        outside ``[-1, num_tot_experts)`` made -1 first (so none wraps onto an expert)."""
-        if exp_indices.dtype not in self.ctx.backend.expert_id_dtypes:
+        """``exp_indices`` contiguous, in a dtype the backend takes as is (both backends: int32 and
+        int64, so ``torch.topk``'s ids need no conversion kernel), else converted to int32: as they are
+        for a backend that checks the ids itself (int8, int16 and uint8 fit), else with every id outside
+        ``[-1, num_tot_experts)`` made -1 first (so none wraps onto an expert)."""
+        backend = self.ctx.backend
+        if exp_indices.dtype not in backend.expert_id_dtypes and backend.checks_expert_ids:
+            exp_indices = exp_indices.to(torch.int32)
+        elif exp_indices.dtype not in backend.expert_id_dtypes:
             valid = (exp_indices >= 0) & (exp_indices < self.config.num_tot_experts)
             exp_indices = torch.where(valid, exp_indices, -1).to(torch.int32)
         return exp_indices.contiguous()

@@ -71,6 +71,8 @@ class BackendOptions:
         timeout_s: bound on every wait; a wait that runs out raises :class:`ep_a2a.EPTimeoutError`
             naming the step and, where it can be found, the missing rank.
         monitor: the layer's check-in channel (store keys and a gloo side group over the same ranks).
+        validate: raise on expert ids outside ``[-1, num_tot_experts)`` (a backend that sets
+            ``checks_expert_ids``); when False such slots are dropped.
     """
 
     tuning: TritonTuning = field(default_factory=TritonTuning)
@@ -78,6 +80,7 @@ class BackendOptions:
     use_aot: bool = False
     timeout_s: float = 300.0
     monitor: RankMonitor | None = None
+    validate: bool = True
 
 
 class A2ABackend(abc.ABC):

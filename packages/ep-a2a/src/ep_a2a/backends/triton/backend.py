@@ -402,12 +402,14 @@ class TritonBackend(A2ABackend):
             call.input, call.exp_indices, call.weight, call.src, bufs, caller_scatter=call.caller, info=info,
             counts=not eng.ce_pieces, mirror=mirror,
         )  # fmt: skip
+        # the next call's small outputs while the GPU works out the counts (off the path from the counts
+        # to the return; sized from the calls before this one: a call that outgrows them allocates anew)
+        self._prepare_small_outputs(n, has_w)
         vals = self._read_mirror() if mirror is not None else self._read_info(info)[0]
         rows = vals[0]
         if speculate:
             self._recent_rows.append(rows)
             self._fit_speculative_rows(rows, call, info, bufs)
-        self._prepare_small_outputs(n, has_w)
         assert bufs.out is not None
         assert bufs.out_w is not None
         assert bufs.out_e is not None
