@@ -12,17 +12,19 @@ several programs (split-K) to fill the GPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from sparse_mla_attn._runtime import (
+    LaunchContext,
     cached,
     call_signature,
     check_kernel_device,
-    current_cuda_device,
     define_op,
+    launch_context,
     scratch,
 )
 from sparse_mla_attn._validate import (
@@ -33,6 +35,7 @@ from sparse_mla_attn._validate import (
 )
 from sparse_mla_attn.config import DEFAULT, Config, config_of
 from sparse_mla_attn.forward import (
+    MERGE_H,
     FwdPlan,
     RowsPlan,
     fwd_scratch,
@@ -60,6 +63,7 @@ class DecodePlan:
 
     rows: RowsPlan
     fwd: FwdPlan
+    batch_shape: tuple[int, int]
     q_view: bool
     idx_view: bool
     n_counters: int
@@ -94,24 +98,29 @@ def _plan_decode(
         has_topk_length=False, q_start_index=0, k_stride=1, causal=False, config=config,
     )  # fmt: skip
     n_counters = dims.s_q * fwd_plan.ints[8]  # one per (token, head tile)
-    return DecodePlan(rows_plan, fwd_plan, _flat_view_ok(q), _flat_view_ok(indices), n_counters)
+    return DecodePlan(rows_plan, fwd_plan, (b, s_q), _flat_view_ok(q), _flat_view_ok(indices), n_counters)
 
 
 _PLANS: dict[Any, DecodePlan] = {}
 
 
-def _merge_last(plan: DecodePlan, split_merge: str, device: torch.device) -> bool:
+def _merge_last(plan: DecodePlan, split_merge: str, ctx: LaunchContext | None) -> bool:
     """Whether the last split program merges the partials (``Config.split_merge``; see there)."""
     if plan.fwd.n_splits == 1 or split_merge == "kernel":
         return False
-    if split_merge == "last_program" or device.type != "cuda":
+    if split_merge == "last_program":
         return True
-    if torch.cuda.is_current_stream_capturing():
+    # "auto": only where the merging program reads no more than a merge-kernel program does (one merge
+    # step of MERGE_H heads), since it merges its whole head tile alone, after the other splits.
+    if plan.fwd.consts["BLOCK_H"] > MERGE_H.value:
         return False
-    index = current_cuda_device()
-    if index in plan.kernel_merge_compiled:
+    if ctx is None:  # the interpreter: nothing is compiled
         return True
-    plan.kernel_merge_compiled.add(index)  # this call takes the two-launch path, compiling it
+    if ctx.capturing:
+        return False
+    if ctx.device in plan.kernel_merge_compiled:
+        return True
+    plan.kernel_merge_compiled.add(ctx.device)  # this call takes the two-launch path, compiling it
     return False
 
 
@@ -123,43 +132,43 @@ def _decode_op(
     # Validation and launch plan depend only on the call signature: made once per signature.
     key = (*call_signature(q, kv_cache, block_table, cache_seqlens, indices), d_v, backend, num_splits,
            split_merge)  # fmt: skip
-    plan = cached(
-        _PLANS,
-        key,
-        lambda: _plan_decode(
-            q, kv_cache, block_table, cache_seqlens, indices, d_v, config_of(backend, num_splits, split_merge)
-        ),
-    )
-    sm_scale = check_sm_scale(sm_scale)
+    plan = _PLANS.get(key)
+    if plan is None:
+        config = config_of(backend, num_splits, split_merge)
+        plan = cached(
+            _PLANS, key, lambda: _plan_decode(q, kv_cache, block_table, cache_seqlens, indices, d_v, config)
+        )
+    if type(sm_scale) is not float or not math.isfinite(sm_scale):
+        sm_scale = check_sm_scale(sm_scale)
     fwd = plan.fwd
     dims = fwd.dims
     dev = q.device
-    b, s_q = indices.shape[:2]
+    b, s_q = plan.batch_shape
     out = torch.empty(b, s_q, dims.h_q, d_v, dtype=q.dtype, device=dev)
     lse = torch.empty(b, s_q, dims.h_q, dtype=torch.float32, device=dev)
     if dims.s_q == 0:
         return out, lse
+    ctx = launch_context(dev)
     rows, *fwd_buffers = scratch(
         plan,
-        dev,
-        lambda: (
-            torch.empty(dims.s_q, dims.topk, dtype=torch.int32, device=dev),
-            *fwd_scratch(fwd, dev),
-        ),
+        ctx,
+        lambda: (torch.empty(dims.s_q, dims.topk, dtype=torch.int32, device=dev), *fwd_scratch(fwd, dev)),
     )
     counters = None
-    if _merge_last(plan, split_merge, dev):
+    if _merge_last(plan, split_merge, ctx):
         # Zeros, left zero by every launch (the merging program resets its counter).
         (counters,) = scratch(
-            plan.counters_key, dev, lambda: (torch.zeros(plan.n_counters, dtype=torch.int32, device=dev),)
+            plan.counters_key, ctx, lambda: (torch.zeros(plan.n_counters, dtype=torch.int32, device=dev),)
         )
     # The kernels take the plan's strides: q, the cache and the indices are passed as they are.
-    idx = indices if plan.idx_view else indices.reshape(dims.s_q, dims.topk)
-    launch_rows(plan.rows, idx, block_table, cache_seqlens, rows)
+    launch_rows(
+        plan.rows, indices if plan.idx_view else indices.reshape(dims.s_q, dims.topk), block_table,
+        cache_seqlens, rows, ctx=ctx,
+    )  # fmt: skip
     # dims.s_kv = the cache's rows: a row is valid when it lies in the cache.
     run_fwd(
         fwd, q if plan.q_view else q.reshape(dims.s_q, dims.h_q, dims.d_qk), kv_cache, rows, sm_scale, None,
-        None, scratch=tuple(fwd_buffers), counters=counters, outputs=(out, lse),
+        None, scratch=fwd_buffers, counters=counters, outputs=(out, lse), ctx=ctx,
     )  # fmt: skip
     return out, lse
 
@@ -199,9 +208,13 @@ def sparse_mla_decode(
     Raises:
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
-    check_arg_types({"q": q, "kv_cache": kv_cache, "block_table": block_table, "cache_seqlens": cache_seqlens,
-                     "indices": indices}, {"d_v": d_v})  # fmt: skip
-    check_sm_scale(sm_scale)
+    T = torch.Tensor
+    if not (isinstance(q, T) and isinstance(kv_cache, T) and isinstance(block_table, T)
+            and isinstance(cache_seqlens, T) and isinstance(indices, T) and type(d_v) is int):  # fmt: skip
+        check_arg_types({"q": q, "kv_cache": kv_cache, "block_table": block_table, "cache_seqlens": cache_seqlens,
+                         "indices": indices}, {"d_v": d_v})  # fmt: skip
+    if type(sm_scale) is not float or not math.isfinite(sm_scale):
+        check_sm_scale(sm_scale)
     cfg = config or DEFAULT
     return _decode_op(
         q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v, cfg.backend, cfg.num_splits,

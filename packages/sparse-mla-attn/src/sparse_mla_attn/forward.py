@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from sparse_mla_attn._runtime import (
+    LaunchContext,
     cached,
     call_signature,
     causal_hi,
@@ -482,8 +484,8 @@ def plan_fwd(
 def run_fwd(
     plan: FwdPlan, q: torch.Tensor, kv_rows: torch.Tensor, idx: torch.Tensor, sm_scale: float,
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, *, cache_slots: bool = True,
-    scratch: tuple[torch.Tensor, ...] | None = None, counters: torch.Tensor | None = None,
-    outputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scratch: Sequence[torch.Tensor] | None = None, counters: torch.Tensor | None = None,
+    outputs: tuple[torch.Tensor, torch.Tensor] | None = None, ctx: LaunchContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Run a :class:`FwdPlan` on the tensors it was made for: ``out``, ``max_logits``, ``lse``.
 
@@ -493,7 +495,8 @@ def run_fwd(
     program of each token and head tile merges the partials in the same launch; without, a second kernel
     merges them. ``outputs``: ``(out, lse)`` to write, contiguous, of ``n_tok * h_q * d_v`` and
     ``n_tok * h_q`` elements (any shape), else allocated. ``q``, ``kv_rows`` and ``idx`` may be any views of
-    the memory the plan was made for (the kernels take the plan's strides).
+    the memory the plan was made for (the kernels take the plan's strides). ``ctx``: the call's
+    :func:`~sparse_mla_attn._runtime.launch_context`, if known.
     """
     dims = plan.dims
     n_tok, h_q = dims.s_q, dims.h_q
@@ -515,7 +518,7 @@ def run_fwd(
         kernel = launch_fwd_gluon(
             q, kv_rows, idx, out, max_logits, lse, sink, topk_length, dims, sm_scale * LOG2E,
             has_sink=plan.consts["HAS_SINK"], q_start_index=plan.ints[-2], k_stride=plan.ints[-1],
-            causal=plan.consts["CAUSAL"], slots=slots, strides=plan.ints[:6],
+            causal=plan.consts["CAUSAL"], slots=slots, strides=plan.ints[:6], ctx=ctx,
         )  # fmt: skip
         record_launch("fwd", kernel, backend="gluon")
         return out, max_logits, lse
@@ -526,7 +529,7 @@ def run_fwd(
         _sparse_mla_fwd_kernel, plan.grid, slots, "fwd_merge_last" if merge_last else "fwd",
         (q, kv_rows, idx, *dst, sink, topk_length if topk_length is not None else idx, out, max_logits, lse,
          counters if merge_last else idx, *plan.ints, sm_scale * LOG2E),
-        plan.merge_last_consts if merge_last else plan.consts,
+        plan.merge_last_consts if merge_last else plan.consts, ctx,
     )  # fmt: skip
     record_launch("fwd", kernel, splits=plan.n_splits,
                   merge=None if not split else "last_program" if merge_last else "kernel")  # fmt: skip
@@ -535,7 +538,7 @@ def run_fwd(
         launch(
             _split_combine_kernel, plan.combine_grid, slots, "combine",
             (part_o, part_lse, part_max, sink, out, max_logits, lse, h_q * dims.d_v, dims.d_v, n_tok, h_q),
-            plan.combine_consts,
+            plan.combine_consts, ctx,
         )  # fmt: skip
     return out, max_logits, lse
 
@@ -639,14 +642,15 @@ def paged_to_rows(
 
 def launch_rows(
     plan: RowsPlan, indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-    rows: torch.Tensor, *, cache_slots: bool = True,
+    rows: torch.Tensor, *, cache_slots: bool = True, ctx: LaunchContext | None = None,
 ) -> None:  # fmt: skip
     """Launch the kernel of :func:`paged_to_rows` as ``plan`` says (through its cached compiled kernel with
-    ``cache_slots``). ``indices`` may be any view of the memory the plan was made for (the kernel takes the
-    plan's row stride), e.g. ``[b, s_q, topk]`` before its reshape to ``[b * s_q, topk]``."""
+    ``cache_slots``; ``ctx``: the call's :func:`~sparse_mla_attn._runtime.launch_context`). ``indices`` may
+    be any view of the memory the plan was made for (the kernel takes the plan's row stride), e.g.
+    ``[b, s_q, topk]`` before its reshape to ``[b * s_q, topk]``."""
     launch(
         _paged_rows_kernel, plan.grid, plan.slots if cache_slots else None, "rows",
-        (indices, block_table, cache_seqlens, rows, *plan.ints), plan.consts,
+        (indices, block_table, cache_seqlens, rows, *plan.ints), plan.consts, ctx,
     )  # fmt: skip
 
 
