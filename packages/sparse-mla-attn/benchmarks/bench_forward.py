@@ -20,11 +20,46 @@ D_QK, D_V = 576, 512
 
 
 def time_ms(fn: Any, *, warmup: int = 25, rep: int = 200, graph: bool = False) -> float:
-    """Median time of ``fn`` in ms: CUDA events (``triton.testing.do_bench``), or with ``graph`` the replay of
-    ``fn`` captured in a CUDA graph (no host launch cost, as a serving engine runs decode)."""
+    """Median time of ``fn`` in ms: CUDA events around each call with the L2 cache flushed before it
+    (``triton.testing.do_bench``), or with ``graph`` back-to-back replays of ``fn`` captured in a CUDA graph
+    (``triton.testing.do_bench_cudagraph``: no flush, so the data stays in L2 between replays)."""
     if graph:
         return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def time_ms_idle(fn: Any, *, rep: int = 100) -> float:
+    """Median time of ``fn`` in ms started from an idle GPU: the L2 flushed, then the host waits for the GPU
+    before each call, so the call's whole host cost counts (an eager call's latency)."""
+    driver = triton.runtime.driver.active
+    cache = driver.get_empty_cache_for_benchmark()
+    fn()
+    times = []
+    for _ in range(rep):
+        driver.clear_cache(cache)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in times)
+    return float(ms[len(ms) // 2])
+
+
+def capture_graph(fn: Any) -> torch.cuda.CUDAGraph:
+    """``fn`` called once on a side stream (as before any capture), then captured once in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
 
 
 def dense_matmul_tflops(n: int = 8192) -> float:

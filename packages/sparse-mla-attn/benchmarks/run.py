@@ -7,11 +7,14 @@ versions) and the figure ``<out-dir>/<gpu>.png``.
 Measured in one process on one GPU: the dense bf16 matmul rate (this run's roofline); the forward at
 FlashMLA's benchmark shape (s_q 4096, topk 2048, d_qk 576, d_v 512, h_q 128 and 64, s_kv 8K / 32K / 128K)
 with the default kernels and with ``Config(backend="triton")``; attn_dist at the same shapes; paged decode
-(topk 2048, 32K-token caches, h_q 128 at batch 1 / 8 / 64 / 128, h_q 64 at batch 64 / 128, and split-K
+(topk 2048, 32K-token caches, h_q 128 at batch 1 / 8 / 64 / 128 and at batch 1 / 8 with each split-K merge
+of ``Config(split_merge=...)``, h_q 64 at batch 64 / 128, and split-K
 2 / 4 through ``Config(num_splits=...)`` where the default does not split); the backward
 (default and deterministic) and the indexer logits; a torch gather + einsum forward baseline. Times are
-medians of CUDA-event timed runs after warm-up (decode: CUDA-graph replays, ``ms``, and eager calls with
-default arguments, ``ms_eager``); each row is also checked against the float32 reference on a slice.
+medians of CUDA-event timed runs after warm-up, the L2 cache flushed before each (decode: the replay of one
+call captured in a CUDA graph, ``ms``, and eager calls, ``ms_eager``; also from an idle GPU and as
+back-to-back replays, see ``bench_decode.py``); each row is also checked against the float32 reference on
+a slice.
 ``host_cost`` rows give every public op's host time per call (a tiny problem called back to back).
 ``--flashmla PATH`` imports FlashMLA's Python package from PATH (a build of deepseek-ai/FlashMLA) and times
 its ``flash_mla_sparse_fwd`` on the forward rows' inputs; ``--flashmla-commit`` records which commit.
@@ -55,7 +58,7 @@ def git_commit() -> str:
 def measure(quick: bool, flashmla: Any) -> list[dict[str, Any]]:
     from bench_attn_dist import bench_attn_dist
     from bench_backward import bench_bwd
-    from bench_decode import bench_decode
+    from bench_decode import bench_decode, decode_rows
     from bench_forward import bench_fwd, bench_torch_baseline
 
     from sparse_mla_attn import Config
@@ -86,8 +89,8 @@ def measure(quick: bool, flashmla: Any) -> list[dict[str, Any]]:
         fwd = add(bench_fwd(s_q, h_q, 32768, 2048, config=Config(backend="triton")))
         add(bench_attn_dist(s_q, h_q, 32768, 2048, fwd_ms=fwd["ms"], config=Config(backend="triton")))
     add(bench_torch_baseline(s_q, 128, 32768, 2048))
-    for b in (1, 8, 64, 128):
-        add(bench_decode(b, 128, 32768, 2048))
+    for row in decode_rows():
+        add(row)
     for b in (64, 128):  # a tensor-parallel shard of DeepSeek's 128 heads
         add(bench_decode(b, 64, 32768, 2048))
     # Split-K where the default does not split (the grid about fills the GPU), through Config.

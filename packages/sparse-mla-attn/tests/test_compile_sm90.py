@@ -75,13 +75,14 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
                       topk_length=torch.full((2,), 5, dtype=torch.int32))  # fmt: skip
         sm.sparse_mla_fwd(q, kv, idx, 0.1, 512, config=sm.Config(backend=backend), **kw)
 
-    def decode(b: int, h_q: int, topk: int, backend: str) -> None:
+    def decode(b: int, h_q: int, topk: int, backend: str, split_merge: str = "auto") -> None:
         q = torch.randn(b, 1, h_q, 576).bfloat16()
         cache = torch.randn(8, 64, 1, 576).bfloat16()
         table = torch.zeros(b, 4, dtype=torch.int32)
         seqlens = torch.full((b,), 200, dtype=torch.int32)
         idx = torch.randint(0, 200, (b, 1, topk), dtype=torch.int32)
-        sm.sparse_mla_decode(q, cache, table, seqlens, idx, 0.1, config=sm.Config(backend=backend))
+        cfg = sm.Config(backend=backend, split_merge=split_merge)
+        sm.sparse_mla_decode(q, cache, table, seqlens, idx, 0.1, config=cfg)
 
     def attn_dist(h_q: int, s_kv: int, backend: str, d_qk: int = 576) -> None:
         q, kv, idx = problem(2, h_q, d_qk, s_kv, 128)
@@ -110,7 +111,12 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "fwd_h16_d512": lambda: fwd(16, 512, "auto", True),
         "fwd_h32_d576": lambda: fwd(32, 576, "auto"),
         "fwd_h128_d512_gluon": lambda: fwd(128, 512, "auto"),
-        "dec_b2_splitk": lambda: decode(2, 128, 2048, "auto"),
+        # Split-K decode, merged by the last split program (eager) or by a merge kernel (graph capture).
+        "dec_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program"),
+        "dec_b2_splitk_merge_kernel": lambda: decode(2, 128, 2048, "auto", "kernel"),
+        "dec_b8_splitk": lambda: decode(8, 128, 2048, "auto", "last_program"),
+        "dec_b1_h16_splitk": lambda: decode(1, 16, 2048, "auto", "last_program"),
+        "dec_b1_h16_splitk_merge_kernel": lambda: decode(1, 16, 2048, "auto", "kernel"),
         "dec_b64_gluon": lambda: decode(64, 128, 2048, "auto"),
         "dec_b64_h64_triton": lambda: decode(64, 64, 2048, "triton"),
         "ad_h128_gluon": lambda: attn_dist(128, 256, "auto"),

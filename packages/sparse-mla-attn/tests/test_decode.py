@@ -7,6 +7,7 @@ import torch
 
 from sparse_mla_attn import Config, sparse_mla_decode, sparse_mla_decode_ref
 from sparse_mla_attn._inputs import kernel_test_device
+from sparse_mla_attn._runtime import last_launch
 from sparse_mla_attn.reference import paged_rows
 
 
@@ -70,6 +71,7 @@ def test_decode_split_k_and_table_entries_outside_the_cache():
     args = paged_problem(2, 2, 5, 576, 8, (30, 17), 23, dev, seed=7)
     got = sparse_mla_decode(*args, 0.05, config=Config(num_splits=2))
     check(got, args, 0.05, 1e-2, 1e-2)
+    assert last_launch("fwd").merge == "last_program"  # the default at h_q <= 16
     # A table entry pointing past the cache is skipped like an invalid position, never followed.
     q, cache, bt, sl, idx = args
     bt = bt.clone()
@@ -85,14 +87,122 @@ def test_decode_split_k_and_table_entries_outside_the_cache():
     torch.testing.assert_close(lse, ref_lse, atol=2e-4, rtol=1e-5)
 
 
+def _poisoned_empty(real_empty):
+    """``torch.empty`` whose float tensors hold NaN and integer tensors a large garbage value."""
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else 2**30 + 7)
+
+    return empty
+
+
+def _reusing_scratch(store):
+    """``_runtime.scratch`` as on a GPU stream: one buffer set per owner, reused by every later call."""
+
+    def scratch(owner, device, make):
+        if id(owner) not in store:
+            store[id(owner)] = (owner, make())
+        return store[id(owner)][1]
+
+    return scratch
+
+
+@pytest.mark.parametrize(
+    ("n_splits", "h_q", "topk", "seqlens"),
+    [
+        pytest.param(2, 5, 23, (30, 17), id="splits2-uneven-H5-T23"),
+        pytest.param(3, 20, 40, (45, 0), id="splits3-uneven-H20-T40-empty-seq"),
+        pytest.param(5, 3, 70, (64, 9), id="splits5-uneven-H3-T70"),
+        pytest.param(2, 66, 32, (40, 40), id="splits2-H66-two-head-tiles"),
+    ],
+)
+def test_decode_split_merge_paths_poisoned(monkeypatch, n_splits, h_q, topk, seqlens):
+    """Both split-K merges (the last split program, in the same launch; a second kernel) against the
+    float32 reference, with every output and workspace buffer NaN-poisoned when allocated and reused by
+    the next call, as on a GPU stream; the merge counters are zero again after each call, and both merges
+    give the same bits."""
+    from sparse_mla_attn import decode
+
+    dev = cpu_device()
+    args = paged_problem(2, 2, h_q, 576, 8, seqlens, topk, dev, seed=n_splits + h_q)
+    monkeypatch.setattr(torch, "empty", _poisoned_empty(torch.empty))
+    store: dict = {}
+    monkeypatch.setattr(decode, "scratch", _reusing_scratch(store))
+    results = {}
+    for merge in ("last_program", "kernel"):
+        cfg = Config(num_splits=n_splits, split_merge=merge)
+        for _ in range(2):  # the second call reuses the first one's workspace and counters
+            got = sparse_mla_decode(*args, 0.05, config=cfg)
+            launch = last_launch("fwd")
+            assert (launch.splits, launch.merge) == (n_splits, merge)
+            check(got, args, 0.05, 1e-2, 1e-2)
+            for owner, buffers in store.values():
+                if not isinstance(owner, decode.DecodePlan):  # the merge counters
+                    assert torch.all(buffers[0] == 0)
+        results[merge] = got
+        for i, s in enumerate(seqlens):
+            if s == 0:
+                assert torch.all(got[0][i] == 0)
+                assert torch.all(got[1][i] == float("-inf"))
+    assert any(not isinstance(o, decode.DecodePlan) for o, _ in store.values())  # the counters were used
+    for a, b in zip(results["last_program"], results["kernel"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_decode_default_merge_above_16_heads_is_the_merge_kernel():
+    dev = cpu_device()
+    args = paged_problem(1, 1, 20, 576, 8, (30,), 20, dev, seed=3)
+    got = sparse_mla_decode(*args, 0.05, config=Config(num_splits=2))
+    assert (last_launch("fwd").splits, last_launch("fwd").merge) == (2, "kernel")
+    check(got, args, 0.05, 1e-2, 1e-2)
+
+
 def test_decode_custom_op_fake_and_schema():
     dev = cpu_device()
     args = paged_problem(2, 1, 4, 576, 8, (9, 3), 5, dev, seed=1)
     torch.library.opcheck(
         torch.ops.sparse_mla_attn.sparse_mla_decode.default,
-        (*args, 0.05, 512, "auto", 0),
+        (*args, 0.05, 512, "auto", 0, "auto"),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("b", "h_q"), [(1, 128), (8, 128), (1, 16), (8, 16)])
+def test_decode_split_merge_eager_and_cuda_graph_gpu(b, h_q):
+    """At batch 1 and 8 (split-K): the default merge takes the merge kernel at h_q 128, and at h_q 16 on
+    a signature's first call and while a CUDA graph is captured, the last split program otherwise; every
+    merge gives the same bits, eager and replayed (twice, so the counters a replay leaves are zero
+    again), and matches the reference."""
+    g = torch.Generator(device="cuda").manual_seed(b)
+    seqlens = torch.randint(16384, 32769, (b,), generator=g, device="cuda").tolist()
+    args = paged_problem(b, 1, h_q, 576, 64, seqlens, 2048, "cuda", seed=b + h_q)
+    scale = 1 / math.sqrt(576)
+    first = sparse_mla_decode(*args, scale)
+    assert last_launch("fwd").merge == "kernel"
+    assert last_launch("fwd").splits > 1
+    check(first, args, scale, 8e-4, 2e-2)
+    for _ in range(3):
+        again = sparse_mla_decode(*args, scale)
+        assert last_launch("fwd").merge == ("last_program" if h_q <= 16 else "kernel")
+        for a, e in zip(again, first, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+    for merge in ("auto", "last_program", "kernel"):
+        cfg = Config(split_merge=merge)
+        sparse_mla_decode(*args, scale, config=cfg)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replay = sparse_mla_decode(*args, scale, config=cfg)
+        assert last_launch("fwd").merge == ("kernel" if merge == "auto" else merge)
+        for _ in range(2):
+            for t in replay:
+                t.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            for a, e in zip(replay, first, strict=True):
+                torch.testing.assert_close(a, e, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -14,8 +14,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import triton
@@ -103,8 +102,10 @@ def call_signature(*tensors: torch.Tensor | None) -> tuple[Any, ...]:
     """What validation and kernel specialisation depend on for these tensors: shape, strides, dtype,
     device and whether the data pointer is 16-byte aligned (``None`` stays ``None``)."""
     return tuple(
-        None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
-        for t in tensors
+        [
+            None if t is None else (t.shape, t.stride(), t.dtype, t.device, not t.data_ptr() % 16)
+            for t in tensors
+        ]
     )
 
 
@@ -126,9 +127,28 @@ def _driver() -> Any:
     return driver.active
 
 
+class LaunchContext(NamedTuple):
+    """Where a call's kernels go, read once per call: the current CUDA device (as Triton's launches read
+    it), its current stream (the raw handle) and whether that stream is capturing a CUDA graph."""
+
+    device: int
+    stream: Any
+    capturing: bool
+
+
+def launch_context(device: torch.device) -> LaunchContext | None:
+    """The :class:`LaunchContext` of a call on tensors of ``device``; ``None`` off CUDA and under the
+    interpreter."""
+    if device.type != "cuda" or _INTERPRETING:
+        return None
+    driver = _driver()
+    index = driver.get_current_device()
+    return LaunchContext(index, driver.get_current_stream(index), torch.cuda.is_current_stream_capturing())
+
+
 def launch(
     fn: Any, grid: tuple[int, ...], slots: dict[Any, Any] | None, name: Any, args: tuple[Any, ...],
-    consts: dict[str, Any],
+    consts: dict[str, Any], ctx: LaunchContext | None = None,
 ) -> Any:  # fmt: skip
     """``fn[grid](*args, **consts)``, after its first launch through the compiled kernel kept in ``slots``.
 
@@ -137,12 +157,14 @@ def launch(
     alignment of each tensor argument, the value class of each integer, the constexprs ``consts``), so the
     kernel compiled at the first launch serves every later one. The handle is kept per current device,
     as Triton keeps its kernels. ``slots=None`` (or the interpreter) always takes Triton's launch path.
-    Returns the compiled kernel (``None`` under the interpreter).
+    ``ctx``: the call's :func:`launch_context` (else read here). Returns the compiled kernel (``None``
+    under the interpreter).
     """
     if slots is None or _INTERPRETING:
         return fn[grid](*args, **consts)
     # (No device query before the first compile: a CPU-only process may trace launches without a driver.)
-    hit = slots.get((name, _driver().get_current_device())) if slots else None
+    device = ctx.device if ctx is not None else _driver().get_current_device() if slots else None
+    hit = slots.get((name, device)) if slots else None
     if hit is None:
         kernel = fn[grid](*args, **consts)
         if kernel is not None and hasattr(kernel, "packed_metadata"):
@@ -151,14 +173,14 @@ def launch(
             slots[(name, _driver().get_current_device())] = (kernel, tail)
         return kernel
     kernel, tail = hit
-    driver = _driver()
-    stream = driver.get_current_stream(driver.get_current_device())
+    stream = ctx.stream if ctx is not None else _driver().get_current_stream(device)
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     # As Triton's own launch does: the launch hooks (profilers) see these launches too.
-    meta = kernel.launch_metadata(grid3, stream, *args, *tail)
     hooks = triton.knobs.runtime
-    kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, meta, hooks.launch_enter_hook,
-               hooks.launch_exit_hook, *args, *tail)  # fmt: skip
+    enter = hooks.launch_enter_hook
+    meta = None if enter is None else kernel.launch_metadata(grid3, stream, *args, *tail)
+    kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, meta, enter, hooks.launch_exit_hook,
+               *args, *tail)  # fmt: skip
     return kernel
 
 
@@ -168,16 +190,16 @@ _SCRATCH: dict[Any, tuple[Any, tuple[torch.Tensor, ...]]] = {}
 
 
 def scratch(
-    owner: object, device: torch.device, make: Callable[[], tuple[torch.Tensor, ...]]
+    owner: object, ctx: LaunchContext | None, make: Callable[[], tuple[torch.Tensor, ...]]
 ) -> tuple[torch.Tensor, ...]:
-    """Scratch buffers of the launch plan ``owner`` on a CUDA ``device``, reused by its calls on one stream
-    and thread (work queued on one stream runs in order, so a call's kernels are done with the buffers
-    before the next call's start); up to ``SCRATCH_LIMIT`` sets are kept. Fresh ones (``make()``) on other
-    devices and while a CUDA graph is captured, whose memory belongs to the graph."""
-    if device.type != "cuda" or _INTERPRETING or torch.cuda.is_current_stream_capturing():
+    """Scratch buffers of the launch plan ``owner`` for a call whose :func:`launch_context` is ``ctx``,
+    reused by its calls on one stream and thread (work queued on one stream runs in order, so a call's
+    kernels are done with the buffers before the next call's start); up to ``SCRATCH_LIMIT`` sets are
+    kept. Fresh ones (``make()``) off CUDA (``ctx`` is ``None``) and while a CUDA graph is captured, whose
+    memory belongs to the graph."""
+    if ctx is None or ctx.capturing:
         return make()
-    driver = _driver()
-    key = (id(owner), driver.get_current_stream(driver.get_current_device()), threading.get_ident())
+    key = (id(owner), ctx.stream, threading.get_ident())
     hit = _SCRATCH.get(key)
     if hit is not None and hit[0] is owner:
         return hit[1]
@@ -221,22 +243,25 @@ def is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and _capability(_device_index(device)) == (9, 0)
 
 
-@dataclass(frozen=True)
-class Launch:
+class Launch(NamedTuple):
     """What the latest launch of an op ran: its compiled kernel (``None`` under the interpreter), the kernel
-    family (``"gluon"`` or ``"triton"``) and the split-K factor (forward and decode)."""
+    family (``"gluon"`` or ``"triton"``), the split-K factor (forward and decode) and, with split-K, who
+    merged the partials (``"last_program"`` or ``"kernel"``, as ``Config.split_merge``)."""
 
     kernel: Any
     backend: str = "triton"
     splits: int = 1
+    merge: str | None = None
 
 
 _LAUNCHES: dict[str, Launch] = {}
 
 
-def record_launch(name: str, kernel: Any, *, backend: str = "triton", splits: int = 1) -> None:
+def record_launch(
+    name: str, kernel: Any, *, backend: str = "triton", splits: int = 1, merge: str | None = None
+) -> None:
     """Remember the latest launch of kernel ``name`` (e.g. ``"fwd"``, ``"attn_dist"``, ``"bwd.main"``)."""
-    _LAUNCHES[name] = Launch(kernel, backend, splits)
+    _LAUNCHES[name] = Launch(kernel, backend, splits, merge)
 
 
 def last_launch(name: str) -> Launch | None:
@@ -252,13 +277,15 @@ def launches() -> dict[str, Launch]:
 def _runs_directly(args: tuple[Any, ...]) -> bool:
     """Whether an op call may skip the dispatcher: plain eager tensors, not traced, not recorded by
     autograd (the custom op has no autograd formula), no dispatch mode active."""
+    # (is_compiling first: Dynamo cannot trace the dispatch-mode query.)
     if torch.compiler.is_compiling() or _current_dispatch_mode() is not None:
         return False
     grad = torch.is_grad_enabled()
     for a in args:
-        if isinstance(a, torch.Tensor) and (
-            type(a) is not torch.Tensor or a.is_meta or (grad and a.requires_grad)
-        ):
+        if type(a) is torch.Tensor:
+            if a.is_meta or (grad and a.requires_grad):
+                return False
+        elif isinstance(a, torch.Tensor):  # a subclass
             return False
     return True
 

@@ -6,6 +6,7 @@ import functools
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "gluon", "triton")
+SPLIT_MERGES = ("auto", "last_program", "kernel")
 
 
 @dataclass(frozen=True)
@@ -24,17 +25,29 @@ class Config:
         num_splits: split-K factor of the forward and decode: each query's top-k list is split over this
             many programs whose partial results are merged. ``0`` (default) picks it from the number of
             multiprocessors: splits only when one program per (token, head tile) leaves some idle.
+        split_merge: who merges the split-K partials of :func:`~sparse_mla_attn.sparse_mla_decode`.
+            ``"last_program"``: the last split program of each (token, head tile) to finish, in the same
+            launch (a per-stream cached counter workspace decides which; no second launch).
+            ``"kernel"``: a second kernel, launched after the split kernel, whose programs merge 16 heads
+            each. ``"auto"`` (default): ``"kernel"`` where a head tile holds more than 16 heads
+            (``h_q > 16``: the merging program would read several merge-kernel programs' data alone,
+            after the other splits); otherwise ``"last_program"`` for eager calls, and ``"kernel"`` while
+            a CUDA graph is captured (a replay pays no launch cost) and on the first call of a call
+            signature on a GPU (so that path is compiled before any capture). Both give the same bits.
+            The forward always merges with the second kernel.
         bwd_workspace_bytes: cap on the backward's ``dS`` (and ``P``) workspace; the backward processes
             query tokens in chunks that fit (default 2 GiB).
         bwd_deterministic_workspace_bytes: cap on the deterministic backward's fp32 per-slot ``dkv``
             workspace, which also bounds its chunk of tokens (default 4 GiB).
 
     Raises:
-        ValueError: an unknown ``backend``, ``num_splits < 0`` or a workspace cap below 1 byte.
+        ValueError: an unknown ``backend`` or ``split_merge``, ``num_splits < 0`` or a workspace cap below 1
+            byte.
     """
 
     backend: str = "auto"
     num_splits: int = 0
+    split_merge: str = "auto"
     bwd_workspace_bytes: int = 2 << 30
     bwd_deterministic_workspace_bytes: int = 4 << 30
 
@@ -43,6 +56,8 @@ class Config:
             raise ValueError(f"Config.backend must be one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"Config.num_splits must be an int >= 0 (0: automatic), got {self.num_splits!r}")
+        if self.split_merge not in SPLIT_MERGES:
+            raise ValueError(f"Config.split_merge must be one of {SPLIT_MERGES}, got {self.split_merge!r}")
         for name in ("bwd_workspace_bytes", "bwd_deterministic_workspace_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -56,8 +71,9 @@ DEFAULT = Config()
 def config_of(
     backend: str = "auto",
     num_splits: int = 0,
+    split_merge: str = "auto",
     bwd_workspace_bytes: int = DEFAULT.bwd_workspace_bytes,
     bwd_deterministic_workspace_bytes: int = DEFAULT.bwd_deterministic_workspace_bytes,
 ) -> Config:
     """The :class:`Config` of these fields, built (and checked) once: the custom ops receive the fields."""
-    return Config(backend, num_splits, bwd_workspace_bytes, bwd_deterministic_workspace_bytes)
+    return Config(backend, num_splits, split_merge, bwd_workspace_bytes, bwd_deterministic_workspace_bytes)

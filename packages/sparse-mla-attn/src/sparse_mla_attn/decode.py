@@ -12,12 +12,21 @@ several programs (split-K) to fill the GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from sparse_mla_attn._runtime import cached, call_signature, check_kernel_device, define_op, scratch
+from sparse_mla_attn._runtime import (
+    LaunchContext,
+    cached,
+    call_signature,
+    check_kernel_device,
+    define_op,
+    launch_context,
+    scratch,
+)
 from sparse_mla_attn._validate import (
     check_arg_types,
     check_decode_inputs,
@@ -26,10 +35,11 @@ from sparse_mla_attn._validate import (
 )
 from sparse_mla_attn.config import DEFAULT, Config, config_of
 from sparse_mla_attn.forward import (
+    MERGE_H,
     FwdPlan,
     RowsPlan,
     fwd_scratch,
-    paged_to_rows,
+    launch_rows,
     plan_fwd,
     plan_rows,
     run_fwd,
@@ -48,10 +58,24 @@ def _decode_fake(
 @dataclass
 class DecodePlan:
     """Validated sizes and the launches of one decode call signature (its calls reuse their scratch buffers:
-    :func:`sparse_mla_attn._runtime.scratch`)."""
+    :func:`sparse_mla_attn._runtime.scratch`). ``q_view`` / ``idx_view``: whether ``q`` and ``indices`` are
+    views of ``[b * s_q, ...]`` tensors as they are (else each call copies them, as ``reshape`` does)."""
 
     rows: RowsPlan
     fwd: FwdPlan
+    batch_shape: tuple[int, int]
+    q_view: bool
+    idx_view: bool
+    n_counters: int
+    #: Key of the split-K merge counters in the scratch cache (kept apart from the other buffers).
+    counters_key: object = field(default_factory=object)
+    #: CUDA devices on which the split kernel + merge kernel path has run (compiled before any capture).
+    kernel_merge_compiled: set[int] = field(default_factory=set)
+
+
+def _flat_view_ok(t: torch.Tensor) -> bool:
+    """Whether ``t [b, s_q, ...]`` reshapes to ``[b * s_q, ...]`` without a copy."""
+    return t.shape[0] <= 1 or t.shape[1] <= 1 or t.stride(0) == t.shape[1] * t.stride(1)
 
 
 def _plan_decode(
@@ -73,48 +97,80 @@ def _plan_decode(
         q.reshape(b * s_q, h_q, d_qk), kv_cache.view(-1, d_qk), dims.topk, dims, has_sink=False,
         has_topk_length=False, q_start_index=0, k_stride=1, causal=False, config=config,
     )  # fmt: skip
-    return DecodePlan(rows_plan, fwd_plan)
+    n_counters = dims.s_q * fwd_plan.ints[8]  # one per (token, head tile)
+    return DecodePlan(rows_plan, fwd_plan, (b, s_q), _flat_view_ok(q), _flat_view_ok(indices), n_counters)
 
 
 _PLANS: dict[Any, DecodePlan] = {}
 
 
+def _merge_last(plan: DecodePlan, split_merge: str, ctx: LaunchContext | None) -> bool:
+    """Whether the last split program merges the partials (``Config.split_merge``; see there)."""
+    if plan.fwd.n_splits == 1 or split_merge == "kernel":
+        return False
+    if split_merge == "last_program":
+        return True
+    # "auto": only where the merging program reads no more than a merge-kernel program does (one merge
+    # step of MERGE_H heads), since it merges its whole head tile alone, after the other splits.
+    if plan.fwd.consts["BLOCK_H"] > MERGE_H.value:
+        return False
+    if ctx is None:  # the interpreter: nothing is compiled
+        return True
+    if ctx.capturing:
+        return False
+    if ctx.device in plan.kernel_merge_compiled:
+        return True
+    plan.kernel_merge_compiled.add(ctx.device)  # this call takes the two-launch path, compiling it
+    return False
+
+
 @define_op("sparse_mla_decode", _decode_fake)
 def _decode_op(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-    indices: torch.Tensor, sm_scale: float, d_v: int, backend: str, num_splits: int,
+    indices: torch.Tensor, sm_scale: float, d_v: int, backend: str, num_splits: int, split_merge: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and launch plan depend only on the call signature: made once per signature.
-    key = (*call_signature(q, kv_cache, block_table, cache_seqlens, indices), d_v, backend, num_splits)
-    plan = cached(
-        _PLANS,
-        key,
-        lambda: _plan_decode(
-            q, kv_cache, block_table, cache_seqlens, indices, d_v, config_of(backend, num_splits)
-        ),
-    )
-    sm_scale = check_sm_scale(sm_scale)
-    b, s_q, h_q, d_qk = q.shape
-    dims = plan.fwd.dims
+    key = (*call_signature(q, kv_cache, block_table, cache_seqlens, indices), d_v, backend, num_splits,
+           split_merge)  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        config = config_of(backend, num_splits, split_merge)
+        plan = cached(
+            _PLANS, key, lambda: _plan_decode(q, kv_cache, block_table, cache_seqlens, indices, d_v, config)
+        )
+    if type(sm_scale) is not float or not math.isfinite(sm_scale):
+        sm_scale = check_sm_scale(sm_scale)
+    fwd = plan.fwd
+    dims = fwd.dims
     dev = q.device
+    b, s_q = plan.batch_shape
+    out = torch.empty(b, s_q, dims.h_q, d_v, dtype=q.dtype, device=dev)
+    lse = torch.empty(b, s_q, dims.h_q, dtype=torch.float32, device=dev)
+    if dims.s_q == 0:
+        return out, lse
+    ctx = launch_context(dev)
     rows, *fwd_buffers = scratch(
         plan,
-        dev,
-        lambda: (
-            torch.empty(dims.s_q, dims.topk, dtype=torch.int32, device=dev),
-            *fwd_scratch(plan.fwd, dev),
-        ),
+        ctx,
+        lambda: (torch.empty(dims.s_q, dims.topk, dtype=torch.int32, device=dev), *fwd_scratch(fwd, dev)),
     )
-    rows = paged_to_rows(
-        indices.reshape(b * s_q, dims.topk), block_table, cache_seqlens, s_q, kv_cache.shape[1], dims.s_kv,
-        plan=plan.rows, rows=rows,
+    counters = None
+    if _merge_last(plan, split_merge, ctx):
+        # Zeros, left zero by every launch (the merging program resets its counter).
+        (counters,) = scratch(
+            plan.counters_key, ctx, lambda: (torch.zeros(plan.n_counters, dtype=torch.int32, device=dev),)
+        )
+    # The kernels take the plan's strides: q, the cache and the indices are passed as they are.
+    launch_rows(
+        plan.rows, indices if plan.idx_view else indices.reshape(dims.s_q, dims.topk), block_table,
+        cache_seqlens, rows, ctx=ctx,
     )  # fmt: skip
     # dims.s_kv = the cache's rows: a row is valid when it lies in the cache.
-    out, _, lse = run_fwd(
-        plan.fwd, q.reshape(b * s_q, h_q, d_qk), kv_cache.view(-1, d_qk), rows, sm_scale, None, None,
-        scratch=tuple(fwd_buffers),
+    run_fwd(
+        fwd, q if plan.q_view else q.reshape(dims.s_q, dims.h_q, dims.d_qk), kv_cache, rows, sm_scale, None,
+        None, scratch=fwd_buffers, counters=counters, outputs=(out, lse), ctx=ctx,
     )  # fmt: skip
-    return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q)
+    return out, lse
 
 
 def sparse_mla_decode(
@@ -141,7 +197,8 @@ def sparse_mla_decode(
             block-table entry outside the cache.
         sm_scale: softmax scale applied to ``q · k``.
         d_v: value dim; must be 512.
-        config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor).
+        config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor, who merges
+            the split-K partials).
 
     Returns:
         ``out [b, s_q, h_q, d_v]`` q's dtype and ``lse [b, s_q, h_q]`` float32, natural log
@@ -151,10 +208,15 @@ def sparse_mla_decode(
     Raises:
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
-    check_arg_types({"q": q, "kv_cache": kv_cache, "block_table": block_table, "cache_seqlens": cache_seqlens,
-                     "indices": indices}, {"d_v": d_v})  # fmt: skip
-    check_sm_scale(sm_scale)
+    T = torch.Tensor
+    if not (isinstance(q, T) and isinstance(kv_cache, T) and isinstance(block_table, T)
+            and isinstance(cache_seqlens, T) and isinstance(indices, T) and type(d_v) is int):  # fmt: skip
+        check_arg_types({"q": q, "kv_cache": kv_cache, "block_table": block_table, "cache_seqlens": cache_seqlens,
+                         "indices": indices}, {"d_v": d_v})  # fmt: skip
+    if type(sm_scale) is not float or not math.isfinite(sm_scale):
+        check_sm_scale(sm_scale)
     cfg = config or DEFAULT
     return _decode_op(
-        q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v, cfg.backend, cfg.num_splits
-    )
+        q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v, cfg.backend, cfg.num_splits,
+        cfg.split_merge,
+    )  # fmt: skip

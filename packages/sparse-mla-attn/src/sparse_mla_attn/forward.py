@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from sparse_mla_attn._runtime import (
+    LaunchContext,
     cached,
     call_signature,
     causal_hi,
@@ -192,13 +194,19 @@ def _fwd_block(
 
 @triton.jit
 def _sparse_mla_fwd_kernel(
-    Q, KV, IDX, OUT, MAX_LOGITS, LSE, SINK, TOPK_LEN,
+    Q, KV, IDX, OUT, MAX_LOGITS, LSE, SINK, TOPK_LEN, FINAL_O, FINAL_MAX, FINAL_LSE, COUNTERS,
     stride_q_s, stride_q_h, stride_kv_row, stride_idx_s, stride_o_s, stride_o_h,
     n_tok, h_q, n_head_tiles, topk, split_len, s_kv, q_start_index, k_stride, sm_scale_log2,
     D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_K: tl.constexpr,
     STATIC_T: tl.constexpr, DOT_F32: tl.constexpr, S_SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+    MERGE_LAST: tl.constexpr = False, N_SPLITS: tl.constexpr = 1, SPLITS_P2: tl.constexpr = 1,
 ):  # fmt: skip
+    """Forward of one (split, token, head tile). With ``SPLIT_K`` it writes the split's fp32 partial
+    result to ``OUT`` / ``LSE`` / ``MAX_LOGITS`` (the partial buffers), and with ``MERGE_LAST`` as well the
+    last of the token's ``N_SPLITS`` programs to finish (a ticket from ``COUNTERS``, one per token and head
+    tile, zero between launches) merges them into ``FINAL_O`` / ``FINAL_MAX`` / ``FINAL_LSE``, so the
+    call needs no second launch (without ``MERGE_LAST`` those four are not used)."""
     pid = tl.program_id(0)
     # Programs of one token (head tiles) are neighbours in launch order: their gathers hit L2.
     pid_h = pid % n_head_tiles
@@ -266,10 +274,72 @@ def _sparse_mla_fwd_kernel(
         tl.store(o_ptr, out, mask=h_mask[:, None])
         tl.store(LSE + part * h_q + offs_h, lse2, mask=h_mask)
         tl.store(MAX_LOGITS + part * h_q + offs_h, m_i, mask=h_mask)
+        if MERGE_LAST:
+            # Every thread's stores precede the ticket's release; the acquire by the last program orders
+            # its reads of the other programs' partials (read through L2: .cg).
+            tl.debug_barrier()
+            slot = COUNTERS + pid_s * n_head_tiles + pid_h
+            ticket = tl.atomic_add(slot, 1, sem="acq_rel")
+            if ticket == N_SPLITS - 1:
+                tl.atomic_xchg(slot, 0)  # zero again for the next launch (and the next graph replay)
+                for h0 in tl.static_range(0, BLOCK_H, MERGE_H):
+                    offs_m = pid_h * BLOCK_H + h0 + tl.arange(0, MERGE_H)
+                    _merge_split_partials(
+                        OUT, LSE, MAX_LOGITS, SINK, FINAL_O, FINAL_MAX, FINAL_LSE, pid_s, offs_m,
+                        stride_o_s, stride_o_h, n_tok, h_q, N_SPLITS, D_NOPE, MERGE_H, SPLITS_P2, HAS_SINK,
+                        ".cg",
+                    )  # fmt: skip
     else:
         _store_result(
             OUT, LSE, MAX_LOGITS, pid_s, stride_o_s, stride_o_h, h_q, offs_h, h_mask, offs_d, out, lse2, m_i
         )
+
+
+#: Heads merged per step when the last split program merges (a [MERGE_H, 512] fp32 tile at a time).
+MERGE_H = tl.constexpr(16)
+
+
+@triton.jit
+def _merge_split_partials(
+    PART_O, PART_LSE, PART_MAX, SINK, OUT, MAX_LOGITS, LSE,
+    pid_s, offs_h, stride_o_s, stride_o_h, n_tok, h_q,
+    N_SPLITS: tl.constexpr, D_V: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS_P2: tl.constexpr,
+    HAS_SINK: tl.constexpr, CACHE: tl.constexpr,
+):  # fmt: skip
+    """Merge the split-K partials of token ``pid_s``, heads ``offs_h``: lse-weighted sum of the fp32
+    partial outputs, base-2 lse and max, written as the final ``out`` / ``lse`` / ``max_logits``."""
+    h_mask = offs_h < h_q
+    offs_k = tl.arange(0, SPLITS_P2)
+    part = (offs_k.to(tl.int64)[:, None] * n_tok + pid_s) * h_q + offs_h[None, :]
+    mask_kh = (offs_k[:, None] < N_SPLITS) & h_mask[None, :]
+    lse_k = tl.load(PART_LSE + part, mask=mask_kh, other=float("-inf"), cache_modifier=CACHE)
+    m_tot = tl.max(tl.load(PART_MAX + part, mask=mask_kh, other=float("-inf"), cache_modifier=CACHE), 0)
+    lse_max = tl.max(lse_k, 0)
+    has_any = lse_max > float("-inf")
+    lse_ref = tl.where(has_any, lse_max, 0.0)
+    total = tl.where(has_any, tl.sum(tl.exp2(lse_k - lse_ref[None, :]), 0), 1.0)
+    lse_tot = tl.where(has_any, lse_ref + tl.log2(total), float("-inf"))
+    offs_d = tl.arange(0, D_V)
+    acc = tl.zeros([BLOCK_H, D_V], tl.float32)
+    for k in range(0, N_SPLITS):
+        row = (k * n_tok + pid_s).to(tl.int64) * h_q + offs_h
+        lse_one = tl.load(PART_LSE + row, mask=h_mask, other=float("-inf"), cache_modifier=CACHE)
+        w = tl.where(has_any, tl.exp2(lse_one - lse_ref), 0.0)  # unnormalised weight of this split
+        o = tl.load(
+            PART_O + row[:, None] * D_V + offs_d[None, :],
+            mask=h_mask[:, None],
+            other=0.0,
+            cache_modifier=CACHE,
+        )
+        acc += w[:, None] * o
+    denom = tl.where(has_any, tl.exp2(lse_tot - lse_ref), 1.0)
+    if HAS_SINK:
+        sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
+        denom = denom + tl.exp2(sink * 1.4426950408889634 - lse_ref)
+    out = tl.where(has_any[:, None], acc / denom[:, None], 0.0)
+    _store_result(
+        OUT, LSE, MAX_LOGITS, pid_s, stride_o_s, stride_o_h, h_q, offs_h, h_mask, offs_d, out, lse_tot, m_tot
+    )
 
 
 @triton.jit
@@ -281,35 +351,11 @@ def _split_combine_kernel(
     HAS_SINK: tl.constexpr,
 ):  # fmt: skip
     """Merge the split-K partials of one token and a tile of heads: lse-weighted sum of the outputs."""
-    pid_s = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < h_q
-    offs_k = tl.arange(0, SPLITS_P2)
-    part = (offs_k.to(tl.int64)[:, None] * n_tok + pid_s) * h_q + offs_h[None, :]
-    mask_kh = (offs_k[:, None] < N_SPLITS) & h_mask[None, :]
-    lse_k = tl.load(PART_LSE + part, mask=mask_kh, other=float("-inf"))
-    m_tot = tl.max(tl.load(PART_MAX + part, mask=mask_kh, other=float("-inf")), 0)
-    lse_max = tl.max(lse_k, 0)
-    has_any = lse_max > float("-inf")
-    lse_ref = tl.where(has_any, lse_max, 0.0)
-    total = tl.where(has_any, tl.sum(tl.exp2(lse_k - lse_ref[None, :]), 0), 1.0)
-    lse_tot = tl.where(has_any, lse_ref + tl.log2(total), float("-inf"))
-    offs_d = tl.arange(0, D_V)
-    acc = tl.zeros([BLOCK_H, D_V], tl.float32)
-    for k in range(0, N_SPLITS):
-        row = (k * n_tok + pid_s).to(tl.int64) * h_q + offs_h
-        lse_one = tl.load(PART_LSE + row, mask=h_mask, other=float("-inf"))
-        w = tl.where(has_any, tl.exp2(lse_one - lse_ref), 0.0)  # unnormalised weight of this split
-        o = tl.load(PART_O + row[:, None] * D_V + offs_d[None, :], mask=h_mask[:, None], other=0.0)
-        acc += w[:, None] * o
-    denom = tl.where(has_any, tl.exp2(lse_tot - lse_ref), 1.0)
-    if HAS_SINK:
-        sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
-        denom = denom + tl.exp2(sink * 1.4426950408889634 - lse_ref)
-    out = tl.where(has_any[:, None], acc / denom[:, None], 0.0)
-    _store_result(
-        OUT, LSE, MAX_LOGITS, pid_s, stride_o_s, stride_o_h, h_q, offs_h, h_mask, offs_d, out, lse_tot, m_tot
-    )
+    _merge_split_partials(
+        PART_O, PART_LSE, PART_MAX, SINK, OUT, MAX_LOGITS, LSE, tl.program_id(0), offs_h, stride_o_s,
+        stride_o_h, n_tok, h_q, N_SPLITS, D_V, BLOCK_H, SPLITS_P2, HAS_SINK, "",
+    )  # fmt: skip
 
 
 @triton.jit
@@ -387,6 +433,7 @@ class FwdPlan:
     consts: dict[str, Any]
     combine_grid: tuple[int, ...]
     combine_consts: dict[str, Any]
+    merge_last_consts: dict[str, Any]
     slots: dict[Any, Any] = field(default_factory=dict)
 
 
@@ -422,27 +469,43 @@ def plan_fwd(
         N_SPLITS=n_splits, D_V=dims.d_v, BLOCK_H=combine_h, SPLITS_P2=next_power_of_2(n_splits),
         HAS_SINK=has_sink, num_warps=4,
     )  # fmt: skip
+    merge_last_consts = {
+        **consts,
+        "MERGE_LAST": True,
+        "N_SPLITS": n_splits,
+        "SPLITS_P2": next_power_of_2(n_splits),
+    }
     return FwdPlan(
         dims, gluon, n_splits, (n_splits * n_tok * n_head_tiles,), ints, consts,
-        (n_tok, cdiv(h_q, combine_h)), combine_consts,
+        (n_tok, cdiv(h_q, combine_h)), combine_consts, merge_last_consts,
     )  # fmt: skip
 
 
 def run_fwd(
     plan: FwdPlan, q: torch.Tensor, kv_rows: torch.Tensor, idx: torch.Tensor, sm_scale: float,
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, *, cache_slots: bool = True,
-    scratch: tuple[torch.Tensor, ...] | None = None,
+    scratch: Sequence[torch.Tensor] | None = None, counters: torch.Tensor | None = None,
+    outputs: tuple[torch.Tensor, torch.Tensor] | None = None, ctx: LaunchContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Run a :class:`FwdPlan` on the tensors it was made for: ``out``, ``max_logits``, ``lse``.
 
     ``cache_slots``: launch through the plan's cached compiled kernels (the plan was made for this call
-    signature). ``scratch``: ``(max_logits, part_o, part_lse, part_max)`` to reuse (decode), else allocated.
+    signature). ``scratch``: ``(max_logits, part_o, part_max, part_lse)`` to reuse (decode), else allocated.
+    ``counters``: with split-K, int32 ``[>= n_tok * n_head_tiles]`` zeros (left zero): the last split
+    program of each token and head tile merges the partials in the same launch; without, a second kernel
+    merges them. ``outputs``: ``(out, lse)`` to write, contiguous, of ``n_tok * h_q * d_v`` and
+    ``n_tok * h_q`` elements (any shape), else allocated. ``q``, ``kv_rows`` and ``idx`` may be any views of
+    the memory the plan was made for (the kernels take the plan's strides). ``ctx``: the call's
+    :func:`~sparse_mla_attn._runtime.launch_context`, if known.
     """
     dims = plan.dims
     n_tok, h_q = dims.s_q, dims.h_q
     dev = q.device
-    out = torch.empty(n_tok, h_q, dims.d_v, dtype=q.dtype, device=dev)
-    lse = torch.empty(n_tok, h_q, dtype=torch.float32, device=dev)
+    if outputs is None:
+        out = torch.empty(n_tok, h_q, dims.d_v, dtype=q.dtype, device=dev)
+        lse = torch.empty(n_tok, h_q, dtype=torch.float32, device=dev)
+    else:
+        out, lse = outputs
     if scratch is None:
         scratch = fwd_scratch(plan, dev)
     max_logits = scratch[0]
@@ -455,25 +518,27 @@ def run_fwd(
         kernel = launch_fwd_gluon(
             q, kv_rows, idx, out, max_logits, lse, sink, topk_length, dims, sm_scale * LOG2E,
             has_sink=plan.consts["HAS_SINK"], q_start_index=plan.ints[-2], k_stride=plan.ints[-1],
-            causal=plan.consts["CAUSAL"], slots=slots,
+            causal=plan.consts["CAUSAL"], slots=slots, strides=plan.ints[:6], ctx=ctx,
         )  # fmt: skip
         record_launch("fwd", kernel, backend="gluon")
         return out, max_logits, lse
     split = plan.n_splits > 1
     dst = scratch[1:] if split else (out, max_logits, lse)  # partial out, max, lse of each split
+    merge_last = split and counters is not None
     kernel = launch(
-        _sparse_mla_fwd_kernel, plan.grid, slots, "fwd",
-        (q, kv_rows, idx, *dst, sink, topk_length if topk_length is not None else idx, *plan.ints,
-         sm_scale * LOG2E),
-        plan.consts,
+        _sparse_mla_fwd_kernel, plan.grid, slots, "fwd_merge_last" if merge_last else "fwd",
+        (q, kv_rows, idx, *dst, sink, topk_length if topk_length is not None else idx, out, max_logits, lse,
+         counters if merge_last else idx, *plan.ints, sm_scale * LOG2E),
+        plan.merge_last_consts if merge_last else plan.consts, ctx,
     )  # fmt: skip
-    record_launch("fwd", kernel, splits=plan.n_splits)
-    if split:
+    record_launch("fwd", kernel, splits=plan.n_splits,
+                  merge=None if not split else "last_program" if merge_last else "kernel")  # fmt: skip
+    if split and not merge_last:
         part_o, part_max, part_lse = dst
         launch(
             _split_combine_kernel, plan.combine_grid, slots, "combine",
             (part_o, part_lse, part_max, sink, out, max_logits, lse, h_q * dims.d_v, dims.d_v, n_tok, h_q),
-            plan.combine_consts,
+            plan.combine_consts, ctx,
         )  # fmt: skip
     return out, max_logits, lse
 
@@ -567,13 +632,26 @@ def paged_to_rows(
         rows = torch.empty(n_tok, topk, dtype=torch.int32, device=indices.device)
     if n_tok == 0:
         return rows
-    slots = None if plan is None else plan.slots
-    plan = plan or plan_rows(indices, block_table, q_per_batch, page_size, n_rows)
-    launch(
-        _paged_rows_kernel, plan.grid, slots, "rows", (indices, block_table, cache_seqlens, rows, *plan.ints),
-        plan.consts,
-    )  # fmt: skip
+    if plan is None:
+        launch_rows(plan_rows(indices, block_table, q_per_batch, page_size, n_rows), indices, block_table,
+                    cache_seqlens, rows, cache_slots=False)  # fmt: skip
+    else:
+        launch_rows(plan, indices, block_table, cache_seqlens, rows)
     return rows
+
+
+def launch_rows(
+    plan: RowsPlan, indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    rows: torch.Tensor, *, cache_slots: bool = True, ctx: LaunchContext | None = None,
+) -> None:  # fmt: skip
+    """Launch the kernel of :func:`paged_to_rows` as ``plan`` says (through its cached compiled kernel with
+    ``cache_slots``; ``ctx``: the call's :func:`~sparse_mla_attn._runtime.launch_context`). ``indices`` may
+    be any view of the memory the plan was made for (the kernel takes the plan's row stride), e.g.
+    ``[b, s_q, topk]`` before its reshape to ``[b * s_q, topk]``."""
+    launch(
+        _paged_rows_kernel, plan.grid, plan.slots if cache_slots else None, "rows",
+        (indices, block_table, cache_seqlens, rows, *plan.ints), plan.consts, ctx,
+    )  # fmt: skip
 
 
 def _fwd_fake(

@@ -71,6 +71,8 @@ class BackendOptions:
         timeout_s: bound on every wait; a wait that runs out raises :class:`ep_a2a.EPTimeoutError`
             naming the step and, where it can be found, the missing rank.
         monitor: the layer's check-in channel (store keys and a gloo side group over the same ranks).
+        validate: raise on expert ids outside ``[-1, num_tot_experts)`` (a backend that sets
+            ``checks_expert_ids``); when False such slots are dropped.
     """
 
     tuning: TritonTuning = field(default_factory=TritonTuning)
@@ -78,6 +80,7 @@ class BackendOptions:
     use_aot: bool = False
     timeout_s: float = 300.0
     monitor: RankMonitor | None = None
+    validate: bool = True
 
 
 class A2ABackend(abc.ABC):
@@ -149,6 +152,24 @@ class A2ABackend(abc.ABC):
         Returns:
             ``[layout_desc.num_dispatch_token_cur_rank, hidden]`` in ``input.dtype``.
         """
+
+    def pack_fp8(self, x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """FP8 rows in DeepEP's format (``x_fp8 [n, H] float8_e4m3fn``, ``scales [n, H / 128] float32``) as
+        the rows ``dispatch`` moves. Default: ``[n, H + 4 * H / 128]`` uint8, the FP8 bytes then the scale
+        bytes of each row.
+
+        Raises:
+            ValueError: this backend's buffers cannot hold such rows (naming the layer argument).
+        """
+        return torch.cat([x_fp8.view(torch.uint8), scales.contiguous().view(torch.uint8)], 1)
+
+    def unpack_fp8(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows received by an FP8 dispatch (:meth:`pack_fp8`'s format) as ``(x_fp8 [R, H]
+        float8_e4m3fn, scales [R, H / 128] float32)``. Default: contiguous copies."""
+        h = self.config.hidden
+        return rows[:, :h].contiguous().view(torch.float8_e4m3fn), rows[:, h:].contiguous().view(
+            torch.float32
+        )
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
         """Send rows back without summing: ``[n, topk, C]``, zeros for dropped slots.

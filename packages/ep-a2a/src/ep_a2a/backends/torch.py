@@ -1,11 +1,18 @@
 """Portable backend: ``torch.distributed.all_to_all_single`` only (NCCL on GPUs, gloo on CPUs).
 
 Dispatch sends each token once per destination rank (not once per expert): one fixed-size exchange of
-counts, then one packed byte payload per row holding the token, its top-k expert indices, its weights
-and, when given, its ``full_scatter_indices``. The receiver expands each row to one output row per slot
-whose expert it hosts and orders them (local expert, source rank, token, slot).
+counts (which also carries the number of out-of-range expert ids, so a bad call stops on every rank
+before any row moves), then one packed byte payload per row holding the token, the expert of each of
+its slots, the row each slot takes at its receiver and its weights. Each sender computes those rows from
+the exchanged per-expert counts (receivers order rows by local expert, source rank, token, slot), or
+takes the caller's ``full_scatter_indices``; the receiver places each of its slots with one scatter of
+slot indices and one gather of rows. The bookkeeping is a few dozen tensor operations: per-device lookup
+tables replace arithmetic, the host computes what the counts decide, and one upload carries it.
 
-Combine sends back one row per (token, expert) pair; the source places them in a dense
+Combine returns rows grouped by source rank in output order (what each source's stable sort of its
+slots by expert, or by the caller's row, gives).
+
+Combine sends back one row per (token, expert) pair in that order; the source places them in a dense
 ``[tokens, topk]`` grid (zeros for dropped slots) and sums it in float32 in slot order. With
 ``enable_local_combine=True`` the expert side first sums, the same way, the rows that belong to one
 (source rank, token) and sends one row per (token, destination rank) in the row dtype (fewer bytes,
@@ -26,6 +33,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -34,27 +42,26 @@ from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, reg
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
 
-_ALIGN = 16
 #: operation codes in the header of every operation's first message
 _OPS = {"dispatch": 1, "combine": 2, "combine_per_slot": 3, "barrier": 4}
 _OP_NAMES = {code: name for name, code in _OPS.items()}
+_HOT_POLL_S = 0.02
+_COLD_POLL_S = 5e-5
 
 
 @dataclass
 class _TorchState:
     owner: int
-    send_pos: (
-        torch.Tensor
-    )  # [S] int64: token * world + dest rank of each dispatched row (rows by dest, token)
+    send_pos: torch.Tensor | None  # [S] int64: token * world + dest rank of each row sent (local combine)
     send_counts: list[int]  # rows sent to each rank
     recv_counts: list[int]  # rows received from each rank
-    slot_flat: (
-        torch.Tensor
-    )  # [M] int64: t * topk + k of each kept slot, slots ordered by (dest rank, token, slot)
+    slot_flat: torch.Tensor  # [M] int64: t * topk + k of each kept slot, in the order combine returns them
     slot_counts: list[int]  # kept slots sent to each rank
-    back_row: torch.Tensor  # [Mr] int64: output row of each received (row, slot), in (src, token, slot) order
-    back_counts: list[int]  # received (row, slot) pairs per source rank
     back_flat: torch.Tensor  # [R] int64: received row * topk + slot of each output row
+    out_row: torch.Tensor  # [R] int64: received row of each output row
+    recv_bounds: torch.Tensor  # [world - 1] int64: first received row of each source rank after the first
+    back_counts: list[int]  # output rows per source rank
+    back_row: torch.Tensor | None = None  # [R] int64: output rows by (source rank, output row); lazily
 
 
 @dataclass
@@ -68,15 +75,17 @@ class _Header:
     done: torch.cuda.Event | None  # recorded after the copy (None: already on the host)
 
 
-def _split_sizes(counts: torch.Tensor) -> list[int]:
-    return [int(c) for c in counts.tolist()]
+@dataclass
+class _Tables:
+    """Per-device constants of the dispatch bookkeeping (built once: no kernel per call)."""
 
-
-def _first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """Flat indices of the first ``count`` True entries of ``mask`` in row-major order, without a device
-    sync (``count`` is their number, known on the host)."""
-    flat = mask.reshape(-1)
-    return torch.sort((~flat).to(torch.uint8), stable=True).indices[:count]
+    dest: torch.Tensor  # [E + 3] int64: destination rank of each slot bin (world: none)
+    expert: torch.Tensor  # [E + 3] int32: global expert of each slot bin (E: none)
+    krange: torch.Tensor  # [topk] int32
+    mine: torch.Tensor  # [E + 1] bool: whether an expert (E: none) lives on this rank
+    iota: torch.Tensor  # [world * max_tokens * topk] int64
+    iota32: torch.Tensor  # [max_tokens * topk] int32
+    ones: torch.Tensor  # [max_tokens * topk] int64
 
 
 def _sum_slots(rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int) -> torch.Tensor:
@@ -87,11 +96,17 @@ def _sum_slots(rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int) -
     return grid.view(groups, width, rows.shape[1]).sum(1, dtype=torch.float32)
 
 
+def _exclusive_cumsum(a: np.ndarray, axis: int) -> np.ndarray:
+    return np.cumsum(a, axis=axis) - a
+
+
 @register_backend
 class TorchBackend(A2ABackend):
     """``backend="torch"``: packed ``all_to_all_single`` exchanges; see the module docstring."""
 
     name = "torch"
+    checks_expert_ids = True  # counted into the opening exchange, raised on every rank before the payload
+    expert_id_dtypes = (torch.int32, torch.int64)
 
     def __init__(self, config: EPConfig, ep_group: dist.ProcessGroup, options: BackendOptions) -> None:
         super().__init__(config, ep_group, options)
@@ -107,30 +122,56 @@ class TorchBackend(A2ABackend):
         self.rank = config.rank
         self.world_size = config.world_size
         self.e_local = config.num_experts_per_rank
-        #: int64 columns of the opening exchange's body: (my token count, my rows for each rank, my kept
-        #: slots per expert)
-        self._width = 1 + config.world_size + config.num_tot_experts
+        self.validate = options.validate
+        #: columns of the opening exchange after (operation, call): my token count, my rows for each rank
+        #: and one spare, my slots per bin (an id below -1, -1, each expert, an id of num_tot_experts or more)
+        self._width = 1 + (config.world_size + 1) + (config.num_tot_experts + 3)
         #: operations this backend has run (every rank's count agrees while they call in the same order)
         self._calls = 0
+        self._tables: dict[torch.device, _Tables] = {}
 
     @classmethod
     def is_available(cls, config: EPConfig, ep_group: dist.ProcessGroup) -> tuple[bool, str]:
         return True, f"torch.distributed all_to_all_single over {dist.get_backend(ep_group)}"
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _open(self, op: str, step: str, body: torch.Tensor | None = None) -> _Header:
-        """Queue the opening exchange of an operation: every rank sends every rank a ``[2 + width]``
-        int64 row headed by (operation, call number) and followed by its ``body`` row for that rank
-        (zeros where ``None``). On the CPU it completes and is checked here."""
-        world = self.world_size
-        call = self._calls
+    def _consts(self, dev: torch.device) -> _Tables:
+        tables = self._tables.get(dev)
+        if tables is None:
+            cfg, world, L = self.config, self.world_size, self.e_local
+            E, K, T = cfg.num_tot_experts, cfg.topk, cfg.max_tokens
+            experts = torch.arange(E)
+            none = torch.tensor([world])
+            tables = _Tables(
+                dest=torch.cat([none, none, experts // L, none]).to(dev),
+                expert=torch.cat([torch.tensor([E, E]), experts, torch.tensor([E])]).to(dev, torch.int32),
+                krange=torch.arange(K, dtype=torch.int32, device=dev),
+                mine=(torch.arange(E + 1) // L == self.rank).to(dev),
+                iota=torch.arange(world * T * K, device=dev),
+                iota32=torch.arange(T * K, dtype=torch.int32, device=dev),
+                ones=torch.ones(T * K, dtype=torch.int64, device=dev),
+            )
+            self._tables[dev] = tables
+        return tables
+
+    def _head(self, op: str, n: int = 0, *, copies: int = 1) -> torch.Tensor:
+        """This rank's opening row ``[2 + width]`` int64 on the host (pinned on CUDA): operation, call
+        number, ``n``, zeros; ``copies`` of it as ``[copies, 2 + width]`` (one per rank: ready to send)."""
+        shape = (copies, 2 + self._width) if copies > 1 else (2 + self._width,)
+        row = torch.empty(shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        a = row.numpy().reshape(copies, -1)
+        a[:] = 0
+        a[:, 0], a[:, 1], a[:, 2] = _OPS[op], self._calls, n
         self._calls += 1
-        head = torch.tensor([_OPS[op], call], dtype=torch.int64)
+        return row
+
+    def _open(self, op: str, step: str, row: torch.Tensor) -> _Header:
+        """Queue the opening exchange of an operation: every rank sends every rank its ``row`` (from
+        :meth:`_head`, on the host or filled in on the device; ``[2 + width]``, or already one per rank).
+        On the CPU it completes and is checked here."""
+        world, call = self.world_size, self._calls - 1
         if not self._on_device:
-            send = torch.zeros(world, 2 + self._width, dtype=torch.int64)
-            send[:, :2] = head
-            if body is not None:
-                send[:, 2:] = body
+            send = row.expand(world, -1).contiguous() if row.dim() == 1 else row
             recv = torch.empty_like(send)
             with self.monitor.guard(step):
                 self.monitor.all_to_all(recv, send)
@@ -138,12 +179,9 @@ class TorchBackend(A2ABackend):
             self._check(header)  # before any variable-sized message: gloo matches messages in order
             return header
         cuda = self.device.type == "cuda"
-        if body is None:  # only the header: built on the host, one copy, no kernel
-            rows = torch.zeros(world, 2 + self._width, dtype=torch.int64, pin_memory=cuda)
-            rows[:, :2] = head
-            send = rows.to(self.device, non_blocking=True)
-        else:
-            send = torch.cat([head.to(self.device, non_blocking=True).expand(world, 2), body], 1)
+        if row.device != self.device:
+            row = row.to(self.device, non_blocking=True)
+        send = row.expand(world, -1).contiguous() if row.dim() == 1 else row
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.ep_group)
         host = torch.empty(recv.shape, dtype=torch.int64, pin_memory=cuda)
@@ -154,9 +192,9 @@ class TorchBackend(A2ABackend):
             done.record()
         return _Header(op, step, call, host, done)
 
-    def _check(self, header: _Header) -> torch.Tensor:
+    def _check(self, header: _Header) -> np.ndarray:
         """Await a header exchange (bounded by ``timeout_s``) and check every rank is in the same
-        operation and call. Returns the received bodies ``[world, width]`` on the host.
+        operation and call. Returns every rank's row ``[world, 2 + width]`` on the host.
 
         Raises:
             EPProtocolError: some rank is in another operation or call (every rank raises: each sees
@@ -166,9 +204,10 @@ class TorchBackend(A2ABackend):
         if header.done is not None:
             with self.monitor.guard(header.step):
                 _wait(header.done, self.timeout_s)
+        rows = header.host.numpy()
         op_code, call = _OPS[header.op], header.call
-        heads = header.host[:, :2].tolist()
-        if any(h != [op_code, call] for h in heads):
+        if (rows[:, 0] != op_code).any() or (rows[:, 1] != call).any():
+            heads = rows[:, :2].tolist()
             ops = {r: f"{_OP_NAMES.get(o, f'operation {o}')} (call #{c})" for r, (o, c) in enumerate(heads)}
             raise EPProtocolError(
                 "ep_a2a: ranks called the layer's collectives in different orders: "
@@ -178,7 +217,7 @@ class TorchBackend(A2ABackend):
                 "finalize the layer",
                 operations=ops,
             )
-        return header.host[:, 2:]
+        return rows
 
     def _exchange(
         self, step: str, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
@@ -191,13 +230,21 @@ class TorchBackend(A2ABackend):
             dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.ep_group)
         return recv
 
-    @staticmethod
-    def _row_bytes(parts: list[int]) -> tuple[list[int], int]:
-        offsets, off = [], 0
-        for p in parts:
-            offsets.append(off)
-            off += (p + _ALIGN - 1) // _ALIGN * _ALIGN
-        return offsets, off
+    def _raise_bad_ids(self, rows: np.ndarray, exp_indices: torch.Tensor) -> None:
+        """``ValueError`` on every rank when some rank's ids left ``[-1, num_tot_experts)`` (its slot
+        counts of the two out-of-range bins), before any payload moves."""
+        E, bins = self.config.num_tot_experts, 4 + self.world_size
+        bad = rows[:, bins] + rows[:, bins + E + 2]
+        if not bad.any():
+            return
+        what = f"exp_indices must be in [-1, num_tot_experts={E}) (-1 drops a slot)"
+        if bad[self.rank]:  # (the offending rank reads its range: a sync, on this error path only)
+            lo, hi = torch.aminmax(exp_indices)
+            raise ValueError(f"{what}, got values in [{int(lo)}, {int(hi)}]")
+        ranks = [r for r in range(self.world_size) if bad[r]]
+        raise ValueError(
+            f"{what}: rank(s) {ranks} passed {int(bad.sum())} slot(s) outside; no rank sent data"
+        )
 
     # -- dispatch ------------------------------------------------------------------------------------
     def dispatch(
@@ -207,160 +254,161 @@ class TorchBackend(A2ABackend):
         weight: torch.Tensor | None,
         full_scatter_indices: torch.Tensor | None,
     ) -> DispatchResult:
-        cfg = self.config
-        n, topk, world = input.shape[0], cfg.topk, self.world_size
+        cfg, me = self.config, self.rank
+        n, K, world, L, E = input.shape[0], cfg.topk, self.world_size, self.e_local, cfg.num_tot_experts
         dev = input.device
-        num_experts = cfg.num_tot_experts
-        # an id outside [-1, num_experts) (possible with validate=False) drops its slot, as -1 does
-        exp_indices = exp_indices.masked_fill((exp_indices < 0) | (exp_indices >= num_experts), -1)
-        idx = exp_indices.long()
-        dest = torch.where(idx >= 0, idx // self.e_local, world)  # world = "dropped"
-        present = torch.zeros(n, world + 1, dtype=torch.bool, device=dev)
-        present.scatter_(1, dest, True)
-        present = present[:, :world]
-        expert_counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
-        expert_counts.scatter_add_(0, idx.flatten() + 1, torch.ones_like(idx.flatten()))
+        c = self._consts(dev)
+        # bin of each slot: 0 an id below -1, 1 dropped (-1), 2 + e expert e, E + 2 an id of E or more
+        bins = (exp_indices.clamp(-2, E) + 2).long()
+        dest = c.dest[bins]  # [n, K] destination rank, world where the slot is dropped
+        kept = dest < world
+        # the first slot of the token with the same destination (k itself or an earlier one): one row
+        # per (token, rank)
+        same = dest[:, :, None] == dest[:, None, :]
+        skip = torch.where(kept, torch.where(same, c.krange, K).amin(-1), -1)  # [n, K] int32
+        # rows by (dest, token): each (token, rank)'s first slot keeps its rank, the others sort last
+        flat_dest = torch.where(skip == c.krange, dest, world).flatten()
 
-        # counts first, in the operation's opening exchange, the same row to every rank: my token count,
-        # my rows for each rank, my kept slots per expert (the per-expert matrix lets each source compute
-        # where its slots land without a round trip)
-        body = torch.cat(
-            [torch.full((1,), n, device=dev, dtype=torch.int64), present.sum(0), expert_counts[1:]]
-        )
-        counts = self._check(self._open("dispatch", "dispatch/counts", body.expand(world, -1)))
-        tokens_per_rank = counts[:, 0].clone()
-        rows_matrix = counts[:, 1 : 1 + world]  # [src rank, dest rank] rows (tokens) sent
-        count_matrix = counts[:, 1 + world :]  # [src rank, global expert] kept slots
-        send_counts = _split_sizes(rows_matrix[self.rank])
-        recv_counts = _split_sizes(rows_matrix[:, self.rank])
-        per_rank = count_matrix.view(world, world, self.e_local)  # [src, dest, local expert]
-        slot_counts = _split_sizes(per_rank[self.rank].sum(1))
-        back_counts = _split_sizes(per_rank[:, self.rank].sum(1))
-        # rows ordered by (dest, token), found without a device sync: their number is known
-        flat = _first_true(present.t(), sum(send_counts))
-        send_token, send_dest = flat % max(n, 1), flat // max(n, 1)
+        # the opening exchange, the same row to every rank: (op, call, my token count, my rows for each
+        # rank, my slots per bin); the per-expert matrix lets each source place its slots without a
+        # round trip, and the out-of-range bins stop a bad call on every rank before any payload
+        row = self._head("dispatch", n).to(dev, non_blocking=True)
+        row[3 : 4 + world].scatter_add_(0, flat_dest, c.ones[: n * K])
+        row[4 + world :].scatter_add_(0, bins.flatten(), c.ones[: n * K])
+        rows = self._check(self._open("dispatch", "dispatch/counts", row))
+        if self.validate:
+            self._raise_bad_ids(rows, exp_indices)
+        rows_matrix = rows[:, 3 : 3 + world]  # [src rank, dest rank] rows (tokens) sent
+        count_matrix = rows[:, 6 + world : 6 + world + E]  # [src rank, global expert] kept slots
+        per_rank = count_matrix.reshape(world, world, L)  # [src, dest, local expert]
+        send_counts = rows_matrix[me].tolist()
+        recv_counts = rows_matrix[:, me].tolist()
+        slot_counts = per_rank[me].sum(1).tolist()
+        back_counts = per_rank[:, me].sum(1).tolist()
+        num_rows, num_slots = sum(back_counts), sum(slot_counts)
+        dropped_first = int(rows[me, 4 + world] + rows[me, 5 + world])  # bins sorted before the experts
 
-        # one packed payload: token row | expert indices | weights | caller scatter indices
-        x_bytes = input.shape[1] * input.element_size()  # (FP8 dispatch: the row and its scales, as bytes)
-        parts = [x_bytes, topk * 4]
+        # what the host computes from the counts, in one upload: each expert's first row at its receiver
+        # minus my slots of earlier experts (bin-indexed), rows per local expert, receive boundaries
+        totals = per_rank.sum(0)  # [dest, local]
+        start = (_exclusive_cumsum(totals, 1) + _exclusive_cumsum(per_rank, 0)[me]).reshape(E)
+        nb = L + world - 1
+        up_host = torch.empty(nb + (E + 4) // 2, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        up = up_host.numpy()
+        up[:L] = totals[me]
+        up[L:nb] = np.cumsum(recv_counts)[:-1]
+        bins_base = up[nb:].view(np.int32)
+        bins_base[:] = 0
+        bins_base[2 : E + 2] = start - _exclusive_cumsum(count_matrix[me], 0)
+        up_dev = up_host.to(dev, non_blocking=True)
+        per_expert, recv_bounds = up_dev[:L], up_dev[L:nb]
+        base = up_dev[nb:].view(torch.int32)
+
+        # rows ordered by (dest, token): the first slot of each (token, rank), stably sorted by rank
+        row_dest, row_flat = torch.sort(flat_dest, stable=True)
+        send_flat = row_flat[: sum(send_counts)]
+        send_token = send_flat // K
+        # where each of my slots lands: with the default order, receivers place rows by (local expert,
+        # source rank, token, slot), so a stable sort by expert ranks my slots inside each expert
+        if full_scatter_indices is None:
+            sorted_bins, order = torch.sort(bins.flatten(), stable=True)
+            slot_flat = order[dropped_first : dropped_first + num_slots]
+            pos = base[sorted_bins[dropped_first : dropped_first + num_slots]] + c.iota32[:num_slots]
+            scatter = torch.full((n * K,), -1, dtype=torch.int32, device=dev)
+            scatter.scatter_(0, slot_flat, pos)
+            scatter = scatter.view(n, K)
+        else:  # the caller's rows; combine returns my slots by (dest, row), so sort them that way
+            scatter = torch.where(kept, full_scatter_indices, -1)
+            key = torch.where(
+                kept, dest * (world * cfg.max_tokens * K) + scatter, world * world * cfg.max_tokens * K
+            )
+            slot_flat = torch.sort(key.flatten(), stable=True).indices[:num_slots]
+
+        # one packed payload per row: token row | expert of each slot | its row at the receiver | weights
+        # (8-byte aligned fields, so that every field of the received bytes views as its dtype)
+        xb = input.shape[1] * input.element_size()
+        pad = -xb % 8
+        parts = [c.expert[bins].view(torch.uint8), scatter.view(torch.uint8)]
         if weight is not None:
-            parts.append(topk * weight.element_size())
-        if full_scatter_indices is not None:
-            parts.append(topk * 4)
-        offsets, row_bytes = self._row_bytes(parts)
-        payload = torch.empty(len(send_token), row_bytes, dtype=torch.uint8, device=dev)
-        payload[:, : parts[0]] = input.view(torch.uint8)[send_token]
-        payload[:, offsets[1] : offsets[1] + parts[1]] = exp_indices.view(torch.uint8)[send_token]
-        p = 2
-        if weight is not None:
-            payload[:, offsets[p] : offsets[p] + parts[p]] = weight.view(torch.uint8)[send_token]
-            p += 1
-        if full_scatter_indices is not None:
-            payload[:, offsets[p] : offsets[p] + parts[p]] = full_scatter_indices.view(torch.uint8)[
-                send_token
-            ]
+            parts.append(weight.view(torch.uint8))
+        tail = -(8 * K + (K * weight.element_size() if weight is not None else 0)) % 8
+        if pad:
+            parts.insert(0, torch.zeros(n, pad, dtype=torch.uint8, device=dev))
+        if tail:
+            parts.append(torch.zeros(n, tail, dtype=torch.uint8, device=dev))
+        meta = torch.cat(parts, 1)
+        payload = torch.cat([input.view(torch.uint8)[send_token], meta[send_token]], 1)
         recv = self._exchange("dispatch/payload", payload, send_counts, recv_counts)
 
-        # expand on the receiver: one output row per (received row, slot) whose expert lives here,
-        # found in (src, token, slot) order without a device sync (their number is known)
-        r_x = recv[:, : parts[0]].view(input.dtype)
-        r_idx = recv[:, offsets[1] : offsets[1] + parts[1]].view(torch.int32).long()
-        p = 2
-        r_w = None
+        # expand on the receiver: output row p is the (row, slot) whose sender placed it at p
+        mo = xb + pad
+        r_e = recv[:, mo : mo + 4 * K].view(torch.int32)
+        r_pos = recv[:, mo + 4 * K : mo + 8 * K].view(torch.int32)
+        mine = c.mine[r_e]
+        target = torch.where(mine, r_pos, num_rows).flatten()
+        if full_scatter_indices is not None:
+            self._check_caller_rows(mine, r_pos, target, num_rows)
+        inv = torch.empty(num_rows + 1, dtype=torch.int64, device=dev)
+        inv.index_put_((target,), c.iota[: target.numel()])
+        back_flat = inv[:num_rows]
+        out_row = back_flat // K
+        output = recv[:, :xb].view(input.dtype)[out_row]
+        out_weights = None
         if weight is not None:
-            r_w = recv[:, offsets[p] : offsets[p] + parts[p]].view(weight.dtype)
-            p += 1
-        num_rows = sum(back_counts)
-        mine = (r_idx >= 0) & (r_idx // self.e_local == self.rank)
-        recv_flat = _first_true(mine, num_rows)
-        recv_row = recv_flat // topk
-        local_expert = r_idx.flatten()[recv_flat] % self.e_local
-        if full_scatter_indices is None:
-            order = torch.sort(local_expert, stable=True).indices
-            back_row = torch.empty_like(order)
-            back_row[order] = torch.arange(num_rows, device=dev)
-        else:
-            r_fsi = recv[:, offsets[p] : offsets[p] + parts[p]].view(torch.int32)
-            back_row = r_fsi.flatten()[recv_flat].long()
-            if num_rows and (
-                int(back_row.min()) < 0
-                or int(back_row.max()) >= num_rows
-                or not bool((torch.bincount(back_row, minlength=num_rows) == 1).all())
-            ):
-                raise ValueError(
-                    f"full_scatter_indices must give rank {self.rank} exactly the rows 0..{num_rows - 1} "
-                    "(each once); the senders' indices do not"
-                )
-            order = torch.empty_like(back_row)
-            order[back_row] = torch.arange(num_rows, device=dev)
-        output = r_x[recv_row[order]]
-        out_weights = r_w.flatten()[recv_flat[order]].contiguous() if r_w is not None else None
-        recv_expert = local_expert[order]
+            wo = mo + 8 * K
+            out_weights = torch.take(
+                recv[:, wo : wo + K * weight.element_size()].view(weight.dtype), back_flat
+            )
+        recv_expert = torch.take(r_e, back_flat) % L
 
-        # where each of my slots lands (for the caller and for combine's reverse path)
-        slot_flat = torch.sort(dest.flatten(), stable=True).indices[: sum(slot_counts)]
         state = _TorchState(
             owner=id(self),
-            send_pos=send_token * world + send_dest,
+            send_pos=send_token * world + row_dest[: len(send_flat)] if self.enable_local_combine else None,
             send_counts=send_counts,
             recv_counts=recv_counts,
             slot_flat=slot_flat,
             slot_counts=slot_counts,
-            back_row=back_row,
+            back_flat=back_flat,
+            out_row=out_row,
+            recv_bounds=recv_bounds,
             back_counts=back_counts,
-            back_flat=recv_flat[order],
         )
-        if full_scatter_indices is None:
-            scatter = self._default_scatter(idx, count_matrix)
-        else:
-            scatter = torch.where(exp_indices >= 0, full_scatter_indices, -1)
-        per_expert = per_rank[:, self.rank].sum(0)
         desc = EPAllToAllLayoutDesc(
             num_dispatch_token_cur_rank=n,
-            num_input_tokens_per_rank=tokens_per_rank,
+            num_input_tokens_per_rank=torch.from_numpy(rows[:, 2].copy()),
             send_reqs_recv_tensor=None,
             topk_indices_tensor=exp_indices,
             token_dst_scatter_idx=scatter.to(cfg.offset_dtype),
             skipped_token_mapping_indices=None,
-            skipped_token_topk_mapping_indices=_first_slot_same_rank(dest, world),
-            num_recv_tokens_per_expert=per_expert.to(dev, non_blocking=True),
+            skipped_token_topk_mapping_indices=skip,
+            num_recv_tokens_per_expert=per_expert,
             num_recv_tokens_per_rank=torch.tensor(back_counts, dtype=torch.int64),
             num_recv_rows=num_rows,
-            recv_expert_indices=recv_expert.to(torch.int32),
+            recv_expert_indices=recv_expert,
             caller_scatter=full_scatter_indices is not None,
             backend_state=state,
         )
         return output, out_weights, desc
 
-    def _default_scatter(self, idx: torch.Tensor, count_matrix: torch.Tensor) -> torch.Tensor:
-        """``[n, topk]`` int32 row of each of my slots in its receiver's output (-1 dropped), from counts.
-
-        Receiver ``d`` orders rows by (local expert, source rank, token, slot), so my slots for global
-        expert ``e`` start at: rows of ``d``'s earlier experts + rows of ``e`` from lower source ranks.
-        """
-        world, e_local = self.world_size, self.e_local
-        per_dest = count_matrix.view(world, world, e_local)  # [src, dest, local]
-        totals = per_dest.sum(0)  # [dest, local]
-        expert_start = torch.cumsum(totals, 1) - totals  # exclusive, inside each dest
-        src_start = torch.cumsum(per_dest, 0) - per_dest  # exclusive over source ranks
-        mine = count_matrix[self.rank]
-        group_start = torch.cumsum(mine, 0) - mine
-        # per global expert: receiver row of my first slot of it, minus my slots of earlier experts
-        base = (expert_start + src_start[self.rank]).flatten() - group_start
-        base = base.to(idx.device, non_blocking=True)
-        flat = idx.flatten()
-        kept = int(mine.sum())
-        order = torch.sort(torch.where(flat >= 0, flat, self.config.num_tot_experts), stable=True).indices[
-            :kept
-        ]
-        pos = base[flat[order]] + torch.arange(kept, device=idx.device)
-        scatter = torch.full_like(flat, -1)
-        scatter[order] = pos
-        return scatter.view(idx.shape).to(torch.int32)
+    def _check_caller_rows(
+        self, mine: torch.Tensor, r_pos: torch.Tensor, target: torch.Tensor, num_rows: int
+    ) -> None:
+        """The caller's rows of my slots must be ``0 .. num_rows - 1``, each once (two host reads: only
+        with ``full_scatter_indices``)."""
+        bad = bool((mine & ((r_pos < 0) | (r_pos >= num_rows))).any())
+        if not bad and num_rows:
+            hits = torch.zeros(num_rows + 1, dtype=torch.int64, device=target.device)
+            hits.scatter_add_(0, target.long(), torch.ones_like(target, dtype=torch.int64))
+            bad = not bool((hits[:num_rows] == 1).all())
+        if bad:
+            raise ValueError(
+                f"full_scatter_indices must give rank {self.rank} exactly the rows 0..{num_rows - 1} "
+                "(each once); the senders' indices do not"
+            )
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        header = self._open("combine", "combine")
+        header = self._open("combine", "combine", self._head("combine", copies=self.world_size))
         state: _TorchState = layout_desc.backend_state
         n, topk, world = layout_desc.num_dispatch_token_cur_rank, self.config.topk, self.world_size
         if self.enable_local_combine:
@@ -370,9 +418,10 @@ class TorchBackend(A2ABackend):
             rows = self._exchange(
                 "combine", partial.view(torch.uint8), state.recv_counts, state.send_counts
             ).view(input.dtype)
+            assert state.send_pos is not None
             out = _sum_slots(rows, state.send_pos, n, world)
         else:
-            rows = self._reverse(input[state.back_row], state)
+            rows = self._reverse(input[_back_row(state)], state)
             out = _sum_slots(rows, state.slot_flat, n, topk)
         self._check(header)
         return out.to(input.dtype)
@@ -384,10 +433,12 @@ class TorchBackend(A2ABackend):
         return recv.view(rows.dtype)
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        header = self._open("combine_per_slot", "combine")
+        header = self._open(
+            "combine_per_slot", "combine", self._head("combine_per_slot", copies=self.world_size)
+        )
         state: _TorchState = layout_desc.backend_state
         n, topk, width = layout_desc.num_dispatch_token_cur_rank, self.config.topk, input.shape[1]
-        rows = self._reverse(input[state.back_row], state)
+        rows = self._reverse(input[_back_row(state)], state)
         out = torch.zeros(n * topk, width, dtype=input.dtype, device=input.device)
         out[state.slot_flat] = rows
         self._check(header)
@@ -398,7 +449,7 @@ class TorchBackend(A2ABackend):
         if self.device.type == "cuda":
             (stream or torch.cuda.current_stream()).synchronize()
         if not intra_node_only:
-            self._check(self._open("barrier", "barrier"))
+            self._check(self._open("barrier", "barrier", self._head("barrier", copies=self.world_size)))
             return
         node, lws = self.rank // self.config.local_world_size, self.config.local_world_size
         self.monitor.checkin("barrier/node", "1", ranks=range(node * lws, (node + 1) * lws))
@@ -407,26 +458,27 @@ class TorchBackend(A2ABackend):
         self.monitor.destroy()
 
 
-def _first_slot_same_rank(dest: torch.Tensor, world: int) -> torch.Tensor:
-    """``[n, topk]`` int32: first slot k' <= k of the token with the same destination rank, -1 if dropped."""
-    _n, topk = dest.shape
-    k = torch.arange(topk, device=dest.device)
-    same = dest[:, :, None] == dest[:, None, :]  # [n, k, k']
-    earlier = k[None, :] <= k[:, None]  # k' <= k
-    first = torch.where(same & earlier[None], k[None, None, :], topk).amin(-1)
-    return torch.where(dest < world, first, -1).to(torch.int32)
+def _back_row(state: _TorchState) -> torch.Tensor:
+    """Output rows in the order combine sends them back: by source rank, then output row (for each source,
+    the order in which it sorted its slots: by expert, or by the caller's row); computed once."""
+    if state.back_row is None:
+        src = torch.bucketize(state.out_row, state.recv_bounds, right=True)
+        state.back_row = torch.sort(src, stable=True).indices
+    return state.back_row
 
 
 def _wait(event: torch.cuda.Event, timeout_s: float) -> None:
     """Wait for ``event`` on the host, raising ``TimeoutError`` after ``timeout_s`` (a device wait cannot be
-    bounded otherwise: a collective whose peer never comes stays queued)."""
+    bounded otherwise: a collective whose peer never comes stays queued). Polls hot for the first
+    ``_HOT_POLL_S`` (an exchange's usual wait: a sleep would add its own latency to every call), then
+    every ``_COLD_POLL_S``."""
     if event.query():
         return
-    deadline = time.monotonic() + timeout_s
-    spins = 0
+    now = time.monotonic()
+    hot, deadline = now + _HOT_POLL_S, now + timeout_s
     while not event.query():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise TimeoutError(f"the device did not finish the exchange within {timeout_s:g}s")
-        spins += 1
-        if spins > 2000:  # past ~a few ms: stop spinning hot
-            time.sleep(1e-4)
+        if now > hot:
+            time.sleep(_COLD_POLL_S)

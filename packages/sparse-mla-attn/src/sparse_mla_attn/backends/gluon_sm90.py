@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import triton
 
-from sparse_mla_attn._runtime import cdiv, is_sm90, launch
+from sparse_mla_attn._runtime import LaunchContext, cdiv, is_sm90, launch
 from sparse_mla_attn._validate import SparseDims
 
 #: Triton releases (major, minor) whose Gluon API these kernels are written for and compiled against.
@@ -673,19 +673,25 @@ def launch_fwd_gluon(
     k_stride: int,
     causal: bool,
     slots: dict[Any, Any] | None = None,
+    strides: tuple[int, ...] | None = None,
+    ctx: LaunchContext | None = None,
 ) -> Any:
     """Forward on sm_90: one program per token and 64-head tile, 12 warp-specialised warps (see
     ``_sparse_mla_fwd_pingpong_kernel``); same arguments and outputs as the Triton launch (``slots``: see
-    :func:`sparse_mla_attn._runtime.launch`)."""
+    :func:`sparse_mla_attn._runtime.launch`). ``strides``: the token and head strides of ``q``, the row
+    strides of ``kv_rows`` and ``idx``, the token and head strides of ``out`` (then the tensors may be any
+    views of the same memory, e.g. before a reshape); else read off the tensors. ``ctx``: the call's
+    :func:`~sparse_mla_attn._runtime.launch_context`."""
     n_head_tiles = cdiv(dims.h_q, 64)
+    if strides is None:
+        strides = (q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1))
     return launch(
         _sparse_mla_fwd_pingpong_kernel, (dims.s_q * n_head_tiles,), slots, "gluon_fwd",
         (q, kv_rows, idx, out, max_logits, lse, sink, topk_length if topk_length is not None else idx,
-         q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1),
-         dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2),
+         *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2),
         dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
              HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
-             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4),
+             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4), ctx,
     )  # fmt: skip
 
 
