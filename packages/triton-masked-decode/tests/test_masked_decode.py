@@ -406,18 +406,31 @@ def test_direct_launch_passes_every_kernel_argument(cpu_device: torch.device) ->
         pytest.param(Case(num_splits=3, seqlens="tensor"), id="bool-seqlens-3splits"),
         pytest.param(Case(batch=3, mask="packed", layout="paged", seqlens="tensor"), id="packed-paged"),
         pytest.param(Case(mask="none", num_splits=1), id="nomask-1split"),
+        pytest.param(Case(num_splits=2), id="fp8-tensor-and-token-scales"),
     ],
 )
-def test_bound_launch_matches_reference_cpu(case: Case, cpu_device: torch.device) -> None:
+def test_bound_launch_matches_reference_cpu(
+    case: Case, cpu_device: torch.device, request: pytest.FixtureRequest
+) -> None:
     """Eager calls after a signature's first launch pass the compiled kernel's launcher the pointers of the
     cached buffers (workspace, counters, error word, stand-ins) as ints: run with exactly those arguments,
     the kernel gives the reference result, every int is the pointer of the buffer its argument names, and
     a second call reuses the binding."""
     md = sys.modules["triton_masked_decode.masked_decode"]
     q, k, v, mask, ref_mask, seqlens, block_table = make_inputs(case, cpu_device, seed=31)
+    scales: dict = {}
+    if "fp8" in request.node.callspec.id:  # an FP8 cache with per-tensor scale tensors and per-token scales
+        k, v = (k.float() / 0.5).to(torch.float8_e4m3fn), (v.float() / 0.25).to(torch.float8_e4m3fn)
+        g = torch.Generator().manual_seed(32)
+        scales = {
+            "k_scale": torch.tensor(0.5),
+            "v_scale": torch.tensor([0.25]),
+            "k_token_scale": torch.rand(case.batch, case.hkv, case.length, generator=g) + 0.5,
+            "v_token_scale": torch.rand(case.batch, case.hkv, case.length, generator=g) + 0.5,
+        }
     config = MaskedDecodeConfig(num_splits=case.num_splits)
     md._SIGNATURES.clear()
-    masked_decode(q, k, v, mask, seqlens=seqlens, block_table=block_table, config=config)
+    masked_decode(q, k, v, mask, seqlens=seqlens, block_table=block_table, config=config, **scales)
     (entry,) = md._SIGNATURES.values()
     st = entry.sig.static
     names = md._masked_decode_split_kernel.arg_names
@@ -445,6 +458,11 @@ def test_bound_launch_matches_reference_cpu(case: Case, cpu_device: torch.device
             if isinstance(val, int) and name in cached:
                 assert val == cached[name].data_ptr(), name
                 kw[name] = cached[name]
+        kernel_names = {
+            "k_scale": "KScale", "v_scale": "VScale", "k_token_scale": "KTokScale", "v_token_scale": "VTokScale",
+        }  # fmt: skip
+        for name, tensor in scales.items():  # the call's own scale tensors are passed as they are
+            assert kw[kernel_names[name]] is tensor, name
         if kw["Mask"].dtype == torch.bool:
             kw["Mask"] = kw["Mask"].view(torch.uint8)  # as the first launch passed it
         launches.append(kw)
@@ -456,9 +474,13 @@ def test_bound_launch_matches_reference_cpu(case: Case, cpu_device: torch.device
         run = staticmethod(launch)
 
     entry.launcher = md._direct_launcher(Compiled(), md._constexprs(st.meta, {}))
-    ref_out, ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens, block_table=block_table)
+    ref_out, ref_lse = masked_decode_ref(
+        q, k, v, ref_mask, seqlens=seqlens, block_table=block_table, **scales
+    )
     for _ in range(2):
-        out, lse = masked_decode(q, k, v, mask, seqlens=seqlens, block_table=block_table, config=config)
+        out, lse = masked_decode(
+            q, k, v, mask, seqlens=seqlens, block_table=block_table, config=config, **scales
+        )
         _check_result(case, q, out, lse, ref_out, ref_lse)
     assert len(launches) == 2
     assert entry.bound is not None
