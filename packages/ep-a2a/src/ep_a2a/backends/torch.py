@@ -30,6 +30,7 @@ data. On a gloo group every exchange runs on a gloo side group with the layer's 
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -82,6 +83,7 @@ class _Tables:
     dest: torch.Tensor  # [E + 3] int64: destination rank of each slot bin (world: none)
     expert: torch.Tensor  # [E + 3] int32: global expert of each slot bin (E: none)
     krange: torch.Tensor  # [topk] int32
+    earlier: torch.Tensor  # [topk, topk] bool: slot j comes before slot k
     mine: torch.Tensor  # [E + 1] bool: whether an expert (E: none) lives on this rank
     iota: torch.Tensor  # [world * max_tokens * topk] int64
     iota32: torch.Tensor  # [max_tokens * topk] int32
@@ -96,8 +98,10 @@ def _sum_slots(rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int) -
     return grid.view(groups, width, rows.shape[1]).sum(1, dtype=torch.float32)
 
 
-def _exclusive_cumsum(a: np.ndarray, axis: int) -> np.ndarray:
-    return np.cumsum(a, axis=axis) - a
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous ``[n, k]`` tensor as ``[n, k * itemsize]`` uint8 (any strides of size-1
+    dimensions)."""
+    return t.reshape(-1).view(torch.uint8).view(t.shape[0], t.shape[1] * t.element_size())
 
 
 @register_backend
@@ -146,6 +150,7 @@ class TorchBackend(A2ABackend):
                 dest=torch.cat([none, none, experts // L, none]).to(dev),
                 expert=torch.cat([torch.tensor([E, E]), experts, torch.tensor([E])]).to(dev, torch.int32),
                 krange=torch.arange(K, dtype=torch.int32, device=dev),
+                earlier=torch.ones(K, K, dtype=torch.bool).tril(-1).to(dev),
                 mine=(torch.arange(E + 1) // L == self.rank).to(dev),
                 iota=torch.arange(world * T * K, device=dev),
                 iota32=torch.arange(T * K, dtype=torch.int32, device=dev),
@@ -261,13 +266,9 @@ class TorchBackend(A2ABackend):
         # bin of each slot: 0 an id below -1, 1 dropped (-1), 2 + e expert e, E + 2 an id of E or more
         bins = (exp_indices.clamp(-2, E) + 2).long()
         dest = c.dest[bins]  # [n, K] destination rank, world where the slot is dropped
-        kept = dest < world
-        # the first slot of the token with the same destination (k itself or an earlier one): one row
-        # per (token, rank)
+        # one row per (token, rank): a slot whose token sends an earlier slot to the same rank sorts last
         same = dest[:, :, None] == dest[:, None, :]
-        skip = torch.where(kept, torch.where(same, c.krange, K).amin(-1), -1)  # [n, K] int32
-        # rows by (dest, token): each (token, rank)'s first slot keeps its rank, the others sort last
-        flat_dest = torch.where(skip == c.krange, dest, world).flatten()
+        flat_dest = torch.where((same & c.earlier).any(-1), world, dest).flatten()
 
         # the opening exchange, the same row to every rank: (op, call, my token count, my rows for each
         # rank, my slots per bin); the per-expert matrix lets each source place its slots without a
@@ -275,73 +276,91 @@ class TorchBackend(A2ABackend):
         row = self._head("dispatch", n).to(dev, non_blocking=True)
         row[3 : 4 + world].scatter_add_(0, flat_dest, c.ones[: n * K])
         row[4 + world :].scatter_add_(0, bins.flatten(), c.ones[: n * K])
-        rows = self._check(self._open("dispatch", "dispatch/counts", row))
-        if self.validate:
-            self._raise_bad_ids(rows, exp_indices)
-        rows_matrix = rows[:, 3 : 3 + world]  # [src rank, dest rank] rows (tokens) sent
-        count_matrix = rows[:, 6 + world : 6 + world + E]  # [src rank, global expert] kept slots
-        per_rank = count_matrix.reshape(world, world, L)  # [src, dest, local expert]
-        send_counts = rows_matrix[me].tolist()
-        recv_counts = rows_matrix[:, me].tolist()
-        slot_counts = per_rank[me].sum(1).tolist()
-        back_counts = per_rank[:, me].sum(1).tolist()
-        num_rows, num_slots = sum(back_counts), sum(slot_counts)
-        dropped_first = int(rows[me, 4 + world] + rows[me, 5 + world])  # bins sorted before the experts
+        header = self._open("dispatch", "dispatch/counts", row)
 
-        # what the host computes from the counts, in one upload: each expert's first row at its receiver
-        # minus my slots of earlier experts (bin-indexed), rows per local expert, receive boundaries
-        totals = per_rank.sum(0)  # [dest, local]
-        start = (_exclusive_cumsum(totals, 1) + _exclusive_cumsum(per_rank, 0)[me]).reshape(E)
-        nb = L + world - 1
-        up_host = torch.empty(nb + (E + 4) // 2, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        up = up_host.numpy()
-        up[:L] = totals[me]
-        up[L:nb] = np.cumsum(recv_counts)[:-1]
-        bins_base = up[nb:].view(np.int32)
-        bins_base[:] = 0
-        bins_base[2 : E + 2] = start - _exclusive_cumsum(count_matrix[me], 0)
-        up_dev = up_host.to(dev, non_blocking=True)
-        per_expert, recv_bounds = up_dev[:L], up_dev[L:nb]
-        base = up_dev[nb:].view(torch.int32)
-
-        # rows ordered by (dest, token): the first slot of each (token, rank), stably sorted by rank
+        # what needs no counts runs while they travel: rows ordered by (dest, token) (each (token,
+        # rank)'s first slot, stably sorted by rank), each kept slot's rank among my slots of its expert,
+        # and the packed payload of every token but the receiver rows of its slots:
+        # token row | expert of each slot | its row at the receiver | weights (8-byte aligned fields, so
+        # that every field of the received bytes views as its dtype)
+        kept = dest < world
         row_dest, row_flat = torch.sort(flat_dest, stable=True)
-        send_flat = row_flat[: sum(send_counts)]
-        send_token = send_flat // K
-        # where each of my slots lands: with the default order, receivers place rows by (local expert,
-        # source rank, token, slot), so a stable sort by expert ranks my slots inside each expert
+        row_token = row_flat // K
         if full_scatter_indices is None:
+            # receivers place rows by (local expert, source rank, token, slot): a stable sort by bin
+            # ranks my slots inside each expert; the receiver row adds the expert's base (from counts)
             sorted_bins, order = torch.sort(bins.flatten(), stable=True)
-            slot_flat = order[dropped_first : dropped_first + num_slots]
-            pos = base[sorted_bins[dropped_first : dropped_first + num_slots]] + c.iota32[:num_slots]
-            scatter = torch.full((n * K,), -1, dtype=torch.int32, device=dev)
-            scatter.scatter_(0, slot_flat, pos)
-            scatter = scatter.view(n, K)
+            bin_counts = row[4 + world :]
+            first = (torch.cumsum(bin_counts, 0) - bin_counts).to(torch.int32)  # my first slot of each bin
+            rank_in_bin = torch.empty(n * K, dtype=torch.int32, device=dev)
+            rank_in_bin.scatter_(0, order, c.iota32[: n * K] - first[sorted_bins])
+            rank_in_bin = torch.where(kept, rank_in_bin.view(n, K), 0)
+            scatter = None
         else:  # the caller's rows; combine returns my slots by (dest, row), so sort them that way
             scatter = torch.where(kept, full_scatter_indices, -1)
             key = torch.where(
                 kept, dest * (world * cfg.max_tokens * K) + scatter, world * world * cfg.max_tokens * K
             )
-            slot_flat = torch.sort(key.flatten(), stable=True).indices[:num_slots]
-
-        # one packed payload per row: token row | expert of each slot | its row at the receiver | weights
-        # (8-byte aligned fields, so that every field of the received bytes views as its dtype)
+            order = torch.sort(key.flatten(), stable=True).indices
         xb = input.shape[1] * input.element_size()
         pad = -xb % 8
-        parts = [c.expert[bins].view(torch.uint8), scatter.view(torch.uint8)]
-        if weight is not None:
-            parts.append(weight.view(torch.uint8))
         tail = -(8 * K + (K * weight.element_size() if weight is not None else 0)) % 8
+        mo = xb + pad
+        parts = [input.view(torch.uint8)]
         if pad:
-            parts.insert(0, torch.zeros(n, pad, dtype=torch.uint8, device=dev))
+            parts.append(torch.zeros(n, pad, dtype=torch.uint8, device=dev))
+        parts += [_bytes(c.expert[bins]), _bytes(scatter if scatter is not None else rank_in_bin)]
+        if weight is not None:
+            parts.append(_bytes(weight))
         if tail:
             parts.append(torch.zeros(n, tail, dtype=torch.uint8, device=dev))
-        meta = torch.cat(parts, 1)
-        payload = torch.cat([input.view(torch.uint8)[send_token], meta[send_token]], 1)
-        recv = self._exchange("dispatch/payload", payload, send_counts, recv_counts)
+        packed = torch.cat(parts, 1)  # [n, bytes per row]
+
+        rows = self._check(header)
+        if self.validate:
+            self._raise_bad_ids(rows, exp_indices)
+        rows_matrix = rows[:, 3 : 3 + world].tolist()  # [src rank][dest rank] rows (tokens) sent
+        send_counts = rows_matrix[me]
+        recv_counts = [r[me] for r in rows_matrix]
+        per_rank = rows[:, 6 + world : 6 + world + E].reshape(world, world, L)  # [src, dest, local expert]
+        slot_matrix = per_rank.sum(2).tolist()  # [src rank][dest rank] kept slots
+        slot_counts = slot_matrix[me]
+        back_counts = [r[me] for r in slot_matrix]
+        num_rows, num_slots, num_sent = sum(back_counts), sum(slot_counts), sum(send_counts)
+        dropped_first = int(rows[me, 4 + world] + rows[me, 5 + world])  # bins sorted before the experts
+
+        # what the host computes from the counts, in one upload: rows per local expert, receive
+        # boundaries, and each expert's first row at its receiver (bin-indexed, -1 for the other bins):
+        # its receiver's rows of earlier experts plus the rows of earlier sources in the same expert
+        totals = per_rank.sum(0)  # [dest, local]
+        nb = L + world - 1
+        up_host = torch.empty(nb + (E + 4) // 2, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        up = up_host.numpy()
+        up[:L] = totals[me]
+        up[L:nb] = list(itertools.accumulate(recv_counts[:-1]))
+        bins_base = up[nb:].view(np.int32)
+        bins_base[:2] = bins_base[E + 2 :] = -1
+        start = bins_base[2 : E + 2].reshape(world, L)
+        start[:, 0] = 0
+        start[:, 1:] = np.cumsum(totals[:, :-1], 1)
+        if me:
+            start += per_rank[:me].sum(0)
+        up_dev = up_host.to(dev, non_blocking=True)
+        per_expert, recv_bounds = up_dev[:L], up_dev[L:nb]
+
+        if full_scatter_indices is None:  # the receiver rows of my slots: the expert's base + my rank
+            packed_rows = packed[:, mo + 4 * K : mo + 8 * K].view(torch.int32)
+            packed_rows.add_(up_dev[nb:].view(torch.int32)[bins])
+            slot_flat = order[dropped_first : dropped_first + num_slots]
+        else:
+            slot_flat = order[:num_slots]
+        send_token = row_token[:num_sent]
+        recv = self._exchange("dispatch/payload", packed[send_token], send_counts, recv_counts)
+        skip = torch.where(kept, torch.where(same, c.krange, K).amin(-1), -1)  # [n, K] int32
+        if scatter is None:
+            scatter = packed_rows.clone(memory_format=torch.contiguous_format)
 
         # expand on the receiver: output row p is the (row, slot) whose sender placed it at p
-        mo = xb + pad
         r_e = recv[:, mo : mo + 4 * K].view(torch.int32)
         r_pos = recv[:, mo + 4 * K : mo + 8 * K].view(torch.int32)
         mine = c.mine[r_e]
@@ -363,7 +382,7 @@ class TorchBackend(A2ABackend):
 
         state = _TorchState(
             owner=id(self),
-            send_pos=send_token * world + row_dest[: len(send_flat)] if self.enable_local_combine else None,
+            send_pos=send_token * world + row_dest[:num_sent] if self.enable_local_combine else None,
             send_counts=send_counts,
             recv_counts=recv_counts,
             slot_flat=slot_flat,
