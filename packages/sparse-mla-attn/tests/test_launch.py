@@ -87,6 +87,12 @@ def _check_cached_launches() -> int:
         "attn_dist": lambda: sm.attn_dist(q, kv, idx, lse, 0.1),
         "attn_dist_triton": lambda: sm.attn_dist(q, kv, idx, lse, 0.1, config=sm.Config(backend="triton")),
         "decode_splitk": lambda: sm.sparse_mla_decode(q[:, None], cache, table, seqlens, idx, 0.1),
+        "decode_split_merge_kernel": lambda: sm.sparse_mla_decode(
+            q[:, None], cache, table, seqlens, idx, 0.1, config=sm.Config(num_splits=2, split_merge="kernel")
+        ),
+        "decode_split_last_program": lambda: sm.sparse_mla_decode(
+            q[:, None], cache, table, seqlens, idx, 0.1, config=sm.Config(num_splits=2, split_merge="last_program")
+        ),
         "bwd": lambda: sm.sparse_mla_bwd(q, kv, q[..., :512], q[..., :512], idx, lse, 0.1, return_attn_sum=True),
         "bwd_det": lambda: sm.sparse_mla_bwd(q, kv, q[..., :512], q[..., :512], idx, lse, 0.1, deterministic=True),
     }  # fmt: skip

@@ -35,6 +35,7 @@ from sparse_mla_attn._validate import (
 )
 from sparse_mla_attn.config import DEFAULT, Config, config_of
 from sparse_mla_attn.forward import (
+    MERGE_H,
     FwdPlan,
     RowsPlan,
     fwd_scratch,
@@ -107,7 +108,13 @@ def _merge_last(plan: DecodePlan, split_merge: str, ctx: LaunchContext | None) -
     """Whether the last split program merges the partials (``Config.split_merge``; see there)."""
     if plan.fwd.n_splits == 1 or split_merge == "kernel":
         return False
-    if split_merge == "last_program" or ctx is None:  # ctx None: the interpreter
+    if split_merge == "last_program":
+        return True
+    # "auto": only where the merging program reads no more than a merge-kernel program does (one merge
+    # step of MERGE_H heads), since it merges its whole head tile alone, after the other splits.
+    if plan.fwd.consts["BLOCK_H"] > MERGE_H.value:
+        return False
+    if ctx is None:  # the interpreter: nothing is compiled
         return True
     if ctx.capturing:
         return False

@@ -58,8 +58,9 @@ def _workspace(num_bins: int, slots: int, num_ids: int, num_splits: int, num_row
         np.empty(two * two, dtype=np.int64),
         np.empty(two * two, dtype=np.int64),
     )
-    # per row: alive, active, ready; total, tol, peak, excess, row_lb; per bin: loads; per candidate: peaks
-    flags = np.empty((3, num_rows), dtype=np.bool_)
+    # per row: alive, active, ready, presorted (the caller wrote the row's slot order: see
+    # :func:`_refine`); total, tol, peak, excess, row_lb; per bin: loads; per candidate: peaks
+    flags = np.zeros((4, num_rows), dtype=np.bool_)
     stats = np.empty((5, num_rows))
     bin_tmp = np.empty(num_bins)
     cand_peak = np.empty(num_rows)
@@ -109,13 +110,18 @@ def _refine(
     (``max(total / G, heaviest item)``) or at the best bound of another row of their plan, or once a
     block no longer shrinks their load above the mean; a candidate whose peak trails the best
     candidate by more than ``PRUNE_MARGIN`` stops. Returns the last bin version used.
+
+    The exchange rounds keep each bin's slots in load order (``ws[1][5][r]``), sorted at the row's
+    first block unless the caller wrote them and set ``ws[3][0][3, r]`` (cleared on return).
     """
     _, num_bins, slots = load.shape
-    if num_bins < 2 or iters <= 0:
-        return stamp
     rb, sb, pb, state = ws
     flags, stats, bin_tmp, cand_peak = state
-    alive, active, ready = flags[0], flags[1], flags[2]
+    alive, active, ready, presorted = flags[0], flags[1], flags[2], flags[3]
+    if num_bins < 2 or iters <= 0:
+        for r in range(num_rows):
+            presorted[r] = False
+        return stamp
     total, tol, peak, excess, row_lb = stats[0], stats[1], stats[2], stats[3], stats[4]
     # a migration budget (``budgets[r] >= 0``, slots that may differ from ``origin [B, G, S]``) is
     # kept by the exchange rounds only
@@ -177,7 +183,7 @@ def _refine(
                 # a row's bin loads, order, versions and slot order, set up at its first block
                 ready[r] = True
                 stamp = _start_row(fl, slots, rb_r[2], rb_r[3], rb_r[4], stamp)
-                if not resplit:
+                if not resplit and not presorted[r]:
                     _sort_slots(fl, num_bins, slots, sb_r[5])
             elif resplit or use_budget:
                 # fresh versions: the re-split's peak step counts the pairs it tries, which a skip
@@ -201,6 +207,8 @@ def _refine(
             peak[r] = pk
             excess[r] = after
         it += rounds
+    for r in range(num_rows):
+        presorted[r] = False  # good for this call only
     return stamp
 
 

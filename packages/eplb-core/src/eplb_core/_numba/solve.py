@@ -16,7 +16,7 @@ from eplb_core._numba.refine import (
     _workspace,
     _write_sorted,
 )
-from eplb_core._numba.starts import _layout_row, _lpt_row, _plain_lpt_peak
+from eplb_core._numba.starts import _layout_row, _lpt_into, _lpt_workspace, _plain_lpt_peak, _slot_order
 from eplb_core._numba.utils import _INF, GREEDY_MARGIN, MAX_RESPLIT_SLOTS, RR_MAX_SLOTS, njit
 
 
@@ -126,14 +126,21 @@ def solve_layers(
     node_fill = np.empty(num_nodes, dtype=np.int64)
     node_tag = np.empty(num_nodes, dtype=np.int64)
     node_sum = np.empty(num_nodes)
+    lw = _lpt_workspace(reps, num_bins)
+    node_lw = _lpt_workspace(num_groups, num_nodes)
     ws = _workspace(num_bins, slots, num_experts, tables[3].shape[1], num_cand * num_nodes)
+    # the exchange rounds' slot order of every row, written from the starts' load order (see _refine)
+    presort = slots > MAX_RESPLIT_SLOTS
+    srt = ws[1][5]
+    presorted = ws[3][0][3]
+    item_slot = np.empty(reps, dtype=np.int64)
     stamp = np.int64(0)
     no_budget = np.empty(0, dtype=np.int64)
     for layer in range(num_layers):
         gl = group_load[layer]
         node_use = ours_nodes[layer]
         if num_nodes > 1:
-            _lpt_row(gl, node_g, np.bool_(False), num_nodes, node_g, node_key, node_fill, node_tag)
+            _lpt_into(gl, node_g, np.bool_(False), num_nodes, node_g, node_key, node_fill, node_tag, node_lw)
             # where the greedy split is optimal too (ties), take it: the greedy plan is then our start
             if _node_max(gl, node_g, node_sum) <= _node_max(gl, node_use, node_sum):
                 node_use = node_g
@@ -160,13 +167,20 @@ def solve_layers(
         any_fixed = np.bool_(False)
         for n in range(num_nodes):
             _expand_row(w_rows[0, n], cnt[0, n], ids[0, n], item_load, item_local, item_expert, item_count)
-            order, moved = _lpt_row(item_load, item_local, np.bool_(True), num_bins, bins, key, fill, tag)
+            order, first_moved = _lpt_into(
+                item_load, item_local, np.bool_(True), num_bins, bins, key, fill, tag, lw
+            )
             any_fixed |= _layout_row(
                 bins, item_load, item_expert, item_count, num_bins, load[n], expert[n], fixed[n], fill
             )
+            if presort:
+                _slot_order(bins, order, item_load, num_bins, srt[n], fill, item_slot)
+                presorted[n] = True
             if same:  # this start is the greedy plan
-                greedy_moved[layer] |= moved
-                pk = _plain_lpt_peak(item_load, item_local, moved, num_bins, bins, bins_plain, key, fill, tag)
+                greedy_moved[layer] |= first_moved >= 0
+                pk = _plain_lpt_peak(
+                    item_load, item_local, order, first_moved, num_bins, bins, bins_plain, key, fill, tag, lw
+                )
                 greedy_peak[layer] = max(greedy_peak[layer], pk)
             if num_cand == 2:
                 for p in range(reps):
@@ -175,6 +189,9 @@ def solve_layers(
                 _layout_row(
                     bins, item_load, item_expert, item_count, num_bins, load[r], expert[r], fixed[r], fill
                 )
+                if presort:
+                    _slot_order(bins, order, item_load, num_bins, srt[r], fill, item_slot)
+                    presorted[r] = True
         stamp = _refine(
             load,
             expert,
@@ -215,12 +232,16 @@ def solve_layers(
         any_fixed = np.bool_(False)
         for n in range(num_nodes):
             _expand_row(w_rows[1, n], cnt[1, n], ids[1, n], item_load, item_local, item_expert, item_count)
-            _, moved = _lpt_row(item_load, item_local, np.bool_(True), num_bins, bins, key, fill, tag)
+            order, first_moved = _lpt_into(
+                item_load, item_local, np.bool_(True), num_bins, bins, key, fill, tag, lw
+            )
             any_fixed |= _layout_row(
                 bins, item_load, item_expert, item_count, num_bins, load_g[n], expert_g[n], fixed_g[n], fill
             )
-            greedy_moved[layer] |= moved
-            pk = _plain_lpt_peak(item_load, item_local, moved, num_bins, bins, bins_plain, key, fill, tag)
+            greedy_moved[layer] |= first_moved >= 0
+            pk = _plain_lpt_peak(
+                item_load, item_local, order, first_moved, num_bins, bins, bins_plain, key, fill, tag, lw
+            )
             greedy_peak[layer] = max(greedy_peak[layer], pk)
         if (
             _peak(load_g, np.int64(0), num_nodes) < best
@@ -310,6 +331,7 @@ def pack_layers(
     fill = np.empty(num_bins, dtype=np.int64)
     tag = np.empty(num_bins, dtype=np.int64)
     per_expert = np.zeros(num_experts, dtype=np.int64)
+    lw = _lpt_workspace(num_items, num_bins)
     ws = _workspace(num_bins, slots, num_experts, tables[3].shape[1], num_cand * rows_per_group)
     stamp = np.int64(0)
     no_budget = np.empty(0, dtype=np.int64)
@@ -326,7 +348,7 @@ def pack_layers(
                 per_expert[re[i]] += 1
             for i in range(num_items):
                 rc[i] = per_expert[re[i]]
-            order, _ = _lpt_row(rl, re, np.bool_(True), num_bins, bins, key, fill, tag)
+            order, _ = _lpt_into(rl, re, np.bool_(True), num_bins, bins, key, fill, tag, lw)
             any_fixed |= _layout_row(bins, rl, re, rc, num_bins, load[q], expert[q], fixed[q], fill)
             if num_cand == 2:
                 for p in range(num_items):
