@@ -155,3 +155,30 @@ def test_packed_fp8_rows(hidden: int) -> None:
     assert heap_row_bytes(hidden, torch.bfloat16) == 2 * hidden >= nb
     assert heap_row_bytes(hidden, torch.float8_e4m3fn) == nb
     assert heap_row_bytes(hidden, torch.float8_e5m2) == hidden < nb
+
+
+def test_packed_fp8_rows_round_trip_any_width() -> None:
+    """For any ``hidden`` multiple of 128 and any token count (zero included), packing and unpacking give
+    the FP8 bytes and scale bytes back, and the packed row is 16-byte aligned with under 16 bytes of
+    padding."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ep_a2a.backends.triton.engine import fp8_row_bytes, pack_fp8_rows, unpack_fp8_rows
+
+    @settings(max_examples=40, deadline=None)
+    @given(blocks=st.integers(1, 64), n=st.integers(0, 5), seed=st.integers(0, 2**16))
+    def check(blocks: int, n: int, seed: int) -> None:
+        hidden = blocks * FP8_BLOCK
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randint(0, 256, (n, hidden), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        s = torch.randint(-(2**31), 2**31 - 1, (n, blocks), generator=gen, dtype=torch.int32)
+        s = s.view(torch.float32)
+        nb = fp8_row_bytes(hidden)
+        assert nb % 16 == 0
+        assert 0 <= nb - (hidden + 4 * blocks) < 16
+        q2, s2 = unpack_fp8_rows(pack_fp8_rows(q, s), hidden)
+        assert (tuple(q2.shape), tuple(s2.shape)) == ((n, hidden), (n, blocks))
+        assert torch.equal(_bytes(q2, s2), _bytes(q, s))
+
+    check()

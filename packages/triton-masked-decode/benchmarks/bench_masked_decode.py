@@ -309,6 +309,8 @@ class Runner:
             "errors": {},
         }
         ref_out = None
+        if not any(p.startswith("ours") for p in c.providers):  # comparators only: this package's output
+            ref_out = masked_decode(q3, k, v, mask, seqlens=seqlens, **scales)[0].reshape(b, c.hq, d).float()
         fns: dict[str, Callable[[], object]] = {}
         for p in c.providers:
             if p in ("ours", "ours_dense", "ours_sparse"):

@@ -75,11 +75,15 @@ def heap_row_bytes(hidden: int, token_dtype: torch.dtype) -> int:
 
 def pack_fp8_rows(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``(x_fp8 [n, H] float8_e4m3fn, scales [n, H / 128] float32)`` as packed rows ``[n,
-    fp8_row_bytes(H) / 2]`` of :data:`FP8_ROW_DTYPE` (two copies; the padding bytes are not written)."""
+    fp8_row_bytes(H) / 2]`` of :data:`FP8_ROW_DTYPE` (one concatenation, or two copies where there is
+    padding, whose bytes are not written)."""
     n, h = x_fp8.shape
+    parts = [x_fp8.view(torch.uint8), scales.contiguous().view(torch.uint8)]
+    if fp8_row_bytes(h) == h + 4 * (h // FP8_BLOCK):  # (hidden a multiple of 512: no padding, one kernel)
+        return torch.cat(parts, 1).view(FP8_ROW_DTYPE)
     packed = torch.empty(n, fp8_row_bytes(h), dtype=torch.uint8, device=x_fp8.device)
-    packed[:, :h].copy_(x_fp8.view(torch.uint8))
-    packed[:, h : h + 4 * (h // FP8_BLOCK)].copy_(scales.contiguous().view(torch.uint8))
+    packed[:, :h].copy_(parts[0])
+    packed[:, h : h + 4 * (h // FP8_BLOCK)].copy_(parts[1])
     return packed.view(FP8_ROW_DTYPE)
 
 
