@@ -379,6 +379,9 @@ class TorchBackend(A2ABackend):
                 recv[:, wo : wo + K * weight.element_size()].view(weight.dtype), back_flat
             )
         recv_expert = torch.take(r_e, back_flat) % L
+        back_row = None
+        if full_scatter_indices is None and not self.enable_local_combine:
+            back_row = self._back_row_default(per_rank[:, me], totals[me], num_rows, dev)
 
         state = _TorchState(
             owner=id(self),
@@ -391,6 +394,7 @@ class TorchBackend(A2ABackend):
             out_row=out_row,
             recv_bounds=recv_bounds,
             back_counts=back_counts,
+            back_row=back_row,
         )
         desc = EPAllToAllLayoutDesc(
             num_dispatch_token_cur_rank=n,
@@ -408,6 +412,26 @@ class TorchBackend(A2ABackend):
             backend_state=state,
         )
         return output, out_weights, desc
+
+    def _back_row_default(
+        self, mine: np.ndarray, totals: np.ndarray, num_rows: int, dev: torch.device
+    ) -> torch.Tensor:
+        """Output rows in the order combine sends them back, for the default row order (no sort):
+        output rows run by (local expert, source rank), combine's by (source rank, local expert), so
+        row ``q`` of segment ``(s, l)`` in combine's order is output row ``q + out_start[s, l] -
+        back_start[s, l]``. ``mine``: ``[world, E_local]`` rows received per (source rank, local
+        expert); ``totals``: ``[E_local]`` rows per local expert."""
+        flat = mine.reshape(-1)
+        back_start = np.cumsum(flat) - flat  # [world * E_local] (source, local)-major
+        out_start = (np.cumsum(totals) - totals) + (np.cumsum(mine, 0) - mine)  # [world, E_local]
+        segs = flat.size
+        table = torch.empty(2 * segs - 1, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        t = table.numpy()
+        t[:segs] = out_start.reshape(-1) - back_start
+        t[segs:] = back_start[1:]
+        table = table.to(dev, non_blocking=True)
+        q = self._consts(dev).iota[:num_rows]
+        return q + table[:segs][torch.bucketize(q, table[segs:], right=True)]
 
     def _check_caller_rows(
         self, mine: torch.Tensor, r_pos: torch.Tensor, target: torch.Tensor, num_rows: int
@@ -479,7 +503,8 @@ class TorchBackend(A2ABackend):
 
 def _back_row(state: _TorchState) -> torch.Tensor:
     """Output rows in the order combine sends them back: by source rank, then output row (for each source,
-    the order in which it sorted its slots: by expert, or by the caller's row); computed once."""
+    the order in which it sorted its slots: by expert, or by the caller's row); computed once (dispatch
+    computes it for the default row order)."""
     if state.back_row is None:
         src = torch.bucketize(state.out_row, state.recv_bounds, right=True)
         state.back_row = torch.sort(src, stable=True).indices
