@@ -1,4 +1,4 @@
-"""Portable backend: ``torch.distributed.all_to_all_single`` only (NCCL on GPUs, gloo on CPUs).
+"""Portable backend: ``torch.distributed`` collectives only (NCCL on GPUs, gloo on CPUs).
 
 Dispatch sends each token once per destination rank (not once per expert): one fixed-size exchange of
 counts (which also carries the number of out-of-range expert ids, so a bad call stops on every rank
@@ -21,7 +21,7 @@ one extra rounding of each partial sum).
 Every operation opens with the same fixed-size exchange, headed by the operation and its call number
 (dispatch's counts ride in it), so ranks that call operations in different orders all see each other's
 headers and raise :class:`ep_a2a.EPProtocolError` before any variable-sized message. On an NCCL group
-the exchange runs on the device; its host copy is awaited (bounded by ``timeout_s``) where the host
+the exchange is one all-gather on the device (one row per rank, no per-peer messages); its host copy is awaited (bounded by ``timeout_s``) where the host
 needs it: at once in dispatch (the counts size the payload), and only after the payload is queued in
 combine and barrier, so the header costs one small collective but no host round trip in front of the
 data. On a gloo group every exchange runs on a gloo side group with the layer's timeout. ``tuning`` and
@@ -106,7 +106,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 @register_backend
 class TorchBackend(A2ABackend):
-    """``backend="torch"``: packed ``all_to_all_single`` exchanges; see the module docstring."""
+    """``backend="torch"``: a fixed-size header, then packed ``all_to_all_single`` exchanges; see the
+    module docstring."""
 
     name = "torch"
     checks_expert_ids = True  # counted into the opening exchange, raised on every rank before the payload
@@ -159,24 +160,22 @@ class TorchBackend(A2ABackend):
             self._tables[dev] = tables
         return tables
 
-    def _head(self, op: str, n: int = 0, *, copies: int = 1) -> torch.Tensor:
+    def _head(self, op: str, n: int = 0) -> torch.Tensor:
         """This rank's opening row ``[2 + width]`` int64 on the host (pinned on CUDA): operation, call
-        number, ``n``, zeros; ``copies`` of it as ``[copies, 2 + width]`` (one per rank: ready to send)."""
-        shape = (copies, 2 + self._width) if copies > 1 else (2 + self._width,)
-        row = torch.empty(shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        a = row.numpy().reshape(copies, -1)
-        a[:] = 0
-        a[:, 0], a[:, 1], a[:, 2] = _OPS[op], self._calls, n
+        number, ``n``, zeros."""
+        row = torch.zeros(2 + self._width, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        a = row.numpy()
+        a[0], a[1], a[2] = _OPS[op], self._calls, n
         self._calls += 1
         return row
 
     def _open(self, op: str, step: str, row: torch.Tensor) -> _Header:
-        """Queue the opening exchange of an operation: every rank sends every rank its ``row`` (from
-        :meth:`_head`, on the host or filled in on the device; ``[2 + width]``, or already one per rank).
-        On the CPU it completes and is checked here."""
+        """Queue the opening exchange of an operation: every rank sends every rank its ``row`` ``[2 +
+        width]`` (from :meth:`_head`, on the host or filled in on the device). On the device it is one
+        all-gather; on the CPU it completes and is checked here."""
         world, call = self.world_size, self._calls - 1
         if not self._on_device:
-            send = row.expand(world, -1).contiguous() if row.dim() == 1 else row
+            send = row.expand(world, -1).contiguous()
             recv = torch.empty_like(send)
             with self.monitor.guard(step):
                 self.monitor.all_to_all(recv, send)
@@ -186,11 +185,10 @@ class TorchBackend(A2ABackend):
         cuda = self.device.type == "cuda"
         if row.device != self.device:
             row = row.to(self.device, non_blocking=True)
-        send = row.expand(world, -1).contiguous() if row.dim() == 1 else row
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.ep_group)
-        host = torch.empty(recv.shape, dtype=torch.int64, pin_memory=cuda)
-        host.copy_(recv, non_blocking=True)
+        recv = torch.empty(world * row.numel(), dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(recv, row, group=self.ep_group)
+        host = torch.empty((world, row.numel()), dtype=torch.int64, pin_memory=cuda)
+        host.copy_(recv.view(world, -1), non_blocking=True)
         done = None
         if cuda:
             done = torch.cuda.Event()
@@ -451,7 +449,7 @@ class TorchBackend(A2ABackend):
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        header = self._open("combine", "combine", self._head("combine", copies=self.world_size))
+        header = self._open("combine", "combine", self._head("combine"))
         state: _TorchState = layout_desc.backend_state
         n, topk, world = layout_desc.num_dispatch_token_cur_rank, self.config.topk, self.world_size
         if self.enable_local_combine:
@@ -476,9 +474,7 @@ class TorchBackend(A2ABackend):
         return recv.view(rows.dtype)
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        header = self._open(
-            "combine_per_slot", "combine", self._head("combine_per_slot", copies=self.world_size)
-        )
+        header = self._open("combine_per_slot", "combine", self._head("combine_per_slot"))
         state: _TorchState = layout_desc.backend_state
         n, topk, width = layout_desc.num_dispatch_token_cur_rank, self.config.topk, input.shape[1]
         rows = self._reverse(input[_back_row(state)], state)
@@ -492,7 +488,7 @@ class TorchBackend(A2ABackend):
         if self.device.type == "cuda":
             (stream or torch.cuda.current_stream()).synchronize()
         if not intra_node_only:
-            self._check(self._open("barrier", "barrier", self._head("barrier", copies=self.world_size)))
+            self._check(self._open("barrier", "barrier", self._head("barrier")))
             return
         node, lws = self.rank // self.config.local_world_size, self.config.local_world_size
         self.monitor.checkin("barrier/node", "1", ranks=range(node * lws, (node + 1) * lws))
