@@ -26,6 +26,13 @@ host work included) also record the time with it (``*_lead``), so graph and eage
 The copy-engine ceiling is timed the same way (with the lead; also without). ``*_host_ms`` is the wall
 time the calling thread spends inside the call (the exact-shape mode waits for its counts), median,
 slowest rank.
+
+FP8 dispatch (DeepSeek-V3 shape, at the default ``num_sm``): ``ours-fp8`` / ``ours-fp8-graph`` run the
+layer built for FP8 rows (``EPLayer(dtype=torch.float8_e4m3fn)``), dispatching ``(x_fp8, scales)`` in
+DeepEP's format (the packing into one row per token included) and combining bf16 rows; their
+``quantize_dispatch_ms`` is the dispatch of the bf16 rows with ``fp8=True`` (quantization included).
+Their bytes (``nvlink_bytes_fp8``) are the FP8 row and its float32 scales (``hidden + 4 * hidden / 128``
+per crossing token row), and their copy-engine ceiling (``ce-fp8``) copies that many bytes.
 """
 
 from __future__ import annotations
@@ -307,6 +314,80 @@ def eager_case(args, be, x, ids, w, timer, holder: dict) -> dict:
     }
 
 
+def fp8_case(args, cfg, group, x, ids, w, num_sm) -> tuple[dict, dict]:
+    """FP8 dispatch through the layer of FP8 rows (``num_sm`` CTAs): eager (exact-shape) and CUDA-graph
+    dispatch of ``(x_fp8, scales)``, the combine of bf16 rows after it, and the dispatch of the bf16
+    rows ``x`` with ``fp8=True`` (quantize first). Returns the eager and the graph row."""
+    from ep_a2a import EPLayer
+    from ep_a2a.reference import quantize_fp8
+
+    layer = EPLayer(
+        group, max_tokens=cfg.max_tokens, hidden=cfg.hidden, topk=cfg.topk, num_experts=cfg.num_tot_experts,
+        dtype=torch.float8_e4m3fn, backend="triton", tuning=TritonTuning(num_sm=num_sm), timeout_s=60.0,
+    )  # fmt: skip
+    timer = Timer(lambda: layer.ctx.backend.engine.launch_barrier())
+    xq = quantize_fp8(x)
+    holder: dict = {}
+
+    def disp():
+        holder["d"] = layer.dispatch(xq, ids, w)
+
+    def disp_q():
+        holder["d"] = layer.dispatch(x, ids, w, fp8=True)
+
+    disp_q()
+    disp()
+    torch.cuda.synchronize()
+    eager = {"dispatch_ms": timer.median_ms(disp, args.iters), "dispatch_host_ms": timer.host_ms}
+    eager["dispatch_ms_lead"] = timer.median_ms(disp, args.iters, lead=True)
+    y = torch.randn(holder["d"][0][0].shape[0], cfg.hidden, device=x.device).to(torch.bfloat16)
+    eager["combine_ms"] = timer.median_ms(lambda: layer.combine(y, holder["d"][2]), args.iters, setup=disp)
+    eager["quantize_dispatch_ms"] = timer.median_ms(disp_q, args.iters)
+    holder.clear()
+    # CUDA-graph mode: static FP8 dispatch (the tuple, or bf16 rows quantized in the graph) and combine
+    rows = cfg.world_size * cfg.max_tokens * cfg.topk
+    ys = torch.randn(rows, cfg.hidden, device=x.device).to(torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            layer.combine_static(ys, layer.dispatch_static(xq, ids, w))
+            layer.combine_static(ys, layer.dispatch_static(x, ids, w, fp8=True))
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g_d, g_c, g_q = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_d):
+        dd = layer.dispatch_static(xq, ids, w)
+    with torch.cuda.graph(g_c):
+        layer.combine_static(ys, dd)
+    with torch.cuda.graph(g_q):
+        dq = layer.dispatch_static(x, ids, w, fp8=True)
+    graph = {
+        "dispatch_ms": timer.median_ms(g_d.replay, args.iters, lead=True),
+        "combine_ms": timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True),
+        "quantize_dispatch_ms": timer.median_ms(g_q.replay, args.iters, lead=True),
+        "dispatch_ms_no_lead": timer.median_ms(g_d.replay, args.iters),
+    }
+    # the tuple and quantize-on-send move the same bytes (quantize_fp8 of x on both paths; both graphs
+    # write the layer's one set of static FP8 buffers, so the first result is copied)
+    g_d.replay()
+    r = int(dd.num_recv_rows)
+    first = [t[:r].clone() for t in dd.output]
+    g_q.replay()
+    torch.cuda.synchronize()
+    same = int(dq.num_recv_rows) == r and all(
+        torch.equal(a, b[:r]) for a, b in zip(first, dq.output, strict=True)
+    )
+    flag = torch.tensor([0 if same else 1], device=x.device)
+    dist.all_reduce(flag)
+    graph["quantize_matches_tuple"] = int(flag) == 0
+    del g_d, g_c, g_q, dd, dq
+    torch.cuda.synchronize()
+    layer.check_errors()
+    layer.finalize()
+    return eager, graph
+
+
 def split_experiments(args, cfg, group, x, ids, w, num_sm_list, ref, route, res) -> None:
     """Other sender / writer splits, steal off, int64 ids, the smaller SM counts, copy-engine dispatch
     and worst-case buffers beside the default, each checked to give exactly its rows and sums (``ref``)."""
@@ -385,6 +466,7 @@ def run_case(
     cfg, x, ids, w = shape_inputs(shape_name, n, rank, world, dev, route=route)
     busiest, sent, recv = busiest_tokens(crossing_matrix(ids.cpu(), rank, world, e_local, dev))
     nbytes = busiest * hidden * 2  # the busiest rank's bytes (max of sent and received)
+    nbytes_fp8 = busiest * (hidden + 4 * (hidden // 128))  # FP8 rows and their float32 scales
     case = {
         "shape": shape_name,
         "routing": route,
@@ -395,6 +477,7 @@ def run_case(
         "heap": heap,
         "nvlink_bytes": nbytes,
         "nvlink_bytes_rule": "max over ranks of max(sent, received) crossing token rows",
+        "nvlink_bytes_fp8": nbytes_fp8,
         "crossing_tokens_sent": sent,
         "crossing_tokens_received": recv,
         "results": {},
@@ -460,6 +543,12 @@ def run_case(
                 t_ce_nl = timer.median_ms(lambda dst=dst, src=src: dst.copy_(src), args.iters)
                 res["ce"] = {"copy_ms": t_ce, "copy_ms_no_lead": t_ce_nl}
                 del dst, src
+                if shape_name == "deepseek-v3":  # the ceiling of FP8 dispatch: its own bytes
+                    dst = hdl.get_buffer(peer, (nbytes_fp8,), torch.uint8)
+                    src = torch.randint(0, 256, (nbytes_fp8,), dtype=torch.uint8, device=dev)
+                    t_ce = timer.median_ms(lambda dst=dst, src=src: dst.copy_(src), args.iters, lead=True)
+                    res["ce-fp8"] = {"copy_ms": t_ce, "bytes": nbytes_fp8}
+                    del dst, src
             # the other floor of dispatch: the busiest rank writes its expert rows to HBM once each
             # (memset of that many bytes, every rank at once); under skewed routing it binds first
             rows = torch.tensor([holder["d"][0].shape[0]], device=dev)
@@ -479,6 +568,11 @@ def run_case(
         res[f"ours-sm{num_sm}"]["copy_engine"] = be.copy_engine
         res[f"ours-sm{num_sm}"]["speculative_overflows"] = be.speculative_overflows
         be.finalize()
+        if extra and num_sm == num_sm_list[-1] and shape_name == "deepseek-v3" and heap == "torch":
+            # FP8 dispatch (DeepEP's format) beside bf16, at the same num_sm
+            res[f"ours-fp8-sm{num_sm}"], res[f"ours-fp8-graph-sm{num_sm}"] = fp8_case(
+                args, cfg, group, x, ids, w, num_sm
+            )
         if extra and not args.quick and be.speculative_rows and num_sm == num_sm_list[-1]:
             # the exact-shape flow that waits for the counts before the row kernel, beside the default
             res[f"ours-nospec-sm{num_sm}"] = exact_variant_case(

@@ -37,7 +37,15 @@ FIGURE_METHODS = [
     ("nccl-dest", "NCCL all_to_all, one row per (token, rank)"),
     ("torch", "torch backend"),
 ]
-_NUMBERS = ("dispatch_ms", "combine_ms", "round_trip_ms", "dispatch_host_ms", "combine_host_ms", "copy_ms")
+_NUMBERS = (
+    "dispatch_ms",
+    "combine_ms",
+    "round_trip_ms",
+    "dispatch_host_ms",
+    "combine_host_ms",
+    "copy_ms",
+    "quantize_dispatch_ms",
+)
 
 
 def gpu_kind(device_name: str) -> str:
@@ -57,11 +65,16 @@ def rows_of(raw: dict, bench: str) -> list[dict]:
         base = {k: case[k] for k in keys if k in case}
         base.update(heap=case.get("heap", "torch"), nvlink_bytes=case["nvlink_bytes"])
         ce = case["results"].get("ce", {}).get("copy_ms")
+        ce_fp8 = case["results"].get("ce-fp8", {}).get("copy_ms")
         for method, r in case["results"].items():
             row = {**meta, **base, "method": method, **{k: r[k] for k in _NUMBERS if r.get(k) is not None}}
+            fp8 = "fp8" in method  # (FP8 rows: their own bytes, FP8 rows and scales, and their ceiling)
+            if fp8 and case.get("nvlink_bytes_fp8"):
+                row["nvlink_bytes"] = case["nvlink_bytes_fp8"]
             for op in ("dispatch", "combine"):
-                if ce and r.get(f"{op}_ms"):
-                    row[f"{op}_pct_ce"] = round(100 * ce / r[f"{op}_ms"], 1)
+                c = ce_fp8 if fp8 and op == "dispatch" else ce  # (combine moves bf16 rows either way)
+                if c and r.get(f"{op}_ms"):
+                    row[f"{op}_pct_ce"] = round(100 * c / r[f"{op}_ms"], 1)
             if len(row) > len(meta) + len(base) + 1:
                 rows.append(row)
     return rows
@@ -102,6 +115,29 @@ def summary(rows: list[dict]) -> list[str]:
                     f"{name}: eager {op} {1e3 * eager[f'{op}_ms']:.0f} us = "
                     f"{eager[f'{op}_ms'] / graph[f'{op}_ms']:.1f}x its graph replay (target <= 2x)"
                 )
+        for mode, key in (("graph", "ours-fp8-graph-sm"), ("eager", "ours-fp8-sm")):
+            f8, bf = (
+                by.get(("triton", f"{key}{default}")),
+                by.get(("triton", f"{key.replace('fp8-', '')}{default}")),
+            )
+            if f8 and bf and f8.get("dispatch_ms") and bf.get("dispatch_ms"):
+                ratio = f8["dispatch_ms"] / bf["dispatch_ms"]
+                pct = (
+                    f", {f8['dispatch_pct_ce']:.0f}% of the copy engine for its bytes"
+                    if f8.get("dispatch_pct_ce")
+                    else ""
+                )
+                lines.append(
+                    f"{name}: Triton {mode} FP8 dispatch {1e3 * f8['dispatch_ms']:.0f} us vs bf16 "
+                    f"{1e3 * bf['dispatch_ms']:.0f} us: {ratio:.2f}x{pct}"
+                    + (" (targets at 4096 tokens: <= 0.6x, >= 85%)" if mode == "graph" else "")
+                )
+                if f8.get("quantize_dispatch_ms"):
+                    lines.append(
+                        f"{name}: Triton {mode} FP8 dispatch with fp8=True (quantize first) "
+                        f"{1e3 * f8['quantize_dispatch_ms']:.0f} us: {f8['quantize_dispatch_ms'] / bf['dispatch_ms']:.2f}x "
+                        "bf16" + (" (target at 4096 tokens: <= 0.65x)" if mode == "graph" else "")
+                    )
         fp8 = by.get(("torch", "torch-fp8"))
         if fp8 and by.get(("torch", "torch")):
             bf16 = by[("torch", "torch")]["dispatch_ms"]
@@ -123,11 +159,12 @@ def summary(rows: list[dict]) -> list[str]:
 def table(record: dict) -> str:
     """The benchmarks page's table (markdown) from a results file: per GPU count and case, the copy engine
     and dispatch / combine of the Triton backend at the default ``num_sm`` (graph, eager, the layer as
-    the README builds it), the torch backend and the NCCL per-rank pipeline, in µs; in brackets the
-    share of the copy engine's speed at 4096 tokens."""
+    the README builds it), the torch backend and the NCCL per-rank pipeline, and FP8 dispatch (graph /
+    eager, the layer of FP8 rows), in µs; in brackets the share of the copy engine's speed (for FP8
+    dispatch: of a copy of its own bytes) at 4096 tokens."""
     rows = record["results"]
     head = ("| GPUs | shape, routing | tokens/rank | copy engine | graph dispatch | graph combine | eager dispatch | "
-            "eager combine | layer defaults | torch backend | NCCL per-rank |")  # fmt: skip
+            "eager combine | layer defaults | torch backend | NCCL per-rank | FP8 dispatch, graph / eager |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     cases = sorted(
         {(r["gpus"], r["shape"], r["routing"], r["tokens"]) for r in rows},
@@ -149,6 +186,8 @@ def table(record: dict) -> str:
             t = by.get(key, {}).get(f"{op}_ms")
             if t is None:
                 return "-"
+            if "fp8" in key[1] and op == "dispatch":  # (its own bytes' ceiling)
+                ce = by.get(("triton", "ce-fp8"), {}).get("copy_ms")
             pct = f" ({100 * ce / t:.0f} %)" if ce and tokens >= 1024 else ""
             return f"{1e3 * t:.0f}{pct}"
 
@@ -164,7 +203,8 @@ def table(record: dict) -> str:
             f"| {gpus} | {shape}, {routing} | {tokens} | {f'{1e3 * ce:.0f}' if ce else '-'} | "
             f"{cell(('triton', f'ours-graph-sm{default}'), 'dispatch')} | {cell(('triton', f'ours-graph-sm{default}'), 'combine')} | "
             f"{cell(('triton', f'ours-sm{default}'), 'dispatch')} | {cell(('triton', f'ours-sm{default}'), 'combine')} | "
-            f"{pair(layer)} | {pair(('torch', 'torch'))} | {pair(('torch', 'nccl-dest'))} |"
+            f"{pair(layer)} | {pair(('torch', 'torch'))} | {pair(('torch', 'nccl-dest'))} | "
+            f"{cell(('triton', f'ours-fp8-graph-sm{default}'), 'dispatch')} / {cell(('triton', f'ours-fp8-sm{default}'), 'dispatch')} |"
         )  # fmt: skip
     return "\n".join(lines)
 

@@ -12,6 +12,7 @@ Usage (repository root)::
 
     uv run python packages/ep-a2a/tests/sm90_compile.py --world 4 --node 2      # remote peers
     uv run python packages/ep-a2a/tests/sm90_compile.py --world 8 --num-sm 132  # intra-node
+    uv run python packages/ep-a2a/tests/sm90_compile.py --fp8                    # a layer of FP8 rows
 
 The arguments are specialised as Triton's launcher specialises them (pointers and ints divisible by
 16, ints equal to 1), so the loads and stores get the vector widths they get on the GPU; ``--regs``
@@ -143,9 +144,10 @@ def build_engine(a: argparse.Namespace) -> E.TritonEPEngine:
     """Rank 0's engine for the layer of ``a`` on a CPU heap, with the options the Triton backend picks
     for ``TritonTuning(num_sm=a.num_sm, ...)`` (``resolve.engine_options``) as on an sm_90 GPU."""
     W, node = a.world, a.node or a.world
+    dtype = torch.float8_e4m3fn if a.fp8 else torch.bfloat16
     cfg = EPConfig(
         max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, num_tot_experts=a.experts, rank=0, world_size=W,
-        local_world_size=W, token_dtype=torch.bfloat16,
+        local_world_size=W, token_dtype=dtype,
     )  # fmt: skip
     remote = [p for p in range(W) if p // node != 0]
     tuning = TritonTuning(
@@ -156,11 +158,12 @@ def build_engine(a: argparse.Namespace) -> E.TritonEPEngine:
         opts["block_h"] = min(1024, 1 << (a.hidden - 1).bit_length())
     lay = E.HeapLayout.build(
         world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts_per_rank=a.experts // W,
-        token_bytes=2, chunk=opts["chunk"], combine_chunk=opts["combine_chunk"], remote=bool(remote),
+        token_bytes=dtype.itemsize, chunk=opts["chunk"], combine_chunk=opts["combine_chunk"], remote=bool(remote),
+        row_bytes=E.heap_row_bytes(a.hidden, dtype),
     )  # fmt: skip
     eng = E.TritonEPEngine(
         rank=0, world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, num_tot_experts=a.experts,
-        token_dtype=torch.bfloat16, weight_dtype=torch.float32, heap_local=torch.zeros(16, dtype=torch.uint8),
+        token_dtype=dtype, weight_dtype=torch.float32, heap_local=torch.zeros(16, dtype=torch.uint8),
         ptr_table=torch.zeros(W, dtype=torch.int64), layout=lay, num_sm=a.num_sm, timeout_s=1.0,
         remote_ranks=remote, transport=_NoTransport() if remote else None, **opts,
     )  # fmt: skip
@@ -184,6 +187,12 @@ def main() -> None:
     ap.add_argument(
         "--timeout-s", type=float, default=300.0, help="the layer's timeout_s (the kernels' bound)"
     )
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="a layer of FP8 rows (dtype=torch.float8_e4m3fn): its packed FP8 rows and raw float8 rows, "
+        "bf16 and float32 combine rows (as the backend's use_aot compiles them)",
+    )
     ap.add_argument("--dump", default=None, help="write each variant's PTX body into this folder")
     ap.add_argument("--regs", action="store_true", help="registers and spill bytes per variant (ptxas -v)")
     ap.add_argument(
@@ -206,7 +215,12 @@ def main() -> None:
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
     bad = []
-    variants = eng.variants(dtypes=(torch.float32,), rewrite=not remote, mirror=not remote)
+    fp8 = (
+        {"row_dtypes": (E.FP8_ROW_DTYPE, torch.float8_e4m3fn), "combine_dtypes": (torch.bfloat16,)}
+        if a.fp8
+        else {}
+    )
+    variants = eng.variants(dtypes=(torch.float32,), rewrite=not remote, mirror=not remote, **fp8)
     if a.quick:  # (dispatch and expand keys start with has_w, caller_scatter)
         variants = [
             v for v in variants if v.key[0] not in ("dispatch", "expand") or v.key[1:3] == (True, False)

@@ -144,10 +144,48 @@ def test_table_renders_the_page_rows() -> None:
         {**case, "bench": "triton", "method": "ours-layer-default", "dispatch_ms": 0.5, "combine_ms": 0.5},
         {**case, "bench": "torch", "method": "torch", "dispatch_ms": 1.0, "combine_ms": 2.0},
         {**case, "bench": "torch", "method": "nccl-dest", "dispatch_ms": 2.0, "combine_ms": 4.0},
+        {**case, "bench": "triton", "method": "ce-fp8", "copy_ms": 0.06},
+        {**case, "bench": "triton", "method": "ours-fp8-graph-sm132", "dispatch_ms": 0.12, "combine_ms": 0.25},
+        {**case, "bench": "triton", "method": "ours-fp8-sm132", "dispatch_ms": 0.3, "combine_ms": 0.5},
     ]  # fmt: skip
     lines = run.table({"results": rows}).splitlines()
     assert len(lines) == 3
     assert lines[2] == (
         "| 2 | deepseek-v3, uniform | 4096 | 100 | 200 (50 %) | 250 (40 %) | 400 (25 %) | 500 (20 %) | "
-        "500 (20 %) / 500 (20 %) | 1000 (10 %) / 2000 (5 %) | 2000 (5 %) / 4000 (2 %) |"
+        "500 (20 %) / 500 (20 %) | 1000 (10 %) / 2000 (5 %) | 2000 (5 %) / 4000 (2 %) | 120 (50 %) / 300 (20 %) |"
     )
+
+
+def test_fp8_rows_count_their_own_bytes() -> None:
+    """FP8 dispatch rows: their bytes are the FP8 rows and scales, their dispatch's share is of the copy
+    engine copying those bytes (``ce-fp8``), their combine's of the bf16 ceiling; the summary compares FP8
+    with bf16 dispatch, graph and eager, quantize-on-send included."""
+    import run
+
+    raw = {
+        "world_size": 2, "date": None, "commit": None,
+        "cases": [
+            {
+                "shape": "deepseek-v3", "routing": "uniform", "tokens": 4096, "hidden": 7168, "topk": 8,
+                "experts": 256, "default_num_sm": 132, "nvlink_bytes": 2000, "nvlink_bytes_fp8": 1031,
+                "results": {
+                    "ce": {"copy_ms": 0.1},
+                    "ce-fp8": {"copy_ms": 0.06},
+                    "ours-sm132": {"dispatch_ms": 0.4, "combine_ms": 0.5},
+                    "ours-graph-sm132": {"dispatch_ms": 0.2, "combine_ms": 0.25},
+                    "ours-fp8-sm132": {"dispatch_ms": 0.3, "combine_ms": 0.5, "quantize_dispatch_ms": 0.32},
+                    "ours-fp8-graph-sm132": {"dispatch_ms": 0.12, "combine_ms": 0.25, "quantize_dispatch_ms": 0.13},
+                },
+            }
+        ],
+    }  # fmt: skip
+    rows = {r["method"]: r for r in run.rows_of(raw, "triton")}
+    g = rows["ours-fp8-graph-sm132"]
+    assert (g["nvlink_bytes"], g["dispatch_pct_ce"], g["combine_pct_ce"]) == (1031, 50, 40)
+    assert rows["ours-graph-sm132"]["nvlink_bytes"] == 2000
+    text = "\n".join(run.summary(list(rows.values())))
+    assert (
+        "Triton graph FP8 dispatch 120 us vs bf16 200 us: 0.60x, 50% of the copy engine for its bytes" in text
+    )
+    assert "Triton graph FP8 dispatch with fp8=True (quantize first) 130 us: 0.65x bf16" in text
+    assert "Triton eager FP8 dispatch 300 us vs bf16 400 us: 0.75x" in text

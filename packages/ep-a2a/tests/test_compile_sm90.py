@@ -97,3 +97,24 @@ def test_decode_layer_every_variant_and_epoch_words(tmp_path: Path) -> None:
     assert "ld.acquire.sys.global.b64" in counts, "counts: no acquire-load poll"
     assert "st.relaxed.sys.global.b64" in counts, "counts: base rows not pushed with relaxed stores"
     assert not re.search(r"atom\.global\.sys\.acquire", counts), "counts: still polls with atomics"
+
+
+@pytest.mark.parametrize("tokens", [4096, 128], ids=["T4096-tiled", "T128-decode"])
+def test_fp8_layer_every_variant_compiles(tokens: int) -> None:
+    """A layer of FP8 rows (``dtype=torch.float8_e4m3fn``, DeepSeek-V3 width) on an H200, as
+    ``use_aot`` compiles it: the row kernel on packed FP8 rows (int16 elements, 3696 per row) and on raw
+    float8 rows, combine in bf16 and float32. In the tiled layer every packed-row variant's tile loops
+    move 16-byte vectors, without a CTA barrier."""
+    tiled = tokens > 1024
+    check = ["--check-tile-loops"] if tiled and GPU_IMAGE_TRITON else []
+    out = _run_tool(["--fp8", "--world", "2", "--tokens", str(tokens), "--num-sm", "132", "--quick", *check])
+    kinds = _compiled(out)
+    assert set(kinds) == {"layout", "counts", "dispatch", "combine", "barrier"}, out
+    packed = re.findall(
+        r"^dispatch .*torch\.int16.*, 3696\) .* tile-loop-barriers=\[([0-9, ]*)\]$", out, re.M
+    )
+    assert len(packed) == 4, out  # merged, counts launch, rewrite, mirror (with weights)
+    assert len(re.findall(r"^dispatch .*torch\.float8_e4m3fn.*, 7168\) ", out, re.M)) == 4, out
+    assert re.search(r"^combine .*torch\.bfloat16", out, re.M), out
+    if tiled and GPU_IMAGE_TRITON:
+        assert all(counts for counts in packed), "a packed-row variant without 16-byte tile loops"

@@ -96,6 +96,25 @@ def run_fp8(rank: int, world: int) -> list[str]:
         pytest.raises(ValueError, match="multiple of 128"),
     ):
         narrow.dispatch(torch.zeros(2, 64, dtype=torch.bfloat16), ids[rank][:2], fp8=True)
+    # a layer of FP8 rows: the same bytes; quantize-on-send from bf16 / fp16 / fp32 rows
+    with EPLayer(
+        None, max_tokens=T, hidden=H, topk=K, num_experts=experts, dtype=torch.float8_e4m3fn,
+        backend="torch", timeout_s=30,
+    ) as fp8_layer:  # fmt: skip
+        (rows, scales), w, desc = fp8_layer.dispatch(qs[rank], ids[rank], ws[rank])
+        assert torch.equal(_bytes(rows, scales), mine.output)
+        for dt in (torch.bfloat16, torch.float32):
+            (rows, scales), _, desc = fp8_layer.dispatch(xs[rank].to(dt), ids[rank], ws[rank], fp8=True)
+            assert torch.equal(_bytes(rows, scales), mine.output)  # (bf16 rows, exact in float32)
+        assert torch.equal(fp8_layer.combine(ys[rank], desc), want)
+        with pytest.raises(TypeError, match=re.escape("input must have dtype torch.float8_e4m3fn")):
+            fp8_layer.dispatch(xs[rank], ids[rank])  # bf16 rows without fp8=True
+        with pytest.raises(TypeError, match="input must have a dtype in"):
+            fp8_layer.dispatch(qs[rank][0], ids[rank], fp8=True)  # FP8 rows to quantize
+        seen.append("fp8-layer")
+    with pytest.raises(ValueError, match="hidden to be a multiple of 128, got hidden=64"):
+        EPLayer(None, max_tokens=T, hidden=64, topk=K, num_experts=experts, dtype=torch.float8_e4m3fn,
+                backend="torch")  # fmt: skip
     return seen
 
 
@@ -103,4 +122,63 @@ def run_fp8(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 3], ids=["gloo-2", "gloo-3"])
 def test_fp8_dispatch_moves_rows_and_scales_bit_for_bit(world: int) -> None:
     got = run_local(f"{__file__}:run_fp8", world, timeout_s=110)
-    assert got == [["fp8", "quantize-on-send", "combine", "errors"]] * world
+    assert got == [["fp8", "quantize-on-send", "combine", "errors", "fp8-layer"]] * world
+
+
+@pytest.mark.parametrize("hidden", [128, 384, 512, 7168])
+def test_packed_fp8_rows(hidden: int) -> None:
+    """The Triton backend's packed FP8 row: FP8 bytes, scale bytes, padding to 16 bytes; unpacked as
+    views (no copy) that give the bytes back. Heap rows: a bf16 layer's hold it, an FP8 layer's are
+    sized for it, another 1-byte dtype's are not."""
+    from ep_a2a.backends.triton.engine import (
+        FP8_ROW_DTYPE,
+        fp8_row_bytes,
+        heap_row_bytes,
+        pack_fp8_rows,
+        unpack_fp8_rows,
+    )
+
+    nb = fp8_row_bytes(hidden)
+    assert nb % 16 == 0
+    assert 0 <= nb - (hidden + 4 * hidden // FP8_BLOCK) < 16
+    gen = torch.Generator().manual_seed(hidden)
+    q = torch.randint(0, 256, (5, hidden), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.randint(-(2**31), 2**31 - 1, (5, hidden // FP8_BLOCK), generator=gen, dtype=torch.int32)
+    s = s.view(torch.float32)
+    packed = pack_fp8_rows(q, s)
+    assert (packed.dtype, tuple(packed.shape)) == (FP8_ROW_DTYPE, (5, nb // 2))
+    q2, s2 = unpack_fp8_rows(packed, hidden)
+    assert q2.data_ptr() == packed.data_ptr()
+    assert s2.data_ptr() == packed.data_ptr() + hidden
+    assert (q2.stride(), s2.stride()) == ((nb, 1), (nb // 4, 1))
+    assert torch.equal(_bytes(q2, s2), _bytes(q, s))
+    assert heap_row_bytes(hidden, torch.bfloat16) == 2 * hidden >= nb
+    assert heap_row_bytes(hidden, torch.float8_e4m3fn) == nb
+    assert heap_row_bytes(hidden, torch.float8_e5m2) == hidden < nb
+
+
+def test_packed_fp8_rows_round_trip_any_width() -> None:
+    """For any ``hidden`` multiple of 128 and any token count (zero included), packing and unpacking give
+    the FP8 bytes and scale bytes back, and the packed row is 16-byte aligned with under 16 bytes of
+    padding."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ep_a2a.backends.triton.engine import fp8_row_bytes, pack_fp8_rows, unpack_fp8_rows
+
+    @settings(max_examples=40, deadline=None)
+    @given(blocks=st.integers(1, 64), n=st.integers(0, 5), seed=st.integers(0, 2**16))
+    def check(blocks: int, n: int, seed: int) -> None:
+        hidden = blocks * FP8_BLOCK
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randint(0, 256, (n, hidden), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        s = torch.randint(-(2**31), 2**31 - 1, (n, blocks), generator=gen, dtype=torch.int32)
+        s = s.view(torch.float32)
+        nb = fp8_row_bytes(hidden)
+        assert nb % 16 == 0
+        assert 0 <= nb - (hidden + 4 * blocks) < 16
+        q2, s2 = unpack_fp8_rows(pack_fp8_rows(q, s), hidden)
+        assert (tuple(q2.shape), tuple(s2.shape)) == ((n, hidden), (n, blocks))
+        assert torch.equal(_bytes(q2, s2), _bytes(q, s))
+
+    check()

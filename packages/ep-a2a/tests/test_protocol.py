@@ -3,6 +3,8 @@ error instead of each other's data (gloo, 2 processes spawned by the test)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -53,6 +55,31 @@ def run_unchecked_ids(rank: int, world: int) -> list[str]:
         rows, _, _ = layer.dispatch(xs[rank], wide)
         rows_ref, _, _ = layer.dispatch(xs[rank], drop64)
         assert torch.equal(rows, rows_ref)
+    return ["ok"]
+
+
+def run_bad_ids_one_rank(rank: int, world: int, exchange_on_device: bool) -> list[str]:
+    """``validate=True`` and an id of ``num_tot_experts`` on rank 1 only: every rank raises ``ValueError``
+    (rank 1 naming its range, the others naming rank 1) in the same call, none returns data and none
+    waits for a timeout; the next call, with valid ids, matches the reference on every rank."""
+    from ep_a2a.reference import dispatch_ref
+
+    xs, ids = _inputs(world)
+    bad = [t.clone() for t in ids]
+    bad[1][3, 0] = E_PER_RANK * world
+    with _layer(rank, world) as layer:
+        if exchange_on_device:  # the NCCL flow's logic over the gloo group
+            layer.ctx.backend._on_device = True
+        want = (
+            f"got values in [0, {E_PER_RANK * world}]"
+            if rank == 1
+            else "rank(s) [1] passed 1 slot(s) outside"
+        )
+        with pytest.raises(ValueError, match=re.escape(want)):
+            layer.dispatch(xs[rank], bad[rank])
+        rows, _, _ = layer.dispatch(xs[rank], ids[rank])
+        received, _ = dispatch_ref(xs, ids, None, num_tot_experts=E_PER_RANK * world)
+        assert torch.equal(rows, received[rank].output)
     return ["ok"]
 
 
@@ -123,6 +150,13 @@ def test_unchecked_out_of_range_ids_are_dropped() -> None:
 @pytest.mark.timeout(180)
 def test_torch_compile_breaks_the_graph_or_raises() -> None:
     assert run_local(f"{__file__}:run_compiled", 2, timeout_s=170) == [["ok"], ["ok"]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("on_device", [False, True], ids=["gloo", "nccl-flow"])
+def test_bad_ids_on_one_rank_raise_on_every_rank(on_device: bool) -> None:
+    got = run_local(f"{__file__}:run_bad_ids_one_rank", 2, (on_device,), timeout_s=110)
+    assert got == [["ok"], ["ok"]]
 
 
 @pytest.mark.timeout(120)

@@ -814,3 +814,257 @@ def test_exact_rows_allocated_ahead(group):
     finally:
         torch.cuda.synchronize()
         be.finalize()
+
+
+# ------------------------------------------------------------------------------------------------------
+# FP8 dispatch in DeepEP's format through EPLayer(backend="triton"): rows and scales bit for bit (random
+# bytes, NaN and infinity patterns included), combine of bf16 expert outputs; exact and CUDA-graph modes
+# ------------------------------------------------------------------------------------------------------
+def _fp8_bytes(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return torch.cat([q.view(torch.uint8), s.contiguous().view(torch.uint8)], 1).cpu()
+
+
+def _fp8_inputs(seed, ns, hidden, topk, experts, *, skew=False, drop=0.05):
+    """Every rank's ``(x_fp8, scales)`` as random bytes, expert ids and weights (CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    xs = [
+        (
+            torch.randint(0, 256, (n, hidden), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn),
+            torch.randint(-(2**31), 2**31 - 1, (n, hidden // 128), generator=gen, dtype=torch.int32).view(
+                torch.float32
+            ),
+        )
+        for n in ns
+    ]
+    ids = [_routing(n, topk, experts, gen, skew=skew, drop=drop) for n in ns]
+    ws = [torch.rand(n, topk, generator=gen) for n in ns]
+    return xs, ids, ws, gen
+
+
+def _fp8_layer(
+    group, *, max_tokens, hidden, topk, experts, dtype=torch.float8_e4m3fn, tuning=None, use_aot=False
+):
+    from ep_a2a import EPLayer
+
+    layer = EPLayer(
+        group, max_tokens=max_tokens, hidden=hidden, topk=topk, num_experts=experts, dtype=dtype,
+        backend="triton", tuning=tuning, timeout_s=60.0, use_aot=use_aot,
+    )  # fmt: skip
+    assert layer.backend_name == "triton"
+    return layer
+
+
+def _check_fp8_round_trip(layer, group, xs, ids, ws, gen, experts, *, sent=None, quantize_from=None):
+    """One FP8 ``layer.dispatch`` of this rank's ``xs`` (or, with ``quantize_from``, of its bf16 rows with
+    ``fp8=True``, whose bytes the caller gives as ``sent``) against the reference, then a bf16 combine."""
+    rank, hidden = dist.get_rank(group), xs[0][0].shape[1]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if quantize_from is not None:
+        arg, kw = quantize_from[rank].to(dev), {"fp8": True}
+    else:
+        arg, kw = (xs[rank][0].to(dev), xs[rank][1].to(dev)), {}
+    (q, s), w, desc = layer.dispatch(arg, ids[rank].to(dev), ws[rank].to(dev), **kw)
+    ref, scat = dispatch_ref([_fp8_bytes(*x) for x in (sent or xs)], ids, ws, num_tot_experts=experts)
+    mine = ref[rank]
+    assert (q.dtype, s.dtype) == (torch.float8_e4m3fn, torch.float32)
+    assert tuple(q.shape) == (mine.output.shape[0], hidden)
+    assert tuple(s.shape) == (mine.output.shape[0], hidden // 128)
+    assert torch.equal(_fp8_bytes(q, s), mine.output), "FP8 rows or scales differ from the sender's bytes"
+    assert torch.equal(w.cpu(), mine.weights)
+    assert torch.equal(desc.recv_expert_indices.cpu().long(), mine.local_expert)
+    assert torch.equal(desc.num_recv_tokens_per_expert.cpu(), mine.num_recv_tokens_per_expert)
+    assert torch.equal(desc.token_dst_scatter_idx.cpu().long(), scat[rank])
+    ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in ref]
+    got = layer.combine(ys[rank].to(dev), desc).cpu()
+    want = combine_ref([y.float() for y in ys], ids, scat, num_tot_experts=experts)[rank]
+    mag = combine_ref([y.float().abs() for y in ys], ids, scat, num_tot_experts=experts)[rank]
+    assert got.dtype == torch.bfloat16
+    err = (got.float() - want).abs()
+    assert bool((err <= COMBINE_RTOL[torch.bfloat16] * mag + 1e-30).all()), (
+        f"combine error {float(err.max())}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("layer_dtype", "overlap_bytes", "copy_engine"),
+    [
+        pytest.param(torch.float8_e4m3fn, None, False, id="fp8-layer-worst-case-buffers"),
+        pytest.param(torch.float8_e4m3fn, 0, False, id="fp8-layer-counts-then-speculative"),
+        pytest.param(torch.bfloat16, 0, False, id="bf16-layer-counts-then-speculative"),
+        pytest.param(torch.float8_e4m3fn, None, True, id="fp8-layer-copy-engine"),
+    ],
+)
+def test_fp8_dispatch_against_reference(group, layer_dtype, overlap_bytes, copy_engine):
+    """FP8 rows of the DeepSeek-V3 width (7168 channels, 56 scales) on small batches, every exact-shape
+    flow: worst-case buffers, counts first then speculative (a call that outgrows its outputs gets a
+    second writing pass), copy-engine dispatch; on a layer of FP8 rows and on a bf16 layer. Then
+    quantize-on-send (``fp8=True``) against the sender's quantizer."""
+    from ep_a2a.reference import quantize_fp8
+
+    world = dist.get_world_size(group)
+    hidden, topk, experts = 7168, 8, -(-256 // world) * world
+    extra = {} if overlap_bytes is None else {"overlap_bytes": overlap_bytes}
+    tuning = TritonTuning(num_sm=32, copy_engine=copy_engine, **extra)
+    layer = _fp8_layer(group, max_tokens=64, hidden=hidden, topk=topk, experts=experts, dtype=layer_dtype,
+                       tuning=tuning)  # fmt: skip
+    be = layer.ctx.backend
+    try:
+        assert be.overlap_exact == (overlap_bytes is None)
+        for i, (ns, skew) in enumerate(
+            (([64, 48], False), ([0, 33], False), ([64, 64], True), ([64, 64], False))
+        ):
+            ns = (ns * world)[:world]
+            xs, ids, ws, gen = _fp8_inputs(1100 + i, ns, hidden, topk, experts, skew=skew)
+            if skew:  # every slot to rank 0's experts: rank 0 outgrows the speculative outputs
+                ids = [torch.where(t >= 0, t % (experts // world), t) for t in ids]
+            _check_fp8_round_trip(layer, group, xs, ids, ws, gen, experts)
+        if overlap_bytes == 0:
+            assert be.speculative_calls == 3, be.speculative_calls
+            # rank 0 outgrows its outputs on the skewed call; a rank whose guess followed a small call
+            # (rank 1 received nothing there) may outgrow them on the next one
+            assert be.speculative_overflows >= (1 if dist.get_rank(group) == 0 else 0)
+            assert be.speculative_overflows <= be.speculative_calls
+        # quantize-on-send: the bytes are those of the reference quantizer run on the sender's device
+        dev = torch.device("cuda", torch.cuda.current_device())
+        gen = torch.Generator().manual_seed(1200)
+        ns = [40 + r for r in range(world)]
+        bf = [(torch.randn(n, hidden, generator=gen) * 10).to(torch.bfloat16) for n in ns]
+        sent = [tuple(t.cpu() for t in quantize_fp8(x.to(dev))) for x in bf]
+        ids = [_routing(n, topk, experts, gen, skew=False, drop=0.05) for n in ns]
+        ws = [torch.rand(n, topk, generator=gen) for n in ns]
+        _check_fp8_round_trip(layer, group, sent, ids, ws, gen, experts, sent=sent, quantize_from=bf)
+        torch.cuda.synchronize()
+        layer.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        layer.finalize()
+
+
+def test_fp8_dispatch_large_layer(group):
+    """The DeepSeek-V3 shape at full size on every SM (default tuning: tiled rows, the CTA split, the
+    speculative flow): 4096 tokens per rank, then 1000."""
+    world = dist.get_world_size(group)
+    hidden, topk, experts = 7168, 8, -(-256 // world) * world
+    layer = _fp8_layer(group, max_tokens=4096, hidden=hidden, topk=topk, experts=experts)
+    try:
+        for i, n in enumerate((4096, 1000)):
+            xs, ids, ws, gen = _fp8_inputs(1300 + i, [n] * world, hidden, topk, experts, drop=0.02)
+            _check_fp8_round_trip(layer, group, xs, ids, ws, gen, experts)
+        torch.cuda.synchronize()
+        layer.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        layer.finalize()
+
+
+@pytest.mark.parametrize(
+    ("layer_dtype", "quantize"),
+    [
+        pytest.param(torch.float8_e4m3fn, False, id="fp8-layer-tuple"),
+        pytest.param(torch.float8_e4m3fn, True, id="fp8-layer-quantize-in-graph"),
+        pytest.param(torch.bfloat16, False, id="bf16-layer-tuple"),
+    ],
+)
+def test_fp8_cuda_graph_capture_replay(group, layer_dtype, quantize):
+    """``dispatch_static`` of FP8 rows (the tuple, or bf16 rows quantized inside the graph), an expert that
+    dequantizes them to bf16, and ``combine_static``, captured once and replayed with fresh inputs: the
+    valid rows are the sender's bytes, the rows past them keep the poison written before the replay
+    (nothing is written past the received rows), the combine matches the reference. The layer of FP8 rows
+    is built with ``use_aot=True`` (its packed-row variants compiled at construction, on the GPU)."""
+    from ep_a2a.reference import dequantize_fp8, quantize_fp8
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    hidden, topk, experts, n = 1024, 4, 16, 48
+    dev = torch.device("cuda", torch.cuda.current_device())
+    aot = layer_dtype == torch.float8_e4m3fn
+    layer = _fp8_layer(
+        group, max_tokens=n, hidden=hidden, topk=topk, experts=experts, dtype=layer_dtype, use_aot=aot
+    )
+    try:
+        if aot:
+            assert layer.ctx.backend.aot_variants > 0
+        xb = torch.zeros(n, hidden, dtype=torch.bfloat16, device=dev)
+        xq = torch.zeros(n, hidden, dtype=torch.float8_e4m3fn, device=dev)
+        xsc = torch.ones(n, hidden // 128, dtype=torch.float32, device=dev)
+        ids = torch.zeros(n, topk, dtype=torch.int64, device=dev)
+        w = torch.zeros(n, topk, dtype=torch.float32, device=dev)
+
+        def step():
+            d = (
+                layer.dispatch_static(xb, ids, w, fp8=True)
+                if quantize
+                else layer.dispatch_static((xq, xsc), ids, w)
+            )
+            y = dequantize_fp8(*d.output).to(torch.bfloat16)
+            return d, layer.combine_static(y, d)
+
+        s = torch.cuda.Stream()  # warm up (compiles) on a side stream, as graph capture requires
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            d, out = step()
+        q_out, s_out = d.output
+        assert tuple(q_out.shape) == (world * n * topk, hidden)
+        for call in range(3):
+            gen = torch.Generator().manual_seed(1400 + call)
+            bf = [(torch.randn(n, hidden, generator=gen) * 4).to(torch.bfloat16) for _ in range(world)]
+            sent = [tuple(t.cpu() for t in quantize_fp8(x.to(dev))) for x in bf]
+            idl = [_routing(n, topk, experts, gen, skew=call == 1, drop=0.1).long() for _ in range(world)]
+            ws = [torch.rand(n, topk, generator=gen) for _ in range(world)]
+            xb.copy_(bf[rank])
+            xq.copy_(sent[rank][0])
+            xsc.copy_(sent[rank][1])
+            ids.copy_(idl[rank])
+            w.copy_(ws[rank])
+            q_out.view(torch.uint8).fill_(0xFF)  # poison
+            s_out.view(torch.int32).fill_(-1)
+            graph.replay()
+            torch.cuda.synchronize()
+            ref, scat = dispatch_ref([_fp8_bytes(*x) for x in sent], idl, ws, num_tot_experts=experts)
+            rows = int(d.num_recv_rows)
+            assert rows == ref[rank].output.shape[0]
+            assert torch.equal(_fp8_bytes(q_out[:rows], s_out[:rows]), ref[rank].output)
+            assert bool((q_out[rows:].view(torch.uint8) == 0xFF).all()), (
+                "a row past the received ones written"
+            )
+            assert bool((s_out[rows:].view(torch.int32) == -1).all()), (
+                "a scale past the received ones written"
+            )
+            assert torch.equal(d.weights[:rows].cpu(), ref[rank].weights)
+            ys = [
+                dequantize_fp8(r.output[:, :hidden].view(torch.float8_e4m3fn),
+                               r.output[:, hidden:].contiguous().view(torch.float32)).to(torch.bfloat16)
+                for r in ref
+            ]  # fmt: skip
+            want = combine_ref([t.float() for t in ys], idl, scat, num_tot_experts=experts)[rank]
+            mag = combine_ref([t.float().abs() for t in ys], idl, scat, num_tot_experts=experts)[rank]
+            err = (out.cpu().float() - want).abs()
+            assert bool((err <= COMBINE_RTOL[torch.bfloat16] * mag + 1e-30).all())
+        layer.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        layer.finalize()
+
+
+def test_fp8_refused_where_the_buffers_are_too_narrow(group):
+    """A layer of another 1-byte dtype holds rows of ``hidden`` bytes: an FP8 dispatch (exact or static)
+    raises on every rank, naming ``dtype``, before any communication; the layer stays usable."""
+    rank = dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layer = _fp8_layer(group, max_tokens=8, hidden=256, topk=2, experts=8, dtype=torch.float8_e5m2)
+    try:
+        q = torch.zeros(8, 256, dtype=torch.float8_e4m3fn, device=dev)
+        sc = torch.ones(8, 2, dtype=torch.float32, device=dev)
+        ids = torch.full((8, 2), rank, dtype=torch.int32, device=dev)
+        for fn in (layer.dispatch, layer.dispatch_static):
+            with pytest.raises(ValueError, match=r"dtype=torch\.float8_e5m2"):
+                fn((q, sc), ids)
+        layer.ep_barrier_all()  # (no rank started a collective: every rank reaches the barrier)
+        layer.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        layer.finalize()

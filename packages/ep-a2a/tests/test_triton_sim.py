@@ -8,6 +8,8 @@ local experts, counts, token_dst_scatter_idx); combine within bf16 rounding of t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,7 +20,9 @@ from ep_a2a.backends.triton.engine import (
     EPTimeoutFromDevice,
     HeapLayout,
     TritonEPEngine,
+    fp8_row_bytes,
     interpreting,
+    pack_fp8_rows,
 )
 from ep_a2a.backends.triton.simulate import SimWorld
 from ep_a2a.reference import combine_per_slot_ref, combine_ref, dispatch_ref
@@ -776,3 +780,171 @@ def test_remote_path_refuses_merged_flow():
     ids = [torch.zeros(1, 2, dtype=torch.int32)] * 2
     with pytest.raises(ValueError, match="merged"):
         sim.dispatch(x, ids, merged=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# FP8 rows in DeepEP's format: (x_fp8 [n, H] float8_e4m3fn, scales [n, H / 128] float32) travel as one
+# packed row each (FP8 bytes, scale bytes, padding to 16 bytes) through the same kernels; the rows and
+# scales received must be the sender's bytes (random bit patterns, NaN and infinity included)
+# ------------------------------------------------------------------------------------------------------
+def _fp8_rows(n: int, hidden: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.randint(0, 256, (n, hidden), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.randint(-(2**31), 2**31 - 1, (n, hidden // 128), generator=gen, dtype=torch.int32)
+    return q, s.view(torch.float32)
+
+
+def _fp8_bytes(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return torch.cat([q.view(torch.uint8), s.contiguous().view(torch.uint8)], 1)
+
+
+def _check_fp8_dispatch(res, xs, ids, ws, experts: int) -> list[torch.Tensor]:
+    """Each rank's ``(rows, scales)``: the reference's bytes, as views of one buffer of packed rows;
+    weights, experts, counts and scatter indices as for any row. Returns the reference scatter indices."""
+    hidden = xs[0][0].shape[1]
+    ref, scat = dispatch_ref([_fp8_bytes(*x) for x in xs], ids, ws, num_tot_experts=experts)
+    for got, want in zip(res, ref, strict=True):
+        q, s = got.output
+        rows = want.output.shape[0]
+        assert (q.dtype, tuple(q.shape)) == (torch.float8_e4m3fn, (rows, hidden))
+        assert (s.dtype, tuple(s.shape)) == (torch.float32, (rows, hidden // 128))
+        assert q.untyped_storage().data_ptr() == s.untyped_storage().data_ptr(), "not views of one buffer"
+        assert q.stride() == (fp8_row_bytes(hidden), 1)
+        assert s.stride() == (fp8_row_bytes(hidden) // 4, 1)
+    as_bytes = [dataclasses.replace(g, output=_fp8_bytes(*g.output)) for g in res]
+    _check_dispatch(as_bytes, ref, scat, ws is not None)
+    _check_skip_mapping(res, ids, experts // len(res))
+    return scat
+
+
+def _fp8_round_trips(sim, ns, flows, gen, *, with_w=True, drop=0.1, **dispatch_kw) -> None:
+    """One FP8 dispatch and one bf16 combine of its rows per ``(merged, send_ctas)`` of ``flows``."""
+    eng = sim.engines[0]
+    hidden, topk, experts = eng.hidden, eng.topk, eng.num_tot_experts
+    for call, (merged, send_ctas) in enumerate(flows):
+        ns_call = ns if call == 0 else [max(0, n - call) for n in reversed(ns)]
+        xs = [_fp8_rows(n, hidden, gen) for n in ns_call]
+        ids = [_routing(n, topk, experts, gen, skew=True, drop=drop) for n in ns_call]
+        ws = [torch.rand(n, topk, generator=gen) for n in ns_call] if with_w else None
+        res = sim.dispatch(xs, ids, ws, merged=merged, send_ctas=send_ctas, **dispatch_kw)
+        scat = _check_fp8_dispatch(res, xs, ids, ws, experts)
+        ys = [torch.randn(r.output[0].shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
+        _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "layer_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8-layer", "bf16-layer"]
+)
+@pytest.mark.parametrize(
+    ("world", "ns", "hidden", "chunk"),
+    [
+        pytest.param(2, [6, 5], 128, 4, id="W2-H128-tiles"),  # 144-byte rows: two tiles, the last partial
+        pytest.param(3, [4, 6, 1], 256, 1, id="W3-H256-whole-row"),
+        pytest.param(2, [3, 4], 512, 2, id="W2-H512-whole-row"),  # 528-byte rows: no padding
+    ],
+)
+def test_fp8_rows_arrive_bit_for_bit(world, ns, hidden, chunk, layer_dtype):
+    """Counts-launch, merged and split flows, on a layer of FP8 rows (heap rows sized for them) and on a
+    bf16 layer (whose rows hold them)."""
+    gen = torch.Generator().manual_seed(hidden + world + chunk)
+    sim = SimWorld(
+        world_size=world, max_tokens=max(ns), hidden=hidden, topk=3, num_tot_experts=2 * world,
+        token_dtype=layer_dtype, num_sm=2, chunk=chunk,
+    )  # fmt: skip
+    assert sim.layout.row_bytes == (fp8_row_bytes(hidden) if layer_dtype.itemsize == 1 else 2 * hidden)
+    _fp8_round_trips(sim, ns, ((False, 0), (True, 0), (True, 1)), gen)
+
+
+def test_fp8_speculative_rows_rewrite():
+    """The speculative flow of FP8 rows: outputs of 0 rows (every rank rewrites into exact ones) and the
+    host mirror of the counts."""
+    gen = torch.Generator().manual_seed(8)
+    sim = SimWorld(
+        world_size=2, max_tokens=5, hidden=128, topk=2, num_tot_experts=4, token_dtype=torch.float8_e4m3fn,
+        num_sm=2, chunk=2,
+    )  # fmt: skip
+    _fp8_round_trips(sim, [5, 4], ((True, 0),), gen, speculative_rows=0, mirror=True)
+
+
+@pytest.mark.parametrize(
+    ("world", "node", "ns"),
+    [pytest.param(2, 1, [5, 4], id="W2-node1"), pytest.param(4, 2, [3, 4, 0, 2], id="W4-node2")],
+)
+def test_fp8_remote_path(world, node, ns):
+    """Packed FP8 rows in the remote path's token records (puts), expanded on the receiver."""
+    gen = torch.Generator().manual_seed(40 + world)
+    sim = _remote_world(world, node, max(ns), 128, 2, 2 * world, torch.float8_e4m3fn, chunk=2)
+    _fp8_round_trips(sim, ns, ((False, 0),), gen)
+    sim.check_decoy()
+
+
+def test_fp8_copy_engine():
+    """Copy-engine dispatch of packed FP8 rows (the copies' row width is the packed row's)."""
+    gen = torch.Generator().manual_seed(9)
+    sim = SimWorld(
+        world_size=2, max_tokens=6, hidden=128, topk=3, num_tot_experts=4, token_dtype=torch.float8_e4m3fn,
+        num_sm=2, chunk=2, ce_pieces=2,
+    )  # fmt: skip
+    _fp8_round_trips(sim, [6, 3], ((False, 0), (False, 0)), gen)
+
+
+def test_rows_wider_than_the_heap_rows_are_refused():
+    """A layer's heap holds rows of ``layout.row_bytes``: packed FP8 rows on a layer of another 1-byte
+    dtype, or bf16 rows on a layer of FP8 rows, raise before any launch, and no heap byte changes."""
+    gen = torch.Generator().manual_seed(3)
+    ids = [torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)] * 2
+    narrow = SimWorld(world_size=2, max_tokens=2, hidden=128, topk=2, num_tot_experts=2,
+                      token_dtype=torch.float8_e5m2, num_sm=2, chunk=2)  # fmt: skip
+    assert narrow.layout.row_bytes == 128
+    fp8 = SimWorld(world_size=2, max_tokens=2, hidden=128, topk=2, num_tot_experts=2,
+                   token_dtype=torch.float8_e4m3fn, num_sm=2, chunk=2)  # fmt: skip
+    assert fp8.layout.row_bytes == fp8_row_bytes(128) == 144
+    for sim, xs, match in (
+        (
+            narrow,
+            [pack_fp8_rows(*_fp8_rows(2, 128, gen)) for _ in range(2)],
+            "take 144 bytes, more than the 128",
+        ),
+        (fp8, [torch.zeros(2, 128, dtype=torch.bfloat16)] * 2, "take 256 bytes, more than the 144"),
+    ):
+        eng, before = sim.engines[0], [h.clone() for h in sim.heaps]
+        b = eng.alloc_dispatch_outputs(2, 4, with_weights=False, dtype=xs[0].dtype)
+        with pytest.raises(ValueError, match=match):
+            eng.launch_dispatch(xs[0], ids[0], None, eng.pos, b, caller_scatter=False, counts=True)
+        assert all(torch.equal(h, h0) for h, h0 in zip(sim.heaps, before, strict=True))
+    # outputs of another width than the input rows
+    eng = fp8.engines[0]
+    x = pack_fp8_rows(*_fp8_rows(2, 128, gen))
+    b = eng.alloc_dispatch_outputs(2, 4, with_weights=False)  # (float8 rows of 128: not the packed width)
+    with pytest.raises(ValueError, match=r"bufs\.out must be"):
+        eng.launch_dispatch(x, ids[0], None, eng.pos, b, caller_scatter=False, counts=True)
+
+
+def test_fp8_caller_scatter_and_int64_ids():
+    """FP8 rows placed at the caller's rows (``full_scatter_indices``: every receiver's rows reversed),
+    with int64 expert ids as ``torch.topk`` gives them, both flows."""
+    world, hidden, topk, experts = 2, 128, 2, 4
+    gen = torch.Generator().manual_seed(17)
+    ns = [5, 4]
+    sim = SimWorld(
+        world_size=world, max_tokens=5, hidden=hidden, topk=topk, num_tot_experts=experts,
+        token_dtype=torch.float8_e4m3fn, num_sm=2, chunk=2,
+    )  # fmt: skip
+    xs = [_fp8_rows(n, hidden, gen) for n in ns]
+    ids = [_routing(n, topk, experts, gen, skew=False, drop=0.2).long() for n in ns]
+    rows = [_fp8_bytes(*x) for x in xs]
+    _, default = dispatch_ref(rows, ids, num_tot_experts=experts)
+    e_local = experts // world
+    totals = [sum(int(((i >= 0) & (i // e_local == d)).sum()) for i in ids) for d in range(world)]
+    fsi = []
+    for s in range(world):
+        f = torch.full(ids[s].shape, -1, dtype=torch.int32)
+        for d in range(world):
+            mask = (ids[s] >= 0) & (ids[s] // e_local == d)
+            f[mask] = (totals[d] - 1 - default[s][mask]).to(torch.int32)
+        fsi.append(f)
+    ref, scat = dispatch_ref(rows, ids, num_tot_experts=experts, full_scatter_indices=fsi)
+    for merged in (False, True):
+        res = sim.dispatch(xs, ids, None, fsi, merged=merged)
+        _check_dispatch([dataclasses.replace(r, output=_fp8_bytes(*r.output)) for r in res], ref, scat, False)
+        ys = [torch.randn(r.output[0].shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
+        _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)

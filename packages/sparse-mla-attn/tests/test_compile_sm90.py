@@ -116,6 +116,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "dec_b2_splitk_merge_kernel": lambda: decode(2, 128, 2048, "auto", "kernel"),
         "dec_b8_splitk": lambda: decode(8, 128, 2048, "auto", "last_program"),
         "dec_b1_h16_splitk": lambda: decode(1, 16, 2048, "auto", "last_program"),
+        "dec_b1_h16_splitk_merge_kernel": lambda: decode(1, 16, 2048, "auto", "kernel"),
         "dec_b64_gluon": lambda: decode(64, 128, 2048, "auto"),
         "dec_b64_h64_triton": lambda: decode(64, 64, 2048, "triton"),
         "ad_h128_gluon": lambda: attn_dist(128, 256, "auto"),

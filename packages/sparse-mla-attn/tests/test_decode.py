@@ -7,6 +7,7 @@ import torch
 
 from sparse_mla_attn import Config, sparse_mla_decode, sparse_mla_decode_ref
 from sparse_mla_attn._inputs import kernel_test_device
+from sparse_mla_attn._runtime import last_launch
 from sparse_mla_attn.reference import paged_rows
 
 
@@ -70,6 +71,7 @@ def test_decode_split_k_and_table_entries_outside_the_cache():
     args = paged_problem(2, 2, 5, 576, 8, (30, 17), 23, dev, seed=7)
     got = sparse_mla_decode(*args, 0.05, config=Config(num_splits=2))
     check(got, args, 0.05, 1e-2, 1e-2)
+    assert last_launch("fwd").merge == "last_program"  # the default at h_q <= 16
     # A table entry pointing past the cache is skipped like an invalid position, never followed.
     q, cache, bt, sl, idx = args
     bt = bt.clone()
@@ -120,7 +122,7 @@ def test_decode_split_merge_paths_poisoned(monkeypatch, n_splits, h_q, topk, seq
     float32 reference, with every output and workspace buffer NaN-poisoned when allocated and reused by
     the next call, as on a GPU stream; the merge counters are zero again after each call, and both merges
     give the same bits."""
-    from sparse_mla_attn import _runtime, decode
+    from sparse_mla_attn import decode
 
     dev = cpu_device()
     args = paged_problem(2, 2, h_q, 576, 8, seqlens, topk, dev, seed=n_splits + h_q)
@@ -132,7 +134,7 @@ def test_decode_split_merge_paths_poisoned(monkeypatch, n_splits, h_q, topk, seq
         cfg = Config(num_splits=n_splits, split_merge=merge)
         for _ in range(2):  # the second call reuses the first one's workspace and counters
             got = sparse_mla_decode(*args, 0.05, config=cfg)
-            launch = _runtime.last_launch("fwd")
+            launch = last_launch("fwd")
             assert (launch.splits, launch.merge) == (n_splits, merge)
             check(got, args, 0.05, 1e-2, 1e-2)
             for owner, buffers in store.values():
@@ -148,6 +150,14 @@ def test_decode_split_merge_paths_poisoned(monkeypatch, n_splits, h_q, topk, seq
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_decode_default_merge_above_16_heads_is_the_merge_kernel():
+    dev = cpu_device()
+    args = paged_problem(1, 1, 20, 576, 8, (30,), 20, dev, seed=3)
+    got = sparse_mla_decode(*args, 0.05, config=Config(num_splits=2))
+    assert (last_launch("fwd").splits, last_launch("fwd").merge) == (2, "kernel")
+    check(got, args, 0.05, 1e-2, 1e-2)
+
+
 def test_decode_custom_op_fake_and_schema():
     dev = cpu_device()
     args = paged_problem(2, 1, 4, 576, 8, (9, 3), 5, dev, seed=1)
@@ -159,25 +169,23 @@ def test_decode_custom_op_fake_and_schema():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b", [1, 2, 8])
-def test_decode_split_merge_eager_and_cuda_graph_gpu(b):
-    """At batch 1-8 (split-K): the default merge takes the merge kernel on a signature's first call and
-    while a CUDA graph is captured, and the last split program otherwise; both merges give the same bits,
-    eager and replayed (twice, so the counters the replay leaves are zero again), and match the
-    reference."""
-    from sparse_mla_attn._runtime import last_launch
-
+@pytest.mark.parametrize(("b", "h_q"), [(1, 128), (8, 128), (1, 16), (8, 16)])
+def test_decode_split_merge_eager_and_cuda_graph_gpu(b, h_q):
+    """At batch 1 and 8 (split-K): the default merge takes the merge kernel at h_q 128, and at h_q 16 on
+    a signature's first call and while a CUDA graph is captured, the last split program otherwise; every
+    merge gives the same bits, eager and replayed (twice, so the counters a replay leaves are zero
+    again), and matches the reference."""
     g = torch.Generator(device="cuda").manual_seed(b)
     seqlens = torch.randint(16384, 32769, (b,), generator=g, device="cuda").tolist()
-    args = paged_problem(b, 1, 128, 576, 64, seqlens, 2048, "cuda", seed=b)
+    args = paged_problem(b, 1, h_q, 576, 64, seqlens, 2048, "cuda", seed=b + h_q)
     scale = 1 / math.sqrt(576)
     first = sparse_mla_decode(*args, scale)
     assert last_launch("fwd").merge == "kernel"
     assert last_launch("fwd").splits > 1
     check(first, args, scale, 8e-4, 2e-2)
-    for _ in range(3):
-        again = sparse_mla_decode(*args, scale)
-        assert last_launch("fwd").merge == "last_program"
+    for _ in range(3):  # later calls replay recorded launches: fresh copies check their data pointers
+        again = sparse_mla_decode(*[t.clone() for t in args], scale)
+        assert last_launch("fwd").merge == ("last_program" if h_q <= 16 else "kernel")
         for a, e in zip(again, first, strict=True):
             torch.testing.assert_close(a, e, rtol=0, atol=0)
     for merge in ("auto", "last_program", "kernel"):
@@ -213,6 +221,10 @@ def test_decode_gpu(b, h_q, block_size, seqlen, topk):
     args = paged_problem(b, 1, h_q, 576, block_size, seqlens, topk, "cuda", seed=b + h_q)
     got = sparse_mla_decode(*args, 1 / math.sqrt(576))
     check(got, args, 1 / math.sqrt(576), 8e-4, 2e-2)
+    for _ in range(2):  # the last call replays the launches the second one recorded, on fresh copies
+        again = sparse_mla_decode(*[t.clone() for t in args], 1 / math.sqrt(576))
+        for a, e in zip(again, got, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
 
 
 def test_decode_batch_zero_returns_empty():

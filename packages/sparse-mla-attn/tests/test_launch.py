@@ -87,6 +87,12 @@ def _check_cached_launches() -> int:
         "attn_dist": lambda: sm.attn_dist(q, kv, idx, lse, 0.1),
         "attn_dist_triton": lambda: sm.attn_dist(q, kv, idx, lse, 0.1, config=sm.Config(backend="triton")),
         "decode_splitk": lambda: sm.sparse_mla_decode(q[:, None], cache, table, seqlens, idx, 0.1),
+        "decode_split_merge_kernel": lambda: sm.sparse_mla_decode(
+            q[:, None], cache, table, seqlens, idx, 0.1, config=sm.Config(num_splits=2, split_merge="kernel")
+        ),
+        "decode_split_last_program": lambda: sm.sparse_mla_decode(
+            q[:, None], cache, table, seqlens, idx, 0.1, config=sm.Config(num_splits=2, split_merge="last_program")
+        ),
         "bwd": lambda: sm.sparse_mla_bwd(q, kv, q[..., :512], q[..., :512], idx, lse, 0.1, return_attn_sum=True),
         "bwd_det": lambda: sm.sparse_mla_bwd(q, kv, q[..., :512], q[..., :512], idx, lse, 0.1, deterministic=True),
     }  # fmt: skip
@@ -117,6 +123,122 @@ def _check_cached_launches() -> int:
     return checked
 
 
+def _check_decode_replay() -> int:
+    """Eager decode calls on a GPU stream replay the launches of the plan's first call through cached
+    kernels: straight to each compiled kernel's C launcher, with the same arguments as that call except
+    that tensors are data pointers, the call's own tensors (inputs, outputs) its own and every other
+    tensor (scratch) the recorded one. Checked for the split kernel with each merge and for Gluon."""
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    import sparse_mla_attn as sm
+    from sparse_mla_attn import _runtime, decode
+    from sparse_mla_attn.forward import LOG2E
+
+    generic: list[tuple[Any, ...]] = []
+    direct: list[tuple[Any, ...]] = []
+
+    class CudaLauncher:  # stands in for Triton's, by name
+        global_scratch_size = 0
+        profile_scratch_size = 0
+        launch_cooperative_grid = False
+        launch_pdl = False
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __call__(self, gx: int, gy: int, gz: int, stream: Any, function: Any, packed: Any, meta: Any,
+                     enter: Any, leave: Any, *args: Any) -> None:  # fmt: skip
+            generic.append((self.name, (gx, gy, gz), stream, function, packed, args))
+
+        def launch(self, gx: int, gy: int, gz: int, stream: Any, function: Any, coop: Any, pdl: Any,
+                   gscratch: Any, pscratch: Any, packed: Any, meta: Any, enter: Any, leave: Any,
+                   *args: Any) -> None:  # fmt: skip
+            assert (coop, pdl, gscratch, pscratch, meta, enter, leave) == (
+                False,
+                False,
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
+            direct.append((self.name, (gx, gy, gz), stream, function, packed, args))
+
+    class Compiled:
+        packed_metadata = "packed"
+        function = 1234
+
+        def __init__(self, name: str) -> None:
+            self.run = CudaLauncher(name)
+
+        def launch_metadata(self, *args: Any) -> None:
+            return None
+
+    class Driver:
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int) -> int:
+            return 77
+
+    JITFunction.run = lambda self, *a, grid, warmup, **k: Compiled(self.fn.__name__)  # type: ignore[method-assign]
+    _runtime._driver = lambda: Driver()  # type: ignore[assignment]
+    ctx = _runtime.LaunchContext(0, 77, False)
+    decode.launch_context = lambda device: ctx  # type: ignore[assignment]
+    sys.path.insert(0, os.path.dirname(HERE))
+    from test_compile_sm90 import pretend_h200_host
+
+    pretend_h200_host()
+
+    def inputs(seed: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(2, 1, 128, 576, generator=g).bfloat16()
+        cache = torch.randn(8, 64, 1, 576, generator=g).bfloat16()
+        table = torch.randint(0, 8, (2, 4), generator=g, dtype=torch.int32)
+        seqlens = torch.full((2,), 200, dtype=torch.int32)
+        idx = torch.randint(0, 200, (2, 1, 128), generator=g, dtype=torch.int32)
+        return q, cache, table, seqlens, idx
+
+    checked = 0
+    for cfg in (sm.Config(num_splits=2, split_merge="kernel"), sm.Config(num_splits=2, split_merge="last_program"),
+                sm.Config()):  # fmt: skip
+        a1, a2, a3 = inputs(1), inputs(2), inputs(3)
+        sm.sparse_mla_decode(*a1, 0.1, config=cfg)  # compiles (Triton's launch path)
+        generic.clear()
+        direct.clear()
+        out2 = sm.sparse_mla_decode(*a2, 0.1, config=cfg)  # through the cached kernels, recorded
+        assert generic
+        assert not direct
+        recorded = list(generic)
+        generic.clear()
+        out3 = sm.sparse_mla_decode(*a3, 0.3, config=cfg)  # replayed
+        assert direct, len(generic)
+        assert not generic
+        assert len(direct) == len(recorded)
+        own2, own3 = (*a2, *out2), (*a3, *out3)
+        for (n2, g2, s2, f2, p2, args2), (n3, g3, s3, f3, p3, args3) in zip(recorded, direct, strict=True):
+            assert (n2, g2, s2, f2, p2) == (n3, g3, s3, f3, p3)
+            assert len(args2) == len(args3)
+            for x2, x3 in zip(args2, args3, strict=True):
+                if isinstance(x2, torch.Tensor):
+                    mine = [i for i, t in enumerate(own2) if t is x2]
+                    want = own3[mine[0]].data_ptr() if mine else x2.data_ptr()
+                    assert type(x3) is int, (n2, x3)
+                    assert x3 == want, (n2, x3, want)
+                elif type(x2) is float:
+                    assert x2 == 0.1 * LOG2E, (n2, x2)  # the call's sm_scale, in base 2
+                    assert x3 == 0.3 * LOG2E, (n2, x3)
+                else:
+                    assert type(x3) is type(x2), (n2, x2, x3)
+                    assert x3 == x2, (n2, x2, x3)
+                checked += 1
+        launch = _runtime.last_launch("fwd")
+        assert launch is not None
+        assert launch.merge == (None if cfg.num_splits == 0 else cfg.split_merge)
+    return checked
+
+
 def test_cached_launch_passes_tritons_arguments() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, HERE], env=env, capture_output=True, text=True, timeout=600)
@@ -124,5 +246,14 @@ def test_cached_launch_passes_tritons_arguments() -> None:
     assert int(proc.stdout.split()[-1]) >= 10
 
 
+def test_eager_decode_replays_the_recorded_launches() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, HERE, "replay"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert int(proc.stdout.split()[-1]) >= 100
+
+
 if __name__ == "__main__":
-    print(_check_cached_launches())
+    print(_check_decode_replay() if sys.argv[1:] == ["replay"] else _check_cached_launches())

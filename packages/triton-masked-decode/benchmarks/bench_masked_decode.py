@@ -1,11 +1,20 @@
 """Masked decode benchmark: cases, providers and timing (driven by ``run.py``).
 
-Every time is the median over CUDA-graph replays of the call (or over eager calls, for the ``*_eager``
-providers), timed with CUDA events like ``triton.testing.do_bench``, with the L2 cache flushed before each
-call by reading a 256 MB buffer (:func:`flush_l2`: the L2 then holds no K/V and no dirty lines, as after
-the rest of a decode step), and is compared with the read-once floor: the bytes of K and V over the valid
-lengths, the mask (bool, one byte per position) and q/out, moved once at the copy bandwidth measured in the
-same run.
+Every time is a median over calls timed with CUDA events like ``triton.testing.do_bench``, with the L2
+cache flushed before each call by reading a 256 MB buffer (:func:`flush_l2`: the L2 then holds no K/V and
+no dirty lines, as after the rest of a decode step). Three ways of calling:
+
+* CUDA-graph replay (providers without a suffix): the call captured once, the graph replayed;
+* eager, idle start (``*_eager``): a direct call with default arguments, started after the host has waited
+  for the flush, so the GPU is idle and the whole host cost of the call is in the time (its latency);
+* eager, back-to-back (``*_eager_b2b``): direct calls as ``triton.testing.do_bench`` makes them (flush,
+  call, flush, call, ... with events), the host free to run ahead: host cost counts only where it exceeds
+  the GPU time of the flush before it.
+
+Times are compared with the read-once floor: the bytes of K and V over the valid lengths, the mask (bool,
+one byte per position) and q/out, moved once at the copy bandwidth measured in the same run. Eager
+providers also get the host time of one call (``host_us``: wall-clock time the Python call takes, launch
+included, measured around each idle-start call).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import datetime
 import importlib.util
 import math
 import sys
+import time
 import types
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -50,11 +60,14 @@ def flush_l2() -> None:
     torch.sum(_flush_state["buf"], dim=0, out=_flush_state["sum"])
 
 
-def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, idle_start: bool = False) -> float:
-    """Median time of ``fn`` in ms with the L2 flushed before each call: ``triton.testing.do_bench``'s loop
-    (estimate from 5 calls, then ``warmup`` ms of unflushed calls and ``rep`` ms of flushed, event-timed
-    ones). With ``idle_start`` the host waits for the flush before each timed call, so the GPU is idle when
-    the call starts and the call's host-side cost counts (an eager call's latency)."""
+def bench_ms(
+    fn: Callable[[], object], warmup: int = 25, rep: int = 100, idle_start: bool = False
+) -> tuple[float, float]:
+    """(median time of ``fn`` in ms, median host time of one call in us) with the L2 flushed before each
+    call: ``triton.testing.do_bench``'s loop (estimate from 5 calls, then ``warmup`` ms of unflushed calls
+    and ``rep`` ms of flushed, event-timed ones). With ``idle_start`` the host waits for the flush before
+    each timed call, so the GPU is idle when the call starts and the call's host-side cost counts (an eager
+    call's latency); without it the host runs ahead, as in ``do_bench``."""
     fn()
     torch.cuda.synchronize()
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -68,26 +81,34 @@ def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, idle_st
     n_warmup, n_repeat = max(1, int(warmup / estimate)), max(1, int(rep / estimate))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    host = [0.0] * n_repeat
     for _ in range(n_warmup):
         fn()
+    clock = time.perf_counter
     for i in range(n_repeat):
         flush_l2()
         if idle_start:
             torch.cuda.synchronize()
         starts[i].record()
+        h0 = clock()
         fn()
+        host[i] = clock() - h0
         ends[i].record()
     torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-    mid = len(times) // 2
-    return times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
+    return _median([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]), _median(host) * 1e6
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), warmup=50, rep=300)
+    ms, _ = bench_ms(lambda: dst.copy_(src), warmup=50, rep=300)
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -188,24 +209,39 @@ def capture_graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, objec
     return graph, res
 
 
-def time_us(
-    fn: Callable[[], object], warmup: int = 25, rep: int = 120, eager: bool = False
-) -> tuple[float, str]:
-    """Median time of ``fn`` in microseconds, L2 flushed before each call (:func:`bench_ms`).
+# How each provider is called and timed, by the suffix of its name.
+EAGER_IDLE, EAGER_B2B = "_eager", "_eager_b2b"
 
-    ``fn`` is captured once in a CUDA graph and the graph is replayed, so host-side launch overhead
-    (Python, argument binding, allocation) does not count, as in a decode loop served from graphs; with
-    ``eager`` it is called directly from an idle GPU, so its host-side cost counts (a callable that cannot
-    be captured is called directly too). The method is returned with the time.
+
+def timing_mode(provider: str) -> str:
+    """``"eager_b2b"``, ``"eager_idle"`` or ``"cuda_graph"`` for a provider name."""
+    if provider.endswith(EAGER_B2B):
+        return "eager_b2b"
+    return "eager_idle" if provider.endswith(EAGER_IDLE) else "cuda_graph"
+
+
+def time_us(
+    fn: Callable[[], object], mode: str = "cuda_graph", warmup: int = 25, rep: int = 120
+) -> tuple[float, str, float | None]:
+    """(median time of ``fn`` in microseconds, the method, median host time of a call in us or None), L2
+    flushed before each call (:func:`bench_ms`).
+
+    ``cuda_graph``: ``fn`` is captured once in a CUDA graph and the graph is replayed, so host-side launch
+    overhead (Python, argument binding, allocation) does not count, as in a decode loop served from graphs
+    (a callable that cannot be captured is timed back-to-back instead). ``eager_idle``: ``fn`` is called
+    directly, each call from an idle GPU, so its host-side cost counts. ``eager_b2b``: called directly,
+    back-to-back as ``triton.testing.do_bench`` calls it.
     """
-    if not eager:
+    if mode == "cuda_graph":
         try:
             graph, _ = capture_graph(fn)
         except Exception:
             torch.cuda.synchronize()
+            mode = "eager_b2b"
         else:
-            return bench_ms(graph.replay, warmup=warmup, rep=rep) * 1e3, "cuda_graph"
-    return bench_ms(fn, warmup=warmup, rep=rep, idle_start=eager) * 1e3, "eager"
+            return bench_ms(graph.replay, warmup=warmup, rep=rep)[0] * 1e3, "cuda_graph", None
+    ms, host_us = bench_ms(fn, warmup=warmup, rep=rep, idle_start=mode == "eager_idle")
+    return ms * 1e3, mode, host_us
 
 
 class Runner:
@@ -273,6 +309,8 @@ class Runner:
             "errors": {},
         }
         ref_out = None
+        if not any(p.startswith("ours") for p in c.providers):  # comparators only: this package's output
+            ref_out = masked_decode(q3, k, v, mask, seqlens=seqlens, **scales)[0].reshape(b, c.hq, d).float()
         fns: dict[str, Callable[[], object]] = {}
         for p in c.providers:
             if p in ("ours", "ours_dense", "ours_sparse"):
@@ -282,7 +320,7 @@ class Runner:
                 fns[p] = lambda cfg=cfg: masked_decode(
                     q3, k, v, mask, seqlens=seqlens, check_values=False, config=cfg, **scales
                 )
-            elif p == "ours_eager":  # as a user calls it: default arguments, timed eagerly
+            elif p in ("ours_eager", "ours_eager_b2b"):  # as a user calls it: default arguments, eagerly
                 fns[p] = lambda: masked_decode(q3, k, v, mask, seqlens=seqlens, **scales)
             elif p == "baseline_triton" and self.baseline is not None:
                 flat_mask = (
@@ -294,7 +332,7 @@ class Runner:
                 fns[p] = lambda kk=kk, vv=vv, fm=flat_mask: self.baseline.triton_masked_flash_decoding(
                     q, kk, vv, fm, vl, hkv
                 )
-            elif p in ("sdpa", "sdpa_eager"):
+            elif p in ("sdpa", "sdpa_eager", "sdpa_eager_b2b"):
                 # SDPA's bool mask is True = attend, per query head: prepared once, outside the timing.
                 if mask is not None:
                     am = (
@@ -327,17 +365,23 @@ class Runner:
         for p, fn in fns.items():
             try:
                 out = fn()
-                if p.startswith("ours") or p in ("baseline_triton", "sdpa", "sdpa_eager", "flex"):
+                if p.startswith(("ours", "sdpa")) or p in ("baseline_triton", "flex"):
                     o = out[1] if p == "baseline_triton" else out[0] if p.startswith("ours") else out
                     o = o.reshape(b, c.hq, d).float()
                     if ref_out is None and p.startswith("ours"):
                         ref_out = o
                     elif ref_out is not None and mask is not None:
                         res["errors"][p] = float((o - ref_out).abs().max())
-                t, method = time_us(fn, eager=p.endswith("_eager"))
+                t, method, host_us = time_us(fn, timing_mode(p))
                 res["times_us"][p] = t
                 res.setdefault("method", {})[p] = method
-                log(f"  {c.name:28s} {p:12s} {t:9.1f} us  {floor_us / t * 100:6.1f}% of floor  ({method})")
+                host = ""
+                if host_us is not None:
+                    res.setdefault("host_us", {})[p] = host_us
+                    host = f", host {host_us:.1f} us"
+                log(
+                    f"  {c.name:28s} {p:14s} {t:9.1f} us  {floor_us / t * 100:6.1f}% of floor  ({method}{host})"
+                )
             except Exception as e:  # a baseline failing must not stop the run
                 res["times_us"][p] = None
                 res["errors"][p] = f"{type(e).__name__}: {str(e)[:200]}"

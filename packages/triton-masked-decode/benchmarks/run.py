@@ -14,6 +14,7 @@ figure and the table from a results file without measuring.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -35,24 +36,37 @@ L64K, ALLOC = 65536, 131072
 BATCH_PROVIDERS = [
     "ours",
     "ours_eager",
+    "ours_eager_b2b",
     "ours_dense",
     "baseline_triton",
     "sdpa",
     "sdpa_eager",
+    "sdpa_eager_b2b",
     "flex",
     "flash_attn",
 ]
 LABELS = {
-    "ours": "masked_decode",
-    "ours_eager": "masked_decode, eager",
-    "ours_dense": "dense loop",
-    "ours_sparse": "sparse loop",
+    "ours": "masked_decode (graph)",
+    "ours_eager": "masked_decode, eager from idle",
+    "ours_eager_b2b": "masked_decode, eager back-to-back",
+    "ours_dense": "dense loop (graph)",
+    "ours_sparse": "sparse loop (graph)",
     "baseline_triton": "triton_masked_flash_decoding script",
-    "sdpa": "SDPA + bool mask",
-    "sdpa_eager": "SDPA + bool mask, eager",
+    "sdpa": "SDPA + bool mask (graph)",
+    "sdpa_eager": "SDPA, eager from idle",
+    "sdpa_eager_b2b": "SDPA, eager back-to-back",
     "flex": "FlexAttention",
     "flash_attn": "flash_attn (no mask)",
 }
+TIMING = (
+    "median microseconds, L2 flushed before each call by reading 256 MB. Providers without a suffix: "
+    "CUDA-graph replay of the call. *_eager: a direct call with default arguments started from an idle "
+    "GPU (the host waits for the flush, then calls), so the whole host cost of the call is in the time. "
+    "*_eager_b2b: direct calls back-to-back as triton.testing.do_bench makes them (flush, call, flush, "
+    "call, ... timed with events; the host runs ahead, so host cost counts only where it exceeds the "
+    "flush's GPU time). host_us: median wall-clock host time of one eager call (launch included), "
+    "measured around each call"
+)
 
 
 def build_cases(quick: bool) -> list[Case]:
@@ -63,7 +77,15 @@ def build_cases(quick: bool) -> list[Case]:
         for b in ([1, 8] if quick else [1, 2, 4, 8])
     ]
     cases.append(
-        Case("short", 1, [1024], 1024, 0.5, "random", providers=["ours", "ours_eager", "sdpa", "sdpa_eager"])
+        Case(
+            "short",
+            1,
+            [1024],
+            1024,
+            0.5,
+            "random",
+            providers=["ours", "ours_eager", "ours_eager_b2b", "sdpa", "sdpa_eager", "sdpa_eager_b2b"],
+        )
     )
     rng = random.Random(0)
     for b in [32] if quick else [32, 64]:
@@ -89,7 +111,16 @@ def build_cases(quick: bool) -> list[Case]:
         )
     for dens in (0.5, 0.1):  # FP8 K/V (per-tensor scales as device tensors), CUDA graph and eager
         cases.append(
-            Case("fp8", 8, [L64K] * 8, L64K, dens, "random", providers=["ours", "ours_eager"], kv_dtype="fp8")
+            Case(
+                "fp8",
+                8,
+                [L64K] * 8,
+                L64K,
+                dens,
+                "random",
+                providers=["ours", "ours_eager", "ours_eager_b2b"],
+                kv_dtype="fp8",
+            )
         )
     for dens in [0.1, 0.25, 0.5] if quick else [0.05, 0.1, 0.25, 0.5, 1.0]:
         cases.append(
@@ -134,10 +165,12 @@ def make_table(results: list[dict]) -> str:
     cols = [
         "ours",
         "ours_eager",
+        "ours_eager_b2b",
         "ours_dense",
         "ours_sparse",
         "sdpa",
         "sdpa_eager",
+        "sdpa_eager_b2b",
         "flex",
         "baseline_triton",
     ]
@@ -175,7 +208,10 @@ def page_block(meta: dict) -> str:
         f"One {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {date}. Microseconds per call "
         f"(lower is faster); *read-once floor* is the time to read K and V over the valid lengths once (with the "
         f"mask, q and out) at the copy bandwidth measured in the same run: a masked call reads only the visible "
-        f"rows, so it can beat it. Cases: {cases}. Raw numbers, device, "
+        f"rows, so it can beat it. *(graph)*: CUDA-graph replay of the call; *eager from idle*: a direct call "
+        f"with default arguments started from an idle GPU, so its whole host cost counts (its latency); *eager "
+        f"back-to-back*: direct calls one after another as `triton.testing.do_bench` makes them, the host "
+        f"running ahead of the GPU. Cases: {cases}. Raw numbers (with the host time of each eager call), device, "
         f"date, commit and command: `docs/benchmarks/{DIST}/{kind}.json`."
     )
     figure = "Dense read-once floor over the time of a call, against batch and against the visible fraction"
@@ -208,7 +244,7 @@ def make_plot(results: list[dict], path: Path, device: str) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     batch = [r for r in results if r["group"] == "batch"]
-    for p in ("ours", "ours_eager", "baseline_triton", "sdpa", "flex", "flash_attn"):
+    for p in ("ours", "ours_eager", "ours_eager_b2b", "baseline_triton", "sdpa", "flex", "flash_attn"):
         pts = [(r["batch"], r["floor_us"] / r["times_us"][p]) for r in batch if r["times_us"].get(p)]
         if pts:
             ax1.plot(*zip(*pts, strict=True), marker="o", label=LABELS[p])
@@ -235,6 +271,44 @@ def make_plot(results: list[dict], path: Path, device: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def eager_summary(results: list[dict]) -> str:
+    """Eager calls against their graph replay (batch 1 and 8 at L 64K, within 1.15x?) and against SDPA's
+    eager call (batch 1, L 1K, no slower?), by both eager methods, with the host time of a call."""
+    rows = {r["case"]: r for r in results}
+    lines = ["eager summary (ratio; host time of one call):"]
+
+    def host(r: dict, p: str) -> str:
+        h = r.get("host_us", {}).get(p)
+        return "—" if h is None else f"{h:.1f} us"
+
+    for case in ("batch-B1-L64K-random50", "batch-B8-L64K-random50"):
+        r = rows.get(case)
+        if r is None:
+            continue
+        graph = r["times_us"].get("ours")
+        for p, how in (("ours_eager", "from idle"), ("ours_eager_b2b", "back-to-back")):
+            t = r["times_us"].get(p)
+            if graph and t:
+                ratio = t / graph
+                lines.append(
+                    f"  {case:24s} eager {how:12s} / graph  {t:7.1f} / {graph:7.1f} = {ratio:5.2f}"
+                    f"  within 1.15x: {'yes' if ratio <= 1.15 else 'NO'}  host {host(r, p)}"
+                )
+    r = rows.get("short-B1-L1K-random50")
+    if r is not None:
+        for p, s, how in (
+            ("ours_eager", "sdpa_eager", "from idle"),
+            ("ours_eager_b2b", "sdpa_eager_b2b", "back-to-back"),
+        ):
+            t, ts = r["times_us"].get(p), r["times_us"].get(s)
+            if t and ts:
+                lines.append(
+                    f"  {r['case']:24s} eager {how:12s} / SDPA eager  {t:7.1f} / {ts:7.1f} = {t / ts:5.2f}"
+                    f"  no slower: {'yes' if t <= ts else 'NO'}  host {host(r, p)} (SDPA {host(r, s)})"
+                )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -252,6 +326,7 @@ def main() -> None:
         meta = json.loads(Path(args.render_from).read_text())
         make_plot(meta["results"], Path(args.render_from).with_suffix(".png"), meta["device"])
         print(make_table(meta["results"]))
+        print("\n" + eager_summary(meta["results"]))
         if args.update_page:
             update_page(meta)
         return
@@ -275,22 +350,34 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "copy_bandwidth_Bps": bw,
-        "timing": "median microseconds, L2 flushed before each call by reading 256 MB; CUDA-graph replay, "
-        "or for providers ending in _eager a direct call started from an idle GPU (host cost included)",
+        "timing": TIMING,
         "floor": "K+V over valid lengths (2 B/value fp16, 1 B/value FP8 + its scales) + bool mask (1 B/position) "
         "+ q + out, at the measured copy bandwidth",
         "flash_attn_installed": runner.fa_kvcache is not None,
         "results": [],
     }
-    for c in build_cases(args.quick):
+    # torch.compile (FlexAttention) runs after every other measurement, so no eager row is timed in a
+    # process where it has run and some rows not.
+    cases = build_cases(args.quick)
+    later = [
+        (i, dataclasses.replace(c, providers=["flex"])) for i, c in enumerate(cases) if "flex" in c.providers
+    ]
+    for c in cases:
+        c.providers = [p for p in c.providers if p != "flex"]
         meta["results"].append(runner.run_case(c, lambda msg: print(msg, flush=True)))
         json_path.write_text(json.dumps(meta, indent=1) + "\n")  # a run cut short still leaves its numbers
+    for i, c in later:
+        res = runner.run_case(c, lambda msg: print(msg, flush=True))
+        for field in ("times_us", "errors", "method"):
+            meta["results"][i].setdefault(field, {}).update(res.get(field, {}))
+        json_path.write_text(json.dumps(meta, indent=1) + "\n")
     try:
         make_plot(meta["results"], json_path.with_suffix(".png"), device)
     except ImportError:
         print(f"matplotlib is missing: draw the figure with `run.py --render-from {json_path}` elsewhere")
     print(f"wrote {json_path}\n")
     print(make_table(meta["results"]))
+    print("\n" + eager_summary(meta["results"]))
     if args.update_page:
         update_page(meta)
 

@@ -117,7 +117,7 @@ class Sweep:
             graph.replay()
             torch.cuda.synchronize()
             err_graph = float((res[0].float() - ref).abs().max())
-            t, _method = time_us(fn, warmup=10, rep=self.rep)
+            t, _method, _host = time_us(fn, warmup=10, rep=self.rep)
         except Exception as e:  # a variant failing must not stop the sweep
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"{tag:18s} B{batch} {mask_name:8s} FAILED {row['error'][:160]}", flush=True)

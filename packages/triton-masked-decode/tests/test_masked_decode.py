@@ -165,9 +165,15 @@ def check_case(c: Case, device: torch.device, seed: int = 0, two_launch: bool | 
     ref_out, ref_lse = masked_decode_ref(q, k, v, ref_mask, seqlens=seqlens, block_table=block_table)
     if two_launch is None and device.type == "cuda":
         # A signature's first eager call on a GPU takes the two-launch path (compiling it for graph
-        # capture), later calls the one-launch path: check the first, then test the second below.
-        _check_result(c, q, out, lse, ref_out, ref_lse)
-        out, lse = masked_decode(q, k, v, mask, seqlens=seqlens, block_table=block_table, config=config)
+        # capture), the second compiles the one-launch kernel through Triton's JIT, later calls launch it
+        # bound to the stream's workspace: check the first two, then the third below. Checked outputs are
+        # filled with NaN before they are freed, so a later call given their memory must overwrite it.
+        for _ in range(2):
+            _check_result(c, q, out, lse, ref_out, ref_lse)
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            del out, lse
+            out, lse = masked_decode(q, k, v, mask, seqlens=seqlens, block_table=block_table, config=config)
     _check_result(c, q, out, lse, ref_out, ref_lse)
 
 
@@ -398,6 +404,126 @@ def test_direct_launch_passes_every_kernel_argument(cpu_device: torch.device) ->
     assert kernel_args["Mask"].data_ptr() == mask.data_ptr()
     assert all(kernel_args[n] == val for n, val in st.meta.items() if n in kernel_args)
     md._SIGNATURES.clear()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(Case(num_splits=3, seqlens="tensor"), id="bool-seqlens-3splits"),
+        pytest.param(Case(batch=3, mask="packed", layout="paged", seqlens="tensor"), id="packed-paged"),
+        pytest.param(Case(mask="none", num_splits=1), id="nomask-1split"),
+        pytest.param(Case(num_splits=2), id="fp8-tensor-and-token-scales"),
+    ],
+)
+def test_bound_launch_matches_reference_cpu(
+    case: Case, cpu_device: torch.device, request: pytest.FixtureRequest
+) -> None:
+    """Eager calls after a signature's first launch pass the compiled kernel's launcher the pointers of the
+    cached buffers (workspace, counters, error word, stand-ins) as ints: run with exactly those arguments,
+    the kernel gives the reference result, every int is the pointer of the buffer its argument names, and
+    a second call reuses the binding."""
+    md = sys.modules["triton_masked_decode.masked_decode"]
+    q, k, v, mask, ref_mask, seqlens, block_table = make_inputs(case, cpu_device, seed=31)
+    scales: dict = {}
+    if "fp8" in request.node.callspec.id:  # an FP8 cache with per-tensor scale tensors and per-token scales
+        k, v = (k.float() / 0.5).to(torch.float8_e4m3fn), (v.float() / 0.25).to(torch.float8_e4m3fn)
+        g = torch.Generator().manual_seed(32)
+        scales = {
+            "k_scale": torch.tensor(0.5),
+            "v_scale": torch.tensor([0.25]),
+            "k_token_scale": torch.rand(case.batch, case.hkv, case.length, generator=g) + 0.5,
+            "v_token_scale": torch.rand(case.batch, case.hkv, case.length, generator=g) + 0.5,
+        }
+    config = MaskedDecodeConfig(num_splits=case.num_splits)
+    md._SIGNATURES.clear()
+    masked_decode(q, k, v, mask, seqlens=seqlens, block_table=block_table, config=config, **scales)
+    (entry,) = md._SIGNATURES.values()
+    st = entry.sig.static
+    names = md._masked_decode_split_kernel.arg_names
+    launches: list[dict] = []
+
+    def buffers() -> dict[str, torch.Tensor]:
+        """The cached tensor behind every argument the bound launch passes as an int."""
+        (idx, o_part, l_part), counters, _ = md._scratch(
+            cpu_device, -1, 0, st, capturing=False, counters=True
+        )
+        u8, i32, f32 = md._dummies(cpu_device)
+        return {
+            "Mask": u8, "Seqlens": i32, "BlockTable": i32, "Idx": i32 if idx is None else idx,
+            "OutPart": f32 if o_part is None else o_part, "LsePart": f32 if l_part is None else l_part,
+            "Counter": counters, "Err": md._error_flag(cpu_device), "KScale": f32, "VScale": f32,
+            "KTokScale": f32, "VTokScale": f32,
+        }  # fmt: skip
+
+    def launch(g0, g1, g2, stream, function, packed_metadata, launch_metadata, enter, leave, *args):
+        assert (g0, g1, g2) == st.grid
+        assert (launch_metadata, enter, leave) == (None, None, None)
+        kw = dict(zip(names, args, strict=True))
+        cached = buffers()
+        for name, val in kw.items():
+            if isinstance(val, int) and name in cached:
+                assert val == cached[name].data_ptr(), name
+                kw[name] = cached[name]
+        kernel_names = {
+            "k_scale": "KScale", "v_scale": "VScale", "k_token_scale": "KTokScale", "v_token_scale": "VTokScale",
+        }  # fmt: skip
+        for name, tensor in scales.items():  # the call's own scale tensors are passed as they are
+            assert kw[kernel_names[name]] is tensor, name
+        if kw["Mask"].dtype == torch.bool:
+            kw["Mask"] = kw["Mask"].view(torch.uint8)  # as the first launch passed it
+        launches.append(kw)
+        consts = {n: kw.pop(n) for n in list(kw) if n in st.meta}
+        md._masked_decode_split_kernel[st.grid](**kw, **consts)
+
+    class Compiled:  # stands in for triton.compiler.CompiledKernel: runs the kernel with what it is given
+        function, packed_metadata = "function", "packed_metadata"
+        run = staticmethod(launch)
+
+    entry.launcher = md._direct_launcher(Compiled(), md._constexprs(st.meta, {}))
+    ref_out, ref_lse = masked_decode_ref(
+        q, k, v, ref_mask, seqlens=seqlens, block_table=block_table, **scales
+    )
+    for _ in range(2):
+        out, lse = masked_decode(
+            q, k, v, mask, seqlens=seqlens, block_table=block_table, config=config, **scales
+        )
+        _check_result(case, q, out, lse, ref_out, ref_lse)
+        assert out.stride() == (out.shape[1] * out.shape[2], out.shape[2], 1)
+    assert len(launches) == 2
+    assert entry.bound is not None
+    assert launches[0]["Q"] is q
+    assert launches[0]["K"] is k
+    assert launches[0]["V"] is v
+    md._SIGNATURES.clear()
+
+
+def test_captured_two_launch_allocates_no_counters_cpu(
+    cpu_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call captured into a CUDA graph (split kernel + merge kernel) allocates no merge counters: zeroing
+    them would be one more node in every replay. The in-kernel merge still gets zeroed counters."""
+    md = sys.modules["triton_masked_decode.masked_decode"]
+    made: list[int] = []
+    workspace = md._Workspace
+
+    def recording(nbytes: int, ncounters: int, device: torch.device):
+        made.append(ncounters)
+        return workspace(nbytes, ncounters, device)
+
+    monkeypatch.setattr(md, "_Workspace", recording)
+    c = Case(batch=2, length=70, dim=32, num_splits=3)
+    q, k, v, mask, ref_mask, _, _ = make_inputs(c, cpu_device, seed=33)
+    config = MaskedDecodeConfig(num_splits=3)
+    sig = md._validate_and_plan(q, k, v, mask, None, None, None, None, None, None, None, config, cached=True)
+    flag = torch.zeros(1, dtype=torch.int32)
+    ref_out, ref_lse = masked_decode_ref(q, k, v, ref_mask)
+    for two_launch, want in ((True, 0), (False, c.batch * c.hkv)):
+        out, lse = md._run(
+            q, k, v, mask, None, None, flag, md._NO_SCALES, sig.seqlen_const, sig.scale, sig.grid_len,
+            sig.threshold, sig.plan, sig.static, two_launch=two_launch, capturing=True,
+        )  # fmt: skip
+        assert made[-1] == want
+        _check_result(c, q, out, lse, ref_out, ref_lse)
 
 
 # ------------------------------------------------------------------ validation (no kernel launch needed)
@@ -742,6 +868,27 @@ def test_cuda_graph_replay_with_changing_seqlens(num_splits: int | None, cuda_de
         fin = torch.isfinite(ref_lse)
         assert torch.equal(torch.isfinite(lse), fin)
         torch.testing.assert_close(lse[fin], ref_lse[fin], **LSE_TOL)
+
+
+@pytest.mark.gpu
+def test_captured_call_is_two_kernels_gpu(cuda_device: torch.device, tmp_path) -> None:
+    """A captured call with several splits replays the split kernel and the merge kernel, nothing else (no
+    node zeroing merge counters the captured launches do not use)."""
+    c = Case(batch=1, hkv=8, group=4, length=65536, dim=128)
+    q, k, v, mask, _, _, _ = make_inputs(c, cuda_device, seed=13, poison=False)
+    masked_decode(q, k, v, mask)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()
+    with torch.cuda.graph(graph):
+        masked_decode(q, k, v, mask)
+    path = tmp_path / "graph.dot"
+    graph.debug_dump(str(path))
+    dot = path.read_text()
+    assert "_masked_decode_split_kernel" in dot, dot[:2000]
+    assert "_merge_splits_kernel" in dot, dot[:2000]
+    assert "FillFunctor" not in dot, dot[:4000]
+    assert "MEMSET" not in dot.upper(), dot[:4000]
 
 
 @pytest.mark.gpu

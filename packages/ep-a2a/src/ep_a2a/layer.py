@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from ep_a2a.backends.triton import StaticDispatch
 
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+#: dtypes ``dispatch(..., fp8=True)`` quantizes on a layer of FP8 rows
+_QUANTIZE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 _COMPILE_ERROR = (
@@ -181,7 +183,11 @@ class EPLayer:
         topk: experts per token (slots per token).
         num_experts: experts in the group; must be divisible by the group's size. Expert ``e`` lives on
             rank ``e // (num_experts // world_size)``.
-        dtype: dtype of the token rows given to :meth:`dispatch`.
+        dtype: dtype of the token rows given to :meth:`dispatch`. ``torch.float8_e4m3fn``: a layer of FP8
+            rows in DeepEP's format (``hidden`` a multiple of 128), its buffers sized for an FP8 row and
+            its scales (about half a bfloat16 layer's); its :meth:`dispatch` takes ``(x_fp8, scales)`` or
+            bf16 / fp16 / fp32 rows with ``fp8=True``, its :meth:`combine` the expert outputs in
+            bf16 (any floating dtype). A layer of a dtype of 2 bytes or more takes FP8 dispatches too.
         weight_dtype: dtype of the routing weights.
         local_world_size: ranks per node (default: every rank of the group on one node).
         backend: ``"torch"``, ``"triton"`` or ``"auto"`` (the Triton backend when it imports and reports
@@ -235,6 +241,11 @@ class EPLayer:
             tuning = tuning.for_device(sms)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if dtype == torch.float8_e4m3fn and hidden % 128:
+            raise ValueError(
+                f"dtype=torch.float8_e4m3fn (FP8 rows, one scale per 128 channels) needs hidden to be a "
+                f"multiple of 128, got hidden={hidden}"
+            )
         world_size = dist.get_world_size(group)
         self.config = EPConfig(
             max_tokens=max_tokens,
@@ -294,16 +305,22 @@ class EPLayer:
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
         if dtypes is not None and t.dtype not in dtypes:
-            want = f"dtype {dtypes[0]}" if len(dtypes) == 1 else "an integer dtype"
+            want = (
+                f"dtype {dtypes[0]}"
+                if len(dtypes) == 1
+                else "an integer dtype"
+                if dtypes == _INT_DTYPES
+                else f"a dtype in {[str(d) for d in dtypes]}"
+            )
             raise TypeError(f"{name} must have {want}, got {t.dtype}")
         if t.device != self.device:
             raise ValueError(f"{name} must be on {self.device} (the ep_group's device), got {t.device}")
 
     def _check_dispatch_args(
-        self, input: Any, exp_indices: Any, weight: Any, *, dtype: torch.dtype | None = None
+        self, input: Any, exp_indices: Any, weight: Any, *, dtypes: tuple[torch.dtype, ...] | None = None
     ) -> int:
-        """Shapes, dtypes and devices of a dispatch's tensors (``input`` of ``dtype``, default the
-        layer's); returns the number of tokens."""
+        """Shapes, dtypes and devices of a dispatch's tensors (``input`` of one of ``dtypes``, default the
+        layer's dtype); returns the number of tokens."""
         cfg = self.config
         if not isinstance(input, torch.Tensor) or input.dim() != 2:
             raise ValueError(
@@ -312,7 +329,7 @@ class EPLayer:
         n = input.shape[0]
         if n > cfg.max_tokens:
             raise ValueError(f"input has {n} tokens, more than max_tokens={cfg.max_tokens}")
-        self._check_tensor("input", input, (n, cfg.hidden), (dtype or cfg.token_dtype,))
+        self._check_tensor("input", input, (n, cfg.hidden), dtypes or (cfg.token_dtype,))
         self._check_tensor("exp_indices", exp_indices, (n, cfg.topk), _INT_DTYPES)
         if weight is not None:
             self._check_tensor("weight", weight, (n, cfg.topk), (cfg.weight_dtype,))
@@ -322,27 +339,26 @@ class EPLayer:
     def _fp8_rows(
         self, input: Any, exp_indices: Any, weight: Any, quantize: bool
     ) -> tuple[torch.Tensor, int]:
-        """An FP8 dispatch's token rows as bytes ``[n, hidden + 4 * hidden / 128]`` (the FP8 row, then its
-        float32 scales), after checking the tuple (or quantizing ``input``); returns them and ``n``."""
+        """An FP8 dispatch's token rows as the backend moves them (``backend.pack_fp8``: the FP8 row and
+        its float32 scales in one row of bytes), after checking the tuple (or quantizing ``input``);
+        returns them and ``n``."""
         from ep_a2a.reference import FP8_BLOCK, quantize_fp8
 
         cfg = self.config
-        if self.backend_name != "torch":
-            raise NotImplementedError(
-                f"FP8 dispatch runs on the torch backend so far; this layer runs the {self.backend_name} backend"
-            )
         if cfg.hidden % FP8_BLOCK:
             raise ValueError(f"FP8 dispatch needs hidden to be a multiple of {FP8_BLOCK}, got {cfg.hidden}")
         if quantize:
-            n = self._check_dispatch_args(input, exp_indices, weight)
+            fp8_layer = cfg.token_dtype == torch.float8_e4m3fn
+            dtypes = _QUANTIZE_DTYPES if fp8_layer else (cfg.token_dtype,)
+            n = self._check_dispatch_args(input, exp_indices, weight, dtypes=dtypes)
             x_fp8, scales = quantize_fp8(input)
         else:
             if len(input) != 2:
                 raise ValueError(f"input as a tuple must be (x_fp8, scales), got {len(input)} items")
             x_fp8, scales = input
-            n = self._check_dispatch_args(x_fp8, exp_indices, weight, dtype=torch.float8_e4m3fn)
+            n = self._check_dispatch_args(x_fp8, exp_indices, weight, dtypes=(torch.float8_e4m3fn,))
             self._check_tensor("scales", scales, (n, cfg.hidden // FP8_BLOCK), (torch.float32,))
-        return torch.cat([x_fp8.view(torch.uint8), scales.contiguous().view(torch.uint8)], 1), n
+        return self.ctx.backend.pack_fp8(x_fp8, scales), n
 
     @_eager_only
     def dispatch(
@@ -360,19 +376,24 @@ class EPLayer:
             input: ``[num_tokens, hidden]`` ``dtype``, ``0 <= num_tokens <= max_tokens`` (may differ by rank
                 and by call); or FP8 rows in DeepEP's format, a tuple ``(x_fp8 [num_tokens, hidden]
                 float8_e4m3fn, scales [num_tokens, hidden / 128] float32)`` (one scale per 128 channels;
-                ``hidden`` a multiple of 128; torch backend), moved bit for bit.
+                ``hidden`` a multiple of 128), moved bit for bit.
             exp_indices: ``[num_tokens, topk]`` integer global expert per slot in ``[0, num_tot_experts)``;
                 -1 drops the slot.
             weight: ``[num_tokens, topk]`` ``weight_dtype`` routing weights, or ``None``.
             full_scatter_indices: ``[num_tokens, topk]`` integer, the row of slot ``(t, k)`` in the receiving
                 rank's output (ignored where the slot is dropped). Every receiver must get exactly the rows
                 ``0 .. R-1``; a receiver whose rows are not a permutation raises ``ValueError``.
+            fp8: quantize ``input`` (the layer's dtype; bf16, fp16 or fp32 on a layer of
+                ``dtype=torch.float8_e4m3fn``) with :func:`ep_a2a.reference.quantize_fp8` and dispatch the
+                FP8 rows and scales.
 
         Returns:
             ``(output, weights, layout_desc)``: ``output`` ``[R, hidden]`` ``dtype``, one row per received
             (token, expert) pair, ordered by local expert, source rank, token, slot (unless
             ``full_scatter_indices`` placed them) -- for FP8 input (or ``fp8=True``) the tuple
-            ``(rows [R, hidden] float8_e4m3fn, scales [R, hidden / 128] float32)`` in that order;
+            ``(rows [R, hidden] float8_e4m3fn, scales [R, hidden / 128] float32)`` in that order (on
+            the Triton backend views of one buffer of packed rows, row stride ``hidden + 4 * hidden /
+            128`` bytes rounded up to 16: ``.contiguous()`` them where a kernel needs dense rows);
             ``weights`` ``[R]`` ``weight_dtype`` (``None`` without ``weight``); ``layout_desc`` for
             :meth:`combine` (per-local-expert counts included), which takes rows of the layer's dtype
             whatever the dispatch carried. Differentiable in ``input`` and ``weight`` (not in FP8 rows).
@@ -384,7 +405,6 @@ class EPLayer:
                 completed on every rank, with the slot dropped).
             EPProtocolError: the ranks called the layer's collectives in different orders.
             EPTimeoutError: a rank did not arrive within ``timeout_s`` (named).
-            NotImplementedError: FP8 rows on the Triton backend.
             RuntimeError: called after :meth:`finalize`.
         """
         self._check_alive("dispatch")
@@ -421,15 +441,7 @@ class EPLayer:
             rows, out_w, desc = backend.dispatch(x, idx, w, fsi)
         if packed is None:
             return rows, out_w, desc
-        h = cfg.hidden
-        return (
-            (
-                rows[:, :h].contiguous().view(torch.float8_e4m3fn),
-                rows[:, h:].contiguous().view(torch.float32),
-            ),
-            out_w,
-            desc,
-        )
+        return backend.unpack_fp8(rows), out_w, desc
 
     @_eager_only
     def combine(self, input: torch.Tensor, ep_a2a_layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
@@ -492,7 +504,12 @@ class EPLayer:
 
     @_eager_only
     def dispatch_static(
-        self, input: torch.Tensor, exp_indices: torch.Tensor, weight: torch.Tensor | None = None
+        self,
+        input: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        *,
+        fp8: bool = False,
     ) -> StaticDispatch:
         """CUDA-graph mode: dispatch with worst-case shapes and no host synchronisation (collective).
 
@@ -507,18 +524,28 @@ class EPLayer:
         :meth:`check_errors` raises a device-side wait that ran out (a rank that never arrived).
 
         Args:
-            input: ``[n, hidden]`` ``dtype``, ``n <= max_tokens`` (fixed for a graph).
+            input: ``[n, hidden]`` ``dtype``, ``n <= max_tokens`` (fixed for a graph); or FP8 rows, the
+                tuple ``(x_fp8, scales)`` of :meth:`dispatch`.
             exp_indices: ``[n, topk]`` integer global expert per slot (int32 or int64 need no conversion);
                 -1 drops the slot.
             weight: ``[n, topk]`` ``weight_dtype`` routing weights, or ``None``.
+            fp8: quantize ``input`` first, as :meth:`dispatch` does (inside the graph when captured).
 
         Returns:
             :class:`ep_a2a.backends.triton.StaticDispatch`: ``output`` ``[world_size * max_tokens * topk,
             hidden]`` of which the first ``num_recv_rows`` (a device scalar) are valid, in the order of
-            :meth:`dispatch`; ``weights``, ``recv_expert_indices`` the same rows;
-            ``num_recv_tokens_per_expert`` ``[num_tot_experts // world_size]`` int64 on the device.
+            :meth:`dispatch` (FP8 rows: the tuple ``(rows, scales)``, views of one buffer of packed rows);
+            ``weights``, ``recv_expert_indices`` the same rows; ``num_recv_tokens_per_expert``
+            ``[num_tot_experts // world_size]`` int64 on the device. The buffers of FP8 rows and of the
+            layer's rows are separate: a graph of each may be captured on one layer.
         """
         backend = self._static_backend("dispatch_static")
+        if isinstance(input, tuple) or fp8:
+            packed, _ = self._fp8_rows(input, exp_indices, weight, quantize=not isinstance(input, tuple))
+            if weight is not None:
+                weight = weight.contiguous()
+            res = backend.dispatch_static(packed, self._expert_ids(exp_indices), weight)
+            return dataclasses.replace(res, output=backend.unpack_fp8(res.output))
         self._check_dispatch_args(input, exp_indices, weight)
         if weight is not None:
             weight = weight.contiguous()
@@ -530,7 +557,8 @@ class EPLayer:
 
         Args:
             input: ``[world_size * max_tokens * topk, hidden]`` floating rows in the order of
-                ``dispatched.output`` (only the first ``num_recv_rows`` are read).
+                ``dispatched.output`` (only the first ``num_recv_rows`` are read; bf16 or any floating
+                dtype after an FP8 dispatch).
             dispatched: the result of this layer's latest :meth:`dispatch_static`.
 
         Returns:
@@ -546,7 +574,8 @@ class EPLayer:
             raise ValueError(f"dispatched was produced by a different {type(self).__name__}")
         if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
             raise TypeError(f"input must be a floating tensor, got {getattr(input, 'dtype', type(input))}")
-        self._check_tensor("input", input, tuple(dispatched.output.shape), None)
+        rows = dispatched.recv_expert_indices.shape[0]
+        self._check_tensor("input", input, (rows, self.config.hidden), None)
         return backend.combine_static(input, dispatched)
 
     def check_errors(self) -> None:

@@ -161,11 +161,15 @@ def launch(
     under the interpreter).
     """
     if slots is None or _INTERPRETING:
+        if _RECORDING is not None:
+            _RECORDING[1].append(None)  # not replayable
         return fn[grid](*args, **consts)
     # (No device query before the first compile: a CPU-only process may trace launches without a driver.)
     device = ctx.device if ctx is not None else _driver().get_current_device() if slots else None
     hit = slots.get((name, device)) if slots else None
     if hit is None:
+        if _RECORDING is not None:
+            _RECORDING[1].append(None)
         kernel = fn[grid](*args, **consts)
         if kernel is not None and hasattr(kernel, "packed_metadata"):
             # The launcher takes every parameter in order: the positional ones, then the constexprs.
@@ -175,13 +179,107 @@ def launch(
     kernel, tail = hit
     stream = ctx.stream if ctx is not None else _driver().get_current_stream(device)
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    # As Triton's own launch does: the launch hooks (profilers) see these launches too.
-    hooks = triton.knobs.runtime
-    enter = hooks.launch_enter_hook
-    meta = None if enter is None else kernel.launch_metadata(grid3, stream, *args, *tail)
-    kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, meta, enter, hooks.launch_exit_hook,
-               *args, *tail)  # fmt: skip
+    # As Triton's own launch does: the launch hooks (profilers) see these launches too; without any, the
+    # launcher gets None (no metadata built, no empty hook chain called).
+    if no_launch_hooks():
+        kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+    else:
+        hooks = triton.knobs.runtime
+        enter = hooks.launch_enter_hook
+        meta = kernel.launch_metadata(grid3, stream, *args, *tail)
+        kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, meta, enter, hooks.launch_exit_hook,
+                   *args, *tail)  # fmt: skip
+    if _RECORDING is not None and _RECORDING[0] == threading.get_ident():
+        _RECORDING[1].append((kernel, grid3, (*args, *tail)))
     return kernel
+
+
+# (thread, launches) while a call's launches through cached handles are recorded (LaunchReplay).
+_RECORDING: tuple[int, list[Any]] | None = None
+
+
+def no_launch_hooks() -> bool:
+    """True when no Triton launch hook (a profiler's) is set, as ``None`` or an empty hook chain (Triton
+    3.6 keeps chains): launches may then bypass Triton's launch path and its hook calls."""
+    hooks = triton.knobs.runtime
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    return (enter is None or getattr(enter, "calls", None) == []) and (
+        leave is None or getattr(leave, "calls", None) == []
+    )
+
+
+class LaunchReplay:
+    """The kernel launches of one eager call, replayed by later calls of the same launch plan on the same
+    device, stream and thread: each launch goes straight to the compiled kernel's C launcher with the
+    recorded arguments, in which the call's own tensors (``per_call``, by position) become their data
+    pointers and the float argument the call's scale; every other tensor (scratch buffers reused by those
+    calls) is kept alive here and passed as its recorded data pointer. Made by :func:`record_launches`."""
+
+    __slots__ = ("keep", "launch", "steps")
+
+    def __init__(
+        self, records: list[Any], per_call: tuple[torch.Tensor, ...], launch: tuple[str, Launch] | None
+    ) -> None:
+        self.keep: list[torch.Tensor] = []
+        self.launch = launch  # the record_launch entry of the recorded call, set again by each replay
+        self.steps: list[Any] = []
+        for kernel, grid3, args in records:
+            template: list[Any] = []
+            subs: list[tuple[int, int]] = []
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    src = next((j for j, t in enumerate(per_call) if t is a), -1)
+                    if src < 0:
+                        self.keep.append(a)
+                    template.append(a.data_ptr())
+                    if src >= 0:
+                        subs.append((i, src))
+                elif type(a) is float:
+                    template.append(a)
+                    subs.append((i, -1))
+                else:
+                    template.append(a)
+            run = kernel.run
+            # Triton's CUDA launcher object: its C function directly, when it allocates no scratch itself.
+            direct = (
+                type(run).__name__ == "CudaLauncher"
+                and getattr(run, "global_scratch_size", 1) == 0
+                and getattr(run, "profile_scratch_size", 1) == 0
+            )
+            head = (
+                (run.launch, *grid3, kernel.function, run.launch_cooperative_grid, run.launch_pdl)
+                if direct
+                else (run, *grid3, kernel.function)
+            )
+            self.steps.append((direct, head, kernel.packed_metadata, template, tuple(subs)))
+
+    def run(self, ptrs: tuple[int, ...], scale: float, stream: Any) -> None:
+        """Launch on ``stream`` with the data pointers ``ptrs`` of the call's own tensors and ``scale``."""
+        for direct, head, packed, template, subs in self.steps:
+            args = template.copy()
+            for i, src in subs:
+                args[i] = scale if src < 0 else ptrs[src]
+            if direct:
+                launch_c, g0, g1, g2, function, coop, pdl = head
+                launch_c(g0, g1, g2, stream, function, coop, pdl, None, None, packed, None, None, None, *args)
+            else:
+                run, g0, g1, g2, function = head
+                run(g0, g1, g2, stream, function, packed, None, None, None, *args)
+        if self.launch is not None:
+            _LAUNCHES[self.launch[0]] = self.launch[1]
+
+
+def record_launches(call: Callable[[], Any]) -> tuple[Any, list[Any] | None]:
+    """``call()``, and the launches it made through cached handles (``None`` if one went through Triton's
+    launch path, e.g. a first compile, or none was made)."""
+    global _RECORDING
+    records: list[Any] = []
+    _RECORDING = (threading.get_ident(), records)
+    try:
+        result = call()
+    finally:
+        _RECORDING = None
+    return result, (records if records and None not in records else None)
 
 
 #: Scratch buffer sets kept for reuse (one per launch plan, stream and thread), the most recent ones.

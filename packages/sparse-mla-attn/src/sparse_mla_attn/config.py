@@ -28,10 +28,12 @@ class Config:
         split_merge: who merges the split-K partials of :func:`~sparse_mla_attn.sparse_mla_decode`.
             ``"last_program"``: the last split program of each (token, head tile) to finish, in the same
             launch (a per-stream cached counter workspace decides which; no second launch).
-            ``"kernel"``: a second kernel, launched after the split kernel, spread over more programs.
-            ``"auto"`` (default): ``"last_program"`` for eager calls, ``"kernel"`` while a CUDA graph is
-            captured (a replay pays no launch cost, and the merge runs on more multiprocessors) and on
-            the first call of a call signature on a GPU (so that path is compiled before any capture).
+            ``"kernel"``: a second kernel, launched after the split kernel, whose programs merge 16 heads
+            each. ``"auto"`` (default): ``"kernel"`` where a head tile holds more than 16 heads
+            (``h_q > 16``: the merging program would read several merge-kernel programs' data alone,
+            after the other splits); otherwise ``"last_program"`` for eager calls, and ``"kernel"`` while
+            a CUDA graph is captured (a replay pays no launch cost) and on the first call of a call
+            signature on a GPU (so that path is compiled before any capture). Both give the same bits.
             The forward always merges with the second kernel.
         bwd_workspace_bytes: cap on the backward's ``dS`` (and ``P``) workspace; the backward processes
             query tokens in chunks that fit (default 2 GiB).

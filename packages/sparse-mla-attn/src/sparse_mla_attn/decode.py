@@ -13,6 +13,7 @@ several programs (split-K) to fill the GPU.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +21,14 @@ import torch
 
 from sparse_mla_attn._runtime import (
     LaunchContext,
+    LaunchReplay,
     cached,
-    call_signature,
     check_kernel_device,
     define_op,
+    last_launch,
     launch_context,
+    no_launch_hooks,
+    record_launches,
     scratch,
 )
 from sparse_mla_attn._validate import (
@@ -35,6 +39,8 @@ from sparse_mla_attn._validate import (
 )
 from sparse_mla_attn.config import DEFAULT, Config, config_of
 from sparse_mla_attn.forward import (
+    LOG2E,
+    MERGE_H,
     FwdPlan,
     RowsPlan,
     fwd_scratch,
@@ -70,6 +76,8 @@ class DecodePlan:
     counters_key: object = field(default_factory=object)
     #: CUDA devices on which the split kernel + merge kernel path has run (compiled before any capture).
     kernel_merge_compiled: set[int] = field(default_factory=set)
+    #: Recorded launches per (device, stream, thread, last-program merge), replayed by eager calls.
+    replays: dict[Any, LaunchReplay] = field(default_factory=dict)
 
 
 def _flat_view_ok(t: torch.Tensor) -> bool:
@@ -107,7 +115,13 @@ def _merge_last(plan: DecodePlan, split_merge: str, ctx: LaunchContext | None) -
     """Whether the last split program merges the partials (``Config.split_merge``; see there)."""
     if plan.fwd.n_splits == 1 or split_merge == "kernel":
         return False
-    if split_merge == "last_program" or ctx is None:  # ctx None: the interpreter
+    if split_merge == "last_program":
+        return True
+    # "auto": only where the merging program reads no more than a merge-kernel program does (one merge
+    # step of MERGE_H heads), since it merges its whole head tile alone, after the other splits.
+    if plan.fwd.consts["BLOCK_H"] > MERGE_H.value:
+        return False
+    if ctx is None:  # the interpreter: nothing is compiled
         return True
     if ctx.capturing:
         return False
@@ -122,9 +136,24 @@ def _decode_op(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
     indices: torch.Tensor, sm_scale: float, d_v: int, backend: str, num_splits: int, split_merge: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    # Validation and launch plan depend only on the call signature: made once per signature.
-    key = (*call_signature(q, kv_cache, block_table, cache_seqlens, indices), d_v, backend, num_splits,
-           split_merge)  # fmt: skip
+    # Validation and launch plan depend only on the call signature (shapes, strides, dtypes, devices and
+    # 16-byte alignment of the tensors, as _runtime.call_signature): made once per signature. The data
+    # pointers are read once, for the signature and for the launches.
+    ptrs = (
+        q.data_ptr(),
+        kv_cache.data_ptr(),
+        block_table.data_ptr(),
+        cache_seqlens.data_ptr(),
+        indices.data_ptr(),
+    )
+    key = (
+        (q.shape, q.stride(), q.dtype, q.device, not ptrs[0] % 16),
+        (kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device, not ptrs[1] % 16),
+        (block_table.shape, block_table.stride(), block_table.dtype, block_table.device, not ptrs[2] % 16),
+        (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device, not ptrs[3] % 16),
+        (indices.shape, indices.stride(), indices.dtype, indices.device, not ptrs[4] % 16),
+        d_v, backend, num_splits, split_merge,
+    )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         config = config_of(backend, num_splits, split_merge)
@@ -142,13 +171,51 @@ def _decode_op(
     if dims.s_q == 0:
         return out, lse
     ctx = launch_context(dev)
+    merge_last = _merge_last(plan, split_merge, ctx)
+    if ctx is None or ctx.capturing or not (plan.q_view and plan.idx_view and no_launch_hooks()):
+        _decode_launches(
+            plan, q, kv_cache, block_table, cache_seqlens, indices, sm_scale, out, lse, merge_last, ctx
+        )
+        return out, lse
+    # Eager on a GPU: the launches of this plan's first call through cached kernels on this stream are
+    # replayed with this call's tensors (as data pointers), straight to the compiled kernels' launchers.
+    rkey = (ctx.device, ctx.stream, threading.get_ident(), merge_last)
+    replay = plan.replays.get(rkey)
+    if replay is not None:
+        replay.run((*ptrs, out.data_ptr(), lse.data_ptr()), sm_scale * LOG2E, ctx.stream)
+        return out, lse
+    _, records = record_launches(
+        lambda: _decode_launches(
+            plan, q, kv_cache, block_table, cache_seqlens, indices, sm_scale, out, lse, merge_last, ctx
+        )
+    )
+    if records is not None:
+        if len(plan.replays) >= 16:
+            plan.replays.clear()
+        fwd_launch = last_launch("fwd")
+        plan.replays[rkey] = LaunchReplay(
+            records, (q, kv_cache, block_table, cache_seqlens, indices, out, lse),
+            None if fwd_launch is None else ("fwd", fwd_launch),
+        )  # fmt: skip
+    return out, lse
+
+
+def _decode_launches(
+    plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor, indices: torch.Tensor, sm_scale: float, out: torch.Tensor, lse: torch.Tensor,
+    merge_last: bool, ctx: LaunchContext | None,
+) -> None:  # fmt: skip
+    """The decode's launches (rows, split kernel, merge kernel) through :func:`_runtime.launch`."""
+    fwd = plan.fwd
+    dims = fwd.dims
+    dev = q.device
     rows, *fwd_buffers = scratch(
         plan,
         ctx,
         lambda: (torch.empty(dims.s_q, dims.topk, dtype=torch.int32, device=dev), *fwd_scratch(fwd, dev)),
     )
     counters = None
-    if _merge_last(plan, split_merge, ctx):
+    if merge_last:
         # Zeros, left zero by every launch (the merging program resets its counter).
         (counters,) = scratch(
             plan.counters_key, ctx, lambda: (torch.zeros(plan.n_counters, dtype=torch.int32, device=dev),)
@@ -163,7 +230,6 @@ def _decode_op(
         fwd, q if plan.q_view else q.reshape(dims.s_q, dims.h_q, dims.d_qk), kv_cache, rows, sm_scale, None,
         None, scratch=fwd_buffers, counters=counters, outputs=(out, lse), ctx=ctx,
     )  # fmt: skip
-    return out, lse
 
 
 def sparse_mla_decode(

@@ -984,11 +984,12 @@ class _Workspace:
     """The split kernel's scratch, reused by the calls made on one stream (stream order keeps them apart):
     a byte buffer carved per layout into the sparse loop's index lists and the partial results, and the
     per-(sequence, KV head) arrival counters of the in-kernel merge, zero between launches (the merging
-    program resets its counter)."""
+    program resets its counter). A workspace made during CUDA graph capture has counters only when the
+    captured launch merges in the split kernel: zeroing them would add a node to every replay."""
 
     def __init__(self, nbytes: int, ncounters: int, device: torch.device) -> None:
         self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.counters = torch.zeros(max(ncounters, 1), dtype=torch.int32, device=device)
+        self.counters = torch.zeros(ncounters, dtype=torch.int32, device=device) if ncounters > 0 else None
         self.views: dict[tuple[int, int, int], tuple[torch.Tensor | None, ...]] = {}
 
     def carve(self, idx_bytes: int, part_bytes: int, lse_bytes: int) -> tuple[torch.Tensor | None, ...]:
@@ -1011,22 +1012,23 @@ _WORKSPACES: dict[tuple[int, int], _Workspace] = {}  # (CUDA device index or -1,
 
 
 def _scratch(
-    device: torch.device, index: int, stream: int, st: _Static
-) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor]:
-    """Scratch views and counters for a launch: from the stream's cached workspace, or fresh while a CUDA
-    graph is being captured (the graph keeps its own)."""
+    device: torch.device, index: int, stream: int, st: _Static, capturing: bool, counters: bool
+) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor | None, _Workspace]:
+    """Scratch views, merge counters and their workspace for a launch: from the stream's cached workspace,
+    or fresh while a CUDA graph is being captured (the graph keeps its own; with ``counters`` only when
+    the captured launch uses them)."""
     idx_bytes, part_bytes, lse_bytes = 4 * st.idx_numel, 4 * st.part_numel * st.head_dim, 4 * st.part_numel
     ncounters = st.batch * st.hkv
     nbytes = -(-idx_bytes // _ALIGN) * _ALIGN + -(-part_bytes // _ALIGN) * _ALIGN + lse_bytes
-    if _capturing(device):
-        ws = _Workspace(nbytes, ncounters, device)
+    if capturing:
+        ws = _Workspace(nbytes, ncounters if counters else 0, device)
     else:
         key = (index, stream)
         cached = _WORKSPACES.get(key)
-        if cached is None or cached.buf.numel() < nbytes or cached.counters.numel() < ncounters:
+        if cached is None or cached.buf.numel() < nbytes or cached.counters.numel() < ncounters:  # type: ignore[union-attr]
             cached = _WORKSPACES[key] = _Workspace(nbytes, ncounters, device)
         ws = cached
-    return ws.carve(idx_bytes, part_bytes, lse_bytes), ws.counters
+    return ws.carve(idx_bytes, part_bytes, lse_bytes), ws.counters, ws
 
 
 def _raw_stream(index: int) -> int:
@@ -1037,14 +1039,95 @@ def _raw_stream(index: int) -> int:
 class _Entry:
     """A cached signature: its validation result and, once its first launch has compiled the split kernel,
     a launcher of that compiled kernel with the grid bound (no argument binding or cache lookup per call);
-    ``two_launch_ready`` once an eager call has compiled the two-launch path that graph capture takes."""
+    ``bound``: that launch bound to one stream's workspace (:class:`_Bound`); ``two_launch_ready`` once an
+    eager call has compiled the two-launch path that graph capture takes."""
 
-    __slots__ = ("launcher", "sig", "two_launch_ready")
+    __slots__ = ("bound", "launcher", "sig", "two_launch_ready")
 
     def __init__(self, sig: _Signature) -> None:
         self.sig = sig
         self.launcher: tuple | None = None  # see _direct_launcher
+        self.bound: _Bound | None = None
         self.two_launch_ready = False
+
+
+class _Bound(NamedTuple):
+    """The arguments of a signature's direct launch that are the same for every call on one stream: the
+    launcher's leading arguments, the device pointers (as ints: no pointer query per launch) of the
+    stream's workspace, merge counters, error word and the stand-ins for absent inputs, then the scalars,
+    strides and constexprs. Valid while ``ws`` is the stream's workspace (a larger one replaces it)."""
+
+    stream: int
+    ws: _Workspace
+    run: object  # the compiled kernel's launcher
+    pre: tuple  # grid, stream, CUDA function, packed metadata, no launch metadata, no hooks
+    absent: tuple  # stand-ins for an absent mask, seqlens, block table: uint8, int32, int32
+    idx: int
+    mid: tuple  # partial outputs, partial LSEs, counters, error word
+    no_scales: tuple  # the four scale arguments of a cache without scales
+    f32: int  # stand-in for one absent scale tensor
+    tail: tuple  # scalars, strides, constexprs
+
+
+def _bind(
+    entry: _Entry,
+    dev: torch.device,
+    index: int,
+    stream: int,
+    st: _Static,
+    error_flag: torch.Tensor,
+    scalars: tuple,
+) -> _Bound:
+    """Bind a signature's compiled split kernel (``entry.launcher``) to the workspace of ``stream``."""
+    run, function, packed_metadata, consts, _ = entry.launcher  # type: ignore[misc]
+    (idx, o_part, l_part), counters, ws = _scratch(dev, index, stream, st, capturing=False, counters=True)
+    u8, i32, f32 = (t.data_ptr() for t in _dummies(dev))
+
+    def ptr(t: torch.Tensor | None, dummy: int) -> int:
+        return dummy if t is None else t.data_ptr()
+
+    return _Bound(
+        stream=stream,
+        ws=ws,
+        run=run,
+        pre=(*st.grid, stream, function, packed_metadata, None, None, None),
+        absent=(u8, i32, i32),
+        idx=ptr(idx, i32),
+        mid=(ptr(o_part, f32), ptr(l_part, f32), ptr(counters, i32), error_flag.data_ptr()),
+        no_scales=(f32, f32, f32, f32),
+        f32=f32,
+        tail=(*scalars, *st.strides, *consts),
+    )
+
+
+def _launch_bound(
+    bound: _Bound,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seqlens: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    scales: _Scales,
+    st: _Static,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the outputs and launch the bound kernel (on the current device)."""
+    dev = q.device
+    # out is [B, Hq, D] with standard strides: empty_like is the cheaper allocation when q has that shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(st.batch, st.hq, dtype=torch.float32, device=dev)
+    u8, i32, bt = bound.absent
+    if scales is _NO_SCALES:
+        sc = bound.no_scales
+    else:
+        f32 = bound.f32
+        sc = tuple(f32 if t is None else t for t in scales[2:])
+    # A bool mask is passed as is: the compiled kernel reads its bytes (the first launch saw it as uint8).
+    bound.run(  # type: ignore[operator]
+        *bound.pre, q, k, v, u8 if mask is None else mask, i32 if seqlens is None else seqlens,
+        bt if block_table is None else block_table, bound.idx, out, lse, *bound.mid, *sc, *bound.tail,
+    )  # fmt: skip
+    return out, lse
 
 
 _MERGE_BLOCK_D = 32  # the merge kernel's head-dim slice per program (one warp: 64 partial values a thread)
@@ -1108,6 +1191,7 @@ def _run(
     entry: _Entry | None = None,
     readback: _FlagReadback | None = None,
     two_launch: bool | None = None,
+    capturing: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The split kernel on validated inputs. With one split it writes the result; with several, either
     the last split of each sequence and KV head merges them in the same launch, or (``two_launch``) a
@@ -1115,27 +1199,56 @@ def _run(
     ``two_launch`` defaults to True while a CUDA graph is being captured and for the first call of a
     signature on a GPU outside capture (which compiles that path before any capture), else False. With ``entry`` (eager
     calls on a GPU), the compiled kernel of its first one-launch call is kept and later calls launch it
-    directly; with ``readback``, the error word's copy to the host starts after the launches."""
+    directly, bound to the stream's workspace; with ``readback``, the error word's copy to the host starts
+    after the launches."""
     dev = q.device
     batch, hq, d = st.batch, st.hq, st.head_dim
     cuda = dev.type == "cuda"
     index = (dev.index if dev.index is not None else torch.cuda.current_device()) if cuda else -1
     stream = _raw_stream(index) if cuda else 0
+    if capturing is None:
+        capturing = cuda and _capturing(dev)
+    # A signature whose one-launch kernel is compiled launches it directly outside capture (its two-launch
+    # path, when it has one, ran on its first call).
+    if (
+        entry is not None
+        and entry.launcher is not None
+        and two_launch is None
+        and not capturing
+        and _no_launch_hooks()
+    ):
+        bound = entry.bound
+        if bound is None or bound.stream != stream or bound.ws is not _WORKSPACES.get((index, stream)):
+            scalars = (
+                seqlen_const, max_len, st.num_pages, plan.chunk, sm_scale * _LOG2E, scales.k_mul, scales.v_mul,
+                sparse_threshold, st.size_class,
+            )  # fmt: skip
+            bound = entry.bound = _bind(entry, dev, index, stream, st, error_flag, scalars)
+        if cuda and torch.cuda.current_device() != index:  # Triton launches on the current device
+            with torch.cuda.device(index):
+                out, lse = _launch_bound(bound, q, k, v, mask, seqlens, block_table, scales, st)
+        else:
+            out, lse = _launch_bound(bound, q, k, v, mask, seqlens, block_table, scales, st)
+        if readback is not None:
+            readback.start()
+        return out, lse
     if two_launch is None:
         # In a graph the launch count costs nothing at replay, but the one-launch path's serial merge by
         # the last split does: captures take the split kernel + a merge kernel spread over every query head.
-        two_launch = (
-            cuda and plan.splits > 1 and (_capturing(dev) or not _two_launch_compiled(entry, index, st))
-        )
+        two_launch = cuda and plan.splits > 1 and (capturing or not _two_launch_compiled(entry, index, st))
     two_launch = two_launch and plan.splits > 1
     dummy_u8, dummy_i32, dummy_f32 = _dummies(dev)
     out = torch.empty(batch, hq, d, dtype=q.dtype, device=dev)
     lse = torch.empty(batch, hq, dtype=torch.float32, device=dev)
-    (idx, o_part, l_part), counters = _scratch(dev, index, stream, st)
+    # Counters only for the in-kernel merge (a captured two-launch graph then has no node zeroing them).
+    (idx, o_part, l_part), counters, _ = _scratch(
+        dev, index, stream, st, capturing, counters=plan.splits > 1 and not two_launch
+    )
     args = (
         q, k, v, dummy_u8 if mask is None else mask if mask.dtype == torch.uint8 else mask.view(torch.uint8), dummy_i32 if seqlens is None else seqlens,
         dummy_i32 if block_table is None else block_table, dummy_i32 if idx is None else idx, out, lse,
-        out if o_part is None else o_part, lse if l_part is None else l_part, counters, error_flag,
+        out if o_part is None else o_part, lse if l_part is None else l_part,
+        dummy_i32 if counters is None else counters, error_flag,
         dummy_f32 if scales.k_tensor is None else scales.k_tensor,
         dummy_f32 if scales.v_tensor is None else scales.v_tensor,
         dummy_f32 if scales.k_token is None else scales.k_token,
@@ -1596,7 +1709,7 @@ def _signature_key(
     q, k, v, mask, seqlens, block_table, sm_scale, k_scale, v_scale, k_token_scale, v_token_scale, config
 ) -> tuple | None:
     """Everything validation and planning depend on (shapes, strides, dtypes, devices, alignments, the
-    host-int length, the scales' kinds and numbers, the config); None when an argument is not even a
+    host-int length, the scales' kinds and numbers, the config or None); None when an argument is not even a
     tensor (validation reports it)."""
     try:
         key = (
@@ -1745,9 +1858,10 @@ def masked_decode(
             sig.seqlen_const, sig.scale, sig.grid_len, sig.threshold, list(sig.plan),
         )  # fmt: skip
     else:
+        # config None (the defaults) keys as None: no dataclass hash or comparison per call
         key = _signature_key(
-            q, k, v, mask, seqlens, block_table, sm_scale, k_scale, v_scale, k_token_scale, v_token_scale, cfg
-        )
+            q, k, v, mask, seqlens, block_table, sm_scale, k_scale, v_scale, k_token_scale, v_token_scale, config,
+        )  # fmt: skip
         entry = _SIGNATURES.get(key) if key is not None else None
         if entry is None:
             entry = _Entry(
@@ -1768,7 +1882,8 @@ def masked_decode(
         else:
             flag = _error_flag(dev)
             readback = None
-            if check_values and dev.type == "cuda" and not _capturing(dev):
+            capturing = dev.type == "cuda" and _capturing(dev)
+            if check_values and dev.type == "cuda" and not capturing:
                 readback = _READBACKS.get(dev)
                 if readback is None:
                     readback = _READBACKS[dev] = _FlagReadback(dev)
@@ -1783,6 +1898,7 @@ def masked_decode(
             out, lse = _run(
                 q3, k, v, mask, seqlens if isinstance(seqlens, torch.Tensor) else None, block_table, flag, scales,
                 sig.seqlen_const, sig.scale, sig.grid_len, sig.threshold, sig.plan, sig.static, entry, readback,
+                capturing=capturing,
             )  # fmt: skip
             if check_values and dev.type != "cuda":
                 _report_flagged_values(dev, k, seqlens, sig, block_table)

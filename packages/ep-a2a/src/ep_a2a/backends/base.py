@@ -153,6 +153,24 @@ class A2ABackend(abc.ABC):
             ``[layout_desc.num_dispatch_token_cur_rank, hidden]`` in ``input.dtype``.
         """
 
+    def pack_fp8(self, x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """FP8 rows in DeepEP's format (``x_fp8 [n, H] float8_e4m3fn``, ``scales [n, H / 128] float32``) as
+        the rows ``dispatch`` moves. Default: ``[n, H + 4 * H / 128]`` uint8, the FP8 bytes then the scale
+        bytes of each row.
+
+        Raises:
+            ValueError: this backend's buffers cannot hold such rows (naming the layer argument).
+        """
+        return torch.cat([x_fp8.view(torch.uint8), scales.contiguous().view(torch.uint8)], 1)
+
+    def unpack_fp8(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows received by an FP8 dispatch (:meth:`pack_fp8`'s format) as ``(x_fp8 [R, H]
+        float8_e4m3fn, scales [R, H / 128] float32)``. Default: contiguous copies."""
+        h = self.config.hidden
+        return rows[:, :h].contiguous().view(torch.float8_e4m3fn), rows[:, h:].contiguous().view(
+            torch.float32
+        )
+
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
         """Send rows back without summing: ``[n, topk, C]``, zeros for dropped slots.
 

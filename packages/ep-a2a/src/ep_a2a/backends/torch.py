@@ -83,7 +83,6 @@ class _Tables:
     expert: torch.Tensor  # [E + 3] int32: global expert of each slot bin (E: none)
     krange: torch.Tensor  # [topk] int32
     mine: torch.Tensor  # [E + 1] bool: whether an expert (E: none) lives on this rank
-    earlier: torch.Tensor  # [topk, topk] bool: k' <= k
     iota: torch.Tensor  # [world * max_tokens * topk] int64
     iota32: torch.Tensor  # [max_tokens * topk] int32
     ones: torch.Tensor  # [max_tokens * topk] int64
@@ -148,7 +147,6 @@ class TorchBackend(A2ABackend):
                 expert=torch.cat([torch.tensor([E, E]), experts, torch.tensor([E])]).to(dev, torch.int32),
                 krange=torch.arange(K, dtype=torch.int32, device=dev),
                 mine=(torch.arange(E + 1) // L == self.rank).to(dev),
-                earlier=torch.ones(K, K, dtype=torch.bool).tril().to(dev),
                 iota=torch.arange(world * T * K, device=dev),
                 iota32=torch.arange(T * K, dtype=torch.int32, device=dev),
                 ones=torch.ones(T * K, dtype=torch.int64, device=dev),
@@ -264,8 +262,9 @@ class TorchBackend(A2ABackend):
         bins = (exp_indices.clamp(-2, E) + 2).long()
         dest = c.dest[bins]  # [n, K] destination rank, world where the slot is dropped
         kept = dest < world
-        # the first slot k' <= k of the token with the same destination: one row per (token, rank)
-        same = (dest[:, :, None] == dest[:, None, :]) & c.earlier
+        # the first slot of the token with the same destination (k itself or an earlier one): one row
+        # per (token, rank)
+        same = dest[:, :, None] == dest[:, None, :]
         skip = torch.where(kept, torch.where(same, c.krange, K).amin(-1), -1)  # [n, K] int32
         # rows by (dest, token): each (token, rank)'s first slot keeps its rank, the others sort last
         flat_dest = torch.where(skip == c.krange, dest, world).flatten()

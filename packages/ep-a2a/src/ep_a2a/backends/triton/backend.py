@@ -32,11 +32,16 @@ import torch.distributed as dist
 from ep_a2a._dist import EPProtocolError, EPTimeoutError, OpBoard, RankMonitor
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
 from ep_a2a.backends.triton.engine import (
+    FP8_ROW_DTYPE,
     DispatchBuffers,
     EPTimeoutFromDevice,
     HeapLayout,
     TritonEPEngine,
     _raw_stream,
+    fp8_row_bytes,
+    heap_row_bytes,
+    pack_fp8_rows,
+    unpack_fp8_rows,
 )
 from ep_a2a.backends.triton.heaps import NvshmemHeap, NvshmemTransport, make_heap
 from ep_a2a.backends.triton.resolve import engine_options, remote_plan, resolve_heap
@@ -61,7 +66,9 @@ class StaticDispatch:
     """Result of :meth:`TritonBackend.dispatch_static` (CUDA-graph mode: fixed shapes, counts on device).
 
     Attributes:
-        output: ``[W * max_tokens * topk, hidden]`` rows; the first ``num_recv_rows`` are valid.
+        output: ``[W * max_tokens * topk, hidden]`` rows; the first ``num_recv_rows`` are valid. For an FP8
+            dispatch through :meth:`ep_a2a.EPLayer.dispatch_static`, the tuple ``(rows [same,
+            hidden] float8_e4m3fn, scales [same, hidden / 128] float32)`` (views of one buffer).
         weights: ``[same rows]`` or ``None``.
         recv_expert_indices: ``[same rows]`` int32 local expert of each valid row.
         num_recv_tokens_per_expert: ``[E_local]`` int64 on the device.
@@ -146,6 +153,7 @@ class TritonBackend(A2ABackend):
             world_size=config.world_size, max_tokens=config.max_tokens, hidden=config.hidden, topk=config.topk,
             experts_per_rank=config.num_experts_per_rank, token_bytes=config.token_dtype.itemsize,
             chunk=opts["chunk"], combine_chunk=opts["combine_chunk"], remote=node < config.world_size,
+            row_bytes=heap_row_bytes(config.hidden, config.token_dtype),
         )  # fmt: skip
         local = [r for r in range(config.world_size) if r not in remote]
         self.heap = make_heap(
@@ -165,7 +173,7 @@ class TritonBackend(A2ABackend):
         self.copy_engine = tuning.copy_engine
         #: ranks reached by NVSHMEM puts (other nodes, or forced) and the node size used
         self.remote_ranks, self.node_size = tuple(remote), node
-        worst_bytes = self.engine.worst_case_rows() * config.hidden * config.token_dtype.itemsize
+        worst_bytes = self.engine.worst_case_rows() * self.layout.row_bytes
         #: speculative flow into worst-case outputs from the first call (never with remote peers: the
         #: counts size their puts)
         self.overlap_exact = worst_bytes <= tuning.overlap_bytes and not remote
@@ -182,8 +190,11 @@ class TritonBackend(A2ABackend):
         self.aot_variants, self.aot_seconds = 0, 0.0
         if options.use_aot:
             t0 = time.perf_counter()
+            fp8 = config.token_dtype == torch.float8_e4m3fn  # (its dispatch rows: packed, its combine: bf16)
             self.aot_variants = self.engine.precompile(
                 dtypes=(torch.float32,),
+                row_dtypes=(config.token_dtype, FP8_ROW_DTYPE) if fp8 else None,
+                combine_dtypes=(torch.bfloat16,) if fp8 else None,
                 dispatch_counts=(True,) if self.overlap_exact else (True, False),
                 rewrite=self.speculative_rows,
                 mirror=self.overlap_exact or self.speculative_rows,
@@ -221,6 +232,7 @@ class TritonBackend(A2ABackend):
         #: before it, keyed by (stream, rows, weights): see :meth:`_prepare_small_outputs`
         self._next_small: tuple[tuple, DispatchBuffers] | None = None
         self._static: DispatchBuffers | None = None
+        self._static_fp8: DispatchBuffers | None = None  # (packed FP8 rows: a graph of each may coexist)
 
     @classmethod
     def is_available(cls, config: EPConfig, ep_group: dist.ProcessGroup) -> tuple[bool, str]:
@@ -324,7 +336,7 @@ class TritonBackend(A2ABackend):
                 "dispatch: the exact-shape call reads its counts on the host and cannot be captured in a "
                 "CUDA graph; capture dispatch_static / combine_static instead"
             )
-        if input.dtype.itemsize > self.config.token_dtype.itemsize:
+        if input.shape[1] * input.element_size() > self.layout.row_bytes:
             raise ValueError(
                 f"input: the triton backend's receive buffers hold {self.config.token_dtype} rows; got "
                 f"{input.dtype} (e.g. the backward of a combine over float32 expert outputs: cast them to "
@@ -631,14 +643,17 @@ class TritonBackend(A2ABackend):
         """Dispatch with fixed shapes and no host synchronisation (capturable in a CUDA graph).
 
         Args:
-            input: ``[n, hidden]`` token dtype (``n`` fixed for the graph, ``<= max_tokens``).
+            input: ``[n, hidden]`` token dtype, or packed FP8 rows (:meth:`pack_fp8`) (``n`` fixed for the
+                graph, ``<= max_tokens``).
             exp_indices: ``[n, topk]`` int32 or int64 (-1 = dropped).
             weight: ``[n, topk]`` weight dtype or ``None`` (fixed for the graph).
 
         Returns:
-            :class:`StaticDispatch`; its buffers are reused by the next static call.
+            :class:`StaticDispatch` (``output``: rows of ``input``'s dtype and width); its buffers are
+            reused by the next static call of the same row dtype.
         """
         self._check_usable()
+        self.engine.check_rows(input)
         if self.remote_ranks:
             raise NotImplementedError(
                 "dispatch_static (CUDA-graph mode) is not built for groups with remote peers (the host sizes "
@@ -647,11 +662,17 @@ class TritonBackend(A2ABackend):
         if not torch.cuda.is_current_stream_capturing():  # (graph replays do not pass the host)
             self._start("dispatch_static")
         eng, W = self.engine, self.config.world_size
-        b = self._static
-        if b is None or b.skip.shape[0] != input.shape[0]:
-            b = eng.alloc_dispatch_outputs(input.shape[0], eng.worst_case_rows(), with_weights=True)
+        fp8 = input.dtype == FP8_ROW_DTYPE
+        b = self._static_fp8 if fp8 else self._static
+        if b is None or b.skip.shape[0] != input.shape[0] or b.out is None or b.out.dtype != input.dtype:
+            b = eng.alloc_dispatch_outputs(
+                input.shape[0], eng.worst_case_rows(), with_weights=True, dtype=input.dtype
+            )
             b.info = torch.zeros(eng.info_len, dtype=torch.int64, device=self.device)
-            self._static = b
+            if fp8:
+                self._static_fp8 = b
+            else:
+                self._static = b
         info = b.info
         assert info is not None
         assert b.out is not None
@@ -682,6 +703,28 @@ class TritonBackend(A2ABackend):
         if not torch.cuda.is_current_stream_capturing():
             self._start("combine_static")
         return self._combine(input, dispatched.state, dispatched.exp_indices, dispatched.exp_indices.shape[0])
+
+    # ------------------------------------------------------------------ FP8 rows
+    def pack_fp8(self, x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """FP8 rows in DeepEP's format as the rows this backend moves: packed rows of
+        :data:`~.engine.FP8_ROW_DTYPE` (:func:`~.engine.pack_fp8_rows`).
+
+        Raises:
+            ValueError: the layer's buffers hold narrower rows (a 1-byte ``dtype`` other than
+                ``float8_e4m3fn``).
+        """
+        need, have = fp8_row_bytes(self.config.hidden), self.layout.row_bytes
+        if need > have:
+            raise ValueError(
+                f"FP8 dispatch: a packed FP8 row takes {need} bytes, this layer's buffers hold {have} per "
+                f"row (dtype={self.config.token_dtype}); build the layer with dtype=torch.float8_e4m3fn "
+                "(or a dtype of at least 2 bytes)"
+            )
+        return pack_fp8_rows(x_fp8, scales)
+
+    def unpack_fp8(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Received packed rows as ``(x_fp8, scales)`` views (:func:`~.engine.unpack_fp8_rows`)."""
+        return unpack_fp8_rows(rows, self.config.hidden)
 
     # ------------------------------------------------------------------ the rest
     def barrier(self, *, intra_node_only: bool = False, stream: torch.cuda.Stream | None = None) -> None:

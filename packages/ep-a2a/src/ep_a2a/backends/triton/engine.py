@@ -52,6 +52,50 @@ WHOLE_ROW_MAX_ELEMS = 16384
 #: elements per thread of one [combine_chunk, KP, block_h] gather of the combine kernel (two are in
 #: flight): the default combine tile width keeps to it (wider tiles spill registers)
 COMBINE_TILE_PER_THREAD = 64
+#: FP8 rows in DeepEP's format (``float8_e4m3fn`` row, one float32 scale per ``FP8_BLOCK`` channels)
+#: travel as one packed row each, viewed as this dtype: the FP8 bytes, the scale bytes, then up to 15
+#: bytes of padding to a multiple of 16 (:func:`pack_fp8_rows`). The kernels move it as any row.
+FP8_ROW_DTYPE = torch.int16
+FP8_BLOCK = 128
+
+
+def fp8_row_bytes(hidden: int) -> int:
+    """Bytes of one packed FP8 row of ``hidden`` channels: ``hidden + 4 * hidden / 128``, rounded up to
+    a multiple of 16."""
+    return -(-(hidden + 4 * (hidden // FP8_BLOCK)) // 16) * 16
+
+
+def heap_row_bytes(hidden: int, token_dtype: torch.dtype) -> int:
+    """Bytes of a dispatched row's slot in the heap for a layer of ``token_dtype`` rows: ``hidden *
+    itemsize``; for ``float8_e4m3fn`` layers (FP8 rows in DeepEP's format) at least :func:`fp8_row_bytes`.
+    Rows of two bytes or more per channel hold the packed FP8 row too."""
+    nbytes = hidden * token_dtype.itemsize
+    return max(nbytes, fp8_row_bytes(hidden)) if token_dtype == torch.float8_e4m3fn else nbytes
+
+
+def pack_fp8_rows(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``(x_fp8 [n, H] float8_e4m3fn, scales [n, H / 128] float32)`` as packed rows ``[n,
+    fp8_row_bytes(H) / 2]`` of :data:`FP8_ROW_DTYPE` (one concatenation, or two copies where there is
+    padding, whose bytes are not written)."""
+    n, h = x_fp8.shape
+    parts = [x_fp8.view(torch.uint8), scales.contiguous().view(torch.uint8)]
+    if fp8_row_bytes(h) == h + 4 * (h // FP8_BLOCK):  # (hidden a multiple of 512: no padding, one kernel)
+        return torch.cat(parts, 1).view(FP8_ROW_DTYPE)
+    packed = torch.empty(n, fp8_row_bytes(h), dtype=torch.uint8, device=x_fp8.device)
+    packed[:, :h].copy_(parts[0])
+    packed[:, h : h + 4 * (h // FP8_BLOCK)].copy_(parts[1])
+    return packed.view(FP8_ROW_DTYPE)
+
+
+def unpack_fp8_rows(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous packed FP8 rows ``[R, fp8_row_bytes(hidden) / 2]`` as ``(x_fp8 [R, hidden]
+    float8_e4m3fn, scales [R, hidden / 128] float32)``: views of ``rows`` (row stride
+    ``fp8_row_bytes(hidden)`` bytes), no copy."""
+    b = rows.view(torch.uint8)
+    return (
+        b[:, :hidden].view(torch.float8_e4m3fn),
+        b[:, hidden : hidden + 4 * (hidden // FP8_BLOCK)].view(torch.float32),
+    )
 
 
 def _next_pow2(n: int) -> int:
@@ -244,7 +288,7 @@ class HeapLayout:
 
     Regions (``T = max_tokens``, ``W = world_size``, ``L`` experts per rank, ``NC = ceil(T / chunk)``,
     ``NCC = ceil(T / combine_chunk)``):
-    ``x [W, T, H]`` dispatched token rows by source, ``ids/pos/w [W, T, K]`` their slot metadata,
+    ``x [W, T, row_bytes]`` dispatched token rows by source (rows of at most ``row_bytes`` bytes), ``ids/pos/w [W, T, K]`` their slot metadata,
     ``cnt [2, W, L + 1]`` int64 packed (epoch, count) per source and parity, ``flag [W, NC]`` dispatch chunk
     flags, ``back [W, L]`` packed base rows returned by each destination, ``cx [W, T, H]`` (4-byte
     elements) combine rows by expert rank, ``cflag [W, NCC]`` combine chunk flags, ``bar [W]`` barrier.
@@ -256,6 +300,8 @@ class HeapLayout:
     [W, T, rec]`` packed token records staged by destination / received by source (a record: the row,
     padded to 16 bytes, then the token index, ``K`` ids, ``K`` positions and ``K`` float32 weights, padded
     to 16 bytes), ``scx [W, T, H]`` (4-byte elements) combine rows staged by source.
+
+    ``row_bytes`` defaults to ``H * token_bytes``; a layer of FP8 rows passes :func:`fp8_row_bytes`.
     """
 
     x: int
@@ -281,6 +327,7 @@ class HeapLayout:
     rec: int = 0  # bytes of a packed token record (remote)
     rowb: int = 0  # bytes of a record's row part
     remote: bool = False
+    row_bytes: int = 0  # most bytes of a dispatched row (its slot in x and in a record)
 
     @classmethod
     def build(
@@ -295,16 +342,18 @@ class HeapLayout:
         chunk: int,
         combine_chunk: int | None = None,
         remote: bool = False,
+        row_bytes: int | None = None,
     ) -> HeapLayout:
         W, T, H, Kk, L = world_size, max_tokens, hidden, topk, experts_per_rank
         nchunks = triton.cdiv(T, chunk)
         cnchunks = triton.cdiv(T, combine_chunk or chunk)
         cw = L + 1 + int(remote)
-        rowb = -(-H * token_bytes // 16) * 16
+        row_bytes = row_bytes or H * token_bytes
+        rowb = -(-row_bytes // 16) * 16
         rec = rowb + -(-(1 + 3 * Kk) * 4 // 16) * 16
         r = int(remote)
         sizes = {
-            "x": W * T * H * token_bytes,
+            "x": W * T * row_bytes,
             "ids": W * T * Kk * 4,
             "pos": W * T * Kk * 4,
             "w": W * T * Kk * 4,
@@ -328,7 +377,7 @@ class HeapLayout:
             cur += (size + _ALIGN - 1) // _ALIGN * _ALIGN
         return cls(
             nbytes=cur, nchunks=nchunks, cnchunks=cnchunks, cw=cw, rec=rec if remote else 0, rowb=rowb if remote else 0, remote=remote,
-            **offs,
+            row_bytes=row_bytes, **offs,
         )  # fmt: skip
 
 
@@ -644,10 +693,10 @@ class TritonEPEngine:
             return self._dummy_i32, self._dummy_i32, self._dummy_i64
         return remote["pk"], remote["rtok"], remote["pinfo"]
 
-    def _tile_kw(self, whole_row: bool = False) -> dict:
-        """Constexprs of the row-copying kernels' tiles (dispatch, remote expansion); ``whole_row``: one
-        tile spans the row."""
-        H, BH = self.hidden, _next_pow2(self.hidden) if whole_row else self.block_h
+    def _tile_kw(self, width: int, whole_row: bool = False) -> dict:
+        """Constexprs of the row-copying kernels' tiles (dispatch, remote expansion) for rows of ``width``
+        elements; ``whole_row``: one tile spans the row."""
+        H, BH = width, _next_pow2(width) if whole_row else self.block_h
         return dict(K=self.topk, KP=self.kp, H=H, BH=BH, CH=self.chunk, EVEN_H=H % BH == 0)
 
     def _rec_kw(self, row_dtype: torch.dtype) -> dict:
@@ -772,12 +821,12 @@ class TritonEPEngine:
                 **self._early_send_kw(counts, send, rewrite), **self._mirror_kw(mirror),
                 USE_TIMER=self.use_timer, G=self.num_sm, GS=max(split, 1), off_sig=lay.sig, off_sback=lay.sback,
                 off_srec=lay.srec, CW=lay.cw, REMOTE=self.remote_bits, CE=bool(self.ce_pieces),
-                ce_tokens=self.ce_tokens, **self._tile_kw(self.whole_row), **self._rec_kw(xs.dtype),
+                ce_tokens=self.ce_tokens, **self._tile_kw(out.shape[1], self.whole_row), **self._rec_kw(xs.dtype),
                 WHOLE_ROW=self.whole_row, PDL=self.pdl,
             )  # fmt: skip
 
         key = ("dispatch", has_w, caller_scatter, send, recv, counts, rewrite, mirror, split, self.steal, out.dtype,
-               *self._align(xs, ids, w, src))  # fmt: skip
+               *self._align(xs, ids, w, src), out.shape[1])  # fmt: skip
         names = ("x_ptr", "ids_ptr", "w_ptr", "pos_ptr", "n_tokens", "out_ptr", "out_w_ptr", "out_e_ptr", "tab_ptr",
                  "skip_ptr", "scat_ptr", "info_ptr", "cap_rows", "pk_ptr", "pinfo_ptr", "mirror_addr", "id64")  # fmt: skip
         vals = (xs, ids, w, src, n_tokens, out, bufs.out_w, bufs.out_e, bufs.tab, bufs.skip, bufs.scat, info,
@@ -803,12 +852,12 @@ class TritonEPEngine:
                 offs_ptr=self.offsets, table_ptr=self.ptr_table, state_ptr=self.state, rank=self.rank,
                 max_tokens=self.max_tokens, timeout=self.timeout_arg, off_rrec=lay.rrec, off_sig=lay.sig,
                 W=self.world_size, L=self.experts_per_rank, HAS_W=has_w, CALLER_SCATTER=caller_scatter,
-                USE_TIMER=self.use_timer, REMOTE=self.remote_bits, G=self.num_sm, **self._tile_kw(),
+                USE_TIMER=self.use_timer, REMOTE=self.remote_bits, G=self.num_sm, **self._tile_kw(out.shape[1]),
                 **self._rec_kw(out.dtype),
             )  # fmt: skip
 
         return KernelLaunch(
-            ("expand", has_w, caller_scatter, out.dtype, bufs.out_w.dtype), K._remote_expand_kernel,
+            ("expand", has_w, caller_scatter, out.dtype, bufs.out_w.dtype, out.shape[1]), K._remote_expand_kernel,
             (self.num_sm,), self.num_warps,
             ("out_ptr", "out_w_ptr", "out_e_ptr", "tab_ptr", "rtok_ptr", "pinfo_ptr", "cap_rows"),
             (out, bufs.out_w, bufs.out_e, bufs.tab, rtok, pinfo, out.shape[0]), fixed,
@@ -974,6 +1023,13 @@ class TritonEPEngine:
         self._check_dispatch_flags(
             counts=counts, send=send, recv=recv, rewrite=rewrite, mirror=mirror, npk_send=npk_send
         )
+        # (rows wider than the heap's row slots would be written past them)
+        self.check_rows(x)
+        if bufs.out is None or bufs.out.dtype != x.dtype or bufs.out.shape[1] != x.shape[1]:
+            raise ValueError(
+                f"bufs.out must be [rows, {x.shape[1]}] {x.dtype} like the input rows, got "
+                f"{None if bufs.out is None else (bufs.out.dtype, list(bufs.out.shape))}"
+            )
         pk, rtok, pinfo = self._rb(remote)
         has_w = weight is not None
         w = _nz(weight) if weight is not None else self._dummy_w
@@ -1025,7 +1081,7 @@ class TritonEPEngine:
         On a side stream that the current stream joins afterwards (the inputs stay untouched until
         the copies are done); in the CPU simulation, plain copies."""
         assert self.peer_heaps is not None
-        n, Kk, H = x.shape[0], self.topk, self.hidden
+        n, Kk, H = x.shape[0], self.topk, self.row_width(x.dtype)
         if n == 0:
             return
         lay, base, step = self.layout, self.rank * self.max_tokens, self.ce_tokens
@@ -1168,8 +1224,27 @@ class TritonEPEngine:
         return (self.alloc_rows(rows, dtype=dtype), *self._alloc_row_tags(rows, with_weights))
 
     def alloc_rows(self, rows: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``out``: ``[rows, hidden]`` received rows (default ``token_dtype``)."""
-        return self._buf(rows, self.hidden, dtype=dtype or self.token_dtype)
+        """``out``: ``[rows, row_width(dtype)]`` received rows (default ``token_dtype``)."""
+        dtype = dtype or self.token_dtype
+        return self._buf(rows, self.row_width(dtype), dtype=dtype)
+
+    def row_width(self, dtype: torch.dtype) -> int:
+        """Elements of a dispatched row of ``dtype``: ``hidden``, or for :data:`FP8_ROW_DTYPE` (packed FP8
+        rows) ``fp8_row_bytes(hidden) / 2``."""
+        return fp8_row_bytes(self.hidden) // FP8_ROW_DTYPE.itemsize if dtype == FP8_ROW_DTYPE else self.hidden
+
+    def check_rows(self, x: torch.Tensor, name: str = "input") -> None:
+        """Raise ``ValueError`` unless ``x``'s rows are ``row_width(x.dtype)`` wide and fit the heap's row
+        slots (``layout.row_bytes``)."""
+        width = self.row_width(x.dtype)
+        if x.dim() != 2 or x.shape[1] != width:
+            raise ValueError(f"{name}: rows of {x.dtype} must be [n, {width}], got {list(x.shape)}")
+        if width * x.dtype.itemsize > self.layout.row_bytes:
+            what = "packed FP8 rows" if x.dtype == FP8_ROW_DTYPE else f"{x.dtype} rows"
+            raise ValueError(
+                f"{name}: {what} take {width * x.dtype.itemsize} bytes, more than the {self.layout.row_bytes} "
+                f"bytes per row the heap was built for (token_dtype {self.token_dtype}, hidden {self.hidden})"
+            )
 
     def _alloc_row_tags(self, rows: int, with_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return (
@@ -1217,11 +1292,15 @@ class TritonEPEngine:
         dispatch_counts: tuple[bool, ...] = (True, False),
         rewrite: bool = False,
         mirror: bool = False,
+        row_dtypes: tuple[torch.dtype, ...] | None = None,
+        combine_dtypes: tuple[torch.dtype, ...] | None = None,
     ) -> list[KernelLaunch]:
         """Every kernel variant the backend may launch, as the launches specify them (per-call tensors
         replaced by small aligned stand-ins of the same dtypes).
 
-        ``dtypes``: extra row dtypes of combine; ``dispatch_counts``: the dispatch kernel with the
+        ``row_dtypes``: dtypes of the dispatched rows (default ``(token_dtype,)``; :data:`FP8_ROW_DTYPE`:
+        packed FP8 rows); ``combine_dtypes``: row dtypes of combine (default ``(token_dtype,)``), and
+        ``dtypes`` more of them; ``dispatch_counts``: the dispatch kernel with the
         receive layout merged in (static mode, small exact calls) and/or without (large exact calls);
         ``rewrite``: also the writing pass of :meth:`launch_dispatch`'s ``rewrite=True`` (local peers
         only); ``mirror``: also the merged variant that copies ``info`` to the host (local peers only).
@@ -1248,10 +1327,17 @@ class TritonEPEngine:
         if not remote and not self.ce_pieces:
             rows += [(False, False, True, False)] if rewrite else []
             rows += [(True, True, False, True)] if mirror else []
-        bufs = DispatchBuffers(tab=t(i32), skip=t(i32), scat=t(i32), out=t(self.token_dtype),
-                               out_w=t(self.weight_dtype), out_e=t(i32))  # fmt: skip
-        x = t(self.token_dtype)
-        for has_w, cs, (counts, send, rw, mi) in itertools.product((True, False), (False, True), rows):
+
+        def row(dtype: torch.dtype) -> torch.Tensor:  # (aligned rows of that dtype's width)
+            return torch.zeros(16, self.row_width(dtype), dtype=dtype, device=dev)
+
+        row_dts = row_dtypes or (self.token_dtype,)
+        for dt, has_w, cs, (counts, send, rw, mi) in itertools.product(
+            row_dts, (True, False), (False, True), rows
+        ):
+            x = row(dt)
+            bufs = DispatchBuffers(tab=t(i32), skip=t(i32), scat=t(i32), out=row(dt),
+                                   out_w=t(self.weight_dtype), out_e=t(i32))  # fmt: skip
             out.append(
                 self._dispatch_spec(
                     x, ids, 0, t(self.weight_dtype), t(i32), 1, bufs, info, pk, pinfo, 1 << 40 if mi else 0,
@@ -1260,7 +1346,7 @@ class TritonEPEngine:
             )  # fmt: skip
             if remote:
                 out.append(self._expand_spec(bufs, pk, pinfo, has_w=has_w, caller_scatter=cs))
-        combine_rows = [(dt, self.hidden) for dt in (self.token_dtype, *dtypes)]
+        combine_rows = [(dt, self.hidden) for dt in (*(combine_dtypes or (self.token_dtype,)), *dtypes)]
         combine_rows.append((torch.float32, 1))  # per-slot weight gradients
         for (dt, width), (snd, rcv) in itertools.product(combine_rows, self._halves(True, True)):
             out.append(

@@ -20,7 +20,14 @@ from typing import Any
 
 import torch
 
-from ep_a2a.backends.triton.engine import DispatchBuffers, HeapLayout, TritonEPEngine
+from ep_a2a.backends.triton.engine import (
+    DispatchBuffers,
+    HeapLayout,
+    TritonEPEngine,
+    heap_row_bytes,
+    pack_fp8_rows,
+    unpack_fp8_rows,
+)
 
 _DECOY = 0x5A
 _ENGINE_DEFAULTS: dict[str, Any] = {
@@ -60,7 +67,7 @@ class SimTransport:
 class SimDispatch:
     """One simulated rank's dispatch result (exact shapes)."""
 
-    output: torch.Tensor  # [R, hidden]
+    output: Any  # [R, hidden]; an FP8 dispatch: (rows [R, hidden] float8_e4m3fn, scales [R, hidden / 128])
     weights: torch.Tensor | None  # [R]
     local_expert: torch.Tensor  # [R] int32
     num_recv_tokens_per_expert: torch.Tensor  # [L] int64
@@ -106,6 +113,7 @@ class SimWorld:
             chunk=engine["chunk"],
             combine_chunk=engine.get("combine_chunk"),
             remote=remote,
+            row_bytes=heap_row_bytes(engine["hidden"], engine["token_dtype"]),
         )
         self.heaps = [
             torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)
@@ -160,7 +168,7 @@ class SimWorld:
 
     def dispatch(
         self,
-        inputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor] | Sequence[tuple[torch.Tensor, torch.Tensor]],
         exp_indices: Sequence[torch.Tensor],
         weights: Sequence[torch.Tensor] | None = None,
         full_scatter_indices: Sequence[torch.Tensor] | None = None,
@@ -188,7 +196,13 @@ class SimWorld:
         writing pass (``rewrite=True``), as the backend does. ``mirror`` (with ``merged=True``): the row
         kernel's program 0 also copies ``info`` into a host buffer (``SimDispatch.mirror``), as the
         backend's exact-shape flows without a host wait ask.
+
+        ``inputs`` of FP8 rows in DeepEP's format, tuples ``(x_fp8, scales)``, travel packed as the
+        backend sends them (:func:`~.engine.pack_fp8_rows`); each rank's ``output`` is then the tuple
+        ``(rows, scales)`` of views the backend returns (:func:`~.engine.unpack_fp8_rows`).
         """
+        fp8 = isinstance(inputs[0], tuple)
+        rows_in: list[torch.Tensor] = [pack_fp8_rows(*x) if isinstance(x, tuple) else x for x in inputs]
         if whole and self.world_size != 1:
             raise ValueError(
                 "whole=True (one launch per dispatch) needs world_size 1: peers would be waited for"
@@ -220,7 +234,7 @@ class SimWorld:
         for r in ranks:
             eng = self.engines[r]
             # (as the backend's exact-shape flow: the outputs of fixed size first, then those of R rows)
-            bufs[r] = eng.alloc_dispatch_fixed(inputs[r].shape[0])
+            bufs[r] = eng.alloc_dispatch_fixed(rows_in[r].shape[0])
             if speculative_rows is not None:  # (chosen before the counts are known)
                 rows = speculative_rows
             elif merged:  # worst-case rows: the receive layout is only known inside the launch
@@ -229,7 +243,7 @@ class SimWorld:
                 eng.check_error(int(infos[r][1]))
                 rows = int(infos[r][0])
             bufs[r].out, bufs[r].out_w, bufs[r].out_e = eng.alloc_dispatch_rows(
-                rows, with_weights=weights is not None
+                rows, with_weights=weights is not None, dtype=rows_in[r].dtype
             )
             _poison(bufs[r])  # every element read must have been written
 
@@ -239,7 +253,7 @@ class SimWorld:
             b = bufs[r]
             src = full_scatter_indices[r] if caller else self.engines[r].pos  # type: ignore[index]
             self.engines[r].launch_dispatch(
-                inputs[r],
+                rows_in[r],
                 exp_indices[r],
                 weights[r] if weights is not None else None,
                 src,
@@ -264,7 +278,9 @@ class SimWorld:
                 if rows > speculative_rows:
                     eng = self.engines[r]
                     b = bufs[r]
-                    b.out, b.out_w, b.out_e = eng.alloc_dispatch_rows(rows, with_weights=weights is not None)
+                    b.out, b.out_w, b.out_e = eng.alloc_dispatch_rows(
+                        rows, with_weights=weights is not None, dtype=rows_in[r].dtype
+                    )
                     # poison all of it: the second pass must rewrite the slot table and the scatter
                     # indices too (the first marked the rows past the outputs' end as absent)
                     _poison(b)
@@ -281,7 +297,7 @@ class SimWorld:
             rows = int(f["total"])
             results.append(
                 SimDispatch(
-                    output=b.out[:rows],
+                    output=unpack_fp8_rows(b.out[:rows], eng.hidden) if fp8 else b.out[:rows],
                     weights=b.out_w[:rows] if weights is not None else None,
                     local_expert=b.out_e[:rows],
                     num_recv_tokens_per_expert=f["rows_exp"].clone(),
