@@ -917,3 +917,34 @@ def test_rows_wider_than_the_heap_rows_are_refused():
     b = eng.alloc_dispatch_outputs(2, 4, with_weights=False)  # (float8 rows of 128: not the packed width)
     with pytest.raises(ValueError, match=r"bufs\.out must be"):
         eng.launch_dispatch(x, ids[0], None, eng.pos, b, caller_scatter=False, counts=True)
+
+
+def test_fp8_caller_scatter_and_int64_ids():
+    """FP8 rows placed at the caller's rows (``full_scatter_indices``: every receiver's rows reversed),
+    with int64 expert ids as ``torch.topk`` gives them, both flows."""
+    world, hidden, topk, experts = 2, 128, 2, 4
+    gen = torch.Generator().manual_seed(17)
+    ns = [5, 4]
+    sim = SimWorld(
+        world_size=world, max_tokens=5, hidden=hidden, topk=topk, num_tot_experts=experts,
+        token_dtype=torch.float8_e4m3fn, num_sm=2, chunk=2,
+    )  # fmt: skip
+    xs = [_fp8_rows(n, hidden, gen) for n in ns]
+    ids = [_routing(n, topk, experts, gen, skew=False, drop=0.2).long() for n in ns]
+    rows = [_fp8_bytes(*x) for x in xs]
+    _, default = dispatch_ref(rows, ids, num_tot_experts=experts)
+    e_local = experts // world
+    totals = [sum(int(((i >= 0) & (i // e_local == d)).sum()) for i in ids) for d in range(world)]
+    fsi = []
+    for s in range(world):
+        f = torch.full(ids[s].shape, -1, dtype=torch.int32)
+        for d in range(world):
+            mask = (ids[s] >= 0) & (ids[s] // e_local == d)
+            f[mask] = (totals[d] - 1 - default[s][mask]).to(torch.int32)
+        fsi.append(f)
+    ref, scat = dispatch_ref(rows, ids, num_tot_experts=experts, full_scatter_indices=fsi)
+    for merged in (False, True):
+        res = sim.dispatch(xs, ids, None, fsi, merged=merged)
+        _check_dispatch([dataclasses.replace(r, output=_fp8_bytes(*r.output)) for r in res], ref, scat, False)
+        ys = [torch.randn(r.output[0].shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
+        _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)

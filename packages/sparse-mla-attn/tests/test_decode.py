@@ -183,8 +183,8 @@ def test_decode_split_merge_eager_and_cuda_graph_gpu(b, h_q):
     assert last_launch("fwd").merge == "kernel"
     assert last_launch("fwd").splits > 1
     check(first, args, scale, 8e-4, 2e-2)
-    for _ in range(3):
-        again = sparse_mla_decode(*args, scale)
+    for _ in range(3):  # later calls replay recorded launches: fresh copies check their data pointers
+        again = sparse_mla_decode(*[t.clone() for t in args], scale)
         assert last_launch("fwd").merge == ("last_program" if h_q <= 16 else "kernel")
         for a, e in zip(again, first, strict=True):
             torch.testing.assert_close(a, e, rtol=0, atol=0)
@@ -221,6 +221,10 @@ def test_decode_gpu(b, h_q, block_size, seqlen, topk):
     args = paged_problem(b, 1, h_q, 576, block_size, seqlens, topk, "cuda", seed=b + h_q)
     got = sparse_mla_decode(*args, 1 / math.sqrt(576))
     check(got, args, 1 / math.sqrt(576), 8e-4, 2e-2)
+    for _ in range(2):  # the last call replays the launches the second one recorded, on fresh copies
+        again = sparse_mla_decode(*[t.clone() for t in args], 1 / math.sqrt(576))
+        for a, e in zip(again, got, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
 
 
 def test_decode_batch_zero_returns_empty():

@@ -488,6 +488,7 @@ def test_bound_launch_matches_reference_cpu(
             q, k, v, mask, seqlens=seqlens, block_table=block_table, config=config, **scales
         )
         _check_result(case, q, out, lse, ref_out, ref_lse)
+        assert out.stride() == (out.shape[1] * out.shape[2], out.shape[2], 1)
     assert len(launches) == 2
     assert entry.bound is not None
     assert launches[0]["Q"] is q

@@ -23,7 +23,6 @@ from sparse_mla_attn._runtime import (
     LaunchContext,
     LaunchReplay,
     cached,
-    call_signature,
     check_kernel_device,
     define_op,
     last_launch,
@@ -137,9 +136,24 @@ def _decode_op(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
     indices: torch.Tensor, sm_scale: float, d_v: int, backend: str, num_splits: int, split_merge: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    # Validation and launch plan depend only on the call signature: made once per signature.
-    key = (*call_signature(q, kv_cache, block_table, cache_seqlens, indices), d_v, backend, num_splits,
-           split_merge)  # fmt: skip
+    # Validation and launch plan depend only on the call signature (shapes, strides, dtypes, devices and
+    # 16-byte alignment of the tensors, as _runtime.call_signature): made once per signature. The data
+    # pointers are read once, for the signature and for the launches.
+    ptrs = (
+        q.data_ptr(),
+        kv_cache.data_ptr(),
+        block_table.data_ptr(),
+        cache_seqlens.data_ptr(),
+        indices.data_ptr(),
+    )
+    key = (
+        (q.shape, q.stride(), q.dtype, q.device, not ptrs[0] % 16),
+        (kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device, not ptrs[1] % 16),
+        (block_table.shape, block_table.stride(), block_table.dtype, block_table.device, not ptrs[2] % 16),
+        (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device, not ptrs[3] % 16),
+        (indices.shape, indices.stride(), indices.dtype, indices.device, not ptrs[4] % 16),
+        d_v, backend, num_splits, split_merge,
+    )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         config = config_of(backend, num_splits, split_merge)
@@ -168,11 +182,7 @@ def _decode_op(
     rkey = (ctx.device, ctx.stream, threading.get_ident(), merge_last)
     replay = plan.replays.get(rkey)
     if replay is not None:
-        replay.run(
-            (q.data_ptr(), kv_cache.data_ptr(), block_table.data_ptr(), cache_seqlens.data_ptr(),
-             indices.data_ptr(), out.data_ptr(), lse.data_ptr()),
-            sm_scale * LOG2E, ctx.stream,
-        )  # fmt: skip
+        replay.run((*ptrs, out.data_ptr(), lse.data_ptr()), sm_scale * LOG2E, ctx.stream)
         return out, lse
     _, records = record_launches(
         lambda: _decode_launches(

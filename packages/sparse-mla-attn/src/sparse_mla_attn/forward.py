@@ -694,7 +694,8 @@ def _fwd_op(
         _PLANS, key, lambda: _plan_fwd_call(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride,
                                             causal, config_of(backend, num_splits)),
     )  # fmt: skip
-    return run_fwd(plan, q, kv[:, 0], indices[:, 0], check_sm_scale(sm_scale), attn_sink, topk_length)
+    # kv and indices as they are: the kernels take the plan's strides (those of kv[:, 0], indices[:, 0]).
+    return run_fwd(plan, q, kv, indices, check_sm_scale(sm_scale), attn_sink, topk_length)
 
 
 def sparse_mla_fwd(

@@ -1067,7 +1067,6 @@ class _Bound(NamedTuple):
     no_scales: tuple  # the four scale arguments of a cache without scales
     f32: int  # stand-in for one absent scale tensor
     tail: tuple  # scalars, strides, constexprs
-    q_contiguous: bool  # q (whose strides the signature fixes) is contiguous
 
 
 def _bind(
@@ -1078,7 +1077,6 @@ def _bind(
     st: _Static,
     error_flag: torch.Tensor,
     scalars: tuple,
-    q_contiguous: bool,
 ) -> _Bound:
     """Bind a signature's compiled split kernel (``entry.launcher``) to the workspace of ``stream``."""
     run, function, packed_metadata, consts, _ = entry.launcher  # type: ignore[misc]
@@ -1099,7 +1097,6 @@ def _bind(
         no_scales=(f32, f32, f32, f32),
         f32=f32,
         tail=(*scalars, *st.strides, *consts),
-        q_contiguous=q_contiguous,
     )
 
 
@@ -1116,12 +1113,8 @@ def _launch_bound(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the outputs and launch the bound kernel (on the current device)."""
     dev = q.device
-    # contiguous [B, Hq, D] like q: empty_like is the cheaper allocation when q is contiguous
-    out = (
-        torch.empty_like(q)
-        if bound.q_contiguous
-        else torch.empty(st.batch, st.hq, st.head_dim, dtype=q.dtype, device=dev)
-    )
+    # out is [B, Hq, D] with standard strides: empty_like is the cheaper allocation when q has that shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(st.batch, st.hq, dtype=torch.float32, device=dev)
     u8, i32, bt = bound.absent
     if scales is _NO_SCALES:
@@ -1230,7 +1223,7 @@ def _run(
                 seqlen_const, max_len, st.num_pages, plan.chunk, sm_scale * _LOG2E, scales.k_mul, scales.v_mul,
                 sparse_threshold, st.size_class,
             )  # fmt: skip
-            bound = entry.bound = _bind(entry, dev, index, stream, st, error_flag, scalars, q.is_contiguous())
+            bound = entry.bound = _bind(entry, dev, index, stream, st, error_flag, scalars)
         if cuda and torch.cuda.current_device() != index:  # Triton launches on the current device
             with torch.cuda.device(index):
                 out, lse = _launch_bound(bound, q, k, v, mask, seqlens, block_table, scales, st)
@@ -1867,19 +1860,8 @@ def masked_decode(
     else:
         # config None (the defaults) keys as None: no dataclass hash or comparison per call
         key = _signature_key(
-            q,
-            k,
-            v,
-            mask,
-            seqlens,
-            block_table,
-            sm_scale,
-            k_scale,
-            v_scale,
-            k_token_scale,
-            v_token_scale,
-            config,
-        )
+            q, k, v, mask, seqlens, block_table, sm_scale, k_scale, v_scale, k_token_scale, v_token_scale, config,
+        )  # fmt: skip
         entry = _SIGNATURES.get(key) if key is not None else None
         if entry is None:
             entry = _Entry(

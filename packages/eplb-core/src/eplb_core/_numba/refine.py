@@ -48,7 +48,7 @@ def _workspace(num_bins: int, slots: int, num_ids: int, num_splits: int, num_row
         np.empty(two, dtype=np.float32),
         np.empty(num_splits, dtype=np.float32),
         np.empty(num_splits, dtype=np.bool_),
-        np.empty(slots, dtype=np.int64),
+        np.empty(num_splits, dtype=np.float32),
         np.empty(two, dtype=np.int64),
         np.empty(two, dtype=np.bool_),
         np.empty(two, dtype=np.int64),

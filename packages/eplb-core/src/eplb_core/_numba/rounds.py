@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb_core._numba.starts import _argsort_desc
+from eplb_core._numba.starts import _argsort_desc_into, _sort_workspace
 from eplb_core._numba.utils import (
     _INF,
     BRUTE_FORCE_SLOTS,
@@ -33,7 +33,7 @@ def _pair_bins(
     num_bins = bin_load.size
     if num_bins > SORT_FROM_SCRATCH_BINS:
         # many bins change per round here: a merge sort beats the quadratic insertion (same order)
-        order[:] = _argsort_desc(bin_load)
+        order[:] = _argsort_desc_into(bin_load, _sort_workspace(num_bins))
     for i in range(1, num_bins if num_bins <= SORT_FROM_SCRATCH_BINS else 0):
         b = order[i]
         v = bin_load[b]
@@ -54,22 +54,21 @@ def _pair_bins(
 
 
 @njit
-def _row_buffers(
-    num_bins: int, num_rows: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _row_buffers(num_bins: int, num_rows: int) -> tuple:
     """Work arrays of the refinement: pair ids, and per row its bin loads, bin order, and the versions
     that the rounds compare to skip a pair that declined before (a bin's version changes whenever its
-    contents do). The per-row arrays live from block to block of a row: a pair that declined in an
-    earlier block of its row is skipped too while neither bin changed."""
+    contents do; ``seen[h, l]`` holds the versions of the heavy and the light bin side by side, one
+    memory access). The per-row arrays live from block to
+    block of a row: a pair that declined in an earlier block of its row is skipped too while
+    neither bin changed."""
     half = num_bins // 2
     heavy = np.empty(half, dtype=np.int64)
     light = np.empty(half, dtype=np.int64)
     bin_load = np.empty((num_rows, num_bins))
     order = np.empty((num_rows, num_bins), dtype=np.int64)
     ver = np.zeros((num_rows, num_bins), dtype=np.int64)
-    seen_h = np.full((num_rows, num_bins, num_bins), -1, dtype=np.int64)
-    seen_l = np.full((num_rows, num_bins, num_bins), -1, dtype=np.int64)
-    return heavy, light, bin_load, order, ver, seen_h, seen_l
+    seen = np.full((num_rows, num_bins, num_bins, 2), -1, dtype=np.int64)
+    return heavy, light, bin_load, order, ver, seen
 
 
 @njit
@@ -90,7 +89,7 @@ def _start_row(
 def _row_state(rb: tuple, sb: tuple, r: int) -> tuple[tuple, tuple]:
     """Row ``r``'s views of the work arrays ``rb``/``sb`` of :func:`_workspace`: what
     :func:`_resplit_rounds` and :func:`_swap_rounds` take."""
-    rb_r = (rb[0], rb[1], rb[2][r], rb[3][r], rb[4][r], rb[5][r], rb[6][r])
+    rb_r = (rb[0], rb[1], rb[2][r], rb[3][r], rb[4][r], rb[5][r])
     sb_r = (sb[0], sb[1], sb[2], sb[3], sb[4], sb[5][r])
     return rb_r, sb_r
 
@@ -275,7 +274,7 @@ def _swap_rounds(
     Returns:
         ``(moved, stamp)``: whether something moved, and the last bin version used.
     """
-    heavy, light, bin_load, order, ver, seen_h, seen_l = rb
+    heavy, light, bin_load, order, ver, seen = rb
     held, va, no_x, no_y, ya, srt = sb
     num_bins = bin_load.size
     half = num_bins // 2
@@ -300,10 +299,10 @@ def _swap_rounds(
         _pair_bins(bin_load, order, it, heavy, light)
         for k in range(half):
             h, lt = heavy[k], light[k]
-            if seen_h[h, lt] == ver[h] and seen_l[h, lt] == ver[lt]:
+            if seen[h, lt, 0] == ver[h] and seen[h, lt, 1] == ver[lt]:
                 continue  # declined before and neither bin changed since
-            seen_h[h, lt] = ver[h]
-            seen_l[h, lt] = ver[lt]
+            seen[h, lt, 0] = ver[h]
+            seen[h, lt, 1] = ver[lt]
             gap = bin_load[h] - bin_load[lt]
             ha, lb0 = h * slots, lt * slots
             # an exchange gains only if its loads differ by 0 < d < gap (otherwise min(d, gap - d)
@@ -472,9 +471,10 @@ def _resplit_rounds(
     Returns:
         ``(moved, stamp)``: whether something moved, and the last bin version used.
     """
-    heavy, light, bin_load, order, ver, seen_h, seen_l = rb
+    heavy, light, bin_load, order, ver, seen = rb
     idx_heavy, idx_light, member, member_f = tables
-    items, items32, sums, valid, _, ids, fix, pos, tmp_l, tmp_e, tmp_f, clash_a, clash_b = pb
+    items, items32, sums, valid, score, ids, fix, pos, tmp_l, tmp_e, tmp_f, clash_a, clash_b = pb
+    score_bits = score.view(np.int32)
     num_bins = bin_load.size
     half = num_bins // 2
     num_pairs = (half + 1) // 2 if num_bins > MANY_BINS else half
@@ -509,10 +509,10 @@ def _resplit_rounds(
                 j += 1
                 if lt == h:
                     continue
-            if seen_h[h, lt] == ver[h] and seen_l[h, lt] == ver[lt]:
+            if seen[h, lt, 0] == ver[h] and seen[h, lt, 1] == ver[lt]:
                 continue  # declined before and neither bin changed since
-            seen_h[h, lt] = ver[h]
-            seen_l[h, lt] = ver[lt]
+            seen[h, lt, 0] = ver[h]
+            seen[h, lt, 1] = ver[lt]
             if peak_phase:
                 tries += 1
             # ---- re-split of (h, lt)
@@ -624,15 +624,20 @@ def _resplit_rounds(
                     xi = items32[i]
                     for c in range(num_padded):
                         sums[c] += member_f[i, c] * xi
+                for c in range(num_splits):
+                    score[c] = abs(two_f * sums[c] - total32)
+                # the first best split: scores are >= 0 (or NaN), which order like their bits as
+                # integers (a minimum the compiler vectorises); NaN bits exceed every other score's, and
+                # a NaN first score keeps split 0, as a scan for a strictly lower score would
                 choice = -1
                 if not any_fixed and n_clash == 0:
-                    best = abs(two_f * sums[0] - total32)
                     choice = 0
-                    for c in range(1, num_splits):
-                        score = abs(two_f * sums[c] - total32)
-                        if score < best:
-                            best = score
-                            choice = c
+                    if not np.isnan(score[0]):
+                        low = score_bits[0]
+                        for c in range(1, num_splits):
+                            low = min(low, score_bits[c])
+                        while score_bits[choice] != low:
+                            choice += 1
                 else:
                     # the first best among the splits that keep fixed items on their side and
                     # separate clashing items
@@ -648,13 +653,19 @@ def _resplit_rounds(
                         a, b = clash_a[q], clash_b[q]
                         for c in range(num_splits):
                             valid[c] = valid[c] and member[a, c] != member[b, c]
-                    best = np.float32(_INF)
-                    for c in range(num_splits):
-                        if valid[c]:
-                            score = abs(two_f * sums[c] - total32)
-                            if choice < 0 or score < best:
-                                best = score
-                                choice = c
+                    first_valid = 0
+                    while first_valid < num_splits and not valid[first_valid]:
+                        first_valid += 1
+                    if first_valid < num_splits:
+                        choice = first_valid
+                        if not np.isnan(score[first_valid]):
+                            # the same minimum over the allowed splits (others count as the largest bits)
+                            top = np.int32(0x7FFFFFFF)
+                            low = top
+                            for c in range(num_splits):
+                                low = min(low, score_bits[c] if valid[c] else top)
+                            while not (valid[choice] and score_bits[choice] == low):
+                                choice += 1
             if choice < 0:
                 continue
             best_sum = 0.0

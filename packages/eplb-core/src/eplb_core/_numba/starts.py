@@ -79,7 +79,7 @@ def _sort_workspace(num_items: int) -> tuple:
     )
 
 
-@njit_inline
+@njit
 def _argsort_desc_into(x: np.ndarray, sw: tuple) -> np.ndarray:
     """:func:`_argsort_desc` into the work arrays ``sw`` of :func:`_sort_workspace` (no allocation);
     returns ``sw[0][:n]``, the order."""
@@ -170,8 +170,8 @@ def _lpt_steps(
 ) -> int:
     """Steps ``first ..`` of the LPT of :func:`_lpt_into` (items in ``order``), from the state
     ``(key, fill, tag)`` that the steps before ``first`` left: the bin loads ``key`` (infinite when
-    full), counts ``fill`` and, with ``use_key``, tags ``tag``; returns the first step at which ``use_key`` moved an item off its lightest
-    bin (-1: none).
+    full), counts ``fill`` and, with ``use_key``, tags ``tag``; returns the first step at which
+    ``use_key`` moved an item off its lightest bin (-1: none).
 
     Many bins: a tournament tree over the bins (leaves ``P + b``, padded to a power of two with
     infinite loads) whose every node holds the (load, index) pair that wins its subtree, the
@@ -183,22 +183,35 @@ def _lpt_steps(
     num_items = item_load.size
     num_bins = key.size
     cap = num_items // num_bins
+    # from empty bins, step s < G takes bin s while the items before it had positive loads (the
+    # lightest open bin, lowest index on ties, is the first still empty; it holds no key yet)
+    direct = first
+    while (
+        first == 0
+        and direct < min(num_bins, num_items)
+        and (direct == 0 or item_load[order[direct - 1]] > 0.0)
+    ):
+        direct += 1
     use_tree = num_bins > 16
     size = 1
     while use_tree and size < num_bins:
         size *= 2
-    for b in range(size if use_tree else 0):
-        tk[size + b] = key[b] if b < num_bins else _INF
-        ti[size + b] = b
-    for p in range(size - 1, 0, -1):
-        right = tk[2 * p + 1] < tk[2 * p]  # ties: the left subtree's lower index
-        tk[p] = tk[2 * p + 1] if right else tk[2 * p]
-        ti[p] = ti[2 * p + 1] if right else ti[2 * p]
     run_start = 0
     first_moved = -1
     for step in range(first, num_items):
+        if step == direct:
+            # the tree of the bins as the steps before left them
+            for b in range(size if use_tree else 0):
+                tk[size + b] = key[b] if b < num_bins else _INF
+                ti[size + b] = b
+            for p in range(size - 1, 0, -1):
+                right = tk[2 * p + 1] < tk[2 * p]  # ties: the left subtree's lower index
+                tk[p] = tk[2 * p + 1] if right else tk[2 * p]
+                ti[p] = ti[2 * p + 1] if right else ti[2 * p]
         i = order[step]
-        if use_tree:
+        if step < direct:
+            b = step
+        elif use_tree:
             b = ti[1]
         else:
             b = 0
@@ -227,7 +240,7 @@ def _lpt_steps(
         fill[b] += 1
         if fill[b] == cap:
             key[b] = _INF
-        if use_tree:
+        if use_tree and step >= direct:
             kv, iv = key[b], b  # infinite once full
             p = size + b
             tk[p] = kv
