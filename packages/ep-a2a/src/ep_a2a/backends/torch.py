@@ -276,12 +276,13 @@ class TorchBackend(A2ABackend):
         row[4 + world :].scatter_add_(0, bins.flatten(), c.ones[: n * K])
         header = self._open("dispatch", "dispatch/counts", row)
 
-        # what needs no counts runs while they travel: rows ordered by (dest, token) (each (token,
-        # rank)'s first slot, stably sorted by rank), each kept slot's rank among my slots of its expert,
-        # and the packed payload of every token but the receiver rows of its slots:
-        # token row | expert of each slot | its row at the receiver | weights (8-byte aligned fields, so
-        # that every field of the received bytes views as its dtype)
+        # what needs no counts runs while they travel: the first slot of each (token, rank), rows ordered
+        # by (dest, token) (each (token, rank)'s first slot, stably sorted by rank), each kept slot's rank
+        # among my slots of its expert, and the packed payload of every token but the receiver rows of
+        # its slots: token row | expert of each slot | its row at the receiver | weights (8-byte aligned
+        # fields, so that every field of the received bytes views as its dtype)
         kept = dest < world
+        skip = torch.where(kept, torch.where(same, c.krange, K).amin(-1), -1)  # [n, K] int32
         row_dest, row_flat = torch.sort(flat_dest, stable=True)
         row_token = row_flat // K
         if full_scatter_indices is None:
@@ -354,7 +355,6 @@ class TorchBackend(A2ABackend):
             slot_flat = order[:num_slots]
         send_token = row_token[:num_sent]
         recv = self._exchange("dispatch/payload", packed[send_token], send_counts, recv_counts)
-        skip = torch.where(kept, torch.where(same, c.krange, K).amin(-1), -1)  # [n, K] int32
         if scatter is None:
             scatter = packed_rows.clone(memory_format=torch.contiguous_format)
 
