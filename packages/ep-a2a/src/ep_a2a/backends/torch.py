@@ -1,4 +1,4 @@
-"""Portable backend: ``torch.distributed.all_to_all_single`` only (NCCL on GPUs, gloo on CPUs).
+"""Portable backend: ``torch.distributed`` collectives only (NCCL on GPUs, gloo on CPUs).
 
 Dispatch sends each token once per destination rank (not once per expert): one fixed-size exchange of
 counts (which also carries the number of out-of-range expert ids, so a bad call stops on every rank
@@ -21,7 +21,7 @@ one extra rounding of each partial sum).
 Every operation opens with the same fixed-size exchange, headed by the operation and its call number
 (dispatch's counts ride in it), so ranks that call operations in different orders all see each other's
 headers and raise :class:`ep_a2a.EPProtocolError` before any variable-sized message. On an NCCL group
-the exchange runs on the device; its host copy is awaited (bounded by ``timeout_s``) where the host
+the exchange is one all-gather on the device (one row per rank, no per-peer messages); its host copy is awaited (bounded by ``timeout_s``) where the host
 needs it: at once in dispatch (the counts size the payload), and only after the payload is queued in
 combine and barrier, so the header costs one small collective but no host round trip in front of the
 data. On a gloo group every exchange runs on a gloo side group with the layer's timeout. ``tuning`` and
@@ -30,6 +30,7 @@ data. On a gloo group every exchange runs on a gloo side group with the layer's 
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -82,6 +83,7 @@ class _Tables:
     dest: torch.Tensor  # [E + 3] int64: destination rank of each slot bin (world: none)
     expert: torch.Tensor  # [E + 3] int32: global expert of each slot bin (E: none)
     krange: torch.Tensor  # [topk] int32
+    earlier: torch.Tensor  # [topk, topk] bool: slot j comes before slot k
     mine: torch.Tensor  # [E + 1] bool: whether an expert (E: none) lives on this rank
     iota: torch.Tensor  # [world * max_tokens * topk] int64
     iota32: torch.Tensor  # [max_tokens * topk] int32
@@ -96,13 +98,16 @@ def _sum_slots(rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int) -
     return grid.view(groups, width, rows.shape[1]).sum(1, dtype=torch.float32)
 
 
-def _exclusive_cumsum(a: np.ndarray, axis: int) -> np.ndarray:
-    return np.cumsum(a, axis=axis) - a
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous ``[n, k]`` tensor as ``[n, k * itemsize]`` uint8 (any strides of size-1
+    dimensions)."""
+    return t.reshape(-1).view(torch.uint8).view(t.shape[0], t.shape[1] * t.element_size())
 
 
 @register_backend
 class TorchBackend(A2ABackend):
-    """``backend="torch"``: packed ``all_to_all_single`` exchanges; see the module docstring."""
+    """``backend="torch"``: a fixed-size header, then packed ``all_to_all_single`` exchanges; see the
+    module docstring."""
 
     name = "torch"
     checks_expert_ids = True  # counted into the opening exchange, raised on every rank before the payload
@@ -146,6 +151,7 @@ class TorchBackend(A2ABackend):
                 dest=torch.cat([none, none, experts // L, none]).to(dev),
                 expert=torch.cat([torch.tensor([E, E]), experts, torch.tensor([E])]).to(dev, torch.int32),
                 krange=torch.arange(K, dtype=torch.int32, device=dev),
+                earlier=torch.ones(K, K, dtype=torch.bool).tril(-1).to(dev),
                 mine=(torch.arange(E + 1) // L == self.rank).to(dev),
                 iota=torch.arange(world * T * K, device=dev),
                 iota32=torch.arange(T * K, dtype=torch.int32, device=dev),
@@ -154,24 +160,22 @@ class TorchBackend(A2ABackend):
             self._tables[dev] = tables
         return tables
 
-    def _head(self, op: str, n: int = 0, *, copies: int = 1) -> torch.Tensor:
+    def _head(self, op: str, n: int = 0) -> torch.Tensor:
         """This rank's opening row ``[2 + width]`` int64 on the host (pinned on CUDA): operation, call
-        number, ``n``, zeros; ``copies`` of it as ``[copies, 2 + width]`` (one per rank: ready to send)."""
-        shape = (copies, 2 + self._width) if copies > 1 else (2 + self._width,)
-        row = torch.empty(shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        a = row.numpy().reshape(copies, -1)
-        a[:] = 0
-        a[:, 0], a[:, 1], a[:, 2] = _OPS[op], self._calls, n
+        number, ``n``, zeros."""
+        row = torch.zeros(2 + self._width, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        a = row.numpy()
+        a[0], a[1], a[2] = _OPS[op], self._calls, n
         self._calls += 1
         return row
 
     def _open(self, op: str, step: str, row: torch.Tensor) -> _Header:
-        """Queue the opening exchange of an operation: every rank sends every rank its ``row`` (from
-        :meth:`_head`, on the host or filled in on the device; ``[2 + width]``, or already one per rank).
-        On the CPU it completes and is checked here."""
+        """Queue the opening exchange of an operation: every rank sends every rank its ``row`` ``[2 +
+        width]`` (from :meth:`_head`, on the host or filled in on the device). On the device it is one
+        all-gather; on the CPU it completes and is checked here."""
         world, call = self.world_size, self._calls - 1
         if not self._on_device:
-            send = row.expand(world, -1).contiguous() if row.dim() == 1 else row
+            send = row.expand(world, -1).contiguous()
             recv = torch.empty_like(send)
             with self.monitor.guard(step):
                 self.monitor.all_to_all(recv, send)
@@ -181,11 +185,10 @@ class TorchBackend(A2ABackend):
         cuda = self.device.type == "cuda"
         if row.device != self.device:
             row = row.to(self.device, non_blocking=True)
-        send = row.expand(world, -1).contiguous() if row.dim() == 1 else row
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.ep_group)
-        host = torch.empty(recv.shape, dtype=torch.int64, pin_memory=cuda)
-        host.copy_(recv, non_blocking=True)
+        recv = torch.empty(world * row.numel(), dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(recv, row, group=self.ep_group)
+        host = torch.empty((world, row.numel()), dtype=torch.int64, pin_memory=cuda)
+        host.copy_(recv.view(world, -1), non_blocking=True)
         done = None
         if cuda:
             done = torch.cuda.Event()
@@ -261,13 +264,9 @@ class TorchBackend(A2ABackend):
         # bin of each slot: 0 an id below -1, 1 dropped (-1), 2 + e expert e, E + 2 an id of E or more
         bins = (exp_indices.clamp(-2, E) + 2).long()
         dest = c.dest[bins]  # [n, K] destination rank, world where the slot is dropped
-        kept = dest < world
-        # the first slot of the token with the same destination (k itself or an earlier one): one row
-        # per (token, rank)
+        # one row per (token, rank): a slot whose token sends an earlier slot to the same rank sorts last
         same = dest[:, :, None] == dest[:, None, :]
-        skip = torch.where(kept, torch.where(same, c.krange, K).amin(-1), -1)  # [n, K] int32
-        # rows by (dest, token): each (token, rank)'s first slot keeps its rank, the others sort last
-        flat_dest = torch.where(skip == c.krange, dest, world).flatten()
+        flat_dest = torch.where((same & c.earlier).any(-1), world, dest).flatten()
 
         # the opening exchange, the same row to every rank: (op, call, my token count, my rows for each
         # rank, my slots per bin); the per-expert matrix lets each source place its slots without a
@@ -275,73 +274,91 @@ class TorchBackend(A2ABackend):
         row = self._head("dispatch", n).to(dev, non_blocking=True)
         row[3 : 4 + world].scatter_add_(0, flat_dest, c.ones[: n * K])
         row[4 + world :].scatter_add_(0, bins.flatten(), c.ones[: n * K])
-        rows = self._check(self._open("dispatch", "dispatch/counts", row))
-        if self.validate:
-            self._raise_bad_ids(rows, exp_indices)
-        rows_matrix = rows[:, 3 : 3 + world]  # [src rank, dest rank] rows (tokens) sent
-        count_matrix = rows[:, 6 + world : 6 + world + E]  # [src rank, global expert] kept slots
-        per_rank = count_matrix.reshape(world, world, L)  # [src, dest, local expert]
-        send_counts = rows_matrix[me].tolist()
-        recv_counts = rows_matrix[:, me].tolist()
-        slot_counts = per_rank[me].sum(1).tolist()
-        back_counts = per_rank[:, me].sum(1).tolist()
-        num_rows, num_slots = sum(back_counts), sum(slot_counts)
-        dropped_first = int(rows[me, 4 + world] + rows[me, 5 + world])  # bins sorted before the experts
+        header = self._open("dispatch", "dispatch/counts", row)
 
-        # what the host computes from the counts, in one upload: each expert's first row at its receiver
-        # minus my slots of earlier experts (bin-indexed), rows per local expert, receive boundaries
-        totals = per_rank.sum(0)  # [dest, local]
-        start = (_exclusive_cumsum(totals, 1) + _exclusive_cumsum(per_rank, 0)[me]).reshape(E)
-        nb = L + world - 1
-        up_host = torch.empty(nb + (E + 4) // 2, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        up = up_host.numpy()
-        up[:L] = totals[me]
-        up[L:nb] = np.cumsum(recv_counts)[:-1]
-        bins_base = up[nb:].view(np.int32)
-        bins_base[:] = 0
-        bins_base[2 : E + 2] = start - _exclusive_cumsum(count_matrix[me], 0)
-        up_dev = up_host.to(dev, non_blocking=True)
-        per_expert, recv_bounds = up_dev[:L], up_dev[L:nb]
-        base = up_dev[nb:].view(torch.int32)
-
-        # rows ordered by (dest, token): the first slot of each (token, rank), stably sorted by rank
+        # what needs no counts runs while they travel: the first slot of each (token, rank), rows ordered
+        # by (dest, token) (each (token, rank)'s first slot, stably sorted by rank), each kept slot's rank
+        # among my slots of its expert, and the packed payload of every token but the receiver rows of
+        # its slots: token row | expert of each slot | its row at the receiver | weights (8-byte aligned
+        # fields, so that every field of the received bytes views as its dtype)
+        kept = dest < world
+        skip = torch.where(kept, torch.where(same, c.krange, K).amin(-1), -1)  # [n, K] int32
         row_dest, row_flat = torch.sort(flat_dest, stable=True)
-        send_flat = row_flat[: sum(send_counts)]
-        send_token = send_flat // K
-        # where each of my slots lands: with the default order, receivers place rows by (local expert,
-        # source rank, token, slot), so a stable sort by expert ranks my slots inside each expert
+        row_token = row_flat // K
         if full_scatter_indices is None:
+            # receivers place rows by (local expert, source rank, token, slot): a stable sort by bin
+            # ranks my slots inside each expert; the receiver row adds the expert's base (from counts)
             sorted_bins, order = torch.sort(bins.flatten(), stable=True)
-            slot_flat = order[dropped_first : dropped_first + num_slots]
-            pos = base[sorted_bins[dropped_first : dropped_first + num_slots]] + c.iota32[:num_slots]
-            scatter = torch.full((n * K,), -1, dtype=torch.int32, device=dev)
-            scatter.scatter_(0, slot_flat, pos)
-            scatter = scatter.view(n, K)
+            bin_counts = row[4 + world :]
+            first = (torch.cumsum(bin_counts, 0) - bin_counts).to(torch.int32)  # my first slot of each bin
+            rank_in_bin = torch.empty(n * K, dtype=torch.int32, device=dev)
+            rank_in_bin.scatter_(0, order, c.iota32[: n * K] - first[sorted_bins])
+            rank_in_bin = torch.where(kept, rank_in_bin.view(n, K), 0)
+            scatter = None
         else:  # the caller's rows; combine returns my slots by (dest, row), so sort them that way
             scatter = torch.where(kept, full_scatter_indices, -1)
             key = torch.where(
                 kept, dest * (world * cfg.max_tokens * K) + scatter, world * world * cfg.max_tokens * K
             )
-            slot_flat = torch.sort(key.flatten(), stable=True).indices[:num_slots]
-
-        # one packed payload per row: token row | expert of each slot | its row at the receiver | weights
-        # (8-byte aligned fields, so that every field of the received bytes views as its dtype)
+            order = torch.sort(key.flatten(), stable=True).indices
         xb = input.shape[1] * input.element_size()
         pad = -xb % 8
-        parts = [c.expert[bins].view(torch.uint8), scatter.view(torch.uint8)]
-        if weight is not None:
-            parts.append(weight.view(torch.uint8))
         tail = -(8 * K + (K * weight.element_size() if weight is not None else 0)) % 8
+        mo = xb + pad
+        parts = [input.view(torch.uint8)]
         if pad:
-            parts.insert(0, torch.zeros(n, pad, dtype=torch.uint8, device=dev))
+            parts.append(torch.zeros(n, pad, dtype=torch.uint8, device=dev))
+        parts += [_bytes(c.expert[bins]), _bytes(scatter if scatter is not None else rank_in_bin)]
+        if weight is not None:
+            parts.append(_bytes(weight))
         if tail:
             parts.append(torch.zeros(n, tail, dtype=torch.uint8, device=dev))
-        meta = torch.cat(parts, 1)
-        payload = torch.cat([input.view(torch.uint8)[send_token], meta[send_token]], 1)
-        recv = self._exchange("dispatch/payload", payload, send_counts, recv_counts)
+        packed = torch.cat(parts, 1)  # [n, bytes per row]
+
+        rows = self._check(header)
+        if self.validate:
+            self._raise_bad_ids(rows, exp_indices)
+        rows_matrix = rows[:, 3 : 3 + world].tolist()  # [src rank][dest rank] rows (tokens) sent
+        send_counts = rows_matrix[me]
+        recv_counts = [r[me] for r in rows_matrix]
+        per_rank = rows[:, 6 + world : 6 + world + E].reshape(world, world, L)  # [src, dest, local expert]
+        slot_matrix = per_rank.sum(2).tolist()  # [src rank][dest rank] kept slots
+        slot_counts = slot_matrix[me]
+        back_counts = [r[me] for r in slot_matrix]
+        num_rows, num_slots, num_sent = sum(back_counts), sum(slot_counts), sum(send_counts)
+        dropped_first = int(rows[me, 4 + world] + rows[me, 5 + world])  # bins sorted before the experts
+
+        # what the host computes from the counts, in one upload: rows per local expert, receive
+        # boundaries, and each expert's first row at its receiver (bin-indexed, -1 for the other bins):
+        # its receiver's rows of earlier experts plus the rows of earlier sources in the same expert
+        totals = per_rank.sum(0)  # [dest, local]
+        nb = L + world - 1
+        up_host = torch.empty(nb + (E + 4) // 2, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        up = up_host.numpy()
+        up[:L] = totals[me]
+        up[L:nb] = list(itertools.accumulate(recv_counts[:-1]))
+        bins_base = up[nb:].view(np.int32)
+        bins_base[:2] = bins_base[E + 2 :] = -1
+        start = bins_base[2 : E + 2].reshape(world, L)
+        start[:, 0] = 0
+        start[:, 1:] = np.cumsum(totals[:, :-1], 1)
+        if me:
+            start += per_rank[:me].sum(0)
+        up_dev = up_host.to(dev, non_blocking=True)
+        per_expert, recv_bounds = up_dev[:L], up_dev[L:nb]
+
+        if full_scatter_indices is None:  # the receiver rows of my slots: the expert's base + my rank
+            packed_rows = packed[:, mo + 4 * K : mo + 8 * K].view(torch.int32)
+            packed_rows.add_(up_dev[nb:].view(torch.int32)[bins])
+            slot_flat = order[dropped_first : dropped_first + num_slots]
+        else:
+            slot_flat = order[:num_slots]
+        send_token = row_token[:num_sent]
+        recv = self._exchange("dispatch/payload", packed[send_token], send_counts, recv_counts)
+        if scatter is None:
+            scatter = packed_rows.clone(memory_format=torch.contiguous_format)
 
         # expand on the receiver: output row p is the (row, slot) whose sender placed it at p
-        mo = xb + pad
         r_e = recv[:, mo : mo + 4 * K].view(torch.int32)
         r_pos = recv[:, mo + 4 * K : mo + 8 * K].view(torch.int32)
         mine = c.mine[r_e]
@@ -360,10 +377,13 @@ class TorchBackend(A2ABackend):
                 recv[:, wo : wo + K * weight.element_size()].view(weight.dtype), back_flat
             )
         recv_expert = torch.take(r_e, back_flat) % L
+        back_row = None
+        if full_scatter_indices is None and not self.enable_local_combine:
+            back_row = self._back_row_default(per_rank[:, me], totals[me], num_rows, dev)
 
         state = _TorchState(
             owner=id(self),
-            send_pos=send_token * world + row_dest[: len(send_flat)] if self.enable_local_combine else None,
+            send_pos=send_token * world + row_dest[:num_sent] if self.enable_local_combine else None,
             send_counts=send_counts,
             recv_counts=recv_counts,
             slot_flat=slot_flat,
@@ -372,6 +392,7 @@ class TorchBackend(A2ABackend):
             out_row=out_row,
             recv_bounds=recv_bounds,
             back_counts=back_counts,
+            back_row=back_row,
         )
         desc = EPAllToAllLayoutDesc(
             num_dispatch_token_cur_rank=n,
@@ -389,6 +410,26 @@ class TorchBackend(A2ABackend):
             backend_state=state,
         )
         return output, out_weights, desc
+
+    def _back_row_default(
+        self, mine: np.ndarray, totals: np.ndarray, num_rows: int, dev: torch.device
+    ) -> torch.Tensor:
+        """Output rows in the order combine sends them back, for the default row order (no sort):
+        output rows run by (local expert, source rank), combine's by (source rank, local expert), so
+        row ``q`` of segment ``(s, l)`` in combine's order is output row ``q + out_start[s, l] -
+        back_start[s, l]``. ``mine``: ``[world, E_local]`` rows received per (source rank, local
+        expert); ``totals``: ``[E_local]`` rows per local expert."""
+        flat = mine.reshape(-1)
+        back_start = np.cumsum(flat) - flat  # [world * E_local] (source, local)-major
+        out_start = (np.cumsum(totals) - totals) + (np.cumsum(mine, 0) - mine)  # [world, E_local]
+        segs = flat.size
+        table = torch.empty(2 * segs - 1, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        t = table.numpy()
+        t[:segs] = out_start.reshape(-1) - back_start
+        t[segs:] = back_start[1:]
+        table = table.to(dev, non_blocking=True)
+        q = self._consts(dev).iota[:num_rows]
+        return q + table[:segs][torch.bucketize(q, table[segs:], right=True)]
 
     def _check_caller_rows(
         self, mine: torch.Tensor, r_pos: torch.Tensor, target: torch.Tensor, num_rows: int
@@ -408,7 +449,7 @@ class TorchBackend(A2ABackend):
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        header = self._open("combine", "combine", self._head("combine", copies=self.world_size))
+        header = self._open("combine", "combine", self._head("combine"))
         state: _TorchState = layout_desc.backend_state
         n, topk, world = layout_desc.num_dispatch_token_cur_rank, self.config.topk, self.world_size
         if self.enable_local_combine:
@@ -433,9 +474,7 @@ class TorchBackend(A2ABackend):
         return recv.view(rows.dtype)
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        header = self._open(
-            "combine_per_slot", "combine", self._head("combine_per_slot", copies=self.world_size)
-        )
+        header = self._open("combine_per_slot", "combine", self._head("combine_per_slot"))
         state: _TorchState = layout_desc.backend_state
         n, topk, width = layout_desc.num_dispatch_token_cur_rank, self.config.topk, input.shape[1]
         rows = self._reverse(input[_back_row(state)], state)
@@ -449,7 +488,7 @@ class TorchBackend(A2ABackend):
         if self.device.type == "cuda":
             (stream or torch.cuda.current_stream()).synchronize()
         if not intra_node_only:
-            self._check(self._open("barrier", "barrier", self._head("barrier", copies=self.world_size)))
+            self._check(self._open("barrier", "barrier", self._head("barrier")))
             return
         node, lws = self.rank // self.config.local_world_size, self.config.local_world_size
         self.monitor.checkin("barrier/node", "1", ranks=range(node * lws, (node + 1) * lws))
@@ -460,7 +499,8 @@ class TorchBackend(A2ABackend):
 
 def _back_row(state: _TorchState) -> torch.Tensor:
     """Output rows in the order combine sends them back: by source rank, then output row (for each source,
-    the order in which it sorted its slots: by expert, or by the caller's row); computed once."""
+    the order in which it sorted its slots: by expert, or by the caller's row); computed once (dispatch
+    computes it for the default row order)."""
     if state.back_row is None:
         src = torch.bucketize(state.out_row, state.recv_bounds, right=True)
         state.back_row = torch.sort(src, stable=True).indices
