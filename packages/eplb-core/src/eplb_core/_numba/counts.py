@@ -26,11 +26,16 @@ def _greedy_counts_row(w: np.ndarray, counts: np.ndarray, num_replicas: int, per
         return
     extra = num_replicas - have
     if extra < GREEDY_HEAP_MIN:
+        # the first largest: positive finite loads order like their bits as integers (a maximum the
+        # compiler vectorises); zeros tie with every zero, but the largest load here is positive
+        bits = per.view(np.int64)
         for _ in range(extra):
-            best = 0
+            top = bits[0]
             for e in range(1, n):
-                if per[e] > per[best]:
-                    best = e
+                top = max(top, bits[e])
+            best = 0
+            while bits[best] != top:
+                best += 1
             counts[best] += 1
             per[best] = w[best] / counts[best]
         return

@@ -48,9 +48,11 @@ def _pair_bins(
                 break
         order[j] = b
     half = num_bins // 2
+    m = it % half  # (k + it) mod half, one division per round
     for k in range(half):
         heavy[k] = order[k]
-        light[k] = order[num_bins - 1 - (k + it) % half]
+        light[k] = order[num_bins - 1 - m]
+        m = m + 1 if m + 1 < half else 0
 
 
 @njit
@@ -292,9 +294,11 @@ def _swap_rounds(
         for p in range(num_bins * slots):
             used += fe[p] != origin[p]
     if not brute:
-        # ``held`` is all zeros between calls (each call clears the entries it set)
-        for p in range(num_bins * slots):
-            held[p // slots, fe[p]] += 1
+        # ``held`` is all zeros between calls (each call clears the entries it set); bin by bin (no
+        # division per slot)
+        for g in range(num_bins):
+            for t in range(g * slots, (g + 1) * slots):
+                held[g, fe[t]] += 1
     for it in range(it0, it0 + rounds):
         _pair_bins(bin_load, order, it, heavy, light)
         for k in range(half):
@@ -425,8 +429,9 @@ def _swap_rounds(
                 ver[lt] = stamp + 2
                 stamp += 2
     if not brute:
-        for p in range(num_bins * slots):
-            held[p // slots, fe[p]] = 0
+        for g in range(num_bins):
+            for t in range(g * slots, (g + 1) * slots):
+                held[g, fe[t]] = 0
     return moved, stamp
 
 
