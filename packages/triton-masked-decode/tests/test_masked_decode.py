@@ -878,7 +878,7 @@ def test_captured_call_is_two_kernels_gpu(cuda_device: torch.device, tmp_path) -
     q, k, v, mask, _, _, _ = make_inputs(c, cuda_device, seed=13, poison=False)
     masked_decode(q, k, v, mask)  # compile outside capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)  # (else capture_end frees the graph before the dump)
     graph.enable_debug_mode()
     with torch.cuda.graph(graph):
         masked_decode(q, k, v, mask)
