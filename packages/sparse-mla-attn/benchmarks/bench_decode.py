@@ -169,9 +169,15 @@ def sweep_splits(flashmla: Any = None, *, seqlen: int = 32768, topk: int = 2048)
             times.append(f"fp8 {name} {graph_ms(call) * 1e3:.1f}")
         if flashmla is not None:
             try:
-                times.append(
-                    f"FlashMLA fp8 {graph_ms(flashmla_fp8_decode(flashmla, q, fp8, rows, scale)) * 1e3:.1f}"
+                fm = flashmla_fp8_decode(flashmla, q, fp8, rows, scale)
+                times.append(f"FlashMLA fp8 {graph_ms(fm) * 1e3:.1f}")
+                fm_out, fm_lse = fm()
+                out, lse = sparse_mla_decode(
+                    q, fp8, None, None, rows, scale, index_kind="cache_rows", empty_lse=math.inf
                 )
+                diff = (out.float() - fm_out.float()).abs().max().item()
+                lse_diff = (lse - fm_lse.transpose(1, 2)).abs().max().item()
+                times.append(f"(ours fp8 vs FlashMLA: out max abs diff {diff:.2e}, lse {lse_diff:.2e})")
             except Exception as exc:
                 times.append(f"FlashMLA error {type(exc).__name__}: {str(exc)[:100]}")
         print(head + ": " + ", ".join(times) + " us", flush=True)
