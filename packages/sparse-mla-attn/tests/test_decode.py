@@ -87,6 +87,21 @@ def test_decode_split_k_and_table_entries_outside_the_cache():
     torch.testing.assert_close(lse, ref_lse, atol=2e-4, rtol=1e-5)
 
 
+def assert_graph_replays_equal(call, expected, replays):
+    """``call()`` captured in a CUDA graph: each replay (outputs NaN-filled before) gives ``expected``'s bits."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replay = call()
+    for _ in range(replays):
+        for t in replay:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, e in zip(replay, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
 def _poisoned_empty(real_empty):
     """``torch.empty`` whose float tensors hold NaN and integer tensors a large garbage value."""
 
@@ -198,18 +213,8 @@ def test_decode_split_merge_eager_and_cuda_graph_gpu(b, h_q):
     for merge in ("auto", "last_program", "kernel"):
         cfg = Config(split_merge=merge)
         sparse_mla_decode(*args, scale, config=cfg)  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replay = sparse_mla_decode(*args, scale, config=cfg)
-        assert last_launch("fwd").merge == ("kernel" if merge == "auto" else merge)
-        for _ in range(2):
-            for t in replay:
-                t.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            for a, e in zip(replay, first, strict=True):
-                torch.testing.assert_close(a, e, rtol=0, atol=0)
+        assert_graph_replays_equal(lambda cfg=cfg: sparse_mla_decode(*args, scale, config=cfg), first, 2)
+        assert last_launch("fwd").merge == ("kernel" if merge == "auto" else merge)  # the captured call's
 
 
 @pytest.mark.gpu
@@ -475,13 +480,4 @@ def test_decode_gluon_split_k_gpu(b, s_q, h_q, n_splits):
         again = sparse_mla_decode(*[t.clone() for t in args], scale, config=cfg)
         for a, e in zip(again, first, strict=True):
             torch.testing.assert_close(a, e, rtol=0, atol=0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replay = sparse_mla_decode(*args, scale, config=cfg)
-    for t in replay:
-        t.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, e in zip(replay, first, strict=True):
-        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert_graph_replays_equal(lambda: sparse_mla_decode(*args, scale, config=cfg), first, 1)
