@@ -16,8 +16,10 @@ H, K, E_PER_RANK, T = 256, 3, 2, 6
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_quantizer_matches_deepep_scaling(dtype: torch.dtype) -> None:
-    """Each 128-channel block: scale = max(amax, 1e-4) / 448, its largest element becomes +-448, and the
-    dequantized rows are within FP8 e4m3's rounding (3 mantissa bits) of the input."""
+    """Each 128-channel block: scale = max(amax, 1e-4) / 448 as torch computes it on CUDA (amax times
+    float32(1 / 448)), bytes as DeepEP's ``per_token_cast_to_fp8`` computes them, its largest element
+    becomes +-448, and the dequantized rows are within FP8 e4m3's rounding (3 mantissa bits) of the
+    input."""
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(5, 3 * FP8_BLOCK, generator=gen) * torch.logspace(-3, 3, 5)[:, None]).to(dtype)
     x[1, FP8_BLOCK : 2 * FP8_BLOCK] = 0  # an all-zero block: the 1e-4 floor keeps the scale finite
@@ -27,7 +29,10 @@ def test_quantizer_matches_deepep_scaling(dtype: torch.dtype) -> None:
     assert s.dtype == torch.float32
     assert s.shape == (5, 3)
     amax = x.float().view(5, 3, FP8_BLOCK).abs().amax(2).clamp(min=1e-4)
-    torch.testing.assert_close(s, amax / 448.0, rtol=0, atol=0)
+    torch.testing.assert_close(s, amax * torch.tensor(1 / 448.0, dtype=torch.float32), rtol=0, atol=0)
+    # (s differs from amax / 448 divided exactly in the last bit of some scales; the bytes are DeepEP's)
+    deepep = (x.view(5, 3, FP8_BLOCK) * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(5, -1)
+    assert torch.equal(q.view(torch.uint8), deepep.view(torch.uint8))
     peak = q.float().view(5, 3, FP8_BLOCK).abs().amax(2)
     assert torch.equal(peak[amax > 1e-4], torch.full_like(peak[amax > 1e-4], 448.0))
     err = (dequantize_fp8(q, s) - x.float()).abs()
@@ -35,6 +40,21 @@ def test_quantizer_matches_deepep_scaling(dtype: torch.dtype) -> None:
     assert bool((err <= bound).all()), float((err - bound).max())
     with pytest.raises(ValueError, match="multiple of 128"):
         quantize_fp8(torch.zeros(2, 100))
+
+
+def test_quantizer_inf_nan_policy() -> None:
+    """A block with an infinity: scale inf, the infinity NaN, the rest zeros of their sign; a block with a
+    NaN: NaN scale and bytes; NaN in one encoding each (0x7F, 0x7FC00000)."""
+    x = torch.ones(1, 3 * FP8_BLOCK)
+    x[0, 1], x[0, 2] = float("-inf"), -3.0
+    x[0, FP8_BLOCK + 4] = -float("nan")
+    q, s = quantize_fp8(x)
+    b = q.view(torch.uint8)[0]
+    assert s[0, 0] == float("inf")
+    assert (int(b[1]), int(b[2]), int(b[0])) == (0x7F, 0x80, 0x00)
+    assert bool((b[FP8_BLOCK : 2 * FP8_BLOCK] == 0x7F).all())
+    assert int(s.view(torch.int32)[0, 1]) == 0x7FC00000
+    assert bool((b[2 * FP8_BLOCK :] == 0x7E).all())  # (448: the block maximum)
 
 
 def _bytes(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

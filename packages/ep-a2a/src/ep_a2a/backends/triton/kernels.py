@@ -282,24 +282,116 @@ def _column(tile, kk, k: tl.constexpr):
 
 @triton.jit
 def _store_tile_by_slot(xt, tab_rows, tm, out_ptr, h0, hh, H: tl.constexpr, K: tl.constexpr,
-                        EVEN_H: tl.constexpr):  # fmt: skip
+                        EVEN_H: tl.constexpr, st, QH: tl.constexpr, HC: tl.constexpr):  # fmt: skip
     """Tile ``h0`` of each token row to its output row of every slot, the rows re-read from the slot
     table (``tab_rows [CH]``: pointers to each token's ``K`` entries; < 0: not here) rather than held.
     Streaming stores (``.cs``, evict-first): the rows of large layers outgrow L2, and keeping them out of
-    it leaves the token rows and received rows that are read twice or later in L2."""
+    it leaves the token rows and received rows that are read twice or later in L2. ``HC``: the columns
+    stored (``H``; for a tile of packed FP8 rows quantized from ``QH`` channels their ``QH / 2`` int16
+    pairs of FP8 bytes, then its scales ``st`` on their own: :func:`_quantize_pairs`)."""
     for k in tl.static_range(K):
         rk = tl.load(tab_rows + k, mask=tm, other=-1).to(tl.int64)
-        tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H),
+        tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, HC, EVEN_H),
                  cache_modifier=".cs")  # fmt: skip
+        if QH:
+            _store_scales(out_ptr, rk, rk >= 0, st, h0, H // 2, QH)
 
 
 @triton.jit
-def _store_by_slot(xt, rows, kk, out_ptr, hh, H: tl.constexpr, K: tl.constexpr, EVEN_H: tl.constexpr):
+def _store_by_slot(xt, rows, kk, out_ptr, hh, H: tl.constexpr, K: tl.constexpr, EVEN_H: tl.constexpr, st,
+                   QH: tl.constexpr, HC: tl.constexpr):  # fmt: skip
     """``out[rows[i, k]] = xt[i]`` for every slot ``k`` with ``rows[i, k] >= 0``: whole token rows
-    ``xt [CH, BH >= H]`` held in registers, written once per slot (no reload of rows or slot table)."""
+    ``xt [CH, BH >= H]`` held in registers, written once per slot (no reload of rows or slot table).
+    ``st``, ``QH``, ``HC``: as for :func:`_store_tile_by_slot`."""
     for k in tl.static_range(K):
         rk = _column(rows, kk, k)
-        tl.store(out_ptr + rk[:, None] * H + hh[None, :], xt, mask=_m(rk >= 0, 0, hh, H, EVEN_H))
+        tl.store(out_ptr + rk[:, None] * H + hh[None, :], xt, mask=_m(rk >= 0, 0, hh, HC, EVEN_H))
+        if QH:
+            _store_scales(out_ptr, rk.to(tl.int64), rk >= 0, st, 0, H // 2, QH)
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 quantization on send: bf16 / fp16 / fp32 token rows become packed FP8 rows (DeepEP's format: the
+# float8_e4m3fn bytes of the row, then one float32 scale per 128 channels) in the row kernel's registers
+# --------------------------------------------------------------------------------------------------
+FP8_MAX = tl.constexpr(448.0)
+#: float32(1 / 448): a scale is ``amax`` times it, as torch computes ``amax / 448`` on CUDA devices
+FP8_RECIP_MAX = tl.constexpr(0.0022321429569274187)
+FP8_AMAX_FLOOR = tl.constexpr(1e-4)
+FP8_NAN = tl.constexpr(0x7F)  # the one NaN byte written (float8_e4m3fn has two)
+F32_NAN = tl.constexpr(0x7FC00000)  # the one NaN scale written
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _load_pairs(x_ptr, toks, ld, h0, hh, QH: tl.constexpr, EVEN_H: tl.constexpr):
+    """Channels ``2 * (h0 + hh)`` and the next of rows ``toks`` of ``x [n, QH]`` (2- or 4-byte floats) as
+    one int32 / int64 per pair: 16-byte vector loads, split into the two channels by bit operations."""
+    if x_ptr.dtype.element_ty.primitive_bitwidth == 16:
+        xp = x_ptr.to(tl.pointer_type(tl.int32))
+    else:
+        xp = x_ptr.to(tl.pointer_type(tl.int64))
+    row = toks.to(tl.int64) * (QH // 2)
+    return tl.load(xp + row[:, None] + h0 + hh[None, :], mask=_m(ld, h0, hh, QH // 2, EVEN_H), other=0)
+
+
+@triton.jit
+def _to_e4m3(v):
+    """float32 -> float8_e4m3fn bits (int32 0..255), round to nearest even; NaN -> ``FP8_NAN``. Values
+    here are at most 448 in magnitude (or NaN). On the GPU the hardware conversion; in the interpreter
+    (whose own conversion does not round to nearest even) torch's rule in integer operations."""
+    if INTERPRETING:
+        bits = v.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        a = bits & 0x7FFFFFFF
+        odd = (a >> 20) & 1
+        normal = ((a + ((7 - 127) << 23) + 0x7FFFF + odd) >> 20) & 0xFF  # (rebias, round, take 7 bits)
+        # below 2^-6 (subnormal in e4m3): add 2^14, whose float32 ulp is e4m3's 2^-9, and take the bits
+        sub = ((tl.abs(v) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)) & 0xFF
+        res = tl.where(a >= (1087 << 20), FP8_NAN, tl.where(a < (121 << 23), sub, normal)) | sign
+    else:
+        res = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+    return tl.where(v != v, FP8_NAN, res)
+
+
+@triton.jit
+def _quantize_pairs(raw, src_ty: tl.constexpr, CH: tl.constexpr, BQ: tl.constexpr):
+    """A tile of ``2 * BQ`` channels (``raw``: :func:`_load_pairs`) as packed FP8: ``[CH, BQ]`` int16 (the
+    two FP8 bytes of a pair, little-endian) and ``[CH, BQ / 64]`` int32 scale bits, by DeepEP's rule as
+    torch runs it on CUDA: per 128 channels ``amax = max(|x|)`` (NaN if any is, at least 1e-4), bytes
+    ``e4m3(x * (reciprocal(amax) * 448))``, scale ``amax * float32(1 / 448)``; NaN bytes and scales in one
+    encoding each."""
+    if src_ty == tl.bfloat16:
+        lo = (raw << 16).to(tl.float32, bitcast=True)  # (bf16 is float32's upper half)
+        hi = (raw & -65536).to(tl.float32, bitcast=True)
+    elif src_ty == tl.float16:
+        lo = raw.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (raw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        lo = raw.to(tl.int32).to(tl.float32, bitcast=True)
+        hi = (raw >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    a = _max_nan(tl.abs(lo), tl.abs(hi))
+    amax = tl.reduce(tl.reshape(a, [CH, BQ // 64, 64]), 2, _max_nan)
+    amax = _max_nan(amax, FP8_AMAX_FLOOR)
+    inv = tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * FP8_MAX
+    inv = tl.reshape(tl.broadcast_to(inv[:, :, None], [CH, BQ // 64, 64]), [CH, BQ])
+    q = _to_e4m3(lo * inv) | (_to_e4m3(hi * inv) << 8)
+    s = amax * FP8_RECIP_MAX
+    return q.to(tl.int16), tl.where(s != s, F32_NAN, s.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _store_scales(rows_ptr, rows, rmask, st, h0, RW: tl.constexpr, QH: tl.constexpr):
+    """Scales ``st [CH, BQ / 64]`` of the tile at int16 pair ``h0`` into packed FP8 rows ``rows`` (int64
+    row indices, ``rmask``) of a buffer of rows of ``RW`` 4-byte words: after the row's ``QH`` FP8 bytes."""
+    nb: tl.constexpr = st.shape[1]
+    jj = h0 // 64 + tl.arange(0, nb)
+    ptr = rows_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * RW + QH // 4 + jj[None, :]
+    tl.store(ptr, st, mask=rmask[:, None] & (jj < QH // 128)[None, :])
 
 
 @triton.jit
@@ -669,6 +761,9 @@ def _dispatch_send_chunk(
     RECI: tl.constexpr,
     ROWB: tl.constexpr,
     WHOLE_ROW: tl.constexpr,
+    QH: tl.constexpr,
+    BQ: tl.constexpr,
+    EVEN_Q: tl.constexpr,
 ):
     """Chunk ``c`` of this rank's tokens: with ``PEERS`` each token row (and its slots' metadata) to
     every peer hosting one of its experts, then the chunk's ready flag; with ``LOCAL`` the slot table,
@@ -676,14 +771,23 @@ def _dispatch_send_chunk(
 
     A remote peer ``r`` (bit ``r`` of ``REMOTE``) gets no stores: the token's record (row, then token
     index, ids, positions, float32 weights) goes to this rank's staging ``srec[r, pk[r, t]]``, packed in
-    token order, and the host puts the first ``pinfo[r]`` records to ``r`` after the kernel."""
+    token order, and the host puts the first ``pinfo[r]`` records to ``r`` after the kernel.
+
+    ``QH > 0``: ``x`` holds rows of ``QH`` bf16 / fp16 / fp32 channels, quantized here into the packed FP8
+    rows (``H`` int16 wide) that are stored; each tile is ``BQ`` int16 pairs of FP8 bytes (``2 * BQ``
+    channels) and its scales (``EVEN_Q``: ``BQ`` divides ``QH / 2``)."""
     toks = c * CH + tl.arange(0, CH)
     tm = toks < n_tokens
     kk = tl.arange(0, KP)
     hh = tl.arange(0, BH)
     xrow = toks.to(tl.int64) * H
+    if QH:
+        hq = tl.arange(0, BQ)
     if WHOLE_ROW:  # the rows' load first: in flight while the slots' metadata is worked out
-        xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(tm, 0, hh, H, EVEN_H))
+        if QH:
+            raw = _load_pairs(x_ptr, toks, tm, 0, hq, QH, EVEN_Q)
+        else:
+            xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(tm, 0, hh, H, EVEN_H))
     m2 = tm[:, None] & (kk[None, :] < K)
     slot = toks[:, None].to(tl.int64) * K + kk[None, :]
     ids = _load_ids(ids_ptr, slot, m2, id64, L * W)
@@ -745,9 +849,28 @@ def _dispatch_send_chunk(
     if WHOLE_ROW:
         # decode-sized chunks (BH >= H): the whole rows (loaded above) to the peers and their flag
         # first, then this rank's own rows from registers
-        if PEERS:
+        if QH:
+            xt, st = _quantize_pairs(raw, x_ptr.dtype.element_ty, CH, BQ)
+            if PEERS:
+                _store_peers(xt, 0, hq, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
+                             off_srec, W, H, EVEN_Q, REMOTE, RECX, st, QH, QH // 2)  # fmt: skip
+        elif PEERS:
             _store_peers(xt, 0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
-                         off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
+                         off_srec, W, H, EVEN_H, REMOTE, RECX, xt, 0, H)  # fmt: skip
+    elif QH:
+        # packed FP8 rows made here: tiles of pairs of channels, quantized between their load and stores
+        tl.debug_barrier()  # (as below)
+        raw = _load_pairs(x_ptr, toks, ld, 0, hq, QH, EVEN_Q)
+        for h0 in range(0, QH // 2, BQ):
+            hn = h0 + BQ
+            nxt = _load_pairs(x_ptr, toks, _and(ld, hn < QH // 2), hn, hq, QH, EVEN_Q)
+            xt, st = _quantize_pairs(raw, x_ptr.dtype.element_ty, CH, BQ)
+            if PEERS:
+                _store_peers(xt, h0, hq, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
+                             off_srec, W, H, EVEN_Q, REMOTE, RECX, st, QH, QH // 2)  # fmt: skip
+            if LOCAL:
+                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hq, H, K, EVEN_Q, st, QH, QH // 2)
+            raw = nxt
     else:
         tl.debug_barrier()  # the tab rows written above are re-read per tile below (no per-tile reductions)
         # one tile ahead: the next tile's load is in flight while this one is stored
@@ -759,9 +882,9 @@ def _dispatch_send_chunk(
             )
             if PEERS:
                 _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
-                             off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
+                             off_srec, W, H, EVEN_H, REMOTE, RECX, xt, 0, H)  # fmt: skip
             if LOCAL:
-                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H)
+                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H, xt, 0, H)
             xt = nxt
     if PEERS:
         tl.debug_barrier()
@@ -771,25 +894,33 @@ def _dispatch_send_chunk(
                     f = _peer_ptr(table_ptr, r, off_flag, tl.int64) + rank * nchunks + c
                     tl.atomic_xchg(f, ep, sem="release", scope="sys")
     if WHOLE_ROW and LOCAL:
-        _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
+        if QH:
+            _store_by_slot(xt, row, kk, out_ptr, hq, H, K, EVEN_Q, st, QH, QH // 2)
+        else:
+            _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H, xt, 0, H)
 
 
 @triton.jit
 def _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x, off_srec,
                  W: tl.constexpr, H: tl.constexpr, EVEN_H: tl.constexpr, REMOTE: tl.constexpr,
-                 RECX: tl.constexpr):  # fmt: skip
+                 RECX: tl.constexpr, st, QH: tl.constexpr, HC: tl.constexpr):  # fmt: skip
     """Tile ``h0`` of the chunk's rows to every peer hosting one of their experts (``bits``): into its
-    heap, or for a remote peer into this rank's staging record of the token."""
+    heap, or for a remote peer into this rank's staging record of the token. ``st``, ``QH``, ``HC``: as
+    for :func:`_store_tile_by_slot`."""
     for r in tl.static_range(W):
         if (REMOTE >> r) & 1:
             j = tl.load(pk_ptr + r * max_tokens + toks, mask=tm, other=-1)
             prec = _peer_ptr(table_ptr, rank, off_srec, xt.dtype)
             prow = (r * max_tokens + j).to(tl.int64) * RECX
-            tl.store(prec + prow[:, None] + h0 + hh[None, :], xt, mask=_m(j >= 0, h0, hh, H, EVEN_H))
+            tl.store(prec + prow[:, None] + h0 + hh[None, :], xt, mask=_m(j >= 0, h0, hh, HC, EVEN_H))
+            if QH:
+                _store_scales(prec, (r * max_tokens + j).to(tl.int64), j >= 0, st, h0, RECX // 2, QH)
         elif r != rank:
             need = ((bits >> r) & 1) != 0
             px = _peer_ptr(table_ptr, r, off_x, xt.dtype)
-            tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H))
+            tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, HC, EVEN_H))
+            if QH:
+                _store_scales(px, (rank * max_tokens + toks).to(tl.int64), need, st, h0, H // 2, QH)
 
 
 @triton.jit
@@ -878,7 +1009,7 @@ def _dispatch_recv_chunk(
             )
             tl.store(out_w_ptr + row, w, mask=kept)
         if WHOLE_ROW:
-            _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
+            _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H, xt, 0, H)
         else:
             need = tl.sum(kept.to(tl.int32), axis=1) > 0
             xt = tl.load(
@@ -893,7 +1024,7 @@ def _dispatch_recv_chunk(
                     mask=_m(_and(need, hn < H), hn, hh, H, EVEN_H),
                     cache_modifier=".cg",
                 )
-                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H)
+                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H, xt, 0, H)
                 xt = nxt
 
 
@@ -986,6 +1117,10 @@ def _dispatch_kernel(
     INFO_P2: tl.constexpr = 1,  # MIRROR: the next power of 2
     mirror_addr=0,  # MIRROR: address of pinned host int64 [INFO_LEN + 1] (info, then the epoch)
     id64=0,  # 1: ids_ptr points at int64 ids (see _load_ids)
+    QH: tl.constexpr = 0,  # > 0: x holds rows of QH bf16 / fp16 / fp32 channels, quantized to the packed
+    # FP8 rows of out on send, in tiles of BQ pairs of channels (see _dispatch_send_chunk)
+    BQ: tl.constexpr = 1,
+    EVEN_Q: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -1134,7 +1269,7 @@ def _dispatch_kernel(
                                 tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
                                 cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
                                 EVEN_H, HAS_W, CALLER_SCATTER, True, False, pk_ptr, off_srec, REMOTE, RECX,
-                                RECI, ROWB, WHOLE_ROW,
+                                RECI, ROWB, WHOLE_ROW, QH, BQ, EVEN_Q,
                             )  # fmt: skip
                         n_src_all, n_chunks_recv, n_chunks = _await_receive_layout(
                             state_ptr, info_ptr, ss, rank, ep, timeout, n_chunks_send, W, CH, USE_TIMER
@@ -1147,7 +1282,7 @@ def _dispatch_kernel(
                                 tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
                                 cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
                                 EVEN_H, HAS_W, CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX,
-                                RECI, ROWB, WHOLE_ROW,
+                                RECI, ROWB, WHOLE_ROW, QH, BQ, EVEN_Q,
                             )  # fmt: skip
                         send_now = send_now & (cs < 0)  # (sent)
                 if send_now:
@@ -1195,6 +1330,9 @@ def _dispatch_kernel(
                         RECI,
                         ROWB,
                         WHOLE_ROW,
+                        QH,
+                        BQ,
+                        EVEN_Q,
                     )
             if RECV:
                 # this rank's own rows into its output (the senders only feed the peers, or nothing sends)
@@ -1244,6 +1382,9 @@ def _dispatch_kernel(
                             RECI,
                             ROWB,
                             WHOLE_ROW,
+                            QH,
+                            BQ,
+                            EVEN_Q,
                         )
                 c = cr
                 if (cw >= 0) & (c >= 0) & (c < n_chunks_recv):
