@@ -202,3 +202,51 @@ def test_packed_fp8_rows_round_trip_any_width() -> None:
         assert torch.equal(_bytes(q2, s2), _bytes(q, s))
 
     check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    ("tokens", "chunk", "merged", "send_ctas"),
+    [
+        pytest.param(256, 1, True, 0, id="T256-whole-rows-merged"),
+        pytest.param(256, 2, False, 0, id="T256-whole-rows-counts-launch"),
+        pytest.param(1024, 8, True, 0, id="T1024-tiles-merged"),
+        pytest.param(1024, 8, False, 4, id="T1024-tiles-counts-launch-split"),
+    ],
+)
+def test_quantize_on_send_compiled_one_gpu(tokens: int, chunk: int, merged: bool, send_ctas: int) -> None:
+    """The compiled row kernel quantizing bf16 rows on send, on one GPU: two simulated ranks whose heaps
+    are buffers of this GPU (each step's sending launches before its receiving ones), DeepSeek-V3 width;
+    received bytes and scales equal the reference quantizer's run on the GPU, bit for bit (zero, tiny,
+    infinite and NaN blocks included)."""
+    from ep_a2a.backends.triton.simulate import SimWorld
+    from ep_a2a.reference import dispatch_ref
+
+    world, hidden, topk, experts = 2, 7168, 8, 32
+    sim = SimWorld(
+        world_size=world, device="cuda", max_tokens=tokens, hidden=hidden, topk=topk, num_tot_experts=experts,
+        token_dtype=torch.float8_e4m3fn, num_sm=16, chunk=chunk, timeout_s=20.0,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(tokens + chunk)
+    ns = [tokens, tokens - 37]
+    xs = [(torch.randn(n, hidden, generator=gen) * torch.logspace(-3, 4, n)[:, None]) for n in ns]
+    for x in xs:
+        x[1, :FP8_BLOCK] = 0
+        x[2, -FP8_BLOCK:] *= 1e-35
+        x[3, 5], x[4, -7] = float("-inf"), float("nan")
+    xs = [x.to(torch.bfloat16).cuda() for x in xs]
+    ids = [torch.randint(-1, experts, (n, topk), generator=gen, dtype=torch.int32).cuda() for n in ns]
+    ws = [torch.rand(n, topk, generator=gen).cuda() for n in ns]
+    res = sim.dispatch(xs, ids, ws, quantize=True, merged=merged, send_ctas=send_ctas)
+    torch.cuda.synchronize()
+    sent = [_bytes(*quantize_fp8(x)).cpu() for x in xs]
+    ref, _ = dispatch_ref(sent, [i.cpu() for i in ids], [w.cpu() for w in ws], num_tot_experts=experts)
+    for r in range(world):
+        got = _bytes(*(t.contiguous() for t in res[r].output)).cpu()
+        assert got.shape == ref[r].output.shape
+        bad = (got != ref[r].output).any(1).nonzero().flatten()
+        assert bad.numel() == 0, (
+            f"rank {r}: {bad.numel()} rows differ from the reference quantizer's, first {bad[:4].tolist()}"
+        )
+        assert torch.equal(res[r].weights.cpu(), ref[r].weights)

@@ -225,7 +225,8 @@ class SimWorld:
             )
         caller = full_scatter_indices is not None
         ranks = [r for r in range(self.world_size) if r not in skip_ranks]
-        infos = {r: torch.full((self.engines[r].info_len,), -9, dtype=torch.int64) for r in ranks}
+        dev = self.heaps[0].device
+        infos = {r: torch.full((self.engines[r].info_len,), -9, dtype=torch.int64, device=dev) for r in ranks}
         rbufs = {r: self.engines[r].alloc_remote() for r in ranks}
         for rb in rbufs.values():  # poison: every entry read must have been written
             for t in (rb or {}).values():
