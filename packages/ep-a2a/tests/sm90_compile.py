@@ -239,8 +239,8 @@ def main() -> None:
         barriers = [n for _, _, n in loops]
         print(f"{name:8s} {spec.key[1:]!s:100s} shared={shared:6d} ptx_ins={n_ins:6d} body={h} "
               f"tile-loop-barriers={barriers}", flush=True)  # fmt: skip
-        # (rows quantized on send: the per-128-channel maximum's reduction exchanges values through
-        # shared memory once per tile; the check covers the rows moved as they are)
+        # (rows quantized on send store each tile's scales through one exchange in shared memory, a
+        # barrier pair per tile; the check covers the rows moved as they are)
         quantized = name == "dispatch" and spec.key[11][0] != spec.key[10]
         if (
             name in ("dispatch", "combine")

@@ -750,15 +750,15 @@ class TritonEPEngine:
 
     def _row_tile_kw(self, width: int, quantize_from: int) -> dict:
         """The row kernel's tile constexprs (:meth:`_tile_kw`, rows of ``width`` elements) plus those of
-        quantizing on send (``QH``: channels of the rows quantized, else 0): tiles of ``BQ`` int16 pairs of
-        FP8 bytes, half as many as the channels a tile of ``block_h`` holds (the same bytes loaded), at
+        quantizing on send (``QH``: channels of the rows quantized, else 0): tiles of ``BQ`` pairs of
+        channels, half as many as the channels a tile of ``block_h`` holds (the same bytes loaded), at
         least one 128-channel block; whole rows: every pair of the row."""
         tiles = self._tile_kw(width, self.whole_row)
         if not quantize_from:
-            return dict(**tiles, QH=0, BQ=tiles["BH"], EVEN_Q=tiles["EVEN_H"])
+            return dict(**tiles, QH=0, BQ=FP8_BLOCK // 2)
         pairs = quantize_from // 2
         bq = _next_pow2(pairs) if self.whole_row else max(self.block_h // 2, FP8_BLOCK // 2)
-        return dict(**tiles, QH=quantize_from, BQ=bq, EVEN_Q=pairs % bq == 0)
+        return dict(**tiles, QH=quantize_from, BQ=bq)
 
     def _rec_kw(self, row_dtype: torch.dtype) -> dict:
         """Strides of a packed token record: in row elements, in 4-byte words; bytes of its row part."""

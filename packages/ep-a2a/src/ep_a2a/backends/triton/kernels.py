@@ -282,37 +282,31 @@ def _column(tile, kk, k: tl.constexpr):
 
 @triton.jit
 def _store_tile_by_slot(xt, tab_rows, tm, out_ptr, h0, hh, H: tl.constexpr, K: tl.constexpr,
-                        EVEN_H: tl.constexpr, st, QH: tl.constexpr, HC: tl.constexpr):  # fmt: skip
+                        EVEN_H: tl.constexpr):  # fmt: skip
     """Tile ``h0`` of each token row to its output row of every slot, the rows re-read from the slot
     table (``tab_rows [CH]``: pointers to each token's ``K`` entries; < 0: not here) rather than held.
     Streaming stores (``.cs``, evict-first): the rows of large layers outgrow L2, and keeping them out of
-    it leaves the token rows and received rows that are read twice or later in L2. ``HC``: the columns
-    stored (``H``; for a tile of packed FP8 rows quantized from ``QH`` channels their ``QH / 2`` int16
-    pairs of FP8 bytes, then its scales ``st`` on their own: :func:`_quantize_pairs`)."""
+    it leaves the token rows and received rows that are read twice or later in L2."""
     for k in tl.static_range(K):
         rk = tl.load(tab_rows + k, mask=tm, other=-1).to(tl.int64)
-        tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, HC, EVEN_H),
+        tl.store(out_ptr + rk[:, None] * H + h0 + hh[None, :], xt, mask=_m((rk >= 0), h0, hh, H, EVEN_H),
                  cache_modifier=".cs")  # fmt: skip
-        if QH:
-            _store_scales(out_ptr, rk, rk >= 0, st, h0, H // 2, QH)
 
 
 @triton.jit
-def _store_by_slot(xt, rows, kk, out_ptr, hh, H: tl.constexpr, K: tl.constexpr, EVEN_H: tl.constexpr, st,
-                   QH: tl.constexpr, HC: tl.constexpr):  # fmt: skip
+def _store_by_slot(xt, rows, kk, out_ptr, hh, H: tl.constexpr, K: tl.constexpr, EVEN_H: tl.constexpr):
     """``out[rows[i, k]] = xt[i]`` for every slot ``k`` with ``rows[i, k] >= 0``: whole token rows
-    ``xt [CH, BH >= H]`` held in registers, written once per slot (no reload of rows or slot table).
-    ``st``, ``QH``, ``HC``: as for :func:`_store_tile_by_slot`."""
+    ``xt [CH, BH >= H]`` held in registers, written once per slot (no reload of rows or slot table)."""
     for k in tl.static_range(K):
         rk = _column(rows, kk, k)
-        tl.store(out_ptr + rk[:, None] * H + hh[None, :], xt, mask=_m(rk >= 0, 0, hh, HC, EVEN_H))
-        if QH:
-            _store_scales(out_ptr, rk.to(tl.int64), rk >= 0, st, 0, H // 2, QH)
+        tl.store(out_ptr + rk[:, None] * H + hh[None, :], xt, mask=_m(rk >= 0, 0, hh, H, EVEN_H))
 
 
 # --------------------------------------------------------------------------------------------------
 # FP8 quantization on send: bf16 / fp16 / fp32 token rows become packed FP8 rows (DeepEP's format: the
-# float8_e4m3fn bytes of the row, then one float32 scale per 128 channels) in the row kernel's registers
+# float8_e4m3fn bytes of the row, then one float32 scale per 128 channels) in the row kernel's registers.
+# A tile is [CH, BQ / 64, 64] pairs of channels: one 128-channel block per (token, block), so the block
+# maximum is a reduction inside a warp and its broadcast back needs no exchange between threads.
 # --------------------------------------------------------------------------------------------------
 FP8_MAX = tl.constexpr(448.0)
 #: float32(1 / 448): a scale is ``amax`` times it, as torch computes ``amax / 448`` on CUDA devices
@@ -328,15 +322,19 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _load_pairs(x_ptr, toks, ld, h0, hh, QH: tl.constexpr, EVEN_H: tl.constexpr):
-    """Channels ``2 * (h0 + hh)`` and the next of rows ``toks`` of ``x [n, QH]`` (2- or 4-byte floats) as
-    one int32 / int64 per pair: 16-byte vector loads, split into the two channels by bit operations."""
+def _load_pairs(x_ptr, toks, ld, h0, QH: tl.constexpr, BQ: tl.constexpr):
+    """Pairs of channels ``[h0, h0 + BQ)`` of rows ``toks`` (``ld``) of ``x [n, QH]`` (2- or 4-byte floats)
+    as ``[CH, BQ / 64, 64]`` int32 / int64 words, a pair each: 16-byte vector loads, split into the two
+    channels by bit operations; blocks past the row read as zeros."""
     if x_ptr.dtype.element_ty.primitive_bitwidth == 16:
         xp = x_ptr.to(tl.pointer_type(tl.int32))
     else:
         xp = x_ptr.to(tl.pointer_type(tl.int64))
+    off = h0 + tl.arange(0, BQ // 64) * 64
+    jj = tl.arange(0, 64)
     row = toks.to(tl.int64) * (QH // 2)
-    return tl.load(xp + row[:, None] + h0 + hh[None, :], mask=_m(ld, h0, hh, QH // 2, EVEN_H), other=0)
+    mask = ld[:, None, None] & (off < QH // 2)[None, :, None]
+    return tl.load(xp + row[:, None, None] + off[None, :, None] + jj[None, None, :], mask=mask, other=0)
 
 
 @triton.jit
@@ -359,12 +357,11 @@ def _to_e4m3(v):
 
 
 @triton.jit
-def _quantize_pairs(raw, src_ty: tl.constexpr, CH: tl.constexpr, BQ: tl.constexpr):
-    """A tile of ``2 * BQ`` channels (``raw``: :func:`_load_pairs`) as packed FP8: ``[CH, BQ]`` int16 (the
-    two FP8 bytes of a pair, little-endian) and ``[CH, BQ / 64]`` int32 scale bits, by DeepEP's rule as
-    torch runs it on CUDA: per 128 channels ``amax = max(|x|)`` (NaN if any is, at least 1e-4), bytes
-    ``e4m3(x * (reciprocal(amax) * 448))``, scale ``amax * float32(1 / 448)``; NaN bytes and scales in one
-    encoding each."""
+def _quantize_pairs(raw, src_ty: tl.constexpr):
+    """A tile of pairs of channels (:func:`_load_pairs`) as packed FP8: int16 pairs of FP8 bytes (little-
+    endian) of the same shape and ``[CH, BQ / 64]`` int32 scale bits, by DeepEP's rule as torch runs it
+    on CUDA: per 128 channels ``amax = max(|x|)`` (NaN if any is; at least 1e-4), bytes ``e4m3(x *
+    (reciprocal(amax) * 448))``, scale ``amax * float32(1 / 448)``; NaN in one encoding each."""
     if src_ty == tl.bfloat16:
         lo = (raw << 16).to(tl.float32, bitcast=True)  # (bf16 is float32's upper half)
         hi = (raw & -65536).to(tl.float32, bitcast=True)
@@ -374,24 +371,52 @@ def _quantize_pairs(raw, src_ty: tl.constexpr, CH: tl.constexpr, BQ: tl.constexp
     else:
         lo = raw.to(tl.int32).to(tl.float32, bitcast=True)
         hi = (raw >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    a = _max_nan(tl.abs(lo), tl.abs(hi))
-    amax = tl.reduce(tl.reshape(a, [CH, BQ // 64, 64]), 2, _max_nan)
+    amax = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 2, _max_nan)
     amax = _max_nan(amax, FP8_AMAX_FLOOR)
-    inv = tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * FP8_MAX
-    inv = tl.reshape(tl.broadcast_to(inv[:, :, None], [CH, BQ // 64, 64]), [CH, BQ])
+    inv = (tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * FP8_MAX)[:, :, None]
     q = _to_e4m3(lo * inv) | (_to_e4m3(hi * inv) << 8)
     s = amax * FP8_RECIP_MAX
     return q.to(tl.int16), tl.where(s != s, F32_NAN, s.to(tl.int32, bitcast=True))
 
 
 @triton.jit
-def _store_scales(rows_ptr, rows, rmask, st, h0, RW: tl.constexpr, QH: tl.constexpr):
-    """Scales ``st [CH, BQ / 64]`` of the tile at int16 pair ``h0`` into packed FP8 rows ``rows`` (int64
-    row indices, ``rmask``) of a buffer of rows of ``RW`` 4-byte words: after the row's ``QH`` FP8 bytes."""
-    nb: tl.constexpr = st.shape[1]
-    jj = h0 // 64 + tl.arange(0, nb)
-    ptr = rows_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * RW + QH // 4 + jj[None, :]
-    tl.store(ptr, st, mask=rmask[:, None] & (jj < QH // 128)[None, :])
+def _store_quantized(rows_ptr, rows, rmask, xq, st, h0, S: tl.constexpr, QH: tl.constexpr, BQ: tl.constexpr,
+                     STREAM: tl.constexpr):  # fmt: skip
+    """One tile of packed FP8 rows (:func:`_quantize_pairs`: pairs ``[h0, h0 + BQ)`` and their scales) into
+    rows ``rows`` (``[CH]`` int64, ``rmask``) of a buffer of int16 rows of ``S`` elements: the pairs at
+    ``h0``, the scales after the row's ``QH`` FP8 bytes. ``STREAM``: streaming stores (``.cs``)."""
+    blk = tl.arange(0, BQ // 64)
+    off = h0 + blk * 64
+    inside = off < QH // 2
+    ptr = rows_ptr + rows[:, None, None] * S + off[None, :, None] + tl.arange(0, 64)[None, None, :]
+    mask = rmask[:, None, None] & inside[None, :, None]
+    if STREAM:
+        tl.store(ptr, xq, mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(ptr, xq, mask=mask)
+    sp = (
+        rows_ptr.to(tl.pointer_type(tl.int32))
+        + rows[:, None] * (S // 2)
+        + (QH // 4 + h0 // 64)
+        + blk[None, :]
+    )
+    tl.store(sp, st, mask=rmask[:, None] & inside[None, :])
+
+
+@triton.jit
+def _store_peers_quantized(xq, st, h0, toks, tm, bits, pk_ptr, table_ptr, rank, max_tokens, off_x, off_srec,
+                           W: tl.constexpr, H: tl.constexpr, REMOTE: tl.constexpr, RECX: tl.constexpr,
+                           QH: tl.constexpr, BQ: tl.constexpr):  # fmt: skip
+    """:func:`_store_peers` for a tile of packed FP8 rows quantized on send."""
+    for r in tl.static_range(W):
+        if (REMOTE >> r) & 1:
+            j = tl.load(pk_ptr + r * max_tokens + toks, mask=tm, other=-1)
+            prec = _peer_ptr(table_ptr, rank, off_srec, tl.int16)
+            _store_quantized(prec, (r * max_tokens + j).to(tl.int64), j >= 0, xq, st, h0, RECX, QH, BQ, False)
+        elif r != rank:
+            need = ((bits >> r) & 1) != 0
+            px = _peer_ptr(table_ptr, r, off_x, tl.int16)
+            _store_quantized(px, (rank * max_tokens + toks).to(tl.int64), need, xq, st, h0, H, QH, BQ, False)
 
 
 @triton.jit
@@ -763,7 +788,6 @@ def _dispatch_send_chunk(
     WHOLE_ROW: tl.constexpr,
     QH: tl.constexpr,
     BQ: tl.constexpr,
-    EVEN_Q: tl.constexpr,
 ):
     """Chunk ``c`` of this rank's tokens: with ``PEERS`` each token row (and its slots' metadata) to
     every peer hosting one of its experts, then the chunk's ready flag; with ``LOCAL`` the slot table,
@@ -774,18 +798,16 @@ def _dispatch_send_chunk(
     token order, and the host puts the first ``pinfo[r]`` records to ``r`` after the kernel.
 
     ``QH > 0``: ``x`` holds rows of ``QH`` bf16 / fp16 / fp32 channels, quantized here into the packed FP8
-    rows (``H`` int16 wide) that are stored; each tile is ``BQ`` int16 pairs of FP8 bytes (``2 * BQ``
-    channels) and its scales (``EVEN_Q``: ``BQ`` divides ``QH / 2``)."""
+    rows (``H`` int16 wide) that are stored, in tiles of ``BQ`` pairs of channels (whole rows: every pair
+    of the row)."""
     toks = c * CH + tl.arange(0, CH)
     tm = toks < n_tokens
     kk = tl.arange(0, KP)
     hh = tl.arange(0, BH)
     xrow = toks.to(tl.int64) * H
-    if QH:
-        hq = tl.arange(0, BQ)
     if WHOLE_ROW:  # the rows' load first: in flight while the slots' metadata is worked out
         if QH:
-            raw = _load_pairs(x_ptr, toks, tm, 0, hq, QH, EVEN_Q)
+            raw = _load_pairs(x_ptr, toks, tm, 0, QH, BQ)
         else:
             xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(tm, 0, hh, H, EVEN_H))
     m2 = tm[:, None] & (kk[None, :] < K)
@@ -850,26 +872,28 @@ def _dispatch_send_chunk(
         # decode-sized chunks (BH >= H): the whole rows (loaded above) to the peers and their flag
         # first, then this rank's own rows from registers
         if QH:
-            xt, st = _quantize_pairs(raw, x_ptr.dtype.element_ty, CH, BQ)
+            xq, st = _quantize_pairs(raw, x_ptr.dtype.element_ty)
             if PEERS:
-                _store_peers(xt, 0, hq, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
-                             off_srec, W, H, EVEN_Q, REMOTE, RECX, st, QH, QH // 2)  # fmt: skip
+                _store_peers_quantized(xq, st, 0, toks, tm, bits, pk_ptr, table_ptr, rank, max_tokens, off_x,
+                                       off_srec, W, H, REMOTE, RECX, QH, BQ)  # fmt: skip
         elif PEERS:
             _store_peers(xt, 0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
-                         off_srec, W, H, EVEN_H, REMOTE, RECX, xt, 0, H)  # fmt: skip
+                         off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
     elif QH:
-        # packed FP8 rows made here: tiles of pairs of channels, quantized between their load and stores
+        # packed FP8 rows made here: each tile quantized between its load and its stores
         tl.debug_barrier()  # (as below)
-        raw = _load_pairs(x_ptr, toks, ld, 0, hq, QH, EVEN_Q)
+        raw = _load_pairs(x_ptr, toks, ld, 0, QH, BQ)
         for h0 in range(0, QH // 2, BQ):
             hn = h0 + BQ
-            nxt = _load_pairs(x_ptr, toks, _and(ld, hn < QH // 2), hn, hq, QH, EVEN_Q)
-            xt, st = _quantize_pairs(raw, x_ptr.dtype.element_ty, CH, BQ)
+            nxt = _load_pairs(x_ptr, toks, _and(ld, hn < QH // 2), hn, QH, BQ)
+            xq, st = _quantize_pairs(raw, x_ptr.dtype.element_ty)
             if PEERS:
-                _store_peers(xt, h0, hq, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
-                             off_srec, W, H, EVEN_Q, REMOTE, RECX, st, QH, QH // 2)  # fmt: skip
+                _store_peers_quantized(xq, st, h0, toks, tm, bits, pk_ptr, table_ptr, rank, max_tokens, off_x,
+                                       off_srec, W, H, REMOTE, RECX, QH, BQ)  # fmt: skip
             if LOCAL:
-                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hq, H, K, EVEN_Q, st, QH, QH // 2)
+                for k in tl.static_range(K):
+                    rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
+                    _store_quantized(out_ptr, rk, rk >= 0, xq, st, h0, H, QH, BQ, True)
             raw = nxt
     else:
         tl.debug_barrier()  # the tab rows written above are re-read per tile below (no per-tile reductions)
@@ -882,9 +906,9 @@ def _dispatch_send_chunk(
             )
             if PEERS:
                 _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
-                             off_srec, W, H, EVEN_H, REMOTE, RECX, xt, 0, H)  # fmt: skip
+                             off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
             if LOCAL:
-                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H, xt, 0, H)
+                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H)
             xt = nxt
     if PEERS:
         tl.debug_barrier()
@@ -895,32 +919,29 @@ def _dispatch_send_chunk(
                     tl.atomic_xchg(f, ep, sem="release", scope="sys")
     if WHOLE_ROW and LOCAL:
         if QH:
-            _store_by_slot(xt, row, kk, out_ptr, hq, H, K, EVEN_Q, st, QH, QH // 2)
+            for k in tl.static_range(K):
+                rk = _column(row, kk, k)
+                _store_quantized(out_ptr, rk.to(tl.int64), rk >= 0, xq, st, 0, H, QH, BQ, False)
         else:
-            _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H, xt, 0, H)
+            _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
 
 
 @triton.jit
 def _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x, off_srec,
                  W: tl.constexpr, H: tl.constexpr, EVEN_H: tl.constexpr, REMOTE: tl.constexpr,
-                 RECX: tl.constexpr, st, QH: tl.constexpr, HC: tl.constexpr):  # fmt: skip
+                 RECX: tl.constexpr):  # fmt: skip
     """Tile ``h0`` of the chunk's rows to every peer hosting one of their experts (``bits``): into its
-    heap, or for a remote peer into this rank's staging record of the token. ``st``, ``QH``, ``HC``: as
-    for :func:`_store_tile_by_slot`."""
+    heap, or for a remote peer into this rank's staging record of the token."""
     for r in tl.static_range(W):
         if (REMOTE >> r) & 1:
             j = tl.load(pk_ptr + r * max_tokens + toks, mask=tm, other=-1)
             prec = _peer_ptr(table_ptr, rank, off_srec, xt.dtype)
             prow = (r * max_tokens + j).to(tl.int64) * RECX
-            tl.store(prec + prow[:, None] + h0 + hh[None, :], xt, mask=_m(j >= 0, h0, hh, HC, EVEN_H))
-            if QH:
-                _store_scales(prec, (r * max_tokens + j).to(tl.int64), j >= 0, st, h0, RECX // 2, QH)
+            tl.store(prec + prow[:, None] + h0 + hh[None, :], xt, mask=_m(j >= 0, h0, hh, H, EVEN_H))
         elif r != rank:
             need = ((bits >> r) & 1) != 0
             px = _peer_ptr(table_ptr, r, off_x, xt.dtype)
-            tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, HC, EVEN_H))
-            if QH:
-                _store_scales(px, (rank * max_tokens + toks).to(tl.int64), need, st, h0, H // 2, QH)
+            tl.store(px + peer_row[:, None] + h0 + hh[None, :], xt, mask=_m(need, h0, hh, H, EVEN_H))
 
 
 @triton.jit
@@ -1009,7 +1030,7 @@ def _dispatch_recv_chunk(
             )
             tl.store(out_w_ptr + row, w, mask=kept)
         if WHOLE_ROW:
-            _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H, xt, 0, H)
+            _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
         else:
             need = tl.sum(kept.to(tl.int32), axis=1) > 0
             xt = tl.load(
@@ -1024,7 +1045,7 @@ def _dispatch_recv_chunk(
                     mask=_m(_and(need, hn < H), hn, hh, H, EVEN_H),
                     cache_modifier=".cg",
                 )
-                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H, xt, 0, H)
+                _store_tile_by_slot(xt, tab_ptr + tab_row, tm, out_ptr, h0, hh, H, K, EVEN_H)
                 xt = nxt
 
 
@@ -1119,8 +1140,7 @@ def _dispatch_kernel(
     id64=0,  # 1: ids_ptr points at int64 ids (see _load_ids)
     QH: tl.constexpr = 0,  # > 0: x holds rows of QH bf16 / fp16 / fp32 channels, quantized to the packed
     # FP8 rows of out on send, in tiles of BQ pairs of channels (see _dispatch_send_chunk)
-    BQ: tl.constexpr = 1,
-    EVEN_Q: tl.constexpr = True,
+    BQ: tl.constexpr = 64,
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -1269,7 +1289,7 @@ def _dispatch_kernel(
                                 tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
                                 cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
                                 EVEN_H, HAS_W, CALLER_SCATTER, True, False, pk_ptr, off_srec, REMOTE, RECX,
-                                RECI, ROWB, WHOLE_ROW, QH, BQ, EVEN_Q,
+                                RECI, ROWB, WHOLE_ROW, QH, BQ,
                             )  # fmt: skip
                         n_src_all, n_chunks_recv, n_chunks = _await_receive_layout(
                             state_ptr, info_ptr, ss, rank, ep, timeout, n_chunks_send, W, CH, USE_TIMER
@@ -1282,7 +1302,7 @@ def _dispatch_kernel(
                                 tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
                                 cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
                                 EVEN_H, HAS_W, CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX,
-                                RECI, ROWB, WHOLE_ROW, QH, BQ, EVEN_Q,
+                                RECI, ROWB, WHOLE_ROW, QH, BQ,
                             )  # fmt: skip
                         send_now = send_now & (cs < 0)  # (sent)
                 if send_now:
@@ -1332,7 +1352,6 @@ def _dispatch_kernel(
                         WHOLE_ROW,
                         QH,
                         BQ,
-                        EVEN_Q,
                     )
             if RECV:
                 # this rank's own rows into its output (the senders only feed the peers, or nothing sends)
@@ -1384,7 +1403,6 @@ def _dispatch_kernel(
                             WHOLE_ROW,
                             QH,
                             BQ,
-                            EVEN_Q,
                         )
                 c = cr
                 if (cw >= 0) & (c >= 0) & (c < n_chunks_recv):
