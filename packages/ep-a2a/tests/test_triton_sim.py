@@ -989,24 +989,29 @@ def _quantized_round_trips(sim, ns, flows, gen, dtype, *, with_w=True, **dispatc
 
 
 @pytest.mark.parametrize(
-    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
-)
-@pytest.mark.parametrize(
-    ("world", "ns", "hidden", "chunk", "block_h", "layer_dtype"),
+    ("world", "ns", "hidden", "chunk", "block_h", "layer_dtype", "dtype"),
     [
         # tiles of 128 pairs (256 channels) over 192 pairs: the last tile half masked
-        pytest.param(2, [6, 5], 384, 4, 256, torch.float8_e4m3fn, id="W2-H384-tiles-uneven"),
-        pytest.param(2, [5, 3], 256, 4, None, torch.bfloat16, id="W2-H256-tiles-bf16-layer"),
-        pytest.param(3, [4, 6, 1], 384, 1, None, torch.float8_e4m3fn, id="W3-H384-whole-row"),
-        pytest.param(2, [3, 5], 512, 2, None, torch.float8_e4m3fn, id="W2-H512-whole-row"),
+        pytest.param(
+            2, [6, 5], 384, 4, 256, torch.float8_e4m3fn, torch.bfloat16, id="W2-H384-tiles-uneven-bf16"
+        ),
+        pytest.param(
+            2, [6, 5], 384, 4, 256, torch.float8_e4m3fn, torch.float16, id="W2-H384-tiles-uneven-fp16"
+        ),
+        pytest.param(
+            2, [6, 5], 384, 4, 256, torch.float8_e4m3fn, torch.float32, id="W2-H384-tiles-uneven-fp32"
+        ),
+        pytest.param(2, [5, 3], 256, 4, None, torch.bfloat16, torch.bfloat16, id="W2-H256-tiles-bf16-layer"),
+        pytest.param(3, [4, 6, 1], 384, 1, None, torch.float8_e4m3fn, torch.bfloat16, id="W3-H384-whole-row"),
+        pytest.param(
+            2, [3, 5], 512, 2, None, torch.float8_e4m3fn, torch.float32, id="W2-H512-whole-row-fp32"
+        ),
     ],
 )
 def test_quantize_on_send_bit_for_bit(world, ns, hidden, chunk, block_h, layer_dtype, dtype):
     """Counts-launch, merged and CTA-split flows quantizing bf16 / fp16 / fp32 rows in the row kernel:
     tiled rows (a tile's pairs of channels, its scales after the row's FP8 bytes) and whole rows, every
     store path (peers, this rank's own rows); zero, tiny, infinite and NaN blocks."""
-    if dtype == torch.float32 and layer_dtype != torch.float8_e4m3fn:
-        pytest.skip("float32 rows are quantized on layers of FP8 rows")
     gen = torch.Generator().manual_seed(hidden + world + chunk)
     sim = SimWorld(
         world_size=world, max_tokens=max(ns), hidden=hidden, topk=3, num_tot_experts=2 * world,
