@@ -16,7 +16,7 @@ each as one call captured in a CUDA graph and replayed, and compares the FP8 out
 forced at batch 1 and 8) and every public op's host cost per call, in about a minute.
 ``python bench_decode.py --sweep [--flashmla PATH]`` prints, at batch 64 / 128, s_q 1 / 2, h_q 64 / 128
 (topk 2048, 32K-token caches), the replay time of every candidate split-K factor of the bf16 and FP8
-decode (the Gluon kernel unsplit, the Triton kernel split 1-4 ways) and of FlashMLA's FP8 decode, and the
+decode (the Gluon kernel unsplit and split 2-4 ways, the Triton kernel split 1-4 ways) and of FlashMLA's FP8 decode, and the
 factor the default rule (``Config.split_fill``) picks.
 """
 
@@ -150,6 +150,7 @@ def sweep_splits(flashmla: Any = None, *, seqlen: int = 32768, topk: int = 2048)
     candidates = [("gluon/auto s1", Config(num_splits=1))] + [
         (f"triton s{s}", Config(backend="triton", num_splits=s)) for s in (1, 2, 3, 4)
     ]
+    gluon_splits = [(f"gluon s{s}", Config(backend="gluon", num_splits=s)) for s in (2, 3, 4)]
     for b, s_q, h_q in FP8_SHAPES:
         q, cache, table, seqlens, idx = make_decode_inputs(b, h_q, seqlen, topk, 64, s_q)
         fp8 = quantize_fp8_kv_cache(cache)
@@ -159,7 +160,7 @@ def sweep_splits(flashmla: Any = None, *, seqlen: int = 32768, topk: int = 2048)
         picks = {f: Config(split_fill=f).splits_for(n_programs, topk, n_sm) for f in (0.5, 1.0, 2.0, 4.0)}
         head = f"b{b} s_q{s_q} h_q{h_q} ({n_programs} programs; split_fill 0.5/1/2/4 -> splits {list(picks.values())})"
         times = []
-        for name, cfg in candidates:
+        for name, cfg in candidates + gluon_splits:
             call = functools.partial(sparse_mla_decode, q, cache, table, seqlens, idx, scale, config=cfg)
             times.append(f"bf16 {name} {graph_ms(call) * 1e3:.1f}")
         for name, cfg in candidates[1:]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparse_mla_attn import Config, quantize_fp8_kv_cache, sparse_mla_decode, sparse_mla_decode_ref
-from sparse_mla_attn._inputs import kernel_test_device
+from sparse_mla_attn._inputs import gluon_skip_reason, kernel_test_device
 from sparse_mla_attn._runtime import last_launch
 from sparse_mla_attn.reference import paged_rows
 
@@ -446,3 +446,42 @@ def test_split_rule_bounds_and_config_checks():
     for bad in (0, -1.0, 65, "2", True, float("nan")):
         with pytest.raises(ValueError, match="split_fill"):
             Config(split_fill=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("b", "s_q", "h_q", "n_splits"),
+    [
+        pytest.param(64, 1, 64, 2, id="B64-S1-H64-splits2"),
+        pytest.param(8, 1, 128, 8, id="B8-S1-H128-splits8"),
+        pytest.param(16, 2, 128, 3, id="B16-S2-H128-splits3"),
+    ],
+)
+def test_decode_gluon_split_k_gpu(b, s_q, h_q, n_splits):
+    """The Gluon decode split over the top-k list (``Config(backend="gluon", num_splits=n)``), eager,
+    replayed and captured in a CUDA graph (bit-equal), against the float32 reference."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    g = torch.Generator(device="cuda").manual_seed(b)
+    seqlens = torch.randint(16384, 32769, (b,), generator=g, device="cuda").tolist()
+    args = paged_problem(b, s_q, h_q, 576, 64, seqlens, 2048, "cuda", seed=b + h_q)
+    scale = 1 / math.sqrt(576)
+    cfg = Config(backend="gluon", num_splits=n_splits)
+    first = sparse_mla_decode(*args, scale, config=cfg)
+    launch = last_launch("fwd")
+    assert (launch.backend, launch.splits, launch.merge) == ("gluon", n_splits, "kernel")
+    check(first, args, scale, 8e-4, 2e-2)
+    for _ in range(2):  # the last call replays the launches the second one recorded, on fresh copies
+        again = sparse_mla_decode(*[t.clone() for t in args], scale, config=cfg)
+        for a, e in zip(again, first, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replay = sparse_mla_decode(*args, scale, config=cfg)
+    for t in replay:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, e in zip(replay, first, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)

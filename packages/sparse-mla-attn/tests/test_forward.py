@@ -313,3 +313,41 @@ def test_fwd_gpu_gluon_edge_cases(h_q, d_qk, topk, s_q):
     check_fwd(got, q, kv, idx, scale, "gpu_few", **kw)
     assert torch.all(got[0][1] == 0)
     assert torch.all(got[2][1] == float("-inf"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("h_q", "topk", "n_splits"),
+    [
+        pytest.param(128, 1000, 3, id="H128-T1000-splits3"),
+        pytest.param(64, 2048, 2, id="H64-T2048-splits2"),
+        pytest.param(96, 300, 4, id="H96-T300-splits4-as-3"),
+    ],
+)
+def test_fwd_gpu_gluon_split_k(h_q, topk, n_splits):
+    """The Gluon forward split over the top-k list (``Config(backend="gluon", num_splits=n)``), merged by
+    the merge kernel, against the reference: sink, topk_length (0 included), causal limit, invalid
+    indices, an all-invalid row, NaN in the rows no valid index selects."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    cfg = Config(backend="gluon", num_splits=n_splits)
+    q, kv, idx = make_problem(6, h_q, 576, 8192, topk, "cuda", seed=h_q + topk, invalid_frac=0.05)
+    idx[0, 0, :] = -1
+    kv = poison_unselected(kv, idx)
+    scale = 1 / math.sqrt(576)
+    for _ in range(2):
+        plain = sparse_mla_fwd(q, kv, idx, scale, config=cfg)
+        launch = last_launch("fwd")
+        assert (launch.backend, launch.merge) == ("gluon", "kernel")
+        assert launch.splits > 1
+        check_fwd(plain, q, kv, idx, scale, "gpu")
+        assert torch.all(plain[0][0] == 0)
+        assert torch.all(plain[2][0] == float("-inf"))
+    sink = torch.randn(h_q, device="cuda")
+    topk_length = torch.randint(0, topk + 1, (6,), dtype=torch.int32, device="cuda")
+    topk_length[1] = 0
+    kw = {"attn_sink": sink, "topk_length": topk_length, "causal": True, "q_start_index": 8000, "k_stride": 1}
+    got = sparse_mla_fwd(q, kv, idx, scale, config=cfg, **kw)
+    check_fwd(got, q, kv, idx, scale, "gpu_few", **kw)
+    assert torch.all(got[0][1] == 0)
+    assert torch.all(got[2][1] == float("-inf"))

@@ -21,15 +21,17 @@ class Config:
             warp-specialised Gluon kernels on an sm_90 GPU (H100, H200) where :func:`gluon_supported`
             holds, the forward only for ``h_q > 32`` and without split-K, and the Triton kernels
             everywhere else. ``"triton"`` always runs the Triton kernels. ``"gluon"`` is ``"auto"`` that
-            raises :class:`ValueError` where the Gluon kernels cannot run (for tests and benchmarks).
+            also runs split-K grids on the Gluon kernel (merged by the merge kernel) and raises
+            :class:`ValueError` where the Gluon kernels cannot run (for tests and benchmarks).
         num_splits: split-K factor of the forward and decode: each query's top-k list is split over this
             many programs whose partial results are merged (an lse-weighted sum). ``0`` (default): the
             rule of :meth:`splits_for`, from the device's multiprocessor count and the shape.
         split_fill: the target of :func:`~sparse_mla_attn.sparse_mla_decode`'s automatic split-K factor,
-            in programs per multiprocessor (:meth:`splits_for`; the forward uses 1.0); default 1.0: split only when one program per (token, head tile) leaves
-            at least half of the multiprocessors idle. A split-K grid runs the Triton kernel (the Gluon
-            kernels do not split), so on sm_90 a larger ``split_fill`` trades the Gluon kernel for more
-            programs.
+            in programs per multiprocessor (:meth:`splits_for`; the forward uses 1.0). Default 1.0: split
+            only when one program per (token, head tile) leaves at least half of the multiprocessors
+            idle. With ``backend="auto"`` a split-K grid runs the Triton kernel (the Gluon kernels run
+            unsplit grids), so on sm_90 a larger ``split_fill`` trades the Gluon kernel for more programs;
+            ``backend="gluon"`` splits on the Gluon kernel.
         split_merge: who merges the split-K partials of :func:`~sparse_mla_attn.sparse_mla_decode`.
             ``"last_program"``: the last split program of each (token, head tile) to finish, in the same
             launch (a per-stream cached counter workspace decides which; no second launch).

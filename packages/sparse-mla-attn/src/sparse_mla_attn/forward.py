@@ -524,7 +524,9 @@ def plan_fwd(
     )
     split_len = cdiv(cdiv(dims.topk, n_splits), block_t) * block_t
     n_splits = cdiv(dims.topk, split_len)  # no empty split
-    eligible = n_splits == 1 and h_q > 32 and fp8_paging is None
+    # The Gluon kernel splits too, but only when asked for (Config(backend="gluon")): "auto" keeps it to
+    # unsplit grids.
+    eligible = h_q > 32 and fp8_paging is None and (n_splits == 1 or config.backend == "gluon")
     gluon = use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows)
     # out [n_tok, h_q, d_v] is allocated contiguous: strides h_q * d_v and d_v.
     ints = (q.stride(0), q.stride(1), kv_rows.stride(0), idx_stride, h_q * dims.d_v, dims.d_v, n_tok, h_q,
@@ -588,17 +590,21 @@ def run_fwd(
         return out, max_logits, lse
     slots = plan.slots if cache_slots else None
     sink = attn_sink if attn_sink is not None else lse
-    if plan.gluon:
-        # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
-        kernel = launch_fwd_gluon(
-            q, kv_rows, idx, out, max_logits, lse, sink, topk_length, dims, sm_scale * LOG2E,
-            has_sink=plan.consts["HAS_SINK"], q_start_index=plan.ints[-2], k_stride=plan.ints[-1],
-            causal=plan.consts["CAUSAL"], slots=slots, strides=plan.ints[:6], ctx=ctx,
-        )  # fmt: skip
-        record_launch("fwd", kernel, backend="gluon")
-        return out, max_logits, lse
     split = plan.n_splits > 1
     dst = scratch[1:] if split else (out, max_logits, lse)  # partial out, max, lse of each split
+    if plan.gluon:
+        # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
+        d_out, d_max, d_lse = dst
+        kernel = launch_fwd_gluon(
+            q, kv_rows, idx, d_out, d_max, d_lse, sink, topk_length, dims, sm_scale * LOG2E,
+            has_sink=plan.consts["HAS_SINK"], q_start_index=plan.ints[-2], k_stride=plan.ints[-1],
+            causal=plan.consts["CAUSAL"], slots=slots, strides=plan.ints[:6], ctx=ctx,
+            splits=(plan.n_splits, plan.ints[10]),
+        )  # fmt: skip
+        record_launch("fwd", kernel, backend="gluon", splits=plan.n_splits, merge="kernel" if split else None)
+        if split:
+            _launch_combine(plan, dst, sink, out, max_logits, lse, slots, ctx)
+        return out, max_logits, lse
     merge_last = split and counters is not None
     kernel = launch(
         _sparse_mla_fwd_kernel, plan.grid, slots, "fwd_merge_last" if merge_last else "fwd",
@@ -609,13 +615,23 @@ def run_fwd(
     record_launch("fwd", kernel, splits=plan.n_splits,
                   merge=None if not split else "last_program" if merge_last else "kernel")  # fmt: skip
     if split and not merge_last:
-        part_o, part_max, part_lse = dst
-        launch(
-            _split_combine_kernel, plan.combine_grid, slots, "combine",
-            (part_o, part_lse, part_max, sink, out, max_logits, lse, h_q * dims.d_v, dims.d_v, n_tok, h_q),
-            plan.combine_consts, ctx,
-        )  # fmt: skip
+        _launch_combine(plan, dst, sink, out, max_logits, lse, slots, ctx)
     return out, max_logits, lse
+
+
+def _launch_combine(
+    plan: FwdPlan, partials: Sequence[torch.Tensor], sink: torch.Tensor, out: torch.Tensor,
+    max_logits: torch.Tensor, lse: torch.Tensor, slots: dict[Any, Any] | None, ctx: LaunchContext | None,
+) -> None:  # fmt: skip
+    """The merge kernel of split-K ``partials`` (out, max, lse of each split) into the final outputs."""
+    part_o, part_max, part_lse = partials
+    dims = plan.dims
+    launch(
+        _split_combine_kernel, plan.combine_grid, slots, "combine",
+        (part_o, part_lse, part_max, sink, out, max_logits, lse, dims.h_q * dims.d_v, dims.d_v, dims.s_q,
+         dims.h_q),
+        plan.combine_consts, ctx,
+    )  # fmt: skip
 
 
 def fwd_scratch(plan: FwdPlan, device: torch.device) -> tuple[torch.Tensor, ...]:
