@@ -612,11 +612,17 @@ class _DirectKernel:
 
 
 @pytest.mark.parametrize(
-    ("with_w", "counts", "remote"),
-    [(True, False, False), (False, True, False), (True, True, False), (True, False, True)],
-    ids=["w-counts", "noW-merged", "w-merged", "remote-peer"],
+    ("with_w", "counts", "remote", "quantize"),
+    [
+        (True, False, False, False),
+        (False, True, False, False),
+        (True, True, False, False),
+        (True, False, True, False),
+        (True, True, False, True),
+    ],
+    ids=["w-counts", "noW-merged", "w-merged", "remote-peer", "quantize-on-send"],
 )
-def test_bound_launches_pass_what_the_specifications_pass(monkeypatch, with_w, counts, remote):
+def test_bound_launches_pass_what_the_specifications_pass(monkeypatch, with_w, counts, remote, quantize):
     """After a variant's first launch, the launch methods reach its plan by key without building the
     specification (``_launch_bound``): every launch of a call (layout, counts, row kernel, combine,
     barrier) then hands Triton's C launcher exactly what the specification's launch through the same
@@ -626,13 +632,16 @@ def test_bound_launches_pass_what_the_specifications_pass(monkeypatch, with_w, c
     monkeypatch.setattr(engine_mod, "_raw_stream", lambda index: 3)
     for name in KERNELS:
         monkeypatch.setattr(K, name, _DirectKernel(getattr(K, name), log))
-    eng = _engine(remote=remote)
+    eng = _engine(remote=remote, hidden=128)
     gen = torch.Generator().manual_seed(3)
     n, rows = 6, 20
     x = torch.randn(n, eng.hidden, generator=gen).to(torch.bfloat16)
     ids = torch.randint(-1, eng.num_tot_experts, (n, eng.topk), generator=gen)  # int64, as topk gives them
     w = torch.rand(n, eng.topk, generator=gen) if with_w else None
-    b = eng.alloc_dispatch_outputs(n, rows, with_weights=with_w)
+    rows_dtype = engine_mod.FP8_ROW_DTYPE if quantize else x.dtype
+    b = eng.alloc_dispatch_outputs(n, rows, with_weights=with_w, dtype=rows_dtype)
+    if quantize:  # (rows quantized to packed FP8 rows by the row kernel)
+        x = engine_mod.QuantizeOnSend(x)
     info = torch.zeros(eng.info_len, dtype=torch.int64)
     mirror = torch.zeros(eng.info_len + 1, dtype=torch.int64) if counts else None
     rb = eng.alloc_remote()
