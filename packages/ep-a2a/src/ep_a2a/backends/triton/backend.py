@@ -17,6 +17,10 @@ A dispatch runs one of three flows:
   case fits in ``TritonTuning.overlap_bytes``, else sized from the last calls' counts (a call that
   receives more gets exact outputs and a second writing pass).
 * static (:meth:`TritonBackend.dispatch_static`): CUDA-graph mode, worst-case outputs, no host wait.
+
+The exact-shape flows take their outputs but the rows from the current stream's ring of workspaces
+(:mod:`.workspace`: reused once nothing refers to them) and allocate the rows per call; after a kernel
+variant's first launch its launches skip Triton's argument binding (:meth:`.engine.TritonEPEngine._launch`).
 """
 
 from __future__ import annotations
