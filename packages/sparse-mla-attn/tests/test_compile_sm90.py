@@ -79,7 +79,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
 
     def decode(
         b: int, h_q: int, topk: int, backend: str, split_merge: str = "auto", *, fp8: bool = False,
-        rows: bool = False, s_q: int = 1, split_fill: float = 1.0, num_splits: int = 0,
+        rows: bool = False, s_q: int = 1, num_splits: int = 0,
     ) -> None:  # fmt: skip
         q = torch.randn(b, s_q, h_q, 576).bfloat16()
         cache = torch.randn(8, 64, 1, 576).bfloat16()
@@ -88,9 +88,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         table = torch.zeros(b, 4, dtype=torch.int32)
         seqlens = torch.full((b,), 200, dtype=torch.int32)
         idx = torch.randint(0, 200, (b, s_q, topk), dtype=torch.int32)
-        cfg = sm.Config(
-            backend=backend, split_merge=split_merge, split_fill=split_fill, num_splits=num_splits
-        )
+        cfg = sm.Config(backend=backend, split_merge=split_merge, num_splits=num_splits)
         kw: dict[str, Any] = {"index_kind": "cache_rows"} if rows else {}
         sm.sparse_mla_decode(q, cache, table, seqlens, idx, 0.1, config=cfg, **kw)
 
@@ -129,13 +127,11 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "dec_b1_h16_splitk_merge_kernel": lambda: decode(1, 16, 2048, "auto", "kernel"),
         "dec_b64_gluon": lambda: decode(64, 128, 2048, "auto"),
         "dec_b64_h64_triton": lambda: decode(64, 64, 2048, "triton"),
-        "dec_b64_h64_rows_fill2": lambda: decode(64, 64, 2048, "auto", rows=True, split_fill=2.0),
         # The Gluon decode / forward split-K (Config(backend="gluon") with a split grid).
         "dec_b64_h64_gluon_split2": lambda: decode(64, 64, 2048, "gluon", num_splits=2),
         "fwd_h128_extras_gluon_split3": lambda: fwd(128, 576, "gluon", True, num_splits=3),
         # FP8 cache (always the Triton kernel): unsplit at h_q 128 / 64, split-K with both merges, h_q 16.
-        "dec_fp8_b64_h128": lambda: decode(64, 128, 2048, "auto", fp8=True),
-        "dec_fp8_b128_s2_h64_rows": lambda: decode(128, 64, 2048, "auto", fp8=True, rows=True, s_q=2),
+        "dec_fp8_b64_s2_h128_rows": lambda: decode(64, 128, 2048, "auto", fp8=True, rows=True, s_q=2),
         "dec_fp8_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program", fp8=True),
         "dec_fp8_b2_splitk_merge_kernel": lambda: decode(2, 128, 2048, "auto", "kernel", fp8=True),
         "dec_fp8_b1_h16_splitk": lambda: decode(1, 16, 2048, "auto", "last_program", fp8=True),
