@@ -115,7 +115,7 @@ def bench_decode_fp8(
     row["tflops_bf16"], row["tflops_fp8"] = flops / row["ms_bf16"] / 1e9, flops / row["ms_fp8"] / 1e9
     out, lse = fp8_call()
     # The reference on the first 4 sequences, their blocks gathered into a small cache.
-    sub = fp8[table[:4].flatten().long()]
+    sub = fp8.view(torch.uint8)[table[:4].flatten().long()].view(torch.float8_e4m3fn)
     sub_table = torch.arange(sub.shape[0], device="cuda", dtype=torch.int32).view(4, -1)
     r_out, r_lse = sparse_mla_decode_ref(q[:4], sub, sub_table, seqlens[:4], idx[:4], sm_scale)
     row["fp8_out_max_abs_err"] = float((out[:4].float() - r_out.float()).abs().max())
