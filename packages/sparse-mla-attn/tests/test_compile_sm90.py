@@ -67,13 +67,13 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         kv = torch.randn(s_kv, 1, d_qk).bfloat16()
         return q, kv, torch.randint(0, s_kv, (s_q, 1, topk), dtype=torch.int32)
 
-    def fwd(h_q: int, d_qk: int, backend: str, extras: bool = False) -> None:
+    def fwd(h_q: int, d_qk: int, backend: str, extras: bool = False, **options: Any) -> None:
         q, kv, idx = problem(2, h_q, d_qk, 256, 128)
         kw: dict[str, Any] = {}
         if extras:
             kw = dict(causal=True, q_start_index=3, k_stride=2, attn_sink=torch.randn(h_q),
                       topk_length=torch.full((2,), 5, dtype=torch.int32))  # fmt: skip
-        sm.sparse_mla_fwd(q, kv, idx, 0.1, 512, config=sm.Config(backend=backend), **kw)
+        sm.sparse_mla_fwd(q, kv, idx, 0.1, 512, config=sm.Config(backend=backend, **options), **kw)
 
     def decode(b: int, h_q: int, topk: int, backend: str, split_merge: str = "auto") -> None:
         q = torch.randn(b, 1, h_q, 576).bfloat16()
@@ -84,9 +84,10 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         cfg = sm.Config(backend=backend, split_merge=split_merge)
         sm.sparse_mla_decode(q, cache, table, seqlens, idx, 0.1, config=cfg)
 
-    def attn_dist(h_q: int, s_kv: int, backend: str, d_qk: int = 576) -> None:
+    def attn_dist(h_q: int, s_kv: int, backend: str, d_qk: int = 576, split: str = "cols") -> None:
         q, kv, idx = problem(2, h_q, d_qk, s_kv, 128)
-        sm.attn_dist(q, kv, idx, torch.randn(2, h_q), 0.1, q_start_index=5, config=sm.Config(backend=backend))
+        cfg = sm.Config(backend=backend, attn_dist_split=split)
+        sm.attn_dist(q, kv, idx, torch.randn(2, h_q), 0.1, q_start_index=5, config=cfg)
 
     def bwd(h_q: int, d_qk: int, det: bool, attn_sum: bool = False, causal: bool = False) -> None:
         q, kv, idx = problem(2, h_q, d_qk, 64, 128)
@@ -111,6 +112,15 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "fwd_h16_d512": lambda: fwd(16, 512, "auto", True),
         "fwd_h32_d576": lambda: fwd(32, 576, "auto"),
         "fwd_h128_d512_gluon": lambda: fwd(128, 512, "auto"),
+        # The Gluon forward's pipeline options (Config.fwd_half_ring / fwd_early_qk).
+        "fwd_h128_half_ring": lambda: fwd(128, 576, "auto", fwd_half_ring=True),
+        "fwd_h128_early_qk": lambda: fwd(128, 576, "auto", fwd_early_qk=True),
+        "fwd_h64_extras_half_ring_early_qk": lambda: fwd(
+            64, 576, "auto", True, fwd_half_ring=True, fwd_early_qk=True
+        ),
+        "fwd_h128_d512_half_ring_early_qk": lambda: fwd(
+            128, 512, "auto", fwd_half_ring=True, fwd_early_qk=True
+        ),
         # Split-K decode, merged by the last split program (eager) or by a merge kernel (graph capture).
         "dec_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program"),
         "dec_b2_splitk_merge_kernel": lambda: decode(2, 128, 2048, "auto", "kernel"),
@@ -122,6 +132,8 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "ad_h128_gluon": lambda: attn_dist(128, 256, "auto"),
         "ad_h128_triton": lambda: attn_dist(128, 256, "triton"),
         "ad_h64_gluon": lambda: attn_dist(64, 256, "auto"),
+        "ad_h64_split_blocks": lambda: attn_dist(64, 256, "auto", split="blocks"),
+        "ad_h48_d512_split_blocks": lambda: attn_dist(48, 256, "auto", 512, split="blocks"),
         "ad_h64_triton": lambda: attn_dist(64, 256, "triton"),
         "ad_h64_long_triton": lambda: attn_dist(64, 32768, "triton"),
         "ad_h16_d512": lambda: attn_dist(16, 256, "auto", 512),

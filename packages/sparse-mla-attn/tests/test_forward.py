@@ -289,9 +289,37 @@ def test_fwd_gpu_gluon_edge_cases(h_q, d_qk, topk, s_q):
     block only), causal limit, sink, topk_length (0 included: no block at all), invalid indices, an
     all-invalid row, NaN in every KV row that no valid index selects; launched twice, so that a barrier
     phase left over from an earlier launch would show."""
+    check_gluon_edge_case(h_q, d_qk, topk, s_q, Config(backend="gluon", num_splits=1))
+
+
+# The Gluon forward's pipeline options (fwd_half_ring, fwd_early_qk) other than the default.
+GLUON_PIPELINES = [(True, False), (False, True), (True, True)]
+GLUON_PIPELINE_CASES = [
+    pytest.param(
+        *case, *pipeline, id=f"{cid}-{'half' if pipeline[0] else 'block'}{'-early' if pipeline[1] else ''}"
+    )
+    for case, cid in zip(
+        [*GLUON_EDGE_CASES, (128, 576, 2048, 64)],
+        case_ids(("h_q", "d_qk", "topk"), [*GLUON_EDGE_CASES, (128, 576, 2048, 64)]),
+        strict=True,
+    )
+    for pipeline in GLUON_PIPELINES
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("h_q", "d_qk", "topk", "s_q", "half_ring", "early_qk"), GLUON_PIPELINE_CASES)
+def test_fwd_gpu_gluon_pipeline_options(h_q, d_qk, topk, s_q, half_ring, early_qk):
+    """The Gluon forward with ``Config.fwd_half_ring`` / ``fwd_early_qk``: the edge cases above (and the
+    full top-k at 128 heads) against the reference, launched twice."""
+    cfg = Config(backend="gluon", num_splits=1, fwd_half_ring=half_ring, fwd_early_qk=early_qk)
+    check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg)
+
+
+def check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg):
+    """The checks of :func:`test_fwd_gpu_gluon_edge_cases` with the Gluon config ``cfg``."""
     if reason := gluon_skip_reason("gluon"):
         pytest.skip(reason)
-    cfg = Config(backend="gluon", num_splits=1)
     # With one or two blocks the softmax is peaked and the bf16 rounding of P alone exceeds abs 8e-4 (up
     # to 1.7e-3 on ~0.005% of the elements; measured): the "gpu_few" tolerance there.
     where = "gpu" if topk >= 256 else "gpu_few"
