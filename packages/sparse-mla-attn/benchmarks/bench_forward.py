@@ -5,9 +5,10 @@ FLOPs are counted as FlashMLA counts them: ``2 * s_q * h_q * topk * (d_qk + d_v)
 
 ``python bench_forward.py [--flashmla PATH] [--quick]`` prints, without writing a file, the forward at
 FlashMLA's shape (s_q 4096, topk 2048, h_q 128 / 64, s_kv 8K / 32K / 128K) with each pipeline option of the
-sm_90 Gluon kernel (``Config.fwd_half_ring``, ``Config.fwd_early_qk``) beside FlashMLA's
-``flash_mla_sparse_fwd`` on the same inputs, and ``attn_dist`` with each ``Config.attn_dist_split`` as a
-fraction of the forward's time; about two minutes on an H200.
+sm_90 Gluon kernel (``Config.fwd_half_ring``, ``Config.fwd_early_qk``, ``Config.l2_prefetch``) beside
+FlashMLA's ``flash_mla_sparse_fwd`` on the same inputs, and ``attn_dist`` with each
+``Config.attn_dist_split`` and ``l2_prefetch`` as a fraction of the fastest forward's time; about two
+minutes on an H200.
 """
 
 from __future__ import annotations
@@ -153,7 +154,16 @@ FWD_VARIANTS = {
     "half_ring": Config(fwd_half_ring=True),
     "early_qk": Config(fwd_early_qk=True),
     "half_ring+early_qk": Config(fwd_half_ring=True, fwd_early_qk=True),
+    "prefetch": Config(l2_prefetch=True),
+    "half_ring+early_qk+prefetch": Config(fwd_half_ring=True, fwd_early_qk=True, l2_prefetch=True),
 }
+#: The attn_dist variants of ``python bench_forward.py`` (name, config, up to which h_q it applies).
+ATTN_DIST_VARIANTS = [
+    ("default", Config(), 128),
+    ("prefetch", Config(l2_prefetch=True), 128),
+    ("blocks", Config(attn_dist_split="blocks"), 64),
+    ("blocks+prefetch", Config(attn_dist_split="blocks", l2_prefetch=True), 64),
+]
 
 
 def bench_fwd_variants(
@@ -215,12 +225,13 @@ def main() -> None:
             best = min(
                 (r["ms"] for n, r in row.items() if n in FWD_VARIANTS and "ms" in r), default=float("nan")
             )
-            splits = ("cols", "blocks") if h_q <= 64 else ("cols",)
             cells = []
-            for split in splits:
-                ad = bench_attn_dist(s_q, h_q, s_kv, topk, fwd_ms=best, config=Config(attn_dist_split=split))
+            for name, cfg, max_h in ATTN_DIST_VARIANTS:
+                if h_q > max_h:
+                    continue
+                ad = bench_attn_dist(s_q, h_q, s_kv, topk, fwd_ms=best, config=cfg)
                 cells.append(
-                    f"{split} {ad['ms']:.3f} ms = {ad['time_vs_fwd']:.3f}x err {ad['max_abs_err']:.1e}"
+                    f"{name} {ad['ms']:.3f} ms = {ad['time_vs_fwd']:.3f}x err {ad['max_abs_err']:.1e}"
                 )
             print(
                 f"attn_dist h_q {h_q} s_kv {s_kv // 1024}K vs fastest fwd {best:.3f} ms: "

@@ -167,15 +167,27 @@ SPLIT_BLOCKS_CASES = [(64, 576, 2048), (37, 512, 333), (40, 576, 129), (64, 576,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize(
     ("h_q", "d_qk", "topk"), SPLIT_BLOCKS_CASES, ids=case_ids(("h_q", "d_qk", "topk"), SPLIT_BLOCKS_CASES)
 )
-def test_attn_dist_gpu_split_blocks(h_q, d_qk, topk):
-    """The Gluon kernel with ``Config(attn_dist_split="blocks")`` (its warpgroups take alternate blocks)
-    against the reference, as :func:`test_attn_dist_gpu_backends` checks it."""
+def test_attn_dist_gpu_split_blocks(h_q, d_qk, topk, prefetch):
+    """The Gluon kernel with ``Config(attn_dist_split="blocks")`` (its warpgroups take alternate blocks),
+    with and without ``l2_prefetch``, against the reference, as :func:`test_attn_dist_gpu_backends`
+    checks it."""
     if reason := gluon_skip_reason("gluon"):
         pytest.skip(reason)
-    check_attn_dist_gpu("gluon", h_q, d_qk, topk, Config(backend="gluon", attn_dist_split="blocks"))
+    config = Config(backend="gluon", attn_dist_split="blocks", l2_prefetch=prefetch)
+    check_attn_dist_gpu("gluon", h_q, d_qk, topk, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("h_q", "d_qk", "topk"), [(128, 576, 1000), (64, 576, 2048), (96, 512, 130)])
+def test_attn_dist_gpu_l2_prefetch(h_q, d_qk, topk):
+    """The Gluon kernel's other splits (heads above 64, columns) with ``Config(l2_prefetch=True)``."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    check_attn_dist_gpu("gluon", h_q, d_qk, topk, Config(backend="gluon", l2_prefetch=True))
 
 
 def check_attn_dist_gpu(backend, h_q, d_qk, topk, config):

@@ -84,9 +84,11 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         cfg = sm.Config(backend=backend, split_merge=split_merge)
         sm.sparse_mla_decode(q, cache, table, seqlens, idx, 0.1, config=cfg)
 
-    def attn_dist(h_q: int, s_kv: int, backend: str, d_qk: int = 576, split: str = "cols") -> None:
+    def attn_dist(
+        h_q: int, s_kv: int, backend: str, d_qk: int = 576, split: str = "cols", prefetch: bool = False
+    ) -> None:
         q, kv, idx = problem(2, h_q, d_qk, s_kv, 128)
-        cfg = sm.Config(backend=backend, attn_dist_split=split)
+        cfg = sm.Config(backend=backend, attn_dist_split=split, l2_prefetch=prefetch)
         sm.attn_dist(q, kv, idx, torch.randn(2, h_q), 0.1, q_start_index=5, config=cfg)
 
     def bwd(h_q: int, d_qk: int, det: bool, attn_sum: bool = False, causal: bool = False) -> None:
@@ -121,6 +123,10 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "fwd_h128_d512_half_ring_early_qk": lambda: fwd(
             128, 512, "auto", fwd_half_ring=True, fwd_early_qk=True
         ),
+        "fwd_h128_prefetch": lambda: fwd(128, 576, "auto", l2_prefetch=True),
+        "fwd_h128_half_ring_early_qk_prefetch": lambda: fwd(
+            128, 576, "auto", fwd_half_ring=True, fwd_early_qk=True, l2_prefetch=True
+        ),
         # Split-K decode, merged by the last split program (eager) or by a merge kernel (graph capture).
         "dec_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program"),
         "dec_b2_splitk_merge_kernel": lambda: decode(2, 128, 2048, "auto", "kernel"),
@@ -134,6 +140,8 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "ad_h64_gluon": lambda: attn_dist(64, 256, "auto"),
         "ad_h64_split_blocks": lambda: attn_dist(64, 256, "auto", split="blocks"),
         "ad_h48_d512_split_blocks": lambda: attn_dist(48, 256, "auto", 512, split="blocks"),
+        "ad_h64_split_blocks_prefetch": lambda: attn_dist(64, 256, "auto", split="blocks", prefetch=True),
+        "ad_h128_prefetch": lambda: attn_dist(128, 256, "auto", prefetch=True),
         "ad_h64_triton": lambda: attn_dist(64, 256, "triton"),
         "ad_h64_long_triton": lambda: attn_dist(64, 32768, "triton"),
         "ad_h16_d512": lambda: attn_dist(16, 256, "auto", 512),

@@ -292,27 +292,40 @@ def test_fwd_gpu_gluon_edge_cases(h_q, d_qk, topk, s_q):
     check_gluon_edge_case(h_q, d_qk, topk, s_q, Config(backend="gluon", num_splits=1))
 
 
-# The Gluon forward's pipeline options (fwd_half_ring, fwd_early_qk) other than the default.
-GLUON_PIPELINES = [(True, False), (False, True), (True, True)]
+# The Gluon forward's pipeline options other than the default: (fwd_half_ring, fwd_early_qk, l2_prefetch).
+GLUON_PIPELINES = [
+    (True, False, False),
+    (False, True, False),
+    (True, True, False),
+    (False, False, True),
+    (True, True, True),
+]
+GLUON_PIPELINE_SHAPES = [*GLUON_EDGE_CASES, (128, 576, 2048, 64)]
+
+
+def pipeline_id(half_ring, early_qk, prefetch):
+    return "-".join(n for n, on in (("half", half_ring), ("early", early_qk), ("prefetch", prefetch)) if on)
+
+
 GLUON_PIPELINE_CASES = [
-    pytest.param(
-        *case, *pipeline, id=f"{cid}-{'half' if pipeline[0] else 'block'}{'-early' if pipeline[1] else ''}"
-    )
+    pytest.param(*case, *pipeline, id=f"{cid}-{pipeline_id(*pipeline)}")
     for case, cid in zip(
-        [*GLUON_EDGE_CASES, (128, 576, 2048, 64)],
-        case_ids(("h_q", "d_qk", "topk"), [*GLUON_EDGE_CASES, (128, 576, 2048, 64)]),
-        strict=True,
+        GLUON_PIPELINE_SHAPES, case_ids(("h_q", "d_qk", "topk"), GLUON_PIPELINE_SHAPES), strict=True
     )
     for pipeline in GLUON_PIPELINES
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("h_q", "d_qk", "topk", "s_q", "half_ring", "early_qk"), GLUON_PIPELINE_CASES)
-def test_fwd_gpu_gluon_pipeline_options(h_q, d_qk, topk, s_q, half_ring, early_qk):
-    """The Gluon forward with ``Config.fwd_half_ring`` / ``fwd_early_qk``: the edge cases above (and the
-    full top-k at 128 heads) against the reference, launched twice."""
-    cfg = Config(backend="gluon", num_splits=1, fwd_half_ring=half_ring, fwd_early_qk=early_qk)
+@pytest.mark.parametrize(
+    ("h_q", "d_qk", "topk", "s_q", "half_ring", "early_qk", "prefetch"), GLUON_PIPELINE_CASES
+)
+def test_fwd_gpu_gluon_pipeline_options(h_q, d_qk, topk, s_q, half_ring, early_qk, prefetch):
+    """The Gluon forward with ``Config.fwd_half_ring`` / ``fwd_early_qk`` / ``l2_prefetch``: the edge cases
+    above (and the full top-k at 128 heads) against the reference, launched twice."""
+    cfg = Config(
+        backend="gluon", num_splits=1, fwd_half_ring=half_ring, fwd_early_qk=early_qk, l2_prefetch=prefetch
+    )
     check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg)
 
 

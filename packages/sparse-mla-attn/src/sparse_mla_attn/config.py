@@ -49,13 +49,16 @@ class Config:
             first consumer warpgroup issues the ``Q K^T`` of its next block right behind its last ``P V``
             of the current pair, so the tensor cores do not idle while it turns around (default
             ``False``).
+        l2_prefetch: the producer warpgroup of the Gluon forward and ``attn_dist`` (sm_90) asks L2 for the
+            KV rows of the next block (``prefetch.global.L2::evict_last``) as soon as it has issued the
+            current one, so their DRAM reads overlap its wait for a free ring slot (default ``False``).
         attn_dist_split: how the two consumer warpgroups of the Gluon ``attn_dist`` (sm_90) share a token
             of at most 64 heads: ``"cols"`` (default), each computes half of every block's columns;
             ``"blocks"``, they take alternate blocks whole. Above 64 heads each warpgroup takes 64 heads.
 
     Raises:
         ValueError: an unknown ``backend``, ``split_merge`` or ``attn_dist_split``, ``num_splits < 0``, a
-            workspace cap below 1 byte, or a ``fwd_*`` option that is not a bool.
+            workspace cap below 1 byte, or a ``fwd_*`` or ``l2_prefetch`` option that is not a bool.
     """
 
     backend: str = "auto"
@@ -65,6 +68,7 @@ class Config:
     bwd_deterministic_workspace_bytes: int = 4 << 30
     fwd_half_ring: bool = False
     fwd_early_qk: bool = False
+    l2_prefetch: bool = False
     attn_dist_split: str = "cols"
 
     def __post_init__(self) -> None:
@@ -74,7 +78,7 @@ class Config:
             raise ValueError(f"Config.num_splits must be an int >= 0 (0: automatic), got {self.num_splits!r}")
         if self.split_merge not in SPLIT_MERGES:
             raise ValueError(f"Config.split_merge must be one of {SPLIT_MERGES}, got {self.split_merge!r}")
-        for name in ("fwd_half_ring", "fwd_early_qk"):
+        for name in ("fwd_half_ring", "fwd_early_qk", "l2_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         if self.attn_dist_split not in ATTN_DIST_SPLITS:

@@ -684,8 +684,12 @@ def _plan_fwd_call(
 
 def set_gluon_options(plan: FwdPlan, config: Config) -> FwdPlan:
     """Give ``plan`` the Gluon forward's pipeline options of ``config`` (``fwd_half_ring``,
-    ``fwd_early_qk``); returns ``plan``."""
-    plan.gluon_options = {"half_ring": config.fwd_half_ring, "early_qk": config.fwd_early_qk}
+    ``fwd_early_qk``, ``l2_prefetch``); returns ``plan``."""
+    plan.gluon_options = {
+        "half_ring": config.fwd_half_ring,
+        "early_qk": config.fwd_early_qk,
+        "prefetch": config.l2_prefetch,
+    }
     return plan
 
 
@@ -697,13 +701,15 @@ def _fwd_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
     causal: bool, backend: str, num_splits: int, fwd_half_ring: bool = False, fwd_early_qk: bool = False,
+    l2_prefetch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and launch plan depend only on the call signature: made once per signature.
     key = (*call_signature(q, kv, indices, attn_sink, topk_length), d_v, q_start_index, k_stride, causal,
-           backend, num_splits, fwd_half_ring, fwd_early_qk)  # fmt: skip
+           backend, num_splits, fwd_half_ring, fwd_early_qk, l2_prefetch)  # fmt: skip
     config = lambda: replace(
-        config_of(backend, num_splits), fwd_half_ring=fwd_half_ring, fwd_early_qk=fwd_early_qk
-    )
+        config_of(backend, num_splits), fwd_half_ring=fwd_half_ring, fwd_early_qk=fwd_early_qk,
+        l2_prefetch=l2_prefetch,
+    )  # fmt: skip
     plan = cached(
         _PLANS, key, lambda: _plan_fwd_call(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride,
                                             causal, config()),
@@ -768,5 +774,5 @@ def sparse_mla_fwd(
     cfg = config or DEFAULT
     return _fwd_op(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal,
-        cfg.backend, cfg.num_splits, cfg.fwd_half_ring, cfg.fwd_early_qk,
+        cfg.backend, cfg.num_splits, cfg.fwd_half_ring, cfg.fwd_early_qk, cfg.l2_prefetch,
     )  # fmt: skip

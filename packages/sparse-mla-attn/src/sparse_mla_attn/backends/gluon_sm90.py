@@ -201,16 +201,19 @@ if HAVE_GLUON:
         BLOCK_T: gl.constexpr,
         NUM_BUF: gl.constexpr,
         HALF_RING: gl.constexpr = False,
+        PREFETCH: gl.constexpr = False,
     ):
         """Producer warpgroup of the warp-specialised kernels (forward and attn_dist): gathers block ``b``
         into slot ``b % NUM_BUF`` once its readers released that slot's previous block, and arms
         ``full_bars[b % NUM_BUF]`` with one deferred arrive per thread (``cp.async.mbarrier.arrive.noinc``:
-        it fires when this thread's copies landed). ``HALF_RING``: see :func:`_ws_producer_halves`."""
+        it fires when this thread's copies landed). ``HALF_RING``: see :func:`_ws_producer_halves`.
+        ``PREFETCH``: once block ``b`` is issued, ask L2 for the rows of block ``b + 1``
+        (:func:`_prefetch_rows`), so that their DRAM reads overlap the wait for a free slot."""
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         if HALF_RING:
             _ws_producer_halves(
                 kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, n_blocks // 2,
-                D_NOPE, D_ROPE, BLOCK_T, ld_l,
+                D_NOPE, D_ROPE, BLOCK_T, ld_l, PREFETCH,
             )  # fmt: skip
             return
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
@@ -220,12 +223,38 @@ if HAVE_GLUON:
             idx_cur = idx_next
             nxt = (b + 1) * BLOCK_T + offs_t
             idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
+            if PREFETCH:
+                idx_pf = _prefetch_indices(idx_row, (b + 1) * BLOCK_T, n_t, BLOCK_T)
             # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
             mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
             _issue_gather(
                 kn_smem.index(slot), kr_smem.index(slot), KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l
             )
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
+            if PREFETCH:
+                _prefetch_rows(KV, stride_kv_row, idx_pf, hi, D_NOPE + D_ROPE)
+
+    @gluon.jit
+    def _prefetch_indices(idx_row, t0, n_t, BLOCK_T: gl.constexpr):
+        """The indices ``t0 .. t0 + BLOCK_T`` (``-1`` past ``n_t``) in the layout of :func:`_prefetch_rows`."""
+        pf_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        offs = t0 + gl.arange(0, BLOCK_T, layout=pf_l)
+        return gl.load(idx_row + offs, mask=offs < n_t, other=-1)
+
+    @gluon.jit
+    def _prefetch_rows(KV, stride_kv_row, idx, hi, D_QK: gl.constexpr):
+        """Ask L2 for the valid rows ``idx`` (from :func:`_prefetch_indices`): one bulk prefetch of a whole
+        row (``cp.async.bulk.prefetch.L2``, ``2 * D_QK`` bytes, 16-byte aligned) per index."""
+        valid = (idx >= 0) & (idx < hi)
+        ptr = KV + gl.where(valid, idx, 0).to(gl.int64) * stride_kv_row
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
+            "=r,l,r,r",
+            [ptr, valid.to(gl.int32), gl.full(idx.shape, D_QK * 2, gl.int32, idx.type.layout)],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
     @gluon.jit
     def _ws_producer_halves(
@@ -243,6 +272,7 @@ if HAVE_GLUON:
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
         ld_l: gl.constexpr,
+        PREFETCH: gl.constexpr,
     ):
         """Producer of the forward's half-slot ring (two slots, block ``2k + s`` in slot ``s``): each slot is
         gathered as two halves with their own barriers, ``2 s``: latent columns ``0 .. D_NOPE/2`` (the
@@ -255,12 +285,18 @@ if HAVE_GLUON:
             o0 = 2 * k * BLOCK_T + offs_t
             idx0 = gl.load(idx_row + o0, mask=o0 < n_t, other=-1)
             idx1 = gl.load(idx_row + BLOCK_T + o0, mask=BLOCK_T + o0 < n_t, other=-1)
+            if PREFETCH:
+                idx_pf = _prefetch_indices(idx_row, (2 * k + 2) * BLOCK_T, n_t, BLOCK_T)
             ph = (k & 1) ^ 1  # a fresh barrier passes parity 1 at once
             # Slot 0's left half, slot 1's right half, slot 0's right half, slot 1's left half.
             _ws_fill_half(kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx0, hi, ph, 0, 0, D_NOPE, D_ROPE, ld_l)  # fmt: skip
             _ws_fill_half(kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx1, hi, ph, 1, 1, D_NOPE, D_ROPE, ld_l)  # fmt: skip
             _ws_fill_half(kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx0, hi, ph, 0, 1, D_NOPE, D_ROPE, ld_l)  # fmt: skip
             _ws_fill_half(kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx1, hi, ph, 1, 0, D_NOPE, D_ROPE, ld_l)  # fmt: skip
+            if PREFETCH:
+                _prefetch_rows(KV, stride_kv_row, idx_pf, hi, D_NOPE + D_ROPE)
+                idx_pf = _prefetch_indices(idx_row, (2 * k + 3) * BLOCK_T, n_t, BLOCK_T)
+                _prefetch_rows(KV, stride_kv_row, idx_pf, hi, D_NOPE + D_ROPE)
 
     @gluon.jit
     def _ws_fill_half(
@@ -597,6 +633,7 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr,
         HALF_RING: gl.constexpr,
         EARLY_QK: gl.constexpr,
+        PREFETCH: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
@@ -680,7 +717,7 @@ if HAVE_GLUON:
                 )),
                 (_ws_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
-                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF, HALF_RING,
+                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF, HALF_RING, PREFETCH,
                 )),
             ],
             [4, 4],
@@ -812,6 +849,7 @@ if HAVE_GLUON:
         NUM_BUF: gl.constexpr,
         SPLIT: gl.constexpr,
         CAUSAL: gl.constexpr,
+        PREFETCH: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
@@ -856,7 +894,7 @@ if HAVE_GLUON:
                 )),
                 (_ws_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, topk, hi, n_blocks,
-                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
+                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF, False, PREFETCH,
                 )),
             ],
             [4, 4],
@@ -896,6 +934,7 @@ def launch_fwd_gluon(
     causal: bool,
     half_ring: bool = False,
     early_qk: bool = False,
+    prefetch: bool = False,
     slots: dict[Any, Any] | None = None,
     strides: tuple[int, ...] | None = None,
     ctx: LaunchContext | None = None,
@@ -905,8 +944,8 @@ def launch_fwd_gluon(
     :func:`sparse_mla_attn._runtime.launch`). ``strides``: the token and head strides of ``q``, the row
     strides of ``kv_rows`` and ``idx``, the token and head strides of ``out`` (then the tensors may be any
     views of the same memory, e.g. before a reshape); else read off the tensors. ``ctx``: the call's
-    :func:`~sparse_mla_attn._runtime.launch_context`. ``half_ring``, ``early_qk``: the pipeline options of
-    :class:`~sparse_mla_attn.Config` (``fwd_half_ring``, ``fwd_early_qk``)."""
+    :func:`~sparse_mla_attn._runtime.launch_context`. ``half_ring``, ``early_qk``, ``prefetch``: the pipeline
+    options of :class:`~sparse_mla_attn.Config` (``fwd_half_ring``, ``fwd_early_qk``, ``l2_prefetch``)."""
     n_head_tiles = cdiv(dims.h_q, 64)
     if strides is None:
         strides = (q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1))
@@ -916,7 +955,7 @@ def launch_fwd_gluon(
          *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2),
         dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
              HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
-             HALF_RING=half_ring, EARLY_QK=early_qk, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4), ctx,
+             HALF_RING=half_ring, EARLY_QK=early_qk, PREFETCH=prefetch, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4), ctx,
     )  # fmt: skip
 
 
@@ -934,11 +973,13 @@ def launch_attn_dist_gluon(
     k_stride: int,
     causal: bool,
     split_blocks: bool = False,
+    prefetch: bool = False,
     slots: dict[Any, Any] | None = None,
 ) -> Any:
     """attn_dist on sm_90: one program per token holding all heads. ``out`` must be zeroed where
     :func:`attn_dist_adds_partials` says so. ``split_blocks``: at most 64 heads, the consumer warpgroups
-    take alternate blocks (``Config(attn_dist_split="blocks")``), else halves of each block."""
+    take alternate blocks (``Config(attn_dist_split="blocks")``), else halves of each block.
+    ``prefetch``: ``Config.l2_prefetch``."""
     split = AD_SPLIT_BLOCKS if split_blocks else AD_SPLIT_COLS
     return launch(
         _attn_dist_ws_kernel, (dims.s_q,), slots, "gluon_attn_dist",
@@ -946,6 +987,6 @@ def launch_attn_dist_gluon(
          q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
          dims.h_q, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2),
         dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=ATTN_DIST_NUM_BUF,
-             SPLIT=AD_SPLIT_HEADS if attn_dist_adds_partials(dims.h_q) else split, CAUSAL=causal,
+             SPLIT=AD_SPLIT_HEADS if attn_dist_adds_partials(dims.h_q) else split, CAUSAL=causal, PREFETCH=prefetch,
              CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4),
     )  # fmt: skip
