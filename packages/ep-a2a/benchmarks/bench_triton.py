@@ -30,7 +30,9 @@ slowest rank.
 FP8 dispatch (DeepSeek-V3 shape, at the default ``num_sm``): ``ours-fp8`` / ``ours-fp8-graph`` run the
 layer built for FP8 rows (``EPLayer(dtype=torch.float8_e4m3fn)``), dispatching ``(x_fp8, scales)`` in
 DeepEP's format (the packing into one row per token included) and combining bf16 rows; their
-``quantize_dispatch_ms`` is the dispatch of the bf16 rows with ``fp8=True`` (quantization included).
+``quantize_dispatch_ms`` is the dispatch of the bf16 rows with ``fp8=True``, quantized inside the row
+kernel as it sends them (``quantize_in_kernel``; the graph row also records whether those bytes equal
+the tuple's, ``quantize_matches_tuple``).
 Their bytes (``nvlink_bytes_fp8``) are the FP8 row and its float32 scales (``hidden + 4 * hidden / 128``
 per crossing token row), and their copy-engine ceiling (``ce-fp8``) copies that many bytes.
 """
@@ -317,8 +319,9 @@ def eager_case(args, be, x, ids, w, timer, holder: dict) -> dict:
 def fp8_case(args, cfg, group, x, ids, w, num_sm) -> tuple[dict, dict]:
     """FP8 dispatch through the layer of FP8 rows (``num_sm`` CTAs): eager (exact-shape) and CUDA-graph
     dispatch of ``(x_fp8, scales)``, the combine of bf16 rows after it, and the dispatch of the bf16
-    rows ``x`` with ``fp8=True`` (quantize first). Returns the eager and the graph row."""
+    rows ``x`` with ``fp8=True`` (quantized in the row kernel). Returns the eager and the graph row."""
     from ep_a2a import EPLayer
+    from ep_a2a.backends.triton.engine import QuantizeOnSend
     from ep_a2a.reference import quantize_fp8
 
     layer = EPLayer(
@@ -343,6 +346,7 @@ def fp8_case(args, cfg, group, x, ids, w, num_sm) -> tuple[dict, dict]:
     y = torch.randn(holder["d"][0][0].shape[0], cfg.hidden, device=x.device).to(torch.bfloat16)
     eager["combine_ms"] = timer.median_ms(lambda: layer.combine(y, holder["d"][2]), args.iters, setup=disp)
     eager["quantize_dispatch_ms"] = timer.median_ms(disp_q, args.iters)
+    eager["quantize_in_kernel"] = isinstance(layer.ctx.backend.quantize_fp8(x), QuantizeOnSend)
     holder.clear()
     # CUDA-graph mode: static FP8 dispatch (the tuple, or bf16 rows quantized in the graph) and combine
     rows = cfg.world_size * cfg.max_tokens * cfg.topk

@@ -48,6 +48,10 @@ _NUMBERS = (
 )
 
 
+#: what the FP8 rows record about quantize-on-send: where it ran, and whether its bytes equal the tuple's
+_FLAGS = ("quantize_in_kernel", "quantize_matches_tuple")
+
+
 def gpu_kind(device_name: str) -> str:
     """``"h200"`` for "NVIDIA H200", ``"h100"`` for "NVIDIA H100 80GB HBM3", else the name's last word."""
     for word in device_name.lower().replace("-", " ").split():
@@ -68,6 +72,7 @@ def rows_of(raw: dict, bench: str) -> list[dict]:
         ce_fp8 = case["results"].get("ce-fp8", {}).get("copy_ms")
         for method, r in case["results"].items():
             row = {**meta, **base, "method": method, **{k: r[k] for k in _NUMBERS if r.get(k) is not None}}
+            row.update({k: r[k] for k in _FLAGS if k in r})
             fp8 = "fp8" in method  # (FP8 rows: their own bytes, FP8 rows and scales, and their ceiling)
             if fp8 and case.get("nvlink_bytes_fp8"):
                 row["nvlink_bytes"] = case["nvlink_bytes_fp8"]
@@ -134,9 +139,14 @@ def summary(rows: list[dict]) -> list[str]:
                 )
                 if f8.get("quantize_dispatch_ms"):
                     lines.append(
-                        f"{name}: Triton {mode} FP8 dispatch with fp8=True (quantize first) "
+                        f"{name}: Triton {mode} FP8 dispatch of bf16 rows, fp8=True (quantized in the send kernel) "
                         f"{1e3 * f8['quantize_dispatch_ms']:.0f} us: {f8['quantize_dispatch_ms'] / bf['dispatch_ms']:.2f}x "
-                        "bf16" + (" (target at 4096 tokens: <= 0.65x)" if mode == "graph" else "")
+                        "bf16"
+                        + (" (target at 4096 tokens: <= 0.65x)" if mode == "graph" else "")
+                        + ("" if f8.get("quantize_in_kernel", True) else " [quantized with torch operations]")
+                        + {True: "; bytes equal the tuple's", False: "; BYTES DIFFER FROM THE TUPLE'S"}.get(
+                            f8.get("quantize_matches_tuple"), ""
+                        )
                     )
         fp8 = by.get(("torch", "torch-fp8"))
         if fp8 and by.get(("torch", "torch")):
@@ -159,12 +169,14 @@ def summary(rows: list[dict]) -> list[str]:
 def table(record: dict) -> str:
     """The benchmarks page's table (markdown) from a results file: per GPU count and case, the copy engine
     and dispatch / combine of the Triton backend at the default ``num_sm`` (graph, eager, the layer as
-    the README builds it), the torch backend and the NCCL per-rank pipeline, and FP8 dispatch (graph /
-    eager, the layer of FP8 rows), in µs; in brackets the share of the copy engine's speed (for FP8
-    dispatch: of a copy of its own bytes) at 4096 tokens."""
+    the README builds it), the torch backend and the NCCL per-rank pipeline, in µs; in brackets the
+    share of the copy engine's speed at 4096 tokens. Where FP8 dispatch was measured, two more rows per
+    case: FP8 rows in DeepEP's format (``(x_fp8, scales)``, the layer of FP8 rows) and bf16 rows with
+    ``fp8=True`` (quantized in the send kernel), their copy engine copying their own bytes (FP8 rows and
+    scales), their dispatch with its share of that copy and its time over the bf16 dispatch's."""
     rows = record["results"]
-    head = ("| GPUs | shape, routing | tokens/rank | copy engine | graph dispatch | graph combine | eager dispatch | "
-            "eager combine | layer defaults | torch backend | NCCL per-rank | FP8 dispatch, graph / eager |")  # fmt: skip
+    head = ("| GPUs | shape, routing | tokens/rank | rows | copy engine | graph dispatch | graph combine | "
+            "eager dispatch | eager combine | layer defaults | torch backend | NCCL per-rank |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     cases = sorted(
         {(r["gpus"], r["shape"], r["routing"], r["tokens"]) for r in rows},
@@ -179,33 +191,47 @@ def table(record: dict) -> str:
         by = {(r["bench"], r["method"]): r for r in mine if r.get("heap", "torch") == "torch"}
         default = next((r["default_num_sm"] for r in mine if r.get("default_num_sm")), 132)
         ce = by.get(("triton", "ce"), {}).get("copy_ms")
+        ce_fp8 = by.get(("triton", "ce-fp8"), {}).get("copy_ms")
 
-        def cell(
-            key: tuple[str, str], op: str, ce: float | None = ce, by: dict = by, tokens: int = tokens
-        ) -> str:
-            t = by.get(key, {}).get(f"{op}_ms")
+        def cell(key: tuple[str, str], field: str, ceiling: float | None, bf16: float | None = None,
+                 by: dict = by, tokens: int = tokens) -> str:  # fmt: skip
+            t = by.get(key, {}).get(field)
             if t is None:
                 return "-"
-            if "fp8" in key[1] and op == "dispatch":  # (its own bytes' ceiling)
-                ce = by.get(("triton", "ce-fp8"), {}).get("copy_ms")
-            pct = f" ({100 * ce / t:.0f} %)" if ce and tokens >= 1024 else ""
-            return f"{1e3 * t:.0f}{pct}"
+            notes = [f"{100 * ceiling / t:.0f} %"] if ceiling and tokens >= 1024 else []
+            notes += [f"{t / bf16:.2f}x"] if bf16 else []
+            return f"{1e3 * t:.0f}" + (f" ({', '.join(notes)})" if notes else "")
 
-        def pair(key: tuple[str, str]) -> str:
-            return f"{cell(key, 'dispatch')} / {cell(key, 'combine')}"
+        def pair(key: tuple[str, str], ceiling: float | None = ce) -> str:
+            return f"{cell(key, 'dispatch_ms', ceiling)} / {cell(key, 'combine_ms', ceiling)}"
 
+        def ms(t: float | None) -> str:
+            return f"{1e3 * t:.0f}" if t else "-"
+
+        graph, eager = ("triton", f"ours-graph-sm{default}"), ("triton", f"ours-sm{default}")
         layer = (
             ("triton", "ours-layer-default")
             if ("triton", "ours-layer-default") in by
             else ("triton", f"ours-layer-sm{default}")
         )
         lines.append(
-            f"| {gpus} | {shape}, {routing} | {tokens} | {f'{1e3 * ce:.0f}' if ce else '-'} | "
-            f"{cell(('triton', f'ours-graph-sm{default}'), 'dispatch')} | {cell(('triton', f'ours-graph-sm{default}'), 'combine')} | "
-            f"{cell(('triton', f'ours-sm{default}'), 'dispatch')} | {cell(('triton', f'ours-sm{default}'), 'combine')} | "
-            f"{pair(layer)} | {pair(('torch', 'torch'))} | {pair(('torch', 'nccl-dest'))} | "
-            f"{cell(('triton', f'ours-fp8-graph-sm{default}'), 'dispatch')} / {cell(('triton', f'ours-fp8-sm{default}'), 'dispatch')} |"
+            f"| {gpus} | {shape}, {routing} | {tokens} | bf16 | {ms(ce)} | {cell(graph, 'dispatch_ms', ce)} | "
+            f"{cell(graph, 'combine_ms', ce)} | {cell(eager, 'dispatch_ms', ce)} | {cell(eager, 'combine_ms', ce)} | "
+            f"{pair(layer)} | {pair(('torch', 'torch'))} | {pair(('torch', 'nccl-dest'))} |"
         )  # fmt: skip
+        f8g, f8e = ("triton", f"ours-fp8-graph-sm{default}"), ("triton", f"ours-fp8-sm{default}")
+        if f8g not in by and f8e not in by:
+            continue
+        bf_g, bf_e = by.get(graph, {}).get("dispatch_ms"), by.get(eager, {}).get("dispatch_ms")
+        torch_fp8 = ("torch", "torch-fp8")
+        for label, field, combine in (("FP8 (x_fp8, scales)", "dispatch_ms", True),
+                                      ("bf16, fp8=True", "quantize_dispatch_ms", False)):  # fmt: skip
+            lines.append(
+                f"| {gpus} | {shape}, {routing} | {tokens} | {label} | {ms(ce_fp8)} | "
+                f"{cell(f8g, field, ce_fp8, bf_g)} | {cell(f8g, 'combine_ms', ce) if combine else '-'} | "
+                f"{cell(f8e, field, ce_fp8, bf_e)} | {cell(f8e, 'combine_ms', ce) if combine else '-'} | - | "
+                f"{pair(torch_fp8, None) if combine and torch_fp8 in by else '-'} | - |"
+            )  # fmt: skip
     return "\n".join(lines)
 
 

@@ -132,7 +132,8 @@ def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl
 def test_table_renders_the_page_rows() -> None:
     """``run.table`` gives the benchmarks page's markdown table: one row per case, the default
     ``num_sm``'s graph and eager times, the layer's defaults, the torch backend and NCCL, % of the copy
-    engine at 4096 tokens."""
+    engine at 4096 tokens; then the case's FP8 rows (the tuple, and bf16 rows quantized in the send
+    kernel): their own bytes' copy engine, % of it and the time over bf16 dispatch."""
     import run
 
     case = {"gpus": 2, "shape": "deepseek-v3", "routing": "uniform", "tokens": 4096}
@@ -144,16 +145,29 @@ def test_table_renders_the_page_rows() -> None:
         {**case, "bench": "triton", "method": "ours-layer-default", "dispatch_ms": 0.5, "combine_ms": 0.5},
         {**case, "bench": "torch", "method": "torch", "dispatch_ms": 1.0, "combine_ms": 2.0},
         {**case, "bench": "torch", "method": "nccl-dest", "dispatch_ms": 2.0, "combine_ms": 4.0},
+        {**case, "bench": "torch", "method": "torch-fp8", "dispatch_ms": 0.8, "combine_ms": 2.0},
         {**case, "bench": "triton", "method": "ce-fp8", "copy_ms": 0.06},
-        {**case, "bench": "triton", "method": "ours-fp8-graph-sm132", "dispatch_ms": 0.12, "combine_ms": 0.25},
-        {**case, "bench": "triton", "method": "ours-fp8-sm132", "dispatch_ms": 0.3, "combine_ms": 0.5},
+        {**case, "bench": "triton", "method": "ours-fp8-graph-sm132", "dispatch_ms": 0.12, "combine_ms": 0.25,
+         "quantize_dispatch_ms": 0.125},
+        {**case, "bench": "triton", "method": "ours-fp8-sm132", "dispatch_ms": 0.3, "combine_ms": 0.5,
+         "quantize_dispatch_ms": 0.32},
     ]  # fmt: skip
     lines = run.table({"results": rows}).splitlines()
-    assert len(lines) == 3
+    assert len(lines) == 5
     assert lines[2] == (
-        "| 2 | deepseek-v3, uniform | 4096 | 100 | 200 (50 %) | 250 (40 %) | 400 (25 %) | 500 (20 %) | "
-        "500 (20 %) / 500 (20 %) | 1000 (10 %) / 2000 (5 %) | 2000 (5 %) / 4000 (2 %) | 120 (50 %) / 300 (20 %) |"
+        "| 2 | deepseek-v3, uniform | 4096 | bf16 | 100 | 200 (50 %) | 250 (40 %) | 400 (25 %) | 500 (20 %) | "
+        "500 (20 %) / 500 (20 %) | 1000 (10 %) / 2000 (5 %) | 2000 (5 %) / 4000 (2 %) |"
     )
+    assert lines[3] == (
+        "| 2 | deepseek-v3, uniform | 4096 | FP8 (x_fp8, scales) | 60 | 120 (50 %, 0.60x) | 250 (40 %) | "
+        "300 (20 %, 0.75x) | 500 (20 %) | - | 800 / 2000 | - |"
+    )
+    assert lines[4] == (
+        "| 2 | deepseek-v3, uniform | 4096 | bf16, fp8=True | 60 | 125 (48 %, 0.62x) | - | 320 (19 %, 0.80x) | - "
+        "| - | - | - |"
+    )
+    # a case without FP8 rows has only its bf16 row
+    assert len(run.table({"results": rows[:6]}).splitlines()) == 3
 
 
 def test_fp8_rows_count_their_own_bytes() -> None:
@@ -187,5 +201,8 @@ def test_fp8_rows_count_their_own_bytes() -> None:
     assert (
         "Triton graph FP8 dispatch 120 us vs bf16 200 us: 0.60x, 50% of the copy engine for its bytes" in text
     )
-    assert "Triton graph FP8 dispatch with fp8=True (quantize first) 130 us: 0.65x bf16" in text
+    assert (
+        "Triton graph FP8 dispatch of bf16 rows, fp8=True (quantized in the send kernel) 130 us: 0.65x bf16"
+        in text
+    )
     assert "Triton eager FP8 dispatch 300 us vs bf16 400 us: 0.75x" in text

@@ -16,8 +16,10 @@ H, K, E_PER_RANK, T = 256, 3, 2, 6
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_quantizer_matches_deepep_scaling(dtype: torch.dtype) -> None:
-    """Each 128-channel block: scale = max(amax, 1e-4) / 448, its largest element becomes +-448, and the
-    dequantized rows are within FP8 e4m3's rounding (3 mantissa bits) of the input."""
+    """Each 128-channel block: scale = max(amax, 1e-4) / 448 as torch computes it on CUDA (amax times
+    float32(1 / 448)), bytes as DeepEP's ``per_token_cast_to_fp8`` computes them, its largest element
+    becomes +-448, and the dequantized rows are within FP8 e4m3's rounding (3 mantissa bits) of the
+    input."""
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(5, 3 * FP8_BLOCK, generator=gen) * torch.logspace(-3, 3, 5)[:, None]).to(dtype)
     x[1, FP8_BLOCK : 2 * FP8_BLOCK] = 0  # an all-zero block: the 1e-4 floor keeps the scale finite
@@ -27,7 +29,10 @@ def test_quantizer_matches_deepep_scaling(dtype: torch.dtype) -> None:
     assert s.dtype == torch.float32
     assert s.shape == (5, 3)
     amax = x.float().view(5, 3, FP8_BLOCK).abs().amax(2).clamp(min=1e-4)
-    torch.testing.assert_close(s, amax / 448.0, rtol=0, atol=0)
+    torch.testing.assert_close(s, amax * torch.tensor(1 / 448.0, dtype=torch.float32), rtol=0, atol=0)
+    # (s differs from amax / 448 divided exactly in the last bit of some scales; the bytes are DeepEP's)
+    deepep = (x.view(5, 3, FP8_BLOCK) * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(5, -1)
+    assert torch.equal(q.view(torch.uint8), deepep.view(torch.uint8))
     peak = q.float().view(5, 3, FP8_BLOCK).abs().amax(2)
     assert torch.equal(peak[amax > 1e-4], torch.full_like(peak[amax > 1e-4], 448.0))
     err = (dequantize_fp8(q, s) - x.float()).abs()
@@ -35,6 +40,21 @@ def test_quantizer_matches_deepep_scaling(dtype: torch.dtype) -> None:
     assert bool((err <= bound).all()), float((err - bound).max())
     with pytest.raises(ValueError, match="multiple of 128"):
         quantize_fp8(torch.zeros(2, 100))
+
+
+def test_quantizer_inf_nan_policy() -> None:
+    """A block with an infinity: scale inf, the infinity NaN, the rest zeros of their sign; a block with a
+    NaN: NaN scale and bytes; NaN in one encoding each (0x7F, 0x7FC00000)."""
+    x = torch.ones(1, 3 * FP8_BLOCK)
+    x[0, 1], x[0, 2] = float("-inf"), -3.0
+    x[0, FP8_BLOCK + 4] = -float("nan")
+    q, s = quantize_fp8(x)
+    b = q.view(torch.uint8)[0]
+    assert s[0, 0] == float("inf")
+    assert (int(b[1]), int(b[2]), int(b[0])) == (0x7F, 0x80, 0x00)
+    assert bool((b[FP8_BLOCK : 2 * FP8_BLOCK] == 0x7F).all())
+    assert int(s.view(torch.int32)[0, 1]) == 0x7FC00000
+    assert bool((b[2 * FP8_BLOCK :] == 0x7E).all())  # (448: the block maximum)
 
 
 def _bytes(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -182,3 +202,51 @@ def test_packed_fp8_rows_round_trip_any_width() -> None:
         assert torch.equal(_bytes(q2, s2), _bytes(q, s))
 
     check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    ("tokens", "chunk", "merged", "send_ctas"),
+    [
+        pytest.param(256, 1, True, 0, id="T256-whole-rows-merged"),
+        pytest.param(256, 2, False, 0, id="T256-whole-rows-counts-launch"),
+        pytest.param(1024, 8, True, 0, id="T1024-tiles-merged"),
+        pytest.param(1024, 8, False, 4, id="T1024-tiles-counts-launch-split"),
+    ],
+)
+def test_quantize_on_send_compiled_one_gpu(tokens: int, chunk: int, merged: bool, send_ctas: int) -> None:
+    """The compiled row kernel quantizing bf16 rows on send, on one GPU: two simulated ranks whose heaps
+    are buffers of this GPU (each step's sending launches before its receiving ones), DeepSeek-V3 width;
+    received bytes and scales equal the reference quantizer's run on the GPU, bit for bit (zero, tiny,
+    infinite and NaN blocks included)."""
+    from ep_a2a.backends.triton.simulate import SimWorld
+    from ep_a2a.reference import dispatch_ref
+
+    world, hidden, topk, experts = 2, 7168, 8, 32
+    sim = SimWorld(
+        world_size=world, device="cuda", max_tokens=tokens, hidden=hidden, topk=topk, num_tot_experts=experts,
+        token_dtype=torch.float8_e4m3fn, num_sm=16, chunk=chunk, timeout_s=20.0,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(tokens + chunk)
+    ns = [tokens, tokens - 37]
+    xs = [(torch.randn(n, hidden, generator=gen) * torch.logspace(-3, 4, n)[:, None]) for n in ns]
+    for x in xs:
+        x[1, :FP8_BLOCK] = 0
+        x[2, -FP8_BLOCK:] *= 1e-35
+        x[3, 5], x[4, -7] = float("-inf"), float("nan")
+    xs = [x.to(torch.bfloat16).cuda() for x in xs]
+    ids = [torch.randint(-1, experts, (n, topk), generator=gen, dtype=torch.int32).cuda() for n in ns]
+    ws = [torch.rand(n, topk, generator=gen).cuda() for n in ns]
+    res = sim.dispatch(xs, ids, ws, quantize=True, merged=merged, send_ctas=send_ctas)
+    torch.cuda.synchronize()
+    sent = [_bytes(*quantize_fp8(x)).cpu() for x in xs]
+    ref, _ = dispatch_ref(sent, [i.cpu() for i in ids], [w.cpu() for w in ws], num_tot_experts=experts)
+    for r in range(world):
+        got = _bytes(*(t.contiguous() for t in res[r].output)).cpu()
+        assert got.shape == ref[r].output.shape
+        bad = (got != ref[r].output).any(1).nonzero().flatten()
+        assert bad.numel() == 0, (
+            f"rank {r}: {bad.numel()} rows differ from the reference quantizer's, first {bad[:4].tolist()}"
+        )
+        assert torch.equal(res[r].weights.cpu(), ref[r].weights)

@@ -948,3 +948,155 @@ def test_fp8_caller_scatter_and_int64_ids():
         _check_dispatch([dataclasses.replace(r, output=_fp8_bytes(*r.output)) for r in res], ref, scat, False)
         ys = [torch.randn(r.output[0].shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
         _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------------
+# FP8 quantization on send: bf16 / fp16 / fp32 rows quantized inside the row kernel (QuantizeOnSend);
+# the received bytes and scales must be the reference quantizer's, bit for bit
+# ------------------------------------------------------------------------------------------------------
+def _rows_to_quantize(n: int, hidden: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Rows over many magnitudes, with an all-zero block, one of tiny (FP8-subnormal and float32-
+    subnormal) values, one holding an infinity and one a NaN (where the row count allows)."""
+    x = torch.randn(n, hidden, generator=gen) * torch.logspace(-3, 4, n)[:, None]
+    if n > 1:
+        x[1, :128] = 0
+    if n > 2:
+        x[2, -128:] = torch.randn(128, generator=gen) * 1e-30
+        x[2, -1] = 1e-42 if dtype == torch.float32 else 0  # (a float32 subnormal)
+    if n > 3:
+        x[3, 5] = float("-inf")
+    if n > 4:
+        x[4, -7] = float("nan")
+    return x.to(dtype)
+
+
+def _quantized_round_trips(sim, ns, flows, gen, dtype, *, with_w=True, **dispatch_kw) -> None:
+    """One dispatch of ``dtype`` rows quantized on send and one bf16 combine per ``(merged, send_ctas)``
+    of ``flows``, against the reference quantizer's bytes."""
+    from ep_a2a.reference import quantize_fp8
+
+    eng = sim.engines[0]
+    hidden, topk, experts = eng.hidden, eng.topk, eng.num_tot_experts
+    for call, (merged, send_ctas) in enumerate(flows):
+        ns_call = ns if call == 0 else [max(0, n - call) for n in reversed(ns)]
+        xs = [_rows_to_quantize(n, hidden, dtype, gen) for n in ns_call]
+        ids = [_routing(n, topk, experts, gen, skew=True, drop=0.1) for n in ns_call]
+        ws = [torch.rand(n, topk, generator=gen) for n in ns_call] if with_w else None
+        res = sim.dispatch(xs, ids, ws, merged=merged, send_ctas=send_ctas, quantize=True, **dispatch_kw)
+        scat = _check_fp8_dispatch(res, [quantize_fp8(x) for x in xs], ids, ws, experts)
+        ys = [torch.randn(r.output[0].shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
+        _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("world", "ns", "hidden", "chunk", "block_h", "layer_dtype", "dtype"),
+    [
+        # tiles of 128 pairs (256 channels) over 192 pairs: the last tile half masked
+        pytest.param(
+            2, [6, 5], 384, 4, 256, torch.float8_e4m3fn, torch.bfloat16, id="W2-H384-tiles-uneven-bf16"
+        ),
+        pytest.param(
+            2, [6, 5], 384, 4, 256, torch.float8_e4m3fn, torch.float16, id="W2-H384-tiles-uneven-fp16"
+        ),
+        pytest.param(
+            2, [6, 5], 384, 4, 256, torch.float8_e4m3fn, torch.float32, id="W2-H384-tiles-uneven-fp32"
+        ),
+        pytest.param(2, [5, 3], 256, 4, None, torch.bfloat16, torch.bfloat16, id="W2-H256-tiles-bf16-layer"),
+        pytest.param(3, [4, 6, 1], 384, 1, None, torch.float8_e4m3fn, torch.bfloat16, id="W3-H384-whole-row"),
+        pytest.param(
+            2, [3, 5], 512, 2, None, torch.float8_e4m3fn, torch.float32, id="W2-H512-whole-row-fp32"
+        ),
+    ],
+)
+def test_quantize_on_send_bit_for_bit(world, ns, hidden, chunk, block_h, layer_dtype, dtype):
+    """Counts-launch, merged and CTA-split flows quantizing bf16 / fp16 / fp32 rows in the row kernel:
+    tiled rows (a tile's pairs of channels, its scales after the row's FP8 bytes) and whole rows, every
+    store path (peers, this rank's own rows); zero, tiny, infinite and NaN blocks."""
+    gen = torch.Generator().manual_seed(hidden + world + chunk)
+    sim = SimWorld(
+        world_size=world, max_tokens=max(ns), hidden=hidden, topk=3, num_tot_experts=2 * world,
+        token_dtype=layer_dtype, num_sm=2, chunk=chunk, block_h=block_h,
+    )  # fmt: skip
+    _quantized_round_trips(sim, ns, ((False, 0), (True, 0), (True, 1)), gen, dtype)
+
+
+def test_quantize_on_send_speculative_rewrite_and_steal():
+    """Rows quantized on send in the speculative flow (outputs of 0 rows: the second writing pass
+    quantizes this rank's own rows again) and with chunks claimed from shared counters."""
+    gen = torch.Generator().manual_seed(81)
+    sim = SimWorld(
+        world_size=2, max_tokens=5, hidden=256, topk=2, num_tot_experts=4, token_dtype=torch.float8_e4m3fn,
+        num_sm=2, chunk=2,
+    )  # fmt: skip
+    _quantized_round_trips(sim, [5, 4], ((True, 0),), gen, torch.bfloat16, speculative_rows=0, mirror=True)
+    _quantized_round_trips(sim, [5, 4], ((True, 1),), gen, torch.bfloat16, steal=True)
+
+
+@pytest.mark.parametrize(
+    ("world", "node", "ns"),
+    [pytest.param(2, 1, [5, 4], id="W2-node1"), pytest.param(4, 2, [3, 4, 0, 2], id="W4-node2")],
+)
+def test_quantize_on_send_remote_path(world, node, ns):
+    """Rows quantized on send into the remote path's token records (FP8 bytes, then scales), put and
+    expanded on the receiver; the decoy heap stays untouched."""
+    gen = torch.Generator().manual_seed(90 + world)
+    sim = _remote_world(world, node, max(ns), 256, 2, 2 * world, torch.float8_e4m3fn, chunk=2)
+    _quantized_round_trips(sim, ns, ((False, 0),), gen, torch.bfloat16)
+    sim.check_decoy()
+
+
+def test_quantize_on_send_one_rank_one_launch():
+    """One rank, one launch that sends and writes (as on a GPU): the quantized rows of its own experts."""
+    gen = torch.Generator().manual_seed(5)
+    sim = SimWorld(world_size=1, max_tokens=6, hidden=256, topk=2, num_tot_experts=2,
+                   token_dtype=torch.float8_e4m3fn, num_sm=2, chunk=4)  # fmt: skip
+    _quantized_round_trips(sim, [6], ((True, 0),), gen, torch.bfloat16, whole=True)
+
+
+def test_quantize_on_send_refusals():
+    """Rows of a width that is not a multiple of 128 or of another dtype are refused when wrapped; a
+    copy-engine engine refuses rows to quantize (its copies move rows as they are)."""
+    from ep_a2a.backends.triton.engine import QuantizeOnSend
+
+    with pytest.raises(ValueError, match="multiple of 128"):
+        QuantizeOnSend(torch.zeros(2, 192, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="dtype in"):
+        QuantizeOnSend(torch.zeros(2, 128, dtype=torch.float8_e4m3fn))
+    q = QuantizeOnSend(torch.zeros(3, 256, dtype=torch.bfloat16))
+    assert (q.dtype, tuple(q.shape)) == (torch.int16, (3, fp8_row_bytes(256) // 2))
+    odd = torch.zeros(2 * 256 + 1, dtype=torch.bfloat16)[1:].view(2, 256)  # (2-byte aligned only)
+    assert QuantizeOnSend(odd).x.data_ptr() % 4 == 0
+    sim = SimWorld(world_size=2, max_tokens=2, hidden=128, topk=2, num_tot_experts=2,
+                   token_dtype=torch.float8_e4m3fn, num_sm=2, chunk=2, ce_pieces=2)  # fmt: skip
+    eng = sim.engines[0]
+    b = eng.alloc_dispatch_outputs(2, 4, with_weights=False, dtype=torch.int16)
+    ids = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="copy-engine dispatch"):
+        eng.launch_dispatch(QuantizeOnSend(torch.zeros(2, 128, dtype=torch.bfloat16)), ids, None, eng.pos, b,
+                            caller_scatter=False)  # fmt: skip
+
+
+def test_e4m3_rounding_matches_torch():
+    """The row kernel's float32 -> float8_e4m3fn conversion (its interpreter path: torch's rule in integer
+    operations) against torch's, on every value it can meet: +-[0, 448] in float32 patterns, ties to
+    even at every binade (normal and subnormal FP8), float32 subnormals; NaN in one encoding."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + i, mask=i < n)
+        tl.store(out_ptr + i, K._to_e4m3(v).to(tl.uint8), mask=i < n)
+
+    bits = torch.arange(0, 0x43E00001, 4099, dtype=torch.int64)  # (0x43E00000: 448.0)
+    ties = torch.tensor([(e << 23) | (m << 20) | 0x80000 for e in range(110, 135) for m in range(8)])
+    x = torch.cat([bits, ties, torch.arange(0, 64)]).to(torch.int32).view(torch.float32)
+    x = torch.cat([x, -x, torch.tensor([float("nan"), -float("nan")])])
+    got = torch.empty(x.shape, dtype=torch.uint8)
+    block = 1 << 16
+    convert[(triton.cdiv(x.numel(), block),)](x, got, x.numel(), BLOCK=block)
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    want = torch.where(x.isnan(), 0x7F, want)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, [(float(x[i]), int(got[i]), int(want[i])) for i in bad[:5]]

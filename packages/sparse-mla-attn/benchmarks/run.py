@@ -8,8 +8,9 @@ Measured in one process on one GPU: the dense bf16 matmul rate (this run's roofl
 FlashMLA's benchmark shape (s_q 4096, topk 2048, d_qk 576, d_v 512, h_q 128 and 64, s_kv 8K / 32K / 128K)
 with the default kernels and with ``Config(backend="triton")``; attn_dist at the same shapes; paged decode
 (topk 2048, 32K-token caches, h_q 128 at batch 1 / 8 / 64 / 128 and at batch 1 / 8 with each split-K merge
-of ``Config(split_merge=...)``, h_q 64 at batch 64 / 128, and split-K
-2 / 4 through ``Config(num_splits=...)`` where the default does not split); the backward
+of ``Config(split_merge=...)``, h_q 64 at batch 64 / 128); the bf16 and FP8 decode side by side
+(``decode_fp8`` rows: batch 64 / 128, s_q 1 / 2, h_q 64 / 128, the FP8 cache FlashMLA's layout, its
+cache-row indices); the backward
 (default and deterministic) and the indexer logits; a torch gather + einsum forward baseline. Times are
 medians of CUDA-event timed runs after warm-up, the L2 cache flushed before each (decode: the replay of one
 call captured in a CUDA graph, ``ms``, and eager calls, ``ms_eager``; also from an idle GPU and as
@@ -17,8 +18,9 @@ back-to-back replays, see ``bench_decode.py``); each row is also checked against
 a slice.
 ``host_cost`` rows give every public op's host time per call (a tiny problem called back to back).
 ``--flashmla PATH`` imports FlashMLA's Python package from PATH (a build of deepseek-ai/FlashMLA) and times
-its ``flash_mla_sparse_fwd`` on the forward rows' inputs; ``--flashmla-commit`` records which commit.
-``--plot FILE`` redraws the figure of a results file.
+its ``flash_mla_sparse_fwd`` on the forward rows' inputs and its FP8 sparse decode on the ``decode_fp8``
+rows' FP8 cache; ``--flashmla-commit`` records which commit.
+``--plot FILE`` redraws the figure of a results file; ``--table FILE`` prints its docs table (Markdown).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def git_commit() -> str:
 def measure(quick: bool, flashmla: Any) -> list[dict[str, Any]]:
     from bench_attn_dist import bench_attn_dist
     from bench_backward import bench_bwd
-    from bench_decode import bench_decode, decode_rows
+    from bench_decode import FP8_SHAPES, bench_decode, bench_decode_fp8, decode_rows
     from bench_forward import bench_fwd, bench_torch_baseline
 
     from sparse_mla_attn import Config
@@ -93,10 +95,13 @@ def measure(quick: bool, flashmla: Any) -> list[dict[str, Any]]:
         add(row)
     for b in (64, 128):  # a tensor-parallel shard of DeepSeek's 128 heads
         add(bench_decode(b, 64, 32768, 2048))
-    # Split-K where the default does not split (the grid about fills the GPU), through Config.
-    for b, h_q in ((64, 128), (128, 64)):
-        for splits in (2, 4):
-            add(bench_decode(b, h_q, 32768, 2048, config=Config(num_splits=splits)))
+    # bf16 and FP8 decode beside FlashMLA's FP8 sparse decode, on the same (quantized) caches.
+    for b, s_q, h_q in FP8_SHAPES[:2] if quick else FP8_SHAPES:
+        row = bench_decode_fp8(b, s_q, h_q, flashmla=flashmla)
+        rows.append(row)
+        fm = f", FlashMLA fp8 {row['flashmla_ms'] * 1e3:.0f} us" if "flashmla_ms" in row else ""
+        print(f"decode_fp8 b{b} s_q{s_q} h_q{h_q}: bf16 {row['ms_bf16'] * 1e3:.0f} us, fp8 "
+              f"{row['ms_fp8'] * 1e3:.0f} us{fm}", flush=True)  # fmt: skip
     for h_q, s_kv in ((128, 32768),) if quick else ((128, 32768), (64, 32768), (128, 131072)):
         add(bench_bwd(s_q, h_q, s_kv, 2048))
     from bench_decode import bench_host_cost
@@ -143,12 +148,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=7)
     ax = axes[1]
-    dec = sorted(
-        (r for r in rows if r["op"] == "decode" and r["h_q"] == 128 and not r.get("config")),
-        key=lambda r: r["batch"],
-    )
-    ax.bar([str(r["batch"]) for r in dec], [r["ms"] * 1e3 for r in dec], color="C2")
-    ax.set(xlabel="batch (one token each)", ylabel="µs", title="decode (h_q 128, topk 2048, 32K cache)")
+    dec = [r for r in rows if r["op"] == "decode_fp8"]
+    x = range(len(dec))
+    series = [
+        ("ms_bf16", "ours, bf16 cache"),
+        ("ms_fp8", "ours, FP8 cache"),
+        ("flashmla_ms", "FlashMLA, FP8"),
+    ]
+    for i, (key, label) in enumerate(series):
+        ax.bar([j + (i - 1) * 0.27 for j in x], [r.get(key, 0.0) * 1e3 for r in dec], 0.27, label=label)
+    ax.set_xticks(list(x), [f"b{r['batch']} s{r['s_q']}\nh{r['h_q']}" for r in dec], fontsize=7)
+    ax.set(ylabel="µs", title="sparse decode (topk 2048, 32K caches)")
+    ax.legend(fontsize=7)
     ax = axes[2]
     bwd = [r for r in rows if r["op"] == "bwd"]
     labels = [f"h{r['h_q']} {r['s_kv'] // 1024}K" for r in bwd]
@@ -166,6 +177,67 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _us(ms: float) -> str:
+    return f"{ms * 1e3:.0f} µs"
+
+
+def docs_table(result: dict[str, Any]) -> str:
+    """The Markdown table of the docs' Benchmarks page, from a results file: one line per default-config
+    row of each op (decode_fp8 rows: ours bf16 and FP8 beside FlashMLA's FP8 decode)."""
+    lines = ["| operation | time | TFLOPS | FlashMLA, same run (ours / FlashMLA time) |", "|---|---|---|---|"]
+    order = ["fwd", "attn_dist", "decode", "decode_fp8", "bwd", "indexer_logits", "fwd_torch_baseline"]
+    rows = sorted(
+        (r for r in result["results"] if not r.get("config") and r["op"] in order),
+        key=lambda r: order.index(r["op"]),
+    )
+    fwd_ms = {}
+    for r in rows:
+        op = r["op"]
+        if op == "fwd":
+            fwd_ms[(r["h_q"], r["s_kv"])] = r["ms"]
+            fm = "—"
+            if "flashmla_ms" in r:
+                fm = f"{r['flashmla_ms']:.2f} ms, {r['flashmla_tflops']:.0f} TFLOPS ({r['ms'] / r['flashmla_ms']:.2f}x)"
+            lines.append(
+                f"| forward, h_q {r['h_q']}, s_kv {r['s_kv'] // 1024}K | {r['ms']:.2f} ms | {r['tflops']:.0f} | {fm} |"
+            )
+        elif op == "attn_dist":
+            ratio = (
+                r["ms"] / fwd_ms[(r["h_q"], r["s_kv"])] if (r["h_q"], r["s_kv"]) in fwd_ms else float("nan")
+            )
+            lines.append(
+                f"| attn_dist, h_q {r['h_q']}, s_kv {r['s_kv'] // 1024}K | {r['ms']:.2f} ms ({ratio:.2f}x the forward) | {r['tflops']:.0f} | — |"
+            )
+        elif op == "decode":
+            lines.append(
+                f"| decode, batch {r['batch']}, h_q {r['h_q']}, 32K cache (eager call) | {_us(r['ms'])} ({_us(r['ms_eager'])}) | {r['tflops']:.0f} | — |"
+            )
+        elif op == "decode_fp8":
+            shape = f"batch {r['batch']}, s_q {r['s_q']}, h_q {r['h_q']}"
+            for kind in ("bf16", "fp8"):
+                fm = "—"
+                if "flashmla_ms" in r:
+                    fm = f"{_us(r['flashmla_ms'])}, {r['flashmla_tflops']:.0f} TFLOPS ({r['ms_' + kind] / r['flashmla_ms']:.2f}x)"
+                cache = "bf16 cache" if kind == "bf16" else "FP8 cache, cache-row indices"
+                lines.append(
+                    f"| decode, {shape}, {cache} | {_us(r['ms_' + kind])} | {r['tflops_' + kind]:.0f} | {fm} |"
+                )
+        elif op == "bwd":
+            lines.append(
+                f"| backward, h_q {r['h_q']}, s_kv {r['s_kv'] // 1024}K (deterministic) | {r['ms']:.1f} ms ({r['det_ms']:.1f} ms) | {r['tflops']:.0f} ({r['det_tflops']:.0f}) | — |"
+            )
+        elif op == "indexer_logits":
+            name = "indexer logits causal" if r.get("causal") else "indexer logits"
+            lines.append(
+                f"| {name}, fwd / bwd | {r['ms']:.2f} / {r['bwd_ms']:.1f} ms | {r['tflops']:.0f} / {r['bwd_tflops']:.0f} | — |"
+            )
+        elif op == "fwd_torch_baseline":
+            lines.append(
+                f"| torch gather + einsum forward, h_q {r['h_q']}, s_kv {r['s_kv'] // 1024}K | {r['ms']:.1f} ms | {r['tflops']:.0f} | — |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", default="docs/benchmarks/sparse-mla-attn")
@@ -177,7 +249,11 @@ def main() -> None:
         help="FlashMLA commit the build came from (recorded in the results file)",
     )
     ap.add_argument("--plot", default=None, help="only redraw the figure of this results file")
+    ap.add_argument("--table", default=None, help="only print the docs table of this results file")
     a = ap.parse_args()
+    if a.table:
+        print(docs_table(json.loads(Path(a.table).read_text())))
+        return
     if a.plot:
         path = Path(a.plot)
         plot(json.loads(path.read_text()), path.with_suffix(".png"))

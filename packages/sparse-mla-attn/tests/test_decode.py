@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from sparse_mla_attn import Config, sparse_mla_decode, sparse_mla_decode_ref
-from sparse_mla_attn._inputs import kernel_test_device
+from sparse_mla_attn import Config, quantize_fp8_kv_cache, sparse_mla_decode, sparse_mla_decode_ref
+from sparse_mla_attn._inputs import gluon_skip_reason, kernel_test_device
 from sparse_mla_attn._runtime import last_launch
 from sparse_mla_attn.reference import paged_rows
 
@@ -87,6 +87,21 @@ def test_decode_split_k_and_table_entries_outside_the_cache():
     torch.testing.assert_close(lse, ref_lse, atol=2e-4, rtol=1e-5)
 
 
+def assert_graph_replays_equal(call, expected, replays):
+    """``call()`` captured in a CUDA graph: each replay (outputs NaN-filled before) gives ``expected``'s bits."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replay = call()
+    for _ in range(replays):
+        for t in replay:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, e in zip(replay, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
 def _poisoned_empty(real_empty):
     """``torch.empty`` whose float tensors hold NaN and integer tensors a large garbage value."""
 
@@ -163,9 +178,16 @@ def test_decode_custom_op_fake_and_schema():
     args = paged_problem(2, 1, 4, 576, 8, (9, 3), 5, dev, seed=1)
     torch.library.opcheck(
         torch.ops.sparse_mla_attn.sparse_mla_decode.default,
-        (*args, 0.05, 512, "auto", 0, "auto"),
+        (*args, 0.05, 512, "auto", 0, "auto", 1.0, "positions", float("-inf")),
         test_utils=("test_schema", "test_faketensor"),
     )
+    q, cache, _, _, idx = args
+    torch.library.opcheck(
+        torch.ops.sparse_mla_attn.sparse_mla_decode.default,
+        (q, quantize_fp8_kv_cache(cache.nan_to_num()).view(torch.uint8), None, None, idx, 0.05, 512, "auto", 0, "auto", 1.0,
+         "cache_rows", float("inf")),
+        test_utils=("test_schema", "test_faketensor"),
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -191,18 +213,8 @@ def test_decode_split_merge_eager_and_cuda_graph_gpu(b, h_q):
     for merge in ("auto", "last_program", "kernel"):
         cfg = Config(split_merge=merge)
         sparse_mla_decode(*args, scale, config=cfg)  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replay = sparse_mla_decode(*args, scale, config=cfg)
-        assert last_launch("fwd").merge == ("kernel" if merge == "auto" else merge)
-        for _ in range(2):
-            for t in replay:
-                t.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            for a, e in zip(replay, first, strict=True):
-                torch.testing.assert_close(a, e, rtol=0, atol=0)
+        assert_graph_replays_equal(lambda cfg=cfg: sparse_mla_decode(*args, scale, config=cfg), first, 2)
+        assert last_launch("fwd").merge == ("kernel" if merge == "auto" else merge)  # the captured call's
 
 
 @pytest.mark.gpu
@@ -240,3 +252,232 @@ def test_decode_batch_zero_returns_empty():
     ref_out, ref_lse = sparse_mla_decode_ref(q, cache, table, seqlens, idx, 0.05)
     assert ref_out.shape == out.shape
     assert ref_lse.shape == lse.shape
+
+
+# FP8 cache (FlashMLA's 656-byte layout). The kernel dequantizes exactly (power-of-two scales), so it is
+# compared with the float32 reference of the same dequantized cache; the error is the bf16 output's
+# rounding and the bf16 P of the P·V product. Tolerances (atol, rtol) by where the kernel runs:
+FP8_TOL = {"interpreter": (1e-2, 1e-2), "gpu": (8e-4, 2e-2)}
+NAN_E4M3 = 0x7F  # float8_e4m3fn NaN
+
+
+def fp8_paged_problem(b, s_q, h_q, block_size, seqlens, topk, device, seed, *, pad_blocks=0):
+    """:func:`paged_problem` with its cache quantized to the FP8 layout (blocks ``pad_blocks`` tokens
+    apart beyond ``block_size``, as FlashMLA's quantizer lays them out), every unused token's bytes,
+    scales and rope values, and the padding, poisoned with NaN; plus the same indices as cache rows."""
+    q, cache, table, seqlens_t, idx = paged_problem(b, s_q, h_q, 576, block_size, seqlens, topk, device, seed)
+    unused = torch.isnan(cache).any(-1)  # [num_blocks, block_size, 1]
+    num_blocks = cache.shape[0]
+    store = torch.empty(num_blocks, block_size + pad_blocks, 1, 656, dtype=torch.uint8, device=device)
+    store.view(-1, 4).view(torch.float32).fill_(float("nan"))  # padding: NaN scales and values
+    fp8 = store[:, :block_size]
+    fp8.copy_(quantize_fp8_kv_cache(cache.nan_to_num()).view(torch.uint8))
+    fp8[..., :512].masked_fill_(unused[..., None], NAN_E4M3)
+    fp8[..., 512:].view(torch.float32).masked_fill_(unused[..., None], float("nan"))  # scales and rope
+    rows, valid = paged_rows(idx, table, seqlens_t, block_size, num_blocks * block_size)
+    cache_rows = torch.where(valid, rows, -1).int()
+    idx[..., -1] = -5  # an invalid position, and as a row one past the cache: never read
+    cache_rows[..., -1] = num_blocks * block_size
+    return q, fp8.view(torch.float8_e4m3fn), table, seqlens_t, idx, cache_rows
+
+
+def check_fp8(got, q, cache, table, seqlens, idx, sm_scale, tol, **kw):
+    ref_out, ref_lse = sparse_mla_decode_ref(q.float(), cache, table, seqlens, idx, sm_scale, **kw)
+    assert not torch.isnan(got[0]).any()
+    torch.testing.assert_close(got[0].float(), ref_out.float(), atol=tol[0], rtol=tol[1])
+    torch.testing.assert_close(got[1], ref_lse, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("b", "s_q", "h_q", "block_size", "seqlens", "topk", "pad", "config"),
+    [
+        pytest.param(3, 1, 16, 16, (70, 5, 0), 21, 1, None, id="B3-S1-H16-bs16-padded-empty-seq"),
+        pytest.param(1, 2, 66, 8, (40,), 19, 0, None, id="B1-S2-H66-bs8-two-head-tiles"),
+        pytest.param(2, 1, 5, 8, (30, 17), 23, 0, Config(num_splits=2), id="B2-S1-H5-bs8-splitK2"),
+    ],
+)
+def test_decode_fp8_cache_matches_reference(b, s_q, h_q, block_size, seqlens, topk, pad, config):
+    """FP8 cache, both index kinds and both lse conventions, against the float32 reference of the
+    dequantized cache; unused tokens, scales and padding are NaN, so a wrong read shows."""
+    dev = cpu_device()
+    q, cache, table, seqlens_t, idx, rows = fp8_paged_problem(
+        b, s_q, h_q, block_size, seqlens, topk, dev, seed=b + h_q, pad_blocks=pad
+    )
+    got = sparse_mla_decode(q, cache, table, seqlens_t, idx, 0.05, config=config)
+    check_fp8(got, q, cache, table, seqlens_t, idx, 0.05, FP8_TOL["interpreter"])
+    as_rows = sparse_mla_decode(q, cache, None, None, rows, 0.05, index_kind="cache_rows",
+                                empty_lse=float("inf"), config=config)  # fmt: skip
+    check_fp8(as_rows, q, cache, None, None, rows, 0.05, FP8_TOL["interpreter"], index_kind="cache_rows",
+              empty_lse=float("inf"))  # fmt: skip
+    torch.testing.assert_close(as_rows[0], got[0], rtol=0, atol=0)  # the same rows: the same bits
+    empty = got[1] == float("-inf")
+    assert torch.equal(as_rows[1][empty], torch.full_like(as_rows[1][empty], float("inf")))
+    torch.testing.assert_close(as_rows[1][~empty], got[1][~empty], rtol=0, atol=0)
+    for i, s in enumerate(seqlens):
+        if s == 0:
+            assert torch.all(got[0][i] == 0)
+            assert torch.all(got[1][i] == float("-inf"))
+
+
+def test_decode_cache_rows_and_plus_inf_lse_on_a_bf16_cache():
+    dev = cpu_device()
+    q, cache, table, seqlens, idx = paged_problem(2, 1, 4, 576, 8, (20, 0), 9, dev, seed=5)
+    rows, valid = paged_rows(idx, table, seqlens, 8, cache.shape[0] * 8)
+    rows = torch.where(valid, rows, -1).int()
+    got = sparse_mla_decode(
+        q, cache, table, None, rows, 0.05, index_kind="cache_rows", empty_lse=float("inf")
+    )
+    ref = sparse_mla_decode(q, cache, table, seqlens, idx, 0.05)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    assert torch.all(got[1][1] == float("inf"))  # the empty sequence: FlashMLA's convention
+    torch.testing.assert_close(got[1][0], ref[1][0], rtol=0, atol=0)
+
+
+def _fp8_bad_inputs():
+    q = torch.randn(1, 1, 4, 576).bfloat16()
+    cache = quantize_fp8_kv_cache(torch.randn(2, 8, 1, 576))
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
+    seqlens = torch.tensor([12], dtype=torch.int32)
+    idx = torch.zeros(1, 1, 3, dtype=torch.int32)
+    return q, cache, table, seqlens, idx
+
+
+@pytest.mark.parametrize(
+    ("mutate", "kw", "exc", "match"),
+    [
+        pytest.param(
+            lambda a: (a[0], a[1][..., :655], *a[2:]), {}, ValueError, "kv_cache", id="fp8-655-bytes"
+        ),
+        pytest.param(
+            lambda a: (a[0][..., :512], *a[1:]), {}, ValueError, "q must have d_qk = 576", id="fp8-d512"
+        ),
+        pytest.param(lambda a: (a[0].half(), *a[1:]), {}, TypeError, "q must be bf16", id="fp8-fp16-q"),
+        pytest.param(
+            lambda a: (a[0], torch.zeros(2, 8, 1, 672, dtype=torch.uint8)[..., :656], *a[2:]),
+            {},
+            ValueError,
+            "656 bytes apart",
+            id="fp8-token-stride",
+        ),
+        pytest.param(
+            lambda a: (a[0], torch.zeros(2 * 8 * 656 + 8, dtype=torch.uint8)[8:].view(2, 8, 1, 656), *a[2:]),
+            {},
+            ValueError,
+            "16-byte aligned",
+            id="fp8-misaligned",
+        ),
+        pytest.param(
+            lambda a: (a[0], a[1].view(torch.int8), *a[2:]),
+            {},
+            ValueError,
+            "kv_cache must be",
+            id="int8-cache",
+        ),
+        pytest.param(lambda a: a, {"index_kind": "rows"}, ValueError, "index_kind", id="index-kind"),
+        pytest.param(lambda a: a, {"empty_lse": 0.0}, ValueError, "empty_lse", id="empty-lse-0"),
+        pytest.param(lambda a: (a[0], a[1], None, *a[3:]), {}, TypeError, "block_table", id="no-table"),
+        pytest.param(lambda a: (*a[:3], None, a[4]), {}, TypeError, "cache_seqlens", id="no-seqlens"),
+    ],
+)
+def test_decode_fp8_and_option_errors_name_the_argument(mutate, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        sparse_mla_decode(*mutate(_fp8_bad_inputs()), 0.05, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("b", "s_q", "h_q", "seqlen", "topk", "pad"),
+    [
+        pytest.param(64, 1, 128, 8192, 2048, 0, id="B64-S1-H128-L8K-T2048"),
+        pytest.param(32, 2, 64, 8192, 2048, 1, id="B32-S2-H64-L8K-T2048-padded"),
+        pytest.param(2, 1, 128, 32768, 2048, 0, id="B2-S1-H128-L32K-T2048-splitK"),
+        pytest.param(8, 1, 16, 3000, 500, 0, id="B8-S1-H16-L3000-T500"),
+    ],
+)
+def test_decode_fp8_gpu(b, s_q, h_q, seqlen, topk, pad):
+    """The compiled FP8 decode (both index kinds, eager and replayed) against the float32 reference."""
+    g = torch.Generator(device="cuda").manual_seed(b)
+    seqlens = torch.randint(seqlen // 2, seqlen + 1, (b,), generator=g, device="cuda").tolist()
+    q, cache, table, seqlens_t, idx, rows = fp8_paged_problem(
+        b, s_q, h_q, 64, seqlens, topk, "cuda", seed=b + h_q, pad_blocks=pad
+    )
+    scale = 1 / math.sqrt(576)
+    got = sparse_mla_decode(q, cache, table, seqlens_t, idx, scale)
+    check_fp8(got, q, cache, table, seqlens_t, idx, scale, FP8_TOL["gpu"])
+    for _ in range(2):  # the last call replays the launches the second one recorded, on fresh copies
+        again = sparse_mla_decode(*[t.clone() for t in (q, cache, table, seqlens_t, idx)], scale)
+        for a, e in zip(again, got, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+    for _ in range(2):
+        as_rows = sparse_mla_decode(q, cache, None, None, rows.clone(), scale, index_kind="cache_rows")
+        for a, e in zip(as_rows, got, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("b", "s_q", "h_q", "split_fill", "splits"),
+    [
+        pytest.param(1, 1, 128, 1.0, 8, id="B1-H128"),
+        pytest.param(8, 1, 128, 1.0, 8, id="B8-H128"),
+        pytest.param(64, 1, 128, 1.0, 1, id="B64-H128"),
+        pytest.param(128, 2, 128, 1.0, 1, id="B128-S2-H128"),
+        pytest.param(64, 1, 64, 1.0, 2, id="B64-H64"),
+        pytest.param(128, 1, 64, 1.0, 1, id="B128-H64"),
+        pytest.param(64, 1, 128, 2.0, 2, id="B64-H128-fill2"),
+        pytest.param(128, 1, 64, 2.0, 2, id="B128-H64-fill2"),
+        pytest.param(128, 1, 128, 2.0, 1, id="B128-H128-fill2"),
+        pytest.param(64, 1, 64, 0.5, 1, id="B64-H64-fill0.5"),
+    ],
+)
+def test_split_rule_on_an_h200(monkeypatch, b, s_q, h_q, split_fill, splits):
+    """``Config.splits_for`` at the decode shapes, with an H200's 132 multiprocessors, and the factor
+    the forward plan picks from it (tokens x 64-head tiles programs, topk 2048)."""
+    from sparse_mla_attn import forward
+
+    cfg = Config(split_fill=split_fill)
+    n_programs = b * s_q * math.ceil(h_q / 64)
+    assert cfg.splits_for(n_programs, 2048, 132) == splits
+    monkeypatch.setattr(forward, "num_sms", lambda device: 132)
+    monkeypatch.setattr(forward, "interpreting", lambda: False)
+    assert forward.choose_splits(n_programs, 2048, 64, torch.device("cpu"), split_fill) == splits
+
+
+def test_split_rule_bounds_and_config_checks():
+    assert Config().splits_for(1, 2048, 132) == 8  # at least 4 blocks of 64 slots per split
+    assert Config().splits_for(1, 100, 132) == 1
+    assert Config().splits_for(0, 2048, 132) == 1
+    assert Config().splits_for(4, 2048, 0) == 1  # not a GPU
+    assert Config(num_splits=3).splits_for(256, 2048, 132) == 3  # a fixed factor wins
+    for bad in (0, -1.0, 65, "2", True, float("nan")):
+        with pytest.raises(ValueError, match="split_fill"):
+            Config(split_fill=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("b", "s_q", "h_q", "n_splits"),
+    [
+        pytest.param(64, 1, 64, 2, id="B64-S1-H64-splits2"),
+        pytest.param(8, 1, 128, 8, id="B8-S1-H128-splits8"),
+        pytest.param(16, 2, 128, 3, id="B16-S2-H128-splits3"),
+    ],
+)
+def test_decode_gluon_split_k_gpu(b, s_q, h_q, n_splits):
+    """The Gluon decode split over the top-k list (``Config(backend="gluon", num_splits=n)``), eager,
+    replayed and captured in a CUDA graph (bit-equal), against the float32 reference."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    g = torch.Generator(device="cuda").manual_seed(b)
+    seqlens = torch.randint(16384, 32769, (b,), generator=g, device="cuda").tolist()
+    args = paged_problem(b, s_q, h_q, 576, 64, seqlens, 2048, "cuda", seed=b + h_q)
+    scale = 1 / math.sqrt(576)
+    cfg = Config(backend="gluon", num_splits=n_splits)
+    first = sparse_mla_decode(*args, scale, config=cfg)
+    launch = last_launch("fwd")
+    assert (launch.backend, launch.splits, launch.merge) == ("gluon", n_splits, "kernel")
+    check(first, args, scale, 8e-4, 2e-2)
+    for _ in range(2):  # the last call replays the launches the second one recorded, on fresh copies
+        again = sparse_mla_decode(*[t.clone() for t in args], scale, config=cfg)
+        for a, e in zip(again, first, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert_graph_replays_equal(lambda: sparse_mla_decode(*args, scale, config=cfg), first, 1)

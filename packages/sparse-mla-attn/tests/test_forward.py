@@ -336,7 +336,14 @@ def check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg):
     # With one or two blocks the softmax is peaked and the bf16 rounding of P alone exceeds abs 8e-4 (up
     # to 1.7e-3 on ~0.005% of the elements; measured): the "gpu_few" tolerance there.
     where = "gpu" if topk >= 256 else "gpu_few"
-    q, kv, idx = make_problem(s_q, h_q, d_qk, 8192, topk, "cuda", seed=11 * h_q + topk, invalid_frac=0.05)
+    check_gluon_fwd(cfg, h_q, d_qk, topk, s_q, 11 * h_q + topk, where)
+
+
+def check_gluon_fwd(cfg, h_q, d_qk, topk, s_q, seed, where):
+    """The Gluon forward under ``cfg`` against the reference, launched twice (a barrier phase left over
+    from an earlier launch would show): invalid indices, an all-invalid row, NaN in every KV row no valid
+    index selects; then with sink, topk_length (0 included), causal limit."""
+    q, kv, idx = make_problem(s_q, h_q, d_qk, 8192, topk, "cuda", seed=seed, invalid_frac=0.05)
     idx[0, 0, :] = -1
     kv = poison_unselected(kv, idx)
     scale = 1 / math.sqrt(d_qk)
@@ -354,3 +361,34 @@ def check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg):
     check_fwd(got, q, kv, idx, scale, "gpu_few", **kw)
     assert torch.all(got[0][1] == 0)
     assert torch.all(got[2][1] == float("-inf"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("h_q", "topk", "n_splits"),
+    [
+        pytest.param(128, 1000, 3, id="H128-T1000-splits3"),
+        pytest.param(64, 2048, 2, id="H64-T2048-splits2"),
+        pytest.param(96, 300, 4, id="H96-T300-splits4-as-3"),
+    ],
+)
+def test_fwd_gpu_gluon_split_k(h_q, topk, n_splits):
+    """The Gluon forward split over the top-k list (``Config(backend="gluon", num_splits=n)``), merged by
+    the merge kernel, against the reference: sink, topk_length (0 included), causal limit, invalid
+    indices, an all-invalid row, NaN in the rows no valid index selects."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    cfg = Config(backend="gluon", num_splits=n_splits)
+    check_gluon_fwd(cfg, h_q, 576, topk, 6, h_q + topk, "gpu")
+    assert last_launch("fwd").merge == "kernel"
+    assert last_launch("fwd").splits > 1
+
+
+@pytest.mark.gpu
+def test_fwd_gpu_gluon_split_k_pipeline_options():
+    """The split-K Gluon forward with every pipeline option of ``Config`` on, against the reference."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    cfg = Config(backend="gluon", num_splits=3, fwd_half_ring=True, fwd_early_qk=True, l2_prefetch=True)
+    check_gluon_fwd(cfg, 128, 576, 1000, 6, 1128, "gpu")
+    assert last_launch("fwd").splits > 1

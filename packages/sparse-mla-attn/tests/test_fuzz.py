@@ -27,6 +27,7 @@ from sparse_mla_attn import (
     indexer_logits_ref,
     indexer_target,
     indexer_topk,
+    quantize_fp8_kv_cache,
     sparse_mla_bwd,
     sparse_mla_bwd_ref,
     sparse_mla_decode,
@@ -120,21 +121,31 @@ def test_fuzz_forward_and_attn_dist(p):
     block=st.sampled_from([4, 16]),
     topk=st.integers(1, 24),
     seed=st.integers(0, 2**16),
+    fp8=st.booleans(),
+    index_kind=st.sampled_from(["positions", "cache_rows"]),
+    empty_lse=st.sampled_from([-math.inf, math.inf]),
 )
-def test_fuzz_decode(b, s_q, h_q, block, topk, seed):
+def test_fuzz_decode(b, s_q, h_q, block, topk, seed, fp8, index_kind, empty_lse):
     dev = kernel_test_device()
     g = torch.Generator().manual_seed(seed)
     num_blocks, max_blocks = 6, 4
     cache = torch.randn(num_blocks, block, 1, 576, generator=g).bfloat16()
+    if fp8:
+        cache = quantize_fp8_kv_cache(cache)
     # Table entries may point outside the cache and sequence lengths past the table: never followed.
     table = torch.randint(-2, num_blocks + 2, (b, max_blocks), generator=g, dtype=torch.int32)
     seqlens = torch.randint(-1, max_blocks * block + 5, (b,), generator=g, dtype=torch.int32)
-    idx = torch.randint(-3, max_blocks * block + 3, (b, s_q, topk), generator=g, dtype=torch.int32)
+    # Positions, or cache rows (some past the cache): invalid ones are never read.
+    hi = max_blocks * block if index_kind == "positions" else num_blocks * block
+    idx = torch.randint(-3, hi + 3, (b, s_q, topk), generator=g, dtype=torch.int32)
     q = torch.randn(b, s_q, h_q, 576, generator=g).bfloat16()
     args = [t.to(dev) for t in (q, cache, table, seqlens, idx)]
-    out, lse = sparse_mla_decode(*args, 0.05)
+    out, lse = sparse_mla_decode(*args, 0.05, index_kind=index_kind, empty_lse=empty_lse)
     assert out.shape == (b, s_q, h_q, 512)
-    r_out, r_lse = sparse_mla_decode_ref(q.float(), cache.float(), table, seqlens, idx, 0.05)
+    r_out, r_lse = sparse_mla_decode_ref(
+        q.float(), cache if fp8 else cache.float(), table, seqlens, idx, 0.05, index_kind=index_kind,
+        empty_lse=empty_lse,
+    )  # fmt: skip
     assert_like_reference(out, r_out, 2e-2, 2e-2)
     assert_like_reference(lse, r_lse, 1e-3, 1e-4)
 
@@ -347,6 +358,11 @@ def _valid_calls(dev: str) -> dict:
             sparse_mla_decode,
             [q[None, :1], cache, table, seqlens, idx[:1, :, :3], 0.1],
             {},
+        ),
+        "sparse_mla_decode_fp8": (
+            sparse_mla_decode,
+            [q[None, :1], quantize_fp8_kv_cache(cache), None, None, idx[:1, :, :3], 0.1],
+            {"index_kind": "cache_rows", "empty_lse": math.inf},
         ),
         "sparse_mla_bwd": (sparse_mla_bwd, [q, kv, out, out, idx, lse, 0.1], {"deterministic": True}),
         "indexer_logits": (indexer_logits, [q_idx, k_idx, w], {"causal": True}),

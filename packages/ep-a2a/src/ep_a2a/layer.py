@@ -340,9 +340,10 @@ class EPLayer:
         self, input: Any, exp_indices: Any, weight: Any, quantize: bool
     ) -> tuple[torch.Tensor, int]:
         """An FP8 dispatch's token rows as the backend moves them (``backend.pack_fp8``: the FP8 row and
-        its float32 scales in one row of bytes), after checking the tuple (or quantizing ``input``);
-        returns them and ``n``."""
-        from ep_a2a.reference import FP8_BLOCK, quantize_fp8
+        its float32 scales in one row of bytes), after checking the tuple; or ``input``'s rows as the
+        backend quantizes them (``backend.quantize_fp8``: inside the Triton backend's send, with torch
+        operations first on the torch backend); returns them and ``n``."""
+        from ep_a2a.reference import FP8_BLOCK
 
         cfg = self.config
         if cfg.hidden % FP8_BLOCK:
@@ -351,13 +352,12 @@ class EPLayer:
             fp8_layer = cfg.token_dtype == torch.float8_e4m3fn
             dtypes = _QUANTIZE_DTYPES if fp8_layer else (cfg.token_dtype,)
             n = self._check_dispatch_args(input, exp_indices, weight, dtypes=dtypes)
-            x_fp8, scales = quantize_fp8(input)
-        else:
-            if len(input) != 2:
-                raise ValueError(f"input as a tuple must be (x_fp8, scales), got {len(input)} items")
-            x_fp8, scales = input
-            n = self._check_dispatch_args(x_fp8, exp_indices, weight, dtypes=(torch.float8_e4m3fn,))
-            self._check_tensor("scales", scales, (n, cfg.hidden // FP8_BLOCK), (torch.float32,))
+            return self.ctx.backend.quantize_fp8(input), n
+        if len(input) != 2:
+            raise ValueError(f"input as a tuple must be (x_fp8, scales), got {len(input)} items")
+        x_fp8, scales = input
+        n = self._check_dispatch_args(x_fp8, exp_indices, weight, dtypes=(torch.float8_e4m3fn,))
+        self._check_tensor("scales", scales, (n, cfg.hidden // FP8_BLOCK), (torch.float32,))
         return self.ctx.backend.pack_fp8(x_fp8, scales), n
 
     @_eager_only
@@ -384,8 +384,11 @@ class EPLayer:
                 rank's output (ignored where the slot is dropped). Every receiver must get exactly the rows
                 ``0 .. R-1``; a receiver whose rows are not a permutation raises ``ValueError``.
             fp8: quantize ``input`` (the layer's dtype; bf16, fp16 or fp32 on a layer of
-                ``dtype=torch.float8_e4m3fn``) with :func:`ep_a2a.reference.quantize_fp8` and dispatch the
-                FP8 rows and scales.
+                ``dtype=torch.float8_e4m3fn``) and dispatch the FP8 rows and scales, bit for bit those of
+                :func:`ep_a2a.reference.quantize_fp8`. The Triton backend quantizes inside the kernel that
+                sends the rows (no FP8 copy of ``input`` first), except with copy-engine dispatch
+                (``TritonTuning(copy_engine=True)``), which quantizes with torch operations before the
+                copies; the torch backend quantizes with torch operations before the send.
 
         Returns:
             ``(output, weights, layout_desc)``: ``output`` ``[R, hidden]`` ``dtype``, one row per received
@@ -529,7 +532,8 @@ class EPLayer:
             exp_indices: ``[n, topk]`` integer global expert per slot (int32 or int64 need no conversion);
                 -1 drops the slot.
             weight: ``[n, topk]`` ``weight_dtype`` routing weights, or ``None``.
-            fp8: quantize ``input`` first, as :meth:`dispatch` does (inside the graph when captured).
+            fp8: quantize ``input`` as :meth:`dispatch` does: inside the row kernel (with copy-engine
+                dispatch: torch operations first, inside the graph when captured).
 
         Returns:
             :class:`ep_a2a.backends.triton.StaticDispatch`: ``output`` ``[world_size * max_tokens * topk,

@@ -249,14 +249,27 @@ def combine_per_slot_ref(
 FP8_BLOCK = 128
 #: largest finite value of ``torch.float8_e4m3fn``
 FP8_MAX = 448.0
+#: float32(1 / 448): torch on CUDA divides by a Python number as a product with its float32 reciprocal
+FP8_RECIP_MAX = 0.0022321429569274187
+#: smallest block maximum a scale is computed from (an all-zero block gets the scale 1e-4 / 448)
+FP8_AMAX_FLOOR = 1e-4
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token, per-128-channel FP8 quantization in DeepEP's format.
+    """Per-token, per-128-channel FP8 quantization in DeepEP's format, bit for bit as DeepEP's
+    ``per_token_cast_to_fp8`` computes it on a CUDA device, on any device.
 
-    Every block of 128 channels of a row gets the scale ``amax / 448`` (``amax`` = the block's largest
-    absolute value in float32, at least ``1e-4``); the block is divided by it and cast to
-    ``float8_e4m3fn``. ``x_fp8.float() * scale`` (per block) gives the row back within FP8's rounding.
+    Every block of 128 channels of a row: ``amax`` = the block's largest absolute value in float32, at
+    least ``1e-4`` (an all-zero block: scale ``1e-4 / 448``, bytes zero); bytes ``float8_e4m3fn(x *
+    (448 / amax))`` (round to nearest even), scale ``amax / 448`` in float32, where ``448 / amax`` is
+    ``reciprocal(amax) * 448`` and ``amax / 448`` is ``amax * float32(1 / 448)``, as torch evaluates those
+    expressions on CUDA (on a CPU it divides exactly, which differs in the last bit of some scales).
+    ``x_fp8.float() * scale`` (per block) gives the row back within FP8's rounding.
+
+    Infinities and NaN: a block holding an infinity (and no NaN) gets the scale ``inf``, its infinities
+    become NaN and its finite values zero (their sign kept); a block holding a NaN gets a NaN scale and
+    NaN bytes. NaN is written in one encoding each (bytes ``0x7F``, scales ``0x7FC00000``), so results
+    compare bit for bit.
 
     Args:
         x: ``[T, H]`` floating, ``H`` a multiple of 128.
@@ -275,9 +288,14 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             f"x's width H={h} must be a multiple of {FP8_BLOCK} (one scale per {FP8_BLOCK} channels)"
         )
     blocks = x.float().view(t, h // FP8_BLOCK, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
-    x_fp8 = (blocks * (FP8_MAX / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(t, h)
-    return x_fp8, amax / FP8_MAX
+    amax = blocks.abs().amax(dim=2).clamp(min=FP8_AMAX_FLOOR)
+    x_fp8 = (blocks * (amax.reciprocal() * FP8_MAX).unsqueeze(2)).to(torch.float8_e4m3fn).view(t, h)
+    scales = amax * FP8_RECIP_MAX
+    # one NaN encoding each: float8_e4m3fn's NaNs are 0x7F and 0xFF
+    q = x_fp8.view(torch.uint8)
+    x_fp8 = torch.where(q == 0xFF, 0x7F, q).view(torch.float8_e4m3fn)
+    scales = torch.where(scales.isnan(), 0x7FC00000, scales.view(torch.int32)).view(torch.float32)
+    return x_fp8, scales
 
 
 def dequantize_fp8(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

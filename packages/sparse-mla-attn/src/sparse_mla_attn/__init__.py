@@ -10,9 +10,11 @@ from sparse_mla_attn.backward import sparse_mla_bwd
 from sparse_mla_attn.config import Config
 from sparse_mla_attn.decode import sparse_mla_decode
 from sparse_mla_attn.forward import sparse_mla_fwd
+from sparse_mla_attn.fp8_cache import quantize_fp8_kv_cache
 from sparse_mla_attn.indexer import indexer_kl_loss, indexer_logits, indexer_logits_at, indexer_topk
 from sparse_mla_attn.reference import (
     attn_dist_ref,
+    dequantize_fp8_kv_cache,
     indexer_kl_loss_ref,
     indexer_logits_ref,
     sparse_mla_bwd_ref,
@@ -32,6 +34,7 @@ __all__ = [
     "__version__",
     "attn_dist",
     "attn_dist_ref",
+    "dequantize_fp8_kv_cache",
     "gluon_supported",
     "indexer_kl_loss",
     "indexer_kl_loss_ref",
@@ -40,6 +43,7 @@ __all__ = [
     "indexer_logits_ref",
     "indexer_target",
     "indexer_topk",
+    "quantize_fp8_kv_cache",
     "sparse_mla",
     "sparse_mla_bwd",
     "sparse_mla_bwd_ref",

@@ -218,7 +218,7 @@ class LaunchReplay:
     __slots__ = ("keep", "launch", "steps")
 
     def __init__(
-        self, records: list[Any], per_call: tuple[torch.Tensor, ...], launch: tuple[str, Launch] | None
+        self, records: list[Any], per_call: tuple[torch.Tensor | None, ...], launch: tuple[str, Launch] | None
     ) -> None:
         self.keep: list[torch.Tensor] = []
         self.launch = launch  # the record_launch entry of the recorded call, set again by each replay

@@ -21,12 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_mla_attn.fp8_cache import FP8_CACHE_DTYPES, FP8_D_NOPE, FP8_D_ROPE, FP8_TOKEN_BYTES
+
 #: Activation dtypes the Triton kernels accept for ``q`` and ``kv``.
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 #: Head dims the Triton kernels are built for: 512 latent channels, optionally + 64 rope channels.
 KERNEL_D_QK = (512, 576)
 KERNEL_D_V = 512
 MAX_H_Q = 128
+#: How ``sparse_mla_decode`` reads its indices: sequence positions, or rows of the paged cache.
+DECODE_INDEX_KINDS = ("positions", "cache_rows")
 
 
 @dataclass(frozen=True)
@@ -213,62 +217,86 @@ def causal_keep(n_q: int, n_k: int, q_start_index: int, k_stride: int, device: t
 
 
 def check_decode_inputs(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-    indices: torch.Tensor, d_v: int,
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None, indices: torch.Tensor, d_v: int, index_kind: str = "positions",
 ) -> SparseDims:  # fmt: skip
     """Validate paged-decode inputs.
 
     Args:
         q: ``[b, s_q, h_q, d_qk]``, last dim contiguous.
-        kv_cache: ``[num_blocks, block_size, 1, d_qk]``, contiguous, q's dtype.
-        block_table: ``[b, max_blocks]`` int32, last dim contiguous.
-        cache_seqlens: ``[b]`` int32.
+        kv_cache: ``[num_blocks, block_size, 1, d_qk]``, contiguous, q's dtype; or the FP8 layout
+            (:mod:`sparse_mla_attn.fp8_cache`): ``[num_blocks, block_size, 1, 656]`` float8_e4m3fn or uint8,
+            ``d_qk = 576``, tokens 656 bytes apart, blocks any multiple of 16 bytes apart, 16-byte aligned.
+        block_table: ``[b, max_blocks]`` int32, last dim contiguous (not read with ``"cache_rows"``).
+        cache_seqlens: ``[b]`` int32 (not read with ``"cache_rows"``).
         indices: ``[b, s_q, topk]`` int32, last dim contiguous.
         d_v: value dim.
+        index_kind: ``"positions"`` or ``"cache_rows"``.
 
     Returns:
         Sizes with ``s_q = b * s_q`` (flattened tokens) and ``s_kv = num_blocks * block_size``.
     """
-    for name, t in (
-        ("q", q),
-        ("kv_cache", kv_cache),
-        ("block_table", block_table),
-        ("cache_seqlens", cache_seqlens),
-        ("indices", indices),
-    ):
+    _need(
+        index_kind in DECODE_INDEX_KINDS,
+        ValueError,
+        f"index_kind must be one of {DECODE_INDEX_KINDS}, got {index_kind!r}",
+    )
+    positions = index_kind == "positions"
+    tables = {"block_table": block_table, "cache_seqlens": cache_seqlens}
+    for name, t in (("q", q), ("kv_cache", kv_cache), *tables.items(), ("indices", indices)):
+        if t is None and name in tables and not positions:
+            continue
+        if t is None:
+            raise TypeError(f"{name} must be a torch.Tensor with index_kind='positions', got None")
         check_tensor(t, name)
         _need(t.device == q.device, ValueError, f"{name} must be on q's device {q.device}, got {t.device}")
     _need(q.dim() == 4, ValueError, f"q must be [b, s_q, h_q, d_qk], got shape {tuple(q.shape)}")
     b, s_q, h_q, d_qk = q.shape
     _need(
-        kv_cache.dim() == 4 and kv_cache.shape[2] == 1 and kv_cache.shape[3] == d_qk,
-        ValueError,
-        f"kv_cache must be [num_blocks, block_size, 1, d_qk={d_qk}], got shape {tuple(kv_cache.shape)}",
-    )
-    _need(kv_cache.is_contiguous(), ValueError, "kv_cache must be contiguous")
-    _need(
-        kv_cache.dtype == q.dtype, TypeError, f"kv_cache must have q's dtype {q.dtype}, got {kv_cache.dtype}"
-    )
-    _need(
         q.dtype in (*KERNEL_DTYPES, torch.float32), TypeError, f"q must be bf16, fp16 or fp32, got {q.dtype}"
     )
-    _need(
-        block_table.dim() == 2 and block_table.shape[0] == b and block_table.dtype == torch.int32,
-        ValueError,
-        f"block_table must be int32 [b={b}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}",
-    )
-    _need(
-        cache_seqlens.shape == (b,) and cache_seqlens.dtype == torch.int32,
-        ValueError,
-        f"cache_seqlens must be int32 [b={b}], got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}",
-    )
+    if kv_cache.dtype in FP8_CACHE_DTYPES:
+        _check_fp8_cache(kv_cache, q)
+    else:
+        _need(
+            kv_cache.dim() == 4 and kv_cache.shape[2] == 1 and kv_cache.shape[3] == d_qk,
+            ValueError,
+            f"kv_cache must be [num_blocks, block_size, 1, d_qk={d_qk}] (or the FP8 layout "
+            f"[num_blocks, block_size, 1, {FP8_TOKEN_BYTES}] float8_e4m3fn / uint8), got shape "
+            f"{tuple(kv_cache.shape)}",
+        )
+        _need(kv_cache.is_contiguous(), ValueError, "kv_cache must be contiguous")
+        _need(
+            kv_cache.dtype == q.dtype,
+            TypeError,
+            f"kv_cache must have q's dtype {q.dtype} (or be an FP8 cache: float8_e4m3fn / uint8), "
+            f"got {kv_cache.dtype}",
+        )
+    if positions:
+        assert block_table is not None
+        assert cache_seqlens is not None
+        _need(
+            block_table.dim() == 2 and block_table.shape[0] == b and block_table.dtype == torch.int32,
+            ValueError,
+            f"block_table must be int32 [b={b}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}",
+        )
+        _need(
+            cache_seqlens.shape == (b,) and cache_seqlens.dtype == torch.int32,
+            ValueError,
+            f"cache_seqlens must be int32 [b={b}], got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}",
+        )
+        _need(
+            block_table.stride(-1) == 1,
+            ValueError,
+            f"block_table must be contiguous in its last dim (stride {block_table.stride()})",
+        )
     _need(
         indices.dim() == 3 and indices.shape[:2] == (b, s_q) and indices.dtype == torch.int32,
         ValueError,
         f"indices must be int32 [b={b}, s_q={s_q}, topk], got {indices.dtype} {tuple(indices.shape)}",
     )
     _need(indices.shape[2] >= 1, ValueError, "indices must hold at least one index per query (topk >= 1)")
-    for name, t in (("q", q), ("block_table", block_table), ("indices", indices)):
+    for name, t in (("q", q), ("indices", indices)):
         _need(
             t.stride(-1) == 1, ValueError, f"{name} must be contiguous in its last dim (stride {t.stride()})"
         )
@@ -278,6 +306,42 @@ def check_decode_inputs(
         f"d_v must be an int in [1, d_qk={d_qk}], got {d_v!r}",
     )
     return SparseDims(b * s_q, h_q, d_qk, kv_cache.shape[0] * kv_cache.shape[1], indices.shape[2], d_v)
+
+
+def check_empty_lse(empty_lse: object) -> float:
+    """``empty_lse`` (the decode's ``lse`` of a query with no valid index) as a float: ``-inf`` or ``+inf``."""
+    _need(
+        isinstance(empty_lse, (int, float)) and not isinstance(empty_lse, bool) and math.isinf(empty_lse),
+        ValueError,
+        f"empty_lse must be float('-inf') or float('inf'), got {empty_lse!r}",
+    )
+    return float(empty_lse)  # type: ignore[arg-type]
+
+
+def _check_fp8_cache(kv_cache: torch.Tensor, q: torch.Tensor) -> None:
+    """The FP8 cache layout (:mod:`sparse_mla_attn.fp8_cache`) as the decode kernel reads it."""
+    _need(
+        kv_cache.dim() == 4 and kv_cache.shape[2] == 1 and kv_cache.shape[3] == FP8_TOKEN_BYTES,
+        ValueError,
+        f"kv_cache (FP8 layout, {kv_cache.dtype}) must be [num_blocks, block_size, 1, {FP8_TOKEN_BYTES}], "
+        f"got shape {tuple(kv_cache.shape)}",
+    )
+    _need(
+        q.shape[-1] == FP8_D_NOPE + FP8_D_ROPE,
+        ValueError,
+        f"q must have d_qk = {FP8_D_NOPE + FP8_D_ROPE} with an FP8 kv_cache, got {q.shape[-1]}",
+    )
+    _need(
+        q.dtype in (torch.bfloat16, torch.float32),
+        TypeError,
+        f"q must be bf16 (or fp32 for the reference) with an FP8 kv_cache, got {q.dtype}",
+    )
+    _need(
+        kv_cache.stride(3) == 1 and kv_cache.stride(1) == FP8_TOKEN_BYTES and kv_cache.stride(0) % 16 == 0,
+        ValueError,
+        f"kv_cache (FP8 layout) must have its tokens {FP8_TOKEN_BYTES} bytes apart and its blocks a multiple "
+        f"of 16 bytes apart (strides [k * 16, {FP8_TOKEN_BYTES}, any, 1]), got strides {kv_cache.stride()}",
+    )
 
 
 def check_bwd_inputs(

@@ -22,10 +22,17 @@ class Config:
             warp-specialised Gluon kernels on an sm_90 GPU (H100, H200) where :func:`gluon_supported`
             holds, the forward only for ``h_q > 32`` and without split-K, and the Triton kernels
             everywhere else. ``"triton"`` always runs the Triton kernels. ``"gluon"`` is ``"auto"`` that
-            raises :class:`ValueError` where the Gluon kernels cannot run (for tests and benchmarks).
+            also runs split-K grids on the Gluon kernel (merged by the merge kernel) and raises
+            :class:`ValueError` where the Gluon kernels cannot run (for tests and benchmarks).
         num_splits: split-K factor of the forward and decode: each query's top-k list is split over this
-            many programs whose partial results are merged. ``0`` (default) picks it from the number of
-            multiprocessors: splits only when one program per (token, head tile) leaves some idle.
+            many programs whose partial results are merged (an lse-weighted sum). ``0`` (default): the
+            rule of :meth:`splits_for`, from the device's multiprocessor count and the shape.
+        split_fill: the target of :func:`~sparse_mla_attn.sparse_mla_decode`'s automatic split-K factor,
+            in programs per multiprocessor (:meth:`splits_for`; the forward uses 1.0). Default 1.0: split
+            only when one program per (token, head tile) leaves at least half of the multiprocessors
+            idle. With ``backend="auto"`` a split-K grid runs the Triton kernel (the Gluon kernels run
+            unsplit grids), so on sm_90 a larger ``split_fill`` trades the Gluon kernel for more programs;
+            ``backend="gluon"`` splits on the Gluon kernel.
         split_merge: who merges the split-K partials of :func:`~sparse_mla_attn.sparse_mla_decode`.
             ``"last_program"``: the last split program of each (token, head tile) to finish, in the same
             launch (a per-stream cached counter workspace decides which; no second launch).
@@ -64,6 +71,7 @@ class Config:
     backend: str = "auto"
     num_splits: int = 0
     split_merge: str = "auto"
+    split_fill: float = 1.0
     bwd_workspace_bytes: int = 2 << 30
     bwd_deterministic_workspace_bytes: int = 4 << 30
     fwd_half_ring: bool = False
@@ -76,6 +84,12 @@ class Config:
             raise ValueError(f"Config.backend must be one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"Config.num_splits must be an int >= 0 (0: automatic), got {self.num_splits!r}")
+        if (
+            not isinstance(self.split_fill, (int, float))
+            or isinstance(self.split_fill, bool)
+            or not (0 < self.split_fill <= 64)
+        ):
+            raise ValueError(f"Config.split_fill must be a number in (0, 64], got {self.split_fill!r}")
         if self.split_merge not in SPLIT_MERGES:
             raise ValueError(f"Config.split_merge must be one of {SPLIT_MERGES}, got {self.split_merge!r}")
         for name in ("fwd_half_ring", "fwd_early_qk", "l2_prefetch"):
@@ -90,6 +104,29 @@ class Config:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Config.{name} must be an int >= 1, got {value!r}")
 
+    def splits_for(self, n_programs: int, topk: int, n_sm: int, block_t: int = 64) -> int:
+        """The split-K factor used when ``num_splits`` is 0 (``num_splits`` itself otherwise).
+
+        A grid of ``n_programs`` programs (query tokens x head tiles; one program per multiprocessor fits
+        at a time, as the kernels' tiles fill shared memory) on ``n_sm`` multiprocessors is split ``s``
+        ways, the largest ``s`` with ``s * n_programs <= split_fill * n_sm`` and at least 4 blocks of
+        ``block_t`` top-k slots per split: ``min(floor(split_fill * n_sm / n_programs),
+        ceil(topk / (4 * block_t)))``, at least 1. With the default ``split_fill`` 1.0 on an H200 (132
+        multiprocessors) one decode token per sequence at h_q 128 (two 64-head tiles) splits 8 ways at
+        batch 1 and 8, and not at batch 64 or 128; at h_q 64 (one tile) it splits 2 ways at batch 64.
+
+        Args:
+            n_programs: programs of the unsplit grid (``>= 0``).
+            topk: top-k slots per query.
+            n_sm: multiprocessors of the device (0: not a GPU, no split).
+            block_t: top-k slots per kernel block.
+        """
+        if self.num_splits:
+            return self.num_splits
+        if n_sm <= 0 or n_programs <= 0:
+            return 1
+        return max(1, min(int(self.split_fill * n_sm) // n_programs, -(-topk // (4 * block_t))))
+
 
 DEFAULT = Config()
 
@@ -101,6 +138,8 @@ def config_of(
     split_merge: str = "auto",
     bwd_workspace_bytes: int = DEFAULT.bwd_workspace_bytes,
     bwd_deterministic_workspace_bytes: int = DEFAULT.bwd_deterministic_workspace_bytes,
+    split_fill: float = DEFAULT.split_fill,
 ) -> Config:
     """The :class:`Config` of these fields, built (and checked) once: the custom ops receive the fields."""
-    return Config(backend, num_splits, split_merge, bwd_workspace_bytes, bwd_deterministic_workspace_bytes)
+    return Config(backend, num_splits, split_merge, split_fill, bwd_workspace_bytes,
+                  bwd_deterministic_workspace_bytes)  # fmt: skip

@@ -49,8 +49,13 @@ from sparse_mla_attn._validate import (
 )
 from sparse_mla_attn.backends.gluon_sm90 import launch_fwd_gluon, use_gluon
 from sparse_mla_attn.config import DEFAULT, Config, config_of
+from sparse_mla_attn.fp8_cache import FP8_TILE as _FP8_TILE
+from sparse_mla_attn.fp8_cache import FP8_TOKEN_BYTES as _FP8_TOKEN_BYTES
 
 LOG2E = math.log2(math.e)
+#: The FP8 cache layout (``fp8_cache``) as kernel constants.
+FP8_TOKEN_BYTES = tl.constexpr(_FP8_TOKEN_BYTES)
+FP8_TILE = tl.constexpr(_FP8_TILE)
 
 
 @triton.jit
@@ -63,7 +68,19 @@ def _block_rows(t0, n_t, hi, idx_row, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(row, valid, KV, stride_kv_row, D_QK: tl.constexpr):
+def _row_start(row, stride_kv_row, kv_block_size, stride_kv_block, KV_FP8: tl.constexpr):
+    """Offset of KV row ``row`` from the cache's start: ``row * stride_kv_row``; in an FP8 cache
+    (``KV_FP8``, offsets in bytes) row ``block * kv_block_size + t`` of a paged cache whose blocks are
+    ``stride_kv_block`` bytes apart and tokens ``stride_kv_row`` bytes apart."""
+    if KV_FP8:
+        return (row // kv_block_size) * stride_kv_block + (row % kv_block_size) * stride_kv_row
+    else:
+        return row * stride_kv_row
+
+
+@triton.jit
+def _prefetch_rows(row, valid, KV, stride_kv_row, kv_block_size, stride_kv_block, D_QK: tl.constexpr,
+                   KV_FP8: tl.constexpr):  # fmt: skip
     """Ask L2 for the given KV rows (``prefetch.global.L2``, one per 128-byte line).
 
     The gathers go through ``cp.async`` one block ahead of their use; for rows that are not in L2 yet
@@ -71,8 +88,14 @@ def _prefetch_rows(row, valid, KV, stride_kv_row, D_QK: tl.constexpr):
     an iteration earlier, so the prefetch does not wait on an index load.
     """
     line = tl.arange(0, 16)  # 128-byte lines: 9 per 576-channel bf16 row, 8 per 512-channel row
-    ptr = KV + row[:, None] * stride_kv_row + line[None, :] * 64
-    on = (valid[:, None] & (line[None, :] * 128 < D_QK * 2)).to(tl.int32)
+    start = _row_start(row, stride_kv_row, kv_block_size, stride_kv_block, KV_FP8)
+    if KV_FP8:
+        # A 656-byte token spans up to 7 lines (16-byte aligned): its first byte and each 128 bytes on.
+        ptr = KV + start[:, None] + tl.minimum(line[None, :] * 128, FP8_TOKEN_BYTES - 1)
+        on = (valid[:, None] & (line[None, :] * 128 < FP8_TOKEN_BYTES + 127)).to(tl.int32)
+    else:
+        ptr = KV + start[:, None] + line[None, :] * 64
+        on = (valid[:, None] & (line[None, :] * 128 < D_QK * 2)).to(tl.int32)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
         "=r,l,r",
@@ -124,6 +147,37 @@ def _load_q_tile(Q, pid_s, stride_q_s, stride_q_h, offs_h, h_mask,
 
 
 @triton.jit
+def _gather_fp8_rows(row, valid, KV, stride_kv_row, kv_block_size, stride_kv_block,
+                     D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+    """Gather and dequantize FP8 cache rows (``fp8_cache`` layout) where ``valid``: ``k_v`` (the latent
+    channels, ``fp8 * scale`` per 128-channel tile) in bf16 (float32 under ``DOT_F32``) and the bf16
+    ``k_rope``. With power-of-two scales the bf16 values are exact."""
+    start = _row_start(row, stride_kv_row, kv_block_size, stride_kv_block, True)
+    n_tiles: tl.constexpr = D_NOPE // FP8_TILE
+    tile = tl.arange(0, n_tiles)
+    KV_BYTES = KV.to(tl.pointer_type(tl.uint8), bitcast=True)  # the cache may be float8_e4m3fn or uint8
+    k8 = tl.load(
+        KV_BYTES
+        + start[:, None, None]
+        + (tile * FP8_TILE)[None, :, None]
+        + tl.arange(0, FP8_TILE)[None, None, :],
+        mask=valid[:, None, None],
+        other=0,
+    )
+    scale_ptr = (KV + start + D_NOPE).to(tl.pointer_type(tl.float32), bitcast=True)
+    scale = tl.load(scale_ptr[:, None] + tile[None, :], mask=valid[:, None], other=0.0)
+    k_v = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+    k_v = tl.reshape(k_v, (k_v.shape[0], D_NOPE))
+    rope_ptr = (KV + start + D_NOPE + 4 * n_tiles).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    k_rope = tl.load(rope_ptr[:, None] + tl.arange(0, D_ROPE)[None, :], mask=valid[:, None], other=0.0)
+    if DOT_F32:
+        k_rope = k_rope.to(tl.float32)
+    else:
+        k_v = k_v.to(tl.bfloat16)
+    return k_v, k_rope
+
+
+@triton.jit
 def _gather_rows(
     row, valid, KV, stride_kv_row, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DOT_F32: tl.constexpr
 ):
@@ -159,12 +213,17 @@ def _store_result(
 def _fwd_block(
     row, valid,
     KV,
-    stride_kv_row,
+    stride_kv_row, kv_block_size, stride_kv_block,
     q_v, q_rope, m_i, l_i, acc, sm_scale_log2,
     D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DOT_F32: tl.constexpr, S_SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_T slice of the top-k list: gather, two products, online-softmax update."""
-    k_v, k_rope = _gather_rows(row, valid, KV, stride_kv_row, D_NOPE, D_ROPE, DOT_F32)
+    if KV_FP8:
+        k_v, k_rope = _gather_fp8_rows(row, valid, KV, stride_kv_row, kv_block_size, stride_kv_block, D_NOPE,
+                                       D_ROPE, DOT_F32)  # fmt: skip
+    else:
+        k_v, k_rope = _gather_rows(row, valid, KV, stride_kv_row, D_NOPE, D_ROPE, DOT_F32)
     if S_SPLIT:
         # Triton gives every warp of a dot whose result feeds another dot (here P·V) a slice of M; with
         # 64 head rows both warpgroups would then compute the whole S. Produced inside a run-time branch
@@ -197,16 +256,20 @@ def _sparse_mla_fwd_kernel(
     Q, KV, IDX, OUT, MAX_LOGITS, LSE, SINK, TOPK_LEN, FINAL_O, FINAL_MAX, FINAL_LSE, COUNTERS,
     stride_q_s, stride_q_h, stride_kv_row, stride_idx_s, stride_o_s, stride_o_h,
     n_tok, h_q, n_head_tiles, topk, split_len, s_kv, q_start_index, k_stride, sm_scale_log2,
+    kv_block_size, stride_kv_block,
     D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_K: tl.constexpr,
     STATIC_T: tl.constexpr, DOT_F32: tl.constexpr, S_SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     MERGE_LAST: tl.constexpr = False, N_SPLITS: tl.constexpr = 1, SPLITS_P2: tl.constexpr = 1,
+    KV_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """Forward of one (split, token, head tile). With ``SPLIT_K`` it writes the split's fp32 partial
     result to ``OUT`` / ``LSE`` / ``MAX_LOGITS`` (the partial buffers), and with ``MERGE_LAST`` as well the
     last of the token's ``N_SPLITS`` programs to finish (a ticket from ``COUNTERS``, one per token and head
     tile, zero between launches) merges them into ``FINAL_O`` / ``FINAL_MAX`` / ``FINAL_LSE``, so the
-    call needs no second launch (without ``MERGE_LAST`` those four are not used)."""
+    call needs no second launch (without ``MERGE_LAST`` those four are not used). With ``KV_FP8``, ``KV``
+    is an FP8 cache (``fp8_cache`` layout, byte offsets; ``kv_block_size`` / ``stride_kv_block``: its
+    paging) dequantized as it is gathered."""
     pid = tl.program_id(0)
     # Programs of one token (head tiles) are neighbours in launch order: their gathers hit L2.
     pid_h = pid % n_head_tiles
@@ -237,26 +300,33 @@ def _sparse_mla_fwd_kernel(
     # PREFETCH: rows of block t+2 go to L2 during block t (their indices were loaded during block t-1).
     row_p, valid_p = row_n, valid_n
     if PREFETCH:
-        _prefetch_rows(row_n, valid_n, KV, stride_kv_row, D_NOPE + D_ROPE)
+        _prefetch_rows(
+            row_n, valid_n, KV, stride_kv_row, kv_block_size, stride_kv_block, D_NOPE + D_ROPE, KV_FP8
+        )
         row_p, valid_p = _block_rows(t_start + BLOCK_T, t_end, hi, idx_row, BLOCK_T)
-        _prefetch_rows(row_p, valid_p, KV, stride_kv_row, D_NOPE + D_ROPE)
+        _prefetch_rows(
+            row_p, valid_p, KV, stride_kv_row, kv_block_size, stride_kv_block, D_NOPE + D_ROPE, KV_FP8
+        )
         row_p, valid_p = _block_rows(t_start + 2 * BLOCK_T, t_end, hi, idx_row, BLOCK_T)
     if STATIC_T > 0:
         # The CPU interpreter only runs loops with compile-time bounds; blocks past t_end are fully masked.
         for i in range(0, STATIC_T, BLOCK_T):
             row, valid = row_n, valid_n
             row_n, valid_n = _block_rows(t_start + i + BLOCK_T, t_end, hi, idx_row, BLOCK_T)
-            m_i, l_i, acc = _fwd_block(row, valid, KV, stride_kv_row, q_v, q_rope, m_i, l_i, acc, sm_scale_log2,
-                                       D_NOPE, D_ROPE, DOT_F32, S_SPLIT)  # fmt: skip
+            m_i, l_i, acc = _fwd_block(row, valid, KV, stride_kv_row, kv_block_size, stride_kv_block, q_v, q_rope,
+                                       m_i, l_i, acc, sm_scale_log2, D_NOPE, D_ROPE, DOT_F32, S_SPLIT,
+                                       KV_FP8)  # fmt: skip
     else:
         for t0 in range(t_start, t_end, BLOCK_T):
             row, valid = row_n, valid_n
             row_n, valid_n = _block_rows(t0 + BLOCK_T, t_end, hi, idx_row, BLOCK_T)
             if PREFETCH:
-                _prefetch_rows(row_p, valid_p, KV, stride_kv_row, D_NOPE + D_ROPE)
+                _prefetch_rows(row_p, valid_p, KV, stride_kv_row, kv_block_size, stride_kv_block, D_NOPE + D_ROPE,
+                               KV_FP8)  # fmt: skip
                 row_p, valid_p = _block_rows(t0 + 3 * BLOCK_T, t_end, hi, idx_row, BLOCK_T)
-            m_i, l_i, acc = _fwd_block(row, valid, KV, stride_kv_row, q_v, q_rope, m_i, l_i, acc, sm_scale_log2,
-                                       D_NOPE, D_ROPE, DOT_F32, S_SPLIT)  # fmt: skip
+            m_i, l_i, acc = _fwd_block(row, valid, KV, stride_kv_row, kv_block_size, stride_kv_block, q_v, q_rope,
+                                       m_i, l_i, acc, sm_scale_log2, D_NOPE, D_ROPE, DOT_F32, S_SPLIT,
+                                       KV_FP8)  # fmt: skip
 
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     denom = l_i
@@ -405,18 +475,14 @@ def fwd_config(h_q: int, topk: int) -> dict[str, Any]:
     return {"BLOCK_H": max(16, next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
-def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device) -> int:
-    """Split-K factor: split each query's top-k list when the grid would leave multiprocessors idle.
-
-    The forward keeps one program per multiprocessor (its tiles fill shared memory), so a grid of
-    ``n_programs < #SMs`` programs (small-batch decode) runs one short wave. Splitting the top-k list
-    ``s`` ways gives ``s * n_programs <= #SMs`` programs of ``topk / s`` slots each, at least 4 blocks
-    of ``block_t`` per split, merged by a small second kernel.
-    """
+def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device, fill: float = 1.0) -> int:
+    """Split-K factor of a grid of ``n_programs`` (tokens x head tiles) on ``device``:
+    :meth:`Config.splits_for` with the device's multiprocessor count (1 off CUDA and under the
+    interpreter) and ``fill`` (``Config.split_fill``)."""
     n_sm = num_sms(device)
-    if interpreting() or n_sm == 0 or n_programs == 0 or n_programs >= n_sm:
+    if interpreting() or n_sm == 0:
         return 1
-    return max(1, min(n_sm // n_programs, cdiv(topk, 4 * block_t)))
+    return Config(split_fill=fill).splits_for(n_programs, topk, n_sm, block_t)
 
 
 @dataclass
@@ -437,22 +503,32 @@ class FwdPlan:
     #: Pipeline options of the Gluon kernel (``launch_fwd_gluon``'s ``half_ring`` / ``early_qk``).
     gluon_options: dict[str, bool] = field(default_factory=dict)
     slots: dict[Any, Any] = field(default_factory=dict)
+    #: ``(kv_block_size, stride_kv_block)`` of an FP8 cache (unused ``(1, 0)`` otherwise).
+    kv_ints: tuple[int, int] = (1, 0)
 
 
 def plan_fwd(
     q: torch.Tensor, kv_rows: torch.Tensor, idx_stride: int, dims: SparseDims, *, has_sink: bool,
     has_topk_length: bool, q_start_index: int, k_stride: int, causal: bool, config: Config,
-    tiles: dict[str, Any] | None = None,
+    tiles: dict[str, Any] | None = None, fp8_paging: tuple[int, int] | None = None,
 ) -> FwdPlan:  # fmt: skip
-    """The :class:`FwdPlan` of a validated problem (``tiles`` overrides :func:`fwd_config`, for tests)."""
+    """The :class:`FwdPlan` of a validated problem (``tiles`` overrides :func:`fwd_config`, for tests).
+
+    ``fp8_paging``: ``kv_rows`` is an FP8 cache (``fp8_cache`` layout, ``kv_rows.stride(0)`` its token
+    stride in bytes) of blocks of ``fp8_paging[0]`` tokens, ``fp8_paging[1]`` bytes apart; such a cache is
+    read by the Triton kernel only."""
     n_tok, h_q = dims.s_q, dims.h_q
     cfg = {**fwd_config(h_q, dims.topk), **(tiles or {})}
     n_head_tiles = cdiv(h_q, cfg["BLOCK_H"])
     block_t = cfg["BLOCK_T"]
-    n_splits = config.num_splits or choose_splits(n_tok * n_head_tiles, dims.topk, block_t, q.device)
+    n_splits = config.num_splits or choose_splits(
+        n_tok * n_head_tiles, dims.topk, block_t, q.device, config.split_fill
+    )
     split_len = cdiv(cdiv(dims.topk, n_splits), block_t) * block_t
     n_splits = cdiv(dims.topk, split_len)  # no empty split
-    eligible = n_splits == 1 and h_q > 32
+    # The Gluon kernel splits too, but only when asked for (Config(backend="gluon")): "auto" keeps it to
+    # unsplit grids.
+    eligible = h_q > 32 and fp8_paging is None and (n_splits == 1 or config.backend == "gluon")
     gluon = use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows)
     # out [n_tok, h_q, d_v] is allocated contiguous: strides h_q * d_v and d_v.
     ints = (q.stride(0), q.stride(1), kv_rows.stride(0), idx_stride, h_q * dims.d_v, dims.d_v, n_tok, h_q,
@@ -463,7 +539,7 @@ def plan_fwd(
         STATIC_T=split_len if interpreting() else 0,
         # The interpreter's bf16 tl.dot is wrong (numpy has no bf16): it multiplies in float32 instead.
         DOT_F32=interpreting(), S_SPLIT=bool(cfg.get("S_SPLIT", False)),
-        PREFETCH=bool(cfg.get("PREFETCH", False)) and not interpreting(),
+        PREFETCH=bool(cfg.get("PREFETCH", False)) and not interpreting(), KV_FP8=fp8_paging is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     combine_h = 16
@@ -480,6 +556,7 @@ def plan_fwd(
     return FwdPlan(
         dims, gluon, n_splits, (n_splits * n_tok * n_head_tiles,), ints, consts,
         (n_tok, cdiv(h_q, combine_h)), combine_consts, merge_last_consts,
+        kv_ints=fp8_paging if fp8_paging is not None else (1, 0),
     )  # fmt: skip
 
 
@@ -515,34 +592,48 @@ def run_fwd(
         return out, max_logits, lse
     slots = plan.slots if cache_slots else None
     sink = attn_sink if attn_sink is not None else lse
-    if plan.gluon:
-        # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
-        kernel = launch_fwd_gluon(
-            q, kv_rows, idx, out, max_logits, lse, sink, topk_length, dims, sm_scale * LOG2E,
-            has_sink=plan.consts["HAS_SINK"], q_start_index=plan.ints[-2], k_stride=plan.ints[-1],
-            causal=plan.consts["CAUSAL"], slots=slots, strides=plan.ints[:6], ctx=ctx, **plan.gluon_options,
-        )  # fmt: skip
-        record_launch("fwd", kernel, backend="gluon")
-        return out, max_logits, lse
     split = plan.n_splits > 1
     dst = scratch[1:] if split else (out, max_logits, lse)  # partial out, max, lse of each split
+    if plan.gluon:
+        # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
+        d_out, d_max, d_lse = dst
+        kernel = launch_fwd_gluon(
+            q, kv_rows, idx, d_out, d_max, d_lse, sink, topk_length, dims, sm_scale * LOG2E,
+            has_sink=plan.consts["HAS_SINK"], q_start_index=plan.ints[-2], k_stride=plan.ints[-1],
+            causal=plan.consts["CAUSAL"], slots=slots, strides=plan.ints[:6], ctx=ctx,
+            splits=(plan.n_splits, plan.ints[10]), **plan.gluon_options,
+        )  # fmt: skip
+        record_launch("fwd", kernel, backend="gluon", splits=plan.n_splits, merge="kernel" if split else None)
+        if split:
+            _launch_combine(plan, dst, sink, out, max_logits, lse, slots, ctx)
+        return out, max_logits, lse
     merge_last = split and counters is not None
     kernel = launch(
         _sparse_mla_fwd_kernel, plan.grid, slots, "fwd_merge_last" if merge_last else "fwd",
         (q, kv_rows, idx, *dst, sink, topk_length if topk_length is not None else idx, out, max_logits, lse,
-         counters if merge_last else idx, *plan.ints, sm_scale * LOG2E),
+         counters if merge_last else idx, *plan.ints, sm_scale * LOG2E, *plan.kv_ints),
         plan.merge_last_consts if merge_last else plan.consts, ctx,
     )  # fmt: skip
     record_launch("fwd", kernel, splits=plan.n_splits,
                   merge=None if not split else "last_program" if merge_last else "kernel")  # fmt: skip
     if split and not merge_last:
-        part_o, part_max, part_lse = dst
-        launch(
-            _split_combine_kernel, plan.combine_grid, slots, "combine",
-            (part_o, part_lse, part_max, sink, out, max_logits, lse, h_q * dims.d_v, dims.d_v, n_tok, h_q),
-            plan.combine_consts, ctx,
-        )  # fmt: skip
+        _launch_combine(plan, dst, sink, out, max_logits, lse, slots, ctx)
     return out, max_logits, lse
+
+
+def _launch_combine(
+    plan: FwdPlan, partials: Sequence[torch.Tensor], sink: torch.Tensor, out: torch.Tensor,
+    max_logits: torch.Tensor, lse: torch.Tensor, slots: dict[Any, Any] | None, ctx: LaunchContext | None,
+) -> None:  # fmt: skip
+    """The merge kernel of split-K ``partials`` (out, max, lse of each split) into the final outputs."""
+    part_o, part_max, part_lse = partials
+    dims = plan.dims
+    launch(
+        _split_combine_kernel, plan.combine_grid, slots, "combine",
+        (part_o, part_lse, part_max, sink, out, max_logits, lse, dims.h_q * dims.d_v, dims.d_v, dims.s_q,
+         dims.h_q),
+        plan.combine_consts, ctx,
+    )  # fmt: skip
 
 
 def fwd_scratch(plan: FwdPlan, device: torch.device) -> tuple[torch.Tensor, ...]:

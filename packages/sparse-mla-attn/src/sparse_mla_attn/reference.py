@@ -17,11 +17,15 @@ from sparse_mla_attn._validate import (
     causal_limit,
     check_causal_args,
     check_decode_inputs,
+    check_empty_lse,
     check_lse,
     check_optional_vectors,
     check_sm_scale,
     check_sparse_inputs,
+    check_tensor,
+    need,
 )
+from sparse_mla_attn.fp8_cache import FP8_CACHE_DTYPES, FP8_D_NOPE, FP8_TILE, FP8_TOKEN_BYTES
 
 #: Rough upper bound on the temporary memory one reference chunk uses (bytes).
 REF_CHUNK_BYTES = 512 * 1024 * 1024
@@ -196,32 +200,75 @@ def paged_rows(
     return torch.where(valid, rows, 0), valid
 
 
+def dequantize_fp8_kv_cache(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The float32 values of an FP8 cache (:mod:`sparse_mla_attn.fp8_cache` layout, 656 bytes per token).
+
+    Args:
+        kv_cache: ``[..., 656]`` float8_e4m3fn or uint8 (e.g. ``[num_blocks, block_size, 1, 656]``), last
+            dim contiguous.
+
+    Returns:
+        ``[..., 576]`` float32, contiguous: latent channel ``c`` is ``fp8[c] * scale[c // 128]``, then the
+        64 rope channels.
+    """
+    check_tensor(kv_cache, "kv_cache")
+    need(
+        kv_cache.dtype in FP8_CACHE_DTYPES and kv_cache.dim() >= 1 and kv_cache.shape[-1] == FP8_TOKEN_BYTES,
+        f"kv_cache must be float8_e4m3fn or uint8 [..., {FP8_TOKEN_BYTES}], got {kv_cache.dtype} "
+        f"{tuple(kv_cache.shape)}",
+    )
+    raw = kv_cache.view(torch.uint8).contiguous()
+    lead = raw.shape[:-1]
+    n_tiles = FP8_D_NOPE // FP8_TILE
+    nope = raw[..., :FP8_D_NOPE].contiguous().view(torch.float8_e4m3fn).float()
+    scale = raw[..., FP8_D_NOPE : FP8_D_NOPE + 4 * n_tiles].contiguous().view(torch.float32)
+    rope = raw[..., FP8_D_NOPE + 4 * n_tiles :].contiguous().view(torch.bfloat16).float()
+    nope = (nope.view(*lead, n_tiles, FP8_TILE) * scale[..., None]).view(*lead, FP8_D_NOPE)
+    return torch.cat([nope, rope], dim=-1)
+
+
 def sparse_mla_decode_ref(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-    indices: torch.Tensor, sm_scale: float, d_v: int = 512,
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None, indices: torch.Tensor, sm_scale: float, d_v: int = 512, *,
+    index_kind: str = "positions", empty_lse: float = float("-inf"),
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Sparse MLA decode over a paged cache in float32 (reference for :func:`sparse_mla_attn.sparse_mla_decode`).
 
     Args:
         q: ``[b, s_q, h_q, d_qk]``.
-        kv_cache: ``[num_blocks, block_size, 1, d_qk]``.
-        block_table: ``[b, max_blocks]`` int32.
-        cache_seqlens: ``[b]`` int32.
-        indices: ``[b, s_q, topk]`` int32 positions in the sequence (invalid: ``< 0``, ``>= cache_seqlens[b]``,
-            past the block table, or in a block whose table entry lies outside the cache).
+        kv_cache: ``[num_blocks, block_size, 1, d_qk]``, or an FP8 cache ``[num_blocks, block_size, 1, 656]``
+            (read through :func:`dequantize_fp8_kv_cache`).
+        block_table: ``[b, max_blocks]`` int32 (not read with ``index_kind="cache_rows"``).
+        cache_seqlens: ``[b]`` int32 (not read with ``index_kind="cache_rows"``).
+        indices: ``[b, s_q, topk]`` int32. ``index_kind="positions"``: positions in the sequence (invalid:
+            ``< 0``, ``>= cache_seqlens[b]``, past the block table, or in a block whose table entry lies
+            outside the cache). ``"cache_rows"``: rows ``block * block_size + offset`` of the cache
+            (invalid: ``< 0`` or ``>= num_blocks * block_size``).
         sm_scale: softmax scale.
         d_v: value head dim.
+        index_kind: ``"positions"`` or ``"cache_rows"``.
+        empty_lse: the ``lse`` of a query with no valid index, ``-inf`` or ``+inf``.
 
     Returns:
         ``out [b, s_q, h_q, d_v]`` (q's dtype) and ``lse [b, s_q, h_q]`` float32 natural log
-        (``-inf`` and ``out = 0`` for a query with no valid index).
+        (``empty_lse`` and ``out = 0`` for a query with no valid index).
     """
-    dims = check_decode_inputs(q, kv_cache, block_table, cache_seqlens, indices, d_v)
+    dims = check_decode_inputs(q, kv_cache, block_table, cache_seqlens, indices, d_v, index_kind)
+    check_empty_lse(empty_lse)
     sm_scale = check_sm_scale(sm_scale)
     b, s_q, h_q, d_qk = q.shape
     block_size = kv_cache.shape[1]
-    rows, valid = paged_rows(indices, block_table, cache_seqlens, block_size, kv_cache.shape[0] * block_size)
-    flat = kv_cache.reshape(-1, d_qk)
+    n_rows = kv_cache.shape[0] * block_size
+    if index_kind == "positions":
+        assert block_table is not None
+        assert cache_seqlens is not None
+        rows, valid = paged_rows(indices, block_table, cache_seqlens, block_size, n_rows)
+    else:
+        valid = (indices >= 0) & (indices < n_rows)
+        rows = torch.where(valid, indices.long(), 0)
+    flat = (dequantize_fp8_kv_cache(kv_cache) if kv_cache.dtype in FP8_CACHE_DTYPES else kv_cache).reshape(
+        -1, d_qk
+    )
     qf = q.reshape(b * s_q, h_q, d_qk)
     topk = indices.shape[2]
     rows, valid = rows.reshape(b * s_q, topk), valid.reshape(b * s_q, topk)
@@ -232,6 +279,8 @@ def sparse_mla_decode_ref(
         s1 = min(s0 + step, b * s_q)
         o, _, lv = _attend(qf[s0:s1].float(), flat[rows[s0:s1]].float(), valid[s0:s1], sm_scale, d_v, None)
         out[s0:s1], lse[s0:s1] = o.to(q.dtype), lv
+    if empty_lse > 0:
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q)
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import abc
 import importlib
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -162,6 +162,19 @@ class A2ABackend(abc.ABC):
             ValueError: this backend's buffers cannot hold such rows (naming the layer argument).
         """
         return torch.cat([x_fp8.view(torch.uint8), scales.contiguous().view(torch.uint8)], 1)
+
+    def quantize_fp8(self, x: torch.Tensor) -> Any:
+        """bf16 / fp16 / fp32 rows ``x [n, H]`` (``H`` a multiple of 128) as the rows ``dispatch`` moves for
+        an FP8 dispatch of them (``fp8=True``): their FP8 rows and scales by the rule of
+        :func:`ep_a2a.reference.quantize_fp8`, bit for bit. Default: quantized here with torch operations
+        (that function), then :meth:`pack_fp8`; a backend that quantizes inside its send overrides it.
+
+        Raises:
+            ValueError: as :meth:`pack_fp8`.
+        """
+        from ep_a2a.reference import quantize_fp8
+
+        return self.pack_fp8(*quantize_fp8(x))
 
     def unpack_fp8(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows received by an FP8 dispatch (:meth:`pack_fp8`'s format) as ``(x_fp8 [R, H]

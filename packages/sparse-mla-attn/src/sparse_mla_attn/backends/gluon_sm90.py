@@ -435,6 +435,7 @@ if HAVE_GLUON:
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
         HAS_SINK: gl.constexpr,
+        SPLIT_K: gl.constexpr,
         HALF_RING: gl.constexpr,
         EARLY_QK: gl.constexpr,
     ):
@@ -450,6 +451,10 @@ if HAVE_GLUON:
         Waits are bounded by construction: ``full_bars[s]`` completes once per gather (128 producer
         arrivals), ``empty_bars[s]`` once per block (one arrive per consumer warpgroup), ``p_bars[w]``
         once per pair; no barrier can run more than one phase ahead of its waiters.
+
+        With ``SPLIT_K`` the program covers one split of the token's top-k list and writes the split-K
+        partials as the Triton forward does: the fp32 output normalised by this split's own sum (no
+        sink), the base-2 lse and row max (merged by ``_split_combine_kernel``).
 
         ``HALF_RING``: each slot has two halves with their own barriers (see :func:`_ws_producer_halves`),
         released by their last reader (warpgroup ``w`` reads the values of half ``w``), so a half is
@@ -587,20 +592,25 @@ if HAVE_GLUON:
         hs_ok = offs_hs < h_q
         m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
         denom = l_i
-        if HAS_SINK:
+        if HAS_SINK and not SPLIT_K:  # with split-K the merge kernel adds the sink
             sink = gl.load(SINK + offs_hs, mask=hs_ok, other=0.0)
             denom = denom + gl.exp2(sink * 1.4426950408889634 - m_use)
         has_any = l_i > 0.0
         scale = gl.where(has_any, 1.0 / gl.where(has_any, denom, 1.0), 0.0)
+        # Natural log, or base 2 for the split-K partials.
+        if SPLIT_K:
+            to_out = 1.0
+        else:
+            to_out = 0.6931471805599453
         if WG == 0:
             lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
-            gl.store(LSE + lse_base + offs_hs, lse2 * 0.6931471805599453, mask=hs_ok)
-            gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * 0.6931471805599453, mask=hs_ok)
+            gl.store(LSE + lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
+            gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * to_out, mask=hs_ok)
         out = acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]
         offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
         offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
         o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
-        gl.store(o_ptr, out.to(dtype), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
+        gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
 
     @gluon.jit
     def _sparse_mla_fwd_pingpong_kernel(
@@ -625,6 +635,8 @@ if HAVE_GLUON:
         q_start_index,
         k_stride,
         sm_scale_log2,
+        n_tok,
+        split_len,
         D_NOPE: gl.constexpr,
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
@@ -637,8 +649,13 @@ if HAVE_GLUON:
         CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
+        SPLIT_K: gl.constexpr = False,
     ):
         """Forward for one token and 64 heads, warp specialised (FlashMLA-style ping-pong, 12 warps).
+
+        With ``SPLIT_K`` program ``pid`` covers split ``pid // (n_head_tiles * n_tok)`` of its token's top-k
+        list, slots ``[k * split_len, (k + 1) * split_len)``, and ``OUT`` / ``MAX_LOGITS`` / ``LSE`` are
+        the fp32 partial buffers ``[splits, n_tok, h_q(, D_NOPE)]`` (see ``_pp_consumer``).
 
         Default partition = consumer warpgroup 0, worker 0 = consumer warpgroup 1, worker 1 = a
         producer warpgroup gathering rows with cp.async into a ring of two 64-row slots. Block ``b``
@@ -652,6 +669,9 @@ if HAVE_GLUON:
         pid = gl.program_id(0)
         pid_h = pid % n_head_tiles
         pid_s = pid // n_head_tiles
+        if SPLIT_K:
+            pid_k = pid_s // n_tok  # the split
+            pid_s = pid_s % n_tok
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -695,10 +715,20 @@ if HAVE_GLUON:
         if HAS_TOPK_LEN:
             n_t = gl.minimum(gl.load(TOPK_LEN + pid_s), topk)
         hi = _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL)
-        n_pairs = gl.cdiv(n_t, 2 * BLOCK_T)
         idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
-        out_base = pid_s.to(gl.int64) * stride_o_s
-        lse_base = pid_s.to(gl.int64) * h_q
+        if SPLIT_K:
+            # This split's slots, as a list of its own (the producer and consumers index it from 0).
+            t_start = pid_k * split_len
+            idx_row += t_start
+            n_t = gl.maximum(gl.minimum(n_t - t_start, split_len), 0)
+            lse_base = (pid_k.to(gl.int64) * n_tok + pid_s) * h_q
+            out_base = lse_base * D_NOPE
+            so_h = D_NOPE
+        else:
+            out_base = pid_s.to(gl.int64) * stride_o_s
+            lse_base = pid_s.to(gl.int64) * h_q
+            so_h = stride_o_h
+        n_pairs = gl.cdiv(n_t, 2 * BLOCK_T)
         # (Argument tuples written inline: a tuple assigned to a variable turns its constexprs into tensors;
         # constexpr variables such as WG0 stay constexprs.)
         WG0: gl.constexpr = 0
@@ -707,13 +737,13 @@ if HAVE_GLUON:
             [
                 (_pp_consumer, (
                     WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
-                    end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t,
-                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, HALF_RING, EARLY_QK,
+                    end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t,
+                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K, HALF_RING, EARLY_QK,
                 )),
                 (_pp_consumer, (
                     WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
-                    end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0, n_t,
-                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, HALF_RING, EARLY_QK,
+                    end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t,
+                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K, HALF_RING, EARLY_QK,
                 )),
                 (_ws_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
@@ -938,24 +968,33 @@ def launch_fwd_gluon(
     slots: dict[Any, Any] | None = None,
     strides: tuple[int, ...] | None = None,
     ctx: LaunchContext | None = None,
+    splits: tuple[int, int] = (1, 0),
 ) -> Any:
     """Forward on sm_90: one program per token and 64-head tile, 12 warp-specialised warps (see
     ``_sparse_mla_fwd_pingpong_kernel``); same arguments and outputs as the Triton launch (``slots``: see
     :func:`sparse_mla_attn._runtime.launch`). ``strides``: the token and head strides of ``q``, the row
     strides of ``kv_rows`` and ``idx``, the token and head strides of ``out`` (then the tensors may be any
     views of the same memory, e.g. before a reshape); else read off the tensors. ``ctx``: the call's
-    :func:`~sparse_mla_attn._runtime.launch_context`. ``half_ring``, ``early_qk``, ``prefetch``: the pipeline
-    options of :class:`~sparse_mla_attn.Config` (``fwd_half_ring``, ``fwd_early_qk``, ``l2_prefetch``)."""
+    :func:`~sparse_mla_attn._runtime.launch_context`. ``splits``: ``(n_splits, split_len)``; with more
+    than one split ``out`` / ``max_logits`` / ``lse`` are the fp32 split-K partial buffers. ``half_ring``,
+    ``early_qk``, ``prefetch``: the pipeline options of :class:`~sparse_mla_attn.Config`
+    (``fwd_half_ring``, ``fwd_early_qk``, ``l2_prefetch``)."""
     n_head_tiles = cdiv(dims.h_q, 64)
+    n_splits, split_len = splits
     if strides is None:
         strides = (q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1))
+    consts = dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
+                  HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
+                  HALF_RING=half_ring, EARLY_QK=early_qk, PREFETCH=prefetch,
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)  # fmt: skip
+    if n_splits > 1:
+        consts["SPLIT_K"] = True
     return launch(
-        _sparse_mla_fwd_pingpong_kernel, (dims.s_q * n_head_tiles,), slots, "gluon_fwd",
+        _sparse_mla_fwd_pingpong_kernel, (n_splits * dims.s_q * n_head_tiles,), slots,
+        "gluon_fwd" if n_splits == 1 else "gluon_fwd_split",
         (q, kv_rows, idx, out, max_logits, lse, sink, topk_length if topk_length is not None else idx,
-         *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2),
-        dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
-             HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
-             HALF_RING=half_ring, EARLY_QK=early_qk, PREFETCH=prefetch, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4), ctx,
+         *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
+         dims.s_q, split_len if n_splits > 1 else dims.topk), consts, ctx,
     )  # fmt: skip
 
 

@@ -36,6 +36,7 @@ from ep_a2a.backends.triton.engine import (
     DispatchBuffers,
     EPTimeoutFromDevice,
     HeapLayout,
+    QuantizeOnSend,
     TritonEPEngine,
     _raw_stream,
     fp8_row_bytes,
@@ -94,7 +95,7 @@ class _Call:
     engine's slot positions)."""
 
     def __init__(
-        self, input: torch.Tensor, exp_indices: torch.Tensor, weight: torch.Tensor | None,
+        self, input: torch.Tensor | QuantizeOnSend, exp_indices: torch.Tensor, weight: torch.Tensor | None,
         full_scatter_indices: torch.Tensor | None, pos: torch.Tensor,
     ) -> None:  # fmt: skip
         self.input, self.exp_indices, self.weight = input, exp_indices, weight
@@ -195,6 +196,7 @@ class TritonBackend(A2ABackend):
                 dtypes=(torch.float32,),
                 row_dtypes=(config.token_dtype, FP8_ROW_DTYPE) if fp8 else None,
                 combine_dtypes=(torch.bfloat16,) if fp8 else None,
+                quantize_from=(torch.bfloat16,) if fp8 else (),
                 dispatch_counts=(True,) if self.overlap_exact else (True, False),
                 rewrite=self.speculative_rows,
                 mirror=self.overlap_exact or self.speculative_rows,
@@ -324,7 +326,7 @@ class TritonBackend(A2ABackend):
     # ------------------------------------------------------------------ exact-shape mode
     def dispatch(
         self,
-        input: torch.Tensor,
+        input: torch.Tensor | QuantizeOnSend,  # type: ignore[override]
         exp_indices: torch.Tensor,
         weight: torch.Tensor | None,
         full_scatter_indices: torch.Tensor | None,
@@ -638,13 +640,16 @@ class TritonBackend(A2ABackend):
 
     # ------------------------------------------------------------------ CUDA-graph mode
     def dispatch_static(
-        self, input: torch.Tensor, exp_indices: torch.Tensor, weight: torch.Tensor | None = None
+        self,
+        input: torch.Tensor | QuantizeOnSend,
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None = None,
     ) -> StaticDispatch:
         """Dispatch with fixed shapes and no host synchronisation (capturable in a CUDA graph).
 
         Args:
-            input: ``[n, hidden]`` token dtype, or packed FP8 rows (:meth:`pack_fp8`) (``n`` fixed for the
-                graph, ``<= max_tokens``).
+            input: ``[n, hidden]`` token dtype, or packed FP8 rows (:meth:`pack_fp8`), or rows the row
+                kernel quantizes to them (:meth:`quantize_fp8`) (``n`` fixed for the graph, ``<= max_tokens``).
             exp_indices: ``[n, topk]`` int32 or int64 (-1 = dropped).
             weight: ``[n, topk]`` weight dtype or ``None`` (fixed for the graph).
 
@@ -713,6 +718,24 @@ class TritonBackend(A2ABackend):
             ValueError: the layer's buffers hold narrower rows (a 1-byte ``dtype`` other than
                 ``float8_e4m3fn``).
         """
+        self._check_fp8_rows_fit()
+        return pack_fp8_rows(x_fp8, scales)
+
+    def quantize_fp8(self, x: torch.Tensor) -> torch.Tensor | QuantizeOnSend:
+        """bf16 / fp16 / fp32 rows for an FP8 dispatch (``fp8=True``): a :class:`~.engine.QuantizeOnSend`,
+        so that the row kernel quantizes each row as it sends and writes it (no FP8 copy first). With
+        copy-engine dispatch (``TritonTuning(copy_engine=True)``), whose copies move rows as they are, the
+        rows are quantized with torch operations first (the base class's :meth:`quantize_fp8`).
+
+        Raises:
+            ValueError: as :meth:`pack_fp8`.
+        """
+        if self.copy_engine:
+            return super().quantize_fp8(x)
+        self._check_fp8_rows_fit()
+        return QuantizeOnSend(x)
+
+    def _check_fp8_rows_fit(self) -> None:
         need, have = fp8_row_bytes(self.config.hidden), self.layout.row_bytes
         if need > have:
             raise ValueError(
@@ -720,7 +743,6 @@ class TritonBackend(A2ABackend):
                 f"row (dtype={self.config.token_dtype}); build the layer with dtype=torch.float8_e4m3fn "
                 "(or a dtype of at least 2 bytes)"
             )
-        return pack_fp8_rows(x_fp8, scales)
 
     def unpack_fp8(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Received packed rows as ``(x_fp8, scales)`` views (:func:`~.engine.unpack_fp8_rows`)."""

@@ -87,6 +87,55 @@ def pack_fp8_rows(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return packed.view(FP8_ROW_DTYPE)
 
 
+#: dtypes of token rows the row kernel quantizes to packed FP8 rows as it sends them
+QUANTIZE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class QuantizeOnSend:
+    """Token rows that the row kernel quantizes to packed FP8 rows while it sends and writes them.
+
+    It stands, in a dispatch, for the packed FP8 rows (:func:`pack_fp8_rows`) it becomes: ``dtype`` is
+    :data:`FP8_ROW_DTYPE` and ``shape`` ``[n, fp8_row_bytes(hidden) / 2]``; ``x`` holds the rows. Each row
+    kernel that stores a token row (to a peer, into a remote peer's staging record, into this rank's
+    output) reads ``x``'s row and stores its FP8 bytes and scales, computed by the rule of
+    :func:`ep_a2a.reference.quantize_fp8` bit for bit: no FP8 copy of ``x`` exists before the send.
+
+    Args:
+        x: ``[n, hidden]`` bf16, fp16 or fp32, ``hidden`` a multiple of 128 (copied once if it is not
+            contiguous or its rows are not aligned to their element pairs).
+
+    Raises:
+        TypeError: ``x`` of another dtype.
+        ValueError: ``x`` not 2-D, or ``hidden`` not a multiple of 128.
+    """
+
+    requires_grad = False  # (FP8 rows carry no gradient)
+
+    def __init__(self, x: torch.Tensor) -> None:
+        if x.dtype not in QUANTIZE_DTYPES:
+            raise TypeError(
+                f"input to quantize must have a dtype in {[str(d) for d in QUANTIZE_DTYPES]}, got {x.dtype}"
+            )
+        if x.dim() != 2 or x.shape[1] % FP8_BLOCK:
+            raise ValueError(
+                f"input to quantize must be [n, hidden] with hidden a multiple of {FP8_BLOCK} (one scale per "
+                f"{FP8_BLOCK} channels), got {list(x.shape)}"
+            )
+        x = x.contiguous()
+        if x.data_ptr() % (2 * x.element_size()):  # (the kernel loads pairs of channels as one word)
+            x = x.clone()
+        self.x = x
+        self.dtype = FP8_ROW_DTYPE
+        self.shape = torch.Size((x.shape[0], fp8_row_bytes(x.shape[1]) // FP8_ROW_DTYPE.itemsize))
+        self.device = x.device
+
+    def dim(self) -> int:
+        return 2
+
+    def element_size(self) -> int:
+        return FP8_ROW_DTYPE.itemsize
+
+
 def unpack_fp8_rows(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Contiguous packed FP8 rows ``[R, fp8_row_bytes(hidden) / 2]`` as ``(x_fp8 [R, hidden]
     float8_e4m3fn, scales [R, hidden / 128] float32)``: views of ``rows`` (row stride
@@ -699,6 +748,18 @@ class TritonEPEngine:
         H, BH = width, _next_pow2(width) if whole_row else self.block_h
         return dict(K=self.topk, KP=self.kp, H=H, BH=BH, CH=self.chunk, EVEN_H=H % BH == 0)
 
+    def _row_tile_kw(self, width: int, quantize_from: int) -> dict:
+        """The row kernel's tile constexprs (:meth:`_tile_kw`, rows of ``width`` elements) plus those of
+        quantizing on send (``QH``: channels of the rows quantized, else 0): tiles of ``BQ`` pairs of
+        channels, half as many as the channels a tile of ``block_h`` holds (the same bytes loaded), at
+        least one 128-channel block; whole rows: every pair of the row."""
+        tiles = self._tile_kw(width, self.whole_row)
+        if not quantize_from:
+            return dict(**tiles, QH=0, BQ=FP8_BLOCK // 2)
+        pairs = quantize_from // 2
+        bq = _next_pow2(pairs) if self.whole_row else max(self.block_h // 2, FP8_BLOCK // 2)
+        return dict(**tiles, QH=quantize_from, BQ=bq)
+
     def _rec_kw(self, row_dtype: torch.dtype) -> dict:
         """Strides of a packed token record: in row elements, in 4-byte words; bytes of its row part."""
         lay = self.layout
@@ -808,6 +869,8 @@ class TritonEPEngine:
     ) -> KernelLaunch:
         out, split, lay = bufs.out, self.send_ctas, self.layout
         assert out is not None
+        # rows quantized on send (the key's input dtype tells the variant apart)
+        quantize_from = self.hidden if xs.dtype != out.dtype else 0
 
         def fixed() -> dict:
             return dict(
@@ -821,7 +884,7 @@ class TritonEPEngine:
                 **self._early_send_kw(counts, send, rewrite), **self._mirror_kw(mirror),
                 USE_TIMER=self.use_timer, G=self.num_sm, GS=max(split, 1), off_sig=lay.sig, off_sback=lay.sback,
                 off_srec=lay.srec, CW=lay.cw, REMOTE=self.remote_bits, CE=bool(self.ce_pieces),
-                ce_tokens=self.ce_tokens, **self._tile_kw(out.shape[1], self.whole_row), **self._rec_kw(xs.dtype),
+                ce_tokens=self.ce_tokens, **self._row_tile_kw(out.shape[1], quantize_from), **self._rec_kw(out.dtype),
                 WHOLE_ROW=self.whole_row, PDL=self.pdl,
             )  # fmt: skip
 
@@ -987,7 +1050,7 @@ class TritonEPEngine:
 
     def launch_dispatch(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | QuantizeOnSend,
         exp_indices: torch.Tensor,
         weight: torch.Tensor | None,
         scatter_src: torch.Tensor,
@@ -1019,10 +1082,18 @@ class TritonEPEngine:
         With remote peers (``counts=False`` only): the row kernel stages the records for remote peers;
         with ``send`` the host then puts ``npk_send[r]`` records (host copy of ``remote["pinfo"][:W]``) to
         each remote ``r``; with ``recv`` :func:`~.kernels._remote_expand_kernel` expands the records
-        received (after the row kernel, which marks remote sources' slots as absent)."""
+        received (after the row kernel, which marks remote sources' slots as absent).
+
+        ``x`` a :class:`QuantizeOnSend`: its rows quantized to packed FP8 rows inside the row kernel
+        (``bufs.out`` of packed rows); not with copy-engine dispatch, whose copies move rows as they are."""
         self._check_dispatch_flags(
             counts=counts, send=send, recv=recv, rewrite=rewrite, mirror=mirror, npk_send=npk_send
         )
+        if isinstance(x, QuantizeOnSend) and self.ce_pieces:
+            raise ValueError(
+                "copy-engine dispatch (ce_pieces) copies the token rows as they are: quantize them first "
+                "(pack_fp8_rows) instead of QuantizeOnSend"
+            )
         # (rows wider than the heap's row slots would be written past them)
         self.check_rows(x)
         if bufs.out is None or bufs.out.dtype != x.dtype or bufs.out.shape[1] != x.shape[1]:
@@ -1033,7 +1104,7 @@ class TritonEPEngine:
         pk, rtok, pinfo = self._rb(remote)
         has_w = weight is not None
         w = _nz(weight) if weight is not None else self._dummy_w
-        xs, src = _nz(x), _nz(scatter_src)
+        xs, src = _nz(x.x if isinstance(x, QuantizeOnSend) else x), _nz(scatter_src)
         ids, id64 = _ids_arg(exp_indices)
         # the copies may start once the receive layout ran (not behind the row kernel)
         fork = self._ce_fork() if self.ce_pieces and send else None
@@ -1233,7 +1304,7 @@ class TritonEPEngine:
         rows) ``fp8_row_bytes(hidden) / 2``."""
         return fp8_row_bytes(self.hidden) // FP8_ROW_DTYPE.itemsize if dtype == FP8_ROW_DTYPE else self.hidden
 
-    def check_rows(self, x: torch.Tensor, name: str = "input") -> None:
+    def check_rows(self, x: torch.Tensor | QuantizeOnSend, name: str = "input") -> None:
         """Raise ``ValueError`` unless ``x``'s rows are ``row_width(x.dtype)`` wide and fit the heap's row
         slots (``layout.row_bytes``)."""
         width = self.row_width(x.dtype)
@@ -1294,13 +1365,15 @@ class TritonEPEngine:
         mirror: bool = False,
         row_dtypes: tuple[torch.dtype, ...] | None = None,
         combine_dtypes: tuple[torch.dtype, ...] | None = None,
+        quantize_from: tuple[torch.dtype, ...] = (),
     ) -> list[KernelLaunch]:
         """Every kernel variant the backend may launch, as the launches specify them (per-call tensors
         replaced by small aligned stand-ins of the same dtypes).
 
         ``row_dtypes``: dtypes of the dispatched rows (default ``(token_dtype,)``; :data:`FP8_ROW_DTYPE`:
         packed FP8 rows); ``combine_dtypes``: row dtypes of combine (default ``(token_dtype,)``), and
-        ``dtypes`` more of them; ``dispatch_counts``: the dispatch kernel with the
+        ``dtypes`` more of them; ``quantize_from``: dtypes of rows quantized to packed FP8 rows on send
+        (:class:`QuantizeOnSend`), each a row kernel variant of its own; ``dispatch_counts``: the dispatch kernel with the
         receive layout merged in (static mode, small exact calls) and/or without (large exact calls);
         ``rewrite``: also the writing pass of :meth:`launch_dispatch`'s ``rewrite=True`` (local peers
         only); ``mirror``: also the merged variant that copies ``info`` to the host (local peers only).
@@ -1331,11 +1404,16 @@ class TritonEPEngine:
         def row(dtype: torch.dtype) -> torch.Tensor:  # (aligned rows of that dtype's width)
             return torch.zeros(16, self.row_width(dtype), dtype=dtype, device=dev)
 
-        row_dts = row_dtypes or (self.token_dtype,)
-        for dt, has_w, cs, (counts, send, rw, mi) in itertools.product(
+        # (row dtype, dtype of the rows quantized on send or None) of each variant
+        row_dts: list[tuple[torch.dtype, torch.dtype | None]] = [
+            (dt, None) for dt in row_dtypes or (self.token_dtype,)
+        ]
+        if not self.ce_pieces:
+            row_dts += [(FP8_ROW_DTYPE, dt) for dt in quantize_from]
+        for (dt, qdt), has_w, cs, (counts, send, rw, mi) in itertools.product(
             row_dts, (True, False), (False, True), rows
         ):
-            x = row(dt)
+            x: torch.Tensor = row(dt) if qdt is None else torch.zeros(16, self.hidden, dtype=qdt, device=dev)
             bufs = DispatchBuffers(tab=t(i32), skip=t(i32), scat=t(i32), out=row(dt),
                                    out_w=t(self.weight_dtype), out_e=t(i32))  # fmt: skip
             out.append(

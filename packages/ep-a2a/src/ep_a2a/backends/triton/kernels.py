@@ -302,6 +302,123 @@ def _store_by_slot(xt, rows, kk, out_ptr, hh, H: tl.constexpr, K: tl.constexpr, 
         tl.store(out_ptr + rk[:, None] * H + hh[None, :], xt, mask=_m(rk >= 0, 0, hh, H, EVEN_H))
 
 
+# --------------------------------------------------------------------------------------------------
+# FP8 quantization on send: bf16 / fp16 / fp32 token rows become packed FP8 rows (DeepEP's format: the
+# float8_e4m3fn bytes of the row, then one float32 scale per 128 channels) in the row kernel's registers.
+# A tile is [CH, BQ / 64, 64] pairs of channels: one 128-channel block per (token, block), so the block
+# maximum is a reduction inside a warp and its broadcast back needs no exchange between threads.
+# --------------------------------------------------------------------------------------------------
+FP8_MAX = tl.constexpr(448.0)
+#: float32(1 / 448): a scale is ``amax`` times it, as torch computes ``amax / 448`` on CUDA devices
+FP8_RECIP_MAX = tl.constexpr(0.0022321429569274187)
+FP8_AMAX_FLOOR = tl.constexpr(1e-4)
+FP8_NAN = tl.constexpr(0x7F)  # the one NaN byte written (float8_e4m3fn has two)
+F32_NAN = tl.constexpr(0x7FC00000)  # the one NaN scale written
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _load_pairs(x_ptr, toks, ld, h0, QH: tl.constexpr, BQ: tl.constexpr):
+    """Pairs of channels ``[h0, h0 + BQ)`` of rows ``toks`` (``ld``) of ``x [n, QH]`` (2- or 4-byte floats)
+    as ``[CH, BQ / 64, 64]`` int32 / int64 words, a pair each: 16-byte vector loads, split into the two
+    channels by bit operations; blocks past the row read as zeros."""
+    if x_ptr.dtype.element_ty.primitive_bitwidth == 16:
+        xp = x_ptr.to(tl.pointer_type(tl.int32))
+    else:
+        xp = x_ptr.to(tl.pointer_type(tl.int64))
+    off = h0 + tl.arange(0, BQ // 64) * 64
+    jj = tl.arange(0, 64)
+    row = toks.to(tl.int64) * (QH // 2)
+    mask = ld[:, None, None] & (off < QH // 2)[None, :, None]
+    return tl.load(xp + row[:, None, None] + off[None, :, None] + jj[None, None, :], mask=mask, other=0)
+
+
+@triton.jit
+def _to_e4m3(v):
+    """float32 -> float8_e4m3fn bits (int32 0..255), round to nearest even; NaN -> ``FP8_NAN``. Values
+    here are at most 448 in magnitude (or NaN). On the GPU the hardware conversion; in the interpreter
+    (whose own conversion does not round to nearest even) torch's rule in integer operations."""
+    if INTERPRETING:
+        bits = v.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        a = bits & 0x7FFFFFFF
+        odd = (a >> 20) & 1
+        normal = ((a + ((7 - 127) << 23) + 0x7FFFF + odd) >> 20) & 0xFF  # (rebias, round, take 7 bits)
+        # below 2^-6 (subnormal in e4m3): add 2^14, whose float32 ulp is e4m3's 2^-9, and take the bits
+        sub = ((tl.abs(v) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)) & 0xFF
+        res = tl.where(a >= (1087 << 20), FP8_NAN, tl.where(a < (121 << 23), sub, normal)) | sign
+    else:
+        res = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+    return tl.where(v != v, FP8_NAN, res)
+
+
+@triton.jit
+def _quantize_pairs(raw, src_ty: tl.constexpr):
+    """A tile of pairs of channels (:func:`_load_pairs`) as packed FP8: int16 pairs of FP8 bytes (little-
+    endian) of the same shape and ``[CH, BQ / 64]`` int32 scale bits, by DeepEP's rule as torch runs it
+    on CUDA: per 128 channels ``amax = max(|x|)`` (NaN if any is; at least 1e-4), bytes ``e4m3(x *
+    (reciprocal(amax) * 448))``, scale ``amax * float32(1 / 448)``; NaN in one encoding each."""
+    if src_ty == tl.bfloat16:
+        lo = (raw << 16).to(tl.float32, bitcast=True)  # (bf16 is float32's upper half)
+        hi = (raw & -65536).to(tl.float32, bitcast=True)
+    elif src_ty == tl.float16:
+        lo = raw.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (raw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        lo = raw.to(tl.int32).to(tl.float32, bitcast=True)
+        hi = (raw >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    amax = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 2, _max_nan)
+    amax = _max_nan(amax, FP8_AMAX_FLOOR)
+    inv = (tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * FP8_MAX)[:, :, None]
+    q = _to_e4m3(lo * inv) | (_to_e4m3(hi * inv) << 8)
+    s = amax * FP8_RECIP_MAX
+    return q.to(tl.int16), tl.where(s != s, F32_NAN, s.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _store_quantized(rows_ptr, rows, rmask, xq, st, h0, S: tl.constexpr, QH: tl.constexpr, BQ: tl.constexpr,
+                     STREAM: tl.constexpr):  # fmt: skip
+    """One tile of packed FP8 rows (:func:`_quantize_pairs`: pairs ``[h0, h0 + BQ)`` and their scales) into
+    rows ``rows`` (``[CH]`` int64, ``rmask``) of a buffer of int16 rows of ``S`` elements: the pairs at
+    ``h0``, the scales after the row's ``QH`` FP8 bytes. ``STREAM``: streaming stores (``.cs``)."""
+    blk = tl.arange(0, BQ // 64)
+    off = h0 + blk * 64
+    inside = off < QH // 2
+    ptr = rows_ptr + rows[:, None, None] * S + off[None, :, None] + tl.arange(0, 64)[None, None, :]
+    mask = rmask[:, None, None] & inside[None, :, None]
+    if STREAM:
+        tl.store(ptr, xq, mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(ptr, xq, mask=mask)
+    sp = (
+        rows_ptr.to(tl.pointer_type(tl.int32))
+        + rows[:, None] * (S // 2)
+        + (QH // 4 + h0 // 64)
+        + blk[None, :]
+    )
+    tl.store(sp, st, mask=rmask[:, None] & inside[None, :])
+
+
+@triton.jit
+def _store_peers_quantized(xq, st, h0, toks, tm, bits, pk_ptr, table_ptr, rank, max_tokens, off_x, off_srec,
+                           W: tl.constexpr, H: tl.constexpr, REMOTE: tl.constexpr, RECX: tl.constexpr,
+                           QH: tl.constexpr, BQ: tl.constexpr):  # fmt: skip
+    """:func:`_store_peers` for a tile of packed FP8 rows quantized on send."""
+    for r in tl.static_range(W):
+        if (REMOTE >> r) & 1:
+            j = tl.load(pk_ptr + r * max_tokens + toks, mask=tm, other=-1)
+            prec = _peer_ptr(table_ptr, rank, off_srec, tl.int16)
+            _store_quantized(prec, (r * max_tokens + j).to(tl.int64), j >= 0, xq, st, h0, RECX, QH, BQ, False)
+        elif r != rank:
+            need = ((bits >> r) & 1) != 0
+            px = _peer_ptr(table_ptr, r, off_x, tl.int16)
+            _store_quantized(px, (rank * max_tokens + toks).to(tl.int64), need, xq, st, h0, H, QH, BQ, False)
+
+
 @triton.jit
 def _is_remote(r, REMOTE: tl.constexpr, W: tl.constexpr):
     """Whether rank ``r`` (scalar or tensor) is in the bit set ``REMOTE`` (ranks reached by host puts)."""
@@ -669,6 +786,8 @@ def _dispatch_send_chunk(
     RECI: tl.constexpr,
     ROWB: tl.constexpr,
     WHOLE_ROW: tl.constexpr,
+    QH: tl.constexpr,
+    BQ: tl.constexpr,
 ):
     """Chunk ``c`` of this rank's tokens: with ``PEERS`` each token row (and its slots' metadata) to
     every peer hosting one of its experts, then the chunk's ready flag; with ``LOCAL`` the slot table,
@@ -676,14 +795,21 @@ def _dispatch_send_chunk(
 
     A remote peer ``r`` (bit ``r`` of ``REMOTE``) gets no stores: the token's record (row, then token
     index, ids, positions, float32 weights) goes to this rank's staging ``srec[r, pk[r, t]]``, packed in
-    token order, and the host puts the first ``pinfo[r]`` records to ``r`` after the kernel."""
+    token order, and the host puts the first ``pinfo[r]`` records to ``r`` after the kernel.
+
+    ``QH > 0``: ``x`` holds rows of ``QH`` bf16 / fp16 / fp32 channels, quantized here into the packed FP8
+    rows (``H`` int16 wide) that are stored, in tiles of ``BQ`` pairs of channels (whole rows: every pair
+    of the row)."""
     toks = c * CH + tl.arange(0, CH)
     tm = toks < n_tokens
     kk = tl.arange(0, KP)
     hh = tl.arange(0, BH)
     xrow = toks.to(tl.int64) * H
     if WHOLE_ROW:  # the rows' load first: in flight while the slots' metadata is worked out
-        xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(tm, 0, hh, H, EVEN_H))
+        if QH:
+            raw = _load_pairs(x_ptr, toks, tm, 0, QH, BQ)
+        else:
+            xt = tl.load(x_ptr + xrow[:, None] + hh[None, :], mask=_m(tm, 0, hh, H, EVEN_H))
     m2 = tm[:, None] & (kk[None, :] < K)
     slot = toks[:, None].to(tl.int64) * K + kk[None, :]
     ids = _load_ids(ids_ptr, slot, m2, id64, L * W)
@@ -745,9 +871,30 @@ def _dispatch_send_chunk(
     if WHOLE_ROW:
         # decode-sized chunks (BH >= H): the whole rows (loaded above) to the peers and their flag
         # first, then this rank's own rows from registers
-        if PEERS:
+        if QH:
+            xq, st = _quantize_pairs(raw, x_ptr.dtype.element_ty)
+            if PEERS:
+                _store_peers_quantized(xq, st, 0, toks, tm, bits, pk_ptr, table_ptr, rank, max_tokens, off_x,
+                                       off_srec, W, H, REMOTE, RECX, QH, BQ)  # fmt: skip
+        elif PEERS:
             _store_peers(xt, 0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
                          off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
+    elif QH:
+        # packed FP8 rows made here: each tile quantized between its load and its stores
+        tl.debug_barrier()  # (as below)
+        raw = _load_pairs(x_ptr, toks, ld, 0, QH, BQ)
+        for h0 in range(0, QH // 2, BQ):
+            hn = h0 + BQ
+            nxt = _load_pairs(x_ptr, toks, _and(ld, hn < QH // 2), hn, QH, BQ)
+            xq, st = _quantize_pairs(raw, x_ptr.dtype.element_ty)
+            if PEERS:
+                _store_peers_quantized(xq, st, h0, toks, tm, bits, pk_ptr, table_ptr, rank, max_tokens, off_x,
+                                       off_srec, W, H, REMOTE, RECX, QH, BQ)  # fmt: skip
+            if LOCAL:
+                for k in tl.static_range(K):
+                    rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
+                    _store_quantized(out_ptr, rk, rk >= 0, xq, st, h0, H, QH, BQ, True)
+            raw = nxt
     else:
         tl.debug_barrier()  # the tab rows written above are re-read per tile below (no per-tile reductions)
         # one tile ahead: the next tile's load is in flight while this one is stored
@@ -771,7 +918,12 @@ def _dispatch_send_chunk(
                     f = _peer_ptr(table_ptr, r, off_flag, tl.int64) + rank * nchunks + c
                     tl.atomic_xchg(f, ep, sem="release", scope="sys")
     if WHOLE_ROW and LOCAL:
-        _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
+        if QH:
+            for k in tl.static_range(K):
+                rk = _column(row, kk, k)
+                _store_quantized(out_ptr, rk.to(tl.int64), rk >= 0, xq, st, 0, H, QH, BQ, False)
+        else:
+            _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
 
 
 @triton.jit
@@ -986,6 +1138,9 @@ def _dispatch_kernel(
     INFO_P2: tl.constexpr = 1,  # MIRROR: the next power of 2
     mirror_addr=0,  # MIRROR: address of pinned host int64 [INFO_LEN + 1] (info, then the epoch)
     id64=0,  # 1: ids_ptr points at int64 ids (see _load_ids)
+    QH: tl.constexpr = 0,  # > 0: x holds rows of QH bf16 / fp16 / fp32 channels, quantized to the packed
+    # FP8 rows of out on send, in tiles of BQ pairs of channels (see _dispatch_send_chunk)
+    BQ: tl.constexpr = 64,
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -1134,7 +1289,7 @@ def _dispatch_kernel(
                                 tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
                                 cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
                                 EVEN_H, HAS_W, CALLER_SCATTER, True, False, pk_ptr, off_srec, REMOTE, RECX,
-                                RECI, ROWB, WHOLE_ROW,
+                                RECI, ROWB, WHOLE_ROW, QH, BQ,
                             )  # fmt: skip
                         n_src_all, n_chunks_recv, n_chunks = _await_receive_layout(
                             state_ptr, info_ptr, ss, rank, ep, timeout, n_chunks_send, W, CH, USE_TIMER
@@ -1147,7 +1302,7 @@ def _dispatch_kernel(
                                 tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
                                 cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
                                 EVEN_H, HAS_W, CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX,
-                                RECI, ROWB, WHOLE_ROW,
+                                RECI, ROWB, WHOLE_ROW, QH, BQ,
                             )  # fmt: skip
                         send_now = send_now & (cs < 0)  # (sent)
                 if send_now:
@@ -1195,6 +1350,8 @@ def _dispatch_kernel(
                         RECI,
                         ROWB,
                         WHOLE_ROW,
+                        QH,
+                        BQ,
                     )
             if RECV:
                 # this rank's own rows into its output (the senders only feed the peers, or nothing sends)
@@ -1244,6 +1401,8 @@ def _dispatch_kernel(
                             RECI,
                             ROWB,
                             WHOLE_ROW,
+                            QH,
+                            BQ,
                         )
                 c = cr
                 if (cw >= 0) & (c >= 0) & (c < n_chunks_recv):

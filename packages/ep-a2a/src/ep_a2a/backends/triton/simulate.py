@@ -23,6 +23,7 @@ import torch
 from ep_a2a.backends.triton.engine import (
     DispatchBuffers,
     HeapLayout,
+    QuantizeOnSend,
     TritonEPEngine,
     heap_row_bytes,
     pack_fp8_rows,
@@ -180,6 +181,7 @@ class SimWorld:
         whole: bool = False,
         speculative_rows: int | None = None,
         mirror: bool = False,
+        quantize: bool = False,
     ) -> list[SimDispatch]:
         """Run one dispatch on every rank (ranks in ``skip_ranks`` never run: their peers time out).
 
@@ -200,9 +202,14 @@ class SimWorld:
         ``inputs`` of FP8 rows in DeepEP's format, tuples ``(x_fp8, scales)``, travel packed as the
         backend sends them (:func:`~.engine.pack_fp8_rows`); each rank's ``output`` is then the tuple
         ``(rows, scales)`` of views the backend returns (:func:`~.engine.unpack_fp8_rows`).
+        ``quantize=True``: ``inputs`` are bf16 / fp16 / fp32 rows that the row kernel quantizes to those
+        packed rows as it sends them (:class:`~.engine.QuantizeOnSend`); ``output`` is the same tuple.
         """
-        fp8 = isinstance(inputs[0], tuple)
-        rows_in: list[torch.Tensor] = [pack_fp8_rows(*x) if isinstance(x, tuple) else x for x in inputs]
+        fp8 = quantize or isinstance(inputs[0], tuple)
+        rows_in: list[Any] = [
+            QuantizeOnSend(x) if quantize else pack_fp8_rows(*x) if isinstance(x, tuple) else x  # type: ignore[arg-type]
+            for x in inputs
+        ]
         if whole and self.world_size != 1:
             raise ValueError(
                 "whole=True (one launch per dispatch) needs world_size 1: peers would be waited for"
@@ -218,7 +225,8 @@ class SimWorld:
             )
         caller = full_scatter_indices is not None
         ranks = [r for r in range(self.world_size) if r not in skip_ranks]
-        infos = {r: torch.full((self.engines[r].info_len,), -9, dtype=torch.int64) for r in ranks}
+        dev = self.heaps[0].device
+        infos = {r: torch.full((self.engines[r].info_len,), -9, dtype=torch.int64, device=dev) for r in ranks}
         rbufs = {r: self.engines[r].alloc_remote() for r in ranks}
         for rb in rbufs.values():  # poison: every entry read must have been written
             for t in (rb or {}).values():
