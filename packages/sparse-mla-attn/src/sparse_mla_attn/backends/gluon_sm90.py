@@ -565,7 +565,10 @@ if HAVE_GLUON:
                             WG, qn_smem, qr_smem, kn_smem, kr_smem, full_bars, z, k + 1, idx_row, n_t, D_ROPE,
                             BLOCK_T, HALF_RING,
                         )  # fmt: skip
-                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(pv,))
+                        # Each warpgroup_mma is one commit group: S is one per part (latent, or its
+                        # two halves; RoPE), and the groups complete in order.
+                        S_GROUPS: gl.constexpr = (2 if HALF_RING else 1) + (1 if D_ROPE > 0 else 0)
+                        acc = warpgroup_mma_wait(num_outstanding=S_GROUPS, deps=(pv,))
                         _pp_release(empty_bars, 1, WG, HALF_RING)
                         s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
                     else:
