@@ -207,8 +207,8 @@ if HAVE_GLUON:
         into slot ``b % NUM_BUF`` once its readers released that slot's previous block, and arms
         ``full_bars[b % NUM_BUF]`` with one deferred arrive per thread (``cp.async.mbarrier.arrive.noinc``:
         it fires when this thread's copies landed). ``HALF_RING``: see :func:`_ws_producer_halves`.
-        ``PREFETCH``: once block ``b`` is issued, ask L2 for the rows of block ``b + 1``
-        (:func:`_prefetch_rows`), so that their DRAM reads overlap the wait for a free slot."""
+        ``PREFETCH``: once an even block ``b`` is issued, ask L2 for the rows of blocks ``b + 1`` and
+        ``b + 2`` (:func:`_prefetch_rows`), so that their DRAM reads overlap the wait for a free slot."""
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         if HALF_RING:
             _ws_producer_halves(
@@ -223,34 +223,33 @@ if HAVE_GLUON:
             idx_cur = idx_next
             nxt = (b + 1) * BLOCK_T + offs_t
             idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
-            if PREFETCH:
-                idx_pf = _prefetch_indices(idx_row, (b + 1) * BLOCK_T, n_t, BLOCK_T)
             # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
             mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
             _issue_gather(
                 kn_smem.index(slot), kr_smem.index(slot), KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l
             )
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
-            if PREFETCH:
-                _prefetch_rows(KV, stride_kv_row, idx_pf, hi, D_NOPE + D_ROPE)
+            if PREFETCH:  # noqa: SIM102 (a compile-time condition around a run-time one)
+                if b % 2 == 0:  # blocks b + 1 and b + 2 (the indices of b + 1 are in L1)
+                    _prefetch_rows(
+                        KV, stride_kv_row, idx_row, (b + 1) * BLOCK_T, n_t, hi, D_NOPE + D_ROPE, BLOCK_T
+                    )
 
     @gluon.jit
-    def _prefetch_indices(idx_row, t0, n_t, BLOCK_T: gl.constexpr):
-        """The indices ``t0 .. t0 + BLOCK_T`` (``-1`` past ``n_t``) in the layout of :func:`_prefetch_rows`."""
+    def _prefetch_rows(KV, stride_kv_row, idx_row, t0, n_t, hi, D_QK: gl.constexpr, BLOCK_T: gl.constexpr):
+        """Ask L2 to fetch and keep (``evict_last``) the valid rows of the indices ``t0 .. t0 + 2 BLOCK_T``
+        (two blocks: one index per producer thread): one bulk prefetch of a whole row
+        (``cp.async.bulk.prefetch.L2``, ``2 * D_QK`` bytes, 16-byte aligned) per index."""
         pf_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        offs = t0 + gl.arange(0, BLOCK_T, layout=pf_l)
-        return gl.load(idx_row + offs, mask=offs < n_t, other=-1)
-
-    @gluon.jit
-    def _prefetch_rows(KV, stride_kv_row, idx, hi, D_QK: gl.constexpr):
-        """Ask L2 for the valid rows ``idx`` (from :func:`_prefetch_indices`): one bulk prefetch of a whole
-        row (``cp.async.bulk.prefetch.L2``, ``2 * D_QK`` bytes, 16-byte aligned) per index."""
+        offs = t0 + gl.arange(0, 2 * BLOCK_T, layout=pf_l)
+        idx = gl.load(idx_row + offs, mask=offs < n_t, other=-1)
         valid = (idx >= 0) & (idx < hi)
         ptr = KV + gl.where(valid, idx, 0).to(gl.int64) * stride_kv_row
         gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
+            "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $3, pol; mov.u32 $0, 0; }",
             "=r,l,r,r",
-            [ptr, valid.to(gl.int32), gl.full(idx.shape, D_QK * 2, gl.int32, idx.type.layout)],
+            [ptr, valid.to(gl.int32), gl.full([2 * BLOCK_T], D_QK * 2, gl.int32, pf_l)],
             dtype=gl.int32,
             is_pure=False,
             pack=1,
@@ -285,18 +284,16 @@ if HAVE_GLUON:
             o0 = 2 * k * BLOCK_T + offs_t
             idx0 = gl.load(idx_row + o0, mask=o0 < n_t, other=-1)
             idx1 = gl.load(idx_row + BLOCK_T + o0, mask=BLOCK_T + o0 < n_t, other=-1)
-            if PREFETCH:
-                idx_pf = _prefetch_indices(idx_row, (2 * k + 2) * BLOCK_T, n_t, BLOCK_T)
             ph = (k & 1) ^ 1  # a fresh barrier passes parity 1 at once
             # Slot 0's left half, slot 1's right half, slot 0's right half, slot 1's left half.
             _ws_fill_half(kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx0, hi, ph, 0, 0, D_NOPE, D_ROPE, ld_l)  # fmt: skip
             _ws_fill_half(kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx1, hi, ph, 1, 1, D_NOPE, D_ROPE, ld_l)  # fmt: skip
             _ws_fill_half(kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx0, hi, ph, 0, 1, D_NOPE, D_ROPE, ld_l)  # fmt: skip
             _ws_fill_half(kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx1, hi, ph, 1, 0, D_NOPE, D_ROPE, ld_l)  # fmt: skip
-            if PREFETCH:
-                _prefetch_rows(KV, stride_kv_row, idx_pf, hi, D_NOPE + D_ROPE)
-                idx_pf = _prefetch_indices(idx_row, (2 * k + 3) * BLOCK_T, n_t, BLOCK_T)
-                _prefetch_rows(KV, stride_kv_row, idx_pf, hi, D_NOPE + D_ROPE)
+            if PREFETCH:  # the next pair's rows
+                _prefetch_rows(
+                    KV, stride_kv_row, idx_row, (2 * k + 2) * BLOCK_T, n_t, hi, D_NOPE + D_ROPE, BLOCK_T
+                )
 
     @gluon.jit
     def _ws_fill_half(
