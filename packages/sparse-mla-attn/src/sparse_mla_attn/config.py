@@ -104,28 +104,38 @@ class Config:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Config.{name} must be an int >= 1, got {value!r}")
 
-    def splits_for(self, n_programs: int, topk: int, n_sm: int, block_t: int = 64) -> int:
+    def splits_for(
+        self, n_programs: int, topk: int, n_sm: int, block_t: int = 64, *, unsplit_gluon: bool = False
+    ) -> int:
         """The split-K factor used when ``num_splits`` is 0 (``num_splits`` itself otherwise).
 
         A grid of ``n_programs`` programs (query tokens x head tiles; one program per multiprocessor fits
         at a time, as the kernels' tiles fill shared memory) on ``n_sm`` multiprocessors is split ``s``
         ways, the largest ``s`` with ``s * n_programs <= split_fill * n_sm`` and at least 4 blocks of
         ``block_t`` top-k slots per split: ``min(floor(split_fill * n_sm / n_programs),
-        ceil(topk / (4 * block_t)))``, at least 1. With the default ``split_fill`` 1.0 on an H200 (132
-        multiprocessors) one decode token per sequence at h_q 128 (two 64-head tiles) splits 8 ways at
-        batch 1 and 8, and not at batch 64 or 128; at h_q 64 (one tile) it splits 2 ways at batch 64.
+        ceil(topk / (4 * block_t)))``. With ``unsplit_gluon`` (``backend="auto"`` on sm_90 where the
+        unsplit grid runs the Gluon kernel and a split one the Triton kernel, which takes about 1.6x
+        longer per block) a factor below 3 does not split. With the default ``split_fill`` 1.0 on an
+        H200 (132 multiprocessors) one decode token per sequence at h_q 128 (two 64-head tiles) splits
+        8 ways at batch 1 and 8, and not at batch 64 or 128; at h_q 64 (one tile), batch 64 splits 2
+        ways on the Triton kernel and not where the Gluon kernel runs.
 
         Args:
             n_programs: programs of the unsplit grid (``>= 0``).
             topk: top-k slots per query.
             n_sm: multiprocessors of the device (0: not a GPU, no split).
             block_t: top-k slots per kernel block.
+            unsplit_gluon: the unsplit grid would run the Gluon kernel, a split one the Triton kernel.
+
+        Returns:
+            The factor, at least 1.
         """
         if self.num_splits:
             return self.num_splits
         if n_sm <= 0 or n_programs <= 0:
             return 1
-        return max(1, min(int(self.split_fill * n_sm) // n_programs, -(-topk // (4 * block_t))))
+        s = min(int(self.split_fill * n_sm) // n_programs, -(-topk // (4 * block_t)))
+        return s if s >= (3 if unsplit_gluon else 2) else 1
 
 
 DEFAULT = Config()
