@@ -415,31 +415,36 @@ def test_decode_fp8_gpu(b, s_q, h_q, seqlen, topk, pad):
 
 
 @pytest.mark.parametrize(
-    ("b", "s_q", "h_q", "split_fill", "splits"),
+    ("b", "s_q", "h_q", "split_fill", "splits", "gluon_splits"),
     [
-        pytest.param(1, 1, 128, 1.0, 8, id="B1-H128"),
-        pytest.param(8, 1, 128, 1.0, 8, id="B8-H128"),
-        pytest.param(64, 1, 128, 1.0, 1, id="B64-H128"),
-        pytest.param(128, 2, 128, 1.0, 1, id="B128-S2-H128"),
-        pytest.param(64, 1, 64, 1.0, 2, id="B64-H64"),
-        pytest.param(128, 1, 64, 1.0, 1, id="B128-H64"),
-        pytest.param(64, 1, 128, 2.0, 2, id="B64-H128-fill2"),
-        pytest.param(128, 1, 64, 2.0, 2, id="B128-H64-fill2"),
-        pytest.param(128, 1, 128, 2.0, 1, id="B128-H128-fill2"),
-        pytest.param(64, 1, 64, 0.5, 1, id="B64-H64-fill0.5"),
+        pytest.param(1, 1, 128, 1.0, 8, 8, id="B1-H128"),
+        pytest.param(8, 1, 128, 1.0, 8, 8, id="B8-H128"),
+        pytest.param(64, 1, 128, 1.0, 1, 1, id="B64-H128"),
+        pytest.param(128, 2, 128, 1.0, 1, 1, id="B128-S2-H128"),
+        pytest.param(64, 1, 64, 1.0, 2, 1, id="B64-H64"),
+        pytest.param(128, 1, 64, 1.0, 1, 1, id="B128-H64"),
+        pytest.param(64, 1, 128, 2.0, 2, 1, id="B64-H128-fill2"),
+        pytest.param(128, 1, 64, 2.0, 2, 1, id="B128-H64-fill2"),
+        pytest.param(128, 1, 128, 2.0, 1, 1, id="B128-H128-fill2"),
+        pytest.param(64, 1, 64, 0.5, 1, 1, id="B64-H64-fill0.5"),
+        pytest.param(32, 1, 64, 1.0, 4, 4, id="B32-H64"),
     ],
 )
-def test_split_rule_on_an_h200(monkeypatch, b, s_q, h_q, split_fill, splits):
-    """``Config.splits_for`` at the decode shapes, with an H200's 132 multiprocessors, and the factor
-    the forward plan picks from it (tokens x 64-head tiles programs, topk 2048)."""
+def test_split_rule_on_an_h200(monkeypatch, b, s_q, h_q, split_fill, splits, gluon_splits):
+    """``Config.splits_for`` at the decode shapes, with an H200's 132 multiprocessors, where the unsplit
+    grid runs the Triton kernel (``splits``) and the Gluon kernel (``gluon_splits``: a factor below 3
+    does not split), and the factor the forward plan picks from it (tokens x 64-head tiles programs,
+    topk 2048)."""
     from sparse_mla_attn import forward
 
     cfg = Config(split_fill=split_fill)
     n_programs = b * s_q * math.ceil(h_q / 64)
     assert cfg.splits_for(n_programs, 2048, 132) == splits
+    assert cfg.splits_for(n_programs, 2048, 132, unsplit_gluon=True) == gluon_splits
     monkeypatch.setattr(forward, "num_sms", lambda device: 132)
     monkeypatch.setattr(forward, "interpreting", lambda: False)
     assert forward.choose_splits(n_programs, 2048, 64, torch.device("cpu"), split_fill) == splits
+    assert forward.choose_splits(n_programs, 2048, 64, torch.device("cpu"), split_fill, True) == gluon_splits
 
 
 def test_split_rule_bounds_and_config_checks():
