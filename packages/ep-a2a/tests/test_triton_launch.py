@@ -421,6 +421,94 @@ def test_workspace_ring_per_stream_and_bounded(monkeypatch):
     assert not ring._rings[7]
 
 
+def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int):
+    """A Triton backend over an engine of CPU buffers whose kernels do not run: the layout kernel does
+    nothing, the counts kernel and the row kernel's program 0 write the counts of ``rows`` received rows
+    into ``info`` and the host mirror, so the backend's exact-shape flows run their host side as on a
+    GPU (outputs, counts, descriptor). Returns the backend and the counts it reports."""
+    import numpy as np
+
+    from ep_a2a.backends.triton import TritonBackend
+    from ep_a2a.backends.triton import backend as B
+    from ep_a2a.backends.triton.workspace import WorkspaceRing
+    from ep_a2a.config import EPConfig
+
+    monkeypatch.setattr(B, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    eng = _engine()
+    W, L = eng.world_size, eng.experts_per_rank
+    vals = torch.zeros(eng.info_len, dtype=torch.int64)
+    vals[0], vals[2 : 2 + W], vals[2 + W : 2 + 2 * W] = (
+        rows,
+        torch.tensor([6, 5]),
+        torch.tensor([rows - 3, 3]),
+    )
+    vals[2 + 2 * W : 2 + 2 * W + L] = torch.tensor([rows, 0, 0, 0])
+    be = object.__new__(TritonBackend)
+
+    def row_kernel(x, ids, w, src, bufs, *, info, mirror=None, **kw):
+        info.copy_(vals)
+        if mirror is not None:
+            be._mirror_np[:-1], be._mirror_np[-1] = vals.numpy(), 1
+
+    monkeypatch.setattr(eng, "launch_layout", lambda *a, **kw: None)
+    monkeypatch.setattr(eng, "launch_counts", lambda info, remote=None: info.copy_(vals))
+    monkeypatch.setattr(eng, "launch_dispatch", row_kernel)
+    be.config = EPConfig(
+        max_tokens=eng.max_tokens, hidden=eng.hidden, topk=eng.topk, num_tot_experts=eng.num_tot_experts,
+        rank=1, world_size=W, local_world_size=W,
+    )  # fmt: skip
+    be.engine, be.device, be.layout = eng, torch.device("cpu"), eng.layout
+    be.overlap_exact, be.speculative_rows = overlap_exact, not overlap_exact
+    be.workspaces = WorkspaceRing(eng)
+    be._mirror = torch.zeros(eng.info_len + 1, dtype=torch.int64)
+    be._mirror_np, be._mirror_wait_s, be._mirror_lost, be._finalized = be._mirror.numpy(), 1.0, None, False
+    be._info_host, be._pinfo_host = torch.zeros(eng.info_len, dtype=torch.int64), None
+    be._info_event = SimpleNamespace(record=lambda stream: None, query=lambda: True)
+    be._current_stream = lambda: None
+    be._recent_rows, be._rows_ahead = collections.deque(maxlen=8), 0
+    be.speculative_calls = be.speculative_overflows = 0
+    be._op, be._combine_allowed = (-1, ""), False
+    be.board = SimpleNamespace(publish=lambda op: 0, check=lambda call, op: True)
+    return be, np.asarray(vals)
+
+
+@pytest.mark.parametrize(
+    "overlap_exact", [True, False], ids=["worst-case-buffers", "counts-then-speculative"]
+)
+def test_exact_flows_return_the_counts_and_take_released_workspaces(monkeypatch, overlap_exact):
+    """The exact-shape flows' host side (kernels faked): outputs of exactly the received rows, counts and
+    descriptor from ``info``; a held result keeps its workspace (the next call takes another), a
+    released one is taken again. Without ``overlap_exact`` the first call waits for the counts and the
+    next ones speculate."""
+    be, vals = _backend_on_fake_kernels(monkeypatch, overlap_exact=overlap_exact, rows=9)
+    W, H = be.config.world_size, be.config.hidden
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    out, out_w, desc = be.dispatch(x, ids, w, None)
+    assert (out.shape, out_w.shape, desc.recv_expert_indices.shape, desc.num_recv_rows) == (
+        (9, H),
+        (9,),
+        (9,),
+        9,
+    )
+    assert desc.num_input_tokens_per_rank.tolist() == vals[2 : 2 + W].tolist()
+    assert desc.num_recv_tokens_per_rank.tolist() == vals[2 + W : 2 + 2 * W].tolist()
+    assert desc.num_recv_tokens_per_expert.tolist() == vals[2 + 2 * W : -1].tolist()
+    assert desc.token_dst_scatter_idx.shape == desc.skipped_token_topk_mapping_indices.shape == (6, 4)
+    assert be.speculative_calls == 0
+    _out2, out_w2, desc2 = be.dispatch(x, ids, None, None)  # (the first result still held)
+    assert out_w2 is None
+    assert be.speculative_calls == (0 if overlap_exact else 1)
+    assert be.workspaces.allocated == 2
+    assert desc2.backend_state.tab.data_ptr() != desc.backend_state.tab.data_ptr()
+    first_tab = desc.backend_state.tab.data_ptr()
+    del out, out_w, desc
+    _, _, desc3 = be.dispatch(x[:3], ids[:3], w[:3], None)
+    assert be.workspaces.allocated == 2, "the released workspace is taken again"
+    assert desc3.backend_state.tab.data_ptr() == first_tab
+    assert desc3.token_dst_scatter_idx.shape == (3, 4)
+
+
 def _polling_backend(*, rank: int, wait_s: float, call: int, check):
     """A Triton backend reduced to its host poll of the counts mirror (never written here) during a
     dispatch at ``call``, with ``check`` standing in for the operation board's."""
