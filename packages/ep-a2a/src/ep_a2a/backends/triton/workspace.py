@@ -76,10 +76,12 @@ class DispatchWorkspace:
         self.tab = views["tab"].view(W, T, K)
         self._skip_all, self._scat_all = views["skip"], views["scat"]
         self.out_w, self.out_e = views["out_w"], views["out_e"]
-        self.n = -1
+        self.n = -1  # (no views for a token count yet: for_tokens makes them)
         self.skip = self.scat = self._skip_all[:0].view(0, K)
         self._storage = buf.untyped_storage()
-        self._idle = self._refs()
+        #: ``_refs()`` while only the ring refers to the workspace (taken by for_tokens, once this
+        #: constructor's locals are gone)
+        self._idle: tuple[int, ...] = ()
 
     def for_tokens(self, n: int) -> DispatchWorkspace:
         """``skip`` and ``scat`` viewed for ``n`` tokens (new views when ``n`` changed); returns ``self``.
