@@ -455,13 +455,8 @@ class _Plan:
     def __init__(
         self, launch: Callable, template: list, var_idx: tuple[int, ...], direct: bool, keep: list
     ) -> None:
-        self.launch, self.template, self.var_idx, self.direct, self.keep = (
-            launch,
-            template,
-            var_idx,
-            direct,
-            keep,
-        )
+        self.launch, self.template, self.var_idx = launch, template, var_idx
+        self.direct, self.keep = direct, keep
 
     def run(self, var_vals: Sequence, stream: int) -> None:
         """Launch with ``var_vals`` (in ``var_idx`` order) on ``stream``."""
@@ -1339,21 +1334,9 @@ class TritonEPEngine:
             return False
         yp, ip, sp = y.data_ptr(), exp_indices.data_ptr(), n_src.data_ptr()
         args = ((y.dtype, yp % 16 == 0), (torch.int32, ip % 16 == 0), (n_src.dtype, sp % 16 == 0))
-        return self._launch_bound(
-            self._combine_key(y.shape[1], send, recv, out.dtype, args),
-            (
-                yp,
-                tab.data_ptr(),
-                ip,
-                sp,
-                n,
-                out.data_ptr(),
-                pk.data_ptr(),
-                rtok.data_ptr(),
-                pinfo.data_ptr(),
-                id64,
-            ),
-        )
+        addresses = (yp, tab.data_ptr(), ip, sp, n, out.data_ptr(), pk.data_ptr(), rtok.data_ptr(),
+                     pinfo.data_ptr(), id64)  # fmt: skip
+        return self._launch_bound(self._combine_key(y.shape[1], send, recv, out.dtype, args), addresses)
 
     def _halves(self, send: bool, recv: bool) -> list[tuple[bool, bool]]:
         """A step's launches: one that sends and receives, or with remote peers (whose host signals go
