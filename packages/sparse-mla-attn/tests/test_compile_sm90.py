@@ -121,14 +121,15 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "fwd_h128_d512_gluon": lambda: fwd(128, 512, "auto"),
         # Split-K decode, merged by the last split program (eager) or by a merge kernel (graph capture).
         "dec_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program"),
-        "dec_b2_splitk_merge_kernel": lambda: decode(2, 128, 2048, "auto", "kernel"),
+        "dec_b2_splitk_merge_kernel": lambda: decode(2, 128, 2048, "auto", "kernel"),  # Gluon on sm_90
+        "dec_b2_splitk_merge_kernel_triton": lambda: decode(2, 128, 2048, "triton", "kernel"),
         "dec_b8_splitk": lambda: decode(8, 128, 2048, "auto", "last_program"),
         "dec_b1_h16_splitk": lambda: decode(1, 16, 2048, "auto", "last_program"),
         "dec_b1_h16_splitk_merge_kernel": lambda: decode(1, 16, 2048, "auto", "kernel"),
         "dec_b64_gluon": lambda: decode(64, 128, 2048, "auto"),
         "dec_b64_h64_triton": lambda: decode(64, 64, 2048, "triton"),
-        # The Gluon decode / forward split-K (Config(backend="gluon") with a split grid).
-        "dec_b64_h64_gluon_split2": lambda: decode(64, 64, 2048, "gluon", num_splits=2),
+        # The Gluon decode / forward split-K (the default of a split grid at h_q > 32 on sm_90).
+        "dec_b64_h64_gluon_split2": lambda: decode(64, 64, 2048, "auto"),
         "fwd_h128_extras_gluon_split3": lambda: fwd(128, 576, "gluon", True, num_splits=3),
         # FP8 cache (always the Triton kernel): unsplit at h_q 128 / 64, split-K with both merges, h_q 16.
         "dec_fp8_b64_s2_h128_rows": lambda: decode(64, 128, 2048, "auto", fp8=True, rows=True, s_q=2),

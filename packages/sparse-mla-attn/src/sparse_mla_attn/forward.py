@@ -47,7 +47,6 @@ from sparse_mla_attn._validate import (
     check_sm_scale,
     check_sparse_inputs,
 )
-from sparse_mla_attn.backends import gluon_sm90
 from sparse_mla_attn.backends.gluon_sm90 import launch_fwd_gluon, use_gluon
 from sparse_mla_attn.config import DEFAULT, Config, config_of
 from sparse_mla_attn.fp8_cache import FP8_TILE as _FP8_TILE
@@ -476,21 +475,14 @@ def fwd_config(h_q: int, topk: int) -> dict[str, Any]:
     return {"BLOCK_H": max(16, next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
-def choose_splits(
-    n_programs: int,
-    topk: int,
-    block_t: int,
-    device: torch.device,
-    fill: float = 1.0,
-    unsplit_gluon: bool = False,
-) -> int:
+def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device, fill: float = 1.0) -> int:
     """Split-K factor of a grid of ``n_programs`` (tokens x head tiles) on ``device``:
     :meth:`Config.splits_for` with the device's multiprocessor count (1 off CUDA and under the
-    interpreter), ``fill`` (``Config.split_fill``) and ``unsplit_gluon``."""
+    interpreter) and ``fill`` (``Config.split_fill``)."""
     n_sm = num_sms(device)
     if interpreting() or n_sm == 0:
         return 1
-    return Config(split_fill=fill).splits_for(n_programs, topk, n_sm, block_t, unsplit_gluon=unsplit_gluon)
+    return Config(split_fill=fill).splits_for(n_programs, topk, n_sm, block_t)
 
 
 @dataclass
@@ -527,22 +519,13 @@ def plan_fwd(
     cfg = {**fwd_config(h_q, dims.topk), **(tiles or {})}
     n_head_tiles = cdiv(h_q, cfg["BLOCK_H"])
     block_t = cfg["BLOCK_T"]
-    # With backend "auto" a split grid leaves the Gluon kernel for the Triton one: split less readily.
-    unsplit_gluon = (
-        not config.num_splits
-        and config.backend == "auto"
-        and h_q > 32
-        and fp8_paging is None
-        and gluon_sm90.gluon_usable(q, kv_rows)
-    )
     n_splits = config.num_splits or choose_splits(
-        n_tok * n_head_tiles, dims.topk, block_t, q.device, config.split_fill, unsplit_gluon
+        n_tok * n_head_tiles, dims.topk, block_t, q.device, config.split_fill
     )
     split_len = cdiv(cdiv(dims.topk, n_splits), block_t) * block_t
     n_splits = cdiv(dims.topk, split_len)  # no empty split
-    # The Gluon kernel splits too, but only when asked for (Config(backend="gluon")): "auto" keeps it to
-    # unsplit grids.
-    eligible = h_q > 32 and fp8_paging is None and (n_splits == 1 or config.backend == "gluon")
+    # The Gluon kernel splits too; its partials are merged by the merge kernel, not by its last program.
+    eligible = h_q > 32 and fp8_paging is None and (n_splits == 1 or config.split_merge != "last_program")
     gluon = use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows)
     # out [n_tok, h_q, d_v] is allocated contiguous: strides h_q * d_v and d_v.
     ints = (q.stride(0), q.stride(1), kv_rows.stride(0), idx_stride, h_q * dims.d_v, dims.d_v, n_tok, h_q,
