@@ -5,7 +5,7 @@ FLOPs are counted as FlashMLA counts them: ``2 * s_q * h_q * topk * (d_qk + d_v)
 
 ``python bench_forward.py [--flashmla PATH] [--quick]`` prints, without writing a file, the forward at
 FlashMLA's shape (s_q 4096, topk 2048, h_q 128 / 64, s_kv 8K / 32K / 128K) with each pipeline option of the
-sm_90 Gluon kernel (``Config.fwd_half_ring``, ``Config.fwd_early_qk``, ``Config.l2_prefetch``) beside
+sm_90 Gluon kernel (``Config.fwd_half_ring``, ``fwd_early_qk``, ``l2_prefetch``, ``fwd_persistent``) beside
 FlashMLA's ``flash_mla_sparse_fwd`` on the same inputs, and ``attn_dist`` with each
 ``Config.attn_dist_split`` and ``l2_prefetch`` as a fraction of the fastest forward's time; about two
 minutes on an H200.
@@ -156,6 +156,9 @@ FWD_VARIANTS = {
     "half_ring+early_qk": Config(fwd_half_ring=True, fwd_early_qk=True),
     "prefetch": Config(l2_prefetch=True),
     "half_ring+early_qk+prefetch": Config(fwd_half_ring=True, fwd_early_qk=True, l2_prefetch=True),
+    "persistent": Config(fwd_persistent=True),
+    "persistent+half_ring": Config(fwd_persistent=True, fwd_half_ring=True),
+    "persistent+half_ring+prefetch": Config(fwd_persistent=True, fwd_half_ring=True, l2_prefetch=True),
 }
 #: The attn_dist variants of ``python bench_forward.py`` (name, config, up to which h_q it applies).
 ATTN_DIST_VARIANTS = [

@@ -133,6 +133,20 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
             128, 512, "auto", fwd_half_ring=True, fwd_early_qk=True
         ),
         "fwd_h128_prefetch": lambda: fwd(128, 576, "auto", l2_prefetch=True),
+        "fwd_h128_persistent": lambda: fwd(128, 576, "auto", fwd_persistent=True),
+        "fwd_h64_extras_persistent_all": lambda: fwd(
+            64,
+            576,
+            "auto",
+            True,
+            fwd_persistent=True,
+            fwd_half_ring=True,
+            fwd_early_qk=True,
+            l2_prefetch=True,
+        ),
+        "fwd_h128_d512_persistent_split2": lambda: fwd(
+            128, 512, "gluon", True, num_splits=2, fwd_persistent=True
+        ),
         "fwd_h128_half_ring_early_qk_prefetch": lambda: fwd(
             128, 576, "auto", fwd_half_ring=True, fwd_early_qk=True, l2_prefetch=True
         ),

@@ -292,19 +292,24 @@ def test_fwd_gpu_gluon_edge_cases(h_q, d_qk, topk, s_q):
     check_gluon_edge_case(h_q, d_qk, topk, s_q, Config(backend="gluon", num_splits=1))
 
 
-# The Gluon forward's pipeline options other than the default: (fwd_half_ring, fwd_early_qk, l2_prefetch).
+# The Gluon forward's pipeline options other than the default:
+# (fwd_half_ring, fwd_early_qk, l2_prefetch, fwd_persistent).
 GLUON_PIPELINES = [
-    (True, False, False),
-    (False, True, False),
-    (True, True, False),
-    (False, False, True),
-    (True, True, True),
+    (True, False, False, False),
+    (False, True, False, False),
+    (True, True, False, False),
+    (False, False, True, False),
+    (True, True, True, False),
+    (False, False, False, True),
+    (True, False, False, True),
+    (True, False, True, True),
 ]
 GLUON_PIPELINE_SHAPES = [*GLUON_EDGE_CASES, (128, 576, 2048, 64)]
 
 
-def pipeline_id(half_ring, early_qk, prefetch):
-    return "-".join(n for n, on in (("half", half_ring), ("early", early_qk), ("prefetch", prefetch)) if on)
+def pipeline_id(half_ring, early_qk, prefetch, persistent):
+    named = (("half", half_ring), ("early", early_qk), ("prefetch", prefetch), ("persistent", persistent))
+    return "-".join(n for n, on in named if on)
 
 
 GLUON_PIPELINE_CASES = [
@@ -318,14 +323,16 @@ GLUON_PIPELINE_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("h_q", "d_qk", "topk", "s_q", "half_ring", "early_qk", "prefetch"), GLUON_PIPELINE_CASES
+    ("h_q", "d_qk", "topk", "s_q", "half_ring", "early_qk", "prefetch", "persistent"), GLUON_PIPELINE_CASES
 )
-def test_fwd_gpu_gluon_pipeline_options(h_q, d_qk, topk, s_q, half_ring, early_qk, prefetch):
-    """The Gluon forward with ``Config.fwd_half_ring`` / ``fwd_early_qk`` / ``l2_prefetch``: the edge cases
-    above (and the full top-k at 128 heads) against the reference, launched twice."""
+def test_fwd_gpu_gluon_pipeline_options(h_q, d_qk, topk, s_q, half_ring, early_qk, prefetch, persistent):
+    """The Gluon forward with ``Config.fwd_half_ring`` / ``fwd_early_qk`` / ``l2_prefetch`` /
+    ``fwd_persistent``: the edge cases above (and the full top-k at 128 heads) against the reference,
+    launched twice (the persistent kernel: 132 programs or fewer on an H100 / H200, several items each)."""
     cfg = Config(
-        backend="gluon", num_splits=1, fwd_half_ring=half_ring, fwd_early_qk=early_qk, l2_prefetch=prefetch
-    )
+        backend="gluon", num_splits=1, fwd_half_ring=half_ring, fwd_early_qk=early_qk, l2_prefetch=prefetch,
+        fwd_persistent=persistent,
+    )  # fmt: skip
     check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg)
 
 
@@ -391,4 +398,14 @@ def test_fwd_gpu_gluon_split_k_pipeline_options():
         pytest.skip(reason)
     cfg = Config(backend="gluon", num_splits=3, fwd_half_ring=True, fwd_early_qk=True, l2_prefetch=True)
     check_gluon_fwd(cfg, 128, 576, 1000, 6, 1128, "gpu")
+    assert last_launch("fwd").splits > 1
+    cfg = Config(
+        backend="gluon",
+        num_splits=3,
+        fwd_persistent=True,
+        fwd_half_ring=True,
+        fwd_early_qk=True,
+        l2_prefetch=True,
+    )
+    check_gluon_fwd(cfg, 128, 576, 1000, 100, 1129, "gpu")
     assert last_launch("fwd").splits > 1

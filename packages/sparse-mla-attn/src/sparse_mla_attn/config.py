@@ -56,6 +56,10 @@ class Config:
             first consumer warpgroup issues the ``Q K^T`` of its next block right behind its last ``P V``
             of the current pair, so the tensor cores do not idle while it turns around (default
             ``False``).
+        fwd_persistent: run :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon kernel (sm_90) on one program
+            per multiprocessor, each taking (token, head tile) work items in turn with one shared-memory
+            ring, so that an item's query load, first gathers and output stores overlap its neighbours'
+            work (default ``False``: one program per item).
         l2_prefetch: the producer warpgroup of the Gluon forward and ``attn_dist`` (sm_90) asks L2 for the
             KV rows of the next block (``prefetch.global.L2::evict_last``) as soon as it has issued the
             current one, so their DRAM reads overlap its wait for a free ring slot (default ``False``).
@@ -76,6 +80,7 @@ class Config:
     bwd_deterministic_workspace_bytes: int = 4 << 30
     fwd_half_ring: bool = False
     fwd_early_qk: bool = False
+    fwd_persistent: bool = False
     l2_prefetch: bool = False
     attn_dist_split: str = "cols"
 
@@ -92,7 +97,7 @@ class Config:
             raise ValueError(f"Config.split_fill must be a number in (0, 64], got {self.split_fill!r}")
         if self.split_merge not in SPLIT_MERGES:
             raise ValueError(f"Config.split_merge must be one of {SPLIT_MERGES}, got {self.split_merge!r}")
-        for name in ("fwd_half_ring", "fwd_early_qk", "l2_prefetch"):
+        for name in ("fwd_half_ring", "fwd_early_qk", "fwd_persistent", "l2_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         if self.attn_dist_split not in ATTN_DIST_SPLITS:

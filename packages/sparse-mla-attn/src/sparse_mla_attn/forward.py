@@ -509,7 +509,7 @@ class FwdPlan:
     combine_consts: dict[str, Any]
     merge_last_consts: dict[str, Any]
     #: Pipeline options of the Gluon kernel (``launch_fwd_gluon``'s ``half_ring`` / ``early_qk``).
-    gluon_options: dict[str, bool] = field(default_factory=dict)
+    gluon_options: dict[str, Any] = field(default_factory=dict)
     slots: dict[Any, Any] = field(default_factory=dict)
     #: ``(kv_block_size, stride_kv_block)`` of an FP8 cache (unused ``(1, 0)`` otherwise).
     kv_ints: tuple[int, int] = (1, 0)
@@ -685,7 +685,7 @@ def launch_fwd(
         q, kv_rows, idx.stride(0), dims, has_sink=attn_sink is not None, has_topk_length=topk_length is not None,
         q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config, tiles=tiles,
     )  # fmt: skip
-    set_gluon_options(plan, config)
+    set_gluon_options(plan, config, q.device)
     return run_fwd(plan, q, kv_rows, idx, sm_scale, attn_sink, topk_length, cache_slots=False)
 
 
@@ -786,16 +786,18 @@ def _plan_fwd_call(
         has_topk_length=topk_length is not None,
         q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config,
     )  # fmt: skip
-    return set_gluon_options(plan, config)
+    return set_gluon_options(plan, config, q.device)
 
 
-def set_gluon_options(plan: FwdPlan, config: Config) -> FwdPlan:
+def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> FwdPlan:
     """Give ``plan`` the Gluon forward's pipeline options of ``config`` (``fwd_half_ring``,
-    ``fwd_early_qk``, ``l2_prefetch``); returns ``plan``."""
+    ``fwd_early_qk``, ``l2_prefetch``, ``fwd_persistent``: one program per multiprocessor of ``device``);
+    returns ``plan``."""
     plan.gluon_options = {
         "half_ring": config.fwd_half_ring,
         "early_qk": config.fwd_early_qk,
         "prefetch": config.l2_prefetch,
+        "persistent_programs": num_sms(device) if config.fwd_persistent else 0,
     }
     return plan
 
@@ -808,14 +810,14 @@ def _fwd_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
     causal: bool, backend: str, num_splits: int, fwd_half_ring: bool = False, fwd_early_qk: bool = False,
-    l2_prefetch: bool = False,
+    l2_prefetch: bool = False, fwd_persistent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and launch plan depend only on the call signature: made once per signature.
     key = (*call_signature(q, kv, indices, attn_sink, topk_length), d_v, q_start_index, k_stride, causal,
-           backend, num_splits, fwd_half_ring, fwd_early_qk, l2_prefetch)  # fmt: skip
+           backend, num_splits, fwd_half_ring, fwd_early_qk, l2_prefetch, fwd_persistent)  # fmt: skip
     config = lambda: replace(
         config_of(backend, num_splits), fwd_half_ring=fwd_half_ring, fwd_early_qk=fwd_early_qk,
-        l2_prefetch=l2_prefetch,
+        l2_prefetch=l2_prefetch, fwd_persistent=fwd_persistent,
     )  # fmt: skip
     plan = cached(
         _PLANS, key, lambda: _plan_fwd_call(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride,
@@ -881,5 +883,5 @@ def sparse_mla_fwd(
     cfg = config or DEFAULT
     return _fwd_op(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal,
-        cfg.backend, cfg.num_splits, cfg.fwd_half_ring, cfg.fwd_early_qk, cfg.l2_prefetch,
+        cfg.backend, cfg.num_splits, cfg.fwd_half_ring, cfg.fwd_early_qk, cfg.l2_prefetch, cfg.fwd_persistent,
     )  # fmt: skip
