@@ -289,9 +289,57 @@ def test_fwd_gpu_gluon_edge_cases(h_q, d_qk, topk, s_q):
     block only), causal limit, sink, topk_length (0 included: no block at all), invalid indices, an
     all-invalid row, NaN in every KV row that no valid index selects; launched twice, so that a barrier
     phase left over from an earlier launch would show."""
+    check_gluon_edge_case(h_q, d_qk, topk, s_q, Config(backend="gluon", num_splits=1))
+
+
+# The Gluon forward's pipeline options other than the default:
+# (fwd_half_ring, fwd_early_qk, l2_prefetch, fwd_persistent).
+GLUON_PIPELINES = [
+    (True, False, False, False),
+    (False, True, False, False),
+    (True, True, False, False),
+    (False, False, True, False),
+    (True, True, True, False),
+    (False, False, False, True),
+    (True, False, False, True),
+    (True, False, True, True),
+]
+GLUON_PIPELINE_SHAPES = [*GLUON_EDGE_CASES, (128, 576, 2048, 64)]
+
+
+def pipeline_id(half_ring, early_qk, prefetch, persistent):
+    named = (("half", half_ring), ("early", early_qk), ("prefetch", prefetch), ("persistent", persistent))
+    return "-".join(n for n, on in named if on)
+
+
+GLUON_PIPELINE_CASES = [
+    pytest.param(*case, *pipeline, id=f"{cid}-{pipeline_id(*pipeline)}")
+    for case, cid in zip(
+        GLUON_PIPELINE_SHAPES, case_ids(("h_q", "d_qk", "topk"), GLUON_PIPELINE_SHAPES), strict=True
+    )
+    for pipeline in GLUON_PIPELINES
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("h_q", "d_qk", "topk", "s_q", "half_ring", "early_qk", "prefetch", "persistent"), GLUON_PIPELINE_CASES
+)
+def test_fwd_gpu_gluon_pipeline_options(h_q, d_qk, topk, s_q, half_ring, early_qk, prefetch, persistent):
+    """The Gluon forward with ``Config.fwd_half_ring`` / ``fwd_early_qk`` / ``l2_prefetch`` /
+    ``fwd_persistent``: the edge cases above (and the full top-k at 128 heads) against the reference,
+    launched twice (the persistent kernel: 132 programs or fewer on an H100 / H200, several items each)."""
+    cfg = Config(
+        backend="gluon", num_splits=1, fwd_half_ring=half_ring, fwd_early_qk=early_qk, l2_prefetch=prefetch,
+        fwd_persistent=persistent,
+    )  # fmt: skip
+    check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg)
+
+
+def check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg):
+    """The checks of :func:`test_fwd_gpu_gluon_edge_cases` with the Gluon config ``cfg``."""
     if reason := gluon_skip_reason("gluon"):
         pytest.skip(reason)
-    cfg = Config(backend="gluon", num_splits=1)
     # With one or two blocks the softmax is peaked and the bf16 rounding of P alone exceeds abs 8e-4 (up
     # to 1.7e-3 on ~0.005% of the elements; measured): the "gpu_few" tolerance there.
     where = "gpu" if topk >= 256 else "gpu_few"
@@ -340,4 +388,24 @@ def test_fwd_gpu_gluon_split_k(h_q, topk, n_splits):
     cfg = Config(backend="gluon", num_splits=n_splits)
     check_gluon_fwd(cfg, h_q, 576, topk, 6, h_q + topk, "gpu")
     assert last_launch("fwd").merge == "kernel"
+    assert last_launch("fwd").splits > 1
+
+
+@pytest.mark.gpu
+def test_fwd_gpu_gluon_split_k_pipeline_options():
+    """The split-K Gluon forward with every pipeline option of ``Config`` on, against the reference."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    cfg = Config(backend="gluon", num_splits=3, fwd_half_ring=True, fwd_early_qk=True, l2_prefetch=True)
+    check_gluon_fwd(cfg, 128, 576, 1000, 6, 1128, "gpu")
+    assert last_launch("fwd").splits > 1
+    cfg = Config(
+        backend="gluon",
+        num_splits=3,
+        fwd_persistent=True,
+        fwd_half_ring=True,
+        fwd_early_qk=True,
+        l2_prefetch=True,
+    )
+    check_gluon_fwd(cfg, 128, 576, 1000, 100, 1129, "gpu")
     assert last_launch("fwd").splits > 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -500,6 +500,8 @@ class FwdPlan:
     combine_grid: tuple[int, ...]
     combine_consts: dict[str, Any]
     merge_last_consts: dict[str, Any]
+    #: Pipeline options of the Gluon kernel (``launch_fwd_gluon``'s ``half_ring`` / ``early_qk``).
+    gluon_options: dict[str, Any] = field(default_factory=dict)
     slots: dict[Any, Any] = field(default_factory=dict)
     #: ``(kv_block_size, stride_kv_block)`` of an FP8 cache (unused ``(1, 0)`` otherwise).
     kv_ints: tuple[int, int] = (1, 0)
@@ -598,7 +600,7 @@ def run_fwd(
             q, kv_rows, idx, d_out, d_max, d_lse, sink, topk_length, dims, sm_scale * LOG2E,
             has_sink=plan.consts["HAS_SINK"], q_start_index=plan.ints[-2], k_stride=plan.ints[-1],
             causal=plan.consts["CAUSAL"], slots=slots, strides=plan.ints[:6], ctx=ctx,
-            splits=(plan.n_splits, plan.ints[10]),
+            splits=(plan.n_splits, plan.ints[10]), **plan.gluon_options,
         )  # fmt: skip
         record_launch("fwd", kernel, backend="gluon", splits=plan.n_splits, merge="kernel" if split else None)
         if split:
@@ -666,6 +668,7 @@ def launch_fwd(
         q, kv_rows, idx.stride(0), dims, has_sink=attn_sink is not None, has_topk_length=topk_length is not None,
         q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config, tiles=tiles,
     )  # fmt: skip
+    set_gluon_options(plan, config, q.device)
     return run_fwd(plan, q, kv_rows, idx, sm_scale, attn_sink, topk_length, cache_slots=False)
 
 
@@ -761,11 +764,25 @@ def _plan_fwd_call(
     check_optional_vectors(attn_sink, topk_length, dims, q.device)
     check_causal_args(q_start_index, k_stride)
     check_kernel_device(q, "sparse_mla_fwd")
-    return plan_fwd(
+    plan = plan_fwd(
         q, kv[:, 0], indices.stride(0), dims, has_sink=attn_sink is not None,
         has_topk_length=topk_length is not None,
         q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config,
     )  # fmt: skip
+    return set_gluon_options(plan, config, q.device)
+
+
+def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> FwdPlan:
+    """Give ``plan`` the Gluon forward's pipeline options of ``config`` (``fwd_half_ring``,
+    ``fwd_early_qk``, ``l2_prefetch``, ``fwd_persistent``: one program per multiprocessor of ``device``);
+    returns ``plan``."""
+    plan.gluon_options = {
+        "half_ring": config.fwd_half_ring,
+        "early_qk": config.fwd_early_qk,
+        "prefetch": config.l2_prefetch,
+        "persistent_programs": num_sms(device) if config.fwd_persistent else 0,
+    }
+    return plan
 
 
 _PLANS: dict[Any, FwdPlan] = {}
@@ -775,14 +792,19 @@ _PLANS: dict[Any, FwdPlan] = {}
 def _fwd_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
-    causal: bool, backend: str, num_splits: int,
+    causal: bool, backend: str, num_splits: int, fwd_half_ring: bool = False, fwd_early_qk: bool = False,
+    l2_prefetch: bool = False, fwd_persistent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and launch plan depend only on the call signature: made once per signature.
     key = (*call_signature(q, kv, indices, attn_sink, topk_length), d_v, q_start_index, k_stride, causal,
-           backend, num_splits)  # fmt: skip
+           backend, num_splits, fwd_half_ring, fwd_early_qk, l2_prefetch, fwd_persistent)  # fmt: skip
+    config = lambda: replace(
+        config_of(backend, num_splits), fwd_half_ring=fwd_half_ring, fwd_early_qk=fwd_early_qk,
+        l2_prefetch=l2_prefetch, fwd_persistent=fwd_persistent,
+    )  # fmt: skip
     plan = cached(
         _PLANS, key, lambda: _plan_fwd_call(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride,
-                                            causal, config_of(backend, num_splits)),
+                                            causal, config()),
     )  # fmt: skip
     # kv and indices as they are: the kernels take the plan's strides (those of kv[:, 0], indices[:, 0]).
     return run_fwd(plan, q, kv, indices, check_sm_scale(sm_scale), attn_sink, topk_length)
@@ -826,7 +848,8 @@ def sparse_mla_fwd(
         k_stride: query positions per KV entry, e.g. for a compressed KV (used when ``causal``).
         causal: also skip indices above ``(q_start_index + i + 1 - k_stride) / k_stride`` (C integer
             division, the same limit as :func:`attn_dist`).
-        config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor).
+        config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor, the Gluon
+            kernel's ``fwd_*`` pipeline options).
 
     Returns:
         ``out [s_q, h_q, d_v]`` q's dtype; ``max_logits [s_q, h_q]`` float32, the largest
@@ -843,5 +866,5 @@ def sparse_mla_fwd(
     cfg = config or DEFAULT
     return _fwd_op(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal,
-        cfg.backend, cfg.num_splits,
+        cfg.backend, cfg.num_splits, cfg.fwd_half_ring, cfg.fwd_early_qk, cfg.l2_prefetch, cfg.fwd_persistent,
     )  # fmt: skip
