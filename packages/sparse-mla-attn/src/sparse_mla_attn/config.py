@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 BACKENDS = ("auto", "gluon", "triton")
 SPLIT_MERGES = ("auto", "last_program", "kernel")
-ATTN_DIST_SPLITS = ("cols", "blocks")
+ATTN_DIST_SPLITS = ("blocks", "cols")
 
 
 @dataclass(frozen=True)
@@ -46,29 +46,18 @@ class Config:
             query tokens in chunks that fit (default 2 GiB).
         bwd_deterministic_workspace_bytes: cap on the deterministic backward's fp32 per-slot ``dkv``
             workspace, which also bounds its chunk of tokens (default 4 GiB).
-        fwd_half_ring: pipeline of :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon kernel (sm_90):
-            gather each 64-row block as two halves (the value channels of each consumer warpgroup, the
-            RoPE part with the second) with their own ring barriers, so a half is refilled as soon as its
-            last reader is done and each consumer starts its ``Q K^T`` on the half that lands first
-            (default ``False``: one barrier per block).
-        fwd_early_qk: pipeline of :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon kernel (sm_90): the
-            first consumer warpgroup issues the ``Q K^T`` of its next block right behind its last ``P V``
-            of the current pair, so the tensor cores do not idle while it turns around (default
-            ``False``).
         fwd_persistent: run :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon kernel (sm_90) on one program
             per multiprocessor, each taking (token, head tile) work items in turn with one shared-memory
             ring, so that an item's query load, first gathers and output stores overlap its neighbours'
             work (default ``False``: one program per item).
-        l2_prefetch: the producer warpgroup of the Gluon forward and ``attn_dist`` (sm_90) asks L2 for the
-            KV rows of the next block (``prefetch.global.L2::evict_last``) as soon as it has issued the
-            current one, so their DRAM reads overlap its wait for a free ring slot (default ``False``).
         attn_dist_split: how the two consumer warpgroups of the Gluon ``attn_dist`` (sm_90) share a token
-            of at most 64 heads: ``"cols"`` (default), each computes half of every block's columns;
-            ``"blocks"``, they take alternate blocks whole. Above 64 heads each warpgroup takes 64 heads.
+            of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
+            ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
+            64 heads.
 
     Raises:
         ValueError: an unknown ``backend``, ``split_merge`` or ``attn_dist_split``, ``num_splits < 0``, a
-            workspace cap below 1 byte, or a ``fwd_*`` or ``l2_prefetch`` option that is not a bool.
+            workspace cap below 1 byte, or a ``fwd_persistent`` that is not a bool.
     """
 
     backend: str = "auto"
@@ -77,11 +66,8 @@ class Config:
     split_fill: float = 1.0
     bwd_workspace_bytes: int = 2 << 30
     bwd_deterministic_workspace_bytes: int = 4 << 30
-    fwd_half_ring: bool = False
-    fwd_early_qk: bool = False
     fwd_persistent: bool = False
-    l2_prefetch: bool = False
-    attn_dist_split: str = "cols"
+    attn_dist_split: str = "blocks"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -96,9 +82,8 @@ class Config:
             raise ValueError(f"Config.split_fill must be a number in (0, 64], got {self.split_fill!r}")
         if self.split_merge not in SPLIT_MERGES:
             raise ValueError(f"Config.split_merge must be one of {SPLIT_MERGES}, got {self.split_merge!r}")
-        for name in ("fwd_half_ring", "fwd_early_qk", "fwd_persistent", "l2_prefetch"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.fwd_persistent, bool):
+            raise ValueError(f"Config.fwd_persistent must be a bool, got {self.fwd_persistent!r}")
         if self.attn_dist_split not in ATTN_DIST_SPLITS:
             raise ValueError(
                 f"Config.attn_dist_split must be one of {ATTN_DIST_SPLITS}, got {self.attn_dist_split!r}"

@@ -500,7 +500,7 @@ class FwdPlan:
     combine_grid: tuple[int, ...]
     combine_consts: dict[str, Any]
     merge_last_consts: dict[str, Any]
-    #: Pipeline options of the Gluon kernel (``launch_fwd_gluon``'s ``half_ring`` / ``early_qk``).
+    #: Options of the Gluon kernel (``launch_fwd_gluon``'s ``persistent_programs``).
     gluon_options: dict[str, Any] = field(default_factory=dict)
     slots: dict[Any, Any] = field(default_factory=dict)
     #: ``(kv_block_size, stride_kv_block)`` of an FP8 cache (unused ``(1, 0)`` otherwise).
@@ -773,15 +773,9 @@ def _plan_fwd_call(
 
 
 def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> FwdPlan:
-    """Give ``plan`` the Gluon forward's pipeline options of ``config`` (``fwd_half_ring``,
-    ``fwd_early_qk``, ``l2_prefetch``, ``fwd_persistent``: one program per multiprocessor of ``device``);
-    returns ``plan``."""
-    plan.gluon_options = {
-        "half_ring": config.fwd_half_ring,
-        "early_qk": config.fwd_early_qk,
-        "prefetch": config.l2_prefetch,
-        "persistent_programs": num_sms(device) if config.fwd_persistent else 0,
-    }
+    """Give ``plan`` the Gluon forward's options of ``config`` (``fwd_persistent``: one program per
+    multiprocessor of ``device``); returns ``plan``."""
+    plan.gluon_options = {"persistent_programs": num_sms(device) if config.fwd_persistent else 0}
     return plan
 
 
@@ -792,16 +786,12 @@ _PLANS: dict[Any, FwdPlan] = {}
 def _fwd_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
-    causal: bool, backend: str, num_splits: int, fwd_half_ring: bool = False, fwd_early_qk: bool = False,
-    l2_prefetch: bool = False, fwd_persistent: bool = False,
+    causal: bool, backend: str, num_splits: int, fwd_persistent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and launch plan depend only on the call signature: made once per signature.
     key = (*call_signature(q, kv, indices, attn_sink, topk_length), d_v, q_start_index, k_stride, causal,
-           backend, num_splits, fwd_half_ring, fwd_early_qk, l2_prefetch, fwd_persistent)  # fmt: skip
-    config = lambda: replace(
-        config_of(backend, num_splits), fwd_half_ring=fwd_half_ring, fwd_early_qk=fwd_early_qk,
-        l2_prefetch=l2_prefetch, fwd_persistent=fwd_persistent,
-    )  # fmt: skip
+           backend, num_splits, fwd_persistent)  # fmt: skip
+    config = lambda: replace(config_of(backend, num_splits), fwd_persistent=fwd_persistent)
     plan = cached(
         _PLANS, key, lambda: _plan_fwd_call(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride,
                                             causal, config()),
@@ -848,8 +838,8 @@ def sparse_mla_fwd(
         k_stride: query positions per KV entry, e.g. for a compressed KV (used when ``causal``).
         causal: also skip indices above ``(q_start_index + i + 1 - k_stride) / k_stride`` (C integer
             division, the same limit as :func:`attn_dist`).
-        config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor, the Gluon
-            kernel's ``fwd_*`` pipeline options).
+        config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor,
+            ``fwd_persistent``).
 
     Returns:
         ``out [s_q, h_q, d_v]`` q's dtype; ``max_logits [s_q, h_q]`` float32, the largest
@@ -866,5 +856,5 @@ def sparse_mla_fwd(
     cfg = config or DEFAULT
     return _fwd_op(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal,
-        cfg.backend, cfg.num_splits, cfg.fwd_half_ring, cfg.fwd_early_qk, cfg.l2_prefetch, cfg.fwd_persistent,
+        cfg.backend, cfg.num_splits, cfg.fwd_persistent,
     )  # fmt: skip
