@@ -816,6 +816,62 @@ def test_exact_rows_allocated_ahead(group):
         be.finalize()
 
 
+def _returned_tensors(out, out_w, desc) -> dict:
+    """Every tensor a dispatch returns, by name."""
+    return {
+        "output": out, "weights": out_w, "recv_expert_indices": desc.recv_expert_indices,
+        "num_recv_tokens_per_expert": desc.num_recv_tokens_per_expert,
+        "num_recv_tokens_per_rank": desc.num_recv_tokens_per_rank,
+        "num_input_tokens_per_rank": desc.num_input_tokens_per_rank,
+        "token_dst_scatter_idx": desc.token_dst_scatter_idx,
+        "skipped_token_topk_mapping_indices": desc.skipped_token_topk_mapping_indices,
+        "tab": desc.backend_state.tab, "n_src": desc.backend_state.n_src,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("overlap", [None, 0], ids=["worst-case-buffers", "speculative-rows"])
+def test_held_outputs_survive_later_dispatches(group, overlap):
+    """Whatever later dispatches run, every tensor a dispatch returned (rows, weights, every descriptor
+    field) keeps its values while the caller holds it; once released, the outputs' workspaces are reused
+    (no new one per call). Both exact-shape flows that take workspaces ahead of the counts."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    experts = 8 * world
+    dev = torch.device("cuda", torch.cuda.current_device())
+    be = _make_backend(
+        group, max_tokens=64, hidden=256, topk=4, experts=experts, dtype=torch.bfloat16, heap="torch",
+        overlap_bytes=overlap,
+    )  # fmt: skip
+    try:
+        held = []
+        for seed, tokens in ((301, 64), (302, 40), (303, 64), (304, 17)):
+            xs, ids, ws, _ = _inputs(
+                seed, world, [tokens] * world, 256, 4, experts, torch.bfloat16, skew=False, drop=0.1, with_w=True
+            )  # fmt: skip
+            out, out_w, desc = be.dispatch(xs[rank].to(dev), ids[rank].to(dev), ws[rank].to(dev), None)
+            torch.cuda.synchronize()
+            returned = _returned_tensors(out, out_w, desc)
+            snapshot = {k: v.clone() for k, v in returned.items()}
+            held.append((xs, ids, ws, returned, snapshot))
+        for xs, ids, ws, returned, snapshot in held:
+            mine = dispatch_ref(xs, ids, ws, num_tot_experts=experts)[0][rank]
+            assert torch.equal(returned["output"].cpu(), mine.output), "held rows overwritten"
+            assert torch.equal(returned["weights"].cpu(), mine.weights), "held weights overwritten"
+            for name, t in returned.items():
+                assert torch.equal(t, snapshot[name]), f"held {name} overwritten by a later dispatch"
+        allocated = be.workspaces.allocated
+        del held, returned, snapshot, out, out_w, desc, t
+        for seed in (305, 306, 307):  # released: round trips reuse the workspaces
+            xs, ids, ws, gen = _inputs(
+                seed, world, [48] * world, 256, 4, experts, torch.bfloat16, skew=False, drop=0.1, with_w=True
+            )  # fmt: skip
+            _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
+        assert be.workspaces.allocated == allocated, "released workspaces are taken again"
+        be.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
+
+
 # ------------------------------------------------------------------------------------------------------
 # FP8 dispatch in DeepEP's format through EPLayer(backend="triton"): rows and scales bit for bit (random
 # bytes, NaN and infinity patterns included), combine of bf16 expert outputs; exact and CUDA-graph modes

@@ -15,8 +15,8 @@ each as one call captured in a CUDA graph and replayed, and compares the FP8 out
 ``python bench_decode.py`` prints the decode rows at h_q 128 (batch 1 / 8 / 64, with each split-K merge
 forced at batch 1 and 8) and every public op's host cost per call, in about a minute.
 ``python bench_decode.py --sweep [--flashmla PATH]`` prints, at batch 64 / 128, s_q 1 / 2, h_q 64 / 128
-(topk 2048, 32K-token caches), the replay time of every candidate split-K factor of the bf16 and FP8
-decode (the Gluon kernel unsplit and split 2-4 ways, the Triton kernel split 1-4 ways) and of FlashMLA's FP8 decode, and the
+and at batch 1 / 8, h_q 128 (topk 2048, 32K-token caches), the replay time of every candidate split-K factor of the bf16 and FP8
+decode (the Gluon kernel unsplit and split 2, 4, 8 ways, the Triton kernel split 1-4 ways) and of FlashMLA's FP8 decode, and the
 factor the default rule (``Config.split_fill``) picks.
 """
 
@@ -115,7 +115,7 @@ def bench_decode_fp8(
     row["tflops_bf16"], row["tflops_fp8"] = flops / row["ms_bf16"] / 1e9, flops / row["ms_fp8"] / 1e9
     out, lse = fp8_call()
     # The reference on the first 4 sequences, their blocks gathered into a small cache.
-    sub = fp8[table[:4].flatten().long()]
+    sub = fp8.view(torch.uint8)[table[:4].flatten().long()].view(torch.float8_e4m3fn)
     sub_table = torch.arange(sub.shape[0], device="cuda", dtype=torch.int32).view(4, -1)
     r_out, r_lse = sparse_mla_decode_ref(q[:4], sub, sub_table, seqlens[:4], idx[:4], sm_scale)
     row["fp8_out_max_abs_err"] = float((out[:4].float() - r_out.float()).abs().max())
@@ -143,26 +143,37 @@ FP8_SHAPES = [(b, s_q, h_q) for h_q in (128, 64) for b in (64, 128) for s_q in (
 
 def sweep_splits(flashmla: Any = None, *, seqlen: int = 32768, topk: int = 2048) -> None:
     """Print the replay time of each candidate split-K factor of the bf16 and FP8 decode at ``FP8_SHAPES``
-    (and FlashMLA's FP8 decode), with the factor the default rule picks."""
+    and batch 1 / 8 (and FlashMLA's FP8 decode), with the kernel and factor the defaults pick."""
     from sparse_mla_attn._runtime import num_sms
 
     n_sm = num_sms(torch.device("cuda"))
     candidates = [("gluon/auto s1", Config(num_splits=1))] + [
         (f"triton s{s}", Config(backend="triton", num_splits=s)) for s in (1, 2, 3, 4)
     ]
-    gluon_splits = [(f"gluon s{s}", Config(backend="gluon", num_splits=s)) for s in (2, 3, 4)]
-    for b, s_q, h_q in FP8_SHAPES:
+    gluon_splits = [(f"gluon s{s}", Config(backend="gluon", num_splits=s)) for s in (2, 4, 8)]
+    for b, s_q, h_q in [(1, 1, 128), (8, 1, 128), *FP8_SHAPES]:  # and the small batches that split
         q, cache, table, seqlens, idx = make_decode_inputs(b, h_q, seqlen, topk, 64, s_q)
         fp8 = quantize_fp8_kv_cache(cache)
         rows = cache_rows(idx, table, seqlens, 64)
         scale = 1 / math.sqrt(D_QK)
         n_programs = b * s_q * math.ceil(h_q / 64)
-        picks = {f: Config(split_fill=f).splits_for(n_programs, topk, n_sm) for f in (0.5, 1.0, 2.0, 4.0)}
-        head = f"b{b} s_q{s_q} h_q{h_q} ({n_programs} programs; split_fill 0.5/1/2/4 -> splits {list(picks.values())})"
+        sparse_mla_decode(q, cache, table, seqlens, idx, scale)
+        bf16 = last_launch("fwd")
+        sparse_mla_decode(q, fp8, None, None, rows, scale, index_kind="cache_rows")
+        fp8_launch = last_launch("fwd")
+        picks = [Config(split_fill=f).splits_for(n_programs, topk, n_sm) for f in (0.5, 1.0, 2.0, 4.0)]
+        head = (
+            f"b{b} s_q{s_q} h_q{h_q} ({n_programs} programs; default bf16 {bf16.backend if bf16 else '?'} "
+            f"s{bf16.splits if bf16 else '?'}, fp8 s{fp8_launch.splits if fp8_launch else '?'}; Triton-only "
+            f"split_fill 0.5/1/2/4 -> {picks})"
+        )
         times = []
         for name, cfg in candidates + gluon_splits:
             call = functools.partial(sparse_mla_decode, q, cache, table, seqlens, idx, scale, config=cfg)
-            times.append(f"bf16 {name} {graph_ms(call) * 1e3:.1f}")
+            try:
+                times.append(f"bf16 {name} {graph_ms(call) * 1e3:.1f}")
+            except ValueError:  # the Gluon kernels need an sm_90 GPU and Triton 3.6
+                times.append(f"bf16 {name} n/a")
         for name, cfg in candidates[1:]:
             call = functools.partial(
                 sparse_mla_decode, q, fp8, None, None, rows, scale, index_kind="cache_rows", config=cfg

@@ -87,6 +87,21 @@ def test_decode_split_k_and_table_entries_outside_the_cache():
     torch.testing.assert_close(lse, ref_lse, atol=2e-4, rtol=1e-5)
 
 
+def assert_graph_replays_equal(call, expected, replays):
+    """``call()`` captured in a CUDA graph: each replay (outputs NaN-filled before) gives ``expected``'s bits."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replay = call()
+    for _ in range(replays):
+        for t in replay:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, e in zip(replay, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
 def _poisoned_empty(real_empty):
     """``torch.empty`` whose float tensors hold NaN and integer tensors a large garbage value."""
 
@@ -178,38 +193,38 @@ def test_decode_custom_op_fake_and_schema():
 @pytest.mark.gpu
 @pytest.mark.parametrize(("b", "h_q"), [(1, 128), (8, 128), (1, 16), (8, 16)])
 def test_decode_split_merge_eager_and_cuda_graph_gpu(b, h_q):
-    """At batch 1 and 8 (split-K): the default merge takes the merge kernel at h_q 128, and at h_q 16 on
-    a signature's first call and while a CUDA graph is captured, the last split program otherwise; every
-    merge gives the same bits, eager and replayed (twice, so the counters a replay leaves are zero
-    again), and matches the reference."""
+    """At batch 1 and 8 (split-K): the default merge takes the merge kernel at h_q 128 (the Gluon kernel's
+    split on sm_90), and at h_q 16 on a signature's first call and while a CUDA graph is captured, the
+    last split program otherwise; every merge of the Triton kernel gives the same bits, eager and
+    replayed (twice, so the counters a replay leaves are zero again), and all match the reference."""
+    from sparse_mla_attn import gluon_supported
+
     g = torch.Generator(device="cuda").manual_seed(b)
     seqlens = torch.randint(16384, 32769, (b,), generator=g, device="cuda").tolist()
     args = paged_problem(b, 1, h_q, 576, 64, seqlens, 2048, "cuda", seed=b + h_q)
     scale = 1 / math.sqrt(576)
-    first = sparse_mla_decode(*args, scale)
-    assert last_launch("fwd").merge == "kernel"
-    assert last_launch("fwd").splits > 1
-    check(first, args, scale, 8e-4, 2e-2)
-    for _ in range(3):  # later calls replay recorded launches: fresh copies check their data pointers
-        again = sparse_mla_decode(*[t.clone() for t in args], scale)
-        assert last_launch("fwd").merge == ("last_program" if h_q <= 16 else "kernel")
-        for a, e in zip(again, first, strict=True):
-            torch.testing.assert_close(a, e, rtol=0, atol=0)
-    for merge in ("auto", "last_program", "kernel"):
-        cfg = Config(split_merge=merge)
-        sparse_mla_decode(*args, scale, config=cfg)  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replay = sparse_mla_decode(*args, scale, config=cfg)
-        assert last_launch("fwd").merge == ("kernel" if merge == "auto" else merge)
-        for _ in range(2):
-            for t in replay:
-                t.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            for a, e in zip(replay, first, strict=True):
+    gluon = h_q > 32 and gluon_supported() and gluon_skip_reason("gluon") is None
+    for backend in ("auto", "triton"):
+        first = sparse_mla_decode(*args, scale, config=Config(backend=backend))
+        launch = last_launch("fwd")
+        assert (launch.backend, launch.merge) == (
+            "gluon" if gluon and backend == "auto" else "triton",
+            "kernel",
+        )
+        assert launch.splits > 1
+        check(first, args, scale, 8e-4, 2e-2)
+        for _ in range(3):  # later calls replay recorded launches: fresh copies check their data pointers
+            again = sparse_mla_decode(*[t.clone() for t in args], scale, config=Config(backend=backend))
+            assert last_launch("fwd").merge == ("last_program" if h_q <= 16 else "kernel")
+            for a, e in zip(again, first, strict=True):
                 torch.testing.assert_close(a, e, rtol=0, atol=0)
+        if backend == "auto":
+            assert_graph_replays_equal(lambda: sparse_mla_decode(*args, scale), first, 2)
+    for merge in ("auto", "last_program", "kernel"):  # the Triton kernel's merges, against its `first`
+        cfg = Config(backend="triton", split_merge=merge)
+        sparse_mla_decode(*args, scale, config=cfg)  # compile outside the capture
+        assert_graph_replays_equal(lambda cfg=cfg: sparse_mla_decode(*args, scale, config=cfg), first, 2)
+        assert last_launch("fwd").merge == ("kernel" if merge == "auto" else merge)  # the captured call's
 
 
 @pytest.mark.gpu
@@ -422,6 +437,7 @@ def test_decode_fp8_gpu(b, s_q, h_q, seqlen, topk, pad):
         pytest.param(128, 1, 64, 2.0, 2, id="B128-H64-fill2"),
         pytest.param(128, 1, 128, 2.0, 1, id="B128-H128-fill2"),
         pytest.param(64, 1, 64, 0.5, 1, id="B64-H64-fill0.5"),
+        pytest.param(32, 1, 64, 1.0, 4, id="B32-H64"),
     ],
 )
 def test_split_rule_on_an_h200(monkeypatch, b, s_q, h_q, split_fill, splits):
@@ -475,13 +491,4 @@ def test_decode_gluon_split_k_gpu(b, s_q, h_q, n_splits):
         again = sparse_mla_decode(*[t.clone() for t in args], scale, config=cfg)
         for a, e in zip(again, first, strict=True):
             torch.testing.assert_close(a, e, rtol=0, atol=0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replay = sparse_mla_decode(*args, scale, config=cfg)
-    for t in replay:
-        t.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, e in zip(replay, first, strict=True):
-        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert_graph_replays_equal(lambda: sparse_mla_decode(*args, scale, config=cfg), first, 1)

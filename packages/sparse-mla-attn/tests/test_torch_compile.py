@@ -41,6 +41,14 @@ def test_forward_attn_dist_decode_compile_without_graph_breaks():
     got = compiled(lambda *a: sm.sparse_mla_decode(*a, 0.05))(*args)
     for a, b in zip(got, sm.sparse_mla_decode(*args, 0.05), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # FP8 cache, FlashMLA's cache rows (no tables) and +inf empty lse.
+    fp8, rows = sm.quantize_fp8_kv_cache(cache), torch.where(pos < 8, pos + 8, pos - 8)
+    kw_fp8 = {"index_kind": "cache_rows", "empty_lse": float("inf")}
+    got = compiled(lambda q, c, r: sm.sparse_mla_decode(q, c, None, None, r, 0.05, **kw_fp8))(
+        q_dec, fp8, rows
+    )
+    for a, b in zip(got, sm.sparse_mla_decode(q_dec, fp8, None, None, rows, 0.05, **kw_fp8), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_backward_and_autograd_compile_without_graph_breaks():

@@ -190,7 +190,7 @@ def _decode_op(
         ptrs = (q.data_ptr(), kv_cache.data_ptr(), 0, 0, indices.data_ptr())
         key = (
             *call_signature(q, kv_cache, indices),
-            positions,
+            index_kind,
             d_v,
             backend,
             num_splits,

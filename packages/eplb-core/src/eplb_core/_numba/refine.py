@@ -329,18 +329,32 @@ def _repair_row(
 
 
 @njit
-def _write_sorted(expert: np.ndarray, load: np.ndarray, first: int, num_rows: int, out: np.ndarray) -> None:
+def _write_sorted(
+    expert: np.ndarray,
+    load: np.ndarray,
+    first: int,
+    num_rows: int,
+    out: np.ndarray,
+    srt: np.ndarray,
+    use_srt: bool | np.bool_,
+) -> None:
     """Rows ``first ..`` of ``expert [B, G, S]`` into ``out [num_rows * G * S]``, each bin's slots by
-    decreasing ``load``, ties by expert id (the order in which DeepSeek's packing fills a GPU)."""
+    decreasing ``load``, ties by expert id (the order in which DeepSeek's packing fills a GPU).
+
+    An insertion sort; with ``use_srt`` it takes each bin's slots in the reverse of ``srt [B, G, S]``
+    (a permutation of the slots per bin: the exchange rounds' order by increasing load, see
+    :func:`_refine`), which makes it one pass when that order is current. The result is the same
+    for any order the slots arrive in (the sorted order is unique up to equal items)."""
     _, num_bins, slots = expert.shape
     key = np.empty(slots)
     for r in range(first, first + num_rows):
         for g in range(num_bins):
             start = (r - first) * num_bins * slots + g * slots
-            for s in range(slots):
+            for t in range(slots):
+                s = srt[r, g, slots - 1 - t] if use_srt else t
                 v = expert[r, g, s]
                 x = load[r, g, s]
-                j = s
+                j = t
                 while j > 0 and (key[j - 1] < x or (key[j - 1] == x and out[start + j - 1] > v)):
                     out[start + j] = out[start + j - 1]
                     key[j] = key[j - 1]

@@ -22,7 +22,7 @@ from eplb_core._numba.utils import (
 
 @njit_inline
 def _pair_bins(
-    bin_load: np.ndarray, order: np.ndarray, it: int, heavy: np.ndarray, light: np.ndarray
+    bin_load: np.ndarray, order: np.ndarray, it: int, heavy: np.ndarray, light: np.ndarray, sw: tuple
 ) -> None:
     """This round's pairs of one row: the k-th heaviest bin with the ``(k + it) mod P``-th lightest.
 
@@ -33,7 +33,7 @@ def _pair_bins(
     num_bins = bin_load.size
     if num_bins > SORT_FROM_SCRATCH_BINS:
         # many bins change per round here: a merge sort beats the quadratic insertion (same order)
-        order[:] = _argsort_desc_into(bin_load, _sort_workspace(num_bins))
+        order[:] = _argsort_desc_into(bin_load, sw)
     for i in range(1, num_bins if num_bins <= SORT_FROM_SCRATCH_BINS else 0):
         b = order[i]
         v = bin_load[b]
@@ -62,7 +62,7 @@ def _row_buffers(num_bins: int, num_rows: int) -> tuple:
     contents do; ``seen[h, l]`` holds the versions of the heavy and the light bin side by side, one
     memory access). The per-row arrays live from block to
     block of a row: a pair that declined in an earlier block of its row is skipped too while
-    neither bin changed."""
+    neither bin changed. Last, the work arrays of the bin order's merge sort (many bins)."""
     half = num_bins // 2
     heavy = np.empty(half, dtype=np.int64)
     light = np.empty(half, dtype=np.int64)
@@ -70,7 +70,7 @@ def _row_buffers(num_bins: int, num_rows: int) -> tuple:
     order = np.empty((num_rows, num_bins), dtype=np.int64)
     ver = np.zeros((num_rows, num_bins), dtype=np.int64)
     seen = np.full((num_rows, num_bins, num_bins, 2), -1, dtype=np.int64)
-    return heavy, light, bin_load, order, ver, seen
+    return heavy, light, bin_load, order, ver, seen, _sort_workspace(num_bins)
 
 
 @njit
@@ -91,7 +91,7 @@ def _start_row(
 def _row_state(rb: tuple, sb: tuple, r: int) -> tuple[tuple, tuple]:
     """Row ``r``'s views of the work arrays ``rb``/``sb`` of :func:`_workspace`: what
     :func:`_resplit_rounds` and :func:`_swap_rounds` take."""
-    rb_r = (rb[0], rb[1], rb[2][r], rb[3][r], rb[4][r], rb[5][r])
+    rb_r = (rb[0], rb[1], rb[2][r], rb[3][r], rb[4][r], rb[5][r], rb[6])
     sb_r = (sb[0], sb[1], sb[2], sb[3], sb[4], sb[5][r])
     return rb_r, sb_r
 
@@ -276,7 +276,7 @@ def _swap_rounds(
     Returns:
         ``(moved, stamp)``: whether something moved, and the last bin version used.
     """
-    heavy, light, bin_load, order, ver, seen = rb
+    heavy, light, bin_load, order, ver, seen, sw = rb
     held, va, no_x, no_y, ya, srt = sb
     num_bins = bin_load.size
     half = num_bins // 2
@@ -300,7 +300,7 @@ def _swap_rounds(
             for t in range(g * slots, (g + 1) * slots):
                 held[g, fe[t]] += 1
     for it in range(it0, it0 + rounds):
-        _pair_bins(bin_load, order, it, heavy, light)
+        _pair_bins(bin_load, order, it, heavy, light, sw)
         for k in range(half):
             h, lt = heavy[k], light[k]
             if seen[h, lt, 0] == ver[h] and seen[h, lt, 1] == ver[lt]:
@@ -476,7 +476,7 @@ def _resplit_rounds(
     Returns:
         ``(moved, stamp)``: whether something moved, and the last bin version used.
     """
-    heavy, light, bin_load, order, ver, seen = rb
+    heavy, light, bin_load, order, ver, seen, sw = rb
     idx_heavy, idx_light, member, member_f = tables
     items, items32, sums, valid, score, ids, fix, pos, tmp_l, tmp_e, tmp_f, clash_a, clash_b = pb
     score_bits = score.view(np.int32)
@@ -491,7 +491,7 @@ def _resplit_rounds(
     two_f = np.float32(2.0)
     moved = False
     for it in range(it0, it0 + rounds):
-        _pair_bins(bin_load, order, it, heavy, light)
+        _pair_bins(bin_load, order, it, heavy, light, sw)
         k = 0  # next pair of the round
         peak_phase = False
         j = 0  # next light partner of the heaviest bin

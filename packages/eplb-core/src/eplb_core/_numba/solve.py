@@ -33,20 +33,35 @@ def _write_layer(
     cnt: np.ndarray,
     phy_row: np.ndarray,
     cnt_row: np.ndarray,
+    srt: np.ndarray,
+    use_srt: bool | np.bool_,
 ) -> None:
     """Write the chosen start of a layer: repair rows ``first .. first + num_rows`` (no avoidable
     repeat of an expert on a GPU), write them into ``phy_row`` (a GPU's slots by decreasing load, ties
-    by expert id), and the replica counts
-    ``cnt [nodes, per_node]`` of the experts ``ids`` into ``cnt_row``."""
+    by expert id; with ``use_srt`` taken in the slot order ``srt`` of :func:`_write_sorted`), and the
+    replica counts ``cnt [nodes, per_node]`` of the experts ``ids`` into ``cnt_row``."""
     num_bins = load.shape[1]
     for r in range(first, first + num_rows):
         _repair_row(
             load[r].reshape(-1), expert[r].reshape(-1), fixed[r].reshape(-1), num_bins, slots, no_budget, -1
         )
-    _write_sorted(expert, load, first, num_rows, phy_row)
+    _write_sorted(expert, load, first, num_rows, phy_row, srt, use_srt)
     for n in range(ids.shape[0]):
         for j in range(ids.shape[1]):
             cnt_row[ids[n, j]] = cnt[n, j]
+
+
+@njit
+def _seq_peak(load: np.ndarray) -> float:
+    """Heaviest bin of ``load [G, S]``, each bin summed sequentially in slot order (as
+    :func:`~eplb_core._numba.starts._plain_lpt_peak` sums the bins of a packing without moves)."""
+    out = -_INF
+    for g in range(load.shape[0]):
+        acc = 0.0
+        for s in range(load.shape[1]):
+            acc += load[g, s]
+        out = max(out, acc)
+    return out
 
 
 @njit
@@ -134,6 +149,7 @@ def solve_layers(
     srt = ws[1][5]
     presorted = ws[3][0][3]
     item_slot = np.empty(reps, dtype=np.int64)
+    node_moved = np.zeros(num_nodes, dtype=np.bool_)
     stamp = np.int64(0)
     no_budget = np.empty(0, dtype=np.int64)
     for layer in range(num_layers):
@@ -176,8 +192,9 @@ def solve_layers(
             if presort:
                 _slot_order(bins, order, item_load, num_bins, srt[n], fill, item_slot)
                 presorted[n] = True
-            if same:  # this start is the greedy plan
-                greedy_moved[layer] |= first_moved >= 0
+            node_moved[n] = first_moved >= 0
+            if same and first_moved >= 0:  # this start is the greedy plan, but for a moved replica
+                greedy_moved[layer] = True
                 pk = _plain_lpt_peak(
                     item_load, item_local, order, first_moved, num_bins, bins, bins_plain, key, fill, tag, lw
                 )
@@ -192,6 +209,12 @@ def solve_layers(
                 if presort:
                     _slot_order(bins, order, item_load, num_bins, srt[r], fill, item_slot)
                     presorted[r] = True
+        if same and greedy_moved[layer]:
+            # the nodes where nothing moved pack as plain LPT does: their start's bins, summed in
+            # item order (a bin's slots are in item order), are that plan's
+            for n in range(num_nodes):
+                if not node_moved[n]:
+                    greedy_peak[layer] = max(greedy_peak[layer], _seq_peak(load[n]))
         stamp = _refine(
             load,
             expert,
@@ -226,6 +249,8 @@ def solve_layers(
             cnt[0],
             phy2log[layer],
             logcnt[layer],
+            srt,
+            presort,
         )
         if same:
             continue
@@ -273,6 +298,8 @@ def solve_layers(
                 cnt[1],
                 phy2log[layer],
                 logcnt[layer],
+                srt,
+                presort,
             )
     # DeepSeek's packing (no repeat avoidance) is the duplicate-avoiding one where that moved nothing;
     # where it moved something, it can beat the plan only if its heaviest GPU is below the plan's
@@ -387,5 +414,5 @@ def pack_layers(
                 no_budget,
                 -1,
             )
-            _write_sorted(expert, load, pick, np.int64(1), out[first + q].reshape(-1))
+            _write_sorted(expert, load, pick, np.int64(1), out[first + q].reshape(-1), expert, False)
     return out

@@ -51,7 +51,7 @@ GREEDY_MARGIN = 1e-9
 BLOCK = 4
 # with up to this many slots per GPU a row's repeats of an expert on a GPU are found by comparing
 # every two slots of a GPU; with more, in one pass over the row
-REPAIR_SCAN_SLOTS = 8
+REPAIR_SCAN_SLOTS = 16
 # from this many items, a stable argsort tries buckets of the loads' bits first (a counting sort);
 # a bucket of more than BUCKET_MAX items sends it back to the merge sort
 BUCKET_SORT_MIN = 16
@@ -172,13 +172,36 @@ def _row_sum(a: np.ndarray, start: int, n: int) -> float:
     return res
 
 
+@njit_inline
+def _half_sum(a: np.ndarray, start: int, n: int) -> float:
+    """A range of :func:`_pairwise_sum` one split down (up to 4 * 128 items without the stack)."""
+    if n <= 128:
+        return _row_sum(a, start, n)
+    half = n // 2
+    half -= half % 8
+    if n - half <= 128:
+        return _row_sum(a, start, half) + _row_sum(a, start + half, n - half)
+    return _pairwise_stack(a, start, n)
+
+
 @njit
 def _pairwise_sum(a: np.ndarray, start: int, n: int) -> float:
     """``a[start:start + n].sum()`` in NumPy's pairwise order for any ``n``.
 
     NumPy sums blocks of up to 128 items with :func:`_row_sum` and splits longer ranges at half
-    (rounded down to a multiple of 8), adding the two halves; the recursion runs on a small stack.
+    (rounded down to a multiple of 8), adding the two halves; two levels of splits are written out
+    (no work arrays), deeper ones run on a small stack (:func:`_pairwise_stack`).
     """
+    if n <= 128:
+        return _row_sum(a, start, n)
+    half = n // 2
+    half -= half % 8
+    return _half_sum(a, start, half) + _half_sum(a, start + half, n - half)
+
+
+@njit
+def _pairwise_stack(a: np.ndarray, start: int, n: int) -> float:
+    """:func:`_pairwise_sum` with the recursion on a small stack (work arrays), for any ``n``."""
     if n <= 128:
         return _row_sum(a, start, n)
     # pending ranges (combine marks: both halves are on the value stack) and computed values
