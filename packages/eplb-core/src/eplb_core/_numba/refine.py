@@ -16,6 +16,7 @@ from eplb_core._numba.rounds import (
 from eplb_core._numba.utils import (
     _INF,
     BLOCK,
+    BRUTE_FORCE_SLOTS,
     CLOSE_ENOUGH,
     MAX_RESPLIT_SLOTS,
     MIN_BLOCK_GAIN,
@@ -42,6 +43,7 @@ def _workspace(num_bins: int, slots: int, num_ids: int, num_splits: int, num_row
         np.empty(slots, dtype=np.bool_),
         np.empty(slots, dtype=np.int64),
         np.empty((num_rows, num_bins, slots), dtype=np.int64),
+        np.empty(slots * slots),
     )
     two = 2 * slots
     pb = (
@@ -184,7 +186,7 @@ def _refine(
                 # a row's bin loads, order, versions and slot order, set up at its first block
                 ready[r] = True
                 stamp = _start_row(fl, slots, rb_r[2], rb_r[3], rb_r[4], stamp)
-                if not resplit and not presorted[r]:
+                if slots > BRUTE_FORCE_SLOTS and not presorted[r]:
                     _sort_slots(fl, num_bins, slots, sb_r[5])
             elif resplit or use_budget:
                 # fresh versions: the re-split's peak step counts the pairs it tries, which a skip

@@ -133,7 +133,7 @@ def _row_state(rb: tuple, sb: tuple, r: int) -> tuple[tuple, tuple]:
     """Row ``r``'s views of the work arrays ``rb``/``sb`` of :func:`_workspace`: what
     :func:`_resplit_rounds` and :func:`_swap_rounds` take."""
     rb_r = (rb[0], rb[1], rb[2][r], rb[3][r], rb[4][r], rb[5][r], rb[6], rb[7], rb[8])
-    sb_r = (sb[0], sb[1], sb[2], sb[3], sb[4], sb[5][r])
+    sb_r = (sb[0], sb[1], sb[2], sb[3], sb[4], sb[5][r], sb[6])
     return rb_r, sb_r
 
 
@@ -318,11 +318,13 @@ def _swap_rounds(
         ``(moved, stamp)``: whether something moved, and the last bin version used.
     """
     heavy, light, bin_load, order, ver, seen, sw, _, _ = rb
-    held, va, no_x, no_y, ya, srt = sb
+    held, va, no_x, no_y, ya, srt, gains = sb
+    gain_bits = gains.view(np.int64)
     num_bins = bin_load.size
     half = num_bins // 2
-    # the sweep needs no budget check per (x, y): with a migration budget every pair is scored
-    brute = budget >= 0 and slots <= BRUTE_FORCE_SLOTS
+    # up to BRUTE_FORCE_SLOTS slots every (x, y) pair is scored (the same exchanges as the sweep);
+    # the kept slot order ``srt`` and the ``held`` table serve the sweep only
+    brute = slots <= BRUTE_FORCE_SLOTS
     moved = False
 
     def change(a: int, b: int) -> int:
@@ -361,6 +363,38 @@ def _swap_rounds(
                 best, pa, pb = _brute_exchange_np(
                     fl, fe, ff, has_fixed, ha, lb0, slots, gap, origin, used, budget
                 )
+            elif brute and budget < 0:
+                # every pair's gain, clamped at 0 (a gain <= 0 never moves: ``tol`` >= 0) and 0 where
+                # blocked, as the integer of its bits (order-preserving for floats >= 0): the first
+                # largest in x-major order is what the scoring below picks, found without branches
+                for x in range(slots):
+                    no_x[x] = has_fixed and ff[ha + x]
+                    no_y[x] = has_fixed and ff[lb0 + x]
+                for x in range(slots):
+                    ex = fe[ha + x]
+                    clash = False
+                    for y in range(slots):
+                        same = fe[lb0 + y] == ex
+                        clash |= same
+                        no_y[y] |= same
+                    no_x[x] |= clash
+                for x in range(slots):
+                    fx = fl[ha + x]
+                    bx = no_x[x]
+                    for y in range(slots):
+                        delta = fx - fl[lb0 + y]
+                        gain = min(delta, gap - delta)
+                        blocked = bx | no_y[y]
+                        gains[x * slots + y] = gain if gain > 0.0 and not blocked else 0.0
+                top = np.int64(0)
+                for q in range(slots * slots):
+                    top = max(top, gain_bits[q])
+                if top > 0:
+                    q = 0
+                    while gain_bits[q] != top:
+                        q += 1
+                    best = gains[q]
+                    pa, pb = ha + q // slots, lb0 + q % slots
             elif brute:
                 # x (y) may not move when fixed or when its expert is already on the other bin
                 for x in range(slots):
