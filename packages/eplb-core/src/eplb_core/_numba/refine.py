@@ -21,6 +21,7 @@ from eplb_core._numba.utils import (
     MAX_RESPLIT_SLOTS,
     MIN_BLOCK_GAIN,
     PRUNE_MARGIN,
+    RANK_SORT_SLOTS,
     REL_TOL,
     REPAIR_SCAN_SLOTS,
     _pairwise_sum,
@@ -254,7 +255,7 @@ def _repair_row(
                 i = b * slots + s
                 for t in range(s + 1, slots):
                     j = b * slots + t
-                    repeats = repeats or (fe[i] == fe[j] and not (ff[i] and ff[j]))
+                    repeats |= (fe[i] == fe[j]) & ~(ff[i] & ff[j])
     else:
         # many slots: one pass, remembering per expert the last bin it was met in and whether a
         # replica there was not fixed (two replicas on a bin repeat unless both are fixed)
@@ -376,6 +377,28 @@ def _write_sorted_small(
 
 
 @njit
+def _write_sorted_rank(
+    expert: np.ndarray, load: np.ndarray, first: int, num_rows: int, out: np.ndarray
+) -> None:
+    """:func:`_write_sorted` by ranks: every slot goes to the count of the bin's slots that come before
+    it (larger load, lower expert id on ties, lower slot on full ties, which are alike), all pairs
+    compared without branches."""
+    _, num_bins, slots = expert.shape
+    for r in range(first, first + num_rows):
+        for g in range(num_bins):
+            start = (r - first) * num_bins * slots + g * slots
+            for i in range(slots):
+                li = load[r, g, i]
+                ei = expert[r, g, i]
+                rank = 0
+                for j in range(slots):
+                    lj = load[r, g, j]
+                    ej = expert[r, g, j]
+                    rank += (lj > li) | ((lj == li) & ((ej < ei) | ((ej == ei) & (j < i))))
+                out[start + rank] = ei
+
+
+@njit
 def _write_sorted(
     expert: np.ndarray,
     load: np.ndarray,
@@ -395,6 +418,9 @@ def _write_sorted(
     _, num_bins, slots = expert.shape
     if (slots == 4 or slots == 5) and not use_srt:
         _write_sorted_small(expert, load, first, num_rows, out)
+        return
+    if slots <= RANK_SORT_SLOTS and not use_srt:
+        _write_sorted_rank(expert, load, first, num_rows, out)
         return
     key = np.empty(slots)
     for r in range(first, first + num_rows):
