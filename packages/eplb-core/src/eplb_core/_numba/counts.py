@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb_core._numba.utils import _INF, GREEDY_HEAP_MIN, _pairwise_sum, _row_sum, njit, njit_inline
+from eplb_core._numba.utils import (
+    _INF,
+    GREEDY_HEAP_MIN,
+    GREEDY_SCAN_EXPERTS,
+    _pairwise_sum,
+    _row_sum,
+    njit,
+    njit_inline,
+)
 
 
 @njit
@@ -25,7 +33,7 @@ def _greedy_counts_row(w: np.ndarray, counts: np.ndarray, num_replicas: int, per
             counts[i % n] += 1
         return
     extra = num_replicas - have
-    if extra < GREEDY_HEAP_MIN:
+    if extra < GREEDY_HEAP_MIN or n <= GREEDY_SCAN_EXPERTS:
         # the first largest: positive finite loads order like their bits as integers (a maximum the
         # compiler vectorises); zeros tie with every zero, but the largest load here is positive
         bits = per.view(np.int64)

@@ -58,8 +58,11 @@ RANK_SORT_SLOTS = 16
 # a bucket of more than BUCKET_MAX items sends it back to the merge sort
 BUCKET_SORT_MIN = 16
 BUCKET_MAX = 16
-# from this many replicas to hand out, the greedy replica split keeps the experts in a heap
+# from this many replicas to hand out, the greedy replica split of a row of more than
+# GREEDY_SCAN_EXPERTS experts keeps them in a heap; up to that many experts, a vectorised scan per
+# replica beats the heap's unpredictable branches
 GREEDY_HEAP_MIN = 8
+GREEDY_SCAN_EXPERTS = 512
 
 
 def default_iters(num_bins: int, slots: int) -> int:
