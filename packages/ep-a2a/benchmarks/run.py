@@ -116,10 +116,28 @@ def summary(rows: list[dict]) -> list[str]:
         eager, graph = by.get(("triton", f"ours-sm{default}")), by.get(("triton", f"ours-graph-sm{default}"))
         if eager and graph and tokens <= 1024:
             for op in ("dispatch", "combine"):
+                host = eager.get(f"{op}_host_ms")
                 lines.append(
                     f"{name}: eager {op} {1e3 * eager[f'{op}_ms']:.0f} us = "
                     f"{eager[f'{op}_ms'] / graph[f'{op}_ms']:.1f}x its graph replay (target <= 2x)"
+                    + (f"; {1e3 * host:.0f} us of it on the host" if host else "")
                 )
+        layer = by.get(("triton", "ours-layer-default"))
+        if eager and tokens > 1024 and eager.get("dispatch_pct_ce"):
+            others = [
+                (label, r)
+                for label, r in (("graph", graph), ("the layer as the README builds it", layer))
+                if r
+            ]
+            lines.append(
+                f"{name}: eager dispatch {1e3 * eager['dispatch_ms']:.0f} us = {eager['dispatch_pct_ce']:.0f}% of the "
+                "copy engine (target >= 75% on 2 GPUs)"
+                + "".join(
+                    f"; {label} {1e3 * r['dispatch_ms']:.0f} us = {r['dispatch_pct_ce']:.0f}%"
+                    for label, r in others
+                    if r.get("dispatch_pct_ce")
+                )
+            )
         for mode, key in (("graph", "ours-fp8-graph-sm"), ("eager", "ours-fp8-sm")):
             f8, bf = (
                 by.get(("triton", f"{key}{default}")),

@@ -127,6 +127,16 @@ def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl
     assert "graph combine: default num_sm=132 20 us, best num_sm=20 20 us: default at 100%" in text
     assert "eager dispatch 200 us = 5.0x its graph replay" in text
     assert "torch backend dispatch 500 us vs NCCL per-rank pipeline 1000 us: 0.50x" in text
+    big = {**case, "tokens": 4096, "bench": "triton"}
+    rows = [
+        {**big, "method": "ours-sm132", "dispatch_ms": 0.25, "dispatch_pct_ce": 80.0, "default_num_sm": 132},
+        {**big, "method": "ours-graph-sm132", "dispatch_ms": 0.2, "dispatch_pct_ce": 100.0},
+        {**big, "method": "ours-layer-default", "dispatch_ms": 0.4, "dispatch_pct_ce": 50.0},
+    ]
+    assert run.summary(rows) == [
+        "2 GPUs, deepseek-v3 uniform, 4096 tok: eager dispatch 250 us = 80% of the copy engine (target >= 75% "
+        "on 2 GPUs); graph 200 us = 100%; the layer as the README builds it 400 us = 50%"
+    ]
 
 
 def test_table_renders_the_page_rows() -> None:

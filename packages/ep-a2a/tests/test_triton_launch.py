@@ -9,7 +9,6 @@ no interpreter) and compares the arguments, call by call, for every launch the b
 from __future__ import annotations
 
 import collections
-import dataclasses
 import inspect
 from types import SimpleNamespace
 
@@ -187,8 +186,8 @@ def test_new_variant_goes_through_triton(fake_gpu):
 def test_cached_template_holds_no_call_tensors(fake_gpu):
     eng = _engine()
     _one_call(eng, 6, 20, with_w=True, counts=True, seed=1)
-    for _launch, template, var_idx, _as_addresses, _keep in eng._plans.values():
-        assert all(template[i] is None for i in var_idx)
+    for plan in eng._plans.values():
+        assert all(plan.template[i] is None for i in plan.var_idx)
 
 
 def test_cta_split_requests():
@@ -371,59 +370,143 @@ def test_speculative_rows_fit_and_overflow():
     assert _speculative_rows_guess(recent, 10_000) == 120 + 120 // 8
 
 
-def test_small_outputs_allocated_ahead(monkeypatch):
-    """The exact-shape flows without a host wait take the small outputs (all but the rows) that the
-    last call allocated after its row kernel: the same tensors when rows, weights and stream match (new
-    per-token ones for another token count), new ones otherwise; each set is used once."""
+@pytest.mark.parametrize(
+    "hold",
+    ["tab", "n_src", "rows_exp", "skip", "scat", "info", "slice_of_out_e", "view_of_scat", "slice_of_out_w"],
+)
+def test_workspace_reused_only_when_nothing_refers_to_it(hold):
+    """A dispatch's outputs but the rows come from a per-stream ring of workspaces: a workspace is handed
+    out again only once nothing refers to it (no reference to a view it handed out, no other view of
+    its buffer); while anything does, the next call gets another one."""
+    from ep_a2a.backends.triton.workspace import WorkspaceRing
+
+    ring = WorkspaceRing(_engine())
+    ws = ring.take(7, 4)
+    assert (ws.skip.shape, ws.scat.shape, ws.tab.shape) == ((4, 4), (4, 4), (2, 8, 4))
+    assert ring.take(7, 4) is ws, "nothing refers to it: the same workspace again"
+    held = {
+        "tab": lambda: ws.tab, "n_src": lambda: ws.n_src, "rows_exp": lambda: ws.rows_exp, "skip": lambda: ws.skip,
+        "scat": lambda: ws.scat, "info": lambda: ws.info, "slice_of_out_e": lambda: ws.out_e[:3],
+        "view_of_scat": lambda: ws.scat.view(-1), "slice_of_out_w": lambda: ws.out_w[1:2],
+    }[hold]()  # fmt: skip
+    other = ring.take(7, 4)
+    assert other is not ws, f"{hold} is held: another workspace"
+    assert other.tab.data_ptr() != ws.tab.data_ptr()
+    assert ring.take(7, 4) is other, "the other one is free"
+    del held
+    assert ring.take(7, 4) is ws, "released: the first workspace again"
+    assert ring.allocated == 2
+
+
+def test_workspace_ring_per_stream_and_bounded(monkeypatch):
+    """One ring per stream; a ring keeps at most RING_SIZE workspaces (more held at once are allocated
+    per call); views follow the call's token count; without the storage use count nothing is reused."""
+    from ep_a2a.backends.triton import workspace as WS
+
+    ring = WS.WorkspaceRing(_engine())
+    ws = ring.take(7, 4)
+    assert ring.take(8, 4) is not ws, "another stream: its own ring"
+    assert ring.take(7, 3) is ws
+    assert ws.skip.shape == (3, 4)
+    assert ws.scat.shape == (3, 4)
+    held = [ring.take(7, 2).skip for _ in range(WS.RING_SIZE + 2)]  # the caller keeps each call's skip
+    assert len({t.data_ptr() for t in held}) == WS.RING_SIZE + 2
+    assert len(ring._rings[7]) == WS.RING_SIZE
+    del held
+    assert ring.take(7, 2) is ws
+    monkeypatch.setattr(WS, "_storage_use_count", None)
+    ring = WS.WorkspaceRing(_engine())
+    first = ring.take(7, 4)
+    assert ring.take(7, 4) is not first
+    assert not ring._rings[7]
+
+
+def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int):
+    """A Triton backend over an engine of CPU buffers whose kernels do not run: the layout kernel does
+    nothing, the counts kernel and the row kernel's program 0 write the counts of ``rows`` received rows
+    into ``info`` and the host mirror, so the backend's exact-shape flows run their host side as on a
+    GPU (outputs, counts, descriptor). Returns the backend and the counts it reports."""
+    import numpy as np
+
     from ep_a2a.backends.triton import TritonBackend
     from ep_a2a.backends.triton import backend as B
-    from ep_a2a.backends.triton.backend import _speculative_rows_guess
+    from ep_a2a.backends.triton.workspace import WorkspaceRing
+    from ep_a2a.config import EPConfig
 
-    allocs: list[tuple] = []
-
-    class Engine:
-        def worst_case_rows(self):
-            return 1000
-
-        def alloc_token_slots(self, n):
-            allocs.append(("slots", n))
-            return torch.empty(n, 8), torch.empty(n, 8)
-
-        def alloc_dispatch_small(self, n, rows, *, with_weights):
-            allocs.append(("small", n, rows, with_weights))
-            skip, scat = self.alloc_token_slots(n)
-            return DispatchBuffers(tab=torch.empty(2, 4, 8), skip=skip, scat=scat, out_w=torch.empty(rows),
-                                   out_e=torch.empty(rows), info=torch.empty(9))  # fmt: skip
-
-    stream = [7]
-    monkeypatch.setattr(B, "_raw_stream", lambda index: stream[0])
+    monkeypatch.setattr(B, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    eng = _engine()
+    W, L = eng.world_size, eng.experts_per_rank
+    vals = torch.zeros(eng.info_len, dtype=torch.int64)
+    vals[0], vals[2 : 2 + W], vals[2 + W : 2 + 2 * W] = (
+        rows,
+        torch.tensor([6, 5]),
+        torch.tensor([rows - 3, 3]),
+    )
+    vals[2 + 2 * W : 2 + 2 * W + L] = torch.tensor([rows, 0, 0, 0])
     be = object.__new__(TritonBackend)
-    be.engine, be.device, be.overlap_exact = Engine(), torch.device("cpu"), False
-    be._next_small = None
-    be._recent_rows = collections.deque([80], maxlen=8)
-    rows = _speculative_rows_guess(be._recent_rows, 1000)
-    be._prepare_small_outputs(4, True)
-    ahead = be._next_small[1]
-    allocs.clear()
-    assert be._take_small_outputs(4, rows, True) is ahead
-    assert not allocs
-    assert be._take_small_outputs(4, rows, True) is not ahead  # used once
-    be._prepare_small_outputs(4, True)
-    ahead = dataclasses.replace(be._next_small[1])
-    allocs.clear()
-    got = be._take_small_outputs(3, rows, True)  # another token count: new skip / scat only
-    assert allocs == [("slots", 3)]
-    assert got.skip.shape[0] == 3
-    assert all(getattr(got, k) is getattr(ahead, k) for k in ("info", "tab", "out_w", "out_e"))
-    for change in ("rows", "weights", "stream"):
-        be._prepare_small_outputs(4, True)
-        allocs.clear()
-        stream[0] = 8 if change == "stream" else 7
-        be._take_small_outputs(4, rows + (change == "rows"), change != "weights")
-        assert allocs[0][0] == "small", change
-    be.overlap_exact = True  # small layers: worst-case rows
-    be._prepare_small_outputs(2, False)
-    assert be._next_small[0] == (stream[0], 1000, False)
+
+    def row_kernel(x, ids, w, src, bufs, *, info, mirror=None, **kw):
+        info.copy_(vals)
+        if mirror is not None:
+            be._mirror_np[:-1], be._mirror_np[-1] = vals.numpy(), 1
+
+    monkeypatch.setattr(eng, "launch_layout", lambda *a, **kw: None)
+    monkeypatch.setattr(eng, "launch_counts", lambda info, remote=None: info.copy_(vals))
+    monkeypatch.setattr(eng, "launch_dispatch", row_kernel)
+    be.config = EPConfig(
+        max_tokens=eng.max_tokens, hidden=eng.hidden, topk=eng.topk, num_tot_experts=eng.num_tot_experts,
+        rank=1, world_size=W, local_world_size=W,
+    )  # fmt: skip
+    be.engine, be.device, be.layout = eng, torch.device("cpu"), eng.layout
+    be.overlap_exact, be.speculative_rows = overlap_exact, not overlap_exact
+    be.workspaces = WorkspaceRing(eng)
+    be._mirror = torch.zeros(eng.info_len + 1, dtype=torch.int64)
+    be._mirror_np, be._mirror_wait_s, be._mirror_lost, be._finalized = be._mirror.numpy(), 1.0, None, False
+    be._info_host, be._pinfo_host = torch.zeros(eng.info_len, dtype=torch.int64), None
+    be._info_event = SimpleNamespace(record=lambda stream: None, query=lambda: True)
+    be._current_stream = lambda: None
+    be._recent_rows, be._rows_ahead = collections.deque(maxlen=8), 0
+    be.speculative_calls = be.speculative_overflows = 0
+    be._op, be._combine_allowed = (-1, ""), False
+    be.board = SimpleNamespace(publish=lambda op: 0, check=lambda call, op: True)
+    return be, np.asarray(vals)
+
+
+@pytest.mark.parametrize(
+    "overlap_exact", [True, False], ids=["worst-case-buffers", "counts-then-speculative"]
+)
+def test_exact_flows_return_the_counts_and_take_released_workspaces(monkeypatch, overlap_exact):
+    """The exact-shape flows' host side (kernels faked): outputs of exactly the received rows, counts and
+    descriptor from ``info``; a held result keeps its workspace (the next call takes another), a
+    released one is taken again. Without ``overlap_exact`` the first call waits for the counts and the
+    next ones speculate."""
+    be, vals = _backend_on_fake_kernels(monkeypatch, overlap_exact=overlap_exact, rows=9)
+    W, H = be.config.world_size, be.config.hidden
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    out, out_w, desc = be.dispatch(x, ids, w, None)
+    assert (out.shape, out_w.shape, desc.recv_expert_indices.shape, desc.num_recv_rows) == (
+        (9, H),
+        (9,),
+        (9,),
+        9,
+    )
+    assert desc.num_input_tokens_per_rank.tolist() == vals[2 : 2 + W].tolist()
+    assert desc.num_recv_tokens_per_rank.tolist() == vals[2 + W : 2 + 2 * W].tolist()
+    assert desc.num_recv_tokens_per_expert.tolist() == vals[2 + 2 * W : -1].tolist()
+    assert desc.token_dst_scatter_idx.shape == desc.skipped_token_topk_mapping_indices.shape == (6, 4)
+    assert be.speculative_calls == 0
+    _out2, out_w2, desc2 = be.dispatch(x, ids, None, None)  # (the first result still held)
+    assert out_w2 is None
+    assert be.speculative_calls == (0 if overlap_exact else 1)
+    assert be.workspaces.allocated == 2
+    assert desc2.backend_state.tab.data_ptr() != desc.backend_state.tab.data_ptr()
+    first_tab = desc.backend_state.tab.data_ptr()
+    del out, out_w, desc
+    _, _, desc3 = be.dispatch(x[:3], ids[:3], w[:3], None)
+    assert be.workspaces.allocated == 2, "the released workspace is taken again"
+    assert desc3.backend_state.tab.data_ptr() == first_tab
+    assert desc3.token_dst_scatter_idx.shape == (3, 4)
 
 
 def _polling_backend(*, rank: int, wait_s: float, call: int, check):
@@ -599,6 +682,88 @@ def test_cached_launch_goes_direct(monkeypatch):
     want = log.pop()
     assert got[:10] == _as_addresses(want[:10])
     assert got[13:] == (a2.data_ptr(), 9, fixed_b.data_ptr(), 2)
+
+
+class _DirectKernel:
+    """A kernel whose launch through Triton returns a compiled kernel made of Triton's own launch layers
+    (see :func:`_compiled_like_triton`), so that the engine's plans of it call the C launcher directly."""
+
+    def __init__(self, real, log: list) -> None:
+        self.arg_names = real.arg_names
+        self.ck = _compiled_like_triton(log)
+
+    def __getitem__(self, grid):
+        def launch(**named):
+            return self.ck
+
+        return launch
+
+
+@pytest.mark.parametrize(
+    ("with_w", "counts", "remote", "quantize"),
+    [
+        (True, False, False, False),
+        (False, True, False, False),
+        (True, True, False, False),
+        (True, False, True, False),
+        (True, True, False, True),
+    ],
+    ids=["w-counts", "noW-merged", "w-merged", "remote-peer", "quantize-on-send"],
+)
+def test_bound_launches_pass_what_the_specifications_pass(monkeypatch, with_w, counts, remote, quantize):
+    """After a variant's first launch, the launch methods reach its plan by key without building the
+    specification (``_launch_bound``): every launch of a call (layout, counts, row kernel, combine,
+    barrier) then hands Triton's C launcher exactly what the specification's launch through the same
+    plan hands it, and creates no plan of its own (the keys agree)."""
+    log: list = []
+    monkeypatch.setattr(engine_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(engine_mod, "_raw_stream", lambda index: 3)
+    for name in KERNELS:
+        monkeypatch.setattr(K, name, _DirectKernel(getattr(K, name), log))
+    eng = _engine(remote=remote, hidden=128)
+    gen = torch.Generator().manual_seed(3)
+    n, rows = 6, 20
+    x = torch.randn(n, eng.hidden, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(-1, eng.num_tot_experts, (n, eng.topk), generator=gen)  # int64, as topk gives them
+    w = torch.rand(n, eng.topk, generator=gen) if with_w else None
+    rows_dtype = engine_mod.FP8_ROW_DTYPE if quantize else x.dtype
+    b = eng.alloc_dispatch_outputs(n, rows, with_weights=with_w, dtype=rows_dtype)
+    if quantize:  # (rows quantized to packed FP8 rows by the row kernel)
+        x = engine_mod.QuantizeOnSend(x)
+    info = torch.zeros(eng.info_len, dtype=torch.int64)
+    mirror = torch.zeros(eng.info_len + 1, dtype=torch.int64) if counts else None
+    rb = eng.alloc_remote()
+    npk = [3] * eng.world_size if rb is not None else None
+    y, out = torch.randn(rows, eng.hidden, generator=gen), torch.zeros(n, eng.hidden)
+
+    def one_call() -> list:
+        log.clear()
+        eng.launch_layout(ids, caller_scatter=False, info=info, remote=rb)
+        if not counts:
+            eng.launch_counts(info, remote=rb)
+        eng.launch_dispatch(
+            x, ids, w, eng.pos, b, caller_scatter=False, info=info, counts=counts, mirror=mirror, remote=rb,
+            npk_send=npk,
+        )  # fmt: skip
+        eng.launch_combine(y, b.tab, ids, info[2 : 2 + eng.world_size], out, remote=rb, npk_recv=npk)
+        eng.launch_barrier()
+        return [_as_addresses(a) for a in log]
+
+    one_call()  # first launches: through Triton, each leaving a direct plan
+    plans = dict(eng._plans)
+    assert plans
+    assert all(p.direct for p in plans.values())
+    specified: list[str] = []
+    launch = eng._launch
+    monkeypatch.setattr(eng, "_launch", lambda spec: (specified.append(spec.key[0]), launch(spec)))
+    bound = one_call()
+    assert eng._plans == plans
+    # (the remote path's pack and expand kernels launch through their specifications)
+    assert set(specified) <= {"pack", "expand"}, f"launched through a specification again: {specified}"
+    monkeypatch.setattr(eng, "_launch_bound", lambda key, addresses: False)
+    through_specs = one_call()
+    assert len(bound) == len(through_specs) >= 4
+    assert bound == through_specs
 
 
 def test_rows_allocated_ahead():

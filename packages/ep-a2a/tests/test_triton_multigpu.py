@@ -816,6 +816,62 @@ def test_exact_rows_allocated_ahead(group):
         be.finalize()
 
 
+def _returned_tensors(out, out_w, desc) -> dict:
+    """Every tensor a dispatch returns, by name."""
+    return {
+        "output": out, "weights": out_w, "recv_expert_indices": desc.recv_expert_indices,
+        "num_recv_tokens_per_expert": desc.num_recv_tokens_per_expert,
+        "num_recv_tokens_per_rank": desc.num_recv_tokens_per_rank,
+        "num_input_tokens_per_rank": desc.num_input_tokens_per_rank,
+        "token_dst_scatter_idx": desc.token_dst_scatter_idx,
+        "skipped_token_topk_mapping_indices": desc.skipped_token_topk_mapping_indices,
+        "tab": desc.backend_state.tab, "n_src": desc.backend_state.n_src,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("overlap", [None, 0], ids=["worst-case-buffers", "speculative-rows"])
+def test_held_outputs_survive_later_dispatches(group, overlap):
+    """Whatever later dispatches run, every tensor a dispatch returned (rows, weights, every descriptor
+    field) keeps its values while the caller holds it; once released, the outputs' workspaces are reused
+    (no new one per call). Both exact-shape flows that take workspaces ahead of the counts."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    experts = 8 * world
+    dev = torch.device("cuda", torch.cuda.current_device())
+    be = _make_backend(
+        group, max_tokens=64, hidden=256, topk=4, experts=experts, dtype=torch.bfloat16, heap="torch",
+        overlap_bytes=overlap,
+    )  # fmt: skip
+    try:
+        held = []
+        for seed, tokens in ((301, 64), (302, 40), (303, 64), (304, 17)):
+            xs, ids, ws, _ = _inputs(
+                seed, world, [tokens] * world, 256, 4, experts, torch.bfloat16, skew=False, drop=0.1, with_w=True
+            )  # fmt: skip
+            out, out_w, desc = be.dispatch(xs[rank].to(dev), ids[rank].to(dev), ws[rank].to(dev), None)
+            torch.cuda.synchronize()
+            returned = _returned_tensors(out, out_w, desc)
+            snapshot = {k: v.clone() for k, v in returned.items()}
+            held.append((xs, ids, ws, returned, snapshot))
+        for xs, ids, ws, returned, snapshot in held:
+            mine = dispatch_ref(xs, ids, ws, num_tot_experts=experts)[0][rank]
+            assert torch.equal(returned["output"].cpu(), mine.output), "held rows overwritten"
+            assert torch.equal(returned["weights"].cpu(), mine.weights), "held weights overwritten"
+            for name, t in returned.items():
+                assert torch.equal(t, snapshot[name]), f"held {name} overwritten by a later dispatch"
+        allocated = be.workspaces.allocated
+        del held, returned, snapshot, out, out_w, desc, t
+        for seed in (305, 306, 307):  # released: round trips reuse the workspaces
+            xs, ids, ws, gen = _inputs(
+                seed, world, [48] * world, 256, 4, experts, torch.bfloat16, skew=False, drop=0.1, with_w=True
+            )  # fmt: skip
+            _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
+        assert be.workspaces.allocated == allocated, "released workspaces are taken again"
+        be.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
+
+
 # ------------------------------------------------------------------------------------------------------
 # FP8 dispatch in DeepEP's format through EPLayer(backend="triton"): rows and scales bit for bit (random
 # bytes, NaN and infinity patterns included), combine of bf16 expert outputs; exact and CUDA-graph modes
@@ -848,6 +904,24 @@ def _rows_to_quantize(n: int, hidden: int, gen: torch.Generator) -> torch.Tensor
     x[2, -128:] *= 1e-35
     x[3, 5], x[4, -7] = float("-inf"), float("nan")
     return x.to(torch.bfloat16)
+
+
+def _check_quantize_on_send(layer, group, seed, ns, *, skew=False, drop=0.05) -> None:
+    """:func:`_check_fp8_round_trip` of bf16 rows (:func:`_rows_to_quantize`) dispatched with ``fp8=True``,
+    against the reference quantizer run on the sender's device; ``skew``: every slot to rank 0's experts."""
+    from ep_a2a.reference import quantize_fp8
+
+    cfg, world = layer.config, dist.get_world_size(group)
+    hidden, topk, experts = cfg.hidden, cfg.topk, cfg.num_tot_experts
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(seed)
+    bf = [_rows_to_quantize(n, hidden, gen) for n in ns]
+    sent = [tuple(t.cpu() for t in quantize_fp8(x.to(dev))) for x in bf]
+    ids = [_routing(n, topk, experts, gen, skew=False, drop=drop) for n in ns]
+    if skew:
+        ids = [torch.where(t >= 0, t % (experts // world), t) for t in ids]
+    ws = [torch.rand(n, topk, generator=gen) for n in ns]
+    _check_fp8_round_trip(layer, group, sent, ids, ws, gen, experts, sent=sent, quantize_from=bf)
 
 
 def _fp8_layer(
@@ -909,7 +983,6 @@ def test_fp8_dispatch_against_reference(group, layer_dtype, overlap_bytes, copy_
     second writing pass), copy-engine dispatch; on a layer of FP8 rows and on a bf16 layer. Then
     quantize-on-send (``fp8=True``) against the sender's quantizer."""
     from ep_a2a.backends.triton.engine import QuantizeOnSend
-    from ep_a2a.reference import quantize_fp8
 
     world = dist.get_world_size(group)
     hidden, topk, experts = 7168, 8, -(-256 // world) * world
@@ -940,15 +1013,8 @@ def test_fp8_dispatch_against_reference(group, layer_dtype, overlap_bytes, copy_
         probe = be.quantize_fp8(torch.zeros(2, hidden, dtype=torch.bfloat16, device=dev))
         assert isinstance(probe, QuantizeOnSend) == (not copy_engine)
         for j, skew in enumerate((False, True)):
-            gen = torch.Generator().manual_seed(1200 + j)
-            ns = [40 + r for r in range(world)]
-            bf = [_rows_to_quantize(n, hidden, gen) for n in ns]
-            sent = [tuple(t.cpu() for t in quantize_fp8(x.to(dev))) for x in bf]
-            ids = [_routing(n, topk, experts, gen, skew=False, drop=0.05) for n in ns]
-            if skew:  # every slot to rank 0's experts: a speculative call outgrows its outputs (rewrite)
-                ids = [torch.where(t >= 0, t % (experts // world), t) for t in ids]
-            ws = [torch.rand(n, topk, generator=gen) for n in ns]
-            _check_fp8_round_trip(layer, group, sent, ids, ws, gen, experts, sent=sent, quantize_from=bf)
+            # (skewed: every slot to rank 0's experts, a speculative call outgrows its outputs: rewrite)
+            _check_quantize_on_send(layer, group, 1200 + j, [40 + r for r in range(world)], skew=skew)
         torch.cuda.synchronize()
         layer.check_errors()
     finally:
@@ -960,23 +1026,15 @@ def test_fp8_dispatch_large_layer(group):
     """The DeepSeek-V3 shape at full size on every SM (default tuning: tiled rows, the CTA split, the
     speculative flow): 4096 tokens per rank, then 1000; then bf16 rows quantized on send at 4096 and
     1000 tokens."""
-    from ep_a2a.reference import quantize_fp8
-
     world = dist.get_world_size(group)
     hidden, topk, experts = 7168, 8, -(-256 // world) * world
-    dev = torch.device("cuda", torch.cuda.current_device())
     layer = _fp8_layer(group, max_tokens=4096, hidden=hidden, topk=topk, experts=experts)
     try:
         for i, n in enumerate((4096, 1000)):
             xs, ids, ws, gen = _fp8_inputs(1300 + i, [n] * world, hidden, topk, experts, drop=0.02)
             _check_fp8_round_trip(layer, group, xs, ids, ws, gen, experts)
         for i, n in enumerate((4096, 1000)):
-            gen = torch.Generator().manual_seed(1400 + i)
-            bf = [_rows_to_quantize(n, hidden, gen) for _ in range(world)]
-            ids = [_routing(n, topk, experts, gen, skew=False, drop=0.02) for _ in range(world)]
-            ws = [torch.rand(n, topk, generator=gen) for _ in range(world)]
-            sent = [tuple(t.cpu() for t in quantize_fp8(x.to(dev))) for x in bf]
-            _check_fp8_round_trip(layer, group, sent, ids, ws, gen, experts, sent=sent, quantize_from=bf)
+            _check_quantize_on_send(layer, group, 1400 + i, [n] * world, drop=0.02)
         torch.cuda.synchronize()
         layer.check_errors()
     finally:

@@ -2,6 +2,12 @@
 when given, FlashMLA's ``flash_mla_sparse_fwd`` on the same inputs.
 
 FLOPs are counted as FlashMLA counts them: ``2 * s_q * h_q * topk * (d_qk + d_v)``.
+
+``python bench_forward.py [--flashmla PATH] [--quick]`` prints, without writing a file, the forward at
+FlashMLA's shape (s_q 4096, topk 2048, h_q 128 / 64, s_kv 8K / 32K / 128K) with the default and the
+persistent (``Config.fwd_persistent``) sm_90 Gluon kernel beside FlashMLA's ``flash_mla_sparse_fwd`` on the
+same inputs, and ``attn_dist`` with each ``Config.attn_dist_split`` as a fraction of the fastest
+forward's time; about a minute and a half on an H200.
 """
 
 from __future__ import annotations
@@ -139,3 +145,87 @@ def bench_torch_baseline(s_q: int, h_q: int, s_kv: int, topk: int) -> dict:
     ms = time_ms(lambda: torch_gather_einsum(q, kv, idx, 0.04), warmup=5, rep=100)
     return {"op": "fwd_torch_baseline", "s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": topk, "backend": "torch",
             "ms": ms, "tflops": fwd_flops(s_q, h_q, topk) / ms / 1e9}  # fmt: skip
+
+
+#: The forward variants of ``python bench_forward.py``: the default and the persistent Gluon kernel.
+FWD_VARIANTS = {"default": Config(), "persistent": Config(fwd_persistent=True)}
+#: The attn_dist variants of ``python bench_forward.py`` (name, config, up to which h_q it applies).
+ATTN_DIST_VARIANTS = [("default", Config(), 128), ("cols", Config(attn_dist_split="cols"), 64)]
+
+
+def bench_fwd_variants(
+    s_q: int, h_q: int, s_kv: int, topk: int, variants: dict[str, Config], *, flashmla: Any = None
+) -> dict:
+    """The forward with each config of ``variants`` (and FlashMLA's, if given) on the same inputs:
+    ``{name: {"ms", "tflops", "out_max_abs_err"}}`` (the error on the first 32 queries against the float32
+    reference), or ``{name: {"error": ...}}`` where a run failed."""
+    q, kv, idx = make_inputs(s_q, h_q, s_kv, topk)
+    sm_scale = 1 / math.sqrt(D_QK)
+    r_out = sparse_mla_fwd_ref(q[:32].float(), kv.float(), idx[:32], sm_scale)[0]
+    runs = {
+        name: (lambda c=cfg: sparse_mla_fwd(q, kv, idx, sm_scale, config=c)) for name, cfg in variants.items()
+    }
+    if flashmla is not None:
+        runs["FlashMLA"] = lambda: flashmla.flash_mla_sparse_fwd(q, kv, idx, sm_scale, D_V)
+    row: dict[str, Any] = {"s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": topk}
+    for name, run in runs.items():
+        try:
+            err = float((run()[0][:32].float() - r_out).abs().max())
+            ms = time_ms(run)
+            row[name] = {"ms": ms, "tflops": fwd_flops(s_q, h_q, topk) / ms / 1e9, "out_max_abs_err": err}
+        except Exception as exc:  # a variant or shape that fails: printed, the others still run
+            row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    return row
+
+
+def main() -> None:
+    import argparse
+    import importlib
+    import sys
+
+    from bench_attn_dist import bench_attn_dist
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flashmla", default=None, help="folder holding FlashMLA's built flash_mla package")
+    ap.add_argument("--quick", action="store_true", help="s_kv 8K and 128K only")
+    a = ap.parse_args()
+    flashmla = None
+    if a.flashmla:
+        sys.path.insert(0, a.flashmla)
+        flashmla = importlib.import_module("flash_mla")
+    s_q, topk = 4096, 2048
+    for h_q in (128, 64):
+        for s_kv in (8192, 131072) if a.quick else (8192, 32768, 131072):
+            row = bench_fwd_variants(s_q, h_q, s_kv, topk, FWD_VARIANTS, flashmla=flashmla)
+            fm = row.get("FlashMLA", {}).get("tflops")
+            cells = []
+            for name in (*FWD_VARIANTS, "FlashMLA"):
+                r = row.get(name)
+                if r is None:
+                    continue
+                if "error" in r:
+                    cells.append(f"{name} ERROR {r['error']}")
+                    continue
+                ratio = f" ({r['tflops'] / fm:.3f}x)" if fm and name != "FlashMLA" else ""
+                cells.append(f"{name} {r['tflops']:.0f}{ratio} err {r['out_max_abs_err']:.1e}")
+            print(f"fwd h_q {h_q} s_kv {s_kv // 1024}K TFLOPS: " + " | ".join(cells), flush=True)
+            best = min(
+                (r["ms"] for n, r in row.items() if n in FWD_VARIANTS and "ms" in r), default=float("nan")
+            )
+            cells = []
+            for name, cfg, max_h in ATTN_DIST_VARIANTS:
+                if h_q > max_h:
+                    continue
+                ad = bench_attn_dist(s_q, h_q, s_kv, topk, fwd_ms=best, config=cfg)
+                cells.append(
+                    f"{name} {ad['ms']:.3f} ms = {ad['time_vs_fwd']:.3f}x err {ad['max_abs_err']:.1e}"
+                )
+            print(
+                f"attn_dist h_q {h_q} s_kv {s_kv // 1024}K vs fastest fwd {best:.3f} ms: "
+                + " | ".join(cells),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -8,6 +8,7 @@ import torch
 from sparse_mla_attn import Config, attn_dist, attn_dist_ref, indexer_target, sparse_mla_fwd
 from sparse_mla_attn._inputs import (
     case_ids,
+    gluon_skip_reason,
     kernel_test_device,
     poison_unselected,
     random_problem,
@@ -26,6 +27,8 @@ GPU_BACKEND_CASES = [
     ("gluon", 37, 512, 333),
     ("gluon", 96, 512, 130),
     ("gluon", 40, 576, 129),
+    ("gluon", 64, 576, 64),
+    ("gluon", 48, 576, 192),
 ]
 
 
@@ -158,12 +161,34 @@ def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk):
     """Both kernel families against the reference (invalid indices, causal limit with k_stride 2, NaN in
     every unselected KV row, a query with no valid slot); the result is bitwise reproducible (above 64
     heads the warp-specialised Gluon kernel adds two partial sums onto a zeroed output)."""
+    check_attn_dist_gpu(backend, h_q, d_qk, topk, Config(backend=backend))
+
+
+# (h_q, d_qk, topk) of the Gluon kernel's column split (the block split is the default up to 64 heads, in
+# GPU_BACKEND_CASES): odd block counts, one block.
+SPLIT_COLS_CASES = [(64, 576, 2048), (37, 512, 333), (40, 576, 129), (64, 576, 64), (48, 576, 192)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("h_q", "d_qk", "topk"), SPLIT_COLS_CASES, ids=case_ids(("h_q", "d_qk", "topk"), SPLIT_COLS_CASES)
+)
+def test_attn_dist_gpu_split_cols(h_q, d_qk, topk):
+    """The Gluon kernel with ``Config(attn_dist_split="cols")`` (its warpgroups split each block's
+    columns) against the reference, as :func:`test_attn_dist_gpu_backends` checks the default."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    check_attn_dist_gpu("gluon", h_q, d_qk, topk, Config(backend="gluon", attn_dist_split="cols"))
+
+
+def check_attn_dist_gpu(backend, h_q, d_qk, topk, config):
+    """The checks of :func:`test_attn_dist_gpu_backends` with ``config`` (whose kernel family is
+    ``backend``)."""
     s_q, s_kv, start = 128, 8192, 16000
     q, kv, idx = problem(s_q, h_q, d_qk, s_kv, topk, "cuda", seed=h_q + topk, invalid_frac=0.05)
     idx[3] = -1
     kw = {"q_start_index": start, "k_stride": 2}
     _, _, lse = sparse_mla_fwd(q, kv, idx, 0.0416, causal=True, **kw)
-    config = Config(backend=backend)
     got = attn_dist(q, kv, idx, lse, 0.0416, config=config, **kw)
     assert last_launch("attn_dist").backend == backend
     ref = attn_dist_ref(q, kv, idx, lse, 0.0416, **kw)

@@ -289,9 +289,29 @@ def test_fwd_gpu_gluon_edge_cases(h_q, d_qk, topk, s_q):
     block only), causal limit, sink, topk_length (0 included: no block at all), invalid indices, an
     all-invalid row, NaN in every KV row that no valid index selects; launched twice, so that a barrier
     phase left over from an earlier launch would show."""
+    check_gluon_edge_case(h_q, d_qk, topk, s_q, Config(backend="gluon", num_splits=1))
+
+
+GLUON_PERSISTENT_SHAPES = [*GLUON_EDGE_CASES, (128, 576, 2048, 64), (64, 576, 2048, 400)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("h_q", "d_qk", "topk", "s_q"),
+    GLUON_PERSISTENT_SHAPES,
+    ids=case_ids(("h_q", "d_qk", "topk"), GLUON_PERSISTENT_SHAPES),
+)
+def test_fwd_gpu_gluon_persistent(h_q, d_qk, topk, s_q):
+    """The persistent Gluon forward (``Config(fwd_persistent=True)``: at most one program per
+    multiprocessor, several (token, head tile) items each) on the edge cases above, the full top-k at 128
+    heads and 400 tokens at 64 heads, against the reference, launched twice."""
+    check_gluon_edge_case(h_q, d_qk, topk, s_q, Config(backend="gluon", num_splits=1, fwd_persistent=True))
+
+
+def check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg):
+    """The checks of :func:`test_fwd_gpu_gluon_edge_cases` with the Gluon config ``cfg``."""
     if reason := gluon_skip_reason("gluon"):
         pytest.skip(reason)
-    cfg = Config(backend="gluon", num_splits=1)
     # With one or two blocks the softmax is peaked and the bf16 rounding of P alone exceeds abs 8e-4 (up
     # to 1.7e-3 on ~0.005% of the elements; measured): the "gpu_few" tolerance there.
     where = "gpu" if topk >= 256 else "gpu_few"
@@ -340,4 +360,14 @@ def test_fwd_gpu_gluon_split_k(h_q, topk, n_splits):
     cfg = Config(backend="gluon", num_splits=n_splits)
     check_gluon_fwd(cfg, h_q, 576, topk, 6, h_q + topk, "gpu")
     assert last_launch("fwd").merge == "kernel"
+    assert last_launch("fwd").splits > 1
+
+
+@pytest.mark.gpu
+def test_fwd_gpu_gluon_split_k_persistent():
+    """The split-K Gluon forward made persistent (``fwd_persistent``), against the reference."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    cfg = Config(backend="gluon", num_splits=3, fwd_persistent=True)
+    check_gluon_fwd(cfg, 128, 576, 1000, 100, 1129, "gpu")
     assert last_launch("fwd").splits > 1

@@ -113,3 +113,19 @@ def test_checks_are_cached_per_call_signature_only():
         attn_dist(q, kv, idx, lse[:, :2].contiguous(), 0.1)
     with pytest.raises(ValueError, match="lse_base"):
         attn_dist(q, kv, idx, lse, 0.1, lse_base="10")
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        pytest.param({"fwd_persistent": 1}, "Config.fwd_persistent must be a bool", id="persistent-int"),
+        pytest.param({"attn_dist_split": "heads"}, "Config.attn_dist_split must be one of", id="ad-split"),
+    ],
+)
+def test_config_rejects_bad_kernel_options(fields, match):
+    from sparse_mla_attn import Config
+
+    with pytest.raises(ValueError, match=match):
+        Config(**fields)
+    # The options are accepted by the ops on every backend (they only tune the sm_90 Gluon kernels).
+    Config(fwd_persistent=True, attn_dist_split="cols")

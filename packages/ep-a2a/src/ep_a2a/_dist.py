@@ -242,6 +242,8 @@ class OpBoard:
                     raise
         self.mine[:] = -1
         self.mine.flush()
+        # (read and written through plain arrays over the mappings: a memmap's own indexing runs Python)
+        self._mine = self.mine.view(np.ndarray)
         host = socket.gethostname()
         entries = monitor.checkin("board", f"{host}\x00{self.path}")
         #: peer rank -> its words (ranks of this host only)
@@ -252,13 +254,14 @@ class OpBoard:
                 continue
             with contextlib.suppress(OSError, ValueError):
                 self.peers[r] = np.memmap(path, dtype=np.int64, mode="r", shape=(_BOARD_SLOTS,))
+        self._peer_words = [(r, words.view(np.ndarray)) for r, words in self.peers.items()]
         self.calls = 0
 
     def publish(self, op: str) -> int:
         """Record that this rank starts ``op``; returns its call number."""
         call = self.calls
         self.calls += 1
-        self.mine[call % _BOARD_SLOTS] = (call << 8) | BOARD_OPS[op]
+        self._mine[call % _BOARD_SLOTS] = (call << 8) | BOARD_OPS[op]
         return call
 
     def _word(self, r: int, call: int) -> tuple[int, int] | None:
@@ -270,6 +273,15 @@ class OpBoard:
         """Raise :class:`EPProtocolError` if a peer is in another operation at ``call``. Returns whether
         every peer has reached ``call``."""
         mine = BOARD_OPS[op]
+        slot, want, there = call % _BOARD_SLOTS, (call << 8) | mine, True
+        for _, slots in self._peer_words:  # (the common case: every peer in op, or not there yet)
+            word = int(slots[slot])
+            if word != want:
+                if word >= 0 and (word >> 8) == call:
+                    break  # another operation at this call: named below
+                there = False
+        else:
+            return there
         words = {r: self._word(r, call) for r in self.peers}
         if any(w is not None and w[1] != mine for w in words.values()):
             ops = {self.rank: f"{op} (call #{call})"}
@@ -312,7 +324,8 @@ class OpBoard:
     def close(self) -> None:
         """Unmap the files and remove this rank's."""
         self.peers.clear()
+        self._peer_words = []
         with contextlib.suppress(Exception):
-            del self.mine
+            del self._mine, self.mine
         with contextlib.suppress(OSError):
             os.unlink(self.path)

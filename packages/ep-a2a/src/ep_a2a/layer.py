@@ -34,6 +34,11 @@ _COMPILE_ERROR = (
 )
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()`` (asked first: the cheaper call when ``t`` already is)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _eager_only(fn: Callable) -> Callable:
     """``fn`` refusing to be traced by ``torch.compile`` with an error that says why (checked by
     ``torch.compiler.is_compiling``, so importing the package does not import the compiler)."""
@@ -302,7 +307,7 @@ class EPLayer:
     ) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if tuple(t.shape) != shape:
+        if t.shape != shape:
             raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
         if dtypes is not None and t.dtype not in dtypes:
             want = (
@@ -436,8 +441,8 @@ class EPLayer:
             fsi = torch.where(idx >= 0, full_scatter_indices.to(torch.int32), -1).contiguous()
             if self.validate and fsi.numel() and int(torch.where(idx >= 0, fsi, 0).min()) < 0:
                 raise ValueError("full_scatter_indices must be >= 0 for every kept slot")
-        x = packed if packed is not None else input.contiguous()  # type: ignore[union-attr]
-        w = weight.contiguous() if weight is not None else None
+        x = packed if packed is not None else _dense(input)  # type: ignore[arg-type]
+        w = _dense(weight) if weight is not None else None
         if torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)):
             rows, out_w, desc = dispatch_with_grad(backend, x, idx, w, fsi)
         else:
@@ -476,7 +481,7 @@ class EPLayer:
         if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
             raise TypeError(f"input must be a floating tensor, got {getattr(input, 'dtype', type(input))}")
         self._check_tensor("input", input, (desc.num_recv_rows, self.config.hidden), None)
-        x = input.contiguous()
+        x = _dense(input)
         if torch.is_grad_enabled() and x.requires_grad:
             return combine_with_grad(self.ctx.backend, x, desc)
         return self.ctx.backend.combine(x, desc)
@@ -492,7 +497,7 @@ class EPLayer:
         elif exp_indices.dtype not in backend.expert_id_dtypes:
             valid = (exp_indices >= 0) & (exp_indices < self.config.num_tot_experts)
             exp_indices = torch.where(valid, exp_indices, -1).to(torch.int32)
-        return exp_indices.contiguous()
+        return _dense(exp_indices)
 
     # -- CUDA-graph mode -------------------------------------------------------------------------------
     def _static_backend(self, what: str) -> Any:

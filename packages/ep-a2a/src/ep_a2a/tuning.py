@@ -27,6 +27,18 @@ class TritonTuning:
     shape and ``num_sm``" by the rule given with the field. Pass one object to the layer
     (``EPLayer(..., tuning=TritonTuning(num_sm=132))``); every rank must pass an equal one (checked).
 
+    Which flow an exact-shape ``dispatch`` runs (the rule that ``overlap_bytes`` and
+    ``speculative_rows`` set; every flow returns the same tensors):
+
+    * worst case within ``overlap_bytes`` (decode-sized layers, e.g. hidden 7168, top-8, 128 tokens on
+      2 ranks: 29 MB): every call launches the row kernel right after the layout kernel, into
+      worst-case outputs; the host reads the counts from pinned memory the row kernel writes (no
+      stream synchronisation) and returns views of the first ``R`` rows.
+    * larger layers with ``speculative_rows``: the first call waits for the counts before launching
+      the row kernel (one device-to-host copy); later calls run as above into outputs sized from the
+      last calls' rows.
+    * remote peers, ``copy_engine`` or ``speculative_rows=False``: the counts first on every call.
+
     Attributes:
         num_sm: CTAs of the dispatch and combine kernels, i.e. the SMs they occupy while they run
             (capped at the device's SM count). Default (``None``): every SM of the device, the fastest

@@ -11,6 +11,7 @@ depend on their order, so the output stays deterministic.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -173,7 +174,7 @@ def launch_attn_dist(
         # Hopper: all heads of a token in one program, query in registers, explicit cp.async ring.
         kernel = launch_attn_dist_gluon(
             q, kv_rows, idx, lse, out, dims, sm_scale * LOG2E, lse_to_log2, q_start_index=q_start_index,
-            k_stride=k_stride, causal=causal, slots=slots,
+            k_stride=k_stride, causal=causal, split_blocks=config.attn_dist_split == "blocks", slots=slots,
         )  # fmt: skip
         record_launch("attn_dist", kernel, backend="gluon")
         return out
@@ -248,16 +249,17 @@ _CHECKED: dict[Any, SparseDims] = {}
 @define_op("attn_dist", _attn_dist_fake)
 def _attn_dist_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float,
-    q_start_index: int, k_stride: int, lse_base: str, causal: bool, backend: str,
+    q_start_index: int, k_stride: int, lse_base: str, causal: bool, backend: str, split: str = "blocks",
 ) -> torch.Tensor:  # fmt: skip
     # Validation and launch plan depend only on the call signature: checked once per signature.
-    key = (*call_signature(q, kv, indices, lse), q_start_index, k_stride, lse_base, causal, backend)
+    key = (*call_signature(q, kv, indices, lse), q_start_index, k_stride, lse_base, causal, backend, split)
     dims = cached(
         _CHECKED, key, lambda: _check_attn_dist(q, kv, indices, lse, q_start_index, k_stride, lse_base)
     )
     return launch_attn_dist(
         q, kv[:, 0], indices[:, 0], lse, dims, check_sm_scale(sm_scale), LOG2E if lse_base == "e" else 1.0,
-        q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config_of(backend), key=key,
+        q_start_index=q_start_index, k_stride=k_stride, causal=causal,
+        config=replace(config_of(backend), attn_dist_split=split), key=key,
     )  # fmt: skip
 
 
@@ -298,7 +300,8 @@ def attn_dist(
         lse_base: ``"e"`` (natural log, what :func:`sparse_mla_fwd` returns) or ``"2"`` (base-2
             log-sum-exp, the convention of the CUDA kernel this follows).
         causal: apply the causal limit (default ``True``, as the CUDA kernel always does).
-        config: tuning options (:class:`~sparse_mla_attn.Config`; only ``backend`` applies).
+        config: tuning options (:class:`~sparse_mla_attn.Config`; ``backend`` and ``attn_dist_split``
+            apply).
 
     Returns:
         ``attn_sum [s_q, topk]`` float32.
@@ -311,6 +314,17 @@ def attn_dist(
         {"q_start_index": q_start_index, "k_stride": k_stride},
     )
     check_sm_scale(sm_scale)
+    cfg = config or DEFAULT
     return _attn_dist_op(
-        q, kv, indices, lse, sm_scale, q_start_index, k_stride, lse_base, causal, (config or DEFAULT).backend
+        q,
+        kv,
+        indices,
+        lse,
+        sm_scale,
+        q_start_index,
+        k_stride,
+        lse_base,
+        causal,
+        cfg.backend,
+        cfg.attn_dist_split,
     )

@@ -50,6 +50,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ep_a2a._dist import RankMonitor
 from ep_a2a.config import EPConfig
@@ -123,11 +124,7 @@ class A2ABackend(abc.ABC):
 
     @abc.abstractmethod
     def dispatch(
-        self,
-        input: torch.Tensor,
-        exp_indices: torch.Tensor,
-        weight: torch.Tensor | None,
-        full_scatter_indices: torch.Tensor | None,
+        self, input: Tensor, exp_indices: Tensor, weight: Tensor | None, full_scatter_indices: Tensor | None
     ) -> DispatchResult:
         """Send each kept slot's token row to the rank hosting its expert.
 

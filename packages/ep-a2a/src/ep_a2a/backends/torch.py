@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ep_a2a._dist import EPProtocolError, RankMonitor, group_device
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
@@ -251,11 +252,7 @@ class TorchBackend(A2ABackend):
 
     # -- dispatch ------------------------------------------------------------------------------------
     def dispatch(
-        self,
-        input: torch.Tensor,
-        exp_indices: torch.Tensor,
-        weight: torch.Tensor | None,
-        full_scatter_indices: torch.Tensor | None,
+        self, input: Tensor, exp_indices: Tensor, weight: Tensor | None, full_scatter_indices: Tensor | None
     ) -> DispatchResult:
         cfg, me = self.config, self.rank
         n, K, world, L, E = input.shape[0], cfg.topk, self.world_size, self.e_local, cfg.num_tot_experts

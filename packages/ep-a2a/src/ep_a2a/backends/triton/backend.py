@@ -17,6 +17,10 @@ A dispatch runs one of three flows:
   case fits in ``TritonTuning.overlap_bytes``, else sized from the last calls' counts (a call that
   receives more gets exact outputs and a second writing pass).
 * static (:meth:`TritonBackend.dispatch_static`): CUDA-graph mode, worst-case outputs, no host wait.
+
+The exact-shape flows take their outputs but the rows from the current stream's ring of workspaces
+(:mod:`.workspace`: reused once nothing refers to them) and allocate the rows per call; after a kernel
+variant's first launch its launches skip Triton's argument binding (:meth:`.engine.TritonEPEngine._launch`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ep_a2a._dist import EPProtocolError, EPTimeoutError, OpBoard, RankMonitor
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
@@ -46,6 +52,7 @@ from ep_a2a.backends.triton.engine import (
 )
 from ep_a2a.backends.triton.heaps import NvshmemHeap, NvshmemTransport, make_heap
 from ep_a2a.backends.triton.resolve import engine_options, remote_plan, resolve_heap
+from ep_a2a.backends.triton.workspace import DispatchWorkspace, WorkspaceRing
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
 
@@ -230,9 +237,8 @@ class TritonBackend(A2ABackend):
         #: set when the host gave up polling the mirror: a late write could then land in a later call's
         #: poll, so the backend refuses further calls
         self._mirror_lost: str | None = None
-        #: the next speculative call's small outputs (all but the rows), allocated ahead by the call
-        #: before it, keyed by (stream, rows, weights): see :meth:`_prepare_small_outputs`
-        self._next_small: tuple[tuple, DispatchBuffers] | None = None
+        #: the exact-shape calls' outputs but the rows (see :mod:`.workspace` for when one is reused)
+        self.workspaces = WorkspaceRing(self.engine)
         self._static: DispatchBuffers | None = None
         self._static_fp8: DispatchBuffers | None = None  # (packed FP8 rows: a graph of each may coexist)
 
@@ -314,7 +320,7 @@ class TritonBackend(A2ABackend):
             except EPTimeoutFromDevice as exc:
                 self._raise_device_error(exc)
 
-    def _raise_bad_ids(self, vals: list[int]) -> None:
+    def _raise_bad_ids(self, vals: np.ndarray) -> None:
         if vals[-1]:
             cfg = self.config
             raise ValueError(
@@ -326,10 +332,10 @@ class TritonBackend(A2ABackend):
     # ------------------------------------------------------------------ exact-shape mode
     def dispatch(
         self,
-        input: torch.Tensor | QuantizeOnSend,  # type: ignore[override]
-        exp_indices: torch.Tensor,
-        weight: torch.Tensor | None,
-        full_scatter_indices: torch.Tensor | None,
+        input: Tensor | QuantizeOnSend,  # type: ignore[override]
+        exp_indices: Tensor,
+        weight: Tensor | None,
+        full_scatter_indices: Tensor | None,
     ) -> DispatchResult:
         self._check_usable()
         if torch.cuda.is_current_stream_capturing():
@@ -354,24 +360,23 @@ class TritonBackend(A2ABackend):
 
     def _dispatch_counts_first(self, call: _Call) -> DispatchResult:
         """Layout, receive layout, one host wait for the counts, outputs of the exact rows, row kernel."""
-        eng, W, has_w, n = self.engine, self.config.world_size, call.has_w, call.n
+        eng, W, has_w = self.engine, self.config.world_size, call.has_w
         input, exp_indices = call.input, call.exp_indices
         # (info is per call: the combine of this dispatch reads its token counts after later dispatches)
-        info = torch.empty(eng.info_len, dtype=torch.int64, device=self.device)
+        ws = self._workspace(call.n)
+        info = ws.info
+        bufs = DispatchBuffers(tab=ws.tab, skip=ws.skip, scat=ws.scat, info=info)
         rb = eng.alloc_remote()
         eng.launch_layout(exp_indices, caller_scatter=call.caller, info=info, remote=rb)
         eng.launch_counts(info, remote=rb)
-        # what does not depend on the counts is allocated while the GPU works them out, and the row-sized
-        # outputs too when the last calls' counts predict them: then nothing is allocated between the
-        # host's wait and the row kernel's launch
-        bufs = eng.alloc_dispatch_fixed(n)
-        bufs.info = info
+        # the row-sized outputs are allocated while the GPU works out the counts when the last calls'
+        # counts predict them: then nothing is allocated between the host's wait and the row kernel
         ahead = self._rows_ahead
         spec = eng.alloc_dispatch_rows(ahead, with_weights=has_w, dtype=input.dtype) if ahead else None
         # the one small device-to-host copy: receive counts (and the error word) size the output (with
         # remote peers also the records to send and receive, which size the puts)
         vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
-        rows = vals[0]
+        rows = int(vals[0])
         self._recent_rows.append(rows)
         if spec is not None and _rows_fit_ahead(rows, ahead):
             bufs.out, bufs.out_w, bufs.out_e = (
@@ -388,22 +393,22 @@ class TritonBackend(A2ABackend):
             input, exp_indices, call.weight, call.src, bufs, caller_scatter=call.caller, info=info, remote=rb,
             npk_send=npk[:W] if npk is not None else None,
         )  # fmt: skip
-        if self.speculative_rows:  # (the next call speculates)
-            self._prepare_small_outputs(n, has_w)
         # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)
         self._raise_bad_ids(vals)
-        return self._result(call, bufs, vals, rows, rb, npk)
+        return self._result(call, bufs, ws, vals, rows, rb, npk)
 
     def _dispatch_speculative(self, call: _Call) -> DispatchResult:
         """The receive layout inside the row kernel and no host wait before it: the rows land in outputs
         allocated before the counts are known (worst-case ones for small layers, sized from the last
         calls for large ones), and the caller gets views of their first ``R`` rows."""
-        eng, has_w, n = self.engine, call.has_w, call.n
+        eng, has_w = self.engine, call.has_w
         speculate = not self.overlap_exact
         cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
-        bufs = self._take_small_outputs(n, cap, has_w)  # (everything but the rows, from the last call)
-        info = bufs.info
-        assert info is not None
+        ws = self._workspace(call.n)
+        info = ws.info
+        bufs = DispatchBuffers(
+            tab=ws.tab, skip=ws.skip, scat=ws.scat, out_w=ws.out_w, out_e=ws.out_e, info=info
+        )
         eng.launch_layout(call.exp_indices, caller_scatter=call.caller, info=info, remote=None)
         self.speculative_calls += speculate
         bufs.out = eng.alloc_rows(cap, dtype=call.input.dtype)
@@ -416,107 +421,88 @@ class TritonBackend(A2ABackend):
             call.input, call.exp_indices, call.weight, call.src, bufs, caller_scatter=call.caller, info=info,
             counts=not eng.ce_pieces, mirror=mirror,
         )  # fmt: skip
-        # the next call's small outputs while the GPU works out the counts (off the path from the counts
-        # to the return; sized from the calls before this one: a call that outgrows them allocates anew)
-        self._prepare_small_outputs(n, has_w)
         vals = self._read_mirror() if mirror is not None else self._read_info(info)[0]
-        rows = vals[0]
+        rows = int(vals[0])
         if speculate:
             self._recent_rows.append(rows)
             self._fit_speculative_rows(rows, call, info, bufs)
         assert bufs.out is not None
         assert bufs.out_w is not None
         assert bufs.out_e is not None
-        bufs.out, bufs.out_w, bufs.out_e = bufs.out[:rows], bufs.out_w[:rows], bufs.out_e[:rows]
-        return self._result(call, bufs, vals, rows, None, None)
+        bufs.out, bufs.out_e = bufs.out[:rows], bufs.out_e[:rows]
+        if has_w:
+            bufs.out_w = bufs.out_w[:rows]
+        return self._result(call, bufs, ws, vals, rows, None, None)
 
     def _result(
         self,
         call: _Call,
         bufs: DispatchBuffers,
-        vals: list[int],
+        ws: DispatchWorkspace,
+        vals: np.ndarray,
         rows: int,
         rb: dict[str, torch.Tensor] | None,
         npk: list[int] | None,
     ) -> DispatchResult:
-        """``(output, weights, descriptor)`` of an exact-shape dispatch whose counts (``vals``) are in."""
-        W, info = self.config.world_size, bufs.info
-        assert info is not None
+        """``(output, weights, descriptor)`` of an exact-shape dispatch whose counts (``vals``, this
+        call's own copy of ``info``) are in."""
+        W = self.config.world_size
         assert bufs.out is not None
         assert bufs.out_e is not None
         self._combine_allowed = True
-        scat = (
-            bufs.scat if self.config.offset_dtype == torch.int32 else bufs.scat.to(self.config.offset_dtype)
-        )
+        scat = ws.scat if self.config.offset_dtype == torch.int32 else ws.scat.to(self.config.offset_dtype)
         desc = EPAllToAllLayoutDesc(
             num_dispatch_token_cur_rank=call.n,
-            num_input_tokens_per_rank=torch.tensor(vals[2 : 2 + W], dtype=torch.int64),
+            num_input_tokens_per_rank=torch.from_numpy(vals[2 : 2 + W]),
             send_reqs_recv_tensor=None,
             topk_indices_tensor=call.exp_indices,
             token_dst_scatter_idx=scat,
             skipped_token_mapping_indices=None,
-            skipped_token_topk_mapping_indices=bufs.skip,
-            num_recv_tokens_per_expert=info[2 + 2 * W : -1],
-            num_recv_tokens_per_rank=torch.tensor(vals[2 + W : 2 + 2 * W], dtype=torch.int64),
+            skipped_token_topk_mapping_indices=ws.skip,
+            num_recv_tokens_per_expert=ws.rows_exp,
+            num_recv_tokens_per_rank=torch.from_numpy(vals[2 + W : 2 + 2 * W]),
             num_recv_rows=rows,
             recv_expert_indices=bufs.out_e,
             caller_scatter=call.caller,
             backend_state=_TritonState(
                 owner=id(self),
-                tab=bufs.tab,
-                n_src=info[2 : 2 + W],
+                tab=ws.tab,
+                n_src=ws.n_src,
                 remote=rb,
                 npk_recv=npk[W:] if npk is not None else None,
             ),
         )
         return bufs.out, (bufs.out_w if call.has_w else None), desc
 
+    def _workspace(self, n: int) -> DispatchWorkspace:
+        """This call's outputs but the rows, from the current stream's ring (see :mod:`.workspace`)."""
+        return self.workspaces.take(_raw_stream(self.device.index), n)
+
     def _rows_guess(self) -> int:
         """Rows of the outputs of this call's speculative flow."""
         return _speculative_rows_guess(self._recent_rows, self.engine.worst_case_rows())
 
-    def _take_small_outputs(self, n: int, rows: int, has_w: bool) -> DispatchBuffers:
-        """:meth:`~.engine.TritonEPEngine.alloc_dispatch_small` of this call: the ones the last call
-        allocated ahead when they match (rows, weights, and the current stream, on which they were
-        allocated and are not yet used; the per-token ones are allocated anew for another token count),
-        else new ones."""
-        ahead, self._next_small = self._next_small, None
-        if ahead is None or ahead[0] != (_raw_stream(self.device.index), rows, has_w):
-            return self.engine.alloc_dispatch_small(n, rows, with_weights=has_w)
-        bufs = ahead[1]
-        if bufs.skip.shape[0] != n:
-            bufs.skip, bufs.scat = self.engine.alloc_token_slots(n)
-        return bufs
-
-    def _prepare_small_outputs(self, n: int, has_w: bool) -> None:
-        """After this call's row kernel is launched (the GPU busy with it): allocate the next call's
-        small outputs, guessing it has as many tokens, so that only the rows are allocated before the next
-        call's row kernel."""
-        rows = self.engine.worst_case_rows() if self.overlap_exact else self._rows_guess()
-        key = (_raw_stream(self.device.index), rows, has_w)
-        self._next_small = (key, self.engine.alloc_dispatch_small(n, rows, with_weights=has_w))
-
     def _read_info(
         self, info: torch.Tensor, remote: dict[str, torch.Tensor] | None = None, *, bad_ids: bool = True
-    ) -> tuple[list[int], list[int] | None]:
+    ) -> tuple[np.ndarray, list[int] | None]:
         """Copy a dispatch's ``info`` to the host (waits for it); raise if a device wait ran out, and with
-        ``bad_ids`` if expert ids were out of range. Returns ``info``'s values, and with ``remote`` its
-        ``pinfo``'s (records sent to, then received from, each rank; copied in the same wait), else
-        ``None``."""
+        ``bad_ids`` if expert ids were out of range. Returns ``info``'s values (an int64 array of the
+        call's own), and with ``remote`` its ``pinfo``'s (records sent to, then received from, each rank;
+        copied in the same wait), else ``None``."""
         self._info_host.copy_(info, non_blocking=True)
         if remote is not None:
             assert self._pinfo_host is not None
             self._pinfo_host.copy_(remote["pinfo"], non_blocking=True)
         self._info_event.record(self._current_stream())
         self._wait_event(self._info_event)
-        vals = self._info_host.tolist()
+        vals = self._info_host.numpy().copy()
         npk = self._pinfo_host.tolist() if remote is not None and self._pinfo_host is not None else None
-        self._raise_device_error_word(vals[1])
+        self._raise_device_error_word(int(vals[1]))
         if bad_ids:
             self._raise_bad_ids(vals)
         return vals, npk
 
-    def _read_mirror(self) -> list[int]:
+    def _read_mirror(self) -> np.ndarray:
         """``info``'s values from the host mirror the row kernel's program 0 writes (polled, bounded: a
         device-side wait runs out first and is reported through the error word). Raises as
         :meth:`_read_info` does."""
@@ -537,8 +523,8 @@ class TritonBackend(A2ABackend):
                     raise EPTimeoutError(
                         self._mirror_lost, step="dispatch/counts", missing_ranks=[self.config.rank]
                     )
-        vals = m[:-1].tolist()
-        self._raise_device_error_word(vals[1])
+        vals = m[:-1].copy()
+        self._raise_device_error_word(int(vals[1]))
         self._raise_bad_ids(vals)
         return vals
 
@@ -765,7 +751,7 @@ class TritonBackend(A2ABackend):
             return
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.ep_group)
-        self._next_small = None
+        self.workspaces.clear()
         self.heap.free()
         self.board.close()
         if self._own_monitor:

@@ -168,6 +168,10 @@ def _ids_arg(exp_indices: torch.Tensor) -> tuple[torch.Tensor, int]:
     return ids, 0
 
 
+#: ``id64`` of the expert-id dtypes the kernels take (see :func:`_ids_arg`)
+_ID64 = {torch.int32: 0, torch.int64: 1}
+
+
 def _raw_stream(device_index: int) -> int:
     """Handle of the current CUDA stream of ``device_index`` (what Triton's launcher takes)."""
     return torch._C._cuda_getCurrentRawStream(device_index)
@@ -440,6 +444,28 @@ def _decode_error(code: int) -> tuple[str, int]:
     return K.STEP_NAMES.get(code // 65536, f"step {code // 65536}"), code % 65536
 
 
+class _Plan:
+    """A kernel variant after its first launch (see :meth:`TritonEPEngine._launch`): its launch function
+    and its full argument list with the per-call positions ``var_idx`` left empty. ``direct``: the launch
+    calls Triton's C launcher, which takes tensors as addresses (``template`` then holds the fixed
+    tensors' addresses and ``keep`` the tensors)."""
+
+    __slots__ = ("direct", "keep", "launch", "template", "var_idx")
+
+    def __init__(
+        self, launch: Callable, template: list, var_idx: tuple[int, ...], direct: bool, keep: list
+    ) -> None:
+        self.launch, self.template, self.var_idx = launch, template, var_idx
+        self.direct, self.keep = direct, keep
+
+    def run(self, var_vals: Sequence, stream: int) -> None:
+        """Launch with ``var_vals`` (in ``var_idx`` order) on ``stream``."""
+        vals = self.template.copy()
+        for i, v in zip(self.var_idx, var_vals, strict=True):
+            vals[i] = v
+        self.launch(vals, stream)
+
+
 class TritonEPEngine:
     """One rank's view of the fast path over a symmetric heap.
 
@@ -559,7 +585,7 @@ class TritonEPEngine:
             block_h,
             max(16, COMBINE_TILE_PER_THREAD * 32 * self.combine_warps // (self.combine_chunk * self.kp)),
         )
-        self._plans: dict[tuple, tuple] = {}
+        self._plans: dict[tuple, _Plan] = {}
         #: cached variants launched through Triton's C launcher directly (see :meth:`_launch`)
         self.direct_launches = 0
         for name, k in (("send_ctas", send_ctas), ("combine_send_ctas", combine_send_ctas)):
@@ -663,22 +689,19 @@ class TritonEPEngine:
         specification names a variant ``key`` holding what that specialisation depends on (its
         constexprs, num_warps, the dtypes and 16-byte alignment of the caller's tensors); every other
         argument is fixed for the engine's life. The first launch of a variant goes through Triton
-        (compiling it) and records the full argument list; later launches only swap in the per-call
-        values and call the compiled kernel: through Triton's C launcher directly with tensors as
-        addresses where :func:`_direct_launch` verified that this gives that launcher the same
-        arguments as the compiled kernel's own handle, else through the handle.
+        (compiling it) and records the full argument list as a :class:`_Plan`; later launches only swap
+        in the per-call values and call the compiled kernel: through Triton's C launcher directly with
+        tensors as addresses where :func:`_direct_launch` verified that this gives that launcher the
+        same arguments as the compiled kernel's own handle, else through the handle. The launch
+        methods reach a direct plan by its key without building the specification at all
+        (:meth:`_launch_bound`).
         """
         plan = self._plans.get(spec.key)
         if plan is not None:
-            launch, template, var_idx, as_addresses, _ = plan
-            vals = template.copy()
-            if as_addresses:
-                for i, v in zip(var_idx, spec.var_vals, strict=True):
-                    vals[i] = v.data_ptr() if isinstance(v, torch.Tensor) else v
-            else:
-                for i, v in zip(var_idx, spec.var_vals, strict=True):
-                    vals[i] = v
-            launch(vals, _raw_stream(self._device_index))
+            vals = spec.var_vals
+            if plan.direct:
+                vals = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in vals)
+            plan.run(vals, _raw_stream(self._device_index))
             return
         named = spec.arguments()
         kernel, grid = spec.kernel, spec.grid
@@ -687,11 +710,11 @@ class TritonEPEngine:
             return
         compiled = kernel[grid](**named, num_warps=spec.num_warps, **spec.options())
         names = list(kernel.arg_names)
-        var_idx = [names.index(n) for n in spec.var_names]
+        var_idx = tuple(names.index(n) for n in spec.var_names)
         full = [named[n] for n in names]
         grid3 = (*grid, 1, 1)[:3]
         launch = _direct_launch(compiled, grid3, full, _raw_stream(self._device_index))
-        as_addresses = launch is not None
+        direct = launch is not None
         if launch is not None:
             self.direct_launches += 1
             # the fixed tensors as addresses (kept alive with the plan; the engine owns them anyway)
@@ -707,7 +730,17 @@ class TritonEPEngine:
             template[i] = None
         # (the direct path's template holds addresses: keep their fixed tensors alive with the plan)
         keep = [a for i, a in enumerate(full) if i not in var_idx and isinstance(a, torch.Tensor)]
-        self._plans[spec.key] = (launch, template, var_idx, as_addresses, keep if as_addresses else [])
+        self._plans[spec.key] = _Plan(launch, template, var_idx, direct, keep if direct else [])
+
+    def _launch_bound(self, key: tuple, addresses: tuple) -> bool:
+        """Launch the variant ``key`` with its per-call arguments ``addresses`` (in the specification's
+        ``var_names`` order, tensors as device addresses) when an earlier launch left a direct plan of it;
+        ``False`` (nothing launched) otherwise: the caller then launches through its specification."""
+        plan = self._plans.get(key)
+        if plan is None or not plan.direct:
+            return False
+        plan.run(addresses, _raw_stream(self._device_index))
+        return True
 
     def _mirror_kw(self, on: bool) -> dict:
         """Constexprs of the row kernel about copying ``info`` to the host (``mirror``); every launch
@@ -720,6 +753,21 @@ class TritonEPEngine:
     def _align(*tensors: torch.Tensor) -> tuple:
         """Specialisation of caller tensors: dtype and 16-byte alignment (buffers of ours are aligned)."""
         return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+
+    # The variant keys, shared by the specifications and the bound launches (``args``: :meth:`_align`'s
+    # tuple of the caller tensors the variant specialises on).
+    @staticmethod
+    def _layout_key(caller_scatter: bool, ids_ptr: int) -> tuple:
+        return ("layout", caller_scatter, ids_ptr % 16 == 0)
+
+    def _dispatch_key(
+        self, flags: tuple[bool, ...], out_dtype: torch.dtype, width: int, args: tuple
+    ) -> tuple:
+        """``flags``: ``(has_w, caller_scatter, send, recv, counts, rewrite, mirror)``."""
+        return ("dispatch", *flags, self.send_ctas, self.steal, out_dtype, *args, width)
+
+    def _combine_key(self, width: int, send: bool, recv: bool, out_dtype: torch.dtype, args: tuple) -> tuple:
+        return ("combine", width, send, recv, self.combine_send_ctas, out_dtype, *args)
 
     def alloc_remote(self) -> dict[str, torch.Tensor] | None:
         """Per-dispatch buffers of the remote path (``None`` without remote peers): ``pk`` / ``rtok``
@@ -810,7 +858,7 @@ class TritonEPEngine:
             )  # fmt: skip
 
         return KernelLaunch(
-            ("layout", caller_scatter, ids.data_ptr() % 16 == 0), K._layout_kernel, self._layout_grid, 4,
+            self._layout_key(caller_scatter, ids.data_ptr()), K._layout_kernel, self._layout_grid, 4,
             ("ids_ptr", "n_tokens", "info_ptr", "id64"), (ids, n_tokens, info, id64), fixed,
         )  # fmt: skip
 
@@ -841,7 +889,7 @@ class TritonEPEngine:
                 off_sback=lay.sback, CW=lay.cw, REMOTE=self.remote_bits,
             )  # fmt: skip
 
-        return KernelLaunch(
+        return KernelLaunch(  # (its key: the bound launch in launch_counts names it too)
             ("counts",), K._counts_kernel, (1,), 4, ("info_ptr", "pinfo_ptr"), (info, pinfo), fixed
         )
 
@@ -888,8 +936,8 @@ class TritonEPEngine:
                 WHOLE_ROW=self.whole_row, PDL=self.pdl,
             )  # fmt: skip
 
-        key = ("dispatch", has_w, caller_scatter, send, recv, counts, rewrite, mirror, split, self.steal, out.dtype,
-               *self._align(xs, ids, w, src), out.shape[1])  # fmt: skip
+        flags = (has_w, caller_scatter, send, recv, counts, rewrite, mirror)
+        key = self._dispatch_key(flags, out.dtype, out.shape[1], self._align(xs, ids, w, src))
         names = ("x_ptr", "ids_ptr", "w_ptr", "pos_ptr", "n_tokens", "out_ptr", "out_w_ptr", "out_e_ptr", "tab_ptr",
                  "skip_ptr", "scat_ptr", "info_ptr", "cap_rows", "pk_ptr", "pinfo_ptr", "mirror_addr", "id64")  # fmt: skip
         vals = (xs, ids, w, src, n_tokens, out, bufs.out_w, bufs.out_e, bufs.tab, bufs.skip, bufs.scat, info,
@@ -959,7 +1007,7 @@ class TritonEPEngine:
             )  # fmt: skip
 
         return KernelLaunch(
-            ("combine", width, send, recv, split, outs.dtype, *self._align(ys, ids, n_src)), K._combine_kernel,
+            self._combine_key(width, send, recv, outs.dtype, self._align(ys, ids, n_src)), K._combine_kernel,
             (self.num_sm,), self.combine_warps,
             ("y_ptr", "tab_ptr", "ids_ptr", "nsrc_ptr", "n_tokens", "out_ptr", "pk_ptr", "rtok_ptr", "pinfo_ptr",
              "id64"),
@@ -974,6 +1022,7 @@ class TritonEPEngine:
                 REMOTE=self.remote_bits,
             )  # fmt: skip
 
+        # (its key: the bound launch in launch_barrier names it too)
         return KernelLaunch(("barrier", send, recv), K._barrier_kernel, (1,), 1, (), (), fixed)
 
     # ------------------------------------------------------------------ dispatch steps
@@ -990,21 +1039,30 @@ class TritonEPEngine:
         With remote peers also packs this rank's tokens per remote destination (``remote["pk"]``,
         ``remote["pinfo"][:W]``) and puts each remote peer its counts (with a signal)."""
         pk, _, pinfo = self._rb(remote)
-        ids, id64 = _ids_arg(exp_indices)
         n = exp_indices.shape[0]
-        self._launch(
-            self._layout_spec(
-                ids, n, self.info if info is None else info, id64, caller_scatter=caller_scatter
-            )
-        )
+        info = self.info if info is None else info
+        if not self._launch_layout_bound(exp_indices, info, caller_scatter):
+            ids, id64 = _ids_arg(exp_indices)
+            self._launch(self._layout_spec(ids, n, info, id64, caller_scatter=caller_scatter))
         if not self.remote_ranks:
             return
+        ids, id64 = _ids_arg(exp_indices)
         self._launch(self._pack_spec(ids, pk, pinfo, n, id64))
         ep = self.host_epochs[0] + 1
         lay, cw, W = self.layout, self.layout.cw, self.world_size
         self._put_all(
             K.SIG_CNT, ep, lay.cnt + ((ep % 2) * W * cw + self.rank * cw) * 8, lay.scnt, cw * 8, cw * 8
         )
+
+    def _launch_layout_bound(
+        self, exp_indices: torch.Tensor, info: torch.Tensor, caller_scatter: bool
+    ) -> bool:
+        """The layout kernel through its bound launch (see :meth:`_launch_bound`); ``False`` when there is
+        none yet (or no tokens: empty ids have no address to bind, their launch takes the stand-in)."""
+        n, id64, ptr = exp_indices.shape[0], _ID64.get(exp_indices.dtype), exp_indices.data_ptr()
+        if n == 0 or id64 is None:
+            return False
+        return self._launch_bound(self._layout_key(caller_scatter, ptr), (ptr, n, info.data_ptr(), id64))
 
     def launch_counts(
         self, info: torch.Tensor | None = None, remote: dict[str, torch.Tensor] | None = None
@@ -1013,7 +1071,9 @@ class TritonEPEngine:
         :attr:`info`) and the receive offsets; with remote peers, the records each sends
         (``remote["pinfo"][W:]``), and each gets its base rows by a put."""
         _, _, pinfo = self._rb(remote)
-        self._launch(self._counts_spec(self.info if info is None else info, pinfo))
+        info = self.info if info is None else info
+        if not self._launch_bound(("counts",), (info.data_ptr(), pinfo.data_ptr())):
+            self._launch(self._counts_spec(info, pinfo))
         self.host_epochs[0] += 1
         ep, L, lay = self.host_epochs[0], self.experts_per_rank, self.layout
         self._put_all(K.SIG_BACK, ep, lay.back + self.rank * L * 8, lay.sback, L * 8, L * 8)
@@ -1103,20 +1163,27 @@ class TritonEPEngine:
             )
         pk, rtok, pinfo = self._rb(remote)
         has_w = weight is not None
-        w = _nz(weight) if weight is not None else self._dummy_w
-        xs, src = _nz(x.x if isinstance(x, QuantizeOnSend) else x), _nz(scatter_src)
-        ids, id64 = _ids_arg(exp_indices)
+        info = self.info if info is None else info
+        xs = x.x if isinstance(x, QuantizeOnSend) else x  # (the rows as the kernel reads them)
         # the copies may start once the receive layout ran (not behind the row kernel)
         fork = self._ce_fork() if self.ce_pieces and send else None
-        self._launch(
-            self._dispatch_spec(
-                xs, ids, id64, w, src, x.shape[0], bufs, self.info if info is None else info, pk, pinfo,
-                mirror.data_ptr() if mirror is not None else 0, has_w=has_w, caller_scatter=caller_scatter,
-                counts=counts, send=send, recv=recv, rewrite=rewrite, mirror=mirror is not None,
-            )
-        )  # fmt: skip
+        flags = (has_w, caller_scatter, send, recv, counts, rewrite, mirror is not None)
+        mirror_addr = mirror.data_ptr() if mirror is not None else 0
+        if not self._launch_dispatch_bound(
+            xs, exp_indices, weight, scatter_src, bufs, info, pk, pinfo, mirror_addr, flags
+        ):
+            w = _nz(weight) if weight is not None else self._dummy_w
+            ids, id64 = _ids_arg(exp_indices)
+            self._launch(
+                self._dispatch_spec(
+                    _nz(xs), ids, id64, w, _nz(scatter_src), x.shape[0], bufs, info, pk, pinfo, mirror_addr,
+                    has_w=has_w, caller_scatter=caller_scatter, counts=counts, send=send, recv=recv,
+                    rewrite=rewrite, mirror=mirror is not None,
+                )
+            )  # fmt: skip
         if self.ce_pieces and send:
-            self._ce_send(fork, xs, _nz(exp_indices), w if has_w else None, src)
+            ce_w = _nz(weight) if weight is not None else None
+            self._ce_send(fork, _nz(xs), _nz(exp_indices), ce_w, _nz(scatter_src))
         if counts and recv:
             self.host_epochs[0] += 1
         if not self.remote_ranks:
@@ -1129,6 +1196,37 @@ class TritonEPEngine:
             )
         if recv:
             self._launch(self._expand_spec(bufs, rtok, pinfo, has_w=has_w, caller_scatter=caller_scatter))
+
+    def _launch_dispatch_bound(
+        self,
+        x: torch.Tensor,
+        exp_indices: torch.Tensor,
+        weight: torch.Tensor | None,
+        src: torch.Tensor,
+        bufs: DispatchBuffers,
+        info: torch.Tensor,
+        pk: torch.Tensor,
+        pinfo: torch.Tensor,
+        mirror_addr: int,
+        flags: tuple[bool, ...],
+    ) -> bool:
+        """The row kernel through its bound launch (see :meth:`_launch_bound`), with the arguments
+        :meth:`_dispatch_spec` would give it; ``False`` when there is none yet (or no tokens)."""
+        n, id64, out = x.shape[0], _ID64.get(exp_indices.dtype), bufs.out
+        if n == 0 or id64 is None or out is None or bufs.out_w is None or bufs.out_e is None:
+            return False
+        w = weight if weight is not None else self._dummy_w
+        xp, ip, wp, sp = x.data_ptr(), exp_indices.data_ptr(), w.data_ptr(), src.data_ptr()
+        args = (
+            (x.dtype, xp % 16 == 0), (torch.int32, ip % 16 == 0), (w.dtype, wp % 16 == 0),
+            (src.dtype, sp % 16 == 0),
+        )  # fmt: skip
+        return self._launch_bound(
+            self._dispatch_key(flags, out.dtype, out.shape[1], args),
+            (xp, ip, wp, sp, n, out.data_ptr(), bufs.out_w.data_ptr(), bufs.out_e.data_ptr(), bufs.tab.data_ptr(),
+             bufs.skip.data_ptr(), bufs.scat.data_ptr(), info.data_ptr(), out.shape[0], pk.data_ptr(),
+             pinfo.data_ptr(), mirror_addr, id64),
+        )  # fmt: skip
 
     def _ce_fork(self) -> torch.cuda.Event | None:
         """The point of the current stream after which the copies may run (none on CPU)."""
@@ -1207,16 +1305,16 @@ class TritonEPEngine:
             raise ValueError(f"combine rows are at most hidden={self.hidden} wide, got {width}")
         if self.remote_ranks and send and npk_recv is None:
             raise ValueError("npk_recv (records per remote source, on the host) is needed to send")
-        ys, outs = _nz(y), _nz(out)
-        ids, id64 = _ids_arg(exp_indices)
         pk, rtok, pinfo = self._rb(remote)
         for snd, rcv in self._halves(send, recv):
-            self._launch(
-                self._combine_spec(
-                    ys, tab, ids, id64, n_src, exp_indices.shape[0], outs, pk, rtok, pinfo, width=width,
-                    send=snd, recv=rcv,
-                )
-            )  # fmt: skip
+            if not self._launch_combine_bound((y, tab, exp_indices, n_src, out, pk, rtok, pinfo), snd, rcv):
+                ids, id64 = _ids_arg(exp_indices)
+                self._launch(
+                    self._combine_spec(
+                        _nz(y), tab, ids, id64, n_src, exp_indices.shape[0], _nz(out), pk, rtok, pinfo,
+                        width=width, send=snd, recv=rcv,
+                    )
+                )  # fmt: skip
             if snd and self.remote_ranks:
                 assert npk_recv is not None
                 lay, T, row = self.layout, self.max_tokens, width * y.dtype.itemsize
@@ -1224,6 +1322,21 @@ class TritonEPEngine:
                 self._put_all(K.SIG_COMB, ep, lay.cx + self.rank * T * row, lay.scx, T * row, row, npk_recv)
         if recv:
             self.host_epochs[1] += 1
+
+    def _launch_combine_bound(self, tensors: tuple[torch.Tensor, ...], send: bool, recv: bool) -> bool:
+        """The combine kernel through its bound launch (see :meth:`_launch_bound`), with the arguments
+        :meth:`_combine_spec` would give it; ``False`` when there is none yet (or no rows or tokens: empty
+        tensors have no address to bind, their launch takes the specification's stand-ins).
+        ``tensors``: ``(y, tab, exp_indices, n_src, out, pk, rtok, pinfo)``."""
+        y, tab, exp_indices, n_src, out, pk, rtok, pinfo = tensors
+        n, id64 = exp_indices.shape[0], _ID64.get(exp_indices.dtype)
+        if y.shape[0] == 0 or n == 0 or id64 is None:
+            return False
+        yp, ip, sp = y.data_ptr(), exp_indices.data_ptr(), n_src.data_ptr()
+        args = ((y.dtype, yp % 16 == 0), (torch.int32, ip % 16 == 0), (n_src.dtype, sp % 16 == 0))
+        addresses = (yp, tab.data_ptr(), ip, sp, n, out.data_ptr(), pk.data_ptr(), rtok.data_ptr(),
+                     pinfo.data_ptr(), id64)  # fmt: skip
+        return self._launch_bound(self._combine_key(y.shape[1], send, recv, out.dtype, args), addresses)
 
     def _halves(self, send: bool, recv: bool) -> list[tuple[bool, bool]]:
         """A step's launches: one that sends and receives, or with remote peers (whose host signals go
@@ -1236,7 +1349,8 @@ class TritonEPEngine:
         """Device-side barrier; remote peers are signalled by the host between a sending and a waiting
         launch."""
         for snd, rcv in self._halves(send, recv):
-            self._launch(self._barrier_spec(snd, rcv))
+            if not self._launch_bound(("barrier", snd, rcv), ()):
+                self._launch(self._barrier_spec(snd, rcv))
             if snd and self.remote_ranks:
                 assert self.transport is not None
                 ep = self.host_epochs[2] + 1
@@ -1280,7 +1394,7 @@ class TritonEPEngine:
 
     def alloc_dispatch_fixed(self, n: int) -> DispatchBuffers:
         """The dispatch outputs whose size does not depend on the received rows (``n`` tokens here):
-        the slot table ``tab``, ``skip`` and ``scat``; the rows come later (:meth:`alloc_rows_into`)."""
+        the slot table ``tab``, ``skip`` and ``scat``; the rows come later (:meth:`alloc_dispatch_rows`)."""
         skip, scat = self.alloc_token_slots(n)
         return DispatchBuffers(
             tab=self._buf(self.world_size, self.max_tokens, self.topk, dtype=torch.int32),
@@ -1322,15 +1436,6 @@ class TritonEPEngine:
             self._buf(rows if with_weights else 1, dtype=self.weight_dtype),
             self._buf(rows, dtype=torch.int32),
         )
-
-    def alloc_dispatch_small(self, n: int, rows: int, *, with_weights: bool) -> DispatchBuffers:
-        """Every output of a dispatch of ``n`` tokens into ``rows`` rows but the rows themselves (``out``
-        stays ``None``), with the call's ``info`` (int64 ``[info_len]``). A few hundred KB at most: the
-        exact-shape flows allocate the next call's ahead (see the backend's ``dispatch``)."""
-        bufs = self.alloc_dispatch_fixed(n)
-        bufs.out_w, bufs.out_e = self._alloc_row_tags(rows, with_weights)
-        bufs.info = torch.empty(self.info_len, dtype=torch.int64, device=self.device)
-        return bufs
 
     def alloc_dispatch_outputs(
         self, n: int, rows: int, *, with_weights: bool, dtype: torch.dtype | None = None
