@@ -906,6 +906,24 @@ def _rows_to_quantize(n: int, hidden: int, gen: torch.Generator) -> torch.Tensor
     return x.to(torch.bfloat16)
 
 
+def _check_quantize_on_send(layer, group, seed, ns, *, skew=False, drop=0.05) -> None:
+    """:func:`_check_fp8_round_trip` of bf16 rows (:func:`_rows_to_quantize`) dispatched with ``fp8=True``,
+    against the reference quantizer run on the sender's device; ``skew``: every slot to rank 0's experts."""
+    from ep_a2a.reference import quantize_fp8
+
+    cfg, world = layer.config, dist.get_world_size(group)
+    hidden, topk, experts = cfg.hidden, cfg.topk, cfg.num_tot_experts
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(seed)
+    bf = [_rows_to_quantize(n, hidden, gen) for n in ns]
+    sent = [tuple(t.cpu() for t in quantize_fp8(x.to(dev))) for x in bf]
+    ids = [_routing(n, topk, experts, gen, skew=False, drop=drop) for n in ns]
+    if skew:
+        ids = [torch.where(t >= 0, t % (experts // world), t) for t in ids]
+    ws = [torch.rand(n, topk, generator=gen) for n in ns]
+    _check_fp8_round_trip(layer, group, sent, ids, ws, gen, experts, sent=sent, quantize_from=bf)
+
+
 def _fp8_layer(
     group, *, max_tokens, hidden, topk, experts, dtype=torch.float8_e4m3fn, tuning=None, use_aot=False
 ):
@@ -965,7 +983,6 @@ def test_fp8_dispatch_against_reference(group, layer_dtype, overlap_bytes, copy_
     second writing pass), copy-engine dispatch; on a layer of FP8 rows and on a bf16 layer. Then
     quantize-on-send (``fp8=True``) against the sender's quantizer."""
     from ep_a2a.backends.triton.engine import QuantizeOnSend
-    from ep_a2a.reference import quantize_fp8
 
     world = dist.get_world_size(group)
     hidden, topk, experts = 7168, 8, -(-256 // world) * world
@@ -996,15 +1013,8 @@ def test_fp8_dispatch_against_reference(group, layer_dtype, overlap_bytes, copy_
         probe = be.quantize_fp8(torch.zeros(2, hidden, dtype=torch.bfloat16, device=dev))
         assert isinstance(probe, QuantizeOnSend) == (not copy_engine)
         for j, skew in enumerate((False, True)):
-            gen = torch.Generator().manual_seed(1200 + j)
-            ns = [40 + r for r in range(world)]
-            bf = [_rows_to_quantize(n, hidden, gen) for n in ns]
-            sent = [tuple(t.cpu() for t in quantize_fp8(x.to(dev))) for x in bf]
-            ids = [_routing(n, topk, experts, gen, skew=False, drop=0.05) for n in ns]
-            if skew:  # every slot to rank 0's experts: a speculative call outgrows its outputs (rewrite)
-                ids = [torch.where(t >= 0, t % (experts // world), t) for t in ids]
-            ws = [torch.rand(n, topk, generator=gen) for n in ns]
-            _check_fp8_round_trip(layer, group, sent, ids, ws, gen, experts, sent=sent, quantize_from=bf)
+            # (skewed: every slot to rank 0's experts, a speculative call outgrows its outputs: rewrite)
+            _check_quantize_on_send(layer, group, 1200 + j, [40 + r for r in range(world)], skew=skew)
         torch.cuda.synchronize()
         layer.check_errors()
     finally:
@@ -1016,23 +1026,15 @@ def test_fp8_dispatch_large_layer(group):
     """The DeepSeek-V3 shape at full size on every SM (default tuning: tiled rows, the CTA split, the
     speculative flow): 4096 tokens per rank, then 1000; then bf16 rows quantized on send at 4096 and
     1000 tokens."""
-    from ep_a2a.reference import quantize_fp8
-
     world = dist.get_world_size(group)
     hidden, topk, experts = 7168, 8, -(-256 // world) * world
-    dev = torch.device("cuda", torch.cuda.current_device())
     layer = _fp8_layer(group, max_tokens=4096, hidden=hidden, topk=topk, experts=experts)
     try:
         for i, n in enumerate((4096, 1000)):
             xs, ids, ws, gen = _fp8_inputs(1300 + i, [n] * world, hidden, topk, experts, drop=0.02)
             _check_fp8_round_trip(layer, group, xs, ids, ws, gen, experts)
         for i, n in enumerate((4096, 1000)):
-            gen = torch.Generator().manual_seed(1400 + i)
-            bf = [_rows_to_quantize(n, hidden, gen) for _ in range(world)]
-            ids = [_routing(n, topk, experts, gen, skew=False, drop=0.02) for _ in range(world)]
-            ws = [torch.rand(n, topk, generator=gen) for _ in range(world)]
-            sent = [tuple(t.cpu() for t in quantize_fp8(x.to(dev))) for x in bf]
-            _check_fp8_round_trip(layer, group, sent, ids, ws, gen, experts, sent=sent, quantize_from=bf)
+            _check_quantize_on_send(layer, group, 1400 + i, [n] * world, drop=0.02)
         torch.cuda.synchronize()
         layer.check_errors()
     finally:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import os
+import types
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from eplb_core._numba import runner
 from eplb_core._numba.counts import _is_greedy_split, greedy_counts
 from eplb_core._numba.refine import _workspace
 from eplb_core._numba.rounds import _row_state, _sort_slots, _start_row, _swap_rounds
 from eplb_core._numba.starts import _argsort_desc, lpt_bins
+from eplb_core._numba.utils import GREEDY_SCAN_EXPERTS
 from eplb_core.reference import greedy_replica_counts, lpt_pack
 
 SETTINGS = settings(
@@ -103,6 +107,23 @@ def test_split_counts_equal_sequential_greedy(num_experts: int, extra: int, seed
     np.testing.assert_array_equal(counts, greedy_replica_counts(w, num_experts + extra))
 
 
+@pytest.mark.parametrize("ints", [False, True], ids=["lognormal", "ints"])
+def test_split_counts_of_many_experts_equal_sequential_greedy(ints: bool) -> None:
+    """Rows of more than GREEDY_SCAN_EXPERTS experts hand out many replicas from a heap: the same
+    counts as the sequential greedy split."""
+    rng = np.random.default_rng(7)
+    num_experts = GREEDY_SCAN_EXPERTS + 37
+    for extra in (3, 8, 41, 300):
+        w = (
+            rng.integers(0, 4, (2, num_experts)).astype(np.float64) + 1
+            if ints
+            else np.exp(2 * rng.standard_normal((2, num_experts)))
+        )
+        counts = np.ones(w.shape, dtype=np.int64)
+        greedy_counts(w, counts, num_experts + extra)
+        np.testing.assert_array_equal(counts, greedy_replica_counts(w, num_experts + extra))
+
+
 @SETTINGS
 @given(st.integers(1, 12), st.integers(1, 20), st.integers(0, 2**31 - 1), st.booleans())
 def test_greedy_split_recognised(num_experts: int, extra: int, seed: int, ints: bool) -> None:
@@ -127,14 +148,25 @@ def test_greedy_split_recognised(num_experts: int, extra: int, seed: int, ints: 
             assert not _is_greedy_split(w, other), (w, greedy, other)
 
 
-@pytest.mark.parametrize("slots", [2, 6, 9, 16])
+def _all_pairs_swap_rounds() -> Callable[..., tuple[bool, int]]:
+    """The interpreted form of ``_swap_rounds`` with every slot count below the all-pairs scoring's
+    limit: it scores every (x, y) pair in array operations (``_brute_exchange_np``) on any row."""
+    twin = runner.interpreted(_swap_rounds)
+    env = {**twin.__globals__, "BRUTE_FORCE_SLOTS": 64}
+    return types.FunctionType(twin.__code__, env, twin.__name__, twin.__defaults__, twin.__closure__)
+
+
+@pytest.mark.parametrize("slots", [2, 6, 9, 16, 24, 33])
 @pytest.mark.parametrize("kind", ["lognormal", "ints", "fixed"])
 def test_exchange_sweep_equals_all_pairs_scoring(slots: int, kind: str) -> None:
-    """The exchange rounds' sweep over slots sorted by load makes exactly the exchanges of scoring
-    every (x, y) pair (a migration budget too large to refuse anything runs that scoring), ties on
-    equal loads included; rows with repeated experts and fixed items."""
+    """The exchange rounds make exactly the exchanges of scoring every (x, y) pair, ties on equal
+    loads included, on rows with repeated experts and fixed items: on up to BRUTE_FORCE_SLOTS slots
+    the branch-free scoring of all pairs and the scoring with a migration budget too large to refuse
+    anything, on more slots the sweep over slots sorted by load; all against the pairs scored in
+    array operations."""
 
     rng = np.random.default_rng(slots)
+    all_pairs = _all_pairs_swap_rounds()
     moves = 0
     for num_bins in (2, 5, 8, 12):
         num_items = num_bins * slots
@@ -161,13 +193,14 @@ def test_exchange_sweep_equals_all_pairs_scoring(slots: int, kind: str) -> None:
         )
         load[:] = per_expert[expert]
         results = []
-        for budget in (-1, 10 * num_items):  # the sweep; every pair scored
+        # without a budget; with one that refuses nothing; every pair scored in array operations
+        for budget, rounds_fn in ((-1, _swap_rounds), (10 * num_items, _swap_rounds), (-1, all_pairs)):
             rb, sb, _, _ = _workspace(num_bins, slots, next_id, 8, 1)
             rb, sb = _row_state(rb, sb, 0)
             fl, fe, ff = load.copy(), expert.copy(), fixed.copy()
             stamp = _start_row(fl, slots, rb[2], rb[3], rb[4], 0)
             _sort_slots(fl, num_bins, slots, sb[5])
-            moved, _ = _swap_rounds(
+            moved, _ = rounds_fn(
                 fl,
                 fe,
                 ff,
@@ -183,10 +216,11 @@ def test_exchange_sweep_equals_all_pairs_scoring(slots: int, kind: str) -> None:
                 budget,
             )
             results.append((moved, fl, fe, ff))
-        (m_sweep, *sweep), (m_all, *all_pairs) = results
-        assert m_sweep == m_all
-        moves += m_sweep
-        for a, b in zip(sweep, all_pairs, strict=True):
-            np.testing.assert_array_equal(a, b)
+        (m_plain, *plain), (m_budget, *budgeted), (m_all, *scored) = results
+        assert m_plain == m_budget == m_all
+        moves += m_plain
+        for a, b, c in zip(plain, budgeted, scored, strict=True):
+            np.testing.assert_array_equal(a, c)
+            np.testing.assert_array_equal(b, c)
     # with one fixed and one free item per GPU an exchange only swaps two GPUs' loads: nothing moves
     assert moves > 0 or (kind == "fixed" and slots == 2)

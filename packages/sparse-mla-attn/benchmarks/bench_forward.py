@@ -4,11 +4,10 @@ when given, FlashMLA's ``flash_mla_sparse_fwd`` on the same inputs.
 FLOPs are counted as FlashMLA counts them: ``2 * s_q * h_q * topk * (d_qk + d_v)``.
 
 ``python bench_forward.py [--flashmla PATH] [--quick]`` prints, without writing a file, the forward at
-FlashMLA's shape (s_q 4096, topk 2048, h_q 128 / 64, s_kv 8K / 32K / 128K) with each pipeline option of the
-sm_90 Gluon kernel (``Config.fwd_half_ring``, ``Config.fwd_early_qk``, ``Config.l2_prefetch``) beside
-FlashMLA's ``flash_mla_sparse_fwd`` on the same inputs, and ``attn_dist`` with each
-``Config.attn_dist_split`` and ``l2_prefetch`` as a fraction of the fastest forward's time; about two
-minutes on an H200.
+FlashMLA's shape (s_q 4096, topk 2048, h_q 128 / 64, s_kv 8K / 32K / 128K) with the default and the
+persistent (``Config.fwd_persistent``) sm_90 Gluon kernel beside FlashMLA's ``flash_mla_sparse_fwd`` on the
+same inputs, and ``attn_dist`` with each ``Config.attn_dist_split`` as a fraction of the fastest
+forward's time; about a minute and a half on an H200.
 """
 
 from __future__ import annotations
@@ -148,22 +147,10 @@ def bench_torch_baseline(s_q: int, h_q: int, s_kv: int, topk: int) -> dict:
             "ms": ms, "tflops": fwd_flops(s_q, h_q, topk) / ms / 1e9}  # fmt: skip
 
 
-#: The forward variants of ``python bench_forward.py``: the default and each Gluon pipeline option.
-FWD_VARIANTS = {
-    "default": Config(),
-    "half_ring": Config(fwd_half_ring=True),
-    "early_qk": Config(fwd_early_qk=True),
-    "half_ring+early_qk": Config(fwd_half_ring=True, fwd_early_qk=True),
-    "prefetch": Config(l2_prefetch=True),
-    "half_ring+early_qk+prefetch": Config(fwd_half_ring=True, fwd_early_qk=True, l2_prefetch=True),
-}
+#: The forward variants of ``python bench_forward.py``: the default and the persistent Gluon kernel.
+FWD_VARIANTS = {"default": Config(), "persistent": Config(fwd_persistent=True)}
 #: The attn_dist variants of ``python bench_forward.py`` (name, config, up to which h_q it applies).
-ATTN_DIST_VARIANTS = [
-    ("default", Config(), 128),
-    ("prefetch", Config(l2_prefetch=True), 128),
-    ("blocks", Config(attn_dist_split="blocks"), 64),
-    ("blocks+prefetch", Config(attn_dist_split="blocks", l2_prefetch=True), 64),
-]
+ATTN_DIST_VARIANTS = [("default", Config(), 128), ("cols", Config(attn_dist_split="cols"), 64)]
 
 
 def bench_fwd_variants(

@@ -27,6 +27,8 @@ GPU_BACKEND_CASES = [
     ("gluon", 37, 512, 333),
     ("gluon", 96, 512, 130),
     ("gluon", 40, 576, 129),
+    ("gluon", 64, 576, 64),
+    ("gluon", 48, 576, 192),
 ]
 
 
@@ -162,32 +164,21 @@ def test_attn_dist_gpu_backends(backend, h_q, d_qk, topk):
     check_attn_dist_gpu(backend, h_q, d_qk, topk, Config(backend=backend))
 
 
-# (h_q, d_qk, topk) of the Gluon kernel's block split: one block (the second warpgroup idle), odd counts.
-SPLIT_BLOCKS_CASES = [(64, 576, 2048), (37, 512, 333), (40, 576, 129), (64, 576, 64), (48, 576, 192)]
+# (h_q, d_qk, topk) of the Gluon kernel's column split (the block split is the default up to 64 heads, in
+# GPU_BACKEND_CASES): odd block counts, one block.
+SPLIT_COLS_CASES = [(64, 576, 2048), (37, 512, 333), (40, 576, 129), (64, 576, 64), (48, 576, 192)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize(
-    ("h_q", "d_qk", "topk"), SPLIT_BLOCKS_CASES, ids=case_ids(("h_q", "d_qk", "topk"), SPLIT_BLOCKS_CASES)
+    ("h_q", "d_qk", "topk"), SPLIT_COLS_CASES, ids=case_ids(("h_q", "d_qk", "topk"), SPLIT_COLS_CASES)
 )
-def test_attn_dist_gpu_split_blocks(h_q, d_qk, topk, prefetch):
-    """The Gluon kernel with ``Config(attn_dist_split="blocks")`` (its warpgroups take alternate blocks),
-    with and without ``l2_prefetch``, against the reference, as :func:`test_attn_dist_gpu_backends`
-    checks it."""
+def test_attn_dist_gpu_split_cols(h_q, d_qk, topk):
+    """The Gluon kernel with ``Config(attn_dist_split="cols")`` (its warpgroups split each block's
+    columns) against the reference, as :func:`test_attn_dist_gpu_backends` checks the default."""
     if reason := gluon_skip_reason("gluon"):
         pytest.skip(reason)
-    config = Config(backend="gluon", attn_dist_split="blocks", l2_prefetch=prefetch)
-    check_attn_dist_gpu("gluon", h_q, d_qk, topk, config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("h_q", "d_qk", "topk"), [(128, 576, 1000), (64, 576, 2048), (96, 512, 130)])
-def test_attn_dist_gpu_l2_prefetch(h_q, d_qk, topk):
-    """The Gluon kernel's other splits (heads above 64, columns) with ``Config(l2_prefetch=True)``."""
-    if reason := gluon_skip_reason("gluon"):
-        pytest.skip(reason)
-    check_attn_dist_gpu("gluon", h_q, d_qk, topk, Config(backend="gluon", l2_prefetch=True))
+    check_attn_dist_gpu("gluon", h_q, d_qk, topk, Config(backend="gluon", attn_dist_split="cols"))
 
 
 def check_attn_dist_gpu(backend, h_q, d_qk, topk, config):

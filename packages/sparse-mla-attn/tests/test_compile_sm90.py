@@ -93,11 +93,9 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         kw: dict[str, Any] = {"index_kind": "cache_rows"} if rows else {}
         sm.sparse_mla_decode(q, cache, table, seqlens, idx, 0.1, config=cfg, **kw)
 
-    def attn_dist(
-        h_q: int, s_kv: int, backend: str, d_qk: int = 576, split: str = "cols", prefetch: bool = False
-    ) -> None:
+    def attn_dist(h_q: int, s_kv: int, backend: str, d_qk: int = 576, split: str = "blocks") -> None:
         q, kv, idx = problem(2, h_q, d_qk, s_kv, 128)
-        cfg = sm.Config(backend=backend, attn_dist_split=split, l2_prefetch=prefetch)
+        cfg = sm.Config(backend=backend, attn_dist_split=split)
         sm.attn_dist(q, kv, idx, torch.randn(2, h_q), 0.1, q_start_index=5, config=cfg)
 
     def bwd(h_q: int, d_qk: int, det: bool, attn_sum: bool = False, causal: bool = False) -> None:
@@ -123,33 +121,24 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "fwd_h16_d512": lambda: fwd(16, 512, "auto", True),
         "fwd_h32_d576": lambda: fwd(32, 576, "auto"),
         "fwd_h128_d512_gluon": lambda: fwd(128, 512, "auto"),
-        # The Gluon forward's pipeline options (Config.fwd_half_ring / fwd_early_qk).
-        "fwd_h128_half_ring": lambda: fwd(128, 576, "auto", fwd_half_ring=True),
-        "fwd_h128_early_qk": lambda: fwd(128, 576, "auto", fwd_early_qk=True),
-        "fwd_h64_extras_half_ring_early_qk": lambda: fwd(
-            64, 576, "auto", True, fwd_half_ring=True, fwd_early_qk=True
-        ),
-        "fwd_h128_d512_half_ring_early_qk": lambda: fwd(
-            128, 512, "auto", fwd_half_ring=True, fwd_early_qk=True
-        ),
-        "fwd_h128_prefetch": lambda: fwd(128, 576, "auto", l2_prefetch=True),
-        "fwd_h128_half_ring_early_qk_prefetch": lambda: fwd(
-            128, 576, "auto", fwd_half_ring=True, fwd_early_qk=True, l2_prefetch=True
+        # The persistent Gluon forward (Config.fwd_persistent), also with the extras and split-K.
+        "fwd_h128_persistent": lambda: fwd(128, 576, "auto", fwd_persistent=True),
+        "fwd_h64_extras_persistent": lambda: fwd(64, 576, "auto", True, fwd_persistent=True),
+        "fwd_h128_d512_persistent_split2": lambda: fwd(
+            128, 512, "gluon", True, num_splits=2, fwd_persistent=True
         ),
         # Split-K decode, merged by the last split program (eager) or by a merge kernel (graph capture).
         "dec_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program"),
-        "dec_b2_splitk_merge_kernel": lambda: decode(2, 128, 2048, "auto", "kernel"),
+        "dec_b2_splitk_merge_kernel": lambda: decode(2, 128, 2048, "auto", "kernel"),  # Gluon on sm_90
+        "dec_b2_splitk_merge_kernel_triton": lambda: decode(2, 128, 2048, "triton", "kernel"),
         "dec_b8_splitk": lambda: decode(8, 128, 2048, "auto", "last_program"),
         "dec_b1_h16_splitk": lambda: decode(1, 16, 2048, "auto", "last_program"),
         "dec_b1_h16_splitk_merge_kernel": lambda: decode(1, 16, 2048, "auto", "kernel"),
         "dec_b64_gluon": lambda: decode(64, 128, 2048, "auto"),
         "dec_b64_h64_triton": lambda: decode(64, 64, 2048, "triton"),
-        # The Gluon decode / forward split-K (Config(backend="gluon") with a split grid).
-        "dec_b64_h64_gluon_split2": lambda: decode(64, 64, 2048, "gluon", num_splits=2),
+        # The Gluon decode / forward split-K (the default of a split grid at h_q > 32 on sm_90).
+        "dec_b64_h64_gluon_split2": lambda: decode(64, 64, 2048, "auto"),
         "fwd_h128_extras_gluon_split3": lambda: fwd(128, 576, "gluon", True, num_splits=3),
-        "fwd_h128_extras_gluon_split3_pipeline": lambda: fwd(
-            128, 576, "gluon", True, num_splits=3, fwd_half_ring=True, fwd_early_qk=True, l2_prefetch=True
-        ),
         # FP8 cache (always the Triton kernel): unsplit at h_q 128 / 64, split-K with both merges, h_q 16.
         "dec_fp8_b64_s2_h128_rows": lambda: decode(64, 128, 2048, "auto", fp8=True, rows=True, s_q=2),
         "dec_fp8_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program", fp8=True),
@@ -158,10 +147,8 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "ad_h128_gluon": lambda: attn_dist(128, 256, "auto"),
         "ad_h128_triton": lambda: attn_dist(128, 256, "triton"),
         "ad_h64_gluon": lambda: attn_dist(64, 256, "auto"),
-        "ad_h64_split_blocks": lambda: attn_dist(64, 256, "auto", split="blocks"),
-        "ad_h48_d512_split_blocks": lambda: attn_dist(48, 256, "auto", 512, split="blocks"),
-        "ad_h64_split_blocks_prefetch": lambda: attn_dist(64, 256, "auto", split="blocks", prefetch=True),
-        "ad_h128_prefetch": lambda: attn_dist(128, 256, "auto", prefetch=True),
+        "ad_h64_split_cols": lambda: attn_dist(64, 256, "auto", split="cols"),
+        "ad_h48_d512_split_cols": lambda: attn_dist(48, 256, "auto", 512, split="cols"),
         "ad_h64_triton": lambda: attn_dist(64, 256, "triton"),
         "ad_h64_long_triton": lambda: attn_dist(64, 32768, "triton"),
         "ad_h16_d512": lambda: attn_dist(16, 256, "auto", 512),

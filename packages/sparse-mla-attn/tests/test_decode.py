@@ -193,25 +193,35 @@ def test_decode_custom_op_fake_and_schema():
 @pytest.mark.gpu
 @pytest.mark.parametrize(("b", "h_q"), [(1, 128), (8, 128), (1, 16), (8, 16)])
 def test_decode_split_merge_eager_and_cuda_graph_gpu(b, h_q):
-    """At batch 1 and 8 (split-K): the default merge takes the merge kernel at h_q 128, and at h_q 16 on
-    a signature's first call and while a CUDA graph is captured, the last split program otherwise; every
-    merge gives the same bits, eager and replayed (twice, so the counters a replay leaves are zero
-    again), and matches the reference."""
+    """At batch 1 and 8 (split-K): the default merge takes the merge kernel at h_q 128 (the Gluon kernel's
+    split on sm_90), and at h_q 16 on a signature's first call and while a CUDA graph is captured, the
+    last split program otherwise; every merge of the Triton kernel gives the same bits, eager and
+    replayed (twice, so the counters a replay leaves are zero again), and all match the reference."""
+    from sparse_mla_attn import gluon_supported
+
     g = torch.Generator(device="cuda").manual_seed(b)
     seqlens = torch.randint(16384, 32769, (b,), generator=g, device="cuda").tolist()
     args = paged_problem(b, 1, h_q, 576, 64, seqlens, 2048, "cuda", seed=b + h_q)
     scale = 1 / math.sqrt(576)
-    first = sparse_mla_decode(*args, scale)
-    assert last_launch("fwd").merge == "kernel"
-    assert last_launch("fwd").splits > 1
-    check(first, args, scale, 8e-4, 2e-2)
-    for _ in range(3):  # later calls replay recorded launches: fresh copies check their data pointers
-        again = sparse_mla_decode(*[t.clone() for t in args], scale)
-        assert last_launch("fwd").merge == ("last_program" if h_q <= 16 else "kernel")
-        for a, e in zip(again, first, strict=True):
-            torch.testing.assert_close(a, e, rtol=0, atol=0)
-    for merge in ("auto", "last_program", "kernel"):
-        cfg = Config(split_merge=merge)
+    gluon = h_q > 32 and gluon_supported() and gluon_skip_reason("gluon") is None
+    for backend in ("auto", "triton"):
+        first = sparse_mla_decode(*args, scale, config=Config(backend=backend))
+        launch = last_launch("fwd")
+        assert (launch.backend, launch.merge) == (
+            "gluon" if gluon and backend == "auto" else "triton",
+            "kernel",
+        )
+        assert launch.splits > 1
+        check(first, args, scale, 8e-4, 2e-2)
+        for _ in range(3):  # later calls replay recorded launches: fresh copies check their data pointers
+            again = sparse_mla_decode(*[t.clone() for t in args], scale, config=Config(backend=backend))
+            assert last_launch("fwd").merge == ("last_program" if h_q <= 16 else "kernel")
+            for a, e in zip(again, first, strict=True):
+                torch.testing.assert_close(a, e, rtol=0, atol=0)
+        if backend == "auto":
+            assert_graph_replays_equal(lambda: sparse_mla_decode(*args, scale), first, 2)
+    for merge in ("auto", "last_program", "kernel"):  # the Triton kernel's merges, against its `first`
+        cfg = Config(backend="triton", split_merge=merge)
         sparse_mla_decode(*args, scale, config=cfg)  # compile outside the capture
         assert_graph_replays_equal(lambda cfg=cfg: sparse_mla_decode(*args, scale, config=cfg), first, 2)
         assert last_launch("fwd").merge == ("kernel" if merge == "auto" else merge)  # the captured call's
@@ -415,36 +425,32 @@ def test_decode_fp8_gpu(b, s_q, h_q, seqlen, topk, pad):
 
 
 @pytest.mark.parametrize(
-    ("b", "s_q", "h_q", "split_fill", "splits", "gluon_splits"),
+    ("b", "s_q", "h_q", "split_fill", "splits"),
     [
-        pytest.param(1, 1, 128, 1.0, 8, 8, id="B1-H128"),
-        pytest.param(8, 1, 128, 1.0, 8, 8, id="B8-H128"),
-        pytest.param(64, 1, 128, 1.0, 1, 1, id="B64-H128"),
-        pytest.param(128, 2, 128, 1.0, 1, 1, id="B128-S2-H128"),
-        pytest.param(64, 1, 64, 1.0, 2, 1, id="B64-H64"),
-        pytest.param(128, 1, 64, 1.0, 1, 1, id="B128-H64"),
-        pytest.param(64, 1, 128, 2.0, 2, 1, id="B64-H128-fill2"),
-        pytest.param(128, 1, 64, 2.0, 2, 1, id="B128-H64-fill2"),
-        pytest.param(128, 1, 128, 2.0, 1, 1, id="B128-H128-fill2"),
-        pytest.param(64, 1, 64, 0.5, 1, 1, id="B64-H64-fill0.5"),
-        pytest.param(32, 1, 64, 1.0, 4, 4, id="B32-H64"),
+        pytest.param(1, 1, 128, 1.0, 8, id="B1-H128"),
+        pytest.param(8, 1, 128, 1.0, 8, id="B8-H128"),
+        pytest.param(64, 1, 128, 1.0, 1, id="B64-H128"),
+        pytest.param(128, 2, 128, 1.0, 1, id="B128-S2-H128"),
+        pytest.param(64, 1, 64, 1.0, 2, id="B64-H64"),
+        pytest.param(128, 1, 64, 1.0, 1, id="B128-H64"),
+        pytest.param(64, 1, 128, 2.0, 2, id="B64-H128-fill2"),
+        pytest.param(128, 1, 64, 2.0, 2, id="B128-H64-fill2"),
+        pytest.param(128, 1, 128, 2.0, 1, id="B128-H128-fill2"),
+        pytest.param(64, 1, 64, 0.5, 1, id="B64-H64-fill0.5"),
+        pytest.param(32, 1, 64, 1.0, 4, id="B32-H64"),
     ],
 )
-def test_split_rule_on_an_h200(monkeypatch, b, s_q, h_q, split_fill, splits, gluon_splits):
-    """``Config.splits_for`` at the decode shapes, with an H200's 132 multiprocessors, where the unsplit
-    grid runs the Triton kernel (``splits``) and the Gluon kernel (``gluon_splits``: a factor below 3
-    does not split), and the factor the forward plan picks from it (tokens x 64-head tiles programs,
-    topk 2048)."""
+def test_split_rule_on_an_h200(monkeypatch, b, s_q, h_q, split_fill, splits):
+    """``Config.splits_for`` at the decode shapes, with an H200's 132 multiprocessors, and the factor
+    the forward plan picks from it (tokens x 64-head tiles programs, topk 2048)."""
     from sparse_mla_attn import forward
 
     cfg = Config(split_fill=split_fill)
     n_programs = b * s_q * math.ceil(h_q / 64)
     assert cfg.splits_for(n_programs, 2048, 132) == splits
-    assert cfg.splits_for(n_programs, 2048, 132, unsplit_gluon=True) == gluon_splits
     monkeypatch.setattr(forward, "num_sms", lambda device: 132)
     monkeypatch.setattr(forward, "interpreting", lambda: False)
     assert forward.choose_splits(n_programs, 2048, 64, torch.device("cpu"), split_fill) == splits
-    assert forward.choose_splits(n_programs, 2048, 64, torch.device("cpu"), split_fill, True) == gluon_splits
 
 
 def test_split_rule_bounds_and_config_checks():

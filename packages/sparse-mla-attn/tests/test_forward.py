@@ -292,41 +292,20 @@ def test_fwd_gpu_gluon_edge_cases(h_q, d_qk, topk, s_q):
     check_gluon_edge_case(h_q, d_qk, topk, s_q, Config(backend="gluon", num_splits=1))
 
 
-# The Gluon forward's pipeline options other than the default: (fwd_half_ring, fwd_early_qk, l2_prefetch).
-GLUON_PIPELINES = [
-    (True, False, False),
-    (False, True, False),
-    (True, True, False),
-    (False, False, True),
-    (True, True, True),
-]
-GLUON_PIPELINE_SHAPES = [*GLUON_EDGE_CASES, (128, 576, 2048, 64)]
-
-
-def pipeline_id(half_ring, early_qk, prefetch):
-    return "-".join(n for n, on in (("half", half_ring), ("early", early_qk), ("prefetch", prefetch)) if on)
-
-
-GLUON_PIPELINE_CASES = [
-    pytest.param(*case, *pipeline, id=f"{cid}-{pipeline_id(*pipeline)}")
-    for case, cid in zip(
-        GLUON_PIPELINE_SHAPES, case_ids(("h_q", "d_qk", "topk"), GLUON_PIPELINE_SHAPES), strict=True
-    )
-    for pipeline in GLUON_PIPELINES
-]
+GLUON_PERSISTENT_SHAPES = [*GLUON_EDGE_CASES, (128, 576, 2048, 64), (64, 576, 2048, 400)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("h_q", "d_qk", "topk", "s_q", "half_ring", "early_qk", "prefetch"), GLUON_PIPELINE_CASES
+    ("h_q", "d_qk", "topk", "s_q"),
+    GLUON_PERSISTENT_SHAPES,
+    ids=case_ids(("h_q", "d_qk", "topk"), GLUON_PERSISTENT_SHAPES),
 )
-def test_fwd_gpu_gluon_pipeline_options(h_q, d_qk, topk, s_q, half_ring, early_qk, prefetch):
-    """The Gluon forward with ``Config.fwd_half_ring`` / ``fwd_early_qk`` / ``l2_prefetch``: the edge cases
-    above (and the full top-k at 128 heads) against the reference, launched twice."""
-    cfg = Config(
-        backend="gluon", num_splits=1, fwd_half_ring=half_ring, fwd_early_qk=early_qk, l2_prefetch=prefetch
-    )
-    check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg)
+def test_fwd_gpu_gluon_persistent(h_q, d_qk, topk, s_q):
+    """The persistent Gluon forward (``Config(fwd_persistent=True)``: at most one program per
+    multiprocessor, several (token, head tile) items each) on the edge cases above, the full top-k at 128
+    heads and 400 tokens at 64 heads, against the reference, launched twice."""
+    check_gluon_edge_case(h_q, d_qk, topk, s_q, Config(backend="gluon", num_splits=1, fwd_persistent=True))
 
 
 def check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg):
@@ -385,10 +364,10 @@ def test_fwd_gpu_gluon_split_k(h_q, topk, n_splits):
 
 
 @pytest.mark.gpu
-def test_fwd_gpu_gluon_split_k_pipeline_options():
-    """The split-K Gluon forward with every pipeline option of ``Config`` on, against the reference."""
+def test_fwd_gpu_gluon_split_k_persistent():
+    """The split-K Gluon forward made persistent (``fwd_persistent``), against the reference."""
     if reason := gluon_skip_reason("gluon"):
         pytest.skip(reason)
-    cfg = Config(backend="gluon", num_splits=3, fwd_half_ring=True, fwd_early_qk=True, l2_prefetch=True)
-    check_gluon_fwd(cfg, 128, 576, 1000, 6, 1128, "gpu")
+    cfg = Config(backend="gluon", num_splits=3, fwd_persistent=True)
+    check_gluon_fwd(cfg, 128, 576, 1000, 100, 1129, "gpu")
     assert last_launch("fwd").splits > 1

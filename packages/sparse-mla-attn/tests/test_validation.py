@@ -118,15 +118,14 @@ def test_checks_are_cached_per_call_signature_only():
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
-        pytest.param({"fwd_half_ring": 1}, "Config.fwd_half_ring must be a bool", id="half-ring-int"),
-        pytest.param({"fwd_early_qk": "yes"}, "Config.fwd_early_qk must be a bool", id="early-qk-str"),
+        pytest.param({"fwd_persistent": 1}, "Config.fwd_persistent must be a bool", id="persistent-int"),
         pytest.param({"attn_dist_split": "heads"}, "Config.attn_dist_split must be one of", id="ad-split"),
     ],
 )
-def test_config_rejects_bad_pipeline_options(fields, match):
+def test_config_rejects_bad_kernel_options(fields, match):
     from sparse_mla_attn import Config
 
     with pytest.raises(ValueError, match=match):
         Config(**fields)
     # The options are accepted by the ops on every backend (they only tune the sm_90 Gluon kernels).
-    Config(fwd_half_ring=True, fwd_early_qk=True, attn_dist_split="blocks")
+    Config(fwd_persistent=True, attn_dist_split="cols")

@@ -174,8 +174,7 @@ def launch_attn_dist(
         # Hopper: all heads of a token in one program, query in registers, explicit cp.async ring.
         kernel = launch_attn_dist_gluon(
             q, kv_rows, idx, lse, out, dims, sm_scale * LOG2E, lse_to_log2, q_start_index=q_start_index,
-            k_stride=k_stride, causal=causal, split_blocks=config.attn_dist_split == "blocks",
-            prefetch=config.l2_prefetch, slots=slots,
+            k_stride=k_stride, causal=causal, split_blocks=config.attn_dist_split == "blocks", slots=slots,
         )  # fmt: skip
         record_launch("attn_dist", kernel, backend="gluon")
         return out
@@ -250,19 +249,17 @@ _CHECKED: dict[Any, SparseDims] = {}
 @define_op("attn_dist", _attn_dist_fake)
 def _attn_dist_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float,
-    q_start_index: int, k_stride: int, lse_base: str, causal: bool, backend: str, split: str = "cols",
-    l2_prefetch: bool = False,
+    q_start_index: int, k_stride: int, lse_base: str, causal: bool, backend: str, split: str = "blocks",
 ) -> torch.Tensor:  # fmt: skip
     # Validation and launch plan depend only on the call signature: checked once per signature.
-    key = (*call_signature(q, kv, indices, lse), q_start_index, k_stride, lse_base, causal, backend, split,
-           l2_prefetch)  # fmt: skip
+    key = (*call_signature(q, kv, indices, lse), q_start_index, k_stride, lse_base, causal, backend, split)
     dims = cached(
         _CHECKED, key, lambda: _check_attn_dist(q, kv, indices, lse, q_start_index, k_stride, lse_base)
     )
     return launch_attn_dist(
         q, kv[:, 0], indices[:, 0], lse, dims, check_sm_scale(sm_scale), LOG2E if lse_base == "e" else 1.0,
         q_start_index=q_start_index, k_stride=k_stride, causal=causal,
-        config=replace(config_of(backend), attn_dist_split=split, l2_prefetch=l2_prefetch), key=key,
+        config=replace(config_of(backend), attn_dist_split=split), key=key,
     )  # fmt: skip
 
 
@@ -303,8 +300,8 @@ def attn_dist(
         lse_base: ``"e"`` (natural log, what :func:`sparse_mla_fwd` returns) or ``"2"`` (base-2
             log-sum-exp, the convention of the CUDA kernel this follows).
         causal: apply the causal limit (default ``True``, as the CUDA kernel always does).
-        config: tuning options (:class:`~sparse_mla_attn.Config`; ``backend``, ``attn_dist_split`` and
-            ``l2_prefetch`` apply).
+        config: tuning options (:class:`~sparse_mla_attn.Config`; ``backend`` and ``attn_dist_split``
+            apply).
 
     Returns:
         ``attn_sum [s_q, topk]`` float32.
@@ -330,5 +327,4 @@ def attn_dist(
         causal,
         cfg.backend,
         cfg.attn_dist_split,
-        cfg.l2_prefetch,
     )

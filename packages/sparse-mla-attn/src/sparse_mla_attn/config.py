@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 BACKENDS = ("auto", "gluon", "triton")
 SPLIT_MERGES = ("auto", "last_program", "kernel")
-ATTN_DIST_SPLITS = ("cols", "blocks")
+ATTN_DIST_SPLITS = ("blocks", "cols")
 
 
 @dataclass(frozen=True)
@@ -20,19 +20,18 @@ class Config:
     Attributes:
         backend: kernel family of the forward, decode and ``attn_dist``. ``"auto"`` (default) runs the
             warp-specialised Gluon kernels on an sm_90 GPU (H100, H200) where :func:`gluon_supported`
-            holds, the forward only for ``h_q > 32`` and without split-K, and the Triton kernels
-            everywhere else. ``"triton"`` always runs the Triton kernels. ``"gluon"`` is ``"auto"`` that
-            also runs split-K grids on the Gluon kernel (merged by the merge kernel) and raises
-            :class:`ValueError` where the Gluon kernels cannot run (for tests and benchmarks).
+            holds, the forward and decode only for ``h_q > 32``, a bf16 (not FP8) cache and split-K
+            partials merged by the merge kernel (not ``split_merge="last_program"``), and the Triton
+            kernels everywhere else. ``"triton"`` always runs the Triton kernels. ``"gluon"`` is
+            ``"auto"`` that raises :class:`ValueError` where the Gluon kernels cannot run (for tests and
+            benchmarks).
         num_splits: split-K factor of the forward and decode: each query's top-k list is split over this
             many programs whose partial results are merged (an lse-weighted sum). ``0`` (default): the
             rule of :meth:`splits_for`, from the device's multiprocessor count and the shape.
         split_fill: the target of :func:`~sparse_mla_attn.sparse_mla_decode`'s automatic split-K factor,
             in programs per multiprocessor (:meth:`splits_for`; the forward uses 1.0). Default 1.0: split
             only when one program per (token, head tile) leaves at least half of the multiprocessors
-            idle. With ``backend="auto"`` a split-K grid runs the Triton kernel (the Gluon kernels run
-            unsplit grids), so on sm_90 a larger ``split_fill`` trades the Gluon kernel for more programs;
-            ``backend="gluon"`` splits on the Gluon kernel.
+            idle.
         split_merge: who merges the split-K partials of :func:`~sparse_mla_attn.sparse_mla_decode`.
             ``"last_program"``: the last split program of each (token, head tile) to finish, in the same
             launch (a per-stream cached counter workspace decides which; no second launch).
@@ -42,30 +41,23 @@ class Config:
             after the other splits); otherwise ``"last_program"`` for eager calls, and ``"kernel"`` while
             a CUDA graph is captured (a replay pays no launch cost) and on the first call of a call
             signature on a GPU (so that path is compiled before any capture). Both give the same bits.
-            The forward always merges with the second kernel.
+            The forward, and the Gluon kernels, always merge with the second kernel.
         bwd_workspace_bytes: cap on the backward's ``dS`` (and ``P``) workspace; the backward processes
             query tokens in chunks that fit (default 2 GiB).
         bwd_deterministic_workspace_bytes: cap on the deterministic backward's fp32 per-slot ``dkv``
             workspace, which also bounds its chunk of tokens (default 4 GiB).
-        fwd_half_ring: pipeline of :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon kernel (sm_90):
-            gather each 64-row block as two halves (the value channels of each consumer warpgroup, the
-            RoPE part with the second) with their own ring barriers, so a half is refilled as soon as its
-            last reader is done and each consumer starts its ``Q K^T`` on the half that lands first
-            (default ``False``: one barrier per block).
-        fwd_early_qk: pipeline of :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon kernel (sm_90): the
-            first consumer warpgroup issues the ``Q K^T`` of its next block right behind its last ``P V``
-            of the current pair, so the tensor cores do not idle while it turns around (default
-            ``False``).
-        l2_prefetch: the producer warpgroup of the Gluon forward and ``attn_dist`` (sm_90) asks L2 for the
-            KV rows of the next block (``prefetch.global.L2::evict_last``) as soon as it has issued the
-            current one, so their DRAM reads overlap its wait for a free ring slot (default ``False``).
+        fwd_persistent: run :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon kernel (sm_90) on one program
+            per multiprocessor, each taking (token, head tile) work items in turn with one shared-memory
+            ring, so that an item's query load, first gathers and output stores overlap its neighbours'
+            work (default ``False``: one program per item).
         attn_dist_split: how the two consumer warpgroups of the Gluon ``attn_dist`` (sm_90) share a token
-            of at most 64 heads: ``"cols"`` (default), each computes half of every block's columns;
-            ``"blocks"``, they take alternate blocks whole. Above 64 heads each warpgroup takes 64 heads.
+            of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
+            ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
+            64 heads.
 
     Raises:
         ValueError: an unknown ``backend``, ``split_merge`` or ``attn_dist_split``, ``num_splits < 0``, a
-            workspace cap below 1 byte, or a ``fwd_*`` or ``l2_prefetch`` option that is not a bool.
+            workspace cap below 1 byte, or a ``fwd_persistent`` that is not a bool.
     """
 
     backend: str = "auto"
@@ -74,10 +66,8 @@ class Config:
     split_fill: float = 1.0
     bwd_workspace_bytes: int = 2 << 30
     bwd_deterministic_workspace_bytes: int = 4 << 30
-    fwd_half_ring: bool = False
-    fwd_early_qk: bool = False
-    l2_prefetch: bool = False
-    attn_dist_split: str = "cols"
+    fwd_persistent: bool = False
+    attn_dist_split: str = "blocks"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -92,9 +82,8 @@ class Config:
             raise ValueError(f"Config.split_fill must be a number in (0, 64], got {self.split_fill!r}")
         if self.split_merge not in SPLIT_MERGES:
             raise ValueError(f"Config.split_merge must be one of {SPLIT_MERGES}, got {self.split_merge!r}")
-        for name in ("fwd_half_ring", "fwd_early_qk", "l2_prefetch"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.fwd_persistent, bool):
+            raise ValueError(f"Config.fwd_persistent must be a bool, got {self.fwd_persistent!r}")
         if self.attn_dist_split not in ATTN_DIST_SPLITS:
             raise ValueError(
                 f"Config.attn_dist_split must be one of {ATTN_DIST_SPLITS}, got {self.attn_dist_split!r}"
@@ -104,28 +93,22 @@ class Config:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Config.{name} must be an int >= 1, got {value!r}")
 
-    def splits_for(
-        self, n_programs: int, topk: int, n_sm: int, block_t: int = 64, *, unsplit_gluon: bool = False
-    ) -> int:
+    def splits_for(self, n_programs: int, topk: int, n_sm: int, block_t: int = 64) -> int:
         """The split-K factor used when ``num_splits`` is 0 (``num_splits`` itself otherwise).
 
         A grid of ``n_programs`` programs (query tokens x head tiles; one program per multiprocessor fits
         at a time, as the kernels' tiles fill shared memory) on ``n_sm`` multiprocessors is split ``s``
         ways, the largest ``s`` with ``s * n_programs <= split_fill * n_sm`` and at least 4 blocks of
         ``block_t`` top-k slots per split: ``min(floor(split_fill * n_sm / n_programs),
-        ceil(topk / (4 * block_t)))``. With ``unsplit_gluon`` (``backend="auto"`` on sm_90 where the
-        unsplit grid runs the Gluon kernel and a split one the Triton kernel, which takes about 1.6x
-        longer per block) a factor below 3 does not split. With the default ``split_fill`` 1.0 on an
-        H200 (132 multiprocessors) one decode token per sequence at h_q 128 (two 64-head tiles) splits
-        8 ways at batch 1 and 8, and not at batch 64 or 128; at h_q 64 (one tile), batch 64 splits 2
-        ways on the Triton kernel and not where the Gluon kernel runs.
+        ceil(topk / (4 * block_t)))``, at least 1. With the default ``split_fill`` 1.0 on an H200 (132
+        multiprocessors) one decode token per sequence at h_q 128 (two 64-head tiles) splits 8 ways at
+        batch 1 and 8, and not at batch 64 or 128; at h_q 64 (one tile) it splits 2 ways at batch 64.
 
         Args:
             n_programs: programs of the unsplit grid (``>= 0``).
             topk: top-k slots per query.
             n_sm: multiprocessors of the device (0: not a GPU, no split).
             block_t: top-k slots per kernel block.
-            unsplit_gluon: the unsplit grid would run the Gluon kernel, a split one the Triton kernel.
 
         Returns:
             The factor, at least 1.
@@ -134,8 +117,7 @@ class Config:
             return self.num_splits
         if n_sm <= 0 or n_programs <= 0:
             return 1
-        s = min(int(self.split_fill * n_sm) // n_programs, -(-topk // (4 * block_t)))
-        return s if s >= (3 if unsplit_gluon else 2) else 1
+        return max(1, min(int(self.split_fill * n_sm) // n_programs, -(-topk // (4 * block_t))))
 
 
 DEFAULT = Config()

@@ -47,7 +47,6 @@ from sparse_mla_attn._validate import (
     check_sm_scale,
     check_sparse_inputs,
 )
-from sparse_mla_attn.backends import gluon_sm90
 from sparse_mla_attn.backends.gluon_sm90 import launch_fwd_gluon, use_gluon
 from sparse_mla_attn.config import DEFAULT, Config, config_of
 from sparse_mla_attn.fp8_cache import FP8_TILE as _FP8_TILE
@@ -476,21 +475,14 @@ def fwd_config(h_q: int, topk: int) -> dict[str, Any]:
     return {"BLOCK_H": max(16, next_power_of_2(h_q)), "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
-def choose_splits(
-    n_programs: int,
-    topk: int,
-    block_t: int,
-    device: torch.device,
-    fill: float = 1.0,
-    unsplit_gluon: bool = False,
-) -> int:
+def choose_splits(n_programs: int, topk: int, block_t: int, device: torch.device, fill: float = 1.0) -> int:
     """Split-K factor of a grid of ``n_programs`` (tokens x head tiles) on ``device``:
     :meth:`Config.splits_for` with the device's multiprocessor count (1 off CUDA and under the
-    interpreter), ``fill`` (``Config.split_fill``) and ``unsplit_gluon``."""
+    interpreter) and ``fill`` (``Config.split_fill``)."""
     n_sm = num_sms(device)
     if interpreting() or n_sm == 0:
         return 1
-    return Config(split_fill=fill).splits_for(n_programs, topk, n_sm, block_t, unsplit_gluon=unsplit_gluon)
+    return Config(split_fill=fill).splits_for(n_programs, topk, n_sm, block_t)
 
 
 @dataclass
@@ -508,8 +500,8 @@ class FwdPlan:
     combine_grid: tuple[int, ...]
     combine_consts: dict[str, Any]
     merge_last_consts: dict[str, Any]
-    #: Pipeline options of the Gluon kernel (``launch_fwd_gluon``'s ``half_ring`` / ``early_qk``).
-    gluon_options: dict[str, bool] = field(default_factory=dict)
+    #: Options of the Gluon kernel (``launch_fwd_gluon``'s ``persistent_programs``).
+    gluon_options: dict[str, Any] = field(default_factory=dict)
     slots: dict[Any, Any] = field(default_factory=dict)
     #: ``(kv_block_size, stride_kv_block)`` of an FP8 cache (unused ``(1, 0)`` otherwise).
     kv_ints: tuple[int, int] = (1, 0)
@@ -529,22 +521,13 @@ def plan_fwd(
     cfg = {**fwd_config(h_q, dims.topk), **(tiles or {})}
     n_head_tiles = cdiv(h_q, cfg["BLOCK_H"])
     block_t = cfg["BLOCK_T"]
-    # With backend "auto" a split grid leaves the Gluon kernel for the Triton one: split less readily.
-    unsplit_gluon = (
-        not config.num_splits
-        and config.backend == "auto"
-        and h_q > 32
-        and fp8_paging is None
-        and gluon_sm90.gluon_usable(q, kv_rows)
-    )
     n_splits = config.num_splits or choose_splits(
-        n_tok * n_head_tiles, dims.topk, block_t, q.device, config.split_fill, unsplit_gluon
+        n_tok * n_head_tiles, dims.topk, block_t, q.device, config.split_fill
     )
     split_len = cdiv(cdiv(dims.topk, n_splits), block_t) * block_t
     n_splits = cdiv(dims.topk, split_len)  # no empty split
-    # The Gluon kernel splits too, but only when asked for (Config(backend="gluon")): "auto" keeps it to
-    # unsplit grids.
-    eligible = h_q > 32 and fp8_paging is None and (n_splits == 1 or config.backend == "gluon")
+    # The Gluon kernel splits too; its partials are merged by the merge kernel, not by its last program.
+    eligible = h_q > 32 and fp8_paging is None and (n_splits == 1 or config.split_merge != "last_program")
     gluon = use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows)
     # out [n_tok, h_q, d_v] is allocated contiguous: strides h_q * d_v and d_v.
     ints = (q.stride(0), q.stride(1), kv_rows.stride(0), idx_stride, h_q * dims.d_v, dims.d_v, n_tok, h_q,
@@ -685,7 +668,7 @@ def launch_fwd(
         q, kv_rows, idx.stride(0), dims, has_sink=attn_sink is not None, has_topk_length=topk_length is not None,
         q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config, tiles=tiles,
     )  # fmt: skip
-    set_gluon_options(plan, config)
+    set_gluon_options(plan, config, q.device)
     return run_fwd(plan, q, kv_rows, idx, sm_scale, attn_sink, topk_length, cache_slots=False)
 
 
@@ -786,17 +769,13 @@ def _plan_fwd_call(
         has_topk_length=topk_length is not None,
         q_start_index=q_start_index, k_stride=k_stride, causal=causal, config=config,
     )  # fmt: skip
-    return set_gluon_options(plan, config)
+    return set_gluon_options(plan, config, q.device)
 
 
-def set_gluon_options(plan: FwdPlan, config: Config) -> FwdPlan:
-    """Give ``plan`` the Gluon forward's pipeline options of ``config`` (``fwd_half_ring``,
-    ``fwd_early_qk``, ``l2_prefetch``); returns ``plan``."""
-    plan.gluon_options = {
-        "half_ring": config.fwd_half_ring,
-        "early_qk": config.fwd_early_qk,
-        "prefetch": config.l2_prefetch,
-    }
+def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> FwdPlan:
+    """Give ``plan`` the Gluon forward's options of ``config`` (``fwd_persistent``: one program per
+    multiprocessor of ``device``); returns ``plan``."""
+    plan.gluon_options = {"persistent_programs": num_sms(device) if config.fwd_persistent else 0}
     return plan
 
 
@@ -807,16 +786,12 @@ _PLANS: dict[Any, FwdPlan] = {}
 def _fwd_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
-    causal: bool, backend: str, num_splits: int, fwd_half_ring: bool = False, fwd_early_qk: bool = False,
-    l2_prefetch: bool = False,
+    causal: bool, backend: str, num_splits: int, fwd_persistent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and launch plan depend only on the call signature: made once per signature.
     key = (*call_signature(q, kv, indices, attn_sink, topk_length), d_v, q_start_index, k_stride, causal,
-           backend, num_splits, fwd_half_ring, fwd_early_qk, l2_prefetch)  # fmt: skip
-    config = lambda: replace(
-        config_of(backend, num_splits), fwd_half_ring=fwd_half_ring, fwd_early_qk=fwd_early_qk,
-        l2_prefetch=l2_prefetch,
-    )  # fmt: skip
+           backend, num_splits, fwd_persistent)  # fmt: skip
+    config = lambda: replace(config_of(backend, num_splits), fwd_persistent=fwd_persistent)
     plan = cached(
         _PLANS, key, lambda: _plan_fwd_call(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride,
                                             causal, config()),
@@ -863,8 +838,8 @@ def sparse_mla_fwd(
         k_stride: query positions per KV entry, e.g. for a compressed KV (used when ``causal``).
         causal: also skip indices above ``(q_start_index + i + 1 - k_stride) / k_stride`` (C integer
             division, the same limit as :func:`attn_dist`).
-        config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor, the Gluon
-            kernel's ``fwd_*`` pipeline options).
+        config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor,
+            ``fwd_persistent``).
 
     Returns:
         ``out [s_q, h_q, d_v]`` q's dtype; ``max_logits [s_q, h_q]`` float32, the largest
@@ -881,5 +856,5 @@ def sparse_mla_fwd(
     cfg = config or DEFAULT
     return _fwd_op(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal,
-        cfg.backend, cfg.num_splits, cfg.fwd_half_ring, cfg.fwd_early_qk, cfg.l2_prefetch,
+        cfg.backend, cfg.num_splits, cfg.fwd_persistent,
     )  # fmt: skip

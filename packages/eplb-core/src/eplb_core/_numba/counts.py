@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb_core._numba.utils import _INF, GREEDY_HEAP_MIN, _pairwise_sum, _row_sum, njit, njit_inline
+from eplb_core._numba.utils import (
+    _INF,
+    GREEDY_HEAP_MIN,
+    GREEDY_SCAN_EXPERTS,
+    _pairwise_sum,
+    _row_sum,
+    njit,
+    njit_inline,
+)
 
 
 @njit
@@ -19,13 +27,13 @@ def _greedy_counts_row(w: np.ndarray, counts: np.ndarray, num_replicas: int, per
     for e in range(n):
         per[e] = w[e] / counts[e]
         have += counts[e]
-        positive = positive or per[e] > 0
+        positive |= per[e] > 0
     if not positive:
         for i in range(num_replicas - have):
             counts[i % n] += 1
         return
     extra = num_replicas - have
-    if extra < GREEDY_HEAP_MIN:
+    if extra < GREEDY_HEAP_MIN or n <= GREEDY_SCAN_EXPERTS:
         # the first largest: positive finite loads order like their bits as integers (a maximum the
         # compiler vectorises); zeros tie with every zero, but the largest load here is positive
         bits = per.view(np.int64)
@@ -167,14 +175,16 @@ def _slot_aware_row(
                 j -= 1
             small[j] = v
         room = mean_bin - _row_sum(small, np.int64(0), m)
-        total = 0
-        for e in range(n):
-            need = 1.0
-            if room > 0:
-                need = min(max(np.ceil(w[e] / max(room, 1e-300)), 1.0), float(num_replicas))
-            counts[e] = np.int64(need)
-            total += counts[e]
-            raised = raised or counts[e] > 1
+        total = n  # with no room every expert keeps its one replica (counts are all 1 already)
+        if room > 0:
+            # one pass without branches (the compiler vectorises it)
+            cap = float(num_replicas)
+            div = max(room, 1e-300)
+            total = 0
+            for e in range(n):
+                counts[e] = np.int64(min(max(np.ceil(w[e] / div), 1.0), cap))
+                total += counts[e]
+                raised |= counts[e] > 1
         if total > num_replicas:
             counts[:] = 1
             raised = False

@@ -16,15 +16,18 @@ from eplb_core._numba.rounds import (
 from eplb_core._numba.utils import (
     _INF,
     BLOCK,
+    BRUTE_FORCE_SLOTS,
     CLOSE_ENOUGH,
     MAX_RESPLIT_SLOTS,
     MIN_BLOCK_GAIN,
     PRUNE_MARGIN,
+    RANK_SORT_SLOTS,
     REL_TOL,
     REPAIR_SCAN_SLOTS,
     _pairwise_sum,
     _row_sum,
     njit,
+    njit_inline,
 )
 
 
@@ -41,6 +44,7 @@ def _workspace(num_bins: int, slots: int, num_ids: int, num_splits: int, num_row
         np.empty(slots, dtype=np.bool_),
         np.empty(slots, dtype=np.int64),
         np.empty((num_rows, num_bins, slots), dtype=np.int64),
+        np.empty(slots * slots),
     )
     two = 2 * slots
     pb = (
@@ -183,7 +187,7 @@ def _refine(
                 # a row's bin loads, order, versions and slot order, set up at its first block
                 ready[r] = True
                 stamp = _start_row(fl, slots, rb_r[2], rb_r[3], rb_r[4], stamp)
-                if not resplit and not presorted[r]:
+                if slots > BRUTE_FORCE_SLOTS and not presorted[r]:
                     _sort_slots(fl, num_bins, slots, sb_r[5])
             elif resplit or use_budget:
                 # fresh versions: the re-split's peak step counts the pairs it tries, which a skip
@@ -251,7 +255,7 @@ def _repair_row(
                 i = b * slots + s
                 for t in range(s + 1, slots):
                     j = b * slots + t
-                    repeats = repeats or (fe[i] == fe[j] and not (ff[i] and ff[j]))
+                    repeats |= (fe[i] == fe[j]) & ~(ff[i] & ff[j])
     else:
         # many slots: one pass, remembering per expert the last bin it was met in and whether a
         # replica there was not fixed (two replicas on a bin repeat unless both are fixed)
@@ -328,6 +332,72 @@ def _repair_row(
                 ff[i], ff[best_j] = ff[best_j], ff[i]
 
 
+@njit_inline
+def _ordered(la: float, ea: int, lb: float, eb: int) -> tuple[float, int, float, int]:
+    """A compare-exchange of two slots ``(load, expert)``: the one that goes first (larger load,
+    lower expert id on ties) comes first; branch-free selects."""
+    swap = (lb > la) | ((lb == la) & (eb < ea))
+    return (lb if swap else la), (eb if swap else ea), (la if swap else lb), (ea if swap else eb)
+
+
+@njit
+def _write_sorted_small(
+    expert: np.ndarray, load: np.ndarray, first: int, num_rows: int, out: np.ndarray
+) -> None:
+    """:func:`_write_sorted` for 4 or 5 slots per bin by sorting networks (5 and 9 compare-exchanges):
+    the same order, without the insertion sort's unpredictable branches."""
+    _, num_bins, slots = expert.shape
+    for r in range(first, first + num_rows):
+        for g in range(num_bins):
+            start = (r - first) * num_bins * slots + g * slots
+            l0, l1, l2, l3 = load[r, g, 0], load[r, g, 1], load[r, g, 2], load[r, g, 3]
+            e0, e1, e2, e3 = expert[r, g, 0], expert[r, g, 1], expert[r, g, 2], expert[r, g, 3]
+            if slots == 4:
+                l0, e0, l1, e1 = _ordered(l0, e0, l1, e1)
+                l2, e2, l3, e3 = _ordered(l2, e2, l3, e3)
+                l0, e0, l2, e2 = _ordered(l0, e0, l2, e2)
+                l1, e1, l3, e3 = _ordered(l1, e1, l3, e3)
+                l1, e1, l2, e2 = _ordered(l1, e1, l2, e2)
+            else:
+                l4, e4 = load[r, g, 4], expert[r, g, 4]
+                l0, e0, l1, e1 = _ordered(l0, e0, l1, e1)
+                l3, e3, l4, e4 = _ordered(l3, e3, l4, e4)
+                l2, e2, l4, e4 = _ordered(l2, e2, l4, e4)
+                l2, e2, l3, e3 = _ordered(l2, e2, l3, e3)
+                l0, e0, l3, e3 = _ordered(l0, e0, l3, e3)
+                l0, e0, l2, e2 = _ordered(l0, e0, l2, e2)
+                l1, e1, l4, e4 = _ordered(l1, e1, l4, e4)
+                l1, e1, l3, e3 = _ordered(l1, e1, l3, e3)
+                l1, e1, l2, e2 = _ordered(l1, e1, l2, e2)
+                out[start + 4] = e4
+            out[start] = e0
+            out[start + 1] = e1
+            out[start + 2] = e2
+            out[start + 3] = e3
+
+
+@njit
+def _write_sorted_rank(
+    expert: np.ndarray, load: np.ndarray, first: int, num_rows: int, out: np.ndarray
+) -> None:
+    """:func:`_write_sorted` by ranks: every slot goes to the count of the bin's slots that come before
+    it (larger load, lower expert id on ties, lower slot on full ties, which are alike), all pairs
+    compared without branches."""
+    _, num_bins, slots = expert.shape
+    for r in range(first, first + num_rows):
+        for g in range(num_bins):
+            start = (r - first) * num_bins * slots + g * slots
+            for i in range(slots):
+                li = load[r, g, i]
+                ei = expert[r, g, i]
+                rank = 0
+                for j in range(slots):
+                    lj = load[r, g, j]
+                    ej = expert[r, g, j]
+                    rank += (lj > li) | ((lj == li) & ((ej < ei) | ((ej == ei) & (j < i))))
+                out[start + rank] = ei
+
+
 @njit
 def _write_sorted(
     expert: np.ndarray,
@@ -346,6 +416,12 @@ def _write_sorted(
     :func:`_refine`), which makes it one pass when that order is current. The result is the same
     for any order the slots arrive in (the sorted order is unique up to equal items)."""
     _, num_bins, slots = expert.shape
+    if (slots == 4 or slots == 5) and not use_srt:
+        _write_sorted_small(expert, load, first, num_rows, out)
+        return
+    if slots <= RANK_SORT_SLOTS and not use_srt:
+        _write_sorted_rank(expert, load, first, num_rows, out)
+        return
     key = np.empty(slots)
     for r in range(first, first + num_rows):
         for g in range(num_bins):

@@ -55,6 +55,41 @@ def _pair_bins(
         m = m + 1 if m + 1 < half else 0
 
 
+@njit_inline
+def _tree_update(tk: np.ndarray, ti: np.ndarray, b: int, value: float) -> int:
+    """Set bin ``b``'s load in the tree of :func:`_heaviest_tree` and replay its path; returns the
+    heaviest bin."""
+    size = tk.size // 2
+    p = size + b
+    kv, iv = value, b
+    tk[p] = kv
+    while p > 1:
+        sk, si = tk[p ^ 1], ti[p ^ 1]
+        sib = (sk > kv) | ((sk == kv) & (si < iv))
+        kv = sk if sib else kv
+        iv = si if sib else iv
+        p >>= 1
+        tk[p] = kv
+        ti[p] = iv
+    return ti[1]
+
+
+@njit_inline
+def _heaviest_tree(bin_load: np.ndarray, tk: np.ndarray, ti: np.ndarray) -> int:
+    """The heaviest bin (lowest index on ties, as a scan for a strictly larger load finds), from a
+    tournament tree over the bins built in ``tk``/``ti`` (leaves ``size + b``, padded with ``-inf``;
+    every node holds the load and index that win its subtree): :func:`_tree_update` keeps it."""
+    size = tk.size // 2
+    for b in range(size):
+        tk[size + b] = bin_load[b] if b < bin_load.size else -_INF
+        ti[size + b] = b
+    for p in range(size - 1, 0, -1):
+        right = tk[2 * p + 1] > tk[2 * p]  # ties: the left subtree's lower index
+        tk[p] = tk[2 * p + 1] if right else tk[2 * p]
+        ti[p] = ti[2 * p + 1] if right else ti[2 * p]
+    return ti[1]
+
+
 @njit
 def _row_buffers(num_bins: int, num_rows: int) -> tuple:
     """Work arrays of the refinement: pair ids, and per row its bin loads, bin order, and the versions
@@ -62,7 +97,8 @@ def _row_buffers(num_bins: int, num_rows: int) -> tuple:
     contents do; ``seen[h, l]`` holds the versions of the heavy and the light bin side by side, one
     memory access). The per-row arrays live from block to
     block of a row: a pair that declined in an earlier block of its row is skipped too while
-    neither bin changed. Last, the work arrays of the bin order's merge sort (many bins)."""
+    neither bin changed. Last, the work arrays of the bin order's merge sort and the tree of the
+    heaviest bin (:func:`_heaviest_tree`), for rows of many bins."""
     half = num_bins // 2
     heavy = np.empty(half, dtype=np.int64)
     light = np.empty(half, dtype=np.int64)
@@ -70,7 +106,12 @@ def _row_buffers(num_bins: int, num_rows: int) -> tuple:
     order = np.empty((num_rows, num_bins), dtype=np.int64)
     ver = np.zeros((num_rows, num_bins), dtype=np.int64)
     seen = np.full((num_rows, num_bins, num_bins, 2), -1, dtype=np.int64)
-    return heavy, light, bin_load, order, ver, seen, _sort_workspace(num_bins)
+    size = 1
+    while size < num_bins:
+        size *= 2
+    tk = np.empty(2 * size)
+    ti = np.empty(2 * size, dtype=np.int64)
+    return heavy, light, bin_load, order, ver, seen, _sort_workspace(num_bins), tk, ti
 
 
 @njit
@@ -91,8 +132,8 @@ def _start_row(
 def _row_state(rb: tuple, sb: tuple, r: int) -> tuple[tuple, tuple]:
     """Row ``r``'s views of the work arrays ``rb``/``sb`` of :func:`_workspace`: what
     :func:`_resplit_rounds` and :func:`_swap_rounds` take."""
-    rb_r = (rb[0], rb[1], rb[2][r], rb[3][r], rb[4][r], rb[5][r], rb[6])
-    sb_r = (sb[0], sb[1], sb[2], sb[3], sb[4], sb[5][r])
+    rb_r = (rb[0], rb[1], rb[2][r], rb[3][r], rb[4][r], rb[5][r], rb[6], rb[7], rb[8])
+    sb_r = (sb[0], sb[1], sb[2], sb[3], sb[4], sb[5][r], sb[6])
     return rb_r, sb_r
 
 
@@ -276,12 +317,14 @@ def _swap_rounds(
     Returns:
         ``(moved, stamp)``: whether something moved, and the last bin version used.
     """
-    heavy, light, bin_load, order, ver, seen, sw = rb
-    held, va, no_x, no_y, ya, srt = sb
+    heavy, light, bin_load, order, ver, seen, sw, _, _ = rb
+    held, va, no_x, no_y, ya, srt, gains = sb
+    gain_bits = gains.view(np.int64)
     num_bins = bin_load.size
     half = num_bins // 2
-    # the sweep needs no budget check per (x, y): with a migration budget every pair is scored
-    brute = budget >= 0 and slots <= BRUTE_FORCE_SLOTS
+    # up to BRUTE_FORCE_SLOTS slots every (x, y) pair is scored (the same exchanges as the sweep);
+    # the kept slot order ``srt`` and the ``held`` table serve the sweep only
+    brute = slots <= BRUTE_FORCE_SLOTS
     moved = False
 
     def change(a: int, b: int) -> int:
@@ -320,6 +363,38 @@ def _swap_rounds(
                 best, pa, pb = _brute_exchange_np(
                     fl, fe, ff, has_fixed, ha, lb0, slots, gap, origin, used, budget
                 )
+            elif brute and budget < 0:
+                # every pair's gain, clamped at 0 (a gain <= 0 never moves: ``tol`` >= 0) and 0 where
+                # blocked, as the integer of its bits (order-preserving for floats >= 0): the first
+                # largest in x-major order is what the scoring below picks, found without branches
+                for x in range(slots):
+                    no_x[x] = has_fixed and ff[ha + x]
+                    no_y[x] = has_fixed and ff[lb0 + x]
+                for x in range(slots):
+                    ex = fe[ha + x]
+                    clash = False
+                    for y in range(slots):
+                        same = fe[lb0 + y] == ex
+                        clash |= same
+                        no_y[y] |= same
+                    no_x[x] |= clash
+                for x in range(slots):
+                    fx = fl[ha + x]
+                    bx = no_x[x]
+                    for y in range(slots):
+                        delta = fx - fl[lb0 + y]
+                        gain = min(delta, gap - delta)
+                        blocked = bx | no_y[y]
+                        gains[x * slots + y] = gain if gain > 0.0 and not blocked else 0.0
+                top = np.int64(0)
+                for q in range(slots * slots):
+                    top = max(top, gain_bits[q])
+                if top > 0:
+                    q = 0
+                    while gain_bits[q] != top:
+                        q += 1
+                    best = gains[q]
+                    pa, pb = ha + q // slots, lb0 + q % slots
             elif brute:
                 # x (y) may not move when fixed or when its expert is already on the other bin
                 for x in range(slots):
@@ -476,7 +551,7 @@ def _resplit_rounds(
     Returns:
         ``(moved, stamp)``: whether something moved, and the last bin version used.
     """
-    heavy, light, bin_load, order, ver, seen, sw = rb
+    heavy, light, bin_load, order, ver, seen, sw, tk, ti = rb
     idx_heavy, idx_light, member, member_f = tables
     items, items32, sums, valid, score, ids, fix, pos, tmp_l, tmp_e, tmp_f, clash_a, clash_b = pb
     score_bits = score.view(np.int32)
@@ -484,6 +559,8 @@ def _resplit_rounds(
     half = num_bins // 2
     num_pairs = (half + 1) // 2 if num_bins > MANY_BINS else half
     peak_tries = PEAK_TRIES_MANY if num_bins > MANY_BINS else PEAK_TRIES
+    # many bins: the peak step finds the heaviest bin in a tree (two paths per move, not a scan)
+    many = num_bins > MANY_BINS
     num_splits = idx_heavy.shape[0]
     # member_f has zero columns up to a multiple of 8 splits: the sums run in whole vectors
     num_padded = member_f.shape[1]
@@ -501,9 +578,12 @@ def _resplit_rounds(
             if not peak_phase:
                 if k == num_pairs:
                     peak_phase = True
-                    for g in range(1, num_bins):
-                        if bin_load[g] > bin_load[hp]:
-                            hp = g
+                    if many:
+                        hp = _heaviest_tree(bin_load, tk, ti)
+                    else:
+                        for g in range(1, num_bins):
+                            if bin_load[g] > bin_load[hp]:
+                                hp = g
                     continue
                 h, lt = heavy[k], light[k]
                 k += 1
@@ -705,8 +785,13 @@ def _resplit_rounds(
             moved = True
             if peak_phase:
                 j = 0
-                hp = 0
-                for g in range(1, num_bins):
-                    if bin_load[g] > bin_load[hp]:
-                        hp = g
+                if many:
+                    # only h and lt changed: replay their paths of the tree
+                    _tree_update(tk, ti, h, load_h)
+                    hp = _tree_update(tk, ti, lt, load_l)
+                else:
+                    hp = 0
+                    for g in range(1, num_bins):
+                        if bin_load[g] > bin_load[hp]:
+                            hp = g
     return moved, stamp

@@ -17,7 +17,14 @@ from eplb_core._numba.refine import (
     _write_sorted,
 )
 from eplb_core._numba.starts import _layout_row, _lpt_into, _lpt_workspace, _plain_lpt_peak, _slot_order
-from eplb_core._numba.utils import _INF, GREEDY_MARGIN, MAX_RESPLIT_SLOTS, RR_MAX_SLOTS, njit
+from eplb_core._numba.utils import (
+    _INF,
+    BRUTE_FORCE_SLOTS,
+    GREEDY_MARGIN,
+    MAX_RESPLIT_SLOTS,
+    RR_MAX_SLOTS,
+    njit,
+)
 
 
 @njit
@@ -145,7 +152,7 @@ def solve_layers(
     node_lw = _lpt_workspace(num_groups, num_nodes)
     ws = _workspace(num_bins, slots, num_experts, tables[3].shape[1], num_cand * num_nodes)
     # the exchange rounds' slot order of every row, written from the starts' load order (see _refine)
-    presort = slots > MAX_RESPLIT_SLOTS
+    presort = slots > BRUTE_FORCE_SLOTS
     srt = ws[1][5]
     presorted = ws[3][0][3]
     item_slot = np.empty(reps, dtype=np.int64)

@@ -52,12 +52,17 @@ BLOCK = 4
 # with up to this many slots per GPU a row's repeats of an expert on a GPU are found by comparing
 # every two slots of a GPU; with more, in one pass over the row
 REPAIR_SCAN_SLOTS = 16
+# bins of up to this many slots are written in order by ranks (all pairs compared), more by insertion
+RANK_SORT_SLOTS = 16
 # from this many items, a stable argsort tries buckets of the loads' bits first (a counting sort);
 # a bucket of more than BUCKET_MAX items sends it back to the merge sort
 BUCKET_SORT_MIN = 16
 BUCKET_MAX = 16
-# from this many replicas to hand out, the greedy replica split keeps the experts in a heap
+# from this many replicas to hand out, the greedy replica split of a row of more than
+# GREEDY_SCAN_EXPERTS experts keeps them in a heap; up to that many experts, a vectorised scan per
+# replica beats the heap's unpredictable branches
 GREEDY_HEAP_MIN = 8
+GREEDY_SCAN_EXPERTS = 512
 
 
 def default_iters(num_bins: int, slots: int) -> int:

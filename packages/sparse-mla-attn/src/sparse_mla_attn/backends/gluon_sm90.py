@@ -9,9 +9,11 @@ Both kernels are warp specialised and share their producer (``_ws_producer``): o
 consumer warpgroups compute, so that one warpgroup's softmax / exp runs while the other's products occupy
 the tensor cores (FlashMLA-style ping-pong).
 
-* forward: a ring of two slots, the consumers take alternate blocks (``_pp_consumer``);
-* attn_dist: a ring of three slots (the query lives in registers), the consumers split the heads (or a
-  block's columns) and issue their products by turns (``_ad_consumer``).
+* forward: a ring of two slots, the consumers take alternate blocks (``_pp_consumer``); one program per
+  (token, head tile), or persistent (``_sparse_mla_fwd_persistent_kernel``: one program per
+  multiprocessor taking those items in turn with one ring);
+* attn_dist: a ring of three slots (the query lives in registers), the consumers split the heads (or take
+  alternate blocks, or split a block's columns) and issue their products by turns (``_ad_consumer``).
 
 Rows whose index is invalid are copied with a zero source size (``cp.async`` zero fill): they are never
 read.
@@ -116,36 +118,13 @@ if HAVE_GLUON:
         Invalid rows (index < 0 or >= hi) get a zero source size: the slot is zero-filled, the row is
         not read. ``ld_l`` gives each thread 16-byte vectors and a warp 4 rows x 128 bytes.
         """
-        _issue_gather_cols(kn_buf, kr_buf, KV, stride_kv_row, idx, hi, 0, D_NOPE, True, D_NOPE, D_ROPE, ld_l)
-
-    @gluon.jit
-    def _issue_gather_cols(
-        kn_buf,
-        kr_buf,
-        KV,
-        stride_kv_row,
-        idx,
-        hi,
-        C0: gl.constexpr,
-        NC: gl.constexpr,
-        WITH_ROPE: gl.constexpr,
-        D_NOPE: gl.constexpr,
-        D_ROPE: gl.constexpr,
-        ld_l: gl.constexpr,
-    ):
-        """:func:`_issue_gather` of the latent columns ``C0 .. C0 + NC`` only (into the same columns of
-        ``kn_buf``), and of the RoPE columns only ``WITH_ROPE``."""
         valid = (idx >= 0) & (idx < hi)
         row = gl.where(valid, idx, 0).to(gl.int64) * stride_kv_row
-        cols_n = C0 + gl.arange(0, NC, layout=gl.SliceLayout(0, ld_l))
-        if NC < D_NOPE:
-            dst = kn_buf.slice(C0, NC, dim=1)
-        else:
-            dst = kn_buf
+        cols_n = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
         cp.async_copy_global_to_shared(
-            dst, KV + row[:, None] + cols_n[None, :], mask=valid[:, None] & (cols_n[None, :] >= 0)
+            kn_buf, KV + row[:, None] + cols_n[None, :], mask=valid[:, None] & (cols_n[None, :] >= 0)
         )
-        if WITH_ROPE and D_ROPE > 0:
+        if D_ROPE > 0:
             cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
             cp.async_copy_global_to_shared(
                 kr_buf, KV + row[:, None] + cols_r[None, :], mask=valid[:, None] & (cols_r[None, :] >= 0)
@@ -200,205 +179,27 @@ if HAVE_GLUON:
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
         NUM_BUF: gl.constexpr,
-        HALF_RING: gl.constexpr = False,
-        PREFETCH: gl.constexpr = False,
+        g0=0,
     ):
         """Producer warpgroup of the warp-specialised kernels (forward and attn_dist): gathers block ``b``
         into slot ``b % NUM_BUF`` once its readers released that slot's previous block, and arms
         ``full_bars[b % NUM_BUF]`` with one deferred arrive per thread (``cp.async.mbarrier.arrive.noinc``:
-        it fires when this thread's copies landed). ``HALF_RING``: see :func:`_ws_producer_halves`.
-        ``PREFETCH``: once an even block ``b`` is issued, ask L2 for the rows of blocks ``b + 1`` and
-        ``b + 2`` (:func:`_prefetch_rows`), so that their DRAM reads overlap the wait for a free slot."""
+        it fires when this thread's copies landed). ``g0``: blocks the ring already carried (a persistent
+        program's earlier items; even in the forward), so block ``b`` is the ring's block ``g0 + b``."""
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        if HALF_RING:
-            _ws_producer_halves(
-                kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, n_blocks // 2,
-                D_NOPE, D_ROPE, BLOCK_T, ld_l, PREFETCH,
-            )  # fmt: skip
-            return
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
         idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
         for b in range(n_blocks):
-            slot = b % NUM_BUF
+            slot = (g0 + b) % NUM_BUF
             idx_cur = idx_next
             nxt = (b + 1) * BLOCK_T + offs_t
             idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
             # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
-            mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
+            mbarrier.wait(empty_bars.index(slot), (((g0 + b) // NUM_BUF) & 1) ^ 1)
             _issue_gather(
                 kn_smem.index(slot), kr_smem.index(slot), KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l
             )
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
-            if PREFETCH:  # noqa: SIM102 (a compile-time condition around a run-time one)
-                if b % 2 == 0:  # blocks b + 1 and b + 2 (the indices of b + 1 are in L1)
-                    _prefetch_rows(
-                        KV, stride_kv_row, idx_row, (b + 1) * BLOCK_T, n_t, hi, D_NOPE + D_ROPE, BLOCK_T
-                    )
-
-    @gluon.jit
-    def _prefetch_rows(KV, stride_kv_row, idx_row, t0, n_t, hi, D_QK: gl.constexpr, BLOCK_T: gl.constexpr):
-        """Ask L2 to fetch and keep (``evict_last``) the valid rows of the indices ``t0 .. t0 + 2 BLOCK_T``
-        (two blocks: one index per producer thread): one bulk prefetch of a whole row
-        (``cp.async.bulk.prefetch.L2``, ``2 * D_QK`` bytes, 16-byte aligned) per index."""
-        pf_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        offs = t0 + gl.arange(0, 2 * BLOCK_T, layout=pf_l)
-        idx = gl.load(idx_row + offs, mask=offs < n_t, other=-1)
-        valid = (idx >= 0) & (idx < hi)
-        ptr = KV + gl.where(valid, idx, 0).to(gl.int64) * stride_kv_row
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $3, pol; mov.u32 $0, 0; }",
-            "=r,l,r,r",
-            [ptr, valid.to(gl.int32), gl.full([2 * BLOCK_T], D_QK * 2, gl.int32, pf_l)],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-    @gluon.jit
-    def _ws_producer_halves(
-        kn_smem,
-        kr_smem,
-        full_bars,
-        empty_bars,
-        KV,
-        stride_kv_row,
-        idx_row,
-        n_t,
-        hi,
-        n_pairs,
-        D_NOPE: gl.constexpr,
-        D_ROPE: gl.constexpr,
-        BLOCK_T: gl.constexpr,
-        ld_l: gl.constexpr,
-        PREFETCH: gl.constexpr,
-    ):
-        """Producer of the forward's half-slot ring (two slots, block ``2k + s`` in slot ``s``): each slot is
-        gathered as two halves with their own barriers, ``2 s``: latent columns ``0 .. D_NOPE/2`` (the
-        values of consumer warpgroup 0), ``2 s + 1``: the other latent columns and the RoPE part. Per pair
-        it fills slot 0's left half, slot 1's right half, slot 0's right half, slot 1's left half, the
-        order in which the consumers' S products read them (see :func:`_pp_issue_qk`), each as soon as
-        its one reader released it."""
-        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
-        for k in range(n_pairs):
-            o0 = 2 * k * BLOCK_T + offs_t
-            idx0 = gl.load(idx_row + o0, mask=o0 < n_t, other=-1)
-            idx1 = gl.load(idx_row + BLOCK_T + o0, mask=BLOCK_T + o0 < n_t, other=-1)
-            ph = (k & 1) ^ 1  # a fresh barrier passes parity 1 at once
-            # Slot 0's left half, slot 1's right half, slot 0's right half, slot 1's left half.
-            _ws_fill_half(kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx0, hi, ph, 0, 0, D_NOPE, D_ROPE, ld_l)  # fmt: skip
-            _ws_fill_half(kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx1, hi, ph, 1, 1, D_NOPE, D_ROPE, ld_l)  # fmt: skip
-            _ws_fill_half(kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx0, hi, ph, 0, 1, D_NOPE, D_ROPE, ld_l)  # fmt: skip
-            _ws_fill_half(kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx1, hi, ph, 1, 0, D_NOPE, D_ROPE, ld_l)  # fmt: skip
-            if PREFETCH:  # the next pair's rows
-                _prefetch_rows(
-                    KV, stride_kv_row, idx_row, (2 * k + 2) * BLOCK_T, n_t, hi, D_NOPE + D_ROPE, BLOCK_T
-                )
-
-    @gluon.jit
-    def _ws_fill_half(
-        kn_smem,
-        kr_smem,
-        full_bars,
-        empty_bars,
-        KV,
-        stride_kv_row,
-        idx,
-        hi,
-        ph,
-        SLOT: gl.constexpr,
-        HALF: gl.constexpr,
-        D_NOPE: gl.constexpr,
-        D_ROPE: gl.constexpr,
-        ld_l: gl.constexpr,
-    ):
-        """Half ``HALF`` of slot ``SLOT`` (barriers ``2 SLOT + HALF``): wait until its reader released it
-        (parity ``ph``), gather it, arm its full barrier."""
-        D_HALF: gl.constexpr = D_NOPE // 2
-        mbarrier.wait(empty_bars.index(2 * SLOT + HALF), ph)
-        _issue_gather_cols(
-            kn_smem.index(SLOT), kr_smem.index(SLOT), KV, stride_kv_row, idx, hi, HALF * D_HALF, D_HALF, HALF == 1,
-            D_NOPE, D_ROPE, ld_l,
-        )  # fmt: skip
-        cp.mbarrier_arrive(full_bars.index(2 * SLOT + HALF), increment_count=False)
-
-    @gluon.jit
-    def _pp_issue_qk(
-        WG: gl.constexpr,
-        qn_smem,
-        qr_smem,
-        kn_smem,
-        kr_smem,
-        full_bars,
-        z,
-        k,
-        idx_row,
-        n_t,
-        D_ROPE: gl.constexpr,
-        BLOCK_T: gl.constexpr,
-        HALF_RING: gl.constexpr,
-    ):
-        """Wait for and issue (async) S = Q K^T of warpgroup ``WG``'s block ``2k + WG`` (slot ``WG``);
-        ``z``: an opaque zero (see :func:`_pp_consumer`). Returns S (in flight) and the block's indices,
-        loaded once the block's first part landed. With ``HALF_RING`` the product starts on the half
-        the producer fills first (warpgroup 0: the left latent columns, warpgroup 1: the right ones and the
-        RoPE part) while the other half is still landing."""
-        BLOCK_H: gl.constexpr = 64
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
-        )
-        b = 2 * k + WG
-        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
-        s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
-        if HALF_RING:
-            s = _pp_qk_half(WG, WG, False, qn_smem, qr_smem, kn_smem, kr_smem, full_bars, z, k, s, D_ROPE)
-            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
-            s = _pp_qk_half(WG, 1 - WG, True, qn_smem, qr_smem, kn_smem, kr_smem, full_bars, z, k, s, D_ROPE)
-        else:
-            _ws_wait_full(full_bars, b, 2)  # slot b % 2 == WG
-            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
-            s = warpgroup_mma(
-                qn_smem.index(z), kn_smem.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
-            )
-            if D_ROPE > 0:
-                s = warpgroup_mma(qr_smem.index(z), kr_smem.index(WG + z).permute((1, 0)), s, is_async=True)
-        return s, t_idx
-
-    @gluon.jit
-    def _pp_qk_half(
-        WG: gl.constexpr,
-        HALF: gl.constexpr,
-        USE_ACC: gl.constexpr,
-        qn_smem,
-        qr_smem,
-        kn_smem,
-        kr_smem,
-        full_bars,
-        z,
-        k,
-        s,
-        D_ROPE: gl.constexpr,
-    ):
-        """Wait for half ``HALF`` of slot ``WG`` (pair ``k``) and issue its part of S (async): latent
-        columns ``HALF * D_NOPE/2 ..``, and the RoPE part with the right half."""
-        D_HALF: gl.constexpr = qn_smem.shape[2] // 2
-        mbarrier.wait(full_bars.index(2 * WG + HALF), k & 1)
-        fence_async_shared()
-        qh = qn_smem.index(z).slice(HALF * D_HALF, D_HALF, dim=1)
-        kh = kn_smem.index(WG + z).slice(HALF * D_HALF, D_HALF, dim=1).permute((1, 0))
-        s = warpgroup_mma(qh, kh, s, use_acc=USE_ACC, is_async=True)
-        if HALF == 1 and D_ROPE > 0:
-            s = warpgroup_mma(qr_smem.index(z), kr_smem.index(WG + z).permute((1, 0)), s, is_async=True)
-        return s
-
-    @gluon.jit
-    def _pp_release(empty_bars, SLOT: gl.constexpr, WG: gl.constexpr, HALF_RING: gl.constexpr):
-        """Consumer warpgroup ``WG`` is done with slot ``SLOT``'s block: with ``HALF_RING`` it was the last
-        reader of the slot's half ``WG`` (the values of its P·V), else one of the slot's two readers."""
-        if HALF_RING:
-            mbarrier.arrive(empty_bars.index(2 * SLOT + WG))
-        else:
-            mbarrier.arrive(empty_bars.index(SLOT))
 
     @gluon.jit
     def _pp_consumer(
@@ -433,8 +234,8 @@ if HAVE_GLUON:
         BLOCK_T: gl.constexpr,
         HAS_SINK: gl.constexpr,
         SPLIT_K: gl.constexpr,
-        HALF_RING: gl.constexpr,
-        EARLY_QK: gl.constexpr,
+        kk0=0,
+        end_ph=0,
     ):
         """Ping-pong forward, consumer warpgroup ``WG`` (0 or 1) of a token's 64 heads.
 
@@ -447,16 +248,12 @@ if HAVE_GLUON:
 
         Waits are bounded by construction: ``full_bars[s]`` completes once per gather (128 producer
         arrivals), ``empty_bars[s]`` once per block (one arrive per consumer warpgroup), ``p_bars[w]``
-        once per pair; no barrier can run more than one phase ahead of its waiters.
+        once per pair; no barrier can run more than one phase ahead of its waiters. ``kk0``: pairs the ring
+        already carried and ``end_ph``: the phase of ``end_bar`` (a persistent program's earlier items).
 
         With ``SPLIT_K`` the program covers one split of the token's top-k list and writes the split-K
         partials as the Triton forward does: the fp32 output normalised by this split's own sum (no
         sink), the base-2 lse and row max (merged by ``_split_combine_kernel``).
-
-        ``HALF_RING``: each slot has two halves with their own barriers (see :func:`_ws_producer_halves`),
-        released by their last reader (warpgroup ``w`` reads the values of half ``w``), so a half is
-        refilled while the other is still read. ``EARLY_QK``: warpgroup 0 issues the S of its next block
-        right behind its last P·V of a pair (as FlashMLA does) instead of after waiting for that P·V.
         """
         BLOCK_H: gl.constexpr = 64
         D_HALF: gl.constexpr = D_NOPE // 2
@@ -473,32 +270,25 @@ if HAVE_GLUON:
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
         l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
         acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
-        s_next = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
-        t_next = gl.full([BLOCK_T], -1, gl.int32, gl.SliceLayout(0, s_l))
-        if EARLY_QK and WG == 0:  # noqa: SIM102 (a compile-time condition around a run-time one)
-            if n_pairs > 0:
-                s_next, t_next = _pp_issue_qk(
-                    WG, qn_smem, qr_smem, kn_smem, kr_smem, full_bars, 0, 0, idx_row, n_t, D_ROPE, BLOCK_T,
-                    HALF_RING,
-                )  # fmt: skip
-                s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
+        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
         for k in range(n_pairs):
-            ph = k & 1
+            ph = (kk0 + k) & 1
             # Own block b = 2k + WG in slot WG: issue its S first (warpgroup 1 thus computes S(2k+1)
             # while warpgroup 0 runs the softmax of block 2k).
+            b = 2 * k + WG
             # An opaque zero that depends on k: with constant shared-memory addresses the compiler hoists
             # all 2 x 36 wgmma descriptors of S out of the loop (144 registers) and spills.
             z = gl.inline_asm_elementwise(
                 "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
             )
-            if EARLY_QK and WG == 0:
-                s = s_next  # issued behind the previous pair's last P·V, and complete
-                t_idx = t_next
-            else:
-                s, t_idx = _pp_issue_qk(
-                    WG, qn_smem, qr_smem, kn_smem, kr_smem, full_bars, z, k, idx_row, n_t, D_ROPE, BLOCK_T,
-                    HALF_RING,
-                )  # fmt: skip
+            _ws_wait_full(full_bars, 2 * (kk0 + k) + WG, 2)  # slot WG
+            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
+            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
+            s = warpgroup_mma(
+                qn_smem.index(z), kn_smem.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
+            )
+            if D_ROPE > 0:
+                s = warpgroup_mma(qr_smem.index(z), kr_smem.index(WG + z).permute((1, 0)), s, is_async=True)
             if WG == 1:
                 # The other warpgroup's block 2k (its softmax ran while S(2k+1) was computed): P and its
                 # row max from shared memory; its P·V queues behind S.
@@ -512,7 +302,7 @@ if HAVE_GLUON:
                     p_smem, kn_smem.index(0).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
                 )
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done, P·V(2k) may still run
-            elif not EARLY_QK:
+            else:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             valid = (t_idx >= 0) & (t_idx < hi)
             s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
@@ -526,7 +316,7 @@ if HAVE_GLUON:
             if WG == 1:
                 # P(2k) must be read before P(2k+1) overwrites it; then slot 0 is done for this warpgroup.
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                _pp_release(empty_bars, 0, WG, HALF_RING)
+                mbarrier.arrive(empty_bars.index(0))
             p_smem.store(p16)
             m_smem.index(WG).store(m_new)
             fence_async_shared()
@@ -543,49 +333,23 @@ if HAVE_GLUON:
                 # Release slot 0 as soon as this warpgroup is done with block 2k (S and P·V), before
                 # waiting for the other's block 2k+1: the gather of block 2k+2 starts earlier.
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                _pp_release(empty_bars, 0, WG, HALF_RING)
+                mbarrier.arrive(empty_bars.index(0))
                 mbarrier.wait(p_bars.index(1), ph)
                 m_b = m_smem.index(1).load(row_l)
                 alpha = gl.exp2(m_i - gl.where(m_b == float("-inf"), 0.0, m_b))
                 l_i = l_i * alpha
                 m_i = m_b
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-                if EARLY_QK:
-                    # (A branch may not leave a product in flight: each issues and waits its own.)
-                    if k + 1 < n_pairs:
-                        # S(2k+2) queues right behind this P·V: the tensor cores do not wait for the
-                        # loop's turn-around. Slot 1 is released as soon as the P·V is done.
-                        pv = warpgroup_mma(
-                            p_smem, kn_smem.index(1).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
-                        )
-                        s_next, t_next = _pp_issue_qk(
-                            WG, qn_smem, qr_smem, kn_smem, kr_smem, full_bars, z, k + 1, idx_row, n_t, D_ROPE,
-                            BLOCK_T, HALF_RING,
-                        )  # fmt: skip
-                        # Each warpgroup_mma is one commit group: S is one per part (latent, or its
-                        # two halves; RoPE), and the groups complete in order.
-                        S_GROUPS: gl.constexpr = (2 if HALF_RING else 1) + (1 if D_ROPE > 0 else 0)
-                        acc = warpgroup_mma_wait(num_outstanding=S_GROUPS, deps=(pv,))
-                        _pp_release(empty_bars, 1, WG, HALF_RING)
-                        s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
-                    else:
-                        pv = warpgroup_mma(
-                            p_smem, kn_smem.index(1).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
-                        )
-                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-                        _pp_release(empty_bars, 1, WG, HALF_RING)
-                else:
-                    acc = warpgroup_mma(
-                        p_smem, kn_smem.index(1).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
-                    )
-            if not (EARLY_QK and WG == 0):
-                # (The loop carries acc as a tensor: wait here.) Done with block 2k+1: release slot 1.
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                _pp_release(empty_bars, 1, WG, HALF_RING)
+                acc = warpgroup_mma(
+                    p_smem, kn_smem.index(1).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
+                )
+            # (The loop carries acc as a tensor: wait here.) Done with block 2k+1: release slot 1.
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty_bars.index(1))
         # Row sums: each warpgroup summed its own blocks' P; exchange them once.
         l_smem.index(WG).store(l_i)
         mbarrier.arrive(end_bar)
-        mbarrier.wait(end_bar, 0)
+        mbarrier.wait(end_bar, end_ph)
         l_i = l_i + l_smem.index(1 - WG).load(row_l)
 
         offs_hs = h0 + gl.arange(0, BLOCK_H, layout=row_l)
@@ -611,6 +375,56 @@ if HAVE_GLUON:
         offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
         o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
         gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
+
+    @gluon.jit
+    def _fwd_item(
+        item,
+        IDX,
+        TOPK_LEN,
+        stride_idx_s,
+        stride_o_s,
+        stride_o_h,
+        h_q,
+        n_head_tiles,
+        topk,
+        s_kv,
+        q_start_index,
+        k_stride,
+        n_tok,
+        split_len,
+        D_NOPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        HAS_TOPK_LEN: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        SPLIT_K: gl.constexpr,
+    ):
+        """The forward's work item ``item`` (a program id, see ``_sparse_mla_fwd_pingpong_kernel``): its
+        token, first head, index row, top-k length, causal bound, pairs of blocks, and the offsets and head
+        stride of its outputs."""
+        pid_h = item % n_head_tiles
+        pid_s = item // n_head_tiles
+        if SPLIT_K:
+            pid_k = pid_s // n_tok  # the split
+            pid_s = pid_s % n_tok
+        n_t = topk
+        if HAS_TOPK_LEN:
+            n_t = gl.minimum(gl.load(TOPK_LEN + pid_s), topk)
+        hi = _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL)
+        idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
+        if SPLIT_K:
+            # This split's slots, as a list of its own (the producer and consumers index it from 0).
+            t_start = pid_k * split_len
+            idx_row += t_start
+            n_t = gl.maximum(gl.minimum(n_t - t_start, split_len), 0)
+            lse_base = (pid_k.to(gl.int64) * n_tok + pid_s) * h_q
+            out_base = lse_base * D_NOPE
+            so_h = D_NOPE
+        else:
+            out_base = pid_s.to(gl.int64) * stride_o_s
+            lse_base = pid_s.to(gl.int64) * h_q
+            so_h = stride_o_h
+        n_pairs = gl.cdiv(n_t, 2 * BLOCK_T)
+        return pid_s, pid_h * 64, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h
 
     @gluon.jit
     def _sparse_mla_fwd_pingpong_kernel(
@@ -643,9 +457,6 @@ if HAVE_GLUON:
         HAS_SINK: gl.constexpr,
         HAS_TOPK_LEN: gl.constexpr,
         CAUSAL: gl.constexpr,
-        HALF_RING: gl.constexpr,
-        EARLY_QK: gl.constexpr,
-        PREFETCH: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
@@ -667,17 +478,15 @@ if HAVE_GLUON:
         BLOCK_H: gl.constexpr = 64
         NUM_BUF: gl.constexpr = 2  # the consumers index the two slots by warpgroup (block 2k + WG)
         pid = gl.program_id(0)
-        pid_h = pid % n_head_tiles
-        pid_s = pid // n_head_tiles
-        if SPLIT_K:
-            pid_k = pid_s // n_tok  # the split
-            pid_s = pid_s % n_tok
+        pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = _fwd_item(
+            pid, IDX, TOPK_LEN, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index,
+            k_stride, n_tok, split_len, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
+        )  # fmt: skip
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         dtype: gl.constexpr = Q.dtype.element_ty
 
-        h0 = pid_h * BLOCK_H
         offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
         h_ok = offs_h < h_q
         q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
@@ -698,12 +507,7 @@ if HAVE_GLUON:
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
         m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
         l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
-        if HALF_RING:
-            full_bars, empty_bars = _ws_ring_barriers(2 * NUM_BUF, 1)  # each half has one last reader
-        else:
-            full_bars, empty_bars = _ws_ring_barriers(
-                NUM_BUF, 2
-            )  # both consumers read every block (S and P·V)
+        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 2)  # both consumers read every block (S and P·V)
         p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
         for j in gl.static_range(2):
@@ -711,24 +515,6 @@ if HAVE_GLUON:
         mbarrier.init(end_bar, count=2)
         fence_async_shared()  # the query tile, before wgmma reads it
 
-        n_t = topk
-        if HAS_TOPK_LEN:
-            n_t = gl.minimum(gl.load(TOPK_LEN + pid_s), topk)
-        hi = _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL)
-        idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
-        if SPLIT_K:
-            # This split's slots, as a list of its own (the producer and consumers index it from 0).
-            t_start = pid_k * split_len
-            idx_row += t_start
-            n_t = gl.maximum(gl.minimum(n_t - t_start, split_len), 0)
-            lse_base = (pid_k.to(gl.int64) * n_tok + pid_s) * h_q
-            out_base = lse_base * D_NOPE
-            so_h = D_NOPE
-        else:
-            out_base = pid_s.to(gl.int64) * stride_o_s
-            lse_base = pid_s.to(gl.int64) * h_q
-            so_h = stride_o_h
-        n_pairs = gl.cdiv(n_t, 2 * BLOCK_T)
         # (Argument tuples written inline: a tuple assigned to a variable turns its constexprs into tensors;
         # constexpr variables such as WG0 stay constexprs.)
         WG0: gl.constexpr = 0
@@ -738,16 +524,262 @@ if HAVE_GLUON:
                 (_pp_consumer, (
                     WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
                     end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t,
-                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K, HALF_RING, EARLY_QK,
+                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
                 )),
                 (_pp_consumer, (
                     WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
                     end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t,
-                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K, HALF_RING, EARLY_QK,
+                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
                 )),
                 (_ws_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
-                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF, HALF_RING, PREFETCH,
+                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
+                )),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+    @gluon.jit
+    def _load_q_rows(
+        WG: gl.constexpr,
+        qn_smem,
+        qr_smem,
+        Q,
+        stride_q_s,
+        stride_q_h,
+        pid_s,
+        h0,
+        h_q,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+    ):
+        """Consumer warpgroup ``WG``'s half of the query tile: heads ``h0 + 32 WG ..`` of token ``pid_s``
+        (zero past ``h_q``) copied with cp.async into rows ``32 WG ..`` of the tile; returns once they
+        landed."""
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        offs_h = h0 + 32 * WG + gl.arange(0, 32, layout=gl.SliceLayout(1, ld_l))
+        h_ok = offs_h < h_q
+        q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
+        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
+        cp.async_copy_global_to_shared(
+            qn_smem.index(0).slice(32 * WG, 32, dim=0),
+            q_row + cols[None, :],
+            mask=h_ok[:, None] & (cols[None, :] >= 0),
+        )
+        if D_ROPE > 0:
+            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
+            cp.async_copy_global_to_shared(
+                qr_smem.index(0).slice(32 * WG, 32, dim=0),
+                q_row + cols_r[None, :],
+                mask=h_ok[:, None] & (cols_r[None, :] >= 0),
+            )
+        cp.commit_group()
+        cp.wait_group(0)
+
+    @gluon.jit
+    def _pp_consumer_persistent(
+        WG: gl.constexpr,
+        qn_smem,
+        qr_smem,
+        kn_smem,
+        kr_smem,
+        p_smem,
+        m_smem,
+        l_smem,
+        full_bars,
+        empty_bars,
+        p_bars,
+        end_bar,
+        q_bar,
+        Q,
+        IDX,
+        TOPK_LEN,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        SINK,
+        stride_q_s,
+        stride_q_h,
+        stride_idx_s,
+        stride_o_s,
+        stride_o_h,
+        h_q,
+        n_head_tiles,
+        topk,
+        s_kv,
+        q_start_index,
+        k_stride,
+        n_tok,
+        split_len,
+        n_items,
+        sm_scale_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+        HAS_TOPK_LEN: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        SPLIT_K: gl.constexpr,
+    ):
+        """Consumer warpgroup ``WG`` of the persistent forward: the items ``program_id, program_id +
+        num_programs, ...`` one after the other (``_pp_consumer`` each, the ring's pairs and ``end_bar``'s
+        phase carried on). Before each item both warpgroups, past the previous item's last product, load
+        their half of its query tile and meet at ``q_bar``; meanwhile the producer already gathers the
+        item's first blocks."""
+        kk0 = gl.program_id(0) * 0  # pairs the ring carried so far
+        it = gl.program_id(0) * 0
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = _fwd_item(
+                item, IDX, TOPK_LEN, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv,
+                q_start_index, k_stride, n_tok, split_len, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
+            )  # fmt: skip
+            _load_q_rows(WG, qn_smem, qr_smem, Q, stride_q_s, stride_q_h, pid_s, h0, h_q, D_NOPE, D_ROPE)
+            mbarrier.arrive(q_bar)
+            mbarrier.wait(q_bar, it & 1)
+            fence_async_shared()  # the query tile, before wgmma reads it
+            _pp_consumer(
+                WG, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+                end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t, hi, n_pairs,
+                sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K, kk0, it & 1,
+            )  # fmt: skip
+            kk0 += n_pairs
+            it += 1
+
+    @gluon.jit
+    def _ws_producer_persistent(
+        kn_smem,
+        kr_smem,
+        full_bars,
+        empty_bars,
+        KV,
+        IDX,
+        TOPK_LEN,
+        stride_kv_row,
+        stride_idx_s,
+        stride_o_s,
+        stride_o_h,
+        h_q,
+        n_head_tiles,
+        topk,
+        s_kv,
+        q_start_index,
+        k_stride,
+        n_tok,
+        split_len,
+        n_items,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        HAS_TOPK_LEN: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        SPLIT_K: gl.constexpr,
+    ):
+        """Producer of the persistent forward: ``_ws_producer`` over the program's items in turn, the ring's
+        block count carried on, so the next item's first blocks are gathered while the consumers finish
+        the current one."""
+        g0 = gl.program_id(0) * 0  # blocks the ring carried so far
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            _s, _h0, idx_row, n_t, hi, n_pairs, _ob, _lb, _soh = _fwd_item(
+                item, IDX, TOPK_LEN, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv,
+                q_start_index, k_stride, n_tok, split_len, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
+            )  # fmt: skip
+            _ws_producer(
+                kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
+                D_NOPE, D_ROPE, BLOCK_T, 2, g0,
+            )  # fmt: skip
+            g0 += 2 * n_pairs
+
+    @gluon.jit
+    def _sparse_mla_fwd_persistent_kernel(
+        Q,
+        KV,
+        IDX,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        SINK,
+        TOPK_LEN,
+        stride_q_s,
+        stride_q_h,
+        stride_kv_row,
+        stride_idx_s,
+        stride_o_s,
+        stride_o_h,
+        h_q,
+        n_head_tiles,
+        topk,
+        s_kv,
+        q_start_index,
+        k_stride,
+        sm_scale_log2,
+        n_tok,
+        split_len,
+        n_items,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+        HAS_TOPK_LEN: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+        SPLIT_K: gl.constexpr = False,
+    ):
+        """``_sparse_mla_fwd_pingpong_kernel`` made persistent (``Config.fwd_persistent``): a grid of at most
+        one program per multiprocessor, each running the work items (token, head tile, split)
+        ``program_id, program_id + num_programs, ...`` with one shared-memory ring, so that an item's
+        query load, first gathers and output stores overlap the neighbouring items' work instead of a
+        program's start and end. Same arguments plus ``n_items`` (the non-persistent grid's size)."""
+        gl.static_assert(num_warps == 4)
+        gl.static_assert(BLOCK_T == 64)
+        BLOCK_H: gl.constexpr = 64
+        NUM_BUF: gl.constexpr = 2
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        dtype: gl.constexpr = Q.dtype.element_ty
+        qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
+        if D_ROPE > 0:
+            qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
+        else:
+            qr_smem = qn_smem  # unused
+        kn_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, D_NOPE], smem_l)
+        kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 64], smem_l)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
+        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 2)  # both consumers read every block (S and P·V)
+        p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        for j in gl.static_range(2):
+            mbarrier.init(p_bars.index(j), count=1)
+        mbarrier.init(end_bar, count=2)
+        mbarrier.init(q_bar, count=2)
+        fence_async_shared()  # barrier initialisation, before any partition uses them
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        gl.warp_specialize(
+            [
+                (_pp_consumer_persistent, (
+                    WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+                    end_bar, q_bar, Q, IDX, TOPK_LEN, OUT, MAX_LOGITS, LSE, SINK, stride_q_s, stride_q_h,
+                    stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index, k_stride,
+                    n_tok, split_len, n_items, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, HAS_TOPK_LEN,
+                    CAUSAL, SPLIT_K,
+                )),
+                (_pp_consumer_persistent, (
+                    WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+                    end_bar, q_bar, Q, IDX, TOPK_LEN, OUT, MAX_LOGITS, LSE, SINK, stride_q_s, stride_q_h,
+                    stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index, k_stride,
+                    n_tok, split_len, n_items, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, HAS_TOPK_LEN,
+                    CAUSAL, SPLIT_K,
+                )),
+                (_ws_producer_persistent, (
+                    kn_smem, kr_smem, full_bars, empty_bars, KV, IDX, TOPK_LEN, stride_kv_row, stride_idx_s,
+                    stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index, k_stride, n_tok,
+                    split_len, n_items, D_NOPE, D_ROPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
                 )),
             ],
             [4, 4],
@@ -789,8 +821,9 @@ if HAVE_GLUON:
         * ``AD_SPLIT_HEADS`` (h_q > 64): warpgroup ``WG`` owns heads ``64 WG ..`` and reads every block; its
           column sums over those heads are added with an fp32 atomic into the zeroed output (two addends
           onto 0: the sum does not depend on their order, so it is deterministic);
-        * ``AD_SPLIT_BLOCKS`` (h_q <= 64): both hold the same 64 heads and take alternate blocks, warpgroup
-          ``WG`` computing blocks ``2j + WG`` whole (m64n64), each block read by one warpgroup;
+        * ``AD_SPLIT_BLOCKS`` (h_q <= 64, the default there): both hold the same 64 heads and take
+          alternate blocks, warpgroup ``WG`` computing blocks ``2j + WG`` whole (m64n64), each block read
+          by one warpgroup;
         * ``AD_SPLIT_COLS``: both hold the same 64 heads and read every block, warpgroup ``WG`` computing
           the block's columns ``32 WG ..`` (m64n32).
 
@@ -836,7 +869,7 @@ if HAVE_GLUON:
             offs_t = b * BLOCK_T + offs_c
             t_idx = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)  # in flight during the wait and S
             slot = _ws_wait_full(full_bars, b, NUM_BUF)
-            # Iteration b waits for the other's S of its iteration b - 1 + WG (warpgroup 0 goes first).
+            # Iteration j waits for the other's S of its iteration j - 1 + WG (warpgroup 0 goes first).
             mbarrier.wait(turn_bars.index(WG), (j + 1 - WG) & 1)
             s = gl.zeros([64, N], gl.float32, s_l)
             kn = kn_smem.index(slot).slice(C0, N, dim=0).permute((1, 0))
@@ -879,7 +912,6 @@ if HAVE_GLUON:
         NUM_BUF: gl.constexpr,
         SPLIT: gl.constexpr,
         CAUSAL: gl.constexpr,
-        PREFETCH: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
@@ -924,7 +956,7 @@ if HAVE_GLUON:
                 )),
                 (_ws_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, topk, hi, n_blocks,
-                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF, False, PREFETCH,
+                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
                 )),
             ],
             [4, 4],
@@ -962,9 +994,7 @@ def launch_fwd_gluon(
     q_start_index: int,
     k_stride: int,
     causal: bool,
-    half_ring: bool = False,
-    early_qk: bool = False,
-    prefetch: bool = False,
+    persistent_programs: int = 0,
     slots: dict[Any, Any] | None = None,
     strides: tuple[int, ...] | None = None,
     ctx: LaunchContext | None = None,
@@ -976,25 +1006,31 @@ def launch_fwd_gluon(
     strides of ``kv_rows`` and ``idx``, the token and head strides of ``out`` (then the tensors may be any
     views of the same memory, e.g. before a reshape); else read off the tensors. ``ctx``: the call's
     :func:`~sparse_mla_attn._runtime.launch_context`. ``splits``: ``(n_splits, split_len)``; with more
-    than one split ``out`` / ``max_logits`` / ``lse`` are the fp32 split-K partial buffers. ``half_ring``,
-    ``early_qk``, ``prefetch``: the pipeline options of :class:`~sparse_mla_attn.Config`
-    (``fwd_half_ring``, ``fwd_early_qk``, ``l2_prefetch``)."""
+    than one split ``out`` / ``max_logits`` / ``lse`` are the fp32 split-K partial buffers.
+    ``persistent_programs``: run ``_sparse_mla_fwd_persistent_kernel`` on at most this many programs
+    (``Config.fwd_persistent``: the multiprocessor count), else (0) one program per work item."""
     n_head_tiles = cdiv(dims.h_q, 64)
     n_splits, split_len = splits
     if strides is None:
         strides = (q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), out.stride(0), out.stride(1))
     consts = dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64,
                   HAS_SINK=has_sink, HAS_TOPK_LEN=topk_length is not None, CAUSAL=causal,
-                  HALF_RING=half_ring, EARLY_QK=early_qk, PREFETCH=prefetch,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)  # fmt: skip
     if n_splits > 1:
         consts["SPLIT_K"] = True
+    n_items = n_splits * dims.s_q * n_head_tiles
+    args = (q, kv_rows, idx, out, max_logits, lse, sink, topk_length if topk_length is not None else idx,
+            *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
+            dims.s_q, split_len if n_splits > 1 else dims.topk)  # fmt: skip
+    if persistent_programs > 0:
+        return launch(
+            _sparse_mla_fwd_persistent_kernel, (min(n_items, persistent_programs),), slots,
+            "gluon_fwd_persistent" if n_splits == 1 else "gluon_fwd_persistent_split", (*args, n_items), consts,
+            ctx,
+        )  # fmt: skip
     return launch(
-        _sparse_mla_fwd_pingpong_kernel, (n_splits * dims.s_q * n_head_tiles,), slots,
-        "gluon_fwd" if n_splits == 1 else "gluon_fwd_split",
-        (q, kv_rows, idx, out, max_logits, lse, sink, topk_length if topk_length is not None else idx,
-         *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
-         dims.s_q, split_len if n_splits > 1 else dims.topk), consts, ctx,
+        _sparse_mla_fwd_pingpong_kernel, (n_items,), slots, "gluon_fwd" if n_splits == 1 else "gluon_fwd_split",
+        args, consts, ctx,
     )  # fmt: skip
 
 
@@ -1011,14 +1047,12 @@ def launch_attn_dist_gluon(
     q_start_index: int,
     k_stride: int,
     causal: bool,
-    split_blocks: bool = False,
-    prefetch: bool = False,
+    split_blocks: bool = True,
     slots: dict[Any, Any] | None = None,
 ) -> Any:
     """attn_dist on sm_90: one program per token holding all heads. ``out`` must be zeroed where
     :func:`attn_dist_adds_partials` says so. ``split_blocks``: at most 64 heads, the consumer warpgroups
-    take alternate blocks (``Config(attn_dist_split="blocks")``), else halves of each block.
-    ``prefetch``: ``Config.l2_prefetch``."""
+    take alternate blocks (``Config(attn_dist_split="blocks")``, the default), else halves of each block."""
     split = AD_SPLIT_BLOCKS if split_blocks else AD_SPLIT_COLS
     return launch(
         _attn_dist_ws_kernel, (dims.s_q,), slots, "gluon_attn_dist",
@@ -1026,6 +1060,6 @@ def launch_attn_dist_gluon(
          q.stride(0), q.stride(1), kv_rows.stride(0), idx.stride(0), lse.stride(0),
          dims.h_q, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2, lse_to_log2),
         dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=ATTN_DIST_NUM_BUF,
-             SPLIT=AD_SPLIT_HEADS if attn_dist_adds_partials(dims.h_q) else split, CAUSAL=causal, PREFETCH=prefetch,
+             SPLIT=AD_SPLIT_HEADS if attn_dist_adds_partials(dims.h_q) else split, CAUSAL=causal,
              CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4),
     )  # fmt: skip
