@@ -239,14 +239,10 @@ def main() -> None:
         barriers = [n for _, _, n in loops]
         print(f"{name:8s} {spec.key[1:]!s:100s} shared={shared:6d} ptx_ins={n_ins:6d} body={h} "
               f"tile-loop-barriers={barriers}", flush=True)  # fmt: skip
-        # (rows quantized on send store each tile's scales through one exchange in shared memory, a
-        # barrier pair per tile; the check covers the rows moved as they are)
-        quantized = name == "dispatch" and spec.key[11][0] != spec.key[10]
         if (
             name in ("dispatch", "combine")
             and spec.key[1:]
             and (name != "combine" or spec.key[1] == a.hidden)
-            and not quantized
         ):
             bad += [f"{i}-{name}: lines {lo}-{hi}, {n} bar.sync" for lo, hi, n in loops if n]
     if a.check_tile_loops and bad:

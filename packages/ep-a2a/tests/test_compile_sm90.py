@@ -104,7 +104,8 @@ def test_fp8_layer_every_variant_compiles(tokens: int) -> None:
     """A layer of FP8 rows (``dtype=torch.float8_e4m3fn``, DeepSeek-V3 width) on an H200, as
     ``use_aot`` compiles it: the row kernel on packed FP8 rows (int16 elements, 3696 per row), on bf16
     rows it quantizes to them on send, and on raw float8 rows, combine in bf16 and float32. In the tiled
-    layer every packed-row variant's tile loops move 16-byte vectors, without a CTA barrier."""
+    layer every packed-row and quantizing variant's tile loops move 16-byte vectors, without a CTA
+    barrier."""
     tiled = tokens > 1024
     check = ["--check-tile-loops"] if tiled and GPU_IMAGE_TRITON else []
     out = _run_tool(["--fp8", "--world", "2", "--tokens", str(tokens), "--num-sm", "132", "--quick", *check])
@@ -114,9 +115,14 @@ def test_fp8_layer_every_variant_compiles(tokens: int) -> None:
         r"^dispatch .*torch\.int16, \(torch\.int16.*, 3696\) .* tile-loop-barriers=\[([0-9, ]*)\]$", out, re.M
     )
     assert len(packed) == 4, out  # merged, counts launch, rewrite, mirror (with weights)
-    quantized = re.findall(r"^dispatch .*torch\.int16, \(torch\.bfloat16.*, 3696\) ", out, re.M)
+    quantized = re.findall(
+        r"^dispatch .*torch\.int16, \(torch\.bfloat16.*, 3696\) .* tile-loop-barriers=\[([0-9, ]*)\]$",
+        out,
+        re.M,
+    )
     assert len(quantized) == 4, out
     assert len(re.findall(r"^dispatch .*torch\.float8_e4m3fn.*, 7168\) ", out, re.M)) == 4, out
     assert re.search(r"^combine .*torch\.bfloat16", out, re.M), out
     if tiled and GPU_IMAGE_TRITON:
         assert all(counts for counts in packed), "a packed-row variant without 16-byte tile loops"
+        assert all(counts for counts in quantized), "a quantizing variant without 16-byte tile loops"

@@ -383,36 +383,48 @@ def _quantize_pairs(raw, src_ty: tl.constexpr):
 def _store_quantized(rows_ptr, rows, rmask, xq, st, h0, S: tl.constexpr, QH: tl.constexpr, BQ: tl.constexpr,
                      STREAM: tl.constexpr):  # fmt: skip
     """One tile of packed FP8 rows (:func:`_quantize_pairs`: pairs ``[h0, h0 + BQ)`` and their scales) into
-    rows ``rows`` (``[CH]`` int64, ``rmask``) of a buffer of int16 rows of ``S`` elements: the pairs at
-    ``h0``, the scales after the row's ``QH`` FP8 bytes. ``STREAM``: streaming stores (``.cs``)."""
+    rows ``rows`` (``[CH]`` int64; ``rmask``: ``[CH, 1, 1]`` or the tile's shape) of a buffer of int16 rows
+    of ``S`` elements: the pairs at ``h0``, the scales after the row's ``QH`` FP8 bytes. ``STREAM``:
+    streaming stores (``.cs``)."""
     blk = tl.arange(0, BQ // 64)
     off = h0 + blk * 64
-    inside = off < QH // 2
+    mask = rmask & (off < QH // 2)[None, :, None]
     ptr = rows_ptr + rows[:, None, None] * S + off[None, :, None] + tl.arange(0, 64)[None, None, :]
-    mask = rmask[:, None, None] & inside[None, :, None]
     if STREAM:
         tl.store(ptr, xq, mask=mask, cache_modifier=".cs")
     else:
         tl.store(ptr, xq, mask=mask)
-    sp = (
-        rows_ptr.to(tl.pointer_type(tl.int32))
-        + rows[:, None] * (S // 2)
-        + (QH // 4 + h0 // 64)
-        + blk[None, :]
-    )
-    tl.store(sp, st, mask=rmask[:, None] & inside[None, :])
+    # each block's scale by the thread holding its first pair, in the tile's layout (a store of the
+    # [CH, BQ / 64] scales would first move them between threads: shared memory and a CTA barrier)
+    sp = rows_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None, None] * (S // 2) + (QH // 4 + h0 // 64)
+    sp = tl.broadcast_to(sp + blk[None, :, None], xq.shape)
+    sm = tl.broadcast_to(mask & (tl.arange(0, 64) == 0)[None, None, :], xq.shape)
+    sv = tl.broadcast_to(st[:, :, None], xq.shape)
+    if INTERPRETING:
+        tl.store(sp, sv, mask=sm)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b32 [$1], $3; mov.b32 $0, 0; }",
+            "=r,l,r,r",
+            [sp, sm.to(tl.int32), sv],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 @triton.jit
 def _store_peers_quantized(xq, st, h0, toks, tm, bits, pk_ptr, table_ptr, rank, max_tokens, off_x, off_srec,
                            W: tl.constexpr, H: tl.constexpr, REMOTE: tl.constexpr, RECX: tl.constexpr,
                            QH: tl.constexpr, BQ: tl.constexpr):  # fmt: skip
-    """:func:`_store_peers` for a tile of packed FP8 rows quantized on send."""
+    """:func:`_store_peers` for a tile of packed FP8 rows quantized on send (``bits``: ``[CH, 1, 1]``, or
+    broadcast to the tile's shape, in its layout, ahead of a tile loop)."""
     for r in tl.static_range(W):
         if (REMOTE >> r) & 1:
             j = tl.load(pk_ptr + r * max_tokens + toks, mask=tm, other=-1)
             prec = _peer_ptr(table_ptr, rank, off_srec, tl.int16)
-            _store_quantized(prec, (r * max_tokens + j).to(tl.int64), j >= 0, xq, st, h0, RECX, QH, BQ, False)
+            _store_quantized(prec, (r * max_tokens + j).to(tl.int64), (j >= 0)[:, None, None], xq, st, h0, RECX,
+                             QH, BQ, False)  # fmt: skip
         elif r != rank:
             need = ((bits >> r) & 1) != 0
             px = _peer_ptr(table_ptr, r, off_x, tl.int16)
@@ -874,8 +886,8 @@ def _dispatch_send_chunk(
         if QH:
             xq, st = _quantize_pairs(raw, x_ptr.dtype.element_ty)
             if PEERS:
-                _store_peers_quantized(xq, st, 0, toks, tm, bits, pk_ptr, table_ptr, rank, max_tokens, off_x,
-                                       off_srec, W, H, REMOTE, RECX, QH, BQ)  # fmt: skip
+                _store_peers_quantized(xq, st, 0, toks, tm, bits[:, None, None], pk_ptr, table_ptr, rank,
+                                       max_tokens, off_x, off_srec, W, H, REMOTE, RECX, QH, BQ)  # fmt: skip
         elif PEERS:
             _store_peers(xt, 0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, max_tokens, off_x,
                          off_srec, W, H, EVEN_H, REMOTE, RECX)  # fmt: skip
@@ -883,17 +895,19 @@ def _dispatch_send_chunk(
         # packed FP8 rows made here: each tile quantized between its load and its stores
         tl.debug_barrier()  # (as below)
         raw = _load_pairs(x_ptr, toks, ld, 0, QH, BQ)
+        # (the peers' bits in the tiles' layout once, not converted in every tile)
+        bits3 = tl.broadcast_to(bits[:, None, None], raw.shape)
         for h0 in range(0, QH // 2, BQ):
             hn = h0 + BQ
             nxt = _load_pairs(x_ptr, toks, _and(ld, hn < QH // 2), hn, QH, BQ)
             xq, st = _quantize_pairs(raw, x_ptr.dtype.element_ty)
             if PEERS:
-                _store_peers_quantized(xq, st, h0, toks, tm, bits, pk_ptr, table_ptr, rank, max_tokens, off_x,
+                _store_peers_quantized(xq, st, h0, toks, tm, bits3, pk_ptr, table_ptr, rank, max_tokens, off_x,
                                        off_srec, W, H, REMOTE, RECX, QH, BQ)  # fmt: skip
             if LOCAL:
                 for k in tl.static_range(K):
                     rk = tl.load(tab_ptr + tab_row + k, mask=tm, other=-1).to(tl.int64)
-                    _store_quantized(out_ptr, rk, rk >= 0, xq, st, h0, H, QH, BQ, True)
+                    _store_quantized(out_ptr, rk, (rk >= 0)[:, None, None], xq, st, h0, H, QH, BQ, True)
             raw = nxt
     else:
         tl.debug_barrier()  # the tab rows written above are re-read per tile below (no per-tile reductions)
@@ -921,7 +935,9 @@ def _dispatch_send_chunk(
         if QH:
             for k in tl.static_range(K):
                 rk = _column(row, kk, k)
-                _store_quantized(out_ptr, rk.to(tl.int64), rk >= 0, xq, st, 0, H, QH, BQ, False)
+                _store_quantized(
+                    out_ptr, rk.to(tl.int64), (rk >= 0)[:, None, None], xq, st, 0, H, QH, BQ, False
+                )
         else:
             _store_by_slot(xt, row, kk, out_ptr, hh, H, K, EVEN_H)
 
