@@ -115,8 +115,9 @@ def _refine(
     block no longer shrinks their load above the mean; a candidate whose peak trails the best
     candidate by more than ``PRUNE_MARGIN`` stops. Returns the last bin version used.
 
-    The exchange rounds keep each bin's slots in load order (``ws[1][5][r]``), sorted at the row's
-    first block unless the caller wrote them and set ``ws[3][0][3, r]`` (cleared on return).
+    The exchange rounds of more than ``BRUTE_FORCE_SLOTS`` slots keep each bin's slots in load order
+    (``ws[1][5][r]``), sorted at the row's first block unless the caller wrote them and set
+    ``ws[3][0][3, r]`` (cleared on return).
     """
     _, num_bins, slots = load.shape
     rb, sb, pb, state = ws

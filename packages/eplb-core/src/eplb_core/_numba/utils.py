@@ -25,8 +25,8 @@ REL_TOL = 1e-12
 # a row whose peak is within this fraction of its lower bound stops refining (invisible in the
 # reported balancedness, which has 4 decimals)
 CLOSE_ENOUGH = 2e-5
-# with a migration budget and up to this many slots per GPU the exchange search scores every (x, y)
-# pair; otherwise (and always without a budget) a sweep over the bins' items sorted by load
+# up to this many slots per GPU the exchange search scores every (x, y) pair; with more, a sweep over
+# the bins' items sorted by load
 BRUTE_FORCE_SLOTS = 16
 # pairs of bins with at most this many slots are re-split exhaustively (C(2S, S) / 2 splits: 126 at 5)
 MAX_RESPLIT_SLOTS = 5
