@@ -766,6 +766,49 @@ def test_bound_launches_pass_what_the_specifications_pass(monkeypatch, with_w, c
     assert bound == through_specs
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("merged", "chunk"), [(True, 1), (False, 2)], ids=["merged", "counts-launch"])
+def test_bound_launches_on_one_gpu(monkeypatch, merged, chunk):
+    """The compiled kernels on one GPU (two simulated ranks whose heaps are buffers of this GPU, each
+    step's sending launches before its receiving ones): after the first dispatch every launch goes
+    through its bound launch (nothing is specified again), and every dispatch matches the reference,
+    with fresh inputs, other token counts and int64 ids."""
+    from ep_a2a.backends.triton.simulate import SimWorld
+    from ep_a2a.reference import dispatch_ref
+
+    world, hidden, topk, experts = 2, 7168, 8, 32
+    sim = SimWorld(
+        world_size=world, device="cuda", max_tokens=128, hidden=hidden, topk=topk, num_tot_experts=experts,
+        num_sm=16, chunk=chunk, timeout_s=20.0,
+    )  # fmt: skip
+    specified: list[str] = []
+    for eng in sim.engines:
+        launch = eng._launch
+        monkeypatch.setattr(
+            eng, "_launch", lambda spec, launch=launch: (specified.append(spec.key[0]), launch(spec))
+        )
+    gen = torch.Generator().manual_seed(11)
+    for call, ns in enumerate(([128, 100], [128, 100], [64, 128])):
+        xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in ns]
+        ids = [torch.randint(-1, experts, (n, topk), generator=gen) for n in ns]  # int64, as topk gives them
+        ws = [torch.rand(n, topk, generator=gen) for n in ns]
+        res = sim.dispatch(
+            [x.cuda() for x in xs], [i.cuda() for i in ids], [w.cuda() for w in ws], merged=merged
+        )
+        torch.cuda.synchronize()
+        ref, scat = dispatch_ref(xs, [i.int() for i in ids], ws, num_tot_experts=experts)
+        for r in range(world):
+            assert torch.equal(res[r].output.cpu(), ref[r].output), f"call {call}, rank {r}: rows differ"
+            assert torch.equal(res[r].weights.cpu(), ref[r].weights)
+            assert torch.equal(res[r].token_dst_scatter_idx.cpu().long(), scat[r])
+        if call == 0:
+            assert specified, "the first dispatch launches through the specifications"
+            specified.clear()
+    assert not specified, f"launched through a specification again: {specified}"
+    assert all(eng.direct_launches > 0 for eng in sim.engines)
+
+
 def test_rows_allocated_ahead():
     """The large layers' exact-shape dispatch allocates row outputs ahead from the last calls' counts:
     a call repeating the count that set the guess fits, a fitting call leaves at most a third of its

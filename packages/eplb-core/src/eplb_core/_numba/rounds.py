@@ -303,16 +303,17 @@ def _swap_rounds(
     Per round, every pair of bins (see :func:`_pair_bins`) makes the one exchange of an item ``x`` of
     the heavy bin with an item ``y`` of the light bin that best evens the pair (gain
     ``min(x - y, gap - (x - y))``, first best in ``x``-major order), if it gains more than ``tol``
-    and puts no expert twice on a GPU; fixed items never move. The gain of ``x`` peaks at the ``y``
-    nearest ``x - gap / 2``, so the best ``y`` of each ``x`` is one of the two allowed light items
-    around that target: every bin keeps its slots sorted by load (ties by slot; two insertion steps
-    per exchange), and one pointer sweeps the light bin's allowed items while ``x`` goes up the heavy
-    bin's order, ``O(S)`` per pair; equal gains go to the lowest slots, as when every pair is scored,
-    so both searches make the same exchanges. With a migration budget and up to ``BRUTE_FORCE_SLOTS`` slots
-    every ``(x, y)`` is scored instead (the budget may refuse the nearest ``y`` and allow another).
+    and puts no expert twice on a GPU; fixed items never move. Up to ``BRUTE_FORCE_SLOTS`` slots
+    every ``(x, y)`` is scored (without a budget in one branch-free pass). With more slots a sweep
+    finds the same exchange: the gain of ``x`` peaks at the ``y`` nearest ``x - gap / 2``, so the best
+    ``y`` of each ``x`` is one of the two allowed light items around that target: every bin keeps its
+    slots sorted by load (ties by slot; two insertion steps per exchange), and one pointer sweeps the
+    light bin's allowed items while ``x`` goes up the heavy bin's order, ``O(S)`` per pair; equal
+    gains go to the lowest slots, as when every pair is scored, so both searches make the same
+    exchanges.
 
-    ``rb`` holds this row's bin loads, order and versions (set up by :func:`_start_row`) and ``sb``
-    its slot order ``srt [G, S]`` (:func:`_sort_slots`), kept from block to block.
+    ``rb`` holds this row's bin loads, order and versions (set up by :func:`_start_row`) and ``sb``,
+    for the sweep, its slot order ``srt [G, S]`` (:func:`_sort_slots`), kept from block to block.
 
     Returns:
         ``(moved, stamp)``: whether something moved, and the last bin version used.

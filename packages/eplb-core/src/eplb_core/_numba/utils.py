@@ -25,8 +25,8 @@ REL_TOL = 1e-12
 # a row whose peak is within this fraction of its lower bound stops refining (invisible in the
 # reported balancedness, which has 4 decimals)
 CLOSE_ENOUGH = 2e-5
-# with a migration budget and up to this many slots per GPU the exchange search scores every (x, y)
-# pair; otherwise (and always without a budget) a sweep over the bins' items sorted by load
+# up to this many slots per GPU the exchange search scores every (x, y) pair; with more, a sweep over
+# the bins' items sorted by load
 BRUTE_FORCE_SLOTS = 16
 # pairs of bins with at most this many slots are re-split exhaustively (C(2S, S) / 2 splits: 126 at 5)
 MAX_RESPLIT_SLOTS = 5
@@ -241,14 +241,18 @@ def log2phy(phy2log: np.ndarray, logcnt: np.ndarray) -> np.ndarray:
     when ``phy2log`` does not fit ``logcnt``)."""
     num_layers, num_replicas = phy2log.shape
     num_experts = logcnt.shape[1]
-    out = np.full((num_layers, num_experts, max(1, logcnt.max())), -1, dtype=np.int64)
+    width = max(1, logcnt.max())
+    out = np.empty((num_layers, num_experts, width), dtype=np.int64)
     fill = np.zeros(num_experts, dtype=np.int64)
     for layer in range(num_layers):
+        # a layer's block is padded just before its slots go in (one pass over the output, in cache)
+        block = out[layer]
+        block[:] = -1
         fill[:] = 0
         for p in range(num_replicas):
             e = phy2log[layer, p]
-            if e < 0 or e >= num_experts or fill[e] >= out.shape[2]:
+            if e < 0 or e >= num_experts or fill[e] >= width:
                 raise ValueError("phy2log holds an expert id outside [0, N) or more replicas than logcnt")
-            out[layer, e, fill[e]] = p
+            block[e, fill[e]] = p
             fill[e] += 1
     return out

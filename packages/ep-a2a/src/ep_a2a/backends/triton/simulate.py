@@ -210,19 +210,10 @@ class SimWorld:
             QuantizeOnSend(x) if quantize else pack_fp8_rows(*x) if isinstance(x, tuple) else x  # type: ignore[arg-type]
             for x in inputs
         ]
-        if whole and self.world_size != 1:
-            raise ValueError(
-                "whole=True (one launch per dispatch) needs world_size 1: peers would be waited for"
-            )
+        self._check_flow(merged=merged, whole=whole, speculative=speculative_rows is not None or mirror)
         for eng in self.engines:  # (combine follows the dispatch's split)
             eng.send_ctas = eng.combine_send_ctas = send_ctas
             eng.steal = steal
-        if self.remote and merged:
-            raise ValueError("remote peers: only the unmerged flow (merged=False)")
-        if (speculative_rows is not None or mirror) and not (merged and not whole and not self.remote):
-            raise ValueError(
-                "speculative_rows / mirror: variants of the merged flow (merged=True), local peers"
-            )
         caller = full_scatter_indices is not None
         ranks = [r for r in range(self.world_size) if r not in skip_ranks]
         dev = self.heaps[0].device
@@ -293,36 +284,65 @@ class SimWorld:
                     # indices too (the first marked the rows past the outputs' end as absent)
                     _poison(b)
                     rows_pass(r, False, True, rewrite=True)
-        results = []
-        for r in ranks:
-            eng, b = self.engines[r], bufs[r]
-            assert b.out is not None
-            assert b.out_w is not None
-            assert b.out_e is not None
-            eng.check_error(int(infos[r][1]))
-            eng.check_error()
-            f = eng.info_fields(infos[r])
-            rows = int(f["total"])
-            results.append(
-                SimDispatch(
-                    output=unpack_fp8_rows(b.out[:rows], eng.hidden) if fp8 else b.out[:rows],
-                    weights=b.out_w[:rows] if weights is not None else None,
-                    local_expert=b.out_e[:rows],
-                    num_recv_tokens_per_expert=f["rows_exp"].clone(),
-                    num_recv_tokens_per_rank=f["rows_src"].clone(),
-                    num_input_tokens_per_rank=f["n_src"].clone(),
-                    token_dst_scatter_idx=b.scat,
-                    skipped_token_topk_mapping_indices=b.skip,
-                    tab=b.tab,
-                    num_invalid_ids=int(f["bad_ids"]),
-                    remote=rbufs[r],
-                    npk_recv=self._npk(rbufs[r], 1),
-                    info=infos[r],
-                    mirror=mirrors[r] if mirror else None,
-                )
+        with_w = weights is not None
+        results = [
+            self._result(
+                r, bufs[r], infos[r], rbufs[r], mirrors[r] if mirror else None, fp8=fp8, with_w=with_w
             )
+            for r in ranks
+        ]
         self.check_decoy()
         return results
+
+    def _check_flow(self, *, merged: bool, whole: bool, speculative: bool) -> None:
+        """Raise ``ValueError`` for a flow this simulation cannot run (see :meth:`dispatch`)."""
+        if whole and self.world_size != 1:
+            raise ValueError(
+                "whole=True (one launch per dispatch) needs world_size 1: peers would be waited for"
+            )
+        if self.remote and merged:
+            raise ValueError("remote peers: only the unmerged flow (merged=False)")
+        if speculative and not (merged and not whole and not self.remote):
+            raise ValueError(
+                "speculative_rows / mirror: variants of the merged flow (merged=True), local peers"
+            )
+
+    def _result(
+        self,
+        r: int,
+        b: DispatchBuffers,
+        info: torch.Tensor,
+        rb: dict[str, torch.Tensor] | None,
+        mirror: torch.Tensor | None,
+        *,
+        fp8: bool,
+        with_w: bool,
+    ) -> SimDispatch:
+        """Rank ``r``'s dispatch result from its buffers and ``info``, after checking its error word."""
+        eng = self.engines[r]
+        assert b.out is not None
+        assert b.out_w is not None
+        assert b.out_e is not None
+        eng.check_error(int(info[1]))
+        eng.check_error()
+        f = eng.info_fields(info)
+        rows = int(f["total"])
+        return SimDispatch(
+            output=unpack_fp8_rows(b.out[:rows], eng.hidden) if fp8 else b.out[:rows],
+            weights=b.out_w[:rows] if with_w else None,
+            local_expert=b.out_e[:rows],
+            num_recv_tokens_per_expert=f["rows_exp"].clone(),
+            num_recv_tokens_per_rank=f["rows_src"].clone(),
+            num_input_tokens_per_rank=f["n_src"].clone(),
+            token_dst_scatter_idx=b.scat,
+            skipped_token_topk_mapping_indices=b.skip,
+            tab=b.tab,
+            num_invalid_ids=int(f["bad_ids"]),
+            remote=rb,
+            npk_recv=self._npk(rb, 1),
+            info=info,
+            mirror=mirror,
+        )
 
     def _npk(self, rb: dict[str, torch.Tensor] | None, half: int) -> list[int] | None:
         """Host copy of records sent to (``half=0``) / received from (``1``) each rank."""
