@@ -18,6 +18,7 @@ from eplb_core._numba.utils import (
     BLOCK,
     BRUTE_FORCE_SLOTS,
     CLOSE_ENOUGH,
+    INTERPRETED,
     MAX_RESPLIT_SLOTS,
     MIN_BLOCK_GAIN,
     PRUNE_MARGIN,
@@ -372,7 +373,7 @@ def _write_sorted(
     :func:`_refine`), which makes it one pass when that order is current. The result is the same
     for any order the slots arrive in (the sorted order is unique up to equal items)."""
     _, num_bins, slots = expert.shape
-    if slots <= RANK_SORT_SLOTS and not use_srt:
+    if slots <= RANK_SORT_SLOTS and not use_srt and not INTERPRETED:
         _write_sorted_rank(expert, load, first, num_rows, out)
         return
     key = np.empty(slots)

@@ -13,6 +13,7 @@ from eplb_core._numba.utils import (
     MANY_BINS,
     PEAK_TRIES,
     PEAK_TRIES_MANY,
+    RANK_SORT_BINS,
     SORT_FROM_SCRATCH_BINS,
     _row_sum,
     njit,
@@ -27,14 +28,25 @@ def _pair_bins(
     """This round's pairs of one row: the k-th heaviest bin with the ``(k + it) mod P``-th lightest.
 
     ``order`` holds the bins by decreasing load, ties by index (what a stable sort gives); it is
-    re-sorted in place by insertion from the previous round's order, which few moves disturb, or
-    from scratch by a merge sort on rows of more than ``SORT_FROM_SCRATCH_BINS`` bins (the same order).
+    re-sorted in place by ranks on rows of up to ``RANK_SORT_BINS`` bins, by insertion from the
+    previous round's order (which few moves disturb) on rows of up to ``SORT_FROM_SCRATCH_BINS``,
+    and from scratch by a merge sort on more (the same order).
     """
     num_bins = bin_load.size
+    by_rank = num_bins <= RANK_SORT_BINS and not INTERPRETED
     if num_bins > SORT_FROM_SCRATCH_BINS:
         # many bins change per round here: a merge sort beats the quadratic insertion (same order)
         order[:] = _argsort_desc_into(bin_load, sw)
-    for i in range(1, num_bins if num_bins <= SORT_FROM_SCRATCH_BINS else 0):
+    elif by_rank:
+        # few bins: each bin's rank from all pairs compared without branches (the same order)
+        for b in range(num_bins):
+            v = bin_load[b]
+            rank = 0
+            for c in range(num_bins):
+                u = bin_load[c]
+                rank += (u > v) | ((u == v) & (c < b))
+            order[rank] = b
+    for i in range(1, num_bins if num_bins <= SORT_FROM_SCRATCH_BINS and not by_rank else 0):
         b = order[i]
         v = bin_load[b]
         j = i
