@@ -244,9 +244,18 @@ def test_quantize_on_send_compiled_one_gpu(tokens: int, chunk: int, merged: bool
     ref, _ = dispatch_ref(sent, [i.cpu() for i in ids], [w.cpu() for w in ws], num_tot_experts=experts)
     for r in range(world):
         got = _bytes(*(t.contiguous() for t in res[r].output)).cpu()
-        assert got.shape == ref[r].output.shape
-        bad = (got != ref[r].output).any(1).nonzero().flatten()
-        assert bad.numel() == 0, (
-            f"rank {r}: {bad.numel()} rows differ from the reference quantizer's, first {bad[:4].tolist()}"
-        )
+        want = ref[r].output
+        assert got.shape == want.shape
+        bad = (got != want).any(1).nonzero().flatten()
+        if bad.numel():  # which part differs, at which byte offsets, on the first bad row
+            row = int(bad[0])
+            cols = (got[row] != want[row]).nonzero().flatten()
+            values_bad = int(((got[:, :hidden] != want[:, :hidden]).any(1)).sum())
+            scales_bad = int(((got[:, hidden:] != want[:, hidden:]).any(1)).sum())
+            raise AssertionError(
+                f"rank {r}: {bad.numel()} rows differ from the reference quantizer's ({values_bad} in the FP8 "
+                f"bytes, {scales_bad} in the scales); row {row}: {cols.numel()} bytes at {cols[:8].tolist()} "
+                f"(offsets mod 4: {sorted(set((cols % 4).tolist()))}), got {got[row, :16].tolist()} want "
+                f"{want[row, :16].tolist()}"
+            )
         assert torch.equal(res[r].weights.cpu(), ref[r].weights)

@@ -4,8 +4,8 @@ when given, FlashMLA's ``flash_mla_sparse_fwd`` on the same inputs.
 FLOPs are counted as FlashMLA counts them: ``2 * s_q * h_q * topk * (d_qk + d_v)``.
 
 ``python bench_forward.py [--flashmla PATH] [--quick]`` prints, without writing a file, the forward at
-FlashMLA's shape (s_q 4096, topk 2048, h_q 128 / 64, s_kv 8K / 32K / 128K) with the default and the
-persistent (``Config.fwd_persistent``) sm_90 Gluon kernel beside FlashMLA's ``flash_mla_sparse_fwd`` on the
+FlashMLA's shape (s_q 4096, topk 2048, h_q 128 / 64, s_kv 8K / 32K / 128K) with the default sm_90 Gluon
+kernel and with ``Config.fwd_persistent`` forced on and off, beside FlashMLA's ``flash_mla_sparse_fwd`` on the
 same inputs, and ``attn_dist`` with each ``Config.attn_dist_split`` as a fraction of the fastest
 forward's time; about a minute and a half on an H200.
 """
@@ -147,8 +147,13 @@ def bench_torch_baseline(s_q: int, h_q: int, s_kv: int, topk: int) -> dict:
             "ms": ms, "tflops": fwd_flops(s_q, h_q, topk) / ms / 1e9}  # fmt: skip
 
 
-#: The forward variants of ``python bench_forward.py``: the default and the persistent Gluon kernel.
-FWD_VARIANTS = {"default": Config(), "persistent": Config(fwd_persistent=True)}
+#: The forward variants of ``python bench_forward.py``: the default and the Gluon kernel forced persistent
+#: (``on``) or not (``off``).
+FWD_VARIANTS = {
+    "default": Config(),
+    "persistent on": Config(fwd_persistent="on"),
+    "persistent off": Config(fwd_persistent="off"),
+}
 #: The attn_dist variants of ``python bench_forward.py`` (name, config, up to which h_q it applies).
 ATTN_DIST_VARIANTS = [("default", Config(), 128), ("cols", Config(attn_dist_split="cols"), 64)]
 

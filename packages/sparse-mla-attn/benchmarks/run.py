@@ -96,11 +96,11 @@ def measure(quick: bool, flashmla: Any) -> list[dict[str, Any]]:
     for b in (64, 128):  # a tensor-parallel shard of DeepSeek's 128 heads
         add(bench_decode(b, 64, 32768, 2048))
     # bf16 and FP8 decode beside FlashMLA's FP8 sparse decode, on the same (quantized) caches.
-    for b, s_q, h_q in FP8_SHAPES[:2] if quick else FP8_SHAPES:
-        row = bench_decode_fp8(b, s_q, h_q, flashmla=flashmla)
+    for b, dec_s_q, dec_h_q in FP8_SHAPES[:2] if quick else FP8_SHAPES:  # (s_q stays the prefill's)
+        row = bench_decode_fp8(b, dec_s_q, dec_h_q, flashmla=flashmla)
         rows.append(row)
         fm = f", FlashMLA fp8 {row['flashmla_ms'] * 1e3:.0f} us" if "flashmla_ms" in row else ""
-        print(f"decode_fp8 b{b} s_q{s_q} h_q{h_q}: bf16 {row['ms_bf16'] * 1e3:.0f} us, fp8 "
+        print(f"decode_fp8 b{b} s_q{dec_s_q} h_q{dec_h_q}: bf16 {row['ms_bf16'] * 1e3:.0f} us, fp8 "
               f"{row['ms_fp8'] * 1e3:.0f} us{fm}", flush=True)  # fmt: skip
     for h_q, s_kv in ((128, 32768),) if quick else ((128, 32768), (64, 32768), (128, 131072)):
         add(bench_bwd(s_q, h_q, s_kv, 2048))

@@ -122,10 +122,11 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "fwd_h32_d576": lambda: fwd(32, 576, "auto"),
         "fwd_h128_d512_gluon": lambda: fwd(128, 512, "auto"),
         # The persistent Gluon forward (Config.fwd_persistent), also with the extras and split-K.
-        "fwd_h128_persistent": lambda: fwd(128, 576, "auto", fwd_persistent=True),
-        "fwd_h64_extras_persistent": lambda: fwd(64, 576, "auto", True, fwd_persistent=True),
+        # The Gluon forward is persistent by default above 64 heads (fwd_h128_gluon); each mode forced.
+        "fwd_h128_not_persistent": lambda: fwd(128, 576, "auto", fwd_persistent="off"),
+        "fwd_h64_extras_persistent": lambda: fwd(64, 576, "auto", True, fwd_persistent="on"),
         "fwd_h128_d512_persistent_split2": lambda: fwd(
-            128, 512, "gluon", True, num_splits=2, fwd_persistent=True
+            128, 512, "gluon", True, num_splits=2, fwd_persistent="on"
         ),
         # Split-K decode, merged by the last split program (eager) or by a merge kernel (graph capture).
         "dec_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program"),
@@ -228,7 +229,11 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
     assert triton_kernels <= kernels, triton_kernels - kernels
     from sparse_mla_attn import gluon_supported
 
-    gluon_kernels = {"_sparse_mla_fwd_pingpong_kernel", "_attn_dist_ws_kernel"}
+    gluon_kernels = {
+        "_sparse_mla_fwd_pingpong_kernel",
+        "_sparse_mla_fwd_persistent_kernel",
+        "_attn_dist_ws_kernel",
+    }
     # Where the installed Triton's Gluon API is not the one the kernels are written for, the ops
     # select the Triton kernels (no Gluon launch at all).
     assert (gluon_kernels <= kernels) if gluon_supported() else not (gluon_kernels & kernels)

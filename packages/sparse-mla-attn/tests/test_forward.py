@@ -296,16 +296,18 @@ GLUON_PERSISTENT_SHAPES = [*GLUON_EDGE_CASES, (128, 576, 2048, 64), (64, 576, 20
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["on", "off"])
 @pytest.mark.parametrize(
     ("h_q", "d_qk", "topk", "s_q"),
     GLUON_PERSISTENT_SHAPES,
     ids=case_ids(("h_q", "d_qk", "topk"), GLUON_PERSISTENT_SHAPES),
 )
-def test_fwd_gpu_gluon_persistent(h_q, d_qk, topk, s_q):
-    """The persistent Gluon forward (``Config(fwd_persistent=True)``: at most one program per
-    multiprocessor, several (token, head tile) items each) on the edge cases above, the full top-k at 128
-    heads and 400 tokens at 64 heads, against the reference, launched twice."""
-    check_gluon_edge_case(h_q, d_qk, topk, s_q, Config(backend="gluon", num_splits=1, fwd_persistent=True))
+def test_fwd_gpu_gluon_persistent(h_q, d_qk, topk, s_q, mode):
+    """The Gluon forward with ``Config(fwd_persistent="on")`` (at most one program per multiprocessor,
+    several (token, head tile) items each) and ``"off"`` (one program per item), whatever the default for
+    the head count, on the edge cases above, the full top-k at 128 heads and 400 tokens at 64 heads,
+    against the reference, launched twice."""
+    check_gluon_edge_case(h_q, d_qk, topk, s_q, Config(backend="gluon", num_splits=1, fwd_persistent=mode))
 
 
 def check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg):
@@ -368,6 +370,6 @@ def test_fwd_gpu_gluon_split_k_persistent():
     """The split-K Gluon forward made persistent (``fwd_persistent``), against the reference."""
     if reason := gluon_skip_reason("gluon"):
         pytest.skip(reason)
-    cfg = Config(backend="gluon", num_splits=3, fwd_persistent=True)
+    cfg = Config(backend="gluon", num_splits=3, fwd_persistent="on")
     check_gluon_fwd(cfg, 128, 576, 1000, 100, 1129, "gpu")
     assert last_launch("fwd").splits > 1

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 BACKENDS = ("auto", "gluon", "triton")
 SPLIT_MERGES = ("auto", "last_program", "kernel")
 ATTN_DIST_SPLITS = ("blocks", "cols")
+FWD_PERSISTENT = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -46,18 +47,19 @@ class Config:
             query tokens in chunks that fit (default 2 GiB).
         bwd_deterministic_workspace_bytes: cap on the deterministic backward's fp32 per-slot ``dkv``
             workspace, which also bounds its chunk of tokens (default 4 GiB).
-        fwd_persistent: run :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon kernel (sm_90) on one program
-            per multiprocessor, each taking (token, head tile) work items in turn with one shared-memory
-            ring, so that an item's query load, first gathers and output stores overlap its neighbours'
-            work (default ``False``: one program per item).
+        fwd_persistent: whether :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon kernel (sm_90) runs
+            persistent: one program per multiprocessor, each taking (token, 64-head tile) work items in
+            turn with one shared-memory ring, so that an item's query load, first gathers and output
+            stores overlap its neighbours' work. ``"on"``, ``"off"`` (one program per item), or
+            ``"auto"`` (default): persistent where a token has more than one head tile (``h_q > 64``).
         attn_dist_split: how the two consumer warpgroups of the Gluon ``attn_dist`` (sm_90) share a token
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
             64 heads.
 
     Raises:
-        ValueError: an unknown ``backend``, ``split_merge`` or ``attn_dist_split``, ``num_splits < 0``, a
-            workspace cap below 1 byte, or a ``fwd_persistent`` that is not a bool.
+        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent`` or ``attn_dist_split``,
+            ``num_splits < 0`` or a workspace cap below 1 byte.
     """
 
     backend: str = "auto"
@@ -66,7 +68,7 @@ class Config:
     split_fill: float = 1.0
     bwd_workspace_bytes: int = 2 << 30
     bwd_deterministic_workspace_bytes: int = 4 << 30
-    fwd_persistent: bool = False
+    fwd_persistent: str = "auto"
     attn_dist_split: str = "blocks"
 
     def __post_init__(self) -> None:
@@ -82,8 +84,10 @@ class Config:
             raise ValueError(f"Config.split_fill must be a number in (0, 64], got {self.split_fill!r}")
         if self.split_merge not in SPLIT_MERGES:
             raise ValueError(f"Config.split_merge must be one of {SPLIT_MERGES}, got {self.split_merge!r}")
-        if not isinstance(self.fwd_persistent, bool):
-            raise ValueError(f"Config.fwd_persistent must be a bool, got {self.fwd_persistent!r}")
+        if self.fwd_persistent not in FWD_PERSISTENT:
+            raise ValueError(
+                f"Config.fwd_persistent must be one of {FWD_PERSISTENT}, got {self.fwd_persistent!r}"
+            )
         if self.attn_dist_split not in ATTN_DIST_SPLITS:
             raise ValueError(
                 f"Config.attn_dist_split must be one of {ATTN_DIST_SPLITS}, got {self.attn_dist_split!r}"

@@ -774,8 +774,11 @@ def _plan_fwd_call(
 
 def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> FwdPlan:
     """Give ``plan`` the Gluon forward's options of ``config`` (``fwd_persistent``: one program per
-    multiprocessor of ``device``); returns ``plan``."""
-    plan.gluon_options = {"persistent_programs": num_sms(device) if config.fwd_persistent else 0}
+    multiprocessor of ``device``, by default where a token has more than one 64-head tile); returns
+    ``plan``."""
+    mode = config.fwd_persistent
+    persistent = mode == "on" or (mode == "auto" and plan.dims.h_q > 64)
+    plan.gluon_options = {"persistent_programs": num_sms(device) if persistent else 0}
     return plan
 
 
@@ -786,7 +789,7 @@ _PLANS: dict[Any, FwdPlan] = {}
 def _fwd_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
-    causal: bool, backend: str, num_splits: int, fwd_persistent: bool = False,
+    causal: bool, backend: str, num_splits: int, fwd_persistent: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and launch plan depend only on the call signature: made once per signature.
     key = (*call_signature(q, kv, indices, attn_sink, topk_length), d_v, q_start_index, k_stride, causal,

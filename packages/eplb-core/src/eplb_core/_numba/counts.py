@@ -8,6 +8,7 @@ from eplb_core._numba.utils import (
     _INF,
     GREEDY_HEAP_MIN,
     GREEDY_SCAN_EXPERTS,
+    INTERPRETED,
     _pairwise_sum,
     _row_sum,
     njit,
@@ -38,6 +39,11 @@ def _greedy_counts_row(w: np.ndarray, counts: np.ndarray, num_replicas: int, per
         # compiler vectorises); zeros tie with every zero, but the largest load here is positive
         bits = per.view(np.int64)
         for _ in range(extra):
+            if INTERPRETED:
+                best = int(np.argmax(per[:n]))  # the first largest (the same expert)
+                counts[best] += 1
+                per[best] = w[best] / counts[best]
+                continue
             top = bits[0]
             for e in range(1, n):
                 top = max(top, bits[e])

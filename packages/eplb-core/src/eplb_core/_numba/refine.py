@@ -18,6 +18,7 @@ from eplb_core._numba.utils import (
     BLOCK,
     BRUTE_FORCE_SLOTS,
     CLOSE_ENOUGH,
+    INTERPRETED,
     MAX_RESPLIT_SLOTS,
     MIN_BLOCK_GAIN,
     PRUNE_MARGIN,
@@ -27,7 +28,6 @@ from eplb_core._numba.utils import (
     _pairwise_sum,
     _row_sum,
     njit,
-    njit_inline,
 )
 
 
@@ -115,8 +115,9 @@ def _refine(
     block no longer shrinks their load above the mean; a candidate whose peak trails the best
     candidate by more than ``PRUNE_MARGIN`` stops. Returns the last bin version used.
 
-    The exchange rounds keep each bin's slots in load order (``ws[1][5][r]``), sorted at the row's
-    first block unless the caller wrote them and set ``ws[3][0][3, r]`` (cleared on return).
+    The exchange rounds of more than ``BRUTE_FORCE_SLOTS`` slots keep each bin's slots in load order
+    (``ws[1][5][r]``), sorted at the row's first block unless the caller wrote them and set
+    ``ws[3][0][3, r]`` (cleared on return).
     """
     _, num_bins, slots = load.shape
     rb, sb, pb, state = ws
@@ -332,50 +333,6 @@ def _repair_row(
                 ff[i], ff[best_j] = ff[best_j], ff[i]
 
 
-@njit_inline
-def _ordered(la: float, ea: int, lb: float, eb: int) -> tuple[float, int, float, int]:
-    """A compare-exchange of two slots ``(load, expert)``: the one that goes first (larger load,
-    lower expert id on ties) comes first; branch-free selects."""
-    swap = (lb > la) | ((lb == la) & (eb < ea))
-    return (lb if swap else la), (eb if swap else ea), (la if swap else lb), (ea if swap else eb)
-
-
-@njit
-def _write_sorted_small(
-    expert: np.ndarray, load: np.ndarray, first: int, num_rows: int, out: np.ndarray
-) -> None:
-    """:func:`_write_sorted` for 4 or 5 slots per bin by sorting networks (5 and 9 compare-exchanges):
-    the same order, without the insertion sort's unpredictable branches."""
-    _, num_bins, slots = expert.shape
-    for r in range(first, first + num_rows):
-        for g in range(num_bins):
-            start = (r - first) * num_bins * slots + g * slots
-            l0, l1, l2, l3 = load[r, g, 0], load[r, g, 1], load[r, g, 2], load[r, g, 3]
-            e0, e1, e2, e3 = expert[r, g, 0], expert[r, g, 1], expert[r, g, 2], expert[r, g, 3]
-            if slots == 4:
-                l0, e0, l1, e1 = _ordered(l0, e0, l1, e1)
-                l2, e2, l3, e3 = _ordered(l2, e2, l3, e3)
-                l0, e0, l2, e2 = _ordered(l0, e0, l2, e2)
-                l1, e1, l3, e3 = _ordered(l1, e1, l3, e3)
-                l1, e1, l2, e2 = _ordered(l1, e1, l2, e2)
-            else:
-                l4, e4 = load[r, g, 4], expert[r, g, 4]
-                l0, e0, l1, e1 = _ordered(l0, e0, l1, e1)
-                l3, e3, l4, e4 = _ordered(l3, e3, l4, e4)
-                l2, e2, l4, e4 = _ordered(l2, e2, l4, e4)
-                l2, e2, l3, e3 = _ordered(l2, e2, l3, e3)
-                l0, e0, l3, e3 = _ordered(l0, e0, l3, e3)
-                l0, e0, l2, e2 = _ordered(l0, e0, l2, e2)
-                l1, e1, l4, e4 = _ordered(l1, e1, l4, e4)
-                l1, e1, l3, e3 = _ordered(l1, e1, l3, e3)
-                l1, e1, l2, e2 = _ordered(l1, e1, l2, e2)
-                out[start + 4] = e4
-            out[start] = e0
-            out[start + 1] = e1
-            out[start + 2] = e2
-            out[start + 3] = e3
-
-
 @njit
 def _write_sorted_rank(
     expert: np.ndarray, load: np.ndarray, first: int, num_rows: int, out: np.ndarray
@@ -416,10 +373,7 @@ def _write_sorted(
     :func:`_refine`), which makes it one pass when that order is current. The result is the same
     for any order the slots arrive in (the sorted order is unique up to equal items)."""
     _, num_bins, slots = expert.shape
-    if (slots == 4 or slots == 5) and not use_srt:
-        _write_sorted_small(expert, load, first, num_rows, out)
-        return
-    if slots <= RANK_SORT_SLOTS and not use_srt:
+    if slots <= RANK_SORT_SLOTS and not use_srt and not INTERPRETED:
         _write_sorted_rank(expert, load, first, num_rows, out)
         return
     key = np.empty(slots)

@@ -13,6 +13,7 @@ from eplb_core._numba.utils import (
     MANY_BINS,
     PEAK_TRIES,
     PEAK_TRIES_MANY,
+    RANK_SORT_BINS,
     SORT_FROM_SCRATCH_BINS,
     _row_sum,
     njit,
@@ -27,14 +28,25 @@ def _pair_bins(
     """This round's pairs of one row: the k-th heaviest bin with the ``(k + it) mod P``-th lightest.
 
     ``order`` holds the bins by decreasing load, ties by index (what a stable sort gives); it is
-    re-sorted in place by insertion from the previous round's order, which few moves disturb, or
-    from scratch by a merge sort on rows of more than ``SORT_FROM_SCRATCH_BINS`` bins (the same order).
+    re-sorted in place by ranks on rows of up to ``RANK_SORT_BINS`` bins, by insertion from the
+    previous round's order (which few moves disturb) on rows of up to ``SORT_FROM_SCRATCH_BINS``,
+    and from scratch by a merge sort on more (the same order).
     """
     num_bins = bin_load.size
+    by_rank = num_bins <= RANK_SORT_BINS and not INTERPRETED
     if num_bins > SORT_FROM_SCRATCH_BINS:
         # many bins change per round here: a merge sort beats the quadratic insertion (same order)
         order[:] = _argsort_desc_into(bin_load, sw)
-    for i in range(1, num_bins if num_bins <= SORT_FROM_SCRATCH_BINS else 0):
+    elif by_rank:
+        # few bins: each bin's rank from all pairs compared without branches (the same order)
+        for b in range(num_bins):
+            v = bin_load[b]
+            rank = 0
+            for c in range(num_bins):
+                u = bin_load[c]
+                rank += (u > v) | ((u == v) & (c < b))
+            order[rank] = b
+    for i in range(1, num_bins if num_bins <= SORT_FROM_SCRATCH_BINS and not by_rank else 0):
         b = order[i]
         v = bin_load[b]
         j = i
@@ -303,16 +315,17 @@ def _swap_rounds(
     Per round, every pair of bins (see :func:`_pair_bins`) makes the one exchange of an item ``x`` of
     the heavy bin with an item ``y`` of the light bin that best evens the pair (gain
     ``min(x - y, gap - (x - y))``, first best in ``x``-major order), if it gains more than ``tol``
-    and puts no expert twice on a GPU; fixed items never move. The gain of ``x`` peaks at the ``y``
-    nearest ``x - gap / 2``, so the best ``y`` of each ``x`` is one of the two allowed light items
-    around that target: every bin keeps its slots sorted by load (ties by slot; two insertion steps
-    per exchange), and one pointer sweeps the light bin's allowed items while ``x`` goes up the heavy
-    bin's order, ``O(S)`` per pair; equal gains go to the lowest slots, as when every pair is scored,
-    so both searches make the same exchanges. With a migration budget and up to ``BRUTE_FORCE_SLOTS`` slots
-    every ``(x, y)`` is scored instead (the budget may refuse the nearest ``y`` and allow another).
+    and puts no expert twice on a GPU; fixed items never move. Up to ``BRUTE_FORCE_SLOTS`` slots
+    every ``(x, y)`` is scored (without a budget in one branch-free pass). With more slots a sweep
+    finds the same exchange: the gain of ``x`` peaks at the ``y`` nearest ``x - gap / 2``, so the best
+    ``y`` of each ``x`` is one of the two allowed light items around that target: every bin keeps its
+    slots sorted by load (ties by slot; two insertion steps per exchange), and one pointer sweeps the
+    light bin's allowed items while ``x`` goes up the heavy bin's order, ``O(S)`` per pair; equal
+    gains go to the lowest slots, as when every pair is scored, so both searches make the same
+    exchanges.
 
-    ``rb`` holds this row's bin loads, order and versions (set up by :func:`_start_row`) and ``sb``
-    its slot order ``srt [G, S]`` (:func:`_sort_slots`), kept from block to block.
+    ``rb`` holds this row's bin loads, order and versions (set up by :func:`_start_row`) and ``sb``,
+    for the sweep, its slot order ``srt [G, S]`` (:func:`_sort_slots`), kept from block to block.
 
     Returns:
         ``(moved, stamp)``: whether something moved, and the last bin version used.

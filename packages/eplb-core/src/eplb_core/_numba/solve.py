@@ -151,7 +151,7 @@ def solve_layers(
     lw = _lpt_workspace(reps, num_bins)
     node_lw = _lpt_workspace(num_groups, num_nodes)
     ws = _workspace(num_bins, slots, num_experts, tables[3].shape[1], num_cand * num_nodes)
-    # the exchange rounds' slot order of every row, written from the starts' load order (see _refine)
+    # the sweep's slot order of every row (many slots), written from the starts' load order (_refine)
     presort = slots > BRUTE_FORCE_SLOTS
     srt = ws[1][5]
     presorted = ws[3][0][3]

@@ -25,8 +25,8 @@ REL_TOL = 1e-12
 # a row whose peak is within this fraction of its lower bound stops refining (invisible in the
 # reported balancedness, which has 4 decimals)
 CLOSE_ENOUGH = 2e-5
-# with a migration budget and up to this many slots per GPU the exchange search scores every (x, y)
-# pair; otherwise (and always without a budget) a sweep over the bins' items sorted by load
+# up to this many slots per GPU the exchange search scores every (x, y) pair; with more, a sweep over
+# the bins' items sorted by load
 BRUTE_FORCE_SLOTS = 16
 # pairs of bins with at most this many slots are re-split exhaustively (C(2S, S) / 2 splits: 126 at 5)
 MAX_RESPLIT_SLOTS = 5
@@ -52,8 +52,10 @@ BLOCK = 4
 # with up to this many slots per GPU a row's repeats of an expert on a GPU are found by comparing
 # every two slots of a GPU; with more, in one pass over the row
 REPAIR_SCAN_SLOTS = 16
-# bins of up to this many slots are written in order by ranks (all pairs compared), more by insertion
+# bins of up to this many slots are written in order by ranks (all pairs compared), more by insertion;
+# rows of up to RANK_SORT_BINS bins order their bins by ranks each round
 RANK_SORT_SLOTS = 16
+RANK_SORT_BINS = 16
 # from this many items, a stable argsort tries buckets of the loads' bits first (a counting sort);
 # a bucket of more than BUCKET_MAX items sends it back to the merge sort
 BUCKET_SORT_MIN = 16

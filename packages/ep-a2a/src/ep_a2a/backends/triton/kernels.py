@@ -339,21 +339,18 @@ def _load_pairs(x_ptr, toks, ld, h0, QH: tl.constexpr, BQ: tl.constexpr):
 
 @triton.jit
 def _to_e4m3(v):
-    """float32 -> float8_e4m3fn bits (int32 0..255), round to nearest even; NaN -> ``FP8_NAN``. Values
-    here are at most 448 in magnitude (or NaN). On the GPU the hardware conversion; in the interpreter
-    (whose own conversion does not round to nearest even) torch's rule in integer operations."""
-    if INTERPRETING:
-        bits = v.to(tl.int32, bitcast=True)
-        sign = (bits >> 24) & 0x80
-        a = bits & 0x7FFFFFFF
-        odd = (a >> 20) & 1
-        normal = ((a + ((7 - 127) << 23) + 0x7FFFF + odd) >> 20) & 0xFF  # (rebias, round, take 7 bits)
-        # below 2^-6 (subnormal in e4m3): add 2^14, whose float32 ulp is e4m3's 2^-9, and take the bits
-        sub = ((tl.abs(v) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)) & 0xFF
-        res = tl.where(a >= (1087 << 20), FP8_NAN, tl.where(a < (121 << 23), sub, normal)) | sign
-    else:
-        res = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
-    return tl.where(v != v, FP8_NAN, res)
+    """float32 -> float8_e4m3fn bits (int32 0..255) by torch's rule (``c10::Float8_e4m3fn``: round to
+    nearest even, 480 and beyond NaN) in integer operations, on the GPU as in the interpreter (whose own
+    float8 cast does not round to nearest even); NaN -> ``FP8_NAN``."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    odd = (a >> 20) & 1
+    normal = ((a + ((7 - 127) << 23) + 0x7FFFF + odd) >> 20) & 0xFF  # (rebias, round, take 7 bits)
+    # below 2^-6 (subnormal in e4m3): add 2^14, whose float32 ulp is e4m3's 2^-9, and take the bits
+    sub = ((a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)) & 0xFF
+    res = tl.where(a >= (1087 << 20), FP8_NAN, tl.where(a < (121 << 23), sub, normal)) | sign
+    return tl.where(a > 0x7F800000, FP8_NAN, res)
 
 
 @triton.jit
