@@ -113,6 +113,10 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         )
         assert logits.shape == (4, 32)
 
+    from sparse_mla_attn.backends import gluon_sm90
+
+    # Scenarios that force the Gluon kernels run the Triton ones where the installed Triton has no Gluon.
+    gluon_backend = "gluon" if gluon_sm90.HAVE_GLUON else "auto"
     scenarios: dict[str, Callable[[], None]] = {
         "fwd_h128_gluon": lambda: fwd(128, 576, "auto"),
         "fwd_h128_triton": lambda: fwd(128, 576, "triton"),
@@ -126,7 +130,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "fwd_h128_not_persistent": lambda: fwd(128, 576, "auto", fwd_persistent="off"),
         "fwd_h64_extras_persistent": lambda: fwd(64, 576, "auto", True, fwd_persistent="on"),
         "fwd_h128_d512_persistent_split2": lambda: fwd(
-            128, 512, "gluon", True, num_splits=2, fwd_persistent="on"
+            128, 512, gluon_backend, True, num_splits=2, fwd_persistent="on"
         ),
         # Split-K decode, merged by the last split program (eager) or by a merge kernel (graph capture).
         "dec_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program"),
@@ -139,7 +143,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "dec_b64_h64_triton": lambda: decode(64, 64, 2048, "triton"),
         # The Gluon decode / forward split-K (the default of a split grid at h_q > 32 on sm_90).
         "dec_b64_h64_gluon_split2": lambda: decode(64, 64, 2048, "auto"),
-        "fwd_h128_extras_gluon_split3": lambda: fwd(128, 576, "gluon", True, num_splits=3),
+        "fwd_h128_extras_gluon_split3": lambda: fwd(128, 576, gluon_backend, True, num_splits=3),
         # FP8 cache (always the Triton kernel): unsplit at h_q 128 / 64, split-K with both merges, h_q 16.
         "dec_fp8_b64_s2_h128_rows": lambda: decode(64, 128, 2048, "auto", fp8=True, rows=True, s_q=2),
         "dec_fp8_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program", fp8=True),
