@@ -191,26 +191,31 @@ def docs_table(result: dict[str, Any]) -> str:
         key=lambda r: order.index(r["op"]),
     )
     fwd_ms = {}
+
+    def add(operation: str, time: str, tflops: str, flashmla: str = "—") -> None:
+        lines.append(f"| {operation} | {time} | {tflops} | {flashmla} |")
+
     for r in rows:
         op = r["op"]
+        at = f"h_q {r.get('h_q')}, s_kv {r.get('s_kv', 0) // 1024}K"
         if op == "fwd":
             fwd_ms[(r["h_q"], r["s_kv"])] = r["ms"]
             fm = "—"
             if "flashmla_ms" in r:
                 fm = f"{r['flashmla_ms']:.2f} ms, {r['flashmla_tflops']:.0f} TFLOPS ({r['ms'] / r['flashmla_ms']:.2f}x)"
-            lines.append(
-                f"| forward, h_q {r['h_q']}, s_kv {r['s_kv'] // 1024}K | {r['ms']:.2f} ms | {r['tflops']:.0f} | {fm} |"
-            )
+            add(f"forward, {at}", f"{r['ms']:.2f} ms", f"{r['tflops']:.0f}", fm)
         elif op == "attn_dist":
-            ratio = (
-                r["ms"] / fwd_ms[(r["h_q"], r["s_kv"])] if (r["h_q"], r["s_kv"]) in fwd_ms else float("nan")
-            )
-            lines.append(
-                f"| attn_dist, h_q {r['h_q']}, s_kv {r['s_kv'] // 1024}K | {r['ms']:.2f} ms ({ratio:.2f}x the forward) | {r['tflops']:.0f} | — |"
+            ratio = fwd_ms.get((r["h_q"], r["s_kv"]), float("nan"))
+            add(
+                f"attn_dist, {at}",
+                f"{r['ms']:.2f} ms ({r['ms'] / ratio:.2f}x the forward)",
+                f"{r['tflops']:.0f}",
             )
         elif op == "decode":
-            lines.append(
-                f"| decode, batch {r['batch']}, h_q {r['h_q']}, 32K cache (eager call) | {_us(r['ms'])} ({_us(r['ms_eager'])}) | {r['tflops']:.0f} | — |"
+            add(
+                f"decode, batch {r['batch']}, h_q {r['h_q']}, 32K cache (eager call)",
+                f"{_us(r['ms'])} ({_us(r['ms_eager'])})",
+                f"{r['tflops']:.0f}",
             )
         elif op == "decode_fp8":
             shape = f"batch {r['batch']}, s_q {r['s_q']}, h_q {r['h_q']}"
@@ -219,22 +224,22 @@ def docs_table(result: dict[str, Any]) -> str:
                 if "flashmla_ms" in r:
                     fm = f"{_us(r['flashmla_ms'])}, {r['flashmla_tflops']:.0f} TFLOPS ({r['ms_' + kind] / r['flashmla_ms']:.2f}x)"
                 cache = "bf16 cache" if kind == "bf16" else "FP8 cache, cache-row indices"
-                lines.append(
-                    f"| decode, {shape}, {cache} | {_us(r['ms_' + kind])} | {r['tflops_' + kind]:.0f} | {fm} |"
-                )
+                add(f"decode, {shape}, {cache}", _us(r["ms_" + kind]), f"{r['tflops_' + kind]:.0f}", fm)
         elif op == "bwd":
-            lines.append(
-                f"| backward, h_q {r['h_q']}, s_kv {r['s_kv'] // 1024}K (deterministic) | {r['ms']:.1f} ms ({r['det_ms']:.1f} ms) | {r['tflops']:.0f} ({r['det_tflops']:.0f}) | — |"
+            add(
+                f"backward, {at} (deterministic)",
+                f"{r['ms']:.1f} ms ({r['det_ms']:.1f} ms)",
+                f"{r['tflops']:.0f} ({r['det_tflops']:.0f})",
             )
         elif op == "indexer_logits":
             name = "indexer logits causal" if r.get("causal") else "indexer logits"
-            lines.append(
-                f"| {name}, fwd / bwd | {r['ms']:.2f} / {r['bwd_ms']:.1f} ms | {r['tflops']:.0f} / {r['bwd_tflops']:.0f} | — |"
+            add(
+                f"{name}, fwd / bwd",
+                f"{r['ms']:.2f} / {r['bwd_ms']:.1f} ms",
+                f"{r['tflops']:.0f} / {r['bwd_tflops']:.0f}",
             )
         elif op == "fwd_torch_baseline":
-            lines.append(
-                f"| torch gather + einsum forward, h_q {r['h_q']}, s_kv {r['s_kv'] // 1024}K | {r['ms']:.1f} ms | {r['tflops']:.0f} | — |"
-            )
+            add(f"torch gather + einsum forward, {at}", f"{r['ms']:.1f} ms", f"{r['tflops']:.0f}")
     return "\n".join(lines)
 
 
