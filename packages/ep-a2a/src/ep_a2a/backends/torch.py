@@ -105,6 +105,25 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8).view(t.shape[0], t.shape[1] * t.element_size())
 
 
+def _pack_rows(input: Tensor, experts: Tensor, rows: Tensor, weight: Tensor | None) -> Tensor:
+    """``[n, bytes]`` uint8 rows: token row | expert of each slot | its row at the receiver | weights, each
+    field padded to 8 bytes so that every field of the received bytes views as its dtype."""
+    n, dev = input.shape[0], input.device
+    xb = input.shape[1] * input.element_size()
+    tail = (
+        -(experts.shape[1] * 8 + (weight.shape[1] * weight.element_size() if weight is not None else 0)) % 8
+    )
+    parts = [input.view(torch.uint8)]
+    if xb % 8:
+        parts.append(torch.zeros(n, -xb % 8, dtype=torch.uint8, device=dev))
+    parts += [_bytes(experts), _bytes(rows)]
+    if weight is not None:
+        parts.append(_bytes(weight))
+    if tail:
+        parts.append(torch.zeros(n, tail, dtype=torch.uint8, device=dev))
+    return torch.cat(parts, 1)
+
+
 @register_backend
 class TorchBackend(A2ABackend):
     """``backend="torch"``: a fixed-size header, then packed ``all_to_all_single`` exchanges; see the
@@ -299,18 +318,8 @@ class TorchBackend(A2ABackend):
             )
             order = torch.sort(key.flatten(), stable=True).indices
         xb = input.shape[1] * input.element_size()
-        pad = -xb % 8
-        tail = -(8 * K + (K * weight.element_size() if weight is not None else 0)) % 8
-        mo = xb + pad
-        parts = [input.view(torch.uint8)]
-        if pad:
-            parts.append(torch.zeros(n, pad, dtype=torch.uint8, device=dev))
-        parts += [_bytes(c.expert[bins]), _bytes(scatter if scatter is not None else rank_in_bin)]
-        if weight is not None:
-            parts.append(_bytes(weight))
-        if tail:
-            parts.append(torch.zeros(n, tail, dtype=torch.uint8, device=dev))
-        packed = torch.cat(parts, 1)  # [n, bytes per row]
+        mo = xb + -xb % 8  # offset of the slots' fields in a packed row
+        packed = _pack_rows(input, c.expert[bins], scatter if scatter is not None else rank_in_bin, weight)
 
         rows = self._check(header)
         if self.validate:
