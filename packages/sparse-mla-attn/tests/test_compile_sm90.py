@@ -246,12 +246,7 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
     assert triton_kernels <= kernels, triton_kernels - kernels
     from sparse_mla_attn import gluon_supported
 
-    gluon_kernels = {
-        "_sparse_mla_fwd_pingpong_kernel",
-        "_sparse_mla_fwd_persistent_kernel",
-        "_attn_dist_ws_kernel",
-        "_sparse_mla_decode_fp8_kernel",
-    }
+    gluon_kernels = {"_sparse_mla_fwd_ws_kernel", "_attn_dist_ws_kernel", "_sparse_mla_decode_fp8_kernel"}
     # Where the installed Triton's Gluon API is not the one the kernels are written for, the ops
     # select the Triton kernels (no Gluon launch at all).
     assert (gluon_kernels <= kernels) if gluon_supported() else not (gluon_kernels & kernels)
