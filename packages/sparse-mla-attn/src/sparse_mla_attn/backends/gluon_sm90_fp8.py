@@ -8,10 +8,12 @@ block the producer
    of row ``r``, scale tile ``j`` land where bf16 channels ``256 + 64 j ..`` of row ``r`` go), the 64 bf16
    rope values straight into the rope slot, and the 4 float32 scales into a small scale buffer, then waits
    for its own copies (an mbarrier with one deferred arrive per thread);
+   While they land it prefetches the next block's rows into L2 (``cp.async.bulk.prefetch``), so that
+   block's gather reads L2 rather than HBM;
 2. dequantizes in place, tile by tile: ``fp8 * scale`` in float32, rounded to bf16, written over the
-   slot's channels ``128 j ..``. Tile ``j``'s output only overwrites staged bytes of tiles before it or,
-   for the last tile, the bytes it has just read, and each row is read and written by the same warp, so
-   no staged byte is overwritten before it is read;
+   slot's channels ``128 j ..``. Tile ``j``'s output only overwrites staged bytes of the tiles before it
+   or, for the last tile, the bytes it has just read (a warpgroup barrier between the loads and the
+   stores of each tile), so no staged byte is overwritten before it is read;
 3. releases the block to the consumers (one arrive after a fence and a warpgroup barrier).
 
 The consumers are the bf16 kernel's (``_pp_consumer``); split-K partials are merged by the forward's merge
@@ -27,7 +29,7 @@ import torch
 
 from sparse_mla_attn._runtime import LaunchContext, cdiv, launch
 from sparse_mla_attn._validate import SparseDims
-from sparse_mla_attn.backends.gluon_sm90 import CONSUMER_REGS, HAVE_GLUON, PRODUCER_REGS
+from sparse_mla_attn.backends.gluon_sm90 import HAVE_GLUON
 from sparse_mla_attn.fp8_cache import FP8_TOKEN_BYTES
 
 if HAVE_GLUON:
@@ -47,6 +49,18 @@ if HAVE_GLUON:
             gl.int64
         ) * TOKEN_BYTES
         return row, valid
+
+    @gluon.jit
+    def _prefetch_l2(rows, valid):
+        """Bulk-prefetch the 656-byte cache rows at ``rows`` (where ``valid``) into L2."""
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 656; mov.b32 $0, 0; }",
+            "=r,l,r",
+            [rows, valid.to(gl.int32)],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
     @gluon.jit
     def _fp8_producer(
@@ -72,7 +86,6 @@ if HAVE_GLUON:
         TOKEN_BYTES: gl.constexpr = 656
         D_NOPE: gl.constexpr = 512
         N_TILES: gl.constexpr = 4  # float32 scales per row, one per 128 latent channels
-        PIECE: gl.constexpr = 16  # rows dequantized at a time (registers: the producer has few)
         # Gathers: 16-byte vectors, a warp covers 4 rows x 128 bytes (latent bytes) or x 64 bf16 (rope).
         ld_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
         rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -95,6 +108,7 @@ if HAVE_GLUON:
         cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
         cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
         tiles = gl.arange(0, N_TILES, layout=gl.SliceLayout(1, sc_l))
+        offs_tp = gl.arange(0, BLOCK_T, layout=gl.BlockedLayout([1], [32], [4], [0]))
         idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
         idx_next_s = gl.load(idx_row + offs_ts, mask=offs_ts < n_t, other=-1)
         for b in range(n_blocks):
@@ -125,17 +139,29 @@ if HAVE_GLUON:
                 mask=valid_s[None, :] & (tiles[:, None] >= 0),
             )
             cp.mbarrier_arrive(staged_bar, increment_count=False)
+            # While they land: the next block's rows into L2, so its gather does not wait on HBM.
+            nxt_p = (b + 1) * BLOCK_T + offs_tp
+            row_p, valid_p = _fp8_rows(
+                gl.load(idx_row + nxt_p, mask=nxt_p < n_t, other=-1),
+                hi,
+                kv_block_size,
+                stride_kv_block,
+                TOKEN_BYTES,
+            )
+            _prefetch_l2(KV8 + row_p, valid_p & (b + 1 < n_blocks))
             mbarrier.wait(staged_bar, b & 1)
 
             kn = kn_smem.index(slot)
             sc_flat = sc_smem.reshape([N_TILES * BLOCK_T])
             staged = st8.index(slot)
             for j in gl.static_range(N_TILES):
-                for p in gl.static_range(BLOCK_T // PIECE):
-                    x8 = staged.slice(D_NOPE + 128 * j, 128, dim=1).slice(PIECE * p, PIECE, dim=0).load(dq_l)
-                    scale = sc_flat.slice(BLOCK_T * j + PIECE * p, PIECE).load(gl.SliceLayout(1, dq_l))
-                    v = x8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
-                    kn.slice(128 * j, 128, dim=1).slice(PIECE * p, PIECE, dim=0).store(v.to(gl.bfloat16))
+                x8 = staged.slice(D_NOPE + 128 * j, 128, dim=1).load(dq_l)
+                scale = sc_flat.slice(BLOCK_T * j, BLOCK_T).load(gl.SliceLayout(1, dq_l))
+                # (The stores below overwrite staged bytes read by this warp only; the barrier keeps the
+                # compiler from placing one before each of their pieces.)
+                gl.thread_barrier()
+                v = x8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+                kn.slice(128 * j, 128, dim=1).store(v.to(gl.bfloat16))
             # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
             fence_async_shared()
             gl.thread_barrier()
@@ -238,6 +264,12 @@ if HAVE_GLUON:
         )  # fmt: skip
 
 
+#: Register split (``setmaxnreg``) of the FP8 decode's consumer and producer warpgroups: 224 + 224 + 56 of
+#: the 504 per thread that 384 threads hold (the dequantizing producer needs more than the bf16 one's 40).
+FP8_CONSUMER_REGS = 224
+FP8_PRODUCER_REGS = 56
+
+
 def launch_decode_fp8_gluon(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -264,7 +296,7 @@ def launch_decode_fp8_gluon(
     assert kv_cache.shape[-1] == FP8_TOKEN_BYTES
     n_head_tiles = cdiv(dims.h_q, 64)
     n_splits, split_len = splits
-    consts = dict(BLOCK_T=64, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    consts = dict(BLOCK_T=64, CONSUMER_REGS=FP8_CONSUMER_REGS, PRODUCER_REGS=FP8_PRODUCER_REGS, num_warps=4)
     if n_splits > 1:
         consts["SPLIT_K"] = True
     args = (q, kv_cache, idx, out, max_logits, lse, *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv,
