@@ -32,16 +32,11 @@ cpu_only = pytest.mark.skipif(
 def _routing(
     n: int, topk: int, experts: int, gen: torch.Generator, *, skew: bool, drop: float
 ) -> torch.Tensor:
-    if n == 0:
-        return torch.empty(0, topk, dtype=torch.int32)
-    if skew:  # most slots on the first experts (one rank receives most rows)
-        probs = torch.softmax(-torch.arange(experts, dtype=torch.float32) * 0.7, 0).expand(n, -1)
-        ids = torch.multinomial(probs, topk, replacement=False, generator=gen)
-    else:
-        ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(n)])
-    ids = ids.to(torch.int32)
-    if drop:
-        ids[torch.rand(ids.shape, generator=gen) < drop] = -1
+    """``[n, topk]`` int32 distinct experts per token (uniform, or most on the first experts with
+    ``skew``), each slot dropped (-1) with probability ``drop``."""
+    probs = torch.softmax(-torch.arange(experts, dtype=torch.float32) * (0.7 if skew else 0.0), 0)
+    ids = torch.multinomial(probs.expand(max(n, 1), -1), topk, generator=gen)[:n].to(torch.int32)
+    ids[torch.rand(ids.shape, generator=gen) < drop] = -1
     return ids
 
 
