@@ -898,7 +898,7 @@ def test_bound_dispatch_and_combine_pass_what_the_specifications_pass(
     monkeypatch.setattr(eng, "_launch_bound", lambda key, addresses: False)
     x, ids, w, y, out = inputs(6)
     xs = x.x if quantize else x
-    launches = eng.bind_merged_dispatch(3, xs, ids, w, eng.pos, b, info, mirror, caller_scatter=False)
+    launches = eng.bind_merged_dispatch(3, b, info, mirror, (xs, ids, w, eng.pos), caller_scatter=False)
     combine = eng.bind_combine(3, y, ids, info[2 : 2 + eng.world_size], out)
     assert launches is not None
     assert combine is not None

@@ -476,7 +476,7 @@ class TritonBackend(A2ABackend):
         if launches is None:
             stream = _raw_stream(self.device.index)
             launches = self.engine.bind_merged_dispatch(
-                stream, x, ids, w, src, bufs, ws.info, mirror, caller_scatter=call.caller
+                stream, bufs, ws.info, mirror, (x, ids, w, src), caller_scatter=call.caller
             )
             if launches is None:
                 return False

@@ -1212,9 +1212,11 @@ class TritonEPEngine:
         fork = self._ce_fork() if self.ce_pieces and send else None
         flags = (has_w, caller_scatter, send, recv, counts, rewrite, mirror is not None)
         mirror_addr = mirror.data_ptr() if mirror is not None else 0
-        if not self._launch_dispatch_bound(
+        # (after a variant's first launch: through its bound launch, see _launch_bound)
+        bound = self._row_kernel_call(
             xs, exp_indices, weight, scatter_src, bufs, info, pk, pinfo, mirror_addr, flags
-        ):
+        )
+        if bound is None or not self._launch_bound(*bound):
             w = _nz(weight) if weight is not None else self._dummy_w
             ids, id64 = _ids_arg(exp_indices)
             self._launch(
@@ -1240,7 +1242,7 @@ class TritonEPEngine:
         if recv:
             self._launch(self._expand_spec(bufs, rtok, pinfo, has_w=has_w, caller_scatter=caller_scatter))
 
-    def _launch_dispatch_bound(
+    def _row_kernel_call(
         self,
         x: torch.Tensor,
         exp_indices: torch.Tensor,
@@ -1252,64 +1254,54 @@ class TritonEPEngine:
         pinfo: torch.Tensor,
         mirror_addr: int,
         flags: tuple[bool, ...],
-    ) -> bool:
-        """The row kernel through its bound launch (see :meth:`_launch_bound`), with the arguments
-        :meth:`_dispatch_spec` would give it; ``False`` when there is none yet (or no tokens)."""
+    ) -> tuple[tuple, tuple] | None:
+        """The row kernel's variant key and per-call arguments (in its specification's ``var_names``
+        order, tensors as addresses), as :meth:`_dispatch_spec` would give them; ``None`` without tokens
+        (their empty tensors have no address to bind: the specification's stand-ins take them)."""
         n, id64, out = x.shape[0], _ID64.get(exp_indices.dtype), bufs.out
         if n == 0 or id64 is None or out is None or bufs.out_w is None or bufs.out_e is None:
-            return False
+            return None
         w = weight if weight is not None else self._dummy_w
         xp, ip, wp, sp = x.data_ptr(), exp_indices.data_ptr(), w.data_ptr(), src.data_ptr()
         args = (
             (x.dtype, xp % 16 == 0), (torch.int32, ip % 16 == 0), (w.dtype, wp % 16 == 0),
             (src.dtype, sp % 16 == 0),
         )  # fmt: skip
-        return self._launch_bound(
-            self._dispatch_key(flags, out.dtype, out.shape[1], args),
-            (xp, ip, wp, sp, n, out.data_ptr(), bufs.out_w.data_ptr(), bufs.out_e.data_ptr(), bufs.tab.data_ptr(),
-             bufs.skip.data_ptr(), bufs.scat.data_ptr(), info.data_ptr(), out.shape[0], pk.data_ptr(),
-             pinfo.data_ptr(), mirror_addr, id64),
+        addresses = (
+            xp, ip, wp, sp, n, out.data_ptr(), bufs.out_w.data_ptr(), bufs.out_e.data_ptr(), bufs.tab.data_ptr(),
+            bufs.skip.data_ptr(), bufs.scat.data_ptr(), info.data_ptr(), out.shape[0], pk.data_ptr(),
+            pinfo.data_ptr(), mirror_addr, id64,
         )  # fmt: skip
+        return self._dispatch_key(flags, out.dtype, out.shape[1], args), addresses
 
     def bind_merged_dispatch(
         self,
         stream: int,
-        x: torch.Tensor,
-        exp_indices: torch.Tensor,
-        weight: torch.Tensor | None,
-        src: torch.Tensor,
         bufs: DispatchBuffers,
         info: torch.Tensor,
         mirror: torch.Tensor,
+        call: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor],
         *,
         caller_scatter: bool,
     ) -> tuple[BoundLaunch, BoundLaunch] | None:
         """The two launches of an exact-shape dispatch whose row kernel builds the receive layout and
         mirrors ``info`` to the host (:meth:`launch_layout`, then :meth:`launch_dispatch` with
         ``counts=True`` and ``mirror``) on ``stream``, bound to ``bufs`` (but ``bufs.out``), ``info`` and
-        ``mirror``, for calls whose tensors have the dtypes and alignment of these (:meth:`_align`);
-        launched by :meth:`launch_merged_bound`. ``None`` where either has no direct plan yet (or no
-        tokens, remote peers, copy-engine dispatch)."""
-        n, id64, out = x.shape[0], _ID64.get(exp_indices.dtype), bufs.out
-        if n == 0 or id64 is None or self.remote_ranks or self.ce_pieces or out is None:
+        ``mirror``, for calls whose tensors ``(x, exp_indices, weight or None, scatter source)`` have the
+        dtypes and alignment of ``call``'s (:meth:`_align`); launched by :meth:`launch_merged_bound`.
+        ``None`` where either has no direct plan yet (or no tokens, remote peers, copy-engine
+        dispatch)."""
+        if self.remote_ranks or self.ce_pieces:
             return None
-        if bufs.out_w is None or bufs.out_e is None:
-            return None
-        w = weight if weight is not None else self._dummy_w
-        xp, ip, wp, sp = x.data_ptr(), exp_indices.data_ptr(), w.data_ptr(), src.data_ptr()
-        layout = self.bind(self._layout_key(caller_scatter, ip), stream, 3, (ip, n, info.data_ptr(), id64))
-        args = (
-            (x.dtype, xp % 16 == 0), (torch.int32, ip % 16 == 0), (w.dtype, wp % 16 == 0),
-            (src.dtype, sp % 16 == 0),
-        )  # fmt: skip
-        flags = (weight is not None, caller_scatter, True, True, True, False, True)
         pk, _, pinfo = self._rb(None)
-        row = self.bind(
-            self._dispatch_key(flags, out.dtype, out.shape[1], args), stream, 6,
-            (xp, ip, wp, sp, n, out.data_ptr(), bufs.out_w.data_ptr(), bufs.out_e.data_ptr(), bufs.tab.data_ptr(),
-             bufs.skip.data_ptr(), bufs.scat.data_ptr(), info.data_ptr(), out.shape[0], pk.data_ptr(),
-             pinfo.data_ptr(), mirror.data_ptr(), id64),
-        )  # fmt: skip
+        flags = (call[2] is not None, caller_scatter, True, True, True, False, True)
+        row_call = self._row_kernel_call(*call, bufs, info, pk, pinfo, mirror.data_ptr(), flags)
+        if row_call is None:
+            return None
+        key, addresses = row_call
+        ip, n, id64 = addresses[1], addresses[4], addresses[-1]
+        layout = self.bind(self._layout_key(caller_scatter, ip), stream, 3, (ip, n, info.data_ptr(), id64))
+        row = self.bind(key, stream, 6, addresses)
         return None if layout is None or row is None else (layout, row)
 
     def launch_merged_bound(
