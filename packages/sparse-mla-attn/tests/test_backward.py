@@ -193,6 +193,14 @@ CONFIG_CASES = [
     pytest.param(5, 96, 64, {}, {"BLOCK_T_DKV": 32, "BLOCK_C_DKV": 64}, id="split-T32-C64-H5"),
     pytest.param(7, 96, 64, {"causal": True, "q_start_index": 5}, {"N_CSPLIT": 2}, id="split-csplit2-causal"),
     pytest.param(7, 96, 64, {}, {"N_CSPLIT": 3, "BLOCK_C_DKV": 16}, id="split-csplit3-uneven"),
+    pytest.param(
+        7,
+        96,
+        64,
+        {"causal": True, "q_start_index": 5, "k_stride": 2},
+        {"SORT_IDX": 1, "TOK_GROUP": 3},
+        id="sorted-tokgroup3-uneven-causal",
+    ),
     pytest.param(18, 96, 64, {"causal": True, "q_start_index": 7, "k_stride": 2}, SUB, id="nsub2-H18-causal"),
     pytest.param(40, 96, 64, {}, SUB, id="nsub2-H40-second-half-partial"),
     pytest.param(12, 96, 64, {}, SUB, id="nsub2-H12-second-half-empty"),
@@ -230,6 +238,9 @@ def head_summed_attention(q, kv, idx, lse, sm_scale, kw):
     [
         pytest.param(18, {"causal": True, "q_start_index": 7, "k_stride": 2}, None, id="H18-causal"),
         pytest.param(40, {}, {"BLOCK_H": 16, "N_SUB": 2}, id="H40-nsub2"),
+        pytest.param(
+            18, {"causal": True, "q_start_index": 7}, {"SORT_IDX": 1, "TOK_GROUP": 2}, id="H18-sorted"
+        ),
     ],
 )
 def test_bwd_attn_sum_by_product(h_q, kw, cfg):

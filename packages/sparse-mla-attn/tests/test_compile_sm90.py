@@ -104,6 +104,14 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         sm.sparse_mla_bwd(q, kv, out, dout, idx, torch.randn(2, h_q), 0.1, 512, causal=causal,
                           deterministic=det, return_attn_sum=attn_sum)  # fmt: skip
 
+    def bwd_tiles(h_q: int, det: bool, tiles: dict[str, int]) -> None:
+        """The backward with kernel options its launcher offers beside the defaults."""
+        from sparse_mla_attn.backward import launch_bwd
+
+        q, kv, idx = problem(2, h_q, 576, 64, 128)
+        out, dout = torch.randn(2, h_q, 512).bfloat16(), torch.randn(2, h_q, 512).bfloat16()
+        launch_bwd(q, kv, out, dout, idx, torch.randn(2, h_q), 0.1, 512, deterministic=det, tiles=tiles)
+
     def indexer(causal: bool) -> None:
         q_idx = torch.randn(4, 64, 128).bfloat16().requires_grad_()
         k_idx, w = torch.randn(32, 128).bfloat16(), torch.randn(4, 64)
@@ -162,6 +170,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "bwd_h64_d512": lambda: bwd(64, 512, False),
         "bwd_h256": lambda: bwd(256, 576, False),
         "bwd_h256_det": lambda: bwd(256, 576, True, True),
+        "bwd_h128_sorted_tok_group": lambda: bwd_tiles(128, False, {"SORT_IDX": 1, "TOK_GROUP": 64}),
         "indexer": lambda: indexer(False),
         "indexer_causal": lambda: indexer(True),
     }
@@ -233,11 +242,7 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
     assert triton_kernels <= kernels, triton_kernels - kernels
     from sparse_mla_attn import gluon_supported
 
-    gluon_kernels = {
-        "_sparse_mla_fwd_pingpong_kernel",
-        "_sparse_mla_fwd_persistent_kernel",
-        "_attn_dist_ws_kernel",
-    }
+    gluon_kernels = {"_sparse_mla_fwd_ws_kernel", "_attn_dist_ws_kernel"}
     # Where the installed Triton's Gluon API is not the one the kernels are written for, the ops
     # select the Triton kernels (no Gluon launch at all).
     assert (gluon_kernels <= kernels) if gluon_supported() else not (gluon_kernels & kernels)

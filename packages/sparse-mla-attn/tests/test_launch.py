@@ -186,6 +186,7 @@ def _check_decode_replay() -> int:
     _runtime._driver = lambda: Driver()  # type: ignore[assignment]
     ctx = _runtime.LaunchContext(0, 77, False)
     decode.launch_context = lambda device: ctx  # type: ignore[assignment]
+    decode.eager_stream = lambda t: (0, 77)  # type: ignore[assignment]
     sys.path.insert(0, os.path.dirname(HERE))
     from test_compile_sm90 import pretend_h200_host
 

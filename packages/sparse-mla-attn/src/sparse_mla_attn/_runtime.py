@@ -209,64 +209,101 @@ def no_launch_hooks() -> bool:
 
 
 class LaunchReplay:
-    """The kernel launches of one eager call, replayed by later calls of the same launch plan on the same
-    device, stream and thread: each launch goes straight to the compiled kernel's C launcher with the
-    recorded arguments, in which the call's own tensors (``per_call``, by position) become their data
-    pointers and the float argument the call's scale; every other tensor (scratch buffers reused by those
-    calls) is kept alive here and passed as its recorded data pointer. Made by :func:`record_launches`."""
+    """The kernel launches of one eager call, bound to its stream and replayed by later calls of the same
+    launch plan on the same device, stream and thread: one generated function (``run``) passes each
+    launch straight to the compiled kernel's C launcher with the recorded arguments, in which the call's
+    own tensors (``per_call``, by position) become their data pointers and the float argument the call's
+    scale; every other tensor (scratch buffers reused by those calls) is kept alive here and passed as its
+    recorded data pointer, and grids, stream, integers and constexprs are constants of the function (the
+    launch registry's entry too: ``launch``). Made by :meth:`bind` from :func:`record_launches`."""
 
-    __slots__ = ("keep", "launch", "steps")
+    __slots__ = ("keep", "run")
 
-    def __init__(
-        self, records: list[Any], per_call: tuple[torch.Tensor | None, ...], launch: tuple[str, Launch] | None
-    ) -> None:
-        self.keep: list[torch.Tensor] = []
-        self.launch = launch  # the record_launch entry of the recorded call, set again by each replay
-        self.steps: list[Any] = []
-        for kernel, grid3, args in records:
-            template: list[Any] = []
-            subs: list[tuple[int, int]] = []
+    def __init__(self, run: Callable[..., None], keep: list[torch.Tensor]) -> None:
+        #: ``run(*data pointers of per_call, scale)``: the launches, in order.
+        self.run = run
+        self.keep = keep
+
+    @classmethod
+    def bind(
+        cls, records: list[Any], per_call: tuple[torch.Tensor | None, ...], stream: Any,
+        launch: tuple[str, Launch] | None,
+    ) -> LaunchReplay | None:  # fmt: skip
+        """The replay of ``records`` (from :func:`record_launches`) on ``stream``, or ``None`` when two of
+        ``per_call`` are one tensor (a later call could pass them apart)."""
+        ids = [id(t) for t in per_call if t is not None]
+        if len(set(ids)) != len(ids):
+            return None
+        consts: dict[str, Any] = {"_stream": stream}
+        keep: list[torch.Tensor] = []
+        lines = []
+        for k, (kernel, grid3, args) in enumerate(records):
+            call_args = []
             for i, a in enumerate(args):
                 if isinstance(a, torch.Tensor):
                     src = next((j for j, t in enumerate(per_call) if t is a), -1)
                     if src < 0:
-                        self.keep.append(a)
-                    template.append(a.data_ptr())
-                    if src >= 0:
-                        subs.append((i, src))
+                        keep.append(a)
+                        call_args.append(str(a.data_ptr()))
+                    else:
+                        call_args.append(f"p{src}")
                 elif type(a) is float:
-                    template.append(a)
-                    subs.append((i, -1))
+                    call_args.append("scale")
+                elif a is None or type(a) in (int, bool):
+                    call_args.append(repr(a))
                 else:
-                    template.append(a)
-            run = kernel.run
+                    consts[f"_c{k}_{i}"] = a
+                    call_args.append(f"_c{k}_{i}")
+            run, grid = kernel.run, ", ".join(str(int(g)) for g in grid3)
+            consts[f"_f{k}"], consts[f"_m{k}"] = kernel.function, kernel.packed_metadata
             # Triton's CUDA launcher object: its C function directly, when it allocates no scratch itself.
-            direct = (
+            if (
                 type(run).__name__ == "CudaLauncher"
                 and getattr(run, "global_scratch_size", 1) == 0
                 and getattr(run, "profile_scratch_size", 1) == 0
-            )
-            head = (
-                (run.launch, *grid3, kernel.function, run.launch_cooperative_grid, run.launch_pdl)
-                if direct
-                else (run, *grid3, kernel.function)
-            )
-            self.steps.append((direct, head, kernel.packed_metadata, template, tuple(subs)))
-
-    def run(self, ptrs: tuple[int, ...], scale: float, stream: Any) -> None:
-        """Launch on ``stream`` with the data pointers ``ptrs`` of the call's own tensors and ``scale``."""
-        for direct, head, packed, template, subs in self.steps:
-            args = template.copy()
-            for i, src in subs:
-                args[i] = scale if src < 0 else ptrs[src]
-            if direct:
-                launch_c, g0, g1, g2, function, coop, pdl = head
-                launch_c(g0, g1, g2, stream, function, coop, pdl, None, None, packed, None, None, None, *args)
+            ):
+                consts[f"_l{k}"] = run.launch
+                consts[f"_coop{k}"], consts[f"_pdl{k}"] = run.launch_cooperative_grid, run.launch_pdl
+                # (grid, stream, function, cooperative, PDL, no scratch, metadata, no launch metadata or hooks)
+                head = f"_l{k}({grid}, _stream, _f{k}, _coop{k}, _pdl{k}, None, None, _m{k}, None, None, None"
             else:
-                run, g0, g1, g2, function = head
-                run(g0, g1, g2, stream, function, packed, None, None, None, *args)
-        if self.launch is not None:
-            _LAUNCHES[self.launch[0]] = self.launch[1]
+                consts[f"_l{k}"] = run
+                head = f"_l{k}({grid}, _stream, _f{k}, _m{k}, None, None, None"
+            lines.append(f"    {head}, {', '.join(call_args)})")
+        if launch is not None:  # each replay is the op's latest launch (record_launch)
+            consts["_launches"], consts["_name"], consts["_launch"] = _LAUNCHES, *launch
+            lines.append("    _launches[_name] = _launch")
+        params = ", ".join(f"p{j}" for j in range(len(per_call)))
+        source = f"def run({params}, scale):\n" + "\n".join(lines) + "\n"
+        exec(compile(source, "<sparse_mla_attn launch replay>", "exec"), consts)
+        return cls(consts["run"], keep)
+
+
+def eager_stream(t: torch.Tensor) -> tuple[int, Any] | None:
+    """``(current device, its current raw stream)`` when a call on ``t`` may take a replayed eager launch
+    (:class:`LaunchReplay`): ``t`` a CUDA tensor, nothing traced (``torch.compile``, dispatch modes), the
+    current stream not capturing a CUDA graph and no launch hook set; else ``None``. Read straight from
+    torch's C queries (CUDA is initialised once a CUDA tensor exists)."""
+    if (
+        not t.is_cuda
+        or _INTERPRETING
+        or torch.compiler.is_compiling()
+        or _current_dispatch_mode() is not None
+    ):
+        return None
+    if _is_capturing() or not no_launch_hooks():
+        return None
+    device = _current_device()
+    return device, _current_raw_stream(device)
+
+
+_current_device = (
+    torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else torch.cuda.current_device
+)
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+_current_raw_stream = getattr(
+    torch._C, "_cuda_getCurrentRawStream", lambda device: torch.cuda.current_stream(device).cuda_stream
+)
 
 
 def record_launches(call: Callable[[], Any]) -> tuple[Any, list[Any] | None]:

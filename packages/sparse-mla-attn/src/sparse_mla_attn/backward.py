@@ -215,6 +215,7 @@ def _dkv_kernel(
     topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr, N_TB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_CSPLIT: tl.constexpr,
+    TOK_GROUP: tl.constexpr,
 ):  # fmt: skip
     # One program per (token, block of BLOCK_T slots) with ALL heads (BLOCK_H >= h_q): the dkv contribution
     # of a slot, dS^T q + P^T dout summed over every head, is one [BLOCK_T, channels] product with K = h_q,
@@ -225,12 +226,23 @@ def _dkv_kernel(
     # groups, and the launch order is group-major: the programs in flight update only one group's columns
     # of dkv, a footprint that fits in L2 where the whole fp32 buffer does not (at the price of reading the
     # dS / P tile once per group).
+    # With TOK_GROUP > 1 the launch order inside a channel group is (group of TOK_GROUP tokens, slot block,
+    # token): with each token's indices sorted, the programs in flight share a slot block and so update
+    # rows of a narrow index range (an L2-sized footprint of dkv), while the group's q / dout stay in L2.
     pid = tl.program_id(0)
     n_per_group = n_tok * N_TB
     cg = pid // n_per_group
     pid = pid % n_per_group
-    tb = pid % N_TB
-    s = (pid // N_TB).to(tl.int64)
+    if TOK_GROUP == 1:
+        tb = pid % N_TB
+        s = (pid // N_TB).to(tl.int64)
+    else:
+        grp = pid // (TOK_GROUP * N_TB)
+        g0 = grp * TOK_GROUP
+        g_n = tl.minimum(n_tok - g0, TOK_GROUP)  # the last group may be short
+        r = pid - g0 * N_TB
+        tb = r // g_n
+        s = (g0 + r % g_n).to(tl.int64)
     N_LAT: tl.constexpr = D_V // BLOCK_C
     N_CHUNKS: tl.constexpr = N_LAT + (1 if D_ROPE > 0 else 0)
     PER_GROUP: tl.constexpr = (N_CHUNKS + N_CSPLIT - 1) // N_CSPLIT
@@ -380,7 +392,8 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
         return {"BLOCK_H": block_h, "BLOCK_T": 16, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 32,
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
                 "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
-                "SPLIT_DKV": 1, "BLOCK_T_DKV": 16, "BLOCK_C_DKV": min(d_v, 32), "num_warps_dkv": 4, "chunk_stages_dkv": 1, "N_CSPLIT": 2}  # fmt: skip
+                "SPLIT_DKV": 1, "BLOCK_T_DKV": 16, "BLOCK_C_DKV": min(d_v, 32), "num_warps_dkv": 4, "chunk_stages_dkv": 1, "N_CSPLIT": 2,
+                "SORT_IDX": 0, "TOK_GROUP": 1}  # fmt: skip
     # Main kernel: 64 heads x 128 slots, 64-channel chunks, four in flight. dkv kernel (h_q <= 128): all heads
     # x 64 slots, 4 warps, 112 KB of shared memory (two programs per SM), channels in two groups launched one
     # after the other (each group's half of the fp32 dkv buffer fits in L2). The deterministic mode writes a
@@ -390,7 +403,8 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
            "BLOCK_H_DQ": max(16, next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
            "chunk_stages": 3, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
-           "SPLIT_DKV": 1, "BLOCK_T_DKV": 64, "BLOCK_C_DKV": min(d_v, 64), "num_warps_dkv": 4, "chunk_stages_dkv": 2, "N_CSPLIT": 2}  # fmt: skip
+           "SPLIT_DKV": 1, "BLOCK_T_DKV": 64, "BLOCK_C_DKV": min(d_v, 64), "num_warps_dkv": 4, "chunk_stages_dkv": 2, "N_CSPLIT": 2,
+           "SORT_IDX": 0, "TOK_GROUP": 1}  # fmt: skip
     if h_q <= 128:  # separate all-heads dkv kernel: the main kernel is the same in both modes
         cfg.update(chunk_stages=4)
         if deterministic:  # the dkv kernel writes a contiguous workspace: no L2 footprint to shrink
@@ -431,6 +445,13 @@ def launch_bwd(
     block_h_dkv = max(16, next_power_of_2(h_q))
     n_part_hb = 1 if split_dkv else n_hb  # head blocks whose dkv contributions the deterministic mode stores
     n_db = cdiv(d_qk, cfg["BLOCK_D"])
+    if cfg["TOK_GROUP"] < 1:
+        raise ValueError(f"TOK_GROUP must be >= 1, got {cfg['TOK_GROUP']}")
+    # Each token's slots in ascending index order: every per-slot quantity is computed in that order (attn_sum
+    # is permuted back at the end), and programs working on the same slot block touch nearby rows.
+    perm = None
+    if cfg["SORT_IDX"]:
+        indices, perm = torch.sort(indices, dim=2, stable=True)
     delta = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
     kernel = launch(
         _delta_kernel, (s_q, cdiv(h_q, 16)), slots, "delta",
@@ -490,7 +511,7 @@ def launch_bwd(
                  s_kv, h_q, q_start_index + s0, k_stride),
                 dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
                      BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"], BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
-                     CHUNK_STAGES=cfg["chunk_stages_dkv"], N_CSPLIT=n_csplit,
+                     CHUNK_STAGES=cfg["chunk_stages_dkv"], N_CSPLIT=n_csplit, TOK_GROUP=cfg["TOK_GROUP"],
                      num_warps=cfg["num_warps_dkv"], num_stages=1),
             )  # fmt: skip
             record_launch("bwd.dkv", kernel)
@@ -500,6 +521,8 @@ def launch_bwd(
             )
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
+    if return_attn_sum and perm is not None:  # back to the caller's slot order
+        attn_sum = torch.empty_like(attn_sum).scatter_(1, perm[:, 0], attn_sum)
     return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
 
 

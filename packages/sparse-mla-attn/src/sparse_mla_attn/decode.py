@@ -31,6 +31,7 @@ from sparse_mla_attn._runtime import (
     call_signature,
     check_kernel_device,
     define_op,
+    eager_stream,
     last_launch,
     launch_context,
     no_launch_hooks,
@@ -80,6 +81,7 @@ class DecodePlan:
     rows: RowsPlan | None  # None: the indices are cache rows already
     fwd: FwdPlan
     batch_shape: tuple[int, int]
+    out_shape: tuple[int, int, int, int]  # [b, s_q, h_q, d_v]; lse is its first three
     q_view: bool
     idx_view: bool
     n_counters: int
@@ -87,7 +89,8 @@ class DecodePlan:
     counters_key: object = field(default_factory=object)
     #: CUDA devices on which the split kernel + merge kernel path has run (compiled before any capture).
     kernel_merge_compiled: set[int] = field(default_factory=set)
-    #: Recorded launches per (device, stream, thread, last-program merge), replayed by eager calls.
+    #: Recorded launches per (device, stream, thread), replayed by eager calls (who merges the split-K
+    #: partials is the same for every eager call of a plan once its first call has run: ``_merge_last``).
     replays: dict[Any, LaunchReplay] = field(default_factory=dict)
 
 
@@ -134,7 +137,15 @@ def _plan_decode(
             q_start_index=0, k_stride=1, causal=False, config=config,
         )  # fmt: skip
     n_counters = dims.s_q * fwd_plan.ints[8]  # one per (token, head tile)
-    return DecodePlan(rows_plan, fwd_plan, (b, s_q), _flat_view_ok(q), _flat_view_ok(indices), n_counters)
+    return DecodePlan(
+        rows_plan,
+        fwd_plan,
+        (b, s_q),
+        (b, s_q, h_q, d_v),
+        _flat_view_ok(q),
+        _flat_view_ok(indices),
+        n_counters,
+    )
 
 
 _PLANS: dict[Any, DecodePlan] = {}
@@ -160,6 +171,27 @@ def _merge_last(plan: DecodePlan, split_merge: str, ctx: LaunchContext | None) -
     return False
 
 
+def _call_key(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None, indices: torch.Tensor, ptrs: tuple[int, ...], d_v: int, index_kind: str,
+    options: tuple[Any, ...],
+) -> tuple[Any, ...]:  # fmt: skip
+    """What a call's validation and launch plan depend on (``_runtime.call_signature`` of the tensors it
+    reads, with their data pointers ``ptrs``, and the other arguments but the scales): the key of
+    ``_PLANS``. The tables count only with ``index_kind="positions"``; a missing one is left to the plan's
+    validation (which raises)."""
+    if index_kind == "positions" and block_table is not None and cache_seqlens is not None:
+        return (
+            q.shape, q.stride(), q.dtype, q.device, not ptrs[0] % 16,
+            kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device, not ptrs[1] % 16,
+            block_table.shape, block_table.stride(), block_table.dtype, block_table.device, not ptrs[2] % 16,
+            cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device, not ptrs[3] % 16,
+            indices.shape, indices.stride(), indices.dtype, indices.device, not ptrs[4] % 16,
+            d_v, options,
+        )  # fmt: skip
+    return (*call_signature(q, kv_cache, indices), index_kind, d_v, options)
+
+
 @define_op("sparse_mla_decode", _decode_fake)
 def _decode_op(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
@@ -169,34 +201,16 @@ def _decode_op(
     # Validation and launch plan depend only on the call signature (shapes, strides, dtypes, devices and
     # 16-byte alignment of the tensors, as _runtime.call_signature): made once per signature. The data
     # pointers are read once, for the signature and for the launches.
-    positions = index_kind == "positions"
-    if positions and block_table is not None and cache_seqlens is not None:
-        ptrs = (
-            q.data_ptr(),
-            kv_cache.data_ptr(),
-            block_table.data_ptr(),
-            cache_seqlens.data_ptr(),
-            indices.data_ptr(),
-        )
-        key: tuple[Any, ...] = (
-            (q.shape, q.stride(), q.dtype, q.device, not ptrs[0] % 16),
-            (kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device, not ptrs[1] % 16),
-            (block_table.shape, block_table.stride(), block_table.dtype, block_table.device, not ptrs[2] % 16),
-            (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device, not ptrs[3] % 16),
-            (indices.shape, indices.stride(), indices.dtype, indices.device, not ptrs[4] % 16),
-            d_v, backend, num_splits, split_merge, split_fill,
-        )  # fmt: skip
-    else:  # cache rows (the tables are not read), or a missing table (the plan's validation raises)
-        ptrs = (q.data_ptr(), kv_cache.data_ptr(), 0, 0, indices.data_ptr())
-        key = (
-            *call_signature(q, kv_cache, indices),
-            index_kind,
-            d_v,
-            backend,
-            num_splits,
-            split_merge,
-            split_fill,
-        )
+    tables = index_kind == "positions" and block_table is not None and cache_seqlens is not None
+    ptrs = (
+        q.data_ptr(),
+        kv_cache.data_ptr(),
+        block_table.data_ptr() if tables else 0,  # type: ignore[union-attr]
+        cache_seqlens.data_ptr() if tables else 0,  # type: ignore[union-attr]
+        indices.data_ptr(),
+    )
+    options = (backend, num_splits, split_merge, split_fill)
+    key = _call_key(q, kv_cache, block_table, cache_seqlens, indices, ptrs, d_v, index_kind, options)
     plan = _PLANS.get(key)
     if plan is None:
         config = config_of(backend, num_splits, split_merge, split_fill=split_fill)
@@ -217,21 +231,56 @@ def _decode_op(
     lse = torch.empty(b, s_q, dims.h_q, dtype=torch.float32, device=dev)
     if dims.s_q == 0:
         return out, lse
+    _decode_run(plan, q, kv_cache, block_table, cache_seqlens, indices, sm_scale, out, lse, split_merge)
     if empty_lse > 0:  # FlashMLA's convention: +inf for a token with no valid index (one more launch)
-        _decode_run(
-            plan, q, kv_cache, block_table, cache_seqlens, indices, sm_scale, ptrs, out, lse, split_merge
-        )
-        return out, lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
-    _decode_run(plan, q, kv_cache, block_table, cache_seqlens, indices, sm_scale, ptrs, out, lse, split_merge)
+        lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
+    return out, lse
+
+
+def _decode_eager(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None, indices: torch.Tensor, sm_scale: float, d_v: int, index_kind: str,
+    empty_lse: float, options: tuple[Any, ...],
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """A repeated eager call on a CUDA stream: the launches its plan recorded on this device, stream and
+    thread (``DecodePlan.replays``), replayed with this call's tensors; ``None`` where the call takes the
+    op (a new signature or stream, tracing, graph capture, launch hooks, inputs that require grad).
+    ``q``, ``kv_cache`` and ``indices`` are plain tensors and ``sm_scale`` a float (the caller checked)."""
+    where = eager_stream(q)
+    if where is None or (torch.is_grad_enabled() and (q.requires_grad or kv_cache.requires_grad)):
+        return None
+    T = torch.Tensor
+    if index_kind == "positions" and type(block_table) is T and type(cache_seqlens) is T:
+        ptrs = (q.data_ptr(), kv_cache.data_ptr(), block_table.data_ptr(), cache_seqlens.data_ptr(),
+                indices.data_ptr())  # fmt: skip
+    elif (index_kind != "positions" and (block_table is None or type(block_table) is T)
+          and (cache_seqlens is None or type(cache_seqlens) is T)):  # fmt: skip
+        ptrs = (q.data_ptr(), kv_cache.data_ptr(), 0, 0, indices.data_ptr())
+    else:  # left to the op's checks
+        return None
+    plan = _PLANS.get(
+        _call_key(q, kv_cache, block_table, cache_seqlens, indices, ptrs, d_v, index_kind, options)
+    )
+    if plan is None:
+        return None
+    replay = plan.replays.get((*where, threading.get_ident()))
+    if replay is None or not math.isfinite(sm_scale):
+        return None
+    dev = q.device
+    out = torch.empty(plan.out_shape, dtype=q.dtype, device=dev)
+    lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=dev)
+    replay.run(*ptrs, out.data_ptr(), lse.data_ptr(), sm_scale * LOG2E)
+    if empty_lse > 0:
+        lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
     return out, lse
 
 
 def _decode_run(
     plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
-    cache_seqlens: torch.Tensor | None, indices: torch.Tensor, sm_scale: float, ptrs: tuple[int, ...],
-    out: torch.Tensor, lse: torch.Tensor, split_merge: str,
+    cache_seqlens: torch.Tensor | None, indices: torch.Tensor, sm_scale: float, out: torch.Tensor,
+    lse: torch.Tensor, split_merge: str,
 ) -> None:  # fmt: skip
-    """The call's launches: straight, or replayed from the plan's recorded first eager call."""
+    """The call's launches; an eager call on a GPU records them for later calls (:func:`_decode_eager`)."""
     dev = q.device
     ctx = launch_context(dev)
     merge_last = _merge_last(plan, split_merge, ctx)
@@ -240,26 +289,24 @@ def _decode_run(
             plan, q, kv_cache, block_table, cache_seqlens, indices, sm_scale, out, lse, merge_last, ctx
         )
         return
-    # Eager on a GPU: the launches of this plan's first call through cached kernels on this stream are
-    # replayed with this call's tensors (as data pointers), straight to the compiled kernels' launchers.
-    rkey = (ctx.device, ctx.stream, threading.get_ident(), merge_last)
-    replay = plan.replays.get(rkey)
-    if replay is not None:
-        replay.run((*ptrs, out.data_ptr(), lse.data_ptr()), sm_scale * LOG2E, ctx.stream)
-        return
+    # Eager on a GPU: once this plan's launches all go through cached kernels on this stream, they are
+    # recorded, and later calls replay them with their own tensors (as data pointers).
     _, records = record_launches(
         lambda: _decode_launches(
             plan, q, kv_cache, block_table, cache_seqlens, indices, sm_scale, out, lse, merge_last, ctx
         )
     )
-    if records is not None:
+    rkey = (ctx.device, ctx.stream, threading.get_ident())
+    if records is not None and rkey not in plan.replays:
         if len(plan.replays) >= 16:
             plan.replays.clear()
         fwd_launch = last_launch("fwd")
-        plan.replays[rkey] = LaunchReplay(
-            records, (q, kv_cache, block_table, cache_seqlens, indices, out, lse),
+        replay = LaunchReplay.bind(
+            records, (q, kv_cache, block_table, cache_seqlens, indices, out, lse), ctx.stream,
             None if fwd_launch is None else ("fwd", fwd_launch),
         )  # fmt: skip
+        if replay is not None:
+            plan.replays[rkey] = replay
 
 
 def _decode_launches(
@@ -353,6 +400,19 @@ def sparse_mla_decode(
             ``empty_lse`` other than ``±inf`` (the message names the argument).
     """
     T = torch.Tensor
+    options = (
+        _DEFAULT_OPTIONS
+        if config is None
+        else (config.backend, config.num_splits, config.split_merge, float(config.split_fill))
+    )
+    # A repeated eager call replays its plan's launches (the checks below are those of its first call).
+    if (type(q) is T and type(kv_cache) is T and type(indices) is T and type(sm_scale) is float
+            and type(d_v) is int and (empty_lse == -math.inf or empty_lse == math.inf)):  # fmt: skip
+        done = _decode_eager(
+            q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v, index_kind, empty_lse, options
+        )
+        if done is not None:
+            return done
     if not (isinstance(q, T) and isinstance(kv_cache, T) and isinstance(block_table, T)
             and isinstance(cache_seqlens, T) and isinstance(indices, T) and type(d_v) is int):  # fmt: skip
         check_arg_types({"q": q, "kv_cache": kv_cache, "indices": indices}, {"d_v": d_v},
@@ -363,8 +423,9 @@ def sparse_mla_decode(
         raise ValueError(f"index_kind must be one of {DECODE_INDEX_KINDS}, got {index_kind!r}")
     if empty_lse != -math.inf:
         empty_lse = check_empty_lse(empty_lse)
-    cfg = config or DEFAULT
     return _decode_op(
-        q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v, cfg.backend, cfg.num_splits,
-        cfg.split_merge, float(cfg.split_fill), index_kind, empty_lse,
-    )  # fmt: skip
+        q, kv_cache, block_table, cache_seqlens, indices, sm_scale, d_v, *options, index_kind, empty_lse
+    )
+
+
+_DEFAULT_OPTIONS = (DEFAULT.backend, DEFAULT.num_splits, DEFAULT.split_merge, float(DEFAULT.split_fill))

@@ -10,8 +10,8 @@ consumer warpgroups compute, so that one warpgroup's softmax / exp runs while th
 the tensor cores (FlashMLA-style ping-pong).
 
 * forward: a ring of two slots, the consumers take alternate blocks (``_pp_consumer``); one program per
-  (token, head tile), or persistent (``_sparse_mla_fwd_persistent_kernel``: one program per
-  multiprocessor taking those items in turn with one ring);
+  (token, head tile), or persistent (one program per multiprocessor taking those items in turn with
+  one ring), both ``_sparse_mla_fwd_ws_kernel``;
 * attn_dist: a ring of three slots (the query lives in registers), the consumers split the heads (or take
   alternate blocks, or split a block's columns) and issue their products by turns (``_ad_consumer``).
 
@@ -398,7 +398,7 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr,
         SPLIT_K: gl.constexpr,
     ):
-        """The forward's work item ``item`` (a program id, see ``_sparse_mla_fwd_pingpong_kernel``): its
+        """The forward's work item ``item`` (a program id, see ``_sparse_mla_fwd_ws_kernel``): its
         token, first head, index row, top-k length, causal bound, pairs of blocks, and the offsets and head
         stride of its outputs."""
         pid_h = item % n_head_tiles
@@ -425,120 +425,6 @@ if HAVE_GLUON:
             so_h = stride_o_h
         n_pairs = gl.cdiv(n_t, 2 * BLOCK_T)
         return pid_s, pid_h * 64, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h
-
-    @gluon.jit
-    def _sparse_mla_fwd_pingpong_kernel(
-        Q,
-        KV,
-        IDX,
-        OUT,
-        MAX_LOGITS,
-        LSE,
-        SINK,
-        TOPK_LEN,
-        stride_q_s,
-        stride_q_h,
-        stride_kv_row,
-        stride_idx_s,
-        stride_o_s,
-        stride_o_h,
-        h_q,
-        n_head_tiles,
-        topk,
-        s_kv,
-        q_start_index,
-        k_stride,
-        sm_scale_log2,
-        n_tok,
-        split_len,
-        D_NOPE: gl.constexpr,
-        D_ROPE: gl.constexpr,
-        BLOCK_T: gl.constexpr,
-        HAS_SINK: gl.constexpr,
-        HAS_TOPK_LEN: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
-        SPLIT_K: gl.constexpr = False,
-    ):
-        """Forward for one token and 64 heads, warp specialised (FlashMLA-style ping-pong, 12 warps).
-
-        With ``SPLIT_K`` program ``pid`` covers split ``pid // (n_head_tiles * n_tok)`` of its token's top-k
-        list, slots ``[k * split_len, (k + 1) * split_len)``, and ``OUT`` / ``MAX_LOGITS`` / ``LSE`` are
-        the fp32 partial buffers ``[splits, n_tok, h_q(, D_NOPE)]`` (see ``_pp_consumer``).
-
-        Default partition = consumer warpgroup 0, worker 0 = consumer warpgroup 1, worker 1 = a
-        producer warpgroup gathering rows with cp.async into a ring of two 64-row slots. Block ``b``
-        always lands in slot ``b % 2``; the number of blocks is rounded up to even (the padding block
-        has only invalid indices: zero fills, all-masked S). See ``_pp_consumer``.
-        """
-        gl.static_assert(num_warps == 4)
-        gl.static_assert(BLOCK_T == 64)
-        BLOCK_H: gl.constexpr = 64
-        NUM_BUF: gl.constexpr = 2  # the consumers index the two slots by warpgroup (block 2k + WG)
-        pid = gl.program_id(0)
-        pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = _fwd_item(
-            pid, IDX, TOPK_LEN, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index,
-            k_stride, n_tok, split_len, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
-        )  # fmt: skip
-        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        dtype: gl.constexpr = Q.dtype.element_ty
-
-        offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
-        h_ok = offs_h < h_q
-        q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
-        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
-        q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
-        # Leading axis of 1: consumers index it with an opaque zero (see _pp_consumer).
-        qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
-        qn_smem.index(0).store(q_nope)
-        if D_ROPE > 0:
-            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
-            q_rope = gl.load(q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0)
-            qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
-            qr_smem.index(0).store(q_rope)
-        else:
-            qr_smem = qn_smem  # unused
-        kn_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, D_NOPE], smem_l)
-        kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 64], smem_l)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
-        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
-        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
-        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 2)  # both consumers read every block (S and P·V)
-        p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-        for j in gl.static_range(2):
-            mbarrier.init(p_bars.index(j), count=1)
-        mbarrier.init(end_bar, count=2)
-        fence_async_shared()  # the query tile, before wgmma reads it
-
-        # (Argument tuples written inline: a tuple assigned to a variable turns its constexprs into tensors;
-        # constexpr variables such as WG0 stay constexprs.)
-        WG0: gl.constexpr = 0
-        WG1: gl.constexpr = 1
-        gl.warp_specialize(
-            [
-                (_pp_consumer, (
-                    WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
-                    end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t,
-                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
-                )),
-                (_pp_consumer, (
-                    WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
-                    end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t,
-                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
-                )),
-                (_ws_producer, (
-                    kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
-                    D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
-                )),
-            ],
-            [4, 4],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
 
     @gluon.jit
     def _load_q_rows(
@@ -691,7 +577,29 @@ if HAVE_GLUON:
             g0 += 2 * n_pairs
 
     @gluon.jit
-    def _sparse_mla_fwd_persistent_kernel(
+    def _fwd_ring_smem(
+        dtype: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_T: gl.constexpr, D_NOPE: gl.constexpr
+    ):
+        """The forward's shared memory past the query tile: the ring of two gathered blocks (latent and
+        rope parts) with its mbarriers, the P tile, the consumers' exchanged row max / sum, ``p_bars`` (one
+        per consumer warpgroup, count 1) and ``end_bar`` (count 2), initialised."""
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        kn_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, D_NOPE], smem_l)
+        kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 64], smem_l)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
+        full_bars, empty_bars = _ws_ring_barriers(2, 2)  # both consumers read every block (S and P·V)
+        p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        for j in gl.static_range(2):
+            mbarrier.init(p_bars.index(j), count=1)
+        mbarrier.init(end_bar, count=2)
+        return kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars, end_bar
+
+    @gluon.jit
+    def _sparse_mla_fwd_ws_kernel(
         Q,
         KV,
         IDX,
@@ -726,65 +634,120 @@ if HAVE_GLUON:
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
         SPLIT_K: gl.constexpr = False,
+        PERSISTENT: gl.constexpr = False,
     ):
-        """``_sparse_mla_fwd_pingpong_kernel`` made persistent (``Config.fwd_persistent``): a grid of at most
-        one program per multiprocessor, each running the work items (token, head tile, split)
-        ``program_id, program_id + num_programs, ...`` with one shared-memory ring, so that an item's
-        query load, first gathers and output stores overlap the neighbouring items' work instead of a
-        program's start and end. Same arguments plus ``n_items`` (the non-persistent grid's size)."""
+        """Forward for (token, 64-head tile) work items, warp specialised (FlashMLA-style ping-pong, 12
+        warps).
+
+        Default partition = consumer warpgroup 0, worker 0 = consumer warpgroup 1, worker 1 = a
+        producer warpgroup gathering rows with cp.async into a ring of two 64-row slots. Block ``b``
+        always lands in slot ``b % 2``; the number of blocks is rounded up to even (the padding block
+        has only invalid indices: zero fills, all-masked S). See ``_pp_consumer``.
+
+        Without ``PERSISTENT`` program ``pid`` runs work item ``pid`` (``n_items`` is not read: pass
+        ``None``). With ``PERSISTENT`` (``Config.fwd_persistent``) the grid has at most one program per
+        multiprocessor, each running the items ``program_id, program_id + num_programs, ...`` below
+        ``n_items`` with one shared-memory ring, so that an item's query load, first gathers and output
+        stores overlap the neighbouring items' work instead of a program's start and end.
+
+        With ``SPLIT_K`` item ``pid`` covers split ``pid // (n_head_tiles * n_tok)`` of its token's top-k
+        list, slots ``[k * split_len, (k + 1) * split_len)``, and ``OUT`` / ``MAX_LOGITS`` / ``LSE`` are
+        the fp32 partial buffers ``[splits, n_tok, h_q(, D_NOPE)]`` (see ``_pp_consumer``).
+        """
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_T == 64)
         BLOCK_H: gl.constexpr = 64
-        NUM_BUF: gl.constexpr = 2
+        NUM_BUF: gl.constexpr = 2  # the consumers index the two slots by warpgroup (block 2k + WG)
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         dtype: gl.constexpr = Q.dtype.element_ty
-        qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
-        if D_ROPE > 0:
-            qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
-        else:
-            qr_smem = qn_smem  # unused
-        kn_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, D_NOPE], smem_l)
-        kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 64], smem_l)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
-        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
-        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
-        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 2)  # both consumers read every block (S and P·V)
-        p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-        for j in gl.static_range(2):
-            mbarrier.init(p_bars.index(j), count=1)
-        mbarrier.init(end_bar, count=2)
-        mbarrier.init(q_bar, count=2)
-        fence_async_shared()  # barrier initialisation, before any partition uses them
+        # (Argument tuples written inline: a tuple assigned to a variable turns its constexprs into tensors;
+        # constexpr variables such as WG0 stay constexprs.)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
-        gl.warp_specialize(
-            [
-                (_pp_consumer_persistent, (
-                    WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
-                    end_bar, q_bar, Q, IDX, TOPK_LEN, OUT, MAX_LOGITS, LSE, SINK, stride_q_s, stride_q_h,
-                    stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index, k_stride,
-                    n_tok, split_len, n_items, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, HAS_TOPK_LEN,
-                    CAUSAL, SPLIT_K,
-                )),
-                (_pp_consumer_persistent, (
-                    WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
-                    end_bar, q_bar, Q, IDX, TOPK_LEN, OUT, MAX_LOGITS, LSE, SINK, stride_q_s, stride_q_h,
-                    stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index, k_stride,
-                    n_tok, split_len, n_items, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, HAS_TOPK_LEN,
-                    CAUSAL, SPLIT_K,
-                )),
-                (_ws_producer_persistent, (
-                    kn_smem, kr_smem, full_bars, empty_bars, KV, IDX, TOPK_LEN, stride_kv_row, stride_idx_s,
-                    stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index, k_stride, n_tok,
-                    split_len, n_items, D_NOPE, D_ROPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
-                )),
-            ],
-            [4, 4],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
+        if PERSISTENT:
+            qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
+            if D_ROPE > 0:
+                qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
+            else:
+                qr_smem = qn_smem  # unused
+            kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars, end_bar = _fwd_ring_smem(
+                dtype, BLOCK_H, BLOCK_T, D_NOPE
+            )
+            q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+            mbarrier.init(q_bar, count=2)
+            fence_async_shared()  # barrier initialisation, before any partition uses them
+            gl.warp_specialize(
+                [
+                    (_pp_consumer_persistent, (
+                        WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars,
+                        p_bars, end_bar, q_bar, Q, IDX, TOPK_LEN, OUT, MAX_LOGITS, LSE, SINK, stride_q_s,
+                        stride_q_h, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv,
+                        q_start_index, k_stride, n_tok, split_len, n_items, sm_scale_log2, D_NOPE, D_ROPE,
+                        BLOCK_T, HAS_SINK, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
+                    )),
+                    (_pp_consumer_persistent, (
+                        WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars,
+                        p_bars, end_bar, q_bar, Q, IDX, TOPK_LEN, OUT, MAX_LOGITS, LSE, SINK, stride_q_s,
+                        stride_q_h, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv,
+                        q_start_index, k_stride, n_tok, split_len, n_items, sm_scale_log2, D_NOPE, D_ROPE,
+                        BLOCK_T, HAS_SINK, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
+                    )),
+                    (_ws_producer_persistent, (
+                        kn_smem, kr_smem, full_bars, empty_bars, KV, IDX, TOPK_LEN, stride_kv_row, stride_idx_s,
+                        stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index, k_stride, n_tok,
+                        split_len, n_items, D_NOPE, D_ROPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
+                    )),
+                ],
+                [4, 4],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )  # fmt: skip
+        else:
+            pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = _fwd_item(
+                gl.program_id(0), IDX, TOPK_LEN, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk,
+                s_kv, q_start_index, k_stride, n_tok, split_len, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
+            )  # fmt: skip
+            ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+            offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
+            h_ok = offs_h < h_q
+            q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
+            cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
+            q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
+            # Leading axis of 1: consumers index it with an opaque zero (see _pp_consumer).
+            qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
+            qn_smem.index(0).store(q_nope)
+            if D_ROPE > 0:
+                cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
+                q_rope = gl.load(
+                    q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0
+                )
+                qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
+                qr_smem.index(0).store(q_rope)
+            else:
+                qr_smem = qn_smem  # unused
+            kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars, end_bar = _fwd_ring_smem(
+                dtype, BLOCK_H, BLOCK_T, D_NOPE
+            )
+            fence_async_shared()  # the query tile, before wgmma reads it
+            gl.warp_specialize(
+                [
+                    (_pp_consumer, (
+                        WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars,
+                        p_bars, end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0,
+                        n_t, hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
+                    )),
+                    (_pp_consumer, (
+                        WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars,
+                        p_bars, end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0,
+                        n_t, hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
+                    )),
+                    (_ws_producer, (
+                        kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
+                        D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
+                    )),
+                ],
+                [4, 4],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )  # fmt: skip
 
     @gluon.jit
     def _ad_consumer(
@@ -1001,13 +964,13 @@ def launch_fwd_gluon(
     splits: tuple[int, int] = (1, 0),
 ) -> Any:
     """Forward on sm_90: one program per token and 64-head tile, 12 warp-specialised warps (see
-    ``_sparse_mla_fwd_pingpong_kernel``); same arguments and outputs as the Triton launch (``slots``: see
+    ``_sparse_mla_fwd_ws_kernel``); same arguments and outputs as the Triton launch (``slots``: see
     :func:`sparse_mla_attn._runtime.launch`). ``strides``: the token and head strides of ``q``, the row
     strides of ``kv_rows`` and ``idx``, the token and head strides of ``out`` (then the tensors may be any
     views of the same memory, e.g. before a reshape); else read off the tensors. ``ctx``: the call's
     :func:`~sparse_mla_attn._runtime.launch_context`. ``splits``: ``(n_splits, split_len)``; with more
     than one split ``out`` / ``max_logits`` / ``lse`` are the fp32 split-K partial buffers.
-    ``persistent_programs``: run ``_sparse_mla_fwd_persistent_kernel`` on at most this many programs
+    ``persistent_programs``: run the kernel persistent on at most this many programs
     (``Config.fwd_persistent``: the multiprocessor count), else (0) one program per work item."""
     n_head_tiles = cdiv(dims.h_q, 64)
     n_splits, split_len = splits
@@ -1024,13 +987,13 @@ def launch_fwd_gluon(
             dims.s_q, split_len if n_splits > 1 else dims.topk)  # fmt: skip
     if persistent_programs > 0:
         return launch(
-            _sparse_mla_fwd_persistent_kernel, (min(n_items, persistent_programs),), slots,
-            "gluon_fwd_persistent" if n_splits == 1 else "gluon_fwd_persistent_split", (*args, n_items), consts,
-            ctx,
+            _sparse_mla_fwd_ws_kernel, (min(n_items, persistent_programs),), slots,
+            "gluon_fwd_persistent" if n_splits == 1 else "gluon_fwd_persistent_split", (*args, n_items),
+            {**consts, "PERSISTENT": True}, ctx,
         )  # fmt: skip
     return launch(
-        _sparse_mla_fwd_pingpong_kernel, (n_items,), slots, "gluon_fwd" if n_splits == 1 else "gluon_fwd_split",
-        args, consts, ctx,
+        _sparse_mla_fwd_ws_kernel, (n_items,), slots, "gluon_fwd" if n_splits == 1 else "gluon_fwd_split",
+        (*args, None), consts, ctx,
     )  # fmt: skip
 
 
