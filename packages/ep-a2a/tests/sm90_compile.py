@@ -13,6 +13,7 @@ Usage (repository root)::
     uv run python packages/ep-a2a/tests/sm90_compile.py --world 4 --node 2      # remote peers
     uv run python packages/ep-a2a/tests/sm90_compile.py --world 8 --num-sm 132  # intra-node
     uv run python packages/ep-a2a/tests/sm90_compile.py --fp8                    # a layer of FP8 rows
+    uv run python packages/ep-a2a/tests/sm90_compile.py --low-latency --world 4  # low-latency mode
 
 The arguments are specialised as Triton's launcher specialises them (pointers and ints divisible by
 16, ints equal to 1), so the loads and stores get the vector widths they get on the GPU; ``--regs``
@@ -173,6 +174,28 @@ def build_engine(a: argparse.Namespace) -> E.TritonEPEngine:
     return eng
 
 
+def build_low_latency_engine(a: argparse.Namespace) -> Any:
+    """Rank 0's low-latency engine (``TritonTuning(low_latency=True)``) for the layer of ``a``, as the
+    backend builds it on an sm_90 GPU of ``a.num_sm`` SMs."""
+    from ep_a2a.backends.triton.low_latency import LowLatencyEngine, LowLatencyLayout
+
+    W = a.world
+    dtype = torch.float8_e4m3fn if a.fp8 else torch.bfloat16
+    lay = LowLatencyLayout.build(
+        world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts_per_rank=a.experts // W,
+        row_bytes=E.heap_row_bytes(a.hidden, dtype), comb_bytes=2,
+    )  # fmt: skip
+    eng = LowLatencyEngine(
+        rank=0, world_size=W, max_tokens=a.tokens, hidden=a.hidden, topk=a.topk, num_tot_experts=a.experts,
+        weight_dtype=torch.float32, heap_local=torch.zeros(16, dtype=torch.uint8),
+        ptr_table=torch.zeros(W, dtype=torch.int64), layout=lay, num_sm=a.num_sm, timeout_s=a.timeout_s,
+    )  # fmt: skip
+    # (the engine sees a CPU: the GPU's timer and tiles as on sm_90)
+    eng.use_timer, eng.timeout_arg = True, int(a.timeout_s * 1e9)
+    eng.block_h, eng.combine_block_h = 1024, 512
+    return eng
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
@@ -194,6 +217,12 @@ def main() -> None:
         "from bf16 rows on send) and raw float8 rows, bf16 and float32 combine rows (as the backend's use_aot "
         "compiles them)",
     )
+    ap.add_argument(
+        "--low-latency",
+        action="store_true",
+        help="the low-latency mode's kernels (TritonTuning(low_latency=True)): dispatch of the layer's rows, of "
+        "packed FP8 rows and quantizing bf16 rows on send (with --fp8: the FP8 ones), combine in bf16",
+    )
     ap.add_argument("--dump", default=None, help="write each variant's PTX body into this folder")
     ap.add_argument("--regs", action="store_true", help="registers and spill bytes per variant (ptxas -v)")
     ap.add_argument(
@@ -209,6 +238,16 @@ def main() -> None:
         " innermost loop is the per-chunk loop, whose barriers are by design",
     )
     a = ap.parse_args()
+    if a.low_latency:
+        ll = build_low_latency_engine(a)
+        print(f"low-latency world {a.world}, {a.tokens} tokens, {a.num_sm} SMs; sm_90")
+        rows = (E.FP8_ROW_DTYPE,) if a.fp8 else (torch.bfloat16, E.FP8_ROW_DTYPE)
+        for spec in ll.variants(row_dtypes=rows, quantize_from=(torch.bfloat16,)):
+            named = spec.arguments()
+            shared, n_ins, h, _ = compile_sm90(spec.kernel, spec.num_warps, named, None, a.regs)
+            print(f"{spec.key[0]:12s} {spec.key[1:]!s:60s} shared={shared:6d} ptx_ins={n_ins:6d} body={h}",
+                  flush=True)  # fmt: skip
+        return
     eng = build_engine(a)
     W = a.world
     remote = list(eng.remote_ranks)

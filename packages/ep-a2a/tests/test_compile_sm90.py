@@ -126,3 +126,27 @@ def test_fp8_layer_every_variant_compiles(tokens: int) -> None:
     if tiled and GPU_IMAGE_TRITON:
         assert all(counts for counts in packed), "a packed-row variant without 16-byte tile loops"
         assert all(counts for counts in quantized), "a quantizing variant without 16-byte tile loops"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-layer", "fp8-layer"])
+def test_low_latency_kernels_compile(fp8: bool) -> None:
+    """The low-latency mode's kernels (``TritonTuning(low_latency=True)``) on 4 ranks of an H200 at
+    decode size, DeepSeek-V3 width: dispatch of the layer's rows, of packed FP8 rows and of bf16 rows
+    quantized on send, and the bf16 combine."""
+    args = [
+        "--low-latency",
+        "--world",
+        "4",
+        "--tokens",
+        "128",
+        "--num-sm",
+        "132",
+        *(["--fp8"] if fp8 else []),
+    ]
+    out = _run_tool(args)
+    lines = out.splitlines()[1:]
+    kinds = [ln.split()[0] for ln in lines]
+    assert kinds.count("ll_dispatch") == (2 if fp8 else 3), out
+    assert kinds.count("ll_combine") == 1, out
+    assert any("torch.int16, 3696" in ln for ln in lines), out  # packed FP8 rows (7168 + 4 * 56 bytes)
+    assert any("torch.bfloat16, torch.int16, 3696" in ln for ln in lines), out  # quantized on send

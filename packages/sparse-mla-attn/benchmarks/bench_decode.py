@@ -16,7 +16,7 @@ each as one call captured in a CUDA graph and replayed, and compares the FP8 out
 forced at batch 1 and 8) and every public op's host cost per call, in about a minute.
 ``python bench_decode.py --sweep [--flashmla PATH]`` prints, at batch 64 / 128, s_q 1 / 2, h_q 64 / 128
 and at batch 1 / 8, h_q 128 (topk 2048, 32K-token caches), the replay time of every candidate split-K factor of the bf16 and FP8
-decode (the Gluon kernel unsplit and split 2, 4, 8 ways, the Triton kernel split 1-4 ways) and of FlashMLA's FP8 decode, and the
+decode (each with the Gluon kernel unsplit and split 2, 4, 8 ways and the Triton kernel split 1-4 ways) and of FlashMLA's FP8 decode, and the
 factor the default rule (``Config.split_fill``) picks.
 """
 
@@ -174,11 +174,18 @@ def sweep_splits(flashmla: Any = None, *, seqlen: int = 32768, topk: int = 2048)
                 times.append(f"bf16 {name} {graph_ms(call) * 1e3:.1f}")
             except ValueError:  # the Gluon kernels need an sm_90 GPU and Triton 3.6
                 times.append(f"bf16 {name} n/a")
-        for name, cfg in candidates[1:]:
+        for name, cfg in [
+            *candidates[1:],
+            ("gluon s1", Config(backend="gluon", num_splits=1)),
+            *gluon_splits,
+        ]:
             call = functools.partial(
                 sparse_mla_decode, q, fp8, None, None, rows, scale, index_kind="cache_rows", config=cfg
             )
-            times.append(f"fp8 {name} {graph_ms(call) * 1e3:.1f}")
+            try:
+                times.append(f"fp8 {name} {graph_ms(call) * 1e3:.1f}")
+            except ValueError:  # the Gluon kernels need an sm_90 GPU and Triton 3.6
+                times.append(f"fp8 {name} n/a")
         if flashmla is not None:
             try:
                 fm = flashmla_fp8_decode(flashmla, q, fp8, rows, scale)

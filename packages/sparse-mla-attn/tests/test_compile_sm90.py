@@ -157,6 +157,10 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "dec_fp8_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program", fp8=True),
         "dec_fp8_b2_splitk_merge_kernel": lambda: decode(2, 128, 2048, "auto", "kernel", fp8=True),
         "dec_fp8_b1_h16_splitk": lambda: decode(1, 16, 2048, "auto", "last_program", fp8=True),
+        # The Gluon FP8 decode (sm_90): unsplit at h_q 128 (both index kinds) and split-K at h_q 64.
+        "dec_fp8_b64_s2_h128_gluon": lambda: decode(64, 128, 2048, gluon_backend, fp8=True, s_q=2),
+        "dec_fp8_b64_h128_rows_gluon": lambda: decode(64, 128, 2048, gluon_backend, fp8=True, rows=True),
+        "dec_fp8_b64_h64_gluon_split2": lambda: decode(64, 64, 2048, gluon_backend, fp8=True),
         "ad_h128_gluon": lambda: attn_dist(128, 256, "auto"),
         "ad_h128_triton": lambda: attn_dist(128, 256, "triton"),
         "ad_h64_gluon": lambda: attn_dist(64, 256, "auto"),
@@ -171,6 +175,10 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "bwd_h256": lambda: bwd(256, 576, False),
         "bwd_h256_det": lambda: bwd(256, 576, True, True),
         "bwd_h128_sorted_tok_group": lambda: bwd_tiles(128, False, {"SORT_IDX": 1, "TOK_GROUP": 64}),
+        "bwd_h128_det_fixed_point": lambda: bwd_tiles(
+            128, True, {"DET_FIXED": 1, "SORT_IDX": 1, "TOK_GROUP": 64}
+        ),
+        "bwd_h256_det_fixed_point": lambda: bwd_tiles(256, True, {"DET_FIXED": 1}),
         "indexer": lambda: indexer(False),
         "indexer_causal": lambda: indexer(True),
     }
@@ -242,7 +250,7 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
     assert triton_kernels <= kernels, triton_kernels - kernels
     from sparse_mla_attn import gluon_supported
 
-    gluon_kernels = {"_sparse_mla_fwd_ws_kernel", "_attn_dist_ws_kernel"}
+    gluon_kernels = {"_sparse_mla_fwd_ws_kernel", "_attn_dist_ws_kernel", "_sparse_mla_decode_fp8_kernel"}
     # Where the installed Triton's Gluon API is not the one the kernels are written for, the ops
     # select the Triton kernels (no Gluon launch at all).
     assert (gluon_kernels <= kernels) if gluon_supported() else not (gluon_kernels & kernels)

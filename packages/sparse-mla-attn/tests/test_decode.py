@@ -424,6 +424,66 @@ def test_decode_fp8_gpu(b, s_q, h_q, seqlen, topk, pad):
             torch.testing.assert_close(a, e, rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("b", "s_q", "h_q", "seqlen", "topk", "block_size", "pad", "n_splits"),
+    [
+        # The benchmark's shapes (batch 64 / 128, s_q 1 / 2, h_q 64 / 128, topk 2048) at small scale.
+        pytest.param(4, 1, 128, 4096, 2048, 64, 0, 0, id="B4-S1-H128-T2048"),
+        pytest.param(4, 2, 128, 4096, 2048, 64, 1, 0, id="B4-S2-H128-T2048-padded"),
+        pytest.param(8, 1, 64, 4096, 2048, 64, 0, 0, id="B8-S1-H64-T2048"),
+        pytest.param(8, 2, 64, 4096, 2048, 64, 0, 0, id="B8-S2-H64-T2048"),
+        # Edge cases: partial head tiles, a top-k list not a multiple of 64 blocks, small pages, empty
+        # sequences (no valid index), split-K with a short last split.
+        pytest.param(3, 1, 48, 700, 1000, 16, 3, 0, id="B3-S1-H48-T1000-bs16-padded"),
+        pytest.param(2, 2, 96, 300, 130, 64, 0, 0, id="B2-S2-H96-T130"),
+        pytest.param(5, 1, 128, 2000, 2048, 64, 0, 3, id="B5-S1-H128-T2048-splits3"),
+        pytest.param(2, 1, 64, 5000, 512, 32, 0, 2, id="B2-S1-H64-T512-bs32-splits2"),
+    ],
+)
+def test_decode_fp8_gluon_gpu(b, s_q, h_q, seqlen, topk, block_size, pad, n_splits):
+    """The Gluon sm_90 FP8 decode (``Config(backend="gluon")``) against the float32 reference of the
+    dequantized cache (unused tokens, scales, rope and padding NaN): both index kinds and ``empty_lse``
+    conventions bit-equal to each other, eager, replayed and captured in a CUDA graph bit-equal, and
+    close to the Triton FP8 kernel."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    g = torch.Generator(device="cuda").manual_seed(b + s_q)
+    seqlens = torch.randint(seqlen // 2, seqlen + 1, (b,), generator=g, device="cuda").tolist()
+    seqlens[-1] = 0 if b > 2 else seqlens[-1]  # a sequence with no valid index
+    q, cache, table, seqlens_t, idx, rows = fp8_paged_problem(
+        b, s_q, h_q, block_size, seqlens, topk, "cuda", seed=b + h_q, pad_blocks=pad
+    )
+    scale = 1 / math.sqrt(576)
+    cfg = Config(backend="gluon", num_splits=n_splits)
+    got = sparse_mla_decode(q, cache, table, seqlens_t, idx, scale, config=cfg)
+    launch = last_launch("fwd")
+    assert launch.backend == "gluon"
+    assert n_splits == 0 or launch.splits == n_splits
+    check_fp8(got, q, cache, table, seqlens_t, idx, scale, FP8_TOL["gpu"])
+    if seqlens[-1] == 0:
+        assert torch.all(got[0][-1] == 0)
+        assert torch.all(got[1][-1] == float("-inf"))
+    for _ in range(2):  # the last call replays the launches the second one recorded, on fresh copies
+        again = sparse_mla_decode(*[t.clone() for t in (q, cache, table, seqlens_t, idx)], scale, config=cfg)
+        for a, e in zip(again, got, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+    for empty_lse in (-math.inf, math.inf):
+        as_rows = sparse_mla_decode(q, cache.view(torch.uint8), None, None, rows.clone(), scale,
+                                    index_kind="cache_rows", empty_lse=empty_lse, config=cfg)  # fmt: skip
+        torch.testing.assert_close(as_rows[0], got[0], rtol=0, atol=0)
+        empty = got[1] == -math.inf
+        assert torch.all(as_rows[1][empty] == empty_lse)
+        torch.testing.assert_close(as_rows[1][~empty], got[1][~empty], rtol=0, atol=0)
+    assert_graph_replays_equal(
+        lambda: sparse_mla_decode(q, cache, table, seqlens_t, idx, scale, config=cfg), got, 2
+    )
+    tri = sparse_mla_decode(q, cache, table, seqlens_t, idx, scale, config=Config(backend="triton"))
+    assert last_launch("fwd").backend == "triton"
+    torch.testing.assert_close(got[0], tri[0], atol=FP8_TOL["gpu"][0], rtol=FP8_TOL["gpu"][1])
+    torch.testing.assert_close(got[1], tri[1], atol=2e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("b", "s_q", "h_q", "split_fill", "splits"),
     [

@@ -237,6 +237,19 @@ def _check_decode_replay() -> int:
         launch = _runtime.last_launch("fwd")
         assert launch is not None
         assert launch.merge == (None if cfg.num_splits == 0 else cfg.split_merge)
+    # A call the replay does not serve (an input that requires grad; no eager stream, e.g. under graph
+    # capture) takes the op's launches, through the cached kernels.
+    a4 = inputs(4)
+    a4[0].requires_grad_()
+    for patched in (False, True):
+        if patched:
+            a4[0].requires_grad_(False)
+            decode.eager_stream = lambda t: None  # type: ignore[assignment]
+        generic.clear()
+        direct.clear()
+        sm.sparse_mla_decode(*a4, 0.1)
+        assert generic, patched
+        assert not direct, patched
     return checked
 
 

@@ -359,6 +359,9 @@ class EPLayer:
             )
         n = input.shape[0]
         if n > cfg.max_tokens:
+            refuse = getattr(self.ctx.backend, "refuse_dispatch", None)
+            if refuse is not None:  # (low-latency mode: the peers are told, and raise naming this rank)
+                refuse()
             raise ValueError(f"input has {n} tokens, more than max_tokens={cfg.max_tokens}")
         self._check_tensor("input", input, (n, cfg.hidden), dtypes or (cfg.token_dtype,))
         self._check_tensor("exp_indices", exp_indices, (n, cfg.topk), _INT_DTYPES)

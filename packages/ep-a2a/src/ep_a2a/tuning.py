@@ -86,6 +86,16 @@ class TritonTuning:
         force_remote: treat ranks outside this rank's block of ``force_remote`` consecutive ranks as
             on another node (the remote path on one node, for testing). Must divide ``world_size`` and
             be at most ``local_world_size``. Default: the real nodes.
+        low_latency: the low-latency mode (decode-sized batches, DeepEP's low-latency design): dispatch
+            and combine are one kernel each that stores rows straight into fixed receive slots on the
+            peers (sized for ``max_tokens``, two sets used in turn), with the per-expert counts sent
+            with the rows, so that no count or layout exchange precedes the data and consecutive calls
+            need no barrier. Outputs as in the CUDA-graph mode (``dispatch_static``: worst-case buffers
+            of ``world_size * max_tokens * topk`` rows, the first ``num_recv_rows`` valid, the layer's
+            usual order); ``dispatch`` / ``combine`` run the same kernels and wait once for the counts.
+            Needs every rank on one node; no ``full_scatter_indices`` and no autograd. It allocates a
+            second symmetric heap of about ``2 * world_size * max_tokens * (row bytes + hidden * 2)``
+            bytes. Default off.
 
     Raises:
         ValueError: a field out of its range (named in the message).
@@ -110,6 +120,7 @@ class TritonTuning:
     early_send: bool = True
     heap: str | None = None
     force_remote: int | None = None
+    low_latency: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("num_sm", self.num_sm)

@@ -24,8 +24,8 @@ class Config:
             holds, the forward and decode only for ``h_q > 32``, a bf16 (not FP8) cache and split-K
             partials merged by the merge kernel (not ``split_merge="last_program"``), and the Triton
             kernels everywhere else. ``"triton"`` always runs the Triton kernels. ``"gluon"`` is
-            ``"auto"`` that raises :class:`ValueError` where the Gluon kernels cannot run (for tests and
-            benchmarks).
+            ``"auto"`` that also runs the Gluon FP8-cache decode (same conditions but the cache) and
+            raises :class:`ValueError` where the Gluon kernels cannot run (for tests and benchmarks).
         num_splits: split-K factor of the forward and decode: each query's top-k list is split over this
             many programs whose partial results are merged (an lse-weighted sum). ``0`` (default): the
             rule of :meth:`splits_for`, from the device's multiprocessor count and the shape.

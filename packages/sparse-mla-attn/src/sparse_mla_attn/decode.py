@@ -374,8 +374,8 @@ def sparse_mla_decode(
             multiple of 16 bytes apart (e.g. padded), 16-byte aligned.
         block_table: ``[b, max_blocks]`` int32; logical block ``j`` of sequence ``b`` is physical
             block ``block_table[b, j]``. Not read (may be ``None``) with ``index_kind="cache_rows"``.
-        cache_seqlens: ``[b]`` int32 tokens in each sequence's cache. Not read (may be ``None``) with
-            ``index_kind="cache_rows"``.
+        cache_seqlens: ``[b]`` int32 tokens in each sequence's cache, contiguous. Not read (may be
+            ``None``) with ``index_kind="cache_rows"``.
         indices: ``[b, s_q, topk]`` int32, last dim contiguous, read as ``index_kind`` says.
         sm_scale: softmax scale applied to ``q · k``.
         d_v: value dim; must be 512.
@@ -387,8 +387,8 @@ def sparse_mla_decode(
         empty_lse: the ``lse`` reported for a token with no valid index: ``-inf`` (default) or ``+inf``
             (FlashMLA's convention; costs one more elementwise launch). ``out`` is 0 either way.
         config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor and its
-            automatic rule ``split_fill``, who merges the split-K partials). An FP8 cache always runs
-            the Triton kernel.
+            automatic rule ``split_fill``, who merges the split-K partials). An FP8 cache runs the
+            Triton kernel, or with ``Config(backend="gluon")`` the sm_90 Gluon kernel.
 
     Returns:
         ``out [b, s_q, h_q, d_v]`` q's dtype and ``lse [b, s_q, h_q]`` float32, natural log

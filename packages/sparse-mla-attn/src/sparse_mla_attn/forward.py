@@ -48,6 +48,7 @@ from sparse_mla_attn._validate import (
     check_sparse_inputs,
 )
 from sparse_mla_attn.backends.gluon_sm90 import launch_fwd_gluon, use_gluon
+from sparse_mla_attn.backends.gluon_sm90_fp8 import launch_decode_fp8_gluon
 from sparse_mla_attn.config import DEFAULT, Config, config_of
 from sparse_mla_attn.fp8_cache import FP8_TILE as _FP8_TILE
 from sparse_mla_attn.fp8_cache import FP8_TOKEN_BYTES as _FP8_TOKEN_BYTES
@@ -526,8 +527,13 @@ def plan_fwd(
     )
     split_len = cdiv(cdiv(dims.topk, n_splits), block_t) * block_t
     n_splits = cdiv(dims.topk, split_len)  # no empty split
-    # The Gluon kernel splits too; its partials are merged by the merge kernel, not by its last program.
-    eligible = h_q > 32 and fp8_paging is None and (n_splits == 1 or config.split_merge != "last_program")
+    # The Gluon kernels split too; their partials are merged by the merge kernel, not by a last program.
+    # (An FP8 cache runs its Gluon kernel, ``gluon_sm90_fp8``, with ``backend="gluon"``.)
+    eligible = (
+        h_q > 32
+        and (fp8_paging is None or config.backend == "gluon")
+        and (n_splits == 1 or config.split_merge != "last_program")
+    )
     gluon = use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows)
     # out [n_tok, h_q, d_v] is allocated contiguous: strides h_q * d_v and d_v.
     ints = (q.stride(0), q.stride(1), kv_rows.stride(0), idx_stride, h_q * dims.d_v, dims.d_v, n_tok, h_q,
@@ -596,12 +602,19 @@ def run_fwd(
     if plan.gluon:
         # Hopper: warp-specialised kernel (a producer warpgroup gathers, two consumers alternate blocks).
         d_out, d_max, d_lse = dst
-        kernel = launch_fwd_gluon(
-            q, kv_rows, idx, d_out, d_max, d_lse, sink, topk_length, dims, sm_scale * LOG2E,
-            has_sink=plan.consts["HAS_SINK"], q_start_index=plan.ints[-2], k_stride=plan.ints[-1],
-            causal=plan.consts["CAUSAL"], slots=slots, strides=plan.ints[:6], ctx=ctx,
-            splits=(plan.n_splits, plan.ints[10]), **plan.gluon_options,
-        )  # fmt: skip
+        if plan.consts["KV_FP8"]:
+            kernel = launch_decode_fp8_gluon(
+                q, kv_rows, idx, d_out, d_max, d_lse, dims, sm_scale * LOG2E, kv_paging=plan.kv_ints,
+                strides=(*plan.ints[:2], *plan.ints[3:6]), slots=slots, ctx=ctx,
+                splits=(plan.n_splits, plan.ints[10]),
+            )  # fmt: skip
+        else:
+            kernel = launch_fwd_gluon(
+                q, kv_rows, idx, d_out, d_max, d_lse, sink, topk_length, dims, sm_scale * LOG2E,
+                has_sink=plan.consts["HAS_SINK"], q_start_index=plan.ints[-2], k_stride=plan.ints[-1],
+                causal=plan.consts["CAUSAL"], slots=slots, strides=plan.ints[:6], ctx=ctx,
+                splits=(plan.n_splits, plan.ints[10]), **plan.gluon_options,
+            )  # fmt: skip
         record_launch("fwd", kernel, backend="gluon", splits=plan.n_splits, merge="kernel" if split else None)
         if split:
             _launch_combine(plan, dst, sink, out, max_logits, lse, slots, ctx)

@@ -53,6 +53,7 @@ from ep_a2a.backends.triton.engine import (
     unpack_fp8_rows,
 )
 from ep_a2a.backends.triton.heaps import NvshmemHeap, NvshmemTransport, make_heap
+from ep_a2a.backends.triton.low_latency import LowLatencyDispatch, LowLatencyEngine, LowLatencyLayout
 from ep_a2a.backends.triton.resolve import engine_options, remote_plan, resolve_heap
 from ep_a2a.backends.triton.workspace import RING_ROWS_BYTES, DispatchWorkspace, OutputRing, WorkspaceRing
 from ep_a2a.config import EPConfig
@@ -145,6 +146,8 @@ class TritonBackend(A2ABackend):
     name = "triton"
     checks_expert_ids = True  # counted in the layout kernel, raised at the call's one host sync
     expert_id_dtypes = (torch.int32, torch.int64)  # int64 read in place: no conversion kernel
+    #: the low-latency mode's engine (``TritonTuning(low_latency=True)``), else ``None``
+    low_latency: LowLatencyEngine | None = None
 
     def __init__(self, config: EPConfig, ep_group: dist.ProcessGroup, options: BackendOptions) -> None:
         super().__init__(config, ep_group, options)
@@ -179,6 +182,8 @@ class TritonBackend(A2ABackend):
             transport=transport, peer_heaps=self.heap.peers, **opts,
         )  # fmt: skip
         self.heap_kind = heap
+        #: low-latency mode (``TritonTuning.low_latency``): its engine over a heap of its own
+        self.low_latency = self._build_low_latency(heap, tuning.low_latency, bool(remote))
         #: whether dispatch moves the token rows by copy-engine copies
         self.copy_engine = tuning.copy_engine
         #: ranks reached by NVSHMEM puts (other nodes, or forced) and the node size used
@@ -211,6 +216,30 @@ class TritonBackend(A2ABackend):
                 mirror=self.overlap_exact or self.speculative_rows,
             )
             self.aot_seconds = time.perf_counter() - t0
+
+    def _build_low_latency(self, heap: str, on: bool, remote: bool) -> LowLatencyEngine | None:
+        """The low-latency engine and its heap (collective), when ``on``."""
+        if not on:
+            return None
+        cfg = self.config
+        if remote:
+            raise ValueError(
+                "TritonTuning(low_latency=True) needs every rank on this node (its kernels store into every "
+                "peer's heap); groups with remote peers use the normal mode"
+            )
+        layout = LowLatencyLayout.build(
+            world_size=cfg.world_size, max_tokens=cfg.max_tokens, hidden=cfg.hidden, topk=cfg.topk,
+            experts_per_rank=cfg.num_experts_per_rank, row_bytes=heap_row_bytes(cfg.hidden, cfg.token_dtype),
+            comb_bytes=4 if cfg.token_dtype.itemsize >= 4 else 2,
+        )  # fmt: skip
+        self._ll_heap = make_heap(heap, layout.nbytes, self.ep_group, self.device, single_node=True)
+        self._ll_host = torch.zeros(3 + 2 * cfg.world_size + cfg.num_experts_per_rank + 1, dtype=torch.int64)
+        self._ll_host = self._ll_host.pin_memory()
+        return LowLatencyEngine(
+            rank=cfg.rank, world_size=cfg.world_size, max_tokens=cfg.max_tokens, hidden=cfg.hidden, topk=cfg.topk,
+            num_tot_experts=cfg.num_tot_experts, weight_dtype=cfg.weight_dtype, heap_local=self._ll_heap.local,
+            ptr_table=self._ll_heap.ptr_table, layout=layout, num_sm=self.num_sm, timeout_s=self.timeout_s,
+        )  # fmt: skip
 
     def _init_host_state(self) -> None:
         """Host buffers and counters of the dispatch flows."""
@@ -327,6 +356,8 @@ class TritonBackend(A2ABackend):
         """Synchronise and raise :class:`ep_a2a.EPTimeoutError` if a device-side wait ran out."""
         try:
             self.engine.check_error()
+            if self.low_latency is not None:
+                self.low_latency.check_error()
         except EPTimeoutFromDevice as exc:
             self._raise_device_error(exc)
 
@@ -368,6 +399,8 @@ class TritonBackend(A2ABackend):
                 f"{input.dtype} (e.g. the backward of a combine over float32 expert outputs: cast them to "
                 f"{self.config.token_dtype}, or use backend='torch')"
             )
+        if self.low_latency is not None:
+            return self._ll_dispatch_exact(input, exp_indices, weight, full_scatter_indices)
         self._start("dispatch")
         call = _Call(input, exp_indices, weight, full_scatter_indices, self.engine.pos)
         # (from the second call on, on every rank alike: a guess of 0 rows speculates too, so a rank
@@ -613,6 +646,8 @@ class TritonBackend(A2ABackend):
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
         self._check_usable()
         state = layout_desc.backend_state
+        if isinstance(state, LowLatencyDispatch) and state.state.owner == id(self):
+            return self._ll_combine(input, state)
         if not isinstance(state, _TritonState) or state.owner != id(self):
             raise ValueError("layout_desc was not produced by this triton backend's dispatch")
         call = self._start("combine")
@@ -632,6 +667,11 @@ class TritonBackend(A2ABackend):
         """
         self._check_usable()
         state = layout_desc.backend_state
+        if isinstance(state, LowLatencyDispatch):
+            raise NotImplementedError(
+                "the low-latency mode (TritonTuning(low_latency=True)) has no per-slot combine (no gradient "
+                "of the routing weights): use the normal mode for training"
+            )
         if not isinstance(state, _TritonState) or state.owner != id(self):
             raise ValueError("layout_desc was not produced by this triton backend's dispatch")
         if input.dim() != 2 or input.shape[1] > self.config.hidden:
@@ -726,6 +766,8 @@ class TritonBackend(A2ABackend):
         """
         self._check_usable()
         self.engine.check_rows(input)
+        if self.low_latency is not None:
+            return self._ll_dispatch(input, exp_indices, weight)  # type: ignore[return-value]
         if self.remote_ranks:
             raise NotImplementedError(
                 "dispatch_static (CUDA-graph mode) is not built for groups with remote peers (the host sizes "
@@ -772,9 +814,100 @@ class TritonBackend(A2ABackend):
         """Combine for :meth:`dispatch_static` (``input``: ``[worst-case rows, hidden]``; rows past the
         valid count are never read). Returns ``[n, hidden]``."""
         self._check_usable()
+        if isinstance(dispatched, LowLatencyDispatch):
+            return self._ll_combine(input, dispatched)
         if not torch.cuda.is_current_stream_capturing():
             self._start("combine_static")
         return self._combine(input, dispatched.state, dispatched.exp_indices, dispatched.exp_indices.shape[0])
+
+    # ------------------------------------------------------------------ low-latency mode
+    def _ll_dispatch(
+        self, input: torch.Tensor | QuantizeOnSend, exp_indices: torch.Tensor, weight: torch.Tensor | None
+    ) -> LowLatencyDispatch:
+        """One low-latency dispatch into the engine's fixed buffers (CUDA-graph safe: no host sync)."""
+        ll = self.low_latency
+        assert ll is not None
+        if not torch.cuda.is_current_stream_capturing():
+            self._start("dispatch_static")  # (every low-latency dispatch is one operation on the board)
+        res = ll.dispatch(input, exp_indices, weight)
+        res.state = _TritonState(owner=id(self), tab=ll.tab, n_src=res.num_input_tokens_per_rank)
+        self._combine_allowed = True
+        return res
+
+    def _ll_combine(self, input: torch.Tensor, dispatched: LowLatencyDispatch) -> torch.Tensor:
+        ll = self.low_latency
+        if ll is None or dispatched.state is None or dispatched.state.owner != id(self):
+            raise ValueError("dispatched was not produced by this triton backend's low-latency dispatch")
+        if not torch.cuda.is_current_stream_capturing():
+            self._start("combine_static")
+        return ll.combine(input, dispatched)
+
+    def _ll_dispatch_exact(
+        self, input: torch.Tensor | QuantizeOnSend, exp_indices: torch.Tensor, weight: torch.Tensor | None,
+        full_scatter_indices: torch.Tensor | None,
+    ) -> DispatchResult:  # fmt: skip
+        """An exact-shape dispatch in the low-latency mode: the kernel, then one wait for its counts;
+        views of the first ``R`` rows of the fixed buffers (valid until the next dispatch)."""
+        if full_scatter_indices is not None:
+            raise NotImplementedError(
+                "full_scatter_indices: the low-latency mode places the rows itself (in the usual order); use "
+                "the normal mode to place them"
+            )
+        ll = self.low_latency
+        assert ll is not None
+        res = self._ll_dispatch(input, exp_indices, weight)
+        host = self._ll_host
+        host[:-1].copy_(res.info, non_blocking=True)
+        host[-1:].copy_(ll.state[3:4], non_blocking=True)
+        self._info_event.record(self._current_stream())
+        self._wait_event(self._info_event)
+        vals = host.numpy().copy()
+        self._ll_raise(int(vals[-1]))
+        vals = vals[:-1]
+        self._raise_bad_ids(vals)
+        W, rows = self.config.world_size, int(vals[0])
+        n = int(exp_indices.shape[0])
+        desc = EPAllToAllLayoutDesc(
+            num_dispatch_token_cur_rank=n,
+            num_input_tokens_per_rank=torch.from_numpy(vals[2 : 2 + W]),
+            send_reqs_recv_tensor=None,
+            topk_indices_tensor=exp_indices,
+            # (the source never learns the receivers' rows in this mode)
+            token_dst_scatter_idx=torch.full(
+                (n, self.config.topk), -1, dtype=self.config.offset_dtype, device=self.device
+            ),
+            skipped_token_mapping_indices=None,
+            skipped_token_topk_mapping_indices=None,
+            num_recv_tokens_per_expert=res.num_recv_tokens_per_expert.clone(),
+            num_recv_tokens_per_rank=torch.from_numpy(vals[2 + W : 2 + 2 * W]),
+            num_recv_rows=rows,
+            recv_expert_indices=res.recv_expert_indices[:rows],
+            backend_state=res,
+        )
+        out_w = res.weights[:rows] if res.weights is not None else None
+        return res.output[:rows], out_w, desc
+
+    def refuse_dispatch(self) -> None:
+        """Low-latency mode: this rank's dispatch was refused on the host (more tokens than ``max_tokens``):
+        run the exchange with no rows and the refusal marked, so that every peer records an error naming
+        this rank instead of waiting for its rows. Nothing in the normal mode (whose peers time out)."""
+        ll = self.low_latency
+        if ll is None or self._finalized or torch.cuda.is_current_stream_capturing():
+            return
+        cfg = self.config
+        self._start("dispatch_static", check=False)
+        rows = torch.empty(0, cfg.hidden, dtype=cfg.token_dtype, device=self.device)
+        ids = torch.empty(0, cfg.topk, dtype=torch.int32, device=self.device)
+        ll.dispatch(rows, ids, None, refuse=True)
+
+    def _ll_raise(self, err: int) -> None:
+        """Raise for a nonzero error word of the low-latency engine."""
+        if err:
+            assert self.low_latency is not None
+            try:
+                self.low_latency.check_error(err)
+            except EPTimeoutFromDevice as exc:
+                self._raise_device_error(exc)
 
     # ------------------------------------------------------------------ FP8 rows
     def pack_fp8(self, x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -835,6 +968,8 @@ class TritonBackend(A2ABackend):
         self.workspaces.clear()
         self.combine_outputs.clear()
         self.heap.free()
+        if self.low_latency is not None:
+            self._ll_heap.free()
         self.board.close()
         if self._own_monitor:
             self._monitor.destroy()

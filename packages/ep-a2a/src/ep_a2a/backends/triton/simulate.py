@@ -410,3 +410,127 @@ class SimWorld:
             for r in range(self.world_size):
                 outs[r].append(res[r])
         return [torch.stack(o, dim=1) for o in outs]
+
+
+class SimLowLatency:
+    """``world_size`` low-latency engines (:mod:`.low_latency`) over heaps of one device sharing one
+    pointer table: under the interpreter (CPU), or on one GPU (its buffers as the ranks' heaps).
+
+    Each step launches the sending half on every rank before the receiving halves (the interpreter runs
+    one program at a time); ``concurrent=True`` (a GPU) launches each rank's whole kernel on its own
+    stream instead, all at once, as ranks on separate GPUs run them (``num_sm * world_size`` must not
+    exceed the GPU's SMs: every CTA has to be resident).
+
+    Args:
+        world_size: simulated ranks.
+        device: where the heaps live.
+        engine: :class:`~.low_latency.LowLatencyEngine`'s shape arguments (``max_tokens``, ``hidden``,
+            ``topk``, ``num_tot_experts``) and optionally ``token_dtype`` (sizes the receive slots;
+            default bfloat16), ``weight_dtype``, ``num_sm`` (default 2), ``timeout_s`` (default 1 s).
+    """
+
+    def __init__(self, *, world_size: int, device: str = "cpu", **engine: Any) -> None:
+        from ep_a2a.backends.triton.low_latency import LowLatencyEngine, LowLatencyLayout
+
+        token_dtype = engine.pop("token_dtype", torch.bfloat16)
+        engine.setdefault("weight_dtype", torch.float32)
+        engine.setdefault("num_sm", 2)
+        engine.setdefault("timeout_s", 1.0)
+        self.layout = LowLatencyLayout.build(
+            world_size=world_size, max_tokens=engine["max_tokens"], hidden=engine["hidden"],
+            topk=engine["topk"], experts_per_rank=engine["num_tot_experts"] // world_size,
+            row_bytes=heap_row_bytes(engine["hidden"], token_dtype),
+            comb_bytes=4 if token_dtype.itemsize >= 4 else 2,
+        )  # fmt: skip
+        self.heaps = [
+            torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)
+        ]
+        for h in self.heaps:  # poison the data regions (the epoch words must start at zero)
+            h[self.layout.x :].fill_(0xFF)
+        self.table = torch.tensor([h.data_ptr() for h in self.heaps], dtype=torch.int64, device=device)
+        self.engines = [
+            LowLatencyEngine(
+                rank=r,
+                world_size=world_size,
+                heap_local=self.heaps[r],
+                ptr_table=self.table,
+                layout=self.layout,
+                **engine,
+            )
+            for r in range(world_size)
+        ]
+        self.world_size = world_size
+        self._streams: list[Any] = []
+
+    def _steps(self, ranks: Sequence[int], launch: Any, concurrent: bool) -> None:
+        if not concurrent:
+            for send, recv in ((True, False), (False, True)):
+                for r in ranks:
+                    launch(r, send, recv)
+            return
+        if not self._streams:
+            self._streams = [torch.cuda.Stream(self.heaps[0].device) for _ in range(self.world_size)]
+        main = torch.cuda.current_stream()
+        for r in ranks:
+            self._streams[r].wait_stream(main)
+            with torch.cuda.stream(self._streams[r]):
+                launch(r, True, True)
+        for r in ranks:
+            main.wait_stream(self._streams[r])
+
+    def dispatch(
+        self,
+        inputs: Sequence[Any],
+        exp_indices: Sequence[torch.Tensor],
+        weights: Sequence[torch.Tensor] | None = None,
+        *,
+        quantize: bool = False,
+        refuse: Sequence[int] = (),
+        skip_ranks: Sequence[int] = (),
+        concurrent: bool = False,
+    ) -> list[Any]:
+        """One dispatch on every rank (``inputs``: rows, FP8 tuples ``(x_fp8, scales)`` or, with
+        ``quantize``, rows quantized on send); ranks in ``refuse`` run it refused (as for more tokens than
+        ``max_tokens``), ranks in ``skip_ranks`` never run. Returns each running rank's
+        :class:`~.low_latency.LowLatencyDispatch` (fixed-size buffers)."""
+        rows_in = [
+            QuantizeOnSend(x) if quantize else pack_fp8_rows(*x) if isinstance(x, tuple) else x
+            for x in inputs
+        ]
+        ranks = [r for r in range(self.world_size) if r not in skip_ranks]
+        res: dict[int, Any] = {}
+
+        def launch(r: int, send: bool, recv: bool) -> None:
+            w = weights[r] if weights is not None else None
+            res[r] = self.engines[r].dispatch(
+                rows_in[r], exp_indices[r], w, refuse=r in refuse, send=send, recv=recv
+            )
+
+        self._steps(ranks, launch, concurrent)
+        return [res[r] for r in ranks]
+
+    def combine(
+        self,
+        expert_outputs: Sequence[torch.Tensor],
+        dispatched: Sequence[Any],
+        *,
+        skip_ranks: Sequence[int] = (),
+        concurrent: bool = False,
+    ) -> list[torch.Tensor]:
+        """One combine on every running rank (``expert_outputs`` and ``dispatched`` of those ranks, in
+        order); returns per rank ``[n, hidden]``."""
+        ranks = [r for r in range(self.world_size) if r not in skip_ranks]
+        outs: dict[int, torch.Tensor] = {}
+        for i, r in enumerate(ranks):
+            d = dispatched[i]
+            outs[r] = torch.full(
+                (d.exp_indices.shape[0], self.engines[r].hidden), float("nan"), dtype=expert_outputs[i].dtype,
+                device=self.heaps[0].device,
+            )  # fmt: skip
+
+        def launch(r: int, send: bool, recv: bool) -> None:
+            i = ranks.index(r)
+            self.engines[r].combine(expert_outputs[i], dispatched[i], out=outs[r], send=send, recv=recv)
+
+        self._steps(ranks, launch, concurrent)
+        return [outs[r] for r in ranks]

@@ -1,0 +1,307 @@
+"""Hopper (sm_90) sparse decode over FlashMLA's FP8 KV cache, in Gluon.
+
+The bf16 forward's ping-pong design (``gluon_sm90``: two consumer warpgroups, 64 heads each program,
+blocks of 64 top-k rows in a ring of two shared-memory slots) with an FP8 producer warpgroup. For each
+block the producer
+
+1. copies the rows' 512 e4m3 bytes with ``cp.async`` into the upper half of the block's bf16 slot (bytes
+   of row ``r``, scale tile ``j`` land where bf16 channels ``256 + 64 j ..`` of row ``r`` go), the 64 bf16
+   rope values straight into the rope slot, and the 4 float32 scales into a small scale buffer, then waits
+   for its own copies (an mbarrier with one deferred arrive per thread);
+   While they land it prefetches the next block's rows into L2 (``cp.async.bulk.prefetch``), so that
+   block's gather reads L2 rather than HBM;
+2. dequantizes in place, tile by tile: ``fp8 * scale`` in float32, rounded to bf16, written over the
+   slot's channels ``128 j ..``. Tile ``j``'s output only overwrites staged bytes of the tiles before it
+   or, for the last tile, the bytes it has just read (a warpgroup barrier between the loads and the
+   stores of each tile), so no staged byte is overwritten before it is read;
+3. releases the block to the consumers (one arrive after a fence and a warpgroup barrier).
+
+The consumers are the bf16 kernel's (``_pp_consumer``); split-K partials are merged by the forward's merge
+kernel. The shared-memory slots are the bf16 kernel's, so the FP8 path needs no more shared memory than
+the bf16 one beyond the 1 KiB scale buffer. Rows whose index is invalid are zero-filled (never read).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sparse_mla_attn._runtime import LaunchContext, cdiv, launch
+from sparse_mla_attn._validate import SparseDims
+from sparse_mla_attn.backends.gluon_sm90 import HAVE_GLUON
+from sparse_mla_attn.fp8_cache import FP8_TOKEN_BYTES
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+    from sparse_mla_attn.backends.gluon_sm90 import _fwd_item, _load_q_rows, _pp_consumer
+
+    @gluon.jit
+    def _fp8_rows(idx, hi, kv_block_size, stride_kv_block, TOKEN_BYTES: gl.constexpr):
+        """Byte offsets of cache rows ``idx`` (row ``block * kv_block_size + t``) and their validity."""
+        valid = (idx >= 0) & (idx < hi)
+        safe = gl.where(valid, idx, 0)
+        row = (safe // kv_block_size).to(gl.int64) * stride_kv_block + (safe % kv_block_size).to(
+            gl.int64
+        ) * TOKEN_BYTES
+        return row, valid
+
+    @gluon.jit
+    def _prefetch_l2(rows, valid):
+        """Bulk-prefetch the 656-byte cache rows at ``rows`` (where ``valid``) into L2."""
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 656; mov.b32 $0, 0; }",
+            "=r,l,r",
+            [rows, valid.to(gl.int32)],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _fp8_producer(
+        kn_smem,
+        kr_smem,
+        sc_smem,
+        full_bars,
+        empty_bars,
+        staged_bar,
+        KV,
+        kv_block_size,
+        stride_kv_block,
+        idx_row,
+        n_t,
+        hi,
+        n_blocks,
+        BLOCK_T: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+    ):
+        """Producer warpgroup of the FP8 decode: gathers, stages and dequantizes block ``b`` into slot
+        ``b % NUM_BUF`` (see the module docstring); ``full_bars[s]`` completes once per block (one arrive),
+        ``staged_bar`` once per block (128 deferred ``cp.async`` arrives)."""
+        TOKEN_BYTES: gl.constexpr = 656
+        D_NOPE: gl.constexpr = 512
+        N_TILES: gl.constexpr = 4  # float32 scales per row, one per 128 latent channels
+        # Gathers: 16-byte vectors, a warp covers 4 rows x 128 bytes (latent bytes) or x 64 bf16 (rope).
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        # Scales: [N_TILES, BLOCK_T] 4-byte copies, no thread copies twice.
+        sc_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 4], [1, 0])
+        # Dequantization: 8 bytes in, 8 bf16 (16 bytes) out per thread and row, a warp covers 2 rows.
+        dq_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        # The slots' bytes: row r's bytes [128 c, 128 c + 128) hold its bf16 channels [64 c, 64 c + 64).
+        st8 = kn_smem._reinterpret(
+            gl.uint8,
+            [NUM_BUF, BLOCK_T, 2 * D_NOPE],
+            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
+        )
+        KV8 = KV.to(gl.pointer_type(gl.uint8), bitcast=True)
+        KV16 = KV.to(gl.pointer_type(gl.bfloat16), bitcast=True)
+        KV32 = KV.to(gl.pointer_type(gl.float32), bitcast=True)
+
+        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
+        offs_ts = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, sc_l))
+        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
+        cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
+        tiles = gl.arange(0, N_TILES, layout=gl.SliceLayout(1, sc_l))
+        offs_tp = gl.arange(0, BLOCK_T, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
+        idx_next_s = gl.load(idx_row + offs_ts, mask=offs_ts < n_t, other=-1)
+        for b in range(n_blocks):
+            slot = b % NUM_BUF
+            row, valid = _fp8_rows(idx_next, hi, kv_block_size, stride_kv_block, TOKEN_BYTES)
+            row_s, valid_s = _fp8_rows(idx_next_s, hi, kv_block_size, stride_kv_block, TOKEN_BYTES)
+            nxt = (b + 1) * BLOCK_T + offs_t
+            idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
+            nxt_s = (b + 1) * BLOCK_T + offs_ts
+            idx_next_s = gl.load(idx_row + nxt_s, mask=nxt_s < n_t, other=-1)
+            # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
+            mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
+            cp.async_copy_global_to_shared(
+                st8.index(slot).slice(D_NOPE, D_NOPE, dim=1),
+                KV8 + row[:, None] + cols[None, :],
+                mask=valid[:, None] & (cols[None, :] >= 0),
+            )
+            row_r = gl.convert_layout(row, gl.SliceLayout(1, rope_l), assert_trivial=True)
+            valid_r = gl.convert_layout(valid, gl.SliceLayout(1, rope_l), assert_trivial=True)
+            cp.async_copy_global_to_shared(
+                kr_smem.index(slot),
+                KV16 + ((row_r + D_NOPE + 4 * N_TILES) // 2)[:, None] + cols_r[None, :],
+                mask=valid_r[:, None] & (cols_r[None, :] >= 0),
+            )
+            cp.async_copy_global_to_shared(
+                sc_smem,
+                KV32 + ((row_s + D_NOPE) // 4)[None, :] + tiles[:, None],
+                mask=valid_s[None, :] & (tiles[:, None] >= 0),
+            )
+            cp.mbarrier_arrive(staged_bar, increment_count=False)
+            # While they land: the next block's rows into L2, so its gather does not wait on HBM.
+            nxt_p = (b + 1) * BLOCK_T + offs_tp
+            row_p, valid_p = _fp8_rows(
+                gl.load(idx_row + nxt_p, mask=nxt_p < n_t, other=-1),
+                hi,
+                kv_block_size,
+                stride_kv_block,
+                TOKEN_BYTES,
+            )
+            _prefetch_l2(KV8 + row_p, valid_p & (b + 1 < n_blocks))
+            mbarrier.wait(staged_bar, b & 1)
+
+            kn = kn_smem.index(slot)
+            sc_flat = sc_smem.reshape([N_TILES * BLOCK_T])
+            staged = st8.index(slot)
+            for j in gl.static_range(N_TILES):
+                x8 = staged.slice(D_NOPE + 128 * j, 128, dim=1).load(dq_l)
+                scale = sc_flat.slice(BLOCK_T * j, BLOCK_T).load(gl.SliceLayout(1, dq_l))
+                # (The stores below overwrite staged bytes read by this warp only; the barrier keeps the
+                # compiler from placing one before each of their pieces.)
+                gl.thread_barrier()
+                v = x8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+                kn.slice(128 * j, 128, dim=1).store(v.to(gl.bfloat16))
+            # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(full_bars.index(slot))
+
+    @gluon.jit
+    def _sparse_mla_decode_fp8_kernel(
+        Q,
+        KV,
+        IDX,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        stride_q_s,
+        stride_q_h,
+        stride_idx_s,
+        stride_o_s,
+        stride_o_h,
+        h_q,
+        n_head_tiles,
+        topk,
+        s_kv,
+        kv_block_size,
+        stride_kv_block,
+        sm_scale_log2,
+        n_tok,
+        split_len,
+        BLOCK_T: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+        SPLIT_K: gl.constexpr = False,
+    ):
+        """Decode over an FP8 cache for one token and 64 heads (or one split of its top-k list, as the bf16
+        kernel ``_sparse_mla_fwd_pingpong_kernel``), 12 warp-specialised warps: default partition =
+        consumer warpgroup 0, worker 0 = consumer warpgroup 1, worker 1 = the FP8 producer
+        (``_fp8_producer``). ``KV`` is the cache's bytes (``float8_e4m3fn`` or ``uint8``), ``IDX`` cache
+        rows (``[0, s_kv)`` valid)."""
+        gl.static_assert(num_warps == 4)
+        gl.static_assert(BLOCK_T == 64)
+        D_NOPE: gl.constexpr = 512
+        D_ROPE: gl.constexpr = 64
+        BLOCK_H: gl.constexpr = 64
+        NUM_BUF: gl.constexpr = 2  # the consumers index the two slots by warpgroup (block 2k + WG)
+        pid = gl.program_id(0)
+        pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = _fwd_item(
+            pid, IDX, IDX, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, 0, 1, n_tok,
+            split_len, D_NOPE, BLOCK_T, False, False, SPLIT_K,
+        )  # fmt: skip
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        sc_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        dtype: gl.constexpr = Q.dtype.element_ty
+        # Leading axis of 1: consumers index it with an opaque zero (see _pp_consumer).
+        qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
+        qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
+        kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
+        kr_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_ROPE], smem_l)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
+        sc_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_T], sc_sl)
+        full_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(NUM_BUF):
+            mbarrier.init(full_bars.index(j), count=1)  # the producer's one arrive per block
+            mbarrier.init(empty_bars.index(j), count=2)  # both consumers read every block (S and P·V)
+        staged_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        mbarrier.init(staged_bar, count=128)
+        p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        for j in gl.static_range(2):
+            mbarrier.init(p_bars.index(j), count=1)
+        mbarrier.init(end_bar, count=2)
+        for w in gl.static_range(2):
+            _load_q_rows(w, qn_smem, qr_smem, Q, stride_q_s, stride_q_h, pid_s, h0, h_q, D_NOPE, D_ROPE)
+        fence_async_shared()  # the query tile and the barriers, before the partitions use them
+
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        gl.warp_specialize(
+            [
+                (_pp_consumer, (
+                    WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+                    end_bar, idx_row, OUT, MAX_LOGITS, LSE, LSE, out_base, lse_base, so_h, h_q, h0, n_t,
+                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, False, SPLIT_K,
+                )),
+                (_pp_consumer, (
+                    WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
+                    end_bar, idx_row, OUT, MAX_LOGITS, LSE, LSE, out_base, lse_base, so_h, h_q, h0, n_t,
+                    hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, False, SPLIT_K,
+                )),
+                (_fp8_producer, (
+                    kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV, kv_block_size,
+                    stride_kv_block, idx_row, n_t, hi, 2 * n_pairs, BLOCK_T, NUM_BUF,
+                )),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+
+#: Register split (``setmaxnreg``) of the FP8 decode's consumer and producer warpgroups: 224 + 224 + 56 of
+#: the 504 per thread that 384 threads hold (the dequantizing producer needs more than the bf16 one's 40).
+FP8_CONSUMER_REGS = 224
+FP8_PRODUCER_REGS = 56
+
+
+def launch_decode_fp8_gluon(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    idx: torch.Tensor,
+    out: torch.Tensor,
+    max_logits: torch.Tensor,
+    lse: torch.Tensor,
+    dims: SparseDims,
+    sm_scale_log2: float,
+    *,
+    kv_paging: tuple[int, int],
+    strides: tuple[int, ...],
+    slots: dict[Any, Any] | None = None,
+    ctx: LaunchContext | None = None,
+    splits: tuple[int, int] = (1, 0),
+) -> Any:
+    """Decode over an FP8 cache on sm_90 (``_sparse_mla_decode_fp8_kernel``): one program per token and
+    64-head tile (and split). ``kv_cache``: the FP8 cache (``fp8_cache`` layout, any of its dtypes);
+    ``kv_paging``: its ``(block_size, block stride in bytes)``; ``idx``: ``[n_tok, topk]`` int32 cache rows;
+    ``strides``: the token and head strides of ``q``, the row stride of ``idx``, the token and head strides
+    of ``out``; ``splits``: ``(n_splits, split_len)``, with more than one split ``out`` / ``max_logits`` /
+    ``lse`` are the fp32 split-K partial buffers (merged by the forward's merge kernel). Same outputs as
+    the bf16 Gluon kernel (``slots`` and ``ctx``: see :func:`sparse_mla_attn._runtime.launch`)."""
+    assert kv_cache.shape[-1] == FP8_TOKEN_BYTES
+    n_head_tiles = cdiv(dims.h_q, 64)
+    n_splits, split_len = splits
+    consts = dict(BLOCK_T=64, CONSUMER_REGS=FP8_CONSUMER_REGS, PRODUCER_REGS=FP8_PRODUCER_REGS, num_warps=4)
+    if n_splits > 1:
+        consts["SPLIT_K"] = True
+    args = (q, kv_cache, idx, out, max_logits, lse, *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv,
+            *kv_paging, sm_scale_log2, dims.s_q, split_len if n_splits > 1 else dims.topk)  # fmt: skip
+    return launch(
+        _sparse_mla_decode_fp8_kernel, (n_splits * dims.s_q * n_head_tiles,), slots,
+        "gluon_fp8" if n_splits == 1 else "gluon_fp8_split", args, consts, ctx,
+    )  # fmt: skip
