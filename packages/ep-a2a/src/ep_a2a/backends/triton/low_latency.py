@@ -46,6 +46,7 @@ from ep_a2a.backends.triton.engine import (
     EPTimeoutFromDevice,
     KernelLaunch,
     QuantizeOnSend,
+    TritonEPEngine,
     _ids_arg,
     _next_pow2,
     interpreting,
@@ -519,6 +520,10 @@ class LowLatencyEngine:
         self.info = torch.zeros(self.info_len, dtype=torch.int64, device=dev)
         self._outputs: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._dummy_w = torch.zeros(1, dtype=torch.float32, device=dev)
+        # (what the normal engine's cached launch path keeps: see :meth:`_run`)
+        self._plans: dict[tuple, Any] = {}
+        self._device_index = dev.index or 0
+        self.direct_launches = 0
         #: host count of dispatches and combines launched (the device epochs, when nothing failed)
         self.dispatches = self.combines = 0
         self.chunk = 1
@@ -594,8 +599,9 @@ class LowLatencyEngine:
         ids_arg, id64 = _ids_arg(ids)
         qh = src.shape[1] if quant else 0
         bh = min(self.block_h, _next_pow2(width))
+        w_arg = w if w is not None else self._dummy_w
         named = dict(
-            x_ptr=src, ids_ptr=ids_arg, id64=id64, w_ptr=w if w is not None else self._dummy_w, n=n,
+            x_ptr=src, ids_ptr=ids_arg, id64=id64, w_ptr=w_arg, n=n,
             bad=int(bad), table_ptr=self.ptr_table, rank=self.rank, state_ptr=self.state,
             scratch_ptr=self.scratch, out_ptr=out, out_w_ptr=out_w, out_e_ptr=out_e, info_ptr=self.info,
             tab_ptr=self.tab, off_cnt=lay.cnt, off_x=lay.x, off_slot=lay.slot, off_w=lay.w,
@@ -605,10 +611,12 @@ class LowLatencyEngine:
             HAS_W=w is not None, QH=qh, BQ=max(self.block_h // 4, 64),
             SEND=send, RECV=recv, USE_TIMER=self.use_timer,
         )  # fmt: skip
-        key = ("ll_dispatch", w is not None, src.dtype, x.dtype, width, send, recv)
+        var = ("x_ptr", "ids_ptr", "id64", "w_ptr", "n", "bad")
+        align = TritonEPEngine._align(src, ids_arg, w_arg)
+        key = ("ll_dispatch", w is not None, x.dtype, width, send, recv, align)
         return KernelLaunch(
-            key=key, kernel=_ll_dispatch_kernel, grid=(self.num_sm,), num_warps=self.num_warps, var_names=(),
-            var_vals=(), fixed=lambda: named,
+            key=key, kernel=_ll_dispatch_kernel, grid=(self.num_sm,), num_warps=self.num_warps, var_names=var,
+            var_vals=tuple(named[v] for v in var), fixed=lambda: named,
         )  # fmt: skip
 
     def _combine_spec(
@@ -623,15 +631,17 @@ class LowLatencyEngine:
             KP=self.kp, T=self.max_tokens, H=self.hidden, WP=self.wp, CH=self.chunk,
             BH=min(self.block_h, _next_pow2(self.hidden)), SEND=send, RECV=recv, USE_TIMER=self.use_timer,
         )  # fmt: skip
-        key = ("ll_combine", y.dtype, send, recv)
+        var = ("y_ptr", "info_ptr", "ids_ptr", "id64", "n", "out_ptr")
+        key = ("ll_combine", send, recv, TritonEPEngine._align(y, ids_arg, out))
         return KernelLaunch(
-            key=key, kernel=_ll_combine_kernel, grid=(self.num_sm,), num_warps=self.num_warps, var_names=(),
-            var_vals=(), fixed=lambda: named,
+            key=key, kernel=_ll_combine_kernel, grid=(self.num_sm,), num_warps=self.num_warps, var_names=var,
+            var_vals=tuple(named[v] for v in var), fixed=lambda: named,
         )  # fmt: skip
 
-    @staticmethod
-    def _run(spec: KernelLaunch) -> None:
-        spec.kernel[spec.grid](**spec.arguments(), num_warps=spec.num_warps)
+    def _run(self, spec: KernelLaunch) -> None:
+        """Launch ``spec`` through the normal engine's cached launch path (after a variant's first launch,
+        straight into its compiled kernel with only the per-call arguments replaced)."""
+        TritonEPEngine._launch(self, spec)  # type: ignore[arg-type]
 
     def dispatch(
         self,
