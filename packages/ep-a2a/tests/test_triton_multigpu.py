@@ -1159,12 +1159,12 @@ def test_fp8_refused_where_the_buffers_are_too_narrow(group):
 # the low-latency mode (TritonTuning(low_latency=True)) through the layer; these run on any number of
 # GPUs, one included (torchrun --nproc-per-node 1 ... -k low_latency)
 # --------------------------------------------------------------------------------------------------
-def _ll_layer(group, *, n, hidden, topk, experts, dtype=torch.bfloat16, timeout_s=30.0):
+def _ll_layer(group, *, n, hidden, topk, experts, dtype=torch.bfloat16, timeout_s=30.0, use_aot=False):
     from ep_a2a import EPLayer
 
     return EPLayer(
         group, max_tokens=n, hidden=hidden, topk=topk, num_experts=experts, dtype=dtype, backend="triton",
-        tuning=TritonTuning(num_sm=32, low_latency=True), timeout_s=timeout_s,
+        tuning=TritonTuning(num_sm=32, low_latency=True), timeout_s=timeout_s, use_aot=use_aot,
     )  # fmt: skip
 
 
@@ -1266,9 +1266,12 @@ def test_low_latency_too_many_tokens_raise_on_every_rank(group):
     from ep_a2a.backends.triton.low_latency import LowLatencyInputError
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    layer = _ll_layer(group, n=16, hidden=256, topk=2, experts=4 * world, timeout_s=60.0)
+    layer = _ll_layer(group, n=16, hidden=256, topk=2, experts=4 * world, timeout_s=60.0, use_aot=True)
     dev = layer.device
     try:
+        # use_aot compiled the low-latency variants too (with and without weights, bf16 / FP8 / quantized
+        # rows, bf16 combine)
+        assert layer.ctx.backend.aot_variants >= 7
         ids = torch.randint(0, 4 * world, (16, 2), device=dev)
         x = torch.randn(16, 256, device=dev).to(torch.bfloat16)
         layer.combine(*layer.dispatch(x, ids)[::2])  # (one round trip first)

@@ -720,24 +720,25 @@ class LowLatencyEngine:
 
     def variants(self, *, row_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
                  quantize_from: tuple[torch.dtype, ...] = (), combine_dtypes: tuple[torch.dtype, ...] = (
-                     torch.bfloat16,)) -> list[KernelLaunch]:  # fmt: skip
+                     torch.bfloat16,), weights: tuple[bool, ...] = (True,)) -> list[KernelLaunch]:  # fmt: skip
         """Launch specifications of the variants a layer launches (for ahead-of-time compiles), on
-        stand-in tensors: dispatch with weights of each row dtype (and quantizing from each of
-        ``quantize_from``), combine of each dtype."""
+        stand-in tensors: dispatch of each row dtype (and quantizing from each of ``quantize_from``), with
+        and / or without weights (``weights``), combine of each dtype."""
         dev, T, Kk, H = self.device, self.max_tokens, self.topk, self.hidden
         from ep_a2a.backends.triton.engine import fp8_row_bytes
 
         ids = torch.zeros(T, Kk, dtype=torch.int64, device=dev)
         w = torch.zeros(T, Kk, dtype=self.weight_dtype, device=dev)
-        specs = []
-        for dt in row_dtypes:
-            width = fp8_row_bytes(H) // 2 if dt == FP8_ROW_DTYPE else H
-            specs.append(
-                self._dispatch_spec(torch.zeros(1, width, dtype=dt, device=dev), ids, w, T, False, True, True)
-            )
-        for dt in quantize_from:
-            q = QuantizeOnSend(torch.zeros(1, H, dtype=dt, device=dev))
-            specs.append(self._dispatch_spec(q, ids, w, T, False, True, True))
+        rows: list[torch.Tensor | QuantizeOnSend] = [
+            torch.zeros(1, fp8_row_bytes(H) // 2 if dt == FP8_ROW_DTYPE else H, dtype=dt, device=dev)
+            for dt in row_dtypes
+        ]
+        rows += [QuantizeOnSend(torch.zeros(1, H, dtype=dt, device=dev)) for dt in quantize_from]
+        specs = [
+            self._dispatch_spec(x, ids, w if with_w else None, T, False, True, True)
+            for x in rows
+            for with_w in weights
+        ]
         d = LowLatencyDispatch(
             output=self.info, weights=None, recv_expert_indices=self.info, num_recv_tokens_per_expert=self.info,
             num_recv_rows=self.info, num_recv_tokens_per_rank=self.info, num_input_tokens_per_rank=self.info,
@@ -747,3 +748,13 @@ class LowLatencyEngine:
             y = torch.zeros(1, H, dtype=dt, device=dev)
             specs.append(self._combine_spec(y, d, torch.zeros(1, H, dtype=dt, device=dev), True, True))
         return specs
+
+    def precompile(self, **variants: tuple) -> int:
+        """Compile, without launching, the variants of :meth:`variants` (its arguments), with and without
+        weights, so that the first calls do not compile; returns how many (0 under the interpreter)."""
+        if interpreting():
+            return 0
+        specs = self.variants(**variants, weights=(True, False))
+        for spec in specs:
+            spec.kernel.warmup(grid=spec.grid, num_warps=spec.num_warps, **spec.arguments())
+        return len(specs)
