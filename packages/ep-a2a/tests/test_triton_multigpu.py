@@ -76,6 +76,21 @@ def _routing(n, topk, experts, gen, *, skew, drop):
     return ids
 
 
+def _warm_up_and_capture(step):
+    """``step()`` once on a side stream (it compiles there, as graph capture requires), then captured:
+    ``(graph, what the captured call returned)``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = step()
+    return graph, res
+
+
 def _make_backend(
     group,
     *,
@@ -1083,15 +1098,7 @@ def test_fp8_cuda_graph_capture_replay(group, layer_dtype, quantize):
             y = dequantize_fp8(*d.output).to(torch.bfloat16)
             return d, layer.combine_static(y, d)
 
-        s = torch.cuda.Stream()  # warm up (compiles) on a side stream, as graph capture requires
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            d, out = step()
+        graph, (d, out) = _warm_up_and_capture(step)
         q_out, s_out = d.output
         assert tuple(q_out.shape) == (world * n * topk, hidden)
         for call in range(3):
@@ -1227,15 +1234,7 @@ def test_low_latency_layer_against_reference(group, mode):
             y = torch.zeros(worst, hidden, dtype=torch.bfloat16, device=dev) + scale
             return d, y, layer.combine_static(y, d)
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            d, _y, out = step()
+        graph, (d, _y, out) = _warm_up_and_capture(step)
         for call in range(3):
             xs, ids, ws, _gen = _inputs(60 + call, world, [n] * world, hidden, topk, experts, torch.bfloat16,
                                         skew=False, drop=0.1, with_w=True)  # fmt: skip
