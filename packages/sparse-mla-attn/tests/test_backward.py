@@ -201,6 +201,11 @@ CONFIG_CASES = [
         {"SORT_IDX": 1, "TOK_GROUP": 3},
         id="sorted-tokgroup3-uneven-causal",
     ),
+    pytest.param(
+        6, 96, 64, {"causal": True, "q_start_index": 3}, {"DET_FIXED": 1}, id="det-fixed-point-causal"
+    ),
+    pytest.param(5, 576, 512, {}, {"DET_FIXED": 1, "SORT_IDX": 1, "TOK_GROUP": 2}, id="det-fixed-point-d576"),
+    pytest.param(130, 96, 64, {}, {"DET_FIXED": 1}, id="det-fixed-point-H130-fused"),
     pytest.param(18, 96, 64, {"causal": True, "q_start_index": 7, "k_stride": 2}, SUB, id="nsub2-H18-causal"),
     pytest.param(40, 96, 64, {}, SUB, id="nsub2-H40-second-half-partial"),
     pytest.param(12, 96, 64, {}, SUB, id="nsub2-H12-second-half-empty"),
@@ -270,6 +275,24 @@ def test_bwd_all_duplicates_accumulate():
         dq, dkv = sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.2, 64, deterministic=det)
         assert rel_err(dq, dq_ref) < 1e-5
         assert rel_err(dkv, dkv_ref) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")  # NaN to int64
+@pytest.mark.parametrize(
+    "tiles", [{}, {"DET_FIXED": 1}, {"DET_FIXED": 1, "SORT_IDX": 1}], ids=["default", "fixed", "fixed-sorted"]
+)
+def test_bwd_nan_in_dout_reaches_dkv(tiles):
+    """A NaN in one query's dout makes dq of that query and every row it selected NaN in every mode (the
+    fixed-point sum must not turn it into a finite integer); duplicates in the other queries still add up."""
+    dev = kernel_test_device()
+    q, kv, idx = make_case(4, 3, 96, 20, 6, device=dev, dtype=torch.float32, seed=13, zoo=False)
+    out, lse, dout, _, _ = autograd_grads(q, kv, idx, 0.2, 64, dout_seed=2)
+    dout[1, 2, 7] = float("nan")
+    for det in (False, True):
+        dq, dkv = bwd_with_tiles(q, kv, out, dout, idx, lse, 0.2, 64, tiles, deterministic=det)
+        assert torch.isnan(dq[1]).any(), det
+        assert torch.isnan(dkv[idx[1, 0].long()]).all(), det
+        assert torch.isfinite(dq[0]).all(), det
 
 
 def test_bwd_all_invalid_gives_zero():

@@ -175,6 +175,10 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "bwd_h256": lambda: bwd(256, 576, False),
         "bwd_h256_det": lambda: bwd(256, 576, True, True),
         "bwd_h128_sorted_tok_group": lambda: bwd_tiles(128, False, {"SORT_IDX": 1, "TOK_GROUP": 64}),
+        "bwd_h128_det_fixed_point": lambda: bwd_tiles(
+            128, True, {"DET_FIXED": 1, "SORT_IDX": 1, "TOK_GROUP": 64}
+        ),
+        "bwd_h256_det_fixed_point": lambda: bwd_tiles(256, True, {"DET_FIXED": 1}),
         "indexer": lambda: indexer(False),
         "indexer_causal": lambda: indexer(True),
     }

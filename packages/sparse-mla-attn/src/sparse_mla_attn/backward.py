@@ -67,10 +67,10 @@ def _slot_index(idx_row_ptr, offs_t, topk, s_kv, max_k, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _delta_kernel(
-    out_ptr, dout_ptr, delta_ptr,
-    stride_os, stride_oh, stride_dos, stride_doh,
-    h_q,
-    D_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    out_ptr, dout_ptr, delta_ptr, q_ptr, norm_ptr,
+    stride_os, stride_oh, stride_dos, stride_doh, stride_qs, stride_qh,
+    s_q, h_q,
+    D_V: tl.constexpr, D_QK: tl.constexpr, BLOCK_H: tl.constexpr, NORMS: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -82,6 +82,20 @@ def _delta_kernel(
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(delta_ptr + s * h_q + offs_h, delta, mask=hmask)
+    if NORMS:  # [3, s_q, h_q]: the L2 norms of q, dout and out per (token, head), for the fixed-point scale
+        q_row = q_ptr + s * stride_qs + offs_h[:, None] * stride_qh
+        qv = tl.load(q_row + offs_d[None, :], mask=hmask[:, None]).to(tl.float32)
+        q2 = tl.sum(qv * qv, axis=1)
+        if D_QK > D_V:
+            offs_r = D_V + tl.arange(0, D_QK - D_V)
+            qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None]).to(tl.float32)
+            q2 += tl.sum(qr * qr, axis=1)
+        do = do.to(tl.float32)
+        o = o.to(tl.float32)
+        dst = norm_ptr + s * h_q + offs_h
+        tl.store(dst, tl.sqrt(q2), mask=hmask)
+        tl.store(dst + s_q * h_q, tl.sqrt(tl.sum(do * do, axis=1)), mask=hmask)
+        tl.store(dst + 2 * s_q * h_q, tl.sqrt(tl.sum(o * o, axis=1)), mask=hmask)
 
 
 @triton.jit
@@ -115,10 +129,15 @@ def _p_ds(q_row, do_row, k_row, valid, hmask, lse2, delta, scale_log2, sm_scale,
 
 
 @triton.jit
-def _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC: tl.constexpr):
-    """Add a ``[BLOCK_T, channels]`` fp32 tile of dkv contributions (atomics, or the deterministic workspace)."""
-    if DETERMINISTIC:
+def _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, fixed_scale, DKV_MODE: tl.constexpr):
+    """Add a ``[BLOCK_T, channels]`` fp32 tile of dkv contributions: fp32 atomics (DKV_MODE 0), the
+    deterministic workspace (1), or int64 atomics of the contributions in fixed point (2: integer addition
+    does not depend on the order, so the sum is bit-identical from run to run)."""
+    if DKV_MODE == 1:
         tl.store(part_row + offs_d[None, :], part, mask=(offs_t < topk)[:, None])
+    elif DKV_MODE == 2:
+        fixed = (part * fixed_scale).to(tl.int64)
+        tl.atomic_add(dkv_row + offs_d[None, :], fixed, mask=valid[:, None], sem="relaxed")
     else:
         tl.atomic_add(dkv_row + offs_d[None, :], part, mask=valid[:, None], sem="relaxed")
 
@@ -126,10 +145,10 @@ def _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINIS
 @triton.jit
 def _main_kernel(
     q_ptr, kv_ptr, dout_ptr, lse_ptr, delta_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, part_ptr, attn_ptr,
-    n_tok,
+    scale_ptr, n_tok,
     stride_qs, stride_qh, stride_kvs, stride_dos, stride_doh, stride_lses, stride_is, stride_part_hb,
     s_kv, h_q, q_start_index, k_stride, sm_scale,
-    topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
+    topk: tl.constexpr, CAUSAL: tl.constexpr, DKV_MODE: tl.constexpr, D_QK: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_DV: tl.constexpr, N_HB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_SUB: tl.constexpr,
     BLOCK_DV2: tl.constexpr, ATTN_SUM: tl.constexpr, SPLIT_DKV: tl.constexpr,
@@ -156,6 +175,7 @@ def _main_kernel(
     q_row1 = q_ptr + s * stride_qs + offs_h1[:, None] * stride_qh
     do_row1 = dout_ptr + s * stride_dos + offs_h1[:, None] * stride_doh
     offs_dv = tl.arange(0, BLOCK_DV2)  # channel chunk of the dkv products
+    fixed_scale = tl.load(scale_ptr) if DKV_MODE == 2 else 1.0
     for t0 in range(0, topk, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         rows, valid = _slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
@@ -195,7 +215,7 @@ def _main_kernel(
                     doc1 = tl.load(do_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
                     part = dot(ds1_t, qc1, part)
                     part = dot(p1_t, doc1, part)
-                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
+                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, fixed_scale, DKV_MODE)
             if D_ROPE > 0:
                 offs_r = D_V + tl.arange(0, D_ROPE)
                 qr = tl.load(q_row0 + offs_r[None, :], mask=hmask0[:, None], other=0.0)
@@ -203,16 +223,16 @@ def _main_kernel(
                 if N_SUB > 1:
                     qr1 = tl.load(q_row1 + offs_r[None, :], mask=hmask1[:, None], other=0.0)
                     part_r = dot(ds1_t, qr1, part_r)
-                _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC)
+                _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, fixed_scale, DKV_MODE)
 
 
 @triton.jit
 def _dkv_kernel(
-    ds_ptr, p_ptr, q_ptr, dout_ptr, idx_ptr, dkv_ptr, part_ptr,
+    ds_ptr, p_ptr, q_ptr, dout_ptr, idx_ptr, dkv_ptr, part_ptr, scale_ptr,
     n_tok,
     stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
     s_kv, h_q, q_start_index, k_stride,
-    topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
+    topk: tl.constexpr, CAUSAL: tl.constexpr, DKV_MODE: tl.constexpr, D_QK: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr, N_TB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_CSPLIT: tl.constexpr,
     TOK_GROUP: tl.constexpr,
@@ -265,13 +285,14 @@ def _dkv_kernel(
     dkv_row = dkv_ptr + rows[:, None] * D_QK
     part_row = part_ptr + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
     offs_c = tl.arange(0, BLOCK_C)
+    fixed_scale = tl.load(scale_ptr) if DKV_MODE == 2 else 1.0
     if N_CSPLIT == 1:
         for c in tl.range(0, N_LAT, num_stages=CHUNK_STAGES):
             offs_d = c * BLOCK_C + offs_c
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             part = dot(p_t, doc, dot(ds_t, qc))
-            _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
+            _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, fixed_scale, DKV_MODE)
     else:
         # A constant trip count with the chunks past the group's end skipped (the last group may be short):
         # the interpreter cannot range() over bounds derived from program_id.
@@ -285,13 +306,13 @@ def _dkv_kernel(
             doc = tl.load(do_row + offs_d[None, :], mask=c_mask, other=0.0)
             if c_ok:
                 part = dot(p_t, doc, dot(ds_t, qc))
-                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
+                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, fixed_scale, DKV_MODE)
     if D_ROPE > 0:  # noqa: SIM102 (a constexpr test, then a run-time one)
         if cg == N_CSPLIT - 1:  # the rope chunk belongs to the last group
             offs_r = D_V + tl.arange(0, D_ROPE)
             qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
             part_r = dot(ds_t, qr)
-            _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC)
+            _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, fixed_scale, DKV_MODE)
 
 
 @triton.jit
@@ -393,7 +414,7 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
                 "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
                 "SPLIT_DKV": 1, "BLOCK_T_DKV": 16, "BLOCK_C_DKV": min(d_v, 32), "num_warps_dkv": 4, "chunk_stages_dkv": 1, "N_CSPLIT": 2,
-                "SORT_IDX": 0, "TOK_GROUP": 1}  # fmt: skip
+                "SORT_IDX": 0, "TOK_GROUP": 1, "DET_FIXED": 0}  # fmt: skip
     # Main kernel: 64 heads x 128 slots, 64-channel chunks, four in flight. dkv kernel (h_q <= 128): all heads
     # x 64 slots, 4 warps, 112 KB of shared memory (two programs per SM), channels in two groups launched one
     # after the other (each group's half of the fp32 dkv buffer fits in L2). The deterministic mode writes a
@@ -404,7 +425,7 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
            "chunk_stages": 3, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
            "SPLIT_DKV": 1, "BLOCK_T_DKV": 64, "BLOCK_C_DKV": min(d_v, 64), "num_warps_dkv": 4, "chunk_stages_dkv": 2, "N_CSPLIT": 2,
-           "SORT_IDX": 0, "TOK_GROUP": 1}  # fmt: skip
+           "SORT_IDX": 0, "TOK_GROUP": 1, "DET_FIXED": 0}  # fmt: skip
     if h_q <= 128:  # separate all-heads dkv kernel: the main kernel is the same in both modes
         cfg.update(chunk_stages=4)
         if deterministic:  # the dkv kernel writes a contiguous workspace: no L2 footprint to shrink
@@ -452,26 +473,36 @@ def launch_bwd(
     perm = None
     if cfg["SORT_IDX"]:
         indices, perm = torch.sort(indices, dim=2, stable=True)
+    # How dkv is summed: fp32 atomics (0), per-slot workspace + ordered reduction (1, deterministic), int64
+    # fixed-point atomics (2, deterministic).
+    dkv_mode = (2 if cfg["DET_FIXED"] else 1) if deterministic else 0
     delta = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
+    norms = torch.empty(3, s_q, h_q, dtype=torch.float32, device=dev) if dkv_mode == 2 else delta
     kernel = launch(
         _delta_kernel, (s_q, cdiv(h_q, 16)), slots, "delta",
-        (out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), h_q),
-        {"D_V": d_v, "BLOCK_H": 16},
+        (out, dout, delta, q, norms, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+         q.stride(0), q.stride(1), s_q, h_q),
+        {"D_V": d_v, "D_QK": d_qk, "BLOCK_H": 16, "NORMS": dkv_mode == 2},
     )  # fmt: skip
     record_launch("bwd.delta", kernel)
     dq = torch.empty_like(q)
-    dkv32 = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=dev)
+    if dkv_mode == 2:
+        scale = _fixed_point_scale(norms, kv, indices, lse, sm_scale, d_v, q_start_index, k_stride, causal)
+        dkv_acc = torch.zeros(s_kv, d_qk, dtype=torch.int64, device=dev)
+    else:
+        dkv_acc = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=dev)
+        scale = dkv_acc  # unused
     ds_dtype = q.dtype
     n_ws = 2 if split_dkv else 1  # dS, and P for the separate dkv kernel
     chunk = max(1, min(s_q, config.bwd_workspace_bytes // (n_ws * h_q * topk * q.element_size())))
-    if deterministic:
+    if dkv_mode == 1:
         chunk = max(1, min(chunk, config.bwd_deterministic_workspace_bytes // (n_part_hb * topk * d_qk * 4)))
     ds_ws = torch.empty(min(chunk, s_q), h_q, topk, dtype=ds_dtype, device=dev)
     p_ws = torch.empty_like(ds_ws) if split_dkv else ds_ws  # unused by the fused path
     part = (
         torch.empty(n_part_hb, min(chunk, s_q) * topk, d_qk, dtype=torch.float32, device=dev)
-        if deterministic
-        else dkv32  # unused by the atomic path
+        if dkv_mode == 1
+        else dkv_acc  # unused by the atomic paths
     )
     attn_sum = torch.empty(s_q if return_attn_sum else 0, topk, dtype=torch.float32, device=dev)
     attn_part = (
@@ -485,11 +516,12 @@ def launch_bwd(
         q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
         kernel = launch(
             _main_kernel, (n * n_hb,), slots, ("main", s0),  # a chunk's views and positions depend on s0
-            (q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, part, attn_part, n if return_attn_sum else 0,
+            (q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv_acc, part, attn_part, scale,
+             n if return_attn_sum else 0,
              q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
-             idx_c.stride(0), part.stride(0) if deterministic else 0,
+             idx_c.stride(0), part.stride(0) if dkv_mode == 1 else 0,
              s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale)),
-            dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+            dict(topk=topk, CAUSAL=causal, DKV_MODE=dkv_mode, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
                  BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
                  CHUNK_STAGES=cfg["chunk_stages"], N_SUB=cfg["N_SUB"], BLOCK_DV2=cfg["BLOCK_DV2"],
                  ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"],
@@ -506,24 +538,58 @@ def launch_bwd(
                 raise ValueError(f"N_CSPLIT {n_csplit} leaves a channel group empty ({n_chunks} chunks)")
             kernel = launch(
                 _dkv_kernel, (n_csplit * n * n_tb,), slots, ("dkv", s0),
-                (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n,
+                (ds_ws, p_ws, q_c, do_c, idx_c, dkv_acc, part, scale, n,
                  q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1), idx_c.stride(0),
                  s_kv, h_q, q_start_index + s0, k_stride),
-                dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+                dict(topk=topk, CAUSAL=causal, DKV_MODE=dkv_mode, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
                      BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"], BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
                      CHUNK_STAGES=cfg["chunk_stages_dkv"], N_CSPLIT=n_csplit, TOK_GROUP=cfg["TOK_GROUP"],
                      num_warps=cfg["num_warps_dkv"], num_stages=1),
             )  # fmt: skip
             record_launch("bwd.dkv", kernel)
-        if deterministic:
+        if dkv_mode == 1:
             _det_reduce(
-                part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk, slots, s0
+                part, idx_c, dkv_acc, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk, slots, s0
             )
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
     if return_attn_sum and perm is not None:  # back to the caller's slot order
         attn_sum = torch.empty_like(attn_sum).scatter_(1, perm[:, 0], attn_sum)
-    return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
+    if dkv_mode == 2:  # exact integer sum, scaled back (float64 holds it to 53 bits)
+        dkv = (dkv_acc.to(torch.float64) / scale.to(torch.float64)).to(kv.dtype)
+    else:
+        dkv = dkv_acc.to(kv.dtype)
+    return dq, dkv[:, None, :], attn_sum
+
+
+#: Headroom of the fixed-point scale over the a-priori bound of |dkv| (rounding in the kernels' fp32 math).
+FIXED_POINT_MARGIN = 16.0
+
+
+def _fixed_point_scale(
+    norms: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float, d_v: int,
+    q_start_index: int, k_stride: int, causal: bool,
+) -> torch.Tensor:  # fmt: skip
+    """``[1]`` float32 power of two ``2^k`` such that every partial sum of dkv, times ``2^k``, fits an int64.
+
+    For one (token s, head h), ``|dS[t]| <= |sm_scale| P[t] ||dout|| (||V_t|| + ||out||)`` (Cauchy-Schwarz on
+    ``dP = dout · V_t`` and ``D = dout · out``) and ``Σ_t P[t] <= 1``, so the token's contribution to any
+    dkv entry is at most ``||dout|| (|sm_scale| (vmax + ||out||) ||q|| + 1)``, vmax the largest value-row
+    norm among the selected rows; the bound B sums that over (s, h). NaN or inf in q, dout, out, lse or a
+    selected row makes the scale NaN, and so dkv NaN (the integer conversion would otherwise hide it).
+    """
+    q_n, do_n, o_n = norms
+    s_kv = kv.shape[0]
+    valid = valid_slots(indices[:, 0], s_kv, q_start_index, k_stride, causal)
+    vmax = torch.zeros((), dtype=torch.float32, device=kv.device)
+    if valid.numel():
+        row_n = kv[:, 0, :d_v].float().norm(dim=-1)
+        sel = row_n[indices[:, 0].long().clamp(0, max(s_kv - 1, 0))] if s_kv else valid.float()
+        vmax = torch.where(valid, sel, 0.0).amax()
+    bound = (do_n * (abs(sm_scale) * (vmax + o_n) * q_n + 1.0)).sum() * FIXED_POINT_MARGIN
+    bound = bound + torch.where(torch.isnan(lse), float("nan"), 0.0).sum()
+    k = torch.clamp(62.0 - torch.ceil(torch.log2(bound)), -120.0, 120.0)
+    return torch.where(torch.isfinite(bound), torch.exp2(k), float("nan")).reshape(1).float()
 
 
 def _launch_dq(

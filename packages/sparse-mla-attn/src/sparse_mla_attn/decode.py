@@ -375,8 +375,8 @@ def sparse_mla_decode(
             multiple of 16 bytes apart (e.g. padded), 16-byte aligned.
         block_table: ``[b, max_blocks]`` int32; logical block ``j`` of sequence ``b`` is physical
             block ``block_table[b, j]``. Not read (may be ``None``) with ``index_kind="cache_rows"``.
-        cache_seqlens: ``[b]`` int32 tokens in each sequence's cache. Not read (may be ``None``) with
-            ``index_kind="cache_rows"``.
+        cache_seqlens: ``[b]`` int32 tokens in each sequence's cache, contiguous. Not read (may be
+            ``None``) with ``index_kind="cache_rows"``.
         indices: ``[b, s_q, topk]`` int32, last dim contiguous, read as ``index_kind`` says.
         sm_scale: softmax scale applied to ``q · k``.
         d_v: value dim; must be 512.
