@@ -63,6 +63,17 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
+    def _prefetch_block(
+        KV8, idx_row, k, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T: gl.constexpr
+    ):
+        """Prefetch the cache rows of block ``k`` (if ``k < n_blocks``) into L2."""
+        offs = k * BLOCK_T + offs_tp
+        row, valid = _fp8_rows(
+            gl.load(idx_row + offs, mask=offs < n_t, other=-1), hi, kv_block_size, stride_kv_block, 656
+        )
+        _prefetch_l2(KV8 + row, valid & (k < n_blocks))
+
+    @gluon.jit
     def _dequant_e4m3(x8, scale):
         """``float8_e4m3fn`` bytes ``x8 [R, C]`` (uint8) times the float32 row scales ``scale [R]``, in bf16.
 
@@ -127,8 +138,8 @@ if HAVE_GLUON:
         rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         # Scales: [N_TILES, BLOCK_T] 4-byte copies, no thread copies twice.
         sc_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 4], [1, 0])
-        # Dequantization: 8 bytes in, 8 bf16 (16 bytes) out per thread and row, a warp covers 2 rows.
-        dq_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        # Dequantization: 16 bytes in, 16 bf16 out per thread and row (the gather's layout).
+        dq_l: gl.constexpr = ld_l
         # The slots' bytes: row r's bytes [128 c, 128 c + 128) hold its bf16 channels [64 c, 64 c + 64).
         st8 = kn_smem._reinterpret(
             gl.uint8,
@@ -147,6 +158,7 @@ if HAVE_GLUON:
         offs_tp = gl.arange(0, BLOCK_T, layout=gl.BlockedLayout([1], [32], [4], [0]))
         idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
         idx_next_s = gl.load(idx_row + offs_ts, mask=offs_ts < n_t, other=-1)
+        _prefetch_block(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T)
         for b in range(n_blocks):
             slot = b % NUM_BUF
             row, valid = _fp8_rows(idx_next, hi, kv_block_size, stride_kv_block, TOKEN_BYTES)
@@ -175,16 +187,10 @@ if HAVE_GLUON:
                 mask=valid_s[None, :] & (tiles[:, None] >= 0),
             )
             cp.mbarrier_arrive(staged_bar, increment_count=False)
-            # While they land: the next block's rows into L2, so its gather does not wait on HBM.
-            nxt_p = (b + 1) * BLOCK_T + offs_tp
-            row_p, valid_p = _fp8_rows(
-                gl.load(idx_row + nxt_p, mask=nxt_p < n_t, other=-1),
-                hi,
-                kv_block_size,
-                stride_kv_block,
-                TOKEN_BYTES,
+            # While they land: the rows of the block after next into L2, so its gather does not wait on HBM.
+            _prefetch_block(
+                KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
             )
-            _prefetch_l2(KV8 + row_p, valid_p & (b + 1 < n_blocks))
             mbarrier.wait(staged_bar, b & 1)
 
             kn = kn_smem.index(slot)
