@@ -368,8 +368,9 @@ def sparse_mla_decode(
     The cache is bf16 (q's dtype) or FlashMLA's FP8 sparse layout (:mod:`sparse_mla_attn.fp8_cache`:
     656 bytes per token, 512 float8_e4m3fn latent values, 4 float32 scales, 64 bf16 rope values; build
     one with :func:`~sparse_mla_attn.quantize_fp8_kv_cache`), chosen by ``kv_cache``'s dtype. An FP8
-    cache is dequantized as it is read (``fp8 * scale`` in float32, then bf16 for the products: exact for
-    power-of-two scales).
+    cache is dequantized as it is read to bf16 for the products: ``fp8 * scale``, exact for power-of-two
+    scales (as :func:`~sparse_mla_attn.quantize_fp8_kv_cache` and FlashMLA write them; the Triton kernel
+    rounds the float32 product, the sm_90 Gluon kernel rounds other scales to bf16 first).
 
     Args:
         q: ``[b, s_q, h_q, d_qk]`` bf16 (or fp16 with a bf16/fp16 cache), ``d_qk`` 576 or 512
