@@ -104,6 +104,8 @@ class _Call:
     """The arguments of one exact-shape dispatch (``src``: the caller's scatter indices, or the
     engine's slot positions)."""
 
+    __slots__ = ("caller", "exp_indices", "has_w", "input", "n", "src", "weight")
+
     def __init__(
         self, input: torch.Tensor | QuantizeOnSend, exp_indices: torch.Tensor, weight: torch.Tensor | None,
         full_scatter_indices: torch.Tensor | None, pos: torch.Tensor,
@@ -446,7 +448,10 @@ class TritonBackend(A2ABackend):
         )  # fmt: skip
         # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)
         self._raise_bad_ids(vals)
-        return self._result(call, bufs, ws, vals, rows, rb, npk)
+        assert bufs.out is not None
+        assert bufs.out_w is not None
+        assert bufs.out_e is not None
+        return self._result(call, (bufs.out, bufs.out_w, bufs.out_e), ws, vals, rows, rb, npk)
 
     def _dispatch_speculative(self, call: _Call) -> DispatchResult:
         """The receive layout inside the row kernel and no host wait before it: the rows land in outputs
@@ -456,48 +461,53 @@ class TritonBackend(A2ABackend):
         speculate = not self.overlap_exact
         cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
         ws = self._workspace(call.n)
-        info = ws.info
         # (decode-sized layers: the worst-case rows of the workspace, else rows allocated per call)
         out = ws.out if ws.out is not None and ws.out.dtype == call.input.dtype else None
         if out is None:
             out = eng.alloc_rows(cap, dtype=call.input.dtype)
-        bufs = DispatchBuffers(
-            tab=ws.tab, skip=ws.skip, scat=ws.scat, out=out, out_w=ws.out_w, out_e=ws.out_e, info=info
-        )
         mirror = self._mirror if not eng.ce_pieces else None
         if mirror is not None:
             self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
         self.speculative_calls += speculate
-        if mirror is None or not self._launch_merged_bound(call, ws, bufs, mirror):
-            eng.launch_layout(call.exp_indices, caller_scatter=call.caller, info=info, remote=None)
+        if mirror is None or not self._launch_merged_bound(call, ws, out, mirror):
+            bufs = self._speculative_buffers(ws, out)
+            eng.launch_layout(call.exp_indices, caller_scatter=call.caller, info=ws.info, remote=None)
             if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
-                eng.launch_counts(info)
+                eng.launch_counts(ws.info)
             eng.launch_dispatch(
                 call.input, call.exp_indices, call.weight, call.src, bufs, caller_scatter=call.caller,
-                info=info, counts=not eng.ce_pieces, mirror=mirror,
+                info=ws.info, counts=not eng.ce_pieces, mirror=mirror,
             )  # fmt: skip
-        vals = self._read_mirror() if mirror is not None else self._read_info(info)[0]
+        vals = self._read_mirror() if mirror is not None else self._read_info(ws.info)[0]
         rows = int(vals[0])
         if speculate:
             self._recent_rows.append(rows)
-            self._fit_speculative_rows(rows, call, info, bufs)
-        assert bufs.out is not None
-        if bufs.out_e is ws.out_e:  # (else exact outputs of a second writing pass)
-            bufs.out_w, bufs.out_e, ring_rows = ws.first_rows(rows)
-            bufs.out = ring_rows if bufs.out is ws.out else bufs.out[:rows]
-        return self._result(call, bufs, ws, vals, rows, None, None)
+            if rows > out.shape[0]:  # (exact outputs and a second writing pass)
+                bufs = self._speculative_buffers(ws, out)
+                self._fit_speculative_rows(rows, call, ws.info, bufs)
+                assert bufs.out is not None
+                assert bufs.out_w is not None
+                assert bufs.out_e is not None
+                return self._result(call, (bufs.out, bufs.out_w, bufs.out_e), ws, vals, rows, None, None)
+        w_rows, e_rows, ring_rows = ws.first_rows(rows)
+        out = ring_rows if ring_rows is not None and out is ws.out else out[:rows]
+        return self._result(call, (out, w_rows, e_rows), ws, vals, rows, None, None)
 
-    def _launch_merged_bound(
-        self, call: _Call, ws: DispatchWorkspace, bufs: DispatchBuffers, mirror: torch.Tensor
-    ) -> bool:
-        """The layout and row kernel launches of a speculative dispatch through the launches bound to
-        ``ws`` (:meth:`.engine.TritonEPEngine.bind_merged_dispatch`; bound on the first call of a
-        variant and row capacity, after its launches through the specifications left plans); ``False``
-        (nothing launched) where there are none."""
+    @staticmethod
+    def _speculative_buffers(ws: DispatchWorkspace, out: Tensor) -> DispatchBuffers:
+        """A speculative dispatch's outputs: the workspace's, with the rows ``out``."""
+        return DispatchBuffers(
+            tab=ws.tab, skip=ws.skip, scat=ws.scat, out=out, out_w=ws.out_w, out_e=ws.out_e, info=ws.info
+        )
+
+    def _launch_merged_bound(self, call: _Call, ws: DispatchWorkspace, out: Tensor, mirror: Tensor) -> bool:
+        """The layout and row kernel launches of a speculative dispatch into the rows ``out`` through the
+        launches bound to ``ws`` (:meth:`.engine.TritonEPEngine.bind_merged_dispatch`; bound on the first
+        call of a variant and row capacity, after its launches through the specifications left plans);
+        ``False`` (nothing launched) where there are none."""
         if _launch_hooks_set():  # (a profiler's hooks see every launch through Triton)
             return False
-        inp, ids, w, src, out = call.input, call.exp_indices, call.weight, call.src, bufs.out
-        assert out is not None
+        inp, ids, w, src = call.input, call.exp_indices, call.weight, call.src
         x = inp.x if isinstance(inp, QuantizeOnSend) else inp
         xp, ip, sp = x.data_ptr(), ids.data_ptr(), src.data_ptr()
         wp = w.data_ptr() if w is not None else self._dummy_w_address
@@ -507,10 +517,10 @@ class TritonBackend(A2ABackend):
         )  # fmt: skip
         launches = ws.bound.get(key)
         if launches is None:
-            stream = _raw_stream(self.device.index)
             launches = self.engine.bind_merged_dispatch(
-                stream, bufs, ws.info, mirror, (x, ids, w, src), caller_scatter=call.caller
-            )
+                _raw_stream(self.device.index), self._speculative_buffers(ws, out), ws.info, mirror,
+                (x, ids, w, src), caller_scatter=call.caller,
+            )  # fmt: skip
             if launches is None:
                 return False
             ws.bound[key] = launches
@@ -520,7 +530,7 @@ class TritonBackend(A2ABackend):
     def _result(
         self,
         call: _Call,
-        bufs: DispatchBuffers,
+        outs: tuple[Tensor, Tensor, Tensor],
         ws: DispatchWorkspace,
         vals: np.ndarray,
         rows: int,
@@ -528,10 +538,10 @@ class TritonBackend(A2ABackend):
         npk: list[int] | None,
     ) -> DispatchResult:
         """``(output, weights, descriptor)`` of an exact-shape dispatch whose counts (``vals``, this
-        call's own copy of ``info``) are in."""
+        call's own copy of ``info``) are in; ``outs``: its rows, their weights and local experts, of
+        exactly ``rows`` rows (the weights: one element without weights)."""
         W = self.config.world_size
-        assert bufs.out is not None
-        assert bufs.out_e is not None
+        out, out_w, out_e = outs
         self._combine_allowed = True
         scat = ws.scat if self.config.offset_dtype == torch.int32 else ws.scat.to(self.config.offset_dtype)
         desc = EPAllToAllLayoutDesc(
@@ -545,7 +555,7 @@ class TritonBackend(A2ABackend):
             num_recv_tokens_per_expert=ws.rows_exp,
             num_recv_tokens_per_rank=torch.from_numpy(vals[2 + W : 2 + 2 * W]),
             num_recv_rows=rows,
-            recv_expert_indices=bufs.out_e,
+            recv_expert_indices=out_e,
             caller_scatter=call.caller,
             backend_state=_TritonState(
                 owner=id(self),
@@ -555,7 +565,7 @@ class TritonBackend(A2ABackend):
                 npk_recv=npk[W:] if npk is not None else None,
             ),
         )
-        return bufs.out, (bufs.out_w if call.has_w else None), desc
+        return out, (out_w if call.has_w else None), desc
 
     def _workspace(self, n: int) -> DispatchWorkspace:
         """This call's outputs but the rows, from the current stream's ring (see :mod:`.workspace`)."""

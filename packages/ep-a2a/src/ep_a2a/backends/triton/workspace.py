@@ -98,6 +98,7 @@ class DispatchWorkspace:
         self._out_rows = self.out[:0] if self.out is not None else self.out_e[:0]
         self.bound: dict[tuple, object] = {}
         self._storage = buf.untyped_storage()
+        self._cdata = self._storage._cdata
         #: ``_refs()`` while only the ring refers to the workspace (taken by for_tokens, once this
         #: constructor's locals are gone)
         self._idle: tuple[int, ...] = ()
@@ -126,7 +127,7 @@ class DispatchWorkspace:
 
     def _refs(self) -> tuple[int, ...]:
         """Tensors sharing the buffer, and references to each view handed out as it is."""
-        count = _storage_use_count(self._storage._cdata) if _storage_use_count is not None else 0
+        count = _storage_use_count(self._cdata) if _storage_use_count is not None else 0
         return (
             count, sys.getrefcount(self.info), sys.getrefcount(self.n_src), sys.getrefcount(self.rows_exp),
             sys.getrefcount(self.tab), sys.getrefcount(self.skip), sys.getrefcount(self.scat),
@@ -135,7 +136,9 @@ class DispatchWorkspace:
 
     def idle(self) -> bool:
         """Whether nothing outside the ring refers to this workspace (it may be written again)."""
-        return _storage_use_count is not None and self._refs() == self._idle
+        if _storage_use_count is None or _storage_use_count(self._cdata) != self._idle[0]:
+            return False  # (the cheap test first: a held output or view of the buffer)
+        return self._refs() == self._idle
 
 
 class WorkspaceRing:
