@@ -770,7 +770,10 @@ def test_speculative_rows(group, send_ctas, steal):
                 ids = [torch.where(t >= 0, t % (experts // world), t) for t in ids]
             _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
         assert be.speculative_calls == 6, be.speculative_calls
-        assert be.speculative_overflows == (1 if rank == 0 else 0), be.speculative_overflows
+        # (in a world of one every expert is rank 0's already: its rows, at most 64 x 8, fit the outputs
+        # sized from the last calls, 64 x 8 x 0.95 plus an eighth; with peers rank 0 gets theirs too)
+        overflows = 1 if rank == 0 and world > 1 else 0
+        assert be.speculative_overflows == overflows, be.speculative_overflows
         torch.cuda.synchronize()
         be.check_errors()
     finally:
@@ -808,7 +811,8 @@ def test_exact_rows_allocated_ahead(group):
             )  # fmt: skip
             _check_round_trip(be, group, xs, ids, ws, gen, experts, torch.bfloat16)
         first = sizes[0]
-        assert sizes[1] == first + first // 8, "the repeat is allocated ahead, and fits"
+        ahead = min(first + first // 8, be.engine.worst_case_rows())  # (at most the worst case)
+        assert sizes[1] == ahead, "the repeat is allocated ahead, and fits"
         assert len(sizes) == 6, f"the quarter-size and full calls allocate ahead, then exactly: {sizes}"
         be.check_errors()
     finally:
