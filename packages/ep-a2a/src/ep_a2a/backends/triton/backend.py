@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,6 +62,10 @@ from ep_a2a.layout import EPAllToAllLayoutDesc
 
 #: exact-shape calls whose received rows size the speculative flow's outputs
 SPECULATIVE_WINDOW = 8
+#: CUDA graphs of eager dispatches kept per workspace (``TritonTuning.eager_graphs``)
+GRAPHS_PER_WORKSPACE = 64
+#: sets of input addresses a workspace remembers while waiting for their second call
+SIGHTINGS_PER_WORKSPACE = 1024
 
 
 @dataclass
@@ -198,6 +203,8 @@ class TritonBackend(A2ABackend):
         self.speculative_rows = tuning.speculative_rows and not (
             self.overlap_exact or remote or self.copy_engine
         )
+        #: eager dispatches replay CUDA graphs of their launches when their inputs repeat
+        self.eager_graphs = tuning.eager_graphs
         self._init_host_state()
         self._own_monitor = options.monitor is None
         monitor = options.monitor if options.monitor is not None else RankMonitor(ep_group, self.timeout_s)
@@ -278,6 +285,9 @@ class TritonBackend(A2ABackend):
         #: combine launches bound per variant and stream (:meth:`.engine.TritonEPEngine.bind_combine`)
         self._bound_combines: dict[tuple, BoundLaunch] = {}
         self._dummy_w_address = self.engine._dummy_w.data_ptr()
+        #: eager dispatches captured as CUDA graphs, and replays of them (``TritonTuning.eager_graphs``)
+        self.graph_captures = self.graph_replays = 0
+        self._capture_stream: torch.cuda.Stream | None = None
         self._static: DispatchBuffers | None = None
         self._static_fp8: DispatchBuffers | None = None  # (packed FP8 rows: a graph of each may coexist)
 
@@ -524,8 +534,76 @@ class TritonBackend(A2ABackend):
             if launches is None:
                 return False
             ws.bound[key] = launches
-        self.engine.launch_merged_bound(launches, xp, ip, wp, sp, call.n, out.data_ptr())  # type: ignore[arg-type]
+        addresses = (xp, ip, wp, sp, call.n, out.data_ptr())
+        if self.eager_graphs:
+            # (a graph reads the tensors at the addresses it was captured with: these ones)
+            at = (key, *addresses)
+            graph = ws.graphs.get(at)
+            if graph is None and self._graph_due(ws, at):
+                graph = self._capture_merged(ws, at, out, mirror, (x, ids, w, src), call.caller)
+            if graph is not None:
+                graph.replay()
+                self.engine.merged_replayed()
+                self.graph_replays += 1
+                return True
+        self.engine.launch_merged_bound(launches, *addresses)  # type: ignore[arg-type]
         return True
+
+    @staticmethod
+    def _graph_due(ws: DispatchWorkspace, at: tuple) -> bool:
+        """Whether a dispatch into ``ws`` at the addresses ``at`` gets a CUDA graph now: at their second
+        sighting, while the workspace keeps fewer than :data:`GRAPHS_PER_WORKSPACE`."""
+        seen = ws.sightings.get(at, 0) + 1
+        if seen == 1:
+            if len(ws.sightings) >= SIGHTINGS_PER_WORKSPACE:
+                ws.sightings.clear()
+            ws.sightings[at] = 1
+            return False
+        return len(ws.graphs) < GRAPHS_PER_WORKSPACE
+
+    def _capture_merged(
+        self,
+        ws: DispatchWorkspace,
+        at: tuple,
+        out: Tensor,
+        mirror: Tensor,
+        tensors: tuple[Tensor, Tensor, Tensor | None, Tensor],
+        caller_scatter: bool,
+    ) -> torch.cuda.CUDAGraph | None:
+        """A CUDA graph of a speculative dispatch's two launches for the call at the addresses ``at``
+        (the launch key, then the addresses and token count :meth:`launch_merged_bound` takes), bound to
+        a side stream for the capture, kept in ``ws.graphs``; ``None`` (and no graphs from now on, with
+        a warning) where the capture fails."""
+        addresses = at[1:]
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
+        launches = self.engine.bind_merged_dispatch(
+            stream.cuda_stream, self._speculative_buffers(ws, out), ws.info, mirror, tensors,
+            caller_scatter=caller_scatter,
+        )  # fmt: skip
+        if launches is None:
+            return None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.engine.launch_merged_bound(launches, *addresses, capturing=True)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:
+            self.eager_graphs = False
+            warnings.warn(
+                f"ep_a2a: capturing an eager dispatch in a CUDA graph failed ({exc}); eager dispatches launch "
+                "their kernels one by one from now on (TritonTuning(eager_graphs=False) skips the attempt)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        ws.graphs[at] = graph
+        self.graph_captures += 1
+        return graph
 
     def _result(
         self,

@@ -59,6 +59,8 @@ class DispatchWorkspace:
             rows).
         out: ``[count, width]`` rows of ``rows``' dtype, or ``None``.
         bound: the launches bound to this workspace's tensors (filled by the backend).
+        graphs, sightings: CUDA graphs of those launches by the call's addresses, and how often each
+            set of addresses came (filled by the backend).
     """
 
     def __init__(self, engine: TritonEPEngine, rows: tuple[torch.dtype, int, int] | None = None) -> None:
@@ -97,6 +99,10 @@ class DispatchWorkspace:
         self._w_rows, self._e_rows = self.out_w[:0], self.out_e[:0]
         self._out_rows = self.out[:0] if self.out is not None else self.out_e[:0]
         self.bound: dict[tuple, object] = {}
+        #: CUDA graphs of dispatches into this workspace, by their inputs' addresses (the backend's),
+        #: and how often each set of addresses was seen
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.sightings: dict[tuple, int] = {}
         self._storage = buf.untyped_storage()
         self._cdata = self._storage._cdata
         #: ``_refs()`` while only the ring refers to the workspace (taken by for_tokens, once this
