@@ -625,7 +625,7 @@ def test_eager_graphs_replay_repeated_inputs(monkeypatch):
     monkeypatch.setattr(B, "_launch_hooks_set", lambda: False)
 
     class _Graph:
-        def replay(self) -> None:
+        def launch(self, stream: int) -> None:
             events.append("replay")
             publish()
 

@@ -56,7 +56,13 @@ from ep_a2a.backends.triton.engine import (
 from ep_a2a.backends.triton.heaps import NvshmemHeap, NvshmemTransport, make_heap
 from ep_a2a.backends.triton.low_latency import LowLatencyDispatch, LowLatencyEngine, LowLatencyLayout
 from ep_a2a.backends.triton.resolve import engine_options, remote_plan, resolve_heap
-from ep_a2a.backends.triton.workspace import RING_ROWS_BYTES, DispatchWorkspace, OutputRing, WorkspaceRing
+from ep_a2a.backends.triton.workspace import (
+    RING_ROWS_BYTES,
+    DispatchGraph,
+    DispatchWorkspace,
+    OutputRing,
+    WorkspaceRing,
+)
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
 
@@ -542,7 +548,7 @@ class TritonBackend(A2ABackend):
             if graph is None and self._graph_due(ws, at):
                 graph = self._capture_merged(ws, at, out, mirror, (x, ids, w, src), call.caller)
             if graph is not None:
-                graph.replay()
+                graph.launch(_raw_stream(self.device.index))
                 self.engine.merged_replayed()
                 self.graph_replays += 1
                 return True
@@ -569,7 +575,7 @@ class TritonBackend(A2ABackend):
         mirror: Tensor,
         tensors: tuple[Tensor, Tensor, Tensor | None, Tensor],
         caller_scatter: bool,
-    ) -> torch.cuda.CUDAGraph | None:
+    ) -> DispatchGraph | None:
         """A CUDA graph of a speculative dispatch's two launches for the call at the addresses ``at``
         (the launch key, then the addresses and token count :meth:`launch_merged_bound` takes), bound to
         a side stream for the capture, kept in ``ws.graphs``; ``None`` (and no graphs from now on, with
@@ -601,9 +607,9 @@ class TritonBackend(A2ABackend):
                 stacklevel=4,
             )
             return None
-        ws.graphs[at] = graph
+        ws.graphs[at] = kept = DispatchGraph(graph)
         self.graph_captures += 1
-        return graph
+        return kept
 
     def _result(
         self,

@@ -21,7 +21,10 @@ to PyTorch's allocator when the caller drops them.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +43,38 @@ _ALIGN = 256  # regions start on 256-byte boundaries, like fresh allocations
 RING_ROWS_BYTES = 64 << 20
 #: combine outputs of at most this many bytes are reused (:class:`OutputRing`; larger: allocated per call)
 RING_OUTPUT_BYTES = 16 << 20
+
+
+@functools.cache
+def _cu_graph_launch() -> Callable[[int, int], int] | None:
+    """The CUDA driver's ``cuGraphLaunch(exec, stream)`` (``None`` where the driver cannot be loaded)."""
+    try:
+        launch = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
+    except (OSError, AttributeError):
+        return None
+    launch.argtypes, launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+    return launch
+
+
+class DispatchGraph:
+    """A captured CUDA graph of a dispatch's launches, launched on a given stream by the driver's
+    ``cuGraphLaunch`` (what ``CUDAGraph.replay`` calls, without its random-number bookkeeping, which
+    a graph of these kernels does not use), or by ``replay`` where the driver cannot be loaded."""
+
+    __slots__ = ("exec", "graph", "launcher")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph, self.launcher = graph, _cu_graph_launch()
+        self.exec = graph.raw_cuda_graph_exec() if self.launcher is not None else 0
+
+    def launch(self, stream: int) -> None:
+        """Run the graph on ``stream`` (a raw handle; the current stream of the graph's device)."""
+        if self.launcher is None:
+            self.graph.replay()
+            return
+        err = self.launcher(self.exec, stream)
+        if err:
+            raise RuntimeError(f"cuGraphLaunch of an eager dispatch's CUDA graph failed: CUDA error {err}")
 
 
 class DispatchWorkspace:
@@ -101,7 +136,7 @@ class DispatchWorkspace:
         self.bound: dict[tuple, object] = {}
         #: CUDA graphs of dispatches into this workspace, by their inputs' addresses (the backend's),
         #: and how often each set of addresses was seen
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple, DispatchGraph] = {}
         self.sightings: dict[tuple, int] = {}
         self._storage = buf.untyped_storage()
         self._cdata = self._storage._cdata
