@@ -186,17 +186,27 @@ class Timer:
         return float(t[0])
 
 
-def capture_graphs(be, x, ids, w):
-    """CUDA graphs of one static dispatch and of the combine of its output, after two eager rounds on a
-    side stream so nothing compiles or allocates inside the capture."""
+def warm_up(fn) -> None:
+    """``fn()`` twice on a side stream, then a device sync: nothing compiles or allocates inside a
+    capture that follows."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            d = be.dispatch_static(x, ids, w)
-            be.combine_static(d.output, d)
+            fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+
+
+def capture_graphs(be, x, ids, w):
+    """CUDA graphs of one static dispatch and of the combine of its output, after two eager rounds on a
+    side stream so nothing compiles or allocates inside the capture."""
+
+    def both() -> None:
+        d = be.dispatch_static(x, ids, w)
+        be.combine_static(d.output, d)
+
+    warm_up(both)
     g_d, g_c = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_d):
         dd = be.dispatch_static(x, ids, w)
@@ -351,14 +361,12 @@ def fp8_case(args, cfg, group, x, ids, w, num_sm) -> tuple[dict, dict]:
     # CUDA-graph mode: static FP8 dispatch (the tuple, or bf16 rows quantized in the graph) and combine
     rows = cfg.world_size * cfg.max_tokens * cfg.topk
     ys = torch.randn(rows, cfg.hidden, device=x.device).to(torch.bfloat16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            layer.combine_static(ys, layer.dispatch_static(xq, ids, w))
-            layer.combine_static(ys, layer.dispatch_static(x, ids, w, fp8=True))
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+
+    def both() -> None:
+        layer.combine_static(ys, layer.dispatch_static(xq, ids, w))
+        layer.combine_static(ys, layer.dispatch_static(x, ids, w, fp8=True))
+
+    warm_up(both)
     g_d, g_c, g_q = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_d):
         dd = layer.dispatch_static(xq, ids, w)
@@ -405,14 +413,7 @@ def low_latency_case(args, cfg, group, x, ids, w, num_sm, ref) -> tuple[dict, di
     inputs = {"bf16": x, "fp8": be.pack_fp8(*quantize_fp8(x)), "quantize": be.quantize_fp8(x)}
     rows = cfg.world_size * cfg.max_tokens * cfg.topk
     ys = torch.randn(rows, cfg.hidden, device=x.device).to(torch.bfloat16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            for inp in inputs.values():
-                be.combine_static(ys, be.dispatch_static(inp, ids, w))
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    warm_up(lambda: [be.combine_static(ys, be.dispatch_static(inp, ids, w)) for inp in inputs.values()])
     graphs, results = {}, {}
     for name, inp in inputs.items():
         graphs[name] = torch.cuda.CUDAGraph()

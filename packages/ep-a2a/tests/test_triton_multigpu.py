@@ -76,6 +76,21 @@ def _routing(n, topk, experts, gen, *, skew, drop):
     return ids
 
 
+def _warm_up_and_capture(step):
+    """``step()`` once on a side stream (it compiles there, as graph capture requires), then captured:
+    ``(graph, what the captured call returned)``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = step()
+    return graph, res
+
+
 def _make_backend(
     group,
     *,
@@ -1139,15 +1154,7 @@ def test_fp8_cuda_graph_capture_replay(group, layer_dtype, quantize):
             y = dequantize_fp8(*d.output).to(torch.bfloat16)
             return d, layer.combine_static(y, d)
 
-        s = torch.cuda.Stream()  # warm up (compiles) on a side stream, as graph capture requires
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            d, out = step()
+        graph, (d, out) = _warm_up_and_capture(step)
         q_out, s_out = d.output
         assert tuple(q_out.shape) == (world * n * topk, hidden)
         for call in range(3):
@@ -1215,12 +1222,12 @@ def test_fp8_refused_where_the_buffers_are_too_narrow(group):
 # the low-latency mode (TritonTuning(low_latency=True)) through the layer; these run on any number of
 # GPUs, one included (torchrun --nproc-per-node 1 ... -k low_latency)
 # --------------------------------------------------------------------------------------------------
-def _ll_layer(group, *, n, hidden, topk, experts, dtype=torch.bfloat16, timeout_s=30.0):
+def _ll_layer(group, *, n, hidden, topk, experts, dtype=torch.bfloat16, timeout_s=30.0, use_aot=False):
     from ep_a2a import EPLayer
 
     return EPLayer(
         group, max_tokens=n, hidden=hidden, topk=topk, num_experts=experts, dtype=dtype, backend="triton",
-        tuning=TritonTuning(num_sm=32, low_latency=True), timeout_s=timeout_s,
+        tuning=TritonTuning(num_sm=32, low_latency=True), timeout_s=timeout_s, use_aot=use_aot,
     )  # fmt: skip
 
 
@@ -1283,15 +1290,7 @@ def test_low_latency_layer_against_reference(group, mode):
             y = torch.zeros(worst, hidden, dtype=torch.bfloat16, device=dev) + scale
             return d, y, layer.combine_static(y, d)
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            d, _y, out = step()
+        graph, (d, _y, out) = _warm_up_and_capture(step)
         for call in range(3):
             xs, ids, ws, _gen = _inputs(60 + call, world, [n] * world, hidden, topk, experts, torch.bfloat16,
                                         skew=False, drop=0.1, with_w=True)  # fmt: skip
@@ -1322,9 +1321,12 @@ def test_low_latency_too_many_tokens_raise_on_every_rank(group):
     from ep_a2a.backends.triton.low_latency import LowLatencyInputError
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    layer = _ll_layer(group, n=16, hidden=256, topk=2, experts=4 * world, timeout_s=60.0)
+    layer = _ll_layer(group, n=16, hidden=256, topk=2, experts=4 * world, timeout_s=60.0, use_aot=True)
     dev = layer.device
     try:
+        # use_aot compiled the low-latency variants too (with and without weights, bf16 / FP8 / quantized
+        # rows, bf16 combine)
+        assert layer.ctx.backend.aot_variants >= 7
         ids = torch.randint(0, 4 * world, (16, 2), device=dev)
         x = torch.randn(16, 256, device=dev).to(torch.bfloat16)
         layer.combine(*layer.dispatch(x, ids)[::2])  # (one round trip first)

@@ -230,6 +230,17 @@ class TritonBackend(A2ABackend):
                 rewrite=self.speculative_rows,
                 mirror=self.overlap_exact or self.speculative_rows,
             )
+            if self.low_latency is not None:
+                quantize = (torch.bfloat16,) if config.hidden % 128 == 0 else ()
+                self.aot_variants += self.low_latency.precompile(
+                    row_dtypes=(FP8_ROW_DTYPE,)
+                    if fp8
+                    else (config.token_dtype, *((FP8_ROW_DTYPE,) if quantize else ())),
+                    quantize_from=quantize,
+                    combine_dtypes=(torch.bfloat16,)
+                    if config.token_dtype.itemsize <= 2
+                    else (config.token_dtype,),
+                )
             self.aot_seconds = time.perf_counter() - t0
 
     def _build_low_latency(self, heap: str, on: bool, remote: bool) -> LowLatencyEngine | None:
