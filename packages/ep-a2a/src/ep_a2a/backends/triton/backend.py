@@ -542,28 +542,28 @@ class TritonBackend(A2ABackend):
             out.shape, out.dtype, x.dtype, x.shape[1], ids.dtype, None if w is None else w.dtype, src.dtype,
             call.caller, xp % 16, ip % 16, wp % 16, sp % 16,
         )  # fmt: skip
-        launches = ws.bound.get(key)
-        if launches is None:
-            launches = self.engine.bind_merged_dispatch(
-                _raw_stream(self.device.index), self._speculative_buffers(ws, out), ws.info, mirror,
-                (x, ids, w, src), caller_scatter=call.caller,
-            )  # fmt: skip
-            if launches is None:
-                return False
-            ws.bound[key] = launches
         addresses = (xp, ip, wp, sp, call.n, out.data_ptr())
-        if self.eager_graphs:
-            # (a graph reads the tensors at the addresses it was captured with: these ones)
-            at = (key, *addresses)
-            graph = ws.graphs.get(at)
-            if graph is None and self._graph_due(ws, at):
+        # (a graph reads the tensors at the addresses it was captured with: these ones)
+        at = (key, *addresses)
+        graph = ws.graphs.get(at) if self.eager_graphs else None
+        if graph is None:
+            launches = ws.bound.get(key)
+            if launches is None:
+                launches = self.engine.bind_merged_dispatch(
+                    _raw_stream(self.device.index), self._speculative_buffers(ws, out), ws.info, mirror,
+                    (x, ids, w, src), caller_scatter=call.caller,
+                )  # fmt: skip
+                if launches is None:
+                    return False
+                ws.bound[key] = launches
+            if self.eager_graphs and self._graph_due(ws, at):
                 graph = self._capture_merged(ws, at, out, mirror, (x, ids, w, src), call.caller)
-            if graph is not None:
-                graph.launch(_raw_stream(self.device.index))
-                self.engine.merged_replayed()
-                self.graph_replays += 1
+            if graph is None:
+                self.engine.launch_merged_bound(launches, *addresses)  # type: ignore[arg-type]
                 return True
-        self.engine.launch_merged_bound(launches, *addresses)  # type: ignore[arg-type]
+        graph.launch(_raw_stream(self.device.index))
+        self.engine.merged_replayed()
+        self.graph_replays += 1
         return True
 
     @staticmethod
