@@ -1231,10 +1231,6 @@ def _ll_layer(group, *, n, hidden, topk, experts, dtype=torch.bfloat16, timeout_
     )  # fmt: skip
 
 
-def _fp8_bytes(rows) -> torch.Tensor:
-    return torch.cat([rows[0].contiguous().view(torch.uint8), rows[1].contiguous().view(torch.uint8)], 1)
-
-
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "fp8-quantize"])
 def test_low_latency_layer_against_reference(group, mode):
     """The layer in the low-latency mode: exact-shape dispatch / combine, static (eager) and captured in a
@@ -1250,14 +1246,14 @@ def test_low_latency_layer_against_reference(group, mode):
     dev = layer.device
 
     def refs(xs, ids, ws):
-        sent = [_fp8_bytes(quantize_fp8(x)) for x in xs] if fp8 else xs
+        sent = [_fp8_bytes(*quantize_fp8(x)) for x in xs] if fp8 else xs
         return dispatch_ref(sent, ids, ws, num_tot_experts=experts)
 
     def arg(x):
         return quantize_fp8(x.to(dev)) if mode == "fp8" else x.to(dev)
 
     def rows_of(out, r):
-        return _fp8_bytes((out[0][:r], out[1][:r])).cpu() if fp8 else out[:r].cpu()
+        return _fp8_bytes(out[0][:r], out[1][:r]) if fp8 else out[:r].cpu()
 
     try:
         assert layer.backend_name == "triton"
