@@ -186,17 +186,27 @@ class Timer:
         return float(t[0])
 
 
-def capture_graphs(be, x, ids, w):
-    """CUDA graphs of one static dispatch and of the combine of its output, after two eager rounds on a
-    side stream so nothing compiles or allocates inside the capture."""
+def warm_up(fn) -> None:
+    """``fn()`` twice on a side stream, then a device sync: nothing compiles or allocates inside a
+    capture that follows."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            d = be.dispatch_static(x, ids, w)
-            be.combine_static(d.output, d)
+            fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+
+
+def capture_graphs(be, x, ids, w):
+    """CUDA graphs of one static dispatch and of the combine of its output, after two eager rounds on a
+    side stream so nothing compiles or allocates inside the capture."""
+
+    def both() -> None:
+        d = be.dispatch_static(x, ids, w)
+        be.combine_static(d.output, d)
+
+    warm_up(both)
     g_d, g_c = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_d):
         dd = be.dispatch_static(x, ids, w)
@@ -296,6 +306,12 @@ def eager_case(args, be, x, ids, w, timer, holder: dict) -> dict:
     h_disp = timer.host_ms
     # the same calls with the host ahead of the GPU (device-side lead), as in a pipeline
     t_disp_lead = timer.median_ms(disp, args.iters, lead=True)
+    # the same calls launching their kernels one by one (no graph of the repeated tensors: a loop whose
+    # buffers move from call to call)
+    graphs, be.eager_graphs = be.eager_graphs, False
+    t_disp_launches = timer.median_ms(disp, args.iters)
+    h_disp_launches = timer.host_ms
+    be.eager_graphs = graphs
     y = holder["d"][0]
     t_comb = timer.median_ms(lambda: be.combine(y, holder["d"][2]), args.iters, setup=disp)
     h_comb = timer.host_ms
@@ -311,6 +327,8 @@ def eager_case(args, be, x, ids, w, timer, holder: dict) -> dict:
         "dispatch_host_ms": h_disp,
         "combine_host_ms": h_comb,
         "dispatch_ms_lead": t_disp_lead,
+        "dispatch_launches_ms": t_disp_launches,
+        "dispatch_launches_host_ms": h_disp_launches,
         "overlap_exact": be.overlap_exact,
         "speculative_rows": be.speculative_rows,
     }
@@ -351,14 +369,12 @@ def fp8_case(args, cfg, group, x, ids, w, num_sm) -> tuple[dict, dict]:
     # CUDA-graph mode: static FP8 dispatch (the tuple, or bf16 rows quantized in the graph) and combine
     rows = cfg.world_size * cfg.max_tokens * cfg.topk
     ys = torch.randn(rows, cfg.hidden, device=x.device).to(torch.bfloat16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            layer.combine_static(ys, layer.dispatch_static(xq, ids, w))
-            layer.combine_static(ys, layer.dispatch_static(x, ids, w, fp8=True))
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+
+    def both() -> None:
+        layer.combine_static(ys, layer.dispatch_static(xq, ids, w))
+        layer.combine_static(ys, layer.dispatch_static(x, ids, w, fp8=True))
+
+    warm_up(both)
     g_d, g_c, g_q = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_d):
         dd = layer.dispatch_static(xq, ids, w)
@@ -389,6 +405,73 @@ def fp8_case(args, cfg, group, x, ids, w, num_sm) -> tuple[dict, dict]:
     torch.cuda.synchronize()
     layer.check_errors()
     layer.finalize()
+    return eager, graph
+
+
+def low_latency_case(args, cfg, group, x, ids, w, num_sm, ref) -> tuple[dict, dict]:
+    """The low-latency mode (``TritonTuning(low_latency=True)``, ``num_sm`` CTAs): CUDA-graph replays of
+    one dispatch of bf16 rows, of FP8 rows in DeepEP's format (packed ``(x_fp8, scales)``) and of bf16 rows
+    quantized on send, and of one bf16 combine; the same bf16 calls eager (no graph). Its received rows
+    must equal the normal mode's (``ref``: rows and combine of the same inputs) and its combine be within
+    bf16 rounding of it. Returns the eager and the graph row."""
+    from ep_a2a.reference import quantize_fp8
+
+    be = triton_backend(cfg, group, num_sm=num_sm, low_latency=True, timeout_s=60.0)
+    timer = Timer(lambda: be.engine.launch_barrier())
+    inputs = {"bf16": x, "fp8": be.pack_fp8(*quantize_fp8(x)), "quantize": be.quantize_fp8(x)}
+    rows = cfg.world_size * cfg.max_tokens * cfg.topk
+    ys = torch.randn(rows, cfg.hidden, device=x.device).to(torch.bfloat16)
+    warm_up(lambda: [be.combine_static(ys, be.dispatch_static(inp, ids, w)) for inp in inputs.values()])
+    graphs, results = {}, {}
+    for name, inp in inputs.items():
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            results[name] = be.dispatch_static(inp, ids, w)
+    g_c = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_c):
+        be.combine_static(ys, results["bf16"])
+    g_d = graphs["bf16"]
+    graph = {
+        "dispatch_ms": timer.median_ms(g_d.replay, args.iters, lead=True),
+        "combine_ms": timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True),
+        "fp8_dispatch_ms": timer.median_ms(graphs["fp8"].replay, args.iters, lead=True),
+        "quantize_dispatch_ms": timer.median_ms(graphs["quantize"].replay, args.iters, lead=True),
+        "dispatch_ms_no_lead": timer.median_ms(g_d.replay, args.iters),
+        "combine_ms_no_lead": timer.median_ms(g_c.replay, args.iters, setup=g_d.replay),
+    }
+    holder: dict = {}
+
+    def sdisp():
+        holder["d"] = be.dispatch_static(x, ids, w)
+
+    def scomb():
+        holder["y"] = be.combine_static(holder["d"].output, holder["d"])
+
+    eager = {"dispatch_ms": timer.median_ms(sdisp, args.iters), "dispatch_host_ms": timer.host_ms}
+    eager["combine_ms"] = timer.median_ms(scomb, args.iters, setup=sdisp)
+    eager["combine_host_ms"] = timer.host_ms
+    # the same rows as the normal mode, and its sums within bf16 rounding (another summation order)
+    sdisp()
+    scomb()
+    torch.cuda.synchronize()
+    r = int(holder["d"].num_recv_rows)
+    same = r == ref[0].shape[0] and torch.equal(holder["d"].output[:r], ref[0])
+    err = (
+        (holder["y"].float() - ref[1].float()).abs().max()
+        if ref[1].numel()
+        else torch.zeros((), device=x.device)
+    )
+    close = bool(err <= 2.0**-6 * ref[1].float().abs().max().clamp(min=1.0))
+    flags = torch.tensor([0 if same else 1, 0 if close else 1], device=x.device)
+    dist.all_reduce(flags)
+    eager["rows_match_normal_mode"], eager["combine_close_to_normal_mode"] = (
+        int(flags[0]) == 0,
+        int(flags[1]) == 0,
+    )
+    del graphs, results, g_c, g_d
+    torch.cuda.synchronize()
+    be.check_errors()
+    be.finalize()
     return eager, graph
 
 
@@ -576,6 +659,16 @@ def run_case(
             # FP8 dispatch (DeepEP's format) beside bf16, at the same num_sm
             res[f"ours-fp8-sm{num_sm}"], res[f"ours-fp8-graph-sm{num_sm}"] = fp8_case(
                 args, cfg, group, x, ids, w, num_sm
+            )
+        if (
+            extra
+            and args.low_latency
+            and num_sm == num_sm_list[-1]
+            and shape_name == "deepseek-v3"
+            and heap == "torch"
+        ):
+            res[f"ours-ll-sm{num_sm}"], res[f"ours-ll-graph-sm{num_sm}"] = low_latency_case(
+                args, cfg, group, x, ids, w, num_sm, ref
             )
         if extra and not args.quick and be.speculative_rows and num_sm == num_sm_list[-1]:
             # the exact-shape flow that waits for the counts before the row kernel, beside the default
@@ -890,6 +983,11 @@ def main() -> None:
         dest="split",
         action="store_false",
         help="skip the sender/writer CTA split experiment at 4096 tokens",
+    )
+    p.add_argument(
+        "--low-latency",
+        action="store_true",
+        help="also time the low-latency mode (TritonTuning(low_latency=True)) in the DeepSeek-V3 cases at every SM",
     )
     p.add_argument("--topo", default=None, help="file holding `nvidia-smi topo -m`")
     args = p.parse_args()

@@ -43,13 +43,21 @@ _NUMBERS = (
     "round_trip_ms",
     "dispatch_host_ms",
     "combine_host_ms",
+    "dispatch_launches_ms",
+    "dispatch_launches_host_ms",
     "copy_ms",
     "quantize_dispatch_ms",
+    "fp8_dispatch_ms",
 )
 
 
 #: what the FP8 rows record about quantize-on-send: where it ran, and whether its bytes equal the tuple's
-_FLAGS = ("quantize_in_kernel", "quantize_matches_tuple")
+_FLAGS = (
+    "quantize_in_kernel",
+    "quantize_matches_tuple",
+    "rows_match_normal_mode",
+    "combine_close_to_normal_mode",
+)
 
 
 def gpu_kind(device_name: str) -> str:
@@ -122,6 +130,13 @@ def summary(rows: list[dict]) -> list[str]:
                     f"{eager[f'{op}_ms'] / graph[f'{op}_ms']:.1f}x its graph replay (target <= 2x)"
                     + (f"; {1e3 * host:.0f} us of it on the host" if host else "")
                 )
+            launches = eager.get("dispatch_launches_ms")
+            if launches:  # (the same tensors every call: the eager rows above replay a captured graph)
+                lines.append(
+                    f"{name}: eager dispatch launching its kernels one by one (eager_graphs off) "
+                    f"{1e3 * launches:.0f} us = {launches / graph['dispatch_ms']:.1f}x its graph replay; "
+                    f"{1e3 * eager.get('dispatch_launches_host_ms', 0.0):.0f} us of it on the host"
+                )
         layer = by.get(("triton", "ours-layer-default"))
         if eager and tokens > 1024 and eager.get("dispatch_pct_ce"):
             others = [
@@ -166,6 +181,29 @@ def summary(rows: list[dict]) -> list[str]:
                             f8.get("quantize_matches_tuple"), ""
                         )
                     )
+        ll_g, ll_e = (
+            by.get(("triton", f"ours-ll-graph-sm{default}")),
+            by.get(("triton", f"ours-ll-sm{default}")),
+        )
+        if ll_g and graph:
+            lines.append(
+                f"{name}: low-latency mode, graph: dispatch {1e3 * ll_g['dispatch_ms']:.0f} us (FP8 "
+                f"{1e3 * ll_g.get('fp8_dispatch_ms', 0):.0f}, bf16 quantized on send "
+                f"{1e3 * ll_g.get('quantize_dispatch_ms', 0):.0f}), combine {1e3 * ll_g['combine_ms']:.0f} us; "
+                f"normal mode {1e3 * graph['dispatch_ms']:.0f} / {1e3 * graph['combine_ms']:.0f} us"
+                + (" (targets at 128 tokens on 4 GPUs: <= 30 us each)" if tokens <= 128 else "")
+                + (
+                    ""
+                    if (ll_e or {}).get("rows_match_normal_mode", True)
+                    else "; ROWS DIFFER FROM THE NORMAL MODE'S"
+                )
+                + ("" if (ll_e or {}).get("combine_close_to_normal_mode", True) else "; COMBINE DIFFERS")
+            )
+        if ll_e:
+            lines.append(
+                f"{name}: low-latency mode, eager (no graph): dispatch {1e3 * ll_e['dispatch_ms']:.0f} us, "
+                f"combine {1e3 * ll_e['combine_ms']:.0f} us"
+            )
         fp8 = by.get(("torch", "torch-fp8"))
         if fp8 and by.get(("torch", "torch")):
             bf16 = by[("torch", "torch")]["dispatch_ms"]
@@ -237,6 +275,18 @@ def table(record: dict) -> str:
             f"{cell(graph, 'combine_ms', ce)} | {cell(eager, 'dispatch_ms', ce)} | {cell(eager, 'combine_ms', ce)} | "
             f"{pair(layer)} | {pair(('torch', 'torch'))} | {pair(('torch', 'nccl-dest'))} |"
         )  # fmt: skip
+        llg, lle = ("triton", f"ours-ll-graph-sm{default}"), ("triton", f"ours-ll-sm{default}")
+        if llg in by or lle in by:
+            lines.append(
+                f"| {gpus} | {shape}, {routing} | {tokens} | bf16, low-latency mode | {ms(ce)} | "
+                f"{cell(llg, 'dispatch_ms', ce)} | {cell(llg, 'combine_ms', ce)} | {cell(lle, 'dispatch_ms', ce)} | "
+                f"{cell(lle, 'combine_ms', ce)} | - | - | - |"
+            )  # fmt: skip
+            if by.get(llg, {}).get("fp8_dispatch_ms"):
+                lines.append(
+                    f"| {gpus} | {shape}, {routing} | {tokens} | FP8 (x_fp8, scales), low-latency mode | "
+                    f"{ms(ce_fp8)} | {cell(llg, 'fp8_dispatch_ms', ce_fp8)} | - | - | - | - | - | - |"
+                )  # fmt: skip
         f8g, f8e = ("triton", f"ours-fp8-graph-sm{default}"), ("triton", f"ours-fp8-sm{default}")
         if f8g not in by and f8e not in by:
             continue
@@ -253,10 +303,12 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
-def run_bench(bench: str, out: Path, ngpu: int, quick: bool) -> dict:
-    """Run one bench script on ``ngpu`` processes; its raw JSON."""
+def run_bench(bench: str, out: Path, ngpu: int, quick: bool, low_latency: bool = False) -> dict:
+    """Run one bench script on ``ngpu`` processes; its raw JSON (``low_latency``: the Triton bench also
+    times the low-latency mode)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ngpu}"]
     cmd += [str(BENCHES[bench]), "--json", str(out), *BENCH_ARGS[bench], *(["--quick"] if quick else [])]
+    cmd += ["--low-latency"] if low_latency and bench == "triton" else []
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in ENV.items()}}
     src = str(HERE.parent / "src")
     env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
@@ -318,6 +370,11 @@ def main() -> int:
         help="the DeepSeek-V3 uniform cases only (4096 and 128 tokens: num_sm sweep, layer default, torch "
         "backend, NCCL), without the other experiments",
     )
+    p.add_argument(
+        "--low-latency",
+        action="store_true",
+        help="also time the low-latency mode (TritonTuning(low_latency=True)) in the DeepSeek-V3 cases",
+    )
     p.add_argument("--render-only", action="store_true", help="redraw the figure of --kind's results file")
     p.add_argument("--kind", default=None, help="GPU kind of the results file (default: this machine's)")
     p.add_argument("--table", action="store_true", help="print the benchmarks page's table (markdown)")
@@ -338,7 +395,9 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for gpus in counts:
                 for bench in BENCHES:
-                    raw = run_bench(bench, Path(tmp) / f"{bench}-{gpus}.json", gpus, args.quick)
+                    raw = run_bench(
+                        bench, Path(tmp) / f"{bench}-{gpus}.json", gpus, args.quick, args.low_latency
+                    )
                     rows += rows_of(raw, bench)
         import triton
 

@@ -192,7 +192,7 @@ def build_low_latency_engine(a: argparse.Namespace) -> Any:
     )  # fmt: skip
     # (the engine sees a CPU: the GPU's timer and tiles as on sm_90)
     eng.use_timer, eng.timeout_arg = True, int(a.timeout_s * 1e9)
-    eng.block_h, eng.combine_block_h = 1024, 512
+    eng.block_h, eng.num_warps = 8192, 8
     return eng
 
 

@@ -50,6 +50,41 @@ def test_results_rows_and_committed_file() -> None:
         assert {"ours-graph-sm132", "ce"} <= {r["method"] for r in figure}
 
 
+def test_low_latency_rows_in_summary_and_table() -> None:
+    """The low-latency mode's rows (``run.py --low-latency``) reach the summary (graph and eager, FP8 and
+    quantize-on-send, its check against the normal mode) and the benchmarks page's table."""
+    import run
+
+    raw = {
+        "world_size": 4, "date": "2026-11-29T07:00:00+00:00", "commit": "0" * 40,
+        "cases": [{
+            "shape": "deepseek-v3", "routing": "uniform", "tokens": 128, "hidden": 7168, "experts": 256, "topk": 8,
+            "nvlink_bytes": 10**6, "nvlink_bytes_fp8": 5 * 10**5, "default_num_sm": 132,
+            "results": {
+                "ce": {"copy_ms": 0.01},
+                "ce-fp8": {"copy_ms": 0.006},
+                "ours-graph-sm132": {"dispatch_ms": 0.06, "combine_ms": 0.07},
+                "ours-ll-graph-sm132": {"dispatch_ms": 0.025, "combine_ms": 0.028, "fp8_dispatch_ms": 0.02,
+                                        "quantize_dispatch_ms": 0.022},
+                "ours-ll-sm132": {"dispatch_ms": 0.05, "combine_ms": 0.055, "rows_match_normal_mode": False,
+                                  "combine_close_to_normal_mode": True},
+            },
+        }],
+    }  # fmt: skip
+    rows = run.rows_of(raw, "triton")
+    text = "\n".join(run.summary(rows))
+    assert (
+        "low-latency mode, graph: dispatch 25 us (FP8 20, bf16 quantized on send 22), combine 28 us" in text
+    )
+    assert "normal mode 60 / 70 us (targets at 128 tokens on 4 GPUs: <= 30 us each)" in text
+    assert "ROWS DIFFER FROM THE NORMAL MODE'S" in text
+    assert "COMBINE DIFFERS" not in text
+    assert "low-latency mode, eager (no graph): dispatch 50 us, combine 55 us" in text
+    table = run.table({"results": rows})
+    assert "| 4 | deepseek-v3, uniform | 128 | bf16, low-latency mode | 10 | 25 | 28 | 50 | 55 |" in table
+    assert "| FP8 (x_fp8, scales), low-latency mode | 6 | 20 |" in table
+
+
 def test_busiest_rank_bytes() -> None:
     """Bytes are those of the busiest rank: max over ranks of max(sent, received)."""
     import bench_triton as bench
@@ -114,7 +149,7 @@ def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl
     rows = [
         {**case, "bench": "triton", "method": "ours-sm20", "dispatch_ms": 0.1, "combine_ms": 0.05},
         {**case, "bench": "triton", "method": "ours-sm132", "dispatch_ms": 0.2, "combine_ms": 0.05,
-         "default_num_sm": 132},
+         "default_num_sm": 132, "dispatch_launches_ms": 0.12, "dispatch_launches_host_ms": 0.09},
         {**case, "bench": "triton", "method": "ours-graph-sm20", "dispatch_ms": 0.04, "combine_ms": 0.02},
         {**case, "bench": "triton", "method": "ours-graph-sm132", "dispatch_ms": 0.04, "combine_ms": 0.02},
         {**case, "bench": "torch", "method": "torch", "dispatch_ms": 0.5, "combine_ms": 0.3},
@@ -126,6 +161,7 @@ def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl
     assert "eager dispatch: default num_sm=132 200 us, best num_sm=20 100 us: default at 50%" in text
     assert "graph combine: default num_sm=132 20 us, best num_sm=20 20 us: default at 100%" in text
     assert "eager dispatch 200 us = 5.0x its graph replay" in text
+    assert "launching its kernels one by one (eager_graphs off) 120 us = 3.0x its graph replay; 90 us" in text
     assert "torch backend dispatch 500 us vs NCCL per-rank pipeline 1000 us: 0.50x" in text
     big = {**case, "tokens": 4096, "bench": "triton"}
     rows = [

@@ -273,6 +273,42 @@ def test_low_latency_fuzz_against_reference() -> None:
     check()
 
 
+def _gloo_low_latency(rank: int, world: int) -> str:
+    """(run on every rank of a gloo group) The mode is part of the arguments every rank must agree on;
+    where the Triton backend cannot run, ``backend="auto"`` takes the torch backend, which ignores it."""
+    from ep_a2a import EPConfigMismatchError, EPLayer, TritonTuning
+
+    experts, hidden, topk = 2 * world, 32, 2
+    with pytest.raises(EPConfigMismatchError, match="rank 0 has"):
+        EPLayer(max_tokens=4, hidden=hidden, topk=topk, num_experts=experts, timeout_s=20.0,
+                tuning=TritonTuning(low_latency=rank == 0))  # fmt: skip
+    layer = EPLayer(max_tokens=4, hidden=hidden, topk=topk, num_experts=experts, timeout_s=20.0,
+                    tuning=TritonTuning(low_latency=True))  # fmt: skip
+    try:
+        assert layer.backend_name == "torch", layer.backend_reason
+        gen = torch.Generator().manual_seed(2)
+        xs = [torch.randn(4, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
+        ids = [_routing(4, topk, experts, gen, skew=False, drop=0.0) for _ in range(world)]
+        out, _w, desc = layer.dispatch(xs[rank], ids[rank])
+        ref, _ = dispatch_ref(xs, ids, None, num_tot_experts=experts)
+        assert torch.equal(out, ref[rank].output)
+        assert layer.combine(out, desc).shape == (4, hidden)
+    finally:
+        layer.finalize()
+    return "ok"
+
+
+@pytest.mark.timeout(120)
+def test_low_latency_tuning_agreed_and_ignored_off_gpu() -> None:
+    """gloo, 2 processes: ranks that disagree on ``low_latency`` all raise; the torch backend (what
+    ``backend="auto"`` runs without GPUs) takes the field and ignores it."""
+    from pathlib import Path
+
+    from ep_a2a.testing import run_local
+
+    assert run_local(f"{Path(__file__)}:_gloo_low_latency", 2, timeout_s=110) == ["ok", "ok"]
+
+
 # --------------------------------------------------------------------------------------------------
 # one GPU: the compiled kernels
 # --------------------------------------------------------------------------------------------------

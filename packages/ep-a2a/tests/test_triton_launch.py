@@ -421,16 +421,90 @@ def test_workspace_ring_per_stream_and_bounded(monkeypatch):
     assert not ring._rings[7]
 
 
-def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int):
+@pytest.mark.parametrize("hold", ["out_rows", "w_rows", "e_rows", "view_of_out_rows", "whole_out"])
+def test_workspace_rows_and_their_views(hold):
+    """A workspace with rows holds them in its buffer; the views of a call's first R rows are kept for
+    the next call of R rows (the same tensors) and replaced for another R, and a workspace whose rows
+    or views are held, as they are or through a view, is not handed out again."""
+    from ep_a2a.backends.triton.workspace import WorkspaceRing
+
+    eng = _engine()
+    ring = WorkspaceRing(eng, (torch.bfloat16, eng.hidden, eng.worst_case_rows()))
+    ws = ring.take(7, 4)
+    assert ws.out is not None
+    assert ws.out.shape == (eng.worst_case_rows(), eng.hidden)
+    assert ws.out.untyped_storage().data_ptr() == ws.tab.untyped_storage().data_ptr(), "one buffer"
+    w_rows, e_rows, out_rows = ws.first_rows(5)
+    assert (w_rows.shape, e_rows.shape, out_rows.shape) == ((5,), (5,), (5, eng.hidden))
+    assert ws.first_rows(5)[2] is out_rows, "the same R: the same views"
+    del w_rows, e_rows, out_rows
+    assert ring.take(7, 4) is ws
+    assert ws.first_rows(3)[0].shape == (3,), "another R: new views"
+    assert ring.take(7, 4) is ws
+    w_rows, e_rows, out_rows = ws.first_rows(6)
+    assert out_rows is not None
+    held = {"out_rows": out_rows, "w_rows": w_rows, "e_rows": e_rows}.get(hold)
+    if hold == "view_of_out_rows":
+        held = out_rows[1:]
+    elif hold == "whole_out":
+        held = ws.out[:2]
+    del w_rows, e_rows, out_rows
+    assert ring.take(7, 4) is not ws, f"{hold} is held: another workspace"
+    del held
+    assert ring.take(7, 4) is ws
+    w_rows = ws.first_rows(6)[0]
+    w_rows.requires_grad_()  # (as autograd marks a function's outputs)
+    del w_rows
+    assert ring.take(7, 4) is ws
+    assert not ws.first_rows(6)[0].requires_grad, "a view that requires grad is replaced"
+    assert WorkspaceRing(eng).take(7, 4).out is None
+    assert WorkspaceRing(eng).take(7, 4).first_rows(2)[2] is None
+
+
+@pytest.mark.parametrize("hold", ["output", "view", "none"])
+def test_combine_outputs_reused_only_when_nothing_refers_to_them(hold):
+    """A combine output of the ring is handed out again only once nothing refers to it or its memory;
+    a ring keeps RING_SIZE outputs of one shape and dtype per stream (another shape starts it over),
+    and outputs larger than RING_OUTPUT_BYTES are allocated per call."""
+    from ep_a2a.backends.triton import workspace as WS
+
+    ring = WS.OutputRing(torch.device("cpu"))
+    out = ring.take(7, 4, 16, torch.bfloat16)
+    assert out.shape == (4, 16)
+    assert out.dtype == torch.bfloat16
+    address = out.data_ptr()
+    held = out if hold == "output" else out[1:] if hold == "view" else None
+    del out
+    again = ring.take(7, 4, 16, torch.bfloat16)
+    assert (again.data_ptr() == address) == (hold == "none")
+    del held, again
+    assert ring.take(7, 4, 16, torch.bfloat16).data_ptr() == address, "released: the same output"
+    assert ring.take(8, 4, 16, torch.bfloat16).data_ptr() != address, "another stream: its own"
+    many = [ring.take(7, 4, 16, torch.bfloat16) for _ in range(WS.RING_SIZE + 2)]
+    assert len({t.data_ptr() for t in many}) == WS.RING_SIZE + 2
+    assert len(ring._rings[7][1]) == WS.RING_SIZE
+    del many
+    assert ring.take(7, 4, 16, torch.bfloat16).data_ptr() == address
+    assert ring.take(7, 4, 16, torch.float32).dtype == torch.float32, "another dtype: a ring of its own"
+    assert len(ring._rings[7][1]) == 1
+    ring.take(7, 4, 16, torch.float32).requires_grad_()  # (as autograd marks a function's outputs)
+    assert not ring.take(7, 4, 16, torch.float32).requires_grad, "an output that requires grad is forgotten"
+    rows = WS.RING_OUTPUT_BYTES // (16 * 4) + 1
+    ring.take(7, rows, 16, torch.float32)
+    assert not ring._rings[7][1], "larger than RING_OUTPUT_BYTES: not kept"
+
+
+def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, ring_rows: bool = False):
     """A Triton backend over an engine of CPU buffers whose kernels do not run: the layout kernel does
     nothing, the counts kernel and the row kernel's program 0 write the counts of ``rows`` received rows
     into ``info`` and the host mirror, so the backend's exact-shape flows run their host side as on a
-    GPU (outputs, counts, descriptor). Returns the backend and the counts it reports."""
+    GPU (outputs, counts, descriptor); ``ring_rows``: the workspaces hold the worst-case rows, as for
+    decode-sized layers. Returns the backend and the counts it reports."""
     import numpy as np
 
     from ep_a2a.backends.triton import TritonBackend
     from ep_a2a.backends.triton import backend as B
-    from ep_a2a.backends.triton.workspace import WorkspaceRing
+    from ep_a2a.backends.triton.workspace import OutputRing, WorkspaceRing
     from ep_a2a.config import EPConfig
 
     monkeypatch.setattr(B, "_raw_stream", lambda index: 7)
@@ -460,7 +534,12 @@ def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int):
     )  # fmt: skip
     be.engine, be.device, be.layout = eng, torch.device("cpu"), eng.layout
     be.overlap_exact, be.speculative_rows = overlap_exact, not overlap_exact
-    be.workspaces = WorkspaceRing(eng)
+    be.workspaces = WorkspaceRing(
+        eng, (torch.bfloat16, eng.hidden, eng.worst_case_rows()) if ring_rows else None
+    )
+    be.combine_outputs, be._bound_combines = OutputRing(be.device), {}
+    be._dummy_w_address = eng._dummy_w.data_ptr()
+    be.eager_graphs, be.graph_captures, be.graph_replays, be._capture_stream = False, 0, 0, None
     be._mirror = torch.zeros(eng.info_len + 1, dtype=torch.int64)
     be._mirror_np, be._mirror_wait_s, be._mirror_lost, be._finalized = be._mirror.numpy(), 1.0, None, False
     be._info_host, be._pinfo_host = torch.zeros(eng.info_len, dtype=torch.int64), None
@@ -474,14 +553,16 @@ def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int):
 
 
 @pytest.mark.parametrize(
-    "overlap_exact", [True, False], ids=["worst-case-buffers", "counts-then-speculative"]
+    ("overlap_exact", "ring_rows"),
+    [(True, True), (True, False), (False, False)],
+    ids=["worst-case-rows-in-workspaces", "worst-case-buffers", "counts-then-speculative"],
 )
-def test_exact_flows_return_the_counts_and_take_released_workspaces(monkeypatch, overlap_exact):
+def test_exact_flows_return_the_counts_and_take_released_workspaces(monkeypatch, overlap_exact, ring_rows):
     """The exact-shape flows' host side (kernels faked): outputs of exactly the received rows, counts and
     descriptor from ``info``; a held result keeps its workspace (the next call takes another), a
-    released one is taken again. Without ``overlap_exact`` the first call waits for the counts and the
-    next ones speculate."""
-    be, vals = _backend_on_fake_kernels(monkeypatch, overlap_exact=overlap_exact, rows=9)
+    released one is taken again (with the rows it holds). Without ``overlap_exact`` the first call
+    waits for the counts and the next ones speculate."""
+    be, vals = _backend_on_fake_kernels(monkeypatch, overlap_exact=overlap_exact, rows=9, ring_rows=ring_rows)
     W, H = be.config.world_size, be.config.hidden
     x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
     out, out_w, desc = be.dispatch(x, ids, w, None)
@@ -495,6 +576,9 @@ def test_exact_flows_return_the_counts_and_take_released_workspaces(monkeypatch,
     assert desc.num_recv_tokens_per_rank.tolist() == vals[2 + W : 2 + 2 * W].tolist()
     assert desc.num_recv_tokens_per_expert.tolist() == vals[2 + 2 * W : -1].tolist()
     assert desc.token_dst_scatter_idx.shape == desc.skipped_token_topk_mapping_indices.shape == (6, 4)
+    in_workspace = out.untyped_storage().data_ptr() == desc.backend_state.tab.untyped_storage().data_ptr()
+    assert in_workspace == ring_rows
+    first_rows = out.data_ptr()
     assert be.speculative_calls == 0
     _out2, out_w2, desc2 = be.dispatch(x, ids, None, None)  # (the first result still held)
     assert out_w2 is None
@@ -503,10 +587,76 @@ def test_exact_flows_return_the_counts_and_take_released_workspaces(monkeypatch,
     assert desc2.backend_state.tab.data_ptr() != desc.backend_state.tab.data_ptr()
     first_tab = desc.backend_state.tab.data_ptr()
     del out, out_w, desc
-    _, _, desc3 = be.dispatch(x[:3], ids[:3], w[:3], None)
+    if ring_rows:
+        assert _out2.data_ptr() != first_rows, "the first rows are held: other rows"
+    out3, _, desc3 = be.dispatch(x[:3], ids[:3], w[:3], None)
     assert be.workspaces.allocated == 2, "the released workspace is taken again"
     assert desc3.backend_state.tab.data_ptr() == first_tab
+    if ring_rows:
+        assert out3.data_ptr() == first_rows, "with its rows"
     assert desc3.token_dst_scatter_idx.shape == (3, 4)
+
+
+def test_eager_graphs_replay_repeated_inputs(monkeypatch):
+    """With ``eager_graphs`` a bound speculative dispatch launches its kernels one by one until the same
+    inputs (addresses, token count) come a second time into the same workspace; then it captures them
+    as a CUDA graph and replays it, and replays it for every later call at those addresses. Other
+    addresses launch one by one; a workspace keeps at most GRAPHS_PER_WORKSPACE graphs."""
+    from ep_a2a.backends.triton import backend as B
+    from ep_a2a.backends.triton.engine import BoundLaunch
+
+    be, vals = _backend_on_fake_kernels(monkeypatch, overlap_exact=True, rows=9, ring_rows=True)
+    eng = be.engine
+    be.eager_graphs = True
+    events: list[str] = []
+
+    def publish() -> None:  # (what program 0 of the row kernel does)
+        be._mirror_np[:-1], be._mirror_np[-1] = vals, 1
+
+    def launch_merged_bound(launches, *addresses, capturing=False):
+        events.append("capture" if capturing else "launch")
+        if not capturing:
+            publish()
+            eng.host_epochs[0] += 1
+
+    noop = BoundLaunch(lambda *a: None, (), (0, 0, 0), ())
+    monkeypatch.setattr(eng, "bind_merged_dispatch", lambda *a, **kw: (noop, noop))
+    monkeypatch.setattr(eng, "launch_merged_bound", launch_merged_bound)
+    monkeypatch.setattr(B, "_launch_hooks_set", lambda: False)
+
+    class _Graph:
+        def launch(self, stream: int) -> None:
+            events.append("replay")
+            publish()
+
+    def capture(ws, at, out, mirror, tensors, caller_scatter):
+        launch_merged_bound((noop, noop), *at[1:], capturing=True)
+        ws.graphs[at] = _Graph()
+        be.graph_captures += 1
+        return ws.graphs[at]
+
+    monkeypatch.setattr(be, "_capture_merged", capture)
+    H = be.config.hidden
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    for _ in range(4):
+        be.dispatch(x, ids, w, None)  # (each result dropped: one workspace)
+    assert events == ["launch", "capture", "replay", "replay", "replay"]
+    assert (be.graph_captures, be.graph_replays, eng.host_epochs[0]) == (1, 3, 4)
+    events.clear()
+    be.dispatch(x.clone(), ids, w, None)  # (other rows: launched one by one)
+    be.dispatch(x[:3], ids[:3], w[:3], None)  # (another token count, the same addresses)
+    assert events == ["launch", "launch"]
+    events.clear()
+    out, _, _ = be.dispatch(x, ids, w, None)
+    assert events == ["replay"]
+    assert out.shape == (9, H)
+    (ws,) = be.workspaces._rings[7]
+    ws.graphs.update({("full", i): _Graph() for i in range(B.GRAPHS_PER_WORKSPACE)})
+    x2 = x.clone()
+    del out
+    for _ in range(3):
+        be.dispatch(x2, ids, w, None)
+    assert events[1:] == ["launch"] * 3, "a workspace full of graphs captures no more"
 
 
 def _polling_backend(*, rank: int, wait_s: float, call: int, check):
@@ -764,6 +914,75 @@ def test_bound_launches_pass_what_the_specifications_pass(monkeypatch, with_w, c
     through_specs = one_call()
     assert len(bound) == len(through_specs) >= 4
     assert bound == through_specs
+
+
+@pytest.mark.parametrize(
+    ("with_w", "id_dtype", "quantize"),
+    [(True, torch.int64, False), (False, torch.int32, False), (True, torch.int32, True)],
+    ids=["w-int64", "noW-int32", "quantize-on-send"],
+)
+def test_bound_dispatch_and_combine_pass_what_the_specifications_pass(
+    monkeypatch, with_w, id_dtype, quantize
+):
+    """The speculative dispatch's two launches and the combine's launch bound to one workspace and
+    stream (``bind_merged_dispatch`` / ``bind_combine``) hand Triton's C launcher, for new tensors of the
+    same dtypes and alignment at other addresses and another token count, exactly what the launches
+    through the specifications hand it."""
+    log: list = []
+    monkeypatch.setattr(engine_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(engine_mod, "_raw_stream", lambda index: 3)
+    for name in KERNELS:
+        monkeypatch.setattr(K, name, _DirectKernel(getattr(K, name), log))
+    eng = _engine(hidden=128)
+    gen = torch.Generator().manual_seed(5)
+    rows_dtype = engine_mod.FP8_ROW_DTYPE if quantize else torch.bfloat16
+    b = eng.alloc_dispatch_outputs(8, 40, with_weights=True, dtype=rows_dtype)
+    info = torch.zeros(eng.info_len, dtype=torch.int64)
+    mirror = torch.zeros(eng.info_len + 1, dtype=torch.int64)
+
+    def inputs(n: int):
+        x = torch.randn(n, eng.hidden, generator=gen).to(torch.bfloat16)
+        ids = torch.randint(-1, eng.num_tot_experts, (n, eng.topk), generator=gen).to(id_dtype)
+        w = torch.rand(n, eng.topk, generator=gen) if with_w else None
+        y = torch.randn(40, eng.hidden, generator=gen).to(torch.bfloat16)
+        out = torch.empty(n, eng.hidden, dtype=torch.bfloat16)
+        return (engine_mod.QuantizeOnSend(x) if quantize else x), ids, w, y, out
+
+    def through_specs(x, ids, w, y, out) -> list:
+        log.clear()
+        eng.launch_layout(ids, caller_scatter=False, info=info)
+        eng.launch_dispatch(
+            x, ids, w, eng.pos, b, caller_scatter=False, info=info, counts=True, mirror=mirror
+        )
+        eng.launch_combine(y, b.tab, ids, info[2 : 2 + eng.world_size], out)
+        return [_as_addresses(a) for a in log]
+
+    through_specs(*inputs(6))  # (the first launches leave the plans)
+    monkeypatch.setattr(eng, "_launch_bound", lambda key, addresses: False)
+    x, ids, w, y, out = inputs(6)
+    xs = x.x if quantize else x
+    launches = eng.bind_merged_dispatch(3, b, info, mirror, (xs, ids, w, eng.pos), caller_scatter=False)
+    combine = eng.bind_combine(3, y, ids, info[2 : 2 + eng.world_size], out)
+    assert launches is not None
+    assert combine is not None
+    for n in (6, 3):  # (another call: other addresses, another token count)
+        x, ids, w, y, out = inputs(n)
+        xs = x.x if quantize else x
+        want = through_specs(x, ids, w, y, out)
+        log.clear()
+        epochs = list(eng.host_epochs)
+        wp = (w if w is not None else eng._dummy_w).data_ptr()
+        eng.launch_merged_bound(
+            launches, xs.data_ptr(), ids.data_ptr(), wp, eng.pos.data_ptr(), n, b.out.data_ptr()
+        )
+        eng.launch_combine_bound(
+            combine, y.data_ptr(), b.tab.data_ptr(), ids.data_ptr(), info[2:].data_ptr(), n, out.data_ptr()
+        )
+        assert [_as_addresses(a) for a in log] == want
+        assert eng.host_epochs == [epochs[0] + 1, epochs[1] + 1, epochs[2]]
+    # no plan of the variant (another alignment of the rows): nothing is bound
+    odd = torch.zeros(6 * eng.hidden + 1, dtype=torch.bfloat16)[1:].view(6, eng.hidden)
+    assert eng.bind_combine(3, odd, ids, info[2:4], out) is None
 
 
 @pytest.mark.gpu

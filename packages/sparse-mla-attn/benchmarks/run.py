@@ -16,7 +16,8 @@ medians of CUDA-event timed runs after warm-up, the L2 cache flushed before each
 call captured in a CUDA graph, ``ms``, and eager calls, ``ms_eager``; also from an idle GPU and as
 back-to-back replays, see ``bench_decode.py``); each row is also checked against the float32 reference on
 a slice.
-``host_cost`` rows give every public op's host time per call (a tiny problem called back to back).
+``host_cost`` rows give every public op's host time per call (a tiny problem called back to back in
+batches, the GPU drained between them; ``us_per_call_back_to_back`` includes the GPU's time).
 ``--flashmla PATH`` imports FlashMLA's Python package from PATH (a build of deepseek-ai/FlashMLA) and times
 its ``flash_mla_sparse_fwd`` on the forward rows' inputs and its FP8 sparse decode on the ``decode_fp8``
 rows' FP8 cache; ``--flashmla-commit`` records which commit.
@@ -108,7 +109,8 @@ def measure(quick: bool, flashmla: Any) -> list[dict[str, Any]]:
 
     for row in bench_host_cost():
         rows.append(row)
-        print(f"host cost {row['function']:18s} {row['us_per_call']:.1f} us per call", flush=True)
+        print(f"host cost {row['function']:26s} {row['us_per_call']:.1f} us per call "
+              f"(back to back {row['us_per_call_back_to_back']:.1f})", flush=True)  # fmt: skip
     if not quick:
         from bench_indexer import bench_indexer
 

@@ -84,6 +84,8 @@ def test_decode_rejects():
         sparse_mla_decode(q, cache, bt.long(), sl, idx, 0.1)
     with pytest.raises(ValueError, match="cache_seqlens"):
         sparse_mla_decode(q, cache, bt, sl[:1], idx, 0.1)
+    with pytest.raises(ValueError, match="cache_seqlens must be contiguous"):  # one length, expanded
+        sparse_mla_decode(q, cache, bt, sl[:1].expand(2), idx, 0.1)
     with pytest.raises(ValueError, match="kv_cache must be"):
         sparse_mla_decode(q, cache[:, :, 0], bt, sl, idx, 0.1)
     with pytest.raises(ValueError, match="indices must be int32"):

@@ -275,6 +275,8 @@ class EPLayer:
             validate=validate,
         )
         self.ctx = DispatchCombineContext.create(self.config, group, backend=backend, options=options)
+        #: the layer's CUDA device index (-1: a layer of CPU tensors)
+        self._cuda_index = self.ctx.device.index if self.ctx.device.type == "cuda" else -1
 
     @property
     def num_sm(self) -> int | None:
@@ -321,12 +323,40 @@ class EPLayer:
         if t.device != self.device:
             raise ValueError(f"{name} must be on {self.device} (the ep_group's device), got {t.device}")
 
+    def _plain_dispatch_args(self, input: Any, exp_indices: Any, weight: Any) -> bool:
+        """Whether a dispatch's tensors are the common case, checked in one pass: plain tensors on the
+        layer's device, ``input`` ``[n <= max_tokens, hidden]`` of the layer's dtype, ``exp_indices``
+        ``[n, topk]`` int32 or int64, ``weight`` ``[n, topk]`` of the weight dtype. Anything else is
+        checked one tensor at a time (the messages name what is wrong)."""
+        cfg, cuda = self.config, self._cuda_index
+        tensor = torch.Tensor
+        if type(input) is not tensor or type(exp_indices) is not tensor or type(weight) is not tensor:
+            return False
+        if cuda < 0 or not (input.is_cuda and exp_indices.is_cuda and weight.is_cuda):
+            return False  # (a layer of CPU tensors: checked one by one)
+        shape = input.shape
+        return (
+            len(shape) == 2
+            and shape[1] == cfg.hidden
+            and shape[0] <= cfg.max_tokens
+            and input.dtype == cfg.token_dtype
+            and exp_indices.dtype in (torch.int64, torch.int32)
+            and weight.dtype == cfg.weight_dtype
+            and exp_indices.shape == (shape[0], cfg.topk)
+            and weight.shape == (shape[0], cfg.topk)
+            and input.get_device() == cuda
+            and exp_indices.get_device() == cuda
+            and weight.get_device() == cuda
+        )
+
     def _check_dispatch_args(
         self, input: Any, exp_indices: Any, weight: Any, *, dtypes: tuple[torch.dtype, ...] | None = None
     ) -> int:
         """Shapes, dtypes and devices of a dispatch's tensors (``input`` of one of ``dtypes``, default the
         layer's dtype); returns the number of tokens."""
         cfg = self.config
+        if dtypes is None and weight is not None and self._plain_dispatch_args(input, exp_indices, weight):
+            return input.shape[0]
         if not isinstance(input, torch.Tensor) or input.dim() != 2:
             raise ValueError(
                 f"input must be a [num_tokens, hidden={cfg.hidden}] tensor, got {getattr(input, 'shape', type(input))}"
@@ -431,7 +461,7 @@ class EPLayer:
         # a backend that checks the ids itself (both built-in ones, without a sync of their own) spares
         # the host sync here
         # (checked in the caller's dtype: an int64 id would wrap into range as int32)
-        if self.validate and exp_indices.numel() and not backend.checks_expert_ids:
+        if not backend.checks_expert_ids and self.validate and exp_indices.numel():
             lo, hi = torch.aminmax(exp_indices)
             if int(lo) < -1 or int(hi) >= cfg.num_tot_experts:
                 raise ValueError(
@@ -446,7 +476,7 @@ class EPLayer:
                 raise ValueError("full_scatter_indices must be >= 0 for every kept slot")
         x = packed if packed is not None else _dense(input)  # type: ignore[arg-type]
         w = _dense(weight) if weight is not None else None
-        if torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)):
+        if (x.requires_grad or (w is not None and w.requires_grad)) and torch.is_grad_enabled():
             rows, out_w, desc = dispatch_with_grad(backend, x, idx, w, fsi)
         else:
             rows, out_w, desc = backend.dispatch(x, idx, w, fsi)
@@ -483,9 +513,16 @@ class EPLayer:
             raise ValueError(f"ep_a2a_layout_desc was produced by a different {type(self).__name__}")
         if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
             raise TypeError(f"input must be a floating tensor, got {getattr(input, 'dtype', type(input))}")
-        self._check_tensor("input", input, (desc.num_recv_rows, self.config.hidden), None)
+        plain = (
+            self._cuda_index >= 0
+            and input.is_cuda
+            and input.get_device() == self._cuda_index
+            and input.shape == (desc.num_recv_rows, self.config.hidden)
+        )
+        if not plain:  # (the common case above in one pass; else one check at a time, with messages)
+            self._check_tensor("input", input, (desc.num_recv_rows, self.config.hidden), None)
         x = _dense(input)
-        if torch.is_grad_enabled() and x.requires_grad:
+        if x.requires_grad and torch.is_grad_enabled():
             return combine_with_grad(self.ctx.backend, x, desc)
         return self.ctx.backend.combine(x, desc)
 

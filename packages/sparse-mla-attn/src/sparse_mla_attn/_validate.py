@@ -228,7 +228,7 @@ def check_decode_inputs(
             (:mod:`sparse_mla_attn.fp8_cache`): ``[num_blocks, block_size, 1, 656]`` float8_e4m3fn or uint8,
             ``d_qk = 576``, tokens 656 bytes apart, blocks any multiple of 16 bytes apart, 16-byte aligned.
         block_table: ``[b, max_blocks]`` int32, last dim contiguous (not read with ``"cache_rows"``).
-        cache_seqlens: ``[b]`` int32 (not read with ``"cache_rows"``).
+        cache_seqlens: ``[b]`` int32, contiguous (not read with ``"cache_rows"``).
         indices: ``[b, s_q, topk]`` int32, last dim contiguous.
         d_v: value dim.
         index_kind: ``"positions"`` or ``"cache_rows"``.
@@ -289,6 +289,13 @@ def check_decode_inputs(
             block_table.stride(-1) == 1,
             ValueError,
             f"block_table must be contiguous in its last dim (stride {block_table.stride()})",
+        )
+        # (The kernel reads the lengths as b consecutive int32: an expanded or strided view would be read
+        # past its own elements.)
+        _need(
+            b <= 1 or cache_seqlens.stride(0) == 1,
+            ValueError,
+            f"cache_seqlens must be contiguous (stride 1), got stride {cache_seqlens.stride()}",
         )
     _need(
         indices.dim() == 3 and indices.shape[:2] == (b, s_q) and indices.dtype == torch.int32,

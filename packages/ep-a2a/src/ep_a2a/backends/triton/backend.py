@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,11 +40,13 @@ from ep_a2a._dist import EPProtocolError, EPTimeoutError, OpBoard, RankMonitor
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
 from ep_a2a.backends.triton.engine import (
     FP8_ROW_DTYPE,
+    BoundLaunch,
     DispatchBuffers,
     EPTimeoutFromDevice,
     HeapLayout,
     QuantizeOnSend,
     TritonEPEngine,
+    _launch_hooks_set,
     _raw_stream,
     fp8_row_bytes,
     heap_row_bytes,
@@ -53,12 +56,22 @@ from ep_a2a.backends.triton.engine import (
 from ep_a2a.backends.triton.heaps import NvshmemHeap, NvshmemTransport, make_heap
 from ep_a2a.backends.triton.low_latency import LowLatencyDispatch, LowLatencyEngine, LowLatencyLayout
 from ep_a2a.backends.triton.resolve import engine_options, remote_plan, resolve_heap
-from ep_a2a.backends.triton.workspace import DispatchWorkspace, WorkspaceRing
+from ep_a2a.backends.triton.workspace import (
+    RING_ROWS_BYTES,
+    DispatchGraph,
+    DispatchWorkspace,
+    OutputRing,
+    WorkspaceRing,
+)
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
 
 #: exact-shape calls whose received rows size the speculative flow's outputs
 SPECULATIVE_WINDOW = 8
+#: CUDA graphs of eager dispatches kept per workspace (``TritonTuning.eager_graphs``)
+GRAPHS_PER_WORKSPACE = 64
+#: sets of input addresses a workspace remembers while waiting for their second call
+SIGHTINGS_PER_WORKSPACE = 1024
 
 
 @dataclass
@@ -101,6 +114,8 @@ class StaticDispatch:
 class _Call:
     """The arguments of one exact-shape dispatch (``src``: the caller's scatter indices, or the
     engine's slot positions)."""
+
+    __slots__ = ("caller", "exp_indices", "has_w", "input", "n", "src", "weight")
 
     def __init__(
         self, input: torch.Tensor | QuantizeOnSend, exp_indices: torch.Tensor, weight: torch.Tensor | None,
@@ -194,6 +209,8 @@ class TritonBackend(A2ABackend):
         self.speculative_rows = tuning.speculative_rows and not (
             self.overlap_exact or remote or self.copy_engine
         )
+        #: eager dispatches replay CUDA graphs of their launches when their inputs repeat
+        self.eager_graphs = tuning.eager_graphs
         self._init_host_state()
         self._own_monitor = options.monitor is None
         monitor = options.monitor if options.monitor is not None else RankMonitor(ep_group, self.timeout_s)
@@ -213,6 +230,17 @@ class TritonBackend(A2ABackend):
                 rewrite=self.speculative_rows,
                 mirror=self.overlap_exact or self.speculative_rows,
             )
+            if self.low_latency is not None:
+                quantize = (torch.bfloat16,) if config.hidden % 128 == 0 else ()
+                self.aot_variants += self.low_latency.precompile(
+                    row_dtypes=(FP8_ROW_DTYPE,)
+                    if fp8
+                    else (config.token_dtype, *((FP8_ROW_DTYPE,) if quantize else ())),
+                    quantize_from=quantize,
+                    combine_dtypes=(torch.bfloat16,)
+                    if config.token_dtype.itemsize <= 2
+                    else (config.token_dtype,),
+                )
             self.aot_seconds = time.perf_counter() - t0
 
     def _build_low_latency(self, heap: str, on: bool, remote: bool) -> LowLatencyEngine | None:
@@ -266,10 +294,29 @@ class TritonBackend(A2ABackend):
         #: set when the host gave up polling the mirror: a late write could then land in a later call's
         #: poll, so the backend refuses further calls
         self._mirror_lost: str | None = None
-        #: the exact-shape calls' outputs but the rows (see :mod:`.workspace` for when one is reused)
-        self.workspaces = WorkspaceRing(self.engine)
+        #: the exact-shape calls' outputs, with the worst-case rows for decode-sized layers (see
+        #: :mod:`.workspace` for when one is reused)
+        self.workspaces = WorkspaceRing(self.engine, self._ring_rows())
+        #: the exact-shape combines' outputs (decode-sized ones reused, as the workspaces are)
+        self.combine_outputs = OutputRing(self.device)
+        #: combine launches bound per variant and stream (:meth:`.engine.TritonEPEngine.bind_combine`)
+        self._bound_combines: dict[tuple, BoundLaunch] = {}
+        self._dummy_w_address = self.engine._dummy_w.data_ptr()
+        #: eager dispatches captured as CUDA graphs, and replays of them (``TritonTuning.eager_graphs``)
+        self.graph_captures = self.graph_replays = 0
+        self._capture_stream: torch.cuda.Stream | None = None
         self._static: DispatchBuffers | None = None
         self._static_fp8: DispatchBuffers | None = None  # (packed FP8 rows: a graph of each may coexist)
+
+    def _ring_rows(self) -> tuple[torch.dtype, int, int] | None:
+        """The rows each workspace holds: the worst case of the layer's rows when the speculative flow
+        writes into worst-case outputs and they take at most :data:`.workspace.RING_ROWS_BYTES`."""
+        eng = self.engine
+        dtype = FP8_ROW_DTYPE if self.config.token_dtype == torch.float8_e4m3fn else self.config.token_dtype
+        width, rows = eng.row_width(dtype), eng.worst_case_rows()
+        if not self.overlap_exact or eng.ce_pieces or rows * width * dtype.itemsize > RING_ROWS_BYTES:
+            return None
+        return dtype, width, rows
 
     @classmethod
     def is_available(cls, config: EPConfig, ep_group: dist.ProcessGroup) -> tuple[bool, str]:
@@ -428,49 +475,157 @@ class TritonBackend(A2ABackend):
         )  # fmt: skip
         # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)
         self._raise_bad_ids(vals)
-        return self._result(call, bufs, ws, vals, rows, rb, npk)
+        assert bufs.out is not None
+        assert bufs.out_w is not None
+        assert bufs.out_e is not None
+        return self._result(call, (bufs.out, bufs.out_w, bufs.out_e), ws, vals, rows, rb, npk)
 
     def _dispatch_speculative(self, call: _Call) -> DispatchResult:
         """The receive layout inside the row kernel and no host wait before it: the rows land in outputs
         allocated before the counts are known (worst-case ones for small layers, sized from the last
         calls for large ones), and the caller gets views of their first ``R`` rows."""
-        eng, has_w = self.engine, call.has_w
+        eng = self.engine
         speculate = not self.overlap_exact
         cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
         ws = self._workspace(call.n)
-        info = ws.info
-        bufs = DispatchBuffers(
-            tab=ws.tab, skip=ws.skip, scat=ws.scat, out_w=ws.out_w, out_e=ws.out_e, info=info
-        )
-        eng.launch_layout(call.exp_indices, caller_scatter=call.caller, info=info, remote=None)
-        self.speculative_calls += speculate
-        bufs.out = eng.alloc_rows(cap, dtype=call.input.dtype)
-        if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
-            eng.launch_counts(info)
+        # (decode-sized layers: the worst-case rows of the workspace, else rows allocated per call)
+        out = ws.out if ws.out is not None and ws.out.dtype == call.input.dtype else None
+        if out is None:
+            out = eng.alloc_rows(cap, dtype=call.input.dtype)
         mirror = self._mirror if not eng.ce_pieces else None
         if mirror is not None:
             self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
-        eng.launch_dispatch(
-            call.input, call.exp_indices, call.weight, call.src, bufs, caller_scatter=call.caller, info=info,
-            counts=not eng.ce_pieces, mirror=mirror,
-        )  # fmt: skip
-        vals = self._read_mirror() if mirror is not None else self._read_info(info)[0]
+        self.speculative_calls += speculate
+        if mirror is None or not self._launch_merged_bound(call, ws, out, mirror):
+            bufs = self._speculative_buffers(ws, out)
+            eng.launch_layout(call.exp_indices, caller_scatter=call.caller, info=ws.info, remote=None)
+            if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
+                eng.launch_counts(ws.info)
+            eng.launch_dispatch(
+                call.input, call.exp_indices, call.weight, call.src, bufs, caller_scatter=call.caller,
+                info=ws.info, counts=not eng.ce_pieces, mirror=mirror,
+            )  # fmt: skip
+        vals = self._read_mirror() if mirror is not None else self._read_info(ws.info)[0]
         rows = int(vals[0])
         if speculate:
             self._recent_rows.append(rows)
-            self._fit_speculative_rows(rows, call, info, bufs)
-        assert bufs.out is not None
-        assert bufs.out_w is not None
-        assert bufs.out_e is not None
-        bufs.out, bufs.out_e = bufs.out[:rows], bufs.out_e[:rows]
-        if has_w:
-            bufs.out_w = bufs.out_w[:rows]
-        return self._result(call, bufs, ws, vals, rows, None, None)
+            if rows > out.shape[0]:  # (exact outputs and a second writing pass)
+                bufs = self._speculative_buffers(ws, out)
+                self._fit_speculative_rows(rows, call, ws.info, bufs)
+                assert bufs.out is not None
+                assert bufs.out_w is not None
+                assert bufs.out_e is not None
+                return self._result(call, (bufs.out, bufs.out_w, bufs.out_e), ws, vals, rows, None, None)
+        w_rows, e_rows, ring_rows = ws.first_rows(rows)
+        out = ring_rows if ring_rows is not None and out is ws.out else out[:rows]
+        return self._result(call, (out, w_rows, e_rows), ws, vals, rows, None, None)
+
+    @staticmethod
+    def _speculative_buffers(ws: DispatchWorkspace, out: Tensor) -> DispatchBuffers:
+        """A speculative dispatch's outputs: the workspace's, with the rows ``out``."""
+        return DispatchBuffers(
+            tab=ws.tab, skip=ws.skip, scat=ws.scat, out=out, out_w=ws.out_w, out_e=ws.out_e, info=ws.info
+        )
+
+    def _launch_merged_bound(self, call: _Call, ws: DispatchWorkspace, out: Tensor, mirror: Tensor) -> bool:
+        """The layout and row kernel launches of a speculative dispatch into the rows ``out`` through the
+        launches bound to ``ws`` (:meth:`.engine.TritonEPEngine.bind_merged_dispatch`; bound on the first
+        call of a variant and row capacity, after its launches through the specifications left plans);
+        ``False`` (nothing launched) where there are none."""
+        if _launch_hooks_set():  # (a profiler's hooks see every launch through Triton)
+            return False
+        inp, ids, w, src = call.input, call.exp_indices, call.weight, call.src
+        x = inp.x if isinstance(inp, QuantizeOnSend) else inp
+        xp, ip, sp = x.data_ptr(), ids.data_ptr(), src.data_ptr()
+        wp = w.data_ptr() if w is not None else self._dummy_w_address
+        key = (
+            out.shape, out.dtype, x.dtype, x.shape[1], ids.dtype, None if w is None else w.dtype, src.dtype,
+            call.caller, xp % 16, ip % 16, wp % 16, sp % 16,
+        )  # fmt: skip
+        addresses = (xp, ip, wp, sp, call.n, out.data_ptr())
+        # (a graph reads the tensors at the addresses it was captured with: these ones)
+        at = (key, *addresses)
+        graph = ws.graphs.get(at) if self.eager_graphs else None
+        if graph is None:
+            launches = ws.bound.get(key)
+            if launches is None:
+                launches = self.engine.bind_merged_dispatch(
+                    _raw_stream(self.device.index), self._speculative_buffers(ws, out), ws.info, mirror,
+                    (x, ids, w, src), caller_scatter=call.caller,
+                )  # fmt: skip
+                if launches is None:
+                    return False
+                ws.bound[key] = launches
+            if self.eager_graphs and self._graph_due(ws, at):
+                graph = self._capture_merged(ws, at, out, mirror, (x, ids, w, src), call.caller)
+            if graph is None:
+                self.engine.launch_merged_bound(launches, *addresses)  # type: ignore[arg-type]
+                return True
+        graph.launch(_raw_stream(self.device.index))
+        self.engine.merged_replayed()
+        self.graph_replays += 1
+        return True
+
+    @staticmethod
+    def _graph_due(ws: DispatchWorkspace, at: tuple) -> bool:
+        """Whether a dispatch into ``ws`` at the addresses ``at`` gets a CUDA graph now: at their second
+        sighting, while the workspace keeps fewer than :data:`GRAPHS_PER_WORKSPACE`."""
+        seen = ws.sightings.get(at, 0) + 1
+        if seen == 1:
+            if len(ws.sightings) >= SIGHTINGS_PER_WORKSPACE:
+                ws.sightings.clear()
+            ws.sightings[at] = 1
+            return False
+        return len(ws.graphs) < GRAPHS_PER_WORKSPACE
+
+    def _capture_merged(
+        self,
+        ws: DispatchWorkspace,
+        at: tuple,
+        out: Tensor,
+        mirror: Tensor,
+        tensors: tuple[Tensor, Tensor, Tensor | None, Tensor],
+        caller_scatter: bool,
+    ) -> DispatchGraph | None:
+        """A CUDA graph of a speculative dispatch's two launches for the call at the addresses ``at``
+        (the launch key, then the addresses and token count :meth:`launch_merged_bound` takes), bound to
+        a side stream for the capture, kept in ``ws.graphs``; ``None`` (and no graphs from now on, with
+        a warning) where the capture fails."""
+        addresses = at[1:]
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
+        launches = self.engine.bind_merged_dispatch(
+            stream.cuda_stream, self._speculative_buffers(ws, out), ws.info, mirror, tensors,
+            caller_scatter=caller_scatter,
+        )  # fmt: skip
+        if launches is None:
+            return None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.engine.launch_merged_bound(launches, *addresses, capturing=True)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:
+            self.eager_graphs = False
+            warnings.warn(
+                f"ep_a2a: capturing an eager dispatch in a CUDA graph failed ({exc}); eager dispatches launch "
+                "their kernels one by one from now on (TritonTuning(eager_graphs=False) skips the attempt)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        ws.graphs[at] = kept = DispatchGraph(graph)
+        self.graph_captures += 1
+        return kept
 
     def _result(
         self,
         call: _Call,
-        bufs: DispatchBuffers,
+        outs: tuple[Tensor, Tensor, Tensor],
         ws: DispatchWorkspace,
         vals: np.ndarray,
         rows: int,
@@ -478,10 +633,10 @@ class TritonBackend(A2ABackend):
         npk: list[int] | None,
     ) -> DispatchResult:
         """``(output, weights, descriptor)`` of an exact-shape dispatch whose counts (``vals``, this
-        call's own copy of ``info``) are in."""
+        call's own copy of ``info``) are in; ``outs``: its rows, their weights and local experts, of
+        exactly ``rows`` rows (the weights: one element without weights)."""
         W = self.config.world_size
-        assert bufs.out is not None
-        assert bufs.out_e is not None
+        out, out_w, out_e = outs
         self._combine_allowed = True
         scat = ws.scat if self.config.offset_dtype == torch.int32 else ws.scat.to(self.config.offset_dtype)
         desc = EPAllToAllLayoutDesc(
@@ -495,7 +650,7 @@ class TritonBackend(A2ABackend):
             num_recv_tokens_per_expert=ws.rows_exp,
             num_recv_tokens_per_rank=torch.from_numpy(vals[2 + W : 2 + 2 * W]),
             num_recv_rows=rows,
-            recv_expert_indices=bufs.out_e,
+            recv_expert_indices=out_e,
             caller_scatter=call.caller,
             backend_state=_TritonState(
                 owner=id(self),
@@ -505,7 +660,7 @@ class TritonBackend(A2ABackend):
                 npk_recv=npk[W:] if npk is not None else None,
             ),
         )
-        return bufs.out, (bufs.out_w if call.has_w else None), desc
+        return out, (out_w if call.has_w else None), desc
 
     def _workspace(self, n: int) -> DispatchWorkspace:
         """This call's outputs but the rows, from the current stream's ring (see :mod:`.workspace`)."""
@@ -602,7 +757,7 @@ class TritonBackend(A2ABackend):
             raise ValueError("layout_desc was not produced by this triton backend's dispatch")
         call = self._start("combine")
         out = self._combine(
-            input, state, layout_desc.topk_indices_tensor, layout_desc.num_dispatch_token_cur_rank
+            input, state, layout_desc.topk_indices_tensor, layout_desc.num_dispatch_token_cur_rank, reuse=True
         )
         # (launched first: the GPU is busy while the host checks that every peer combines too)
         self._guard_protocol(lambda: self.board.wait(call, "combine", "combine"))
@@ -646,23 +801,54 @@ class TritonBackend(A2ABackend):
         return torch.stack(outs, dim=1)
 
     def _combine(
-        self, input: torch.Tensor, state: _TritonState, exp_indices: torch.Tensor, n: int
-    ) -> torch.Tensor:
+        self, input: Tensor, state: _TritonState, exp_indices: Tensor, n: int, *, reuse: bool = False
+    ) -> Tensor:
+        """One combine into a new output, or with ``reuse`` one of :attr:`combine_outputs` (never while
+        capturing: a graph keeps the output's address)."""
         if input.dim() != 2 or input.shape[1] != self.config.hidden:
             raise ValueError(f"input must be [rows, {self.config.hidden}], got {tuple(input.shape)}")
         if not input.dtype.is_floating_point or input.dtype.itemsize > 4:
             raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {input.dtype}")
-        input = input.contiguous()
-        out = torch.empty(n, self.config.hidden, dtype=input.dtype, device=self.device)
+        if not input.is_contiguous():
+            input = input.contiguous()
+        stream = _raw_stream(self.device.index)
+        if reuse:
+            out = self.combine_outputs.take(stream, n, self.config.hidden, input.dtype)
+        else:
+            out = torch.empty(n, self.config.hidden, dtype=input.dtype, device=self.device)
         if not self._combine_allowed:
             # another combine of a dispatch already combined (as DeepEP reuses a handle): a device-side
             # barrier first, so that no peer is still reading the rows the last combine sent it
             self.engine.launch_barrier()
-        self.engine.launch_combine(
-            input, state.tab, exp_indices, state.n_src, out, remote=state.remote, npk_recv=state.npk_recv
-        )
+        bound = state.remote is None and self._launch_combine_bound(stream, input, state, exp_indices, n, out)
+        if not bound:
+            self.engine.launch_combine(
+                input, state.tab, exp_indices, state.n_src, out, remote=state.remote, npk_recv=state.npk_recv
+            )
         self._combine_allowed = False
         return out
+
+    def _launch_combine_bound(
+        self, stream: int, y: torch.Tensor, state: _TritonState, ids: torch.Tensor, n: int, out: torch.Tensor
+    ) -> bool:
+        """The combine launch through the launch bound for its variant and stream
+        (:meth:`.engine.TritonEPEngine.bind_combine`, bound after its launch through the specification
+        left a plan); ``False`` (nothing launched) where there is none."""
+        if n == 0 or y.shape[0] == 0 or _launch_hooks_set():
+            return False
+        n_src = state.n_src
+        yp, ip, sp = y.data_ptr(), ids.data_ptr(), n_src.data_ptr()
+        key = (stream, y.shape[1], y.dtype, out.dtype, ids.dtype, n_src.dtype, yp % 16, ip % 16, sp % 16)
+        launch = self._bound_combines.get(key)
+        if launch is None:
+            launch = self.engine.bind_combine(stream, y, ids, n_src, out)
+            if launch is None:
+                return False
+            if len(self._bound_combines) >= 64:  # (streams come and go)
+                self._bound_combines.clear()
+            self._bound_combines[key] = launch
+        self.engine.launch_combine_bound(launch, yp, state.tab.data_ptr(), ip, sp, n, out.data_ptr())
+        return True
 
     # ------------------------------------------------------------------ CUDA-graph mode
     def dispatch_static(
@@ -885,6 +1071,7 @@ class TritonBackend(A2ABackend):
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.ep_group)
         self.workspaces.clear()
+        self.combine_outputs.clear()
         self.heap.free()
         if self.low_latency is not None:
             self._ll_heap.free()

@@ -191,7 +191,29 @@ def _launch_hooks_set() -> bool:
     return False
 
 
-def _direct_launch(compiled, grid: tuple[int, ...], args: list, stream: int) -> Callable | None:
+class _DirectLaunch:
+    """Launches of one compiled kernel through Triton's C launcher, tensors given as addresses (see
+    :func:`_direct_launch`): ``launch(vals, stream)``; through the kernel's handle while a launch hook
+    is registered."""
+
+    __slots__ = ("c_launch", "grid", "handle", "rest")
+
+    def __init__(self, c_launch: Callable, grid: tuple[int, ...], rest: tuple, handle: Any) -> None:
+        self.c_launch, self.grid, self.rest, self.handle = c_launch, grid, rest, handle
+
+    def head(self, stream: int) -> tuple:
+        """The C launcher's arguments before the kernel's own, for a launch on ``stream``."""
+        return (*self.grid, stream, *self.rest)
+
+    def __call__(self, vals: list, stream: int) -> None:
+        # (``vals``: the tensors already as addresses, which the handle takes as pointer arguments too)
+        if _launch_hooks_set():
+            self.handle(*vals, stream=stream)
+        else:
+            self.c_launch(*self.grid, stream, *self.rest, *vals)
+
+
+def _direct_launch(compiled, grid: tuple[int, ...], args: list, stream: int) -> _DirectLaunch | None:
     """A launch function ``f(vals, stream)`` for a compiled kernel that calls Triton's C launcher
     itself, with tensors as their addresses: it skips the handle's Python layers (launch metadata, the
     launcher object's call, the per-tensor ``data_ptr`` and ``cuPointerGetAttribute``), most of a
@@ -227,16 +249,21 @@ def _direct_launch(compiled, grid: tuple[int, ...], args: list, stream: int) -> 
     n_head = len(head)
     if got[:n_head] != head or got[n_head + 3 :] != tuple(_address(a) for a in args):
         return None
-    handle = compiled[grid]
+    rest = (function, coop, pdl, None, None, meta, None, None, None)
+    return _DirectLaunch(c_launch, tuple(grid), rest, compiled[grid])
 
-    def launch(vals: list, stream: int) -> None:
-        # (``vals``: the tensors already as addresses, which the handle takes as pointer arguments too)
-        if _launch_hooks_set():
-            handle(*vals, stream=stream)
-        else:
-            c_launch(*grid, stream, function, coop, pdl, None, None, meta, None, None, None, *vals)
 
-    return launch
+class BoundLaunch:
+    """One kernel variant's launch on one stream with every argument bound but the kernel's first few:
+    ``b.c_launch(*b.head, *first, *b.tail)`` launches it, ``first`` being the kernel's first
+    ``len(b.prefix)`` arguments (tensors as addresses). ``prefix`` holds their bound values where they
+    are fixed (``None`` where they change from call to call). Only valid while no launch hook is
+    registered (:func:`_launch_hooks_set`); made by :meth:`TritonEPEngine.bind`."""
+
+    __slots__ = ("c_launch", "head", "prefix", "tail")
+
+    def __init__(self, c_launch: Callable, head: tuple, prefix: tuple, tail: tuple) -> None:
+        self.c_launch, self.head, self.prefix, self.tail = c_launch, head, prefix, tail
 
 
 def interpreting() -> bool:
@@ -713,12 +740,12 @@ class TritonEPEngine:
         var_idx = tuple(names.index(n) for n in spec.var_names)
         full = [named[n] for n in names]
         grid3 = (*grid, 1, 1)[:3]
-        launch = _direct_launch(compiled, grid3, full, _raw_stream(self._device_index))
-        direct = launch is not None
-        if launch is not None:
+        direct = _direct_launch(compiled, grid3, full, _raw_stream(self._device_index))
+        launch: Callable
+        if direct is not None:
             self.direct_launches += 1
             # the fixed tensors as addresses (kept alive with the plan; the engine owns them anyway)
-            template = [_address(a) for a in full]
+            launch, template = direct, [_address(a) for a in full]
         else:
             runner = compiled[grid3]
             template = list(full)
@@ -730,7 +757,23 @@ class TritonEPEngine:
             template[i] = None
         # (the direct path's template holds addresses: keep their fixed tensors alive with the plan)
         keep = [a for i, a in enumerate(full) if i not in var_idx and isinstance(a, torch.Tensor)]
-        self._plans[spec.key] = _Plan(launch, template, var_idx, direct, keep if direct else [])
+        self._plans[spec.key] = _Plan(launch, template, var_idx, direct is not None, keep if direct else [])
+
+    def bind(self, key: tuple, stream: int, first: int, addresses: Sequence) -> BoundLaunch | None:
+        """The variant ``key``'s launch on ``stream`` with its per-call arguments ``addresses`` (in the
+        specification's ``var_names`` order, tensors as device addresses) bound, but for the kernel's
+        first ``first`` arguments, given at each launch (see :class:`BoundLaunch`; the values for them
+        in ``addresses`` are ignored). ``None`` unless an earlier launch left a direct plan of it and
+        no launch hook is registered."""
+        plan = self._plans.get(key)
+        if plan is None or not plan.direct or _launch_hooks_set():
+            return None
+        launch = plan.launch
+        assert isinstance(launch, _DirectLaunch)
+        full = plan.template.copy()
+        for i, v in zip(plan.var_idx, addresses, strict=True):
+            full[i] = v if i >= first else None
+        return BoundLaunch(launch.c_launch, launch.head(stream), tuple(full[:first]), tuple(full[first:]))
 
     def _launch_bound(self, key: tuple, addresses: tuple) -> bool:
         """Launch the variant ``key`` with its per-call arguments ``addresses`` (in the specification's
@@ -1169,9 +1212,11 @@ class TritonEPEngine:
         fork = self._ce_fork() if self.ce_pieces and send else None
         flags = (has_w, caller_scatter, send, recv, counts, rewrite, mirror is not None)
         mirror_addr = mirror.data_ptr() if mirror is not None else 0
-        if not self._launch_dispatch_bound(
+        # (after a variant's first launch: through its bound launch, see _launch_bound)
+        bound = self._row_kernel_call(
             xs, exp_indices, weight, scatter_src, bufs, info, pk, pinfo, mirror_addr, flags
-        ):
+        )
+        if bound is None or not self._launch_bound(*bound):
             w = _nz(weight) if weight is not None else self._dummy_w
             ids, id64 = _ids_arg(exp_indices)
             self._launch(
@@ -1197,7 +1242,7 @@ class TritonEPEngine:
         if recv:
             self._launch(self._expand_spec(bufs, rtok, pinfo, has_w=has_w, caller_scatter=caller_scatter))
 
-    def _launch_dispatch_bound(
+    def _row_kernel_call(
         self,
         x: torch.Tensor,
         exp_indices: torch.Tensor,
@@ -1209,24 +1254,80 @@ class TritonEPEngine:
         pinfo: torch.Tensor,
         mirror_addr: int,
         flags: tuple[bool, ...],
-    ) -> bool:
-        """The row kernel through its bound launch (see :meth:`_launch_bound`), with the arguments
-        :meth:`_dispatch_spec` would give it; ``False`` when there is none yet (or no tokens)."""
+    ) -> tuple[tuple, tuple] | None:
+        """The row kernel's variant key and per-call arguments (in its specification's ``var_names``
+        order, tensors as addresses), as :meth:`_dispatch_spec` would give them; ``None`` without tokens
+        (their empty tensors have no address to bind: the specification's stand-ins take them)."""
         n, id64, out = x.shape[0], _ID64.get(exp_indices.dtype), bufs.out
         if n == 0 or id64 is None or out is None or bufs.out_w is None or bufs.out_e is None:
-            return False
+            return None
         w = weight if weight is not None else self._dummy_w
         xp, ip, wp, sp = x.data_ptr(), exp_indices.data_ptr(), w.data_ptr(), src.data_ptr()
         args = (
             (x.dtype, xp % 16 == 0), (torch.int32, ip % 16 == 0), (w.dtype, wp % 16 == 0),
             (src.dtype, sp % 16 == 0),
         )  # fmt: skip
-        return self._launch_bound(
-            self._dispatch_key(flags, out.dtype, out.shape[1], args),
-            (xp, ip, wp, sp, n, out.data_ptr(), bufs.out_w.data_ptr(), bufs.out_e.data_ptr(), bufs.tab.data_ptr(),
-             bufs.skip.data_ptr(), bufs.scat.data_ptr(), info.data_ptr(), out.shape[0], pk.data_ptr(),
-             pinfo.data_ptr(), mirror_addr, id64),
+        addresses = (
+            xp, ip, wp, sp, n, out.data_ptr(), bufs.out_w.data_ptr(), bufs.out_e.data_ptr(), bufs.tab.data_ptr(),
+            bufs.skip.data_ptr(), bufs.scat.data_ptr(), info.data_ptr(), out.shape[0], pk.data_ptr(),
+            pinfo.data_ptr(), mirror_addr, id64,
         )  # fmt: skip
+        return self._dispatch_key(flags, out.dtype, out.shape[1], args), addresses
+
+    def bind_merged_dispatch(
+        self,
+        stream: int,
+        bufs: DispatchBuffers,
+        info: torch.Tensor,
+        mirror: torch.Tensor,
+        call: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor],
+        *,
+        caller_scatter: bool,
+    ) -> tuple[BoundLaunch, BoundLaunch] | None:
+        """The two launches of an exact-shape dispatch whose row kernel builds the receive layout and
+        mirrors ``info`` to the host (:meth:`launch_layout`, then :meth:`launch_dispatch` with
+        ``counts=True`` and ``mirror``) on ``stream``, bound to ``bufs`` (but ``bufs.out``), ``info`` and
+        ``mirror``, for calls whose tensors ``(x, exp_indices, weight or None, scatter source)`` have the
+        dtypes and alignment of ``call``'s (:meth:`_align`); launched by :meth:`launch_merged_bound`.
+        ``None`` where either has no direct plan yet (or no tokens, remote peers, copy-engine
+        dispatch)."""
+        if self.remote_ranks or self.ce_pieces:
+            return None
+        pk, _, pinfo = self._rb(None)
+        flags = (call[2] is not None, caller_scatter, True, True, True, False, True)
+        row_call = self._row_kernel_call(*call, bufs, info, pk, pinfo, mirror.data_ptr(), flags)
+        if row_call is None:
+            return None
+        key, addresses = row_call
+        ip, n, id64 = addresses[1], addresses[4], addresses[-1]
+        layout = self.bind(self._layout_key(caller_scatter, ip), stream, 3, (ip, n, info.data_ptr(), id64))
+        row = self.bind(key, stream, 6, addresses)
+        return None if layout is None or row is None else (layout, row)
+
+    def launch_merged_bound(
+        self,
+        launches: tuple[BoundLaunch, BoundLaunch],
+        x: int,
+        ids: int,
+        w: int,
+        src: int,
+        n: int,
+        out: int,
+        *,
+        capturing: bool = False,
+    ) -> None:
+        """Launch what :meth:`bind_merged_dispatch` bound, for the tensors at these addresses (``w``: the
+        weights', or any address without them) with ``n`` tokens into rows at ``out``. ``capturing``:
+        into a CUDA graph being captured (nothing runs: :meth:`merged_replayed` counts each replay)."""
+        layout, row = launches
+        layout.c_launch(*layout.head, ids, layout.prefix[1], n, *layout.tail)
+        row.c_launch(*row.head, x, ids, w, src, n, out, *row.tail)
+        if not capturing:
+            self.host_epochs[0] += 1
+
+    def merged_replayed(self) -> None:
+        """Count a replay of a CUDA graph of :meth:`launch_merged_bound`'s launches (a dispatch)."""
+        self.host_epochs[0] += 1
 
     def _ce_fork(self) -> torch.cuda.Event | None:
         """The point of the current stream after which the copies may run (none on CPU)."""
@@ -1337,6 +1438,31 @@ class TritonEPEngine:
         addresses = (yp, tab.data_ptr(), ip, sp, n, out.data_ptr(), pk.data_ptr(), rtok.data_ptr(),
                      pinfo.data_ptr(), id64)  # fmt: skip
         return self._launch_bound(self._combine_key(y.shape[1], send, recv, out.dtype, args), addresses)
+
+    def bind_combine(
+        self, stream: int, y: torch.Tensor, exp_indices: torch.Tensor, n_src: torch.Tensor, out: torch.Tensor
+    ) -> BoundLaunch | None:
+        """A combine's launch on ``stream`` (one launch: no remote peers), bound for calls whose ``y``,
+        ``exp_indices``, ``n_src`` and ``out`` have the dtypes, widths and alignment of these; launched by
+        :meth:`launch_combine_bound`. ``None`` where it has no direct plan yet (or no rows or tokens,
+        remote peers)."""
+        n, id64 = exp_indices.shape[0], _ID64.get(exp_indices.dtype)
+        if self.remote_ranks or y.shape[0] == 0 or n == 0 or id64 is None or y.shape[1] > self.hidden:
+            return None
+        yp, ip, sp = y.data_ptr(), exp_indices.data_ptr(), n_src.data_ptr()
+        args = ((y.dtype, yp % 16 == 0), (torch.int32, ip % 16 == 0), (n_src.dtype, sp % 16 == 0))
+        pk, rtok, pinfo = self._rb(None)
+        return self.bind(
+            self._combine_key(y.shape[1], True, True, out.dtype, args), stream, 6,
+            (yp, 0, ip, sp, n, out.data_ptr(), pk.data_ptr(), rtok.data_ptr(), pinfo.data_ptr(), id64),
+        )  # fmt: skip
+
+    def launch_combine_bound(
+        self, launch: BoundLaunch, y: int, tab: int, ids: int, n_src: int, n: int, out: int
+    ) -> None:
+        """Launch what :meth:`bind_combine` bound, for the tensors at these addresses (``n`` tokens)."""
+        launch.c_launch(*launch.head, y, tab, ids, n_src, n, out, *launch.tail)
+        self.host_epochs[1] += 1
 
     def _halves(self, send: bool, recv: bool) -> list[tuple[bool, bool]]:
         """A step's launches: one that sends and receives, or with remote peers (whose host signals go

@@ -46,6 +46,7 @@ from ep_a2a.backends.triton.engine import (
     EPTimeoutFromDevice,
     KernelLaunch,
     QuantizeOnSend,
+    TritonEPEngine,
     _ids_arg,
     _next_pow2,
     interpreting,
@@ -373,11 +374,15 @@ def _ll_combine_kernel(
                     anyk = tl.max(here.to(tl.int32), 1) > 0
                     dst = _peer_ptr(table_ptr, s, off_cx, y_ptr.dtype.element_ty)
                     drow = ((p * W + rank) * T + toks).to(tl.int64) * H
+                    # (whole rows on a GPU: one pass, the slots' loads all in flight; slot order)
                     for h0 in range(0, H, BH):
                         hm = (h0 + hh) < H
-                        yt = tl.load(y_ptr + rows[:, :, None] * H + h0 + hh[None, None, :],
-                                     mask=here[:, :, None] & hm[None, None, :], other=0.0)  # fmt: skip
-                        acc = tl.sum(yt.to(tl.float32), 1)
+                        acc = tl.zeros([CH, BH], tl.float32)
+                        for k in tl.static_range(K_):
+                            hk = tl.sum(tl.where(kk[None, :] == k, here.to(tl.int32), 0), 1) > 0
+                            rk = tl.sum(tl.where(kk[None, :] == k, rows, 0), 1)
+                            acc += tl.load(y_ptr + rk[:, None] * H + h0 + hh[None, :], mask=hk[:, None] & hm[None, :],
+                                           other=0.0).to(tl.float32)  # fmt: skip
                         tl.store(dst + drow[:, None] + h0 + hh[None, :], acc.to(y_ptr.dtype.element_ty),
                                  mask=anyk[:, None] & hm[None, :])  # fmt: skip
                 item += G
@@ -479,13 +484,13 @@ class LowLatencyEngine:
         layout: the heap's regions.
         num_sm: CTAs of both kernels.
         timeout_s: bound of every device-side wait.
-        num_warps: warps per CTA (default 4).
+        num_warps: warps per CTA (default 8).
     """
 
     def __init__(
         self, *, rank: int, world_size: int, max_tokens: int, hidden: int, topk: int, num_tot_experts: int,
         weight_dtype: torch.dtype, heap_local: torch.Tensor, ptr_table: torch.Tensor, layout: LowLatencyLayout,
-        num_sm: int, timeout_s: float, num_warps: int = 4,
+        num_sm: int, timeout_s: float, num_warps: int | None = None,
     ) -> None:  # fmt: skip
         if num_tot_experts % world_size:
             raise ValueError(
@@ -498,7 +503,8 @@ class LowLatencyEngine:
         self.weight_dtype = weight_dtype
         self.heap_local, self.ptr_table, self.layout = heap_local, ptr_table, layout
         self.device = heap_local.device
-        self.num_sm, self.timeout_s, self.num_warps = max(1, int(num_sm)), timeout_s, num_warps
+        self.num_sm, self.timeout_s = max(1, int(num_sm)), timeout_s
+        self.num_warps = num_warps or (4 if interpreting() else 8)
         self.use_timer = self.device.type == "cuda" and not interpreting()
         self.timeout_arg = int(timeout_s * 1e9) if self.use_timer else max(1, int(timeout_s * 1000))
         W, L = world_size, self.experts_per_rank
@@ -514,14 +520,17 @@ class LowLatencyEngine:
         self.info = torch.zeros(self.info_len, dtype=torch.int64, device=dev)
         self._outputs: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._dummy_w = torch.zeros(1, dtype=torch.float32, device=dev)
+        # (what the normal engine's cached launch path keeps: see :meth:`_run`)
+        self._plans: dict[tuple, Any] = {}
+        self._device_index = dev.index or 0
+        self.direct_launches = 0
         #: host count of dispatches and combines launched (the device epochs, when nothing failed)
         self.dispatches = self.combines = 0
-        self.chunk = 1 if max_tokens <= 512 else 4
-        self.block_h = 64 if interpreting() else 1024
-        self.combine_block_h = 64 if interpreting() else 512
+        self.chunk = 1
+        #: widest tile along a row: whole rows of up to 8192 elements on a GPU (one load per row)
+        self.block_h = 64 if interpreting() else 8192
         # the id block of the position count: [chunk, KP, BLK] compares per step
         self.id_block = max(16, min(1024, 4096 // (self.chunk * self.kp)))
-        self.recv_rows = 4
 
     def worst_case_rows(self) -> int:
         """Rows of the output buffers: ``world_size * max_tokens * topk``."""
@@ -589,21 +598,25 @@ class LowLatencyEngine:
             )
         ids_arg, id64 = _ids_arg(ids)
         qh = src.shape[1] if quant else 0
+        bh = min(self.block_h, _next_pow2(width))
+        w_arg = w if w is not None else self._dummy_w
         named = dict(
-            x_ptr=src, ids_ptr=ids_arg, id64=id64, w_ptr=w if w is not None else self._dummy_w, n=n,
+            x_ptr=src, ids_ptr=ids_arg, id64=id64, w_ptr=w_arg, n=n,
             bad=int(bad), table_ptr=self.ptr_table, rank=self.rank, state_ptr=self.state,
             scratch_ptr=self.scratch, out_ptr=out, out_w_ptr=out_w, out_e_ptr=out_e, info_ptr=self.info,
             tab_ptr=self.tab, off_cnt=lay.cnt, off_x=lay.x, off_slot=lay.slot, off_w=lay.w,
             timeout=self.timeout_arg, G=self.num_sm, W=W, L=L, K_=self.topk, KP=self.kp, T=self.max_tokens, S=width,
             XS=lay.row_bytes // x.element_size(), EP=self.ep, WP=self.wp, LP=self.lp, CH=self.chunk,
-            BH=min(self.block_h, _next_pow2(width)), BLK=self.id_block, RROWS=self.recv_rows,
-            HAS_W=w is not None, QH=qh, BQ=max(self.block_h // 2, 64),
+            BH=bh, BLK=self.id_block, RROWS=max(1, 2 * self.block_h // bh),
+            HAS_W=w is not None, QH=qh, BQ=max(self.block_h // 4, 64),
             SEND=send, RECV=recv, USE_TIMER=self.use_timer,
         )  # fmt: skip
-        key = ("ll_dispatch", w is not None, src.dtype, x.dtype, width, send, recv)
+        var = ("x_ptr", "ids_ptr", "id64", "w_ptr", "n", "bad")
+        align = TritonEPEngine._align(src, ids_arg, w_arg)
+        key = ("ll_dispatch", w is not None, x.dtype, width, send, recv, align)
         return KernelLaunch(
-            key=key, kernel=_ll_dispatch_kernel, grid=(self.num_sm,), num_warps=self.num_warps, var_names=(),
-            var_vals=(), fixed=lambda: named,
+            key=key, kernel=_ll_dispatch_kernel, grid=(self.num_sm,), num_warps=self.num_warps, var_names=var,
+            var_vals=tuple(named[v] for v in var), fixed=lambda: named,
         )  # fmt: skip
 
     def _combine_spec(
@@ -616,17 +629,19 @@ class LowLatencyEngine:
             out_ptr=out, table_ptr=self.ptr_table, rank=self.rank, state_ptr=self.state, off_cflag=lay.cflag,
             off_cx=lay.cx, timeout=self.timeout_arg, G=self.num_sm, W=self.world_size, L=self.experts_per_rank, K_=self.topk,
             KP=self.kp, T=self.max_tokens, H=self.hidden, WP=self.wp, CH=self.chunk,
-            BH=min(self.combine_block_h, _next_pow2(self.hidden)), SEND=send, RECV=recv, USE_TIMER=self.use_timer,
+            BH=min(self.block_h, _next_pow2(self.hidden)), SEND=send, RECV=recv, USE_TIMER=self.use_timer,
         )  # fmt: skip
-        key = ("ll_combine", y.dtype, send, recv)
+        var = ("y_ptr", "info_ptr", "ids_ptr", "id64", "n", "out_ptr")
+        key = ("ll_combine", send, recv, TritonEPEngine._align(y, ids_arg, out))
         return KernelLaunch(
-            key=key, kernel=_ll_combine_kernel, grid=(self.num_sm,), num_warps=self.num_warps, var_names=(),
-            var_vals=(), fixed=lambda: named,
+            key=key, kernel=_ll_combine_kernel, grid=(self.num_sm,), num_warps=self.num_warps, var_names=var,
+            var_vals=tuple(named[v] for v in var), fixed=lambda: named,
         )  # fmt: skip
 
-    @staticmethod
-    def _run(spec: KernelLaunch) -> None:
-        spec.kernel[spec.grid](**spec.arguments(), num_warps=spec.num_warps)
+    def _run(self, spec: KernelLaunch) -> None:
+        """Launch ``spec`` through the normal engine's cached launch path (after a variant's first launch,
+        straight into its compiled kernel with only the per-call arguments replaced)."""
+        TritonEPEngine._launch(self, spec)  # type: ignore[arg-type]
 
     def dispatch(
         self,
@@ -705,24 +720,25 @@ class LowLatencyEngine:
 
     def variants(self, *, row_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
                  quantize_from: tuple[torch.dtype, ...] = (), combine_dtypes: tuple[torch.dtype, ...] = (
-                     torch.bfloat16,)) -> list[KernelLaunch]:  # fmt: skip
+                     torch.bfloat16,), weights: tuple[bool, ...] = (True,)) -> list[KernelLaunch]:  # fmt: skip
         """Launch specifications of the variants a layer launches (for ahead-of-time compiles), on
-        stand-in tensors: dispatch with weights of each row dtype (and quantizing from each of
-        ``quantize_from``), combine of each dtype."""
+        stand-in tensors: dispatch of each row dtype (and quantizing from each of ``quantize_from``), with
+        and / or without weights (``weights``), combine of each dtype."""
         dev, T, Kk, H = self.device, self.max_tokens, self.topk, self.hidden
         from ep_a2a.backends.triton.engine import fp8_row_bytes
 
         ids = torch.zeros(T, Kk, dtype=torch.int64, device=dev)
         w = torch.zeros(T, Kk, dtype=self.weight_dtype, device=dev)
-        specs = []
-        for dt in row_dtypes:
-            width = fp8_row_bytes(H) // 2 if dt == FP8_ROW_DTYPE else H
-            specs.append(
-                self._dispatch_spec(torch.zeros(1, width, dtype=dt, device=dev), ids, w, T, False, True, True)
-            )
-        for dt in quantize_from:
-            q = QuantizeOnSend(torch.zeros(1, H, dtype=dt, device=dev))
-            specs.append(self._dispatch_spec(q, ids, w, T, False, True, True))
+        rows: list[torch.Tensor | QuantizeOnSend] = [
+            torch.zeros(1, fp8_row_bytes(H) // 2 if dt == FP8_ROW_DTYPE else H, dtype=dt, device=dev)
+            for dt in row_dtypes
+        ]
+        rows += [QuantizeOnSend(torch.zeros(1, H, dtype=dt, device=dev)) for dt in quantize_from]
+        specs = [
+            self._dispatch_spec(x, ids, w if with_w else None, T, False, True, True)
+            for x in rows
+            for with_w in weights
+        ]
         d = LowLatencyDispatch(
             output=self.info, weights=None, recv_expert_indices=self.info, num_recv_tokens_per_expert=self.info,
             num_recv_rows=self.info, num_recv_tokens_per_rank=self.info, num_input_tokens_per_rank=self.info,
@@ -732,3 +748,13 @@ class LowLatencyEngine:
             y = torch.zeros(1, H, dtype=dt, device=dev)
             specs.append(self._combine_spec(y, d, torch.zeros(1, H, dtype=dt, device=dev), True, True))
         return specs
+
+    def precompile(self, **variants: tuple) -> int:
+        """Compile, without launching, the variants of :meth:`variants` (its arguments), with and without
+        weights, so that the first calls do not compile; returns how many (0 under the interpreter)."""
+        if interpreting():
+            return 0
+        specs = self.variants(**variants, weights=(True, False))
+        for spec in specs:
+            spec.kernel.warmup(grid=spec.grid, num_warps=spec.num_warps, **spec.arguments())
+        return len(specs)

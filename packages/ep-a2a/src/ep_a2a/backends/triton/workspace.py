@@ -1,12 +1,12 @@
-"""The exact-shape dispatch's small outputs, carved from one allocation and reused once nothing refers
-to them.
+"""The exact-shape dispatch's outputs, carved from one allocation and reused once nothing refers to them.
 
 A dispatch returns, besides its rows, tensors that the kernels write and the caller keeps: the slot
 table, the per-slot scatter and skip indices, the call's counts (``info``) and the per-row weights and
 local experts. They take a few hundred KB at most; allocating them afresh on every call costs more host
 time than the kernels take at decode sizes. A :class:`DispatchWorkspace` holds them all in one buffer,
-with views made once; a :class:`WorkspaceRing` hands out, per CUDA stream, a workspace that no tensor of
-an earlier call refers to any more.
+with views made once (the views of a call's first ``R`` rows are kept for the next call of ``R`` rows),
+and for decode-sized layers the worst-case rows too (:data:`RING_ROWS_BYTES`); a :class:`WorkspaceRing`
+hands out, per CUDA stream, a workspace that no tensor of an earlier call refers to any more.
 
 Lifetime rule: a workspace is reused only when nothing outside the ring refers to it: no view of its
 buffer besides the ring's own (counted on the buffer's storage, as ``torch.compile``'s CUDA-graph trees
@@ -15,13 +15,16 @@ So a tensor a dispatch returned is never overwritten while the caller holds it, 
 or the descriptor holding it. Reuse is in stream order on the stream the workspace was handed out on
 (one ring per stream), as PyTorch's caching allocator reuses freed memory: a caller that reads these
 tensors on another stream keeps them referenced until that stream's work is done (``record_stream``
-does not apply to them). The rows themselves are allocated per call, so that their memory goes back to
-PyTorch's allocator when the caller drops them.
+does not apply to them). Rows of larger layers are allocated per call, so that their memory goes back
+to PyTorch's allocator when the caller drops them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,10 +39,51 @@ RING_SIZE = 4
 #: streams whose rings are kept (more: the table starts over)
 MAX_STREAMS = 16
 _ALIGN = 256  # regions start on 256-byte boundaries, like fresh allocations
+#: worst-case rows of at most this many bytes live in the workspaces (larger: allocated per call)
+RING_ROWS_BYTES = 64 << 20
+#: combine outputs of at most this many bytes are reused (:class:`OutputRing`; larger: allocated per call)
+RING_OUTPUT_BYTES = 16 << 20
+
+
+@functools.cache
+def _cu_graph_launch() -> Callable[[int, int], int] | None:
+    """The CUDA driver's ``cuGraphLaunch(exec, stream)`` (``None`` where the driver cannot be loaded)."""
+    try:
+        launch = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
+    except (OSError, AttributeError):
+        return None
+    launch.argtypes, launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+    return launch
+
+
+class DispatchGraph:
+    """A captured CUDA graph of a dispatch's launches, launched on a given stream by the driver's
+    ``cuGraphLaunch`` (what ``CUDAGraph.replay`` calls, without its random-number bookkeeping, which
+    a graph of these kernels does not use), or by ``replay`` where the driver cannot be loaded."""
+
+    __slots__ = ("exec", "graph", "launcher")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph, self.launcher = graph, _cu_graph_launch()
+        self.exec = graph.raw_cuda_graph_exec() if self.launcher is not None else 0
+
+    def launch(self, stream: int) -> None:
+        """Run the graph on ``stream`` (a raw handle; the current stream of the graph's device)."""
+        if self.launcher is None:
+            self.graph.replay()
+            return
+        err = self.launcher(self.exec, stream)
+        if err:
+            raise RuntimeError(f"cuGraphLaunch of an eager dispatch's CUDA graph failed: CUDA error {err}")
 
 
 class DispatchWorkspace:
-    """One exact-shape dispatch's outputs but the rows, as views of one buffer on the engine's device.
+    """One exact-shape dispatch's outputs (the rows too when ``rows`` is given), as views of one buffer
+    on the engine's device.
+
+    Args:
+        engine: the engine whose dispatches write it.
+        rows: ``(dtype, width, count)`` of the received rows it holds (``None``: none).
 
     Attributes:
         info: ``[info_len]`` int64, the call's counts (:meth:`~.engine.TritonEPEngine.info_fields`).
@@ -48,18 +92,24 @@ class DispatchWorkspace:
         skip, scat: ``[n, topk]`` int32 of the call's ``n`` tokens (:meth:`for_tokens`).
         out_w: ``[worst-case rows]`` weight dtype; ``out_e``: the same int32 (the caller gets their first
             rows).
+        out: ``[count, width]`` rows of ``rows``' dtype, or ``None``.
+        bound: the launches bound to this workspace's tensors (filled by the backend).
+        graphs, sightings: CUDA graphs of those launches by the call's addresses, and how often each
+            set of addresses came (filled by the backend).
     """
 
-    def __init__(self, engine: TritonEPEngine) -> None:
-        W, T, K, rows = engine.world_size, engine.max_tokens, engine.topk, engine.worst_case_rows()
-        regions = (
+    def __init__(self, engine: TritonEPEngine, rows: tuple[torch.dtype, int, int] | None = None) -> None:
+        W, T, K, worst = engine.world_size, engine.max_tokens, engine.topk, engine.worst_case_rows()
+        regions = [
             ("info", engine.info_len, torch.int64),
             ("tab", W * T * K, torch.int32),
             ("skip", T * K, torch.int32),
             ("scat", T * K, torch.int32),
-            ("out_w", rows, engine.weight_dtype),
-            ("out_e", rows, torch.int32),
-        )
+            ("out_w", worst, engine.weight_dtype),
+            ("out_e", worst, torch.int32),
+        ]
+        if rows is not None:
+            regions.append(("out", rows[1] * rows[2], rows[0]))
         at, spans = 0, []
         for _, numel, dtype in regions:
             spans.append(at)
@@ -76,9 +126,20 @@ class DispatchWorkspace:
         self.tab = views["tab"].view(W, T, K)
         self._skip_all, self._scat_all = views["skip"], views["scat"]
         self.out_w, self.out_e = views["out_w"], views["out_e"]
+        self.out = views["out"].view(rows[2], rows[1]) if rows is not None else None
         self.n = -1  # (no views for a token count yet: for_tokens makes them)
         self.skip = self.scat = self._skip_all[:0].view(0, K)
+        # the views of the last call's first R rows (replaced, never added: the idle references stay)
+        self._rows = 0
+        self._w_rows, self._e_rows = self.out_w[:0], self.out_e[:0]
+        self._out_rows = self.out[:0] if self.out is not None else self.out_e[:0]
+        self.bound: dict[tuple, object] = {}
+        #: CUDA graphs of dispatches into this workspace, by their inputs' addresses (the backend's),
+        #: and how often each set of addresses was seen
+        self.graphs: dict[tuple, DispatchGraph] = {}
+        self.sightings: dict[tuple, int] = {}
         self._storage = buf.untyped_storage()
+        self._cdata = self._storage._cdata
         #: ``_refs()`` while only the ring refers to the workspace (taken by for_tokens, once this
         #: constructor's locals are gone)
         self._idle: tuple[int, ...] = ()
@@ -94,25 +155,40 @@ class DispatchWorkspace:
             self._idle = self._refs()
         return self
 
+    def first_rows(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Views of the first ``rows`` of ``out_w``, ``out_e`` and ``out`` (``None`` without rows), kept
+        for the next call of as many rows. Call only on a workspace taken from the ring for this call."""
+        # (views that autograd recorded as a function's outputs are not handed out again)
+        if rows != self._rows or self._w_rows.requires_grad or self._out_rows.requires_grad:
+            self._w_rows, self._e_rows = self.out_w[:rows], self.out_e[:rows]
+            if self.out is not None:
+                self._out_rows = self.out[:rows]
+            self._rows = rows
+        return self._w_rows, self._e_rows, self._out_rows if self.out is not None else None
+
     def _refs(self) -> tuple[int, ...]:
         """Tensors sharing the buffer, and references to each view handed out as it is."""
-        count = _storage_use_count(self._storage._cdata) if _storage_use_count is not None else 0
+        count = _storage_use_count(self._cdata) if _storage_use_count is not None else 0
         return (
             count, sys.getrefcount(self.info), sys.getrefcount(self.n_src), sys.getrefcount(self.rows_exp),
             sys.getrefcount(self.tab), sys.getrefcount(self.skip), sys.getrefcount(self.scat),
+            sys.getrefcount(self._w_rows), sys.getrefcount(self._e_rows), sys.getrefcount(self._out_rows),
         )  # fmt: skip
 
     def idle(self) -> bool:
         """Whether nothing outside the ring refers to this workspace (it may be written again)."""
-        return _storage_use_count is not None and self._refs() == self._idle
+        if _storage_use_count is None or _storage_use_count(self._cdata) != self._idle[0]:
+            return False  # (the cheap test first: a held output or view of the buffer)
+        return self._refs() == self._idle
 
 
 class WorkspaceRing:
     """Per CUDA stream (its raw handle), up to :data:`RING_SIZE` :class:`DispatchWorkspace`\\ s, handed out
-    under the lifetime rule of this module."""
+    under the lifetime rule of this module; each holds ``rows`` (see :class:`DispatchWorkspace`)."""
 
-    def __init__(self, engine: TritonEPEngine) -> None:
+    def __init__(self, engine: TritonEPEngine, rows: tuple[torch.dtype, int, int] | None = None) -> None:
         self.engine = engine
+        self.rows = rows
         self._rings: dict[int, list[DispatchWorkspace]] = {}
         #: workspaces allocated (kept in a ring or not)
         self.allocated = 0
@@ -128,11 +204,77 @@ class WorkspaceRing:
         for ws in ring:
             if ws.idle():
                 return ws.for_tokens(n)
-        ws = DispatchWorkspace(self.engine)
+        ws = DispatchWorkspace(self.engine, self.rows)
         self.allocated += 1
         if len(ring) < RING_SIZE and _storage_use_count is not None:
             ring.append(ws)
         return ws.for_tokens(n)
+
+    def clear(self) -> None:
+        self._rings.clear()
+
+
+class _Output:
+    """A combine output kept by an :class:`OutputRing`, with what tells whether it is idle."""
+
+    __slots__ = ("idle_storage", "out", "storage")
+    #: ``refs()`` of an output nothing else refers to (measured once, as the workspaces' are)
+    idle_refs = -1
+
+    def __init__(self, out: torch.Tensor) -> None:
+        """``out``: a fresh output (no view of it exists)."""
+        assert _storage_use_count is not None
+        self.out, self.storage = out, out.untyped_storage()._cdata
+        self.idle_storage = _storage_use_count(self.storage)
+        if _Output.idle_refs < 0:
+            alone = _Output.__new__(_Output)
+            alone.out = torch.empty(0)
+            _Output.idle_refs = alone.refs()
+
+    def refs(self) -> int:
+        return sys.getrefcount(self.out)
+
+    def is_idle(self) -> bool:
+        """Whether no other tensor refers to the memory and nothing but the ring to this one."""
+        assert _storage_use_count is not None
+        return _storage_use_count(self.storage) == self.idle_storage and self.refs() == _Output.idle_refs
+
+
+class OutputRing:
+    """Per CUDA stream, up to :data:`RING_SIZE` combine outputs of one shape and dtype (of at most
+    :data:`RING_OUTPUT_BYTES`), handed out under the lifetime rule of this module: an output is reused
+    once no tensor but the ring's own refers to its memory and nothing refers to it as it is (and
+    never once it requires grad, as autograd's functions mark their outputs)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        #: stream -> ((rows, width, dtype), its outputs)
+        self._rings: dict[int, tuple[tuple, list[_Output]]] = {}
+        #: outputs allocated (kept in a ring or not)
+        self.allocated = 0
+
+    def take(self, stream: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """An idle ``[rows, width]`` output of ``stream``'s ring, else a new one (kept while the ring has
+        room; a ring of another shape or dtype is dropped first)."""
+        shape = (rows, width, dtype)
+        entry = self._rings.get(stream)
+        if entry is None or entry[0] != shape:
+            if entry is None and len(self._rings) >= MAX_STREAMS:
+                self._rings.clear()
+            entry = self._rings[stream] = (shape, [])
+        ring = entry[1]
+        for held in ring:
+            if held.out.requires_grad:  # (recorded by autograd as a function's output: forgotten)
+                ring.remove(held)
+                break
+            if held.is_idle():
+                return held.out
+        out = torch.empty(rows, width, dtype=dtype, device=self.device)
+        self.allocated += 1
+        small = 0 < rows * width * dtype.itemsize <= RING_OUTPUT_BYTES
+        if small and len(ring) < RING_SIZE and _storage_use_count is not None:
+            ring.append(_Output(out))
+        return out
 
     def clear(self) -> None:
         self._rings.clear()
