@@ -267,7 +267,7 @@ def test_decode_batch_zero_returns_empty():
 # FP8 cache (FlashMLA's 656-byte layout). The kernel dequantizes exactly (power-of-two scales), so it is
 # compared with the float32 reference of the same dequantized cache; the error is the bf16 output's
 # rounding and the bf16 P of the P·V product. Tolerances (atol, rtol) by where the kernel runs:
-FP8_TOL = {"interpreter": (1e-2, 1e-2), "gpu": (8e-4, 2e-2)}
+FP8_TOL = {"interpreter": (1e-2, 1e-2), "gpu": (8e-4, 2e-2), "gpu_short": (2e-3, 2e-2)}  # short: topk < 256
 NAN_E4M3 = 0x7F  # float8_e4m3fn NaN
 
 
@@ -460,7 +460,9 @@ def test_decode_fp8_gluon_gpu(b, s_q, h_q, seqlen, topk, block_size, pad, n_spli
     launch = last_launch("fwd")
     assert launch.backend == "gluon"
     assert n_splits == 0 or launch.splits == n_splits
-    check_fp8(got, q, cache, table, seqlens_t, idx, scale, FP8_TOL["gpu"])
+    # Few keys per token: the bf16 P's rounding averages out less.
+    tol = FP8_TOL["gpu" if topk >= 256 else "gpu_short"]
+    check_fp8(got, q, cache, table, seqlens_t, idx, scale, tol)
     if seqlens[-1] == 0:
         assert torch.all(got[0][-1] == 0)
         assert torch.all(got[1][-1] == float("-inf"))
@@ -480,7 +482,7 @@ def test_decode_fp8_gluon_gpu(b, s_q, h_q, seqlen, topk, block_size, pad, n_spli
     )
     tri = sparse_mla_decode(q, cache, table, seqlens_t, idx, scale, config=Config(backend="triton"))
     assert last_launch("fwd").backend == "triton"
-    torch.testing.assert_close(got[0], tri[0], atol=FP8_TOL["gpu"][0], rtol=FP8_TOL["gpu"][1])
+    torch.testing.assert_close(got[0], tri[0], atol=tol[0], rtol=tol[1])
     torch.testing.assert_close(got[1], tri[1], atol=2e-4, rtol=1e-5)
 
 

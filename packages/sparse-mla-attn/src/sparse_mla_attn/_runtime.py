@@ -288,10 +288,10 @@ def eager_stream(t: torch.Tensor) -> tuple[int, Any] | None:
         not t.is_cuda
         or _INTERPRETING
         or torch.compiler.is_compiling()
-        or _current_dispatch_mode() is not None
+        or _dispatch_modes()  # (the stack _current_dispatch_mode reads)
+        or _is_capturing()
+        or not no_launch_hooks()
     ):
-        return None
-    if _is_capturing() or not no_launch_hooks():
         return None
     device = _current_device()
     return device, _current_raw_stream(device)
@@ -300,6 +300,7 @@ def eager_stream(t: torch.Tensor) -> tuple[int, Any] | None:
 _current_device = (
     torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else torch.cuda.current_device
 )
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 _current_raw_stream = getattr(
     torch._C, "_cuda_getCurrentRawStream", lambda device: torch.cuda.current_stream(device).cuda_stream

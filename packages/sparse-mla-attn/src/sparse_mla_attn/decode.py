@@ -81,7 +81,10 @@ class DecodePlan:
     rows: RowsPlan | None  # None: the indices are cache rows already
     fwd: FwdPlan
     batch_shape: tuple[int, int]
-    out_shape: tuple[int, int, int, int]  # [b, s_q, h_q, d_v]; lse is its first three
+    out_shape: tuple[int, int, int, int]  # [b, s_q, h_q, d_v], q's dtype
+    lse_shape: tuple[int, int, int]  # [b, s_q, h_q], float32
+    dtype: torch.dtype  # q's
+    device: torch.device  # q's
     q_view: bool
     idx_view: bool
     n_counters: int
@@ -142,6 +145,9 @@ def _plan_decode(
         fwd_plan,
         (b, s_q),
         (b, s_q, h_q, d_v),
+        (b, s_q, h_q),
+        q.dtype,
+        q.device,
         _flat_view_ok(q),
         _flat_view_ok(indices),
         n_counters,
@@ -266,9 +272,8 @@ def _decode_eager(
     replay = plan.replays.get((*where, threading.get_ident()))
     if replay is None or not math.isfinite(sm_scale):
         return None
-    dev = q.device
-    out = torch.empty(plan.out_shape, dtype=q.dtype, device=dev)
-    lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=dev)
+    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
     replay.run(*ptrs, out.data_ptr(), lse.data_ptr(), sm_scale * LOG2E)
     if empty_lse > 0:
         lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
@@ -363,8 +368,9 @@ def sparse_mla_decode(
     The cache is bf16 (q's dtype) or FlashMLA's FP8 sparse layout (:mod:`sparse_mla_attn.fp8_cache`:
     656 bytes per token, 512 float8_e4m3fn latent values, 4 float32 scales, 64 bf16 rope values; build
     one with :func:`~sparse_mla_attn.quantize_fp8_kv_cache`), chosen by ``kv_cache``'s dtype. An FP8
-    cache is dequantized as it is read (``fp8 * scale`` in float32, then bf16 for the products: exact for
-    power-of-two scales).
+    cache is dequantized as it is read to bf16 for the products: ``fp8 * scale``, exact for power-of-two
+    scales (as :func:`~sparse_mla_attn.quantize_fp8_kv_cache` and FlashMLA write them; the Triton kernel
+    rounds the float32 product, the sm_90 Gluon kernel rounds other scales to bf16 first).
 
     Args:
         q: ``[b, s_q, h_q, d_qk]`` bf16 (or fp16 with a bf16/fp16 cache), ``d_qk`` 576 or 512

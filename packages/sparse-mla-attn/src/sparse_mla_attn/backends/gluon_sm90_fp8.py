@@ -10,8 +10,8 @@ block the producer
    for its own copies (an mbarrier with one deferred arrive per thread);
    While they land it prefetches the next block's rows into L2 (``cp.async.bulk.prefetch``), so that
    block's gather reads L2 rather than HBM;
-2. dequantizes in place, tile by tile: ``fp8 * scale`` in float32, rounded to bf16, written over the
-   slot's channels ``128 j ..``. Tile ``j``'s output only overwrites staged bytes of the tiles before it
+2. dequantizes in place, tile by tile (``_dequant_e4m3``: bit operations and bf16 products, exact for
+   power-of-two scales), written over the slot's channels ``128 j ..``. Tile ``j``'s output only overwrites staged bytes of the tiles before it
    or, for the last tile, the bytes it has just read (a warpgroup barrier between the loads and the
    stores of each tile), so no staged byte is overwritten before it is read;
 3. releases the block to the consumers (one arrive after a fence and a warpgroup barrier).
@@ -63,6 +63,53 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
+    def _prefetch_block(
+        KV8, idx_row, k, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T: gl.constexpr
+    ):
+        """Prefetch the cache rows of block ``k`` (if ``k < n_blocks``) into L2."""
+        offs = k * BLOCK_T + offs_tp
+        row, valid = _fp8_rows(
+            gl.load(idx_row + offs, mask=offs < n_t, other=-1), hi, kv_block_size, stride_kv_block, 656
+        )
+        _prefetch_l2(KV8 + row, valid & (k < n_blocks))
+
+    @gluon.jit
+    def _dequant_e4m3(x8, scale):
+        """``float8_e4m3fn`` bytes ``x8 [R, C]`` (uint8) times the float32 row scales ``scale [R]``, in bf16.
+
+        Without conversion instructions (few per clock on sm_90): each byte's sign, exponent and mantissa
+        are moved into a bf16 (its value times ``2**-120``, subnormals included), which is multiplied by
+        ``min(scale, 1) * 2**120`` and by ``max(scale, 1)``, both rounded to bf16. For power-of-two
+        scales both products are exact, so this is ``fp8 * scale`` exactly; other scales are rounded to
+        bf16 first."""
+        lo = (gl.minimum(scale, 1.0) * 1.329227995784916e36).to(gl.bfloat16)  # 2**120
+        hi = gl.maximum(scale, 1.0).to(gl.bfloat16)
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, m0, m1;
+            prmt.b32 t0, $2, 0, 0x1404;
+            prmt.b32 t1, $2, 0, 0x3424;
+            and.b32 m0, t0, 0x7F007F00;
+            and.b32 m1, t1, 0x7F007F00;
+            shr.b32 m0, m0, 4;
+            shr.b32 m1, m1, 4;
+            and.b32 t0, t0, 0x80008000;
+            and.b32 t1, t1, 0x80008000;
+            or.b32 t0, t0, m0;
+            or.b32 t1, t1, m1;
+            mul.rn.bf16x2 t0, t0, $3;
+            mul.rn.bf16x2 t1, t1, $4;
+            mul.rn.bf16x2 $0, t0, $5;
+            mul.rn.bf16x2 $1, t1, $6;
+            }""",
+            "=r,=r,r,r,r,r,r",
+            [x8, lo[:, None], hi[:, None]],
+            dtype=gl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
+
+    @gluon.jit
     def _fp8_producer(
         kn_smem,
         kr_smem,
@@ -91,8 +138,8 @@ if HAVE_GLUON:
         rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         # Scales: [N_TILES, BLOCK_T] 4-byte copies, no thread copies twice.
         sc_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 4], [1, 0])
-        # Dequantization: 8 bytes in, 8 bf16 (16 bytes) out per thread and row, a warp covers 2 rows.
-        dq_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        # Dequantization: 16 bytes in, 16 bf16 out per thread and row (the gather's layout).
+        dq_l: gl.constexpr = ld_l
         # The slots' bytes: row r's bytes [128 c, 128 c + 128) hold its bf16 channels [64 c, 64 c + 64).
         st8 = kn_smem._reinterpret(
             gl.uint8,
@@ -111,6 +158,7 @@ if HAVE_GLUON:
         offs_tp = gl.arange(0, BLOCK_T, layout=gl.BlockedLayout([1], [32], [4], [0]))
         idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
         idx_next_s = gl.load(idx_row + offs_ts, mask=offs_ts < n_t, other=-1)
+        _prefetch_block(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T)
         for b in range(n_blocks):
             slot = b % NUM_BUF
             row, valid = _fp8_rows(idx_next, hi, kv_block_size, stride_kv_block, TOKEN_BYTES)
@@ -139,16 +187,10 @@ if HAVE_GLUON:
                 mask=valid_s[None, :] & (tiles[:, None] >= 0),
             )
             cp.mbarrier_arrive(staged_bar, increment_count=False)
-            # While they land: the next block's rows into L2, so its gather does not wait on HBM.
-            nxt_p = (b + 1) * BLOCK_T + offs_tp
-            row_p, valid_p = _fp8_rows(
-                gl.load(idx_row + nxt_p, mask=nxt_p < n_t, other=-1),
-                hi,
-                kv_block_size,
-                stride_kv_block,
-                TOKEN_BYTES,
+            # While they land: the rows of the block after next into L2, so its gather does not wait on HBM.
+            _prefetch_block(
+                KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
             )
-            _prefetch_l2(KV8 + row_p, valid_p & (b + 1 < n_blocks))
             mbarrier.wait(staged_bar, b & 1)
 
             kn = kn_smem.index(slot)
@@ -160,8 +202,7 @@ if HAVE_GLUON:
                 # (The stores below overwrite staged bytes read by this warp only; the barrier keeps the
                 # compiler from placing one before each of their pieces.)
                 gl.thread_barrier()
-                v = x8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
-                kn.slice(128 * j, 128, dim=1).store(v.to(gl.bfloat16))
+                kn.slice(128 * j, 128, dim=1).store(_dequant_e4m3(x8, scale))
             # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
             fence_async_shared()
             gl.thread_barrier()
