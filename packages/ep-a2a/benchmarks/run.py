@@ -43,6 +43,8 @@ _NUMBERS = (
     "round_trip_ms",
     "dispatch_host_ms",
     "combine_host_ms",
+    "dispatch_launches_ms",
+    "dispatch_launches_host_ms",
     "copy_ms",
     "quantize_dispatch_ms",
     "fp8_dispatch_ms",
@@ -127,6 +129,13 @@ def summary(rows: list[dict]) -> list[str]:
                     f"{name}: eager {op} {1e3 * eager[f'{op}_ms']:.0f} us = "
                     f"{eager[f'{op}_ms'] / graph[f'{op}_ms']:.1f}x its graph replay (target <= 2x)"
                     + (f"; {1e3 * host:.0f} us of it on the host" if host else "")
+                )
+            launches = eager.get("dispatch_launches_ms")
+            if launches:  # (the same tensors every call: the eager rows above replay a captured graph)
+                lines.append(
+                    f"{name}: eager dispatch launching its kernels one by one (eager_graphs off) "
+                    f"{1e3 * launches:.0f} us = {launches / graph['dispatch_ms']:.1f}x its graph replay; "
+                    f"{1e3 * eager.get('dispatch_launches_host_ms', 0.0):.0f} us of it on the host"
                 )
         layer = by.get(("triton", "ours-layer-default"))
         if eager and tokens > 1024 and eager.get("dispatch_pct_ce"):

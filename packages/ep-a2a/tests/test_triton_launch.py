@@ -539,6 +539,7 @@ def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, rin
     )
     be.combine_outputs, be._bound_combines = OutputRing(be.device), {}
     be._dummy_w_address = eng._dummy_w.data_ptr()
+    be.eager_graphs, be.graph_captures, be.graph_replays, be._capture_stream = False, 0, 0, None
     be._mirror = torch.zeros(eng.info_len + 1, dtype=torch.int64)
     be._mirror_np, be._mirror_wait_s, be._mirror_lost, be._finalized = be._mirror.numpy(), 1.0, None, False
     be._info_host, be._pinfo_host = torch.zeros(eng.info_len, dtype=torch.int64), None
@@ -594,6 +595,68 @@ def test_exact_flows_return_the_counts_and_take_released_workspaces(monkeypatch,
     if ring_rows:
         assert out3.data_ptr() == first_rows, "with its rows"
     assert desc3.token_dst_scatter_idx.shape == (3, 4)
+
+
+def test_eager_graphs_replay_repeated_inputs(monkeypatch):
+    """With ``eager_graphs`` a bound speculative dispatch launches its kernels one by one until the same
+    inputs (addresses, token count) come a second time into the same workspace; then it captures them
+    as a CUDA graph and replays it, and replays it for every later call at those addresses. Other
+    addresses launch one by one; a workspace keeps at most GRAPHS_PER_WORKSPACE graphs."""
+    from ep_a2a.backends.triton import backend as B
+    from ep_a2a.backends.triton.engine import BoundLaunch
+
+    be, vals = _backend_on_fake_kernels(monkeypatch, overlap_exact=True, rows=9, ring_rows=True)
+    eng = be.engine
+    be.eager_graphs = True
+    events: list[str] = []
+
+    def publish() -> None:  # (what program 0 of the row kernel does)
+        be._mirror_np[:-1], be._mirror_np[-1] = vals, 1
+
+    def launch_merged_bound(launches, *addresses, capturing=False):
+        events.append("capture" if capturing else "launch")
+        if not capturing:
+            publish()
+            eng.host_epochs[0] += 1
+
+    noop = BoundLaunch(lambda *a: None, (), (0, 0, 0), ())
+    monkeypatch.setattr(eng, "bind_merged_dispatch", lambda *a, **kw: (noop, noop))
+    monkeypatch.setattr(eng, "launch_merged_bound", launch_merged_bound)
+    monkeypatch.setattr(B, "_launch_hooks_set", lambda: False)
+
+    class _Graph:
+        def launch(self, stream: int) -> None:
+            events.append("replay")
+            publish()
+
+    def capture(ws, at, out, mirror, tensors, caller_scatter):
+        launch_merged_bound((noop, noop), *at[1:], capturing=True)
+        ws.graphs[at] = _Graph()
+        be.graph_captures += 1
+        return ws.graphs[at]
+
+    monkeypatch.setattr(be, "_capture_merged", capture)
+    H = be.config.hidden
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    for _ in range(4):
+        be.dispatch(x, ids, w, None)  # (each result dropped: one workspace)
+    assert events == ["launch", "capture", "replay", "replay", "replay"]
+    assert (be.graph_captures, be.graph_replays, eng.host_epochs[0]) == (1, 3, 4)
+    events.clear()
+    be.dispatch(x.clone(), ids, w, None)  # (other rows: launched one by one)
+    be.dispatch(x[:3], ids[:3], w[:3], None)  # (another token count, the same addresses)
+    assert events == ["launch", "launch"]
+    events.clear()
+    out, _, _ = be.dispatch(x, ids, w, None)
+    assert events == ["replay"]
+    assert out.shape == (9, H)
+    (ws,) = be.workspaces._rings[7]
+    ws.graphs.update({("full", i): _Graph() for i in range(B.GRAPHS_PER_WORKSPACE)})
+    x2 = x.clone()
+    del out
+    for _ in range(3):
+        be.dispatch(x2, ids, w, None)
+    assert events[1:] == ["launch"] * 3, "a workspace full of graphs captures no more"
 
 
 def _polling_backend(*, rank: int, wait_s: float, call: int, check):

@@ -275,6 +275,8 @@ class EPLayer:
             validate=validate,
         )
         self.ctx = DispatchCombineContext.create(self.config, group, backend=backend, options=options)
+        #: the layer's CUDA device index (-1: a layer of CPU tensors)
+        self._cuda_index = self.ctx.device.index if self.ctx.device.type == "cuda" else -1
 
     @property
     def num_sm(self) -> int | None:
@@ -326,10 +328,12 @@ class EPLayer:
         layer's device, ``input`` ``[n <= max_tokens, hidden]`` of the layer's dtype, ``exp_indices``
         ``[n, topk]`` int32 or int64, ``weight`` ``[n, topk]`` of the weight dtype. Anything else is
         checked one tensor at a time (the messages name what is wrong)."""
-        cfg, dev = self.config, self.device
+        cfg, cuda = self.config, self._cuda_index
         tensor = torch.Tensor
         if type(input) is not tensor or type(exp_indices) is not tensor or type(weight) is not tensor:
             return False
+        if cuda < 0 or not (input.is_cuda and exp_indices.is_cuda and weight.is_cuda):
+            return False  # (a layer of CPU tensors: checked one by one)
         shape = input.shape
         return (
             len(shape) == 2
@@ -340,9 +344,9 @@ class EPLayer:
             and weight.dtype == cfg.weight_dtype
             and exp_indices.shape == (shape[0], cfg.topk)
             and weight.shape == (shape[0], cfg.topk)
-            and input.device == dev
-            and exp_indices.device == dev
-            and weight.device == dev
+            and input.get_device() == cuda
+            and exp_indices.get_device() == cuda
+            and weight.get_device() == cuda
         )
 
     def _check_dispatch_args(
@@ -509,7 +513,14 @@ class EPLayer:
             raise ValueError(f"ep_a2a_layout_desc was produced by a different {type(self).__name__}")
         if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
             raise TypeError(f"input must be a floating tensor, got {getattr(input, 'dtype', type(input))}")
-        self._check_tensor("input", input, (desc.num_recv_rows, self.config.hidden), None)
+        plain = (
+            self._cuda_index >= 0
+            and input.is_cuda
+            and input.get_device() == self._cuda_index
+            and input.shape == (desc.num_recv_rows, self.config.hidden)
+        )
+        if not plain:  # (the common case above in one pass; else one check at a time, with messages)
+            self._check_tensor("input", input, (desc.num_recv_rows, self.config.hidden), None)
         x = _dense(input)
         if x.requires_grad and torch.is_grad_enabled():
             return combine_with_grad(self.ctx.backend, x, desc)

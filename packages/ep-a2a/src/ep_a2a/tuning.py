@@ -80,6 +80,10 @@ class TritonTuning:
             CTAs are resident while the layout kernel runs. Default on.
         early_send: decode-sized dispatch kernels that build the receive layout send their first
             chunk to the peers while program 0 builds it. Default on.
+        eager_graphs: an exact-shape dispatch whose tensors (input, ids, weights) are at the addresses,
+            and of the token count, of an earlier call that wrote the same outputs launches its two
+            kernels as one CUDA graph, captured at the second such call (at most 64 per workspace of
+            outputs): the same kernels and results, one driver call instead of two. Default on.
         heap: the symmetric heap, ``"torch"`` (``torch.distributed._symmetric_memory``) or
             ``"nvshmem"`` (nvshmem4py). Default: ``"nvshmem"`` when some ranks are on other nodes
             (they need it), else ``"torch"``.
@@ -118,6 +122,7 @@ class TritonTuning:
     ce_pieces: int = 4
     pdl: bool = True
     early_send: bool = True
+    eager_graphs: bool = True
     heap: str | None = None
     force_remote: int | None = None
     low_latency: bool = False

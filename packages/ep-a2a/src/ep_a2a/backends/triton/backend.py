@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,12 +56,22 @@ from ep_a2a.backends.triton.engine import (
 from ep_a2a.backends.triton.heaps import NvshmemHeap, NvshmemTransport, make_heap
 from ep_a2a.backends.triton.low_latency import LowLatencyDispatch, LowLatencyEngine, LowLatencyLayout
 from ep_a2a.backends.triton.resolve import engine_options, remote_plan, resolve_heap
-from ep_a2a.backends.triton.workspace import RING_ROWS_BYTES, DispatchWorkspace, OutputRing, WorkspaceRing
+from ep_a2a.backends.triton.workspace import (
+    RING_ROWS_BYTES,
+    DispatchGraph,
+    DispatchWorkspace,
+    OutputRing,
+    WorkspaceRing,
+)
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
 
 #: exact-shape calls whose received rows size the speculative flow's outputs
 SPECULATIVE_WINDOW = 8
+#: CUDA graphs of eager dispatches kept per workspace (``TritonTuning.eager_graphs``)
+GRAPHS_PER_WORKSPACE = 64
+#: sets of input addresses a workspace remembers while waiting for their second call
+SIGHTINGS_PER_WORKSPACE = 1024
 
 
 @dataclass
@@ -103,6 +114,8 @@ class StaticDispatch:
 class _Call:
     """The arguments of one exact-shape dispatch (``src``: the caller's scatter indices, or the
     engine's slot positions)."""
+
+    __slots__ = ("caller", "exp_indices", "has_w", "input", "n", "src", "weight")
 
     def __init__(
         self, input: torch.Tensor | QuantizeOnSend, exp_indices: torch.Tensor, weight: torch.Tensor | None,
@@ -196,6 +209,8 @@ class TritonBackend(A2ABackend):
         self.speculative_rows = tuning.speculative_rows and not (
             self.overlap_exact or remote or self.copy_engine
         )
+        #: eager dispatches replay CUDA graphs of their launches when their inputs repeat
+        self.eager_graphs = tuning.eager_graphs
         self._init_host_state()
         self._own_monitor = options.monitor is None
         monitor = options.monitor if options.monitor is not None else RankMonitor(ep_group, self.timeout_s)
@@ -287,6 +302,9 @@ class TritonBackend(A2ABackend):
         #: combine launches bound per variant and stream (:meth:`.engine.TritonEPEngine.bind_combine`)
         self._bound_combines: dict[tuple, BoundLaunch] = {}
         self._dummy_w_address = self.engine._dummy_w.data_ptr()
+        #: eager dispatches captured as CUDA graphs, and replays of them (``TritonTuning.eager_graphs``)
+        self.graph_captures = self.graph_replays = 0
+        self._capture_stream: torch.cuda.Stream | None = None
         self._static: DispatchBuffers | None = None
         self._static_fp8: DispatchBuffers | None = None  # (packed FP8 rows: a graph of each may coexist)
 
@@ -457,7 +475,10 @@ class TritonBackend(A2ABackend):
         )  # fmt: skip
         # (the peers' row kernels need this rank's, so invalid ids raise only once it is launched)
         self._raise_bad_ids(vals)
-        return self._result(call, bufs, ws, vals, rows, rb, npk)
+        assert bufs.out is not None
+        assert bufs.out_w is not None
+        assert bufs.out_e is not None
+        return self._result(call, (bufs.out, bufs.out_w, bufs.out_e), ws, vals, rows, rb, npk)
 
     def _dispatch_speculative(self, call: _Call) -> DispatchResult:
         """The receive layout inside the row kernel and no host wait before it: the rows land in outputs
@@ -467,48 +488,53 @@ class TritonBackend(A2ABackend):
         speculate = not self.overlap_exact
         cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
         ws = self._workspace(call.n)
-        info = ws.info
         # (decode-sized layers: the worst-case rows of the workspace, else rows allocated per call)
         out = ws.out if ws.out is not None and ws.out.dtype == call.input.dtype else None
         if out is None:
             out = eng.alloc_rows(cap, dtype=call.input.dtype)
-        bufs = DispatchBuffers(
-            tab=ws.tab, skip=ws.skip, scat=ws.scat, out=out, out_w=ws.out_w, out_e=ws.out_e, info=info
-        )
         mirror = self._mirror if not eng.ce_pieces else None
         if mirror is not None:
             self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
         self.speculative_calls += speculate
-        if mirror is None or not self._launch_merged_bound(call, ws, bufs, mirror):
-            eng.launch_layout(call.exp_indices, caller_scatter=call.caller, info=info, remote=None)
+        if mirror is None or not self._launch_merged_bound(call, ws, out, mirror):
+            bufs = self._speculative_buffers(ws, out)
+            eng.launch_layout(call.exp_indices, caller_scatter=call.caller, info=ws.info, remote=None)
             if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
-                eng.launch_counts(info)
+                eng.launch_counts(ws.info)
             eng.launch_dispatch(
                 call.input, call.exp_indices, call.weight, call.src, bufs, caller_scatter=call.caller,
-                info=info, counts=not eng.ce_pieces, mirror=mirror,
+                info=ws.info, counts=not eng.ce_pieces, mirror=mirror,
             )  # fmt: skip
-        vals = self._read_mirror() if mirror is not None else self._read_info(info)[0]
+        vals = self._read_mirror() if mirror is not None else self._read_info(ws.info)[0]
         rows = int(vals[0])
         if speculate:
             self._recent_rows.append(rows)
-            self._fit_speculative_rows(rows, call, info, bufs)
-        assert bufs.out is not None
-        if bufs.out_e is ws.out_e:  # (else exact outputs of a second writing pass)
-            bufs.out_w, bufs.out_e, ring_rows = ws.first_rows(rows)
-            bufs.out = ring_rows if bufs.out is ws.out else bufs.out[:rows]
-        return self._result(call, bufs, ws, vals, rows, None, None)
+            if rows > out.shape[0]:  # (exact outputs and a second writing pass)
+                bufs = self._speculative_buffers(ws, out)
+                self._fit_speculative_rows(rows, call, ws.info, bufs)
+                assert bufs.out is not None
+                assert bufs.out_w is not None
+                assert bufs.out_e is not None
+                return self._result(call, (bufs.out, bufs.out_w, bufs.out_e), ws, vals, rows, None, None)
+        w_rows, e_rows, ring_rows = ws.first_rows(rows)
+        out = ring_rows if ring_rows is not None and out is ws.out else out[:rows]
+        return self._result(call, (out, w_rows, e_rows), ws, vals, rows, None, None)
 
-    def _launch_merged_bound(
-        self, call: _Call, ws: DispatchWorkspace, bufs: DispatchBuffers, mirror: torch.Tensor
-    ) -> bool:
-        """The layout and row kernel launches of a speculative dispatch through the launches bound to
-        ``ws`` (:meth:`.engine.TritonEPEngine.bind_merged_dispatch`; bound on the first call of a
-        variant and row capacity, after its launches through the specifications left plans); ``False``
-        (nothing launched) where there are none."""
+    @staticmethod
+    def _speculative_buffers(ws: DispatchWorkspace, out: Tensor) -> DispatchBuffers:
+        """A speculative dispatch's outputs: the workspace's, with the rows ``out``."""
+        return DispatchBuffers(
+            tab=ws.tab, skip=ws.skip, scat=ws.scat, out=out, out_w=ws.out_w, out_e=ws.out_e, info=ws.info
+        )
+
+    def _launch_merged_bound(self, call: _Call, ws: DispatchWorkspace, out: Tensor, mirror: Tensor) -> bool:
+        """The layout and row kernel launches of a speculative dispatch into the rows ``out`` through the
+        launches bound to ``ws`` (:meth:`.engine.TritonEPEngine.bind_merged_dispatch`; bound on the first
+        call of a variant and row capacity, after its launches through the specifications left plans);
+        ``False`` (nothing launched) where there are none."""
         if _launch_hooks_set():  # (a profiler's hooks see every launch through Triton)
             return False
-        inp, ids, w, src, out = call.input, call.exp_indices, call.weight, call.src, bufs.out
-        assert out is not None
+        inp, ids, w, src = call.input, call.exp_indices, call.weight, call.src
         x = inp.x if isinstance(inp, QuantizeOnSend) else inp
         xp, ip, sp = x.data_ptr(), ids.data_ptr(), src.data_ptr()
         wp = w.data_ptr() if w is not None else self._dummy_w_address
@@ -516,22 +542,90 @@ class TritonBackend(A2ABackend):
             out.shape, out.dtype, x.dtype, x.shape[1], ids.dtype, None if w is None else w.dtype, src.dtype,
             call.caller, xp % 16, ip % 16, wp % 16, sp % 16,
         )  # fmt: skip
-        launches = ws.bound.get(key)
-        if launches is None:
-            stream = _raw_stream(self.device.index)
-            launches = self.engine.bind_merged_dispatch(
-                stream, bufs, ws.info, mirror, (x, ids, w, src), caller_scatter=call.caller
-            )
+        addresses = (xp, ip, wp, sp, call.n, out.data_ptr())
+        # (a graph reads the tensors at the addresses it was captured with: these ones)
+        at = (key, *addresses)
+        graph = ws.graphs.get(at) if self.eager_graphs else None
+        if graph is None:
+            launches = ws.bound.get(key)
             if launches is None:
-                return False
-            ws.bound[key] = launches
-        self.engine.launch_merged_bound(launches, xp, ip, wp, sp, call.n, out.data_ptr())  # type: ignore[arg-type]
+                launches = self.engine.bind_merged_dispatch(
+                    _raw_stream(self.device.index), self._speculative_buffers(ws, out), ws.info, mirror,
+                    (x, ids, w, src), caller_scatter=call.caller,
+                )  # fmt: skip
+                if launches is None:
+                    return False
+                ws.bound[key] = launches
+            if self.eager_graphs and self._graph_due(ws, at):
+                graph = self._capture_merged(ws, at, out, mirror, (x, ids, w, src), call.caller)
+            if graph is None:
+                self.engine.launch_merged_bound(launches, *addresses)  # type: ignore[arg-type]
+                return True
+        graph.launch(_raw_stream(self.device.index))
+        self.engine.merged_replayed()
+        self.graph_replays += 1
         return True
+
+    @staticmethod
+    def _graph_due(ws: DispatchWorkspace, at: tuple) -> bool:
+        """Whether a dispatch into ``ws`` at the addresses ``at`` gets a CUDA graph now: at their second
+        sighting, while the workspace keeps fewer than :data:`GRAPHS_PER_WORKSPACE`."""
+        seen = ws.sightings.get(at, 0) + 1
+        if seen == 1:
+            if len(ws.sightings) >= SIGHTINGS_PER_WORKSPACE:
+                ws.sightings.clear()
+            ws.sightings[at] = 1
+            return False
+        return len(ws.graphs) < GRAPHS_PER_WORKSPACE
+
+    def _capture_merged(
+        self,
+        ws: DispatchWorkspace,
+        at: tuple,
+        out: Tensor,
+        mirror: Tensor,
+        tensors: tuple[Tensor, Tensor, Tensor | None, Tensor],
+        caller_scatter: bool,
+    ) -> DispatchGraph | None:
+        """A CUDA graph of a speculative dispatch's two launches for the call at the addresses ``at``
+        (the launch key, then the addresses and token count :meth:`launch_merged_bound` takes), bound to
+        a side stream for the capture, kept in ``ws.graphs``; ``None`` (and no graphs from now on, with
+        a warning) where the capture fails."""
+        addresses = at[1:]
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
+        launches = self.engine.bind_merged_dispatch(
+            stream.cuda_stream, self._speculative_buffers(ws, out), ws.info, mirror, tensors,
+            caller_scatter=caller_scatter,
+        )  # fmt: skip
+        if launches is None:
+            return None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.engine.launch_merged_bound(launches, *addresses, capturing=True)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:
+            self.eager_graphs = False
+            warnings.warn(
+                f"ep_a2a: capturing an eager dispatch in a CUDA graph failed ({exc}); eager dispatches launch "
+                "their kernels one by one from now on (TritonTuning(eager_graphs=False) skips the attempt)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        ws.graphs[at] = kept = DispatchGraph(graph)
+        self.graph_captures += 1
+        return kept
 
     def _result(
         self,
         call: _Call,
-        bufs: DispatchBuffers,
+        outs: tuple[Tensor, Tensor, Tensor],
         ws: DispatchWorkspace,
         vals: np.ndarray,
         rows: int,
@@ -539,10 +633,10 @@ class TritonBackend(A2ABackend):
         npk: list[int] | None,
     ) -> DispatchResult:
         """``(output, weights, descriptor)`` of an exact-shape dispatch whose counts (``vals``, this
-        call's own copy of ``info``) are in."""
+        call's own copy of ``info``) are in; ``outs``: its rows, their weights and local experts, of
+        exactly ``rows`` rows (the weights: one element without weights)."""
         W = self.config.world_size
-        assert bufs.out is not None
-        assert bufs.out_e is not None
+        out, out_w, out_e = outs
         self._combine_allowed = True
         scat = ws.scat if self.config.offset_dtype == torch.int32 else ws.scat.to(self.config.offset_dtype)
         desc = EPAllToAllLayoutDesc(
@@ -556,7 +650,7 @@ class TritonBackend(A2ABackend):
             num_recv_tokens_per_expert=ws.rows_exp,
             num_recv_tokens_per_rank=torch.from_numpy(vals[2 + W : 2 + 2 * W]),
             num_recv_rows=rows,
-            recv_expert_indices=bufs.out_e,
+            recv_expert_indices=out_e,
             caller_scatter=call.caller,
             backend_state=_TritonState(
                 owner=id(self),
@@ -566,7 +660,7 @@ class TritonBackend(A2ABackend):
                 npk_recv=npk[W:] if npk is not None else None,
             ),
         )
-        return bufs.out, (bufs.out_w if call.has_w else None), desc
+        return out, (out_w if call.has_w else None), desc
 
     def _workspace(self, n: int) -> DispatchWorkspace:
         """This call's outputs but the rows, from the current stream's ring (see :mod:`.workspace`)."""

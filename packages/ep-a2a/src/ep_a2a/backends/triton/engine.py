@@ -1305,13 +1305,28 @@ class TritonEPEngine:
         return None if layout is None or row is None else (layout, row)
 
     def launch_merged_bound(
-        self, launches: tuple[BoundLaunch, BoundLaunch], x: int, ids: int, w: int, src: int, n: int, out: int
+        self,
+        launches: tuple[BoundLaunch, BoundLaunch],
+        x: int,
+        ids: int,
+        w: int,
+        src: int,
+        n: int,
+        out: int,
+        *,
+        capturing: bool = False,
     ) -> None:
         """Launch what :meth:`bind_merged_dispatch` bound, for the tensors at these addresses (``w``: the
-        weights', or any address without them) with ``n`` tokens into rows at ``out``."""
+        weights', or any address without them) with ``n`` tokens into rows at ``out``. ``capturing``:
+        into a CUDA graph being captured (nothing runs: :meth:`merged_replayed` counts each replay)."""
         layout, row = launches
         layout.c_launch(*layout.head, ids, layout.prefix[1], n, *layout.tail)
         row.c_launch(*row.head, x, ids, w, src, n, out, *row.tail)
+        if not capturing:
+            self.host_epochs[0] += 1
+
+    def merged_replayed(self) -> None:
+        """Count a replay of a CUDA graph of :meth:`launch_merged_bound`'s launches (a dispatch)."""
         self.host_epochs[0] += 1
 
     def _ce_fork(self) -> torch.cuda.Event | None:

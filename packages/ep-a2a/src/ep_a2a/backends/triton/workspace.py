@@ -21,7 +21,10 @@ to PyTorch's allocator when the caller drops them.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +45,38 @@ RING_ROWS_BYTES = 64 << 20
 RING_OUTPUT_BYTES = 16 << 20
 
 
+@functools.cache
+def _cu_graph_launch() -> Callable[[int, int], int] | None:
+    """The CUDA driver's ``cuGraphLaunch(exec, stream)`` (``None`` where the driver cannot be loaded)."""
+    try:
+        launch = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
+    except (OSError, AttributeError):
+        return None
+    launch.argtypes, launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+    return launch
+
+
+class DispatchGraph:
+    """A captured CUDA graph of a dispatch's launches, launched on a given stream by the driver's
+    ``cuGraphLaunch`` (what ``CUDAGraph.replay`` calls, without its random-number bookkeeping, which
+    a graph of these kernels does not use), or by ``replay`` where the driver cannot be loaded."""
+
+    __slots__ = ("exec", "graph", "launcher")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph, self.launcher = graph, _cu_graph_launch()
+        self.exec = graph.raw_cuda_graph_exec() if self.launcher is not None else 0
+
+    def launch(self, stream: int) -> None:
+        """Run the graph on ``stream`` (a raw handle; the current stream of the graph's device)."""
+        if self.launcher is None:
+            self.graph.replay()
+            return
+        err = self.launcher(self.exec, stream)
+        if err:
+            raise RuntimeError(f"cuGraphLaunch of an eager dispatch's CUDA graph failed: CUDA error {err}")
+
+
 class DispatchWorkspace:
     """One exact-shape dispatch's outputs (the rows too when ``rows`` is given), as views of one buffer
     on the engine's device.
@@ -59,6 +94,8 @@ class DispatchWorkspace:
             rows).
         out: ``[count, width]`` rows of ``rows``' dtype, or ``None``.
         bound: the launches bound to this workspace's tensors (filled by the backend).
+        graphs, sightings: CUDA graphs of those launches by the call's addresses, and how often each
+            set of addresses came (filled by the backend).
     """
 
     def __init__(self, engine: TritonEPEngine, rows: tuple[torch.dtype, int, int] | None = None) -> None:
@@ -97,7 +134,12 @@ class DispatchWorkspace:
         self._w_rows, self._e_rows = self.out_w[:0], self.out_e[:0]
         self._out_rows = self.out[:0] if self.out is not None else self.out_e[:0]
         self.bound: dict[tuple, object] = {}
+        #: CUDA graphs of dispatches into this workspace, by their inputs' addresses (the backend's),
+        #: and how often each set of addresses was seen
+        self.graphs: dict[tuple, DispatchGraph] = {}
+        self.sightings: dict[tuple, int] = {}
         self._storage = buf.untyped_storage()
+        self._cdata = self._storage._cdata
         #: ``_refs()`` while only the ring refers to the workspace (taken by for_tokens, once this
         #: constructor's locals are gone)
         self._idle: tuple[int, ...] = ()
@@ -126,7 +168,7 @@ class DispatchWorkspace:
 
     def _refs(self) -> tuple[int, ...]:
         """Tensors sharing the buffer, and references to each view handed out as it is."""
-        count = _storage_use_count(self._storage._cdata) if _storage_use_count is not None else 0
+        count = _storage_use_count(self._cdata) if _storage_use_count is not None else 0
         return (
             count, sys.getrefcount(self.info), sys.getrefcount(self.n_src), sys.getrefcount(self.rows_exp),
             sys.getrefcount(self.tab), sys.getrefcount(self.skip), sys.getrefcount(self.scat),
@@ -135,7 +177,9 @@ class DispatchWorkspace:
 
     def idle(self) -> bool:
         """Whether nothing outside the ring refers to this workspace (it may be written again)."""
-        return _storage_use_count is not None and self._refs() == self._idle
+        if _storage_use_count is None or _storage_use_count(self._cdata) != self._idle[0]:
+            return False  # (the cheap test first: a held output or view of the buffer)
+        return self._refs() == self._idle
 
 
 class WorkspaceRing:
