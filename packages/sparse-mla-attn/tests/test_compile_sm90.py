@@ -179,6 +179,11 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
             128, True, {"DET_FIXED": 1, "SORT_IDX": 1, "TOK_GROUP": 64}
         ),
         "bwd_h256_det_fixed_point": lambda: bwd_tiles(256, True, {"DET_FIXED": 1}),
+        "bwd_h128_rope_in_loop": lambda: bwd_tiles(
+            128,
+            False,
+            {"ROPE_IN_LOOP": 1, "IDX_PREFETCH": 1, "N_CSPLIT": 1, "BLOCK_T": 256, "chunk_stages": 3},
+        ),
         "indexer": lambda: indexer(False),
         "indexer_causal": lambda: indexer(True),
     }

@@ -101,22 +101,27 @@ def _delta_kernel(
 @triton.jit
 def _p_ds(q_row, do_row, k_row, valid, hmask, lse2, delta, scale_log2, sm_scale,
               D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-              BLOCK_DV: tl.constexpr, CHUNK_STAGES: tl.constexpr):  # fmt: skip
+              BLOCK_DV: tl.constexpr, CHUNK_STAGES: tl.constexpr, ROPE_IN_LOOP: tl.constexpr):  # fmt: skip
     """Recompute ``P`` and ``sm_scale * dS`` (``[BLOCK_H, BLOCK_T]``, input dtype) for one head block."""
     # The channel-chunk loops are real loops, not unrolled: unrolled, the compiler hoists every chunk's
-    # loads at once and runs out of registers.
+    # loads at once and runs out of registers. With ROPE_IN_LOOP the rope channels are the loop's last
+    # chunk (dout masked to 0 there), so their loads are pipelined with the others.
     offs_dv = tl.arange(0, BLOCK_DV)
     scores = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
     dp = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
-    for c in tl.range(0, D_V // BLOCK_DV, num_stages=CHUNK_STAGES):
+    N_CH: tl.constexpr = (D_V + D_ROPE) // BLOCK_DV if ROPE_IN_LOOP else D_V // BLOCK_DV
+    for c in tl.range(0, N_CH, num_stages=CHUNK_STAGES):
         offs_d = c * BLOCK_DV + offs_dv
         k = tl.load(k_row + offs_d[None, :], mask=valid[:, None], other=0.0)
         qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
-        doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        if ROPE_IN_LOOP:
+            doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None] & (offs_d < D_V)[None, :], other=0.0)
+        else:
+            doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
         kt = tl.trans(k)
         scores = dot(qc, kt, scores)
         dp = dot(doc, kt, dp)
-    if D_ROPE > 0:
+    if D_ROPE > 0 and not ROPE_IN_LOOP:
         offs_r = D_V + tl.arange(0, D_ROPE)
         kr = tl.load(k_row + offs_r[None, :], mask=valid[:, None], other=0.0)
         qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
@@ -151,7 +156,8 @@ def _main_kernel(
     topk: tl.constexpr, CAUSAL: tl.constexpr, DKV_MODE: tl.constexpr, D_QK: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_DV: tl.constexpr, N_HB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_SUB: tl.constexpr,
-    BLOCK_DV2: tl.constexpr, ATTN_SUM: tl.constexpr, SPLIT_DKV: tl.constexpr,
+    BLOCK_DV2: tl.constexpr, ATTN_SUM: tl.constexpr, SPLIT_DKV: tl.constexpr, ROPE_IN_LOOP: tl.constexpr,
+    IDX_PREFETCH: tl.constexpr,
 ):  # fmt: skip
     # A program owns one token and N_SUB * BLOCK_H heads. With N_SUB = 2 the scores of the two head halves
     # are computed one after the other (registers for one [BLOCK_H, BLOCK_T] pair at a time), and their dkv
@@ -176,15 +182,25 @@ def _main_kernel(
     do_row1 = dout_ptr + s * stride_dos + offs_h1[:, None] * stride_doh
     offs_dv = tl.arange(0, BLOCK_DV2)  # channel chunk of the dkv products
     fixed_scale = tl.load(scale_ptr) if DKV_MODE == 2 else 1.0
+    # With IDX_PREFETCH the next block's indices are loaded while this block is computed.
+    rows_next, valid_next = _slot_index(
+        idx_ptr + s * stride_is, tl.arange(0, BLOCK_T), topk, s_kv, max_k, CAUSAL
+    )
     for t0 in range(0, topk, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
-        rows, valid = _slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
+        if IDX_PREFETCH:
+            rows, valid = rows_next, valid_next
+            rows_next, valid_next = _slot_index(
+                idx_ptr + s * stride_is, offs_t + BLOCK_T, topk, s_kv, max_k, CAUSAL
+            )
+        else:
+            rows, valid = _slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
         k_row = kv_ptr + rows[:, None] * stride_kvs
         tmask = (offs_t < topk)[None, :]
         ws_off = s * h_q * topk + offs_t[None, :]  # [s, h, t] offset in the dS (and P) workspace
         ds_row = ds_ptr + ws_off
         p0, ds0, psum = _p_ds(q_row0, do_row0, k_row, valid, hmask0, lse0, delta0, scale_log2, sm_scale,
-                            D_V, D_ROPE, BLOCK_H, BLOCK_T, BLOCK_DV, CHUNK_STAGES)  # fmt: skip
+                            D_V, D_ROPE, BLOCK_H, BLOCK_T, BLOCK_DV, CHUNK_STAGES, ROPE_IN_LOOP)  # fmt: skip
         tl.store(ds_row + offs_h0[:, None] * topk, ds0, mask=hmask0[:, None] & tmask)
         if SPLIT_DKV:  # P for the separate dkv kernel, same layout as dS
             tl.store(p_ptr + ws_off + offs_h0[:, None] * topk, p0, mask=hmask0[:, None] & tmask)
@@ -192,7 +208,7 @@ def _main_kernel(
         p0_t = tl.trans(p0)
         if N_SUB > 1:
             p1, ds1, psum1 = _p_ds(q_row1, do_row1, k_row, valid, hmask1, lse1, delta1, scale_log2, sm_scale,
-                                D_V, D_ROPE, BLOCK_H, BLOCK_T, BLOCK_DV, CHUNK_STAGES)  # fmt: skip
+                                D_V, D_ROPE, BLOCK_H, BLOCK_T, BLOCK_DV, CHUNK_STAGES, ROPE_IN_LOOP)  # fmt: skip
             tl.store(ds_row + offs_h1[:, None] * topk, ds1, mask=hmask1[:, None] & tmask)
             if SPLIT_DKV:
                 tl.store(p_ptr + ws_off + offs_h1[:, None] * topk, p1, mask=hmask1[:, None] & tmask)
@@ -235,7 +251,7 @@ def _dkv_kernel(
     topk: tl.constexpr, CAUSAL: tl.constexpr, DKV_MODE: tl.constexpr, D_QK: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr, N_TB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_CSPLIT: tl.constexpr,
-    TOK_GROUP: tl.constexpr,
+    TOK_GROUP: tl.constexpr, ROPE_IN_LOOP: tl.constexpr,
 ):  # fmt: skip
     # One program per (token, block of BLOCK_T slots) with ALL heads (BLOCK_H >= h_q): the dkv contribution
     # of a slot, dS^T q + P^T dout summed over every head, is one [BLOCK_T, channels] product with K = h_q,
@@ -286,7 +302,14 @@ def _dkv_kernel(
     part_row = part_ptr + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
     offs_c = tl.arange(0, BLOCK_C)
     fixed_scale = tl.load(scale_ptr) if DKV_MODE == 2 else 1.0
-    if N_CSPLIT == 1:
+    if N_CSPLIT == 1 and ROPE_IN_LOOP:  # the rope chunk last in the pipelined loop, dout masked to 0 there
+        for c in tl.range(0, D_QK // BLOCK_C, num_stages=CHUNK_STAGES):
+            offs_d = c * BLOCK_C + offs_c
+            qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
+            doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None] & (offs_d < D_V)[None, :], other=0.0)
+            part = dot(p_t, doc, dot(ds_t, qc))
+            _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, fixed_scale, DKV_MODE)
+    elif N_CSPLIT == 1:
         for c in tl.range(0, N_LAT, num_stages=CHUNK_STAGES):
             offs_d = c * BLOCK_C + offs_c
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
@@ -307,7 +330,7 @@ def _dkv_kernel(
             if c_ok:
                 part = dot(p_t, doc, dot(ds_t, qc))
                 _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, fixed_scale, DKV_MODE)
-    if D_ROPE > 0:  # noqa: SIM102 (a constexpr test, then a run-time one)
+    if D_ROPE > 0 and not (N_CSPLIT == 1 and ROPE_IN_LOOP):  # noqa: SIM102 (a constexpr test, then a run-time one)
         if cg == N_CSPLIT - 1:  # the rope chunk belongs to the last group
             offs_r = D_V + tl.arange(0, D_ROPE)
             qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
@@ -414,7 +437,7 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
                 "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
                 "SPLIT_DKV": 1, "BLOCK_T_DKV": 16, "BLOCK_C_DKV": min(d_v, 32), "num_warps_dkv": 4, "chunk_stages_dkv": 1, "N_CSPLIT": 2,
-                "SORT_IDX": 0, "TOK_GROUP": 1, "DET_FIXED": 0}  # fmt: skip
+                "SORT_IDX": 0, "TOK_GROUP": 1, "DET_FIXED": 0, "ROPE_IN_LOOP": 0, "IDX_PREFETCH": 0}  # fmt: skip
     # Main kernel: 64 heads x 128 slots, 64-channel chunks, four in flight. dkv kernel (h_q <= 128): all heads
     # x 64 slots, 4 warps, 112 KB of shared memory (two programs per SM), channels in two groups launched one
     # after the other (each group's half of the fp32 dkv buffer fits in L2). The deterministic mode writes a
@@ -425,7 +448,7 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
            "chunk_stages": 3, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
            "SPLIT_DKV": 1, "BLOCK_T_DKV": 64, "BLOCK_C_DKV": min(d_v, 64), "num_warps_dkv": 4, "chunk_stages_dkv": 2, "N_CSPLIT": 2,
-           "SORT_IDX": 0, "TOK_GROUP": 1, "DET_FIXED": 0}  # fmt: skip
+           "SORT_IDX": 0, "TOK_GROUP": 1, "DET_FIXED": 0, "ROPE_IN_LOOP": 0, "IDX_PREFETCH": 0}  # fmt: skip
     if h_q <= 128:  # separate all-heads dkv kernel: the main kernel is the same in both modes
         cfg.update(chunk_stages=4)
         if deterministic:  # the dkv kernel writes a contiguous workspace: no L2 footprint to shrink
@@ -473,6 +496,10 @@ def launch_bwd(
     perm = None
     if cfg["SORT_IDX"]:
         indices, perm = torch.sort(indices, dim=2, stable=True)
+
+    def rope_in_loop(chunk: int) -> bool:  # the rope channels as one more chunk of the channel loops
+        return bool(cfg["ROPE_IN_LOOP"]) and d_qk > d_v and d_v % chunk == 0 and (d_qk - d_v) % chunk == 0
+
     # How dkv is summed: fp32 atomics (0), per-slot workspace + ordered reduction (1, deterministic), int64
     # fixed-point atomics (2, deterministic).
     dkv_mode = (2 if cfg["DET_FIXED"] else 1) if deterministic else 0
@@ -482,7 +509,7 @@ def launch_bwd(
         _delta_kernel, (s_q, cdiv(h_q, 16)), slots, "delta",
         (out, dout, delta, q, norms, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
          q.stride(0), q.stride(1), s_q, h_q),
-        {"D_V": d_v, "D_QK": d_qk, "BLOCK_H": 16, "NORMS": dkv_mode == 2},
+        {"D_V": d_v, "D_QK": d_qk, "BLOCK_H": 16, "NORMS": dkv_mode == 2, "num_warps": 8 if dkv_mode == 2 else 4},
     )  # fmt: skip
     record_launch("bwd.delta", kernel)
     dq = torch.empty_like(q)
@@ -525,6 +552,7 @@ def launch_bwd(
                  BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
                  CHUNK_STAGES=cfg["chunk_stages"], N_SUB=cfg["N_SUB"], BLOCK_DV2=cfg["BLOCK_DV2"],
                  ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"],
+                 ROPE_IN_LOOP=rope_in_loop(cfg["BLOCK_DV"]), IDX_PREFETCH=bool(cfg["IDX_PREFETCH"]),
                  num_stages=cfg["num_stages"]),
         )  # fmt: skip
         record_launch("bwd.main", kernel)
@@ -544,6 +572,7 @@ def launch_bwd(
                 dict(topk=topk, CAUSAL=causal, DKV_MODE=dkv_mode, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
                      BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"], BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
                      CHUNK_STAGES=cfg["chunk_stages_dkv"], N_CSPLIT=n_csplit, TOK_GROUP=cfg["TOK_GROUP"],
+                     ROPE_IN_LOOP=rope_in_loop(cfg["BLOCK_C_DKV"]),
                      num_warps=cfg["num_warps_dkv"], num_stages=1),
             )  # fmt: skip
             record_launch("bwd.dkv", kernel)

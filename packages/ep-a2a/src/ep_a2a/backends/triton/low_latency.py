@@ -597,26 +597,35 @@ class LowLatencyEngine:
                 f"{lay.row_bytes} bytes"
             )
         ids_arg, id64 = _ids_arg(ids)
-        qh = src.shape[1] if quant else 0
-        bh = min(self.block_h, _next_pow2(width))
         w_arg = w if w is not None else self._dummy_w
-        named = dict(
-            x_ptr=src, ids_ptr=ids_arg, id64=id64, w_ptr=w_arg, n=n,
-            bad=int(bad), table_ptr=self.ptr_table, rank=self.rank, state_ptr=self.state,
-            scratch_ptr=self.scratch, out_ptr=out, out_w_ptr=out_w, out_e_ptr=out_e, info_ptr=self.info,
-            tab_ptr=self.tab, off_cnt=lay.cnt, off_x=lay.x, off_slot=lay.slot, off_w=lay.w,
-            timeout=self.timeout_arg, G=self.num_sm, W=W, L=L, K_=self.topk, KP=self.kp, T=self.max_tokens, S=width,
-            XS=lay.row_bytes // x.element_size(), EP=self.ep, WP=self.wp, LP=self.lp, CH=self.chunk,
-            BH=bh, BLK=self.id_block, RROWS=max(1, 2 * self.block_h // bh),
-            HAS_W=w is not None, QH=qh, BQ=max(self.block_h // 4, 64),
-            SEND=send, RECV=recv, USE_TIMER=self.use_timer,
-        )  # fmt: skip
-        var = ("x_ptr", "ids_ptr", "id64", "w_ptr", "n", "bad")
-        align = TritonEPEngine._align(src, ids_arg, w_arg)
-        key = ("ll_dispatch", w is not None, x.dtype, width, send, recv, align)
+
+        def fixed() -> dict:  # (built only on a variant's first launch)
+            qh = src.shape[1] if quant else 0
+            bh = min(self.block_h, _next_pow2(width))
+            return dict(
+                table_ptr=self.ptr_table, rank=self.rank, state_ptr=self.state,
+                scratch_ptr=self.scratch, out_ptr=out, out_w_ptr=out_w, out_e_ptr=out_e, info_ptr=self.info,
+                tab_ptr=self.tab, off_cnt=lay.cnt, off_x=lay.x, off_slot=lay.slot, off_w=lay.w,
+                timeout=self.timeout_arg, G=self.num_sm, W=W, L=L, K_=self.topk, KP=self.kp, T=self.max_tokens,
+                S=width, XS=lay.row_bytes // x.element_size(), EP=self.ep, WP=self.wp, LP=self.lp, CH=self.chunk,
+                BH=bh, BLK=self.id_block, RROWS=max(1, 2 * self.block_h // bh),
+                HAS_W=w is not None, QH=qh, BQ=max(self.block_h // 4, 64),
+                SEND=send, RECV=recv, USE_TIMER=self.use_timer,
+            )  # fmt: skip
+
+        key = (
+            "ll_dispatch",
+            w is not None,
+            x.dtype,
+            width,
+            send,
+            recv,
+            TritonEPEngine._align(src, ids_arg, w_arg),
+        )
         return KernelLaunch(
-            key=key, kernel=_ll_dispatch_kernel, grid=(self.num_sm,), num_warps=self.num_warps, var_names=var,
-            var_vals=tuple(named[v] for v in var), fixed=lambda: named,
+            key=key, kernel=_ll_dispatch_kernel, grid=(self.num_sm,), num_warps=self.num_warps,
+            var_names=("x_ptr", "ids_ptr", "id64", "w_ptr", "n", "bad"),
+            var_vals=(src, ids_arg, id64, w_arg, n, int(bad)), fixed=fixed,
         )  # fmt: skip
 
     def _combine_spec(
@@ -624,18 +633,21 @@ class LowLatencyEngine:
     ) -> KernelLaunch:
         lay = self.layout
         ids_arg, id64 = _ids_arg(d.exp_indices)
-        named = dict(
-            y_ptr=y, tab_ptr=self.tab, info_ptr=d.info, ids_ptr=ids_arg, id64=id64, n=d.exp_indices.shape[0],
-            out_ptr=out, table_ptr=self.ptr_table, rank=self.rank, state_ptr=self.state, off_cflag=lay.cflag,
-            off_cx=lay.cx, timeout=self.timeout_arg, G=self.num_sm, W=self.world_size, L=self.experts_per_rank, K_=self.topk,
-            KP=self.kp, T=self.max_tokens, H=self.hidden, WP=self.wp, CH=self.chunk,
-            BH=min(self.block_h, _next_pow2(self.hidden)), SEND=send, RECV=recv, USE_TIMER=self.use_timer,
-        )  # fmt: skip
-        var = ("y_ptr", "info_ptr", "ids_ptr", "id64", "n", "out_ptr")
+
+        def fixed() -> dict:  # (built only on a variant's first launch)
+            return dict(
+                tab_ptr=self.tab, table_ptr=self.ptr_table, rank=self.rank, state_ptr=self.state,
+                off_cflag=lay.cflag, off_cx=lay.cx, timeout=self.timeout_arg, G=self.num_sm, W=self.world_size,
+                L=self.experts_per_rank, K_=self.topk, KP=self.kp, T=self.max_tokens, H=self.hidden, WP=self.wp,
+                CH=self.chunk, BH=min(self.block_h, _next_pow2(self.hidden)), SEND=send, RECV=recv,
+                USE_TIMER=self.use_timer,
+            )  # fmt: skip
+
         key = ("ll_combine", send, recv, TritonEPEngine._align(y, ids_arg, out))
         return KernelLaunch(
-            key=key, kernel=_ll_combine_kernel, grid=(self.num_sm,), num_warps=self.num_warps, var_names=var,
-            var_vals=tuple(named[v] for v in var), fixed=lambda: named,
+            key=key, kernel=_ll_combine_kernel, grid=(self.num_sm,), num_warps=self.num_warps,
+            var_names=("y_ptr", "info_ptr", "ids_ptr", "id64", "n", "out_ptr"),
+            var_vals=(y, d.info, ids_arg, id64, d.exp_indices.shape[0], out), fixed=fixed,
         )  # fmt: skip
 
     def _run(self, spec: KernelLaunch) -> None:
