@@ -509,7 +509,7 @@ def launch_bwd(
         _delta_kernel, (s_q, cdiv(h_q, 16)), slots, "delta",
         (out, dout, delta, q, norms, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
          q.stride(0), q.stride(1), s_q, h_q),
-        {"D_V": d_v, "D_QK": d_qk, "BLOCK_H": 16, "NORMS": dkv_mode == 2},
+        {"D_V": d_v, "D_QK": d_qk, "BLOCK_H": 16, "NORMS": dkv_mode == 2, "num_warps": 8 if dkv_mode == 2 else 4},
     )  # fmt: skip
     record_launch("bwd.delta", kernel)
     dq = torch.empty_like(q)

@@ -36,9 +36,19 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 
-    from sparse_mla_attn.backends.gluon_sm90 import _fwd_item, _load_q_rows, _pp_consumer
+    from sparse_mla_attn.backends.gluon_sm90 import (
+        _fwd_item,
+        _load_q_rows,
+        _pp_consumer,
+        _ws_wait_full,
+    )
 
     @gluon.jit
     def _fp8_rows(idx, hi, kv_block_size, stride_kv_block, TOKEN_BYTES: gl.constexpr):
@@ -209,6 +219,157 @@ if HAVE_GLUON:
             mbarrier.arrive(full_bars.index(slot))
 
     @gluon.jit
+    def _sv_consumer(
+        qn_smem,
+        qr_smem,
+        kn_smem,
+        kr_smem,
+        p_smem,
+        a_smem,
+        l_smem,
+        full_bars,
+        empty_bars,
+        p_ready,
+        p_free,
+        end_bar,
+        idx_row,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        out_base,
+        lse_base,
+        stride_o_h,
+        h_q,
+        h0,
+        n_t,
+        hi,
+        n_blocks,
+        sm_scale_log2,
+        BLOCK_T: gl.constexpr,
+        SPLIT_K: gl.constexpr,
+    ):
+        """Consumer warpgroup 0: for every block, S (m64n64 from shared memory), the online softmax, P and
+        the rescale factors published to warpgroup 1 (``p_smem`` / ``a_smem``, ``p_ready``), and P·V for
+        value channels 0..255 from registers; then the block's slot is released. Both warpgroups are done
+        with block ``b`` before block ``b + 1`` is consumed, so while they work on ``b + 1`` the producer
+        fills ``b``'s slot with ``b + 2``. Writes the outputs as ``_pp_consumer`` does (split-K partials
+        with ``SPLIT_K``)."""
+        BLOCK_H: gl.constexpr = 64
+        D_HALF: gl.constexpr = 256
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
+        )
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16]
+        )
+        pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
+        acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
+        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
+        for b in range(n_blocks):
+            slot = b % 2
+            # An opaque zero (see _pp_consumer): keeps the S descriptors from being hoisted out of the loop.
+            z = gl.inline_asm_elementwise(
+                "and.b32 $0, $1, 0;", "=r,r", [b], dtype=gl.int32, is_pure=True, pack=1
+            )
+            _ws_wait_full(full_bars, b, 2)
+            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
+            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
+            s = warpgroup_mma(
+                qn_smem.index(z), kn_smem.index(slot + z).permute((1, 0)), s, use_acc=False, is_async=True
+            )
+            s = warpgroup_mma(qr_smem.index(z), kr_smem.index(slot + z).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            valid = (t_idx >= 0) & (t_idx < hi)
+            s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            p16 = p.to(p_smem.dtype)
+            # Warpgroup 1 has read the previous block's P and factors (a fresh barrier passes parity 1).
+            mbarrier.wait(p_free, (b & 1) ^ 1)
+            p_smem.store(p16)
+            a_smem.store(alpha)
+            fence_async_shared()
+            mbarrier.arrive(p_ready)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            acc = warpgroup_mma(
+                gl.convert_layout(p16, pa_l), kn_smem.index(slot).slice(0, D_HALF, dim=1), acc, is_async=True
+            )
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty_bars.index(slot))
+        l_smem.store(l_i)
+        mbarrier.arrive(end_bar)
+
+        offs_hs = h0 + gl.arange(0, BLOCK_H, layout=row_l)
+        hs_ok = offs_hs < h_q
+        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+        has_any = l_i > 0.0
+        scale = gl.where(has_any, 1.0 / gl.where(has_any, l_i, 1.0), 0.0)
+        # Natural log, or base 2 for the split-K partials.
+        if SPLIT_K:
+            to_out = 1.0
+        else:
+            to_out = 0.6931471805599453
+        lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
+        gl.store(LSE + lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
+        gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * to_out, mask=hs_ok)
+        _store_half(acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None], OUT, out_base, stride_o_h,
+                    h_q, h0, 0, o_l)  # fmt: skip
+
+    @gluon.jit
+    def _v_consumer(
+        kn_smem,
+        p_smem,
+        a_smem,
+        l_smem,
+        empty_bars,
+        p_ready,
+        p_free,
+        end_bar,
+        OUT,
+        out_base,
+        stride_o_h,
+        h_q,
+        h0,
+        n_blocks,
+    ):
+        """Consumer warpgroup 1: P·V for value channels 256..511 of every block, with P and the rescale
+        factors warpgroup 0 published; the row sums come from warpgroup 0 at the end."""
+        BLOCK_H: gl.constexpr = 64
+        D_HALF: gl.constexpr = 256
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16]
+        )
+        acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
+        for b in range(n_blocks):
+            slot = b % 2
+            mbarrier.wait(p_ready, b & 1)
+            acc = acc * a_smem.load(gl.SliceLayout(1, o_l))[:, None]
+            acc = warpgroup_mma(p_smem, kn_smem.index(slot).slice(D_HALF, D_HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(p_free)
+            mbarrier.arrive(empty_bars.index(slot))
+        mbarrier.wait(end_bar, 0)
+        l_i = l_smem.load(gl.SliceLayout(1, o_l))
+        scale = gl.where(l_i > 0.0, 1.0 / gl.where(l_i > 0.0, l_i, 1.0), 0.0)
+        _store_half(acc * scale[:, None], OUT, out_base, stride_o_h, h_q, h0, 1, o_l)
+
+    @gluon.jit
+    def _store_half(out, OUT, out_base, stride_o_h, h_q, h0, HALF: gl.constexpr, o_l: gl.constexpr):
+        """Store value channels ``256 HALF ..`` of a 64-head output tile (rows past ``h_q`` masked)."""
+        offs_ho = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_l))
+        offs_d = HALF * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_l))
+        o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
+        gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
+
+    @gluon.jit
     def _sparse_mla_decode_fp8_kernel(
         Q,
         KV,
@@ -235,6 +396,7 @@ if HAVE_GLUON:
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
         SPLIT_K: gl.constexpr = False,
+        SV: gl.constexpr = False,
     ):
         """Decode over an FP8 cache for one token and 64 heads (or one split of its top-k list, as the bf16
         kernel ``_sparse_mla_fwd_pingpong_kernel``), 12 warp-specialised warps: default partition =
@@ -279,6 +441,32 @@ if HAVE_GLUON:
         mbarrier.init(end_bar, count=2)
         for w in gl.static_range(2):
             _load_q_rows(w, qn_smem, qr_smem, Q, stride_q_s, stride_q_h, pid_s, h0, h_q, D_NOPE, D_ROPE)
+        if SV:
+            p_sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+            for j in gl.static_range(3):
+                mbarrier.init(p_sync.index(j), count=1)  # P ready, P read, row sums ready
+            fence_async_shared()  # the query tile and the barriers, before the partitions use them
+            n_blocks = gl.cdiv(n_t, BLOCK_T)
+            gl.warp_specialize(
+                [
+                    (_sv_consumer, (
+                        qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem.index(0), l_smem.index(0), full_bars,
+                        empty_bars, p_sync.index(0), p_sync.index(1), p_sync.index(2), idx_row, OUT, MAX_LOGITS,
+                        LSE, out_base, lse_base, so_h, h_q, h0, n_t, hi, n_blocks, sm_scale_log2, BLOCK_T, SPLIT_K,
+                    )),
+                    (_v_consumer, (
+                        kn_smem, p_smem, m_smem.index(0), l_smem.index(0), empty_bars, p_sync.index(0),
+                        p_sync.index(1), p_sync.index(2), OUT, out_base, so_h, h_q, h0, n_blocks,
+                    )),
+                    (_fp8_producer, (
+                        kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV, kv_block_size,
+                        stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, NUM_BUF,
+                    )),
+                ],
+                [4, 4],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )  # fmt: skip
+            return
         fence_async_shared()  # the query tile and the barriers, before the partitions use them
 
         WG0: gl.constexpr = 0
@@ -309,6 +497,11 @@ if HAVE_GLUON:
 #: the 504 per thread that 384 threads hold (the dequantizing producer needs more than the bf16 one's 40).
 FP8_CONSUMER_REGS = 224
 FP8_PRODUCER_REGS = 56
+#: The consumers' schedule: "sv" (warpgroup 0 computes S, softmax and half of P·V, warpgroup 1 the other
+#: half of P·V; 232 + 176 + 96 registers) or "pingpong" (the bf16 kernel's consumers).
+FP8_SCHEDULE = "sv"
+SV_V_REGS = 176
+SV_PRODUCER_REGS = 96
 
 
 def launch_decode_fp8_gluon(
@@ -337,7 +530,14 @@ def launch_decode_fp8_gluon(
     assert kv_cache.shape[-1] == FP8_TOKEN_BYTES
     n_head_tiles = cdiv(dims.h_q, 64)
     n_splits, split_len = splits
-    consts = dict(BLOCK_T=64, CONSUMER_REGS=FP8_CONSUMER_REGS, PRODUCER_REGS=FP8_PRODUCER_REGS, num_warps=4)
+    if FP8_SCHEDULE == "sv":
+        consts = dict(
+            BLOCK_T=64, CONSUMER_REGS=SV_V_REGS, PRODUCER_REGS=SV_PRODUCER_REGS, num_warps=4, SV=True
+        )
+    else:
+        consts = dict(
+            BLOCK_T=64, CONSUMER_REGS=FP8_CONSUMER_REGS, PRODUCER_REGS=FP8_PRODUCER_REGS, num_warps=4
+        )
     if n_splits > 1:
         consts["SPLIT_K"] = True
     args = (q, kv_cache, idx, out, max_logits, lse, *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv,
