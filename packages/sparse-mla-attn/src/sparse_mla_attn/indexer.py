@@ -401,7 +401,8 @@ def _gather_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[c, topk]`` indices -> (rows ``[c, topk, d]`` in ``cdt`` with invalid rows zero, valid mask)."""
     valid = (idx >= 0) & (idx < k_idx.shape[0])
-    rows = k_idx.to(cdt)[idx.clamp(0, k_idx.shape[0] - 1)]
+    # Gathered, then converted: the same values as converting all of k_idx first, for the chunk's rows only.
+    rows = k_idx[idx.clamp(0, k_idx.shape[0] - 1)].to(cdt)
     return rows * valid[..., None], valid
 
 
