@@ -540,6 +540,7 @@ def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, rin
     be.combine_outputs, be._bound_combines = OutputRing(be.device), {}
     be._dummy_w_address = eng._dummy_w.data_ptr()
     be.eager_graphs, be.graph_captures, be.graph_replays, be._capture_stream = False, 0, 0, None
+    be._combine_graphs, be._combine_sightings = {}, {}
     be._mirror = torch.zeros(eng.info_len + 1, dtype=torch.int64)
     be._mirror_np, be._mirror_wait_s, be._mirror_lost, be._finalized = be._mirror.numpy(), 1.0, None, False
     be._info_host, be._pinfo_host = torch.zeros(eng.info_len, dtype=torch.int64), None
@@ -657,6 +658,54 @@ def test_eager_graphs_replay_repeated_inputs(monkeypatch):
     for _ in range(3):
         be.dispatch(x2, ids, w, None)
     assert events[1:] == ["launch"] * 3, "a workspace full of graphs captures no more"
+
+
+def test_eager_graphs_replay_repeated_combines(monkeypatch):
+    """With ``eager_graphs`` an exact-shape combine whose tensors (rows, the descriptor's, the output)
+    repeat their addresses is captured at their second call and replayed from then on; other rows
+    launch through the bound launch; a combine of a caller's CUDA-graph capture never makes a graph."""
+    from ep_a2a.backends.triton import backend as B
+    from ep_a2a.backends.triton.engine import BoundLaunch
+
+    be, _ = _backend_on_fake_kernels(monkeypatch, overlap_exact=True, rows=9, ring_rows=True)
+    eng = be.engine
+    be.eager_graphs = True
+    be.board.wait = lambda *a: None
+    events: list[str] = []
+    noop = BoundLaunch(lambda *a: None, (), (0,) * 6, ())
+    monkeypatch.setattr(eng, "bind_combine", lambda *a: noop)
+    monkeypatch.setattr(
+        eng,
+        "launch_combine_bound",
+        lambda b, *a, capturing=False: events.append("capture" if capturing else "launch"),
+    )
+    monkeypatch.setattr(eng, "launch_barrier", lambda **kw: events.append("barrier"))
+    monkeypatch.setattr(B, "_launch_hooks_set", lambda: False)
+
+    class _Graph:
+        def launch(self, stream: int) -> None:
+            events.append("replay")
+
+    def capture(launch):
+        assert launch(99)
+        be.graph_captures += 1
+        return _Graph()
+
+    monkeypatch.setattr(be, "_capture", capture)
+    H = be.config.hidden
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    _, _, desc = be.dispatch(x, ids, w, None)
+    y = torch.randn(9, H).to(torch.bfloat16)
+    for _ in range(4):
+        be.combine(y, desc)  # (each output dropped: the ring's one output again)
+    assert events == ["launch", "barrier", "capture", "replay", "barrier", "replay", "barrier", "replay"]
+    events.clear()
+    be.combine(y.clone(), desc)
+    assert events == ["barrier", "launch"], "other rows: the bound launch"
+    events.clear()
+    be._combine(y, desc.backend_state, ids, 6)  # (combine_static's: no graph of its own)
+    assert events == ["barrier", "launch"]
+    assert be.graph_captures == 1
 
 
 def _polling_backend(*, rank: int, wait_s: float, call: int, check):

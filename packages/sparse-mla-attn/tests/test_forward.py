@@ -14,7 +14,7 @@ from sparse_mla_attn._inputs import (
     random_problem,
 )
 from sparse_mla_attn._runtime import last_launch
-from sparse_mla_attn._validate import check_sparse_inputs
+from sparse_mla_attn._validate import SparseDims, check_sparse_inputs
 from sparse_mla_attn.forward import launch_fwd
 
 
@@ -238,6 +238,19 @@ def test_fwd_gpu(s_q, h_q, d_qk, s_kv, topk):
     check_fwd(got, q, kv, idx, scale, "gpu")
     assert torch.all(got[0][0] == 0)
     assert torch.all(got[2][0] == float("-inf"))
+    assert_repeats_equal(lambda: sparse_mla_fwd(q.clone(), kv.clone(), idx.clone(), scale), got)
+    # New values in new tensors (scaled by powers of two): a replayed launch that read the earlier call's
+    # tensors would give the earlier result.
+    q2, kv2 = (q.float() * -0.5).bfloat16(), kv * 0.5
+    check_fwd(sparse_mla_fwd(q2, kv2, idx.clone(), scale), q2, kv2, idx, scale, "gpu")
+
+
+def assert_repeats_equal(call, expected):
+    """Two more eager calls on fresh copies of the inputs (the last replays the launches the second one
+    recorded, with the new tensors) give the same bits as ``expected``."""
+    for _ in range(2):
+        for a, e in zip(call(), expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.gpu
@@ -253,6 +266,16 @@ def test_fwd_gpu_causal_sink_topk_length():
     # The same through split-K (the path small grids take).
     got = sparse_mla_fwd(q, kv, idx, 0.04, config=Config(num_splits=3), **kw)
     check_fwd(got, q, kv, idx, 0.04, "gpu_few", **kw)
+    fresh = lambda: {**kw, "attn_sink": sink.clone(), "topk_length": topk_length.clone()}
+    assert_repeats_equal(
+        lambda: sparse_mla_fwd(
+            q.clone(), kv.clone(), idx.clone(), 0.04, config=Config(num_splits=3), **fresh()
+        ),
+        got,
+    )
+    q2, kw2 = (q.float() * -0.5).bfloat16(), {**fresh(), "attn_sink": sink * 0.5}  # replayed on new values
+    got2 = sparse_mla_fwd(q2, kv, idx, 0.04, config=Config(num_splits=3), **kw2)
+    check_fwd(got2, q2, kv, idx, 0.04, "gpu_few", **kw2)
 
 
 @pytest.mark.gpu
@@ -373,3 +396,24 @@ def test_fwd_gpu_gluon_split_k_persistent():
     cfg = Config(backend="gluon", num_splits=3, fwd_persistent="on")
     check_gluon_fwd(cfg, 128, 576, 1000, 100, 1129, "gpu")
     assert last_launch("fwd").splits > 1
+
+
+@pytest.mark.parametrize(
+    ("h_q", "s_kv", "mode", "persistent"),
+    [
+        (128, 131072, "auto", True),  # two head tiles per token
+        (64, 8192, "auto", True),  # one tile, 9.4 MB of KV rows: within half of a 50 MB L2
+        (64, 32768, "auto", False),
+        (64, 131072, "on", True),
+        (128, 8192, "off", False),
+    ],
+)
+def test_fwd_persistent_rule(monkeypatch, h_q, s_kv, mode, persistent):
+    """``Config.fwd_persistent``: which Gluon forwards run persistent (one program per multiprocessor)."""
+    from sparse_mla_attn import forward
+
+    monkeypatch.setattr(forward, "num_sms", lambda device: 132)
+    monkeypatch.setattr(forward, "l2_cache_bytes", lambda device: 50 << 20)
+    plan = forward.FwdPlan(SparseDims(4, h_q, 576, s_kv, 2048, 512), True, 1, (1,), (), {}, (1,), {}, {})
+    forward.set_gluon_options(plan, Config(fwd_persistent=mode), torch.device("cpu"))
+    assert plan.gluon_options["persistent_programs"] == (132 if persistent else 0)

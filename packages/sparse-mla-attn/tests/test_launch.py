@@ -185,8 +185,11 @@ def _check_decode_replay() -> int:
     JITFunction.run = lambda self, *a, grid, warmup, **k: Compiled(self.fn.__name__)  # type: ignore[method-assign]
     _runtime._driver = lambda: Driver()  # type: ignore[assignment]
     ctx = _runtime.LaunchContext(0, 77, False)
-    decode.launch_context = lambda device: ctx  # type: ignore[assignment]
-    decode.eager_stream = lambda t: (0, 77)  # type: ignore[assignment]
+    from sparse_mla_attn import forward
+
+    for mod in (decode, forward):
+        mod.launch_context = lambda device: ctx  # type: ignore[attr-defined]
+        mod.eager_stream = lambda t: (0, 77)  # type: ignore[attr-defined]
     sys.path.insert(0, os.path.dirname(HERE))
     from test_compile_sm90 import pretend_h200_host
 
@@ -237,6 +240,49 @@ def _check_decode_replay() -> int:
         launch = _runtime.last_launch("fwd")
         assert launch is not None
         assert launch.merge == (None if cfg.num_splits == 0 else cfg.split_merge)
+
+    # The forward (Gluon persistent, Triton with a sink and split-K): the same.
+    def fwd_inputs(seed: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(2, 128, 576, generator=g).bfloat16()
+        kv = torch.randn(256, 1, 576, generator=g).bfloat16()
+        idx = torch.randint(0, 256, (2, 1, 128), generator=g, dtype=torch.int32)
+        return q, kv, idx, torch.randn(128, generator=g)
+
+    for kw in ({}, {"attn_sink": True, "config": sm.Config(backend="triton", num_splits=2)}):
+        f1, f2, f3 = fwd_inputs(1), fwd_inputs(2), fwd_inputs(3)
+
+        def fwd(
+            f: tuple[torch.Tensor, ...], scale: float, kw: dict[str, Any] = kw
+        ) -> tuple[torch.Tensor, ...]:
+            sink = {"attn_sink": f[3]} if kw.get("attn_sink") else {}
+            return sm.sparse_mla_fwd(*f[:3], scale, config=kw.get("config"), **sink)
+
+        fwd(f1, 0.1)  # compiles
+        generic.clear()
+        direct.clear()
+        o2 = fwd(f2, 0.1)  # recorded
+        recorded = list(generic)
+        assert recorded
+        assert not direct
+        generic.clear()
+        o3 = fwd(f3, 0.3)  # replayed
+        assert not generic
+        assert len(direct) == len(recorded)
+        sink2 = (f2[3],) if kw.get("attn_sink") else (None,)
+        sink3 = (f3[3],) if kw.get("attn_sink") else (None,)
+        own2, own3 = (*f2[:3], *sink2, None, *o2), (*f3[:3], *sink3, None, *o3)
+        for (n2, g2, s2, fn2, p2, args2), (n3, g3, s3, fn3, p3, args3) in zip(recorded, direct, strict=True):
+            assert (n2, g2, s2, fn2, p2) == (n3, g3, s3, fn3, p3)
+            for x2, x3 in zip(args2, args3, strict=True):
+                if isinstance(x2, torch.Tensor):
+                    mine = [i for i, t in enumerate(own2) if t is x2]
+                    assert x3 == (own3[mine[0]].data_ptr() if mine else x2.data_ptr()), n2
+                elif type(x2) is float:
+                    assert (x2, x3) == (0.1 * LOG2E, 0.3 * LOG2E), n2
+                else:
+                    assert x3 == x2, (n2, x2, x3)
+                checked += 1
     # A call the replay does not serve (an input that requires grad; no eager stream, e.g. under graph
     # capture) takes the op's launches, through the cached kernels.
     a4 = inputs(4)
@@ -251,6 +297,35 @@ def _check_decode_replay() -> int:
         assert generic, patched
         assert not direct, patched
     return checked
+
+
+def test_replay_binds_pointers_and_refuses_views() -> None:
+    """A replay passes the call's data pointers where the recorded call's own tensors were and its scale
+    where the recorded scale was, and the kept tensors' pointers and every other value as recorded; it is
+    not made when a launch got a view of one of the call's tensors, or when two of them are one tensor."""
+    import torch
+
+    from sparse_mla_attn._runtime import LaunchReplay
+
+    class Kernel:
+        function = "function"
+        packed_metadata = "packed"
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[Any, ...]] = []
+
+        def run(self, *args: Any) -> None:
+            self.calls.append(args)
+
+    k = Kernel()
+    x, y, kept = torch.zeros(4), torch.zeros(4), torch.zeros(2)
+    replay = LaunchReplay.bind([(k, (3, 1, 1), (y, kept, 0.5, 0.25, 7, None, x))], (x, y), 0.5, 99, None)
+    assert replay is not None
+    replay.run(111, 222, 0.75)
+    assert k.calls == [(3, 1, 1, 99, "function", "packed", None, None, None, 222, kept.data_ptr(), 0.75, 0.25, 7,
+                        None, 111)]  # fmt: skip
+    assert LaunchReplay.bind([(k, (1, 1, 1), (x[1:],))], (x, y), 0.5, 99, None) is None
+    assert LaunchReplay.bind([(k, (1, 1, 1), (x,))], (x, x), 0.5, 99, None) is None
 
 
 def test_cached_launch_passes_tritons_arguments() -> None:

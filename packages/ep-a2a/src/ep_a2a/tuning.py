@@ -83,7 +83,8 @@ class TritonTuning:
         eager_graphs: an exact-shape dispatch whose tensors (input, ids, weights) are at the addresses,
             and of the token count, of an earlier call that wrote the same outputs launches its two
             kernels as one CUDA graph, captured at the second such call (at most 64 per workspace of
-            outputs): the same kernels and results, one driver call instead of two. Default on.
+            outputs), and so does a combine whose rows, descriptor and output repeat their addresses:
+            the same kernels and results, one driver call. Default on.
         heap: the symmetric heap, ``"torch"`` (``torch.distributed._symmetric_memory``) or
             ``"nvshmem"`` (nvshmem4py). Default: ``"nvshmem"`` when some ranks are on other nodes
             (they need it), else ``"torch"``.

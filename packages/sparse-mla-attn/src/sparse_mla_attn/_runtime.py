@@ -160,16 +160,17 @@ def launch(
     ``ctx``: the call's :func:`launch_context` (else read here). Returns the compiled kernel (``None``
     under the interpreter).
     """
+    recording = getattr(_RECORDING, "records", None)
     if slots is None or _INTERPRETING:
-        if _RECORDING is not None:
-            _RECORDING[1].append(None)  # not replayable
+        if recording is not None:
+            recording.append(None)  # not replayable
         return fn[grid](*args, **consts)
     # (No device query before the first compile: a CPU-only process may trace launches without a driver.)
     device = ctx.device if ctx is not None else _driver().get_current_device() if slots else None
     hit = slots.get((name, device)) if slots else None
     if hit is None:
-        if _RECORDING is not None:
-            _RECORDING[1].append(None)
+        if recording is not None:
+            recording.append(None)
         kernel = fn[grid](*args, **consts)
         if kernel is not None and hasattr(kernel, "packed_metadata"):
             # The launcher takes every parameter in order: the positional ones, then the constexprs.
@@ -189,13 +190,13 @@ def launch(
         meta = kernel.launch_metadata(grid3, stream, *args, *tail)
         kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, meta, enter, hooks.launch_exit_hook,
                    *args, *tail)  # fmt: skip
-    if _RECORDING is not None and _RECORDING[0] == threading.get_ident():
-        _RECORDING[1].append((kernel, grid3, (*args, *tail)))
+    if recording is not None:
+        recording.append((kernel, grid3, (*args, *tail)))
     return kernel
 
 
-# (thread, launches) while a call's launches through cached handles are recorded (LaunchReplay).
-_RECORDING: tuple[int, list[Any]] | None = None
+# This thread's list of launches while a call's launches are recorded (``records``; LaunchReplay).
+_RECORDING = threading.local()
 
 
 def no_launch_hooks() -> bool:
@@ -212,7 +213,7 @@ class LaunchReplay:
     """The kernel launches of one eager call, bound to its stream and replayed by later calls of the same
     launch plan on the same device, stream and thread: one generated function (``run``) passes each
     launch straight to the compiled kernel's C launcher with the recorded arguments, in which the call's
-    own tensors (``per_call``, by position) become their data pointers and the float argument the call's
+    own tensors (``per_call``, by position) become their data pointers and the scale argument the call's
     scale; every other tensor (scratch buffers reused by those calls) is kept alive here and passed as its
     recorded data pointer, and grids, stream, integers and constexprs are constants of the function (the
     launch registry's entry too: ``launch``). Made by :meth:`bind` from :func:`record_launches`."""
@@ -226,14 +227,22 @@ class LaunchReplay:
 
     @classmethod
     def bind(
-        cls, records: list[Any], per_call: tuple[torch.Tensor | None, ...], stream: Any,
+        cls, records: list[Any], per_call: tuple[torch.Tensor | None, ...], scale: float, stream: Any,
         launch: tuple[str, Launch] | None,
     ) -> LaunchReplay | None:  # fmt: skip
-        """The replay of ``records`` (from :func:`record_launches`) on ``stream``, or ``None`` when two of
-        ``per_call`` are one tensor (a later call could pass them apart)."""
+        """The replay of ``records`` (from :func:`record_launches`) on ``stream``, in which a float argument
+        equal to ``scale`` (the recorded call's scale) becomes the later call's; ``None`` when two of
+        ``per_call`` are one tensor (a later call could pass them apart) or a launch got a view of one of
+        them (its data pointer would not follow the later call's tensor)."""
         ids = [id(t) for t in per_call if t is not None]
         if len(set(ids)) != len(ids):
             return None
+        storages = {t.untyped_storage().data_ptr() for t in per_call if t is not None}
+        for _, _, args in records:
+            for a in args:
+                if (isinstance(a, torch.Tensor) and all(a is not t for t in per_call)
+                        and a.untyped_storage().data_ptr() in storages):  # fmt: skip
+                    return None
         consts: dict[str, Any] = {"_stream": stream}
         keep: list[torch.Tensor] = []
         lines = []
@@ -247,7 +256,7 @@ class LaunchReplay:
                         call_args.append(str(a.data_ptr()))
                     else:
                         call_args.append(f"p{src}")
-                elif type(a) is float:
+                elif type(a) is float and a == scale:
                     call_args.append("scale")
                 elif a is None or type(a) in (int, bool):
                     call_args.append(repr(a))
@@ -310,13 +319,13 @@ _current_raw_stream = getattr(
 def record_launches(call: Callable[[], Any]) -> tuple[Any, list[Any] | None]:
     """``call()``, and the launches it made through cached handles (``None`` if one went through Triton's
     launch path, e.g. a first compile, or none was made)."""
-    global _RECORDING
     records: list[Any] = []
-    _RECORDING = (threading.get_ident(), records)
+    outer = getattr(_RECORDING, "records", None)
+    _RECORDING.records = records
     try:
         result = call()
     finally:
-        _RECORDING = None
+        _RECORDING.records = outer
     return result, (records if records and None not in records else None)
 
 
@@ -367,6 +376,16 @@ def _num_sms(device_index: int) -> int:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (0 for any other device)."""
     return _num_sms(_device_index(device)) if device.type == "cuda" else 0
+
+
+@functools.lru_cache(maxsize=16)
+def _l2_bytes(device_index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0))
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    """L2 cache size of a CUDA device in bytes (0 for any other device)."""
+    return _l2_bytes(_device_index(device)) if device.type == "cuda" else 0
 
 
 @functools.lru_cache(maxsize=16)

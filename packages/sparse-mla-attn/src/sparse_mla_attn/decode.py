@@ -307,7 +307,7 @@ def _decode_run(
             plan.replays.clear()
         fwd_launch = last_launch("fwd")
         replay = LaunchReplay.bind(
-            records, (q, kv_cache, block_table, cache_seqlens, indices, out, lse), ctx.stream,
+            records, (q, kv_cache, block_table, cache_seqlens, indices, out, lse), sm_scale * LOG2E, ctx.stream,
             None if fwd_launch is None else ("fwd", fwd_launch),
         )  # fmt: skip
         if replay is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,17 +27,24 @@ import triton.language as tl
 
 from sparse_mla_attn._runtime import (
     LaunchContext,
+    LaunchReplay,
     cached,
     call_signature,
     causal_hi,
     cdiv,
     check_kernel_device,
     define_op,
+    eager_stream,
     interpreting,
+    l2_cache_bytes,
+    last_launch,
     launch,
+    launch_context,
     next_power_of_2,
+    no_launch_hooks,
     num_sms,
     record_launch,
+    record_launches,
 )
 from sparse_mla_attn._validate import (
     SparseDims,
@@ -506,6 +514,8 @@ class FwdPlan:
     slots: dict[Any, Any] = field(default_factory=dict)
     #: ``(kv_block_size, stride_kv_block)`` of an FP8 cache (unused ``(1, 0)`` otherwise).
     kv_ints: tuple[int, int] = (1, 0)
+    #: Recorded launches of ``sparse_mla_fwd`` per (device, stream, thread), replayed by its eager calls.
+    replays: dict[Any, LaunchReplay] = field(default_factory=dict)
 
 
 def plan_fwd(
@@ -787,15 +797,28 @@ def _plan_fwd_call(
 
 def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> FwdPlan:
     """Give ``plan`` the Gluon forward's options of ``config`` (``fwd_persistent``: one program per
-    multiprocessor of ``device``, by default where a token has more than one 64-head tile); returns
-    ``plan``."""
+    multiprocessor of ``device``, by default where a token has more than one 64-head tile or where the KV
+    rows fit in half of the device's L2 cache, see :class:`Config`); returns ``plan``."""
     mode = config.fwd_persistent
-    persistent = mode == "on" or (mode == "auto" and plan.dims.h_q > 64)
+    dims = plan.dims
+    kv_in_l2 = 2 * dims.s_kv * dims.d_qk * 2 <= l2_cache_bytes(device)  # bf16 / fp16 rows
+    persistent = mode == "on" or (mode == "auto" and (dims.h_q > 64 or kv_in_l2))
     plan.gluon_options = {"persistent_programs": num_sms(device) if persistent else 0}
     return plan
 
 
 _PLANS: dict[Any, FwdPlan] = {}
+
+
+def _fwd_key(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None, d_v: int, q_start_index: int, k_stride: int, causal: bool,
+    options: tuple[Any, ...],
+) -> tuple[Any, ...]:  # fmt: skip
+    """What a call's validation and launch plan depend on (``_runtime.call_signature`` of its tensors and
+    its other arguments but the scale): the key of ``_PLANS``."""
+    return (*call_signature(q, kv, indices, attn_sink, topk_length), d_v, q_start_index, k_stride, causal,
+            options)  # fmt: skip
 
 
 @define_op("sparse_mla_fwd", _fwd_fake)
@@ -805,15 +828,70 @@ def _fwd_op(
     causal: bool, backend: str, num_splits: int, fwd_persistent: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and launch plan depend only on the call signature: made once per signature.
-    key = (*call_signature(q, kv, indices, attn_sink, topk_length), d_v, q_start_index, k_stride, causal,
-           backend, num_splits, fwd_persistent)  # fmt: skip
+    options = (backend, num_splits, fwd_persistent)
+    key = _fwd_key(q, kv, indices, attn_sink, topk_length, d_v, q_start_index, k_stride, causal, options)
     config = lambda: replace(config_of(backend, num_splits), fwd_persistent=fwd_persistent)
     plan = cached(
         _PLANS, key, lambda: _plan_fwd_call(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride,
                                             causal, config()),
     )  # fmt: skip
+    scale = check_sm_scale(sm_scale)
+    ctx = launch_context(q.device)
     # kv and indices as they are: the kernels take the plan's strides (those of kv[:, 0], indices[:, 0]).
-    return run_fwd(plan, q, kv, indices, check_sm_scale(sm_scale), attn_sink, topk_length)
+    if ctx is None or ctx.capturing or not no_launch_hooks():
+        return run_fwd(plan, q, kv, indices, scale, attn_sink, topk_length, ctx=ctx)
+    # Eager on a GPU: once this plan's launches all go through cached kernels on this stream, they are
+    # recorded, and later eager calls replay them with their own tensors (_fwd_eager).
+    result, records = record_launches(
+        lambda: run_fwd(plan, q, kv, indices, scale, attn_sink, topk_length, ctx=ctx)
+    )
+    rkey = (ctx.device, ctx.stream, threading.get_ident())
+    if records is not None and rkey not in plan.replays:
+        if len(plan.replays) >= 16:
+            plan.replays.clear()
+        launch = last_launch("fwd")
+        replay = LaunchReplay.bind(
+            records, (q, kv, indices, attn_sink, topk_length, *result), scale * LOG2E, ctx.stream,
+            None if launch is None else ("fwd", launch),
+        )  # fmt: skip
+        if replay is not None:
+            plan.replays[rkey] = replay
+    return result
+
+
+def _fwd_eager(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+    attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
+    causal: bool, options: tuple[Any, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """A repeated eager call on a CUDA stream: the launches its plan recorded on this device, stream and
+    thread (``FwdPlan.replays``), replayed with this call's tensors; ``None`` where the call takes the op
+    (a new signature or stream, tracing, graph capture, launch hooks, inputs that require grad). The
+    caller checked the argument types and that ``sm_scale`` is a float."""
+    where = eager_stream(q)
+    if where is None or (
+        torch.is_grad_enabled()
+        and (q.requires_grad or kv.requires_grad or (attn_sink is not None and attn_sink.requires_grad))
+    ):
+        return None
+    key = _fwd_key(q, kv, indices, attn_sink, topk_length, d_v, q_start_index, k_stride, causal, options)
+    plan = _PLANS.get(key)
+    if plan is None:
+        return None
+    replay = plan.replays.get((*where, threading.get_ident()))
+    if replay is None or not math.isfinite(sm_scale):
+        return None
+    dims = plan.dims
+    dev = q.device
+    out = torch.empty(dims.s_q, dims.h_q, dims.d_v, dtype=q.dtype, device=dev)
+    max_logits = torch.empty(dims.s_q, dims.h_q, dtype=torch.float32, device=dev)
+    lse = torch.empty(dims.s_q, dims.h_q, dtype=torch.float32, device=dev)
+    replay.run(
+        q.data_ptr(), kv.data_ptr(), indices.data_ptr(), 0 if attn_sink is None else attn_sink.data_ptr(),
+        0 if topk_length is None else topk_length.data_ptr(), out.data_ptr(), max_logits.data_ptr(),
+        lse.data_ptr(), sm_scale * LOG2E,
+    )  # fmt: skip
+    return out, max_logits, lse
 
 
 def sparse_mla_fwd(
@@ -866,11 +944,21 @@ def sparse_mla_fwd(
     Raises:
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
+    cfg = config or DEFAULT
+    options = (cfg.backend, cfg.num_splits, cfg.fwd_persistent)
+    T = torch.Tensor
+    # A repeated eager call replays its plan's launches (the checks below are those of its first call).
+    if (type(q) is T and type(kv) is T and type(indices) is T and type(sm_scale) is float and type(d_v) is int
+            and type(q_start_index) is int and type(k_stride) is int and type(causal) is bool
+            and (attn_sink is None or type(attn_sink) is T) and (topk_length is None or type(topk_length) is T)):  # fmt: skip
+        done = _fwd_eager(
+            q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal, options
+        )
+        if done is not None:
+            return done
     check_arg_types({"q": q, "kv": kv, "indices": indices}, {"d_v": d_v, "q_start_index": q_start_index,
                     "k_stride": k_stride}, optional={"attn_sink": attn_sink, "topk_length": topk_length})  # fmt: skip
     check_sm_scale(sm_scale)
-    cfg = config or DEFAULT
     return _fwd_op(
-        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal,
-        cfg.backend, cfg.num_splits, cfg.fwd_persistent,
-    )  # fmt: skip
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, q_start_index, k_stride, causal, *options
+    )

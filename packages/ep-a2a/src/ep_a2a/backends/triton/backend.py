@@ -58,8 +58,8 @@ from ep_a2a.backends.triton.low_latency import LowLatencyDispatch, LowLatencyEng
 from ep_a2a.backends.triton.resolve import engine_options, remote_plan, resolve_heap
 from ep_a2a.backends.triton.workspace import (
     RING_ROWS_BYTES,
-    DispatchGraph,
     DispatchWorkspace,
+    LaunchGraph,
     OutputRing,
     WorkspaceRing,
 )
@@ -305,6 +305,9 @@ class TritonBackend(A2ABackend):
         #: eager dispatches captured as CUDA graphs, and replays of them (``TritonTuning.eager_graphs``)
         self.graph_captures = self.graph_replays = 0
         self._capture_stream: torch.cuda.Stream | None = None
+        #: the combines' CUDA graphs by their addresses, and how often each set of addresses came
+        self._combine_graphs: dict[tuple, LaunchGraph] = {}
+        self._combine_sightings: dict[tuple, int] = {}
         self._static: DispatchBuffers | None = None
         self._static_fp8: DispatchBuffers | None = None  # (packed FP8 rows: a graph of each may coexist)
 
@@ -556,7 +559,7 @@ class TritonBackend(A2ABackend):
                 if launches is None:
                     return False
                 ws.bound[key] = launches
-            if self.eager_graphs and self._graph_due(ws, at):
+            if self.eager_graphs and self._graph_due(ws.graphs, ws.sightings, at):
                 graph = self._capture_merged(ws, at, out, mirror, (x, ids, w, src), call.caller)
             if graph is None:
                 self.engine.launch_merged_bound(launches, *addresses)  # type: ignore[arg-type]
@@ -567,16 +570,45 @@ class TritonBackend(A2ABackend):
         return True
 
     @staticmethod
-    def _graph_due(ws: DispatchWorkspace, at: tuple) -> bool:
-        """Whether a dispatch into ``ws`` at the addresses ``at`` gets a CUDA graph now: at their second
-        sighting, while the workspace keeps fewer than :data:`GRAPHS_PER_WORKSPACE`."""
-        seen = ws.sightings.get(at, 0) + 1
+    def _graph_due(graphs: dict, sightings: dict[tuple, int], at: tuple) -> bool:
+        """Whether a call at the addresses ``at`` gets a CUDA graph now: at their second sighting, while
+        ``graphs`` holds fewer than :data:`GRAPHS_PER_WORKSPACE`."""
+        seen = sightings.get(at, 0) + 1
         if seen == 1:
-            if len(ws.sightings) >= SIGHTINGS_PER_WORKSPACE:
-                ws.sightings.clear()
-            ws.sightings[at] = 1
+            if len(sightings) >= SIGHTINGS_PER_WORKSPACE:
+                sightings.clear()
+            sightings[at] = 1
             return False
-        return len(ws.graphs) < GRAPHS_PER_WORKSPACE
+        return len(graphs) < GRAPHS_PER_WORKSPACE
+
+    def _capture(self, launch: Callable[[int], bool]) -> LaunchGraph | None:
+        """A CUDA graph of what ``launch(stream)`` launches on the raw ``stream`` it is given (a side
+        stream, under capture; it returns ``False`` where it launched nothing); ``None`` (and no graphs
+        from now on, with a warning) where the capture fails."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    launched = launch(stream.cuda_stream)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:
+            self.eager_graphs = False
+            warnings.warn(
+                f"ep_a2a: capturing an eager call in a CUDA graph failed ({exc}); eager calls launch their "
+                "kernels one by one from now on (TritonTuning(eager_graphs=False) skips the attempt)",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+            return None
+        if not launched:
+            return None
+        self.graph_captures += 1
+        return LaunchGraph(graph)
 
     def _capture_merged(
         self,
@@ -586,41 +618,28 @@ class TritonBackend(A2ABackend):
         mirror: Tensor,
         tensors: tuple[Tensor, Tensor, Tensor | None, Tensor],
         caller_scatter: bool,
-    ) -> DispatchGraph | None:
+    ) -> LaunchGraph | None:
         """A CUDA graph of a speculative dispatch's two launches for the call at the addresses ``at``
-        (the launch key, then the addresses and token count :meth:`launch_merged_bound` takes), bound to
-        a side stream for the capture, kept in ``ws.graphs``; ``None`` (and no graphs from now on, with
-        a warning) where the capture fails."""
-        addresses = at[1:]
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.device)
-        stream = self._capture_stream
-        launches = self.engine.bind_merged_dispatch(
-            stream.cuda_stream, self._speculative_buffers(ws, out), ws.info, mirror, tensors,
-            caller_scatter=caller_scatter,
-        )  # fmt: skip
-        if launches is None:
-            return None
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self.engine.launch_merged_bound(launches, *addresses, capturing=True)
-                finally:
-                    graph.capture_end()
-        except RuntimeError as exc:
-            self.eager_graphs = False
-            warnings.warn(
-                f"ep_a2a: capturing an eager dispatch in a CUDA graph failed ({exc}); eager dispatches launch "
-                "their kernels one by one from now on (TritonTuning(eager_graphs=False) skips the attempt)",
-                RuntimeWarning,
-                stacklevel=4,
+        (the launch key, then the addresses and token count :meth:`launch_merged_bound` takes), kept in
+        ``ws.graphs``."""
+
+        def launch(stream: int) -> bool:
+            launches = self.engine.bind_merged_dispatch(
+                stream,
+                self._speculative_buffers(ws, out),
+                ws.info,
+                mirror,
+                tensors,
+                caller_scatter=caller_scatter,
             )
-            return None
-        ws.graphs[at] = kept = DispatchGraph(graph)
-        self.graph_captures += 1
-        return kept
+            if launches is not None:
+                self.engine.launch_merged_bound(launches, *at[1:], capturing=True)
+            return launches is not None
+
+        graph = self._capture(launch)
+        if graph is not None:
+            ws.graphs[at] = graph
+        return graph
 
     def _result(
         self,
@@ -820,7 +839,9 @@ class TritonBackend(A2ABackend):
             # another combine of a dispatch already combined (as DeepEP reuses a handle): a device-side
             # barrier first, so that no peer is still reading the rows the last combine sent it
             self.engine.launch_barrier()
-        bound = state.remote is None and self._launch_combine_bound(stream, input, state, exp_indices, n, out)
+        bound = state.remote is None and self._launch_combine_bound(
+            stream, input, state, exp_indices, n, out, graphs=reuse
+        )
         if not bound:
             self.engine.launch_combine(
                 input, state.tab, exp_indices, state.n_src, out, remote=state.remote, npk_recv=state.npk_recv
@@ -829,26 +850,68 @@ class TritonBackend(A2ABackend):
         return out
 
     def _launch_combine_bound(
-        self, stream: int, y: torch.Tensor, state: _TritonState, ids: torch.Tensor, n: int, out: torch.Tensor
+        self,
+        stream: int,
+        y: Tensor,
+        state: _TritonState,
+        ids: Tensor,
+        n: int,
+        out: Tensor,
+        *,
+        graphs: bool = False,
     ) -> bool:
         """The combine launch through the launch bound for its variant and stream
         (:meth:`.engine.TritonEPEngine.bind_combine`, bound after its launch through the specification
-        left a plan); ``False`` (nothing launched) where there is none."""
+        left a plan), or with ``graphs`` (an exact-shape combine, never under a capture of the caller's)
+        as a CUDA graph once the same addresses came a second time; ``False`` (nothing launched) where
+        there is none."""
         if n == 0 or y.shape[0] == 0 or _launch_hooks_set():
             return False
         n_src = state.n_src
         yp, ip, sp = y.data_ptr(), ids.data_ptr(), n_src.data_ptr()
         key = (stream, y.shape[1], y.dtype, out.dtype, ids.dtype, n_src.dtype, yp % 16, ip % 16, sp % 16)
-        launch = self._bound_combines.get(key)
-        if launch is None:
-            launch = self.engine.bind_combine(stream, y, ids, n_src, out)
+        addresses = (yp, state.tab.data_ptr(), ip, sp, n, out.data_ptr())
+        at = (key, *addresses)
+        graph = self._combine_graphs.get(at) if graphs and self.eager_graphs else None
+        if graph is None:
+            launch = self._bound_combines.get(key)
             if launch is None:
-                return False
-            if len(self._bound_combines) >= 64:  # (streams come and go)
-                self._bound_combines.clear()
-            self._bound_combines[key] = launch
-        self.engine.launch_combine_bound(launch, yp, state.tab.data_ptr(), ip, sp, n, out.data_ptr())
+                launch = self.engine.bind_combine(stream, y, ids, n_src, out)
+                if launch is None:
+                    return False
+                if len(self._bound_combines) >= 64:  # (streams come and go)
+                    self._bound_combines.clear()
+                self._bound_combines[key] = launch
+            if (
+                graphs
+                and self.eager_graphs
+                and self._graph_due(self._combine_graphs, self._combine_sightings, at)
+            ):
+                graph = self._capture_combine(at, y, ids, n_src, out)
+            if graph is None:
+                self.engine.launch_combine_bound(launch, *addresses)
+                return True
+        graph.launch(stream)
+        self.engine.combine_replayed()
+        self.graph_replays += 1
         return True
+
+    def _capture_combine(
+        self, at: tuple, y: Tensor, ids: Tensor, n_src: Tensor, out: Tensor
+    ) -> LaunchGraph | None:
+        """A CUDA graph of a combine's launch for the call at the addresses ``at`` (the launch key, then
+        the addresses and token count :meth:`.engine.TritonEPEngine.launch_combine_bound` takes)."""
+
+        def launch(stream: int) -> bool:
+            bound = self.engine.bind_combine(stream, y, ids, n_src, out)
+            if bound is not None:
+                self.engine.launch_combine_bound(bound, *at[1:], capturing=True)
+            return bound is not None
+
+        graph = self._capture(launch)
+        if graph is not None:
+            self._combine_graphs[at] = graph
+        return graph
 
     # ------------------------------------------------------------------ CUDA-graph mode
     def dispatch_static(

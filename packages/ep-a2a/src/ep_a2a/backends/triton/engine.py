@@ -1458,10 +1458,25 @@ class TritonEPEngine:
         )  # fmt: skip
 
     def launch_combine_bound(
-        self, launch: BoundLaunch, y: int, tab: int, ids: int, n_src: int, n: int, out: int
+        self,
+        launch: BoundLaunch,
+        y: int,
+        tab: int,
+        ids: int,
+        n_src: int,
+        n: int,
+        out: int,
+        *,
+        capturing: bool = False,
     ) -> None:
-        """Launch what :meth:`bind_combine` bound, for the tensors at these addresses (``n`` tokens)."""
+        """Launch what :meth:`bind_combine` bound, for the tensors at these addresses (``n`` tokens).
+        ``capturing``: into a CUDA graph being captured (:meth:`combine_replayed` counts each replay)."""
         launch.c_launch(*launch.head, y, tab, ids, n_src, n, out, *launch.tail)
+        if not capturing:
+            self.host_epochs[1] += 1
+
+    def combine_replayed(self) -> None:
+        """Count a replay of a CUDA graph of :meth:`launch_combine_bound`'s launch (a combine)."""
         self.host_epochs[1] += 1
 
     def _halves(self, send: bool, recv: bool) -> list[tuple[bool, bool]]:

@@ -56,8 +56,8 @@ def _cu_graph_launch() -> Callable[[int, int], int] | None:
     return launch
 
 
-class DispatchGraph:
-    """A captured CUDA graph of a dispatch's launches, launched on a given stream by the driver's
+class LaunchGraph:
+    """A captured CUDA graph of a dispatch's or a combine's launches, launched on a given stream by the driver's
     ``cuGraphLaunch`` (what ``CUDAGraph.replay`` calls, without its random-number bookkeeping, which
     a graph of these kernels does not use), or by ``replay`` where the driver cannot be loaded."""
 
@@ -74,7 +74,7 @@ class DispatchGraph:
             return
         err = self.launcher(self.exec, stream)
         if err:
-            raise RuntimeError(f"cuGraphLaunch of an eager dispatch's CUDA graph failed: CUDA error {err}")
+            raise RuntimeError(f"cuGraphLaunch of an eager call's CUDA graph failed: CUDA error {err}")
 
 
 class DispatchWorkspace:
@@ -136,7 +136,7 @@ class DispatchWorkspace:
         self.bound: dict[tuple, object] = {}
         #: CUDA graphs of dispatches into this workspace, by their inputs' addresses (the backend's),
         #: and how often each set of addresses was seen
-        self.graphs: dict[tuple, DispatchGraph] = {}
+        self.graphs: dict[tuple, LaunchGraph] = {}
         self.sightings: dict[tuple, int] = {}
         self._storage = buf.untyped_storage()
         self._cdata = self._storage._cdata
