@@ -14,7 +14,7 @@ from sparse_mla_attn._inputs import (
     random_problem,
 )
 from sparse_mla_attn._runtime import last_launch
-from sparse_mla_attn._validate import check_sparse_inputs
+from sparse_mla_attn._validate import SparseDims, check_sparse_inputs
 from sparse_mla_attn.forward import launch_fwd
 
 
@@ -389,3 +389,24 @@ def test_fwd_gpu_gluon_split_k_persistent():
     cfg = Config(backend="gluon", num_splits=3, fwd_persistent="on")
     check_gluon_fwd(cfg, 128, 576, 1000, 100, 1129, "gpu")
     assert last_launch("fwd").splits > 1
+
+
+@pytest.mark.parametrize(
+    ("h_q", "s_kv", "mode", "persistent"),
+    [
+        (128, 131072, "auto", True),  # two head tiles per token
+        (64, 8192, "auto", True),  # one tile, 9.4 MB of KV rows: within half of a 50 MB L2
+        (64, 32768, "auto", False),
+        (64, 131072, "on", True),
+        (128, 8192, "off", False),
+    ],
+)
+def test_fwd_persistent_rule(monkeypatch, h_q, s_kv, mode, persistent):
+    """``Config.fwd_persistent``: which Gluon forwards run persistent (one program per multiprocessor)."""
+    from sparse_mla_attn import forward
+
+    monkeypatch.setattr(forward, "num_sms", lambda device: 132)
+    monkeypatch.setattr(forward, "l2_cache_bytes", lambda device: 50 << 20)
+    plan = forward.FwdPlan(SparseDims(4, h_q, 576, s_kv, 2048, 512), True, 1, (1,), (), {}, (1,), {}, {})
+    forward.set_gluon_options(plan, Config(fwd_persistent=mode), torch.device("cpu"))
+    assert plan.gluon_options["persistent_programs"] == (132 if persistent else 0)

@@ -372,6 +372,16 @@ def num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=16)
+def _l2_bytes(device_index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0))
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    """L2 cache size of a CUDA device in bytes (0 for any other device)."""
+    return _l2_bytes(_device_index(device)) if device.type == "cuda" else 0
+
+
+@functools.lru_cache(maxsize=16)
 def _capability(device_index: int) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(device_index))  # type: ignore[return-value]
 

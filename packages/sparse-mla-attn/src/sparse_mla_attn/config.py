@@ -51,7 +51,9 @@ class Config:
             persistent: one program per multiprocessor, each taking (token, 64-head tile) work items in
             turn with one shared-memory ring, so that an item's query load, first gathers and output
             stores overlap its neighbours' work. ``"on"``, ``"off"`` (one program per item), or
-            ``"auto"`` (default): persistent where a token has more than one head tile (``h_q > 64``).
+            ``"auto"`` (default): persistent where a token has more than one head tile (``h_q > 64``),
+            and with one head tile where the KV rows (``2 * s_kv * d_qk`` bytes) fit in half of the GPU's
+            L2 cache (up to about 22K rows of 576 on an H100 / H200).
         attn_dist_split: how the two consumer warpgroups of the Gluon ``attn_dist`` (sm_90) share a token
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes

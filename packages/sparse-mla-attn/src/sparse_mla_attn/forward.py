@@ -36,6 +36,7 @@ from sparse_mla_attn._runtime import (
     define_op,
     eager_stream,
     interpreting,
+    l2_cache_bytes,
     last_launch,
     launch,
     launch_context,
@@ -796,10 +797,12 @@ def _plan_fwd_call(
 
 def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> FwdPlan:
     """Give ``plan`` the Gluon forward's options of ``config`` (``fwd_persistent``: one program per
-    multiprocessor of ``device``, by default where a token has more than one 64-head tile); returns
-    ``plan``."""
+    multiprocessor of ``device``, by default where a token has more than one 64-head tile or where the KV
+    rows fit in half of the device's L2 cache, see :class:`Config`); returns ``plan``."""
     mode = config.fwd_persistent
-    persistent = mode == "on" or (mode == "auto" and plan.dims.h_q > 64)
+    dims = plan.dims
+    kv_in_l2 = 2 * dims.s_kv * dims.d_qk * 2 <= l2_cache_bytes(device)  # bf16 / fp16 rows
+    persistent = mode == "on" or (mode == "auto" and (dims.h_q > 64 or kv_in_l2))
     plan.gluon_options = {"persistent_programs": num_sms(device) if persistent else 0}
     return plan
 

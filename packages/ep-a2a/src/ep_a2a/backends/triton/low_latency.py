@@ -52,6 +52,7 @@ from ep_a2a.backends.triton.engine import (
     interpreting,
 )
 from ep_a2a.backends.triton.kernels import (
+    _and,
     _load_ids,
     _load_pairs,
     _peer_ptr,
@@ -168,6 +169,22 @@ def _ll_send_rows(x_ptr, toks, tm, dest, valid, table_ptr, rank, p, off_x, S: tl
                 need = ((bits >> r) & 1) != 0
                 px = _peer_ptr(table_ptr, r, off_x, x_ptr.dtype.element_ty)
                 tl.store(px + row[:, None] * XS + h0 + hh[None, :], xt, mask=need[:, None] & hm[None, :])
+
+
+@triton.jit
+def _ll_recv_rows(ii, total, incl, excl, sp, fi, slot_here, p, W: tl.constexpr, T: tl.constexpr, K_: tl.constexpr,
+                  WP: tl.constexpr):  # fmt: skip
+    """Output rows ``ii`` of a dispatch: whether each is valid, its local expert and source, the index of
+    its entry in the source's slot list and that entry (``t * K + k``, loaded)."""
+    im = ii < total
+    f = tl.sum((incl[None, :] <= ii[:, None]).to(tl.int32), 1)  # its (local expert, source) block
+    sel = fi[None, :] == f[:, None]
+    base = tl.sum(tl.where(sel, excl[None, :], 0), 1)
+    j = tl.sum(tl.where(sel, sp[None, :], 0), 1) + (ii - base)
+    le, s = f // WP, f % WP
+    at = (p * W + s) * (T * K_) + j
+    sl = tl.load(slot_here + at, mask=im, other=0, cache_modifier=".cg")
+    return ii, im, le, s, at, sl
 
 
 @triton.jit(do_not_specialize=["n", "bad", "rank", "timeout", "id64", "G"])
@@ -307,16 +324,14 @@ def _ll_dispatch_kernel(
             slot_here = _peer_ptr(table_ptr, rank, off_slot, tl.int32)
             w_here = _peer_ptr(table_ptr, rank, off_w, tl.float32)
             i0 = pid * RROWS
+            ii, im, le, s, at, sl = _ll_recv_rows(
+                i0 + rr, total, incl, excl, sp, fi, slot_here, p, W, T, K_, WP
+            )
             while i0 < total:
-                ii = i0 + rr
-                im = ii < total
-                f = tl.sum((incl[None, :] <= ii[:, None]).to(tl.int32), 1)
-                sel = fi[None, :] == f[:, None]
-                base = tl.sum(tl.where(sel, excl[None, :], 0), 1)
-                j = tl.sum(tl.where(sel, sp[None, :], 0), 1) + (ii - base)
-                le, s = f // WP, f % WP
-                at = (p * W + s) * (T * K_) + j
-                sl = tl.load(slot_here + at, mask=im, other=0, cache_modifier=".cg")
+                # the next rows' slots are loaded while these rows are copied (one round trip per step)
+                nxt = _ll_recv_rows(
+                    i0 + G * RROWS + rr, total, incl, excl, sp, fi, slot_here, p, W, T, K_, WP
+                )
                 t = sl // K_
                 tl.store(out_e_ptr + ii, le.to(tl.int32), mask=im)
                 if HAS_W:
@@ -332,6 +347,22 @@ def _ll_dispatch_kernel(
                     xt = tl.load(x_here + src[:, None] + h0 + hh[None, :], mask=m, cache_modifier=".cg")
                     tl.store(out_ptr + ii.to(tl.int64)[:, None] * S + h0 + hh[None, :], xt, mask=m)
                 i0 += G * RROWS
+                ii, im, le, s, at, sl = nxt
+
+
+@triton.jit
+def _ll_comb_item(item, n_src, ss, kk, tab_ptr, dep, W: tl.constexpr, T: tl.constexpr, K_: tl.constexpr,
+                  CH: tl.constexpr, NCH: tl.constexpr):  # fmt: skip
+    """Work item ``item`` of a combine's expert side (source ``s``, a chunk of its tokens): the source, the
+    tokens, which of their slots the latest dispatch (epoch ``dep``) brought here and their output rows
+    (nothing past the last item or the source's tokens)."""
+    s = item // NCH
+    toks = (item % NCH) * CH + tl.arange(0, CH)
+    ns = tl.sum(tl.where(ss == s, n_src, 0), 0)
+    m2 = _and((toks < ns)[:, None] & (kk < K_)[None, :], item < W * NCH)
+    e = tl.load(tab_ptr + (s * T + toks)[:, None] * K_ + kk[None, :], mask=m2, other=0)
+    here = m2 & ((e >> 32) == dep)
+    return s, toks, here, tl.where(here, e & tl.full([], _TOO_MANY, tl.int64), 0)
 
 
 @triton.jit(do_not_specialize=["n", "rank", "timeout", "id64", "G"])
@@ -361,31 +392,26 @@ def _ll_combine_kernel(
             n_src = tl.load(info_ptr + 2 + ss, mask=ss < W, other=0)
             nch: tl.constexpr = (T + CH - 1) // CH
             item = pid
+            s, toks, here, rows = _ll_comb_item(item, n_src, ss, kk, tab_ptr, dep, W, T, K_, CH, nch)
             while item < W * nch:
-                s = item // nch
-                c = item % nch
-                ns = tl.sum(tl.where(ss == s, n_src, 0), 0)
-                if c * CH < ns:
-                    toks = c * CH + tl.arange(0, CH)
-                    m2 = (toks < ns)[:, None] & (kk < K_)[None, :]
-                    e = tl.load(tab_ptr + (s * T + toks)[:, None] * K_ + kk[None, :], mask=m2, other=0)
-                    here = m2 & ((e >> 32) == dep)
-                    rows = tl.where(here, e & tl.full([], _TOO_MANY, tl.int64), 0)
-                    anyk = tl.max(here.to(tl.int32), 1) > 0
-                    dst = _peer_ptr(table_ptr, s, off_cx, y_ptr.dtype.element_ty)
-                    drow = ((p * W + rank) * T + toks).to(tl.int64) * H
-                    # (whole rows on a GPU: one pass, the slots' loads all in flight; slot order)
-                    for h0 in range(0, H, BH):
-                        hm = (h0 + hh) < H
-                        acc = tl.zeros([CH, BH], tl.float32)
-                        for k in tl.static_range(K_):
-                            hk = tl.sum(tl.where(kk[None, :] == k, here.to(tl.int32), 0), 1) > 0
-                            rk = tl.sum(tl.where(kk[None, :] == k, rows, 0), 1)
-                            acc += tl.load(y_ptr + rk[:, None] * H + h0 + hh[None, :], mask=hk[:, None] & hm[None, :],
-                                           other=0.0).to(tl.float32)  # fmt: skip
-                        tl.store(dst + drow[:, None] + h0 + hh[None, :], acc.to(y_ptr.dtype.element_ty),
-                                 mask=anyk[:, None] & hm[None, :])  # fmt: skip
+                # the next item's slot-table row is loaded while this one's rows are summed and sent
+                nxt = _ll_comb_item(item + G, n_src, ss, kk, tab_ptr, dep, W, T, K_, CH, nch)
+                anyk = tl.max(here.to(tl.int32), 1) > 0
+                dst = _peer_ptr(table_ptr, s, off_cx, y_ptr.dtype.element_ty)
+                drow = ((p * W + rank) * T + toks).to(tl.int64) * H
+                # (whole rows on a GPU: one pass, the slots' loads all in flight; slot order)
+                for h0 in range(0, H, BH):
+                    hm = (h0 + hh) < H
+                    acc = tl.zeros([CH, BH], tl.float32)
+                    for k in tl.static_range(K_):
+                        hk = tl.sum(tl.where(kk[None, :] == k, here.to(tl.int32), 0), 1) > 0
+                        rk = tl.sum(tl.where(kk[None, :] == k, rows, 0), 1)
+                        acc += tl.load(y_ptr + rk[:, None] * H + h0 + hh[None, :], mask=hk[:, None] & hm[None, :],
+                                       other=0.0).to(tl.float32)  # fmt: skip
+                    tl.store(dst + drow[:, None] + h0 + hh[None, :], acc.to(y_ptr.dtype.element_ty),
+                             mask=anyk[:, None] & hm[None, :])  # fmt: skip
                 item += G
+                s, toks, here, rows = nxt
         tl.debug_barrier()
         old = tl.atomic_add(state_ptr + LL_COMBINE_ARRIVE, 1, sem="acq_rel", scope="sys")
         if old == G - 1:
