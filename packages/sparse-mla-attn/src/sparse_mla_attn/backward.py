@@ -13,13 +13,17 @@ Backward, with ``D[h] = Σ_d dout[s, h, d] * out[s, h, d]``::
               + Σ_h P[h, t] dout[s, h]                                             (first d_v channels)
 
 Invalid slots (index ``< 0`` or ``>= s_kv``, or above the causal limit) carry ``P = 0`` and are never
-dereferenced. Three kernels run per chunk of query tokens: ``D = rowsum(dout * out)``; a main kernel
-(one program per token and head block) that recomputes ``S``/``P``, forms ``dS``, writes it (scaled, in the
-input dtype) to a workspace and reduces ``dS^T q + P^T dout`` into ``dkv`` with fp32 atomics; and a ``dq``
-kernel that multiplies the workspace ``dS`` by the gathered rows. In the deterministic mode the main
-kernel writes its per-(token, slot) ``dkv`` contributions to an fp32 workspace instead, and a reduction
-kernel sums them per KV row in a fixed order (pairs sorted by (row, token, slot)), so the result is
-bit-identical from run to run.
+dereferenced. ``D = rowsum(dout * out)`` comes first; then, per chunk of query tokens, a main kernel (one
+program per token and head block) recomputes ``S``/``P``, forms ``dS`` and writes it (scaled, in the input
+dtype) and ``P`` to workspaces; a ``dq`` kernel multiplies the workspace ``dS`` by the gathered rows; and a
+``dkv`` kernel (one program per token and block of slots, with all its heads, up to 128) sums
+``dS^T q + P^T dout`` over the heads and adds each (token, slot) row into an fp32 ``dkv`` with atomics. Above
+128 heads the main kernel forms the ``dkv`` products itself, per head block. Up to 128 heads each token's
+slots are first sorted by index, and the ``dkv`` programs in flight work on the same slot block of
+neighbouring tokens, so that their atomics touch a narrow range of rows that stays in L2 (``attn_sum`` is
+put back in the caller's slot order). In the deterministic mode the per-(token, slot) ``dkv`` contributions
+go to an fp32 workspace instead, and a reduction kernel sums them per KV row in a fixed order (pairs sorted
+by (row, token, slot)), so the result is bit-identical from run to run.
 """
 
 from __future__ import annotations
