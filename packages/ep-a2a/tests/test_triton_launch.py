@@ -686,10 +686,11 @@ def test_eager_graphs_replay_repeated_combines(monkeypatch):
         def launch(self, stream: int) -> None:
             events.append("replay")
 
-    def capture(launch):
+    def capture(launch, graphs, at):
         assert launch(99)
         be.graph_captures += 1
-        return _Graph()
+        graphs[at] = _Graph()
+        return graphs[at]
 
     monkeypatch.setattr(be, "_capture", capture)
     H = be.config.hidden

@@ -247,6 +247,10 @@ def test_decode_gpu(b, h_q, block_size, seqlen, topk):
         again = sparse_mla_decode(*[t.clone() for t in args], 1 / math.sqrt(576))
         for a, e in zip(again, got, strict=True):
             torch.testing.assert_close(a, e, rtol=0, atol=0)
+    # New values in new tensors (q and the cache scaled by powers of two): a replayed launch that read
+    # the earlier call's tensors would give the earlier result.
+    new = ((args[0].float() * -0.5).to(args[0].dtype), args[1] * 0.5, *[t.clone() for t in args[2:]])
+    check(sparse_mla_decode(*new, 1 / math.sqrt(576)), new, 1 / math.sqrt(576), 8e-4, 2e-2)
 
 
 def test_decode_batch_zero_returns_empty():

@@ -239,6 +239,10 @@ def test_fwd_gpu(s_q, h_q, d_qk, s_kv, topk):
     assert torch.all(got[0][0] == 0)
     assert torch.all(got[2][0] == float("-inf"))
     assert_repeats_equal(lambda: sparse_mla_fwd(q.clone(), kv.clone(), idx.clone(), scale), got)
+    # New values in new tensors (scaled by powers of two): a replayed launch that read the earlier call's
+    # tensors would give the earlier result.
+    q2, kv2 = (q.float() * -0.5).bfloat16(), kv * 0.5
+    check_fwd(sparse_mla_fwd(q2, kv2, idx.clone(), scale), q2, kv2, idx, scale, "gpu")
 
 
 def assert_repeats_equal(call, expected):
@@ -269,6 +273,9 @@ def test_fwd_gpu_causal_sink_topk_length():
         ),
         got,
     )
+    q2, kw2 = (q.float() * -0.5).bfloat16(), {**fresh(), "attn_sink": sink * 0.5}  # replayed on new values
+    got2 = sparse_mla_fwd(q2, kv, idx, 0.04, config=Config(num_splits=3), **kw2)
+    check_fwd(got2, q2, kv, idx, 0.04, "gpu_few", **kw2)
 
 
 @pytest.mark.gpu

@@ -299,6 +299,35 @@ def _check_decode_replay() -> int:
     return checked
 
 
+def test_replay_binds_pointers_and_refuses_views() -> None:
+    """A replay passes the call's data pointers where the recorded call's own tensors were and its scale
+    where the recorded scale was, and the kept tensors' pointers and every other value as recorded; it is
+    not made when a launch got a view of one of the call's tensors, or when two of them are one tensor."""
+    import torch
+
+    from sparse_mla_attn._runtime import LaunchReplay
+
+    class Kernel:
+        function = "function"
+        packed_metadata = "packed"
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[Any, ...]] = []
+
+        def run(self, *args: Any) -> None:
+            self.calls.append(args)
+
+    k = Kernel()
+    x, y, kept = torch.zeros(4), torch.zeros(4), torch.zeros(2)
+    replay = LaunchReplay.bind([(k, (3, 1, 1), (y, kept, 0.5, 0.25, 7, None, x))], (x, y), 0.5, 99, None)
+    assert replay is not None
+    replay.run(111, 222, 0.75)
+    assert k.calls == [(3, 1, 1, 99, "function", "packed", None, None, None, 222, kept.data_ptr(), 0.75, 0.25, 7,
+                        None, 111)]  # fmt: skip
+    assert LaunchReplay.bind([(k, (1, 1, 1), (x[1:],))], (x, y), 0.5, 99, None) is None
+    assert LaunchReplay.bind([(k, (1, 1, 1), (x,))], (x, x), 0.5, 99, None) is None
+
+
 def test_cached_launch_passes_tritons_arguments() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, HERE], env=env, capture_output=True, text=True, timeout=600)

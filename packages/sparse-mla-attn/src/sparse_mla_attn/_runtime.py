@@ -232,10 +232,17 @@ class LaunchReplay:
     ) -> LaunchReplay | None:  # fmt: skip
         """The replay of ``records`` (from :func:`record_launches`) on ``stream``, in which a float argument
         equal to ``scale`` (the recorded call's scale) becomes the later call's; ``None`` when two of
-        ``per_call`` are one tensor (a later call could pass them apart)."""
+        ``per_call`` are one tensor (a later call could pass them apart) or a launch got a view of one of
+        them (its data pointer would not follow the later call's tensor)."""
         ids = [id(t) for t in per_call if t is not None]
         if len(set(ids)) != len(ids):
             return None
+        storages = {t.untyped_storage().data_ptr() for t in per_call if t is not None}
+        for _, _, args in records:
+            for a in args:
+                if (isinstance(a, torch.Tensor) and all(a is not t for t in per_call)
+                        and a.untyped_storage().data_ptr() in storages):  # fmt: skip
+                    return None
         consts: dict[str, Any] = {"_stream": stream}
         keep: list[torch.Tensor] = []
         lines = []

@@ -401,7 +401,8 @@ def _gather_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[c, topk]`` indices -> (rows ``[c, topk, d]`` in ``cdt`` with invalid rows zero, valid mask)."""
     valid = (idx >= 0) & (idx < k_idx.shape[0])
-    rows = k_idx.to(cdt)[idx.clamp(0, k_idx.shape[0] - 1)]
+    # Gathered, then converted: the same values as converting all of k_idx first, for the chunk's rows only.
+    rows = k_idx[idx.clamp(0, k_idx.shape[0] - 1)].to(cdt)
     return rows * valid[..., None], valid
 
 
@@ -530,19 +531,17 @@ class _IndexerKLLoss(torch.autograd.Function):
         cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
         lg = logits.to(cdt)
         valid = torch.isfinite(lg)
-        target = torch.where(valid, attn_sum.to(cdt).clamp_min(0), torch.zeros_like(lg))
+        # (Scalar fill values where a full tensor would cost one more launch: same values.)
+        target = torch.where(valid, attn_sum.to(cdt).clamp_min(0), 0.0)
         total = target.sum(-1, keepdim=True)
         has = total > 0
-        p = torch.where(
-            has, target / torch.where(has, total, torch.ones_like(total)), torch.zeros_like(target)
-        )
-        lg_safe = torch.where(valid, lg, torch.full_like(lg, -1e30))
+        p = torch.where(has, target / torch.where(has, total, 1.0), 0.0)
+        lg_safe = torch.where(valid, lg, -1e30)
         logq = lg_safe - torch.logsumexp(lg_safe, -1, keepdim=True)
-        plogp = torch.where(
-            p > 0, p * torch.log(torch.where(p > 0, p, torch.ones_like(p))), torch.zeros_like(p)
-        )
-        loss_rows = (plogp - torch.where(p > 0, p * logq, torch.zeros_like(p))).sum(-1)
-        q_prob = torch.where(valid & has, torch.exp(logq), torch.zeros_like(lg))
+        pos = p > 0
+        plogp = torch.where(pos, p * torch.log(torch.where(pos, p, 1.0)), 0.0)
+        loss_rows = (plogp - torch.where(pos, p * logq, 0.0)).sum(-1)
+        q_prob = torch.where(valid & has, torch.exp(logq), 0.0)
         ctx.save_for_backward(q_prob, p)
         ctx.in_dtype = logits.dtype
         return loss_rows
