@@ -179,15 +179,19 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "bwd_h64_d512": lambda: bwd(64, 512, False),
         "bwd_h256": lambda: bwd(256, 576, False),
         "bwd_h256_det": lambda: bwd(256, 576, True, True),
-        "bwd_h128_sorted_tok_group": lambda: bwd_tiles(128, False, {"SORT_IDX": 1, "TOK_GROUP": 64}),
-        "bwd_h128_det_fixed_point": lambda: bwd_tiles(
-            128, True, {"DET_FIXED": 1, "SORT_IDX": 1, "TOK_GROUP": 64}
-        ),
-        "bwd_h256_det_fixed_point": lambda: bwd_tiles(256, True, {"DET_FIXED": 1}),
-        "bwd_h128_rope_in_loop": lambda: bwd_tiles(
+        # The kernels without the defaults' slot sort, grouped dkv launch, rope chunk in the loops and index
+        # prefetch, at 128-slot main blocks.
+        "bwd_h128_unsorted": lambda: bwd_tiles(
             128,
             False,
-            {"ROPE_IN_LOOP": 1, "IDX_PREFETCH": 1, "N_CSPLIT": 1, "BLOCK_T": 256, "chunk_stages": 3},
+            {
+                "SORT_IDX": 0,
+                "TOK_GROUP": 1,
+                "ROPE_IN_LOOP": 0,
+                "IDX_PREFETCH": 0,
+                "N_CSPLIT": 2,
+                "BLOCK_T": 128,
+            },
         ),
         "indexer": lambda: indexer(False),
         "indexer_causal": lambda: indexer(True),

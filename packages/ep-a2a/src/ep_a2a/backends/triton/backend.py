@@ -581,10 +581,10 @@ class TritonBackend(A2ABackend):
             return False
         return len(graphs) < GRAPHS_PER_WORKSPACE
 
-    def _capture(self, launch: Callable[[int], bool]) -> LaunchGraph | None:
+    def _capture(self, launch: Callable[[int], bool], graphs: dict, at: tuple) -> LaunchGraph | None:
         """A CUDA graph of what ``launch(stream)`` launches on the raw ``stream`` it is given (a side
-        stream, under capture; it returns ``False`` where it launched nothing); ``None`` (and no graphs
-        from now on, with a warning) where the capture fails."""
+        stream, under capture; it returns ``False`` where it launched nothing), kept in ``graphs`` under
+        ``at``; ``None`` (and no graphs from now on, with a warning) where the capture fails."""
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)
         stream = self._capture_stream
@@ -608,7 +608,8 @@ class TritonBackend(A2ABackend):
         if not launched:
             return None
         self.graph_captures += 1
-        return LaunchGraph(graph)
+        graphs[at] = kept = LaunchGraph(graph)
+        return kept
 
     def _capture_merged(
         self,
@@ -636,10 +637,7 @@ class TritonBackend(A2ABackend):
                 self.engine.launch_merged_bound(launches, *at[1:], capturing=True)
             return launches is not None
 
-        graph = self._capture(launch)
-        if graph is not None:
-            ws.graphs[at] = graph
-        return graph
+        return self._capture(launch, ws.graphs, at)
 
     def _result(
         self,
@@ -908,10 +906,7 @@ class TritonBackend(A2ABackend):
                 self.engine.launch_combine_bound(bound, *at[1:], capturing=True)
             return bound is not None
 
-        graph = self._capture(launch)
-        if graph is not None:
-            self._combine_graphs[at] = graph
-        return graph
+        return self._capture(launch, self._combine_graphs, at)
 
     # ------------------------------------------------------------------ CUDA-graph mode
     def dispatch_static(
