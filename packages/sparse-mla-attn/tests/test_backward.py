@@ -179,6 +179,8 @@ def test_bwd_kernel_matches_autograd(s_q, h_q, d_qk, d_v, s_kv, topk, kw, dtype)
 
 
 SUB = {"BLOCK_H": 16, "N_SUB": 2, "SPLIT_DKV": 0}
+# The kernels without the slot sort, the grouped dkv launch, the rope chunk in the loops and the index prefetch.
+UNSORTED = {"SORT_IDX": 0, "TOK_GROUP": 1, "ROPE_IN_LOOP": 0, "IDX_PREFETCH": 0, "N_CSPLIT": 2}
 CONFIG_CASES = [
     pytest.param(
         18,
@@ -189,6 +191,10 @@ CONFIG_CASES = [
         id="fused-H18-causal",
     ),
     pytest.param(40, 96, 64, {}, {"BLOCK_H": 16, "N_SUB": 2}, id="split-nsub2-H40"),
+    pytest.param(
+        18, 576, 512, {"causal": True, "q_start_index": 7}, UNSORTED, id="unsorted-csplit2-d576-causal"
+    ),
+    pytest.param(7, 96, 64, {}, {**UNSORTED, "N_CSPLIT": 3, "BLOCK_C_DKV": 16}, id="unsorted-csplit3-uneven"),
     pytest.param(130, 96, 64, {}, {}, id="H130-fused-above-128-heads"),
     pytest.param(5, 96, 64, {}, {"BLOCK_T_DKV": 32, "BLOCK_C_DKV": 64}, id="split-T32-C64-H5"),
     pytest.param(7, 96, 64, {"causal": True, "q_start_index": 5}, {"N_CSPLIT": 2}, id="split-csplit2-causal"),
@@ -454,7 +460,9 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
     dq4, dkv4 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, sub, **kw)
     dq5, dkv5 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, sub, deterministic=True, **kw)
     dq6, dkv6 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, {"SPLIT_DKV": 0}, **kw)
-    for a, b in ((dq, dkv), (dq2, dkv2), (dq4, dkv4), (dq5, dkv5), (dq6, dkv6)):
+    # The kernels without the slot sort and the other launch options of the defaults (128-slot main blocks).
+    dq7, dkv7 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, {**UNSORTED, "BLOCK_T": 128}, **kw)
+    for a, b in ((dq, dkv), (dq2, dkv2), (dq4, dkv4), (dq5, dkv5), (dq6, dkv6), (dq7, dkv7)):
         assert torch.isfinite(a).all()
         assert torch.isfinite(b).all()
         assert rel_err(a, dq_ref) < REL_TOL[torch.bfloat16], rel_err(a, dq_ref)

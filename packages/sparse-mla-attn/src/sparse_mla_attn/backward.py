@@ -436,13 +436,16 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
         return {"BLOCK_H": block_h, "BLOCK_T": 16, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 32,
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
                 "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
-                "SPLIT_DKV": 1, "BLOCK_T_DKV": 16, "BLOCK_C_DKV": min(d_v, 32), "num_warps_dkv": 4, "chunk_stages_dkv": 1, "N_CSPLIT": 2,
-                "SORT_IDX": 0, "TOK_GROUP": 1, "DET_FIXED": 0, "ROPE_IN_LOOP": 0, "IDX_PREFETCH": 0}  # fmt: skip
-    # Main kernel: 64 heads x 128 slots, 64-channel chunks, four in flight. dkv kernel (h_q <= 128): all heads
-    # x 64 slots, 4 warps, 112 KB of shared memory (two programs per SM), channels in two groups launched one
-    # after the other (each group's half of the fp32 dkv buffer fits in L2). The deterministic mode writes a
-    # contiguous workspace instead: 128 slots / 8 warps / one group. The fused kernel (h_q > 128):
-    # 64-head x 128-slot blocks; deterministic two 64-head halves (N_SUB 2).
+                "SPLIT_DKV": 1, "BLOCK_T_DKV": 16, "BLOCK_C_DKV": min(d_v, 32), "num_warps_dkv": 4, "chunk_stages_dkv": 1, "N_CSPLIT": 1,
+                "SORT_IDX": int(h_q <= 128), "TOK_GROUP": 3 if h_q <= 128 else 1, "DET_FIXED": 0,
+                "ROPE_IN_LOOP": int(h_q <= 128), "IDX_PREFETCH": int(h_q <= 128)}  # fmt: skip
+    # h_q <= 128: each token's slots sorted by index. Main kernel: 64 heads x 256 slots (64 heads x 128 below
+    # 33 heads), 64-channel chunks (the rope one last) four in flight, the next block's indices loaded ahead.
+    # dkv kernel: all heads x 64 slots, 4 warps, 112 KB of shared memory (two programs per SM), every channel
+    # in one launch, launched as (64 tokens, slot block, token): the programs in flight share a slot block,
+    # so with sorted slots their atomics hit a narrow range of rows that stays in L2. The deterministic mode
+    # writes a contiguous workspace instead: 128 slots / 8 warps. The fused kernel (h_q > 128): 64-head x
+    # 128-slot blocks; deterministic two 64-head halves (N_SUB 2).
     cfg = {"BLOCK_H": block_h, "BLOCK_T": 128, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 128,
            "BLOCK_H_DQ": max(16, next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
@@ -450,9 +453,11 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
            "SPLIT_DKV": 1, "BLOCK_T_DKV": 64, "BLOCK_C_DKV": min(d_v, 64), "num_warps_dkv": 4, "chunk_stages_dkv": 2, "N_CSPLIT": 2,
            "SORT_IDX": 0, "TOK_GROUP": 1, "DET_FIXED": 0, "ROPE_IN_LOOP": 0, "IDX_PREFETCH": 0}  # fmt: skip
     if h_q <= 128:  # separate all-heads dkv kernel: the main kernel is the same in both modes
-        cfg.update(chunk_stages=4)
-        if deterministic:  # the dkv kernel writes a contiguous workspace: no L2 footprint to shrink
-            cfg.update(BLOCK_T_DKV=128, num_warps_dkv=8, chunk_stages_dkv=3, N_CSPLIT=1)
+        cfg.update(chunk_stages=4, N_CSPLIT=1, SORT_IDX=1, TOK_GROUP=64, ROPE_IN_LOOP=1, IDX_PREFETCH=1)
+        if block_h == 64:
+            cfg.update(BLOCK_T=256)
+        if deterministic:  # the dkv kernel writes a contiguous workspace
+            cfg.update(BLOCK_T_DKV=128, num_warps_dkv=8, chunk_stages_dkv=3)
     elif deterministic:  # the fused kernel (dkv products in the main kernel), h_q > 128
         cfg.update(N_SUB=2, SPLIT_DKV=0)
     else:  # four channel chunks in flight

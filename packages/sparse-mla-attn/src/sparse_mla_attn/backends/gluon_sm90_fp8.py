@@ -48,7 +48,7 @@ if HAVE_GLUON:
     from sparse_mla_attn.backends.gluon_sm90 import _fwd_item, _load_q_rows, _ws_wait_full
 
     @gluon.jit
-    def _fp8_rows(idx, hi, kv_block_size, stride_kv_block, TOKEN_BYTES: gl.constexpr):
+    def _fp8_rows(idx, hi, kv_block_size: gl.constexpr, stride_kv_block, TOKEN_BYTES: gl.constexpr):
         """Byte offsets of cache rows ``idx`` (row ``block * kv_block_size + t``) and their validity."""
         valid = (idx >= 0) & (idx < hi)
         safe = gl.where(valid, idx, 0)
@@ -71,7 +71,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _prefetch_block(
-        KV8, idx_row, k, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T: gl.constexpr
+        KV8,
+        idx_row,
+        k,
+        n_blocks,
+        n_t,
+        hi,
+        kv_block_size: gl.constexpr,
+        stride_kv_block,
+        offs_tp,
+        BLOCK_T: gl.constexpr,
     ):
         """Prefetch the cache rows of block ``k`` (if ``k < n_blocks``) into L2."""
         offs = k * BLOCK_T + offs_tp
@@ -128,7 +137,7 @@ if HAVE_GLUON:
         staged_bar,
         empty_bars,
         KV,
-        kv_block_size,
+        kv_block_size: gl.constexpr,
         stride_kv_block,
         hi,
         BLOCK_T: gl.constexpr,
@@ -199,7 +208,7 @@ if HAVE_GLUON:
         empty_bars,
         staged_bars,
         KV,
-        kv_block_size,
+        kv_block_size: gl.constexpr,
         stride_kv_block,
         idx_row,
         n_t,
@@ -436,11 +445,11 @@ if HAVE_GLUON:
         n_head_tiles,
         topk,
         s_kv,
-        kv_block_size,
         stride_kv_block,
         sm_scale_log2,
         n_tok,
         split_len,
+        KV_BLOCK: gl.constexpr,
         BLOCK_T: gl.constexpr,
         V_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
@@ -501,7 +510,7 @@ if HAVE_GLUON:
                     p_sync.index(2), OUT, out_base, so_h, h_q, h0, n_blocks,
                 )),
                 (_fp8_producer, (
-                    kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bars, KV, kv_block_size,
+                    kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bars, KV, KV_BLOCK,
                     stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T,
                 )),
             ],
@@ -542,11 +551,14 @@ def launch_decode_fp8_gluon(
     assert kv_cache.shape[-1] == FP8_TOKEN_BYTES
     n_head_tiles = cdiv(dims.h_q, 64)
     n_splits, split_len = splits
-    consts = dict(BLOCK_T=64, V_REGS=FP8_V_REGS, PRODUCER_REGS=FP8_PRODUCER_REGS, num_warps=4)
+    # The block size is a constant of the kernel: the row offsets divide by it (a shift for powers of two).
+    consts = dict(
+        KV_BLOCK=kv_paging[0], BLOCK_T=64, V_REGS=FP8_V_REGS, PRODUCER_REGS=FP8_PRODUCER_REGS, num_warps=4
+    )
     if n_splits > 1:
         consts["SPLIT_K"] = True
     args = (q, kv_cache, idx, out, max_logits, lse, *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv,
-            *kv_paging, sm_scale_log2, dims.s_q, split_len if n_splits > 1 else dims.topk)  # fmt: skip
+            kv_paging[1], sm_scale_log2, dims.s_q, split_len if n_splits > 1 else dims.topk)  # fmt: skip
     return launch(
         _sparse_mla_decode_fp8_kernel, (n_splits * dims.s_q * n_head_tiles,), slots,
         "gluon_fp8" if n_splits == 1 else "gluon_fp8_split", args, consts, ctx,
