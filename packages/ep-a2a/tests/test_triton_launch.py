@@ -1082,6 +1082,43 @@ def test_bound_launches_on_one_gpu(monkeypatch, merged, chunk):
     assert all(eng.direct_launches > 0 for eng in sim.engines)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [64, 1024], ids=["T64", "T1024"])
+def test_combine_on_one_gpu(tokens):
+    """The compiled dispatch and combine kernels on one GPU, four simulated ranks whose heaps are buffers
+    of this GPU (each step's sending launches before its receiving ones): every rank's combine, whose
+    expert side stores a chunk's rows to every peer before publishing their flags, against the
+    reference within two bf16 roundings."""
+    from ep_a2a.backends.triton.simulate import SimWorld
+    from ep_a2a.reference import combine_ref, dispatch_ref
+
+    world, hidden, topk, experts = 4, 2048, 8, 64
+    sim = SimWorld(
+        world_size=world, device="cuda", max_tokens=tokens, hidden=hidden, topk=topk, num_tot_experts=experts,
+        num_sm=16, chunk=8, timeout_s=20.0,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(tokens)
+    for _ in range(2):
+        ns = [tokens - 5 * r for r in range(world)]
+        xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in ns]
+        ids = [torch.rand(n, experts, generator=gen).argsort(1)[:, :topk].int() for n in ns]
+        res = sim.dispatch([x.cuda() for x in xs], [i.cuda() for i in ids], merged=True)
+        ref, scat = dispatch_ref(xs, ids, None, num_tot_experts=experts)
+        ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in ref]
+        outs = sim.combine([y.cuda() for y in ys], res, [i.cuda() for i in ids])
+        torch.cuda.synchronize()
+        want = combine_ref([y.float() for y in ys], ids, scat, num_tot_experts=experts)
+        mag = combine_ref([y.float().abs() for y in ys], ids, scat, num_tot_experts=experts)
+        for r in range(world):
+            err = (outs[r].float().cpu() - want[r]).abs()
+            assert bool((err <= 2.0**-7 * mag[r] + 1e-30).all()), (
+                f"rank {r}: combine error {float(err.max())}"
+            )
+    for eng in sim.engines:
+        eng.check_error()
+
+
 def test_rows_allocated_ahead():
     """The large layers' exact-shape dispatch allocates row outputs ahead from the last calls' counts:
     a call repeating the count that set the guess fits, a fitting call leaves at most a third of its

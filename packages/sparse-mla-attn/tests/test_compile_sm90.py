@@ -152,12 +152,17 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         # The Gluon decode / forward split-K (the default of a split grid at h_q > 32 on sm_90).
         "dec_b64_h64_gluon_split2": lambda: decode(64, 64, 2048, "auto"),
         "fwd_h128_extras_gluon_split3": lambda: fwd(128, 576, gluon_backend, True, num_splits=3),
-        # FP8 cache (always the Triton kernel): unsplit at h_q 128 / 64, split-K with both merges, h_q 16.
-        "dec_fp8_b64_s2_h128_rows": lambda: decode(64, 128, 2048, "auto", fp8=True, rows=True, s_q=2),
+        # FP8 cache, the Triton kernel: unsplit at h_q 128, split-K with both merges, h_q 16 (the default
+        # there), and the default at h_q 128 on sm_90 with a split merged by the merge kernel (Gluon).
+        "dec_fp8_b64_s2_h128_rows_triton": lambda: decode(
+            64, 128, 2048, "triton", fp8=True, rows=True, s_q=2
+        ),
         "dec_fp8_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program", fp8=True),
+        "dec_fp8_b2_splitk_merge_kernel_triton": lambda: decode(2, 128, 2048, "triton", "kernel", fp8=True),
         "dec_fp8_b2_splitk_merge_kernel": lambda: decode(2, 128, 2048, "auto", "kernel", fp8=True),
         "dec_fp8_b1_h16_splitk": lambda: decode(1, 16, 2048, "auto", "last_program", fp8=True),
-        # The Gluon FP8 decode (sm_90): unsplit at h_q 128 (both index kinds) and split-K at h_q 64.
+        # The Gluon FP8 decode (sm_90, the default at h_q > 32): unsplit at h_q 128 (both index kinds) and
+        # split-K at h_q 64.
         "dec_fp8_b64_s2_h128_gluon": lambda: decode(64, 128, 2048, gluon_backend, fp8=True, s_q=2),
         "dec_fp8_b64_h128_rows_gluon": lambda: decode(64, 128, 2048, gluon_backend, fp8=True, rows=True),
         "dec_fp8_b64_h64_gluon_split2": lambda: decode(64, 64, 2048, gluon_backend, fp8=True),
@@ -174,15 +179,19 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "bwd_h64_d512": lambda: bwd(64, 512, False),
         "bwd_h256": lambda: bwd(256, 576, False),
         "bwd_h256_det": lambda: bwd(256, 576, True, True),
-        "bwd_h128_sorted_tok_group": lambda: bwd_tiles(128, False, {"SORT_IDX": 1, "TOK_GROUP": 64}),
-        "bwd_h128_det_fixed_point": lambda: bwd_tiles(
-            128, True, {"DET_FIXED": 1, "SORT_IDX": 1, "TOK_GROUP": 64}
-        ),
-        "bwd_h256_det_fixed_point": lambda: bwd_tiles(256, True, {"DET_FIXED": 1}),
-        "bwd_h128_rope_in_loop": lambda: bwd_tiles(
+        # The kernels without the defaults' slot sort, grouped dkv launch, rope chunk in the loops and index
+        # prefetch, at 128-slot main blocks.
+        "bwd_h128_unsorted": lambda: bwd_tiles(
             128,
             False,
-            {"ROPE_IN_LOOP": 1, "IDX_PREFETCH": 1, "N_CSPLIT": 1, "BLOCK_T": 256, "chunk_stages": 3},
+            {
+                "SORT_IDX": 0,
+                "TOK_GROUP": 1,
+                "ROPE_IN_LOOP": 0,
+                "IDX_PREFETCH": 0,
+                "N_CSPLIT": 2,
+                "BLOCK_T": 128,
+            },
         ),
         "indexer": lambda: indexer(False),
         "indexer_causal": lambda: indexer(True),

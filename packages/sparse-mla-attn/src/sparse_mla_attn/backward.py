@@ -13,13 +13,17 @@ Backward, with ``D[h] = Σ_d dout[s, h, d] * out[s, h, d]``::
               + Σ_h P[h, t] dout[s, h]                                             (first d_v channels)
 
 Invalid slots (index ``< 0`` or ``>= s_kv``, or above the causal limit) carry ``P = 0`` and are never
-dereferenced. Three kernels run per chunk of query tokens: ``D = rowsum(dout * out)``; a main kernel
-(one program per token and head block) that recomputes ``S``/``P``, forms ``dS``, writes it (scaled, in the
-input dtype) to a workspace and reduces ``dS^T q + P^T dout`` into ``dkv`` with fp32 atomics; and a ``dq``
-kernel that multiplies the workspace ``dS`` by the gathered rows. In the deterministic mode the main
-kernel writes its per-(token, slot) ``dkv`` contributions to an fp32 workspace instead, and a reduction
-kernel sums them per KV row in a fixed order (pairs sorted by (row, token, slot)), so the result is
-bit-identical from run to run.
+dereferenced. ``D = rowsum(dout * out)`` comes first; then, per chunk of query tokens, a main kernel (one
+program per token and head block) recomputes ``S``/``P``, forms ``dS`` and writes it (scaled, in the input
+dtype) and ``P`` to workspaces; a ``dq`` kernel multiplies the workspace ``dS`` by the gathered rows; and a
+``dkv`` kernel (one program per token and block of slots, with all its heads, up to 128) sums
+``dS^T q + P^T dout`` over the heads and adds each (token, slot) row into an fp32 ``dkv`` with atomics. Above
+128 heads the main kernel forms the ``dkv`` products itself, per head block. Up to 128 heads each token's
+slots are first sorted by index, and the ``dkv`` programs in flight work on the same slot block of
+neighbouring tokens, so that their atomics touch a narrow range of rows that stays in L2 (``attn_sum`` is
+put back in the caller's slot order). In the deterministic mode the per-(token, slot) ``dkv`` contributions
+go to an fp32 workspace instead, and a reduction kernel sums them per KV row in a fixed order (pairs sorted
+by (row, token, slot)), so the result is bit-identical from run to run.
 """
 
 from __future__ import annotations
@@ -67,10 +71,10 @@ def _slot_index(idx_row_ptr, offs_t, topk, s_kv, max_k, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _delta_kernel(
-    out_ptr, dout_ptr, delta_ptr, q_ptr, norm_ptr,
-    stride_os, stride_oh, stride_dos, stride_doh, stride_qs, stride_qh,
-    s_q, h_q,
-    D_V: tl.constexpr, D_QK: tl.constexpr, BLOCK_H: tl.constexpr, NORMS: tl.constexpr,
+    out_ptr, dout_ptr, delta_ptr,
+    stride_os, stride_oh, stride_dos, stride_doh,
+    h_q,
+    D_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -82,20 +86,6 @@ def _delta_kernel(
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(delta_ptr + s * h_q + offs_h, delta, mask=hmask)
-    if NORMS:  # [3, s_q, h_q]: the L2 norms of q, dout and out per (token, head), for the fixed-point scale
-        q_row = q_ptr + s * stride_qs + offs_h[:, None] * stride_qh
-        qv = tl.load(q_row + offs_d[None, :], mask=hmask[:, None]).to(tl.float32)
-        q2 = tl.sum(qv * qv, axis=1)
-        if D_QK > D_V:
-            offs_r = D_V + tl.arange(0, D_QK - D_V)
-            qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None]).to(tl.float32)
-            q2 += tl.sum(qr * qr, axis=1)
-        do = do.to(tl.float32)
-        o = o.to(tl.float32)
-        dst = norm_ptr + s * h_q + offs_h
-        tl.store(dst, tl.sqrt(q2), mask=hmask)
-        tl.store(dst + s_q * h_q, tl.sqrt(tl.sum(do * do, axis=1)), mask=hmask)
-        tl.store(dst + 2 * s_q * h_q, tl.sqrt(tl.sum(o * o, axis=1)), mask=hmask)
 
 
 @triton.jit
@@ -134,15 +124,10 @@ def _p_ds(q_row, do_row, k_row, valid, hmask, lse2, delta, scale_log2, sm_scale,
 
 
 @triton.jit
-def _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, fixed_scale, DKV_MODE: tl.constexpr):
-    """Add a ``[BLOCK_T, channels]`` fp32 tile of dkv contributions: fp32 atomics (DKV_MODE 0), the
-    deterministic workspace (1), or int64 atomics of the contributions in fixed point (2: integer addition
-    does not depend on the order, so the sum is bit-identical from run to run)."""
-    if DKV_MODE == 1:
+def _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC: tl.constexpr):
+    """Add a ``[BLOCK_T, channels]`` fp32 tile of dkv contributions (atomics, or the deterministic workspace)."""
+    if DETERMINISTIC:
         tl.store(part_row + offs_d[None, :], part, mask=(offs_t < topk)[:, None])
-    elif DKV_MODE == 2:
-        fixed = (part * fixed_scale).to(tl.int64)
-        tl.atomic_add(dkv_row + offs_d[None, :], fixed, mask=valid[:, None], sem="relaxed")
     else:
         tl.atomic_add(dkv_row + offs_d[None, :], part, mask=valid[:, None], sem="relaxed")
 
@@ -150,10 +135,10 @@ def _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, fixed_scal
 @triton.jit
 def _main_kernel(
     q_ptr, kv_ptr, dout_ptr, lse_ptr, delta_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, part_ptr, attn_ptr,
-    scale_ptr, n_tok,
+    n_tok,
     stride_qs, stride_qh, stride_kvs, stride_dos, stride_doh, stride_lses, stride_is, stride_part_hb,
     s_kv, h_q, q_start_index, k_stride, sm_scale,
-    topk: tl.constexpr, CAUSAL: tl.constexpr, DKV_MODE: tl.constexpr, D_QK: tl.constexpr,
+    topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_DV: tl.constexpr, N_HB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_SUB: tl.constexpr,
     BLOCK_DV2: tl.constexpr, ATTN_SUM: tl.constexpr, SPLIT_DKV: tl.constexpr, ROPE_IN_LOOP: tl.constexpr,
@@ -181,7 +166,6 @@ def _main_kernel(
     q_row1 = q_ptr + s * stride_qs + offs_h1[:, None] * stride_qh
     do_row1 = dout_ptr + s * stride_dos + offs_h1[:, None] * stride_doh
     offs_dv = tl.arange(0, BLOCK_DV2)  # channel chunk of the dkv products
-    fixed_scale = tl.load(scale_ptr) if DKV_MODE == 2 else 1.0
     # With IDX_PREFETCH the next block's indices are loaded while this block is computed.
     rows_next, valid_next = _slot_index(
         idx_ptr + s * stride_is, tl.arange(0, BLOCK_T), topk, s_kv, max_k, CAUSAL
@@ -231,7 +215,7 @@ def _main_kernel(
                     doc1 = tl.load(do_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
                     part = dot(ds1_t, qc1, part)
                     part = dot(p1_t, doc1, part)
-                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, fixed_scale, DKV_MODE)
+                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
             if D_ROPE > 0:
                 offs_r = D_V + tl.arange(0, D_ROPE)
                 qr = tl.load(q_row0 + offs_r[None, :], mask=hmask0[:, None], other=0.0)
@@ -239,16 +223,16 @@ def _main_kernel(
                 if N_SUB > 1:
                     qr1 = tl.load(q_row1 + offs_r[None, :], mask=hmask1[:, None], other=0.0)
                     part_r = dot(ds1_t, qr1, part_r)
-                _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, fixed_scale, DKV_MODE)
+                _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC)
 
 
 @triton.jit
 def _dkv_kernel(
-    ds_ptr, p_ptr, q_ptr, dout_ptr, idx_ptr, dkv_ptr, part_ptr, scale_ptr,
+    ds_ptr, p_ptr, q_ptr, dout_ptr, idx_ptr, dkv_ptr, part_ptr,
     n_tok,
     stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
     s_kv, h_q, q_start_index, k_stride,
-    topk: tl.constexpr, CAUSAL: tl.constexpr, DKV_MODE: tl.constexpr, D_QK: tl.constexpr,
+    topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr, N_TB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_CSPLIT: tl.constexpr,
     TOK_GROUP: tl.constexpr, ROPE_IN_LOOP: tl.constexpr,
@@ -301,21 +285,20 @@ def _dkv_kernel(
     dkv_row = dkv_ptr + rows[:, None] * D_QK
     part_row = part_ptr + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
     offs_c = tl.arange(0, BLOCK_C)
-    fixed_scale = tl.load(scale_ptr) if DKV_MODE == 2 else 1.0
     if N_CSPLIT == 1 and ROPE_IN_LOOP:  # the rope chunk last in the pipelined loop, dout masked to 0 there
         for c in tl.range(0, D_QK // BLOCK_C, num_stages=CHUNK_STAGES):
             offs_d = c * BLOCK_C + offs_c
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None] & (offs_d < D_V)[None, :], other=0.0)
             part = dot(p_t, doc, dot(ds_t, qc))
-            _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, fixed_scale, DKV_MODE)
+            _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
     elif N_CSPLIT == 1:
         for c in tl.range(0, N_LAT, num_stages=CHUNK_STAGES):
             offs_d = c * BLOCK_C + offs_c
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             part = dot(p_t, doc, dot(ds_t, qc))
-            _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, fixed_scale, DKV_MODE)
+            _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
     else:
         # A constant trip count with the chunks past the group's end skipped (the last group may be short):
         # the interpreter cannot range() over bounds derived from program_id.
@@ -329,13 +312,13 @@ def _dkv_kernel(
             doc = tl.load(do_row + offs_d[None, :], mask=c_mask, other=0.0)
             if c_ok:
                 part = dot(p_t, doc, dot(ds_t, qc))
-                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, fixed_scale, DKV_MODE)
+                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
     if D_ROPE > 0 and not (N_CSPLIT == 1 and ROPE_IN_LOOP):  # noqa: SIM102 (a constexpr test, then a run-time one)
         if cg == N_CSPLIT - 1:  # the rope chunk belongs to the last group
             offs_r = D_V + tl.arange(0, D_ROPE)
             qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
             part_r = dot(ds_t, qr)
-            _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, fixed_scale, DKV_MODE)
+            _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC)
 
 
 @triton.jit
@@ -437,7 +420,7 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
                 "BLOCK_H_DQ": block_h, "BLOCK_T_DQ": 16, "num_warps": 4, "num_warps_dq": 4,
                 "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
                 "SPLIT_DKV": 1, "BLOCK_T_DKV": 16, "BLOCK_C_DKV": min(d_v, 32), "num_warps_dkv": 4, "chunk_stages_dkv": 1, "N_CSPLIT": 1,
-                "SORT_IDX": int(h_q <= 128), "TOK_GROUP": 3 if h_q <= 128 else 1, "DET_FIXED": 0,
+                "SORT_IDX": int(h_q <= 128), "TOK_GROUP": 3 if h_q <= 128 else 1,
                 "ROPE_IN_LOOP": int(h_q <= 128), "IDX_PREFETCH": int(h_q <= 128)}  # fmt: skip
     # h_q <= 128: each token's slots sorted by index. Main kernel: 64 heads x 256 slots (64 heads x 128 below
     # 33 heads), 64-channel chunks (the rope one last) four in flight, the next block's indices loaded ahead.
@@ -451,7 +434,7 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
            "chunk_stages": 3, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
            "SPLIT_DKV": 1, "BLOCK_T_DKV": 64, "BLOCK_C_DKV": min(d_v, 64), "num_warps_dkv": 4, "chunk_stages_dkv": 2, "N_CSPLIT": 2,
-           "SORT_IDX": 0, "TOK_GROUP": 1, "DET_FIXED": 0, "ROPE_IN_LOOP": 0, "IDX_PREFETCH": 0}  # fmt: skip
+           "SORT_IDX": 0, "TOK_GROUP": 1, "ROPE_IN_LOOP": 0, "IDX_PREFETCH": 0}  # fmt: skip
     if h_q <= 128:  # separate all-heads dkv kernel: the main kernel is the same in both modes
         cfg.update(chunk_stages=4, N_CSPLIT=1, SORT_IDX=1, TOK_GROUP=64, ROPE_IN_LOOP=1, IDX_PREFETCH=1)
         if block_h == 64:
@@ -505,36 +488,26 @@ def launch_bwd(
     def rope_in_loop(chunk: int) -> bool:  # the rope channels as one more chunk of the channel loops
         return bool(cfg["ROPE_IN_LOOP"]) and d_qk > d_v and d_v % chunk == 0 and (d_qk - d_v) % chunk == 0
 
-    # How dkv is summed: fp32 atomics (0), per-slot workspace + ordered reduction (1, deterministic), int64
-    # fixed-point atomics (2, deterministic).
-    dkv_mode = (2 if cfg["DET_FIXED"] else 1) if deterministic else 0
     delta = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
-    norms = torch.empty(3, s_q, h_q, dtype=torch.float32, device=dev) if dkv_mode == 2 else delta
     kernel = launch(
         _delta_kernel, (s_q, cdiv(h_q, 16)), slots, "delta",
-        (out, dout, delta, q, norms, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
-         q.stride(0), q.stride(1), s_q, h_q),
-        {"D_V": d_v, "D_QK": d_qk, "BLOCK_H": 16, "NORMS": dkv_mode == 2, "num_warps": 8 if dkv_mode == 2 else 4},
+        (out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), h_q),
+        {"D_V": d_v, "BLOCK_H": 16},
     )  # fmt: skip
     record_launch("bwd.delta", kernel)
     dq = torch.empty_like(q)
-    if dkv_mode == 2:
-        scale = _fixed_point_scale(norms, kv, indices, lse, sm_scale, d_v, q_start_index, k_stride, causal)
-        dkv_acc = torch.zeros(s_kv, d_qk, dtype=torch.int64, device=dev)
-    else:
-        dkv_acc = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=dev)
-        scale = dkv_acc  # unused
+    dkv32 = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=dev)
     ds_dtype = q.dtype
     n_ws = 2 if split_dkv else 1  # dS, and P for the separate dkv kernel
     chunk = max(1, min(s_q, config.bwd_workspace_bytes // (n_ws * h_q * topk * q.element_size())))
-    if dkv_mode == 1:
+    if deterministic:
         chunk = max(1, min(chunk, config.bwd_deterministic_workspace_bytes // (n_part_hb * topk * d_qk * 4)))
     ds_ws = torch.empty(min(chunk, s_q), h_q, topk, dtype=ds_dtype, device=dev)
     p_ws = torch.empty_like(ds_ws) if split_dkv else ds_ws  # unused by the fused path
     part = (
         torch.empty(n_part_hb, min(chunk, s_q) * topk, d_qk, dtype=torch.float32, device=dev)
-        if dkv_mode == 1
-        else dkv_acc  # unused by the atomic paths
+        if deterministic
+        else dkv32  # unused by the atomic path
     )
     attn_sum = torch.empty(s_q if return_attn_sum else 0, topk, dtype=torch.float32, device=dev)
     attn_part = (
@@ -548,12 +521,12 @@ def launch_bwd(
         q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
         kernel = launch(
             _main_kernel, (n * n_hb,), slots, ("main", s0),  # a chunk's views and positions depend on s0
-            (q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv_acc, part, attn_part, scale,
+            (q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, part, attn_part,
              n if return_attn_sum else 0,
              q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
-             idx_c.stride(0), part.stride(0) if dkv_mode == 1 else 0,
+             idx_c.stride(0), part.stride(0) if deterministic else 0,
              s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale)),
-            dict(topk=topk, CAUSAL=causal, DKV_MODE=dkv_mode, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+            dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
                  BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
                  CHUNK_STAGES=cfg["chunk_stages"], N_SUB=cfg["N_SUB"], BLOCK_DV2=cfg["BLOCK_DV2"],
                  ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"],
@@ -571,59 +544,25 @@ def launch_bwd(
                 raise ValueError(f"N_CSPLIT {n_csplit} leaves a channel group empty ({n_chunks} chunks)")
             kernel = launch(
                 _dkv_kernel, (n_csplit * n * n_tb,), slots, ("dkv", s0),
-                (ds_ws, p_ws, q_c, do_c, idx_c, dkv_acc, part, scale, n,
+                (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n,
                  q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1), idx_c.stride(0),
                  s_kv, h_q, q_start_index + s0, k_stride),
-                dict(topk=topk, CAUSAL=causal, DKV_MODE=dkv_mode, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+                dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
                      BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"], BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
                      CHUNK_STAGES=cfg["chunk_stages_dkv"], N_CSPLIT=n_csplit, TOK_GROUP=cfg["TOK_GROUP"],
                      ROPE_IN_LOOP=rope_in_loop(cfg["BLOCK_C_DKV"]),
                      num_warps=cfg["num_warps_dkv"], num_stages=1),
             )  # fmt: skip
             record_launch("bwd.dkv", kernel)
-        if dkv_mode == 1:
+        if deterministic:
             _det_reduce(
-                part, idx_c, dkv_acc, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk, slots, s0
+                part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk, slots, s0
             )
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
     if return_attn_sum and perm is not None:  # back to the caller's slot order
         attn_sum = torch.empty_like(attn_sum).scatter_(1, perm[:, 0], attn_sum)
-    if dkv_mode == 2:  # exact integer sum, scaled back (float64 holds it to 53 bits)
-        dkv = (dkv_acc.to(torch.float64) / scale.to(torch.float64)).to(kv.dtype)
-    else:
-        dkv = dkv_acc.to(kv.dtype)
-    return dq, dkv[:, None, :], attn_sum
-
-
-#: Headroom of the fixed-point scale over the a-priori bound of |dkv| (rounding in the kernels' fp32 math).
-FIXED_POINT_MARGIN = 16.0
-
-
-def _fixed_point_scale(
-    norms: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float, d_v: int,
-    q_start_index: int, k_stride: int, causal: bool,
-) -> torch.Tensor:  # fmt: skip
-    """``[1]`` float32 power of two ``2^k`` such that every partial sum of dkv, times ``2^k``, fits an int64.
-
-    For one (token s, head h), ``|dS[t]| <= |sm_scale| P[t] ||dout|| (||V_t|| + ||out||)`` (Cauchy-Schwarz on
-    ``dP = dout · V_t`` and ``D = dout · out``) and ``Σ_t P[t] <= 1``, so the token's contribution to any
-    dkv entry is at most ``||dout|| (|sm_scale| (vmax + ||out||) ||q|| + 1)``, vmax the largest value-row
-    norm among the selected rows; the bound B sums that over (s, h). NaN or inf in q, dout, out, lse or a
-    selected row makes the scale NaN, and so dkv NaN (the integer conversion would otherwise hide it).
-    """
-    q_n, do_n, o_n = norms
-    s_kv = kv.shape[0]
-    valid = valid_slots(indices[:, 0], s_kv, q_start_index, k_stride, causal)
-    vmax = torch.zeros((), dtype=torch.float32, device=kv.device)
-    if valid.numel():
-        row_n = kv[:, 0, :d_v].float().norm(dim=-1)
-        sel = row_n[indices[:, 0].long().clamp(0, max(s_kv - 1, 0))] if s_kv else valid.float()
-        vmax = torch.where(valid, sel, 0.0).amax()
-    bound = (do_n * (abs(sm_scale) * (vmax + o_n) * q_n + 1.0)).sum() * FIXED_POINT_MARGIN
-    bound = bound + torch.where(torch.isnan(lse), float("nan"), 0.0).sum()
-    k = torch.clamp(62.0 - torch.ceil(torch.log2(bound)), -120.0, 120.0)
-    return torch.where(torch.isfinite(bound), torch.exp2(k), float("nan")).reshape(1).float()
+    return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
 
 
 def _launch_dq(

@@ -21,10 +21,9 @@ class Config:
     Attributes:
         backend: kernel family of the forward, decode and ``attn_dist``. ``"auto"`` (default) runs the
             warp-specialised Gluon kernels on an sm_90 GPU (H100, H200) where :func:`gluon_supported`
-            holds, the forward and decode only for ``h_q > 32``, a bf16 (not FP8) cache and split-K
-            partials merged by the merge kernel (not ``split_merge="last_program"``), and the Triton
-            kernels everywhere else. ``"triton"`` always runs the Triton kernels. ``"gluon"`` is
-            ``"auto"`` that also runs the Gluon FP8-cache decode (same conditions but the cache) and
+            holds, the forward and decode (bf16 or FP8 cache) only for ``h_q > 32`` and split-K partials
+            merged by the merge kernel (not ``split_merge="last_program"``), and the Triton kernels
+            everywhere else. ``"triton"`` always runs the Triton kernels. ``"gluon"`` is ``"auto"`` that
             raises :class:`ValueError` where the Gluon kernels cannot run (for tests and benchmarks).
         num_splits: split-K factor of the forward and decode: each query's top-k list is split over this
             many programs whose partial results are merged (an lse-weighted sum). ``0`` (default): the

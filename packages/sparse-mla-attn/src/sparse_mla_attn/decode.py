@@ -12,7 +12,7 @@ each token's top-k list over several programs (split-K) to fill the GPU.
 
 The cache is bf16 (or fp16) rows, or FlashMLA's FP8 layout (:mod:`sparse_mla_attn.fp8_cache`), which the
 Triton forward kernel dequantizes as it gathers (``fp8 * scale`` in float32, then bf16 for the two
-products).
+products) and, on sm_90, the Gluon kernel of ``backends/gluon_sm90_fp8.py`` in its producer warps.
 """
 
 from __future__ import annotations
@@ -393,8 +393,8 @@ def sparse_mla_decode(
         empty_lse: the ``lse`` reported for a token with no valid index: ``-inf`` (default) or ``+inf``
             (FlashMLA's convention; costs one more elementwise launch). ``out`` is 0 either way.
         config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor and its
-            automatic rule ``split_fill``, who merges the split-K partials). An FP8 cache runs the
-            Triton kernel, or with ``Config(backend="gluon")`` the sm_90 Gluon kernel.
+            automatic rule ``split_fill``, who merges the split-K partials). An FP8 cache follows the
+            same kernel rule (on sm_90 its Gluon kernel dequantizes in producer warps).
 
     Returns:
         ``out [b, s_q, h_q, d_v]`` q's dtype and ``lse [b, s_q, h_q]`` float32, natural log

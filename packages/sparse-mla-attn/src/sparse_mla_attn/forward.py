@@ -526,8 +526,8 @@ def plan_fwd(
     """The :class:`FwdPlan` of a validated problem (``tiles`` overrides :func:`fwd_config`, for tests).
 
     ``fp8_paging``: ``kv_rows`` is an FP8 cache (``fp8_cache`` layout, ``kv_rows.stride(0)`` its token
-    stride in bytes) of blocks of ``fp8_paging[0]`` tokens, ``fp8_paging[1]`` bytes apart; such a cache is
-    read by the Triton kernel only."""
+    stride in bytes) of blocks of ``fp8_paging[0]`` tokens, ``fp8_paging[1]`` bytes apart (read by the
+    Gluon FP8 decode kernel where the Gluon kernels run, else by the Triton kernel)."""
     n_tok, h_q = dims.s_q, dims.h_q
     cfg = {**fwd_config(h_q, dims.topk), **(tiles or {})}
     n_head_tiles = cdiv(h_q, cfg["BLOCK_H"])
@@ -538,12 +538,8 @@ def plan_fwd(
     split_len = cdiv(cdiv(dims.topk, n_splits), block_t) * block_t
     n_splits = cdiv(dims.topk, split_len)  # no empty split
     # The Gluon kernels split too; their partials are merged by the merge kernel, not by a last program.
-    # (An FP8 cache runs its Gluon kernel, ``gluon_sm90_fp8``, with ``backend="gluon"``.)
-    eligible = (
-        h_q > 32
-        and (fp8_paging is None or config.backend == "gluon")
-        and (n_splits == 1 or config.split_merge != "last_program")
-    )
+    # (An FP8 cache runs its own Gluon kernel, ``gluon_sm90_fp8``.)
+    eligible = h_q > 32 and (n_splits == 1 or config.split_merge != "last_program")
     gluon = use_gluon(config.backend, eligible, "sparse_mla_fwd", q, kv_rows)
     # out [n_tok, h_q, d_v] is allocated contiguous: strides h_q * d_v and d_v.
     ints = (q.stride(0), q.stride(1), kv_rows.stride(0), idx_stride, h_q * dims.d_v, dims.d_v, n_tok, h_q,

@@ -6,9 +6,8 @@ producer
 
 1. copies the rows' 512 e4m3 bytes with ``cp.async`` into the upper half of the block's bf16 slot (bytes
    of row ``r``, scale tile ``j`` land where bf16 channels ``256 + 64 j ..`` of row ``r`` go), the 64 bf16
-   rope values straight into the rope slot, and the 4 float32 scales into that slot's scale buffer; the
-   copies of block ``b + 1`` are issued before block ``b`` is dequantized, so they land meanwhile, and the
-   rows of block ``b + 3`` are prefetched into L2 (``cp.async.bulk.prefetch``);
+   rope values straight into the rope slot, and the 4 float32 scales into a scale buffer, then waits for
+   its copies; meanwhile it prefetches the rows of block ``b + 2`` into L2 (``cp.async.bulk.prefetch``);
 2. dequantizes in place, tile by tile (``_dequant_e4m3``: bit operations and bf16 products, exact for
    power-of-two scales), written over the slot's channels ``128 j ..``. Tile ``j``'s output only
    overwrites staged bytes of the tiles before it or, for the last tile, the bytes it has just read (a
@@ -20,7 +19,7 @@ Consumer warpgroup 0 computes each block's scores, softmax and P·V for value ch
 warpgroup 1 P·V for channels 256..511 with the P warpgroup 0 publishes, so both are done with block ``b``
 before ``b + 1`` starts and its slot can take block ``b + 2`` while they work on ``b + 1``. Split-K
 partials are merged by the forward's merge kernel. The kernel uses the bf16 kernel's shared memory plus
-2 KiB of scale buffers. Rows whose index is invalid are zero-filled (never read).
+a 1 KiB scale buffer. Rows whose index is invalid are zero-filled (never read).
 """
 
 from __future__ import annotations
@@ -126,87 +125,13 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
-    def _fp8_gather(
-        SLOT: gl.constexpr,
-        b,
-        idx,
-        idx_s,
-        st8,
-        kr_smem,
-        sc_buf,
-        staged_bar,
-        empty_bars,
-        KV,
-        kv_block_size: gl.constexpr,
-        stride_kv_block,
-        hi,
-        BLOCK_T: gl.constexpr,
-    ):
-        """Issue the copies of block ``b`` (cache rows ``idx`` in the gather layout, ``idx_s`` in the scale
-        copies' layout) into slot ``SLOT`` once the consumers released it: the e4m3 bytes into the upper half
-        of the slot's bytes, the rope values into the rope slot, the scales into ``sc_buf``; each thread's
-        copies arrive on ``staged_bar`` when they land."""
-        D_NOPE: gl.constexpr = 512
-        ld_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-        rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        sc_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 4], [1, 0])
-        KV8 = KV.to(gl.pointer_type(gl.uint8), bitcast=True)
-        KV16 = KV.to(gl.pointer_type(gl.bfloat16), bitcast=True)
-        KV32 = KV.to(gl.pointer_type(gl.float32), bitcast=True)
-        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
-        cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
-        tiles = gl.arange(0, 4, layout=gl.SliceLayout(1, sc_l))
-        row, valid = _fp8_rows(idx, hi, kv_block_size, stride_kv_block, 656)
-        row_s, valid_s = _fp8_rows(idx_s, hi, kv_block_size, stride_kv_block, 656)
-        # Slot free: its readers arrived for block b - 2 (a fresh barrier passes parity 1 at once).
-        mbarrier.wait(empty_bars.index(SLOT), ((b // 2) & 1) ^ 1)
-        cp.async_copy_global_to_shared(
-            st8.index(SLOT).slice(D_NOPE, D_NOPE, dim=1),
-            KV8 + row[:, None] + cols[None, :],
-            mask=valid[:, None] & (cols[None, :] >= 0),
-        )
-        row_r = gl.convert_layout(row, gl.SliceLayout(1, rope_l), assert_trivial=True)
-        valid_r = gl.convert_layout(valid, gl.SliceLayout(1, rope_l), assert_trivial=True)
-        cp.async_copy_global_to_shared(
-            kr_smem.index(SLOT),
-            KV16 + ((row_r + D_NOPE + 16) // 2)[:, None] + cols_r[None, :],
-            mask=valid_r[:, None] & (cols_r[None, :] >= 0),
-        )
-        cp.async_copy_global_to_shared(
-            sc_buf,
-            KV32 + ((row_s + D_NOPE) // 4)[None, :] + tiles[:, None],
-            mask=valid_s[None, :] & (tiles[:, None] >= 0),
-        )
-        cp.mbarrier_arrive(staged_bar, increment_count=False)
-
-    @gluon.jit
-    def _fp8_dequant(SLOT: gl.constexpr, kn_smem, st8, sc_buf, full_bars, BLOCK_T: gl.constexpr):
-        """Dequantize the staged block of slot ``SLOT`` in place, tile by tile, and release it to the
-        consumers (fence, warpgroup barrier, one arrive on ``full_bars[SLOT]``)."""
-        D_NOPE: gl.constexpr = 512
-        dq_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-        kn = kn_smem.index(SLOT)
-        staged = st8.index(SLOT)
-        sc_flat = sc_buf.reshape([4 * BLOCK_T])
-        for j in gl.static_range(4):
-            x8 = staged.slice(D_NOPE + 128 * j, 128, dim=1).load(dq_l)
-            scale = sc_flat.slice(BLOCK_T * j, BLOCK_T).load(gl.SliceLayout(1, dq_l))
-            # (The stores below overwrite staged bytes of this tile and the ones before it: all read.)
-            gl.thread_barrier()
-            kn.slice(128 * j, 128, dim=1).store(_dequant_e4m3(x8, scale))
-        # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(full_bars.index(SLOT))
-
-    @gluon.jit
     def _fp8_producer(
         kn_smem,
         kr_smem,
         sc_smem,
         full_bars,
         empty_bars,
-        staged_bars,
+        staged_bar,
         KV,
         kv_block_size: gl.constexpr,
         stride_kv_block,
@@ -215,67 +140,88 @@ if HAVE_GLUON:
         hi,
         n_blocks,
         BLOCK_T: gl.constexpr,
+        NUM_BUF: gl.constexpr,
     ):
-        """Producer warpgroup of the FP8 decode (see the module docstring). Block ``b`` lives in slot
-        ``b % 2``; the copies of block ``b + 1`` are issued before block ``b`` is dequantized, so they land
-        meanwhile (its slot is free once the consumers finished block ``b - 1``, which does not wait for
-        block ``b``). ``full_bars[s]`` completes once per block (one arrive), ``staged_bars[s]`` once per
-        block of slot ``s`` (128 deferred ``cp.async`` arrives); ``sc_smem[s]`` holds slot ``s``'s scales."""
+        """Producer warpgroup of the FP8 decode: gathers, stages and dequantizes block ``b`` into slot
+        ``b % NUM_BUF`` (see the module docstring); ``full_bars[s]`` completes once per block (one arrive),
+        ``staged_bar`` once per block (128 deferred ``cp.async`` arrives)."""
+        TOKEN_BYTES: gl.constexpr = 656
+        D_NOPE: gl.constexpr = 512
+        N_TILES: gl.constexpr = 4  # float32 scales per row, one per 128 latent channels
+        # Gathers: 16-byte vectors, a warp covers 4 rows x 128 bytes (latent bytes) or x 64 bf16 (rope).
         ld_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        # Scales: [N_TILES, BLOCK_T] 4-byte copies, no thread copies twice.
         sc_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 4], [1, 0])
+        # Dequantization: 16 bytes in, 16 bf16 out per thread and row (the gather's layout).
+        dq_l: gl.constexpr = ld_l
         # The slots' bytes: row r's bytes [128 c, 128 c + 128) hold its bf16 channels [64 c, 64 c + 64).
         st8 = kn_smem._reinterpret(
             gl.uint8,
-            [2, BLOCK_T, 1024],
+            [NUM_BUF, BLOCK_T, 2 * D_NOPE],
             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
         )
         KV8 = KV.to(gl.pointer_type(gl.uint8), bitcast=True)
+        KV16 = KV.to(gl.pointer_type(gl.bfloat16), bitcast=True)
+        KV32 = KV.to(gl.pointer_type(gl.float32), bitcast=True)
+
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
         offs_ts = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, sc_l))
+        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
+        cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
+        tiles = gl.arange(0, N_TILES, layout=gl.SliceLayout(1, sc_l))
         offs_tp = gl.arange(0, BLOCK_T, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        sc0 = sc_smem.index(0)
-        sc1 = sc_smem.index(1)
+        idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
+        idx_next_s = gl.load(idx_row + offs_ts, mask=offs_ts < n_t, other=-1)
         _prefetch_block(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T)
-        _prefetch_block(KV8, idx_row, 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T)
-        if n_blocks > 0:
-            _fp8_gather(
-                0, 0, gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1),
-                gl.load(idx_row + offs_ts, mask=offs_ts < n_t, other=-1), st8, kr_smem, sc0,
-                staged_bars.index(0), empty_bars, KV, kv_block_size, stride_kv_block, hi, BLOCK_T,
-            )  # fmt: skip
-        nxt = BLOCK_T + offs_t
-        idx_n = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
-        nxt_s = BLOCK_T + offs_ts
-        idx_ns = gl.load(idx_row + nxt_s, mask=nxt_s < n_t, other=-1)
-        for k in range(gl.cdiv(n_blocks, 2)):
-            for SLOT in gl.static_range(2):
-                b = 2 * k + SLOT
-                if b < n_blocks:
-                    if b + 1 < n_blocks:
-                        if SLOT == 0:
-                            _fp8_gather(
-                                1, b + 1, idx_n, idx_ns, st8, kr_smem, sc1, staged_bars.index(1), empty_bars,
-                                KV, kv_block_size, stride_kv_block, hi, BLOCK_T,
-                            )  # fmt: skip
-                        else:
-                            _fp8_gather(
-                                0, b + 1, idx_n, idx_ns, st8, kr_smem, sc0, staged_bars.index(0), empty_bars,
-                                KV, kv_block_size, stride_kv_block, hi, BLOCK_T,
-                            )  # fmt: skip
-                    nxt = (b + 2) * BLOCK_T + offs_t
-                    idx_n = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
-                    nxt_s = (b + 2) * BLOCK_T + offs_ts
-                    idx_ns = gl.load(idx_row + nxt_s, mask=nxt_s < n_t, other=-1)
-                    nxt_p = (b + 3) * BLOCK_T + offs_tp
-                    idx_p = gl.load(idx_row + nxt_p, mask=nxt_p < n_t, other=-1)
-                    mbarrier.wait(staged_bars.index(SLOT), k & 1)
-                    if SLOT == 0:
-                        _fp8_dequant(0, kn_smem, st8, sc0, full_bars, BLOCK_T)
-                    else:
-                        _fp8_dequant(1, kn_smem, st8, sc1, full_bars, BLOCK_T)
-                    # The rows of the block gathered after the next one into L2 (their gather then reads L2).
-                    row_p, valid_p = _fp8_rows(idx_p, hi, kv_block_size, stride_kv_block, 656)
-                    _prefetch_l2(KV8 + row_p, valid_p & (b + 3 < n_blocks))
+        for b in range(n_blocks):
+            slot = b % NUM_BUF
+            row, valid = _fp8_rows(idx_next, hi, kv_block_size, stride_kv_block, TOKEN_BYTES)
+            row_s, valid_s = _fp8_rows(idx_next_s, hi, kv_block_size, stride_kv_block, TOKEN_BYTES)
+            nxt = (b + 1) * BLOCK_T + offs_t
+            idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
+            nxt_s = (b + 1) * BLOCK_T + offs_ts
+            idx_next_s = gl.load(idx_row + nxt_s, mask=nxt_s < n_t, other=-1)
+            # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
+            mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
+            cp.async_copy_global_to_shared(
+                st8.index(slot).slice(D_NOPE, D_NOPE, dim=1),
+                KV8 + row[:, None] + cols[None, :],
+                mask=valid[:, None] & (cols[None, :] >= 0),
+            )
+            row_r = gl.convert_layout(row, gl.SliceLayout(1, rope_l), assert_trivial=True)
+            valid_r = gl.convert_layout(valid, gl.SliceLayout(1, rope_l), assert_trivial=True)
+            cp.async_copy_global_to_shared(
+                kr_smem.index(slot),
+                KV16 + ((row_r + D_NOPE + 4 * N_TILES) // 2)[:, None] + cols_r[None, :],
+                mask=valid_r[:, None] & (cols_r[None, :] >= 0),
+            )
+            cp.async_copy_global_to_shared(
+                sc_smem,
+                KV32 + ((row_s + D_NOPE) // 4)[None, :] + tiles[:, None],
+                mask=valid_s[None, :] & (tiles[:, None] >= 0),
+            )
+            cp.mbarrier_arrive(staged_bar, increment_count=False)
+            # While they land: the rows of the block after next into L2, so its gather does not wait on HBM.
+            _prefetch_block(
+                KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
+            )
+            mbarrier.wait(staged_bar, b & 1)
+
+            kn = kn_smem.index(slot)
+            sc_flat = sc_smem.reshape([N_TILES * BLOCK_T])
+            staged = st8.index(slot)
+            for j in gl.static_range(N_TILES):
+                x8 = staged.slice(D_NOPE + 128 * j, 128, dim=1).load(dq_l)
+                scale = sc_flat.slice(BLOCK_T * j, BLOCK_T).load(gl.SliceLayout(1, dq_l))
+                # (The stores below overwrite staged bytes read by this warp only; the barrier keeps the
+                # compiler from placing one before each of their pieces.)
+                gl.thread_barrier()
+                kn.slice(128 * j, 128, dim=1).store(_dequant_e4m3(x8, scale))
+            # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(full_bars.index(slot))
 
     @gluon.jit
     def _sv_consumer(
@@ -484,15 +430,15 @@ if HAVE_GLUON:
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
         a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_l)  # P's rescale factors
         l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_l)  # row sums
-        sc_smem = gl.allocate_shared_memory(gl.float32, [2, 4, BLOCK_T], sc_sl)  # each slot's scales
+        sc_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_T], sc_sl)  # the block's scales
         full_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        staged_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        staged_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        mbarrier.init(staged_bar, count=128)  # the producer's copies, one arrive per thread
         p_sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(2):
             mbarrier.init(full_bars.index(j), count=1)  # the producer's one arrive per block
             mbarrier.init(empty_bars.index(j), count=2)  # both consumers read every block
-            mbarrier.init(staged_bars.index(j), count=128)  # the producer's copies, one arrive per thread
         for j in gl.static_range(3):
             mbarrier.init(p_sync.index(j), count=1)  # P ready, P read, row sums ready
         for w in gl.static_range(2):
@@ -510,8 +456,8 @@ if HAVE_GLUON:
                     p_sync.index(2), OUT, out_base, so_h, h_q, h0, n_blocks,
                 )),
                 (_fp8_producer, (
-                    kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bars, KV, KV_BLOCK,
-                    stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T,
+                    kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV, KV_BLOCK,
+                    stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, 2,
                 )),
             ],
             [4, 4],
