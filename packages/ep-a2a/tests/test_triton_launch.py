@@ -630,13 +630,15 @@ def test_eager_graphs_replay_repeated_inputs(monkeypatch):
             events.append("replay")
             publish()
 
-    def capture(ws, at, out, mirror, tensors, caller_scatter):
-        launch_merged_bound((noop, noop), *at[1:], capturing=True)
-        ws.graphs[at] = _Graph()
+    def capture(bind, launch, graphs, at):  # (the capture itself, minus CUDA)
+        bound = bind(99)
+        assert bound is not None
+        launch(bound)
+        graphs[at] = _Graph()
         be.graph_captures += 1
-        return ws.graphs[at]
+        return graphs[at]
 
-    monkeypatch.setattr(be, "_capture_merged", capture)
+    monkeypatch.setattr(be, "_capture", capture)
     H = be.config.hidden
     x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
     for _ in range(4):
@@ -686,8 +688,10 @@ def test_eager_graphs_replay_repeated_combines(monkeypatch):
         def launch(self, stream: int) -> None:
             events.append("replay")
 
-    def capture(launch, graphs, at):
-        assert launch(99)
+    def capture(bind, launch, graphs, at):
+        bound = bind(99)
+        assert bound is not None
+        launch(bound)
         be.graph_captures += 1
         graphs[at] = _Graph()
         return graphs[at]

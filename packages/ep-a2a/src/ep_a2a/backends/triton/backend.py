@@ -30,6 +30,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -581,10 +582,12 @@ class TritonBackend(A2ABackend):
             return False
         return len(graphs) < GRAPHS_PER_WORKSPACE
 
-    def _capture(self, launch: Callable[[int], bool], graphs: dict, at: tuple) -> LaunchGraph | None:
-        """A CUDA graph of what ``launch(stream)`` launches on the raw ``stream`` it is given (a side
-        stream, under capture; it returns ``False`` where it launched nothing), kept in ``graphs`` under
-        ``at``; ``None`` (and no graphs from now on, with a warning) where the capture fails."""
+    def _capture(
+        self, bind: Callable[[int], Any], launch: Callable[[Any], None], graphs: dict, at: tuple
+    ) -> LaunchGraph | None:
+        """A CUDA graph of ``launch(bind(stream))``, the launches bound by ``bind`` to the raw ``stream``
+        it is given (a side stream, under capture; ``None``: nothing to launch), kept in ``graphs``
+        under ``at``; ``None`` (and no graphs from now on, with a warning) where the capture fails."""
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)
         stream = self._capture_stream
@@ -593,7 +596,9 @@ class TritonBackend(A2ABackend):
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    launched = launch(stream.cuda_stream)
+                    bound = bind(stream.cuda_stream)
+                    if bound is not None:
+                        launch(bound)
                 finally:
                     graph.capture_end()
         except RuntimeError as exc:
@@ -605,7 +610,7 @@ class TritonBackend(A2ABackend):
                 stacklevel=5,
             )
             return None
-        if not launched:
+        if bound is None:
             return None
         self.graph_captures += 1
         graphs[at] = kept = LaunchGraph(graph)
@@ -624,20 +629,16 @@ class TritonBackend(A2ABackend):
         (the launch key, then the addresses and token count :meth:`launch_merged_bound` takes), kept in
         ``ws.graphs``."""
 
-        def launch(stream: int) -> bool:
-            launches = self.engine.bind_merged_dispatch(
-                stream,
-                self._speculative_buffers(ws, out),
-                ws.info,
-                mirror,
-                tensors,
-                caller_scatter=caller_scatter,
+        def bind(stream: int) -> tuple[BoundLaunch, BoundLaunch] | None:
+            buffers = self._speculative_buffers(ws, out)
+            return self.engine.bind_merged_dispatch(
+                stream, buffers, ws.info, mirror, tensors, caller_scatter=caller_scatter
             )
-            if launches is not None:
-                self.engine.launch_merged_bound(launches, *at[1:], capturing=True)
-            return launches is not None
 
-        return self._capture(launch, ws.graphs, at)
+        def launch(launches: tuple[BoundLaunch, BoundLaunch]) -> None:
+            self.engine.launch_merged_bound(launches, *at[1:], capturing=True)
+
+        return self._capture(bind, launch, ws.graphs, at)
 
     def _result(
         self,
@@ -900,13 +901,12 @@ class TritonBackend(A2ABackend):
         """A CUDA graph of a combine's launch for the call at the addresses ``at`` (the launch key, then
         the addresses and token count :meth:`.engine.TritonEPEngine.launch_combine_bound` takes)."""
 
-        def launch(stream: int) -> bool:
-            bound = self.engine.bind_combine(stream, y, ids, n_src, out)
-            if bound is not None:
-                self.engine.launch_combine_bound(bound, *at[1:], capturing=True)
-            return bound is not None
-
-        return self._capture(launch, self._combine_graphs, at)
+        return self._capture(
+            lambda stream: self.engine.bind_combine(stream, y, ids, n_src, out),
+            lambda bound: self.engine.launch_combine_bound(bound, *at[1:], capturing=True),
+            self._combine_graphs,
+            at,
+        )
 
     # ------------------------------------------------------------------ CUDA-graph mode
     def dispatch_static(
