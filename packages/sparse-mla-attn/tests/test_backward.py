@@ -464,10 +464,12 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
     assert torch.equal(dkv2, dkv3), "deterministic dkv changed between runs"
     # The fused kernel (dkv per head block in the main kernel; the path of h_q > 128) with two 64-head
     # halves per program, both modes; and the fused kernel's own default.
-    sub = {"BLOCK_H": 64, "N_SUB": 2, "SPLIT_DKV": 0}
+    sub = {"BLOCK_H": 64, "N_SUB": 2, "SPLIT_DKV": 0, "BLOCK_T": 128}  # the fused kernel's own slot blocks
     dq4, dkv4 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, sub, **kw)
     dq5, dkv5 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, sub, deterministic=True, **kw)
-    dq6, dkv6 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, {"SPLIT_DKV": 0}, **kw)
+    dq6, dkv6 = bwd_with_tiles(
+        q, kv, out, dout, idx, lse, sm_scale, 512, {"SPLIT_DKV": 0, "BLOCK_T": 128}, **kw
+    )
     # The kernels without the slot sort and the other launch options of the defaults (128-slot main blocks).
     dq7, dkv7 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, {**UNSORTED, "BLOCK_T": 128}, **kw)
     for a, b in ((dq, dkv), (dq2, dkv2), (dq4, dkv4), (dq5, dkv5), (dq6, dkv6), (dq7, dkv7)):
