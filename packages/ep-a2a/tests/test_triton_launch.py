@@ -1087,9 +1087,8 @@ def test_bound_launches_on_one_gpu(monkeypatch, merged, chunk):
 @pytest.mark.parametrize("tokens", [64, 1024], ids=["T64", "T1024"])
 def test_combine_on_one_gpu(tokens):
     """The compiled dispatch and combine kernels on one GPU, four simulated ranks whose heaps are buffers
-    of this GPU (each step's sending launches before its receiving ones): every rank's combine, whose
-    expert side stores a chunk's rows to every peer before publishing their flags, against the
-    reference within two bf16 roundings."""
+    of this GPU (each step's sending launches before its receiving ones): every rank's combine against
+    the reference within two bf16 roundings."""
     from ep_a2a.backends.triton.simulate import SimWorld
     from ep_a2a.reference import combine_ref, dispatch_ref
 

@@ -1766,15 +1766,9 @@ def _combine_kernel(
                             + (rank * max_tokens + toks).to(tl.int64)[:, None] * H
                         )
                         _reduce_rows(y_ptr, rows, dst, need, hh, H, BH, EVEN_H)
-                # the chunk's rows to every peer first, then one barrier and their flags: the first
-                # release waits for all of them (one round trip per chunk, not one per peer)
-                tl.debug_barrier()
-                for s in tl.static_range(W):
-                    if ((REMOTE >> s) & 1) == 0:
-                        n_s = tl.sum(tl.where(ss == s, n_src_all, 0), 0)
-                        if (s != rank) & do_send & (c * CH < n_s):
-                            f = _peer_ptr(table_ptr, s, off_cflag, tl.int64) + rank * nchunks + c
-                            tl.atomic_xchg(f, ep, sem="release", scope="sys")
+                        tl.debug_barrier()
+                        f = _peer_ptr(table_ptr, s, off_cflag, tl.int64) + rank * nchunks + c
+                        tl.atomic_xchg(f, ep, sem="release", scope="sys")
             if RECV:
                 c = q + (j - LAG) * stride
                 if do_recv & (c >= 0) & (c < n_chunks_recv):

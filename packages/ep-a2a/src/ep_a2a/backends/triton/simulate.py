@@ -366,6 +366,7 @@ class SimWorld:
                 (exp_indices[r].shape[0], expert_outputs[i].shape[1]),
                 float("nan"),
                 dtype=expert_outputs[i].dtype,
+                device=self.heaps[0].device,  # (the heaps' device: a GPU in the one-GPU tests)
             )
             for i, r in enumerate(ranks)
         }
