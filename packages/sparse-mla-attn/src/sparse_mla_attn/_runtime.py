@@ -329,6 +329,33 @@ def record_launches(call: Callable[[], Any]) -> tuple[Any, list[Any] | None]:
     return result, (records if records and None not in records else None)
 
 
+#: Replays kept per launch plan (one per device, stream and thread); all are dropped past this many.
+REPLAY_LIMIT = 16
+
+
+def keep_replay(
+    replays: dict[Any, LaunchReplay],
+    records: list[Any] | None,
+    per_call: tuple[torch.Tensor | None, ...],
+    scale: float,
+    ctx: LaunchContext,
+) -> None:
+    """Binds the launches ``records`` of one eager call (:func:`record_launches`) into a :class:`LaunchReplay`
+    kept in a launch plan's ``replays`` for this device, stream and thread, unless one is kept already or
+    the launches cannot be replayed."""
+    key = (ctx.device, ctx.stream, threading.get_ident())
+    if records is None or key in replays:
+        return
+    if len(replays) >= REPLAY_LIMIT:
+        replays.clear()
+    launch = last_launch("fwd")
+    replay = LaunchReplay.bind(
+        records, per_call, scale, ctx.stream, None if launch is None else ("fwd", launch)
+    )
+    if replay is not None:
+        replays[key] = replay
+
+
 #: Scratch buffer sets kept for reuse (one per launch plan, stream and thread), the most recent ones.
 SCRATCH_LIMIT = 32
 _SCRATCH: dict[Any, tuple[Any, tuple[torch.Tensor, ...]]] = {}

@@ -32,7 +32,7 @@ from sparse_mla_attn._runtime import (
     check_kernel_device,
     define_op,
     eager_stream,
-    last_launch,
+    keep_replay,
     launch_context,
     no_launch_hooks,
     record_launches,
@@ -301,17 +301,13 @@ def _decode_run(
             plan, q, kv_cache, block_table, cache_seqlens, indices, sm_scale, out, lse, merge_last, ctx
         )
     )
-    rkey = (ctx.device, ctx.stream, threading.get_ident())
-    if records is not None and rkey not in plan.replays:
-        if len(plan.replays) >= 16:
-            plan.replays.clear()
-        fwd_launch = last_launch("fwd")
-        replay = LaunchReplay.bind(
-            records, (q, kv_cache, block_table, cache_seqlens, indices, out, lse), sm_scale * LOG2E, ctx.stream,
-            None if fwd_launch is None else ("fwd", fwd_launch),
-        )  # fmt: skip
-        if replay is not None:
-            plan.replays[rkey] = replay
+    keep_replay(
+        plan.replays,
+        records,
+        (q, kv_cache, block_table, cache_seqlens, indices, out, lse),
+        sm_scale * LOG2E,
+        ctx,
+    )
 
 
 def _decode_launches(

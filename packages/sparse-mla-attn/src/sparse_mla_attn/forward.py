@@ -36,8 +36,8 @@ from sparse_mla_attn._runtime import (
     define_op,
     eager_stream,
     interpreting,
+    keep_replay,
     l2_cache_bytes,
-    last_launch,
     launch,
     launch_context,
     next_power_of_2,
@@ -841,17 +841,7 @@ def _fwd_op(
     result, records = record_launches(
         lambda: run_fwd(plan, q, kv, indices, scale, attn_sink, topk_length, ctx=ctx)
     )
-    rkey = (ctx.device, ctx.stream, threading.get_ident())
-    if records is not None and rkey not in plan.replays:
-        if len(plan.replays) >= 16:
-            plan.replays.clear()
-        launch = last_launch("fwd")
-        replay = LaunchReplay.bind(
-            records, (q, kv, indices, attn_sink, topk_length, *result), scale * LOG2E, ctx.stream,
-            None if launch is None else ("fwd", launch),
-        )  # fmt: skip
-        if replay is not None:
-            plan.replays[rkey] = replay
+    keep_replay(plan.replays, records, (q, kv, indices, attn_sink, topk_length, *result), scale * LOG2E, ctx)
     return result
 
 
