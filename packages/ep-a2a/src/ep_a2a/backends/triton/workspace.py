@@ -45,6 +45,12 @@ RING_ROWS_BYTES = 64 << 20
 RING_OUTPUT_BYTES = 16 << 20
 
 
+#: ``(dtype, width, count)`` of the received rows a workspace holds
+RowsSpec = tuple[torch.dtype, int, int]
+#: builds a workspace's :attr:`DispatchWorkspace.state`
+MakeState = Callable[["DispatchWorkspace"], object]
+
+
 @functools.cache
 def _cu_graph_launch() -> Callable[[int, int], int] | None:
     """The CUDA driver's ``cuGraphLaunch(exec, stream)`` (``None`` where the driver cannot be loaded)."""
@@ -102,10 +108,7 @@ class DispatchWorkspace:
     """
 
     def __init__(
-        self,
-        engine: TritonEPEngine,
-        rows: tuple[torch.dtype, int, int] | None = None,
-        make_state: Callable[[DispatchWorkspace], object] | None = None,
+        self, engine: TritonEPEngine, rows: RowsSpec | None = None, make_state: MakeState | None = None
     ) -> None:
         W, T, K, worst = engine.world_size, engine.max_tokens, engine.topk, engine.worst_case_rows()
         regions = [
@@ -198,10 +201,7 @@ class WorkspaceRing:
     :class:`DispatchWorkspace`)."""
 
     def __init__(
-        self,
-        engine: TritonEPEngine,
-        rows: tuple[torch.dtype, int, int] | None = None,
-        make_state: Callable[[DispatchWorkspace], object] | None = None,
+        self, engine: TritonEPEngine, rows: RowsSpec | None = None, make_state: MakeState | None = None
     ) -> None:
         self.engine = engine
         self.rows = rows
