@@ -104,13 +104,14 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         sm.sparse_mla_bwd(q, kv, out, dout, idx, torch.randn(2, h_q), 0.1, 512, causal=causal,
                           deterministic=det, return_attn_sum=attn_sum)  # fmt: skip
 
-    def bwd_tiles(h_q: int, det: bool, tiles: dict[str, int]) -> None:
+    def bwd_tiles(h_q: int, det: bool, tiles: dict[str, int], causal: bool = False) -> None:
         """The backward with kernel options its launcher offers beside the defaults."""
         from sparse_mla_attn.backward import launch_bwd
 
-        q, kv, idx = problem(2, h_q, 576, 64, 128)
+        q, kv, idx = problem(2, h_q, 576, 64, 256)
         out, dout = torch.randn(2, h_q, 512).bfloat16(), torch.randn(2, h_q, 512).bfloat16()
-        launch_bwd(q, kv, out, dout, idx, torch.randn(2, h_q), 0.1, 512, deterministic=det, tiles=tiles)
+        launch_bwd(q, kv, out, dout, idx, torch.randn(2, h_q), 0.1, 512, deterministic=det, causal=causal,
+                   tiles=tiles)  # fmt: skip
 
     def indexer(causal: bool) -> None:
         q_idx = torch.randn(4, 64, 128).bfloat16().requires_grad_()
@@ -125,6 +126,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
 
     # Scenarios that force the Gluon kernels run the Triton ones where the installed Triton has no Gluon.
     gluon_backend = "gluon" if gluon_sm90.HAVE_GLUON else "auto"
+    gluon_forced = 1 if gluon_sm90.HAVE_GLUON else 0
     scenarios: dict[str, Callable[[], None]] = {
         "fwd_h128_gluon": lambda: fwd(128, 576, "auto"),
         "fwd_h128_triton": lambda: fwd(128, 576, "triton"),
@@ -193,6 +195,11 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
                 "BLOCK_T": 128,
             },
         ),
+        # The Gluon dkv kernel (Config.bwd_dkv_backend), both modes, causal, fewer heads than a tile.
+        "bwd_h128_dkv_gluon": lambda: bwd_tiles(128, False, {"DKV_GLUON": gluon_forced}),
+        "bwd_h128_det_dkv_gluon": lambda: bwd_tiles(128, True, {"DKV_GLUON": gluon_forced}),
+        "bwd_h64_causal_dkv_gluon": lambda: bwd_tiles(64, False, {"DKV_GLUON": gluon_forced}, causal=True),
+        "bwd_h20_dkv_gluon": lambda: bwd_tiles(20, False, {"DKV_GLUON": gluon_forced}),
         "indexer": lambda: indexer(False),
         "indexer_causal": lambda: indexer(True),
     }
