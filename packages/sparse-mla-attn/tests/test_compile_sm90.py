@@ -9,7 +9,8 @@ does not, the ops select the Triton kernels, which is also checked). The compile
 without ``TRITON_INTERPRET`` (under the interpreter Triton builds no compilable kernels).
 
 ``python tests/test_compile_sm90.py [SCENARIO ...]`` prints one line per launch: kernel, a hash of its PTX
-body (debug information and names dropped) and its shared memory, to compare two source trees.
+body (debug information and names dropped), its shared memory and (for the backward's scenarios) its
+register spill bytes under ptxas (-1 elsewhere), to compare two source trees.
 """
 
 from __future__ import annotations
@@ -245,8 +246,28 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
             ptx = re.sub(r"\$L__tmp\d+:?", "", re.sub(r"//.*", "", ptx)).replace(fn.fn.__name__, "KERNEL")
             body = [ln for ln in ptx.splitlines() if ln.strip() and ".loc" not in ln and ".file" not in ln]
             digest = hashlib.md5("\n".join(body).encode()).hexdigest()[:12]
-            results.append((name, i, fn.fn.__name__, digest, k.metadata.shared))
+            spill = _spill_bytes(k.asm["ptx"]) if name.startswith("bwd") else -1
+            results.append((name, i, fn.fn.__name__, digest, k.metadata.shared, spill))
     return results
+
+
+def _spill_bytes(ptx: str) -> int:
+    """Spill stores + loads of a kernel's PTX assembled by Triton's ptxas for sm_90a (``ptxas -v``)."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run(
+            [get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stdout + proc.stderr)
+    assert found, proc.stderr[-2000:]
+    return sum(int(a) + int(b) for a, b in found)
 
 
 def _run(names: list[str]) -> str:
@@ -263,6 +284,13 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
     out = _run([])
     lines = [ln.split() for ln in out.splitlines() if ln.strip()]
     kernels = {ln[2] for ln in lines}
+    # Every launch fits an H100 / H200 multiprocessor's shared memory (227 KB per block); the backward's
+    # kernels (the launches of the bwd_* scenarios) do not spill registers, except the fused
+    # deterministic kernel above 128 heads (bwd_h256_det's main kernel, a known limit).
+    too_big = [ln for ln in lines if int(ln[4]) > 232448]
+    assert not too_big, too_big
+    spilling = [ln for ln in lines if int(ln[5]) > 0 and ln[:3] != ["bwd_h256_det", "1", "_main_kernel"]]
+    assert not spilling, spilling
     triton_kernels = {
         "_sparse_mla_fwd_kernel", "_split_combine_kernel", "_paged_rows_kernel", "_attn_dist_kernel",
         "_delta_kernel", "_main_kernel", "_dkv_kernel", "_dq_kernel", "_det_reduce_kernel",

@@ -374,37 +374,36 @@ def _dq_kernel(
 
 @triton.jit
 def _det_reduce_kernel(
-    part_ptr, order_ptr, seg_start_ptr, seg_len_ptr, seg_row_ptr, dkv_ptr,
+    part_ptr, order_ptr, seg_start_ptr, seg_end_ptr, dkv_ptr,
     stride_part_hb,
     D_QK: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
-    """One program per (distinct KV row, channel block): sum its (token, slot) contributions in sorted order."""
-    seg = tl.program_id(0)
+    """One program per (KV row, channel block): sum the row's (token, slot) contributions in sorted order."""
+    row = tl.program_id(0).to(tl.int64)
     db = tl.program_id(1)
     offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs_d < D_QK
-    start = tl.load(seg_start_ptr + seg)
-    n = tl.load(seg_len_ptr + seg)
-    row = tl.load(seg_row_ptr + seg).to(tl.int64)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    # A while loop: the trip count is data, and the interpreter cannot range() over a loaded value.
-    # UNROLL independent loads per step keep several rows in flight; the additions stay in pair order.
-    j = start
-    end = start + n
-    while j < end:
-        for u in tl.static_range(UNROLL):
-            ok = j + u < end
-            pair = tl.load(order_ptr + j + u, mask=ok, other=0).to(tl.int64)
-            for hb in tl.static_range(N_HB):
-                acc += tl.load(
-                    part_ptr + hb * stride_part_hb + pair * D_QK + offs_d,
-                    mask=mask_and(dmask, ok),
-                    other=0.0,
-                )
-        j += UNROLL
-    # Each row appears in one segment per launch, and launches run in order: no race.
-    dst = dkv_ptr + row * D_QK + offs_d
-    tl.store(dst, tl.load(dst, mask=dmask, other=0.0) + acc, mask=dmask)
+    start = tl.load(seg_start_ptr + row)
+    end = tl.load(seg_end_ptr + row)
+    if end > start:  # rows this chunk's tokens did not select keep their value
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        # A while loop: the trip count is data, and the interpreter cannot range() over a loaded value.
+        # UNROLL independent loads per step keep several rows in flight; the additions stay in pair order.
+        j = start
+        while j < end:
+            for u in tl.static_range(UNROLL):
+                ok = j + u < end
+                pair = tl.load(order_ptr + j + u, mask=ok, other=0).to(tl.int64)
+                for hb in tl.static_range(N_HB):
+                    acc += tl.load(
+                        part_ptr + hb * stride_part_hb + pair * D_QK + offs_d,
+                        mask=mask_and(dmask, ok),
+                        other=0.0,
+                    )
+            j += UNROLL
+        # Each row is one program's per launch, and launches run in order: no race.
+        dst = dkv_ptr + row * D_QK + offs_d
+        tl.store(dst, tl.load(dst, mask=dmask, other=0.0) + acc, mask=dmask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -624,21 +623,20 @@ def _det_reduce(
     part: torch.Tensor, idx_c: torch.Tensor, dkv32: torch.Tensor, s_kv: int, q_start_index: int,
     k_stride: int, causal: bool, n_hb: int, d_qk: int, slots: dict[Any, Any] | None, s0: int,
 ) -> None:  # fmt: skip
-    """Add this chunk's per-(token, slot) contributions into ``dkv32``, grouped by row in a fixed order."""
+    """Add this chunk's per-(token, slot) contributions into ``dkv32``, grouped by row in a fixed order.
+    No host synchronisation: invalid pairs sort last (key ``s_kv``) and each row finds its segment of the
+    sorted pairs by binary search."""
     valid = valid_slots(idx_c[:, 0], s_kv, q_start_index, k_stride, causal).reshape(-1)
-    rows = idx_c[:, 0].reshape(-1).long()
-    pairs = torch.nonzero(valid).squeeze(1)  # ascending (token, slot) order
-    if pairs.numel() == 0:
-        return
+    keys = torch.where(valid, idx_c[:, 0].reshape(-1), s_kv)  # int32
     # Stable sort by row keeps (token, slot) order inside a row: the reduction order is fixed.
-    keys, perm = torch.sort(rows[pairs], stable=True)
-    order = pairs[perm].contiguous()
-    seg_row, seg_len = torch.unique_consecutive(keys, return_counts=True)
-    seg_start = torch.cumsum(seg_len, 0) - seg_len
+    keys, order = torch.sort(keys, stable=True)
+    rows = torch.arange(s_kv, dtype=keys.dtype, device=keys.device)
+    seg_start = torch.searchsorted(keys, rows)
+    seg_end = torch.searchsorted(keys, rows, right=True)
     block_d = 64 if interpreting() else 128
     kernel = launch(
-        _det_reduce_kernel, (seg_row.numel(), cdiv(d_qk, block_d)), slots, ("det_reduce", s0),
-        (part, order, seg_start.contiguous(), seg_len.contiguous(), seg_row.contiguous(), dkv32, part.stride(0)),
+        _det_reduce_kernel, (s_kv, cdiv(d_qk, block_d)), slots, ("det_reduce", s0),
+        (part, order, seg_start, seg_end, dkv32, part.stride(0)),
         dict(D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, UNROLL=2 if interpreting() else 8, num_warps=4),
     )  # fmt: skip
     record_launch("bwd.det_reduce", kernel)
