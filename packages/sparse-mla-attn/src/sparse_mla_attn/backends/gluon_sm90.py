@@ -25,9 +25,7 @@ the Triton kernels (and compile these ahead of time for sm_90), and the GPU test
 them with the float32 references.
 """
 
-from __future__ import annotations
-
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import triton
@@ -54,6 +52,7 @@ try:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.language.core import _aggregate as aggregate
 
     HAVE_GLUON = _triton_version() in GLUON_TRITON_VERSIONS
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -202,19 +201,30 @@ if HAVE_GLUON:
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
 
     @gluon.jit
+    def _pp_other_pv(
+        smem, OTHER: gl.constexpr, WG: gl.constexpr, ph, m_i, l_i, acc, row_l: gl.constexpr, o_l: gl.constexpr
+    ):
+        """Consumer warpgroup ``WG``'s share of the other warpgroup's block (ring slot ``OTHER``) in the
+        ping-pong forward: waits for its P and row max (``smem.p_bars[OTHER]``, pair phase ``ph``), moves
+        the running max ``m_i`` to that max (rescaling the row sums ``l_i`` and the accumulator ``acc``)
+        and issues, asynchronously, the product of P with this warpgroup's value channels of the block.
+        Returns the new ``m_i, l_i, acc``."""
+        D_HALF: gl.constexpr = acc.shape[1]
+        mbarrier.wait(smem.p_bars.index(OTHER), ph)
+        m_b = smem.m.index(OTHER).load(row_l)
+        alpha = gl.exp2(m_i - gl.where(m_b == float("-inf"), 0.0, m_b))
+        l_i = l_i * alpha
+        m_i = m_b
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        acc = warpgroup_mma(
+            smem.p, smem.kn.index(OTHER).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
+        )
+        return m_i, l_i, acc
+
+    @gluon.jit
     def _pp_consumer(
         WG: gl.constexpr,
-        qn_smem,
-        qr_smem,
-        kn_smem,
-        kr_smem,
-        p_smem,
-        m_smem,
-        l_smem,
-        full_bars,
-        empty_bars,
-        p_bars,
-        end_bar,
+        smem,
         idx_row,
         OUT,
         MAX_LOGITS,
@@ -241,9 +251,9 @@ if HAVE_GLUON:
 
         Blocks ``2k + WG`` are this warpgroup's own: it computes their whole S (m64n64, Q and K from shared
         memory), the online softmax with the running row max of the block before (read from the other
-        warpgroup through ``m_smem``), publishes P (bf16, ``p_smem``) and the new max (``p_bars[WG]``),
+        warpgroup through ``smem.m``), publishes P (bf16, ``smem.p``) and the new max (``smem.p_bars[WG]``),
         and accumulates its P·V from registers. Blocks of the other warpgroup are consumed from
-        ``p_smem``. Each warpgroup owns 256 of the 512 value channels (acc 64 x 256 fp32). While one
+        ``smem.p``. Each warpgroup owns 256 of the 512 value channels (acc 64 x 256 fp32). While one
         warpgroup runs its softmax the other's wgmma occupy the tensor cores.
 
         Waits are bounded by construction: ``full_bars[s]`` completes once per gather (128 producer
@@ -265,7 +275,7 @@ if HAVE_GLUON:
         )
         pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        dtype: gl.constexpr = p_smem.dtype
+        dtype: gl.constexpr = smem.p.dtype
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
         l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
@@ -281,26 +291,18 @@ if HAVE_GLUON:
             z = gl.inline_asm_elementwise(
                 "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
             )
-            _ws_wait_full(full_bars, 2 * (kk0 + k) + WG, 2)  # slot WG
+            _ws_wait_full(smem.full_bars, 2 * (kk0 + k) + WG, 2)  # slot WG
             t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
             s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
             s = warpgroup_mma(
-                qn_smem.index(z), kn_smem.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
+                smem.qn.index(z), smem.kn.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
             )
             if D_ROPE > 0:
-                s = warpgroup_mma(qr_smem.index(z), kr_smem.index(WG + z).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(smem.qr.index(z), smem.kr.index(WG + z).permute((1, 0)), s, is_async=True)
             if WG == 1:
                 # The other warpgroup's block 2k (its softmax ran while S(2k+1) was computed): P and its
                 # row max from shared memory; its P·V queues behind S.
-                mbarrier.wait(p_bars.index(0), ph)
-                m_b = m_smem.index(0).load(row_l)
-                alpha = gl.exp2(m_i - gl.where(m_b == float("-inf"), 0.0, m_b))
-                l_i = l_i * alpha
-                m_i = m_b
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-                acc = warpgroup_mma(
-                    p_smem, kn_smem.index(0).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
-                )
+                m_i, l_i, acc = _pp_other_pv(smem, 0, WG, ph, m_i, l_i, acc, row_l, o_l)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done, P·V(2k) may still run
             else:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -316,15 +318,15 @@ if HAVE_GLUON:
             if WG == 1:
                 # P(2k) must be read before P(2k+1) overwrites it; then slot 0 is done for this warpgroup.
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty_bars.index(0))
-            p_smem.store(p16)
-            m_smem.index(WG).store(m_new)
+                mbarrier.arrive(smem.empty_bars.index(0))
+            smem.p.store(p16)
+            smem.m.index(WG).store(m_new)
             fence_async_shared()
-            mbarrier.arrive(p_bars.index(WG))
+            mbarrier.arrive(smem.p_bars.index(WG))
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
             acc = warpgroup_mma(
                 gl.convert_layout(p16, pa_l),
-                kn_smem.index(WG).slice(WG * D_HALF, D_HALF, dim=1),
+                smem.kn.index(WG).slice(WG * D_HALF, D_HALF, dim=1),
                 acc,
                 is_async=True,
             )
@@ -333,24 +335,16 @@ if HAVE_GLUON:
                 # Release slot 0 as soon as this warpgroup is done with block 2k (S and P·V), before
                 # waiting for the other's block 2k+1: the gather of block 2k+2 starts earlier.
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty_bars.index(0))
-                mbarrier.wait(p_bars.index(1), ph)
-                m_b = m_smem.index(1).load(row_l)
-                alpha = gl.exp2(m_i - gl.where(m_b == float("-inf"), 0.0, m_b))
-                l_i = l_i * alpha
-                m_i = m_b
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-                acc = warpgroup_mma(
-                    p_smem, kn_smem.index(1).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
-                )
+                mbarrier.arrive(smem.empty_bars.index(0))
+                m_i, l_i, acc = _pp_other_pv(smem, 1, WG, ph, m_i, l_i, acc, row_l, o_l)
             # (The loop carries acc as a tensor: wait here.) Done with block 2k+1: release slot 1.
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty_bars.index(1))
+            mbarrier.arrive(smem.empty_bars.index(1))
         # Row sums: each warpgroup summed its own blocks' P; exchange them once.
-        l_smem.index(WG).store(l_i)
-        mbarrier.arrive(end_bar)
-        mbarrier.wait(end_bar, end_ph)
-        l_i = l_i + l_smem.index(1 - WG).load(row_l)
+        smem.l.index(WG).store(l_i)
+        mbarrier.arrive(smem.end_bar)
+        mbarrier.wait(smem.end_bar, end_ph)
+        l_i = l_i + smem.l.index(1 - WG).load(row_l)
 
         offs_hs = h0 + gl.arange(0, BLOCK_H, layout=row_l)
         hs_ok = offs_hs < h_q
@@ -376,55 +370,91 @@ if HAVE_GLUON:
         o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
         gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
 
-    @gluon.jit
-    def _fwd_item(
-        item,
-        IDX,
-        TOPK_LEN,
-        stride_idx_s,
-        stride_o_s,
-        stride_o_h,
-        h_q,
-        n_head_tiles,
-        topk,
-        s_kv,
-        q_start_index,
-        k_stride,
-        n_tok,
-        split_len,
-        D_NOPE: gl.constexpr,
-        BLOCK_T: gl.constexpr,
-        HAS_TOPK_LEN: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        SPLIT_K: gl.constexpr,
-    ):
-        """The forward's work item ``item`` (a program id, see ``_sparse_mla_fwd_ws_kernel``): its
-        token, first head, index row, top-k length, causal bound, pairs of blocks, and the offsets and head
-        stride of its outputs."""
-        pid_h = item % n_head_tiles
-        pid_s = item // n_head_tiles
-        if SPLIT_K:
-            pid_k = pid_s // n_tok  # the split
-            pid_s = pid_s % n_tok
-        n_t = topk
-        if HAS_TOPK_LEN:
-            n_t = gl.minimum(gl.load(TOPK_LEN + pid_s), topk)
-        hi = _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL)
-        idx_row = IDX + pid_s.to(gl.int64) * stride_idx_s
-        if SPLIT_K:
-            # This split's slots, as a list of its own (the producer and consumers index it from 0).
-            t_start = pid_k * split_len
-            idx_row += t_start
-            n_t = gl.maximum(gl.minimum(n_t - t_start, split_len), 0)
-            lse_base = (pid_k.to(gl.int64) * n_tok + pid_s) * h_q
-            out_base = lse_base * D_NOPE
-            so_h = D_NOPE
-        else:
-            out_base = pid_s.to(gl.int64) * stride_o_s
-            lse_base = pid_s.to(gl.int64) * h_q
-            so_h = stride_o_h
-        n_pairs = gl.cdiv(n_t, 2 * BLOCK_T)
-        return pid_s, pid_h * 64, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h
+    def _aggregate_of_fields(cls: Any) -> Any:
+        """``cls`` as a Gluon aggregate (a struct of values that jit functions take and pass on as one)
+        whose constructor takes its annotated fields in order; a Python value (e.g. an int argument of 1,
+        which Triton passes as a constant) is stored as a constexpr."""
+        names = tuple(cls.__annotations__)
+
+        @gluon.constexpr_function
+        def __init__(self: Any, *values: Any) -> None:
+            for name, value in zip(names, values, strict=True):
+                setattr(self, name, value if isinstance(value, gl.base_value) else gl.constexpr(value))
+
+        cls.__init__ = __init__
+        return aggregate(cls)
+
+    _Int: TypeAlias = gl.tensor | gl.constexpr  # an int kernel argument (1 and None come as constants)
+
+    @_aggregate_of_fields
+    class _FwdItems:
+        """The forward's work items: (token, 64-head tile) pairs, with ``SPLIT_K`` one per split of the
+        token's top-k list too (see ``_sparse_mla_fwd_ws_kernel``); :meth:`get` locates one."""
+
+        IDX: gl.tensor
+        TOPK_LEN: gl.tensor
+        stride_idx_s: _Int
+        stride_o_s: _Int
+        stride_o_h: _Int
+        h_q: _Int
+        n_head_tiles: _Int
+        topk: _Int
+        s_kv: _Int
+        q_start_index: _Int
+        k_stride: _Int
+        n_tok: _Int
+        split_len: _Int
+        n_items: _Int
+        D_NOPE: gl.constexpr
+        BLOCK_T: gl.constexpr
+        HAS_TOPK_LEN: gl.constexpr
+        CAUSAL: gl.constexpr
+        SPLIT_K: gl.constexpr
+
+        @gluon.jit
+        def get(self, item):
+            """Work item ``item``: its token, first head, index row, top-k length, causal bound, pairs of
+            blocks, and the offsets and head stride of its outputs."""
+            pid_h = item % self.n_head_tiles
+            pid_s = item // self.n_head_tiles
+            if self.SPLIT_K:
+                pid_k = pid_s // self.n_tok  # the split
+                pid_s = pid_s % self.n_tok
+            n_t = self.topk
+            if self.HAS_TOPK_LEN:
+                n_t = gl.minimum(gl.load(self.TOPK_LEN + pid_s), self.topk)
+            hi = _causal_hi(self.s_kv, pid_s, self.q_start_index, self.k_stride, self.CAUSAL)
+            idx_row = self.IDX + pid_s.to(gl.int64) * self.stride_idx_s
+            if self.SPLIT_K:
+                # This split's slots, as a list of its own (the producer and consumers index it from 0).
+                t_start = pid_k * self.split_len
+                idx_row += t_start
+                n_t = gl.maximum(gl.minimum(n_t - t_start, self.split_len), 0)
+                lse_base = (pid_k.to(gl.int64) * self.n_tok + pid_s) * self.h_q
+                out_base = lse_base * self.D_NOPE
+                so_h = self.D_NOPE
+            else:
+                out_base = pid_s.to(gl.int64) * self.stride_o_s
+                lse_base = pid_s.to(gl.int64) * self.h_q
+                so_h = self.stride_o_h
+            n_pairs = gl.cdiv(n_t, 2 * self.BLOCK_T)
+            return pid_s, pid_h * 64, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h
+
+    @_aggregate_of_fields
+    class _FwdSmem:
+        """The forward's shared memory, which every partition takes as one value (see ``_fwd_smem``)."""
+
+        qn: gl.shared_memory_descriptor  # the query tile [1, 64, D_NOPE] (leading axis: see _pp_consumer)
+        qr: gl.shared_memory_descriptor  # its rope part [1, 64, D_ROPE] (``qn`` where there is none)
+        kn: gl.shared_memory_descriptor  # the ring: two gathered blocks [2, BLOCK_T, D_NOPE]
+        kr: gl.shared_memory_descriptor  # their rope parts [2, BLOCK_T, 64]
+        p: gl.shared_memory_descriptor  # P of the block just computed [64, BLOCK_T]
+        m: gl.shared_memory_descriptor  # each consumer's published row max [2, 64]
+        l: gl.shared_memory_descriptor  # noqa: E741 - each consumer's row sums, exchanged at the end [2, 64]
+        full_bars: gl.shared_memory_descriptor  # ring: block landed in slot s
+        empty_bars: gl.shared_memory_descriptor  # ring: slot s released by both consumers
+        p_bars: gl.shared_memory_descriptor  # consumer w published P and its row max (count 1 each)
+        end_bar: gl.shared_memory_descriptor  # both consumers published their row sums (count 2)
 
     @gluon.jit
     def _load_q_rows(
@@ -466,137 +496,79 @@ if HAVE_GLUON:
     @gluon.jit
     def _pp_consumer_persistent(
         WG: gl.constexpr,
-        qn_smem,
-        qr_smem,
-        kn_smem,
-        kr_smem,
-        p_smem,
-        m_smem,
-        l_smem,
-        full_bars,
-        empty_bars,
-        p_bars,
-        end_bar,
+        smem,
         q_bar,
+        items,
         Q,
-        IDX,
-        TOPK_LEN,
         OUT,
         MAX_LOGITS,
         LSE,
         SINK,
         stride_q_s,
         stride_q_h,
-        stride_idx_s,
-        stride_o_s,
-        stride_o_h,
-        h_q,
-        n_head_tiles,
-        topk,
-        s_kv,
-        q_start_index,
-        k_stride,
-        n_tok,
-        split_len,
-        n_items,
         sm_scale_log2,
-        D_NOPE: gl.constexpr,
         D_ROPE: gl.constexpr,
-        BLOCK_T: gl.constexpr,
         HAS_SINK: gl.constexpr,
-        HAS_TOPK_LEN: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        SPLIT_K: gl.constexpr,
     ):
         """Consumer warpgroup ``WG`` of the persistent forward: the items ``program_id, program_id +
         num_programs, ...`` one after the other (``_pp_consumer`` each, the ring's pairs and ``end_bar``'s
         phase carried on). Before each item both warpgroups, past the previous item's last product, load
         their half of its query tile and meet at ``q_bar``; meanwhile the producer already gathers the
         item's first blocks."""
+        D_NOPE: gl.constexpr = items.D_NOPE
         kk0 = gl.program_id(0) * 0  # pairs the ring carried so far
         it = gl.program_id(0) * 0
-        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = _fwd_item(
-                item, IDX, TOPK_LEN, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv,
-                q_start_index, k_stride, n_tok, split_len, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
-            )  # fmt: skip
-            _load_q_rows(WG, qn_smem, qr_smem, Q, stride_q_s, stride_q_h, pid_s, h0, h_q, D_NOPE, D_ROPE)
+        for item in range(gl.program_id(0), items.n_items, gl.num_programs(0)):
+            pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = items.get(item)
+            _load_q_rows(
+                WG, smem.qn, smem.qr, Q, stride_q_s, stride_q_h, pid_s, h0, items.h_q, D_NOPE, D_ROPE
+            )
             mbarrier.arrive(q_bar)
             mbarrier.wait(q_bar, it & 1)
             fence_async_shared()  # the query tile, before wgmma reads it
             _pp_consumer(
-                WG, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars,
-                end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t, hi, n_pairs,
-                sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K, kk0, it & 1,
+                WG, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, items.h_q, h0, n_t, hi,
+                n_pairs, sm_scale_log2, D_NOPE, D_ROPE, items.BLOCK_T, HAS_SINK, items.SPLIT_K, kk0, it & 1,
             )  # fmt: skip
             kk0 += n_pairs
             it += 1
 
     @gluon.jit
-    def _ws_producer_persistent(
-        kn_smem,
-        kr_smem,
-        full_bars,
-        empty_bars,
-        KV,
-        IDX,
-        TOPK_LEN,
-        stride_kv_row,
-        stride_idx_s,
-        stride_o_s,
-        stride_o_h,
-        h_q,
-        n_head_tiles,
-        topk,
-        s_kv,
-        q_start_index,
-        k_stride,
-        n_tok,
-        split_len,
-        n_items,
-        D_NOPE: gl.constexpr,
-        D_ROPE: gl.constexpr,
-        BLOCK_T: gl.constexpr,
-        HAS_TOPK_LEN: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        SPLIT_K: gl.constexpr,
-    ):
+    def _ws_producer_persistent(smem, KV, stride_kv_row, items, D_ROPE: gl.constexpr):
         """Producer of the persistent forward: ``_ws_producer`` over the program's items in turn, the ring's
         block count carried on, so the next item's first blocks are gathered while the consumers finish
         the current one."""
         g0 = gl.program_id(0) * 0  # blocks the ring carried so far
-        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            _s, _h0, idx_row, n_t, hi, n_pairs, _ob, _lb, _soh = _fwd_item(
-                item, IDX, TOPK_LEN, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv,
-                q_start_index, k_stride, n_tok, split_len, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
-            )  # fmt: skip
+        for item in range(gl.program_id(0), items.n_items, gl.num_programs(0)):
+            _s, _h0, idx_row, n_t, hi, n_pairs, _ob, _lb, _soh = items.get(item)
             _ws_producer(
-                kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
-                D_NOPE, D_ROPE, BLOCK_T, 2, g0,
+                smem.kn, smem.kr, smem.full_bars, smem.empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
+                items.D_NOPE, D_ROPE, items.BLOCK_T, 2, g0,
             )  # fmt: skip
             g0 += 2 * n_pairs
 
     @gluon.jit
-    def _fwd_ring_smem(
-        dtype: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_T: gl.constexpr, D_NOPE: gl.constexpr
-    ):
-        """The forward's shared memory past the query tile: the ring of two gathered blocks (latent and
-        rope parts) with its mbarriers, the P tile, the consumers' exchanged row max / sum, ``p_bars`` (one
-        per consumer warpgroup, count 1) and ``end_bar`` (count 2), initialised."""
+    def _fwd_smem(qn, qr, BLOCK_T: gl.constexpr):
+        """The forward's shared memory (``_FwdSmem``) around the query tile ``qn`` / ``qr``: the ring of two
+        gathered blocks (latent and rope parts) with its mbarriers, the P tile, the consumers' exchanged
+        row max / sum, ``p_bars`` (one per consumer warpgroup, count 1) and ``end_bar`` (count 2),
+        initialised."""
+        BLOCK_H: gl.constexpr = qn.shape[1]
+        D_NOPE: gl.constexpr = qn.shape[2]
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        kn_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, D_NOPE], smem_l)
-        kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 64], smem_l)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
-        m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
-        l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
+        kn = gl.allocate_shared_memory(qn.dtype, [2, BLOCK_T, D_NOPE], smem_l)
+        kr = gl.allocate_shared_memory(qn.dtype, [2, BLOCK_T, 64], smem_l)
+        p = gl.allocate_shared_memory(qn.dtype, [BLOCK_H, BLOCK_T], smem_l)
+        m = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
+        l = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)  # noqa: E741
         full_bars, empty_bars = _ws_ring_barriers(2, 2)  # both consumers read every block (S and P·V)
         p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
         for j in gl.static_range(2):
             mbarrier.init(p_bars.index(j), count=1)
         mbarrier.init(end_bar, count=2)
-        return kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars, end_bar
+        return _FwdSmem(qn, qr, kn, kr, p, m, l, full_bars, empty_bars, p_bars, end_bar)  # type: ignore[call-arg]
 
     @gluon.jit
     def _sparse_mla_fwd_ws_kernel(
@@ -664,48 +636,37 @@ if HAVE_GLUON:
         # constexpr variables such as WG0 stay constexprs.)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
+        items = _FwdItems(  # type: ignore[call-arg]
+            IDX, TOPK_LEN, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index,
+            k_stride, n_tok, split_len, n_items, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
+        )  # fmt: skip
         if PERSISTENT:
             qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
             if D_ROPE > 0:
                 qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
             else:
                 qr_smem = qn_smem  # unused
-            kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars, end_bar = _fwd_ring_smem(
-                dtype, BLOCK_H, BLOCK_T, D_NOPE
-            )
+            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T)
             q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
             mbarrier.init(q_bar, count=2)
             fence_async_shared()  # barrier initialisation, before any partition uses them
             gl.warp_specialize(
                 [
                     (_pp_consumer_persistent, (
-                        WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars,
-                        p_bars, end_bar, q_bar, Q, IDX, TOPK_LEN, OUT, MAX_LOGITS, LSE, SINK, stride_q_s,
-                        stride_q_h, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv,
-                        q_start_index, k_stride, n_tok, split_len, n_items, sm_scale_log2, D_NOPE, D_ROPE,
-                        BLOCK_T, HAS_SINK, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
+                        WG0, smem, q_bar, items, Q, OUT, MAX_LOGITS, LSE, SINK, stride_q_s, stride_q_h, sm_scale_log2,
+                        D_ROPE, HAS_SINK,
                     )),
                     (_pp_consumer_persistent, (
-                        WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars,
-                        p_bars, end_bar, q_bar, Q, IDX, TOPK_LEN, OUT, MAX_LOGITS, LSE, SINK, stride_q_s,
-                        stride_q_h, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv,
-                        q_start_index, k_stride, n_tok, split_len, n_items, sm_scale_log2, D_NOPE, D_ROPE,
-                        BLOCK_T, HAS_SINK, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
+                        WG1, smem, q_bar, items, Q, OUT, MAX_LOGITS, LSE, SINK, stride_q_s, stride_q_h, sm_scale_log2,
+                        D_ROPE, HAS_SINK,
                     )),
-                    (_ws_producer_persistent, (
-                        kn_smem, kr_smem, full_bars, empty_bars, KV, IDX, TOPK_LEN, stride_kv_row, stride_idx_s,
-                        stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index, k_stride, n_tok,
-                        split_len, n_items, D_NOPE, D_ROPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
-                    )),
+                    (_ws_producer_persistent, (smem, KV, stride_kv_row, items, D_ROPE)),
                 ],
                 [4, 4],
                 [CONSUMER_REGS, PRODUCER_REGS],
             )  # fmt: skip
         else:
-            pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = _fwd_item(
-                gl.program_id(0), IDX, TOPK_LEN, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk,
-                s_kv, q_start_index, k_stride, n_tok, split_len, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
-            )  # fmt: skip
+            pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = items.get(gl.program_id(0))
             ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
             offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
             h_ok = offs_h < h_q
@@ -724,25 +685,21 @@ if HAVE_GLUON:
                 qr_smem.index(0).store(q_rope)
             else:
                 qr_smem = qn_smem  # unused
-            kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars, p_bars, end_bar = _fwd_ring_smem(
-                dtype, BLOCK_H, BLOCK_T, D_NOPE
-            )
+            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T)
             fence_async_shared()  # the query tile, before wgmma reads it
             gl.warp_specialize(
                 [
                     (_pp_consumer, (
-                        WG0, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars,
-                        p_bars, end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0,
-                        n_t, hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
+                        WG0, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t, hi,
+                        n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
                     )),
                     (_pp_consumer, (
-                        WG1, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, m_smem, l_smem, full_bars, empty_bars,
-                        p_bars, end_bar, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0,
-                        n_t, hi, n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
+                        WG1, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t, hi,
+                        n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
                     )),
                     (_ws_producer, (
-                        kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
-                        D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
+                        smem.kn, smem.kr, smem.full_bars, smem.empty_bars, KV, stride_kv_row, idx_row, n_t, hi,
+                        2 * n_pairs, D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
                     )),
                 ],
                 [4, 4],
@@ -770,10 +727,7 @@ if HAVE_GLUON:
         n_blocks,
         sm_scale_log2,
         lse_to_log2,
-        D_NOPE: gl.constexpr,
         D_ROPE: gl.constexpr,
-        BLOCK_T: gl.constexpr,
-        NUM_BUF: gl.constexpr,
         SPLIT: gl.constexpr,
     ):
         """Warp-specialised attn_dist, consumer warpgroup ``WG`` (0 or 1) of a token.
@@ -796,6 +750,9 @@ if HAVE_GLUON:
         FlashAttention-3 / FlashMLA); left alone, both S would interleave on the tensor cores and both
         warpgroups would then run their exp at once.
         """
+        NUM_BUF: gl.constexpr = kn_smem.shape[0]  # the ring: [NUM_BUF, BLOCK_T, D_NOPE]
+        BLOCK_T: gl.constexpr = kn_smem.shape[1]
+        D_NOPE: gl.constexpr = kn_smem.shape[2]
         N: gl.constexpr = BLOCK_T // 2 if SPLIT == AD_SPLIT_COLS else BLOCK_T  # columns per warpgroup
         s_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16]
@@ -909,13 +866,11 @@ if HAVE_GLUON:
             [
                 (_ad_consumer, (
                     WG0, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, Q, LSE, q_base, lse_base, out_row,
-                    idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_NOPE, D_ROPE,
-                    BLOCK_T, NUM_BUF, SPLIT,
+                    idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_ROPE, SPLIT,
                 )),
                 (_ad_consumer, (
                     WG1, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, Q, LSE, q_base, lse_base, out_row,
-                    idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_NOPE, D_ROPE,
-                    BLOCK_T, NUM_BUF, SPLIT,
+                    idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_ROPE, SPLIT,
                 )),
                 (_ws_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, topk, hi, n_blocks,

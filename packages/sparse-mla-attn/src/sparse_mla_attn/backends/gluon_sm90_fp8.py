@@ -44,7 +44,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from sparse_mla_attn.backends.gluon_sm90 import _fwd_item, _load_q_rows, _ws_wait_full
+    from sparse_mla_attn.backends.gluon_sm90 import _FwdItems, _load_q_rows, _ws_wait_full
 
     @gluon.jit
     def _fp8_rows(idx, hi, kv_block_size: gl.constexpr, stride_kv_block, TOKEN_BYTES: gl.constexpr):
@@ -413,10 +413,10 @@ if HAVE_GLUON:
         D_ROPE: gl.constexpr = 64
         BLOCK_H: gl.constexpr = 64
         pid = gl.program_id(0)
-        pid_s, h0, idx_row, n_t, hi, _n_pairs, out_base, lse_base, so_h = _fwd_item(
-            pid, IDX, IDX, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, 0, 1, n_tok,
-            split_len, D_NOPE, BLOCK_T, False, False, SPLIT_K,
-        )  # fmt: skip
+        pid_s, h0, idx_row, n_t, hi, _n_pairs, out_base, lse_base, so_h = _FwdItems(  # type: ignore[call-arg]
+            IDX, IDX, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, 0, 1, n_tok,
+            split_len, None, D_NOPE, BLOCK_T, False, False, SPLIT_K,
+        ).get(pid)  # fmt: skip
         n_blocks = gl.cdiv(n_t, BLOCK_T)
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
