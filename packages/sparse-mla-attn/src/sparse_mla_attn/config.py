@@ -9,6 +9,7 @@ BACKENDS = ("auto", "gluon", "triton")
 SPLIT_MERGES = ("auto", "last_program", "kernel")
 ATTN_DIST_SPLITS = ("blocks", "cols")
 FWD_PERSISTENT = ("auto", "on", "off")
+FP8_PRODUCERS = ("staged", "registers", "registers_half")
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,17 @@ class Config:
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
             64 heads.
+        fp8_producer: how the producer warpgroup of the Gluon decode over an FP8 cache (sm_90) brings each
+            block of 64 cache rows into shared memory as bf16. ``"staged"`` (default): copies the block's
+            FP8 bytes into its bf16 slot (``cp.async``), waits for them, then dequantizes in place.
+            ``"registers"``: loads the latent bytes into registers a whole block ahead (16-byte loads, in
+            four 128-channel tiles) and dequantizes each tile from registers into the slot, so the next
+            block's loads are in flight while a block is dequantized; ``"registers_half"``: the same, two
+            tiles (half a block) ahead, with fewer registers. The results are the same bits.
 
     Raises:
-        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split`` or
-            ``bwd_dkv_backend``,
-            ``num_splits < 0`` or a workspace cap below 1 byte.
+        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split``,
+            ``fp8_producer`` or ``bwd_dkv_backend``, ``num_splits < 0`` or a workspace cap below 1 byte.
     """
 
     backend: str = "auto"
@@ -78,6 +85,7 @@ class Config:
     bwd_deterministic_workspace_bytes: int = 4 << 30
     fwd_persistent: str = "auto"
     attn_dist_split: str = "blocks"
+    fp8_producer: str = "staged"
     bwd_dkv_backend: str = "triton"
 
     def __post_init__(self) -> None:
@@ -105,6 +113,8 @@ class Config:
             raise ValueError(
                 f"Config.attn_dist_split must be one of {ATTN_DIST_SPLITS}, got {self.attn_dist_split!r}"
             )
+        if self.fp8_producer not in FP8_PRODUCERS:
+            raise ValueError(f"Config.fp8_producer must be one of {FP8_PRODUCERS}, got {self.fp8_producer!r}")
         for name in ("bwd_workspace_bytes", "bwd_deterministic_workspace_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -125,6 +125,53 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
+    def _scale_pairs(scale):
+        """The two bf16 factors of ``_dequant_e4m3`` for the float32 row scales ``scale``, each as a bf16
+        pair in an int32 (``min(scale, 1) * 2**120`` and ``max(scale, 1)``): converted once per row, not
+        once per value."""
+        lo = gl.minimum(scale, 1.0) * 1.329227995784916e36  # 2**120
+        hi = gl.maximum(scale, 1.0)
+        return gl.inline_asm_elementwise(
+            "cvt.rn.bf16x2.f32 $0, $2, $2; cvt.rn.bf16x2.f32 $1, $3, $3;",
+            "=r,=r,f,f",
+            [lo, hi],
+            dtype=(gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _dequant_e4m3_pairs(x32, lo2, hi2):
+        """``_dequant_e4m3`` of the ``float8_e4m3fn`` bytes packed four to an int32 (``x32 [R, C]``, value ``i``
+        in byte ``i``), with the row factors as bf16 pairs (``_scale_pairs``, ``[R]``): the four bf16 values
+        of each int32, packed in an int64 (value ``i`` in bits ``16 i ..``)."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, m0, m1;
+            prmt.b32 t0, $1, 0, 0x1404;
+            prmt.b32 t1, $1, 0, 0x3424;
+            and.b32 m0, t0, 0x7F007F00;
+            and.b32 m1, t1, 0x7F007F00;
+            shr.b32 m0, m0, 4;
+            shr.b32 m1, m1, 4;
+            and.b32 t0, t0, 0x80008000;
+            and.b32 t1, t1, 0x80008000;
+            or.b32 t0, t0, m0;
+            or.b32 t1, t1, m1;
+            mul.rn.bf16x2 t0, t0, $2;
+            mul.rn.bf16x2 t1, t1, $2;
+            mul.rn.bf16x2 t0, t0, $3;
+            mul.rn.bf16x2 t1, t1, $3;
+            mov.b64 $0, {t0, t1};
+            }""",
+            "=l,r,r,r",
+            [x32, lo2[:, None], hi2[:, None]],
+            dtype=gl.int64,
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
     def _fp8_producer(
         kn_smem,
         kr_smem,
@@ -222,6 +269,152 @@ if HAVE_GLUON:
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(full_bars.index(slot))
+
+    @gluon.jit
+    def _fp8_tile(KV32, row, valid, cols, j: gl.constexpr):
+        """Latent bytes ``[128 j, 128 j + 128)`` of the cache rows at byte offsets ``row``, four to an int32
+        (zeros where not ``valid``; 16-byte loads), and their scale ``j`` as ``_scale_pairs`` (0 where not
+        ``valid``)."""
+        base = row // 4
+        x32 = gl.load(KV32 + base[:, None] + (32 * j + cols)[None, :], mask=valid[:, None] & (cols[None, :] >= 0),
+                      other=0)  # fmt: skip
+        scale = gl.load(
+            KV32.to(gl.pointer_type(gl.float32), bitcast=True) + base + 128 + j, mask=valid, other=0.0
+        )
+        return x32, _scale_pairs(scale)
+
+    @gluon.jit
+    def _fp8_reg_producer(
+        kn_smem,
+        kr_smem,
+        full_bars,
+        empty_bars,
+        KV,
+        kv_block_size: gl.constexpr,
+        stride_kv_block,
+        idx_row,
+        n_t,
+        hi,
+        n_blocks,
+        BLOCK_T: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+        AHEAD: gl.constexpr,
+        L2_PREFETCH: gl.constexpr,
+    ):
+        """Producer warpgroup of the FP8 decode that gathers into registers: the latent bytes of a block
+        arrive in four 128-channel tiles (16-byte loads, one scale each), each loaded ``AHEAD`` tiles (2 or
+        4: half a block or a whole one) before it is dequantized (``_dequant_e4m3``) and stored in bf16 into
+        the block's slot; the rope values go straight into the rope slot (``cp.async``). So the gathers of
+        the next tiles are in flight while a tile is dequantized, and nothing is staged in shared memory.
+        ``full_bars[s]`` completes once per block (one arrive); ``L2_PREFETCH``: also bulk-prefetch the rows
+        of block ``b + 2`` into L2."""
+        D_NOPE: gl.constexpr = 512
+        # A warp covers 4 rows x 128 latent bytes (4 int32 per thread) or x 64 bf16 rope values (8 per thread).
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+        rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        KV8 = KV.to(gl.pointer_type(gl.uint8), bitcast=True)
+        KV16 = KV.to(gl.pointer_type(gl.bfloat16), bitcast=True)
+        KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
+        # The slots as int64s (4 bf16 each, the bytes of the bf16 view): row r's [32 c, 32 c + 32) are its
+        # bf16 channels [128 c, 128 c + 128).
+        kn64 = kn_smem._reinterpret(
+            gl.int64,
+            [NUM_BUF, BLOCK_T, D_NOPE // 4],
+            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=64, rank=2),
+        )
+        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
+        cols = gl.arange(0, 32, layout=gl.SliceLayout(0, ld_l))
+        cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
+        offs_tp = gl.arange(0, BLOCK_T, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        # Block 0's rows and first tiles, block 1's indices.
+        row_c, valid_c = _fp8_rows(
+            gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1), hi, kv_block_size, stride_kv_block, 656
+        )
+        nxt = BLOCK_T + offs_t
+        idx_n = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
+        x0, s0 = _fp8_tile(KV32, row_c, valid_c, cols, 0)
+        x1, s1 = _fp8_tile(KV32, row_c, valid_c, cols, 1)
+        if AHEAD == 4:
+            x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
+            x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
+        if L2_PREFETCH:
+            _prefetch_block(
+                KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
+            )
+        for b in range(n_blocks):
+            slot = b % NUM_BUF
+            row_n, valid_n = _fp8_rows(idx_n, hi, kv_block_size, stride_kv_block, 656)
+            valid_n = valid_n & (b + 1 < n_blocks)
+            nxt = (b + 2) * BLOCK_T + offs_t
+            idx_n = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
+            # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
+            mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
+            row_r = gl.convert_layout(row_c, gl.SliceLayout(1, rope_l), assert_trivial=True)
+            valid_r = gl.convert_layout(valid_c, gl.SliceLayout(1, rope_l), assert_trivial=True)
+            cp.async_copy_global_to_shared(
+                kr_smem.index(slot),
+                KV16 + ((row_r + D_NOPE + 16) // 2)[:, None] + cols_r[None, :],
+                mask=valid_r[:, None] & (cols_r[None, :] >= 0),
+            )
+            cp.commit_group()
+            if L2_PREFETCH:
+                _prefetch_block(
+                    KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
+                )
+            kn = kn64.index(slot)
+            # Each tile: the next gather issued, then this tile dequantized and stored.
+            if AHEAD == 4:
+                y0, t0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
+                kn.slice(0, 32, dim=1).store(_dequant_e4m3_pairs(x0, s0[0], s0[1]))
+                y1, t1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
+                kn.slice(32, 32, dim=1).store(_dequant_e4m3_pairs(x1, s1[0], s1[1]))
+                y2, t2 = _fp8_tile(KV32, row_n, valid_n, cols, 2)
+                kn.slice(64, 32, dim=1).store(_dequant_e4m3_pairs(x2, s2[0], s2[1]))
+                y3, t3 = _fp8_tile(KV32, row_n, valid_n, cols, 3)
+                kn.slice(96, 32, dim=1).store(_dequant_e4m3_pairs(x3, s3[0], s3[1]))
+                x0, s0, x1, s1, x2, s2, x3, s3 = y0, t0, y1, t1, y2, t2, y3, t3
+            else:
+                x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
+                kn.slice(0, 32, dim=1).store(_dequant_e4m3_pairs(x0, s0[0], s0[1]))
+                x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
+                kn.slice(32, 32, dim=1).store(_dequant_e4m3_pairs(x1, s1[0], s1[1]))
+                x0, s0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
+                kn.slice(64, 32, dim=1).store(_dequant_e4m3_pairs(x2, s2[0], s2[1]))
+                x1, s1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
+                kn.slice(96, 32, dim=1).store(_dequant_e4m3_pairs(x3, s3[0], s3[1]))
+            row_c, valid_c = row_n, valid_n
+            cp.wait_group(0)  # the rope rows
+            # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(full_bars.index(slot))
+
+    @gluon.jit
+    def _fp8_any_producer(
+        kn_smem,
+        kr_smem,
+        sc_smem,
+        full_bars,
+        empty_bars,
+        staged_bar,
+        KV,
+        kv_block_size: gl.constexpr,
+        stride_kv_block,
+        idx_row,
+        n_t,
+        hi,
+        n_blocks,
+        BLOCK_T: gl.constexpr,
+        AHEAD: gl.constexpr,
+    ):
+        """The producer ``AHEAD`` selects: 0, ``_fp8_producer`` (staged in shared memory); 2 or 4,
+        ``_fp8_reg_producer`` (gathered into registers that many tiles ahead)."""
+        if AHEAD == 0:
+            _fp8_producer(kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV, kv_block_size,
+                          stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, 2)  # fmt: skip
+        else:
+            _fp8_reg_producer(kn_smem, kr_smem, full_bars, empty_bars, KV, kv_block_size, stride_kv_block,
+                              idx_row, n_t, hi, n_blocks, BLOCK_T, 2, AHEAD, True)  # fmt: skip
 
     @gluon.jit
     def _sv_consumer(
@@ -399,6 +592,7 @@ if HAVE_GLUON:
         BLOCK_T: gl.constexpr,
         V_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
+        AHEAD: gl.constexpr,
         num_warps: gl.constexpr,
         SPLIT_K: gl.constexpr = False,
     ):
@@ -430,11 +624,11 @@ if HAVE_GLUON:
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
         a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_l)  # P's rescale factors
         l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_l)  # row sums
-        sc_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_T], sc_sl)  # the block's scales
+        sc_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_T], sc_sl)  # the block's scales (staged)
         full_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         staged_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-        mbarrier.init(staged_bar, count=128)  # the producer's copies, one arrive per thread
+        mbarrier.init(staged_bar, count=128)  # the staged producer's copies, one arrive per thread
         p_sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(2):
             mbarrier.init(full_bars.index(j), count=1)  # the producer's one arrive per block
@@ -455,9 +649,9 @@ if HAVE_GLUON:
                     kn_smem, p_smem, a_smem, l_smem, empty_bars, p_sync.index(0), p_sync.index(1),
                     p_sync.index(2), OUT, out_base, so_h, h_q, h0, n_blocks,
                 )),
-                (_fp8_producer, (
+                (_fp8_any_producer, (
                     kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV, KV_BLOCK,
-                    stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, 2,
+                    stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, AHEAD,
                 )),
             ],
             [4, 4],
@@ -465,10 +659,15 @@ if HAVE_GLUON:
         )  # fmt: skip
 
 
-#: Register split (``setmaxnreg``) of the warpgroups of 384 threads (504 per thread in all): the S + P·V
-#: consumer 232 (the default partition: the rest), the P·V consumer 176, the producer 96.
-FP8_V_REGS = 176
-FP8_PRODUCER_REGS = 96
+#: The producers (``Config.fp8_producer``): ``AHEAD`` (0: ``_fp8_producer``, which stages the block in
+#: shared memory; 2 or 4: ``_fp8_reg_producer``, tiles gathered that many tiles ahead into registers) and
+#: the register split (``setmaxnreg``) of the warpgroups of 384 threads (504 per thread in all): the P·V
+#: consumer's and the producer's (the S + P·V consumer, the default partition, has the rest).
+FP8_PRODUCERS: dict[str, tuple[int, int, int]] = {
+    "staged": (0, 176, 96),
+    "registers": (4, 160, 168),
+    "registers_half": (2, 168, 128),
+}
 
 
 def launch_decode_fp8_gluon(
@@ -486,26 +685,28 @@ def launch_decode_fp8_gluon(
     slots: dict[Any, Any] | None = None,
     ctx: LaunchContext | None = None,
     splits: tuple[int, int] = (1, 0),
+    producer: str = "staged",
 ) -> Any:
     """Decode over an FP8 cache on sm_90 (``_sparse_mla_decode_fp8_kernel``): one program per token and
     64-head tile (and split). ``kv_cache``: the FP8 cache (``fp8_cache`` layout, any of its dtypes);
     ``kv_paging``: its ``(block_size, block stride in bytes)``; ``idx``: ``[n_tok, topk]`` int32 cache rows;
     ``strides``: the token and head strides of ``q``, the row stride of ``idx``, the token and head strides
     of ``out``; ``splits``: ``(n_splits, split_len)``, with more than one split ``out`` / ``max_logits`` /
-    ``lse`` are the fp32 split-K partial buffers (merged by the forward's merge kernel). Same outputs as
-    the bf16 Gluon kernel (``slots`` and ``ctx``: see :func:`sparse_mla_attn._runtime.launch`)."""
+    ``lse`` are the fp32 split-K partial buffers (merged by the forward's merge kernel); ``producer``: a
+    key of :data:`FP8_PRODUCERS`. Same outputs as the bf16 Gluon kernel (``slots`` and ``ctx``: see
+    :func:`sparse_mla_attn._runtime.launch`)."""
     assert kv_cache.shape[-1] == FP8_TOKEN_BYTES
     n_head_tiles = cdiv(dims.h_q, 64)
     n_splits, split_len = splits
     # The block size is a constant of the kernel: the row offsets divide by it (a shift for powers of two).
-    consts = dict(
-        KV_BLOCK=kv_paging[0], BLOCK_T=64, V_REGS=FP8_V_REGS, PRODUCER_REGS=FP8_PRODUCER_REGS, num_warps=4
-    )
+    ahead, v_regs, producer_regs = FP8_PRODUCERS[producer]
+    consts = dict(KV_BLOCK=kv_paging[0], BLOCK_T=64, V_REGS=v_regs, PRODUCER_REGS=producer_regs, AHEAD=ahead,
+                  num_warps=4)  # fmt: skip
     if n_splits > 1:
         consts["SPLIT_K"] = True
     args = (q, kv_cache, idx, out, max_logits, lse, *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv,
             kv_paging[1], sm_scale_log2, dims.s_q, split_len if n_splits > 1 else dims.topk)  # fmt: skip
     return launch(
         _sparse_mla_decode_fp8_kernel, (n_splits * dims.s_q * n_head_tiles,), slots,
-        "gluon_fp8" if n_splits == 1 else "gluon_fp8_split", args, consts, ctx,
+        f"gluon_fp8_{producer}" if n_splits == 1 else f"gluon_fp8_{producer}_split", args, consts, ctx,
     )  # fmt: skip
