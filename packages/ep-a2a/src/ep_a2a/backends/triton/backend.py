@@ -297,7 +297,11 @@ class TritonBackend(A2ABackend):
         self._mirror_lost: str | None = None
         #: the exact-shape calls' outputs, with the worst-case rows for decode-sized layers (see
         #: :mod:`.workspace` for when one is reused)
-        self.workspaces = WorkspaceRing(self.engine, self._ring_rows())
+        self.workspaces = WorkspaceRing(
+            self.engine,
+            self._ring_rows(),
+            lambda ws: _TritonState(owner=id(self), tab=ws.tab, n_src=ws.n_src),
+        )
         #: the exact-shape combines' outputs (decode-sized ones reused, as the workspaces are)
         self.combine_outputs = OutputRing(self.device)
         #: combine launches bound per variant and stream (:meth:`.engine.TritonEPEngine.bind_combine`)
@@ -419,7 +423,8 @@ class TritonBackend(A2ABackend):
         weight: Tensor | None,
         full_scatter_indices: Tensor | None,
     ) -> DispatchResult:
-        self._check_usable()
+        if self._finalized or self._mirror_lost is not None:
+            self._check_usable()
         if torch.cuda.is_current_stream_capturing():
             # (its host reads the counts: under capture no kernel runs, so the poll could only time out)
             raise RuntimeError(
@@ -434,13 +439,17 @@ class TritonBackend(A2ABackend):
             )
         if self.low_latency is not None:
             return self._ll_dispatch_exact(input, exp_indices, weight, full_scatter_indices)
-        self._start("dispatch")
-        call = _Call(input, exp_indices, weight, full_scatter_indices, self.engine.pos)
         # (from the second call on, on every rank alike: a guess of 0 rows speculates too, so a rank
         # that receives nothing does not fall back to the flow with a host wait)
         if self.overlap_exact or (self.speculative_rows and len(self._recent_rows) > 0):
-            return self._dispatch_speculative(call)
-        return self._dispatch_counts_first(call)
+            # (the board is checked once the kernels are launched: they would wait for a peer in
+            # another operation until their timeout either way, and the host raises in this call)
+            call = self._start("dispatch", check=False)
+            return self._dispatch_speculative(call, input, exp_indices, weight, full_scatter_indices)
+        self._start("dispatch")
+        return self._dispatch_counts_first(
+            _Call(input, exp_indices, weight, full_scatter_indices, self.engine.pos)
+        )
 
     def _dispatch_counts_first(self, call: _Call) -> DispatchResult:
         """Layout, receive layout, one host wait for the counts, outputs of the exact rows, row kernel."""
@@ -484,31 +493,43 @@ class TritonBackend(A2ABackend):
         assert bufs.out_e is not None
         return self._result(call, (bufs.out, bufs.out_w, bufs.out_e), ws, vals, rows, rb, npk)
 
-    def _dispatch_speculative(self, call: _Call) -> DispatchResult:
+    def _dispatch_speculative(
+        self, board_call: int, input: Tensor | QuantizeOnSend, exp_indices: Tensor, weight: Tensor | None,
+        full_scatter_indices: Tensor | None,
+    ) -> DispatchResult:  # fmt: skip
         """The receive layout inside the row kernel and no host wait before it: the rows land in outputs
         allocated before the counts are known (worst-case ones for small layers, sized from the last
-        calls for large ones), and the caller gets views of their first ``R`` rows."""
+        calls for large ones), and the caller gets views of their first ``R`` rows. ``board_call``: the
+        call number this rank published on the operation board (checked here, after the launch)."""
         eng = self.engine
-        speculate = not self.overlap_exact
-        cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
-        ws = self._workspace(call.n)
+        stream = _raw_stream(self.device.index)
+        ws = self.workspaces.take(stream, input.shape[0])
         # (decode-sized layers: the worst-case rows of the workspace, else rows allocated per call)
-        out = ws.out if ws.out is not None and ws.out.dtype == call.input.dtype else None
-        if out is None:
-            out = eng.alloc_rows(cap, dtype=call.input.dtype)
+        out = ws.out
+        if out is None or out.dtype != input.dtype:
+            cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
+            out = eng.alloc_rows(cap, dtype=input.dtype)
+        caller = full_scatter_indices is not None
+        src = full_scatter_indices if full_scatter_indices is not None else eng.pos
         mirror = self._mirror if not eng.ce_pieces else None
         if mirror is not None:
             self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
-        self.speculative_calls += speculate
-        if mirror is None or not self._launch_merged_bound(call, ws, out, mirror):
+        if mirror is None or not self._launch_merged_bound(
+            stream, ws, out, mirror, input, exp_indices, weight, src, caller
+        ):
             bufs = self._speculative_buffers(ws, out)
-            eng.launch_layout(call.exp_indices, caller_scatter=call.caller, info=ws.info, remote=None)
+            eng.launch_layout(exp_indices, caller_scatter=caller, info=ws.info, remote=None)
             if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
                 eng.launch_counts(ws.info)
             eng.launch_dispatch(
-                call.input, call.exp_indices, call.weight, call.src, bufs, caller_scatter=call.caller,
-                info=ws.info, counts=not eng.ce_pieces, mirror=mirror,
+                input, exp_indices, weight, src, bufs, caller_scatter=caller, info=ws.info,
+                counts=not eng.ce_pieces, mirror=mirror,
             )  # fmt: skip
+        # (the GPU works from here on: what the host does next overlaps it)
+        self._guard_protocol(lambda: self.board.check(board_call, "dispatch"))
+        call = _Call(input, exp_indices, weight, full_scatter_indices, eng.pos)
+        speculate = not self.overlap_exact
+        self.speculative_calls += speculate
         vals = self._read_mirror() if mirror is not None else self._read_info(ws.info)[0]
         rows = int(vals[0])
         if speculate:
@@ -531,41 +552,44 @@ class TritonBackend(A2ABackend):
             tab=ws.tab, skip=ws.skip, scat=ws.scat, out=out, out_w=ws.out_w, out_e=ws.out_e, info=ws.info
         )
 
-    def _launch_merged_bound(self, call: _Call, ws: DispatchWorkspace, out: Tensor, mirror: Tensor) -> bool:
-        """The layout and row kernel launches of a speculative dispatch into the rows ``out`` through the
-        launches bound to ``ws`` (:meth:`.engine.TritonEPEngine.bind_merged_dispatch`; bound on the first
-        call of a variant and row capacity, after its launches through the specifications left plans);
-        ``False`` (nothing launched) where there are none."""
+    def _launch_merged_bound(
+        self, stream: int, ws: DispatchWorkspace, out: Tensor, mirror: Tensor, inp: Tensor | QuantizeOnSend,
+        ids: Tensor, w: Tensor | None, src: Tensor, caller: bool,
+    ) -> bool:  # fmt: skip
+        """The layout and row kernel launches of a speculative dispatch of ``inp`` into the rows ``out``
+        on ``stream`` through the launches bound to ``ws`` (:meth:`.engine.TritonEPEngine.bind_merged_dispatch`;
+        bound on the first call of a variant and row capacity, after its launches through the
+        specifications left plans), or a CUDA graph of them once the same addresses came a second
+        time; ``False`` (nothing launched) where there are none."""
         if _launch_hooks_set():  # (a profiler's hooks see every launch through Triton)
             return False
-        inp, ids, w, src = call.input, call.exp_indices, call.weight, call.src
         x = inp.x if isinstance(inp, QuantizeOnSend) else inp
         xp, ip, sp = x.data_ptr(), ids.data_ptr(), src.data_ptr()
         wp = w.data_ptr() if w is not None else self._dummy_w_address
-        key = (
-            out.shape, out.dtype, x.dtype, x.shape[1], ids.dtype, None if w is None else w.dtype, src.dtype,
-            call.caller, xp % 16, ip % 16, wp % 16, sp % 16,
+        n, width = x.shape
+        # what a graph bakes in: the addresses and token count (the alignments with them), the variant
+        at = (
+            xp, ip, wp, sp, n, out.data_ptr(), caller, x.dtype, width, ids.dtype, None if w is None else w.dtype,
+            src.dtype, out.dtype, out.shape[0],
         )  # fmt: skip
-        addresses = (xp, ip, wp, sp, call.n, out.data_ptr())
-        # (a graph reads the tensors at the addresses it was captured with: these ones)
-        at = (key, *addresses)
         graph = ws.graphs.get(at) if self.eager_graphs else None
         if graph is None:
+            key = (*at[6:], xp % 16, ip % 16, wp % 16, sp % 16)
             launches = ws.bound.get(key)
             if launches is None:
                 launches = self.engine.bind_merged_dispatch(
-                    _raw_stream(self.device.index), self._speculative_buffers(ws, out), ws.info, mirror,
-                    (x, ids, w, src), caller_scatter=call.caller,
+                    stream, self._speculative_buffers(ws, out), ws.info, mirror, (x, ids, w, src),
+                    caller_scatter=caller,
                 )  # fmt: skip
                 if launches is None:
                     return False
                 ws.bound[key] = launches
             if self.eager_graphs and self._graph_due(ws.graphs, ws.sightings, at):
-                graph = self._capture_merged(ws, at, out, mirror, (x, ids, w, src), call.caller)
+                graph = self._capture_merged(ws, at, out, mirror, (x, ids, w, src), caller)
             if graph is None:
-                self.engine.launch_merged_bound(launches, *addresses)  # type: ignore[arg-type]
+                self.engine.launch_merged_bound(launches, *at[:6])  # type: ignore[arg-type]
                 return True
-        graph.launch(_raw_stream(self.device.index))
+        graph.launch(stream)
         self.engine.merged_replayed()
         self.graph_replays += 1
         return True
@@ -625,9 +649,8 @@ class TritonBackend(A2ABackend):
         tensors: tuple[Tensor, Tensor, Tensor | None, Tensor],
         caller_scatter: bool,
     ) -> LaunchGraph | None:
-        """A CUDA graph of a speculative dispatch's two launches for the call at the addresses ``at``
-        (the launch key, then the addresses and token count :meth:`launch_merged_bound` takes), kept in
-        ``ws.graphs``."""
+        """A CUDA graph of a speculative dispatch's two launches for the call ``at`` (the addresses and
+        token count :meth:`launch_merged_bound` takes, then the variant), kept in ``ws.graphs``."""
 
         def bind(stream: int) -> tuple[BoundLaunch, BoundLaunch] | None:
             buffers = self._speculative_buffers(ws, out)
@@ -636,7 +659,7 @@ class TritonBackend(A2ABackend):
             )
 
         def launch(launches: tuple[BoundLaunch, BoundLaunch]) -> None:
-            self.engine.launch_merged_bound(launches, *at[1:], capturing=True)
+            self.engine.launch_merged_bound(launches, *at[:6], capturing=True)
 
         return self._capture(bind, launch, ws.graphs, at)
 
@@ -670,7 +693,9 @@ class TritonBackend(A2ABackend):
             num_recv_rows=rows,
             recv_expert_indices=out_e,
             caller_scatter=call.caller,
-            backend_state=_TritonState(
+            backend_state=ws.state
+            if rb is None
+            else _TritonState(
                 owner=id(self),
                 tab=ws.tab,
                 n_src=ws.n_src,
@@ -767,17 +792,19 @@ class TritonBackend(A2ABackend):
         return stream
 
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        self._check_usable()
+        if self._finalized or self._mirror_lost is not None:
+            self._check_usable()
         state = layout_desc.backend_state
         if isinstance(state, LowLatencyDispatch) and state.state.owner == id(self):
             return self._ll_combine(input, state)
         if not isinstance(state, _TritonState) or state.owner != id(self):
             raise ValueError("layout_desc was not produced by this triton backend's dispatch")
-        call = self._start("combine")
+        call = self._start("combine", check=False)
         out = self._combine(
             input, state, layout_desc.topk_indices_tensor, layout_desc.num_dispatch_token_cur_rank, reuse=True
         )
-        # (launched first: the GPU is busy while the host checks that every peer combines too)
+        # (launched first: the GPU is busy while the host checks that every peer combines too, and
+        # that none is in another operation)
         self._guard_protocol(lambda: self.board.wait(call, "combine", "combine"))
         return out
 
@@ -823,17 +850,18 @@ class TritonBackend(A2ABackend):
     ) -> Tensor:
         """One combine into a new output, or with ``reuse`` one of :attr:`combine_outputs` (never while
         capturing: a graph keeps the output's address)."""
-        if input.dim() != 2 or input.shape[1] != self.config.hidden:
-            raise ValueError(f"input must be [rows, {self.config.hidden}], got {tuple(input.shape)}")
-        if not input.dtype.is_floating_point or input.dtype.itemsize > 4:
-            raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {input.dtype}")
+        shape, dtype, hidden = input.shape, input.dtype, self.config.hidden
+        if len(shape) != 2 or shape[1] != hidden:
+            raise ValueError(f"input must be [rows, {hidden}], got {tuple(shape)}")
+        if not dtype.is_floating_point or dtype.itemsize > 4:
+            raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {dtype}")
         if not input.is_contiguous():
             input = input.contiguous()
         stream = _raw_stream(self.device.index)
         if reuse:
-            out = self.combine_outputs.take(stream, n, self.config.hidden, input.dtype)
+            out = self.combine_outputs.take(stream, n, hidden, dtype)
         else:
-            out = torch.empty(n, self.config.hidden, dtype=input.dtype, device=self.device)
+            out = torch.empty(n, hidden, dtype=dtype, device=self.device)
         if not self._combine_allowed:
             # another combine of a dispatch already combined (as DeepEP reuses a handle): a device-side
             # barrier first, so that no peer is still reading the rows the last combine sent it
@@ -868,11 +896,14 @@ class TritonBackend(A2ABackend):
             return False
         n_src = state.n_src
         yp, ip, sp = y.data_ptr(), ids.data_ptr(), n_src.data_ptr()
-        key = (stream, y.shape[1], y.dtype, out.dtype, ids.dtype, n_src.dtype, yp % 16, ip % 16, sp % 16)
-        addresses = (yp, state.tab.data_ptr(), ip, sp, n, out.data_ptr())
-        at = (key, *addresses)
+        # what a graph bakes in: the addresses and token count (the alignments with them), the variant
+        at = (
+            yp, state.tab.data_ptr(), ip, sp, n, out.data_ptr(), y.shape[1], y.dtype, out.dtype, ids.dtype,
+            n_src.dtype,
+        )  # fmt: skip
         graph = self._combine_graphs.get(at) if graphs and self.eager_graphs else None
         if graph is None:
+            key = (stream, *at[6:], yp % 16, ip % 16, sp % 16)
             launch = self._bound_combines.get(key)
             if launch is None:
                 launch = self.engine.bind_combine(stream, y, ids, n_src, out)
@@ -888,7 +919,7 @@ class TritonBackend(A2ABackend):
             ):
                 graph = self._capture_combine(at, y, ids, n_src, out)
             if graph is None:
-                self.engine.launch_combine_bound(launch, *addresses)
+                self.engine.launch_combine_bound(launch, *at[:6])
                 return True
         graph.launch(stream)
         self.engine.combine_replayed()
@@ -898,12 +929,12 @@ class TritonBackend(A2ABackend):
     def _capture_combine(
         self, at: tuple, y: Tensor, ids: Tensor, n_src: Tensor, out: Tensor
     ) -> LaunchGraph | None:
-        """A CUDA graph of a combine's launch for the call at the addresses ``at`` (the launch key, then
-        the addresses and token count :meth:`.engine.TritonEPEngine.launch_combine_bound` takes)."""
+        """A CUDA graph of a combine's launch for the call ``at`` (the addresses and token count
+        :meth:`.engine.TritonEPEngine.launch_combine_bound` takes, then the variant)."""
 
         return self._capture(
             lambda stream: self.engine.bind_combine(stream, y, ids, n_src, out),
-            lambda bound: self.engine.launch_combine_bound(bound, *at[1:], capturing=True),
+            lambda bound: self.engine.launch_combine_bound(bound, *at[:6], capturing=True),
             self._combine_graphs,
             at,
         )

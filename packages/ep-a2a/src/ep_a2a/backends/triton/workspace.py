@@ -45,6 +45,12 @@ RING_ROWS_BYTES = 64 << 20
 RING_OUTPUT_BYTES = 16 << 20
 
 
+#: ``(dtype, width, count)`` of the received rows a workspace holds
+RowsSpec = tuple[torch.dtype, int, int]
+#: builds a workspace's :attr:`DispatchWorkspace.state`
+MakeState = Callable[["DispatchWorkspace"], object]
+
+
 @functools.cache
 def _cu_graph_launch() -> Callable[[int, int], int] | None:
     """The CUDA driver's ``cuGraphLaunch(exec, stream)`` (``None`` where the driver cannot be loaded)."""
@@ -84,6 +90,7 @@ class DispatchWorkspace:
     Args:
         engine: the engine whose dispatches write it.
         rows: ``(dtype, width, count)`` of the received rows it holds (``None``: none).
+        make_state: builds :attr:`state` from the workspace (``None``: an inert object).
 
     Attributes:
         info: ``[info_len]`` int64, the call's counts (:meth:`~.engine.TritonEPEngine.info_fields`).
@@ -93,12 +100,16 @@ class DispatchWorkspace:
         out_w: ``[worst-case rows]`` weight dtype; ``out_e``: the same int32 (the caller gets their first
             rows).
         out: ``[count, width]`` rows of ``rows``' dtype, or ``None``.
+        state: the backend's record of this workspace that its descriptors carry (one object for
+            every call, handed out and counted as the views are).
         bound: the launches bound to this workspace's tensors (filled by the backend).
         graphs, sightings: CUDA graphs of those launches by the call's addresses, and how often each
             set of addresses came (filled by the backend).
     """
 
-    def __init__(self, engine: TritonEPEngine, rows: tuple[torch.dtype, int, int] | None = None) -> None:
+    def __init__(
+        self, engine: TritonEPEngine, rows: RowsSpec | None = None, make_state: MakeState | None = None
+    ) -> None:
         W, T, K, worst = engine.world_size, engine.max_tokens, engine.topk, engine.worst_case_rows()
         regions = [
             ("info", engine.info_len, torch.int64),
@@ -133,6 +144,7 @@ class DispatchWorkspace:
         self._rows = 0
         self._w_rows, self._e_rows = self.out_w[:0], self.out_e[:0]
         self._out_rows = self.out[:0] if self.out is not None else self.out_e[:0]
+        self.state = make_state(self) if make_state is not None else object()
         self.bound: dict[tuple, object] = {}
         #: CUDA graphs of dispatches into this workspace, by their inputs' addresses (the backend's),
         #: and how often each set of addresses was seen
@@ -173,6 +185,7 @@ class DispatchWorkspace:
             count, sys.getrefcount(self.info), sys.getrefcount(self.n_src), sys.getrefcount(self.rows_exp),
             sys.getrefcount(self.tab), sys.getrefcount(self.skip), sys.getrefcount(self.scat),
             sys.getrefcount(self._w_rows), sys.getrefcount(self._e_rows), sys.getrefcount(self._out_rows),
+            sys.getrefcount(self.state),
         )  # fmt: skip
 
     def idle(self) -> bool:
@@ -184,11 +197,15 @@ class DispatchWorkspace:
 
 class WorkspaceRing:
     """Per CUDA stream (its raw handle), up to :data:`RING_SIZE` :class:`DispatchWorkspace`\\ s, handed out
-    under the lifetime rule of this module; each holds ``rows`` (see :class:`DispatchWorkspace`)."""
+    under the lifetime rule of this module; each holds ``rows`` and the state ``make_state`` builds (see
+    :class:`DispatchWorkspace`)."""
 
-    def __init__(self, engine: TritonEPEngine, rows: tuple[torch.dtype, int, int] | None = None) -> None:
+    def __init__(
+        self, engine: TritonEPEngine, rows: RowsSpec | None = None, make_state: MakeState | None = None
+    ) -> None:
         self.engine = engine
         self.rows = rows
+        self.make_state = make_state
         self._rings: dict[int, list[DispatchWorkspace]] = {}
         #: workspaces allocated (kept in a ring or not)
         self.allocated = 0
@@ -204,7 +221,7 @@ class WorkspaceRing:
         for ws in ring:
             if ws.idle():
                 return ws.for_tokens(n)
-        ws = DispatchWorkspace(self.engine, self.rows)
+        ws = DispatchWorkspace(self.engine, self.rows, self.make_state)
         self.allocated += 1
         if len(ring) < RING_SIZE and _storage_use_count is not None:
             ring.append(ws)

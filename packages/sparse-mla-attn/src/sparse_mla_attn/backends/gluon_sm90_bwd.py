@@ -1,0 +1,240 @@
+"""The backward's ``dkv`` products on Hopper (sm_90), written in Gluon (see ``gluon_sm90`` for why Gluon).
+
+For one token ``s`` and a block of ``64 * N_WG`` of its (sorted) top-k slots, with all of its heads::
+
+    dkv[idx[s, t], c] += sum_h dS[s, h, t] * q[s, h, c] + P[s, h, t] * dout[s, h, c]
+
+(the second term only for the first ``d_v`` channels). ``dS`` / ``P`` come from the main kernel's bf16
+workspaces ``[s, h, t]``; the products run on the tensor cores with ``dS`` / ``P`` as the A operand read
+transposed from shared memory. The kernel is warp specialised: a producer warpgroup copies the token's
+``dS`` / ``P`` columns once and then streams the token's ``q`` / ``dout`` channel chunks through a ring of
+shared-memory slots, and ``N_WG`` consumer warpgroups (64 slots each, all reading the same chunk) issue
+the products of chunk ``c + 1`` before adding chunk ``c``'s fp32 results into ``dkv`` with vector atomics
+(or, in the deterministic mode, storing them to the per-(token, slot) workspace), so the atomics overlap
+the tensor cores and each chunk of ``q`` / ``dout`` is read once per ``64 * N_WG`` slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sparse_mla_attn._runtime import cdiv, launch
+from sparse_mla_attn.backends.gluon_sm90 import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    @gluon.jit
+    def _dkv_producer(
+        ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars,
+        DS, P, Q, DOUT, ws_base, t0, q_base, do_base, stride_qh, stride_doh, h_q, topk,
+        D_V: gl.constexpr, N_CH: gl.constexpr, BLOCK_HD: gl.constexpr, BLOCK_C: gl.constexpr,
+        N_WG: gl.constexpr, NUM_BUF: gl.constexpr,
+    ):  # fmt: skip
+        """Producer warpgroup: the token's dS / P columns of this slot block (once, ``a_bar``), then the
+        ``q`` / ``dout`` channel chunks into the ring (``full_bars`` / ``empty_bars``). Heads past ``h_q``,
+        slots past ``topk`` and ``dout`` past ``D_V`` are zero-filled (``cp.async`` with zero source size)."""
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        offs_h = gl.arange(0, BLOCK_HD, layout=gl.SliceLayout(1, ld_l))
+        h_ok = offs_h < h_q
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_l))
+        for w in gl.static_range(N_WG):
+            t = t0 + w * 64 + cols
+            m = h_ok[:, None] & (t < topk)[None, :]
+            off = ws_base + offs_h[:, None].to(gl.int64) * topk + t[None, :]
+            cp.async_copy_global_to_shared(ds_smem.index(w), DS + off, mask=m)
+            cp.async_copy_global_to_shared(p_smem.index(w), P + off, mask=m)
+        cp.mbarrier_arrive(a_bar, increment_count=False)
+        # The chunks' copies: 16-byte vectors, BLOCK_C // 8 threads per row.
+        ldc_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BLOCK_C, BLOCK_C // 8], [4, 1], [1, 0])
+        offs_hc = gl.arange(0, BLOCK_HD, layout=gl.SliceLayout(1, ldc_l))
+        hc_ok = offs_hc < h_q
+        ccols = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, ldc_l))
+        q_rows = Q + q_base + offs_hc[:, None] * stride_qh
+        do_rows = DOUT + do_base + offs_hc[:, None] * stride_doh
+        for c in range(N_CH):
+            slot = c % NUM_BUF
+            mbarrier.wait(empty_bars.index(slot), ((c // NUM_BUF) & 1) ^ 1)
+            ch = c * BLOCK_C + ccols
+            cp.async_copy_global_to_shared(
+                q_smem.index(slot), q_rows + ch[None, :], mask=hc_ok[:, None] & (ch >= 0)[None, :]
+            )
+            # The rope channels' chunks get a zero dout (their P^T dout term vanishes).
+            cp.async_copy_global_to_shared(
+                do_smem.index(slot), do_rows + ch[None, :], mask=hc_ok[:, None] & (ch < D_V)[None, :]
+            )
+            cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
+
+    @gluon.jit
+    def _dkv_emit(DKV, PART, out_ptrs_row, part_row, acc, valid, in_topk, c, cols,
+                  st_l: gl.constexpr, BLOCK_C: gl.constexpr, DETERMINISTIC: gl.constexpr):  # fmt: skip
+        """Add one chunk's ``[64, BLOCK_C]`` fp32 products into dkv (atomics), or store them to the
+        deterministic workspace."""
+        vals = gl.convert_layout(acc, st_l)
+        ch = c * BLOCK_C + cols
+        if DETERMINISTIC:
+            gl.store(PART + part_row[:, None] + ch[None, :], vals, mask=in_topk[:, None] & (ch >= 0)[None, :])
+        else:
+            gl.atomic_add(
+                DKV + out_ptrs_row[:, None] + ch[None, :],
+                vals,
+                mask=valid[:, None] & (ch >= 0)[None, :],
+                sem="relaxed",
+            )
+
+    @gluon.jit
+    def _dkv_consumer(
+        WG: gl.constexpr, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars,
+        IDX, DKV, PART, idx_base, t0, topk, hi, part_base,
+        D_QK: gl.constexpr, N_CH: gl.constexpr, BLOCK_HD: gl.constexpr, BLOCK_C: gl.constexpr,
+        NUM_BUF: gl.constexpr, DETERMINISTIC: gl.constexpr,
+    ):  # fmt: skip
+        """Consumer warpgroup ``WG``: slots ``t0 + 64 WG ..`` of the token, every channel chunk. The products
+        of chunk ``c`` are issued before chunk ``c - 1``'s results are added (two accumulators)."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_C, 16]
+        )
+        # Each thread adds 4 consecutive fp32 (one 16-byte vector atomic) per row.
+        st_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BLOCK_C, BLOCK_C // 4], [4, 1], [1, 0])
+        offs_t = t0 + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_l))
+        in_topk = offs_t < topk
+        idx = gl.load(IDX + idx_base + offs_t, mask=in_topk, other=-1)
+        valid = (idx >= 0) & (idx < hi)
+        rows = gl.where(valid, idx, 0).to(gl.int64) * D_QK
+        part_row = part_base + offs_t.to(gl.int64) * D_QK
+        cols = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, st_l))
+        zero = gl.zeros([64, BLOCK_C], gl.float32, acc_l)
+        mbarrier.wait(a_bar, 0)
+        fence_async_shared()  # the producer's cp.async writes, read next by wgmma (async proxy)
+        a_ds = ds_smem.index(WG).permute((1, 0))  # [64 slots, heads], slots contiguous
+        a_p = p_smem.index(WG).permute((1, 0))
+        mbarrier.wait(full_bars.index(0), 0)
+        fence_async_shared()
+        acc = warpgroup_mma(a_ds, q_smem.index(0), zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(a_p, do_smem.index(0), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty_bars.index(0))
+        for c in range(1, N_CH):
+            slot = c % NUM_BUF
+            mbarrier.wait(full_bars.index(slot), (c // NUM_BUF) & 1)
+            fence_async_shared()
+            nxt = warpgroup_mma(a_ds, q_smem.index(slot), zero, use_acc=False, is_async=True)
+            nxt = warpgroup_mma(a_p, do_smem.index(slot), nxt, is_async=True)
+            _dkv_emit(
+                DKV, PART, rows, part_row, acc, valid, in_topk, c - 1, cols, st_l, BLOCK_C, DETERMINISTIC
+            )
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt,))
+            mbarrier.arrive(empty_bars.index(slot))
+        _dkv_emit(
+            DKV, PART, rows, part_row, acc, valid, in_topk, N_CH - 1, cols, st_l, BLOCK_C, DETERMINISTIC
+        )
+
+    @gluon.jit
+    def _dkv_ws_kernel(
+        DS, P, Q, DOUT, IDX, DKV, PART,
+        n_tok, stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
+        s_kv, h_q, q_start_index, k_stride,
+        topk: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, D_QK: gl.constexpr,
+        D_V: gl.constexpr, BLOCK_HD: gl.constexpr, BLOCK_C: gl.constexpr, N_WG: gl.constexpr,
+        NUM_BUF: gl.constexpr, N_TB: gl.constexpr, TOK_GROUP: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """dkv products of one (token, block of ``64 * N_WG`` slots), every head (``BLOCK_HD >= h_q``).
+
+        Launch order as the Triton dkv kernel's: (group of ``TOK_GROUP`` tokens, slot block, token), so the
+        programs in flight share a slot block and, with sorted slots, add into a narrow range of rows.
+        Default partition = consumer warpgroup 0, workers = the other consumers and the producer."""
+        gl.static_assert(num_warps == 4)
+        gl.static_assert(N_WG == 2)
+        pid = gl.program_id(0)
+        grp = pid // (TOK_GROUP * N_TB)
+        g0 = grp * TOK_GROUP
+        g_n = gl.minimum(n_tok - g0, TOK_GROUP)  # the last group may be short
+        r = pid - g0 * N_TB
+        tb = r // g_n
+        s = (g0 + r % g_n).to(gl.int64)
+        t0 = tb * (64 * N_WG)
+        hi = s_kv
+        if CAUSAL:
+            num = q_start_index + s + 1 - k_stride
+            hi = gl.minimum(hi, gl.maximum(num, 0) // k_stride + 1)
+        N_CH: gl.constexpr = D_QK // BLOCK_C
+        dtype: gl.constexpr = Q.dtype.element_ty
+        a_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        b_l: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=min(128, 2 * BLOCK_C), element_bitwidth=16, rank=2
+        )
+        ds_smem = gl.allocate_shared_memory(dtype, [N_WG, BLOCK_HD, 64], a_l)
+        p_smem = gl.allocate_shared_memory(dtype, [N_WG, BLOCK_HD, 64], a_l)
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_HD, BLOCK_C], b_l)
+        do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_HD, BLOCK_C], b_l)
+        a_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        mbarrier.init(a_bar, count=128)
+        full_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(NUM_BUF):
+            mbarrier.init(full_bars.index(j), count=128)
+            mbarrier.init(empty_bars.index(j), count=N_WG)
+        fence_async_shared()  # barrier initialisation, before any partition uses them
+        ws_base = s * h_q * topk
+        idx_base = s * stride_is
+        part_base = s * topk * D_QK
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        gl.warp_specialize(
+            [
+                (_dkv_consumer, (
+                    WG0, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, IDX, DKV, PART,
+                    idx_base, t0, topk, hi, part_base, D_QK, N_CH, BLOCK_HD, BLOCK_C, NUM_BUF, DETERMINISTIC,
+                )),
+                (_dkv_consumer, (
+                    WG1, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, IDX, DKV, PART,
+                    idx_base, t0, topk, hi, part_base, D_QK, N_CH, BLOCK_HD, BLOCK_C, NUM_BUF, DETERMINISTIC,
+                )),
+                (_dkv_producer, (
+                    ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, DS, P, Q, DOUT, ws_base,
+                    t0, s * stride_qs, s * stride_dos, stride_qh, stride_doh, h_q, topk, D_V, N_CH, BLOCK_HD,
+                    BLOCK_C, N_WG, NUM_BUF,
+                )),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+
+def dkv_gluon_eligible(h_q: int, d_qk: int, d_v: int, topk: int, block_c: int) -> bool:
+    """Whether the Gluon dkv kernel covers this problem: at most 128 heads, channel counts and ``topk``
+    that its 16-byte copies and ``block_c``-channel chunks tile exactly."""
+    return h_q <= 128 and d_v % block_c == 0 and d_qk % block_c == 0 and topk % 8 == 0 and d_qk <= 1024
+
+
+def launch_dkv_gluon(
+    ds_ws: torch.Tensor, p_ws: torch.Tensor, q_c: torch.Tensor, do_c: torch.Tensor, idx_c: torch.Tensor,
+    dkv32: torch.Tensor, part: torch.Tensor, n: int, s_kv: int, h_q: int, q_start_index: int, k_stride: int,
+    topk: int, causal: bool, deterministic: bool, d_qk: int, d_v: int, cfg: dict[str, int],
+    slots: dict[Any, Any] | None, name: Any,
+) -> Any:  # fmt: skip
+    """The dkv products of a chunk of ``n`` tokens (see ``_dkv_ws_kernel``); ``cfg`` gives ``BLOCK_C_G``
+    (channels per chunk), ``NUM_BUF_G`` (ring slots), ``TOK_GROUP`` and the register split."""
+    n_wg = 2
+    n_tb = cdiv(topk, 64 * n_wg)
+    block_hd = max(16, 1 << (h_q - 1).bit_length())
+    return launch(
+        _dkv_ws_kernel, (n * n_tb,), slots, name,
+        (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n, q_c.stride(0), q_c.stride(1), do_c.stride(0),
+         do_c.stride(1), idx_c.stride(0), s_kv, h_q, q_start_index, k_stride),
+        dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, BLOCK_HD=block_hd,
+             BLOCK_C=cfg["BLOCK_C_G"], N_WG=n_wg, NUM_BUF=cfg["NUM_BUF_G"], N_TB=n_tb,
+             TOK_GROUP=cfg["TOK_GROUP"], CONSUMER_REGS=cfg["CONSUMER_REGS_G"],
+             PRODUCER_REGS=cfg["PRODUCER_REGS_G"], num_warps=4),
+    )  # fmt: skip
