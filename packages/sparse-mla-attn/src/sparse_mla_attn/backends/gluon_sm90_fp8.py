@@ -1,25 +1,32 @@
 """Hopper (sm_90) sparse decode over FlashMLA's FP8 KV cache, in Gluon.
 
 The bf16 decode's pipeline (64 heads per program, blocks of 64 top-k rows in a ring of two bf16
-shared-memory slots, warp specialised) with a producer warpgroup that dequantizes. For each block the
-producer
+shared-memory slots, warp specialised) with a producer warpgroup that dequantizes. Two producers
+(``Config.fp8_producer``, :data:`FP8_PRODUCERS`):
 
-1. copies the rows' 512 e4m3 bytes with ``cp.async`` into the upper half of the block's bf16 slot (bytes
-   of row ``r``, scale tile ``j`` land where bf16 channels ``256 + 64 j ..`` of row ``r`` go), the 64 bf16
-   rope values straight into the rope slot, and the 4 float32 scales into a scale buffer, then waits for
-   its copies; meanwhile it prefetches the rows of block ``b + 2`` into L2 (``cp.async.bulk.prefetch``);
-2. dequantizes in place, tile by tile (``_dequant_e4m3``: bit operations and bf16 products, exact for
-   power-of-two scales), written over the slot's channels ``128 j ..``. Tile ``j``'s output only
-   overwrites staged bytes of the tiles before it or, for the last tile, the bytes it has just read (a
-   warpgroup barrier between the loads and the stores of each tile), so no staged byte is overwritten
-   before it is read;
-3. releases the block to the consumers (one arrive after a fence and a warpgroup barrier).
+- ``_fp8_producer`` ("staged"), for each block:
+
+  1. copies the rows' 512 e4m3 bytes with ``cp.async`` into the upper half of the block's bf16 slot
+     (bytes of row ``r``, scale tile ``j`` land where bf16 channels ``256 + 64 j ..`` of row ``r`` go),
+     the 64 bf16 rope values straight into the rope slot, and the 4 float32 scales into a scale buffer,
+     then waits for its copies; meanwhile it prefetches the rows of block ``b + 2`` into L2;
+  2. dequantizes in place, tile by tile (``_dequant_e4m3``: bit operations and bf16 products, exact for
+     power-of-two scales), written over the slot's channels ``128 j ..``. Tile ``j``'s output only
+     overwrites staged bytes of the tiles before it or, for the last tile, the bytes it has just read (a
+     warpgroup barrier between the loads and the stores of each tile), so no staged byte is overwritten
+     before it is read;
+  3. releases the block to the consumers (one arrive after a fence and a warpgroup barrier).
+
+- ``_fp8_reg_producer`` ("registers", "registers_half") loads each 128-channel tile of latent bytes into
+  registers (16-byte loads) four or two tiles before it dequantizes it (``_dequant_e4m3_pairs``, the
+  same arithmetic) into the slot, so the next tiles' loads are in flight while one is dequantized; the
+  rope values go to the rope slot by ``cp.async``. Both write the same bf16 tiles.
 
 Consumer warpgroup 0 computes each block's scores, softmax and P·V for value channels 0..255, consumer
 warpgroup 1 P·V for channels 256..511 with the P warpgroup 0 publishes, so both are done with block ``b``
 before ``b + 1`` starts and its slot can take block ``b + 2`` while they work on ``b + 1``. Split-K
 partials are merged by the forward's merge kernel. The kernel uses the bf16 kernel's shared memory plus
-a 1 KiB scale buffer. Rows whose index is invalid are zero-filled (never read).
+a 1 KiB scale buffer (staged producer). Rows whose index is invalid are zero-filled (never read).
 """
 
 from __future__ import annotations
