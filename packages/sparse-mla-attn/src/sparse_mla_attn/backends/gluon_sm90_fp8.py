@@ -344,8 +344,8 @@ if HAVE_GLUON:
         L2_PREFETCH: gl.constexpr,
     ):
         """Producer warpgroup of the FP8 decode that gathers into registers: the latent bytes of a block
-        arrive in four 128-channel tiles (16-byte loads, one scale each), each loaded ``AHEAD`` tiles (2 or
-        4: half a block or a whole one) before it is dequantized (``_dequant_e4m3``) and stored in bf16 into
+        arrive in four 128-channel tiles (16-byte loads, one scale each), each loaded ``AHEAD`` tiles (2, 3
+        or 4: up to a whole block) before it is dequantized (``_dequant_e4m3``) and stored in bf16 into
         the block's slot; the rope values go straight into the rope slot (``cp.async``). So the gathers of
         the next tiles are in flight while a tile is dequantized, and nothing is staged in shared memory.
         ``full_bars[s]`` completes once per block (one arrive); ``L2_PREFETCH``: also prefetch the rows of
@@ -377,8 +377,9 @@ if HAVE_GLUON:
         idx_n = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
         x0, s0 = _fp8_tile(KV32, row_c, valid_c, cols, 0)
         x1, s1 = _fp8_tile(KV32, row_c, valid_c, cols, 1)
-        if AHEAD == 4:
+        if AHEAD >= 3:
             x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
+        if AHEAD == 4:
             x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
         if L2_PREFETCH == 1:
             _prefetch_block(
@@ -422,6 +423,16 @@ if HAVE_GLUON:
                 y3, t3 = _fp8_tile(KV32, row_n, valid_n, cols, 3)
                 kn.slice(96, 32, dim=1).store(_dequant_tile(x3, s3))
                 x0, s0, x1, s1, x2, s2, x3, s3 = y0, t0, y1, t1, y2, t2, y3, t3
+            elif AHEAD == 3:
+                x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
+                kn.slice(0, 32, dim=1).store(_dequant_tile(x0, s0))
+                y0, t0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
+                kn.slice(32, 32, dim=1).store(_dequant_tile(x1, s1))
+                y1, t1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
+                kn.slice(64, 32, dim=1).store(_dequant_tile(x2, s2))
+                x2, s2 = _fp8_tile(KV32, row_n, valid_n, cols, 2)
+                kn.slice(96, 32, dim=1).store(_dequant_tile(x3, s3))
+                x0, s0, x1, s1 = y0, t0, y1, t1
             else:
                 x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
                 kn.slice(0, 32, dim=1).store(_dequant_tile(x0, s0))
