@@ -89,6 +89,36 @@ if HAVE_GLUON:
         _prefetch_l2(KV8 + row, valid & (k < n_blocks))
 
     @gluon.jit
+    def _prefetch_lines(
+        KV8,
+        idx_row,
+        k,
+        n_blocks,
+        n_t,
+        hi,
+        kv_block_size: gl.constexpr,
+        stride_kv_block,
+        BLOCK_T: gl.constexpr,
+    ):
+        """Prefetch the cache rows of block ``k`` (if ``k < n_blocks``) into L2, 128-byte line by line
+        (``prefetch.global.L2``: per-thread addresses, 6 lines per 656-byte row, 3 per thread)."""
+        pf_l: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
+        offs = k * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, pf_l))
+        line = gl.arange(0, 8, layout=gl.SliceLayout(0, pf_l))
+        row, valid = _fp8_rows(
+            gl.load(idx_row + offs, mask=offs < n_t, other=-1), hi, kv_block_size, stride_kv_block, 656
+        )
+        ok = (valid & (k < n_blocks))[:, None] & (line < 6)[None, :]
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+            "=r,l,r",
+            [KV8 + row[:, None] + 128 * line[None, :], ok.to(gl.int32)],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @gluon.jit
     def _dequant_e4m3(x8, scale):
         """``float8_e4m3fn`` bytes ``x8 [R, C]`` (uint8) times the float32 row scales ``scale [R]``, in bf16.
 
@@ -271,17 +301,22 @@ if HAVE_GLUON:
             mbarrier.arrive(full_bars.index(slot))
 
     @gluon.jit
+    def _dequant_tile(x32, scale):
+        """``_dequant_e4m3_pairs`` of a tile with its float32 row scales."""
+        lo2, hi2 = _scale_pairs(scale)
+        return _dequant_e4m3_pairs(x32, lo2, hi2)
+
+    @gluon.jit
     def _fp8_tile(KV32, row, valid, cols, j: gl.constexpr):
         """Latent bytes ``[128 j, 128 j + 128)`` of the cache rows at byte offsets ``row``, four to an int32
-        (zeros where not ``valid``; 16-byte loads), and their scale ``j`` as ``_scale_pairs`` (0 where not
-        ``valid``)."""
+        (zeros where not ``valid``; 16-byte loads), and their float32 scale ``j`` (0 where not ``valid``)."""
         base = row // 4
         x32 = gl.load(KV32 + base[:, None] + (32 * j + cols)[None, :], mask=valid[:, None] & (cols[None, :] >= 0),
                       other=0)  # fmt: skip
         scale = gl.load(
             KV32.to(gl.pointer_type(gl.float32), bitcast=True) + base + 128 + j, mask=valid, other=0.0
         )
-        return x32, _scale_pairs(scale)
+        return x32, scale
 
     @gluon.jit
     def _fp8_reg_producer(
@@ -306,8 +341,9 @@ if HAVE_GLUON:
         4: half a block or a whole one) before it is dequantized (``_dequant_e4m3``) and stored in bf16 into
         the block's slot; the rope values go straight into the rope slot (``cp.async``). So the gathers of
         the next tiles are in flight while a tile is dequantized, and nothing is staged in shared memory.
-        ``full_bars[s]`` completes once per block (one arrive); ``L2_PREFETCH``: also bulk-prefetch the rows
-        of block ``b + 2`` into L2."""
+        ``full_bars[s]`` completes once per block (one arrive); ``L2_PREFETCH``: also prefetch the rows of
+        block ``b + 2`` into L2, 1: with ``cp.async.bulk.prefetch`` (``_prefetch_block``), 2: line by line
+        (``_prefetch_lines``), 0: not."""
         D_NOPE: gl.constexpr = 512
         # A warp covers 4 rows x 128 latent bytes (4 int32 per thread) or x 64 bf16 rope values (8 per thread).
         ld_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
@@ -337,10 +373,12 @@ if HAVE_GLUON:
         if AHEAD == 4:
             x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
             x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
-        if L2_PREFETCH:
+        if L2_PREFETCH == 1:
             _prefetch_block(
                 KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
             )
+        elif L2_PREFETCH == 2:
+            _prefetch_lines(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T)
         for b in range(n_blocks):
             slot = b % NUM_BUF
             row_n, valid_n = _fp8_rows(idx_n, hi, kv_block_size, stride_kv_block, 656)
@@ -357,31 +395,35 @@ if HAVE_GLUON:
                 mask=valid_r[:, None] & (cols_r[None, :] >= 0),
             )
             cp.commit_group()
-            if L2_PREFETCH:
+            if L2_PREFETCH == 1:
                 _prefetch_block(
                     KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
+                )
+            elif L2_PREFETCH == 2:
+                _prefetch_lines(
+                    KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T
                 )
             kn = kn64.index(slot)
             # Each tile: the next gather issued, then this tile dequantized and stored.
             if AHEAD == 4:
                 y0, t0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
-                kn.slice(0, 32, dim=1).store(_dequant_e4m3_pairs(x0, s0[0], s0[1]))
+                kn.slice(0, 32, dim=1).store(_dequant_tile(x0, s0))
                 y1, t1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
-                kn.slice(32, 32, dim=1).store(_dequant_e4m3_pairs(x1, s1[0], s1[1]))
+                kn.slice(32, 32, dim=1).store(_dequant_tile(x1, s1))
                 y2, t2 = _fp8_tile(KV32, row_n, valid_n, cols, 2)
-                kn.slice(64, 32, dim=1).store(_dequant_e4m3_pairs(x2, s2[0], s2[1]))
+                kn.slice(64, 32, dim=1).store(_dequant_tile(x2, s2))
                 y3, t3 = _fp8_tile(KV32, row_n, valid_n, cols, 3)
-                kn.slice(96, 32, dim=1).store(_dequant_e4m3_pairs(x3, s3[0], s3[1]))
+                kn.slice(96, 32, dim=1).store(_dequant_tile(x3, s3))
                 x0, s0, x1, s1, x2, s2, x3, s3 = y0, t0, y1, t1, y2, t2, y3, t3
             else:
                 x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
-                kn.slice(0, 32, dim=1).store(_dequant_e4m3_pairs(x0, s0[0], s0[1]))
+                kn.slice(0, 32, dim=1).store(_dequant_tile(x0, s0))
                 x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
-                kn.slice(32, 32, dim=1).store(_dequant_e4m3_pairs(x1, s1[0], s1[1]))
+                kn.slice(32, 32, dim=1).store(_dequant_tile(x1, s1))
                 x0, s0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
-                kn.slice(64, 32, dim=1).store(_dequant_e4m3_pairs(x2, s2[0], s2[1]))
+                kn.slice(64, 32, dim=1).store(_dequant_tile(x2, s2))
                 x1, s1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
-                kn.slice(96, 32, dim=1).store(_dequant_e4m3_pairs(x3, s3[0], s3[1]))
+                kn.slice(96, 32, dim=1).store(_dequant_tile(x3, s3))
             row_c, valid_c = row_n, valid_n
             cp.wait_group(0)  # the rope rows
             # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
@@ -406,15 +448,17 @@ if HAVE_GLUON:
         n_blocks,
         BLOCK_T: gl.constexpr,
         AHEAD: gl.constexpr,
+        L2_PREFETCH: gl.constexpr,
     ):
         """The producer ``AHEAD`` selects: 0, ``_fp8_producer`` (staged in shared memory); 2 or 4,
-        ``_fp8_reg_producer`` (gathered into registers that many tiles ahead)."""
+        ``_fp8_reg_producer`` (gathered into registers that many tiles ahead, ``L2_PREFETCH`` its L2
+        prefetch)."""
         if AHEAD == 0:
             _fp8_producer(kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV, kv_block_size,
                           stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, 2)  # fmt: skip
         else:
             _fp8_reg_producer(kn_smem, kr_smem, full_bars, empty_bars, KV, kv_block_size, stride_kv_block,
-                              idx_row, n_t, hi, n_blocks, BLOCK_T, 2, AHEAD, True)  # fmt: skip
+                              idx_row, n_t, hi, n_blocks, BLOCK_T, 2, AHEAD, L2_PREFETCH)  # fmt: skip
 
     @gluon.jit
     def _sv_consumer(
@@ -593,6 +637,7 @@ if HAVE_GLUON:
         V_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         AHEAD: gl.constexpr,
+        L2_PREFETCH: gl.constexpr,
         num_warps: gl.constexpr,
         SPLIT_K: gl.constexpr = False,
     ):
@@ -651,7 +696,7 @@ if HAVE_GLUON:
                 )),
                 (_fp8_any_producer, (
                     kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV, KV_BLOCK,
-                    stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, AHEAD,
+                    stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, AHEAD, L2_PREFETCH,
                 )),
             ],
             [4, 4],
@@ -660,13 +705,14 @@ if HAVE_GLUON:
 
 
 #: The producers (``Config.fp8_producer``): ``AHEAD`` (0: ``_fp8_producer``, which stages the block in
-#: shared memory; 2 or 4: ``_fp8_reg_producer``, tiles gathered that many tiles ahead into registers) and
-#: the register split (``setmaxnreg``) of the warpgroups of 384 threads (504 per thread in all): the P·V
+#: shared memory; 2 or 4: ``_fp8_reg_producer``, tiles gathered that many tiles ahead into registers), its
+#: ``L2_PREFETCH`` (0, 1 or 2; the staged producer always prefetches with ``_prefetch_block``) and the
+#: register split (``setmaxnreg``) of the warpgroups of 384 threads (504 per thread in all): the P·V
 #: consumer's and the producer's (the S + P·V consumer, the default partition, has the rest).
-FP8_PRODUCERS: dict[str, tuple[int, int, int]] = {
-    "staged": (0, 176, 96),
-    "registers": (4, 160, 168),
-    "registers_half": (2, 168, 128),
+FP8_PRODUCERS: dict[str, tuple[int, int, int, int]] = {
+    "staged": (0, 1, 176, 96),
+    "registers": (4, 1, 160, 152),
+    "registers_half": (2, 1, 168, 128),
 }
 
 
@@ -699,9 +745,9 @@ def launch_decode_fp8_gluon(
     n_head_tiles = cdiv(dims.h_q, 64)
     n_splits, split_len = splits
     # The block size is a constant of the kernel: the row offsets divide by it (a shift for powers of two).
-    ahead, v_regs, producer_regs = FP8_PRODUCERS[producer]
+    ahead, l2_prefetch, v_regs, producer_regs = FP8_PRODUCERS[producer]
     consts = dict(KV_BLOCK=kv_paging[0], BLOCK_T=64, V_REGS=v_regs, PRODUCER_REGS=producer_regs, AHEAD=ahead,
-                  num_warps=4)  # fmt: skip
+                  L2_PREFETCH=l2_prefetch, num_warps=4)  # fmt: skip
     if n_splits > 1:
         consts["SPLIT_K"] = True
     args = (q, kv_cache, idx, out, max_logits, lse, *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv,
