@@ -412,11 +412,13 @@ def _det_reduce_kernel(
 
 
 # The Gluon dkv kernel (Config.bwd_dkv_backend): DKV_GLUON -1 follows the config, 0 / 1 force it (tests);
-# 64-channel chunks, a ring of three of them, 232 / 40 registers per consumer / producer thread.
+# 64-channel chunks, a ring of three of them, one program per work item (PERSIST_G > 0: that many persistent
+# programs), 168 registers per thread in every partition.
 _DKV_GLUON_TILES = {
     "DKV_GLUON": -1,
     "BLOCK_C_G": 64,
     "NUM_BUF_G": 3,
+    "PERSIST_G": 0,
     "CONSUMER_REGS_G": 168,
     "PRODUCER_REGS_G": 168,
 }
