@@ -1,25 +1,32 @@
 """Hopper (sm_90) sparse decode over FlashMLA's FP8 KV cache, in Gluon.
 
 The bf16 decode's pipeline (64 heads per program, blocks of 64 top-k rows in a ring of two bf16
-shared-memory slots, warp specialised) with a producer warpgroup that dequantizes. For each block the
-producer
+shared-memory slots, warp specialised) with a producer warpgroup that dequantizes. Two producers
+(``Config.fp8_producer``, :data:`FP8_PRODUCERS`):
 
-1. copies the rows' 512 e4m3 bytes with ``cp.async`` into the upper half of the block's bf16 slot (bytes
-   of row ``r``, scale tile ``j`` land where bf16 channels ``256 + 64 j ..`` of row ``r`` go), the 64 bf16
-   rope values straight into the rope slot, and the 4 float32 scales into a scale buffer, then waits for
-   its copies; meanwhile it prefetches the rows of block ``b + 2`` into L2 (``cp.async.bulk.prefetch``);
-2. dequantizes in place, tile by tile (``_dequant_e4m3``: bit operations and bf16 products, exact for
-   power-of-two scales), written over the slot's channels ``128 j ..``. Tile ``j``'s output only
-   overwrites staged bytes of the tiles before it or, for the last tile, the bytes it has just read (a
-   warpgroup barrier between the loads and the stores of each tile), so no staged byte is overwritten
-   before it is read;
-3. releases the block to the consumers (one arrive after a fence and a warpgroup barrier).
+- ``_fp8_producer`` ("staged"), for each block:
+
+  1. copies the rows' 512 e4m3 bytes with ``cp.async`` into the upper half of the block's bf16 slot
+     (bytes of row ``r``, scale tile ``j`` land where bf16 channels ``256 + 64 j ..`` of row ``r`` go),
+     the 64 bf16 rope values straight into the rope slot, and the 4 float32 scales into a scale buffer,
+     then waits for its copies; meanwhile it prefetches the rows of block ``b + 2`` into L2;
+  2. dequantizes in place, tile by tile (``_dequant_e4m3``: bit operations and bf16 products, exact for
+     power-of-two scales), written over the slot's channels ``128 j ..``. Tile ``j``'s output only
+     overwrites staged bytes of the tiles before it or, for the last tile, the bytes it has just read (a
+     warpgroup barrier between the loads and the stores of each tile), so no staged byte is overwritten
+     before it is read;
+  3. releases the block to the consumers (one arrive after a fence and a warpgroup barrier).
+
+- ``_fp8_reg_producer`` ("registers", "registers_half") loads each 128-channel tile of latent bytes into
+  registers (16-byte loads) four or two tiles before it dequantizes it (``_dequant_e4m3_pairs``, the
+  same arithmetic) into the slot, so the next tiles' loads are in flight while one is dequantized; the
+  rope values go to the rope slot by ``cp.async``. Both write the same bf16 tiles.
 
 Consumer warpgroup 0 computes each block's scores, softmax and P·V for value channels 0..255, consumer
 warpgroup 1 P·V for channels 256..511 with the P warpgroup 0 publishes, so both are done with block ``b``
 before ``b + 1`` starts and its slot can take block ``b + 2`` while they work on ``b + 1``. Split-K
 partials are merged by the forward's merge kernel. The kernel uses the bf16 kernel's shared memory plus
-a 1 KiB scale buffer. Rows whose index is invalid are zero-filled (never read).
+a 1 KiB scale buffer (staged producer). Rows whose index is invalid are zero-filled (never read).
 """
 
 from __future__ import annotations
@@ -337,8 +344,8 @@ if HAVE_GLUON:
         L2_PREFETCH: gl.constexpr,
     ):
         """Producer warpgroup of the FP8 decode that gathers into registers: the latent bytes of a block
-        arrive in four 128-channel tiles (16-byte loads, one scale each), each loaded ``AHEAD`` tiles (2 or
-        4: half a block or a whole one) before it is dequantized (``_dequant_e4m3``) and stored in bf16 into
+        arrive in four 128-channel tiles (16-byte loads, one scale each), each loaded ``AHEAD`` tiles (2, 3
+        or 4: up to a whole block) before it is dequantized (``_dequant_e4m3``) and stored in bf16 into
         the block's slot; the rope values go straight into the rope slot (``cp.async``). So the gathers of
         the next tiles are in flight while a tile is dequantized, and nothing is staged in shared memory.
         ``full_bars[s]`` completes once per block (one arrive); ``L2_PREFETCH``: also prefetch the rows of
@@ -370,8 +377,9 @@ if HAVE_GLUON:
         idx_n = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
         x0, s0 = _fp8_tile(KV32, row_c, valid_c, cols, 0)
         x1, s1 = _fp8_tile(KV32, row_c, valid_c, cols, 1)
-        if AHEAD == 4:
+        if AHEAD >= 3:
             x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
+        if AHEAD == 4:
             x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
         if L2_PREFETCH == 1:
             _prefetch_block(
@@ -415,6 +423,16 @@ if HAVE_GLUON:
                 y3, t3 = _fp8_tile(KV32, row_n, valid_n, cols, 3)
                 kn.slice(96, 32, dim=1).store(_dequant_tile(x3, s3))
                 x0, s0, x1, s1, x2, s2, x3, s3 = y0, t0, y1, t1, y2, t2, y3, t3
+            elif AHEAD == 3:
+                x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
+                kn.slice(0, 32, dim=1).store(_dequant_tile(x0, s0))
+                y0, t0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
+                kn.slice(32, 32, dim=1).store(_dequant_tile(x1, s1))
+                y1, t1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
+                kn.slice(64, 32, dim=1).store(_dequant_tile(x2, s2))
+                x2, s2 = _fp8_tile(KV32, row_n, valid_n, cols, 2)
+                kn.slice(96, 32, dim=1).store(_dequant_tile(x3, s3))
+                x0, s0, x1, s1 = y0, t0, y1, t1
             else:
                 x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
                 kn.slice(0, 32, dim=1).store(_dequant_tile(x0, s0))
