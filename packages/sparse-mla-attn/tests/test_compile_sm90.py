@@ -198,7 +198,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "bwd_h256": lambda: bwd(256, 576, False),
         "bwd_h256_det": lambda: bwd(256, 576, True, True),
         # The kernels without the defaults' slot sort, grouped dkv launch, rope chunk in the loops and index
-        # prefetch, at 128-slot main blocks.
+        # prefetch, at 128-slot main blocks, with the Triton dkv kernel.
         "bwd_h128_unsorted": lambda: bwd_tiles(
             128,
             False,
@@ -209,13 +209,23 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
                 "IDX_PREFETCH": 0,
                 "N_CSPLIT": 2,
                 "BLOCK_T": 128,
+                "DKV_GLUON": 0,
             },
         ),
+        # The Triton dkv kernel (Config.bwd_dkv_backend="triton"; the default on other GPUs), both modes.
+        "bwd_h128_dkv_triton": lambda: bwd_tiles(128, False, {"DKV_GLUON": 0}),
+        "bwd_h128_det_dkv_triton": lambda: bwd_tiles(128, True, {"DKV_GLUON": 0}),
         # The Gluon dkv kernel (Config.bwd_dkv_backend), both modes, causal, fewer heads than a tile.
         "bwd_h128_dkv_gluon": lambda: bwd_tiles(128, False, {"DKV_GLUON": gluon_forced}),
         "bwd_h128_det_dkv_gluon": lambda: bwd_tiles(128, True, {"DKV_GLUON": gluon_forced}),
         "bwd_h64_causal_dkv_gluon": lambda: bwd_tiles(64, False, {"DKV_GLUON": gluon_forced}, causal=True),
         "bwd_h20_dkv_gluon": lambda: bwd_tiles(20, False, {"DKV_GLUON": gluon_forced}),
+        "bwd_h128_dkv_gluon_sub2_c32": lambda: bwd_tiles(
+            128, False, {"DKV_GLUON": gluon_forced, "SUB_G": 2, "BLOCK_C_G": 32}
+        ),
+        "bwd_h128_det_dkv_gluon_sub2_c32": lambda: bwd_tiles(
+            128, True, {"DKV_GLUON": gluon_forced, "SUB_G": 2, "BLOCK_C_G": 32}, causal=True
+        ),
         "bwd_h128_dkv_gluon_persistent": lambda: bwd_tiles(
             128, False, {"DKV_GLUON": gluon_forced, "PERSIST_G": 132, "NUM_BUF_G": 2}
         ),
@@ -320,7 +330,9 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
     assert triton_kernels <= kernels, triton_kernels - kernels
     from sparse_mla_attn import gluon_supported
 
-    gluon_kernels = {"_sparse_mla_fwd_ws_kernel", "_attn_dist_ws_kernel", "_sparse_mla_decode_fp8_kernel"}
+    gluon_kernels = {
+        "_sparse_mla_fwd_ws_kernel", "_attn_dist_ws_kernel", "_sparse_mla_decode_fp8_kernel", "_dkv_ws_kernel",
+    }  # fmt: skip
     # Where the installed Triton's Gluon API is not the one the kernels are written for, the ops
     # select the Triton kernels (no Gluon launch at all).
     assert (gluon_kernels <= kernels) if gluon_supported() else not (gluon_kernels & kernels)

@@ -50,7 +50,7 @@ from sparse_mla_attn._runtime import (
     record_launch,
 )
 from sparse_mla_attn._validate import check_arg_types, check_bwd_inputs, check_sm_scale
-from sparse_mla_attn.backends.gluon_sm90 import use_gluon
+from sparse_mla_attn.backends import gluon_sm90
 from sparse_mla_attn.backends.gluon_sm90_bwd import dkv_gluon_eligible, launch_dkv_gluon
 from sparse_mla_attn.config import DEFAULT, Config, config_of
 from sparse_mla_attn.reference import valid_slots
@@ -412,13 +412,16 @@ def _det_reduce_kernel(
 
 
 # The Gluon dkv kernel (Config.bwd_dkv_backend): DKV_GLUON -1 follows the config, 0 / 1 force it (tests);
-# 64-channel chunks, a ring of three of them, one program per work item (PERSIST_G > 0: that many persistent
-# programs), 168 registers per thread in every partition.
+# 64-channel chunks, a ring of three of them, one 64-slot tile per consumer warpgroup (SUB_G 2: two), one
+# program per work item (PERSIST_G > 0: that many persistent programs), 168 registers per thread in every
+# partition. DET_OVERLAP 1: the deterministic reduction on a side stream (see launch_bwd).
 _DKV_GLUON_TILES = {
     "DKV_GLUON": -1,
     "BLOCK_C_G": 64,
     "NUM_BUF_G": 3,
     "PERSIST_G": 0,
+    "SUB_G": 1,
+    "DET_OVERLAP": 0,
     "CONSUMER_REGS_G": 168,
     "PRODUCER_REGS_G": 168,
 }
@@ -531,6 +534,14 @@ def launch_bwd(
         if return_attn_sum
         else attn_sum
     )
+    # DET_OVERLAP: each chunk's deterministic reduction runs on a side stream, beside the next chunk's main
+    # and dq kernels (the next dkv kernel, which overwrites the workspace, waits for it).
+    side = (
+        _side_stream(dev)
+        if deterministic and split_dkv and cfg["DET_OVERLAP"] and dev.type == "cuda"
+        else None
+    )
+    reduced = None  # the event of the last reduction on the side stream
     for s0 in range(0, s_q, chunk):
         s1 = min(s_q, s0 + chunk)
         n = s1 - s0
@@ -552,6 +563,8 @@ def launch_bwd(
         record_launch("bwd.main", kernel)
         _launch_dq(cfg, ds_ws, kv, idx_c, dq[s0:s1], s_kv, h_q, q_start_index + s0, k_stride, topk, causal,
                    d_qk, n, n_hb_dq, n_db, slots, s0)  # fmt: skip
+        if reduced is not None:
+            torch.cuda.current_stream(dev).wait_event(reduced)
         if split_dkv and dkv_gluon:
             kernel = launch_dkv_gluon(
                 ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n, s_kv, h_q, q_start_index + s0, k_stride, topk,
@@ -576,15 +589,37 @@ def launch_bwd(
                      num_warps=cfg["num_warps_dkv"], num_stages=1),
             )  # fmt: skip
             record_launch("bwd.dkv", kernel)
-        if deterministic:
+        if deterministic and side is not None:
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                _det_reduce(
+                    part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk, slots, s0
+                )
+                reduced = torch.cuda.Event()
+                reduced.record(side)
+        elif deterministic:
             _det_reduce(
                 part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk, slots, s0
             )
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
+    if side is not None:  # (so the buffers the side stream reads are freed after its reads)
+        torch.cuda.current_stream(dev).wait_stream(side)
     if return_attn_sum and perm is not None:  # back to the caller's slot order
         attn_sum = torch.empty_like(attn_sum).scatter_(1, perm[:, 0], attn_sum)
     return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The backward's side stream of a CUDA device (one per device, made on first use)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
 
 
 def _use_dkv_gluon(
@@ -598,10 +633,20 @@ def _use_dkv_gluon(
         ValueError: ``bwd_dkv_backend == "gluon"`` (or ``DKV_GLUON`` 1) where the Gluon kernel cannot run.
     """
     backend = {-1: config.bwd_dkv_backend, 0: "triton", 1: "gluon"}[cfg["DKV_GLUON"]]
+    if backend == "triton":
+        return False
     eligible = dkv_gluon_eligible(h_q, d_qk, d_v, topk, cfg["BLOCK_C_G"]) and not (
         q.stride(1) % 8 or dout.stride(1) % 8
     )
-    return use_gluon(backend, eligible, "sparse_mla_bwd's dkv kernel", q, q, dout)
+    usable = eligible and gluon_sm90.gluon_usable(q, q, dout)
+    if backend == "gluon" and not usable:
+        raise ValueError(
+            "sparse_mla_bwd: Config(bwd_dkv_backend='gluon') needs an sm_90 GPU, a Triton release in "
+            f"{gluon_sm90.GLUON_TRITON_VERSIONS} (installed: {triton.__version__}), at most 128 heads, d_v and d_qk "
+            f"multiples of 64, topk a multiple of 8 and 16-byte aligned q / dout rows (got h_q {h_q}, d_qk "
+            f"{d_qk}, d_v {d_v}, topk {topk})"
+        )
+    return usable
 
 
 def _launch_dq(

@@ -54,12 +54,13 @@ class Config:
             ``"auto"`` (default): persistent where a token has more than one head tile (``h_q > 64``),
             and with one head tile where the KV rows (``2 * s_kv * d_qk`` bytes) fit in half of the GPU's
             L2 cache (up to about 22K rows of 576 on an H100 / H200).
-        bwd_dkv_backend: kernel of :func:`~sparse_mla_attn.sparse_mla_bwd`'s ``dkv`` products (up to 128
-            heads). ``"triton"`` (default): the Triton kernel. ``"auto"``: a warp-specialised Gluon kernel on
-            an sm_90 GPU where :func:`gluon_supported` holds and the shape suits it (``d_v`` and ``d_qk``
-            multiples of 64, ``topk`` a multiple of 8), the Triton kernel elsewhere. ``"gluon"``: ``"auto"``
-            that raises :class:`ValueError` where the Gluon kernel cannot run. The results are the same up
-            to the order of the fp32 additions (bit-identical run to run in the deterministic mode).
+        bwd_dkv_backend: kernel of :func:`~sparse_mla_attn.sparse_mla_bwd`'s ``dkv`` products up to 128
+            heads (above, the main kernel forms them). ``"auto"`` (default): a warp-specialised Gluon
+            kernel on an sm_90 GPU where :func:`gluon_supported` holds and the shape suits it (``d_v`` and
+            ``d_qk`` multiples of 64, ``topk`` a multiple of 8), the Triton kernel elsewhere. ``"triton"``:
+            always the Triton kernel. ``"gluon"``: ``"auto"`` that raises :class:`ValueError` where the
+            Gluon kernel cannot run. The results are the same up to the order of the fp32 additions
+            (bit-identical run to run in the deterministic mode).
         attn_dist_split: how the two consumer warpgroups of the Gluon ``attn_dist`` (sm_90) share a token
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
@@ -86,7 +87,7 @@ class Config:
     fwd_persistent: str = "auto"
     attn_dist_split: str = "blocks"
     fp8_producer: str = "staged"
-    bwd_dkv_backend: str = "triton"
+    bwd_dkv_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
