@@ -352,7 +352,8 @@ if HAVE_GLUON:
         into the block's slot of its tile allocation (``kt0`` .. ``kt3``: the compiler orders stores to one
         allocation with barriers, to four not); the rope values go straight into the rope slot (``cp.async``). So the gathers of
         the next tiles are in flight while a tile is dequantized, and nothing is staged in shared memory.
-        ``full_bars[s]`` completes once per block (one arrive); ``L2_PREFETCH``: also prefetch the rows of
+        ``full_bars[s]`` completes once per block (one arrive after the stores, and one cp.async arrival
+        per thread for the rope rows); ``L2_PREFETCH``: also prefetch the rows of
         block ``b + 2`` into L2, 1: with ``cp.async.bulk.prefetch`` (``_prefetch_block``), 2: line by line
         (``_prefetch_lines``), 0: not."""
         D_NOPE: gl.constexpr = 512
@@ -405,7 +406,9 @@ if HAVE_GLUON:
                 KV16 + ((row_r + D_NOPE + 16) // 2)[:, None] + cols_r[None, :],
                 mask=valid_r[:, None] & (cols_r[None, :] >= 0),
             )
-            cp.commit_group()
+            # The rope rows complete the block's barrier themselves (128 arrivals without count, see the
+            # kernel), so the producer never waits for them.
+            cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
             if L2_PREFETCH == 1:
                 _prefetch_block(
                     KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
@@ -445,7 +448,6 @@ if HAVE_GLUON:
                 x1, s1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
                 k64_3.index(slot).store(_dequant_tile(x3, s3))
             row_c, valid_c = row_n, valid_n
-            cp.wait_group(0)  # the rope rows
             # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
             fence_async_shared()
             gl.thread_barrier()
@@ -855,7 +857,11 @@ if HAVE_GLUON:
         mbarrier.init(staged_bar, count=128)  # the staged producer's copies, one arrive per thread
         p_sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(2):
-            mbarrier.init(full_bars.index(j), count=1)  # the producer's one arrive per block
+            if TILES:
+                # The register producer's one arrive and its threads' rope copies (cp.async arrivals).
+                mbarrier.init(full_bars.index(j), count=129)
+            else:
+                mbarrier.init(full_bars.index(j), count=1)  # the producer's one arrive per block
             mbarrier.init(empty_bars.index(j), count=2)  # both consumers read every block
         for j in gl.static_range(3):
             mbarrier.init(p_sync.index(j), count=1)  # P ready, P read, row sums ready
