@@ -54,6 +54,13 @@ class Config:
             ``"auto"`` (default): persistent where a token has more than one head tile (``h_q > 64``),
             and with one head tile where the KV rows (``2 * s_kv * d_qk`` bytes) fit in half of the GPU's
             L2 cache (up to about 22K rows of 576 on an H100 / H200).
+        bwd_dkv_backend: kernel of :func:`~sparse_mla_attn.sparse_mla_bwd`'s ``dkv`` products up to 128
+            heads (above, the main kernel forms them). ``"auto"`` (default): a warp-specialised Gluon
+            kernel on an sm_90 GPU where :func:`gluon_supported` holds and the shape suits it (``d_v`` and
+            ``d_qk`` multiples of 64, ``topk`` a multiple of 8), the Triton kernel elsewhere. ``"triton"``:
+            always the Triton kernel. ``"gluon"``: ``"auto"`` that raises :class:`ValueError` where the
+            Gluon kernel cannot run. The results are the same up to the order of the fp32 additions
+            (bit-identical run to run in the deterministic mode).
         attn_dist_split: how the two consumer warpgroups of the Gluon ``attn_dist`` (sm_90) share a token
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
@@ -67,8 +74,8 @@ class Config:
             tiles (half a block) ahead, with fewer registers. The results are the same bits.
 
     Raises:
-        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split`` or
-            ``fp8_producer``, ``num_splits < 0`` or a workspace cap below 1 byte.
+        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split``,
+            ``fp8_producer`` or ``bwd_dkv_backend``, ``num_splits < 0`` or a workspace cap below 1 byte.
     """
 
     backend: str = "auto"
@@ -80,6 +87,7 @@ class Config:
     fwd_persistent: str = "auto"
     attn_dist_split: str = "blocks"
     fp8_producer: str = "staged"
+    bwd_dkv_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -97,6 +105,10 @@ class Config:
         if self.fwd_persistent not in FWD_PERSISTENT:
             raise ValueError(
                 f"Config.fwd_persistent must be one of {FWD_PERSISTENT}, got {self.fwd_persistent!r}"
+            )
+        if self.bwd_dkv_backend not in BACKENDS:
+            raise ValueError(
+                f"Config.bwd_dkv_backend must be one of {BACKENDS}, got {self.bwd_dkv_backend!r}"
             )
         if self.attn_dist_split not in ATTN_DIST_SPLITS:
             raise ValueError(
@@ -147,7 +159,8 @@ def config_of(
     bwd_workspace_bytes: int = DEFAULT.bwd_workspace_bytes,
     bwd_deterministic_workspace_bytes: int = DEFAULT.bwd_deterministic_workspace_bytes,
     split_fill: float = DEFAULT.split_fill,
+    bwd_dkv_backend: str = DEFAULT.bwd_dkv_backend,
 ) -> Config:
     """The :class:`Config` of these fields, built (and checked) once: the custom ops receive the fields."""
     return Config(backend, num_splits, split_merge, split_fill, bwd_workspace_bytes,
-                  bwd_deterministic_workspace_bytes)  # fmt: skip
+                  bwd_deterministic_workspace_bytes, bwd_dkv_backend=bwd_dkv_backend)  # fmt: skip
