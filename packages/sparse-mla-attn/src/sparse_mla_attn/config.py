@@ -9,6 +9,7 @@ BACKENDS = ("auto", "gluon", "triton")
 SPLIT_MERGES = ("auto", "last_program", "kernel")
 ATTN_DIST_SPLITS = ("blocks", "cols")
 FWD_PERSISTENT = ("auto", "on", "off")
+FWD_SCHEDULES = ("pingpong", "common_max")
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,23 @@ class Config:
             ``"auto"`` (default): persistent where a token has more than one head tile (``h_q > 64``),
             and with one head tile where the KV rows (``2 * s_kv * d_qk`` bytes) fit in half of the GPU's
             L2 cache (up to about 22K rows of 576 on an H100 / H200).
+        fwd_schedule: how the two consumer warpgroups of :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon
+            kernel (sm_90) share a pair of 64-row blocks (each owns half of the value channels).
+            ``"pingpong"`` (default): each computes the softmax of its block against the running max of
+            the block before and rescales its accumulator for the other's block too; the ring is
+            refilled a whole block at a time. ``"common_max"``: the second warpgroup's softmax starts
+            from the first's max, so the pair's products share one max (the first warpgroup rescales its
+            P once for the second); the ring is refilled by half blocks as each half's last reader
+            releases it, and the first warpgroup issues the next block's ``q · k`` behind its last
+            product. Same results up to rounding.
         attn_dist_split: how the two consumer warpgroups of the Gluon ``attn_dist`` (sm_90) share a token
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
             64 heads.
 
     Raises:
-        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent`` or ``attn_dist_split``,
+        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``fwd_schedule`` or
+            ``attn_dist_split``,
             ``num_splits < 0`` or a workspace cap below 1 byte.
     """
 
@@ -71,6 +82,7 @@ class Config:
     bwd_deterministic_workspace_bytes: int = 4 << 30
     fwd_persistent: str = "auto"
     attn_dist_split: str = "blocks"
+    fwd_schedule: str = "pingpong"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -89,6 +101,8 @@ class Config:
             raise ValueError(
                 f"Config.fwd_persistent must be one of {FWD_PERSISTENT}, got {self.fwd_persistent!r}"
             )
+        if self.fwd_schedule not in FWD_SCHEDULES:
+            raise ValueError(f"Config.fwd_schedule must be one of {FWD_SCHEDULES}, got {self.fwd_schedule!r}")
         if self.attn_dist_split not in ATTN_DIST_SPLITS:
             raise ValueError(
                 f"Config.attn_dist_split must be one of {ATTN_DIST_SPLITS}, got {self.attn_dist_split!r}"
