@@ -17,13 +17,15 @@ dereferenced. ``D = rowsum(dout * out)`` comes first; then, per chunk of query t
 program per token and head block) recomputes ``S``/``P``, forms ``dS`` and writes it (scaled, in the input
 dtype) and ``P`` to workspaces; a ``dq`` kernel multiplies the workspace ``dS`` by the gathered rows; and a
 ``dkv`` kernel (one program per token and block of slots, with all its heads, up to 128) sums
-``dS^T q + P^T dout`` over the heads and adds each (token, slot) row into an fp32 ``dkv`` with atomics. Above
+``dS^T q + P^T dout`` over the heads and adds each (token, slot) row into an fp32 ``dkv`` with atomics (on
+sm_90 a warp-specialised Gluon kernel, ``backends/gluon_sm90_bwd.py``, ``Config.bwd_dkv_backend``). Above
 128 heads the main kernel forms the ``dkv`` products itself, per head block. Up to 128 heads each token's
 slots are first sorted by index, and the ``dkv`` programs in flight work on the same slot block of
 neighbouring tokens, so that their atomics touch a narrow range of rows that stays in L2 (``attn_sum`` is
 put back in the caller's slot order). In the deterministic mode the per-(token, slot) ``dkv`` contributions
 go to an fp32 workspace instead, and a reduction kernel sums them per KV row in a fixed order (pairs sorted
-by (row, token, slot)), so the result is bit-identical from run to run.
+by (row, token, slot)), so the result is bit-identical from run to run. No step makes the host wait for the
+GPU.
 """
 
 from __future__ import annotations
