@@ -327,7 +327,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fp8_reg_producer(
-        kn_smem,
+        kt0,
+        kt1,
+        kt2,
+        kt3,
         kr_smem,
         full_bars,
         empty_bars,
@@ -345,8 +348,9 @@ if HAVE_GLUON:
     ):
         """Producer warpgroup of the FP8 decode that gathers into registers: the latent bytes of a block
         arrive in four 128-channel tiles (16-byte loads, one scale each), each loaded ``AHEAD`` tiles (2, 3
-        or 4: up to a whole block) before it is dequantized (``_dequant_e4m3``) and stored in bf16 into
-        the block's slot; the rope values go straight into the rope slot (``cp.async``). So the gathers of
+        or 4: up to a whole block) before it is dequantized (``_dequant_e4m3_pairs``) and stored in bf16
+        into the block's slot of its tile allocation (``kt0`` .. ``kt3``: the compiler orders stores to one
+        allocation with barriers, to four not); the rope values go straight into the rope slot (``cp.async``). So the gathers of
         the next tiles are in flight while a tile is dequantized, and nothing is staged in shared memory.
         ``full_bars[s]`` completes once per block (one arrive); ``L2_PREFETCH``: also prefetch the rows of
         block ``b + 2`` into L2, 1: with ``cp.async.bulk.prefetch`` (``_prefetch_block``), 2: line by line
@@ -358,13 +362,12 @@ if HAVE_GLUON:
         KV8 = KV.to(gl.pointer_type(gl.uint8), bitcast=True)
         KV16 = KV.to(gl.pointer_type(gl.bfloat16), bitcast=True)
         KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
-        # The slots as int64s (4 bf16 each, the bytes of the bf16 view): row r's [32 c, 32 c + 32) are its
-        # bf16 channels [128 c, 128 c + 128).
-        kn64 = kn_smem._reinterpret(
-            gl.int64,
-            [NUM_BUF, BLOCK_T, D_NOPE // 4],
-            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=64, rank=2),
-        )
+        # The slots' tiles as int64s (4 bf16 each, the bytes of the bf16 view).
+        i64_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=64, rank=2)
+        k64_0 = kt0._reinterpret(gl.int64, [NUM_BUF, BLOCK_T, 32], i64_l)
+        k64_1 = kt1._reinterpret(gl.int64, [NUM_BUF, BLOCK_T, 32], i64_l)
+        k64_2 = kt2._reinterpret(gl.int64, [NUM_BUF, BLOCK_T, 32], i64_l)
+        k64_3 = kt3._reinterpret(gl.int64, [NUM_BUF, BLOCK_T, 32], i64_l)
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
         cols = gl.arange(0, 32, layout=gl.SliceLayout(0, ld_l))
         cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
@@ -411,37 +414,36 @@ if HAVE_GLUON:
                 _prefetch_lines(
                     KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T
                 )
-            kn = kn64.index(slot)
             # Each tile: the next gather issued, then this tile dequantized and stored.
             if AHEAD == 4:
                 y0, t0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
-                kn.slice(0, 32, dim=1).store(_dequant_tile(x0, s0))
+                k64_0.index(slot).store(_dequant_tile(x0, s0))
                 y1, t1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
-                kn.slice(32, 32, dim=1).store(_dequant_tile(x1, s1))
+                k64_1.index(slot).store(_dequant_tile(x1, s1))
                 y2, t2 = _fp8_tile(KV32, row_n, valid_n, cols, 2)
-                kn.slice(64, 32, dim=1).store(_dequant_tile(x2, s2))
+                k64_2.index(slot).store(_dequant_tile(x2, s2))
                 y3, t3 = _fp8_tile(KV32, row_n, valid_n, cols, 3)
-                kn.slice(96, 32, dim=1).store(_dequant_tile(x3, s3))
+                k64_3.index(slot).store(_dequant_tile(x3, s3))
                 x0, s0, x1, s1, x2, s2, x3, s3 = y0, t0, y1, t1, y2, t2, y3, t3
             elif AHEAD == 3:
                 x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
-                kn.slice(0, 32, dim=1).store(_dequant_tile(x0, s0))
+                k64_0.index(slot).store(_dequant_tile(x0, s0))
                 y0, t0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
-                kn.slice(32, 32, dim=1).store(_dequant_tile(x1, s1))
+                k64_1.index(slot).store(_dequant_tile(x1, s1))
                 y1, t1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
-                kn.slice(64, 32, dim=1).store(_dequant_tile(x2, s2))
+                k64_2.index(slot).store(_dequant_tile(x2, s2))
                 x2, s2 = _fp8_tile(KV32, row_n, valid_n, cols, 2)
-                kn.slice(96, 32, dim=1).store(_dequant_tile(x3, s3))
+                k64_3.index(slot).store(_dequant_tile(x3, s3))
                 x0, s0, x1, s1 = y0, t0, y1, t1
             else:
                 x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
-                kn.slice(0, 32, dim=1).store(_dequant_tile(x0, s0))
+                k64_0.index(slot).store(_dequant_tile(x0, s0))
                 x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
-                kn.slice(32, 32, dim=1).store(_dequant_tile(x1, s1))
+                k64_1.index(slot).store(_dequant_tile(x1, s1))
                 x0, s0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
-                kn.slice(64, 32, dim=1).store(_dequant_tile(x2, s2))
+                k64_2.index(slot).store(_dequant_tile(x2, s2))
                 x1, s1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
-                kn.slice(96, 32, dim=1).store(_dequant_tile(x3, s3))
+                k64_3.index(slot).store(_dequant_tile(x3, s3))
             row_c, valid_c = row_n, valid_n
             cp.wait_group(0)  # the rope rows
             # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
@@ -452,6 +454,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _fp8_any_producer(
         kn_smem,
+        kt0,
+        kt1,
+        kt2,
+        kt3,
         kr_smem,
         sc_smem,
         full_bars,
@@ -475,8 +481,51 @@ if HAVE_GLUON:
             _fp8_producer(kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV, kv_block_size,
                           stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, 2)  # fmt: skip
         else:
-            _fp8_reg_producer(kn_smem, kr_smem, full_bars, empty_bars, KV, kv_block_size, stride_kv_block,
+            _fp8_reg_producer(kt0, kt1, kt2, kt3, kr_smem, full_bars, empty_bars, KV, kv_block_size, stride_kv_block,
                               idx_row, n_t, hi, n_blocks, BLOCK_T, 2, AHEAD, L2_PREFETCH)  # fmt: skip
+
+    @gluon.jit
+    def _softmax_publish(s, t_idx, hi, m_i, l_i, sm_scale_log2, p_smem, a_smem, p_ready, p_free, b):
+        """Consumer warpgroup 0's online softmax of a block's scores ``s`` (columns whose index ``t_idx``
+        is invalid masked), its P and rescale factors published to warpgroup 1 (``p_smem`` / ``a_smem``,
+        ``p_ready``, once warpgroup 1 has read the previous block's: ``p_free``). Returns P in bf16, the
+        factors and the new row maxima and sums."""
+        valid = (t_idx >= 0) & (t_idx < hi)
+        s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p16 = p.to(p_smem.dtype)
+        # Warpgroup 1 has read the previous block's P and factors (a fresh barrier passes parity 1).
+        mbarrier.wait(p_free, (b & 1) ^ 1)
+        p_smem.store(p16)
+        a_smem.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready)
+        return p16, alpha, m_new, l_i
+
+    @gluon.jit
+    def _sv_epilogue(m_i, l_i, l_smem, end_bar, MAX_LOGITS, LSE, lse_base, h_q, h0, SPLIT_K: gl.constexpr):
+        """Consumer warpgroup 0's end: the row sums to warpgroup 1, the lse and row maxima stored (natural
+        log, or base 2 for split-K partials); returns the rows' output factors ``1 / l`` (0 for empty
+        rows)."""
+        l_smem.store(l_i)
+        mbarrier.arrive(end_bar)
+        offs_hs = h0 + gl.arange(0, 64, layout=m_i.type.layout)
+        hs_ok = offs_hs < h_q
+        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+        has_any = l_i > 0.0
+        scale = gl.where(has_any, 1.0 / gl.where(has_any, l_i, 1.0), 0.0)
+        if SPLIT_K:
+            to_out = 1.0
+        else:
+            to_out = 0.6931471805599453
+        lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
+        gl.store(LSE + lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
+        gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * to_out, mask=hs_ok)
+        return scale
 
     @gluon.jit
     def _sv_consumer(
@@ -543,44 +592,17 @@ if HAVE_GLUON:
             )
             s = warpgroup_mma(qr_smem.index(z), kr_smem.index(slot + z).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            valid = (t_idx >= 0) & (t_idx < hi)
-            s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            p16 = p.to(p_smem.dtype)
-            # Warpgroup 1 has read the previous block's P and factors (a fresh barrier passes parity 1).
-            mbarrier.wait(p_free, (b & 1) ^ 1)
-            p_smem.store(p16)
-            a_smem.store(alpha)
-            fence_async_shared()
-            mbarrier.arrive(p_ready)
+            p16, alpha, m_i, l_i = _softmax_publish(
+                s, t_idx, hi, m_i, l_i, sm_scale_log2, p_smem, a_smem, p_ready, p_free, b
+            )
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
             acc = warpgroup_mma(
                 gl.convert_layout(p16, pa_l), kn_smem.index(slot).slice(0, D_HALF, dim=1), acc, is_async=True
             )
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty_bars.index(slot))
-        l_smem.store(l_i)
-        mbarrier.arrive(end_bar)
-
-        offs_hs = h0 + gl.arange(0, BLOCK_H, layout=row_l)
-        hs_ok = offs_hs < h_q
-        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-        has_any = l_i > 0.0
-        scale = gl.where(has_any, 1.0 / gl.where(has_any, l_i, 1.0), 0.0)
-        # Natural log, or base 2 for the split-K partials.
-        if SPLIT_K:
-            to_out = 1.0
-        else:
-            to_out = 0.6931471805599453
-        lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
-        gl.store(LSE + lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
-        gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * to_out, mask=hs_ok)
-        _store_half(acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None], OUT, out_base, stride_o_h,
+        scale = _sv_epilogue(m_i, l_i, l_smem, end_bar, MAX_LOGITS, LSE, lse_base, h_q, h0, SPLIT_K)
+        _store_cols(acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None], OUT, out_base, stride_o_h,
                     h_q, h0, 0, o_l)  # fmt: skip
 
     @gluon.jit
@@ -619,13 +641,139 @@ if HAVE_GLUON:
         mbarrier.wait(end_bar, 0)
         l_i = l_smem.load(gl.SliceLayout(1, o_l))
         scale = gl.where(l_i > 0.0, 1.0 / gl.where(l_i > 0.0, l_i, 1.0), 0.0)
-        _store_half(acc * scale[:, None], OUT, out_base, stride_o_h, h_q, h0, 1, o_l)
+        _store_cols(acc * scale[:, None], OUT, out_base, stride_o_h, h_q, h0, D_HALF, o_l)
 
     @gluon.jit
-    def _store_half(out, OUT, out_base, stride_o_h, h_q, h0, HALF: gl.constexpr, o_l: gl.constexpr):
-        """Store value channels ``256 HALF ..`` of a 64-head output tile (rows past ``h_q`` masked)."""
+    def _sv_consumer_tiles(
+        qn_smem,
+        qr_smem,
+        kt0,
+        kt1,
+        kt2,
+        kt3,
+        kr_smem,
+        p_smem,
+        a_smem,
+        l_smem,
+        full_bars,
+        empty_bars,
+        p_ready,
+        p_free,
+        end_bar,
+        idx_row,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        out_base,
+        lse_base,
+        stride_o_h,
+        h_q,
+        h0,
+        n_t,
+        hi,
+        n_blocks,
+        sm_scale_log2,
+        BLOCK_T: gl.constexpr,
+        SPLIT_K: gl.constexpr,
+    ):
+        """``_sv_consumer`` over slots held as four 128-channel tile allocations (``kt0`` .. ``kt3``, the
+        register producers' layout): S as four k-chunks, P·V for channels 0..255 as two 128-column
+        products."""
+        BLOCK_H: gl.constexpr = 64
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
+        )
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16]
+        )
+        pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
+        acc0 = gl.zeros([BLOCK_H, 128], gl.float32, o_l)
+        acc1 = gl.zeros([BLOCK_H, 128], gl.float32, o_l)
+        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
+        for b in range(n_blocks):
+            slot = b % 2
+            # An opaque zero (see _pp_consumer): keeps the S descriptors from being hoisted out of the loop.
+            z = gl.inline_asm_elementwise(
+                "and.b32 $0, $1, 0;", "=r,r", [b], dtype=gl.int32, is_pure=True, pack=1
+            )
+            _ws_wait_full(full_bars, b, 2)
+            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
+            q = qn_smem.index(z)
+            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
+            s = warpgroup_mma(q.slice(0, 128, dim=1), kt0.index(slot + z).permute((1, 0)), s, use_acc=False,
+                              is_async=True)  # fmt: skip
+            s = warpgroup_mma(q.slice(128, 128, dim=1), kt1.index(slot + z).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q.slice(256, 128, dim=1), kt2.index(slot + z).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q.slice(384, 128, dim=1), kt3.index(slot + z).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(qr_smem.index(z), kr_smem.index(slot + z).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            p16, alpha, m_i, l_i = _softmax_publish(
+                s, t_idx, hi, m_i, l_i, sm_scale_log2, p_smem, a_smem, p_ready, p_free, b
+            )
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            p_op = gl.convert_layout(p16, pa_l)
+            acc0 = warpgroup_mma(p_op, kt0.index(slot), acc0 * alpha_o, is_async=True)
+            acc1 = warpgroup_mma(p_op, kt1.index(slot), acc1 * alpha_o, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            mbarrier.arrive(empty_bars.index(slot))
+        scale = gl.convert_layout(
+            _sv_epilogue(m_i, l_i, l_smem, end_bar, MAX_LOGITS, LSE, lse_base, h_q, h0, SPLIT_K),
+            gl.SliceLayout(1, o_l),
+        )[:, None]
+        _store_cols(acc0 * scale, OUT, out_base, stride_o_h, h_q, h0, 0, o_l)
+        _store_cols(acc1 * scale, OUT, out_base, stride_o_h, h_q, h0, 128, o_l)
+
+    @gluon.jit
+    def _v_consumer_tiles(
+        kt2,
+        kt3,
+        p_smem,
+        a_smem,
+        l_smem,
+        empty_bars,
+        p_ready,
+        p_free,
+        end_bar,
+        OUT,
+        out_base,
+        stride_o_h,
+        h_q,
+        h0,
+        n_blocks,
+    ):
+        """``_v_consumer`` over the 128-channel tile allocations 2 and 3 (channels 256..511)."""
+        BLOCK_H: gl.constexpr = 64
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16]
+        )
+        acc2 = gl.zeros([BLOCK_H, 128], gl.float32, o_l)
+        acc3 = gl.zeros([BLOCK_H, 128], gl.float32, o_l)
+        for b in range(n_blocks):
+            slot = b % 2
+            mbarrier.wait(p_ready, b & 1)
+            alpha = a_smem.load(gl.SliceLayout(1, o_l))[:, None]
+            acc2 = warpgroup_mma(p_smem, kt2.index(slot), acc2 * alpha, is_async=True)
+            acc3 = warpgroup_mma(p_smem, kt3.index(slot), acc3 * alpha, is_async=True)
+            acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2, acc3))
+            mbarrier.arrive(p_free)
+            mbarrier.arrive(empty_bars.index(slot))
+        mbarrier.wait(end_bar, 0)
+        l_i = l_smem.load(gl.SliceLayout(1, o_l))
+        scale = gl.where(l_i > 0.0, 1.0 / gl.where(l_i > 0.0, l_i, 1.0), 0.0)[:, None]
+        _store_cols(acc2 * scale, OUT, out_base, stride_o_h, h_q, h0, 256, o_l)
+        _store_cols(acc3 * scale, OUT, out_base, stride_o_h, h_q, h0, 384, o_l)
+
+    @gluon.jit
+    def _store_cols(out, OUT, out_base, stride_o_h, h_q, h0, COL0: gl.constexpr, o_l: gl.constexpr):
+        """Store value channels ``COL0 ..`` (as many as ``out`` has columns) of a 64-head output tile (rows
+        past ``h_q`` masked)."""
+        N: gl.constexpr = out.shape[1]
         offs_ho = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_l))
-        offs_d = HALF * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_l))
+        offs_d = COL0 + gl.arange(0, N, layout=gl.SliceLayout(0, o_l))
         o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
         gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
 
@@ -682,7 +830,20 @@ if HAVE_GLUON:
         # Leading axis of 1: the consumer indexes it with an opaque zero (see _pp_consumer).
         qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
         qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
-        kn_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, D_NOPE], smem_l)
+        TILES: gl.constexpr = AHEAD > 0
+        if TILES:
+            # The register producers' slots: one allocation per 128-channel tile (see _fp8_reg_producer).
+            kt0 = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 128], smem_l)
+            kt1 = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 128], smem_l)
+            kt2 = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 128], smem_l)
+            kt3 = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 128], smem_l)
+            kn_smem = kt0
+        else:
+            kn_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, D_NOPE], smem_l)
+            kt0 = kn_smem
+            kt1 = kn_smem
+            kt2 = kn_smem
+            kt3 = kn_smem
         kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, D_ROPE], smem_l)
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
         a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_l)  # P's rescale factors
@@ -701,25 +862,113 @@ if HAVE_GLUON:
         for w in gl.static_range(2):
             _load_q_rows(w, qn_smem, qr_smem, Q, stride_q_s, stride_q_h, pid_s, h0, h_q, D_NOPE, D_ROPE)
         fence_async_shared()  # the query tile and the barriers, before the partitions use them
-        gl.warp_specialize(
-            [
-                (_sv_consumer, (
-                    qn_smem, qr_smem, kn_smem, kr_smem, p_smem, a_smem, l_smem, full_bars, empty_bars,
-                    p_sync.index(0), p_sync.index(1), p_sync.index(2), idx_row, OUT, MAX_LOGITS, LSE, out_base,
-                    lse_base, so_h, h_q, h0, n_t, hi, n_blocks, sm_scale_log2, BLOCK_T, SPLIT_K,
-                )),
-                (_v_consumer, (
-                    kn_smem, p_smem, a_smem, l_smem, empty_bars, p_sync.index(0), p_sync.index(1),
-                    p_sync.index(2), OUT, out_base, so_h, h_q, h0, n_blocks,
-                )),
-                (_fp8_any_producer, (
-                    kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV, KV_BLOCK,
-                    stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, AHEAD, L2_PREFETCH,
-                )),
-            ],
-            [4, 4],
-            [V_REGS, PRODUCER_REGS],
-        )  # fmt: skip
+        if TILES:
+            gl.warp_specialize(
+                [
+                    (
+                        _sv_consumer_tiles,
+                        (
+                            qn_smem,
+                            qr_smem,
+                            kt0,
+                            kt1,
+                            kt2,
+                            kt3,
+                            kr_smem,
+                            p_smem,
+                            a_smem,
+                            l_smem,
+                            full_bars,
+                            empty_bars,
+                            p_sync.index(0),
+                            p_sync.index(1),
+                            p_sync.index(2),
+                            idx_row,
+                            OUT,
+                            MAX_LOGITS,
+                            LSE,
+                            out_base,
+                            lse_base,
+                            so_h,
+                            h_q,
+                            h0,
+                            n_t,
+                            hi,
+                            n_blocks,
+                            sm_scale_log2,
+                            BLOCK_T,
+                            SPLIT_K,
+                        ),
+                    ),
+                    (
+                        _v_consumer_tiles,
+                        (
+                            kt2,
+                            kt3,
+                            p_smem,
+                            a_smem,
+                            l_smem,
+                            empty_bars,
+                            p_sync.index(0),
+                            p_sync.index(1),
+                            p_sync.index(2),
+                            OUT,
+                            out_base,
+                            so_h,
+                            h_q,
+                            h0,
+                            n_blocks,
+                        ),
+                    ),
+                    (
+                        _fp8_any_producer,
+                        (
+                            kn_smem,
+                            kt0,
+                            kt1,
+                            kt2,
+                            kt3,
+                            kr_smem,
+                            sc_smem,
+                            full_bars,
+                            empty_bars,
+                            staged_bar,
+                            KV,
+                            KV_BLOCK,
+                            stride_kv_block,
+                            idx_row,
+                            n_t,
+                            hi,
+                            n_blocks,
+                            BLOCK_T,
+                            AHEAD,
+                            L2_PREFETCH,
+                        ),
+                    ),
+                ],
+                [4, 4],
+                [V_REGS, PRODUCER_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_sv_consumer, (
+                        qn_smem, qr_smem, kn_smem, kr_smem, p_smem, a_smem, l_smem, full_bars, empty_bars,
+                        p_sync.index(0), p_sync.index(1), p_sync.index(2), idx_row, OUT, MAX_LOGITS, LSE,
+                        out_base, lse_base, so_h, h_q, h0, n_t, hi, n_blocks, sm_scale_log2, BLOCK_T, SPLIT_K,
+                    )),
+                    (_v_consumer, (
+                        kn_smem, p_smem, a_smem, l_smem, empty_bars, p_sync.index(0), p_sync.index(1),
+                        p_sync.index(2), OUT, out_base, so_h, h_q, h0, n_blocks,
+                    )),
+                    (_fp8_any_producer, (
+                        kn_smem, kt0, kt1, kt2, kt3, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV,
+                        KV_BLOCK, stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, AHEAD, L2_PREFETCH,
+                    )),
+                ],
+                [4, 4],
+                [V_REGS, PRODUCER_REGS],
+            )  # fmt: skip
 
 
 #: The producers (``Config.fp8_producer``): ``AHEAD`` (0: ``_fp8_producer``, which stages the block in
