@@ -511,7 +511,7 @@ def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, rin
     from ep_a2a.config import EPConfig
 
     monkeypatch.setattr(B, "_raw_stream", lambda index: 7)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(B, "_capturing", lambda: False)
     eng = _engine()
     W, L = eng.world_size, eng.experts_per_rank
     vals = torch.zeros(eng.info_len, dtype=torch.int64)
@@ -554,7 +554,8 @@ def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, rin
     be._recent_rows, be._rows_ahead = collections.deque(maxlen=8), 0
     be.speculative_calls = be.speculative_overflows = 0
     be._op, be._combine_allowed = (-1, ""), False
-    be.board = SimpleNamespace(publish=lambda op: 0, check=lambda call, op: True)
+    be.board = SimpleNamespace(publish=lambda op: 0, check=lambda call, op: True, peers={0: None})
+    be._init_plain_path()
     return be, np.asarray(vals)
 
 
@@ -650,6 +651,18 @@ def test_eager_graphs_replay_repeated_inputs(monkeypatch):
         be.dispatch(x, ids, w, None)  # (each result dropped: one workspace)
     assert events == ["launch", "capture", "replay", "replay", "replay"]
     assert (be.graph_captures, be.graph_replays, eng.host_epochs[0]) == (1, 3, 4)
+    # the layer's common case finds the same graph by the key it builds from its checks
+    assert be._plain_rows
+    events.clear()
+    out, _, desc = be.dispatch_plain(x, ids, w)
+    assert events == ["replay"]
+    assert (out.shape, desc.num_recv_rows, desc.num_recv_tokens_per_rank.tolist()) == ((9, H), 9, [6, 3])
+    del out, desc
+    x3 = x.clone()
+    for _ in range(3):
+        be.dispatch_plain(x3, ids, w)
+    assert events == ["replay", "launch", "capture", "replay", "replay"]
+    assert (be.graph_captures, be.graph_replays) == (2, 6)
     events.clear()
     be.dispatch(x.clone(), ids, w, None)  # (other rows: launched one by one)
     be.dispatch(x[:3], ids[:3], w[:3], None)  # (another token count, the same addresses)

@@ -337,7 +337,7 @@ class EPLayer:
         tensor = torch.Tensor
         if type(input) is not tensor or type(exp_indices) is not tensor or type(weight) is not tensor:
             return False
-        if cuda < 0 or not (input.is_cuda and exp_indices.is_cuda and weight.is_cuda):
+        if cuda < 0:
             return False  # (a layer of CPU tensors: checked one by one)
         shape = input.shape
         return (
@@ -466,7 +466,7 @@ class EPLayer:
             and self._plain_dispatch_args(input, exp_indices, weight, dense=True)
             and not ((input.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
         ):  # (the common case, checked in one pass: the tensors go to the backend as they are)
-            return self.ctx.backend.dispatch(input, exp_indices, weight, None)
+            return self.ctx.backend.dispatch_plain(input, exp_indices, weight)
         cfg = self.config
         packed = None
         if isinstance(input, tuple) or fp8:

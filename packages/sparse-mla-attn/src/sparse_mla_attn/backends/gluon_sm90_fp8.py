@@ -225,10 +225,12 @@ if HAVE_GLUON:
         n_blocks,
         BLOCK_T: gl.constexpr,
         NUM_BUF: gl.constexpr,
+        L2_PREFETCH: gl.constexpr,
     ):
         """Producer warpgroup of the FP8 decode: gathers, stages and dequantizes block ``b`` into slot
         ``b % NUM_BUF`` (see the module docstring); ``full_bars[s]`` completes once per block (one arrive),
-        ``staged_bar`` once per block (128 deferred ``cp.async`` arrives)."""
+        ``staged_bar`` once per block (128 deferred ``cp.async`` arrives); ``L2_PREFETCH`` as
+        ``_fp8_reg_producer``'s (1 or 2)."""
         TOKEN_BYTES: gl.constexpr = 656
         D_NOPE: gl.constexpr = 512
         N_TILES: gl.constexpr = 4  # float32 scales per row, one per 128 latent channels
@@ -257,7 +259,12 @@ if HAVE_GLUON:
         offs_tp = gl.arange(0, BLOCK_T, layout=gl.BlockedLayout([1], [32], [4], [0]))
         idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
         idx_next_s = gl.load(idx_row + offs_ts, mask=offs_ts < n_t, other=-1)
-        _prefetch_block(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T)
+        if L2_PREFETCH == 1:
+            _prefetch_block(
+                KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
+            )
+        else:
+            _prefetch_lines(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T)
         for b in range(n_blocks):
             slot = b % NUM_BUF
             row, valid = _fp8_rows(idx_next, hi, kv_block_size, stride_kv_block, TOKEN_BYTES)
@@ -287,9 +294,14 @@ if HAVE_GLUON:
             )
             cp.mbarrier_arrive(staged_bar, increment_count=False)
             # While they land: the rows of the block after next into L2, so its gather does not wait on HBM.
-            _prefetch_block(
-                KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
-            )
+            if L2_PREFETCH == 1:
+                _prefetch_block(
+                    KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
+                )
+            else:
+                _prefetch_lines(
+                    KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T
+                )
             mbarrier.wait(staged_bar, b & 1)
 
             kn = kn_smem.index(slot)
@@ -352,7 +364,8 @@ if HAVE_GLUON:
         into the block's slot of its tile allocation (``kt0`` .. ``kt3``: the compiler orders stores to one
         allocation with barriers, to four not); the rope values go straight into the rope slot (``cp.async``). So the gathers of
         the next tiles are in flight while a tile is dequantized, and nothing is staged in shared memory.
-        ``full_bars[s]`` completes once per block (one arrive); ``L2_PREFETCH``: also prefetch the rows of
+        ``full_bars[s]`` completes once per block (one arrive after the stores, and one cp.async arrival
+        per thread for the rope rows); ``L2_PREFETCH``: also prefetch the rows of
         block ``b + 2`` into L2, 1: with ``cp.async.bulk.prefetch`` (``_prefetch_block``), 2: line by line
         (``_prefetch_lines``), 0: not."""
         D_NOPE: gl.constexpr = 512
@@ -405,7 +418,9 @@ if HAVE_GLUON:
                 KV16 + ((row_r + D_NOPE + 16) // 2)[:, None] + cols_r[None, :],
                 mask=valid_r[:, None] & (cols_r[None, :] >= 0),
             )
-            cp.commit_group()
+            # The rope rows complete the block's barrier themselves (128 arrivals without count, see the
+            # kernel), so the producer never waits for them.
+            cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
             if L2_PREFETCH == 1:
                 _prefetch_block(
                     KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
@@ -445,7 +460,6 @@ if HAVE_GLUON:
                 x1, s1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
                 k64_3.index(slot).store(_dequant_tile(x3, s3))
             row_c, valid_c = row_n, valid_n
-            cp.wait_group(0)  # the rope rows
             # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
             fence_async_shared()
             gl.thread_barrier()
@@ -479,7 +493,7 @@ if HAVE_GLUON:
         prefetch)."""
         if AHEAD == 0:
             _fp8_producer(kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV, kv_block_size,
-                          stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, 2)  # fmt: skip
+                          stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, 2, L2_PREFETCH)  # fmt: skip
         else:
             _fp8_reg_producer(kt0, kt1, kt2, kt3, kr_smem, full_bars, empty_bars, KV, kv_block_size, stride_kv_block,
                               idx_row, n_t, hi, n_blocks, BLOCK_T, 2, AHEAD, L2_PREFETCH)  # fmt: skip
@@ -855,7 +869,11 @@ if HAVE_GLUON:
         mbarrier.init(staged_bar, count=128)  # the staged producer's copies, one arrive per thread
         p_sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(2):
-            mbarrier.init(full_bars.index(j), count=1)  # the producer's one arrive per block
+            if TILES:
+                # The register producer's one arrive and its threads' rope copies (cp.async arrivals).
+                mbarrier.init(full_bars.index(j), count=129)
+            else:
+                mbarrier.init(full_bars.index(j), count=1)  # the producer's one arrive per block
             mbarrier.init(empty_bars.index(j), count=2)  # both consumers read every block
         for j in gl.static_range(3):
             mbarrier.init(p_sync.index(j), count=1)  # P ready, P read, row sums ready
@@ -973,7 +991,7 @@ if HAVE_GLUON:
 
 #: The producers (``Config.fp8_producer``): ``AHEAD`` (0: ``_fp8_producer``, which stages the block in
 #: shared memory; 2 or 4: ``_fp8_reg_producer``, tiles gathered that many tiles ahead into registers), its
-#: ``L2_PREFETCH`` (0, 1 or 2; the staged producer always prefetches with ``_prefetch_block``) and the
+#: ``L2_PREFETCH`` (0, 1 or 2; the staged producer 1 or 2) and the
 #: register split (``setmaxnreg``) of the warpgroups of 384 threads (504 per thread in all): the P·V
 #: consumer's and the producer's (the S + P·V consumer, the default partition, has the rest).
 FP8_PRODUCERS: dict[str, tuple[int, int, int, int]] = {

@@ -29,7 +29,7 @@ import collections
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ep_a2a._dist import EPProtocolError, EPTimeoutError, OpBoard, RankMonitor
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
+from ep_a2a.backends.triton import engine as _engine
 from ep_a2a.backends.triton.engine import (
     FP8_ROW_DTYPE,
     BoundLaunch,
@@ -48,7 +49,6 @@ from ep_a2a.backends.triton.engine import (
     QuantizeOnSend,
     TritonEPEngine,
     _launch_hooks_set,
-    _raw_stream,
     fp8_row_bytes,
     heap_row_bytes,
     pack_fp8_rows,
@@ -67,12 +67,23 @@ from ep_a2a.backends.triton.workspace import (
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
 
+#: the current raw CUDA stream of a device index, and whether the current stream captures a graph: the
+#: C functions themselves where this torch has them (one Python call fewer each on the eager path)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _engine._raw_stream)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 #: exact-shape calls whose received rows size the speculative flow's outputs
 SPECULATIVE_WINDOW = 8
 #: CUDA graphs of eager dispatches kept per workspace (``TritonTuning.eager_graphs``)
 GRAPHS_PER_WORKSPACE = 64
 #: sets of input addresses a workspace remembers while waiting for their second call
 SIGHTINGS_PER_WORKSPACE = 1024
+
+
+# (its host reads the counts: under capture no kernel runs, so the poll could only time out)
+_EXACT_UNDER_CAPTURE = (
+    "dispatch: the exact-shape call reads its counts on the host and cannot be captured in a CUDA graph; "
+    "capture dispatch_static / combine_static instead"
+)
 
 
 @dataclass
@@ -82,6 +93,10 @@ class _TritonState:
     n_src: torch.Tensor  # [W] int64 on the device: tokens of every source in this dispatch
     remote: dict[str, torch.Tensor] | None = None  # remote path: the dispatch's pk / rtok / pinfo
     npk_recv: list[int] | None = None  # remote path: records received from each rank (sizes the puts back)
+    addresses: tuple[int, int] = field(init=False)  # of tab and n_src (in a combine's graph key)
+
+    def __post_init__(self) -> None:
+        self.addresses = (self.tab.data_ptr(), self.n_src.data_ptr())
 
 
 @dataclass
@@ -315,6 +330,25 @@ class TritonBackend(A2ABackend):
         self._combine_sightings: dict[tuple, int] = {}
         self._static: DispatchBuffers | None = None
         self._static_fp8: DispatchBuffers | None = None  # (packed FP8 rows: a graph of each may coexist)
+        self._init_plain_path()
+
+    def _init_plain_path(self) -> None:
+        """What :meth:`dispatch_plain` takes from the layer's checks and the workspaces instead of the
+        call's tensors (the parts of a speculative dispatch's graph key that the common case fixes)."""
+        cfg, eng, rows = self.config, self.engine, self.workspaces.rows
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
+        self._offsets_int32 = cfg.offset_dtype == torch.int32
+        #: the common case goes through the speculative flow into the workspaces' rows
+        self._plain_rows = (
+            self.overlap_exact
+            and not eng.ce_pieces
+            and self.low_latency is None
+            and rows is not None
+            and rows[:2] == (cfg.token_dtype, cfg.hidden)
+        )
+        self._pos_ptr = eng.pos.data_ptr()
+        self._plain_variant = (cfg.token_dtype, cfg.hidden)
+        self._plain_tail = (cfg.weight_dtype, eng.pos.dtype, rows[0], rows[2]) if rows is not None else ()
 
     def _ring_rows(self) -> tuple[torch.dtype, int, int] | None:
         """The rows each workspace holds: the worst case of the layer's rows when the speculative flow
@@ -416,6 +450,17 @@ class TritonBackend(A2ABackend):
             )
 
     # ------------------------------------------------------------------ exact-shape mode
+    def dispatch_plain(self, input: Tensor, exp_indices: Tensor, weight: Tensor) -> DispatchResult:
+        """:meth:`dispatch` of the layer's common case (see the base class): with the worst-case rows in
+        the workspaces, a call whose tensors repeat the addresses of an earlier one replays its CUDA
+        graph with the variant taken from the layer's checks instead of the tensors."""
+        if not self._plain_rows or self._finalized or self._mirror_lost is not None or _launch_hooks_set():
+            return self.dispatch(input, exp_indices, weight, None)
+        if _capturing():
+            raise RuntimeError(_EXACT_UNDER_CAPTURE)
+        call = self._start("dispatch", check=False)
+        return self._dispatch_speculative(call, input, exp_indices, weight, None, plain=True)
+
     def dispatch(
         self,
         input: Tensor | QuantizeOnSend,  # type: ignore[override]
@@ -425,12 +470,8 @@ class TritonBackend(A2ABackend):
     ) -> DispatchResult:
         if self._finalized or self._mirror_lost is not None:
             self._check_usable()
-        if torch.cuda.is_current_stream_capturing():
-            # (its host reads the counts: under capture no kernel runs, so the poll could only time out)
-            raise RuntimeError(
-                "dispatch: the exact-shape call reads its counts on the host and cannot be captured in a "
-                "CUDA graph; capture dispatch_static / combine_static instead"
-            )
+        if _capturing():
+            raise RuntimeError(_EXACT_UNDER_CAPTURE)
         if input.shape[1] * input.element_size() > self.layout.row_bytes:
             raise ValueError(
                 f"input: the triton backend's receive buffers hold {self.config.token_dtype} rows; got "
@@ -495,39 +536,51 @@ class TritonBackend(A2ABackend):
 
     def _dispatch_speculative(
         self, board_call: int, input: Tensor | QuantizeOnSend, exp_indices: Tensor, weight: Tensor | None,
-        full_scatter_indices: Tensor | None,
+        full_scatter_indices: Tensor | None, *, plain: bool = False,
     ) -> DispatchResult:  # fmt: skip
         """The receive layout inside the row kernel and no host wait before it: the rows land in outputs
         allocated before the counts are known (worst-case ones for small layers, sized from the last
         calls for large ones), and the caller gets views of their first ``R`` rows. ``board_call``: the
-        call number this rank published on the operation board (checked here, after the launch)."""
+        call number this rank published on the operation board (checked here, after the launch);
+        ``plain``: the layer's common case into the workspaces' rows (:meth:`dispatch_plain`)."""
         eng = self.engine
-        stream = _raw_stream(self.device.index)
-        ws = self.workspaces.take(stream, input.shape[0])
+        stream = _raw_stream(self._device_index)
+        n = input.shape[0]
+        ws = self.workspaces.take(stream, n)
         # (decode-sized layers: the worst-case rows of the workspace, else rows allocated per call)
         out = ws.out
-        if out is None or out.dtype != input.dtype:
+        if out is None or (not plain and out.dtype != input.dtype):
             cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
             out = eng.alloc_rows(cap, dtype=input.dtype)
-        caller = full_scatter_indices is not None
         src = full_scatter_indices if full_scatter_indices is not None else eng.pos
         mirror = self._mirror if not eng.ce_pieces else None
         if mirror is not None:
             self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
-        if mirror is None or not self._launch_merged_bound(
-            stream, ws, out, mirror, input, exp_indices, weight, src, caller
+        graph = None
+        if plain and self.eager_graphs and n:
+            # (the key _launch_merged_bound builds, from what the layer checked and the workspace)
+            graph = ws.graphs.get((
+                input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), self._pos_ptr, n, ws.out_ptr,  # type: ignore[union-attr]
+                False, *self._plain_variant, exp_indices.dtype, *self._plain_tail,
+            ))  # fmt: skip
+        if graph is not None:
+            graph.launch(stream)
+            eng.merged_replayed()
+            self.graph_replays += 1
+        elif mirror is None or not self._launch_merged_bound(
+            stream, ws, out, mirror, input, exp_indices, weight, src, full_scatter_indices is not None
         ):
             bufs = self._speculative_buffers(ws, out)
-            eng.launch_layout(exp_indices, caller_scatter=caller, info=ws.info, remote=None)
+            eng.launch_layout(exp_indices, caller_scatter=full_scatter_indices is not None, info=ws.info)
             if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
                 eng.launch_counts(ws.info)
             eng.launch_dispatch(
-                input, exp_indices, weight, src, bufs, caller_scatter=caller, info=ws.info,
-                counts=not eng.ce_pieces, mirror=mirror,
+                input, exp_indices, weight, src, bufs, caller_scatter=full_scatter_indices is not None,
+                info=ws.info, counts=not eng.ce_pieces, mirror=mirror,
             )  # fmt: skip
         # (the GPU works from here on: what the host does next overlaps it)
-        self._guard_protocol(lambda: self.board.check(board_call, "dispatch"))
-        call = _Call(input, exp_indices, weight, full_scatter_indices, eng.pos)
+        if self.board.peers:
+            self._guard_protocol(lambda: self.board.check(board_call, "dispatch"))
         speculate = not self.overlap_exact
         self.speculative_calls += speculate
         vals = self._read_mirror() if mirror is not None else self._read_info(ws.info)[0]
@@ -535,6 +588,7 @@ class TritonBackend(A2ABackend):
         if speculate:
             self._recent_rows.append(rows)
             if rows > out.shape[0]:  # (exact outputs and a second writing pass)
+                call = _Call(input, exp_indices, weight, full_scatter_indices, eng.pos)
                 bufs = self._speculative_buffers(ws, out)
                 self._fit_speculative_rows(rows, call, ws.info, bufs)
                 assert bufs.out is not None
@@ -543,7 +597,10 @@ class TritonBackend(A2ABackend):
                 return self._result(call, (bufs.out, bufs.out_w, bufs.out_e), ws, vals, rows, None, None)
         w_rows, e_rows, ring_rows = ws.first_rows(rows)
         out = ring_rows if ring_rows is not None and out is ws.out else out[:rows]
-        return self._result(call, (out, w_rows, e_rows), ws, vals, rows, None, None)
+        return self._result(
+            (n, exp_indices, full_scatter_indices is not None, weight is not None),
+            (out, w_rows, e_rows), ws, vals, rows, None, None,
+        )  # fmt: skip
 
     @staticmethod
     def _speculative_buffers(ws: DispatchWorkspace, out: Tensor) -> DispatchBuffers:
@@ -665,7 +722,7 @@ class TritonBackend(A2ABackend):
 
     def _result(
         self,
-        call: _Call,
+        call: _Call | tuple[int, Tensor, bool, bool],
         outs: tuple[Tensor, Tensor, Tensor],
         ws: DispatchWorkspace,
         vals: np.ndarray,
@@ -673,26 +730,31 @@ class TritonBackend(A2ABackend):
         rb: dict[str, torch.Tensor] | None,
         npk: list[int] | None,
     ) -> DispatchResult:
-        """``(output, weights, descriptor)`` of an exact-shape dispatch whose counts (``vals``, this
-        call's own copy of ``info``) are in; ``outs``: its rows, their weights and local experts, of
+        """``(output, weights, descriptor)`` of an exact-shape dispatch whose counts (``vals``: ``info``'s
+        values, or at least its first ``2 + 2 * W``) are in; ``call``: its :class:`_Call` or ``(n,
+        exp_indices, caller_scatter, has_w)``; ``outs``: its rows, their weights and local experts, of
         exactly ``rows`` rows (the weights: one element without weights)."""
         W = self.config.world_size
         out, out_w, out_e = outs
+        n, exp_indices, caller, has_w = (
+            (call.n, call.exp_indices, call.caller, call.has_w) if isinstance(call, _Call) else call
+        )
         self._combine_allowed = True
-        scat = ws.scat if self.config.offset_dtype == torch.int32 else ws.scat.to(self.config.offset_dtype)
+        ws.host_counts_np[:] = vals[2 : 2 + 2 * W]
+        scat = ws.scat if self._offsets_int32 else ws.scat.to(self.config.offset_dtype)
         desc = EPAllToAllLayoutDesc(
-            num_dispatch_token_cur_rank=call.n,
-            num_input_tokens_per_rank=torch.from_numpy(vals[2 : 2 + W]),
+            num_dispatch_token_cur_rank=n,
+            num_input_tokens_per_rank=ws.n_in_host,
             send_reqs_recv_tensor=None,
-            topk_indices_tensor=call.exp_indices,
+            topk_indices_tensor=exp_indices,
             token_dst_scatter_idx=scat,
             skipped_token_mapping_indices=None,
             skipped_token_topk_mapping_indices=ws.skip,
             num_recv_tokens_per_expert=ws.rows_exp,
-            num_recv_tokens_per_rank=torch.from_numpy(vals[2 + W : 2 + 2 * W]),
+            num_recv_tokens_per_rank=ws.n_recv_host,
             num_recv_rows=rows,
             recv_expert_indices=out_e,
-            caller_scatter=call.caller,
+            caller_scatter=caller,
             backend_state=ws.state
             if rb is None
             else _TritonState(
@@ -703,11 +765,11 @@ class TritonBackend(A2ABackend):
                 npk_recv=npk[W:] if npk is not None else None,
             ),
         )
-        return out, (out_w if call.has_w else None), desc
+        return out, (out_w if has_w else None), desc
 
     def _workspace(self, n: int) -> DispatchWorkspace:
         """This call's outputs but the rows, from the current stream's ring (see :mod:`.workspace`)."""
-        return self.workspaces.take(_raw_stream(self.device.index), n)
+        return self.workspaces.take(_raw_stream(self._device_index), n)
 
     def _rows_guess(self) -> int:
         """Rows of the outputs of this call's speculative flow."""
@@ -795,9 +857,9 @@ class TritonBackend(A2ABackend):
         if self._finalized or self._mirror_lost is not None:
             self._check_usable()
         state = layout_desc.backend_state
-        if isinstance(state, LowLatencyDispatch) and state.state.owner == id(self):
-            return self._ll_combine(input, state)
-        if not isinstance(state, _TritonState) or state.owner != id(self):
+        if type(state) is not _TritonState or state.owner != id(self):
+            if isinstance(state, LowLatencyDispatch) and state.state.owner == id(self):
+                return self._ll_combine(input, state)
             raise ValueError("layout_desc was not produced by this triton backend's dispatch")
         call = self._start("combine", check=False)
         out = self._combine(
@@ -805,7 +867,8 @@ class TritonBackend(A2ABackend):
         )
         # (launched first: the GPU is busy while the host checks that every peer combines too, and
         # that none is in another operation)
-        self._guard_protocol(lambda: self.board.wait(call, "combine", "combine"))
+        if self.board.peers:
+            self._guard_protocol(lambda: self.board.wait(call, "combine", "combine"))
         return out
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
@@ -857,7 +920,7 @@ class TritonBackend(A2ABackend):
             raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {dtype}")
         if not input.is_contiguous():
             input = input.contiguous()
-        stream = _raw_stream(self.device.index)
+        stream = _raw_stream(self._device_index)
         if reuse:
             out = self.combine_outputs.take(stream, n, hidden, dtype)
         else:
@@ -895,15 +958,13 @@ class TritonBackend(A2ABackend):
         if n == 0 or y.shape[0] == 0 or _launch_hooks_set():
             return False
         n_src = state.n_src
-        yp, ip, sp = y.data_ptr(), ids.data_ptr(), n_src.data_ptr()
+        yp, ip, (tp, sp), dtype = y.data_ptr(), ids.data_ptr(), state.addresses, y.dtype
         # what a graph bakes in: the addresses and token count (the alignments with them), the variant
-        at = (
-            yp, state.tab.data_ptr(), ip, sp, n, out.data_ptr(), y.shape[1], y.dtype, out.dtype, ids.dtype,
-            n_src.dtype,
-        )  # fmt: skip
+        # (of rows ``hidden`` wide, by _combine's check, into an output of their dtype)
+        at = (yp, tp, ip, sp, n, out.data_ptr(), dtype, ids.dtype)
         graph = self._combine_graphs.get(at) if graphs and self.eager_graphs else None
         if graph is None:
-            key = (stream, *at[6:], yp % 16, ip % 16, sp % 16)
+            key = (stream, dtype, ids.dtype, yp % 16, ip % 16, sp % 16)
             launch = self._bound_combines.get(key)
             if launch is None:
                 launch = self.engine.bind_combine(stream, y, ids, n_src, out)
@@ -967,7 +1028,7 @@ class TritonBackend(A2ABackend):
                 "dispatch_static (CUDA-graph mode) is not built for groups with remote peers (the host sizes "
                 "their puts from the counts); use dispatch / combine"
             )
-        if not torch.cuda.is_current_stream_capturing():  # (graph replays do not pass the host)
+        if not _capturing():  # (graph replays do not pass the host)
             self._start("dispatch_static")
         eng, W = self.engine, self.config.world_size
         fp8 = input.dtype == FP8_ROW_DTYPE
@@ -1010,7 +1071,7 @@ class TritonBackend(A2ABackend):
         self._check_usable()
         if isinstance(dispatched, LowLatencyDispatch):
             return self._ll_combine(input, dispatched)
-        if not torch.cuda.is_current_stream_capturing():
+        if not _capturing():
             self._start("combine_static")
         return self._combine(input, dispatched.state, dispatched.exp_indices, dispatched.exp_indices.shape[0])
 
@@ -1021,7 +1082,7 @@ class TritonBackend(A2ABackend):
         """One low-latency dispatch into the engine's fixed buffers (CUDA-graph safe: no host sync)."""
         ll = self.low_latency
         assert ll is not None
-        if not torch.cuda.is_current_stream_capturing():
+        if not _capturing():
             self._start("dispatch_static")  # (every low-latency dispatch is one operation on the board)
         res = ll.dispatch(input, exp_indices, weight)
         res.state = _TritonState(owner=id(self), tab=ll.tab, n_src=res.num_input_tokens_per_rank)
@@ -1032,7 +1093,7 @@ class TritonBackend(A2ABackend):
         ll = self.low_latency
         if ll is None or dispatched.state is None or dispatched.state.owner != id(self):
             raise ValueError("dispatched was not produced by this triton backend's low-latency dispatch")
-        if not torch.cuda.is_current_stream_capturing():
+        if not _capturing():
             self._start("combine_static")
         return ll.combine(input, dispatched)
 
@@ -1086,7 +1147,7 @@ class TritonBackend(A2ABackend):
         run the exchange with no rows and the refusal marked, so that every peer records an error naming
         this rank instead of waiting for its rows. Nothing in the normal mode (whose peers time out)."""
         ll = self.low_latency
-        if ll is None or self._finalized or torch.cuda.is_current_stream_capturing():
+        if ll is None or self._finalized or _capturing():
             return
         cfg = self.config
         self._start("dispatch_static", check=False)

@@ -99,7 +99,10 @@ class DispatchWorkspace:
         skip, scat: ``[n, topk]`` int32 of the call's ``n`` tokens (:meth:`for_tokens`).
         out_w: ``[worst-case rows]`` weight dtype; ``out_e``: the same int32 (the caller gets their first
             rows).
-        out: ``[count, width]`` rows of ``rows``' dtype, or ``None``.
+        out: ``[count, width]`` rows of ``rows``' dtype, or ``None``; ``out_ptr``: its address (0 without).
+        host_counts: ``[2 * W]`` int64 on the host, the call's tokens per source rank then rows per source
+            rank (``info[2 : 2 + 2 * W]``), written by the backend; ``n_in_host``, ``n_recv_host``: its
+            halves, as the descriptors hold them.
         state: the backend's record of this workspace that its descriptors carry (one object for
             every call, handed out and counted as the views are).
         bound: the launches bound to this workspace's tensors (filled by the backend).
@@ -138,6 +141,11 @@ class DispatchWorkspace:
         self._skip_all, self._scat_all = views["skip"], views["scat"]
         self.out_w, self.out_e = views["out_w"], views["out_e"]
         self.out = views["out"].view(rows[2], rows[1]) if rows is not None else None
+        self.out_ptr = self.out.data_ptr() if self.out is not None else 0
+        self.host_counts = torch.zeros(2 * W, dtype=torch.int64)
+        self.host_counts_np = self.host_counts.numpy()
+        self.n_in_host, self.n_recv_host = self.host_counts[:W], self.host_counts[W:]
+        self._host_cdata = self.host_counts.untyped_storage()._cdata
         self.n = -1  # (no views for a token count yet: for_tokens makes them)
         self.skip = self.scat = self._skip_all[:0].view(0, K)
         # the views of the last call's first R rows (replaced, never added: the idle references stay)
@@ -179,13 +187,16 @@ class DispatchWorkspace:
         return self._w_rows, self._e_rows, self._out_rows if self.out is not None else None
 
     def _refs(self) -> tuple[int, ...]:
-        """Tensors sharing the buffer, and references to each view handed out as it is."""
-        count = _storage_use_count(self._cdata) if _storage_use_count is not None else 0
+        """Tensors sharing the buffer (and the host counts), and references to each view handed out as it
+        is."""
+        if _storage_use_count is None:
+            return ()
         return (
-            count, sys.getrefcount(self.info), sys.getrefcount(self.n_src), sys.getrefcount(self.rows_exp),
-            sys.getrefcount(self.tab), sys.getrefcount(self.skip), sys.getrefcount(self.scat),
-            sys.getrefcount(self._w_rows), sys.getrefcount(self._e_rows), sys.getrefcount(self._out_rows),
-            sys.getrefcount(self.state),
+            _storage_use_count(self._cdata), _storage_use_count(self._host_cdata),
+            sys.getrefcount(self.n_in_host), sys.getrefcount(self.n_recv_host), sys.getrefcount(self.info),
+            sys.getrefcount(self.n_src), sys.getrefcount(self.rows_exp), sys.getrefcount(self.tab),
+            sys.getrefcount(self.skip), sys.getrefcount(self.scat), sys.getrefcount(self._w_rows),
+            sys.getrefcount(self._e_rows), sys.getrefcount(self._out_rows), sys.getrefcount(self.state),
         )  # fmt: skip
 
     def idle(self) -> bool:
