@@ -372,22 +372,25 @@ def test_speculative_rows_fit_and_overflow():
 
 @pytest.mark.parametrize(
     "hold",
-    ["tab", "n_src", "rows_exp", "skip", "scat", "info", "slice_of_out_e", "view_of_scat", "slice_of_out_w"],
-)
+    [
+        "tab", "n_src", "rows_exp", "skip", "scat", "info", "slice_of_out_e", "view_of_scat", "slice_of_out_w",
+        "state",
+    ],
+)  # fmt: skip
 def test_workspace_reused_only_when_nothing_refers_to_it(hold):
     """A dispatch's outputs but the rows come from a per-stream ring of workspaces: a workspace is handed
     out again only once nothing refers to it (no reference to a view it handed out, no other view of
     its buffer); while anything does, the next call gets another one."""
     from ep_a2a.backends.triton.workspace import WorkspaceRing
 
-    ring = WorkspaceRing(_engine())
+    ring = WorkspaceRing(_engine(), None, lambda ws: SimpleNamespace(tab=ws.tab))
     ws = ring.take(7, 4)
     assert (ws.skip.shape, ws.scat.shape, ws.tab.shape) == ((4, 4), (4, 4), (2, 8, 4))
     assert ring.take(7, 4) is ws, "nothing refers to it: the same workspace again"
     held = {
         "tab": lambda: ws.tab, "n_src": lambda: ws.n_src, "rows_exp": lambda: ws.rows_exp, "skip": lambda: ws.skip,
         "scat": lambda: ws.scat, "info": lambda: ws.info, "slice_of_out_e": lambda: ws.out_e[:3],
-        "view_of_scat": lambda: ws.scat.view(-1), "slice_of_out_w": lambda: ws.out_w[1:2],
+        "view_of_scat": lambda: ws.scat.view(-1), "slice_of_out_w": lambda: ws.out_w[1:2], "state": lambda: ws.state,
     }[hold]()  # fmt: skip
     other = ring.take(7, 4)
     assert other is not ws, f"{hold} is held: another workspace"
@@ -508,7 +511,7 @@ def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, rin
     from ep_a2a.config import EPConfig
 
     monkeypatch.setattr(B, "_raw_stream", lambda index: 7)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(B, "_capturing", lambda: False)
     eng = _engine()
     W, L = eng.world_size, eng.experts_per_rank
     vals = torch.zeros(eng.info_len, dtype=torch.int64)
@@ -535,7 +538,9 @@ def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, rin
     be.engine, be.device, be.layout = eng, torch.device("cpu"), eng.layout
     be.overlap_exact, be.speculative_rows = overlap_exact, not overlap_exact
     be.workspaces = WorkspaceRing(
-        eng, (torch.bfloat16, eng.hidden, eng.worst_case_rows()) if ring_rows else None
+        eng,
+        (torch.bfloat16, eng.hidden, eng.worst_case_rows()) if ring_rows else None,
+        lambda ws: B._TritonState(owner=id(be), tab=ws.tab, n_src=ws.n_src),
     )
     be.combine_outputs, be._bound_combines = OutputRing(be.device), {}
     be._dummy_w_address = eng._dummy_w.data_ptr()
@@ -549,7 +554,8 @@ def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, rin
     be._recent_rows, be._rows_ahead = collections.deque(maxlen=8), 0
     be.speculative_calls = be.speculative_overflows = 0
     be._op, be._combine_allowed = (-1, ""), False
-    be.board = SimpleNamespace(publish=lambda op: 0, check=lambda call, op: True)
+    be.board = SimpleNamespace(publish=lambda op: 0, check=lambda call, op: True, peers={0: None})
+    be._init_plain_path()
     return be, np.asarray(vals)
 
 
@@ -645,6 +651,18 @@ def test_eager_graphs_replay_repeated_inputs(monkeypatch):
         be.dispatch(x, ids, w, None)  # (each result dropped: one workspace)
     assert events == ["launch", "capture", "replay", "replay", "replay"]
     assert (be.graph_captures, be.graph_replays, eng.host_epochs[0]) == (1, 3, 4)
+    # the layer's common case finds the same graph by the key it builds from its checks
+    assert be._plain_rows
+    events.clear()
+    out, _, desc = be.dispatch_plain(x, ids, w)
+    assert events == ["replay"]
+    assert (out.shape, desc.num_recv_rows, desc.num_recv_tokens_per_rank.tolist()) == ((9, H), 9, [6, 3])
+    del out, desc
+    x3 = x.clone()
+    for _ in range(3):
+        be.dispatch_plain(x3, ids, w)
+    assert events == ["replay", "launch", "capture", "replay", "replay"]
+    assert (be.graph_captures, be.graph_replays) == (2, 6)
     events.clear()
     be.dispatch(x.clone(), ids, w, None)  # (other rows: launched one by one)
     be.dispatch(x[:3], ids[:3], w[:3], None)  # (another token count, the same addresses)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_mla_attn import Config, reference, sparse_mla_bwd, sparse_mla_bwd_ref
+from sparse_mla_attn import Config, gluon_supported, reference, sparse_mla_bwd, sparse_mla_bwd_ref
 from sparse_mla_attn._inputs import kernel_test_device
 from sparse_mla_attn._validate import check_bwd_inputs
 from sparse_mla_attn.backward import launch_bwd
@@ -400,7 +400,7 @@ def test_bwd_custom_op_fake_and_schema():
     out, lse, dout, _, _ = autograd_grads(q, kv, idx, 0.1, 64, dout_seed=4)
     torch.library.opcheck(
         torch.ops.sparse_mla_attn.sparse_mla_bwd.default,
-        (q, kv, out, dout, idx, lse, 0.1, 64, 0, 1, False, False, True, 2 << 30, 4 << 30),
+        (q, kv, out, dout, idx, lse, 0.1, 64, 0, 1, False, False, True, 2 << 30, 4 << 30, "auto"),
         test_utils=("test_schema", "test_faketensor"),
     )
 
@@ -472,7 +472,50 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
     )
     # The kernels without the slot sort and the other launch options of the defaults (128-slot main blocks).
     dq7, dkv7 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, {**UNSORTED, "BLOCK_T": 128}, **kw)
-    for a, b in ((dq, dkv), (dq2, dkv2), (dq4, dkv4), (dq5, dkv5), (dq6, dkv6), (dq7, dkv7)):
+    outs = [(dq, dkv), (dq2, dkv2), (dq4, dkv4), (dq5, dkv5), (dq6, dkv6), (dq7, dkv7)]
+    # Both dkv kernels explicitly (Config.bwd_dkv_backend; the default picks one), both modes.
+    for backend in ("triton", "gluon"):
+        cfg = Config(bwd_dkv_backend=backend)
+        if backend == "gluon" and not (gluon_supported() and topk % 8 == 0):
+            with pytest.raises(ValueError, match="bwd_dkv_backend"):
+                sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, config=cfg, **kw)
+            continue
+        outs.append(sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, config=cfg, **kw))
+        dq8, dkv8 = sparse_mla_bwd(
+            q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, config=cfg, **kw
+        )
+        dkv9 = sparse_mla_bwd(
+            q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, config=cfg, **kw
+        )[1]
+        assert torch.equal(dkv8, dkv9), f"deterministic dkv ({backend} dkv kernel) changed between runs"
+        outs.append((dq8, dkv8))
+    # The Gluon dkv kernel's two sub-tiles per warpgroup, persistent, and the deterministic reduction on a side
+    # stream (the same bits as on the caller's stream).
+    if gluon_supported() and topk % 8 == 0:
+        tiles = {"SUB_G": 2, "BLOCK_C_G": 32, "DKV_GLUON": 1}
+        dq10, dkv10 = bwd_with_tiles(
+            q, kv, out, dout, idx, lse, sm_scale, 512, tiles, deterministic=True, **kw
+        )
+        dkv11 = bwd_with_tiles(
+            q, kv, out, dout, idx, lse, sm_scale, 512, {**tiles, "DET_OVERLAP": 1}, deterministic=True, **kw
+        )[1]
+        assert torch.equal(dkv10, dkv11), "deterministic dkv changed with the reduction on a side stream"
+        outs.append((dq10, dkv10))
+        outs.append(
+            bwd_with_tiles(
+                q,
+                kv,
+                out,
+                dout,
+                idx,
+                lse,
+                sm_scale,
+                512,
+                {"DKV_GLUON": 1, "PERSIST_G": 132, "NUM_BUF_G": 2},
+                **kw,
+            )
+        )
+    for a, b in outs:
         assert torch.isfinite(a).all()
         assert torch.isfinite(b).all()
         assert rel_err(a, dq_ref) < REL_TOL[torch.bfloat16], rel_err(a, dq_ref)

@@ -9,7 +9,8 @@ does not, the ops select the Triton kernels, which is also checked). The compile
 without ``TRITON_INTERPRET`` (under the interpreter Triton builds no compilable kernels).
 
 ``python tests/test_compile_sm90.py [SCENARIO ...]`` prints one line per launch: kernel, a hash of its PTX
-body (debug information and names dropped) and its shared memory, to compare two source trees.
+body (debug information and names dropped), its shared memory and (for the backward's scenarios) its
+register spill bytes under ptxas (-1 elsewhere), to compare two source trees.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
 
     def decode(
         b: int, h_q: int, topk: int, backend: str, split_merge: str = "auto", *, fp8: bool = False,
-        rows: bool = False, s_q: int = 1, num_splits: int = 0,
+        rows: bool = False, s_q: int = 1, num_splits: int = 0, fp8_producer: str = "staged",
     ) -> None:  # fmt: skip
         q = torch.randn(b, s_q, h_q, 576).bfloat16()
         cache = torch.randn(8, 64, 1, 576).bfloat16()
@@ -89,7 +90,9 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         table = torch.zeros(b, 4, dtype=torch.int32)
         seqlens = torch.full((b,), 200, dtype=torch.int32)
         idx = torch.randint(0, 200, (b, s_q, topk), dtype=torch.int32)
-        cfg = sm.Config(backend=backend, split_merge=split_merge, num_splits=num_splits)
+        cfg = sm.Config(
+            backend=backend, split_merge=split_merge, num_splits=num_splits, fp8_producer=fp8_producer
+        )
         kw: dict[str, Any] = {"index_kind": "cache_rows"} if rows else {}
         sm.sparse_mla_decode(q, cache, table, seqlens, idx, 0.1, config=cfg, **kw)
 
@@ -104,13 +107,14 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         sm.sparse_mla_bwd(q, kv, out, dout, idx, torch.randn(2, h_q), 0.1, 512, causal=causal,
                           deterministic=det, return_attn_sum=attn_sum)  # fmt: skip
 
-    def bwd_tiles(h_q: int, det: bool, tiles: dict[str, int]) -> None:
+    def bwd_tiles(h_q: int, det: bool, tiles: dict[str, int], causal: bool = False) -> None:
         """The backward with kernel options its launcher offers beside the defaults."""
         from sparse_mla_attn.backward import launch_bwd
 
-        q, kv, idx = problem(2, h_q, 576, 64, 128)
+        q, kv, idx = problem(2, h_q, 576, 64, 256)
         out, dout = torch.randn(2, h_q, 512).bfloat16(), torch.randn(2, h_q, 512).bfloat16()
-        launch_bwd(q, kv, out, dout, idx, torch.randn(2, h_q), 0.1, 512, deterministic=det, tiles=tiles)
+        launch_bwd(q, kv, out, dout, idx, torch.randn(2, h_q), 0.1, 512, deterministic=det, causal=causal,
+                   tiles=tiles)  # fmt: skip
 
     def indexer(causal: bool) -> None:
         q_idx = torch.randn(4, 64, 128).bfloat16().requires_grad_()
@@ -125,6 +129,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
 
     # Scenarios that force the Gluon kernels run the Triton ones where the installed Triton has no Gluon.
     gluon_backend = "gluon" if gluon_sm90.HAVE_GLUON else "auto"
+    gluon_forced = 1 if gluon_sm90.HAVE_GLUON else 0
     scenarios: dict[str, Callable[[], None]] = {
         "fwd_h128_gluon": lambda: fwd(128, 576, "auto"),
         "fwd_h128_triton": lambda: fwd(128, 576, "triton"),
@@ -175,6 +180,19 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "dec_fp8_b64_s2_h128_gluon": lambda: decode(64, 128, 2048, gluon_backend, fp8=True, s_q=2),
         "dec_fp8_b64_h128_rows_gluon": lambda: decode(64, 128, 2048, gluon_backend, fp8=True, rows=True),
         "dec_fp8_b64_h64_gluon_split2": lambda: decode(64, 64, 2048, gluon_backend, fp8=True),
+        # Its producers that gather into registers (Config.fp8_producer), unsplit and split-K.
+        "dec_fp8_b64_h128_rows_gluon_registers": lambda: decode(
+            64, 128, 2048, gluon_backend, fp8=True, rows=True, fp8_producer="registers"
+        ),
+        "dec_fp8_b64_h64_gluon_split2_registers": lambda: decode(
+            64, 64, 2048, gluon_backend, fp8=True, fp8_producer="registers"
+        ),
+        "dec_fp8_b64_h128_rows_gluon_registers_half": lambda: decode(
+            64, 128, 2048, gluon_backend, fp8=True, rows=True, fp8_producer="registers_half"
+        ),
+        "dec_fp8_b64_h64_gluon_split2_registers_half": lambda: decode(
+            64, 64, 2048, gluon_backend, fp8=True, fp8_producer="registers_half"
+        ),
         "ad_h128_gluon": lambda: attn_dist(128, 256, "auto"),
         "ad_h128_triton": lambda: attn_dist(128, 256, "triton"),
         "ad_h64_gluon": lambda: attn_dist(64, 256, "auto"),
@@ -189,7 +207,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "bwd_h256": lambda: bwd(256, 576, False),
         "bwd_h256_det": lambda: bwd(256, 576, True, True),
         # The kernels without the defaults' slot sort, grouped dkv launch, rope chunk in the loops and index
-        # prefetch, at 128-slot main blocks.
+        # prefetch, at 128-slot main blocks, with the Triton dkv kernel.
         "bwd_h128_unsorted": lambda: bwd_tiles(
             128,
             False,
@@ -200,7 +218,28 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
                 "IDX_PREFETCH": 0,
                 "N_CSPLIT": 2,
                 "BLOCK_T": 128,
+                "DKV_GLUON": 0,
             },
+        ),
+        # The Triton dkv kernel (Config.bwd_dkv_backend="triton"; the default on other GPUs), both modes.
+        "bwd_h128_dkv_triton": lambda: bwd_tiles(128, False, {"DKV_GLUON": 0}),
+        "bwd_h128_det_dkv_triton": lambda: bwd_tiles(128, True, {"DKV_GLUON": 0}),
+        # The Gluon dkv kernel (Config.bwd_dkv_backend), both modes, causal, fewer heads than a tile.
+        "bwd_h128_dkv_gluon": lambda: bwd_tiles(128, False, {"DKV_GLUON": gluon_forced}),
+        "bwd_h128_det_dkv_gluon": lambda: bwd_tiles(128, True, {"DKV_GLUON": gluon_forced}),
+        "bwd_h64_causal_dkv_gluon": lambda: bwd_tiles(64, False, {"DKV_GLUON": gluon_forced}, causal=True),
+        "bwd_h20_dkv_gluon": lambda: bwd_tiles(20, False, {"DKV_GLUON": gluon_forced}),
+        "bwd_h128_dkv_gluon_sub2_c32": lambda: bwd_tiles(
+            128, False, {"DKV_GLUON": gluon_forced, "SUB_G": 2, "BLOCK_C_G": 32}
+        ),
+        "bwd_h128_det_dkv_gluon_sub2_c32": lambda: bwd_tiles(
+            128, True, {"DKV_GLUON": gluon_forced, "SUB_G": 2, "BLOCK_C_G": 32}, causal=True
+        ),
+        "bwd_h128_dkv_gluon_persistent": lambda: bwd_tiles(
+            128, False, {"DKV_GLUON": gluon_forced, "PERSIST_G": 132, "NUM_BUF_G": 2}
+        ),
+        "bwd_h128_det_dkv_gluon_persistent": lambda: bwd_tiles(
+            128, True, {"DKV_GLUON": gluon_forced, "PERSIST_G": 132, "NUM_BUF_G": 2}, causal=True
         ),
         "indexer": lambda: indexer(False),
         "indexer_causal": lambda: indexer(True),
@@ -247,8 +286,28 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
             ptx = re.sub(r"\$L__tmp\d+:?", "", re.sub(r"//.*", "", ptx)).replace(fn.fn.__name__, "KERNEL")
             body = [ln for ln in ptx.splitlines() if ln.strip() and ".loc" not in ln and ".file" not in ln]
             digest = hashlib.md5("\n".join(body).encode()).hexdigest()[:12]
-            results.append((name, i, fn.fn.__name__, digest, k.metadata.shared))
+            spill = _spill_bytes(k.asm["ptx"]) if name.startswith("bwd") else -1
+            results.append((name, i, fn.fn.__name__, digest, k.metadata.shared, spill))
     return results
+
+
+def _spill_bytes(ptx: str) -> int:
+    """Spill stores + loads of a kernel's PTX assembled by Triton's ptxas for sm_90a (``ptxas -v``)."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run(
+            [get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stdout + proc.stderr)
+    assert found, proc.stderr[-2000:]
+    return sum(int(a) + int(b) for a, b in found)
 
 
 def _run(names: list[str]) -> str:
@@ -265,6 +324,13 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
     out = _run([])
     lines = [ln.split() for ln in out.splitlines() if ln.strip()]
     kernels = {ln[2] for ln in lines}
+    # Every launch fits an H100 / H200 multiprocessor's shared memory (227 KB per block); the backward's
+    # kernels (the launches of the bwd_* scenarios) do not spill registers, except the fused
+    # deterministic kernel above 128 heads (bwd_h256_det's main kernel, a known limit).
+    too_big = [ln for ln in lines if int(ln[4]) > 232448]
+    assert not too_big, too_big
+    spilling = [ln for ln in lines if int(ln[5]) > 0 and ln[:3] != ["bwd_h256_det", "1", "_main_kernel"]]
+    assert not spilling, spilling
     triton_kernels = {
         "_sparse_mla_fwd_kernel", "_split_combine_kernel", "_paged_rows_kernel", "_attn_dist_kernel",
         "_delta_kernel", "_main_kernel", "_dkv_kernel", "_dq_kernel", "_det_reduce_kernel",
@@ -273,7 +339,9 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
     assert triton_kernels <= kernels, triton_kernels - kernels
     from sparse_mla_attn import gluon_supported
 
-    gluon_kernels = {"_sparse_mla_fwd_ws_kernel", "_attn_dist_ws_kernel", "_sparse_mla_decode_fp8_kernel"}
+    gluon_kernels = {
+        "_sparse_mla_fwd_ws_kernel", "_attn_dist_ws_kernel", "_sparse_mla_decode_fp8_kernel", "_dkv_ws_kernel",
+    }  # fmt: skip
     # Where the installed Triton's Gluon API is not the one the kernels are written for, the ops
     # select the Triton kernels (no Gluon launch at all).
     assert (gluon_kernels <= kernels) if gluon_supported() else not (gluon_kernels & kernels)

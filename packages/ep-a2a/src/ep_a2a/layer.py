@@ -277,6 +277,10 @@ class EPLayer:
         self.ctx = DispatchCombineContext.create(self.config, group, backend=backend, options=options)
         #: the layer's CUDA device index (-1: a layer of CPU tensors)
         self._cuda_index = self.ctx.device.index if self.ctx.device.type == "cuda" else -1
+        chosen = self.ctx.backend
+        #: expert-id dtypes a dispatch passes to the backend as they are, with no check of the values
+        #: on the host (none where the layer checks them: a backend that does not, with ``validate``)
+        self._ids_as_is = chosen.expert_id_dtypes if chosen.checks_expert_ids or not validate else ()
 
     @property
     def num_sm(self) -> int | None:
@@ -323,16 +327,17 @@ class EPLayer:
         if t.device != self.device:
             raise ValueError(f"{name} must be on {self.device} (the ep_group's device), got {t.device}")
 
-    def _plain_dispatch_args(self, input: Any, exp_indices: Any, weight: Any) -> bool:
+    def _plain_dispatch_args(self, input: Any, exp_indices: Any, weight: Any, *, dense: bool = False) -> bool:
         """Whether a dispatch's tensors are the common case, checked in one pass: plain tensors on the
         layer's device, ``input`` ``[n <= max_tokens, hidden]`` of the layer's dtype, ``exp_indices``
-        ``[n, topk]`` int32 or int64, ``weight`` ``[n, topk]`` of the weight dtype. Anything else is
-        checked one tensor at a time (the messages name what is wrong)."""
+        ``[n, topk]`` int32 or int64, ``weight`` ``[n, topk]`` of the weight dtype; with ``dense`` also
+        contiguous, with ids the backend takes as they are (:meth:`_expert_ids` would return them).
+        Anything else is checked one tensor at a time (the messages name what is wrong)."""
         cfg, cuda = self.config, self._cuda_index
         tensor = torch.Tensor
         if type(input) is not tensor or type(exp_indices) is not tensor or type(weight) is not tensor:
             return False
-        if cuda < 0 or not (input.is_cuda and exp_indices.is_cuda and weight.is_cuda):
+        if cuda < 0:
             return False  # (a layer of CPU tensors: checked one by one)
         shape = input.shape
         return (
@@ -340,13 +345,17 @@ class EPLayer:
             and shape[1] == cfg.hidden
             and shape[0] <= cfg.max_tokens
             and input.dtype == cfg.token_dtype
-            and exp_indices.dtype in (torch.int64, torch.int32)
+            and exp_indices.dtype in (self._ids_as_is if dense else (torch.int64, torch.int32))
             and weight.dtype == cfg.weight_dtype
             and exp_indices.shape == (shape[0], cfg.topk)
             and weight.shape == (shape[0], cfg.topk)
             and input.get_device() == cuda
             and exp_indices.get_device() == cuda
             and weight.get_device() == cuda
+            and (
+                not dense
+                or (input.is_contiguous() and exp_indices.is_contiguous() and weight.is_contiguous())
+            )
         )
 
     def _check_dispatch_args(
@@ -449,6 +458,15 @@ class EPLayer:
             RuntimeError: called after :meth:`finalize`.
         """
         self._check_alive("dispatch")
+        if (
+            type(input) is torch.Tensor
+            and full_scatter_indices is None
+            and not fp8
+            and weight is not None
+            and self._plain_dispatch_args(input, exp_indices, weight, dense=True)
+            and not ((input.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
+        ):  # (the common case, checked in one pass: the tensors go to the backend as they are)
+            return self.ctx.backend.dispatch_plain(input, exp_indices, weight)
         cfg = self.config
         packed = None
         if isinstance(input, tuple) or fp8:

@@ -17,13 +17,15 @@ dereferenced. ``D = rowsum(dout * out)`` comes first; then, per chunk of query t
 program per token and head block) recomputes ``S``/``P``, forms ``dS`` and writes it (scaled, in the input
 dtype) and ``P`` to workspaces; a ``dq`` kernel multiplies the workspace ``dS`` by the gathered rows; and a
 ``dkv`` kernel (one program per token and block of slots, with all its heads, up to 128) sums
-``dS^T q + P^T dout`` over the heads and adds each (token, slot) row into an fp32 ``dkv`` with atomics. Above
+``dS^T q + P^T dout`` over the heads and adds each (token, slot) row into an fp32 ``dkv`` with atomics (on
+sm_90 a warp-specialised Gluon kernel, ``backends/gluon_sm90_bwd.py``, ``Config.bwd_dkv_backend``). Above
 128 heads the main kernel forms the ``dkv`` products itself, per head block. Up to 128 heads each token's
 slots are first sorted by index, and the ``dkv`` programs in flight work on the same slot block of
 neighbouring tokens, so that their atomics touch a narrow range of rows that stays in L2 (``attn_sum`` is
 put back in the caller's slot order). In the deterministic mode the per-(token, slot) ``dkv`` contributions
 go to an fp32 workspace instead, and a reduction kernel sums them per KV row in a fixed order (pairs sorted
-by (row, token, slot)), so the result is bit-identical from run to run.
+by (row, token, slot)), so the result is bit-identical from run to run. No step makes the host wait for the
+GPU.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from sparse_mla_attn._runtime import (
     record_launch,
 )
 from sparse_mla_attn._validate import check_arg_types, check_bwd_inputs, check_sm_scale
+from sparse_mla_attn.backends import gluon_sm90
+from sparse_mla_attn.backends.gluon_sm90_bwd import dkv_gluon_eligible, launch_dkv_gluon
 from sparse_mla_attn.config import DEFAULT, Config, config_of
 from sparse_mla_attn.reference import valid_slots
 
@@ -372,42 +376,57 @@ def _dq_kernel(
 
 @triton.jit
 def _det_reduce_kernel(
-    part_ptr, order_ptr, seg_start_ptr, seg_len_ptr, seg_row_ptr, dkv_ptr,
+    part_ptr, order_ptr, seg_start_ptr, seg_end_ptr, dkv_ptr,
     stride_part_hb,
     D_QK: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
-    """One program per (distinct KV row, channel block): sum its (token, slot) contributions in sorted order."""
-    seg = tl.program_id(0)
+    """One program per (KV row, channel block): sum the row's (token, slot) contributions in sorted order."""
+    row = tl.program_id(0).to(tl.int64)
     db = tl.program_id(1)
     offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs_d < D_QK
-    start = tl.load(seg_start_ptr + seg)
-    n = tl.load(seg_len_ptr + seg)
-    row = tl.load(seg_row_ptr + seg).to(tl.int64)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    # A while loop: the trip count is data, and the interpreter cannot range() over a loaded value.
-    # UNROLL independent loads per step keep several rows in flight; the additions stay in pair order.
-    j = start
-    end = start + n
-    while j < end:
-        for u in tl.static_range(UNROLL):
-            ok = j + u < end
-            pair = tl.load(order_ptr + j + u, mask=ok, other=0).to(tl.int64)
-            for hb in tl.static_range(N_HB):
-                acc += tl.load(
-                    part_ptr + hb * stride_part_hb + pair * D_QK + offs_d,
-                    mask=mask_and(dmask, ok),
-                    other=0.0,
-                )
-        j += UNROLL
-    # Each row appears in one segment per launch, and launches run in order: no race.
-    dst = dkv_ptr + row * D_QK + offs_d
-    tl.store(dst, tl.load(dst, mask=dmask, other=0.0) + acc, mask=dmask)
+    start = tl.load(seg_start_ptr + row)
+    end = tl.load(seg_end_ptr + row)
+    if end > start:  # rows this chunk's tokens did not select keep their value
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        # A while loop: the trip count is data, and the interpreter cannot range() over a loaded value.
+        # UNROLL independent loads per step keep several rows in flight; the additions stay in pair order.
+        j = start
+        while j < end:
+            for u in tl.static_range(UNROLL):
+                ok = j + u < end
+                pair = tl.load(order_ptr + j + u, mask=ok, other=0).to(tl.int64)
+                for hb in tl.static_range(N_HB):
+                    acc += tl.load(
+                        part_ptr + hb * stride_part_hb + pair * D_QK + offs_d,
+                        mask=mask_and(dmask, ok),
+                        other=0.0,
+                    )
+            j += UNROLL
+        # Each row is one program's per launch, and launches run in order: no race.
+        dst = dkv_ptr + row * D_QK + offs_d
+        tl.store(dst, tl.load(dst, mask=dmask, other=0.0) + acc, mask=dmask)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
+
+
+# The Gluon dkv kernel (Config.bwd_dkv_backend): DKV_GLUON -1 follows the config, 0 / 1 force it (tests);
+# 64-channel chunks, a ring of three of them, one 64-slot tile per consumer warpgroup (SUB_G 2: two), one
+# program per work item (PERSIST_G > 0: that many persistent programs), 168 registers per thread in every
+# partition. DET_OVERLAP 1: the deterministic reduction on a side stream (see launch_bwd).
+_DKV_GLUON_TILES = {
+    "DKV_GLUON": -1,
+    "BLOCK_C_G": 64,
+    "NUM_BUF_G": 3,
+    "PERSIST_G": 0,
+    "SUB_G": 1,
+    "DET_OVERLAP": 0,
+    "CONSUMER_REGS_G": 168,
+    "PRODUCER_REGS_G": 168,
+}
 
 
 @functools.lru_cache(maxsize=64)
@@ -421,7 +440,7 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
                 "num_stages": 1, "num_stages_dq": 1, "chunk_stages": 1, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
                 "SPLIT_DKV": 1, "BLOCK_T_DKV": 16, "BLOCK_C_DKV": min(d_v, 32), "num_warps_dkv": 4, "chunk_stages_dkv": 1, "N_CSPLIT": 1,
                 "SORT_IDX": int(h_q <= 128), "TOK_GROUP": 3 if h_q <= 128 else 1,
-                "ROPE_IN_LOOP": int(h_q <= 128), "IDX_PREFETCH": int(h_q <= 128)}  # fmt: skip
+                "ROPE_IN_LOOP": int(h_q <= 128), "IDX_PREFETCH": int(h_q <= 128), **_DKV_GLUON_TILES}  # fmt: skip
     # h_q <= 128: each token's slots sorted by index. Main kernel: 64 heads x 256 slots (64 heads x 128 below
     # 33 heads), 64-channel chunks (the rope one last) four in flight, the next block's indices loaded ahead.
     # dkv kernel: all heads x 64 slots, 4 warps, 112 KB of shared memory (two programs per SM), every channel
@@ -434,7 +453,7 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
            "chunk_stages": 3, "N_SUB": 1, "BLOCK_DV2": min(d_v, 64),
            "SPLIT_DKV": 1, "BLOCK_T_DKV": 64, "BLOCK_C_DKV": min(d_v, 64), "num_warps_dkv": 4, "chunk_stages_dkv": 2, "N_CSPLIT": 2,
-           "SORT_IDX": 0, "TOK_GROUP": 1, "ROPE_IN_LOOP": 0, "IDX_PREFETCH": 0}  # fmt: skip
+           "SORT_IDX": 0, "TOK_GROUP": 1, "ROPE_IN_LOOP": 0, "IDX_PREFETCH": 0, **_DKV_GLUON_TILES}  # fmt: skip
     if h_q <= 128:  # separate all-heads dkv kernel: the main kernel is the same in both modes
         cfg.update(chunk_stages=4, N_CSPLIT=1, SORT_IDX=1, TOK_GROUP=64, ROPE_IN_LOOP=1, IDX_PREFETCH=1)
         if block_h == 64:
@@ -485,6 +504,8 @@ def launch_bwd(
     if cfg["SORT_IDX"]:
         indices, perm = torch.sort(indices, dim=2, stable=True)
 
+    dkv_gluon = split_dkv and _use_dkv_gluon(cfg, config, q, dout, h_q, d_qk, d_v, topk)
+
     def rope_in_loop(chunk: int) -> bool:  # the rope channels as one more chunk of the channel loops
         return bool(cfg["ROPE_IN_LOOP"]) and d_qk > d_v and d_v % chunk == 0 and (d_qk - d_v) % chunk == 0
 
@@ -515,6 +536,14 @@ def launch_bwd(
         if return_attn_sum
         else attn_sum
     )
+    # DET_OVERLAP: each chunk's deterministic reduction runs on a side stream, beside the next chunk's main
+    # and dq kernels (the next dkv kernel, which overwrites the workspace, waits for it).
+    side = (
+        _side_stream(dev)
+        if deterministic and split_dkv and cfg["DET_OVERLAP"] and dev.type == "cuda"
+        else None
+    )
+    reduced = None  # the event of the last reduction on the side stream
     for s0 in range(0, s_q, chunk):
         s1 = min(s_q, s0 + chunk)
         n = s1 - s0
@@ -536,7 +565,15 @@ def launch_bwd(
         record_launch("bwd.main", kernel)
         _launch_dq(cfg, ds_ws, kv, idx_c, dq[s0:s1], s_kv, h_q, q_start_index + s0, k_stride, topk, causal,
                    d_qk, n, n_hb_dq, n_db, slots, s0)  # fmt: skip
-        if split_dkv:
+        if reduced is not None:
+            torch.cuda.current_stream(dev).wait_event(reduced)
+        if split_dkv and dkv_gluon:
+            kernel = launch_dkv_gluon(
+                ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n, s_kv, h_q, q_start_index + s0, k_stride, topk,
+                causal, deterministic, d_qk, d_v, cfg, slots, ("dkv_gluon", s0),
+            )  # fmt: skip
+            record_launch("bwd.dkv", kernel)
+        elif split_dkv:
             n_tb = cdiv(topk, cfg["BLOCK_T_DKV"])
             n_chunks = d_v // cfg["BLOCK_C_DKV"] + (1 if d_qk > d_v else 0)
             n_csplit = min(cfg["N_CSPLIT"], n_chunks)
@@ -554,15 +591,64 @@ def launch_bwd(
                      num_warps=cfg["num_warps_dkv"], num_stages=1),
             )  # fmt: skip
             record_launch("bwd.dkv", kernel)
-        if deterministic:
+        if deterministic and side is not None:
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                _det_reduce(
+                    part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk, slots, s0
+                )
+                reduced = torch.cuda.Event()
+                reduced.record(side)
+        elif deterministic:
             _det_reduce(
                 part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk, slots, s0
             )
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
+    if side is not None:  # (so the buffers the side stream reads are freed after its reads)
+        torch.cuda.current_stream(dev).wait_stream(side)
     if return_attn_sum and perm is not None:  # back to the caller's slot order
         attn_sum = torch.empty_like(attn_sum).scatter_(1, perm[:, 0], attn_sum)
     return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The backward's side stream of a CUDA device (one per device, made on first use)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def _use_dkv_gluon(
+    cfg: dict[str, int], config: Config, q: torch.Tensor, dout: torch.Tensor, h_q: int, d_qk: int, d_v: int,
+    topk: int,
+) -> bool:  # fmt: skip
+    """Whether the all-heads dkv products run in the Gluon kernel (``Config.bwd_dkv_backend``, or the
+    ``DKV_GLUON`` tile when a test forces it).
+
+    Raises:
+        ValueError: ``bwd_dkv_backend == "gluon"`` (or ``DKV_GLUON`` 1) where the Gluon kernel cannot run.
+    """
+    backend = {-1: config.bwd_dkv_backend, 0: "triton", 1: "gluon"}[cfg["DKV_GLUON"]]
+    if backend == "triton":
+        return False
+    eligible = dkv_gluon_eligible(h_q, d_qk, d_v, topk, cfg["BLOCK_C_G"]) and not (
+        q.stride(1) % 8 or dout.stride(1) % 8
+    )
+    usable = eligible and gluon_sm90.gluon_usable(q, q, dout)
+    if backend == "gluon" and not usable:
+        raise ValueError(
+            "sparse_mla_bwd: Config(bwd_dkv_backend='gluon') needs an sm_90 GPU, a Triton release in "
+            f"{gluon_sm90.GLUON_TRITON_VERSIONS} (installed: {triton.__version__}), at most 128 heads, d_v and d_qk "
+            f"multiples of 64, topk a multiple of 8 and 16-byte aligned q / dout rows (got h_q {h_q}, d_qk "
+            f"{d_qk}, d_v {d_v}, topk {topk})"
+        )
+    return usable
 
 
 def _launch_dq(
@@ -586,21 +672,20 @@ def _det_reduce(
     part: torch.Tensor, idx_c: torch.Tensor, dkv32: torch.Tensor, s_kv: int, q_start_index: int,
     k_stride: int, causal: bool, n_hb: int, d_qk: int, slots: dict[Any, Any] | None, s0: int,
 ) -> None:  # fmt: skip
-    """Add this chunk's per-(token, slot) contributions into ``dkv32``, grouped by row in a fixed order."""
+    """Add this chunk's per-(token, slot) contributions into ``dkv32``, grouped by row in a fixed order.
+    No host synchronisation: invalid pairs sort last (key ``s_kv``) and each row finds its segment of the
+    sorted pairs by binary search."""
     valid = valid_slots(idx_c[:, 0], s_kv, q_start_index, k_stride, causal).reshape(-1)
-    rows = idx_c[:, 0].reshape(-1).long()
-    pairs = torch.nonzero(valid).squeeze(1)  # ascending (token, slot) order
-    if pairs.numel() == 0:
-        return
+    keys = torch.where(valid, idx_c[:, 0].reshape(-1), s_kv)  # int32
     # Stable sort by row keeps (token, slot) order inside a row: the reduction order is fixed.
-    keys, perm = torch.sort(rows[pairs], stable=True)
-    order = pairs[perm].contiguous()
-    seg_row, seg_len = torch.unique_consecutive(keys, return_counts=True)
-    seg_start = torch.cumsum(seg_len, 0) - seg_len
+    keys, order = torch.sort(keys, stable=True)
+    rows = torch.arange(s_kv, dtype=keys.dtype, device=keys.device)
+    seg_start = torch.searchsorted(keys, rows)
+    seg_end = torch.searchsorted(keys, rows, right=True)
     block_d = 64 if interpreting() else 128
     kernel = launch(
-        _det_reduce_kernel, (seg_row.numel(), cdiv(d_qk, block_d)), slots, ("det_reduce", s0),
-        (part, order, seg_start.contiguous(), seg_len.contiguous(), seg_row.contiguous(), dkv32, part.stride(0)),
+        _det_reduce_kernel, (s_kv, cdiv(d_qk, block_d)), slots, ("det_reduce", s0),
+        (part, order, seg_start, seg_end, dkv32, part.stride(0)),
         dict(D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, UNROLL=2 if interpreting() else 8, num_warps=4),
     )  # fmt: skip
     record_launch("bwd.det_reduce", kernel)
@@ -638,15 +723,18 @@ def _bwd_op(
     q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, indices: torch.Tensor,
     lse: torch.Tensor, sm_scale: float, d_v: int, q_start_index: int, k_stride: int, causal: bool,
     deterministic: bool, return_attn_sum: bool, workspace_bytes: int, deterministic_workspace_bytes: int,
+    dkv_backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and every launch's specialisation depend only on the call signature: checked once per signature.
     key = (*call_signature(q, kv, out, dout, indices, lse), d_v, q_start_index, k_stride, causal, deterministic,
-           return_attn_sum, workspace_bytes, deterministic_workspace_bytes)  # fmt: skip
+           return_attn_sum, workspace_bytes, deterministic_workspace_bytes, dkv_backend)  # fmt: skip
     slots = cached(
         _SLOTS, key, lambda: _check_bwd(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
     )
     config = config_of(
-        bwd_workspace_bytes=workspace_bytes, bwd_deterministic_workspace_bytes=deterministic_workspace_bytes
+        bwd_workspace_bytes=workspace_bytes,
+        bwd_deterministic_workspace_bytes=deterministic_workspace_bytes,
+        bwd_dkv_backend=dkv_backend,
     )
     return launch_bwd(
         q, kv, out, dout, indices, lse, check_sm_scale(sm_scale), d_v, q_start_index=q_start_index,
@@ -694,7 +782,7 @@ def sparse_mla_bwd(
             heads at each slot (``Σ_h P[h, t]``, 0 at invalid slots): the lightning indexer's KL target, the
             same quantity as ``attn_dist(..., causal=causal)``, taken from the ``P`` the backward recomputes
             anyway (deterministic).
-        config: tuning options (:class:`~sparse_mla_attn.Config`; the ``bwd_*`` workspace caps apply).
+        config: tuning options (:class:`~sparse_mla_attn.Config`; the ``bwd_*`` fields apply).
 
     Returns:
         ``dq [s_q, h_q, d_qk]`` in q's dtype and ``dkv [s_kv, 1, d_qk]`` in kv's dtype (and ``attn_sum`` if
@@ -710,6 +798,6 @@ def sparse_mla_bwd(
     cfg = config or DEFAULT
     dq, dkv, attn_sum = _bwd_op(
         q, kv, out, dout, indices, lse, sm_scale, d_v, q_start_index, k_stride, causal, deterministic,
-        return_attn_sum, cfg.bwd_workspace_bytes, cfg.bwd_deterministic_workspace_bytes,
+        return_attn_sum, cfg.bwd_workspace_bytes, cfg.bwd_deterministic_workspace_bytes, cfg.bwd_dkv_backend,
     )  # fmt: skip
     return (dq, dkv, attn_sum) if return_attn_sum else (dq, dkv)

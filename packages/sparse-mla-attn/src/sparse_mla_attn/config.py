@@ -9,6 +9,7 @@ BACKENDS = ("auto", "gluon", "triton")
 SPLIT_MERGES = ("auto", "last_program", "kernel")
 ATTN_DIST_SPLITS = ("blocks", "cols")
 FWD_PERSISTENT = ("auto", "on", "off")
+FP8_PRODUCERS = ("staged", "registers", "registers_half")
 FWD_SCHEDULES = ("pingpong", "common_max")
 
 
@@ -54,6 +55,13 @@ class Config:
             ``"auto"`` (default): persistent where a token has more than one head tile (``h_q > 64``),
             and with one head tile where the KV rows (``2 * s_kv * d_qk`` bytes) fit in half of the GPU's
             L2 cache (up to about 22K rows of 576 on an H100 / H200).
+        bwd_dkv_backend: kernel of :func:`~sparse_mla_attn.sparse_mla_bwd`'s ``dkv`` products up to 128
+            heads (above, the main kernel forms them). ``"auto"`` (default): a warp-specialised Gluon
+            kernel on an sm_90 GPU where :func:`gluon_supported` holds and the shape suits it (``d_v`` and
+            ``d_qk`` multiples of 64, ``topk`` a multiple of 8), the Triton kernel elsewhere. ``"triton"``:
+            always the Triton kernel. ``"gluon"``: ``"auto"`` that raises :class:`ValueError` where the
+            Gluon kernel cannot run. The results are the same up to the order of the fp32 additions
+            (bit-identical run to run in the deterministic mode).
         fwd_schedule: how the two consumer warpgroups of :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon
             kernel (sm_90) share a pair of 64-row blocks (each owns half of the value channels).
             ``"pingpong"`` (default): each computes the softmax of its block against the running max of
@@ -67,11 +75,18 @@ class Config:
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
             64 heads.
+        fp8_producer: how the producer warpgroup of the Gluon decode over an FP8 cache (sm_90) brings each
+            block of 64 cache rows into shared memory as bf16. ``"staged"`` (default): copies the block's
+            FP8 bytes into its bf16 slot (``cp.async``), waits for them, then dequantizes in place.
+            ``"registers"``: loads the latent bytes into registers a whole block ahead (16-byte loads, in
+            four 128-channel tiles) and dequantizes each tile from registers into the slot, so the next
+            block's loads are in flight while a block is dequantized; ``"registers_half"``: the same, two
+            tiles (half a block) ahead, with fewer registers. The results are the same bits.
 
     Raises:
-        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``fwd_schedule`` or
-            ``attn_dist_split``,
-            ``num_splits < 0`` or a workspace cap below 1 byte.
+        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split``,
+            ``fp8_producer``, ``bwd_dkv_backend`` or ``fwd_schedule``, ``num_splits < 0`` or a workspace
+            cap below 1 byte.
     """
 
     backend: str = "auto"
@@ -82,6 +97,8 @@ class Config:
     bwd_deterministic_workspace_bytes: int = 4 << 30
     fwd_persistent: str = "auto"
     attn_dist_split: str = "blocks"
+    fp8_producer: str = "staged"
+    bwd_dkv_backend: str = "auto"
     fwd_schedule: str = "pingpong"
 
     def __post_init__(self) -> None:
@@ -101,12 +118,18 @@ class Config:
             raise ValueError(
                 f"Config.fwd_persistent must be one of {FWD_PERSISTENT}, got {self.fwd_persistent!r}"
             )
+        if self.bwd_dkv_backend not in BACKENDS:
+            raise ValueError(
+                f"Config.bwd_dkv_backend must be one of {BACKENDS}, got {self.bwd_dkv_backend!r}"
+            )
         if self.fwd_schedule not in FWD_SCHEDULES:
             raise ValueError(f"Config.fwd_schedule must be one of {FWD_SCHEDULES}, got {self.fwd_schedule!r}")
         if self.attn_dist_split not in ATTN_DIST_SPLITS:
             raise ValueError(
                 f"Config.attn_dist_split must be one of {ATTN_DIST_SPLITS}, got {self.attn_dist_split!r}"
             )
+        if self.fp8_producer not in FP8_PRODUCERS:
+            raise ValueError(f"Config.fp8_producer must be one of {FP8_PRODUCERS}, got {self.fp8_producer!r}")
         for name in ("bwd_workspace_bytes", "bwd_deterministic_workspace_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -150,7 +173,8 @@ def config_of(
     bwd_workspace_bytes: int = DEFAULT.bwd_workspace_bytes,
     bwd_deterministic_workspace_bytes: int = DEFAULT.bwd_deterministic_workspace_bytes,
     split_fill: float = DEFAULT.split_fill,
+    bwd_dkv_backend: str = DEFAULT.bwd_dkv_backend,
 ) -> Config:
     """The :class:`Config` of these fields, built (and checked) once: the custom ops receive the fields."""
     return Config(backend, num_splits, split_merge, split_fill, bwd_workspace_bytes,
-                  bwd_deterministic_workspace_bytes)  # fmt: skip
+                  bwd_deterministic_workspace_bytes, bwd_dkv_backend=bwd_dkv_backend)  # fmt: skip

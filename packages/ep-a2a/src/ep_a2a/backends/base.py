@@ -138,6 +138,14 @@ class A2ABackend(abc.ABC):
             ``(output [R, hidden] input.dtype, weights [R] weight_dtype or None, layout_desc)``.
         """
 
+    def dispatch_plain(self, input: Tensor, exp_indices: Tensor, weight: Tensor) -> DispatchResult:
+        """``dispatch(input, exp_indices, weight, None)`` of the layer's common case, which it checked in
+        one pass: ``input`` of ``config.token_dtype`` ``[n, hidden]``, a ``weight`` of
+        ``config.weight_dtype``, ids of a dtype in ``expert_id_dtypes``, every tensor contiguous on the
+        group's device. A backend may take it through a leaner host path; the default calls
+        :meth:`dispatch`."""
+        return self.dispatch(input, exp_indices, weight, None)
+
     @abc.abstractmethod
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
         """Send expert output rows back and sum them per original token.

@@ -29,7 +29,7 @@ import collections
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ep_a2a._dist import EPProtocolError, EPTimeoutError, OpBoard, RankMonitor
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
+from ep_a2a.backends.triton import engine as _engine
 from ep_a2a.backends.triton.engine import (
     FP8_ROW_DTYPE,
     BoundLaunch,
@@ -48,7 +49,6 @@ from ep_a2a.backends.triton.engine import (
     QuantizeOnSend,
     TritonEPEngine,
     _launch_hooks_set,
-    _raw_stream,
     fp8_row_bytes,
     heap_row_bytes,
     pack_fp8_rows,
@@ -67,12 +67,23 @@ from ep_a2a.backends.triton.workspace import (
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
 
+#: the current raw CUDA stream of a device index, and whether the current stream captures a graph: the
+#: C functions themselves where this torch has them (one Python call fewer each on the eager path)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _engine._raw_stream)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 #: exact-shape calls whose received rows size the speculative flow's outputs
 SPECULATIVE_WINDOW = 8
 #: CUDA graphs of eager dispatches kept per workspace (``TritonTuning.eager_graphs``)
 GRAPHS_PER_WORKSPACE = 64
 #: sets of input addresses a workspace remembers while waiting for their second call
 SIGHTINGS_PER_WORKSPACE = 1024
+
+
+# (its host reads the counts: under capture no kernel runs, so the poll could only time out)
+_EXACT_UNDER_CAPTURE = (
+    "dispatch: the exact-shape call reads its counts on the host and cannot be captured in a CUDA graph; "
+    "capture dispatch_static / combine_static instead"
+)
 
 
 @dataclass
@@ -82,6 +93,10 @@ class _TritonState:
     n_src: torch.Tensor  # [W] int64 on the device: tokens of every source in this dispatch
     remote: dict[str, torch.Tensor] | None = None  # remote path: the dispatch's pk / rtok / pinfo
     npk_recv: list[int] | None = None  # remote path: records received from each rank (sizes the puts back)
+    addresses: tuple[int, int] = field(init=False)  # of tab and n_src (in a combine's graph key)
+
+    def __post_init__(self) -> None:
+        self.addresses = (self.tab.data_ptr(), self.n_src.data_ptr())
 
 
 @dataclass
@@ -297,7 +312,11 @@ class TritonBackend(A2ABackend):
         self._mirror_lost: str | None = None
         #: the exact-shape calls' outputs, with the worst-case rows for decode-sized layers (see
         #: :mod:`.workspace` for when one is reused)
-        self.workspaces = WorkspaceRing(self.engine, self._ring_rows())
+        self.workspaces = WorkspaceRing(
+            self.engine,
+            self._ring_rows(),
+            lambda ws: _TritonState(owner=id(self), tab=ws.tab, n_src=ws.n_src),
+        )
         #: the exact-shape combines' outputs (decode-sized ones reused, as the workspaces are)
         self.combine_outputs = OutputRing(self.device)
         #: combine launches bound per variant and stream (:meth:`.engine.TritonEPEngine.bind_combine`)
@@ -311,6 +330,25 @@ class TritonBackend(A2ABackend):
         self._combine_sightings: dict[tuple, int] = {}
         self._static: DispatchBuffers | None = None
         self._static_fp8: DispatchBuffers | None = None  # (packed FP8 rows: a graph of each may coexist)
+        self._init_plain_path()
+
+    def _init_plain_path(self) -> None:
+        """What :meth:`dispatch_plain` takes from the layer's checks and the workspaces instead of the
+        call's tensors (the parts of a speculative dispatch's graph key that the common case fixes)."""
+        cfg, eng, rows = self.config, self.engine, self.workspaces.rows
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
+        self._offsets_int32 = cfg.offset_dtype == torch.int32
+        #: the common case goes through the speculative flow into the workspaces' rows
+        self._plain_rows = (
+            self.overlap_exact
+            and not eng.ce_pieces
+            and self.low_latency is None
+            and rows is not None
+            and rows[:2] == (cfg.token_dtype, cfg.hidden)
+        )
+        self._pos_ptr = eng.pos.data_ptr()
+        self._plain_variant = (cfg.token_dtype, cfg.hidden)
+        self._plain_tail = (cfg.weight_dtype, eng.pos.dtype, rows[0], rows[2]) if rows is not None else ()
 
     def _ring_rows(self) -> tuple[torch.dtype, int, int] | None:
         """The rows each workspace holds: the worst case of the layer's rows when the speculative flow
@@ -412,6 +450,17 @@ class TritonBackend(A2ABackend):
             )
 
     # ------------------------------------------------------------------ exact-shape mode
+    def dispatch_plain(self, input: Tensor, exp_indices: Tensor, weight: Tensor) -> DispatchResult:
+        """:meth:`dispatch` of the layer's common case (see the base class): with the worst-case rows in
+        the workspaces, a call whose tensors repeat the addresses of an earlier one replays its CUDA
+        graph with the variant taken from the layer's checks instead of the tensors."""
+        if not self._plain_rows or self._finalized or self._mirror_lost is not None or _launch_hooks_set():
+            return self.dispatch(input, exp_indices, weight, None)
+        if _capturing():
+            raise RuntimeError(_EXACT_UNDER_CAPTURE)
+        call = self._start("dispatch", check=False)
+        return self._dispatch_speculative(call, input, exp_indices, weight, None, plain=True)
+
     def dispatch(
         self,
         input: Tensor | QuantizeOnSend,  # type: ignore[override]
@@ -419,13 +468,10 @@ class TritonBackend(A2ABackend):
         weight: Tensor | None,
         full_scatter_indices: Tensor | None,
     ) -> DispatchResult:
-        self._check_usable()
-        if torch.cuda.is_current_stream_capturing():
-            # (its host reads the counts: under capture no kernel runs, so the poll could only time out)
-            raise RuntimeError(
-                "dispatch: the exact-shape call reads its counts on the host and cannot be captured in a "
-                "CUDA graph; capture dispatch_static / combine_static instead"
-            )
+        if self._finalized or self._mirror_lost is not None:
+            self._check_usable()
+        if _capturing():
+            raise RuntimeError(_EXACT_UNDER_CAPTURE)
         if input.shape[1] * input.element_size() > self.layout.row_bytes:
             raise ValueError(
                 f"input: the triton backend's receive buffers hold {self.config.token_dtype} rows; got "
@@ -434,13 +480,17 @@ class TritonBackend(A2ABackend):
             )
         if self.low_latency is not None:
             return self._ll_dispatch_exact(input, exp_indices, weight, full_scatter_indices)
-        self._start("dispatch")
-        call = _Call(input, exp_indices, weight, full_scatter_indices, self.engine.pos)
         # (from the second call on, on every rank alike: a guess of 0 rows speculates too, so a rank
         # that receives nothing does not fall back to the flow with a host wait)
         if self.overlap_exact or (self.speculative_rows and len(self._recent_rows) > 0):
-            return self._dispatch_speculative(call)
-        return self._dispatch_counts_first(call)
+            # (the board is checked once the kernels are launched: they would wait for a peer in
+            # another operation until their timeout either way, and the host raises in this call)
+            call = self._start("dispatch", check=False)
+            return self._dispatch_speculative(call, input, exp_indices, weight, full_scatter_indices)
+        self._start("dispatch")
+        return self._dispatch_counts_first(
+            _Call(input, exp_indices, weight, full_scatter_indices, self.engine.pos)
+        )
 
     def _dispatch_counts_first(self, call: _Call) -> DispatchResult:
         """Layout, receive layout, one host wait for the counts, outputs of the exact rows, row kernel."""
@@ -484,36 +534,61 @@ class TritonBackend(A2ABackend):
         assert bufs.out_e is not None
         return self._result(call, (bufs.out, bufs.out_w, bufs.out_e), ws, vals, rows, rb, npk)
 
-    def _dispatch_speculative(self, call: _Call) -> DispatchResult:
+    def _dispatch_speculative(
+        self, board_call: int, input: Tensor | QuantizeOnSend, exp_indices: Tensor, weight: Tensor | None,
+        full_scatter_indices: Tensor | None, *, plain: bool = False,
+    ) -> DispatchResult:  # fmt: skip
         """The receive layout inside the row kernel and no host wait before it: the rows land in outputs
         allocated before the counts are known (worst-case ones for small layers, sized from the last
-        calls for large ones), and the caller gets views of their first ``R`` rows."""
+        calls for large ones), and the caller gets views of their first ``R`` rows. ``board_call``: the
+        call number this rank published on the operation board (checked here, after the launch);
+        ``plain``: the layer's common case into the workspaces' rows (:meth:`dispatch_plain`)."""
         eng = self.engine
-        speculate = not self.overlap_exact
-        cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
-        ws = self._workspace(call.n)
+        stream = _raw_stream(self._device_index)
+        n = input.shape[0]
+        ws = self.workspaces.take(stream, n)
         # (decode-sized layers: the worst-case rows of the workspace, else rows allocated per call)
-        out = ws.out if ws.out is not None and ws.out.dtype == call.input.dtype else None
-        if out is None:
-            out = eng.alloc_rows(cap, dtype=call.input.dtype)
+        out = ws.out
+        if out is None or (not plain and out.dtype != input.dtype):
+            cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
+            out = eng.alloc_rows(cap, dtype=input.dtype)
+        src = full_scatter_indices if full_scatter_indices is not None else eng.pos
         mirror = self._mirror if not eng.ce_pieces else None
         if mirror is not None:
             self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
-        self.speculative_calls += speculate
-        if mirror is None or not self._launch_merged_bound(call, ws, out, mirror):
+        graph = None
+        if plain and self.eager_graphs and n:
+            # (the key _launch_merged_bound builds, from what the layer checked and the workspace)
+            graph = ws.graphs.get((
+                input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), self._pos_ptr, n, ws.out_ptr,  # type: ignore[union-attr]
+                False, *self._plain_variant, exp_indices.dtype, *self._plain_tail,
+            ))  # fmt: skip
+        if graph is not None:
+            graph.launch(stream)
+            eng.merged_replayed()
+            self.graph_replays += 1
+        elif mirror is None or not self._launch_merged_bound(
+            stream, ws, out, mirror, input, exp_indices, weight, src, full_scatter_indices is not None
+        ):
             bufs = self._speculative_buffers(ws, out)
-            eng.launch_layout(call.exp_indices, caller_scatter=call.caller, info=ws.info, remote=None)
+            eng.launch_layout(exp_indices, caller_scatter=full_scatter_indices is not None, info=ws.info)
             if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
                 eng.launch_counts(ws.info)
             eng.launch_dispatch(
-                call.input, call.exp_indices, call.weight, call.src, bufs, caller_scatter=call.caller,
+                input, exp_indices, weight, src, bufs, caller_scatter=full_scatter_indices is not None,
                 info=ws.info, counts=not eng.ce_pieces, mirror=mirror,
             )  # fmt: skip
+        # (the GPU works from here on: what the host does next overlaps it)
+        if self.board.peers:
+            self._guard_protocol(lambda: self.board.check(board_call, "dispatch"))
+        speculate = not self.overlap_exact
+        self.speculative_calls += speculate
         vals = self._read_mirror() if mirror is not None else self._read_info(ws.info)[0]
         rows = int(vals[0])
         if speculate:
             self._recent_rows.append(rows)
             if rows > out.shape[0]:  # (exact outputs and a second writing pass)
+                call = _Call(input, exp_indices, weight, full_scatter_indices, eng.pos)
                 bufs = self._speculative_buffers(ws, out)
                 self._fit_speculative_rows(rows, call, ws.info, bufs)
                 assert bufs.out is not None
@@ -522,7 +597,10 @@ class TritonBackend(A2ABackend):
                 return self._result(call, (bufs.out, bufs.out_w, bufs.out_e), ws, vals, rows, None, None)
         w_rows, e_rows, ring_rows = ws.first_rows(rows)
         out = ring_rows if ring_rows is not None and out is ws.out else out[:rows]
-        return self._result(call, (out, w_rows, e_rows), ws, vals, rows, None, None)
+        return self._result(
+            (n, exp_indices, full_scatter_indices is not None, weight is not None),
+            (out, w_rows, e_rows), ws, vals, rows, None, None,
+        )  # fmt: skip
 
     @staticmethod
     def _speculative_buffers(ws: DispatchWorkspace, out: Tensor) -> DispatchBuffers:
@@ -531,41 +609,44 @@ class TritonBackend(A2ABackend):
             tab=ws.tab, skip=ws.skip, scat=ws.scat, out=out, out_w=ws.out_w, out_e=ws.out_e, info=ws.info
         )
 
-    def _launch_merged_bound(self, call: _Call, ws: DispatchWorkspace, out: Tensor, mirror: Tensor) -> bool:
-        """The layout and row kernel launches of a speculative dispatch into the rows ``out`` through the
-        launches bound to ``ws`` (:meth:`.engine.TritonEPEngine.bind_merged_dispatch`; bound on the first
-        call of a variant and row capacity, after its launches through the specifications left plans);
-        ``False`` (nothing launched) where there are none."""
+    def _launch_merged_bound(
+        self, stream: int, ws: DispatchWorkspace, out: Tensor, mirror: Tensor, inp: Tensor | QuantizeOnSend,
+        ids: Tensor, w: Tensor | None, src: Tensor, caller: bool,
+    ) -> bool:  # fmt: skip
+        """The layout and row kernel launches of a speculative dispatch of ``inp`` into the rows ``out``
+        on ``stream`` through the launches bound to ``ws`` (:meth:`.engine.TritonEPEngine.bind_merged_dispatch`;
+        bound on the first call of a variant and row capacity, after its launches through the
+        specifications left plans), or a CUDA graph of them once the same addresses came a second
+        time; ``False`` (nothing launched) where there are none."""
         if _launch_hooks_set():  # (a profiler's hooks see every launch through Triton)
             return False
-        inp, ids, w, src = call.input, call.exp_indices, call.weight, call.src
         x = inp.x if isinstance(inp, QuantizeOnSend) else inp
         xp, ip, sp = x.data_ptr(), ids.data_ptr(), src.data_ptr()
         wp = w.data_ptr() if w is not None else self._dummy_w_address
-        key = (
-            out.shape, out.dtype, x.dtype, x.shape[1], ids.dtype, None if w is None else w.dtype, src.dtype,
-            call.caller, xp % 16, ip % 16, wp % 16, sp % 16,
+        n, width = x.shape
+        # what a graph bakes in: the addresses and token count (the alignments with them), the variant
+        at = (
+            xp, ip, wp, sp, n, out.data_ptr(), caller, x.dtype, width, ids.dtype, None if w is None else w.dtype,
+            src.dtype, out.dtype, out.shape[0],
         )  # fmt: skip
-        addresses = (xp, ip, wp, sp, call.n, out.data_ptr())
-        # (a graph reads the tensors at the addresses it was captured with: these ones)
-        at = (key, *addresses)
         graph = ws.graphs.get(at) if self.eager_graphs else None
         if graph is None:
+            key = (*at[6:], xp % 16, ip % 16, wp % 16, sp % 16)
             launches = ws.bound.get(key)
             if launches is None:
                 launches = self.engine.bind_merged_dispatch(
-                    _raw_stream(self.device.index), self._speculative_buffers(ws, out), ws.info, mirror,
-                    (x, ids, w, src), caller_scatter=call.caller,
+                    stream, self._speculative_buffers(ws, out), ws.info, mirror, (x, ids, w, src),
+                    caller_scatter=caller,
                 )  # fmt: skip
                 if launches is None:
                     return False
                 ws.bound[key] = launches
             if self.eager_graphs and self._graph_due(ws.graphs, ws.sightings, at):
-                graph = self._capture_merged(ws, at, out, mirror, (x, ids, w, src), call.caller)
+                graph = self._capture_merged(ws, at, out, mirror, (x, ids, w, src), caller)
             if graph is None:
-                self.engine.launch_merged_bound(launches, *addresses)  # type: ignore[arg-type]
+                self.engine.launch_merged_bound(launches, *at[:6])  # type: ignore[arg-type]
                 return True
-        graph.launch(_raw_stream(self.device.index))
+        graph.launch(stream)
         self.engine.merged_replayed()
         self.graph_replays += 1
         return True
@@ -625,9 +706,8 @@ class TritonBackend(A2ABackend):
         tensors: tuple[Tensor, Tensor, Tensor | None, Tensor],
         caller_scatter: bool,
     ) -> LaunchGraph | None:
-        """A CUDA graph of a speculative dispatch's two launches for the call at the addresses ``at``
-        (the launch key, then the addresses and token count :meth:`launch_merged_bound` takes), kept in
-        ``ws.graphs``."""
+        """A CUDA graph of a speculative dispatch's two launches for the call ``at`` (the addresses and
+        token count :meth:`launch_merged_bound` takes, then the variant), kept in ``ws.graphs``."""
 
         def bind(stream: int) -> tuple[BoundLaunch, BoundLaunch] | None:
             buffers = self._speculative_buffers(ws, out)
@@ -636,13 +716,13 @@ class TritonBackend(A2ABackend):
             )
 
         def launch(launches: tuple[BoundLaunch, BoundLaunch]) -> None:
-            self.engine.launch_merged_bound(launches, *at[1:], capturing=True)
+            self.engine.launch_merged_bound(launches, *at[:6], capturing=True)
 
         return self._capture(bind, launch, ws.graphs, at)
 
     def _result(
         self,
-        call: _Call,
+        call: _Call | tuple[int, Tensor, bool, bool],
         outs: tuple[Tensor, Tensor, Tensor],
         ws: DispatchWorkspace,
         vals: np.ndarray,
@@ -650,27 +730,34 @@ class TritonBackend(A2ABackend):
         rb: dict[str, torch.Tensor] | None,
         npk: list[int] | None,
     ) -> DispatchResult:
-        """``(output, weights, descriptor)`` of an exact-shape dispatch whose counts (``vals``, this
-        call's own copy of ``info``) are in; ``outs``: its rows, their weights and local experts, of
+        """``(output, weights, descriptor)`` of an exact-shape dispatch whose counts (``vals``: ``info``'s
+        values, or at least its first ``2 + 2 * W``) are in; ``call``: its :class:`_Call` or ``(n,
+        exp_indices, caller_scatter, has_w)``; ``outs``: its rows, their weights and local experts, of
         exactly ``rows`` rows (the weights: one element without weights)."""
         W = self.config.world_size
         out, out_w, out_e = outs
+        n, exp_indices, caller, has_w = (
+            (call.n, call.exp_indices, call.caller, call.has_w) if isinstance(call, _Call) else call
+        )
         self._combine_allowed = True
-        scat = ws.scat if self.config.offset_dtype == torch.int32 else ws.scat.to(self.config.offset_dtype)
+        ws.host_counts_np[:] = vals[2 : 2 + 2 * W]
+        scat = ws.scat if self._offsets_int32 else ws.scat.to(self.config.offset_dtype)
         desc = EPAllToAllLayoutDesc(
-            num_dispatch_token_cur_rank=call.n,
-            num_input_tokens_per_rank=torch.from_numpy(vals[2 : 2 + W]),
+            num_dispatch_token_cur_rank=n,
+            num_input_tokens_per_rank=ws.n_in_host,
             send_reqs_recv_tensor=None,
-            topk_indices_tensor=call.exp_indices,
+            topk_indices_tensor=exp_indices,
             token_dst_scatter_idx=scat,
             skipped_token_mapping_indices=None,
             skipped_token_topk_mapping_indices=ws.skip,
             num_recv_tokens_per_expert=ws.rows_exp,
-            num_recv_tokens_per_rank=torch.from_numpy(vals[2 + W : 2 + 2 * W]),
+            num_recv_tokens_per_rank=ws.n_recv_host,
             num_recv_rows=rows,
             recv_expert_indices=out_e,
-            caller_scatter=call.caller,
-            backend_state=_TritonState(
+            caller_scatter=caller,
+            backend_state=ws.state
+            if rb is None
+            else _TritonState(
                 owner=id(self),
                 tab=ws.tab,
                 n_src=ws.n_src,
@@ -678,11 +765,11 @@ class TritonBackend(A2ABackend):
                 npk_recv=npk[W:] if npk is not None else None,
             ),
         )
-        return out, (out_w if call.has_w else None), desc
+        return out, (out_w if has_w else None), desc
 
     def _workspace(self, n: int) -> DispatchWorkspace:
         """This call's outputs but the rows, from the current stream's ring (see :mod:`.workspace`)."""
-        return self.workspaces.take(_raw_stream(self.device.index), n)
+        return self.workspaces.take(_raw_stream(self._device_index), n)
 
     def _rows_guess(self) -> int:
         """Rows of the outputs of this call's speculative flow."""
@@ -767,18 +854,21 @@ class TritonBackend(A2ABackend):
         return stream
 
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        self._check_usable()
+        if self._finalized or self._mirror_lost is not None:
+            self._check_usable()
         state = layout_desc.backend_state
-        if isinstance(state, LowLatencyDispatch) and state.state.owner == id(self):
-            return self._ll_combine(input, state)
-        if not isinstance(state, _TritonState) or state.owner != id(self):
+        if type(state) is not _TritonState or state.owner != id(self):
+            if isinstance(state, LowLatencyDispatch) and state.state.owner == id(self):
+                return self._ll_combine(input, state)
             raise ValueError("layout_desc was not produced by this triton backend's dispatch")
-        call = self._start("combine")
+        call = self._start("combine", check=False)
         out = self._combine(
             input, state, layout_desc.topk_indices_tensor, layout_desc.num_dispatch_token_cur_rank, reuse=True
         )
-        # (launched first: the GPU is busy while the host checks that every peer combines too)
-        self._guard_protocol(lambda: self.board.wait(call, "combine", "combine"))
+        # (launched first: the GPU is busy while the host checks that every peer combines too, and
+        # that none is in another operation)
+        if self.board.peers:
+            self._guard_protocol(lambda: self.board.wait(call, "combine", "combine"))
         return out
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
@@ -823,17 +913,18 @@ class TritonBackend(A2ABackend):
     ) -> Tensor:
         """One combine into a new output, or with ``reuse`` one of :attr:`combine_outputs` (never while
         capturing: a graph keeps the output's address)."""
-        if input.dim() != 2 or input.shape[1] != self.config.hidden:
-            raise ValueError(f"input must be [rows, {self.config.hidden}], got {tuple(input.shape)}")
-        if not input.dtype.is_floating_point or input.dtype.itemsize > 4:
-            raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {input.dtype}")
+        shape, dtype, hidden = input.shape, input.dtype, self.config.hidden
+        if len(shape) != 2 or shape[1] != hidden:
+            raise ValueError(f"input must be [rows, {hidden}], got {tuple(shape)}")
+        if not dtype.is_floating_point or dtype.itemsize > 4:
+            raise ValueError(f"input dtype must be a float type of at most 4 bytes, got {dtype}")
         if not input.is_contiguous():
             input = input.contiguous()
-        stream = _raw_stream(self.device.index)
+        stream = _raw_stream(self._device_index)
         if reuse:
-            out = self.combine_outputs.take(stream, n, self.config.hidden, input.dtype)
+            out = self.combine_outputs.take(stream, n, hidden, dtype)
         else:
-            out = torch.empty(n, self.config.hidden, dtype=input.dtype, device=self.device)
+            out = torch.empty(n, hidden, dtype=dtype, device=self.device)
         if not self._combine_allowed:
             # another combine of a dispatch already combined (as DeepEP reuses a handle): a device-side
             # barrier first, so that no peer is still reading the rows the last combine sent it
@@ -867,12 +958,13 @@ class TritonBackend(A2ABackend):
         if n == 0 or y.shape[0] == 0 or _launch_hooks_set():
             return False
         n_src = state.n_src
-        yp, ip, sp = y.data_ptr(), ids.data_ptr(), n_src.data_ptr()
-        key = (stream, y.shape[1], y.dtype, out.dtype, ids.dtype, n_src.dtype, yp % 16, ip % 16, sp % 16)
-        addresses = (yp, state.tab.data_ptr(), ip, sp, n, out.data_ptr())
-        at = (key, *addresses)
+        yp, ip, (tp, sp), dtype = y.data_ptr(), ids.data_ptr(), state.addresses, y.dtype
+        # what a graph bakes in: the addresses and token count (the alignments with them), the variant
+        # (of rows ``hidden`` wide, by _combine's check, into an output of their dtype)
+        at = (yp, tp, ip, sp, n, out.data_ptr(), dtype, ids.dtype)
         graph = self._combine_graphs.get(at) if graphs and self.eager_graphs else None
         if graph is None:
+            key = (stream, dtype, ids.dtype, yp % 16, ip % 16, sp % 16)
             launch = self._bound_combines.get(key)
             if launch is None:
                 launch = self.engine.bind_combine(stream, y, ids, n_src, out)
@@ -888,7 +980,7 @@ class TritonBackend(A2ABackend):
             ):
                 graph = self._capture_combine(at, y, ids, n_src, out)
             if graph is None:
-                self.engine.launch_combine_bound(launch, *addresses)
+                self.engine.launch_combine_bound(launch, *at[:6])
                 return True
         graph.launch(stream)
         self.engine.combine_replayed()
@@ -898,12 +990,12 @@ class TritonBackend(A2ABackend):
     def _capture_combine(
         self, at: tuple, y: Tensor, ids: Tensor, n_src: Tensor, out: Tensor
     ) -> LaunchGraph | None:
-        """A CUDA graph of a combine's launch for the call at the addresses ``at`` (the launch key, then
-        the addresses and token count :meth:`.engine.TritonEPEngine.launch_combine_bound` takes)."""
+        """A CUDA graph of a combine's launch for the call ``at`` (the addresses and token count
+        :meth:`.engine.TritonEPEngine.launch_combine_bound` takes, then the variant)."""
 
         return self._capture(
             lambda stream: self.engine.bind_combine(stream, y, ids, n_src, out),
-            lambda bound: self.engine.launch_combine_bound(bound, *at[1:], capturing=True),
+            lambda bound: self.engine.launch_combine_bound(bound, *at[:6], capturing=True),
             self._combine_graphs,
             at,
         )
@@ -936,7 +1028,7 @@ class TritonBackend(A2ABackend):
                 "dispatch_static (CUDA-graph mode) is not built for groups with remote peers (the host sizes "
                 "their puts from the counts); use dispatch / combine"
             )
-        if not torch.cuda.is_current_stream_capturing():  # (graph replays do not pass the host)
+        if not _capturing():  # (graph replays do not pass the host)
             self._start("dispatch_static")
         eng, W = self.engine, self.config.world_size
         fp8 = input.dtype == FP8_ROW_DTYPE
@@ -979,7 +1071,7 @@ class TritonBackend(A2ABackend):
         self._check_usable()
         if isinstance(dispatched, LowLatencyDispatch):
             return self._ll_combine(input, dispatched)
-        if not torch.cuda.is_current_stream_capturing():
+        if not _capturing():
             self._start("combine_static")
         return self._combine(input, dispatched.state, dispatched.exp_indices, dispatched.exp_indices.shape[0])
 
@@ -990,7 +1082,7 @@ class TritonBackend(A2ABackend):
         """One low-latency dispatch into the engine's fixed buffers (CUDA-graph safe: no host sync)."""
         ll = self.low_latency
         assert ll is not None
-        if not torch.cuda.is_current_stream_capturing():
+        if not _capturing():
             self._start("dispatch_static")  # (every low-latency dispatch is one operation on the board)
         res = ll.dispatch(input, exp_indices, weight)
         res.state = _TritonState(owner=id(self), tab=ll.tab, n_src=res.num_input_tokens_per_rank)
@@ -1001,7 +1093,7 @@ class TritonBackend(A2ABackend):
         ll = self.low_latency
         if ll is None or dispatched.state is None or dispatched.state.owner != id(self):
             raise ValueError("dispatched was not produced by this triton backend's low-latency dispatch")
-        if not torch.cuda.is_current_stream_capturing():
+        if not _capturing():
             self._start("combine_static")
         return ll.combine(input, dispatched)
 
@@ -1055,7 +1147,7 @@ class TritonBackend(A2ABackend):
         run the exchange with no rows and the refusal marked, so that every peer records an error naming
         this rank instead of waiting for its rows. Nothing in the normal mode (whose peers time out)."""
         ll = self.low_latency
-        if ll is None or self._finalized or torch.cuda.is_current_stream_capturing():
+        if ll is None or self._finalized or _capturing():
             return
         cfg = self.config
         self._start("dispatch_static", check=False)

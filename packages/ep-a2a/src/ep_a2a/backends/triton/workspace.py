@@ -45,6 +45,12 @@ RING_ROWS_BYTES = 64 << 20
 RING_OUTPUT_BYTES = 16 << 20
 
 
+#: ``(dtype, width, count)`` of the received rows a workspace holds
+RowsSpec = tuple[torch.dtype, int, int]
+#: builds a workspace's :attr:`DispatchWorkspace.state`
+MakeState = Callable[["DispatchWorkspace"], object]
+
+
 @functools.cache
 def _cu_graph_launch() -> Callable[[int, int], int] | None:
     """The CUDA driver's ``cuGraphLaunch(exec, stream)`` (``None`` where the driver cannot be loaded)."""
@@ -84,6 +90,7 @@ class DispatchWorkspace:
     Args:
         engine: the engine whose dispatches write it.
         rows: ``(dtype, width, count)`` of the received rows it holds (``None``: none).
+        make_state: builds :attr:`state` from the workspace (``None``: an inert object).
 
     Attributes:
         info: ``[info_len]`` int64, the call's counts (:meth:`~.engine.TritonEPEngine.info_fields`).
@@ -92,13 +99,20 @@ class DispatchWorkspace:
         skip, scat: ``[n, topk]`` int32 of the call's ``n`` tokens (:meth:`for_tokens`).
         out_w: ``[worst-case rows]`` weight dtype; ``out_e``: the same int32 (the caller gets their first
             rows).
-        out: ``[count, width]`` rows of ``rows``' dtype, or ``None``.
+        out: ``[count, width]`` rows of ``rows``' dtype, or ``None``; ``out_ptr``: its address (0 without).
+        host_counts: ``[2 * W]`` int64 on the host, the call's tokens per source rank then rows per source
+            rank (``info[2 : 2 + 2 * W]``), written by the backend; ``n_in_host``, ``n_recv_host``: its
+            halves, as the descriptors hold them.
+        state: the backend's record of this workspace that its descriptors carry (one object for
+            every call, handed out and counted as the views are).
         bound: the launches bound to this workspace's tensors (filled by the backend).
         graphs, sightings: CUDA graphs of those launches by the call's addresses, and how often each
             set of addresses came (filled by the backend).
     """
 
-    def __init__(self, engine: TritonEPEngine, rows: tuple[torch.dtype, int, int] | None = None) -> None:
+    def __init__(
+        self, engine: TritonEPEngine, rows: RowsSpec | None = None, make_state: MakeState | None = None
+    ) -> None:
         W, T, K, worst = engine.world_size, engine.max_tokens, engine.topk, engine.worst_case_rows()
         regions = [
             ("info", engine.info_len, torch.int64),
@@ -127,12 +141,18 @@ class DispatchWorkspace:
         self._skip_all, self._scat_all = views["skip"], views["scat"]
         self.out_w, self.out_e = views["out_w"], views["out_e"]
         self.out = views["out"].view(rows[2], rows[1]) if rows is not None else None
+        self.out_ptr = self.out.data_ptr() if self.out is not None else 0
+        self.host_counts = torch.zeros(2 * W, dtype=torch.int64)
+        self.host_counts_np = self.host_counts.numpy()
+        self.n_in_host, self.n_recv_host = self.host_counts[:W], self.host_counts[W:]
+        self._host_cdata = self.host_counts.untyped_storage()._cdata
         self.n = -1  # (no views for a token count yet: for_tokens makes them)
         self.skip = self.scat = self._skip_all[:0].view(0, K)
         # the views of the last call's first R rows (replaced, never added: the idle references stay)
         self._rows = 0
         self._w_rows, self._e_rows = self.out_w[:0], self.out_e[:0]
         self._out_rows = self.out[:0] if self.out is not None else self.out_e[:0]
+        self.state = make_state(self) if make_state is not None else object()
         self.bound: dict[tuple, object] = {}
         #: CUDA graphs of dispatches into this workspace, by their inputs' addresses (the backend's),
         #: and how often each set of addresses was seen
@@ -167,12 +187,16 @@ class DispatchWorkspace:
         return self._w_rows, self._e_rows, self._out_rows if self.out is not None else None
 
     def _refs(self) -> tuple[int, ...]:
-        """Tensors sharing the buffer, and references to each view handed out as it is."""
-        count = _storage_use_count(self._cdata) if _storage_use_count is not None else 0
+        """Tensors sharing the buffer (and the host counts), and references to each view handed out as it
+        is."""
+        if _storage_use_count is None:
+            return ()
         return (
-            count, sys.getrefcount(self.info), sys.getrefcount(self.n_src), sys.getrefcount(self.rows_exp),
-            sys.getrefcount(self.tab), sys.getrefcount(self.skip), sys.getrefcount(self.scat),
-            sys.getrefcount(self._w_rows), sys.getrefcount(self._e_rows), sys.getrefcount(self._out_rows),
+            _storage_use_count(self._cdata), _storage_use_count(self._host_cdata),
+            sys.getrefcount(self.n_in_host), sys.getrefcount(self.n_recv_host), sys.getrefcount(self.info),
+            sys.getrefcount(self.n_src), sys.getrefcount(self.rows_exp), sys.getrefcount(self.tab),
+            sys.getrefcount(self.skip), sys.getrefcount(self.scat), sys.getrefcount(self._w_rows),
+            sys.getrefcount(self._e_rows), sys.getrefcount(self._out_rows), sys.getrefcount(self.state),
         )  # fmt: skip
 
     def idle(self) -> bool:
@@ -184,11 +208,15 @@ class DispatchWorkspace:
 
 class WorkspaceRing:
     """Per CUDA stream (its raw handle), up to :data:`RING_SIZE` :class:`DispatchWorkspace`\\ s, handed out
-    under the lifetime rule of this module; each holds ``rows`` (see :class:`DispatchWorkspace`)."""
+    under the lifetime rule of this module; each holds ``rows`` and the state ``make_state`` builds (see
+    :class:`DispatchWorkspace`)."""
 
-    def __init__(self, engine: TritonEPEngine, rows: tuple[torch.dtype, int, int] | None = None) -> None:
+    def __init__(
+        self, engine: TritonEPEngine, rows: RowsSpec | None = None, make_state: MakeState | None = None
+    ) -> None:
         self.engine = engine
         self.rows = rows
+        self.make_state = make_state
         self._rings: dict[int, list[DispatchWorkspace]] = {}
         #: workspaces allocated (kept in a ring or not)
         self.allocated = 0
@@ -204,7 +232,7 @@ class WorkspaceRing:
         for ws in ring:
             if ws.idle():
                 return ws.for_tokens(n)
-        ws = DispatchWorkspace(self.engine, self.rows)
+        ws = DispatchWorkspace(self.engine, self.rows, self.make_state)
         self.allocated += 1
         if len(ring) < RING_SIZE and _storage_use_count is not None:
             ring.append(ws)
