@@ -319,18 +319,20 @@ GLUON_PERSISTENT_SHAPES = [*GLUON_EDGE_CASES, (128, 576, 2048, 64), (64, 576, 20
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["pingpong", "common_max"])
 @pytest.mark.parametrize("mode", ["on", "off"])
 @pytest.mark.parametrize(
     ("h_q", "d_qk", "topk", "s_q"),
     GLUON_PERSISTENT_SHAPES,
     ids=case_ids(("h_q", "d_qk", "topk"), GLUON_PERSISTENT_SHAPES),
 )
-def test_fwd_gpu_gluon_persistent(h_q, d_qk, topk, s_q, mode):
+def test_fwd_gpu_gluon_persistent(h_q, d_qk, topk, s_q, mode, schedule):
     """The Gluon forward with ``Config(fwd_persistent="on")`` (at most one program per multiprocessor,
     several (token, head tile) items each) and ``"off"`` (one program per item), whatever the default for
-    the head count, on the edge cases above, the full top-k at 128 heads and 400 tokens at 64 heads,
-    against the reference, launched twice."""
-    check_gluon_edge_case(h_q, d_qk, topk, s_q, Config(backend="gluon", num_splits=1, fwd_persistent=mode))
+    the head count, each with both ``Config.fwd_schedule`` schedules, on the edge cases above, the full
+    top-k at 128 heads and 400 tokens at 64 heads, against the reference, launched twice."""
+    cfg = Config(backend="gluon", num_splits=1, fwd_persistent=mode, fwd_schedule=schedule)
+    check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg)
 
 
 def check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg):
@@ -389,11 +391,13 @@ def test_fwd_gpu_gluon_split_k(h_q, topk, n_splits):
 
 
 @pytest.mark.gpu
-def test_fwd_gpu_gluon_split_k_persistent():
-    """The split-K Gluon forward made persistent (``fwd_persistent``), against the reference."""
+@pytest.mark.parametrize("schedule", ["pingpong", "common_max"])
+def test_fwd_gpu_gluon_split_k_persistent(schedule):
+    """The split-K Gluon forward made persistent (``fwd_persistent``), with each ``fwd_schedule``, against
+    the reference."""
     if reason := gluon_skip_reason("gluon"):
         pytest.skip(reason)
-    cfg = Config(backend="gluon", num_splits=3, fwd_persistent="on")
+    cfg = Config(backend="gluon", num_splits=3, fwd_persistent="on", fwd_schedule=schedule)
     check_gluon_fwd(cfg, 128, 576, 1000, 100, 1129, "gpu")
     assert last_launch("fwd").splits > 1
 
@@ -417,3 +421,6 @@ def test_fwd_persistent_rule(monkeypatch, h_q, s_kv, mode, persistent):
     plan = forward.FwdPlan(SparseDims(4, h_q, 576, s_kv, 2048, 512), True, 1, (1,), (), {}, (1,), {}, {})
     forward.set_gluon_options(plan, Config(fwd_persistent=mode), torch.device("cpu"))
     assert plan.gluon_options["persistent_programs"] == (132 if persistent else 0)
+    assert plan.gluon_options["common_max"] is False
+    forward.set_gluon_options(plan, Config(fwd_schedule="common_max"), torch.device("cpu"))
+    assert plan.gluon_options["common_max"] is True

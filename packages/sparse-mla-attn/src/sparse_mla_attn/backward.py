@@ -17,13 +17,15 @@ dereferenced. ``D = rowsum(dout * out)`` comes first; then, per chunk of query t
 program per token and head block) recomputes ``S``/``P``, forms ``dS`` and writes it (scaled, in the input
 dtype) and ``P`` to workspaces; a ``dq`` kernel multiplies the workspace ``dS`` by the gathered rows; and a
 ``dkv`` kernel (one program per token and block of slots, with all its heads, up to 128) sums
-``dS^T q + P^T dout`` over the heads and adds each (token, slot) row into an fp32 ``dkv`` with atomics. Above
+``dS^T q + P^T dout`` over the heads and adds each (token, slot) row into an fp32 ``dkv`` with atomics (on
+sm_90 a warp-specialised Gluon kernel, ``backends/gluon_sm90_bwd.py``, ``Config.bwd_dkv_backend``). Above
 128 heads the main kernel forms the ``dkv`` products itself, per head block. Up to 128 heads each token's
 slots are first sorted by index, and the ``dkv`` programs in flight work on the same slot block of
 neighbouring tokens, so that their atomics touch a narrow range of rows that stays in L2 (``attn_sum`` is
 put back in the caller's slot order). In the deterministic mode the per-(token, slot) ``dkv`` contributions
 go to an fp32 workspace instead, and a reduction kernel sums them per KV row in a fixed order (pairs sorted
-by (row, token, slot)), so the result is bit-identical from run to run.
+by (row, token, slot)), so the result is bit-identical from run to run. No step makes the host wait for the
+GPU.
 """
 
 from __future__ import annotations
@@ -414,7 +416,8 @@ def _det_reduce_kernel(
 # The Gluon dkv kernel (Config.bwd_dkv_backend): DKV_GLUON -1 follows the config, 0 / 1 force it (tests);
 # 64-channel chunks, a ring of three of them, one 64-slot tile per consumer warpgroup (SUB_G 2: two), one
 # program per work item (PERSIST_G > 0: that many persistent programs), 168 registers per thread in every
-# partition. DET_OVERLAP 1: the deterministic reduction on a side stream (see launch_bwd).
+# partition. DET_OVERLAP 1: the deterministic reduction on a side stream (see launch_bwd); its kernel's
+# channel block, rows in flight and warps (*_RED).
 _DKV_GLUON_TILES = {
     "DKV_GLUON": -1,
     "BLOCK_C_G": 64,
@@ -422,6 +425,9 @@ _DKV_GLUON_TILES = {
     "PERSIST_G": 0,
     "SUB_G": 1,
     "DET_OVERLAP": 0,
+    "BLOCK_D_RED": 128,
+    "UNROLL_RED": 8,
+    "num_warps_red": 4,
     "CONSUMER_REGS_G": 168,
     "PRODUCER_REGS_G": 168,
 }
@@ -589,18 +595,17 @@ def launch_bwd(
                      num_warps=cfg["num_warps_dkv"], num_stages=1),
             )  # fmt: skip
             record_launch("bwd.dkv", kernel)
-        if deterministic and side is not None:
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                _det_reduce(
-                    part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk, slots, s0
-                )
-                reduced = torch.cuda.Event()
-                reduced.record(side)
-        elif deterministic:
-            _det_reduce(
-                part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk, slots, s0
-            )
+        if deterministic:
+            reduce_args = (cfg, part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk,
+                           slots, s0)  # fmt: skip
+            if side is None:
+                _det_reduce(*reduce_args)
+            else:
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    _det_reduce(*reduce_args)
+                    reduced = torch.cuda.Event()
+                    reduced.record(side)
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
     if side is not None:  # (so the buffers the side stream reads are freed after its reads)
@@ -667,8 +672,9 @@ def _launch_dq(
 
 
 def _det_reduce(
-    part: torch.Tensor, idx_c: torch.Tensor, dkv32: torch.Tensor, s_kv: int, q_start_index: int,
-    k_stride: int, causal: bool, n_hb: int, d_qk: int, slots: dict[Any, Any] | None, s0: int,
+    cfg: dict[str, int], part: torch.Tensor, idx_c: torch.Tensor, dkv32: torch.Tensor, s_kv: int,
+    q_start_index: int, k_stride: int, causal: bool, n_hb: int, d_qk: int, slots: dict[Any, Any] | None,
+    s0: int,
 ) -> None:  # fmt: skip
     """Add this chunk's per-(token, slot) contributions into ``dkv32``, grouped by row in a fixed order.
     No host synchronisation: invalid pairs sort last (key ``s_kv``) and each row finds its segment of the
@@ -680,11 +686,12 @@ def _det_reduce(
     rows = torch.arange(s_kv, dtype=keys.dtype, device=keys.device)
     seg_start = torch.searchsorted(keys, rows)
     seg_end = torch.searchsorted(keys, rows, right=True)
-    block_d = 64 if interpreting() else 128
+    block_d = 64 if interpreting() else cfg["BLOCK_D_RED"]
     kernel = launch(
         _det_reduce_kernel, (s_kv, cdiv(d_qk, block_d)), slots, ("det_reduce", s0),
         (part, order, seg_start, seg_end, dkv32, part.stride(0)),
-        dict(D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, UNROLL=2 if interpreting() else 8, num_warps=4),
+        dict(D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, UNROLL=2 if interpreting() else cfg["UNROLL_RED"],
+             num_warps=cfg["num_warps_red"]),
     )  # fmt: skip
     record_launch("bwd.det_reduce", kernel)
 

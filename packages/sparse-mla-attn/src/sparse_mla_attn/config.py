@@ -10,6 +10,7 @@ SPLIT_MERGES = ("auto", "last_program", "kernel")
 ATTN_DIST_SPLITS = ("blocks", "cols")
 FWD_PERSISTENT = ("auto", "on", "off")
 FP8_PRODUCERS = ("staged", "registers", "registers_half")
+FWD_SCHEDULES = ("pingpong", "common_max")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,15 @@ class Config:
             always the Triton kernel. ``"gluon"``: ``"auto"`` that raises :class:`ValueError` where the
             Gluon kernel cannot run. The results are the same up to the order of the fp32 additions
             (bit-identical run to run in the deterministic mode).
+        fwd_schedule: how the two consumer warpgroups of :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon
+            kernel (sm_90) share a pair of 64-row blocks (each owns half of the value channels).
+            ``"pingpong"`` (default): each computes the softmax of its block against the running max of
+            the block before and rescales its accumulator for the other's block too; the ring is
+            refilled a whole block at a time. ``"common_max"``: the second warpgroup's softmax starts
+            from the first's max, so the pair's products share one max (the first warpgroup rescales its
+            P once for the second); the ring is refilled by half blocks as each half's last reader
+            releases it, and the first warpgroup issues the next block's ``q · k`` behind its last
+            product. Same results up to rounding.
         attn_dist_split: how the two consumer warpgroups of the Gluon ``attn_dist`` (sm_90) share a token
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
@@ -75,7 +85,8 @@ class Config:
 
     Raises:
         ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split``,
-            ``fp8_producer`` or ``bwd_dkv_backend``, ``num_splits < 0`` or a workspace cap below 1 byte.
+            ``fp8_producer``, ``bwd_dkv_backend`` or ``fwd_schedule``, ``num_splits < 0`` or a workspace
+            cap below 1 byte.
     """
 
     backend: str = "auto"
@@ -88,10 +99,17 @@ class Config:
     attn_dist_split: str = "blocks"
     fp8_producer: str = "staged"
     bwd_dkv_backend: str = "auto"
+    fwd_schedule: str = "pingpong"
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"Config.backend must be one of {BACKENDS}, got {self.backend!r}")
+        choices = {
+            "backend": BACKENDS, "split_merge": SPLIT_MERGES, "fwd_persistent": FWD_PERSISTENT,
+            "fwd_schedule": FWD_SCHEDULES, "attn_dist_split": ATTN_DIST_SPLITS, "fp8_producer": FP8_PRODUCERS,
+            "bwd_dkv_backend": BACKENDS,
+        }  # fmt: skip
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Config.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"Config.num_splits must be an int >= 0 (0: automatic), got {self.num_splits!r}")
         if (
@@ -100,22 +118,6 @@ class Config:
             or not (0 < self.split_fill <= 64)
         ):
             raise ValueError(f"Config.split_fill must be a number in (0, 64], got {self.split_fill!r}")
-        if self.split_merge not in SPLIT_MERGES:
-            raise ValueError(f"Config.split_merge must be one of {SPLIT_MERGES}, got {self.split_merge!r}")
-        if self.fwd_persistent not in FWD_PERSISTENT:
-            raise ValueError(
-                f"Config.fwd_persistent must be one of {FWD_PERSISTENT}, got {self.fwd_persistent!r}"
-            )
-        if self.bwd_dkv_backend not in BACKENDS:
-            raise ValueError(
-                f"Config.bwd_dkv_backend must be one of {BACKENDS}, got {self.bwd_dkv_backend!r}"
-            )
-        if self.attn_dist_split not in ATTN_DIST_SPLITS:
-            raise ValueError(
-                f"Config.attn_dist_split must be one of {ATTN_DIST_SPLITS}, got {self.attn_dist_split!r}"
-            )
-        if self.fp8_producer not in FP8_PRODUCERS:
-            raise ValueError(f"Config.fp8_producer must be one of {FP8_PRODUCERS}, got {self.fp8_producer!r}")
         for name in ("bwd_workspace_bytes", "bwd_deterministic_workspace_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

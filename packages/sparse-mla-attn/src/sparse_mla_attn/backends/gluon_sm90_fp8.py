@@ -225,10 +225,12 @@ if HAVE_GLUON:
         n_blocks,
         BLOCK_T: gl.constexpr,
         NUM_BUF: gl.constexpr,
+        L2_PREFETCH: gl.constexpr,
     ):
         """Producer warpgroup of the FP8 decode: gathers, stages and dequantizes block ``b`` into slot
         ``b % NUM_BUF`` (see the module docstring); ``full_bars[s]`` completes once per block (one arrive),
-        ``staged_bar`` once per block (128 deferred ``cp.async`` arrives)."""
+        ``staged_bar`` once per block (128 deferred ``cp.async`` arrives); ``L2_PREFETCH`` as
+        ``_fp8_reg_producer``'s (1 or 2)."""
         TOKEN_BYTES: gl.constexpr = 656
         D_NOPE: gl.constexpr = 512
         N_TILES: gl.constexpr = 4  # float32 scales per row, one per 128 latent channels
@@ -257,7 +259,12 @@ if HAVE_GLUON:
         offs_tp = gl.arange(0, BLOCK_T, layout=gl.BlockedLayout([1], [32], [4], [0]))
         idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
         idx_next_s = gl.load(idx_row + offs_ts, mask=offs_ts < n_t, other=-1)
-        _prefetch_block(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T)
+        if L2_PREFETCH == 1:
+            _prefetch_block(
+                KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
+            )
+        else:
+            _prefetch_lines(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T)
         for b in range(n_blocks):
             slot = b % NUM_BUF
             row, valid = _fp8_rows(idx_next, hi, kv_block_size, stride_kv_block, TOKEN_BYTES)
@@ -287,9 +294,14 @@ if HAVE_GLUON:
             )
             cp.mbarrier_arrive(staged_bar, increment_count=False)
             # While they land: the rows of the block after next into L2, so its gather does not wait on HBM.
-            _prefetch_block(
-                KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
-            )
+            if L2_PREFETCH == 1:
+                _prefetch_block(
+                    KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
+                )
+            else:
+                _prefetch_lines(
+                    KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T
+                )
             mbarrier.wait(staged_bar, b & 1)
 
             kn = kn_smem.index(slot)
@@ -481,7 +493,7 @@ if HAVE_GLUON:
         prefetch)."""
         if AHEAD == 0:
             _fp8_producer(kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV, kv_block_size,
-                          stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, 2)  # fmt: skip
+                          stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, 2, L2_PREFETCH)  # fmt: skip
         else:
             _fp8_reg_producer(kt0, kt1, kt2, kt3, kr_smem, full_bars, empty_bars, KV, kv_block_size, stride_kv_block,
                               idx_row, n_t, hi, n_blocks, BLOCK_T, 2, AHEAD, L2_PREFETCH)  # fmt: skip
@@ -979,7 +991,7 @@ if HAVE_GLUON:
 
 #: The producers (``Config.fp8_producer``): ``AHEAD`` (0: ``_fp8_producer``, which stages the block in
 #: shared memory; 2 or 4: ``_fp8_reg_producer``, tiles gathered that many tiles ahead into registers), its
-#: ``L2_PREFETCH`` (0, 1 or 2; the staged producer always prefetches with ``_prefetch_block``) and the
+#: ``L2_PREFETCH`` (0, 1 or 2; the staged producer 1 or 2) and the
 #: register split (``setmaxnreg``) of the warpgroups of 384 threads (504 per thread in all): the P·V
 #: consumer's and the producer's (the S + P·V consumer, the default partition, has the rest).
 FP8_PRODUCERS: dict[str, tuple[int, int, int, int]] = {
