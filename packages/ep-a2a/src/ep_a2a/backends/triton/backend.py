@@ -330,12 +330,14 @@ class TritonBackend(A2ABackend):
         self._combine_sightings: dict[tuple, int] = {}
         self._static: DispatchBuffers | None = None
         self._static_fp8: DispatchBuffers | None = None  # (packed FP8 rows: a graph of each may coexist)
-        self._init_plain_path()
+        self._init_eager_path()
 
-    def _init_plain_path(self) -> None:
-        """What :meth:`dispatch_plain` takes from the layer's checks and the workspaces instead of the
-        call's tensors (the parts of a speculative dispatch's graph key that the common case fixes)."""
+    def _init_eager_path(self) -> None:
+        """What the eager calls keep at hand: the mirror's view of ``info``, and what :meth:`dispatch_plain`
+        takes from the layer's checks and the workspaces instead of the call's tensors (the parts of a
+        speculative dispatch's graph key that the common case fixes)."""
         cfg, eng, rows = self.config, self.engine, self.workspaces.rows
+        self._mirror_info = self._mirror_np[:-1]
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._offsets_int32 = cfg.offset_dtype == torch.int32
         #: the common case goes through the speculative flow into the workspaces' rows
@@ -796,9 +798,9 @@ class TritonBackend(A2ABackend):
         return vals, npk
 
     def _read_mirror(self) -> np.ndarray:
-        """``info``'s values from the host mirror the row kernel's program 0 writes (polled, bounded: a
-        device-side wait runs out first and is reported through the error word). Raises as
-        :meth:`_read_info` does."""
+        """``info``'s values in the host mirror the row kernel's program 0 writes (polled, bounded: a
+        device-side wait runs out first and is reported through the error word); a view of the mirror,
+        valid until the next dispatch's launch. Raises as :meth:`_read_info` does."""
         m = self._mirror_np
         if m[-1] == 0:
             deadline = time.monotonic() + self._mirror_wait_s
@@ -816,9 +818,11 @@ class TritonBackend(A2ABackend):
                     raise EPTimeoutError(
                         self._mirror_lost, step="dispatch/counts", missing_ranks=[self.config.rank]
                     )
-        vals = m[:-1].copy()
-        self._raise_device_error_word(int(vals[1]))
-        self._raise_bad_ids(vals)
+        vals = self._mirror_info
+        if vals[1]:
+            self._raise_device_error_word(int(vals[1]))
+        if vals[-1]:
+            self._raise_bad_ids(vals)
         return vals
 
     def _fit_speculative_rows(
@@ -929,8 +933,10 @@ class TritonBackend(A2ABackend):
             # another combine of a dispatch already combined (as DeepEP reuses a handle): a device-side
             # barrier first, so that no peer is still reading the rows the last combine sent it
             self.engine.launch_barrier()
-        bound = state.remote is None and self._launch_combine_bound(
-            stream, input, state, exp_indices, n, out, graphs=reuse
+        bound = (
+            state.remote is None
+            and shape[0] > 0
+            and self._launch_combine_bound(stream, input, state, exp_indices, n, out, graphs=reuse)
         )
         if not bound:
             self.engine.launch_combine(
@@ -954,8 +960,8 @@ class TritonBackend(A2ABackend):
         (:meth:`.engine.TritonEPEngine.bind_combine`, bound after its launch through the specification
         left a plan), or with ``graphs`` (an exact-shape combine, never under a capture of the caller's)
         as a CUDA graph once the same addresses came a second time; ``False`` (nothing launched) where
-        there is none."""
-        if n == 0 or y.shape[0] == 0 or _launch_hooks_set():
+        there is none. ``y``: rows ``hidden`` wide, at least one."""
+        if n == 0 or _launch_hooks_set():
             return False
         n_src = state.n_src
         yp, ip, (tp, sp), dtype = y.data_ptr(), ids.data_ptr(), state.addresses, y.dtype
