@@ -71,8 +71,9 @@ class Config:
             refilled a whole block at a time. ``"common_max"``: the second warpgroup's softmax starts
             from the first's max, so the pair's products share one max (the first warpgroup rescales its
             P once for the second); the ring is refilled by half blocks as each half's last reader
-            releases it, and the first warpgroup issues the next block's ``q · k`` behind its last
-            product. Same results up to rounding.
+            releases it, the first warpgroup issues the next block's ``q · k`` behind its last
+            product, and the output goes out through shared memory in 16-byte stores. Same results up
+            to rounding.
         attn_dist_split: how the two consumer warpgroups of the Gluon ``attn_dist`` (sm_90) share a token
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
