@@ -149,14 +149,17 @@ def bench_torch_baseline(s_q: int, h_q: int, s_kv: int, topk: int) -> dict:
 
 
 #: The forward variants of ``python bench_forward.py``: the default, the Gluon kernel forced persistent
-#: (``on``) or not (``off``), and each with ``Config(fwd_schedule="common_max")``.
+#: (``on``), not (``off``) or one program per item (``per_item``), and each with
+#: ``Config(fwd_schedule="common_max")``.
 FWD_VARIANTS = {
     "default": Config(),
     "persistent on": Config(fwd_persistent="on"),
     "persistent off": Config(fwd_persistent="off"),
+    "per_item": Config(fwd_persistent="per_item"),
     "common_max": Config(fwd_schedule="common_max"),
     "common_max on": Config(fwd_schedule="common_max", fwd_persistent="on"),
     "common_max off": Config(fwd_schedule="common_max", fwd_persistent="off"),
+    "common_max per_item": Config(fwd_schedule="common_max", fwd_persistent="per_item"),
 }
 #: The attn_dist variants of ``python bench_forward.py`` (name, config, up to which h_q it applies).
 ATTN_DIST_VARIANTS = [("default", Config(), 128), ("cols", Config(attn_dist_split="cols"), 64)]

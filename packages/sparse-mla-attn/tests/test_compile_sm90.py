@@ -142,6 +142,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         # The Gluon forward is persistent by default above 64 heads (fwd_h128_gluon); each mode forced.
         "fwd_h128_not_persistent": lambda: fwd(128, 576, "auto", fwd_persistent="off"),
         "fwd_h64_extras_persistent": lambda: fwd(64, 576, "auto", True, fwd_persistent="on"),
+        "fwd_h64_per_item": lambda: fwd(64, 576, "auto", fwd_persistent="per_item"),
         "fwd_h128_d512_persistent_split2": lambda: fwd(
             128, 512, gluon_backend, True, num_splits=2, fwd_persistent="on"
         ),

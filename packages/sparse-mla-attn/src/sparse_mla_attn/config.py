@@ -8,7 +8,7 @@ from dataclasses import dataclass
 BACKENDS = ("auto", "gluon", "triton")
 SPLIT_MERGES = ("auto", "last_program", "kernel")
 ATTN_DIST_SPLITS = ("blocks", "cols")
-FWD_PERSISTENT = ("auto", "on", "off")
+FWD_PERSISTENT = ("auto", "on", "off", "per_item")
 FP8_PRODUCERS = ("staged", "registers", "registers_half")
 FWD_SCHEDULES = ("pingpong", "common_max")
 
@@ -54,7 +54,9 @@ class Config:
             stores overlap its neighbours' work. ``"on"``, ``"off"`` (one program per item), or
             ``"auto"`` (default): persistent where a token has more than one head tile (``h_q > 64``),
             and with one head tile where the KV rows (``2 * s_kv * d_qk`` bytes) fit in half of the GPU's
-            L2 cache (up to about 22K rows of 576 on an H100 / H200).
+            L2 cache (up to about 22K rows of 576 on an H100 / H200). ``"per_item"``: the persistent
+            kernel launched with one program per item, which the GPU schedules as they finish; each
+            program's query load overlaps its first gathers (with ``"off"`` the query is loaded first).
         bwd_dkv_backend: kernel of :func:`~sparse_mla_attn.sparse_mla_bwd`'s ``dkv`` products up to 128
             heads (above, the main kernel forms them). ``"auto"`` (default): a warp-specialised Gluon
             kernel on an sm_90 GPU where :func:`gluon_supported` holds and the shape suits it (``d_v`` and
@@ -69,8 +71,9 @@ class Config:
             refilled a whole block at a time. ``"common_max"``: the second warpgroup's softmax starts
             from the first's max, so the pair's products share one max (the first warpgroup rescales its
             P once for the second); the ring is refilled by half blocks as each half's last reader
-            releases it, and the first warpgroup issues the next block's ``q · k`` behind its last
-            product. Same results up to rounding.
+            releases it, the first warpgroup issues the next block's ``q · k`` behind its last
+            product, and the output goes out through shared memory in 16-byte stores. Same results up
+            to rounding.
         attn_dist_split: how the two consumer warpgroups of the Gluon ``attn_dist`` (sm_90) share a token
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes

@@ -799,12 +799,17 @@ def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> Fw
     dims = plan.dims
     kv_in_l2 = 2 * dims.s_kv * dims.d_qk * 2 <= l2_cache_bytes(device)  # bf16 / fp16 rows
     persistent = mode == "on" or (mode == "auto" and (dims.h_q > 64 or kv_in_l2))
+    # "per_item": the persistent kernel with no cap on its grid (one program per item).
+    programs = num_sms(device) if persistent else PER_ITEM_PROGRAMS if mode == "per_item" else 0
     plan.gluon_options = {
-        "persistent_programs": num_sms(device) if persistent else 0,
+        "persistent_programs": programs,
         "common_max": config.fwd_schedule == "common_max",
     }
     return plan
 
+
+#: ``launch_fwd_gluon``'s ``persistent_programs`` of ``Config(fwd_persistent="per_item")``: above any grid.
+PER_ITEM_PROGRAMS = 1 << 31
 
 _PLANS: dict[Any, FwdPlan] = {}
 

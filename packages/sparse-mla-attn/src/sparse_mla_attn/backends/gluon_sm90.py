@@ -378,11 +378,20 @@ if HAVE_GLUON:
             lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
             gl.store(LSE + lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
             gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * to_out, mask=hs_ok)
-        out = acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]
-        offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
-        offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
+        out = (acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]).to(OUT.dtype.element_ty)
+        if COMMON_MAX and not SPLIT_K:
+            # Through this warpgroup's channels of the (spent) query tile, for 16-byte coalesced stores.
+            o_smem = smem.qn.index(0).slice(WG * D_HALF, D_HALF, dim=1)
+            o_smem.store(out)
+            st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            out = o_smem.load(st_l)
+            offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, st_l))
+            offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, st_l))
+        else:
+            offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+            offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
         o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
-        gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
+        gl.store(o_ptr, out, mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
 
     @gluon.jit
     def _cm_qk(smem, slot, z, s, C0: gl.constexpr, N: gl.constexpr, FIRST: gl.constexpr, ROPE: gl.constexpr):
@@ -761,11 +770,15 @@ if HAVE_GLUON:
         it = gl.program_id(0) * 0
         for item in range(gl.program_id(0), items.n_items, gl.num_programs(0)):
             pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = items.get(item)
+            if COMMON_MAX:
+                # The previous item's outputs went out through the query tile: both warpgroups done.
+                mbarrier.arrive(q_bar)
+                mbarrier.wait(q_bar, 0)
             _load_q_rows(
                 WG, smem.qn, smem.qr, Q, stride_q_s, stride_q_h, pid_s, h0, items.h_q, D_NOPE, D_ROPE
             )
             mbarrier.arrive(q_bar)
-            mbarrier.wait(q_bar, it & 1)
+            mbarrier.wait(q_bar, 1 if COMMON_MAX else it & 1)
             fence_async_shared()  # the query tile, before wgmma reads it
             _pp_consumer(
                 WG, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, items.h_q, h0, n_t, hi,
