@@ -339,16 +339,16 @@ class EPLayer:
             return False
         if cuda < 0:
             return False  # (a layer of CPU tensors: checked one by one)
-        shape = input.shape
+        shape, slots = input.shape, exp_indices.shape
         return (
             len(shape) == 2
             and shape[1] == cfg.hidden
             and shape[0] <= cfg.max_tokens
-            and input.dtype == cfg.token_dtype
+            and input.dtype is cfg.token_dtype  # (dtypes are singletons)
             and exp_indices.dtype in (self._ids_as_is if dense else (torch.int64, torch.int32))
-            and weight.dtype == cfg.weight_dtype
-            and exp_indices.shape == (shape[0], cfg.topk)
-            and weight.shape == (shape[0], cfg.topk)
+            and weight.dtype is cfg.weight_dtype
+            and slots == (shape[0], cfg.topk)
+            and weight.shape == slots
             and input.get_device() == cuda
             and exp_indices.get_device() == cuda
             and weight.get_device() == cuda

@@ -536,7 +536,8 @@ class TritonBackend(A2ABackend):
         assert bufs.out is not None
         assert bufs.out_w is not None
         assert bufs.out_e is not None
-        return self._result(call, (bufs.out, bufs.out_w, bufs.out_e), ws, vals, rows, rb, npk)
+        desc = self._descriptor(call.n, call.exp_indices, call.caller, ws, rb, npk)
+        return self._result(desc, (bufs.out, bufs.out_w, bufs.out_e), call.has_w, ws, vals, rows)
 
     def _dispatch_speculative(
         self, board_call: int, input: Tensor | QuantizeOnSend, exp_indices: Tensor, weight: Tensor | None,
@@ -585,6 +586,7 @@ class TritonBackend(A2ABackend):
             self._guard_protocol(lambda: self.board.check(board_call, "dispatch"))
         speculate = not self.overlap_exact
         self.speculative_calls += speculate
+        desc = self._descriptor(n, exp_indices, full_scatter_indices is not None, ws)
         vals = self._read_mirror() if mirror is not None else self._read_info(ws.info)[0]
         rows = int(vals[0])
         if speculate:
@@ -596,13 +598,12 @@ class TritonBackend(A2ABackend):
                 assert bufs.out is not None
                 assert bufs.out_w is not None
                 assert bufs.out_e is not None
-                return self._result(call, (bufs.out, bufs.out_w, bufs.out_e), ws, vals, rows, None, None)
+                return self._result(
+                    desc, (bufs.out, bufs.out_w, bufs.out_e), weight is not None, ws, vals, rows
+                )
         w_rows, e_rows, ring_rows = ws.first_rows(rows)
         out = ring_rows if ring_rows is not None and out is ws.out else out[:rows]
-        return self._result(
-            (n, exp_indices, full_scatter_indices is not None, weight is not None),
-            (out, w_rows, e_rows), ws, vals, rows, None, None,
-        )  # fmt: skip
+        return self._result(desc, (out, w_rows, e_rows), weight is not None, ws, vals, rows)
 
     def _plain_key(self, ws: DispatchWorkspace) -> tuple:
         """The part of the graph key of a common-case call into ``ws`` that does not come from the call
@@ -734,40 +735,26 @@ class TritonBackend(A2ABackend):
 
         return self._capture(bind, launch, ws.graphs, at)
 
-    def _result(
-        self,
-        call: _Call | tuple[int, Tensor, bool, bool],
-        outs: tuple[Tensor, Tensor, Tensor],
-        ws: DispatchWorkspace,
-        vals: np.ndarray,
-        rows: int,
-        rb: dict[str, torch.Tensor] | None,
-        npk: list[int] | None,
-    ) -> DispatchResult:
-        """``(output, weights, descriptor)`` of an exact-shape dispatch whose counts (``vals``: ``info``'s
-        values, or at least its first ``2 + 2 * W``) are in; ``call``: its :class:`_Call` or ``(n,
-        exp_indices, caller_scatter, has_w)``; ``outs``: its rows, their weights and local experts, of
-        exactly ``rows`` rows (the weights: one element without weights)."""
+    def _descriptor(
+        self, n: int, exp_indices: Tensor, caller: bool, ws: DispatchWorkspace,
+        rb: dict[str, torch.Tensor] | None = None, npk: list[int] | None = None,
+    ) -> EPAllToAllLayoutDesc:  # fmt: skip
+        """The descriptor of an exact-shape dispatch of ``n`` tokens into ``ws`` but what its counts
+        decide (``num_recv_rows``, ``recv_expert_indices``; the host counts): :meth:`_result` completes
+        it. Built while the GPU works out the counts."""
         W = self.config.world_size
-        out, out_w, out_e = outs
-        n, exp_indices, caller, has_w = (
-            (call.n, call.exp_indices, call.caller, call.has_w) if isinstance(call, _Call) else call
-        )
-        self._combine_allowed = True
-        ws.host_counts_np[:] = vals[2 : 2 + 2 * W]
-        scat = ws.scat if self._offsets_int32 else ws.scat.to(self.config.offset_dtype)
-        desc = EPAllToAllLayoutDesc(
+        return EPAllToAllLayoutDesc(
             num_dispatch_token_cur_rank=n,
             num_input_tokens_per_rank=ws.n_in_host,
             send_reqs_recv_tensor=None,
             topk_indices_tensor=exp_indices,
-            token_dst_scatter_idx=scat,
+            token_dst_scatter_idx=ws.scat if self._offsets_int32 else ws.scat.to(self.config.offset_dtype),
             skipped_token_mapping_indices=None,
             skipped_token_topk_mapping_indices=ws.skip,
             num_recv_tokens_per_expert=ws.rows_exp,
             num_recv_tokens_per_rank=ws.n_recv_host,
-            num_recv_rows=rows,
-            recv_expert_indices=out_e,
+            num_recv_rows=0,
+            recv_expert_indices=ws.out_e,
             caller_scatter=caller,
             backend_state=ws.state
             if rb is None
@@ -779,6 +766,24 @@ class TritonBackend(A2ABackend):
                 npk_recv=npk[W:] if npk is not None else None,
             ),
         )
+
+    def _result(
+        self,
+        desc: EPAllToAllLayoutDesc,
+        outs: tuple[Tensor, Tensor, Tensor],
+        has_w: bool,
+        ws: DispatchWorkspace,
+        vals: np.ndarray,
+        rows: int,
+    ) -> DispatchResult:
+        """``(output, weights, descriptor)`` of an exact-shape dispatch into ``ws`` whose counts are in
+        (``vals``: ``info``'s values, or at least its first ``2 + 2 * W``), ``desc`` completed
+        (:meth:`_descriptor`); ``outs``: its rows, their weights and local experts, of exactly ``rows``
+        rows (the weights: one element without weights)."""
+        out, out_w, out_e = outs
+        self._combine_allowed = True
+        ws.host_counts_np[:] = vals[2 : 2 + 2 * self.config.world_size]
+        desc.num_recv_rows, desc.recv_expert_indices = rows, out_e
         return out, (out_w if has_w else None), desc
 
     def _workspace(self, n: int) -> DispatchWorkspace:
