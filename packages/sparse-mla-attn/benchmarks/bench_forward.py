@@ -5,10 +5,9 @@ FLOPs are counted as FlashMLA counts them: ``2 * s_q * h_q * topk * (d_qk + d_v)
 
 ``python bench_forward.py [--flashmla PATH] [--quick]`` prints, without writing a file, the forward at
 FlashMLA's shape (s_q 4096, topk 2048, h_q 128 / 64, s_kv 8K / 32K / 128K) with the default sm_90 Gluon
-kernel and with ``Config.fwd_persistent`` forced on and off, each also with ``Config(fwd_schedule="common_max")``,
-beside FlashMLA's ``flash_mla_sparse_fwd`` on the
+kernel and with ``Config.fwd_persistent`` forced on and off, beside FlashMLA's ``flash_mla_sparse_fwd`` on the
 same inputs, and ``attn_dist`` with each ``Config.attn_dist_split`` as a fraction of the fastest
-forward's time; about two and a half minutes on an H200.
+forward's time; about a minute and a half on an H200.
 """
 
 from __future__ import annotations
@@ -148,18 +147,12 @@ def bench_torch_baseline(s_q: int, h_q: int, s_kv: int, topk: int) -> dict:
             "ms": ms, "tflops": fwd_flops(s_q, h_q, topk) / ms / 1e9}  # fmt: skip
 
 
-#: The forward variants of ``python bench_forward.py``: the default, the Gluon kernel forced persistent
-#: (``on``), not (``off``) or one program per item (``per_item``), and each with
-#: ``Config(fwd_schedule="common_max")``.
+#: The forward variants of ``python bench_forward.py``: the default and the Gluon kernel forced persistent
+#: (``on``) or not (``off``).
 FWD_VARIANTS = {
     "default": Config(),
     "persistent on": Config(fwd_persistent="on"),
     "persistent off": Config(fwd_persistent="off"),
-    "per_item": Config(fwd_persistent="per_item"),
-    "common_max": Config(fwd_schedule="common_max"),
-    "common_max on": Config(fwd_schedule="common_max", fwd_persistent="on"),
-    "common_max off": Config(fwd_schedule="common_max", fwd_persistent="off"),
-    "common_max per_item": Config(fwd_schedule="common_max", fwd_persistent="per_item"),
 }
 #: The attn_dist variants of ``python bench_forward.py`` (name, config, up to which h_q it applies).
 ATTN_DIST_VARIANTS = [("default", Config(), 128), ("cols", Config(attn_dist_split="cols"), 64)]
