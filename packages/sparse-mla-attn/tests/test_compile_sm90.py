@@ -140,18 +140,8 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         # The Gluon forward is persistent by default above 64 heads (fwd_h128_gluon); each mode forced.
         "fwd_h128_not_persistent": lambda: fwd(128, 576, "auto", fwd_persistent="off"),
         "fwd_h64_extras_persistent": lambda: fwd(64, 576, "auto", True, fwd_persistent="on"),
-        "fwd_h64_per_item": lambda: fwd(64, 576, "auto", fwd_persistent="per_item"),
         "fwd_h128_d512_persistent_split2": lambda: fwd(
             128, 512, gluon_backend, True, num_splits=2, fwd_persistent="on"
-        ),
-        # The forward's one-max-per-pair schedule (Config.fwd_schedule), each form.
-        "fwd_h128_common_max": lambda: fwd(128, 576, "auto", fwd_schedule="common_max"),
-        "fwd_h64_extras_common_max": lambda: fwd(64, 576, "auto", True, fwd_schedule="common_max"),
-        "fwd_h64_common_max_persistent": lambda: fwd(
-            64, 576, "auto", fwd_schedule="common_max", fwd_persistent="on"
-        ),
-        "fwd_h128_d512_common_max_split2": lambda: fwd(
-            128, 512, gluon_backend, True, num_splits=2, fwd_schedule="common_max"
         ),
         # Split-K decode, merged by the last split program (eager) or by a merge kernel (graph capture).
         "dec_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program"),

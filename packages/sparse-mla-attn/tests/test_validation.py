@@ -121,7 +121,6 @@ def test_checks_are_cached_per_call_signature_only():
     ("fields", "match"),
     [
         pytest.param({"fwd_persistent": True}, "Config.fwd_persistent must be one of", id="persistent-bool"),
-        pytest.param({"fwd_schedule": "fast"}, "Config.fwd_schedule must be one of", id="schedule-unknown"),
         pytest.param({"attn_dist_split": "heads"}, "Config.attn_dist_split must be one of", id="ad-split"),
     ],
 )
