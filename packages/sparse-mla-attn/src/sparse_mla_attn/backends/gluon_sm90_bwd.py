@@ -1,6 +1,6 @@
 """The backward's ``dkv`` products on Hopper (sm_90), written in Gluon (see ``gluon_sm90`` for why Gluon).
 
-For one token ``s`` and a block of ``64 * N_WG`` of its (sorted) top-k slots, with all of its heads::
+For one token ``s`` and a block of ``64 * N_WG * SUB`` of its (sorted) top-k slots, with all of its heads::
 
     dkv[idx[s, t], c] += sum_h dS[s, h, t] * q[s, h, c] + P[s, h, t] * dout[s, h, c]
 
@@ -8,10 +8,11 @@ For one token ``s`` and a block of ``64 * N_WG`` of its (sorted) top-k slots, wi
 workspaces ``[s, h, t]``; the products run on the tensor cores with ``dS`` / ``P`` as the A operand read
 transposed from shared memory. The kernel is warp specialised: a producer warpgroup copies the token's
 ``dS`` / ``P`` columns once and then streams the token's ``q`` / ``dout`` channel chunks through a ring of
-shared-memory slots, and ``N_WG`` consumer warpgroups (64 slots each, all reading the same chunk) issue
-the products of chunk ``c + 1`` before adding chunk ``c``'s fp32 results into ``dkv`` with vector atomics
-(or, in the deterministic mode, storing them to the per-(token, slot) workspace), so the atomics overlap
-the tensor cores and each chunk of ``q`` / ``dout`` is read once per ``64 * N_WG`` slots.
+shared-memory slots, and ``N_WG`` consumer warpgroups (``SUB`` tiles of 64 slots each, all reading the same
+chunk) issue the products of chunk ``c + 1`` before adding chunk ``c``'s fp32 results into ``dkv`` with
+vector atomics (or, in the deterministic mode, storing them to the per-(token, slot) workspace), so the
+atomics overlap the tensor cores and each chunk of ``q`` / ``dout`` is read once per ``64 * N_WG * SUB``
+slots. Optionally persistent (two ``dS`` / ``P`` buffers: the next work item's copy overlaps this one).
 """
 
 from __future__ import annotations
