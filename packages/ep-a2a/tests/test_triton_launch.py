@@ -555,7 +555,7 @@ def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, rin
     be.speculative_calls = be.speculative_overflows = 0
     be._op, be._combine_allowed = (-1, ""), False
     be.board = SimpleNamespace(publish=lambda op: 0, check=lambda call, op: True, peers={0: None})
-    be._init_plain_path()
+    be._init_eager_path()
     return be, np.asarray(vals)
 
 

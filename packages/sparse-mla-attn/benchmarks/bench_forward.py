@@ -13,6 +13,7 @@ forward's time; about a minute and a half on an H200.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import torch
@@ -94,33 +95,50 @@ def _config_label(config: Config | None) -> str | None:
     return ", ".join(f"{k}={v}" for k, v in vars(config).items() if getattr(Config(), k) != v)
 
 
+#: Timing rounds of a forward row: the kernel (and FlashMLA's, when given) timed in turns, medians kept, so
+#: that both see the same clock and power states of the GPU.
+FWD_ROUNDS = 3
+
+
 def bench_fwd(
     s_q: int, h_q: int, s_kv: int, topk: int, *, config: Config | None = None, flashmla: Any = None
 ) -> dict:
     """One forward row: time, TFLOPS, kernel family, max error of the first 32 queries against the float32
-    reference, and FlashMLA's time on the same inputs when its module is given."""
+    reference, and FlashMLA's time on the same inputs when its module is given (the two timed in
+    ``FWD_ROUNDS`` alternating rounds; each time is the median of its rounds, all of them recorded)."""
     q, kv, idx = make_inputs(s_q, h_q, s_kv, topk)
     sm_scale = 1 / math.sqrt(D_QK)
     run = lambda: sparse_mla_fwd(q, kv, idx, sm_scale, config=config)
     out, _, lse = run()
     launch = last_launch("fwd")
     r_out, _, r_lse = sparse_mla_fwd_ref(q[:32].float(), kv.float(), idx[:32], sm_scale)
-    ms = time_ms(run)
-    row: dict[str, Any] = {
-        "op": "fwd", "s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": topk, "config": _config_label(config),
-        "backend": launch.backend if launch else None, "ms": ms, "tflops": fwd_flops(s_q, h_q, topk) / ms / 1e9,
-        "out_max_abs_err": float((out[:32].float() - r_out).abs().max()),
-        "lse_max_abs_err": float((lse[:32] - r_lse).abs().max()),
-    }  # fmt: skip
+    fm = None
     if flashmla is not None:
         fm = lambda: flashmla.flash_mla_sparse_fwd(q, kv, idx, sm_scale, D_V)
         try:
             fm_out = fm()[0]
         except Exception as exc:  # a shape FlashMLA does not support: recorded, not fatal
-            row["flashmla_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            return row
+            fm_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            fm = None
+    rounds: list[float] = []
+    fm_rounds: list[float] = []
+    for _ in range(FWD_ROUNDS):
+        rounds.append(time_ms(run))
+        if fm is not None:
+            fm_rounds.append(time_ms(fm))
+    ms = statistics.median(rounds)
+    row: dict[str, Any] = {
+        "op": "fwd", "s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": topk, "config": _config_label(config),
+        "backend": launch.backend if launch else None, "ms": ms, "tflops": fwd_flops(s_q, h_q, topk) / ms / 1e9,
+        "out_max_abs_err": float((out[:32].float() - r_out).abs().max()),
+        "lse_max_abs_err": float((lse[:32] - r_lse).abs().max()), "ms_rounds": rounds,
+    }  # fmt: skip
+    if flashmla is not None and fm is None:
+        row["flashmla_error"] = fm_error
+    elif fm is not None:
         row["flashmla_out_max_abs_err"] = float((fm_out[:32].float() - r_out).abs().max())
-        row["flashmla_ms"] = time_ms(fm)
+        row["flashmla_ms"] = statistics.median(fm_rounds)
+        row["flashmla_ms_rounds"] = fm_rounds
         row["flashmla_tflops"] = fwd_flops(s_q, h_q, topk) / row["flashmla_ms"] / 1e9
     return row
 

@@ -531,14 +531,17 @@ class EPLayer:
             raise ValueError(f"ep_a2a_layout_desc was produced by a different {type(self).__name__}")
         if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
             raise TypeError(f"input must be a floating tensor, got {getattr(input, 'dtype', type(input))}")
-        plain = (
-            self._cuda_index >= 0
-            and input.is_cuda
-            and input.get_device() == self._cuda_index
+        cuda = self._cuda_index
+        if (
+            cuda >= 0
+            and input.get_device() == cuda
             and input.shape == (desc.num_recv_rows, self.config.hidden)
-        )
-        if not plain:  # (the common case above in one pass; else one check at a time, with messages)
-            self._check_tensor("input", input, (desc.num_recv_rows, self.config.hidden), None)
+            and input.is_contiguous()
+            and not (input.requires_grad and torch.is_grad_enabled())
+        ):  # (the common case, checked in one pass)
+            return self.ctx.backend.combine(input, desc)
+        # (else one check at a time, with messages)
+        self._check_tensor("input", input, (desc.num_recv_rows, self.config.hidden), None)
         x = _dense(input)
         if x.requires_grad and torch.is_grad_enabled():
             return combine_with_grad(self.ctx.backend, x, desc)

@@ -90,8 +90,13 @@ class Config:
     bwd_dkv_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"Config.backend must be one of {BACKENDS}, got {self.backend!r}")
+        choices = {
+            "backend": BACKENDS, "split_merge": SPLIT_MERGES, "fwd_persistent": FWD_PERSISTENT,
+            "attn_dist_split": ATTN_DIST_SPLITS, "fp8_producer": FP8_PRODUCERS, "bwd_dkv_backend": BACKENDS,
+        }  # fmt: skip
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Config.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"Config.num_splits must be an int >= 0 (0: automatic), got {self.num_splits!r}")
         if (
@@ -100,22 +105,6 @@ class Config:
             or not (0 < self.split_fill <= 64)
         ):
             raise ValueError(f"Config.split_fill must be a number in (0, 64], got {self.split_fill!r}")
-        if self.split_merge not in SPLIT_MERGES:
-            raise ValueError(f"Config.split_merge must be one of {SPLIT_MERGES}, got {self.split_merge!r}")
-        if self.fwd_persistent not in FWD_PERSISTENT:
-            raise ValueError(
-                f"Config.fwd_persistent must be one of {FWD_PERSISTENT}, got {self.fwd_persistent!r}"
-            )
-        if self.bwd_dkv_backend not in BACKENDS:
-            raise ValueError(
-                f"Config.bwd_dkv_backend must be one of {BACKENDS}, got {self.bwd_dkv_backend!r}"
-            )
-        if self.attn_dist_split not in ATTN_DIST_SPLITS:
-            raise ValueError(
-                f"Config.attn_dist_split must be one of {ATTN_DIST_SPLITS}, got {self.attn_dist_split!r}"
-            )
-        if self.fp8_producer not in FP8_PRODUCERS:
-            raise ValueError(f"Config.fp8_producer must be one of {FP8_PRODUCERS}, got {self.fp8_producer!r}")
         for name in ("bwd_workspace_bytes", "bwd_deterministic_workspace_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

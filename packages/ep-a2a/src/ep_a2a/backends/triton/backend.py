@@ -330,12 +330,14 @@ class TritonBackend(A2ABackend):
         self._combine_sightings: dict[tuple, int] = {}
         self._static: DispatchBuffers | None = None
         self._static_fp8: DispatchBuffers | None = None  # (packed FP8 rows: a graph of each may coexist)
-        self._init_plain_path()
+        self._init_eager_path()
 
-    def _init_plain_path(self) -> None:
-        """What :meth:`dispatch_plain` takes from the layer's checks and the workspaces instead of the
-        call's tensors (the parts of a speculative dispatch's graph key that the common case fixes)."""
+    def _init_eager_path(self) -> None:
+        """What the eager calls keep at hand: the mirror's view of ``info``, and what :meth:`dispatch_plain`
+        takes from the layer's checks and the workspaces instead of the call's tensors (the parts of a
+        speculative dispatch's graph key that the common case fixes)."""
         cfg, eng, rows = self.config, self.engine, self.workspaces.rows
+        self._mirror_info = self._mirror_np[:-1]
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._offsets_int32 = cfg.offset_dtype == torch.int32
         #: the common case goes through the speculative flow into the workspaces' rows
@@ -346,9 +348,11 @@ class TritonBackend(A2ABackend):
             and rows is not None
             and rows[:2] == (cfg.token_dtype, cfg.hidden)
         )
-        self._pos_ptr = eng.pos.data_ptr()
-        self._plain_variant = (cfg.token_dtype, cfg.hidden)
-        self._plain_tail = (cfg.weight_dtype, eng.pos.dtype, rows[0], rows[2]) if rows is not None else ()
+        #: the part of a common-case call's graph key that the layer's checks fix, after the slot
+        #: positions' address and the workspace's rows' (:meth:`_plain_key`)
+        self._plain_variant: tuple = (False, cfg.token_dtype, cfg.hidden, cfg.weight_dtype, eng.pos.dtype)
+        if rows is not None:
+            self._plain_variant += (rows[0], rows[2])
 
     def _ring_rows(self) -> tuple[torch.dtype, int, int] | None:
         """The rows each workspace holds: the worst case of the layer's rows when the speculative flow
@@ -558,11 +562,9 @@ class TritonBackend(A2ABackend):
             self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
         graph = None
         if plain and self.eager_graphs and n:
-            # (the key _launch_merged_bound builds, from what the layer checked and the workspace)
-            graph = ws.graphs.get((
-                input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), self._pos_ptr, n, ws.out_ptr,  # type: ignore[union-attr]
-                False, *self._plain_variant, exp_indices.dtype, *self._plain_tail,
-            ))  # fmt: skip
+            # (the key _launch_merged_bound builds: the call's part, then the part the layer's checks fix)
+            at = (input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), n, exp_indices.dtype)  # type: ignore[union-attr]
+            graph = ws.graphs.get(at + (ws.plain_key or self._plain_key(ws)))
         if graph is not None:
             graph.launch(stream)
             eng.merged_replayed()
@@ -602,6 +604,13 @@ class TritonBackend(A2ABackend):
             (out, w_rows, e_rows), ws, vals, rows, None, None,
         )  # fmt: skip
 
+    def _plain_key(self, ws: DispatchWorkspace) -> tuple:
+        """The part of the graph key of a common-case call into ``ws`` that does not come from the call
+        (kept in ``ws.plain_key``): what :meth:`_launch_merged_bound` reads from the scatter source
+        (the slot positions), the rows (the workspace's) and the tensors the layer checked."""
+        ws.plain_key = (self.engine.pos.data_ptr(), ws.out_ptr, *self._plain_variant)
+        return ws.plain_key
+
     @staticmethod
     def _speculative_buffers(ws: DispatchWorkspace, out: Tensor) -> DispatchBuffers:
         """A speculative dispatch's outputs: the workspace's, with the rows ``out``."""
@@ -624,14 +633,16 @@ class TritonBackend(A2ABackend):
         xp, ip, sp = x.data_ptr(), ids.data_ptr(), src.data_ptr()
         wp = w.data_ptr() if w is not None else self._dummy_w_address
         n, width = x.shape
+        op = out.data_ptr()
         # what a graph bakes in: the addresses and token count (the alignments with them), the variant
+        # (first what the layer's common case takes from the call: dispatch_plain builds the rest)
         at = (
-            xp, ip, wp, sp, n, out.data_ptr(), caller, x.dtype, width, ids.dtype, None if w is None else w.dtype,
-            src.dtype, out.dtype, out.shape[0],
+            xp, ip, wp, n, ids.dtype, sp, op, caller, x.dtype, width, None if w is None else w.dtype, src.dtype,
+            out.dtype, out.shape[0],
         )  # fmt: skip
         graph = ws.graphs.get(at) if self.eager_graphs else None
         if graph is None:
-            key = (*at[6:], xp % 16, ip % 16, wp % 16, sp % 16)
+            key = (*at[7:], ids.dtype, xp % 16, ip % 16, wp % 16, sp % 16)
             launches = ws.bound.get(key)
             if launches is None:
                 launches = self.engine.bind_merged_dispatch(
@@ -642,9 +653,11 @@ class TritonBackend(A2ABackend):
                     return False
                 ws.bound[key] = launches
             if self.eager_graphs and self._graph_due(ws.graphs, ws.sightings, at):
-                graph = self._capture_merged(ws, at, out, mirror, (x, ids, w, src), caller)
+                graph = self._capture_merged(
+                    ws, at, (xp, ip, wp, sp, n, op), out, mirror, (x, ids, w, src), caller
+                )
             if graph is None:
-                self.engine.launch_merged_bound(launches, *at[:6])  # type: ignore[arg-type]
+                self.engine.launch_merged_bound(launches, xp, ip, wp, sp, n, op)  # type: ignore[arg-type]
                 return True
         graph.launch(stream)
         self.engine.merged_replayed()
@@ -701,13 +714,14 @@ class TritonBackend(A2ABackend):
         self,
         ws: DispatchWorkspace,
         at: tuple,
+        addresses: tuple[int, int, int, int, int, int],
         out: Tensor,
         mirror: Tensor,
         tensors: tuple[Tensor, Tensor, Tensor | None, Tensor],
         caller_scatter: bool,
     ) -> LaunchGraph | None:
-        """A CUDA graph of a speculative dispatch's two launches for the call ``at`` (the addresses and
-        token count :meth:`launch_merged_bound` takes, then the variant), kept in ``ws.graphs``."""
+        """A CUDA graph of a speculative dispatch's two launches for the call ``at`` (its key in
+        ``ws.graphs``) at ``addresses`` (what :meth:`launch_merged_bound` takes)."""
 
         def bind(stream: int) -> tuple[BoundLaunch, BoundLaunch] | None:
             buffers = self._speculative_buffers(ws, out)
@@ -716,7 +730,7 @@ class TritonBackend(A2ABackend):
             )
 
         def launch(launches: tuple[BoundLaunch, BoundLaunch]) -> None:
-            self.engine.launch_merged_bound(launches, *at[:6], capturing=True)
+            self.engine.launch_merged_bound(launches, *addresses, capturing=True)
 
         return self._capture(bind, launch, ws.graphs, at)
 
@@ -796,9 +810,9 @@ class TritonBackend(A2ABackend):
         return vals, npk
 
     def _read_mirror(self) -> np.ndarray:
-        """``info``'s values from the host mirror the row kernel's program 0 writes (polled, bounded: a
-        device-side wait runs out first and is reported through the error word). Raises as
-        :meth:`_read_info` does."""
+        """``info``'s values in the host mirror the row kernel's program 0 writes (polled, bounded: a
+        device-side wait runs out first and is reported through the error word); a view of the mirror,
+        valid until the next dispatch's launch. Raises as :meth:`_read_info` does."""
         m = self._mirror_np
         if m[-1] == 0:
             deadline = time.monotonic() + self._mirror_wait_s
@@ -816,9 +830,11 @@ class TritonBackend(A2ABackend):
                     raise EPTimeoutError(
                         self._mirror_lost, step="dispatch/counts", missing_ranks=[self.config.rank]
                     )
-        vals = m[:-1].copy()
-        self._raise_device_error_word(int(vals[1]))
-        self._raise_bad_ids(vals)
+        vals = self._mirror_info
+        if vals[1]:
+            self._raise_device_error_word(int(vals[1]))
+        if vals[-1]:
+            self._raise_bad_ids(vals)
         return vals
 
     def _fit_speculative_rows(
@@ -929,8 +945,10 @@ class TritonBackend(A2ABackend):
             # another combine of a dispatch already combined (as DeepEP reuses a handle): a device-side
             # barrier first, so that no peer is still reading the rows the last combine sent it
             self.engine.launch_barrier()
-        bound = state.remote is None and self._launch_combine_bound(
-            stream, input, state, exp_indices, n, out, graphs=reuse
+        bound = (
+            state.remote is None
+            and shape[0] > 0
+            and self._launch_combine_bound(stream, input, state, exp_indices, n, out, graphs=reuse)
         )
         if not bound:
             self.engine.launch_combine(
@@ -954,8 +972,8 @@ class TritonBackend(A2ABackend):
         (:meth:`.engine.TritonEPEngine.bind_combine`, bound after its launch through the specification
         left a plan), or with ``graphs`` (an exact-shape combine, never under a capture of the caller's)
         as a CUDA graph once the same addresses came a second time; ``False`` (nothing launched) where
-        there is none."""
-        if n == 0 or y.shape[0] == 0 or _launch_hooks_set():
+        there is none. ``y``: rows ``hidden`` wide, at least one."""
+        if n == 0 or _launch_hooks_set():
             return False
         n_src = state.n_src
         yp, ip, (tp, sp), dtype = y.data_ptr(), ids.data_ptr(), state.addresses, y.dtype

@@ -185,10 +185,10 @@ def _address(arg: object) -> object:
 def _launch_hooks_set() -> bool:
     """Whether a Triton launch hook is registered (a profiler's): launches then go through Triton."""
     runtime = _triton_knobs.runtime
-    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if enter is None and leave is None:  # (the common case first: one test)
+        return False
+    return any(hook is not None and getattr(hook, "calls", True) for hook in (enter, leave))
 
 
 class _DirectLaunch:

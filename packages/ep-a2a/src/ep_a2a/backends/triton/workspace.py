@@ -106,6 +106,7 @@ class DispatchWorkspace:
         state: the backend's record of this workspace that its descriptors carry (one object for
             every call, handed out and counted as the views are).
         bound: the launches bound to this workspace's tensors (filled by the backend).
+        plain_key: the part of a graph key fixed for this workspace (filled by the backend).
         graphs, sightings: CUDA graphs of those launches by the call's addresses, and how often each
             set of addresses came (filled by the backend).
     """
@@ -154,6 +155,7 @@ class DispatchWorkspace:
         self._out_rows = self.out[:0] if self.out is not None else self.out_e[:0]
         self.state = make_state(self) if make_state is not None else object()
         self.bound: dict[tuple, object] = {}
+        self.plain_key: tuple = ()
         #: CUDA graphs of dispatches into this workspace, by their inputs' addresses (the backend's),
         #: and how often each set of addresses was seen
         self.graphs: dict[tuple, LaunchGraph] = {}
@@ -202,7 +204,9 @@ class DispatchWorkspace:
     def idle(self) -> bool:
         """Whether nothing outside the ring refers to this workspace (it may be written again)."""
         if _storage_use_count is None or _storage_use_count(self._cdata) != self._idle[0]:
-            return False  # (the cheap test first: a held output or view of the buffer)
+            return False  # (the cheap tests first: a held output or view of the buffer, a held descriptor)
+        if sys.getrefcount(self.state) != self._idle[-1]:
+            return False
         return self._refs() == self._idle
 
 
