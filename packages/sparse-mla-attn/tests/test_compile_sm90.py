@@ -205,18 +205,6 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "bwd_h128_det_dkv_gluon": lambda: bwd_tiles(128, True, {"DKV_GLUON": gluon_forced}),
         "bwd_h64_causal_dkv_gluon": lambda: bwd_tiles(64, False, {"DKV_GLUON": gluon_forced}, causal=True),
         "bwd_h20_dkv_gluon": lambda: bwd_tiles(20, False, {"DKV_GLUON": gluon_forced}),
-        "bwd_h128_dkv_gluon_sub2_c32": lambda: bwd_tiles(
-            128, False, {"DKV_GLUON": gluon_forced, "SUB_G": 2, "BLOCK_C_G": 32}
-        ),
-        "bwd_h128_det_dkv_gluon_sub2_c32": lambda: bwd_tiles(
-            128, True, {"DKV_GLUON": gluon_forced, "SUB_G": 2, "BLOCK_C_G": 32}, causal=True
-        ),
-        "bwd_h128_dkv_gluon_persistent": lambda: bwd_tiles(
-            128, False, {"DKV_GLUON": gluon_forced, "PERSIST_G": 132, "NUM_BUF_G": 2}
-        ),
-        "bwd_h128_det_dkv_gluon_persistent": lambda: bwd_tiles(
-            128, True, {"DKV_GLUON": gluon_forced, "PERSIST_G": 132, "NUM_BUF_G": 2}, causal=True
-        ),
         "indexer": lambda: indexer(False),
         "indexer_causal": lambda: indexer(True),
     }
