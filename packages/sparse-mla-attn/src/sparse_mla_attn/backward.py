@@ -442,8 +442,9 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
                 "ROPE_IN_LOOP": int(h_q <= 128), "IDX_PREFETCH": int(h_q <= 128), **_DKV_GLUON_TILES}  # fmt: skip
     # h_q <= 128: each token's slots sorted by index. Main kernel: 64 heads x 256 slots (64 heads x 128 below
     # 33 heads), 64-channel chunks (the rope one last) four in flight, the next block's indices loaded ahead.
-    # dkv kernel: all heads x 64 slots, 4 warps, 112 KB of shared memory (two programs per SM), every channel
-    # in one launch, launched as (64 tokens, slot block, token): the programs in flight share a slot block,
+    # Triton dkv kernel (the Gluon one, _DKV_GLUON_TILES, on sm_90): all heads x 64 slots, 4 warps, 112 KB of
+    # shared memory (two programs per SM), every channel in one launch, launched as (64 tokens, slot block,
+    # token) (the Gluon kernel too, with 128-slot blocks): the programs in flight share a slot block,
     # so with sorted slots their atomics hit a narrow range of rows that stays in L2. The deterministic mode
     # writes a contiguous workspace instead: 128 slots / 8 warps. The fused kernel (h_q > 128): 64-head x
     # 128-slot blocks; deterministic two 64-head halves (N_SUB 2).
