@@ -9,7 +9,6 @@ BACKENDS = ("auto", "gluon", "triton")
 SPLIT_MERGES = ("auto", "last_program", "kernel")
 ATTN_DIST_SPLITS = ("blocks", "cols")
 FWD_PERSISTENT = ("auto", "on", "off")
-FP8_PRODUCERS = ("staged", "registers", "registers_half")
 
 
 @dataclass(frozen=True)
@@ -65,17 +64,10 @@ class Config:
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
             64 heads.
-        fp8_producer: how the producer warpgroup of the Gluon decode over an FP8 cache (sm_90) brings each
-            block of 64 cache rows into shared memory as bf16. ``"staged"`` (default): copies the block's
-            FP8 bytes into its bf16 slot (``cp.async``), waits for them, then dequantizes in place.
-            ``"registers"``: loads the latent bytes into registers a whole block ahead (16-byte loads, in
-            four 128-channel tiles) and dequantizes each tile from registers into the slot, so the next
-            block's loads are in flight while a block is dequantized; ``"registers_half"``: the same, two
-            tiles (half a block) ahead, with fewer registers. The results are the same bits.
 
     Raises:
-        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split``,
-            ``fp8_producer`` or ``bwd_dkv_backend``, ``num_splits < 0`` or a workspace cap below 1 byte.
+        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split`` or
+            ``bwd_dkv_backend``, ``num_splits < 0`` or a workspace cap below 1 byte.
     """
 
     backend: str = "auto"
@@ -86,13 +78,12 @@ class Config:
     bwd_deterministic_workspace_bytes: int = 4 << 30
     fwd_persistent: str = "auto"
     attn_dist_split: str = "blocks"
-    fp8_producer: str = "staged"
     bwd_dkv_backend: str = "auto"
 
     def __post_init__(self) -> None:
         choices = {
             "backend": BACKENDS, "split_merge": SPLIT_MERGES, "fwd_persistent": FWD_PERSISTENT,
-            "attn_dist_split": ATTN_DIST_SPLITS, "fp8_producer": FP8_PRODUCERS, "bwd_dkv_backend": BACKENDS,
+            "attn_dist_split": ATTN_DIST_SPLITS, "bwd_dkv_backend": BACKENDS,
         }  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

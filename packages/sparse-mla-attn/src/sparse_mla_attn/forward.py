@@ -612,7 +612,7 @@ def run_fwd(
             kernel = launch_decode_fp8_gluon(
                 q, kv_rows, idx, d_out, d_max, d_lse, dims, sm_scale * LOG2E, kv_paging=plan.kv_ints,
                 strides=(*plan.ints[:2], *plan.ints[3:6]), slots=slots, ctx=ctx,
-                splits=(plan.n_splits, plan.ints[10]), **plan.gluon_options,
+                splits=(plan.n_splits, plan.ints[10]),
             )  # fmt: skip
         else:
             kernel = launch_fwd_gluon(
