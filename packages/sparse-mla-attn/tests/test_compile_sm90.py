@@ -81,7 +81,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
 
     def decode(
         b: int, h_q: int, topk: int, backend: str, split_merge: str = "auto", *, fp8: bool = False,
-        rows: bool = False, s_q: int = 1, num_splits: int = 0, fp8_producer: str = "staged",
+        rows: bool = False, s_q: int = 1, num_splits: int = 0,
     ) -> None:  # fmt: skip
         q = torch.randn(b, s_q, h_q, 576).bfloat16()
         cache = torch.randn(8, 64, 1, 576).bfloat16()
@@ -90,9 +90,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         table = torch.zeros(b, 4, dtype=torch.int32)
         seqlens = torch.full((b,), 200, dtype=torch.int32)
         idx = torch.randint(0, 200, (b, s_q, topk), dtype=torch.int32)
-        cfg = sm.Config(
-            backend=backend, split_merge=split_merge, num_splits=num_splits, fp8_producer=fp8_producer
-        )
+        cfg = sm.Config(backend=backend, split_merge=split_merge, num_splits=num_splits)
         kw: dict[str, Any] = {"index_kind": "cache_rows"} if rows else {}
         sm.sparse_mla_decode(q, cache, table, seqlens, idx, 0.1, config=cfg, **kw)
 
@@ -142,18 +140,8 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         # The Gluon forward is persistent by default above 64 heads (fwd_h128_gluon); each mode forced.
         "fwd_h128_not_persistent": lambda: fwd(128, 576, "auto", fwd_persistent="off"),
         "fwd_h64_extras_persistent": lambda: fwd(64, 576, "auto", True, fwd_persistent="on"),
-        "fwd_h64_per_item": lambda: fwd(64, 576, "auto", fwd_persistent="per_item"),
         "fwd_h128_d512_persistent_split2": lambda: fwd(
             128, 512, gluon_backend, True, num_splits=2, fwd_persistent="on"
-        ),
-        # The forward's one-max-per-pair schedule (Config.fwd_schedule), each form.
-        "fwd_h128_common_max": lambda: fwd(128, 576, "auto", fwd_schedule="common_max"),
-        "fwd_h64_extras_common_max": lambda: fwd(64, 576, "auto", True, fwd_schedule="common_max"),
-        "fwd_h64_common_max_persistent": lambda: fwd(
-            64, 576, "auto", fwd_schedule="common_max", fwd_persistent="on"
-        ),
-        "fwd_h128_d512_common_max_split2": lambda: fwd(
-            128, 512, gluon_backend, True, num_splits=2, fwd_schedule="common_max"
         ),
         # Split-K decode, merged by the last split program (eager) or by a merge kernel (graph capture).
         "dec_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program"),
@@ -181,19 +169,6 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "dec_fp8_b64_s2_h128_gluon": lambda: decode(64, 128, 2048, gluon_backend, fp8=True, s_q=2),
         "dec_fp8_b64_h128_rows_gluon": lambda: decode(64, 128, 2048, gluon_backend, fp8=True, rows=True),
         "dec_fp8_b64_h64_gluon_split2": lambda: decode(64, 64, 2048, gluon_backend, fp8=True),
-        # Its producers that gather into registers (Config.fp8_producer), unsplit and split-K.
-        "dec_fp8_b64_h128_rows_gluon_registers": lambda: decode(
-            64, 128, 2048, gluon_backend, fp8=True, rows=True, fp8_producer="registers"
-        ),
-        "dec_fp8_b64_h64_gluon_split2_registers": lambda: decode(
-            64, 64, 2048, gluon_backend, fp8=True, fp8_producer="registers"
-        ),
-        "dec_fp8_b64_h128_rows_gluon_registers_half": lambda: decode(
-            64, 128, 2048, gluon_backend, fp8=True, rows=True, fp8_producer="registers_half"
-        ),
-        "dec_fp8_b64_h64_gluon_split2_registers_half": lambda: decode(
-            64, 64, 2048, gluon_backend, fp8=True, fp8_producer="registers_half"
-        ),
         "ad_h128_gluon": lambda: attn_dist(128, 256, "auto"),
         "ad_h128_triton": lambda: attn_dist(128, 256, "triton"),
         "ad_h64_gluon": lambda: attn_dist(64, 256, "auto"),
@@ -230,18 +205,6 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "bwd_h128_det_dkv_gluon": lambda: bwd_tiles(128, True, {"DKV_GLUON": gluon_forced}),
         "bwd_h64_causal_dkv_gluon": lambda: bwd_tiles(64, False, {"DKV_GLUON": gluon_forced}, causal=True),
         "bwd_h20_dkv_gluon": lambda: bwd_tiles(20, False, {"DKV_GLUON": gluon_forced}),
-        "bwd_h128_dkv_gluon_sub2_c32": lambda: bwd_tiles(
-            128, False, {"DKV_GLUON": gluon_forced, "SUB_G": 2, "BLOCK_C_G": 32}
-        ),
-        "bwd_h128_det_dkv_gluon_sub2_c32": lambda: bwd_tiles(
-            128, True, {"DKV_GLUON": gluon_forced, "SUB_G": 2, "BLOCK_C_G": 32}, causal=True
-        ),
-        "bwd_h128_dkv_gluon_persistent": lambda: bwd_tiles(
-            128, False, {"DKV_GLUON": gluon_forced, "PERSIST_G": 132, "NUM_BUF_G": 2}
-        ),
-        "bwd_h128_det_dkv_gluon_persistent": lambda: bwd_tiles(
-            128, True, {"DKV_GLUON": gluon_forced, "PERSIST_G": 132, "NUM_BUF_G": 2}, causal=True
-        ),
         "indexer": lambda: indexer(False),
         "indexer_causal": lambda: indexer(True),
     }

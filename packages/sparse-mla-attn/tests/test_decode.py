@@ -178,14 +178,14 @@ def test_decode_custom_op_fake_and_schema():
     args = paged_problem(2, 1, 4, 576, 8, (9, 3), 5, dev, seed=1)
     torch.library.opcheck(
         torch.ops.sparse_mla_attn.sparse_mla_decode.default,
-        (*args, 0.05, 512, "auto", 0, "auto", 1.0, "staged", "positions", float("-inf")),
+        (*args, 0.05, 512, "auto", 0, "auto", 1.0, "positions", float("-inf")),
         test_utils=("test_schema", "test_faketensor"),
     )
     q, cache, _, _, idx = args
     torch.library.opcheck(
         torch.ops.sparse_mla_attn.sparse_mla_decode.default,
         (q, quantize_fp8_kv_cache(cache.nan_to_num()).view(torch.uint8), None, None, idx, 0.05, 512, "auto", 0, "auto", 1.0,
-         "staged", "cache_rows", float("inf")),
+         "cache_rows", float("inf")),
         test_utils=("test_schema", "test_faketensor"),
     )  # fmt: skip
 
@@ -488,48 +488,6 @@ def test_decode_fp8_gluon_gpu(b, s_q, h_q, seqlen, topk, block_size, pad, n_spli
     assert last_launch("fwd").backend == "triton"
     torch.testing.assert_close(got[0], tri[0], atol=tol[0], rtol=tol[1])
     torch.testing.assert_close(got[1], tri[1], atol=2e-4, rtol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("producer", ["registers", "registers_half"])
-@pytest.mark.parametrize(
-    ("b", "s_q", "h_q", "seqlen", "topk", "block_size", "pad", "n_splits"),
-    [
-        pytest.param(4, 2, 128, 4096, 2048, 64, 1, 0, id="B4-S2-H128-T2048-padded"),
-        pytest.param(8, 1, 64, 4096, 2048, 64, 0, 0, id="B8-S1-H64-T2048"),
-        pytest.param(3, 1, 48, 700, 1000, 16, 3, 0, id="B3-S1-H48-T1000-bs16-padded"),
-        pytest.param(2, 2, 96, 300, 130, 64, 0, 0, id="B2-S2-H96-T130"),
-        pytest.param(5, 1, 128, 2000, 2048, 64, 0, 3, id="B5-S1-H128-T2048-splits3"),
-        pytest.param(2, 1, 64, 5000, 512, 32, 0, 2, id="B2-S1-H64-T512-bs32-splits2"),
-    ],
-)
-def test_decode_fp8_gluon_producers_gpu(producer, b, s_q, h_q, seqlen, topk, block_size, pad, n_splits):
-    """The Gluon FP8 decode's other producers (``Config.fp8_producer``) against the float32 reference of
-    the dequantized cache and bit-equal to the default ``"staged"`` one (the same bf16 tiles), with both
-    index kinds."""
-    if reason := gluon_skip_reason("gluon"):
-        pytest.skip(reason)
-    g = torch.Generator(device="cuda").manual_seed(b + s_q)
-    seqlens = torch.randint(seqlen // 2, seqlen + 1, (b,), generator=g, device="cuda").tolist()
-    seqlens[-1] = 0 if b > 2 else seqlens[-1]  # a sequence with no valid index
-    q, cache, table, seqlens_t, idx, rows = fp8_paged_problem(
-        b, s_q, h_q, block_size, seqlens, topk, "cuda", seed=b + h_q, pad_blocks=pad
-    )
-    scale = 1 / math.sqrt(576)
-    cfg = Config(backend="gluon", num_splits=n_splits, fp8_producer=producer)
-    got = sparse_mla_decode(q, cache, table, seqlens_t, idx, scale, config=cfg)
-    assert last_launch("fwd").backend == "gluon"
-    check_fp8(got, q, cache, table, seqlens_t, idx, scale, FP8_TOL["gpu" if topk >= 256 else "gpu_short"])
-    staged = sparse_mla_decode(
-        q, cache, table, seqlens_t, idx, scale, config=Config(backend="gluon", num_splits=n_splits)
-    )
-    for a, e in zip(got, staged, strict=True):
-        torch.testing.assert_close(a, e, rtol=0, atol=0)
-    as_rows = sparse_mla_decode(
-        q, cache, None, None, rows.clone(), scale, index_kind="cache_rows", config=cfg
-    )
-    for a, e in zip(as_rows, got, strict=True):
-        torch.testing.assert_close(a, e, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -319,20 +319,18 @@ GLUON_PERSISTENT_SHAPES = [*GLUON_EDGE_CASES, (128, 576, 2048, 64), (64, 576, 20
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["pingpong", "common_max"])
-@pytest.mark.parametrize("mode", ["on", "off", "per_item"])
+@pytest.mark.parametrize("mode", ["on", "off"])
 @pytest.mark.parametrize(
     ("h_q", "d_qk", "topk", "s_q"),
     GLUON_PERSISTENT_SHAPES,
     ids=case_ids(("h_q", "d_qk", "topk"), GLUON_PERSISTENT_SHAPES),
 )
-def test_fwd_gpu_gluon_persistent(h_q, d_qk, topk, s_q, mode, schedule):
+def test_fwd_gpu_gluon_persistent(h_q, d_qk, topk, s_q, mode):
     """The Gluon forward with ``Config(fwd_persistent="on")`` (at most one program per multiprocessor,
-    several (token, head tile) items each), ``"off"`` (one program per item) and ``"per_item"`` (the
-    persistent kernel, one program per item), whatever the default for the head count, each with both ``Config.fwd_schedule`` schedules, on the edge cases above, the full
-    top-k at 128 heads and 400 tokens at 64 heads, against the reference, launched twice."""
-    cfg = Config(backend="gluon", num_splits=1, fwd_persistent=mode, fwd_schedule=schedule)
-    check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg)
+    several (token, head tile) items each) and ``"off"`` (one program per item), whatever the default for
+    the head count, on the edge cases above, the full top-k at 128 heads and 400 tokens at 64 heads,
+    against the reference, launched twice."""
+    check_gluon_edge_case(h_q, d_qk, topk, s_q, Config(backend="gluon", num_splits=1, fwd_persistent=mode))
 
 
 def check_gluon_edge_case(h_q, d_qk, topk, s_q, cfg):
@@ -391,13 +389,11 @@ def test_fwd_gpu_gluon_split_k(h_q, topk, n_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["pingpong", "common_max"])
-def test_fwd_gpu_gluon_split_k_persistent(schedule):
-    """The split-K Gluon forward made persistent (``fwd_persistent``), with each ``fwd_schedule``, against
-    the reference."""
+def test_fwd_gpu_gluon_split_k_persistent():
+    """The split-K Gluon forward made persistent (``fwd_persistent``), against the reference."""
     if reason := gluon_skip_reason("gluon"):
         pytest.skip(reason)
-    cfg = Config(backend="gluon", num_splits=3, fwd_persistent="on", fwd_schedule=schedule)
+    cfg = Config(backend="gluon", num_splits=3, fwd_persistent="on")
     check_gluon_fwd(cfg, 128, 576, 1000, 100, 1129, "gpu")
     assert last_launch("fwd").splits > 1
 
@@ -410,7 +406,6 @@ def test_fwd_gpu_gluon_split_k_persistent(schedule):
         (64, 32768, "auto", False),
         (64, 131072, "on", True),
         (128, 8192, "off", False),
-        (64, 131072, "per_item", None),
     ],
 )
 def test_fwd_persistent_rule(monkeypatch, h_q, s_kv, mode, persistent):
@@ -421,8 +416,4 @@ def test_fwd_persistent_rule(monkeypatch, h_q, s_kv, mode, persistent):
     monkeypatch.setattr(forward, "l2_cache_bytes", lambda device: 50 << 20)
     plan = forward.FwdPlan(SparseDims(4, h_q, 576, s_kv, 2048, 512), True, 1, (1,), (), {}, (1,), {}, {})
     forward.set_gluon_options(plan, Config(fwd_persistent=mode), torch.device("cpu"))
-    expected = forward.PER_ITEM_PROGRAMS if persistent is None else 132 if persistent else 0
-    assert plan.gluon_options["persistent_programs"] == expected
-    assert plan.gluon_options["common_max"] is False
-    forward.set_gluon_options(plan, Config(fwd_schedule="common_max"), torch.device("cpu"))
-    assert plan.gluon_options["common_max"] is True
+    assert plan.gluon_options["persistent_programs"] == (132 if persistent else 0)

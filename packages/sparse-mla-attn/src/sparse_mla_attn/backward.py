@@ -414,22 +414,17 @@ def _det_reduce_kernel(
 
 
 # The Gluon dkv kernel (Config.bwd_dkv_backend): DKV_GLUON -1 follows the config, 0 / 1 force it (tests);
-# 64-channel chunks, a ring of three of them, one 64-slot tile per consumer warpgroup (SUB_G 2: two), one
-# program per work item (PERSIST_G > 0: that many persistent programs), 168 registers per thread in every
-# partition. DET_OVERLAP 1: the deterministic reduction on a side stream (see launch_bwd); its kernel's
-# channel block, rows in flight and warps (*_RED).
+# 64-channel chunks, a ring of three of them, 168 registers per thread in every partition. The deterministic
+# reduction kernel: 256-channel blocks, 4 rows in flight, 4 warps (*_RED).
 _DKV_GLUON_TILES = {
     "DKV_GLUON": -1,
     "BLOCK_C_G": 64,
     "NUM_BUF_G": 3,
-    "PERSIST_G": 0,
-    "SUB_G": 1,
-    "DET_OVERLAP": 0,
-    "BLOCK_D_RED": 128,
-    "UNROLL_RED": 8,
-    "num_warps_red": 4,
     "CONSUMER_REGS_G": 168,
     "PRODUCER_REGS_G": 168,
+    "BLOCK_D_RED": 256,
+    "UNROLL_RED": 4,
+    "num_warps_red": 4,
 }
 
 
@@ -447,8 +442,9 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
                 "ROPE_IN_LOOP": int(h_q <= 128), "IDX_PREFETCH": int(h_q <= 128), **_DKV_GLUON_TILES}  # fmt: skip
     # h_q <= 128: each token's slots sorted by index. Main kernel: 64 heads x 256 slots (64 heads x 128 below
     # 33 heads), 64-channel chunks (the rope one last) four in flight, the next block's indices loaded ahead.
-    # dkv kernel: all heads x 64 slots, 4 warps, 112 KB of shared memory (two programs per SM), every channel
-    # in one launch, launched as (64 tokens, slot block, token): the programs in flight share a slot block,
+    # Triton dkv kernel (the Gluon one, _DKV_GLUON_TILES, on sm_90): all heads x 64 slots, 4 warps, 112 KB of
+    # shared memory (two programs per SM), every channel in one launch, launched as (64 tokens, slot block,
+    # token) (the Gluon kernel too, with 128-slot blocks): the programs in flight share a slot block,
     # so with sorted slots their atomics hit a narrow range of rows that stays in L2. The deterministic mode
     # writes a contiguous workspace instead: 128 slots / 8 warps. The fused kernel (h_q > 128): 64-head x
     # 128-slot blocks; deterministic two 64-head halves (N_SUB 2).
@@ -540,14 +536,6 @@ def launch_bwd(
         if return_attn_sum
         else attn_sum
     )
-    # DET_OVERLAP: each chunk's deterministic reduction runs on a side stream, beside the next chunk's main
-    # and dq kernels (the next dkv kernel, which overwrites the workspace, waits for it).
-    side = (
-        _side_stream(dev)
-        if deterministic and split_dkv and cfg["DET_OVERLAP"] and dev.type == "cuda"
-        else None
-    )
-    reduced = None  # the event of the last reduction on the side stream
     for s0 in range(0, s_q, chunk):
         s1 = min(s_q, s0 + chunk)
         n = s1 - s0
@@ -569,8 +557,6 @@ def launch_bwd(
         record_launch("bwd.main", kernel)
         _launch_dq(cfg, ds_ws, kv, idx_c, dq[s0:s1], s_kv, h_q, q_start_index + s0, k_stride, topk, causal,
                    d_qk, n, n_hb_dq, n_db, slots, s0)  # fmt: skip
-        if reduced is not None:
-            torch.cuda.current_stream(dev).wait_event(reduced)
         if split_dkv and dkv_gluon:
             kernel = launch_dkv_gluon(
                 ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n, s_kv, h_q, q_start_index + s0, k_stride, topk,
@@ -596,35 +582,13 @@ def launch_bwd(
             )  # fmt: skip
             record_launch("bwd.dkv", kernel)
         if deterministic:
-            reduce_args = (cfg, part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk,
-                           slots, s0)  # fmt: skip
-            if side is None:
-                _det_reduce(*reduce_args)
-            else:
-                side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):
-                    _det_reduce(*reduce_args)
-                    reduced = torch.cuda.Event()
-                    reduced.record(side)
+            _det_reduce(cfg, part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk,
+                        slots, s0)  # fmt: skip
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
-    if side is not None:  # (so the buffers the side stream reads are freed after its reads)
-        torch.cuda.current_stream(dev).wait_stream(side)
     if return_attn_sum and perm is not None:  # back to the caller's slot order
         attn_sum = torch.empty_like(attn_sum).scatter_(1, perm[:, 0], attn_sum)
     return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The backward's side stream of a CUDA device (one per device, made on first use)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream
 
 
 def _use_dkv_gluon(

@@ -8,9 +8,7 @@ from dataclasses import dataclass
 BACKENDS = ("auto", "gluon", "triton")
 SPLIT_MERGES = ("auto", "last_program", "kernel")
 ATTN_DIST_SPLITS = ("blocks", "cols")
-FWD_PERSISTENT = ("auto", "on", "off", "per_item")
-FP8_PRODUCERS = ("staged", "registers", "registers_half")
-FWD_SCHEDULES = ("pingpong", "common_max")
+FWD_PERSISTENT = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -54,9 +52,7 @@ class Config:
             stores overlap its neighbours' work. ``"on"``, ``"off"`` (one program per item), or
             ``"auto"`` (default): persistent where a token has more than one head tile (``h_q > 64``),
             and with one head tile where the KV rows (``2 * s_kv * d_qk`` bytes) fit in half of the GPU's
-            L2 cache (up to about 22K rows of 576 on an H100 / H200). ``"per_item"``: the persistent
-            kernel launched with one program per item, which the GPU schedules as they finish; each
-            program's query load overlaps its first gathers (with ``"off"`` the query is loaded first).
+            L2 cache (up to about 22K rows of 576 on an H100 / H200).
         bwd_dkv_backend: kernel of :func:`~sparse_mla_attn.sparse_mla_bwd`'s ``dkv`` products up to 128
             heads (above, the main kernel forms them). ``"auto"`` (default): a warp-specialised Gluon
             kernel on an sm_90 GPU where :func:`gluon_supported` holds and the shape suits it (``d_v`` and
@@ -64,32 +60,14 @@ class Config:
             always the Triton kernel. ``"gluon"``: ``"auto"`` that raises :class:`ValueError` where the
             Gluon kernel cannot run. The results are the same up to the order of the fp32 additions
             (bit-identical run to run in the deterministic mode).
-        fwd_schedule: how the two consumer warpgroups of :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon
-            kernel (sm_90) share a pair of 64-row blocks (each owns half of the value channels).
-            ``"pingpong"`` (default): each computes the softmax of its block against the running max of
-            the block before and rescales its accumulator for the other's block too; the ring is
-            refilled a whole block at a time. ``"common_max"``: the second warpgroup's softmax starts
-            from the first's max, so the pair's products share one max (the first warpgroup rescales its
-            P once for the second); the ring is refilled by half blocks as each half's last reader
-            releases it, the first warpgroup issues the next block's ``q · k`` behind its last
-            product, and the output goes out through shared memory in 16-byte stores. Same results up
-            to rounding.
         attn_dist_split: how the two consumer warpgroups of the Gluon ``attn_dist`` (sm_90) share a token
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
             64 heads.
-        fp8_producer: how the producer warpgroup of the Gluon decode over an FP8 cache (sm_90) brings each
-            block of 64 cache rows into shared memory as bf16. ``"staged"`` (default): copies the block's
-            FP8 bytes into its bf16 slot (``cp.async``), waits for them, then dequantizes in place.
-            ``"registers"``: loads the latent bytes into registers a whole block ahead (16-byte loads, in
-            four 128-channel tiles) and dequantizes each tile from registers into the slot, so the next
-            block's loads are in flight while a block is dequantized; ``"registers_half"``: the same, two
-            tiles (half a block) ahead, with fewer registers. The results are the same bits.
 
     Raises:
-        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split``,
-            ``fp8_producer``, ``bwd_dkv_backend`` or ``fwd_schedule``, ``num_splits < 0`` or a workspace
-            cap below 1 byte.
+        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split`` or
+            ``bwd_dkv_backend``, ``num_splits < 0`` or a workspace cap below 1 byte.
     """
 
     backend: str = "auto"
@@ -100,15 +78,12 @@ class Config:
     bwd_deterministic_workspace_bytes: int = 4 << 30
     fwd_persistent: str = "auto"
     attn_dist_split: str = "blocks"
-    fp8_producer: str = "staged"
     bwd_dkv_backend: str = "auto"
-    fwd_schedule: str = "pingpong"
 
     def __post_init__(self) -> None:
         choices = {
             "backend": BACKENDS, "split_merge": SPLIT_MERGES, "fwd_persistent": FWD_PERSISTENT,
-            "fwd_schedule": FWD_SCHEDULES, "attn_dist_split": ATTN_DIST_SPLITS, "fp8_producer": FP8_PRODUCERS,
-            "bwd_dkv_backend": BACKENDS,
+            "attn_dist_split": ATTN_DIST_SPLITS, "bwd_dkv_backend": BACKENDS,
         }  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,8 +65,7 @@ from sparse_mla_attn.fp8_cache import is_fp8_cache
 def _decode_fake(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
     cache_seqlens: torch.Tensor | None, indices: torch.Tensor, sm_scale: float, d_v: int, backend: str,
-    num_splits: int, split_merge: str, split_fill: float, fp8_producer: str, index_kind: str,
-    empty_lse: float,
+    num_splits: int, split_merge: str, split_fill: float, index_kind: str, empty_lse: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     check_decode_inputs(q, kv_cache, block_table, cache_seqlens, indices, d_v, index_kind)
     b, s_q, h_q, _ = q.shape
@@ -135,7 +134,6 @@ def _plan_decode(
             q_start_index=0, k_stride=1, causal=False, config=config,
             fp8_paging=(kv_cache.shape[1], kv_cache.stride(0)),
         )  # fmt: skip
-        fwd_plan.gluon_options = {"producer": config.fp8_producer}  # the FP8 kernel's (Config.fp8_producer)
     else:
         fwd_plan = plan_fwd(
             q_rows, kv_cache.view(-1, d_qk), idx_stride, dims, has_sink=False, has_topk_length=False,
@@ -204,8 +202,7 @@ def _call_key(
 def _decode_op(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
     cache_seqlens: torch.Tensor | None, indices: torch.Tensor, sm_scale: float, d_v: int, backend: str,
-    num_splits: int, split_merge: str, split_fill: float, fp8_producer: str, index_kind: str,
-    empty_lse: float,
+    num_splits: int, split_merge: str, split_fill: float, index_kind: str, empty_lse: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and launch plan depend only on the call signature (shapes, strides, dtypes, devices and
     # 16-byte alignment of the tensors, as _runtime.call_signature): made once per signature. The data
@@ -218,13 +215,11 @@ def _decode_op(
         cache_seqlens.data_ptr() if tables else 0,  # type: ignore[union-attr]
         indices.data_ptr(),
     )
-    options = (backend, num_splits, split_merge, split_fill, fp8_producer)
+    options = (backend, num_splits, split_merge, split_fill)
     key = _call_key(q, kv_cache, block_table, cache_seqlens, indices, ptrs, d_v, index_kind, options)
     plan = _PLANS.get(key)
     if plan is None:
-        config = replace(
-            config_of(backend, num_splits, split_merge, split_fill=split_fill), fp8_producer=fp8_producer
-        )
+        config = config_of(backend, num_splits, split_merge, split_fill=split_fill)
         plan = cached(
             _PLANS,
             key,
@@ -395,8 +390,7 @@ def sparse_mla_decode(
             (FlashMLA's convention; costs one more elementwise launch). ``out`` is 0 either way.
         config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor and its
             automatic rule ``split_fill``, who merges the split-K partials). An FP8 cache follows the
-            same kernel rule (on sm_90 its Gluon kernel dequantizes in producer warps, as
-            ``fp8_producer`` says).
+            same kernel rule (on sm_90 its Gluon kernel dequantizes in producer warps).
 
     Returns:
         ``out [b, s_q, h_q, d_v]`` q's dtype and ``lse [b, s_q, h_q]`` float32, natural log
@@ -411,13 +405,7 @@ def sparse_mla_decode(
     options = (
         _DEFAULT_OPTIONS
         if config is None
-        else (
-            config.backend,
-            config.num_splits,
-            config.split_merge,
-            float(config.split_fill),
-            config.fp8_producer,
-        )
+        else (config.backend, config.num_splits, config.split_merge, float(config.split_fill))
     )
     # A repeated eager call replays its plan's launches (the checks below are those of its first call).
     if (type(q) is T and type(kv_cache) is T and type(indices) is T and type(sm_scale) is float
@@ -442,6 +430,4 @@ def sparse_mla_decode(
     )
 
 
-_DEFAULT_OPTIONS = (
-    DEFAULT.backend, DEFAULT.num_splits, DEFAULT.split_merge, float(DEFAULT.split_fill), DEFAULT.fp8_producer
-)  # fmt: skip
+_DEFAULT_OPTIONS = (DEFAULT.backend, DEFAULT.num_splits, DEFAULT.split_merge, float(DEFAULT.split_fill))

@@ -509,7 +509,7 @@ class FwdPlan:
     combine_grid: tuple[int, ...]
     combine_consts: dict[str, Any]
     merge_last_consts: dict[str, Any]
-    #: Options of the Gluon kernel (``launch_fwd_gluon``'s ``persistent_programs``, ``common_max``).
+    #: Options of the Gluon kernel (``launch_fwd_gluon``'s ``persistent_programs``).
     gluon_options: dict[str, Any] = field(default_factory=dict)
     slots: dict[Any, Any] = field(default_factory=dict)
     #: ``(kv_block_size, stride_kv_block)`` of an FP8 cache (unused ``(1, 0)`` otherwise).
@@ -612,7 +612,7 @@ def run_fwd(
             kernel = launch_decode_fp8_gluon(
                 q, kv_rows, idx, d_out, d_max, d_lse, dims, sm_scale * LOG2E, kv_paging=plan.kv_ints,
                 strides=(*plan.ints[:2], *plan.ints[3:6]), slots=slots, ctx=ctx,
-                splits=(plan.n_splits, plan.ints[10]), **plan.gluon_options,
+                splits=(plan.n_splits, plan.ints[10]),
             )  # fmt: skip
         else:
             kernel = launch_fwd_gluon(
@@ -792,24 +792,16 @@ def _plan_fwd_call(
 
 
 def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> FwdPlan:
-    """Give ``plan`` the Gluon forward's options of ``config`` (``fwd_schedule``; ``fwd_persistent``: one program per
+    """Give ``plan`` the Gluon forward's options of ``config`` (``fwd_persistent``: one program per
     multiprocessor of ``device``, by default where a token has more than one 64-head tile or where the KV
     rows fit in half of the device's L2 cache, see :class:`Config`); returns ``plan``."""
     mode = config.fwd_persistent
     dims = plan.dims
     kv_in_l2 = 2 * dims.s_kv * dims.d_qk * 2 <= l2_cache_bytes(device)  # bf16 / fp16 rows
     persistent = mode == "on" or (mode == "auto" and (dims.h_q > 64 or kv_in_l2))
-    # "per_item": the persistent kernel with no cap on its grid (one program per item).
-    programs = num_sms(device) if persistent else PER_ITEM_PROGRAMS if mode == "per_item" else 0
-    plan.gluon_options = {
-        "persistent_programs": programs,
-        "common_max": config.fwd_schedule == "common_max",
-    }
+    plan.gluon_options = {"persistent_programs": num_sms(device) if persistent else 0}
     return plan
 
-
-#: ``launch_fwd_gluon``'s ``persistent_programs`` of ``Config(fwd_persistent="per_item")``: above any grid.
-PER_ITEM_PROGRAMS = 1 << 31
 
 _PLANS: dict[Any, FwdPlan] = {}
 
@@ -829,14 +821,12 @@ def _fwd_key(
 def _fwd_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
-    causal: bool, backend: str, num_splits: int, fwd_persistent: str = "auto", fwd_schedule: str = "pingpong",
+    causal: bool, backend: str, num_splits: int, fwd_persistent: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and launch plan depend only on the call signature: made once per signature.
-    options = (backend, num_splits, fwd_persistent, fwd_schedule)
+    options = (backend, num_splits, fwd_persistent)
     key = _fwd_key(q, kv, indices, attn_sink, topk_length, d_v, q_start_index, k_stride, causal, options)
-    config = lambda: replace(
-        config_of(backend, num_splits), fwd_persistent=fwd_persistent, fwd_schedule=fwd_schedule
-    )
+    config = lambda: replace(config_of(backend, num_splits), fwd_persistent=fwd_persistent)
     plan = cached(
         _PLANS, key, lambda: _plan_fwd_call(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride,
                                             causal, config()),
@@ -929,7 +919,7 @@ def sparse_mla_fwd(
         causal: also skip indices above ``(q_start_index + i + 1 - k_stride) / k_stride`` (C integer
             division, the same limit as :func:`attn_dist`).
         config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor,
-            ``fwd_persistent``, ``fwd_schedule``).
+            ``fwd_persistent``).
 
     Returns:
         ``out [s_q, h_q, d_v]`` q's dtype; ``max_logits [s_q, h_q]`` float32, the largest
@@ -941,7 +931,7 @@ def sparse_mla_fwd(
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
     cfg = config or DEFAULT
-    options = (cfg.backend, cfg.num_splits, cfg.fwd_persistent, cfg.fwd_schedule)
+    options = (cfg.backend, cfg.num_splits, cfg.fwd_persistent)
     T = torch.Tensor
     # A repeated eager call replays its plan's launches (the checks below are those of its first call).
     if (type(q) is T and type(kv) is T and type(indices) is T and type(sm_scale) is float and type(d_v) is int

@@ -119,18 +119,15 @@ if HAVE_GLUON:
         """
         valid = (idx >= 0) & (idx < hi)
         row = gl.where(valid, idx, 0).to(gl.int64) * stride_kv_row
-        _gather_cols(kn_buf, KV, row, valid, 0, D_NOPE, ld_l)
-        if D_ROPE > 0:
-            _gather_cols(kr_buf, KV, row, valid, D_NOPE, D_ROPE, ld_l)
-
-    @gluon.jit
-    def _gather_cols(buf, KV, row, valid, C0: gl.constexpr, N: gl.constexpr, ld_l: gl.constexpr):
-        """cp.async columns ``C0 .. C0 + N`` of the rows at element offsets ``row`` of ``KV`` into ``buf``
-        ([BLOCK_T, N]); rows where ``valid`` is false get a zero source size (zero fill, not read)."""
-        cols = C0 + gl.arange(0, N, layout=gl.SliceLayout(0, ld_l))
+        cols_n = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
         cp.async_copy_global_to_shared(
-            buf, KV + row[:, None] + cols[None, :], mask=valid[:, None] & (cols[None, :] >= 0)
+            kn_buf, KV + row[:, None] + cols_n[None, :], mask=valid[:, None] & (cols_n[None, :] >= 0)
         )
+        if D_ROPE > 0:
+            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
+            cp.async_copy_global_to_shared(
+                kr_buf, KV + row[:, None] + cols_r[None, :], mask=valid[:, None] & (cols_r[None, :] >= 0)
+            )
 
     @gluon.jit
     def _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL: gl.constexpr):
@@ -249,7 +246,6 @@ if HAVE_GLUON:
         SPLIT_K: gl.constexpr,
         kk0=0,
         end_ph=0,
-        COMMON_MAX: gl.constexpr = False,
     ):
         """Ping-pong forward, consumer warpgroup ``WG`` (0 or 1) of a token's 64 heads.
 
@@ -268,9 +264,6 @@ if HAVE_GLUON:
         With ``SPLIT_K`` the program covers one split of the token's top-k list and writes the split-K
         partials as the Triton forward does: the fp32 output normalised by this split's own sum (no
         sink), the base-2 lse and row max (merged by ``_split_combine_kernel``).
-
-        With ``COMMON_MAX`` the loop is ``_cm_loop`` (``Config(fwd_schedule="common_max")``; the ring and
-        barriers of ``_fwd_smem(..., HALVES=True)``); the end (row sums, outputs) is the same.
         """
         BLOCK_H: gl.constexpr = 64
         D_HALF: gl.constexpr = D_NOPE // 2
@@ -287,73 +280,66 @@ if HAVE_GLUON:
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
         l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
         acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
-        if COMMON_MAX:  # Config(fwd_schedule="common_max")
-            m_i, l_i, acc = _cm_loop(
-                WG, smem, idx_row, n_t, hi, n_pairs, sm_scale_log2, D_ROPE, kk0, m_i, l_i, acc
+        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
+        for k in range(n_pairs):
+            ph = (kk0 + k) & 1
+            # Own block b = 2k + WG in slot WG: issue its S first (warpgroup 1 thus computes S(2k+1)
+            # while warpgroup 0 runs the softmax of block 2k).
+            b = 2 * k + WG
+            # An opaque zero that depends on k: with constant shared-memory addresses the compiler hoists
+            # all 2 x 36 wgmma descriptors of S out of the loop (144 registers) and spills.
+            z = gl.inline_asm_elementwise(
+                "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
             )
-        else:
-            offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
-            for k in range(n_pairs):
-                ph = (kk0 + k) & 1
-                # Own block b = 2k + WG in slot WG: issue its S first (warpgroup 1 thus computes S(2k+1)
-                # while warpgroup 0 runs the softmax of block 2k).
-                b = 2 * k + WG
-                # An opaque zero that depends on k: with constant shared-memory addresses the compiler hoists
-                # all 2 x 36 wgmma descriptors of S out of the loop (144 registers) and spills.
-                z = gl.inline_asm_elementwise(
-                    "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
-                )
-                _ws_wait_full(smem.full_bars, 2 * (kk0 + k) + WG, 2)  # slot WG
-                t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
-                s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
-                s = warpgroup_mma(
-                    smem.qn.index(z), smem.kn.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
-                )
-                if D_ROPE > 0:
-                    s = warpgroup_mma(
-                        smem.qr.index(z), smem.kr.index(WG + z).permute((1, 0)), s, is_async=True
-                    )
-                if WG == 1:
-                    # The other warpgroup's block 2k (its softmax ran while S(2k+1) was computed): P and its
-                    # row max from shared memory; its P·V queues behind S.
-                    m_i, l_i, acc = _pp_other_pv(smem, 0, WG, ph, m_i, l_i, acc, row_l, o_l)
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done, P·V(2k) may still run
-                else:
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                valid = (t_idx >= 0) & (t_idx < hi)
-                s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_use)
-                p = gl.exp2(s - m_use[:, None])
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-                p16 = p.to(dtype)
-                if WG == 1:
-                    # P(2k) must be read before P(2k+1) overwrites it; then slot 0 is done for this warpgroup.
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    mbarrier.arrive(smem.empty_bars.index(0))
-                smem.p.store(p16)
-                smem.m.index(WG).store(m_new)
-                fence_async_shared()
-                mbarrier.arrive(smem.p_bars.index(WG))
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-                acc = warpgroup_mma(
-                    gl.convert_layout(p16, pa_l),
-                    smem.kn.index(WG).slice(WG * D_HALF, D_HALF, dim=1),
-                    acc,
-                    is_async=True,
-                )
-
-                if WG == 0:
-                    # Release slot 0 as soon as this warpgroup is done with block 2k (S and P·V), before
-                    # waiting for the other's block 2k+1: the gather of block 2k+2 starts earlier.
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    mbarrier.arrive(smem.empty_bars.index(0))
-                    m_i, l_i, acc = _pp_other_pv(smem, 1, WG, ph, m_i, l_i, acc, row_l, o_l)
-                # (The loop carries acc as a tensor: wait here.) Done with block 2k+1: release slot 1.
+            _ws_wait_full(smem.full_bars, 2 * (kk0 + k) + WG, 2)  # slot WG
+            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
+            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
+            s = warpgroup_mma(
+                smem.qn.index(z), smem.kn.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
+            )
+            if D_ROPE > 0:
+                s = warpgroup_mma(smem.qr.index(z), smem.kr.index(WG + z).permute((1, 0)), s, is_async=True)
+            if WG == 1:
+                # The other warpgroup's block 2k (its softmax ran while S(2k+1) was computed): P and its
+                # row max from shared memory; its P·V queues behind S.
+                m_i, l_i, acc = _pp_other_pv(smem, 0, WG, ph, m_i, l_i, acc, row_l, o_l)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done, P·V(2k) may still run
+            else:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            valid = (t_idx >= 0) & (t_idx < hi)
+            s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            p16 = p.to(dtype)
+            if WG == 1:
+                # P(2k) must be read before P(2k+1) overwrites it; then slot 0 is done for this warpgroup.
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(smem.empty_bars.index(1))
+                mbarrier.arrive(smem.empty_bars.index(0))
+            smem.p.store(p16)
+            smem.m.index(WG).store(m_new)
+            fence_async_shared()
+            mbarrier.arrive(smem.p_bars.index(WG))
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            acc = warpgroup_mma(
+                gl.convert_layout(p16, pa_l),
+                smem.kn.index(WG).slice(WG * D_HALF, D_HALF, dim=1),
+                acc,
+                is_async=True,
+            )
+
+            if WG == 0:
+                # Release slot 0 as soon as this warpgroup is done with block 2k (S and P·V), before
+                # waiting for the other's block 2k+1: the gather of block 2k+2 starts earlier.
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(smem.empty_bars.index(0))
+                m_i, l_i, acc = _pp_other_pv(smem, 1, WG, ph, m_i, l_i, acc, row_l, o_l)
+            # (The loop carries acc as a tensor: wait here.) Done with block 2k+1: release slot 1.
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(smem.empty_bars.index(1))
         # Row sums: each warpgroup summed its own blocks' P; exchange them once.
         smem.l.index(WG).store(l_i)
         mbarrier.arrive(smem.end_bar)
@@ -378,246 +364,11 @@ if HAVE_GLUON:
             lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
             gl.store(LSE + lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
             gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * to_out, mask=hs_ok)
-        out = (acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]).to(OUT.dtype.element_ty)
-        if COMMON_MAX and not SPLIT_K:
-            # Through this warpgroup's channels of the (spent) query tile, for 16-byte coalesced stores.
-            o_smem = smem.qn.index(0).slice(WG * D_HALF, D_HALF, dim=1)
-            o_smem.store(out)
-            st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-            out = o_smem.load(st_l)
-            offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, st_l))
-            offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, st_l))
-        else:
-            offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
-            offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
+        out = acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]
+        offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+        offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
         o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
-        gl.store(o_ptr, out, mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
-
-    @gluon.jit
-    def _cm_qk(smem, slot, z, s, C0: gl.constexpr, N: gl.constexpr, FIRST: gl.constexpr, ROPE: gl.constexpr):
-        """Issue part of S = Q K^T of the block in ring slot ``slot`` (asynchronously): the latent columns
-        ``C0 .. C0 + N`` and, with ``ROPE``, the rope part; ``FIRST``: the first part (S starts at 0).
-        ``z``: an opaque zero (see ``_pp_consumer``)."""
-        s = warpgroup_mma(
-            smem.qn.index(z).slice(C0, N, dim=1),
-            smem.kn.index(slot + z).slice(C0, N, dim=1).permute((1, 0)),
-            s,
-            use_acc=not FIRST,
-            is_async=True,
-        )
-        if ROPE:
-            s = warpgroup_mma(smem.qr.index(z), smem.kr.index(slot + z).permute((1, 0)), s, is_async=True)
-        return s
-
-    @gluon.jit
-    def _cm_softmax(s, t_idx, hi, m_old, m_i, l_i, sm_scale_log2):
-        """Online softmax of one block's S (``t_idx``: its indices; invalid ones are masked) against the
-        running max ``m_old``: returns P (fp32, relative to the new max), the new max, the factor
-        ``alpha`` that moves values of the warpgroup's previous max ``m_i`` to it, and the row sums."""
-        valid = (t_idx >= 0) & (t_idx < hi)
-        s = gl.where(valid[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_old, gl.max(s, axis=1) * sm_scale_log2)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s * sm_scale_log2 - m_use[:, None])  # one FFMA per element
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        return p, m_new, alpha, l_i
-
-    @gluon.jit
-    def _cm_loop(
-        WG: gl.constexpr,
-        smem,
-        idx_row,
-        n_t,
-        hi,
-        n_pairs,
-        sm_scale_log2,
-        D_ROPE: gl.constexpr,
-        kk0,
-        m_i,
-        l_i,
-        acc,
-    ):
-        """The loop of ``_pp_consumer`` with ``Config(fwd_schedule="common_max")``, consumer warpgroup ``WG``:
-        one row max per pair of blocks. Takes and returns the running max ``m_i``, row sums ``l_i`` and
-        accumulator ``acc`` (initial values).
-
-        Warpgroup 0 (value channels 0-255; blocks ``2k``, ring slot 0), per pair ``k``: the softmax of
-        block ``2k`` (its S was issued behind the previous pair's last product), the new max published
-        (``p_bars[0]``) and the P·V of its own P from registers; then warpgroup 1's max of the pair
-        (``p_bars[1]``, at least this one) rescales this P, stored for warpgroup 1 in slot 0's rope tile
-        (``p_bars[2]``; the rope part of S is done), and the accumulator; the P·V of warpgroup 1's P
-        (``smem.p``, ``p_bars[3]``); and the next pair's S, issued behind that product in two parts as
-        the halves of slot 0 are refilled.
-
-        Warpgroup 1 (channels 256-511; blocks ``2k + 1``, slot 1): S of its block (the second half of
-        slot 1 first, refilled earlier); its softmax starting from warpgroup 0's max of the pair, so
-        that the new max is the pair's (published); the P·V of its own P from registers; its P stored
-        for warpgroup 0; the P·V of warpgroup 0's rescaled P.
-
-        The ring is released by halves (``full_bars`` / ``empty_bars`` index ``2 slot + half``; half 0:
-        latent columns 0-255, half 1: columns 256-511 and the rope part), each by its last reader:
-        slot 0's first half and slot 1's first half by warpgroup 0 (after its own, resp. second, P·V),
-        slot 1's second half and slot 0's second half by warpgroup 1 (see ``_cm_producer``).
-        """
-        BLOCK_H: gl.constexpr = acc.shape[0]
-        D_HALF: gl.constexpr = acc.shape[1]
-        BLOCK_T: gl.constexpr = smem.kn.shape[1]
-        o_l: gl.constexpr = acc.type.layout
-        row_l: gl.constexpr = m_i.type.layout
-        s_l: gl.constexpr = row_l.parent
-        pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-        dtype: gl.constexpr = smem.p.dtype
-        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
-        if WG == 0:
-            if n_pairs > 0:
-                # S of the item's first block (an opaque zero again: a persistent program's item loop would
-                # otherwise hold these descriptors).
-                z = gl.inline_asm_elementwise(
-                    "and.b32 $0, $1, 0;", "=r,r", [kk0], dtype=gl.int32, is_pure=True, pack=1
-                )
-                _ws_wait_full(smem.full_bars, 4 * kk0, 4)
-                s = _cm_qk(smem, 0, z, gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l), 0, D_HALF, True, False)
-                _ws_wait_full(smem.full_bars, 4 * kk0 + 1, 4)
-                s = _cm_qk(smem, 0, z, s, D_HALF, D_HALF, False, D_ROPE > 0)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                for k in range(n_pairs):
-                    g = kk0 + k
-                    ph = g & 1
-                    b = 2 * k
-                    t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
-                    p, m_new, alpha, l_i = _cm_softmax(s, t_idx, hi, m_i, m_i, l_i, sm_scale_log2)
-                    smem.m.index(0).store(m_new)
-                    mbarrier.arrive(smem.p_bars.index(0))
-                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-                    acc = warpgroup_mma(
-                        gl.convert_layout(p.to(dtype), pa_l), smem.kn.index(0).slice(0, D_HALF, dim=1), acc,
-                        is_async=True,
-                    )  # fmt: skip
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    # Slot 0's first half: only this warpgroup read it.
-                    mbarrier.arrive(smem.empty_bars.index(0))
-                    # The pair's max (warpgroup 1's): P and the accumulator move to it.
-                    mbarrier.wait(smem.p_bars.index(1), ph)
-                    m_b = smem.m.index(1).load(row_l)
-                    sc = gl.exp2(m_new - gl.where(m_b == float("-inf"), 0.0, m_b))
-                    smem.kr.index(0).store((p * sc[:, None]).to(dtype))
-                    fence_async_shared()
-                    mbarrier.arrive(smem.p_bars.index(2))
-                    acc = acc * gl.convert_layout(sc, gl.SliceLayout(1, o_l))[:, None]
-                    l_i = l_i * sc
-                    m_i = m_b
-                    mbarrier.wait(smem.p_bars.index(3), ph)
-                    _ws_wait_full(smem.full_bars, 4 * g + 2, 4)  # (landed long ago: for the proxy fence)
-                    pv = warpgroup_mma(smem.p, smem.kn.index(1).slice(0, D_HALF, dim=1), acc, is_async=True)
-                    if k + 1 < n_pairs:
-                        # The next S behind this P·V, its first half while the second half of slot 0 lands.
-                        z = gl.inline_asm_elementwise(
-                            "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
-                        )
-                        _ws_wait_full(smem.full_bars, 4 * (g + 1), 4)
-                        s = _cm_qk(
-                            smem, 0, z, gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l), 0, D_HALF, True, False
-                        )
-                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(pv,))
-                        mbarrier.arrive(smem.empty_bars.index(2))  # slot 1, first half
-                        _ws_wait_full(smem.full_bars, 4 * (g + 1) + 1, 4)
-                        s = _cm_qk(smem, 0, z, s, D_HALF, D_HALF, False, D_ROPE > 0)
-                        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                    else:
-                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-                        mbarrier.arrive(smem.empty_bars.index(2))
-        else:
-            for k in range(n_pairs):
-                g = kk0 + k
-                ph = g & 1
-                b = 2 * k + 1
-                z = gl.inline_asm_elementwise(
-                    "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
-                )
-                _ws_wait_full(smem.full_bars, 4 * g + 3, 4)
-                s = _cm_qk(
-                    smem,
-                    1,
-                    z,
-                    gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l),
-                    D_HALF,
-                    D_HALF,
-                    True,
-                    D_ROPE > 0,
-                )
-                _ws_wait_full(smem.full_bars, 4 * g + 2, 4)
-                s = _cm_qk(smem, 1, z, s, 0, D_HALF, False, False)
-                t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                mbarrier.wait(smem.p_bars.index(0), ph)
-                m_a = smem.m.index(0).load(row_l)
-                p, m_new, alpha, l_i = _cm_softmax(s, t_idx, hi, m_a, m_i, l_i, sm_scale_log2)
-                m_i = m_new
-                smem.m.index(1).store(m_new)
-                mbarrier.arrive(smem.p_bars.index(1))
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-                p16 = p.to(dtype)
-                acc = warpgroup_mma(
-                    gl.convert_layout(p16, pa_l),
-                    smem.kn.index(1).slice(D_HALF, D_HALF, dim=1),
-                    acc,
-                    is_async=True,
-                )
-                smem.p.store(p16)
-                mbarrier.wait(smem.p_bars.index(2), ph)
-                _ws_wait_full(smem.full_bars, 4 * g + 1, 4)  # (landed long ago: for the proxy fence)
-                acc = warpgroup_mma(
-                    smem.kr.index(0), smem.kn.index(0).slice(D_HALF, D_HALF, dim=1), acc, is_async=True
-                )
-                fence_async_shared()
-                mbarrier.arrive(smem.p_bars.index(3))
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(smem.empty_bars.index(3))  # slot 1, second half: only this warpgroup read it
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(smem.empty_bars.index(1))  # slot 0, second half (and warpgroup 0's P)
-        return m_i, l_i, acc
-
-    @gluon.jit
-    def _cm_producer(smem, KV, stride_kv_row, idx_row, n_t, hi, n_pairs, D_ROPE: gl.constexpr, kk0=0):
-        """Producer of the one-max-per-pair forward: the ring by halves (``_cm_loop``), per pair
-        ``k`` in the order they are released: block ``2k``'s first half into slot 0, block ``2k + 1``'s
-        second half (and rope part) into slot 1, block ``2k``'s second half, block ``2k + 1``'s first
-        half; each half arms its ``full_bars`` entry with one deferred arrive per thread."""
-        BLOCK_T: gl.constexpr = smem.kn.shape[1]
-        D_NOPE: gl.constexpr = smem.kn.shape[2]
-        D_HALF: gl.constexpr = D_NOPE // 2
-        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
-        i0_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
-        i1_next = gl.load(idx_row + BLOCK_T + offs_t, mask=BLOCK_T + offs_t < n_t, other=-1)
-        for k in range(n_pairs):
-            free_ph = ((kk0 + k) & 1) ^ 1  # a fresh barrier passes parity 1 at once
-            i0 = i0_next
-            i1 = i1_next
-            nxt = (2 * k + 2) * BLOCK_T + offs_t
-            i0_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
-            i1_next = gl.load(idx_row + BLOCK_T + nxt, mask=BLOCK_T + nxt < n_t, other=-1)
-            ok0 = (i0 >= 0) & (i0 < hi)
-            row0 = gl.where(ok0, i0, 0).to(gl.int64) * stride_kv_row
-            ok1 = (i1 >= 0) & (i1 < hi)
-            row1 = gl.where(ok1, i1, 0).to(gl.int64) * stride_kv_row
-            mbarrier.wait(smem.empty_bars.index(0), free_ph)
-            _gather_cols(smem.kn.index(0).slice(0, D_HALF, dim=1), KV, row0, ok0, 0, D_HALF, ld_l)
-            cp.mbarrier_arrive(smem.full_bars.index(0), increment_count=False)
-            mbarrier.wait(smem.empty_bars.index(3), free_ph)
-            _gather_cols(smem.kn.index(1).slice(D_HALF, D_HALF, dim=1), KV, row1, ok1, D_HALF, D_HALF, ld_l)
-            if D_ROPE > 0:
-                _gather_cols(smem.kr.index(1), KV, row1, ok1, D_NOPE, D_ROPE, ld_l)
-            cp.mbarrier_arrive(smem.full_bars.index(3), increment_count=False)
-            mbarrier.wait(smem.empty_bars.index(1), free_ph)
-            _gather_cols(smem.kn.index(0).slice(D_HALF, D_HALF, dim=1), KV, row0, ok0, D_HALF, D_HALF, ld_l)
-            if D_ROPE > 0:
-                _gather_cols(smem.kr.index(0), KV, row0, ok0, D_NOPE, D_ROPE, ld_l)
-            cp.mbarrier_arrive(smem.full_bars.index(1), increment_count=False)
-            mbarrier.wait(smem.empty_bars.index(2), free_ph)
-            _gather_cols(smem.kn.index(1).slice(0, D_HALF, dim=1), KV, row1, ok1, 0, D_HALF, ld_l)
-            cp.mbarrier_arrive(smem.full_bars.index(2), increment_count=False)
+        gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
 
     def _aggregate_of_fields(cls: Any) -> Any:
         """``cls`` as a Gluon aggregate (a struct of values that jit functions take and pass on as one)
@@ -758,7 +509,6 @@ if HAVE_GLUON:
         sm_scale_log2,
         D_ROPE: gl.constexpr,
         HAS_SINK: gl.constexpr,
-        COMMON_MAX: gl.constexpr = False,
     ):
         """Consumer warpgroup ``WG`` of the persistent forward: the items ``program_id, program_id +
         num_programs, ...`` one after the other (``_pp_consumer`` each, the ring's pairs and ``end_bar``'s
@@ -770,45 +520,35 @@ if HAVE_GLUON:
         it = gl.program_id(0) * 0
         for item in range(gl.program_id(0), items.n_items, gl.num_programs(0)):
             pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = items.get(item)
-            if COMMON_MAX:
-                # The previous item's outputs went out through the query tile: both warpgroups done.
-                mbarrier.arrive(q_bar)
-                mbarrier.wait(q_bar, 0)
             _load_q_rows(
                 WG, smem.qn, smem.qr, Q, stride_q_s, stride_q_h, pid_s, h0, items.h_q, D_NOPE, D_ROPE
             )
             mbarrier.arrive(q_bar)
-            mbarrier.wait(q_bar, 1 if COMMON_MAX else it & 1)
+            mbarrier.wait(q_bar, it & 1)
             fence_async_shared()  # the query tile, before wgmma reads it
             _pp_consumer(
                 WG, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, items.h_q, h0, n_t, hi,
                 n_pairs, sm_scale_log2, D_NOPE, D_ROPE, items.BLOCK_T, HAS_SINK, items.SPLIT_K, kk0, it & 1,
-                COMMON_MAX,
             )  # fmt: skip
             kk0 += n_pairs
             it += 1
 
     @gluon.jit
-    def _ws_producer_persistent(
-        smem, KV, stride_kv_row, items, D_ROPE: gl.constexpr, COMMON_MAX: gl.constexpr = False
-    ):
+    def _ws_producer_persistent(smem, KV, stride_kv_row, items, D_ROPE: gl.constexpr):
         """Producer of the persistent forward: ``_ws_producer`` over the program's items in turn, the ring's
         block count carried on, so the next item's first blocks are gathered while the consumers finish
         the current one."""
         g0 = gl.program_id(0) * 0  # blocks the ring carried so far
         for item in range(gl.program_id(0), items.n_items, gl.num_programs(0)):
             _s, _h0, idx_row, n_t, hi, n_pairs, _ob, _lb, _soh = items.get(item)
-            if COMMON_MAX:
-                _cm_producer(smem, KV, stride_kv_row, idx_row, n_t, hi, n_pairs, D_ROPE, g0 // 2)
-            else:
-                _ws_producer(
-                    smem.kn, smem.kr, smem.full_bars, smem.empty_bars, KV, stride_kv_row, idx_row, n_t, hi,
-                    2 * n_pairs, items.D_NOPE, D_ROPE, items.BLOCK_T, 2, g0,
-                )  # fmt: skip
+            _ws_producer(
+                smem.kn, smem.kr, smem.full_bars, smem.empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
+                items.D_NOPE, D_ROPE, items.BLOCK_T, 2, g0,
+            )  # fmt: skip
             g0 += 2 * n_pairs
 
     @gluon.jit
-    def _fwd_smem(qn, qr, BLOCK_T: gl.constexpr, HALVES: gl.constexpr = False):
+    def _fwd_smem(qn, qr, BLOCK_T: gl.constexpr):
         """The forward's shared memory (``_FwdSmem``) around the query tile ``qn`` / ``qr``: the ring of two
         gathered blocks (latent and rope parts) with its mbarriers, the P tile, the consumers' exchanged
         row max / sum, ``p_bars`` (one per consumer warpgroup, count 1) and ``end_bar`` (count 2),
@@ -822,14 +562,10 @@ if HAVE_GLUON:
         p = gl.allocate_shared_memory(qn.dtype, [BLOCK_H, BLOCK_T], smem_l)
         m = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
         l = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)  # noqa: E741
-        if HALVES:  # the ring by half slots, each released by one consumer (see _cm_loop)
-            full_bars, empty_bars = _ws_ring_barriers(4, 1)
-        else:
-            full_bars, empty_bars = _ws_ring_barriers(2, 2)  # both consumers read every block (S and P·V)
-        N_P: gl.constexpr = 4 if HALVES else 2
-        p_bars = gl.allocate_shared_memory(gl.int64, [N_P, 1], mbarrier.MBarrierLayout())
+        full_bars, empty_bars = _ws_ring_barriers(2, 2)  # both consumers read every block (S and P·V)
+        p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-        for j in gl.static_range(N_P):
+        for j in gl.static_range(2):
             mbarrier.init(p_bars.index(j), count=1)
         mbarrier.init(end_bar, count=2)
         return _FwdSmem(qn, qr, kn, kr, p, m, l, full_bars, empty_bars, p_bars, end_bar)  # type: ignore[call-arg]
@@ -871,7 +607,6 @@ if HAVE_GLUON:
         num_warps: gl.constexpr,
         SPLIT_K: gl.constexpr = False,
         PERSISTENT: gl.constexpr = False,
-        COMMON_MAX: gl.constexpr = False,
     ):
         """Forward for (token, 64-head tile) work items, warp specialised (FlashMLA-style ping-pong, 12
         warps).
@@ -911,7 +646,7 @@ if HAVE_GLUON:
                 qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
             else:
                 qr_smem = qn_smem  # unused
-            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, COMMON_MAX)
+            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T)
             q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
             mbarrier.init(q_bar, count=2)
             fence_async_shared()  # barrier initialisation, before any partition uses them
@@ -919,13 +654,13 @@ if HAVE_GLUON:
                 [
                     (_pp_consumer_persistent, (
                         WG0, smem, q_bar, items, Q, OUT, MAX_LOGITS, LSE, SINK, stride_q_s, stride_q_h, sm_scale_log2,
-                        D_ROPE, HAS_SINK, COMMON_MAX,
+                        D_ROPE, HAS_SINK,
                     )),
                     (_pp_consumer_persistent, (
                         WG1, smem, q_bar, items, Q, OUT, MAX_LOGITS, LSE, SINK, stride_q_s, stride_q_h, sm_scale_log2,
-                        D_ROPE, HAS_SINK, COMMON_MAX,
+                        D_ROPE, HAS_SINK,
                     )),
-                    (_ws_producer_persistent, (smem, KV, stride_kv_row, items, D_ROPE, COMMON_MAX)),
+                    (_ws_producer_persistent, (smem, KV, stride_kv_row, items, D_ROPE)),
                 ],
                 [4, 4],
                 [CONSUMER_REGS, PRODUCER_REGS],
@@ -950,19 +685,18 @@ if HAVE_GLUON:
                 qr_smem.index(0).store(q_rope)
             else:
                 qr_smem = qn_smem  # unused
-            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, COMMON_MAX)
+            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T)
             fence_async_shared()  # the query tile, before wgmma reads it
             gl.warp_specialize(
                 [
                     (_pp_consumer, (
                         WG0, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t, hi,
-                        n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K, 0, 0, COMMON_MAX,
+                        n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
                     )),
                     (_pp_consumer, (
                         WG1, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t, hi,
-                        n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K, 0, 0, COMMON_MAX,
+                        n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
                     )),
-                    (_cm_producer, (smem, KV, stride_kv_row, idx_row, n_t, hi, n_pairs, D_ROPE)) if COMMON_MAX else
                     (_ws_producer, (
                         smem.kn, smem.kr, smem.full_bars, smem.empty_bars, KV, stride_kv_row, idx_row, n_t, hi,
                         2 * n_pairs, D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
@@ -1152,9 +886,6 @@ if HAVE_GLUON:
 #: 2,048 per-warp register units.
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
-#: The split of ``Config(fwd_schedule="common_max")``'s forward: 4 warps x (224 + 224 + 56).
-CM_CONSUMER_REGS = 224
-CM_PRODUCER_REGS = 56
 #: Ring depth of the attn_dist kernel (64-row blocks); the forward's ring has two slots.
 ATTN_DIST_NUM_BUF = 3
 
@@ -1182,7 +913,6 @@ def launch_fwd_gluon(
     k_stride: int,
     causal: bool,
     persistent_programs: int = 0,
-    common_max: bool = False,
     slots: dict[Any, Any] | None = None,
     strides: tuple[int, ...] | None = None,
     ctx: LaunchContext | None = None,
@@ -1196,8 +926,7 @@ def launch_fwd_gluon(
     :func:`~sparse_mla_attn._runtime.launch_context`. ``splits``: ``(n_splits, split_len)``; with more
     than one split ``out`` / ``max_logits`` / ``lse`` are the fp32 split-K partial buffers.
     ``persistent_programs``: run the kernel persistent on at most this many programs
-    (``Config.fwd_persistent``: the multiprocessor count), else (0) one program per work item.
-    ``common_max``: the consumers' schedule ``Config(fwd_schedule="common_max")`` (``_cm_loop``)."""
+    (``Config.fwd_persistent``: the multiprocessor count), else (0) one program per work item."""
     n_head_tiles = cdiv(dims.h_q, 64)
     n_splits, split_len = splits
     if strides is None:
@@ -1207,8 +936,6 @@ def launch_fwd_gluon(
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)  # fmt: skip
     if n_splits > 1:
         consts["SPLIT_K"] = True
-    if common_max:  # its producer holds two blocks' rows
-        consts.update(COMMON_MAX=True, CONSUMER_REGS=CM_CONSUMER_REGS, PRODUCER_REGS=CM_PRODUCER_REGS)
     n_items = n_splits * dims.s_q * n_head_tiles
     args = (q, kv_rows, idx, out, max_logits, lse, sink, topk_length if topk_length is not None else idx,
             *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,

@@ -52,23 +52,21 @@ if HAVE_GLUON:
         return s, t0, hi
 
     @gluon.jit
-    def _dkv_produce_item(
-        ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars,
-        DS, P, Q, DOUT, item, it, n_tok, stride_qs, stride_qh, stride_dos, stride_doh, h_q, topk, s_kv,
+    def _dkv_producer(
+        ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars,
+        DS, P, Q, DOUT, n_tok, stride_qs, stride_qh, stride_dos, stride_doh, h_q, topk, s_kv,
         q_start_index, k_stride,
         D_V: gl.constexpr, N_CH: gl.constexpr, BLOCK_HD: gl.constexpr, BLOCK_C: gl.constexpr,
         N_WG: gl.constexpr, NUM_BUF: gl.constexpr, N_TB: gl.constexpr, TOK_GROUP: gl.constexpr,
-        CAUSAL: gl.constexpr, SUB: gl.constexpr,
+        CAUSAL: gl.constexpr,
     ):  # fmt: skip
-        """Producer warpgroup, work item ``item`` (the program's ``it``-th): the token's dS / P columns of
-        the slot block into A buffer ``it % 2`` (``a_full`` / ``a_empty``), then the ``q`` / ``dout``
-        channel chunks into the ring (``full_bars`` / ``empty_bars``). Heads past ``h_q``, slots past
-        ``topk`` and ``dout`` past ``D_V`` are zero-filled (``cp.async`` with zero source size)."""
-        s, t0, _ = _dkv_item(
-            item, n_tok, s_kv, q_start_index, k_stride, N_TB, TOK_GROUP, 64 * N_WG * SUB, CAUSAL
-        )
-        # An opaque zero that depends on the item: with offsets the compiler can compute up front, it hoists
-        # every copy's address out of the partition into the kernel's prologue, where they spill.
+        """Producer warpgroup: the token's dS / P columns of the slot block (``a_bar``), then the ``q`` /
+        ``dout`` channel chunks into the ring (``full_bars`` / ``empty_bars``). Heads past ``h_q``, slots
+        past ``topk`` and ``dout`` past ``D_V`` are zero-filled (``cp.async`` with zero source size)."""
+        item = gl.program_id(0)
+        s, t0, _ = _dkv_item(item, n_tok, s_kv, q_start_index, k_stride, N_TB, TOK_GROUP, 64 * N_WG, CAUSAL)
+        # An opaque zero: with offsets the compiler can compute up front, it hoists every copy's address out
+        # of the partition into the kernel's prologue, where they spill.
         z = gl.inline_asm_elementwise(
             "and.b32 $0, $1, 0;", "=r,r", [item], dtype=gl.int32, is_pure=True, pack=1
         )
@@ -76,16 +74,14 @@ if HAVE_GLUON:
         offs_h = z + gl.arange(0, BLOCK_HD, layout=gl.SliceLayout(1, ld_l))
         h_ok = offs_h < h_q
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_l))
-        ab = it % 2
-        mbarrier.wait(a_empty.index(ab), ((it // 2) & 1) ^ 1)
         ws_base = s * h_q * topk
-        for w in gl.static_range(N_WG * SUB):
+        for w in gl.static_range(N_WG):
             t = t0 + w * 64 + cols
             m = h_ok[:, None] & (t < topk)[None, :]
             off = ws_base + (offs_h[:, None] * topk + t[None, :])
-            cp.async_copy_global_to_shared(ds_smem.index(ab * N_WG * SUB + w), DS + off, mask=m)
-            cp.async_copy_global_to_shared(p_smem.index(ab * N_WG * SUB + w), P + off, mask=m)
-        cp.mbarrier_arrive(a_full.index(ab), increment_count=False)
+            cp.async_copy_global_to_shared(ds_smem.index(w), DS + off, mask=m)
+            cp.async_copy_global_to_shared(p_smem.index(w), P + off, mask=m)
+        cp.mbarrier_arrive(a_bar, increment_count=False)
         # The chunks' copies: 16-byte vectors, BLOCK_C // 8 threads per row.
         ldc_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BLOCK_C, BLOCK_C // 8], [4, 1], [1, 0])
         offs_hc = z + gl.arange(0, BLOCK_HD, layout=gl.SliceLayout(1, ldc_l))
@@ -94,9 +90,8 @@ if HAVE_GLUON:
         q_rows = Q + s * stride_qs + offs_hc[:, None] * stride_qh
         do_rows = DOUT + s * stride_dos + offs_hc[:, None] * stride_doh
         for c in range(N_CH):
-            g = it * N_CH + c
-            slot = g % NUM_BUF
-            mbarrier.wait(empty_bars.index(slot), ((g // NUM_BUF) & 1) ^ 1)
+            slot = c % NUM_BUF
+            mbarrier.wait(empty_bars.index(slot), ((c // NUM_BUF) & 1) ^ 1)
             ch = c * BLOCK_C + ccols
             cp.async_copy_global_to_shared(
                 q_smem.index(slot), q_rows + ch[None, :], mask=hc_ok[:, None] & (ch >= 0)[None, :]
@@ -106,32 +101,6 @@ if HAVE_GLUON:
                 do_smem.index(slot), do_rows + ch[None, :], mask=hc_ok[:, None] & (ch < D_V)[None, :]
             )
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
-
-    @gluon.jit
-    def _dkv_producer(
-        ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars,
-        DS, P, Q, DOUT, n_tok, stride_qs, stride_qh, stride_dos, stride_doh, h_q, topk, s_kv, q_start_index,
-        k_stride, n_items,
-        D_V: gl.constexpr, N_CH: gl.constexpr, BLOCK_HD: gl.constexpr, BLOCK_C: gl.constexpr,
-        N_WG: gl.constexpr, NUM_BUF: gl.constexpr, N_TB: gl.constexpr, TOK_GROUP: gl.constexpr,
-        CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, SUB: gl.constexpr,
-    ):  # fmt: skip
-        """Producer warpgroup: the program's work items (``_dkv_produce_item``)."""
-        if PERSISTENT:
-            it = gl.program_id(0) * 0
-            for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-                _dkv_produce_item(
-                    ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars, DS, P, Q, DOUT,
-                    item, it, n_tok, stride_qs, stride_qh, stride_dos, stride_doh, h_q, topk, s_kv,
-                    q_start_index, k_stride, D_V, N_CH, BLOCK_HD, BLOCK_C, N_WG, NUM_BUF, N_TB, TOK_GROUP, CAUSAL, SUB,
-                )  # fmt: skip
-                it += 1
-        else:
-            _dkv_produce_item(
-                ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars, DS, P, Q, DOUT,
-                gl.program_id(0), 0, n_tok, stride_qs, stride_qh, stride_dos, stride_doh, h_q, topk, s_kv,
-                q_start_index, k_stride, D_V, N_CH, BLOCK_HD, BLOCK_C, N_WG, NUM_BUF, N_TB, TOK_GROUP, CAUSAL, SUB,
-            )  # fmt: skip
 
     @gluon.jit
     def _dkv_emit(DKV, PART, out_ptrs_row, part_row, acc, valid, in_topk, c, cols,
@@ -151,21 +120,21 @@ if HAVE_GLUON:
             )
 
     @gluon.jit
-    def _dkv_consume_item(
-        WG: gl.constexpr, ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars,
-        IDX, DKV, PART, item, it, n_tok, stride_is, topk, s_kv, q_start_index, k_stride,
+    def _dkv_consumer(
+        WG: gl.constexpr, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars,
+        IDX, DKV, PART, n_tok, stride_is, topk, s_kv, q_start_index, k_stride,
         D_QK: gl.constexpr, N_CH: gl.constexpr, BLOCK_C: gl.constexpr, N_WG: gl.constexpr,
         NUM_BUF: gl.constexpr, N_TB: gl.constexpr, TOK_GROUP: gl.constexpr, CAUSAL: gl.constexpr,
         DETERMINISTIC: gl.constexpr,
     ):  # fmt: skip
-        """Consumer warpgroup ``WG``, work item ``item`` (the program's ``it``-th): slots ``t0 + 64 WG ..``
-        of the token, every channel chunk. The products of chunk ``c`` are issued before chunk ``c - 1``'s
-        results are added."""
+        """Consumer warpgroup ``WG``: slots ``t0 + 64 WG ..`` of the token, every channel chunk. The
+        products of chunk ``c`` are issued before chunk ``c - 1``'s results are added."""
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_C, 16]
         )
         # Each thread adds 4 consecutive fp32 (one 16-byte vector atomic) per row.
         st_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BLOCK_C, BLOCK_C // 4], [4, 1], [1, 0])
+        item = gl.program_id(0)
         s, t0, hi = _dkv_item(item, n_tok, s_kv, q_start_index, k_stride, N_TB, TOK_GROUP, 64 * N_WG, CAUSAL)
         z = gl.inline_asm_elementwise(
             "and.b32 $0, $1, 0;", "=r,r", [item], dtype=gl.int32, is_pure=True, pack=1
@@ -182,23 +151,19 @@ if HAVE_GLUON:
         valid = (idx >= 0) & (idx < hi)
         rows = gl.where(valid, idx, 0).to(gl.int64) * D_QK
         part_row = (s * topk + offs_t) * D_QK
-        ab = it % 2
-        mbarrier.wait(a_full.index(ab), (it // 2) & 1)
+        mbarrier.wait(a_bar, 0)
         fence_async_shared()  # the producer's cp.async writes, read next by wgmma (async proxy)
-        a_ds = ds_smem.index(ab * N_WG + WG).permute((1, 0))  # [64 slots, heads], slots contiguous
-        a_p = p_smem.index(ab * N_WG + WG).permute((1, 0))
-        g = it * N_CH
-        slot = g % NUM_BUF
-        mbarrier.wait(full_bars.index(slot), (g // NUM_BUF) & 1)
+        a_ds = ds_smem.index(WG).permute((1, 0))  # [64 slots, heads], slots contiguous
+        a_p = p_smem.index(WG).permute((1, 0))
+        mbarrier.wait(full_bars.index(0), 0)
         fence_async_shared()
-        acc = warpgroup_mma(a_ds, q_smem.index(slot), zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma(a_p, do_smem.index(slot), acc, is_async=True)
+        acc = warpgroup_mma(a_ds, q_smem.index(0), zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(a_p, do_smem.index(0), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty_bars.index(slot))
+        mbarrier.arrive(empty_bars.index(0))
         for c in range(1, N_CH):
-            g = it * N_CH + c
-            slot = g % NUM_BUF
-            mbarrier.wait(full_bars.index(slot), (g // NUM_BUF) & 1)
+            slot = c % NUM_BUF
+            mbarrier.wait(full_bars.index(slot), (c // NUM_BUF) & 1)
             fence_async_shared()
             nxt = warpgroup_mma(a_ds, q_smem.index(slot), zero, use_acc=False, is_async=True)
             nxt = warpgroup_mma(a_p, do_smem.index(slot), nxt, is_async=True)
@@ -207,131 +172,9 @@ if HAVE_GLUON:
             )
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt,))
             mbarrier.arrive(empty_bars.index(slot))
-        mbarrier.arrive(a_empty.index(ab))  # this item's products are done with its A buffer
         _dkv_emit(
             DKV, PART, rows, part_row, acc, valid, in_topk, N_CH - 1, cols, st_l, BLOCK_C, DETERMINISTIC
         )
-
-    @gluon.jit
-    def _dkv_slots(IDX, s, stride_is, t0, topk, hi, D_QK: gl.constexpr, st_l: gl.constexpr):
-        """A consumer's 64 slots from ``t0``: dkv row offsets, valid and in-topk masks, workspace rows."""
-        offs_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_l))
-        in_topk = offs_t < topk
-        idx = gl.load(IDX + s * stride_is + offs_t, mask=in_topk, other=-1)
-        valid = (idx >= 0) & (idx < hi)
-        rows = gl.where(valid, idx, 0).to(gl.int64) * D_QK
-        return rows, valid, in_topk, (s * topk + offs_t) * D_QK
-
-    @gluon.jit
-    def _dkv_consume_item2(
-        WG: gl.constexpr, ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars,
-        IDX, DKV, PART, item, it, n_tok, stride_is, topk, s_kv, q_start_index, k_stride,
-        D_QK: gl.constexpr, N_CH: gl.constexpr, BLOCK_C: gl.constexpr, N_WG: gl.constexpr,
-        NUM_BUF: gl.constexpr, N_TB: gl.constexpr, TOK_GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-        DETERMINISTIC: gl.constexpr,
-    ):  # fmt: skip
-        """``_dkv_consume_item`` for two 64-slot sub-tiles per warpgroup (``SUB`` 2): slots ``t0 + 128 WG
-        ..``, two accumulators per chunk, so each ``q`` / ``dout`` chunk serves 128 slots per warpgroup."""
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_C, 16]
-        )
-        st_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BLOCK_C, BLOCK_C // 4], [4, 1], [1, 0])
-        s, t0, hi = _dkv_item(item, n_tok, s_kv, q_start_index, k_stride, N_TB, TOK_GROUP, 128 * N_WG, CAUSAL)
-        z = gl.inline_asm_elementwise(
-            "and.b32 $0, $1, 0;", "=r,r", [item], dtype=gl.int32, is_pure=True, pack=1
-        )
-        # An opaque zero keeps the column offsets in the partition (see the producer); the hints keep
-        # the 16-byte vector atomics.
-        cols = gl.max_contiguous(
-            gl.multiple_of(z + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, st_l)), BLOCK_C), BLOCK_C
-        )
-        zero = gl.zeros([64, BLOCK_C], gl.float32, acc_l)
-        rows0, valid0, in_topk0, part_row0 = _dkv_slots(
-            IDX, s, stride_is, t0 + WG * 128, topk, hi, D_QK, st_l
-        )
-        rows1, valid1, in_topk1, part_row1 = _dkv_slots(
-            IDX, s, stride_is, t0 + WG * 128 + 64, topk, hi, D_QK, st_l
-        )
-        ab = it % 2
-        mbarrier.wait(a_full.index(ab), (it // 2) & 1)
-        fence_async_shared()  # the producer's cp.async writes, read next by wgmma (async proxy)
-        a_ds0 = ds_smem.index((ab * N_WG + WG) * 2).permute((1, 0))
-        a_p0 = p_smem.index((ab * N_WG + WG) * 2).permute((1, 0))
-        a_ds1 = ds_smem.index((ab * N_WG + WG) * 2 + 1).permute((1, 0))
-        a_p1 = p_smem.index((ab * N_WG + WG) * 2 + 1).permute((1, 0))
-        g = it * N_CH
-        slot = g % NUM_BUF
-        mbarrier.wait(full_bars.index(slot), (g // NUM_BUF) & 1)
-        fence_async_shared()
-        acc0 = warpgroup_mma(a_ds0, q_smem.index(slot), zero, use_acc=False, is_async=True)
-        acc0 = warpgroup_mma(a_p0, do_smem.index(slot), acc0, is_async=True)
-        acc1 = warpgroup_mma(a_ds1, q_smem.index(slot), zero, use_acc=False, is_async=True)
-        acc1 = warpgroup_mma(a_p1, do_smem.index(slot), acc1, is_async=True)
-        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-        mbarrier.arrive(empty_bars.index(slot))
-        for c in range(1, N_CH):
-            g = it * N_CH + c
-            slot = g % NUM_BUF
-            mbarrier.wait(full_bars.index(slot), (g // NUM_BUF) & 1)
-            fence_async_shared()
-            nxt0 = warpgroup_mma(a_ds0, q_smem.index(slot), zero, use_acc=False, is_async=True)
-            nxt0 = warpgroup_mma(a_p0, do_smem.index(slot), nxt0, is_async=True)
-            nxt1 = warpgroup_mma(a_ds1, q_smem.index(slot), zero, use_acc=False, is_async=True)
-            nxt1 = warpgroup_mma(a_p1, do_smem.index(slot), nxt1, is_async=True)
-            _dkv_emit(
-                DKV, PART, rows0, part_row0, acc0, valid0, in_topk0, c - 1, cols, st_l, BLOCK_C, DETERMINISTIC
-            )
-            _dkv_emit(
-                DKV, PART, rows1, part_row1, acc1, valid1, in_topk1, c - 1, cols, st_l, BLOCK_C, DETERMINISTIC
-            )
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(nxt0, nxt1))
-            mbarrier.arrive(empty_bars.index(slot))
-        mbarrier.arrive(a_empty.index(ab))  # this item's products are done with its A buffer
-        _dkv_emit(
-            DKV, PART, rows0, part_row0, acc0, valid0, in_topk0, N_CH - 1, cols, st_l, BLOCK_C, DETERMINISTIC
-        )
-        _dkv_emit(
-            DKV, PART, rows1, part_row1, acc1, valid1, in_topk1, N_CH - 1, cols, st_l, BLOCK_C, DETERMINISTIC
-        )
-
-    @gluon.jit
-    def _dkv_consumer(
-        WG: gl.constexpr, ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars,
-        IDX, DKV, PART, n_tok, stride_is, topk, s_kv, q_start_index, k_stride, n_items,
-        D_QK: gl.constexpr, N_CH: gl.constexpr, BLOCK_C: gl.constexpr, N_WG: gl.constexpr,
-        NUM_BUF: gl.constexpr, N_TB: gl.constexpr, TOK_GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-        DETERMINISTIC: gl.constexpr, PERSISTENT: gl.constexpr, SUB: gl.constexpr,
-    ):  # fmt: skip
-        """Consumer warpgroup ``WG``: the program's work items (``_dkv_consume_item`` /
-        ``_dkv_consume_item2``)."""
-        if PERSISTENT:
-            it = gl.program_id(0) * 0
-            for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-                if SUB == 2:
-                    _dkv_consume_item2(
-                        WG, ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars, IDX, DKV,
-                        PART, item, it, n_tok, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH,
-                        BLOCK_C, N_WG, NUM_BUF, N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC,
-                    )  # fmt: skip
-                else:
-                    _dkv_consume_item(
-                        WG, ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars, IDX, DKV,
-                        PART, item, it, n_tok, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH,
-                        BLOCK_C, N_WG, NUM_BUF, N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC,
-                    )  # fmt: skip
-                it += 1
-        elif SUB == 2:
-            _dkv_consume_item2(
-                WG, ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars, IDX, DKV, PART,
-                gl.program_id(0), 0, n_tok, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH, BLOCK_C,
-                N_WG, NUM_BUF, N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC,
-            )  # fmt: skip
-        else:
-            _dkv_consume_item(
-                WG, ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars, IDX, DKV, PART,
-                gl.program_id(0), 0, n_tok, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH, BLOCK_C,
-                N_WG, NUM_BUF, N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC,
-            )  # fmt: skip
 
     @gluon.jit
     def _dkv_ws_kernel(
@@ -340,37 +183,29 @@ if HAVE_GLUON:
         s_kv, h_q, q_start_index, k_stride,
         topk: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, D_QK: gl.constexpr,
         D_V: gl.constexpr, BLOCK_HD: gl.constexpr, BLOCK_C: gl.constexpr, N_WG: gl.constexpr,
-        NUM_BUF: gl.constexpr, N_TB: gl.constexpr, TOK_GROUP: gl.constexpr, PERSISTENT: gl.constexpr,
-        SUB: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        NUM_BUF: gl.constexpr, N_TB: gl.constexpr, TOK_GROUP: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """dkv products of (token, block of ``64 * N_WG`` slots) work items, every head (``BLOCK_HD >=
-        h_q``): one item per program, or with ``PERSISTENT`` the items ``program_id, program_id +
-        num_programs, ...`` with two A buffers, so that the next item's dS / P copy overlaps this one's
-        products.
+        """dkv products of one (token, block of ``64 * N_WG`` slots) work item per program, every head
+        (``BLOCK_HD >= h_q``).
 
         Launch order as the Triton dkv kernel's: (group of ``TOK_GROUP`` tokens, slot block, token), so the
         programs in flight share a slot block and, with sorted slots, add into a narrow range of rows.
-        Default partition = consumer warpgroup 0, workers = the other consumers and the producer."""
+        Default partition = consumer warpgroup 0, workers = the other consumer and the producer."""
         gl.static_assert(num_warps == 4)
         gl.static_assert(N_WG == 2)
-        gl.static_assert(SUB == 1 or SUB == 2)
-        n_items = n_tok * N_TB
-        N_A: gl.constexpr = 2 if PERSISTENT else 1
         N_CH: gl.constexpr = D_QK // BLOCK_C
         dtype: gl.constexpr = Q.dtype.element_ty
         a_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         b_l: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=min(128, 2 * BLOCK_C), element_bitwidth=16, rank=2
         )
-        ds_smem = gl.allocate_shared_memory(dtype, [N_A * N_WG * SUB, BLOCK_HD, 64], a_l)
-        p_smem = gl.allocate_shared_memory(dtype, [N_A * N_WG * SUB, BLOCK_HD, 64], a_l)
+        ds_smem = gl.allocate_shared_memory(dtype, [N_WG, BLOCK_HD, 64], a_l)
+        p_smem = gl.allocate_shared_memory(dtype, [N_WG, BLOCK_HD, 64], a_l)
         q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_HD, BLOCK_C], b_l)
         do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_HD, BLOCK_C], b_l)
-        a_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        a_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for j in gl.static_range(2):
-            mbarrier.init(a_full.index(j), count=128)
-            mbarrier.init(a_empty.index(j), count=N_WG)
+        a_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        mbarrier.init(a_bar, count=128)
         full_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(NUM_BUF):
@@ -382,20 +217,19 @@ if HAVE_GLUON:
         gl.warp_specialize(
             [
                 (_dkv_consumer, (
-                    WG0, ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars, IDX, DKV,
-                    PART, n_tok, stride_is, topk, s_kv, q_start_index, k_stride, n_items, D_QK, N_CH, BLOCK_C,
-                    N_WG, NUM_BUF, N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC, PERSISTENT, SUB,
+                    WG0, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, IDX, DKV, PART,
+                    n_tok, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH, BLOCK_C, N_WG, NUM_BUF,
+                    N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC,
                 )),
                 (_dkv_consumer, (
-                    WG1, ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars, IDX, DKV,
-                    PART, n_tok, stride_is, topk, s_kv, q_start_index, k_stride, n_items, D_QK, N_CH, BLOCK_C,
-                    N_WG, NUM_BUF, N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC, PERSISTENT, SUB,
+                    WG1, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, IDX, DKV, PART,
+                    n_tok, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH, BLOCK_C, N_WG, NUM_BUF,
+                    N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC,
                 )),
                 (_dkv_producer, (
-                    ds_smem, p_smem, q_smem, do_smem, a_full, a_empty, full_bars, empty_bars, DS, P, Q, DOUT,
-                    n_tok, stride_qs, stride_qh, stride_dos, stride_doh, h_q, topk, s_kv, q_start_index,
-                    k_stride, n_items, D_V, N_CH, BLOCK_HD, BLOCK_C, N_WG, NUM_BUF, N_TB, TOK_GROUP, CAUSAL,
-                    PERSISTENT, SUB,
+                    ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, DS, P, Q, DOUT, n_tok,
+                    stride_qs, stride_qh, stride_dos, stride_doh, h_q, topk, s_kv, q_start_index, k_stride, D_V,
+                    N_CH, BLOCK_HD, BLOCK_C, N_WG, NUM_BUF, N_TB, TOK_GROUP, CAUSAL,
                 )),
             ],
             [4, 4],
@@ -416,22 +250,16 @@ def launch_dkv_gluon(
     slots: dict[Any, Any] | None, name: Any,
 ) -> Any:  # fmt: skip
     """The dkv products of a chunk of ``n`` tokens (see ``_dkv_ws_kernel``); ``cfg`` gives ``BLOCK_C_G``
-    (channels per chunk), ``NUM_BUF_G`` (ring slots), ``SUB_G`` (64-slot sub-tiles per consumer warpgroup:
-    1 or 2), ``TOK_GROUP``, ``PERSIST_G`` (the number of
-    persistent programs, 0: one program per work item) and the register split."""
-    n_wg, sub = 2, cfg["SUB_G"]
-    n_tb = cdiv(topk, 64 * n_wg * sub)
+    (channels per chunk), ``NUM_BUF_G`` (ring slots), ``TOK_GROUP`` and the register split."""
+    n_wg = 2
+    n_tb = cdiv(topk, 64 * n_wg)
     block_hd = max(16, 1 << (h_q - 1).bit_length())
-    persistent = cfg["PERSIST_G"] > 0
-    if persistent and sub != 1:  # two dS / P buffers of 256 slots do not fit in shared memory
-        raise ValueError("PERSIST_G needs SUB_G 1")
-    grid = min(n * n_tb, cfg["PERSIST_G"]) if persistent else n * n_tb
     return launch(
-        _dkv_ws_kernel, (grid,), slots, name,
+        _dkv_ws_kernel, (n * n_tb,), slots, name,
         (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n, q_c.stride(0), q_c.stride(1), do_c.stride(0),
          do_c.stride(1), idx_c.stride(0), s_kv, h_q, q_start_index, k_stride),
         dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, BLOCK_HD=block_hd,
              BLOCK_C=cfg["BLOCK_C_G"], N_WG=n_wg, NUM_BUF=cfg["NUM_BUF_G"], N_TB=n_tb,
-             TOK_GROUP=cfg["TOK_GROUP"], PERSISTENT=persistent, SUB=sub, CONSUMER_REGS=cfg["CONSUMER_REGS_G"],
+             TOK_GROUP=cfg["TOK_GROUP"], CONSUMER_REGS=cfg["CONSUMER_REGS_G"],
              PRODUCER_REGS=cfg["PRODUCER_REGS_G"], num_warps=4),
     )  # fmt: skip

@@ -1,32 +1,19 @@
 """Hopper (sm_90) sparse decode over FlashMLA's FP8 KV cache, in Gluon.
 
 The bf16 decode's pipeline (64 heads per program, blocks of 64 top-k rows in a ring of two bf16
-shared-memory slots, warp specialised) with a producer warpgroup that dequantizes. Two producers
-(``Config.fp8_producer``, :data:`FP8_PRODUCERS`):
-
-- ``_fp8_producer`` ("staged"), for each block:
-
-  1. copies the rows' 512 e4m3 bytes with ``cp.async`` into the upper half of the block's bf16 slot
-     (bytes of row ``r``, scale tile ``j`` land where bf16 channels ``256 + 64 j ..`` of row ``r`` go),
-     the 64 bf16 rope values straight into the rope slot, and the 4 float32 scales into a scale buffer,
-     then waits for its copies; meanwhile it prefetches the rows of block ``b + 2`` into L2;
-  2. dequantizes in place, tile by tile (``_dequant_e4m3``: bit operations and bf16 products, exact for
-     power-of-two scales), written over the slot's channels ``128 j ..``. Tile ``j``'s output only
-     overwrites staged bytes of the tiles before it or, for the last tile, the bytes it has just read (a
-     warpgroup barrier between the loads and the stores of each tile), so no staged byte is overwritten
-     before it is read;
-  3. releases the block to the consumers (one arrive after a fence and a warpgroup barrier).
-
-- ``_fp8_reg_producer`` ("registers", "registers_half") loads each 128-channel tile of latent bytes into
-  registers (16-byte loads) four or two tiles before it dequantizes it (``_dequant_e4m3_pairs``, the
-  same arithmetic) into the slot, so the next tiles' loads are in flight while one is dequantized; the
-  rope values go to the rope slot by ``cp.async``. Both write the same bf16 tiles.
+shared-memory slots, warp specialised) with a producer warpgroup that dequantizes
+(``_fp8_producer``): it loads each 128-channel tile of a block's latent bytes into registers (16-byte
+loads) two tiles before it dequantizes it (``_dequant_e4m3_pairs``: bit operations and bf16 products,
+exact for power-of-two scales) into the block's slot, so the next tiles' loads are in flight while one is
+dequantized; the rope values go straight into the rope slot (``cp.async``) and the rows of the block
+after next are prefetched into L2. Each slot is four allocations of 128 channels: the compiler orders
+stores to one allocation with warpgroup barriers, to four not.
 
 Consumer warpgroup 0 computes each block's scores, softmax and P·V for value channels 0..255, consumer
 warpgroup 1 P·V for channels 256..511 with the P warpgroup 0 publishes, so both are done with block ``b``
 before ``b + 1`` starts and its slot can take block ``b + 2`` while they work on ``b + 1``. Split-K
-partials are merged by the forward's merge kernel. The kernel uses the bf16 kernel's shared memory plus
-a 1 KiB scale buffer (staged producer). Rows whose index is invalid are zero-filled (never read).
+partials are merged by the forward's merge kernel. The kernel uses the bf16 kernel's shared memory. Rows
+whose index is invalid are zero-filled (never read).
 """
 
 from __future__ import annotations
@@ -64,38 +51,6 @@ if HAVE_GLUON:
         return row, valid
 
     @gluon.jit
-    def _prefetch_l2(rows, valid):
-        """Bulk-prefetch the 656-byte cache rows at ``rows`` (where ``valid``) into L2."""
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 656; mov.b32 $0, 0; }",
-            "=r,l,r",
-            [rows, valid.to(gl.int32)],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-    @gluon.jit
-    def _prefetch_block(
-        KV8,
-        idx_row,
-        k,
-        n_blocks,
-        n_t,
-        hi,
-        kv_block_size: gl.constexpr,
-        stride_kv_block,
-        offs_tp,
-        BLOCK_T: gl.constexpr,
-    ):
-        """Prefetch the cache rows of block ``k`` (if ``k < n_blocks``) into L2."""
-        offs = k * BLOCK_T + offs_tp
-        row, valid = _fp8_rows(
-            gl.load(idx_row + offs, mask=offs < n_t, other=-1), hi, kv_block_size, stride_kv_block, 656
-        )
-        _prefetch_l2(KV8 + row, valid & (k < n_blocks))
-
-    @gluon.jit
     def _prefetch_lines(
         KV8,
         idx_row,
@@ -126,44 +81,8 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
-    def _dequant_e4m3(x8, scale):
-        """``float8_e4m3fn`` bytes ``x8 [R, C]`` (uint8) times the float32 row scales ``scale [R]``, in bf16.
-
-        Without conversion instructions (few per clock on sm_90): each byte's sign, exponent and mantissa
-        are moved into a bf16 (its value times ``2**-120``, subnormals included), which is multiplied by
-        ``min(scale, 1) * 2**120`` and by ``max(scale, 1)``, both rounded to bf16. For power-of-two
-        scales both products are exact, so this is ``fp8 * scale`` exactly; other scales are rounded to
-        bf16 first."""
-        lo = (gl.minimum(scale, 1.0) * 1.329227995784916e36).to(gl.bfloat16)  # 2**120
-        hi = gl.maximum(scale, 1.0).to(gl.bfloat16)
-        return gl.inline_asm_elementwise(
-            """{
-            .reg .b32 t0, t1, m0, m1;
-            prmt.b32 t0, $2, 0, 0x1404;
-            prmt.b32 t1, $2, 0, 0x3424;
-            and.b32 m0, t0, 0x7F007F00;
-            and.b32 m1, t1, 0x7F007F00;
-            shr.b32 m0, m0, 4;
-            shr.b32 m1, m1, 4;
-            and.b32 t0, t0, 0x80008000;
-            and.b32 t1, t1, 0x80008000;
-            or.b32 t0, t0, m0;
-            or.b32 t1, t1, m1;
-            mul.rn.bf16x2 t0, t0, $3;
-            mul.rn.bf16x2 t1, t1, $4;
-            mul.rn.bf16x2 $0, t0, $5;
-            mul.rn.bf16x2 $1, t1, $6;
-            }""",
-            "=r,=r,r,r,r,r,r",
-            [x8, lo[:, None], hi[:, None]],
-            dtype=gl.bfloat16,
-            is_pure=True,
-            pack=4,
-        )
-
-    @gluon.jit
     def _scale_pairs(scale):
-        """The two bf16 factors of ``_dequant_e4m3`` for the float32 row scales ``scale``, each as a bf16
+        """The two bf16 factors of ``_dequant_e4m3_pairs`` for the float32 row scales ``scale``, each as a bf16
         pair in an int32 (``min(scale, 1) * 2**120`` and ``max(scale, 1)``): converted once per row, not
         once per value."""
         lo = gl.minimum(scale, 1.0) * 1.329227995784916e36  # 2**120
@@ -179,9 +98,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dequant_e4m3_pairs(x32, lo2, hi2):
-        """``_dequant_e4m3`` of the ``float8_e4m3fn`` bytes packed four to an int32 (``x32 [R, C]``, value ``i``
-        in byte ``i``), with the row factors as bf16 pairs (``_scale_pairs``, ``[R]``): the four bf16 values
-        of each int32, packed in an int64 (value ``i`` in bits ``16 i ..``)."""
+        """``float8_e4m3fn`` bytes packed four to an int32 (``x32 [R, C]``, value ``i`` in byte ``i``) times
+        the float32 row scales whose factors ``_scale_pairs`` gives (``lo2``, ``hi2`` ``[R]``), in bf16: the
+        four values of each int32 packed in an int64 (value ``i`` in bits ``16 i ..``).
+
+        Without conversion instructions (few per clock on sm_90): each byte's sign, exponent and mantissa
+        are moved into a bf16 (its value times ``2**-120``, subnormals included), which is multiplied by
+        ``min(scale, 1) * 2**120`` and by ``max(scale, 1)``, both rounded to bf16. For power-of-two
+        scales both products are exact, so this is ``fp8 * scale`` exactly; other scales are rounded to
+        bf16 first."""
         return gl.inline_asm_elementwise(
             """{
             .reg .b32 t0, t1, m0, m1;
@@ -209,117 +134,6 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
-    def _fp8_producer(
-        kn_smem,
-        kr_smem,
-        sc_smem,
-        full_bars,
-        empty_bars,
-        staged_bar,
-        KV,
-        kv_block_size: gl.constexpr,
-        stride_kv_block,
-        idx_row,
-        n_t,
-        hi,
-        n_blocks,
-        BLOCK_T: gl.constexpr,
-        NUM_BUF: gl.constexpr,
-        L2_PREFETCH: gl.constexpr,
-    ):
-        """Producer warpgroup of the FP8 decode: gathers, stages and dequantizes block ``b`` into slot
-        ``b % NUM_BUF`` (see the module docstring); ``full_bars[s]`` completes once per block (one arrive),
-        ``staged_bar`` once per block (128 deferred ``cp.async`` arrives); ``L2_PREFETCH`` as
-        ``_fp8_reg_producer``'s (1 or 2)."""
-        TOKEN_BYTES: gl.constexpr = 656
-        D_NOPE: gl.constexpr = 512
-        N_TILES: gl.constexpr = 4  # float32 scales per row, one per 128 latent channels
-        # Gathers: 16-byte vectors, a warp covers 4 rows x 128 bytes (latent bytes) or x 64 bf16 (rope).
-        ld_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-        rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        # Scales: [N_TILES, BLOCK_T] 4-byte copies, no thread copies twice.
-        sc_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 4], [1, 0])
-        # Dequantization: 16 bytes in, 16 bf16 out per thread and row (the gather's layout).
-        dq_l: gl.constexpr = ld_l
-        # The slots' bytes: row r's bytes [128 c, 128 c + 128) hold its bf16 channels [64 c, 64 c + 64).
-        st8 = kn_smem._reinterpret(
-            gl.uint8,
-            [NUM_BUF, BLOCK_T, 2 * D_NOPE],
-            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
-        )
-        KV8 = KV.to(gl.pointer_type(gl.uint8), bitcast=True)
-        KV16 = KV.to(gl.pointer_type(gl.bfloat16), bitcast=True)
-        KV32 = KV.to(gl.pointer_type(gl.float32), bitcast=True)
-
-        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
-        offs_ts = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, sc_l))
-        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
-        cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
-        tiles = gl.arange(0, N_TILES, layout=gl.SliceLayout(1, sc_l))
-        offs_tp = gl.arange(0, BLOCK_T, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
-        idx_next_s = gl.load(idx_row + offs_ts, mask=offs_ts < n_t, other=-1)
-        if L2_PREFETCH == 1:
-            _prefetch_block(
-                KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
-            )
-        else:
-            _prefetch_lines(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T)
-        for b in range(n_blocks):
-            slot = b % NUM_BUF
-            row, valid = _fp8_rows(idx_next, hi, kv_block_size, stride_kv_block, TOKEN_BYTES)
-            row_s, valid_s = _fp8_rows(idx_next_s, hi, kv_block_size, stride_kv_block, TOKEN_BYTES)
-            nxt = (b + 1) * BLOCK_T + offs_t
-            idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
-            nxt_s = (b + 1) * BLOCK_T + offs_ts
-            idx_next_s = gl.load(idx_row + nxt_s, mask=nxt_s < n_t, other=-1)
-            # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
-            mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
-            cp.async_copy_global_to_shared(
-                st8.index(slot).slice(D_NOPE, D_NOPE, dim=1),
-                KV8 + row[:, None] + cols[None, :],
-                mask=valid[:, None] & (cols[None, :] >= 0),
-            )
-            row_r = gl.convert_layout(row, gl.SliceLayout(1, rope_l), assert_trivial=True)
-            valid_r = gl.convert_layout(valid, gl.SliceLayout(1, rope_l), assert_trivial=True)
-            cp.async_copy_global_to_shared(
-                kr_smem.index(slot),
-                KV16 + ((row_r + D_NOPE + 4 * N_TILES) // 2)[:, None] + cols_r[None, :],
-                mask=valid_r[:, None] & (cols_r[None, :] >= 0),
-            )
-            cp.async_copy_global_to_shared(
-                sc_smem,
-                KV32 + ((row_s + D_NOPE) // 4)[None, :] + tiles[:, None],
-                mask=valid_s[None, :] & (tiles[:, None] >= 0),
-            )
-            cp.mbarrier_arrive(staged_bar, increment_count=False)
-            # While they land: the rows of the block after next into L2, so its gather does not wait on HBM.
-            if L2_PREFETCH == 1:
-                _prefetch_block(
-                    KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
-                )
-            else:
-                _prefetch_lines(
-                    KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T
-                )
-            mbarrier.wait(staged_bar, b & 1)
-
-            kn = kn_smem.index(slot)
-            sc_flat = sc_smem.reshape([N_TILES * BLOCK_T])
-            staged = st8.index(slot)
-            for j in gl.static_range(N_TILES):
-                x8 = staged.slice(D_NOPE + 128 * j, 128, dim=1).load(dq_l)
-                scale = sc_flat.slice(BLOCK_T * j, BLOCK_T).load(gl.SliceLayout(1, dq_l))
-                # (The stores below overwrite staged bytes read by this warp only; the barrier keeps the
-                # compiler from placing one before each of their pieces.)
-                gl.thread_barrier()
-                kn.slice(128 * j, 128, dim=1).store(_dequant_e4m3(x8, scale))
-            # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(full_bars.index(slot))
-
-    @gluon.jit
     def _dequant_tile(x32, scale):
         """``_dequant_e4m3_pairs`` of a tile with its float32 row scales."""
         lo2, hi2 = _scale_pairs(scale)
@@ -338,7 +152,7 @@ if HAVE_GLUON:
         return x32, scale
 
     @gluon.jit
-    def _fp8_reg_producer(
+    def _fp8_producer(
         kt0,
         kt1,
         kt2,
@@ -355,19 +169,13 @@ if HAVE_GLUON:
         n_blocks,
         BLOCK_T: gl.constexpr,
         NUM_BUF: gl.constexpr,
-        AHEAD: gl.constexpr,
-        L2_PREFETCH: gl.constexpr,
     ):
-        """Producer warpgroup of the FP8 decode that gathers into registers: the latent bytes of a block
-        arrive in four 128-channel tiles (16-byte loads, one scale each), each loaded ``AHEAD`` tiles (2, 3
-        or 4: up to a whole block) before it is dequantized (``_dequant_e4m3_pairs``) and stored in bf16
-        into the block's slot of its tile allocation (``kt0`` .. ``kt3``: the compiler orders stores to one
-        allocation with barriers, to four not); the rope values go straight into the rope slot (``cp.async``). So the gathers of
-        the next tiles are in flight while a tile is dequantized, and nothing is staged in shared memory.
-        ``full_bars[s]`` completes once per block (one arrive after the stores, and one cp.async arrival
-        per thread for the rope rows); ``L2_PREFETCH``: also prefetch the rows of
-        block ``b + 2`` into L2, 1: with ``cp.async.bulk.prefetch`` (``_prefetch_block``), 2: line by line
-        (``_prefetch_lines``), 0: not."""
+        """Producer warpgroup of the FP8 decode: the latent bytes of a block arrive in four 128-channel tiles
+        (16-byte loads into registers, one scale each), each loaded two tiles before it is dequantized
+        (``_dequant_e4m3_pairs``) and stored in bf16 into the block's slot of its tile allocation (``kt0``
+        .. ``kt3``); the rope values go straight into the rope slot (``cp.async``), and the rows of block
+        ``b + 2`` are prefetched into L2 (``_prefetch_lines``). ``full_bars[s]`` completes once per block:
+        one arrive after the stores, and one ``cp.async`` arrival per thread for the rope rows."""
         D_NOPE: gl.constexpr = 512
         # A warp covers 4 rows x 128 latent bytes (4 int32 per thread) or x 64 bf16 rope values (8 per thread).
         ld_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
@@ -384,7 +192,6 @@ if HAVE_GLUON:
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
         cols = gl.arange(0, 32, layout=gl.SliceLayout(0, ld_l))
         cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
-        offs_tp = gl.arange(0, BLOCK_T, layout=gl.BlockedLayout([1], [32], [4], [0]))
         # Block 0's rows and first tiles, block 1's indices.
         row_c, valid_c = _fp8_rows(
             gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1), hi, kv_block_size, stride_kv_block, 656
@@ -393,16 +200,7 @@ if HAVE_GLUON:
         idx_n = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
         x0, s0 = _fp8_tile(KV32, row_c, valid_c, cols, 0)
         x1, s1 = _fp8_tile(KV32, row_c, valid_c, cols, 1)
-        if AHEAD >= 3:
-            x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
-        if AHEAD == 4:
-            x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
-        if L2_PREFETCH == 1:
-            _prefetch_block(
-                KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
-            )
-        elif L2_PREFETCH == 2:
-            _prefetch_lines(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T)
+        _prefetch_lines(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T)
         for b in range(n_blocks):
             slot = b % NUM_BUF
             row_n, valid_n = _fp8_rows(idx_n, hi, kv_block_size, stride_kv_block, 656)
@@ -421,82 +219,22 @@ if HAVE_GLUON:
             # The rope rows complete the block's barrier themselves (128 arrivals without count, see the
             # kernel), so the producer never waits for them.
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
-            if L2_PREFETCH == 1:
-                _prefetch_block(
-                    KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, offs_tp, BLOCK_T
-                )
-            elif L2_PREFETCH == 2:
-                _prefetch_lines(
-                    KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T
-                )
+            # The rows of the block after next into L2, so their loads do not wait on HBM.
+            _prefetch_lines(KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T)
             # Each tile: the next gather issued, then this tile dequantized and stored.
-            if AHEAD == 4:
-                y0, t0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
-                k64_0.index(slot).store(_dequant_tile(x0, s0))
-                y1, t1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
-                k64_1.index(slot).store(_dequant_tile(x1, s1))
-                y2, t2 = _fp8_tile(KV32, row_n, valid_n, cols, 2)
-                k64_2.index(slot).store(_dequant_tile(x2, s2))
-                y3, t3 = _fp8_tile(KV32, row_n, valid_n, cols, 3)
-                k64_3.index(slot).store(_dequant_tile(x3, s3))
-                x0, s0, x1, s1, x2, s2, x3, s3 = y0, t0, y1, t1, y2, t2, y3, t3
-            elif AHEAD == 3:
-                x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
-                k64_0.index(slot).store(_dequant_tile(x0, s0))
-                y0, t0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
-                k64_1.index(slot).store(_dequant_tile(x1, s1))
-                y1, t1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
-                k64_2.index(slot).store(_dequant_tile(x2, s2))
-                x2, s2 = _fp8_tile(KV32, row_n, valid_n, cols, 2)
-                k64_3.index(slot).store(_dequant_tile(x3, s3))
-                x0, s0, x1, s1 = y0, t0, y1, t1
-            else:
-                x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
-                k64_0.index(slot).store(_dequant_tile(x0, s0))
-                x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
-                k64_1.index(slot).store(_dequant_tile(x1, s1))
-                x0, s0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
-                k64_2.index(slot).store(_dequant_tile(x2, s2))
-                x1, s1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
-                k64_3.index(slot).store(_dequant_tile(x3, s3))
+            x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
+            k64_0.index(slot).store(_dequant_tile(x0, s0))
+            x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
+            k64_1.index(slot).store(_dequant_tile(x1, s1))
+            x0, s0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
+            k64_2.index(slot).store(_dequant_tile(x2, s2))
+            x1, s1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
+            k64_3.index(slot).store(_dequant_tile(x3, s3))
             row_c, valid_c = row_n, valid_n
             # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(full_bars.index(slot))
-
-    @gluon.jit
-    def _fp8_any_producer(
-        kn_smem,
-        kt0,
-        kt1,
-        kt2,
-        kt3,
-        kr_smem,
-        sc_smem,
-        full_bars,
-        empty_bars,
-        staged_bar,
-        KV,
-        kv_block_size: gl.constexpr,
-        stride_kv_block,
-        idx_row,
-        n_t,
-        hi,
-        n_blocks,
-        BLOCK_T: gl.constexpr,
-        AHEAD: gl.constexpr,
-        L2_PREFETCH: gl.constexpr,
-    ):
-        """The producer ``AHEAD`` selects: 0, ``_fp8_producer`` (staged in shared memory); 2 or 4,
-        ``_fp8_reg_producer`` (gathered into registers that many tiles ahead, ``L2_PREFETCH`` its L2
-        prefetch)."""
-        if AHEAD == 0:
-            _fp8_producer(kn_smem, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV, kv_block_size,
-                          stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, 2, L2_PREFETCH)  # fmt: skip
-        else:
-            _fp8_reg_producer(kt0, kt1, kt2, kt3, kr_smem, full_bars, empty_bars, KV, kv_block_size, stride_kv_block,
-                              idx_row, n_t, hi, n_blocks, BLOCK_T, 2, AHEAD, L2_PREFETCH)  # fmt: skip
 
     @gluon.jit
     def _softmax_publish(s, t_idx, hi, m_i, l_i, sm_scale_log2, p_smem, a_smem, p_ready, p_free, b):
@@ -545,122 +283,6 @@ if HAVE_GLUON:
     def _sv_consumer(
         qn_smem,
         qr_smem,
-        kn_smem,
-        kr_smem,
-        p_smem,
-        a_smem,
-        l_smem,
-        full_bars,
-        empty_bars,
-        p_ready,
-        p_free,
-        end_bar,
-        idx_row,
-        OUT,
-        MAX_LOGITS,
-        LSE,
-        out_base,
-        lse_base,
-        stride_o_h,
-        h_q,
-        h0,
-        n_t,
-        hi,
-        n_blocks,
-        sm_scale_log2,
-        BLOCK_T: gl.constexpr,
-        SPLIT_K: gl.constexpr,
-    ):
-        """Consumer warpgroup 0: for every block, S (m64n64 from shared memory), the online softmax, P and
-        the rescale factors published to warpgroup 1 (``p_smem`` / ``a_smem``, ``p_ready``), and P·V for
-        value channels 0..255 from registers; then the block's slot is released. Both warpgroups are done
-        with block ``b`` before block ``b + 1`` is consumed, so while they work on ``b + 1`` the producer
-        fills ``b``'s slot with ``b + 2``. Writes the outputs as ``_pp_consumer`` does (split-K partials
-        with ``SPLIT_K``)."""
-        BLOCK_H: gl.constexpr = 64
-        D_HALF: gl.constexpr = 256
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
-        )
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16]
-        )
-        pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
-        l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
-        acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
-        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
-        for b in range(n_blocks):
-            slot = b % 2
-            # An opaque zero (see _pp_consumer): keeps the S descriptors from being hoisted out of the loop.
-            z = gl.inline_asm_elementwise(
-                "and.b32 $0, $1, 0;", "=r,r", [b], dtype=gl.int32, is_pure=True, pack=1
-            )
-            _ws_wait_full(full_bars, b, 2)
-            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
-            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
-            s = warpgroup_mma(
-                qn_smem.index(z), kn_smem.index(slot + z).permute((1, 0)), s, use_acc=False, is_async=True
-            )
-            s = warpgroup_mma(qr_smem.index(z), kr_smem.index(slot + z).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            p16, alpha, m_i, l_i = _softmax_publish(
-                s, t_idx, hi, m_i, l_i, sm_scale_log2, p_smem, a_smem, p_ready, p_free, b
-            )
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            acc = warpgroup_mma(
-                gl.convert_layout(p16, pa_l), kn_smem.index(slot).slice(0, D_HALF, dim=1), acc, is_async=True
-            )
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty_bars.index(slot))
-        scale = _sv_epilogue(m_i, l_i, l_smem, end_bar, MAX_LOGITS, LSE, lse_base, h_q, h0, SPLIT_K)
-        _store_cols(acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None], OUT, out_base, stride_o_h,
-                    h_q, h0, 0, o_l)  # fmt: skip
-
-    @gluon.jit
-    def _v_consumer(
-        kn_smem,
-        p_smem,
-        a_smem,
-        l_smem,
-        empty_bars,
-        p_ready,
-        p_free,
-        end_bar,
-        OUT,
-        out_base,
-        stride_o_h,
-        h_q,
-        h0,
-        n_blocks,
-    ):
-        """Consumer warpgroup 1: P·V for value channels 256..511 of every block, with P and the rescale
-        factors warpgroup 0 published; the row sums come from warpgroup 0 at the end."""
-        BLOCK_H: gl.constexpr = 64
-        D_HALF: gl.constexpr = 256
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16]
-        )
-        acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
-        for b in range(n_blocks):
-            slot = b % 2
-            mbarrier.wait(p_ready, b & 1)
-            acc = acc * a_smem.load(gl.SliceLayout(1, o_l))[:, None]
-            acc = warpgroup_mma(p_smem, kn_smem.index(slot).slice(D_HALF, D_HALF, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(p_free)
-            mbarrier.arrive(empty_bars.index(slot))
-        mbarrier.wait(end_bar, 0)
-        l_i = l_smem.load(gl.SliceLayout(1, o_l))
-        scale = gl.where(l_i > 0.0, 1.0 / gl.where(l_i > 0.0, l_i, 1.0), 0.0)
-        _store_cols(acc * scale[:, None], OUT, out_base, stride_o_h, h_q, h0, D_HALF, o_l)
-
-    @gluon.jit
-    def _sv_consumer_tiles(
-        qn_smem,
-        qr_smem,
         kt0,
         kt1,
         kt2,
@@ -690,9 +312,12 @@ if HAVE_GLUON:
         BLOCK_T: gl.constexpr,
         SPLIT_K: gl.constexpr,
     ):
-        """``_sv_consumer`` over slots held as four 128-channel tile allocations (``kt0`` .. ``kt3``, the
-        register producers' layout): S as four k-chunks, P·V for channels 0..255 as two 128-column
-        products."""
+        """Consumer warpgroup 0: for every block, S (m64n64 from shared memory, four 128-channel k-chunks
+        and the rope), the online softmax, P and the rescale factors published to warpgroup 1 (``p_smem`` /
+        ``a_smem``, ``p_ready``), and P·V for value channels 0..255 (tiles 0 and 1) from registers; then
+        the block's slot is released. Both warpgroups are done with block ``b`` before block ``b + 1`` is
+        consumed, so while they work on ``b + 1`` the producer fills ``b``'s slot with ``b + 2``. Writes the
+        outputs as ``_pp_consumer`` does (split-K partials with ``SPLIT_K``)."""
         BLOCK_H: gl.constexpr = 64
         s_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
@@ -742,7 +367,7 @@ if HAVE_GLUON:
         _store_cols(acc1 * scale, OUT, out_base, stride_o_h, h_q, h0, 128, o_l)
 
     @gluon.jit
-    def _v_consumer_tiles(
+    def _v_consumer(
         kt2,
         kt3,
         p_smem,
@@ -759,7 +384,8 @@ if HAVE_GLUON:
         h0,
         n_blocks,
     ):
-        """``_v_consumer`` over the 128-channel tile allocations 2 and 3 (channels 256..511)."""
+        """Consumer warpgroup 1: P·V for value channels 256..511 (tiles 2 and 3) of every block, with P and
+        the rescale factors warpgroup 0 published; the row sums come from warpgroup 0 at the end."""
         BLOCK_H: gl.constexpr = 64
         o_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16]
@@ -816,8 +442,6 @@ if HAVE_GLUON:
         BLOCK_T: gl.constexpr,
         V_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
-        AHEAD: gl.constexpr,
-        L2_PREFETCH: gl.constexpr,
         num_warps: gl.constexpr,
         SPLIT_K: gl.constexpr = False,
     ):
@@ -839,166 +463,56 @@ if HAVE_GLUON:
         n_blocks = gl.cdiv(n_t, BLOCK_T)
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        sc_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         dtype: gl.constexpr = Q.dtype.element_ty
         # Leading axis of 1: the consumer indexes it with an opaque zero (see _pp_consumer).
         qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
         qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
-        TILES: gl.constexpr = AHEAD > 0
-        if TILES:
-            # The register producers' slots: one allocation per 128-channel tile (see _fp8_reg_producer).
-            kt0 = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 128], smem_l)
-            kt1 = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 128], smem_l)
-            kt2 = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 128], smem_l)
-            kt3 = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 128], smem_l)
-            kn_smem = kt0
-        else:
-            kn_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, D_NOPE], smem_l)
-            kt0 = kn_smem
-            kt1 = kn_smem
-            kt2 = kn_smem
-            kt3 = kn_smem
+        # The two slots, as one allocation per 128-channel tile (see the module docstring).
+        kt0 = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 128], smem_l)
+        kt1 = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 128], smem_l)
+        kt2 = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 128], smem_l)
+        kt3 = gl.allocate_shared_memory(dtype, [2, BLOCK_T, 128], smem_l)
         kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_T, D_ROPE], smem_l)
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_T], smem_l)
         a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_l)  # P's rescale factors
         l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_l)  # row sums
-        sc_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_T], sc_sl)  # the block's scales (staged)
         full_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        staged_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-        mbarrier.init(staged_bar, count=128)  # the staged producer's copies, one arrive per thread
         p_sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(2):
-            if TILES:
-                # The register producer's one arrive and its threads' rope copies (cp.async arrivals).
-                mbarrier.init(full_bars.index(j), count=129)
-            else:
-                mbarrier.init(full_bars.index(j), count=1)  # the producer's one arrive per block
+            # The producer's one arrive per block and its threads' rope copies (cp.async arrivals).
+            mbarrier.init(full_bars.index(j), count=129)
             mbarrier.init(empty_bars.index(j), count=2)  # both consumers read every block
         for j in gl.static_range(3):
             mbarrier.init(p_sync.index(j), count=1)  # P ready, P read, row sums ready
         for w in gl.static_range(2):
             _load_q_rows(w, qn_smem, qr_smem, Q, stride_q_s, stride_q_h, pid_s, h0, h_q, D_NOPE, D_ROPE)
         fence_async_shared()  # the query tile and the barriers, before the partitions use them
-        if TILES:
-            gl.warp_specialize(
-                [
-                    (
-                        _sv_consumer_tiles,
-                        (
-                            qn_smem,
-                            qr_smem,
-                            kt0,
-                            kt1,
-                            kt2,
-                            kt3,
-                            kr_smem,
-                            p_smem,
-                            a_smem,
-                            l_smem,
-                            full_bars,
-                            empty_bars,
-                            p_sync.index(0),
-                            p_sync.index(1),
-                            p_sync.index(2),
-                            idx_row,
-                            OUT,
-                            MAX_LOGITS,
-                            LSE,
-                            out_base,
-                            lse_base,
-                            so_h,
-                            h_q,
-                            h0,
-                            n_t,
-                            hi,
-                            n_blocks,
-                            sm_scale_log2,
-                            BLOCK_T,
-                            SPLIT_K,
-                        ),
-                    ),
-                    (
-                        _v_consumer_tiles,
-                        (
-                            kt2,
-                            kt3,
-                            p_smem,
-                            a_smem,
-                            l_smem,
-                            empty_bars,
-                            p_sync.index(0),
-                            p_sync.index(1),
-                            p_sync.index(2),
-                            OUT,
-                            out_base,
-                            so_h,
-                            h_q,
-                            h0,
-                            n_blocks,
-                        ),
-                    ),
-                    (
-                        _fp8_any_producer,
-                        (
-                            kn_smem,
-                            kt0,
-                            kt1,
-                            kt2,
-                            kt3,
-                            kr_smem,
-                            sc_smem,
-                            full_bars,
-                            empty_bars,
-                            staged_bar,
-                            KV,
-                            KV_BLOCK,
-                            stride_kv_block,
-                            idx_row,
-                            n_t,
-                            hi,
-                            n_blocks,
-                            BLOCK_T,
-                            AHEAD,
-                            L2_PREFETCH,
-                        ),
-                    ),
-                ],
-                [4, 4],
-                [V_REGS, PRODUCER_REGS],
-            )
-        else:
-            gl.warp_specialize(
-                [
-                    (_sv_consumer, (
-                        qn_smem, qr_smem, kn_smem, kr_smem, p_smem, a_smem, l_smem, full_bars, empty_bars,
-                        p_sync.index(0), p_sync.index(1), p_sync.index(2), idx_row, OUT, MAX_LOGITS, LSE,
-                        out_base, lse_base, so_h, h_q, h0, n_t, hi, n_blocks, sm_scale_log2, BLOCK_T, SPLIT_K,
-                    )),
-                    (_v_consumer, (
-                        kn_smem, p_smem, a_smem, l_smem, empty_bars, p_sync.index(0), p_sync.index(1),
-                        p_sync.index(2), OUT, out_base, so_h, h_q, h0, n_blocks,
-                    )),
-                    (_fp8_any_producer, (
-                        kn_smem, kt0, kt1, kt2, kt3, kr_smem, sc_smem, full_bars, empty_bars, staged_bar, KV,
-                        KV_BLOCK, stride_kv_block, idx_row, n_t, hi, n_blocks, BLOCK_T, AHEAD, L2_PREFETCH,
-                    )),
-                ],
-                [4, 4],
-                [V_REGS, PRODUCER_REGS],
-            )  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_sv_consumer, (
+                    qn_smem, qr_smem, kt0, kt1, kt2, kt3, kr_smem, p_smem, a_smem, l_smem, full_bars, empty_bars,
+                    p_sync.index(0), p_sync.index(1), p_sync.index(2), idx_row, OUT, MAX_LOGITS, LSE, out_base,
+                    lse_base, so_h, h_q, h0, n_t, hi, n_blocks, sm_scale_log2, BLOCK_T, SPLIT_K,
+                )),
+                (_v_consumer, (
+                    kt2, kt3, p_smem, a_smem, l_smem, empty_bars, p_sync.index(0), p_sync.index(1),
+                    p_sync.index(2), OUT, out_base, so_h, h_q, h0, n_blocks,
+                )),
+                (_fp8_producer, (
+                    kt0, kt1, kt2, kt3, kr_smem, full_bars, empty_bars, KV, KV_BLOCK, stride_kv_block, idx_row,
+                    n_t, hi, n_blocks, BLOCK_T, 2,
+                )),
+            ],
+            [4, 4],
+            [V_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
-#: The producers (``Config.fp8_producer``): ``AHEAD`` (0: ``_fp8_producer``, which stages the block in
-#: shared memory; 2 or 4: ``_fp8_reg_producer``, tiles gathered that many tiles ahead into registers), its
-#: ``L2_PREFETCH`` (0, 1 or 2; the staged producer 1 or 2) and the
-#: register split (``setmaxnreg``) of the warpgroups of 384 threads (504 per thread in all): the P·V
-#: consumer's and the producer's (the S + P·V consumer, the default partition, has the rest).
-FP8_PRODUCERS: dict[str, tuple[int, int, int, int]] = {
-    "staged": (0, 1, 176, 96),
-    "registers": (4, 1, 160, 152),
-    "registers_half": (2, 1, 168, 128),
-}
+#: Register split (``setmaxnreg``) of the warpgroups of 384 threads (504 per thread in all): the S + P·V
+#: consumer 208 (the default partition: the rest), the P·V consumer 168, the producer 128.
+FP8_V_REGS = 168
+FP8_PRODUCER_REGS = 128
 
 
 def launch_decode_fp8_gluon(
@@ -1016,28 +530,26 @@ def launch_decode_fp8_gluon(
     slots: dict[Any, Any] | None = None,
     ctx: LaunchContext | None = None,
     splits: tuple[int, int] = (1, 0),
-    producer: str = "staged",
 ) -> Any:
     """Decode over an FP8 cache on sm_90 (``_sparse_mla_decode_fp8_kernel``): one program per token and
     64-head tile (and split). ``kv_cache``: the FP8 cache (``fp8_cache`` layout, any of its dtypes);
     ``kv_paging``: its ``(block_size, block stride in bytes)``; ``idx``: ``[n_tok, topk]`` int32 cache rows;
     ``strides``: the token and head strides of ``q``, the row stride of ``idx``, the token and head strides
     of ``out``; ``splits``: ``(n_splits, split_len)``, with more than one split ``out`` / ``max_logits`` /
-    ``lse`` are the fp32 split-K partial buffers (merged by the forward's merge kernel); ``producer``: a
-    key of :data:`FP8_PRODUCERS`. Same outputs as the bf16 Gluon kernel (``slots`` and ``ctx``: see
-    :func:`sparse_mla_attn._runtime.launch`)."""
+    ``lse`` are the fp32 split-K partial buffers (merged by the forward's merge kernel). Same outputs as
+    the bf16 Gluon kernel (``slots`` and ``ctx``: see :func:`sparse_mla_attn._runtime.launch`)."""
     assert kv_cache.shape[-1] == FP8_TOKEN_BYTES
     n_head_tiles = cdiv(dims.h_q, 64)
     n_splits, split_len = splits
     # The block size is a constant of the kernel: the row offsets divide by it (a shift for powers of two).
-    ahead, l2_prefetch, v_regs, producer_regs = FP8_PRODUCERS[producer]
-    consts = dict(KV_BLOCK=kv_paging[0], BLOCK_T=64, V_REGS=v_regs, PRODUCER_REGS=producer_regs, AHEAD=ahead,
-                  L2_PREFETCH=l2_prefetch, num_warps=4)  # fmt: skip
+    consts = dict(
+        KV_BLOCK=kv_paging[0], BLOCK_T=64, V_REGS=FP8_V_REGS, PRODUCER_REGS=FP8_PRODUCER_REGS, num_warps=4
+    )
     if n_splits > 1:
         consts["SPLIT_K"] = True
     args = (q, kv_cache, idx, out, max_logits, lse, *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv,
             kv_paging[1], sm_scale_log2, dims.s_q, split_len if n_splits > 1 else dims.topk)  # fmt: skip
     return launch(
         _sparse_mla_decode_fp8_kernel, (n_splits * dims.s_q * n_head_tiles,), slots,
-        f"gluon_fp8_{producer}" if n_splits == 1 else f"gluon_fp8_{producer}_split", args, consts, ctx,
+        "gluon_fp8" if n_splits == 1 else "gluon_fp8_split", args, consts, ctx,
     )  # fmt: skip
