@@ -407,7 +407,6 @@ class EPLayer:
         self._check_tensor("scales", scales, (n, cfg.hidden // FP8_BLOCK), (torch.float32,))
         return self.ctx.backend.pack_fp8(x_fp8, scales), n
 
-    @_eager_only
     def dispatch(
         self,
         input: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -457,6 +456,8 @@ class EPLayer:
             EPTimeoutError: a rank did not arrive within ``timeout_s`` (named).
             RuntimeError: called after :meth:`finalize`.
         """
+        if torch.compiler.is_compiling():  # (as _eager_only, without its frame on the eager path)
+            raise RuntimeError(_COMPILE_ERROR.format(what="dispatch"))
         self._check_alive("dispatch")
         if (
             type(input) is torch.Tensor
@@ -502,7 +503,6 @@ class EPLayer:
             return rows, out_w, desc
         return backend.unpack_fp8(rows), out_w, desc
 
-    @_eager_only
     def combine(self, input: torch.Tensor, ep_a2a_layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
         """Send expert-output rows back and sum them per original token (collective).
 
@@ -522,6 +522,8 @@ class EPLayer:
             EPTimeoutError: a rank did not arrive within ``timeout_s`` (named).
             RuntimeError: called after :meth:`finalize`.
         """
+        if torch.compiler.is_compiling():  # (as _eager_only, without its frame on the eager path)
+            raise RuntimeError(_COMPILE_ERROR.format(what="combine"))
         self._check_alive("combine")
         desc = ep_a2a_layout_desc
         if not isinstance(desc, EPAllToAllLayoutDesc):
