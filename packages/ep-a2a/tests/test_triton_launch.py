@@ -374,7 +374,7 @@ def test_speculative_rows_fit_and_overflow():
     "hold",
     [
         "tab", "n_src", "rows_exp", "skip", "scat", "info", "slice_of_out_e", "view_of_scat", "slice_of_out_w",
-        "state",
+        "state", "n_in_host", "slice_of_n_recv_host",
     ],
 )  # fmt: skip
 def test_workspace_reused_only_when_nothing_refers_to_it(hold):
@@ -391,6 +391,7 @@ def test_workspace_reused_only_when_nothing_refers_to_it(hold):
         "tab": lambda: ws.tab, "n_src": lambda: ws.n_src, "rows_exp": lambda: ws.rows_exp, "skip": lambda: ws.skip,
         "scat": lambda: ws.scat, "info": lambda: ws.info, "slice_of_out_e": lambda: ws.out_e[:3],
         "view_of_scat": lambda: ws.scat.view(-1), "slice_of_out_w": lambda: ws.out_w[1:2], "state": lambda: ws.state,
+        "n_in_host": lambda: ws.n_in_host, "slice_of_n_recv_host": lambda: ws.n_recv_host[1:],
     }[hold]()  # fmt: skip
     other = ring.take(7, 4)
     assert other is not ws, f"{hold} is held: another workspace"
