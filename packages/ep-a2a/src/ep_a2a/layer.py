@@ -308,6 +308,14 @@ class EPLayer:
         if self.ctx.finalized:
             raise RuntimeError(f"{type(self).__name__}.{what}() called after finalize()")
 
+    def _check_eager(self, what: str) -> None:
+        """:meth:`_check_alive`, and the refusal of :func:`_eager_only` under ``torch.compile`` (one call
+        on the eager path of dispatch and combine)."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_ERROR.format(what=what))
+        if self.ctx.finalized:
+            self._check_alive(what)
+
     def _check_tensor(
         self, name: str, t: Any, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...] | None
     ) -> None:
@@ -456,9 +464,7 @@ class EPLayer:
             EPTimeoutError: a rank did not arrive within ``timeout_s`` (named).
             RuntimeError: called after :meth:`finalize`.
         """
-        if torch.compiler.is_compiling():  # (as _eager_only, without its frame on the eager path)
-            raise RuntimeError(_COMPILE_ERROR.format(what="dispatch"))
-        self._check_alive("dispatch")
+        self._check_eager("dispatch")
         if (
             type(input) is torch.Tensor
             and full_scatter_indices is None
@@ -522,9 +528,7 @@ class EPLayer:
             EPTimeoutError: a rank did not arrive within ``timeout_s`` (named).
             RuntimeError: called after :meth:`finalize`.
         """
-        if torch.compiler.is_compiling():  # (as _eager_only, without its frame on the eager path)
-            raise RuntimeError(_COMPILE_ERROR.format(what="combine"))
-        self._check_alive("combine")
+        self._check_eager("combine")
         desc = ep_a2a_layout_desc
         if not isinstance(desc, EPAllToAllLayoutDesc):
             raise TypeError(f"ep_a2a_layout_desc must be an EPAllToAllLayoutDesc, got {type(desc).__name__}")
