@@ -23,12 +23,12 @@ import torch
 from sparse_mla_attn._runtime import cdiv, launch
 from sparse_mla_attn.backends.gluon_sm90 import HAVE_GLUON
 
-if HAVE_GLUON:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import (
+if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
+    from sparse_mla_attn.backends.gluon_sm90 import (
+        cp,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
         warpgroup_mma,
         warpgroup_mma_wait,
