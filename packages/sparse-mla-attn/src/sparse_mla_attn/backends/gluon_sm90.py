@@ -101,6 +101,19 @@ if HAVE_GLUON:
     AD_SPLIT_BLOCKS = gl.constexpr(2)
 
     @gluon.jit
+    def _online_softmax(s, t_idx, hi, m_i, l_i, sm_scale_log2):
+        """One block of the online softmax in base 2: scores ``s`` scaled, columns whose index ``t_idx`` is
+        invalid masked; returns P, the factor ``alpha`` that rescales the earlier sums, the new row maxima
+        and sums."""
+        valid = (t_idx >= 0) & (t_idx < hi)
+        s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit
     def _issue_gather(
         kn_buf,
         kr_buf,
@@ -306,21 +319,14 @@ if HAVE_GLUON:
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done, P·V(2k) may still run
             else:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            valid = (t_idx >= 0) & (t_idx < hi)
-            s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
+            p, alpha, m_i, l_i = _online_softmax(s, t_idx, hi, m_i, l_i, sm_scale_log2)
             p16 = p.to(dtype)
             if WG == 1:
                 # P(2k) must be read before P(2k+1) overwrites it; then slot 0 is done for this warpgroup.
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(smem.empty_bars.index(0))
             smem.p.store(p16)
-            smem.m.index(WG).store(m_new)
+            smem.m.index(WG).store(m_i)
             fence_async_shared()
             mbarrier.arrive(smem.p_bars.index(WG))
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]

@@ -38,7 +38,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from sparse_mla_attn.backends.gluon_sm90 import _FwdItems, _load_q_rows, _ws_wait_full
+    from sparse_mla_attn.backends.gluon_sm90 import _FwdItems, _load_q_rows, _online_softmax, _ws_wait_full
 
     @gluon.jit
     def _fp8_rows(idx, hi, kv_block_size: gl.constexpr, stride_kv_block, TOKEN_BYTES: gl.constexpr):
@@ -242,13 +242,7 @@ if HAVE_GLUON:
         is invalid masked), its P and rescale factors published to warpgroup 1 (``p_smem`` / ``a_smem``,
         ``p_ready``, once warpgroup 1 has read the previous block's: ``p_free``). Returns P in bf16, the
         factors and the new row maxima and sums."""
-        valid = (t_idx >= 0) & (t_idx < hi)
-        s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p, alpha, m_new, l_i = _online_softmax(s, t_idx, hi, m_i, l_i, sm_scale_log2)
         p16 = p.to(p_smem.dtype)
         # Warpgroup 1 has read the previous block's P and factors (a fresh barrier passes parity 1).
         mbarrier.wait(p_free, (b & 1) ^ 1)
