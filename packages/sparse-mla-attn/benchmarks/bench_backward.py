@@ -13,6 +13,7 @@ import torch
 from bench_forward import D_QK, D_V, fwd_flops, make_inputs, time_ms
 
 from sparse_mla_attn import sparse_mla_bwd, sparse_mla_bwd_ref, sparse_mla_fwd
+from sparse_mla_attn._runtime import last_launch
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -20,8 +21,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def bench_bwd(s_q: int, h_q: int, s_kv: int, topk: int) -> dict:
-    """Default and deterministic times, and the relative error of both against the float32 reference on
-    the first 64 queries."""
+    """Default and deterministic times, the relative error of both against the float32 reference on the
+    first 64 queries, and the kernel families that ran (``backend``: the main and dq kernels;
+    ``dkv_backend``: the dkv products)."""
     q, kv, idx = make_inputs(s_q, h_q, s_kv, topk)
     sm_scale = 1 / math.sqrt(D_QK)
     out, _, lse = sparse_mla_fwd(q, kv, idx, sm_scale, D_V)
@@ -33,10 +35,10 @@ def bench_bwd(s_q: int, h_q: int, s_kv: int, topk: int) -> dict:
         "h_q": h_q,
         "s_kv": s_kv,
         "topk": topk,
-        "backend": "triton",
     }
     n = 64
-    dq_ref, _ = sparse_mla_bwd_ref(q[:n], kv, out[:n], dout[:n], idx[:n], lse[:n], sm_scale, D_V)
+    sub = (q[:n], kv, out[:n], dout[:n], idx[:n], lse[:n], sm_scale, D_V)
+    dq_ref, dkv_ref = sparse_mla_bwd_ref(*sub)
     for det in (False, True):
         run = lambda d=det: sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, D_V, deterministic=d)
         dq, _ = run()
@@ -45,4 +47,10 @@ def bench_bwd(s_q: int, h_q: int, s_kv: int, topk: int) -> dict:
         row[key + "ms"] = ms
         row[key + "tflops"] = flops / ms / 1e9
         row[key + "dq_rel_err"] = rel_err(dq[:n], dq_ref)
+        # dkv of the first n queries alone (the full dkv's float32 reference is too costly)
+        row[key + "dkv_rel_err"] = rel_err(sparse_mla_bwd(*sub, deterministic=det)[1], dkv_ref)
+        # The kernel families that ran: the main / dq kernels, and the dkv products' kernel.
+        main, dkv = last_launch("bwd.main"), last_launch("bwd.dkv")
+        row["backend"] = main.backend if main else None
+        row["dkv_backend"] = dkv.backend if dkv else None
     return row

@@ -624,7 +624,7 @@ def launch_bwd(
                 ds_ws, p_ws, q_c, do_c, idx_c, dkv_target, scale, n, s_kv, h_q, q_start_index + s0, k_stride,
                 topk, causal, deterministic, d_qk, d_v, cfg, slots, ("dkv_gluon", s0),
             )  # fmt: skip
-            record_launch("bwd.dkv", kernel)
+            record_launch("bwd.dkv", kernel, backend="gluon")
         elif split_dkv:
             n_tb = cdiv(topk, cfg["BLOCK_T_DKV"])
             n_chunks_c = d_v // cfg["BLOCK_C_DKV"] + (1 if d_qk > d_v else 0)
