@@ -67,6 +67,7 @@ from sparse_mla_attn._validate import check_arg_types, check_bwd_inputs, check_s
 from sparse_mla_attn.backends import gluon_sm90
 from sparse_mla_attn.backends.gluon_sm90_bwd import dkv_gluon_eligible, launch_dkv_gluon
 from sparse_mla_attn.config import DEFAULT, Config, config_of
+from sparse_mla_attn.reference import valid_slots
 
 # ----------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -117,7 +118,7 @@ def _delta_kernel(
             offs_r = D_V + tl.arange(0, BLOCK_R)
             qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None] & (offs_r < D_QK)[None, :], other=0.0)
             mq = tl.maximum(mq, _abs_max_bits(qr))
-        st = stats_ptr + (s // chunk) * 4
+        st = stats_ptr + (s // chunk) * 8
         tl.atomic_max(st + 2, mq, sem="relaxed")
         tl.atomic_max(st + 3, _abs_max_bits(tl.where(hmask[:, None], do, 0.0)), sem="relaxed")
 
@@ -158,16 +159,31 @@ def _p_ds(q_row, do_row, k_row, valid, hmask, lse2, delta, scale_log2, sm_scale,
 
 
 @triton.jit
-def _dkv_update(dkv_row, valid, offs_d, part, scale, DETERMINISTIC: tl.constexpr):
-    """Add a ``[BLOCK_T, channels]`` fp32 tile of dkv contributions with atomics: into the fp32 ``dkv``, or
-    (deterministic) as ``round(part * scale)`` into the int64 fixed-point accumulator."""
-    if DETERMINISTIC:
+def _round_to_grid(x, scale, grid):
+    """``x`` rounded to the nearest multiple of the power of two ``grid = 1 / scale``, for ``|x| <= 2^22
+    grid``: adding and subtracting 1.5 * 2^23 rounds to an integer (both exact), the scalings are exact."""
+    return ((x * scale + 12582912.0) - 12582912.0) * grid
+
+
+@triton.jit
+def _dkv_update(dkv_row, valid, offs_d, part, sc, lo_off, DETERMINISTIC: tl.constexpr):
+    """Add a ``[BLOCK_T, channels]`` fp32 tile of dkv contributions with atomics: into the fp32 ``dkv``; or
+    (DETERMINISTIC 1) as ``round(part * sc[0])`` into the int64 fixed-point accumulator; or (2) split into
+    multiples of the grids ``sc[1]`` (into ``dkv``) and ``sc[3]`` (the rest, into ``dkv + lo_off``), whose
+    float32 sums are exact."""
+    ptrs = dkv_row + offs_d[None, :]
+    if DETERMINISTIC == 1:
         # part * scale (a power of two) is exact; in float64, x + 0.5 is exact below 2^52 and x an integer
         # above 2^23, so floor(x + 0.5) rounds to nearest.
-        fixed = tl.floor((part * scale).to(tl.float64) + 0.5).to(tl.int64)
-        tl.atomic_add(dkv_row + offs_d[None, :], fixed, mask=valid[:, None], sem="relaxed")
+        fixed = tl.floor((part * sc[0]).to(tl.float64) + 0.5).to(tl.int64)
+        tl.atomic_add(ptrs, fixed, mask=valid[:, None], sem="relaxed")
+    elif DETERMINISTIC == 2:
+        hi = _round_to_grid(part, sc[0], sc[1])
+        lo = _round_to_grid(part - hi, sc[2], sc[3])  # part - hi is exact
+        tl.atomic_add(ptrs, hi, mask=valid[:, None], sem="relaxed")
+        tl.atomic_add(ptrs + lo_off, lo, mask=valid[:, None], sem="relaxed")
     else:
-        tl.atomic_add(dkv_row + offs_d[None, :], part, mask=valid[:, None], sem="relaxed")
+        tl.atomic_add(ptrs, part, mask=valid[:, None], sem="relaxed")
 
 
 @triton.jit
@@ -262,7 +278,7 @@ def _main_kernel(
                     doc1 = tl.load(do_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
                     part = dot(ds1_t, qc1, part)
                     part = dot(p1_t, doc1, part)
-                _dkv_update(dkv_row, valid, offs_d, part, 1.0, False)
+                _dkv_update(dkv_row, valid, offs_d, part, (1.0,), 0, 0)
             if D_ROPE > 0:
                 offs_r = D_V + tl.arange(0, D_ROPE)
                 qr = tl.load(q_row0 + offs_r[None, :], mask=hmask0[:, None], other=0.0)
@@ -270,7 +286,7 @@ def _main_kernel(
                 if N_SUB > 1:
                     qr1 = tl.load(q_row1 + offs_r[None, :], mask=hmask1[:, None], other=0.0)
                     part_r = dot(ds1_t, qr1, part_r)
-                _dkv_update(dkv_row, valid, offs_r, part_r, 1.0, False)
+                _dkv_update(dkv_row, valid, offs_r, part_r, (1.0,), 0, 0)
     if DETERMINISTIC:
         tl.atomic_max(stats_ptr, max_ds, sem="relaxed")
         tl.atomic_max(stats_ptr + 1, max_p, sem="relaxed")
@@ -279,7 +295,7 @@ def _main_kernel(
 @triton.jit
 def _dkv_kernel(
     ds_ptr, p_ptr, q_ptr, dout_ptr, idx_ptr, dkv_ptr, scale_ptr,
-    n_tok,
+    n_tok, lo_off,
     stride_ws, stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
     s_kv, h_q, q_start_index, k_stride,
     topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
@@ -333,8 +349,11 @@ def _dkv_kernel(
     p_t = tl.trans(tl.load(p_ptr + ws, mask=ws_mask, other=0.0))
     q_row = q_ptr + s * stride_qs + offs_h[:, None] * stride_qh
     do_row = dout_ptr + s * stride_dos + offs_h[:, None] * stride_doh
-    dkv_row = dkv_ptr + rows[:, None] * D_QK  # fp32 dkv, or the int64 accumulator (DETERMINISTIC)
-    scale = tl.load(scale_ptr) if DETERMINISTIC else 1.0
+    dkv_row = dkv_ptr + rows[:, None] * D_QK  # fp32 dkv, or the deterministic mode's accumulator
+    if DETERMINISTIC:  # the chunk's fixed-point factors (see _fixed_point_scale_kernel)
+        sc = (tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2), tl.load(scale_ptr + 3))
+    else:
+        sc = (1.0, 1.0, 1.0, 1.0)
     offs_c = tl.arange(0, BLOCK_C)
     if N_CSPLIT == 1 and ROPE_IN_LOOP:  # the rope chunk last in the pipelined loop, dout masked to 0 there
         for c in tl.range(0, D_QK // BLOCK_C, num_stages=CHUNK_STAGES):
@@ -342,14 +361,14 @@ def _dkv_kernel(
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None] & (offs_d < D_V)[None, :], other=0.0)
             part = dot(p_t, doc, dot(ds_t, qc))
-            _dkv_update(dkv_row, valid, offs_d, part, scale, DETERMINISTIC)
+            _dkv_update(dkv_row, valid, offs_d, part, sc, lo_off, DETERMINISTIC)
     elif N_CSPLIT == 1:
         for c in tl.range(0, N_LAT, num_stages=CHUNK_STAGES):
             offs_d = c * BLOCK_C + offs_c
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             part = dot(p_t, doc, dot(ds_t, qc))
-            _dkv_update(dkv_row, valid, offs_d, part, scale, DETERMINISTIC)
+            _dkv_update(dkv_row, valid, offs_d, part, sc, lo_off, DETERMINISTIC)
     else:
         # A constant trip count with the chunks past the group's end skipped (the last group may be short):
         # the interpreter cannot range() over bounds derived from program_id.
@@ -363,13 +382,13 @@ def _dkv_kernel(
             doc = tl.load(do_row + offs_d[None, :], mask=c_mask, other=0.0)
             if c_ok:
                 part = dot(p_t, doc, dot(ds_t, qc))
-                _dkv_update(dkv_row, valid, offs_d, part, scale, DETERMINISTIC)
+                _dkv_update(dkv_row, valid, offs_d, part, sc, lo_off, DETERMINISTIC)
     if D_ROPE > 0 and not (N_CSPLIT == 1 and ROPE_IN_LOOP):  # noqa: SIM102 (a constexpr test, then a run-time one)
         if cg == N_CSPLIT - 1:  # the rope chunk belongs to the last group
             offs_r = D_V + tl.arange(0, D_ROPE)
             qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
             part_r = dot(ds_t, qr)
-            _dkv_update(dkv_row, valid, offs_r, part_r, scale, DETERMINISTIC)
+            _dkv_update(dkv_row, valid, offs_r, part_r, sc, lo_off, DETERMINISTIC)
 
 
 @triton.jit
@@ -428,38 +447,65 @@ def _exponent(bits):
 
 
 @triton.jit
-def _fixed_point_scale_kernel(stats_ptr, scale_ptr, log2_h, log2_pairs):
-    """The deterministic mode's unit ``2^e`` for one chunk, from its bounds (``stats``: the int32 bits of
-    max |dS|, max P, max |q|, max |dout|; see the module docstring). Writes ``scale[0] = 2^-e`` (applied
-    before rounding) and ``scale[1] = 2^e``, or NaN where the bound is not finite or a contribution could
-    exceed the float32 range."""
+def _fixed_point_scale_kernel(stats_ptr, scale_ptr, log2_h, log2_pairs, log2_groups, MODE: tl.constexpr):
+    """The deterministic mode's fixed-point factors for one chunk, from its bounds (``stats``: the int32
+    bits of max |dS|, max P, max |q|, max |dout|, then the most (token, slot) pairs of one row; see the
+    module docstring). ``scale[4]`` is 0, or NaN where the bound is not finite or a row's sum could exceed
+    the float32 range (the flush adds it to every element).
+
+    MODE 1 (int64): ``scale[0] = 2^-e``, ``scale[1] = 2^e`` with ``2^(62 + e)`` above a row's sum.
+    MODE 2 (two float32 grids): ``scale[0, 1] = 2^-E, 2^E`` (the high part's grid) and ``scale[2, 3]`` the
+    low part's, such that every partial sum of either part is a multiple of its grid below ``2^24`` grids,
+    hence exact in float32."""
     m_ds = tl.load(stats_ptr)
     m_p = tl.load(stats_ptr + 1)
     m_q = tl.load(stats_ptr + 2)
     m_do = tl.load(stats_ptr + 3)
     finite = tl.maximum(tl.maximum(m_ds, m_p), tl.maximum(m_q, m_do)) < 0x7F800000
     # Per head |dS q| < 2^a and |P dout| < 2^b; a contribution sums both over 2^log2_h heads (one bit) and
-    # is rounded in float32 (one bit of slack): |v| < 2^top. A row sums at most 2^log2_pairs of them.
+    # is rounded in float32 (one bit of slack): |v| < 2^top.
     a = _exponent(m_ds) + _exponent(m_q) + 2
     b = _exponent(m_p) + _exponent(m_do) + 2
     top = tl.maximum(a, b) + 2 + log2_h
-    e = tl.minimum(tl.maximum(top + log2_pairs - 62, -120), 120)
-    tl.store(scale_ptr, ((127 - e) << 23).to(tl.float32, bitcast=True))
-    unit = ((127 + e) << 23).to(tl.float32, bitcast=True)
-    tl.store(scale_ptr + 1, tl.where(finite & (top <= 127), unit, float("nan")))
+    if MODE == 1:  # a row sums at most 2^log2_pairs contributions
+        e_hi = tl.minimum(tl.maximum(top + log2_pairs - 62, -120), 120)
+        e_lo = e_hi
+        ok = finite & (top <= 127)
+    else:  # a row sums at most 2^n2 addends: its pairs (at least 1) times the head groups
+        count = tl.load(stats_ptr + 4)
+        n2 = tl.maximum(_exponent(count.to(tl.float32).to(tl.int32, bitcast=True)) + 1, 1) + log2_groups
+        # |v / 2^e_hi| <= 2^(23 - n2): the high parts of 2^n2 addends sum to at most 2^23 + 2^(n2 - 1) grids;
+        # the rests (at most half a high grid) to at most 2^22 + 2^(n2 - 1) low grids. 2^-100 keeps every
+        # nonzero multiple normal (atomic float adds flush subnormals).
+        e_hi = tl.minimum(tl.maximum(top + n2 - 23, -100), 120)
+        e_lo = tl.minimum(tl.maximum(e_hi + n2 - 23, -100), 120)
+        ok = finite & (top + n2 <= 126)
+    tl.store(scale_ptr, ((127 - e_hi) << 23).to(tl.float32, bitcast=True))
+    tl.store(scale_ptr + 1, ((127 + e_hi) << 23).to(tl.float32, bitcast=True))
+    tl.store(scale_ptr + 2, ((127 - e_lo) << 23).to(tl.float32, bitcast=True))
+    tl.store(scale_ptr + 3, ((127 + e_lo) << 23).to(tl.float32, bitcast=True))
+    tl.store(scale_ptr + 4, tl.where(ok, 0.0, float("nan")))
 
 
 @triton.jit
 def _fixed_point_flush_kernel(
     acc_ptr, dkv_ptr, scale_ptr, n,
-    ACCUMULATE: tl.constexpr, RESET: tl.constexpr, BLOCK: tl.constexpr,
+    MODE: tl.constexpr, ACCUMULATE: tl.constexpr, RESET: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """``dkv (+)= acc * 2^e``: a chunk's exact int64 sums, rounded once to float32, added in chunk order;
-    with ``RESET`` the accumulator is zeroed for the next chunk."""
+    """``dkv (+)= `` a chunk's exact sums, rounded once to float32 and added in chunk order: MODE 1 the int64
+    accumulator times ``2^e``, MODE 2 the high part plus the low part (``acc[n:]``); with ``RESET`` the
+    accumulator is zeroed for the next chunk."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     acc = tl.load(acc_ptr + offs, mask=mask, other=0)
-    val = acc.to(tl.float32) * tl.load(scale_ptr + 1)
+    if MODE == 1:
+        val = acc.to(tl.float32) * tl.load(scale_ptr + 1)
+    else:
+        lo = tl.load(acc_ptr + n + offs, mask=mask, other=0.0)
+        val = acc + lo
+        if RESET:
+            tl.store(acc_ptr + n + offs, tl.zeros_like(lo), mask=mask)
+    val += tl.load(scale_ptr + 4)  # 0, or NaN (see _fixed_point_scale_kernel)
     if ACCUMULATE:
         val += tl.load(dkv_ptr + offs, mask=mask, other=0.0)
     tl.store(dkv_ptr + offs, val, mask=mask)
@@ -482,6 +528,7 @@ _DKV_GLUON_TILES = {
     "CONSUMER_REGS_G": 168,
     "PRODUCER_REGS_G": 168,
     "BLOCK_FLUSH": 2048,
+    "DET_MODE": 1,
 }
 
 
@@ -569,7 +616,8 @@ def launch_bwd(
     n_chunks = cdiv(s_q, chunk)
     # Deterministic mode: per chunk the bounds (int32 bits of max |dS|, max P, max |q|, max |dout|), the
     # fixed-point factors (2^-e, 2^e) and one int64 accumulator (see the module docstring).
-    stats = torch.zeros(n_chunks if deterministic else 0, 4, dtype=torch.int32, device=dev)
+    det_mode = cfg["DET_MODE"] if deterministic else 0
+    stats = torch.zeros(n_chunks if deterministic else 0, 8, dtype=torch.int32, device=dev)
     delta = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
     kernel = launch(
         _delta_kernel, (s_q, cdiv(h_q, 16)), slots, "delta",
@@ -581,8 +629,9 @@ def launch_bwd(
     record_launch("bwd.delta", kernel)
     dq = torch.empty_like(q)
     dkv32 = (torch.empty if deterministic else torch.zeros)(s_kv, d_qk, dtype=torch.float32, device=dev)
-    acc = torch.zeros(s_kv if deterministic else 0, d_qk, dtype=torch.int64, device=dev)
-    scales = torch.empty(n_chunks if deterministic else 0, 2, dtype=torch.float32, device=dev)
+    acc_shape = (s_kv, d_qk) if det_mode == 1 else (2 if det_mode == 2 else 0, s_kv, d_qk)
+    acc = torch.zeros(acc_shape, dtype=torch.int64 if det_mode == 1 else torch.float32, device=dev)
+    scales = torch.empty(n_chunks if deterministic else 0, 8, dtype=torch.float32, device=dev)
     ds_ws = torch.empty(min(chunk, s_q), h_q, topk, dtype=q.dtype, device=dev)
     p_ws = torch.empty_like(ds_ws) if split_dkv else ds_ws  # unused by the fused path
     attn_sum = torch.empty(s_q if return_attn_sum else 0, topk, dtype=torch.float32, device=dev)
@@ -601,7 +650,7 @@ def launch_bwd(
              attn_part, n if return_attn_sum else 0,
              q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
              idx_c.stride(0), s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale)),
-            dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+            dict(topk=topk, CAUSAL=causal, DETERMINISTIC=det_mode, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
                  BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
                  CHUNK_STAGES=cfg["chunk_stages"], N_SUB=cfg["N_SUB"], BLOCK_DV2=cfg["BLOCK_DV2"],
                  ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"],
@@ -612,17 +661,24 @@ def launch_bwd(
         _launch_dq(cfg, ds_ws, kv, idx_c, dq[s0:s1], s_kv, h_q, q_start_index + s0, k_stride, topk, causal,
                    d_qk, n, n_hb_dq, n_db, slots, s0)  # fmt: skip
         scale = scales[ci] if deterministic else dkv32
+        if det_mode == 2:  # the most (token, slot) pairs of one row in this chunk
+            valid = valid_slots(idx_c[:, 0], s_kv, q_start_index + s0, k_stride, causal)
+            keys = torch.where(valid, idx_c[:, 0], s_kv).reshape(-1).long()
+            counts = torch.zeros(s_kv + 1, dtype=torch.int32, device=dev)
+            counts.index_add_(0, keys, torch.ones_like(keys, dtype=torch.int32))
+            stats[ci, 4:5].copy_(counts[:s_kv].amax().reshape(1))
         if deterministic:
             kernel = launch(
                 _fixed_point_scale_kernel, (1,), slots, ("fixed_point_scale", s0),
-                (stats[ci], scale, (h_q - 1).bit_length(), (n * topk - 1).bit_length()), {"num_warps": 1},
+                (stats[ci], scale, (h_q - 1).bit_length(), (n * topk - 1).bit_length(), (n_hg - 1).bit_length()),
+                {"MODE": det_mode, "num_warps": 1},
             )  # fmt: skip
             record_launch("bwd.fixed_point_scale", kernel)
         dkv_target = acc if deterministic else dkv32
         if split_dkv and dkv_gluon:
             kernel = launch_dkv_gluon(
                 ds_ws, p_ws, q_c, do_c, idx_c, dkv_target, scale, n, s_kv, h_q, q_start_index + s0, k_stride,
-                topk, causal, deterministic, d_qk, d_v, cfg, slots, ("dkv_gluon", s0),
+                topk, causal, det_mode, d_qk, d_v, cfg, slots, ("dkv_gluon", s0),
             )  # fmt: skip
             record_launch("bwd.dkv", kernel, backend="gluon")
         elif split_dkv:
@@ -636,9 +692,9 @@ def launch_bwd(
                 kernel = launch(
                     _dkv_kernel, (n_csplit * n * n_tb,), slots, ("dkv", s0, h0),
                     (ds_ws[:, h0:], p_ws[:, h0:], q_c[:, h0:], do_c[:, h0:], idx_c, dkv_target, scale, n,
-                     ds_ws.stride(0), q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1),
+                     s_kv * d_qk, ds_ws.stride(0), q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1),
                      idx_c.stride(0), s_kv, h1 - h0, q_start_index + s0, k_stride),
-                    dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v,
+                    dict(topk=topk, CAUSAL=causal, DETERMINISTIC=det_mode, D_QK=d_qk, D_V=d_v,
                          D_ROPE=d_qk - d_v, BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"],
                          BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb, CHUNK_STAGES=cfg["chunk_stages_dkv"],
                          N_CSPLIT=n_csplit, TOK_GROUP=cfg["TOK_GROUP"], ROPE_IN_LOOP=rope_in_loop(cfg["BLOCK_C_DKV"]),
@@ -650,7 +706,7 @@ def launch_bwd(
             kernel = launch(
                 _fixed_point_flush_kernel, (cdiv(s_kv * d_qk, block),), slots, ("fixed_point_flush", s0),
                 (acc, dkv32, scale, s_kv * d_qk),
-                {"ACCUMULATE": ci > 0, "RESET": ci < n_chunks - 1, "BLOCK": block, "num_warps": 4},
+                {"MODE": det_mode, "ACCUMULATE": ci > 0, "RESET": ci < n_chunks - 1, "BLOCK": block, "num_warps": 4},
             )  # fmt: skip
             record_launch("bwd.fixed_point_flush", kernel)
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
