@@ -22,22 +22,10 @@ sm_90 a warp-specialised Gluon kernel, ``backends/gluon_sm90_bwd.py``, ``Config.
 128 heads the main kernel forms the ``dkv`` products itself, per head block. Up to 128 heads each token's
 slots are first sorted by index, and the ``dkv`` programs in flight work on the same slot block of
 neighbouring tokens, so that their atomics touch a narrow range of rows that stays in L2 (``attn_sum`` is
-put back in the caller's slot order). No step makes the host wait for the GPU.
-
-Deterministic mode (fixed point): integer addition is associative, so the ``dkv`` contributions are added
-as int64 multiples of one power of two ``2^e`` per chunk of tokens, and the sum has the same bits in any
-order. The delta kernel records ``max |q|`` and ``max |dout|`` of each chunk and the main kernel ``max |dS|``
-and ``max P`` (of the values the ``dkv`` kernel reads; atomic maxima, order-independent), so a single
-contribution (a sum over ``h_q`` heads) is bounded by ``B = h_q (max|dS| max|q| + max P max|dout|)``; with
-``N = tokens x topk`` pairs in the chunk, ``e`` is chosen so that ``N * B <= 2^(62 + e)`` (exponents rounded
-up, with one bit for the fp32 rounding of the products), hence no row's integer sum can overflow. The
-``dkv`` kernel (every head in one program; above 128 heads one launch per group of at most 128 heads) adds
-``round(v * 2^-e)`` with int64 atomics; then the chunk's integers are converted (one fp32 rounding) and
-added to the fp32 ``dkv`` in chunk order. Each contribution is off by at most ``2^(e-1) <= 2^-57 N B``
-(``2^-35 B`` at 2048 tokens x 2048 slots; ``e >= -120``), far below the fp32 rounding of the default mode's
-atomic sums and of the bf16 ``dS`` / ``P`` both modes multiply. Where the bound is not finite
-(a NaN or infinity among ``dS``, ``P``, ``q``, ``dout``) or a contribution could exceed the fp32 range, the
-chunk's ``dkv`` is NaN everywhere.
+put back in the caller's slot order). In the deterministic mode the per-(token, slot) ``dkv`` contributions
+go to an fp32 workspace instead, and a reduction kernel sums them per KV row in a fixed order (pairs sorted
+by (row, token, slot)), so the result is bit-identical from run to run. No step makes the host wait for the
+GPU.
 """
 
 from __future__ import annotations
@@ -86,20 +74,11 @@ def _slot_index(idx_row_ptr, offs_t, topk, s_kv, max_k, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _abs_max_bits(x):
-    """``max |x|`` of a 2-D block as the int32 bits of a non-negative float32: integer order is float order
-    there (NaN above +inf), so integer atomic maxima combine these exactly, in any order."""
-    bits = tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True)
-    return tl.max(tl.max(bits, axis=1), axis=0)
-
-
-@triton.jit
 def _delta_kernel(
-    out_ptr, dout_ptr, delta_ptr, q_ptr, stats_ptr,
-    stride_os, stride_oh, stride_dos, stride_doh, stride_qs, stride_qh,
-    h_q, chunk,
-    D_V: tl.constexpr, D_QK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    STATS: tl.constexpr,
+    out_ptr, dout_ptr, delta_ptr,
+    stride_os, stride_oh, stride_dos, stride_doh,
+    h_q,
+    D_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -111,16 +90,6 @@ def _delta_kernel(
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(delta_ptr + s * h_q + offs_h, delta, mask=hmask)
-    if STATS:  # the deterministic mode's bounds: max |q| and max |dout| of the token's chunk
-        q_row = q_ptr + s * stride_qs + offs_h[:, None] * stride_qh
-        mq = _abs_max_bits(tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0))
-        if D_QK > D_V:
-            offs_r = D_V + tl.arange(0, BLOCK_R)
-            qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None] & (offs_r < D_QK)[None, :], other=0.0)
-            mq = tl.maximum(mq, _abs_max_bits(qr))
-        st = stats_ptr + (s // chunk) * 8
-        tl.atomic_max(st + 2, mq, sem="relaxed")
-        tl.atomic_max(st + 3, _abs_max_bits(tl.where(hmask[:, None], do, 0.0)), sem="relaxed")
 
 
 @triton.jit
@@ -159,38 +128,19 @@ def _p_ds(q_row, do_row, k_row, valid, hmask, lse2, delta, scale_log2, sm_scale,
 
 
 @triton.jit
-def _round_to_grid(x, scale, grid):
-    """``x`` rounded to the nearest multiple of the power of two ``grid = 1 / scale``, for ``|x| <= 2^22
-    grid``: adding and subtracting 1.5 * 2^23 rounds to an integer (both exact), the scalings are exact."""
-    return ((x * scale + 12582912.0) - 12582912.0) * grid
-
-
-@triton.jit
-def _dkv_update(dkv_row, valid, offs_d, part, sc, lo_off, DETERMINISTIC: tl.constexpr):
-    """Add a ``[BLOCK_T, channels]`` fp32 tile of dkv contributions with atomics: into the fp32 ``dkv``; or
-    (DETERMINISTIC 1) as ``round(part * sc[0])`` into the int64 fixed-point accumulator; or (2) split into
-    multiples of the grids ``sc[1]`` (into ``dkv``) and ``sc[3]`` (the rest, into ``dkv + lo_off``), whose
-    float32 sums are exact."""
-    ptrs = dkv_row + offs_d[None, :]
-    if DETERMINISTIC == 1:
-        # part * scale (a power of two) is exact; in float64, x + 0.5 is exact below 2^52 and x an integer
-        # above 2^23, so floor(x + 0.5) rounds to nearest.
-        fixed = tl.floor((part * sc[0]).to(tl.float64) + 0.5).to(tl.int64)
-        tl.atomic_add(ptrs, fixed, mask=valid[:, None], sem="relaxed")
-    elif DETERMINISTIC == 2:
-        hi = _round_to_grid(part, sc[0], sc[1])
-        lo = _round_to_grid(part - hi, sc[2], sc[3])  # part - hi is exact
-        tl.atomic_add(ptrs, hi, mask=valid[:, None], sem="relaxed")
-        tl.atomic_add(ptrs + lo_off, lo, mask=valid[:, None], sem="relaxed")
+def _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC: tl.constexpr):
+    """Add a ``[BLOCK_T, channels]`` fp32 tile of dkv contributions (atomics, or the deterministic workspace)."""
+    if DETERMINISTIC:
+        tl.store(part_row + offs_d[None, :], part, mask=(offs_t < topk)[:, None])
     else:
-        tl.atomic_add(ptrs, part, mask=valid[:, None], sem="relaxed")
+        tl.atomic_add(dkv_row + offs_d[None, :], part, mask=valid[:, None], sem="relaxed")
 
 
 @triton.jit
 def _main_kernel(
-    q_ptr, kv_ptr, dout_ptr, lse_ptr, delta_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, stats_ptr, attn_ptr,
+    q_ptr, kv_ptr, dout_ptr, lse_ptr, delta_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, part_ptr, attn_ptr,
     n_tok,
-    stride_qs, stride_qh, stride_kvs, stride_dos, stride_doh, stride_lses, stride_is,
+    stride_qs, stride_qh, stride_kvs, stride_dos, stride_doh, stride_lses, stride_is, stride_part_hb,
     s_kv, h_q, q_start_index, k_stride, sm_scale,
     topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -201,8 +151,6 @@ def _main_kernel(
     # A program owns one token and N_SUB * BLOCK_H heads. With N_SUB = 2 the scores of the two head halves
     # are computed one after the other (registers for one [BLOCK_H, BLOCK_T] pair at a time), and their dkv
     # contributions are summed before the single atomic update: half the atomics and half the row gathers.
-    # DETERMINISTIC: the dkv products are left to the dkv kernel (SPLIT_DKV); this kernel records max |dS|
-    # and max P of the stored (input-dtype) values for the fixed-point scale.
     pid = tl.program_id(0)
     hb = pid % N_HB
     s = (pid // N_HB).to(tl.int64)
@@ -226,8 +174,6 @@ def _main_kernel(
     rows_next, valid_next = _slot_index(
         idx_ptr + s * stride_is, tl.arange(0, BLOCK_T), topk, s_kv, max_k, CAUSAL
     )
-    max_ds = tl.zeros([], dtype=tl.int32)
-    max_p = tl.zeros([], dtype=tl.int32)
     for t0 in range(0, topk, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         if IDX_PREFETCH:
@@ -257,15 +203,10 @@ def _main_kernel(
             ds1_t = tl.trans(ds1)
             p1_t = tl.trans(p1)
             psum += psum1
-            if DETERMINISTIC:
-                max_ds = tl.maximum(max_ds, _abs_max_bits(ds1))
-                max_p = tl.maximum(max_p, _abs_max_bits(p1))
-        if DETERMINISTIC:
-            max_ds = tl.maximum(max_ds, _abs_max_bits(ds0))
-            max_p = tl.maximum(max_p, _abs_max_bits(p0))
         if ATTN_SUM:  # this program's heads' share of attn_sum[s, t]; the launcher adds the head blocks
             tl.store(attn_ptr + (hb * n_tok + s) * topk + offs_t, psum, mask=offs_t < topk)
         if not SPLIT_DKV:  # dkv products and update here (else: _dkv_kernel, all heads at once)
+            part_row = part_ptr + hb * stride_part_hb + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
             dkv_row = dkv_ptr + rows[:, None] * D_QK
             for c in tl.range(0, D_V // BLOCK_DV2, num_stages=CHUNK_STAGES):
                 offs_d = c * BLOCK_DV2 + offs_dv
@@ -278,7 +219,7 @@ def _main_kernel(
                     doc1 = tl.load(do_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
                     part = dot(ds1_t, qc1, part)
                     part = dot(p1_t, doc1, part)
-                _dkv_update(dkv_row, valid, offs_d, part, (1.0,), 0, 0)
+                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
             if D_ROPE > 0:
                 offs_r = D_V + tl.arange(0, D_ROPE)
                 qr = tl.load(q_row0 + offs_r[None, :], mask=hmask0[:, None], other=0.0)
@@ -286,25 +227,21 @@ def _main_kernel(
                 if N_SUB > 1:
                     qr1 = tl.load(q_row1 + offs_r[None, :], mask=hmask1[:, None], other=0.0)
                     part_r = dot(ds1_t, qr1, part_r)
-                _dkv_update(dkv_row, valid, offs_r, part_r, (1.0,), 0, 0)
-    if DETERMINISTIC:
-        tl.atomic_max(stats_ptr, max_ds, sem="relaxed")
-        tl.atomic_max(stats_ptr + 1, max_p, sem="relaxed")
+                _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC)
 
 
 @triton.jit
 def _dkv_kernel(
-    ds_ptr, p_ptr, q_ptr, dout_ptr, idx_ptr, dkv_ptr, scale_ptr,
-    n_tok, lo_off,
-    stride_ws, stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
+    ds_ptr, p_ptr, q_ptr, dout_ptr, idx_ptr, dkv_ptr, part_ptr,
+    n_tok,
+    stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
     s_kv, h_q, q_start_index, k_stride,
     topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr, N_TB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_CSPLIT: tl.constexpr,
     TOK_GROUP: tl.constexpr, ROPE_IN_LOOP: tl.constexpr,
 ):  # fmt: skip
-    # One program per (token, block of BLOCK_T slots) with ALL heads (BLOCK_H >= h_q; above 128 heads, one
-    # launch per group of heads, the pointers at the group's first head): the dkv contribution
+    # One program per (token, block of BLOCK_T slots) with ALL heads (BLOCK_H >= h_q): the dkv contribution
     # of a slot, dS^T q + P^T dout summed over every head, is one [BLOCK_T, channels] product with K = h_q,
     # so each (token, slot) is added into dkv once instead of once per head block. dS and P come from the
     # main kernel's workspaces; the token's q / dout channel chunks are shared in L2 by its N_TB programs,
@@ -343,17 +280,14 @@ def _dkv_kernel(
     offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     max_k = causal_max_k(q_start_index + s, k_stride)
     rows, valid = _slot_index(idx_ptr + s * stride_is, offs_t, topk, s_kv, max_k, CAUSAL)
-    ws = s * stride_ws + offs_h[:, None] * topk + offs_t[None, :]
+    ws = s * h_q * topk + offs_h[:, None] * topk + offs_t[None, :]
     ws_mask = hmask[:, None] & valid[None, :]
     ds_t = tl.trans(tl.load(ds_ptr + ws, mask=ws_mask, other=0.0))  # [BLOCK_T, BLOCK_H]
     p_t = tl.trans(tl.load(p_ptr + ws, mask=ws_mask, other=0.0))
     q_row = q_ptr + s * stride_qs + offs_h[:, None] * stride_qh
     do_row = dout_ptr + s * stride_dos + offs_h[:, None] * stride_doh
-    dkv_row = dkv_ptr + rows[:, None] * D_QK  # fp32 dkv, or the deterministic mode's accumulator
-    if DETERMINISTIC:  # the chunk's fixed-point factors (see _fixed_point_scale_kernel)
-        sc = (tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2), tl.load(scale_ptr + 3))
-    else:
-        sc = (1.0, 1.0, 1.0, 1.0)
+    dkv_row = dkv_ptr + rows[:, None] * D_QK
+    part_row = part_ptr + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
     offs_c = tl.arange(0, BLOCK_C)
     if N_CSPLIT == 1 and ROPE_IN_LOOP:  # the rope chunk last in the pipelined loop, dout masked to 0 there
         for c in tl.range(0, D_QK // BLOCK_C, num_stages=CHUNK_STAGES):
@@ -361,14 +295,14 @@ def _dkv_kernel(
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None] & (offs_d < D_V)[None, :], other=0.0)
             part = dot(p_t, doc, dot(ds_t, qc))
-            _dkv_update(dkv_row, valid, offs_d, part, sc, lo_off, DETERMINISTIC)
+            _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
     elif N_CSPLIT == 1:
         for c in tl.range(0, N_LAT, num_stages=CHUNK_STAGES):
             offs_d = c * BLOCK_C + offs_c
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             part = dot(p_t, doc, dot(ds_t, qc))
-            _dkv_update(dkv_row, valid, offs_d, part, sc, lo_off, DETERMINISTIC)
+            _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
     else:
         # A constant trip count with the chunks past the group's end skipped (the last group may be short):
         # the interpreter cannot range() over bounds derived from program_id.
@@ -382,13 +316,13 @@ def _dkv_kernel(
             doc = tl.load(do_row + offs_d[None, :], mask=c_mask, other=0.0)
             if c_ok:
                 part = dot(p_t, doc, dot(ds_t, qc))
-                _dkv_update(dkv_row, valid, offs_d, part, sc, lo_off, DETERMINISTIC)
+                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
     if D_ROPE > 0 and not (N_CSPLIT == 1 and ROPE_IN_LOOP):  # noqa: SIM102 (a constexpr test, then a run-time one)
         if cg == N_CSPLIT - 1:  # the rope chunk belongs to the last group
             offs_r = D_V + tl.arange(0, D_ROPE)
             qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
             part_r = dot(ds_t, qr)
-            _dkv_update(dkv_row, valid, offs_r, part_r, sc, lo_off, DETERMINISTIC)
+            _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC)
 
 
 @triton.jit
@@ -441,76 +375,37 @@ def _dq_kernel(
 
 
 @triton.jit
-def _exponent(bits):
-    """``E`` with ``x < 2^(E + 1)`` for the non-negative finite float32 ``x`` of these bits (0: -127)."""
-    return (bits >> 23) - 127
-
-
-@triton.jit
-def _fixed_point_scale_kernel(stats_ptr, scale_ptr, log2_h, log2_pairs, log2_groups, MODE: tl.constexpr):
-    """The deterministic mode's fixed-point factors for one chunk, from its bounds (``stats``: the int32
-    bits of max |dS|, max P, max |q|, max |dout|, then the most (token, slot) pairs of one row; see the
-    module docstring). ``scale[4]`` is 0, or NaN where the bound is not finite or a row's sum could exceed
-    the float32 range (the flush adds it to every element).
-
-    MODE 1 (int64): ``scale[0] = 2^-e``, ``scale[1] = 2^e`` with ``2^(62 + e)`` above a row's sum.
-    MODE 2 (two float32 grids): ``scale[0, 1] = 2^-E, 2^E`` (the high part's grid) and ``scale[2, 3]`` the
-    low part's, such that every partial sum of either part is a multiple of its grid below ``2^24`` grids,
-    hence exact in float32."""
-    m_ds = tl.load(stats_ptr)
-    m_p = tl.load(stats_ptr + 1)
-    m_q = tl.load(stats_ptr + 2)
-    m_do = tl.load(stats_ptr + 3)
-    finite = tl.maximum(tl.maximum(m_ds, m_p), tl.maximum(m_q, m_do)) < 0x7F800000
-    # Per head |dS q| < 2^a and |P dout| < 2^b; a contribution sums both over 2^log2_h heads (one bit) and
-    # is rounded in float32 (one bit of slack): |v| < 2^top.
-    a = _exponent(m_ds) + _exponent(m_q) + 2
-    b = _exponent(m_p) + _exponent(m_do) + 2
-    top = tl.maximum(a, b) + 2 + log2_h
-    if MODE == 1:  # a row sums at most 2^log2_pairs contributions
-        e_hi = tl.minimum(tl.maximum(top + log2_pairs - 62, -120), 120)
-        e_lo = e_hi
-        ok = finite & (top <= 127)
-    else:  # a row sums at most 2^n2 addends: its pairs (at least 1) times the head groups
-        count = tl.load(stats_ptr + 4)
-        n2 = tl.maximum(_exponent(count.to(tl.float32).to(tl.int32, bitcast=True)) + 1, 1) + log2_groups
-        # |v / 2^e_hi| <= 2^(23 - n2): the high parts of 2^n2 addends sum to at most 2^23 + 2^(n2 - 1) grids;
-        # the rests (at most half a high grid) to at most 2^22 + 2^(n2 - 1) low grids. 2^-100 keeps every
-        # nonzero multiple normal (atomic float adds flush subnormals).
-        e_hi = tl.minimum(tl.maximum(top + n2 - 23, -100), 120)
-        e_lo = tl.minimum(tl.maximum(e_hi + n2 - 23, -100), 120)
-        ok = finite & (top + n2 <= 126)
-    tl.store(scale_ptr, ((127 - e_hi) << 23).to(tl.float32, bitcast=True))
-    tl.store(scale_ptr + 1, ((127 + e_hi) << 23).to(tl.float32, bitcast=True))
-    tl.store(scale_ptr + 2, ((127 - e_lo) << 23).to(tl.float32, bitcast=True))
-    tl.store(scale_ptr + 3, ((127 + e_lo) << 23).to(tl.float32, bitcast=True))
-    tl.store(scale_ptr + 4, tl.where(ok, 0.0, float("nan")))
-
-
-@triton.jit
-def _fixed_point_flush_kernel(
-    acc_ptr, dkv_ptr, scale_ptr, n,
-    MODE: tl.constexpr, ACCUMULATE: tl.constexpr, RESET: tl.constexpr, BLOCK: tl.constexpr,
+def _det_reduce_kernel(
+    part_ptr, order_ptr, seg_start_ptr, seg_end_ptr, dkv_ptr,
+    stride_part_hb,
+    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
-    """``dkv (+)= `` a chunk's exact sums, rounded once to float32 and added in chunk order: MODE 1 the int64
-    accumulator times ``2^e``, MODE 2 the high part plus the low part (``acc[n:]``); with ``RESET`` the
-    accumulator is zeroed for the next chunk."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    acc = tl.load(acc_ptr + offs, mask=mask, other=0)
-    if MODE == 1:
-        val = acc.to(tl.float32) * tl.load(scale_ptr + 1)
-    else:
-        lo = tl.load(acc_ptr + n + offs, mask=mask, other=0.0)
-        val = acc + lo
-        if RESET:
-            tl.store(acc_ptr + n + offs, tl.zeros_like(lo), mask=mask)
-    val += tl.load(scale_ptr + 4)  # 0, or NaN (see _fixed_point_scale_kernel)
-    if ACCUMULATE:
-        val += tl.load(dkv_ptr + offs, mask=mask, other=0.0)
-    tl.store(dkv_ptr + offs, val, mask=mask)
-    if RESET:
-        tl.store(acc_ptr + offs, tl.zeros_like(acc), mask=mask)
+    """One program per (KV row, channel block): sum the row's (token, slot) contributions in sorted order."""
+    row = tl.program_id(0).to(tl.int64)
+    db = tl.program_id(1)
+    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs_d < D_QK
+    start = tl.load(seg_start_ptr + row)
+    end = tl.load(seg_end_ptr + row)
+    if end > start:  # rows this chunk's tokens did not select keep their value
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        # A while loop: the trip count is data, and the interpreter cannot range() over a loaded value.
+        # UNROLL independent loads per step keep several rows in flight; the additions stay in pair order.
+        j = start
+        while j < end:
+            for u in tl.static_range(UNROLL):
+                ok = j + u < end
+                pair = tl.load(order_ptr + j + u, mask=ok, other=0).to(tl.int64)
+                for hb in tl.static_range(N_HB):
+                    acc += tl.load(
+                        part_ptr + hb * stride_part_hb + pair * D_QK + offs_d,
+                        mask=mask_and(dmask, ok),
+                        other=0.0,
+                    )
+            j += UNROLL
+        # Each row is one program's per launch, and launches run in order: no race.
+        dst = dkv_ptr + row * D_QK + offs_d
+        tl.store(dst, tl.load(dst, mask=dmask, other=0.0) + acc, mask=dmask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -520,15 +415,16 @@ def _fixed_point_flush_kernel(
 
 # The Gluon dkv kernel (Config.bwd_dkv_backend): DKV_GLUON -1 follows the config, 0 / 1 force it (tests);
 # 64-channel chunks, a ring of three of them, 168 registers per thread in every partition. The deterministic
-# mode's flush kernel: 2048 elements per program.
+# reduction kernel: 256-channel blocks, 4 rows in flight, 4 warps (*_RED).
 _DKV_GLUON_TILES = {
     "DKV_GLUON": -1,
     "BLOCK_C_G": 64,
     "NUM_BUF_G": 3,
     "CONSUMER_REGS_G": 168,
     "PRODUCER_REGS_G": 168,
-    "BLOCK_FLUSH": 2048,
-    "DET_MODE": 1,
+    "BLOCK_D_RED": 256,
+    "UNROLL_RED": 4,
+    "num_warps_red": 4,
 }
 
 
@@ -549,9 +445,9 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
     # Triton dkv kernel (the Gluon one, _DKV_GLUON_TILES, on sm_90): all heads x 64 slots, 4 warps, 112 KB of
     # shared memory (two programs per SM), every channel in one launch, launched as (64 tokens, slot block,
     # token) (the Gluon kernel too, with 128-slot blocks): the programs in flight share a slot block,
-    # so with sorted slots their atomics hit a narrow range of rows that stays in L2. The fused kernel
-    # (h_q > 128): 64-head x 128-slot blocks. The deterministic mode always runs the separate dkv kernel
-    # (its fixed-point scale needs the chunk's dS first), above 128 heads once per group of heads.
+    # so with sorted slots their atomics hit a narrow range of rows that stays in L2. The deterministic mode
+    # writes a contiguous workspace instead: 128 slots / 8 warps. The fused kernel (h_q > 128): 64-head x
+    # 128-slot blocks; deterministic two 64-head halves (N_SUB 2).
     cfg = {"BLOCK_H": block_h, "BLOCK_T": 128, "BLOCK_DV": min(d_v, 64), "BLOCK_D": 128,
            "BLOCK_H_DQ": max(16, next_power_of_2(min(h_q, 128))), "BLOCK_T_DQ": 64,
            "num_warps": 8, "num_warps_dq": 8, "num_stages": 1, "num_stages_dq": 3,
@@ -562,8 +458,12 @@ def bwd_config(h_q: int, topk: int, d_v: int, deterministic: bool) -> dict[str, 
         cfg.update(chunk_stages=4, N_CSPLIT=1, SORT_IDX=1, TOK_GROUP=64, ROPE_IN_LOOP=1, IDX_PREFETCH=1)
         if block_h == 64:
             cfg.update(BLOCK_T=256)
-    else:  # four channel chunks in flight; the dkv products fused into the main kernel but deterministic
-        cfg.update(chunk_stages=4, SPLIT_DKV=int(deterministic))
+        if deterministic:  # the dkv kernel writes a contiguous workspace
+            cfg.update(BLOCK_T_DKV=128, num_warps_dkv=8, chunk_stages_dkv=3)
+    elif deterministic:  # the fused kernel (dkv products in the main kernel), h_q > 128
+        cfg.update(N_SUB=2, SPLIT_DKV=0)
+    else:  # four channel chunks in flight
+        cfg.update(chunk_stages=4, SPLIT_DKV=0)
     return cfg
 
 
@@ -591,12 +491,10 @@ def launch_bwd(
         raise ValueError(f"N_SUB must be 1 or 2, got {cfg['N_SUB']}")
     n_hb = cdiv(h_q, block_h * cfg["N_SUB"])
     n_hb_dq = cdiv(h_q, block_h_dq)
-    # The separate dkv kernel holds every head of a token in one tile: up to 128 heads (the deterministic
-    # mode always runs it, once per group of at most 128 heads).
-    split_dkv = deterministic or (bool(cfg["SPLIT_DKV"]) and h_q <= 128)
-    n_hg = cdiv(h_q, 128)
-    h_group = cdiv(h_q, n_hg)
-    block_h_dkv = max(16, next_power_of_2(h_group))
+    # The separate dkv kernel holds every head of a token in one tile: up to 128 heads.
+    split_dkv = bool(cfg["SPLIT_DKV"]) and h_q <= 128
+    block_h_dkv = max(16, next_power_of_2(h_q))
+    n_part_hb = 1 if split_dkv else n_hb  # head blocks whose dkv contributions the deterministic mode stores
     n_db = cdiv(d_qk, cfg["BLOCK_D"])
     if cfg["TOK_GROUP"] < 1:
         raise ValueError(f"TOK_GROUP must be >= 1, got {cfg['TOK_GROUP']}")
@@ -606,51 +504,50 @@ def launch_bwd(
     if cfg["SORT_IDX"]:
         indices, perm = torch.sort(indices, dim=2, stable=True)
 
-    dkv_gluon = split_dkv and h_q <= 128 and _use_dkv_gluon(cfg, config, q, dout, h_q, d_qk, d_v, topk)
+    dkv_gluon = split_dkv and _use_dkv_gluon(cfg, config, q, dout, h_q, d_qk, d_v, topk)
 
     def rope_in_loop(chunk: int) -> bool:  # the rope channels as one more chunk of the channel loops
         return bool(cfg["ROPE_IN_LOOP"]) and d_qk > d_v and d_v % chunk == 0 and (d_qk - d_v) % chunk == 0
 
-    n_ws = 2 if split_dkv else 1  # dS, and P for the separate dkv kernel
-    chunk = max(1, min(s_q, config.bwd_workspace_bytes // (n_ws * h_q * topk * q.element_size())))
-    n_chunks = cdiv(s_q, chunk)
-    # Deterministic mode: per chunk the bounds (int32 bits of max |dS|, max P, max |q|, max |dout|), the
-    # fixed-point factors (2^-e, 2^e) and one int64 accumulator (see the module docstring).
-    det_mode = cfg["DET_MODE"] if deterministic else 0
-    stats = torch.zeros(n_chunks if deterministic else 0, 8, dtype=torch.int32, device=dev)
     delta = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
     kernel = launch(
         _delta_kernel, (s_q, cdiv(h_q, 16)), slots, "delta",
-        (out, dout, delta, q, stats, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), q.stride(0),
-         q.stride(1), h_q, chunk),
-        {"D_V": d_v, "D_QK": d_qk, "BLOCK_H": 16, "BLOCK_R": next_power_of_2(max(1, d_qk - d_v)),
-         "STATS": deterministic},
+        (out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), h_q),
+        {"D_V": d_v, "BLOCK_H": 16},
     )  # fmt: skip
     record_launch("bwd.delta", kernel)
     dq = torch.empty_like(q)
-    dkv32 = (torch.empty if deterministic else torch.zeros)(s_kv, d_qk, dtype=torch.float32, device=dev)
-    acc_shape = (s_kv, d_qk) if det_mode == 1 else (2 if det_mode == 2 else 0, s_kv, d_qk)
-    acc = torch.zeros(acc_shape, dtype=torch.int64 if det_mode == 1 else torch.float32, device=dev)
-    scales = torch.empty(n_chunks if deterministic else 0, 8, dtype=torch.float32, device=dev)
-    ds_ws = torch.empty(min(chunk, s_q), h_q, topk, dtype=q.dtype, device=dev)
+    dkv32 = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=dev)
+    ds_dtype = q.dtype
+    n_ws = 2 if split_dkv else 1  # dS, and P for the separate dkv kernel
+    chunk = max(1, min(s_q, config.bwd_workspace_bytes // (n_ws * h_q * topk * q.element_size())))
+    if deterministic:
+        chunk = max(1, min(chunk, config.bwd_deterministic_workspace_bytes // (n_part_hb * topk * d_qk * 4)))
+    ds_ws = torch.empty(min(chunk, s_q), h_q, topk, dtype=ds_dtype, device=dev)
     p_ws = torch.empty_like(ds_ws) if split_dkv else ds_ws  # unused by the fused path
+    part = (
+        torch.empty(n_part_hb, min(chunk, s_q) * topk, d_qk, dtype=torch.float32, device=dev)
+        if deterministic
+        else dkv32  # unused by the atomic path
+    )
     attn_sum = torch.empty(s_q if return_attn_sum else 0, topk, dtype=torch.float32, device=dev)
     attn_part = (
         torch.empty(n_hb, min(chunk, s_q), topk, dtype=torch.float32, device=dev)
         if return_attn_sum
         else attn_sum
     )
-    for ci, s0 in enumerate(range(0, s_q, chunk)):
+    for s0 in range(0, s_q, chunk):
         s1 = min(s_q, s0 + chunk)
         n = s1 - s0
         q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
         kernel = launch(
             _main_kernel, (n * n_hb,), slots, ("main", s0),  # a chunk's views and positions depend on s0
-            (q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, stats[ci] if deterministic else stats,
-             attn_part, n if return_attn_sum else 0,
+            (q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, part, attn_part,
+             n if return_attn_sum else 0,
              q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
-             idx_c.stride(0), s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale)),
-            dict(topk=topk, CAUSAL=causal, DETERMINISTIC=det_mode, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+             idx_c.stride(0), part.stride(0) if deterministic else 0,
+             s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale)),
+            dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
                  BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
                  CHUNK_STAGES=cfg["chunk_stages"], N_SUB=cfg["N_SUB"], BLOCK_DV2=cfg["BLOCK_DV2"],
                  ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"],
@@ -660,55 +557,33 @@ def launch_bwd(
         record_launch("bwd.main", kernel)
         _launch_dq(cfg, ds_ws, kv, idx_c, dq[s0:s1], s_kv, h_q, q_start_index + s0, k_stride, topk, causal,
                    d_qk, n, n_hb_dq, n_db, slots, s0)  # fmt: skip
-        scale = scales[ci] if deterministic else dkv32
-        if det_mode == 2:  # the most (token, slot) pairs of one row in this chunk
-            valid = valid_slots(idx_c[:, 0], s_kv, q_start_index + s0, k_stride, causal)
-            keys = torch.where(valid, idx_c[:, 0], s_kv).reshape(-1).long()
-            counts = torch.zeros(s_kv + 1, dtype=torch.int32, device=dev)
-            counts.index_add_(0, keys, torch.ones_like(keys, dtype=torch.int32))
-            stats[ci, 4:5].copy_(counts[:s_kv].amax().reshape(1))
-        if deterministic:
-            kernel = launch(
-                _fixed_point_scale_kernel, (1,), slots, ("fixed_point_scale", s0),
-                (stats[ci], scale, (h_q - 1).bit_length(), (n * topk - 1).bit_length(), (n_hg - 1).bit_length()),
-                {"MODE": det_mode, "num_warps": 1},
-            )  # fmt: skip
-            record_launch("bwd.fixed_point_scale", kernel)
-        dkv_target = acc if deterministic else dkv32
         if split_dkv and dkv_gluon:
             kernel = launch_dkv_gluon(
-                ds_ws, p_ws, q_c, do_c, idx_c, dkv_target, scale, n, s_kv, h_q, q_start_index + s0, k_stride,
-                topk, causal, det_mode, d_qk, d_v, cfg, slots, ("dkv_gluon", s0),
+                ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n, s_kv, h_q, q_start_index + s0, k_stride, topk,
+                causal, deterministic, d_qk, d_v, cfg, slots, ("dkv_gluon", s0),
             )  # fmt: skip
             record_launch("bwd.dkv", kernel, backend="gluon")
         elif split_dkv:
             n_tb = cdiv(topk, cfg["BLOCK_T_DKV"])
-            n_chunks_c = d_v // cfg["BLOCK_C_DKV"] + (1 if d_qk > d_v else 0)
-            n_csplit = min(cfg["N_CSPLIT"], n_chunks_c)
-            if n_csplit < 1 or (n_csplit - 1) * cdiv(n_chunks_c, n_csplit) >= n_chunks_c:
-                raise ValueError(f"N_CSPLIT {n_csplit} leaves a channel group empty ({n_chunks_c} chunks)")
-            for h0 in range(0, h_q, h_group):  # one launch per group of heads (one group up to 128 heads)
-                h1 = min(h_q, h0 + h_group)
-                kernel = launch(
-                    _dkv_kernel, (n_csplit * n * n_tb,), slots, ("dkv", s0, h0),
-                    (ds_ws[:, h0:], p_ws[:, h0:], q_c[:, h0:], do_c[:, h0:], idx_c, dkv_target, scale, n,
-                     s_kv * d_qk, ds_ws.stride(0), q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1),
-                     idx_c.stride(0), s_kv, h1 - h0, q_start_index + s0, k_stride),
-                    dict(topk=topk, CAUSAL=causal, DETERMINISTIC=det_mode, D_QK=d_qk, D_V=d_v,
-                         D_ROPE=d_qk - d_v, BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"],
-                         BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb, CHUNK_STAGES=cfg["chunk_stages_dkv"],
-                         N_CSPLIT=n_csplit, TOK_GROUP=cfg["TOK_GROUP"], ROPE_IN_LOOP=rope_in_loop(cfg["BLOCK_C_DKV"]),
-                         num_warps=cfg["num_warps_dkv"], num_stages=1),
-                )  # fmt: skip
-                record_launch("bwd.dkv", kernel)
-        if deterministic:  # this chunk's sums into dkv32, in chunk order
-            block = 256 if interpreting() else cfg["BLOCK_FLUSH"]
+            n_chunks = d_v // cfg["BLOCK_C_DKV"] + (1 if d_qk > d_v else 0)
+            n_csplit = min(cfg["N_CSPLIT"], n_chunks)
+            if n_csplit < 1 or (n_csplit - 1) * cdiv(n_chunks, n_csplit) >= n_chunks:
+                raise ValueError(f"N_CSPLIT {n_csplit} leaves a channel group empty ({n_chunks} chunks)")
             kernel = launch(
-                _fixed_point_flush_kernel, (cdiv(s_kv * d_qk, block),), slots, ("fixed_point_flush", s0),
-                (acc, dkv32, scale, s_kv * d_qk),
-                {"MODE": det_mode, "ACCUMULATE": ci > 0, "RESET": ci < n_chunks - 1, "BLOCK": block, "num_warps": 4},
+                _dkv_kernel, (n_csplit * n * n_tb,), slots, ("dkv", s0),
+                (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n,
+                 q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1), idx_c.stride(0),
+                 s_kv, h_q, q_start_index + s0, k_stride),
+                dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+                     BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"], BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
+                     CHUNK_STAGES=cfg["chunk_stages_dkv"], N_CSPLIT=n_csplit, TOK_GROUP=cfg["TOK_GROUP"],
+                     ROPE_IN_LOOP=rope_in_loop(cfg["BLOCK_C_DKV"]),
+                     num_warps=cfg["num_warps_dkv"], num_stages=1),
             )  # fmt: skip
-            record_launch("bwd.fixed_point_flush", kernel)
+            record_launch("bwd.dkv", kernel)
+        if deterministic:
+            _det_reduce(cfg, part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk,
+                        slots, s0)  # fmt: skip
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
     if return_attn_sum and perm is not None:  # back to the caller's slot order
@@ -760,6 +635,31 @@ def _launch_dq(
     record_launch("bwd.dq", kernel)
 
 
+def _det_reduce(
+    cfg: dict[str, int], part: torch.Tensor, idx_c: torch.Tensor, dkv32: torch.Tensor, s_kv: int,
+    q_start_index: int, k_stride: int, causal: bool, n_hb: int, d_qk: int, slots: dict[Any, Any] | None,
+    s0: int,
+) -> None:  # fmt: skip
+    """Add this chunk's per-(token, slot) contributions into ``dkv32``, grouped by row in a fixed order.
+    No host synchronisation: invalid pairs sort last (key ``s_kv``) and each row finds its segment of the
+    sorted pairs by binary search."""
+    valid = valid_slots(idx_c[:, 0], s_kv, q_start_index, k_stride, causal).reshape(-1)
+    keys = torch.where(valid, idx_c[:, 0].reshape(-1), s_kv)  # int32
+    # Stable sort by row keeps (token, slot) order inside a row: the reduction order is fixed.
+    keys, order = torch.sort(keys, stable=True)
+    rows = torch.arange(s_kv, dtype=keys.dtype, device=keys.device)
+    seg_start = torch.searchsorted(keys, rows)
+    seg_end = torch.searchsorted(keys, rows, right=True)
+    block_d = 64 if interpreting() else cfg["BLOCK_D_RED"]
+    kernel = launch(
+        _det_reduce_kernel, (s_kv, cdiv(d_qk, block_d)), slots, ("det_reduce", s0),
+        (part, order, seg_start, seg_end, dkv32, part.stride(0)),
+        dict(D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, UNROLL=2 if interpreting() else cfg["UNROLL_RED"],
+             num_warps=cfg["num_warps_red"]),
+    )  # fmt: skip
+    record_launch("bwd.det_reduce", kernel)
+
+
 def _bwd_fake(
     q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, indices: torch.Tensor,
     lse: torch.Tensor, sm_scale: float, d_v: int, q_start_index: int, k_stride: int, causal: bool,
@@ -791,15 +691,20 @@ _SLOTS: dict[Any, dict[Any, Any]] = {}
 def _bwd_op(
     q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, indices: torch.Tensor,
     lse: torch.Tensor, sm_scale: float, d_v: int, q_start_index: int, k_stride: int, causal: bool,
-    deterministic: bool, return_attn_sum: bool, workspace_bytes: int, dkv_backend: str,
+    deterministic: bool, return_attn_sum: bool, workspace_bytes: int, deterministic_workspace_bytes: int,
+    dkv_backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and every launch's specialisation depend only on the call signature: checked once per signature.
     key = (*call_signature(q, kv, out, dout, indices, lse), d_v, q_start_index, k_stride, causal, deterministic,
-           return_attn_sum, workspace_bytes, dkv_backend)  # fmt: skip
+           return_attn_sum, workspace_bytes, deterministic_workspace_bytes, dkv_backend)  # fmt: skip
     slots = cached(
         _SLOTS, key, lambda: _check_bwd(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
     )
-    config = config_of(bwd_workspace_bytes=workspace_bytes, bwd_dkv_backend=dkv_backend)
+    config = config_of(
+        bwd_workspace_bytes=workspace_bytes,
+        bwd_deterministic_workspace_bytes=deterministic_workspace_bytes,
+        bwd_dkv_backend=dkv_backend,
+    )
     return launch_bwd(
         q, kv, out, dout, indices, lse, check_sm_scale(sm_scale), d_v, q_start_index=q_start_index,
         k_stride=k_stride, causal=causal, deterministic=deterministic, return_attn_sum=return_attn_sum,
@@ -840,13 +745,8 @@ def sparse_mla_bwd(
         k_stride: KV compression stride, for the causal limit.
         causal: also treat slot ``t`` as invalid when ``index > (q_pos + 1 - k_stride) / k_stride``
             (C integer division), ``q_pos = q_start_index + s``, as FlashMLA's attn_dist does.
-        deterministic: make ``dkv`` bit-identical from run to run: the contributions are added as int64
-            fixed-point numbers (exact, so their order does not matter) instead of with fp32 atomics, one
-            power-of-two unit per chunk of tokens chosen from bounds on ``|dS|``, ``P``, ``|q|``, ``|dout|``
-            so that no sum can overflow; each contribution is rounded to that unit (an error of at most
-            ``2^-57 N B`` for ``N`` (token, slot) pairs per chunk and ``B`` the bound on one contribution),
-            each chunk's sums once to fp32. Needs an int64 ``[s_kv, d_qk]`` accumulator. A NaN or infinity among ``dS``, ``P``,
-            ``q`` and ``dout`` of a chunk (or a bound beyond the fp32 range) makes all of ``dkv`` NaN.
+        deterministic: sum the ``dkv`` contributions in a fixed order (bit-identical from run to run)
+            instead of with fp32 atomics; needs an fp32 workspace (``Config.bwd_deterministic_workspace_bytes``).
         return_attn_sum: also return ``attn_sum [s_q, topk]`` fp32, the attention probability summed over
             heads at each slot (``Σ_h P[h, t]``, 0 at invalid slots): the lightning indexer's KL target, the
             same quantity as ``attn_dist(..., causal=causal)``, taken from the ``P`` the backward recomputes
@@ -867,6 +767,6 @@ def sparse_mla_bwd(
     cfg = config or DEFAULT
     dq, dkv, attn_sum = _bwd_op(
         q, kv, out, dout, indices, lse, sm_scale, d_v, q_start_index, k_stride, causal, deterministic,
-        return_attn_sum, cfg.bwd_workspace_bytes, cfg.bwd_dkv_backend,
+        return_attn_sum, cfg.bwd_workspace_bytes, cfg.bwd_deterministic_workspace_bytes, cfg.bwd_dkv_backend,
     )  # fmt: skip
     return (dq, dkv, attn_sum) if return_attn_sum else (dq, dkv)

@@ -44,6 +44,8 @@ class Config:
             The forward, and the Gluon kernels, always merge with the second kernel.
         bwd_workspace_bytes: cap on the backward's ``dS`` (and ``P``) workspace; the backward processes
             query tokens in chunks that fit (default 2 GiB).
+        bwd_deterministic_workspace_bytes: cap on the deterministic backward's fp32 per-slot ``dkv``
+            workspace, which also bounds its chunk of tokens (default 4 GiB).
         fwd_persistent: whether :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon kernel (sm_90) runs
             persistent: one program per multiprocessor, each taking (token, 64-head tile) work items in
             turn with one shared-memory ring, so that an item's query load, first gathers and output
@@ -65,7 +67,7 @@ class Config:
 
     Raises:
         ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split`` or
-            ``bwd_dkv_backend``, ``num_splits < 0`` or ``bwd_workspace_bytes`` below 1 byte.
+            ``bwd_dkv_backend``, ``num_splits < 0`` or a workspace cap below 1 byte.
     """
 
     backend: str = "auto"
@@ -73,6 +75,7 @@ class Config:
     split_merge: str = "auto"
     split_fill: float = 1.0
     bwd_workspace_bytes: int = 2 << 30
+    bwd_deterministic_workspace_bytes: int = 4 << 30
     fwd_persistent: str = "auto"
     attn_dist_split: str = "blocks"
     bwd_dkv_backend: str = "auto"
@@ -93,10 +96,10 @@ class Config:
             or not (0 < self.split_fill <= 64)
         ):
             raise ValueError(f"Config.split_fill must be a number in (0, 64], got {self.split_fill!r}")
-        if not isinstance(self.bwd_workspace_bytes, int) or self.bwd_workspace_bytes < 1:
-            raise ValueError(
-                f"Config.bwd_workspace_bytes must be an int >= 1, got {self.bwd_workspace_bytes!r}"
-            )
+        for name in ("bwd_workspace_bytes", "bwd_deterministic_workspace_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Config.{name} must be an int >= 1, got {value!r}")
 
     def splits_for(self, n_programs: int, topk: int, n_sm: int, block_t: int = 64) -> int:
         """The split-K factor used when ``num_splits`` is 0 (``num_splits`` itself otherwise).
@@ -134,9 +137,10 @@ def config_of(
     num_splits: int = 0,
     split_merge: str = "auto",
     bwd_workspace_bytes: int = DEFAULT.bwd_workspace_bytes,
+    bwd_deterministic_workspace_bytes: int = DEFAULT.bwd_deterministic_workspace_bytes,
     split_fill: float = DEFAULT.split_fill,
     bwd_dkv_backend: str = DEFAULT.bwd_dkv_backend,
 ) -> Config:
     """The :class:`Config` of these fields, built (and checked) once: the custom ops receive the fields."""
     return Config(backend, num_splits, split_merge, split_fill, bwd_workspace_bytes,
-                  bwd_dkv_backend=bwd_dkv_backend)  # fmt: skip
+                  bwd_deterministic_workspace_bytes, bwd_dkv_backend=bwd_dkv_backend)  # fmt: skip

@@ -10,9 +10,8 @@ transposed from shared memory. The kernel is warp specialised: a producer warpgr
 ``dS`` / ``P`` columns once and then streams the token's ``q`` / ``dout`` channel chunks through a ring of
 shared-memory slots, and ``N_WG`` consumer warpgroups (64 slots each, all reading the same chunk) issue
 the products of chunk ``c + 1`` before adding chunk ``c``'s fp32 results into ``dkv`` with vector atomics
-(or, in the deterministic mode, rounded to int64 multiples of the chunk's fixed-point unit, into the int64
-accumulator; see ``backward.py``), so the atomics overlap the tensor cores and each chunk of ``q`` /
-``dout`` is read once per ``64 * N_WG`` slots.
+(or, in the deterministic mode, storing them to the per-(token, slot) workspace), so the atomics overlap
+the tensor cores and each chunk of ``q`` / ``dout`` is read once per ``64 * N_WG`` slots.
 """
 
 from __future__ import annotations
@@ -104,39 +103,26 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
 
     @gluon.jit
-    def _round_to_grid(x, scale, grid):
-        """``x`` rounded to the nearest multiple of the power of two ``grid = 1 / scale`` (``|x| <= 2^22
-        grid``), as ``backward._round_to_grid``."""
-        return ((x * scale + 12582912.0) - 12582912.0) * grid
-
-    @gluon.jit
-    def _dkv_emit(DKV, out_ptrs_row, acc, valid, c, cols, sc, lo_off,
+    def _dkv_emit(DKV, PART, out_ptrs_row, part_row, acc, valid, in_topk, c, cols,
                   st_l: gl.constexpr, BLOCK_C: gl.constexpr, DETERMINISTIC: gl.constexpr):  # fmt: skip
-        """Add one chunk's ``[64, BLOCK_C]`` fp32 products into dkv with atomics; or (DETERMINISTIC 1) as
-        ``round(acc * sc[0])`` into the int64 accumulator ``DKV``; or (2) split into multiples of the grids
-        ``sc[1]`` and ``sc[3]``, added into ``DKV`` and ``DKV + lo_off`` (see ``backward._dkv_update``)."""
+        """Add one chunk's ``[64, BLOCK_C]`` fp32 products into dkv (atomics), or store them to the
+        deterministic workspace."""
         vals = gl.convert_layout(acc, st_l)
         ch = c * BLOCK_C + cols
-        ptrs = DKV + out_ptrs_row[:, None] + ch[None, :]
-        mask = valid[:, None] & (ch >= 0)[None, :]
-        if DETERMINISTIC == 1:
-            # vals * scale (a power of two) is exact; cvt.rni rounds to the nearest integer.
-            fixed = gl.inline_asm_elementwise(
-                "cvt.rni.s64.f32 $0, $1;", "=l,r", [vals * sc[0]], dtype=gl.int64, is_pure=True, pack=1
-            )
-            gl.atomic_add(ptrs, fixed, mask=mask, sem="relaxed")
-        elif DETERMINISTIC == 2:
-            hi = _round_to_grid(vals, sc[0], sc[1])
-            lo = _round_to_grid(vals - hi, sc[2], sc[3])
-            gl.atomic_add(ptrs, hi, mask=mask, sem="relaxed")
-            gl.atomic_add(ptrs + lo_off, lo, mask=mask, sem="relaxed")
+        if DETERMINISTIC:
+            gl.store(PART + part_row[:, None] + ch[None, :], vals, mask=in_topk[:, None] & (ch >= 0)[None, :])
         else:
-            gl.atomic_add(ptrs, vals, mask=mask, sem="relaxed")
+            gl.atomic_add(
+                DKV + out_ptrs_row[:, None] + ch[None, :],
+                vals,
+                mask=valid[:, None] & (ch >= 0)[None, :],
+                sem="relaxed",
+            )
 
     @gluon.jit
     def _dkv_consumer(
         WG: gl.constexpr, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars,
-        IDX, DKV, SCALE, n_tok, lo_off, stride_is, topk, s_kv, q_start_index, k_stride,
+        IDX, DKV, PART, n_tok, stride_is, topk, s_kv, q_start_index, k_stride,
         D_QK: gl.constexpr, N_CH: gl.constexpr, BLOCK_C: gl.constexpr, N_WG: gl.constexpr,
         NUM_BUF: gl.constexpr, N_TB: gl.constexpr, TOK_GROUP: gl.constexpr, CAUSAL: gl.constexpr,
         DETERMINISTIC: gl.constexpr,
@@ -146,11 +132,8 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_C, 16]
         )
-        # Each thread adds 4 consecutive fp32 (one 16-byte vector atomic) per row; int64 atomics are scalar,
-        # so there a warp's 32 threads add consecutive elements of one row.
-        VEC: gl.constexpr = 1 if DETERMINISTIC == 1 else 4
-        TPW_C: gl.constexpr = min(32, BLOCK_C // VEC)
-        st_l: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPW_C, TPW_C], [4, 1], [1, 0])
+        # Each thread adds 4 consecutive fp32 (one 16-byte vector atomic) per row.
+        st_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BLOCK_C, BLOCK_C // 4], [4, 1], [1, 0])
         item = gl.program_id(0)
         s, t0, hi = _dkv_item(item, n_tok, s_kv, q_start_index, k_stride, N_TB, TOK_GROUP, 64 * N_WG, CAUSAL)
         z = gl.inline_asm_elementwise(
@@ -167,10 +150,7 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
         idx = gl.load(IDX + s * stride_is + offs_t, mask=in_topk, other=-1)
         valid = (idx >= 0) & (idx < hi)
         rows = gl.where(valid, idx, 0).to(gl.int64) * D_QK
-        if DETERMINISTIC:  # the chunk's fixed-point factors (see backward._fixed_point_scale_kernel)
-            sc = (gl.load(SCALE), gl.load(SCALE + 1), gl.load(SCALE + 2), gl.load(SCALE + 3))
-        else:
-            sc = (1.0, 1.0, 1.0, 1.0)
+        part_row = (s * topk + offs_t) * D_QK
         mbarrier.wait(a_bar, 0)
         fence_async_shared()  # the producer's cp.async writes, read next by wgmma (async proxy)
         a_ds = ds_smem.index(WG).permute((1, 0))  # [64 slots, heads], slots contiguous
@@ -187,15 +167,19 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
             fence_async_shared()
             nxt = warpgroup_mma(a_ds, q_smem.index(slot), zero, use_acc=False, is_async=True)
             nxt = warpgroup_mma(a_p, do_smem.index(slot), nxt, is_async=True)
-            _dkv_emit(DKV, rows, acc, valid, c - 1, cols, sc, lo_off, st_l, BLOCK_C, DETERMINISTIC)
+            _dkv_emit(
+                DKV, PART, rows, part_row, acc, valid, in_topk, c - 1, cols, st_l, BLOCK_C, DETERMINISTIC
+            )
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt,))
             mbarrier.arrive(empty_bars.index(slot))
-        _dkv_emit(DKV, rows, acc, valid, N_CH - 1, cols, sc, lo_off, st_l, BLOCK_C, DETERMINISTIC)
+        _dkv_emit(
+            DKV, PART, rows, part_row, acc, valid, in_topk, N_CH - 1, cols, st_l, BLOCK_C, DETERMINISTIC
+        )
 
     @gluon.jit
     def _dkv_ws_kernel(
-        DS, P, Q, DOUT, IDX, DKV, SCALE,
-        n_tok, lo_off, stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
+        DS, P, Q, DOUT, IDX, DKV, PART,
+        n_tok, stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
         s_kv, h_q, q_start_index, k_stride,
         topk: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, D_QK: gl.constexpr,
         D_V: gl.constexpr, BLOCK_HD: gl.constexpr, BLOCK_C: gl.constexpr, N_WG: gl.constexpr,
@@ -233,13 +217,13 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
         gl.warp_specialize(
             [
                 (_dkv_consumer, (
-                    WG0, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, IDX, DKV, SCALE,
-                    n_tok, lo_off, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH, BLOCK_C, N_WG, NUM_BUF,
+                    WG0, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, IDX, DKV, PART,
+                    n_tok, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH, BLOCK_C, N_WG, NUM_BUF,
                     N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC,
                 )),
                 (_dkv_consumer, (
-                    WG1, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, IDX, DKV, SCALE,
-                    n_tok, lo_off, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH, BLOCK_C, N_WG, NUM_BUF,
+                    WG1, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, IDX, DKV, PART,
+                    n_tok, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH, BLOCK_C, N_WG, NUM_BUF,
                     N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC,
                 )),
                 (_dkv_producer, (
@@ -261,19 +245,18 @@ def dkv_gluon_eligible(h_q: int, d_qk: int, d_v: int, topk: int, block_c: int) -
 
 def launch_dkv_gluon(
     ds_ws: torch.Tensor, p_ws: torch.Tensor, q_c: torch.Tensor, do_c: torch.Tensor, idx_c: torch.Tensor,
-    dkv: torch.Tensor, scale: torch.Tensor, n: int, s_kv: int, h_q: int, q_start_index: int, k_stride: int,
-    topk: int, causal: bool, deterministic: int, d_qk: int, d_v: int, cfg: dict[str, int],
+    dkv32: torch.Tensor, part: torch.Tensor, n: int, s_kv: int, h_q: int, q_start_index: int, k_stride: int,
+    topk: int, causal: bool, deterministic: bool, d_qk: int, d_v: int, cfg: dict[str, int],
     slots: dict[Any, Any] | None, name: Any,
 ) -> Any:  # fmt: skip
-    """The dkv products of a chunk of ``n`` tokens (see ``_dkv_ws_kernel``) added into ``dkv`` (fp32; or,
-    ``deterministic``, the int64 fixed-point accumulator, with ``scale[0] = 2^-e``); ``cfg`` gives
-    ``BLOCK_C_G`` (channels per chunk), ``NUM_BUF_G`` (ring slots), ``TOK_GROUP`` and the register split."""
+    """The dkv products of a chunk of ``n`` tokens (see ``_dkv_ws_kernel``); ``cfg`` gives ``BLOCK_C_G``
+    (channels per chunk), ``NUM_BUF_G`` (ring slots), ``TOK_GROUP`` and the register split."""
     n_wg = 2
     n_tb = cdiv(topk, 64 * n_wg)
     block_hd = max(16, 1 << (h_q - 1).bit_length())
     return launch(
         _dkv_ws_kernel, (n * n_tb,), slots, name,
-        (ds_ws, p_ws, q_c, do_c, idx_c, dkv, scale, n, s_kv * d_qk, q_c.stride(0), q_c.stride(1), do_c.stride(0),
+        (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n, q_c.stride(0), q_c.stride(1), do_c.stride(0),
          do_c.stride(1), idx_c.stride(0), s_kv, h_q, q_start_index, k_stride),
         dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, BLOCK_HD=block_hd,
              BLOCK_C=cfg["BLOCK_C_G"], N_WG=n_wg, NUM_BUF=cfg["NUM_BUF_G"], N_TB=n_tb,
