@@ -266,6 +266,7 @@ if HAVE_GLUON:
         NUM_BUF: gl.constexpr,
         HALF: gl.constexpr,
         PREFETCH: gl.constexpr,
+        AHEAD: gl.constexpr,
     ):
         """One of two producer warpgroups of the FP8 decode (``N_PRODUCERS`` 2): tiles ``2 HALF`` and
         ``2 HALF + 1`` of every block into ``ka`` / ``kb``, as ``_fp8_producer`` does for all four, in
@@ -294,6 +295,8 @@ if HAVE_GLUON:
         nxt = BLOCK_T + offs_t
         idx_n = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
         x, sx = _fp8_subtile(KV32, row_c, valid_c, cols, A, 0)
+        if AHEAD == 2:
+            y, sy = _fp8_subtile(KV32, row_c, valid_c, cols, A, 1)
         if HALF == 0 and PREFETCH:
             _prefetch_lines(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T)
         for b in range(n_blocks):
@@ -302,7 +305,10 @@ if HAVE_GLUON:
             valid_n = valid_n & (b + 1 < n_blocks)
             nxt = (b + 2) * BLOCK_T + offs_t
             idx_n = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
-            y, sy = _fp8_subtile(KV32, row_c, valid_c, cols, A, 1)
+            if AHEAD == 2:
+                z, sz = _fp8_subtile(KV32, row_c, valid_c, cols, B, 0)
+            else:
+                y, sy = _fp8_subtile(KV32, row_c, valid_c, cols, A, 1)
             # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
             mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
             if HALF == 0:
@@ -318,13 +324,23 @@ if HAVE_GLUON:
                 _prefetch_lines(
                     KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T
                 )
-            k64_a.index(slot).slice(0, 16, dim=1).store(_dequant_tile(x, sx))
-            x, sx = _fp8_subtile(KV32, row_c, valid_c, cols, B, 0)
-            k64_a.index(slot).slice(16, 16, dim=1).store(_dequant_tile(y, sy))
-            y, sy = _fp8_subtile(KV32, row_c, valid_c, cols, B, 1)
-            k64_b.index(slot).slice(0, 16, dim=1).store(_dequant_tile(x, sx))
-            x, sx = _fp8_subtile(KV32, row_n, valid_n, cols, A, 0)
-            k64_b.index(slot).slice(16, 16, dim=1).store(_dequant_tile(y, sy))
+            if AHEAD == 2:  # two halves in flight
+                k64_a.index(slot).slice(0, 16, dim=1).store(_dequant_tile(x, sx))
+                x, sx = _fp8_subtile(KV32, row_c, valid_c, cols, B, 1)
+                k64_a.index(slot).slice(16, 16, dim=1).store(_dequant_tile(y, sy))
+                y, sy = _fp8_subtile(KV32, row_n, valid_n, cols, A, 0)
+                k64_b.index(slot).slice(0, 16, dim=1).store(_dequant_tile(z, sz))
+                z, sz = _fp8_subtile(KV32, row_n, valid_n, cols, A, 1)
+                k64_b.index(slot).slice(16, 16, dim=1).store(_dequant_tile(x, sx))
+                x, sx, y, sy = y, sy, z, sz
+            else:
+                k64_a.index(slot).slice(0, 16, dim=1).store(_dequant_tile(x, sx))
+                x, sx = _fp8_subtile(KV32, row_c, valid_c, cols, B, 0)
+                k64_a.index(slot).slice(16, 16, dim=1).store(_dequant_tile(y, sy))
+                y, sy = _fp8_subtile(KV32, row_c, valid_c, cols, B, 1)
+                k64_b.index(slot).slice(0, 16, dim=1).store(_dequant_tile(x, sx))
+                x, sx = _fp8_subtile(KV32, row_n, valid_n, cols, A, 0)
+                k64_b.index(slot).slice(16, 16, dim=1).store(_dequant_tile(y, sy))
             row_c, valid_c = row_n, valid_n
             # The bf16 tiles (generic-proxy writes of 128 threads) are read next by wgmma: fence, meet, arrive.
             fence_async_shared()
@@ -535,6 +551,7 @@ if HAVE_GLUON:
         SPLIT_K: gl.constexpr = False,
         N_PRODUCERS: gl.constexpr = 1,
         PREFETCH: gl.constexpr = True,
+        AHEAD: gl.constexpr = 1,
     ):
         """Decode over an FP8 cache for one token and 64 heads (or one split of its top-k list, as the bf16
         kernel), 12 warp-specialised warps: default partition = consumer warpgroup 0 (``_sv_consumer``),
@@ -614,11 +631,11 @@ if HAVE_GLUON:
                     )),
                     (_fp8_producer_half, (
                         kt0, kt1, kr_smem, full_bars, empty_bars, KV, KV_BLOCK, stride_kv_block, idx_row, n_t,
-                        hi, n_blocks, BLOCK_T, 2, 0, PREFETCH,
+                        hi, n_blocks, BLOCK_T, 2, 0, PREFETCH, AHEAD,
                     )),
                     (_fp8_producer_half, (
                         kt2, kt3, kr_smem, full_bars, empty_bars, KV, KV_BLOCK, stride_kv_block, idx_row, n_t,
-                        hi, n_blocks, BLOCK_T, 2, 1, PREFETCH,
+                        hi, n_blocks, BLOCK_T, 2, 1, PREFETCH, AHEAD,
                     )),
                 ],
                 [4, 4, 4],
@@ -635,6 +652,7 @@ FP8_PRODUCER_REGS = 128
 FP8_PRODUCERS = 1
 FP8_HALF_PRODUCER_REGS = 64
 FP8_HALF_PREFETCH = True
+FP8_HALF_AHEAD = 1
 
 
 def launch_decode_fp8_gluon(
@@ -669,7 +687,7 @@ def launch_decode_fp8_gluon(
     )
     consts["N_PRODUCERS"] = FP8_PRODUCERS
     if FP8_PRODUCERS == 2:
-        consts.update(PRODUCER_REGS=FP8_HALF_PRODUCER_REGS, PREFETCH=FP8_HALF_PREFETCH)
+        consts.update(PRODUCER_REGS=FP8_HALF_PRODUCER_REGS, PREFETCH=FP8_HALF_PREFETCH, AHEAD=FP8_HALF_AHEAD)
     if n_splits > 1:
         consts["SPLIT_K"] = True
     args = (q, kv_cache, idx, out, max_logits, lse, *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv,
