@@ -237,117 +237,6 @@ if HAVE_GLUON:
             mbarrier.arrive(full_bars.index(slot))
 
     @gluon.jit
-    def _fp8_subtile(KV32, row, valid, cols, j: gl.constexpr, h: gl.constexpr):
-        """Latent bytes ``[128 j + 64 h, 128 j + 64 h + 64)`` of the cache rows at byte offsets ``row``, four
-        to an int32 (16-byte loads; zeros where not ``valid``), and their float32 scale ``j``."""
-        base = row // 4
-        x32 = gl.load(KV32 + base[:, None] + (32 * j + 16 * h + cols)[None, :],
-                      mask=valid[:, None] & (cols[None, :] >= 0), other=0)  # fmt: skip
-        scale = gl.load(
-            KV32.to(gl.pointer_type(gl.float32), bitcast=True) + base + 128 + j, mask=valid, other=0.0
-        )
-        return x32, scale
-
-    @gluon.jit
-    def _fp8_producer_half(
-        ka,
-        kb,
-        kr_smem,
-        full_bars,
-        empty_bars,
-        KV,
-        kv_block_size: gl.constexpr,
-        stride_kv_block,
-        idx_row,
-        n_t,
-        hi,
-        n_blocks,
-        BLOCK_T: gl.constexpr,
-        NUM_BUF: gl.constexpr,
-        HALF: gl.constexpr,
-        PREFETCH: gl.constexpr,
-        AHEAD: gl.constexpr,
-    ):
-        """One of two producer warpgroups of the FP8 decode (``N_PRODUCERS`` 2): tiles ``2 HALF`` and
-        ``2 HALF + 1`` of every block into ``ka`` / ``kb``, as ``_fp8_producer`` does for all four, in
-        64-channel halves with one half in flight (its gather issued before the previous half is
-        dequantized), so that it fits in few registers; ``HALF`` 0 also copies the rope rows and prefetches
-        the rows of block ``b + 2`` into L2. ``full_bars[s]`` completes once per block: one arrive from each
-        producer and the rope rows' ``cp.async`` arrivals."""
-        D_NOPE: gl.constexpr = 512
-        # A warp covers 8 rows x 64 latent bytes (4 int32 per thread) or x 32 bf16 rope values (8 per thread).
-        ld_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-        rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        KV8 = KV.to(gl.pointer_type(gl.uint8), bitcast=True)
-        KV16 = KV.to(gl.pointer_type(gl.bfloat16), bitcast=True)
-        KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
-        i64_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=64, rank=2)
-        k64_a = ka._reinterpret(gl.int64, [NUM_BUF, BLOCK_T, 32], i64_l)
-        k64_b = kb._reinterpret(gl.int64, [NUM_BUF, BLOCK_T, 32], i64_l)
-        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
-        cols = gl.arange(0, 16, layout=gl.SliceLayout(0, ld_l))
-        cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
-        A: gl.constexpr = 2 * HALF
-        B: gl.constexpr = 2 * HALF + 1
-        row_c, valid_c = _fp8_rows(
-            gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1), hi, kv_block_size, stride_kv_block, 656
-        )
-        nxt = BLOCK_T + offs_t
-        idx_n = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
-        x, sx = _fp8_subtile(KV32, row_c, valid_c, cols, A, 0)
-        if AHEAD == 2:
-            y, sy = _fp8_subtile(KV32, row_c, valid_c, cols, A, 1)
-        if HALF == 0 and PREFETCH:
-            _prefetch_lines(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T)
-        for b in range(n_blocks):
-            slot = b % NUM_BUF
-            row_n, valid_n = _fp8_rows(idx_n, hi, kv_block_size, stride_kv_block, 656)
-            valid_n = valid_n & (b + 1 < n_blocks)
-            nxt = (b + 2) * BLOCK_T + offs_t
-            idx_n = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
-            if AHEAD == 2:
-                z, sz = _fp8_subtile(KV32, row_c, valid_c, cols, B, 0)
-            else:
-                y, sy = _fp8_subtile(KV32, row_c, valid_c, cols, A, 1)
-            # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
-            mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
-            if HALF == 0:
-                row_r = gl.convert_layout(row_c, gl.SliceLayout(1, rope_l), assert_trivial=True)
-                valid_r = gl.convert_layout(valid_c, gl.SliceLayout(1, rope_l), assert_trivial=True)
-                cp.async_copy_global_to_shared(
-                    kr_smem.index(slot),
-                    KV16 + ((row_r + D_NOPE + 16) // 2)[:, None] + cols_r[None, :],
-                    mask=valid_r[:, None] & (cols_r[None, :] >= 0),
-                )
-                cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
-            if HALF == 0 and PREFETCH:
-                _prefetch_lines(
-                    KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T
-                )
-            if AHEAD == 2:  # two halves in flight
-                k64_a.index(slot).slice(0, 16, dim=1).store(_dequant_tile(x, sx))
-                x, sx = _fp8_subtile(KV32, row_c, valid_c, cols, B, 1)
-                k64_a.index(slot).slice(16, 16, dim=1).store(_dequant_tile(y, sy))
-                y, sy = _fp8_subtile(KV32, row_n, valid_n, cols, A, 0)
-                k64_b.index(slot).slice(0, 16, dim=1).store(_dequant_tile(z, sz))
-                z, sz = _fp8_subtile(KV32, row_n, valid_n, cols, A, 1)
-                k64_b.index(slot).slice(16, 16, dim=1).store(_dequant_tile(x, sx))
-                x, sx, y, sy = y, sy, z, sz
-            else:
-                k64_a.index(slot).slice(0, 16, dim=1).store(_dequant_tile(x, sx))
-                x, sx = _fp8_subtile(KV32, row_c, valid_c, cols, B, 0)
-                k64_a.index(slot).slice(16, 16, dim=1).store(_dequant_tile(y, sy))
-                y, sy = _fp8_subtile(KV32, row_c, valid_c, cols, B, 1)
-                k64_b.index(slot).slice(0, 16, dim=1).store(_dequant_tile(x, sx))
-                x, sx = _fp8_subtile(KV32, row_n, valid_n, cols, A, 0)
-                k64_b.index(slot).slice(16, 16, dim=1).store(_dequant_tile(y, sy))
-            row_c, valid_c = row_n, valid_n
-            # The bf16 tiles (generic-proxy writes of 128 threads) are read next by wgmma: fence, meet, arrive.
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(full_bars.index(slot))
-
-    @gluon.jit
     def _softmax_publish(s, t_idx, hi, m_i, l_i, sm_scale_log2, p_smem, a_smem, p_ready, p_free, b):
         """Consumer warpgroup 0's online softmax of a block's scores ``s`` (columns whose index ``t_idx``
         is invalid masked), its P and rescale factors published to warpgroup 1 (``p_smem`` / ``a_smem``,
@@ -549,15 +438,11 @@ if HAVE_GLUON:
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
         SPLIT_K: gl.constexpr = False,
-        N_PRODUCERS: gl.constexpr = 1,
-        PREFETCH: gl.constexpr = True,
-        AHEAD: gl.constexpr = 1,
     ):
         """Decode over an FP8 cache for one token and 64 heads (or one split of its top-k list, as the bf16
         kernel), 12 warp-specialised warps: default partition = consumer warpgroup 0 (``_sv_consumer``),
         worker 0 = consumer warpgroup 1 (``_v_consumer``), worker 1 = the FP8 producer
-        (``_fp8_producer``; with ``N_PRODUCERS`` 2, workers 1 and 2 = ``_fp8_producer_half``, 16 warps).
-        ``KV`` is the cache's bytes (``float8_e4m3fn`` or ``uint8``), ``IDX`` cache
+        (``_fp8_producer``). ``KV`` is the cache's bytes (``float8_e4m3fn`` or ``uint8``), ``IDX`` cache
         rows (``[0, s_kv)`` valid)."""
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_T == 64)
@@ -590,69 +475,38 @@ if HAVE_GLUON:
         p_sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(2):
             # The producer's one arrive per block and its threads' rope copies (cp.async arrivals).
-            mbarrier.init(full_bars.index(j), count=128 + N_PRODUCERS)
+            mbarrier.init(full_bars.index(j), count=129)
             mbarrier.init(empty_bars.index(j), count=2)  # both consumers read every block
         for j in gl.static_range(3):
             mbarrier.init(p_sync.index(j), count=1)  # P ready, P read, row sums ready
         for w in gl.static_range(2):
             _load_q_rows(w, qn_smem, qr_smem, Q, stride_q_s, stride_q_h, pid_s, h0, h_q, D_NOPE, D_ROPE)
         fence_async_shared()  # the query tile and the barriers, before the partitions use them
-        if N_PRODUCERS == 1:
-            gl.warp_specialize(
-                [
-                    (_sv_consumer, (
-                        qn_smem, qr_smem, kt0, kt1, kt2, kt3, kr_smem, p_smem, a_smem, l_smem, full_bars,
-                        empty_bars, p_sync.index(0), p_sync.index(1), p_sync.index(2), idx_row, OUT, MAX_LOGITS,
-                        LSE, out_base, lse_base, so_h, h_q, h0, n_t, hi, n_blocks, sm_scale_log2, BLOCK_T, SPLIT_K,
-                    )),
-                    (_v_consumer, (
-                        kt2, kt3, p_smem, a_smem, l_smem, empty_bars, p_sync.index(0), p_sync.index(1),
-                        p_sync.index(2), OUT, out_base, so_h, h_q, h0, n_blocks,
-                    )),
-                    (_fp8_producer, (
-                        kt0, kt1, kt2, kt3, kr_smem, full_bars, empty_bars, KV, KV_BLOCK, stride_kv_block,
-                        idx_row, n_t, hi, n_blocks, BLOCK_T, 2,
-                    )),
-                ],
-                [4, 4],
-                [V_REGS, PRODUCER_REGS],
-            )  # fmt: skip
-        else:  # two producer warpgroups (tiles 0-1 with the rope rows, tiles 2-3): 16 warps
-            gl.warp_specialize(
-                [
-                    (_sv_consumer, (
-                        qn_smem, qr_smem, kt0, kt1, kt2, kt3, kr_smem, p_smem, a_smem, l_smem, full_bars,
-                        empty_bars, p_sync.index(0), p_sync.index(1), p_sync.index(2), idx_row, OUT, MAX_LOGITS,
-                        LSE, out_base, lse_base, so_h, h_q, h0, n_t, hi, n_blocks, sm_scale_log2, BLOCK_T, SPLIT_K,
-                    )),
-                    (_v_consumer, (
-                        kt2, kt3, p_smem, a_smem, l_smem, empty_bars, p_sync.index(0), p_sync.index(1),
-                        p_sync.index(2), OUT, out_base, so_h, h_q, h0, n_blocks,
-                    )),
-                    (_fp8_producer_half, (
-                        kt0, kt1, kr_smem, full_bars, empty_bars, KV, KV_BLOCK, stride_kv_block, idx_row, n_t,
-                        hi, n_blocks, BLOCK_T, 2, 0, PREFETCH, AHEAD,
-                    )),
-                    (_fp8_producer_half, (
-                        kt2, kt3, kr_smem, full_bars, empty_bars, KV, KV_BLOCK, stride_kv_block, idx_row, n_t,
-                        hi, n_blocks, BLOCK_T, 2, 1, PREFETCH, AHEAD,
-                    )),
-                ],
-                [4, 4, 4],
-                [V_REGS, PRODUCER_REGS, PRODUCER_REGS],
-            )  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_sv_consumer, (
+                    qn_smem, qr_smem, kt0, kt1, kt2, kt3, kr_smem, p_smem, a_smem, l_smem, full_bars, empty_bars,
+                    p_sync.index(0), p_sync.index(1), p_sync.index(2), idx_row, OUT, MAX_LOGITS, LSE, out_base,
+                    lse_base, so_h, h_q, h0, n_t, hi, n_blocks, sm_scale_log2, BLOCK_T, SPLIT_K,
+                )),
+                (_v_consumer, (
+                    kt2, kt3, p_smem, a_smem, l_smem, empty_bars, p_sync.index(0), p_sync.index(1),
+                    p_sync.index(2), OUT, out_base, so_h, h_q, h0, n_blocks,
+                )),
+                (_fp8_producer, (
+                    kt0, kt1, kt2, kt3, kr_smem, full_bars, empty_bars, KV, KV_BLOCK, stride_kv_block, idx_row,
+                    n_t, hi, n_blocks, BLOCK_T, 2,
+                )),
+            ],
+            [4, 4],
+            [V_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
 #: Register split (``setmaxnreg``) of the warpgroups of 384 threads (504 per thread in all): the S + P·V
 #: consumer 208 (the default partition: the rest), the P·V consumer 168, the producer 128.
 FP8_V_REGS = 168
 FP8_PRODUCER_REGS = 128
-#: Producer warpgroups (1, or 2 splitting each block's four tiles; 512 threads) and, with 2, each one's
-#: registers (the default partition gets the rest of 512).
-FP8_PRODUCERS = 1
-FP8_HALF_PRODUCER_REGS = 64
-FP8_HALF_PREFETCH = True
-FP8_HALF_AHEAD = 1
 
 
 def launch_decode_fp8_gluon(
@@ -685,9 +539,6 @@ def launch_decode_fp8_gluon(
     consts = dict(
         KV_BLOCK=kv_paging[0], BLOCK_T=64, V_REGS=FP8_V_REGS, PRODUCER_REGS=FP8_PRODUCER_REGS, num_warps=4
     )
-    consts["N_PRODUCERS"] = FP8_PRODUCERS
-    if FP8_PRODUCERS == 2:
-        consts.update(PRODUCER_REGS=FP8_HALF_PRODUCER_REGS, PREFETCH=FP8_HALF_PREFETCH, AHEAD=FP8_HALF_AHEAD)
     if n_splits > 1:
         consts["SPLIT_K"] = True
     args = (q, kv_cache, idx, out, max_logits, lse, *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv,
