@@ -95,9 +95,9 @@ def _config_label(config: Config | None) -> str | None:
     return ", ".join(f"{k}={v}" for k, v in vars(config).items() if getattr(Config(), k) != v)
 
 
-#: Timing rounds of a forward row: the kernel (and FlashMLA's, when given) timed in turns, medians kept, so
-#: that both see the same clock and power states of the GPU.
-FWD_ROUNDS = 3
+#: Timing rounds of a forward row: the kernel (and FlashMLA's, when given) timed in turns, which of the two goes
+#: first alternating from round to round (a drifting clock favours neither), medians kept.
+FWD_ROUNDS = 4
 
 
 def bench_fwd(
@@ -105,7 +105,8 @@ def bench_fwd(
 ) -> dict:
     """One forward row: time, TFLOPS, kernel family, max error of the first 32 queries against the float32
     reference, and FlashMLA's time on the same inputs when its module is given (the two timed in
-    ``FWD_ROUNDS`` alternating rounds; each time is the median of its rounds, all of them recorded)."""
+    ``FWD_ROUNDS`` rounds, which of the two goes first alternating; each time is the median of its rounds, all
+    of them recorded)."""
     q, kv, idx = make_inputs(s_q, h_q, s_kv, topk)
     sm_scale = 1 / math.sqrt(D_QK)
     run = lambda: sparse_mla_fwd(q, kv, idx, sm_scale, config=config)
@@ -122,9 +123,11 @@ def bench_fwd(
             fm = None
     rounds: list[float] = []
     fm_rounds: list[float] = []
-    for _ in range(FWD_ROUNDS):
+    for r in range(FWD_ROUNDS):
+        if fm is not None and r % 2:
+            fm_rounds.append(time_ms(fm))
         rounds.append(time_ms(run))
-        if fm is not None:
+        if fm is not None and not r % 2:
             fm_rounds.append(time_ms(fm))
     ms = statistics.median(rounds)
     row: dict[str, Any] = {

@@ -71,6 +71,19 @@ def dot(a, b, acc=None):
 
 
 @triton.jit
+def online_softmax_update(s, m_i, l_i):
+    """One block of the online softmax in base 2, on scores ``s`` [rows, cols] already scaled to base 2 and
+    masked (``-inf``): returns the new row maxima, the factor ``alpha`` that rescales the earlier row sums and
+    accumulator, the new row sums and P (float32). A row with no finite score yet keeps P = 0. Shared by
+    the Triton and the Gluon (sm_90) kernels."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return m_new, alpha, l_i * alpha + tl.sum(p, 1), p
+
+
+@triton.jit
 def causal_max_k(q_pos, k_stride):
     """Largest KV index visible from query position ``q_pos >= 0`` under the causal rule:
     ``(q_pos + 1 - k_stride) / k_stride`` with C truncation, i.e. 0 while the numerator is negative

@@ -43,6 +43,7 @@ from sparse_mla_attn._runtime import (
     next_power_of_2,
     no_launch_hooks,
     num_sms,
+    online_softmax_update,
     record_launch,
     record_launches,
 )
@@ -131,11 +132,7 @@ def _softmax_step(q_v, q_rope, k_v, k_rope, valid, m_i, l_i, sm_scale_log2, D_RO
     if D_ROPE > 0:
         s += tl.dot(q_rope, tl.trans(k_rope)) * sm_scale_log2
     s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, l_i, p = online_softmax_update(s, m_i, l_i)
     return m_new, alpha, l_i, p.to(k_v.dtype)
 
 

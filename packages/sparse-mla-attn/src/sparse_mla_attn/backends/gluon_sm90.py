@@ -30,7 +30,7 @@ from typing import Any, TypeAlias
 import torch
 import triton
 
-from sparse_mla_attn._runtime import LaunchContext, cdiv, is_sm90, launch
+from sparse_mla_attn._runtime import LaunchContext, cdiv, is_sm90, launch, online_softmax_update
 from sparse_mla_attn._validate import SparseDims
 
 #: Triton releases (major, minor) whose Gluon API these kernels are written for and compiled against.
@@ -107,11 +107,8 @@ if HAVE_GLUON:
         and sums."""
         valid = (t_idx >= 0) & (t_idx < hi)
         s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])
-        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+        m_new, alpha, l_new, p = online_softmax_update(s, m_i, l_i)  # (the Triton kernels' step too)
+        return p, alpha, m_new, l_new
 
     @gluon.jit
     def _issue_gather(
