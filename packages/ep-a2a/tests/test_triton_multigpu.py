@@ -7,6 +7,7 @@ error naming it. Every rank builds every rank's inputs from one seed, so each ca
 
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -41,7 +42,21 @@ def group():
     torch.cuda.set_device(local)
     if not dist.is_initialized():
         dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=torch.device("cuda", local))
+    # the CPU references of the large layers take minutes on the one thread torchrun leaves each rank
+    world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world, 1)))
     return dist.group.WORLD
+
+
+@pytest.fixture(autouse=True)
+def _settled(group):
+    """After each test: this rank's kernels finished (a test that leaves kernels waiting for a peer ends
+    with them), and the test's backends and layers collected on every rank at this point, so what they
+    held (the symmetric heaps among it) is released before the next test builds its own, not whenever
+    garbage collection happens to run on each rank."""
+    yield
+    torch.cuda.synchronize()
+    gc.collect()
 
 
 def _heaps() -> list:

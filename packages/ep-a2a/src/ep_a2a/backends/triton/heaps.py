@@ -1,6 +1,6 @@
 """Symmetric heaps the kernels run over: one allocation per rank, every peer's base address in a table.
 
-* :class:`TorchSymmetricHeap` (default): ``torch.distributed._symmetric_memory`` (``empty``,
+* :class:`TorchSymmetricHeap` (default): ``torch.distributed._symmetric_memory`` (an allocation of its own,
   ``rendezvous``, ``get_buffer`` for each peer).
 * :class:`NvshmemHeap`: nvshmem4py (``pip install "ep-a2a[nvshmem]"``), bootstrapped with a unique id
   broadcast over the process group; ``nvshmem.core.tensor`` and ``get_peer_tensor`` for each peer.
@@ -64,7 +64,7 @@ class TorchSymmetricHeap(SymmetricHeap):
             with contextlib.suppress(Exception), warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 enable(group.group_name)
-        self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.local = _symmetric_empty(nbytes, device)
         self.local.zero_()
         self._handle: Any = symm_mem.rendezvous(self.local, group)
         world = dist.get_world_size(group)
@@ -79,6 +79,21 @@ class TorchSymmetricHeap(SymmetricHeap):
         self._handle = None
         self.peers = []
         del self.local
+
+
+def _symmetric_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of symmetric memory in an allocation of its own, outside torch's implicit pool.
+
+    ``symm_mem.empty`` takes its memory from a caching pool that hands a freed allocation out again
+    together with the peers' addresses of its first ``rendezvous`` (cached per allocation). That is
+    right only where every rank frees and allocates in the same order, which a heap freed when its
+    Python objects die (garbage collection, at a different moment on each rank) cannot promise: a reused
+    allocation on one rank and a new one on another would give the peers wrong addresses. An allocation
+    of its own is exchanged afresh by every ``rendezvous`` (as with ``TORCH_SYMMMEM_IMPLICIT_POOL=0``).
+    """
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    return _SymmetricMemory.empty_strided_p2p((nbytes,), (1,), torch.uint8, device)
 
 
 _NVSHMEM_USERS = 0
