@@ -35,6 +35,11 @@ kernel as it sends them (``quantize_in_kernel``; the graph row also records whet
 the tuple's, ``quantize_matches_tuple``).
 Their bytes (``nvlink_bytes_fp8``) are the FP8 row and its float32 scales (``hidden + 4 * hidden / 128``
 per crossing token row), and their copy-engine ceiling (``ce-fp8``) copies that many bytes.
+
+``ours-layer-default``: the layer built as the README shows (default tuning) called with int64 ids, as
+``torch.topk`` returns them; beside it, on the same layer, its backend called directly (``backend_*``),
+int32 ids (``int32_ids_*``) and the layer's calls again (``repeat_*``), and how the calls ran (CUDA
+graphs captured and replayed, workspaces and combine outputs allocated; the ``ours-sm*`` rows too).
 """
 
 from __future__ import annotations
@@ -331,6 +336,7 @@ def eager_case(args, be, x, ids, w, timer, holder: dict) -> dict:
         "dispatch_launches_host_ms": h_disp_launches,
         "overlap_exact": be.overlap_exact,
         "speculative_rows": be.speculative_rows,
+        **_path_counters(be),
     }
 
 
@@ -810,9 +816,29 @@ def exact_variant_case(args, cfg, group, x, ids, w, num_sm, **backend_kw) -> dic
     return out
 
 
+def _path_counters(be) -> dict:
+    """How an eager backend's calls ran: CUDA graphs captured and replayed, workspaces and combine
+    outputs allocated (a replay per call and a few allocations in all is the common case's path)."""
+    return {
+        "graph_captures": be.graph_captures,
+        "graph_replays": be.graph_replays,
+        "workspaces_allocated": be.workspaces.allocated,
+        "combine_outputs_allocated": be.combine_outputs.allocated,
+    }
+
+
 def layer_case(args, cfg, group, x, ids, w, num_sm) -> dict:
+    """The layer built as the README shows, called with ``ids`` (int64, as ``torch.topk`` returns them):
+    dispatch and combine as a user calls them (``dispatch_ms``, ``combine_ms``), then, on the same layer
+    in the same process state, what tells a gap to the backend's own rows apart: the layer's backend
+    called directly with the same tensors (``backend_*``), the layer with int32 ids (``int32_ids_*``),
+    and the layer's calls again (``*_repeat``: a drift over the case shows there); and how its calls ran
+    (:func:`_path_counters`)."""
+    import gc
+
     from ep_a2a import EPAll2AllLayer
 
+    gc.collect()  # (earlier cases' finalized layers: nothing of theirs is left when this one is built)
     layer = EPAll2AllLayer(
         group,
         max_tokens=cfg.max_tokens,
@@ -827,20 +853,33 @@ def layer_case(args, cfg, group, x, ids, w, num_sm) -> dict:
         backend="triton",
         timeout_s=60.0,
     )
-    timer = Timer(lambda: layer.ctx.backend.engine.launch_barrier())
-    holder = {}
+    be = layer.ctx.backend
+    timer = Timer(lambda: be.engine.launch_barrier())
+    holder: dict = {}
+    out: dict = {}
 
-    def disp():
-        holder["d"] = layer.dispatch(x, ids, w)
+    def measure(prefix: str, dispatch, combine) -> None:
+        def disp():
+            holder["d"] = dispatch()
 
-    disp()
+        disp()
+        torch.cuda.synchronize()
+        out[f"{prefix}dispatch_ms"] = timer.median_ms(disp, args.iters)
+        out[f"{prefix}dispatch_host_ms"] = timer.host_ms
+        out[f"{prefix}combine_ms"] = timer.median_ms(
+            lambda: combine(holder["d"][0], holder["d"][2]), args.iters, setup=disp
+        )
+        out[f"{prefix}combine_host_ms"] = timer.host_ms
+
+    ids32 = ids.to(torch.int32)
+    measure("", lambda: layer.dispatch(x, ids, w), layer.combine)
+    out.update(_path_counters(be))
+    measure("backend_", lambda: be.dispatch(x, ids, w, None), be.combine)
+    measure("int32_ids_", lambda: layer.dispatch(x, ids32, w), layer.combine)
+    measure("repeat_", lambda: layer.dispatch(x, ids, w), layer.combine)
+    holder.clear()
     torch.cuda.synchronize()
-    out = {"dispatch_ms": timer.median_ms(disp, args.iters), "dispatch_host_ms": timer.host_ms}
-    out["combine_ms"] = timer.median_ms(
-        lambda: layer.combine(holder["d"][0], holder["d"][2]), args.iters, setup=disp
-    )
-    out["combine_host_ms"] = timer.host_ms
-    torch.cuda.synchronize()
+    layer.check_errors()  # (a device-side wait that ran out makes every time above meaningless)
     layer.finalize()
     return out
 

@@ -138,6 +138,26 @@ def summary(rows: list[dict]) -> list[str]:
                     f"{1e3 * eager.get('dispatch_launches_host_ms', 0.0):.0f} us of it on the host"
                 )
         layer = by.get(("triton", "ours-layer-default"))
+        if layer and layer.get("backend_dispatch_ms"):  # (what sets the layer's rows apart)
+            for op in ("dispatch", "combine"):
+                parts = [
+                    f"{label} {1e3 * layer[key]:.0f} us"
+                    for label, key in (
+                        ("its backend called directly", f"backend_{op}_ms"),
+                        ("int32 ids", f"int32_ids_{op}_ms"),
+                        ("again", f"repeat_{op}_ms"),
+                    )
+                    if layer.get(key)
+                ]
+                lines.append(
+                    f"{name}: the layer as the README builds it: eager {op} {1e3 * layer[f'{op}_ms']:.0f} us "
+                    f"({1e3 * layer.get(f'{op}_host_ms', 0.0):.0f} us host); " + ", ".join(parts)
+                )
+            lines.append(
+                f"{name}: the layer's calls: {layer.get('graph_replays')} graph replays, "
+                f"{layer.get('graph_captures')} captures, {layer.get('workspaces_allocated')} workspaces, "
+                f"{layer.get('combine_outputs_allocated')} combine outputs allocated"
+            )
         if eager and tokens > 1024 and eager.get("dispatch_pct_ce"):
             others = [
                 (label, r)

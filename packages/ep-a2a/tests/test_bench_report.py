@@ -173,6 +173,23 @@ def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl
         "2 GPUs, deepseek-v3 uniform, 4096 tok: eager dispatch 250 us = 80% of the copy engine (target >= 75% "
         "on 2 GPUs); graph 200 us = 100%; the layer as the README builds it 400 us = 50%"
     ]
+    # the layer's row with what sets it apart from the backend's own: its backend called directly, int32
+    # ids, the same calls again, and how its calls ran
+    layer = {**case, "bench": "triton", "method": "ours-layer-default", "dispatch_ms": 0.078,
+             "dispatch_host_ms": 0.075, "combine_ms": 0.057, "combine_host_ms": 0.027,
+             "backend_dispatch_ms": 0.044, "backend_combine_ms": 0.031, "int32_ids_dispatch_ms": 0.045,
+             "int32_ids_combine_ms": 0.03, "repeat_dispatch_ms": 0.077, "repeat_combine_ms": 0.056,
+             "graph_replays": 40, "graph_captures": 2, "workspaces_allocated": 2,
+             "combine_outputs_allocated": 1}  # fmt: skip
+    text = "\n".join(run.summary([layer]))
+    assert (
+        "128 tok: the layer as the README builds it: eager dispatch 78 us (75 us host); its backend called "
+        "directly 44 us, int32 ids 45 us, again 77 us" in text
+    )
+    assert "eager combine 57 us (27 us host); its backend called directly 31 us" in text
+    assert (
+        "the layer's calls: 40 graph replays, 2 captures, 2 workspaces, 1 combine outputs allocated" in text
+    )
 
 
 def test_table_renders_the_page_rows() -> None:
