@@ -84,6 +84,22 @@ def online_softmax_update(s, m_i, l_i):
 
 
 @triton.jit
+def softmax_output_scale(m_i, l_i, SINK, offs, mask, ADD_SINK: tl.constexpr):
+    """The end of an online softmax (base 2) over rows with maxima ``m_i`` and sums ``l_i``: returns the
+    maxima with ``-inf`` as 0, whether a row saw any valid score, and the factor ``1 / (l + e^(sink - m))``
+    that normalises its accumulator (0 for a row without a valid score); the sink (natural-log units, at
+    ``SINK + offs``) only with ``ADD_SINK``. Shared by the Triton and the Gluon (sm_90) forward."""
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    denom = l_i
+    if ADD_SINK:
+        sink = tl.load(SINK + offs, mask=mask, other=0.0)
+        denom = denom + tl.exp2(sink * 1.4426950408889634 - m_use)
+    has_any = l_i > 0.0
+    scale = tl.where(has_any, 1.0 / tl.where(has_any, denom, 1.0), 0.0)
+    return m_use, has_any, scale
+
+
+@triton.jit
 def causal_max_k(q_pos, k_stride):
     """Largest KV index visible from query position ``q_pos >= 0`` under the causal rule:
     ``(q_pos + 1 - k_stride) / k_stride`` with C truncation, i.e. 0 while the numerator is negative

@@ -46,6 +46,7 @@ from sparse_mla_attn._runtime import (
     online_softmax_update,
     record_launch,
     record_launches,
+    softmax_output_scale,
 )
 from sparse_mla_attn._validate import (
     SparseDims,
@@ -334,13 +335,8 @@ def _sparse_mla_fwd_kernel(
                                        m_i, l_i, acc, sm_scale_log2, D_NOPE, D_ROPE, DOT_F32, S_SPLIT,
                                        KV_FP8)  # fmt: skip
 
-    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-    denom = l_i
-    if HAS_SINK and not SPLIT_K:  # with split-K the combine kernel adds the sink
-        sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
-        denom = denom + tl.exp2(sink * 1.4426950408889634 - m_use)
-    has_any = l_i > 0.0
-    scale = tl.where(has_any, 1.0 / tl.where(has_any, denom, 1.0), 0.0)
+    # (With split-K the combine kernel adds the sink.)
+    m_use, has_any, scale = softmax_output_scale(m_i, l_i, SINK, offs_h, h_mask, HAS_SINK and not SPLIT_K)
     out = acc * scale[:, None]
     lse2 = tl.where(has_any, m_use + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
     if SPLIT_K:

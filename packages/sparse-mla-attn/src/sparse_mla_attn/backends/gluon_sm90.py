@@ -30,7 +30,14 @@ from typing import Any, TypeAlias
 import torch
 import triton
 
-from sparse_mla_attn._runtime import LaunchContext, cdiv, is_sm90, launch, online_softmax_update
+from sparse_mla_attn._runtime import (
+    LaunchContext,
+    cdiv,
+    is_sm90,
+    launch,
+    online_softmax_update,
+    softmax_output_scale,
+)
 from sparse_mla_attn._validate import SparseDims
 
 #: Triton releases (major, minor) whose Gluon API these kernels are written for and compiled against.
@@ -351,13 +358,8 @@ if HAVE_GLUON:
 
         offs_hs = h0 + gl.arange(0, BLOCK_H, layout=row_l)
         hs_ok = offs_hs < h_q
-        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-        denom = l_i
-        if HAS_SINK and not SPLIT_K:  # with split-K the merge kernel adds the sink
-            sink = gl.load(SINK + offs_hs, mask=hs_ok, other=0.0)
-            denom = denom + gl.exp2(sink * 1.4426950408889634 - m_use)
-        has_any = l_i > 0.0
-        scale = gl.where(has_any, 1.0 / gl.where(has_any, denom, 1.0), 0.0)
+        # (With split-K the merge kernel adds the sink.)
+        m_use, has_any, scale = softmax_output_scale(m_i, l_i, SINK, offs_hs, hs_ok, HAS_SINK and not SPLIT_K)
         # Natural log, or base 2 for the split-K partials.
         if SPLIT_K:
             to_out = 1.0
