@@ -312,10 +312,13 @@ class TritonBackend(A2ABackend):
         self._mirror_lost: str | None = None
         #: the exact-shape calls' outputs, with the worst-case rows for decode-sized layers (see
         #: :mod:`.workspace` for when one is reused)
+        # (the states name the backend by its id, not through ``self``: no reference cycle keeps a
+        # dropped backend, and its heap, alive until garbage collection runs)
+        owner = id(self)
         self.workspaces = WorkspaceRing(
             self.engine,
             self._ring_rows(),
-            lambda ws: _TritonState(owner=id(self), tab=ws.tab, n_src=ws.n_src),
+            lambda ws: _TritonState(owner=owner, tab=ws.tab, n_src=ws.n_src),
         )
         #: the exact-shape combines' outputs (decode-sized ones reused, as the workspaces are)
         self.combine_outputs = OutputRing(self.device)
