@@ -202,33 +202,30 @@ def count_methods(rank: int, world: int, tokens: int, hidden: int = 7168, expert
     from ep_a2a import EPAll2AllLayer
 
     dev = device or torch.device("cpu")
-    cpu = dev.type == "cpu"
-    dtype = torch.bfloat16
-    x = torch.randn(tokens, hidden, device=dev).to(dtype)
+    x = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
     ids, w = bench.make_routing(tokens, experts, topk, "uniform", 1000 + rank, dev)
+
+    def per_call(dispatch: Callable, combine: Callable) -> dict[str, dict[str, int]]:
+        for _ in range(2):  # (the second call's counts: the first builds what is kept)
+            with counting() as d:
+                rows, _, state = dispatch(x, ids, w)
+            with counting() as c:
+                combine(rows, state)
+        return {"dispatch": {k: d[k] for k in KEYS}, "combine": {k: c[k] for k in KEYS}}
+
     out: dict[str, dict[str, dict[str, int]]] = {}
     for name, local_combine in (("torch", False), ("torch-lc", True)):
         layer = EPAll2AllLayer(
-            None, tokens, hidden, topk, rank, experts, world, world, dtype=dtype,
+            None, tokens, hidden, topk, rank, experts, world, world, dtype=torch.bfloat16,
             enable_local_combine=local_combine, backend="torch",
         )  # fmt: skip
-        if cpu:
+        if dev.type == "cpu":
             layer.ctx.backend._on_device = True  # the NCCL flow's logic over the gloo group
-        for _ in range(2):
-            with counting() as d:
-                rows, _, desc = layer.dispatch(x, ids, w)
-            with counting() as c:
-                layer.combine(rows, desc)
-        out[name] = {"dispatch": {k: d[k] for k in KEYS}, "combine": {k: c[k] for k in KEYS}}
+        out[name] = per_call(layer.dispatch, layer.combine)
         layer.finalize()
     for name, cls in (("nccl-dest", bench.NcclPerDest), ("nccl-expert", bench.NcclPerExpert)):
         pipe = cls(rank, world, experts // world)
-        for _ in range(2):
-            with counting() as d:
-                rows, _, state = pipe.dispatch(x, ids, w)
-            with counting() as c:
-                pipe.combine(rows, state)
-        out[name] = {"dispatch": {k: d[k] for k in KEYS}, "combine": {k: c[k] for k in KEYS}}
+        out[name] = per_call(pipe.dispatch, pipe.combine)
     return out
 
 
