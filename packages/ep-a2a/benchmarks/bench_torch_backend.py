@@ -16,6 +16,10 @@ tokens per rank for latency. Measured in the same run, same inputs:
 * ``nccl-dest``: user-style pipeline, one row per (token, destination rank), receiver expands;
 * ``nccl-expert``: user-style pipeline, one row per (token, expert).
 
+For uniform routing each torch and NCCL row also carries the work of one call (``count_work.py``):
+``dispatch_collectives``, ``dispatch_host_syncs``, ``dispatch_device_ops``,
+``dispatch_cuda_sync_warnings`` and the same for combine.
+
 Bytes counted: only token rows that cross to another GPU, one per (token, destination rank)
 (``hidden x 2`` bytes each), the same for every method. Times: CUDA events around each call, started
 after a barrier of both ranks; median over ``--iters`` calls after warm-up; the slower rank's median;
@@ -268,6 +272,13 @@ def run_case(shape: str, route: str, tokens: int, args, rank: int, world: int, d
 
         res[name] = {"dispatch_ms": t_d, "combine_ms": t_c, "round_trip_ms": median_ms(prt, args.iters),
                      "dispatch_host_ms": d_host[0], "combine_host_ms": c_host[0]}  # fmt: skip
+    if route == "uniform":  # work per call (count_work.py: the same routing), for the torch and NCCL rows
+        import count_work
+
+        counts = count_work.count_methods(rank, world, tokens, hidden, experts, topk, device=dev)
+        for name, ops in counts.items():
+            for op, c in ops.items():
+                res[name].update({f"{op}_{k}": c[k] for k in count_work.SUMMARY_KEYS})
     case = {
         "shape": shape,
         "routing": route,

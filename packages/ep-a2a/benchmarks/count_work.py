@@ -192,6 +192,9 @@ KEYS = (
     "cuda_sync_warnings",
 )
 
+#: what the benchmark's rows record of the counts
+SUMMARY_KEYS = ("collectives", "host_syncs", "device_ops", "cuda_sync_warnings")
+
 
 def count_methods(rank: int, world: int, tokens: int, hidden: int = 7168, experts: int = 256,
                   topk: int = 8, device: torch.device | None = None) -> dict[str, dict[str, dict[str, int]]]:  # fmt: skip
