@@ -11,6 +11,8 @@ combines them, and counts what one call of each does (the second call: the first
 * ``host_syncs``: points where the host waits for the device: reads of device data (``item``,
   ``tolist``, ``numpy``, ``nonzero`` and the other operations whose output size the data decides) and
   the torch backend's awaited exchanges;
+* ``peer_waits``: the torch backend's checks on the operation board (host shared memory, one host)
+  that every peer is in the same operation: a wait for the peers' hosts, not for a device;
 * ``device_ops``: ATen operations that run on the data (views and allocations excluded), of which
   ``gathers`` (indexing, gather, take, index_select), ``scatters`` (index_put, scatter, index_add,
   index_copy) and ``sorts``;
@@ -161,6 +163,16 @@ def counting() -> Iterator[Counter]:
         return call
 
     patch(torch_backend, "_wait", awaited)
+    from ep_a2a._dist import OpBoard
+
+    def peer_wait(old: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts["peer_waits"] += 1
+            return old(*args, **kwargs)
+
+        return call
+
+    patch(OpBoard, "wait", peer_wait)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -182,6 +194,7 @@ def counting() -> Iterator[Counter]:
 KEYS = (
     "collectives",
     "host_syncs",
+    "peer_waits",
     "device_ops",
     "gathers",
     "scatters",
@@ -193,7 +206,7 @@ KEYS = (
 )
 
 #: what the benchmark's rows record of the counts
-SUMMARY_KEYS = ("collectives", "host_syncs", "device_ops", "cuda_sync_warnings")
+SUMMARY_KEYS = ("collectives", "host_syncs", "peer_waits", "device_ops", "cuda_sync_warnings")
 
 
 def count_methods(rank: int, world: int, tokens: int, hidden: int = 7168, experts: int = 256,

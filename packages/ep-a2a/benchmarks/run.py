@@ -56,7 +56,7 @@ _NUMBERS = (
 _COUNTS = tuple(
     f"{op}_{k}"
     for op in ("dispatch", "combine")
-    for k in ("collectives", "host_syncs", "device_ops", "cuda_sync_warnings")
+    for k in ("collectives", "host_syncs", "peer_waits", "device_ops", "cuda_sync_warnings")
 )
 _FLAGS = (
     "quantize_in_kernel",

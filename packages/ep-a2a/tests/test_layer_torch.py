@@ -20,6 +20,7 @@ CASES = str(Path(__file__).with_name("_cases.py"))
         pytest.param(2, False, id="gloo-2"),
         pytest.param(4, False, id="gloo-4"),
         pytest.param(3, True, id="gloo-3-nccl-flow"),  # the NCCL flow's logic over the gloo group
+        pytest.param(4, True, id="gloo-4-nccl-flow"),  # (with two "nodes": combine's header exchange)
     ],
 )
 def test_torch_backend_matches_reference(world: int, on_device: bool) -> None:

@@ -116,13 +116,15 @@ def run_compiled(rank: int, world: int) -> list[str]:
     return ["ok"]
 
 
-def run_out_of_order(rank: int, world: int, first: str, second: str) -> str:
+def run_out_of_order(rank: int, world: int, first: str, second: str, on_device: bool = False) -> str:
     """After one dispatch on every rank, rank 0 calls ``first`` and the others ``second``: every rank
-    must raise ``EPProtocolError`` naming both operations, none returns data."""
+    must raise ``EPProtocolError`` naming both operations, none returns data (``on_device``: the NCCL
+    flow's logic over the gloo group)."""
     from ep_a2a import EPProtocolError
 
     xs, ids = _inputs(world)
     layer = _layer(rank, world)
+    layer.ctx.backend._on_device = on_device or layer.ctx.backend._on_device
     rows, _, desc = layer.dispatch(xs[rank], ids[rank])
     op = first if rank == 0 else second
     calls = {
@@ -172,6 +174,19 @@ def test_a_dispatch_may_be_combined_twice() -> None:
 )
 def test_out_of_order_calls_raise_on_every_rank(first: str, second: str) -> None:
     got = run_local(f"{__file__}:run_out_of_order", 2, (first, second), timeout_s=110)
+    assert got == ["raised", "raised"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("dispatch", "combine"), ("combine", "barrier")],
+    ids=["dispatch-vs-combine", "combine-vs-barrier"],
+)
+def test_out_of_order_calls_raise_on_every_rank_in_the_nccl_flow(first: str, second: str) -> None:
+    """The operation board checks every operation before its first message (combine sends none
+    other), so the flow that queues its exchanges on the device raises too."""
+    got = run_local(f"{__file__}:run_out_of_order", 2, (first, second, True), timeout_s=110)
     assert got == ["raised", "raised"]
 
 

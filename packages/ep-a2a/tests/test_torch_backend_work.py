@@ -30,13 +30,17 @@ def test_torch_backend_does_no_more_work_than_the_nccl_pipeline(world: int) -> N
         assert torch_d["host_syncs"] == 1 < nccl_d["host_syncs"]
         assert torch_d["device_ops"] <= nccl_d["device_ops"], (torch_d, nccl_d)
         assert torch_d["allocations"] <= nccl_d["allocations"], (torch_d, nccl_d)
-        # combine: the header (the protocol check) and one payload; its wait comes after all its work
-        # is queued, so it holds up no device work
-        assert torch_c["collectives"] == 2
-        assert torch_c["host_syncs"] == 1
+        # every operation checks on the operation board (one host) that the peers are in it too
+        assert torch_d["peer_waits"] == torch_c["peer_waits"] == 1
+        # combine: one payload, no wait for the device (the board is its protocol check)
+        assert torch_c["collectives"] == nccl_c["collectives"] == 1
+        assert torch_c["host_syncs"] == nccl_c["host_syncs"] == 0
         assert torch_c["device_ops"] <= nccl_c["device_ops"], (torch_c, nccl_c)
         assert torch_c["allocations"] <= nccl_c["allocations"], (torch_c, nccl_c)
-        lc_d = got["torch-lc"]["dispatch"]
+        lc_d, lc_c = got["torch-lc"]["dispatch"], got["torch-lc"]["combine"]
         assert lc_d["collectives"] == 2
         assert lc_d["host_syncs"] == 1
         assert lc_d["device_ops"] <= nccl_d["device_ops"], (lc_d, nccl_d)
+        assert lc_c["collectives"] == 1
+        assert lc_c["host_syncs"] == 0
+        assert lc_c["device_ops"] <= nccl_c["device_ops"], (lc_c, nccl_c)

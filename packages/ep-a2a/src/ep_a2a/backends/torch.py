@@ -32,14 +32,14 @@ kernels to compile, and NCCL picks its own channels.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ep_a2a._dist import EPProtocolError, RankMonitor, group_device
+from ep_a2a._dist import EPProtocolError, OpBoard, RankMonitor, group_device
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
@@ -92,14 +92,22 @@ class _Tables:
     ones: torch.Tensor  # [max_tokens * topk] int64
     zeros: torch.Tensor  # [max_tokens, 8] uint8: row padding
     row: torch.Tensor  # [2 + width] int64: this rank's header on the device
+    row_counts: torch.Tensor  # its rows for each rank (a view)
+    row_bins: torch.Tensor  # its slots per bin (a view)
     rows: torch.Tensor  # [world * (2 + width)] int64: every rank's header on the device
     row_host: torch.Tensor  # [2 + width] int64 on the host (pinned on CUDA), its numpy view below
     row_np: np.ndarray
-    rows_host: torch.Tensor  # [world, 2 + width] int64 on the host (pinned on CUDA), numpy view below
-    rows_np: np.ndarray
+    rows_host: torch.Tensor  # [world * (2 + width)] int64 on the host (pinned on CUDA)
+    rows_np: np.ndarray  # [world, 2 + width] its numpy view
     up_host: torch.Tensor  # [upload] int64 on the host (pinned on CUDA), numpy view below
     up_np: np.ndarray
     done: torch.cuda.Event | None  # recorded after each header's copy to the host (CUDA)
+    low: int  # header column of the ids below -1
+    high: int  # header column of the ids of num_tot_experts or more
+    scratch: np.ndarray  # [3, num_tot_experts + 4] int64, first column 0: exclusive prefix sums
+    scratch_rank: np.ndarray  # [world, E_local + 1] int64, first column 0
+    per_n: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    layouts: dict[tuple, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
 def _sum_slots(rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int) -> torch.Tensor:
@@ -160,6 +168,18 @@ class TorchBackend(A2ABackend):
         #: operations this backend has run (every rank's count agrees while they call in the same order)
         self._calls = 0
         self._tables: dict[torch.device, _Tables] = {}
+        #: on one host, the operation board: every operation first checks there that every peer is in
+        #: the same operation (EPProtocolError before any message otherwise), so combine needs no header
+        self.board: OpBoard | None = None
+        if config.is_intra_node and self.world_size > 1:
+            board = OpBoard(self.monitor)
+            sees_all = len(board.peers) == self.world_size - 1  # (the same answer on every rank, checked)
+            if all(v == "1" for v in self.monitor.checkin("torch/board", "1" if sees_all else "0")):
+                self.board = board
+            else:
+                board.close()
+        #: whether combine can go without a header (every peer checked on the board, or no peer)
+        self._no_combine_header = self.board is not None or self.world_size == 1
 
     @classmethod
     def is_available(cls, config: EPConfig, ep_group: dist.ProcessGroup) -> tuple[bool, str]:
@@ -179,10 +199,12 @@ class TorchBackend(A2ABackend):
             first = torch.full((T, world + 1), K, dtype=torch.int32)
             first[:, world] = -1
             width = 2 + self._width
-            up = L + max(world - 1, 0) + (E + 4) // 2  # per-expert counts, receive bounds, int32 bases
+            # per-expert counts, receive bounds, combine's row table (offsets, bounds), int32 bin bases
+            up = L + (world - 1) + (2 * E - 1) + (E + 4) // 2
             row_host = torch.zeros(width, dtype=torch.int64, pin_memory=cuda)
-            rows_host = torch.zeros(world, width, dtype=torch.int64, pin_memory=cuda)
+            rows_host = torch.zeros(world * width, dtype=torch.int64, pin_memory=cuda)
             up_host = torch.zeros(up, dtype=torch.int64, pin_memory=cuda)
+            row = torch.zeros(width, dtype=torch.int64, device=dev)
             tables = _Tables(
                 bounds={torch.int64: bounds.to(dev), torch.int32: bounds.to(dev, torch.int32)},
                 dest=torch.cat([none, none, experts // L, none]).to(dev),
@@ -193,28 +215,48 @@ class TorchBackend(A2ABackend):
                 iota32=torch.arange(T * K, dtype=torch.int32, device=dev),
                 ones=torch.ones(T * K, dtype=torch.int64, device=dev),
                 zeros=torch.zeros(T, 8, dtype=torch.uint8, device=dev),
-                row=torch.zeros(width, dtype=torch.int64, device=dev),
+                row=row,
+                row_counts=row[3 : 3 + world],
+                row_bins=row[3 + world :],
                 rows=torch.zeros(world * width, dtype=torch.int64, device=dev),
                 row_host=row_host,
                 row_np=row_host.numpy(),
                 rows_host=rows_host,
-                rows_np=rows_host.numpy(),
+                rows_np=rows_host.numpy().reshape(world, width),
                 up_host=up_host,
                 up_np=up_host.numpy(),
                 done=torch.cuda.Event() if cuda else None,
+                low=3 + world,
+                high=3 + world + E + 2,
+                scratch=np.zeros((3, E + 4), dtype=np.int64),
+                scratch_rank=np.zeros((world, L + 1), dtype=np.int64),
             )
+            # the bins of no expert map to no receiver row
+            base = tables.up_np[L + (world - 1) + (2 * E - 1) :].view(np.int32)
+            base[:2] = base[E + 2 :] = -1
             self._tables[dev] = tables
         return tables
 
     def _head(self, c: _Tables, op: str, n: int = 0) -> torch.Tensor:
         """This rank's opening row ``[2 + width]`` int64 on the device: operation, call number, ``n``,
-        zeros (one copy from the host). The host row is rewritten only after the previous operation
-        awaited its own header, which the device copied after this row's last copy."""
+        zeros (one copy from the host; only its first three entries are ever written). The host row is
+        rewritten only after the previous operation awaited its own header, which the device copied after
+        this row's last copy."""
         a = c.row_np
-        a[:] = 0
         a[0], a[1], a[2] = _OPS[op], self._calls, n
         self._calls += 1
         return c.row.copy_(c.row_host, non_blocking=True)
+
+    @torch.compiler.disable  # (shared-memory reads: never traced, whatever region calls them)
+    def _start(self, op: str, step: str) -> None:
+        """On the board, publish that this rank starts ``op`` and wait until every peer started it too.
+
+        Raises:
+            EPProtocolError: a peer is in another operation (every rank raises, before any message).
+            EPTimeoutError: a peer did not start an operation within ``timeout_s`` (named).
+        """
+        if self.board is not None:
+            self.board.wait(self.board.publish(op), op, step)
 
     def _open(self, c: _Tables, op: str, step: str, row: torch.Tensor) -> _Header:
         """Queue the opening exchange of an operation: every rank sends every rank its ``row`` ``[2 +
@@ -230,7 +272,7 @@ class TorchBackend(A2ABackend):
             self._check(header)  # before any variable-sized message: gloo matches messages in order
             return header
         dist.all_gather_into_tensor(c.rows, row, group=self.ep_group)
-        c.rows_host.view(-1).copy_(c.rows, non_blocking=True)
+        c.rows_host.copy_(c.rows, non_blocking=True)
         if c.done is not None:
             c.done.record()
         return _Header(op, step, call, c.rows_np, c.done)
@@ -251,9 +293,8 @@ class TorchBackend(A2ABackend):
         else:
             _wait(None, self.timeout_s)  # (the exchange completed on the host: nothing left to await)
         rows = header.host
-        op_code, call = _OPS[header.op], header.call
-        if (rows[:, 0] != op_code).any() or (rows[:, 1] != call).any():
-            heads = rows[:, :2].tolist()
+        heads = rows[:, :2].tolist()
+        if heads != [[_OPS[header.op], header.call]] * self.world_size:
             ops = {r: f"{_OP_NAMES.get(o, f'operation {o}')} (call #{c})" for r, (o, c) in enumerate(heads)}
             raise EPProtocolError(
                 "ep_a2a: ranks called the layer's collectives in different orders: "
@@ -281,8 +322,6 @@ class TorchBackend(A2ABackend):
         counts of the two out-of-range bins), before any payload moves."""
         E, bins = self.config.num_tot_experts, 3 + self.world_size
         bad = rows[:, bins] + rows[:, bins + E + 2]
-        if not bad.any():
-            return
         what = f"exp_indices must be in [-1, num_tot_experts={E}) (-1 drops a slot)"
         if bad[self.rank]:  # (the offending rank reads its range: a sync, on this error path only)
             lo, hi = torch.aminmax(exp_indices)
@@ -305,43 +344,42 @@ class TorchBackend(A2ABackend):
         # bin of each slot: 0 an id below -1, 1 dropped (-1), 2 + e expert e, E + 2 an id of E or more
         bins = torch.bucketize(exp_indices, c.bounds[exp_indices.dtype], out_int32=True)
         dest = c.dest[bins]  # [n, K] int64 destination rank, world where the slot is dropped
+        per_n = c.per_n.get(n)
+        if per_n is None:
+            per_n = c.per_n[n] = (c.first[:n], c.krange[:n], c.ones[: n * K])
         # first[t, d]: the first slot of token t on rank d (topk: none; -1 in the "no rank" column)
-        first = c.first[:n].scatter_reduce(1, dest, c.krange[:n], "amin")
+        first = per_n[0].scatter_reduce(1, dest, per_n[1], "amin")
         present = first[:, :world] < K  # [n, world] token t sends a row to rank d
 
         # the opening exchange, the same row to every rank: (op, call, my token count, my rows for each
         # rank, my slots per bin); the per-expert matrix lets each source place its slots without a
         # round trip, and the out-of-range bins stop a bad call on every rank before any payload
+        self._start("dispatch", "dispatch/counts")
         row = self._head(c, "dispatch", n)
-        torch.sum(present, 0, out=row[3 : 3 + world])
-        row[3 + world :].index_add_(0, bins.view(-1), c.ones[: n * K])
+        torch.sum(present, 0, out=c.row_counts)
+        flat_bins = bins.view(-1)
+        c.row_bins.index_add_(0, flat_bins, per_n[2])
         header = self._open(c, "dispatch", "dispatch/counts", row)
 
         # what the payload needs and the counts do not decide runs while they travel: the token of each
         # row, by (destination rank, token), and every token's packed row: token | expert bin of each
         # slot | weights | (the caller's rows), each field aligned to its dtype
         pairs = torch.nonzero_static(present.t(), size=world * n)  # [world * n, 2] (rank, token), -1 pads
-        xb = input.shape[1] * input.element_size()
-        fields = [(xb, input.element_size()), (4 * K, 4)]
-        if weight is not None:
-            fields.append((K * weight.element_size(), weight.element_size()))
-        scatter = None
-        if fsi is not None:
-            scatter = torch.where(dest < world, fsi, -1)
-            fields.append((4 * K, 4))
-        offsets, pads, _ = _row_layout(fields)
+        scatter = torch.where(dest < world, fsi, -1) if fsi is not None else None
+        offsets, pads = self._layout(c, input, weight, caller_rows)
         parts = [input.view(torch.uint8), bins.view(torch.uint8)]
         if weight is not None:
-            parts.append(_bytes(weight))
+            parts.append(weight.view(torch.uint8) if weight.stride(-1) == 1 else _bytes(weight))
         if scatter is not None:
             parts.append(scatter.view(torch.uint8))
-        for i in range(len(pads) - 1, -1, -1):
-            if pads[i]:
-                parts.insert(i, c.zeros[:n, : pads[i]])
+        if any(pads):
+            for i in range(len(pads) - 1, -1, -1):
+                if pads[i]:
+                    parts.insert(i, c.zeros[:n, : pads[i]])
         packed = torch.cat(parts, 1)
 
         rows = self._check(header)
-        if self.validate:
+        if self.validate and rows[:, c.low : c.high + 1 : c.high - c.low].any():
             self._raise_bad_ids(rows, exp_indices)
         send_counts = rows[me, 3 : 3 + world].tolist()
         recv_counts = rows[:, 3 + me].tolist()
@@ -349,33 +387,13 @@ class TorchBackend(A2ABackend):
         send_token = pairs[:num_sent, 1]
         recv = self._exchange("dispatch/payload", packed[send_token], send_counts, recv_counts)
 
-        # what the counts decide, computed on the host while the payload travels and uploaded at once:
-        # rows per local expert, receive boundaries, and each bin's first receiver row minus my first
-        # slot of that bin (-1 for the bins of no expert): the receiver row of the slot at place p of my
-        # slots sorted by bin is p plus its bin's value
-        slots = rows[:, 3 + world :]  # [src, bin]
-        per_rank = slots[:, 2 : E + 2].reshape(world, world, L)  # [src, dest, local expert]
-        totals = per_rank.sum(0)  # [dest, local]
-        slot_counts = per_rank[me].sum(1).tolist()  # my kept slots for each rank
-        mine = per_rank[:, me]  # [src, local]
-        back_counts = mine.sum(1).tolist()
-        num_rows = sum(back_counts)
-        nb = L + world - 1
-        up = c.up_np
-        up[:L] = totals[me]
-        np.cumsum(rows[:-1, 3 + me], out=up[L:nb])
-        base = up[nb:].view(np.int32)
-        base[:2] = base[E + 2 :] = -1
-        start = base[2 : E + 2].reshape(world, L)
-        start[:, 0] = 0
-        np.cumsum(totals[:, :-1], 1, out=start[:, 1:])
-        start += per_rank[:me].sum(0)
-        mine_slots = slots[me]
-        base[2 : E + 2] -= (np.cumsum(mine_slots) - mine_slots)[2 : E + 2].astype(np.int32)
+        # what the counts decide, computed on the host while the payload travels and uploaded at once
+        # (see _plan): rows per local expert, receive boundaries, combine's row table, and each bin's
+        # first receiver row minus my first slot of that bin
+        back, slot_counts, dropped_first = self._plan(c, rows)
         up_dev = c.up_host.to(dev, non_blocking=True, copy=True)
-        per_expert, recv_bounds = up_dev[:L], up_dev[L:nb]
-        dropped_first = int(mine_slots[0] + mine_slots[1])  # my slots of the bins before the experts
-        num_slots = sum(slot_counts)
+        back_counts = back.tolist()
+        num_rows, num_slots = sum(back_counts), sum(slot_counts)
 
         # expand on the receiver: received slots in (source, token, slot) order, stably sorted by local
         # expert, give the output order (local expert, source rank, token, slot)
@@ -396,7 +414,7 @@ class TorchBackend(A2ABackend):
             back_flat = inv[:num_rows]
             recv_expert = torch.take(r_key, back_flat)
         out_row = back_flat // K
-        output = recv[:, :xb].view(input.dtype)[out_row]
+        output = recv[:, : input.shape[1] * input.element_size()].view(input.dtype)[out_row]
         out_weights = None
         if weight is not None:
             wo = offsets[2]
@@ -406,11 +424,17 @@ class TorchBackend(A2ABackend):
 
         # my side of the descriptor: each slot's row at its receiver, the first slot of each token on
         # each rank, and the order combine returns my slots in (by bin, or by the caller's row)
+        nb, sl = L + world - 1, L + world - 1 + 2 * E - 1
+        back_row = None
         if scatter is None:
-            bin_order = torch.sort(bins.view(-1), stable=True).indices
-            slot_flat = bin_order[dropped_first : dropped_first + num_slots]
-            scatter = up_dev[nb:].view(torch.int32)[bins]  # (-1 on the bins of no expert)
+            slot_flat = torch.sort(flat_bins, stable=True).indices[dropped_first : dropped_first + num_slots]
+            scatter = up_dev[sl:].view(torch.int32)[bins]  # (-1 on the bins of no expert)
             scatter.view(-1).index_add_(0, slot_flat, c.iota32[dropped_first : dropped_first + num_slots])
+            if not self.enable_local_combine:  # (whose combine sends partial sums instead)
+                # output rows run by (local expert, source rank), combine's by (source rank, local
+                # expert): row q of segment (s, l) in combine's order is output row q + table[s, l]
+                q = c.iota[:num_rows]
+                back_row = q + up_dev[nb : nb + E][torch.bucketize(q, up_dev[nb + E : sl], right=True)]
         else:
             key = torch.where(
                 dest < world,
@@ -432,27 +456,80 @@ class TorchBackend(A2ABackend):
             slot_counts=slot_counts,
             back_flat=back_flat,
             out_row=out_row,
-            recv_bounds=recv_bounds,
+            recv_bounds=up_dev[L:nb],
             back_counts=back_counts,
+            back_row=back_row,
         )
-        if not self.enable_local_combine:
-            _back_row(state)
         desc = EPAllToAllLayoutDesc(
             num_dispatch_token_cur_rank=n,
             num_input_tokens_per_rank=torch.from_numpy(rows[:, 2].copy()),
             send_reqs_recv_tensor=None,
             topk_indices_tensor=exp_indices,
-            token_dst_scatter_idx=scatter.to(cfg.offset_dtype),
+            token_dst_scatter_idx=scatter
+            if cfg.offset_dtype == torch.int32
+            else scatter.to(cfg.offset_dtype),
             skipped_token_mapping_indices=None,
             skipped_token_topk_mapping_indices=skip,
-            num_recv_tokens_per_expert=per_expert,
-            num_recv_tokens_per_rank=torch.tensor(back_counts, dtype=torch.int64),
+            num_recv_tokens_per_expert=up_dev[:L],
+            num_recv_tokens_per_rank=torch.from_numpy(back),
             num_recv_rows=num_rows,
             recv_expert_indices=recv_expert,
             caller_scatter=caller_rows,
             backend_state=state,
         )
         return output, out_weights, desc
+
+    def _layout(
+        self, c: _Tables, input: Tensor, weight: Tensor | None, caller_rows: bool
+    ) -> tuple[list[int], list[int]]:
+        """Byte offsets and padding of the fields of a packed dispatch row (see :func:`_row_layout`), per
+        row signature."""
+        key = (input.dtype, input.shape[1], weight.dtype if weight is not None else None, caller_rows)
+        layout = c.layouts.get(key)
+        if layout is None:
+            K = self.config.topk
+            fields = [(input.shape[1] * input.element_size(), input.element_size()), (4 * K, 4)]
+            if weight is not None:
+                fields.append((K * weight.element_size(), weight.element_size()))
+            if caller_rows:
+                fields.append((4 * K, 4))
+            offsets, pads, _ = _row_layout(fields)
+            layout = c.layouts[key] = (offsets, pads)
+        return layout
+
+    def _plan(self, c: _Tables, rows: np.ndarray) -> tuple[np.ndarray, list[int], int]:
+        """What the counts decide, written into the upload buffer: rows per local expert ``[E_local]``,
+        the first received row of each source after the first ``[world - 1]``, combine's row table (for
+        each (source rank, local expert) segment of combine's order its output row minus its first row
+        there ``[E]``, then the segments' first rows after the first ``[E - 1]``) and, as int32, each
+        bin's first row at its receiver minus my first slot of that bin (-1 for the bins of no expert).
+        Returns the rows received from each source ``[world]``, my kept slots for each rank and my
+        slots in the bins before the experts."""
+        world, L, me, E = self.world_size, self.e_local, self.rank, self.config.num_tot_experts
+        nb, sl = L + world - 1, L + world - 1 + 2 * E - 1
+        slots = rows[:, 3 + world :]  # [src, bin]
+        per_expert = slots[:, 2 : E + 2]  # [src, (dest, local expert)]
+        totals = per_expert.sum(0)  # [(dest, local)]: rows of each expert at its receiver
+        mine = per_expert[:, me * L : (me + 1) * L]  # [src, local]: the rows I receive
+        up, ex = c.up_np, c.scratch  # (each scratch row starts with a 0 that stays: exclusive sums)
+        up[:L] = totals[me * L : (me + 1) * L]
+        np.cumsum(rows[:-1, 3 + me], out=up[L:nb])
+        # combine's row table: segment (s, l) starts at back[s, l] in combine's order (source-major)
+        # and at out[l, s] in the output (expert-major)
+        np.cumsum(mine, out=ex[0, 1 : E + 1])
+        np.cumsum(mine.T, out=ex[1, 1 : E + 1])
+        back_start = ex[0, :E].reshape(world, L)
+        np.subtract(ex[1, :E].reshape(L, world).T, back_start, out=up[nb : nb + E].reshape(world, L))
+        up[nb + E : sl] = ex[0, 1:E]
+        # each bin's first row at its receiver (its receiver's rows of earlier experts, plus the rows of
+        # earlier sources for the same expert) minus my first slot of that bin
+        np.cumsum(totals.reshape(world, L), axis=1, out=c.scratch_rank[:, 1:])
+        np.cumsum(slots[me], out=ex[2, 1 : E + 4])
+        base = up[sl:].view(np.int32)[2 : E + 2].reshape(world, L)
+        np.subtract(c.scratch_rank[:, :L], ex[2, 2 : E + 2].reshape(world, L), out=base)
+        if me:
+            base += per_expert[:me].sum(0).reshape(world, L)
+        return mine.sum(1), slots[me, 2 : E + 2].reshape(world, L).sum(1).tolist(), int(ex[2, 2])
 
     def _check_caller_rows(
         self, mine: torch.Tensor, r_pos: torch.Tensor, target: torch.Tensor, num_rows: int
@@ -472,8 +549,7 @@ class TorchBackend(A2ABackend):
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        c = self._consts(input.device)
-        header = self._open(c, "combine", "combine", self._head(c, "combine"))
+        header = self._open_combine("combine")
         state: _TorchState = layout_desc.backend_state
         n, topk, world = layout_desc.num_dispatch_token_cur_rank, self.config.topk, self.world_size
         if self.enable_local_combine:
@@ -489,8 +565,19 @@ class TorchBackend(A2ABackend):
             rows = self._reverse(input[_back_row(state)], state)
             out = _sum_slots(rows, state.slot_flat, n, topk)
         out = out.to(input.dtype)
-        self._check(header)  # (after everything is queued: the wait holds up no device work)
+        if header is not None:
+            self._check(header)  # (after everything is queued: the wait holds up no device work)
         return out
+
+    def _open_combine(self, op: str) -> _Header | None:
+        """A combine's protocol check: on the board (or with no peer) before anything is queued, else the
+        header exchange, awaited once everything is queued (returned)."""
+        if self._no_combine_header:
+            self._start(op, "combine")
+            self._calls += 1
+            return None
+        c = self._consts(self.device)
+        return self._open(c, op, "combine", self._head(c, op))
 
     def _reverse(self, rows: torch.Tensor, state: _TorchState) -> torch.Tensor:
         """Send per-(received row, slot) values ``[Mr, C]`` back: ``[M, C]`` in ``slot_flat`` order."""
@@ -499,14 +586,14 @@ class TorchBackend(A2ABackend):
         return recv.view(rows.dtype)
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        c = self._consts(input.device)
-        header = self._open(c, "combine_per_slot", "combine", self._head(c, "combine_per_slot"))
+        header = self._open_combine("combine_per_slot")
         state: _TorchState = layout_desc.backend_state
         n, topk, width = layout_desc.num_dispatch_token_cur_rank, self.config.topk, input.shape[1]
         rows = self._reverse(input[_back_row(state)], state)
         out = torch.zeros(n * topk, width, dtype=input.dtype, device=input.device)
         out[state.slot_flat] = rows
-        self._check(header)
+        if header is not None:
+            self._check(header)
         return out.view(n, topk, width)
 
     # -- sync / teardown -------------------------------------------------------------------------------
@@ -514,6 +601,7 @@ class TorchBackend(A2ABackend):
         if self.device.type == "cuda":
             (stream or torch.cuda.current_stream()).synchronize()
         if not intra_node_only:
+            self._start("barrier", "barrier")
             c = self._consts(self.device)
             self._check(self._open(c, "barrier", "barrier", self._head(c, "barrier")))
             return
@@ -521,6 +609,8 @@ class TorchBackend(A2ABackend):
         self.monitor.checkin("barrier/node", "1", ranks=range(node * lws, (node + 1) * lws))
 
     def finalize(self) -> None:
+        if self.board is not None:
+            self.board.close()
         self.monitor.destroy()
 
 
