@@ -420,7 +420,7 @@ def abs_contributions(q, kv, out, dout, idx, lse, sm_scale, d_v):
     [
         pytest.param(3, 96, 64, None, id="H3-D96-dkv-kernel-groups32"),
         pytest.param(5, 576, 512, None, id="H5-D576-dkv-kernel-groups64"),
-        pytest.param(4, 96, 64, {"SPLIT_DKV": 0, "BLOCK_DV2": 16}, id="H4-fused-groups16"),
+        pytest.param(4, 96, 64, {"BLOCK_C_DKV": 16, "ROPE_IN_LOOP": 0}, id="H4-groups16"),
         pytest.param(
             4, 96, 64, {"ROPE_IN_LOOP": 0, "BLOCK_C_DKV": 64, "GROUPS_RED": 1}, id="H4-rope-chunk-groups32"
         ),
@@ -448,6 +448,20 @@ def test_bwd_half_workspace_error_bound(h_q, d_qk, d_v, tiles):
     assert torch.all(diff <= bound), float((diff - bound).max())
     assert float(diff.max()) > 0, "the fp16 workspace was not used"
     assert rel_err(half_ws[1], dkv_ref) < 1e-3
+
+
+def test_bwd_half_workspace_not_in_fused_path():
+    """The fused path (dkv products per head block, above 128 heads) keeps the fp32 workspace: forcing the
+    fp16 one there is an error."""
+    dev = kernel_test_device()
+    q, kv, idx = make_case(3, 4, 96, 9, 8, device=dev, dtype=torch.float32, seed=5, zoo=False)
+    out, lse, dout, _, dkv_ref = autograd_grads(q, kv, idx, 0.2, 64, dout_seed=12)
+    with pytest.raises(ValueError, match="DET_HALF"):
+        bwd_with_tiles(
+            q, kv, out, dout, idx, lse, 0.2, 64, {"SPLIT_DKV": 0, "DET_HALF": 1}, deterministic=True
+        )
+    assert rel_err(bwd_with_tiles(q, kv, out, dout, idx, lse, 0.2, 64, {"SPLIT_DKV": 0}, deterministic=True)[1],
+                   dkv_ref) < 1e-5  # fmt: skip
 
 
 def test_bwd_deterministic_bf16_as_accurate_as_default():
@@ -582,11 +596,21 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
         rel_err(dkv2, dkv_ref),
         rel_err(dkv, dkv_ref),
     )
-    # The reductions on a side stream beside the next chunk's kernels (4 chunks), and the fp32 workspace.
-    overlap = {"DET_OVERLAP": 1, "DET_CHUNKS": 4}
-    dq10, dkv10 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, overlap, deterministic=True, **kw)
-    dkv11 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, overlap, deterministic=True, **kw)[1]
+    # Four chunks of tokens, their reductions on the side stream beside the next chunk's kernels (the
+    # default) and on the main stream: the same bits; and the fp32 workspace.
+    four = Config(bwd_deterministic_workspace_bytes=(s_q // 4) * topk * (d_qk * 2 + d_qk // 64 * 4))
+    dq10, dkv10 = bwd_with_tiles(
+        q, kv, out, dout, idx, lse, sm_scale, 512, {}, deterministic=True, config=four, **kw
+    )
+    dkv11 = bwd_with_tiles(
+        q, kv, out, dout, idx, lse, sm_scale, 512, {}, deterministic=True, config=four, **kw
+    )[1]
+    same_stream = {"DET_OVERLAP": 0}
+    dkv13 = bwd_with_tiles(
+        q, kv, out, dout, idx, lse, sm_scale, 512, same_stream, deterministic=True, config=four, **kw
+    )[1]
     assert torch.equal(dkv10, dkv11), "deterministic dkv (side-stream reductions) changed between runs"
+    assert torch.equal(dkv10, dkv13), "deterministic dkv depends on the stream of its reductions"
     dq12, dkv12 = bwd_with_tiles(
         q, kv, out, dout, idx, lse, sm_scale, 512, {"DET_HALF": 0}, deterministic=True, **kw
     )

@@ -23,9 +23,10 @@ sm_90 a warp-specialised Gluon kernel, ``backends/gluon_sm90_bwd.py``, ``Config.
 slots are first sorted by index, and the ``dkv`` programs in flight work on the same slot block of
 neighbouring tokens, so that their atomics touch a narrow range of rows that stays in L2 (``attn_sum`` is
 put back in the caller's slot order). In the deterministic mode the per-(token, slot) ``dkv`` contributions
-go to an fp32 workspace instead, and a reduction kernel sums them per KV row in a fixed order (pairs sorted
-by (row, token, slot)), so the result is bit-identical from run to run. No step makes the host wait for the
-GPU.
+go to a workspace instead (for bf16 inputs up to 128 heads fp16, each 64-channel piece times a power of two
+that puts its largest value in ``[2^14, 2^15)``, the factor's inverse stored beside it; fp32 otherwise), and
+a reduction kernel sums them per KV row in fp32 in a fixed order (pairs sorted by (row, token, slot)), so the
+result is bit-identical from run to run. No step makes the host wait for the GPU.
 """
 
 from __future__ import annotations
@@ -143,10 +144,12 @@ def pow2(k):
 
 @triton.jit
 def _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, d0, offs_d, part, topk,
-                DETERMINISTIC: tl.constexpr, HALF: tl.constexpr, G: tl.constexpr):  # fmt: skip
+                DETERMINISTIC: tl.constexpr, HALF: tl.constexpr, G: tl.constexpr,
+                EVICT: tl.constexpr):  # fmt: skip
     """Add a ``[BLOCK_T, W]`` fp32 tile of dkv contributions (channels ``d0 ..``, ``offs_d``) into dkv with
     atomics, or store it to the deterministic workspace: fp32, or with ``HALF`` fp16 scaled by a power of two
-    per ``G`` channels (the ``2^-k`` factors to ``scale_row``, one per group)."""
+    per ``G`` channels (the ``2^-k`` factors to ``scale_row``, one per group). ``EVICT``: the workspace
+    stores marked evict-first in L2 (read back only after the whole chunk)."""
     if DETERMINISTIC:
         tmask = (offs_t < topk)[:, None]
         if HALF:
@@ -154,10 +157,15 @@ def _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, d0, offs_d, part, t
             W: tl.constexpr = part.shape[1]
             grouped = tl.reshape(part, [BT, W // G, G])
             k = half_exponent(tl.max(tl.abs(grouped), axis=2))
-            scaled = tl.reshape(grouped * pow2(k)[:, :, None], [BT, W])
-            tl.store(part_row + offs_d[None, :], scaled.to(tl.float16), mask=tmask)
+            vals = tl.reshape(grouped * pow2(k)[:, :, None], [BT, W]).to(tl.float16)
             offs_g = d0 // G + tl.arange(0, W // G)
+            if EVICT:
+                tl.store(part_row + offs_d[None, :], vals, mask=tmask, eviction_policy="evict_first")
+            else:
+                tl.store(part_row + offs_d[None, :], vals, mask=tmask)
             tl.store(scale_row + offs_g[None, :], pow2(-k), mask=tmask)
+        elif EVICT:
+            tl.store(part_row + offs_d[None, :], part, mask=tmask, eviction_policy="evict_first")
         else:
             tl.store(part_row + offs_d[None, :], part, mask=tmask)
     else:
@@ -166,14 +174,11 @@ def _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, d0, offs_d, part, t
 
 @triton.jit
 def _main_kernel(
-    q_ptr, kv_ptr, dout_ptr, lse_ptr, delta_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, part_ptr, scale_ptr,
-    attn_ptr,
+    q_ptr, kv_ptr, dout_ptr, lse_ptr, delta_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, part_ptr, attn_ptr,
     n_tok,
     stride_qs, stride_qh, stride_kvs, stride_dos, stride_doh, stride_lses, stride_is, stride_part_hb,
-    stride_scale_hb,
     s_kv, h_q, q_start_index, k_stride, sm_scale,
-    topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, HALF: tl.constexpr,
-    G: tl.constexpr, D_QK: tl.constexpr,
+    topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_DV: tl.constexpr, N_HB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_SUB: tl.constexpr,
     BLOCK_DV2: tl.constexpr, ATTN_SUM: tl.constexpr, SPLIT_DKV: tl.constexpr, ROPE_IN_LOOP: tl.constexpr,
@@ -237,9 +242,8 @@ def _main_kernel(
         if ATTN_SUM:  # this program's heads' share of attn_sum[s, t]; the launcher adds the head blocks
             tl.store(attn_ptr + (hb * n_tok + s) * topk + offs_t, psum, mask=offs_t < topk)
         if not SPLIT_DKV:  # dkv products and update here (else: _dkv_kernel, all heads at once)
-            pair = (s * topk + offs_t)[:, None].to(tl.int64)
-            part_row = part_ptr + hb * stride_part_hb + pair * D_QK
-            scale_row = scale_ptr + hb * stride_scale_hb + pair * (D_QK // G)
+            # (The fp32 workspace: its per-head-block rows are the fused path's, above 128 heads.)
+            part_row = part_ptr + hb * stride_part_hb + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
             dkv_row = dkv_ptr + rows[:, None] * D_QK
             for c in tl.range(0, D_V // BLOCK_DV2, num_stages=CHUNK_STAGES):
                 offs_d = c * BLOCK_DV2 + offs_dv
@@ -252,8 +256,8 @@ def _main_kernel(
                     doc1 = tl.load(do_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
                     part = dot(ds1_t, qc1, part)
                     part = dot(p1_t, doc1, part)
-                _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, c * BLOCK_DV2, offs_d, part, topk,
-                            DETERMINISTIC, HALF, G)  # fmt: skip
+                _dkv_update(dkv_row, part_row, part_row, valid, offs_t, 0, offs_d, part, topk, DETERMINISTIC,
+                            False, 1, False)  # fmt: skip
             if D_ROPE > 0:
                 offs_r = D_V + tl.arange(0, D_ROPE)
                 qr = tl.load(q_row0 + offs_r[None, :], mask=hmask0[:, None], other=0.0)
@@ -261,8 +265,8 @@ def _main_kernel(
                 if N_SUB > 1:
                     qr1 = tl.load(q_row1 + offs_r[None, :], mask=hmask1[:, None], other=0.0)
                     part_r = dot(ds1_t, qr1, part_r)
-                _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, D_V, offs_r, part_r, topk,
-                            DETERMINISTIC, HALF, G)  # fmt: skip
+                _dkv_update(dkv_row, part_row, part_row, valid, offs_t, 0, offs_r, part_r, topk, DETERMINISTIC,
+                            False, 1, False)  # fmt: skip
 
 
 @triton.jit
@@ -272,7 +276,7 @@ def _dkv_kernel(
     stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
     s_kv, h_q, q_start_index, k_stride,
     topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, HALF: tl.constexpr,
-    G: tl.constexpr, D_QK: tl.constexpr,
+    G: tl.constexpr, EVICT: tl.constexpr, D_QK: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr, N_TB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_CSPLIT: tl.constexpr,
     TOK_GROUP: tl.constexpr, ROPE_IN_LOOP: tl.constexpr,
@@ -334,7 +338,7 @@ def _dkv_kernel(
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None] & (offs_d < D_V)[None, :], other=0.0)
             part = dot(p_t, doc, dot(ds_t, qc))
             _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, c * BLOCK_C, offs_d, part, topk,
-                        DETERMINISTIC, HALF, G)  # fmt: skip
+                        DETERMINISTIC, HALF, G, EVICT)  # fmt: skip
     elif N_CSPLIT == 1:
         for c in tl.range(0, N_LAT, num_stages=CHUNK_STAGES):
             offs_d = c * BLOCK_C + offs_c
@@ -342,7 +346,7 @@ def _dkv_kernel(
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             part = dot(p_t, doc, dot(ds_t, qc))
             _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, c * BLOCK_C, offs_d, part, topk,
-                        DETERMINISTIC, HALF, G)  # fmt: skip
+                        DETERMINISTIC, HALF, G, EVICT)  # fmt: skip
     else:
         # A constant trip count with the chunks past the group's end skipped (the last group may be short):
         # the interpreter cannot range() over bounds derived from program_id.
@@ -357,14 +361,14 @@ def _dkv_kernel(
             if c_ok:
                 part = dot(p_t, doc, dot(ds_t, qc))
                 _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, c * BLOCK_C, offs_d, part, topk,
-                            DETERMINISTIC, HALF, G)  # fmt: skip
+                            DETERMINISTIC, HALF, G, EVICT)  # fmt: skip
     if D_ROPE > 0 and not (N_CSPLIT == 1 and ROPE_IN_LOOP):  # noqa: SIM102 (a constexpr test, then a run-time one)
         if cg == N_CSPLIT - 1:  # the rope chunk belongs to the last group
             offs_r = D_V + tl.arange(0, D_ROPE)
             qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
             part_r = dot(ds_t, qr)
             _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, D_V, offs_r, part_r, topk,
-                        DETERMINISTIC, HALF, G)  # fmt: skip
+                        DETERMINISTIC, HALF, G, EVICT)  # fmt: skip
 
 
 @triton.jit
@@ -421,7 +425,7 @@ def _det_reduce_kernel(
     part_ptr, scale_ptr, order_ptr, seg_start_ptr, seg_end_ptr, dkv_ptr,
     stride_part_hb, stride_scale_hb,
     D_QK: tl.constexpr, G: tl.constexpr, GROUPS: tl.constexpr, N_HB: tl.constexpr, HALF: tl.constexpr,
-    UNROLL: tl.constexpr,
+    UNROLL: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     """One program per (KV row, block of ``GROUPS`` channel groups of ``G``): sum the row's (token, slot)
     contributions in sorted order (with ``HALF``, fp16 values times their group's fp32 factor ``2^-k``)."""
@@ -443,7 +447,11 @@ def _det_reduce_kernel(
                 pair = tl.load(order_ptr + j + u, mask=ok, other=0).to(tl.int64)
                 m = mask_and(gmask, ok)
                 for hb in tl.static_range(N_HB):
-                    vals = tl.load(part_ptr + hb * stride_part_hb + pair * D_QK + offs_d, mask=m, other=0.0)
+                    src = part_ptr + hb * stride_part_hb + pair * D_QK + offs_d
+                    if EVICT:  # read once
+                        vals = tl.load(src, mask=m, other=0.0, eviction_policy="evict_first")
+                    else:
+                        vals = tl.load(src, mask=m, other=0.0)
                     if HALF:
                         f = tl.load(scale_ptr + hb * stride_scale_hb + pair * N_G + offs_g[:, None], mask=m,
                                     other=0.0)  # fmt: skip
@@ -464,7 +472,9 @@ def _det_reduce_kernel(
 # The Gluon dkv kernel (Config.bwd_dkv_backend): DKV_GLUON -1 follows the config, 0 / 1 force it (tests);
 # 64-channel chunks, a ring of three of them, 168 registers per thread in every partition. The deterministic
 # workspace: DET_HALF -1 follows the rule of launch_bwd (scaled fp16 for bf16 inputs), 0 / 1 force fp32 /
-# fp16; its reduction kernel: 4 channel groups (of 64 on the GPU) per program, 4 rows in flight, 4 warps.
+# fp16; DET_EVICT marks its stores and reads evict-first; on CUDA (DET_OVERLAP) each chunk's reduction runs
+# on a side stream beside the next chunk's kernels, with at least DET_CHUNKS chunks of >= 256 tokens. Its
+# reduction kernel: 4 channel groups (of 64 on the GPU) per program, 4 rows in flight, 4 warps.
 _DKV_GLUON_TILES = {
     "DKV_GLUON": -1,
     "BLOCK_C_G": 64,
@@ -472,7 +482,8 @@ _DKV_GLUON_TILES = {
     "CONSUMER_REGS_G": 168,
     "PRODUCER_REGS_G": 168,
     "DET_HALF": -1,
-    "DET_OVERLAP": 0,
+    "DET_OVERLAP": 1,
+    "DET_EVICT": 0,
     "DET_CHUNKS": 4,
     "GROUPS_RED": 4,
     "UNROLL_RED": 4,
@@ -576,18 +587,25 @@ def launch_bwd(
     # The deterministic workspace: fp16 scaled by a power of two per group of `group` channels (the width
     # of the dkv kernels' channel chunks, and of the rope chunk) for bf16 inputs, whose final rounding
     # dwarfs fp16's; fp32 otherwise.
-    half = deterministic and (cfg["DET_HALF"] == 1 or (cfg["DET_HALF"] == -1 and kv.dtype == torch.bfloat16))
-    emit = cfg["BLOCK_C_G"] if dkv_gluon else cfg["BLOCK_C_DKV"] if split_dkv else cfg["BLOCK_DV2"]
+    # The fused path (dkv products per head block, above 128 heads) keeps the fp32 workspace.
+    if cfg["DET_HALF"] == 1 and deterministic and not split_dkv:
+        raise ValueError("DET_HALF 1 needs the separate dkv kernel (SPLIT_DKV 1, at most 128 heads)")
+    half = (
+        deterministic
+        and split_dkv
+        and (cfg["DET_HALF"] == 1 or (cfg["DET_HALF"] == -1 and kv.dtype == torch.bfloat16))
+    )
+    emit = cfg["BLOCK_C_G"] if dkv_gluon else cfg["BLOCK_C_DKV"]
     group = min(emit, d_qk - d_v) if d_qk > d_v else emit
-    if d_v % group or d_qk % group:
+    if half and (d_v % group or d_qk % group):
         raise ValueError(f"dkv channel chunks of {emit} do not tile d_v {d_v} and d_qk {d_qk}")
     pair_bytes = d_qk * 2 + (d_qk // group) * 4 if half else d_qk * 4
     if deterministic:
         chunk = max(
             1, min(chunk, config.bwd_deterministic_workspace_bytes // (n_part_hb * topk * pair_bytes))
         )
-        if cfg["DET_OVERLAP"] and dev.type == "cuda":  # at least DET_CHUNKS chunks: the last one's reduction
-            chunk = min(chunk, cdiv(s_q, cfg["DET_CHUNKS"]))  # is the one that nothing overlaps
+        if cfg["DET_OVERLAP"] and dev.type == "cuda":  # DET_CHUNKS chunks of at least 256 tokens: the last
+            chunk = min(chunk, max(256, cdiv(s_q, cfg["DET_CHUNKS"])))  # one's reduction overlaps nothing
     ds_ws = torch.empty(min(chunk, s_q), h_q, topk, dtype=ds_dtype, device=dev)
     p_ws = torch.empty_like(ds_ws) if split_dkv else ds_ws  # unused by the fused path
     n_pairs = min(chunk, s_q) * topk
@@ -624,13 +642,12 @@ def launch_bwd(
             main_stream.wait_event(reduced)  # `part`, which the last reduction reads
         kernel = launch(
             _main_kernel, (n * n_hb,), slots, ("main", s0),  # a chunk's views and positions depend on s0
-            (q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, part, scale, attn_part,
+            (q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, part, attn_part,
              n if return_attn_sum else 0,
              q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
-             idx_c.stride(0), part.stride(0) if deterministic else 0, scale.stride(0) if half else 0,
+             idx_c.stride(0), part.stride(0) if deterministic else 0,
              s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale)),
-            dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, HALF=half and not split_dkv,
-                 G=1 if split_dkv else group, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v, BLOCK_H=block_h,
+            dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v, BLOCK_H=block_h,
                  BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
                  CHUNK_STAGES=cfg["chunk_stages"], N_SUB=cfg["N_SUB"], BLOCK_DV2=cfg["BLOCK_DV2"],
                  ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"],
@@ -659,7 +676,8 @@ def launch_bwd(
                 (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, scale, n,
                  q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1), idx_c.stride(0),
                  s_kv, h_q, q_start_index + s0, k_stride),
-                dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, HALF=half, G=group, D_QK=d_qk,
+                dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, HALF=half, G=group,
+                     EVICT=bool(cfg["DET_EVICT"]) and deterministic, D_QK=d_qk,
                      D_V=d_v, D_ROPE=d_qk - d_v, BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"],
                      BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
                      CHUNK_STAGES=cfg["chunk_stages_dkv"], N_CSPLIT=n_csplit, TOK_GROUP=cfg["TOK_GROUP"],
@@ -764,7 +782,7 @@ def _det_reduce(
     kernel = launch(
         _det_reduce_kernel, (dkv32.shape[0], cdiv(n_groups, groups)), slots, ("det_reduce", s0),
         (part, scale, order, seg_start, seg_end, dkv32, part.stride(0), scale.stride(0) if half else 0),
-        dict(D_QK=d_qk, G=group, GROUPS=groups, N_HB=n_hb, HALF=half,
+        dict(D_QK=d_qk, G=group, GROUPS=groups, N_HB=n_hb, HALF=half, EVICT=bool(cfg["DET_EVICT"]),
              UNROLL=2 if interpreting() else cfg["UNROLL_RED"], num_warps=cfg["num_warps_red"]),
     )  # fmt: skip
     record_launch("bwd.det_reduce", kernel)
@@ -855,8 +873,13 @@ def sparse_mla_bwd(
         k_stride: KV compression stride, for the causal limit.
         causal: also treat slot ``t`` as invalid when ``index > (q_pos + 1 - k_stride) / k_stride``
             (C integer division), ``q_pos = q_start_index + s``, as FlashMLA's attn_dist does.
-        deterministic: sum the ``dkv`` contributions in a fixed order (bit-identical from run to run)
-            instead of with fp32 atomics; needs an fp32 workspace (``Config.bwd_deterministic_workspace_bytes``).
+        deterministic: sum the ``dkv`` contributions in a fixed order (bit-identical from run to run,
+            whatever order the GPU runs its programs in) instead of with fp32 atomics. Each (token, slot)
+            contribution ``c`` goes to a workspace (``Config.bwd_deterministic_workspace_bytes``) and each
+            KV row's are summed in fp32. For bf16 inputs up to 128 heads the workspace is fp16 with a
+            power-of-two factor per 64 channels (per channel chunk): every element of ``dkv`` (before its
+            bf16 rounding) is within ``2^-11 * Σ|c|`` of the fp32 workspace's sum (plus fp32 summation
+            error), an eighth of bf16's rounding bound; otherwise the workspace is fp32.
         return_attn_sum: also return ``attn_sum [s_q, topk]`` fp32, the attention probability summed over
             heads at each slot (``Σ_h P[h, t]``, 0 at invalid slots): the lightning indexer's KL target, the
             same quantity as ``attn_dist(..., causal=causal)``, taken from the ``P`` the backward recomputes
