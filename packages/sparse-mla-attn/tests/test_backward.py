@@ -658,6 +658,34 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
 
 
 @pytest.mark.gpu
+def test_bwd_deterministic_cuda_graph_gpu():
+    """The deterministic backward in 4 chunks (reductions on the side stream) captured in a CUDA graph:
+    the replay gives the eager call's bits."""
+    q, kv, idx = make_case(256, 64, 576, 4096, 512, device="cuda", dtype=torch.bfloat16, seed=8, zoo=False)
+    sm_scale = 576**-0.5
+    out, lse = sparse_mla_ref(q.float(), kv.float(), idx, sm_scale, 512)
+    out, dout = out.bfloat16(), torch.randn(out.shape, device="cuda").bfloat16()
+    four = Config(bwd_deterministic_workspace_bytes=64 * 512 * (576 * 2 + 9 * 4))
+
+    def run():
+        return sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, config=four)
+
+    eager = run()
+    side = torch.cuda.Stream()  # warm-up off the default stream, as before any capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0])
+    assert torch.equal(captured[1], eager[1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("target_from_bwd", [False, True], ids=["torch-target", "attn_sum_out"])
 def test_training_step_lowers_loss_gpu(target_from_bwd):
     """A small random model (projections into q/kv and the indexer) trained for a few steps: forward,
