@@ -16,7 +16,8 @@ class Config:
     """Tuning options shared by :func:`~sparse_mla_attn.sparse_mla_fwd`, :func:`~sparse_mla_attn.attn_dist`,
     :func:`~sparse_mla_attn.sparse_mla_decode`, :func:`~sparse_mla_attn.sparse_mla_bwd` and
     :func:`~sparse_mla_attn.sparse_mla`. The defaults are what every op uses without ``config``; the
-    results do not depend on them beyond floating-point rounding (and for ``bwd_*`` not at all).
+    results do not depend on them beyond floating-point rounding (the deterministic backward's bits are
+    fixed by the inputs and these options: the ``bwd_*`` caps set its chunks of tokens, summed in turn).
 
     Attributes:
         backend: kernel family of the forward, decode and ``attn_dist``. ``"auto"`` (default) runs the
