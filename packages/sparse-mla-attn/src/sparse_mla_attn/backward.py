@@ -473,9 +473,9 @@ def _det_reduce_kernel(
 # 64-channel chunks, a ring of three of them, 168 registers per thread in every partition. The deterministic
 # workspace: DET_HALF -1 follows the rule of launch_bwd (scaled fp16 for bf16 inputs), 0 / 1 force fp32 /
 # fp16; DET_EVICT marks its stores and reads evict-first; on CUDA (DET_OVERLAP) each chunk's reduction runs
-# on a side stream (of priority DET_SIDE_PRIORITY, lower is higher) beside the next chunk's kernels, with at
-# least DET_CHUNKS chunks of >= 256 tokens. Its reduction kernel: 4 channel groups (of 64 on the GPU) per
-# program, 4 rows in flight, 4 warps.
+# on a side stream beside the next chunk's kernels, with at least DET_CHUNKS chunks of >= 256 tokens. Its
+# reduction kernel: every channel group of a row in one program (16 groups of 64 on the GPU, 9 used at
+# d_qk 576: programs of fewer groups each re-read the row's pair list), 4 pairs in flight, 4 warps.
 _DKV_GLUON_TILES = {
     "DKV_GLUON": -1,
     "BLOCK_C_G": 64,
@@ -484,10 +484,9 @@ _DKV_GLUON_TILES = {
     "PRODUCER_REGS_G": 168,
     "DET_HALF": -1,
     "DET_OVERLAP": 1,
-    "DET_EVICT": 0,
+    "DET_EVICT": 1,
     "DET_CHUNKS": 4,
-    "DET_SIDE_PRIORITY": 0,
-    "GROUPS_RED": 4,
+    "GROUPS_RED": 16,
     "UNROLL_RED": 4,
     "num_warps_red": 4,
 }
@@ -628,7 +627,7 @@ def launch_bwd(
     # on a side stream while the main and dq kernels of chunk i + 1 run; the kernel that writes `part`
     # next waits for it. The order of every addition stays fixed: only the kernels' overlap changes.
     overlap = deterministic and cfg["DET_OVERLAP"] and dev.type == "cuda"
-    side = _side_stream(dev, cfg["DET_SIDE_PRIORITY"]) if overlap else None
+    side = _side_stream(dev) if overlap else None
     main_stream = torch.cuda.current_stream(dev) if side is not None else None
     reduced: torch.cuda.Event | None = None  # the last reduction on the side stream
     for s0 in range(0, s_q, chunk):
@@ -709,9 +708,9 @@ def launch_bwd(
 
 
 @functools.lru_cache(maxsize=16)
-def _side_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
-    """The deterministic reduction's side stream on ``device`` (one per device and priority, made once)."""
-    return torch.cuda.Stream(device=device, priority=priority)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The deterministic reduction's side stream on ``device`` (one per device, made once)."""
+    return torch.cuda.Stream(device=device)
 
 
 def _use_dkv_gluon(
