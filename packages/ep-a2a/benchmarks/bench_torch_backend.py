@@ -16,9 +16,14 @@ tokens per rank for latency. Measured in the same run, same inputs:
 * ``nccl-dest``: user-style pipeline, one row per (token, destination rank), receiver expands;
 * ``nccl-expert``: user-style pipeline, one row per (token, expert).
 
+For uniform routing each torch and NCCL row also carries the work of one call (``count_work.py``):
+``dispatch_collectives``, ``dispatch_host_syncs``, ``dispatch_device_ops``,
+``dispatch_cuda_sync_warnings`` and the same for combine.
+
 Bytes counted: only token rows that cross to another GPU, one per (token, destination rank)
 (``hidden x 2`` bytes each), the same for every method. Times: CUDA events around each call, started
-after a barrier of both ranks; median over ``--iters`` calls after warm-up; the slower rank's median.
+after a barrier of both ranks; median over ``--iters`` calls after warm-up; the slower rank's median;
+``*_host_ms``: the host's time until the call returned (same calls).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections.abc import Callable
 
 import run_record
@@ -132,10 +138,16 @@ class NcclPerDest:
         return out.to(y.dtype)
 
 
-def median_ms(fn: Callable[[], object], iters: int, setup: Callable[[], object] | None = None) -> float:
-    """Median of CUDA-event times; each call starts after both ranks are idle; max over ranks."""
+def median_ms(
+    fn: Callable[[], object],
+    iters: int,
+    setup: Callable[[], object] | None = None,
+    host: list[float] | None = None,
+) -> float:
+    """Median of CUDA-event times; each call starts after both ranks are idle; max over ranks. ``host``:
+    gets the median host time of the call (until it returns), max over ranks."""
     fn() if setup is None else (setup(), fn())
-    times = []
+    times, hosts = [], []
     for _ in range(iters):
         if setup is not None:
             setup()
@@ -143,14 +155,18 @@ def median_ms(fn: Callable[[], object], iters: int, setup: Callable[[], object] 
         dist.barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
         fn()
         end.record()
+        hosts.append(1e3 * (time.perf_counter() - t0))
         end.synchronize()
         times.append(start.elapsed_time(end))
-    t = torch.tensor([statistics.median(times)], device="cuda")
+    t = torch.tensor([statistics.median(times), statistics.median(hosts)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    if host is not None:
+        host.append(float(t[1]))
+    return float(t[0])
 
 
 def copy_engine_ms(nbytes: int, rank: int, world: int, iters: int) -> float | None:
@@ -215,7 +231,8 @@ def run_case(shape: str, route: str, tokens: int, args, rank: int, world: int, d
         def disp(layer=layer, holder=holder, rows=x_fp8 if name == "torch-fp8" else x):
             holder["d"] = layer.dispatch(rows, ids, w)
 
-        t_d = median_ms(disp, args.iters)
+        d_host: list[float] = []
+        t_d = median_ms(disp, args.iters, host=d_host)
 
         def comb(layer=layer, holder=holder):
             rows, desc = holder["d"][0], holder["d"][2]
@@ -225,13 +242,15 @@ def run_case(shape: str, route: str, tokens: int, args, rank: int, world: int, d
                 rows = holder["y"]
             layer.combine(rows, desc)
 
-        t_c = median_ms(comb, args.iters, setup=disp)
+        c_host: list[float] = []
+        t_c = median_ms(comb, args.iters, setup=disp, host=c_host)
 
         def rt(disp=disp, comb=comb):
             disp()
             comb()
 
-        res[name] = {"dispatch_ms": t_d, "combine_ms": t_c, "round_trip_ms": median_ms(rt, args.iters)}
+        res[name] = {"dispatch_ms": t_d, "combine_ms": t_c, "round_trip_ms": median_ms(rt, args.iters),
+                     "dispatch_host_ms": d_host[0], "combine_host_ms": c_host[0]}  # fmt: skip
         layer.finalize()
 
     for name, cls in (("nccl-dest", NcclPerDest), ("nccl-expert", NcclPerExpert)):
@@ -241,14 +260,25 @@ def run_case(shape: str, route: str, tokens: int, args, rank: int, world: int, d
         def pd(pipe=pipe, st=st):
             st["d"] = pipe.dispatch(x, ids, w)
 
-        t_d = median_ms(pd, args.iters)
-        t_c = median_ms(lambda pipe=pipe, st=st: pipe.combine(st["d"][0], st["d"][2]), args.iters, setup=pd)
+        d_host, c_host = [], []
+        t_d = median_ms(pd, args.iters, host=d_host)
+        t_c = median_ms(
+            lambda pipe=pipe, st=st: pipe.combine(st["d"][0], st["d"][2]), args.iters, setup=pd, host=c_host
+        )
 
         def prt(pipe=pipe):
             out, _, state = pipe.dispatch(x, ids, w)
             pipe.combine(out, state)
 
-        res[name] = {"dispatch_ms": t_d, "combine_ms": t_c, "round_trip_ms": median_ms(prt, args.iters)}
+        res[name] = {"dispatch_ms": t_d, "combine_ms": t_c, "round_trip_ms": median_ms(prt, args.iters),
+                     "dispatch_host_ms": d_host[0], "combine_host_ms": c_host[0]}  # fmt: skip
+    if route == "uniform":  # work per call (count_work.py: the same routing), for the torch and NCCL rows
+        import count_work
+
+        counts = count_work.count_methods(rank, world, tokens, hidden, experts, topk, device=dev)
+        for name, ops in counts.items():
+            for op, c in ops.items():
+                res[name].update({f"{op}_{k}": c[k] for k in count_work.SUMMARY_KEYS})
     case = {
         "shape": shape,
         "routing": route,

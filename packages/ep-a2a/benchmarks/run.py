@@ -52,6 +52,12 @@ _NUMBERS = (
 
 
 #: what the FP8 rows record about quantize-on-send: where it ran, and whether its bytes equal the tuple's
+#: work per call of the torch bench's rows (count_work.py)
+_COUNTS = tuple(
+    f"{op}_{k}"
+    for op in ("dispatch", "combine")
+    for k in ("collectives", "host_syncs", "device_ops", "cuda_sync_warnings")
+)
 _FLAGS = (
     "quantize_in_kernel",
     "quantize_matches_tuple",
@@ -80,7 +86,7 @@ def rows_of(raw: dict, bench: str) -> list[dict]:
         ce_fp8 = case["results"].get("ce-fp8", {}).get("copy_ms")
         for method, r in case["results"].items():
             row = {**meta, **base, "method": method, **{k: r[k] for k in _NUMBERS if r.get(k) is not None}}
-            row.update({k: r[k] for k in _FLAGS if k in r})
+            row.update({k: r[k] for k in _FLAGS + _COUNTS if k in r})
             fp8 = "fp8" in method  # (FP8 rows: their own bytes, FP8 rows and scales, and their ceiling)
             if fp8 and case.get("nvlink_bytes_fp8"):
                 row["nvlink_bytes"] = case["nvlink_bytes_fp8"]
@@ -234,11 +240,26 @@ def summary(rows: list[dict]) -> list[str]:
         torch_row, nccl = by.get(("torch", "torch")), by.get(("torch", "nccl-dest"))
         if torch_row and nccl:
             for op in ("dispatch", "combine"):
+                hosts = (torch_row.get(f"{op}_host_ms"), nccl.get(f"{op}_host_ms"))
                 lines.append(
                     f"{name}: torch backend {op} {1e3 * torch_row[f'{op}_ms']:.0f} us vs NCCL per-rank "
                     f"pipeline {1e3 * nccl[f'{op}_ms']:.0f} us: {torch_row[f'{op}_ms'] / nccl[f'{op}_ms']:.2f}x "
                     "(target <= 1x)"
+                    + (f"; host {1e3 * hosts[0]:.0f} vs {1e3 * hosts[1]:.0f} us" if all(hosts) else "")
                 )
+                if (
+                    torch_row.get(f"{op}_collectives") is not None
+                    and nccl.get(f"{op}_collectives") is not None
+                ):
+                    work = [
+                        ", ".join(str(r[f"{op}_{k}"]) for k in ("collectives", "host_syncs", "device_ops"))
+                        for r in (torch_row, nccl)
+                    ]
+                    lines.append(
+                        f"{name}: work per {op} (collectives, host waits, tensor operations): torch backend "
+                        f"{work[0]} vs NCCL per-rank pipeline {work[1]}; synchronizing CUDA calls "
+                        f"{torch_row.get(f'{op}_cuda_sync_warnings')} (torch backend)"
+                    )
     return lines
 
 

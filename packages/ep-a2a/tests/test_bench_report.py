@@ -152,8 +152,12 @@ def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl
          "default_num_sm": 132, "dispatch_launches_ms": 0.12, "dispatch_launches_host_ms": 0.09},
         {**case, "bench": "triton", "method": "ours-graph-sm20", "dispatch_ms": 0.04, "combine_ms": 0.02},
         {**case, "bench": "triton", "method": "ours-graph-sm132", "dispatch_ms": 0.04, "combine_ms": 0.02},
-        {**case, "bench": "torch", "method": "torch", "dispatch_ms": 0.5, "combine_ms": 0.3},
-        {**case, "bench": "torch", "method": "nccl-dest", "dispatch_ms": 1.0, "combine_ms": 0.3},
+        {**case, "bench": "torch", "method": "torch", "dispatch_ms": 0.5, "combine_ms": 0.3,
+         "dispatch_host_ms": 0.4, "combine_host_ms": 0.2, "dispatch_collectives": 2, "dispatch_host_syncs": 1,
+         "dispatch_device_ops": 23, "dispatch_cuda_sync_warnings": 0},
+        {**case, "bench": "torch", "method": "nccl-dest", "dispatch_ms": 1.0, "combine_ms": 0.3,
+         "dispatch_host_ms": 0.9, "combine_host_ms": 0.25, "dispatch_collectives": 3, "dispatch_host_syncs": 4,
+         "dispatch_device_ops": 26},
         {**case, "bench": "torch", "method": "torch-fp8", "dispatch_ms": 0.3, "combine_ms": 0.3},
     ]  # fmt: skip
     text = "\n".join(run.summary(rows))
@@ -163,6 +167,15 @@ def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl
     assert "eager dispatch 200 us = 5.0x its graph replay" in text
     assert "launching its kernels one by one (eager_graphs off) 120 us = 3.0x its graph replay; 90 us" in text
     assert "torch backend dispatch 500 us vs NCCL per-rank pipeline 1000 us: 0.50x" in text
+    assert (
+        "torch backend combine 300 us vs NCCL per-rank pipeline 300 us: 1.00x (target <= 1x); host 200 vs 250 us"
+        in text
+    )
+    assert (
+        "work per dispatch (collectives, host waits, tensor operations): torch backend 2, 1, 23 vs NCCL per-rank "
+        "pipeline 3, 4, 26; synchronizing CUDA calls 0 (torch backend)" in text
+    )
+    assert "work per combine" not in text  # (not counted in these rows)
     big = {**case, "tokens": 4096, "bench": "triton"}
     rows = [
         {**big, "method": "ours-sm132", "dispatch_ms": 0.25, "dispatch_pct_ce": 80.0, "default_num_sm": 132},

@@ -287,6 +287,9 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(
             f"x's width H={h} must be a multiple of {FP8_BLOCK} (one scale per {FP8_BLOCK} channels)"
         )
+    if t == 0:  # (an empty reduction's output may have a last stride of 0: not viewable as bytes)
+        empty = x.new_empty(0, h, dtype=torch.float8_e4m3fn)
+        return empty, x.new_empty(0, h // FP8_BLOCK, dtype=torch.float32)
     blocks = x.float().view(t, h // FP8_BLOCK, FP8_BLOCK)
     amax = blocks.abs().amax(dim=2).clamp(min=FP8_AMAX_FLOOR)
     x_fp8 = (blocks * (amax.reciprocal() * FP8_MAX).unsqueeze(2)).to(torch.float8_e4m3fn).view(t, h)

@@ -166,7 +166,9 @@ class A2ABackend(abc.ABC):
         Raises:
             ValueError: this backend's buffers cannot hold such rows (naming the layer argument).
         """
-        return torch.cat([x_fp8.view(torch.uint8), scales.contiguous().view(torch.uint8)], 1)
+        # (through a flat copy: an empty or broadcast tensor may have a last stride other than 1)
+        scale_bytes = scales.reshape(-1).view(torch.uint8).view(scales.shape[0], 4 * scales.shape[1])
+        return torch.cat([x_fp8.view(torch.uint8), scale_bytes], 1)
 
     def quantize_fp8(self, x: torch.Tensor) -> Any:
         """bf16 / fp16 / fp32 rows ``x [n, H]`` (``H`` a multiple of 128) as the rows ``dispatch`` moves for

@@ -1,36 +1,36 @@
 """Portable backend: ``torch.distributed`` collectives only (NCCL on GPUs, gloo on CPUs).
 
-Dispatch sends each token once per destination rank (not once per expert): one fixed-size exchange of
-counts (which also carries the number of out-of-range expert ids, so a bad call stops on every rank
-before any row moves), then one packed byte payload per row holding the token, the expert of each of
-its slots, the row each slot takes at its receiver and its weights. Each sender computes those rows from
-the exchanged per-expert counts (receivers order rows by local expert, source rank, token, slot), or
-takes the caller's ``full_scatter_indices``; the receiver places each of its slots with one scatter of
-slot indices and one gather of rows. The bookkeeping is a few dozen tensor operations: per-device lookup
-tables replace arithmetic, the host computes what the counts decide, and one upload carries it.
+Dispatch sends each token once per destination rank (not once per expert), in two collectives: one
+fixed-size exchange of counts (which also carries the number of out-of-range expert ids, so a bad call
+stops on every rank before any row moves), then one ``all_to_all_single`` of packed byte rows, one per
+(token, destination rank): the token row, the expert of each of its slots and its weights. The receiver
+expands them locally: one stable sort of the received slots by local expert gives its output order
+(local expert, source rank, token, slot), and one gather of rows gives the output. The host waits once,
+for the counts, which size the payload; everything the counts do not decide is queued before that wait
+(the token order per destination, the packed rows) and everything the payload does not need after the
+payload (the descriptor's indices, the order combine returns rows in). The host computes what the
+counts decide (per-expert counts, receive boundaries, each expert's first row at its receiver) and one
+upload carries it; the per-device constants and the exchange buffers are built once.
 
-Combine returns rows grouped by source rank in output order (what each source's stable sort of its
-slots by expert, or by the caller's row, gives).
-
-Combine sends back one row per (token, expert) pair in that order; the source places them in a dense
-``[tokens, topk]`` grid (zeros for dropped slots) and sums it in float32 in slot order. With
-``enable_local_combine=True`` the expert side first sums, the same way, the rows that belong to one
-(source rank, token) and sends one row per (token, destination rank) in the row dtype (fewer bytes,
-one extra rounding of each partial sum).
+Combine returns rows grouped by source rank in the order each source's stable sort of its slots by
+expert (or by the caller's row) gives, then places them in a dense ``[tokens, topk]`` grid (zeros for
+dropped slots) and sums it in float32 in slot order. With ``enable_local_combine=True`` the expert side
+first sums, the same way, the rows that belong to one (source rank, token) and sends one row per
+(token, destination rank) in the row dtype (fewer bytes, one extra rounding of each partial sum).
 
 Every operation opens with the same fixed-size exchange, headed by the operation and its call number
 (dispatch's counts ride in it), so ranks that call operations in different orders all see each other's
 headers and raise :class:`ep_a2a.EPProtocolError` before any variable-sized message. On an NCCL group
-the exchange is one all-gather on the device (one row per rank, no per-peer messages); its host copy is awaited (bounded by ``timeout_s``) where the host
-needs it: at once in dispatch (the counts size the payload), and only after the payload is queued in
-combine and barrier, so the header costs one small collective but no host round trip in front of the
-data. On a gloo group every exchange runs on a gloo side group with the layer's timeout. ``tuning`` and
-``use_aot`` are ignored here: there are no kernels to compile, and NCCL picks its own channels.
+the exchange is one all-gather on the device (one row per rank, no per-peer messages); its host copy is
+awaited (bounded by ``timeout_s``) where the host needs it: at once in dispatch (the counts size the
+payload), and only after everything else is queued in combine and barrier, so the header costs one
+small collective but no host round trip in front of the data. On a gloo group every exchange runs on a
+gloo side group with the layer's timeout. ``tuning`` and ``use_aot`` are ignored here: there are no
+kernels to compile, and NCCL picks its own channels.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
 
@@ -63,7 +63,8 @@ class _TorchState:
     out_row: torch.Tensor  # [R] int64: received row of each output row
     recv_bounds: torch.Tensor  # [world - 1] int64: first received row of each source rank after the first
     back_counts: list[int]  # output rows per source rank
-    back_row: torch.Tensor | None = None  # [R] int64: output rows by (source rank, output row); lazily
+    back_row: torch.Tensor | None = None  # [R] int64: output rows by (source rank, then as the source
+    # sorted them); dispatch computes it unless combine sends partial sums (computed when first needed)
 
 
 @dataclass
@@ -73,22 +74,32 @@ class _Header:
     op: str
     step: str
     call: int
-    host: torch.Tensor  # [world, 2 + width] int64 host copy (pinned on CUDA)
-    done: torch.cuda.Event | None  # recorded after the copy (None: already on the host)
+    host: np.ndarray  # [world, 2 + width] int64: every rank's row, once awaited
+    done: torch.cuda.Event | None  # recorded after the copy to the host (None: nothing to await)
 
 
 @dataclass
 class _Tables:
-    """Per-device constants of the dispatch bookkeeping (built once: no kernel per call)."""
+    """Per-device constants and buffers of the bookkeeping (built once: no allocation per call)."""
 
+    bounds: dict[torch.dtype, torch.Tensor]  # [E + 2] per id dtype: bin edges -2, -1, 0, .., E - 1
     dest: torch.Tensor  # [E + 3] int64: destination rank of each slot bin (world: none)
-    expert: torch.Tensor  # [E + 3] int32: global expert of each slot bin (E: none)
-    krange: torch.Tensor  # [topk] int32
-    earlier: torch.Tensor  # [topk, topk] bool: slot j comes before slot k
-    mine: torch.Tensor  # [E + 1] bool: whether an expert (E: none) lives on this rank
+    key: torch.Tensor  # [E + 3] int32: local expert of each bin on this rank (E_local: another rank's)
+    first: torch.Tensor  # [max_tokens, world + 1] int32: topk per rank, -1 for "no rank"
+    krange: torch.Tensor  # [max_tokens, topk] int32: the slot number
     iota: torch.Tensor  # [world * max_tokens * topk] int64
     iota32: torch.Tensor  # [max_tokens * topk] int32
     ones: torch.Tensor  # [max_tokens * topk] int64
+    zeros: torch.Tensor  # [max_tokens, 8] uint8: row padding
+    row: torch.Tensor  # [2 + width] int64: this rank's header on the device
+    rows: torch.Tensor  # [world * (2 + width)] int64: every rank's header on the device
+    row_host: torch.Tensor  # [2 + width] int64 on the host (pinned on CUDA), its numpy view below
+    row_np: np.ndarray
+    rows_host: torch.Tensor  # [world, 2 + width] int64 on the host (pinned on CUDA), numpy view below
+    rows_np: np.ndarray
+    up_host: torch.Tensor  # [upload] int64 on the host (pinned on CUDA), numpy view below
+    up_np: np.ndarray
+    done: torch.cuda.Event | None  # recorded after each header's copy to the host (CUDA)
 
 
 def _sum_slots(rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int) -> torch.Tensor:
@@ -105,29 +116,24 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8).view(t.shape[0], t.shape[1] * t.element_size())
 
 
-def _pack_rows(input: Tensor, experts: Tensor, rows: Tensor, weight: Tensor | None) -> Tensor:
-    """``[n, bytes]`` uint8 rows: token row | expert of each slot | its row at the receiver | weights, each
-    field padded to 8 bytes so that every field of the received bytes views as its dtype."""
-    n, dev = input.shape[0], input.device
-    xb = input.shape[1] * input.element_size()
-    tail = (
-        -(experts.shape[1] * 8 + (weight.shape[1] * weight.element_size() if weight is not None else 0)) % 8
-    )
-    parts = [input.view(torch.uint8)]
-    if xb % 8:
-        parts.append(torch.zeros(n, -xb % 8, dtype=torch.uint8, device=dev))
-    parts += [_bytes(experts), _bytes(rows)]
-    if weight is not None:
-        parts.append(_bytes(weight))
-    if tail:
-        parts.append(torch.zeros(n, tail, dtype=torch.uint8, device=dev))
-    return torch.cat(parts, 1)
+def _row_layout(fields: list[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+    """Byte offsets of ``fields`` (``(bytes, alignment)`` each) in a packed row, the padding in front of
+    each, and the row's length (a multiple of 8, so that every field of a received row views as its
+    dtype)."""
+    offsets, pads, at = [], [], 0
+    for size, align in fields:
+        pads.append(-at % align)
+        at += pads[-1]
+        offsets.append(at)
+        at += size
+    pads.append(-at % 8)
+    return offsets, pads, at + pads[-1]
 
 
 @register_backend
 class TorchBackend(A2ABackend):
-    """``backend="torch"``: a fixed-size header, then packed ``all_to_all_single`` exchanges; see the
-    module docstring."""
+    """``backend="torch"``: a fixed-size header, then one packed ``all_to_all_single``; see the module
+    docstring."""
 
     name = "torch"
     checks_expert_ids = True  # counted into the opening exchange, raised on every rank before the payload
@@ -148,9 +154,9 @@ class TorchBackend(A2ABackend):
         self.world_size = config.world_size
         self.e_local = config.num_experts_per_rank
         self.validate = options.validate
-        #: columns of the opening exchange after (operation, call): my token count, my rows for each rank
-        #: and one spare, my slots per bin (an id below -1, -1, each expert, an id of num_tot_experts or more)
-        self._width = 1 + (config.world_size + 1) + (config.num_tot_experts + 3)
+        #: columns of the opening exchange after (operation, call): my token count, my rows for each
+        #: rank, my slots per bin (an id below -1, -1, each expert, an id of num_tot_experts or more)
+        self._width = 1 + config.world_size + (config.num_tot_experts + 3)
         #: operations this backend has run (every rank's count agrees while they call in the same order)
         self._calls = 0
         self._tables: dict[torch.device, _Tables] = {}
@@ -165,59 +171,74 @@ class TorchBackend(A2ABackend):
         if tables is None:
             cfg, world, L = self.config, self.world_size, self.e_local
             E, K, T = cfg.num_tot_experts, cfg.topk, cfg.max_tokens
+            cuda = dev.type == "cuda"
             experts = torch.arange(E)
             none = torch.tensor([world])
+            local = torch.where(experts // L == self.rank, experts % L, L)
+            bounds = torch.arange(-2, E)
+            first = torch.full((T, world + 1), K, dtype=torch.int32)
+            first[:, world] = -1
+            width = 2 + self._width
+            up = L + max(world - 1, 0) + (E + 4) // 2  # per-expert counts, receive bounds, int32 bases
+            row_host = torch.zeros(width, dtype=torch.int64, pin_memory=cuda)
+            rows_host = torch.zeros(world, width, dtype=torch.int64, pin_memory=cuda)
+            up_host = torch.zeros(up, dtype=torch.int64, pin_memory=cuda)
             tables = _Tables(
+                bounds={torch.int64: bounds.to(dev), torch.int32: bounds.to(dev, torch.int32)},
                 dest=torch.cat([none, none, experts // L, none]).to(dev),
-                expert=torch.cat([torch.tensor([E, E]), experts, torch.tensor([E])]).to(dev, torch.int32),
-                krange=torch.arange(K, dtype=torch.int32, device=dev),
-                earlier=torch.ones(K, K, dtype=torch.bool).tril(-1).to(dev),
-                mine=(torch.arange(E + 1) // L == self.rank).to(dev),
+                key=torch.cat([torch.tensor([L, L]), local, torch.tensor([L])]).to(dev, torch.int32),
+                first=first.to(dev),
+                krange=torch.arange(K, dtype=torch.int32).expand(T, K).contiguous().to(dev),
                 iota=torch.arange(world * T * K, device=dev),
                 iota32=torch.arange(T * K, dtype=torch.int32, device=dev),
                 ones=torch.ones(T * K, dtype=torch.int64, device=dev),
+                zeros=torch.zeros(T, 8, dtype=torch.uint8, device=dev),
+                row=torch.zeros(width, dtype=torch.int64, device=dev),
+                rows=torch.zeros(world * width, dtype=torch.int64, device=dev),
+                row_host=row_host,
+                row_np=row_host.numpy(),
+                rows_host=rows_host,
+                rows_np=rows_host.numpy(),
+                up_host=up_host,
+                up_np=up_host.numpy(),
+                done=torch.cuda.Event() if cuda else None,
             )
             self._tables[dev] = tables
         return tables
 
-    def _head(self, op: str, n: int = 0) -> torch.Tensor:
-        """This rank's opening row ``[2 + width]`` int64 on the host (pinned on CUDA): operation, call
-        number, ``n``, zeros."""
-        row = torch.zeros(2 + self._width, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        a = row.numpy()
+    def _head(self, c: _Tables, op: str, n: int = 0) -> torch.Tensor:
+        """This rank's opening row ``[2 + width]`` int64 on the device: operation, call number, ``n``,
+        zeros (one copy from the host). The host row is rewritten only after the previous operation
+        awaited its own header, which the device copied after this row's last copy."""
+        a = c.row_np
+        a[:] = 0
         a[0], a[1], a[2] = _OPS[op], self._calls, n
         self._calls += 1
-        return row
+        return c.row.copy_(c.row_host, non_blocking=True)
 
-    def _open(self, op: str, step: str, row: torch.Tensor) -> _Header:
+    def _open(self, c: _Tables, op: str, step: str, row: torch.Tensor) -> _Header:
         """Queue the opening exchange of an operation: every rank sends every rank its ``row`` ``[2 +
-        width]`` (from :meth:`_head`, on the host or filled in on the device). On the device it is one
-        all-gather; on the CPU it completes and is checked here."""
+        width]`` (from :meth:`_head`, filled in on the device). On the device it is one all-gather; on
+        the CPU it completes and is checked here."""
         world, call = self.world_size, self._calls - 1
         if not self._on_device:
             send = row.expand(world, -1).contiguous()
             recv = torch.empty_like(send)
             with self.monitor.guard(step):
                 self.monitor.all_to_all(recv, send)
-            header = _Header(op, step, call, recv, None)
+            header = _Header(op, step, call, recv.numpy(), None)
             self._check(header)  # before any variable-sized message: gloo matches messages in order
             return header
-        cuda = self.device.type == "cuda"
-        if row.device != self.device:
-            row = row.to(self.device, non_blocking=True)
-        recv = torch.empty(world * row.numel(), dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(recv, row, group=self.ep_group)
-        host = torch.empty((world, row.numel()), dtype=torch.int64, pin_memory=cuda)
-        host.copy_(recv.view(world, -1), non_blocking=True)
-        done = None
-        if cuda:
-            done = torch.cuda.Event()
-            done.record()
-        return _Header(op, step, call, host, done)
+        dist.all_gather_into_tensor(c.rows, row, group=self.ep_group)
+        c.rows_host.view(-1).copy_(c.rows, non_blocking=True)
+        if c.done is not None:
+            c.done.record()
+        return _Header(op, step, call, c.rows_np, c.done)
 
     def _check(self, header: _Header) -> np.ndarray:
         """Await a header exchange (bounded by ``timeout_s``) and check every rank is in the same
-        operation and call. Returns every rank's row ``[world, 2 + width]`` on the host.
+        operation and call. Returns every rank's row ``[world, 2 + width]`` on the host (valid until the
+        next operation opens).
 
         Raises:
             EPProtocolError: some rank is in another operation or call (every rank raises: each sees
@@ -227,7 +248,9 @@ class TorchBackend(A2ABackend):
         if header.done is not None:
             with self.monitor.guard(header.step):
                 _wait(header.done, self.timeout_s)
-        rows = header.host.numpy()
+        else:
+            _wait(None, self.timeout_s)  # (the exchange completed on the host: nothing left to await)
+        rows = header.host
         op_code, call = _OPS[header.op], header.call
         if (rows[:, 0] != op_code).any() or (rows[:, 1] != call).any():
             heads = rows[:, :2].tolist()
@@ -256,7 +279,7 @@ class TorchBackend(A2ABackend):
     def _raise_bad_ids(self, rows: np.ndarray, exp_indices: torch.Tensor) -> None:
         """``ValueError`` on every rank when some rank's ids left ``[-1, num_tot_experts)`` (its slot
         counts of the two out-of-range bins), before any payload moves."""
-        E, bins = self.config.num_tot_experts, 4 + self.world_size
+        E, bins = self.config.num_tot_experts, 3 + self.world_size
         bad = rows[:, bins] + rows[:, bins + E + 2]
         if not bad.any():
             return
@@ -277,119 +300,132 @@ class TorchBackend(A2ABackend):
         n, K, world, L, E = input.shape[0], cfg.topk, self.world_size, self.e_local, cfg.num_tot_experts
         dev = input.device
         c = self._consts(dev)
+        fsi = full_scatter_indices
+        caller_rows = fsi is not None
         # bin of each slot: 0 an id below -1, 1 dropped (-1), 2 + e expert e, E + 2 an id of E or more
-        bins = (exp_indices.clamp(-2, E) + 2).long()
-        dest = c.dest[bins]  # [n, K] destination rank, world where the slot is dropped
-        # one row per (token, rank): a slot whose token sends an earlier slot to the same rank sorts last
-        same = dest[:, :, None] == dest[:, None, :]
-        flat_dest = torch.where((same & c.earlier).any(-1), world, dest).flatten()
+        bins = torch.bucketize(exp_indices, c.bounds[exp_indices.dtype], out_int32=True)
+        dest = c.dest[bins]  # [n, K] int64 destination rank, world where the slot is dropped
+        # first[t, d]: the first slot of token t on rank d (topk: none; -1 in the "no rank" column)
+        first = c.first[:n].scatter_reduce(1, dest, c.krange[:n], "amin")
+        present = first[:, :world] < K  # [n, world] token t sends a row to rank d
 
         # the opening exchange, the same row to every rank: (op, call, my token count, my rows for each
         # rank, my slots per bin); the per-expert matrix lets each source place its slots without a
         # round trip, and the out-of-range bins stop a bad call on every rank before any payload
-        row = self._head("dispatch", n).to(dev, non_blocking=True)
-        row[3 : 4 + world].scatter_add_(0, flat_dest, c.ones[: n * K])
-        row[4 + world :].scatter_add_(0, bins.flatten(), c.ones[: n * K])
-        header = self._open("dispatch", "dispatch/counts", row)
+        row = self._head(c, "dispatch", n)
+        torch.sum(present, 0, out=row[3 : 3 + world])
+        row[3 + world :].index_add_(0, bins.view(-1), c.ones[: n * K])
+        header = self._open(c, "dispatch", "dispatch/counts", row)
 
-        # what needs no counts runs while they travel: the first slot of each (token, rank), rows ordered
-        # by (dest, token) (each (token, rank)'s first slot, stably sorted by rank), each kept slot's rank
-        # among my slots of its expert, and the packed payload of every token but the receiver rows of
-        # its slots: token row | expert of each slot | its row at the receiver | weights (8-byte aligned
-        # fields, so that every field of the received bytes views as its dtype)
-        kept = dest < world
-        skip = torch.where(kept, torch.where(same, c.krange, K).amin(-1), -1)  # [n, K] int32
-        row_dest, row_flat = torch.sort(flat_dest, stable=True)
-        row_token = row_flat // K
-        if full_scatter_indices is None:
-            # receivers place rows by (local expert, source rank, token, slot): a stable sort by bin
-            # ranks my slots inside each expert; the receiver row adds the expert's base (from counts)
-            sorted_bins, order = torch.sort(bins.flatten(), stable=True)
-            bin_counts = row[4 + world :]
-            first = (torch.cumsum(bin_counts, 0) - bin_counts).to(torch.int32)  # my first slot of each bin
-            rank_in_bin = torch.empty(n * K, dtype=torch.int32, device=dev)
-            rank_in_bin.scatter_(0, order, c.iota32[: n * K] - first[sorted_bins])
-            rank_in_bin = torch.where(kept, rank_in_bin.view(n, K), 0)
-            scatter = None
-        else:  # the caller's rows; combine returns my slots by (dest, row), so sort them that way
-            scatter = torch.where(kept, full_scatter_indices, -1)
-            key = torch.where(
-                kept, dest * (world * cfg.max_tokens * K) + scatter, world * world * cfg.max_tokens * K
-            )
-            order = torch.sort(key.flatten(), stable=True).indices
+        # what the payload needs and the counts do not decide runs while they travel: the token of each
+        # row, by (destination rank, token), and every token's packed row: token | expert bin of each
+        # slot | weights | (the caller's rows), each field aligned to its dtype
+        pairs = torch.nonzero_static(present.t(), size=world * n)  # [world * n, 2] (rank, token), -1 pads
         xb = input.shape[1] * input.element_size()
-        mo = xb + -xb % 8  # offset of the slots' fields in a packed row
-        packed = _pack_rows(input, c.expert[bins], scatter if scatter is not None else rank_in_bin, weight)
+        fields = [(xb, input.element_size()), (4 * K, 4)]
+        if weight is not None:
+            fields.append((K * weight.element_size(), weight.element_size()))
+        scatter = None
+        if fsi is not None:
+            scatter = torch.where(dest < world, fsi, -1)
+            fields.append((4 * K, 4))
+        offsets, pads, _ = _row_layout(fields)
+        parts = [input.view(torch.uint8), bins.view(torch.uint8)]
+        if weight is not None:
+            parts.append(_bytes(weight))
+        if scatter is not None:
+            parts.append(scatter.view(torch.uint8))
+        for i in range(len(pads) - 1, -1, -1):
+            if pads[i]:
+                parts.insert(i, c.zeros[:n, : pads[i]])
+        packed = torch.cat(parts, 1)
 
         rows = self._check(header)
         if self.validate:
             self._raise_bad_ids(rows, exp_indices)
-        rows_matrix = rows[:, 3 : 3 + world].tolist()  # [src rank][dest rank] rows (tokens) sent
-        send_counts = rows_matrix[me]
-        recv_counts = [r[me] for r in rows_matrix]
-        per_rank = rows[:, 6 + world : 6 + world + E].reshape(world, world, L)  # [src, dest, local expert]
-        slot_matrix = per_rank.sum(2).tolist()  # [src rank][dest rank] kept slots
-        slot_counts = slot_matrix[me]
-        back_counts = [r[me] for r in slot_matrix]
-        num_rows, num_slots, num_sent = sum(back_counts), sum(slot_counts), sum(send_counts)
-        dropped_first = int(rows[me, 4 + world] + rows[me, 5 + world])  # bins sorted before the experts
-
-        # what the host computes from the counts, in one upload: rows per local expert, receive
-        # boundaries, and each expert's first row at its receiver (bin-indexed, -1 for the other bins):
-        # its receiver's rows of earlier experts plus the rows of earlier sources in the same expert
-        totals = per_rank.sum(0)  # [dest, local]
-        nb = L + world - 1
-        up_host = torch.empty(nb + (E + 4) // 2, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        up = up_host.numpy()
-        up[:L] = totals[me]
-        up[L:nb] = list(itertools.accumulate(recv_counts[:-1]))
-        bins_base = up[nb:].view(np.int32)
-        bins_base[:2] = bins_base[E + 2 :] = -1
-        start = bins_base[2 : E + 2].reshape(world, L)
-        start[:, 0] = 0
-        start[:, 1:] = np.cumsum(totals[:, :-1], 1)
-        if me:
-            start += per_rank[:me].sum(0)
-        up_dev = up_host.to(dev, non_blocking=True)
-        per_expert, recv_bounds = up_dev[:L], up_dev[L:nb]
-
-        if full_scatter_indices is None:  # the receiver rows of my slots: the expert's base + my rank
-            packed_rows = packed[:, mo + 4 * K : mo + 8 * K].view(torch.int32)
-            packed_rows.add_(up_dev[nb:].view(torch.int32)[bins])
-            slot_flat = order[dropped_first : dropped_first + num_slots]
-        else:
-            slot_flat = order[:num_slots]
-        send_token = row_token[:num_sent]
+        send_counts = rows[me, 3 : 3 + world].tolist()
+        recv_counts = rows[:, 3 + me].tolist()
+        num_sent = sum(send_counts)
+        send_token = pairs[:num_sent, 1]
         recv = self._exchange("dispatch/payload", packed[send_token], send_counts, recv_counts)
-        if scatter is None:
-            scatter = packed_rows.clone(memory_format=torch.contiguous_format)
 
-        # expand on the receiver: output row p is the (row, slot) whose sender placed it at p
-        r_e = recv[:, mo : mo + 4 * K].view(torch.int32)
-        r_pos = recv[:, mo + 4 * K : mo + 8 * K].view(torch.int32)
-        mine = c.mine[r_e]
-        target = torch.where(mine, r_pos, num_rows).flatten()
-        if full_scatter_indices is not None:
-            self._check_caller_rows(mine, r_pos, target, num_rows)
-        inv = torch.empty(num_rows + 1, dtype=torch.int64, device=dev)
-        inv.index_put_((target,), c.iota[: target.numel()])
-        back_flat = inv[:num_rows]
+        # what the counts decide, computed on the host while the payload travels and uploaded at once:
+        # rows per local expert, receive boundaries, and each bin's first receiver row minus my first
+        # slot of that bin (-1 for the bins of no expert): the receiver row of the slot at place p of my
+        # slots sorted by bin is p plus its bin's value
+        slots = rows[:, 3 + world :]  # [src, bin]
+        per_rank = slots[:, 2 : E + 2].reshape(world, world, L)  # [src, dest, local expert]
+        totals = per_rank.sum(0)  # [dest, local]
+        slot_counts = per_rank[me].sum(1).tolist()  # my kept slots for each rank
+        mine = per_rank[:, me]  # [src, local]
+        back_counts = mine.sum(1).tolist()
+        num_rows = sum(back_counts)
+        nb = L + world - 1
+        up = c.up_np
+        up[:L] = totals[me]
+        np.cumsum(rows[:-1, 3 + me], out=up[L:nb])
+        base = up[nb:].view(np.int32)
+        base[:2] = base[E + 2 :] = -1
+        start = base[2 : E + 2].reshape(world, L)
+        start[:, 0] = 0
+        np.cumsum(totals[:, :-1], 1, out=start[:, 1:])
+        start += per_rank[:me].sum(0)
+        mine_slots = slots[me]
+        base[2 : E + 2] -= (np.cumsum(mine_slots) - mine_slots)[2 : E + 2].astype(np.int32)
+        up_dev = c.up_host.to(dev, non_blocking=True, copy=True)
+        per_expert, recv_bounds = up_dev[:L], up_dev[L:nb]
+        dropped_first = int(mine_slots[0] + mine_slots[1])  # my slots of the bins before the experts
+        num_slots = sum(slot_counts)
+
+        # expand on the receiver: received slots in (source, token, slot) order, stably sorted by local
+        # expert, give the output order (local expert, source rank, token, slot)
+        ob = offsets[1]
+        r_key = c.key[recv[:, ob : ob + 4 * K].view(torch.int32)]  # [rows in, K] local expert or L
+        if not caller_rows:
+            sorted_key, order_in = torch.sort(r_key.view(-1), stable=True)
+            back_flat = order_in[:num_rows]
+            recv_expert = sorted_key[:num_rows]
+        else:
+            of = offsets[-1]
+            r_pos = recv[:, of : of + 4 * K].view(torch.int32)
+            held = r_key < L
+            target = torch.where(held, r_pos, num_rows).flatten()
+            self._check_caller_rows(held, r_pos, target, num_rows)
+            inv = torch.empty(num_rows + 1, dtype=torch.int64, device=dev)
+            inv.index_put_((target,), c.iota[: target.numel()])
+            back_flat = inv[:num_rows]
+            recv_expert = torch.take(r_key, back_flat)
         out_row = back_flat // K
         output = recv[:, :xb].view(input.dtype)[out_row]
         out_weights = None
         if weight is not None:
-            wo = mo + 8 * K
+            wo = offsets[2]
             out_weights = torch.take(
                 recv[:, wo : wo + K * weight.element_size()].view(weight.dtype), back_flat
             )
-        recv_expert = torch.take(r_e, back_flat) % L
-        back_row = None
-        if full_scatter_indices is None and not self.enable_local_combine:
-            back_row = self._back_row_default(per_rank[:, me], totals[me], num_rows, dev)
+
+        # my side of the descriptor: each slot's row at its receiver, the first slot of each token on
+        # each rank, and the order combine returns my slots in (by bin, or by the caller's row)
+        if scatter is None:
+            bin_order = torch.sort(bins.view(-1), stable=True).indices
+            slot_flat = bin_order[dropped_first : dropped_first + num_slots]
+            scatter = up_dev[nb:].view(torch.int32)[bins]  # (-1 on the bins of no expert)
+            scatter.view(-1).index_add_(0, slot_flat, c.iota32[dropped_first : dropped_first + num_slots])
+        else:
+            key = torch.where(
+                dest < world,
+                dest * (world * cfg.max_tokens * K) + scatter,
+                world * world * cfg.max_tokens * K,
+            )
+            slot_flat = torch.sort(key.flatten(), stable=True).indices[:num_slots]
+        skip = first.gather(1, dest)
+        send_pos = None
+        if self.enable_local_combine:
+            send_pos = torch.add(pairs[:num_sent, 0], send_token, alpha=world)
 
         state = _TorchState(
             owner=id(self),
-            send_pos=send_token * world + row_dest[:num_sent] if self.enable_local_combine else None,
+            send_pos=send_pos,
             send_counts=send_counts,
             recv_counts=recv_counts,
             slot_flat=slot_flat,
@@ -398,8 +434,9 @@ class TorchBackend(A2ABackend):
             out_row=out_row,
             recv_bounds=recv_bounds,
             back_counts=back_counts,
-            back_row=back_row,
         )
+        if not self.enable_local_combine:
+            _back_row(state)
         desc = EPAllToAllLayoutDesc(
             num_dispatch_token_cur_rank=n,
             num_input_tokens_per_rank=torch.from_numpy(rows[:, 2].copy()),
@@ -412,30 +449,10 @@ class TorchBackend(A2ABackend):
             num_recv_tokens_per_rank=torch.tensor(back_counts, dtype=torch.int64),
             num_recv_rows=num_rows,
             recv_expert_indices=recv_expert,
-            caller_scatter=full_scatter_indices is not None,
+            caller_scatter=caller_rows,
             backend_state=state,
         )
         return output, out_weights, desc
-
-    def _back_row_default(
-        self, mine: np.ndarray, totals: np.ndarray, num_rows: int, dev: torch.device
-    ) -> torch.Tensor:
-        """Output rows in the order combine sends them back, for the default row order (no sort):
-        output rows run by (local expert, source rank), combine's by (source rank, local expert), so
-        row ``q`` of segment ``(s, l)`` in combine's order is output row ``q + out_start[s, l] -
-        back_start[s, l]``. ``mine``: ``[world, E_local]`` rows received per (source rank, local
-        expert); ``totals``: ``[E_local]`` rows per local expert."""
-        flat = mine.reshape(-1)
-        back_start = np.cumsum(flat) - flat  # [world * E_local] (source, local)-major
-        out_start = (np.cumsum(totals) - totals) + (np.cumsum(mine, 0) - mine)  # [world, E_local]
-        segs = flat.size
-        table = torch.empty(2 * segs - 1, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        t = table.numpy()
-        t[:segs] = out_start.reshape(-1) - back_start
-        t[segs:] = back_start[1:]
-        table = table.to(dev, non_blocking=True)
-        q = self._consts(dev).iota[:num_rows]
-        return q + table[:segs][torch.bucketize(q, table[segs:], right=True)]
 
     def _check_caller_rows(
         self, mine: torch.Tensor, r_pos: torch.Tensor, target: torch.Tensor, num_rows: int
@@ -455,7 +472,8 @@ class TorchBackend(A2ABackend):
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        header = self._open("combine", "combine", self._head("combine"))
+        c = self._consts(input.device)
+        header = self._open(c, "combine", "combine", self._head(c, "combine"))
         state: _TorchState = layout_desc.backend_state
         n, topk, world = layout_desc.num_dispatch_token_cur_rank, self.config.topk, self.world_size
         if self.enable_local_combine:
@@ -470,8 +488,9 @@ class TorchBackend(A2ABackend):
         else:
             rows = self._reverse(input[_back_row(state)], state)
             out = _sum_slots(rows, state.slot_flat, n, topk)
-        self._check(header)
-        return out.to(input.dtype)
+        out = out.to(input.dtype)
+        self._check(header)  # (after everything is queued: the wait holds up no device work)
+        return out
 
     def _reverse(self, rows: torch.Tensor, state: _TorchState) -> torch.Tensor:
         """Send per-(received row, slot) values ``[Mr, C]`` back: ``[M, C]`` in ``slot_flat`` order."""
@@ -480,7 +499,8 @@ class TorchBackend(A2ABackend):
         return recv.view(rows.dtype)
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        header = self._open("combine_per_slot", "combine", self._head("combine_per_slot"))
+        c = self._consts(input.device)
+        header = self._open(c, "combine_per_slot", "combine", self._head(c, "combine_per_slot"))
         state: _TorchState = layout_desc.backend_state
         n, topk, width = layout_desc.num_dispatch_token_cur_rank, self.config.topk, input.shape[1]
         rows = self._reverse(input[_back_row(state)], state)
@@ -494,7 +514,8 @@ class TorchBackend(A2ABackend):
         if self.device.type == "cuda":
             (stream or torch.cuda.current_stream()).synchronize()
         if not intra_node_only:
-            self._check(self._open("barrier", "barrier", self._head("barrier")))
+            c = self._consts(self.device)
+            self._check(self._open(c, "barrier", "barrier", self._head(c, "barrier")))
             return
         node, lws = self.rank // self.config.local_world_size, self.config.local_world_size
         self.monitor.checkin("barrier/node", "1", ranks=range(node * lws, (node + 1) * lws))
@@ -505,20 +526,19 @@ class TorchBackend(A2ABackend):
 
 def _back_row(state: _TorchState) -> torch.Tensor:
     """Output rows in the order combine sends them back: by source rank, then output row (for each source,
-    the order in which it sorted its slots: by expert, or by the caller's row); computed once (dispatch
-    computes it for the default row order)."""
+    the order in which it sorted its slots: by expert, or by the caller's row); computed once."""
     if state.back_row is None:
         src = torch.bucketize(state.out_row, state.recv_bounds, right=True)
         state.back_row = torch.sort(src, stable=True).indices
     return state.back_row
 
 
-def _wait(event: torch.cuda.Event, timeout_s: float) -> None:
-    """Wait for ``event`` on the host, raising ``TimeoutError`` after ``timeout_s`` (a device wait cannot be
-    bounded otherwise: a collective whose peer never comes stays queued). Polls hot for the first
-    ``_HOT_POLL_S`` (an exchange's usual wait: a sleep would add its own latency to every call), then
-    every ``_COLD_POLL_S``."""
-    if event.query():
+def _wait(event: torch.cuda.Event | None, timeout_s: float) -> None:
+    """Wait for ``event`` on the host (None: nothing to wait for), raising ``TimeoutError`` after
+    ``timeout_s`` (a device wait cannot be bounded otherwise: a collective whose peer never comes stays
+    queued). Polls hot for the first ``_HOT_POLL_S`` (an exchange's usual wait: a sleep would add its
+    own latency to every call), then every ``_COLD_POLL_S``."""
+    if event is None or event.query():
         return
     now = time.monotonic()
     hot, deadline = now + _HOT_POLL_S, now + timeout_s
