@@ -360,7 +360,7 @@ def test_bwd_deterministic_is_bit_identical_and_chunks(monkeypatch):
 def test_bwd_deterministic_dkv_ignores_program_order(half, tol):
     """Another launch order of the dkv programs (the interpreter runs them one after the other, so with
     atomics their additions come in another order) gives the same deterministic dkv bits, with either
-    workspace; so does the row sort on int16 keys (the same order)."""
+    workspace."""
     dev = kernel_test_device()
     q, kv, idx = make_case(7, 5, 96, 12, 24, device=dev, dtype=torch.float32, seed=41, zoo=False)
     out, lse, dout, _, dkv_ref = autograd_grads(q, kv, idx, 0.3, 64, dout_seed=8)
@@ -368,7 +368,7 @@ def test_bwd_deterministic_dkv_ignores_program_order(half, tol):
         bwd_with_tiles(q, kv, out, dout, idx, lse, 0.3, 64, {**tiles, "DET_HALF": half}, deterministic=True)[
             1
         ]
-        for tiles in ({"TOK_GROUP": 1}, {"TOK_GROUP": 3}, {"TOK_GROUP": 7}, {"DET_SORT16": 1})
+        for tiles in ({"TOK_GROUP": 1}, {"TOK_GROUP": 3}, {"TOK_GROUP": 7})
     ]
     for dkv in runs[1:]:
         assert torch.equal(dkv, runs[0])

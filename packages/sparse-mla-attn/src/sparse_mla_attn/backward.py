@@ -486,7 +486,6 @@ _DKV_GLUON_TILES = {
     "DET_OVERLAP": 1,
     "DET_EVICT": 1,
     "DET_CHUNKS": 4,
-    "DET_SORT16": 0,
     "GROUPS_RED": 16,
     "UNROLL_RED": 4,
     "num_warps_red": 4,
@@ -640,9 +639,7 @@ def launch_bwd(
             ready.record(main_stream)
             with torch.cuda.stream(side):
                 side.wait_event(ready)
-                segments = _det_segments(
-                    idx_c, s_kv, q_start_index + s0, k_stride, causal, bool(cfg["DET_SORT16"])
-                )
+                segments = _det_segments(idx_c, s_kv, q_start_index + s0, k_stride, causal)
         if main_stream is not None and reduced is not None and not split_dkv:  # the main kernel writes
             main_stream.wait_event(reduced)  # `part`, which the last reduction reads
         kernel = launch(
@@ -699,9 +696,7 @@ def launch_bwd(
                 reduced = torch.cuda.Event()
                 reduced.record(side)
         elif deterministic:
-            segments = _det_segments(
-                idx_c, s_kv, q_start_index + s0, k_stride, causal, bool(cfg["DET_SORT16"])
-            )
+            segments = _det_segments(idx_c, s_kv, q_start_index + s0, k_stride, causal)
             _det_reduce(cfg, part, scale, half, group, segments, dkv32, n_part_hb, d_qk, slots, s0)
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
@@ -763,19 +758,16 @@ def _launch_dq(
 
 
 def _det_segments(
-    idx_c: torch.Tensor, s_kv: int, q_start_index: int, k_stride: int, causal: bool, sort16: bool = False
+    idx_c: torch.Tensor, s_kv: int, q_start_index: int, k_stride: int, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The chunk's (token, slot) pairs grouped by KV row in a fixed order: ``order`` (pair numbers sorted by
     (row, token, slot)) and each row's segment ``[seg_start, seg_end)`` of it. No host synchronisation:
-    invalid pairs sort last (key ``s_kv``) and each row finds its segment by binary search. ``sort16``:
-    below 65536 rows the keys are sorted as int16 (shifted by -32768), half the radix passes."""
+    invalid pairs sort last (key ``s_kv``) and each row finds its segment by binary search."""
     valid = valid_slots(idx_c[:, 0], s_kv, q_start_index, k_stride, causal).reshape(-1)
     keys = torch.where(valid, idx_c[:, 0].reshape(-1), s_kv)  # int32
-    rows = torch.arange(s_kv, dtype=keys.dtype, device=keys.device)
-    if sort16 and s_kv < 65536:
-        keys, rows = (keys - 32768).to(torch.int16), (rows - 32768).to(torch.int16)
     # Stable sort by row keeps (token, slot) order inside a row: the reduction order is fixed.
     keys, order = torch.sort(keys, stable=True)
+    rows = torch.arange(s_kv, dtype=keys.dtype, device=keys.device)
     return order, torch.searchsorted(keys, rows), torch.searchsorted(keys, rows, right=True)
 
 
