@@ -9,10 +9,10 @@ ring of shared-memory slots guarded by mbarriers, while two consumer warpgroups 
 warpgroup's softmax / exp runs while the other's products occupy the tensor cores (FlashMLA-style
 ping-pong).
 
-* forward: a ring of two slots gathered and released by halves of their channels (``_pp_producer``), the
-  consumers take alternate blocks (``_pp_consumer``); one program per (token, head tile), or persistent
-  (one program per multiprocessor taking those items in turn with one ring), both
-  ``_sparse_mla_fwd_ws_kernel``;
+* forward: a ring of two slots, the consumers take alternate blocks; one program per (token, head tile)
+  with whole slots (``_ws_producer``, ``_pp_consumer_whole``), or persistent (one program per
+  multiprocessor taking those items in turn with one ring) with slots gathered and released by halves of
+  their channels (``_pp_producer``, ``_pp_consumer``), both ``_sparse_mla_fwd_ws_kernel``;
 * attn_dist: a ring of three slots (the query lives in registers), the consumers split the heads (or take
   alternate blocks, or split a block's columns) and issue their products by turns (``_ad_consumer``).
 
@@ -197,7 +197,7 @@ if HAVE_GLUON:
         BLOCK_T: gl.constexpr,
         NUM_BUF: gl.constexpr,
     ):
-        """Producer warpgroup of the warp-specialised attn_dist: gathers block ``b`` into slot
+        """Producer warpgroup of attn_dist and of the per-item forward: gathers block ``b`` into slot
         ``b % NUM_BUF`` once its readers released that slot's previous block, and arms
         ``full_bars[b % NUM_BUF]`` with one deferred arrive per thread (``cp.async.mbarrier.arrive.noinc``:
         it fires when this thread's copies landed)."""
@@ -215,6 +215,144 @@ if HAVE_GLUON:
                 kn_smem.index(slot), kr_smem.index(slot), KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l
             )
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
+
+    @gluon.jit
+    def _pp_other_pv(
+        smem, OTHER: gl.constexpr, WG: gl.constexpr, ph, m_i, l_i, acc, row_l: gl.constexpr, o_l: gl.constexpr
+    ):
+        """Consumer warpgroup ``WG``'s share of the other warpgroup's block (ring slot ``OTHER``) in the
+        ping-pong forward: waits for its P and row max (``smem.p_bars[OTHER]``, pair phase ``ph``), moves
+        the running max ``m_i`` to that max (rescaling the row sums ``l_i`` and the accumulator ``acc``)
+        and issues, asynchronously, the product of P with this warpgroup's value channels of the block.
+        Returns the new ``m_i, l_i, acc``."""
+        D_HALF: gl.constexpr = acc.shape[1]
+        mbarrier.wait(smem.p_bars.index(OTHER), ph)
+        m_b = smem.m.index(OTHER).load(row_l)
+        alpha = gl.exp2(m_i - gl.where(m_b == float("-inf"), 0.0, m_b))
+        l_i = l_i * alpha
+        m_i = m_b
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        acc = warpgroup_mma(
+            smem.p, smem.kn.index(OTHER).slice(WG * D_HALF, D_HALF, dim=1), acc, is_async=True
+        )
+        return m_i, l_i, acc
+
+    @gluon.jit
+    def _pp_consumer_whole(
+        WG: gl.constexpr,
+        smem,
+        idx_row,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        SINK,
+        out_base,
+        lse_base,
+        stride_o_h,
+        h_q,
+        h0,
+        n_t,
+        hi,
+        n_pairs,
+        sm_scale_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+        SPLIT_K: gl.constexpr,
+        kk0=0,
+        end_ph=0,
+    ):
+        """Ping-pong forward over a ring of whole slots (the per-item kernel), consumer warpgroup ``WG`` (0 or
+        1) of a token's 64 heads; the persistent kernel runs ``_pp_consumer`` (half slots). Each form has
+        the schedule that was the faster of the two for it on sm_90.
+
+        Blocks ``2k + WG`` are this warpgroup's own: it computes their whole S (m64n64, Q and K from shared
+        memory), the online softmax with the running row max of the block before (read from the other
+        warpgroup through ``smem.m``), publishes P (bf16, ``smem.p``) and the new max (``smem.p_bars[WG]``),
+        and accumulates its P·V from registers. Blocks of the other warpgroup are consumed from
+        ``smem.p``. Each warpgroup owns 256 of the 512 value channels (acc 64 x 256 fp32). While one
+        warpgroup runs its softmax the other's wgmma occupy the tensor cores.
+
+        Waits are bounded by construction: ``full_bars[s]`` completes once per gather (128 producer
+        arrivals), ``empty_bars[s]`` once per block (one arrive per consumer warpgroup), ``p_bars[w]``
+        once per pair; no barrier can run more than one phase ahead of its waiters. ``kk0``: pairs the ring
+        already carried and ``end_ph``: the phase of ``end_bar`` (a persistent program's earlier items).
+
+        With ``SPLIT_K`` the program covers one split of the token's top-k list and writes the split-K
+        partials as the Triton forward does: the fp32 output normalised by this split's own sum (no
+        sink), the base-2 lse and row max (merged by ``_split_combine_kernel``).
+        """
+        BLOCK_H: gl.constexpr = 64
+        D_HALF: gl.constexpr = D_NOPE // 2
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
+        )
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16]
+        )
+        pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+        dtype: gl.constexpr = smem.p.dtype
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
+        acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
+        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
+        for k in range(n_pairs):
+            ph = (kk0 + k) & 1
+            # Own block b = 2k + WG in slot WG: issue its S first (warpgroup 1 thus computes S(2k+1)
+            # while warpgroup 0 runs the softmax of block 2k).
+            b = 2 * k + WG
+            # An opaque zero that depends on k: with constant shared-memory addresses the compiler hoists
+            # all 2 x 36 wgmma descriptors of S out of the loop (144 registers) and spills.
+            z = gl.inline_asm_elementwise(
+                "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
+            )
+            _ws_wait_full(smem.full_bars, 2 * (kk0 + k) + WG, 2)  # slot WG
+            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
+            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
+            s = warpgroup_mma(
+                smem.qn.index(z), smem.kn.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
+            )
+            if D_ROPE > 0:
+                s = warpgroup_mma(smem.qr.index(z), smem.kr.index(WG + z).permute((1, 0)), s, is_async=True)
+            if WG == 1:
+                # The other warpgroup's block 2k (its softmax ran while S(2k+1) was computed): P and its
+                # row max from shared memory; its P·V queues behind S.
+                m_i, l_i, acc = _pp_other_pv(smem, 0, WG, ph, m_i, l_i, acc, row_l, o_l)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done, P·V(2k) may still run
+            else:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            p, alpha, m_i, l_i = _online_softmax(s, t_idx, hi, m_i, l_i, sm_scale_log2)
+            p16 = p.to(dtype)
+            if WG == 1:
+                # P(2k) must be read before P(2k+1) overwrites it; then slot 0 is done for this warpgroup.
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(smem.empty_bars.index(0))
+            smem.p.store(p16)
+            smem.m.index(WG).store(m_i)
+            fence_async_shared()
+            mbarrier.arrive(smem.p_bars.index(WG))
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            acc = warpgroup_mma(
+                gl.convert_layout(p16, pa_l),
+                smem.kn.index(WG).slice(WG * D_HALF, D_HALF, dim=1),
+                acc,
+                is_async=True,
+            )
+
+            if WG == 0:
+                # Release slot 0 as soon as this warpgroup is done with block 2k (S and P·V), before
+                # waiting for the other's block 2k+1: the gather of block 2k+2 starts earlier.
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(smem.empty_bars.index(0))
+                m_i, l_i, acc = _pp_other_pv(smem, 1, WG, ph, m_i, l_i, acc, row_l, o_l)
+            # (The loop carries acc as a tensor: wait here.) Done with block 2k+1: release slot 1.
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(smem.empty_bars.index(1))
+        _pp_epilogue(WG, smem, m_i, l_i, acc, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0,
+                     HAS_SINK, SPLIT_K, end_ph)  # fmt: skip
 
     @gluon.jit
     def _issue_gather_cols(
@@ -450,7 +588,20 @@ if HAVE_GLUON:
                 mbarrier.arrive(smem.empty_bars.index(3))  # slot 1, second half
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(smem.empty_bars.index(1))  # slot 0, second half (and the P in it)
-        # Row sums: each warpgroup summed its own blocks' P; exchange them once.
+        _pp_epilogue(WG, smem, m_i, l_i, acc, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0,
+                     HAS_SINK, SPLIT_K, end_ph)  # fmt: skip
+
+    @gluon.jit
+    def _pp_epilogue(WG: gl.constexpr, smem, m_i, l_i, acc, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base,
+                     stride_o_h, h_q, h0, HAS_SINK: gl.constexpr, SPLIT_K: gl.constexpr, end_ph):  # fmt: skip
+        """The end of a forward work item for consumer warpgroup ``WG`` (both consumers): exchange the row
+        sums (each summed its own blocks' P) through ``smem.l`` / ``end_bar`` (phase ``end_ph``), then write
+        the lse and row max (warpgroup 0) and this warpgroup's output channels, normalised (see
+        ``_pp_consumer``)."""
+        BLOCK_H: gl.constexpr = acc.shape[0]
+        D_HALF: gl.constexpr = acc.shape[1]
+        o_l: gl.constexpr = acc.type.layout
+        row_l: gl.constexpr = m_i.type.layout
         smem.l.index(WG).store(l_i)
         mbarrier.arrive(smem.end_bar)
         mbarrier.wait(smem.end_bar, end_ph)
@@ -469,7 +620,7 @@ if HAVE_GLUON:
             lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
             gl.store(LSE + lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
             gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * to_out, mask=hs_ok)
-        out = acc * gl.convert_layout(scale, alpha_l)[:, None]
+        out = acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]
         if SPLIT_K:  # fp32 partials, read back by the merge kernel
             offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
             offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
@@ -577,16 +728,14 @@ if HAVE_GLUON:
         qn: gl.shared_memory_descriptor  # the query tile [1, 64, D_NOPE] (leading axis: see _pp_consumer)
         qr: gl.shared_memory_descriptor  # its rope part [1, 64, D_ROPE] (``qn`` where there is none)
         kn: gl.shared_memory_descriptor  # the ring: two gathered blocks [2, BLOCK_T, D_NOPE]
-        kr: gl.shared_memory_descriptor  # their rope parts [2, BLOCK_T, 64]; slot 0's also warpgroup 0's P
-        p: gl.shared_memory_descriptor  # warpgroup 1's P [64, BLOCK_T]
+        kr: gl.shared_memory_descriptor  # their rope parts [2, BLOCK_T, 64] (half slots: also WG 0's P)
+        p: gl.shared_memory_descriptor  # P [64, BLOCK_T] (half slots: warpgroup 1's)
         m: gl.shared_memory_descriptor  # each consumer's published row max [2, 64]
         l: gl.shared_memory_descriptor  # noqa: E741 - each consumer's row sums, exchanged at the end [2, 64]
-        full_bars: gl.shared_memory_descriptor  # ring: half h of slot s landed (index 2 s + h, count 128)
-        empty_bars: (
-            gl.shared_memory_descriptor
-        )  # ring: half h of slot s released by its last reader (count 1)
-        p_bars: gl.shared_memory_descriptor  # consumer w published its row max (count 1 each)
-        s_bars: gl.shared_memory_descriptor  # consumer w published its P (count 1 each)
+        full_bars: gl.shared_memory_descriptor  # ring: slot s (half slots: half h of s, 2 s + h) landed
+        empty_bars: gl.shared_memory_descriptor  # ring: slot s (half h of s) released by its readers
+        p_bars: gl.shared_memory_descriptor  # consumer w published its row max (and P, whole slots)
+        s_bars: gl.shared_memory_descriptor  # consumer w published its P (half slots)
         end_bar: gl.shared_memory_descriptor  # both consumers published their row sums (count 2)
 
     @gluon.jit
@@ -705,11 +854,11 @@ if HAVE_GLUON:
             pair0 += n_pairs
 
     @gluon.jit
-    def _fwd_smem(qn, qr, BLOCK_T: gl.constexpr):
+    def _fwd_smem(qn, qr, BLOCK_T: gl.constexpr, HALF_SLOTS: gl.constexpr):
         """The forward's shared memory (``_FwdSmem``) around the query tile ``qn`` / ``qr``: the ring of two
-        gathered blocks (latent and rope parts) with an mbarrier pair per half slot, warpgroup 1's P tile,
-        the consumers' exchanged row max / sum, ``p_bars`` and ``s_bars`` (one each per consumer
-        warpgroup, count 1) and ``end_bar`` (count 2), initialised."""
+        gathered blocks (latent and rope parts) with an mbarrier pair per slot or, with ``HALF_SLOTS``, per
+        half slot, a P tile, the consumers' exchanged row max / sum, ``p_bars`` and ``s_bars`` (one each
+        per consumer warpgroup, count 1) and ``end_bar`` (count 2), initialised."""
         BLOCK_H: gl.constexpr = qn.shape[1]
         D_NOPE: gl.constexpr = qn.shape[2]
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -719,8 +868,10 @@ if HAVE_GLUON:
         p = gl.allocate_shared_memory(qn.dtype, [BLOCK_H, BLOCK_T], smem_l)
         m = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
         l = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)  # noqa: E741
-        # Half slots: each has one last reader (see _pp_consumer).
-        full_bars, empty_bars = _ws_ring_barriers(4, 1)
+        if HALF_SLOTS:  # each half has one last reader (see _pp_consumer)
+            full_bars, empty_bars = _ws_ring_barriers(4, 1)
+        else:  # both consumers read every block (S and P·V; see _pp_consumer_whole)
+            full_bars, empty_bars = _ws_ring_barriers(2, 2)
         p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         s_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
@@ -805,7 +956,7 @@ if HAVE_GLUON:
                 qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
             else:
                 qr_smem = qn_smem  # unused
-            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T)
+            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, True)
             q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
             mbarrier.init(q_bar, count=2)
             fence_async_shared()  # barrier initialisation, before any partition uses them
@@ -852,20 +1003,21 @@ if HAVE_GLUON:
                 qr_smem.index(0).store(q_rope)
             else:
                 qr_smem = qn_smem  # unused
-            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T)
+            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, False)
             fence_async_shared()  # the query tile, before wgmma reads it
             gl.warp_specialize(
                 [
-                    (_pp_consumer, (
+                    (_pp_consumer_whole, (
                         WG0, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t, hi,
                         n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
                     )),
-                    (_pp_consumer, (
+                    (_pp_consumer_whole, (
                         WG1, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t, hi,
                         n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
                     )),
-                    (_pp_producer, (
-                        smem, KV, stride_kv_row, idx_row, n_t, hi, n_pairs, D_NOPE, D_ROPE, BLOCK_T,
+                    (_ws_producer, (
+                        smem.kn, smem.kr, smem.full_bars, smem.empty_bars, KV, stride_kv_row, idx_row, n_t, hi,
+                        2 * n_pairs, D_NOPE, D_ROPE, BLOCK_T, 2,
                     )),
                 ],
                 [4, 4],
