@@ -97,7 +97,7 @@ def _config_label(config: Config | None) -> str | None:
 
 #: Timing rounds of a forward row: the kernel (and FlashMLA's, when given) timed in turns, which of the two goes
 #: first alternating from round to round (a drifting clock favours neither), medians kept.
-FWD_ROUNDS = 4
+FWD_ROUNDS = 8
 
 
 def bench_fwd(
@@ -106,7 +106,8 @@ def bench_fwd(
     """One forward row: time, TFLOPS, kernel family, max error of the first 32 queries against the float32
     reference, and FlashMLA's time on the same inputs when its module is given (the two timed in
     ``FWD_ROUNDS`` rounds, which of the two goes first alternating; each time is the median of its rounds, all
-    of them recorded)."""
+    of them recorded, and ``time_vs_flashmla`` the median of the rounds' time ratios, each of two times taken
+    back to back)."""
     q, kv, idx = make_inputs(s_q, h_q, s_kv, topk)
     sm_scale = 1 / math.sqrt(D_QK)
     run = lambda: sparse_mla_fwd(q, kv, idx, sm_scale, config=config)
@@ -143,6 +144,9 @@ def bench_fwd(
         row["flashmla_ms"] = statistics.median(fm_rounds)
         row["flashmla_ms_rounds"] = fm_rounds
         row["flashmla_tflops"] = fwd_flops(s_q, h_q, topk) / row["flashmla_ms"] / 1e9
+        row["time_vs_flashmla"] = statistics.median(
+            ours / theirs for ours, theirs in zip(rounds, fm_rounds, strict=True)
+        )
     return row
 
 

@@ -294,7 +294,9 @@ def test_bwd_all_duplicates_accumulate():
         assert rel_err(dkv, dkv_ref) < 1e-5
 
 
-@pytest.mark.parametrize("tiles", [None, UNSORTED], ids=["default", "unsorted"])
+@pytest.mark.parametrize(
+    "tiles", [None, UNSORTED, {"DET_HALF": 1}], ids=["default", "unsorted", "half-workspace"]
+)
 def test_bwd_nan_in_dout_reaches_dkv(tiles):
     """A NaN in one query's dout makes dq of that query and every row it selected NaN, in both modes."""
     dev = kernel_test_device()
@@ -354,35 +356,131 @@ def test_bwd_deterministic_is_bit_identical_and_chunks(monkeypatch):
         assert rel_err(dkv, dkv_ref) < 1e-5
 
 
-def test_bwd_deterministic_dkv_ignores_program_order():
+@pytest.mark.parametrize(("half", "tol"), [(0, 1e-5), (1, 1e-3)], ids=["fp32-workspace", "half-workspace"])
+def test_bwd_deterministic_dkv_ignores_program_order(half, tol):
     """Another launch order of the dkv programs (the interpreter runs them one after the other, so with
-    atomics their additions come in another order) gives the same deterministic dkv bits."""
+    atomics their additions come in another order) gives the same deterministic dkv bits, with either
+    workspace."""
     dev = kernel_test_device()
     q, kv, idx = make_case(7, 5, 96, 12, 24, device=dev, dtype=torch.float32, seed=41, zoo=False)
     out, lse, dout, _, dkv_ref = autograd_grads(q, kv, idx, 0.3, 64, dout_seed=8)
     runs = [
-        bwd_with_tiles(q, kv, out, dout, idx, lse, 0.3, 64, tiles, deterministic=True)[1]
+        bwd_with_tiles(q, kv, out, dout, idx, lse, 0.3, 64, {**tiles, "DET_HALF": half}, deterministic=True)[
+            1
+        ]
         for tiles in ({"TOK_GROUP": 1}, {"TOK_GROUP": 3}, {"TOK_GROUP": 7})
     ]
     for dkv in runs[1:]:
         assert torch.equal(dkv, runs[0])
-    assert rel_err(runs[0], dkv_ref) < 1e-5
+    assert rel_err(runs[0], dkv_ref) < tol
 
 
-@pytest.mark.parametrize("scale", [2.0**40, 2.0**-40], ids=["huge", "tiny"])
-def test_bwd_extreme_magnitudes(scale):
-    """Large and small gradients (dkv about 2^40 and 2^-40 times the reference) keep their precision in
-    both modes."""
+@pytest.mark.parametrize(("half", "tol"), [(0, 1e-5), (1, 1e-3)], ids=["fp32-workspace", "half-workspace"])
+@pytest.mark.parametrize("scale", [2.0**40, 2.0**-40, 2.0**-100], ids=["huge", "tiny", "tinier"])
+def test_bwd_extreme_magnitudes(scale, half, tol):
+    """Large and small gradients (dkv about 2^40, 2^-40 and 2^-100 times the reference) keep their
+    precision in both modes, with either deterministic workspace (the fp16 one scales each group)."""
     dev = kernel_test_device()
     q, kv, idx = make_case(4, 3, 96, 10, 12, device=dev, dtype=torch.float32, seed=42, zoo=False)
     out, lse, dout, dq_ref, dkv_ref = autograd_grads(q, kv, idx, 0.3, 64, dout_seed=9)
     # q and dout times scale, sm_scale over it: the same scores and P, dS and dkv times scale, the same dq.
     q_s = q * scale
     for det in (False, True):
-        dq, dkv = sparse_mla_bwd(q_s, kv, out, dout * scale, idx, lse, 0.3 / scale, 64, deterministic=det)
+        dq, dkv = bwd_with_tiles(q_s, kv, out, dout * scale, idx, lse, 0.3 / scale, 64, {"DET_HALF": half},
+                                 deterministic=det)  # fmt: skip
         assert torch.isfinite(dkv).all()
-        assert rel_err(dkv, dkv_ref * scale) < 1e-5, det
+        assert rel_err(dkv, dkv_ref * scale) < (tol if det else 1e-5), det
         assert rel_err(dq, dq_ref) < 1e-5, det
+
+
+def abs_contributions(q, kv, out, dout, idx, lse, sm_scale, d_v):
+    """Float64 ``Σ |c|`` per dkv element over the (token, slot) contributions ``c`` that the deterministic
+    workspace holds (``dS^T q + P^T dout`` per pair, before the sum over pairs)."""
+    q, rows_all, out, dout = (t.double() for t in (q, kv[:, 0], out, dout))
+    s_kv = kv.shape[0]
+    valid = reference.valid_slots(idx[:, 0], s_kv, 0, 1, False)
+    i = idx[:, 0].long().clamp(0, s_kv - 1)
+    rows = rows_all[i]
+    p = torch.where(
+        valid[:, None],
+        torch.exp(torch.einsum("shd,std->sht", q, rows) * sm_scale - lse.double()[..., None]),
+        0,
+    )
+    dp = torch.einsum("shd,std->sht", dout, rows[..., :d_v])
+    ds = p * (dp - (dout * out).sum(-1)[..., None]) * sm_scale
+    c = torch.einsum("sht,shd->std", ds, q)
+    c[..., :d_v] += torch.einsum("sht,shd->std", p, dout)
+    return torch.zeros(s_kv, q.shape[2], dtype=torch.float64, device=q.device).index_add_(
+        0, i[valid], c[valid].abs()
+    )
+
+
+@pytest.mark.parametrize(
+    ("h_q", "d_qk", "d_v", "tiles"),
+    [
+        pytest.param(3, 96, 64, None, id="H3-D96-dkv-kernel-groups32"),
+        pytest.param(5, 576, 512, None, id="H5-D576-dkv-kernel-groups64"),
+        pytest.param(4, 96, 64, {"BLOCK_C_DKV": 16, "ROPE_IN_LOOP": 0}, id="H4-groups16"),
+        pytest.param(
+            4, 96, 64, {"ROPE_IN_LOOP": 0, "BLOCK_C_DKV": 64, "GROUPS_RED": 1}, id="H4-rope-chunk-groups32"
+        ),
+    ],
+)
+def test_bwd_half_workspace_error_bound(h_q, d_qk, d_v, tiles):
+    """The fp16 workspace: each stored contribution is within 2^-11 of itself (fp16 rounding after a
+    power-of-two scale per channel group), so the deterministic dkv differs from the fp32 workspace's by at
+    most 2^-11 Σ|c| per element (plus fp32 summation error); the same bits from run to run."""
+    dev = kernel_test_device()
+    q, kv, idx = make_case(6, h_q, d_qk, 9, 20, device=dev, dtype=torch.float32, seed=h_q + d_qk, zoo=False)
+    out, lse, dout, _, dkv_ref = autograd_grads(q, kv, idx, 0.2, d_v, dout_seed=10)
+    tiles = tiles or {}
+    fp32_ws = bwd_with_tiles(
+        q, kv, out, dout, idx, lse, 0.2, d_v, {**tiles, "DET_HALF": 0}, deterministic=True
+    )
+    half_ws = bwd_with_tiles(
+        q, kv, out, dout, idx, lse, 0.2, d_v, {**tiles, "DET_HALF": 1}, deterministic=True
+    )
+    again = bwd_with_tiles(q, kv, out, dout, idx, lse, 0.2, d_v, {**tiles, "DET_HALF": 1}, deterministic=True)
+    assert torch.equal(half_ws[1], again[1])
+    assert torch.equal(half_ws[0], fp32_ws[0]), "dq does not depend on the dkv workspace"
+    bound = abs_contributions(q, kv, out, dout, idx, lse, 0.2, d_v) * (2.0**-11 + 64 * 2.0**-24)
+    diff = (half_ws[1][:, 0].double() - fp32_ws[1][:, 0].double()).abs()
+    assert torch.all(diff <= bound), float((diff - bound).max())
+    assert float(diff.max()) > 0, "the fp16 workspace was not used"
+    assert rel_err(half_ws[1], dkv_ref) < 1e-3
+
+
+def test_bwd_half_workspace_not_in_fused_path():
+    """The fused path (dkv products per head block, above 128 heads) keeps the fp32 workspace: forcing the
+    fp16 one there is an error."""
+    dev = kernel_test_device()
+    q, kv, idx = make_case(3, 4, 96, 9, 8, device=dev, dtype=torch.float32, seed=5, zoo=False)
+    out, lse, dout, _, dkv_ref = autograd_grads(q, kv, idx, 0.2, 64, dout_seed=12)
+    with pytest.raises(ValueError, match="DET_HALF"):
+        bwd_with_tiles(
+            q, kv, out, dout, idx, lse, 0.2, 64, {"SPLIT_DKV": 0, "DET_HALF": 1}, deterministic=True
+        )
+    assert rel_err(bwd_with_tiles(q, kv, out, dout, idx, lse, 0.2, 64, {"SPLIT_DKV": 0}, deterministic=True)[1],
+                   dkv_ref) < 1e-5  # fmt: skip
+
+
+def test_bwd_deterministic_bf16_as_accurate_as_default():
+    """With bf16 inputs (the fp16 workspace) the deterministic dkv is as accurate as the default mode's
+    against the float64 reference of the same inputs: the workspace's rounding (2^-11 per contribution) is
+    small beside the bf16 roundings both modes share (dS, P and the output)."""
+    dev = kernel_test_device()
+    q, kv, idx = make_case(8, 4, 96, 6, 32, device=dev, dtype=torch.bfloat16, seed=77, zoo=False)
+    out, lse, dout, _, _ = autograd_grads(q, kv, idx, 0.2, 64, dout_seed=11)
+    out, dout = out.bfloat16(), dout.bfloat16()
+    _, dkv_ref = sparse_mla_bwd_ref(
+        q.double(), kv.double(), out.double(), dout.double(), idx, lse.double(), 0.2, 64
+    )
+    errs = {}
+    for det in (False, True):
+        dkv = sparse_mla_bwd(q, kv, out, dout, idx, lse, 0.2, 64, deterministic=det)[1]
+        errs[det] = rel_err(dkv.float(), dkv_ref)
+    assert errs[True] <= 1.05 * errs[False], errs
+    assert errs[True] < REL_TOL[torch.bfloat16], errs
 
 
 BAD_INPUTS = [
@@ -493,6 +591,29 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
     dq3, dkv3 = sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, **kw)
     assert torch.equal(dq2, dq3), "deterministic dq changed between runs"
     assert torch.equal(dkv2, dkv3), "deterministic dkv changed between runs"
+    # bf16 inputs: the fp16 workspace, about as accurate as the default mode's fp32 atomics.
+    assert rel_err(dkv2, dkv_ref) <= 1.1 * rel_err(dkv, dkv_ref), (
+        rel_err(dkv2, dkv_ref),
+        rel_err(dkv, dkv_ref),
+    )
+    # Four chunks of tokens, their reductions on the side stream beside the next chunk's kernels (the
+    # default) and on the main stream: the same bits; and the fp32 workspace.
+    four = Config(bwd_deterministic_workspace_bytes=(s_q // 4) * topk * (d_qk * 2 + d_qk // 64 * 4))
+    dq10, dkv10 = bwd_with_tiles(
+        q, kv, out, dout, idx, lse, sm_scale, 512, {}, deterministic=True, config=four, **kw
+    )
+    dkv11 = bwd_with_tiles(
+        q, kv, out, dout, idx, lse, sm_scale, 512, {}, deterministic=True, config=four, **kw
+    )[1]
+    same_stream = {"DET_OVERLAP": 0}
+    dkv13 = bwd_with_tiles(
+        q, kv, out, dout, idx, lse, sm_scale, 512, same_stream, deterministic=True, config=four, **kw
+    )[1]
+    assert torch.equal(dkv10, dkv11), "deterministic dkv (side-stream reductions) changed between runs"
+    assert torch.equal(dkv10, dkv13), "deterministic dkv depends on the stream of its reductions"
+    dq12, dkv12 = bwd_with_tiles(
+        q, kv, out, dout, idx, lse, sm_scale, 512, {"DET_HALF": 0}, deterministic=True, **kw
+    )
     # The fused kernel (dkv per head block in the main kernel; the path of h_q > 128) with two 64-head
     # halves per program, both modes; and the fused kernel's own default.
     sub = {"BLOCK_H": 64, "N_SUB": 2, "SPLIT_DKV": 0, "BLOCK_T": 128}  # the fused kernel's own slot blocks
@@ -503,7 +624,16 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
     )
     # The kernels without the slot sort and the other launch options of the defaults (128-slot main blocks).
     dq7, dkv7 = bwd_with_tiles(q, kv, out, dout, idx, lse, sm_scale, 512, {**UNSORTED, "BLOCK_T": 128}, **kw)
-    outs = [(dq, dkv), (dq2, dkv2), (dq4, dkv4), (dq5, dkv5), (dq6, dkv6), (dq7, dkv7)]
+    outs = [
+        (dq, dkv),
+        (dq2, dkv2),
+        (dq4, dkv4),
+        (dq5, dkv5),
+        (dq6, dkv6),
+        (dq7, dkv7),
+        (dq10, dkv10),
+        (dq12, dkv12),
+    ]
     # Both dkv kernels explicitly (Config.bwd_dkv_backend; the default picks one), both modes.
     for backend in ("triton", "gluon"):
         cfg = Config(bwd_dkv_backend=backend)
@@ -525,6 +655,34 @@ def test_bwd_gpu_matches_reference(s_q, h_q, d_qk, s_kv, topk, kw):
         assert torch.isfinite(b).all()
         assert rel_err(a, dq_ref) < REL_TOL[torch.bfloat16], rel_err(a, dq_ref)
         assert rel_err(b, dkv_ref) < REL_TOL[torch.bfloat16], rel_err(b, dkv_ref)
+
+
+@pytest.mark.gpu
+def test_bwd_deterministic_cuda_graph_gpu():
+    """The deterministic backward in 4 chunks (reductions on the side stream) captured in a CUDA graph:
+    the replay gives the eager call's bits."""
+    q, kv, idx = make_case(256, 64, 576, 4096, 512, device="cuda", dtype=torch.bfloat16, seed=8, zoo=False)
+    sm_scale = 576**-0.5
+    out, lse = sparse_mla_ref(q.float(), kv.float(), idx, sm_scale, 512)
+    out, dout = out.bfloat16(), torch.randn(out.shape, device="cuda").bfloat16()
+    four = Config(bwd_deterministic_workspace_bytes=64 * 512 * (576 * 2 + 9 * 4))
+
+    def run():
+        return sparse_mla_bwd(q, kv, out, dout, idx, lse, sm_scale, 512, deterministic=True, config=four)
+
+    eager = run()
+    side = torch.cuda.Stream()  # warm-up off the default stream, as before any capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0])
+    assert torch.equal(captured[1], eager[1])
 
 
 @pytest.mark.gpu

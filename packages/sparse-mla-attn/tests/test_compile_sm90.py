@@ -205,6 +205,10 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "bwd_h128_det_dkv_gluon": lambda: bwd_tiles(128, True, {"DKV_GLUON": gluon_forced}),
         "bwd_h64_causal_dkv_gluon": lambda: bwd_tiles(64, False, {"DKV_GLUON": gluon_forced}, causal=True),
         "bwd_h20_dkv_gluon": lambda: bwd_tiles(20, False, {"DKV_GLUON": gluon_forced}),
+        # The deterministic workspace in fp32 (fp16 is the default for bf16), and without the evict-first
+        # hints, with a reduction of 3 programs per row.
+        "bwd_h128_det_fp32_workspace": lambda: bwd_tiles(128, True, {"DET_HALF": 0}),
+        "bwd_h128_det_no_evict": lambda: bwd_tiles(128, True, {"DET_EVICT": 0, "GROUPS_RED": 4}),
         "indexer": lambda: indexer(False),
         "indexer_causal": lambda: indexer(True),
     }

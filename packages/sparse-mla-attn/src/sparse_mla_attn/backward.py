@@ -23,9 +23,10 @@ sm_90 a warp-specialised Gluon kernel, ``backends/gluon_sm90_bwd.py``, ``Config.
 slots are first sorted by index, and the ``dkv`` programs in flight work on the same slot block of
 neighbouring tokens, so that their atomics touch a narrow range of rows that stays in L2 (``attn_sum`` is
 put back in the caller's slot order). In the deterministic mode the per-(token, slot) ``dkv`` contributions
-go to an fp32 workspace instead, and a reduction kernel sums them per KV row in a fixed order (pairs sorted
-by (row, token, slot)), so the result is bit-identical from run to run. No step makes the host wait for the
-GPU.
+go to a workspace instead (for bf16 inputs up to 128 heads fp16, each 64-channel piece times a power of two
+that puts its largest value in ``[2^14, 2^15)``, the factor's inverse stored beside it; fp32 otherwise), and
+a reduction kernel sums them per KV row in fp32 in a fixed order (pairs sorted by (row, token, slot)), so the
+result is bit-identical from run to run. No step makes the host wait for the GPU.
 """
 
 from __future__ import annotations
@@ -128,10 +129,45 @@ def _p_ds(q_row, do_row, k_row, valid, hmask, lse2, delta, scale_log2, sm_scale,
 
 
 @triton.jit
-def _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC: tl.constexpr):
-    """Add a ``[BLOCK_T, channels]`` fp32 tile of dkv contributions (atomics, or the deterministic workspace)."""
+def half_exponent(amax):
+    """The power-of-two scale exponent ``k`` that puts ``amax`` (>= 0, fp32) in ``[2^14, 2^15)``, at most
+    126 (so ``2^-k`` is a normal fp32): ``x * 2^k`` is then a finite fp16 for every ``|x| <= amax``."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.minimum(141 - e, 126)
+
+
+@triton.jit
+def pow2(k):
+    """``2^k`` as fp32 for an int32 ``k`` in ``[-126, 127]`` (exact, by its exponent bits)."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, d0, offs_d, part, topk,
+                DETERMINISTIC: tl.constexpr, HALF: tl.constexpr, G: tl.constexpr,
+                EVICT: tl.constexpr):  # fmt: skip
+    """Add a ``[BLOCK_T, W]`` fp32 tile of dkv contributions (channels ``d0 ..``, ``offs_d``) into dkv with
+    atomics, or store it to the deterministic workspace: fp32, or with ``HALF`` fp16 scaled by a power of two
+    per ``G`` channels (the ``2^-k`` factors to ``scale_row``, one per group). ``EVICT``: the workspace
+    stores marked evict-first in L2 (read back only after the whole chunk)."""
     if DETERMINISTIC:
-        tl.store(part_row + offs_d[None, :], part, mask=(offs_t < topk)[:, None])
+        tmask = (offs_t < topk)[:, None]
+        if HALF:
+            BT: tl.constexpr = part.shape[0]
+            W: tl.constexpr = part.shape[1]
+            grouped = tl.reshape(part, [BT, W // G, G])
+            k = half_exponent(tl.max(tl.abs(grouped), axis=2))
+            vals = tl.reshape(grouped * pow2(k)[:, :, None], [BT, W]).to(tl.float16)
+            offs_g = d0 // G + tl.arange(0, W // G)
+            if EVICT:
+                tl.store(part_row + offs_d[None, :], vals, mask=tmask, eviction_policy="evict_first")
+            else:
+                tl.store(part_row + offs_d[None, :], vals, mask=tmask)
+            tl.store(scale_row + offs_g[None, :], pow2(-k), mask=tmask)
+        elif EVICT:
+            tl.store(part_row + offs_d[None, :], part, mask=tmask, eviction_policy="evict_first")
+        else:
+            tl.store(part_row + offs_d[None, :], part, mask=tmask)
     else:
         tl.atomic_add(dkv_row + offs_d[None, :], part, mask=valid[:, None], sem="relaxed")
 
@@ -206,6 +242,7 @@ def _main_kernel(
         if ATTN_SUM:  # this program's heads' share of attn_sum[s, t]; the launcher adds the head blocks
             tl.store(attn_ptr + (hb * n_tok + s) * topk + offs_t, psum, mask=offs_t < topk)
         if not SPLIT_DKV:  # dkv products and update here (else: _dkv_kernel, all heads at once)
+            # (The fp32 workspace: its per-head-block rows are the fused path's, above 128 heads.)
             part_row = part_ptr + hb * stride_part_hb + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
             dkv_row = dkv_ptr + rows[:, None] * D_QK
             for c in tl.range(0, D_V // BLOCK_DV2, num_stages=CHUNK_STAGES):
@@ -219,7 +256,8 @@ def _main_kernel(
                     doc1 = tl.load(do_row1 + offs_d[None, :], mask=hmask1[:, None], other=0.0)
                     part = dot(ds1_t, qc1, part)
                     part = dot(p1_t, doc1, part)
-                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
+                _dkv_update(dkv_row, part_row, part_row, valid, offs_t, 0, offs_d, part, topk, DETERMINISTIC,
+                            False, 1, False)  # fmt: skip
             if D_ROPE > 0:
                 offs_r = D_V + tl.arange(0, D_ROPE)
                 qr = tl.load(q_row0 + offs_r[None, :], mask=hmask0[:, None], other=0.0)
@@ -227,16 +265,18 @@ def _main_kernel(
                 if N_SUB > 1:
                     qr1 = tl.load(q_row1 + offs_r[None, :], mask=hmask1[:, None], other=0.0)
                     part_r = dot(ds1_t, qr1, part_r)
-                _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC)
+                _dkv_update(dkv_row, part_row, part_row, valid, offs_t, 0, offs_r, part_r, topk, DETERMINISTIC,
+                            False, 1, False)  # fmt: skip
 
 
 @triton.jit
 def _dkv_kernel(
-    ds_ptr, p_ptr, q_ptr, dout_ptr, idx_ptr, dkv_ptr, part_ptr,
+    ds_ptr, p_ptr, q_ptr, dout_ptr, idx_ptr, dkv_ptr, part_ptr, scale_ptr,
     n_tok,
     stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
     s_kv, h_q, q_start_index, k_stride,
-    topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, D_QK: tl.constexpr,
+    topk: tl.constexpr, CAUSAL: tl.constexpr, DETERMINISTIC: tl.constexpr, HALF: tl.constexpr,
+    G: tl.constexpr, EVICT: tl.constexpr, D_QK: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr, N_TB: tl.constexpr, CHUNK_STAGES: tl.constexpr, N_CSPLIT: tl.constexpr,
     TOK_GROUP: tl.constexpr, ROPE_IN_LOOP: tl.constexpr,
@@ -287,7 +327,9 @@ def _dkv_kernel(
     q_row = q_ptr + s * stride_qs + offs_h[:, None] * stride_qh
     do_row = dout_ptr + s * stride_dos + offs_h[:, None] * stride_doh
     dkv_row = dkv_ptr + rows[:, None] * D_QK
-    part_row = part_ptr + (s * topk + offs_t)[:, None].to(tl.int64) * D_QK
+    pair = (s * topk + offs_t)[:, None].to(tl.int64)
+    part_row = part_ptr + pair * D_QK
+    scale_row = scale_ptr + pair * (D_QK // G)
     offs_c = tl.arange(0, BLOCK_C)
     if N_CSPLIT == 1 and ROPE_IN_LOOP:  # the rope chunk last in the pipelined loop, dout masked to 0 there
         for c in tl.range(0, D_QK // BLOCK_C, num_stages=CHUNK_STAGES):
@@ -295,14 +337,16 @@ def _dkv_kernel(
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None] & (offs_d < D_V)[None, :], other=0.0)
             part = dot(p_t, doc, dot(ds_t, qc))
-            _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
+            _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, c * BLOCK_C, offs_d, part, topk,
+                        DETERMINISTIC, HALF, G, EVICT)  # fmt: skip
     elif N_CSPLIT == 1:
         for c in tl.range(0, N_LAT, num_stages=CHUNK_STAGES):
             offs_d = c * BLOCK_C + offs_c
             qc = tl.load(q_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             doc = tl.load(do_row + offs_d[None, :], mask=hmask[:, None], other=0.0)
             part = dot(p_t, doc, dot(ds_t, qc))
-            _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
+            _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, c * BLOCK_C, offs_d, part, topk,
+                        DETERMINISTIC, HALF, G, EVICT)  # fmt: skip
     else:
         # A constant trip count with the chunks past the group's end skipped (the last group may be short):
         # the interpreter cannot range() over bounds derived from program_id.
@@ -316,13 +360,15 @@ def _dkv_kernel(
             doc = tl.load(do_row + offs_d[None, :], mask=c_mask, other=0.0)
             if c_ok:
                 part = dot(p_t, doc, dot(ds_t, qc))
-                _dkv_update(dkv_row, part_row, valid, offs_t, offs_d, part, topk, DETERMINISTIC)
+                _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, c * BLOCK_C, offs_d, part, topk,
+                            DETERMINISTIC, HALF, G, EVICT)  # fmt: skip
     if D_ROPE > 0 and not (N_CSPLIT == 1 and ROPE_IN_LOOP):  # noqa: SIM102 (a constexpr test, then a run-time one)
         if cg == N_CSPLIT - 1:  # the rope chunk belongs to the last group
             offs_r = D_V + tl.arange(0, D_ROPE)
             qr = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
             part_r = dot(ds_t, qr)
-            _dkv_update(dkv_row, part_row, valid, offs_t, offs_r, part_r, topk, DETERMINISTIC)
+            _dkv_update(dkv_row, part_row, scale_row, valid, offs_t, D_V, offs_r, part_r, topk,
+                        DETERMINISTIC, HALF, G, EVICT)  # fmt: skip
 
 
 @triton.jit
@@ -376,19 +422,22 @@ def _dq_kernel(
 
 @triton.jit
 def _det_reduce_kernel(
-    part_ptr, order_ptr, seg_start_ptr, seg_end_ptr, dkv_ptr,
-    stride_part_hb,
-    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, UNROLL: tl.constexpr,
+    part_ptr, scale_ptr, order_ptr, seg_start_ptr, seg_end_ptr, dkv_ptr,
+    stride_part_hb, stride_scale_hb,
+    D_QK: tl.constexpr, G: tl.constexpr, GROUPS: tl.constexpr, N_HB: tl.constexpr, HALF: tl.constexpr,
+    UNROLL: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
-    """One program per (KV row, channel block): sum the row's (token, slot) contributions in sorted order."""
+    """One program per (KV row, block of ``GROUPS`` channel groups of ``G``): sum the row's (token, slot)
+    contributions in sorted order (with ``HALF``, fp16 values times their group's fp32 factor ``2^-k``)."""
+    N_G: tl.constexpr = D_QK // G
     row = tl.program_id(0).to(tl.int64)
-    db = tl.program_id(1)
-    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = offs_d < D_QK
+    offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    gmask = (offs_g < N_G)[:, None]
+    offs_d = offs_g[:, None] * G + tl.arange(0, G)[None, :]  # [GROUPS, G]
     start = tl.load(seg_start_ptr + row)
     end = tl.load(seg_end_ptr + row)
     if end > start:  # rows this chunk's tokens did not select keep their value
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([GROUPS, G], dtype=tl.float32)
         # A while loop: the trip count is data, and the interpreter cannot range() over a loaded value.
         # UNROLL independent loads per step keep several rows in flight; the additions stay in pair order.
         j = start
@@ -396,16 +445,23 @@ def _det_reduce_kernel(
             for u in tl.static_range(UNROLL):
                 ok = j + u < end
                 pair = tl.load(order_ptr + j + u, mask=ok, other=0).to(tl.int64)
+                m = mask_and(gmask, ok)
                 for hb in tl.static_range(N_HB):
-                    acc += tl.load(
-                        part_ptr + hb * stride_part_hb + pair * D_QK + offs_d,
-                        mask=mask_and(dmask, ok),
-                        other=0.0,
-                    )
+                    src = part_ptr + hb * stride_part_hb + pair * D_QK + offs_d
+                    if EVICT:  # read once
+                        vals = tl.load(src, mask=m, other=0.0, eviction_policy="evict_first")
+                    else:
+                        vals = tl.load(src, mask=m, other=0.0)
+                    if HALF:
+                        f = tl.load(scale_ptr + hb * stride_scale_hb + pair * N_G + offs_g[:, None], mask=m,
+                                    other=0.0)  # fmt: skip
+                        acc += vals.to(tl.float32) * f
+                    else:
+                        acc += vals
             j += UNROLL
         # Each row is one program's per launch, and launches run in order: no race.
         dst = dkv_ptr + row * D_QK + offs_d
-        tl.store(dst, tl.load(dst, mask=dmask, other=0.0) + acc, mask=dmask)
+        tl.store(dst, tl.load(dst, mask=gmask, other=0.0) + acc, mask=gmask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -415,14 +471,22 @@ def _det_reduce_kernel(
 
 # The Gluon dkv kernel (Config.bwd_dkv_backend): DKV_GLUON -1 follows the config, 0 / 1 force it (tests);
 # 64-channel chunks, a ring of three of them, 168 registers per thread in every partition. The deterministic
-# reduction kernel: 256-channel blocks, 4 rows in flight, 4 warps (*_RED).
+# workspace: DET_HALF -1 follows the rule of launch_bwd (scaled fp16 for bf16 inputs), 0 / 1 force fp32 /
+# fp16; DET_EVICT marks its stores and reads evict-first; on CUDA (DET_OVERLAP) each chunk's reduction runs
+# on a side stream beside the next chunk's kernels, with at least DET_CHUNKS chunks of >= 256 tokens. Its
+# reduction kernel: every channel group of a row in one program (16 groups of 64 on the GPU, 9 used at
+# d_qk 576: programs of fewer groups each re-read the row's pair list), 4 pairs in flight, 4 warps.
 _DKV_GLUON_TILES = {
     "DKV_GLUON": -1,
     "BLOCK_C_G": 64,
     "NUM_BUF_G": 3,
     "CONSUMER_REGS_G": 168,
     "PRODUCER_REGS_G": 168,
-    "BLOCK_D_RED": 256,
+    "DET_HALF": -1,
+    "DET_OVERLAP": 1,
+    "DET_EVICT": 1,
+    "DET_CHUNKS": 4,
+    "GROUPS_RED": 16,
     "UNROLL_RED": 4,
     "num_warps_red": 4,
 }
@@ -521,25 +585,63 @@ def launch_bwd(
     ds_dtype = q.dtype
     n_ws = 2 if split_dkv else 1  # dS, and P for the separate dkv kernel
     chunk = max(1, min(s_q, config.bwd_workspace_bytes // (n_ws * h_q * topk * q.element_size())))
+    # The deterministic workspace: fp16 scaled by a power of two per group of `group` channels (the width
+    # of the dkv kernels' channel chunks, and of the rope chunk) for bf16 inputs, whose final rounding
+    # dwarfs fp16's; fp32 otherwise.
+    # The fused path (dkv products per head block, above 128 heads) keeps the fp32 workspace.
+    if cfg["DET_HALF"] == 1 and deterministic and not split_dkv:
+        raise ValueError("DET_HALF 1 needs the separate dkv kernel (SPLIT_DKV 1, at most 128 heads)")
+    half = (
+        deterministic
+        and split_dkv
+        and (cfg["DET_HALF"] == 1 or (cfg["DET_HALF"] == -1 and kv.dtype == torch.bfloat16))
+    )
+    emit = cfg["BLOCK_C_G"] if dkv_gluon else cfg["BLOCK_C_DKV"]
+    group = min(emit, d_qk - d_v) if d_qk > d_v else emit
+    if half and (d_v % group or d_qk % group):
+        raise ValueError(f"dkv channel chunks of {emit} do not tile d_v {d_v} and d_qk {d_qk}")
+    pair_bytes = d_qk * 2 + (d_qk // group) * 4 if half else d_qk * 4
     if deterministic:
-        chunk = max(1, min(chunk, config.bwd_deterministic_workspace_bytes // (n_part_hb * topk * d_qk * 4)))
+        chunk = max(
+            1, min(chunk, config.bwd_deterministic_workspace_bytes // (n_part_hb * topk * pair_bytes))
+        )
+        if cfg["DET_OVERLAP"] and dev.type == "cuda":  # DET_CHUNKS chunks of at least 256 tokens: the last
+            chunk = min(chunk, max(256, cdiv(s_q, cfg["DET_CHUNKS"])))  # one's reduction overlaps nothing
     ds_ws = torch.empty(min(chunk, s_q), h_q, topk, dtype=ds_dtype, device=dev)
     p_ws = torch.empty_like(ds_ws) if split_dkv else ds_ws  # unused by the fused path
+    n_pairs = min(chunk, s_q) * topk
     part = (
-        torch.empty(n_part_hb, min(chunk, s_q) * topk, d_qk, dtype=torch.float32, device=dev)
+        torch.empty(n_part_hb, n_pairs, d_qk, dtype=torch.float16 if half else torch.float32, device=dev)
         if deterministic
         else dkv32  # unused by the atomic path
     )
+    # The fp16 workspace's factors 2^-k, one per (head block, pair, channel group).
+    scale = torch.empty(n_part_hb, n_pairs, d_qk // group, dtype=torch.float32, device=dev) if half else part
     attn_sum = torch.empty(s_q if return_attn_sum else 0, topk, dtype=torch.float32, device=dev)
     attn_part = (
         torch.empty(n_hb, min(chunk, s_q), topk, dtype=torch.float32, device=dev)
         if return_attn_sum
         else attn_sum
     )
+    # With DET_OVERLAP (CUDA) the deterministic reduction of chunk i (and the row sort of its pairs) runs
+    # on a side stream while the main and dq kernels of chunk i + 1 run; the kernel that writes `part`
+    # next waits for it. The order of every addition stays fixed: only the kernels' overlap changes.
+    overlap = deterministic and cfg["DET_OVERLAP"] and dev.type == "cuda"
+    side = _side_stream(dev) if overlap else None
+    main_stream = torch.cuda.current_stream(dev) if side is not None else None
+    reduced: torch.cuda.Event | None = None  # the last reduction on the side stream
     for s0 in range(0, s_q, chunk):
         s1 = min(s_q, s0 + chunk)
         n = s1 - s0
         q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
+        if side is not None and main_stream is not None:  # the chunk's row segments on the side stream,
+            ready = torch.cuda.Event()  # beside its main and dq kernels
+            ready.record(main_stream)
+            with torch.cuda.stream(side):
+                side.wait_event(ready)
+                segments = _det_segments(idx_c, s_kv, q_start_index + s0, k_stride, causal)
+        if main_stream is not None and reduced is not None and not split_dkv:  # the main kernel writes
+            main_stream.wait_event(reduced)  # `part`, which the last reduction reads
         kernel = launch(
             _main_kernel, (n * n_hb,), slots, ("main", s0),  # a chunk's views and positions depend on s0
             (q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, part, attn_part,
@@ -547,8 +649,8 @@ def launch_bwd(
              q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
              idx_c.stride(0), part.stride(0) if deterministic else 0,
              s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale)),
-            dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
-                 BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
+            dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v, BLOCK_H=block_h,
+                 BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
                  CHUNK_STAGES=cfg["chunk_stages"], N_SUB=cfg["N_SUB"], BLOCK_DV2=cfg["BLOCK_DV2"],
                  ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"],
                  ROPE_IN_LOOP=rope_in_loop(cfg["BLOCK_DV"]), IDX_PREFETCH=bool(cfg["IDX_PREFETCH"]),
@@ -557,10 +659,12 @@ def launch_bwd(
         record_launch("bwd.main", kernel)
         _launch_dq(cfg, ds_ws, kv, idx_c, dq[s0:s1], s_kv, h_q, q_start_index + s0, k_stride, topk, causal,
                    d_qk, n, n_hb_dq, n_db, slots, s0)  # fmt: skip
+        if main_stream is not None and reduced is not None and split_dkv:  # the dkv kernel writes `part`,
+            main_stream.wait_event(reduced)  # which the last reduction reads
         if split_dkv and dkv_gluon:
             kernel = launch_dkv_gluon(
-                ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n, s_kv, h_q, q_start_index + s0, k_stride, topk,
-                causal, deterministic, d_qk, d_v, cfg, slots, ("dkv_gluon", s0),
+                ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, scale, n, s_kv, h_q, q_start_index + s0, k_stride,
+                topk, causal, deterministic, half, d_qk, d_v, cfg, slots, ("dkv_gluon", s0),
             )  # fmt: skip
             record_launch("bwd.dkv", kernel, backend="gluon")
         elif split_dkv:
@@ -571,24 +675,42 @@ def launch_bwd(
                 raise ValueError(f"N_CSPLIT {n_csplit} leaves a channel group empty ({n_chunks} chunks)")
             kernel = launch(
                 _dkv_kernel, (n_csplit * n * n_tb,), slots, ("dkv", s0),
-                (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n,
+                (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, scale, n,
                  q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1), idx_c.stride(0),
                  s_kv, h_q, q_start_index + s0, k_stride),
-                dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
-                     BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"], BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
+                dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, HALF=half, G=group,
+                     EVICT=bool(cfg["DET_EVICT"]) and deterministic, D_QK=d_qk,
+                     D_V=d_v, D_ROPE=d_qk - d_v, BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"],
+                     BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
                      CHUNK_STAGES=cfg["chunk_stages_dkv"], N_CSPLIT=n_csplit, TOK_GROUP=cfg["TOK_GROUP"],
                      ROPE_IN_LOOP=rope_in_loop(cfg["BLOCK_C_DKV"]),
                      num_warps=cfg["num_warps_dkv"], num_stages=1),
             )  # fmt: skip
             record_launch("bwd.dkv", kernel)
-        if deterministic:
-            _det_reduce(cfg, part, idx_c, dkv32, s_kv, q_start_index + s0, k_stride, causal, n_part_hb, d_qk,
-                        slots, s0)  # fmt: skip
+        if deterministic and side is not None and main_stream is not None:  # the chunk's reduction on the
+            written = torch.cuda.Event()  # side stream, once its contributions are written
+            written.record(main_stream)
+            with torch.cuda.stream(side):
+                side.wait_event(written)
+                _det_reduce(cfg, part, scale, half, group, segments, dkv32, n_part_hb, d_qk, slots, s0)
+                reduced = torch.cuda.Event()
+                reduced.record(side)
+        elif deterministic:
+            segments = _det_segments(idx_c, s_kv, q_start_index + s0, k_stride, causal)
+            _det_reduce(cfg, part, scale, half, group, segments, dkv32, n_part_hb, d_qk, slots, s0)
         if return_attn_sum:  # head blocks added in a fixed order: deterministic
             torch.sum(attn_part[:, :n], dim=0, out=attn_sum[s0:s1])
+    if main_stream is not None and reduced is not None:  # join: dkv32 complete, no side-stream work left
+        main_stream.wait_event(reduced)
     if return_attn_sum and perm is not None:  # back to the caller's slot order
         attn_sum = torch.empty_like(attn_sum).scatter_(1, perm[:, 0], attn_sum)
     return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
+
+
+@functools.lru_cache(maxsize=16)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The deterministic reduction's side stream on ``device`` (one per device, made once)."""
+    return torch.cuda.Stream(device=device)
 
 
 def _use_dkv_gluon(
@@ -635,27 +757,35 @@ def _launch_dq(
     record_launch("bwd.dq", kernel)
 
 
-def _det_reduce(
-    cfg: dict[str, int], part: torch.Tensor, idx_c: torch.Tensor, dkv32: torch.Tensor, s_kv: int,
-    q_start_index: int, k_stride: int, causal: bool, n_hb: int, d_qk: int, slots: dict[Any, Any] | None,
-    s0: int,
-) -> None:  # fmt: skip
-    """Add this chunk's per-(token, slot) contributions into ``dkv32``, grouped by row in a fixed order.
-    No host synchronisation: invalid pairs sort last (key ``s_kv``) and each row finds its segment of the
-    sorted pairs by binary search."""
+def _det_segments(
+    idx_c: torch.Tensor, s_kv: int, q_start_index: int, k_stride: int, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The chunk's (token, slot) pairs grouped by KV row in a fixed order: ``order`` (pair numbers sorted by
+    (row, token, slot)) and each row's segment ``[seg_start, seg_end)`` of it. No host synchronisation:
+    invalid pairs sort last (key ``s_kv``) and each row finds its segment by binary search."""
     valid = valid_slots(idx_c[:, 0], s_kv, q_start_index, k_stride, causal).reshape(-1)
     keys = torch.where(valid, idx_c[:, 0].reshape(-1), s_kv)  # int32
     # Stable sort by row keeps (token, slot) order inside a row: the reduction order is fixed.
     keys, order = torch.sort(keys, stable=True)
     rows = torch.arange(s_kv, dtype=keys.dtype, device=keys.device)
-    seg_start = torch.searchsorted(keys, rows)
-    seg_end = torch.searchsorted(keys, rows, right=True)
-    block_d = 64 if interpreting() else cfg["BLOCK_D_RED"]
+    return order, torch.searchsorted(keys, rows), torch.searchsorted(keys, rows, right=True)
+
+
+def _det_reduce(
+    cfg: dict[str, int], part: torch.Tensor, scale: torch.Tensor, half: bool, group: int,
+    segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor], dkv32: torch.Tensor, n_hb: int, d_qk: int,
+    slots: dict[Any, Any] | None, s0: int,
+) -> None:  # fmt: skip
+    """Add this chunk's per-(token, slot) contributions into ``dkv32``, each row's in the order of
+    ``segments`` (:func:`_det_segments`)."""
+    order, seg_start, seg_end = segments
+    n_groups = d_qk // group
+    groups = min(cfg["GROUPS_RED"], next_power_of_2(n_groups))
     kernel = launch(
-        _det_reduce_kernel, (s_kv, cdiv(d_qk, block_d)), slots, ("det_reduce", s0),
-        (part, order, seg_start, seg_end, dkv32, part.stride(0)),
-        dict(D_QK=d_qk, BLOCK_D=block_d, N_HB=n_hb, UNROLL=2 if interpreting() else cfg["UNROLL_RED"],
-             num_warps=cfg["num_warps_red"]),
+        _det_reduce_kernel, (dkv32.shape[0], cdiv(n_groups, groups)), slots, ("det_reduce", s0),
+        (part, scale, order, seg_start, seg_end, dkv32, part.stride(0), scale.stride(0) if half else 0),
+        dict(D_QK=d_qk, G=group, GROUPS=groups, N_HB=n_hb, HALF=half, EVICT=bool(cfg["DET_EVICT"]),
+             UNROLL=2 if interpreting() else cfg["UNROLL_RED"], num_warps=cfg["num_warps_red"]),
     )  # fmt: skip
     record_launch("bwd.det_reduce", kernel)
 
@@ -745,8 +875,13 @@ def sparse_mla_bwd(
         k_stride: KV compression stride, for the causal limit.
         causal: also treat slot ``t`` as invalid when ``index > (q_pos + 1 - k_stride) / k_stride``
             (C integer division), ``q_pos = q_start_index + s``, as FlashMLA's attn_dist does.
-        deterministic: sum the ``dkv`` contributions in a fixed order (bit-identical from run to run)
-            instead of with fp32 atomics; needs an fp32 workspace (``Config.bwd_deterministic_workspace_bytes``).
+        deterministic: sum the ``dkv`` contributions in a fixed order (bit-identical from run to run,
+            whatever order the GPU runs its programs in) instead of with fp32 atomics. Each (token, slot)
+            contribution ``c`` goes to a workspace (``Config.bwd_deterministic_workspace_bytes``) and each
+            KV row's are summed in fp32. For bf16 inputs up to 128 heads the workspace is fp16 with a
+            power-of-two factor per 64 channels (per channel chunk): every element of ``dkv`` (before its
+            bf16 rounding) is within ``2^-11 * Σ|c|`` of the fp32 workspace's sum (plus fp32 summation
+            error), an eighth of bf16's rounding bound; otherwise the workspace is fp32.
         return_attn_sum: also return ``attn_sum [s_q, topk]`` fp32, the attention probability summed over
             heads at each slot (``Σ_h P[h, t]``, 0 at invalid slots): the lightning indexer's KL target, the
             same quantity as ``attn_dist(..., causal=causal)``, taken from the ``P`` the backward recomputes

@@ -16,7 +16,8 @@ class Config:
     """Tuning options shared by :func:`~sparse_mla_attn.sparse_mla_fwd`, :func:`~sparse_mla_attn.attn_dist`,
     :func:`~sparse_mla_attn.sparse_mla_decode`, :func:`~sparse_mla_attn.sparse_mla_bwd` and
     :func:`~sparse_mla_attn.sparse_mla`. The defaults are what every op uses without ``config``; the
-    results do not depend on them beyond floating-point rounding (and for ``bwd_*`` not at all).
+    results do not depend on them beyond floating-point rounding (the deterministic backward's bits are
+    fixed by the inputs and these options: the ``bwd_*`` caps set its chunks of tokens, summed in turn).
 
     Attributes:
         backend: kernel family of the forward, decode and ``attn_dist``. ``"auto"`` (default) runs the
@@ -44,8 +45,10 @@ class Config:
             The forward, and the Gluon kernels, always merge with the second kernel.
         bwd_workspace_bytes: cap on the backward's ``dS`` (and ``P``) workspace; the backward processes
             query tokens in chunks that fit (default 2 GiB).
-        bwd_deterministic_workspace_bytes: cap on the deterministic backward's fp32 per-slot ``dkv``
-            workspace, which also bounds its chunk of tokens (default 4 GiB).
+        bwd_deterministic_workspace_bytes: cap on the deterministic backward's per-(token, slot) ``dkv``
+            workspace, which also bounds its chunk of tokens (default 4 GiB): ``2 * d_qk`` bytes plus 4 per
+            64 channels per (token, slot) for bf16 inputs up to 128 heads (fp16 values with a power-of-two
+            factor per 64 channels), ``4 * d_qk`` otherwise (fp32; once per block of 128 heads above 128 heads).
         fwd_persistent: whether :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon kernel (sm_90) runs
             persistent: one program per multiprocessor, each taking (token, 64-head tile) work items in
             turn with one shared-memory ring, so that an item's query load, first gathers and output

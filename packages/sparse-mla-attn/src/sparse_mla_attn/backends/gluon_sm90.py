@@ -4,14 +4,15 @@ Why Gluon: in the Triton kernels of ``forward.py`` / ``attn_dist.py`` the softwa
 ``cp.async`` gather of block ``t+1`` only after block ``t``'s products, and with the query tile in shared
 memory there is no room for a deeper ring. Here the pipeline is written out.
 
-Both kernels are warp specialised and share their producer (``_ws_producer``): one warpgroup gathers
-64-row blocks with ``cp.async`` into a ring of shared-memory slots guarded by mbarriers, while two
-consumer warpgroups compute, so that one warpgroup's softmax / exp runs while the other's products occupy
-the tensor cores (FlashMLA-style ping-pong).
+Both kernels are warp specialised: one producer warpgroup gathers 64-row blocks with ``cp.async`` into a
+ring of shared-memory slots guarded by mbarriers, while two consumer warpgroups compute, so that one
+warpgroup's softmax / exp runs while the other's products occupy the tensor cores (FlashMLA-style
+ping-pong).
 
-* forward: a ring of two slots, the consumers take alternate blocks (``_pp_consumer``); one program per
-  (token, head tile), or persistent (one program per multiprocessor taking those items in turn with
-  one ring), both ``_sparse_mla_fwd_ws_kernel``;
+* forward: a ring of two slots, the consumers take alternate blocks; one program per (token, head tile)
+  with whole slots (``_ws_producer``, ``_pp_consumer_whole``), or persistent (one program per
+  multiprocessor taking those items in turn with one ring) with slots gathered and released by halves of
+  their channels (``_pp_producer``, ``_pp_consumer``), both ``_sparse_mla_fwd_ws_kernel``;
 * attn_dist: a ring of three slots (the query lives in registers), the consumers split the heads (or take
   alternate blocks, or split a block's columns) and issue their products by turns (``_ad_consumer``).
 
@@ -195,23 +196,21 @@ if HAVE_GLUON:
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
         NUM_BUF: gl.constexpr,
-        g0=0,
     ):
-        """Producer warpgroup of the warp-specialised kernels (forward and attn_dist): gathers block ``b``
-        into slot ``b % NUM_BUF`` once its readers released that slot's previous block, and arms
+        """Producer warpgroup of attn_dist and of the per-item forward: gathers block ``b`` into slot
+        ``b % NUM_BUF`` once its readers released that slot's previous block, and arms
         ``full_bars[b % NUM_BUF]`` with one deferred arrive per thread (``cp.async.mbarrier.arrive.noinc``:
-        it fires when this thread's copies landed). ``g0``: blocks the ring already carried (a persistent
-        program's earlier items; even in the forward), so block ``b`` is the ring's block ``g0 + b``."""
+        it fires when this thread's copies landed)."""
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
         idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
         for b in range(n_blocks):
-            slot = (g0 + b) % NUM_BUF
+            slot = b % NUM_BUF
             idx_cur = idx_next
             nxt = (b + 1) * BLOCK_T + offs_t
             idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
             # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
-            mbarrier.wait(empty_bars.index(slot), (((g0 + b) // NUM_BUF) & 1) ^ 1)
+            mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
             _issue_gather(
                 kn_smem.index(slot), kr_smem.index(slot), KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l
             )
@@ -239,7 +238,7 @@ if HAVE_GLUON:
         return m_i, l_i, acc
 
     @gluon.jit
-    def _pp_consumer(
+    def _pp_consumer_whole(
         WG: gl.constexpr,
         smem,
         idx_row,
@@ -264,7 +263,9 @@ if HAVE_GLUON:
         kk0=0,
         end_ph=0,
     ):
-        """Ping-pong forward, consumer warpgroup ``WG`` (0 or 1) of a token's 64 heads.
+        """Ping-pong forward over a ring of whole slots (the per-item kernel), consumer warpgroup ``WG`` (0 or
+        1) of a token's 64 heads; the persistent kernel runs ``_pp_consumer`` (half slots). Each form has
+        the schedule that was the faster of the two for it on sm_90.
 
         Blocks ``2k + WG`` are this warpgroup's own: it computes their whole S (m64n64, Q and K from shared
         memory), the online softmax with the running row max of the block before (read from the other
@@ -350,7 +351,257 @@ if HAVE_GLUON:
             # (The loop carries acc as a tensor: wait here.) Done with block 2k+1: release slot 1.
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(smem.empty_bars.index(1))
-        # Row sums: each warpgroup summed its own blocks' P; exchange them once.
+        _pp_epilogue(WG, smem, m_i, l_i, acc, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0,
+                     HAS_SINK, SPLIT_K, end_ph)  # fmt: skip
+
+    @gluon.jit
+    def _issue_gather_cols(
+        k_buf, KV, stride_kv_row, idx, hi, COL0: gl.constexpr, N_COLS: gl.constexpr, ld_l: gl.constexpr
+    ):
+        """cp.async the columns ``[COL0, COL0 + N_COLS)`` of the rows ``idx`` ([BLOCK_T] int32,
+        ``SliceLayout(1, ld_l)``) into ``k_buf`` ([BLOCK_T, N_COLS]); invalid rows (index < 0 or >= hi)
+        are zero-filled, not read (see ``_issue_gather``)."""
+        valid = (idx >= 0) & (idx < hi)
+        row = gl.where(valid, idx, 0).to(gl.int64) * stride_kv_row
+        cols = COL0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, ld_l))
+        cp.async_copy_global_to_shared(
+            k_buf,
+            KV + row[:, None] + cols[None, :],
+            mask=valid[:, None] & (cols[None, :] >= 0),
+            eviction_policy="evict_last",
+        )
+
+    @gluon.jit
+    def _pp_gather_half(smem, SLOT: gl.constexpr, HALF: gl.constexpr, pair, KV, stride_kv_row, idx, hi,
+                        D_NOPE: gl.constexpr, D_ROPE: gl.constexpr, ld_l: gl.constexpr):  # fmt: skip
+        """Forward producer: gather half ``HALF`` of ring slot ``SLOT`` (0: value channels ``[0, D_NOPE/2)``;
+        1: ``[D_NOPE/2, D_NOPE)`` and the rope part) for the ring's pair ``pair``, once its reader released
+        it, and arm ``full_bars[2 SLOT + HALF]`` with one deferred arrive per thread."""
+        D_HALF: gl.constexpr = D_NOPE // 2
+        bar: gl.constexpr = 2 * SLOT + HALF
+        # Free: its reader released it for the previous pair (a fresh barrier passes parity 1 at once).
+        mbarrier.wait(smem.empty_bars.index(bar), (pair & 1) ^ 1)
+        kn = smem.kn.index(SLOT).slice(HALF * D_HALF, D_HALF, dim=1)
+        _issue_gather_cols(kn, KV, stride_kv_row, idx, hi, HALF * D_HALF, D_HALF, ld_l)
+        if HALF == 1 and D_ROPE > 0:
+            _issue_gather_cols(smem.kr.index(SLOT), KV, stride_kv_row, idx, hi, D_NOPE, D_ROPE, ld_l)
+        cp.mbarrier_arrive(smem.full_bars.index(bar), increment_count=False)
+
+    @gluon.jit
+    def _pp_producer(smem, KV, stride_kv_row, idx_row, n_t, hi, n_pairs, D_NOPE: gl.constexpr,
+                     D_ROPE: gl.constexpr, BLOCK_T: gl.constexpr, pair0=0):  # fmt: skip
+        """Producer warpgroup of the forward: gathers each pair of blocks ``2k, 2k + 1`` into ring slots 0 and
+        1 by halves, in the order the consumers free and read them (slot 0's first half, slot 1's second,
+        slot 0's second, slot 1's first), so a half is refilled as soon as its one reader is done with it
+        (see ``_pp_consumer``). ``pair0``: pairs the ring already carried (a persistent program's earlier
+        items)."""
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
+        for k in range(n_pairs):
+            pair = pair0 + k
+            t0 = 2 * k * BLOCK_T + offs_t
+            idx0 = gl.load(idx_row + t0, mask=t0 < n_t, other=-1)
+            idx1 = gl.load(idx_row + BLOCK_T + t0, mask=BLOCK_T + t0 < n_t, other=-1)
+            _pp_gather_half(smem, 0, 0, pair, KV, stride_kv_row, idx0, hi, D_NOPE, D_ROPE, ld_l)
+            _pp_gather_half(smem, 1, 1, pair, KV, stride_kv_row, idx1, hi, D_NOPE, D_ROPE, ld_l)
+            _pp_gather_half(smem, 0, 1, pair, KV, stride_kv_row, idx0, hi, D_NOPE, D_ROPE, ld_l)
+            _pp_gather_half(smem, 1, 0, pair, KV, stride_kv_row, idx1, hi, D_NOPE, D_ROPE, ld_l)
+
+    @gluon.jit
+    def _pp_issue_s(smem, WG: gl.constexpr, z, ph, s, D_NOPE: gl.constexpr, D_ROPE: gl.constexpr):
+        """Issue, asynchronously, S = Q K^T of warpgroup ``WG``'s block (ring slot ``WG``) in two halves of
+        the channels, each once it landed (pair phase ``ph``): the half the producer fills first
+        (warpgroup 0: the first, warpgroup 1: the second, with the rope part) goes first. ``z``: an opaque
+        zero added to the shared-memory indices (see ``_pp_consumer``)."""
+        s = _pp_issue_s_half(smem, WG, WG, z, ph, s, False, D_NOPE, D_ROPE)
+        return _pp_issue_s_half(smem, WG, 1 - WG, z, ph, s, True, D_NOPE, D_ROPE)
+
+    @gluon.jit
+    def _pp_issue_s_half(smem, WG: gl.constexpr, HALF: gl.constexpr, z, ph, s, USE_ACC: gl.constexpr,
+                         D_NOPE: gl.constexpr, D_ROPE: gl.constexpr):  # fmt: skip
+        """Half ``HALF`` of ``_pp_issue_s``: wait until it landed, then issue its products."""
+        D_HALF: gl.constexpr = D_NOPE // 2
+        mbarrier.wait(smem.full_bars.index(2 * WG + HALF), ph)
+        fence_async_shared()  # the producer's cp.async writes, before wgmma reads them
+        s = warpgroup_mma(
+            smem.qn.index(z).slice(HALF * D_HALF, D_HALF, dim=1),
+            smem.kn.index(WG + z).slice(HALF * D_HALF, D_HALF, dim=1).permute((1, 0)),
+            s,
+            use_acc=USE_ACC,
+            is_async=True,
+        )
+        if HALF == 1 and D_ROPE > 0:
+            s = warpgroup_mma(smem.qr.index(z), smem.kr.index(WG + z).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _pp_consumer(
+        WG: gl.constexpr,
+        smem,
+        idx_row,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        SINK,
+        out_base,
+        lse_base,
+        stride_o_h,
+        h_q,
+        h0,
+        n_t,
+        hi,
+        n_pairs,
+        sm_scale_log2,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+        SPLIT_K: gl.constexpr,
+        kk0=0,
+        end_ph=0,
+    ):
+        """Ping-pong forward, consumer warpgroup ``WG`` (0 or 1) of a token's 64 heads.
+
+        Blocks ``2k + WG`` (ring slot ``WG``) are this warpgroup's own: it computes their whole S (m64n64,
+        Q and K from shared memory) and the online softmax. Each warpgroup owns half of the value channels
+        (acc 64 x 256 fp32) and multiplies its own P from registers with its half of its own block, and the
+        other warpgroup's P from shared memory with its half of the other block. Per pair of blocks:
+
+        * warpgroup 0: softmax of block 2k against the running max, publishes its max (``p_bars[0]``),
+          own P·V, releases slot 0's first half; waits for warpgroup 1's max (``p_bars[1]``), rescales
+          its P to it and publishes it in slot 0's rope part (``s_bars[0]``: S no longer needs it); waits
+          for warpgroup 1's P (``s_bars[1]``), rescales the accumulator, issues that P·V and behind it the
+          next block's S, and releases slot 1's first half once that P·V is done;
+        * warpgroup 1: S of block 2k+1, then, with warpgroup 0's max, its softmax against the larger of
+          the two maxima (so both warpgroups end a pair at the same max), publishes that max, own P·V,
+          publishes its P (``smem.p``), issues warpgroup 0's P·V and releases slot 1's second half and
+          slot 0's second half as the products finish.
+
+        While one warpgroup runs its softmax the other's wgmma occupy the tensor cores, and every half slot
+        is refilled as soon as its last reader is done with it (``_pp_producer``). Waits are bounded by
+        construction: every barrier completes once per pair and none can run a phase ahead of its
+        waiters. ``kk0``: pairs the ring already carried and ``end_ph``: the phase of ``end_bar`` (a
+        persistent program's earlier items).
+
+        With ``SPLIT_K`` the program covers one split of the token's top-k list and writes the split-K
+        partials as the Triton forward does: the fp32 output normalised by this split's own sum (no
+        sink), the base-2 lse and row max (merged by ``_split_combine_kernel``).
+        """
+        BLOCK_H: gl.constexpr = 64
+        D_HALF: gl.constexpr = D_NOPE // 2
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
+        )
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16]
+        )
+        pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+        alpha_l: gl.constexpr = gl.SliceLayout(1, o_l)
+        dtype: gl.constexpr = smem.p.dtype
+        # Warpgroup 0's P for warpgroup 1 lives in slot 0's rope part, [64, BLOCK_T] like ``smem.p``.
+        gl.static_assert(BLOCK_T == 64)
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
+        acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
+        s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
+        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
+        for k in range(n_pairs):
+            ph = (kk0 + k) & 1
+            b = 2 * k + WG
+            # An opaque zero that depends on k: with constant shared-memory addresses the compiler hoists
+            # all 2 x 36 wgmma descriptors of S out of the loop (144 registers) and spills.
+            z = gl.inline_asm_elementwise(
+                "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
+            )
+            if WG == 1:
+                s = _pp_issue_s(smem, WG, z, ph, s, D_NOPE, D_ROPE)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            elif k == 0:
+                # (Warpgroup 0 issues its later S behind the other block's P·V, at the end of a pair.)
+                s = _pp_issue_s(smem, WG, z, ph, s, D_NOPE, D_ROPE)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
+            if WG == 0:
+                p, alpha, m_i, l_i = _online_softmax(s, t_idx, hi, m_i, l_i, sm_scale_log2)
+                smem.m.index(0).store(m_i)
+                mbarrier.arrive(smem.p_bars.index(0))
+                acc = acc * gl.convert_layout(alpha, alpha_l)[:, None]
+                acc = warpgroup_mma(
+                    gl.convert_layout(p.to(dtype), pa_l),
+                    smem.kn.index(0).slice(0, D_HALF, dim=1),
+                    acc,
+                    is_async=True,
+                )
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(smem.empty_bars.index(0))  # slot 0, first half: read by no one else
+                # Move P, the accumulator and the sums to warpgroup 1's max, the pair's max.
+                mbarrier.wait(smem.p_bars.index(1), ph)
+                m_1 = smem.m.index(1).load(row_l)
+                rescale = gl.exp2(m_i - gl.where(m_1 == float("-inf"), 0.0, m_1))
+                smem.kr.index(0).store((p * rescale[:, None]).to(dtype))
+                fence_async_shared()
+                mbarrier.arrive(smem.s_bars.index(0))
+                m_i = m_1
+                l_i = l_i * rescale
+                acc = acc * gl.convert_layout(rescale, alpha_l)[:, None]
+                mbarrier.wait(smem.s_bars.index(1), ph)
+                pv_b = smem.kn.index(1).slice(0, D_HALF, dim=1)
+                if k + 1 < n_pairs:
+                    acc = warpgroup_mma(smem.p, pv_b, acc, is_async=True)
+                    s = _pp_issue_s(smem, 0, z, ph ^ 1, s, D_NOPE, D_ROPE)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # (S may still run)
+                    mbarrier.arrive(smem.empty_bars.index(2))  # slot 1, first half
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                else:
+                    acc = warpgroup_mma(smem.p, pv_b, acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(smem.empty_bars.index(2))
+            else:
+                valid = (t_idx >= 0) & (t_idx < hi)
+                s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+                mbarrier.wait(smem.p_bars.index(0), ph)
+                m_new = gl.maximum(smem.m.index(0).load(row_l), gl.max(s, 1))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_use)
+                p = gl.exp2(s - m_use[:, None])
+                l_i = l_i * alpha + gl.sum(p, 1)
+                p16 = p.to(dtype)
+                m_i = m_new
+                smem.m.index(1).store(m_i)
+                mbarrier.arrive(smem.p_bars.index(1))
+                acc = acc * gl.convert_layout(alpha, alpha_l)[:, None]
+                acc = warpgroup_mma(
+                    gl.convert_layout(p16, pa_l),
+                    smem.kn.index(1).slice(D_HALF, D_HALF, dim=1),
+                    acc,
+                    is_async=True,
+                )
+                smem.p.store(p16)
+                mbarrier.wait(smem.s_bars.index(0), ph)
+                acc = warpgroup_mma(smem.kr.index(0), smem.kn.index(0).slice(D_HALF, D_HALF, dim=1), acc,
+                                    is_async=True)  # fmt: skip
+                fence_async_shared()
+                mbarrier.arrive(smem.s_bars.index(1))
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(smem.empty_bars.index(3))  # slot 1, second half
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(smem.empty_bars.index(1))  # slot 0, second half (and the P in it)
+        _pp_epilogue(WG, smem, m_i, l_i, acc, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0,
+                     HAS_SINK, SPLIT_K, end_ph)  # fmt: skip
+
+    @gluon.jit
+    def _pp_epilogue(WG: gl.constexpr, smem, m_i, l_i, acc, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base,
+                     stride_o_h, h_q, h0, HAS_SINK: gl.constexpr, SPLIT_K: gl.constexpr, end_ph):  # fmt: skip
+        """The end of a forward work item for consumer warpgroup ``WG`` (both consumers): exchange the row
+        sums (each summed its own blocks' P) through ``smem.l`` / ``end_bar`` (phase ``end_ph``), then write
+        the lse and row max (warpgroup 0) and this warpgroup's output channels, normalised (see
+        ``_pp_consumer``)."""
+        BLOCK_H: gl.constexpr = acc.shape[0]
+        D_HALF: gl.constexpr = acc.shape[1]
+        o_l: gl.constexpr = acc.type.layout
+        row_l: gl.constexpr = m_i.type.layout
         smem.l.index(WG).store(l_i)
         mbarrier.arrive(smem.end_bar)
         mbarrier.wait(smem.end_bar, end_ph)
@@ -370,10 +621,35 @@ if HAVE_GLUON:
             gl.store(LSE + lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
             gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * to_out, mask=hs_ok)
         out = acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]
-        offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
-        offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
-        o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
-        gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
+        if SPLIT_K:  # fp32 partials, read back by the merge kernel
+            offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+            offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
+            o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
+            gl.store(
+                o_ptr, out.to(OUT.dtype.element_ty), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0)
+            )
+        else:
+            _pp_store_out(WG, smem, out.to(OUT.dtype.element_ty), OUT, out_base, stride_o_h, h0, h_q)
+
+    @gluon.jit
+    def _pp_store_out(WG: gl.constexpr, smem, out, OUT, out_base, stride_o_h, h0, h_q):
+        """Store consumer warpgroup ``WG``'s output channels ``out`` ([64, D_NOPE / 2], the accumulator's
+        layout) through shared memory: staged in its own channels of the query tile (no S reads it any
+        more), then written with 16-byte row-contiguous stores marked L2 evict-first (streamed: L2 is
+        left to the gathered rows)."""
+        D_HALF: gl.constexpr = out.shape[1]
+        stage = smem.qn.index(0).slice(WG * D_HALF, D_HALF, dim=1)
+        stage.store(out)
+        gl.thread_barrier()  # this warpgroup's writes, before its threads read other threads' rows
+        st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        vals = stage.load(st_l)
+        offs_h = h0 + gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, st_l))
+        offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, st_l))
+        o_ptr = OUT + out_base + offs_h[:, None] * stride_o_h + offs_d[None, :]
+        gl.store(
+            o_ptr, vals, mask=(offs_h < h_q)[:, None] & (offs_d[None, :] >= 0), eviction_policy="evict_first"
+        )
+        gl.thread_barrier()  # read back by every thread before the tile is written again
 
     def _aggregate_of_fields(cls: Any) -> Any:
         """``cls`` as a Gluon aggregate (a struct of values that jit functions take and pass on as one)
@@ -452,13 +728,14 @@ if HAVE_GLUON:
         qn: gl.shared_memory_descriptor  # the query tile [1, 64, D_NOPE] (leading axis: see _pp_consumer)
         qr: gl.shared_memory_descriptor  # its rope part [1, 64, D_ROPE] (``qn`` where there is none)
         kn: gl.shared_memory_descriptor  # the ring: two gathered blocks [2, BLOCK_T, D_NOPE]
-        kr: gl.shared_memory_descriptor  # their rope parts [2, BLOCK_T, 64]
-        p: gl.shared_memory_descriptor  # P of the block just computed [64, BLOCK_T]
+        kr: gl.shared_memory_descriptor  # their rope parts [2, BLOCK_T, 64] (half slots: also WG 0's P)
+        p: gl.shared_memory_descriptor  # P [64, BLOCK_T] (half slots: warpgroup 1's)
         m: gl.shared_memory_descriptor  # each consumer's published row max [2, 64]
         l: gl.shared_memory_descriptor  # noqa: E741 - each consumer's row sums, exchanged at the end [2, 64]
-        full_bars: gl.shared_memory_descriptor  # ring: block landed in slot s
-        empty_bars: gl.shared_memory_descriptor  # ring: slot s released by both consumers
-        p_bars: gl.shared_memory_descriptor  # consumer w published P and its row max (count 1 each)
+        full_bars: gl.shared_memory_descriptor  # ring: slot s (half slots: half h of s, 2 s + h) landed
+        empty_bars: gl.shared_memory_descriptor  # ring: slot s (half h of s) released by its readers
+        p_bars: gl.shared_memory_descriptor  # consumer w published its row max (and P, whole slots)
+        s_bars: gl.shared_memory_descriptor  # consumer w published its P (half slots)
         end_bar: gl.shared_memory_descriptor  # both consumers published their row sums (count 2)
 
     @gluon.jit
@@ -499,6 +776,30 @@ if HAVE_GLUON:
         cp.wait_group(0)
 
     @gluon.jit
+    def _load_q_half(WG: gl.constexpr, qn_smem, qr_smem, Q, stride_q_s, stride_q_h, pid_s, h0, h_q,
+                     D_NOPE: gl.constexpr, D_ROPE: gl.constexpr):  # fmt: skip
+        """Consumer warpgroup ``WG``'s half of the query tile of the persistent forward: channels
+        ``[WG D_NOPE/2, (WG + 1) D_NOPE/2)`` of heads ``h0 ..`` (zero past ``h_q``) of token ``pid_s``, and
+        for warpgroup 1 the rope part; the warpgroup's own part of the tile, which it also stages its
+        output in (``_pp_store_out``). Loaded through registers, 64 channels at a time, marked L2
+        evict-first (the query is read once: L2 is left to the gathered rows)."""
+        D_HALF: gl.constexpr = D_NOPE // 2
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        offs_h = h0 + gl.arange(0, qn_smem.shape[1], layout=gl.SliceLayout(1, ld_l))
+        h_ok = offs_h[:, None] < h_q
+        q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_l))[None, :]
+        for c in gl.static_range(D_HALF // 64):
+            q = gl.load(q_row + (WG * D_HALF + 64 * c) + cols, mask=h_ok & (cols >= 0), other=0.0,
+                        eviction_policy="evict_first")  # fmt: skip
+            qn_smem.index(0).slice(WG * D_HALF + 64 * c, 64, dim=1).store(q)
+        if WG == 1 and D_ROPE > 0:
+            q = gl.load(
+                q_row + D_NOPE + cols, mask=h_ok & (cols < D_ROPE), other=0.0, eviction_policy="evict_first"
+            )
+            qr_smem.index(0).store(q)
+
+    @gluon.jit
     def _pp_consumer_persistent(
         WG: gl.constexpr,
         smem,
@@ -525,9 +826,10 @@ if HAVE_GLUON:
         it = gl.program_id(0) * 0
         for item in range(gl.program_id(0), items.n_items, gl.num_programs(0)):
             pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = items.get(item)
-            _load_q_rows(
+            _load_q_half(
                 WG, smem.qn, smem.qr, Q, stride_q_s, stride_q_h, pid_s, h0, items.h_q, D_NOPE, D_ROPE
             )
+            fence_async_shared()  # the stores, before wgmma of either warpgroup reads them
             mbarrier.arrive(q_bar)
             mbarrier.wait(q_bar, it & 1)
             fence_async_shared()  # the query tile, before wgmma reads it
@@ -539,25 +841,24 @@ if HAVE_GLUON:
             it += 1
 
     @gluon.jit
-    def _ws_producer_persistent(smem, KV, stride_kv_row, items, D_ROPE: gl.constexpr):
-        """Producer of the persistent forward: ``_ws_producer`` over the program's items in turn, the ring's
-        block count carried on, so the next item's first blocks are gathered while the consumers finish
+    def _pp_producer_persistent(smem, KV, stride_kv_row, items, D_ROPE: gl.constexpr):
+        """Producer of the persistent forward: ``_pp_producer`` over the program's items in turn, the ring's
+        pair count carried on, so the next item's first blocks are gathered while the consumers finish
         the current one."""
-        g0 = gl.program_id(0) * 0  # blocks the ring carried so far
+        pair0 = gl.program_id(0) * 0  # pairs the ring carried so far
         for item in range(gl.program_id(0), items.n_items, gl.num_programs(0)):
             _s, _h0, idx_row, n_t, hi, n_pairs, _ob, _lb, _soh = items.get(item)
-            _ws_producer(
-                smem.kn, smem.kr, smem.full_bars, smem.empty_bars, KV, stride_kv_row, idx_row, n_t, hi, 2 * n_pairs,
-                items.D_NOPE, D_ROPE, items.BLOCK_T, 2, g0,
-            )  # fmt: skip
-            g0 += 2 * n_pairs
+            _pp_producer(
+                smem, KV, stride_kv_row, idx_row, n_t, hi, n_pairs, items.D_NOPE, D_ROPE, items.BLOCK_T, pair0
+            )
+            pair0 += n_pairs
 
     @gluon.jit
-    def _fwd_smem(qn, qr, BLOCK_T: gl.constexpr):
+    def _fwd_smem(qn, qr, BLOCK_T: gl.constexpr, HALF_SLOTS: gl.constexpr):
         """The forward's shared memory (``_FwdSmem``) around the query tile ``qn`` / ``qr``: the ring of two
-        gathered blocks (latent and rope parts) with its mbarriers, the P tile, the consumers' exchanged
-        row max / sum, ``p_bars`` (one per consumer warpgroup, count 1) and ``end_bar`` (count 2),
-        initialised."""
+        gathered blocks (latent and rope parts) with an mbarrier pair per slot or, with ``HALF_SLOTS``, per
+        half slot, a P tile, the consumers' exchanged row max / sum, ``p_bars`` and ``s_bars`` (one each
+        per consumer warpgroup, count 1) and ``end_bar`` (count 2), initialised."""
         BLOCK_H: gl.constexpr = qn.shape[1]
         D_NOPE: gl.constexpr = qn.shape[2]
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -567,13 +868,18 @@ if HAVE_GLUON:
         p = gl.allocate_shared_memory(qn.dtype, [BLOCK_H, BLOCK_T], smem_l)
         m = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)
         l = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)  # noqa: E741
-        full_bars, empty_bars = _ws_ring_barriers(2, 2)  # both consumers read every block (S and P·V)
+        if HALF_SLOTS:  # each half has one last reader (see _pp_consumer)
+            full_bars, empty_bars = _ws_ring_barriers(4, 1)
+        else:  # both consumers read every block (S and P·V; see _pp_consumer_whole)
+            full_bars, empty_bars = _ws_ring_barriers(2, 2)
         p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        s_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
         for j in gl.static_range(2):
             mbarrier.init(p_bars.index(j), count=1)
+            mbarrier.init(s_bars.index(j), count=1)
         mbarrier.init(end_bar, count=2)
-        return _FwdSmem(qn, qr, kn, kr, p, m, l, full_bars, empty_bars, p_bars, end_bar)  # type: ignore[call-arg]
+        return _FwdSmem(qn, qr, kn, kr, p, m, l, full_bars, empty_bars, p_bars, s_bars, end_bar)  # type: ignore[call-arg]
 
     @gluon.jit
     def _sparse_mla_fwd_ws_kernel(
@@ -634,7 +940,6 @@ if HAVE_GLUON:
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_T == 64)
         BLOCK_H: gl.constexpr = 64
-        NUM_BUF: gl.constexpr = 2  # the consumers index the two slots by warpgroup (block 2k + WG)
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         dtype: gl.constexpr = Q.dtype.element_ty
         # (Argument tuples written inline: a tuple assigned to a variable turns its constexprs into tensors;
@@ -651,7 +956,7 @@ if HAVE_GLUON:
                 qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
             else:
                 qr_smem = qn_smem  # unused
-            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T)
+            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, True)
             q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
             mbarrier.init(q_bar, count=2)
             fence_async_shared()  # barrier initialisation, before any partition uses them
@@ -665,7 +970,7 @@ if HAVE_GLUON:
                         WG1, smem, q_bar, items, Q, OUT, MAX_LOGITS, LSE, SINK, stride_q_s, stride_q_h, sm_scale_log2,
                         D_ROPE, HAS_SINK,
                     )),
-                    (_ws_producer_persistent, (smem, KV, stride_kv_row, items, D_ROPE)),
+                    (_pp_producer_persistent, (smem, KV, stride_kv_row, items, D_ROPE)),
                 ],
                 [4, 4],
                 [CONSUMER_REGS, PRODUCER_REGS],
@@ -677,34 +982,42 @@ if HAVE_GLUON:
             h_ok = offs_h < h_q
             q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
             cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
-            q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
+            q_nope = gl.load(
+                q_row + cols[None, :],
+                mask=h_ok[:, None] & (cols[None, :] >= 0),
+                other=0.0,
+                eviction_policy="evict_first",
+            )
             # Leading axis of 1: consumers index it with an opaque zero (see _pp_consumer).
             qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
             qn_smem.index(0).store(q_nope)
             if D_ROPE > 0:
                 cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
                 q_rope = gl.load(
-                    q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0
+                    q_row + cols_r[None, :],
+                    mask=h_ok[:, None] & (cols_r[None, :] >= 0),
+                    other=0.0,
+                    eviction_policy="evict_first",
                 )
                 qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
                 qr_smem.index(0).store(q_rope)
             else:
                 qr_smem = qn_smem  # unused
-            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T)
+            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, False)
             fence_async_shared()  # the query tile, before wgmma reads it
             gl.warp_specialize(
                 [
-                    (_pp_consumer, (
+                    (_pp_consumer_whole, (
                         WG0, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t, hi,
                         n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
                     )),
-                    (_pp_consumer, (
+                    (_pp_consumer_whole, (
                         WG1, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t, hi,
                         n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
                     )),
                     (_ws_producer, (
                         smem.kn, smem.kr, smem.full_bars, smem.empty_bars, KV, stride_kv_row, idx_row, n_t, hi,
-                        2 * n_pairs, D_NOPE, D_ROPE, BLOCK_T, NUM_BUF,
+                        2 * n_pairs, D_NOPE, D_ROPE, BLOCK_T, 2,
                     )),
                 ],
                 [4, 4],

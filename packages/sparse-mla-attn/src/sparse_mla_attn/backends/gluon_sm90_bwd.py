@@ -103,14 +103,32 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
 
     @gluon.jit
-    def _dkv_emit(DKV, PART, out_ptrs_row, part_row, acc, valid, in_topk, c, cols,
-                  st_l: gl.constexpr, BLOCK_C: gl.constexpr, DETERMINISTIC: gl.constexpr):  # fmt: skip
+    def _dkv_emit(DKV, PART, SCALE, out_ptrs_row, part_row, scale_row, acc, valid, in_topk, c, cols,
+                  st_l: gl.constexpr, BLOCK_C: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                  HALF: gl.constexpr, EVICT: gl.constexpr):  # fmt: skip
         """Add one chunk's ``[64, BLOCK_C]`` fp32 products into dkv (atomics), or store them to the
-        deterministic workspace."""
+        deterministic workspace: fp32, or with ``HALF`` fp16 times ``2^k`` per (slot, chunk), ``2^-k`` to
+        ``SCALE`` (as ``backward._dkv_update``); ``EVICT``: workspace stores evict-first in L2."""
         vals = gl.convert_layout(acc, st_l)
         ch = c * BLOCK_C + cols
         if DETERMINISTIC:
-            gl.store(PART + part_row[:, None] + ch[None, :], vals, mask=in_topk[:, None] & (ch >= 0)[None, :])
+            m = in_topk[:, None] & (ch >= 0)[None, :]
+            if HALF:
+                e = (gl.max(gl.abs(vals), axis=1).to(gl.int32, bitcast=True) >> 23) & 0xFF
+                k = gl.minimum(141 - e, 126)
+                up = ((k + 127) << 23).to(gl.float32, bitcast=True)
+                half = (vals * up[:, None]).to(gl.float16)
+                if EVICT:
+                    gl.store(
+                        PART + part_row[:, None] + ch[None, :], half, mask=m, eviction_policy="evict_first"
+                    )
+                else:
+                    gl.store(PART + part_row[:, None] + ch[None, :], half, mask=m)
+                gl.store(SCALE + scale_row + c, ((127 - k) << 23).to(gl.float32, bitcast=True), mask=in_topk)
+            elif EVICT:
+                gl.store(PART + part_row[:, None] + ch[None, :], vals, mask=m, eviction_policy="evict_first")
+            else:
+                gl.store(PART + part_row[:, None] + ch[None, :], vals, mask=m)
         else:
             gl.atomic_add(
                 DKV + out_ptrs_row[:, None] + ch[None, :],
@@ -122,10 +140,10 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
     @gluon.jit
     def _dkv_consumer(
         WG: gl.constexpr, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars,
-        IDX, DKV, PART, n_tok, stride_is, topk, s_kv, q_start_index, k_stride,
+        IDX, DKV, PART, SCALE, n_tok, stride_is, topk, s_kv, q_start_index, k_stride,
         D_QK: gl.constexpr, N_CH: gl.constexpr, BLOCK_C: gl.constexpr, N_WG: gl.constexpr,
         NUM_BUF: gl.constexpr, N_TB: gl.constexpr, TOK_GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-        DETERMINISTIC: gl.constexpr,
+        DETERMINISTIC: gl.constexpr, HALF: gl.constexpr, EVICT: gl.constexpr,
     ):  # fmt: skip
         """Consumer warpgroup ``WG``: slots ``t0 + 64 WG ..`` of the token, every channel chunk. The
         products of chunk ``c`` are issued before chunk ``c - 1``'s results are added."""
@@ -151,6 +169,7 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
         valid = (idx >= 0) & (idx < hi)
         rows = gl.where(valid, idx, 0).to(gl.int64) * D_QK
         part_row = (s * topk + offs_t) * D_QK
+        scale_row = (s * topk + offs_t) * N_CH
         mbarrier.wait(a_bar, 0)
         fence_async_shared()  # the producer's cp.async writes, read next by wgmma (async proxy)
         a_ds = ds_smem.index(WG).permute((1, 0))  # [64 slots, heads], slots contiguous
@@ -167,22 +186,21 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
             fence_async_shared()
             nxt = warpgroup_mma(a_ds, q_smem.index(slot), zero, use_acc=False, is_async=True)
             nxt = warpgroup_mma(a_p, do_smem.index(slot), nxt, is_async=True)
-            _dkv_emit(
-                DKV, PART, rows, part_row, acc, valid, in_topk, c - 1, cols, st_l, BLOCK_C, DETERMINISTIC
-            )
+            _dkv_emit(DKV, PART, SCALE, rows, part_row, scale_row, acc, valid, in_topk, c - 1, cols, st_l,
+                      BLOCK_C, DETERMINISTIC, HALF, EVICT)  # fmt: skip
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt,))
             mbarrier.arrive(empty_bars.index(slot))
-        _dkv_emit(
-            DKV, PART, rows, part_row, acc, valid, in_topk, N_CH - 1, cols, st_l, BLOCK_C, DETERMINISTIC
-        )
+        _dkv_emit(DKV, PART, SCALE, rows, part_row, scale_row, acc, valid, in_topk, N_CH - 1, cols, st_l,
+                  BLOCK_C, DETERMINISTIC, HALF, EVICT)  # fmt: skip
 
     @gluon.jit
     def _dkv_ws_kernel(
-        DS, P, Q, DOUT, IDX, DKV, PART,
+        DS, P, Q, DOUT, IDX, DKV, PART, SCALE,
         n_tok, stride_qs, stride_qh, stride_dos, stride_doh, stride_is,
         s_kv, h_q, q_start_index, k_stride,
-        topk: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, D_QK: gl.constexpr,
-        D_V: gl.constexpr, BLOCK_HD: gl.constexpr, BLOCK_C: gl.constexpr, N_WG: gl.constexpr,
+        topk: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, HALF: gl.constexpr,
+        EVICT: gl.constexpr, D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_HD: gl.constexpr,
+        BLOCK_C: gl.constexpr, N_WG: gl.constexpr,
         NUM_BUF: gl.constexpr, N_TB: gl.constexpr, TOK_GROUP: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
@@ -218,13 +236,13 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
             [
                 (_dkv_consumer, (
                     WG0, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, IDX, DKV, PART,
-                    n_tok, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH, BLOCK_C, N_WG, NUM_BUF,
-                    N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC,
+                    SCALE, n_tok, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH, BLOCK_C, N_WG,
+                    NUM_BUF, N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC, HALF, EVICT,
                 )),
                 (_dkv_consumer, (
                     WG1, ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, IDX, DKV, PART,
-                    n_tok, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH, BLOCK_C, N_WG, NUM_BUF,
-                    N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC,
+                    SCALE, n_tok, stride_is, topk, s_kv, q_start_index, k_stride, D_QK, N_CH, BLOCK_C, N_WG,
+                    NUM_BUF, N_TB, TOK_GROUP, CAUSAL, DETERMINISTIC, HALF, EVICT,
                 )),
                 (_dkv_producer, (
                     ds_smem, p_smem, q_smem, do_smem, a_bar, full_bars, empty_bars, DS, P, Q, DOUT, n_tok,
@@ -245,8 +263,9 @@ def dkv_gluon_eligible(h_q: int, d_qk: int, d_v: int, topk: int, block_c: int) -
 
 def launch_dkv_gluon(
     ds_ws: torch.Tensor, p_ws: torch.Tensor, q_c: torch.Tensor, do_c: torch.Tensor, idx_c: torch.Tensor,
-    dkv32: torch.Tensor, part: torch.Tensor, n: int, s_kv: int, h_q: int, q_start_index: int, k_stride: int,
-    topk: int, causal: bool, deterministic: bool, d_qk: int, d_v: int, cfg: dict[str, int],
+    dkv32: torch.Tensor, part: torch.Tensor, scale: torch.Tensor, n: int, s_kv: int, h_q: int,
+    q_start_index: int, k_stride: int, topk: int, causal: bool, deterministic: bool, half: bool, d_qk: int,
+    d_v: int, cfg: dict[str, int],
     slots: dict[Any, Any] | None, name: Any,
 ) -> Any:  # fmt: skip
     """The dkv products of a chunk of ``n`` tokens (see ``_dkv_ws_kernel``); ``cfg`` gives ``BLOCK_C_G``
@@ -256,9 +275,11 @@ def launch_dkv_gluon(
     block_hd = max(16, 1 << (h_q - 1).bit_length())
     return launch(
         _dkv_ws_kernel, (n * n_tb,), slots, name,
-        (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, n, q_c.stride(0), q_c.stride(1), do_c.stride(0),
+        (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, scale, n, q_c.stride(0), q_c.stride(1), do_c.stride(0),
          do_c.stride(1), idx_c.stride(0), s_kv, h_q, q_start_index, k_stride),
-        dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, BLOCK_HD=block_hd,
+        dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, HALF=half,
+             EVICT=bool(cfg["DET_EVICT"]) and deterministic, D_QK=d_qk, D_V=d_v,
+             BLOCK_HD=block_hd,
              BLOCK_C=cfg["BLOCK_C_G"], N_WG=n_wg, NUM_BUF=cfg["NUM_BUF_G"], N_TB=n_tb,
              TOK_GROUP=cfg["TOK_GROUP"], CONSUMER_REGS=cfg["CONSUMER_REGS_G"],
              PRODUCER_REGS=cfg["PRODUCER_REGS_G"], num_warps=4),
