@@ -134,45 +134,28 @@ def counting() -> Iterator[Counter]:
         patched.append((owner, attr, old))
         setattr(owner, attr, make(old))
 
-    def collective(old: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts["collectives"] += 1
-            return old(*args, **kwargs)
+    def counted(key: str) -> Callable[[Any], Any]:
+        """A wrapper factory: the wrapped callable adds one to ``counts[key]`` per call."""
 
-        return call
+        def make(old: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                counts[key] += 1
+                return old(*args, **kwargs)
 
-    def host_read(old: Any) -> Any:
-        def call(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            counts["host_syncs"] += 1  # (on CUDA: a blocking copy to the host)
-            return old(self, *args, **kwargs)
+            return call
 
-        return call
+        return make
+
+    import ep_a2a.backends.torch as torch_backend
+    from ep_a2a._dist import OpBoard
 
     for name in _COLLECTIVES:
         if hasattr(dist, name):
-            patch(dist, name, collective)
-    for name in ("tolist", "numpy"):
-        patch(torch.Tensor, name, host_read)
-    import ep_a2a.backends.torch as torch_backend
-
-    def awaited(old: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts["host_syncs"] += 1
-            return old(*args, **kwargs)
-
-        return call
-
-    patch(torch_backend, "_wait", awaited)
-    from ep_a2a._dist import OpBoard
-
-    def peer_wait(old: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts["peer_waits"] += 1
-            return old(*args, **kwargs)
-
-        return call
-
-    patch(OpBoard, "wait", peer_wait)
+            patch(dist, name, counted("collectives"))
+    for name in ("tolist", "numpy"):  # (on CUDA: a blocking copy to the host)
+        patch(torch.Tensor, name, counted("host_syncs"))
+    patch(torch_backend, "_wait", counted("host_syncs"))  # the torch backend's awaited exchanges
+    patch(OpBoard, "wait", counted("peer_waits"))
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     try:
         with warnings.catch_warnings(record=True) as caught:
