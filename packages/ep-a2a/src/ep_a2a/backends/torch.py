@@ -9,8 +9,9 @@ expands them locally: one stable sort of the received slots by local expert give
 for the counts, which size the payload; everything the counts do not decide is queued before that wait
 (the token order per destination, the packed rows) and everything the payload does not need after the
 payload (the descriptor's indices, the order combine returns rows in). The host computes what the
-counts decide (per-expert counts, receive boundaries, each expert's first row at its receiver) and one
-upload carries it; the per-device constants and the exchange buffers are built once.
+counts decide (per-expert counts, receive boundaries, each expert's first row at its receiver, the
+table that maps combine's order to output rows) and one upload carries it; the per-device constants
+and the exchange buffers are built once.
 
 Combine returns rows grouped by source rank in the order each source's stable sort of its slots by
 expert (or by the caller's row) gives, then places them in a dense ``[tokens, topk]`` grid (zeros for
@@ -18,13 +19,16 @@ dropped slots) and sums it in float32 in slot order. With ``enable_local_combine
 first sums, the same way, the rows that belong to one (source rank, token) and sends one row per
 (token, destination rank) in the row dtype (fewer bytes, one extra rounding of each partial sum).
 
-Every operation opens with the same fixed-size exchange, headed by the operation and its call number
-(dispatch's counts ride in it), so ranks that call operations in different orders all see each other's
-headers and raise :class:`ep_a2a.EPProtocolError` before any variable-sized message. On an NCCL group
-the exchange is one all-gather on the device (one row per rank, no per-peer messages); its host copy is
-awaited (bounded by ``timeout_s``) where the host needs it: at once in dispatch (the counts size the
-payload), and only after everything else is queued in combine and barrier, so the header costs one
-small collective but no host round trip in front of the data. On a gloo group every exchange runs on a
+On one host every operation first records on the operation board (a few words per rank in host
+shared memory, as the Triton backend keeps them) which operation it starts and waits until every peer
+started the same one, so ranks that call operations in different orders all raise :class:`ep_a2a.EPProtocolError`
+before any message, and combine needs no exchange of its own. Dispatch and barrier (and, across hosts,
+combine) open with the same fixed-size exchange headed by the operation and its call number
+(dispatch's counts ride in it), so that across hosts misordered ranks see each other's headers and
+raise the same error before any variable-sized message. On an NCCL group the exchange is one
+all-gather on the device (one row per rank, no per-peer messages); its host copy is awaited (bounded
+by ``timeout_s``) where the host needs it: at once in dispatch (the counts size the payload), and only
+after everything else is queued in a combine across hosts. On a gloo group every exchange runs on a
 gloo side group with the layer's timeout. ``tuning`` and ``use_aot`` are ignored here: there are no
 kernels to compile, and NCCL picks its own channels.
 """
@@ -313,7 +317,7 @@ class TorchBackend(A2ABackend):
         if not self._on_device:  # a gloo expert group: the side group is the same transport, bounded
             with self.monitor.guard(step):
                 self.monitor.all_to_all(recv, send, recv_counts, send_counts)
-        else:  # queued on the device; the operation's header wait bounds it
+        else:  # queued on the device (its peers checked in on the board or in the header)
             dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.ep_group)
         return recv
 
