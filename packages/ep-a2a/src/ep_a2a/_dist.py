@@ -297,6 +297,11 @@ class OpBoard:
             )
         return all(w is not None for w in words.values())
 
+    def wait_for_words(self, call: int, deadline: float) -> None:
+        """Wait until every peer wrote its word for ``call`` (whatever its operation), or ``deadline``."""
+        while any(self._word(r, call) is None for r in self.peers) and time.monotonic() < deadline:
+            time.sleep(1e-4)
+
     def wait(self, call: int, op: str, step: str, deadline: float | None = None) -> None:
         """Wait until every peer reached ``call`` (checking, as :meth:`check` does, that it is in ``op``).
 

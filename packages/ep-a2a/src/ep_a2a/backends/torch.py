@@ -259,8 +259,16 @@ class TorchBackend(A2ABackend):
             EPProtocolError: a peer is in another operation (every rank raises, before any message).
             EPTimeoutError: a peer did not start an operation within ``timeout_s`` (named).
         """
-        if self.board is not None:
-            self.board.wait(self.board.publish(op), op, step)
+        if self.board is None:
+            return
+        call = self.board.publish(op)
+        try:
+            self.board.wait(call, op, step)
+        except EPProtocolError:
+            # (name every rank, as the header exchange does: the misordered peers reach this call too)
+            self.board.wait_for_words(call, time.monotonic() + self.timeout_s)
+            self.board.check(call, op)
+            raise
 
     def _open(self, c: _Tables, op: str, step: str, row: torch.Tensor) -> _Header:
         """Queue the opening exchange of an operation: every rank sends every rank its ``row`` ``[2 +
