@@ -467,7 +467,8 @@ if HAVE_GLUON:
         kk0=0,
         end_ph=0,
     ):
-        """Ping-pong forward, consumer warpgroup ``WG`` (0 or 1) of a token's 64 heads.
+        """Ping-pong forward over a ring of half slots (the persistent kernel), consumer warpgroup ``WG`` (0 or
+        1) of a token's 64 heads; the per-item kernel runs ``_pp_consumer_whole``.
 
         Blocks ``2k + WG`` (ring slot ``WG``) are this warpgroup's own: it computes their whole S (m64n64,
         Q and K from shared memory) and the online softmax. Each warpgroup owns half of the value channels
