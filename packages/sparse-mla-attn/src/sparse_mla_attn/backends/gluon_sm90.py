@@ -119,6 +119,16 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_new
 
     @gluon.jit
+    def opaque_zero(x):
+        """0, computed from ``x`` in a way the compiler cannot see through. Added to shared-memory indices or
+        offsets that would otherwise be constants, it keeps the compiler from hoisting every address or
+        wgmma descriptor computed from them out of the loop or partition (where they take registers and
+        spill)."""
+        return gl.inline_asm_elementwise(
+            "and.b32 $0, $1, 0;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1
+        )
+
+    @gluon.jit
     def _issue_gather(
         kn_buf,
         kr_buf,
@@ -304,11 +314,8 @@ if HAVE_GLUON:
             # Own block b = 2k + WG in slot WG: issue its S first (warpgroup 1 thus computes S(2k+1)
             # while warpgroup 0 runs the softmax of block 2k).
             b = 2 * k + WG
-            # An opaque zero that depends on k: with constant shared-memory addresses the compiler hoists
-            # all 2 x 36 wgmma descriptors of S out of the loop (144 registers) and spills.
-            z = gl.inline_asm_elementwise(
-                "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
-            )
+            # (Without it the compiler hoists all 2 x 36 wgmma descriptors of S out of the loop and spills.)
+            z = opaque_zero(k)
             _ws_wait_full(smem.full_bars, 2 * (kk0 + k) + WG, 2)  # slot WG
             t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
             s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
@@ -460,7 +467,8 @@ if HAVE_GLUON:
         kk0=0,
         end_ph=0,
     ):
-        """Ping-pong forward, consumer warpgroup ``WG`` (0 or 1) of a token's 64 heads.
+        """Ping-pong forward over a ring of half slots (the persistent kernel), consumer warpgroup ``WG`` (0 or
+        1) of a token's 64 heads; the per-item kernel runs ``_pp_consumer_whole``.
 
         Blocks ``2k + WG`` (ring slot ``WG``) are this warpgroup's own: it computes their whole S (m64n64,
         Q and K from shared memory) and the online softmax. Each warpgroup owns half of the value channels
@@ -510,11 +518,8 @@ if HAVE_GLUON:
         for k in range(n_pairs):
             ph = (kk0 + k) & 1
             b = 2 * k + WG
-            # An opaque zero that depends on k: with constant shared-memory addresses the compiler hoists
-            # all 2 x 36 wgmma descriptors of S out of the loop (144 registers) and spills.
-            z = gl.inline_asm_elementwise(
-                "and.b32 $0, $1, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
-            )
+            # (Without it the compiler hoists all 2 x 36 wgmma descriptors of S out of the loop and spills.)
+            z = opaque_zero(k)
             if WG == 1:
                 s = _pp_issue_s(smem, WG, z, ph, s, D_NOPE, D_ROPE)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -725,7 +730,7 @@ if HAVE_GLUON:
     class _FwdSmem:
         """The forward's shared memory, which every partition takes as one value (see ``_fwd_smem``)."""
 
-        qn: gl.shared_memory_descriptor  # the query tile [1, 64, D_NOPE] (leading axis: see _pp_consumer)
+        qn: gl.shared_memory_descriptor  # the query tile [1, 64, D_NOPE] (leading axis: see opaque_zero)
         qr: gl.shared_memory_descriptor  # its rope part [1, 64, D_ROPE] (``qn`` where there is none)
         kn: gl.shared_memory_descriptor  # the ring: two gathered blocks [2, BLOCK_T, D_NOPE]
         kr: gl.shared_memory_descriptor  # their rope parts [2, BLOCK_T, 64] (half slots: also WG 0's P)
@@ -988,7 +993,7 @@ if HAVE_GLUON:
                 other=0.0,
                 eviction_policy="evict_first",
             )
-            # Leading axis of 1: consumers index it with an opaque zero (see _pp_consumer).
+            # Leading axis of 1: consumers index it with opaque_zero.
             qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
             qn_smem.index(0).store(q_nope)
             if D_ROPE > 0:

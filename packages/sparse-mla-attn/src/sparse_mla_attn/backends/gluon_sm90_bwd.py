@@ -30,6 +30,7 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
         gl,
         gluon,
         mbarrier,
+        opaque_zero,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -65,11 +66,7 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
         past ``topk`` and ``dout`` past ``D_V`` are zero-filled (``cp.async`` with zero source size)."""
         item = gl.program_id(0)
         s, t0, _ = _dkv_item(item, n_tok, s_kv, q_start_index, k_stride, N_TB, TOK_GROUP, 64 * N_WG, CAUSAL)
-        # An opaque zero: with offsets the compiler can compute up front, it hoists every copy's address out
-        # of the partition into the kernel's prologue, where they spill.
-        z = gl.inline_asm_elementwise(
-            "and.b32 $0, $1, 0;", "=r,r", [item], dtype=gl.int32, is_pure=True, pack=1
-        )
+        z = opaque_zero(item)  # (else every copy's address is hoisted into the kernel's prologue and spills)
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         offs_h = z + gl.arange(0, BLOCK_HD, layout=gl.SliceLayout(1, ld_l))
         h_ok = offs_h < h_q
@@ -154,9 +151,7 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
         st_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BLOCK_C, BLOCK_C // 4], [4, 1], [1, 0])
         item = gl.program_id(0)
         s, t0, hi = _dkv_item(item, n_tok, s_kv, q_start_index, k_stride, N_TB, TOK_GROUP, 64 * N_WG, CAUSAL)
-        z = gl.inline_asm_elementwise(
-            "and.b32 $0, $1, 0;", "=r,r", [item], dtype=gl.int32, is_pure=True, pack=1
-        )
+        z = opaque_zero(item)
         # An opaque zero keeps the column offsets in the partition (see the producer); the hints keep
         # the 16-byte vector atomics.
         cols = gl.max_contiguous(

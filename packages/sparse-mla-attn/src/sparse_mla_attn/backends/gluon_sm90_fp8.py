@@ -38,7 +38,13 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from sparse_mla_attn.backends.gluon_sm90 import _FwdItems, _load_q_rows, _online_softmax, _ws_wait_full
+    from sparse_mla_attn.backends.gluon_sm90 import (
+        _FwdItems,
+        _load_q_rows,
+        _online_softmax,
+        _ws_wait_full,
+        opaque_zero,
+    )
 
     @gluon.jit
     def _fp8_rows(idx, hi, kv_block_size: gl.constexpr, stride_kv_block, TOKEN_BYTES: gl.constexpr):
@@ -329,10 +335,7 @@ if HAVE_GLUON:
         offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
         for b in range(n_blocks):
             slot = b % 2
-            # An opaque zero (see _pp_consumer): keeps the S descriptors from being hoisted out of the loop.
-            z = gl.inline_asm_elementwise(
-                "and.b32 $0, $1, 0;", "=r,r", [b], dtype=gl.int32, is_pure=True, pack=1
-            )
+            z = opaque_zero(b)  # (keeps the S descriptors from being hoisted out of the loop)
             _ws_wait_full(full_bars, b, 2)
             t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
             q = qn_smem.index(z)
@@ -458,7 +461,7 @@ if HAVE_GLUON:
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         dtype: gl.constexpr = Q.dtype.element_ty
-        # Leading axis of 1: the consumer indexes it with an opaque zero (see _pp_consumer).
+        # Leading axis of 1: the consumer indexes it with opaque_zero.
         qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
         qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
         # The two slots, as one allocation per 128-channel tile (see the module docstring).
