@@ -129,6 +129,23 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
+    def _issue_gather_cols(
+        k_buf, KV, stride_kv_row, idx, hi, COL0: gl.constexpr, N_COLS: gl.constexpr, ld_l: gl.constexpr
+    ):
+        """cp.async the columns ``[COL0, COL0 + N_COLS)`` of the rows ``idx`` ([BLOCK_T] int32,
+        ``SliceLayout(1, ld_l)``) into ``k_buf`` ([BLOCK_T, N_COLS]).
+
+        Invalid rows (index < 0 or >= hi) get a zero source size: the buffer is zero-filled, the row is
+        not read. ``ld_l`` gives each thread 16-byte vectors and a warp 4 rows x 128 bytes.
+        """
+        valid = (idx >= 0) & (idx < hi)
+        row = gl.where(valid, idx, 0).to(gl.int64) * stride_kv_row
+        cols = COL0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, ld_l))
+        cp.async_copy_global_to_shared(
+            k_buf, KV + row[:, None] + cols[None, :], mask=valid[:, None] & (cols[None, :] >= 0)
+        )
+
+    @gluon.jit
     def _issue_gather(
         kn_buf,
         kr_buf,
@@ -140,22 +157,11 @@ if HAVE_GLUON:
         D_ROPE: gl.constexpr,
         ld_l: gl.constexpr,
     ):
-        """cp.async the rows ``idx`` ([BLOCK_T] int32, ``SliceLayout(1, ld_l)``) into one ring slot.
-
-        Invalid rows (index < 0 or >= hi) get a zero source size: the slot is zero-filled, the row is
-        not read. ``ld_l`` gives each thread 16-byte vectors and a warp 4 rows x 128 bytes.
-        """
-        valid = (idx >= 0) & (idx < hi)
-        row = gl.where(valid, idx, 0).to(gl.int64) * stride_kv_row
-        cols_n = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
-        cp.async_copy_global_to_shared(
-            kn_buf, KV + row[:, None] + cols_n[None, :], mask=valid[:, None] & (cols_n[None, :] >= 0)
-        )
+        """cp.async the rows ``idx`` whole into one ring slot: the latent part into ``kn_buf``, the rope
+        part into ``kr_buf`` (see ``_issue_gather_cols``)."""
+        _issue_gather_cols(kn_buf, KV, stride_kv_row, idx, hi, 0, D_NOPE, ld_l)
         if D_ROPE > 0:
-            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
-            cp.async_copy_global_to_shared(
-                kr_buf, KV + row[:, None] + cols_r[None, :], mask=valid[:, None] & (cols_r[None, :] >= 0)
-            )
+            _issue_gather_cols(kr_buf, KV, stride_kv_row, idx, hi, D_NOPE, D_ROPE, ld_l)
 
     @gluon.jit
     def _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL: gl.constexpr):
@@ -360,23 +366,6 @@ if HAVE_GLUON:
             mbarrier.arrive(smem.empty_bars.index(1))
         _pp_epilogue(WG, smem, m_i, l_i, acc, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0,
                      HAS_SINK, SPLIT_K, end_ph)  # fmt: skip
-
-    @gluon.jit
-    def _issue_gather_cols(
-        k_buf, KV, stride_kv_row, idx, hi, COL0: gl.constexpr, N_COLS: gl.constexpr, ld_l: gl.constexpr
-    ):
-        """cp.async the columns ``[COL0, COL0 + N_COLS)`` of the rows ``idx`` ([BLOCK_T] int32,
-        ``SliceLayout(1, ld_l)``) into ``k_buf`` ([BLOCK_T, N_COLS]); invalid rows (index < 0 or >= hi)
-        are zero-filled, not read (see ``_issue_gather``)."""
-        valid = (idx >= 0) & (idx < hi)
-        row = gl.where(valid, idx, 0).to(gl.int64) * stride_kv_row
-        cols = COL0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, ld_l))
-        cp.async_copy_global_to_shared(
-            k_buf,
-            KV + row[:, None] + cols[None, :],
-            mask=valid[:, None] & (cols[None, :] >= 0),
-            eviction_policy="evict_last",
-        )
 
     @gluon.jit
     def _pp_gather_half(smem, SLOT: gl.constexpr, HALF: gl.constexpr, pair, KV, stride_kv_row, idx, hi,
