@@ -1,8 +1,8 @@
 """Portable backend: ``torch.distributed`` collectives only (NCCL on GPUs, gloo on CPUs).
 
-Dispatch sends each token once per destination rank (not once per expert), in two collectives: one
-fixed-size exchange of counts (which also carries the number of out-of-range expert ids, so a bad call
-stops on every rank before any row moves), then one ``all_to_all_single`` of packed byte rows, one per
+Dispatch sends each token once per destination rank (not once per expert). It opens with a fixed-size
+exchange of counts (which also carries the number of out-of-range expert ids, so a bad call stops on
+every rank before any row moves), then makes one ``all_to_all_single`` of packed byte rows, one per
 (token, destination rank): the token row, the expert of each of its slots and its weights. The receiver
 expands them locally: one stable sort of the received slots by local expert gives its output order
 (local expert, source rank, token, slot), and one gather of rows gives the output. The host waits once,
@@ -19,23 +19,29 @@ dropped slots) and sums it in float32 in slot order. With ``enable_local_combine
 first sums, the same way, the rows that belong to one (source rank, token) and sends one row per
 (token, destination rank) in the row dtype (fewer bytes, one extra rounding of each partial sum).
 
-On one host every operation first records on the operation board (a few words per rank in host
-shared memory, as the Triton backend keeps them) which operation it starts and waits until every peer
-started the same one, so ranks that call operations in different orders all raise :class:`ep_a2a.EPProtocolError`
-before any message, and combine needs no exchange of its own. Dispatch and barrier (and, across hosts,
-combine) open with the same fixed-size exchange headed by the operation and its call number
-(dispatch's counts ride in it), so that across hosts misordered ranks see each other's headers and
-raise the same error before any variable-sized message. On an NCCL group the exchange is one
-all-gather on the device (one row per rank, no per-peer messages); its host copy is awaited (bounded
-by ``timeout_s``) where the host needs it: at once in dispatch (the counts size the payload), and only
-after everything else is queued in a combine across hosts. On a gloo group every exchange runs on a
-gloo side group with the layer's timeout. ``tuning`` and ``use_aot`` are ignored here: there are no
-kernels to compile, and NCCL picks its own channels.
+On one host every operation records on the operation board (a few words per rank in host shared
+memory, as the Triton backend keeps them) which operation it starts, and before its first message
+waits until every peer started the same one, so ranks that call operations in different orders all
+raise :class:`ep_a2a.EPProtocolError` before any message, and combine needs no exchange of its own.
+There dispatch's counts need no collective either: each rank copies its row to the host and publishes
+it on the counts board (:class:`_CountsBoard`, host shared memory), checks the operation board, and
+reads the peers' rows. Across hosts dispatch and barrier (and combine) open with the same fixed-size
+exchange headed by the operation and its call number (dispatch's counts ride in it), so that
+misordered ranks see each other's headers and raise the same error before any variable-sized message.
+On an NCCL group that exchange is one all-gather on the device (one row per rank, no per-peer
+messages); its host copy is awaited (bounded by ``timeout_s``) where the host needs it: at once in
+dispatch (the counts size the payload), and only after everything else is queued in combine. On a gloo
+group every exchange runs on a gloo side group with the layer's timeout. ``tuning`` and ``use_aot`` are
+ignored here: there are no kernels to compile, and NCCL picks its own channels.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ep_a2a._dist import EPProtocolError, OpBoard, RankMonitor, group_device
+from ep_a2a._dist import EPProtocolError, EPTimeoutError, OpBoard, RankMonitor, group_device
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
@@ -53,6 +59,10 @@ _OPS = {"dispatch": 1, "combine": 2, "combine_per_slot": 3, "barrier": 4}
 _OP_NAMES = {code: name for name, code in _OPS.items()}
 _HOT_POLL_S = 0.02
 _COLD_POLL_S = 5e-5
+#: low bits of a counts-board word that hold the value; the bits above hold the operation's number
+_VALUE_BITS = 24
+_VALUE_MASK = (1 << _VALUE_BITS) - 1
+_COUNT_SLOTS = 8
 
 
 @dataclass
@@ -103,6 +113,8 @@ class _Tables:
     row_np: np.ndarray
     rows_host: torch.Tensor  # [world * (2 + width)] int64 on the host (pinned on CUDA)
     rows_np: np.ndarray  # [world, 2 + width] its numpy view
+    mine_host: torch.Tensor  # [2 + width] this rank's row of rows_host (a view)
+    no_bins: torch.Tensor  # [E + 3] int64 zeros on the device
     up_host: torch.Tensor  # [upload] int64 on the host (pinned on CUDA), numpy view below
     up_np: np.ndarray
     done: torch.cuda.Event | None  # recorded after each header's copy to the host (CUDA)
@@ -112,6 +124,81 @@ class _Tables:
     scratch_rank: np.ndarray  # [world, E_local + 1] int64, first column 0
     per_n: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     layouts: dict[tuple, tuple[list[int], list[int]]] = field(default_factory=dict)
+
+
+class _CountsBoard:
+    """Every rank's dispatch counts (the opening row), in host shared memory, for the ranks of one host.
+
+    One file, ``[8 slots, world, width]`` int64: for the operation numbered ``call`` on the operation
+    board, rank ``r`` writes its row into row ``r`` of slot ``call % 8``, each word ``(call << 24) |
+    value``. A reader takes the slot once every word carries the call it waits for. Each word is 8
+    aligned bytes, stored and loaded whole (single-copy atomic on x86-64 and AArch64, element by element
+    in vector accesses too), so a half-written row is never taken whatever order the words become
+    visible in, and no fence is needed. A slot is written again 8 operations later, when every peer has
+    read it (no rank starts an operation on the board before every peer started the one before).
+
+    Construction is collective; :attr:`ready` says (the same on every rank) whether every rank mapped
+    the file.
+    """
+
+    def __init__(self, monitor: RankMonitor, width: int) -> None:
+        self.rank, self.world, self.timeout_s = monitor.rank, monitor.world_size, monitor.timeout_s
+        shape = (_COUNT_SLOTS, self.world, width)
+        self.table: np.ndarray | None = None
+        path = ""
+        if self.rank == 0:
+            name = f"ep_a2a{monitor.prefix.replace('/', '_')}-counts-p{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            for folder in ("/dev/shm", tempfile.gettempdir()):
+                with contextlib.suppress(OSError):
+                    table = np.memmap(os.path.join(folder, name), dtype=np.int64, mode="w+", shape=shape)
+                    table[:] = -1  # (a tag no call has)
+                    table.flush()
+                    self.table, path = table.view(np.ndarray), os.path.join(folder, name)
+                    break
+        path = monitor.checkin("torch/counts", path)[0]
+        if self.rank and path:
+            with contextlib.suppress(OSError, ValueError):
+                self.table = np.memmap(path, dtype=np.int64, mode="r+", shape=shape).view(np.ndarray)
+        self.ready = all(
+            v == "1" for v in monitor.checkin("torch/counts-ok", "1" if self.table is not None else "0")
+        )
+        if self.rank == 0 and path:  # every rank mapped it or gave up: the mappings outlive the name
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def write(self, call: int, values: np.ndarray) -> None:
+        """Publish this rank's row ``values`` ``[width]`` (each in ``[0, 2**24)``) for ``call``."""
+        assert self.table is not None
+        np.bitwise_or(values, call << _VALUE_BITS, out=self.table[call % _COUNT_SLOTS, self.rank])
+
+    def read(self, call: int, out: np.ndarray, step: str) -> None:
+        """Wait until every rank published its row for ``call`` and copy them into ``out`` ``[world,
+        width]``.
+
+        Raises:
+            EPTimeoutError: a rank did not publish within ``timeout_s`` (named).
+        """
+        assert self.table is not None
+        rows = self.table[call % _COUNT_SLOTS]
+        if not (np.right_shift(rows, _VALUE_BITS) == call).all():
+            deadline, spins = time.monotonic() + self.timeout_s, 0
+            while not (np.right_shift(rows, _VALUE_BITS) == call).all():
+                if time.monotonic() > deadline:
+                    fresh = (np.right_shift(rows, _VALUE_BITS) == call).all(1)
+                    missing = [r for r in range(self.world) if not fresh[r]]
+                    raise EPTimeoutError(
+                        f"ep_a2a: rank {self.rank} waited {self.timeout_s:g}s at step {step!r} (call #{call}) "
+                        f"for the counts of rank(s) {missing}",
+                        step=step,
+                        missing_ranks=missing,
+                    )
+                spins += 1
+                if spins > 1000:
+                    time.sleep(_COLD_POLL_S)
+        np.bitwise_and(rows, _VALUE_MASK, out=out)
+
+    def close(self) -> None:
+        self.table = None
 
 
 def _sum_slots(rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int) -> torch.Tensor:
@@ -184,6 +271,15 @@ class TorchBackend(A2ABackend):
                 board.close()
         #: whether combine can go without a header (every peer checked on the board, or no peer)
         self._no_combine_header = self.board is not None or self.world_size == 1
+        #: on one host, dispatch's counts travel through host shared memory (no header exchange): the
+        #: board's wait for them is the only one; each count must fit the board's 24-bit values
+        self.counts: _CountsBoard | None = None
+        if self.board is not None and config.max_tokens * config.topk <= _VALUE_MASK:
+            counts = _CountsBoard(self.monitor, self._width)
+            if counts.ready:
+                self.counts = counts
+            else:
+                counts.close()
 
     @classmethod
     def is_available(cls, config: EPConfig, ep_group: dist.ProcessGroup) -> tuple[bool, str]:
@@ -227,6 +323,8 @@ class TorchBackend(A2ABackend):
                 row_np=row_host.numpy(),
                 rows_host=rows_host,
                 rows_np=rows_host.numpy().reshape(world, width),
+                mine_host=rows_host[self.rank * width : (self.rank + 1) * width],
+                no_bins=torch.zeros(E + 3, dtype=torch.int64, device=dev),
                 up_host=up_host,
                 up_np=up_host.numpy(),
                 done=torch.cuda.Event() if cuda else None,
@@ -259,9 +357,19 @@ class TorchBackend(A2ABackend):
             EPProtocolError: a peer is in another operation (every rank raises, before any message).
             EPTimeoutError: a peer did not start an operation within ``timeout_s`` (named).
         """
-        if self.board is None:
-            return
-        call = self.board.publish(op)
+        if self.board is not None:
+            self._await(self._publish(op), op, step)
+
+    @torch.compiler.disable
+    def _publish(self, op: str) -> int:
+        """Record on the board that this rank starts ``op``; returns the operation's number there."""
+        assert self.board is not None
+        return self.board.publish(op)
+
+    @torch.compiler.disable
+    def _await(self, call: int, op: str, step: str) -> None:
+        """Wait on the board until every peer started ``op`` as its operation ``call`` (see :meth:`_start`)."""
+        assert self.board is not None
         try:
             self.board.wait(call, op, step)
         except EPProtocolError:
@@ -318,6 +426,30 @@ class TorchBackend(A2ABackend):
             )
         return rows
 
+    def _board_counts(self, c: _Tables, call: int, n: int) -> np.ndarray:
+        """Dispatch's opening exchange on one host: wait for this rank's counts on the host, publish
+        them on the counts board, check on the operation board that every peer is in this dispatch
+        (before any message), and wait for the peers' counts. Returns every rank's row ``[world, 2 +
+        width]`` (columns after the first two, as the header exchange gives them).
+
+        Raises:
+            EPProtocolError: a peer is in another operation (every rank raises, before any message).
+            EPTimeoutError: a peer did not arrive within ``timeout_s`` (named).
+        """
+        assert self.counts is not None
+        step = "dispatch/counts"
+        if c.done is not None:
+            with self.monitor.guard(step):
+                _wait(c.done, self.timeout_s)
+        else:
+            _wait(None, self.timeout_s)  # (the counts are on the host already)
+        rows = c.rows_np
+        rows[self.rank, 2] = n
+        self.counts.write(call, rows[self.rank, 2:])
+        self._await(call, "dispatch", step)
+        self.counts.read(call, rows[:, 2:], step)
+        return rows
+
     def _exchange(
         self, step: str, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     ) -> torch.Tensor:
@@ -351,6 +483,8 @@ class TorchBackend(A2ABackend):
         n, K, world, L, E = input.shape[0], cfg.topk, self.world_size, self.e_local, cfg.num_tot_experts
         dev = input.device
         c = self._consts(dev)
+        # on one host: tell the peers at once which operation this is (they check it before any message)
+        call = self._publish("dispatch") if self.counts is not None else -1
         fsi = full_scatter_indices
         caller_rows = fsi is not None
         # bin of each slot: 0 an id below -1, 1 dropped (-1), 2 + e expert e, E + 2 an id of E or more
@@ -363,15 +497,25 @@ class TorchBackend(A2ABackend):
         first = per_n[0].scatter_reduce(1, dest, per_n[1], "amin")
         present = first[:, :world] < K  # [n, world] token t sends a row to rank d
 
-        # the opening exchange, the same row to every rank: (op, call, my token count, my rows for each
-        # rank, my slots per bin); the per-expert matrix lets each source place its slots without a
-        # round trip, and the out-of-range bins stop a bad call on every rank before any payload
-        self._start("dispatch", "dispatch/counts")
-        row = self._head(c, "dispatch", n)
-        torch.sum(present, 0, out=c.row_counts)
+        # the opening exchange, the same row from every rank: (op, call, my token count, my rows for
+        # each rank, my slots per bin); the per-expert matrix lets each source place its slots without
+        # a round trip, and the out-of-range bins stop a bad call on every rank before any payload. On
+        # one host the counts go to the host and through shared memory; else in a header exchange
         flat_bins = bins.view(-1)
-        c.row_bins.index_add_(0, flat_bins, per_n[2])
-        header = self._open(c, "dispatch", "dispatch/counts", row)
+        header = None
+        if self.counts is not None:
+            self._calls += 1
+            torch.sum(present, 0, out=c.row_counts)
+            torch.index_add(c.no_bins, 0, flat_bins, per_n[2], out=c.row_bins)
+            c.mine_host.copy_(c.row, non_blocking=True)
+            if c.done is not None:
+                c.done.record()
+        else:
+            self._start("dispatch", "dispatch/counts")
+            row = self._head(c, "dispatch", n)
+            torch.sum(present, 0, out=c.row_counts)
+            c.row_bins.index_add_(0, flat_bins, per_n[2])
+            header = self._open(c, "dispatch", "dispatch/counts", row)
 
         # what the payload needs and the counts do not decide runs while they travel: the token of each
         # row, by (destination rank, token), and every token's packed row: token | expert bin of each
@@ -390,14 +534,16 @@ class TorchBackend(A2ABackend):
                     parts.insert(i, c.zeros[:n, : pads[i]])
         packed = torch.cat(parts, 1)
 
-        rows = self._check(header)
+        rows = self._check(header) if header is not None else self._board_counts(c, call, n)
         if self.validate and rows[:, c.low : c.high + 1 : c.high - c.low].any():
             self._raise_bad_ids(rows, exp_indices)
         send_counts = rows[me, 3 : 3 + world].tolist()
         recv_counts = rows[:, 3 + me].tolist()
         num_sent = sum(send_counts)
         send_token = pairs[:num_sent, 1]
-        recv = self._exchange("dispatch/payload", packed[send_token], send_counts, recv_counts)
+        recv = self._exchange(
+            "dispatch/payload", packed.index_select(0, send_token), send_counts, recv_counts
+        )
 
         # what the counts decide, computed on the host while the payload travels and uploaded at once
         # (see _plan): rows per local expert, receive boundaries, combine's row table, and each bin's
@@ -426,7 +572,7 @@ class TorchBackend(A2ABackend):
             back_flat = inv[:num_rows]
             recv_expert = torch.take(r_key, back_flat)
         out_row = back_flat // K
-        output = recv[:, : input.shape[1] * input.element_size()].view(input.dtype)[out_row]
+        output = recv[:, : input.shape[1] * input.element_size()].view(input.dtype).index_select(0, out_row)
         out_weights = None
         if weight is not None:
             wo = offsets[2]
@@ -561,35 +707,43 @@ class TorchBackend(A2ABackend):
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        header = self._open_combine("combine")
+        call, header = self._open_combine("combine")
         state: _TorchState = layout_desc.backend_state
         n, topk, world = layout_desc.num_dispatch_token_cur_rank, self.config.topk, self.world_size
         if self.enable_local_combine:
             # expert side: sum the rows of one (source rank, token) in float32, in slot order, and send
             # one row per (token, destination rank) in the row dtype
             partial = _sum_slots(input, state.back_flat, sum(state.recv_counts), topk).to(input.dtype)
+            self._opened("combine", call)
             rows = self._exchange(
                 "combine", partial.view(torch.uint8), state.recv_counts, state.send_counts
             ).view(input.dtype)
             assert state.send_pos is not None
             out = _sum_slots(rows, state.send_pos, n, world)
         else:
-            rows = self._reverse(input[_back_row(state)], state)
+            send = input.index_select(0, _back_row(state))
+            self._opened("combine", call)
+            rows = self._reverse(send, state)
             out = _sum_slots(rows, state.slot_flat, n, topk)
         out = out.to(input.dtype)
         if header is not None:
             self._check(header)  # (after everything is queued: the wait holds up no device work)
         return out
 
-    def _open_combine(self, op: str) -> _Header | None:
-        """A combine's protocol check: on the board (or with no peer) before anything is queued, else the
-        header exchange, awaited once everything is queued (returned)."""
+    def _open_combine(self, op: str) -> tuple[int, _Header | None]:
+        """A combine's protocol check: on the board (one host), published here and awaited by
+        :meth:`_opened` before the first message (the call number is returned; -1 with no peer); else
+        the header exchange, awaited once everything is queued (returned)."""
         if self._no_combine_header:
-            self._start(op, "combine")
             self._calls += 1
-            return None
+            return (self._publish(op) if self.board is not None else -1), None
         c = self._consts(self.device)
-        return self._open(c, op, "combine", self._head(c, op))
+        return -1, self._open(c, op, "combine", self._head(c, op))
+
+    def _opened(self, op: str, call: int) -> None:
+        """Before a combine's first message: every peer started the same operation (on the board)."""
+        if call >= 0:
+            self._await(call, op, "combine")
 
     def _reverse(self, rows: torch.Tensor, state: _TorchState) -> torch.Tensor:
         """Send per-(received row, slot) values ``[Mr, C]`` back: ``[M, C]`` in ``slot_flat`` order."""
@@ -598,10 +752,12 @@ class TorchBackend(A2ABackend):
         return recv.view(rows.dtype)
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        header = self._open_combine("combine_per_slot")
+        call, header = self._open_combine("combine_per_slot")
         state: _TorchState = layout_desc.backend_state
         n, topk, width = layout_desc.num_dispatch_token_cur_rank, self.config.topk, input.shape[1]
-        rows = self._reverse(input[_back_row(state)], state)
+        send = input.index_select(0, _back_row(state))
+        self._opened("combine_per_slot", call)
+        rows = self._reverse(send, state)
         out = torch.zeros(n * topk, width, dtype=input.dtype, device=input.device)
         out[state.slot_flat] = rows
         if header is not None:
@@ -621,6 +777,8 @@ class TorchBackend(A2ABackend):
         self.monitor.checkin("barrier/node", "1", ranks=range(node * lws, (node + 1) * lws))
 
     def finalize(self) -> None:
+        if self.counts is not None:
+            self.counts.close()
         if self.board is not None:
             self.board.close()
         self.monitor.destroy()
