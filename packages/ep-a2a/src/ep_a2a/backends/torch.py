@@ -42,7 +42,9 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -201,10 +203,69 @@ class _CountsBoard:
         self.table = None
 
 
-def _sum_slots(rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int) -> torch.Tensor:
-    """``rows[i]`` placed at flat position ``pos[i]`` of a zero ``[groups, width, C]`` grid, summed over
-    ``width`` in float32 in order (what :func:`ep_a2a.reference.combine_ref` does per token)."""
-    grid = rows.new_zeros(groups * width, rows.shape[1])
+class _Deferred:
+    """An attribute of :class:`_TorchLayoutDesc` computed by its :class:`_Recipe` the first time it is read."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_deferred_{name}"
+
+    def __get__(self, obj: object, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.slot]
+        if isinstance(value, _Recipe):
+            value = obj.__dict__[self.slot] = value()
+        return value
+
+    def __set__(self, obj: object, value: Any) -> None:
+        obj.__dict__[self.slot] = value
+
+
+class _Recipe:
+    """``fn(*args)``, called once by :class:`_Deferred`."""
+
+    __slots__ = ("args", "fn")
+
+    def __init__(self, fn: Callable[..., torch.Tensor], *args: Any) -> None:
+        self.fn, self.args = fn, args
+
+    def __call__(self) -> torch.Tensor:
+        return self.fn(*self.args)
+
+
+class _TorchLayoutDesc(EPAllToAllLayoutDesc):
+    """The torch backend's descriptor: ``token_dst_scatter_idx`` and ``skipped_token_topk_mapping_indices``
+    are computed (one gather or scatter each, from tensors the descriptor keeps) when first read;
+    combine needs neither."""
+
+    token_dst_scatter_idx = _Deferred()  # type: ignore[assignment]
+    skipped_token_topk_mapping_indices = _Deferred()  # type: ignore[assignment]
+
+
+def _receiver_rows(
+    base: torch.Tensor, bins: torch.Tensor, slot_flat: torch.Tensor, iota: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Each slot's row at its receiver ``[n, topk]``: its bin's first row there minus my first slot of
+    the bin (``base``, int32 per bin, -1 for the bins of no expert), plus its place among my slots
+    sorted by bin (``slot_flat``: my kept slots in that order, ``iota``: their places)."""
+    scatter = base[bins]
+    scatter.view(-1).index_add_(0, slot_flat, iota)
+    return scatter if dtype == torch.int32 else scatter.to(dtype)
+
+
+def _first_same_rank(first: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """``first[t, dest[t, k]]``: the first slot of each slot's token on the slot's rank."""
+    return first.gather(1, dest)
+
+
+def _sum_slots(
+    rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int, grid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``rows[i]`` placed at flat position ``pos[i]`` of a zero ``[groups, width, C]`` grid (``grid``: that
+    grid, zeroed by the caller), summed over ``width`` in float32 in order (what
+    :func:`ep_a2a.reference.combine_ref` does per token)."""
+    if grid is None:
+        grid = rows.new_zeros(groups * width, rows.shape[1])
     grid.index_copy_(0, pos, rows)
     return grid.view(groups, width, rows.shape[1]).sum(1, dtype=torch.float32)
 
@@ -533,6 +594,18 @@ class TorchBackend(A2ABackend):
                 if pads[i]:
                     parts.insert(i, c.zeros[:n, : pads[i]])
         packed = torch.cat(parts, 1)
+        # (local work the counts do not decide, queued before their wait as well) my slots in the order
+        # combine returns them, before the cut at the counts: by bin, or by (receiver, caller's row);
+        # the first slot of each slot's token on its rank
+        if scatter is None:
+            slot_order = torch.sort(flat_bins, stable=True).indices
+        else:
+            key = torch.where(
+                dest < world,
+                dest * (world * cfg.max_tokens * K) + scatter,
+                world * world * cfg.max_tokens * K,
+            )
+            slot_order = torch.sort(key.flatten(), stable=True).indices
 
         rows = self._check(header) if header is not None else self._board_counts(c, call, n)
         if self.validate and rows[:, c.low : c.high + 1 : c.high - c.low].any():
@@ -585,22 +658,23 @@ class TorchBackend(A2ABackend):
         nb, sl = L + world - 1, L + world - 1 + 2 * E - 1
         back_row = None
         if scatter is None:
-            slot_flat = torch.sort(flat_bins, stable=True).indices[dropped_first : dropped_first + num_slots]
-            scatter = up_dev[sl:].view(torch.int32)[bins]  # (-1 on the bins of no expert)
-            scatter.view(-1).index_add_(0, slot_flat, c.iota32[dropped_first : dropped_first + num_slots])
+            slot_flat = slot_order[dropped_first : dropped_first + num_slots]
+            receiver_rows: torch.Tensor | _Recipe = _Recipe(
+                _receiver_rows,
+                up_dev[sl:].view(torch.int32),
+                bins,
+                slot_flat,
+                c.iota32[dropped_first : dropped_first + num_slots],
+                cfg.offset_dtype,
+            )
             if not self.enable_local_combine:  # (whose combine sends partial sums instead)
                 # output rows run by (local expert, source rank), combine's by (source rank, local
                 # expert): row q of segment (s, l) in combine's order is output row q + table[s, l]
                 q = c.iota[:num_rows]
                 back_row = q + up_dev[nb : nb + E][torch.bucketize(q, up_dev[nb + E : sl], right=True)]
         else:
-            key = torch.where(
-                dest < world,
-                dest * (world * cfg.max_tokens * K) + scatter,
-                world * world * cfg.max_tokens * K,
-            )
-            slot_flat = torch.sort(key.flatten(), stable=True).indices[:num_slots]
-        skip = first.gather(1, dest)
+            slot_flat = slot_order[:num_slots]
+            receiver_rows = scatter if cfg.offset_dtype == torch.int32 else scatter.to(cfg.offset_dtype)
         send_pos = None
         if self.enable_local_combine:
             send_pos = torch.add(pairs[:num_sent, 0], send_token, alpha=world)
@@ -618,16 +692,14 @@ class TorchBackend(A2ABackend):
             back_counts=back_counts,
             back_row=back_row,
         )
-        desc = EPAllToAllLayoutDesc(
+        desc = _TorchLayoutDesc(
             num_dispatch_token_cur_rank=n,
             num_input_tokens_per_rank=torch.from_numpy(rows[:, 2].copy()),
             send_reqs_recv_tensor=None,
             topk_indices_tensor=exp_indices,
-            token_dst_scatter_idx=scatter
-            if cfg.offset_dtype == torch.int32
-            else scatter.to(cfg.offset_dtype),
+            token_dst_scatter_idx=receiver_rows,  # type: ignore[arg-type]
             skipped_token_mapping_indices=None,
-            skipped_token_topk_mapping_indices=skip,
+            skipped_token_topk_mapping_indices=_Recipe(_first_same_rank, first, dest),  # type: ignore[arg-type]
             num_recv_tokens_per_expert=up_dev[:L],
             num_recv_tokens_per_rank=torch.from_numpy(back),
             num_recv_rows=num_rows,
@@ -722,9 +794,10 @@ class TorchBackend(A2ABackend):
             out = _sum_slots(rows, state.send_pos, n, world)
         else:
             send = input.index_select(0, _back_row(state))
+            grid = input.new_zeros(n * topk, input.shape[1])  # (local work, before the peers' check)
             self._opened("combine", call)
             rows = self._reverse(send, state)
-            out = _sum_slots(rows, state.slot_flat, n, topk)
+            out = _sum_slots(rows, state.slot_flat, n, topk, grid)
         out = out.to(input.dtype)
         if header is not None:
             self._check(header)  # (after everything is queued: the wait holds up no device work)
