@@ -73,11 +73,9 @@ def ptxas_usage(ptx: str) -> str:
     return f"regs={max(int(r) for r in regs) if regs else -1:3d} spill={st}/{ld}"
 
 
-def tile_loop_barriers(body: list[str]) -> list[tuple[int, int, int]]:
-    """``(first line, last line, bar.sync count)`` of every innermost loop of a PTX body that moves
-    16-byte vectors to or from global memory: the kernels' tile loops. A loop is a backward branch to a
-    label; innermost: it holds no other loop. A CTA barrier in a tile loop is paid per tile (a
-    reduction over the ids once per tile of the combine was such a barrier)."""
+def innermost_loops(body: list[str]) -> list[tuple[int, int]]:
+    """``(first line, last line)`` of every innermost loop of a PTX body: a backward branch to a label,
+    holding no other loop."""
     labels = {}
     for i, ln in enumerate(body):
         m = re.match(r"\s*(\$L__BB\d+_\d+):", ln)
@@ -88,10 +86,17 @@ def tile_loop_barriers(body: list[str]) -> list[tuple[int, int, int]]:
         m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", ln)
         if m and labels.get(m.group(1), i) < i:
             loops.append((labels[m.group(1)], i))
+    return [
+        (a, b) for a, b in loops if not any(a <= a2 and b2 <= b and (a2, b2) != (a, b) for a2, b2 in loops)
+    ]
+
+
+def tile_loop_barriers(body: list[str]) -> list[tuple[int, int, int]]:
+    """``(first line, last line, bar.sync count)`` of every innermost loop of a PTX body that moves
+    16-byte vectors to or from global memory: the kernels' tile loops. A CTA barrier in a tile loop is
+    paid per tile (a reduction over the ids once per tile of the combine was such a barrier)."""
     out = []
-    for a, b in loops:
-        if any(a <= a2 and b2 <= b and (a2, b2) != (a, b) for a2, b2 in loops):
-            continue  # not innermost
+    for a, b in innermost_loops(body):
         lines = body[a : b + 1]
         if any((".global" in ln and ".v4." in ln) for ln in lines):
             out.append((a, b, sum("bar.sync" in ln for ln in lines)))
@@ -175,25 +180,13 @@ def build_engine(a: argparse.Namespace) -> E.TritonEPEngine:
 
 
 def spin_loops(body: list[str]) -> list[tuple[int, int, bool]]:
-    """``(first line, last line, reloaded)`` of every loop of a PTX body that polls epoch words with
-    ``ld.acquire.sys`` loads (``kernels._spin_epoch``); ``reloaded``: the words are loaded again within the
-    few instructions after the loop. Words fewer than the CTA's threads are held by several threads
-    each, and the loop's exit is decided by a reduction over one copy: without that load a thread
-    whose copy predates a word's arrival would go on with the older word."""
-    labels = {}
-    for i, ln in enumerate(body):
-        m = re.match(r"\s*(\$L__BB\d+_\d+):", ln)
-        if m:
-            labels[m.group(1)] = i
-    loops = []
-    for i, ln in enumerate(body):
-        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", ln)
-        if m and labels.get(m.group(1), i) < i:
-            loops.append((labels[m.group(1)], i))
+    """``(first line, last line, reloaded)`` of every innermost loop of a PTX body that polls epoch words
+    with ``ld.acquire.sys`` loads (``kernels._spin_epoch``); ``reloaded``: the words are loaded again
+    within the few instructions after the loop. Words fewer than the CTA's threads are held by several
+    threads each, and the loop's exit is decided by a reduction over one copy: without that load a
+    thread whose copy predates a word's arrival would go on with the older word."""
     out = []
-    for a, b in loops:
-        if any(a <= a2 and b2 <= b and (a2, b2) != (a, b) for a2, b2 in loops):
-            continue  # not innermost (a loop around a spin)
+    for a, b in innermost_loops(body):
         if any("ld.acquire.sys" in x for x in body[a : b + 1]):
             after = [x for x in body[b + 1 :] if x.strip().endswith((";", "}"))][:8]
             out.append((a, b, any("ld.acquire.sys" in x for x in after)))
