@@ -232,6 +232,14 @@ if HAVE_GLUON:
             )
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
 
+    @gluon.constexpr_function
+    def _pp_layouts(BLOCK_T: Any, D_HALF: Any) -> tuple[Any, Any]:
+        """The ping-pong consumers' wgmma layouts (one warpgroup): S ``[64, BLOCK_T]`` and the accumulator of
+        its ``D_HALF`` value channels ``[64, D_HALF]``."""
+        s_l = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16])
+        o_l = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16])
+        return s_l, o_l
+
     @gluon.jit
     def _pp_other_pv(
         smem, OTHER: gl.constexpr, WG: gl.constexpr, ph, m_i, l_i, acc, row_l: gl.constexpr, o_l: gl.constexpr
@@ -257,25 +265,15 @@ if HAVE_GLUON:
     def _pp_consumer_whole(
         WG: gl.constexpr,
         smem,
-        idx_row,
+        item,
         OUT,
         MAX_LOGITS,
         LSE,
         SINK,
-        out_base,
-        lse_base,
-        stride_o_h,
-        h_q,
-        h0,
-        n_t,
-        hi,
-        n_pairs,
         sm_scale_log2,
-        D_NOPE: gl.constexpr,
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
         HAS_SINK: gl.constexpr,
-        SPLIT_K: gl.constexpr,
         kk0=0,
         end_ph=0,
     ):
@@ -295,18 +293,15 @@ if HAVE_GLUON:
         once per pair; no barrier can run more than one phase ahead of its waiters. ``kk0``: pairs the ring
         already carried and ``end_ph``: the phase of ``end_bar`` (a persistent program's earlier items).
 
-        With ``SPLIT_K`` the program covers one split of the token's top-k list and writes the split-K
-        partials as the Triton forward does: the fp32 output normalised by this split's own sum (no
-        sink), the base-2 lse and row max (merged by ``_split_combine_kernel``).
+        With ``item.SPLIT_K`` (``item``: a ``_FwdItem``) the program covers one split of the token's top-k
+        list and writes the split-K partials as the Triton forward does: the fp32 output normalised by this
+        split's own sum (no sink), the base-2 lse and row max (merged by ``_split_combine_kernel``).
         """
         BLOCK_H: gl.constexpr = 64
+        D_NOPE: gl.constexpr = smem.kn.shape[2]
         D_HALF: gl.constexpr = D_NOPE // 2
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
-        )
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16]
-        )
+        s_l: gl.constexpr = _pp_layouts(BLOCK_T, D_HALF)[0]
+        o_l: gl.constexpr = _pp_layouts(BLOCK_T, D_HALF)[1]
         pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         dtype: gl.constexpr = smem.p.dtype
@@ -315,7 +310,7 @@ if HAVE_GLUON:
         l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
         acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
         offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
-        for k in range(n_pairs):
+        for k in range(item.n_pairs):
             ph = (kk0 + k) & 1
             # Own block b = 2k + WG in slot WG: issue its S first (warpgroup 1 thus computes S(2k+1)
             # while warpgroup 0 runs the softmax of block 2k).
@@ -323,7 +318,9 @@ if HAVE_GLUON:
             # (Without it the compiler hoists all 2 x 36 wgmma descriptors of S out of the loop and spills.)
             z = opaque_zero(k)
             _ws_wait_full(smem.full_bars, 2 * (kk0 + k) + WG, 2)  # slot WG
-            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
+            t_idx = gl.load(
+                item.idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < item.n_t, other=-1
+            )
             s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
             s = warpgroup_mma(
                 smem.qn.index(z), smem.kn.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
@@ -337,7 +334,7 @@ if HAVE_GLUON:
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done, P·V(2k) may still run
             else:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            p, alpha, m_i, l_i = _online_softmax(s, t_idx, hi, m_i, l_i, sm_scale_log2)
+            p, alpha, m_i, l_i = _online_softmax(s, t_idx, item.hi, m_i, l_i, sm_scale_log2)
             p16 = p.to(dtype)
             if WG == 1:
                 # P(2k) must be read before P(2k+1) overwrites it; then slot 0 is done for this warpgroup.
@@ -364,8 +361,7 @@ if HAVE_GLUON:
             # (The loop carries acc as a tensor: wait here.) Done with block 2k+1: release slot 1.
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(smem.empty_bars.index(1))
-        _pp_epilogue(WG, smem, m_i, l_i, acc, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0,
-                     HAS_SINK, SPLIT_K, end_ph)  # fmt: skip
+        _pp_epilogue(WG, smem, m_i, l_i, acc, item, OUT, MAX_LOGITS, LSE, SINK, HAS_SINK, end_ph)
 
     @gluon.jit
     def _pp_gather_half(smem, SLOT: gl.constexpr, HALF: gl.constexpr, pair, KV, stride_kv_row, idx, hi,
@@ -434,25 +430,15 @@ if HAVE_GLUON:
     def _pp_consumer(
         WG: gl.constexpr,
         smem,
-        idx_row,
+        item,
         OUT,
         MAX_LOGITS,
         LSE,
         SINK,
-        out_base,
-        lse_base,
-        stride_o_h,
-        h_q,
-        h0,
-        n_t,
-        hi,
-        n_pairs,
         sm_scale_log2,
-        D_NOPE: gl.constexpr,
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
         HAS_SINK: gl.constexpr,
-        SPLIT_K: gl.constexpr,
         kk0=0,
         end_ph=0,
     ):
@@ -480,18 +466,13 @@ if HAVE_GLUON:
         waiters. ``kk0``: pairs the ring already carried and ``end_ph``: the phase of ``end_bar`` (a
         persistent program's earlier items).
 
-        With ``SPLIT_K`` the program covers one split of the token's top-k list and writes the split-K
-        partials as the Triton forward does: the fp32 output normalised by this split's own sum (no
-        sink), the base-2 lse and row max (merged by ``_split_combine_kernel``).
+        ``item`` (a ``_FwdItem``) with ``SPLIT_K``: as in ``_pp_consumer_whole``.
         """
         BLOCK_H: gl.constexpr = 64
+        D_NOPE: gl.constexpr = smem.kn.shape[2]
         D_HALF: gl.constexpr = D_NOPE // 2
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
-        )
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16]
-        )
+        s_l: gl.constexpr = _pp_layouts(BLOCK_T, D_HALF)[0]
+        o_l: gl.constexpr = _pp_layouts(BLOCK_T, D_HALF)[1]
         pa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         alpha_l: gl.constexpr = gl.SliceLayout(1, o_l)
@@ -504,7 +485,7 @@ if HAVE_GLUON:
         acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
         s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
         offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
-        for k in range(n_pairs):
+        for k in range(item.n_pairs):
             ph = (kk0 + k) & 1
             b = 2 * k + WG
             # (Without it the compiler hoists all 2 x 36 wgmma descriptors of S out of the loop and spills.)
@@ -516,9 +497,11 @@ if HAVE_GLUON:
                 # (Warpgroup 0 issues its later S behind the other block's P·V, at the end of a pair.)
                 s = _pp_issue_s(smem, WG, z, ph, s, D_NOPE, D_ROPE)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
+            t_idx = gl.load(
+                item.idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < item.n_t, other=-1
+            )
             if WG == 0:
-                p, alpha, m_i, l_i = _online_softmax(s, t_idx, hi, m_i, l_i, sm_scale_log2)
+                p, alpha, m_i, l_i = _online_softmax(s, t_idx, item.hi, m_i, l_i, sm_scale_log2)
                 smem.m.index(0).store(m_i)
                 mbarrier.arrive(smem.p_bars.index(0))
                 acc = acc * gl.convert_layout(alpha, alpha_l)[:, None]
@@ -542,7 +525,7 @@ if HAVE_GLUON:
                 acc = acc * gl.convert_layout(rescale, alpha_l)[:, None]
                 mbarrier.wait(smem.s_bars.index(1), ph)
                 pv_b = smem.kn.index(1).slice(0, D_HALF, dim=1)
-                if k + 1 < n_pairs:
+                if k + 1 < item.n_pairs:
                     acc = warpgroup_mma(smem.p, pv_b, acc, is_async=True)
                     s = _pp_issue_s(smem, 0, z, ph ^ 1, s, D_NOPE, D_ROPE)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # (S may still run)
@@ -553,7 +536,7 @@ if HAVE_GLUON:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                     mbarrier.arrive(smem.empty_bars.index(2))
             else:
-                valid = (t_idx >= 0) & (t_idx < hi)
+                valid = (t_idx >= 0) & (t_idx < item.hi)
                 s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
                 mbarrier.wait(smem.p_bars.index(0), ph)
                 m_new = gl.maximum(smem.m.index(0).load(row_l), gl.max(s, 1))
@@ -582,12 +565,11 @@ if HAVE_GLUON:
                 mbarrier.arrive(smem.empty_bars.index(3))  # slot 1, second half
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(smem.empty_bars.index(1))  # slot 0, second half (and the P in it)
-        _pp_epilogue(WG, smem, m_i, l_i, acc, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, stride_o_h, h_q, h0,
-                     HAS_SINK, SPLIT_K, end_ph)  # fmt: skip
+        _pp_epilogue(WG, smem, m_i, l_i, acc, item, OUT, MAX_LOGITS, LSE, SINK, HAS_SINK, end_ph)
 
     @gluon.jit
-    def _pp_epilogue(WG: gl.constexpr, smem, m_i, l_i, acc, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base,
-                     stride_o_h, h_q, h0, HAS_SINK: gl.constexpr, SPLIT_K: gl.constexpr, end_ph):  # fmt: skip
+    def _pp_epilogue(WG: gl.constexpr, smem, m_i, l_i, acc, item, OUT, MAX_LOGITS, LSE, SINK,
+                     HAS_SINK: gl.constexpr, end_ph):  # fmt: skip
         """The end of a forward work item for consumer warpgroup ``WG`` (both consumers): exchange the row
         sums (each summed its own blocks' P) through ``smem.l`` / ``end_bar`` (phase ``end_ph``), then write
         the lse and row max (warpgroup 0) and this warpgroup's output channels, normalised (see
@@ -601,32 +583,36 @@ if HAVE_GLUON:
         mbarrier.wait(smem.end_bar, end_ph)
         l_i = l_i + smem.l.index(1 - WG).load(row_l)
 
-        offs_hs = h0 + gl.arange(0, BLOCK_H, layout=row_l)
-        hs_ok = offs_hs < h_q
+        offs_hs = item.h0 + gl.arange(0, BLOCK_H, layout=row_l)
+        hs_ok = offs_hs < item.h_q
         # (With split-K the merge kernel adds the sink.)
-        m_use, has_any, scale = softmax_output_scale(m_i, l_i, SINK, offs_hs, hs_ok, HAS_SINK and not SPLIT_K)
+        m_use, has_any, scale = softmax_output_scale(
+            m_i, l_i, SINK, offs_hs, hs_ok, HAS_SINK and not item.SPLIT_K
+        )
         # Natural log, or base 2 for the split-K partials.
-        if SPLIT_K:
+        if item.SPLIT_K:
             to_out = 1.0
         else:
             to_out = 0.6931471805599453
         if WG == 0:
             lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
-            gl.store(LSE + lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
-            gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * to_out, mask=hs_ok)
+            gl.store(LSE + item.lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
+            gl.store(MAX_LOGITS + item.lse_base + offs_hs, m_i * to_out, mask=hs_ok)
         out = acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]
-        if SPLIT_K:  # fp32 partials, read back by the merge kernel
-            offs_ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+        if item.SPLIT_K:  # fp32 partials, read back by the merge kernel
+            offs_ho = item.h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
             offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
-            o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
+            o_ptr = OUT + item.out_base + offs_ho[:, None] * item.stride_o_h + offs_d[None, :]
             gl.store(
-                o_ptr, out.to(OUT.dtype.element_ty), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0)
+                o_ptr,
+                out.to(OUT.dtype.element_ty),
+                mask=(offs_ho < item.h_q)[:, None] & (offs_d[None, :] >= 0),
             )
         else:
-            _pp_store_out(WG, smem, out.to(OUT.dtype.element_ty), OUT, out_base, stride_o_h, h0, h_q)
+            _pp_store_out(WG, smem, out.to(OUT.dtype.element_ty), OUT, item)
 
     @gluon.jit
-    def _pp_store_out(WG: gl.constexpr, smem, out, OUT, out_base, stride_o_h, h0, h_q):
+    def _pp_store_out(WG: gl.constexpr, smem, out, OUT, item):
         """Store consumer warpgroup ``WG``'s output channels ``out`` ([64, D_NOPE / 2], the accumulator's
         layout) through shared memory: staged in its own channels of the query tile (no S reads it any
         more), then written with 16-byte row-contiguous stores marked L2 evict-first (streamed: L2 is
@@ -637,11 +623,14 @@ if HAVE_GLUON:
         gl.thread_barrier()  # this warpgroup's writes, before its threads read other threads' rows
         st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         vals = stage.load(st_l)
-        offs_h = h0 + gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, st_l))
+        offs_h = item.h0 + gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, st_l))
         offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, st_l))
-        o_ptr = OUT + out_base + offs_h[:, None] * stride_o_h + offs_d[None, :]
+        o_ptr = OUT + item.out_base + offs_h[:, None] * item.stride_o_h + offs_d[None, :]
         gl.store(
-            o_ptr, vals, mask=(offs_h < h_q)[:, None] & (offs_d[None, :] >= 0), eviction_policy="evict_first"
+            o_ptr,
+            vals,
+            mask=(offs_h < item.h_q)[:, None] & (offs_d[None, :] >= 0),
+            eviction_policy="evict_first",
         )
         gl.thread_barrier()  # read back by every thread before the tile is written again
 
@@ -660,6 +649,23 @@ if HAVE_GLUON:
         return aggregate(cls)
 
     _Int: TypeAlias = gl.tensor | gl.constexpr  # an int kernel argument (1 and None come as constants)
+
+    @_aggregate_of_fields
+    class _FwdItem:
+        """One forward work item, located (``_FwdItems.get``): what its producer and consumers read and where
+        its outputs go."""
+
+        pid_s: gl.tensor  # the query token
+        h0: gl.tensor  # its first head
+        idx_row: gl.tensor  # its index row (with SPLIT_K: the split's first slot)
+        n_t: gl.tensor  # valid slots of the row
+        hi: gl.tensor  # the causal bound: keys below it are visible
+        n_pairs: gl.tensor  # pairs of BLOCK_T-slot blocks to consume
+        out_base: gl.tensor  # the token's offset in OUT
+        lse_base: gl.tensor  # ... and in LSE / MAX_LOGITS
+        stride_o_h: _Int  # OUT's head stride
+        h_q: _Int
+        SPLIT_K: gl.constexpr
 
     @_aggregate_of_fields
     class _FwdItems:
@@ -688,8 +694,7 @@ if HAVE_GLUON:
 
         @gluon.jit
         def get(self, item):
-            """Work item ``item``: its token, first head, index row, top-k length, causal bound, pairs of
-            blocks, and the offsets and head stride of its outputs."""
+            """Work item ``item`` (a ``_FwdItem``)."""
             pid_h = item % self.n_head_tiles
             pid_s = item // self.n_head_tiles
             if self.SPLIT_K:
@@ -713,7 +718,9 @@ if HAVE_GLUON:
                 lse_base = pid_s.to(gl.int64) * self.h_q
                 so_h = self.stride_o_h
             n_pairs = gl.cdiv(n_t, 2 * self.BLOCK_T)
-            return pid_s, pid_h * 64, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h
+            return _FwdItem(  # type: ignore[call-arg]
+                pid_s, pid_h * 64, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h, self.h_q, self.SPLIT_K
+            )
 
     @_aggregate_of_fields
     class _FwdSmem:
@@ -818,20 +825,29 @@ if HAVE_GLUON:
         D_NOPE: gl.constexpr = items.D_NOPE
         kk0 = gl.program_id(0) * 0  # pairs the ring carried so far
         it = gl.program_id(0) * 0
-        for item in range(gl.program_id(0), items.n_items, gl.num_programs(0)):
-            pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = items.get(item)
+        for i in range(gl.program_id(0), items.n_items, gl.num_programs(0)):
+            item = items.get(i)
             _load_q_half(
-                WG, smem.qn, smem.qr, Q, stride_q_s, stride_q_h, pid_s, h0, items.h_q, D_NOPE, D_ROPE
+                WG,
+                smem.qn,
+                smem.qr,
+                Q,
+                stride_q_s,
+                stride_q_h,
+                item.pid_s,
+                item.h0,
+                items.h_q,
+                D_NOPE,
+                D_ROPE,
             )
             fence_async_shared()  # the stores, before wgmma of either warpgroup reads them
             mbarrier.arrive(q_bar)
             mbarrier.wait(q_bar, it & 1)
             fence_async_shared()  # the query tile, before wgmma reads it
             _pp_consumer(
-                WG, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, items.h_q, h0, n_t, hi,
-                n_pairs, sm_scale_log2, D_NOPE, D_ROPE, items.BLOCK_T, HAS_SINK, items.SPLIT_K, kk0, it & 1,
+                WG, smem, item, OUT, MAX_LOGITS, LSE, SINK, sm_scale_log2, D_ROPE, items.BLOCK_T, HAS_SINK, kk0, it & 1
             )  # fmt: skip
-            kk0 += n_pairs
+            kk0 += item.n_pairs
             it += 1
 
     @gluon.jit
@@ -840,12 +856,13 @@ if HAVE_GLUON:
         pair count carried on, so the next item's first blocks are gathered while the consumers finish
         the current one."""
         pair0 = gl.program_id(0) * 0  # pairs the ring carried so far
-        for item in range(gl.program_id(0), items.n_items, gl.num_programs(0)):
-            _s, _h0, idx_row, n_t, hi, n_pairs, _ob, _lb, _soh = items.get(item)
+        for i in range(gl.program_id(0), items.n_items, gl.num_programs(0)):
+            item = items.get(i)
             _pp_producer(
-                smem, KV, stride_kv_row, idx_row, n_t, hi, n_pairs, items.D_NOPE, D_ROPE, items.BLOCK_T, pair0
-            )
-            pair0 += n_pairs
+                smem, KV, stride_kv_row, item.idx_row, item.n_t, item.hi, item.n_pairs, items.D_NOPE, D_ROPE,
+                items.BLOCK_T, pair0,
+            )  # fmt: skip
+            pair0 += item.n_pairs
 
     @gluon.jit
     def _fwd_smem(qn, qr, BLOCK_T: gl.constexpr, HALF_SLOTS: gl.constexpr):
@@ -970,7 +987,8 @@ if HAVE_GLUON:
                 [CONSUMER_REGS, PRODUCER_REGS],
             )  # fmt: skip
         else:
-            pid_s, h0, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h = items.get(gl.program_id(0))
+            item = items.get(gl.program_id(0))
+            pid_s, h0 = item.pid_s, item.h0
             ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
             offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
             h_ok = offs_h < h_q
@@ -1002,16 +1020,14 @@ if HAVE_GLUON:
             gl.warp_specialize(
                 [
                     (_pp_consumer_whole, (
-                        WG0, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t, hi,
-                        n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
+                        WG0, smem, item, OUT, MAX_LOGITS, LSE, SINK, sm_scale_log2, D_ROPE, BLOCK_T, HAS_SINK,
                     )),
                     (_pp_consumer_whole, (
-                        WG1, smem, idx_row, OUT, MAX_LOGITS, LSE, SINK, out_base, lse_base, so_h, h_q, h0, n_t, hi,
-                        n_pairs, sm_scale_log2, D_NOPE, D_ROPE, BLOCK_T, HAS_SINK, SPLIT_K,
+                        WG1, smem, item, OUT, MAX_LOGITS, LSE, SINK, sm_scale_log2, D_ROPE, BLOCK_T, HAS_SINK,
                     )),
                     (_ws_producer, (
-                        smem.kn, smem.kr, smem.full_bars, smem.empty_bars, KV, stride_kv_row, idx_row, n_t, hi,
-                        2 * n_pairs, D_NOPE, D_ROPE, BLOCK_T, 2,
+                        smem.kn, smem.kr, smem.full_bars, smem.empty_bars, KV, stride_kv_row, item.idx_row, item.n_t,
+                        item.hi, 2 * item.n_pairs, D_NOPE, D_ROPE, BLOCK_T, 2,
                     )),
                 ],
                 [4, 4],

@@ -259,24 +259,24 @@ if HAVE_GLUON:
         return p16, alpha, m_new, l_i
 
     @gluon.jit
-    def _sv_epilogue(m_i, l_i, l_smem, end_bar, MAX_LOGITS, LSE, lse_base, h_q, h0, SPLIT_K: gl.constexpr):
+    def _sv_epilogue(m_i, l_i, l_smem, end_bar, MAX_LOGITS, LSE, item):
         """Consumer warpgroup 0's end: the row sums to warpgroup 1, the lse and row maxima stored (natural
         log, or base 2 for split-K partials); returns the rows' output factors ``1 / l`` (0 for empty
         rows)."""
         l_smem.store(l_i)
         mbarrier.arrive(end_bar)
-        offs_hs = h0 + gl.arange(0, 64, layout=m_i.type.layout)
-        hs_ok = offs_hs < h_q
+        offs_hs = item.h0 + gl.arange(0, 64, layout=m_i.type.layout)
+        hs_ok = offs_hs < item.h_q
         m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
         has_any = l_i > 0.0
         scale = gl.where(has_any, 1.0 / gl.where(has_any, l_i, 1.0), 0.0)
-        if SPLIT_K:
+        if item.SPLIT_K:
             to_out = 1.0
         else:
             to_out = 0.6931471805599453
         lse2 = gl.where(has_any, m_use + gl.log2(gl.where(has_any, l_i, 1.0)), float("-inf"))
-        gl.store(LSE + lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
-        gl.store(MAX_LOGITS + lse_base + offs_hs, m_i * to_out, mask=hs_ok)
+        gl.store(LSE + item.lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
+        gl.store(MAX_LOGITS + item.lse_base + offs_hs, m_i * to_out, mask=hs_ok)
         return scale
 
     @gluon.jit
@@ -296,21 +296,13 @@ if HAVE_GLUON:
         p_ready,
         p_free,
         end_bar,
-        idx_row,
+        item,
         OUT,
         MAX_LOGITS,
         LSE,
-        out_base,
-        lse_base,
-        stride_o_h,
-        h_q,
-        h0,
-        n_t,
-        hi,
         n_blocks,
         sm_scale_log2,
         BLOCK_T: gl.constexpr,
-        SPLIT_K: gl.constexpr,
     ):
         """Consumer warpgroup 0: for every block, S (m64n64 from shared memory, four 128-channel k-chunks
         and the rope), the online softmax, P and the rescale factors published to warpgroup 1 (``p_smem`` /
@@ -337,7 +329,9 @@ if HAVE_GLUON:
             slot = b % 2
             z = opaque_zero(b)  # (keeps the S descriptors from being hoisted out of the loop)
             _ws_wait_full(full_bars, b, 2)
-            t_idx = gl.load(idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < n_t, other=-1)
+            t_idx = gl.load(
+                item.idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < item.n_t, other=-1
+            )
             q = qn_smem.index(z)
             s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
             s = warpgroup_mma(q.slice(0, 128, dim=1), kt0.index(slot + z).permute((1, 0)), s, use_acc=False,
@@ -348,7 +342,7 @@ if HAVE_GLUON:
             s = warpgroup_mma(qr_smem.index(z), kr_smem.index(slot + z).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             p16, alpha, m_i, l_i = _softmax_publish(
-                s, t_idx, hi, m_i, l_i, sm_scale_log2, p_smem, a_smem, p_ready, p_free, b
+                s, t_idx, item.hi, m_i, l_i, sm_scale_log2, p_smem, a_smem, p_ready, p_free, b
             )
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
             p_op = gl.convert_layout(p16, pa_l)
@@ -357,11 +351,11 @@ if HAVE_GLUON:
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
             mbarrier.arrive(empty_bars.index(slot))
         scale = gl.convert_layout(
-            _sv_epilogue(m_i, l_i, l_smem, end_bar, MAX_LOGITS, LSE, lse_base, h_q, h0, SPLIT_K),
+            _sv_epilogue(m_i, l_i, l_smem, end_bar, MAX_LOGITS, LSE, item),
             gl.SliceLayout(1, o_l),
         )[:, None]
-        _store_cols(acc0 * scale, OUT, out_base, stride_o_h, h_q, h0, 0, o_l)
-        _store_cols(acc1 * scale, OUT, out_base, stride_o_h, h_q, h0, 128, o_l)
+        _store_cols(acc0 * scale, OUT, item, 0, o_l)
+        _store_cols(acc1 * scale, OUT, item, 128, o_l)
 
     @gluon.jit
     def _v_consumer(
@@ -375,10 +369,7 @@ if HAVE_GLUON:
         p_free,
         end_bar,
         OUT,
-        out_base,
-        stride_o_h,
-        h_q,
-        h0,
+        item,
         n_blocks,
     ):
         """Consumer warpgroup 1: P·V for value channels 256..511 (tiles 2 and 3) of every block, with P and
@@ -401,18 +392,20 @@ if HAVE_GLUON:
         mbarrier.wait(end_bar, 0)
         l_i = l_smem.load(gl.SliceLayout(1, o_l))
         scale = gl.where(l_i > 0.0, 1.0 / gl.where(l_i > 0.0, l_i, 1.0), 0.0)[:, None]
-        _store_cols(acc2 * scale, OUT, out_base, stride_o_h, h_q, h0, 256, o_l)
-        _store_cols(acc3 * scale, OUT, out_base, stride_o_h, h_q, h0, 384, o_l)
+        _store_cols(acc2 * scale, OUT, item, 256, o_l)
+        _store_cols(acc3 * scale, OUT, item, 384, o_l)
 
     @gluon.jit
-    def _store_cols(out, OUT, out_base, stride_o_h, h_q, h0, COL0: gl.constexpr, o_l: gl.constexpr):
+    def _store_cols(out, OUT, item, COL0: gl.constexpr, o_l: gl.constexpr):
         """Store value channels ``COL0 ..`` (as many as ``out`` has columns) of a 64-head output tile (rows
         past ``h_q`` masked)."""
         N: gl.constexpr = out.shape[1]
-        offs_ho = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_l))
+        offs_ho = item.h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_l))
         offs_d = COL0 + gl.arange(0, N, layout=gl.SliceLayout(0, o_l))
-        o_ptr = OUT + out_base + offs_ho[:, None] * stride_o_h + offs_d[None, :]
-        gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=(offs_ho < h_q)[:, None] & (offs_d[None, :] >= 0))
+        o_ptr = OUT + item.out_base + offs_ho[:, None] * item.stride_o_h + offs_d[None, :]
+        gl.store(
+            o_ptr, out.to(OUT.dtype.element_ty), mask=(offs_ho < item.h_q)[:, None] & (offs_d[None, :] >= 0)
+        )
 
     @gluon.jit
     def _sparse_mla_decode_fp8_kernel(
@@ -453,11 +446,11 @@ if HAVE_GLUON:
         D_ROPE: gl.constexpr = 64
         BLOCK_H: gl.constexpr = 64
         pid = gl.program_id(0)
-        pid_s, h0, idx_row, n_t, hi, _n_pairs, out_base, lse_base, so_h = _FwdItems(  # type: ignore[call-arg]
+        item = _FwdItems(  # type: ignore[call-arg]
             IDX, IDX, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, 0, 1, n_tok,
             split_len, None, D_NOPE, BLOCK_T, False, False, SPLIT_K,
         ).get(pid)  # fmt: skip
-        n_blocks = gl.cdiv(n_t, BLOCK_T)
+        n_blocks = gl.cdiv(item.n_t, BLOCK_T)
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         stat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -483,22 +476,24 @@ if HAVE_GLUON:
         for j in gl.static_range(3):
             mbarrier.init(p_sync.index(j), count=1)  # P ready, P read, row sums ready
         for w in gl.static_range(2):
-            _load_q_rows(w, qn_smem, qr_smem, Q, stride_q_s, stride_q_h, pid_s, h0, h_q, D_NOPE, D_ROPE)
+            _load_q_rows(
+                w, qn_smem, qr_smem, Q, stride_q_s, stride_q_h, item.pid_s, item.h0, h_q, D_NOPE, D_ROPE
+            )
         fence_async_shared()  # the query tile and the barriers, before the partitions use them
         gl.warp_specialize(
             [
                 (_sv_consumer, (
                     qn_smem, qr_smem, kt0, kt1, kt2, kt3, kr_smem, p_smem, a_smem, l_smem, full_bars, empty_bars,
-                    p_sync.index(0), p_sync.index(1), p_sync.index(2), idx_row, OUT, MAX_LOGITS, LSE, out_base,
-                    lse_base, so_h, h_q, h0, n_t, hi, n_blocks, sm_scale_log2, BLOCK_T, SPLIT_K,
+                    p_sync.index(0), p_sync.index(1), p_sync.index(2), item, OUT, MAX_LOGITS, LSE, n_blocks,
+                    sm_scale_log2, BLOCK_T,
                 )),
                 (_v_consumer, (
                     kt2, kt3, p_smem, a_smem, l_smem, empty_bars, p_sync.index(0), p_sync.index(1),
-                    p_sync.index(2), OUT, out_base, so_h, h_q, h0, n_blocks,
+                    p_sync.index(2), OUT, item, n_blocks,
                 )),
                 (_fp8_producer, (
-                    kt0, kt1, kt2, kt3, kr_smem, full_bars, empty_bars, KV, KV_BLOCK, stride_kv_block, idx_row,
-                    n_t, hi, n_blocks, BLOCK_T, 2,
+                    kt0, kt1, kt2, kt3, kr_smem, full_bars, empty_bars, KV, KV_BLOCK, stride_kv_block,
+                    item.idx_row, item.n_t, item.hi, n_blocks, BLOCK_T, 2,
                 )),
             ],
             [4, 4],
