@@ -73,11 +73,9 @@ def ptxas_usage(ptx: str) -> str:
     return f"regs={max(int(r) for r in regs) if regs else -1:3d} spill={st}/{ld}"
 
 
-def tile_loop_barriers(body: list[str]) -> list[tuple[int, int, int]]:
-    """``(first line, last line, bar.sync count)`` of every innermost loop of a PTX body that moves
-    16-byte vectors to or from global memory: the kernels' tile loops. A loop is a backward branch to a
-    label; innermost: it holds no other loop. A CTA barrier in a tile loop is paid per tile (a
-    reduction over the ids once per tile of the combine was such a barrier)."""
+def innermost_loops(body: list[str]) -> list[tuple[int, int]]:
+    """``(first line, last line)`` of every innermost loop of a PTX body: a backward branch to a label,
+    holding no other loop."""
     labels = {}
     for i, ln in enumerate(body):
         m = re.match(r"\s*(\$L__BB\d+_\d+):", ln)
@@ -88,10 +86,17 @@ def tile_loop_barriers(body: list[str]) -> list[tuple[int, int, int]]:
         m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", ln)
         if m and labels.get(m.group(1), i) < i:
             loops.append((labels[m.group(1)], i))
+    return [
+        (a, b) for a, b in loops if not any(a <= a2 and b2 <= b and (a2, b2) != (a, b) for a2, b2 in loops)
+    ]
+
+
+def tile_loop_barriers(body: list[str]) -> list[tuple[int, int, int]]:
+    """``(first line, last line, bar.sync count)`` of every innermost loop of a PTX body that moves
+    16-byte vectors to or from global memory: the kernels' tile loops. A CTA barrier in a tile loop is
+    paid per tile (a reduction over the ids once per tile of the combine was such a barrier)."""
     out = []
-    for a, b in loops:
-        if any(a <= a2 and b2 <= b and (a2, b2) != (a, b) for a2, b2 in loops):
-            continue  # not innermost
+    for a, b in innermost_loops(body):
         lines = body[a : b + 1]
         if any((".global" in ln and ".v4." in ln) for ln in lines):
             out.append((a, b, sum("bar.sync" in ln for ln in lines)))
@@ -105,10 +110,10 @@ def compile_sm90(
     dump: str | None = None,
     regs: bool = False,
     maxnreg: int | None = None,
-) -> tuple[int, int, str, list[tuple[int, int, int]]]:
-    """``(shared bytes, PTX instructions, hash of the PTX body, tile loops)`` of one launch's variant
-    (the body also written to the file ``dump``; with ``regs`` the hash is followed by
-    :func:`ptxas_usage`; tile loops: :func:`tile_loop_barriers`)."""
+) -> tuple[int, int, str, list[tuple[int, int, int]], list[tuple[int, int, bool]]]:
+    """``(shared bytes, PTX instructions, hash of the PTX body, tile loops, spin loops)`` of one
+    launch's variant (the body also written to the file ``dump``; with ``regs`` the hash is followed by
+    :func:`ptxas_usage`; tile loops: :func:`tile_loop_barriers`; spin loops: :func:`spin_loops`)."""
     sig, const, attrs = {}, {}, {}
     for i, (p, param) in enumerate(inspect.signature(kernel.fn).parameters.items()):
         v = named.get(p, param.default)  # (arguments left at their defaults)
@@ -138,7 +143,7 @@ def compile_sm90(
             f.write("\n".join(body))
     h = hashlib.md5("\n".join(body).encode()).hexdigest()[:12]
     usage = " " + ptxas_usage(k.asm["ptx"]) if regs else ""
-    return k.metadata.shared, n_ins, h + usage, tile_loop_barriers(body)
+    return k.metadata.shared, n_ins, h + usage, tile_loop_barriers(body), spin_loops(body)
 
 
 def build_engine(a: argparse.Namespace) -> E.TritonEPEngine:
@@ -172,6 +177,20 @@ def build_engine(a: argparse.Namespace) -> E.TritonEPEngine:
     eng.timeout_arg = int(a.timeout_s * 1e9)
     eng.pdl = True
     return eng
+
+
+def spin_loops(body: list[str]) -> list[tuple[int, int, bool]]:
+    """``(first line, last line, reloaded)`` of every innermost loop of a PTX body that polls epoch words
+    with ``ld.acquire.sys`` loads (``kernels._spin_epoch``); ``reloaded``: the words are loaded again
+    within the few instructions after the loop. Words fewer than the CTA's threads are held by several
+    threads each, and the loop's exit is decided by a reduction over one copy: without that load a
+    thread whose copy predates a word's arrival would go on with the older word."""
+    out = []
+    for a, b in innermost_loops(body):
+        if any("ld.acquire.sys" in x for x in body[a : b + 1]):
+            after = [x for x in body[b + 1 :] if x.strip().endswith((";", "}"))][:8]
+            out.append((a, b, any("ld.acquire.sys" in x for x in after)))
+    return out
 
 
 def build_low_latency_engine(a: argparse.Namespace) -> Any:
@@ -223,6 +242,12 @@ def main() -> None:
         help="the low-latency mode's kernels (TritonTuning(low_latency=True)): dispatch of the layer's rows, of "
         "packed FP8 rows and quantizing bf16 rows on send (with --fp8: the FP8 ones), combine in bf16",
     )
+    ap.add_argument(
+        "--check-spin-reload",
+        action="store_true",
+        help="exit 1 if a loop polling epoch words (kernels._spin_epoch) is not followed by a load of the words "
+        "again (every thread then holds the values the CTA's exit decision saw)",
+    )
     ap.add_argument("--dump", default=None, help="write each variant's PTX body into this folder")
     ap.add_argument("--regs", action="store_true", help="registers and spill bytes per variant (ptxas -v)")
     ap.add_argument(
@@ -242,11 +267,15 @@ def main() -> None:
         ll = build_low_latency_engine(a)
         print(f"low-latency world {a.world}, {a.tokens} tokens, {a.num_sm} SMs; sm_90")
         rows = (E.FP8_ROW_DTYPE,) if a.fp8 else (torch.bfloat16, E.FP8_ROW_DTYPE)
+        unloaded = []
         for spec in ll.variants(row_dtypes=rows, quantize_from=(torch.bfloat16,)):
             named = spec.arguments()
-            shared, n_ins, h, _ = compile_sm90(spec.kernel, spec.num_warps, named, None, a.regs)
-            print(f"{spec.key[0]:12s} {spec.key[1:]!s:60s} shared={shared:6d} ptx_ins={n_ins:6d} body={h}",
-                  flush=True)  # fmt: skip
+            shared, n_ins, h, _, spins = compile_sm90(spec.kernel, spec.num_warps, named, None, a.regs)
+            print(f"{spec.key[0]:12s} {spec.key[1:]!s:60s} shared={shared:6d} ptx_ins={n_ins:6d} body={h} "
+                  f"spin-reloads={[r for _, _, r in spins]}", flush=True)  # fmt: skip
+            unloaded += [f"{spec.key[0]} lines {lo}-{hi}" for lo, hi, r in spins if not r]
+        if a.check_spin_reload and unloaded:
+            raise SystemExit("epoch words not loaded again after the spin: " + "; ".join(unloaded))
         return
     eng = build_engine(a)
     W = a.world
@@ -254,7 +283,8 @@ def main() -> None:
     print(f"world {W}, node {a.node or W}, remote peers of rank 0: {remote}; sm_90")
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
-    bad = []
+    bad: list[str] = []
+    unloaded: list[str] = []
     fp8 = (
         {
             "row_dtypes": (E.FP8_ROW_DTYPE, torch.float8_e4m3fn),
@@ -272,12 +302,13 @@ def main() -> None:
     for i, spec in enumerate(variants):
         name = spec.key[0]
         dump = os.path.join(a.dump, f"{i}-{name}.ptx") if a.dump else None
-        shared, n_ins, h, loops = compile_sm90(
+        shared, n_ins, h, loops, spins = compile_sm90(
             spec.kernel, spec.num_warps, spec.arguments(), dump, a.regs, spec.maxnreg
         )
         barriers = [n for _, _, n in loops]
         print(f"{name:8s} {spec.key[1:]!s:100s} shared={shared:6d} ptx_ins={n_ins:6d} body={h} "
-              f"tile-loop-barriers={barriers}", flush=True)  # fmt: skip
+              f"tile-loop-barriers={barriers} spin-reloads={[r for _, _, r in spins]}", flush=True)  # fmt: skip
+        unloaded += [f"{i}-{name}: lines {lo}-{hi}" for lo, hi, r in spins if not r]
         if (
             name in ("dispatch", "combine")
             and spec.key[1:]
@@ -286,6 +317,8 @@ def main() -> None:
             bad += [f"{i}-{name}: lines {lo}-{hi}, {n} bar.sync" for lo, hi, n in loops if n]
     if a.check_tile_loops and bad:
         raise SystemExit("CTA barriers inside tile loops: " + "; ".join(bad))
+    if a.check_spin_reload and unloaded:
+        raise SystemExit("epoch words not loaded again after the spin: " + "; ".join(unloaded))
 
 
 if __name__ == "__main__":

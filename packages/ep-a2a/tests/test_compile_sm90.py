@@ -4,8 +4,14 @@ decode-sized layer; for large layers at the default ``num_sm`` and at a whole H1
 and remote peers, every kernel (of the row kernels' variants, those with weights).
 
 Also checked in the compiled code (the interpreter never runs it): no CTA barrier inside the tile loops
-of a large layer's dispatch and combine kernels (one would be paid per tile of every chunk), and the
-epoch words polled with acquire loads and pushed with relaxed stores.
+of a large layer's dispatch and combine kernels (one would be paid per tile of every chunk), the
+epoch words polled with acquire loads and pushed with relaxed stores, and every poll of epoch words
+followed by a load of them again. The last one is a race the interpreter cannot show (it runs one copy
+of each value): a tensor of words smaller than the CTA is held by several threads each, every copy
+loaded on its own, and the poll's exit is decided by a reduction over one copy; a thread whose copy was
+loaded just before a peer's word landed would otherwise go on with the word of the call two before (on
+two GPUs: rows copied from the wrong slots, counts and combine sums of an earlier call, a peer named
+late although it signalled).
 """
 
 from __future__ import annotations
@@ -62,7 +68,8 @@ def _compiled(out: str) -> dict[str, int]:
     ],
 )
 def test_every_variant_compiles(args: list[str], tiled: bool) -> None:
-    out = _run_tool([*args, "--quick", *(["--check-tile-loops"] if tiled and GPU_IMAGE_TRITON else [])])
+    check = ["--check-spin-reload", *(["--check-tile-loops"] if tiled and GPU_IMAGE_TRITON else [])]
+    out = _run_tool([*args, "--quick", *check])
     kinds = _compiled(out)
     remote = "--node" in args
     want = {"layout", "counts", "dispatch", "combine", "barrier"} | ({"pack", "expand"} if remote else set())
@@ -74,7 +81,11 @@ def test_every_variant_compiles(args: list[str], tiled: bool) -> None:
     if (
         tiled and GPU_IMAGE_TRITON
     ):  # the check saw the tile loops: every dispatch and combine variant has some, none a barrier
-        found = re.findall(r"^(dispatch|combine) .* tile-loop-barriers=\[([0-9, ]*)\]$", out, re.M)
+        found = re.findall(
+            r"^(dispatch|combine) .* tile-loop-barriers=\[([0-9, ]*)\] spin-reloads=\[[A-Za-z, ]*\]$",
+            out,
+            re.M,
+        )
         assert {k for k, _ in found} == {"dispatch", "combine"}, out
         assert any(counts for _, counts in found), "no tile loop found"
 
@@ -84,8 +95,12 @@ def test_decode_layer_every_variant_and_epoch_words(tmp_path: Path) -> None:
     variant, and the epoch words' loads and stores."""
     # on a GPU the epoch-tagged words are polled with loads and pushed with stores (inline PTX): the
     # interpreter only ever runs the atomic fallbacks, so only the compiled code shows which path is taken
-    out = _run_tool(["--world", "2", "--tokens", "128", "--num-sm", "132", "--dump", str(tmp_path)])
+    out = _run_tool(
+        ["--world", "2", "--tokens", "128", "--num-sm", "132", "--dump", str(tmp_path), "--check-spin-reload"]
+    )
     kinds = _compiled(out)
+    # the counts kernel waits for every source's counts, the row kernel for its peers' start and base rows
+    assert re.search(r"^counts .* spin-reloads=\[True\]$", out, re.M), out
     assert set(kinds) == {"layout", "counts", "dispatch", "combine", "barrier"}
     assert kinds["dispatch"] == 16  # weights or not, caller scatter or not, x 4 row-kernel variants
     ptx = {p.name.split("-", 1)[1][:-4]: p.read_text() for p in tmp_path.glob("*.ptx")}
@@ -112,11 +127,13 @@ def test_fp8_layer_every_variant_compiles(tokens: int) -> None:
     kinds = _compiled(out)
     assert set(kinds) == {"layout", "counts", "dispatch", "combine", "barrier"}, out
     packed = re.findall(
-        r"^dispatch .*torch\.int16, \(torch\.int16.*, 3696\) .* tile-loop-barriers=\[([0-9, ]*)\]$", out, re.M
+        r"^dispatch .*torch\.int16, \(torch\.int16.*, 3696\) .* tile-loop-barriers=\[([0-9, ]*)\] spin-reloads=\[[A-Za-z, ]*\]$",
+        out,
+        re.M,
     )
     assert len(packed) == 4, out  # merged, counts launch, rewrite, mirror (with weights)
     quantized = re.findall(
-        r"^dispatch .*torch\.int16, \(torch\.bfloat16.*, 3696\) .* tile-loop-barriers=\[([0-9, ]*)\]$",
+        r"^dispatch .*torch\.int16, \(torch\.bfloat16.*, 3696\) .* tile-loop-barriers=\[([0-9, ]*)\] spin-reloads=\[[A-Za-z, ]*\]$",
         out,
         re.M,
     )
@@ -132,7 +149,7 @@ def test_fp8_layer_every_variant_compiles(tokens: int) -> None:
 def test_low_latency_kernels_compile(fp8: bool) -> None:
     """The low-latency mode's kernels (``TritonTuning(low_latency=True)``) on 4 ranks of an H200 at
     decode size, DeepSeek-V3 width: dispatch of the layer's rows, of packed FP8 rows and of bf16 rows
-    quantized on send, and the bf16 combine."""
+    quantized on send, and the bf16 combine. Each polls its epoch words once and loads them again after."""
     args = [
         "--low-latency",
         "--world",
@@ -142,9 +159,11 @@ def test_low_latency_kernels_compile(fp8: bool) -> None:
         "--num-sm",
         "132",
         *(["--fp8"] if fp8 else []),
+        "--check-spin-reload",
     ]
     out = _run_tool(args)
     lines = out.splitlines()[1:]
+    assert all(ln.endswith("spin-reloads=[True]") for ln in lines), out
     kinds = [ln.split()[0] for ln in lines]
     assert kinds.count("ll_dispatch") == (2 if fp8 else 3), out
     assert kinds.count("ll_combine") == 1, out

@@ -221,6 +221,70 @@ def test_low_latency_wait_names_the_missing_rank(step: str) -> None:
 
 
 @cpu_only
+@pytest.mark.parametrize("ahead", [0, 1], ids=["rank0-ahead", "rank1-ahead"])
+def test_low_latency_rank_ahead_of_its_peer(ahead: int) -> None:
+    """One rank runs as far ahead as its waits let it, each half of a kernel one step: its next call's
+    rows, slot lists and counts land in the peer's heap while the peer still receives or combines the
+    current one, and its combine sums while the peer has not received yet. Four calls of varying sizes
+    (both sets of receive slots twice), each against the reference: the parity of the call number and the
+    epoch-tagged words keep the calls apart without a barrier."""
+    world, hidden, topk, experts, calls = 2, 16, 2, 4, 4
+    gen = torch.Generator().manual_seed(31 + ahead)
+    sim = SimLowLatency(world_size=world, max_tokens=5, hidden=hidden, topk=topk, num_tot_experts=experts)
+    inputs = []
+    for c in range(calls):
+        ns = [(5, 2, 0, 4)[c], (3, 5, 4, 1)[c]]
+        xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for n in ns]
+        ids = [_routing(n, topk, experts, gen, skew=c % 2 == 1, drop=0.2) for n in ns]
+        inputs.append((xs, ids, [torch.rand(n, topk, generator=gen) for n in ns]))
+    steps = [
+        (c, s)
+        for c in range(calls)
+        for s in ("dispatch-send", "dispatch-recv", "combine-send", "combine-recv")
+    ]
+    pos, done = [0, 0], set()
+    got: dict[tuple[int, int], list] = {}
+    while min(pos) < len(steps):
+        # the rank ahead takes its next step whenever its waits allow it (a receiving half waits for
+        # every rank's sending half of the same call)
+        for r in (ahead, 1 - ahead):
+            if pos[r] == len(steps):
+                continue
+            c, s = steps[pos[r]]
+            if s.endswith("recv") and any(
+                (q, c, s.replace("recv", "send")) not in done for q in range(world)
+            ):
+                continue
+            break
+        xs, ids, ws = inputs[c]
+        eng = sim.engines[r]
+        if s.startswith("dispatch"):
+            d = eng.dispatch(xs[r], ids[r], ws[r], send=s.endswith("send"), recv=s.endswith("recv"))
+            if s.endswith("recv"):
+                rows = int(d.num_recv_rows)
+                y = (d.output[:rows].float() * (1.0 + d.recv_expert_indices[:rows, None].float())).to(
+                    torch.bfloat16
+                )
+                got[r, c] = [d, d.output[:rows].clone(), d.weights[:rows].clone(), y, None]
+        else:
+            d, _, _, y, out = got[r, c]
+            if out is None:
+                out = got[r, c][4] = torch.full((ids[r].shape[0], hidden), float("nan"), dtype=torch.bfloat16)
+            eng.combine(y, d, out=out, send=s.endswith("send"), recv=s.endswith("recv"))
+        done.add((r, c, s))
+        pos[r] += 1
+    for e in sim.engines:
+        e.check_error()
+    for c, (xs, ids, ws) in enumerate(inputs):
+        ref, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
+        for r in range(world):
+            assert torch.equal(got[r, c][1], ref[r].output), f"call {c} rank {r}: rows differ"
+            assert torch.equal(got[r, c][2], ref[r].weights), f"call {c} rank {r}: weights differ"
+        ys = [got[r, c][3] for r in range(world)]
+        _check_combine([got[r, c][4] for r in range(world)], ys, ids, scat, experts, torch.bfloat16)
+
+
+@cpu_only
 def test_low_latency_arguments_checked() -> None:
     """More tokens than ``max_tokens``, rows wider than the slots, a combine of a dispatch that a later
     one replaced, combine rows too wide for the slots: clear errors before any launch."""

@@ -1296,6 +1296,7 @@ def test_low_latency_layer_against_reference(group, mode):
             assert torch.equal(desc.num_recv_tokens_per_expert.cpu(), ref[rank].num_recv_tokens_per_expert)
             ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in ref]
             got = layer.combine(ys[rank].to(dev), desc).cpu()
+            layer.check_errors()  # (a wait that ran out names the rank before the values are compared)
             want = combine_ref([y.float() for y in ys], ids, scat, num_tot_experts=experts)[rank]
             mag = combine_ref([y.float().abs() for y in ys], ids, scat, num_tot_experts=experts)[rank]
             assert bool(((got.float() - want).abs() <= COMBINE_RTOL[torch.bfloat16] * mag + 1e-30).all())
@@ -1320,6 +1321,7 @@ def test_low_latency_layer_against_reference(group, mode):
             w.copy_(ws[rank])
             graph.replay()
             torch.cuda.synchronize()
+            layer.check_errors()
             ref, scat = refs(xs, ids, ws)
             rows = int(d.num_recv_rows)
             assert rows == ref[rank].output.shape[0]

@@ -184,24 +184,33 @@ def _store_relaxed_sys(ptrs, vals, m, GPU: tl.constexpr):
 def _spin_epoch(ptrs, m, ep, err, timeout, USE_TIMER: tl.constexpr):
     """Poll the packed words at ``ptrs`` (acquire, system scope) until every one under ``m`` carries
     epoch ``ep`` or later in its high half, the bound runs out, or ``err`` is nonzero. Returns the words
-    last read and the mask of those still stale (the caller names the missing peer).
+    and the mask of those still stale (the caller names the missing peer).
 
-    The loads run in every thread that holds an element, replicas included: where the words are
-    replicated across warps (fewer words than threads), each warp leaves the loop on its own reads.
-    Those agree: a word that carries epoch ``ep`` keeps its value until the rank has finished this call
-    (the next call writes the other parity), so every warp that saw all words fresh read the same
-    values. Only a warp whose bound ran out sees otherwise, and it records the timeout."""
+    Where the words are fewer than the CTA's threads, each is held (and loaded) by several threads, and
+    the loop's exit is decided for the whole CTA by a reduction over one of those copies: a thread whose
+    copy was loaded just before a word landed would go on with the older word (the counts of the call
+    two before, or a peer taken for late although it signalled), and the CTA's later reductions and
+    layout changes would mix both. So once the decision says every word is fresh, every thread loads
+    the words once more: those loads all return the same values, since a word that carries epoch ``ep``
+    keeps its value until this rank has finished the call. The bound is decided by the same reduction
+    (the largest over the CTA), so every thread leaves in the same poll."""
     v = _load_acquire_sys(ptrs, m, USE_TIMER)
     stale = ((v >> 32) < ep) & m
     start = _now(USE_TIMER)
     elapsed = tl.full([], 0, tl.int64)
-    while (tl.sum(stale.to(tl.int32)) > 0) & (elapsed < timeout) & (err == 0):
+    # 2 while a word is stale, + 1 once the bound ran out: one decision for every thread
+    wait = tl.max(stale.to(tl.int32) * 2 + (elapsed >= timeout).to(tl.int32))
+    while (wait == 2) & (err == 0):
         v = _load_acquire_sys(ptrs, m, USE_TIMER)
         stale = ((v >> 32) < ep) & m
         if USE_TIMER:
             elapsed = _now(USE_TIMER) - start
         else:
             elapsed += 1
+        wait = tl.max(stale.to(tl.int32) * 2 + (elapsed >= timeout).to(tl.int32))
+    if wait < 2:
+        v = _load_acquire_sys(ptrs, m, USE_TIMER)
+        stale = ((v >> 32) < ep) & m
     return v, stale
 
 
