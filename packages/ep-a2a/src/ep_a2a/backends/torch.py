@@ -197,6 +197,8 @@ class _CountsBoard:
                 spins += 1
                 if spins > 1000:
                     time.sleep(_COLD_POLL_S)
+                else:  # (a peer that shares this core computes its counts meanwhile)
+                    os.sched_yield()
         np.bitwise_and(rows, _VALUE_MASK, out=out)
 
     def close(self) -> None:
