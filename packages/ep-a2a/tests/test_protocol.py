@@ -240,3 +240,47 @@ def run_board(rank: int, world: int) -> str:
 @pytest.mark.parametrize("world", [2, 3], ids=["gloo-2", "gloo-3"])
 def test_operation_board_names_misordered_ranks(world: int) -> None:
     assert run_local(f"{__file__}:run_board", world, timeout_s=100) == ["ok"] * world
+
+
+def run_counts_board(rank: int, world: int) -> str:
+    """The torch backend's counts board over 2-3 local processes: every rank reads every rank's row of
+    each call, also when the calls outnumber the ring's slots; a rank that never publishes its row is
+    named by the others' ``EPTimeoutError``; a value keeps its 24 bits."""
+    import time
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from ep_a2a import EPTimeoutError
+    from ep_a2a._dist import RankMonitor
+    from ep_a2a.backends.torch import _CountsBoard
+
+    monitor = RankMonitor(dist.group.WORLD, 60.0)  # (construction checks in through the store)
+    board = _CountsBoard(monitor, 5)
+    assert board.ready
+    board.timeout_s = 1.0
+    out = np.zeros((world, 5), dtype=np.int64)
+    for call in range(20):
+        board.write(call, np.arange(5, dtype=np.int64) + 1000 * rank + call + (1 << 24) - 1 - 5000)
+        board.read(call, out, "dispatch/counts")
+        want = np.arange(5)[None, :] + 1000 * np.arange(world)[:, None] + call + (1 << 24) - 1 - 5000
+        assert (out == want).all(), (call, out)
+        dist.barrier()  # (a rank reads call c before any rank writes call c + 8)
+    if rank != world - 1:
+        board.write(20, np.zeros(5, dtype=np.int64))
+        t0 = time.monotonic()
+        with pytest.raises(EPTimeoutError) as late:
+            board.read(20, out, "dispatch/counts")
+        assert late.value.missing_ranks == [world - 1]
+        assert late.value.step == "dispatch/counts"
+        assert time.monotonic() - t0 < 5
+    dist.barrier()
+    board.close()
+    monitor.destroy()
+    return "ok"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3], ids=["gloo-2", "gloo-3"])
+def test_counts_board_reads_every_rank_and_names_a_missing_one(world: int) -> None:
+    assert run_local(f"{__file__}:run_counts_board", world, timeout_s=100) == ["ok"] * world

@@ -1,8 +1,8 @@
 """Portable backend: ``torch.distributed`` collectives only (NCCL on GPUs, gloo on CPUs).
 
-Dispatch sends each token once per destination rank (not once per expert), in two collectives: one
-fixed-size exchange of counts (which also carries the number of out-of-range expert ids, so a bad call
-stops on every rank before any row moves), then one ``all_to_all_single`` of packed byte rows, one per
+Dispatch sends each token once per destination rank (not once per expert). It opens with a fixed-size
+exchange of counts (which also carries the number of out-of-range expert ids, so a bad call stops on
+every rank before any row moves), then makes one ``all_to_all_single`` of packed byte rows, one per
 (token, destination rank): the token row, the expert of each of its slots and its weights. The receiver
 expands them locally: one stable sort of the received slots by local expert gives its output order
 (local expert, source rank, token, slot), and one gather of rows gives the output. The host waits once,
@@ -19,31 +19,39 @@ dropped slots) and sums it in float32 in slot order. With ``enable_local_combine
 first sums, the same way, the rows that belong to one (source rank, token) and sends one row per
 (token, destination rank) in the row dtype (fewer bytes, one extra rounding of each partial sum).
 
-On one host every operation first records on the operation board (a few words per rank in host
-shared memory, as the Triton backend keeps them) which operation it starts and waits until every peer
-started the same one, so ranks that call operations in different orders all raise :class:`ep_a2a.EPProtocolError`
-before any message, and combine needs no exchange of its own. Dispatch and barrier (and, across hosts,
-combine) open with the same fixed-size exchange headed by the operation and its call number
-(dispatch's counts ride in it), so that across hosts misordered ranks see each other's headers and
-raise the same error before any variable-sized message. On an NCCL group the exchange is one
-all-gather on the device (one row per rank, no per-peer messages); its host copy is awaited (bounded
-by ``timeout_s``) where the host needs it: at once in dispatch (the counts size the payload), and only
-after everything else is queued in a combine across hosts. On a gloo group every exchange runs on a
-gloo side group with the layer's timeout. ``tuning`` and ``use_aot`` are ignored here: there are no
-kernels to compile, and NCCL picks its own channels.
+On one host every operation records on the operation board (a few words per rank in host shared
+memory, as the Triton backend keeps them) which operation it starts, and before its first message
+waits until every peer started the same one, so ranks that call operations in different orders all
+raise :class:`ep_a2a.EPProtocolError` before any message, and combine needs no exchange of its own.
+There dispatch's counts need no collective either: each rank copies its row to the host and publishes
+it on the counts board (:class:`_CountsBoard`, host shared memory), checks the operation board, and
+reads the peers' rows. Across hosts dispatch and barrier (and combine) open with the same fixed-size
+exchange headed by the operation and its call number (dispatch's counts ride in it), so that
+misordered ranks see each other's headers and raise the same error before any variable-sized message.
+On an NCCL group that exchange is one all-gather on the device (one row per rank, no per-peer
+messages); its host copy is awaited (bounded by ``timeout_s``) where the host needs it: at once in
+dispatch (the counts size the payload), and only after everything else is queued in combine. On a gloo
+group every exchange runs on a gloo side group with the layer's timeout. ``tuning`` and ``use_aot`` are
+ignored here: there are no kernels to compile, and NCCL picks its own channels.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ep_a2a._dist import EPProtocolError, OpBoard, RankMonitor, group_device
+from ep_a2a._dist import EPProtocolError, EPTimeoutError, OpBoard, RankMonitor, group_device
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
@@ -53,6 +61,10 @@ _OPS = {"dispatch": 1, "combine": 2, "combine_per_slot": 3, "barrier": 4}
 _OP_NAMES = {code: name for name, code in _OPS.items()}
 _HOT_POLL_S = 0.02
 _COLD_POLL_S = 5e-5
+#: low bits of a counts-board word that hold the value; the bits above hold the operation's number
+_VALUE_BITS = 24
+_VALUE_MASK = (1 << _VALUE_BITS) - 1
+_COUNT_SLOTS = 8
 
 
 @dataclass
@@ -103,6 +115,8 @@ class _Tables:
     row_np: np.ndarray
     rows_host: torch.Tensor  # [world * (2 + width)] int64 on the host (pinned on CUDA)
     rows_np: np.ndarray  # [world, 2 + width] its numpy view
+    mine_host: torch.Tensor  # [2 + width] this rank's row of rows_host (a view)
+    no_bins: torch.Tensor  # [E + 3] int64 zeros on the device
     up_host: torch.Tensor  # [upload] int64 on the host (pinned on CUDA), numpy view below
     up_np: np.ndarray
     done: torch.cuda.Event | None  # recorded after each header's copy to the host (CUDA)
@@ -114,10 +128,144 @@ class _Tables:
     layouts: dict[tuple, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
-def _sum_slots(rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int) -> torch.Tensor:
-    """``rows[i]`` placed at flat position ``pos[i]`` of a zero ``[groups, width, C]`` grid, summed over
-    ``width`` in float32 in order (what :func:`ep_a2a.reference.combine_ref` does per token)."""
-    grid = rows.new_zeros(groups * width, rows.shape[1])
+class _CountsBoard:
+    """Every rank's dispatch counts (the opening row), in host shared memory, for the ranks of one host.
+
+    One file, ``[8 slots, world, width]`` int64: for the operation numbered ``call`` on the operation
+    board, rank ``r`` writes its row into row ``r`` of slot ``call % 8``, each word ``(call << 24) |
+    value``. A reader takes the slot once every word carries the call it waits for. Each word is 8
+    aligned bytes, stored and loaded whole (single-copy atomic on x86-64 and AArch64, element by element
+    in vector accesses too), so a half-written row is never taken whatever order the words become
+    visible in, and no fence is needed. A slot is written again 8 operations later, when every peer has
+    read it (no rank starts an operation on the board before every peer started the one before).
+
+    Construction is collective; :attr:`ready` says (the same on every rank) whether every rank mapped
+    the file.
+    """
+
+    def __init__(self, monitor: RankMonitor, width: int) -> None:
+        self.rank, self.world, self.timeout_s = monitor.rank, monitor.world_size, monitor.timeout_s
+        shape = (_COUNT_SLOTS, self.world, width)
+        self.table: np.ndarray | None = None
+        path = ""
+        if self.rank == 0:
+            name = f"ep_a2a{monitor.prefix.replace('/', '_')}-counts-p{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            for folder in ("/dev/shm", tempfile.gettempdir()):
+                with contextlib.suppress(OSError):
+                    table = np.memmap(os.path.join(folder, name), dtype=np.int64, mode="w+", shape=shape)
+                    table[:] = -1  # (a tag no call has)
+                    table.flush()
+                    self.table, path = table.view(np.ndarray), os.path.join(folder, name)
+                    break
+        path = monitor.checkin("torch/counts", path)[0]
+        if self.rank and path:
+            with contextlib.suppress(OSError, ValueError):
+                self.table = np.memmap(path, dtype=np.int64, mode="r+", shape=shape).view(np.ndarray)
+        self.ready = all(
+            v == "1" for v in monitor.checkin("torch/counts-ok", "1" if self.table is not None else "0")
+        )
+        if self.rank == 0 and path:  # every rank mapped it or gave up: the mappings outlive the name
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def write(self, call: int, values: np.ndarray) -> None:
+        """Publish this rank's row ``values`` ``[width]`` (each in ``[0, 2**24)``) for ``call``."""
+        assert self.table is not None
+        np.bitwise_or(values, call << _VALUE_BITS, out=self.table[call % _COUNT_SLOTS, self.rank])
+
+    def read(self, call: int, out: np.ndarray, step: str) -> None:
+        """Wait until every rank published its row for ``call`` and copy them into ``out`` ``[world,
+        width]``.
+
+        Raises:
+            EPTimeoutError: a rank did not publish within ``timeout_s`` (named).
+        """
+        assert self.table is not None
+        rows = self.table[call % _COUNT_SLOTS]
+        if not (np.right_shift(rows, _VALUE_BITS) == call).all():
+            deadline, spins = time.monotonic() + self.timeout_s, 0
+            while not (np.right_shift(rows, _VALUE_BITS) == call).all():
+                if time.monotonic() > deadline:
+                    fresh = (np.right_shift(rows, _VALUE_BITS) == call).all(1)
+                    missing = [r for r in range(self.world) if not fresh[r]]
+                    raise EPTimeoutError(
+                        f"ep_a2a: rank {self.rank} waited {self.timeout_s:g}s at step {step!r} (call #{call}) "
+                        f"for the counts of rank(s) {missing}",
+                        step=step,
+                        missing_ranks=missing,
+                    )
+                spins += 1
+                if spins > 1000:
+                    time.sleep(_COLD_POLL_S)
+        np.bitwise_and(rows, _VALUE_MASK, out=out)
+
+    def close(self) -> None:
+        self.table = None
+
+
+class _Deferred:
+    """An attribute of :class:`_TorchLayoutDesc` computed by its :class:`_Recipe` the first time it is read."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_deferred_{name}"
+
+    def __get__(self, obj: object, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.slot]
+        if isinstance(value, _Recipe):
+            value = obj.__dict__[self.slot] = value()
+        return value
+
+    def __set__(self, obj: object, value: Any) -> None:
+        obj.__dict__[self.slot] = value
+
+
+class _Recipe:
+    """``fn(*args)``, called once by :class:`_Deferred`."""
+
+    __slots__ = ("args", "fn")
+
+    def __init__(self, fn: Callable[..., torch.Tensor], *args: Any) -> None:
+        self.fn, self.args = fn, args
+
+    def __call__(self) -> torch.Tensor:
+        return self.fn(*self.args)
+
+
+class _TorchLayoutDesc(EPAllToAllLayoutDesc):
+    """The torch backend's descriptor: ``token_dst_scatter_idx`` and ``skipped_token_topk_mapping_indices``
+    are computed (one gather or scatter each, from tensors the descriptor keeps) when first read;
+    combine needs neither."""
+
+    token_dst_scatter_idx = _Deferred()  # type: ignore[assignment]
+    skipped_token_topk_mapping_indices = _Deferred()  # type: ignore[assignment]
+
+
+def _receiver_rows(
+    base: torch.Tensor, bins: torch.Tensor, slot_flat: torch.Tensor, iota: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Each slot's row at its receiver ``[n, topk]``: its bin's first row there minus my first slot of
+    the bin (``base``, int32 per bin, -1 for the bins of no expert), plus its place among my slots
+    sorted by bin (``slot_flat``: my kept slots in that order, ``iota``: their places)."""
+    scatter = base[bins]
+    scatter.view(-1).index_add_(0, slot_flat, iota)
+    return scatter if dtype == torch.int32 else scatter.to(dtype)
+
+
+def _first_same_rank(first: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """``first[t, dest[t, k]]``: the first slot of each slot's token on the slot's rank."""
+    return first.gather(1, dest)
+
+
+def _sum_slots(
+    rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int, grid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``rows[i]`` placed at flat position ``pos[i]`` of a zero ``[groups, width, C]`` grid (``grid``: that
+    grid, zeroed by the caller), summed over ``width`` in float32 in order (what
+    :func:`ep_a2a.reference.combine_ref` does per token)."""
+    if grid is None:
+        grid = rows.new_zeros(groups * width, rows.shape[1])
     grid.index_copy_(0, pos, rows)
     return grid.view(groups, width, rows.shape[1]).sum(1, dtype=torch.float32)
 
@@ -184,6 +332,15 @@ class TorchBackend(A2ABackend):
                 board.close()
         #: whether combine can go without a header (every peer checked on the board, or no peer)
         self._no_combine_header = self.board is not None or self.world_size == 1
+        #: on one host, dispatch's counts travel through host shared memory (no header exchange): the
+        #: board's wait for them is the only one; each count must fit the board's 24-bit values
+        self.counts: _CountsBoard | None = None
+        if self.board is not None and config.max_tokens * config.topk <= _VALUE_MASK:
+            counts = _CountsBoard(self.monitor, self._width)
+            if counts.ready:
+                self.counts = counts
+            else:
+                counts.close()
 
     @classmethod
     def is_available(cls, config: EPConfig, ep_group: dist.ProcessGroup) -> tuple[bool, str]:
@@ -227,6 +384,8 @@ class TorchBackend(A2ABackend):
                 row_np=row_host.numpy(),
                 rows_host=rows_host,
                 rows_np=rows_host.numpy().reshape(world, width),
+                mine_host=rows_host[self.rank * width : (self.rank + 1) * width],
+                no_bins=torch.zeros(E + 3, dtype=torch.int64, device=dev),
                 up_host=up_host,
                 up_np=up_host.numpy(),
                 done=torch.cuda.Event() if cuda else None,
@@ -259,9 +418,19 @@ class TorchBackend(A2ABackend):
             EPProtocolError: a peer is in another operation (every rank raises, before any message).
             EPTimeoutError: a peer did not start an operation within ``timeout_s`` (named).
         """
-        if self.board is None:
-            return
-        call = self.board.publish(op)
+        if self.board is not None:
+            self._await(self._publish(op), op, step)
+
+    @torch.compiler.disable
+    def _publish(self, op: str) -> int:
+        """Record on the board that this rank starts ``op``; returns the operation's number there."""
+        assert self.board is not None
+        return self.board.publish(op)
+
+    @torch.compiler.disable
+    def _await(self, call: int, op: str, step: str) -> None:
+        """Wait on the board until every peer started ``op`` as its operation ``call`` (see :meth:`_start`)."""
+        assert self.board is not None
         try:
             self.board.wait(call, op, step)
         except EPProtocolError:
@@ -318,6 +487,30 @@ class TorchBackend(A2ABackend):
             )
         return rows
 
+    def _board_counts(self, c: _Tables, call: int, n: int) -> np.ndarray:
+        """Dispatch's opening exchange on one host: wait for this rank's counts on the host, publish
+        them on the counts board, check on the operation board that every peer is in this dispatch
+        (before any message), and wait for the peers' counts. Returns every rank's row ``[world, 2 +
+        width]`` (columns after the first two, as the header exchange gives them).
+
+        Raises:
+            EPProtocolError: a peer is in another operation (every rank raises, before any message).
+            EPTimeoutError: a peer did not arrive within ``timeout_s`` (named).
+        """
+        assert self.counts is not None
+        step = "dispatch/counts"
+        if c.done is not None:
+            with self.monitor.guard(step):
+                _wait(c.done, self.timeout_s)
+        else:
+            _wait(None, self.timeout_s)  # (the counts are on the host already)
+        rows = c.rows_np
+        rows[self.rank, 2] = n
+        self.counts.write(call, rows[self.rank, 2:])
+        self._await(call, "dispatch", step)
+        self.counts.read(call, rows[:, 2:], step)
+        return rows
+
     def _exchange(
         self, step: str, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     ) -> torch.Tensor:
@@ -351,6 +544,8 @@ class TorchBackend(A2ABackend):
         n, K, world, L, E = input.shape[0], cfg.topk, self.world_size, self.e_local, cfg.num_tot_experts
         dev = input.device
         c = self._consts(dev)
+        # on one host: tell the peers at once which operation this is (they check it before any message)
+        call = self._publish("dispatch") if self.counts is not None else -1
         fsi = full_scatter_indices
         caller_rows = fsi is not None
         # bin of each slot: 0 an id below -1, 1 dropped (-1), 2 + e expert e, E + 2 an id of E or more
@@ -363,15 +558,25 @@ class TorchBackend(A2ABackend):
         first = per_n[0].scatter_reduce(1, dest, per_n[1], "amin")
         present = first[:, :world] < K  # [n, world] token t sends a row to rank d
 
-        # the opening exchange, the same row to every rank: (op, call, my token count, my rows for each
-        # rank, my slots per bin); the per-expert matrix lets each source place its slots without a
-        # round trip, and the out-of-range bins stop a bad call on every rank before any payload
-        self._start("dispatch", "dispatch/counts")
-        row = self._head(c, "dispatch", n)
-        torch.sum(present, 0, out=c.row_counts)
+        # the opening exchange, the same row from every rank: (op, call, my token count, my rows for
+        # each rank, my slots per bin); the per-expert matrix lets each source place its slots without
+        # a round trip, and the out-of-range bins stop a bad call on every rank before any payload. On
+        # one host the counts go to the host and through shared memory; else in a header exchange
         flat_bins = bins.view(-1)
-        c.row_bins.index_add_(0, flat_bins, per_n[2])
-        header = self._open(c, "dispatch", "dispatch/counts", row)
+        header = None
+        if self.counts is not None:
+            self._calls += 1
+            torch.sum(present, 0, out=c.row_counts)
+            torch.index_add(c.no_bins, 0, flat_bins, per_n[2], out=c.row_bins)
+            c.mine_host.copy_(c.row, non_blocking=True)
+            if c.done is not None:
+                c.done.record()
+        else:
+            self._start("dispatch", "dispatch/counts")
+            row = self._head(c, "dispatch", n)
+            torch.sum(present, 0, out=c.row_counts)
+            c.row_bins.index_add_(0, flat_bins, per_n[2])
+            header = self._open(c, "dispatch", "dispatch/counts", row)
 
         # what the payload needs and the counts do not decide runs while they travel: the token of each
         # row, by (destination rank, token), and every token's packed row: token | expert bin of each
@@ -389,15 +594,29 @@ class TorchBackend(A2ABackend):
                 if pads[i]:
                     parts.insert(i, c.zeros[:n, : pads[i]])
         packed = torch.cat(parts, 1)
+        # (local work the counts do not decide, queued before their wait as well) my slots in the order
+        # combine returns them, before the cut at the counts: by bin, or by (receiver, caller's row);
+        # the first slot of each slot's token on its rank
+        if scatter is None:
+            slot_order = torch.sort(flat_bins, stable=True).indices
+        else:
+            key = torch.where(
+                dest < world,
+                dest * (world * cfg.max_tokens * K) + scatter,
+                world * world * cfg.max_tokens * K,
+            )
+            slot_order = torch.sort(key.flatten(), stable=True).indices
 
-        rows = self._check(header)
+        rows = self._check(header) if header is not None else self._board_counts(c, call, n)
         if self.validate and rows[:, c.low : c.high + 1 : c.high - c.low].any():
             self._raise_bad_ids(rows, exp_indices)
         send_counts = rows[me, 3 : 3 + world].tolist()
         recv_counts = rows[:, 3 + me].tolist()
         num_sent = sum(send_counts)
         send_token = pairs[:num_sent, 1]
-        recv = self._exchange("dispatch/payload", packed[send_token], send_counts, recv_counts)
+        recv = self._exchange(
+            "dispatch/payload", packed.index_select(0, send_token), send_counts, recv_counts
+        )
 
         # what the counts decide, computed on the host while the payload travels and uploaded at once
         # (see _plan): rows per local expert, receive boundaries, combine's row table, and each bin's
@@ -426,7 +645,7 @@ class TorchBackend(A2ABackend):
             back_flat = inv[:num_rows]
             recv_expert = torch.take(r_key, back_flat)
         out_row = back_flat // K
-        output = recv[:, : input.shape[1] * input.element_size()].view(input.dtype)[out_row]
+        output = recv[:, : input.shape[1] * input.element_size()].view(input.dtype).index_select(0, out_row)
         out_weights = None
         if weight is not None:
             wo = offsets[2]
@@ -439,22 +658,23 @@ class TorchBackend(A2ABackend):
         nb, sl = L + world - 1, L + world - 1 + 2 * E - 1
         back_row = None
         if scatter is None:
-            slot_flat = torch.sort(flat_bins, stable=True).indices[dropped_first : dropped_first + num_slots]
-            scatter = up_dev[sl:].view(torch.int32)[bins]  # (-1 on the bins of no expert)
-            scatter.view(-1).index_add_(0, slot_flat, c.iota32[dropped_first : dropped_first + num_slots])
+            slot_flat = slot_order[dropped_first : dropped_first + num_slots]
+            receiver_rows: torch.Tensor | _Recipe = _Recipe(
+                _receiver_rows,
+                up_dev[sl:].view(torch.int32),
+                bins,
+                slot_flat,
+                c.iota32[dropped_first : dropped_first + num_slots],
+                cfg.offset_dtype,
+            )
             if not self.enable_local_combine:  # (whose combine sends partial sums instead)
                 # output rows run by (local expert, source rank), combine's by (source rank, local
                 # expert): row q of segment (s, l) in combine's order is output row q + table[s, l]
                 q = c.iota[:num_rows]
                 back_row = q + up_dev[nb : nb + E][torch.bucketize(q, up_dev[nb + E : sl], right=True)]
         else:
-            key = torch.where(
-                dest < world,
-                dest * (world * cfg.max_tokens * K) + scatter,
-                world * world * cfg.max_tokens * K,
-            )
-            slot_flat = torch.sort(key.flatten(), stable=True).indices[:num_slots]
-        skip = first.gather(1, dest)
+            slot_flat = slot_order[:num_slots]
+            receiver_rows = scatter if cfg.offset_dtype == torch.int32 else scatter.to(cfg.offset_dtype)
         send_pos = None
         if self.enable_local_combine:
             send_pos = torch.add(pairs[:num_sent, 0], send_token, alpha=world)
@@ -472,16 +692,14 @@ class TorchBackend(A2ABackend):
             back_counts=back_counts,
             back_row=back_row,
         )
-        desc = EPAllToAllLayoutDesc(
+        desc = _TorchLayoutDesc(
             num_dispatch_token_cur_rank=n,
             num_input_tokens_per_rank=torch.from_numpy(rows[:, 2].copy()),
             send_reqs_recv_tensor=None,
             topk_indices_tensor=exp_indices,
-            token_dst_scatter_idx=scatter
-            if cfg.offset_dtype == torch.int32
-            else scatter.to(cfg.offset_dtype),
+            token_dst_scatter_idx=receiver_rows,  # type: ignore[arg-type]
             skipped_token_mapping_indices=None,
-            skipped_token_topk_mapping_indices=skip,
+            skipped_token_topk_mapping_indices=_Recipe(_first_same_rank, first, dest),  # type: ignore[arg-type]
             num_recv_tokens_per_expert=up_dev[:L],
             num_recv_tokens_per_rank=torch.from_numpy(back),
             num_recv_rows=num_rows,
@@ -561,35 +779,44 @@ class TorchBackend(A2ABackend):
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        header = self._open_combine("combine")
+        call, header = self._open_combine("combine")
         state: _TorchState = layout_desc.backend_state
         n, topk, world = layout_desc.num_dispatch_token_cur_rank, self.config.topk, self.world_size
         if self.enable_local_combine:
             # expert side: sum the rows of one (source rank, token) in float32, in slot order, and send
             # one row per (token, destination rank) in the row dtype
             partial = _sum_slots(input, state.back_flat, sum(state.recv_counts), topk).to(input.dtype)
+            self._opened("combine", call)
             rows = self._exchange(
                 "combine", partial.view(torch.uint8), state.recv_counts, state.send_counts
             ).view(input.dtype)
             assert state.send_pos is not None
             out = _sum_slots(rows, state.send_pos, n, world)
         else:
-            rows = self._reverse(input[_back_row(state)], state)
-            out = _sum_slots(rows, state.slot_flat, n, topk)
+            send = input.index_select(0, _back_row(state))
+            grid = input.new_zeros(n * topk, input.shape[1])  # (local work, before the peers' check)
+            self._opened("combine", call)
+            rows = self._reverse(send, state)
+            out = _sum_slots(rows, state.slot_flat, n, topk, grid)
         out = out.to(input.dtype)
         if header is not None:
             self._check(header)  # (after everything is queued: the wait holds up no device work)
         return out
 
-    def _open_combine(self, op: str) -> _Header | None:
-        """A combine's protocol check: on the board (or with no peer) before anything is queued, else the
-        header exchange, awaited once everything is queued (returned)."""
+    def _open_combine(self, op: str) -> tuple[int, _Header | None]:
+        """A combine's protocol check: on the board (one host), published here and awaited by
+        :meth:`_opened` before the first message (the call number is returned; -1 with no peer); else
+        the header exchange, awaited once everything is queued (returned)."""
         if self._no_combine_header:
-            self._start(op, "combine")
             self._calls += 1
-            return None
+            return (self._publish(op) if self.board is not None else -1), None
         c = self._consts(self.device)
-        return self._open(c, op, "combine", self._head(c, op))
+        return -1, self._open(c, op, "combine", self._head(c, op))
+
+    def _opened(self, op: str, call: int) -> None:
+        """Before a combine's first message: every peer started the same operation (on the board)."""
+        if call >= 0:
+            self._await(call, op, "combine")
 
     def _reverse(self, rows: torch.Tensor, state: _TorchState) -> torch.Tensor:
         """Send per-(received row, slot) values ``[Mr, C]`` back: ``[M, C]`` in ``slot_flat`` order."""
@@ -598,10 +825,12 @@ class TorchBackend(A2ABackend):
         return recv.view(rows.dtype)
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
-        header = self._open_combine("combine_per_slot")
+        call, header = self._open_combine("combine_per_slot")
         state: _TorchState = layout_desc.backend_state
         n, topk, width = layout_desc.num_dispatch_token_cur_rank, self.config.topk, input.shape[1]
-        rows = self._reverse(input[_back_row(state)], state)
+        send = input.index_select(0, _back_row(state))
+        self._opened("combine_per_slot", call)
+        rows = self._reverse(send, state)
         out = torch.zeros(n * topk, width, dtype=input.dtype, device=input.device)
         out[state.slot_flat] = rows
         if header is not None:
@@ -621,6 +850,8 @@ class TorchBackend(A2ABackend):
         self.monitor.checkin("barrier/node", "1", ranks=range(node * lws, (node + 1) * lws))
 
     def finalize(self) -> None:
+        if self.counts is not None:
+            self.counts.close()
         if self.board is not None:
             self.board.close()
         self.monitor.destroy()
