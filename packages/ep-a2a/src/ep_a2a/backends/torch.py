@@ -616,9 +616,7 @@ class TorchBackend(A2ABackend):
         recv_counts = rows[:, 3 + me].tolist()
         num_sent = sum(send_counts)
         send_token = pairs[:num_sent, 1]
-        recv = self._exchange(
-            "dispatch/payload", packed.index_select(0, send_token), send_counts, recv_counts
-        )
+        recv = self._exchange("dispatch/payload", packed[send_token], send_counts, recv_counts)
 
         # what the counts decide, computed on the host while the payload travels and uploaded at once
         # (see _plan): rows per local expert, receive boundaries, combine's row table, and each bin's
@@ -647,7 +645,7 @@ class TorchBackend(A2ABackend):
             back_flat = inv[:num_rows]
             recv_expert = torch.take(r_key, back_flat)
         out_row = back_flat // K
-        output = recv[:, : input.shape[1] * input.element_size()].view(input.dtype).index_select(0, out_row)
+        output = recv[:, : input.shape[1] * input.element_size()].view(input.dtype)[out_row]
         out_weights = None
         if weight is not None:
             wo = offsets[2]
@@ -795,7 +793,7 @@ class TorchBackend(A2ABackend):
             assert state.send_pos is not None
             out = _sum_slots(rows, state.send_pos, n, world)
         else:
-            send = input.index_select(0, _back_row(state))
+            send = input[_back_row(state)]
             grid = input.new_zeros(n * topk, input.shape[1])  # (local work, before the peers' check)
             self._opened("combine", call)
             rows = self._reverse(send, state)
@@ -830,7 +828,7 @@ class TorchBackend(A2ABackend):
         call, header = self._open_combine("combine_per_slot")
         state: _TorchState = layout_desc.backend_state
         n, topk, width = layout_desc.num_dispatch_token_cur_rank, self.config.topk, input.shape[1]
-        send = input.index_select(0, _back_row(state))
+        send = input[_back_row(state)]
         self._opened("combine_per_slot", call)
         rows = self._reverse(send, state)
         out = torch.zeros(n * topk, width, dtype=input.dtype, device=input.device)
