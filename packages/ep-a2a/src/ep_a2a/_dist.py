@@ -206,6 +206,29 @@ class RankMonitor:
             self.side_group = None
 
 
+def create_shared_words(name: str, shape: tuple[int, ...]) -> tuple[str, np.memmap]:
+    """A new int64 array of ``shape`` filled with -1 (a tag no call has), in a file ``name`` in host shared
+    memory (``/dev/shm``) where there is any, else in the temp folder. Returns the file's path and its
+    mapping (other processes map the path).
+
+    Raises:
+        OSError: neither folder takes the file.
+    """
+    folders = [f for f in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(f)]
+    for i, folder in enumerate(folders):
+        path = os.path.join(folder, name)
+        try:
+            words = np.memmap(path, dtype=np.int64, mode="w+", shape=shape)
+        except OSError:
+            if i == len(folders) - 1:
+                raise
+            continue
+        words[:] = -1
+        words.flush()
+        return path, words
+    raise OSError(f"ep_a2a: no folder for the shared file {name!r}")
+
+
 #: operation codes of :class:`OpBoard` words
 BOARD_OPS = {
     "dispatch": 1, "combine": 2, "combine_per_slot": 3, "barrier": 4, "dispatch_static": 5, "combine_static": 6,
@@ -231,17 +254,7 @@ class OpBoard:
         self.timeout_s = monitor.timeout_s
         tag = monitor.prefix.replace("/", "_")
         name = f"ep_a2a{tag}-r{self.rank}-p{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        folders = [f for f in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(f)]
-        for i, folder in enumerate(folders):  # (shared memory where there is any, else the temp folder)
-            self.path = os.path.join(folder, name)
-            try:
-                self.mine = np.memmap(self.path, dtype=np.int64, mode="w+", shape=(_BOARD_SLOTS,))
-                break
-            except OSError:
-                if i == len(folders) - 1:
-                    raise
-        self.mine[:] = -1
-        self.mine.flush()
+        self.path, self.mine = create_shared_words(name, (_BOARD_SLOTS,))
         # (read and written through plain arrays over the mappings: a memmap's own indexing runs Python)
         self._mine = self.mine.view(np.ndarray)
         host = socket.gethostname()

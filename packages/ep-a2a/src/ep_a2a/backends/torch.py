@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -51,7 +50,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ep_a2a._dist import EPProtocolError, EPTimeoutError, OpBoard, RankMonitor, group_device
+from ep_a2a._dist import (
+    EPProtocolError,
+    EPTimeoutError,
+    OpBoard,
+    RankMonitor,
+    create_shared_words,
+    group_device,
+)
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
 from ep_a2a.config import EPConfig
 from ep_a2a.layout import EPAllToAllLayoutDesc
@@ -150,13 +156,9 @@ class _CountsBoard:
         path = ""
         if self.rank == 0:
             name = f"ep_a2a{monitor.prefix.replace('/', '_')}-counts-p{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            for folder in ("/dev/shm", tempfile.gettempdir()):
-                with contextlib.suppress(OSError):
-                    table = np.memmap(os.path.join(folder, name), dtype=np.int64, mode="w+", shape=shape)
-                    table[:] = -1  # (a tag no call has)
-                    table.flush()
-                    self.table, path = table.view(np.ndarray), os.path.join(folder, name)
-                    break
+            with contextlib.suppress(OSError):
+                path, table = create_shared_words(name, shape)
+                self.table = table.view(np.ndarray)
         path = monitor.checkin("torch/counts", path)[0]
         if self.rank and path:
             with contextlib.suppress(OSError, ValueError):
