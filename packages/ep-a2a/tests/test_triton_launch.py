@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -730,6 +731,176 @@ def test_eager_graphs_replay_repeated_combines(monkeypatch):
     be._combine(y, desc.backend_state, ids, 6)  # (combine_static's: no graph of its own)
     assert events == ["barrier", "launch"]
     assert be.graph_captures == 1
+
+
+def _combine_on_fake_kernels(monkeypatch):
+    """:func:`_backend_on_fake_kernels` whose combine launches, and replays of the CUDA graphs captured of
+    them, compute ``out = f(rows, n)`` (:func:`_fake_combine_sum`) from the tensors at the addresses they
+    are given (a replay: the addresses it was captured with), so a replay served to the wrong tensors
+    returns the wrong sums. Returns the backend, the launches (``events``) and the calls that left the
+    common-case path (``checked``)."""
+    from ep_a2a.backends.triton import backend as B
+    from ep_a2a.backends.triton.engine import BoundLaunch
+
+    be, _ = _backend_on_fake_kernels(monkeypatch, overlap_exact=True, rows=9, ring_rows=True)
+    eng = be.engine
+    be.eager_graphs = True
+    be.board.wait = lambda *a: None
+    events: list[str] = []
+    # rows and outputs by address (what a kernel would read), held weakly: the ring reuses an output
+    # only once nothing refers to it
+    at_address: dict[int, weakref.ref] = {}
+
+    def run(y: int, out: int, n: int) -> None:
+        at_address[out]().copy_(_fake_combine_sum(at_address[y](), n))
+
+    take = be.combine_outputs.take
+
+    def take_and_note(*a):
+        out = take(*a)
+        at_address[out.data_ptr()] = weakref.ref(out)
+        return out
+
+    def launch_bound(b, y, tab, ids, n_src, n, out, *, capturing=False):
+        events.append("capture" if capturing else "launch")
+        if not capturing:
+            run(y, out, n)
+
+    def launch_unbound(y, tab, ids, n_src, out, **kw):
+        events.append("unbound")
+        out.copy_(_fake_combine_sum(y, ids.shape[0]))
+
+    noop = BoundLaunch(lambda *a: None, (), (0,) * 6, ())
+    monkeypatch.setattr(be.combine_outputs, "take", take_and_note)
+    monkeypatch.setattr(eng, "bind_combine", lambda *a: noop)
+    monkeypatch.setattr(eng, "launch_combine_bound", launch_bound)
+    monkeypatch.setattr(eng, "launch_combine", launch_unbound)
+    monkeypatch.setattr(eng, "launch_barrier", lambda **kw: events.append("barrier"))
+    monkeypatch.setattr(B, "_launch_hooks_set", lambda: False)
+
+    class _Graph:
+        def __init__(self, at: tuple) -> None:
+            self.at = at
+
+        def launch(self, stream: int) -> None:
+            events.append("replay")
+            run(self.at[0], self.at[5], self.at[4])
+
+    def capture(bind, launch, graphs, at):
+        launch(bind(99))
+        be.graph_captures += 1
+        graphs[at] = _Graph(at)
+        return graphs[at]
+
+    monkeypatch.setattr(be, "_capture", capture)
+    checked: list[int] = []
+    slow = be._combine_checked
+    monkeypatch.setattr(be, "_combine_checked", lambda *a: checked.append(1) or slow(*a))
+
+    def note(y: torch.Tensor) -> torch.Tensor:
+        at_address[y.data_ptr()] = weakref.ref(y)
+        return y
+
+    be.note_rows = note
+    return be, events, checked
+
+
+def _fake_combine_sum(y: torch.Tensor, n: int) -> torch.Tensor:
+    """What the fake combine kernel writes: ``[n, hidden]`` rows that depend on every value of ``y`` and
+    on ``n`` (the float32 sum of the rows, plus ``n``)."""
+    return (y.float().sum(0) + n).expand(n, -1).to(y.dtype)
+
+
+def test_common_case_combine_replays_only_its_own_tensors(monkeypatch):
+    """The common-case combine (``combine_plain``, which ``combine`` takes for contiguous ``[rows,
+    hidden]`` rows): a dispatch's combine whose rows, descriptor and output repeat an earlier one's
+    replays its CUDA graph from the second call on, and returns what the launches return (the kernels
+    faked: every launch and replay computes from the tensors at its addresses); rows rewritten in place
+    are read afresh; rows at another address, another token count, graphs off launch (no stale graph);
+    a dispatch combined again and rows of another dtype leave the common case, with its errors."""
+    be, events, checked = _combine_on_fake_kernels(monkeypatch)
+    H = be.config.hidden
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    y = be.note_rows(torch.randn(9, H).to(torch.bfloat16))
+
+    def round_trip(rows: torch.Tensor, n: int = 6, *, plain: bool = True) -> torch.Tensor:
+        _, _, desc = be.dispatch(x[:n], ids[:n], w[:n], None)  # (the last one dropped: one workspace)
+        out = (be.combine_plain if plain else be.combine)(rows, desc)
+        got = out.clone()
+        out.fill_(float("nan"))  # (the ring hands it out again: the next combine must write every row)
+        return got
+
+    for i in range(4):
+        if i == 3:
+            y.copy_(torch.randn(9, H).to(torch.bfloat16))  # (new values, same address)
+        assert torch.equal(round_trip(y, plain=i % 2 == 0), _fake_combine_sum(y, 6)), f"call {i}"
+    assert events == ["launch", "capture", "replay", "replay", "replay"]
+    assert checked == [], "every call took the common-case path"
+    assert (be.graph_captures, be.graph_replays, be.combine_outputs.allocated) == (1, 3, 1)
+    events.clear()
+    y2 = be.note_rows(y.clone() * 2)
+    assert torch.equal(round_trip(y2), _fake_combine_sum(y2, 6)), "other rows: not the graph of y"
+    be.eager_graphs = False
+    assert torch.equal(round_trip(y), _fake_combine_sum(y, 6))
+    be.eager_graphs = True
+    assert events == ["launch", "launch"], "graphs off: the bound launch"
+    assert checked == []
+    events.clear()
+    _, _, desc = be.dispatch(x, ids, w, None)
+    first = be.combine_plain(y, desc).clone()
+    again = be.combine_plain(y, desc)  # (combined again: a barrier first, on the checked path)
+    assert torch.equal(first, again)
+    assert events == ["replay", "barrier", "replay"]
+    assert checked == [1]
+    with pytest.raises(ValueError, match="float type of at most 4 bytes"):
+        be.combine_plain(y.double(), desc)
+    assert checked == [1, 1]
+    del desc, again
+    with pytest.raises(ValueError, match="not produced by this triton backend"):
+        be.combine_plain(y, SimpleNamespace(backend_state=object(), num_dispatch_token_cur_rank=6))
+    events.clear()
+    assert torch.equal(round_trip(y, 3), _fake_combine_sum(y, 3)), "3 tokens: not the graph of 6"
+    assert events == ["launch"]
+
+
+def test_layer_hands_its_common_case_combine_to_combine_plain(monkeypatch):
+    """``EPLayer.combine`` passes rows of its common case (contiguous ``[num_recv_rows, hidden]`` on its
+    device, outside autograd) to the backend's ``combine_plain`` and anything else, once checked, to its
+    ``combine``; rows of another shape raise naming ``input`` before any communication."""
+    import ep_a2a.layer as layer_mod
+    from ep_a2a import EPLayer
+
+    be, events, checked = _combine_on_fake_kernels(monkeypatch)
+    calls: list[str] = []
+
+    def counted(name: str):
+        real = getattr(be, name)
+        return lambda *a: calls.append(name) or real(*a)
+
+    for name in ("combine", "combine_plain"):
+        monkeypatch.setattr(be, name, counted(name))
+    layer = object.__new__(EPLayer)
+    layer.config, layer._cuda_index = be.config, 0
+    layer.ctx = SimpleNamespace(backend=be, finalized=False, device=torch.device("cpu"))
+    # (the layer's CUDA device, as its CPU tensors report it here)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    H = be.config.hidden
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    y = be.note_rows(torch.randn(9, H).to(torch.bfloat16))
+    _, _, desc = be.dispatch(x, ids, w, None)
+    assert torch.equal(layer.combine(y, desc), _fake_combine_sum(y, 6))
+    assert calls == ["combine_plain"]
+    assert (events, checked) == (["launch"], [])
+    strided = torch.randn(H, 9).to(torch.bfloat16).t()  # ([9, H], not contiguous)
+    monkeypatch.setattr(layer_mod, "_dense", lambda t: be.note_rows(t.contiguous()))
+    _, _, desc = be.dispatch(x, ids, w, None)
+    calls.clear()
+    assert torch.equal(layer.combine(strided, desc), _fake_combine_sum(strided, 6))
+    assert calls[0] == "combine", "checked one step at a time, then densified"
+    calls.clear()
+    with pytest.raises(ValueError, match=r"input must have shape \[9, 64\]"):
+        layer.combine(y[:8], desc)
+    assert calls == []
 
 
 def _polling_backend(*, rank: int, wait_s: float, call: int, check):

@@ -266,11 +266,6 @@ class _Output:
     def refs(self) -> int:
         return sys.getrefcount(self.out)
 
-    def is_idle(self) -> bool:
-        """Whether no other tensor refers to the memory and nothing but the ring to this one."""
-        assert _storage_use_count is not None
-        return _storage_use_count(self.storage) == self.idle_storage and self.refs() == _Output.idle_refs
-
 
 class OutputRing:
     """Per CUDA stream, up to :data:`RING_SIZE` combine outputs of one shape and dtype (of at most
@@ -295,11 +290,14 @@ class OutputRing:
                 self._rings.clear()
             entry = self._rings[stream] = (shape, [])
         ring = entry[1]
+        use_count, idle_refs = _storage_use_count, _Output.idle_refs
         for held in ring:
+            assert use_count is not None  # (outputs are kept only where it exists)
             if held.out.requires_grad:  # (recorded by autograd as a function's output: forgotten)
                 ring.remove(held)
                 break
-            if held.is_idle():
+            # (idle: no other tensor refers to its memory, nothing but the ring to it)
+            if use_count(held.storage) == held.idle_storage and sys.getrefcount(held.out) == idle_refs:
                 return held.out
         out = torch.empty(rows, width, dtype=dtype, device=self.device)
         self.allocated += 1
