@@ -469,8 +469,8 @@ def test_workspace_rows_and_their_views(hold):
 @pytest.mark.parametrize("hold", ["output", "view", "none"])
 def test_combine_outputs_reused_only_when_nothing_refers_to_them(hold):
     """A combine output of the ring is handed out again only once nothing refers to it or its memory;
-    a ring keeps RING_SIZE outputs of one shape and dtype per stream (another shape starts it over),
-    and outputs larger than RING_OUTPUT_BYTES are allocated per call."""
+    a ring keeps RING_SIZE outputs of one shape and dtype per stream (another shape or dtype: a ring of
+    its own beside it), and outputs larger than RING_OUTPUT_BYTES are allocated per call."""
     from ep_a2a.backends.triton import workspace as WS
 
     ring = WS.OutputRing(torch.device("cpu"))
@@ -487,16 +487,44 @@ def test_combine_outputs_reused_only_when_nothing_refers_to_them(hold):
     assert ring.take(8, 4, 16, torch.bfloat16).data_ptr() != address, "another stream: its own"
     many = [ring.take(7, 4, 16, torch.bfloat16) for _ in range(WS.RING_SIZE + 2)]
     assert len({t.data_ptr() for t in many}) == WS.RING_SIZE + 2
-    assert len(ring._rings[7][1]) == WS.RING_SIZE
+    assert len(ring._rings[7][(4, 16, torch.bfloat16)]) == WS.RING_SIZE
     del many
     assert ring.take(7, 4, 16, torch.bfloat16).data_ptr() == address
     assert ring.take(7, 4, 16, torch.float32).dtype == torch.float32, "another dtype: a ring of its own"
-    assert len(ring._rings[7][1]) == 1
+    assert len(ring._rings[7][(4, 16, torch.float32)]) == 1
+    assert ring.take(7, 4, 16, torch.bfloat16).data_ptr() == address, "beside the first one"
     ring.take(7, 4, 16, torch.float32).requires_grad_()  # (as autograd marks a function's outputs)
     assert not ring.take(7, 4, 16, torch.float32).requires_grad, "an output that requires grad is forgotten"
     rows = WS.RING_OUTPUT_BYTES // (16 * 4) + 1
     ring.take(7, rows, 16, torch.float32)
-    assert not ring._rings[7][1], "larger than RING_OUTPUT_BYTES: not kept"
+    assert (rows, 16, torch.float32) not in ring._rings[7], "larger than RING_OUTPUT_BYTES: not kept"
+    assert ring._kept[7] == sum(h.out.nbytes for r in ring._rings[7].values() for h in r)
+
+
+def test_combine_outputs_of_alternating_shapes_kept_within_the_stream_bytes(monkeypatch):
+    """Combines of batch sizes that alternate take their own outputs again (no allocation, the same
+    addresses for their CUDA graphs), within RING_OUTPUT_STREAM_BYTES per stream: a shape that does not
+    fit drops the shapes kept first."""
+    from ep_a2a.backends.triton import workspace as WS
+
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(WS, "RING_OUTPUT_STREAM_BYTES", 2 * 4 * 16 * 2)  # (two [4, 16] bf16 outputs)
+    ring = WS.OutputRing(torch.device("cpu"))
+    a, b = ring.take(7, 4, 16, bf16).data_ptr(), ring.take(7, 2, 32, bf16).data_ptr()
+    for _ in range(3):
+        assert ring.take(7, 4, 16, bf16).data_ptr() == a
+        assert ring.take(7, 2, 32, bf16).data_ptr() == b
+    assert ring.allocated == 2
+    ring.take(7, 1, 64, bf16)  # (a third shape: the first one is dropped to make room)
+    assert list(ring._rings[7]) == [(2, 32, bf16), (1, 64, bf16)]
+    assert ring.take(7, 2, 32, bf16).data_ptr() == b
+    assert ring.allocated == 3
+    held = ring.take(7, 1, 64, bf16)
+    ring.take(7, 1, 64, bf16)  # (a second output of that shape: the other shape is dropped)
+    assert list(ring._rings[7]) == [(1, 64, bf16)]
+    assert len(ring._rings[7][(1, 64, bf16)]) == 2
+    assert ring._kept[7] == 2 * 4 * 16 * 2
+    del held
 
 
 def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, ring_rows: bool = False):
