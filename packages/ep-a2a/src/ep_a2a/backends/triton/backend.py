@@ -77,7 +77,7 @@ SPECULATIVE_WINDOW = 8
 GRAPHS_PER_WORKSPACE = 64
 #: sets of input addresses a workspace remembers while waiting for their second call
 SIGHTINGS_PER_WORKSPACE = 1024
-#: row dtypes of the combines :meth:`TritonBackend.combine_plain` takes (others: :meth:`TritonBackend.combine`)
+#: row dtypes of the combines :meth:`TritonBackend.combine_plain` takes (others go step by step)
 _PLAIN_COMBINE_DTYPES = frozenset((torch.bfloat16, torch.float16, torch.float32))
 
 
