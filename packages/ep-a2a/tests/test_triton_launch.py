@@ -891,6 +891,35 @@ def test_common_case_combine_replays_only_its_own_tensors(monkeypatch):
     assert events == ["launch"]
 
 
+def test_common_case_combine_checks_the_board_after_its_launch(monkeypatch):
+    """The common-case combine publishes its call on the operation board once launched, then waits for
+    the peers: a peer found in another operation raises ``EPProtocolError`` and leaves the backend
+    unusable, as the step-by-step combine does."""
+    from ep_a2a import EPProtocolError
+
+    be, events, checked = _combine_on_fake_kernels(monkeypatch)
+    H = be.config.hidden
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    y = be.note_rows(torch.randn(9, H).to(torch.bfloat16))
+    board: list = []
+
+    def publish(op: str) -> int:
+        board.append((op, list(events)))
+        return 3
+
+    def misordered(call: int, op: str) -> bool:
+        raise EPProtocolError(f"rank 0 is in dispatch (call #{call})", operations={0: "dispatch", 1: op})
+
+    _, _, desc = be.dispatch(x, ids, w, None)
+    be.board = SimpleNamespace(publish=publish, check=misordered, peers={0: None})
+    with pytest.raises(EPProtocolError, match=r"rank 0 is in dispatch \(call #3\)"):
+        be.combine_plain(y, desc)
+    assert board[-1] == ("combine", ["launch"]), "published after its launch"
+    assert checked == []
+    with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
+        be.combine_plain(y, desc)
+
+
 def test_layer_hands_its_common_case_combine_to_combine_plain(monkeypatch):
     """``EPLayer.combine`` passes rows of its common case (contiguous ``[num_recv_rows, hidden]`` on its
     device, outside autograd) to the backend's ``combine_plain`` and anything else, once checked, to its
