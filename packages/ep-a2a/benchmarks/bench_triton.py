@@ -320,6 +320,11 @@ def eager_case(args, be, x, ids, w, timer, holder: dict) -> dict:
     y = holder["d"][0]
     t_comb = timer.median_ms(lambda: be.combine(y, holder["d"][2]), args.iters, setup=disp)
     h_comb = timer.host_ms
+    # the same combines launching their kernel without a graph
+    be.eager_graphs = False
+    t_comb_launches = timer.median_ms(lambda: be.combine(y, holder["d"][2]), args.iters, setup=disp)
+    h_comb_launches = timer.host_ms
+    be.eager_graphs = graphs
 
     def rt():
         d = be.dispatch(x, ids, w, None)
@@ -334,6 +339,8 @@ def eager_case(args, be, x, ids, w, timer, holder: dict) -> dict:
         "dispatch_ms_lead": t_disp_lead,
         "dispatch_launches_ms": t_disp_launches,
         "dispatch_launches_host_ms": h_disp_launches,
+        "combine_launches_ms": t_comb_launches,
+        "combine_launches_host_ms": h_comb_launches,
         "overlap_exact": be.overlap_exact,
         "speculative_rows": be.speculative_rows,
         **_path_counters(be),

@@ -45,9 +45,19 @@ _NUMBERS = (
     "combine_host_ms",
     "dispatch_launches_ms",
     "dispatch_launches_host_ms",
+    "combine_launches_ms",
+    "combine_launches_host_ms",
+    "dispatch_ms_no_lead",
+    "combine_ms_no_lead",
     "copy_ms",
     "quantize_dispatch_ms",
     "fp8_dispatch_ms",
+    # the layer's row: its backend called directly, int32 ids, its calls again, how its calls ran
+    *(f"{p}{op}_ms" for p in ("backend_", "int32_ids_", "repeat_") for op in ("dispatch", "combine")),
+    "graph_captures",
+    "graph_replays",
+    "workspaces_allocated",
+    "combine_outputs_allocated",
 )
 
 
@@ -136,13 +146,14 @@ def summary(rows: list[dict]) -> list[str]:
                     f"{eager[f'{op}_ms'] / graph[f'{op}_ms']:.1f}x its graph replay (target <= 2x)"
                     + (f"; {1e3 * host:.0f} us of it on the host" if host else "")
                 )
-            launches = eager.get("dispatch_launches_ms")
-            if launches:  # (the same tensors every call: the eager rows above replay a captured graph)
-                lines.append(
-                    f"{name}: eager dispatch launching its kernels one by one (eager_graphs off) "
-                    f"{1e3 * launches:.0f} us = {launches / graph['dispatch_ms']:.1f}x its graph replay; "
-                    f"{1e3 * eager.get('dispatch_launches_host_ms', 0.0):.0f} us of it on the host"
-                )
+            for op, what in (("dispatch", "its kernels one by one"), ("combine", "its kernel")):
+                launches = eager.get(f"{op}_launches_ms")
+                if launches:  # (the same tensors every call: the eager rows above replay a captured graph)
+                    lines.append(
+                        f"{name}: eager {op} launching {what} (eager_graphs off) "
+                        f"{1e3 * launches:.0f} us = {launches / graph[f'{op}_ms']:.1f}x its graph replay; "
+                        f"{1e3 * eager.get(f'{op}_launches_host_ms', 0.0):.0f} us of it on the host"
+                    )
         layer = by.get(("triton", "ours-layer-default"))
         if layer and layer.get("backend_dispatch_ms"):  # (what sets the layer's rows apart)
             for op in ("dispatch", "combine"):

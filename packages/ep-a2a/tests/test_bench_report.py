@@ -149,7 +149,8 @@ def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl
     rows = [
         {**case, "bench": "triton", "method": "ours-sm20", "dispatch_ms": 0.1, "combine_ms": 0.05},
         {**case, "bench": "triton", "method": "ours-sm132", "dispatch_ms": 0.2, "combine_ms": 0.05,
-         "default_num_sm": 132, "dispatch_launches_ms": 0.12, "dispatch_launches_host_ms": 0.09},
+         "default_num_sm": 132, "dispatch_launches_ms": 0.12, "dispatch_launches_host_ms": 0.09,
+         "combine_launches_ms": 0.03, "combine_launches_host_ms": 0.012},
         {**case, "bench": "triton", "method": "ours-graph-sm20", "dispatch_ms": 0.04, "combine_ms": 0.02},
         {**case, "bench": "triton", "method": "ours-graph-sm132", "dispatch_ms": 0.04, "combine_ms": 0.02},
         {**case, "bench": "torch", "method": "torch", "dispatch_ms": 0.5, "combine_ms": 0.3,
@@ -166,6 +167,9 @@ def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl
     assert "graph combine: default num_sm=132 20 us, best num_sm=20 20 us: default at 100%" in text
     assert "eager dispatch 200 us = 5.0x its graph replay" in text
     assert "launching its kernels one by one (eager_graphs off) 120 us = 3.0x its graph replay; 90 us" in text
+    assert (
+        "eager combine launching its kernel (eager_graphs off) 30 us = 1.5x its graph replay; 12 us" in text
+    )
     assert "torch backend dispatch 500 us vs NCCL per-rank pipeline 1000 us: 0.50x" in text
     assert (
         "torch backend combine 300 us vs NCCL per-rank pipeline 300 us: 1.00x (target <= 1x); host 200 vs 250 us"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -468,8 +469,8 @@ def test_workspace_rows_and_their_views(hold):
 @pytest.mark.parametrize("hold", ["output", "view", "none"])
 def test_combine_outputs_reused_only_when_nothing_refers_to_them(hold):
     """A combine output of the ring is handed out again only once nothing refers to it or its memory;
-    a ring keeps RING_SIZE outputs of one shape and dtype per stream (another shape starts it over),
-    and outputs larger than RING_OUTPUT_BYTES are allocated per call."""
+    a ring keeps RING_SIZE outputs of one shape and dtype per stream (another shape or dtype: a ring of
+    its own beside it), and outputs larger than RING_OUTPUT_BYTES are allocated per call."""
     from ep_a2a.backends.triton import workspace as WS
 
     ring = WS.OutputRing(torch.device("cpu"))
@@ -486,16 +487,44 @@ def test_combine_outputs_reused_only_when_nothing_refers_to_them(hold):
     assert ring.take(8, 4, 16, torch.bfloat16).data_ptr() != address, "another stream: its own"
     many = [ring.take(7, 4, 16, torch.bfloat16) for _ in range(WS.RING_SIZE + 2)]
     assert len({t.data_ptr() for t in many}) == WS.RING_SIZE + 2
-    assert len(ring._rings[7][1]) == WS.RING_SIZE
+    assert len(ring._rings[7][(4, 16, torch.bfloat16)]) == WS.RING_SIZE
     del many
     assert ring.take(7, 4, 16, torch.bfloat16).data_ptr() == address
     assert ring.take(7, 4, 16, torch.float32).dtype == torch.float32, "another dtype: a ring of its own"
-    assert len(ring._rings[7][1]) == 1
+    assert len(ring._rings[7][(4, 16, torch.float32)]) == 1
+    assert ring.take(7, 4, 16, torch.bfloat16).data_ptr() == address, "beside the first one"
     ring.take(7, 4, 16, torch.float32).requires_grad_()  # (as autograd marks a function's outputs)
     assert not ring.take(7, 4, 16, torch.float32).requires_grad, "an output that requires grad is forgotten"
     rows = WS.RING_OUTPUT_BYTES // (16 * 4) + 1
     ring.take(7, rows, 16, torch.float32)
-    assert not ring._rings[7][1], "larger than RING_OUTPUT_BYTES: not kept"
+    assert (rows, 16, torch.float32) not in ring._rings[7], "larger than RING_OUTPUT_BYTES: not kept"
+    assert ring._kept[7] == sum(h.out.nbytes for r in ring._rings[7].values() for h in r)
+
+
+def test_combine_outputs_of_alternating_shapes_kept_within_the_stream_bytes(monkeypatch):
+    """Combines of batch sizes that alternate take their own outputs again (no allocation, the same
+    addresses for their CUDA graphs), within RING_OUTPUT_STREAM_BYTES per stream: a shape that does not
+    fit drops the shapes kept first."""
+    from ep_a2a.backends.triton import workspace as WS
+
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(WS, "RING_OUTPUT_STREAM_BYTES", 2 * 4 * 16 * 2)  # (two [4, 16] bf16 outputs)
+    ring = WS.OutputRing(torch.device("cpu"))
+    a, b = ring.take(7, 4, 16, bf16).data_ptr(), ring.take(7, 2, 32, bf16).data_ptr()
+    for _ in range(3):
+        assert ring.take(7, 4, 16, bf16).data_ptr() == a
+        assert ring.take(7, 2, 32, bf16).data_ptr() == b
+    assert ring.allocated == 2
+    ring.take(7, 1, 64, bf16)  # (a third shape: the first one is dropped to make room)
+    assert list(ring._rings[7]) == [(2, 32, bf16), (1, 64, bf16)]
+    assert ring.take(7, 2, 32, bf16).data_ptr() == b
+    assert ring.allocated == 3
+    held = ring.take(7, 1, 64, bf16)
+    ring.take(7, 1, 64, bf16)  # (a second output of that shape: the other shape is dropped)
+    assert list(ring._rings[7]) == [(1, 64, bf16)]
+    assert len(ring._rings[7][(1, 64, bf16)]) == 2
+    assert ring._kept[7] == 2 * 4 * 16 * 2
+    del held
 
 
 def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, ring_rows: bool = False):
@@ -730,6 +759,205 @@ def test_eager_graphs_replay_repeated_combines(monkeypatch):
     be._combine(y, desc.backend_state, ids, 6)  # (combine_static's: no graph of its own)
     assert events == ["barrier", "launch"]
     assert be.graph_captures == 1
+
+
+def _combine_on_fake_kernels(monkeypatch):
+    """:func:`_backend_on_fake_kernels` whose combine launches, and replays of the CUDA graphs captured of
+    them, compute ``out = f(rows, n)`` (:func:`_fake_combine_sum`) from the tensors at the addresses they
+    are given (a replay: the addresses it was captured with), so a replay served to the wrong tensors
+    returns the wrong sums. Returns the backend, the launches (``events``) and the calls that left the
+    common-case path (``checked``)."""
+    from ep_a2a.backends.triton import backend as B
+    from ep_a2a.backends.triton.engine import BoundLaunch
+
+    be, _ = _backend_on_fake_kernels(monkeypatch, overlap_exact=True, rows=9, ring_rows=True)
+    eng = be.engine
+    be.eager_graphs = True
+    be.board.wait = lambda *a: None
+    events: list[str] = []
+    # rows and outputs by address (what a kernel would read), held weakly: the ring reuses an output
+    # only once nothing refers to it
+    at_address: dict[int, weakref.ref] = {}
+
+    def run(y: int, out: int, n: int) -> None:
+        at_address[out]().copy_(_fake_combine_sum(at_address[y](), n))
+
+    take = be.combine_outputs.take
+
+    def take_and_note(*a):
+        out = take(*a)
+        at_address[out.data_ptr()] = weakref.ref(out)
+        return out
+
+    def launch_bound(b, y, tab, ids, n_src, n, out, *, capturing=False):
+        events.append("capture" if capturing else "launch")
+        if not capturing:
+            run(y, out, n)
+
+    def launch_unbound(y, tab, ids, n_src, out, **kw):
+        events.append("unbound")
+        out.copy_(_fake_combine_sum(y, ids.shape[0]))
+
+    noop = BoundLaunch(lambda *a: None, (), (0,) * 6, ())
+    monkeypatch.setattr(be.combine_outputs, "take", take_and_note)
+    monkeypatch.setattr(eng, "bind_combine", lambda *a: noop)
+    monkeypatch.setattr(eng, "launch_combine_bound", launch_bound)
+    monkeypatch.setattr(eng, "launch_combine", launch_unbound)
+    monkeypatch.setattr(eng, "launch_barrier", lambda **kw: events.append("barrier"))
+    monkeypatch.setattr(B, "_launch_hooks_set", lambda: False)
+
+    class _Graph:
+        def __init__(self, at: tuple) -> None:
+            self.at = at
+
+        def launch(self, stream: int) -> None:
+            events.append("replay")
+            run(self.at[0], self.at[5], self.at[4])
+
+    def capture(bind, launch, graphs, at):
+        launch(bind(99))
+        be.graph_captures += 1
+        graphs[at] = _Graph(at)
+        return graphs[at]
+
+    monkeypatch.setattr(be, "_capture", capture)
+    checked: list[int] = []
+    slow = be._combine_checked
+    monkeypatch.setattr(be, "_combine_checked", lambda *a: checked.append(1) or slow(*a))
+
+    def note(y: torch.Tensor) -> torch.Tensor:
+        at_address[y.data_ptr()] = weakref.ref(y)
+        return y
+
+    be.note_rows = note
+    return be, events, checked
+
+
+def _fake_combine_sum(y: torch.Tensor, n: int) -> torch.Tensor:
+    """What the fake combine kernel writes: ``[n, hidden]`` rows that depend on every value of ``y`` and
+    on ``n`` (the float32 sum of the rows, plus ``n``)."""
+    return (y.float().sum(0) + n).expand(n, -1).to(y.dtype)
+
+
+def test_common_case_combine_replays_only_its_own_tensors(monkeypatch):
+    """The common-case combine (``combine_plain``, which ``combine`` takes for contiguous ``[rows,
+    hidden]`` rows): a dispatch's combine whose rows, descriptor and output repeat an earlier one's
+    replays its CUDA graph from the second call on, and returns what the launches return (the kernels
+    faked: every launch and replay computes from the tensors at its addresses); rows rewritten in place
+    are read afresh; rows at another address, another token count, graphs off launch (no stale graph);
+    a dispatch combined again and rows of another dtype leave the common case, with its errors."""
+    be, events, checked = _combine_on_fake_kernels(monkeypatch)
+    H = be.config.hidden
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    y = be.note_rows(torch.randn(9, H).to(torch.bfloat16))
+
+    def round_trip(rows: torch.Tensor, n: int = 6, *, plain: bool = True) -> torch.Tensor:
+        _, _, desc = be.dispatch(x[:n], ids[:n], w[:n], None)  # (the last one dropped: one workspace)
+        out = (be.combine_plain if plain else be.combine)(rows, desc)
+        got = out.clone()
+        out.fill_(float("nan"))  # (the ring hands it out again: the next combine must write every row)
+        return got
+
+    for i in range(4):
+        if i == 3:
+            y.copy_(torch.randn(9, H).to(torch.bfloat16))  # (new values, same address)
+        assert torch.equal(round_trip(y, plain=i % 2 == 0), _fake_combine_sum(y, 6)), f"call {i}"
+    assert events == ["launch", "capture", "replay", "replay", "replay"]
+    assert checked == [], "every call took the common-case path"
+    assert (be.graph_captures, be.graph_replays, be.combine_outputs.allocated) == (1, 3, 1)
+    events.clear()
+    y2 = be.note_rows(y.clone() * 2)
+    assert torch.equal(round_trip(y2), _fake_combine_sum(y2, 6)), "other rows: not the graph of y"
+    be.eager_graphs = False
+    assert torch.equal(round_trip(y), _fake_combine_sum(y, 6))
+    be.eager_graphs = True
+    assert events == ["launch", "launch"], "graphs off: the bound launch"
+    assert checked == []
+    events.clear()
+    _, _, desc = be.dispatch(x, ids, w, None)
+    first = be.combine_plain(y, desc).clone()
+    again = be.combine_plain(y, desc)  # (combined again: a barrier first, on the checked path)
+    assert torch.equal(first, again)
+    assert events == ["replay", "barrier", "replay"]
+    assert checked == [1]
+    with pytest.raises(ValueError, match="float type of at most 4 bytes"):
+        be.combine_plain(y.double(), desc)
+    assert checked == [1, 1]
+    del desc, again
+    with pytest.raises(ValueError, match="not produced by this triton backend"):
+        be.combine_plain(y, SimpleNamespace(backend_state=object(), num_dispatch_token_cur_rank=6))
+    events.clear()
+    assert torch.equal(round_trip(y, 3), _fake_combine_sum(y, 3)), "3 tokens: not the graph of 6"
+    assert events == ["launch"]
+
+
+def test_common_case_combine_checks_the_board_after_its_launch(monkeypatch):
+    """The common-case combine publishes its call on the operation board once launched, then waits for
+    the peers: a peer found in another operation raises ``EPProtocolError`` and leaves the backend
+    unusable, as the step-by-step combine does."""
+    from ep_a2a import EPProtocolError
+
+    be, events, checked = _combine_on_fake_kernels(monkeypatch)
+    H = be.config.hidden
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    y = be.note_rows(torch.randn(9, H).to(torch.bfloat16))
+    board: list = []
+
+    def publish(op: str) -> int:
+        board.append((op, list(events)))
+        return 3
+
+    def misordered(call: int, op: str) -> bool:
+        raise EPProtocolError(f"rank 0 is in dispatch (call #{call})", operations={0: "dispatch", 1: op})
+
+    _, _, desc = be.dispatch(x, ids, w, None)
+    be.board = SimpleNamespace(publish=publish, check=misordered, peers={0: None})
+    with pytest.raises(EPProtocolError, match=r"rank 0 is in dispatch \(call #3\)"):
+        be.combine_plain(y, desc)
+    assert board[-1] == ("combine", ["launch"]), "published after its launch"
+    assert checked == []
+    with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
+        be.combine_plain(y, desc)
+
+
+def test_layer_hands_its_common_case_combine_to_combine_plain(monkeypatch):
+    """``EPLayer.combine`` passes rows of its common case (contiguous ``[num_recv_rows, hidden]`` on its
+    device, outside autograd) to the backend's ``combine_plain`` and anything else, once checked, to its
+    ``combine``; rows of another shape raise naming ``input`` before any communication."""
+    import ep_a2a.layer as layer_mod
+    from ep_a2a import EPLayer
+
+    be, events, checked = _combine_on_fake_kernels(monkeypatch)
+    calls: list[str] = []
+
+    def counted(name: str):
+        real = getattr(be, name)
+        return lambda *a: calls.append(name) or real(*a)
+
+    for name in ("combine", "combine_plain"):
+        monkeypatch.setattr(be, name, counted(name))
+    layer = object.__new__(EPLayer)
+    layer.config, layer._cuda_index = be.config, 0
+    layer.ctx = SimpleNamespace(backend=be, finalized=False, device=torch.device("cpu"))
+    # (the layer's CUDA device, as its CPU tensors report it here)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    H = be.config.hidden
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    y = be.note_rows(torch.randn(9, H).to(torch.bfloat16))
+    _, _, desc = be.dispatch(x, ids, w, None)
+    assert torch.equal(layer.combine(y, desc), _fake_combine_sum(y, 6))
+    assert calls == ["combine_plain"]
+    assert (events, checked) == (["launch"], [])
+    strided = torch.randn(H, 9).to(torch.bfloat16).t()  # ([9, H], not contiguous)
+    monkeypatch.setattr(layer_mod, "_dense", lambda t: be.note_rows(t.contiguous()))
+    _, _, desc = be.dispatch(x, ids, w, None)
+    calls.clear()
+    assert torch.equal(layer.combine(strided, desc), _fake_combine_sum(strided, 6))
+    assert calls[0] == "combine", "checked one step at a time, then densified"
+    calls.clear()
+    with pytest.raises(ValueError, match=r"input must have shape \[9, 64\]"):
+        layer.combine(y[:8], desc)
+    assert calls == []
 
 
 def _polling_backend(*, rank: int, wait_s: float, call: int, check):

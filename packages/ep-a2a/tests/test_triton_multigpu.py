@@ -861,10 +861,12 @@ def test_exact_rows_allocated_ahead(group):
 @pytest.mark.parametrize("overlap", [None, 0], ids=["worst-case-buffers", "speculative-rows"])
 def test_eager_graphs_against_reference(group, overlap):
     """Eager dispatches whose input tensors stay where they are (new values written into them in place)
-    replay a CUDA graph of their launches from the third call on, and so do the combines of their rows:
-    every dispatch against the reference (the graph reads the tensors' current values), other tensors
-    and token counts in between, dispatch and combine bit for bit those of the same calls without
-    graphs."""
+    replay a CUDA graph of their launches from the third call on, and so do the combines of their rows
+    (the layer's common-case path, ``combine_plain``): every dispatch against the reference (the graph
+    reads the tensors' current values), other tensors and token counts in between, dispatch and combine
+    bit for bit those of the same calls without graphs; a combine of other rows (at another address)
+    right after a replayed one sums those rows, not the graph's; every combine output is NaN-poisoned
+    once read (the ring hands it out again: the next combine must write every row)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     experts = 8 * world
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -874,7 +876,8 @@ def test_eager_graphs_against_reference(group, overlap):
     try:
         assert be.eager_graphs
         x, ids, w = None, None, None
-        for i, tokens in enumerate((48, 48, 48, 17, 48, 48)):
+        calls = (48, 48, 48, 17, 48, 48)
+        for i, tokens in enumerate(calls):
             xs, idss, wss, _ = _inputs(
                 500 + i, world, [tokens] * world, 256, 4, experts, torch.bfloat16, skew=False, drop=0.1,
                 with_w=True,
@@ -891,14 +894,28 @@ def test_eager_graphs_against_reference(group, overlap):
             results = []
             for b in (be, plain):
                 out, out_w, desc = b.dispatch(*args, None)
-                summed = b.combine(out, desc)  # (the rows sent back as they came: repeated addresses)
-                results.append((out.clone(), out_w.clone(), desc.recv_expert_indices.clone(), summed.clone()))
+                summed = b.combine_plain(out, desc)  # (the rows sent back as they came: repeated addresses)
+                got = [out.clone(), out_w.clone(), desc.recv_expert_indices.clone(), summed.clone()]
+                summed.fill_(float("nan"))
+                del summed
+                if i == len(calls) - 1:  # (other rows at another address, then the same rows again)
+                    other = out * 2
+                    for rows in (other, None):
+                        del out, out_w, desc  # (released: the next dispatch takes the same workspace)
+                        out, out_w, desc = b.dispatch(*args, None)
+                        got.append(b.combine_plain(out if rows is None else rows, desc).clone())
+                    del other
+                del out, out_w, desc
+                results.append(got)
             torch.cuda.synchronize()
             mine = dispatch_ref(xs, idss, wss, num_tot_experts=experts)[0][rank]
             assert torch.equal(results[0][0].cpu(), mine.output), f"call {i}: rows differ from the reference"
             assert torch.equal(results[0][1].cpu(), mine.weights), f"call {i}: weights differ"
             for a, b_ in zip(results[0], results[1], strict=True):
                 assert torch.equal(a, b_), f"call {i}: with graphs != without"
+            if i == len(calls) - 1:  # (doubling is exact in bf16: so are the doubled sums)
+                assert torch.equal(results[0][4], results[0][3] * 2), "other rows served another's graph"
+                assert torch.equal(results[0][5], results[0][3]), "the same rows again"
         if overlap is None:  # (rows allocated per call repeat their address only as the allocator wills)
             assert be.graph_captures >= 1, "the repeated tensors were captured"
             assert be.graph_replays >= 2, be.graph_replays

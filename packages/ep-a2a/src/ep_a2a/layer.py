@@ -545,7 +545,7 @@ class EPLayer:
             and input.is_contiguous()
             and not (input.requires_grad and torch.is_grad_enabled())
         ):  # (the common case, checked in one pass)
-            return self.ctx.backend.combine(input, desc)
+            return self.ctx.backend.combine_plain(input, desc)
         # (else one check at a time, with messages)
         self._check_tensor("input", input, (desc.num_recv_rows, self.config.hidden), None)
         x = _dense(input)

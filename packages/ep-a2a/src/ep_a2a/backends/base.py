@@ -146,6 +146,13 @@ class A2ABackend(abc.ABC):
         :meth:`dispatch`."""
         return self.dispatch(input, exp_indices, weight, None)
 
+    def combine_plain(self, input: Tensor, layout_desc: EPAllToAllLayoutDesc) -> Tensor:
+        """``combine(input, layout_desc)`` of the layer's common case, which it checked in one pass:
+        ``input`` a floating ``[layout_desc.num_recv_rows, hidden]`` tensor, contiguous on the group's
+        device, outside autograd. A backend may take it through a leaner host path; the default calls
+        :meth:`combine`."""
+        return self.combine(input, layout_desc)
+
     @abc.abstractmethod
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
         """Send expert output rows back and sum them per original token.

@@ -77,6 +77,8 @@ SPECULATIVE_WINDOW = 8
 GRAPHS_PER_WORKSPACE = 64
 #: sets of input addresses a workspace remembers while waiting for their second call
 SIGHTINGS_PER_WORKSPACE = 1024
+#: row dtypes of the combines :meth:`TritonBackend.combine_plain` takes (others go step by step)
+_PLAIN_COMBINE_DTYPES = frozenset((torch.bfloat16, torch.float16, torch.float32))
 
 
 # (its host reads the counts: under capture no kernel runs, so the poll could only time out)
@@ -878,6 +880,13 @@ class TritonBackend(A2ABackend):
         return stream
 
     def combine(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
+        shape = input.shape
+        if len(shape) == 2 and shape[1] == self.config.hidden and input.is_contiguous():
+            return self.combine_plain(input, layout_desc)
+        return self._combine_checked(input, layout_desc)
+
+    def _combine_checked(self, input: Tensor, layout_desc: EPAllToAllLayoutDesc) -> Tensor:
+        """:meth:`combine` one step at a time (every case; :meth:`combine_plain` takes the common one)."""
         if self._finalized or self._mirror_lost is not None:
             self._check_usable()
         state = layout_desc.backend_state
@@ -893,6 +902,56 @@ class TritonBackend(A2ABackend):
         # that none is in another operation)
         if self.board.peers:
             self._guard_protocol(lambda: self.board.wait(call, "combine", "combine"))
+        return out
+
+    def combine_plain(self, input: Tensor, layout_desc: EPAllToAllLayoutDesc) -> Tensor:
+        """:meth:`combine` of the layer's common case (see the base class; :meth:`combine` takes it too
+        for ``[rows, hidden]`` contiguous rows): the steps of :meth:`_combine_checked` for a dispatch
+        not combined yet, in one frame. Rows, descriptor and output at the addresses of an earlier
+        combine replay its CUDA graph (``eager_graphs``), found by one lookup once the output is taken;
+        other addresses launch through the bound launch; the call is published on the operation board
+        once launched. Anything else goes through :meth:`_combine_checked`."""
+        state = layout_desc.backend_state
+        n, dtype = layout_desc.num_dispatch_token_cur_rank, input.dtype
+        if (
+            type(state) is not _TritonState
+            or state.owner != id(self)
+            or not self._combine_allowed
+            or n == 0
+            or input.shape[0] == 0
+            or dtype not in _PLAIN_COMBINE_DTYPES
+            or state.remote is not None
+            or self._finalized
+            or self._mirror_lost is not None
+            or _launch_hooks_set()
+        ):
+            return self._combine_checked(input, layout_desc)
+        ids = layout_desc.topk_indices_tensor
+        stream = _raw_stream(self._device_index)
+        out = self.combine_outputs.take(stream, n, input.shape[1], dtype)
+        tp, sp = state.addresses
+        # (the key _launch_combine_bound builds)
+        at = (input.data_ptr(), tp, ids.data_ptr(), sp, n, out.data_ptr(), dtype, ids.dtype)
+        graph = self._combine_graphs.get(at) if self.eager_graphs else None
+        if graph is not None:
+            graph.launch(stream)
+            self.engine.combine_replayed()
+            self.graph_replays += 1
+        elif not self._launch_combine_bound(stream, input, state, ids, n, out, graphs=True):
+            self.engine.launch_combine(input, state.tab, ids, state.n_src, out)
+        self._combine_allowed = False
+        # (published once launched: the peers wait for this rank's kernel either way, and the board is
+        # read only now)
+        board = self.board
+        call = board.publish("combine")
+        self._op = (call, "combine")
+        if board.peers:  # (_guard_protocol's wait, inlined)
+            try:
+                if not board.check(call, "combine"):
+                    board.wait(call, "combine", "combine")
+            except (EPProtocolError, EPTimeoutError) as exc:
+                self._mirror_lost = str(exc)
+                raise
         return out
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:

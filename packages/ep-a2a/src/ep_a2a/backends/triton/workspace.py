@@ -43,6 +43,8 @@ _ALIGN = 256  # regions start on 256-byte boundaries, like fresh allocations
 RING_ROWS_BYTES = 64 << 20
 #: combine outputs of at most this many bytes are reused (:class:`OutputRing`; larger: allocated per call)
 RING_OUTPUT_BYTES = 16 << 20
+#: bytes of the combine outputs one stream's rings keep, over every shape
+RING_OUTPUT_STREAM_BYTES = RING_SIZE * RING_OUTPUT_BYTES
 
 
 #: ``(dtype, width, count)`` of the received rows a workspace holds
@@ -266,47 +268,69 @@ class _Output:
     def refs(self) -> int:
         return sys.getrefcount(self.out)
 
-    def is_idle(self) -> bool:
-        """Whether no other tensor refers to the memory and nothing but the ring to this one."""
-        assert _storage_use_count is not None
-        return _storage_use_count(self.storage) == self.idle_storage and self.refs() == _Output.idle_refs
-
 
 class OutputRing:
-    """Per CUDA stream, up to :data:`RING_SIZE` combine outputs of one shape and dtype (of at most
-    :data:`RING_OUTPUT_BYTES`), handed out under the lifetime rule of this module: an output is reused
+    """Per CUDA stream and per shape and dtype, up to :data:`RING_SIZE` combine outputs of at most
+    :data:`RING_OUTPUT_BYTES`, handed out under the lifetime rule of this module: an output is reused
     once no tensor but the ring's own refers to its memory and nothing refers to it as it is (and
-    never once it requires grad, as autograd's functions mark their outputs)."""
+    never once it requires grad, as autograd's functions mark their outputs). A stream keeps at most
+    :data:`RING_OUTPUT_STREAM_BYTES` of outputs: the shapes kept first are dropped first to make room,
+    so that batch sizes that alternate keep their outputs (and their combines' CUDA graphs)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        #: stream -> ((rows, width, dtype), its outputs)
-        self._rings: dict[int, tuple[tuple, list[_Output]]] = {}
+        #: stream -> {(rows, width, dtype): its outputs}, the shapes in the order they were kept
+        self._rings: dict[int, dict[tuple, list[_Output]]] = {}
+        #: stream -> bytes of the outputs its rings keep
+        self._kept: dict[int, int] = {}
         #: outputs allocated (kept in a ring or not)
         self.allocated = 0
 
     def take(self, stream: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """An idle ``[rows, width]`` output of ``stream``'s ring, else a new one (kept while the ring has
-        room; a ring of another shape or dtype is dropped first)."""
+        """An idle ``[rows, width]`` output of ``stream``'s ring of that shape and dtype, else a new one
+        (kept while that ring and the stream's bytes have room)."""
+        shapes = self._rings.get(stream)
+        if shapes is None:
+            if len(self._rings) >= MAX_STREAMS:
+                self.clear()
+            shapes = self._rings[stream] = {}
+            self._kept[stream] = 0
         shape = (rows, width, dtype)
-        entry = self._rings.get(stream)
-        if entry is None or entry[0] != shape:
-            if entry is None and len(self._rings) >= MAX_STREAMS:
-                self._rings.clear()
-            entry = self._rings[stream] = (shape, [])
-        ring = entry[1]
-        for held in ring:
-            if held.out.requires_grad:  # (recorded by autograd as a function's output: forgotten)
-                ring.remove(held)
-                break
-            if held.is_idle():
-                return held.out
+        ring = shapes.get(shape)
+        if ring is not None:
+            use_count, idle_refs = _storage_use_count, _Output.idle_refs
+            for held in ring:
+                assert use_count is not None  # (outputs are kept only where it exists)
+                if held.out.requires_grad:  # (recorded by autograd as a function's output: forgotten)
+                    ring.remove(held)
+                    self._kept[stream] -= held.out.nbytes
+                    break
+                # (idle: no other tensor refers to its memory, nothing but the ring to it)
+                if use_count(held.storage) == held.idle_storage and sys.getrefcount(held.out) == idle_refs:
+                    return held.out
         out = torch.empty(rows, width, dtype=dtype, device=self.device)
         self.allocated += 1
-        small = 0 < rows * width * dtype.itemsize <= RING_OUTPUT_BYTES
-        if small and len(ring) < RING_SIZE and _storage_use_count is not None:
+        nbytes = out.nbytes
+        if not 0 < nbytes <= RING_OUTPUT_BYTES or _storage_use_count is None:
+            return out
+        if ring is None:
+            ring = shapes[shape] = []
+        if len(ring) < RING_SIZE and self._room(stream, shape, nbytes):
             ring.append(_Output(out))
+            self._kept[stream] += nbytes
         return out
+
+    def _room(self, stream: int, shape: tuple, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit ``stream``'s bytes, once the rings of the shapes kept first (other
+        than ``shape``) are dropped as needed."""
+        shapes, cap = self._rings[stream], RING_OUTPUT_STREAM_BYTES
+        for other in list(shapes):
+            if self._kept[stream] + nbytes <= cap:
+                break
+            if other != shape:
+                self._kept[stream] -= sum(held.out.nbytes for held in shapes.pop(other))
+        return self._kept[stream] + nbytes <= cap
 
     def clear(self) -> None:
         self._rings.clear()
+        self._kept.clear()
