@@ -114,6 +114,7 @@ class _Tables:
     iota32: torch.Tensor  # [max_tokens * topk] int32
     ones: torch.Tensor  # [max_tokens * topk] int64
     zeros: torch.Tensor  # [max_tokens, 8] uint8: row padding
+    sends: torch.Tensor  # [world * max_tokens] bool: whether token t sends a row to rank d, by rank
     row: torch.Tensor  # [2 + width] int64: this rank's header on the device
     row_counts: torch.Tensor  # its rows for each rank (a view)
     row_bins: torch.Tensor  # its slots per bin (a view)
@@ -129,7 +130,7 @@ class _Tables:
     done: torch.cuda.Event | None  # recorded after each header's copy to the host (CUDA)
     low: int  # header column of the ids below -1
     high: int  # header column of the ids of num_tot_experts or more
-    per_n: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    per_n: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     layouts: dict[tuple, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
@@ -413,6 +414,7 @@ class TorchBackend(A2ABackend):
                 iota32=torch.arange(T * K, dtype=torch.int32, device=dev),
                 ones=torch.ones(T * K, dtype=torch.int64, device=dev),
                 zeros=torch.zeros(T, 8, dtype=torch.uint8, device=dev),
+                sends=torch.zeros(world * T, dtype=torch.bool, device=dev),
                 row=row,
                 row_counts=row[3 : 3 + world],
                 row_bins=row[3 + world :],
@@ -583,10 +585,16 @@ class TorchBackend(A2ABackend):
         dest = c.dest[bins]  # [n, K] int64 destination rank, world where the slot is dropped
         per_n = c.per_n.get(n)
         if per_n is None:
-            per_n = c.per_n[n] = (c.first[:n], c.krange[:n], c.ones[: n * K])
+            per_n = c.per_n[n] = (
+                c.first[:n],
+                c.krange[:n],
+                c.ones[: n * K],
+                c.sends[: world * n].view(world, n),
+            )
         # first[t, d]: the first slot of token t on rank d (topk: none; -1 in the "no rank" column)
         first = per_n[0].scatter_reduce(1, dest, per_n[1], "amin")
-        present = first[:, :world] < K  # [n, world] token t sends a row to rank d
+        # [world, n] token t sends a row to rank d, rank-major (the row lists read it in that order)
+        sends = torch.lt(first.t()[:world], K, out=per_n[3])
 
         # the opening exchange, the same row from every rank: (op, call, my token count, my rows for
         # each rank, my slots per bin); the per-expert matrix lets each source place its slots without
@@ -596,7 +604,7 @@ class TorchBackend(A2ABackend):
         header = None
         if self.counts is not None:
             self._calls += 1
-            torch.sum(present, 0, out=c.row_counts)
+            torch.sum(sends, 1, out=c.row_counts)
             torch.index_add(c.no_bins, 0, flat_bins, per_n[2], out=c.row_bins)
             c.mine_host.copy_(c.row, non_blocking=True)
             if c.done is not None:
@@ -604,14 +612,14 @@ class TorchBackend(A2ABackend):
         else:
             self._start("dispatch", "dispatch/counts")
             row = self._head(c, "dispatch", n)
-            torch.sum(present, 0, out=c.row_counts)
+            torch.sum(sends, 1, out=c.row_counts)
             c.row_bins.index_add_(0, flat_bins, per_n[2])
             header = self._open(c, "dispatch", "dispatch/counts", row)
 
         # what the payload needs and the counts do not decide runs while they travel: the token of each
         # row, by (destination rank, token), and every token's packed row: token | expert bin of each
         # slot | weights | (the caller's rows), each field aligned to its dtype
-        pairs = torch.nonzero_static(present.t(), size=world * n)  # [world * n, 2] (rank, token), -1 pads
+        pairs = torch.nonzero_static(sends, size=world * n)  # [world * n, 2] (rank, token), -1 pads
         scatter = torch.where(dest < world, fsi, -1) if fsi is not None else None
         offsets, pads = self._layout(c, input, weight, caller_rows)
         parts = [input.view(torch.uint8), bins.view(torch.uint8)]
