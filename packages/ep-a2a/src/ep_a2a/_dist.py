@@ -9,12 +9,15 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+_T = TypeVar("_T")
 
 
 class EPError(RuntimeError):
@@ -178,26 +181,39 @@ class RankMonitor:
         try:
             yield
         except Exception as exc:
-            grace = min(self.timeout_s, 5.0)
-            with contextlib.suppress(Exception):
-                self.store.set(self._key(step, call, self.rank), "failed")
-            deadline = time.monotonic() + grace
-            missing = self._missing(step, call, range(self.world_size))
-            while missing and time.monotonic() < deadline:
-                time.sleep(0.05)
-                missing = self._missing(step, call, missing)
-            if missing:
-                raise EPTimeoutError(
-                    f"ep_a2a: step {step!r} (call #{call}) failed on rank {self.rank}: rank(s) {missing} of the "
-                    f"expert-parallel group did not arrive (they exited, crashed or are stuck; wait bound "
-                    f"{self.timeout_s:g}s). Cause: {type(exc).__name__}: {exc}",
-                    step=step,
-                    missing_ranks=missing,
-                ) from exc
-            raise EPError(
-                f"ep_a2a: step {step!r} (call #{call}) failed on rank {self.rank} although every rank "
-                f"arrived: {type(exc).__name__}: {exc}"
+            self._failed(step, call, exc)
+
+    def run(self, step: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` guarded as :meth:`guard` guards a block (a plain call: no context manager per
+        operation on the hot path)."""
+        call = self._next(step)
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._failed(step, call, exc)
+
+    def _failed(self, step: str, call: int, exc: Exception) -> NoReturn:
+        """The post-mortem of a failed guarded step: raise naming the ranks that never reached it."""
+        grace = min(self.timeout_s, 5.0)
+        with contextlib.suppress(Exception):
+            self.store.set(self._key(step, call, self.rank), "failed")
+        deadline = time.monotonic() + grace
+        missing = self._missing(step, call, range(self.world_size))
+        while missing and time.monotonic() < deadline:
+            time.sleep(0.05)
+            missing = self._missing(step, call, missing)
+        if missing:
+            raise EPTimeoutError(
+                f"ep_a2a: step {step!r} (call #{call}) failed on rank {self.rank}: rank(s) {missing} of the "
+                f"expert-parallel group did not arrive (they exited, crashed or are stuck; wait bound "
+                f"{self.timeout_s:g}s). Cause: {type(exc).__name__}: {exc}",
+                step=step,
+                missing_ranks=missing,
             ) from exc
+        raise EPError(
+            f"ep_a2a: step {step!r} (call #{call}) failed on rank {self.rank} although every rank "
+            f"arrived: {type(exc).__name__}: {exc}"
+        ) from exc
 
     def destroy(self) -> None:
         if self.side_group is not None:

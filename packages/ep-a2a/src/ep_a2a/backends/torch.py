@@ -38,6 +38,7 @@ ignored here: there are no kernels to compile, and NCCL picks its own channels.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 import uuid
@@ -113,6 +114,7 @@ class _Tables:
     iota32: torch.Tensor  # [max_tokens * topk] int32
     ones: torch.Tensor  # [max_tokens * topk] int64
     zeros: torch.Tensor  # [max_tokens, 8] uint8: row padding
+    sends: torch.Tensor  # [world * max_tokens] bool: whether token t sends a row to rank d, by rank
     row: torch.Tensor  # [2 + width] int64: this rank's header on the device
     row_counts: torch.Tensor  # its rows for each rank (a view)
     row_bins: torch.Tensor  # its slots per bin (a view)
@@ -128,9 +130,7 @@ class _Tables:
     done: torch.cuda.Event | None  # recorded after each header's copy to the host (CUDA)
     low: int  # header column of the ids below -1
     high: int  # header column of the ids of num_tot_experts or more
-    scratch: np.ndarray  # [3, num_tot_experts + 4] int64, first column 0: exclusive prefix sums
-    scratch_rank: np.ndarray  # [world, E_local + 1] int64, first column 0
-    per_n: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    per_n: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     layouts: dict[tuple, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
@@ -184,12 +184,15 @@ class _CountsBoard:
         """
         assert self.table is not None
         rows = self.table[call % _COUNT_SLOTS]
-        if not (np.right_shift(rows, _VALUE_BITS) == call).all():
+        # every word of the slot carries this call once none is below it: the words of earlier calls
+        # (and the initial -1) are smaller, and no rank writes the slot's next call before all read it
+        fresh = call << _VALUE_BITS
+        if rows.min() < fresh:
             deadline, spins = time.monotonic() + self.timeout_s, 0
-            while not (np.right_shift(rows, _VALUE_BITS) == call).all():
+            while rows.min() < fresh:
                 if time.monotonic() > deadline:
-                    fresh = (np.right_shift(rows, _VALUE_BITS) == call).all(1)
-                    missing = [r for r in range(self.world) if not fresh[r]]
+                    arrived = (np.right_shift(rows, _VALUE_BITS) == call).all(1)
+                    missing = [r for r in range(self.world) if not arrived[r]]
                     raise EPTimeoutError(
                         f"ep_a2a: rank {self.rank} waited {self.timeout_s:g}s at step {step!r} (call #{call}) "
                         f"for the counts of rank(s) {missing}",
@@ -246,12 +249,35 @@ class _TorchLayoutDesc(EPAllToAllLayoutDesc):
     skipped_token_topk_mapping_indices = _Deferred()  # type: ignore[assignment]
 
 
+def _bin_bases(counts: np.ndarray, me: int, e_local: int) -> np.ndarray:
+    """Each bin's first row at its receiver minus my first slot of that bin, int32 ``[num_tot_experts +
+    3]`` (-1 for the bins of no expert), from every rank's slots per bin ``counts`` ``[world, E + 3]``.
+    A receiver's rows run by (local expert, source rank): a bin's first row there counts the rows of
+    its earlier experts from every source and of its expert from the sources before me."""
+    world = counts.shape[0]
+    per_expert = counts[:, 2 : 2 + world * e_local].reshape(world, world, e_local)  # [src, dest, local]
+    first = np.zeros((world, e_local), dtype=np.int64)
+    np.cumsum(per_expert.sum(0)[:, :-1], axis=1, out=first[:, 1:])
+    first += per_expert[:me].sum(0)
+    mine = counts[me]
+    base = np.full(mine.shape[0], -1, dtype=np.int32)
+    base[2 : 2 + world * e_local] = first.reshape(-1) - (np.cumsum(mine) - mine)[2 : 2 + world * e_local]
+    return base
+
+
 def _receiver_rows(
-    base: torch.Tensor, bins: torch.Tensor, slot_flat: torch.Tensor, iota: torch.Tensor, dtype: torch.dtype
+    counts: np.ndarray,
+    me: int,
+    e_local: int,
+    bins: torch.Tensor,
+    slot_flat: torch.Tensor,
+    iota: torch.Tensor,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """Each slot's row at its receiver ``[n, topk]``: its bin's first row there minus my first slot of
-    the bin (``base``, int32 per bin, -1 for the bins of no expert), plus its place among my slots
+    the bin (:func:`_bin_bases` of every rank's slots per bin ``counts``), plus its place among my slots
     sorted by bin (``slot_flat``: my kept slots in that order, ``iota``: their places)."""
+    base = torch.from_numpy(_bin_bases(counts, me, e_local)).to(bins.device)
     scatter = base[bins]
     scatter.view(-1).index_add_(0, slot_flat, iota)
     return scatter if dtype == torch.int32 else scatter.to(dtype)
@@ -266,12 +292,20 @@ def _sum_slots(
     rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int, grid: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``rows[i]`` placed at flat position ``pos[i]`` of a zero ``[groups, width, C]`` grid (``grid``: that
-    grid, zeroed by the caller), summed over ``width`` in float32 in order (what
+    grid from :func:`_grid`), summed over ``width`` in float32 in order (what
     :func:`ep_a2a.reference.combine_ref` does per token)."""
     if grid is None:
-        grid = rows.new_zeros(groups * width, rows.shape[1])
+        grid = _grid(rows, pos, groups * width)
     grid.index_copy_(0, pos, rows)
     return grid.view(groups, width, rows.shape[1]).sum(1, dtype=torch.float32)
+
+
+def _grid(like: torch.Tensor, pos: torch.Tensor, size: int) -> torch.Tensor:
+    """``[size, C]`` rows of ``like``'s dtype for ``pos`` (distinct positions) to fill: zeros, or left
+    unset where ``pos`` covers every row (no zero fill to pay)."""
+    if pos.numel() == size:
+        return like.new_empty(size, like.shape[1])
+    return like.new_zeros(size, like.shape[1])
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -364,8 +398,8 @@ class TorchBackend(A2ABackend):
             first = torch.full((T, world + 1), K, dtype=torch.int32)
             first[:, world] = -1
             width = 2 + self._width
-            # per-expert counts, receive bounds, combine's row table (offsets, bounds), int32 bin bases
-            up = L + (world - 1) + (2 * E - 1) + (E + 4) // 2
+            # per-expert counts, receive bounds
+            up = L + (world - 1)
             row_host = torch.zeros(width, dtype=torch.int64, pin_memory=cuda)
             rows_host = torch.zeros(world * width, dtype=torch.int64, pin_memory=cuda)
             up_host = torch.zeros(up, dtype=torch.int64, pin_memory=cuda)
@@ -380,6 +414,7 @@ class TorchBackend(A2ABackend):
                 iota32=torch.arange(T * K, dtype=torch.int32, device=dev),
                 ones=torch.ones(T * K, dtype=torch.int64, device=dev),
                 zeros=torch.zeros(T, 8, dtype=torch.uint8, device=dev),
+                sends=torch.zeros(world * T, dtype=torch.bool, device=dev),
                 row=row,
                 row_counts=row[3 : 3 + world],
                 row_bins=row[3 + world :],
@@ -395,12 +430,7 @@ class TorchBackend(A2ABackend):
                 done=torch.cuda.Event() if cuda else None,
                 low=3 + world,
                 high=3 + world + E + 2,
-                scratch=np.zeros((3, E + 4), dtype=np.int64),
-                scratch_rank=np.zeros((world, L + 1), dtype=np.int64),
             )
-            # the bins of no expert map to no receiver row
-            base = tables.up_np[L + (world - 1) + (2 * E - 1) :].view(np.int32)
-            base[:2] = base[E + 2 :] = -1
             self._tables[dev] = tables
         return tables
 
@@ -473,8 +503,7 @@ class TorchBackend(A2ABackend):
             EPTimeoutError: a rank did not arrive within ``timeout_s``.
         """
         if header.done is not None:
-            with self.monitor.guard(header.step):
-                _wait(header.done, self.timeout_s)
+            self.monitor.run(header.step, _wait, header.done, self.timeout_s)
         else:
             _wait(None, self.timeout_s)  # (the exchange completed on the host: nothing left to await)
         rows = header.host
@@ -504,8 +533,7 @@ class TorchBackend(A2ABackend):
         assert self.counts is not None
         step = "dispatch/counts"
         if c.done is not None:
-            with self.monitor.guard(step):
-                _wait(c.done, self.timeout_s)
+            self.monitor.run(step, _wait, c.done, self.timeout_s)
         else:
             _wait(None, self.timeout_s)  # (the counts are on the host already)
         rows = c.rows_np
@@ -545,7 +573,7 @@ class TorchBackend(A2ABackend):
         self, input: Tensor, exp_indices: Tensor, weight: Tensor | None, full_scatter_indices: Tensor | None
     ) -> DispatchResult:
         cfg, me = self.config, self.rank
-        n, K, world, L, E = input.shape[0], cfg.topk, self.world_size, self.e_local, cfg.num_tot_experts
+        n, K, world, L = input.shape[0], cfg.topk, self.world_size, self.e_local
         dev = input.device
         c = self._consts(dev)
         # on one host: tell the peers at once which operation this is (they check it before any message)
@@ -557,10 +585,16 @@ class TorchBackend(A2ABackend):
         dest = c.dest[bins]  # [n, K] int64 destination rank, world where the slot is dropped
         per_n = c.per_n.get(n)
         if per_n is None:
-            per_n = c.per_n[n] = (c.first[:n], c.krange[:n], c.ones[: n * K])
+            per_n = c.per_n[n] = (
+                c.first[:n],
+                c.krange[:n],
+                c.ones[: n * K],
+                c.sends[: world * n].view(world, n),
+            )
         # first[t, d]: the first slot of token t on rank d (topk: none; -1 in the "no rank" column)
         first = per_n[0].scatter_reduce(1, dest, per_n[1], "amin")
-        present = first[:, :world] < K  # [n, world] token t sends a row to rank d
+        # [world, n] token t sends a row to rank d, rank-major (the row lists read it in that order)
+        sends = torch.lt(first.t()[:world], K, out=per_n[3])
 
         # the opening exchange, the same row from every rank: (op, call, my token count, my rows for
         # each rank, my slots per bin); the per-expert matrix lets each source place its slots without
@@ -570,7 +604,7 @@ class TorchBackend(A2ABackend):
         header = None
         if self.counts is not None:
             self._calls += 1
-            torch.sum(present, 0, out=c.row_counts)
+            torch.sum(sends, 1, out=c.row_counts)
             torch.index_add(c.no_bins, 0, flat_bins, per_n[2], out=c.row_bins)
             c.mine_host.copy_(c.row, non_blocking=True)
             if c.done is not None:
@@ -578,14 +612,14 @@ class TorchBackend(A2ABackend):
         else:
             self._start("dispatch", "dispatch/counts")
             row = self._head(c, "dispatch", n)
-            torch.sum(present, 0, out=c.row_counts)
+            torch.sum(sends, 1, out=c.row_counts)
             c.row_bins.index_add_(0, flat_bins, per_n[2])
             header = self._open(c, "dispatch", "dispatch/counts", row)
 
         # what the payload needs and the counts do not decide runs while they travel: the token of each
         # row, by (destination rank, token), and every token's packed row: token | expert bin of each
         # slot | weights | (the caller's rows), each field aligned to its dtype
-        pairs = torch.nonzero_static(present.t(), size=world * n)  # [world * n, 2] (rank, token), -1 pads
+        pairs = torch.nonzero_static(sends, size=world * n)  # [world * n, 2] (rank, token), -1 pads
         scatter = torch.where(dest < world, fsi, -1) if fsi is not None else None
         offsets, pads = self._layout(c, input, weight, caller_rows)
         parts = [input.view(torch.uint8), bins.view(torch.uint8)]
@@ -623,7 +657,7 @@ class TorchBackend(A2ABackend):
         # what the counts decide, computed on the host while the payload travels and uploaded at once
         # (see _plan): rows per local expert, receive boundaries, combine's row table, and each bin's
         # first receiver row minus my first slot of that bin
-        back, slot_counts, dropped_first = self._plan(c, rows)
+        back, slot_counts, dropped_first = self._plan(c, rows, recv_counts)
         up_dev = c.up_host.to(dev, non_blocking=True, copy=True)
         back_counts = back.tolist()
         num_rows, num_slots = sum(back_counts), sum(slot_counts)
@@ -646,7 +680,7 @@ class TorchBackend(A2ABackend):
             inv.index_put_((target,), c.iota[: target.numel()])
             back_flat = inv[:num_rows]
             recv_expert = torch.take(r_key, back_flat)
-        out_row = back_flat // K
+        out_row = torch.floor_divide(back_flat, K)
         output = recv[:, : input.shape[1] * input.element_size()].view(input.dtype)[out_row]
         out_weights = None
         if weight is not None:
@@ -655,25 +689,22 @@ class TorchBackend(A2ABackend):
                 recv[:, wo : wo + K * weight.element_size()].view(weight.dtype), back_flat
             )
 
-        # my side of the descriptor: each slot's row at its receiver, the first slot of each token on
-        # each rank, and the order combine returns my slots in (by bin, or by the caller's row)
-        nb, sl = L + world - 1, L + world - 1 + 2 * E - 1
-        back_row = None
+        # my side of the descriptor: each slot's row at its receiver (from a copy of the counts, when
+        # first read), the first slot of each token on each rank, and the order combine returns my
+        # slots in (by bin, or by the caller's row)
+        counts = rows[:, 2:].T.copy()  # [2 + width - 2, world]: token counts, rows per rank, slots per bin
         if scatter is None:
             slot_flat = slot_order[dropped_first : dropped_first + num_slots]
             receiver_rows: torch.Tensor | _Recipe = _Recipe(
                 _receiver_rows,
-                up_dev[sl:].view(torch.int32),
+                counts[1 + world :].T,
+                me,
+                L,
                 bins,
                 slot_flat,
                 c.iota32[dropped_first : dropped_first + num_slots],
                 cfg.offset_dtype,
             )
-            if not self.enable_local_combine:  # (whose combine sends partial sums instead)
-                # output rows run by (local expert, source rank), combine's by (source rank, local
-                # expert): row q of segment (s, l) in combine's order is output row q + table[s, l]
-                q = c.iota[:num_rows]
-                back_row = q + up_dev[nb : nb + E][torch.bucketize(q, up_dev[nb + E : sl], right=True)]
         else:
             slot_flat = slot_order[:num_slots]
             receiver_rows = scatter if cfg.offset_dtype == torch.int32 else scatter.to(cfg.offset_dtype)
@@ -690,13 +721,14 @@ class TorchBackend(A2ABackend):
             slot_counts=slot_counts,
             back_flat=back_flat,
             out_row=out_row,
-            recv_bounds=up_dev[L:nb],
+            recv_bounds=up_dev[L:],
             back_counts=back_counts,
-            back_row=back_row,
         )
+        if scatter is None and not self.enable_local_combine:  # (lc: combine sends partial sums)
+            _back_row(state)
         desc = _TorchLayoutDesc(
             num_dispatch_token_cur_rank=n,
-            num_input_tokens_per_rank=torch.from_numpy(rows[:, 2].copy()),
+            num_input_tokens_per_rank=torch.from_numpy(counts[0]),
             send_reqs_recv_tensor=None,
             topk_indices_tensor=exp_indices,
             token_dst_scatter_idx=receiver_rows,  # type: ignore[arg-type]
@@ -729,39 +761,25 @@ class TorchBackend(A2ABackend):
             layout = c.layouts[key] = (offsets, pads)
         return layout
 
-    def _plan(self, c: _Tables, rows: np.ndarray) -> tuple[np.ndarray, list[int], int]:
-        """What the counts decide, written into the upload buffer: rows per local expert ``[E_local]``,
-        the first received row of each source after the first ``[world - 1]``, combine's row table (for
-        each (source rank, local expert) segment of combine's order its output row minus its first row
-        there ``[E]``, then the segments' first rows after the first ``[E - 1]``) and, as int32, each
-        bin's first row at its receiver minus my first slot of that bin (-1 for the bins of no expert).
-        Returns the rows received from each source ``[world]``, my kept slots for each rank and my
-        slots in the bins before the experts."""
-        world, L, me, E = self.world_size, self.e_local, self.rank, self.config.num_tot_experts
-        nb, sl = L + world - 1, L + world - 1 + 2 * E - 1
-        slots = rows[:, 3 + world :]  # [src, bin]
-        per_expert = slots[:, 2 : E + 2]  # [src, (dest, local expert)]
-        totals = per_expert.sum(0)  # [(dest, local)]: rows of each expert at its receiver
-        mine = per_expert[:, me * L : (me + 1) * L]  # [src, local]: the rows I receive
-        up, ex = c.up_np, c.scratch  # (each scratch row starts with a 0 that stays: exclusive sums)
-        up[:L] = totals[me * L : (me + 1) * L]
-        np.cumsum(rows[:-1, 3 + me], out=up[L:nb])
-        # combine's row table: segment (s, l) starts at back[s, l] in combine's order (source-major)
-        # and at out[l, s] in the output (expert-major)
-        np.cumsum(mine, out=ex[0, 1 : E + 1])
-        np.cumsum(mine.T, out=ex[1, 1 : E + 1])
-        back_start = ex[0, :E].reshape(world, L)
-        np.subtract(ex[1, :E].reshape(L, world).T, back_start, out=up[nb : nb + E].reshape(world, L))
-        up[nb + E : sl] = ex[0, 1:E]
-        # each bin's first row at its receiver (its receiver's rows of earlier experts, plus the rows of
-        # earlier sources for the same expert) minus my first slot of that bin
-        np.cumsum(totals.reshape(world, L), axis=1, out=c.scratch_rank[:, 1:])
-        np.cumsum(slots[me], out=ex[2, 1 : E + 4])
-        base = up[sl:].view(np.int32)[2 : E + 2].reshape(world, L)
-        np.subtract(c.scratch_rank[:, :L], ex[2, 2 : E + 2].reshape(world, L), out=base)
-        if me:
-            base += per_expert[:me].sum(0).reshape(world, L)
-        return mine.sum(1), slots[me, 2 : E + 2].reshape(world, L).sum(1).tolist(), int(ex[2, 2])
+    def _plan(
+        self, c: _Tables, rows: np.ndarray, recv_counts: list[int]
+    ) -> tuple[np.ndarray, list[int], int]:
+        """What the counts decide that dispatch needs at once, written into the upload buffer: rows per
+        local expert ``[E_local]`` and the first received row of each source after the first ``[world -
+        1]`` (from ``recv_counts``, the rows received from each source). Returns the output rows from
+        each source ``[world]``, my kept slots for each rank and my slots in the bins before the experts."""
+        world, L, me = self.world_size, self.e_local, self.rank
+        slots = rows[me, 3 + world :]  # [bin]: my slots
+        mine = rows[:, 5 + world + me * L : 5 + world + (me + 1) * L]  # [src, local]: the rows I receive
+        up = c.up_np
+        np.add.reduce(mine, 0, out=up[:L])
+        if world > 1:
+            up[L:] = list(itertools.accumulate(recv_counts[:-1]))
+        return (
+            np.add.reduce(mine, 1),
+            slots[2 : 2 + world * L].reshape(world, L).sum(1).tolist(),
+            int(slots[0]) + int(slots[1]),
+        )
 
     def _check_caller_rows(
         self, mine: torch.Tensor, r_pos: torch.Tensor, target: torch.Tensor, num_rows: int
@@ -796,7 +814,7 @@ class TorchBackend(A2ABackend):
             out = _sum_slots(rows, state.send_pos, n, world)
         else:
             send = input[_back_row(state)]
-            grid = input.new_zeros(n * topk, input.shape[1])  # (local work, before the peers' check)
+            grid = _grid(input, state.slot_flat, n * topk)  # (local work, before the peers' check)
             self._opened("combine", call)
             rows = self._reverse(send, state)
             out = _sum_slots(rows, state.slot_flat, n, topk, grid)
@@ -863,7 +881,7 @@ def _back_row(state: _TorchState) -> torch.Tensor:
     """Output rows in the order combine sends them back: by source rank, then output row (for each source,
     the order in which it sorted its slots: by expert, or by the caller's row); computed once."""
     if state.back_row is None:
-        src = torch.bucketize(state.out_row, state.recv_bounds, right=True)
+        src = torch.bucketize(state.out_row, state.recv_bounds, out_int32=True, right=True)
         state.back_row = torch.sort(src, stable=True).indices
     return state.back_row
 
