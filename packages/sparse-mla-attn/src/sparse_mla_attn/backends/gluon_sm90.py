@@ -1042,6 +1042,7 @@ if HAVE_GLUON:
         full_bars,
         empty_bars,
         turn_bars,
+        red_smem,
         Q,
         LSE,
         q_base,
@@ -1106,7 +1107,8 @@ if HAVE_GLUON:
 
         # Column sums, indices and output addresses one column per thread (the S layout would hold 16 per
         # thread: 64-bit addresses for 16 columns do not fit next to the 144 registers of the query).
-        col_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        red_l: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [1, 4], [0, 1])
+        col_l: gl.constexpr = gl.SliceLayout(0, red_l)
         offs_c = C0 + gl.arange(0, N, layout=col_l)
         STEP: gl.constexpr = 2 if SPLIT == AD_SPLIT_BLOCKS else 1
         n_iter = n_blocks
@@ -1128,7 +1130,14 @@ if HAVE_GLUON:
             mbarrier.arrive(turn_bars.index(1 - WG))  # this S is issued (all 4 warps): the other's turn
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(empty_bars.index(slot))  # S is the slot's only reader: refill it now
-            col = gl.convert_layout(gl.sum(gl.exp2(s * sm_scale_log2 - lse2[:, None]), axis=0), col_l)
+            # Each warp sums its 16 rows of S, then the 4 warps' partial rows meet in shared memory: one
+            # barrier (a generic sum over rows plus layout conversion takes several). Two buffers per
+            # warpgroup, so a warp can write the next block's while another still reads this one's.
+            p = gl.exp2(s * sm_scale_log2 - lse2[:, None])
+            red = red_smem.index(2 * WG + (j & 1))
+            red.store(gl.sum(gl.reshape(p, [4, 16, N]), axis=1))
+            gl.thread_barrier()
+            col = gl.sum(red.load(red_l), axis=0)
             valid = (t_idx >= 0) & (t_idx < hi)
             if SPLIT == AD_SPLIT_HEADS:
                 gl.atomic_add(out_row + offs_t, col, mask=valid, sem="relaxed")
@@ -1180,6 +1189,11 @@ if HAVE_GLUON:
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(2):
             mbarrier.init(turn_bars.index(j), count=1)
+        # Per consumer warpgroup, two buffers of its 4 warps' partial column sums (``_ad_consumer``).
+        N_RED: gl.constexpr = BLOCK_T // 2 if SPLIT == AD_SPLIT_COLS else BLOCK_T
+        red_smem = gl.allocate_shared_memory(
+            gl.float32, [4, 4, N_RED], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        )
         fence_async_shared()  # barrier initialisation, before any partition uses them
 
         hi = _causal_hi(s_kv, pid_s, q_start_index, k_stride, CAUSAL)
@@ -1193,12 +1207,12 @@ if HAVE_GLUON:
         gl.warp_specialize(
             [
                 (_ad_consumer, (
-                    WG0, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, Q, LSE, q_base, lse_base, out_row,
-                    idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_ROPE, SPLIT,
+                    WG0, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, red_smem, Q, LSE, q_base, lse_base,
+                    out_row, idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_ROPE, SPLIT,
                 )),
                 (_ad_consumer, (
-                    WG1, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, Q, LSE, q_base, lse_base, out_row,
-                    idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_ROPE, SPLIT,
+                    WG1, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, red_smem, Q, LSE, q_base, lse_base,
+                    out_row, idx_row, stride_q_h, h_q, topk, hi, n_blocks, sm_scale_log2, lse_to_log2, D_ROPE, SPLIT,
                 )),
                 (_ws_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, idx_row, topk, hi, n_blocks,
