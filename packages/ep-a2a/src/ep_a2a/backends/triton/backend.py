@@ -907,10 +907,10 @@ class TritonBackend(A2ABackend):
     def combine_plain(self, input: Tensor, layout_desc: EPAllToAllLayoutDesc) -> Tensor:
         """:meth:`combine` of the layer's common case (see the base class; :meth:`combine` takes it too
         for ``[rows, hidden]`` contiguous rows): the steps of :meth:`_combine_checked` for a dispatch
-        not combined yet, in one frame. Rows, descriptor and output at the addresses of an earlier
-        combine replay its CUDA graph (``eager_graphs``), found by one lookup once the output is taken;
-        other addresses launch through the bound launch; the call is published on the operation board
-        once launched. Anything else goes through :meth:`_combine_checked`."""
+        not combined yet, with no per-step checks. Rows, descriptor and output at the addresses of an
+        earlier combine replay its CUDA graph (``eager_graphs``); other addresses launch through the
+        bound launch; the call is published on the operation board once launched. Anything else goes
+        through :meth:`_combine_checked`."""
         state = layout_desc.backend_state
         n, dtype = layout_desc.num_dispatch_token_cur_rank, input.dtype
         if (
@@ -929,29 +929,20 @@ class TritonBackend(A2ABackend):
         ids = layout_desc.topk_indices_tensor
         stream = _raw_stream(self._device_index)
         out = self.combine_outputs.take(stream, n, input.shape[1], dtype)
-        tp, sp = state.addresses
-        # (the key _launch_combine_bound builds)
-        at = (input.data_ptr(), tp, ids.data_ptr(), sp, n, out.data_ptr(), dtype, ids.dtype)
-        graph = self._combine_graphs.get(at) if self.eager_graphs else None
-        if graph is not None:
-            graph.launch(stream)
-            self.engine.combine_replayed()
-            self.graph_replays += 1
-        elif not self._launch_combine_bound(stream, input, state, ids, n, out, graphs=True):
+        if not self._launch_combine_bound(stream, input, state, ids, n, out, graphs=True):
             self.engine.launch_combine(input, state.tab, ids, state.n_src, out)
         self._combine_allowed = False
         # (published once launched: the peers wait for this rank's kernel either way, and the board is
         # read only now)
+        call = self._start("combine", check=False)
         board = self.board
-        call = board.publish("combine")
-        self._op = (call, "combine")
-        if board.peers:  # (_guard_protocol's wait, inlined)
-            try:
+        if board.peers:
+
+            def all_arrived() -> None:  # (the wait only where the peers have not all arrived yet)
                 if not board.check(call, "combine"):
                     board.wait(call, "combine", "combine")
-            except (EPProtocolError, EPTimeoutError) as exc:
-                self._mirror_lost = str(exc)
-                raise
+
+            self._guard_protocol(all_arrived)
         return out
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
