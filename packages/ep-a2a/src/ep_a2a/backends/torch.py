@@ -88,7 +88,7 @@ class _TorchState:
     recv_bounds: torch.Tensor  # [world - 1] int64: first received row of each source rank after the first
     back_counts: list[int]  # output rows per source rank
     back_row: torch.Tensor | None = None  # [R] int64: output rows by (source rank, then as the source
-    # sorted them); dispatch computes it unless combine sends partial sums (computed when first needed)
+    # sorted them); dispatch uploads it unless the caller placed the rows (then computed when first needed)
 
 
 @dataclass
@@ -339,6 +339,8 @@ class TorchBackend(A2ABackend):
         #: exchanges on the expert-parallel group itself, the header awaited after the data is queued
         #: (NCCL); else every exchange on the bounded gloo side group, each awaited in turn
         self._on_device = self.device.type != "cpu"
+        self._a2a_options = dist.AllToAllOptions()
+        self._a2a_options.asyncOp = False  # (on the current stream, as a blocking all_to_all_single)
         if not self._on_device:
             self.monitor.create_side_group()
         self.rank = config.rank
@@ -530,8 +532,11 @@ class TorchBackend(A2ABackend):
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
         if not self._on_device:  # a gloo expert group: the side group is the same transport, bounded
             self.monitor.run(step, self.monitor.all_to_all, recv, send, recv_counts, send_counts)
-        else:  # queued on the device (its peers checked in on the board or in the header)
-            dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.ep_group)
+        else:  # queued on the device (its peers checked in on the board or in the header); the group's
+            # own call, as all_to_all_single makes it, without that wrapper's checks on the hot path
+            work = self.ep_group.alltoall_base(recv, send, recv_counts, send_counts, self._a2a_options)
+            if work is not None:
+                work.wait()  # (stream-ordered: the host does not block)
         return recv
 
     def _raise_bad_ids(self, rows: np.ndarray, exp_indices: torch.Tensor) -> None:
@@ -562,7 +567,10 @@ class TorchBackend(A2ABackend):
         caller_rows = fsi is not None
         # bin of each slot: 0 an id below -1, 1 dropped (-1), 2 + e expert e, E + 2 an id of E or more
         bins = torch.bucketize(exp_indices, c.bounds[exp_indices.dtype], out_int32=True)
-        dest = c.dest[bins]  # [n, K] int64 destination rank, world where the slot is dropped
+        flat_bins = bins.view(-1)
+        # [n, K] int64 destination rank, world where the slot is dropped (index_select: a lighter launch
+        # than indexing)
+        dest = c.dest.index_select(0, flat_bins).view(n, K)
         per_n = c.per_n.get(n)
         if per_n is None:
             per_n = c.per_n[n] = (
@@ -580,7 +588,6 @@ class TorchBackend(A2ABackend):
         # each rank, my slots per bin); the per-expert matrix lets each source place its slots without
         # a round trip, and the out-of-range bins stop a bad call on every rank before any payload. On
         # one host the counts go to the host and through shared memory; else in a header exchange
-        flat_bins = bins.view(-1)
         header = None
         if self.counts is not None:
             self._calls += 1
@@ -635,10 +642,10 @@ class TorchBackend(A2ABackend):
         recv = self._exchange("dispatch/payload", packed[send_token], send_counts, recv_counts)
 
         # what the counts decide, computed on the host while the payload travels and uploaded at once
-        # (see _plan): rows per local expert, receive boundaries, combine's row table, and each bin's
-        # first receiver row minus my first slot of that bin
-        back, slot_counts, dropped_first = self._plan(c, rows, recv_counts)
-        up_dev = c.up_host.to(dev, non_blocking=True, copy=True)
+        # (see _plan): rows per local expert, receive boundaries, the order combine sends rows back in,
+        # and each bin's first receiver row minus my first slot of that bin
+        back, slot_counts, dropped_first, size = self._plan(c, rows, recv_counts, back_row=scatter is None)
+        up_dev = c.up_host[:size].to(dev, non_blocking=True, copy=True)
         back_counts = back.tolist()
         num_rows, num_slots = sum(back_counts), sum(slot_counts)
 
@@ -702,11 +709,10 @@ class TorchBackend(A2ABackend):
             slot_counts=slot_counts,
             back_flat=back_flat,
             out_row=out_row,
-            recv_bounds=up_dev[L:],
+            recv_bounds=up_dev[L : L + world - 1],
             back_counts=back_counts,
+            back_row=up_dev[L + world - 1 :] if scatter is None else None,
         )
-        if scatter is None and not self.enable_local_combine:  # (lc: combine sends partial sums)
-            _back_row(state)
         desc = _TorchLayoutDesc(
             num_dispatch_token_cur_rank=n,
             num_input_tokens_per_rank=torch.from_numpy(tokens_per_rank),
@@ -743,23 +749,43 @@ class TorchBackend(A2ABackend):
         return layout
 
     def _plan(
-        self, c: _Tables, rows: np.ndarray, recv_counts: list[int]
-    ) -> tuple[np.ndarray, list[int], int]:
+        self, c: _Tables, rows: np.ndarray, recv_counts: list[int], *, back_row: bool
+    ) -> tuple[np.ndarray, list[int], int, int]:
         """What the counts decide that dispatch needs at once, written into the upload buffer: rows per
-        local expert ``[E_local]`` and the first received row of each source after the first ``[world -
-        1]`` (from ``recv_counts``, the rows received from each source). Returns the output rows from
-        each source ``[world]``, my kept slots for each rank and my slots in the bins before the experts."""
+        local expert ``[E_local]``, the first received row of each source after the first ``[world -
+        1]`` (from ``recv_counts``, the rows received from each source) and, with ``back_row`` (output
+        rows in the order of the received slots' local experts), the output rows in the order combine
+        sends them back ``[R]`` (see :func:`_back_row`). Returns the output rows from each source
+        ``[world]``, my kept slots for each rank, my slots in the bins before the experts and the
+        number of words to upload."""
         world, L, me = self.world_size, self.e_local, self.rank
         slots = rows[me, 3 + world :]  # [bin]: my slots
         mine = rows[:, 5 + world + me * L : 5 + world + (me + 1) * L]  # [src, local]: the rows I receive
+        back = np.add.reduce(mine, 1)
+        size = L + world - 1
+        total = int(back.sum()) if back_row else 0
+        if c.up_np.shape[0] < size + total:  # (every earlier upload is done: dispatch awaited its counts)
+            c.up_host = torch.empty(2 * (size + total), dtype=torch.int64, pin_memory=c.done is not None)
+            c.up_np = c.up_host.numpy()
         up = c.up_np
         np.add.reduce(mine, 0, out=up[:L])
         if world > 1:
-            up[L:] = list(itertools.accumulate(recv_counts[:-1]))
+            up[L:size] = list(itertools.accumulate(recv_counts[:-1]))
+        if back_row:
+            # output rows run in blocks (local expert, source); each source gets its blocks by local
+            # expert, its order: block (s, e) holds output rows start[e, s] onwards
+            lens = mine.ravel()  # [src * L] block sizes, by (source, local expert)
+            start = np.zeros(world * L, dtype=np.int64)
+            np.cumsum(mine.T.ravel()[:-1], out=start[1:])
+            shift = start.reshape(L, world).T.ravel() - (np.cumsum(lens) - lens)
+            out = up[size : size + total]
+            out[:] = np.repeat(shift, lens)
+            out += np.arange(total)
         return (
-            np.add.reduce(mine, 1),
+            back,
             slots[2 : 2 + world * L].reshape(world, L).sum(1).tolist(),
             int(slots[0]) + int(slots[1]),
+            size + total,
         )
 
     def _check_caller_rows(
