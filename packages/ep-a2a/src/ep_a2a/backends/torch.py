@@ -88,7 +88,7 @@ class _TorchState:
     recv_bounds: torch.Tensor  # [world - 1] int64: first received row of each source rank after the first
     back_counts: list[int]  # output rows per source rank
     back_row: torch.Tensor | None = None  # [R] int64: output rows by (source rank, then as the source
-    # sorted them); dispatch uploads it unless the caller placed the rows (then computed when first needed)
+    # sorted them); dispatch computes it unless combine sends partial sums (computed when first needed)
 
 
 @dataclass
@@ -642,10 +642,10 @@ class TorchBackend(A2ABackend):
         recv = self._exchange("dispatch/payload", packed[send_token], send_counts, recv_counts)
 
         # what the counts decide, computed on the host while the payload travels and uploaded at once
-        # (see _plan): rows per local expert, receive boundaries, the order combine sends rows back in,
-        # and each bin's first receiver row minus my first slot of that bin
-        back, slot_counts, dropped_first, size = self._plan(c, rows, recv_counts, back_row=scatter is None)
-        up_dev = c.up_host[:size].to(dev, non_blocking=True, copy=True)
+        # (see _plan): rows per local expert, receive boundaries, combine's row table, and each bin's
+        # first receiver row minus my first slot of that bin
+        back, slot_counts, dropped_first = self._plan(c, rows, recv_counts)
+        up_dev = c.up_host.to(dev, non_blocking=True, copy=True)
         back_counts = back.tolist()
         num_rows, num_slots = sum(back_counts), sum(slot_counts)
 
@@ -709,10 +709,11 @@ class TorchBackend(A2ABackend):
             slot_counts=slot_counts,
             back_flat=back_flat,
             out_row=out_row,
-            recv_bounds=up_dev[L : L + world - 1],
+            recv_bounds=up_dev[L:],
             back_counts=back_counts,
-            back_row=up_dev[L + world - 1 :] if scatter is None else None,
         )
+        if scatter is None and not self.enable_local_combine:  # (lc: combine sends partial sums)
+            _back_row(state)
         desc = _TorchLayoutDesc(
             num_dispatch_token_cur_rank=n,
             num_input_tokens_per_rank=torch.from_numpy(tokens_per_rank),
@@ -749,43 +750,23 @@ class TorchBackend(A2ABackend):
         return layout
 
     def _plan(
-        self, c: _Tables, rows: np.ndarray, recv_counts: list[int], *, back_row: bool
-    ) -> tuple[np.ndarray, list[int], int, int]:
+        self, c: _Tables, rows: np.ndarray, recv_counts: list[int]
+    ) -> tuple[np.ndarray, list[int], int]:
         """What the counts decide that dispatch needs at once, written into the upload buffer: rows per
-        local expert ``[E_local]``, the first received row of each source after the first ``[world -
-        1]`` (from ``recv_counts``, the rows received from each source) and, with ``back_row`` (output
-        rows in the order of the received slots' local experts), the output rows in the order combine
-        sends them back ``[R]`` (see :func:`_back_row`). Returns the output rows from each source
-        ``[world]``, my kept slots for each rank, my slots in the bins before the experts and the
-        number of words to upload."""
+        local expert ``[E_local]`` and the first received row of each source after the first ``[world -
+        1]`` (from ``recv_counts``, the rows received from each source). Returns the output rows from
+        each source ``[world]``, my kept slots for each rank and my slots in the bins before the experts."""
         world, L, me = self.world_size, self.e_local, self.rank
         slots = rows[me, 3 + world :]  # [bin]: my slots
         mine = rows[:, 5 + world + me * L : 5 + world + (me + 1) * L]  # [src, local]: the rows I receive
-        back = np.add.reduce(mine, 1)
-        size = L + world - 1
-        total = int(back.sum()) if back_row else 0
-        if c.up_np.shape[0] < size + total:  # (every earlier upload is done: dispatch awaited its counts)
-            c.up_host = torch.empty(2 * (size + total), dtype=torch.int64, pin_memory=c.done is not None)
-            c.up_np = c.up_host.numpy()
         up = c.up_np
         np.add.reduce(mine, 0, out=up[:L])
         if world > 1:
-            up[L:size] = list(itertools.accumulate(recv_counts[:-1]))
-        if back_row:
-            # output rows run in blocks (local expert, source); each source gets its blocks by local
-            # expert, its order: block (s, e) holds output rows start[e, s] onwards
-            lens = mine.ravel()  # [src * L] block sizes, by (source, local expert)
-            start = np.zeros(world * L, dtype=np.int64)
-            np.cumsum(mine.T.ravel()[:-1], out=start[1:])
-            shift = start.reshape(L, world).T.ravel() - (np.cumsum(lens) - lens)
-            out = up[size : size + total]
-            out[:] = np.repeat(shift, lens)
-            out += np.arange(total)
+            up[L:] = list(itertools.accumulate(recv_counts[:-1]))
         return (
-            back,
+            np.add.reduce(mine, 1),
             slots[2 : 2 + world * L].reshape(world, L).sum(1).tolist(),
             int(slots[0]) + int(slots[1]),
-            size + total,
         )
 
     def _check_caller_rows(
