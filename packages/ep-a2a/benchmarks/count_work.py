@@ -7,7 +7,8 @@ Each rank dispatches ``--tokens`` tokens (hidden 7168, top-8 of 256 experts, uni
 ``EPAll2AllLayer(backend="torch")`` and the benchmark's NCCL pipelines (``bench_torch_backend``), then
 combines them, and counts what one call of each does (the second call: the first builds caches):
 
-* ``collectives``: ``torch.distributed`` collectives called;
+* ``collectives``: collectives called on a process group (through ``torch.distributed``'s functions or
+  the group's own methods, which those functions call);
 * ``host_syncs``: points where the host waits for the device: reads of device data (``item``,
   ``tolist``, ``numpy``, ``nonzero`` and the other operations whose output size the data decides) and
   the torch backend's awaited exchanges;
@@ -63,21 +64,20 @@ _SCATTERS = {"index_put", "index_put_", "_index_put_impl_", "scatter", "scatter_
              "scatter_reduce", "scatter_reduce_", "index_add", "index_add_", "index_copy", "index_copy_"}  # fmt: skip
 _SORTS = {"sort", "argsort", "topk"}
 _ALLOCS = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"}
-#: the collectives of torch.distributed that the pipelines and the backend may call
+#: the collective methods of a process group, which torch.distributed's functions call (one per call)
 _COLLECTIVES = (
-    "all_to_all_single",
-    "all_to_all",
-    "all_gather_into_tensor",
-    "all_gather",
-    "all_reduce",
+    "alltoall_base",
+    "alltoall",
+    "_allgather_base",
+    "allgather",
+    "allgather_into_tensor_coalesced",
+    "allreduce",
     "broadcast",
     "barrier",
-    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "reduce_scatter",
     "send",
     "recv",
-    "isend",
-    "irecv",
-    "batch_isend_irecv",
 )
 
 
@@ -150,8 +150,8 @@ def counting() -> Iterator[Counter]:
     from ep_a2a._dist import OpBoard
 
     for name in _COLLECTIVES:
-        if hasattr(dist, name):
-            patch(dist, name, counted("collectives"))
+        if hasattr(dist.ProcessGroup, name):
+            patch(dist.ProcessGroup, name, counted("collectives"))
     for name in ("tolist", "numpy"):  # (on CUDA: a blocking copy to the host)
         patch(torch.Tensor, name, counted("host_syncs"))
     patch(torch_backend, "_wait", counted("host_syncs"))  # the torch backend's awaited exchanges

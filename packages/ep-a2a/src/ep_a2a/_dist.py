@@ -9,7 +9,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
 
@@ -77,8 +77,8 @@ class RankMonitor:
     """Check-ins and guarded collectives for one layer on one group.
 
     Construction is collective. It creates a gloo side group over the same ranks whose collectives
-    time out after ``timeout_s``; small host-side exchanges (token counts) run on it. Collectives wrapped
-    in :meth:`guard` that fail (a peer closed its connection, or the wait ran out) trigger a post-mortem:
+    time out after ``timeout_s``; small host-side exchanges (token counts) run on it. Collectives run
+    through :meth:`run` that fail (a peer closed its connection, or the wait ran out) trigger a post-mortem:
     every surviving rank writes a key in the c10d store and waits a short grace period for the others'
     keys; the ranks whose key never appears are named in the :class:`EPTimeoutError`.
     """
@@ -174,18 +174,9 @@ class RankMonitor:
                 self.store.delete_key(self._key(step, call - 1, self.rank))
         return values
 
-    @contextlib.contextmanager
-    def guard(self, step: str) -> Iterator[None]:
-        """Run a collective; on failure name the ranks that did not reach ``step``."""
-        call = self._next(step)
-        try:
-            yield
-        except Exception as exc:
-            self._failed(step, call, exc)
-
     def run(self, step: str, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` guarded as :meth:`guard` guards a block (a plain call: no context manager per
-        operation on the hot path)."""
+        """``fn(*args)``, a collective (or its wait); on failure raise naming the ranks that did not reach
+        ``step`` (see :meth:`_failed`)."""
         call = self._next(step)
         try:
             return fn(*args)
@@ -220,6 +211,22 @@ class RankMonitor:
             with contextlib.suppress(Exception):
                 self.side_group.shutdown()
             self.side_group = None
+
+
+def poll_until(ready: Callable[[], bool], deadline: float) -> bool:
+    """Call ``ready()`` until it returns true (then True) or ``time.monotonic()`` passes ``deadline`` (then
+    False). The first 1000 polls only yield the core (a peer that shares it runs meanwhile: a sleep would
+    add its own latency to the usual short wait), later ones sleep 50 us each."""
+    spins = 0
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        spins += 1
+        if spins > 1000:
+            time.sleep(5e-5)
+        else:
+            os.sched_yield()
+    return True
 
 
 def create_shared_words(name: str, shape: tuple[int, ...]) -> tuple[str, np.memmap]:
@@ -326,34 +333,30 @@ class OpBoard:
             )
         return all(w is not None for w in words.values())
 
-    def wait_for_words(self, call: int, deadline: float) -> None:
-        """Wait until every peer wrote its word for ``call`` (whatever its operation), or ``deadline``."""
-        while any(self._word(r, call) is None for r in self.peers) and time.monotonic() < deadline:
-            time.sleep(1e-4)
-
     def wait(self, call: int, op: str, step: str, deadline: float | None = None) -> None:
-        """Wait until every peer reached ``call`` (checking, as :meth:`check` does, that it is in ``op``).
+        """Wait until every peer reached ``call`` (checking, as :meth:`check` does, that it is in ``op``),
+        until ``deadline`` (``time.monotonic()``; default ``timeout_s`` from now).
 
         Raises:
-            EPProtocolError: a peer is in another operation.
-            EPTimeoutError: a peer did not reach ``call`` within ``timeout_s`` (named).
+            EPProtocolError: a peer is in another operation; it names every peer's operation at ``call``
+                (it waits for the peers not there yet: the misordered ones reach ``call`` as well).
+            EPTimeoutError: a peer did not reach ``call`` by the deadline (named).
         """
-        if self.check(call, op):
-            return
         deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
-        spins = 0
-        while not self.check(call, op):
-            if time.monotonic() > deadline:
-                missing = [r for r in self.peers if self._word(r, call) is None]
-                raise EPTimeoutError(
-                    f"ep_a2a: rank {self.rank} waited {self.timeout_s:g}s at step {step!r} (call #{call}) but "
-                    f"rank(s) {missing} never started it",
-                    step=step,
-                    missing_ranks=missing,
-                )
-            spins += 1
-            if spins > 1000:
-                time.sleep(5e-5)
+        try:
+            if poll_until(lambda: self.check(call, op), deadline):
+                return
+        except EPProtocolError:
+            poll_until(lambda: all(self._word(r, call) is not None for r in self.peers), deadline)
+            self.check(call, op)
+            raise
+        missing = [r for r in self.peers if self._word(r, call) is None]
+        raise EPTimeoutError(
+            f"ep_a2a: rank {self.rank} waited {self.timeout_s:g}s at step {step!r} (call #{call}) but "
+            f"rank(s) {missing} never started it",
+            step=step,
+            missing_ranks=missing,
+        )
 
     def close(self) -> None:
         """Unmap the files and remove this rank's."""

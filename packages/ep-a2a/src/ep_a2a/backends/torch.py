@@ -58,6 +58,7 @@ from ep_a2a._dist import (
     RankMonitor,
     create_shared_words,
     group_device,
+    poll_until,
 )
 from ep_a2a.backends.base import A2ABackend, BackendOptions, DispatchResult, register_backend
 from ep_a2a.config import EPConfig
@@ -187,23 +188,15 @@ class _CountsBoard:
         # every word of the slot carries this call once none is below it: the words of earlier calls
         # (and the initial -1) are smaller, and no rank writes the slot's next call before all read it
         fresh = call << _VALUE_BITS
-        if rows.min() < fresh:
-            deadline, spins = time.monotonic() + self.timeout_s, 0
-            while rows.min() < fresh:
-                if time.monotonic() > deadline:
-                    arrived = (np.right_shift(rows, _VALUE_BITS) == call).all(1)
-                    missing = [r for r in range(self.world) if not arrived[r]]
-                    raise EPTimeoutError(
-                        f"ep_a2a: rank {self.rank} waited {self.timeout_s:g}s at step {step!r} (call #{call}) "
-                        f"for the counts of rank(s) {missing}",
-                        step=step,
-                        missing_ranks=missing,
-                    )
-                spins += 1
-                if spins > 1000:
-                    time.sleep(_COLD_POLL_S)
-                else:  # (a peer that shares this core computes its counts meanwhile)
-                    os.sched_yield()
+        if not poll_until(lambda: rows.min() >= fresh, time.monotonic() + self.timeout_s):
+            arrived = (np.right_shift(rows, _VALUE_BITS) == call).all(1)
+            missing = [r for r in range(self.world) if not arrived[r]]
+            raise EPTimeoutError(
+                f"ep_a2a: rank {self.rank} waited {self.timeout_s:g}s at step {step!r} (call #{call}) "
+                f"for the counts of rank(s) {missing}",
+                step=step,
+                missing_ranks=missing,
+            )
         np.bitwise_and(rows, _VALUE_MASK, out=out)
 
     def close(self) -> None:
@@ -346,6 +339,8 @@ class TorchBackend(A2ABackend):
         #: exchanges on the expert-parallel group itself, the header awaited after the data is queued
         #: (NCCL); else every exchange on the bounded gloo side group, each awaited in turn
         self._on_device = self.device.type != "cpu"
+        self._a2a_options = dist.AllToAllOptions()
+        self._a2a_options.asyncOp = False  # (on the current stream, as a blocking all_to_all_single)
         if not self._on_device:
             self.monitor.create_side_group()
         self.rank = config.rank
@@ -453,25 +448,13 @@ class TorchBackend(A2ABackend):
             EPTimeoutError: a peer did not start an operation within ``timeout_s`` (named).
         """
         if self.board is not None:
-            self._await(self._publish(op), op, step)
+            self.board.wait(self._publish(op), op, step)
 
     @torch.compiler.disable
     def _publish(self, op: str) -> int:
         """Record on the board that this rank starts ``op``; returns the operation's number there."""
         assert self.board is not None
         return self.board.publish(op)
-
-    @torch.compiler.disable
-    def _await(self, call: int, op: str, step: str) -> None:
-        """Wait on the board until every peer started ``op`` as its operation ``call`` (see :meth:`_start`)."""
-        assert self.board is not None
-        try:
-            self.board.wait(call, op, step)
-        except EPProtocolError:
-            # (name every rank, as the header exchange does: the misordered peers reach this call too)
-            self.board.wait_for_words(call, time.monotonic() + self.timeout_s)
-            self.board.check(call, op)
-            raise
 
     def _open(self, c: _Tables, op: str, step: str, row: torch.Tensor) -> _Header:
         """Queue the opening exchange of an operation: every rank sends every rank its ``row`` ``[2 +
@@ -481,8 +464,7 @@ class TorchBackend(A2ABackend):
         if not self._on_device:
             send = row.expand(world, -1).contiguous()
             recv = torch.empty_like(send)
-            with self.monitor.guard(step):
-                self.monitor.all_to_all(recv, send)
+            self.monitor.run(step, self.monitor.all_to_all, recv, send)
             header = _Header(op, step, call, recv.numpy(), None)
             self._check(header)  # before any variable-sized message: gloo matches messages in order
             return header
@@ -539,7 +521,8 @@ class TorchBackend(A2ABackend):
         rows = c.rows_np
         rows[self.rank, 2] = n
         self.counts.write(call, rows[self.rank, 2:])
-        self._await(call, "dispatch", step)
+        assert self.board is not None
+        self.board.wait(call, "dispatch", step)
         self.counts.read(call, rows[:, 2:], step)
         return rows
 
@@ -548,10 +531,12 @@ class TorchBackend(A2ABackend):
     ) -> torch.Tensor:
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
         if not self._on_device:  # a gloo expert group: the side group is the same transport, bounded
-            with self.monitor.guard(step):
-                self.monitor.all_to_all(recv, send, recv_counts, send_counts)
-        else:  # queued on the device (its peers checked in on the board or in the header)
-            dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.ep_group)
+            self.monitor.run(step, self.monitor.all_to_all, recv, send, recv_counts, send_counts)
+        else:  # queued on the device (its peers checked in on the board or in the header); the group's
+            # own call, as all_to_all_single makes it, without that wrapper's checks on the hot path
+            work = self.ep_group.alltoall_base(recv, send, recv_counts, send_counts, self._a2a_options)
+            if work is not None:
+                work.wait()  # (stream-ordered: the host does not block)
         return recv
 
     def _raise_bad_ids(self, rows: np.ndarray, exp_indices: torch.Tensor) -> None:
@@ -582,7 +567,10 @@ class TorchBackend(A2ABackend):
         caller_rows = fsi is not None
         # bin of each slot: 0 an id below -1, 1 dropped (-1), 2 + e expert e, E + 2 an id of E or more
         bins = torch.bucketize(exp_indices, c.bounds[exp_indices.dtype], out_int32=True)
-        dest = c.dest[bins]  # [n, K] int64 destination rank, world where the slot is dropped
+        flat_bins = bins.view(-1)
+        # [n, K] int64 destination rank, world where the slot is dropped (index_select: a lighter launch
+        # than indexing)
+        dest = c.dest.index_select(0, flat_bins).view(n, K)
         per_n = c.per_n.get(n)
         if per_n is None:
             per_n = c.per_n[n] = (
@@ -600,7 +588,6 @@ class TorchBackend(A2ABackend):
         # each rank, my slots per bin); the per-expert matrix lets each source place its slots without
         # a round trip, and the out-of-range bins stop a bad call on every rank before any payload. On
         # one host the counts go to the host and through shared memory; else in a header exchange
-        flat_bins = bins.view(-1)
         header = None
         if self.counts is not None:
             self._calls += 1
@@ -692,12 +679,13 @@ class TorchBackend(A2ABackend):
         # my side of the descriptor: each slot's row at its receiver (from a copy of the counts, when
         # first read), the first slot of each token on each rank, and the order combine returns my
         # slots in (by bin, or by the caller's row)
-        counts = rows[:, 2:].T.copy()  # [2 + width - 2, world]: token counts, rows per rank, slots per bin
+        # (copies: ``rows`` is rewritten by the next operation)
+        tokens_per_rank = rows[:, 2].copy()  # [world]
         if scatter is None:
             slot_flat = slot_order[dropped_first : dropped_first + num_slots]
             receiver_rows: torch.Tensor | _Recipe = _Recipe(
                 _receiver_rows,
-                counts[1 + world :].T,
+                rows[:, 3 + world :].copy(),  # [world, E + 3]: every rank's slots per bin
                 me,
                 L,
                 bins,
@@ -728,7 +716,7 @@ class TorchBackend(A2ABackend):
             _back_row(state)
         desc = _TorchLayoutDesc(
             num_dispatch_token_cur_rank=n,
-            num_input_tokens_per_rank=torch.from_numpy(counts[0]),
+            num_input_tokens_per_rank=torch.from_numpy(tokens_per_rank),
             send_reqs_recv_tensor=None,
             topk_indices_tensor=exp_indices,
             token_dst_scatter_idx=receiver_rows,  # type: ignore[arg-type]
@@ -836,7 +824,8 @@ class TorchBackend(A2ABackend):
     def _opened(self, op: str, call: int) -> None:
         """Before a combine's first message: every peer started the same operation (on the board)."""
         if call >= 0:
-            self._await(call, op, "combine")
+            assert self.board is not None
+            self.board.wait(call, op, "combine")
 
     def _reverse(self, rows: torch.Tensor, state: _TorchState) -> torch.Tensor:
         """Send per-(received row, slot) values ``[Mr, C]`` back: ``[M, C]`` in ``slot_flat`` order."""
