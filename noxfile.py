@@ -85,7 +85,9 @@ def _cpu_tests(session: nox.Session, package: str) -> None:
     # Property tests draw the same examples on every run of this session (a landing must not hinge on a
     # lucky draw); HYPOTHESIS_SEED picks another set, and plain pytest runs draw fresh ones.
     seed = os.environ.get("HYPOTHESIS_SEED", "0")
-    # Tests that need a GPU are deselected by marker; pytest's summary prints how many ('N deselected').
+    # Tests that need a GPU are deselected by marker (each worker deselects them, so the summary does not
+    # count them). Two workers (pytest-xdist, the CI machine's two cores): the distributed tests spend much
+    # of their time waiting on their ranks, which the other worker's tests fill; `-- -n 0` runs serially.
     session.run(
         "python",
         "-m",
@@ -96,6 +98,7 @@ def _cpu_tests(session: nox.Session, package: str) -> None:
         "-p",
         "no:cacheprovider",
         f"--hypothesis-seed={seed}",
+        "--numprocesses=2",
         *session.posargs,
     )
     _examples(session, package, CPU_MARKERS)
