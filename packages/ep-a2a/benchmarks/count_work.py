@@ -64,8 +64,12 @@ _SCATTERS = {"index_put", "index_put_", "_index_put_impl_", "scatter", "scatter_
              "scatter_reduce", "scatter_reduce_", "index_add", "index_add_", "index_copy", "index_copy_"}  # fmt: skip
 _SORTS = {"sort", "argsort", "topk"}
 _ALLOCS = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"}
-#: the collective methods of a process group, which torch.distributed's functions call (one per call)
+#: the collective methods of a process group, which torch.distributed's functions call (one per call;
+#: newer torch releases add ``*_single`` methods beside the older names and call those)
 _COLLECTIVES = (
+    "all_to_all_single",
+    "all_gather_single",
+    "reduce_scatter_single",
     "alltoall_base",
     "alltoall",
     "_allgather_base",
