@@ -22,8 +22,11 @@ For uniform routing each torch and NCCL row also carries the work of one call (`
 
 Bytes counted: only token rows that cross to another GPU, one per (token, destination rank)
 (``hidden x 2`` bytes each), the same for every method. Times: CUDA events around each call, started
-after a barrier of both ranks; median over ``--iters`` calls after warm-up; the slower rank's median;
-``*_host_ms``: the host's time until the call returned (same calls).
+after a barrier of both ranks; the torch and NCCL pipeline rows run in ``--rounds`` rounds, each round
+measuring every one of them (the order rotating) as the median over ``--iters`` calls after warm-up,
+the slower rank's; their times are the medians of the rounds (``*_rounds``: each round's), and the torch
+rows' ``dispatch_vs_nccl_dest`` / ``combine_vs_nccl_dest`` the medians of the rounds' time ratios
+against ``nccl-dest``; ``*_host_ms``: the host's time until the call returned (same calls).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import run_record
 import torch
@@ -184,6 +188,21 @@ def copy_engine_ms(nbytes: int, rank: int, world: int, iters: int) -> float | No
         return None
 
 
+def measure_calls(disp: Callable[[], object], comb: Callable[[], object], iters: int) -> dict[str, float]:
+    """Dispatch, combine (each after a dispatch) and round-trip times of one method (:func:`median_ms`)."""
+    d_host: list[float] = []
+    c_host: list[float] = []
+    t_d = median_ms(disp, iters, host=d_host)
+    t_c = median_ms(comb, iters, setup=disp, host=c_host)
+
+    def rt() -> None:
+        disp()
+        comb()
+
+    return {"dispatch_ms": t_d, "combine_ms": t_c, "round_trip_ms": median_ms(rt, iters),
+            "dispatch_host_ms": d_host[0], "combine_host_ms": c_host[0]}  # fmt: skip
+
+
 def run_case(shape: str, route: str, tokens: int, args, rank: int, world: int, dev) -> dict:
     hidden, experts, topk = (SHAPES[shape][k] for k in ("hidden", "experts", "topk"))
     e_local = experts // world
@@ -194,7 +213,7 @@ def run_case(shape: str, route: str, tokens: int, args, rank: int, world: int, d
     cross_t = torch.tensor([crossing], device=dev)
     dist.all_reduce(cross_t, op=dist.ReduceOp.MAX)
     nbytes = int(cross_t) * hidden * 2
-    res: dict[str, dict[str, float]] = {}
+    res: dict[str, dict[str, Any]] = {}
 
     ce = copy_engine_ms(nbytes, rank, world, args.iters)
     if ce is not None:
@@ -213,7 +232,8 @@ def run_case(shape: str, route: str, tokens: int, args, rank: int, world: int, d
     from ep_a2a.reference import quantize_fp8
 
     x_fp8 = quantize_fp8(x)  # DeepEP's format: FP8 rows and per-128-channel scales
-    for name, local_combine in (("torch", False), ("torch-lc", True), ("torch-fp8", False)):
+
+    def measure_layer(name: str) -> dict[str, float]:
         layer = EPAll2AllLayer(
             None,
             tokens,
@@ -223,18 +243,15 @@ def run_case(shape: str, route: str, tokens: int, args, rank: int, world: int, d
             experts,
             world,
             world,
-            enable_local_combine=local_combine,
+            enable_local_combine=name == "torch-lc",
             backend="torch",
         )
         holder: dict = {}
 
-        def disp(layer=layer, holder=holder, rows=x_fp8 if name == "torch-fp8" else x):
+        def disp(rows=x_fp8 if name == "torch-fp8" else x):
             holder["d"] = layer.dispatch(rows, ids, w)
 
-        d_host: list[float] = []
-        t_d = median_ms(disp, args.iters, host=d_host)
-
-        def comb(layer=layer, holder=holder):
+        def comb():
             rows, desc = holder["d"][0], holder["d"][2]
             if not isinstance(rows, torch.Tensor):  # FP8 dispatch: the experts' bf16 rows (allocated once)
                 if holder.get("y") is None or holder["y"].shape[0] != desc.num_recv_rows:
@@ -242,36 +259,37 @@ def run_case(shape: str, route: str, tokens: int, args, rank: int, world: int, d
                 rows = holder["y"]
             layer.combine(rows, desc)
 
-        c_host: list[float] = []
-        t_c = median_ms(comb, args.iters, setup=disp, host=c_host)
+        try:
+            return measure_calls(disp, comb, args.iters)
+        finally:
+            layer.finalize()
 
-        def rt(disp=disp, comb=comb):
-            disp()
-            comb()
-
-        res[name] = {"dispatch_ms": t_d, "combine_ms": t_c, "round_trip_ms": median_ms(rt, args.iters),
-                     "dispatch_host_ms": d_host[0], "combine_host_ms": c_host[0]}  # fmt: skip
-        layer.finalize()
-
-    for name, cls in (("nccl-dest", NcclPerDest), ("nccl-expert", NcclPerExpert)):
-        pipe = cls(rank, world, e_local)
+    def measure_pipeline(name: str) -> dict[str, float]:
+        pipe = (NcclPerDest if name == "nccl-dest" else NcclPerExpert)(rank, world, e_local)
         st: dict = {}
 
-        def pd(pipe=pipe, st=st):
+        def disp():
             st["d"] = pipe.dispatch(x, ids, w)
 
-        d_host, c_host = [], []
-        t_d = median_ms(pd, args.iters, host=d_host)
-        t_c = median_ms(
-            lambda pipe=pipe, st=st: pipe.combine(st["d"][0], st["d"][2]), args.iters, setup=pd, host=c_host
-        )
+        return measure_calls(disp, lambda: pipe.combine(st["d"][0], st["d"][2]), args.iters)
 
-        def prt(pipe=pipe):
-            out, _, state = pipe.dispatch(x, ids, w)
-            pipe.combine(out, state)
-
-        res[name] = {"dispatch_ms": t_d, "combine_ms": t_c, "round_trip_ms": median_ms(prt, args.iters),
-                     "dispatch_host_ms": d_host[0], "combine_host_ms": c_host[0]}  # fmt: skip
+    # Rounds, each measuring every method (the order rotating), so that drift of the host's speed during
+    # the run reaches all methods alike; the ``*_vs_nccl_dest`` ratios pair the methods round by round.
+    methods = ["torch", "torch-lc", "torch-fp8", "nccl-dest", "nccl-expert"]
+    rounds: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
+    for r in range(args.rounds):
+        for name in methods[r % len(methods) :] + methods[: r % len(methods)]:
+            measure = measure_pipeline if name.startswith("nccl") else measure_layer
+            rounds[name].append(measure(name))
+    for name in methods:
+        res[name] = {k: statistics.median(t[k] for t in rounds[name]) for k in rounds[name][0]}
+        res[name].update({f"{k}_rounds": [t[k] for t in rounds[name]] for k in ("dispatch_ms", "combine_ms")})
+        if name.startswith("torch"):
+            for op in ("dispatch", "combine"):
+                res[name][f"{op}_vs_nccl_dest"] = statistics.median(
+                    t[f"{op}_ms"] / n[f"{op}_ms"]
+                    for t, n in zip(rounds[name], rounds["nccl-dest"], strict=True)
+                )
     if route == "uniform":  # work per call (count_work.py: the same routing), for the torch and NCCL rows
         import count_work
 
@@ -298,7 +316,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True, help="where rank 0 writes the raw results")
     p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20, help="calls per method and round (median)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds over all methods (median of the rounds)")
     p.add_argument("--quick", action="store_true", help="DeepSeek-V3 uniform and the 128-token case only")
     args = p.parse_args()
     rank, world, dev = run_record.start_ranks()
