@@ -530,6 +530,10 @@ class TritonBackend(A2ABackend):
             and input.dtype is cfg.token_dtype
             and weight.dtype is cfg.weight_dtype
             and input.shape[1] == cfg.hidden
+            and exp_indices.dtype in self.expert_id_dtypes
+            and input.is_contiguous()
+            and exp_indices.is_contiguous()
+            and weight.is_contiguous()
         ):  # (the layer's common case, which its checks would hand to dispatch_plain)
             return self.dispatch_plain(input, exp_indices, weight)
         return self._dispatch(input, exp_indices, weight, full_scatter_indices)
