@@ -634,11 +634,11 @@ def test_exact_flows_return_the_counts_and_take_released_workspaces(monkeypatch,
     assert desc3.token_dst_scatter_idx.shape == (3, 4)
 
 
-def test_eager_graphs_replay_repeated_inputs(monkeypatch):
-    """With ``eager_graphs`` a bound speculative dispatch launches its kernels one by one until the same
-    inputs (addresses, token count) come a second time into the same workspace; then it captures them
-    as a CUDA graph and replays it, and replays it for every later call at those addresses. Other
-    addresses launch one by one; a workspace keeps at most GRAPHS_PER_WORKSPACE graphs."""
+def _dispatch_on_fake_graphs(monkeypatch):
+    """:func:`_backend_on_fake_kernels` (worst-case rows in the workspaces) with ``eager_graphs``, whose
+    dispatch launches (bound, or captured and replayed as CUDA graphs, the capture minus CUDA) are
+    recorded in ``events`` and write the counts as the row kernel's program 0 does. Returns the backend,
+    the counts and ``events``."""
     from ep_a2a.backends.triton import backend as B
     from ep_a2a.backends.triton.engine import BoundLaunch
 
@@ -675,6 +675,18 @@ def test_eager_graphs_replay_repeated_inputs(monkeypatch):
         return graphs[at]
 
     monkeypatch.setattr(be, "_capture", capture)
+    return be, vals, events
+
+
+def test_eager_graphs_replay_repeated_inputs(monkeypatch):
+    """With ``eager_graphs`` a bound speculative dispatch launches its kernels one by one until the same
+    inputs (addresses, token count) come a second time into the same workspace; then it captures them
+    as a CUDA graph and replays it, and replays it for every later call at those addresses. Other
+    addresses launch one by one; a workspace keeps at most GRAPHS_PER_WORKSPACE graphs."""
+    from ep_a2a.backends.triton import backend as B
+
+    be, _, events = _dispatch_on_fake_graphs(monkeypatch)
+    eng = be.engine
     H = be.config.hidden
     x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
     for _ in range(4):
@@ -702,12 +714,58 @@ def test_eager_graphs_replay_repeated_inputs(monkeypatch):
     assert events == ["replay"]
     assert out.shape == (9, H)
     (ws,) = be.workspaces._rings[7]
-    ws.graphs.update({("full", i): _Graph() for i in range(B.GRAPHS_PER_WORKSPACE)})
+    ws.graphs.update({("full", i): object() for i in range(B.GRAPHS_PER_WORKSPACE)})
     x2 = x.clone()
     del out
     for _ in range(3):
         be.dispatch(x2, ids, w, None)
     assert events[1:] == ["launch"] * 3, "a workspace full of graphs captures no more"
+
+
+def test_common_case_dispatch_replays_by_addresses_and_checks_the_board_once_launched(monkeypatch):
+    """``dispatch`` hands the common case (rows of the layer's dtype and width, weights of its weight
+    dtype, no scatter indices) to ``dispatch_plain``, which replays a graph captured for those addresses
+    (found by them alone from the third call on), publishes the call on the operation board once
+    launched and returns the counts the replay wrote; a peer found in another operation raises
+    ``EPProtocolError`` and leaves the backend unusable. Other cases take the step-by-step path."""
+    from ep_a2a import EPProtocolError
+
+    be, vals, events = _dispatch_on_fake_graphs(monkeypatch)
+    plain: list[int] = []
+    real_plain = be.dispatch_plain
+    monkeypatch.setattr(be, "dispatch_plain", lambda *a: plain.append(1) or real_plain(*a))
+    board: list = []
+    peers_ok = be.board.check
+    be.board = SimpleNamespace(
+        publish=lambda op: board.append((op, list(events))) or len(board), check=peers_ok, peers={0: None}
+    )
+    H, W = be.config.hidden, be.config.world_size
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    for i in range(4):
+        out, out_w, desc = be.dispatch(x, ids, w, None)
+        assert (out.shape, out_w.shape, desc.num_recv_rows) == ((9, H), (9,), 9)
+        assert desc.num_input_tokens_per_rank.tolist() == vals[2 : 2 + W].tolist()
+        assert desc.num_recv_tokens_per_rank.tolist() == vals[2 + W : 2 + 2 * W].tolist()
+        assert board[-1] == ("dispatch", events), f"call {i}: published once launched"
+        del out, out_w, desc
+    assert events == ["launch", "capture", "replay", "replay", "replay"]
+    assert plain == [1, 1, 1, 1]
+    (ws,) = be.workspaces._rings[7]
+    assert list(ws.plain_graphs) == [(x.data_ptr(), ids.data_ptr(), w.data_ptr(), 6, torch.int64)]
+    be.dispatch(x, ids, None, None)  # (no weights)
+    be.dispatch(x.half(), ids, w, None)  # (rows of another dtype)
+    assert plain == [1, 1, 1, 1], "not the common case"
+
+    def misordered(call: int, op: str) -> bool:
+        raise EPProtocolError(f"rank 0 is in combine (call #{call})", operations={0: "combine", 1: op})
+
+    be.board.check = misordered
+    events.clear()
+    with pytest.raises(EPProtocolError, match="rank 0 is in combine"):
+        be.dispatch(x, ids, w, None)
+    assert events == ["replay"]
+    with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
+        be.dispatch(x, ids, w, None)
 
 
 def test_eager_graphs_replay_repeated_combines(monkeypatch):

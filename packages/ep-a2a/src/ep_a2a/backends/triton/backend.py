@@ -343,6 +343,8 @@ class TritonBackend(A2ABackend):
         speculative dispatch's graph key that the common case fixes)."""
         cfg, eng, rows = self.config, self.engine, self.workspaces.rows
         self._mirror_info = self._mirror_np[:-1]
+        #: the mirror's tokens, then rows, per source rank (the host counts of a dispatch's descriptor)
+        self._mirror_counts = self._mirror_np[2 : 2 + 2 * cfg.world_size]
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._offsets_int32 = cfg.offset_dtype == torch.int32
         #: the common case goes through the speculative flow into the workspaces' rows
@@ -423,6 +425,25 @@ class TritonBackend(A2ABackend):
             self._mirror_lost = str(exc)
             raise
 
+    def _check_board(self, call: int, op: str) -> None:
+        """``board.check(call, op)`` as :meth:`_guard_protocol` runs it (without a function made per call)."""
+        try:
+            self.board.check(call, op)
+        except (EPProtocolError, EPTimeoutError) as exc:
+            self._mirror_lost = str(exc)
+            raise
+
+    def _arrive(self, call: int, op: str) -> None:
+        """Check the board at ``call`` and wait there for the peers not arrived yet (as
+        :meth:`_guard_protocol` runs them)."""
+        board = self.board
+        try:
+            if not board.check(call, op):
+                board.wait(call, op, op)
+        except (EPProtocolError, EPTimeoutError) as exc:
+            self._mirror_lost = str(exc)
+            raise
+
     def _wait_event(self, event: torch.cuda.Event) -> None:
         """Wait on the host for ``event``, checking the board for a peer in another operation meanwhile."""
         call, op = self._op
@@ -462,13 +483,37 @@ class TritonBackend(A2ABackend):
     def dispatch_plain(self, input: Tensor, exp_indices: Tensor, weight: Tensor) -> DispatchResult:
         """:meth:`dispatch` of the layer's common case (see the base class): with the worst-case rows in
         the workspaces, a call whose tensors repeat the addresses of an earlier one replays its CUDA
-        graph with the variant taken from the layer's checks instead of the tensors."""
+        graph, found by those addresses alone (the rest of its key is fixed by the layer's checks and
+        the workspace: :meth:`_plain_key`), and is published on the operation board once launched."""
         if not self._plain_rows or self._finalized or self._mirror_lost is not None or _launch_hooks_set():
-            return self.dispatch(input, exp_indices, weight, None)
+            return self._dispatch(input, exp_indices, weight, None)
         if _capturing():
             raise RuntimeError(_EXACT_UNDER_CAPTURE)
-        call = self._start("dispatch", check=False)
-        return self._dispatch_speculative(call, input, exp_indices, weight, None, plain=True)
+        stream = _raw_stream(self._device_index)
+        n = input.shape[0]
+        ws = self.workspaces.take(stream, n)
+        at = (input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), n, exp_indices.dtype)
+        graph = ws.plain_graphs.get(at) if self.eager_graphs else None
+        if graph is None:
+            return self._dispatch_speculative(input, exp_indices, weight, None, plain=True, ws=ws)
+        self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
+        graph.launch(stream)
+        self.engine.merged_replayed()
+        self.graph_replays += 1
+        # (the GPU works from here on: what the host does next, up to the counts, overlaps it)
+        board = self.board
+        call = board.publish("dispatch")
+        self._op = (call, "dispatch")
+        if board.peers:
+            self._check_board(call, "dispatch")
+        desc = self._descriptor(n, exp_indices, False, ws)
+        rows = int(self._read_mirror()[0])
+        w_rows, e_rows, ring_rows = ws.first_rows(rows)
+        assert ring_rows is not None  # (the workspaces hold the rows: _plain_rows)
+        ws.host_counts_np[:] = self._mirror_counts
+        desc.num_recv_rows, desc.recv_expert_indices = rows, e_rows
+        self._combine_allowed = True
+        return ring_rows, w_rows, desc
 
     def dispatch(
         self,
@@ -477,6 +522,30 @@ class TritonBackend(A2ABackend):
         weight: Tensor | None,
         full_scatter_indices: Tensor | None,
     ) -> DispatchResult:
+        cfg = self.config
+        if (
+            full_scatter_indices is None
+            and weight is not None
+            and type(input) is Tensor
+            and input.dtype is cfg.token_dtype
+            and weight.dtype is cfg.weight_dtype
+            and input.shape[1] == cfg.hidden
+            and exp_indices.dtype in self.expert_id_dtypes
+            and input.is_contiguous()
+            and exp_indices.is_contiguous()
+            and weight.is_contiguous()
+        ):  # (the layer's common case, which its checks would hand to dispatch_plain)
+            return self.dispatch_plain(input, exp_indices, weight)
+        return self._dispatch(input, exp_indices, weight, full_scatter_indices)
+
+    def _dispatch(
+        self,
+        input: Tensor | QuantizeOnSend,
+        exp_indices: Tensor,
+        weight: Tensor | None,
+        full_scatter_indices: Tensor | None,
+    ) -> DispatchResult:
+        """:meth:`dispatch` of every case."""
         if self._finalized or self._mirror_lost is not None:
             self._check_usable()
         if _capturing():
@@ -492,10 +561,7 @@ class TritonBackend(A2ABackend):
         # (from the second call on, on every rank alike: a guess of 0 rows speculates too, so a rank
         # that receives nothing does not fall back to the flow with a host wait)
         if self.overlap_exact or (self.speculative_rows and len(self._recent_rows) > 0):
-            # (the board is checked once the kernels are launched: they would wait for a peer in
-            # another operation until their timeout either way, and the host raises in this call)
-            call = self._start("dispatch", check=False)
-            return self._dispatch_speculative(call, input, exp_indices, weight, full_scatter_indices)
+            return self._dispatch_speculative(input, exp_indices, weight, full_scatter_indices)
         self._start("dispatch")
         return self._dispatch_counts_first(
             _Call(input, exp_indices, weight, full_scatter_indices, self.engine.pos)
@@ -545,18 +611,21 @@ class TritonBackend(A2ABackend):
         return self._result(desc, (bufs.out, bufs.out_w, bufs.out_e), call.has_w, ws, vals, rows)
 
     def _dispatch_speculative(
-        self, board_call: int, input: Tensor | QuantizeOnSend, exp_indices: Tensor, weight: Tensor | None,
-        full_scatter_indices: Tensor | None, *, plain: bool = False,
+        self, input: Tensor | QuantizeOnSend, exp_indices: Tensor, weight: Tensor | None,
+        full_scatter_indices: Tensor | None, *, plain: bool = False, ws: DispatchWorkspace | None = None,
     ) -> DispatchResult:  # fmt: skip
         """The receive layout inside the row kernel and no host wait before it: the rows land in outputs
         allocated before the counts are known (worst-case ones for small layers, sized from the last
-        calls for large ones), and the caller gets views of their first ``R`` rows. ``board_call``: the
-        call number this rank published on the operation board (checked here, after the launch);
-        ``plain``: the layer's common case into the workspaces' rows (:meth:`dispatch_plain`)."""
+        calls for large ones), and the caller gets views of their first ``R`` rows. The call is
+        published on the operation board and the board checked once the kernels are launched (they
+        would wait for a peer in another operation until their timeout either way, and the host
+        raises in this call). ``plain``: the layer's common case into the workspaces' rows
+        (:meth:`dispatch_plain`); ``ws``: the workspace it took, where it took one."""
         eng = self.engine
         stream = _raw_stream(self._device_index)
         n = input.shape[0]
-        ws = self.workspaces.take(stream, n)
+        if ws is None:
+            ws = self.workspaces.take(stream, n)
         # (decode-sized layers: the worst-case rows of the workspace, else rows allocated per call)
         out = ws.out
         if out is None or (not plain and out.dtype != input.dtype):
@@ -571,6 +640,8 @@ class TritonBackend(A2ABackend):
             # (the key _launch_merged_bound builds: the call's part, then the part the layer's checks fix)
             at = (input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), n, exp_indices.dtype)  # type: ignore[union-attr]
             graph = ws.graphs.get(at + (ws.plain_key or self._plain_key(ws)))
+            if graph is not None:  # (dispatch_plain finds it by the call's part alone from now on)
+                ws.plain_graphs[at] = graph
         if graph is not None:
             graph.launch(stream)
             eng.merged_replayed()
@@ -587,8 +658,9 @@ class TritonBackend(A2ABackend):
                 info=ws.info, counts=not eng.ce_pieces, mirror=mirror,
             )  # fmt: skip
         # (the GPU works from here on: what the host does next overlaps it)
+        board_call = self._start("dispatch", check=False)
         if self.board.peers:
-            self._guard_protocol(lambda: self.board.check(board_call, "dispatch"))
+            self._check_board(board_call, "dispatch")
         speculate = not self.overlap_exact
         self.speculative_calls += speculate
         desc = self._descriptor(n, exp_indices, full_scatter_indices is not None, ws)
@@ -929,20 +1001,24 @@ class TritonBackend(A2ABackend):
         ids = layout_desc.topk_indices_tensor
         stream = _raw_stream(self._device_index)
         out = self.combine_outputs.take(stream, n, input.shape[1], dtype)
-        if not self._launch_combine_bound(stream, input, state, ids, n, out, graphs=True):
+        # (the key _launch_combine_bound builds: the graph of an earlier combine at these addresses)
+        tp, sp = state.addresses
+        at = (input.data_ptr(), tp, ids.data_ptr(), sp, n, out.data_ptr(), dtype, ids.dtype)
+        graph = self._combine_graphs.get(at) if self.eager_graphs else None
+        if graph is not None:
+            graph.launch(stream)
+            self.engine.combine_replayed()
+            self.graph_replays += 1
+        elif not self._launch_combine_bound(stream, input, state, ids, n, out, graphs=True):
             self.engine.launch_combine(input, state.tab, ids, state.n_src, out)
         self._combine_allowed = False
         # (published once launched: the peers wait for this rank's kernel either way, and the board is
         # read only now)
-        call = self._start("combine", check=False)
         board = self.board
+        call = board.publish("combine")
+        self._op = (call, "combine")
         if board.peers:
-
-            def all_arrived() -> None:  # (the wait only where the peers have not all arrived yet)
-                if not board.check(call, "combine"):
-                    board.wait(call, "combine", "combine")
-
-            self._guard_protocol(all_arrived)
+            self._arrive(call, "combine")
         return out
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:

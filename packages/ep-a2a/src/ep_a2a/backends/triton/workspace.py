@@ -111,6 +111,8 @@ class DispatchWorkspace:
         plain_key: the part of a graph key fixed for this workspace (filled by the backend).
         graphs, sightings: CUDA graphs of those launches by the call's addresses, and how often each
             set of addresses came (filled by the backend).
+        plain_graphs: those of ``graphs`` whose key's rest is ``plain_key``, by the key's first part
+            (filled by the backend).
     """
 
     def __init__(
@@ -162,11 +164,13 @@ class DispatchWorkspace:
         #: and how often each set of addresses was seen
         self.graphs: dict[tuple, LaunchGraph] = {}
         self.sightings: dict[tuple, int] = {}
+        self.plain_graphs: dict[tuple, LaunchGraph] = {}
         self._storage = buf.untyped_storage()
         self._cdata = self._storage._cdata
         #: ``_refs()`` while only the ring refers to the workspace (taken by for_tokens, once this
         #: constructor's locals are gone)
         self._idle: tuple[int, ...] = ()
+        self._idle_views: tuple[int, ...] = ()
 
     def for_tokens(self, n: int) -> DispatchWorkspace:
         """``skip`` and ``scat`` viewed for ``n`` tokens (new views when ``n`` changed); returns ``self``.
@@ -177,6 +181,7 @@ class DispatchWorkspace:
             self.scat = self._scat_all[: n * K].view(n, K)
             self.n = n
             self._idle = self._refs()
+            self._idle_views = self._idle[3:]
         return self
 
     def first_rows(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -190,26 +195,29 @@ class DispatchWorkspace:
             self._rows = rows
         return self._w_rows, self._e_rows, self._out_rows if self.out is not None else None
 
-    def _refs(self) -> tuple[int, ...]:
-        """Tensors sharing the buffer (and the host counts), and references to each view handed out as it
-        is."""
-        if _storage_use_count is None:
-            return ()
+    def _view_refs(self) -> tuple[int, ...]:
+        """References to each view handed out as it is (the descriptor's record aside)."""
+        g = sys.getrefcount  # (a local: eleven lookups fewer per call)
         return (
-            _storage_use_count(self._cdata), _storage_use_count(self._host_cdata),
-            sys.getrefcount(self.n_in_host), sys.getrefcount(self.n_recv_host), sys.getrefcount(self.info),
-            sys.getrefcount(self.n_src), sys.getrefcount(self.rows_exp), sys.getrefcount(self.tab),
-            sys.getrefcount(self.skip), sys.getrefcount(self.scat), sys.getrefcount(self._w_rows),
-            sys.getrefcount(self._e_rows), sys.getrefcount(self._out_rows), sys.getrefcount(self.state),
+            g(self.n_in_host), g(self.n_recv_host), g(self.info), g(self.n_src), g(self.rows_exp), g(self.tab),
+            g(self.skip), g(self.scat), g(self._w_rows), g(self._e_rows), g(self._out_rows),
         )  # fmt: skip
+
+    def _refs(self) -> tuple[int, ...]:
+        """Tensors sharing the buffer (and the host counts), references to the descriptor's record, and
+        :meth:`_view_refs`."""
+        use = _storage_use_count
+        if use is None:
+            return ()
+        return (use(self._cdata), use(self._host_cdata), sys.getrefcount(self.state), *self._view_refs())
 
     def idle(self) -> bool:
         """Whether nothing outside the ring refers to this workspace (it may be written again)."""
-        if _storage_use_count is None or _storage_use_count(self._cdata) != self._idle[0]:
-            return False  # (the cheap tests first: a held output or view of the buffer, a held descriptor)
-        if sys.getrefcount(self.state) != self._idle[-1]:
+        use, idle = _storage_use_count, self._idle
+        # (the cheap tests first: a held output or view of the buffer, a held descriptor)
+        if use is None or use(self._cdata) != idle[0] or sys.getrefcount(self.state) != idle[2]:
             return False
-        return self._refs() == self._idle
+        return use(self._host_cdata) == idle[1] and self._view_refs() == self._idle_views
 
 
 class WorkspaceRing:
