@@ -145,6 +145,14 @@ class _Call:
         self.has_w, self.n = weight is not None, input.shape[0]
 
 
+def _combine_graph_key(y: Tensor, state: _TritonState, ids: Tensor, n: int, out: Tensor) -> tuple:
+    """What a combine's CUDA graph bakes in: the addresses of the rows ``y``, the dispatch's table, the
+    ids, the scatter source and the output, the token count ``n``, and the variant (rows ``hidden`` wide,
+    by the combine's checks, into an output of their dtype)."""
+    tp, sp = state.addresses
+    return (y.data_ptr(), tp, ids.data_ptr(), sp, n, out.data_ptr(), y.dtype, ids.dtype)
+
+
 def _rows_to_allocate_ahead(rows: int, worst_case: int) -> int:
     """Rows of the outputs an exact-shape dispatch of a large layer allocates before its counts arrive,
     guessed from a call of ``rows``: an eighth of headroom, at most the worst case."""
@@ -413,33 +421,18 @@ class TritonBackend(A2ABackend):
         call = self.board.publish(op)
         self._op = (call, op)
         if check:
-            self._guard_protocol(lambda: self.board.check(call, op))
+            self._guard_protocol(call, op)
         return call
 
-    def _guard_protocol(self, fn: Callable[[], object]) -> None:
-        """Run a board check; a protocol error (or a peer that never came) leaves the backend unusable:
+    def _guard_protocol(self, call: int, op: str, step: str | None = None) -> None:
+        """Check the operation board at ``call`` (a peer in another operation raises
+        :class:`EPProtocolError`) and, with ``step``, wait there for the peers not arrived yet
+        (:class:`EPTimeoutError` names the missing ones). Either error leaves the backend unusable:
         kernels already launched keep waiting for signals that never come, until their own timeout."""
-        try:
-            fn()
-        except (EPProtocolError, EPTimeoutError) as exc:
-            self._mirror_lost = str(exc)
-            raise
-
-    def _check_board(self, call: int, op: str) -> None:
-        """``board.check(call, op)`` as :meth:`_guard_protocol` runs it (without a function made per call)."""
-        try:
-            self.board.check(call, op)
-        except (EPProtocolError, EPTimeoutError) as exc:
-            self._mirror_lost = str(exc)
-            raise
-
-    def _arrive(self, call: int, op: str) -> None:
-        """Check the board at ``call`` and wait there for the peers not arrived yet (as
-        :meth:`_guard_protocol` runs them)."""
         board = self.board
         try:
-            if not board.check(call, op):
-                board.wait(call, op, op)
+            if not board.check(call, op) and step is not None:
+                board.wait(call, op, step)
         except (EPProtocolError, EPTimeoutError) as exc:
             self._mirror_lost = str(exc)
             raise
@@ -451,7 +444,7 @@ class TritonBackend(A2ABackend):
         while not event.query():
             spins += 1
             if spins % 64 == 0:
-                self._guard_protocol(lambda: self.board.check(call, op))
+                self._guard_protocol(call, op)
 
     def check_errors(self) -> None:
         """Synchronise and raise :class:`ep_a2a.EPTimeoutError` if a device-side wait ran out."""
@@ -505,15 +498,12 @@ class TritonBackend(A2ABackend):
         call = board.publish("dispatch")
         self._op = (call, "dispatch")
         if board.peers:
-            self._check_board(call, "dispatch")
+            self._guard_protocol(call, "dispatch")
         desc = self._descriptor(n, exp_indices, False, ws)
         rows = int(self._read_mirror()[0])
         w_rows, e_rows, ring_rows = ws.first_rows(rows)
         assert ring_rows is not None  # (the workspaces hold the rows: _plain_rows)
-        ws.host_counts_np[:] = self._mirror_counts
-        desc.num_recv_rows, desc.recv_expert_indices = rows, e_rows
-        self._combine_allowed = True
-        return ring_rows, w_rows, desc
+        return self._result(desc, (ring_rows, w_rows, e_rows), True, ws, self._mirror_counts, rows)
 
     def dispatch(
         self,
@@ -608,7 +598,7 @@ class TritonBackend(A2ABackend):
         assert bufs.out_w is not None
         assert bufs.out_e is not None
         desc = self._descriptor(call.n, call.exp_indices, call.caller, ws, rb, npk)
-        return self._result(desc, (bufs.out, bufs.out_w, bufs.out_e), call.has_w, ws, vals, rows)
+        return self._result(desc, (bufs.out, bufs.out_w, bufs.out_e), call.has_w, ws, vals[2:], rows)
 
     def _dispatch_speculative(
         self, input: Tensor | QuantizeOnSend, exp_indices: Tensor, weight: Tensor | None,
@@ -660,7 +650,7 @@ class TritonBackend(A2ABackend):
         # (the GPU works from here on: what the host does next overlaps it)
         board_call = self._start("dispatch", check=False)
         if self.board.peers:
-            self._check_board(board_call, "dispatch")
+            self._guard_protocol(board_call, "dispatch")
         speculate = not self.overlap_exact
         self.speculative_calls += speculate
         desc = self._descriptor(n, exp_indices, full_scatter_indices is not None, ws)
@@ -676,11 +666,11 @@ class TritonBackend(A2ABackend):
                 assert bufs.out_w is not None
                 assert bufs.out_e is not None
                 return self._result(
-                    desc, (bufs.out, bufs.out_w, bufs.out_e), weight is not None, ws, vals, rows
+                    desc, (bufs.out, bufs.out_w, bufs.out_e), weight is not None, ws, vals[2:], rows
                 )
         w_rows, e_rows, ring_rows = ws.first_rows(rows)
         out = ring_rows if ring_rows is not None and out is ws.out else out[:rows]
-        return self._result(desc, (out, w_rows, e_rows), weight is not None, ws, vals, rows)
+        return self._result(desc, (out, w_rows, e_rows), weight is not None, ws, vals[2:], rows)
 
     def _plain_key(self, ws: DispatchWorkspace) -> tuple:
         """The part of the graph key of a common-case call into ``ws`` that does not come from the call
@@ -850,16 +840,16 @@ class TritonBackend(A2ABackend):
         outs: tuple[Tensor, Tensor, Tensor],
         has_w: bool,
         ws: DispatchWorkspace,
-        vals: np.ndarray,
+        counts: np.ndarray,
         rows: int,
     ) -> DispatchResult:
         """``(output, weights, descriptor)`` of an exact-shape dispatch into ``ws`` whose counts are in
-        (``vals``: ``info``'s values, or at least its first ``2 + 2 * W``), ``desc`` completed
-        (:meth:`_descriptor`); ``outs``: its rows, their weights and local experts, of exactly ``rows``
-        rows (the weights: one element without weights)."""
+        (``counts``: ``info``'s values from index 2 on, the tokens and rows per source rank first),
+        ``desc`` completed (:meth:`_descriptor`); ``outs``: its rows, their weights and local experts, of
+        exactly ``rows`` rows (the weights: one element without weights)."""
         out, out_w, out_e = outs
         self._combine_allowed = True
-        ws.host_counts_np[:] = vals[2 : 2 + 2 * self.config.world_size]
+        ws.host_counts_np[:] = counts[: 2 * self.config.world_size]
         desc.num_recv_rows, desc.recv_expert_indices = rows, out_e
         return out, (out_w if has_w else None), desc
 
@@ -903,7 +893,7 @@ class TritonBackend(A2ABackend):
             while m[-1] == 0:
                 spins += 1
                 if spins % 64 == 0:
-                    self._guard_protocol(lambda: self.board.check(call, op))
+                    self._guard_protocol(call, op)
                 if time.monotonic() > deadline:
                     self._mirror_lost = (
                         f"dispatch: rank {self.config.rank}'s row kernel did not publish its receive "
@@ -973,7 +963,7 @@ class TritonBackend(A2ABackend):
         # (launched first: the GPU is busy while the host checks that every peer combines too, and
         # that none is in another operation)
         if self.board.peers:
-            self._guard_protocol(lambda: self.board.wait(call, "combine", "combine"))
+            self._guard_protocol(call, "combine", "combine")
         return out
 
     def combine_plain(self, input: Tensor, layout_desc: EPAllToAllLayoutDesc) -> Tensor:
@@ -1001,9 +991,7 @@ class TritonBackend(A2ABackend):
         ids = layout_desc.topk_indices_tensor
         stream = _raw_stream(self._device_index)
         out = self.combine_outputs.take(stream, n, input.shape[1], dtype)
-        # (the key _launch_combine_bound builds: the graph of an earlier combine at these addresses)
-        tp, sp = state.addresses
-        at = (input.data_ptr(), tp, ids.data_ptr(), sp, n, out.data_ptr(), dtype, ids.dtype)
+        at = _combine_graph_key(input, state, ids, n, out)
         graph = self._combine_graphs.get(at) if self.eager_graphs else None
         if graph is not None:
             graph.launch(stream)
@@ -1018,7 +1006,7 @@ class TritonBackend(A2ABackend):
         call = board.publish("combine")
         self._op = (call, "combine")
         if board.peers:
-            self._arrive(call, "combine")
+            self._guard_protocol(call, "combine", "combine")
         return out
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
@@ -1055,7 +1043,7 @@ class TritonBackend(A2ABackend):
             )  # fmt: skip
             outs.append(out)
         self._combine_allowed = False
-        self._guard_protocol(lambda: self.board.wait(call, "combine_per_slot", "combine"))
+        self._guard_protocol(call, "combine_per_slot", "combine")
         return torch.stack(outs, dim=1)
 
     def _combine(
@@ -1110,10 +1098,8 @@ class TritonBackend(A2ABackend):
         if n == 0 or _launch_hooks_set():
             return False
         n_src = state.n_src
-        yp, ip, (tp, sp), dtype = y.data_ptr(), ids.data_ptr(), state.addresses, y.dtype
-        # what a graph bakes in: the addresses and token count (the alignments with them), the variant
-        # (of rows ``hidden`` wide, by _combine's check, into an output of their dtype)
-        at = (yp, tp, ip, sp, n, out.data_ptr(), dtype, ids.dtype)
+        at = _combine_graph_key(y, state, ids, n, out)
+        yp, ip, sp, dtype = at[0], at[2], at[3], at[6]  # (for the bound launch's key)
         graph = self._combine_graphs.get(at) if graphs and self.eager_graphs else None
         if graph is None:
             key = (stream, dtype, ids.dtype, yp % 16, ip % 16, sp % 16)
