@@ -285,13 +285,16 @@ if HAVE_GLUON:
         memory), the online softmax with the running row max of the block before (read from the other
         warpgroup through ``smem.m``), publishes P (bf16, ``smem.p``) and the new max (``smem.p_bars[WG]``),
         and accumulates its P·V from registers. Blocks of the other warpgroup are consumed from
-        ``smem.p``. Each warpgroup owns 256 of the 512 value channels (acc 64 x 256 fp32). While one
-        warpgroup runs its softmax the other's wgmma occupy the tensor cores.
+        ``smem.p``. Each warpgroup owns 256 of the 512 value channels (acc 64 x 256 fp32). With
+        ``item.TURNS`` the two issue their S strictly by turns (``smem.turn_bar``: warpgroup 1 issues
+        S(2k+1) once warpgroup 0 issued S(2k)), so S(2k+1) queues behind S(2k) instead of sharing the
+        tensor cores with it, and warpgroup 0's softmax runs while S(2k+1) computes.
 
         Waits are bounded by construction: ``full_bars[s]`` completes once per gather (128 producer
-        arrivals), ``empty_bars[s]`` once per block (one arrive per consumer warpgroup), ``p_bars[w]``
-        once per pair; no barrier can run more than one phase ahead of its waiters. ``kk0``: pairs the ring
-        already carried and ``end_ph``: the phase of ``end_bar`` (a persistent program's earlier items).
+        arrivals), ``empty_bars[s]`` once per block (one arrive per consumer warpgroup), ``p_bars[w]`` and
+        ``turn_bar`` once per pair; no barrier can run more than one phase ahead of its waiters. ``kk0``:
+        pairs the ring already carried and ``end_ph``: the phase of ``end_bar`` (a persistent program's
+        earlier items).
 
         With ``item.SPLIT_K`` (``item``: a ``_FwdItem``) the program covers one split of the token's top-k
         list and writes the split-K partials as the Triton forward does: the fp32 output normalised by this
@@ -322,11 +325,15 @@ if HAVE_GLUON:
                 item.idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < item.n_t, other=-1
             )
             s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
+            if item.TURNS and WG == 1:
+                mbarrier.wait(smem.turn_bar, ph)  # warpgroup 0 issued S(2k)
             s = warpgroup_mma(
                 smem.qn.index(z), smem.kn.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
             )
             if D_ROPE > 0:
                 s = warpgroup_mma(smem.qr.index(z), smem.kr.index(WG + z).permute((1, 0)), s, is_async=True)
+            if item.TURNS and WG == 0:
+                mbarrier.arrive(smem.turn_bar)  # (all 4 warps issued it)
             if WG == 1:
                 # The other warpgroup's block 2k (its softmax ran while S(2k+1) was computed): P and its
                 # row max from shared memory; its P·V queues behind S.
@@ -461,10 +468,12 @@ if HAVE_GLUON:
           slot 0's second half as the products finish.
 
         While one warpgroup runs its softmax the other's wgmma occupy the tensor cores, and every half slot
-        is refilled as soon as its last reader is done with it (``_pp_producer``). Waits are bounded by
-        construction: every barrier completes once per pair and none can run a phase ahead of its
-        waiters. ``kk0``: pairs the ring already carried and ``end_ph``: the phase of ``end_bar`` (a
-        persistent program's earlier items).
+        is refilled as soon as its last reader is done with it (``_pp_producer``). With ``item.TURNS``
+        warpgroup 1 issues S(2k+1) only once warpgroup 0 issued S(2k) (``smem.turn_bar``), so the two S
+        never share the tensor cores (see ``_pp_consumer_whole``). Waits are bounded by construction:
+        every barrier completes once per pair and none can run a phase ahead of its waiters. ``kk0``: pairs
+        the ring already carried and ``end_ph``: the phase of ``end_bar`` (a persistent program's earlier
+        items).
 
         ``item`` (a ``_FwdItem``) with ``SPLIT_K``: as in ``_pp_consumer_whole``.
         """
@@ -491,11 +500,15 @@ if HAVE_GLUON:
             # (Without it the compiler hoists all 2 x 36 wgmma descriptors of S out of the loop and spills.)
             z = opaque_zero(k)
             if WG == 1:
+                if item.TURNS:
+                    mbarrier.wait(smem.turn_bar, ph)  # warpgroup 0 issued S(2k)
                 s = _pp_issue_s(smem, WG, z, ph, s, D_NOPE, D_ROPE)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             elif k == 0:
                 # (Warpgroup 0 issues its later S behind the other block's P·V, at the end of a pair.)
                 s = _pp_issue_s(smem, WG, z, ph, s, D_NOPE, D_ROPE)
+                if item.TURNS:
+                    mbarrier.arrive(smem.turn_bar)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             t_idx = gl.load(
                 item.idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < item.n_t, other=-1
@@ -528,6 +541,8 @@ if HAVE_GLUON:
                 if k + 1 < item.n_pairs:
                     acc = warpgroup_mma(smem.p, pv_b, acc, is_async=True)
                     s = _pp_issue_s(smem, 0, z, ph ^ 1, s, D_NOPE, D_ROPE)
+                    if item.TURNS:
+                        mbarrier.arrive(smem.turn_bar)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # (S may still run)
                     mbarrier.arrive(smem.empty_bars.index(2))  # slot 1, first half
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -666,6 +681,7 @@ if HAVE_GLUON:
         stride_o_h: _Int  # OUT's head stride
         h_q: _Int
         SPLIT_K: gl.constexpr
+        TURNS: gl.constexpr  # the consumers issue their S by turns (``_pp_consumer_whole``)
 
     @_aggregate_of_fields
     class _FwdItems:
@@ -691,6 +707,7 @@ if HAVE_GLUON:
         HAS_TOPK_LEN: gl.constexpr
         CAUSAL: gl.constexpr
         SPLIT_K: gl.constexpr
+        TURNS: gl.constexpr
 
         @gluon.jit
         def get(self, item):
@@ -719,8 +736,9 @@ if HAVE_GLUON:
                 so_h = self.stride_o_h
             n_pairs = gl.cdiv(n_t, 2 * self.BLOCK_T)
             return _FwdItem(  # type: ignore[call-arg]
-                pid_s, pid_h * 64, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h, self.h_q, self.SPLIT_K
-            )
+                pid_s, pid_h * 64, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h, self.h_q, self.SPLIT_K,
+                self.TURNS,
+            )  # fmt: skip
 
     @_aggregate_of_fields
     class _FwdSmem:
@@ -738,6 +756,7 @@ if HAVE_GLUON:
         p_bars: gl.shared_memory_descriptor  # consumer w published its row max (and P, whole slots)
         s_bars: gl.shared_memory_descriptor  # consumer w published its P (half slots)
         end_bar: gl.shared_memory_descriptor  # both consumers published their row sums (count 2)
+        turn_bar: gl.shared_memory_descriptor  # warpgroup 0 issued the pair's S (count 1; item.TURNS)
 
     @gluon.jit
     def _load_q_rows(
@@ -865,11 +884,12 @@ if HAVE_GLUON:
             pair0 += item.n_pairs
 
     @gluon.jit
-    def _fwd_smem(qn, qr, BLOCK_T: gl.constexpr, HALF_SLOTS: gl.constexpr):
+    def _fwd_smem(qn, qr, BLOCK_T: gl.constexpr, HALF_SLOTS: gl.constexpr, TURNS: gl.constexpr):
         """The forward's shared memory (``_FwdSmem``) around the query tile ``qn`` / ``qr``: the ring of two
         gathered blocks (latent and rope parts) with an mbarrier pair per slot or, with ``HALF_SLOTS``, per
         half slot, a P tile, the consumers' exchanged row max / sum, ``p_bars`` and ``s_bars`` (one each
-        per consumer warpgroup, count 1) and ``end_bar`` (count 2), initialised."""
+        per consumer warpgroup, count 1), ``end_bar`` (count 2) and, with ``TURNS``, ``turn_bar`` (count 1),
+        initialised."""
         BLOCK_H: gl.constexpr = qn.shape[1]
         D_NOPE: gl.constexpr = qn.shape[2]
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -890,7 +910,11 @@ if HAVE_GLUON:
             mbarrier.init(p_bars.index(j), count=1)
             mbarrier.init(s_bars.index(j), count=1)
         mbarrier.init(end_bar, count=2)
-        return _FwdSmem(qn, qr, kn, kr, p, m, l, full_bars, empty_bars, p_bars, s_bars, end_bar)  # type: ignore[call-arg]
+        turn_bar = end_bar  # (not used without TURNS)
+        if TURNS:
+            turn_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+            mbarrier.init(turn_bar, count=1)
+        return _FwdSmem(qn, qr, kn, kr, p, m, l, full_bars, empty_bars, p_bars, s_bars, end_bar, turn_bar)  # type: ignore[call-arg]
 
     @gluon.jit
     def _sparse_mla_fwd_ws_kernel(
@@ -929,6 +953,7 @@ if HAVE_GLUON:
         num_warps: gl.constexpr,
         SPLIT_K: gl.constexpr = False,
         PERSISTENT: gl.constexpr = False,
+        TURNS: gl.constexpr = False,
     ):
         """Forward for (token, 64-head tile) work items, warp specialised (FlashMLA-style ping-pong, 12
         warps).
@@ -947,6 +972,9 @@ if HAVE_GLUON:
         With ``SPLIT_K`` item ``pid`` covers split ``pid // (n_head_tiles * n_tok)`` of its token's top-k
         list, slots ``[k * split_len, (k + 1) * split_len)``, and ``OUT`` / ``MAX_LOGITS`` / ``LSE`` are
         the fp32 partial buffers ``[splits, n_tok, h_q(, D_NOPE)]`` (see ``_pp_consumer``).
+
+        With ``TURNS`` (set by the launcher for one head tile, ``h_q <= 64``) the two consumer warpgroups
+        issue their S by turns (see ``_pp_consumer_whole``).
         """
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_T == 64)
@@ -959,7 +987,7 @@ if HAVE_GLUON:
         WG1: gl.constexpr = 1
         items = _FwdItems(  # type: ignore[call-arg]
             IDX, TOPK_LEN, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index,
-            k_stride, n_tok, split_len, n_items, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K,
+            k_stride, n_tok, split_len, n_items, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K, TURNS,
         )  # fmt: skip
         if PERSISTENT:
             qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
@@ -967,7 +995,7 @@ if HAVE_GLUON:
                 qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
             else:
                 qr_smem = qn_smem  # unused
-            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, True)
+            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, True, TURNS)
             q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
             mbarrier.init(q_bar, count=2)
             fence_async_shared()  # barrier initialisation, before any partition uses them
@@ -1015,7 +1043,7 @@ if HAVE_GLUON:
                 qr_smem.index(0).store(q_rope)
             else:
                 qr_smem = qn_smem  # unused
-            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, False)
+            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, False, TURNS)
             fence_async_shared()  # the query tile, before wgmma reads it
             gl.warp_specialize(
                 [
@@ -1278,6 +1306,8 @@ def launch_fwd_gluon(
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)  # fmt: skip
     if n_splits > 1:
         consts["SPLIT_K"] = True
+    if n_head_tiles == 1:  # S by turns (``_pp_consumer_whole``) where a token has one head tile
+        consts["TURNS"] = True
     n_items = n_splits * dims.s_q * n_head_tiles
     args = (q, kv_rows, idx, out, max_logits, lse, sink, topk_length if topk_length is not None else idx,
             *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
