@@ -6,8 +6,8 @@ FLOPs are counted as FlashMLA counts them: ``2 * s_q * h_q * topk * (d_qk + d_v)
 ``python bench_forward.py [--flashmla PATH] [--quick]`` prints, without writing a file, the forward at
 FlashMLA's shape (s_q 4096, topk 2048, h_q 128 / 64, s_kv 8K / 32K / 128K) with the default sm_90 Gluon
 kernel and with ``Config.fwd_persistent`` forced on and off, beside FlashMLA's ``flash_mla_sparse_fwd`` on the
-same inputs, and ``attn_dist`` with each ``Config.attn_dist_split`` as a fraction of the fastest
-forward's time; about a minute and a half on an H200.
+same inputs, and ``attn_dist`` with each ``Config.attn_dist_split`` and ``Config.attn_dist_order`` as a
+fraction of the fastest forward's time; about two minutes on an H200.
 """
 
 from __future__ import annotations
@@ -180,7 +180,12 @@ FWD_VARIANTS = {
     "persistent off": Config(fwd_persistent="off"),
 }
 #: The attn_dist variants of ``python bench_forward.py`` (name, config, up to which h_q it applies).
-ATTN_DIST_VARIANTS = [("default", Config(), 128), ("cols", Config(attn_dist_split="cols"), 64)]
+ATTN_DIST_VARIANTS = [
+    ("default", Config(), 128),
+    ("cols", Config(attn_dist_split="cols"), 64),
+    ("slot order", Config(attn_dist_order="slot"), 64),
+    ("index order", Config(attn_dist_order="index"), 64),
+]
 
 
 def bench_fwd_variants(

@@ -181,9 +181,72 @@ def test_attn_dist_gpu_split_cols(h_q, d_qk, topk):
     check_attn_dist_gpu("gluon", h_q, d_qk, topk, Config(backend="gluon", attn_dist_split="cols"))
 
 
+# (h_q, d_qk, topk) of the Gluon kernel's persistent index-order form: a full row, fewer heads than a
+# tile, one block, odd block counts (with the causal limit the pair's tokens differ in length).
+INDEX_ORDER_CASES = [(64, 576, 2048), (37, 512, 333), (64, 576, 64), (40, 576, 129), (48, 576, 192)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("h_q", "d_qk", "topk"), INDEX_ORDER_CASES, ids=case_ids(("h_q", "d_qk", "topk"), INDEX_ORDER_CASES)
+)
+def test_attn_dist_gpu_index_order(h_q, d_qk, topk):
+    """The Gluon kernel's persistent index-order form (``Config(attn_dist_order="index")``) against the
+    reference, as :func:`test_attn_dist_gpu_backends` checks the default, and bitwise equal to the
+    per-token kernel."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    got = check_attn_dist_gpu("gluon", h_q, d_qk, topk, Config(backend="gluon", attn_dist_order="index"))
+    assert last_launch("attn_dist").kernel.name == "_attn_dist_index_kernel"
+    per_token = check_attn_dist_gpu("gluon", h_q, d_qk, topk, Config(backend="gluon", attn_dist_order="slot"))
+    assert last_launch("attn_dist").kernel.name == "_attn_dist_ws_kernel"
+    assert torch.equal(got, per_token)
+
+
+@pytest.mark.parametrize(
+    ("s_q", "s_kv", "topk", "n_chunks", "start", "k_stride"),
+    [
+        (5, 100, 37, 3, 50, 1),
+        (4, 1000, 300, 4, 0, 2),
+        (2, 5000, 700, 32, 0, 1),
+        (3, 64, 64, 64, 0, 1),
+        (2, 3000, 2048, 7, 2000, 1),
+    ],
+)
+def test_index_order_matches_python(s_q, s_kv, topk, n_chunks, start, k_stride):
+    """The index-order form's ordering kernel: each token's valid slots (in range, causal) grouped by KV
+    chunk in index order, in slot order within a chunk, with their indices and number; 0 written at the
+    invalid slots only."""
+    from sparse_mla_attn._validate import causal_limit
+    from sparse_mla_attn.attn_dist import index_order
+
+    dev = cpu_device()
+    _, _, idx = random_problem(s_q, 1, 512, s_kv, topk, device=dev, seed=topk, invalid_frac=0.2)
+    idx = idx[:, 0].contiguous()
+    dims = check_sparse_inputs(
+        torch.zeros(s_q, 1, 512, device=dev), torch.zeros(s_kv, 1, 512, device=dev), idx[:, None], 1
+    )
+    out = torch.full((s_q, topk), float("nan"), device=dev)
+    idx_s, pos, counts = index_order(
+        idx, out, dims, n_chunks, q_start_index=start, k_stride=k_stride, causal=True
+    )
+    rows = -(-s_kv // n_chunks)
+    for s in range(s_q):
+        hi = min(s_kv, int(causal_limit(torch.tensor(start + s), k_stride)) + 1)
+        slots = [j for j in range(topk) if 0 <= int(idx[s, j]) < hi]
+        want = sorted(slots, key=lambda j: int(idx[s, j]) // rows)  # stable: slot order within a chunk
+        n = len(want)
+        assert int(counts[s]) == n
+        assert pos[s, :n].tolist() == want
+        assert idx_s[s, :n].tolist() == [int(idx[s, j]) for j in want]
+        invalid = [j for j in range(topk) if j not in set(slots)]
+        assert torch.all(out[s, invalid] == 0)
+        assert torch.all(out[s, slots].isnan())
+
+
 def check_attn_dist_gpu(backend, h_q, d_qk, topk, config):
     """The checks of :func:`test_attn_dist_gpu_backends` with ``config`` (whose kernel family is
-    ``backend``)."""
+    ``backend``); returns the result."""
     s_q, s_kv, start = 128, 8192, 16000
     q, kv, idx = problem(s_q, h_q, d_qk, s_kv, topk, "cuda", seed=h_q + topk, invalid_frac=0.05)
     idx[3] = -1
@@ -195,6 +258,7 @@ def check_attn_dist_gpu(backend, h_q, d_qk, topk, config):
     torch.testing.assert_close(got, ref, atol=TOL["gpu"][0], rtol=TOL["gpu"][1])
     assert torch.all(got[3] == 0)
     assert torch.equal(got, attn_dist(q, kv, idx, lse, 0.0416, config=config, **kw))
+    return got
 
 
 def test_indexer_target_rejects_negative_and_nan():

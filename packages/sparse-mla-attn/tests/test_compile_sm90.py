@@ -40,6 +40,7 @@ def pretend_h200_host() -> None:
         if hasattr(m, "check_kernel_device"):
             m.check_kernel_device = lambda *a: None  # type: ignore[attr-defined]
     sys.modules["sparse_mla_attn.forward"].num_sms = lambda device: 132  # type: ignore[attr-defined]
+    sys.modules["sparse_mla_attn.attn_dist"].num_sms = lambda device: 132  # type: ignore[attr-defined]
     gluon_sm90.gluon_usable = lambda t, *rows: gluon_sm90.HAVE_GLUON  # type: ignore[assignment]
 
 
@@ -94,9 +95,11 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         kw: dict[str, Any] = {"index_kind": "cache_rows"} if rows else {}
         sm.sparse_mla_decode(q, cache, table, seqlens, idx, 0.1, config=cfg, **kw)
 
-    def attn_dist(h_q: int, s_kv: int, backend: str, d_qk: int = 576, split: str = "blocks") -> None:
+    def attn_dist(
+        h_q: int, s_kv: int, backend: str, d_qk: int = 576, split: str = "blocks", order: str = "auto"
+    ) -> None:
         q, kv, idx = problem(2, h_q, d_qk, s_kv, 128)
-        cfg = sm.Config(backend=backend, attn_dist_split=split)
+        cfg = sm.Config(backend=backend, attn_dist_split=split, attn_dist_order=order)
         sm.attn_dist(q, kv, idx, torch.randn(2, h_q), 0.1, q_start_index=5, config=cfg)
 
     def bwd(h_q: int, d_qk: int, det: bool, attn_sum: bool = False, causal: bool = False) -> None:
@@ -173,6 +176,9 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "ad_h128_triton": lambda: attn_dist(128, 256, "triton"),
         "ad_h64_gluon": lambda: attn_dist(64, 256, "auto"),
         "ad_h64_split_cols": lambda: attn_dist(64, 256, "auto", split="cols"),
+        # The persistent index-order form (Config.attn_dist_order; automatic with 4+ tokens per SM).
+        "ad_h64_index": lambda: attn_dist(64, 256, "auto", order="index"),
+        "ad_h48_d512_index": lambda: attn_dist(48, 256, "auto", 512, order="index"),
         "ad_h48_d512_split_cols": lambda: attn_dist(48, 256, "auto", 512, split="cols"),
         "ad_h64_triton": lambda: attn_dist(64, 256, "triton"),
         "ad_h64_long_triton": lambda: attn_dist(64, 32768, "triton"),
@@ -254,7 +260,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
             ptx = re.sub(r"\$L__tmp\d+:?", "", re.sub(r"//.*", "", ptx)).replace(fn.fn.__name__, "KERNEL")
             body = [ln for ln in ptx.splitlines() if ln.strip() and ".loc" not in ln and ".file" not in ln]
             digest = hashlib.md5("\n".join(body).encode()).hexdigest()[:12]
-            spill = _spill_bytes(k.asm["ptx"]) if name.startswith("bwd") else -1
+            spill = _spill_bytes(k.asm["ptx"]) if name.startswith(("bwd", "ad_")) else -1
             results.append((name, i, fn.fn.__name__, digest, k.metadata.shared, spill))
     return results
 
@@ -302,13 +308,14 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
     triton_kernels = {
         "_sparse_mla_fwd_kernel", "_split_combine_kernel", "_paged_rows_kernel", "_attn_dist_kernel",
         "_delta_kernel", "_main_kernel", "_dkv_kernel", "_dq_kernel", "_det_reduce_kernel",
-        "_logits_kernel", "_dqw_kernel", "_dk_kernel",
+        "_logits_kernel", "_dqw_kernel", "_dk_kernel", "_index_order_kernel",
     }  # fmt: skip
     assert triton_kernels <= kernels, triton_kernels - kernels
     from sparse_mla_attn import gluon_supported
 
     gluon_kernels = {
         "_sparse_mla_fwd_ws_kernel", "_attn_dist_ws_kernel", "_sparse_mla_decode_fp8_kernel", "_dkv_ws_kernel",
+        "_attn_dist_index_kernel",
     }  # fmt: skip
     # Where the installed Triton's Gluon API is not the one the kernels are written for, the ops
     # select the Triton kernels (no Gluon launch at all).

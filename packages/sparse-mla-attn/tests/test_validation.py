@@ -122,6 +122,7 @@ def test_checks_are_cached_per_call_signature_only():
     [
         pytest.param({"fwd_persistent": True}, "Config.fwd_persistent must be one of", id="persistent-bool"),
         pytest.param({"attn_dist_split": "heads"}, "Config.attn_dist_split must be one of", id="ad-split"),
+        pytest.param({"attn_dist_order": "chunks"}, "Config.attn_dist_order must be one of", id="ad-order"),
     ],
 )
 def test_config_rejects_bad_kernel_options(fields, match):
@@ -130,4 +131,4 @@ def test_config_rejects_bad_kernel_options(fields, match):
     with pytest.raises(ValueError, match=match):
         Config(**fields)
     # The options are accepted by the ops on every backend (they only tune the sm_90 Gluon kernels).
-    Config(fwd_persistent="off", attn_dist_split="cols")
+    Config(fwd_persistent="off", attn_dist_split="cols", attn_dist_order="index")

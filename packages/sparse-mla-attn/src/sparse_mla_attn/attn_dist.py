@@ -26,8 +26,10 @@ from sparse_mla_attn._runtime import (
     check_kernel_device,
     define_op,
     interpreting,
+    l2_cache_bytes,
     launch,
     next_power_of_2,
+    num_sms,
     record_launch,
 )
 from sparse_mla_attn._validate import (
@@ -39,7 +41,12 @@ from sparse_mla_attn._validate import (
     check_sm_scale,
     check_sparse_inputs,
 )
-from sparse_mla_attn.backends.gluon_sm90 import attn_dist_adds_partials, launch_attn_dist_gluon, use_gluon
+from sparse_mla_attn.backends.gluon_sm90 import (
+    attn_dist_adds_partials,
+    launch_attn_dist_gluon,
+    launch_attn_dist_index_gluon,
+    use_gluon,
+)
 from sparse_mla_attn.config import DEFAULT, Config, config_of
 from sparse_mla_attn.forward import LOG2E, _load_q_tile
 
@@ -113,6 +120,49 @@ def _attn_dist_kernel(
                              D_NOPE, D_ROPE, BLOCK_T, ATOMIC, DOT_F32)  # fmt: skip
 
 
+@triton.jit
+def _index_order_kernel(
+    IDX, IDX_S, POS, COUNT, OUT,
+    stride_idx_s, topk, s_kv, q_start_index, k_stride, chunk_rows,
+    N_CHUNKS: tl.constexpr, T: tl.constexpr, CAUSAL: tl.constexpr,
+):  # fmt: skip
+    """One token's valid slots (index in range, not past the causal limit) grouped by KV chunk (rows
+    ``[c * chunk_rows, (c + 1) * chunk_rows)``), chunk by chunk, in slot order within a chunk: their indices
+    into ``IDX_S``, the slots into ``POS`` (both ``[s_q, topk]``, from column 0), their number into
+    ``COUNT``, and 0 into ``OUT`` at the invalid slots. The whole row (``topk <= T``, a power of two) is held
+    at once; each scan ranks the slots of several chunks at once, one ``F``-bit count field per chunk in an
+    int64."""
+    F: tl.constexpr = T.bit_length()  # a field holds any count up to T
+    PER: tl.constexpr = 63 // F  # chunks per scan
+    pid = tl.program_id(0)
+    hi = causal_hi(s_kv, q_start_index + pid, k_stride, CAUSAL)
+    offs = tl.arange(0, T)
+    idx = tl.load(IDX + pid.to(tl.int64) * stride_idx_s + offs, mask=offs < topk, other=-1)
+    valid = (idx >= 0) & (idx < hi)
+    chunk = tl.where(valid, idx // chunk_rows, N_CHUNKS)  # invalid slots: past the last chunk
+    col = tl.zeros([T], tl.int32)
+    first = 0  # the next chunk's first column
+    for c0 in tl.static_range(0, N_CHUNKS, PER):
+        field = chunk - c0  # this scan's field of the slot (in range for its chunks only)
+        mine = (field >= 0) & (field < PER) & valid
+        shift = (tl.where(mine, field, 0) * F).to(tl.int64)
+        one = tl.where(mine, tl.full([T], 1, tl.int64) << shift, 0)
+        rank = ((tl.cumsum(one, 0) >> shift) & ((1 << F) - 1)).to(tl.int32) - 1  # earlier slots of its chunk
+        totals = tl.sum(one, 0)
+        start = tl.full([T], first, tl.int32)  # first column of the slot's chunk
+        for f in tl.static_range(PER):
+            if c0 + f < N_CHUNKS:
+                n_f = ((totals >> (f * F)) & ((1 << F) - 1)).to(tl.int32)
+                start = tl.where(field > f, start + n_f, start)
+                first += n_f
+        col = tl.where(mine, start + rank, col)
+    row = pid.to(tl.int64) * topk
+    tl.store(POS + row + col, offs, mask=valid)
+    tl.store(IDX_S + row + col, idx, mask=valid)
+    tl.store(COUNT + pid, first)
+    tl.store(OUT + row + offs, tl.zeros([T], tl.float32), mask=(offs < topk) & ~valid)
+
+
 @functools.lru_cache(maxsize=64)
 def attn_dist_config(h_q: int, s_kv: int = 0) -> dict[str, Any]:
     """Tile shape and launch options for ``attn_dist`` (at most two head tiles for any h_q <= 128)."""
@@ -132,11 +182,38 @@ def attn_dist_config(h_q: int, s_kv: int = 0) -> dict[str, Any]:
     return {"BLOCK_H": block_h, "BLOCK_T": 64, "num_warps": 4, "num_stages": 2}
 
 
+def attn_dist_index_chunks(config: Config, dims: SparseDims, row_bytes: int, l2_bytes: int, n_sm: int) -> int:
+    """KV chunks of the Gluon attn_dist's index-order form (``Config.attn_dist_order``), 0 where the
+    per-token kernel runs instead: 0 above 64 heads, with ``attn_dist_split="cols"``, where ``topk >
+    INDEX_ORDER_MAX_TOPK``, with ``"slot"``, and with ``"auto"`` where there are fewer than
+    ``INDEX_ORDER_MIN_TOKENS_PER_SM`` query tokens per multiprocessor. The KV rows (``s_kv * row_bytes``
+    bytes) are cut into chunks of at most ``l2_bytes * INDEX_CHUNK_L2_FRACTION`` bytes, at most
+    ``INDEX_MAX_CHUNKS`` (on an H200: 2 chunks at 8K rows of 576, 5 at 32K, 16 at 128K)."""
+    if dims.h_q > 64 or config.attn_dist_split != "blocks" or dims.topk > INDEX_ORDER_MAX_TOPK:
+        return 0
+    if config.attn_dist_order == "slot" or (
+        config.attn_dist_order == "auto" and dims.s_q < INDEX_ORDER_MIN_TOKENS_PER_SM * n_sm
+    ):
+        return 0
+    chunk_bytes = max(int(l2_bytes * INDEX_CHUNK_L2_FRACTION), 1)
+    return max(1, min(cdiv(dims.s_kv * row_bytes, chunk_bytes), INDEX_MAX_CHUNKS, max(dims.s_kv, 1)))
+
+
+#: The index-order attn_dist (:func:`attn_dist_index_chunks`): the fewest query tokens per multiprocessor of
+#: ``"auto"``, the chunks' share of L2 and their largest number.
+INDEX_ORDER_MIN_TOKENS_PER_SM = 4
+INDEX_CHUNK_L2_FRACTION = 0.125
+INDEX_MAX_CHUNKS = 16
+#: Largest ``topk`` of the index-order attn_dist (its ordering kernel holds a token's row at once).
+INDEX_ORDER_MAX_TOPK = 8192
+
+
 def plan_attn_dist(
     q: torch.Tensor, kv_rows: torch.Tensor, dims: SparseDims, config: Config, tiles: dict[str, Any] | None
-) -> tuple[dict[str, Any], int, bool, bool, dict[Any, Any]]:
-    """Triton tile, head tiles, whether the Gluon kernel runs, whether the kernel adds partial sums, and the
-    slots of its compiled kernels (see :func:`sparse_mla_attn._runtime.launch`)."""
+) -> tuple[dict[str, Any], int, bool, bool, int, dict[Any, Any]]:
+    """Triton tile, head tiles, whether the Gluon kernel runs, whether the kernel adds partial sums, the KV
+    chunks of the Gluon kernel's index-order form (:func:`attn_dist_index_chunks`; 0: the per-token
+    kernel) and the slots of its compiled kernels (see :func:`sparse_mla_attn._runtime.launch`)."""
     cfg = {**attn_dist_config(dims.h_q, dims.s_kv), **(tiles or {})}
     n_head_tiles = cdiv(dims.h_q, cfg["BLOCK_H"])
     if n_head_tiles > 2:
@@ -146,10 +223,15 @@ def plan_attn_dist(
     gluon = use_gluon(config.backend, dims.h_q > 32, "attn_dist", q, kv_rows)
     # Kernels that add partial sums (two head tiles) need a zeroed output.
     atomic = attn_dist_adds_partials(dims.h_q) if gluon else n_head_tiles > 1
-    return cfg, n_head_tiles, gluon, atomic, {}
+    n_chunks = 0
+    if gluon:
+        n_chunks = attn_dist_index_chunks(
+            config, dims, dims.d_qk * q.element_size(), l2_cache_bytes(q.device), num_sms(q.device)
+        )
+    return cfg, n_head_tiles, gluon, atomic, n_chunks, {}
 
 
-_PLANS: dict[Any, tuple[dict[str, Any], int, bool, bool, dict[Any, Any]]] = {}
+_PLANS: dict[Any, tuple[dict[str, Any], int, bool, bool, int, dict[Any, Any]]] = {}
 
 
 def launch_attn_dist(
@@ -163,12 +245,42 @@ def launch_attn_dist(
     if tiles is not None:
         key = None
     compute = lambda: plan_attn_dist(q, kv_rows, dims, config, tiles)
-    cfg, n_head_tiles, gluon, atomic, slots = compute() if key is None else cached(_PLANS, key, compute)
+    cfg, n_head_tiles, gluon, atomic, n_chunks, slots = (
+        compute() if key is None else cached(_PLANS, key, compute)
+    )
     if key is None:
         slots = None  # a plan made for this call only
     alloc = torch.zeros if atomic else torch.empty
     out = alloc(dims.s_q, dims.topk, dtype=torch.float32, device=q.device)
     if dims.s_q == 0:
+        return out
+    if n_chunks:
+        # Persistent programs take pairs of tokens in waves, each token's rows chunk by chunk in index
+        # order, so the tokens in flight gather from about the same chunk of rows at a time.
+        n_programs = num_sms(q.device)
+        order = index_order(
+            idx,
+            out,
+            dims,
+            n_chunks,
+            q_start_index=q_start_index,
+            k_stride=k_stride,
+            causal=causal,
+            slots=slots,
+        )
+        kernel = launch_attn_dist_index_gluon(
+            q,
+            kv_rows,
+            lse,
+            out,
+            order,
+            dims,
+            sm_scale * LOG2E,
+            lse_to_log2,
+            n_programs=n_programs,
+            slots=slots,
+        )
+        record_launch("attn_dist", kernel, backend="gluon")
         return out
     if gluon:
         # Hopper: all heads of a token in one program, query in registers, explicit cp.async ring.
@@ -188,6 +300,28 @@ def launch_attn_dist(
     )  # fmt: skip
     record_launch("attn_dist", kernel)
     return out
+
+
+def index_order(
+    idx: torch.Tensor, out: torch.Tensor, dims: SparseDims, n_chunks: int, *, q_start_index: int, k_stride: int,
+    causal: bool, slots: dict[Any, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Each token's valid slots of ``idx [s_q, topk]`` (``topk <= INDEX_ORDER_MAX_TOPK``) grouped by KV
+    chunk, ``n_chunks`` chunks of ``ceil(s_kv / n_chunks)`` rows in index order, in slot order within a
+    chunk (``_index_order_kernel``): ``(indices, slots, counts)``, int32 ``[s_q, topk]``, ``[s_q, topk]``
+    and ``[s_q]`` (the first ``counts[i]`` columns of row ``i`` are set). Writes 0 into ``out [s_q, topk]``
+    at the invalid slots."""
+    t = next_power_of_2(dims.topk)
+    idx_s = torch.empty(dims.s_q, dims.topk, dtype=torch.int32, device=idx.device)
+    pos = torch.empty(dims.s_q, dims.topk, dtype=torch.int32, device=idx.device)
+    counts = torch.empty(dims.s_q, dtype=torch.int32, device=idx.device)
+    launch(
+        _index_order_kernel, (dims.s_q,), slots, "index_order",
+        (idx, idx_s, pos, counts, out, idx.stride(0), dims.topk, dims.s_kv, q_start_index, k_stride,
+         cdiv(max(dims.s_kv, 1), n_chunks)),
+        dict(N_CHUNKS=n_chunks, T=t, CAUSAL=causal, num_warps=max(4, min(16, t // 512))),
+    )  # fmt: skip
+    return idx_s, pos, counts
 
 
 def indexer_target(attn_sum: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
@@ -250,16 +384,18 @@ _CHECKED: dict[Any, SparseDims] = {}
 def _attn_dist_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float,
     q_start_index: int, k_stride: int, lse_base: str, causal: bool, backend: str, split: str = "blocks",
+    order: str = "auto",
 ) -> torch.Tensor:  # fmt: skip
     # Validation and launch plan depend only on the call signature: checked once per signature.
-    key = (*call_signature(q, kv, indices, lse), q_start_index, k_stride, lse_base, causal, backend, split)
+    key = (*call_signature(q, kv, indices, lse), q_start_index, k_stride, lse_base, causal, backend, split,
+           order)  # fmt: skip
     dims = cached(
         _CHECKED, key, lambda: _check_attn_dist(q, kv, indices, lse, q_start_index, k_stride, lse_base)
     )
     return launch_attn_dist(
         q, kv[:, 0], indices[:, 0], lse, dims, check_sm_scale(sm_scale), LOG2E if lse_base == "e" else 1.0,
         q_start_index=q_start_index, k_stride=k_stride, causal=causal,
-        config=replace(config_of(backend), attn_dist_split=split), key=key,
+        config=replace(config_of(backend), attn_dist_split=split, attn_dist_order=order), key=key,
     )  # fmt: skip
 
 
@@ -300,8 +436,8 @@ def attn_dist(
         lse_base: ``"e"`` (natural log, what :func:`sparse_mla_fwd` returns) or ``"2"`` (base-2
             log-sum-exp, the convention of the CUDA kernel this follows).
         causal: apply the causal limit (default ``True``, as the CUDA kernel always does).
-        config: tuning options (:class:`~sparse_mla_attn.Config`; ``backend`` and ``attn_dist_split``
-            apply).
+        config: tuning options (:class:`~sparse_mla_attn.Config`; ``backend``, ``attn_dist_split`` and
+            ``attn_dist_order`` apply).
 
     Returns:
         ``attn_sum [s_q, topk]`` float32.
@@ -327,4 +463,5 @@ def attn_dist(
         causal,
         cfg.backend,
         cfg.attn_dist_split,
+        cfg.attn_dist_order,
     )

@@ -9,6 +9,7 @@ BACKENDS = ("auto", "gluon", "triton")
 SPLIT_MERGES = ("auto", "last_program", "kernel")
 ATTN_DIST_SPLITS = ("blocks", "cols")
 FWD_PERSISTENT = ("auto", "on", "off")
+ATTN_DIST_ORDERS = ("auto", "slot", "index")
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,19 @@ class Config:
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
             64 heads.
+        attn_dist_order: the form of the Gluon ``attn_dist`` up to 64 heads (sm_90, with
+            ``attn_dist_split="blocks"`` and ``topk <= 8192``). ``"index"``: a small kernel groups each
+            token's valid slots by KV chunk in index order (chunks of at most an eighth of the L2 cache,
+            at most 16), and persistent programs (one per multiprocessor) take pairs of tokens, one per
+            consumer warpgroup, in waves: the tokens in flight, which keep pace, gather from about the
+            same chunk of the KV rows at a time, which stays in L2, and the slots that are invalid
+            (out of range, past the causal limit) are skipped. ``"slot"``: one program per token, its
+            slots in their order. ``"auto"`` (default): ``"index"`` where there are at least 4 query
+            tokens per multiprocessor, else ``"slot"``. The results are the same bits either way.
 
     Raises:
-        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split`` or
-            ``bwd_dkv_backend``, ``num_splits < 0`` or a workspace cap below 1 byte.
+        ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split``,
+            ``attn_dist_order`` or ``bwd_dkv_backend``, ``num_splits < 0`` or a workspace cap below 1 byte.
     """
 
     backend: str = "auto"
@@ -82,11 +92,12 @@ class Config:
     fwd_persistent: str = "auto"
     attn_dist_split: str = "blocks"
     bwd_dkv_backend: str = "auto"
+    attn_dist_order: str = "auto"
 
     def __post_init__(self) -> None:
         choices = {
             "backend": BACKENDS, "split_merge": SPLIT_MERGES, "fwd_persistent": FWD_PERSISTENT,
-            "attn_dist_split": ATTN_DIST_SPLITS, "bwd_dkv_backend": BACKENDS,
+            "attn_dist_split": ATTN_DIST_SPLITS, "bwd_dkv_backend": BACKENDS, "attn_dist_order": ATTN_DIST_ORDERS,
         }  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

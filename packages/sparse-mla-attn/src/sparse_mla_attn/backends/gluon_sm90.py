@@ -14,7 +14,10 @@ ping-pong).
   multiprocessor taking those items in turn with one ring) with slots gathered and released by halves of
   their channels (``_pp_producer``, ``_pp_consumer``), both ``_sparse_mla_fwd_ws_kernel``;
 * attn_dist: a ring of three slots (the query lives in registers), the consumers split the heads (or take
-  alternate blocks, or split a block's columns) and issue their products by turns (``_ad_consumer``).
+  alternate blocks, or split a block's columns) and issue their products by turns (``_ad_consumer``);
+  up to 64 heads it runs persistent instead, each consumer warpgroup taking one token of a pair, over
+  each token's slots ordered by KV chunk, so that the tokens of a wave gather from about the same chunk of
+  rows (``_attn_dist_index_kernel``).
 
 Rows whose index is invalid are copied with a zero source size (``cp.async`` zero fill): they are never
 read.
@@ -1251,6 +1254,161 @@ if HAVE_GLUON:
             [CONSUMER_REGS, PRODUCER_REGS],
         )  # fmt: skip
 
+    @gluon.jit
+    def _adp_producer(
+        kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, IDX_S, COUNT, topk, s_q,
+        D_NOPE: gl.constexpr, D_ROPE: gl.constexpr,
+    ):  # fmt: skip
+        """Producer warpgroup of the index-order attn_dist: for each pair of tokens of this program, block
+        ``b`` of the first token then block ``b`` of the second, for ``b`` up to the longer token's blocks
+        (the shorter token's missing blocks are all padding rows, zero-filled), one ring across pairs
+        (block ``g`` of the program into slot ``g % NUM_BUF``, as ``_ws_producer``). The ordered lists
+        hold valid slots only, so there is no upper bound to check."""
+        NUM_BUF: gl.constexpr = kn_smem.shape[0]
+        BLOCK_T: gl.constexpr = kn_smem.shape[1]
+        NO_BOUND: gl.constexpr = 2**31 - 1
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
+        g = 0
+        n_pairs = gl.cdiv(s_q, 2)
+        for k in range(gl.cdiv(n_pairs - gl.program_id(0), gl.num_programs(0))):  # this program's pairs
+            t0 = 2 * (gl.program_id(0) + k * gl.num_programs(0))
+            n0 = gl.load(COUNT + t0)
+            n1 = gl.load(COUNT + t0 + 1, mask=t0 + 1 < s_q, other=0)
+            row0 = IDX_S + t0.to(gl.int64) * topk
+            for b in range(gl.cdiv(gl.maximum(n0, n1), BLOCK_T)):
+                for w in gl.static_range(2):
+                    offs = b * BLOCK_T + offs_t
+                    idx = gl.load(row0 + w * topk + offs, mask=offs < (n1 if w == 1 else n0), other=-1)
+                    slot = g % NUM_BUF
+                    mbarrier.wait(empty_bars.index(slot), ((g // NUM_BUF) & 1) ^ 1)
+                    _issue_gather(
+                        kn_smem.index(slot), kr_smem.index(slot), KV, stride_kv_row, idx, NO_BOUND, D_NOPE, D_ROPE,
+                        ld_l,
+                    )  # fmt: skip
+                    cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
+                    g += 1
+
+    @gluon.jit
+    def _adp_consumer(
+        WG: gl.constexpr, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, red_smem, Q, LSE, POS, COUNT, OUT,
+        stride_q_s, stride_q_h, stride_lse_s, h_q, topk, s_q, sm_scale_log2, lse_to_log2,
+        D_ROPE: gl.constexpr,
+    ):  # fmt: skip
+        """Consumer warpgroup ``WG`` of the index-order attn_dist (at most 64 heads): token ``WG`` of each of
+        this program's pairs, whole, its query tile in registers (the wgmma A operand, as in
+        ``_ad_consumer``). The two warpgroups compute their tokens' blocks by turns (the ring's blocks
+        ``2 j + WG``) and issue S by turns; padding blocks are computed and not stored. Column sums go to
+        the slots ``POS`` names."""
+        NUM_BUF: gl.constexpr = kn_smem.shape[0]
+        BLOCK_T: gl.constexpr = kn_smem.shape[1]
+        D_NOPE: gl.constexpr = kn_smem.shape[2]
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
+        )
+        qa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
+        red_l: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [1, 4], [0, 1])
+        offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, red_l))
+        offs_h = gl.arange(0, 64, layout=gl.SliceLayout(1, qa_l))
+        h_ok = offs_h < h_q
+        cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, qa_l))
+        if D_ROPE > 0:
+            cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, qa_l))
+        else:
+            cols_r = cols  # unused
+        offs_hm = gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))
+        j = 0  # this warpgroup's blocks so far (the ring's block 2 j + WG)
+        n_pairs = gl.cdiv(s_q, 2)
+        for k in range(gl.cdiv(n_pairs - gl.program_id(0), gl.num_programs(0))):  # this program's pairs
+            t0 = 2 * (gl.program_id(0) + k * gl.num_programs(0))
+            n0 = gl.load(COUNT + t0)
+            n1 = gl.load(COUNT + t0 + 1, mask=t0 + 1 < s_q, other=0)
+            pid_s = gl.minimum(t0 + WG, s_q - 1)  # (no second token: its count is 0, nothing is stored)
+            n_t = n1 if WG == 1 else n0
+            q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
+            q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
+            if D_ROPE > 0:
+                q_rope = gl.load(
+                    q_row + cols_r[None, :], mask=h_ok[:, None] & (cols_r[None, :] >= 0), other=0.0
+                )
+            else:
+                q_rope = q_nope  # unused
+            lse_row = LSE + pid_s.to(gl.int64) * stride_lse_s
+            lse2 = gl.load(lse_row + offs_hm, mask=offs_hm < h_q, other=float("inf")) * lse_to_log2
+            pos_row = POS + pid_s.to(gl.int64) * topk
+            out_row = OUT + pid_s.to(gl.int64) * topk
+            for b in range(gl.cdiv(gl.maximum(n0, n1), BLOCK_T)):
+                offs_t = b * BLOCK_T + offs_c
+                pos = gl.load(pos_row + offs_t, mask=offs_t < n_t, other=0)  # in flight during the wait and S
+                slot = _ws_wait_full(full_bars, 2 * j + WG, NUM_BUF)
+                mbarrier.wait(turn_bars.index(WG), (j + 1 - WG) & 1)
+                s = gl.zeros([64, BLOCK_T], gl.float32, s_l)
+                s = warpgroup_mma(
+                    q_nope, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True
+                )
+                if D_ROPE > 0:
+                    s = warpgroup_mma(q_rope, kr_smem.index(slot).permute((1, 0)), s, is_async=True)
+                mbarrier.arrive(turn_bars.index(1 - WG))
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                mbarrier.arrive(empty_bars.index(slot))
+                p = gl.exp2(s * sm_scale_log2 - lse2[:, None])
+                red = red_smem.index(2 * WG + (j & 1))
+                red.store(gl.sum(gl.reshape(p, [4, 16, BLOCK_T]), axis=1))
+                gl.thread_barrier()
+                col = gl.sum(red.load(red_l), axis=0)
+                gl.store(out_row + pos, col, mask=offs_t < n_t)
+                j += 1
+
+    @gluon.jit
+    def _attn_dist_index_kernel(
+        Q, KV, IDX_S, POS, COUNT, LSE, OUT,
+        stride_q_s, stride_q_h, stride_kv_row, stride_lse_s,
+        h_q, topk, s_q, sm_scale_log2, lse_to_log2,
+        D_NOPE: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_T: gl.constexpr, NUM_BUF: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """attn_dist over ordered slots (at most 64 heads), persistent: program ``p`` of ``P`` (one per
+        multiprocessor) takes the token pairs ``(2 r, 2 r + 1)``, ``r = p, p + P, ...``, each consumer
+        warpgroup one token of the pair, so the programs run the tokens in waves of ``2 P``. Each token's
+        valid slots come ordered (``IDX_S`` their indices, ``POS`` the slots, ``COUNT`` how many) by KV
+        chunk in index order: the tokens of a wave, which start together and keep pace, then gather from
+        about the same chunk of the KV rows at any time, which stays in L2 where the whole KV would not.
+        Warp specialised as ``_attn_dist_ws_kernel`` (producer ``_adp_producer``, consumers
+        ``_adp_consumer``); one ring carries across a program's pairs."""
+        gl.static_assert(num_warps == 4)
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
+        kr_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, 64], smem_l)
+        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 1)
+        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(2):
+            mbarrier.init(turn_bars.index(j), count=1)
+        red_smem = gl.allocate_shared_memory(
+            gl.float32, [4, 4, BLOCK_T], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        )
+        fence_async_shared()  # barrier initialisation, before any partition uses them
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        gl.warp_specialize(
+            [
+                (_adp_consumer, (
+                    WG0, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, red_smem, Q, LSE, POS, COUNT, OUT,
+                    stride_q_s, stride_q_h, stride_lse_s, h_q, topk, s_q, sm_scale_log2, lse_to_log2, D_ROPE,
+                )),
+                (_adp_consumer, (
+                    WG1, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, red_smem, Q, LSE, POS, COUNT, OUT,
+                    stride_q_s, stride_q_h, stride_lse_s, h_q, topk, s_q, sm_scale_log2, lse_to_log2, D_ROPE,
+                )),
+                (_adp_producer, (
+                    kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, IDX_S, COUNT, topk, s_q,
+                    D_NOPE, D_ROPE,
+                )),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
 
 #: Register split of the warp-specialised kernels (``setmaxnreg``): 4 warps x (232 + 232 + 40) of the
 #: 2,048 per-warp register units.
@@ -1258,6 +1416,10 @@ CONSUMER_REGS = 232
 PRODUCER_REGS = 40
 #: Ring depth of the attn_dist kernel (64-row blocks); the forward's ring has two slots.
 ATTN_DIST_NUM_BUF = 3
+#: Register split of the index-order attn_dist: its producer's pair loop needs more than 40 registers, its
+#: consumers fit in 224 (4 warps x (224 + 224 + 56) units, the same total).
+INDEX_CONSUMER_REGS = 224
+INDEX_PRODUCER_REGS = 56
 
 
 def attn_dist_adds_partials(h_q: int) -> bool:
@@ -1352,4 +1514,31 @@ def launch_attn_dist_gluon(
         dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=ATTN_DIST_NUM_BUF,
              SPLIT=AD_SPLIT_HEADS if attn_dist_adds_partials(dims.h_q) else split, CAUSAL=causal,
              CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4),
+    )  # fmt: skip
+
+
+def launch_attn_dist_index_gluon(
+    q: torch.Tensor,
+    kv_rows: torch.Tensor,
+    lse: torch.Tensor,
+    out: torch.Tensor,
+    order: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    dims: SparseDims,
+    sm_scale_log2: float,
+    lse_to_log2: float,
+    *,
+    n_programs: int,
+    slots: dict[Any, Any] | None = None,
+) -> Any:
+    """Index-order attn_dist on sm_90 (``h_q <= 64``; see ``_attn_dist_index_kernel``) on at most
+    ``n_programs`` programs (each takes pairs of tokens). ``order``: each token's valid slots in the order
+    to take them, ``(indices, slots, counts)`` int32 ``[s_q, topk]``, ``[s_q, topk]`` and ``[s_q]``; the
+    kernel writes the valid slots of ``out`` only."""
+    idx_s, pos, counts = order
+    return launch(
+        _attn_dist_index_kernel, (max(1, min(n_programs, cdiv(dims.s_q, 2))),), slots, "gluon_attn_dist_index",
+        (q, kv_rows, idx_s, pos, counts, lse, out, q.stride(0), q.stride(1), kv_rows.stride(0), lse.stride(0),
+         dims.h_q, dims.topk, dims.s_q, sm_scale_log2, lse_to_log2),
+        dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=ATTN_DIST_NUM_BUF,
+             CONSUMER_REGS=INDEX_CONSUMER_REGS, PRODUCER_REGS=INDEX_PRODUCER_REGS, num_warps=4),
     )  # fmt: skip
