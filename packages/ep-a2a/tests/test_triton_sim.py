@@ -270,17 +270,19 @@ def test_split_with_several_senders(world, ns, num_sm, send_ctas, steal):
     """Sending CTAs other than program 0 start once the peers have started the dispatch (their
     token-count words) instead of waiting for the receive layout: the merged flow with several senders,
     twice in a row (count-word parity), then the counts-launch flow with the same split; with
-    ``steal``, chunks claimed from the shared counters (reset by each launch's last CTA)."""
+    ``steal``, chunks claimed from the shared counters (reset by each launch's last CTA), and the
+    scatter indices in claimed blocks of other sizes than the chunks (4 tokens; chunks of 2)."""
     gen = torch.Generator().manual_seed(77 + world)
     sim = SimWorld(
         world_size=world, max_tokens=max(ns), hidden=24, topk=4, num_tot_experts=4 * world, num_sm=num_sm,
         chunk=2,
     )  # fmt: skip
+    assert sim.engines[0].scatter_tokens == 4  # (3 blocks: one program claims several)
     flows = ((True, send_ctas), (True, send_ctas), (False, send_ctas))
     _round_trips(sim, ns, flows, gen, with_w=True, skew=False, drop=0.1, steal=steal)
     if steal:  # every launch's last CTA put the counters back to zero
         for eng in sim.engines:
-            assert eng.state[K.STATE_STEAL_SEND : K.STATE_STEAL_ARRIVE + 1].tolist() == [0, 0, 0]
+            assert eng.state[K.STATE_STEAL_SEND : K.STATE_STEAL_SCATTER + 1].tolist() == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -355,7 +357,7 @@ def test_steal_switches_roles_in_one_launch(merged):
         res = sim.dispatch(xs, ids, ws, merged=merged, send_ctas=2, steal=True, whole=True)
         ref, scat = dispatch_ref(xs, ids, ws, num_tot_experts=experts)
         _check_dispatch(res, ref, scat, True)
-        assert sim.engines[0].state[K.STATE_STEAL_SEND : K.STATE_STEAL_ARRIVE + 1].tolist() == [0, 0, 0]
+        assert sim.engines[0].state[K.STATE_STEAL_SEND : K.STATE_STEAL_SCATTER + 1].tolist() == [0, 0, 0, 0]
         ys = [torch.randn(r.output.shape[0], hidden, generator=gen).to(torch.bfloat16) for r in res]
         _check_combine(sim.combine(ys, res, ids), ys, ids, scat, experts, torch.bfloat16)
     with pytest.raises(ValueError, match="whole=True"):

@@ -620,6 +620,10 @@ class TritonEPEngine:
         self.send_ctas = send_ctas
         self.combine_send_ctas = combine_send_ctas
         self.steal = steal
+        #: with ``steal``: tokens per block of ``token_dst_scatter_idx`` claimed by the CTAs done first,
+        #: about one block per CTA (a block's cost is the latency of polling its destinations' base rows,
+        #: nearly independent of its size)
+        self.scatter_tokens = min(64, max(chunk, _next_pow2(triton.cdiv(max_tokens, self.num_sm))))
         self.wp = _next_pow2(world_size)
         self.lp = _next_pow2(layout.cw or self.experts_per_rank + 1)
         dev = self.device
@@ -975,7 +979,7 @@ class TritonEPEngine:
                 USE_TIMER=self.use_timer, G=self.num_sm, GS=max(split, 1), off_sig=lay.sig, off_sback=lay.sback,
                 off_srec=lay.srec, CW=lay.cw, REMOTE=self.remote_bits, CE=bool(self.ce_pieces),
                 ce_tokens=self.ce_tokens, **self._row_tile_kw(out.shape[1], quantize_from), **self._rec_kw(out.dtype),
-                WHOLE_ROW=self.whole_row, PDL=self.pdl,
+                WHOLE_ROW=self.whole_row, PDL=self.pdl, ST=self.scatter_tokens,
             )  # fmt: skip
 
         flags = (has_w, caller_scatter, send, recv, counts, rewrite, mirror)

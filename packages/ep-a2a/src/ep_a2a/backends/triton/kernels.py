@@ -46,7 +46,8 @@ STATE_COUNTS_READY = 5  # merged dispatch: epoch whose receive layout program 0 
 STATE_DISPATCH_ARRIVE = 6  # merged dispatch: CTAs finished (the last one publishes the epoch)
 STATE_STEAL_SEND = 8  # work stealing (STEAL): next send chunk to claim
 STATE_STEAL_WRITE = 9  # next write chunk to claim
-STATE_STEAL_ARRIVE = 10  # CTAs finished (the last one resets the three for the next launch)
+STATE_STEAL_ARRIVE = 10  # CTAs finished (the last one resets the counters for the next launch)
+STATE_STEAL_SCATTER = 11  # next block of token_dst_scatter_idx to claim
 STATE_SIZE = 16
 
 # error steps encoded in state[STATE_ERR] = 1 + step * 65536 + peer
@@ -967,6 +968,33 @@ def _store_peers(xt, h0, hh, toks, tm, bits, peer_row, pk_ptr, table_ptr, rank, 
 
 
 @triton.jit
+def _scatter_block(toks, kk, ids_ptr, id64, pos_ptr, n_tokens, scat_ptr, table_ptr, state_ptr, rank, ep, timeout,
+                   off_back, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, WP: tl.constexpr,
+                   CALLER_SCATTER: tl.constexpr, USE_TIMER: tl.constexpr):  # fmt: skip
+    """``token_dst_scatter_idx`` of the tokens ``toks``: each slot's base row at its destination (pushed
+    by that rank's receive-layout step; ``dispatch/offsets`` names a destination that never pushed it)
+    plus its position, or the caller's index."""
+    m2 = (toks < n_tokens)[:, None] & (kk[None, :] < K)
+    slot = toks[:, None].to(tl.int64) * K + kk[None, :]
+    ids = _load_ids(ids_ptr, slot, m2, id64, L * W)
+    ids = tl.where(ids < L * W, ids, -1)
+    pos = tl.load(pos_ptr + slot, mask=m2 & (ids >= 0), other=0)
+    if CALLER_SCATTER:
+        tl.store(scat_ptr + slot, tl.where(ids >= 0, pos, -1), mask=m2)
+    else:
+        dest = tl.where(ids >= 0, ids // L, 0)
+        e_loc = ids - dest * L
+        back = _peer_ptr(table_ptr, rank, off_back, tl.int64)
+        v, stale = _spin_epoch(back + dest * L + e_loc, m2 & (ids >= 0), ep, 0, timeout, USE_TIMER)
+        n_stale = tl.sum(stale.to(tl.int32))
+        if n_stale > 0:
+            missing = tl.min(tl.min(tl.where(stale, dest, WP), axis=1), 0)
+            _set_error(state_ptr, 1 + 3 * 65536 + missing.to(tl.int64))
+        scat = (v & 0xFFFFFFFF) + pos
+        tl.store(scat_ptr + slot, tl.where((ids >= 0) & ~stale, scat, -1).to(tl.int32), mask=m2)
+
+
+@triton.jit
 def _slot_rows(ids, pos, m2, s, offs_ptr, rank, cap_rows, L: tl.constexpr, W: tl.constexpr,
                CALLER_SCATTER: tl.constexpr):  # fmt: skip
     """Output row of each received slot (``-1``: not for this rank, or outside the output) and its local
@@ -1163,6 +1191,7 @@ def _dispatch_kernel(
     QH: tl.constexpr = 0,  # > 0: x holds rows of QH bf16 / fp16 / fp32 channels, quantized to the packed
     # FP8 rows of out on send, in tiles of BQ pairs of channels (see _dispatch_send_chunk)
     BQ: tl.constexpr = 64,
+    ST: tl.constexpr = 1,  # STEAL: tokens per block of token_dst_scatter_idx claimed from a shared counter
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -1493,40 +1522,35 @@ def _dispatch_kernel(
                     if (REMOTE >> d) & 1:
                         sig = _peer_ptr(table_ptr, rank, off_sig, tl.int64) + SIG_BACK * W + d
                         _wait_flag(sig, ep, state_ptr, 3, d, timeout, USE_TIMER)
-            j = tl.full([], 0, tl.int32)
-            while j < tl.cdiv(n_chunks_send, G):
-                c = pid + j * G
-                toks = c * CH + tl.arange(0, CH)
-                m2 = (toks < n_tokens)[:, None] & (kk[None, :] < K)
-                slot = toks[:, None].to(tl.int64) * K + kk[None, :]
-                ids = _load_ids(ids_ptr, slot, m2, id64, L * W)
-                ids = tl.where(ids < L * W, ids, -1)
-                pos = tl.load(pos_ptr + slot, mask=m2 & (ids >= 0), other=0)
-                if CALLER_SCATTER:
-                    tl.store(scat_ptr + slot, tl.where(ids >= 0, pos, -1), mask=m2)
-                else:
-                    dest = tl.where(ids >= 0, ids // L, 0)
-                    e_loc = ids - dest * L
-                    back = _peer_ptr(table_ptr, rank, off_back, tl.int64)
-                    v, stale = _spin_epoch(
-                        back + dest * L + e_loc, m2 & (ids >= 0), ep, 0, timeout, USE_TIMER
-                    )
-                    n_stale = tl.sum(stale.to(tl.int32))
-                    if n_stale > 0:
-                        missing = tl.min(tl.min(tl.where(stale, dest, WP), axis=1), 0)
-                        _set_error(state_ptr, 1 + 3 * 65536 + missing.to(tl.int64))
-                    scat = (v & 0xFFFFFFFF) + pos
-                    tl.store(scat_ptr + slot, tl.where((ids >= 0) & ~stale, scat, -1).to(tl.int32), mask=m2)
-                j += 1
+            if STEAL:
+                # blocks of ST tokens claimed from a shared counter (state[11]: STATE_STEAL_SCATTER): the
+                # CTAs whose loop ended first take them, not the one still expanding the last received chunk
+                n_blocks = tl.cdiv(n_tokens, ST)
+                c = tl.atomic_add(state_ptr + 11, 1, sem="relaxed", scope="gpu").to(tl.int32)
+                while c < n_blocks:
+                    _scatter_block(c * ST + tl.arange(0, ST), kk, ids_ptr, id64, pos_ptr, n_tokens, scat_ptr,
+                                   table_ptr, state_ptr, rank, ep, timeout, off_back, W, L, K, WP,
+                                   CALLER_SCATTER, USE_TIMER)  # fmt: skip
+                    c = tl.atomic_add(state_ptr + 11, 1, sem="relaxed", scope="gpu").to(tl.int32)
+            else:
+                j = tl.full([], 0, tl.int32)
+                while j < tl.cdiv(n_chunks_send, G):
+                    c = pid + j * G
+                    _scatter_block(c * CH + tl.arange(0, CH), kk, ids_ptr, id64, pos_ptr, n_tokens, scat_ptr,
+                                   table_ptr, state_ptr, rank, ep, timeout, off_back, W, L, K, WP,
+                                   CALLER_SCATTER, USE_TIMER)  # fmt: skip
+                    j += 1
     if STEAL:
         # the last CTA resets the claim counters for the next launch (an engine's launches are
         # stream-ordered; every CTA has made its last claim before it arrives here)
-        # (literal offsets: STATE_STEAL_SEND / _WRITE / _ARRIVE; a compiled kernel cannot read globals)
+        # (literal offsets: STATE_STEAL_SEND / _WRITE / _ARRIVE / _SCATTER; a compiled kernel cannot read
+        # globals)
         arrived = tl.atomic_add(state_ptr + 10, 1, sem="acq_rel", scope="gpu")
         if arrived == G - 1:
             tl.atomic_xchg(state_ptr + 8, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(state_ptr + 9, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(state_ptr + 10, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(state_ptr + 11, 0, sem="relaxed", scope="gpu")
     if COUNTS and RECV:
         # the last CTA to finish publishes the epoch (every CTA read the old one first); launches of
         # one engine are stream-ordered, so the arrivals come in whole grids of G
