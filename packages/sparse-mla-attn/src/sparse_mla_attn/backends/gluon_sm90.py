@@ -464,7 +464,9 @@ if HAVE_GLUON:
           own P·V, releases slot 0's first half; waits for warpgroup 1's max (``p_bars[1]``), rescales
           its P to it and publishes it in slot 0's rope part (``s_bars[0]``: S no longer needs it); waits
           for warpgroup 1's P (``s_bars[1]``), rescales the accumulator, issues that P·V and behind it the
-          next block's S, and releases slot 1's first half once that P·V is done;
+          next block's S, and releases slot 1's first half once that P·V is done (with ``item.FREE_EARLY``
+          before issuing the second half of that S, whose gather, behind the release of slot 0's second
+          half by warpgroup 1, may still be in flight: the producer refills slot 1's first half meanwhile);
         * warpgroup 1: S of block 2k+1, then, with warpgroup 0's max, its softmax against the larger of
           the two maxima (so both warpgroups end a pair at the same max), publishes that max, own P·V,
           publishes its P (``smem.p``), issues warpgroup 0's P·V and releases slot 1's second half and
@@ -543,11 +545,18 @@ if HAVE_GLUON:
                 pv_b = smem.kn.index(1).slice(0, D_HALF, dim=1)
                 if k + 1 < item.n_pairs:
                     acc = warpgroup_mma(smem.p, pv_b, acc, is_async=True)
-                    s = _pp_issue_s(smem, 0, z, ph ^ 1, s, D_NOPE, D_ROPE)
-                    if item.TURNS:
-                        mbarrier.arrive(smem.turn_bar)
+                    if item.FREE_EARLY:  # the first half of S, then free slot 1's first half, then the rest
+                        s = _pp_issue_s_half(smem, 0, 0, z, ph ^ 1, s, False, D_NOPE, D_ROPE)
+                    else:
+                        s = _pp_issue_s(smem, 0, z, ph ^ 1, s, D_NOPE, D_ROPE)
+                        if item.TURNS:
+                            mbarrier.arrive(smem.turn_bar)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # (S may still run)
                     mbarrier.arrive(smem.empty_bars.index(2))  # slot 1, first half
+                    if item.FREE_EARLY:
+                        s = _pp_issue_s_half(smem, 0, 1, z, ph ^ 1, s, True, D_NOPE, D_ROPE)
+                        if item.TURNS:
+                            mbarrier.arrive(smem.turn_bar)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 else:
                     acc = warpgroup_mma(smem.p, pv_b, acc, is_async=True)
@@ -685,6 +694,7 @@ if HAVE_GLUON:
         h_q: _Int
         SPLIT_K: gl.constexpr
         TURNS: gl.constexpr  # the consumers issue their S by turns (``_pp_consumer_whole``)
+        FREE_EARLY: gl.constexpr  # warpgroup 0 frees slot 1's first half within its next S (``_pp_consumer``)
 
     @_aggregate_of_fields
     class _FwdItems:
@@ -711,6 +721,7 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr
         SPLIT_K: gl.constexpr
         TURNS: gl.constexpr
+        FREE_EARLY: gl.constexpr
 
         @gluon.jit
         def get(self, item):
@@ -740,7 +751,7 @@ if HAVE_GLUON:
             n_pairs = gl.cdiv(n_t, 2 * self.BLOCK_T)
             return _FwdItem(  # type: ignore[call-arg]
                 pid_s, pid_h * 64, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h, self.h_q, self.SPLIT_K,
-                self.TURNS,
+                self.TURNS, self.FREE_EARLY,
             )  # fmt: skip
 
     @_aggregate_of_fields
@@ -957,6 +968,7 @@ if HAVE_GLUON:
         SPLIT_K: gl.constexpr = False,
         PERSISTENT: gl.constexpr = False,
         TURNS: gl.constexpr = False,
+        FREE_EARLY: gl.constexpr = False,
     ):
         """Forward for (token, 64-head tile) work items, warp specialised (FlashMLA-style ping-pong, 12
         warps).
@@ -977,7 +989,8 @@ if HAVE_GLUON:
         the fp32 partial buffers ``[splits, n_tok, h_q(, D_NOPE)]`` (see ``_pp_consumer``).
 
         With ``TURNS`` (set by the launcher for one head tile, ``h_q <= 64``) the two consumer warpgroups
-        issue their S by turns (see ``_pp_consumer_whole``).
+        issue their S by turns (see ``_pp_consumer_whole``); ``FREE_EARLY`` (set for the persistent form
+        with more than one head tile): see ``_pp_consumer``.
         """
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_T == 64)
@@ -991,6 +1004,7 @@ if HAVE_GLUON:
         items = _FwdItems(  # type: ignore[call-arg]
             IDX, TOPK_LEN, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index,
             k_stride, n_tok, split_len, n_items, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K, TURNS,
+            FREE_EARLY,
         )  # fmt: skip
         if PERSISTENT:
             qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
@@ -1470,6 +1484,8 @@ def launch_fwd_gluon(
         consts["SPLIT_K"] = True
     if n_head_tiles == 1:  # S by turns (``_pp_consumer_whole``) where a token has one head tile
         consts["TURNS"] = True
+    elif persistent_programs > 0:  # slot 1's first half freed within the next S (``_pp_consumer``)
+        consts["FREE_EARLY"] = True
     n_items = n_splits * dims.s_q * n_head_tiles
     args = (q, kv_rows, idx, out, max_logits, lse, sink, topk_length if topk_length is not None else idx,
             *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
