@@ -634,15 +634,16 @@ def test_exact_flows_return_the_counts_and_take_released_workspaces(monkeypatch,
     assert desc3.token_dst_scatter_idx.shape == (3, 4)
 
 
-def _dispatch_on_fake_graphs(monkeypatch):
-    """:func:`_backend_on_fake_kernels` (worst-case rows in the workspaces) with ``eager_graphs``, whose
-    dispatch launches (bound, or captured and replayed as CUDA graphs, the capture minus CUDA) are
-    recorded in ``events`` and write the counts as the row kernel's program 0 does. Returns the backend,
-    the counts and ``events``."""
+def _dispatch_on_fake_graphs(monkeypatch, *, large: bool = False):
+    """:func:`_backend_on_fake_kernels` (worst-case rows in the workspaces; ``large``: rows allocated per
+    call, the speculative flow from the second call on) with ``eager_graphs``, whose dispatch launches
+    (bound, or captured and replayed as CUDA graphs, the capture minus CUDA) are recorded in ``events``
+    and write the counts as the row kernel's program 0 does. Returns the backend, the counts and
+    ``events``."""
     from ep_a2a.backends.triton import backend as B
     from ep_a2a.backends.triton.engine import BoundLaunch
 
-    be, vals = _backend_on_fake_kernels(monkeypatch, overlap_exact=True, rows=9, ring_rows=True)
+    be, vals = _backend_on_fake_kernels(monkeypatch, overlap_exact=not large, rows=9, ring_rows=not large)
     eng = be.engine
     be.eager_graphs = True
     events: list[str] = []
@@ -720,6 +721,45 @@ def test_eager_graphs_replay_repeated_inputs(monkeypatch):
     for _ in range(3):
         be.dispatch(x2, ids, w, None)
     assert events[1:] == ["launch"] * 3, "a workspace full of graphs captures no more"
+
+
+def test_large_layer_common_case_replays_by_addresses_and_rows(monkeypatch):
+    """A layer whose rows are allocated per call: from the second call on ``dispatch_plain`` allocates the
+    rows and replays the graph captured for the call's addresses with those rows (their address and
+    count), found by them alone once captured; rows elsewhere launch one by one. Every call returns the
+    counts the kernels wrote, in rows of exactly the received count."""
+    be, vals, events = _dispatch_on_fake_graphs(monkeypatch, large=True)
+    eng = be.engine
+    assert be._plain_large
+    assert not be._plain_rows
+    H, W = be.config.hidden, be.config.world_size
+    buf = torch.empty(64, H, dtype=torch.bfloat16)
+    bufs = [buf]
+    monkeypatch.setattr(eng, "alloc_rows", lambda rows, dtype=None: bufs[0][:rows])
+    speculative = be._dispatch_speculative
+    calls: list[int] = []
+    monkeypatch.setattr(
+        be, "_dispatch_speculative", lambda *a, **kw: calls.append(1) or speculative(*a, **kw)
+    )
+    x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    for i in range(5):
+        out, out_w, desc = be.dispatch(x, ids, w, None)
+        assert (out.shape, out_w.shape, desc.num_recv_rows) == ((9, H), (9,), 9), i
+        assert desc.num_recv_tokens_per_rank.tolist() == vals[2 + W : 2 + 2 * W].tolist()
+        assert i == 0 or out.data_ptr() == buf.data_ptr()
+        del out, out_w, desc
+    # (the first call waits for the counts; the second launches, the third captures, then replays)
+    assert events == ["launch", "capture", "replay", "replay", "replay"]
+    assert calls == [1, 1], "the replays skip the step-by-step path"
+    (ws,) = be.workspaces._rings[7]
+    assert list(ws.plain_graphs) == [
+        (x.data_ptr(), ids.data_ptr(), w.data_ptr(), 6, torch.int64, buf.data_ptr(), 10)
+    ]
+    events.clear()
+    bufs[0] = torch.empty(64, H, dtype=torch.bfloat16)  # (rows elsewhere: launched one by one)
+    _, _, desc = be.dispatch(x, ids, w, None)
+    assert events == ["launch"]
+    assert desc.num_recv_rows == 9
 
 
 def test_common_case_dispatch_replays_by_addresses_and_checks_the_board_once_launched(monkeypatch):

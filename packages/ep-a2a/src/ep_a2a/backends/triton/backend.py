@@ -368,6 +368,12 @@ class TritonBackend(A2ABackend):
         self._plain_variant: tuple = (False, cfg.token_dtype, cfg.hidden, cfg.weight_dtype, eng.pos.dtype)
         if rows is not None:
             self._plain_variant += (rows[0], rows[2])
+        #: the common case of a layer whose rows are allocated per call goes through the speculative
+        #: flow from the second call on (:meth:`_dispatch_plain_large`)
+        self._plain_large = (
+            self.speculative_rows and not eng.ce_pieces and self.low_latency is None and rows is None
+        )
+        self._worst_rows = eng.worst_case_rows()
 
     def _ring_rows(self) -> tuple[torch.dtype, int, int] | None:
         """The rows each workspace holds: the worst case of the layer's rows when the speculative flow
@@ -478,7 +484,11 @@ class TritonBackend(A2ABackend):
         the workspaces, a call whose tensors repeat the addresses of an earlier one replays its CUDA
         graph, found by those addresses alone (the rest of its key is fixed by the layer's checks and
         the workspace: :meth:`_plain_key`), and is published on the operation board once launched."""
-        if not self._plain_rows or self._finalized or self._mirror_lost is not None or _launch_hooks_set():
+        if self._finalized or self._mirror_lost is not None or _launch_hooks_set():
+            return self._dispatch(input, exp_indices, weight, None)
+        if not self._plain_rows:
+            if self._plain_large and self._recent_rows:
+                return self._dispatch_plain_large(input, exp_indices, weight)
             return self._dispatch(input, exp_indices, weight, None)
         if _capturing():
             raise RuntimeError(_EXACT_UNDER_CAPTURE)
@@ -504,6 +514,31 @@ class TritonBackend(A2ABackend):
         w_rows, e_rows, ring_rows = ws.first_rows(rows)
         assert ring_rows is not None  # (the workspaces hold the rows: _plain_rows)
         return self._result(desc, (ring_rows, w_rows, e_rows), True, ws, self._mirror_counts, rows)
+
+    def _dispatch_plain_large(self, input: Tensor, exp_indices: Tensor, weight: Tensor) -> DispatchResult:
+        """:meth:`dispatch_plain` of a layer whose rows are allocated per call (the speculative flow from
+        the second call on): a call whose tensors and rows repeat the addresses of an earlier one
+        replays its CUDA graph, found by those addresses and the rows' count alone (the rest of
+        :meth:`_launch_merged_bound`'s key is fixed by the layer's checks)."""
+        if _capturing():
+            raise RuntimeError(_EXACT_UNDER_CAPTURE)
+        stream = _raw_stream(self._device_index)
+        n = input.shape[0]
+        ws = self.workspaces.take(stream, n)
+        out = self.engine.alloc_rows(
+            _speculative_rows_guess(self._recent_rows, self._worst_rows), dtype=input.dtype
+        )
+        # (the key _launch_merged_bound builds, less what the layer's checks fix)
+        at = (input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), n, exp_indices.dtype, out.data_ptr(),
+              out.shape[0])  # fmt: skip
+        graph = ws.plain_graphs.get(at) if self.eager_graphs else None
+        if graph is None:
+            return self._dispatch_speculative(input, exp_indices, weight, None, ws=ws, out=out, plain_at=at)
+        self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
+        graph.launch(stream)
+        self.engine.merged_replayed()
+        self.graph_replays += 1
+        return self._speculative_done(n, input, exp_indices, weight, None, ws, out)
 
     def dispatch(
         self,
@@ -603,6 +638,7 @@ class TritonBackend(A2ABackend):
     def _dispatch_speculative(
         self, input: Tensor | QuantizeOnSend, exp_indices: Tensor, weight: Tensor | None,
         full_scatter_indices: Tensor | None, *, plain: bool = False, ws: DispatchWorkspace | None = None,
+        out: Tensor | None = None, plain_at: tuple | None = None,
     ) -> DispatchResult:  # fmt: skip
         """The receive layout inside the row kernel and no host wait before it: the rows land in outputs
         allocated before the counts are known (worst-case ones for small layers, sized from the last
@@ -610,14 +646,17 @@ class TritonBackend(A2ABackend):
         published on the operation board and the board checked once the kernels are launched (they
         would wait for a peer in another operation until their timeout either way, and the host
         raises in this call). ``plain``: the layer's common case into the workspaces' rows
-        (:meth:`dispatch_plain`); ``ws``: the workspace it took, where it took one."""
+        (:meth:`dispatch_plain`); ``ws``: the workspace it took, where it took one; ``out``: the rows
+        it allocated, and ``plain_at`` the key under which :meth:`_dispatch_plain_large` looks for
+        the graph of these launches (recorded there once captured)."""
         eng = self.engine
         stream = _raw_stream(self._device_index)
         n = input.shape[0]
         if ws is None:
             ws = self.workspaces.take(stream, n)
         # (decode-sized layers: the worst-case rows of the workspace, else rows allocated per call)
-        out = ws.out
+        if out is None:
+            out = ws.out
         if out is None or (not plain and out.dtype != input.dtype):
             cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
             out = eng.alloc_rows(cap, dtype=input.dtype)
@@ -637,8 +676,8 @@ class TritonBackend(A2ABackend):
             eng.merged_replayed()
             self.graph_replays += 1
         elif mirror is None or not self._launch_merged_bound(
-            stream, ws, out, mirror, input, exp_indices, weight, src, full_scatter_indices is not None
-        ):
+            stream, ws, out, mirror, input, exp_indices, weight, src, full_scatter_indices is not None, plain_at
+        ):  # fmt: skip
             bufs = self._speculative_buffers(ws, out)
             eng.launch_layout(exp_indices, caller_scatter=full_scatter_indices is not None, info=ws.info)
             if eng.ce_pieces:  # (the copies start after the receive layout, in its own launch)
@@ -647,6 +686,16 @@ class TritonBackend(A2ABackend):
                 input, exp_indices, weight, src, bufs, caller_scatter=full_scatter_indices is not None,
                 info=ws.info, counts=not eng.ce_pieces, mirror=mirror,
             )  # fmt: skip
+        return self._speculative_done(n, input, exp_indices, weight, full_scatter_indices, ws, out)
+
+    def _speculative_done(
+        self, n: int, input: Tensor | QuantizeOnSend, exp_indices: Tensor, weight: Tensor | None,
+        full_scatter_indices: Tensor | None, ws: DispatchWorkspace, out: Tensor,
+    ) -> DispatchResult:  # fmt: skip
+        """The host's part of a speculative dispatch once its kernels are launched: publish the call, wait
+        for the counts (the mirror), a second writing pass where the rows outgrew ``out``, the result."""
+        eng = self.engine
+        mirror = self._mirror if not eng.ce_pieces else None
         # (the GPU works from here on: what the host does next overlaps it)
         board_call = self._start("dispatch", check=False)
         if self.board.peers:
@@ -688,13 +737,14 @@ class TritonBackend(A2ABackend):
 
     def _launch_merged_bound(
         self, stream: int, ws: DispatchWorkspace, out: Tensor, mirror: Tensor, inp: Tensor | QuantizeOnSend,
-        ids: Tensor, w: Tensor | None, src: Tensor, caller: bool,
+        ids: Tensor, w: Tensor | None, src: Tensor, caller: bool, plain_at: tuple | None = None,
     ) -> bool:  # fmt: skip
         """The layout and row kernel launches of a speculative dispatch of ``inp`` into the rows ``out``
         on ``stream`` through the launches bound to ``ws`` (:meth:`.engine.TritonEPEngine.bind_merged_dispatch`;
         bound on the first call of a variant and row capacity, after its launches through the
         specifications left plans), or a CUDA graph of them once the same addresses came a second
-        time; ``False`` (nothing launched) where there are none."""
+        time (kept in ``ws.plain_graphs`` under ``plain_at`` too, where given); ``False`` (nothing
+        launched) where there are none."""
         if _launch_hooks_set():  # (a profiler's hooks see every launch through Triton)
             return False
         x = inp.x if isinstance(inp, QuantizeOnSend) else inp
@@ -727,6 +777,8 @@ class TritonBackend(A2ABackend):
             if graph is None:
                 self.engine.launch_merged_bound(launches, xp, ip, wp, sp, n, op)  # type: ignore[arg-type]
                 return True
+        if plain_at is not None:
+            ws.plain_graphs[plain_at] = graph
         graph.launch(stream)
         self.engine.merged_replayed()
         self.graph_replays += 1

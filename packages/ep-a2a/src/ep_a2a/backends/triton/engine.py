@@ -812,6 +812,12 @@ class TritonEPEngine:
         """``flags``: ``(has_w, caller_scatter, send, recv, counts, rewrite, mirror)``."""
         return ("dispatch", *flags, self.send_ctas, self.steal, out_dtype, *args, width)
 
+    def _tail_chunks(self) -> int:
+        """The row kernel's ``TAIL``: with the split, ``steal`` and chunks of 2 tokens or more, the last
+        ``send_ctas`` write chunks (those the senders send at once at the end) are claimed in halves, so
+        the expansions that end a dispatch are shared by twice the CTAs."""
+        return self.send_ctas if self.send_ctas and self.steal and self.chunk >= 2 else 0
+
     def _combine_key(self, width: int, send: bool, recv: bool, out_dtype: torch.dtype, args: tuple) -> tuple:
         return ("combine", width, send, recv, self.combine_send_ctas, out_dtype, *args)
 
@@ -979,7 +985,7 @@ class TritonEPEngine:
                 USE_TIMER=self.use_timer, G=self.num_sm, GS=max(split, 1), off_sig=lay.sig, off_sback=lay.sback,
                 off_srec=lay.srec, CW=lay.cw, REMOTE=self.remote_bits, CE=bool(self.ce_pieces),
                 ce_tokens=self.ce_tokens, **self._row_tile_kw(out.shape[1], quantize_from), **self._rec_kw(out.dtype),
-                WHOLE_ROW=self.whole_row, PDL=self.pdl, ST=self.scatter_tokens,
+                WHOLE_ROW=self.whole_row, PDL=self.pdl, ST=self.scatter_tokens, TAIL=self._tail_chunks(),
             )  # fmt: skip
 
         flags = (has_w, caller_scatter, send, recv, counts, rewrite, mirror)

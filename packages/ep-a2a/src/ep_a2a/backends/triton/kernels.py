@@ -1192,6 +1192,7 @@ def _dispatch_kernel(
     # FP8 rows of out on send, in tiles of BQ pairs of channels (see _dispatch_send_chunk)
     BQ: tl.constexpr = 64,
     ST: tl.constexpr = 1,  # STEAL: tokens per block of token_dst_scatter_idx claimed from a shared counter
+    TAIL: tl.constexpr = 0,  # STEAL: the last TAIL write chunks are claimed as two halves each (CH >= 2)
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -1308,6 +1309,8 @@ def _dispatch_kernel(
             if STEAL:
                 cs = tl.full([], -1, tl.int32)
                 cw = tl.full([], -1, tl.int32)
+                if TAIL > 0:
+                    half = tl.full([], -1, tl.int32)  # a tail item's half of its chunk (-1: the whole chunk)
                 if mode == 0:  # (state[8]: STATE_STEAL_SEND, [9]: STATE_STEAL_WRITE)
                     cl = tl.atomic_add(state_ptr + 8, 1, sem="relaxed", scope="gpu").to(tl.int32)
                     cs = tl.where(cl < n_chunks_send, cl, -1)
@@ -1320,8 +1323,18 @@ def _dispatch_kernel(
                         )
                         layout_known = tl.full([], 1, tl.int32)
                     cl = tl.atomic_add(state_ptr + 9, 1, sem="relaxed", scope="gpu").to(tl.int32)
-                    cw = tl.where(cl < n_chunks, cl, -1)
-                    mode = tl.where(cl < n_chunks, 1, after_write)
+                    if TAIL > 0:
+                        # the last TAIL chunks are two items each (the first and the second half of their
+                        # tokens): the expansions that end the launch take two CTAs each
+                        n_tail = tl.minimum(n_chunks, TAIL).to(tl.int32)
+                        base = n_chunks.to(tl.int32) - n_tail
+                        n_items = base + 2 * n_tail
+                        half = tl.where((cl >= base) & (cl < n_items), (cl - base) % 2, -1)
+                        cw = tl.where(cl < n_items, tl.where(cl >= base, base + (cl - base) // 2, cl), -1)
+                        mode = tl.where(cl < n_items, 1, after_write)
+                    else:
+                        cw = tl.where(cl < n_chunks, cl, -1)
+                        mode = tl.where(cl < n_chunks, 1, after_write)
                 cr = cw
             else:
                 c = q + j * stride
@@ -1406,8 +1419,26 @@ def _dispatch_kernel(
                     )
             if RECV:
                 # this rank's own rows into its output (the senders only feed the peers, or nothing sends)
-                if SPLIT or REWRITE:  # noqa: SIM102 (a constexpr test, then a runtime one)
-                    if (cw >= 0) & (cw < n_chunks_send):
+                if SPLIT or REWRITE:
+                    if TAIL > 0:
+                        if (cw >= 0) & (cw < n_chunks_send):
+                            if half >= 0:  # (half a chunk: a chunk of CH // 2 tokens)
+                                _dispatch_send_chunk(
+                                    2 * cw + half, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr,
+                                    out_w_ptr, out_e_ptr, tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks, cap_rows, off_x,
+                                    off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH // 2, EVEN_H, HAS_W,
+                                    CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX, RECI, ROWB,
+                                    WHOLE_ROW, QH, BQ,
+                                )  # fmt: skip
+                            else:
+                                _dispatch_send_chunk(
+                                    cw, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr,
+                                    out_e_ptr, tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks, cap_rows, off_x,
+                                    off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH, EVEN_H, HAS_W,
+                                    CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX, RECI, ROWB,
+                                    WHOLE_ROW, QH, BQ,
+                                )  # fmt: skip
+                    elif (cw >= 0) & (cw < n_chunks_send):
                         _dispatch_send_chunk(
                             cw,
                             x_ptr,
@@ -1468,43 +1499,59 @@ def _dispatch_kernel(
                                 rm = (rt < n_s)[:, None] & (rk2[None, :] < K)
                                 tl.store(tab_ptr + rslot, tl.full([CH, KP], -1, tl.int32), mask=rm)
                         elif (s != rank) & (c * CH < n_s):
-                            _dispatch_recv_chunk(
-                                c,
-                                (c * CH) // ce_tokens if CE else c,
-                                s,
-                                n_s,
-                                out_ptr,
-                                out_w_ptr,
-                                out_e_ptr,
-                                tab_ptr,
-                                offs_ptr,
-                                table_ptr,
-                                state_ptr,
-                                rank,
-                                ep,
-                                max_tokens,
-                                nchunks,
-                                cap_rows,
-                                timeout,
-                                off_x,
-                                off_ids,
-                                off_pos,
-                                off_w,
-                                off_flag,
-                                w_ptr.dtype.element_ty,
-                                W,
-                                L,
-                                K,
-                                KP,
-                                H,
-                                BH,
-                                CH,
-                                EVEN_H,
-                                HAS_W,
-                                CALLER_SCATTER,
-                                USE_TIMER,
-                                WHOLE_ROW,
-                            )
+                            if TAIL > 0:  # (no copy engine with the split)
+                                if half >= 0:
+                                    _dispatch_recv_chunk(
+                                        2 * c + half, c, s, n_s, out_ptr, out_w_ptr, out_e_ptr, tab_ptr, offs_ptr,
+                                        table_ptr, state_ptr, rank, ep, max_tokens, nchunks, cap_rows, timeout, off_x, off_ids, off_pos, off_w,
+                                        off_flag, w_ptr.dtype.element_ty, W, L, K, KP, H, BH, CH // 2, EVEN_H, HAS_W,
+                                        CALLER_SCATTER, USE_TIMER, WHOLE_ROW,
+                                    )  # fmt: skip
+                                else:
+                                    _dispatch_recv_chunk(
+                                        c, c, s, n_s, out_ptr, out_w_ptr, out_e_ptr, tab_ptr, offs_ptr, table_ptr,
+                                        state_ptr, rank, ep, max_tokens, nchunks, cap_rows, timeout, off_x, off_ids, off_pos, off_w,
+                                        off_flag, w_ptr.dtype.element_ty, W, L, K, KP, H, BH, CH, EVEN_H, HAS_W,
+                                        CALLER_SCATTER, USE_TIMER, WHOLE_ROW,
+                                    )  # fmt: skip
+                            else:
+                                _dispatch_recv_chunk(
+                                    c,
+                                    (c * CH) // ce_tokens if CE else c,
+                                    s,
+                                    n_s,
+                                    out_ptr,
+                                    out_w_ptr,
+                                    out_e_ptr,
+                                    tab_ptr,
+                                    offs_ptr,
+                                    table_ptr,
+                                    state_ptr,
+                                    rank,
+                                    ep,
+                                    max_tokens,
+                                    nchunks,
+                                    cap_rows,
+                                    timeout,
+                                    off_x,
+                                    off_ids,
+                                    off_pos,
+                                    off_w,
+                                    off_flag,
+                                    w_ptr.dtype.element_ty,
+                                    W,
+                                    L,
+                                    K,
+                                    KP,
+                                    H,
+                                    BH,
+                                    CH,
+                                    EVEN_H,
+                                    HAS_W,
+                                    CALLER_SCATTER,
+                                    USE_TIMER,
+                                    WHOLE_ROW,
+                                )
             j += 1
             if STEAL:
                 go = mode < 2
