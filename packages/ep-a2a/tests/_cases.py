@@ -507,9 +507,17 @@ def run_errors(rank: int, world: int) -> list[str]:
     return _check_faults(rank, world, mk, x, idx, seen)
 
 
-def run_matrix_and_autograd(rank: int, world: int, exchange_on_device: bool = False) -> int:
+def run_matrix_and_autograd(
+    rank: int, world: int, exchange_on_device: bool = False, device_order: bool = False
+) -> int:
+    """The matrix and the autograd cases on CPUs; ``device_order``: the torch backend sorts combine's row
+    order on the device at every size (as above ``_HOST_ORDER_ROWS`` output rows)."""
     global EXCHANGE_ON_DEVICE
     EXCHANGE_ON_DEVICE = exchange_on_device
+    if device_order:
+        import ep_a2a.backends.torch as torch_backend
+
+        torch_backend._HOST_ORDER_ROWS = 0
     n = run_matrix(rank, world, torch.device("cpu"))
     run_autograd(rank, world, torch.device("cpu"))
     return n

@@ -15,16 +15,19 @@ CASES = str(Path(__file__).with_name("_cases.py"))
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    ("world", "on_device"),
+    ("world", "on_device", "device_order"),
     [
-        pytest.param(2, False, id="gloo-2"),
-        pytest.param(4, False, id="gloo-4"),
-        pytest.param(3, True, id="gloo-3-nccl-flow"),  # the NCCL flow's logic over the gloo group
-        pytest.param(4, True, id="gloo-4-nccl-flow"),  # (with two "nodes": combine's header exchange)
+        pytest.param(2, False, False, id="gloo-2"),
+        pytest.param(4, False, False, id="gloo-4"),
+        pytest.param(3, True, False, id="gloo-3-nccl-flow"),  # the NCCL flow's logic over the gloo group
+        pytest.param(4, True, False, id="gloo-4-nccl-flow"),  # (with two "nodes": combine's header exchange)
+        # combine's row order sorted on the device, as for calls of more output rows than the host builds
+        pytest.param(2, True, True, id="gloo-2-nccl-flow-device-order"),
     ],
 )
-def test_torch_backend_matches_reference(world: int, on_device: bool) -> None:
-    checked = run_local(f"{CASES}:run_matrix_and_autograd", world, (on_device,), timeout_s=170)
+def test_torch_backend_matches_reference(world: int, on_device: bool, device_order: bool) -> None:
+    args = (on_device, device_order)
+    checked = run_local(f"{CASES}:run_matrix_and_autograd", world, args, timeout_s=170)
     assert checked == [checked[0]] * world
     assert checked[0] >= 16
 

@@ -9,13 +9,17 @@ expands them locally: one stable sort of the received slots by local expert give
 for the counts, which size the payload; everything the counts do not decide is queued before that wait
 (the token order per destination, the packed rows) and everything the payload does not need after the
 payload (the descriptor's indices, the order combine returns rows in). The host computes what the
-counts decide (per-expert counts, receive boundaries, each expert's first row at its receiver, the
-table that maps combine's order to output rows) and one upload carries it; the per-device constants
-and the exchange buffers are built once.
+counts decide (per-expert counts, receive boundaries and, up to ``_HOST_ORDER_ROWS`` output rows, the
+order combine sends rows back in: blocks of (local expert, source rank) taken by source) and one upload
+carries it; the per-device constants and the exchange buffers are built once.
 
 Combine returns rows grouped by source rank in the order each source's stable sort of its slots by
-expert (or by the caller's row) gives, then places them in a dense ``[tokens, topk]`` grid (zeros for
-dropped slots) and sums it in float32 in slot order. With ``enable_local_combine=True`` the expert side
+expert (or by the caller's row) gives, and sums each token's rows in slot order in float32, rounded
+once to the row dtype: one embedding bag over the returned rows, each slot pointing at its row (a
+dropped slot at a padding row the bag skips); rows of another dtype go through a dense ``[tokens,
+topk]`` grid (zeros for dropped slots). The bag's index is each slot's place in dispatch's sort, built
+there before the counts' wait; when a slot was dropped (or with the caller's rows) combine builds it
+after its exchange is queued (ahead of it, its launch would delay the rows). With ``enable_local_combine=True`` the expert side
 first sums, the same way, the rows that belong to one (source rank, token) and sends one row per
 (token, destination rank) in the row dtype (fewer bytes, one extra rounding of each partial sum).
 
@@ -24,8 +28,9 @@ memory, as the Triton backend keeps them) which operation it starts, and before 
 waits until every peer started the same one, so ranks that call operations in different orders all
 raise :class:`ep_a2a.EPProtocolError` before any message, and combine needs no exchange of its own.
 There dispatch's counts need no collective either: each rank copies its row to the host and publishes
-it on the counts board (:class:`_CountsBoard`, host shared memory), checks the operation board, and
-reads the peers' rows. Across hosts dispatch and barrier (and combine) open with the same fixed-size
+it on the counts board (:class:`_CountsBoard`, host shared memory) as soon as it is there (the rest of
+its local work queued after, unless the device is still busy), checks the operation board, and reads
+the peers' rows. Across hosts dispatch and barrier (and combine) open with the same fixed-size
 exchange headed by the operation and its call number (dispatch's counts ride in it), so that
 misordered ranks see each other's headers and raise the same error before any variable-sized message.
 On an NCCL group that exchange is one all-gather on the device (one row per rank, no per-peer
@@ -73,6 +78,11 @@ _COLD_POLL_S = 5e-5
 _VALUE_BITS = 24
 _VALUE_MASK = (1 << _VALUE_BITS) - 1
 _COUNT_SLOTS = 8
+#: row dtypes whose sums torch accumulates in float32 (on CPUs and GPUs) and rounds once
+_FLOAT32_SUMS = (torch.bfloat16, torch.float16, torch.float32)
+#: output rows up to which dispatch builds combine's row order on the host (it rides in the counts'
+#: upload; numpy's cost grows with the rows, a device sort's barely does at these sizes)
+_HOST_ORDER_ROWS = 4096
 
 
 @dataclass
@@ -87,6 +97,8 @@ class _TorchState:
     out_row: torch.Tensor  # [R] int64: received row of each output row
     recv_bounds: torch.Tensor  # [world - 1] int64: first received row of each source rank after the first
     back_counts: list[int]  # output rows per source rank
+    bag_index: torch.Tensor | None = None  # [tokens * topk] int64: each slot's place among the rows
+    # combine returns (its embedding bag's index), when dispatch kept every slot
     back_row: torch.Tensor | None = None  # [R] int64: output rows by (source rank, then as the source
     # sorted them); dispatch computes it unless combine sends partial sums (computed when first needed)
 
@@ -115,7 +127,8 @@ class _Tables:
     iota32: torch.Tensor  # [max_tokens * topk] int32
     ones: torch.Tensor  # [max_tokens * topk] int64
     zeros: torch.Tensor  # [max_tokens, 8] uint8: row padding
-    sends: torch.Tensor  # [world * max_tokens] bool: whether token t sends a row to rank d, by rank
+    sends: torch.Tensor  # [(world + 1) * max_tokens] int64: token t has a slot on rank d, by rank (int64:
+    # the count's dtype, so summing needs no cast)
     row: torch.Tensor  # [2 + width] int64: this rank's header on the device
     row_counts: torch.Tensor  # its rows for each rank (a view)
     row_bins: torch.Tensor  # its slots per bin (a view)
@@ -128,10 +141,20 @@ class _Tables:
     no_bins: torch.Tensor  # [E + 3] int64 zeros on the device
     up_host: torch.Tensor  # [upload] int64 on the host (pinned on CUDA), numpy view below
     up_np: np.ndarray
+    arange_np: np.ndarray  # [_HOST_ORDER_ROWS] int64 0, 1, ..
     done: torch.cuda.Event | None  # recorded after each header's copy to the host (CUDA)
     low: int  # header column of the ids below -1
     high: int  # header column of the ids of num_tot_experts or more
     per_n: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    offsets: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def bag_offsets(self, n: int, topk: int) -> torch.Tensor:
+        """``[n]`` int64 ``0, topk, 2 * topk, ..``: each token's first slot (kept per ``n``)."""
+        got = self.offsets.get(n)
+        if got is None:
+            got = self.offsets[n] = self.iota[: n * topk : topk].contiguous()
+        return got
+
     layouts: dict[tuple, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
@@ -276,21 +299,25 @@ def _receiver_rows(
     return scatter if dtype == torch.int32 else scatter.to(dtype)
 
 
-def _first_same_rank(first: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-    """``first[t, dest[t, k]]``: the first slot of each slot's token on the slot's rank."""
-    return first.gather(1, dest)
+def _first_same_rank(none: torch.Tensor, krange: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """The first slot of each slot's token on the slot's rank ``[n, topk]``, from each slot's rank ``dest``
+    (``none``: ``[n, world + 1]`` topk, -1 in the last column; ``krange``: ``[n, topk]`` slot numbers)."""
+    return none.scatter_reduce(1, dest, krange, "amin").gather(1, dest)
 
 
 def _sum_slots(
     rows: torch.Tensor, pos: torch.Tensor, groups: int, width: int, grid: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``rows[i]`` placed at flat position ``pos[i]`` of a zero ``[groups, width, C]`` grid (``grid``: that
-    grid from :func:`_grid`), summed over ``width`` in float32 in order (what
-    :func:`ep_a2a.reference.combine_ref` does per token)."""
+    grid from :func:`_grid`), summed over ``width`` in float32 in order and rounded to the rows' dtype
+    (what :func:`ep_a2a.reference.combine_ref` does per token)."""
     if grid is None:
         grid = _grid(rows, pos, groups * width)
     grid.index_copy_(0, pos, rows)
-    return grid.view(groups, width, rows.shape[1]).sum(1, dtype=torch.float32)
+    grid = grid.view(groups, width, rows.shape[1])
+    if rows.dtype in _FLOAT32_SUMS:  # (accumulated in float32 and rounded once: no float32 copy)
+        return grid.sum(1)
+    return grid.sum(1, dtype=torch.float32).to(rows.dtype)
 
 
 def _grid(like: torch.Tensor, pos: torch.Tensor, size: int) -> torch.Tensor:
@@ -397,7 +424,7 @@ class TorchBackend(A2ABackend):
             up = L + (world - 1)
             row_host = torch.zeros(width, dtype=torch.int64, pin_memory=cuda)
             rows_host = torch.zeros(world * width, dtype=torch.int64, pin_memory=cuda)
-            up_host = torch.zeros(up, dtype=torch.int64, pin_memory=cuda)
+            up_host = torch.zeros(up + _HOST_ORDER_ROWS, dtype=torch.int64, pin_memory=cuda)
             row = torch.zeros(width, dtype=torch.int64, device=dev)
             tables = _Tables(
                 bounds={torch.int64: bounds.to(dev), torch.int32: bounds.to(dev, torch.int32)},
@@ -409,7 +436,7 @@ class TorchBackend(A2ABackend):
                 iota32=torch.arange(T * K, dtype=torch.int32, device=dev),
                 ones=torch.ones(T * K, dtype=torch.int64, device=dev),
                 zeros=torch.zeros(T, 8, dtype=torch.uint8, device=dev),
-                sends=torch.zeros(world * T, dtype=torch.bool, device=dev),
+                sends=torch.zeros((world + 1) * T, dtype=torch.int64, device=dev),
                 row=row,
                 row_counts=row[3 : 3 + world],
                 row_bins=row[3 + world :],
@@ -422,6 +449,7 @@ class TorchBackend(A2ABackend):
                 no_bins=torch.zeros(E + 3, dtype=torch.int64, device=dev),
                 up_host=up_host,
                 up_np=up_host.numpy(),
+                arange_np=np.arange(_HOST_ORDER_ROWS, dtype=np.int64),
                 done=torch.cuda.Event() if cuda else None,
                 low=3 + world,
                 high=3 + world + E + 2,
@@ -502,34 +530,45 @@ class TorchBackend(A2ABackend):
             )
         return rows
 
-    def _board_counts(self, c: _Tables, call: int, n: int) -> np.ndarray:
-        """Dispatch's opening exchange on one host: wait for this rank's counts on the host, publish
-        them on the counts board, check on the operation board that every peer is in this dispatch
-        (before any message), and wait for the peers' counts. Returns every rank's row ``[world, 2 +
-        width]`` (columns after the first two, as the header exchange gives them).
+    def _post_counts(self, c: _Tables, call: int, n: int) -> None:
+        """Dispatch's opening exchange on one host, its first half: wait for this rank's counts on the
+        host and publish them on the counts board (:meth:`_board_counts` reads the peers')."""
+        assert self.counts is not None
+        if c.done is not None:
+            self.monitor.run("dispatch/counts", _wait, c.done, self.timeout_s)
+        else:
+            _wait(None, self.timeout_s)  # (the counts are on the host already)
+        rows = c.rows_np
+        rows[self.rank, 2] = n
+        self.counts.write(call, rows[self.rank, 2:])
+
+    def _board_counts(self, c: _Tables, call: int) -> np.ndarray:
+        """Dispatch's opening exchange on one host, once this rank's counts are published
+        (:meth:`_post_counts`): check on the operation board that every peer is in this dispatch (before
+        any message) and wait for the peers' counts. Returns every rank's row ``[world, 2 + width]``
+        (columns after the first two, as the header exchange gives them).
 
         Raises:
             EPProtocolError: a peer is in another operation (every rank raises, before any message).
             EPTimeoutError: a peer did not arrive within ``timeout_s`` (named).
         """
         assert self.counts is not None
-        step = "dispatch/counts"
-        if c.done is not None:
-            self.monitor.run(step, _wait, c.done, self.timeout_s)
-        else:
-            _wait(None, self.timeout_s)  # (the counts are on the host already)
-        rows = c.rows_np
-        rows[self.rank, 2] = n
-        self.counts.write(call, rows[self.rank, 2:])
         assert self.board is not None
+        step = "dispatch/counts"
         self.board.wait(call, "dispatch", step)
+        rows = c.rows_np
         self.counts.read(call, rows[:, 2:], step)
         return rows
 
     def _exchange(
-        self, step: str, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+        self,
+        step: str,
+        send: torch.Tensor,
+        send_counts: list[int],
+        recv_counts: list[int],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
+        recv = send.new_empty((sum(recv_counts), *send.shape[1:])) if out is None else out
         if not self._on_device:  # a gloo expert group: the side group is the same transport, bounded
             self.monitor.run(step, self.monitor.all_to_all, recv, send, recv_counts, send_counts)
         else:  # queued on the device (its peers checked in on the board or in the header); the group's
@@ -566,7 +605,8 @@ class TorchBackend(A2ABackend):
         fsi = full_scatter_indices
         caller_rows = fsi is not None
         # bin of each slot: 0 an id below -1, 1 dropped (-1), 2 + e expert e, E + 2 an id of E or more
-        bins = torch.bucketize(exp_indices, c.bounds[exp_indices.dtype], out_int32=True)
+        # (int64: the receiver looks its bins up with one take, which an int32 index would first convert)
+        bins = torch.bucketize(exp_indices, c.bounds[exp_indices.dtype])
         flat_bins = bins.view(-1)
         # [n, K] int64 destination rank, world where the slot is dropped (index_select: a lighter launch
         # than indexing)
@@ -577,12 +617,14 @@ class TorchBackend(A2ABackend):
                 c.first[:n],
                 c.krange[:n],
                 c.ones[: n * K],
-                c.sends[: world * n].view(world, n),
+                c.sends[: (world + 1) * n].view(world + 1, n),
             )
-        # first[t, d]: the first slot of token t on rank d (topk: none; -1 in the "no rank" column)
-        first = per_n[0].scatter_reduce(1, dest, per_n[1], "amin")
-        # [world, n] token t sends a row to rank d, rank-major (the row lists read it in that order)
-        sends = torch.lt(first.t()[:world], K, out=per_n[3])
+        # [world, n] token t sends a row to rank d, rank-major (the row lists read it in that order):
+        # flags [world + 1, n] set per slot (the last row: dropped slots)
+        present = per_n[3]
+        present.zero_()
+        present.scatter_(0, dest.t(), 1)
+        sends = present[:world]
 
         # the opening exchange, the same row from every rank: (op, call, my token count, my rows for
         # each rank, my slots per bin); the per-expert matrix lets each source place its slots without
@@ -607,6 +649,11 @@ class TorchBackend(A2ABackend):
         # row, by (destination rank, token), and every token's packed row: token | expert bin of each
         # slot | weights | (the caller's rows), each field aligned to its dtype
         pairs = torch.nonzero_static(sends, size=world * n)  # [world * n, 2] (rank, token), -1 pads
+        # on one host, this rank's counts go to the board as soon as they are on the host (the peers
+        # wait for them, not for the rest of this rank's queuing); a busy device queues the rest first
+        posted = self.counts is not None and (c.done is None or c.done.query())
+        if posted:
+            self._post_counts(c, call, n)
         scatter = torch.where(dest < world, fsi, -1) if fsi is not None else None
         offsets, pads = self._layout(c, input, weight, caller_rows)
         parts = [input.view(torch.uint8), bins.view(torch.uint8)]
@@ -622,8 +669,14 @@ class TorchBackend(A2ABackend):
         # (local work the counts do not decide, queued before their wait as well) my slots in the order
         # combine returns them, before the cut at the counts: by bin, or by (receiver, caller's row);
         # the first slot of each slot's token on its rank
+        ranks = None
         if scatter is None:
             slot_order = torch.sort(flat_bins, stable=True).indices
+            if not self.enable_local_combine:
+                # each slot's place in that order: combine's bag index when no slot is dropped (built
+                # here, before the counts' wait: in combine, ahead of the exchange, it delays the rows)
+                ranks = c.iota.new_empty(n * K)
+                ranks.scatter_(0, slot_order, c.iota[: n * K])
         else:
             key = torch.where(
                 dest < world,
@@ -632,7 +685,12 @@ class TorchBackend(A2ABackend):
             )
             slot_order = torch.sort(key.flatten(), stable=True).indices
 
-        rows = self._check(header) if header is not None else self._board_counts(c, call, n)
+        if header is not None:
+            rows = self._check(header)
+        else:
+            if not posted:
+                self._post_counts(c, call, n)
+            rows = self._board_counts(c, call)
         if self.validate and rows[:, c.low : c.high + 1 : c.high - c.low].any():
             self._raise_bad_ids(rows, exp_indices)
         send_counts = rows[me, 3 : 3 + world].tolist()
@@ -642,17 +700,18 @@ class TorchBackend(A2ABackend):
         recv = self._exchange("dispatch/payload", packed[send_token], send_counts, recv_counts)
 
         # what the counts decide, computed on the host while the payload travels and uploaded at once
-        # (see _plan): rows per local expert, receive boundaries, combine's row table, and each bin's
-        # first receiver row minus my first slot of that bin
-        back, slot_counts, dropped_first = self._plan(c, rows, recv_counts)
-        up_dev = c.up_host.to(dev, non_blocking=True, copy=True)
+        # (see _plan): rows per local expert, receive boundaries and (up to _HOST_ORDER_ROWS output
+        # rows) the order combine sends rows back in
+        order = scatter is None and not self.enable_local_combine  # (lc: combine sends partial sums)
+        back, slot_counts, dropped_first, size = self._plan(c, rows, recv_counts, order=order)
+        up_dev = c.up_host[:size].to(dev, non_blocking=True, copy=True)
         back_counts = back.tolist()
         num_rows, num_slots = sum(back_counts), sum(slot_counts)
 
         # expand on the receiver: received slots in (source, token, slot) order, stably sorted by local
         # expert, give the output order (local expert, source rank, token, slot)
         ob = offsets[1]
-        r_key = c.key[recv[:, ob : ob + 4 * K].view(torch.int32)]  # [rows in, K] local expert or L
+        r_key = torch.take(c.key, recv[:, ob : ob + 8 * K].view(torch.int64))  # [rows in, K] expert or L
         if not caller_rows:
             sorted_key, order_in = torch.sort(r_key.view(-1), stable=True)
             back_flat = order_in[:num_rows]
@@ -709,11 +768,15 @@ class TorchBackend(A2ABackend):
             slot_counts=slot_counts,
             back_flat=back_flat,
             out_row=out_row,
-            recv_bounds=up_dev[L:],
+            recv_bounds=up_dev[L : L + world - 1],
             back_counts=back_counts,
         )
-        if scatter is None and not self.enable_local_combine:  # (lc: combine sends partial sums)
+        if size > L + world - 1:
+            state.back_row = up_dev[L + world - 1 :]
+        elif order:
             _back_row(state)
+        if ranks is not None and dropped_first == 0 and num_slots == n * K:
+            state.bag_index = ranks
         desc = _TorchLayoutDesc(
             num_dispatch_token_cur_rank=n,
             num_input_tokens_per_rank=torch.from_numpy(tokens_per_rank),
@@ -721,7 +784,7 @@ class TorchBackend(A2ABackend):
             topk_indices_tensor=exp_indices,
             token_dst_scatter_idx=receiver_rows,  # type: ignore[arg-type]
             skipped_token_mapping_indices=None,
-            skipped_token_topk_mapping_indices=_Recipe(_first_same_rank, first, dest),  # type: ignore[arg-type]
+            skipped_token_topk_mapping_indices=_Recipe(_first_same_rank, per_n[0], per_n[1], dest),  # type: ignore[arg-type]
             num_recv_tokens_per_expert=up_dev[:L],
             num_recv_tokens_per_rank=torch.from_numpy(back),
             num_recv_rows=num_rows,
@@ -740,7 +803,7 @@ class TorchBackend(A2ABackend):
         layout = c.layouts.get(key)
         if layout is None:
             K = self.config.topk
-            fields = [(input.shape[1] * input.element_size(), input.element_size()), (4 * K, 4)]
+            fields = [(input.shape[1] * input.element_size(), input.element_size()), (8 * K, 8)]
             if weight is not None:
                 fields.append((K * weight.element_size(), weight.element_size()))
             if caller_rows:
@@ -750,23 +813,39 @@ class TorchBackend(A2ABackend):
         return layout
 
     def _plan(
-        self, c: _Tables, rows: np.ndarray, recv_counts: list[int]
-    ) -> tuple[np.ndarray, list[int], int]:
+        self, c: _Tables, rows: np.ndarray, recv_counts: list[int], *, order: bool
+    ) -> tuple[np.ndarray, list[int], int, int]:
         """What the counts decide that dispatch needs at once, written into the upload buffer: rows per
-        local expert ``[E_local]`` and the first received row of each source after the first ``[world -
-        1]`` (from ``recv_counts``, the rows received from each source). Returns the output rows from
-        each source ``[world]``, my kept slots for each rank and my slots in the bins before the experts."""
+        local expert ``[E_local]``, the first received row of each source after the first ``[world -
+        1]`` (from ``recv_counts``, the rows received from each source) and, with ``order`` and at most
+        ``_HOST_ORDER_ROWS`` output rows, the output rows in the order combine sends them back ``[R]``
+        (see :func:`_back_row`). Returns the output rows from each source ``[world]``, my kept slots for
+        each rank, my slots in the bins before the experts and the number of words to upload."""
         world, L, me = self.world_size, self.e_local, self.rank
         slots = rows[me, 3 + world :]  # [bin]: my slots
         mine = rows[:, 5 + world + me * L : 5 + world + (me + 1) * L]  # [src, local]: the rows I receive
         up = c.up_np
         np.add.reduce(mine, 0, out=up[:L])
+        size = L + world - 1
         if world > 1:
-            up[L:] = list(itertools.accumulate(recv_counts[:-1]))
+            up[L:size] = list(itertools.accumulate(recv_counts[:-1]))
+        back = np.add.reduce(mine, 1)
+        total = int(back.sum())
+        if order and total <= _HOST_ORDER_ROWS:
+            # output rows run in blocks (local expert, source); combine sends each source its blocks by
+            # local expert: block (s, e) holds the output rows from the block's start onwards
+            lens = mine.ravel()  # [world * L] by (source, local expert)
+            by_expert = mine.T.ravel()  # by (local expert, source)
+            start = (np.cumsum(by_expert) - by_expert).reshape(L, world).T.ravel()
+            out = up[size : size + total]
+            out[:] = np.repeat(start - (np.cumsum(lens) - lens), lens)
+            out += c.arange_np[:total]
+            size += total
         return (
-            np.add.reduce(mine, 1),
+            back,
             slots[2 : 2 + world * L].reshape(world, L).sum(1).tolist(),
             int(slots[0]) + int(slots[1]),
+            size,
         )
 
     def _check_caller_rows(
@@ -793,20 +872,38 @@ class TorchBackend(A2ABackend):
         if self.enable_local_combine:
             # expert side: sum the rows of one (source rank, token) in float32, in slot order, and send
             # one row per (token, destination rank) in the row dtype
-            partial = _sum_slots(input, state.back_flat, sum(state.recv_counts), topk).to(input.dtype)
+            partial = _sum_slots(input, state.back_flat, sum(state.recv_counts), topk)
             self._opened("combine", call)
             rows = self._exchange(
                 "combine", partial.view(torch.uint8), state.recv_counts, state.send_counts
             ).view(input.dtype)
             assert state.send_pos is not None
             out = _sum_slots(rows, state.send_pos, n, world)
+        elif input.dtype in _FLOAT32_SUMS:
+            # the returned rows summed per token by one embedding bag: each slot's index is its place
+            # among them (a dropped slot's: the padding row after them), read in slot order and summed
+            # in float32, rounded once (what _sum_slots computes, without a grid of rows)
+            send = input[_back_row(state)]
+            kept = state.slot_flat.shape[0]
+            back = input.new_empty(kept + 1, input.shape[1])
+            self._opened("combine", call)
+            self._reverse(send, state, back[:kept])
+            c = self._consts(input.device)
+            place = state.bag_index
+            if place is None:  # (built here, after the exchange: ahead of it, its launch would delay
+                # the rows; with no slot dropped the scatter sets every place, no fill first)
+                size = n * topk
+                place = c.iota.new_empty(size) if kept == size else c.iota.new_full((size,), kept)
+                place.scatter_(0, state.slot_flat, c.iota[:kept])
+            out = torch.embedding_bag(
+                back, place, c.bag_offsets(n, topk), False, 0, False, None, False, kept
+            )[0]
         else:
             send = input[_back_row(state)]
             grid = _grid(input, state.slot_flat, n * topk)  # (local work, before the peers' check)
             self._opened("combine", call)
             rows = self._reverse(send, state)
             out = _sum_slots(rows, state.slot_flat, n, topk, grid)
-        out = out.to(input.dtype)
         if header is not None:
             self._check(header)  # (after everything is queued: the wait holds up no device work)
         return out
@@ -827,10 +924,14 @@ class TorchBackend(A2ABackend):
             assert self.board is not None
             self.board.wait(call, op, "combine")
 
-    def _reverse(self, rows: torch.Tensor, state: _TorchState) -> torch.Tensor:
-        """Send per-(received row, slot) values ``[Mr, C]`` back: ``[M, C]`` in ``slot_flat`` order."""
+    def _reverse(
+        self, rows: torch.Tensor, state: _TorchState, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Send per-(received row, slot) values ``[Mr, C]`` back: ``[M, C]`` in ``slot_flat`` order (into
+        ``out``, contiguous rows of their dtype, where given)."""
         send = rows.view(torch.uint8) if rows.dtype != torch.uint8 else rows
-        recv = self._exchange("combine", send.contiguous(), state.back_counts, state.slot_counts)
+        into = out.view(torch.uint8) if out is not None and out.dtype != torch.uint8 else out
+        recv = self._exchange("combine", send.contiguous(), state.back_counts, state.slot_counts, into)
         return recv.view(rows.dtype)
 
     def combine_per_slot(self, input: torch.Tensor, layout_desc: EPAllToAllLayoutDesc) -> torch.Tensor:
