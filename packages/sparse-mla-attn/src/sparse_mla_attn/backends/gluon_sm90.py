@@ -178,14 +178,17 @@ if HAVE_GLUON:
         return hi
 
     @gluon.jit
-    def _ws_ring_barriers(NUM_BUF: gl.constexpr, READERS: gl.constexpr):
+    def _ws_ring_barriers(NUM_BUF: gl.constexpr, READERS: gl.constexpr, PARTS: gl.constexpr = 1):
         """mbarriers of a warp-specialised ring: ``full[s]`` completes when the producer's 128 threads'
         copies into slot ``s`` landed (one deferred arrive each), ``empty[s]`` when the ``READERS``
-        consumer warpgroups that read the slot's block released it (one arrive per warpgroup)."""
-        full_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        consumer warpgroups that read the slot's block released it (one arrive per warpgroup). With
+        ``PARTS`` > 1 a slot is gathered in parts of its channels, and ``full[PARTS s + j]`` completes when
+        part ``j`` landed (see ``_ws_producer``)."""
+        full_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF * PARTS, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(NUM_BUF):
-            mbarrier.init(full_bars.index(j), count=128)
+            for part in gl.static_range(PARTS):
+                mbarrier.init(full_bars.index(PARTS * j + part), count=128)
             mbarrier.init(empty_bars.index(j), count=READERS)
         return full_bars, empty_bars
 
@@ -215,11 +218,15 @@ if HAVE_GLUON:
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
         NUM_BUF: gl.constexpr,
+        PARTS: gl.constexpr = 1,
     ):
         """Producer warpgroup of attn_dist and of the per-item forward: gathers block ``b`` into slot
         ``b % NUM_BUF`` once its readers released that slot's previous block, and arms
         ``full_bars[b % NUM_BUF]`` with one deferred arrive per thread (``cp.async.mbarrier.arrive.noinc``:
-        it fires when this thread's copies landed)."""
+        it fires when this thread's copies landed). With ``PARTS`` > 1 it gathers the slot in ``PARTS``
+        parts of ``D_NOPE / PARTS`` channels (the rope part with the last) and arms ``full_bars[PARTS slot +
+        j]`` after part ``j``, so that a consumer can start on a block's first channels while the rest
+        land."""
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
         idx_next = gl.load(idx_row + offs_t, mask=offs_t < n_t, other=-1)
@@ -230,10 +237,20 @@ if HAVE_GLUON:
             idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
             # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
             mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
-            _issue_gather(
-                kn_smem.index(slot), kr_smem.index(slot), KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l
-            )
-            cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
+            if PARTS == 1:
+                kn, kr = kn_smem.index(slot), kr_smem.index(slot)
+                _issue_gather(kn, kr, KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l)
+                cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
+            else:
+                D_PART: gl.constexpr = D_NOPE // PARTS
+                for j in gl.static_range(PARTS):
+                    kn = kn_smem.index(slot).slice(j * D_PART, D_PART, dim=1)
+                    _issue_gather_cols(kn, KV, stride_kv_row, idx_cur, hi, j * D_PART, D_PART, ld_l)
+                    if j == PARTS - 1 and D_ROPE > 0:
+                        kr = kr_smem.index(slot)
+                        _issue_gather_cols(kr, KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l)
+                    # (Fires once this thread's copies so far landed: parts 0 .. j.)
+                    cp.mbarrier_arrive(full_bars.index(PARTS * slot + j), increment_count=False)
 
     @gluon.constexpr_function
     def _pp_layouts(BLOCK_T: Any, D_HALF: Any) -> tuple[Any, Any]:
@@ -265,6 +282,29 @@ if HAVE_GLUON:
         return m_i, l_i, acc
 
     @gluon.jit
+    def _whole_issue_s(smem, SLOT: gl.constexpr, b, z, s, D_ROPE: gl.constexpr):
+        """Issue, asynchronously, S = Q K^T of the per-item forward's block ``b`` (ring slot ``SLOT``) part by
+        part of its channels, each once it landed (``smem.full_bars``: ``PARTS`` per slot, see
+        ``_ws_producer``), the rope part with the last: ``PARTS`` + 1 commit groups (``PARTS`` without a
+        rope part). ``s``: the accumulator to overwrite; ``z``: an opaque zero added to the shared-memory
+        indices (see ``_pp_consumer_whole``)."""
+        PARTS: gl.constexpr = smem.full_bars.shape[0] // 2
+        D_PART: gl.constexpr = smem.kn.shape[2] // PARTS
+        for j in gl.static_range(PARTS):
+            mbarrier.wait(smem.full_bars.index(PARTS * SLOT + j), (b // 2) & 1)
+            fence_async_shared()  # the producer's cp.async writes, before wgmma reads them
+            s = warpgroup_mma(
+                smem.qn.index(z).slice(j * D_PART, D_PART, dim=1),
+                smem.kn.index(SLOT + z).slice(j * D_PART, D_PART, dim=1).permute((1, 0)),
+                s,
+                use_acc=j > 0,
+                is_async=True,
+            )
+        if D_ROPE > 0:
+            s = warpgroup_mma(smem.qr.index(z), smem.kr.index(SLOT + z).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
     def _pp_consumer_whole(
         WG: gl.constexpr,
         smem,
@@ -291,9 +331,12 @@ if HAVE_GLUON:
         ``smem.p``. Each warpgroup owns 256 of the 512 value channels (acc 64 x 256 fp32). With
         ``item.TURNS`` the two issue their S strictly by turns (``smem.turn_bar``: warpgroup 1 issues
         S(2k+1) once warpgroup 0 issued S(2k)), so S(2k+1) queues behind S(2k) instead of sharing the
-        tensor cores with it, and warpgroup 0's softmax runs while S(2k+1) computes.
+        tensor cores with it, and warpgroup 0's softmax runs while S(2k+1) computes. A slot is gathered in
+        parts of its channels (``smem.full_bars``: one barrier per part, see ``_ws_producer``), and S is
+        issued part by part as they land (``_whole_issue_s``): its first products run while the block's
+        last channels are still being gathered.
 
-        Waits are bounded by construction: ``full_bars[s]`` completes once per gather (128 producer
+        Waits are bounded by construction: each of ``full_bars`` completes once per gather (128 producer
         arrivals), ``empty_bars[s]`` once per block (one arrive per consumer warpgroup), ``p_bars[w]`` and
         ``turn_bar`` once per pair; no barrier can run more than one phase ahead of its waiters. ``kk0``:
         pairs the ring already carried and ``end_ph``: the phase of ``end_bar`` (a persistent program's
@@ -323,18 +366,13 @@ if HAVE_GLUON:
             b = 2 * k + WG
             # (Without it the compiler hoists all 2 x 36 wgmma descriptors of S out of the loop and spills.)
             z = opaque_zero(k)
-            _ws_wait_full(smem.full_bars, 2 * (kk0 + k) + WG, 2)  # slot WG
             t_idx = gl.load(
                 item.idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < item.n_t, other=-1
             )
-            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
             if item.TURNS and WG == 1:
                 mbarrier.wait(smem.turn_bar, ph)  # warpgroup 0 issued S(2k)
-            s = warpgroup_mma(
-                smem.qn.index(z), smem.kn.index(WG + z).permute((1, 0)), s, use_acc=False, is_async=True
-            )
-            if D_ROPE > 0:
-                s = warpgroup_mma(smem.qr.index(z), smem.kr.index(WG + z).permute((1, 0)), s, is_async=True)
+            s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
+            s = _whole_issue_s(smem, WG, 2 * (kk0 + k) + WG, z, s, D_ROPE)
             if item.TURNS and WG == 0:
                 mbarrier.arrive(smem.turn_bar)  # (all 4 warps issued it)
             if WG == 1:
@@ -898,10 +936,12 @@ if HAVE_GLUON:
             pair0 += item.n_pairs
 
     @gluon.jit
-    def _fwd_smem(qn, qr, BLOCK_T: gl.constexpr, HALF_SLOTS: gl.constexpr, TURNS: gl.constexpr):
+    def _fwd_smem(
+        qn, qr, BLOCK_T: gl.constexpr, HALF_SLOTS: gl.constexpr, TURNS: gl.constexpr, PARTS: gl.constexpr = 1
+    ):
         """The forward's shared memory (``_FwdSmem``) around the query tile ``qn`` / ``qr``: the ring of two
-        gathered blocks (latent and rope parts) with an mbarrier pair per slot or, with ``HALF_SLOTS``, per
-        half slot, a P tile, the consumers' exchanged row max / sum, ``p_bars`` and ``s_bars`` (one each
+        gathered blocks (latent and rope parts) with an mbarrier pair per slot (whose full barrier is one per
+        ``PARTS`` part, see ``_ws_producer``) or, with ``HALF_SLOTS``, per half slot, a P tile, the consumers' exchanged row max / sum, ``p_bars`` and ``s_bars`` (one each
         per consumer warpgroup, count 1), ``end_bar`` (count 2) and, with ``TURNS``, ``turn_bar`` (count 1),
         initialised."""
         BLOCK_H: gl.constexpr = qn.shape[1]
@@ -915,8 +955,8 @@ if HAVE_GLUON:
         l = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], stat_l)  # noqa: E741
         if HALF_SLOTS:  # each half has one last reader (see _pp_consumer)
             full_bars, empty_bars = _ws_ring_barriers(4, 1)
-        else:  # both consumers read every block (S and P·V; see _pp_consumer_whole)
-            full_bars, empty_bars = _ws_ring_barriers(2, 2)
+        else:  # both consumers read every block (S and P·V; see _pp_consumer_whole), gathered in PARTS
+            full_bars, empty_bars = _ws_ring_barriers(2, 2, PARTS)
         p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         s_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
@@ -969,6 +1009,7 @@ if HAVE_GLUON:
         PERSISTENT: gl.constexpr = False,
         TURNS: gl.constexpr = False,
         FREE_EARLY: gl.constexpr = False,
+        SLOT_PARTS: gl.constexpr = 1,
     ):
         """Forward for (token, 64-head tile) work items, warp specialised (FlashMLA-style ping-pong, 12
         warps).
@@ -990,7 +1031,8 @@ if HAVE_GLUON:
 
         With ``TURNS`` (set by the launcher for one head tile, ``h_q <= 64``) the two consumer warpgroups
         issue their S by turns (see ``_pp_consumer_whole``); ``FREE_EARLY`` (set for the persistent form
-        with more than one head tile): see ``_pp_consumer``.
+        with more than one head tile): see ``_pp_consumer``. ``SLOT_PARTS``: the parts in which the per-item
+        kernel gathers a slot (``_ws_producer``).
         """
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_T == 64)
@@ -1060,7 +1102,7 @@ if HAVE_GLUON:
                 qr_smem.index(0).store(q_rope)
             else:
                 qr_smem = qn_smem  # unused
-            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, False, TURNS)
+            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, False, TURNS, SLOT_PARTS)
             fence_async_shared()  # the query tile, before wgmma reads it
             gl.warp_specialize(
                 [
@@ -1072,7 +1114,7 @@ if HAVE_GLUON:
                     )),
                     (_ws_producer, (
                         smem.kn, smem.kr, smem.full_bars, smem.empty_bars, KV, stride_kv_row, item.idx_row, item.n_t,
-                        item.hi, 2 * item.n_pairs, D_NOPE, D_ROPE, BLOCK_T, 2,
+                        item.hi, 2 * item.n_pairs, D_NOPE, D_ROPE, BLOCK_T, 2, SLOT_PARTS,
                     )),
                 ],
                 [4, 4],
@@ -1430,6 +1472,8 @@ CONSUMER_REGS = 232
 PRODUCER_REGS = 40
 #: Ring depth of the attn_dist kernel (64-row blocks); the forward's ring has two slots.
 ATTN_DIST_NUM_BUF = 3
+#: Parts (of the 512 latent channels) in which the per-item forward gathers a slot and issues its S.
+FWD_SLOT_PARTS = 2
 #: Register split of the index-order attn_dist: its producer's pair loop needs more than 40 registers, its
 #: consumers fit in 224 (4 warps x (224 + 224 + 56) units, the same total).
 INDEX_CONSUMER_REGS = 224
@@ -1498,7 +1542,7 @@ def launch_fwd_gluon(
         )  # fmt: skip
     return launch(
         _sparse_mla_fwd_ws_kernel, (n_items,), slots, "gluon_fwd" if n_splits == 1 else "gluon_fwd_split",
-        (*args, None), consts, ctx,
+        (*args, None), {**consts, "SLOT_PARTS": FWD_SLOT_PARTS}, ctx,
     )  # fmt: skip
 
 
