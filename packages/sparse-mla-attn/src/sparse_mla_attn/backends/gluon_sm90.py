@@ -940,10 +940,10 @@ if HAVE_GLUON:
         qn, qr, BLOCK_T: gl.constexpr, HALF_SLOTS: gl.constexpr, TURNS: gl.constexpr, PARTS: gl.constexpr = 1
     ):
         """The forward's shared memory (``_FwdSmem``) around the query tile ``qn`` / ``qr``: the ring of two
-        gathered blocks (latent and rope parts) with an mbarrier pair per slot (whose full barrier is one per
-        ``PARTS`` part, see ``_ws_producer``) or, with ``HALF_SLOTS``, per half slot, a P tile, the consumers' exchanged row max / sum, ``p_bars`` and ``s_bars`` (one each
-        per consumer warpgroup, count 1), ``end_bar`` (count 2) and, with ``TURNS``, ``turn_bar`` (count 1),
-        initialised."""
+        gathered blocks (latent and rope parts) with an mbarrier pair per slot (whose full barrier is one
+        per ``PARTS`` part, see ``_ws_producer``) or, with ``HALF_SLOTS``, per half slot, a P tile, the
+        consumers' exchanged row max / sum, ``p_bars`` and ``s_bars`` (one each per consumer warpgroup,
+        count 1), ``end_bar`` (count 2) and, with ``TURNS``, ``turn_bar`` (count 1), initialised."""
         BLOCK_H: gl.constexpr = qn.shape[1]
         D_NOPE: gl.constexpr = qn.shape[2]
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
