@@ -18,7 +18,11 @@ per (token, destination rank); dispatch and combine move the same number. The fi
 busiest rank: the maximum over ranks of the larger of what it sends and what it receives (on 2 GPUs the
 two are equal; with skewed routing on more GPUs the hot rank receives more than any rank sends). Times:
 median over ``--iters`` runs, each started right after a device-side barrier of all ranks, measured with
-CUDA events on each rank; the slowest rank's median is reported. Graph replays are timed from the end
+CUDA events on each rank; the slowest rank's median is reported. The ``ours-sm*`` and ``ours-graph-sm*``
+rows are timed in ``--rounds`` rounds, each timing every ``num_sm`` of the case in turn (the order
+rotating) as the median over ``--round-iters`` runs; their times are the medians of the rounds, and
+``dispatch_ms_rounds``, ``combine_ms_rounds`` (and the eager rows' ``*_launches_ms_rounds``) hold each
+round's, which the summary (run.py) pairs round by round. Graph replays are timed from the end
 of a short device-side delay after the barrier (``Timer.median_ms(lead=True)``), so their time is the
 GPU's and excludes the host's launch of the replay (a model's own graph hides it); ``ours-graph`` rows
 also record the time without that delay (``*_no_lead``), and the eager static calls (timed without it,
@@ -155,6 +159,30 @@ def crossing_matrix(ids: torch.Tensor, rank: int, world: int, e_local: int, devi
 #: GPU cycles of the device-side delay before a timed graph replay (about 100 us at the H200's 1.98 GHz):
 #: long enough for every rank's host to have enqueued the replay before its GPU reaches it
 LEAD_CYCLES = 200_000
+
+
+def rotated(items: list, r: int) -> list:
+    """``items`` rotated left by ``r`` places: round ``r``'s order of the interleaved configurations."""
+    k = r % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+#: fields whose value in every round a row of :func:`over_rounds` keeps (``<field>_rounds``): the times
+#: the summary pairs round by round (run.py)
+ROUND_FIELDS = ("dispatch_ms", "combine_ms", "dispatch_launches_ms", "combine_launches_ms")
+
+
+def over_rounds(rounds: list[dict]) -> dict:
+    """One configuration's row from its rows of the rounds (same keys in each): every time (float) the
+    median over the rounds, other fields (flags, counters) the last round's; ``<field>_rounds``: each
+    round's value of the ``ROUND_FIELDS`` present, in round order; ``rounds``: how many."""
+    if not rounds:
+        raise ValueError("over_rounds: rounds is empty (--rounds must be at least 1)")
+    last = rounds[-1]
+    row = {k: statistics.median(r[k] for r in rounds) if isinstance(v, float) else v for k, v in last.items()}
+    row.update({f"{k}_rounds": [r[k] for r in rounds] for k in ROUND_FIELDS if k in last})
+    row["rounds"] = len(rounds)
+    return row
 
 
 class Timer:
@@ -298,31 +326,31 @@ class NcclPerExpert:
 
 
 # ---------------------------------------------------------------------------------------- main
-def eager_case(args, be, x, ids, w, timer, holder: dict) -> dict:
-    """The exact-shape calls of ``be``: dispatch (also after the device-side lead), combine, round trip;
-    leaves the last dispatch in ``holder["d"]``."""
+def eager_case(be, x, ids, w, timer, holder: dict, iters: int) -> dict:
+    """The exact-shape calls of ``be``, ``iters`` each: dispatch (also after the device-side lead),
+    combine, round trip; leaves the last dispatch in ``holder["d"]``."""
 
     def disp(be=be, holder=holder):
         holder["d"] = be.dispatch(x, ids, w, None)
 
     disp()
     torch.cuda.synchronize()
-    t_disp = timer.median_ms(disp, args.iters)
+    t_disp = timer.median_ms(disp, iters)
     h_disp = timer.host_ms
     # the same calls with the host ahead of the GPU (device-side lead), as in a pipeline
-    t_disp_lead = timer.median_ms(disp, args.iters, lead=True)
+    t_disp_lead = timer.median_ms(disp, iters, lead=True)
     # the same calls launching their kernels one by one (no graph of the repeated tensors: a loop whose
     # buffers move from call to call)
     graphs, be.eager_graphs = be.eager_graphs, False
-    t_disp_launches = timer.median_ms(disp, args.iters)
+    t_disp_launches = timer.median_ms(disp, iters)
     h_disp_launches = timer.host_ms
     be.eager_graphs = graphs
     y = holder["d"][0]
-    t_comb = timer.median_ms(lambda: be.combine(y, holder["d"][2]), args.iters, setup=disp)
+    t_comb = timer.median_ms(lambda: be.combine(y, holder["d"][2]), iters, setup=disp)
     h_comb = timer.host_ms
     # the same combines launching their kernel without a graph
     be.eager_graphs = False
-    t_comb_launches = timer.median_ms(lambda: be.combine(y, holder["d"][2]), args.iters, setup=disp)
+    t_comb_launches = timer.median_ms(lambda: be.combine(y, holder["d"][2]), iters, setup=disp)
     h_comb_launches = timer.host_ms
     be.eager_graphs = graphs
 
@@ -333,7 +361,7 @@ def eager_case(args, be, x, ids, w, timer, holder: dict) -> dict:
     return {
         "dispatch_ms": t_disp,
         "combine_ms": t_comb,
-        "round_trip_ms": timer.median_ms(rt, args.iters),
+        "round_trip_ms": timer.median_ms(rt, iters),
         "dispatch_host_ms": h_disp,
         "combine_host_ms": h_comb,
         "dispatch_ms_lead": t_disp_lead,
@@ -587,25 +615,42 @@ def run_case(
     device_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     #: the layer's default (TritonTuning().num_sm None: every SM); the rows at it are the default's
     case["default_num_sm"] = TritonTuning().for_device(device_sms).num_sm
+    # every num_sm's backend (and, with ``extra``, the CUDA graphs of its static calls: worst-case shapes,
+    # counts on device) at once, so that the rounds below interleave them
+    backends = {
+        k: triton_backend(cfg, group, num_sm=k, use_aot=False, timeout_s=60.0, heap=heap) for k in num_sm_list
+    }
+    graphs = {k: capture_graphs(be, x, ids, w) for k, be in backends.items()} if extra else {}
+    holders: dict[int, dict] = {k: {} for k in num_sm_list}
+    eager_rounds: dict[int, list[dict]] = {k: [] for k in num_sm_list}
+    graph_rounds: dict[int, list[dict]] = {k: [] for k in num_sm_list}
+    # The eager calls are bound by host work, whose speed changes for seconds at a time: rounds, each
+    # timing every num_sm's eager calls and graph replays (the order rotating), reach every
+    # configuration alike, and the summary pairs them round by round.
+    for r in range(args.rounds):
+        for num_sm in rotated(num_sm_list, r):
+            be = backends[num_sm]
+            timer = Timer(lambda be=be: be.engine.launch_barrier())
+            eager_rounds[num_sm].append(eager_case(be, x, ids, w, timer, holders[num_sm], args.round_iters))
+            if extra:
+                g_d, g_c, it = *graphs[num_sm], args.round_iters
+                graph = {
+                    "dispatch_ms": timer.median_ms(g_d.replay, it, lead=True),
+                    "combine_ms": timer.median_ms(g_c.replay, it, setup=g_d.replay, lead=True),
+                    # the same replays timed without the device-side lead (host launch and skew included)
+                    "dispatch_ms_no_lead": timer.median_ms(g_d.replay, it),
+                    "combine_ms_no_lead": timer.median_ms(g_c.replay, it, setup=g_d.replay),
+                }
+                graph_rounds[num_sm].append(graph)
     for num_sm in num_sm_list:
-        be = triton_backend(cfg, group, num_sm=num_sm, use_aot=False, timeout_s=60.0, heap=heap)
-        timer = Timer(lambda be=be: be.engine.launch_barrier())
-        holder: dict = {}
-        res[f"ours-sm{num_sm}"] = eager_case(args, be, x, ids, w, timer, holder)
+        res[f"ours-sm{num_sm}"] = over_rounds(eager_rounds[num_sm])
         res[f"ours-sm{num_sm}"]["default_num_sm"] = num_sm == device_sms
         if extra:
-            # CUDA-graph mode (static worst-case shapes, counts on device), at every num_sm
-            g_d, g_c = capture_graphs(be, x, ids, w)
-            t_gd = timer.median_ms(g_d.replay, args.iters, lead=True)
-            t_gc = timer.median_ms(g_c.replay, args.iters, setup=g_d.replay, lead=True)
-            res[f"ours-graph-sm{num_sm}"] = {
-                "dispatch_ms": t_gd,
-                "combine_ms": t_gc,
-                # the same replays timed without the device-side lead (host launch and skew included)
-                "dispatch_ms_no_lead": timer.median_ms(g_d.replay, args.iters),
-                "combine_ms_no_lead": timer.median_ms(g_c.replay, args.iters, setup=g_d.replay),
-            }
-            del g_d, g_c
+            res[f"ours-graph-sm{num_sm}"] = over_rounds(graph_rounds[num_sm])
+    graphs.clear()
+    for num_sm in num_sm_list:
+        be, holder = backends.pop(num_sm), holders.pop(num_sm)
+        timer = Timer(lambda be=be: be.engine.launch_barrier())
         if extra and num_sm == num_sm_list[-1]:
             # eager static mode (same kernels, no graph) for the graph-vs-eager comparison
             def sdisp(be=be, holder=holder):
@@ -1001,7 +1046,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", required=True)
     p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20, help="calls per timed block (median)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds over the num_sm variants' eager calls and graph replays (median of the rounds)",
+    )
+    p.add_argument("--round-iters", type=int, default=10, help="calls per timed block in each round (median)")
     p.add_argument(
         "--num-sm",
         type=int,
@@ -1038,6 +1090,8 @@ def main() -> None:
     )
     p.add_argument("--topo", default=None, help="file holding `nvidia-smi topo -m`")
     args = p.parse_args()
+    if args.rounds < 1 or args.round_iters < 1 or args.iters < 1:
+        p.error("--iters, --rounds and --round-iters must be at least 1")
     rank, world, dev = run_record.start_ranks()
     group = dist.group.WORLD
     sms = torch.cuda.get_device_properties(dev).multi_processor_count

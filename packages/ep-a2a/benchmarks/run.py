@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,12 @@ _NUMBERS = (
     "graph_replays",
     "workspaces_allocated",
     "combine_outputs_allocated",
+    # rows measured in rounds: how many, each round's times (paired round by round in the summary), and
+    # the torch rows' medians of the rounds' ratios against the NCCL per-rank pipeline
+    "rounds",
+    *(f"{k}_rounds" for k in ("dispatch_ms", "combine_ms", "dispatch_launches_ms", "combine_launches_ms")),
+    "dispatch_vs_nccl_dest",
+    "combine_vs_nccl_dest",
 )
 
 
@@ -109,6 +116,16 @@ def rows_of(raw: dict, bench: str) -> list[dict]:
     return rows
 
 
+def paired_ratio(a: dict, a_field: str, b: dict, b_field: str) -> float:
+    """``a[a_field] / b[b_field]`` of two rows: the median of the rounds' ratios where both rows carry
+    each round's value (``<field>_rounds``, as many rounds each: measured in the same rounds), else the
+    ratio of the two figures."""
+    ra, rb = a.get(f"{a_field}_rounds"), b.get(f"{b_field}_rounds")
+    if ra and rb and len(ra) == len(rb):
+        return statistics.median(x / y for x, y in zip(ra, rb, strict=True))
+    return a[a_field] / b[b_field]
+
+
 def summary(rows: list[dict]) -> list[str]:
     """What to read off a run: per case, the layer's default ``num_sm`` against the best one of the sweep
     (eager and graph), eager against graph at the default, and the torch backend against the NCCL
@@ -130,11 +147,16 @@ def summary(rows: list[dict]) -> list[str]:
             if default not in cand or len(cand) < 2:
                 continue
             for op in ("dispatch", "combine"):
-                times = {k: r[f"{op}_ms"] for k, r in cand.items() if r.get(f"{op}_ms")}
-                best = min(times, key=times.__getitem__)
+                field = f"{op}_ms"
+                times = {k: r[field] for k, r in cand.items() if r.get(field)}
+                if default not in times:
+                    continue
+                # each num_sm's time over the default's (paired round by round where measured in rounds)
+                speed = {k: paired_ratio(cand[k], field, cand[default], field) for k in times}
+                best = min(speed, key=speed.__getitem__)
                 lines.append(
                     f"{name}: {mode} {op}: default num_sm={default} {1e3 * times[default]:.0f} us, best "
-                    f"num_sm={best} {1e3 * times[best]:.0f} us: default at {100 * times[best] / times[default]:.0f}% "
+                    f"num_sm={best} {1e3 * times[best]:.0f} us: default at {100 * speed[best]:.0f}% "
                     "of the best's speed (target >= 95%)"
                 )
         eager, graph = by.get(("triton", f"ours-sm{default}")), by.get(("triton", f"ours-graph-sm{default}"))
@@ -143,7 +165,7 @@ def summary(rows: list[dict]) -> list[str]:
                 host = eager.get(f"{op}_host_ms")
                 lines.append(
                     f"{name}: eager {op} {1e3 * eager[f'{op}_ms']:.0f} us = "
-                    f"{eager[f'{op}_ms'] / graph[f'{op}_ms']:.1f}x its graph replay (target <= 2x)"
+                    f"{paired_ratio(eager, f'{op}_ms', graph, f'{op}_ms'):.1f}x its graph replay (target <= 2x)"
                     + (f"; {1e3 * host:.0f} us of it on the host" if host else "")
                 )
             for op, what in (("dispatch", "its kernels one by one"), ("combine", "its kernel")):
@@ -151,7 +173,8 @@ def summary(rows: list[dict]) -> list[str]:
                 if launches:  # (the same tensors every call: the eager rows above replay a captured graph)
                     lines.append(
                         f"{name}: eager {op} launching {what} (eager_graphs off) "
-                        f"{1e3 * launches:.0f} us = {launches / graph[f'{op}_ms']:.1f}x its graph replay; "
+                        f"{1e3 * launches:.0f} us = "
+                        f"{paired_ratio(eager, f'{op}_launches_ms', graph, f'{op}_ms'):.1f}x its graph replay; "
                         f"{1e3 * eager.get(f'{op}_launches_host_ms', 0.0):.0f} us of it on the host"
                     )
         layer = by.get(("triton", "ours-layer-default"))

@@ -286,3 +286,103 @@ def test_fp8_rows_count_their_own_bytes() -> None:
         in text
     )
     assert "Triton eager FP8 dispatch 300 us vs bf16 400 us: 0.75x" in text
+
+
+def test_rounds_rows_keep_medians_and_each_round() -> None:
+    """The Triton bench's interleaved rounds: each round visits every configuration once, the order
+    rotating so that each takes every place once; a configuration's row holds the median over the
+    rounds of every time, the last round's flags and counters, each round's value of the fields the
+    summary pairs, and the number of rounds."""
+    import bench_triton as bench
+    import pytest
+
+    sms = [20, 32, 66, 132]
+    orders = [bench.rotated(sms, r) for r in range(len(sms))]
+    assert orders[0] == sms
+    assert orders[1] == [32, 66, 132, 20]
+    assert all(sorted(o) == sms for o in orders)
+    assert [sorted(o[i] for o in orders) for i in range(len(sms))] == [sms] * len(sms)
+    assert bench.rotated(sms, 5) == orders[1]
+    rounds = [
+        {"dispatch_ms": 0.05, "combine_ms": 0.03, "dispatch_ms_lead": 0.03, "dispatch_launches_ms": 0.07,
+         "overlap_exact": False, "graph_replays": 10},
+        {"dispatch_ms": 0.09, "combine_ms": 0.02, "dispatch_ms_lead": 0.04, "dispatch_launches_ms": 0.08,
+         "overlap_exact": True, "graph_replays": 20},
+        {"dispatch_ms": 0.04, "combine_ms": 0.04, "dispatch_ms_lead": 0.02, "dispatch_launches_ms": 0.06,
+         "overlap_exact": True, "graph_replays": 30},
+    ]  # fmt: skip
+    row = bench.over_rounds(rounds)
+    assert (row["dispatch_ms"], row["combine_ms"], row["dispatch_ms_lead"]) == (0.05, 0.03, 0.03)
+    assert (row["overlap_exact"], row["graph_replays"], row["rounds"]) == (True, 30, 3)
+    assert row["dispatch_ms_rounds"] == [0.05, 0.09, 0.04]
+    assert row["combine_ms_rounds"] == [0.03, 0.02, 0.04]
+    assert row["dispatch_launches_ms_rounds"] == [0.07, 0.08, 0.06]
+    assert "combine_launches_ms_rounds" not in row
+    assert "dispatch_ms_lead_rounds" not in row
+    with pytest.raises(ValueError, match="rounds"):
+        bench.over_rounds([])
+
+
+def test_summary_pairs_the_rounds() -> None:
+    """Rows measured in the same rounds are compared round by round: the default ``num_sm`` against the
+    best of the sweep and eager against graph are the medians of the rounds' ratios (a host that is slow
+    in some rounds moves both sides of a ratio alike), where the ratio of the medians would mislead;
+    ``rows_of`` keeps each round's times and the torch rows' paired ratios in the results rows."""
+    import run
+
+    case = {"shape": "deepseek-v3", "routing": "uniform", "tokens": 128, "hidden": 7168, "experts": 256,
+            "topk": 8, "nvlink_bytes": 10**6, "default_num_sm": 132}  # fmt: skip
+    # rounds 3-5 (eager) / 4-5 (graph) in the host's slow state: every round's sm66 takes 0.95x the default
+    fast_slow = [0.04, 0.04, 0.08, 0.08, 0.08]
+    sm66 = [0.95 * t for t in [0.04, 0.04, 0.04, 0.08, 0.08]]
+    eager_default = {"dispatch_ms": 0.08, "combine_ms": 0.1, "dispatch_ms_rounds": fast_slow,
+                     "combine_ms_rounds": [0.06, 0.06, 0.1, 0.1, 0.1], "dispatch_launches_ms": 0.12,
+                     "dispatch_launches_ms_rounds": [0.09, 0.09, 0.09, 0.15, 0.15], "rounds": 5}  # fmt: skip
+    raw = {
+        "world_size": 2, "date": None, "commit": None,
+        "cases": [{**case, "results": {
+            "ours-sm66": {"dispatch_ms": 0.038, "combine_ms": 0.1, "dispatch_ms_rounds": sm66,
+                          "combine_ms_rounds": [0.1] * 5, "rounds": 5},
+            "ours-sm132": eager_default,
+            "ours-graph-sm66": {"dispatch_ms": 0.03, "combine_ms": 0.03},
+            "ours-graph-sm132": {"dispatch_ms": 0.03, "combine_ms": 0.03,
+                                 "dispatch_ms_rounds": [0.02, 0.02, 0.04, 0.03, 0.03],
+                                 "combine_ms_rounds": [0.03, 0.03, 0.03, 0.05, 0.05]},
+        }}],
+    }  # fmt: skip
+    rows = run.rows_of(raw, "triton")
+    by = {r["method"]: r for r in rows}
+    assert by["ours-sm132"]["dispatch_ms_rounds"] == fast_slow
+    assert by["ours-sm132"]["rounds"] == 5
+    assert by["ours-sm132"]["dispatch_launches_ms_rounds"] == [0.09, 0.09, 0.09, 0.15, 0.15]
+    text = "\n".join(run.summary(rows))
+    # medians 38 against 80 us would read 48%; each round says 95%
+    assert (
+        "eager dispatch: default num_sm=132 80 us, best num_sm=66 38 us: default at 95% of the best's speed"
+        in text
+    )
+    # a row without rounds: the ratio of the figures (a tie: the first of the sweep)
+    assert "graph dispatch: default num_sm=132 30 us, best num_sm=66 30 us: default at 100%" in text
+    # eager over graph per round: 2, 2, 2, 2.67, 2.67 (medians: 2.7x); combine 2, 2, 3.33, 2, 2 (3.3x)
+    assert "eager dispatch 80 us = 2.0x its graph replay (target <= 2x)" in text
+    assert "eager combine 100 us = 2.0x its graph replay (target <= 2x)" in text
+    # launches over graph per round: 4.5, 4.5, 2.25, 5, 5
+    assert "eager dispatch launching its kernels one by one (eager_graphs off) 120 us = 4.5x" in text
+    # rows of other rounds (another count) are not paired: the ratio of the figures
+    one_off = {**by["ours-graph-sm132"], "dispatch_ms_rounds": [0.03] * 4}
+    assert run.paired_ratio(by["ours-sm132"], "dispatch_ms", one_off, "dispatch_ms") == 0.08 / 0.03
+    # the torch bench's rows: each round's times and the paired ratios reach the rows and the summary
+    torch_raw = {
+        "world_size": 2, "date": None, "commit": None,
+        "cases": [{**case, "results": {
+            "torch": {"dispatch_ms": 1.0, "combine_ms": 0.2, "dispatch_ms_rounds": [1.0, 0.9, 1.1],
+                      "dispatch_vs_nccl_dest": 1.1, "combine_vs_nccl_dest": 0.9},
+            "nccl-dest": {"dispatch_ms": 0.8, "combine_ms": 0.2},
+        }}],
+    }  # fmt: skip
+    trows = run.rows_of(torch_raw, "torch")
+    assert trows[0]["dispatch_ms_rounds"] == [1.0, 0.9, 1.1]
+    assert trows[0]["dispatch_vs_nccl_dest"] == 1.1
+    text = "\n".join(run.summary(trows))
+    assert "torch backend dispatch 1000 us vs NCCL per-rank pipeline 800 us: 1.10x" in text
+    assert "torch backend combine 200 us vs NCCL per-rank pipeline 200 us: 0.90x" in text
