@@ -1068,6 +1068,7 @@ def _polling_backend(*, rank: int, wait_s: float, call: int, check):
     be = object.__new__(TritonBackend)
     be.config = SimpleNamespace(rank=rank)
     be._mirror_np = np.zeros(6, dtype=np.int64)
+    be._mirror_mv, be._epoch_at = be._mirror_np.data, 5
     be._mirror_wait_s = wait_s
     be._mirror_lost = None
     be._finalized = False

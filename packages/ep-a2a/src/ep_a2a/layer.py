@@ -366,6 +366,32 @@ class EPLayer:
             )
         )
 
+    def _plain_dense(self, input: torch.Tensor, exp_indices: Any, weight: Any) -> bool:
+        """Whether a dispatch of the plain tensor ``input`` is the common case that goes to the backend's
+        ``dispatch_plain`` as it is: :meth:`_plain_dispatch_args` with ``dense``, outside autograd (no
+        tensor that requires grad)."""
+        cfg, cuda, tensor = self.config, self._cuda_index, torch.Tensor
+        if type(exp_indices) is not tensor or type(weight) is not tensor or cuda < 0:
+            return False
+        shape, slots = input.shape, exp_indices.shape
+        return (
+            len(shape) == 2
+            and shape[1] == cfg.hidden
+            and shape[0] <= cfg.max_tokens
+            and input.dtype is cfg.token_dtype  # (dtypes are singletons)
+            and exp_indices.dtype in self._ids_as_is
+            and weight.dtype is cfg.weight_dtype
+            and slots == (shape[0], cfg.topk)
+            and weight.shape == slots
+            and input.get_device() == cuda
+            and exp_indices.get_device() == cuda
+            and weight.get_device() == cuda
+            and input.is_contiguous()
+            and exp_indices.is_contiguous()
+            and weight.is_contiguous()
+            and not ((input.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
+        )
+
     def _check_dispatch_args(
         self, input: Any, exp_indices: Any, weight: Any, *, dtypes: tuple[torch.dtype, ...] | None = None
     ) -> int:
@@ -464,16 +490,20 @@ class EPLayer:
             EPTimeoutError: a rank did not arrive within ``timeout_s`` (named).
             RuntimeError: called after :meth:`finalize`.
         """
-        self._check_eager("dispatch")
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_ERROR.format(what="dispatch"))
+        ctx = self.ctx
+        if ctx.finalized:
+            self._check_alive("dispatch")
         if (
             type(input) is torch.Tensor
+            and weight is not None
             and full_scatter_indices is None
             and not fp8
-            and weight is not None
-            and self._plain_dispatch_args(input, exp_indices, weight, dense=True)
-            and not ((input.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
-        ):  # (the common case, checked in one pass: the tensors go to the backend as they are)
-            return self.ctx.backend.dispatch_plain(input, exp_indices, weight)
+            and self._plain_dense(input, exp_indices, weight)
+        ):
+            # (the common case, checked in one pass: the tensors go to the backend as they are)
+            return ctx.backend.dispatch_plain(input, exp_indices, weight)
         cfg = self.config
         packed = None
         if isinstance(input, tuple) or fp8:

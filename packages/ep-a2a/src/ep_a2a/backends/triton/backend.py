@@ -353,6 +353,11 @@ class TritonBackend(A2ABackend):
         self._mirror_info = self._mirror_np[:-1]
         #: the mirror's tokens, then rows, per source rank (the host counts of a dispatch's descriptor)
         self._mirror_counts = self._mirror_np[2 : 2 + 2 * cfg.world_size]
+        # (the mirror as a memoryview too: its items read and written as Python ints, cheaper than numpy's)
+        self._mirror_mv = self._mirror_np.data
+        self._mirror_counts_mv = self._mirror_mv[2 : 2 + 2 * cfg.world_size]
+        #: the mirror's indices of the epoch and of the invalid-id count
+        self._epoch_at, self._bad_at = len(self._mirror_np) - 1, len(self._mirror_np) - 2
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._offsets_int32 = cfg.offset_dtype == torch.int32
         #: the common case goes through the speculative flow into the workspaces' rows
@@ -499,7 +504,8 @@ class TritonBackend(A2ABackend):
         graph = ws.plain_graphs.get(at) if self.eager_graphs else None
         if graph is None:
             return self._dispatch_speculative(input, exp_indices, weight, None, plain=True, ws=ws)
-        self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
+        m = self._mirror_mv
+        m[self._epoch_at] = 0  # (program 0 writes the epoch there once info is copied)
         graph.launch(stream)
         self.engine.merged_replayed()
         self.graph_replays += 1
@@ -510,10 +516,16 @@ class TritonBackend(A2ABackend):
         if board.peers:
             self._guard_protocol(call, "dispatch")
         desc = self._descriptor(n, exp_indices, False, ws)
-        rows = int(self._read_mirror()[0])
+        if m[self._epoch_at] == 0 or m[1] or m[self._bad_at]:
+            self._read_mirror()  # (waits for the counts; raises for an error word or invalid ids)
+        # (_result's steps, on the mirror's memoryview)
+        rows = m[0]
         w_rows, e_rows, ring_rows = ws.first_rows(rows)
         assert ring_rows is not None  # (the workspaces hold the rows: _plain_rows)
-        return self._result(desc, (ring_rows, w_rows, e_rows), True, ws, self._mirror_counts, rows)
+        self._combine_allowed = True
+        ws.host_counts_mv[:] = self._mirror_counts_mv
+        desc.num_recv_rows, desc.recv_expert_indices = rows, e_rows
+        return ring_rows, w_rows, desc
 
     def _dispatch_plain_large(self, input: Tensor, exp_indices: Tensor, weight: Tensor) -> DispatchResult:
         """:meth:`dispatch_plain` of a layer whose rows are allocated per call (the speculative flow from
@@ -937,12 +949,12 @@ class TritonBackend(A2ABackend):
         """``info``'s values in the host mirror the row kernel's program 0 writes (polled, bounded: a
         device-side wait runs out first and is reported through the error word); a view of the mirror,
         valid until the next dispatch's launch. Raises as :meth:`_read_info` does."""
-        m = self._mirror_np
-        if m[-1] == 0:
+        m, at = self._mirror_mv, self._epoch_at
+        if m[at] == 0:
             deadline = time.monotonic() + self._mirror_wait_s
             call, op = self._op
             spins = 0
-            while m[-1] == 0:
+            while m[at] == 0:
                 spins += 1
                 if spins % 64 == 0:
                     self._guard_protocol(call, op)

@@ -104,7 +104,7 @@ class DispatchWorkspace:
         out: ``[count, width]`` rows of ``rows``' dtype, or ``None``; ``out_ptr``: its address (0 without).
         host_counts: ``[2 * W]`` int64 on the host, the call's tokens per source rank then rows per source
             rank (``info[2 : 2 + 2 * W]``), written by the backend; ``n_in_host``, ``n_recv_host``: its
-            halves, as the descriptors hold them.
+            halves, as the descriptors hold them; ``host_counts_mv``: a memoryview of them.
         state: the backend's record of this workspace that its descriptors carry (one object for
             every call, handed out and counted as the views are).
         bound: the launches bound to this workspace's tensors (filled by the backend).
@@ -149,6 +149,7 @@ class DispatchWorkspace:
         self.out_ptr = self.out.data_ptr() if self.out is not None else 0
         self.host_counts = torch.zeros(2 * W, dtype=torch.int64)
         self.host_counts_np = self.host_counts.numpy()
+        self.host_counts_mv = self.host_counts_np.data
         self.n_in_host, self.n_recv_host = self.host_counts[:W], self.host_counts[W:]
         self._host_cdata = self.host_counts.untyped_storage()._cdata
         self.n = -1  # (no views for a token count yet: for_tokens makes them)
