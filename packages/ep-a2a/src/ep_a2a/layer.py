@@ -308,14 +308,6 @@ class EPLayer:
         if self.ctx.finalized:
             raise RuntimeError(f"{type(self).__name__}.{what}() called after finalize()")
 
-    def _check_eager(self, what: str) -> None:
-        """:meth:`_check_alive`, and the refusal of :func:`_eager_only` under ``torch.compile`` (one call
-        on the eager path of dispatch and combine)."""
-        if torch.compiler.is_compiling():
-            raise RuntimeError(_COMPILE_ERROR.format(what=what))
-        if self.ctx.finalized:
-            self._check_alive(what)
-
     def _check_tensor(
         self, name: str, t: Any, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...] | None
     ) -> None:
@@ -558,12 +550,17 @@ class EPLayer:
             EPTimeoutError: a rank did not arrive within ``timeout_s`` (named).
             RuntimeError: called after :meth:`finalize`.
         """
-        self._check_eager("combine")
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_ERROR.format(what="combine"))
+        ctx = self.ctx
+        if ctx.finalized:
+            self._check_alive("combine")
         desc = ep_a2a_layout_desc
         if not isinstance(desc, EPAllToAllLayoutDesc):
             raise TypeError(f"ep_a2a_layout_desc must be an EPAllToAllLayoutDesc, got {type(desc).__name__}")
+        backend = ctx.backend
         owner = getattr(desc.backend_state, "owner", None)
-        if owner is not None and owner != id(self.ctx.backend):
+        if owner is not None and owner != id(backend):
             raise ValueError(f"ep_a2a_layout_desc was produced by a different {type(self).__name__}")
         if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
             raise TypeError(f"input must be a floating tensor, got {getattr(input, 'dtype', type(input))}")
@@ -575,13 +572,13 @@ class EPLayer:
             and input.is_contiguous()
             and not (input.requires_grad and torch.is_grad_enabled())
         ):  # (the common case, checked in one pass)
-            return self.ctx.backend.combine_plain(input, desc)
+            return backend.combine_plain(input, desc)
         # (else one check at a time, with messages)
         self._check_tensor("input", input, (desc.num_recv_rows, self.config.hidden), None)
         x = _dense(input)
         if x.requires_grad and torch.is_grad_enabled():
-            return combine_with_grad(self.ctx.backend, x, desc)
-        return self.ctx.backend.combine(x, desc)
+            return combine_with_grad(backend, x, desc)
+        return backend.combine(x, desc)
 
     def _expert_ids(self, exp_indices: torch.Tensor) -> torch.Tensor:
         """``exp_indices`` contiguous, in a dtype the backend takes as is (both backends: int32 and

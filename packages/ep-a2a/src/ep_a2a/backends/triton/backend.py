@@ -350,6 +350,8 @@ class TritonBackend(A2ABackend):
         takes from the layer's checks and the workspaces instead of the call's tensors (the parts of a
         speculative dispatch's graph key that the common case fixes)."""
         cfg, eng, rows = self.config, self.engine, self.workspaces.rows
+        #: ``id(self)``, as the descriptors' states name their backend
+        self._id = id(self)
         self._mirror_info = self._mirror_np[:-1]
         #: the mirror's tokens, then rows, per source rank (the host counts of a dispatch's descriptor)
         self._mirror_counts = self._mirror_np[2 : 2 + 2 * cfg.world_size]
@@ -1041,7 +1043,7 @@ class TritonBackend(A2ABackend):
         n, dtype = layout_desc.num_dispatch_token_cur_rank, input.dtype
         if (
             type(state) is not _TritonState
-            or state.owner != id(self)
+            or state.owner != self._id
             or not self._combine_allowed
             or n == 0
             or input.shape[0] == 0
@@ -1054,7 +1056,8 @@ class TritonBackend(A2ABackend):
             return self._combine_checked(input, layout_desc)
         ids = layout_desc.topk_indices_tensor
         stream = _raw_stream(self._device_index)
-        out = self.combine_outputs.take(stream, n, input.shape[1], dtype)
+        # (rows ``hidden`` wide: the layer's checks, or combine's)
+        out = self.combine_outputs.take(stream, n, self.config.hidden, dtype)
         at = _combine_graph_key(input, state, ids, n, out)
         graph = self._combine_graphs.get(at) if self.eager_graphs else None
         if graph is not None:
