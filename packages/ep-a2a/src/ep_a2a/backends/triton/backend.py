@@ -518,11 +518,16 @@ class TritonBackend(A2ABackend):
         if board.peers:
             self._guard_protocol(call, "dispatch")
         desc = self._descriptor(n, exp_indices, False, ws)
-        if m[self._epoch_at] == 0 or m[1] or m[self._bad_at]:
-            self._read_mirror()  # (waits for the counts; raises for an error word or invalid ids)
-        # (_result's steps, on the mirror's memoryview)
+        # (the views of as many rows as the last call into this workspace received, while the GPU works:
+        # batches repeat their counts)
+        w_rows, e_rows, ring_rows = ws.first_rows(ws.last_rows)
+        self._wait_mirror()
+        # (from here to the return the host is behind the GPU: _result's steps, on the memoryview)
+        if m[1] or m[self._bad_at]:
+            self._raise_mirror_words()
         rows = m[0]
-        w_rows, e_rows, ring_rows = ws.first_rows(rows)
+        if rows != ws.last_rows:
+            w_rows, e_rows, ring_rows = ws.first_rows(rows)
         assert ring_rows is not None  # (the workspaces hold the rows: _plain_rows)
         self._combine_allowed = True
         ws.host_counts_mv[:] = self._mirror_counts_mv
@@ -948,18 +953,27 @@ class TritonBackend(A2ABackend):
         return vals, npk
 
     def _read_mirror(self) -> np.ndarray:
-        """``info``'s values in the host mirror the row kernel's program 0 writes (polled, bounded: a
-        device-side wait runs out first and is reported through the error word); a view of the mirror,
-        valid until the next dispatch's launch. Raises as :meth:`_read_info` does."""
+        """``info``'s values in the host mirror the row kernel's program 0 writes (:meth:`_wait_mirror`); a
+        view of the mirror, valid until the next dispatch's launch. Raises as :meth:`_read_info` does."""
+        self._wait_mirror()
+        m = self._mirror_mv
+        if m[1] or m[self._bad_at]:
+            self._raise_mirror_words()
+        return self._mirror_info
+
+    def _wait_mirror(self) -> None:
+        """Poll the host mirror until the row kernel's program 0 wrote this dispatch's epoch into it
+        (bounded: a device-side wait runs out first and is reported through the error word)."""
         m, at = self._mirror_mv, self._epoch_at
-        if m[at] == 0:
-            deadline = time.monotonic() + self._mirror_wait_s
-            call, op = self._op
-            spins = 0
-            while m[at] == 0:
-                spins += 1
-                if spins % 64 == 0:
-                    self._guard_protocol(call, op)
+        if m[at]:
+            return
+        deadline = time.monotonic() + self._mirror_wait_s
+        call, op = self._op
+        spins = 0
+        while m[at] == 0:
+            spins += 1
+            if spins % 64 == 0:  # (the board and the clock every 64 polls: a poll stays a few reads)
+                self._guard_protocol(call, op)
                 if time.monotonic() > deadline:
                     self._mirror_lost = (
                         f"dispatch: rank {self.config.rank}'s row kernel did not publish its receive "
@@ -968,12 +982,14 @@ class TritonBackend(A2ABackend):
                     raise EPTimeoutError(
                         self._mirror_lost, step="dispatch/counts", missing_ranks=[self.config.rank]
                     )
+
+    def _raise_mirror_words(self) -> None:
+        """Raise for the mirror's nonzero error word or invalid-id count."""
         vals = self._mirror_info
         if vals[1]:
             self._raise_device_error_word(int(vals[1]))
         if vals[-1]:
             self._raise_bad_ids(vals)
-        return vals
 
     def _fit_speculative_rows(
         self, rows: int, call: _Call, info: torch.Tensor, bufs: DispatchBuffers

@@ -113,6 +113,7 @@ class DispatchWorkspace:
             set of addresses came (filled by the backend).
         plain_graphs: those of ``graphs`` whose key's rest is ``plain_key``, by the key's first part
             (filled by the backend).
+        last_rows: the row count of the views :meth:`first_rows` keeps (the last call's).
     """
 
     def __init__(
@@ -155,7 +156,7 @@ class DispatchWorkspace:
         self.n = -1  # (no views for a token count yet: for_tokens makes them)
         self.skip = self.scat = self._skip_all[:0].view(0, K)
         # the views of the last call's first R rows (replaced, never added: the idle references stay)
-        self._rows = 0
+        self.last_rows = 0
         self._w_rows, self._e_rows = self.out_w[:0], self.out_e[:0]
         self._out_rows = self.out[:0] if self.out is not None else self.out_e[:0]
         self.state = make_state(self) if make_state is not None else object()
@@ -189,11 +190,11 @@ class DispatchWorkspace:
         """Views of the first ``rows`` of ``out_w``, ``out_e`` and ``out`` (``None`` without rows), kept
         for the next call of as many rows. Call only on a workspace taken from the ring for this call."""
         # (views that autograd recorded as a function's outputs are not handed out again)
-        if rows != self._rows or self._w_rows.requires_grad or self._out_rows.requires_grad:
+        if rows != self.last_rows or self._w_rows.requires_grad or self._out_rows.requires_grad:
             self._w_rows, self._e_rows = self.out_w[:rows], self.out_e[:rows]
             if self.out is not None:
                 self._out_rows = self.out[:rows]
-            self._rows = rows
+            self.last_rows = rows
         return self._w_rows, self._e_rows, self._out_rows if self.out is not None else None
 
     def _view_refs(self) -> tuple[int, ...]:
