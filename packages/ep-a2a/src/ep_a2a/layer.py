@@ -327,43 +327,20 @@ class EPLayer:
         if t.device != self.device:
             raise ValueError(f"{name} must be on {self.device} (the ep_group's device), got {t.device}")
 
-    def _plain_dispatch_args(self, input: Any, exp_indices: Any, weight: Any, *, dense: bool = False) -> bool:
-        """Whether a dispatch's tensors are the common case, checked in one pass: plain tensors on the
-        layer's device, ``input`` ``[n <= max_tokens, hidden]`` of the layer's dtype, ``exp_indices``
-        ``[n, topk]`` int32 or int64, ``weight`` ``[n, topk]`` of the weight dtype; with ``dense`` also
-        contiguous, with ids the backend takes as they are (:meth:`_expert_ids` would return them).
-        Anything else is checked one tensor at a time (the messages name what is wrong)."""
-        cfg, cuda = self.config, self._cuda_index
-        tensor = torch.Tensor
-        if type(input) is not tensor or type(exp_indices) is not tensor or type(weight) is not tensor:
-            return False
-        if cuda < 0:
-            return False  # (a layer of CPU tensors: checked one by one)
-        shape, slots = input.shape, exp_indices.shape
-        return (
-            len(shape) == 2
-            and shape[1] == cfg.hidden
-            and shape[0] <= cfg.max_tokens
-            and input.dtype is cfg.token_dtype  # (dtypes are singletons)
-            and exp_indices.dtype in (self._ids_as_is if dense else (torch.int64, torch.int32))
-            and weight.dtype is cfg.weight_dtype
-            and slots == (shape[0], cfg.topk)
-            and weight.shape == slots
-            and input.get_device() == cuda
-            and exp_indices.get_device() == cuda
-            and weight.get_device() == cuda
-            and (
-                not dense
-                or (input.is_contiguous() and exp_indices.is_contiguous() and weight.is_contiguous())
-            )
-        )
-
-    def _plain_dense(self, input: torch.Tensor, exp_indices: Any, weight: Any) -> bool:
-        """Whether a dispatch of the plain tensor ``input`` is the common case that goes to the backend's
-        ``dispatch_plain`` as it is: :meth:`_plain_dispatch_args` with ``dense``, outside autograd (no
-        tensor that requires grad)."""
+    def _plain_dispatch_args(self, input: Any, exp_indices: Any, weight: Any) -> bool:
+        """Whether a dispatch's tensors are the common case, checked in one pass: plain contiguous tensors
+        on the layer's device, ``input`` ``[n <= max_tokens, hidden]`` of the layer's dtype,
+        ``exp_indices`` ``[n, topk]`` of a dtype the backend takes as it is (:meth:`_expert_ids` would
+        return them), ``weight`` ``[n, topk]`` of the weight dtype. Anything else is checked one tensor
+        at a time (the messages name what is wrong)."""
         cfg, cuda, tensor = self.config, self._cuda_index, torch.Tensor
-        if type(exp_indices) is not tensor or type(weight) is not tensor or cuda < 0:
+        # (cuda < 0: a layer of CPU tensors, checked one by one)
+        if (
+            type(input) is not tensor
+            or type(exp_indices) is not tensor
+            or type(weight) is not tensor
+            or cuda < 0
+        ):
             return False
         shape, slots = input.shape, exp_indices.shape
         return (
@@ -381,7 +358,6 @@ class EPLayer:
             and input.is_contiguous()
             and exp_indices.is_contiguous()
             and weight.is_contiguous()
-            and not ((input.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
         )
 
     def _check_dispatch_args(
@@ -492,7 +468,8 @@ class EPLayer:
             and weight is not None
             and full_scatter_indices is None
             and not fp8
-            and self._plain_dense(input, exp_indices, weight)
+            and self._plain_dispatch_args(input, exp_indices, weight)
+            and not ((input.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
         ):
             # (the common case, checked in one pass: the tensors go to the backend as they are)
             return ctx.backend.dispatch_plain(input, exp_indices, weight)
