@@ -237,20 +237,15 @@ if HAVE_GLUON:
             idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
             # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
             mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
-            if PARTS == 1:
-                kn, kr = kn_smem.index(slot), kr_smem.index(slot)
-                _issue_gather(kn, kr, KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l)
-                cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
-            else:
-                D_PART: gl.constexpr = D_NOPE // PARTS
-                for j in gl.static_range(PARTS):
-                    kn = kn_smem.index(slot).slice(j * D_PART, D_PART, dim=1)
-                    _issue_gather_cols(kn, KV, stride_kv_row, idx_cur, hi, j * D_PART, D_PART, ld_l)
-                    if j == PARTS - 1 and D_ROPE > 0:
-                        kr = kr_smem.index(slot)
-                        _issue_gather_cols(kr, KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l)
-                    # (Fires once this thread's copies so far landed: parts 0 .. j.)
-                    cp.mbarrier_arrive(full_bars.index(PARTS * slot + j), increment_count=False)
+            D_PART: gl.constexpr = D_NOPE // PARTS
+            for j in gl.static_range(PARTS):
+                kn = kn_smem.index(slot).slice(j * D_PART, D_PART, dim=1)
+                _issue_gather_cols(kn, KV, stride_kv_row, idx_cur, hi, j * D_PART, D_PART, ld_l)
+                if j == PARTS - 1 and D_ROPE > 0:
+                    kr = kr_smem.index(slot)
+                    _issue_gather_cols(kr, KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l)
+                # (Fires once this thread's copies so far landed: parts 0 .. j.)
+                cp.mbarrier_arrive(full_bars.index(PARTS * slot + j), increment_count=False)
 
     @gluon.constexpr_function
     def _pp_layouts(BLOCK_T: Any, D_HALF: Any) -> tuple[Any, Any]:
