@@ -399,10 +399,10 @@ def test_fwd_gpu_gluon_split_k_persistent():
 
 
 GLUON_TAIL_CASES = [
-    pytest.param(64, 2048, 140, "off", "auto", id="H64-T2048-S140-per-item"),
+    pytest.param(64, 2048, 140, "off", "on", id="H64-T2048-S140-per-item"),
     pytest.param(64, 2048, 400, "on", "auto", id="H64-T2048-S400-persistent"),
-    pytest.param(48, 333, 135, "off", "auto", id="H48-T333-S135-per-item"),
-    pytest.param(128, 1000, 70, "on", "on", id="H128-T1000-S70-persistent"),
+    pytest.param(48, 333, 135, "off", "on", id="H48-T333-S135-per-item"),
+    pytest.param(128, 1000, 70, "on", "auto", id="H128-T1000-S70-persistent"),
     pytest.param(128, 1000, 70, "off", "on", id="H128-T1000-S70-per-item"),
 ]
 
@@ -410,9 +410,9 @@ GLUON_TAIL_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize(("h_q", "topk", "s_q", "persistent", "tail"), GLUON_TAIL_CASES)
 def test_fwd_gpu_gluon_tail_split(h_q, topk, s_q, persistent, tail):
-    """The Gluon forward with its last work items in pieces (``Config.fwd_tail_split``; 132
-    multiprocessors: the items past the last full wave), per item and persistent, against the
-    reference, as :func:`test_fwd_gpu_gluon_edge_cases`."""
+    """The Gluon forward with its last work items in pieces (``Config.fwd_tail_split``: the items past
+    the last full wave), per item and persistent, against the reference, as
+    :func:`test_fwd_gpu_gluon_edge_cases`."""
     if reason := gluon_skip_reason("gluon"):
         pytest.skip(reason)
     cfg = Config(backend="gluon", num_splits=1, fwd_persistent=persistent, fwd_tail_split=tail)
