@@ -70,9 +70,10 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         return q, kv, torch.randint(0, s_kv, (s_q, 1, topk), dtype=torch.int32)
 
     def fwd(
-        h_q: int, d_qk: int, backend: str, extras: bool = False, num_splits: int = 0, **options: Any
-    ) -> None:
-        q, kv, idx = problem(2, h_q, d_qk, 256, 128)
+        h_q: int, d_qk: int, backend: str, extras: bool = False, num_splits: int = 0, topk: int = 128,
+        **options: Any,
+    ) -> None:  # fmt: skip
+        q, kv, idx = problem(2, h_q, d_qk, 256, topk)
         kw: dict[str, Any] = {}
         if extras:
             kw = dict(causal=True, q_start_index=3, k_stride=2, attn_sink=torch.randn(h_q),
@@ -145,6 +146,13 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         "fwd_h64_extras_persistent": lambda: fwd(64, 576, "auto", True, fwd_persistent="on"),
         "fwd_h128_d512_persistent_split2": lambda: fwd(
             128, 512, gluon_backend, True, num_splits=2, fwd_persistent="on"
+        ),
+        # The Gluon forward's last items in pieces (Config.fwd_tail_split), per item and persistent.
+        "fwd_h64_extras_tail": lambda: fwd(
+            64, 576, gluon_backend, True, num_splits=1, topk=256, fwd_tail_split="on", fwd_persistent="off"
+        ),
+        "fwd_h128_d512_tail_persistent": lambda: fwd(
+            128, 512, gluon_backend, True, num_splits=1, topk=256, fwd_tail_split="on", fwd_persistent="on"
         ),
         # Split-K decode, merged by the last split program (eager) or by a merge kernel (graph capture).
         "dec_b2_splitk": lambda: decode(2, 128, 2048, "auto", "last_program"),

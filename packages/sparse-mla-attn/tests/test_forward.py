@@ -15,7 +15,7 @@ from sparse_mla_attn._inputs import (
 )
 from sparse_mla_attn._runtime import last_launch
 from sparse_mla_attn._validate import SparseDims, check_sparse_inputs
-from sparse_mla_attn.forward import launch_fwd
+from sparse_mla_attn.forward import launch_fwd, tail_split
 
 
 def fwd_with_tiles(q, kv, idx, sm_scale, tiles, **kw):
@@ -396,6 +396,49 @@ def test_fwd_gpu_gluon_split_k_persistent():
     cfg = Config(backend="gluon", num_splits=3, fwd_persistent="on")
     check_gluon_fwd(cfg, 128, 576, 1000, 100, 1129, "gpu")
     assert last_launch("fwd").splits > 1
+
+
+GLUON_TAIL_CASES = [
+    pytest.param(64, 2048, 140, "off", "on", id="H64-T2048-S140-per-item"),
+    pytest.param(64, 2048, 400, "on", "auto", id="H64-T2048-S400-persistent"),
+    pytest.param(48, 333, 135, "off", "on", id="H48-T333-S135-per-item"),
+    pytest.param(128, 1000, 70, "on", "auto", id="H128-T1000-S70-persistent"),
+    pytest.param(128, 1000, 70, "off", "on", id="H128-T1000-S70-per-item"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("h_q", "topk", "s_q", "persistent", "tail"), GLUON_TAIL_CASES)
+def test_fwd_gpu_gluon_tail_split(h_q, topk, s_q, persistent, tail):
+    """The Gluon forward with its last work items in pieces (``Config.fwd_tail_split``: the items past
+    the last full wave), per item and persistent, against the reference, as
+    :func:`test_fwd_gpu_gluon_edge_cases`."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    cfg = Config(backend="gluon", num_splits=1, fwd_persistent=persistent, fwd_tail_split=tail)
+    check_gluon_fwd(cfg, h_q, 576, topk, s_q, 7 * h_q + topk, "gpu")
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    split = tail_split(s_q, -(-h_q // 64), topk, n_sm, tail == "on") is not None
+    assert last_launch("fwd").merge == ("kernel" if split else None)
+
+
+@pytest.mark.parametrize(
+    ("n_tok", "n_head_tiles", "topk", "force", "expected"),
+    [
+        (4096, 1, 2048, False, (4092, 16, 128)),  # 31 full waves and 4 items: 16 pieces of one pair each
+        (4092, 1, 2048, False, None),  # full waves only
+        (200, 1, 2048, False, None),  # 68 items past the wave: more than half of the multiprocessors
+        (140, 1, 512, False, (132, 4, 128)),
+        (4096, 1, 129, False, (4092, 2, 128)),  # one slot in the second piece
+        (4096, 1, 128, False, None),  # one pair: nothing to split
+        (70, 2, 1000, True, (132, 8, 128)),  # whole tokens' head tiles
+        (2, 1, 256, True, (0, 2, 128)),  # forced, fewer items than multiprocessors: all in pieces
+        (100, 1, 2048, True, None),  # 100 items: pieces of 2 would not fit in one wave
+    ],
+)
+def test_fwd_tail_split_rule(n_tok, n_head_tiles, topk, force, expected):
+    """``Config.fwd_tail_split``: which of the Gluon forward's last work items run in pieces."""
+    assert tail_split(n_tok, n_head_tiles, topk, 132, force) == expected
 
 
 @pytest.mark.parametrize(

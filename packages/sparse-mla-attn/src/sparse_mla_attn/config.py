@@ -10,6 +10,7 @@ SPLIT_MERGES = ("auto", "last_program", "kernel")
 ATTN_DIST_SPLITS = ("blocks", "cols")
 FWD_PERSISTENT = ("auto", "on", "off")
 ATTN_DIST_ORDERS = ("auto", "slot", "index")
+FWD_TAIL_SPLITS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,13 @@ class Config:
             ``"auto"`` (default): persistent where a token has more than one head tile (``h_q > 64``),
             and with one head tile where the KV rows (``2 * s_kv * d_qk`` bytes) fit in half of the GPU's
             L2 cache (up to about 22K rows of 576 on an H100 / H200).
+        fwd_tail_split: whether :func:`~sparse_mla_attn.sparse_mla_fwd`'s Gluon kernel (sm_90, without
+            split-K) splits its last (token, 64-head tile) work items: where the items past the last full
+            wave (one item per multiprocessor) are at most half as many as the multiprocessors, each of
+            them runs as up to ``topk / 128`` pieces of its top-k list on otherwise idle
+            multiprocessors, merged like split-K partials by a second kernel. ``"auto"`` (default): where the
+            kernel runs persistent (``fwd_persistent``); ``"on"``: also one program per item, and wherever
+            the last items can be split; ``"off"``: never.
         bwd_dkv_backend: kernel of :func:`~sparse_mla_attn.sparse_mla_bwd`'s ``dkv`` products up to 128
             heads (above, the main kernel forms them). ``"auto"`` (default): a warp-specialised Gluon
             kernel on an sm_90 GPU where :func:`gluon_supported` holds and the shape suits it (``d_v`` and
@@ -80,7 +88,7 @@ class Config:
 
     Raises:
         ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split``,
-            ``attn_dist_order`` or ``bwd_dkv_backend``, ``num_splits < 0`` or a workspace cap below 1 byte.
+            ``attn_dist_order``, ``bwd_dkv_backend`` or ``fwd_tail_split``, ``num_splits < 0`` or a workspace cap below 1 byte.
     """
 
     backend: str = "auto"
@@ -93,11 +101,13 @@ class Config:
     attn_dist_split: str = "blocks"
     bwd_dkv_backend: str = "auto"
     attn_dist_order: str = "auto"
+    fwd_tail_split: str = "auto"
 
     def __post_init__(self) -> None:
         choices = {
             "backend": BACKENDS, "split_merge": SPLIT_MERGES, "fwd_persistent": FWD_PERSISTENT,
             "attn_dist_split": ATTN_DIST_SPLITS, "bwd_dkv_backend": BACKENDS, "attn_dist_order": ATTN_DIST_ORDERS,
+            "fwd_tail_split": FWD_TAIL_SPLITS,
         }  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -414,19 +414,22 @@ def _merge_split_partials(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tok0"])
 def _split_combine_kernel(
     PART_O, PART_LSE, PART_MAX, SINK, OUT, MAX_LOGITS, LSE,
     stride_o_s, stride_o_h,
-    n_tok, h_q,
+    n_tok, h_q, tok0,
     N_SPLITS: tl.constexpr, D_V: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS_P2: tl.constexpr,
     HAS_SINK: tl.constexpr,
 ):  # fmt: skip
-    """Merge the split-K partials of one token and a tile of heads: lse-weighted sum of the outputs."""
+    """Merge the split-K partials (``[N_SPLITS, n_tok, h_q(, D_V)]``) of one token and a tile of heads:
+    lse-weighted sum of the outputs, written as token ``tok0 +`` that token of the outputs."""
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    tok0 = tok0.to(tl.int64)
     _merge_split_partials(
-        PART_O, PART_LSE, PART_MAX, SINK, OUT, MAX_LOGITS, LSE, tl.program_id(0), offs_h, stride_o_s,
-        stride_o_h, n_tok, h_q, N_SPLITS, D_V, BLOCK_H, SPLITS_P2, HAS_SINK, "",
+        PART_O, PART_LSE, PART_MAX, SINK, OUT + tok0 * stride_o_s, MAX_LOGITS + tok0 * h_q, LSE + tok0 * h_q,
+        tl.program_id(0), offs_h, stride_o_s, stride_o_h, n_tok, h_q, N_SPLITS, D_V, BLOCK_H, SPLITS_P2,
+        HAS_SINK, "",
     )  # fmt: skip
 
 
@@ -504,6 +507,9 @@ class FwdPlan:
     merge_last_consts: dict[str, Any]
     #: Options of the Gluon kernel (``launch_fwd_gluon``'s ``persistent_programs``).
     gluon_options: dict[str, Any] = field(default_factory=dict)
+    #: ``(n_main, splits, split_len)``: the Gluon kernel runs the work items (token x head tile) from
+    #: ``n_main`` on in ``splits`` pieces of ``split_len`` slots, merged by the merge kernel (``set_gluon_options``).
+    tail: tuple[int, int, int] | None = None
     slots: dict[Any, Any] = field(default_factory=dict)
     #: ``(kv_block_size, stride_kv_block)`` of an FP8 cache (unused ``(1, 0)`` otherwise).
     kv_ints: tuple[int, int] = (1, 0)
@@ -608,13 +614,32 @@ def run_fwd(
                 splits=(plan.n_splits, plan.ints[10]),
             )  # fmt: skip
         else:
+            tail = None
+            if plan.tail is not None:
+                n_main, t_splits, t_len = plan.tail
+                tail_tok = n_tok - n_main // cdiv(h_q, 64)
+                tail_parts = (
+                    torch.empty(t_splits, tail_tok, h_q, dims.d_v, dtype=torch.float32, device=dev),
+                    torch.empty(t_splits, tail_tok, h_q, dtype=torch.float32, device=dev),
+                    torch.empty(t_splits, tail_tok, h_q, dtype=torch.float32, device=dev),
+                )
+                tail = (n_main, t_splits, t_len, *tail_parts)
             kernel = launch_fwd_gluon(
                 q, kv_rows, idx, d_out, d_max, d_lse, sink, topk_length, dims, sm_scale * LOG2E,
                 has_sink=plan.consts["HAS_SINK"], q_start_index=plan.ints[-2], k_stride=plan.ints[-1],
                 causal=plan.consts["CAUSAL"], slots=slots, strides=plan.ints[:6], ctx=ctx,
-                splits=(plan.n_splits, plan.ints[10]), **plan.gluon_options,
+                splits=(plan.n_splits, plan.ints[10]), tail=tail, **plan.gluon_options,
             )  # fmt: skip
-        record_launch("fwd", kernel, backend="gluon", splits=plan.n_splits, merge="kernel" if split else None)
+            if tail is not None:
+                part_o, part_max, part_lse = tail[3:]
+                launch(
+                    _split_combine_kernel, (tail_tok, cdiv(h_q, 16)), slots, "combine_tail",
+                    (part_o, part_lse, part_max, sink, out, max_logits, lse, h_q * dims.d_v, dims.d_v, tail_tok,
+                     h_q, n_tok - tail_tok),
+                    {**plan.combine_consts, "N_SPLITS": t_splits, "SPLITS_P2": next_power_of_2(t_splits)}, ctx,
+                )  # fmt: skip
+        merge = "kernel" if split or plan.tail is not None else None
+        record_launch("fwd", kernel, backend="gluon", splits=plan.n_splits, merge=merge)
         if split:
             _launch_combine(plan, dst, sink, out, max_logits, lse, slots, ctx)
         return out, max_logits, lse
@@ -642,7 +667,7 @@ def _launch_combine(
     launch(
         _split_combine_kernel, plan.combine_grid, slots, "combine",
         (part_o, part_lse, part_max, sink, out, max_logits, lse, dims.h_q * dims.d_v, dims.d_v, dims.s_q,
-         dims.h_q),
+         dims.h_q, 0),
         plan.combine_consts, ctx,
     )  # fmt: skip
 
@@ -787,13 +812,47 @@ def _plan_fwd_call(
 def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> FwdPlan:
     """Give ``plan`` the Gluon forward's options of ``config`` (``fwd_persistent``: one program per
     multiprocessor of ``device``, by default where a token has more than one 64-head tile or where the KV
-    rows fit in half of the device's L2 cache, see :class:`Config`); returns ``plan``."""
+    rows fit in half of the device's L2 cache, see :class:`Config`; ``fwd_tail_split``: the last items in
+    pieces, :func:`tail_split`); returns ``plan``."""
     mode = config.fwd_persistent
     dims = plan.dims
     kv_in_l2 = 2 * dims.s_kv * dims.d_qk * 2 <= l2_cache_bytes(device)  # bf16 / fp16 rows
     persistent = mode == "on" or (mode == "auto" and (dims.h_q > 64 or kv_in_l2))
-    plan.gluon_options = {"persistent_programs": num_sms(device) if persistent else 0}
+    n_sm = num_sms(device)
+    plan.gluon_options = {"persistent_programs": n_sm if persistent else 0}
+    plan.tail = None
+    mode = config.fwd_tail_split
+    if (
+        (mode == "on" or (mode == "auto" and persistent))
+        and plan.gluon
+        and plan.n_splits == 1
+        and not plan.consts.get("KV_FP8")
+    ):
+        plan.tail = tail_split(dims.s_q, cdiv(dims.h_q, 64), dims.topk, n_sm, mode == "on")
     return plan
+
+
+def tail_split(
+    n_tok: int, n_head_tiles: int, topk: int, n_sm: int, force: bool = False
+) -> tuple[int, int, int] | None:
+    """How the Gluon forward splits its last work items (``FwdPlan.tail``): the ``r`` items past the last
+    full wave of ``n_sm`` (whole tokens' head tiles) run in ``s`` pieces each of ``split_len`` slots (a
+    multiple of 128, one pair of blocks), ``r s <= n_sm``, where ``r`` is at most half of ``n_sm``
+    (``force``: wherever ``r >= 1`` and a split is possible). ``None`` where the items are not split:
+    ``(n_main, s, split_len)`` else."""
+    n_items = n_tok * n_head_tiles
+    if n_sm <= 0:
+        return None
+    r = n_items % n_sm if n_items > n_sm else n_items if force else 0
+    r = cdiv(r, n_head_tiles) * n_head_tiles  # whole tokens
+    if r == 0 or (2 * r > n_sm and not force):
+        return None
+    s = min(cdiv(topk, 128), max(1, n_sm // r))
+    split_len = cdiv(cdiv(topk, s), 128) * 128
+    s = cdiv(topk, split_len)
+    if s < 2:
+        return None
+    return n_items - r, s, split_len
 
 
 _PLANS: dict[Any, FwdPlan] = {}
@@ -814,12 +873,14 @@ def _fwd_key(
 def _fwd_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, q_start_index: int, k_stride: int,
-    causal: bool, backend: str, num_splits: int, fwd_persistent: str = "auto",
+    causal: bool, backend: str, num_splits: int, fwd_persistent: str = "auto", fwd_tail_split: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     # Validation and launch plan depend only on the call signature: made once per signature.
-    options = (backend, num_splits, fwd_persistent)
+    options = (backend, num_splits, fwd_persistent, fwd_tail_split)
     key = _fwd_key(q, kv, indices, attn_sink, topk_length, d_v, q_start_index, k_stride, causal, options)
-    config = lambda: replace(config_of(backend, num_splits), fwd_persistent=fwd_persistent)
+    config = lambda: replace(
+        config_of(backend, num_splits), fwd_persistent=fwd_persistent, fwd_tail_split=fwd_tail_split
+    )
     plan = cached(
         _PLANS, key, lambda: _plan_fwd_call(q, kv, indices, d_v, attn_sink, topk_length, q_start_index, k_stride,
                                             causal, config()),
@@ -924,7 +985,7 @@ def sparse_mla_fwd(
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
     cfg = config or DEFAULT
-    options = (cfg.backend, cfg.num_splits, cfg.fwd_persistent)
+    options = (cfg.backend, cfg.num_splits, cfg.fwd_persistent, cfg.fwd_tail_split)
     T = torch.Tensor
     # A repeated eager call replays its plan's launches (the checks below are those of its first call).
     if (type(q) is T and type(kv) is T and type(indices) is T and type(sm_scale) is float and type(d_v) is int

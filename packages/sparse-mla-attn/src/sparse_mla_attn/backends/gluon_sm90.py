@@ -237,20 +237,15 @@ if HAVE_GLUON:
             idx_next = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
             # Slot free: its readers arrived for block b - NUM_BUF (a fresh barrier passes parity 1 at once).
             mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
-            if PARTS == 1:
-                kn, kr = kn_smem.index(slot), kr_smem.index(slot)
-                _issue_gather(kn, kr, KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l)
-                cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
-            else:
-                D_PART: gl.constexpr = D_NOPE // PARTS
-                for j in gl.static_range(PARTS):
-                    kn = kn_smem.index(slot).slice(j * D_PART, D_PART, dim=1)
-                    _issue_gather_cols(kn, KV, stride_kv_row, idx_cur, hi, j * D_PART, D_PART, ld_l)
-                    if j == PARTS - 1 and D_ROPE > 0:
-                        kr = kr_smem.index(slot)
-                        _issue_gather_cols(kr, KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l)
-                    # (Fires once this thread's copies so far landed: parts 0 .. j.)
-                    cp.mbarrier_arrive(full_bars.index(PARTS * slot + j), increment_count=False)
+            D_PART: gl.constexpr = D_NOPE // PARTS
+            for j in gl.static_range(PARTS):
+                kn = kn_smem.index(slot).slice(j * D_PART, D_PART, dim=1)
+                _issue_gather_cols(kn, KV, stride_kv_row, idx_cur, hi, j * D_PART, D_PART, ld_l)
+                if j == PARTS - 1 and D_ROPE > 0:
+                    kr = kr_smem.index(slot)
+                    _issue_gather_cols(kr, KV, stride_kv_row, idx_cur, hi, D_NOPE, D_ROPE, ld_l)
+                # (Fires once this thread's copies so far landed: parts 0 .. j.)
+                cp.mbarrier_arrive(full_bars.index(PARTS * slot + j), increment_count=False)
 
     @gluon.constexpr_function
     def _pp_layouts(BLOCK_T: Any, D_HALF: Any) -> tuple[Any, Any]:
@@ -637,25 +632,51 @@ if HAVE_GLUON:
                      HAS_SINK: gl.constexpr, end_ph):  # fmt: skip
         """The end of a forward work item for consumer warpgroup ``WG`` (both consumers): exchange the row
         sums (each summed its own blocks' P) through ``smem.l`` / ``end_bar`` (phase ``end_ph``), then write
-        the lse and row max (warpgroup 0) and this warpgroup's output channels, normalised (see
-        ``_pp_consumer``)."""
-        BLOCK_H: gl.constexpr = acc.shape[0]
-        D_HALF: gl.constexpr = acc.shape[1]
-        o_l: gl.constexpr = acc.type.layout
+        the lse and row max (warpgroup 0) and this warpgroup's output channels (``_pp_write``): split-K
+        items and tail pieces as partials."""
         row_l: gl.constexpr = m_i.type.layout
         smem.l.index(WG).store(l_i)
         mbarrier.arrive(smem.end_bar)
         mbarrier.wait(smem.end_bar, end_ph)
         l_i = l_i + smem.l.index(1 - WG).load(row_l)
+        if item.SPLIT_K:
+            _pp_write(WG, smem, m_i, l_i, acc, item, OUT, MAX_LOGITS, LSE, SINK, False, True)
+        elif item.TAIL:
+            if item.piece:
+                _pp_write(
+                    WG,
+                    smem,
+                    m_i,
+                    l_i,
+                    acc,
+                    item,
+                    item.PART_O,
+                    item.PART_MAX,
+                    item.PART_LSE,
+                    SINK,
+                    False,
+                    True,
+                )
+            else:
+                _pp_write(WG, smem, m_i, l_i, acc, item, OUT, MAX_LOGITS, LSE, SINK, HAS_SINK, False)
+        else:
+            _pp_write(WG, smem, m_i, l_i, acc, item, OUT, MAX_LOGITS, LSE, SINK, HAS_SINK, False)
 
+    @gluon.jit
+    def _pp_write(WG: gl.constexpr, smem, m_i, l_i, acc, item, OUT, MAX_LOGITS, LSE, SINK, ADD_SINK: gl.constexpr,
+                  PARTIAL: gl.constexpr):  # fmt: skip
+        """Write consumer warpgroup ``WG``'s output channels of a work item (at ``item.out_base``), and
+        (warpgroup 0) its lse and row max (at ``item.lse_base``): final (natural log, normalised with the
+        sink where ``ADD_SINK``) or, with ``PARTIAL``, split-K partials (fp32 output normalised by this
+        split's own sum, base 2; the merge kernel adds the sink)."""
+        BLOCK_H: gl.constexpr = acc.shape[0]
+        D_HALF: gl.constexpr = acc.shape[1]
+        o_l: gl.constexpr = acc.type.layout
+        row_l: gl.constexpr = m_i.type.layout
         offs_hs = item.h0 + gl.arange(0, BLOCK_H, layout=row_l)
         hs_ok = offs_hs < item.h_q
-        # (With split-K the merge kernel adds the sink.)
-        m_use, has_any, scale = softmax_output_scale(
-            m_i, l_i, SINK, offs_hs, hs_ok, HAS_SINK and not item.SPLIT_K
-        )
-        # Natural log, or base 2 for the split-K partials.
-        if item.SPLIT_K:
+        m_use, has_any, scale = softmax_output_scale(m_i, l_i, SINK, offs_hs, hs_ok, ADD_SINK)
+        if PARTIAL:
             to_out = 1.0
         else:
             to_out = 0.6931471805599453
@@ -664,7 +685,7 @@ if HAVE_GLUON:
             gl.store(LSE + item.lse_base + offs_hs, lse2 * to_out, mask=hs_ok)
             gl.store(MAX_LOGITS + item.lse_base + offs_hs, m_i * to_out, mask=hs_ok)
         out = acc * gl.convert_layout(scale, gl.SliceLayout(1, o_l))[:, None]
-        if item.SPLIT_K:  # fp32 partials, read back by the merge kernel
+        if PARTIAL:  # fp32, read back by the merge kernel
             offs_ho = item.h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
             offs_d = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_l))
             o_ptr = OUT + item.out_base + offs_ho[:, None] * item.stride_o_h + offs_d[None, :]
@@ -730,14 +751,20 @@ if HAVE_GLUON:
         lse_base: gl.tensor  # ... and in LSE / MAX_LOGITS
         stride_o_h: _Int  # OUT's head stride
         h_q: _Int
+        piece: _Int  # with TAIL: the item is a split of a tail item, written as partials to PART_*
+        PART_O: _Int  # with TAIL: the tail pieces' partial outputs, row maxima and lse (else None)
+        PART_MAX: _Int
+        PART_LSE: _Int
         SPLIT_K: gl.constexpr
         TURNS: gl.constexpr  # the consumers issue their S by turns (``_pp_consumer_whole``)
         FREE_EARLY: gl.constexpr  # warpgroup 0 frees slot 1's first half within its next S (``_pp_consumer``)
+        TAIL: gl.constexpr
 
     @_aggregate_of_fields
     class _FwdItems:
         """The forward's work items: (token, 64-head tile) pairs, with ``SPLIT_K`` one per split of the
-        token's top-k list too (see ``_sparse_mla_fwd_ws_kernel``); :meth:`get` locates one."""
+        token's top-k list too, with ``TAIL`` the pairs below ``n_main`` whole and then ``tail_splits``
+        pieces of each later pair (see ``_sparse_mla_fwd_ws_kernel``); :meth:`get` locates one."""
 
         IDX: gl.tensor
         TOPK_LEN: gl.tensor
@@ -753,6 +780,12 @@ if HAVE_GLUON:
         n_tok: _Int
         split_len: _Int
         n_items: _Int
+        PART_O: _Int
+        PART_MAX: _Int
+        PART_LSE: _Int
+        n_main: _Int
+        tail_splits: _Int
+        tail_len: _Int
         D_NOPE: gl.constexpr
         BLOCK_T: gl.constexpr
         HAS_TOPK_LEN: gl.constexpr
@@ -760,10 +793,18 @@ if HAVE_GLUON:
         SPLIT_K: gl.constexpr
         TURNS: gl.constexpr
         FREE_EARLY: gl.constexpr
+        TAIL: gl.constexpr
 
         @gluon.jit
         def get(self, item):
             """Work item ``item`` (a ``_FwdItem``)."""
+            piece = False
+            if self.TAIL:
+                # Piece k of pair n_main + j is item n_main + j * tail_splits + k.
+                tail = item - self.n_main
+                piece = tail >= 0
+                pid_k = gl.where(piece, tail % self.tail_splits, 0)
+                item = gl.where(piece, self.n_main + tail // self.tail_splits, item)
             pid_h = item % self.n_head_tiles
             pid_s = item // self.n_head_tiles
             if self.SPLIT_K:
@@ -786,10 +827,20 @@ if HAVE_GLUON:
                 out_base = pid_s.to(gl.int64) * self.stride_o_s
                 lse_base = pid_s.to(gl.int64) * self.h_q
                 so_h = self.stride_o_h
+                if self.TAIL:
+                    # A piece: its slots as a list of their own, its partials at [pid_k, tail token, head].
+                    t_start = pid_k * self.tail_len
+                    idx_row += t_start
+                    n_t = gl.where(piece, gl.maximum(gl.minimum(n_t - t_start, self.tail_len), 0), n_t)
+                    tok0 = self.n_main // self.n_head_tiles
+                    part = (pid_k.to(gl.int64) * (self.n_tok - tok0) + pid_s - tok0) * self.h_q
+                    lse_base = gl.where(piece, part, lse_base)
+                    out_base = gl.where(piece, part * self.D_NOPE, out_base)
+                    so_h = gl.where(piece, self.D_NOPE, so_h)
             n_pairs = gl.cdiv(n_t, 2 * self.BLOCK_T)
             return _FwdItem(  # type: ignore[call-arg]
-                pid_s, pid_h * 64, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h, self.h_q, self.SPLIT_K,
-                self.TURNS, self.FREE_EARLY,
+                pid_s, pid_h * 64, idx_row, n_t, hi, n_pairs, out_base, lse_base, so_h, self.h_q, piece, self.PART_O,
+                self.PART_MAX, self.PART_LSE, self.SPLIT_K, self.TURNS, self.FREE_EARLY, self.TAIL,
             )  # fmt: skip
 
     @_aggregate_of_fields
@@ -996,6 +1047,12 @@ if HAVE_GLUON:
         n_tok,
         split_len,
         n_items,
+        PART_O,
+        PART_MAX,
+        PART_LSE,
+        n_main,
+        tail_splits,
+        tail_len,
         D_NOPE: gl.constexpr,
         D_ROPE: gl.constexpr,
         BLOCK_T: gl.constexpr,
@@ -1010,6 +1067,7 @@ if HAVE_GLUON:
         TURNS: gl.constexpr = False,
         FREE_EARLY: gl.constexpr = False,
         SLOT_PARTS: gl.constexpr = 1,
+        TAIL: gl.constexpr = False,
     ):
         """Forward for (token, 64-head tile) work items, warp specialised (FlashMLA-style ping-pong, 12
         warps).
@@ -1033,6 +1091,13 @@ if HAVE_GLUON:
         issue their S by turns (see ``_pp_consumer_whole``); ``FREE_EARLY`` (set for the persistent form
         with more than one head tile): see ``_pp_consumer``. ``SLOT_PARTS``: the parts in which the per-item
         kernel gathers a slot (``_ws_producer``).
+
+        With ``TAIL`` (not with ``SPLIT_K``) the items below ``n_main`` are whole; the rest are pieces:
+        item ``n_main + j tail_splits + k`` covers slots ``[k tail_len, (k + 1) tail_len)`` of whole item
+        ``n_main + j`` and writes its split-K partials to ``PART_O`` / ``PART_MAX`` / ``PART_LSE``
+        (``[tail_splits, n_tok - n_main / n_head_tiles, h_q(, D_NOPE)]``), so that the last items, fewer
+        than the multiprocessors, are spread over more of them (merged by the merge kernel). Without
+        ``TAIL`` these six arguments are not read (pass ``None``).
         """
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_T == 64)
@@ -1045,8 +1110,8 @@ if HAVE_GLUON:
         WG1: gl.constexpr = 1
         items = _FwdItems(  # type: ignore[call-arg]
             IDX, TOPK_LEN, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, q_start_index,
-            k_stride, n_tok, split_len, n_items, D_NOPE, BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K, TURNS,
-            FREE_EARLY,
+            k_stride, n_tok, split_len, n_items, PART_O, PART_MAX, PART_LSE, n_main, tail_splits, tail_len, D_NOPE,
+            BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K, TURNS, FREE_EARLY, TAIL,
         )  # fmt: skip
         if PERSISTENT:
             qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
@@ -1507,6 +1572,7 @@ def launch_fwd_gluon(
     strides: tuple[int, ...] | None = None,
     ctx: LaunchContext | None = None,
     splits: tuple[int, int] = (1, 0),
+    tail: tuple[Any, ...] | None = None,
 ) -> Any:
     """Forward on sm_90: one program per token and 64-head tile, 12 warp-specialised warps (see
     ``_sparse_mla_fwd_ws_kernel``); same arguments and outputs as the Triton launch (``slots``: see
@@ -1516,7 +1582,9 @@ def launch_fwd_gluon(
     :func:`~sparse_mla_attn._runtime.launch_context`. ``splits``: ``(n_splits, split_len)``; with more
     than one split ``out`` / ``max_logits`` / ``lse`` are the fp32 split-K partial buffers.
     ``persistent_programs``: run the kernel persistent on at most this many programs
-    (``Config.fwd_persistent``: the multiprocessor count), else (0) one program per work item."""
+    (``Config.fwd_persistent``: the multiprocessor count), else (0) one program per work item. ``tail``:
+    ``(n_main, tail_splits, tail_len, part_o, part_max, part_lse)``, the work items from ``n_main`` on run
+    in pieces (see ``_sparse_mla_fwd_ws_kernel``; without split-K), their partials for the merge kernel."""
     n_head_tiles = cdiv(dims.h_q, 64)
     n_splits, split_len = splits
     if strides is None:
@@ -1534,15 +1602,22 @@ def launch_fwd_gluon(
     args = (q, kv_rows, idx, out, max_logits, lse, sink, topk_length if topk_length is not None else idx,
             *strides, dims.h_q, n_head_tiles, dims.topk, dims.s_kv, q_start_index, k_stride, sm_scale_log2,
             dims.s_q, split_len if n_splits > 1 else dims.topk)  # fmt: skip
+    tail_args: tuple[Any, ...] = (None,) * 6
+    name = "gluon_fwd" if n_splits == 1 else "gluon_fwd_split"
+    if tail is not None:
+        n_main, tail_splits, tail_len, part_o, part_max, part_lse = tail
+        n_items = n_main + (n_items - n_main) * tail_splits
+        tail_args = (part_o, part_max, part_lse, n_main, tail_splits, tail_len)
+        consts["TAIL"] = True
+        name += "_tail"
     if persistent_programs > 0:
         return launch(
-            _sparse_mla_fwd_ws_kernel, (min(n_items, persistent_programs),), slots,
-            "gluon_fwd_persistent" if n_splits == 1 else "gluon_fwd_persistent_split", (*args, n_items),
-            {**consts, "PERSISTENT": True}, ctx,
+            _sparse_mla_fwd_ws_kernel, (min(n_items, persistent_programs),), slots, name + "_persistent",
+            (*args, n_items, *tail_args), {**consts, "PERSISTENT": True}, ctx,
         )  # fmt: skip
     return launch(
-        _sparse_mla_fwd_ws_kernel, (n_items,), slots, "gluon_fwd" if n_splits == 1 else "gluon_fwd_split",
-        (*args, None), {**consts, "SLOT_PARTS": FWD_SLOT_PARTS}, ctx,
+        _sparse_mla_fwd_ws_kernel, (n_items,), slots, name, (*args, None, *tail_args),
+        {**consts, "SLOT_PARTS": FWD_SLOT_PARTS}, ctx,
     )  # fmt: skip
 
 

@@ -448,7 +448,8 @@ if HAVE_GLUON:
         pid = gl.program_id(0)
         item = _FwdItems(  # type: ignore[call-arg]
             IDX, IDX, stride_idx_s, stride_o_s, stride_o_h, h_q, n_head_tiles, topk, s_kv, 0, 1, n_tok,
-            split_len, None, D_NOPE, BLOCK_T, False, False, SPLIT_K, False, False,
+            split_len, None, None, None, None, None, None, None, D_NOPE, BLOCK_T, False, False, SPLIT_K, False,
+            False, False,
         ).get(pid)  # fmt: skip
         n_blocks = gl.cdiv(item.n_t, BLOCK_T)
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
