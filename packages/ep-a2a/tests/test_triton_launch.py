@@ -466,6 +466,36 @@ def test_workspace_rows_and_their_views(hold):
     assert WorkspaceRing(eng).take(7, 4).first_rows(2)[2] is None
 
 
+@pytest.mark.parametrize("hold", ["slice", "view_of_slice", "storage", "none"])
+def test_workspace_keeps_rows_until_they_are_replaced(hold):
+    """A workspace without rows keeps the rows allocated for its call: they serve a later call that would
+    allocate between three quarters of them and all of them, once nothing else refers to their memory
+    (a handed-out slice, a view of it, their storage); rows kept in their place replace them."""
+    from ep_a2a.backends.triton.workspace import WorkspaceRing
+
+    eng = _engine()
+    ring = WorkspaceRing(eng)
+    ws = ring.take(7, 4)
+    assert (ws.kept, ws.spare_rows(1)) == (None, None), "nothing kept yet"
+    rows = ws.keep_rows(torch.empty(40, eng.hidden, dtype=torch.bfloat16))
+    assert (ws.kept, ws.kept_rows) == (rows, 40)
+    assert ws.spare_rows(40) is rows
+    assert ws.spare_rows(30) is rows, "a quarter unused"
+    assert ws.spare_rows(29) is None, "more than a quarter unused"
+    assert ws.spare_rows(41) is None, "too few rows"
+    handed = rows[:35]
+    views = {"slice": handed, "view_of_slice": handed[2:].view(-1), "storage": handed.untyped_storage()}
+    held = views.get(hold)
+    del handed, rows, views
+    assert ring.take(7, 4) is ws, "the rows are not the workspace's buffer"
+    if hold != "none":
+        assert ws.spare_rows(40) is None, f"{hold} is held: not written again"
+        del held
+    assert ws.spare_rows(40) is not None
+    other = ws.keep_rows(torch.empty(80, eng.hidden, dtype=torch.bfloat16))
+    assert (ws.spare_rows(80), ws.kept_rows) == (other, 80), "the new rows replace the kept ones"
+
+
 @pytest.mark.parametrize("hold", ["output", "view", "none"])
 def test_combine_outputs_reused_only_when_nothing_refers_to_them(hold):
     """A combine output of the ring is handed out again only once nothing refers to it or its memory;
@@ -724,42 +754,51 @@ def test_eager_graphs_replay_repeated_inputs(monkeypatch):
 
 
 def test_large_layer_common_case_replays_by_addresses_and_rows(monkeypatch):
-    """A layer whose rows are allocated per call: from the second call on ``dispatch_plain`` allocates the
-    rows and replays the graph captured for the call's addresses with those rows (their address and
-    count), found by them alone once captured; rows elsewhere launch one by one. Every call returns the
-    counts the kernels wrote, in rows of exactly the received count."""
+    """A layer whose rows are not in the workspaces: from the second call on ``dispatch_plain`` writes
+    the rows the workspace kept from its last call (allocated once, while nothing else refers to them)
+    and replays the graph captured for the call's addresses with those rows (their address and count),
+    found by them alone once captured; rows elsewhere (the kept ones held by the caller) launch one by
+    one. Every call returns the counts the kernels wrote, in rows of exactly the received count."""
     be, vals, events = _dispatch_on_fake_graphs(monkeypatch, large=True)
     eng = be.engine
     assert be._plain_large
     assert not be._plain_rows
     H, W = be.config.hidden, be.config.world_size
-    buf = torch.empty(64, H, dtype=torch.bfloat16)
-    bufs = [buf]
-    monkeypatch.setattr(eng, "alloc_rows", lambda rows, dtype=None: bufs[0][:rows])
+    allocated: list[int] = []
+
+    def alloc_rows(rows: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        allocated.append(rows)
+        return torch.empty(rows, H, dtype=dtype)
+
+    monkeypatch.setattr(eng, "alloc_rows", alloc_rows)
     speculative = be._dispatch_speculative
     calls: list[int] = []
     monkeypatch.setattr(
         be, "_dispatch_speculative", lambda *a, **kw: calls.append(1) or speculative(*a, **kw)
     )
     x, ids, w = torch.randn(6, H).to(torch.bfloat16), torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4)
+    kept = 0
     for i in range(5):
         out, out_w, desc = be.dispatch(x, ids, w, None)
         assert (out.shape, out_w.shape, desc.num_recv_rows) == ((9, H), (9,), 9), i
         assert desc.num_recv_tokens_per_rank.tolist() == vals[2 + W : 2 + 2 * W].tolist()
-        assert i == 0 or out.data_ptr() == buf.data_ptr()
+        assert i < 2 or out.data_ptr() == kept, "the kept rows"
+        kept = out.data_ptr()
         del out, out_w, desc
     # (the first call waits for the counts; the second launches, the third captures, then replays)
     assert events == ["launch", "capture", "replay", "replay", "replay"]
     assert calls == [1, 1], "the replays skip the step-by-step path"
+    assert allocated == [9, 10], "the first call's exact rows, then rows allocated once"
     (ws,) = be.workspaces._rings[7]
-    assert list(ws.plain_graphs) == [
-        (x.data_ptr(), ids.data_ptr(), w.data_ptr(), 6, torch.int64, buf.data_ptr(), 10)
-    ]
+    assert list(ws.plain_graphs) == [(x.data_ptr(), ids.data_ptr(), w.data_ptr(), 6, torch.int64, kept, 10)]
     events.clear()
-    bufs[0] = torch.empty(64, H, dtype=torch.bfloat16)  # (rows elsewhere: launched one by one)
-    _, _, desc = be.dispatch(x, ids, w, None)
-    assert events == ["launch"]
+    held, _, desc = be.dispatch(x, ids, w, None)  # (the caller keeps the rows, drops the descriptor)
+    del desc
+    _, _, desc = be.dispatch(x, ids, w, None)  # (the kept rows held: new ones, launched one by one)
+    assert events == ["replay", "launch"]
+    assert allocated == [9, 10, 10]
     assert desc.num_recv_rows == 9
+    assert held.data_ptr() == kept
 
 
 def test_common_case_dispatch_replays_by_addresses_and_checks_the_board_once_launched(monkeypatch):

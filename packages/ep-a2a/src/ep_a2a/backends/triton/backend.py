@@ -19,7 +19,8 @@ A dispatch runs one of three flows:
 * static (:meth:`TritonBackend.dispatch_static`): CUDA-graph mode, worst-case outputs, no host wait.
 
 The exact-shape flows take their outputs but the rows from the current stream's ring of workspaces
-(:mod:`.workspace`: reused once nothing refers to them) and allocate the rows per call; after a kernel
+(:mod:`.workspace`: reused once nothing refers to them) and allocate the rows per call (the layer's
+common case on a large layer: into the rows the workspace kept from its last call); after a kernel
 variant's first launch its launches skip Triton's argument binding (:meth:`.engine.TritonEPEngine._launch`).
 """
 
@@ -381,6 +382,10 @@ class TritonBackend(A2ABackend):
             self.speculative_rows and not eng.ce_pieces and self.low_latency is None and rows is None
         )
         self._worst_rows = eng.worst_case_rows()
+        #: rows of the next speculative call's outputs (:meth:`_record_rows` keeps it up to date)
+        self._rows_next = (
+            _speculative_rows_guess(self._recent_rows, self._worst_rows) if self._recent_rows else 0
+        )
 
     def _ring_rows(self) -> tuple[torch.dtype, int, int] | None:
         """The rows each workspace holds: the worst case of the layer's rows when the speculative flow
@@ -535,25 +540,29 @@ class TritonBackend(A2ABackend):
         return ring_rows, w_rows, desc
 
     def _dispatch_plain_large(self, input: Tensor, exp_indices: Tensor, weight: Tensor) -> DispatchResult:
-        """:meth:`dispatch_plain` of a layer whose rows are allocated per call (the speculative flow from
-        the second call on): a call whose tensors and rows repeat the addresses of an earlier one
-        replays its CUDA graph, found by those addresses and the rows' count alone (the rest of
+        """:meth:`dispatch_plain` of a layer whose rows are not in the workspaces (the speculative flow
+        from the second call on), into the rows the workspace kept from its last call where they are
+        free and fit the call's guess (:meth:`.workspace.DispatchWorkspace.spare_rows`), else into new
+        ones it keeps: a call whose tensors and rows repeat the addresses of an earlier one replays its
+        CUDA graph, found by those addresses and the rows' count alone (the rest of
         :meth:`_launch_merged_bound`'s key is fixed by the layer's checks)."""
         if _capturing():
             raise RuntimeError(_EXACT_UNDER_CAPTURE)
         stream = _raw_stream(self._device_index)
         n = input.shape[0]
         ws = self.workspaces.take(stream, n)
-        out = self.engine.alloc_rows(
-            _speculative_rows_guess(self._recent_rows, self._worst_rows), dtype=input.dtype
-        )
+        # (the rows of the workspace's last call where they are free and fit: no allocation before the
+        # launch; else new ones, which the workspace keeps)
+        out = ws.spare_rows(self._rows_next)
+        if out is None:
+            out = ws.keep_rows(self.engine.alloc_rows(self._rows_next, dtype=input.dtype))
         # (the key _launch_merged_bound builds, less what the layer's checks fix)
         at = (input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), n, exp_indices.dtype, out.data_ptr(),
               out.shape[0])  # fmt: skip
         graph = ws.plain_graphs.get(at) if self.eager_graphs else None
         if graph is None:
             return self._dispatch_speculative(input, exp_indices, weight, None, ws=ws, out=out, plain_at=at)
-        self._mirror_np[-1] = 0  # (program 0 writes the epoch there once info is copied)
+        self._mirror_mv[self._epoch_at] = 0  # (program 0 writes the epoch there once info is copied)
         graph.launch(stream)
         self.engine.merged_replayed()
         self.graph_replays += 1
@@ -630,7 +639,7 @@ class TritonBackend(A2ABackend):
         # remote peers also the records to send and receive, which size the puts)
         vals, npk = self._read_info(info, rb, bad_ids=False)  # (raised after the row kernel below)
         rows = int(vals[0])
-        self._recent_rows.append(rows)
+        self._record_rows(rows)
         if spec is not None and _rows_fit_ahead(rows, ahead):
             bufs.out, bufs.out_w, bufs.out_e = (
                 spec[0][:rows],
@@ -725,7 +734,7 @@ class TritonBackend(A2ABackend):
         vals = self._read_mirror() if mirror is not None else self._read_info(ws.info)[0]
         rows = int(vals[0])
         if speculate:
-            self._recent_rows.append(rows)
+            self._record_rows(rows)
             if rows > out.shape[0]:  # (exact outputs and a second writing pass)
                 call = _Call(input, exp_indices, weight, full_scatter_indices, eng.pos)
                 bufs = self._speculative_buffers(ws, out)
@@ -930,7 +939,13 @@ class TritonBackend(A2ABackend):
 
     def _rows_guess(self) -> int:
         """Rows of the outputs of this call's speculative flow."""
-        return _speculative_rows_guess(self._recent_rows, self.engine.worst_case_rows())
+        return self._rows_next
+
+    def _record_rows(self, rows: int) -> None:
+        """Record the rows an exact-shape call received, and the rows the next speculative call's outputs
+        get from them (computed here, off the next call's path to its launch)."""
+        self._recent_rows.append(rows)
+        self._rows_next = _speculative_rows_guess(self._recent_rows, self._worst_rows)
 
     def _read_info(
         self, info: torch.Tensor, remote: dict[str, torch.Tensor] | None = None, *, bad_ids: bool = True

@@ -15,8 +15,16 @@ So a tensor a dispatch returned is never overwritten while the caller holds it, 
 or the descriptor holding it. Reuse is in stream order on the stream the workspace was handed out on
 (one ring per stream), as PyTorch's caching allocator reuses freed memory: a caller that reads these
 tensors on another stream keeps them referenced until that stream's work is done (``record_stream``
-does not apply to them). Rows of larger layers are allocated per call, so that their memory goes back
-to PyTorch's allocator when the caller drops them.
+does not apply to them).
+
+Rows of larger layers are allocated per call; those of the layer's common case on a layer whose
+rows are sized from the last calls' counts (the backend's speculative flow) are kept by the workspace
+the call took (:meth:`DispatchWorkspace.keep_rows`): a later such call into that workspace writes
+them again, under the same rule, when they hold its rows and at most a third more
+(:meth:`DispatchWorkspace.spare_rows`); else it allocates new ones, and the old ones go back to
+PyTorch's allocator once the caller drops them. So between calls a stream's ring holds the rows of as
+many calls as the caller held at once (at most :data:`RING_SIZE`, each of at most the worst case's
+rows), until the backend is finalized.
 """
 
 from __future__ import annotations
@@ -173,6 +181,12 @@ class DispatchWorkspace:
         #: constructor's locals are gone)
         self._idle: tuple[int, ...] = ()
         self._idle_views: tuple[int, ...] = ()
+        #: rows allocated for a call into this workspace when it holds none (``rows`` ``None``), kept
+        #: for its later calls (:meth:`keep_rows`, :meth:`spare_rows`), and their row count
+        self.kept: torch.Tensor | None = None
+        self.kept_rows = 0
+        self._kept_storage: torch.UntypedStorage | None = None
+        self._kept_idle = (-1, -1)
 
     def for_tokens(self, n: int) -> DispatchWorkspace:
         """``skip`` and ``scat`` viewed for ``n`` tokens (new views when ``n`` changed); returns ``self``.
@@ -196,6 +210,27 @@ class DispatchWorkspace:
                 self._out_rows = self.out[:rows]
             self.last_rows = rows
         return self._w_rows, self._e_rows, self._out_rows if self.out is not None else None
+
+    def keep_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Keep ``rows`` (just allocated: nothing else refers to their memory) for the later calls into
+        this workspace, in place of the rows it kept before; returns them."""
+        if _storage_use_count is not None:
+            self.kept, self.kept_rows = rows, rows.shape[0]
+            storage = self._kept_storage = rows.untyped_storage()
+            # (the tensors sharing their memory, and references to their storage object, which is
+            # the one every ``untyped_storage()`` of them returns; counted as spare_rows counts them)
+            self._kept_idle = (_storage_use_count(storage._cdata), sys.getrefcount(storage))
+        return rows
+
+    def spare_rows(self, rows: int) -> torch.Tensor | None:
+        """The kept rows (:meth:`keep_rows`) where nothing but this workspace refers to their memory and
+        they serve a call that would allocate ``rows``: they hold them, and at most a third more
+        (``None`` otherwise). Call only on a workspace taken from the ring for this call."""
+        kept, storage = self.kept, self._kept_storage
+        if kept is None or (_storage_use_count(storage._cdata), sys.getrefcount(storage)) != self._kept_idle:  # type: ignore[misc, union-attr]
+            return None
+        have = self.kept_rows
+        return kept if have - have // 4 <= rows <= have else None
 
     def _view_refs(self) -> tuple[int, ...]:
         """References to each view handed out as it is (the descriptor's record aside)."""
