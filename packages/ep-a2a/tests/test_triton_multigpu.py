@@ -984,6 +984,53 @@ def test_held_outputs_survive_later_dispatches(group, overlap):
         be.finalize()
 
 
+def test_large_layer_rows_kept_between_calls(group):
+    """A large layer's common-case dispatch (rows sized from the last calls) writes the rows its
+    workspace kept from the last call once the caller dropped them: the same inputs again land in the
+    same rows (and replay their CUDA graph), every call against the reference; rows the caller still
+    holds keep their values while the next call writes new ones."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    experts = 8 * world
+    dev = torch.device("cuda", torch.cuda.current_device())
+    be = _make_backend(
+        group, max_tokens=64, hidden=256, topk=4, experts=experts, dtype=torch.bfloat16, heap="torch",
+        overlap_bytes=0,
+    )  # fmt: skip
+    try:
+        assert be._plain_large
+        xs, ids, ws, _ = _inputs(
+            931, world, [48] * world, 256, 4, experts, torch.bfloat16, skew=False, drop=0.1, with_w=True
+        )  # fmt: skip
+        args = (xs[rank].to(dev), ids[rank].to(dev), ws[rank].to(dev))
+        mine = dispatch_ref(xs, ids, ws, num_tot_experts=experts)[0][rank]
+        addresses = []
+        for i in range(5):
+            out, out_w, desc = be.dispatch_plain(*args)
+            torch.cuda.synchronize()
+            assert torch.equal(out.cpu(), mine.output), f"call {i}: rows differ from the reference"
+            assert torch.equal(out_w.cpu(), mine.weights), f"call {i}: weights differ from the reference"
+            addresses.append(out.data_ptr())
+            del out, out_w, desc
+        # (the first call waits for the counts and allocates exact rows; the second allocates and keeps)
+        assert len(set(addresses[1:])) == 1, f"the kept rows are written again: {addresses}"
+        assert be.graph_replays >= 2, be.graph_replays
+        held, _, _ = be.dispatch_plain(*args)
+        snapshot = held.clone()
+        xs2, ids2, ws2, _ = _inputs(
+            932, world, [48] * world, 256, 4, experts, torch.bfloat16, skew=False, drop=0.1, with_w=True
+        )  # fmt: skip
+        out, _, _ = be.dispatch_plain(xs2[rank].to(dev), ids2[rank].to(dev), ws2[rank].to(dev))
+        torch.cuda.synchronize()
+        assert held.data_ptr() == addresses[-1]
+        assert out.data_ptr() != held.data_ptr(), "held rows: new ones"
+        assert torch.equal(held, snapshot), "held rows overwritten by a later dispatch"
+        assert torch.equal(out.cpu(), dispatch_ref(xs2, ids2, ws2, num_tot_experts=experts)[0][rank].output)
+        be.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        be.finalize()
+
+
 # ------------------------------------------------------------------------------------------------------
 # FP8 dispatch in DeepEP's format through EPLayer(backend="triton"): rows and scales bit for bit (random
 # bytes, NaN and infinity patterns included), combine of bf16 expert outputs; exact and CUDA-graph modes
