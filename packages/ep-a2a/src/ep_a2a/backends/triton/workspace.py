@@ -122,6 +122,8 @@ class DispatchWorkspace:
         plain_graphs: those of ``graphs`` whose key's rest is ``plain_key``, by the key's first part
             (filled by the backend).
         last_rows: the row count of the views :meth:`first_rows` keeps (the last call's).
+        kept: rows allocated for a call into a workspace without ``out``, kept for its later calls
+            (:meth:`keep_rows`, :meth:`spare_rows`), or ``None``; ``kept_rows``: their row count.
     """
 
     def __init__(
