@@ -22,6 +22,11 @@ ping-pong).
 Rows whose index is invalid are copied with a zero source size (``cp.async`` zero fill): they are never
 read.
 
+A consumer issues wgmma on a ring slot right after its mbarrier wait, without a proxy fence: the
+producer's ``cp.async`` copies complete through ``cp.async.mbarrier.arrive``, the protocol of
+FlashMLA's SM90 sparse kernels and of CUTLASS's ``cp.async`` warp-specialised mainloops. Shared memory
+the consumers write from registers (the query tile, P) is fenced before wgmma reads it.
+
 Gluon's API changes between Triton releases: these kernels are written for the releases in
 ``GLUON_TRITON_VERSIONS``; with any other Triton (or none with Gluon) :func:`gluon_supported` is false and
 the ops run their Triton kernels. The Triton interpreter cannot execute Gluon, so the CPU tests exercise
@@ -194,12 +199,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_wait_full(full_bars, b, NUM_BUF: gl.constexpr):
-        """Consumer side of the ring: wait until block ``b`` landed in slot ``b % NUM_BUF``, then fence the
-        async proxy (the producer's cp.async writes are generic-proxy writes of other threads, read next
-        by wgmma). Returns the slot."""
+        """Consumer side of the ring: wait until block ``b`` landed in slot ``b % NUM_BUF`` (no proxy fence:
+        see the module's docstring). Returns the slot."""
         slot = b % NUM_BUF
         mbarrier.wait(full_bars.index(slot), (b // NUM_BUF) & 1)
-        fence_async_shared()
         return slot
 
     @gluon.jit
@@ -287,7 +290,6 @@ if HAVE_GLUON:
         D_PART: gl.constexpr = smem.kn.shape[2] // PARTS
         for j in gl.static_range(PARTS):
             mbarrier.wait(smem.full_bars.index(PARTS * SLOT + j), (b // 2) & 1)
-            fence_async_shared()  # the producer's cp.async writes, before wgmma reads them
             s = warpgroup_mma(
                 smem.qn.index(z).slice(j * D_PART, D_PART, dim=1),
                 smem.kn.index(SLOT + z).slice(j * D_PART, D_PART, dim=1).permute((1, 0)),
@@ -457,7 +459,6 @@ if HAVE_GLUON:
         """Half ``HALF`` of ``_pp_issue_s``: wait until it landed, then issue its products."""
         D_HALF: gl.constexpr = D_NOPE // 2
         mbarrier.wait(smem.full_bars.index(2 * WG + HALF), ph)
-        fence_async_shared()  # the producer's cp.async writes, before wgmma reads them
         s = warpgroup_mma(
             smem.qn.index(z).slice(HALF * D_HALF, D_HALF, dim=1),
             smem.kn.index(WG + z).slice(HALF * D_HALF, D_HALF, dim=1).permute((1, 0)),
