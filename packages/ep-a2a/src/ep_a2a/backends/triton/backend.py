@@ -556,9 +556,10 @@ class TritonBackend(A2ABackend):
         out = ws.spare_rows(self._rows_next)
         if out is None:
             out = ws.keep_rows(self.engine.alloc_rows(self._rows_next, dtype=input.dtype))
-        # (the key _launch_merged_bound builds, less what the layer's checks fix)
-        at = (input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), n, exp_indices.dtype, out.data_ptr(),
-              out.shape[0])  # fmt: skip
+        # (the key _launch_merged_bound builds, less what the layer's checks fix; the rows' address and
+        # count as the workspace recorded them)
+        at = (input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), n, exp_indices.dtype, ws.kept_ptr,
+              ws.kept_rows)  # fmt: skip
         graph = ws.plain_graphs.get(at) if self.eager_graphs else None
         if graph is None:
             return self._dispatch_speculative(input, exp_indices, weight, None, ws=ws, out=out, plain_at=at)
