@@ -349,15 +349,17 @@ class EPLayer:
         hidden, max_tokens, topk, token_dtype, ids_dtypes, weight_dtype, cuda = self._plain_spec
         if type(input) is not _Tensor or type(exp_indices) is not _Tensor or type(weight) is not _Tensor:
             return False
-        shape = input.shape
+        try:
+            n, width = input.shape
+        except ValueError:  # (not 2-d)
+            return False
         return (
-            len(shape) == 2
-            and shape[1] == hidden
-            and shape[0] <= max_tokens
+            width == hidden
+            and n <= max_tokens
             and input.dtype is token_dtype  # (dtypes are singletons)
             and exp_indices.dtype in ids_dtypes
             and weight.dtype is weight_dtype
-            and exp_indices.shape == weight.shape == (shape[0], topk)
+            and exp_indices.shape == weight.shape == (n, topk)
             and input.get_device() == exp_indices.get_device() == weight.get_device() == cuda
             and input.is_contiguous()
             and exp_indices.is_contiguous()

@@ -263,14 +263,6 @@ class DispatchWorkspace:
             return ()
         return (use(self._cdata), use(self._host_cdata), sys.getrefcount(self.state), *self._view_refs())
 
-    def idle(self) -> bool:
-        """Whether nothing outside the ring refers to this workspace (it may be written again)."""
-        use, idle = _storage_use_count, self._idle
-        # (the cheap tests first: a held output or view of the buffer, a held descriptor)
-        if use is None or use(self._cdata) != idle[0] or sys.getrefcount(self.state) != idle[2]:
-            return False
-        return use(self._host_cdata) == idle[1] and self._view_refs() == self._idle_views
-
 
 class WorkspaceRing:
     """Per CUDA stream (its raw handle), up to :data:`RING_SIZE` :class:`DispatchWorkspace`\\ s, handed out
@@ -289,14 +281,23 @@ class WorkspaceRing:
 
     def take(self, stream: int, n: int) -> DispatchWorkspace:
         """An idle workspace of ``stream``'s ring for a call of ``n`` tokens, else a new one (kept in the
-        ring while it has room)."""
+        ring while it has room). Idle: nothing outside the ring refers to it (its ``_refs()`` are those
+        measured when only the ring did)."""
         ring = self._rings.get(stream)
         if ring is None:
             if len(self._rings) >= MAX_STREAMS:
                 self._rings.clear()
             ring = self._rings[stream] = []
+        use, refs = _storage_use_count, sys.getrefcount
         for ws in ring:
-            if ws.idle():
+            # (the cheap tests first: a held descriptor, then a held output or view of the buffer)
+            idle = ws._idle
+            if (
+                refs(ws.state) == idle[2]
+                and use(ws._cdata) == idle[0]  # type: ignore[misc]
+                and use(ws._host_cdata) == idle[1]  # type: ignore[misc]
+                and ws._view_refs() == ws._idle_views
+            ):
                 return ws if ws.n == n else ws.for_tokens(n)
         ws = DispatchWorkspace(self.engine, self.rows, self.make_state)
         self.allocated += 1
