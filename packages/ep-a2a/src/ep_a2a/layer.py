@@ -34,6 +34,11 @@ _COMPILE_ERROR = (
 )
 
 
+_Tensor = torch.Tensor
+#: ``torch.compiler.is_compiling`` (the function itself: torch.compile recognises it by identity)
+_is_compiling = torch.compiler.is_compiling
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t.contiguous()`` (asked first: the cheaper call when ``t`` already is)."""
     return t if t.is_contiguous() else t.contiguous()
@@ -281,6 +286,14 @@ class EPLayer:
         #: expert-id dtypes a dispatch passes to the backend as they are, with no check of the values
         #: on the host (none where the layer checks them: a backend that does not, with ``validate``)
         self._ids_as_is = chosen.expert_id_dtypes if chosen.checks_expert_ids or not validate else ()
+        cfg = self.config
+        #: what :meth:`_plain_dispatch_args` compares a dispatch's tensors with: ``hidden``, ``max_tokens``,
+        #: ``topk``, the token, id and weight dtypes, the device index (-2 on a CPU layer: no tensor's
+        #: ``get_device()`` equals it, so its dispatches are checked one tensor at a time)
+        self._plain_spec = (
+            cfg.hidden, cfg.max_tokens, cfg.topk, cfg.token_dtype, self._ids_as_is, cfg.weight_dtype,
+            self._cuda_index if self._cuda_index >= 0 else -2,
+        )  # fmt: skip
 
     @property
     def num_sm(self) -> int | None:
@@ -333,28 +346,21 @@ class EPLayer:
         ``exp_indices`` ``[n, topk]`` of a dtype the backend takes as it is (:meth:`_expert_ids` would
         return them), ``weight`` ``[n, topk]`` of the weight dtype. Anything else is checked one tensor
         at a time (the messages name what is wrong)."""
-        cfg, cuda, tensor = self.config, self._cuda_index, torch.Tensor
-        # (cuda < 0: a layer of CPU tensors, checked one by one)
-        if (
-            type(input) is not tensor
-            or type(exp_indices) is not tensor
-            or type(weight) is not tensor
-            or cuda < 0
-        ):
+        hidden, max_tokens, topk, token_dtype, ids_dtypes, weight_dtype, cuda = self._plain_spec
+        if type(input) is not _Tensor or type(exp_indices) is not _Tensor or type(weight) is not _Tensor:
             return False
-        shape, slots = input.shape, exp_indices.shape
+        try:
+            n, width = input.shape
+        except ValueError:  # (not 2-d)
+            return False
         return (
-            len(shape) == 2
-            and shape[1] == cfg.hidden
-            and shape[0] <= cfg.max_tokens
-            and input.dtype is cfg.token_dtype  # (dtypes are singletons)
-            and exp_indices.dtype in self._ids_as_is
-            and weight.dtype is cfg.weight_dtype
-            and slots == (shape[0], cfg.topk)
-            and weight.shape == slots
-            and input.get_device() == cuda
-            and exp_indices.get_device() == cuda
-            and weight.get_device() == cuda
+            width == hidden
+            and n <= max_tokens
+            and input.dtype is token_dtype  # (dtypes are singletons)
+            and exp_indices.dtype in ids_dtypes
+            and weight.dtype is weight_dtype
+            and exp_indices.shape == weight.shape == (n, topk)
+            and input.get_device() == exp_indices.get_device() == weight.get_device() == cuda
             and input.is_contiguous()
             and exp_indices.is_contiguous()
             and weight.is_contiguous()
@@ -458,21 +464,20 @@ class EPLayer:
             EPTimeoutError: a rank did not arrive within ``timeout_s`` (named).
             RuntimeError: called after :meth:`finalize`.
         """
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             raise RuntimeError(_COMPILE_ERROR.format(what="dispatch"))
         ctx = self.ctx
         if ctx.finalized:
             self._check_alive("dispatch")
         if (
-            type(input) is torch.Tensor
-            and weight is not None
-            and full_scatter_indices is None
+            full_scatter_indices is None
             and not fp8
             and self._plain_dispatch_args(input, exp_indices, weight)
-            and not ((input.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
+            # (input and weight are tensors here: the check above)
+            and not ((input.requires_grad or weight.requires_grad) and torch.is_grad_enabled())  # type: ignore[union-attr]
         ):
             # (the common case, checked in one pass: the tensors go to the backend as they are)
-            return ctx.backend.dispatch_plain(input, exp_indices, weight)
+            return ctx.backend.dispatch_plain(input, exp_indices, weight)  # type: ignore[arg-type]
         cfg = self.config
         packed = None
         if isinstance(input, tuple) or fp8:
@@ -527,7 +532,7 @@ class EPLayer:
             EPTimeoutError: a rank did not arrive within ``timeout_s`` (named).
             RuntimeError: called after :meth:`finalize`.
         """
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             raise RuntimeError(_COMPILE_ERROR.format(what="combine"))
         ctx = self.ctx
         if ctx.finalized:

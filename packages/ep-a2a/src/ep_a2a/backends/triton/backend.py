@@ -377,7 +377,7 @@ class TritonBackend(A2ABackend):
         if rows is not None:
             self._plain_variant += (rows[0], rows[2])
         #: the common case of a layer whose rows are allocated per call goes through the speculative
-        #: flow from the second call on (:meth:`_dispatch_plain_large`)
+        #: flow from the second call on (:meth:`dispatch_plain`)
         self._plain_large = (
             self.speculative_rows and not eng.ce_pieces and self.low_latency is None and rows is None
         )
@@ -492,21 +492,43 @@ class TritonBackend(A2ABackend):
 
     # ------------------------------------------------------------------ exact-shape mode
     def dispatch_plain(self, input: Tensor, exp_indices: Tensor, weight: Tensor) -> DispatchResult:
-        """:meth:`dispatch` of the layer's common case (see the base class): with the worst-case rows in
-        the workspaces, a call whose tensors repeat the addresses of an earlier one replays its CUDA
-        graph, found by those addresses alone (the rest of its key is fixed by the layer's checks and
-        the workspace: :meth:`_plain_key`), and is published on the operation board once launched."""
+        """:meth:`dispatch` of the layer's common case (see the base class): a call whose tensors repeat
+        the addresses of an earlier one replays its CUDA graph, found by those addresses alone (the
+        rest of its key is fixed by the layer's checks and the workspace: :meth:`_plain_key`), and is
+        published on the operation board once launched. With the worst-case rows in the workspaces
+        the rows are theirs; else (a layer whose rows are sized from the last calls, from its second
+        call on) they are the rows the workspace kept from its last call where they are free and fit
+        the call's guess (:meth:`.workspace.DispatchWorkspace.spare_rows`), else new ones it keeps,
+        and their address and row count are part of the key."""
         if self._finalized or self._mirror_lost is not None or _launch_hooks_set():
             return self._dispatch(input, exp_indices, weight, None)
-        if not self._plain_rows:
-            if self._plain_large and self._recent_rows:
-                return self._dispatch_plain_large(input, exp_indices, weight)
+        large = not self._plain_rows
+        if large and not (self._plain_large and self._recent_rows):
             return self._dispatch(input, exp_indices, weight, None)
         if _capturing():
             raise RuntimeError(_EXACT_UNDER_CAPTURE)
         stream = _raw_stream(self._device_index)
         n = input.shape[0]
         ws = self.workspaces.take(stream, n)
+        if large:
+            # (no allocation before the launch where the kept rows serve)
+            out = ws.spare_rows(self._rows_next)
+            if out is None:
+                out = ws.keep_rows(self.engine.alloc_rows(self._rows_next, dtype=input.dtype))
+            # (the key _launch_merged_bound builds, less what the layer's checks fix; the rows' address
+            # and count as the workspace recorded them)
+            key = (input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), n, exp_indices.dtype, ws.kept_ptr,
+                   ws.kept_rows)  # fmt: skip
+            graph = ws.plain_graphs.get(key) if self.eager_graphs else None
+            if graph is None:
+                return self._dispatch_speculative(
+                    input, exp_indices, weight, None, ws=ws, out=out, plain_at=key
+                )
+            self._mirror_mv[self._epoch_at] = 0  # (program 0 writes the epoch there once info is copied)
+            graph.launch(stream)
+            self.engine.merged_replayed()
+            self.graph_replays += 1
+            return self._speculative_done(n, input, exp_indices, weight, None, ws, out)
         at = (input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), n, exp_indices.dtype)
         graph = ws.plain_graphs.get(at) if self.eager_graphs else None
         if graph is None:
@@ -538,35 +560,6 @@ class TritonBackend(A2ABackend):
         ws.host_counts_mv[:] = self._mirror_counts_mv
         desc.num_recv_rows, desc.recv_expert_indices = rows, e_rows
         return ring_rows, w_rows, desc
-
-    def _dispatch_plain_large(self, input: Tensor, exp_indices: Tensor, weight: Tensor) -> DispatchResult:
-        """:meth:`dispatch_plain` of a layer whose rows are not in the workspaces (the speculative flow
-        from the second call on), into the rows the workspace kept from its last call where they are
-        free and fit the call's guess (:meth:`.workspace.DispatchWorkspace.spare_rows`), else into new
-        ones it keeps: a call whose tensors and rows repeat the addresses of an earlier one replays its
-        CUDA graph, found by those addresses and the rows' count alone (the rest of
-        :meth:`_launch_merged_bound`'s key is fixed by the layer's checks)."""
-        if _capturing():
-            raise RuntimeError(_EXACT_UNDER_CAPTURE)
-        stream = _raw_stream(self._device_index)
-        n = input.shape[0]
-        ws = self.workspaces.take(stream, n)
-        # (the rows of the workspace's last call where they are free and fit: no allocation before the
-        # launch; else new ones, which the workspace keeps)
-        out = ws.spare_rows(self._rows_next)
-        if out is None:
-            out = ws.keep_rows(self.engine.alloc_rows(self._rows_next, dtype=input.dtype))
-        # (the key _launch_merged_bound builds, less what the layer's checks fix)
-        at = (input.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), n, exp_indices.dtype, out.data_ptr(),
-              out.shape[0])  # fmt: skip
-        graph = ws.plain_graphs.get(at) if self.eager_graphs else None
-        if graph is None:
-            return self._dispatch_speculative(input, exp_indices, weight, None, ws=ws, out=out, plain_at=at)
-        self._mirror_mv[self._epoch_at] = 0  # (program 0 writes the epoch there once info is copied)
-        graph.launch(stream)
-        self.engine.merged_replayed()
-        self.graph_replays += 1
-        return self._speculative_done(n, input, exp_indices, weight, None, ws, out)
 
     def dispatch(
         self,
@@ -675,7 +668,7 @@ class TritonBackend(A2ABackend):
         would wait for a peer in another operation until their timeout either way, and the host
         raises in this call). ``plain``: the layer's common case into the workspaces' rows
         (:meth:`dispatch_plain`); ``ws``: the workspace it took, where it took one; ``out``: the rows
-        it allocated, and ``plain_at`` the key under which :meth:`_dispatch_plain_large` looks for
+        it allocated, and ``plain_at`` the key under which :meth:`dispatch_plain` looks for
         the graph of these launches (recorded there once captured)."""
         eng = self.engine
         stream = _raw_stream(self._device_index)

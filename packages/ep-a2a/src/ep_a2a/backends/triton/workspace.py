@@ -123,7 +123,8 @@ class DispatchWorkspace:
             (filled by the backend).
         last_rows: the row count of the views :meth:`first_rows` keeps (the last call's).
         kept: rows allocated for a call into a workspace without ``out``, kept for its later calls
-            (:meth:`keep_rows`, :meth:`spare_rows`), or ``None``; ``kept_rows``: their row count.
+            (:meth:`keep_rows`, :meth:`spare_rows`), or ``None``; ``kept_ptr``, ``kept_rows``: the
+            address and row count of the rows :meth:`keep_rows` was given last.
     """
 
     def __init__(
@@ -186,8 +187,9 @@ class DispatchWorkspace:
         #: rows allocated for a call into this workspace when it holds none (``rows`` ``None``), kept
         #: for its later calls (:meth:`keep_rows`, :meth:`spare_rows`), and their row count
         self.kept: torch.Tensor | None = None
-        self.kept_rows = 0
+        self.kept_ptr = self.kept_rows = 0
         self._kept_storage: torch.UntypedStorage | None = None
+        self._kept_cdata = 0
         self._kept_idle = (-1, -1)
 
     def for_tokens(self, n: int) -> DispatchWorkspace:
@@ -215,24 +217,35 @@ class DispatchWorkspace:
 
     def keep_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Keep ``rows`` (just allocated: nothing else refers to their memory) for the later calls into
-        this workspace, in place of the rows it kept before; returns them."""
+        this workspace, in place of the rows it kept before; returns them (their address and row
+        count in :attr:`kept_ptr`, :attr:`kept_rows`, also where this torch cannot count their users,
+        and nothing is kept)."""
+        self.kept_ptr, self.kept_rows = rows.data_ptr(), rows.shape[0]
         if _storage_use_count is not None:
-            self.kept, self.kept_rows = rows, rows.shape[0]
-            storage = self._kept_storage = rows.untyped_storage()
+            self.kept = rows
+            self._kept_storage = rows.untyped_storage()
+            self._kept_cdata = self._kept_storage._cdata
             # (the tensors sharing their memory, and references to their storage object, which is
             # the one every ``untyped_storage()`` of them returns; counted as spare_rows counts them)
-            self._kept_idle = (_storage_use_count(storage._cdata), sys.getrefcount(storage))
+            self._kept_idle = (_storage_use_count(self._kept_cdata), sys.getrefcount(self._kept_storage))
         return rows
 
     def spare_rows(self, rows: int) -> torch.Tensor | None:
         """The kept rows (:meth:`keep_rows`) where nothing but this workspace refers to their memory and
         they serve a call that would allocate ``rows``: they hold them, and at most a third more
         (``None`` otherwise). Call only on a workspace taken from the ring for this call."""
-        kept, storage = self.kept, self._kept_storage
-        if kept is None or (_storage_use_count(storage._cdata), sys.getrefcount(storage)) != self._kept_idle:  # type: ignore[misc, union-attr]
+        kept = self.kept
+        if kept is None:
             return None
+        uses, refs = self._kept_idle
         have = self.kept_rows
-        return kept if have - have // 4 <= rows <= have else None
+        if (
+            have - have // 4 <= rows <= have
+            and _storage_use_count(self._kept_cdata) == uses  # type: ignore[misc]
+            and sys.getrefcount(self._kept_storage) == refs
+        ):
+            return kept
+        return None
 
     def _view_refs(self) -> tuple[int, ...]:
         """References to each view handed out as it is (the descriptor's record aside)."""
@@ -249,14 +262,6 @@ class DispatchWorkspace:
         if use is None:
             return ()
         return (use(self._cdata), use(self._host_cdata), sys.getrefcount(self.state), *self._view_refs())
-
-    def idle(self) -> bool:
-        """Whether nothing outside the ring refers to this workspace (it may be written again)."""
-        use, idle = _storage_use_count, self._idle
-        # (the cheap tests first: a held output or view of the buffer, a held descriptor)
-        if use is None or use(self._cdata) != idle[0] or sys.getrefcount(self.state) != idle[2]:
-            return False
-        return use(self._host_cdata) == idle[1] and self._view_refs() == self._idle_views
 
 
 class WorkspaceRing:
@@ -276,15 +281,24 @@ class WorkspaceRing:
 
     def take(self, stream: int, n: int) -> DispatchWorkspace:
         """An idle workspace of ``stream``'s ring for a call of ``n`` tokens, else a new one (kept in the
-        ring while it has room)."""
+        ring while it has room). Idle: nothing outside the ring refers to it (its ``_refs()`` are those
+        measured when only the ring did)."""
         ring = self._rings.get(stream)
         if ring is None:
             if len(self._rings) >= MAX_STREAMS:
                 self._rings.clear()
             ring = self._rings[stream] = []
+        use, refs = _storage_use_count, sys.getrefcount
         for ws in ring:
-            if ws.idle():
-                return ws.for_tokens(n)
+            # (the cheap tests first: a held descriptor, then a held output or view of the buffer)
+            idle = ws._idle
+            if (
+                refs(ws.state) == idle[2]
+                and use(ws._cdata) == idle[0]  # type: ignore[misc]
+                and use(ws._host_cdata) == idle[1]  # type: ignore[misc]
+                and ws._view_refs() == ws._idle_views
+            ):
+                return ws if ws.n == n else ws.for_tokens(n)
         ws = DispatchWorkspace(self.engine, self.rows, self.make_state)
         self.allocated += 1
         if len(ring) < RING_SIZE and _storage_use_count is not None:
