@@ -1,5 +1,6 @@
 """attn_dist and indexer_target against the float32 reference."""
 
+import importlib
 import math
 
 import pytest
@@ -182,8 +183,11 @@ def test_attn_dist_gpu_split_cols(h_q, d_qk, topk):
 
 
 # (h_q, d_qk, topk) of the Gluon kernel's persistent index-order form: a full row, fewer heads than a
-# tile, one block, odd block counts (with the causal limit the pair's tokens differ in length).
-INDEX_ORDER_CASES = [(64, 576, 2048), (37, 512, 333), (64, 576, 64), (40, 576, 129), (48, 576, 192)]
+# tile, one block, odd block counts (with the causal limit the pair's tokens differ in length); above 64
+# heads (each consumer warpgroup 64 heads of one token).
+INDEX_ORDER_CASES = [
+    (64, 576, 2048), (37, 512, 333), (64, 576, 64), (40, 576, 129), (48, 576, 192), (128, 576, 1000), (96, 512, 130),
+]  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -203,20 +207,47 @@ def test_attn_dist_gpu_index_order(h_q, d_qk, topk):
     assert torch.equal(got, per_token)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(("h_q", "s_q"), [(64, 300), (64, 1000), (128, 300), (128, 1000)])
+def test_attn_dist_gpu_index_order_flipped(monkeypatch, h_q, s_q):
+    """The index-order form where the KV rows do not fit in L2 (a small L2 pretended), which takes
+    alternate waves' chunks last to first: against the reference and bitwise equal to the per-token
+    kernel, over several waves of items (the last one partial)."""
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    ad = importlib.import_module("sparse_mla_attn.attn_dist")  # (the package's attn_dist is the function)
+    monkeypatch.setattr(ad, "l2_cache_bytes", lambda device: 1 << 20)
+    d_qk, topk, s_kv = 576, 512, 8192
+    q, kv, idx = problem(s_q, h_q, d_qk, s_kv, topk, "cuda", seed=s_q + h_q, invalid_frac=0.05)
+    kw = {"q_start_index": s_kv - s_q}
+    _, _, lse = sparse_mla_fwd(q, kv, idx, 0.0416, causal=True, **kw)
+    got = attn_dist(q, kv, idx, lse, 0.0416, config=Config(backend="gluon", attn_dist_order="index"), **kw)
+    assert last_launch("attn_dist").kernel.name == "_attn_dist_index_kernel"
+    torch.testing.assert_close(got, attn_dist_ref(q, kv, idx, lse, 0.0416, **kw), atol=TOL["gpu"][0],
+                               rtol=TOL["gpu"][1])  # fmt: skip
+    per_token = attn_dist(
+        q, kv, idx, lse, 0.0416, config=Config(backend="gluon", attn_dist_order="slot"), **kw
+    )
+    assert last_launch("attn_dist").kernel.name == "_attn_dist_ws_kernel"
+    assert torch.equal(got, per_token)
+
+
 @pytest.mark.parametrize(
-    ("s_q", "s_kv", "topk", "n_chunks", "start", "k_stride"),
+    ("s_q", "s_kv", "topk", "n_chunks", "start", "k_stride", "flip_every"),
     [
-        (5, 100, 37, 3, 50, 1),
-        (4, 1000, 300, 4, 0, 2),
-        (2, 5000, 700, 32, 0, 1),
-        (3, 64, 64, 64, 0, 1),
-        (2, 3000, 2048, 7, 2000, 1),
+        (5, 100, 37, 3, 50, 1, 0),
+        (4, 1000, 300, 4, 0, 2, 0),
+        (2, 5000, 700, 32, 0, 1, 0),
+        (3, 64, 64, 64, 0, 1, 0),
+        (2, 3000, 2048, 7, 2000, 1, 0),
+        (7, 1000, 300, 5, 0, 1, 2),
+        (5, 5000, 700, 16, 100, 1, 1),
     ],
 )
-def test_index_order_matches_python(s_q, s_kv, topk, n_chunks, start, k_stride):
+def test_index_order_matches_python(s_q, s_kv, topk, n_chunks, start, k_stride, flip_every):
     """The index-order form's ordering kernel: each token's valid slots (in range, causal) grouped by KV
-    chunk in index order, in slot order within a chunk, with their indices and number; 0 written at the
-    invalid slots only."""
+    chunk in index order (last chunk first in the alternate groups of ``flip_every`` tokens), in slot
+    order within a chunk, with their indices and number; 0 written at the invalid slots only."""
     from sparse_mla_attn._validate import causal_limit
     from sparse_mla_attn.attn_dist import index_order
 
@@ -228,13 +259,15 @@ def test_index_order_matches_python(s_q, s_kv, topk, n_chunks, start, k_stride):
     )
     out = torch.full((s_q, topk), float("nan"), device=dev)
     idx_s, pos, counts = index_order(
-        idx, out, dims, n_chunks, q_start_index=start, k_stride=k_stride, causal=True
+        idx, out, dims, n_chunks, q_start_index=start, k_stride=k_stride, causal=True, flip_every=flip_every
     )
     rows = -(-s_kv // n_chunks)
     for s in range(s_q):
         hi = min(s_kv, int(causal_limit(torch.tensor(start + s), k_stride)) + 1)
         slots = [j for j in range(topk) if 0 <= int(idx[s, j]) < hi]
-        want = sorted(slots, key=lambda j: int(idx[s, j]) // rows)  # stable: slot order within a chunk
+        flip = flip_every > 0 and (s // flip_every) % 2 == 1
+        # Stable sort: slot order within a chunk.
+        want = sorted(slots, key=lambda j: -(int(idx[s, j]) // rows) if flip else int(idx[s, j]) // rows)
         n = len(want)
         assert int(counts[s]) == n
         assert pos[s, :n].tolist() == want

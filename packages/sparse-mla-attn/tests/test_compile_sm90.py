@@ -187,6 +187,8 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
         # The persistent index-order form (Config.attn_dist_order; automatic with 4+ tokens per SM).
         "ad_h64_index": lambda: attn_dist(64, 256, "auto", order="index"),
         "ad_h48_d512_index": lambda: attn_dist(48, 256, "auto", 512, order="index"),
+        "ad_h128_index": lambda: attn_dist(128, 256, "auto", order="index"),
+        "ad_h96_d512_index": lambda: attn_dist(96, 256, "auto", 512, order="index"),
         "ad_h48_d512_split_cols": lambda: attn_dist(48, 256, "auto", 512, split="cols"),
         "ad_h64_triton": lambda: attn_dist(64, 256, "triton"),
         "ad_h64_long_triton": lambda: attn_dist(64, 32768, "triton"),

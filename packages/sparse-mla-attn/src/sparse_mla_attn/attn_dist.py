@@ -43,6 +43,8 @@ from sparse_mla_attn._validate import (
 )
 from sparse_mla_attn.backends.gluon_sm90 import (
     attn_dist_adds_partials,
+    index_programs,
+    index_tokens,
     launch_attn_dist_gluon,
     launch_attn_dist_index_gluon,
     use_gluon,
@@ -123,15 +125,16 @@ def _attn_dist_kernel(
 @triton.jit
 def _index_order_kernel(
     IDX, IDX_S, POS, COUNT, OUT,
-    stride_idx_s, topk, s_kv, q_start_index, k_stride, chunk_rows,
-    N_CHUNKS: tl.constexpr, T: tl.constexpr, CAUSAL: tl.constexpr,
+    stride_idx_s, topk, s_kv, q_start_index, k_stride, chunk_rows, flip_every,
+    N_CHUNKS: tl.constexpr, T: tl.constexpr, CAUSAL: tl.constexpr, FLIP: tl.constexpr,
 ):  # fmt: skip
     """One token's valid slots (index in range, not past the causal limit) grouped by KV chunk (rows
     ``[c * chunk_rows, (c + 1) * chunk_rows)``), chunk by chunk, in slot order within a chunk: their indices
     into ``IDX_S``, the slots into ``POS`` (both ``[s_q, topk]``, from column 0), their number into
     ``COUNT``, and 0 into ``OUT`` at the invalid slots. The whole row (``topk <= T``, a power of two) is held
     at once; each scan ranks the slots of several chunks at once, one ``F``-bit count field per chunk in an
-    int64."""
+    int64. With ``FLIP`` the tokens ``[flip_every, 2 flip_every)``, ``[3 flip_every, 4 flip_every)``, ... take
+    the chunks last to first."""
     F: tl.constexpr = T.bit_length()  # a field holds any count up to T
     PER: tl.constexpr = 63 // F  # chunks per scan
     pid = tl.program_id(0)
@@ -139,23 +142,27 @@ def _index_order_kernel(
     offs = tl.arange(0, T)
     idx = tl.load(IDX + pid.to(tl.int64) * stride_idx_s + offs, mask=offs < topk, other=-1)
     valid = (idx >= 0) & (idx < hi)
-    chunk = tl.where(valid, idx // chunk_rows, N_CHUNKS)  # invalid slots: past the last chunk
+    chunk = idx // chunk_rows
+    if FLIP:
+        chunk = tl.where((pid // flip_every) % 2 == 1, N_CHUNKS - 1 - chunk, chunk)
+    chunk = tl.where(valid, chunk, N_CHUNKS)  # invalid slots: past the last chunk
     col = tl.zeros([T], tl.int32)
-    first = 0  # the next chunk's first column
+    first = pid * 0  # the next chunk's first column
     for c0 in tl.static_range(0, N_CHUNKS, PER):
         field = chunk - c0  # this scan's field of the slot (in range for its chunks only)
         mine = (field >= 0) & (field < PER) & valid
         shift = (tl.where(mine, field, 0) * F).to(tl.int64)
         one = tl.where(mine, tl.full([T], 1, tl.int64) << shift, 0)
-        rank = ((tl.cumsum(one, 0) >> shift) & ((1 << F) - 1)).to(tl.int32) - 1  # earlier slots of its chunk
         totals = tl.sum(one, 0)
-        start = tl.full([T], first, tl.int32)  # first column of the slot's chunk
+        # The first column of each of the scan's chunks, packed as the counts are: added to the running
+        # counts, each field holds its slots' columns + 1 (at most T: within the field).
+        starts = totals * 0
         for f in tl.static_range(PER):
             if c0 + f < N_CHUNKS:
-                n_f = ((totals >> (f * F)) & ((1 << F) - 1)).to(tl.int32)
-                start = tl.where(field > f, start + n_f, start)
-                first += n_f
-        col = tl.where(mine, start + rank, col)
+                starts += first.to(tl.int64) << (f * F)
+                first += ((totals >> (f * F)) & ((1 << F) - 1)).to(tl.int32)
+        at = ((tl.cumsum(one, 0) + starts) >> shift) & ((1 << F) - 1)
+        col = tl.where(mine, at.to(tl.int32) - 1, col)
     row = pid.to(tl.int64) * topk
     tl.store(POS + row + col, offs, mask=valid)
     tl.store(IDX_S + row + col, idx, mask=valid)
@@ -184,15 +191,19 @@ def attn_dist_config(h_q: int, s_kv: int = 0) -> dict[str, Any]:
 
 def attn_dist_index_chunks(config: Config, dims: SparseDims, row_bytes: int, l2_bytes: int, n_sm: int) -> int:
     """KV chunks of the Gluon attn_dist's index-order form (``Config.attn_dist_order``), 0 where the
-    per-token kernel runs instead: 0 above 64 heads, with ``attn_dist_split="cols"``, where ``topk >
-    INDEX_ORDER_MAX_TOPK``, with ``"slot"``, and with ``"auto"`` where there are fewer than
-    ``INDEX_ORDER_MIN_TOKENS_PER_SM`` query tokens per multiprocessor. The KV rows (``s_kv * row_bytes``
-    bytes) are cut into chunks of at most ``l2_bytes * INDEX_CHUNK_L2_FRACTION`` bytes, at most
-    ``INDEX_MAX_CHUNKS`` (on an H200: 2 chunks at 8K rows of 576, 5 at 32K, 16 at 128K)."""
-    if dims.h_q > 64 or config.attn_dist_split != "blocks" or dims.topk > INDEX_ORDER_MAX_TOPK:
+    per-token kernel runs instead: 0 with ``"slot"``, where ``topk > INDEX_ORDER_MAX_TOPK``, up to 64 heads
+    with ``attn_dist_split="cols"``, and with ``"auto"`` where there are fewer than
+    ``INDEX_ORDER_MIN_TOKENS_PER_SM`` query tokens per multiprocessor or, above 64 heads, where the KV rows
+    (``s_kv * row_bytes`` bytes) do not fit in L2 (``l2_bytes``). The KV rows are cut into chunks of at
+    most ``l2_bytes * INDEX_CHUNK_L2_FRACTION`` bytes, at most ``INDEX_MAX_CHUNKS`` (on an H200: 2 chunks at
+    8K rows of 576, 5 at 32K, 8 at 128K)."""
+    if config.attn_dist_order == "slot" or dims.topk > INDEX_ORDER_MAX_TOPK:
         return 0
-    if config.attn_dist_order == "slot" or (
-        config.attn_dist_order == "auto" and dims.s_q < INDEX_ORDER_MIN_TOKENS_PER_SM * n_sm
+    if dims.h_q <= 64 and config.attn_dist_split != "blocks":
+        return 0
+    if config.attn_dist_order == "auto" and (
+        dims.s_q < INDEX_ORDER_MIN_TOKENS_PER_SM * n_sm
+        or (dims.h_q > 64 and dims.s_kv * row_bytes > l2_bytes)
     ):
         return 0
     chunk_bytes = max(int(l2_bytes * INDEX_CHUNK_L2_FRACTION), 1)
@@ -203,17 +214,19 @@ def attn_dist_index_chunks(config: Config, dims: SparseDims, row_bytes: int, l2_
 #: ``"auto"``, the chunks' share of L2 and their largest number.
 INDEX_ORDER_MIN_TOKENS_PER_SM = 4
 INDEX_CHUNK_L2_FRACTION = 0.125
-INDEX_MAX_CHUNKS = 16
+INDEX_MAX_CHUNKS = 8
 #: Largest ``topk`` of the index-order attn_dist (its ordering kernel holds a token's row at once).
 INDEX_ORDER_MAX_TOPK = 8192
 
 
 def plan_attn_dist(
     q: torch.Tensor, kv_rows: torch.Tensor, dims: SparseDims, config: Config, tiles: dict[str, Any] | None
-) -> tuple[dict[str, Any], int, bool, bool, int, dict[Any, Any]]:
+) -> tuple[dict[str, Any], int, bool, bool, int, bool, dict[Any, Any]]:
     """Triton tile, head tiles, whether the Gluon kernel runs, whether the kernel adds partial sums, the KV
     chunks of the Gluon kernel's index-order form (:func:`attn_dist_index_chunks`; 0: the per-token
-    kernel) and the slots of its compiled kernels (see :func:`sparse_mla_attn._runtime.launch`)."""
+    kernel), whether that form takes alternate waves' chunks last to first (where the KV rows do not fit
+    in L2: a wave then starts on the rows the previous one ended on, still in L2) and the slots of its
+    compiled kernels (see :func:`sparse_mla_attn._runtime.launch`)."""
     cfg = {**attn_dist_config(dims.h_q, dims.s_kv), **(tiles or {})}
     n_head_tiles = cdiv(dims.h_q, cfg["BLOCK_H"])
     if n_head_tiles > 2:
@@ -223,15 +236,15 @@ def plan_attn_dist(
     gluon = use_gluon(config.backend, dims.h_q > 32, "attn_dist", q, kv_rows)
     # Kernels that add partial sums (two head tiles) need a zeroed output.
     atomic = attn_dist_adds_partials(dims.h_q) if gluon else n_head_tiles > 1
-    n_chunks = 0
+    n_chunks, flip = 0, False
     if gluon:
-        n_chunks = attn_dist_index_chunks(
-            config, dims, dims.d_qk * q.element_size(), l2_cache_bytes(q.device), num_sms(q.device)
-        )
-    return cfg, n_head_tiles, gluon, atomic, n_chunks, {}
+        row_bytes, l2_bytes = dims.d_qk * q.element_size(), l2_cache_bytes(q.device)
+        n_chunks = attn_dist_index_chunks(config, dims, row_bytes, l2_bytes, num_sms(q.device))
+        flip = n_chunks > 0 and dims.s_kv * row_bytes > l2_bytes
+    return cfg, n_head_tiles, gluon, atomic, n_chunks, flip, {}
 
 
-_PLANS: dict[Any, tuple[dict[str, Any], int, bool, bool, int, dict[Any, Any]]] = {}
+_PLANS: dict[Any, tuple[dict[str, Any], int, bool, bool, int, bool, dict[Any, Any]]] = {}
 
 
 def launch_attn_dist(
@@ -245,7 +258,7 @@ def launch_attn_dist(
     if tiles is not None:
         key = None
     compute = lambda: plan_attn_dist(q, kv_rows, dims, config, tiles)
-    cfg, n_head_tiles, gluon, atomic, n_chunks, slots = (
+    cfg, n_head_tiles, gluon, atomic, n_chunks, flip, slots = (
         compute() if key is None else cached(_PLANS, key, compute)
     )
     if key is None:
@@ -255,9 +268,10 @@ def launch_attn_dist(
     if dims.s_q == 0:
         return out
     if n_chunks:
-        # Persistent programs take pairs of tokens in waves, each token's rows chunk by chunk in index
-        # order, so the tokens in flight gather from about the same chunk of rows at a time.
+        # Persistent programs take pairs of tokens (or tokens) in waves, each token's rows chunk by chunk in
+        # index order, so the tokens in flight gather from about the same chunk of rows at a time.
         n_programs = num_sms(q.device)
+        wave = index_tokens(dims.h_q) * index_programs(dims.s_q, dims.h_q, n_programs)
         order = index_order(
             idx,
             out,
@@ -266,6 +280,7 @@ def launch_attn_dist(
             q_start_index=q_start_index,
             k_stride=k_stride,
             causal=causal,
+            flip_every=wave if flip else 0,
             slots=slots,
         )
         kernel = launch_attn_dist_index_gluon(
@@ -304,13 +319,14 @@ def launch_attn_dist(
 
 def index_order(
     idx: torch.Tensor, out: torch.Tensor, dims: SparseDims, n_chunks: int, *, q_start_index: int, k_stride: int,
-    causal: bool, slots: dict[Any, Any] | None = None,
+    causal: bool, flip_every: int = 0, slots: dict[Any, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Each token's valid slots of ``idx [s_q, topk]`` (``topk <= INDEX_ORDER_MAX_TOPK``) grouped by KV
     chunk, ``n_chunks`` chunks of ``ceil(s_kv / n_chunks)`` rows in index order, in slot order within a
     chunk (``_index_order_kernel``): ``(indices, slots, counts)``, int32 ``[s_q, topk]``, ``[s_q, topk]``
     and ``[s_q]`` (the first ``counts[i]`` columns of row ``i`` are set). Writes 0 into ``out [s_q, topk]``
-    at the invalid slots."""
+    at the invalid slots. ``flip_every`` > 0: the tokens ``[flip_every, 2 flip_every)``, ``[3 flip_every,
+    4 flip_every)``, ... take the chunks last to first."""
     t = next_power_of_2(dims.topk)
     idx_s = torch.empty(dims.s_q, dims.topk, dtype=torch.int32, device=idx.device)
     pos = torch.empty(dims.s_q, dims.topk, dtype=torch.int32, device=idx.device)
@@ -318,8 +334,8 @@ def index_order(
     launch(
         _index_order_kernel, (dims.s_q,), slots, "index_order",
         (idx, idx_s, pos, counts, out, idx.stride(0), dims.topk, dims.s_kv, q_start_index, k_stride,
-         cdiv(max(dims.s_kv, 1), n_chunks)),
-        dict(N_CHUNKS=n_chunks, T=t, CAUSAL=causal, num_warps=max(4, min(16, t // 512))),
+         cdiv(max(dims.s_kv, 1), n_chunks), max(flip_every, 1)),
+        dict(N_CHUNKS=n_chunks, T=t, CAUSAL=causal, FLIP=flip_every > 0, num_warps=max(4, min(16, t // 512))),
     )  # fmt: skip
     return idx_s, pos, counts
 

@@ -76,15 +76,18 @@ class Config:
             of at most 64 heads: ``"blocks"`` (default), they take alternate 64-row blocks whole;
             ``"cols"``, each computes half of every block's columns. Above 64 heads each warpgroup takes
             64 heads.
-        attn_dist_order: the form of the Gluon ``attn_dist`` up to 64 heads (sm_90, with
-            ``attn_dist_split="blocks"`` and ``topk <= 8192``). ``"index"``: a small kernel groups each
-            token's valid slots by KV chunk in index order (chunks of at most an eighth of the L2 cache,
-            at most 16), and persistent programs (one per multiprocessor) take pairs of tokens, one per
-            consumer warpgroup, in waves: the tokens in flight, which keep pace, gather from about the
-            same chunk of the KV rows at a time, which stays in L2, and the slots that are invalid
-            (out of range, past the causal limit) are skipped. ``"slot"``: one program per token, its
+        attn_dist_order: the form of the Gluon ``attn_dist`` (sm_90, ``topk <= 8192``; up to 64 heads
+            with ``attn_dist_split="blocks"``). ``"index"``: a small kernel groups each token's valid
+            slots by KV chunk in index order (chunks of at most an eighth of the L2 cache, at most 8),
+            and persistent programs (one per multiprocessor) take pairs of tokens, one per consumer
+            warpgroup (above 64 heads: tokens, 64 heads per consumer warpgroup), in waves: the tokens in
+            flight, which keep pace, gather from about the same chunk of the KV rows at a time, which
+            stays in L2, and the slots that are invalid (out of range, past the causal limit) are
+            skipped. Where the KV rows do not fit in L2, alternate waves take the chunks last to first,
+            starting on the rows the previous wave ended on. ``"slot"``: one program per token, its
             slots in their order. ``"auto"`` (default): ``"index"`` where there are at least 4 query
-            tokens per multiprocessor, else ``"slot"``. The results are the same bits either way.
+            tokens per multiprocessor and, above 64 heads, the KV rows fit in L2, else ``"slot"``. The
+            results are the same bits either way.
 
     Raises:
         ValueError: an unknown ``backend``, ``split_merge``, ``fwd_persistent``, ``attn_dist_split``,

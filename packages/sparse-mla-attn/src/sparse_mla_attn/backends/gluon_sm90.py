@@ -1379,27 +1379,29 @@ if HAVE_GLUON:
     @gluon.jit
     def _adp_producer(
         kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, IDX_S, COUNT, topk, s_q,
-        D_NOPE: gl.constexpr, D_ROPE: gl.constexpr,
+        D_NOPE: gl.constexpr, D_ROPE: gl.constexpr, TOKENS: gl.constexpr,
     ):  # fmt: skip
-        """Producer warpgroup of the index-order attn_dist: for each pair of tokens of this program, block
-        ``b`` of the first token then block ``b`` of the second, for ``b`` up to the longer token's blocks
-        (the shorter token's missing blocks are all padding rows, zero-filled), one ring across pairs
-        (block ``g`` of the program into slot ``g % NUM_BUF``, as ``_ws_producer``). The ordered lists
-        hold valid slots only, so there is no upper bound to check."""
+        """Producer warpgroup of the index-order attn_dist: for each item of this program (``TOKENS`` 2: a
+        pair of tokens; 1: one token), block ``b`` of the first token then block ``b`` of the second, for
+        ``b`` up to the longer token's blocks (the shorter token's missing blocks are all padding rows,
+        zero-filled), one ring across items (block ``g`` of the program into slot ``g % NUM_BUF``, as
+        ``_ws_producer``). The ordered lists hold valid slots only, so there is no upper bound to check."""
         NUM_BUF: gl.constexpr = kn_smem.shape[0]
         BLOCK_T: gl.constexpr = kn_smem.shape[1]
         NO_BOUND: gl.constexpr = 2**31 - 1
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
         g = 0
-        n_pairs = gl.cdiv(s_q, 2)
-        for k in range(gl.cdiv(n_pairs - gl.program_id(0), gl.num_programs(0))):  # this program's pairs
-            t0 = 2 * (gl.program_id(0) + k * gl.num_programs(0))
+        n_items = gl.cdiv(s_q, TOKENS)
+        for k in range(gl.cdiv(n_items - gl.program_id(0), gl.num_programs(0))):  # this program's items
+            t0 = TOKENS * (gl.program_id(0) + k * gl.num_programs(0))
             n0 = gl.load(COUNT + t0)
-            n1 = gl.load(COUNT + t0 + 1, mask=t0 + 1 < s_q, other=0)
+            n1 = 0
+            if TOKENS == 2:
+                n1 = gl.load(COUNT + t0 + 1, mask=t0 + 1 < s_q, other=0)
             row0 = IDX_S + t0.to(gl.int64) * topk
             for b in range(gl.cdiv(gl.maximum(n0, n1), BLOCK_T)):
-                for w in gl.static_range(2):
+                for w in gl.static_range(TOKENS):
                     offs = b * BLOCK_T + offs_t
                     idx = gl.load(row0 + w * topk + offs, mask=offs < (n1 if w == 1 else n0), other=-1)
                     slot = g % NUM_BUF
@@ -1415,13 +1417,15 @@ if HAVE_GLUON:
     def _adp_consumer(
         WG: gl.constexpr, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, red_smem, Q, LSE, POS, COUNT, OUT,
         stride_q_s, stride_q_h, stride_lse_s, h_q, topk, s_q, sm_scale_log2, lse_to_log2,
-        D_ROPE: gl.constexpr,
+        D_ROPE: gl.constexpr, TOKENS: gl.constexpr,
     ):  # fmt: skip
-        """Consumer warpgroup ``WG`` of the index-order attn_dist (at most 64 heads): token ``WG`` of each of
-        this program's pairs, whole, its query tile in registers (the wgmma A operand, as in
-        ``_ad_consumer``). The two warpgroups compute their tokens' blocks by turns (the ring's blocks
-        ``2 j + WG``) and issue S by turns; padding blocks are computed and not stored. Column sums go to
-        the slots ``POS`` names."""
+        """Consumer warpgroup ``WG`` of the index-order attn_dist, its query tile in registers (the wgmma A
+        operand, as in ``_ad_consumer``). ``TOKENS`` 2 (at most 64 heads): token ``WG`` of each of this
+        program's pairs, whole; the two warpgroups compute their tokens' blocks by turns (the ring's blocks
+        ``2 j + WG``), padding blocks computed and not stored. ``TOKENS`` 1 (65 to 128 heads): heads ``64 WG
+        ..`` of each of this program's tokens; both read every block (the ring's block ``j``) and add
+        their column sums into the zeroed output (as ``AD_SPLIT_HEADS``). S is issued by turns. Column
+        sums go to the slots ``POS`` names."""
         NUM_BUF: gl.constexpr = kn_smem.shape[0]
         BLOCK_T: gl.constexpr = kn_smem.shape[1]
         D_NOPE: gl.constexpr = kn_smem.shape[2]
@@ -1439,14 +1443,23 @@ if HAVE_GLUON:
         else:
             cols_r = cols  # unused
         offs_hm = gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))
-        j = 0  # this warpgroup's blocks so far (the ring's block 2 j + WG)
-        n_pairs = gl.cdiv(s_q, 2)
-        for k in range(gl.cdiv(n_pairs - gl.program_id(0), gl.num_programs(0))):  # this program's pairs
-            t0 = 2 * (gl.program_id(0) + k * gl.num_programs(0))
+        if TOKENS == 1:
+            offs_h += 64 * WG
+            offs_hm += 64 * WG
+            h_ok = offs_h < h_q
+        j = 0  # this warpgroup's blocks so far (the ring's block TOKENS j + WG, or j)
+        n_items = gl.cdiv(s_q, TOKENS)
+        for k in range(gl.cdiv(n_items - gl.program_id(0), gl.num_programs(0))):  # this program's items
+            t0 = TOKENS * (gl.program_id(0) + k * gl.num_programs(0))
             n0 = gl.load(COUNT + t0)
-            n1 = gl.load(COUNT + t0 + 1, mask=t0 + 1 < s_q, other=0)
-            pid_s = gl.minimum(t0 + WG, s_q - 1)  # (no second token: its count is 0, nothing is stored)
-            n_t = n1 if WG == 1 else n0
+            if TOKENS == 2:
+                n1 = gl.load(COUNT + t0 + 1, mask=t0 + 1 < s_q, other=0)
+                pid_s = gl.minimum(t0 + WG, s_q - 1)  # (no second token: its count is 0, nothing is stored)
+                n_t = n1 if WG == 1 else n0
+            else:
+                n1 = n0
+                pid_s = t0
+                n_t = n0
             q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
             q_nope = gl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols[None, :] >= 0), other=0.0)
             if D_ROPE > 0:
@@ -1462,7 +1475,7 @@ if HAVE_GLUON:
             for b in range(gl.cdiv(gl.maximum(n0, n1), BLOCK_T)):
                 offs_t = b * BLOCK_T + offs_c
                 pos = gl.load(pos_row + offs_t, mask=offs_t < n_t, other=0)  # in flight during the wait and S
-                slot = _ws_wait_full(full_bars, 2 * j + WG, NUM_BUF)
+                slot = _ws_wait_full(full_bars, 2 * j + WG if TOKENS == 2 else j, NUM_BUF)
                 mbarrier.wait(turn_bars.index(WG), (j + 1 - WG) & 1)
                 s = gl.zeros([64, BLOCK_T], gl.float32, s_l)
                 s = warpgroup_mma(
@@ -1478,7 +1491,10 @@ if HAVE_GLUON:
                 red.store(gl.sum(gl.reshape(p, [4, 16, BLOCK_T]), axis=1))
                 gl.thread_barrier()
                 col = gl.sum(red.load(red_l), axis=0)
-                gl.store(out_row + pos, col, mask=offs_t < n_t)
+                if TOKENS == 2:
+                    gl.store(out_row + pos, col, mask=offs_t < n_t)
+                else:
+                    gl.atomic_add(out_row + pos, col, mask=offs_t < n_t, sem="relaxed")
                 j += 1
 
     @gluon.jit
@@ -1487,22 +1503,25 @@ if HAVE_GLUON:
         stride_q_s, stride_q_h, stride_kv_row, stride_lse_s,
         h_q, topk, s_q, sm_scale_log2, lse_to_log2,
         D_NOPE: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_T: gl.constexpr, NUM_BUF: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        TOKENS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
-        """attn_dist over ordered slots (at most 64 heads), persistent: program ``p`` of ``P`` (one per
-        multiprocessor) takes the token pairs ``(2 r, 2 r + 1)``, ``r = p, p + P, ...``, each consumer
-        warpgroup one token of the pair, so the programs run the tokens in waves of ``2 P``. Each token's
-        valid slots come ordered (``IDX_S`` their indices, ``POS`` the slots, ``COUNT`` how many) by KV
-        chunk in index order: the tokens of a wave, which start together and keep pace, then gather from
-        about the same chunk of the KV rows at any time, which stays in L2 where the whole KV would not.
+        """attn_dist over ordered slots, persistent: program ``p`` of ``P`` (one per multiprocessor) takes
+        the items ``r = p, p + P, ...``: with ``TOKENS`` 2 (at most 64 heads) the token pairs ``(2 r, 2 r +
+        1)``, each consumer warpgroup one token of the pair, so the programs run the tokens in waves of ``2
+        P``; with ``TOKENS`` 1 (65 to 128 heads) the tokens ``r``, each consumer warpgroup 64 of the heads,
+        in waves of ``P``. Each token's valid slots come ordered (``IDX_S`` their indices, ``POS`` the
+        slots, ``COUNT`` how many) by KV chunk in index order: the tokens of a wave, which start together
+        and keep pace, then gather from about the same chunk of the KV rows at any time, which stays in L2
+        where the whole KV would not.
         Warp specialised as ``_attn_dist_ws_kernel`` (producer ``_adp_producer``, consumers
-        ``_adp_consumer``); one ring carries across a program's pairs."""
+        ``_adp_consumer``); one ring carries across a program's items."""
         gl.static_assert(num_warps == 4)
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         dtype: gl.constexpr = Q.dtype.element_ty
         kn_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, D_NOPE], smem_l)
         kr_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_T, 64], smem_l)
-        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 1)
+        full_bars, empty_bars = _ws_ring_barriers(NUM_BUF, 3 - TOKENS)  # a pair's block: one reader
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(2):
             mbarrier.init(turn_bars.index(j), count=1)
@@ -1516,15 +1535,15 @@ if HAVE_GLUON:
             [
                 (_adp_consumer, (
                     WG0, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, red_smem, Q, LSE, POS, COUNT, OUT,
-                    stride_q_s, stride_q_h, stride_lse_s, h_q, topk, s_q, sm_scale_log2, lse_to_log2, D_ROPE,
+                    stride_q_s, stride_q_h, stride_lse_s, h_q, topk, s_q, sm_scale_log2, lse_to_log2, D_ROPE, TOKENS,
                 )),
                 (_adp_consumer, (
                     WG1, kn_smem, kr_smem, full_bars, empty_bars, turn_bars, red_smem, Q, LSE, POS, COUNT, OUT,
-                    stride_q_s, stride_q_h, stride_lse_s, h_q, topk, s_q, sm_scale_log2, lse_to_log2, D_ROPE,
+                    stride_q_s, stride_q_h, stride_lse_s, h_q, topk, s_q, sm_scale_log2, lse_to_log2, D_ROPE, TOKENS,
                 )),
                 (_adp_producer, (
                     kn_smem, kr_smem, full_bars, empty_bars, KV, stride_kv_row, IDX_S, COUNT, topk, s_q,
-                    D_NOPE, D_ROPE,
+                    D_NOPE, D_ROPE, TOKENS,
                 )),
             ],
             [4, 4],
@@ -1666,15 +1685,27 @@ def launch_attn_dist_index_gluon(
     n_programs: int,
     slots: dict[Any, Any] | None = None,
 ) -> Any:
-    """Index-order attn_dist on sm_90 (``h_q <= 64``; see ``_attn_dist_index_kernel``) on at most
-    ``n_programs`` programs (each takes pairs of tokens). ``order``: each token's valid slots in the order
-    to take them, ``(indices, slots, counts)`` int32 ``[s_q, topk]``, ``[s_q, topk]`` and ``[s_q]``; the
-    kernel writes the valid slots of ``out`` only."""
+    """Index-order attn_dist on sm_90 (see ``_attn_dist_index_kernel``) on at most ``n_programs``
+    programs (each takes pairs of tokens up to 64 heads, else tokens). ``order``: each token's valid slots
+    in the order to take them, ``(indices, slots, counts)`` int32 ``[s_q, topk]``, ``[s_q, topk]`` and
+    ``[s_q]``; the kernel writes the valid slots of ``out`` only (adds into them where
+    :func:`attn_dist_adds_partials` says so)."""
     idx_s, pos, counts = order
     return launch(
-        _attn_dist_index_kernel, (max(1, min(n_programs, cdiv(dims.s_q, 2))),), slots, "gluon_attn_dist_index",
+        _attn_dist_index_kernel, (index_programs(dims.s_q, dims.h_q, n_programs),), slots, "gluon_attn_dist_index",
         (q, kv_rows, idx_s, pos, counts, lse, out, q.stride(0), q.stride(1), kv_rows.stride(0), lse.stride(0),
          dims.h_q, dims.topk, dims.s_q, sm_scale_log2, lse_to_log2),
-        dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=ATTN_DIST_NUM_BUF,
+        dict(D_NOPE=512, D_ROPE=dims.d_qk - 512, BLOCK_T=64, NUM_BUF=ATTN_DIST_NUM_BUF, TOKENS=index_tokens(dims.h_q),
              CONSUMER_REGS=INDEX_CONSUMER_REGS, PRODUCER_REGS=INDEX_PRODUCER_REGS, num_warps=4),
     )  # fmt: skip
+
+
+def index_tokens(h_q: int) -> int:
+    """Tokens per item of the index-order attn_dist: a pair up to 64 heads (a token per consumer
+    warpgroup), else one (64 heads per consumer warpgroup)."""
+    return 1 if attn_dist_adds_partials(h_q) else 2
+
+
+def index_programs(s_q: int, h_q: int, n_programs: int) -> int:
+    """Programs of the index-order attn_dist: at most ``n_programs``, one per item."""
+    return max(1, min(n_programs, cdiv(s_q, index_tokens(h_q))))
