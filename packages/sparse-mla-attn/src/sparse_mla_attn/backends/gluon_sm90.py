@@ -905,23 +905,28 @@ if HAVE_GLUON:
         """Consumer warpgroup ``WG``'s half of the query tile of the persistent forward: channels
         ``[WG D_NOPE/2, (WG + 1) D_NOPE/2)`` of heads ``h0 ..`` (zero past ``h_q``) of token ``pid_s``, and
         for warpgroup 1 the rope part; the warpgroup's own part of the tile, which it also stages its
-        output in (``_pp_store_out``). Loaded through registers, 64 channels at a time, marked L2
-        evict-first (the query is read once: L2 is left to the gathered rows)."""
+        output in (``_pp_store_out``). Loaded through registers, every load issued before the first store
+        (one round trip to memory), marked L2 evict-first (the query is read once: L2 is left to the
+        gathered rows)."""
         D_HALF: gl.constexpr = D_NOPE // 2
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         offs_h = h0 + gl.arange(0, qn_smem.shape[1], layout=gl.SliceLayout(1, ld_l))
         h_ok = offs_h[:, None] < h_q
         q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_l))[None, :]
-        for c in gl.static_range(D_HALF // 64):
-            q = gl.load(q_row + (WG * D_HALF + 64 * c) + cols, mask=h_ok & (cols >= 0), other=0.0,
-                        eviction_policy="evict_first")  # fmt: skip
-            qn_smem.index(0).slice(WG * D_HALF + 64 * c, 64, dim=1).store(q)
+        cols = gl.arange(0, D_HALF, layout=gl.SliceLayout(0, ld_l))[None, :]
+        q = gl.load(
+            q_row + WG * D_HALF + cols, mask=h_ok & (cols >= 0), other=0.0, eviction_policy="evict_first"
+        )
         if WG == 1 and D_ROPE > 0:
-            q = gl.load(
-                q_row + D_NOPE + cols, mask=h_ok & (cols < D_ROPE), other=0.0, eviction_policy="evict_first"
+            cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_l))[None, :]
+            q_r = gl.load(
+                q_row + D_NOPE + cols_r,
+                mask=h_ok & (cols_r < D_ROPE),
+                other=0.0,
+                eviction_policy="evict_first",
             )
-            qr_smem.index(0).store(q)
+            qr_smem.index(0).store(q_r)
+        qn_smem.index(0).slice(WG * D_HALF, D_HALF, dim=1).store(q)
 
     @gluon.jit
     def _pp_consumer_persistent(
@@ -1153,9 +1158,9 @@ if HAVE_GLUON:
                 other=0.0,
                 eviction_policy="evict_first",
             )
-            # Leading axis of 1: consumers index it with opaque_zero.
+            # Leading axis of 1: consumers index it with opaque_zero. (Both parts loaded before either is
+            # stored: one round trip to memory.)
             qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
-            qn_smem.index(0).store(q_nope)
             if D_ROPE > 0:
                 cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
                 q_rope = gl.load(
@@ -1168,6 +1173,7 @@ if HAVE_GLUON:
                 qr_smem.index(0).store(q_rope)
             else:
                 qr_smem = qn_smem  # unused
+            qn_smem.index(0).store(q_nope)
             smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, False, TURNS, SLOT_PARTS)
             fence_async_shared()  # the query tile, before wgmma reads it
             gl.warp_specialize(
