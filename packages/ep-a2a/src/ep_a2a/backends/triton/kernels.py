@@ -1420,18 +1420,25 @@ def _dispatch_kernel(
             if RECV:
                 # this rank's own rows into its output (the senders only feed the peers, or nothing sends)
                 if SPLIT or REWRITE:
-                    own = (cw >= 0) & (cw < n_chunks_send)
                     if TAIL > 0:
-                        if own & (half >= 0):  # (half a chunk: a chunk of CH // 2 tokens)
-                            _dispatch_send_chunk(
-                                2 * cw + half, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr,
-                                out_w_ptr, out_e_ptr, tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens,
-                                nchunks, cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH,
-                                CH // 2, EVEN_H, HAS_W, CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX,
-                                RECI, ROWB, WHOLE_ROW, QH, BQ,
-                            )  # fmt: skip
-                        own = own & (half < 0)
-                    if own:
+                        if (cw >= 0) & (cw < n_chunks_send):
+                            if half >= 0:  # (half a chunk: a chunk of CH // 2 tokens)
+                                _dispatch_send_chunk(
+                                    2 * cw + half, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr,
+                                    out_w_ptr, out_e_ptr, tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks, cap_rows, off_x,
+                                    off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH // 2, EVEN_H, HAS_W,
+                                    CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX, RECI, ROWB,
+                                    WHOLE_ROW, QH, BQ,
+                                )  # fmt: skip
+                            else:
+                                _dispatch_send_chunk(
+                                    cw, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr,
+                                    out_e_ptr, tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks, cap_rows, off_x,
+                                    off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH, EVEN_H, HAS_W,
+                                    CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX, RECI, ROWB,
+                                    WHOLE_ROW, QH, BQ,
+                                )  # fmt: skip
+                    elif (cw >= 0) & (cw < n_chunks_send):
                         _dispatch_send_chunk(
                             cw,
                             x_ptr,
@@ -1492,17 +1499,22 @@ def _dispatch_kernel(
                                 rm = (rt < n_s)[:, None] & (rk2[None, :] < K)
                                 tl.store(tab_ptr + rslot, tl.full([CH, KP], -1, tl.int32), mask=rm)
                         elif (s != rank) & (c * CH < n_s):
-                            whole = True
                             if TAIL > 0:  # (no copy engine with the split)
                                 if half >= 0:
                                     _dispatch_recv_chunk(
                                         2 * c + half, c, s, n_s, out_ptr, out_w_ptr, out_e_ptr, tab_ptr, offs_ptr,
-                                        table_ptr, state_ptr, rank, ep, max_tokens, nchunks, cap_rows, timeout, off_x,
-                                        off_ids, off_pos, off_w, off_flag, w_ptr.dtype.element_ty, W, L, K, KP, H, BH,
-                                        CH // 2, EVEN_H, HAS_W, CALLER_SCATTER, USE_TIMER, WHOLE_ROW,
+                                        table_ptr, state_ptr, rank, ep, max_tokens, nchunks, cap_rows, timeout, off_x, off_ids, off_pos, off_w,
+                                        off_flag, w_ptr.dtype.element_ty, W, L, K, KP, H, BH, CH // 2, EVEN_H, HAS_W,
+                                        CALLER_SCATTER, USE_TIMER, WHOLE_ROW,
                                     )  # fmt: skip
-                                whole = half < 0
-                            if whole:
+                                else:
+                                    _dispatch_recv_chunk(
+                                        c, c, s, n_s, out_ptr, out_w_ptr, out_e_ptr, tab_ptr, offs_ptr, table_ptr,
+                                        state_ptr, rank, ep, max_tokens, nchunks, cap_rows, timeout, off_x, off_ids, off_pos, off_w,
+                                        off_flag, w_ptr.dtype.element_ty, W, L, K, KP, H, BH, CH, EVEN_H, HAS_W,
+                                        CALLER_SCATTER, USE_TIMER, WHOLE_ROW,
+                                    )  # fmt: skip
+                            else:
                                 _dispatch_recv_chunk(
                                     c,
                                     (c * CH) // ce_tokens if CE else c,
