@@ -679,7 +679,7 @@ class TritonBackend(A2ABackend):
         if out is None:
             out = ws.out
         if out is None or (not plain and out.dtype != input.dtype):
-            cap = eng.worst_case_rows() if self.overlap_exact else self._rows_guess()
+            cap = eng.worst_case_rows() if self.overlap_exact else self._rows_next
             out = eng.alloc_rows(cap, dtype=input.dtype)
         src = full_scatter_indices if full_scatter_indices is not None else eng.pos
         mirror = self._mirror if not eng.ce_pieces else None
@@ -929,10 +929,6 @@ class TritonBackend(A2ABackend):
     def _workspace(self, n: int) -> DispatchWorkspace:
         """This call's outputs but the rows, from the current stream's ring (see :mod:`.workspace`)."""
         return self.workspaces.take(_raw_stream(self._device_index), n)
-
-    def _rows_guess(self) -> int:
-        """Rows of the outputs of this call's speculative flow."""
-        return self._rows_next
 
     def _record_rows(self, rows: int) -> None:
         """Record the rows an exact-shape call received, and the rows the next speculative call's outputs
