@@ -495,12 +495,13 @@ if HAVE_GLUON:
         other warpgroup's P from shared memory with its half of the other block. Per pair of blocks:
 
         * warpgroup 0: softmax of block 2k against the running max, publishes its max (``p_bars[0]``),
-          own P·V, releases slot 0's first half; waits for warpgroup 1's max (``p_bars[1]``), rescales
-          its P to it and publishes it in slot 0's rope part (``s_bars[0]``: S no longer needs it); waits
-          for warpgroup 1's P (``s_bars[1]``), rescales the accumulator, issues that P·V and behind it the
-          next block's S, and releases slot 1's first half once that P·V is done (with ``item.FREE_EARLY``
-          before issuing the second half of that S, whose gather, behind the release of slot 0's second
-          half by warpgroup 1, may still be in flight: the producer refills slot 1's first half meanwhile);
+          issues its own P·V; waits for warpgroup 1's max (``p_bars[1]``), rescales its P to it and
+          publishes it in slot 0's rope part (``s_bars[0]``: S no longer needs it) while that P·V runs,
+          then releases slot 0's first half once it is done; waits for warpgroup 1's P (``s_bars[1]``),
+          rescales the accumulator, issues that P·V and behind it the next block's S, and releases slot 1's
+          first half once that P·V is done (with ``item.FREE_EARLY`` before issuing the second half of that
+          S, whose gather, behind the release of slot 0's second half by warpgroup 1, may still be in
+          flight: the producer refills slot 1's first half meanwhile);
         * warpgroup 1: S of block 2k+1, then, with warpgroup 0's max, its softmax against the larger of
           the two maxima (so both warpgroups end a pair at the same max), publishes that max, own P·V,
           publishes its P (``smem.p``), issues warpgroup 0's P·V and releases slot 1's second half and
@@ -563,15 +564,16 @@ if HAVE_GLUON:
                     acc,
                     is_async=True,
                 )
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(smem.empty_bars.index(0))  # slot 0, first half: read by no one else
-                # Move P, the accumulator and the sums to warpgroup 1's max, the pair's max.
+                # Move P to warpgroup 1's max, the pair's max, and publish it while the own P·V runs.
                 mbarrier.wait(smem.p_bars.index(1), ph)
                 m_1 = smem.m.index(1).load(row_l)
                 rescale = gl.exp2(m_i - gl.where(m_1 == float("-inf"), 0.0, m_1))
                 smem.kr.index(0).store((p * rescale[:, None]).to(dtype))
                 fence_async_shared()
                 mbarrier.arrive(smem.s_bars.index(0))
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(smem.empty_bars.index(0))  # slot 0, first half: read by no one else
+                # ... and the accumulator and the sums.
                 m_i = m_1
                 l_i = l_i * rescale
                 acc = acc * gl.convert_layout(rescale, alpha_l)[:, None]
