@@ -460,3 +460,43 @@ def test_fwd_persistent_rule(monkeypatch, h_q, s_kv, mode, persistent):
     plan = forward.FwdPlan(SparseDims(4, h_q, 576, s_kv, 2048, 512), True, 1, (1,), (), {}, (1,), {}, {})
     forward.set_gluon_options(plan, Config(fwd_persistent=mode), torch.device("cpu"))
     assert plan.gluon_options["persistent_programs"] == (132 if persistent else 0)
+
+
+@pytest.mark.parametrize(
+    ("h_q", "s_kv", "mode", "expected"),
+    [
+        (64, 131072, "auto", True),  # 151 MB of KV rows past a 50 MB L2, one program per item
+        (64, 32768, "auto", False),  # 38 MB: within L2
+        (48, 65536, "off", True),
+        (64, 131072, "on", False),  # persistent
+        (128, 131072, "off", False),  # two head tiles
+    ],
+)
+def test_fwd_query_in_consumers_rule(monkeypatch, h_q, s_kv, mode, expected):
+    """Which per-item Gluon forwards load the query tile in the consumer warpgroups (up to 64 heads, KV rows
+    past L2)."""
+    from sparse_mla_attn import forward
+
+    monkeypatch.setattr(forward, "num_sms", lambda device: 132)
+    monkeypatch.setattr(forward, "l2_cache_bytes", lambda device: 50 << 20)
+    plan = forward.FwdPlan(SparseDims(4, h_q, 576, s_kv, 2048, 512), True, 1, (1,), (), {}, (1,), {}, {})
+    forward.set_gluon_options(plan, Config(fwd_persistent=mode), torch.device("cpu"))
+    assert plan.gluon_options.get("q_in_consumers", False) is expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("h_q", "topk", "s_q"), [(64, 1000, 77), (40, 333, 29)])
+def test_fwd_gpu_gluon_query_in_consumers(monkeypatch, h_q, topk, s_q):
+    """The per-item Gluon forward whose consumer warpgroups load the query tile (chosen where the KV rows do
+    not fit in L2: here an L2 of 1 MB is pretended) against the reference, as
+    :func:`test_fwd_gpu_gluon_edge_cases`."""
+    from sparse_mla_attn import forward
+
+    if reason := gluon_skip_reason("gluon"):
+        pytest.skip(reason)
+    monkeypatch.setattr(forward, "l2_cache_bytes", lambda device: 1 << 20)
+    cfg = Config(backend="gluon", num_splits=1, fwd_persistent="off", fwd_tail_split="off")
+    check_gluon_fwd(cfg, h_q, 576, topk, s_q, 3 * h_q + topk, "gpu")
+    plans = [p for p in forward._PLANS.values() if p.dims.s_q == s_q and p.dims.h_q == h_q]
+    assert plans
+    assert all(p.gluon_options.get("q_in_consumers") for p in plans)

@@ -813,13 +813,19 @@ def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> Fw
     """Give ``plan`` the Gluon forward's options of ``config`` (``fwd_persistent``: one program per
     multiprocessor of ``device``, by default where a token has more than one 64-head tile or where the KV
     rows fit in half of the device's L2 cache, see :class:`Config`; ``fwd_tail_split``: the last items in
-    pieces, :func:`tail_split`); returns ``plan``."""
+    pieces, :func:`tail_split`) and, one program per item up to 64 heads where the KV rows do not fit in the
+    L2 cache, the query tile loaded by the consumer warpgroups (``launch_fwd_gluon``'s
+    ``q_in_consumers``); returns ``plan``."""
     mode = config.fwd_persistent
     dims = plan.dims
-    kv_in_l2 = 2 * dims.s_kv * dims.d_qk * 2 <= l2_cache_bytes(device)  # bf16 / fp16 rows
+    l2_bytes = l2_cache_bytes(device)
+    kv_in_l2 = 2 * dims.s_kv * dims.d_qk * 2 <= l2_bytes  # bf16 / fp16 rows
     persistent = mode == "on" or (mode == "auto" and (dims.h_q > 64 or kv_in_l2))
     n_sm = num_sms(device)
     plan.gluon_options = {"persistent_programs": n_sm if persistent else 0}
+    if not persistent and dims.h_q <= 64 and dims.s_kv * dims.d_qk * 2 > l2_bytes:
+        # One program per item, rows past L2: the first gathers (from HBM) overlap the query load.
+        plan.gluon_options["q_in_consumers"] = True
     plan.tail = None
     mode = config.fwd_tail_split
     if (

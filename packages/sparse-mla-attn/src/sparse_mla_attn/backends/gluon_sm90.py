@@ -904,7 +904,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_q_half(WG: gl.constexpr, qn_smem, qr_smem, Q, stride_q_s, stride_q_h, pid_s, h0, h_q,
                      D_NOPE: gl.constexpr, D_ROPE: gl.constexpr):  # fmt: skip
-        """Consumer warpgroup ``WG``'s half of the query tile of the persistent forward: channels
+        """Consumer warpgroup ``WG``'s half of the query tile of the forward: channels
         ``[WG D_NOPE/2, (WG + 1) D_NOPE/2)`` of heads ``h0 ..`` (zero past ``h_q``) of token ``pid_s``, and
         for warpgroup 1 the rope part; the warpgroup's own part of the tile, which it also stages its
         output in (``_pp_store_out``). Loaded through registers, every load issued before the first store
@@ -979,6 +979,49 @@ if HAVE_GLUON:
             )  # fmt: skip
             kk0 += item.n_pairs
             it += 1
+
+    @gluon.jit
+    def _pp_consumer_item(
+        WG: gl.constexpr,
+        smem,
+        q_bar,
+        item,
+        Q,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        SINK,
+        stride_q_s,
+        stride_q_h,
+        sm_scale_log2,
+        D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+    ):
+        """Consumer warpgroup ``WG`` of the per-item forward with ``Q_IN_CONSUMERS``: loads its half of the
+        item's query tile (``_load_q_half``), meets the other warpgroup at ``q_bar`` as the persistent
+        consumers do (``_pp_consumer_persistent``) and runs ``_pp_consumer_whole``. The query is loaded here
+        rather than before the partitions start so that the producer's first gathers overlap its load."""
+        _load_q_half(
+            WG,
+            smem.qn,
+            smem.qr,
+            Q,
+            stride_q_s,
+            stride_q_h,
+            item.pid_s,
+            item.h0,
+            item.h_q,
+            smem.kn.shape[2],
+            D_ROPE,
+        )
+        fence_async_shared()  # the stores, before wgmma of either warpgroup reads them
+        mbarrier.arrive(q_bar)
+        mbarrier.wait(q_bar, 0)
+        fence_async_shared()  # the query tile, before wgmma reads it
+        _pp_consumer_whole(
+            WG, smem, item, OUT, MAX_LOGITS, LSE, SINK, sm_scale_log2, D_ROPE, BLOCK_T, HAS_SINK
+        )
 
     @gluon.jit
     def _pp_producer_persistent(smem, KV, stride_kv_row, items, D_ROPE: gl.constexpr):
@@ -1076,6 +1119,7 @@ if HAVE_GLUON:
         FREE_EARLY: gl.constexpr = False,
         SLOT_PARTS: gl.constexpr = 1,
         TAIL: gl.constexpr = False,
+        Q_IN_CONSUMERS: gl.constexpr = False,
     ):
         """Forward for (token, 64-head tile) work items, warp specialised (FlashMLA-style ping-pong, 12
         warps).
@@ -1098,7 +1142,9 @@ if HAVE_GLUON:
         With ``TURNS`` (set by the launcher for one head tile, ``h_q <= 64``) the two consumer warpgroups
         issue their S by turns (see ``_pp_consumer_whole``); ``FREE_EARLY`` (set for the persistent form
         with more than one head tile): see ``_pp_consumer``. ``SLOT_PARTS``: the parts in which the per-item
-        kernel gathers a slot (``_ws_producer``).
+        kernel gathers a slot (``_ws_producer``). With ``Q_IN_CONSUMERS`` (per item only) the consumer
+        warpgroups load the query tile (``_pp_consumer_item``) while the producer gathers the first rows;
+        else the kernel loads it before the partitions start.
 
         With ``TAIL`` (not with ``SPLIT_K``) the items below ``n_main`` are whole; the rest are pieces:
         item ``n_main + j tail_splits + k`` covers slots ``[k tail_len, (k + 1) tail_len)`` of whole item
@@ -1142,6 +1188,36 @@ if HAVE_GLUON:
                         D_ROPE, HAS_SINK,
                     )),
                     (_pp_producer_persistent, (smem, KV, stride_kv_row, items, D_ROPE)),
+                ],
+                [4, 4],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )  # fmt: skip
+        elif Q_IN_CONSUMERS:
+            item = items.get(gl.program_id(0))
+            # Leading axis of 1: consumers index it with opaque_zero. The consumers load it (_pp_consumer_item).
+            qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
+            if D_ROPE > 0:
+                qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
+            else:
+                qr_smem = qn_smem  # unused
+            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, False, TURNS, SLOT_PARTS)
+            q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+            mbarrier.init(q_bar, count=2)
+            fence_async_shared()  # barrier initialisation, before any partition uses them
+            gl.warp_specialize(
+                [
+                    (_pp_consumer_item, (
+                        WG0, smem, q_bar, item, Q, OUT, MAX_LOGITS, LSE, SINK, stride_q_s, stride_q_h, sm_scale_log2,
+                        D_ROPE, BLOCK_T, HAS_SINK,
+                    )),
+                    (_pp_consumer_item, (
+                        WG1, smem, q_bar, item, Q, OUT, MAX_LOGITS, LSE, SINK, stride_q_s, stride_q_h, sm_scale_log2,
+                        D_ROPE, BLOCK_T, HAS_SINK,
+                    )),
+                    (_ws_producer, (
+                        smem.kn, smem.kr, smem.full_bars, smem.empty_bars, KV, stride_kv_row, item.idx_row, item.n_t,
+                        item.hi, 2 * item.n_pairs, D_NOPE, D_ROPE, BLOCK_T, 2, SLOT_PARTS,
+                    )),
                 ],
                 [4, 4],
                 [CONSUMER_REGS, PRODUCER_REGS],
@@ -1601,6 +1677,7 @@ def launch_fwd_gluon(
     ctx: LaunchContext | None = None,
     splits: tuple[int, int] = (1, 0),
     tail: tuple[Any, ...] | None = None,
+    q_in_consumers: bool = False,
 ) -> Any:
     """Forward on sm_90: one program per token and 64-head tile, 12 warp-specialised warps (see
     ``_sparse_mla_fwd_ws_kernel``); same arguments and outputs as the Triton launch (``slots``: see
@@ -1612,7 +1689,9 @@ def launch_fwd_gluon(
     ``persistent_programs``: run the kernel persistent on at most this many programs
     (``Config.fwd_persistent``: the multiprocessor count), else (0) one program per work item. ``tail``:
     ``(n_main, tail_splits, tail_len, part_o, part_max, part_lse)``, the work items from ``n_main`` on run
-    in pieces (see ``_sparse_mla_fwd_ws_kernel``; without split-K), their partials for the merge kernel."""
+    in pieces (see ``_sparse_mla_fwd_ws_kernel``; without split-K), their partials for the merge kernel.
+    ``q_in_consumers``: one program per item, whose consumer warpgroups load the query tile while the
+    producer gathers the first rows (``_sparse_mla_fwd_ws_kernel``'s ``Q_IN_CONSUMERS``)."""
     n_head_tiles = cdiv(dims.h_q, 64)
     n_splits, split_len = splits
     if strides is None:
@@ -1643,6 +1722,9 @@ def launch_fwd_gluon(
             _sparse_mla_fwd_ws_kernel, (min(n_items, persistent_programs),), slots, name + "_persistent",
             (*args, n_items, *tail_args), {**consts, "PERSISTENT": True}, ctx,
         )  # fmt: skip
+    if q_in_consumers:
+        consts["Q_IN_CONSUMERS"] = True
+        name += "_q_in_consumers"
     return launch(
         _sparse_mla_fwd_ws_kernel, (n_items,), slots, name, (*args, None, *tail_args),
         {**consts, "SLOT_PARTS": FWD_SLOT_PARTS}, ctx,
