@@ -428,9 +428,10 @@ if HAVE_GLUON:
     def _pp_producer(smem, KV, stride_kv_row, idx_row, n_t, hi, n_pairs, D_NOPE: gl.constexpr,
                      D_ROPE: gl.constexpr, BLOCK_T: gl.constexpr, pair0=0):  # fmt: skip
         """Producer warpgroup of the forward: gathers each pair of blocks ``2k, 2k + 1`` into ring slots 0 and
-        1 by halves, in the order the consumers free and read them (slot 0's first half, slot 1's second,
-        slot 0's second, slot 1's first), so a half is refilled as soon as its one reader is done with it
-        (see ``_pp_consumer``). ``pair0``: pairs the ring already carried (a persistent program's earlier
+        1 by halves, each once its one reader is done with it (see ``_pp_consumer``), slot 0 first (slot 0's
+        first half, its second, slot 1's second, slot 1's first): warpgroup 0 issues its next S, on slot 0,
+        right behind the pair's last P·V, and a half takes long to issue, so slot 0's second half does not
+        wait behind slot 1's. ``pair0``: pairs the ring already carried (a persistent program's earlier
         items)."""
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
@@ -440,8 +441,8 @@ if HAVE_GLUON:
             idx0 = gl.load(idx_row + t0, mask=t0 < n_t, other=-1)
             idx1 = gl.load(idx_row + BLOCK_T + t0, mask=BLOCK_T + t0 < n_t, other=-1)
             _pp_gather_half(smem, 0, 0, pair, KV, stride_kv_row, idx0, hi, D_NOPE, D_ROPE, ld_l)
-            _pp_gather_half(smem, 1, 1, pair, KV, stride_kv_row, idx1, hi, D_NOPE, D_ROPE, ld_l)
             _pp_gather_half(smem, 0, 1, pair, KV, stride_kv_row, idx0, hi, D_NOPE, D_ROPE, ld_l)
+            _pp_gather_half(smem, 1, 1, pair, KV, stride_kv_row, idx1, hi, D_NOPE, D_ROPE, ld_l)
             _pp_gather_half(smem, 1, 0, pair, KV, stride_kv_row, idx1, hi, D_NOPE, D_ROPE, ld_l)
 
     @gluon.jit
