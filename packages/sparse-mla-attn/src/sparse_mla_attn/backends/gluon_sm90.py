@@ -932,6 +932,30 @@ if HAVE_GLUON:
         qn_smem.index(0).slice(WG * D_HALF, D_HALF, dim=1).store(q)
 
     @gluon.jit
+    def _meet_on_query(
+        WG: gl.constexpr,
+        smem,
+        q_bar,
+        phase,
+        Q,
+        stride_q_s,
+        stride_q_h,
+        pid_s,
+        h0,
+        h_q,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+    ):
+        """Consumer warpgroup ``WG`` loads its half of a query tile (``_load_q_half``) and waits at ``q_bar``
+        (phase ``phase``) until the other warpgroup has stored its half, so both can run wgmma on the whole
+        tile."""
+        _load_q_half(WG, smem.qn, smem.qr, Q, stride_q_s, stride_q_h, pid_s, h0, h_q, D_NOPE, D_ROPE)
+        fence_async_shared()  # the stores, before wgmma of either warpgroup reads them
+        mbarrier.arrive(q_bar)
+        mbarrier.wait(q_bar, phase)
+        fence_async_shared()  # the query tile, before wgmma reads it
+
+    @gluon.jit
     def _pp_consumer_persistent(
         WG: gl.constexpr,
         smem,
@@ -958,10 +982,11 @@ if HAVE_GLUON:
         it = gl.program_id(0) * 0
         for i in range(gl.program_id(0), items.n_items, gl.num_programs(0)):
             item = items.get(i)
-            _load_q_half(
+            _meet_on_query(
                 WG,
-                smem.qn,
-                smem.qr,
+                smem,
+                q_bar,
+                it & 1,
                 Q,
                 stride_q_s,
                 stride_q_h,
@@ -971,10 +996,6 @@ if HAVE_GLUON:
                 D_NOPE,
                 D_ROPE,
             )
-            fence_async_shared()  # the stores, before wgmma of either warpgroup reads them
-            mbarrier.arrive(q_bar)
-            mbarrier.wait(q_bar, it & 1)
-            fence_async_shared()  # the query tile, before wgmma reads it
             _pp_consumer(
                 WG, smem, item, OUT, MAX_LOGITS, LSE, SINK, sm_scale_log2, D_ROPE, items.BLOCK_T, HAS_SINK, kk0, it & 1
             )  # fmt: skip
@@ -1003,10 +1024,11 @@ if HAVE_GLUON:
         item's query tile (``_load_q_half``), meets the other warpgroup at ``q_bar`` as the persistent
         consumers do (``_pp_consumer_persistent``) and runs ``_pp_consumer_whole``. The query is loaded here
         rather than before the partitions start so that the producer's first gathers overlap its load."""
-        _load_q_half(
+        _meet_on_query(
             WG,
-            smem.qn,
-            smem.qr,
+            smem,
+            q_bar,
+            0,
             Q,
             stride_q_s,
             stride_q_h,
@@ -1016,10 +1038,6 @@ if HAVE_GLUON:
             smem.kn.shape[2],
             D_ROPE,
         )
-        fence_async_shared()  # the stores, before wgmma of either warpgroup reads them
-        mbarrier.arrive(q_bar)
-        mbarrier.wait(q_bar, 0)
-        fence_async_shared()  # the query tile, before wgmma reads it
         _pp_consumer_whole(
             WG, smem, item, OUT, MAX_LOGITS, LSE, SINK, sm_scale_log2, D_ROPE, BLOCK_T, HAS_SINK
         )
