@@ -11,6 +11,7 @@ validation, no Triton argument binding and no device-to-host synchronisation."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -322,6 +323,16 @@ class LaunchReplay:
         source = f"def run({params}, scale):\n" + "\n".join(lines) + "\n"
         exec(compile(source, "<sparse_mla_attn launch replay>", "exec"), consts)
         return cls(consts["run"], keep)
+
+
+def plan_replay(plan: Any, where: tuple[int, Any], sm_scale: float) -> LaunchReplay | None:
+    """The replay a repeated eager call of the launch plan ``plan`` (``None``: none is made for its
+    signature) takes on ``where`` (:func:`eager_stream`) in this thread: the launches the plan recorded
+    there (``plan.replays``), if any, and ``sm_scale`` finite (else the op's checks run)."""
+    if plan is None:
+        return None
+    replay: LaunchReplay | None = plan.replays.get((*where, threading.get_ident()))
+    return replay if replay is not None and math.isfinite(sm_scale) else None
 
 
 def eager_stream(t: torch.Tensor) -> tuple[int, Any] | None:

@@ -11,8 +11,6 @@ depend on their order, so the output stays deterministic.
 from __future__ import annotations
 
 import functools
-import math
-import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,6 +35,7 @@ from sparse_mla_attn._runtime import (
     next_power_of_2,
     no_launch_hooks,
     num_sms,
+    plan_replay,
     record_launch,
     record_launches,
 )
@@ -484,10 +483,8 @@ def _attn_dist_eager(
     checked = _CHECKED.get(
         _attn_dist_key(q, kv, indices, lse, q_start_index, k_stride, lse_base, causal, options)
     )
-    if checked is None:
-        return None
-    replay = checked.replays.get((*where, threading.get_ident()))
-    if replay is None or not math.isfinite(sm_scale):
+    replay = plan_replay(checked, where, sm_scale)
+    if replay is None or checked is None:
         return None
     dims = checked.dims
     # (The kernels that add partial sums need a zeroed output: the launches recorded with one had it too.)
