@@ -291,6 +291,15 @@ def check_attn_dist_gpu(backend, h_q, d_qk, topk, config):
     torch.testing.assert_close(got, ref, atol=TOL["gpu"][0], rtol=TOL["gpu"][1])
     assert torch.all(got[3] == 0)
     assert torch.equal(got, attn_dist(q, kv, idx, lse, 0.0416, config=config, **kw))
+    fresh = lambda: (q.clone(), kv.clone(), idx.clone(), lse.clone())
+    for _ in range(2):  # the last call replays the launches the one before recorded, on fresh copies
+        assert torch.equal(got, attn_dist(*fresh(), 0.0416, config=config, **kw))
+    assert last_launch("attn_dist").backend == backend
+    # Another scale on fresh copies: a replay that kept the recorded call's scale or tensors would differ.
+    ref2 = attn_dist_ref(q, kv, idx, lse, 0.03, **kw)
+    torch.testing.assert_close(
+        attn_dist(*fresh(), 0.03, config=config, **kw), ref2, atol=TOL["gpu"][0], rtol=TOL["gpu"][1]
+    )
     return got
 
 

@@ -187,7 +187,8 @@ def _check_decode_replay() -> int:
     ctx = _runtime.LaunchContext(0, 77, False)
     from sparse_mla_attn import forward
 
-    for mod in (decode, forward):
+    attn_dist_mod = sys.modules["sparse_mla_attn.attn_dist"]
+    for mod in (decode, forward, attn_dist_mod):
         mod.launch_context = lambda device: ctx  # type: ignore[attr-defined]
         mod.eager_stream = lambda t: (0, 77)  # type: ignore[attr-defined]
     sys.path.insert(0, os.path.dirname(HERE))
@@ -283,6 +284,36 @@ def _check_decode_replay() -> int:
                 else:
                     assert x3 == x2, (n2, x2, x3)
                 checked += 1
+    # attn_dist (Gluon, whose output is zeroed for its partial sums, and Triton): the same.
+    for cfg in (None, sm.Config(backend="triton")):
+        f1, f2, f3 = fwd_inputs(1), fwd_inputs(2), fwd_inputs(3)
+        lse2, lse3 = f2[3][None].expand(2, 128).contiguous(), f3[3][None].expand(2, 128).contiguous()
+        sm.attn_dist(*f1[:3], f1[3][None].expand(2, 128).contiguous(), 0.1, config=cfg)  # compiles
+        generic.clear()
+        direct.clear()
+        a2 = sm.attn_dist(*f2[:3], lse2, 0.1, config=cfg)  # recorded
+        recorded = list(generic)
+        assert recorded
+        assert not direct
+        generic.clear()
+        a3 = sm.attn_dist(*f3[:3], lse3, 0.3, config=cfg)  # replayed
+        assert not generic
+        assert len(direct) == len(recorded)
+        own2, own3 = (*f2[:3], lse2, a2), (*f3[:3], lse3, a3)
+        for (n2, g2, s2, fn2, p2, args2), (n3, g3, s3, fn3, p3, args3) in zip(recorded, direct, strict=True):
+            assert (n2, g2, s2, fn2, p2) == (n3, g3, s3, fn3, p3)
+            for x2, x3 in zip(args2, args3, strict=True):
+                if isinstance(x2, torch.Tensor):
+                    # kv and indices reach the kernels as views kv[:, 0] and indices[:, 0] (same start)
+                    mine = [i for i, t in enumerate(own2) if t.data_ptr() == x2.data_ptr()]
+                    assert x3 == (own3[mine[0]].data_ptr() if mine else x2.data_ptr()), n2
+                elif type(x2) is float and x2 == 0.1 * LOG2E:
+                    assert x3 == 0.3 * LOG2E, n2
+                else:
+                    assert x3 == x2, (n2, x2, x3)
+                checked += 1
+        if cfg is None:  # zeroed for the Gluon kernel's partial sums (the stand-in kernels write nothing)
+            assert bool((a3 == 0).all())
     # A call the replay does not serve (an input that requires grad; no eager stream, e.g. under graph
     # capture) takes the op's launches, through the cached kernels.
     a4 = inputs(4)

@@ -11,6 +11,7 @@ validation, no Triton argument binding and no device-to-host synchronisation."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -177,9 +178,11 @@ def launch_context(device: torch.device) -> LaunchContext | None:
 
 def launch(
     fn: Any, grid: tuple[int, ...], slots: dict[Any, Any] | None, name: Any, args: tuple[Any, ...],
-    consts: dict[str, Any], ctx: LaunchContext | None = None,
+    consts: dict[str, Any] | Callable[[], dict[str, Any]], ctx: LaunchContext | None = None,
 ) -> Any:  # fmt: skip
-    """``fn[grid](*args, **consts)``, after its first launch through the compiled kernel kept in ``slots``.
+    """``fn[grid](*args, **consts)``, after its first launch through the compiled kernel kept in ``slots``
+    (``consts`` may be a function that returns them, called only where they are read: on Triton's launch
+    path).
 
     ``slots`` belongs to a launch plan made for one call signature, and ``name`` names the launch within
     it: together they must determine everything Triton specialises the launch on (the dtype and 16-byte
@@ -193,13 +196,15 @@ def launch(
     if slots is None or _INTERPRETING:
         if recording is not None:
             recording.append(None)  # not replayable
-        return fn[grid](*args, **consts)
+        return fn[grid](*args, **(consts() if callable(consts) else consts))
     # (No device query before the first compile: a CPU-only process may trace launches without a driver.)
     device = ctx.device if ctx is not None else _driver().get_current_device() if slots else None
     hit = slots.get((name, device)) if slots else None
     if hit is None:
         if recording is not None:
             recording.append(None)
+        if callable(consts):
+            consts = consts()
         kernel = fn[grid](*args, **consts)
         if kernel is not None and hasattr(kernel, "packed_metadata"):
             # The launcher takes every parameter in order: the positional ones, then the constexprs.
@@ -261,13 +266,16 @@ class LaunchReplay:
     ) -> LaunchReplay | None:  # fmt: skip
         """The replay of ``records`` (from :func:`record_launches`) on ``stream``, in which a float argument
         equal to ``scale`` (the recorded call's scale) becomes the later call's; ``None`` when two of
-        ``per_call`` are one tensor (a later call could pass them apart) or a launch got a view of one of
-        them (its data pointer would not follow the later call's tensor)."""
+        ``per_call`` are one tensor (a later call could pass them apart), a launch got a view of one of
+        them (its data pointer would not follow the later call's tensor) or two float arguments of one
+        launch equal ``scale`` (which of them is the scale would be a guess)."""
         ids = [id(t) for t in per_call if t is not None]
         if len(set(ids)) != len(ids):
             return None
         storages = {t.untyped_storage().data_ptr() for t in per_call if t is not None}
         for _, _, args in records:
+            if sum(type(a) is float and a == scale for a in args) > 1:
+                return None
             for a in args:
                 if (isinstance(a, torch.Tensor) and all(a is not t for t in per_call)
                         and a.untyped_storage().data_ptr() in storages):  # fmt: skip
@@ -315,6 +323,16 @@ class LaunchReplay:
         source = f"def run({params}, scale):\n" + "\n".join(lines) + "\n"
         exec(compile(source, "<sparse_mla_attn launch replay>", "exec"), consts)
         return cls(consts["run"], keep)
+
+
+def plan_replay(plan: Any, where: tuple[int, Any], sm_scale: float) -> LaunchReplay | None:
+    """The replay a repeated eager call of the launch plan ``plan`` (``None``: none is made for its
+    signature) takes on ``where`` (:func:`eager_stream`) in this thread: the launches the plan recorded
+    there (``plan.replays``), if any, and ``sm_scale`` finite (else the op's checks run)."""
+    if plan is None:
+        return None
+    replay: LaunchReplay | None = plan.replays.get((*where, threading.get_ident()))
+    return replay if replay is not None and math.isfinite(sm_scale) else None
 
 
 def eager_stream(t: torch.Tensor) -> tuple[int, Any] | None:
@@ -368,18 +386,20 @@ def keep_replay(
     per_call: tuple[torch.Tensor | None, ...],
     scale: float,
     ctx: LaunchContext,
+    name: str = "fwd",
 ) -> None:
     """Binds the launches ``records`` of one eager call (:func:`record_launches`) into a :class:`LaunchReplay`
     kept in a launch plan's ``replays`` for this device, stream and thread, unless one is kept already or
-    the launches cannot be replayed."""
+    the launches cannot be replayed. Each replay makes the call's latest launch under ``name``
+    (:func:`record_launch`) the latest again."""
     key = (ctx.device, ctx.stream, threading.get_ident())
     if records is None or key in replays:
         return
     if len(replays) >= REPLAY_LIMIT:
         replays.clear()
-    launch = last_launch("fwd")
+    launch = last_launch(name)
     replay = LaunchReplay.bind(
-        records, per_call, scale, ctx.stream, None if launch is None else ("fwd", launch)
+        records, per_call, scale, ctx.stream, None if launch is None else (name, launch)
     )
     if replay is not None:
         replays[key] = replay

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from sparse_mla_attn._runtime import (
+    LaunchContext,
     cached,
     call_signature,
     causal_max_k,
@@ -48,6 +49,7 @@ from sparse_mla_attn._runtime import (
     dot,
     interpreting,
     launch,
+    launch_context,
     mask_and,
     next_power_of_2,
     record_launch,
@@ -549,7 +551,12 @@ def launch_bwd(
     dev = q.device
     if tiles is not None:
         slots = None
-    cfg = {**bwd_config(h_q, topk, d_v, deterministic), **(tiles or {})}
+    # (The cached tile dict is read, never changed.)
+    cfg = (
+        bwd_config(h_q, topk, d_v, deterministic)
+        if tiles is None
+        else {**bwd_config(h_q, topk, d_v, deterministic), **tiles}
+    )
     block_h, block_h_dq = cfg["BLOCK_H"], cfg["BLOCK_H_DQ"]
     if cfg["N_SUB"] not in (1, 2):
         raise ValueError(f"N_SUB must be 1 or 2, got {cfg['N_SUB']}")
@@ -569,6 +576,17 @@ def launch_bwd(
         indices, perm = torch.sort(indices, dim=2, stable=True)
 
     dkv_gluon = split_dkv and _use_dkv_gluon(cfg, config, q, dout, h_q, d_qk, d_v, topk)
+    ctx = launch_context(dev)
+    # The Triton dkv kernel's slot blocks and channel groups.
+    n_tb = cdiv(topk, cfg["BLOCK_T_DKV"])
+    n_chunks = d_v // cfg["BLOCK_C_DKV"] + (1 if d_qk > d_v else 0)
+    n_csplit = min(cfg["N_CSPLIT"], n_chunks)
+    if (
+        split_dkv
+        and not dkv_gluon
+        and (n_csplit < 1 or (n_csplit - 1) * cdiv(n_chunks, n_csplit) >= n_chunks)
+    ):
+        raise ValueError(f"N_CSPLIT {n_csplit} leaves a channel group empty ({n_chunks} chunks)")
 
     def rope_in_loop(chunk: int) -> bool:  # the rope channels as one more chunk of the channel loops
         return bool(cfg["ROPE_IN_LOOP"]) and d_qk > d_v and d_v % chunk == 0 and (d_qk - d_v) % chunk == 0
@@ -577,7 +595,7 @@ def launch_bwd(
     kernel = launch(
         _delta_kernel, (s_q, cdiv(h_q, 16)), slots, "delta",
         (out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), h_q),
-        {"D_V": d_v, "BLOCK_H": 16},
+        {"D_V": d_v, "BLOCK_H": 16}, ctx,
     )  # fmt: skip
     record_launch("bwd.delta", kernel)
     dq = torch.empty_like(q)
@@ -633,7 +651,11 @@ def launch_bwd(
     for s0 in range(0, s_q, chunk):
         s1 = min(s_q, s0 + chunk)
         n = s1 - s0
-        q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
+        if n == s_q:  # one chunk: the tensors themselves (the same memory and strides as their slices)
+            q_c, do_c, idx_c, lse_c, delta_c, dq_c = q, dout, indices, lse, delta, dq
+        else:
+            q_c, do_c, idx_c, lse_c = q[s0:s1], dout[s0:s1], indices[s0:s1], lse[s0:s1]
+            delta_c, dq_c = delta[s0:s1], dq[s0:s1]
         if side is not None and main_stream is not None:  # the chunk's row segments on the side stream,
             ready = torch.cuda.Event()  # beside its main and dq kernels
             ready.record(main_stream)
@@ -644,47 +666,44 @@ def launch_bwd(
             main_stream.wait_event(reduced)  # `part`, which the last reduction reads
         kernel = launch(
             _main_kernel, (n * n_hb,), slots, ("main", s0),  # a chunk's views and positions depend on s0
-            (q_c, kv, do_c, lse_c, delta[s0:s1], idx_c, ds_ws, p_ws, dkv32, part, attn_part,
+            (q_c, kv, do_c, lse_c, delta_c, idx_c, ds_ws, p_ws, dkv32, part, attn_part,
              n if return_attn_sum else 0,
              q_c.stride(0), q_c.stride(1), kv.stride(0), do_c.stride(0), do_c.stride(1), lse_c.stride(0),
              idx_c.stride(0), part.stride(0) if deterministic else 0,
              s_kv, h_q, q_start_index + s0, k_stride, float(sm_scale)),
-            dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v, BLOCK_H=block_h,
-                 BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
+            lambda: dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, D_QK=d_qk, D_V=d_v, D_ROPE=d_qk - d_v,
+                 BLOCK_H=block_h, BLOCK_T=cfg["BLOCK_T"], BLOCK_DV=cfg["BLOCK_DV"], N_HB=n_hb,
                  CHUNK_STAGES=cfg["chunk_stages"], N_SUB=cfg["N_SUB"], BLOCK_DV2=cfg["BLOCK_DV2"],
                  ATTN_SUM=return_attn_sum, SPLIT_DKV=split_dkv, num_warps=cfg["num_warps"],
                  ROPE_IN_LOOP=rope_in_loop(cfg["BLOCK_DV"]), IDX_PREFETCH=bool(cfg["IDX_PREFETCH"]),
                  num_stages=cfg["num_stages"]),
+            ctx,
         )  # fmt: skip
         record_launch("bwd.main", kernel)
-        _launch_dq(cfg, ds_ws, kv, idx_c, dq[s0:s1], s_kv, h_q, q_start_index + s0, k_stride, topk, causal,
-                   d_qk, n, n_hb_dq, n_db, slots, s0)  # fmt: skip
+        _launch_dq(cfg, ds_ws, kv, idx_c, dq_c, s_kv, h_q, q_start_index + s0, k_stride, topk, causal,
+                   d_qk, n, n_hb_dq, n_db, slots, s0, ctx)  # fmt: skip
         if main_stream is not None and reduced is not None and split_dkv:  # the dkv kernel writes `part`,
             main_stream.wait_event(reduced)  # which the last reduction reads
         if split_dkv and dkv_gluon:
             kernel = launch_dkv_gluon(
                 ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, scale, n, s_kv, h_q, q_start_index + s0, k_stride,
-                topk, causal, deterministic, half, d_qk, d_v, cfg, slots, ("dkv_gluon", s0),
+                topk, causal, deterministic, half, d_qk, d_v, cfg, slots, ("dkv_gluon", s0), ctx,
             )  # fmt: skip
             record_launch("bwd.dkv", kernel, backend="gluon")
         elif split_dkv:
-            n_tb = cdiv(topk, cfg["BLOCK_T_DKV"])
-            n_chunks = d_v // cfg["BLOCK_C_DKV"] + (1 if d_qk > d_v else 0)
-            n_csplit = min(cfg["N_CSPLIT"], n_chunks)
-            if n_csplit < 1 or (n_csplit - 1) * cdiv(n_chunks, n_csplit) >= n_chunks:
-                raise ValueError(f"N_CSPLIT {n_csplit} leaves a channel group empty ({n_chunks} chunks)")
             kernel = launch(
                 _dkv_kernel, (n_csplit * n * n_tb,), slots, ("dkv", s0),
                 (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, scale, n,
                  q_c.stride(0), q_c.stride(1), do_c.stride(0), do_c.stride(1), idx_c.stride(0),
                  s_kv, h_q, q_start_index + s0, k_stride),
-                dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, HALF=half, G=group,
+                lambda: dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, HALF=half, G=group,
                      EVICT=bool(cfg["DET_EVICT"]) and deterministic, D_QK=d_qk,
                      D_V=d_v, D_ROPE=d_qk - d_v, BLOCK_H=block_h_dkv, BLOCK_T=cfg["BLOCK_T_DKV"],
                      BLOCK_C=cfg["BLOCK_C_DKV"], N_TB=n_tb,
                      CHUNK_STAGES=cfg["chunk_stages_dkv"], N_CSPLIT=n_csplit, TOK_GROUP=cfg["TOK_GROUP"],
                      ROPE_IN_LOOP=rope_in_loop(cfg["BLOCK_C_DKV"]),
                      num_warps=cfg["num_warps_dkv"], num_stages=1),
+                ctx,
             )  # fmt: skip
             record_launch("bwd.dkv", kernel)
         if deterministic and side is not None and main_stream is not None:  # the chunk's reduction on the
@@ -704,7 +723,7 @@ def launch_bwd(
         main_stream.wait_event(reduced)
     if return_attn_sum and perm is not None:  # back to the caller's slot order
         attn_sum = torch.empty_like(attn_sum).scatter_(1, perm[:, 0], attn_sum)
-    return dq, dkv32.to(kv.dtype)[:, None, :], attn_sum
+    return dq, dkv32.to(kv.dtype).unsqueeze(1), attn_sum
 
 
 @functools.lru_cache(maxsize=16)
@@ -743,16 +762,18 @@ def _use_dkv_gluon(
 def _launch_dq(
     cfg: dict[str, int], ds_ws: torch.Tensor, kv: torch.Tensor, idx_c: torch.Tensor, dq_c: torch.Tensor,
     s_kv: int, h_q: int, q_start_index: int, k_stride: int, topk: int, causal: bool, d_qk: int, n: int,
-    n_hb_dq: int, n_db: int, slots: dict[Any, Any] | None, s0: int,
+    n_hb_dq: int, n_db: int, slots: dict[Any, Any] | None, s0: int, ctx: LaunchContext | None = None,
 ) -> None:  # fmt: skip
-    """``dq = dS @ rows`` for the chunk of tokens starting at ``s0``, on the current stream."""
+    """``dq = dS @ rows`` for the chunk of tokens starting at ``s0``, on the current stream (``ctx``: its
+    :func:`~sparse_mla_attn._runtime.launch_context`, if known)."""
     kernel = launch(
         _dq_kernel, (n * n_hb_dq * n_db,), slots, ("dq", s0),
         (ds_ws, kv, idx_c, dq_c, kv.stride(0), idx_c.stride(0), dq_c.stride(0), dq_c.stride(1),
          s_kv, h_q, q_start_index, k_stride),
-        dict(topk=topk, CAUSAL=causal, D_QK=d_qk, BLOCK_H=cfg["BLOCK_H_DQ"], BLOCK_T=cfg["BLOCK_T_DQ"],
+        lambda: dict(topk=topk, CAUSAL=causal, D_QK=d_qk, BLOCK_H=cfg["BLOCK_H_DQ"], BLOCK_T=cfg["BLOCK_T_DQ"],
              BLOCK_D=cfg["BLOCK_D"], N_HB=n_hb_dq, N_DB=n_db,
              num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"]),
+        ctx,
     )  # fmt: skip
     record_launch("bwd.dq", kernel)
 
@@ -831,10 +852,9 @@ def _bwd_op(
         _SLOTS, key, lambda: _check_bwd(q, kv, out, dout, indices, lse, d_v, q_start_index, k_stride)
     )
     config = config_of(
-        bwd_workspace_bytes=workspace_bytes,
-        bwd_deterministic_workspace_bytes=deterministic_workspace_bytes,
-        bwd_dkv_backend=dkv_backend,
-    )
+        DEFAULT.backend, DEFAULT.num_splits, DEFAULT.split_merge, workspace_bytes, deterministic_workspace_bytes,
+        DEFAULT.split_fill, dkv_backend,
+    )  # fmt: skip
     return launch_bwd(
         q, kv, out, dout, indices, lse, check_sm_scale(sm_scale), d_v, q_start_index=q_start_index,
         k_stride=k_stride, causal=causal, deterministic=deterministic, return_attn_sum=return_attn_sum,
@@ -896,8 +916,11 @@ def sparse_mla_bwd(
     Raises:
         ValueError, TypeError: on a wrong shape, dtype, device or layout (the message names the argument).
     """
-    check_arg_types({"q": q, "kv": kv, "out": out, "dout": dout, "indices": indices, "lse": lse},
-                    {"d_v": d_v, "q_start_index": q_start_index, "k_stride": k_stride})  # fmt: skip
+    T = torch.Tensor
+    if not (type(q) is T and type(kv) is T and type(out) is T and type(dout) is T and type(indices) is T
+            and type(lse) is T and type(d_v) is int and type(q_start_index) is int and type(k_stride) is int):  # fmt: skip
+        check_arg_types({"q": q, "kv": kv, "out": out, "dout": dout, "indices": indices, "lse": lse},
+                        {"d_v": d_v, "q_start_index": q_start_index, "k_stride": k_stride})  # fmt: skip
     check_sm_scale(sm_scale)
     cfg = config or DEFAULT
     dq, dkv, attn_sum = _bwd_op(

@@ -18,7 +18,6 @@ products) and, on sm_90, the Gluon kernel of ``backends/gluon_sm90_fp8.py`` in i
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +34,7 @@ from sparse_mla_attn._runtime import (
     keep_replay,
     launch_context,
     no_launch_hooks,
+    plan_replay,
     record_launches,
     scratch,
 )
@@ -267,13 +267,12 @@ def _decode_eager(
     plan = _PLANS.get(
         _call_key(q, kv_cache, block_table, cache_seqlens, indices, ptrs, d_v, index_kind, options)
     )
-    if plan is None:
+    replay = plan_replay(plan, where, sm_scale)
+    if replay is None or plan is None:
         return None
-    replay = plan.replays.get((*where, threading.get_ident()))
-    if replay is None or not math.isfinite(sm_scale):
-        return None
-    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
+    # (The sizes as separate ints: a shape tuple takes torch's argument parser a few microseconds longer.)
+    out = torch.empty(*plan.out_shape, dtype=plan.dtype, device=plan.device)
+    lse = torch.empty(*plan.lse_shape, dtype=torch.float32, device=plan.device)
     replay.run(*ptrs, out.data_ptr(), lse.data_ptr(), sm_scale * LOG2E)
     if empty_lse > 0:
         lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)

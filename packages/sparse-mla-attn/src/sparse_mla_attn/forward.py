@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -44,6 +43,7 @@ from sparse_mla_attn._runtime import (
     no_launch_hooks,
     num_sms,
     online_softmax_update,
+    plan_replay,
     record_launch,
     record_launches,
     softmax_output_scale,
@@ -922,10 +922,8 @@ def _fwd_eager(
         return None
     key = _fwd_key(q, kv, indices, attn_sink, topk_length, d_v, q_start_index, k_stride, causal, options)
     plan = _PLANS.get(key)
-    if plan is None:
-        return None
-    replay = plan.replays.get((*where, threading.get_ident()))
-    if replay is None or not math.isfinite(sm_scale):
+    replay = plan_replay(plan, where, sm_scale)
+    if replay is None or plan is None:
         return None
     dims = plan.dims
     dev = q.device

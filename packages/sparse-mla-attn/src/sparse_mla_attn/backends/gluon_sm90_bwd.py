@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from sparse_mla_attn._runtime import cdiv, launch
+from sparse_mla_attn._runtime import LaunchContext, cdiv, launch
 from sparse_mla_attn.backends.gluon_sm90 import HAVE_GLUON
 
 if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
@@ -261,10 +261,11 @@ def launch_dkv_gluon(
     dkv32: torch.Tensor, part: torch.Tensor, scale: torch.Tensor, n: int, s_kv: int, h_q: int,
     q_start_index: int, k_stride: int, topk: int, causal: bool, deterministic: bool, half: bool, d_qk: int,
     d_v: int, cfg: dict[str, int],
-    slots: dict[Any, Any] | None, name: Any,
+    slots: dict[Any, Any] | None, name: Any, ctx: LaunchContext | None = None,
 ) -> Any:  # fmt: skip
     """The dkv products of a chunk of ``n`` tokens (see ``_dkv_ws_kernel``); ``cfg`` gives ``BLOCK_C_G``
-    (channels per chunk), ``NUM_BUF_G`` (ring slots), ``TOK_GROUP`` and the register split."""
+    (channels per chunk), ``NUM_BUF_G`` (ring slots), ``TOK_GROUP`` and the register split. ``ctx``: the
+    call's :func:`~sparse_mla_attn._runtime.launch_context`, if known."""
     n_wg = 2
     n_tb = cdiv(topk, 64 * n_wg)
     block_hd = max(16, 1 << (h_q - 1).bit_length())
@@ -272,10 +273,11 @@ def launch_dkv_gluon(
         _dkv_ws_kernel, (n * n_tb,), slots, name,
         (ds_ws, p_ws, q_c, do_c, idx_c, dkv32, part, scale, n, q_c.stride(0), q_c.stride(1), do_c.stride(0),
          do_c.stride(1), idx_c.stride(0), s_kv, h_q, q_start_index, k_stride),
-        dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, HALF=half,
+        lambda: dict(topk=topk, CAUSAL=causal, DETERMINISTIC=deterministic, HALF=half,
              EVICT=bool(cfg["DET_EVICT"]) and deterministic, D_QK=d_qk, D_V=d_v,
              BLOCK_HD=block_hd,
              BLOCK_C=cfg["BLOCK_C_G"], N_WG=n_wg, NUM_BUF=cfg["NUM_BUF_G"], N_TB=n_tb,
              TOK_GROUP=cfg["TOK_GROUP"], CONSUMER_REGS=cfg["CONSUMER_REGS_G"],
              PRODUCER_REGS=cfg["PRODUCER_REGS_G"], num_warps=4),
+        ctx,
     )  # fmt: skip
