@@ -40,6 +40,11 @@ the tuple's, ``quantize_matches_tuple``).
 Their bytes (``nvlink_bytes_fp8``) are the FP8 row and its float32 scales (``hidden + 4 * hidden / 128``
 per crossing token row), and their copy-engine ceiling (``ce-fp8``) copies that many bytes.
 
+``host`` (per case): each rank's host speed as the case starts (``run_record.host_speed``: a fixed
+Python loop, ``python_us``, and a one-kernel CUDA graph replay's host time, ``graph_replay_us``; lists in
+rank order) and the share of the machine's CPU time its hypervisor stole during the case
+(``steal_pct``): the eager rows are bound by host work and move with these.
+
 ``ours-layer-default``: the layer built as the README shows (default tuning) called with int64 ids, as
 ``torch.topk`` returns them; beside it, on the same layer, its backend called directly (``backend_*``),
 int32 ids (``int32_ids_*``) and the layer's calls again (``repeat_*``), and how the calls ran (CUDA
@@ -612,6 +617,12 @@ def run_case(
         "results": {},
     }
     res = case["results"]
+    # the host the eager rows run on: every rank's speed as the case starts, the machine's CPU steal
+    # over the case (filled in at its end)
+    speeds: list = [None] * world
+    dist.all_gather_object(speeds, run_record.host_speed(dev))
+    case["host"] = {k: [s[k] for s in speeds] for k in speeds[0]}
+    ticks = run_record.cpu_times()
     device_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     #: the layer's default (TritonTuning().num_sm None: every SM); the rows at it are the default's
     case["default_num_sm"] = TritonTuning().for_device(device_sms).num_sm
@@ -744,6 +755,7 @@ def run_case(
         res["ours-layer-default"] = layer_case(args, cfg, group, x, ids.long(), w, None)
     if extra:
         res.update(nccl_cases(args, rank, world, e_local, x, ids, w))
+    case["host"]["steal_pct"] = run_record.steal_pct(ticks)
     results.append(case)
     if rank == 0:
         print(json.dumps(case), flush=True)

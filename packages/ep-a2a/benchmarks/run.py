@@ -99,6 +99,9 @@ def rows_of(raw: dict, bench: str) -> list[dict]:
         keys = ("shape", "routing", "tokens", "hidden", "topk", "experts", "default_num_sm")
         base = {k: case[k] for k in keys if k in case}
         base.update(heap=case.get("heap", "torch"), nvlink_bytes=case["nvlink_bytes"])
+        host = case.get("host")
+        if host:  # (the slowest rank's host speed as the case started, the CPU steal over the case)
+            base.update(host_python_us=round(max(host["python_us"]), 1), host_steal_pct=host.get("steal_pct"))
         ce = case["results"].get("ce", {}).get("copy_ms")
         ce_fp8 = case["results"].get("ce-fp8", {}).get("copy_ms")
         for method, r in case["results"].items():
@@ -177,6 +180,13 @@ def summary(rows: list[dict]) -> list[str]:
                         f"{paired_ratio(eager, f'{op}_launches_ms', graph, f'{op}_ms'):.1f}x its graph replay; "
                         f"{1e3 * eager.get(f'{op}_launches_host_ms', 0.0):.0f} us of it on the host"
                     )
+        if eager and eager.get("host_python_us"):
+            steal = eager.get("host_steal_pct")
+            lines.append(
+                f"{name}: host: a fixed Python loop {eager['host_python_us']:.0f} us on the slowest rank as the "
+                "case started (the eager rows are bound by host work)"
+                + (f"; CPU steal {steal:.1f}% over the case" if steal is not None else "")
+            )
         layer = by.get(("triton", "ours-layer-default"))
         if layer and layer.get("backend_dispatch_ms"):  # (what sets the layer's rows apart)
             for op in ("dispatch", "combine"):

@@ -4,13 +4,15 @@
 as it was launched, the commit, the torch and Triton versions and the NVLink-multicast switches.
 ``start_ranks()`` binds this process to its local GPU, joins the NCCL group and brings the GPU out of its
 idle clocks (``warm_up_clocks``); ``finish()`` writes the
-record from rank 0 and leaves the group once every rank is done.
+record from rank 0 and leaves the group once every rank is done. ``host_speed()`` and ``cpu_times()``
+describe the host the eager calls ran on (they are bound by its speed).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -62,6 +64,59 @@ def header(device: torch.device, *, world_size: int | None = None) -> dict:
         env={k: os.environ.get(k) for k in ENV_KEYS},
     )
     return record
+
+
+#: the fixed piece of plain Python work whose wall time ``host_speed`` reports
+_PYTHON_WORK = 20_000
+
+
+def host_speed(device: torch.device, *, reps: int = 5) -> dict[str, float]:
+    """This process's host speed now, medians of ``reps`` in microseconds: ``python_us``, a fixed loop of
+    plain Python (``_PYTHON_WORK`` multiply-adds), and ``graph_replay_us``, the host's share of replaying
+    a CUDA graph of one small kernel (``CUDAGraph.replay``, no wait for the GPU). Eager calls are bound
+    by host work and move with these, which differ between machines, between processes on one machine
+    and over a process's life (a virtual machine's CPUs share their cores with other guests)."""
+    t = torch.zeros(16, device=device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # (the kernel loaded before the capture)
+        t.add_(1)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        t.add_(1)
+    python, replay = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sum(i * i for i in range(_PYTHON_WORK))
+        python.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(100):
+            graph.replay()
+        replay.append((time.perf_counter() - t0) * 1e4)
+        torch.cuda.synchronize(device)
+    return {"python_us": statistics.median(python), "graph_replay_us": statistics.median(replay)}
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """This machine's CPU time so far as ``(steal, total)`` clock ticks over all CPUs (``/proc/stat``;
+    ``None`` without it). Steal: the time a virtual machine's CPUs were runnable but the hypervisor ran
+    something else."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks)
+
+
+def steal_pct(since: tuple[int, int] | None) -> float | None:
+    """Percent of this machine's CPU time stolen (see :func:`cpu_times`) since ``since``."""
+    now = cpu_times() if since is not None else None
+    if since is None or now is None or now[1] <= since[1]:
+        return None
+    return round(100.0 * (now[0] - since[0]) / (now[1] - since[1]), 2)
 
 
 def warm_up_clocks(device: torch.device, *, seconds: float = 0.5) -> None:

@@ -209,6 +209,56 @@ def test_summary_compares_default_with_the_sweep_and_the_torch_backend_with_nccl
     )
 
 
+def test_host_speed_reaches_the_rows_and_the_summary() -> None:
+    """A case's host record (each rank's Python loop time, the CPU steal over the case) goes into every row
+    of the case as the slowest rank's loop and the steal, and the summary names both beside the eager
+    rows; cases without one (older results) get neither."""
+    import run
+
+    host = {"python_us": [905.4, 1888.6], "graph_replay_us": [3.1, 4.2], "steal_pct": 1.25}
+    case = {
+        "shape": "deepseek-v3", "routing": "uniform", "tokens": 128, "hidden": 7168, "experts": 256, "topk": 8,
+        "nvlink_bytes": 10**6, "default_num_sm": 132, "host": host,
+        "results": {"ours-sm132": {"dispatch_ms": 0.05, "combine_ms": 0.04},
+                    "ours-graph-sm132": {"dispatch_ms": 0.03, "combine_ms": 0.02}},
+    }  # fmt: skip
+    raw = {"world_size": 2, "date": None, "commit": None, "cases": [case]}
+    rows = run.rows_of(raw, "triton")
+    assert [(r["host_python_us"], r["host_steal_pct"]) for r in rows] == [(1888.6, 1.25)] * 2
+    text = "\n".join(run.summary(rows))
+    assert (
+        "128 tok: host: a fixed Python loop 1889 us on the slowest rank as the case started (the eager rows "
+        "are bound by host work); CPU steal 1.2% over the case" in text
+    )
+    del case["host"]
+    rows = run.rows_of(raw, "triton")
+    assert not any("host_python_us" in r for r in rows)
+    assert "host:" not in "\n".join(run.summary(rows))
+
+
+def test_run_record_cpu_steal(monkeypatch) -> None:
+    """``cpu_times`` reads the steal and total ticks of ``/proc/stat``'s first line; ``steal_pct`` the
+    steal share since an earlier reading (``None`` without one, or without ``/proc/stat``)."""
+    import builtins
+    import io
+
+    import run_record
+
+    lines = iter(["cpu  100 0 50 800 0 0 0 50 0 0\n", "cpu  150 0 50 1650 0 0 0 150 0 0\n"])
+    real_open = builtins.open
+    monkeypatch.setattr(
+        builtins,
+        "open",
+        lambda f, *a, **k: io.StringIO(next(lines)) if f == "/proc/stat" else real_open(f, *a, **k),
+    )
+    since = run_record.cpu_times()
+    assert since == (50, 1000)
+    assert run_record.steal_pct(since) == 10.0  # (100 of the 1000 ticks since)
+    assert run_record.steal_pct(None) is None
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (_ for _ in ()).throw(OSError(f)))
+    assert run_record.cpu_times() is None
+
+
 def test_table_renders_the_page_rows() -> None:
     """``run.table`` gives the benchmarks page's markdown table: one row per case, the default
     ``num_sm``'s graph and eager times, the layer's defaults, the torch backend and NCCL, % of the copy
