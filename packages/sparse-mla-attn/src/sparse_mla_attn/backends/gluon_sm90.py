@@ -1057,6 +1057,26 @@ if HAVE_GLUON:
             pair0 += item.n_pairs
 
     @gluon.jit
+    def _fwd_smem_consumer_query(
+        dtype: gl.constexpr, BLOCK_H: gl.constexpr, D_NOPE: gl.constexpr, D_ROPE: gl.constexpr,
+        BLOCK_T: gl.constexpr, HALF_SLOTS: gl.constexpr, TURNS: gl.constexpr, PARTS: gl.constexpr,
+    ):  # fmt: skip
+        """The forward's shared memory (``_fwd_smem``) for consumer warpgroups that load the query tile
+        themselves (``_meet_on_query``): the tile left unfilled (leading axis of 1: consumers index it with
+        opaque_zero) and ``q_bar`` (count 2), where they meet once both halves are stored; initialised."""
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
+        if D_ROPE > 0:
+            qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
+        else:
+            qr_smem = qn_smem  # unused
+        smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, HALF_SLOTS, TURNS, PARTS)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        mbarrier.init(q_bar, count=2)
+        fence_async_shared()  # barrier initialisation, before any partition uses them
+        return smem, q_bar
+
+    @gluon.jit
     def _fwd_smem(
         qn, qr, BLOCK_T: gl.constexpr, HALF_SLOTS: gl.constexpr, TURNS: gl.constexpr, PARTS: gl.constexpr = 1
     ):
@@ -1187,15 +1207,7 @@ if HAVE_GLUON:
             BLOCK_T, HAS_TOPK_LEN, CAUSAL, SPLIT_K, TURNS, FREE_EARLY, TAIL,
         )  # fmt: skip
         if PERSISTENT:
-            qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
-            if D_ROPE > 0:
-                qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
-            else:
-                qr_smem = qn_smem  # unused
-            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, True, TURNS)
-            q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-            mbarrier.init(q_bar, count=2)
-            fence_async_shared()  # barrier initialisation, before any partition uses them
+            smem, q_bar = _fwd_smem_consumer_query(dtype, BLOCK_H, D_NOPE, D_ROPE, BLOCK_T, True, TURNS, 1)
             gl.warp_specialize(
                 [
                     (_pp_consumer_persistent, (
@@ -1213,16 +1225,9 @@ if HAVE_GLUON:
             )  # fmt: skip
         elif Q_IN_CONSUMERS:
             item = items.get(gl.program_id(0))
-            # Leading axis of 1: consumers index it with opaque_zero. The consumers load it (_pp_consumer_item).
-            qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_NOPE], smem_l)
-            if D_ROPE > 0:
-                qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_ROPE], smem_l)
-            else:
-                qr_smem = qn_smem  # unused
-            smem = _fwd_smem(qn_smem, qr_smem, BLOCK_T, False, TURNS, SLOT_PARTS)
-            q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-            mbarrier.init(q_bar, count=2)
-            fence_async_shared()  # barrier initialisation, before any partition uses them
+            smem, q_bar = _fwd_smem_consumer_query(
+                dtype, BLOCK_H, D_NOPE, D_ROPE, BLOCK_T, False, TURNS, SLOT_PARTS
+            )
             gl.warp_specialize(
                 [
                     (_pp_consumer_item, (
