@@ -400,6 +400,7 @@ def test_fwd_gpu_gluon_split_k_persistent():
 
 GLUON_TAIL_CASES = [
     pytest.param(64, 2048, 140, "off", "on", id="H64-T2048-S140-per-item"),
+    pytest.param(64, 2048, 140, "off", "auto", id="H64-T2048-S140-per-item-default"),
     pytest.param(64, 2048, 400, "on", "auto", id="H64-T2048-S400-persistent"),
     pytest.param(48, 333, 135, "off", "on", id="H48-T333-S135-per-item"),
     pytest.param(128, 1000, 70, "on", "auto", id="H128-T1000-S70-persistent"),
@@ -463,6 +464,27 @@ def test_fwd_persistent_rule(monkeypatch, h_q, s_kv, mode, persistent):
 
 
 @pytest.mark.parametrize(
+    ("h_q", "s_kv", "persistent", "tail", "expected"),
+    [
+        (64, 32768, "auto", "auto", (4092, 16, 128)),  # one program per item: 4 items past 31 waves of 132
+        (64, 8192, "auto", "auto", (4092, 16, 128)),  # persistent
+        (128, 131072, "off", "auto", (8184, 16, 128)),  # 8 items (4 tokens) past 62 waves
+        (64, 131072, "auto", "off", None),
+    ],
+)
+def test_fwd_tail_split_default(monkeypatch, h_q, s_kv, persistent, tail, expected):
+    """``Config.fwd_tail_split="auto"`` splits the last work items of persistent and per-item forwards
+    alike (4096 tokens on 132 multiprocessors)."""
+    from sparse_mla_attn import forward
+
+    monkeypatch.setattr(forward, "num_sms", lambda device: 132)
+    monkeypatch.setattr(forward, "l2_cache_bytes", lambda device: 50 << 20)
+    plan = forward.FwdPlan(SparseDims(4096, h_q, 576, s_kv, 2048, 512), True, 1, (1,), (), {}, (1,), {}, {})
+    forward.set_gluon_options(plan, Config(fwd_persistent=persistent, fwd_tail_split=tail), torch.device("cpu"))
+    assert plan.tail == expected
+
+
+@pytest.mark.parametrize(
     ("h_q", "s_kv", "mode", "expected"),
     [
         (64, 131072, "auto", True),  # 151 MB of KV rows past a 50 MB L2, one program per item
@@ -485,17 +507,18 @@ def test_fwd_query_in_consumers_rule(monkeypatch, h_q, s_kv, mode, expected):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tail", ["off", "on"])
 @pytest.mark.parametrize(("h_q", "topk", "s_q"), [(64, 1000, 77), (40, 333, 29)])
-def test_fwd_gpu_gluon_query_in_consumers(monkeypatch, h_q, topk, s_q):
+def test_fwd_gpu_gluon_query_in_consumers(monkeypatch, h_q, topk, s_q, tail):
     """The per-item Gluon forward whose consumer warpgroups load the query tile (chosen where the KV rows do
-    not fit in L2: here an L2 of 1 MB is pretended) against the reference, as
-    :func:`test_fwd_gpu_gluon_edge_cases`."""
+    not fit in L2: here an L2 of 1 MB is pretended), its last items whole or in pieces
+    (``fwd_tail_split``), against the reference, as :func:`test_fwd_gpu_gluon_edge_cases`."""
     from sparse_mla_attn import forward
 
     if reason := gluon_skip_reason("gluon"):
         pytest.skip(reason)
     monkeypatch.setattr(forward, "l2_cache_bytes", lambda device: 1 << 20)
-    cfg = Config(backend="gluon", num_splits=1, fwd_persistent="off", fwd_tail_split="off")
+    cfg = Config(backend="gluon", num_splits=1, fwd_persistent="off", fwd_tail_split=tail)
     check_gluon_fwd(cfg, h_q, 576, topk, s_q, 3 * h_q + topk, "gpu")
     plans = [p for p in forward._PLANS.values() if p.dims.s_q == s_q and p.dims.h_q == h_q]
     assert plans

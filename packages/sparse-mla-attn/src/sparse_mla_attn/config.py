@@ -62,9 +62,10 @@ class Config:
             split-K) splits its last (token, 64-head tile) work items: where the items past the last full
             wave (one item per multiprocessor) are at most half as many as the multiprocessors, each of
             them runs as up to ``topk / 128`` pieces of its top-k list on otherwise idle
-            multiprocessors, merged like split-K partials by a second kernel. ``"auto"`` (default): where the
-            kernel runs persistent (``fwd_persistent``); ``"on"``: also one program per item, and wherever
-            the last items can be split; ``"off"``: never.
+            multiprocessors, merged like split-K partials by a second kernel (persistent or one program
+            per item, ``fwd_persistent``). ``"auto"`` (default): there; ``"on"``: wherever the last items
+            can be split (also more than half as many, or fewer items than multiprocessors); ``"off"``:
+            never.
         bwd_dkv_backend: kernel of :func:`~sparse_mla_attn.sparse_mla_bwd`'s ``dkv`` products up to 128
             heads (above, the main kernel forms them). ``"auto"`` (default): a warp-specialised Gluon
             kernel on an sm_90 GPU where :func:`gluon_supported` holds and the shape suits it (``d_v`` and

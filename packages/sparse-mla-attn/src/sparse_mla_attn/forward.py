@@ -829,7 +829,7 @@ def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> Fw
     plan.tail = None
     mode = config.fwd_tail_split
     if (
-        (mode == "on" or (mode == "auto" and persistent))
+        mode != "off"
         and plan.gluon
         and plan.n_splits == 1
         and not plan.consts.get("KV_FP8")
