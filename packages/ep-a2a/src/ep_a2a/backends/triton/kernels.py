@@ -99,15 +99,16 @@ def _peer_ptr(table_ptr, r, byte_offset, ty: tl.constexpr):
 @triton.jit
 def _load_ids(ids_ptr, slot, m, id64, E: tl.constexpr):
     """Expert ids of ``slot`` ([...] int32; -1 where ``m`` is false). ``ids_ptr`` is the caller's int32
-    ids (``id64`` 0), or its int64 ids' address (``id64`` 1), so one compiled variant reads both (a
-    runtime branch). The int32 loads are as before, but the result takes the int64 load's register
-    layout, in which a reduction over it may synchronise the CTA: reduce it once per chunk, never per
-    tile (``tests/test_offline_compile.py`` checks the tile loops). An int64 id outside ``[-1, E)`` comes
-    back as ``E``: counted as invalid by the layout kernel and dropped everywhere, never wrapped into
-    range."""
+    ids (``id64`` 0), or its int64 ids seen as int32 words (``id64`` 1), so one compiled variant reads
+    both (a runtime branch). An int64 id is read as its two 4-byte words (little-endian: low word
+    first), each an int32 load in the int32 ids' register layout (an int64 load's layout would cost a
+    conversion wherever the ids meet int32 tensors); one outside ``[-1, E)`` comes back as ``E``:
+    counted as invalid by the layout kernel and dropped everywhere, never wrapped into range."""
     if id64 != 0:
-        v = tl.load(ids_ptr.to(tl.pointer_type(tl.int64)) + slot, mask=m, other=-1)
-        ids = tl.where((v >= -1) & (v < E), v, E).to(tl.int32)
+        lo = tl.load(ids_ptr + 2 * slot, mask=m, other=-1)
+        hi = tl.load(ids_ptr + 2 * slot + 1, mask=m, other=-1)
+        # in range: the high word is the low word's sign extension and the low word is in [-1, E)
+        ids = tl.where((hi == (lo >> 31)) & (lo >= -1) & (lo < E), lo, E)
     else:
         ids = tl.load(ids_ptr + slot, mask=m, other=-1)
     return ids
