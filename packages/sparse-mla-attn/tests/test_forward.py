@@ -480,7 +480,9 @@ def test_fwd_tail_split_default(monkeypatch, h_q, s_kv, persistent, tail, expect
     monkeypatch.setattr(forward, "num_sms", lambda device: 132)
     monkeypatch.setattr(forward, "l2_cache_bytes", lambda device: 50 << 20)
     plan = forward.FwdPlan(SparseDims(4096, h_q, 576, s_kv, 2048, 512), True, 1, (1,), (), {}, (1,), {}, {})
-    forward.set_gluon_options(plan, Config(fwd_persistent=persistent, fwd_tail_split=tail), torch.device("cpu"))
+    forward.set_gluon_options(
+        plan, Config(fwd_persistent=persistent, fwd_tail_split=tail), torch.device("cpu")
+    )
     assert plan.tail == expected
 
 

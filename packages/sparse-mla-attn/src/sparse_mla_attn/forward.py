@@ -828,12 +828,7 @@ def set_gluon_options(plan: FwdPlan, config: Config, device: torch.device) -> Fw
         plan.gluon_options["q_in_consumers"] = True
     plan.tail = None
     mode = config.fwd_tail_split
-    if (
-        mode != "off"
-        and plan.gluon
-        and plan.n_splits == 1
-        and not plan.consts.get("KV_FP8")
-    ):
+    if mode != "off" and plan.gluon and plan.n_splits == 1 and not plan.consts.get("KV_FP8"):
         plan.tail = tail_split(dims.s_q, cdiv(dims.h_q, 64), dims.topk, n_sm, mode == "on")
     return plan
 
