@@ -535,11 +535,25 @@ if HAVE_GLUON:
         acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, o_l)
         s = gl.zeros([BLOCK_H, BLOCK_T], gl.float32, s_l)
         offs_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, s_l))
+        # Each block's indices are loaded before its S is waited for (warpgroup 0: right behind the issue
+        # of its next S, at the end of the pair before), so that the global load's latency is hidden behind
+        # the products instead of standing between S and the softmax. (Warpgroup 0 carries them in a
+        # layout of one index per thread, converted where used: in S's column layout they would take 16
+        # registers a thread, and the consumer would spill.)
+        idx_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        offs_n = gl.arange(0, BLOCK_T, layout=idx_l)
+        if WG == 0:
+            t_next = gl.load(item.idx_row + offs_n, mask=offs_n < item.n_t, other=-1)
         for k in range(item.n_pairs):
             ph = (kk0 + k) & 1
             b = 2 * k + WG
             # (Without it the compiler hoists all 2 x 36 wgmma descriptors of S out of the loop and spills.)
             z = opaque_zero(k)
+            if WG == 0:
+                t_idx = gl.convert_layout(t_next, gl.SliceLayout(0, s_l))
+            else:
+                t_at = b * BLOCK_T + offs_c
+                t_idx = gl.load(item.idx_row + t_at, mask=t_at < item.n_t, other=-1)
             if WG == 1:
                 if item.TURNS:
                     mbarrier.wait(smem.turn_bar, ph)  # warpgroup 0 issued S(2k)
@@ -551,9 +565,6 @@ if HAVE_GLUON:
                 if item.TURNS:
                     mbarrier.arrive(smem.turn_bar)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            t_idx = gl.load(
-                item.idx_row + b * BLOCK_T + offs_c, mask=b * BLOCK_T + offs_c < item.n_t, other=-1
-            )
             if WG == 0:
                 p, alpha, m_i, l_i = _online_softmax(s, t_idx, item.hi, m_i, l_i, sm_scale_log2)
                 smem.m.index(0).store(m_i)
@@ -588,6 +599,8 @@ if HAVE_GLUON:
                         s = _pp_issue_s(smem, 0, z, ph ^ 1, s, D_NOPE, D_ROPE)
                         if item.TURNS:
                             mbarrier.arrive(smem.turn_bar)
+                    t_at = (b + 2) * BLOCK_T + offs_n
+                    t_next = gl.load(item.idx_row + t_at, mask=t_at < item.n_t, other=-1)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # (S may still run)
                     mbarrier.arrive(smem.empty_bars.index(2))  # slot 1, first half
                     if item.FREE_EARLY:
