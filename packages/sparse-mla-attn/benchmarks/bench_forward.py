@@ -35,6 +35,30 @@ def time_ms(fn: Any, *, warmup: int = 25, rep: int = 200, graph: bool = False) -
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def time_interleaved_ms(fns: list[Any], *, reps: int = 40, warmup: int = 3) -> list[list[float]]:
+    """Per-call times in ms of each function of ``fns``, timed in turns call by call: each call with CUDA
+    events around it and the L2 cache flushed before it (as ``triton.testing.do_bench``), the turns'
+    order reversed every other turn (``A B``, ``B A``, ...), so that every function runs as often first as
+    last and all of them under the same clocks and temperature. Returns ``reps`` times per function."""
+    driver = triton.runtime.driver.active
+    cache = driver.get_empty_cache_for_benchmark()
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    torch.cuda.synchronize()
+    events: list[list[tuple[Any, Any]]] = [[] for _ in fns]
+    for r in range(reps):
+        for i in range(len(fns)) if r % 2 == 0 else reversed(range(len(fns))):
+            driver.clear_cache(cache)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[i]()
+            end.record()
+            events[i].append((start, end))
+    torch.cuda.synchronize()
+    return [[s.elapsed_time(e) for s, e in ev] for ev in events]
+
+
 def time_ms_idle(fn: Any, *, rep: int = 100) -> float:
     """Median time of ``fn`` in ms started from an idle GPU: the L2 flushed, then the host waits for the GPU
     before each call, so the call's whole host cost counts (an eager call's latency)."""
@@ -95,19 +119,19 @@ def _config_label(config: Config | None) -> str | None:
     return ", ".join(f"{k}={v}" for k, v in vars(config).items() if getattr(Config(), k) != v)
 
 
-#: Timing rounds of a forward row: the kernel (and FlashMLA's, when given) timed in turns, which of the two goes
-#: first alternating from round to round (a drifting clock favours neither), medians kept.
-FWD_ROUNDS = 8
+#: Calls of each kernel timed in a forward row (:func:`time_interleaved_ms`: this package's forward and FlashMLA's,
+#: when given, in turns call by call).
+FWD_REPS = 60
 
 
 def bench_fwd(
     s_q: int, h_q: int, s_kv: int, topk: int, *, config: Config | None = None, flashmla: Any = None
 ) -> dict:
     """One forward row: time, TFLOPS, kernel family, max error of the first 32 queries against the float32
-    reference, and FlashMLA's time on the same inputs when its module is given (the two timed in
-    ``FWD_ROUNDS`` rounds, which of the two goes first alternating; each time is the median of its rounds, all
-    of them recorded, and ``time_vs_flashmla`` the median of the rounds' time ratios, each of two times taken
-    back to back)."""
+    reference, and FlashMLA's time on the same inputs when its module is given. The two are timed in turns
+    call by call (:func:`time_interleaved_ms`, ``FWD_REPS`` calls each); each time is the median of its calls,
+    all of them recorded (``ms_calls``, ``flashmla_ms_calls``), and ``time_vs_flashmla`` the median of the
+    ratios of the calls made side by side."""
     q, kv, idx = make_inputs(s_q, h_q, s_kv, topk)
     sm_scale = 1 / math.sqrt(D_QK)
     run = lambda: sparse_mla_fwd(q, kv, idx, sm_scale, config=config)
@@ -122,30 +146,25 @@ def bench_fwd(
         except Exception as exc:  # a shape FlashMLA does not support: recorded, not fatal
             fm_error = f"{type(exc).__name__}: {str(exc)[:200]}"
             fm = None
-    rounds: list[float] = []
-    fm_rounds: list[float] = []
-    for r in range(FWD_ROUNDS):
-        if fm is not None and r % 2:
-            fm_rounds.append(time_ms(fm))
-        rounds.append(time_ms(run))
-        if fm is not None and not r % 2:
-            fm_rounds.append(time_ms(fm))
-    ms = statistics.median(rounds)
+    calls = time_interleaved_ms([run] if fm is None else [run, fm], reps=FWD_REPS)
+    ours_calls = calls[0]
+    ms = statistics.median(ours_calls)
     row: dict[str, Any] = {
         "op": "fwd", "s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": topk, "config": _config_label(config),
         "backend": launch.backend if launch else None, "ms": ms, "tflops": fwd_flops(s_q, h_q, topk) / ms / 1e9,
         "out_max_abs_err": float((out[:32].float() - r_out).abs().max()),
-        "lse_max_abs_err": float((lse[:32] - r_lse).abs().max()), "ms_rounds": rounds,
+        "lse_max_abs_err": float((lse[:32] - r_lse).abs().max()), "ms_calls": ours_calls,
     }  # fmt: skip
     if flashmla is not None and fm is None:
         row["flashmla_error"] = fm_error
     elif fm is not None:
         row["flashmla_out_max_abs_err"] = float((fm_out[:32].float() - r_out).abs().max())
-        row["flashmla_ms"] = statistics.median(fm_rounds)
-        row["flashmla_ms_rounds"] = fm_rounds
+        fm_calls = calls[1]
+        row["flashmla_ms"] = statistics.median(fm_calls)
+        row["flashmla_ms_calls"] = fm_calls
         row["flashmla_tflops"] = fwd_flops(s_q, h_q, topk) / row["flashmla_ms"] / 1e9
         row["time_vs_flashmla"] = statistics.median(
-            ours / theirs for ours, theirs in zip(rounds, fm_rounds, strict=True)
+            ours / theirs for ours, theirs in zip(ours_calls, fm_calls, strict=True)
         )
     return row
 
@@ -203,13 +222,16 @@ def bench_fwd_variants(
     if flashmla is not None:
         runs["FlashMLA"] = lambda: flashmla.flash_mla_sparse_fwd(q, kv, idx, sm_scale, D_V)
     row: dict[str, Any] = {"s_q": s_q, "h_q": h_q, "s_kv": s_kv, "topk": topk}
-    for name, run in runs.items():
+    for name, run in list(runs.items()):
         try:
-            err = float((run()[0][:32].float() - r_out).abs().max())
-            ms = time_ms(run)
-            row[name] = {"ms": ms, "tflops": fwd_flops(s_q, h_q, topk) / ms / 1e9, "out_max_abs_err": err}
+            row[name] = {"out_max_abs_err": float((run()[0][:32].float() - r_out).abs().max())}
         except Exception as exc:  # a variant or shape that fails: printed, the others still run
             row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            del runs[name]
+    # (all of them timed in turns, call by call: the same clocks for every variant)
+    for name, calls in zip(runs, time_interleaved_ms(list(runs.values()), reps=FWD_REPS), strict=True):
+        ms = statistics.median(calls)
+        row[name].update(ms=ms, tflops=fwd_flops(s_q, h_q, topk) / ms / 1e9)
     return row
 
 

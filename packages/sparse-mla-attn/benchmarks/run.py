@@ -207,7 +207,7 @@ def docs_table(result: dict[str, Any]) -> str:
             fwd_ms[(r["h_q"], r["s_kv"])] = r["ms"]
             fm = "—"
             if "flashmla_ms" in r:
-                ratio = r.get("time_vs_flashmla", r["ms"] / r["flashmla_ms"])  # paired rounds where recorded
+                ratio = r.get("time_vs_flashmla", r["ms"] / r["flashmla_ms"])  # paired calls where recorded
                 fm = f"{r['flashmla_ms']:.2f} ms, {r['flashmla_tflops']:.0f} TFLOPS ({ratio:.2f}x)"
             add(f"forward, {at}", f"{r['ms']:.2f} ms", f"{r['tflops']:.0f}", fm)
         elif op == "attn_dist":
