@@ -972,7 +972,7 @@ def sparse_mla_fwd(
         causal: also skip indices above ``(q_start_index + i + 1 - k_stride) / k_stride`` (C integer
             division, the same limit as :func:`attn_dist`).
         config: tuning options (:class:`~sparse_mla_attn.Config`: backend, split-K factor,
-            ``fwd_persistent``).
+            ``fwd_persistent``, ``fwd_tail_split``).
 
     Returns:
         ``out [s_q, h_q, d_v]`` q's dtype; ``max_logits [s_q, h_q]`` float32, the largest
