@@ -132,6 +132,15 @@ def run_fp8(rank: int, world: int) -> list[str]:
         with pytest.raises(TypeError, match="input must have a dtype in"):
             fp8_layer.dispatch(qs[rank][0], ids[rank], fp8=True)  # FP8 rows to quantize
         seen.append("fp8-layer")
+    # a layer of another one-byte dtype: refused by name, whichever form the FP8 rows take
+    with EPLayer(
+        None, max_tokens=T, hidden=H, topk=K, num_experts=experts, dtype=torch.float8_e5m2,
+        backend="torch", timeout_s=30,
+    ) as e5m2_layer:  # fmt: skip
+        for args, kw in (((qs[rank], ids[rank]), {}), ((xs[rank], ids[rank]), {"fp8": True})):
+            with pytest.raises(ValueError, match=re.escape("got dtype=torch.float8_e5m2")):
+                e5m2_layer.dispatch(*args, **kw)
+        seen.append("one-byte-layer")
     with pytest.raises(ValueError, match="hidden to be a multiple of 128, got hidden=64"):
         EPLayer(None, max_tokens=T, hidden=64, topk=K, num_experts=experts, dtype=torch.float8_e4m3fn,
                 backend="torch")  # fmt: skip
@@ -142,7 +151,7 @@ def run_fp8(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 3], ids=["gloo-2", "gloo-3"])
 def test_fp8_dispatch_moves_rows_and_scales_bit_for_bit(world: int) -> None:
     got = run_local(f"{__file__}:run_fp8", world, timeout_s=110)
-    assert got == [["fp8", "quantize-on-send", "combine", "errors", "fp8-layer"]] * world
+    assert got == [["fp8", "quantize-on-send", "combine", "errors", "fp8-layer", "one-byte-layer"]] * world
 
 
 @pytest.mark.parametrize("hidden", [128, 384, 512, 7168])

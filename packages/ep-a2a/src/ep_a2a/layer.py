@@ -403,6 +403,11 @@ class EPLayer:
         cfg = self.config
         if cfg.hidden % FP8_BLOCK:
             raise ValueError(f"FP8 dispatch needs hidden to be a multiple of {FP8_BLOCK}, got {cfg.hidden}")
+        if cfg.token_dtype.itemsize == 1 and cfg.token_dtype != torch.float8_e4m3fn:
+            raise ValueError(
+                f"FP8 dispatch needs a layer of dtype=torch.float8_e4m3fn or of a dtype of at least 2 bytes, "
+                f"got dtype={cfg.token_dtype}"
+            )
         if quantize:
             fp8_layer = cfg.token_dtype == torch.float8_e4m3fn
             dtypes = _QUANTIZE_DTYPES if fp8_layer else (cfg.token_dtype,)
@@ -523,8 +528,9 @@ class EPLayer:
             ep_a2a_layout_desc: the descriptor returned by this layer's :meth:`dispatch`.
 
         Returns:
-            ``[num_tokens, hidden]`` in ``input.dtype``: per token, the float32 sum of its kept slots' rows;
-            zeros for a token whose slots were all dropped. Differentiable in ``input``.
+            ``[num_tokens, hidden]`` in ``input.dtype``: per token, the sum of its kept slots' rows,
+            accumulated in float32 (the Triton backend sends each expert rank's partial sum of a token's
+            rows in ``input.dtype``: one more rounding); zeros for a token whose slots were all dropped. Differentiable in ``input``.
 
         Raises:
             ValueError, TypeError: a bad argument (named), before any communication.

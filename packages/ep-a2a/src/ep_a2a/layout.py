@@ -20,7 +20,8 @@ class EPAllToAllLayoutDesc:
         num_input_tokens_per_rank: ``[world_size]`` int64 on CPU, tokens dispatched by every rank.
         send_reqs_recv_tensor: inter-node send requests of Triton-distributed's NVSHMEM design; ``None`` for the
             intra-node and torch backends (nothing in this package reads it).
-        topk_indices_tensor: ``[n, topk]`` int32, the expert indices given to ``dispatch`` (-1 = dropped).
+        topk_indices_tensor: ``[n, topk]`` int32 or int64 (the dtype given), the expert indices given to
+            ``dispatch`` (-1 = dropped).
         token_dst_scatter_idx: ``[n, topk]`` int32 (the layer's ``offset_dtype``), row of slot
             ``(t, k)`` in the dispatch output of the rank hosting expert ``topk_indices_tensor[t, k]``;
             -1 for a dropped slot. Equal to ``full_scatter_indices`` when the caller gave them.

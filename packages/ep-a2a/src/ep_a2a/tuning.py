@@ -52,7 +52,8 @@ class TritonTuning:
             below 96 SMs or for rows narrower than 4096; 8 tokens and 16 warps otherwise.
         block_h: tile width along ``hidden`` of the dispatch kernel, a power of 2 (default 1024, or
             the whole row for chunks of at most 2 tokens).
-        num_warps: warps per CTA of the dispatch kernel (default 8; 4 for one-token chunks).
+        num_warps: warps per CTA of the dispatch kernel (default 8; 4 for one-token chunks
+            and for ``block_h`` below 512).
         combine_chunk, combine_warps, combine_block_h: the same for the combine kernel. Default: the
             dispatch kernel's chunk and warps; large layers with all three unset take 8 tokens and 16
             warps; the tile width defaults to the widest of at most 64 elements per thread.
