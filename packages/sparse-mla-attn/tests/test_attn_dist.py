@@ -309,3 +309,18 @@ def test_indexer_target_rejects_negative_and_nan():
     with pytest.raises(ValueError, match="attn_sum must hold probabilities"):
         indexer_target(torch.tensor([[0.5, float("nan")]]))
     assert indexer_target(torch.zeros(0, 4)).shape == (0, 4)
+
+
+@pytest.mark.gpu
+def test_indexer_target_under_cuda_graph_capture_gpu():
+    """Captured without its value check, replayed on new values: the eager call's result."""
+    a = torch.rand(64, 256, device="cuda")
+    indexer_target(a)  # (eager first: checks and warms up)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = indexer_target(a)
+    a.copy_(torch.rand_like(a))
+    graph.replay()
+    torch.testing.assert_close(out, indexer_target(a), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="attn_sum must hold probabilities"):
+        indexer_target(-a)

@@ -358,7 +358,9 @@ def indexer_target(attn_sum: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
         ``[s_q, topk]`` float32, each row summing to 1 (or all 0), with no autograd history.
 
     Raises:
-        ValueError: ``attn_sum`` is not 2-D, or holds a negative or NaN entry.
+        ValueError: ``attn_sum`` is not 2-D, or holds a negative or NaN entry. The entries are checked
+            with one synchronising read, except while the current CUDA stream is capturing a graph
+            (there a negative or NaN entry gives a meaningless row; nothing is read out of bounds).
     """
     if not isinstance(attn_sum, torch.Tensor) or attn_sum.dim() != 2:
         raise ValueError(
@@ -375,7 +377,8 @@ def _target_fake(attn_sum: torch.Tensor, eps: float) -> torch.Tensor:
 def _target_op(attn_sum: torch.Tensor, eps: float) -> torch.Tensor:
     # An op of its own so that its value check (a synchronising read) stays out of compiled graphs.
     a = attn_sum.float()
-    if a.numel() and bool((a < 0).any() | a.isnan().any()):
+    capturing = a.is_cuda and torch.cuda.is_current_stream_capturing()
+    if a.numel() and not capturing and bool((a < 0).any() | a.isnan().any()):
         raise ValueError("attn_sum must hold probabilities (>= 0, not NaN), e.g. from attn_dist")
     total = a.sum(-1, keepdim=True) + eps
     return torch.where(total > 0, a / torch.where(total > 0, total, 1.0), 0.0)
@@ -532,7 +535,8 @@ def attn_dist(
         k_stride: query positions per KV entry.
         lse_base: ``"e"`` (natural log, what :func:`sparse_mla_fwd` returns) or ``"2"`` (base-2
             log-sum-exp, the convention of the CUDA kernel this follows).
-        causal: apply the causal limit (default ``True``, as the CUDA kernel always does).
+        causal: apply the causal limit (default ``True``, as the CUDA kernel always does; note that
+            :func:`sparse_mla_fwd` defaults to ``False``: pass the value the forward used).
         config: tuning options (:class:`~sparse_mla_attn.Config`; ``backend``, ``attn_dist_split`` and
             ``attn_dist_order`` apply).
 

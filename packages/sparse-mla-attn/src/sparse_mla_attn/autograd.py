@@ -15,7 +15,9 @@ __all__ = ["SparseMLAAttention", "sparse_mla"]
 
 class SparseMLAAttention(torch.autograd.Function):
     """``out, lse = SparseMLAAttention.apply(q, kv, indices, sm_scale, d_v, q_start_index, k_stride, causal,
-    deterministic, attn_sum_out=None, config=None)``.
+    deterministic, attn_sum_out, config)``, every argument positional (``Function.apply`` takes no keywords;
+    :func:`sparse_mla` is the keyword form). Shapes and dtypes as :func:`sparse_mla`'s; ``attn_sum_out`` and
+    ``config`` may be ``None``.
 
     Forward through the Triton ``sparse_mla_fwd``, backward through :func:`sparse_mla_bwd`. Gradients flow
     to ``q`` and ``kv``; ``lse`` is returned for the indexer target and is not differentiable.

@@ -89,7 +89,7 @@ def sparse_mla_fwd_ref(
             (``out *= 1 / (1 + exp(attn_sink - lse))``); ``lse`` and ``max_logits`` ignore it.
         topk_length: optional ``[s_q]`` int32; only the first ``topk_length[i]`` indices of query ``i`` count.
         q_start_index: position of query 0 (for ``causal``).
-        k_stride: KV entries per query position step (for ``causal``).
+        k_stride: query positions per KV entry (a compressed KV; 1: one entry per position), for ``causal``.
         causal: also drop indices above ``(q_start_index + i + 1 - k_stride) / k_stride`` (C division).
 
     Returns:
@@ -138,7 +138,7 @@ def attn_dist_ref(
             base 2 (``lse_base="2"``, then it must be ``lse_e * log2(e)``).
         sm_scale: softmax scale applied to ``q · k``.
         q_start_index: position of query 0.
-        k_stride: KV entries per query position step.
+        k_stride: query positions per KV entry (a compressed KV; 1: one entry per position).
         lse_base: ``"e"`` or ``"2"``.
         causal: apply the limit ``(q_start_index + i + 1 - k_stride) / k_stride`` (C division).
 
