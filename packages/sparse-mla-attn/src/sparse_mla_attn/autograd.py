@@ -95,8 +95,8 @@ def sparse_mla(
     """Differentiable sparse MLA attention: each query attends to its top-k KV rows.
 
     Args:
-        q: ``[s_q, h_q, d_qk]`` bf16, ``d_qk`` = 576 or 512.
-        kv: ``[s_kv, 1, d_qk]`` bf16; the first ``d_v`` channels are the values.
+        q: ``[s_q, h_q, d_qk]`` bf16 (or fp16), ``d_qk`` = 576 or 512.
+        kv: ``[s_kv, 1, d_qk]`` q's dtype; the first ``d_v`` channels are the values.
         indices: ``[s_q, 1, topk]`` int32 global row indices; ``< 0`` or ``>= s_kv`` is invalid.
         sm_scale: softmax scale applied to ``q · k``.
         d_v: value head dim.

@@ -323,6 +323,15 @@ def sparse_mla_bwd_ref(
     Chunked over query tokens so that memory stays bounded (about 256 MiB of temporaries per chunk) at
     s_q = 4096, topk = 2048. Uses the given ``out`` and ``lse`` exactly as the kernel does.
 
+    Args:
+        q: ``[s_q, h_q, d_qk]`` any floating dtype.
+        kv: ``[s_kv, 1, d_qk]``; its first ``d_v`` channels are the values.
+        out: ``[s_q, h_q, d_v]``, the forward's output.
+        dout: ``[s_q, h_q, d_v]``, its gradient.
+        indices: ``[s_q, 1, topk]`` int32; ``< 0`` or ``>= s_kv`` is invalid (skipped).
+        lse: ``[s_q, h_q]`` float32 natural-log log-sum-exp from the forward.
+        sm_scale, d_v, q_start_index, k_stride, causal: as :func:`sparse_mla_fwd_ref`.
+
     Returns:
         ``dq [s_q, h_q, d_qk]`` and ``dkv [s_kv, 1, d_qk]``, both in the compute dtype (float32/float64).
     """
@@ -414,7 +423,19 @@ def reduce_loss(loss_rows: torch.Tensor, reduction: str) -> torch.Tensor:
 def indexer_kl_loss_ref(
     indexer_logits_at_topk: torch.Tensor, attn_sum: torch.Tensor, *, reduction: str = "mean"
 ) -> torch.Tensor:
-    """Row-by-row float64 reference of :func:`sparse_mla_attn.indexer_kl_loss` (slow; for tests)."""
+    """Row-by-row float64 reference of :func:`sparse_mla_attn.indexer_kl_loss` (slow; for tests).
+
+    Args:
+        indexer_logits_at_topk: ``[s_q, topk]`` floating, the indexer's logits at the selected slots
+            (``-inf`` at invalid slots, which are left out).
+        attn_sum: ``[s_q, topk]`` floating, the attention mass per slot (:func:`attn_dist_ref`); each row
+            is normalised over its valid slots into the target distribution.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` over the rows.
+
+    Returns:
+        float64 ``KL(target || softmax(logits))`` over each row's valid slots, per row (``"none"``:
+        ``[s_q]``; a row without a valid slot or mass gives 0) or reduced.
+    """
     losses = []
     for lg, a in zip(indexer_logits_at_topk.double(), attn_sum.double(), strict=False):
         m = torch.isfinite(lg)
