@@ -530,7 +530,8 @@ class EPLayer:
         Returns:
             ``[num_tokens, hidden]`` in ``input.dtype``: per token, the sum of its kept slots' rows,
             accumulated in float32 (the Triton backend sends each expert rank's partial sum of a token's
-            rows in ``input.dtype``: one more rounding); zeros for a token whose slots were all dropped. Differentiable in ``input``.
+            rows in ``input.dtype``: one more rounding); zeros for a token whose slots were all dropped.
+            Differentiable in ``input``.
 
         Raises:
             ValueError, TypeError: a bad argument (named), before any communication.
