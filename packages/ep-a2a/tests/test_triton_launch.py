@@ -19,7 +19,13 @@ import triton
 
 import ep_a2a.backends.triton.engine as engine_mod
 from ep_a2a.backends.triton import kernels as K
-from ep_a2a.backends.triton.engine import DispatchBuffers, HeapLayout, KernelLaunch, TritonEPEngine
+from ep_a2a.backends.triton.engine import (
+    DispatchBuffers,
+    HeapLayout,
+    KernelLaunch,
+    TritonEPEngine,
+    heap_row_bytes,
+)
 
 
 class _FakeCompiled:
@@ -85,21 +91,24 @@ class _NoTransport:
         pass
 
 
-def _engine(world=2, max_tokens=8, hidden=64, topk=4, experts=8, remote=False, **kw) -> TritonEPEngine:
+def _engine(
+    world=2, max_tokens=8, hidden=64, topk=4, experts=8, remote=False, token_dtype=torch.bfloat16, **kw
+) -> TritonEPEngine:
     lay = HeapLayout.build(
         world_size=world,
         max_tokens=max_tokens,
         hidden=hidden,
         topk=topk,
         experts_per_rank=experts // world,
-        token_bytes=2,
+        token_bytes=token_dtype.itemsize,
         chunk=4,
         remote=remote,
+        row_bytes=heap_row_bytes(hidden, token_dtype),
     )
     # (with remote=True rank 1's one peer is remote)
     return TritonEPEngine(
         rank=1, world_size=world, max_tokens=max_tokens, hidden=hidden, topk=topk, num_tot_experts=experts,
-        token_dtype=torch.bfloat16, weight_dtype=torch.float32, heap_local=torch.zeros(lay.nbytes, dtype=torch.uint8),
+        token_dtype=token_dtype, weight_dtype=torch.float32, heap_local=torch.zeros(lay.nbytes, dtype=torch.uint8),
         ptr_table=torch.zeros(world, dtype=torch.int64), layout=lay, num_sm=3, timeout_s=1.0, chunk=4,
         remote_ranks=[0] if remote else (), transport=_NoTransport() if remote else None, **kw,
     )  # fmt: skip
@@ -557,12 +566,21 @@ def test_combine_outputs_of_alternating_shapes_kept_within_the_stream_bytes(monk
     del held
 
 
-def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, ring_rows: bool = False):
+def _backend_on_fake_kernels(
+    monkeypatch,
+    *,
+    overlap_exact: bool,
+    rows: int,
+    ring_rows: bool = False,
+    fp8: bool = False,
+    hidden: int = 128,
+):
     """A Triton backend over an engine of CPU buffers whose kernels do not run: the layout kernel does
     nothing, the counts kernel and the row kernel's program 0 write the counts of ``rows`` received rows
     into ``info`` and the host mirror, so the backend's exact-shape flows run their host side as on a
     GPU (outputs, counts, descriptor); ``ring_rows``: the workspaces hold the worst-case rows, as for
-    decode-sized layers. Returns the backend and the counts it reports."""
+    decode-sized layers; ``fp8``: a layer of FP8 rows, whose workspaces hold packed FP8
+    rows (``hidden`` channels). Returns the backend and the counts it reports."""
     import numpy as np
 
     from ep_a2a.backends.triton import TritonBackend
@@ -572,7 +590,8 @@ def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, rin
 
     monkeypatch.setattr(B, "_raw_stream", lambda index: 7)
     monkeypatch.setattr(B, "_capturing", lambda: False)
-    eng = _engine()
+    token_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    eng = _engine(hidden=hidden, token_dtype=token_dtype) if fp8 else _engine()
     W, L = eng.world_size, eng.experts_per_rank
     vals = torch.zeros(eng.info_len, dtype=torch.int64)
     vals[0], vals[2 : 2 + W], vals[2 + W : 2 + 2 * W] = (
@@ -593,14 +612,16 @@ def _backend_on_fake_kernels(monkeypatch, *, overlap_exact: bool, rows: int, rin
     monkeypatch.setattr(eng, "launch_dispatch", row_kernel)
     be.config = EPConfig(
         max_tokens=eng.max_tokens, hidden=eng.hidden, topk=eng.topk, num_tot_experts=eng.num_tot_experts,
-        rank=1, world_size=W, local_world_size=W,
+        rank=1, world_size=W, local_world_size=W, token_dtype=token_dtype,
     )  # fmt: skip
     be.engine, be.device, be.layout = eng, torch.device("cpu"), eng.layout
     be.overlap_exact, be.speculative_rows = overlap_exact, not overlap_exact
+    row_dtype = B.FP8_ROW_DTYPE if fp8 else torch.bfloat16
     be.workspaces = WorkspaceRing(
         eng,
-        (torch.bfloat16, eng.hidden, eng.worst_case_rows()) if ring_rows else None,
+        (row_dtype, eng.row_width(row_dtype), eng.worst_case_rows()) if ring_rows else None,
         lambda ws: B._TritonState(owner=id(be), tab=ws.tab, n_src=ws.n_src),
+        fp8_hidden=eng.hidden if fp8 and ring_rows else 0,
     )
     be.combine_outputs, be._bound_combines = OutputRing(be.device), {}
     be._dummy_w_address = eng._dummy_w.data_ptr()
@@ -751,6 +772,122 @@ def test_eager_graphs_replay_repeated_inputs(monkeypatch):
     for _ in range(3):
         be.dispatch(x2, ids, w, None)
     assert events[1:] == ["launch"] * 3, "a workspace full of graphs captures no more"
+
+
+@pytest.mark.parametrize(
+    ("hidden", "quantize"),
+    [(128, False), (512, False), (512, True)],
+    ids=["tuple-H128-padded-rows", "tuple-H512", "quantize-H512"],
+)
+def test_fp8_common_case_into_the_workspace_and_replays(monkeypatch, hidden, quantize):
+    """A layer of FP8 rows whose workspaces hold the rows. A tuple ``(x_fp8, scales)``
+    (``dispatch_fp8_plain``) is packed into the workspace's input rows and dispatched; bf16 rows with
+    ``fp8=True`` (``dispatch_quantize_plain``) go to the row kernel to quantize. From the second call
+    at the same addresses a CUDA graph (of the packing and the launches) is replayed, and new values at
+    those addresses arrive. The result's ``(rows, scales)`` are views of the workspace's rows, kept with
+    them, and a held result keeps its workspace out of the next call. Fake kernels: the row kernel
+    sends the packed (or quantized) input rows to the output in reverse order."""
+    from ep_a2a.backends.triton import backend as B
+    from ep_a2a.backends.triton.engine import BoundLaunch, pack_fp8_rows
+    from ep_a2a.reference import quantize_fp8
+
+    be, vals = _backend_on_fake_kernels(
+        monkeypatch, overlap_exact=True, rows=6, ring_rows=True, fp8=True, hidden=hidden
+    )
+    eng, H = be.engine, be.config.hidden
+    assert be._fp8_plain
+    assert not be._plain_rows, "dispatch_plain of raw FP8 bytes does not take the packed rows"
+    be.eager_graphs = True
+    events: list[str] = []
+    replaying = [False]
+    inputs: dict[int, torch.Tensor] = {}  # (the bf16 rows to quantize, by address)
+
+    def row_kernel(xp: int, n: int, op: int) -> None:  # (the rows reversed, then the counts)
+        (ws,) = [ws for ws in be.workspaces._rings[7] if ws.out.data_ptr() == op]
+        rows = ws.packed_in if xp == ws.packed_in.data_ptr() else pack_fp8_rows(*quantize_fp8(inputs[xp]))
+        ws.out[:n] = rows.flip(0)
+        be._mirror_np[:-1], be._mirror_np[-1] = vals, 1
+
+    def launch_merged_bound(launches, xp, ip, wp, sp, n, op, capturing=False):
+        if capturing and not replaying[0]:
+            events.append("capture")
+            return
+        events.append("replay" if replaying[0] else "launch")
+        row_kernel(xp, n, op)
+
+    class _Graph:  # (replays what was captured: the packing, then the launches)
+        def __init__(self, launch, bound):
+            self.run = lambda: launch(bound)
+
+        def launch(self, stream: int) -> None:
+            replaying[0] = True
+            try:
+                self.run()
+            finally:
+                replaying[0] = False
+
+    def capture(bind, launch, graphs, at):
+        bound = bind(99)
+        launch(bound)
+        graphs[at] = _Graph(launch, bound)
+        be.graph_captures += 1
+        return graphs[at]
+
+    noop = BoundLaunch(lambda *a: None, (), (0, 0, 0), ())
+    monkeypatch.setattr(eng, "bind_merged_dispatch", lambda *a, **kw: (noop, noop))
+    monkeypatch.setattr(eng, "launch_merged_bound", launch_merged_bound)
+    monkeypatch.setattr(B, "_launch_hooks_set", lambda: False)
+    monkeypatch.setattr(be, "_capture", capture)
+    gen = torch.Generator().manual_seed(5)
+
+    def new_rows() -> tuple[torch.Tensor, ...]:
+        if quantize:
+            return ((torch.randn(6, H, generator=gen) * 100).to(torch.bfloat16),)
+        q = torch.randint(0, 256, (6, H), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        return q, torch.rand(6, H // 128, generator=gen) + 0.5
+
+    def dispatch(rows: tuple[torch.Tensor, ...]):
+        if quantize:
+            inputs[rows[0].data_ptr()] = rows[0]
+            return be.dispatch_quantize_plain(rows[0], ids, w)
+        return be.dispatch_fp8_plain(*rows, ids, w)
+
+    x = new_rows()
+    ids, w = torch.zeros(6, 4, dtype=torch.int64), torch.rand(6, 4, generator=gen)
+    for i, want_events in enumerate((["launch"], ["capture", "replay"], ["replay"])):
+        events.clear()
+        (q, s), out_w, desc = dispatch(x)
+        assert events == want_events, i
+        want = pack_fp8_rows(*(quantize_fp8(x[0]) if quantize else x)).view(torch.uint8).flip(0)
+        assert (q.dtype, s.dtype, q.shape, s.shape) == (
+            torch.float8_e4m3fn,
+            torch.float32,
+            (6, H),
+            (6, H // 128),
+        )
+        assert torch.equal(q.view(torch.uint8), want[:, :H]), i
+        assert torch.equal(s.view(torch.uint8), want[:, H : H + H // 32]), i
+        assert q.untyped_storage().data_ptr() == desc.backend_state.tab.untyped_storage().data_ptr()
+        assert (out_w.shape, desc.num_recv_rows) == ((6,), 6)
+        again = be.workspaces._rings[7][0].first_fp8_rows()
+        assert again[0] is q, "the views the workspace keeps"
+        assert again[1] is s
+        del q, s, again, out_w, desc
+        for t, new in zip(x, new_rows(), strict=True):  # (new values at the same addresses)
+            t.copy_(new)
+    assert (be.graph_captures, be.graph_replays) == (1, 2)
+    # a held result (the scales view alone) keeps its workspace and rows out of the next call
+    (_, held), _, _ = dispatch(x)
+    before = held.clone()
+    events.clear()
+    (q2, _), _, _ = dispatch((x[0].clone(), *x[1:]))
+    assert events == ["launch"]
+    assert be.workspaces.allocated == 2
+    assert q2.data_ptr() != held.data_ptr()
+    assert torch.equal(held, before)
+    del held, q2
+    (ws, _) = be.workspaces._rings[7]
+    assert be.workspaces.take(7, 6) is ws, "released: the first workspace again"
 
 
 def test_large_layer_common_case_replays_by_addresses_and_rows(monkeypatch):

@@ -1096,16 +1096,22 @@ def _fp8_layer(
     return layer
 
 
-def _check_fp8_round_trip(layer, group, xs, ids, ws, gen, experts, *, sent=None, quantize_from=None):
+def _check_fp8_round_trip(
+    layer, group, xs, ids, ws, gen, experts, *, sent=None, quantize_from=None, on_device=None
+):
     """One FP8 ``layer.dispatch`` of this rank's ``xs`` (or, with ``quantize_from``, of its bf16 rows with
-    ``fp8=True``, whose bytes the caller gives as ``sent``) against the reference, then a bf16 combine."""
+    ``fp8=True``, whose bytes the caller gives as ``sent``) against the reference, then a bf16 combine;
+    ``on_device``: this rank's input, ids and weights already on the GPU, dispatched as they are.
+    Returns the received ``(rows, scales)``."""
     rank, hidden = dist.get_rank(group), xs[0][0].shape[1]
     dev = torch.device("cuda", torch.cuda.current_device())
-    if quantize_from is not None:
-        arg, kw = quantize_from[rank].to(dev), {"fp8": True}
+    kw = {"fp8": True} if quantize_from is not None else {}
+    if on_device is not None:
+        arg, ids_d, w_d = on_device
     else:
-        arg, kw = (xs[rank][0].to(dev), xs[rank][1].to(dev)), {}
-    (q, s), w, desc = layer.dispatch(arg, ids[rank].to(dev), ws[rank].to(dev), **kw)
+        arg = quantize_from[rank].to(dev) if quantize_from is not None else tuple(t.to(dev) for t in xs[rank])
+        ids_d, w_d = ids[rank].to(dev), ws[rank].to(dev)
+    (q, s), w, desc = layer.dispatch(arg, ids_d, w_d, **kw)
     ref, scat = dispatch_ref([_fp8_bytes(*x) for x in (sent or xs)], ids, ws, num_tot_experts=experts)
     mine = ref[rank]
     assert (q.dtype, s.dtype) == (torch.float8_e4m3fn, torch.float32)
@@ -1125,6 +1131,7 @@ def _check_fp8_round_trip(layer, group, xs, ids, ws, gen, experts, *, sent=None,
     assert bool((err <= COMBINE_RTOL[torch.bfloat16] * mag + 1e-30).all()), (
         f"combine error {float(err.max())}"
     )
+    return q, s
 
 
 @pytest.mark.parametrize(
@@ -1175,6 +1182,53 @@ def test_fp8_dispatch_against_reference(group, layer_dtype, overlap_bytes, copy_
         for j, skew in enumerate((False, True)):
             # (skewed: every slot to rank 0's experts, a speculative call outgrows its outputs: rewrite)
             _check_quantize_on_send(layer, group, 1200 + j, [40 + r for r in range(world)], skew=skew)
+        torch.cuda.synchronize()
+        layer.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        layer.finalize()
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["tuple", "quantize-on-send"])
+def test_fp8_eager_calls_from_the_same_tensors(group, quantize):
+    """FP8 dispatches of the DeepSeek-V3 width called eagerly on the same tensors, refilled between
+    calls, on a layer whose workspaces hold the rows: tuples ``(x_fp8, scales)``, or bf16 rows with
+    ``fp8=True``. Later calls replay CUDA graphs (of the packing and the launches); every call's rows
+    and scales equal the sender's bytes, and a result held across the later calls keeps its values."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    hidden, topk, experts = 7168, 8, -(-256 // world) * world
+    layer = _fp8_layer(group, max_tokens=64, hidden=hidden, topk=topk, experts=experts)
+    be = layer.ctx.backend
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert be._fp8_plain
+    tensors, held = None, None
+    from ep_a2a.reference import quantize_fp8
+
+    try:
+        for i in range(6):
+            xs, ids, ws, gen = _fp8_inputs(1500 + i, [48] * world, hidden, topk, experts)
+            kw: dict = {}
+            if quantize:
+                bf = [_rows_to_quantize(48, hidden, gen) for _ in range(world)]
+                xs = [tuple(t.cpu() for t in quantize_fp8(x.to(dev))) for x in bf]
+                kw = {"sent": xs, "quantize_from": bf}
+            mine = ((bf[rank],) if quantize else xs[rank]) + (ids[rank], ws[rank])
+            if tensors is None:
+                tensors = tuple(t.to(dev) for t in mine)
+            else:
+                for t, new in zip(tensors, mine, strict=True):
+                    t.copy_(new)
+            arg = tensors[0] if quantize else tensors[:2]
+            q, s = _check_fp8_round_trip(
+                layer, group, xs, ids, ws, gen, experts, on_device=(arg, *tensors[-2:]), **kw
+            )
+            if i == 2:
+                held = (q, s, _fp8_bytes(q, s))
+            del q, s
+        assert be.graph_captures >= 1
+        assert be.graph_replays >= 2
+        assert held is not None
+        assert torch.equal(_fp8_bytes(held[0], held[1]), held[2]), "a held result was overwritten"
         torch.cuda.synchronize()
         layer.check_errors()
     finally:

@@ -294,6 +294,15 @@ class EPLayer:
             cfg.hidden, cfg.max_tokens, cfg.topk, cfg.token_dtype, self._ids_as_is, cfg.weight_dtype,
             self._cuda_index if self._cuda_index >= 0 else -2,
         )  # fmt: skip
+        #: whether an FP8 dispatch's tuple may take the one-pass check (:meth:`_plain_fp8_args`): FP8
+        #: dispatches are possible on this layer (``hidden`` a multiple of 128, a dtype that takes them)
+        self._fp8_plain = cfg.hidden % 128 == 0 and (
+            cfg.token_dtype == torch.float8_e4m3fn or cfg.token_dtype.itemsize >= 2
+        )
+        #: dtypes of rows ``dispatch(..., fp8=True)`` quantizes on this layer
+        self._quantize_dtypes = (
+            _QUANTIZE_DTYPES if cfg.token_dtype == torch.float8_e4m3fn else (cfg.token_dtype,)
+        )
 
     @property
     def num_sm(self) -> int | None:
@@ -340,9 +349,12 @@ class EPLayer:
         if t.device != self.device:
             raise ValueError(f"{name} must be on {self.device} (the ep_group's device), got {t.device}")
 
-    def _plain_dispatch_args(self, input: Any, exp_indices: Any, weight: Any) -> bool:
+    def _plain_dispatch_args(
+        self, input: Any, exp_indices: Any, weight: Any, dtypes: tuple[torch.dtype, ...] | None = None
+    ) -> bool:
         """Whether a dispatch's tensors are the common case, checked in one pass: plain contiguous tensors
-        on the layer's device, ``input`` ``[n <= max_tokens, hidden]`` of the layer's dtype,
+        on the layer's device, ``input`` ``[n <= max_tokens, hidden]`` of the layer's dtype (of one of
+        ``dtypes`` where given),
         ``exp_indices`` ``[n, topk]`` of a dtype the backend takes as it is (:meth:`_expert_ids` would
         return them), ``weight`` ``[n, topk]`` of the weight dtype. Anything else is checked one tensor
         at a time (the messages name what is wrong)."""
@@ -356,12 +368,49 @@ class EPLayer:
         return (
             width == hidden
             and n <= max_tokens
-            and input.dtype is token_dtype  # (dtypes are singletons)
+            and (input.dtype is token_dtype if dtypes is None else input.dtype in dtypes)  # (singletons)
             and exp_indices.dtype in ids_dtypes
             and weight.dtype is weight_dtype
             and exp_indices.shape == weight.shape == (n, topk)
             and input.get_device() == exp_indices.get_device() == weight.get_device() == cuda
             and input.is_contiguous()
+            and exp_indices.is_contiguous()
+            and weight.is_contiguous()
+        )
+
+    def _plain_fp8_args(self, input: tuple, exp_indices: Any, weight: Any) -> bool:
+        """Whether an FP8 dispatch's tuple is the common case, checked in one pass: ``(x_fp8 [n, hidden]
+        float8_e4m3fn, scales [n, hidden / 128] float32)``, both contiguous on the layer's device, with
+        ``exp_indices`` and ``weight`` as :meth:`_plain_dispatch_args` takes them. Anything else is
+        checked one tensor at a time."""
+        if not self._fp8_plain or len(input) != 2:
+            return False
+        hidden, max_tokens, topk, _, ids_dtypes, weight_dtype, cuda = self._plain_spec
+        x, scales = input
+        if type(x) is not _Tensor or type(scales) is not _Tensor:
+            return False
+        if type(exp_indices) is not _Tensor or type(weight) is not _Tensor:
+            return False
+        try:
+            n, width = x.shape
+        except ValueError:  # (not 2-d)
+            return False
+        return (
+            width == hidden
+            and n <= max_tokens
+            and x.dtype is torch.float8_e4m3fn
+            and scales.dtype is torch.float32
+            and scales.shape == (n, hidden // 128)
+            and exp_indices.dtype in ids_dtypes
+            and weight.dtype is weight_dtype
+            and exp_indices.shape == weight.shape == (n, topk)
+            and x.get_device()
+            == scales.get_device()
+            == exp_indices.get_device()
+            == weight.get_device()
+            == cuda
+            and x.is_contiguous()
+            and scales.is_contiguous()
             and exp_indices.is_contiguous()
             and weight.is_contiguous()
         )
@@ -409,9 +458,7 @@ class EPLayer:
                 f"got dtype={cfg.token_dtype}"
             )
         if quantize:
-            fp8_layer = cfg.token_dtype == torch.float8_e4m3fn
-            dtypes = _QUANTIZE_DTYPES if fp8_layer else (cfg.token_dtype,)
-            n = self._check_dispatch_args(input, exp_indices, weight, dtypes=dtypes)
+            n = self._check_dispatch_args(input, exp_indices, weight, dtypes=self._quantize_dtypes)
             return self.ctx.backend.quantize_fp8(input), n
         if len(input) != 2:
             raise ValueError(f"input as a tuple must be (x_fp8, scales), got {len(input)} items")
@@ -483,6 +530,19 @@ class EPLayer:
         ):
             # (the common case, checked in one pass: the tensors go to the backend as they are)
             return ctx.backend.dispatch_plain(input, exp_indices, weight)  # type: ignore[arg-type]
+        if full_scatter_indices is None and not (
+            type(weight) is _Tensor and weight.requires_grad and torch.is_grad_enabled()
+        ):  # (FP8 rows carry no gradient; the weights' takes the path below)
+            if type(input) is tuple and not fp8 and self._plain_fp8_args(input, exp_indices, weight):
+                # (the FP8 common case, checked in one pass)
+                return ctx.backend.dispatch_fp8_plain(input[0], input[1], exp_indices, weight)  # type: ignore[arg-type]
+            if (
+                fp8
+                and self._fp8_plain
+                and self._plain_dispatch_args(input, exp_indices, weight, self._quantize_dtypes)
+                and input.data_ptr() % (2 * input.element_size()) == 0  # type: ignore[union-attr]
+            ):  # (bf16 / fp16 / fp32 rows to quantize, aligned to their pairs of channels)
+                return ctx.backend.dispatch_quantize_plain(input, exp_indices, weight)  # type: ignore[arg-type]
         cfg = self.config
         packed = None
         if isinstance(input, tuple) or fp8:

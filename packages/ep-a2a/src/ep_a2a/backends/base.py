@@ -146,6 +146,30 @@ class A2ABackend(abc.ABC):
         :meth:`dispatch`."""
         return self.dispatch(input, exp_indices, weight, None)
 
+    def dispatch_fp8_plain(
+        self, x_fp8: Tensor, scales: Tensor, exp_indices: Tensor, weight: Tensor
+    ) -> tuple[tuple[Tensor, Tensor], Tensor | None, EPAllToAllLayoutDesc]:
+        """An FP8 dispatch of the layer's common case, which it checked in one pass: ``x_fp8 [n, hidden]``
+        float8_e4m3fn and ``scales [n, hidden / 128]`` float32, contiguous, on a layer whose rows hold
+        packed FP8 rows, with ``exp_indices`` and ``weight`` as :meth:`dispatch_plain` takes them.
+        Returns ``((rows, scales), weights, layout_desc)`` as the layer's FP8 dispatch does. A backend
+        may take it through a leaner host path; the default packs the rows (:meth:`pack_fp8`), calls
+        :meth:`dispatch` and unpacks what it received (:meth:`unpack_fp8`)."""
+        rows, out_w, desc = self.dispatch(self.pack_fp8(x_fp8, scales), exp_indices, weight, None)
+        return self.unpack_fp8(rows), out_w, desc
+
+    def dispatch_quantize_plain(
+        self, input: Tensor, exp_indices: Tensor, weight: Tensor
+    ) -> tuple[tuple[Tensor, Tensor], Tensor | None, EPAllToAllLayoutDesc]:
+        """``dispatch(..., fp8=True)`` of the layer's common case, which it checked in one pass: ``input``
+        ``[n, hidden]`` of a dtype the layer quantizes, contiguous and aligned to its pairs of channels,
+        with ``exp_indices`` and ``weight`` as :meth:`dispatch_plain` takes them. Returns ``((rows,
+        scales), weights, layout_desc)`` as the layer's FP8 dispatch does. A backend may take it through
+        a leaner host path; the default quantizes (:meth:`quantize_fp8`), calls :meth:`dispatch` and
+        unpacks what it received (:meth:`unpack_fp8`)."""
+        rows, out_w, desc = self.dispatch(self.quantize_fp8(input), exp_indices, weight, None)
+        return self.unpack_fp8(rows), out_w, desc
+
     def combine_plain(self, input: Tensor, layout_desc: EPAllToAllLayoutDesc) -> Tensor:
         """``combine(input, layout_desc)`` of the layer's common case, which it checked in one pass:
         ``input`` a floating ``[layout_desc.num_recv_rows, hidden]`` tensor, contiguous on the group's

@@ -154,6 +154,19 @@ def _combine_graph_key(y: Tensor, state: _TritonState, ids: Tensor, n: int, out:
     return (y.data_ptr(), tp, ids.data_ptr(), sp, n, out.data_ptr(), y.dtype, ids.dtype)
 
 
+def _pack_fp8_into(ws: DispatchWorkspace, x_fp8: Tensor, scales: Tensor) -> None:
+    """``(x_fp8, scales)`` (contiguous, ``ws.for_tokens``' token count) into ``ws.packed_in`` as
+    :func:`~.engine.pack_fp8_rows` packs them (one kernel, or two where the rows have padding)."""
+    out, h = ws.packed_in_bytes, x_fp8.shape[1]
+    assert out is not None
+    s_bytes = scales.view(torch.uint8)
+    if out.shape[1] == h + s_bytes.shape[1]:
+        torch.cat((x_fp8.view(torch.uint8), s_bytes), 1, out=out)
+    else:
+        out[:, :h].copy_(x_fp8.view(torch.uint8))
+        out[:, h : h + s_bytes.shape[1]].copy_(s_bytes)
+
+
 def _rows_to_allocate_ahead(rows: int, worst_case: int) -> int:
     """Rows of the outputs an exact-shape dispatch of a large layer allocates before its counts arrive,
     guessed from a call of ``rows``: an eighth of headroom, at most the worst case."""
@@ -326,10 +339,13 @@ class TritonBackend(A2ABackend):
         # (the states name the backend by its id, not through ``self``: no reference cycle keeps a
         # dropped backend, and its heap, alive until garbage collection runs)
         owner = id(self)
+        rows = self._ring_rows()
         self.workspaces = WorkspaceRing(
             self.engine,
-            self._ring_rows(),
+            rows,
             lambda ws: _TritonState(owner=owner, tab=ws.tab, n_src=ws.n_src),
+            # (a layer of FP8 rows: its workspaces hold the packed input rows of the FP8 common case)
+            fp8_hidden=self.config.hidden if rows is not None and rows[0] == FP8_ROW_DTYPE else 0,
         )
         #: the exact-shape combines' outputs (decode-sized ones reused, as the workspaces are)
         self.combine_outputs = OutputRing(self.device)
@@ -371,9 +387,23 @@ class TritonBackend(A2ABackend):
             and rows is not None
             and rows[:2] == (cfg.token_dtype, cfg.hidden)
         )
+        #: the FP8 common case (:meth:`dispatch_fp8_plain`) packs into the workspaces' input rows and goes
+        #: through the speculative flow into their rows (a layer of FP8 rows)
+        self._fp8_plain = (
+            self.overlap_exact
+            and not eng.ce_pieces
+            and self.low_latency is None
+            and rows is not None
+            and self.workspaces.fp8_hidden > 0
+        )
         #: the part of a common-case call's graph key that the layer's checks fix, after the slot
-        #: positions' address and the workspace's rows' (:meth:`_plain_key`)
-        self._plain_variant: tuple = (False, cfg.token_dtype, cfg.hidden, cfg.weight_dtype, eng.pos.dtype)
+        #: positions' address and the workspace's rows' (:meth:`_plain_key`; that of the packed rows
+        #: on a layer of FP8 rows, whose dispatch_plain never takes the workspaces' rows)
+        self._plain_variant: tuple = (
+            (False, FP8_ROW_DTYPE, rows[1], cfg.weight_dtype, eng.pos.dtype)
+            if self._fp8_plain and rows is not None
+            else (False, cfg.token_dtype, cfg.hidden, cfg.weight_dtype, eng.pos.dtype)
+        )
         if rows is not None:
             self._plain_variant += (rows[0], rows[2])
         #: the common case of a layer whose rows are allocated per call goes through the speculative
@@ -533,6 +563,13 @@ class TritonBackend(A2ABackend):
         graph = ws.plain_graphs.get(at) if self.eager_graphs else None
         if graph is None:
             return self._dispatch_speculative(input, exp_indices, weight, None, plain=True, ws=ws)
+        return self._replay_plain(graph, stream, ws, n, exp_indices)
+
+    def _replay_plain(
+        self, graph: LaunchGraph, stream: int, ws: DispatchWorkspace, n: int, exp_indices: Tensor
+    ) -> DispatchResult:
+        """A common-case dispatch of ``n`` tokens into ``ws``'s rows by a replay of its CUDA ``graph`` on
+        ``stream``, and its result."""
         m = self._mirror_mv
         m[self._epoch_at] = 0  # (program 0 writes the epoch there once info is copied)
         graph.launch(stream)
@@ -560,6 +597,112 @@ class TritonBackend(A2ABackend):
         ws.host_counts_mv[:] = self._mirror_counts_mv
         desc.num_recv_rows, desc.recv_expert_indices = rows, e_rows
         return ring_rows, w_rows, desc
+
+    def _fp8_workspace(self, n: int) -> tuple[int, DispatchWorkspace] | None:
+        """The current stream and the workspace an FP8 common-case call of ``n`` tokens takes, or ``None``
+        where it takes the base class's path (a layer without FP8 rows in its workspaces, a profiler's
+        launch hooks, a finalized backend)."""
+        if not self._fp8_plain or self._finalized or self._mirror_lost is not None or _launch_hooks_set():
+            return None
+        if _capturing():
+            raise RuntimeError(_EXACT_UNDER_CAPTURE)
+        stream = _raw_stream(self._device_index)
+        return stream, self.workspaces.take(stream, n)
+
+    def dispatch_fp8_plain(
+        self, x_fp8: Tensor, scales: Tensor, exp_indices: Tensor, weight: Tensor
+    ) -> tuple[tuple[Tensor, Tensor], Tensor | None, EPAllToAllLayoutDesc]:
+        """The base class's FP8 common case. On a layer of FP8 rows whose workspaces hold the worst-case
+        rows, the rows and scales are packed into the workspace's input rows and dispatched as
+        :meth:`dispatch_plain` dispatches; a call whose four tensors repeat the addresses of an earlier
+        one replays a CUDA graph of the packing and the launches, and the result's ``(x_fp8, scales)``
+        are views the workspace keeps with its rows. Other layers take the base class's path."""
+        n = x_fp8.shape[0]
+        taken = self._fp8_workspace(n)
+        if taken is None:
+            return super().dispatch_fp8_plain(x_fp8, scales, exp_indices, weight)
+        stream, ws = taken
+        at = (
+            x_fp8.data_ptr(),
+            scales.data_ptr(),
+            exp_indices.data_ptr(),
+            weight.data_ptr(),
+            n,
+            exp_indices.dtype,
+        )
+        graph = ws.fp8_graphs.get(at) if self.eager_graphs else None
+        if graph is None and self.eager_graphs and n and self._graph_due(ws.fp8_graphs, ws.fp8_sightings, at):
+            graph = self._capture_fp8(ws, at, x_fp8, scales, exp_indices, weight)
+        if graph is not None:
+            _, out_w, desc = self._replay_plain(graph, stream, ws, n, exp_indices)
+        else:
+            _pack_fp8_into(ws, x_fp8, scales)
+            assert ws.packed_in is not None
+            _, out_w, desc = self._dispatch_speculative(
+                ws.packed_in, exp_indices, weight, None, plain=True, ws=ws
+            )
+        return ws.first_fp8_rows(), out_w, desc
+
+    def dispatch_quantize_plain(
+        self, input: Tensor, exp_indices: Tensor, weight: Tensor
+    ) -> tuple[tuple[Tensor, Tensor], Tensor | None, EPAllToAllLayoutDesc]:
+        """The base class's quantizing common case. On a layer of FP8 rows whose workspaces hold the
+        worst-case rows, the row kernel quantizes ``input`` into the workspace's rows
+        (:class:`~.engine.QuantizeOnSend`); a call whose three tensors repeat the addresses of an earlier
+        one replays the CUDA graph of its launches, found by those addresses alone, and the result's
+        ``(x_fp8, scales)`` are views the workspace keeps with its rows. Other layers take the base
+        class's path (copy-engine dispatch among them: its copies need the FP8 rows first)."""
+        n = input.shape[0]
+        taken = self._fp8_workspace(n)
+        if taken is None:
+            return super().dispatch_quantize_plain(input, exp_indices, weight)
+        stream, ws = taken
+        # (the class marks the key apart from those of dispatch_plain's packed rows)
+        at = (
+            input.data_ptr(),
+            exp_indices.data_ptr(),
+            weight.data_ptr(),
+            n,
+            exp_indices.dtype,
+            QuantizeOnSend,
+        )
+        graph = ws.plain_graphs.get(at) if self.eager_graphs else None
+        if graph is not None:
+            _, out_w, desc = self._replay_plain(graph, stream, ws, n, exp_indices)
+        else:
+            _, out_w, desc = self._dispatch_speculative(
+                QuantizeOnSend(input), exp_indices, weight, None, ws=ws, plain_at=at
+            )
+        return ws.first_fp8_rows(), out_w, desc
+
+    def _capture_fp8(
+        self, ws: DispatchWorkspace, at: tuple, x_fp8: Tensor, scales: Tensor, exp_indices: Tensor,
+        weight: Tensor,
+    ) -> LaunchGraph | None:  # fmt: skip
+        """A CUDA graph of :meth:`dispatch_fp8_plain`'s packing and launches for the call ``at`` (its key in
+        ``ws.fp8_graphs``)."""
+        packed, out, src = ws.packed_in, ws.out, self.engine.pos
+        assert packed is not None
+        assert out is not None
+        tensors = (packed, exp_indices, weight, src)
+        addresses = (packed.data_ptr(), exp_indices.data_ptr(), weight.data_ptr(), src.data_ptr(), at[4],
+                     out.data_ptr())  # fmt: skip
+
+        def bind(stream: int) -> tuple[BoundLaunch, BoundLaunch] | None:
+            return self.engine.bind_merged_dispatch(
+                stream,
+                self._speculative_buffers(ws, out),
+                ws.info,
+                self._mirror,
+                tensors,
+                caller_scatter=False,
+            )
+
+        def launch(launches: tuple[BoundLaunch, BoundLaunch]) -> None:
+            _pack_fp8_into(ws, x_fp8, scales)  # (on the capture stream: part of the graph)
+            self.engine.launch_merged_bound(launches, *addresses, capturing=True)
+
+        return self._capture(bind, launch, ws.fp8_graphs, at)
 
     def dispatch(
         self,

@@ -101,6 +101,9 @@ class DispatchWorkspace:
         engine: the engine whose dispatches write it.
         rows: ``(dtype, width, count)`` of the received rows it holds (``None``: none).
         make_state: builds :attr:`state` from the workspace (``None``: an inert object).
+        fp8_hidden: with ``rows`` of packed FP8 rows of this many channels: the workspace also holds
+            ``max_tokens`` packed input rows (:attr:`packed_in`) and the ``(x_fp8, scales)`` views of
+            the first rows (:meth:`first_fp8_rows`); 0: neither.
 
     Attributes:
         info: ``[info_len]`` int64, the call's counts (:meth:`~.engine.TritonEPEngine.info_fields`).
@@ -121,14 +124,23 @@ class DispatchWorkspace:
             set of addresses came (filled by the backend).
         plain_graphs: those of ``graphs`` whose key's rest is ``plain_key``, by the key's first part
             (filled by the backend).
+        fp8_graphs, fp8_sightings: as ``graphs`` and ``sightings``, for calls that pack FP8 rows into
+            ``packed_in`` (filled by the backend).
         last_rows: the row count of the views :meth:`first_rows` keeps (the last call's).
+        packed_in: ``[n, width]`` rows of ``rows``' dtype (:meth:`for_tokens`), where a call packs its
+            FP8 rows and scales before they are sent (``fp8_hidden``; else ``None``); ``packed_in_bytes``:
+            the same bytes as ``[n, 2 * width]`` uint8.
         kept: rows allocated for a call into a workspace without ``out``, kept for its later calls
             (:meth:`keep_rows`, :meth:`spare_rows`), or ``None``; ``kept_ptr``, ``kept_rows``: the
             address and row count of the rows :meth:`keep_rows` was given last.
     """
 
     def __init__(
-        self, engine: TritonEPEngine, rows: RowsSpec | None = None, make_state: MakeState | None = None
+        self,
+        engine: TritonEPEngine,
+        rows: RowsSpec | None = None,
+        make_state: MakeState | None = None,
+        fp8_hidden: int = 0,
     ) -> None:
         W, T, K, worst = engine.world_size, engine.max_tokens, engine.topk, engine.worst_case_rows()
         regions = [
@@ -141,6 +153,8 @@ class DispatchWorkspace:
         ]
         if rows is not None:
             regions.append(("out", rows[1] * rows[2], rows[0]))
+            if fp8_hidden:
+                regions.append(("packed_in", rows[1] * T, rows[0]))
         at, spans = 0, []
         for _, numel, dtype in regions:
             spans.append(at)
@@ -159,6 +173,10 @@ class DispatchWorkspace:
         self.out_w, self.out_e = views["out_w"], views["out_e"]
         self.out = views["out"].view(rows[2], rows[1]) if rows is not None else None
         self.out_ptr = self.out.data_ptr() if self.out is not None else 0
+        self.fp8_hidden = fp8_hidden if rows is not None else 0
+        self._packed_all = views["packed_in"] if self.fp8_hidden else None
+        self._packed_width = rows[1] if rows is not None else 0
+        self.packed_in = self.packed_in_bytes = None if self._packed_all is None else self._packed_all[:0]
         self.host_counts = torch.zeros(2 * W, dtype=torch.int64)
         self.host_counts_np = self.host_counts.numpy()
         self.host_counts_mv = self.host_counts_np.data
@@ -170,6 +188,10 @@ class DispatchWorkspace:
         self.last_rows = 0
         self._w_rows, self._e_rows = self.out_w[:0], self.out_e[:0]
         self._out_rows = self.out[:0] if self.out is not None else self.out_e[:0]
+        # (the FP8 views of those rows: two views of out_e where there are none, whose counts stay put)
+        self._x_rows, self._s_rows = (
+            self._fp8_views() if self.fp8_hidden else (self.out_e[:0], self.out_e[:0])
+        )
         self.state = make_state(self) if make_state is not None else object()
         self.bound: dict[tuple, object] = {}
         self.plain_key: tuple = ()
@@ -178,6 +200,9 @@ class DispatchWorkspace:
         self.graphs: dict[tuple, LaunchGraph] = {}
         self.sightings: dict[tuple, int] = {}
         self.plain_graphs: dict[tuple, LaunchGraph] = {}
+        #: CUDA graphs of FP8 dispatches that pack into ``packed_in`` first, and their sightings
+        self.fp8_graphs: dict[tuple, LaunchGraph] = {}
+        self.fp8_sightings: dict[tuple, int] = {}
         self._storage = buf.untyped_storage()
         self._cdata = self._storage._cdata
         #: ``_refs()`` while only the ring refers to the workspace (taken by for_tokens, once this
@@ -199,6 +224,10 @@ class DispatchWorkspace:
             K = self.topk
             self.skip = self._skip_all[: n * K].view(n, K)
             self.scat = self._scat_all[: n * K].view(n, K)
+            if self._packed_all is not None:
+                width = self._packed_width
+                self.packed_in = self._packed_all[: n * width].view(n, width)
+                self.packed_in_bytes = self.packed_in.view(torch.uint8)
             self.n = n
             self._idle = self._refs()
             self._idle_views = self._idle[3:]
@@ -212,8 +241,20 @@ class DispatchWorkspace:
             self._w_rows, self._e_rows = self.out_w[:rows], self.out_e[:rows]
             if self.out is not None:
                 self._out_rows = self.out[:rows]
+                if self.fp8_hidden:
+                    self._x_rows, self._s_rows = self._fp8_views()
             self.last_rows = rows
         return self._w_rows, self._e_rows, self._out_rows if self.out is not None else None
+
+    def first_fp8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x_fp8, scales)`` views of the rows :meth:`first_rows` returned last (a workspace of packed FP8
+        rows: ``fp8_hidden``), kept with them."""
+        return self._x_rows, self._s_rows
+
+    def _fp8_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fp8_hidden
+        b = self._out_rows.view(torch.uint8)
+        return b[:, :h].view(torch.float8_e4m3fn), b[:, h : h + h // 32].view(torch.float32)
 
     def keep_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Keep ``rows`` (just allocated: nothing else refers to their memory) for the later calls into
@@ -252,7 +293,8 @@ class DispatchWorkspace:
         g = sys.getrefcount  # (a local: eleven lookups fewer per call)
         return (
             g(self.n_in_host), g(self.n_recv_host), g(self.info), g(self.n_src), g(self.rows_exp), g(self.tab),
-            g(self.skip), g(self.scat), g(self._w_rows), g(self._e_rows), g(self._out_rows),
+            g(self.skip), g(self.scat), g(self._w_rows), g(self._e_rows), g(self._out_rows), g(self._x_rows),
+            g(self._s_rows),
         )  # fmt: skip
 
     def _refs(self) -> tuple[int, ...]:
@@ -266,15 +308,20 @@ class DispatchWorkspace:
 
 class WorkspaceRing:
     """Per CUDA stream (its raw handle), up to :data:`RING_SIZE` :class:`DispatchWorkspace`\\ s, handed out
-    under the lifetime rule of this module; each holds ``rows`` and the state ``make_state`` builds (see
-    :class:`DispatchWorkspace`)."""
+    under the lifetime rule of this module; each holds ``rows`` and the state ``make_state`` builds, and
+    with ``fp8_hidden`` packed input rows and FP8 views (see :class:`DispatchWorkspace`)."""
 
     def __init__(
-        self, engine: TritonEPEngine, rows: RowsSpec | None = None, make_state: MakeState | None = None
+        self,
+        engine: TritonEPEngine,
+        rows: RowsSpec | None = None,
+        make_state: MakeState | None = None,
+        fp8_hidden: int = 0,
     ) -> None:
         self.engine = engine
         self.rows = rows
         self.make_state = make_state
+        self.fp8_hidden = fp8_hidden
         self._rings: dict[int, list[DispatchWorkspace]] = {}
         #: workspaces allocated (kept in a ring or not)
         self.allocated = 0
@@ -299,7 +346,7 @@ class WorkspaceRing:
                 and ws._view_refs() == ws._idle_views
             ):
                 return ws if ws.n == n else ws.for_tokens(n)
-        ws = DispatchWorkspace(self.engine, self.rows, self.make_state)
+        ws = DispatchWorkspace(self.engine, self.rows, self.make_state, self.fp8_hidden)
         self.allocated += 1
         if len(ring) < RING_SIZE and _storage_use_count is not None:
             ring.append(ws)
