@@ -155,6 +155,13 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _command() -> str:
+    """The command line of this run, with the ``PYTHONPATH`` it was given."""
+    path = os.environ.get("PYTHONPATH")
+    prefix = f"PYTHONPATH={shlex.quote(path)} " if path else ""
+    return prefix + "python " + " ".join(shlex.quote(a) for a in sys.argv)
+
+
 def _cell(r: dict, p: str) -> str:
     t = r["times_us"].get(p)
     return "—" if t is None else f"{t:.1f}"
@@ -346,7 +353,7 @@ def main() -> None:
         "gpu_kind": gpu_kind(device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _git_commit(),
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "command": _command(),
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "copy_bandwidth_Bps": bw,
