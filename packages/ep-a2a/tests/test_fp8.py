@@ -181,6 +181,9 @@ def test_packed_fp8_rows(hidden: int) -> None:
     assert s2.data_ptr() == packed.data_ptr() + hidden
     assert (q2.stride(), s2.stride()) == ((nb, 1), (nb // 4, 1))
     assert torch.equal(_bytes(q2, s2), _bytes(q, s))
+    into = torch.full((5, nb // 2), -1, dtype=FP8_ROW_DTYPE)  # (packed into given rows: the same bytes)
+    assert pack_fp8_rows(q, s, out=into) is into
+    assert torch.equal(_bytes(*unpack_fp8_rows(into, hidden)), _bytes(q, s))
     assert heap_row_bytes(hidden, torch.bfloat16) == 2 * hidden >= nb
     assert heap_row_bytes(hidden, torch.float8_e4m3fn) == nb
     assert heap_row_bytes(hidden, torch.float8_e5m2) == hidden < nb

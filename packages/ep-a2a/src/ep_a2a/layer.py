@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 #: dtypes ``dispatch(..., fp8=True)`` quantizes on a layer of FP8 rows
 _QUANTIZE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 _COMPILE_ERROR = (
@@ -385,34 +386,14 @@ class EPLayer:
         checked one tensor at a time."""
         if not self._fp8_plain or len(input) != 2:
             return False
-        hidden, max_tokens, topk, _, ids_dtypes, weight_dtype, cuda = self._plain_spec
         x, scales = input
-        if type(x) is not _Tensor or type(scales) is not _Tensor:
-            return False
-        if type(exp_indices) is not _Tensor or type(weight) is not _Tensor:
-            return False
-        try:
-            n, width = x.shape
-        except ValueError:  # (not 2-d)
-            return False
         return (
-            width == hidden
-            and n <= max_tokens
-            and x.dtype is torch.float8_e4m3fn
+            self._plain_dispatch_args(x, exp_indices, weight, _FP8_DTYPES)
+            and type(scales) is _Tensor
             and scales.dtype is torch.float32
-            and scales.shape == (n, hidden // 128)
-            and exp_indices.dtype in ids_dtypes
-            and weight.dtype is weight_dtype
-            and exp_indices.shape == weight.shape == (n, topk)
-            and x.get_device()
-            == scales.get_device()
-            == exp_indices.get_device()
-            == weight.get_device()
-            == cuda
-            and x.is_contiguous()
+            and scales.shape == (x.shape[0], self.config.hidden // 128)
+            and scales.get_device() == x.get_device()
             and scales.is_contiguous()
-            and exp_indices.is_contiguous()
-            and weight.is_contiguous()
         )
 
     def _check_dispatch_args(

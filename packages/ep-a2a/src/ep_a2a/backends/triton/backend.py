@@ -154,19 +154,6 @@ def _combine_graph_key(y: Tensor, state: _TritonState, ids: Tensor, n: int, out:
     return (y.data_ptr(), tp, ids.data_ptr(), sp, n, out.data_ptr(), y.dtype, ids.dtype)
 
 
-def _pack_fp8_into(ws: DispatchWorkspace, x_fp8: Tensor, scales: Tensor) -> None:
-    """``(x_fp8, scales)`` (contiguous, ``ws.for_tokens``' token count) into ``ws.packed_in`` as
-    :func:`~.engine.pack_fp8_rows` packs them (one kernel, or two where the rows have padding)."""
-    out, h = ws.packed_in_bytes, x_fp8.shape[1]
-    assert out is not None
-    s_bytes = scales.view(torch.uint8)
-    if out.shape[1] == h + s_bytes.shape[1]:
-        torch.cat((x_fp8.view(torch.uint8), s_bytes), 1, out=out)
-    else:
-        out[:, :h].copy_(x_fp8.view(torch.uint8))
-        out[:, h : h + s_bytes.shape[1]].copy_(s_bytes)
-
-
 def _rows_to_allocate_ahead(rows: int, worst_case: int) -> int:
     """Rows of the outputs an exact-shape dispatch of a large layer allocates before its counts arrive,
     guessed from a call of ``rows``: an eighth of headroom, at most the worst case."""
@@ -636,8 +623,8 @@ class TritonBackend(A2ABackend):
         if graph is not None:
             _, out_w, desc = self._replay_plain(graph, stream, ws, n, exp_indices)
         else:
-            _pack_fp8_into(ws, x_fp8, scales)
             assert ws.packed_in is not None
+            pack_fp8_rows(x_fp8, scales, out=ws.packed_in)
             _, out_w, desc = self._dispatch_speculative(
                 ws.packed_in, exp_indices, weight, None, plain=True, ws=ws
             )
@@ -699,7 +686,7 @@ class TritonBackend(A2ABackend):
             )
 
         def launch(launches: tuple[BoundLaunch, BoundLaunch]) -> None:
-            _pack_fp8_into(ws, x_fp8, scales)  # (on the capture stream: part of the graph)
+            pack_fp8_rows(x_fp8, scales, out=packed)  # (on the capture stream: part of the graph)
             self.engine.launch_merged_bound(launches, *addresses, capturing=True)
 
         return self._capture(bind, launch, ws.fp8_graphs, at)

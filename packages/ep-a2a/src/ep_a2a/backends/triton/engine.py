@@ -73,18 +73,24 @@ def heap_row_bytes(hidden: int, token_dtype: torch.dtype) -> int:
     return max(nbytes, fp8_row_bytes(hidden)) if token_dtype == torch.float8_e4m3fn else nbytes
 
 
-def pack_fp8_rows(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def pack_fp8_rows(x_fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``(x_fp8 [n, H] float8_e4m3fn, scales [n, H / 128] float32)`` as packed rows ``[n,
     fp8_row_bytes(H) / 2]`` of :data:`FP8_ROW_DTYPE` (one concatenation, or two copies where there is
-    padding, whose bytes are not written)."""
+    padding, whose bytes are not written); into ``out`` (contiguous rows of that shape) where given."""
     n, h = x_fp8.shape
     parts = [x_fp8.view(torch.uint8), scales.contiguous().view(torch.uint8)]
-    if fp8_row_bytes(h) == h + 4 * (h // FP8_BLOCK):  # (hidden a multiple of 512: no padding, one kernel)
-        return torch.cat(parts, 1).view(FP8_ROW_DTYPE)
-    packed = torch.empty(n, fp8_row_bytes(h), dtype=torch.uint8, device=x_fp8.device)
-    packed[:, :h].copy_(parts[0])
-    packed[:, h : h + 4 * (h // FP8_BLOCK)].copy_(parts[1])
-    return packed.view(FP8_ROW_DTYPE)
+    no_padding = fp8_row_bytes(h) == h + 4 * (h // FP8_BLOCK)  # (hidden a multiple of 512: one kernel)
+    if out is None:
+        if no_padding:
+            return torch.cat(parts, 1).view(FP8_ROW_DTYPE)
+        out = torch.empty(n, fp8_row_bytes(h) // 2, dtype=FP8_ROW_DTYPE, device=x_fp8.device)
+    packed = out.view(torch.uint8)
+    if no_padding:
+        torch.cat(parts, 1, out=packed)
+    else:
+        packed[:, :h].copy_(parts[0])
+        packed[:, h : h + 4 * (h // FP8_BLOCK)].copy_(parts[1])
+    return out
 
 
 #: dtypes of token rows the row kernel quantizes to packed FP8 rows as it sends them

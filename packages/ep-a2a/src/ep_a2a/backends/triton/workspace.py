@@ -128,8 +128,7 @@ class DispatchWorkspace:
             ``packed_in`` (filled by the backend).
         last_rows: the row count of the views :meth:`first_rows` keeps (the last call's).
         packed_in: ``[n, width]`` rows of ``rows``' dtype (:meth:`for_tokens`), where a call packs its
-            FP8 rows and scales before they are sent (``fp8_hidden``; else ``None``); ``packed_in_bytes``:
-            the same bytes as ``[n, 2 * width]`` uint8.
+            FP8 rows and scales before they are sent (``fp8_hidden``; else ``None``).
         kept: rows allocated for a call into a workspace without ``out``, kept for its later calls
             (:meth:`keep_rows`, :meth:`spare_rows`), or ``None``; ``kept_ptr``, ``kept_rows``: the
             address and row count of the rows :meth:`keep_rows` was given last.
@@ -176,7 +175,7 @@ class DispatchWorkspace:
         self.fp8_hidden = fp8_hidden if rows is not None else 0
         self._packed_all = views["packed_in"] if self.fp8_hidden else None
         self._packed_width = rows[1] if rows is not None else 0
-        self.packed_in = self.packed_in_bytes = None if self._packed_all is None else self._packed_all[:0]
+        self.packed_in = None if self._packed_all is None else self._packed_all[:0]
         self.host_counts = torch.zeros(2 * W, dtype=torch.int64)
         self.host_counts_np = self.host_counts.numpy()
         self.host_counts_mv = self.host_counts_np.data
@@ -227,7 +226,6 @@ class DispatchWorkspace:
             if self._packed_all is not None:
                 width = self._packed_width
                 self.packed_in = self._packed_all[: n * width].view(n, width)
-                self.packed_in_bytes = self.packed_in.view(torch.uint8)
             self.n = n
             self._idle = self._refs()
             self._idle_views = self._idle[3:]
