@@ -8,7 +8,7 @@ import torch
 from sparse_mla_attn import Config, quantize_fp8_kv_cache, sparse_mla_decode, sparse_mla_decode_ref
 from sparse_mla_attn._inputs import gluon_skip_reason, kernel_test_device
 from sparse_mla_attn._runtime import last_launch
-from sparse_mla_attn.reference import paged_rows
+from sparse_mla_attn.reference import dequantize_fp8_kv_cache, paged_rows
 
 
 def cpu_device() -> str:
@@ -488,6 +488,45 @@ def test_decode_fp8_gluon_gpu(b, s_q, h_q, seqlen, topk, block_size, pad, n_spli
     assert last_launch("fwd").backend == "triton"
     torch.testing.assert_close(got[0], tri[0], atol=tol[0], rtol=tol[1])
     torch.testing.assert_close(got[1], tri[1], atol=2e-4, rtol=1e-5)
+
+
+def every_e4m3_code_cache(n_rows: int, device: str) -> torch.Tensor:
+    """An FP8 cache of ``n_rows`` tokens (one block) whose latent bytes run through every finite
+    float8_e4m3fn code (twice per token, NaN codes replaced by their neighbours), with power-of-two scales
+    from ``2**-20`` to ``2**6`` (above and below 1, where the Gluon kernel splits its factor), random rope."""
+    code = (torch.arange(n_rows * 512, device=device) % 256).to(torch.uint8).view(n_rows, 512)
+    code = torch.where((code & 0x7F) == NAN_E4M3, code - 1, code)
+    exps = (torch.arange(n_rows * 4, device=device) % 27 - 20).view(n_rows, 4).float()
+    rope = torch.randn(n_rows, 64, device=device).bfloat16()
+    raw = torch.cat([code, torch.exp2(exps).view(torch.uint8), rope.view(torch.uint8)], dim=-1)
+    return raw.view(1, n_rows, 1, 656).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize(
+    ("backend", "h_q"),
+    [
+        pytest.param("triton", 16, id="triton-H16"),
+        pytest.param("gluon", 128, marks=pytest.mark.gpu, id="gluon-H128"),
+    ],
+)
+def test_decode_fp8_dequantizes_every_code_exactly(backend, h_q):
+    """With one valid index per token the output is that cache row's latent values (a softmax of one
+    key): every finite e4m3 code under scales above and below 1 comes out exactly as the float32
+    dequantization rounded to bf16 (exact: 4 significant bits), at every head."""
+    if reason := gluon_skip_reason(backend):
+        pytest.skip(reason)
+    dev = cpu_device() if backend == "triton" else "cuda"
+    n_rows = 64
+    cache = every_e4m3_code_cache(n_rows, dev)
+    q = torch.randn(n_rows, 1, h_q, 576, device=dev).bfloat16()
+    rows = torch.full((n_rows, 1, 64), -1, dtype=torch.int32, device=dev)
+    tok = torch.arange(n_rows, device=dev)
+    rows[tok, 0, (tok * 5) % 64] = tok.int()  # token t reads row t, at some slot
+    out, lse = sparse_mla_decode(q, cache, None, None, rows, 0.05, index_kind="cache_rows",
+                                 config=Config(backend=backend))  # fmt: skip
+    want = dequantize_fp8_kv_cache(cache)[0, :, 0, :512].bfloat16()
+    assert torch.equal(out[:, 0], want[:, None, :].expand(n_rows, h_q, 512))
+    assert torch.isfinite(lse).all()
 
 
 @pytest.mark.parametrize(

@@ -109,23 +109,20 @@ if HAVE_GLUON:
         four values of each int32 packed in an int64 (value ``i`` in bits ``16 i ..``).
 
         Without conversion instructions (few per clock on sm_90): each byte's sign, exponent and mantissa
-        are moved into a bf16 (its value times ``2**-120``, subnormals included), which is multiplied by
+        are moved into a bf16 (its value times ``2**-120``, subnormals included) by three integer
+        operations per two values (a byte permute that sign-extends, a shift, a mask), which is multiplied by
         ``min(scale, 1) * 2**120`` and by ``max(scale, 1)``, both rounded to bf16. For power-of-two
         scales both products are exact, so this is ``fp8 * scale`` exactly; other scales are rounded to
         bf16 first."""
         return gl.inline_asm_elementwise(
             """{
-            .reg .b32 t0, t1, m0, m1;
-            prmt.b32 t0, $1, 0, 0x1404;
-            prmt.b32 t1, $1, 0, 0x3424;
-            and.b32 m0, t0, 0x7F007F00;
-            and.b32 m1, t1, 0x7F007F00;
-            shr.b32 m0, m0, 4;
-            shr.b32 m1, m1, 4;
-            and.b32 t0, t0, 0x80008000;
-            and.b32 t1, t1, 0x80008000;
-            or.b32 t0, t0, m0;
-            or.b32 t1, t1, m1;
+            .reg .b32 t0, t1;
+            prmt.b32 t0, $1, 0, 0x9180;
+            prmt.b32 t1, $1, 0, 0xB3A2;
+            shl.b32 t0, t0, 4;
+            shl.b32 t1, t1, 4;
+            and.b32 t0, t0, 0x87F087F0;
+            and.b32 t1, t1, 0x87F087F0;
             mul.rn.bf16x2 t0, t0, $2;
             mul.rn.bf16x2 t1, t1, $2;
             mul.rn.bf16x2 t0, t0, $3;
@@ -503,9 +500,10 @@ if HAVE_GLUON:
 
 
 #: Register split (``setmaxnreg``) of the warpgroups of 384 threads (504 per thread in all): the S + P·V
-#: consumer 208 (the default partition: the rest), the P·V consumer 168, the producer 128.
-FP8_V_REGS = 168
-FP8_PRODUCER_REGS = 128
+#: consumer 208 (the default partition: the rest), the P·V consumer 160, the producer 136 (its tiles of
+#: loads in flight).
+FP8_V_REGS = 160
+FP8_PRODUCER_REGS = 136
 
 
 def launch_decode_fp8_gluon(
