@@ -101,11 +101,14 @@ def _cpu_tests(session: nox.Session, package: str) -> None:
         "--numprocesses=2",
         *session.posargs,
     )
-    _examples(session, package, CPU_MARKERS)
+    _examples(session, package, CPU_MARKERS, workers=2)
 
 
-def _examples(session: nox.Session, package: str, marker: str, *, allow_none: bool = False) -> None:
-    """Execute every ```python block of the package's README and docs pages (tests/test_examples.py)."""
+def _examples(
+    session: nox.Session, package: str, marker: str, *, allow_none: bool = False, workers: int = 0
+) -> None:
+    """Execute every ```python block of the package's README and docs pages (tests/test_examples.py);
+    ``workers`` > 0: that many pages at once (each runs in its own interpreter)."""
     session.run(
         "python",
         "-m",
@@ -115,6 +118,7 @@ def _examples(session: nox.Session, package: str, marker: str, *, allow_none: bo
         marker,
         "-p",
         "no:cacheprovider",
+        *([f"--numprocesses={workers}"] if workers else []),  # (GPU machines may lack pytest-xdist)
         env={"EXAMPLES_PACKAGE": package},
         # Every package has CPU examples (its quick start); GPU-only blocks are optional.
         success_codes=[0, 5] if allow_none else [0],
