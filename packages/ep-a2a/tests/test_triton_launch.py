@@ -331,6 +331,47 @@ def test_precompile_binds_every_kernel(monkeypatch, remote):
     assert log.count("_dispatch_kernel") == rows_before + (0 if remote else 8)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_compile_all_runs_each_compile_once_in_the_pool(threads):
+    """``use_aot``'s parallel compiles go through Triton's ``AsyncCompileMode``: every warmup runs once
+    on the calling thread, each compile it hands over runs once (in the pool when ``threads`` > 1), and
+    every compiled kernel is filed before ``compile_all`` returns."""
+    import threading
+
+    from triton.runtime import _async_compile
+
+    compiled, filed, callers = [], [], []
+
+    def warmup(i):
+        callers.append(threading.current_thread() is threading.main_thread())
+        mode = _async_compile.active_mode.get()
+
+        def compile_fn():
+            compiled.append((i, threading.current_thread().name))
+            return f"kernel-{i}"
+
+        if mode is None:
+            filed.append(compile_fn())
+        else:
+            mode.submit(("key", i), compile_fn, filed.append)
+
+    engine_mod.compile_all([lambda i=i: warmup(i) for i in range(5)], threads)
+    assert callers == [True] * 5
+    assert sorted(i for i, _ in compiled) == list(range(5))
+    assert sorted(filed) == [f"kernel-{i}" for i in range(5)]
+    in_pool = {name.startswith("ep-a2a-compile") for _, name in compiled}
+    assert in_pool == {threads > 1}
+    assert _async_compile.active_mode.get() is None
+
+
+def test_compile_threads_share_the_cpus_between_local_ranks(monkeypatch):
+    monkeypatch.setattr(engine_mod.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert engine_mod.compile_threads(1) == engine_mod.MAX_COMPILE_THREADS
+    assert engine_mod.compile_threads(4) == 4
+    assert engine_mod.compile_threads(8) == 2
+    assert engine_mod.compile_threads(32) == 1
+
+
 def test_speculative_rows_fit_and_overflow():
     """The speculative flow's host step after the counts (no GPU: a recording engine): rows that fit
     keep the outputs; more rows get exact outputs and a rewriting pass (``send=False``,

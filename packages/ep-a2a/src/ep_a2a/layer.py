@@ -208,8 +208,8 @@ class EPLayer:
         enable_local_combine: pre-reduce on the expert side before sending combine rows back: one row per
             (token, destination rank) instead of one per (token, expert), summed in float32 and rounded
             to the row dtype once more before the final float32 sum. Always on with the Triton backend.
-        use_aot: compile every kernel variant at construction (Triton backend), so that the first call
-            does not compile.
+        use_aot: compile every kernel variant at construction (Triton backend), several at once, so
+            that the first calls do not compile (the concepts page's "Compilation" gives the times).
         timeout_s: bound on every wait for another rank; a rank that never arrives makes the others raise
             :class:`ep_a2a.EPTimeoutError` naming it and the step.
         validate: check index values; shapes, dtypes and devices are always checked. See "Errors and

@@ -50,6 +50,7 @@ from ep_a2a.backends.triton.engine import (
     QuantizeOnSend,
     TritonEPEngine,
     _launch_hooks_set,
+    compile_threads,
     fp8_row_bytes,
     heap_row_bytes,
     pack_fp8_rows,
@@ -248,7 +249,9 @@ class TritonBackend(A2ABackend):
         if options.use_aot:
             t0 = time.perf_counter()
             fp8 = config.token_dtype == torch.float8_e4m3fn  # (its dispatch rows: packed, its combine: bf16)
+            threads = compile_threads(config.local_world_size)
             self.aot_variants = self.engine.precompile(
+                threads=threads,
                 dtypes=(torch.float32,),
                 row_dtypes=(config.token_dtype, FP8_ROW_DTYPE) if fp8 else None,
                 combine_dtypes=(torch.bfloat16,) if fp8 else None,
@@ -260,6 +263,7 @@ class TritonBackend(A2ABackend):
             if self.low_latency is not None:
                 quantize = (torch.bfloat16,) if config.hidden % 128 == 0 else ()
                 self.aot_variants += self.low_latency.precompile(
+                    threads=threads,
                     row_dtypes=(FP8_ROW_DTYPE,)
                     if fp8
                     else (config.token_dtype, *((FP8_ROW_DTYPE,) if quantize else ())),

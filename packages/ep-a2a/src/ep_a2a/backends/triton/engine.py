@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -274,6 +275,46 @@ class BoundLaunch:
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+#: most compiles one rank runs at once (each can hold several hundred MB while it runs)
+MAX_COMPILE_THREADS = 8
+
+
+def compile_threads(local_ranks: int) -> int:
+    """Compiles one rank runs at once: the CPUs this process may use shared by the ``local_ranks``
+    ranks of its node (which compile the same variants at the same time), 1 to
+    :data:`MAX_COMPILE_THREADS`."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_COMPILE_THREADS, cpus // max(1, local_ranks)))
+
+
+def compile_all(warmups: Sequence[Callable[[], Any]], threads: int) -> None:
+    """Run the kernel warmups ``warmups`` (each compiles one variant without launching it) with up to
+    ``threads`` compiles at once. Triton's compiler releases the GIL, and its ``AsyncCompileMode`` hands
+    each compile to the pool and files every kernel in its JIT cache before returning; where that
+    mode is missing or already active, the warmups run one after another."""
+    mode: Any = None
+    if threads > 1 and len(warmups) > 1:
+        try:
+            from triton.runtime import _async_compile
+
+            if _async_compile.active_mode.get() is None:
+                mode = _async_compile.AsyncCompileMode
+        except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+            mode = None
+    if mode is None:
+        for warmup in warmups:
+            warmup()
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with (
+        ThreadPoolExecutor(min(threads, len(warmups)), thread_name_prefix="ep-a2a-compile") as pool,
+        mode(pool),
+    ):
+        for warmup in warmups:
+            warmup()
 
 
 class RemoteTransport(Protocol):
@@ -1696,13 +1737,25 @@ class TritonEPEngine:
         out += [self._barrier_spec(snd, rcv) for snd, rcv in self._halves(True, True)]
         return out
 
-    def precompile(self, **variants: Any) -> int:
-        """Compile every kernel variant of :meth:`variants` (same arguments) without launching one.
+    def precompile(self, *, threads: int = 1, **variants: Any) -> int:
+        """Compile every kernel variant of :meth:`variants` (same arguments) without launching one,
+        ``threads`` at a time (:func:`compile_all`).
 
         Returns:
             the number of variants compiled.
         """
         specs = self.variants(**variants)
-        for spec in specs:
-            spec.kernel.warmup(**spec.arguments(), grid=spec.grid, num_warps=spec.num_warps, **spec.options())
+        compile_all(
+            [
+                functools.partial(
+                    spec.kernel.warmup,
+                    **spec.arguments(),
+                    grid=spec.grid,
+                    num_warps=spec.num_warps,
+                    **spec.options(),
+                )
+                for spec in specs
+            ],
+            threads,
+        )
         return len(specs)

@@ -34,6 +34,7 @@ waiting for rows that never come).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ from ep_a2a.backends.triton.engine import (
     TritonEPEngine,
     _ids_arg,
     _next_pow2,
+    compile_all,
     interpreting,
 )
 from ep_a2a.backends.triton.kernels import (
@@ -787,12 +789,20 @@ class LowLatencyEngine:
             specs.append(self._combine_spec(y, d, torch.zeros(1, H, dtype=dt, device=dev), True, True))
         return specs
 
-    def precompile(self, **variants: tuple) -> int:
+    def precompile(self, *, threads: int = 1, **variants: tuple) -> int:
         """Compile, without launching, the variants of :meth:`variants` (its arguments), with and without
-        weights, so that the first calls do not compile; returns how many (0 under the interpreter)."""
+        weights, so that the first calls do not compile, ``threads`` at a time (``compile_all``);
+        returns how many (0 under the interpreter)."""
         if interpreting():
             return 0
         specs = self.variants(**variants, weights=(True, False))
-        for spec in specs:
-            spec.kernel.warmup(grid=spec.grid, num_warps=spec.num_warps, **spec.arguments())
+        compile_all(
+            [
+                functools.partial(
+                    spec.kernel.warmup, grid=spec.grid, num_warps=spec.num_warps, **spec.arguments()
+                )
+                for spec in specs
+            ],
+            threads,
+        )
         return len(specs)
