@@ -340,6 +340,7 @@ def test_compile_all_runs_each_compile_once_in_the_pool(threads):
 
     from triton.runtime import _async_compile
 
+    submit_params = inspect.signature(_async_compile.AsyncCompileMode.submit).parameters
     compiled, filed, callers = [], [], []
 
     def warmup(i):
@@ -353,7 +354,9 @@ def test_compile_all_runs_each_compile_once_in_the_pool(threads):
         if mode is None:
             filed.append(compile_fn())
         else:
-            mode.submit(("key", i), compile_fn, filed.append)
+            # newer Triton's JIT also hands over a cleanup for failed compiles
+            cleanup = (lambda future_kernel: None,) if "cleanup_fn" in submit_params else ()
+            mode.submit(("key", i), compile_fn, filed.append, *cleanup)
 
     engine_mod.compile_all([lambda i=i: warmup(i) for i in range(5)], threads)
     assert callers == [True] * 5
