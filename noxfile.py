@@ -88,6 +88,8 @@ def _cpu_tests(session: nox.Session, package: str) -> None:
     # Tests that need a GPU are deselected by marker (each worker deselects them, so the summary does not
     # count them). Two workers (pytest-xdist, the CI machine's two cores): the distributed tests spend much
     # of their time waiting on their ranks, which the other worker's tests fill; `-- -n 0` runs serially.
+    # Work stealing: an idle worker takes tests queued on the other one (the minutes-long sm_90 compile
+    # tests of a file would otherwise stay queued together on one worker).
     session.run(
         "python",
         "-m",
@@ -99,6 +101,7 @@ def _cpu_tests(session: nox.Session, package: str) -> None:
         "no:cacheprovider",
         f"--hypothesis-seed={seed}",
         "--numprocesses=2",
+        "--dist=worksteal",
         *session.posargs,
     )
     _examples(session, package, CPU_MARKERS, workers=2)
