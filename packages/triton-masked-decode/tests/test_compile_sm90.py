@@ -4,8 +4,10 @@ The launcher runs on CPU tensors with the launch plan it picks for a 132-SM Hopp
 launch is compiled for ``GPUTarget("cuda", 90, 32)`` instead of being run (Triton's active driver is
 replaced by a stand-in that only names the target). The argument specialisation is Triton's own, so the
 compiled variants are those a GPU would get. Where the launcher autotunes the dense tile, every candidate
-the autotuner may pick is compiled. This runs in subprocesses, one per shard of the cases (run side by side
-by the test workers): compiled kernels need a Python process without ``TRITON_INTERPRET=1``.
+the autotuner may pick is compiled. Every launch asks for FP fusion (fused multiply-add) itself, so
+Triton neither picks nor warns about its default. This runs in subprocesses, one per shard of the cases
+(run side by side by the test workers): compiled kernels need a Python process without
+``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def _compile_all(shard: int) -> None:
     jit_run = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
+        assert kwargs.get("enable_fp_fusion") is True, f"{self.fn.__name__}: {sorted(kwargs)}"
         kernel = jit_run(self, *args, grid=grid, warmup=True, **kwargs)
         meta = kernel.metadata
         key = (self.fn.__name__, meta.num_warps, meta.num_stages, meta.shared, kernel.hash)
@@ -87,6 +90,7 @@ def _compile_all(shard: int) -> None:
             seen.add(key)
             print(
                 f"compiled {self.fn.__name__} warps={meta.num_warps} stages={meta.num_stages} shared={meta.shared}"
+                f" fp_fusion={meta.enable_fp_fusion}"
             )
         return kernel
 
@@ -158,7 +162,9 @@ def _compile_all(shard: int) -> None:
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("shard", range(SHARDS), ids=[f"shard{k}" for k in range(SHARDS)])
 def test_every_kernel_compiles_for_sm90(shard: int) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # Triton's FP-fusion settings unset: a launch without the option would take (and warn about) its default.
+    drop = {"TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION", "TRITON_FORCE_DISABLE_FP_FUSION"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
     run = subprocess.run(
@@ -167,7 +173,9 @@ def test_every_kernel_compiles_for_sm90(shard: int) -> None:
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     assert "TOO MUCH SHARED MEMORY" not in out, out
-    compiled = {ln.split()[1] for ln in run.stdout.splitlines() if ln.startswith("compiled ")}
+    compiled_lines = [ln for ln in run.stdout.splitlines() if ln.startswith("compiled ")]
+    assert all(ln.endswith(" fp_fusion=True") for ln in compiled_lines), out
+    compiled = {ln.split()[1] for ln in compiled_lines}
     want = {"_masked_decode_split_kernel"} | (
         {"_merge_splits_kernel", "_merge_two_kernel"} if shard == 0 else set()
     )
@@ -177,4 +185,8 @@ def test_every_kernel_compiles_for_sm90(shard: int) -> None:
 
 
 if __name__ == "__main__":
+    import warnings
+
+    # Triton 3.9 warns when a kernel compiles without the option, taking its default (off from 3.10).
+    warnings.filterwarnings("error", message="TRITON_DEFAULT_FP_FUSION is unset")
     _compile_all(int(sys.argv[1]))

@@ -20,6 +20,7 @@ from triton_masked_decode import (
     choose_num_splits,
     masked_decode,
     masked_decode_ref,
+    merge_attention_states,
     pack_mask,
     triton_masked_flash_decoding,
     tuned_defaults,
@@ -399,6 +400,8 @@ def test_direct_launch_passes_every_kernel_argument(cpu_device: torch.device) ->
     assert args[4:9] == ("function", "packed_metadata", None, None, None)
     names = md._masked_decode_split_kernel.arg_names
     kernel_args = dict(zip(names, args[9:], strict=True))
+    # FP fusion is an option of the JIT launch that compiled the kernel, not one of its arguments
+    assert st.meta["enable_fp_fusion"] is True
     assert kernel_args["Q"] is q
     assert kernel_args["K"] is k
     assert kernel_args["Mask"].data_ptr() == mask.data_ptr()
@@ -524,6 +527,54 @@ def test_captured_two_launch_allocates_no_counters_cpu(
         )  # fmt: skip
         assert made[-1] == want
         _check_result(c, q, out, lse, ref_out, ref_lse)
+
+
+def test_every_launch_asks_for_fp_fusion_cpu(
+    cpu_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every kernel launch passes ``enable_fp_fusion=True`` (fused multiply-add, as the kernels are tuned and
+    tested, whatever Triton's default): the split kernel on both merge paths, autotuned or not, and both
+    merge kernels. The launches are recorded, not run."""
+    md = sys.modules["triton_masked_decode.masked_decode"]
+    merge = sys.modules["triton_masked_decode.merge"]
+    launches: list[tuple[str, dict]] = []
+
+    def recorder(name: str):
+        def run(*args, grid, warmup, **kwargs):
+            launches.append((name, kwargs))
+
+        return run
+
+    for module, name in (
+        (md, "_masked_decode_split_kernel"),
+        (md, "_merge_splits_kernel"),
+        (merge, "_merge_two_kernel"),
+    ):
+        monkeypatch.setattr(getattr(module, name), "run", recorder(name))
+
+    class Tuned:  # stands in for the autotuner (built from the GPU driver), which forwards launch options
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(("autotuned", kwargs))
+
+    monkeypatch.setattr(md, "_split_kernel_tuned", Tuned)
+    c = Case(batch=2, length=70, dim=32, num_splits=3)
+    q, k, v, mask, _, _, _ = make_inputs(c, cpu_device, seed=34)
+    sig = md._validate_and_plan(
+        q, k, v, mask, None, None, None, None, None, None, None, MaskedDecodeConfig(num_splits=3), cached=True
+    )
+    flag = torch.zeros(1, dtype=torch.int32)
+    for autotune in (0, 1):
+        for two_launch in (True, False):
+            md._run(
+                q, k, v, mask, None, None, flag, md._NO_SCALES, sig.seqlen_const, sig.scale, sig.grid_len,
+                sig.threshold, sig.plan._replace(autotune=autotune), sig.static, two_launch=two_launch,
+            )  # fmt: skip
+    o, lse = torch.zeros(2, 4, 32, dtype=torch.float16), torch.zeros(2, 4)
+    merge_attention_states(o, lse, o, lse)
+    split, merge_splits = "_masked_decode_split_kernel", "_merge_splits_kernel"
+    want = [split, merge_splits, split, "autotuned", merge_splits, "autotuned", "_merge_two_kernel"]
+    assert [name for name, _ in launches] == want
+    assert all(kw.get("enable_fp_fusion") is True for _, kw in launches), launches
 
 
 # ------------------------------------------------------------------ validation (no kernel launch needed)

@@ -9,6 +9,9 @@ import torch
 # Triton reads TRITON_INTERPRET when the kernels are defined, at import: so is it read here.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# Every launch: fused multiply-add as the kernels are tuned and tested, whatever Triton's default (off in 3.10).
+ENABLE_FP_FUSION = True
+
 
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""

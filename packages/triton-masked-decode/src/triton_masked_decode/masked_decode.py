@@ -49,6 +49,7 @@ import triton.language as tl
 from triton import knobs as _triton_knobs
 
 from triton_masked_decode._utils import (
+    ENABLE_FP_FUSION,
     capability,
     device_name,
     install_interpreter_fix,
@@ -894,7 +895,7 @@ class _Static(NamedTuple):
     idx_numel: int
     part_numel: int
     grid: tuple[int, int, int]
-    meta: dict
+    meta: dict  # the split kernel's constexprs and launch options
 
 
 def _static(
@@ -940,6 +941,7 @@ def _static(
         SCALE_T=scales.k_tensor is not None or scales.v_tensor is not None,
         TOK_SCALE=kts is not None or vts is not None,
         MERGE=splits > 1, G_P2=_pow2(g), MERGE_S=plan.merge_s, SEPARATE_MERGE=False, PDL=False,
+        enable_fp_fusion=ENABLE_FP_FUSION,
     )  # fmt: skip
     if not plan.autotune:
         meta.update(BLOCK_N=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages)
@@ -1299,6 +1301,7 @@ def _launch_two(
         *merge_args, *strides, HEAD_DIM=d, BLOCK_D=block_dm,
         BLOCK_S=min(max(_MERGE_WARPS * 32 * 64 // block_dm, 1), _pow2(splits)),
         HAS_SEQLENS=st.meta["HAS_SEQLENS"], PDL=pdl, num_warps=_MERGE_WARPS, launch_pdl=pdl,
+        enable_fp_fusion=ENABLE_FP_FUSION,
     )  # fmt: skip
     if readback is not None:
         readback.start()

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_masked_decode._utils import interpreting
+from triton_masked_decode._utils import ENABLE_FP_FUSION, interpreting
 from triton_masked_decode.masked_decode import _empty_or_nan
 
 __all__ = ["merge_attention_states"]
@@ -111,8 +111,9 @@ def _launch_merge(
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(16, 4096 // block_d))
     _merge_two_kernel[(triton.cdiv(n_rows, block_r),)](
-        oa, la, ob, lb, out, lse, n_rows, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4
-    )
+        oa, la, ob, lb, out, lse, n_rows, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4,
+        enable_fp_fusion=ENABLE_FP_FUSION,
+    )  # fmt: skip
     return out, lse
 
 
