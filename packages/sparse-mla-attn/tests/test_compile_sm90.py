@@ -240,8 +240,10 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
             opts = {
                 k: (kwargs[k] if k in params else kwargs.pop(k))
                 for k in list(kwargs)
-                if k in ("num_warps", "num_stages")
+                if k in ("num_warps", "num_stages", "enable_fp_fusion")
             }
+            # Fused multiply-add as the kernels are tuned, not Triton's default (off in 3.10).
+            assert opts.get("enable_fp_fusion") is True, (name, i, fn.fn.__name__, opts)
             named = {**dict(zip(params, args, strict=False)), **kwargs}
             sig: dict[str, str] = {}
             const: dict[tuple[int, ...], Any] = {}
@@ -266,6 +268,7 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
             else:
                 source = ASTSource
             k = triton.compile(source(fn, sig, constexprs=const, attrs=attrs), target=target, options=opts)
+            assert k.metadata.enable_fp_fusion is True, (name, i, fn.fn.__name__)
             ptx = k.asm["ptx"].split(".section\t.debug")[0]
             ptx = re.sub(r"\$L__tmp\d+:?", "", re.sub(r"//.*", "", ptx)).replace(fn.fn.__name__, "KERNEL")
             body = [ln for ln in ptx.splitlines() if ln.strip() and ".loc" not in ln and ".file" not in ln]
@@ -295,7 +298,9 @@ def _spill_bytes(ptx: str) -> int:
 
 
 def _run(names: list[str]) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # (Without Triton's FP-fusion variables: the launches' own option is what the compile sees.)
+    drop = ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION", "TRITON_FORCE_DISABLE_FP_FUSION")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     proc = subprocess.run(
         [sys.executable, HERE, *names], env=env, capture_output=True, text=True, timeout=1500
     )
@@ -333,6 +338,17 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
     assert (gluon_kernels <= kernels) if gluon_supported() else not (gluon_kernels & kernels)
 
 
+#: Triton 3.9's warning for a kernel compiled without ``enable_fp_fusion`` (triton._utils).
+FP_FUSION_DEFAULT_WARNING = (
+    "TRITON_DEFAULT_FP_FUSION is unset: defaulting to FP fusion ENABLED for backward compatibility in "
+    "Triton 3.9. The default will change to DISABLED in Triton 3.10; set TRITON_DEFAULT_FP_FUSION=1 to "
+    "keep fusion enabled or =0 to adopt the new default early and silence this warning."
+)
+
 if __name__ == "__main__":
+    import warnings
+
+    # Every launch sets enable_fp_fusion itself, so Triton has no default to warn about.
+    warnings.filterwarnings("error", message=re.escape(FP_FUSION_DEFAULT_WARNING))
     for row in _capture_and_compile(sys.argv[1:]):
         print(*row, flush=True)

@@ -6,7 +6,7 @@ recorder that returns a stand-in compiled kernel (no GPU needed) and the device 
 For each launch, the arguments the stand-in receives on a repeated call must be, position by position,
 the kernel's parameters bound from the first call's ``fn[grid](*args, **kwargs)`` (``inspect`` binding,
 defaults applied): the same values for everything but tensors, tensors of the same dtype where tensors
-were, and Triton's launch path must not run again.
+were, and Triton's launch path must not run again. Each first call passes ``enable_fp_fusion=True``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def _check_cached_launches() -> int:
     def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Compiled:
         name = self.fn.__name__
         triton_launches.append(name)
+        assert kwargs.get("enable_fp_fusion") is True, name  # the kernels' own option, not Triton's default
         sig = inspect.signature(self.fn)
         params = {k: v for k, v in kwargs.items() if k in sig.parameters}  # num_warps/stages are options
         bound = sig.bind(*args, **params)

@@ -27,6 +27,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: Entries kept per signature cache (validated launch plans) before it is cleared.
 CACHE_LIMIT = 4096
 
+#: Every launch's enable_fp_fusion: FMA as tuned and tested, independent of Triton's default (off in 3.10).
+ENABLE_FP_FUSION = True
+
 
 def _triton_interprets() -> bool:
     try:
@@ -180,9 +183,9 @@ def launch(
     fn: Any, grid: tuple[int, ...], slots: dict[Any, Any] | None, name: Any, args: tuple[Any, ...],
     consts: dict[str, Any] | Callable[[], dict[str, Any]], ctx: LaunchContext | None = None,
 ) -> Any:  # fmt: skip
-    """``fn[grid](*args, **consts)``, after its first launch through the compiled kernel kept in ``slots``
-    (``consts`` may be a function that returns them, called only where they are read: on Triton's launch
-    path).
+    """``fn[grid](*args, **consts, enable_fp_fusion=ENABLE_FP_FUSION)``, after its first launch through the
+    compiled kernel kept in ``slots`` (``consts`` may be a function that returns them, called only where
+    they are read: on Triton's launch path).
 
     ``slots`` belongs to a launch plan made for one call signature, and ``name`` names the launch within
     it: together they must determine everything Triton specialises the launch on (the dtype and 16-byte
@@ -196,7 +199,9 @@ def launch(
     if slots is None or _INTERPRETING:
         if recording is not None:
             recording.append(None)  # not replayable
-        return fn[grid](*args, **(consts() if callable(consts) else consts))
+        if callable(consts):
+            consts = consts()
+        return fn[grid](*args, **consts, enable_fp_fusion=ENABLE_FP_FUSION)
     # (No device query before the first compile: a CPU-only process may trace launches without a driver.)
     device = ctx.device if ctx is not None else _driver().get_current_device() if slots else None
     hit = slots.get((name, device)) if slots else None
@@ -205,7 +210,7 @@ def launch(
             recording.append(None)
         if callable(consts):
             consts = consts()
-        kernel = fn[grid](*args, **consts)
+        kernel = fn[grid](*args, **consts, enable_fp_fusion=ENABLE_FP_FUSION)
         if kernel is not None and hasattr(kernel, "packed_metadata"):
             # The launcher takes every parameter in order: the positional ones, then the constexprs.
             tail = tuple(consts.get(p.name, p.default) for p in fn.params[len(args) :])

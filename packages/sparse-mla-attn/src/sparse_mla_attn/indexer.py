@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from sparse_mla_attn._runtime import (
+    ENABLE_FP_FUSION,
     causal_hi,
     causal_max_k,
     cdiv,
@@ -101,6 +102,7 @@ def launch_logits(
         q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
         q_start_index, k_stride, H=h_idx, D=d_idx, CAUSAL=causal,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        enable_fp_fusion=ENABLE_FP_FUSION,
     )  # fmt: skip
     record_launch("indexer.logits", kernel)
     return out
@@ -313,6 +315,7 @@ def launch_logits_bwd(
         grad.stride(0), q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1),
         dq.stride(0), dq.stride(1), dw.stride(0), q_start_index, k_stride, **common,
         TOK=cfg["TOK_DQ"], BLOCK_N=cfg["BLOCK_N_DQ"], num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
+        enable_fp_fusion=ENABLE_FP_FUSION,
     )  # fmt: skip
     record_launch("indexer.dqw", kernel)
     kernel = _dk_kernel[(cdiv(s_kv, cfg["BLOCK_N_DK"]),)](
@@ -320,6 +323,7 @@ def launch_logits_bwd(
         grad.stride(0), q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), weights.stride(1),
         dk.stride(0), q_start_index, k_stride, **common,
         TOK=cfg["TOK_DK"], BLOCK_N=cfg["BLOCK_N_DK"], num_warps=cfg["num_warps_dk"], num_stages=cfg["num_stages_dk"],
+        enable_fp_fusion=ENABLE_FP_FUSION,
     )  # fmt: skip
     record_launch("indexer.dk", kernel)
     return dq, dk, dw
