@@ -29,6 +29,7 @@ import os
 import re
 import subprocess
 import tempfile
+import warnings
 from typing import Any
 
 import torch
@@ -104,16 +105,12 @@ def tile_loop_barriers(body: list[str]) -> list[tuple[int, int, int]]:
 
 
 def compile_sm90(
-    kernel: Any,
-    num_warps: int,
-    named: dict,
-    dump: str | None = None,
-    regs: bool = False,
-    maxnreg: int | None = None,
+    kernel: Any, options: dict, named: dict, dump: str | None = None, regs: bool = False
 ) -> tuple[int, int, str, list[tuple[int, int, int]], list[tuple[int, int, bool]]]:
     """``(shared bytes, PTX instructions, hash of the PTX body, tile loops, spin loops)`` of one
-    launch's variant (the body also written to the file ``dump``; with ``regs`` the hash is followed by
-    :func:`ptxas_usage`; tile loops: :func:`tile_loop_barriers`; spin loops: :func:`spin_loops`)."""
+    launch's variant compiled with its ``options`` (``KernelLaunch.launch_options``, what the engine's
+    launches and warmups pass). The body is also written to the file ``dump``; with ``regs`` the hash is
+    followed by :func:`ptxas_usage`; tile loops: :func:`tile_loop_barriers`; spin loops: :func:`spin_loops`."""
     sig, const, attrs = {}, {}, {}
     for i, (p, param) in enumerate(inspect.signature(kernel.fn).parameters.items()):
         v = named.get(p, param.default)  # (arguments left at their defaults)
@@ -131,8 +128,7 @@ def compile_sm90(
             const[(i,)] = spec
         elif spec:
             attrs[(i,)] = BaseBackend.parse_attr(spec)
-    opts: dict[str, Any] = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
-    k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=TARGET, options=opts)
+    k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=TARGET, options=options)
     ptx = k.asm["ptx"].split(".section\t.debug")[0]
     ptx = re.sub(r"\$L__tmp\d+:?", "", re.sub(r"//.*", "", ptx))
     skip = ("param", ".loc", ".file")
@@ -268,6 +264,8 @@ def main() -> None:
         " innermost loop is the per-chunk loop, whose barriers are by design",
     )
     a = ap.parse_args()
+    # (Triton 3.9 warns on a compile that leaves FP fusion to its default: every variant must set it)
+    warnings.filterwarnings("error", message="TRITON_DEFAULT_FP_FUSION is unset", category=UserWarning)
     if a.low_latency:
         ll = build_low_latency_engine(a)
         print(f"low-latency world {a.world}, {a.tokens} tokens, {a.num_sm} SMs; sm_90")
@@ -275,7 +273,7 @@ def main() -> None:
         unloaded = []
         for spec in ll.variants(row_dtypes=rows, quantize_from=(torch.bfloat16,)):
             named = spec.arguments()
-            shared, n_ins, h, _, spins = compile_sm90(spec.kernel, spec.num_warps, named, None, a.regs)
+            shared, n_ins, h, _, spins = compile_sm90(spec.kernel, spec.launch_options(), named, None, a.regs)
             print(f"{spec.key[0]:12s} {spec.key[1:]!s:60s} shared={shared:6d} ptx_ins={n_ins:6d} body={h} "
                   f"spin-reloads={[r for _, _, r in spins]}", flush=True)  # fmt: skip
             unloaded += [f"{spec.key[0]} lines {lo}-{hi}" for lo, hi, r in spins if not r]
@@ -309,7 +307,7 @@ def main() -> None:
         name = spec.key[0]
         dump = os.path.join(a.dump, f"{i}-{name}.ptx") if a.dump else None
         shared, n_ins, h, loops, spins = compile_sm90(
-            spec.kernel, spec.num_warps, spec.arguments(), dump, a.regs, spec.maxnreg
+            spec.kernel, spec.launch_options(), spec.arguments(), dump, a.regs
         )
         barriers = [n for _, _, n in loops]
         print(f"{name:8s} {spec.key[1:]!s:100s} shared={shared:6d} ptx_ins={n_ins:6d} body={h} "

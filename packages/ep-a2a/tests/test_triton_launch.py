@@ -40,18 +40,22 @@ class _FakeCompiled:
 
 
 class _FakeKernel:
-    """Records Triton-style launches (keyword arguments) and hands back a fake compiled kernel."""
+    """Records Triton-style launches (keyword arguments) and hands back a fake compiled kernel; files each
+    launch's options (the keywords that are no kernel argument, in the order given) in ``options``."""
 
-    def __init__(self, real, log: list) -> None:
-        self.arg_names = real.arg_names
+    def __init__(self, real, log: list, options: list | None = None) -> None:
+        self.name, self.arg_names = real.fn.__name__, real.arg_names
         self.log = log
+        self.options = options if options is not None else []
         # (arguments left out take their defaults, as Triton's binder does)
         params = inspect.signature(real.fn).parameters.values()
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
     def __getitem__(self, grid):
         def launch(**named):
-            named.pop("num_warps")
+            opts = {k: named.pop(k) for k in list(named) if k not in self.arg_names}
+            assert "num_warps" in opts
+            self.options.append((self.name, opts))
             named = {**self.defaults, **named}
             self.log.append(("triton", grid, [named[n] for n in self.arg_names]))
             return _FakeCompiled(self.log)
@@ -278,14 +282,18 @@ def test_default_tiles(hidden, max_tokens, num_sm, want_dispatch, want_combine):
 
 
 class _WarmupRecorder:
-    """Stands in for a kernel's ``warmup``: binds the call to the kernel's signature like Triton does."""
+    """Stands in for a kernel's ``warmup``: binds the call to the kernel's signature like Triton does; files
+    each warmup's options (the keywords that are no kernel argument, in the order given) in ``options``."""
 
-    def __init__(self, real, log: list) -> None:
+    def __init__(self, real, log: list, options: list | None = None) -> None:
         self.real, self.log = real, log
+        self.options = options if options is not None else []
 
-    def warmup(self, *args, grid, num_warps=4, launch_pdl=False, maxnreg=None, **kwargs):
-        if maxnreg is not None:
-            self.log.append(("maxnreg", self.real.fn.__name__, maxnreg))
+    def warmup(self, *args, grid, **kwargs):
+        opts = {k: kwargs.pop(k) for k in list(kwargs) if k not in self.real.arg_names}
+        self.options.append((self.real.fn.__name__, opts))
+        if opts.get("maxnreg") is not None:
+            self.log.append(("maxnreg", self.real.fn.__name__, opts["maxnreg"]))
         # Triton turns dtypes into mock tensors only when they come positionally; a dtype by keyword
         # fails on the GPU ("failed to specialize argument of type: torch.dtype")
         by_kw = [k for k, v in kwargs.items() if isinstance(v, torch.dtype)]
@@ -329,6 +337,73 @@ def test_precompile_binds_every_kernel(monkeypatch, remote):
     assert n == len(log)
     # ... and the merged variant that copies info to the host mirror: one more again
     assert log.count("_dispatch_kernel") == rows_before + (0 if remote else 8)
+
+
+def _ll_engine():
+    """Rank 1 of 2 of a small low-latency engine on a CPU heap."""
+    from ep_a2a.backends.triton.low_latency import LowLatencyEngine, LowLatencyLayout
+
+    lay = LowLatencyLayout.build(
+        world_size=2, max_tokens=8, hidden=64, topk=4, experts_per_rank=4,
+        row_bytes=heap_row_bytes(64, torch.bfloat16), comb_bytes=2,
+    )  # fmt: skip
+    return LowLatencyEngine(
+        rank=1, world_size=2, max_tokens=8, hidden=64, topk=4, num_tot_experts=8, weight_dtype=torch.float32,
+        heap_local=torch.zeros(lay.nbytes, dtype=torch.uint8), ptr_table=torch.zeros(2, dtype=torch.int64),
+        layout=lay, num_sm=3, timeout_s=1.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("interpret", [False, True], ids=["compiled", "interpreter"])
+def test_every_launch_and_warmup_asks_for_fp_fusion(monkeypatch, interpret):
+    """Every launch through Triton and every ahead-of-time compile (``use_aot``) of both engines passes
+    ``enable_fp_fusion=True`` (the kernels compile with fused multiply-add whatever Triton's default;
+    Triton 3.9 warns on a compile without it), and a launch gives a kernel the options of one of its
+    warmups in the same order (Triton's JIT cache keys the compiled kernel by them)."""
+    import ep_a2a.backends.triton.low_latency as ll_mod
+
+    monkeypatch.setattr(engine_mod, "interpreting", lambda: interpret)
+    monkeypatch.setattr(ll_mod, "interpreting", lambda: interpret)
+    monkeypatch.setattr(engine_mod, "_raw_stream", lambda index: 0)
+    kernels = [(K, name) for name in KERNELS] + [
+        (ll_mod, "_ll_dispatch_kernel"),
+        (ll_mod, "_ll_combine_kernel"),
+    ]
+    real = {name: getattr(mod, name) for mod, name in kernels}
+    log: list = []
+    launched: list = []
+    for mod, name in kernels:
+        monkeypatch.setattr(mod, name, _FakeKernel(real[name], log, launched))
+    for remote in (False, True):
+        eng = _engine(remote=remote, combine_maxnreg=128)
+        eng.pdl = True  # (off on a CPU: the row kernel's launch option as on sm_90)
+        for with_w, counts in ((True, False), (False, True)):
+            if not (remote and counts):
+                _one_call(eng, 6, 20, with_w=with_w, counts=counts, seed=1)
+    ll = _ll_engine()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 8, (5, 4), generator=gen, dtype=torch.int32)
+    d = ll.dispatch(
+        torch.randn(5, 64, generator=gen).to(torch.bfloat16), ids, torch.rand(5, 4, generator=gen)
+    )
+    ll.combine(torch.zeros(d.output.shape[0], 64, dtype=torch.bfloat16), d)
+    assert {name for name, _ in launched} == {name for _, name in kernels}
+    assert all(opts.get("enable_fp_fusion") is True for _, opts in launched), launched
+    if interpret:
+        assert ll.precompile() == 0  # (nothing to compile under the interpreter)
+        return
+    warmed: list = []
+    for mod, name in kernels:
+        monkeypatch.setattr(mod, name, _WarmupRecorder(real[name], [], warmed))
+    for remote in (False, True):
+        eng = _engine(remote=remote, combine_maxnreg=128)
+        eng.pdl = True
+        eng.precompile(dtypes=(torch.float32,), rewrite=True, mirror=True)
+    assert ll.precompile() > 0
+    assert {name for name, _ in warmed} == {name for _, name in kernels}
+    assert all(opts.get("enable_fp_fusion") is True for _, opts in warmed), warmed
+    options = lambda calls: {(name, tuple(opts.items())) for name, opts in calls}
+    assert options(launched) <= options(warmed)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -344,6 +344,10 @@ class EPTimeoutFromDevice(TimeoutError):
         self.peer = peer
 
 
+#: fused multiply-add as the kernels are tuned and tested, independent of Triton's default (off in 3.10)
+ENABLE_FP_FUSION = True
+
+
 @dataclass
 class KernelLaunch:
     """One launch of one kernel variant: what :meth:`TritonEPEngine._launch` runs and what the
@@ -378,10 +382,17 @@ class KernelLaunch:
 
     def options(self) -> dict:
         """Launch and compile options besides ``num_warps``."""
-        opts: dict = {"launch_pdl": True} if self.launch_pdl else {}
+        opts: dict = {"enable_fp_fusion": ENABLE_FP_FUSION}
+        if self.launch_pdl:
+            opts["launch_pdl"] = True
         if self.maxnreg:
             opts["maxnreg"] = self.maxnreg
         return opts
+
+    def launch_options(self) -> dict:
+        """Every option of the variant's launch and warmup: ``num_warps``, then :meth:`options` (one
+        order everywhere: Triton's JIT cache keys a compiled kernel by them as given)."""
+        return {"num_warps": self.num_warps, **self.options()}
 
 
 @dataclass
@@ -782,10 +793,9 @@ class TritonEPEngine:
             return
         named = spec.arguments()
         kernel, grid = spec.kernel, spec.grid
+        compiled = kernel[grid](**named, **spec.launch_options())
         if interpreting():
-            kernel[grid](**named, num_warps=spec.num_warps)
             return
-        compiled = kernel[grid](**named, num_warps=spec.num_warps, **spec.options())
         names = list(kernel.arg_names)
         var_idx = tuple(names.index(n) for n in spec.var_names)
         full = [named[n] for n in names]
@@ -1748,11 +1758,7 @@ class TritonEPEngine:
         compile_all(
             [
                 functools.partial(
-                    spec.kernel.warmup,
-                    **spec.arguments(),
-                    grid=spec.grid,
-                    num_warps=spec.num_warps,
-                    **spec.options(),
+                    spec.kernel.warmup, **spec.arguments(), grid=spec.grid, **spec.launch_options()
                 )
                 for spec in specs
             ],

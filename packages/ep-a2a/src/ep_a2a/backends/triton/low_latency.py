@@ -799,7 +799,7 @@ class LowLatencyEngine:
         compile_all(
             [
                 functools.partial(
-                    spec.kernel.warmup, grid=spec.grid, num_warps=spec.num_warps, **spec.arguments()
+                    spec.kernel.warmup, **spec.arguments(), grid=spec.grid, **spec.launch_options()
                 )
                 for spec in specs
             ],
