@@ -252,11 +252,6 @@ def main() -> None:
         help="of the dispatch variants only those with weights and no caller scatter",
     )
     ap.add_argument(
-        "--no-rewrite-mirror",
-        action="store_true",
-        help="leave out the row kernel's rewrite and mirror variants (the receive layout merged in or not only)",
-    )
-    ap.add_argument(
         "--check-tile-loops",
         action="store_true",
         help="exit 1 if a tile loop of the dispatch or combine kernel (an innermost loop with 16-byte global"
@@ -297,8 +292,7 @@ def main() -> None:
         if a.fp8
         else {}
     )
-    passes = not remote and not a.no_rewrite_mirror
-    variants = eng.variants(dtypes=(torch.float32,), rewrite=passes, mirror=passes, **fp8)
+    variants = eng.variants(dtypes=(torch.float32,), rewrite=not remote, mirror=not remote, **fp8)
     if a.quick:  # (dispatch and expand keys start with has_w, caller_scatter)
         variants = [
             v for v in variants if v.key[0] not in ("dispatch", "expand") or v.key[1:3] == (True, False)

@@ -1,8 +1,7 @@
 """The Triton kernel variants the backend may launch, compiled for sm_90 without a GPU
 (``tests/sm90_compile.py``), for the configurations the backend picks: every variant of the default
 decode-sized layer; for large layers at the default ``num_sm`` and at a whole H100/H200, 2 and 8 ranks,
-and remote peers, every kernel (of the row kernels' variants, those with weights; at 8 ranks without the
-rewrite and mirror passes, which 2 ranks cover).
+and remote peers, every kernel (of the row kernels' variants, those with weights).
 
 Also checked in the compiled code (the interpreter never runs it): no CTA barrier inside the tile loops
 of a large layer's dispatch and combine kernels (one would be paid per tile of every chunk), the
@@ -61,8 +60,7 @@ def _compiled(out: str) -> dict[str, int]:
         pytest.param(["--world", "2", "--tokens", "4096", "--num-sm", "132"], True, id="W2-T4096-SM132"),
         pytest.param(["--world", "2", "--tokens", "4096", "--num-sm", "20"], True, id="W2-T4096-SM20"),
         pytest.param(
-            # (rewrite and mirror are compiled at 2 ranks: at 8 each row-kernel variant takes minutes to compile)
-            ["--world", "8", "--tokens", "4096", "--num-sm", "132", "--split", "44", "--no-rewrite-mirror"],
+            ["--world", "8", "--tokens", "4096", "--num-sm", "132", "--split", "44"],
             True,
             id="W8-T4096-SM132-split",
         ),
@@ -80,7 +78,7 @@ def test_every_variant_compiles(args: list[str], tiled: bool) -> None:
     assert set(kinds) == want, out
     # the row kernel with and without the receive layout (and its rewrite / mirror variants); combine in
     # the row dtype, float32 and 1-wide rows
-    assert kinds["dispatch"] >= (1 if remote else 2 if "--no-rewrite-mirror" in args else 4)
+    assert kinds["dispatch"] >= (1 if remote else 4)
     assert kinds["combine"] == 3 * (2 if remote else 1)
     if (
         tiled and GPU_IMAGE_TRITON

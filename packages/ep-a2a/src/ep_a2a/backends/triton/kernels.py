@@ -72,6 +72,8 @@ SIG_CNT = tl.constexpr(0)  # counts of a dispatch arrived (value: dispatch epoch
 SIG_BACK = tl.constexpr(1)  # base rows of a dispatch arrived
 SIG_DATA = tl.constexpr(2)  # packed token records of a dispatch arrived
 SIG_COMB = tl.constexpr(3)  # packed combine rows arrived (value: combine epoch)
+# sources up to which the row kernel's receive step is unrolled (a loop beyond: see _dispatch_kernel)
+RECV_UNROLL_MAX = tl.constexpr(4)
 
 
 _EPOCH_SHIFT = 32
@@ -1100,6 +1102,52 @@ def _dispatch_recv_chunk(
                 xt = nxt
 
 
+@triton.jit
+def _dispatch_recv_source(
+    c, s, n_src_all, ss, half, ce_tokens, out_ptr, out_w_ptr, out_e_ptr, tab_ptr, offs_ptr, table_ptr,
+    state_ptr, rank, ep, max_tokens, nchunks, cap_rows, timeout, off_x, off_ids, off_pos, off_w, off_flag,
+    w_ty: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, H: tl.constexpr,
+    BH: tl.constexpr, CH: tl.constexpr, EVEN_H: tl.constexpr, HAS_W: tl.constexpr,
+    CALLER_SCATTER: tl.constexpr, USE_TIMER: tl.constexpr, WHOLE_ROW: tl.constexpr, REMOTE: tl.constexpr,
+    CE: tl.constexpr, TAIL: tl.constexpr,
+):  # fmt: skip
+    """The row kernel's receive step of chunk ``c`` from source ``s``: a remote source's slots marked
+    absent, a peer's rows written once its flag carries the epoch (``half`` >= 0 with ``TAIL``: that half
+    of the chunk), nothing for this rank's own rows."""
+    n_s = tl.sum(tl.where(ss == s, n_src_all, 0), 0)
+    if (REMOTE >> s) & 1:
+        # a remote source's slots: none here until _remote_expand_kernel fills them
+        if c * CH < n_s:
+            rt = c * CH + tl.arange(0, CH)
+            rk2 = tl.arange(0, KP)
+            rslot = (s * max_tokens + rt)[:, None].to(tl.int64) * K + rk2[None, :]
+            rm = (rt < n_s)[:, None] & (rk2[None, :] < K)
+            tl.store(tab_ptr + rslot, tl.full([CH, KP], -1, tl.int32), mask=rm)
+    elif (s != rank) & (c * CH < n_s):
+        if TAIL > 0:  # (no copy engine with the split)
+            if half >= 0:
+                _dispatch_recv_chunk(
+                    2 * c + half, c, s, n_s, out_ptr, out_w_ptr, out_e_ptr, tab_ptr, offs_ptr, table_ptr,
+                    state_ptr, rank, ep, max_tokens, nchunks, cap_rows, timeout, off_x, off_ids, off_pos,
+                    off_w, off_flag, w_ty, W, L, K, KP, H, BH, CH // 2, EVEN_H, HAS_W, CALLER_SCATTER,
+                    USE_TIMER, WHOLE_ROW,
+                )  # fmt: skip
+            else:
+                _dispatch_recv_chunk(
+                    c, c, s, n_s, out_ptr, out_w_ptr, out_e_ptr, tab_ptr, offs_ptr, table_ptr, state_ptr,
+                    rank, ep, max_tokens, nchunks, cap_rows, timeout, off_x, off_ids, off_pos, off_w,
+                    off_flag, w_ty, W, L, K, KP, H, BH, CH, EVEN_H, HAS_W, CALLER_SCATTER, USE_TIMER,
+                    WHOLE_ROW,
+                )  # fmt: skip
+        else:
+            _dispatch_recv_chunk(
+                c, (c * CH) // ce_tokens if CE else c, s, n_s, out_ptr, out_w_ptr, out_e_ptr, tab_ptr,
+                offs_ptr, table_ptr, state_ptr, rank, ep, max_tokens, nchunks, cap_rows, timeout, off_x,
+                off_ids, off_pos, off_w, off_flag, w_ty, W, L, K, KP, H, BH, CH, EVEN_H, HAS_W,
+                CALLER_SCATTER, USE_TIMER, WHOLE_ROW,
+            )  # fmt: skip
+
+
 @triton.jit(
     do_not_specialize=[
         "n_tokens",
@@ -1307,11 +1355,10 @@ def _dispatch_kernel(
         else:
             go = j < n_steps
         while go:
+            half = tl.full([], -1, tl.int32)  # TAIL: a tail item's half of its chunk (-1: the whole chunk)
             if STEAL:
                 cs = tl.full([], -1, tl.int32)
                 cw = tl.full([], -1, tl.int32)
-                if TAIL > 0:
-                    half = tl.full([], -1, tl.int32)  # a tail item's half of its chunk (-1: the whole chunk)
                 if mode == 0:  # (state[8]: STATE_STEAL_SEND, [9]: STATE_STEAL_WRITE)
                     cl = tl.atomic_add(state_ptr + 8, 1, sem="relaxed", scope="gpu").to(tl.int32)
                     cs = tl.where(cl < n_chunks_send, cl, -1)
@@ -1350,11 +1397,11 @@ def _dispatch_kernel(
                     if layout_known == 0:
                         if send_now:
                             _dispatch_send_chunk(
-                                cs, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr, out_e_ptr,
-                                tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
-                                cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
-                                EVEN_H, HAS_W, CALLER_SCATTER, True, False, pk_ptr, off_srec, REMOTE, RECX,
-                                RECI, ROWB, WHOLE_ROW, QH, BQ,
+                                cs, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr,
+                                out_e_ptr, tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens,
+                                nchunks, cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H,
+                                BH, CH, EVEN_H, HAS_W, CALLER_SCATTER, True, False, pk_ptr, off_srec, REMOTE,
+                                RECX, RECI, ROWB, WHOLE_ROW, QH, BQ,
                             )  # fmt: skip
                         n_src_all, n_chunks_recv, n_chunks = _await_receive_layout(
                             state_ptr, info_ptr, ss, rank, ep, timeout, n_chunks_send, W, CH, USE_TIMER
@@ -1363,11 +1410,11 @@ def _dispatch_kernel(
                         layout_known = tl.full([], 1, tl.int32)
                         if send_now:
                             _dispatch_send_chunk(
-                                cs, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr, out_e_ptr,
-                                tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks,
-                                cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH,
-                                EVEN_H, HAS_W, CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX,
-                                RECI, ROWB, WHOLE_ROW, QH, BQ,
+                                cs, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr,
+                                out_e_ptr, tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens,
+                                nchunks, cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP, H,
+                                BH, CH, EVEN_H, HAS_W, CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE,
+                                RECX, RECI, ROWB, WHOLE_ROW, QH, BQ,
                             )  # fmt: skip
                         send_now = send_now & (cs < 0)  # (sent)
                 if send_now:
@@ -1426,18 +1473,18 @@ def _dispatch_kernel(
                             if half >= 0:  # (half a chunk: a chunk of CH // 2 tokens)
                                 _dispatch_send_chunk(
                                     2 * cw + half, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr,
-                                    out_w_ptr, out_e_ptr, tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks, cap_rows, off_x,
-                                    off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH // 2, EVEN_H, HAS_W,
-                                    CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX, RECI, ROWB,
-                                    WHOLE_ROW, QH, BQ,
+                                    out_w_ptr, out_e_ptr, tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep,
+                                    max_tokens, nchunks, cap_rows, off_x, off_ids, off_pos, off_w, off_flag,
+                                    W, L, K, KP, H, BH, CH // 2, EVEN_H, HAS_W, CALLER_SCATTER, False, True,
+                                    pk_ptr, off_srec, REMOTE, RECX, RECI, ROWB, WHOLE_ROW, QH, BQ,
                                 )  # fmt: skip
                             else:
                                 _dispatch_send_chunk(
                                     cw, x_ptr, ids_ptr, id64, w_ptr, pos_ptr, n_tokens, out_ptr, out_w_ptr,
-                                    out_e_ptr, tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens, nchunks, cap_rows, off_x,
-                                    off_ids, off_pos, off_w, off_flag, W, L, K, KP, H, BH, CH, EVEN_H, HAS_W,
-                                    CALLER_SCATTER, False, True, pk_ptr, off_srec, REMOTE, RECX, RECI, ROWB,
-                                    WHOLE_ROW, QH, BQ,
+                                    out_e_ptr, tab_ptr, skip_ptr, offs_ptr, table_ptr, rank, ep, max_tokens,
+                                    nchunks, cap_rows, off_x, off_ids, off_pos, off_w, off_flag, W, L, K, KP,
+                                    H, BH, CH, EVEN_H, HAS_W, CALLER_SCATTER, False, True, pk_ptr, off_srec,
+                                    REMOTE, RECX, RECI, ROWB, WHOLE_ROW, QH, BQ,
                                 )  # fmt: skip
                     elif (cw >= 0) & (cw < n_chunks_send):
                         _dispatch_send_chunk(
@@ -1489,70 +1536,27 @@ def _dispatch_kernel(
                         )
                 c = cr
                 if (cw >= 0) & (c >= 0) & (c < n_chunks_recv):
-                    for s in tl.static_range(W):
-                        n_s = tl.sum(tl.where(ss == s, n_src_all, 0), 0)
-                        if (REMOTE >> s) & 1:
-                            # a remote source's slots: none here until _remote_expand_kernel fills them
-                            if c * CH < n_s:
-                                rt = c * CH + tl.arange(0, CH)
-                                rk2 = tl.arange(0, KP)
-                                rslot = (s * max_tokens + rt)[:, None].to(tl.int64) * K + rk2[None, :]
-                                rm = (rt < n_s)[:, None] & (rk2[None, :] < K)
-                                tl.store(tab_ptr + rslot, tl.full([CH, KP], -1, tl.int32), mask=rm)
-                        elif (s != rank) & (c * CH < n_s):
-                            if TAIL > 0:  # (no copy engine with the split)
-                                if half >= 0:
-                                    _dispatch_recv_chunk(
-                                        2 * c + half, c, s, n_s, out_ptr, out_w_ptr, out_e_ptr, tab_ptr, offs_ptr,
-                                        table_ptr, state_ptr, rank, ep, max_tokens, nchunks, cap_rows, timeout, off_x, off_ids, off_pos, off_w,
-                                        off_flag, w_ptr.dtype.element_ty, W, L, K, KP, H, BH, CH // 2, EVEN_H, HAS_W,
-                                        CALLER_SCATTER, USE_TIMER, WHOLE_ROW,
-                                    )  # fmt: skip
-                                else:
-                                    _dispatch_recv_chunk(
-                                        c, c, s, n_s, out_ptr, out_w_ptr, out_e_ptr, tab_ptr, offs_ptr, table_ptr,
-                                        state_ptr, rank, ep, max_tokens, nchunks, cap_rows, timeout, off_x, off_ids, off_pos, off_w,
-                                        off_flag, w_ptr.dtype.element_ty, W, L, K, KP, H, BH, CH, EVEN_H, HAS_W,
-                                        CALLER_SCATTER, USE_TIMER, WHOLE_ROW,
-                                    )  # fmt: skip
-                            else:
-                                _dispatch_recv_chunk(
-                                    c,
-                                    (c * CH) // ce_tokens if CE else c,
-                                    s,
-                                    n_s,
-                                    out_ptr,
-                                    out_w_ptr,
-                                    out_e_ptr,
-                                    tab_ptr,
-                                    offs_ptr,
-                                    table_ptr,
-                                    state_ptr,
-                                    rank,
-                                    ep,
-                                    max_tokens,
-                                    nchunks,
-                                    cap_rows,
-                                    timeout,
-                                    off_x,
-                                    off_ids,
-                                    off_pos,
-                                    off_w,
-                                    off_flag,
-                                    w_ptr.dtype.element_ty,
-                                    W,
-                                    L,
-                                    K,
-                                    KP,
-                                    H,
-                                    BH,
-                                    CH,
-                                    EVEN_H,
-                                    HAS_W,
-                                    CALLER_SCATTER,
-                                    USE_TIMER,
-                                    WHOLE_ROW,
-                                )
+                    # unrolled up to RECV_UNROLL_MAX sources, a loop beyond: the unrolled step's compile time
+                    # grows with the square of W (Triton's coalescing pass; minutes per variant at 8 ranks).
+                    # (Two loops: Triton picks a loop's kind from its iterator's name.)
+                    if W <= RECV_UNROLL_MAX:
+                        for s in tl.static_range(W):
+                            _dispatch_recv_source(
+                                c, s, n_src_all, ss, half, ce_tokens, out_ptr, out_w_ptr, out_e_ptr, tab_ptr,
+                                offs_ptr, table_ptr, state_ptr, rank, ep, max_tokens, nchunks, cap_rows,
+                                timeout, off_x, off_ids, off_pos, off_w, off_flag, w_ptr.dtype.element_ty, W,
+                                L, K, KP, H, BH, CH, EVEN_H, HAS_W, CALLER_SCATTER, USE_TIMER, WHOLE_ROW,
+                                REMOTE, CE, TAIL,
+                            )  # fmt: skip
+                    else:
+                        for s in range(W):
+                            _dispatch_recv_source(
+                                c, s, n_src_all, ss, half, ce_tokens, out_ptr, out_w_ptr, out_e_ptr, tab_ptr,
+                                offs_ptr, table_ptr, state_ptr, rank, ep, max_tokens, nchunks, cap_rows,
+                                timeout, off_x, off_ids, off_pos, off_w, off_flag, w_ptr.dtype.element_ty, W,
+                                L, K, KP, H, BH, CH, EVEN_H, HAS_W, CALLER_SCATTER, USE_TIMER, WHOLE_ROW,
+                                REMOTE, CE, TAIL,
+                            )  # fmt: skip
             j += 1
             if STEAL:
                 go = mode < 2
