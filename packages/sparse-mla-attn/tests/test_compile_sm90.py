@@ -44,8 +44,13 @@ def pretend_h200_host() -> None:
     gluon_sm90.gluon_usable = lambda t, *rows: gluon_sm90.HAVE_GLUON  # type: ignore[assignment]
 
 
+#: Scenario families (the part of a scenario's name before its first ``_``), compiled by separate tests.
+FAMILIES = ("fwd", "dec", "ad", "bwd", "indexer")
+
+
 def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int]]:
-    """Run the scenarios ``names`` with launches captured; compile each launch for sm_90."""
+    """Run the scenarios ``names`` (or every scenario of the families ``names``) with launches captured;
+    compile each launch for sm_90."""
     import torch
     import triton
     from triton.backends.compiler import BaseBackend, GPUTarget
@@ -230,7 +235,12 @@ def _capture_and_compile(names: list[str]) -> list[tuple[str, int, str, str, int
     }
     target = GPUTarget("cuda", 90, 32)
     results = []
-    for name in names or list(scenarios):
+    unknown = {n.split("_")[0] for n in scenarios} - set(FAMILIES)
+    assert not unknown, f"scenario families missing from FAMILIES: {unknown}"
+    picked = [n for n in scenarios if not names or n in names or n.split("_")[0] in names]
+    assert all(n in scenarios or n in FAMILIES for n in names), names
+    assert picked, names
+    for name in picked:
         captured.clear()
         scenarios[name]()
         assert captured, f"{name}: no kernel launch"
@@ -308,33 +318,64 @@ def _run(names: list[str]) -> str:
     return proc.stdout
 
 
+def _ptxas_major() -> int:
+    """Major CUDA version of the ptxas the installed Triton assembles sm_90 code with."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    out = subprocess.run([get_ptxas(90).path, "--version"], capture_output=True, text=True, check=True).stdout
+    return int(re.findall(r"release (\d+)\.", out)[-1])
+
+
+# Register spills allowed (bytes of spill stores + loads per launch): the fused deterministic backward
+# kernel above 128 heads always (a known limit); under the ptxas of CUDA 13 (Triton 3.9), a few spilled
+# values in the Gluon attn_dist consumers and the deterministic dkv kernel, which CUDA 12's ptxas keeps
+# in registers.
+SPILLS_ALLOWED = {("bwd_h256_det", "_main_kernel"): 10**9}
+SPILLS_ALLOWED_CUDA13 = {"_attn_dist_ws_kernel": 64, "_attn_dist_index_kernel": 64, "_dkv_ws_kernel": 32}
+
+
 @pytest.mark.timeout(1800)
-def test_every_kernel_launch_compiles_for_sm90() -> None:
-    out = _run([])
+@pytest.mark.parametrize(
+    ("families", "triton_kernels", "gluon_kernels"),
+    [
+        pytest.param(
+            ["fwd", "dec"],
+            {"_sparse_mla_fwd_kernel", "_split_combine_kernel", "_paged_rows_kernel"},
+            {"_sparse_mla_fwd_ws_kernel", "_sparse_mla_decode_fp8_kernel"},
+            id="forward-decode",
+        ),
+        pytest.param(
+            ["ad", "bwd", "indexer"],
+            {"_attn_dist_kernel", "_delta_kernel", "_main_kernel", "_dkv_kernel", "_dq_kernel",
+             "_det_reduce_kernel", "_logits_kernel", "_dqw_kernel", "_dk_kernel"},
+            {"_attn_dist_ws_kernel", "_dkv_ws_kernel", "_attn_dist_index_kernel", "_index_order_kernel"},
+            id="attn_dist-backward-indexer",
+        ),
+    ],
+)  # fmt: skip
+def test_every_kernel_launch_compiles_for_sm90(
+    families: list[str], triton_kernels: set[str], gluon_kernels: set[str]
+) -> None:
+    out = _run(families)
     lines = [ln.split() for ln in out.splitlines() if ln.strip()]
+    assert {ln[0].split("_")[0] for ln in lines} == set(families)
     kernels = {ln[2] for ln in lines}
-    # Every launch fits an H100 / H200 multiprocessor's shared memory (227 KB per block); the backward's
-    # kernels (the launches of the bwd_* scenarios) do not spill registers, except the fused
-    # deterministic kernel above 128 heads (bwd_h256_det's main kernel, a known limit).
+    # Every launch fits an H100 / H200 multiprocessor's shared memory (227 KB per block); the attn_dist and
+    # backward kernels (whose spills are measured) do not spill registers beyond SPILLS_ALLOWED.
     too_big = [ln for ln in lines if int(ln[4]) > 232448]
     assert not too_big, too_big
-    spilling = [ln for ln in lines if int(ln[5]) > 0 and ln[:3] != ["bwd_h256_det", "1", "_main_kernel"]]
+    cuda13 = SPILLS_ALLOWED_CUDA13 if _ptxas_major() >= 13 else {}
+    spilling = [
+        ln for ln in lines
+        if int(ln[5]) > max(SPILLS_ALLOWED.get((ln[0], ln[2]), 0), cuda13.get(ln[2], 0))
+    ]  # fmt: skip
     assert not spilling, spilling
-    triton_kernels = {
-        "_sparse_mla_fwd_kernel", "_split_combine_kernel", "_paged_rows_kernel", "_attn_dist_kernel",
-        "_delta_kernel", "_main_kernel", "_dkv_kernel", "_dq_kernel", "_det_reduce_kernel",
-        "_logits_kernel", "_dqw_kernel", "_dk_kernel",
-    }  # fmt: skip
     assert triton_kernels <= kernels, triton_kernels - kernels
     from sparse_mla_attn import gluon_supported
 
-    gluon_kernels = {
-        "_sparse_mla_fwd_ws_kernel", "_attn_dist_ws_kernel", "_sparse_mla_decode_fp8_kernel", "_dkv_ws_kernel",
-        "_attn_dist_index_kernel", "_index_order_kernel",
-    }  # fmt: skip
-    # Where the installed Triton's Gluon API is not the one the kernels are written for, the ops
-    # select the Triton kernels (no Gluon launch at all, nor the index-order attn_dist's Triton ordering
-    # kernel, which only that Gluon form uses).
+    # Where the installed Triton's Gluon API is not one the kernels are written for, the ops select the
+    # Triton kernels (no Gluon launch at all, nor the index-order attn_dist's Triton ordering kernel, which
+    # only that Gluon form uses).
     assert (gluon_kernels <= kernels) if gluon_supported() else not (gluon_kernels & kernels)
 
 

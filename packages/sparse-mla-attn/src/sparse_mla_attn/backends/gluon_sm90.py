@@ -28,10 +28,10 @@ FlashMLA's SM90 sparse kernels and of CUTLASS's ``cp.async`` warp-specialised ma
 the consumers write from registers (the query tile, P) is fenced before wgmma reads it.
 
 Gluon's API changes between Triton releases: these kernels are written for the releases in
-``GLUON_TRITON_VERSIONS``; with any other Triton (or none with Gluon) :func:`gluon_supported` is false and
-the ops run their Triton kernels. The Triton interpreter cannot execute Gluon, so the CPU tests exercise
-the Triton kernels (and compile these ahead of time for sm_90), and the GPU tests (``-m gpu``) compare
-them with the float32 references.
+``GLUON_TRITON_VERSIONS`` (the few names that moved between them are bound once below); with any other
+Triton (or none with Gluon) :func:`gluon_supported` is false and the ops run their Triton kernels. The
+Triton interpreter cannot execute Gluon, so the CPU tests exercise the Triton kernels (and compile these
+ahead of time for sm_90), and the GPU tests (``-m gpu``) compare them with the float32 references.
 """
 
 from typing import Any, TypeAlias
@@ -111,6 +111,11 @@ def use_gluon(backend: str, eligible: bool, what: str, t: torch.Tensor, *rows: t
 
 
 if HAVE_GLUON:
+    # A barrier of the program's threads: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` later.
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # cp.async of a pointer tensor into shared memory: ``async_load`` from Triton 3.8 on.
+    async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+
     # How the warp-specialised attn_dist's two consumer warpgroups share a token (``_ad_consumer``).
     AD_SPLIT_HEADS = gl.constexpr(0)
     AD_SPLIT_COLS = gl.constexpr(1)
@@ -149,9 +154,7 @@ if HAVE_GLUON:
         valid = (idx >= 0) & (idx < hi)
         row = gl.where(valid, idx, 0).to(gl.int64) * stride_kv_row
         cols = COL0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, ld_l))
-        cp.async_copy_global_to_shared(
-            k_buf, KV + row[:, None] + cols[None, :], mask=valid[:, None] & (cols[None, :] >= 0)
-        )
+        async_load(k_buf, KV + row[:, None] + cols[None, :], mask=valid[:, None] & (cols[None, :] >= 0))
 
     @gluon.jit
     def _issue_gather(
@@ -723,7 +726,7 @@ if HAVE_GLUON:
         D_HALF: gl.constexpr = out.shape[1]
         stage = smem.qn.index(0).slice(WG * D_HALF, D_HALF, dim=1)
         stage.store(out)
-        gl.thread_barrier()  # this warpgroup's writes, before its threads read other threads' rows
+        cta_barrier()  # this warpgroup's writes, before its threads read other threads' rows
         st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         vals = stage.load(st_l)
         offs_h = item.h0 + gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, st_l))
@@ -735,7 +738,7 @@ if HAVE_GLUON:
             mask=(offs_h < item.h_q)[:, None] & (offs_d[None, :] >= 0),
             eviction_policy="evict_first",
         )
-        gl.thread_barrier()  # read back by every thread before the tile is written again
+        cta_barrier()  # read back by every thread before the tile is written again
 
     def _aggregate_of_fields(cls: Any) -> Any:
         """``cls`` as a Gluon aggregate (a struct of values that jit functions take and pass on as one)
@@ -900,14 +903,14 @@ if HAVE_GLUON:
         h_ok = offs_h < h_q
         q_row = Q + pid_s.to(gl.int64) * stride_q_s + offs_h[:, None] * stride_q_h
         cols = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ld_l))
-        cp.async_copy_global_to_shared(
+        async_load(
             qn_smem.index(0).slice(32 * WG, 32, dim=0),
             q_row + cols[None, :],
             mask=h_ok[:, None] & (cols[None, :] >= 0),
         )
         if D_ROPE > 0:
             cols_r = D_NOPE + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_l))
-            cp.async_copy_global_to_shared(
+            async_load(
                 qr_smem.index(0).slice(32 * WG, 32, dim=0),
                 q_row + cols_r[None, :],
                 mask=h_ok[:, None] & (cols_r[None, :] >= 0),
@@ -1410,7 +1413,7 @@ if HAVE_GLUON:
             p = gl.exp2(s * sm_scale_log2 - lse2[:, None])
             red = red_smem.index(2 * WG + (j & 1))
             red.store(gl.sum(gl.reshape(p, [4, 16, N]), axis=1))
-            gl.thread_barrier()
+            cta_barrier()
             col = gl.sum(red.load(red_l), axis=0)
             valid = (t_idx >= 0) & (t_idx < hi)
             if SPLIT == AD_SPLIT_HEADS:
@@ -1610,7 +1613,7 @@ if HAVE_GLUON:
                 p = gl.exp2(s * sm_scale_log2 - lse2[:, None])
                 red = red_smem.index(2 * WG + (j & 1))
                 red.store(gl.sum(gl.reshape(p, [4, 16, BLOCK_T]), axis=1))
-                gl.thread_barrier()
+                cta_barrier()
                 col = gl.sum(red.load(red_l), axis=0)
                 if TOKENS == 2:
                     gl.store(out_row + pos, col, mask=offs_t < n_t)

@@ -25,6 +25,7 @@ from sparse_mla_attn.backends.gluon_sm90 import HAVE_GLUON
 
 if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
     from sparse_mla_attn.backends.gluon_sm90 import (
+        async_load,
         cp,
         fence_async_shared,
         gl,
@@ -76,8 +77,8 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
             t = t0 + w * 64 + cols
             m = h_ok[:, None] & (t < topk)[None, :]
             off = ws_base + (offs_h[:, None] * topk + t[None, :])
-            cp.async_copy_global_to_shared(ds_smem.index(w), DS + off, mask=m)
-            cp.async_copy_global_to_shared(p_smem.index(w), P + off, mask=m)
+            async_load(ds_smem.index(w), DS + off, mask=m)
+            async_load(p_smem.index(w), P + off, mask=m)
         cp.mbarrier_arrive(a_bar, increment_count=False)
         # The chunks' copies: 16-byte vectors, BLOCK_C // 8 threads per row.
         ldc_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BLOCK_C, BLOCK_C // 8], [4, 1], [1, 0])
@@ -90,13 +91,9 @@ if HAVE_GLUON:  # the Gluon modules and names as gluon_sm90 imported them
             slot = c % NUM_BUF
             mbarrier.wait(empty_bars.index(slot), ((c // NUM_BUF) & 1) ^ 1)
             ch = c * BLOCK_C + ccols
-            cp.async_copy_global_to_shared(
-                q_smem.index(slot), q_rows + ch[None, :], mask=hc_ok[:, None] & (ch >= 0)[None, :]
-            )
+            async_load(q_smem.index(slot), q_rows + ch[None, :], mask=hc_ok[:, None] & (ch >= 0)[None, :])
             # The rope channels' chunks get a zero dout (their P^T dout term vanishes).
-            cp.async_copy_global_to_shared(
-                do_smem.index(slot), do_rows + ch[None, :], mask=hc_ok[:, None] & (ch < D_V)[None, :]
-            )
+            async_load(do_smem.index(slot), do_rows + ch[None, :], mask=hc_ok[:, None] & (ch < D_V)[None, :])
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
 
     @gluon.jit

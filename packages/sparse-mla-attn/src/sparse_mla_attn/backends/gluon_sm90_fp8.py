@@ -43,8 +43,21 @@ if HAVE_GLUON:
         _load_q_rows,
         _online_softmax,
         _ws_wait_full,
+        async_load,
+        cta_barrier,
         opaque_zero,
     )
+
+    # ``shared_memory_descriptor._reinterpret`` is public (``reinterpret``) from Triton 3.9 on.
+    SMEM_REINTERPRET_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+    @gluon.jit
+    def _as_int64_tiles(kt, NUM_BUF: gl.constexpr, BLOCK_T: gl.constexpr, layout: gl.constexpr):
+        """The ring's bf16 tiles ``kt`` ``[NUM_BUF, BLOCK_T, 128]`` viewed as int64s (4 bf16 each)."""
+        if SMEM_REINTERPRET_PUBLIC:
+            return kt.reinterpret(gl.int64, [NUM_BUF, BLOCK_T, 32], layout)
+        else:
+            return kt._reinterpret(gl.int64, [NUM_BUF, BLOCK_T, 32], layout)
 
     @gluon.jit
     def _fp8_rows(idx, hi, kv_block_size: gl.constexpr, stride_kv_block, TOKEN_BYTES: gl.constexpr):
@@ -188,10 +201,10 @@ if HAVE_GLUON:
         KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
         # The slots' tiles as int64s (4 bf16 each, the bytes of the bf16 view).
         i64_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=64, rank=2)
-        k64_0 = kt0._reinterpret(gl.int64, [NUM_BUF, BLOCK_T, 32], i64_l)
-        k64_1 = kt1._reinterpret(gl.int64, [NUM_BUF, BLOCK_T, 32], i64_l)
-        k64_2 = kt2._reinterpret(gl.int64, [NUM_BUF, BLOCK_T, 32], i64_l)
-        k64_3 = kt3._reinterpret(gl.int64, [NUM_BUF, BLOCK_T, 32], i64_l)
+        k64_0 = _as_int64_tiles(kt0, NUM_BUF, BLOCK_T, i64_l)
+        k64_1 = _as_int64_tiles(kt1, NUM_BUF, BLOCK_T, i64_l)
+        k64_2 = _as_int64_tiles(kt2, NUM_BUF, BLOCK_T, i64_l)
+        k64_3 = _as_int64_tiles(kt3, NUM_BUF, BLOCK_T, i64_l)
         offs_t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, ld_l))
         cols = gl.arange(0, 32, layout=gl.SliceLayout(0, ld_l))
         cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
@@ -214,7 +227,7 @@ if HAVE_GLUON:
             mbarrier.wait(empty_bars.index(slot), ((b // NUM_BUF) & 1) ^ 1)
             row_r = gl.convert_layout(row_c, gl.SliceLayout(1, rope_l), assert_trivial=True)
             valid_r = gl.convert_layout(valid_c, gl.SliceLayout(1, rope_l), assert_trivial=True)
-            cp.async_copy_global_to_shared(
+            async_load(
                 kr_smem.index(slot),
                 KV16 + ((row_r + D_NOPE + 16) // 2)[:, None] + cols_r[None, :],
                 mask=valid_r[:, None] & (cols_r[None, :] >= 0),
@@ -236,7 +249,7 @@ if HAVE_GLUON:
             row_c, valid_c = row_n, valid_n
             # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
             fence_async_shared()
-            gl.thread_barrier()
+            cta_barrier()
             mbarrier.arrive(full_bars.index(slot))
 
     @gluon.jit
