@@ -17,6 +17,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 HERE = os.path.abspath(__file__)
 
 
@@ -124,11 +126,14 @@ def _check_cached_launches() -> int:
     return checked
 
 
-def _check_decode_replay() -> int:
+def _check_decode_replay(layout: str) -> int:
     """Eager decode calls on a GPU stream replay the launches of the plan's first call through cached
     kernels: straight to each compiled kernel's C launcher, with the same arguments as that call except
     that tensors are data pointers, the call's own tensors (inputs, outputs) its own and every other
-    tensor (scratch) the recorded one. Checked for the split kernel with each merge and for Gluon."""
+    tensor (scratch) the recorded one. Checked for the split kernel with each merge and for Gluon, with
+    the C launcher's arguments as Triton 3.6 orders them (``layout`` "3.6") or as later releases do
+    ("3.7": metadata before the scratch buffers, then the arguments' annotations, their signature and
+    the arguments as one tuple)."""
     import torch
     from triton.runtime.jit import JITFunction
 
@@ -166,12 +171,34 @@ def _check_decode_replay() -> int:
             )
             direct.append((self.name, (gx, gy, gz), stream, function, packed, args))
 
+    class CudaLauncherTuple(CudaLauncher):  # Triton 3.7 and later
+        arg_annotations = "annotations"
+        kernel_signature = "signature"
+
+        def launch(self, gx: int, gy: int, gz: int, stream: Any, function: Any, coop: Any, pdl: Any,  # type: ignore[override]
+                   packed: Any, meta: Any, enter: Any, leave: Any, gscratch: Any, pscratch: Any, annotations: Any,
+                   signature: Any, args: tuple[Any, ...]) -> None:  # fmt: skip
+            assert (coop, pdl, meta, enter, leave, gscratch, pscratch) == (
+                False,
+                False,
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
+            assert (annotations, signature) == ("annotations", "signature")
+            direct.append((self.name, (gx, gy, gz), stream, function, packed, args))
+
+    launcher_cls = {"3.6": CudaLauncher, "3.7": CudaLauncherTuple}[layout]
+    launcher_cls.__name__ = "CudaLauncher"
+
     class Compiled:
         packed_metadata = "packed"
         function = 1234
 
         def __init__(self, name: str) -> None:
-            self.run = CudaLauncher(name)
+            self.run = launcher_cls(name)
 
         def launch_metadata(self, *args: Any) -> None:
             return None
@@ -375,14 +402,15 @@ def test_cached_launch_passes_tritons_arguments() -> None:
     assert int(proc.stdout.split()[-1]) >= 10
 
 
-def test_eager_decode_replays_the_recorded_launches() -> None:
+@pytest.mark.parametrize("layout", ["3.6", "3.7"])
+def test_eager_decode_replays_the_recorded_launches(layout: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, HERE, "replay"], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, HERE, "replay", layout], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert int(proc.stdout.split()[-1]) >= 100
 
 
 if __name__ == "__main__":
-    print(_check_decode_replay() if sys.argv[1:] == ["replay"] else _check_cached_launches())
+    print(_check_decode_replay(sys.argv[2]) if sys.argv[1:2] == ["replay"] else _check_cached_launches())

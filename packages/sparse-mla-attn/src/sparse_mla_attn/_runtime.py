@@ -307,14 +307,25 @@ class LaunchReplay:
                     call_args.append(f"_c{k}_{i}")
             run, grid = kernel.run, ", ".join(str(int(g)) for g in grid3)
             consts[f"_f{k}"], consts[f"_m{k}"] = kernel.function, kernel.packed_metadata
-            # Triton's CUDA launcher object: its C function directly, when it allocates no scratch itself.
-            if (
+            # Triton's CUDA launcher object: its C function directly, when it allocates no scratch itself
+            # (and no sanitizer wraps the launch), in the argument order of the installed Triton.
+            direct = (
                 type(run).__name__ == "CudaLauncher"
                 and getattr(run, "global_scratch_size", 1) == 0
                 and getattr(run, "profile_scratch_size", 1) == 0
-            ):
+                and not getattr(run, "gsan_enabled", False)
+            )
+            if direct:
                 consts[f"_l{k}"] = run.launch
                 consts[f"_coop{k}"], consts[f"_pdl{k}"] = run.launch_cooperative_grid, run.launch_pdl
+            if direct and hasattr(run, "kernel_signature"):  # Triton 3.7 and later
+                consts[f"_a{k}"], consts[f"_s{k}"] = run.arg_annotations, run.kernel_signature
+                # (grid, stream, function, cooperative, PDL, metadata, no launch metadata or hooks, no scratch,
+                # the arguments' annotations and signature, the arguments as one tuple)
+                lines.append(f"    _l{k}({grid}, _stream, _f{k}, _coop{k}, _pdl{k}, _m{k}, None, None, None, None, "
+                             f"None, _a{k}, _s{k}, ({', '.join(call_args)},))")  # fmt: skip
+                continue
+            if direct:  # Triton 3.6
                 # (grid, stream, function, cooperative, PDL, no scratch, metadata, no launch metadata or hooks)
                 head = f"_l{k}({grid}, _stream, _f{k}, _coop{k}, _pdl{k}, None, None, _m{k}, None, None, None"
             else:
