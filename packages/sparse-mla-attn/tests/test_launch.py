@@ -160,15 +160,7 @@ def _check_decode_replay(layout: str) -> int:
         def launch(self, gx: int, gy: int, gz: int, stream: Any, function: Any, coop: Any, pdl: Any,
                    gscratch: Any, pscratch: Any, packed: Any, meta: Any, enter: Any, leave: Any,
                    *args: Any) -> None:  # fmt: skip
-            assert (coop, pdl, gscratch, pscratch, meta, enter, leave) == (
-                False,
-                False,
-                None,
-                None,
-                None,
-                None,
-                None,
-            )
+            assert (coop, pdl, gscratch, pscratch, meta, enter, leave) == (False, False, *[None] * 5)
             direct.append((self.name, (gx, gy, gz), stream, function, packed, args))
 
     class CudaLauncherTuple(CudaLauncher):  # Triton 3.7 and later
@@ -178,15 +170,7 @@ def _check_decode_replay(layout: str) -> int:
         def launch(self, gx: int, gy: int, gz: int, stream: Any, function: Any, coop: Any, pdl: Any,  # type: ignore[override]
                    packed: Any, meta: Any, enter: Any, leave: Any, gscratch: Any, pscratch: Any, annotations: Any,
                    signature: Any, args: tuple[Any, ...]) -> None:  # fmt: skip
-            assert (coop, pdl, meta, enter, leave, gscratch, pscratch) == (
-                False,
-                False,
-                None,
-                None,
-                None,
-                None,
-                None,
-            )
+            assert (coop, pdl, meta, enter, leave, gscratch, pscratch) == (False, False, *[None] * 5)
             assert (annotations, signature) == ("annotations", "signature")
             direct.append((self.name, (gx, gy, gz), stream, function, packed, args))
 
