@@ -50,7 +50,7 @@ from sparse_mla_attn._runtime import (
 from sparse_mla_attn._validate import SparseDims
 
 #: Triton releases (major, minor) whose Gluon API these kernels are written for and compiled against.
-GLUON_TRITON_VERSIONS = ((3, 6), (3, 8), (3, 9))
+GLUON_TRITON_VERSIONS = ((3, 6), (3, 7), (3, 8), (3, 9))
 
 
 def _triton_version() -> tuple[int, int]:
