@@ -315,23 +315,22 @@ class LaunchReplay:
                 and getattr(run, "profile_scratch_size", 1) == 0
                 and not getattr(run, "gsan_enabled", False)
             )
-            if direct:
+            args_list = ", ".join(call_args)
+            if not direct:
+                consts[f"_l{k}"] = run
+                call = f"_l{k}({grid}, _stream, _f{k}, _m{k}, None, None, None, {args_list})"
+            else:
                 consts[f"_l{k}"] = run.launch
                 consts[f"_coop{k}"], consts[f"_pdl{k}"] = run.launch_cooperative_grid, run.launch_pdl
-            if direct and hasattr(run, "kernel_signature"):  # Triton 3.7 and later
-                consts[f"_a{k}"], consts[f"_s{k}"] = run.arg_annotations, run.kernel_signature
-                # (grid, stream, function, cooperative, PDL, metadata, no launch metadata or hooks, no scratch,
-                # the arguments' annotations and signature, the arguments as one tuple)
-                lines.append(f"    _l{k}({grid}, _stream, _f{k}, _coop{k}, _pdl{k}, _m{k}, None, None, None, None, "
-                             f"None, _a{k}, _s{k}, ({', '.join(call_args)},))")  # fmt: skip
-                continue
-            if direct:  # Triton 3.6
-                # (grid, stream, function, cooperative, PDL, no scratch, metadata, no launch metadata or hooks)
-                head = f"_l{k}({grid}, _stream, _f{k}, _coop{k}, _pdl{k}, None, None, _m{k}, None, None, None"
-            else:
-                consts[f"_l{k}"] = run
-                head = f"_l{k}({grid}, _stream, _f{k}, _m{k}, None, None, None"
-            lines.append(f"    {head}, {', '.join(call_args)})")
+                head = f"_l{k}({grid}, _stream, _f{k}, _coop{k}, _pdl{k}"
+                if hasattr(run, "kernel_signature"):  # Triton 3.7 and later
+                    consts[f"_a{k}"], consts[f"_s{k}"] = run.arg_annotations, run.kernel_signature
+                    # (metadata, no launch metadata or hooks, no scratch, the arguments' annotations and
+                    # signature, the arguments as one tuple)
+                    call = f"{head}, _m{k}, None, None, None, None, None, _a{k}, _s{k}, ({args_list},))"
+                else:  # Triton 3.6: no scratch, metadata, no launch metadata or hooks, the arguments
+                    call = f"{head}, None, None, _m{k}, None, None, None, {args_list})"
+            lines.append(f"    {call}")
         if launch is not None:  # each replay is the op's latest launch (record_launch)
             consts["_launches"], consts["_name"], consts["_launch"] = _LAUNCHES, *launch
             lines.append("    _launches[_name] = _launch")
