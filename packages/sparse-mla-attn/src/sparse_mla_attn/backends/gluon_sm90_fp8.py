@@ -3,7 +3,7 @@
 The bf16 decode's pipeline (64 heads per program, blocks of 64 top-k rows in a ring of two bf16
 shared-memory slots, warp specialised) with a producer warpgroup that dequantizes
 (``_fp8_producer``): it loads each 128-channel tile of a block's latent bytes into registers (16-byte
-loads) two tiles before it dequantizes it (``_dequant_e4m3_pairs``: bit operations and bf16 products,
+loads) three tiles before it dequantizes it (``_dequant_e4m3_pairs``: bit operations and bf16 products,
 exact for power-of-two scales) into the block's slot, so the next tiles' loads are in flight while one is
 dequantized; the rope values go straight into the rope slot (``cp.async``) and the rows of the block
 after next are prefetched into L2. Each slot is four allocations of 128 channels: the compiler orders
@@ -187,7 +187,7 @@ if HAVE_GLUON:
         NUM_BUF: gl.constexpr,
     ):
         """Producer warpgroup of the FP8 decode: the latent bytes of a block arrive in four 128-channel tiles
-        (16-byte loads into registers, one scale each), each loaded two tiles before it is dequantized
+        (16-byte loads into registers, one scale each), each loaded three tiles before it is dequantized
         (``_dequant_e4m3_pairs``) and stored in bf16 into the block's slot of its tile allocation (``kt0``
         .. ``kt3``); the rope values go straight into the rope slot (``cp.async``), and the rows of block
         ``b + 2`` are prefetched into L2 (``_prefetch_lines``). ``full_bars[s]`` completes once per block:
@@ -216,6 +216,7 @@ if HAVE_GLUON:
         idx_n = gl.load(idx_row + nxt, mask=nxt < n_t, other=-1)
         x0, s0 = _fp8_tile(KV32, row_c, valid_c, cols, 0)
         x1, s1 = _fp8_tile(KV32, row_c, valid_c, cols, 1)
+        x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
         _prefetch_lines(KV8, idx_row, 1, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T)
         for b in range(n_blocks):
             slot = b % NUM_BUF
@@ -237,14 +238,14 @@ if HAVE_GLUON:
             cp.mbarrier_arrive(full_bars.index(slot), increment_count=False)
             # The rows of the block after next into L2, so their loads do not wait on HBM.
             _prefetch_lines(KV8, idx_row, b + 2, n_blocks, n_t, hi, kv_block_size, stride_kv_block, BLOCK_T)
-            # Each tile: the next gather issued, then this tile dequantized and stored.
-            x2, s2 = _fp8_tile(KV32, row_c, valid_c, cols, 2)
-            k64_0.index(slot).store(_dequant_tile(x0, s0))
+            # Each tile: the gather three tiles ahead issued, then this tile dequantized and stored.
             x3, s3 = _fp8_tile(KV32, row_c, valid_c, cols, 3)
-            k64_1.index(slot).store(_dequant_tile(x1, s1))
+            k64_0.index(slot).store(_dequant_tile(x0, s0))
             x0, s0 = _fp8_tile(KV32, row_n, valid_n, cols, 0)
-            k64_2.index(slot).store(_dequant_tile(x2, s2))
+            k64_1.index(slot).store(_dequant_tile(x1, s1))
             x1, s1 = _fp8_tile(KV32, row_n, valid_n, cols, 1)
+            k64_2.index(slot).store(_dequant_tile(x2, s2))
+            x2, s2 = _fp8_tile(KV32, row_n, valid_n, cols, 2)
             k64_3.index(slot).store(_dequant_tile(x3, s3))
             row_c, valid_c = row_n, valid_n
             # The bf16 tile (generic-proxy writes of 128 threads) is read next by wgmma: fence, meet, arrive.
