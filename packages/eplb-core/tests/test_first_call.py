@@ -25,6 +25,55 @@ SETTINGS = settings(
 )
 
 
+COLD = textwrap.dedent(
+    """
+    import time
+    import eplb_core as E
+    from eplb_core._numba import runner
+    from eplb_core._numba.solve import solve_layers
+
+    w = E.synthetic_loads(4, 64, num_groups=8, seed=0)
+    t0 = time.perf_counter()
+    first = E.rebalance_experts(w, 80, 8, 2, 16)
+    print("first", time.perf_counter() - t0, len(solve_layers.overloads))
+    assert runner.wait_compiled(timeout=600)
+    again = E.rebalance_experts(w, 80, 8, 2, 16)
+    print("compiled", len(solve_layers.overloads))
+    assert all(bool((a == b).all()) for a, b in zip(first, again))
+    """
+)
+
+
+# First in the file, so that pytest-xdist starts it at once: its own compile then runs beside the one
+# the other tests share (the compiled_planner fixture).
+def test_cold_then_warm_cache(tmp_path: Path) -> None:
+    """In a process with an empty compile cache the first call returns before anything is compiled and
+    says what happens on standard error; later calls use the compiled planner (the same plan). The
+    next process finds it in the disk cache and plans compiled from its first call, silently."""
+    src = str(Path(E.__file__).resolve().parents[1])
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": src}
+    run = subprocess.run(
+        [sys.executable, "-c", COLD], env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())
+    assert lines["first"].split()[1] == "0"  # nothing compiled when the first plan returned
+    assert lines["compiled"] == "1"
+    assert run.stderr.count("eplb-core: the compiled planner is not in this environment's cache") == 1
+    assert "python -m eplb_core.warmup" in run.stderr
+    warm = (
+        "import eplb_core as E\nfrom eplb_core._numba.solve import solve_layers\n"
+        "w = E.synthetic_loads(4, 64, num_groups=8, seed=0)\nE.rebalance_experts(w, 80, 8, 2, 16)\n"
+        "print(len(solve_layers.overloads))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", warm], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "1"
+    assert "not in this environment's cache" not in run.stderr
+
+
 def both_forms(fn: Any) -> tuple[Any, Any]:
     with runner.forced("compiled"):
         compiled = fn()
@@ -55,6 +104,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.usefixtures("compiled_planner")
 @pytest.mark.parametrize(("num_replicas", "num_groups", "num_nodes", "num_gpus"), CONFIGS)
 def test_forms_agree_on_every_mode(num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int) -> None:
     num_experts = 48
@@ -77,6 +127,7 @@ def test_forms_agree_on_every_mode(num_replicas: int, num_groups: int, num_nodes
             assert_same(*both_forms(lambda p=penalty, s=soft: E.plan(w, **kw, soft_locality=p, previous=s)))
 
 
+@pytest.mark.usefixtures("compiled_planner")
 def test_forms_agree_at_deepseek_v3_scale() -> None:
     """One layer of each benchmark configuration (256 experts, 8 groups)."""
     w = E.synthetic_loads(2, 256, num_groups=8, seed=0)
@@ -116,6 +167,7 @@ def problems(draw: st.DrawFn) -> tuple[torch.Tensor, dict[str, Any]]:
     return w, kw
 
 
+@pytest.mark.usefixtures("compiled_planner")
 @SETTINGS
 @given(problems(), st.sampled_from(["rebalance", "plan", "soft", "migration"]))
 def test_forms_agree_fuzz(problem: tuple[torch.Tensor, dict[str, Any]], mode: str) -> None:
@@ -130,50 +182,3 @@ def test_forms_agree_fuzz(problem: tuple[torch.Tensor, dict[str, Any]], mode: st
     else:
         old = E.plan(w.flip(1), **kw)
         assert_same(*both_forms(lambda: E.plan(w, **kw, previous=old)))
-
-
-COLD = textwrap.dedent(
-    """
-    import time
-    import eplb_core as E
-    from eplb_core._numba import runner
-    from eplb_core._numba.solve import solve_layers
-
-    w = E.synthetic_loads(4, 64, num_groups=8, seed=0)
-    t0 = time.perf_counter()
-    first = E.rebalance_experts(w, 80, 8, 2, 16)
-    print("first", time.perf_counter() - t0, len(solve_layers.overloads))
-    assert runner.wait_compiled(timeout=600)
-    again = E.rebalance_experts(w, 80, 8, 2, 16)
-    print("compiled", len(solve_layers.overloads))
-    assert all(bool((a == b).all()) for a, b in zip(first, again))
-    """
-)
-
-
-def test_cold_then_warm_cache(tmp_path: Path) -> None:
-    """In a process with an empty compile cache the first call returns before anything is compiled and
-    says what happens on standard error; later calls use the compiled planner (the same plan). The
-    next process finds it in the disk cache and plans compiled from its first call, silently."""
-    src = str(Path(E.__file__).resolve().parents[1])
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": src}
-    run = subprocess.run(
-        [sys.executable, "-c", COLD], env=env, capture_output=True, text=True, timeout=900, check=False
-    )
-    assert run.returncode == 0, run.stderr
-    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())
-    assert lines["first"].split()[1] == "0"  # nothing compiled when the first plan returned
-    assert lines["compiled"] == "1"
-    assert run.stderr.count("eplb-core: the compiled planner is not in this environment's cache") == 1
-    assert "python -m eplb_core.warmup" in run.stderr
-    warm = (
-        "import eplb_core as E\nfrom eplb_core._numba.solve import solve_layers\n"
-        "w = E.synthetic_loads(4, 64, num_groups=8, seed=0)\nE.rebalance_experts(w, 80, 8, 2, 16)\n"
-        "print(len(solve_layers.overloads))\n"
-    )
-    run = subprocess.run(
-        [sys.executable, "-c", warm], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "1"
-    assert "not in this environment's cache" not in run.stderr

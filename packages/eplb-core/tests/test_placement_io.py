@@ -182,6 +182,7 @@ def test_expected_load() -> None:
     p.validate()
 
 
+@pytest.mark.usefixtures("compiled_planner")
 def test_cli_plan_compare_and_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     assert cli.main(["plan", "--demo", "-o", str(out), "--sglang", str(tmp_path / "s.json")]) == 0
@@ -296,6 +297,7 @@ def test_public_namespace_is_the_api() -> None:
         assert getattr(E, name) is not None
 
 
+@pytest.mark.usefixtures("compiled_planner")
 def test_warmup_plans_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
     from eplb_core import warmup
 
