@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -539,18 +540,22 @@ def test_every_launch_asks_for_fp_fusion_cpu(
     merge = sys.modules["triton_masked_decode.merge"]
     launches: list[tuple[str, dict]] = []
 
-    def recorder(name: str):
-        def run(*args, grid, warmup, **kwargs):
-            launches.append((name, kwargs))
+    class Recorded:  # a kernel whose launches ``kernel[grid](...)`` are recorded (every Triton line launches so)
+        def __init__(self, name: str, kernel: Any) -> None:
+            self.name, self.kernel = name, kernel
 
-        return run
+        def __getitem__(self, grid: Any) -> Any:
+            return lambda *args, **kwargs: launches.append((self.name, kwargs))
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(self.kernel, attr)
 
     for module, name in (
         (md, "_masked_decode_split_kernel"),
         (md, "_merge_splits_kernel"),
         (merge, "_merge_two_kernel"),
     ):
-        monkeypatch.setattr(getattr(module, name), "run", recorder(name))
+        monkeypatch.setattr(module, name, Recorded(name, getattr(module, name)))
 
     class Tuned:  # stands in for the autotuner (built from the GPU driver), which forwards launch options
         def __getitem__(self, grid):
