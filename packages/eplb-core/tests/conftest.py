@@ -19,8 +19,5 @@ def compiled_planner(tmp_path_factory: pytest.TempPathFactory) -> None:
 
     lock_path = tmp_path_factory.getbasetemp().parent / "eplb-core-compiled-planner.lock"
     with lock_path.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            assert warmup.main() == 0
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        assert warmup.main() == 0
